@@ -1,0 +1,148 @@
+"""Wire format and block server of the tcp backend (one TCP connection per read).
+
+All integers big-endian (``struct``); no pickle::
+
+    reader -> holder  READ   "PDK1" n_blocks:u32 notify_len:u32, n_blocks x block_id:u32,
+                             notify bytes
+    holder -> reader  REPLY  status:u8 length:u64, then `length` bytes: the blocks in request
+                             order (OK) or a utf-8 reason (ERROR)
+    reader -> holder  ACK    "PDKA" once every byte has landed in the reader's blocks
+    holder -> reader  status:u8 (OK) after recording ``notify``; then both sides close
+
+The holder records ``notify`` only after the ACK, so a notification always means the reader
+has the data, as with NIXL.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import struct
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+READ_MAGIC = b"PDK1"
+ACK_MAGIC = b"PDKA"
+STATUS_OK = 0
+STATUS_ERROR = 1
+READ_HEADER = struct.Struct("!4sII")
+REPLY_HEADER = struct.Struct("!BQ")
+STATUS = struct.Struct("!B")
+MAX_NOTIFY_BYTES = 1 << 16  # notifications are request ids, not payloads
+
+
+class WireError(Exception):
+    """The connection broke or carried a malformed frame."""
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; raises WireError if the peer closes first."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise WireError(f"peer closed the connection after {got} of {len(view)} bytes")
+        got += n
+
+
+def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    """Read exactly ``nbytes`` from ``sock``."""
+    buf = bytearray(nbytes)
+    recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def encode_read(block_ids: Sequence[int], notify: bytes) -> bytes:
+    """The READ frame for ``block_ids`` with ``notify`` for the holder."""
+    return (READ_HEADER.pack(READ_MAGIC, len(block_ids), len(notify))
+            + struct.pack(f"!{len(block_ids)}I", *block_ids) + notify)
+
+
+def decode_read(sock: socket.socket) -> tuple[list[int], bytes]:
+    """Read one READ frame; returns (block ids, notify)."""
+    magic, n_blocks, notify_len = READ_HEADER.unpack(recv_exact(sock, READ_HEADER.size))
+    if magic != READ_MAGIC:
+        raise WireError(f"bad READ magic {magic!r}, expected {READ_MAGIC!r}")
+    if notify_len > MAX_NOTIFY_BYTES:
+        raise WireError(f"notify is {notify_len} bytes, limit {MAX_NOTIFY_BYTES}")
+    ids = list(struct.unpack(f"!{n_blocks}I", recv_exact(sock, 4 * n_blocks)))
+    return ids, recv_exact(sock, notify_len)
+
+
+def recv_reply_header(sock: socket.socket, expected_bytes: int) -> None:
+    """Read the REPLY header; raises WireError with the holder's reason unless it is OK."""
+    status, length = REPLY_HEADER.unpack(recv_exact(sock, REPLY_HEADER.size))
+    if status != STATUS_OK:
+        reason = recv_exact(sock, min(length, 4096)).decode("utf-8", "replace")
+        raise WireError(f"holder refused the read: {reason}")
+    if length != expected_bytes:
+        raise WireError(f"holder sends {length} bytes, expected {expected_bytes}")
+
+
+class BlockServer:
+    """Serves reads of ``blocks`` (a (num_blocks, block_bytes) uint8 view of the cache) and
+    hands each acknowledged read's notify to ``on_notify``. Runs on background threads."""
+
+    def __init__(self, host: str, port: int, blocks: torch.Tensor,
+                 on_notify: Callable[[bytes], None]):
+        self._blocks = blocks
+        # CPU caches are sent straight from their storage; CUDA blocks are gathered to host.
+        self._host = blocks.numpy() if blocks.device.type == "cpu" else None
+        self._on_notify = on_notify
+        server = self
+
+        class _Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                server._serve(self.request)
+
+        self._server = socketserver.ThreadingTCPServer((host, port), _Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name=f"kv-tcp-server-{port}", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on (the real port when 0 was asked for)."""
+        host, port = self._server.server_address[:2]
+        return f"{host}:{port}"
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            ids, notify = decode_read(sock)
+            num_blocks, block_bytes = self._blocks.shape
+            bad = [i for i in ids if i >= num_blocks]
+            if bad:
+                reason = f"block ids out of range [0, {num_blocks}): {bad[:8]}".encode()
+                sock.sendall(REPLY_HEADER.pack(STATUS_ERROR, len(reason)) + reason)
+                return
+            sock.sendall(REPLY_HEADER.pack(STATUS_OK, len(ids) * block_bytes))
+            self._send_blocks(sock, ids)
+            if recv_exact(sock, len(ACK_MAGIC)) != ACK_MAGIC:
+                raise WireError("bad ACK magic")
+            if notify:
+                self._on_notify(notify)
+            sock.sendall(STATUS.pack(STATUS_OK))
+        except (OSError, WireError, struct.error) as exc:
+            # The reader sees the broken connection and fails its read; nothing to undo here.
+            logger.info("tcp kv read aborted: %s", exc)
+
+    def _send_blocks(self, sock: socket.socket, ids: list[int]) -> None:
+        if self._host is not None:
+            for i in ids:
+                sock.sendall(memoryview(self._host[i]))
+            return
+        index = torch.tensor(ids, device=self._blocks.device)
+        sock.sendall(memoryview(self._blocks.index_select(0, index).cpu().numpy()))
+
+    def close(self) -> None:
+        """Stop accepting reads and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
