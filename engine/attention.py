@@ -1,0 +1,118 @@
+"""Paged attention: the per-step context object and the torch SDPA backend.
+
+Attention reads and writes the KV cache only through ``slot_mapping`` (where each new
+token's K/V goes) and ``block_tables`` (where each sequence's earlier K/V lives).
+A layer's cache is ``(num_blocks, block_size, num_kv_heads, head_dim)``, a strided view into
+the worker's single block-first cache tensor (see kv_cache.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionContext:
+    """Everything attention needs for one forward, built once per step by the model runner.
+
+    T = tokens in the step, B = sequences, M = max blocks per sequence.
+    """
+
+    is_decode: bool  # every sequence has exactly one new token
+    slot_block: torch.Tensor  # (T,) int64 block id of each new token's slot
+    slot_offset: torch.Tensor  # (T,) int64 offset inside that block
+    block_tables: torch.Tensor  # (B, M) int64, padded with block 0
+    query_lens: list[int]  # (B,) new tokens per sequence
+    context_lens: list[int]  # (B,) tokens in the cache after this step, new ones included
+    context_lens_t: torch.Tensor  # (B,) int32 on device, for kernels
+    cu_query_lens: torch.Tensor  # (B+1,) int32 prefix sums of query_lens
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, S) bool, decode only; None if all equal
+    max_context_len: int = 0
+    block_size: int = 16
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             ctx: AttentionContext) -> None:
+    """Store the new tokens' K/V (T, nkv, hd) in their slots."""
+    k_cache.index_put_((ctx.slot_block, ctx.slot_offset), k)
+    v_cache.index_put_((ctx.slot_block, ctx.slot_offset), v)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, M) block tables -> (B, length, nkv, hd) contiguous K or V."""
+    b, m = block_tables.shape
+    blocks = cache[block_tables]  # (B, M, bs, nkv, hd)
+    return blocks.view(b, m * cache.shape[1], *cache.shape[2:])[:, :length]
+
+
+class SdpaAttention:
+    """torch ``scaled_dot_product_attention`` over the paged cache (CPU and CUDA)."""
+
+    name = "sdpa"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.scale = head_dim ** -0.5
+        self.gqa = num_heads != num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """q (T, nh, hd), k/v (T, nkv, hd) -> (T, nh, hd). Writes k/v into the cache first."""
+        write_kv(k_cache, v_cache, k, v, ctx)
+        if ctx.is_decode:
+            return self._decode(q, k_cache, v_cache, ctx)
+        return self._prefill(q, k, v, k_cache, v_cache, ctx)
+
+    def _decode(self, q, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
+        # One query per sequence: gather every sequence's K/V padded to the longest and mask
+        # the padding, so the whole batch is one SDPA call.
+        s = ctx.max_context_len
+        k = gather_kv(k_cache, ctx.block_tables, s).transpose(1, 2)  # (B, nkv, S, hd)
+        v = gather_kv(v_cache, ctx.block_tables, s).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=ctx.decode_mask, scale=self.scale, enable_gqa=self.gqa
+        )  # (B, nh, 1, hd)
+        return out.squeeze(2)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
+        # Sequences differ in length, so each is its own SDPA call over its packed slice.
+        outs = []
+        start = 0
+        for i, (n, c) in enumerate(zip(ctx.query_lens, ctx.context_lens)):
+            qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
+            if c == n:  # no earlier context: attend to the fresh K/V causally
+                ki = k[start:start + n].transpose(0, 1).unsqueeze(0)
+                vi = v[start:start + n].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=self.scale,
+                                                   enable_gqa=self.gqa)
+            else:  # a later chunk, a prefix-cache hit, or a decode token in a mixed batch
+                table = ctx.block_tables[i:i + 1]
+                ki = gather_kv(k_cache, table, c).transpose(1, 2)  # (1, nkv, c, hd)
+                vi = gather_kv(v_cache, table, c).transpose(1, 2)
+                mask = None
+                if n > 1:
+                    q_pos = torch.arange(c - n, c, device=q.device).unsqueeze(1)
+                    mask = torch.arange(c, device=q.device).unsqueeze(0) <= q_pos  # (n, c)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=self.gqa)
+            outs.append(o.squeeze(0).transpose(0, 1))  # (n, nh, hd)
+            start += n
+        return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
+                   head_dim: int, block_size: int):
+    """``auto`` picks flash-attn on CUDA when the package imports, SDPA otherwise."""
+    if name not in ("auto", "sdpa", "flash"):
+        raise ValueError(f"attention_backend must be auto, sdpa or flash, got {name!r}")
+    if name == "sdpa":
+        return SdpaAttention(num_heads, num_kv_heads, head_dim)
+    from engine.attention_flash import FlashAttention, flash_available
+
+    if flash_available(device):
+        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size)
+    if name == "flash":
+        raise ValueError("attention_backend=flash needs CUDA and the flash-attn package (pip install '.[gpu]')")
+    return SdpaAttention(num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,36 @@
+"""Typed errors raised by the engine. Each names what was wrong and the limit it broke."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ModelLoadError(EngineError):
+    """A model could not be loaded: ``path`` names the file or directory, ``reason`` says why."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"cannot load model from {self.path}: {reason}")
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request field is out of range. ``field`` is its name, ``limit`` the bound it broke."""
+
+    def __init__(self, field: str, message: str, limit: object = None):
+        self.field = field
+        self.limit = limit
+        super().__init__(f"{field}: {message}")
+
+
+class CacheCapacityError(EngineError):
+    """A request can never fit in this worker's KV cache, however long it waits."""
+
+    def __init__(self, needed_blocks: int, total_blocks: int):
+        self.needed_blocks = needed_blocks
+        self.total_blocks = total_blocks
+        super().__init__(
+            f"request needs {needed_blocks} KV blocks but the cache holds only {total_blocks}"
+        )

@@ -1,0 +1,49 @@
+"""The worker's KV cache: one preallocated tensor, block-first.
+
+Layout ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``: every layer's K
+and V of one block sit in one contiguous region, so moving a block between workers is one
+descriptor (NIXL) instead of one per layer and per K/V. Attention sees each layer through a
+strided view ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
+        return cls(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def blocks_for_budget(self, budget_bytes: int) -> int:
+        return budget_bytes // self.block_bytes
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+
+def layer_views(cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer, each (num_blocks, block_size, num_kv_heads, head_dim)."""
+    return cache[:, layer, 0], cache[:, layer, 1]

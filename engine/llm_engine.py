@@ -1,0 +1,244 @@
+"""The engine: a model, its paged KV cache, a scheduler and a model runner.
+
+``step()`` is the whole loop body: schedule -> run -> postprocess. Requests enter with
+``add_request`` (token ids in; the serving layers tokenize) and leave through the outputs of
+``step`` or through ``abort``. Two entry points exist for disaggregation: a prefill-only
+request (``hold_kv=True``) stops after its first token and keeps its KV blocks until
+``release``; a prefilled request (``add_prefilled``) gets blocks for KV that another worker
+computed and joins the decode batch on ``kv_ready``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence as Seq
+
+import torch
+from tqdm import tqdm
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import CacheCapacityError, InvalidRequestError
+from engine.kv_cache import KVCacheSpec
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a diff, not the whole state)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class Completion:
+    """A finished request, as ``generate`` returns it."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, model_cfg: ModelConfig, config: EngineConfig,
+                 tokenizer: Tokenizer | None = None):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
+        self.cache_spec = KVCacheSpec.of(model_cfg, config.cache.block_size, self.dtype)
+        num_blocks = config.cache.num_blocks or self.cache_spec.blocks_for_budget(config.cache.memory_budget_bytes)
+        self.kv_cache = self.cache_spec.allocate(num_blocks, self.device)
+        self.blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
+        eos = model_cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and tokenizer.eos_token_id is not None else ())
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos))
+        self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._held: dict[str, Sequence] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> "LLMEngine":
+        """Load the model named in ``config`` (weights, tokenizer) and build the engine."""
+        from engine.loader import load_model
+
+        model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress)
+        return cls(model, model_cfg, config, Tokenizer(model_dir))
+
+    # ---- requests ------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` naming the field and the limit it breaks."""
+        params.validate(self.model_cfg.vocab_size)
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "must contain at least one token", 1)
+        vocab = self.model_cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"every id must be in [0, {vocab})", vocab)
+        if n >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"{n} tokens; the limit is {self.max_model_len - 1}",
+                                      self.max_model_len - 1)
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context length {self.max_model_len}", self.max_model_len - n)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer")
+        try:
+            self.blocks.check_fits(n + 1)
+        except CacheCapacityError as exc:
+            raise InvalidRequestError("prompt", str(exc), exc.total_blocks * self.blocks.block_size) from exc
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    hold_kv: bool = False) -> None:
+        """Queue a request. ``hold_kv``: prefill only, keep the KV for a transfer."""
+        if request_id in self._seqs or request_id in self._held:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
+        self.scheduler.add(seq)
+        self._track(seq)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
+                      params: SamplingParams) -> list[int]:
+        """Register a request whose prompt KV another worker computed; return the block ids
+        the KV must be written into. It decodes from ``first_token`` once ``kv_ready``."""
+        if request_id in self._seqs:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids) + [first_token], params,
+                       num_prompt_tokens=len(prompt_token_ids))
+        block_ids = self.scheduler.add_remote_prefilled(seq)
+        self._track(seq)
+        if request_id in self._detok:
+            self._detok[request_id].add(first_token)  # its text was streamed by the prefill side
+        return block_ids
+
+    def kv_ready(self, request_id: str) -> None:
+        self.scheduler.kv_ready(request_id)
+
+    def _track(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+        if self.tokenizer is not None:
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if it is unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return self.release(request_id)
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._forget(seq)
+        return True
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Block ids of a finished prefill-only request whose KV is still held."""
+        if request_id not in self._held:
+            raise KeyError(request_id)
+        return list(self.blocks.block_table(request_id))
+
+    def release(self, request_id: str) -> bool:
+        """Free the KV a prefill-only request held (after its transfer, abort or lease end)."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        self.blocks.free(request_id)
+        return True
+
+    # ---- the loop ------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def has_runnable(self) -> bool:
+        """True when a ``step`` would run something (sequences waiting for KV do not count)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        sampled = self.runner.run(out)
+        self.scheduler.update_from_output(out, sampled)
+        return self._postprocess(out)
+
+    def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
+        results = []
+        for item in out.seqs:
+            seq = item.seq
+            if not item.sample or seq.seq_id not in self._seqs:
+                continue
+            token = seq.token_ids[-1]
+            text = ""
+            detok = self._detok.get(seq.seq_id)
+            if detok is not None:
+                text, hit_stop = detok.add(token)
+                if hit_stop and not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                if seq.is_finished and not hit_stop:
+                    text += detok.flush()
+            results.append(RequestOutput(
+                seq.seq_id, [token], text, seq.output_logprobs[-1:] if seq.params.logprobs else [],
+                seq.is_finished, seq.finish_reason.value if seq.finish_reason else None,
+                seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+            ))
+            if seq.is_finished:
+                self._forget(seq)
+        return results
+
+    def _forget(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.seq_id, None)
+        self._detok.pop(seq.seq_id, None)
+        self.runner.sampler.forget(seq.seq_id)
+        if seq.hold_kv and seq.finish_reason is None:
+            self._held[seq.seq_id] = seq
+
+    # ---- convenience ---------------------------------------------------------------
+    def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                 progress: bool = False) -> list[Completion]:
+        """Run the given prompts to completion, batched; outputs in prompt order."""
+        prompts = list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        done = {f"gen-{i}": Completion(f"gen-{i}") for i in range(len(prompts))}
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            self.add_request(f"gen-{i}", p, sp)
+        bar = tqdm(total=len(prompts), desc="generate", disable=not progress)
+        pending = set(done)
+        while pending:
+            for o in self.step():
+                c = done.get(o.request_id)
+                if c is None:
+                    continue
+                c.token_ids += o.new_token_ids
+                c.text += o.new_text
+                c.logprobs += o.new_logprobs
+                if o.finished:
+                    c.finish_reason = o.finish_reason
+                    pending.discard(o.request_id)
+                    bar.update(1)
+        bar.close()
+        return [done[f"gen-{i}"] for i in range(len(prompts))]
+
+    # ---- observability -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)

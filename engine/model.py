@@ -1,0 +1,159 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over packed, variable-length tokens.
+
+Tokens of every sequence in a step are packed along one axis (T). The model does not know
+the KV cache exists: each attention layer is handed its cache slice (``bind_cache``) and
+the step's ``AttentionContext`` by the model runner. Projections are fused (q|k|v and
+gate|up) so a decode step issues fewer, larger matmuls; numerics follow ``transformers``
+op for op (RMSNorm in float32, RoPE tables in float32, logits cast to float32).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from engine.attention import AttentionContext
+from engine.config import ModelConfig
+from engine.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.backend = None  # set by the model runner
+        self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd), bound by the runner
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:
+        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.nh, self.hd)
+        k = k.view(t, self.nkv, self.hd)
+        v = v.view(t, self.nkv, self.hd)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx)  # (T, nh, hd)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                               cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions (T,) -> hidden states (T, hidden)."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, positions, ctx)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32, computed in the model dtype as transformers does."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> list[str]:
+        """Copy a ``transformers``-named state dict in, fusing q|k|v and gate|up.
+
+        Returns the names of parameters that received nothing (empty when complete); raises
+        ValueError on a shape mismatch naming the tensor.
+        """
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        for hf_name, tensor in weights.items():
+            target = _target_of(hf_name, self.cfg)
+            if target is None:
+                continue
+            name, offset = target
+            if name not in params:
+                continue
+            param = params[name]
+            dst = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
+            if dst.shape != tensor.shape:
+                raise ValueError(f"tensor {hf_name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            filled.add(name)
+        return [n for n in params if n not in filled]
+
+
+def _target_of(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
+    """Map a transformers parameter name to (our parameter, row offset into a fused one)."""
+    name = hf_name.removeprefix("model.")
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter),
+    }
+    for src, (dst, offset) in fused.items():
+        if f".{src}." in name:
+            return name.replace(src, dst), offset
+    if "rotary_emb" in name:
+        return None
+    return name, None

@@ -1,0 +1,58 @@
+"""Sampling parameters of one request, validated at the door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
+    filters. ``seed`` makes sampled output reproducible regardless of batch company.
+    ``logprobs`` returns the log-probability (under the model's raw distribution) of each
+    chosen token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ``InvalidRequestError`` naming the first field out of range."""
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}", 1)
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequestError("temperature", f"must be in [0, 100], got {self.temperature}", (0, 100))
+        if self.top_k < 0 and self.top_k != -1:
+            raise InvalidRequestError("top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}", -1)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}", (0, 1))
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}", (0, 1))
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}", (0, 10)
+            )
+        for tid in self.stop_token_ids:
+            if not 0 <= tid < vocab_size:
+                raise InvalidRequestError("stop_token_ids", f"{tid} is outside [0, {vocab_size})", vocab_size)
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop", "stop strings must be non-empty")
+        if len(self.stop) > 16:
+            raise InvalidRequestError("stop", f"at most 16 stop strings, got {len(self.stop)}", 16)

@@ -1,0 +1,200 @@
+"""Continuous-batching scheduler: which sequences run in the next forward, and how much.
+
+Policy (prefill first, as in nano-vllm): if waiting sequences fit, the next step prefills
+them, packing prompts of different lengths up to the token budget and chunking a prompt
+longer than what is left of the budget; otherwise every running sequence decodes one
+token. When a decoding sequence needs a block and none is free, the youngest running
+sequence is preempted: its blocks are freed and it goes back to the front of the waiting
+queue, to be recomputed (prefix-cache hits make that cheap) and resumed later.
+
+Pure Python; tests feed it hand-built outputs through ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens to run through the model this step
+    sample: bool  # whether this step produces the sequence's next token
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    is_prefill: bool
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """What the model runner gives back for one step: the next token of each sampled sequence."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, float] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Owns the waiting and running queues; the block manager owns the blocks."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.awaiting_kv: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.blocks.check_fits(seq.num_tokens + 1)
+        self.waiting.append(seq)
+
+    def add_remote_prefilled(self, seq: Sequence) -> list[int]:
+        """Allocate fresh blocks for a prompt whose KV another worker computed.
+
+        ``seq.token_ids`` is prompt + the first token. Returns the block ids to fill.
+        """
+        self.blocks.check_fits(seq.num_tokens + 1)
+        alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=False)
+        seq.status = SeqStatus.WAITING_FOR_KV
+        self.awaiting_kv[seq.seq_id] = seq
+        return list(alloc.block_ids)
+
+    def kv_ready(self, seq_id: str) -> None:
+        """The prompt's KV has landed: the sequence joins the decode batch."""
+        seq = self.awaiting_kv.pop(seq_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.awaiting_kv)
+
+    # ---- scheduling ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        prefill = self._schedule_prefill()
+        if prefill:
+            return SchedulerOutput(prefill, is_prefill=True)
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        while self.waiting and budget > 0 and len(self.running) + len(batch) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.has(seq.seq_id):
+                # Leave one block per running sequence so admitting this one does not
+                # force an immediate preemption.
+                if not self.blocks.can_allocate(seq.num_tokens, reserve=len(self.running)) and (
+                    self.running or batch
+                ):
+                    break
+                if not self.blocks.can_allocate(seq.num_tokens):
+                    break
+                alloc = self.blocks.allocate(seq.seq_id, seq.token_ids)
+                seq.num_computed_tokens = seq.num_cached_tokens = alloc.num_cached_tokens
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                if batch:
+                    break
+                budget = remaining  # chunking off: a lone over-budget prompt runs whole
+            n = min(remaining, budget)
+            batch.append(ScheduledSeq(seq, n, sample=(n == remaining)))
+            budget -= n
+            if n < remaining:
+                break  # a chunked prompt stays at the head of the queue for the next step
+            self.waiting.popleft()
+        return batch
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        preempted: list[str] = []
+        scheduled: list[Sequence] = []
+        queue = list(self.running)
+        while queue:
+            seq = queue.pop(0)
+            while not self.blocks.append_slots(seq.seq_id, seq.token_ids):
+                victim = max(queue, key=lambda s: s.arrival) if queue else seq
+                if victim is not seq:
+                    queue.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(seq)
+        self.running = scheduled
+        return SchedulerOutput([ScheduledSeq(s, 1, True) for s in scheduled], False, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- results -------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: SampledTokens) -> list[Sequence]:
+        """Advance every scheduled sequence; return those that finished this step."""
+        finished: list[Sequence] = []
+        for item in out.seqs:
+            seq = item.seq
+            if seq.is_finished:  # aborted while its step ran
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if not item.sample:
+                continue
+            token = sampled.token_ids[seq.seq_id]
+            seq.token_ids.append(token)
+            if seq.seq_id in sampled.logprobs:
+                seq.output_logprobs.append(sampled.logprobs[seq.seq_id])
+            if out.is_prefill:
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+            reason = self._stop_reason(seq, token)
+            if reason is not None or seq.hold_kv:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason | None) -> None:
+        """Take ``seq`` out of every queue and free its blocks.
+
+        A prefill-only sequence (``hold_kv``) that finishes with no reason (its generation
+        goes on elsewhere) keeps its blocks; its owner releases them after the transfer.
+        """
+        if seq.is_finished:
+            return
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.awaiting_kv.pop(seq.seq_id, None)
+        if not (seq.hold_kv and reason is None):
+            self.blocks.free(seq.seq_id)

@@ -1,0 +1,72 @@
+"""Shared builders for tests: a tiny random-weight Llama, engines, reference generations."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+
+TINY_LLAMA = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2,  # grouped-query attention: 2 q heads per kv head
+    max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)
+
+
+def make_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
+    """A random-weight transformers model. Weights are scaled up from the usual init so the
+    next-token distribution is peaked: with near-uniform logits a 1e-6 rounding difference
+    could flip a greedy choice and make equality tests flaky for the wrong reason."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = {**TINY_LLAMA, "initializer_range": 0.15, **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def save_hf_model(model, directory: Path) -> Path:
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+def engine_config(model_dir: Path | str, dtype: str = "float32", num_blocks: int | None = 256,
+                  block_size: int = 16, **scheduler) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir), dtype=dtype, device="cpu", attention_backend="sdpa",
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(**scheduler) if scheduler else SchedulerConfig(),
+    )
+
+
+def make_engine(model_dir: Path | str, tokenizer=None, **kwargs) -> LLMEngine:
+    config = engine_config(model_dir, **kwargs)
+    model, model_cfg, _ = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)
+    return LLMEngine(model, model_cfg, config, tokenizer)
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """transformers' own greedy generate: the correctness oracle."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=eos_token_id, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def replace(config, **changes):
+    return dataclasses.replace(config, **changes)
