@@ -74,7 +74,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
         self._seqs: dict[str, _SeqBlocks] = {}
-        self.prefix_queries = 0  # full prompt blocks looked up in the prefix cache
+        self.prefix_queries = 0  # full prompt blocks eligible for the prefix cache
         self.prefix_hits = 0  # of those, found
 
     # ---- queries -------------------------------------------------------------------
@@ -141,10 +141,10 @@ class BlockManager:
             num_full -= 1  # keep the last block uncached so the last token gets computed
         hits: list[tuple[int, bytes]] = []
         prev = NO_HASH
+        self.prefix_queries += max(num_full, 0)  # every eligible block counts, hit or not
         for i in range(max(num_full, 0)):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(prev, chunk)
-            self.prefix_queries += 1
             block_id = self._by_hash.get(h)
             if block_id is None or self._blocks[block_id].token_ids != chunk:
                 break

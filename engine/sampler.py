@@ -96,7 +96,7 @@ def _filter(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     # Drop a token when the tokens before it already cover top_p; the first always stays.
     remove |= (sorted_probs.cumsum(-1) - sorted_probs) > p.unsqueeze(1)
     m = torch.tensor(min_p, device=dev)
-    remove |= sorted_probs < (m * sorted_probs[:, :1])
+    remove |= sorted_probs < (m.unsqueeze(1) * sorted_probs[:, :1])
     remove[:, 0] = False
     filtered = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, filtered)

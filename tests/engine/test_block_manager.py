@@ -1,0 +1,133 @@
+"""Block accounting, prefix hashing and reuse: the block manager alone, no torch."""
+
+import random
+
+import pytest
+
+from engine.block_manager import NO_HASH, BlockManager, chain_hash
+from engine.errors import CacheCapacityError
+
+
+def test_allocate_and_free_returns_every_block():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_cache=False)
+    a = bm.allocate("a", list(range(9)))  # 9 tokens -> 3 blocks
+    assert len(a.block_ids) == 3 and a.num_cached_tokens == 0
+    assert bm.num_free_blocks == 7
+    bm.free("a")
+    assert bm.num_free_blocks == 10
+
+
+def test_append_slots_grows_only_at_block_boundaries():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_cache=False)
+    toks = list(range(4))
+    bm.allocate("a", toks)
+    assert len(bm.block_table("a")) == 1
+    toks.append(4)
+    assert bm.append_slots("a", toks)
+    assert len(bm.block_table("a")) == 2
+    toks.extend([5, 6, 7])
+    assert bm.append_slots("a", toks)
+    assert len(bm.block_table("a")) == 2
+
+
+def test_append_slots_reports_exhaustion_without_changing_state():
+    bm = BlockManager(num_blocks=2, block_size=2, enable_prefix_cache=False)
+    bm.allocate("a", [1, 2, 3])
+    table = list(bm.block_table("a"))
+    assert not bm.append_slots("a", [1, 2, 3, 4, 5])
+    assert bm.block_table("a") == table and bm.num_free_blocks == 0
+
+
+def test_allocation_beyond_capacity_raises_with_numbers():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    with pytest.raises(CacheCapacityError) as err:
+        bm.check_fits(9)
+    assert err.value.needed_blocks == 3 and err.value.total_blocks == 2
+
+
+def test_chain_hash_depends_on_prefix_and_is_stable():
+    h1 = chain_hash(NO_HASH, [1, 2, 3])
+    assert h1 == chain_hash(NO_HASH, [1, 2, 3])
+    assert chain_hash(h1, [4, 5, 6]) != chain_hash(NO_HASH, [4, 5, 6])
+
+
+def test_prefix_cache_reuses_full_blocks_of_a_shared_prompt():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
+    a = bm.allocate("a", prompt)
+    b = bm.allocate("b", prompt[:8] + [7, 7, 7])
+    assert b.num_cached_tokens == 8
+    assert b.block_ids[:2] == a.block_ids[:2]
+    assert b.block_ids[2] != a.block_ids[2]
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 16
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(8))  # exactly 2 blocks
+    bm.allocate("a", prompt)
+    bm.free("a")
+    again = bm.allocate("b", prompt)
+    assert again.num_cached_tokens == 4  # the last block is recomputed, never shared-and-written
+
+
+def test_freed_blocks_keep_their_hash_until_reused():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    bm.allocate("a", [1, 2, 3, 4, 5])
+    bm.free("a")
+    assert bm.allocate("b", [1, 2, 3, 4, 9]).num_cached_tokens == 4
+    bm.free("b")
+    bm.allocate("c", [7, 7, 7, 7, 7, 7])  # takes every block, evicting the cached ones
+    bm.free("c")
+    assert bm.allocate("d", [1, 2, 3, 4, 9]).num_cached_tokens == 0
+
+
+def test_hit_and_query_counters():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.allocate("a", [1, 2, 3, 4, 5])
+    bm.allocate("b", [1, 2, 3, 4, 6])
+    assert bm.prefix_queries == 4 and bm.prefix_hits == 2
+
+
+def test_register_computed_hashes_blocks_filled_during_decode():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    toks = [1, 2, 3]
+    bm.allocate("a", toks)
+    toks.append(4)
+    bm.append_slots("a", toks)
+    bm.register_computed("a", toks, 4)
+    bm.free("a")
+    assert bm.allocate("b", [1, 2, 3, 4, 5]).num_cached_tokens == 4
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_workload_never_leaks_or_double_frees(seed):
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=32, block_size=4)
+    live: dict[str, list[int]] = {}
+    for step in range(400):
+        op = rng.random()
+        if op < 0.4 and len(live) < 8:
+            sid = f"s{step}"
+            toks = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+            if bm.can_allocate(len(toks)):
+                bm.allocate(sid, toks)
+                live[sid] = toks
+        elif op < 0.8 and live:
+            sid = rng.choice(list(live))
+            live[sid].append(rng.randrange(4))
+            if bm.append_slots(sid, live[sid]):
+                bm.register_computed(sid, live[sid], len(live[sid]) - 1)
+            else:
+                live[sid].pop()
+        elif live:
+            sid = rng.choice(list(live))
+            del live[sid]
+            bm.free(sid)
+        referenced = {b for sid in live for b in bm.block_table(sid)}
+        assert len(referenced) + bm.num_free_blocks == 32
+    for sid in list(live):
+        bm.free(sid)
+    assert bm.num_free_blocks == 32
