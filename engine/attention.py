@@ -29,7 +29,11 @@ class AttentionContext:
     context_lens: list[int]  # (B,) tokens in the cache after this step, new ones included
     context_lens_t: torch.Tensor  # (B,) int32 on device, for kernels
     cu_query_lens: torch.Tensor  # (B+1,) int32 prefix sums of query_lens
-    decode_mask: torch.Tensor | None = None  # (B, 1, 1, S) bool, decode only; None if all equal
+    # Decode only: sequences grouped by context length, as (row indices (G,), block tables
+    # (G, ceil(len/bs)), len). Each group is one unpadded, unmasked attention call, so a
+    # sequence's result never depends on its batch company (padding + masking changes the
+    # reduction order of the CPU kernels, enough to flip a bfloat16 argmax).
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
     max_context_len: int = 0
     block_size: int = 16
 
@@ -44,7 +48,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """(B, M) block tables -> (B, length, nkv, hd) contiguous K or V."""
     b, m = block_tables.shape
-    blocks = cache[block_tables]  # (B, M, bs, nkv, hd)
+    blocks = cache.index_select(0, block_tables.flatten())  # (B*M, bs, nkv, hd), contiguous
     return blocks.view(b, m * cache.shape[1], *cache.shape[2:])[:, :length]
 
 
@@ -66,15 +70,19 @@ class SdpaAttention:
         return self._prefill(q, k, v, k_cache, v_cache, ctx)
 
     def _decode(self, q, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
-        # One query per sequence: gather every sequence's K/V padded to the longest and mask
-        # the padding, so the whole batch is one SDPA call.
-        s = ctx.max_context_len
-        k = gather_kv(k_cache, ctx.block_tables, s).transpose(1, 2)  # (B, nkv, S, hd)
-        v = gather_kv(v_cache, ctx.block_tables, s).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=ctx.decode_mask, scale=self.scale, enable_gqa=self.gqa
-        )  # (B, nh, 1, hd)
+        q = q.unsqueeze(2)  # (B, nh, 1, hd)
+        if len(ctx.decode_groups) == 1:
+            return self._decode_group(q, k_cache, v_cache, *ctx.decode_groups[0][1:])
+        out = torch.empty_like(q)
+        for rows, tables, length in ctx.decode_groups:
+            out[rows] = self._decode_group(q[rows], k_cache, v_cache, tables, length).unsqueeze(2)
         return out.squeeze(2)
+
+    def _decode_group(self, q, k_cache, v_cache, tables: torch.Tensor, length: int) -> torch.Tensor:
+        k = gather_kv(k_cache, tables, length).transpose(1, 2)  # (G, nkv, S, hd)
+        v = gather_kv(v_cache, tables, length).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=self.gqa)
+        return out.squeeze(2)  # (G, nh, hd)
 
     def _prefill(self, q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
         # Sequences differ in length, so each is its own SDPA call over its packed slice.

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionContext
 from engine.config import ModelConfig
-from engine.rope import RotaryEmbedding
+from engine.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -34,13 +34,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rotary = rotary
         self.backend = None  # set by the model runner
         self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd), bound by the runner
         self.v_cache: torch.Tensor | None = None
@@ -48,13 +47,13 @@ class Attention(nn.Module):
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.nh, self.hd)
         k = k.view(t, self.nkv, self.hd)
         v = v.view(t, self.nkv, self.hd)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx)  # (T, nh, hd)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -72,15 +71,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, ctx)
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -90,18 +89,18 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                               cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, positions, ctx)
+            h = layer(h, rope, ctx)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -89,12 +89,20 @@ class ModelRunner:
             max_context_len=max_ctx,
             block_size=bs,
         )
-        if ctx.is_decode and min(context_lens) != max_ctx:
-            lens = ctx.context_lens_t.view(-1, 1, 1, 1)
-            ctx.decode_mask = torch.arange(max_ctx, device=dev).view(1, 1, 1, -1) < lens  # (B, 1, 1, S)
+        if ctx.is_decode:
+            ctx.decode_groups = self._decode_groups(tables, context_lens)
         return (torch.tensor(tokens, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), ctx,
                 torch.tensor(sample_idx, dtype=torch.long, device=dev))
+
+    def _decode_groups(self, tables: list[list[int]], context_lens: list[int]):
+        rows_by_len: dict[int, list[int]] = {}
+        for i, c in enumerate(context_lens):
+            rows_by_len.setdefault(c, []).append(i)
+        dev = self.device
+        return [(torch.tensor(rows, device=dev),
+                 torch.tensor([tables[i] for i in rows], dtype=torch.long, device=dev), c)
+                for c, rows in rows_by_len.items()]
 
 
 def _cumsum(xs: list[int]) -> list[int]:

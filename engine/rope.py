@@ -34,7 +34,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] 
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE to packed queries and keys given each token's absolute position."""
+    """Holds the RoPE tables; ``tables`` looks up the rows for a step's positions."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Mapping[str, Any] | None = None):
@@ -54,13 +54,16 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions (T,), q (T, nh, hd), k (T, nkv, hd)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for each position, (T, 1, hd) in ``dtype``: looked up once per forward."""
         if self.cos is None or self.cos.device != positions.device:
             self.refresh(positions.device)
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (T, 1, hd)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q (T, nh, hd), k (T, nkv, hd), cos/sin (T, 1, hd) -> rotated q, k."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,196 @@
+"""Engine benchmark: decode step time and prefill throughput against transformers, and the
+memory-bandwidth floor of a batch-1 decode step, all measured in one run on this machine.
+
+    .venv/bin/python benchmarks/engine.py                      # both dtypes, batches 1 8 16 32
+    .venv/bin/python benchmarks/engine.py --dtypes float32 --batches 1 8
+
+Decode: B requests with random 256-token prompts are prefilled, then ``--steps`` decode
+steps are timed (ms per step; tokens/s = B / step time). The baseline is
+``transformers`` ``generate`` on the same weights and dtype: (time to generate 1 + steps
+tokens - time to generate 1 token) / steps. Prefill: one 512-token prompt, best of 3.
+The floor is the bytes of weights a decode step must read divided by a measured memory read
+bandwidth (a large tensor sum). Writes JSON to .bench/engine.json and a plot beside
+BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.loader import materialize  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Best-of-N read bandwidth of a tensor much larger than any cache."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def ours_decode_ms(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
+    vocab = engine.model_cfg.vocab_size
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    for i, p in enumerate(random_prompts(batch, prompt_len, vocab, seed=batch)):
+        engine.add_request(f"d{batch}-{i}", p, params)
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - t
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed / steps * 1e3
+
+
+def ours_prefill_tps(engine: LLMEngine, length: int, repeats: int = 3) -> float:
+    best = float("inf")
+    for r in range(repeats):
+        prompt = random_prompts(1, length, engine.model_cfg.vocab_size, seed=1000 + r)[0]
+        engine.add_request(f"p{length}-{r}", prompt, SamplingParams(max_tokens=1))
+        t = time.perf_counter()
+        engine.step()
+        best = min(best, time.perf_counter() - t)
+    return length / best
+
+
+def hf_generate_s(model, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts)
+    t = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - t
+
+
+def hf_decode_ms(model, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+    prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
+    hf_generate_s(model, prompts, 2)  # warm-up
+    one = min(hf_generate_s(model, prompts, 1) for _ in range(2))
+    many = hf_generate_s(model, prompts, 1 + steps)
+    return (many - one) / steps * 1e3
+
+
+def hf_prefill_tps(model, length: int, vocab: int, repeats: int = 3) -> float:
+    best = min(hf_generate_s(model, random_prompts(1, length, vocab, seed=1000 + r), 1) for r in range(repeats))
+    return length / best
+
+
+def bench_dtype(dtype: str, batches: list[int], prompt_len: int, steps: int, prefill_len: int,
+                bandwidth: float, bar: tqdm) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine.from_config(EngineConfig(
+        dtype=dtype, cache=CacheConfig(memory_budget_bytes=4 << 30, enable_prefix_cache=False),
+        scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192)), progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(materialize("default")), dtype=getattr(torch, dtype)).eval()
+    vocab = engine.model_cfg.vocab_size
+    wbytes = weight_bytes(engine.runner.model)
+    row = {"dtype": dtype, "weight_bytes": wbytes, "floor_ms": wbytes / (bandwidth * 1e9) * 1e3, "decode": {}}
+    for b in batches:
+        bar.set_postfix_str(f"{dtype} decode b={b}")
+        ours = ours_decode_ms(engine, b, prompt_len, steps)
+        base = hf_decode_ms(hf, b, prompt_len, steps, vocab)
+        row["decode"][b] = {"ours_ms": ours, "hf_ms": base, "ours_tps": b / ours * 1e3, "hf_tps": b / base * 1e3}
+        bar.update(1)
+    bar.set_postfix_str(f"{dtype} prefill")
+    row["prefill"] = {"ours_tps": ours_prefill_tps(engine, prefill_len),
+                      "hf_tps": hf_prefill_tps(hf, prefill_len, vocab)}
+    bar.update(1)
+    return row
+
+
+def report(rows: list[dict], bandwidth: float, args) -> str:
+    lines = [f"read bandwidth: {bandwidth:.1f} GB/s; prompts {args.prompt_len} tokens; {args.steps} timed steps",
+             "", "| dtype | batch | ours ms/step | transformers ms/step | ours tok/s | transformers tok/s | speed-up |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for b, d in r["decode"].items():
+            lines.append(f"| {r['dtype']} | {b} | {d['ours_ms']:.1f} | {d['hf_ms']:.1f} | {d['ours_tps']:.0f} | "
+                         f"{d['hf_tps']:.0f} | {d['hf_ms'] / d['ours_ms']:.2f}x |")
+    lines += ["", "| dtype | weights MB | floor ms (batch 1) | ours batch-1 ms | ours / floor | "
+              f"prefill {args.prefill_len} tok/s ours | transformers | ratio |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b1 = r["decode"].get(1, {}).get("ours_ms", float("nan"))
+        p = r["prefill"]
+        lines.append(f"| {r['dtype']} | {r['weight_bytes'] / 1e6:.0f} | {r['floor_ms']:.1f} | {b1:.1f} | "
+                     f"{b1 / r['floor_ms']:.2f}x | {p['ours_tps']:.0f} | {p['hf_tps']:.0f} | "
+                     f"{p['ours_tps'] / p['hf_tps']:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        bs = list(r["decode"])
+        ax.plot(bs, [r["decode"][b]["ours_tps"] for b in bs], "o-", label=f"pdserve {r['dtype']}")
+        ax.plot(bs, [r["decode"][b]["hf_tps"] for b in bs], "s--", label=f"transformers {r['dtype']}")
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Decode throughput, SmolLM2-135M, 2 CPU cores")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--out", type=Path, default=ROOT / ".bench" / "engine.json")
+    ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks_engine.png")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bandwidth = read_bandwidth_gbs()
+    with tqdm(total=len(args.dtypes) * (len(args.batches) + 1), desc="engine benchmark") as bar:
+        rows = [bench_dtype(d, args.batches, args.prompt_len, args.steps, args.prefill_len, bandwidth, bar)
+                for d in args.dtypes]
+    text = report(rows, bandwidth, args)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bandwidth_gbs": bandwidth, "rows": rows}, indent=2))
+    plot(rows, args.plot)
+    print(f"\nwrote {args.out} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
