@@ -35,7 +35,9 @@ from protos import kv_transfer_pb2
 __all__ = ["BackendUnavailable", "InvalidTransferRequest", "KVTransferAgent", "TransferError",
            "TransferHandle", "TransferState", "TransferStats"]
 
-_POLL_SLEEP_MAX_S = 0.001  # wait() backs off to this; finer only burns a shared core
+# wait() sleeps between polls (never spins: a spinning caller holds the GIL that the tcp
+# reader thread needs) and backs off to this cap, which bounds the added latency per read.
+_POLL_SLEEP_MAX_S = 2e-4
 
 
 class TransferState(enum.IntEnum):

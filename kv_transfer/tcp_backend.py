@@ -155,8 +155,8 @@ class TcpAgent(KVTransferAgent):
 
     def _receive_blocks(self, sock: socket.socket, local: tuple[int, ...]) -> None:
         if self._host_blocks is not None:
-            for block in local:
-                tcp_wire.recv_exact_into(sock, memoryview(self._host_blocks[block]))
+            tcp_wire.recv_exact_into_many(
+                sock, [memoryview(self._host_blocks[block]) for block in local])
             return
         staging = torch.empty((len(local), self.layout.block_bytes), dtype=torch.uint8,
                               pin_memory=True)
