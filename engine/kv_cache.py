@@ -1,9 +1,13 @@
-"""The worker's KV cache: one preallocated tensor, block-first.
+"""The worker's KV cache: one preallocated tensor, block-first and token-major inside a block.
 
-Layout ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``: every layer's K
-and V of one block sit in one contiguous region, so moving a block between workers is one
-descriptor (NIXL) instead of one per layer and per K/V. Attention sees each layer through a
-strided view ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+Layout ``(num_blocks, block_size, num_layers, 2, num_kv_heads, head_dim)``:
+- block-first: all of a block's KV (every layer, K and V) is one contiguous region, so
+  moving a block between workers is one descriptor (NIXL), not one per layer and K/V;
+- token-major inside the block: the first n tokens of a block are its first
+  n * bytes_per_token bytes, so a prompt's partly filled last block moves only the tokens it
+  holds, and a transfer is exactly prompt_tokens * bytes_per_token bytes.
+Attention sees each layer through a strided view ``(num_blocks, block_size, num_kv_heads,
+head_dim)``.
 """
 
 from __future__ import annotations
@@ -40,10 +44,10 @@ class KVCacheSpec:
         return budget_bytes // self.block_bytes
 
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (num_blocks, self.block_size, self.num_layers, 2, self.num_kv_heads, self.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=device)
 
 
 def layer_views(cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one layer, each (num_blocks, block_size, num_kv_heads, head_dim)."""
-    return cache[:, layer, 0], cache[:, layer, 1]
+    return cache[:, :, layer, 0], cache[:, :, layer, 1]
