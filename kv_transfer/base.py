@@ -244,6 +244,7 @@ class KVTransferAgent(abc.ABC):
         with self._lock:
             if handle.state.is_terminal:
                 return handle.state
+            self._check_owned(handle)
             now = time.monotonic()
             if handle.state == TransferState.PENDING:
                 if now >= handle.post_at:
@@ -278,6 +279,7 @@ class KVTransferAgent(abc.ABC):
         as transferred. A terminal read is left as it is. Returns the final state."""
         with self._lock:
             if not handle.state.is_terminal:
+                self._check_owned(handle)
                 self._finish(handle, TransferState.ABORTED, None)
             return handle.state
 
@@ -285,6 +287,12 @@ class KVTransferAgent(abc.ABC):
         """Number of reads started and not yet terminal."""
         with self._lock:
             return len(self._inflight)
+
+    def _check_owned(self, handle: TransferHandle) -> None:
+        if self._inflight.get(handle.transfer_id) is not handle:
+            raise InvalidTransferRequest(
+                f"transfer {handle.transfer_id} was not started by agent {self.name!r}",
+                field="handle", peer=handle.peer)
 
     def _post(self, handle: TransferHandle) -> None:
         handle.state = TransferState.TRANSFERRING

@@ -93,6 +93,18 @@ def test_finished_read_cannot_be_aborted_or_recounted(pair):
     assert reader.stats.snapshot() == before
 
 
+def test_handle_of_another_agent_is_rejected(pair):
+    reader, peer, holder = pair
+    delayed = create_agent(reader.backend_name, "delayed", make_cache(4), inject_delay_s=30)
+    try:
+        handle = delayed.start_read(delayed.add_remote(holder.local_metadata()), [0], [0])
+        with pytest.raises(InvalidTransferRequest) as err:
+            reader.poll(handle)
+        assert err.value.field == "handle"
+    finally:
+        delayed.close()
+
+
 def test_unknown_backend_names_the_config_field():
     with pytest.raises(ValueError, match="kv_transfer_backend must be one of nixl, tcp"):
         create_agent("rdma", "x", make_cache(2))

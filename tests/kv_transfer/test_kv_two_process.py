@@ -94,9 +94,10 @@ def test_inject_delay_holds_completion_back(holder):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_read_from_vanished_peer_fails_fast_and_is_counted(backend):
+def test_vanished_peer_fails_fast_and_its_restart_is_readable_again(backend):
     doomed = Holder(backend, name="doomed")
     reader = create_agent(backend, "survivor", make_cache(4), read_timeout_s=5)
+    reborn = None
     try:
         peer = reader.add_remote(doomed.metadata())
         warm = reader.start_read(peer, [0], [0], b"")
@@ -109,9 +110,19 @@ def test_read_from_vanished_peer_fails_fast_and_is_counted(backend):
         assert handle.error
         stats = reader.stats.snapshot()
         assert (stats.failures, stats.transfers, stats.bytes) == (1, 1, BLOCK_BYTES)
+
+        # The worker restarts under the same name with new metadata (new address, cache).
+        reborn = Holder(backend, name="doomed", seed=99)
+        assert reader.add_remote(reborn.metadata()) == peer
+        again = reader.start_read(peer, [5, 6], [1, 2], b"again")
+        assert reader.wait(again, timeout_s=10) == TransferState.DONE, again.error
+        assert same_bytes(reader.cache[[1, 2]], reborn.expected_cache()[[5, 6]])
+        assert reborn.notifications(want=1) == [b"again"]
     finally:
         reader.close()
         doomed.stop()
+        if reborn is not None:
+            reborn.stop()
 
 
 def test_stalled_tcp_holder_times_out_and_in_flight_abort_is_prompt():
