@@ -15,7 +15,6 @@ import torch
 from kv_transfer.errors import InvalidTransferRequest
 from protos import kv_transfer_pb2
 
-MemoryType = kv_transfer_pb2.AgentMetadata.MemoryType
 DRAM = kv_transfer_pb2.AgentMetadata.MEMORY_TYPE_DRAM
 VRAM = kv_transfer_pb2.AgentMetadata.MEMORY_TYPE_VRAM
 
