@@ -1,1 +1,16 @@
+"""The decode worker: pulls a prompt's KV from a prefill worker, then generates the rest.
 
+Request lifecycle on this worker:
+
+- WAITING_FOR_KV: ``Decode`` arrived; blocks are allocated for the prompt (no prompt
+  forward pass ever runs here) and the prefill worker's metadata is known (fetched once per
+  peer over gRPC and cached).
+- TRANSFERRING: a NIXL READ moves the prompt's KV from the prefill worker's blocks straight
+  into ours; on completion NIXL notifies the prefill worker, which frees its copy.
+- RUNNING: the request joins the continuous batch, decoding from the first token the
+  prefill worker sampled; every step's token streams back to the router.
+- FINISHED: EOS, a stop token, max_tokens or the context length; blocks freed.
+- ABORTED: the router cancelled the stream (client gone, stop string, Abort) or the
+  transfer failed. A failed transfer is reported to the router as an error (it re-runs the
+  prefill elsewhere) and to the prefill worker through ``Release``, never silently recomputed.
+"""

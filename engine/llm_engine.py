@@ -22,7 +22,7 @@ from engine.errors import CacheCapacityError, InvalidRequestError
 from engine.kv_cache import KVCacheSpec
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, validate_request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -85,24 +85,11 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` naming the field and the limit it breaks."""
-        params.validate(self.model_cfg.vocab_size)
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt", "must contain at least one token", 1)
-        vocab = self.model_cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"every id must be in [0, {vocab})", vocab)
-        if n >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"{n} tokens; the limit is {self.max_model_len - 1}",
-                                      self.max_model_len - 1)
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context length {self.max_model_len}", self.max_model_len - n)
+        validate_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer")
         try:
-            self.blocks.check_fits(n + 1)
+            self.blocks.check_fits(len(prompt_token_ids) + 1)
         except CacheCapacityError as exc:
             raise InvalidRequestError("prompt", str(exc), exc.total_blocks * self.blocks.block_size) from exc
 

@@ -56,3 +56,20 @@ class SamplingParams:
             raise InvalidRequestError("stop", "stop strings must be non-empty")
         if len(self.stop) > 16:
             raise InvalidRequestError("stop", f"at most 16 stop strings, got {len(self.stop)}", 16)
+
+
+def validate_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Checks every process makes the same way (the router before routing, the engine on
+    entry). Raises ``InvalidRequestError`` naming the field and the limit."""
+    params.validate(vocab_size)
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("prompt", "must contain at least one token", 1)
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError("prompt_token_ids", f"every id must be in [0, {vocab_size})", vocab_size)
+    if n >= max_model_len:
+        raise InvalidRequestError("prompt", f"{n} tokens; the limit is {max_model_len - 1}", max_model_len - 1)
+    if n + params.max_tokens > max_model_len:
+        raise InvalidRequestError(
+            "max_tokens", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the model's "
+            f"context length {max_model_len}", max_model_len - n)

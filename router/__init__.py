@@ -1,1 +1,17 @@
+"""The router: the public gRPC API, validation, routing, and the life of a request.
 
+Request lifecycle at the router:
+
+- RECEIVED: validated and tokenized (text, token ids or chat messages with the template).
+- PREFILLING: a prefill worker, chosen by the routing policy, computes the prompt and
+  samples the first token, which streams to the client at once. A prefill worker that is
+  unreachable or fails is retried on another.
+- DECODING: a decode worker pulls the KV over NIXL and streams the rest. If the transfer
+  fails or the decode worker dies, the router re-prefills prompt + tokens already sent on a
+  healthy pair and continues the same stream: no token repeated or lost.
+- FINISHED (stop, length), ABORTED (Abort, cancelled stream) or FAILED (no worker could
+  serve it: UNAVAILABLE / RESOURCE_EXHAUSTED with the reason).
+
+Stop strings are applied here, the one place that sees the whole text; the decode worker
+is cancelled when one matches.
+"""

@@ -1,0 +1,134 @@
+"""A cluster on Ray: the router and every worker are Ray actors, each its own process.
+
+``LocalCluster(config).start()`` starts (or joins, with ``ray_address``) Ray, converts the
+model once, starts the workers, then the router pointed at them, and returns the router's
+address. ``stop()`` stops them in reverse order and shuts Ray down if it started it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+
+import ray
+
+from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 50051  # the router's public gRPC port
+    kv_transfer_backend: str = "nixl"
+    lease_seconds: float = 30.0
+    transfer_timeout_s: float = 10.0
+    inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
+    threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
+    ray_address: str | None = None  # join this Ray cluster instead of starting one
+    model_name: str = "smollm2"
+
+    def worker_threads(self) -> int:
+        if self.threads_per_worker:
+            return self.threads_per_worker
+        return max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode))
+
+
+def _start_role(role: str, config):
+    """The coroutine factory that starts ``role``'s server inside its actor."""
+    if role == "prefill":
+        from prefill_worker.server import start
+    elif role == "decode":
+        from decode_worker.server import start
+    elif role == "router":
+        from router.server import start
+    else:
+        raise ValueError(f"unknown role {role!r}")
+    return start(config)
+
+
+@ray.remote(num_cpus=0)
+class ServerActor:
+    """One role (prefill worker, decode worker or router) in its own process."""
+
+    def __init__(self, role: str, config, threads: int | None = None):
+        import torch
+
+        from wire.server import ServerThread
+
+        if threads:
+            torch.set_num_threads(threads)
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+        self._server = ServerThread(lambda: _start_role(role, config), name=role)
+
+    def start(self) -> str:
+        return self._server.start()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class LocalCluster:
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.prefill: list = []
+        self.decode: list = []
+        self.router = None
+        self.prefill_addresses: list[str] = []
+        self.decode_addresses: list[str] = []
+        self.address: str | None = None
+        self._started_ray = False
+
+    def start(self) -> str:
+        from decode_worker.worker import DecodeWorkerConfig
+        from engine.loader import materialize
+        from prefill_worker.worker import PrefillWorkerConfig
+        from router.server import RouterConfig
+
+        cfg = self.config
+        materialize(cfg.engine.model, progress=True)  # convert a GGUF once, before the workers race to
+        if not ray.is_initialized():
+            ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING,
+                     **({} if cfg.ray_address else {"object_store_memory": 256 << 20}))
+            self._started_ray = True
+        threads = cfg.worker_threads()
+        self.prefill = [ServerActor.remote("prefill", PrefillWorkerConfig(
+            worker_id=f"prefill-{i}", engine=cfg.engine, host=cfg.host, lease_seconds=cfg.lease_seconds,
+            kv_transfer_backend=cfg.kv_transfer_backend), threads) for i in range(cfg.num_prefill)]
+        self.decode = [ServerActor.remote("decode", DecodeWorkerConfig(
+            worker_id=f"decode-{i}", engine=cfg.engine, host=cfg.host, kv_transfer_backend=cfg.kv_transfer_backend,
+            transfer_timeout_s=cfg.transfer_timeout_s, inject_transfer_delay_s=cfg.inject_transfer_delay_s), threads)
+            for i in range(cfg.num_decode)]
+        self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
+        self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
+        router_cfg = RouterConfig(engine=cfg.engine, model_name=cfg.model_name, host=cfg.host, port=cfg.port,
+                                  prefill_addresses=tuple(self.prefill_addresses),
+                                  decode_addresses=tuple(self.decode_addresses))
+        self.router = ServerActor.remote("router", router_cfg)
+        self.address = ray.get(self.router.start.remote())
+        return self.address
+
+    def stop(self) -> None:
+        for actor in [self.router, *self.decode, *self.prefill]:
+            if actor is None:
+                continue
+            try:
+                ray.get(actor.stop.remote(), timeout=10)
+            except Exception:  # a dead actor has nothing left to stop
+                pass
+            ray.kill(actor)
+        if self._started_ray:
+            ray.shutdown()
+
+
+def with_engine(config: ClusterConfig, **engine_changes) -> ClusterConfig:
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, **engine_changes))

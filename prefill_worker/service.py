@@ -1,0 +1,55 @@
+"""gRPC face of the prefill worker (``pdserve.v1.PrefillWorker``)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from protos import worker_pb2, worker_pb2_grpc
+from prefill_worker.worker import PrefillWorker
+from wire.convert import finish_to_wire, sampling_from_proto
+from wire.grpc_util import abort_invalid
+from wire.stats import worker_stats
+
+
+class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker, address: str):
+        self.worker = worker
+        self.address = address
+
+    async def Prefill(self, request, context):
+        params = sampling_from_proto(request.sampling, keep_stop_strings=False)
+        try:
+            r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params)
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        kv = None
+        if r.lease is not None:
+            kv = worker_pb2.KVHandle(
+                prefill_worker_id=self.worker.config.worker_id, prefill_address=self.address,
+                block_ids=r.block_ids, num_tokens=r.num_prompt_tokens, lease_id=r.lease.lease_id,
+                lease_expires_unix_s=time.time() + (r.lease.expires_at - time.monotonic()))
+        return worker_pb2.PrefillResponse(
+            request_id=request.request_id, first_token_id=r.first_token_id, first_logprob=r.first_logprob,
+            finish_reason=finish_to_wire(r.finish_reason), kv=kv, num_cached_tokens=r.num_cached_tokens,
+            prefill_seconds=r.seconds)
+
+    async def Release(self, request, context):
+        return worker_pb2.ReleaseResponse(released=await self.worker.release(request.lease_id))
+
+    async def GetAgentMetadata(self, request, context):
+        return self.worker.agent.local_metadata()
+
+    async def Abort(self, request, context):
+        return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
+
+    async def Stats(self, request, context):
+        w = self.worker
+        return worker_stats(w.config.worker_id, "prefill", w.engine, w.agent, num_held_leases=len(w.leases),
+                            leases_expired=w.released_by["expired"])
+
+
+def add_to_server(server: grpc.aio.Server, worker: PrefillWorker, address: str) -> None:
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker, address), server)

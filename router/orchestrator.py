@@ -1,0 +1,219 @@
+"""One request's path through the cluster: prefill, stream the first token, decode, and
+recover from worker faults by re-prefilling prompt + tokens already sent."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from engine.tokenizer import IncrementalDetokenizer
+from protos import pdserve_pb2, worker_pb2
+from router.frontend import ModelInfo, PreparedRequest
+from router.policy import pick_decode, pick_prefill
+from router.pool import WorkerPool
+from wire.convert import finish_from_wire, finish_to_wire, sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+# A worker that cannot be reached: try another. Anything else is the request's own fault.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+
+
+class RouteError(Exception):
+    """The request cannot be served; ``code`` is the gRPC status the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+class _DecodeLost(Exception):
+    """The decode side failed (transfer failed, worker died): re-prefill and continue."""
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    max_prefill_attempts: int = 3  # prefill workers tried for one prefill
+    max_migrations: int = 3  # times one request may move to a new prefill/decode pair
+    prefill_timeout_s: float = 600.0
+
+
+@dataclass
+class Progress:
+    """What the client has been sent so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    kv_bytes: int = 0
+    kv_seconds: float = 0.0
+    migrations: int = 0
+    first_token_at: float | None = None
+
+
+class RequestRun:
+    def __init__(self, req: PreparedRequest, model: ModelInfo, pool: WorkerPool, limits: RouterLimits):
+        self.req = req
+        self.model = model
+        self.pool = pool
+        self.limits = limits
+        self.progress = Progress()
+        self._detok = IncrementalDetokenizer(model.tokenizer, req.params.stop)
+
+    async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        attempt = 0
+        while True:
+            prompt = self.req.prompt_token_ids + self.progress.token_ids
+            params = dataclasses.replace(self.req.params, stop=(),
+                                         max_tokens=self.req.params.max_tokens - len(self.progress.token_ids))
+            worker_rid = f"{self.req.request_id}#{attempt}"
+            pre, prefill_addr = await self._prefill(worker_rid, prompt, params)
+            if attempt == 0:
+                self.progress.cached_tokens = pre.num_cached_tokens
+                self.progress.first_token_at = asyncio.get_running_loop().time()
+            kv_owned = pre.HasField("kv")
+            try:
+                yield self._emit([pre.first_token_id], [pre.first_logprob] if params.logprobs else [],
+                                 finish_from_wire(pre.finish_reason))
+                if self.progress.finish_reason is not None:
+                    return
+                async for resp in self._decode(worker_rid, prompt, pre, params):
+                    kv_owned = False  # the decode worker took over the lease
+                    yield resp
+                    if self.progress.finish_reason is not None:
+                        return
+                raise _DecodeLost("decode stream ended without a finish reason")
+            except _DecodeLost as exc:
+                attempt += 1
+                self.progress.migrations += 1
+                log.warning("request %s: %s; re-prefilling %d tokens", self.req.request_id, exc, len(prompt) + 1)
+                if self.progress.migrations > self.limits.max_migrations:
+                    raise RouteError(grpc.StatusCode.UNAVAILABLE, f"gave up after {self.progress.migrations - 1} "
+                                     f"migrations: {exc}") from exc
+            finally:
+                if kv_owned:
+                    self._release_later(prefill_addr, pre.kv.lease_id)
+
+    # ---- prefill -------------------------------------------------------------------
+    async def _prefill(self, worker_rid: str, prompt: list[int], params) -> tuple[worker_pb2.PrefillResponse, str]:
+        request = worker_pb2.PrefillRequest(request_id=worker_rid, prompt_token_ids=prompt,
+                                            sampling=sampling_to_proto(params))
+        tried: set[str] = set()
+        last = "no prefill worker"
+        for _ in range(self.limits.max_prefill_attempts):
+            choice = pick_prefill(self.pool.snapshots(), frozenset(tried))
+            if choice.worker_id is None:
+                break
+            client = self.pool.workers[choice.worker_id]
+            tried.add(client.address)
+            try:
+                with self.pool.placed(client, tokens=len(prompt)):
+                    return await client.stub.Prefill(request, timeout=self.limits.prefill_timeout_s), client.address
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequestError(_field(exc), exc.details()) from exc
+                if exc.code() not in _RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:
+                    raise
+                last = f"prefill worker {client.address}: {exc.code().name} {exc.details()}"
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.pool.mark_down(client.address)
+                log.warning("request %s: %s; trying another", self.req.request_id, last)
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if "RESOURCE_EXHAUSTED" in last else grpc.StatusCode.UNAVAILABLE
+        raise RouteError(code, f"no prefill worker could take the request ({last})")
+
+    # ---- decode --------------------------------------------------------------------
+    async def _decode(self, worker_rid: str, prompt: list[int], pre: worker_pb2.PrefillResponse, params):
+        request = worker_pb2.DecodeRequest(request_id=worker_rid, prompt_token_ids=prompt,
+                                           first_token_id=pre.first_token_id, sampling=sampling_to_proto(params),
+                                           kv=pre.kv)
+        blocks = -(-(len(prompt) + params.max_tokens) // self.model.block_size)
+        tried: set[str] = set()
+        while True:
+            choice = pick_decode(self.pool.snapshots(), blocks, frozenset(tried))
+            if choice.worker_id is None:
+                if tried:
+                    raise _DecodeLost(choice.reason)
+                raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED
+                                 if "full" in choice.reason else grpc.StatusCode.UNAVAILABLE, choice.reason)
+            client = self.pool.workers[choice.worker_id]
+            tried.add(client.address)
+            call = client.stub.Decode(request)
+            started = False
+            try:
+                with self.pool.placed(client, blocks=blocks):
+                    async for resp in call:
+                        started = True
+                        if resp.kv_bytes or not resp.token_ids:
+                            self.progress.kv_bytes += resp.kv_bytes
+                            self.progress.kv_seconds += resp.kv_transfer_seconds
+                            continue
+                        yield self._emit(list(resp.token_ids), list(resp.logprobs),
+                                         finish_from_wire(resp.finish_reason))
+                        if self.progress.finish_reason is not None:
+                            return
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequestError(_field(exc), exc.details()) from exc
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not started:
+                    continue  # the KV is still held: another decode worker may take it
+                if "kv transfer failed" not in (exc.details() or ""):
+                    self.pool.mark_down(client.address)  # the decode worker itself failed
+                raise _DecodeLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
+            finally:
+                call.cancel()
+
+    # ---- output --------------------------------------------------------------------
+    def _emit(self, token_ids: list[int], logprobs: list[float], finish: str | None) -> pdserve_pb2.GenerateResponse:
+        text = []
+        for t in token_ids:
+            self.progress.token_ids.append(t)
+            delta, hit_stop = self._detok.add(t)
+            text.append(delta)
+            if hit_stop:
+                finish = "stop"
+                break
+        kept = len(text)
+        if finish is not None:
+            self.progress.finish_reason = finish
+            text.append(self._detok.flush())  # text held back while a stop string could still match
+        resp = pdserve_pb2.GenerateResponse(request_id=self.req.request_id, token_ids=token_ids[:kept],
+                                            text="".join(text), logprobs=logprobs[:kept],
+                                            finish_reason=finish_to_wire(finish))
+        if finish is not None:
+            resp.usage.CopyFrom(self.usage())
+        return resp
+
+    def usage(self) -> pdserve_pb2.Usage:
+        return pdserve_pb2.Usage(prompt_tokens=len(self.req.prompt_token_ids),
+                                 completion_tokens=len(self.progress.token_ids),
+                                 cached_prompt_tokens=self.progress.cached_tokens)
+
+    def _release_later(self, address: str, lease_id: str) -> None:
+        """Free a lease the decode side never took (best effort; the lease expires anyway)."""
+        client = self.pool.workers.get(address)
+        if client is None:
+            return
+        release = client.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id, reason="aborted"), timeout=5)
+        asyncio.ensure_future(_ignore_errors(release))
+
+
+async def _ignore_errors(awaitable) -> None:
+    try:
+        await awaitable
+    except grpc.aio.AioRpcError:
+        pass
+
+
+def _field(exc: grpc.aio.AioRpcError) -> str:
+    for key, value in exc.trailing_metadata() or ():
+        if key == "pdserve-field":
+            return value
+    return "request"

@@ -1,0 +1,59 @@
+"""Routing policy: pure functions from worker snapshots to a choice. No I/O.
+
+Least outstanding work: a prefill worker's load is the prompt tokens queued on it (its
+last reported queue plus what this router sent since); a decode worker's load is the KV
+blocks in use (reported plus the blocks of streams this router placed since).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    healthy: bool
+    draining: bool = False
+    queued_tokens: int = 0  # prefill load
+    blocks_used: int = 0  # decode load
+    blocks_total: int = 0
+    inflight: int = 0  # requests this router has on the worker
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+
+@dataclass(frozen=True)
+class Choice:
+    worker_id: str | None  # None: nobody can take it
+    reason: str
+
+
+def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = frozenset()) -> Choice:
+    """The routable prefill worker with the fewest queued prompt tokens (ties: fewest in flight, then id)."""
+    candidates = [w for w in workers if w.role == "prefill" and w.routable and w.worker_id not in exclude]
+    if not candidates:
+        return Choice(None, "no healthy prefill worker")
+    best = min(candidates, key=lambda w: (w.queued_tokens, w.inflight, w.worker_id))
+    return Choice(best.worker_id, f"least queued prompt tokens ({best.queued_tokens})")
+
+
+def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
+                exclude: frozenset[str] = frozenset()) -> Choice:
+    """The routable decode worker with the most free KV blocks after taking this request.
+
+    Workers that cannot fit ``blocks_needed`` are skipped; if none can, the answer says so
+    (the caller returns RESOURCE_EXHAUSTED rather than queueing without bound).
+    """
+    candidates = [w for w in workers if w.role == "decode" and w.routable and w.worker_id not in exclude]
+    if not candidates:
+        return Choice(None, "no healthy decode worker")
+    fitting = [w for w in candidates if w.blocks_total - w.blocks_used >= blocks_needed]
+    if not fitting:
+        return Choice(None, f"every decode worker's KV cache is full (request needs {blocks_needed} blocks)")
+    best = min(fitting, key=lambda w: (w.blocks_used / max(w.blocks_total, 1), w.inflight, w.worker_id))
+    return Choice(best.worker_id, f"least KV in use ({best.blocks_used}/{best.blocks_total} blocks)")

@@ -1,0 +1,114 @@
+"""The router's view of the workers: a gRPC client per worker, its last stats, and the load
+this router placed on it since. Membership changes through ``add`` / ``remove``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import worker_pb2, worker_pb2_grpc
+from router.policy import WorkerSnapshot
+from wire.grpc_util import aio_channel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerClient:
+    """One worker as the router sees it; ``address`` is its identity."""
+
+    role: str
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    stats: worker_pb2.WorkerStats | None = None
+    healthy: bool = False
+    local_tokens: int = 0  # prompt tokens sent since the last stats
+    local_blocks: int = 0  # blocks of streams placed since the last stats
+    inflight: int = 0
+    draining: bool = False
+
+    def snapshot(self) -> WorkerSnapshot:
+        s = self.stats or worker_pb2.WorkerStats()
+        return WorkerSnapshot(
+            worker_id=self.address, role=self.role, healthy=self.healthy, draining=self.draining or s.draining,
+            queued_tokens=s.num_waiting_tokens + self.local_tokens,
+            blocks_used=s.num_blocks_used + self.local_blocks, blocks_total=s.num_blocks_total,
+            inflight=self.inflight)
+
+
+@dataclass
+class WorkerPool:
+    interval_s: float = 0.2
+    workers: dict[str, WorkerClient] = field(default_factory=dict)
+    _task: asyncio.Task | None = None
+
+    def add(self, role: str, address: str) -> WorkerClient:
+        if address not in self.workers:
+            channel = aio_channel(address)
+            stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
+            self.workers[address] = WorkerClient(role, address, channel, stub)
+        return self.workers[address]
+
+    async def remove(self, address: str) -> None:
+        client = self.workers.pop(address, None)
+        if client is not None:
+            await client.channel.close(grace=None)
+
+    def snapshots(self) -> list[WorkerSnapshot]:
+        return [w.snapshot() for w in self.workers.values()]
+
+    def ready(self) -> bool:
+        roles = {w.role for w in self.workers.values() if w.healthy and not w.draining}
+        return {"prefill", "decode"} <= roles
+
+    def mark_down(self, address: str) -> None:
+        client = self.workers.get(address)
+        if client is not None:
+            client.healthy = False
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for address in list(self.workers):
+            await self.remove(address)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # keep polling whatever one round hit
+                log.exception("worker stats refresh failed")
+
+    async def refresh(self) -> None:
+        await asyncio.gather(*(self._refresh_one(w) for w in list(self.workers.values())))
+
+    async def _refresh_one(self, w: WorkerClient) -> None:
+        try:
+            w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=2)
+            w.healthy = True
+            w.local_tokens = w.local_blocks = 0  # the fresh stats include what we sent
+        except grpc.aio.AioRpcError as exc:
+            if w.healthy:
+                log.warning("worker %s unreachable: %s", w.address, exc.code().name)
+            w.healthy = False
+
+    @contextlib.contextmanager
+    def placed(self, client: WorkerClient, tokens: int = 0, blocks: int = 0):
+        """Count a request's load on ``client`` while it runs there."""
+        client.inflight += 1
+        client.local_tokens += tokens
+        client.local_blocks += blocks
+        try:
+            yield client
+        finally:
+            client.inflight -= 1

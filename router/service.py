@@ -1,0 +1,64 @@
+"""The public ``pdserve.v1.Generation`` service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from protos import pdserve_pb2, pdserve_pb2_grpc
+from router.frontend import ModelInfo, prepare
+from router.orchestrator import RequestRun, RouteError, RouterLimits
+from router.pool import WorkerPool
+from wire.grpc_util import abort_invalid
+
+log = logging.getLogger(__name__)
+
+
+class GenerationService(pdserve_pb2_grpc.GenerationServicer):
+    def __init__(self, model: ModelInfo, pool: WorkerPool, limits: RouterLimits):
+        self.model = model
+        self.pool = pool
+        self.limits = limits
+        self.running: dict[str, tuple[asyncio.Task, RequestRun]] = {}
+        self.aborted: set[str] = set()
+
+    async def Generate(self, request, context):
+        try:
+            prepared = prepare(request, self.model)
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        rid = prepared.request_id
+        if rid in self.running:
+            await abort_invalid(context, InvalidRequestError("request_id", f"{rid!r} is already running"))
+        run = RequestRun(prepared, self.model, self.pool, self.limits)
+        self.running[rid] = (asyncio.current_task(), run)
+        try:
+            async for resp in run.responses():
+                yield resp
+        except asyncio.CancelledError:
+            if rid not in self.aborted:
+                raise  # the client went away; cleanup ran on the way out
+            yield pdserve_pb2.GenerateResponse(request_id=rid, finish_reason=pdserve_pb2.FINISH_REASON_ABORT,
+                                               usage=run.usage())
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        except RouteError as exc:
+            await context.abort(exc.code, str(exc))
+        finally:
+            self.running.pop(rid, None)
+            self.aborted.discard(rid)
+
+    async def Abort(self, request, context):
+        entry = self.running.get(request.request_id)
+        if entry is None:
+            return pdserve_pb2.AbortResponse(found=False)
+        self.aborted.add(request.request_id)
+        entry[0].cancel()
+        return pdserve_pb2.AbortResponse(found=True)
+
+    async def ListModels(self, request, context):
+        return pdserve_pb2.ListModelsResponse(models=[pdserve_pb2.ModelInfo(
+            id=self.model.name, max_model_len=self.model.max_model_len, vocab_size=self.model.config.vocab_size)])

@@ -1,0 +1,76 @@
+"""Running a role's asyncio gRPC server: in the foreground (``python -m ROLE``) or on a
+background thread of a Ray actor. Every server also serves ``grpc.health.v1``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+
+@dataclass
+class RunningServer:
+    address: str
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    on_stop: list[Callable[[], object]] = field(default_factory=list)
+    service: object = None  # the main servicer, for in-process callers (tests, the HTTP front)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        for fn in self.on_stop:
+            result = fn()
+            if asyncio.iscoroutine(result):
+                await result
+
+
+def add_health(server: grpc.aio.Server, services: list[str]) -> health.aio.HealthServicer:
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, services: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *services]:
+        await servicer.set(name, status)
+
+
+class ServerThread:
+    """Hosts an asyncio server on a thread with its own event loop (for Ray actors)."""
+
+    def __init__(self, start: Callable[[], Awaitable[RunningServer]], name: str = "grpc-server"):
+        self._start = start
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self.running: RunningServer | None = None
+
+    def start(self) -> str:
+        """Start the server; returns its address once it accepts calls."""
+        self._thread.start()
+        self.running = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+        return self.running.address
+
+    def submit(self, coro) -> object:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self.running is not None:
+            self.submit(self.running.stop(grace_s))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+async def serve_forever(start: Callable[[], Awaitable[RunningServer]]) -> None:
+    running = await start()
+    print(f"listening on {running.address}", flush=True)
+    try:
+        await running.server.wait_for_termination()
+    finally:
+        await running.stop()
