@@ -97,6 +97,7 @@ class TransferHandle:
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     notify: bytes
+    last_block_bytes: int  # bytes of the last block to move (block_bytes: all of it)
     nbytes: int
     started_at: float  # time.monotonic() at start_read
     post_at: float  # when the read may be posted (started_at + inject_delay_s)
@@ -201,11 +202,14 @@ class KVTransferAgent(abc.ABC):
     # ----------------------------------------------------------------- reads
 
     def start_read(self, peer: str, remote_block_ids: Sequence[int],
-                   local_block_ids: Sequence[int], notify: bytes = b"") -> TransferHandle:
+                   local_block_ids: Sequence[int], notify: bytes = b"",
+                   last_block_bytes: Optional[int] = None) -> TransferHandle:
         """Begin READing ``remote_block_ids`` of ``peer`` into ``local_block_ids`` (pairwise).
 
         Returns at once; follow with ``poll``/``wait``. When the read completes the peer gets
         ``notify`` from its ``get_notifications`` (empty ``notify``: no notification).
+        ``last_block_bytes``: move only the first this-many bytes of the last block (a
+        partly filled block); None moves it whole.
         Raises InvalidTransferRequest for an unknown peer, unequal lengths or ids out of range.
         """
         with self._lock:
@@ -228,11 +232,17 @@ class KVTransferAgent(abc.ABC):
             if not isinstance(notify, bytes):
                 raise InvalidTransferRequest(
                     f"notify must be bytes, got {type(notify).__name__}", field="notify")
+            block_bytes = self.layout.block_bytes
+            last = block_bytes if last_block_bytes is None else int(last_block_bytes)
+            if not 0 < last <= block_bytes or not local:
+                raise InvalidTransferRequest(
+                    f"last_block_bytes must be in (0, {block_bytes}] with at least one block, "
+                    f"got {last_block_bytes}", field="last_block_bytes", limit=block_bytes, peer=peer)
             now = time.monotonic()
             handle = TransferHandle(
                 transfer_id=next(self._ids), peer=peer, remote_block_ids=remote,
-                local_block_ids=local, notify=notify,
-                nbytes=len(local) * self.layout.block_bytes, started_at=now,
+                local_block_ids=local, notify=notify, last_block_bytes=last,
+                nbytes=(len(local) - 1) * block_bytes + last, started_at=now,
                 post_at=now + self.inject_delay_s)
             self._inflight[handle.transfer_id] = handle
             if self.inject_delay_s == 0:

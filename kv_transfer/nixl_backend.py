@@ -143,12 +143,29 @@ class NixlAgent(KVTransferAgent):
             logger.warning("dropping NIXL peer %r failed", name, exc_info=True)
 
     def _start_backend(self, handle: TransferHandle) -> TransferState:
-        xfer = self._agent.make_prepped_xfer(
-            "READ", self._local_dlist, np.asarray(handle.local_block_ids, dtype=np.int32),
-            self._remote_dlists[handle.peer],
-            np.asarray(handle.remote_block_ids, dtype=np.int32), handle.notify)
+        if handle.last_block_bytes == self.layout.block_bytes:
+            xfer = self._agent.make_prepped_xfer(
+                "READ", self._local_dlist, np.asarray(handle.local_block_ids, dtype=np.int32),
+                self._remote_dlists[handle.peer],
+                np.asarray(handle.remote_block_ids, dtype=np.int32), handle.notify)
+        else:
+            # A partly filled last block: the prepared lists hold whole blocks only, so this
+            # read names its descriptors explicitly (one per block, the last one shorter).
+            remote = layout_of_metadata(self._peers[handle.peer])
+            xfer = self._agent.initialize_xfer(
+                "READ", self._descs(self.layout, handle.local_block_ids, handle.last_block_bytes),
+                self._descs(remote, handle.remote_block_ids, handle.last_block_bytes),
+                handle.peer, handle.notify)
         handle.backend_handle = xfer
         return _NIXL_STATES[self._agent.transfer(xfer)]
+
+    def _descs(self, layout, block_ids: tuple[int, ...], last_bytes: int):
+        rows = np.empty((len(block_ids), 3), dtype=np.uint64)  # address, length, device
+        rows[:, 0] = layout.base_address + np.asarray(block_ids, dtype=np.uint64) * np.uint64(layout.block_bytes)
+        rows[:, 1] = layout.block_bytes
+        rows[-1, 1] = last_bytes
+        rows[:, 2] = layout.device_id
+        return self._agent.get_xfer_descs(rows, layout.nixl_mem_type)
 
     def _poll_backend(self, handle: TransferHandle) -> TransferState:
         return _NIXL_STATES[self._agent.check_xfer_state(handle.backend_handle)]

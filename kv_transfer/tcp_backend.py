@@ -117,7 +117,8 @@ class TcpAgent(KVTransferAgent):
         job = _TcpRead()
         handle.backend_handle = job
         self._pool.submit(self._run_read, job, self._addresses[handle.peer],
-                          handle.remote_block_ids, handle.local_block_ids, handle.notify)
+                          handle.remote_block_ids, handle.local_block_ids, handle.notify,
+                          handle.last_block_bytes)
         return TransferState.TRANSFERRING
 
     def _poll_backend(self, handle: TransferHandle) -> TransferState:
@@ -135,16 +136,16 @@ class TcpAgent(KVTransferAgent):
             job.cancel()
 
     def _run_read(self, job: _TcpRead, address: tuple[str, int], remote: tuple[int, ...],
-                  local: tuple[int, ...], notify: bytes) -> None:
+                  local: tuple[int, ...], notify: bytes, last: int) -> None:
         try:
             with socket.create_connection(address, timeout=self.read_timeout_s) as sock:
                 if not job.attach(sock):
                     job.error = "cancelled before connecting"
                     return
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(tcp_wire.encode_read(remote, notify))
-                tcp_wire.recv_reply_header(sock, len(remote) * self.layout.block_bytes)
-                self._receive_blocks(sock, local)
+                sock.sendall(tcp_wire.encode_read(remote, notify, last))
+                tcp_wire.recv_reply_header(sock, (len(remote) - 1) * self.layout.block_bytes + last)
+                self._receive_blocks(sock, local, last)
                 sock.sendall(tcp_wire.ACK_MAGIC)
                 tcp_wire.recv_exact(sock, tcp_wire.STATUS.size)
         except Exception as exc:  # every failure ends this read as FAILED with the reason
@@ -153,14 +154,16 @@ class TcpAgent(KVTransferAgent):
         finally:
             job.finished.set()
 
-    def _receive_blocks(self, sock: socket.socket, local: tuple[int, ...]) -> None:
+    def _receive_blocks(self, sock: socket.socket, local: tuple[int, ...], last: int) -> None:
         if self._host_blocks is not None:
-            tcp_wire.recv_exact_into_many(
-                sock, [memoryview(self._host_blocks[block]) for block in local])
+            views = [memoryview(self._host_blocks[block]) for block in local]
+            views[-1] = views[-1][:last]
+            tcp_wire.recv_exact_into_many(sock, views)
             return
-        staging = torch.empty((len(local), self.layout.block_bytes), dtype=torch.uint8,
+        staging = torch.zeros((len(local), self.layout.block_bytes), dtype=torch.uint8,
                               pin_memory=True)
-        tcp_wire.recv_exact_into(sock, memoryview(staging.numpy()).cast("B"))
+        flat = memoryview(staging.numpy()).cast("B")
+        tcp_wire.recv_exact_into(sock, flat[: len(flat) - (self.layout.block_bytes - last)])
         index = torch.tensor(local, device=self._blocks.device)
         self._blocks.index_copy_(0, index, staging.to(self._blocks.device, non_blocking=True))
         torch.cuda.current_stream(self._blocks.device).synchronize()

@@ -27,11 +27,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-READ_MAGIC = b"PDK1"
+READ_MAGIC = b"PDK2"
 ACK_MAGIC = b"PDKA"
 STATUS_OK = 0
 STATUS_ERROR = 1
-READ_HEADER = struct.Struct("!4sII")
+READ_HEADER = struct.Struct("!4sIIQ")  # magic, blocks, notify length, last block bytes
 REPLY_HEADER = struct.Struct("!BQ")
 STATUS = struct.Struct("!B")
 MAX_NOTIFY_BYTES = 1 << 16  # notifications are request ids, not payloads
@@ -92,21 +92,22 @@ def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     return bytes(buf)
 
 
-def encode_read(block_ids: Sequence[int], notify: bytes) -> bytes:
-    """The READ frame for ``block_ids`` with ``notify`` for the holder."""
-    return (READ_HEADER.pack(READ_MAGIC, len(block_ids), len(notify))
+def encode_read(block_ids: Sequence[int], notify: bytes, last_block_bytes: int) -> bytes:
+    """The READ frame for ``block_ids`` (the last one cut to ``last_block_bytes``) with
+    ``notify`` for the holder."""
+    return (READ_HEADER.pack(READ_MAGIC, len(block_ids), len(notify), last_block_bytes)
             + struct.pack(f"!{len(block_ids)}I", *block_ids) + notify)
 
 
-def decode_read(sock: socket.socket) -> tuple[list[int], bytes]:
-    """Read one READ frame; returns (block ids, notify)."""
-    magic, n_blocks, notify_len = READ_HEADER.unpack(recv_exact(sock, READ_HEADER.size))
+def decode_read(sock: socket.socket) -> tuple[list[int], bytes, int]:
+    """Read one READ frame; returns (block ids, notify, last block bytes)."""
+    magic, n_blocks, notify_len, last = READ_HEADER.unpack(recv_exact(sock, READ_HEADER.size))
     if magic != READ_MAGIC:
         raise WireError(f"bad READ magic {magic!r}, expected {READ_MAGIC!r}")
     if notify_len > MAX_NOTIFY_BYTES:
         raise WireError(f"notify is {notify_len} bytes, limit {MAX_NOTIFY_BYTES}")
     ids = list(struct.unpack(f"!{n_blocks}I", recv_exact(sock, 4 * n_blocks)))
-    return ids, recv_exact(sock, notify_len)
+    return ids, recv_exact(sock, notify_len), last
 
 
 def recv_reply_header(sock: socket.socket, expected_bytes: int) -> None:
@@ -150,15 +151,16 @@ class BlockServer:
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            ids, notify = decode_read(sock)
+            ids, notify, last = decode_read(sock)
             num_blocks, block_bytes = self._blocks.shape
             bad = [i for i in ids if i >= num_blocks]
-            if bad:
-                reason = f"block ids out of range [0, {num_blocks}): {bad[:8]}".encode()
+            if bad or not ids or not 0 < last <= block_bytes:
+                reason = (f"block ids out of range [0, {num_blocks}): {bad[:8]}" if bad else
+                          f"last block bytes {last} not in (0, {block_bytes}]").encode()
                 sock.sendall(REPLY_HEADER.pack(STATUS_ERROR, len(reason)) + reason)
                 return
-            sock.sendall(REPLY_HEADER.pack(STATUS_OK, len(ids) * block_bytes))
-            self._send_blocks(sock, ids)
+            sock.sendall(REPLY_HEADER.pack(STATUS_OK, (len(ids) - 1) * block_bytes + last))
+            self._send_blocks(sock, ids, last)
             if recv_exact(sock, len(ACK_MAGIC)) != ACK_MAGIC:
                 raise WireError("bad ACK magic")
             if notify:
@@ -168,12 +170,15 @@ class BlockServer:
             # The reader sees the broken connection and fails its read; nothing to undo here.
             logger.info("tcp kv read aborted: %s", exc)
 
-    def _send_blocks(self, sock: socket.socket, ids: list[int]) -> None:
+    def _send_blocks(self, sock: socket.socket, ids: list[int], last: int) -> None:
         if self._host is not None:
-            send_all_many(sock, [memoryview(self._host[i]) for i in ids])
+            views = [memoryview(self._host[i]) for i in ids]
+            views[-1] = views[-1][:last]
+            send_all_many(sock, views)
             return
         index = torch.tensor(ids, device=self._blocks.device)
-        sock.sendall(memoryview(self._blocks.index_select(0, index).cpu().numpy()))
+        flat = self._blocks.index_select(0, index).cpu().numpy().reshape(-1)
+        sock.sendall(memoryview(flat[: flat.size - (self._blocks.shape[1] - last)]))
 
     def close(self) -> None:
         """Stop accepting reads and release the port."""

@@ -41,6 +41,20 @@ def test_read_lands_exact_bytes_in_chosen_blocks_and_notifies_holder(holder, rea
     assert stats.seconds > 0
 
 
+def test_partial_last_block_moves_only_its_bytes(holder, reader):
+    peer = reader.add_remote(holder.metadata())
+    remote, local, tail = [2, 9, 6], [4, 7, 11], BLOCK_BYTES // 3
+    handle = reader.start_read(peer, remote, local, b"partial", last_block_bytes=tail)
+    assert reader.wait(handle, timeout_s=10) == TransferState.DONE, handle.error
+    expected, before = holder.expected_cache(), make_cache(12)
+    assert same_bytes(reader.cache[local[:2]], expected[remote[:2]])
+    got = reader.cache[local[2]].reshape(-1).view(torch.uint8)
+    assert torch.equal(got[:tail], expected[remote[2]].reshape(-1).view(torch.uint8)[:tail])
+    assert torch.equal(got[tail:], before[local[2]].reshape(-1).view(torch.uint8)[tail:])  # untouched
+    assert reader.stats.snapshot().bytes == 2 * BLOCK_BYTES + tail
+    assert holder.notifications(want=1) == [b"partial"]
+
+
 def test_stats_accumulate_over_reads_including_adjacent_runs(holder, reader):
     peer = reader.add_remote(holder.metadata())
     # Adjacent ids on both sides (NIXL may merge them) and a full-cache-sized read.
