@@ -79,8 +79,10 @@ class SdpaAttention:
         return out.squeeze(2)
 
     def _decode_group(self, q, k_cache, v_cache, tables: torch.Tensor, length: int) -> torch.Tensor:
-        k = gather_kv(k_cache, tables, length).transpose(1, 2)  # (G, nkv, S, hd)
-        v = gather_kv(v_cache, tables, length).transpose(1, 2)
+        # Contiguous (G, nkv, S, hd), the layout transformers' cache hands SDPA: the CPU kernel
+        # blocks differently for other strides, which changes float32 results in the last bits.
+        k = gather_kv(k_cache, tables, length).transpose(1, 2).contiguous()
+        v = gather_kv(v_cache, tables, length).transpose(1, 2).contiguous()
         out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=self.gqa)
         return out.squeeze(2)  # (G, nh, hd)
 

@@ -97,10 +97,14 @@ def model_config_from_hf(hf: Any, source: str) -> ModelConfig:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 everywhere: on CUDA for the usual reasons; on this project's CPUs
-    (AVX-512 BF16) benchmarks/engine.py measured it faster than float32 for decode batches
-    of 8+ and for prefill (see BENCHMARKS.md)."""
-    return torch.bfloat16
+    """bfloat16 on CUDA; float32 on CPU.
+
+    On CPU, bfloat16 matmuls (oneDNN) take a different kernel for a single row than for
+    several, so in bfloat16 a sequence's tokens would depend on how many others share its
+    decode batch: greedy output would stop being reproducible under load. float32 keeps
+    batched output equal to transformers' token for token; BENCHMARKS.md has the speed of both.
+    """
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 @dataclass(frozen=True)

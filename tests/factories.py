@@ -52,6 +52,22 @@ def make_engine(model_dir: Path | str, tokenizer=None, **kwargs) -> LLMEngine:
     return LLMEngine(model, model_cfg, config, tokenizer)
 
 
+def load_reference(directory, dtype: torch.dtype):
+    """transformers' model of a local directory, as the correctness oracle.
+
+    Its parameters are copied into fresh (64-byte aligned) memory: transformers leaves some
+    weights at the 8-byte-aligned offsets they have in the safetensors file, and MKL's
+    single-row float32 kernel rounds differently for such pointers (a 5e-7 difference that
+    can flip a near-tied greedy choice). Same weights, same math; only the alignment changes.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).eval()
+    for p in model.parameters():
+        p.data = p.data.clone()
+    return model
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
     """transformers' own greedy generate: the correctness oracle."""
     ids = torch.tensor([prompt])

@@ -8,6 +8,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import materialize
 from engine.sampling import SamplingParams
 from tests.engine.test_engine_batching import run_staggered
+from tests.factories import load_reference
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +33,7 @@ def prompts(engine):
 
 @pytest.fixture(scope="module")
 def reference(engine):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(materialize("default")), dtype=engine.dtype).eval()
+    return load_reference(materialize("default"), engine.dtype)
 
 
 def hf_generate(model, prompt, n):

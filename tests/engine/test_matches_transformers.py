@@ -4,7 +4,7 @@ each supported architecture (fast; the default model's check is in test_default_
 import pytest
 import torch
 
-from tests.factories import hf_greedy, make_engine, make_hf_model, random_prompts, save_hf_model
+from tests.factories import hf_greedy, load_reference, make_engine, make_hf_model, random_prompts, save_hf_model
 from engine.sampling import SamplingParams
 
 VARIANTS = {
@@ -48,9 +48,7 @@ def test_stops_at_eos_like_transformers(tiny_llama_dir):
 
 def test_bfloat16_greedy_matches_transformers_in_bfloat16(tiny_llama_dir, tmp_path):
     directory, _ = tiny_llama_dir
-    from transformers import AutoModelForCausalLM
-
-    hf16 = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.bfloat16).eval()
+    hf16 = load_reference(directory, torch.bfloat16)
     engine = make_engine(directory, dtype="bfloat16")
     prompts = random_prompts(3, [5, 33, 100], seed=2)
     for prompt, out in zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))):

@@ -1,0 +1,47 @@
+"""A real local cluster for the serving tests: Ray actors, gRPC, NIXL, the default model."""
+
+import grpc
+import pytest
+
+from cluster.local import ClusterConfig, LocalCluster
+from engine.config import CacheConfig, EngineConfig
+from protos import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+# Every KV read is held back this long so a test can see the first token arrive before the
+# decode worker has its KV (the fault-injection hook of kv_transfer).
+TRANSFER_DELAY_S = 0.5
+LEASE_S = 4.0
+
+
+@pytest.fixture(scope="package")
+def cluster():
+    config = ClusterConfig(
+        engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=192 << 20)),
+        num_prefill=2, num_decode=2, port=0, lease_seconds=LEASE_S,
+        inject_transfer_delay_s=TRANSFER_DELAY_S, threads_per_worker=1)
+    c = LocalCluster(config)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="package")
+def channel(cluster):
+    with grpc.insecure_channel(cluster.address) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="package")
+def stub(channel):
+    return pdserve_pb2_grpc.GenerationStub(channel)
+
+
+def worker_stats(address: str, role: str) -> worker_pb2.WorkerStats:
+    with grpc.insecure_channel(address) as ch:
+        cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        return cls(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
+
+
+def all_stats(cluster) -> list[worker_pb2.WorkerStats]:
+    return ([worker_stats(a, "prefill") for a in cluster.prefill_addresses]
+            + [worker_stats(a, "decode") for a in cluster.decode_addresses])

@@ -1,0 +1,194 @@
+"""End to end through the gRPC API: prefill and decode in different processes, KV over NIXL."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+
+from engine.loader import materialize
+from protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.factories import load_reference
+from tests.serving.conftest import LEASE_S, TRANSFER_DELAY_S, all_stats, worker_stats
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers.",
+             "Explain gravity to a child in two sentences.", "Hi"]
+
+
+def chat_request(question: str, max_tokens: int = 32, **sampling) -> pdserve_pb2.GenerateRequest:
+    req = pdserve_pb2.GenerateRequest(sampling=pdserve_pb2.SamplingParams(max_tokens=max_tokens, **sampling))
+    req.chat.messages.add(role="user", content=question)
+    return req
+
+
+def collect(responses) -> tuple[list[int], str, list]:
+    ids, text, all_resps = [], "", []
+    for r in responses:
+        ids += list(r.token_ids)
+        text += r.text
+        all_resps.append(r)
+    return ids, text, all_resps
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers on the same weights, in the cluster's dtype."""
+    from transformers import AutoTokenizer
+
+    from engine.config import default_dtype
+
+    directory = materialize("default")
+    return load_reference(directory, default_dtype(torch.device("cpu"))), AutoTokenizer.from_pretrained(str(directory))
+
+
+def hf_chat_greedy(reference, question: str, max_tokens: int) -> list[int]:
+    model, tok = reference
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_equals_transformers_across_processes(stub, reference):
+    for q in QUESTIONS:
+        ids, text, resps = collect(stub.Generate(chat_request(q), timeout=120))
+        assert ids == hf_chat_greedy(reference, q, 32), q
+        assert resps[-1].finish_reason in (pdserve_pb2.FINISH_REASON_STOP, pdserve_pb2.FINISH_REASON_LENGTH)
+        assert resps[-1].usage.completion_tokens == len(ids)
+
+
+def test_kv_moved_over_nixl_and_decode_ran_no_prompt_forward(cluster, stub):
+    before = all_stats(cluster)
+    ids, _, resps = collect(stub.Generate(chat_request("Tell me a fun fact about octopuses.", 20, ignore_eos=True),
+                                          timeout=120))
+    after = all_stats(cluster)
+    prompt_tokens = resps[-1].usage.prompt_tokens
+    delta = {a.worker_id: (a.kv_transfer_bytes - b.kv_transfer_bytes, a.num_forward_tokens - b.num_forward_tokens,
+                           a.kv_transfers - b.kv_transfers) for a, b in zip(after, before)}
+    decode = [d for w, d in delta.items() if w.startswith("decode") and d[2]]
+    prefill = [d for w, d in delta.items() if w.startswith("prefill") and d[1]]
+    assert len(decode) == 1 and len(prefill) == 1
+    kv_bytes, decode_forward, transfers = decode[0]
+    assert kv_bytes == prompt_tokens * after[0].kv_bytes_per_token
+    assert decode_forward == len(ids) - 1  # one decode step per token after the first: no prompt
+    # The prefill worker computed the prompt, minus what its prefix cache already held.
+    assert prefill[0][1] == prompt_tokens - resps[-1].usage.cached_prompt_tokens
+
+
+def test_first_token_arrives_before_the_kv_transfer_finishes(cluster, stub):
+    before = sum(s.kv_transfers for s in all_stats(cluster) if s.role == "decode")
+    t0 = time.monotonic()
+    stream = stub.Generate(chat_request("Count to five.", 12, ignore_eos=True), timeout=120)
+    first = next(stream)
+    t_first = time.monotonic() - t0
+    during = sum(s.kv_transfers for s in all_stats(cluster) if s.role == "decode")
+    rest = list(stream)
+    t_second = None if not rest else time.monotonic() - t0
+    assert first.token_ids and during == before, "the pull had already finished when the first token arrived"
+    assert rest and rest[-1].usage.completion_tokens == 12
+    assert t_second - t_first >= TRANSFER_DELAY_S * 0.8
+
+
+def test_sixteen_concurrent_streams_complete_and_free_every_block(cluster, stub, reference):
+    questions = [f"{q} (variant {i})" for i, q in enumerate(QUESTIONS * 4)][:16]
+
+    async def one(aio_stub, q):
+        ids = []
+        async for r in aio_stub.Generate(chat_request(q, 24), timeout=300):
+            ids += list(r.token_ids)
+        return ids
+
+    async def run_all():
+        async with grpc.aio.insecure_channel(cluster.address) as ch:
+            aio_stub = pdserve_pb2_grpc.GenerationStub(ch)
+            return await asyncio.gather(*(one(aio_stub, q) for q in questions))
+
+    outputs = asyncio.run(run_all())
+    for q, ids in zip(questions, outputs):
+        assert ids == hf_chat_greedy(reference, q, 24), q
+    used = {s.worker_id: s.kv_transfers for s in all_stats(cluster)}
+    assert all(used[w] > 0 for w in used if w.startswith("decode")), "both decode workers should serve"
+    assert_all_blocks_free(cluster)
+
+
+def assert_all_blocks_free(cluster, timeout_s: float = 10.0) -> None:
+    """Every worker's blocks free and no lease held (prefill frees on NIXL's notification)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = all_stats(cluster)
+        busy = {s.worker_id: (s.num_blocks_used, s.num_held_leases) for s in stats
+                if s.num_blocks_used or s.num_held_leases}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"blocks still in use: {busy}"
+        time.sleep(0.1)
+
+
+def test_lease_expiry_frees_kv_nobody_pulls(cluster):
+    address = cluster.prefill_addresses[0]
+    with grpc.insecure_channel(address) as ch:
+        prefill = worker_pb2_grpc.PrefillWorkerStub(ch)
+        resp = prefill.Prefill(worker_pb2.PrefillRequest(
+            request_id="orphan", prompt_token_ids=list(range(100, 150)),
+            sampling=pdserve_pb2.SamplingParams(max_tokens=10, ignore_eos=True)), timeout=60)
+    assert len(resp.kv.block_ids) == 4 and resp.kv.lease_id
+    held = worker_stats(address, "prefill")
+    assert held.num_held_leases == 1 and held.num_blocks_used == 4
+    time.sleep(LEASE_S + 0.5)
+    after = worker_stats(address, "prefill")
+    assert (after.num_held_leases, after.num_blocks_used) == (0, 0)
+    assert after.leases_expired == held.leases_expired + 1
+
+
+def test_abort_during_decode_frees_blocks_on_both_sides(cluster, stub):
+    stream = stub.Generate(chat_request("Write a very long story about a dragon.", 400, ignore_eos=True),
+                           timeout=120)
+    got = []
+    for r in stream:
+        got += list(r.token_ids)
+        if len(got) >= 5:
+            rid = r.request_id
+            assert stub.Abort(pdserve_pb2.AbortRequest(request_id=rid)).found
+            break
+    tail = list(stream)
+    assert tail and tail[-1].finish_reason == pdserve_pb2.FINISH_REASON_ABORT
+    assert len(got) + sum(len(r.token_ids) for r in tail) < 400
+    assert_all_blocks_free(cluster)
+
+
+def test_cancelled_client_stream_frees_blocks_on_both_sides(cluster, stub):
+    stream = stub.Generate(chat_request("Describe every planet in detail.", 400, ignore_eos=True), timeout=120)
+    for i, _ in enumerate(stream):
+        if i >= 5:
+            stream.cancel()
+            break
+    time.sleep(0.5)
+    assert_all_blocks_free(cluster)
+
+
+def test_bad_input_is_invalid_argument_naming_the_field(stub):
+    cases = [
+        (pdserve_pb2.GenerateRequest(text="hi", sampling=pdserve_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=[10**7])), "prompt_token_ids"),
+        (pdserve_pb2.GenerateRequest(text="hi", sampling=pdserve_pb2.SamplingParams(max_tokens=100000)), "max_tokens"),
+        (pdserve_pb2.GenerateRequest(sampling=pdserve_pb2.SamplingParams(max_tokens=4)), "input"),
+        (pdserve_pb2.GenerateRequest(text="hi", model="gpt-9"), "model"),
+    ]
+    for req, field in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+
+
+def test_list_models_and_health(channel, stub):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    models = stub.ListModels(pdserve_pb2.ListModelsRequest()).models
+    assert models[0].id == "smollm2" and models[0].max_model_len == 8192
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
