@@ -2,7 +2,7 @@
 
 Builds the packed token ids, positions and the ``AttentionContext`` (slot mapping, block
 tables, lengths) from the scheduler's output, hands every attention layer its slice of the
-cache once at start, runs the forward, and samples the sequences that finished their
+cache, runs the forward, and samples the sequences that finished their
 prompt or are decoding.
 """
 
@@ -30,14 +30,17 @@ class ModelRunner:
         self.device = cache.device
         self.backend = select_backend(attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads,
                                       cfg.head_dim, self.block_size)
-        for i, attn in enumerate(model.attention_layers):
-            attn.bind_cache(*layer_views(cache, i), self.backend)
+        self._layer_caches = [layer_views(cache, i) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed)
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> SampledTokens:
         input_ids, positions, ctx, sample_idx = self.prepare(out)
+        # Bound every step (30-odd attribute writes), so engines that share one model object
+        # (tests do) never run on each other's cache.
+        for attn, (k, v) in zip(self.model.attention_layers, self._layer_caches):
+            attn.bind_cache(k, v, self.backend)
         hidden = self.model(input_ids, positions, ctx)
         self.num_forward_tokens += input_ids.shape[0]
         sampled = [s for s in out.seqs if s.sample]
