@@ -74,6 +74,8 @@ class RequestRun:
             params = dataclasses.replace(self.req.params, stop=(),
                                          max_tokens=self.req.params.max_tokens - len(self.progress.token_ids))
             worker_rid = f"{self.req.request_id}#{attempt}"
+            if not any(w.role == "decode" and w.routable for w in self.pool.snapshots()):
+                raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")  # before prefill work
             pre, prefill_addr = await self._prefill(worker_rid, prompt, params)
             if attempt == 0:
                 self.progress.cached_tokens = pre.num_cached_tokens

@@ -13,25 +13,31 @@ TRANSFER_DELAY_S = 0.5
 LEASE_S = 4.0
 
 
-@pytest.fixture(scope="package")
-def cluster():
+def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TRANSFER_DELAY_S) -> LocalCluster:
     config = ClusterConfig(
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=192 << 20)),
-        num_prefill=2, num_decode=2, port=0, lease_seconds=LEASE_S,
-        inject_transfer_delay_s=TRANSFER_DELAY_S, threads_per_worker=1)
+        num_prefill=num_prefill, num_decode=num_decode, port=0, lease_seconds=LEASE_S,
+        inject_transfer_delay_s=delay_s, threads_per_worker=1)
     c = LocalCluster(config)
     c.start()
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """2 prefill + 2 decode workers; each module gets its own (one cluster alive at a time)."""
+    c = start_cluster()
     yield c
     c.stop()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def channel(cluster):
     with grpc.insecure_channel(cluster.address) as ch:
         yield ch
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def stub(channel):
     return pdserve_pb2_grpc.GenerationStub(channel)
 
