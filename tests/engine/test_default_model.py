@@ -56,6 +56,17 @@ def test_greedy_equals_transformers_generate(engine, prompts, reference):
     assert engine.num_free_blocks == engine.blocks.num_blocks
 
 
+def test_bfloat16_greedy_equals_transformers_in_bfloat16(engine, prompts):
+    """One request at a time: in bfloat16 the CPU kernels are exact against transformers for a
+    lone sequence (batches are not: see engine/config.py's default_dtype)."""
+    bf16 = LLMEngine.from_config(EngineConfig(dtype="bfloat16", attention_backend="sdpa",
+                                              cache=CacheConfig(num_blocks=256)), progress=False)
+    reference16 = load_reference(materialize("default"), torch.bfloat16)
+    params = SamplingParams(max_tokens=16)
+    for prompt in prompts:
+        assert bf16.generate([prompt], params)[0].token_ids == hf_generate(reference16, prompt, 16)
+
+
 def test_concurrent_with_preemption_equals_alone(engine, prompts):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]

@@ -185,10 +185,15 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub):
         assert field in err.value.details()
 
 
-def test_list_models_and_health(channel, stub):
+def test_list_models_health_and_reflection(channel, stub):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     models = stub.ListModels(pdserve_pb2.ListModelsRequest()).models
     assert models[0].id == "smollm2" and models[0].max_model_len == 8192
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+    replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    services = {s.name for s in next(replies).list_services_response.service}
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= services

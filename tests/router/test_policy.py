@@ -1,0 +1,45 @@
+"""The routing policy: pure functions over worker snapshots."""
+
+from router.policy import WorkerSnapshot, pick_decode, pick_prefill
+
+
+def p(wid, queued=0, healthy=True, draining=False, inflight=0):
+    return WorkerSnapshot(wid, "prefill", healthy, draining, queued_tokens=queued, inflight=inflight)
+
+
+def d(wid, used=0, total=100, healthy=True, draining=False, inflight=0):
+    return WorkerSnapshot(wid, "decode", healthy, draining, blocks_used=used, blocks_total=total, inflight=inflight)
+
+
+def test_prefill_goes_to_the_least_queued_tokens():
+    assert pick_prefill([p("a", 500), p("b", 20), p("c", 300)]).worker_id == "b"
+
+
+def test_prefill_ties_break_on_inflight_then_id():
+    assert pick_prefill([p("b", 10, inflight=2), p("a", 10, inflight=2), p("c", 10, inflight=1)]).worker_id == "c"
+    assert pick_prefill([p("b", 10), p("a", 10)]).worker_id == "a"
+
+
+def test_unhealthy_draining_and_excluded_prefill_workers_are_skipped():
+    workers = [p("a", 0, healthy=False), p("b", 0, draining=True), p("c", 900), p("d", 5)]
+    assert pick_prefill(workers, exclude=frozenset({"d"})).worker_id == "c"
+
+
+def test_no_prefill_worker_says_why():
+    choice = pick_prefill([p("a", healthy=False), d("x")])
+    assert choice.worker_id is None and "prefill" in choice.reason
+
+
+def test_decode_goes_to_the_least_used_fraction_of_kv():
+    assert pick_decode([d("a", 50, 100), d("b", 60, 200), d("c", 10, 10)], blocks_needed=1).worker_id == "b"
+
+
+def test_decode_skips_workers_that_cannot_fit_the_request():
+    assert pick_decode([d("a", 95, 100), d("b", 97, 200)], blocks_needed=10).worker_id == "b"
+    full = pick_decode([d("a", 95, 100)], blocks_needed=10)
+    assert full.worker_id is None and "full" in full.reason
+
+
+def test_decode_ignores_prefill_workers_and_the_excluded():
+    assert pick_decode([p("a"), d("b", 90), d("c", 0)], 1, exclude=frozenset({"c"})).worker_id == "b"
+    assert pick_decode([p("a")], 1).worker_id is None
