@@ -7,7 +7,6 @@ address. ``stop()`` stops them in reverse order and shuts Ray down if it started
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ class ClusterConfig:
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
     ray_address: str | None = None  # join this Ray cluster instead of starting one
     model_name: str = "smollm2"
+    router_poll_s: float = 0.2  # how often the router reads every worker's stats
 
     def worker_threads(self) -> int:
         if self.threads_per_worker:
@@ -111,6 +111,7 @@ class LocalCluster:
         self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
         self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
         router_cfg = RouterConfig(engine=cfg.engine, model_name=cfg.model_name, host=cfg.host, port=cfg.port,
+                                  stats_interval_s=cfg.router_poll_s,
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
         self.router = ServerActor.remote("router", router_cfg)
@@ -128,7 +129,3 @@ class LocalCluster:
             ray.kill(actor)
         if self._started_ray:
             ray.shutdown()
-
-
-def with_engine(config: ClusterConfig, **engine_changes) -> ClusterConfig:
-    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, **engine_changes))

@@ -43,6 +43,9 @@ class RouterLimits:
     max_prefill_attempts: int = 3  # prefill workers tried for one prefill
     max_migrations: int = 3  # times one request may move to a new prefill/decode pair
     prefill_timeout_s: float = 600.0
+    # Beyond this many queued prompt tokens on every prefill worker, new requests get
+    # RESOURCE_EXHAUSTED instead of waiting (at ~600 tok/s per CPU worker: ~100 s of work).
+    max_queued_tokens_per_prefill: int = 65536
 
 
 @dataclass
@@ -74,8 +77,7 @@ class RequestRun:
             params = dataclasses.replace(self.req.params, stop=(),
                                          max_tokens=self.req.params.max_tokens - len(self.progress.token_ids))
             worker_rid = f"{self.req.request_id}#{attempt}"
-            if not any(w.role == "decode" and w.routable for w in self.pool.snapshots()):
-                raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")  # before prefill work
+            self._check_decode_capacity(len(prompt) + params.max_tokens)  # before any prefill work
             pre, prefill_addr = await self._prefill(worker_rid, prompt, params)
             if attempt == 0:
                 self.progress.cached_tokens = pre.num_cached_tokens
@@ -103,6 +105,11 @@ class RequestRun:
                 if kv_owned:
                     self._release_later(prefill_addr, pre.kv.lease_id)
 
+    def _check_decode_capacity(self, total_tokens: int) -> None:
+        choice = pick_decode(self.pool.snapshots(), -(-total_tokens // self.model.block_size))
+        if choice.worker_id is None:
+            raise _route_error(choice)
+
     # ---- prefill -------------------------------------------------------------------
     async def _prefill(self, worker_rid: str, prompt: list[int], params) -> tuple[worker_pb2.PrefillResponse, str]:
         request = worker_pb2.PrefillRequest(request_id=worker_rid, prompt_token_ids=prompt,
@@ -110,8 +117,11 @@ class RequestRun:
         tried: set[str] = set()
         last = "no prefill worker"
         for _ in range(self.limits.max_prefill_attempts):
-            choice = pick_prefill(self.pool.snapshots(), frozenset(tried))
+            choice = pick_prefill(self.pool.snapshots(), frozenset(tried), len(prompt),
+                                  self.limits.max_queued_tokens_per_prefill)
             if choice.worker_id is None:
+                if choice.saturated:
+                    raise _route_error(choice)
                 break
             client = self.pool.workers[choice.worker_id]
             tried.add(client.address)
@@ -140,10 +150,9 @@ class RequestRun:
         while True:
             choice = pick_decode(self.pool.snapshots(), blocks, frozenset(tried))
             if choice.worker_id is None:
-                if tried:
+                if tried and not choice.saturated:
                     raise _DecodeLost(choice.reason)
-                raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED
-                                 if "full" in choice.reason else grpc.StatusCode.UNAVAILABLE, choice.reason)
+                raise _route_error(choice)
             client = self.pool.workers[choice.worker_id]
             tried.add(client.address)
             call = client.stub.Decode(request)
@@ -212,6 +221,13 @@ async def _ignore_errors(awaitable) -> None:
         await awaitable
     except grpc.aio.AioRpcError:
         pass
+
+
+def _route_error(choice) -> Exception:
+    if choice.too_large:
+        return InvalidRequestError("max_tokens", choice.reason)
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if choice.saturated else grpc.StatusCode.UNAVAILABLE
+    return RouteError(code, choice.reason)
 
 
 def _field(exc: grpc.aio.AioRpcError) -> str:

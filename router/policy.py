@@ -31,13 +31,22 @@ class WorkerSnapshot:
 class Choice:
     worker_id: str | None  # None: nobody can take it
     reason: str
+    saturated: bool = False  # nobody can take it now, but could later (RESOURCE_EXHAUSTED)
+    too_large: bool = False  # nobody could ever take it (INVALID_ARGUMENT)
 
 
-def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = frozenset()) -> Choice:
-    """The routable prefill worker with the fewest queued prompt tokens (ties: fewest in flight, then id)."""
+def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = frozenset(),
+                 prompt_tokens: int = 0, max_queued_tokens: int | None = None) -> Choice:
+    """The routable prefill worker with the fewest queued prompt tokens (ties: fewest in flight,
+    then id). With ``max_queued_tokens``, a worker whose queue would pass it is full."""
     candidates = [w for w in workers if w.role == "prefill" and w.routable and w.worker_id not in exclude]
     if not candidates:
         return Choice(None, "no healthy prefill worker")
+    if max_queued_tokens is not None:
+        candidates = [w for w in candidates if w.queued_tokens + prompt_tokens <= max_queued_tokens]
+        if not candidates:
+            return Choice(None, f"every prefill worker's queue is full ({max_queued_tokens} prompt tokens each)",
+                          saturated=True)
     best = min(candidates, key=lambda w: (w.queued_tokens, w.inflight, w.worker_id))
     return Choice(best.worker_id, f"least queued prompt tokens ({best.queued_tokens})")
 
@@ -52,8 +61,13 @@ def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
     candidates = [w for w in workers if w.role == "decode" and w.routable and w.worker_id not in exclude]
     if not candidates:
         return Choice(None, "no healthy decode worker")
+    largest = max(w.blocks_total for w in candidates)
+    if blocks_needed > largest:
+        return Choice(None, f"prompt + max_tokens needs {blocks_needed} KV blocks; the largest decode "
+                      f"worker holds {largest}", too_large=True)
     fitting = [w for w in candidates if w.blocks_total - w.blocks_used >= blocks_needed]
     if not fitting:
-        return Choice(None, f"every decode worker's KV cache is full (request needs {blocks_needed} blocks)")
+        return Choice(None, f"every decode worker's KV cache is full (request needs {blocks_needed} blocks)",
+                      saturated=True)
     best = min(fitting, key=lambda w: (w.blocks_used / max(w.blocks_total, 1), w.inflight, w.worker_id))
     return Choice(best.worker_id, f"least KV in use ({best.blocks_used}/{best.blocks_total} blocks)")

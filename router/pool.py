@@ -31,6 +31,7 @@ class WorkerClient:
     local_blocks: int = 0  # blocks of streams placed since the last stats
     inflight: int = 0
     draining: bool = False
+    epoch: int = 0  # stats polls so far; local_* count only what was placed since the last
 
     def snapshot(self) -> WorkerSnapshot:
         s = self.stats or worker_pb2.WorkerStats()
@@ -97,6 +98,7 @@ class WorkerPool:
             w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=2)
             w.healthy = True
             w.local_tokens = w.local_blocks = 0  # the fresh stats include what we sent
+            w.epoch += 1
         except grpc.aio.AioRpcError as exc:
             if w.healthy:
                 log.warning("worker %s unreachable: %s", w.address, exc.code().name)
@@ -104,7 +106,12 @@ class WorkerPool:
 
     @contextlib.contextmanager
     def placed(self, client: WorkerClient, tokens: int = 0, blocks: int = 0):
-        """Count a request's load on ``client`` while it runs there."""
+        """Count a request's load on ``client`` while it runs there.
+
+        Until the next stats poll the worker's own numbers do not include it, so it is added
+        locally; if it ends before that poll, it is taken off again.
+        """
+        epoch = client.epoch
         client.inflight += 1
         client.local_tokens += tokens
         client.local_blocks += blocks
@@ -112,3 +119,6 @@ class WorkerPool:
             yield client
         finally:
             client.inflight -= 1
+            if client.epoch == epoch:
+                client.local_tokens = max(0, client.local_tokens - tokens)
+                client.local_blocks = max(0, client.local_blocks - blocks)

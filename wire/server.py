@@ -1,5 +1,5 @@
-"""Running a role's asyncio gRPC server: in the foreground (``python -m ROLE``) or on a
-background thread of a Ray actor. Every server also serves ``grpc.health.v1``."""
+"""Running a role's asyncio gRPC server on a background thread of a Ray actor. Every server
+also serves ``grpc.health.v1``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,20 @@ class RunningServer:
             result = fn()
             if asyncio.iscoroutine(result):
                 await result
+
+
+async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server, str], None],
+                       service: str, on_stop: list[Callable[[], object]]) -> RunningServer:
+    """Bind, let ``register`` add the servicers (it gets the bound address), add health, start."""
+    from wire.grpc_util import aio_server, bind
+
+    server = aio_server()
+    address = bind(server, host, port)
+    register(server, address)
+    health = add_health(server, [service])
+    await server.start()
+    await set_serving(health, [service], True)
+    return RunningServer(address, server, health, on_stop)
 
 
 def add_health(server: grpc.aio.Server, services: list[str]) -> health.aio.HealthServicer:
@@ -65,12 +79,3 @@ class ServerThread:
             self.submit(self.running.stop(grace_s))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
-
-
-async def serve_forever(start: Callable[[], Awaitable[RunningServer]]) -> None:
-    running = await start()
-    print(f"listening on {running.address}", flush=True)
-    try:
-        await running.server.wait_for_termination()
-    finally:
-        await running.stop()

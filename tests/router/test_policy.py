@@ -43,3 +43,17 @@ def test_decode_skips_workers_that_cannot_fit_the_request():
 def test_decode_ignores_prefill_workers_and_the_excluded():
     assert pick_decode([p("a"), d("b", 90), d("c", 0)], 1, exclude=frozenset({"c"})).worker_id == "b"
     assert pick_decode([p("a")], 1).worker_id is None
+
+
+def test_prefill_queues_past_the_limit_are_saturated():
+    workers = [p("a", 900), p("b", 950)]
+    assert pick_prefill(workers, prompt_tokens=100, max_queued_tokens=1000).worker_id == "a"
+    full = pick_prefill(workers, prompt_tokens=200, max_queued_tokens=1000)
+    assert full.worker_id is None and full.saturated and "queue is full" in full.reason
+
+
+def test_decode_distinguishes_full_now_from_too_large_ever():
+    busy = pick_decode([d("a", 95, 100)], blocks_needed=10)
+    assert busy.saturated and not busy.too_large
+    huge = pick_decode([d("a", 0, 100), d("b", 0, 120)], blocks_needed=500)
+    assert huge.too_large and "120" in huge.reason

@@ -177,6 +177,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub):
         (pdserve_pb2.GenerateRequest(text="hi", sampling=pdserve_pb2.SamplingParams(max_tokens=100000)), "max_tokens"),
         (pdserve_pb2.GenerateRequest(sampling=pdserve_pb2.SamplingParams(max_tokens=4)), "input"),
         (pdserve_pb2.GenerateRequest(text="hi", model="gpt-9"), "model"),
+        # fits the model's 8192-token context but no decode worker's KV cache (~4,160 tokens here)
+        (pdserve_pb2.GenerateRequest(text="hi", sampling=pdserve_pb2.SamplingParams(max_tokens=6000)), "max_tokens"),
     ]
     for req, field in cases:
         with pytest.raises(grpc.RpcError) as err:

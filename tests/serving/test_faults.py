@@ -20,7 +20,9 @@ DELAY_S = 1.0  # every KV read waits this long: time to kill a worker between tw
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = start_cluster(num_prefill=3, num_decode=2, delay_s=DELAY_S)
+    # The router polls stats rarely here, so it learns of a dead worker from a failed call,
+    # which is the path these tests are after.
+    c = start_cluster(num_prefill=3, num_decode=2, delay_s=DELAY_S, router_poll_s=30.0)
     yield c
     c.stop()
 
