@@ -20,6 +20,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port (default 50051)")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (default 8000; -1: off)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -49,7 +50,8 @@ def serve(args) -> int:
                           cache=CacheConfig(block_size=args.block_size,
                                             memory_budget_bytes=int(args.kv_cache_gib * (1 << 30))))
     config = ClusterConfig(engine=engine, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
-                           port=args.port, kv_transfer_backend=args.kv_transfer_backend,
+                           port=args.port, http_port=None if args.http_port < 0 else args.http_port,
+                           kv_transfer_backend=args.kv_transfer_backend,
                            lease_seconds=args.lease_seconds, threads_per_worker=args.threads_per_worker,
                            ray_address=args.address)
     cluster = LocalCluster(config)
@@ -58,7 +60,8 @@ def serve(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         address = cluster.start()
-        print(f"pdserve: gRPC API listening on {address} "
+        http = f", OpenAI HTTP API on http://{cluster.http_address}/v1" if cluster.http_address else ""
+        print(f"pdserve: gRPC API listening on {address}{http} "
               f"({args.prefill} prefill, {args.decode} decode worker(s)); Ctrl-C stops", flush=True)
         stop.wait()
     finally:

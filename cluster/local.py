@@ -25,6 +25,7 @@ class ClusterConfig:
     num_decode: int = 1
     host: str = "127.0.0.1"
     port: int = 50051  # the router's public gRPC port
+    http_port: int | None = 8000  # the router's OpenAI-compatible HTTP port; None: off
     kv_transfer_backend: str = "nixl"
     lease_seconds: float = 30.0
     transfer_timeout_s: float = 10.0
@@ -70,6 +71,9 @@ class ServerActor:
     def start(self) -> str:
         return self._server.start()
 
+    def http_address(self) -> str | None:
+        return self._server.running.http_address
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -86,6 +90,7 @@ class LocalCluster:
         self.prefill_addresses: list[str] = []
         self.decode_addresses: list[str] = []
         self.address: str | None = None
+        self.http_address: str | None = None
         self._started_ray = False
 
     def start(self) -> str:
@@ -111,11 +116,13 @@ class LocalCluster:
         self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
         self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
         router_cfg = RouterConfig(engine=cfg.engine, model_name=cfg.model_name, host=cfg.host, port=cfg.port,
+                                  http_port=cfg.http_port,
                                   stats_interval_s=cfg.router_poll_s,
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
         self.router = ServerActor.remote("router", router_cfg)
         self.address = ray.get(self.router.start.remote())
+        self.http_address = ray.get(self.router.http_address.remote())
         return self.address
 
     def stop(self) -> None:

@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.loader import materialize, read_model_config
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2, pdserve_pb2_grpc
+from router import http_api
 from router.frontend import ModelInfo
 from router.orchestrator import RouterLimits
 from router.pool import WorkerPool
@@ -27,6 +28,7 @@ class RouterConfig:
     model_name: str = "smollm2"  # the id ListModels and the OpenAI API report
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int | None = 8000  # OpenAI-compatible HTTP; None: gRPC only
     prefill_addresses: tuple[str, ...] = ()
     decode_addresses: tuple[str, ...] = ()
     stats_interval_s: float = 0.2
@@ -58,6 +60,9 @@ async def start(config: RouterConfig) -> RunningServer:
     reflection.enable_server_reflection(names, server)
     await server.start()
     running = RunningServer(address, server, health, [pool.close], service)
+    if config.http_port is not None:
+        runner, running.http_address = await http_api.start(service, config.host, config.http_port)
+        running.on_stop.insert(0, runner.cleanup)
     asyncio.create_task(_track_health(pool, health))
     return running
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import AsyncIterator
 
 import grpc
 
@@ -25,14 +26,16 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         self.running: dict[str, tuple[asyncio.Task, RequestRun]] = {}
         self.aborted: set[str] = set()
 
-    async def Generate(self, request, context):
-        try:
-            prepared = prepare(request, self.model)
-        except InvalidRequestError as exc:
-            await abort_invalid(context, exc)
+    async def run(self, request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """One request's responses, for every front (gRPC here, HTTP in http_api.py).
+
+        Raises ``InvalidRequestError`` or ``RouteError``; an ``Abort`` ends the stream with a
+        FINISH_REASON_ABORT response, a cancelled caller cleans up on the way out.
+        """
+        prepared = prepare(request, self.model)
         rid = prepared.request_id
         if rid in self.running:
-            await abort_invalid(context, InvalidRequestError("request_id", f"{rid!r} is already running"))
+            raise InvalidRequestError("request_id", f"{rid!r} is already running")
         run = RequestRun(prepared, self.model, self.pool, self.limits)
         self.running[rid] = (asyncio.current_task(), run)
         try:
@@ -43,13 +46,18 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
                 raise  # the client went away; cleanup ran on the way out
             yield pdserve_pb2.GenerateResponse(request_id=rid, finish_reason=pdserve_pb2.FINISH_REASON_ABORT,
                                                usage=run.usage())
+        finally:
+            self.running.pop(rid, None)
+            self.aborted.discard(rid)
+
+    async def Generate(self, request, context):
+        try:
+            async for resp in self.run(request):
+                yield resp
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
         except RouteError as exc:
             await context.abort(exc.code, str(exc))
-        finally:
-            self.running.pop(rid, None)
-            self.aborted.discard(rid)
 
     async def Abort(self, request, context):
         entry = self.running.get(request.request_id)

@@ -19,6 +19,7 @@ class RunningServer:
     health: health.aio.HealthServicer
     on_stop: list[Callable[[], object]] = field(default_factory=list)
     service: object = None  # the main servicer, for in-process callers (tests, the HTTP front)
+    http_address: str | None = None  # the router's OpenAI HTTP front
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -26,14 +26,14 @@ def test_help_lists_the_commands():
 
 def test_serve_generate_and_ctrl_c(tmp_path):
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([str(PDSERVE), "serve", "--port", "0", "--kv-cache-gib", "0.2"],
+    proc = subprocess.Popen([str(PDSERVE), "serve", "--port", "0", "--http-port", "0", "--kv-cache-gib", "0.2"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         address = None
         deadline = time.monotonic() + 180
         while address is None and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)
-            found = re.search(r"gRPC API listening on (\S+)", (tmp_path / "serve.log").read_text())
+            found = re.search(r"gRPC API listening on ([\d.]+:\d+)", (tmp_path / "serve.log").read_text())
             address = found and found.group(1)
         assert address, (tmp_path / "serve.log").read_text()[-3000:]
         out = subprocess.run([str(PDSERVE), "generate", "What is the capital of France?", "--address", address,

@@ -18,27 +18,27 @@ def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TR
     config = ClusterConfig(
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=192 << 20)),
         num_prefill=num_prefill, num_decode=num_decode, port=0, lease_seconds=LEASE_S,
-        inject_transfer_delay_s=delay_s, threads_per_worker=1, router_poll_s=router_poll_s)
+        inject_transfer_delay_s=delay_s, threads_per_worker=1, router_poll_s=router_poll_s, http_port=0)
     c = LocalCluster(config)
     c.start()
     return c
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def cluster():
-    """2 prefill + 2 decode workers; each module gets its own (one cluster alive at a time)."""
+    """2 prefill + 2 decode workers, shared by the serving tests (test_faults has its own)."""
     c = start_cluster()
     yield c
     c.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def channel(cluster):
     with grpc.insecure_channel(cluster.address) as ch:
         yield ch
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def stub(channel):
     return pdserve_pb2_grpc.GenerationStub(channel)
 

@@ -5,7 +5,11 @@ import os
 import signal
 import time
 
+import urllib.error
+import urllib.request
+
 import grpc
+import openai
 import pytest
 import ray
 
@@ -121,3 +125,11 @@ def test_with_no_decode_worker_left_the_client_gets_unavailable(cluster, stub):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "decode" in err.value.details()
     assert_live_blocks_free(cluster, DEAD)  # the prefill side freed what nobody will pull
+    # The HTTP front says the same: 503 on /health and on a completion, in OpenAI's shape.
+    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as http_err:
+        client.completions.create(model="smollm2", prompt="Hello?", max_tokens=4)
+    assert http_err.value.status_code == 503 and "decode" in http_err.value.message
+    with pytest.raises(urllib.error.HTTPError) as health:
+        urllib.request.urlopen(f"http://{cluster.http_address}/health", timeout=10)
+    assert health.value.code == 503

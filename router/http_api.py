@@ -1,0 +1,173 @@
+"""OpenAI-compatible HTTP front of the router (aiohttp, on the router's event loop).
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream`` true or false; SSE
+chunks in OpenAI's format ending with ``data: [DONE]``; ``stream_options.include_usage``),
+``GET /v1/models``, ``GET /health`` (503 while no prefill or no decode worker is ready),
+``GET /metrics`` and ``GET /metrics/targets`` (Prometheus HTTP service discovery of the
+workers' own endpoints). Each request becomes a ``pdserve.v1.GenerateRequest`` and runs
+through the same ``GenerationService.run`` as gRPC, so validation, routing and recovery are
+shared. A client that disconnects cancels its handler, which aborts the request on the
+workers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import grpc
+from aiohttp import web
+
+from engine.errors import InvalidRequestError
+from router.openai_format import (HttpError, chat_chunk, chat_response, completion_chunk, completion_response,
+                                  to_generate_request, usage_dict)
+from router.orchestrator import RouteError
+from router.service import GenerationService
+
+_ROUTE_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
+                 grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable")}
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _as_http_error(exc: Exception) -> HttpError:
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        if exc.field == "model":
+            return HttpError(404, str(exc), "NotFoundError", "model")
+        return HttpError(400, str(exc), "BadRequestError", exc.field)
+    if isinstance(exc, RouteError):
+        status, kind = _ROUTE_STATUS.get(exc.code, (503, "service_unavailable"))
+        return HttpError(status, str(exc), kind)
+    raise exc
+
+
+class OpenAIFront:
+    def __init__(self, service: GenerationService):
+        self.service = service
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+            web.get("/metrics/targets", self.metrics_targets),
+        ])
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            return error_response(400, f"body is not valid JSON: {exc}", "BadRequestError")
+        try:
+            req, options = to_generate_request(body, chat, self.service.model)
+        except HttpError as exc:
+            return error_response(exc.status, str(exc), exc.kind, exc.param)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        req.request_id = rid
+        stream = self.service.run(req)
+        try:
+            first = await anext(stream)  # validation and routing errors surface before any byte is sent
+        except StopAsyncIteration:
+            first = None
+        except (InvalidRequestError, RouteError, HttpError) as exc:
+            err = _as_http_error(exc)
+            return error_response(err.status, str(err), err.kind, err.param)
+        meta = {"id": rid, "created": int(time.time()), "model": self.service.model.name, "chat": chat,
+                "logprobs": options.logprobs, "tokenizer": self.service.model.tokenizer}
+        try:
+            if options.stream:
+                return await self._stream(request, first, stream, meta, options.include_usage)
+            return await self._collect(first, stream, meta)
+        finally:
+            # However the handler ends (done, cancelled by a disconnect, a write to a closed
+            # socket), close the request's stream so the router aborts it on the workers.
+            await stream.aclose()
+
+    async def _collect(self, first, stream: AsyncIterator, meta: dict) -> web.Response:
+        parts = [first] if first is not None else []
+        try:
+            async for resp in stream:
+                parts.append(resp)
+        except (InvalidRequestError, RouteError) as exc:
+            err = _as_http_error(exc)
+            return error_response(err.status, str(err), err.kind, err.param)
+        build = chat_response if meta["chat"] else completion_response
+        return web.json_response(build(parts, meta))
+
+    async def _stream(self, request: web.Request, first, stream: AsyncIterator, meta: dict,
+                      include_usage: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        chunk = chat_chunk if meta["chat"] else completion_chunk
+        if meta["chat"]:
+            await _send(response, chunk(meta, role=True))
+        last = None
+        try:
+            resp = first
+            while resp is not None:
+                last = resp
+                if resp.token_ids or resp.text or resp.finish_reason:
+                    await _send(response, chunk(meta, resp=resp))
+                resp = await anext(stream, None)
+        except (InvalidRequestError, RouteError) as exc:
+            err = _as_http_error(exc)
+            await _send(response, {"error": {"message": str(err), "type": err.kind, "param": err.param,
+                                              "code": err.status}})
+        if include_usage and last is not None and last.finish_reason:
+            usage = last.usage
+            await _send(response, {**chunk(meta, usage_only=True), "usage": usage_dict(usage)})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        m = self.service.model
+        return web.json_response({"object": "list", "data": [{
+            "id": m.name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": m.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.service.pool.ready():
+            return web.json_response({"status": "ok"})
+        return error_response(503, "no ready prefill worker or no ready decode worker", "service_unavailable")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from wire import metrics
+
+        body, content_type = metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def metrics_targets(self, request: web.Request) -> web.Response:
+        return web.json_response(self.service.pool.metrics_targets())
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+
+async def start(service: GenerationService, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Serve the front on ``host:port`` (0: any free port); returns the runner and the address."""
+    # handler_cancellation: a client that disconnects cancels its handler (aiohttp's default
+    # since 3.9 is to let it run on), so its request stops using the workers at once.
+    runner = web.AppRunner(OpenAIFront(service).app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # aiohttp exposes no public accessor for port 0
+    return runner, f"{host}:{bound}"

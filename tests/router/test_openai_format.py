@@ -1,0 +1,61 @@
+"""OpenAI request bodies -> pdserve requests: accepted shapes and refusals naming the field."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from protos import pdserve_pb2
+from router.openai_format import HttpError, completion_response, to_generate_request
+
+MODEL = SimpleNamespace(name="smollm2")
+
+
+def test_completion_text_and_sampling_fields():
+    req, opts = to_generate_request({"model": "smollm2", "prompt": "hi", "max_tokens": 7, "temperature": 0,
+                                     "top_p": 0.9, "seed": 3, "stop": "x", "stream": True,
+                                     "stream_options": {"include_usage": True}}, False, MODEL)
+    s = req.sampling
+    assert req.text == "hi" and s.max_tokens == 7 and s.temperature == 0 and s.top_p == pytest.approx(0.9)
+    assert s.seed == 3 and list(s.stop) == ["x"] and opts.stream and opts.include_usage
+
+
+def test_token_id_prompt_and_openai_default_temperature():
+    req, _ = to_generate_request({"prompt": [5, 6, 7]}, False, MODEL)
+    assert list(req.token_ids.ids) == [5, 6, 7] and req.sampling.temperature == 1.0
+
+
+def test_chat_messages_and_text_parts():
+    req, _ = to_generate_request({"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 4, "logprobs": True}, True, MODEL)
+    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "ab")]
+    assert req.sampling.max_tokens == 4 and req.sampling.logprobs
+
+
+@pytest.mark.parametrize("body,chat,status,param", [
+    ({"prompt": "x", "model": "gpt-4"}, False, 404, "model"),
+    ({"prompt": "x", "n": 2}, False, 400, "n"),
+    ({"prompt": ["a", "b"]}, False, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, False, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, False, 400, "temperature"),
+    ({"prompt": "x", "stop": [1]}, False, 400, "stop"),
+    ({"prompt": "x", "logprobs": 5}, False, 400, "logprobs"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, False, 400, "stream_options"),
+    ({"messages": []}, True, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, True, 400, "top_logprobs"),
+])
+def test_refusals_name_the_field(body, chat, status, param):
+    with pytest.raises(HttpError) as err:
+        to_generate_request(body, chat, MODEL)
+    assert (err.value.status, err.value.param) == (status, param)
+
+
+def test_completion_response_joins_text_and_reports_usage():
+    parts = [pdserve_pb2.GenerateResponse(token_ids=[1], text="Hel"),
+             pdserve_pb2.GenerateResponse(token_ids=[2], text="lo", finish_reason=pdserve_pb2.FINISH_REASON_LENGTH,
+                                          usage=pdserve_pb2.Usage(prompt_tokens=3, completion_tokens=2))]
+    out = completion_response(parts, {"id": "cmpl-1", "created": 0, "model": "m", "chat": False, "logprobs": False})
+    assert out["choices"][0]["text"] == "Hello" and out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
