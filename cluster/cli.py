@@ -11,26 +11,15 @@ import signal
 import sys
 import threading
 
+from cluster.settings import SettingsError, add_arguments, resolve
+
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the cluster with a model (default: SmolLM2-135M-Instruct)",
-                       description="Start a router, prefill workers and decode workers as Ray actors.")
-    p.add_argument("model", nargs="?", default="default", help="HF directory, .gguf file, or 'default'")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=50051, help="router gRPC port (default 50051)")
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (default 8000; -1: off)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per worker in GiB (default 1)")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    p.add_argument("--kv-transfer-backend", choices=["nixl", "tcp"], default="nixl",
-                   help="how KV moves from prefill to decode (default nixl)")
-    p.add_argument("--lease-seconds", type=float, default=30.0, help="how long held KV waits to be pulled")
-    p.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker")
-    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+                       description="Start a router, prefill workers and decode workers as Ray actors. "
+                                   "Settings come from flags, PDSERVE_* variables and --config FILE.yaml, "
+                                   "in that order of precedence.")
+    add_arguments(p)
 
 
 def _generate_parser(sub) -> None:
@@ -46,14 +35,18 @@ def serve(args) -> int:
     from cluster.local import ClusterConfig, LocalCluster
     from engine.config import CacheConfig, EngineConfig
 
-    engine = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          cache=CacheConfig(block_size=args.block_size,
-                                            memory_budget_bytes=int(args.kv_cache_gib * (1 << 30))))
-    config = ClusterConfig(engine=engine, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
-                           port=args.port, http_port=None if args.http_port < 0 else args.http_port,
-                           kv_transfer_backend=args.kv_transfer_backend,
-                           lease_seconds=args.lease_seconds, threads_per_worker=args.threads_per_worker,
-                           ray_address=args.address)
+    try:
+        v = resolve(args)
+    except SettingsError as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 2
+    engine = EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
+                          cache=CacheConfig(block_size=v["block_size"],
+                                            memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))))
+    config = ClusterConfig(engine=engine, num_prefill=v["prefill"], num_decode=v["decode"], host=v["host"],
+                           port=v["port"], http_port=None if v["http_port"] < 0 else v["http_port"],
+                           kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
+                           threads_per_worker=v["threads_per_worker"], ray_address=v["address"])
     cluster = LocalCluster(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -62,7 +55,7 @@ def serve(args) -> int:
         address = cluster.start()
         http = f", OpenAI HTTP API on http://{cluster.http_address}/v1" if cluster.http_address else ""
         print(f"pdserve: gRPC API listening on {address}{http} "
-              f"({args.prefill} prefill, {args.decode} decode worker(s)); Ctrl-C stops", flush=True)
+              f"({v['prefill']} prefill, {v['decode']} decode worker(s)); Ctrl-C stops", flush=True)
         stop.wait()
     finally:
         print("pdserve: stopping", flush=True)

@@ -1,0 +1,113 @@
+"""``pdserve serve`` settings: one table, read from defaults, a YAML file, ``PDSERVE_*``
+environment variables and command-line flags, in rising order of precedence.
+
+    pdserve serve --config serve.yaml --decode 2      # the flag beats the file
+    PDSERVE_KV_CACHE_GIB=4 pdserve serve              # the variable beats the file, not a flag
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "PDSERVE_"
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # snake_case; the flag is --kebab-case, the variable PDSERVE_UPPER_CASE
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+SERVE = (
+    Setting("model", str, "default", "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)"),
+    Setting("prefill", int, 1, "prefill workers"),
+    Setting("decode", int, 1, "decode workers"),
+    Setting("host", str, "127.0.0.1", "address every server binds"),
+    Setting("port", int, 50051, "router gRPC port"),
+    Setting("http_port", int, 8000, "OpenAI-compatible HTTP port (-1: off)"),
+    Setting("dtype", str, None, "weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
+            ("float32", "bfloat16", "float16")),
+    Setting("block_size", int, 16, "tokens per KV block"),
+    Setting("kv_cache_gib", float, 1.0, "KV cache per worker, GiB"),
+    Setting("max_model_len", int, None, "cap on prompt + output tokens (default: the model's)"),
+    Setting("kv_transfer_backend", str, "nixl", "how KV moves from prefill to decode workers", ("nixl", "tcp")),
+    Setting("lease_seconds", float, 30.0, "how long held KV waits to be pulled before it is freed"),
+    Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)"),
+    Setting("address", str, None, "join this Ray cluster instead of starting one"),
+)
+
+
+class SettingsError(ValueError):
+    """A setting could not be read; the message names where it came from."""
+
+
+def add_arguments(parser: argparse.ArgumentParser, settings=SERVE) -> None:
+    """Flags default to None so that only flags actually given override the file and env."""
+    parser.add_argument("--config", type=Path, default=None, help="YAML file of settings (keys as below, snake_case)")
+    for s in settings:
+        if s.name == "model":
+            parser.add_argument("model", nargs="?", default=None, help=f"{s.help}; env {s.env}")
+            continue
+        default = f" (default {s.default})" if s.default is not None else ""
+        metavar = None if s.choices else {int: "N", float: "X", str: "TEXT"}[s.type]
+        parser.add_argument(s.flag, type=s.type, choices=s.choices, default=None, metavar=metavar,
+                            help=f"{s.help}{default}; env {s.env}")
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ, settings=SERVE) -> dict[str, Any]:
+    """defaults < YAML file < environment < flags."""
+    values = {s.name: s.default for s in settings}
+    if getattr(args, "config", None):
+        values.update(_from_file(args.config, settings))
+    for s in settings:
+        if s.env in environ:
+            values[s.name] = _convert(s, environ[s.env], s.env)
+    for s in settings:
+        given = getattr(args, s.name, None)
+        if given is not None:
+            values[s.name] = given
+    return values
+
+
+def _from_file(path: Path, settings) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SettingsError(f"--config {path}: cannot read ({exc})") from exc
+    if not isinstance(data, dict):
+        raise SettingsError(f"--config {path}: expected a mapping of setting names to values")
+    by_name = {s.name: s for s in settings}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in by_name:
+            raise SettingsError(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(by_name))}")
+        out[name] = None if value is None else _convert(by_name[name], value, f"{path}:{key}")
+    return out
+
+
+def _convert(s: Setting, raw: Any, where: str) -> Any:
+    try:
+        value = s.type(raw)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{where}: {raw!r} is not a valid {s.type.__name__} for {s.name}") from exc
+    if s.choices and value not in s.choices:
+        raise SettingsError(f"{where}: {value!r} is not one of {', '.join(s.choices)}")
+    return value
