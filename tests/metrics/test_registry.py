@@ -1,0 +1,82 @@
+"""What a scraper reads: names kept as ``pdserve:...``, the documented list complete, and a
+worker's own /metrics endpoint reading its stats at scrape time."""
+
+import re
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from protos import worker_pb2
+from wire import metrics
+
+
+def exported_families() -> dict[str, str]:
+    """Family name -> type, as the exposition format writes the names."""
+    body, _ = metrics.render()
+    return {f.name: f.type for f in text_string_to_metric_families(body.decode())}
+
+
+def test_render_keeps_the_colon_names_in_the_classic_text_format():
+    body, content_type = metrics.render()
+    text = body.decode()
+    assert content_type.startswith("text/plain; version=0.0.4")
+    assert "# TYPE pdserve:time_to_first_token_seconds histogram" in text
+    assert "# TYPE pdserve:kv_transfer_bytes_total counter" in text
+    assert "_created" not in text  # disabled: they would double the series
+
+
+def test_every_family_is_in_the_module_docstring_and_every_documented_name_exists():
+    documented = set(re.findall(r"``(pdserve:[a-z0-9_:]+)", metrics.__doc__))
+    exported = {name + ("_total" if kind == "counter" else "") for name, kind in exported_families().items()}
+    assert documented == exported
+
+
+class FakeWorker:
+    def __init__(self):
+        self.stats = worker_pb2.WorkerStats(
+            num_running=2, num_waiting=1, num_blocks_used=25, num_blocks_total=100, kv_transfer_bytes=4096,
+            kv_transfers=2, prefix_cache_queries=3, prefix_cache_hits=1, leases_expired=1)
+
+
+@pytest.fixture
+def endpoint():
+    worker = FakeWorker()
+    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("decode", "decode-7", lambda: worker.stats, 16))
+    yield ep, worker
+    ep.stop()
+
+
+def scrape(address: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_a_worker_endpoint_reads_its_stats_at_each_scrape(endpoint):
+    ep, worker = endpoint
+    labels = (("pool", "decode"), ("worker", "decode-7"))
+    got = scrape(ep.address)
+    assert got[("pdserve:worker_num_requests_running", labels)] == 2
+    assert got[("pdserve:worker_kv_cache_usage_perc", labels)] == 0.25
+    assert got[("pdserve:kv_transfer_bytes_total", labels)] == 4096
+    # Prefix-cache counters are in tokens, as vLLM's: blocks x block size.
+    assert got[("pdserve:prefix_cache_queries_total", labels)] == 48
+    assert got[("pdserve:prefix_cache_hits_total", labels)] == 16
+    worker.stats.kv_transfer_bytes = 8192
+    assert scrape(ep.address)[("pdserve:kv_transfer_bytes_total", labels)] == 8192
+
+
+def test_a_worker_endpoint_serves_no_router_family(endpoint):
+    ep, _ = endpoint
+    names = {name for name, _ in scrape(ep.address)}
+    assert names and all(not n.startswith("pdserve:time_to_first_token") for n in names)
+    assert "pdserve:pool_replicas" not in names
+
+
+def test_a_stopped_worker_is_no_longer_exported():
+    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("prefill", "prefill-9", worker_pb2.WorkerStats, 16))
+    assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9"}) == 0
+    ep.stop()
+    assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9"}) is None

@@ -1,0 +1,295 @@
+"""Prometheus metrics: every pdserve metric family, the one registry, and how it is served.
+
+Names follow vLLM's (``vllm:`` becomes ``pdserve:``); colons are legal in Prometheus names
+and prometheus_client exports them unchanged. Every family lives in ``REGISTRY``, never in
+prometheus_client's global default registry (other libraries in the process write there).
+A process fills only its own families; ``render()`` serves the router's ``/metrics`` and
+``serve_worker`` starts a worker's.
+
+Router, per request (router/orchestrator.py):
+
+- histogram ``pdserve:time_to_first_token_seconds``: request start to the first token sent
+- histogram ``pdserve:inter_token_latency_seconds``: between two token batches sent
+- histogram ``pdserve:e2e_request_latency_seconds``: request start to its finish (aborts included)
+- histogram ``pdserve:request_queue_time_seconds``: waiting on the prefill worker (first prefill)
+- histogram ``pdserve:request_prefill_time_seconds``: prefill compute on the worker (first prefill)
+- histogram ``pdserve:request_decode_time_seconds``: first token to finish
+- histogram ``pdserve:kv_transfer_seconds``: one prompt's KV read by a decode worker
+- counter ``pdserve:request_success_total{finished_reason}``: stop, length or abort
+- counter ``pdserve:request_failures_total{code}``: gRPC status of requests that failed while
+  routing (malformed requests rejected before routing are not counted)
+- counter ``pdserve:prompt_tokens_total``, ``pdserve:generation_tokens_total``
+- counter ``pdserve:request_retries_total``: prefill attempts a worker failed (unreachable or
+  full); the router then tries another if one is left
+- counter ``pdserve:request_migrations_total``: re-prefills after a lost decode (transfer or worker)
+
+Router, per stats poll (router/pool.py), label ``pool`` (prefill, decode):
+
+- gauge ``pdserve:num_requests_running``, ``pdserve:num_requests_waiting``: summed over the
+  pool's healthy workers
+- gauge ``pdserve:kv_cache_usage_perc``: the pool's used KV blocks over its total, 0..1
+- gauge ``pdserve:pool_replicas``: healthy workers
+- gauge ``pdserve:autoscaler_desired_replicas``: what the autoscaler wants
+
+Workers, read from the engine and the KV agent at each scrape; labels ``pool``, ``worker``:
+
+- gauge ``pdserve:worker_num_requests_running``, ``pdserve:worker_num_requests_waiting``,
+  ``pdserve:worker_kv_cache_usage_perc`` (0..1), ``pdserve:worker_num_held_leases``
+- counter ``pdserve:kv_transfer_bytes_total``, ``pdserve:kv_transfers_total``,
+  ``pdserve:kv_transfer_failures_total``: KV reads (a decode worker's)
+- counter ``pdserve:kv_leases_expired_total``: held KV freed because no one pulled it in time
+- counter ``pdserve:prefix_cache_queries_total``, ``pdserve:prefix_cache_hits_total``: prompt
+  tokens looked up and found (whole blocks only), as vLLM counts them
+- counter ``pdserve:forward_tokens_total``: tokens run through the model
+
+The per-worker gauges carry a ``worker_`` prefix because the router exports the pool sums
+under the plain names: one name per meaning, so ``sum by (pool)`` never adds a pool's sum to
+its own workers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest, start_http_server)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from protos import worker_pb2
+
+# The *_created series double the output and no dashboard reads them (vLLM drops them too).
+disable_created_metrics()
+
+REGISTRY = CollectorRegistry()
+POOL_LABEL = "pool"
+
+# CPU latencies: a TTFT is ~0.1 s for a short prompt and minutes for a long one in a queue;
+# the prefill timeout is 600 s.
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+# One CPU decode step is ~20-200 ms; a re-prefill after a migration shows up as a long gap.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0, 20.0)
+# A NIXL read of a few MiB takes milliseconds; injected delays and timeouts reach seconds.
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+
+
+def _histogram(name: str, doc: str, buckets: tuple[float, ...] = REQUEST_BUCKETS) -> Histogram:
+    return Histogram(name, doc, buckets=buckets, registry=REGISTRY)
+
+
+# ---- router: requests -------------------------------------------------------------------
+TTFT = _histogram("pdserve:time_to_first_token_seconds", "Request start to the first token sent.")
+ITL = _histogram("pdserve:inter_token_latency_seconds", "Time between two token batches sent.", ITL_BUCKETS)
+E2E = _histogram("pdserve:e2e_request_latency_seconds", "Request start to finish, aborts included.")
+QUEUE_TIME = _histogram("pdserve:request_queue_time_seconds",
+                        "Time the request's first prefill waited on the prefill worker.")
+PREFILL_TIME = _histogram("pdserve:request_prefill_time_seconds",
+                          "Compute time of the request's first prefill on the prefill worker.")
+DECODE_TIME = _histogram("pdserve:request_decode_time_seconds", "First token to finish.")
+KV_TRANSFER_TIME = _histogram("pdserve:kv_transfer_seconds", "One prompt's KV read by a decode worker.",
+                              TRANSFER_BUCKETS)
+REQUEST_SUCCESS = Counter("pdserve:request_success_total", "Finished requests, by finish reason.",
+                          ["finished_reason"], registry=REGISTRY)
+REQUEST_FAILURES = Counter("pdserve:request_failures_total", "Requests that failed while routing, by gRPC status.",
+                           ["code"], registry=REGISTRY)
+PROMPT_TOKENS = Counter("pdserve:prompt_tokens_total", "Prompt tokens of requests prefilled.", registry=REGISTRY)
+GENERATION_TOKENS = Counter("pdserve:generation_tokens_total", "Tokens sent to clients.", registry=REGISTRY)
+RETRIES = Counter("pdserve:request_retries_total", "Prefill attempts a worker failed (unreachable or full).",
+                  registry=REGISTRY)
+MIGRATIONS = Counter("pdserve:request_migrations_total", "Re-prefills after a lost decode.", registry=REGISTRY)
+
+# ---- router: pools ----------------------------------------------------------------------
+RUNNING = Gauge("pdserve:num_requests_running", "Requests running in the pool.", [POOL_LABEL], registry=REGISTRY)
+WAITING = Gauge("pdserve:num_requests_waiting", "Requests waiting in the pool.", [POOL_LABEL], registry=REGISTRY)
+KV_USAGE = Gauge("pdserve:kv_cache_usage_perc", "Fraction of the pool's KV blocks in use (0..1).", [POOL_LABEL],
+                 registry=REGISTRY)
+REPLICAS = Gauge("pdserve:pool_replicas", "Healthy workers in the pool.", [POOL_LABEL], registry=REGISTRY)
+DESIRED_REPLICAS = Gauge("pdserve:autoscaler_desired_replicas", "Workers the autoscaler wants in the pool.",
+                         [POOL_LABEL], registry=REGISTRY)
+
+
+def render() -> tuple[bytes, str]:
+    """This process's metrics as the Prometheus text format: (body, content type)."""
+    # Format 0.0.4: every name here is a classic one, and every scraper reads it.
+    return generate_latest(REGISTRY), CONTENT_TYPE_PLAIN_0_0_4
+
+
+def set_pool(pool: str, running: int, waiting: int, kv_usage: float, replicas: int, desired: int) -> None:
+    """Publish one pool's gauges (the router, after each stats poll)."""
+    RUNNING.labels(pool).set(running)
+    WAITING.labels(pool).set(waiting)
+    KV_USAGE.labels(pool).set(kv_usage)
+    REPLICAS.labels(pool).set(replicas)
+    DESIRED_REPLICAS.labels(pool).set(desired)
+
+
+class RequestMetrics:
+    """One request's timeline at the router, observed into the router's families as it goes.
+
+    ``clock`` is injectable for tests. A request is counted once, by the first of
+    ``finished`` or ``failed``; later calls are ignored.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.started = clock()
+        self.first_token_at: float | None = None
+        self._last_sent_at: float | None = None
+        self.outcome: str | None = None  # the finish reason or failure code, once counted
+
+    def prefilled(self, prompt_tokens: int, queue_s: float, prefill_s: float) -> None:
+        """The first prefill answered; ``prefill_s`` is the worker's queue + compute time."""
+        PROMPT_TOKENS.inc(prompt_tokens)
+        QUEUE_TIME.observe(queue_s)
+        PREFILL_TIME.observe(max(0.0, prefill_s - queue_s))
+
+    def sent(self, num_tokens: int, finish_reason: str | None = None) -> None:
+        """A batch of tokens went to the client; the last batch carries the finish reason."""
+        now = self._clock()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            TTFT.observe(now - self.started)
+        else:
+            ITL.observe(now - self._last_sent_at)
+        self._last_sent_at = now
+        GENERATION_TOKENS.inc(num_tokens)
+        if finish_reason is not None:
+            self.finished(finish_reason)
+
+    def finished(self, reason: str) -> None:
+        """The request ended with ``reason`` (stop, length, abort)."""
+        if self.outcome is not None:
+            return
+        self.outcome = reason
+        now = self._clock()
+        E2E.observe(now - self.started)
+        if self.first_token_at is not None:
+            DECODE_TIME.observe(now - self.first_token_at)
+        REQUEST_SUCCESS.labels(reason).inc()
+
+    def failed(self, code: str) -> None:
+        """The request ended with gRPC status ``code`` (a name such as UNAVAILABLE)."""
+        if self.outcome is None:
+            self.outcome = code
+            REQUEST_FAILURES.labels(code).inc()
+
+    @staticmethod
+    def kv_transferred(seconds: float) -> None:
+        KV_TRANSFER_TIME.observe(seconds)
+
+    @staticmethod
+    def retried() -> None:
+        RETRIES.inc()
+
+    @staticmethod
+    def migrated() -> None:
+        MIGRATIONS.inc()
+
+
+# ---- workers ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerSource:
+    """A worker whose numbers are exported; ``stats`` is called at each scrape."""
+
+    pool: str
+    worker: str
+    stats: Callable[[], worker_pb2.WorkerStats]
+    block_size: int  # prefix-cache counters are in blocks; vLLM's are in tokens
+
+
+def _usage(used: int, total: int) -> float:
+    return used / total if total else 0.0
+
+
+# (family class, name, help, value from the worker's stats and block size)
+_WORKER_FAMILIES = (
+    (GaugeMetricFamily, "pdserve:worker_num_requests_running", "Requests running (KV transfers included).",
+     lambda s, bs: s.num_running),
+    (GaugeMetricFamily, "pdserve:worker_num_requests_waiting", "Requests waiting for a prefill slot.",
+     lambda s, bs: s.num_waiting),
+    (GaugeMetricFamily, "pdserve:worker_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
+     lambda s, bs: _usage(s.num_blocks_used, s.num_blocks_total)),
+    (GaugeMetricFamily, "pdserve:worker_num_held_leases", "Prompts whose KV is held for a decode worker.",
+     lambda s, bs: s.num_held_leases),
+    (CounterMetricFamily, "pdserve:kv_transfer_bytes_total", "KV bytes read from prefill workers.",
+     lambda s, bs: s.kv_transfer_bytes),
+    (CounterMetricFamily, "pdserve:kv_transfers_total", "KV reads completed.", lambda s, bs: s.kv_transfers),
+    (CounterMetricFamily, "pdserve:kv_transfer_failures_total", "KV reads failed.",
+     lambda s, bs: s.kv_transfer_failures),
+    (CounterMetricFamily, "pdserve:kv_leases_expired_total", "Held KV freed because no one pulled it in time.",
+     lambda s, bs: s.leases_expired),
+    (CounterMetricFamily, "pdserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+     lambda s, bs: s.prefix_cache_queries * bs),
+    (CounterMetricFamily, "pdserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+     lambda s, bs: s.prefix_cache_hits * bs),
+    (CounterMetricFamily, "pdserve:forward_tokens_total", "Tokens run through the model.",
+     lambda s, bs: s.num_forward_tokens),
+)
+
+
+class WorkerCollector:
+    """The worker families, read from every registered worker of this process at scrape time.
+
+    Reading at scrape time keeps the engine's hot path free of metric updates; the reads
+    race with the engine thread the way ``wire.stats`` explains.
+    """
+
+    def __init__(self) -> None:
+        self._sources: dict[str, WorkerSource] = {}
+        self._lock = threading.Lock()
+
+    def add(self, source: WorkerSource) -> None:
+        with self._lock:
+            self._sources[source.worker] = source
+
+    def remove(self, worker: str) -> None:
+        with self._lock:
+            self._sources.pop(worker, None)
+
+    def describe(self) -> list:
+        return [cls(name, doc, labels=[POOL_LABEL, "worker"]) for cls, name, doc, _ in _WORKER_FAMILIES]
+
+    def collect(self) -> list:
+        families = self.describe()
+        with self._lock:
+            sources = list(self._sources.values())
+        for src in sources:
+            stats = src.stats()
+            for family, (_, _, _, value) in zip(families, _WORKER_FAMILIES):
+                family.add_metric([src.pool, src.worker], value(stats, src.block_size))
+        return families
+
+
+WORKERS = WorkerCollector()
+REGISTRY.register(WORKERS)
+
+
+@dataclass
+class MetricsEndpoint:
+    """A worker's running ``/metrics`` HTTP server."""
+
+    address: str  # host:port to scrape
+    _server: object
+    _worker: str
+
+    def stop(self) -> None:
+        WORKERS.remove(self._worker)
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def serve_worker(host: str, port: int, source: WorkerSource) -> MetricsEndpoint:
+    """Export ``source`` and serve this process's worker families on ``host:port`` (0: any).
+
+    The endpoint serves only the worker families: the router's would read zero here.
+    """
+    WORKERS.add(source)
+    try:
+        server, _ = start_http_server(port, host, registry=WORKERS)
+    except OSError:
+        WORKERS.remove(source.worker)
+        raise
+    return MetricsEndpoint(f"{host}:{server.server_address[1]}", server, source.worker)
