@@ -15,8 +15,9 @@ from wire.stats import worker_stats
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker):
+    def __init__(self, worker: DecodeWorker, metrics_address: str = ""):
         self.worker = worker
+        self.metrics_address = metrics_address
         self._peers: dict[str, str] = {}  # prefill address -> peer agent name
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._lock = asyncio.Lock()
@@ -77,9 +78,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
 
     async def Stats(self, request, context):
-        w = self.worker
-        return worker_stats(w.config.worker_id, "decode", w.engine, w.agent)
+        return decode_stats(self.worker, self.metrics_address)
 
 
-def add_to_server(server: grpc.aio.Server, worker: DecodeWorker) -> None:
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server)
+def decode_stats(worker: DecodeWorker, metrics_address: str = "") -> worker_pb2.WorkerStats:
+    """The worker's ``WorkerStats``: for the router's polls and the worker's /metrics."""
+    return worker_stats(worker.config.worker_id, "decode", worker.engine, worker.agent, metrics_address)
+
+
+def add_to_server(server: grpc.aio.Server, worker: DecodeWorker, metrics_address: str = "") -> None:
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker, metrics_address), server)

@@ -21,6 +21,7 @@ class DecodeWorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 0
+    metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
     kv_transfer_backend: str = "nixl"
     transfer_timeout_s: float = 10.0  # a read not done by then fails (and the router re-prefills)
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read

@@ -15,9 +15,10 @@ from wire.stats import worker_stats
 
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker, address: str):
+    def __init__(self, worker: PrefillWorker, address: str, metrics_address: str = ""):
         self.worker = worker
         self.address = address
+        self.metrics_address = metrics_address
 
     async def Prefill(self, request, context):
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
@@ -34,7 +35,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=r.first_token_id, first_logprob=r.first_logprob,
             finish_reason=finish_to_wire(r.finish_reason), kv=kv, num_cached_tokens=r.num_cached_tokens,
-            prefill_seconds=r.seconds)
+            prefill_seconds=r.seconds, queue_seconds=r.queue_seconds)
 
     async def Release(self, request, context):
         return worker_pb2.ReleaseResponse(released=await self.worker.release(request.lease_id))
@@ -46,10 +47,14 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
 
     async def Stats(self, request, context):
-        w = self.worker
-        return worker_stats(w.config.worker_id, "prefill", w.engine, w.agent, num_held_leases=len(w.leases),
-                            leases_expired=w.released_by["expired"])
+        return prefill_stats(self.worker, self.metrics_address)
 
 
-def add_to_server(server: grpc.aio.Server, worker: PrefillWorker, address: str) -> None:
-    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker, address), server)
+def prefill_stats(worker: PrefillWorker, metrics_address: str = "") -> worker_pb2.WorkerStats:
+    """The worker's ``WorkerStats``: for the router's polls and the worker's /metrics."""
+    return worker_stats(worker.config.worker_id, "prefill", worker.engine, worker.agent, metrics_address,
+                        num_held_leases=len(worker.leases), leases_expired=worker.released_by["expired"])
+
+
+def add_to_server(server: grpc.aio.Server, worker: PrefillWorker, address: str, metrics_address: str = "") -> None:
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker, address, metrics_address), server)

@@ -21,6 +21,7 @@ class PrefillWorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
+    metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
     lease_seconds: float = 30.0  # held KV is freed this long after the first token at the latest
     kv_transfer_backend: str = "nixl"
 
@@ -34,7 +35,8 @@ class PrefillResult:
     num_prompt_tokens: int
     lease: Lease | None
     num_cached_tokens: int
-    seconds: float
+    seconds: float  # queue + compute
+    queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
 
 
 class PrefillWorker:
@@ -45,7 +47,11 @@ class PrefillWorker:
         self.leases = LeaseTable()
         self.released_by = {"pulled": 0, "release_rpc": 0, "expired": 0}
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, float]] = {}
-        self.thread = EngineThread(self.engine, self._on_outputs, hooks=[self._poll_releases],
+        # Queue time ends when a prompt's first chunk runs. Hooks run right before each step,
+        # so the last hook's time is when the step now running started.
+        self._step_started = time.monotonic()
+        self._first_chunk_at: dict[str, float] = {}  # prompts whose first of several chunks ran
+        self.thread = EngineThread(self.engine, self._on_outputs, hooks=[self._poll_releases, self._note_chunk],
                                    name=f"{config.worker_id}-engine")
 
     def start(self) -> None:
@@ -82,6 +88,7 @@ class PrefillWorker:
         for o in outputs:
             if not o.finished:
                 continue
+            computing_since = self._first_chunk_at.pop(o.request_id, self._step_started)
             pending = self._pending.get(o.request_id)
             if pending is None:  # the caller gave up while the step ran
                 self.engine.release(o.request_id)
@@ -94,7 +101,8 @@ class PrefillWorker:
                 block_ids = self.engine.held_block_ids(o.request_id)
             result = PrefillResult(o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0,
                                    o.finish_reason, block_ids, o.num_prompt_tokens, lease,
-                                   o.num_cached_tokens, time.monotonic() - started)
+                                   o.num_cached_tokens, time.monotonic() - started,
+                                   max(0.0, computing_since - started))
             loop.call_soon_threadsafe(_resolve, fut, result)
 
     def _poll_releases(self) -> None:
@@ -103,6 +111,17 @@ class PrefillWorker:
         for lease in self.leases.pop_expired(time.monotonic()):
             self.engine.release(lease.request_id)
             self.released_by["expired"] += 1
+
+    def _note_chunk(self) -> None:
+        """Remember when a chunked prompt's first chunk ran (the step that just ended).
+
+        Only the head of the waiting queue can be part-computed: a chunked prompt stays
+        there until its last chunk. A prompt computed in one step is seen in ``_on_outputs``.
+        """
+        waiting = self.engine.scheduler.waiting
+        if waiting and waiting[0].num_computed_tokens > waiting[0].num_cached_tokens:
+            self._first_chunk_at.setdefault(waiting[0].seq_id, self._step_started)
+        self._step_started = time.monotonic()
 
     def _release_lease(self, lease_id: str, why: str) -> bool:
         lease = self.leases.pop(lease_id)
@@ -113,6 +132,7 @@ class PrefillWorker:
         return True
 
     def _cancel(self, request_id: str) -> bool:
+        self._first_chunk_at.pop(request_id, None)
         for lease in [l for l in self.leases.leases.values() if l.request_id == request_id]:
             self.leases.pop(lease.lease_id)
         return self.engine.abort(request_id)
