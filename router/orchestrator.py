@@ -1,9 +1,11 @@
 """One request's path through the cluster: prefill, stream the first token, decode, and
-recover from worker faults by re-prefilling prompt + tokens already sent."""
+recover from worker faults by re-prefilling prompt + tokens already sent. Each run records
+its request's metrics (``wire.metrics.RequestMetrics``) as it goes."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from router.frontend import ModelInfo, PreparedRequest
 from router.policy import pick_decode, pick_prefill
 from router.pool import WorkerPool
 from wire.convert import finish_from_wire, finish_to_wire, sampling_to_proto
+from wire.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +71,26 @@ class RequestRun:
         self.pool = pool
         self.limits = limits
         self.progress = Progress()
+        self.metrics = RequestMetrics()
         self._detok = IncrementalDetokenizer(model.tokenizer, req.params.stop)
 
     async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """The client's stream. The request is counted however it ends: finished, failed, or
+        cancelled (``Abort``, or the client gone)."""
+        try:
+            async with contextlib.aclosing(self._attempts()) as stream:
+                async for resp in stream:
+                    yield resp
+        except (asyncio.CancelledError, GeneratorExit):
+            # Ignored when the last response was already sent (a caller may close the stream
+            # once it has it): the request counted as finished then.
+            self.metrics.finished("abort")
+            raise
+        except Exception as exc:
+            self.metrics.failed(_failure_code(exc))
+            raise
+
+    async def _attempts(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         attempt = 0
         while True:
             prompt = self.req.prompt_token_ids + self.progress.token_ids
@@ -82,6 +102,7 @@ class RequestRun:
             if attempt == 0:
                 self.progress.cached_tokens = pre.num_cached_tokens
                 self.progress.first_token_at = asyncio.get_running_loop().time()
+                self.metrics.prefilled(len(prompt), pre.queue_seconds, pre.prefill_seconds)
             kv_owned = pre.HasField("kv")
             try:
                 yield self._emit([pre.first_token_id], [pre.first_logprob] if params.logprobs else [],
@@ -101,6 +122,7 @@ class RequestRun:
                 if self.progress.migrations > self.limits.max_migrations:
                     raise RouteError(grpc.StatusCode.UNAVAILABLE, f"gave up after {self.progress.migrations - 1} "
                                      f"migrations: {exc}") from exc
+                self.metrics.migrated()
             finally:
                 if kv_owned:
                     self._release_later(prefill_addr, pre.kv.lease_id)
@@ -136,6 +158,7 @@ class RequestRun:
                 last = f"prefill worker {client.address}: {exc.code().name} {exc.details()}"
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.pool.mark_down(client.address)
+                self.metrics.retried()
                 log.warning("request %s: %s; trying another", self.req.request_id, last)
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if "RESOURCE_EXHAUSTED" in last else grpc.StatusCode.UNAVAILABLE
         raise RouteError(code, f"no prefill worker could take the request ({last})")
@@ -164,6 +187,8 @@ class RequestRun:
                         if resp.kv_bytes or not resp.token_ids:
                             self.progress.kv_bytes += resp.kv_bytes
                             self.progress.kv_seconds += resp.kv_transfer_seconds
+                            if resp.kv_bytes:
+                                self.metrics.kv_transferred(resp.kv_transfer_seconds)
                             continue
                         yield self._emit(list(resp.token_ids), list(resp.logprobs),
                                          finish_from_wire(resp.finish_reason))
@@ -200,6 +225,7 @@ class RequestRun:
                                             finish_reason=finish_to_wire(finish))
         if finish is not None:
             resp.usage.CopyFrom(self.usage())
+        self.metrics.sent(kept, finish)
         return resp
 
     def usage(self) -> pdserve_pb2.Usage:
@@ -228,6 +254,17 @@ def _route_error(choice) -> Exception:
         return InvalidRequestError("max_tokens", choice.reason)
     code = grpc.StatusCode.RESOURCE_EXHAUSTED if choice.saturated else grpc.StatusCode.UNAVAILABLE
     return RouteError(code, choice.reason)
+
+
+def _failure_code(exc: Exception) -> str:
+    """The gRPC status name a failed request ends with, for the failure counter."""
+    if isinstance(exc, RouteError):
+        return exc.code.name
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT.name
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    return grpc.StatusCode.INTERNAL.name
 
 
 def _field(exc: grpc.aio.AioRpcError) -> str:

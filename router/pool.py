@@ -1,5 +1,8 @@
 """The router's view of the workers: a gRPC client per worker, its last stats, and the load
-this router placed on it since. Membership changes through ``add`` / ``remove``."""
+this router placed on it since. Membership changes through ``add`` / ``remove``.
+
+After each stats poll the pool publishes its per-pool gauges (``wire.metrics``) and knows
+where every worker serves its own /metrics (``metrics_targets``)."""
 
 from __future__ import annotations
 
@@ -7,11 +10,13 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import grpc
 
 from protos import worker_pb2, worker_pb2_grpc
 from router.policy import WorkerSnapshot
+from wire import metrics
 from wire.grpc_util import aio_channel
 
 log = logging.getLogger(__name__)
@@ -42,6 +47,38 @@ class WorkerClient:
             inflight=self.inflight)
 
 
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's load: its healthy workers' last stats, summed."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0
+    blocks_total: int = 0
+    replicas: int = 0  # healthy workers
+
+    @property
+    def kv_usage(self) -> float:
+        """Used KV blocks over the pool's total, 0..1 (0 for an empty pool)."""
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
+
+
+def pool_loads(workers: Iterable[WorkerClient]) -> dict[str, PoolLoad]:
+    """Every pool's load, an empty pool included. Unhealthy workers' stats are stale: left out."""
+    loads = {pool: PoolLoad() for pool in POOLS}
+    for w in workers:
+        if not w.healthy or w.stats is None:
+            continue
+        s, old = w.stats, loads.get(w.role, PoolLoad())
+        loads[w.role] = PoolLoad(old.running + s.num_running, old.waiting + s.num_waiting,
+                                 old.blocks_used + s.num_blocks_used, old.blocks_total + s.num_blocks_total,
+                                 old.replicas + 1)
+    return loads
+
+
 @dataclass
 class WorkerPool:
     interval_s: float = 0.2
@@ -66,6 +103,20 @@ class WorkerPool:
     def ready(self) -> bool:
         roles = {w.role for w in self.workers.values() if w.healthy and not w.draining}
         return {"prefill", "decode"} <= roles
+
+    def metrics_targets(self) -> list[dict]:
+        """Prometheus HTTP service discovery: one entry per worker that reported its /metrics.
+
+        Workers now unreachable stay listed, so that Prometheus records them as down.
+        """
+        return [{"targets": [w.stats.metrics_address], "labels": {"pool": w.role, "worker": w.stats.worker_id}}
+                for w in self.workers.values() if w.stats is not None and w.stats.metrics_address]
+
+    def publish_metrics(self) -> None:
+        """Set the per-pool gauges from the workers' last stats."""
+        for pool, load in pool_loads(self.workers.values()).items():
+            # No autoscaler yet: the desired size is the current one.
+            metrics.set_pool(pool, load.running, load.waiting, load.kv_usage, load.replicas, desired=load.replicas)
 
     def mark_down(self, address: str) -> None:
         client = self.workers.get(address)
@@ -92,6 +143,7 @@ class WorkerPool:
 
     async def refresh(self) -> None:
         await asyncio.gather(*(self._refresh_one(w) for w in list(self.workers.values())))
+        self.publish_metrics()
 
     async def _refresh_one(self, w: WorkerClient) -> None:
         try:
