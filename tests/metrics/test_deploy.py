@@ -1,0 +1,85 @@
+"""The Grafana dashboard and the Prometheus config in deploy/ query only metrics pdserve
+exports: renaming a metric or mistyping a query fails here, not on someone's screen."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from wire import metrics
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+NAME = re.compile(r"pdserve:[A-Za-z0-9_:]+")
+SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads((DEPLOY / "grafana" / "pdserve-dashboard.json").read_text())
+
+
+def series_names() -> set[str]:
+    """Every series name pdserve exports, e.g. ``pdserve:x_seconds_bucket``, ``pdserve:y_total``."""
+    text = metrics.render()[0].decode()
+    return {f.name + suffix for f in text_string_to_metric_families(text) for suffix in SUFFIXES[f.type]}
+
+
+def graph_panels(dashboard: dict) -> list[dict]:
+    out = []
+    for p in dashboard["panels"]:
+        out += p.get("panels", []) if p["type"] == "row" else [p]
+    return out
+
+
+def exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in graph_panels(dashboard) for t in p["targets"]]
+
+
+def test_the_dashboard_is_a_grafana_dashboard(dashboard):
+    assert {"title", "uid", "panels", "schemaVersion", "templating"} <= dashboard.keys()
+    assert isinstance(dashboard["schemaVersion"], int)
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in graph_panels(dashboard):
+        assert p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
+        assert {"x", "y", "w", "h"} <= p["gridPos"].keys(), p["title"]
+        assert p["targets"] and all(t["expr"].strip() and t["refId"] for t in p["targets"]), p["title"]
+
+
+def test_every_query_names_only_exported_series(dashboard):
+    exported = series_names()
+    for expr in exprs(dashboard):
+        assert NAME.findall(expr), expr
+        unknown = set(NAME.findall(expr)) - exported
+        assert not unknown, f"{expr}: {sorted(unknown)} not exported by wire/metrics.py"
+        assert expr.count("(") == expr.count(")"), expr
+
+
+def test_the_dashboard_shows_what_an_operator_needs(dashboard):
+    used = {n for e in exprs(dashboard) for n in NAME.findall(e)}
+    for name in ("pdserve:time_to_first_token_seconds_bucket", "pdserve:inter_token_latency_seconds_bucket",
+                 "pdserve:generation_tokens_total", "pdserve:request_success_total", "pdserve:num_requests_running",
+                 "pdserve:num_requests_waiting", "pdserve:kv_cache_usage_perc", "pdserve:kv_transfer_bytes_total",
+                 "pdserve:kv_transfer_failures_total", "pdserve:prefix_cache_hits_total",
+                 "pdserve:prefix_cache_queries_total", "pdserve:pool_replicas", "pdserve:autoscaler_desired_replicas"):
+        assert name in used, name
+    quantiles = {float(q) for e in exprs(dashboard) if "time_to_first_token" in e
+                 for q in re.findall(r"histogram_quantile\(([0-9.]+)", e)}
+    assert quantiles == {0.5, 0.9, 0.99}
+
+
+def test_prometheus_scrapes_the_router_and_discovers_the_workers_through_it():
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == {"pdserve-router", "pdserve-workers"}
+    router = jobs["pdserve-router"]
+    assert router.get("metrics_path", "/metrics") == "/metrics"
+    assert router["static_configs"] == [{"targets": ["127.0.0.1:8000"]}]
+    workers = jobs["pdserve-workers"]
+    assert workers["http_sd_configs"][0]["url"] == "http://127.0.0.1:8000/metrics/targets"
+    assert workers["honor_labels"] is True  # targets and samples both carry pool and worker
