@@ -1,10 +1,9 @@
-"""Metrics of a real cluster (Ray actors, gRPC, NIXL, the default model): each worker's
-/metrics, found through its stats, counts exactly what the requests did; the router's
-orchestrator, run in this process against the same workers, records the requests and
-lists the workers' scrape targets. (The router process's own /metrics is served by the
-HTTP front and tested with it.)"""
+"""Metrics of a real cluster (Ray actors, gRPC, NIXL, the default model), read the way
+Prometheus reads them: the router's /metrics and /metrics/targets on its HTTP port, and each
+worker's /metrics at the address the router lists. The numbers must match what the
+requests did, exactly where they can."""
 
-import asyncio
+import json
 import urllib.request
 
 import grpc
@@ -12,11 +11,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos import pdserve_pb2, pdserve_pb2_grpc
-from router.frontend import prepare
-from router.orchestrator import RequestRun, RouterLimits
-from router.pool import WorkerPool
-from router.server import RouterConfig, load_model_info
-from tests.metrics.metrics_helpers import deltas, sample, samples
 from tests.serving.conftest import all_stats, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -24,89 +18,103 @@ pytestmark = pytest.mark.slow
 # Several KV blocks long, so that asking it twice hits the prefix cache.
 QUESTION = ("Write one sentence about the moon, the tides it raises on the sea, the sailors who watch them, "
             "and the fishermen who wait for the water to come back to the harbour at dawn.")
+PROMPTS = (QUESTION, QUESTION, "Name three rivers.")
+MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = start_cluster(num_prefill=1, num_decode=1, delay_s=0.0)
-    yield c
-    c.stop()
-
-
-def request(text: str, max_tokens: int) -> pdserve_pb2.GenerateRequest:
-    return pdserve_pb2.GenerateRequest(text=text, sampling=pdserve_pb2.SamplingParams(
-        max_tokens=max_tokens, ignore_eos=True))
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
 
 
 def scrape(address: str) -> dict[str, float]:
-    """The worker's samples by name (one worker per endpoint, so names are unique)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    """Samples keyed as PromQL writes them: ``name`` or ``name{label="value",...}``."""
+    out = {}
+    for family in text_string_to_metric_families(get(f"http://{address}/metrics")):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
 
 
-def test_each_worker_exports_what_its_requests_did(cluster):
-    stats = {s.role: s for s in all_stats(cluster)}
-    prefill, decode = stats["prefill"], stats["decode"]
-    assert prefill.metrics_address and decode.metrics_address
-    before = {role: scrape(s.metrics_address) for role, s in stats.items()}
-    usages = []
-    with grpc.insecure_channel(cluster.address) as channel:
-        stub = pdserve_pb2_grpc.GenerationStub(channel)
-        for text in (QUESTION, QUESTION, "Name three rivers."):  # the repeat hits the prefix cache
-            usages.append(list(stub.Generate(request(text, 6), timeout=120))[-1].usage)
-    after = {role: scrape(s.metrics_address) for role, s in stats.items()}
-    d = {role: {name: after[role][name] - before[role].get(name, 0.0) for name in after[role]} for role in after}
-
-    prompt_tokens = sum(u.prompt_tokens for u in usages)
-    cached = sum(u.cached_prompt_tokens for u in usages)
-    assert cached > 0
-    assert d["decode"]["pdserve:kv_transfer_bytes_total"] == prompt_tokens * decode.kv_bytes_per_token
-    assert d["decode"]["pdserve:kv_transfers_total"] == 3
-    assert d["decode"]["pdserve:kv_transfer_failures_total"] == 0
-    assert d["decode"]["pdserve:forward_tokens_total"] == sum(u.completion_tokens - 1 for u in usages)
-    assert d["prefill"]["pdserve:prefix_cache_hits_total"] == cached
-    assert d["prefill"]["pdserve:prefix_cache_queries_total"] >= cached
-    assert d["prefill"]["pdserve:forward_tokens_total"] == prompt_tokens - cached
-    assert 0 <= after["decode"]["pdserve:worker_kv_cache_usage_perc"] <= 1
+def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    return after[key] - before.get(key, 0.0)
 
 
-ROUTER_COUNTS = ("pdserve:time_to_first_token_seconds_count", "pdserve:inter_token_latency_seconds_count",
-                 "pdserve:request_queue_time_seconds_count", "pdserve:request_prefill_time_seconds_count",
-                 "pdserve:kv_transfer_seconds_count", "pdserve:generation_tokens_total",
-                 "pdserve:prompt_tokens_total", "pdserve:request_prefill_time_seconds_sum")
+@pytest.fixture(scope="module")
+def traffic():
+    """A 1+1 cluster after three requests sent through the router's gRPC API: scrapes of
+    every endpoint before and after, each worker's stats, and the requests' usage."""
+    cluster = start_cluster(num_prefill=1, num_decode=1, delay_s=0.0)
+    try:
+        stats = {s.role: s for s in all_stats(cluster)}
+        endpoints = {"router": cluster.http_address, **{role: s.metrics_address for role, s in stats.items()}}
+        before = {name: scrape(address) for name, address in endpoints.items()}
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = pdserve_pb2_grpc.GenerationStub(channel)
+            usage = [list(stub.Generate(pdserve_pb2.GenerateRequest(text=text, sampling=pdserve_pb2.SamplingParams(
+                max_tokens=MAX_TOKENS, ignore_eos=True)), timeout=120))[-1].usage for text in PROMPTS]
+        after = {name: scrape(address) for name, address in endpoints.items()}
+        targets = json.loads(get(f"http://{cluster.http_address}/metrics/targets"))
+        yield stats, usage, before, after, targets
+    finally:
+        cluster.stop()
 
 
-def test_the_orchestrator_records_a_real_request_and_the_pool_finds_the_workers(cluster):
-    model = load_model_info(RouterConfig(engine=cluster.config.engine))
-    prepared = prepare(request(QUESTION, 5), model)
-    before = samples(*ROUTER_COUNTS)
-    before_length = sample("pdserve:request_success_total", finished_reason="length")
-
-    async def run() -> tuple[list, list[dict]]:
-        pool = WorkerPool()
-        for role, addresses in (("prefill", cluster.prefill_addresses), ("decode", cluster.decode_addresses)):
-            for address in addresses:
-                pool.add(role, address)
-        await pool.refresh()
-        try:
-            resps = [r async for r in RequestRun(prepared, model, pool, RouterLimits()).responses()]
-            return resps, pool.metrics_targets()
-        finally:
-            await pool.close()
-
-    resps, targets = asyncio.run(run())
-    d = deltas(before)
-    assert sum(len(r.token_ids) for r in resps) == 5
-    assert {k: v for k, v in d.items() if not k.endswith("_sum")} == {
-        "pdserve:time_to_first_token_seconds_count": 1, "pdserve:inter_token_latency_seconds_count": 4,
-        "pdserve:request_queue_time_seconds_count": 1, "pdserve:request_prefill_time_seconds_count": 1,
-        "pdserve:kv_transfer_seconds_count": 1, "pdserve:generation_tokens_total": 5,
-        "pdserve:prompt_tokens_total": len(prepared.prompt_token_ids)}
-    assert d["pdserve:request_prefill_time_seconds_sum"] > 0
-    assert sample("pdserve:request_success_total", finished_reason="length") - before_length == 1
-    assert sample("pdserve:pool_replicas", pool="prefill") == sample("pdserve:pool_replicas", pool="decode") == 1
-    addresses = {s.role: s.metrics_address for s in all_stats(cluster)}
+def test_the_router_lists_each_workers_metrics_endpoint(traffic):
+    stats, _, _, _, targets = traffic
     assert sorted(targets, key=lambda t: t["labels"]["pool"]) == [
-        {"targets": [addresses["decode"]], "labels": {"pool": "decode", "worker": "decode-0"}},
-        {"targets": [addresses["prefill"]], "labels": {"pool": "prefill", "worker": "prefill-0"}}]
+        {"targets": [stats["decode"].metrics_address], "labels": {"pool": "decode", "worker": "decode-0"}},
+        {"targets": [stats["prefill"].metrics_address], "labels": {"pool": "prefill", "worker": "prefill-0"}}]
+
+
+def test_decode_worker_counts_every_kv_byte_it_pulled(traffic):
+    stats, usage, before, after, _ = traffic
+    b, a = before["decode"], after["decode"]
+    labels = '{pool="decode",worker="decode-0"}'
+    prompt_tokens = sum(u.prompt_tokens for u in usage)
+    assert delta(b, a, "pdserve:kv_transfer_bytes_total" + labels) == prompt_tokens * stats["decode"].kv_bytes_per_token
+    assert delta(b, a, "pdserve:kv_transfers_total" + labels) == len(PROMPTS)
+    assert delta(b, a, "pdserve:kv_transfer_failures_total" + labels) == 0
+    # Decode runs no prompt: one forward token per generated token after the first.
+    assert delta(b, a, "pdserve:forward_tokens_total" + labels) == sum(u.completion_tokens - 1 for u in usage)
+    assert 0 <= a["pdserve:worker_kv_cache_usage_perc" + labels] <= 1
+
+
+def test_prefill_worker_counts_prefix_cache_hits_in_tokens(traffic):
+    _, usage, before, after, _ = traffic
+    b, a = before["prefill"], after["prefill"]
+    labels = '{pool="prefill",worker="prefill-0"}'
+    cached = sum(u.cached_prompt_tokens for u in usage)
+    assert cached > 0
+    assert delta(b, a, "pdserve:prefix_cache_hits_total" + labels) == cached
+    assert delta(b, a, "pdserve:prefix_cache_queries_total" + labels) >= cached
+    assert delta(b, a, "pdserve:forward_tokens_total" + labels) == sum(u.prompt_tokens for u in usage) - cached
+
+
+def test_router_records_each_request_and_its_pools(traffic):
+    _, usage, before, after, _ = traffic
+    b, a, n = before["router"], after["router"], len(PROMPTS)
+    counts = {name: delta(b, a, name) for name in (
+        "pdserve:time_to_first_token_seconds_count", "pdserve:inter_token_latency_seconds_count",
+        "pdserve:e2e_request_latency_seconds_count", "pdserve:request_queue_time_seconds_count",
+        "pdserve:request_prefill_time_seconds_count", "pdserve:request_decode_time_seconds_count",
+        "pdserve:kv_transfer_seconds_count", "pdserve:generation_tokens_total", "pdserve:prompt_tokens_total",
+        "pdserve:request_retries_total", "pdserve:request_migrations_total")}
+    assert counts == {
+        "pdserve:time_to_first_token_seconds_count": n,
+        "pdserve:inter_token_latency_seconds_count": n * (MAX_TOKENS - 1),  # one token per decode response
+        "pdserve:e2e_request_latency_seconds_count": n, "pdserve:request_queue_time_seconds_count": n,
+        "pdserve:request_prefill_time_seconds_count": n, "pdserve:request_decode_time_seconds_count": n,
+        "pdserve:kv_transfer_seconds_count": n, "pdserve:generation_tokens_total": n * MAX_TOKENS,
+        "pdserve:prompt_tokens_total": sum(u.prompt_tokens for u in usage),
+        "pdserve:request_retries_total": 0, "pdserve:request_migrations_total": 0}
+    assert delta(b, a, 'pdserve:request_success_total{finished_reason="length"}') == n
+    assert delta(b, a, "pdserve:request_prefill_time_seconds_sum") > 0
+    # TTFT includes the prefill; the e2e includes the TTFT.
+    assert (delta(b, a, "pdserve:e2e_request_latency_seconds_sum")
+            > delta(b, a, "pdserve:time_to_first_token_seconds_sum")
+            > delta(b, a, "pdserve:request_prefill_time_seconds_sum"))
+    for pool in ("prefill", "decode"):
+        assert a[f'pdserve:pool_replicas{{pool="{pool}"}}'] == 1
+        assert a[f'pdserve:autoscaler_desired_replicas{{pool="{pool}"}}'] == 1
