@@ -56,20 +56,49 @@ def traffic():
                 max_tokens=MAX_TOKENS, ignore_eos=True)), timeout=120))[-1].usage for text in PROMPTS]
         after = {name: scrape(address) for name, address in endpoints.items()}
         targets = json.loads(get(f"http://{cluster.http_address}/metrics/targets"))
-        yield stats, usage, before, after, targets
+        mixed = scrape(cluster.http_address) if _mixed_load(cluster) else {}
+        yield stats, usage, before, after, targets, mixed
     finally:
         cluster.stop()
 
 
+def _mixed_load(cluster) -> bool:
+    """Two more requests over the OpenAI HTTP API (one ends at EOS, one at its length) and one
+    aborted through gRPC mid-stream."""
+    for body in ({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 200, "temperature": 0},
+                 {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 3, "temperature": 0}):
+        req = urllib.request.Request(f"http://{cluster.http_address}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            json.loads(resp.read())
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        stream = stub.Generate(pdserve_pb2.GenerateRequest(text="Tell a long story.", sampling=pdserve_pb2.SamplingParams(
+            max_tokens=300, ignore_eos=True)), timeout=120)
+        first = next(stream)
+        stub.Abort(pdserve_pb2.AbortRequest(request_id=first.request_id))
+        list(stream)
+    return True
+
+
+def test_outcomes_by_finish_reason_after_a_mixed_load(traffic):
+    _, _, _, after, _, mixed = traffic
+    a = after["router"]
+    for reason in ("stop", "length", "abort"):
+        key = f'pdserve:request_success_total{{finished_reason="{reason}"}}'
+        assert mixed[key] - a.get(key, 0.0) == 1, reason
+    assert mixed["pdserve:time_to_first_token_seconds_count"] - a["pdserve:time_to_first_token_seconds_count"] == 3
+
+
 def test_the_router_lists_each_workers_metrics_endpoint(traffic):
-    stats, _, _, _, targets = traffic
+    stats, _, _, _, targets, _ = traffic
     assert sorted(targets, key=lambda t: t["labels"]["pool"]) == [
         {"targets": [stats["decode"].metrics_address], "labels": {"pool": "decode", "worker": "decode-0"}},
         {"targets": [stats["prefill"].metrics_address], "labels": {"pool": "prefill", "worker": "prefill-0"}}]
 
 
 def test_decode_worker_counts_every_kv_byte_it_pulled(traffic):
-    stats, usage, before, after, _ = traffic
+    stats, usage, before, after, _, _ = traffic
     b, a = before["decode"], after["decode"]
     labels = '{pool="decode",worker="decode-0"}'
     prompt_tokens = sum(u.prompt_tokens for u in usage)
@@ -82,7 +111,7 @@ def test_decode_worker_counts_every_kv_byte_it_pulled(traffic):
 
 
 def test_prefill_worker_counts_prefix_cache_hits_in_tokens(traffic):
-    _, usage, before, after, _ = traffic
+    _, usage, before, after, _, _ = traffic
     b, a = before["prefill"], after["prefill"]
     labels = '{pool="prefill",worker="prefill-0"}'
     cached = sum(u.cached_prompt_tokens for u in usage)
@@ -93,7 +122,7 @@ def test_prefill_worker_counts_prefix_cache_hits_in_tokens(traffic):
 
 
 def test_router_records_each_request_and_its_pools(traffic):
-    _, usage, before, after, _ = traffic
+    _, usage, before, after, _, _ = traffic
     b, a, n = before["router"], after["router"], len(PROMPTS)
     counts = {name: delta(b, a, name) for name in (
         "pdserve:time_to_first_token_seconds_count", "pdserve:inter_token_latency_seconds_count",
