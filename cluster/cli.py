@@ -32,7 +32,7 @@ def _generate_parser(sub) -> None:
 
 
 def serve(args) -> int:
-    from cluster.local import ClusterConfig, LocalCluster
+    from cluster.local import ClusterConfig, LocalCluster, default_gpus
     from engine.config import CacheConfig, EngineConfig
 
     try:
@@ -46,7 +46,9 @@ def serve(args) -> int:
     config = ClusterConfig(engine=engine, num_prefill=v["prefill"], num_decode=v["decode"], host=v["host"],
                            port=v["port"], http_port=None if v["http_port"] < 0 else v["http_port"],
                            kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
-                           threads_per_worker=v["threads_per_worker"], ray_address=v["address"])
+                           threads_per_worker=v["threads_per_worker"], ray_address=v["address"],
+                           prefill_placement=_placement(v, "prefill", default_gpus),
+                           decode_placement=_placement(v, "decode", default_gpus))
     cluster = LocalCluster(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -61,6 +63,13 @@ def serve(args) -> int:
         print("pdserve: stopping", flush=True)
         cluster.stop()
     return 0
+
+
+def _placement(v: dict, pool: str, default_gpus):
+    from cluster.placement import PoolPlacement
+
+    gpus = v["gpus_per_worker"] if v["gpus_per_worker"] is not None else default_gpus()
+    return PoolPlacement(cpus=v["cpus_per_worker"], gpus=gpus, resource=v[f"{pool}_resource"])
 
 
 def generate(args) -> int:

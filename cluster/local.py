@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from cluster.placement import PoolPlacement, release, reserve
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,19 @@ class ClusterConfig:
     ray_address: str | None = None  # join this Ray cluster instead of starting one
     model_name: str = "smollm2"
     router_poll_s: float = 0.2  # how often the router reads every worker's stats
+    prefill_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
+    decode_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
 
     def worker_threads(self) -> int:
         if self.threads_per_worker:
             return self.threads_per_worker
         return max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode))
+
+
+def default_gpus() -> float:
+    import torch
+
+    return 1.0 if torch.cuda.is_available() else 0.0
 
 
 def _start_role(role: str, config):
@@ -71,6 +80,9 @@ class ServerActor:
     def start(self) -> str:
         return self._server.start()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def http_address(self) -> str | None:
         return self._server.running.http_address
 
@@ -91,6 +103,7 @@ class LocalCluster:
         self.decode_addresses: list[str] = []
         self.address: str | None = None
         self.http_address: str | None = None
+        self._groups: list = []  # one placement group per worker
         self._started_ray = False
 
     def start(self) -> str:
@@ -106,10 +119,10 @@ class LocalCluster:
                      **({} if cfg.ray_address else {"object_store_memory": 256 << 20}))
             self._started_ray = True
         threads = cfg.worker_threads()
-        self.prefill = [ServerActor.remote("prefill", PrefillWorkerConfig(
+        self.prefill = [self._place("prefill", i, cfg.prefill_placement, PrefillWorkerConfig(
             worker_id=f"prefill-{i}", engine=cfg.engine, host=cfg.host, lease_seconds=cfg.lease_seconds,
             kv_transfer_backend=cfg.kv_transfer_backend), threads) for i in range(cfg.num_prefill)]
-        self.decode = [ServerActor.remote("decode", DecodeWorkerConfig(
+        self.decode = [self._place("decode", i, cfg.decode_placement, DecodeWorkerConfig(
             worker_id=f"decode-{i}", engine=cfg.engine, host=cfg.host, kv_transfer_backend=cfg.kv_transfer_backend,
             transfer_timeout_s=cfg.transfer_timeout_s, inject_transfer_delay_s=cfg.inject_transfer_delay_s), threads)
             for i in range(cfg.num_decode)]
@@ -125,6 +138,12 @@ class LocalCluster:
         self.http_address = ray.get(self.router.http_address.remote())
         return self.address
 
+    def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
+        """A worker actor inside a placement group of its own."""
+        pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}")
+        self._groups.append(pg)
+        return ServerActor.options(**options).remote(role, config, threads)
+
     def stop(self) -> None:
         for actor in [self.router, *self.decode, *self.prefill]:
             if actor is None:
@@ -134,5 +153,7 @@ class LocalCluster:
             except Exception:  # a dead actor has nothing left to stop
                 pass
             ray.kill(actor)
+        for pg in self._groups:
+            release(pg)
         if self._started_ray:
             ray.shutdown()

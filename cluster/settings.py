@@ -49,6 +49,10 @@ SERVE = (
     Setting("lease_seconds", float, 30.0, "how long held KV waits to be pulled before it is freed"),
     Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)"),
     Setting("address", str, None, "join this Ray cluster instead of starting one"),
+    Setting("cpus_per_worker", float, 0.01, "logical CPUs each worker's placement group reserves"),
+    Setting("gpus_per_worker", float, None, "GPUs per worker (default: 1 where CUDA is, else 0)"),
+    Setting("prefill_resource", str, None, "custom Ray resource naming the prefill node group"),
+    Setting("decode_resource", str, None, "custom Ray resource naming the decode node group"),
 )
 
 

@@ -1,0 +1,68 @@
+"""Where each worker runs: one Ray placement group per worker, with what its pool asks for.
+
+A pool asks for CPUs (or GPUs on GPU hosts) per worker, and optionally a custom resource
+that only the nodes of its node group offer (``ray start --resources '{"prefill_nodes": 8}'``):
+that pins the pool to those nodes, so prefill and decode land on hardware sized for each.
+When no node can hold a bundle yet, Ray's own autoscaler adds one; we wait for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+# A worker's share of its node-group resource: small, so one node can host many workers.
+RESOURCE_UNIT = 0.001
+
+
+@dataclass(frozen=True)
+class PoolPlacement:
+    # Logical CPUs reserved per worker. Tiny by default: on a small CPU box several workers
+    # share the cores (their torch thread count is set separately), and Ray must not refuse
+    # to place the fourth worker on a 2-core machine.
+    cpus: float = 0.01
+    gpus: float = 0.0  # 1 on GPU hosts: each worker owns a device
+    resource: str | None = None  # custom resource naming this pool's node group
+
+    def bundle(self) -> dict[str, float]:
+        out = {"CPU": self.cpus}
+        if self.gpus:
+            out["GPU"] = self.gpus
+        if self.resource:
+            out[self.resource] = RESOURCE_UNIT
+        return out
+
+
+class PlacementTimeout(RuntimeError):
+    """No node could hold a worker's bundle in time; names the pool and the bundle."""
+
+
+def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0):
+    """Create the worker's placement group and wait until Ray has reserved it.
+
+    Returns (placement group, actor options that schedule into it and use its resources).
+    """
+    bundle = placement.bundle()
+    pg = placement_group([bundle], strategy="STRICT_PACK", name=name)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise PlacementTimeout(f"{name}: no Ray node offered {bundle} within {timeout_s:.0f} s "
+                               f"(is a node with resource {placement.resource!r} in the cluster?)")
+    options = {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
+        "num_cpus": placement.cpus,
+        "num_gpus": placement.gpus,
+        "resources": {placement.resource: RESOURCE_UNIT} if placement.resource else {},
+    }
+    return pg, options
+
+
+def release(pg) -> None:
+    try:
+        remove_placement_group(pg)
+    except Exception:  # already gone with its cluster
+        pass

@@ -1,0 +1,70 @@
+"""Two Ray nodes on this machine (``ray start``, each with a custom resource): prefill workers
+land on the node offering the prefill resource, decode workers on the other, and a request
+still flows from one to the other over NIXL."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+
+from cluster.local import ClusterConfig, LocalCluster
+from cluster.placement import PoolPlacement
+from engine.config import CacheConfig, EngineConfig
+from protos import pdserve_pb2, pdserve_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+RAY = str(Path(sys.executable).parent / "ray")
+# Ray 2.60 turns on token authentication for `ray start`; a second node on the same machine
+# then cannot join without the head's token. Loopback test clusters opt out.
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def two_nodes(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    port = free_port()
+    common = ["--num-cpus=1", "--disable-usage-stats"]
+    try:
+        subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
+                        '--resources={"prefill_nodes": 8}', *common], env=ENV, check=True, capture_output=True)
+        subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", '--resources={"decode_nodes": 8}', *common],
+                       env=ENV, check=True, capture_output=True)
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([RAY, "stop"], env=ENV, capture_output=True)
+
+
+def test_each_pool_lands_on_its_own_node(two_nodes):
+    config = ClusterConfig(
+        engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=64 << 20)), num_prefill=2, num_decode=1,
+        port=0, http_port=None, ray_address=two_nodes, threads_per_worker=1,
+        prefill_placement=PoolPlacement(resource="prefill_nodes"),
+        decode_placement=PoolPlacement(resource="decode_nodes"))
+    cluster = LocalCluster(config)
+    try:
+        cluster.start()
+        nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        prefill_nodes = {ray.get(a.node_id.remote()) for a in cluster.prefill}
+        decode_nodes = {ray.get(a.node_id.remote()) for a in cluster.decode}
+        assert len(nodes) == 2 and len(prefill_nodes) == 1 and len(decode_nodes) == 1
+        assert "prefill_nodes" in nodes[prefill_nodes.pop()]
+        assert "decode_nodes" in nodes[decode_nodes.pop()]
+        with grpc.insecure_channel(cluster.address) as ch:
+            req = pdserve_pb2.GenerateRequest(sampling=pdserve_pb2.SamplingParams(max_tokens=8))
+            req.chat.messages.add(role="user", content="What is the capital of France?")
+            text = "".join(r.text for r in pdserve_pb2_grpc.GenerationStub(ch).Generate(req, timeout=120))
+        assert "Paris" in text
+    finally:
+        cluster.stop()
