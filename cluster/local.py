@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
+import grpc
 import ray
 
 from cluster.placement import PoolPlacement, release, reserve
@@ -35,6 +37,7 @@ class ClusterConfig:
     ray_address: str | None = None  # join this Ray cluster instead of starting one
     model_name: str = "smollm2"
     router_poll_s: float = 0.2  # how often the router reads every worker's stats
+    supervise_interval_s: float | None = 1.0  # how often dead workers are found and replaced; None: never
     prefill_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
     decode_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
 
@@ -103,7 +106,9 @@ class LocalCluster:
         self.decode_addresses: list[str] = []
         self.address: str | None = None
         self.http_address: str | None = None
-        self._groups: list = []  # one placement group per worker
+        self._groups: dict[tuple[str, int], object] = {}  # one placement group per worker slot
+        self._specs: dict[tuple[str, int], tuple] = {}  # what to start again in a slot
+        self._supervisor: Supervisor | None = None
         self._started_ray = False
 
     def start(self) -> str:
@@ -115,7 +120,8 @@ class LocalCluster:
         cfg = self.config
         materialize(cfg.engine.model, progress=True)  # convert a GGUF once, before the workers race to
         if not ray.is_initialized():
-            ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING,
+            # "local" starts a new instance even when another Ray runs on this machine.
+            ray.init(address=cfg.ray_address or "local", include_dashboard=False, logging_level=logging.WARNING,
                      **({} if cfg.ray_address else {"object_store_memory": 256 << 20}))
             self._started_ray = True
         threads = cfg.worker_threads()
@@ -136,15 +142,46 @@ class LocalCluster:
         self.router = ServerActor.remote("router", router_cfg)
         self.address = ray.get(self.router.start.remote())
         self.http_address = ray.get(self.router.http_address.remote())
+        if cfg.supervise_interval_s:
+            self._supervisor = Supervisor(self, cfg.supervise_interval_s)
+            self._supervisor.start()
         return self.address
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
         """A worker actor inside a placement group of its own."""
-        pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}")
-        self._groups.append(pg)
+        self._specs[(role, index)] = (placement, config, threads)
+        pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}-{len(self._groups)}")
+        self._groups[(role, index)] = pg
         return ServerActor.options(**options).remote(role, config, threads)
 
+    def actors(self, role: str) -> list:
+        return self.prefill if role == "prefill" else self.decode
+
+    def addresses(self, role: str) -> list[str]:
+        return self.prefill_addresses if role == "prefill" else self.decode_addresses
+
+    def replace(self, role: str, index: int) -> str:
+        """Start a new worker in a slot whose worker died; returns its address."""
+        old = self._groups.pop((role, index), None)
+        if old is not None:
+            release(old)
+        actor = self._place(role, index, *self._specs[(role, index)])
+        self.actors(role)[index] = actor
+        self.addresses(role)[index] = ray.get(actor.start.remote())
+        return self.addresses(role)[index]
+
+    def push_membership(self, exclude: set[str] = frozenset()) -> None:
+        """Tell the router the workers it may route to: all live slots, minus ``exclude``."""
+        from protos import admin_pb2, admin_pb2_grpc
+
+        members = [admin_pb2.Member(role=role, address=address)
+                   for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
+        with grpc.insecure_channel(self.address) as channel:
+            admin_pb2_grpc.RouterAdminStub(channel).SetMembership(admin_pb2.Membership(members=members), timeout=10)
+
     def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.stop()
         for actor in [self.router, *self.decode, *self.prefill]:
             if actor is None:
                 continue
@@ -153,7 +190,57 @@ class LocalCluster:
             except Exception:  # a dead actor has nothing left to stop
                 pass
             ray.kill(actor)
-        for pg in self._groups:
+        for pg in self._groups.values():
             release(pg)
         if self._started_ray:
             ray.shutdown()
+
+
+class Supervisor:
+    """Keeps every worker slot filled. A worker whose process died leaves the router's table
+    at once, then a new one starts in its slot (in a new placement group) and joins it."""
+
+    def __init__(self, cluster: LocalCluster, interval_s: float):
+        self.cluster = cluster
+        self.interval_s = interval_s
+        self.replaced = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check_once()
+            except Exception:  # keep supervising whatever one round hit
+                log.exception("supervisor round failed")
+
+    def dead_slots(self) -> list[tuple[str, int]]:
+        dead = []
+        for role in ("prefill", "decode"):
+            for index, actor in enumerate(self.cluster.actors(role)):
+                try:
+                    ray.get(actor.pid.remote(), timeout=5)
+                except ray.exceptions.RayActorError:
+                    dead.append((role, index))
+                except ray.exceptions.GetTimeoutError:
+                    pass  # busy or slow, not known dead
+        return dead
+
+    def check_once(self) -> None:
+        dead = self.dead_slots()
+        if not dead or self._stop.is_set():
+            return
+        gone = {self.cluster.addresses(role)[index] for role, index in dead}
+        log.warning("workers died: %s; replacing", sorted(gone))
+        self.cluster.push_membership(exclude=gone)
+        for role, index in dead:
+            self.cluster.replace(role, index)
+            self.replaced += 1
+        self.cluster.push_membership()

@@ -97,6 +97,19 @@ class WorkerPool:
         if client is not None:
             await client.channel.close(grace=None)
 
+    async def set_members(self, members: list[tuple[str, str]]) -> None:
+        """Make the routing table exactly ``members`` ((role, address) pairs): the controller's word."""
+        wanted = {address: role for role, address in members}
+        for address in [a for a in self.workers if a not in wanted]:
+            await self.remove(address)
+        for address, role in wanted.items():
+            if address not in self.workers:
+                self.add(role, address)
+        await self.refresh()
+
+    def members(self) -> list[tuple[str, str]]:
+        return [(w.role, w.address) for w in self.workers.values()]
+
     def snapshots(self) -> list[WorkerSnapshot]:
         return [w.snapshot() for w in self.workers.values()]
 

@@ -10,8 +10,9 @@ from grpc_reflection.v1alpha import reflection
 from engine.config import EngineConfig
 from engine.loader import materialize, read_model_config
 from engine.tokenizer import Tokenizer
-from protos import pdserve_pb2, pdserve_pb2_grpc
+from protos import admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router import http_api
+from router.admin import RouterAdminService
 from router.frontend import ModelInfo
 from router.orchestrator import RouterLimits
 from router.pool import WorkerPool
@@ -54,6 +55,7 @@ async def start(config: RouterConfig) -> RunningServer:
     address = bind(server, config.host, config.port)
     service = GenerationService(model, pool, config.limits)
     pdserve_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    admin_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminService(pool), server)
     health = add_health(server, [SERVICE])
     names = (pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "grpc.health.v1.Health",
              reflection.SERVICE_NAME)

@@ -43,7 +43,7 @@ def two_nodes(monkeypatch):
                        env=ENV, check=True, capture_output=True)
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([RAY, "stop"], env=ENV, capture_output=True)
+        subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True)
 
 
 def test_each_pool_lands_on_its_own_node(two_nodes):

@@ -26,7 +26,9 @@ DELAY_S = 1.0  # every KV read waits this long: time to kill a worker between tw
 def cluster():
     # The router polls stats rarely here, so it learns of a dead worker from a failed call,
     # which is the path these tests are after.
-    c = start_cluster(num_prefill=3, num_decode=2, delay_s=DELAY_S, router_poll_s=30.0)
+    # No supervisor: these tests are about the router surviving dead workers, not their
+    # replacement (test_supervisor.py covers that).
+    c = start_cluster(num_prefill=3, num_decode=2, delay_s=DELAY_S, router_poll_s=30.0, supervise_interval_s=None)
     yield c
     c.stop()
 

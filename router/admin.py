@@ -1,0 +1,19 @@
+"""``pdserve.v1.RouterAdmin``: how the controller sets the router's membership."""
+
+from __future__ import annotations
+
+from protos import admin_pb2, admin_pb2_grpc
+from router.pool import WorkerPool
+
+
+class RouterAdminService(admin_pb2_grpc.RouterAdminServicer):
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+
+    async def SetMembership(self, request, context):
+        await self.pool.set_members([(m.role, m.address) for m in request.members])
+        roles = [role for role, _ in self.pool.members()]
+        return admin_pb2.MembershipAck(prefill_workers=roles.count("prefill"), decode_workers=roles.count("decode"))
+
+    async def GetMembership(self, request, context):
+        return admin_pb2.Membership(members=[admin_pb2.Member(role=r, address=a) for r, a in self.pool.members()])
