@@ -7,9 +7,11 @@ address. ``stop()`` stops them in reverse order and shuts Ray down if it started
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -109,6 +111,9 @@ class LocalCluster:
         self._groups: dict[tuple[str, int], object] = {}  # one placement group per worker slot
         self._specs: dict[tuple[str, int], tuple] = {}  # what to start again in a slot
         self._supervisor: Supervisor | None = None
+        self._templates: dict[str, tuple] = {}  # role -> (placement, config, threads) for new slots
+        self._next_id = {"prefill": 0, "decode": 0}
+        self.lock = threading.RLock()  # membership changes: scaling and the supervisor
         self._started_ray = False
 
     def start(self) -> str:
@@ -149,6 +154,8 @@ class LocalCluster:
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
         """A worker actor inside a placement group of its own."""
+        self._templates.setdefault(role, (placement, config, threads))
+        self._next_id[role] = max(self._next_id[role], index + 1)
         self._specs[(role, index)] = (placement, config, threads)
         pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}-{len(self._groups)}")
         self._groups[(role, index)] = pg
@@ -169,6 +176,64 @@ class LocalCluster:
         self.actors(role)[index] = actor
         self.addresses(role)[index] = ray.get(actor.start.remote())
         return self.addresses(role)[index]
+
+    def scale_up(self, role: str) -> str:
+        """Start one more worker in ``role``'s pool; it joins the router once it serves."""
+        with self.lock:
+            placement, config, threads = self._templates[role]
+            worker_id = f"{role}-{self._next_id[role]}"
+            index = len(self.actors(role))
+            actor = self._place(role, index, placement, dataclasses.replace(config, worker_id=worker_id), threads)
+            self.actors(role).append(actor)
+            self.addresses(role).append(ray.get(actor.start.remote()))
+            self.push_membership()
+            return self.addresses(role)[index]
+
+    def scale_down(self, role: str, index: int = -1, drain_timeout_s: float = 300.0) -> str:
+        """Remove one worker by draining it: it leaves the routing table first, takes no new
+        request, finishes the ones it has (a prefill worker also waits until its held KV is
+        pulled or expires), and only then stops. Returns its address."""
+        with self.lock:
+            index %= len(self.actors(role))
+            actor, address = self.actors(role)[index], self.addresses(role)[index]
+            group = self._drop_slot(role, index)
+            self.push_membership()
+        self._drain(role, address, drain_timeout_s)
+        try:
+            ray.get(actor.stop.remote(), timeout=30)
+        finally:
+            ray.kill(actor)
+            release(group)  # only now: removing a placement group kills the actors in it
+        return address
+
+    def _drop_slot(self, role: str, index: int):
+        """Forget a slot (later slots move down one index); returns its placement group."""
+        actors = self.actors(role)
+        last = len(actors) - 1
+        group = self._groups.pop((role, index))
+        for i in range(index, last):  # later slots move down one index
+            self._groups[(role, i)] = self._groups.pop((role, i + 1))
+            self._specs[(role, i)] = self._specs.pop((role, i + 1))
+        self._specs.pop((role, last), None)
+        actors.pop(index)
+        self.addresses(role).pop(index)
+        return group
+
+    @staticmethod
+    def _drain(role: str, address: str, timeout_s: float) -> None:
+        from protos import worker_pb2, worker_pb2_grpc
+
+        stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(address) as channel:
+            stub = stub_cls(channel)
+            stats = stub.Drain(worker_pb2.DrainRequest(), timeout=10)
+            while stats.num_running or stats.num_waiting or stats.num_held_leases:
+                if time.monotonic() > deadline:
+                    log.warning("%s still busy after %.0f s of draining; stopping it anyway", address, timeout_s)
+                    return
+                time.sleep(0.2)
+                stats = stub.Stats(worker_pb2.StatsRequest(), timeout=10)
 
     def push_membership(self, exclude: set[str] = frozenset()) -> None:
         """Tell the router the workers it may route to: all live slots, minus ``exclude``."""
@@ -234,13 +299,14 @@ class Supervisor:
         return dead
 
     def check_once(self) -> None:
-        dead = self.dead_slots()
-        if not dead or self._stop.is_set():
-            return
-        gone = {self.cluster.addresses(role)[index] for role, index in dead}
-        log.warning("workers died: %s; replacing", sorted(gone))
-        self.cluster.push_membership(exclude=gone)
-        for role, index in dead:
-            self.cluster.replace(role, index)
-            self.replaced += 1
-        self.cluster.push_membership()
+        with self.cluster.lock:
+            dead = self.dead_slots()
+            if not dead or self._stop.is_set():
+                return
+            gone = {self.cluster.addresses(role)[index] for role, index in dead}
+            log.warning("workers died: %s; replacing", sorted(gone))
+            self.cluster.push_membership(exclude=gone)
+            for role, index in dead:
+                self.cluster.replace(role, index)
+                self.replaced += 1
+            self.cluster.push_membership()

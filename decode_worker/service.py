@@ -36,6 +36,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             return self._peers[address]
 
     async def Decode(self, request, context):
+        if self.worker.draining:  # the router offers the same KV to another decode worker
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode worker {self.worker.config.worker_id} is draining")
         kv = request.kv
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
@@ -80,10 +83,15 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def Stats(self, request, context):
         return decode_stats(self.worker, self.metrics_address)
 
+    async def Drain(self, request, context):
+        self.worker.draining = True
+        return decode_stats(self.worker, self.metrics_address)
+
 
 def decode_stats(worker: DecodeWorker, metrics_address: str = "") -> worker_pb2.WorkerStats:
     """The worker's ``WorkerStats``: for the router's polls and the worker's /metrics."""
-    return worker_stats(worker.config.worker_id, "decode", worker.engine, worker.agent, metrics_address)
+    return worker_stats(worker.config.worker_id, "decode", worker.engine, worker.agent, metrics_address,
+                        draining=worker.draining)
 
 
 def add_to_server(server: grpc.aio.Server, worker: DecodeWorker, metrics_address: str = "") -> None:

@@ -55,6 +55,7 @@ class DecodeWorker:
                                   inject_delay_s=config.inject_transfer_delay_s,
                                   read_timeout_s=config.transfer_timeout_s)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.draining = False  # set by Drain: no new requests, the current ones finish
         self._transfers: dict[str, TransferHandle] = {}
         self.thread = EngineThread(self.engine, self._on_outputs, hooks=[self._poll_transfers],
                                    name=f"{config.worker_id}-engine")

@@ -21,6 +21,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self.metrics_address = metrics_address
 
     async def Prefill(self, request, context):
+        if self.worker.draining:  # the router retries on another prefill worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker.config.worker_id} is draining")
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params)
@@ -49,11 +51,16 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def Stats(self, request, context):
         return prefill_stats(self.worker, self.metrics_address)
 
+    async def Drain(self, request, context):
+        self.worker.draining = True
+        return prefill_stats(self.worker, self.metrics_address)
+
 
 def prefill_stats(worker: PrefillWorker, metrics_address: str = "") -> worker_pb2.WorkerStats:
     """The worker's ``WorkerStats``: for the router's polls and the worker's /metrics."""
     return worker_stats(worker.config.worker_id, "prefill", worker.engine, worker.agent, metrics_address,
-                        num_held_leases=len(worker.leases), leases_expired=worker.released_by["expired"])
+                        num_held_leases=len(worker.leases), leases_expired=worker.released_by["expired"],
+                        draining=worker.draining)
 
 
 def add_to_server(server: grpc.aio.Server, worker: PrefillWorker, address: str, metrics_address: str = "") -> None:

@@ -45,6 +45,7 @@ class PrefillWorker:
         self.engine = engine or LLMEngine.from_config(config.engine)
         self.agent = create_agent(config.kv_transfer_backend, config.worker_id, self.engine.kv_cache)
         self.leases = LeaseTable()
+        self.draining = False  # set by Drain: no new requests, the current ones finish
         self.released_by = {"pulled": 0, "release_rpc": 0, "expired": 0}
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, float]] = {}
         # Queue time ends when a prompt's first chunk runs. Hooks run right before each step,

@@ -60,6 +60,11 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Drain',
+                request_serializer=protos_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -95,6 +100,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
                     request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
@@ -269,6 +285,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Drain',
+            protos_dot_worker__pb2.DrainRequest.SerializeToString,
+            protos_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -294,6 +337,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Drain',
+                request_serializer=protos_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -317,6 +365,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -333,6 +387,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
                     request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
@@ -416,6 +475,33 @@ class DecodeWorker:
             target,
             '/pdserve.v1.DecodeWorker/Stats',
             protos_dot_worker__pb2.StatsRequest.SerializeToString,
+            protos_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Drain',
+            protos_dot_worker__pb2.DrainRequest.SerializeToString,
             protos_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,

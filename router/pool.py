@@ -93,8 +93,14 @@ class WorkerPool:
         return self.workers[address]
 
     async def remove(self, address: str) -> None:
+        """Stop routing to ``address`` at once; its channel closes once the requests already
+        on it are done (closing it now would cancel them: a drained worker finishes its streams)."""
         client = self.workers.pop(address, None)
-        if client is not None:
+        if client is None:
+            return
+        if client.inflight:
+            asyncio.get_running_loop().create_task(_close_when_idle(client))
+        else:
             await client.channel.close(grace=None)
 
     async def set_members(self, members: list[tuple[str, str]]) -> None:
@@ -187,3 +193,9 @@ class WorkerPool:
             if client.epoch == epoch:
                 client.local_tokens = max(0, client.local_tokens - tokens)
                 client.local_blocks = max(0, client.local_blocks - blocks)
+
+
+async def _close_when_idle(client: WorkerClient, poll_s: float = 0.2) -> None:
+    while client.inflight:
+        await asyncio.sleep(poll_s)
+    await client.channel.close(grace=None)

@@ -3,6 +3,7 @@ work within seconds, because the controller, not a static list, sets the router'
 
 import os
 import signal
+import threading
 import time
 
 import grpc
@@ -50,3 +51,31 @@ def test_killed_decode_worker_is_replaced_and_leaves_the_routing_table(cluster):
             ids, _, _ = collect(stub.Generate(chat_request(f"Say hello number {i}.", 6), timeout=120))
             assert ids
     assert worker_stats(new, "decode").kv_transfers > 0  # the replacement serves
+
+
+def test_scale_down_drains_without_a_client_error_and_scale_up_joins(cluster):
+    question = "Write a long story about a lighthouse keeper."
+    with grpc.insecure_channel(cluster.address) as ch:
+        stub = pdserve_pb2_grpc.GenerationStub(ch)
+        reference, _, _ = collect(stub.Generate(chat_request(question, 60, ignore_eos=True), timeout=120))
+        stream = stub.Generate(chat_request(question, 60, ignore_eos=True), timeout=120)
+        got = list(next(stream).token_ids)  # from the prefill worker; the decode side starts now
+        serving = None
+        deadline = time.monotonic() + 10
+        while serving is None and time.monotonic() < deadline:
+            busy = [i for i, a in enumerate(cluster.decode_addresses) if worker_stats(a, "decode").num_running]
+            serving = busy[0] if busy else None
+            time.sleep(0.05)
+        assert serving is not None, "no decode worker took the stream"
+
+        done = {}
+        drain = threading.Thread(target=lambda: done.setdefault("address", cluster.scale_down("decode", serving)))
+        drain.start()
+        got += collect(stream)[0]  # the draining worker finishes this stream
+        drain.join(60)
+        assert got == reference and done["address"] not in cluster.decode_addresses
+        assert len(cluster.decode) == 1 and ("decode", done["address"]) not in router_members(cluster)
+        added = cluster.scale_up("decode")
+        assert ("decode", added) in router_members(cluster) and len(cluster.decode) == 2
+        for i in range(4):
+            assert collect(stub.Generate(chat_request(f"Name a color, {i}.", 6), timeout=120))[0]
