@@ -40,6 +40,8 @@ class ClusterConfig:
     model_name: str = "smollm2"
     router_poll_s: float = 0.2  # how often the router reads every worker's stats
     supervise_interval_s: float | None = 1.0  # how often dead workers are found and replaced; None: never
+    autoscaling: dict | None = None  # {"prefill": PoolPolicyConfig, "decode": ...}; None: fixed pool sizes
+    autoscale_interval_s: float = 1.0
     prefill_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
     decode_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
 
@@ -111,6 +113,7 @@ class LocalCluster:
         self._groups: dict[tuple[str, int], object] = {}  # one placement group per worker slot
         self._specs: dict[tuple[str, int], tuple] = {}  # what to start again in a slot
         self._supervisor: Supervisor | None = None
+        self.autoscaler = None
         self._templates: dict[str, tuple] = {}  # role -> (placement, config, threads) for new slots
         self._next_id = {"prefill": 0, "decode": 0}
         self.lock = threading.RLock()  # membership changes: scaling and the supervisor
@@ -150,6 +153,11 @@ class LocalCluster:
         if cfg.supervise_interval_s:
             self._supervisor = Supervisor(self, cfg.supervise_interval_s)
             self._supervisor.start()
+        if cfg.autoscaling:
+            from cluster.autoscaler import Autoscaler
+
+            self.autoscaler = Autoscaler(self, cfg.autoscaling, cfg.autoscale_interval_s)
+            self.autoscaler.start()
         return self.address
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
@@ -245,6 +253,8 @@ class LocalCluster:
             admin_pb2_grpc.RouterAdminStub(channel).SetMembership(admin_pb2.Membership(members=members), timeout=10)
 
     def stop(self) -> None:
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         if self._supervisor is not None:
             self._supervisor.stop()
         for actor in [self.router, *self.decode, *self.prefill]:

@@ -1,0 +1,82 @@
+"""Autoscaling end to end: long prompts with short outputs grow the prefill pool and not the
+decode pool; when the load stops, the pool drains back to its minimum. Every request
+completes, the scale-down included. Windows and cooldowns are seconds here, not minutes."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+
+from cluster.autoscaling import pool_config
+from cluster.local import ClusterConfig, LocalCluster
+from engine.config import CacheConfig, EngineConfig
+from protos import pdserve_pb2, pdserve_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+FAST = dict(window_s=3.0, scale_up_cooldown_s=2.0, scale_down_cooldown_s=5.0, max_replicas=2, max_sample_age_s=5.0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = ClusterConfig(
+        # 96 MiB of KV per worker (~2,000 tokens): a dozen long streams fill a decode worker.
+        engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), port=0, http_port=None,
+        threads_per_worker=1, autoscale_interval_s=0.5,
+        autoscaling={"prefill": pool_config("prefill", target=300, **FAST),
+                     "decode": pool_config("decode", target=0.5, **FAST)})
+    c = LocalCluster(config)
+    c.start()
+    yield c
+    c.stop()
+
+
+async def send_load(address: str, n: int, every_s: float, prompt_len: int, max_tokens: int = 3) -> list[int]:
+    async def one(i: int) -> int:
+        ids = torch.randint(100, 40000, (prompt_len,), generator=torch.Generator().manual_seed(i)).tolist()
+        req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=ids),
+                                          sampling=pdserve_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        got = 0
+        async for r in stub.Generate(req, timeout=300):
+            got += len(r.token_ids)
+        return got
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pdserve_pb2_grpc.GenerationStub(ch)
+        tasks = []
+        for i in range(n):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(every_s)
+        return await asyncio.gather(*tasks)
+
+
+def test_long_prompts_grow_prefill_only_and_idle_shrinks_it(cluster):
+    counts = asyncio.run(send_load(cluster.address, n=24, every_s=0.6, prompt_len=600))
+    assert counts == [3] * 24  # every request completed in full, through the scale-up
+    traces = cluster.autoscaler.traces
+    assert max(s.replicas for s in traces["prefill"].samples) == 2
+    assert max(s.replicas for s in traces["decode"].samples) == 1
+    assert all(d.action == "hold" for d in traces["decode"].decisions)
+    shrunk(cluster, "prefill")
+    assert [d.action for d in traces["prefill"].decisions if d.action != "hold"] == ["up", "down"]
+
+
+def shrunk(cluster, pool: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(cluster.actors(pool)) > 1:
+        assert time.monotonic() < deadline, f"the {pool} pool did not shrink back"
+        time.sleep(0.5)
+
+
+def test_long_outputs_grow_decode_only_and_idle_shrinks_it(cluster):
+    prefill_before = len(cluster.autoscaler.traces["prefill"].decisions)
+    decode_before = len(cluster.autoscaler.traces["decode"].decisions)
+    counts = asyncio.run(send_load(cluster.address, n=14, every_s=0.3, prompt_len=30, max_tokens=200))
+    assert counts == [200] * 14
+    traces = cluster.autoscaler.traces
+    decode_actions = [d.action for d in traces["decode"].decisions[decode_before:] if d.action != "hold"]
+    assert decode_actions[:1] == ["up"]
+    assert all(d.action == "hold" for d in traces["prefill"].decisions[prefill_before:])
+    shrunk(cluster, "decode")
