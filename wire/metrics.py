@@ -34,6 +34,7 @@ Router, per stats poll (router/pool.py), label ``pool`` (prefill, decode):
 Workers, read from the engine and the KV agent at each scrape; labels ``pool``, ``worker``:
 
 - gauge ``pdserve:worker_num_requests_running``, ``pdserve:worker_num_requests_waiting``,
+  ``pdserve:worker_num_waiting_prompt_tokens`` (the prefill autoscaling signal, for KEDA/HPA),
   ``pdserve:worker_kv_cache_usage_perc`` (0..1), ``pdserve:worker_num_held_leases``
 - counter ``pdserve:kv_transfer_bytes_total``, ``pdserve:kv_transfers_total``,
   ``pdserve:kv_transfer_failures_total``: KV reads (a decode worker's)
@@ -210,6 +211,8 @@ _WORKER_FAMILIES = (
      lambda s, bs: s.num_running),
     (GaugeMetricFamily, "pdserve:worker_num_requests_waiting", "Requests waiting for a prefill slot.",
      lambda s, bs: s.num_waiting),
+    (GaugeMetricFamily, "pdserve:worker_num_waiting_prompt_tokens", "Prompt tokens queued, not yet computed.",
+     lambda s, bs: s.num_waiting_tokens),
     (GaugeMetricFamily, "pdserve:worker_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
      lambda s, bs: _usage(s.num_blocks_used, s.num_blocks_total)),
     (GaugeMetricFamily, "pdserve:worker_num_held_leases", "Prompts whose KV is held for a decode worker.",
