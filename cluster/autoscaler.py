@@ -68,9 +68,14 @@ class Autoscaler:
             trace.decisions.append(decision)
             if decision.action != "hold":
                 log.info("autoscaler %s: %s", pool, decision.as_dict())
+                self.cluster.push_membership()  # the router exports the new desired size at once
             self._act(pool, decision)
             if self._stop.is_set():
                 return
+
+    def desired(self) -> dict[str, int]:
+        """Each pool's last decided size (exported by the router as autoscaler_desired_replicas)."""
+        return {pool: t.decisions[-1].desired for pool, t in self.traces.items() if t.decisions}
 
     def sample(self, pool: str, now: float) -> PoolSample:
         stats = [s for s in (_stats(pool, a) for a in list(self.cluster.addresses(pool))) if s is not None]

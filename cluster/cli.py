@@ -35,9 +35,12 @@ def serve(args) -> int:
     from cluster.local import ClusterConfig, LocalCluster, default_gpus
     from engine.config import CacheConfig, EngineConfig
 
+    from cluster.autoscaling import AutoscaleConfigError, from_mapping
+
     try:
         v = resolve(args)
-    except SettingsError as exc:
+        autoscaling = from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None
+    except (SettingsError, AutoscaleConfigError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     engine = EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
@@ -48,7 +51,7 @@ def serve(args) -> int:
                            kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
                            threads_per_worker=v["threads_per_worker"], ray_address=v["address"],
                            prefill_placement=_placement(v, "prefill", default_gpus),
-                           decode_placement=_placement(v, "decode", default_gpus))
+                           decode_placement=_placement(v, "decode", default_gpus), autoscaling=autoscaling)
     cluster = LocalCluster(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -249,8 +249,10 @@ class LocalCluster:
 
         members = [admin_pb2.Member(role=role, address=address)
                    for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
+        desired = self.autoscaler.desired() if self.autoscaler is not None else {}
         with grpc.insecure_channel(self.address) as channel:
-            admin_pb2_grpc.RouterAdminStub(channel).SetMembership(admin_pb2.Membership(members=members), timeout=10)
+            admin_pb2_grpc.RouterAdminStub(channel).SetMembership(
+                admin_pb2.Membership(members=members, desired_replicas=desired), timeout=10)
 
     def stop(self) -> None:
         if self.autoscaler is not None:

@@ -54,6 +54,8 @@ SERVE = (
     Setting("prefill_resource", str, None, "custom Ray resource naming the prefill node group"),
     Setting("decode_resource", str, None, "custom Ray resource naming the decode node group"),
 )
+# Autoscaling has per-pool settings, so it comes only from the file, as an ``autoscaling:``
+# section (see cluster/autoscaling); its presence turns autoscaling on.
 
 
 class SettingsError(ValueError):
@@ -76,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser, settings=SERVE) -> None:
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ, settings=SERVE) -> dict[str, Any]:
     """defaults < YAML file < environment < flags."""
     values = {s.name: s.default for s in settings}
+    values["autoscaling"] = None  # only from the file: per-pool settings do not fit in flags
     if getattr(args, "config", None):
         values.update(_from_file(args.config, settings))
     for s in settings:
@@ -101,6 +104,9 @@ def _from_file(path: Path, settings) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name == "autoscaling":  # a nested section, read by cluster.autoscaling.from_mapping
+            out[name] = value if value is not None else {}
+            continue
         if name not in by_name:
             raise SettingsError(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(by_name))}")
         out[name] = None if value is None else _convert(by_name[name], value, f"{path}:{key}")

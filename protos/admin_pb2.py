@@ -24,19 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/admin.proto\x12\npdserve.v1\":\n\x06Member\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"1\n\nMembership\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Member\"@\n\rMembershipAck\x12\x17\n\x0fprefill_workers\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x02 \x01(\r2\x92\x01\n\x0bRouterAdmin\x12\x42\n\rSetMembership\x12\x16.pdserve.v1.Membership\x1a\x19.pdserve.v1.MembershipAck\x12?\n\rGetMembership\x12\x16.pdserve.v1.Membership\x1a\x16.pdserve.v1.Membershipb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/admin.proto\x12\npdserve.v1\":\n\x06Member\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\xb0\x01\n\nMembership\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Member\x12\x45\n\x10\x64\x65sired_replicas\x18\x02 \x03(\x0b\x32+.pdserve.v1.Membership.DesiredReplicasEntry\x1a\x36\n\x14\x44\x65siredReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"@\n\rMembershipAck\x12\x17\n\x0fprefill_workers\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x02 \x01(\r2\x92\x01\n\x0bRouterAdmin\x12\x42\n\rSetMembership\x12\x16.pdserve.v1.Membership\x1a\x19.pdserve.v1.MembershipAck\x12?\n\rGetMembership\x12\x16.pdserve.v1.Membership\x1a\x16.pdserve.v1.Membershipb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MEMBERSHIP_DESIREDREPLICASENTRY']._loaded_options = None
+  _globals['_MEMBERSHIP_DESIREDREPLICASENTRY']._serialized_options = b'8\001'
   _globals['_MEMBER']._serialized_start=34
   _globals['_MEMBER']._serialized_end=92
-  _globals['_MEMBERSHIP']._serialized_start=94
-  _globals['_MEMBERSHIP']._serialized_end=143
-  _globals['_MEMBERSHIPACK']._serialized_start=145
-  _globals['_MEMBERSHIPACK']._serialized_end=209
-  _globals['_ROUTERADMIN']._serialized_start=212
-  _globals['_ROUTERADMIN']._serialized_end=358
+  _globals['_MEMBERSHIP']._serialized_start=95
+  _globals['_MEMBERSHIP']._serialized_end=271
+  _globals['_MEMBERSHIP_DESIREDREPLICASENTRY']._serialized_start=217
+  _globals['_MEMBERSHIP_DESIREDREPLICASENTRY']._serialized_end=271
+  _globals['_MEMBERSHIPACK']._serialized_start=273
+  _globals['_MEMBERSHIPACK']._serialized_end=337
+  _globals['_ROUTERADMIN']._serialized_start=340
+  _globals['_ROUTERADMIN']._serialized_end=486
 # @@protoc_insertion_point(module_scope)

@@ -17,10 +17,19 @@ class Member(_message.Message):
     def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class Membership(_message.Message):
-    __slots__ = ("members",)
+    __slots__ = ("members", "desired_replicas")
+    class DesiredReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[Member]
-    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+    desired_replicas: _containers.ScalarMap[str, int]
+    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class MembershipAck(_message.Message):
     __slots__ = ("prefill_workers", "decode_workers")

@@ -83,6 +83,7 @@ def pool_loads(workers: Iterable[WorkerClient]) -> dict[str, PoolLoad]:
 class WorkerPool:
     interval_s: float = 0.2
     workers: dict[str, WorkerClient] = field(default_factory=dict)
+    desired_replicas: dict[str, int] = field(default_factory=dict)  # set by the controller
     _task: asyncio.Task | None = None
 
     def add(self, role: str, address: str) -> WorkerClient:
@@ -134,8 +135,8 @@ class WorkerPool:
     def publish_metrics(self) -> None:
         """Set the per-pool gauges from the workers' last stats."""
         for pool, load in pool_loads(self.workers.values()).items():
-            # No autoscaler yet: the desired size is the current one.
-            metrics.set_pool(pool, load.running, load.waiting, load.kv_usage, load.replicas, desired=load.replicas)
+            desired = self.desired_replicas.get(pool, load.replicas)  # no autoscaler: the current size
+            metrics.set_pool(pool, load.running, load.waiting, load.kv_usage, load.replicas, desired=desired)
 
     def mark_down(self, address: str) -> None:
         client = self.workers.get(address)

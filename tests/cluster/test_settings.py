@@ -45,3 +45,17 @@ def test_bad_env_value_names_the_variable():
         resolve(parse([]), environ={"PDSERVE_DECODE": "two"})
     with pytest.raises(SettingsError, match="PDSERVE_KV_TRANSFER_BACKEND.*not one of nixl, tcp"):
         resolve(parse([]), environ={"PDSERVE_KV_TRANSFER_BACKEND": "rdma"})
+
+
+def test_autoscaling_section_comes_from_the_file(tmp_path):
+    from cluster.autoscaling import AutoscaleConfigError, from_mapping
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("autoscaling:\n  prefill: {max_replicas: 6}\n  decode: {step: 0}\n")
+    v = resolve(parse(["--config", str(cfg)]), environ={})
+    with pytest.raises(AutoscaleConfigError, match="autoscaling.decode.step"):
+        from_mapping(v["autoscaling"])
+    cfg.write_text("autoscaling:\n  prefill: {max_replicas: 6}\n")
+    pools = from_mapping(resolve(parse(["--config", str(cfg)]), environ={})["autoscaling"])
+    assert pools["prefill"].max_replicas == 6 and pools["decode"].max_replicas == 4
+    assert resolve(parse([]), environ={})["autoscaling"] is None  # off unless configured
