@@ -63,7 +63,7 @@ def test_long_prompts_grow_prefill_only_and_idle_shrinks_it(cluster):
     assert [d.action for d in traces["prefill"].decisions if d.action != "hold"] == ["up", "down"]
 
 
-def shrunk(cluster, pool: str, timeout_s: float = 60.0) -> None:
+def shrunk(cluster, pool: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while len(cluster.actors(pool)) > 1:
         assert time.monotonic() < deadline, f"the {pool} pool did not shrink back"
