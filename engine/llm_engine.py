@@ -225,7 +225,3 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free_blocks
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)

@@ -184,11 +184,10 @@ class RequestRun:
                 with self.pool.placed(client, blocks=blocks):
                     async for resp in call:
                         started = True
-                        if resp.kv_bytes or not resp.token_ids:
+                        if resp.kv_bytes:  # the KV-arrived notice, not output
                             self.progress.kv_bytes += resp.kv_bytes
                             self.progress.kv_seconds += resp.kv_transfer_seconds
-                            if resp.kv_bytes:
-                                self.metrics.kv_transferred(resp.kv_transfer_seconds)
+                            self.metrics.kv_transferred(resp.kv_transfer_seconds)
                             continue
                         yield self._emit(list(resp.token_ids), list(resp.logprobs),
                                          finish_from_wire(resp.finish_reason))
