@@ -8,6 +8,7 @@ address. ``stop()`` stops them in reverse order and shuts Ray down if it started
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -116,6 +117,7 @@ class LocalCluster:
         self.autoscaler = None
         self._templates: dict[str, tuple] = {}  # role -> (placement, config, threads) for new slots
         self._next_id = {"prefill": 0, "decode": 0}
+        self._group_serial = itertools.count()  # placement-group names stay unique for the cluster's life
         self.lock = threading.RLock()  # membership changes: scaling and the supervisor
         self._started_ray = False
 
@@ -165,7 +167,7 @@ class LocalCluster:
         self._templates.setdefault(role, (placement, config, threads))
         self._next_id[role] = max(self._next_id[role], index + 1)
         self._specs[(role, index)] = (placement, config, threads)
-        pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}-{len(self._groups)}")
+        pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}-{next(self._group_serial)}")
         self._groups[(role, index)] = pg
         return ServerActor.options(**options).remote(role, config, threads)
 
