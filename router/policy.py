@@ -21,6 +21,7 @@ class WorkerSnapshot:
     blocks_used: int = 0  # decode load
     blocks_total: int = 0
     inflight: int = 0  # requests this router has on the worker
+    last_placed: int = 0  # this router's placement sequence number of its last request (0: never)
 
     @property
     def routable(self) -> bool:
@@ -38,7 +39,7 @@ class Choice:
 def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = frozenset(),
                  prompt_tokens: int = 0, max_queued_tokens: int | None = None) -> Choice:
     """The routable prefill worker with the fewest queued prompt tokens (ties: fewest in flight,
-    then id). With ``max_queued_tokens``, a worker whose queue would pass it is full."""
+    then the one given work least recently, so idle workers take turns, then id). With ``max_queued_tokens``, a worker whose queue would pass it is full."""
     candidates = [w for w in workers if w.role == "prefill" and w.routable and w.worker_id not in exclude]
     if not candidates:
         return Choice(None, "no healthy prefill worker")
@@ -47,13 +48,13 @@ def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = fr
         if not candidates:
             return Choice(None, f"every prefill worker's queue is full ({max_queued_tokens} prompt tokens each)",
                           saturated=True)
-    best = min(candidates, key=lambda w: (w.queued_tokens, w.inflight, w.worker_id))
+    best = min(candidates, key=lambda w: (w.queued_tokens, w.inflight, w.last_placed, w.worker_id))
     return Choice(best.worker_id, f"least queued prompt tokens ({best.queued_tokens})")
 
 
 def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
                 exclude: frozenset[str] = frozenset()) -> Choice:
-    """The routable decode worker with the most free KV blocks after taking this request.
+    """The routable decode worker with the least of its KV in use (ties as for prefill).
 
     Workers that cannot fit ``blocks_needed`` are skipped; if none can, the answer says so
     (the caller returns RESOURCE_EXHAUSTED rather than queueing without bound).
@@ -69,5 +70,6 @@ def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
     if not fitting:
         return Choice(None, f"every decode worker's KV cache is full (request needs {blocks_needed} blocks)",
                       saturated=True)
-    best = min(fitting, key=lambda w: (w.blocks_used / max(w.blocks_total, 1), w.inflight, w.worker_id))
+    best = min(fitting, key=lambda w: (w.blocks_used / max(w.blocks_total, 1), w.inflight, w.last_placed,
+                                      w.worker_id))
     return Choice(best.worker_id, f"least KV in use ({best.blocks_used}/{best.blocks_total} blocks)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -37,6 +38,7 @@ class WorkerClient:
     inflight: int = 0
     draining: bool = False
     epoch: int = 0  # stats polls so far; local_* count only what was placed since the last
+    last_placed: int = 0  # the pool's placement counter when this worker last got a request
 
     def snapshot(self) -> WorkerSnapshot:
         s = self.stats or worker_pb2.WorkerStats()
@@ -44,7 +46,7 @@ class WorkerClient:
             worker_id=self.address, role=self.role, healthy=self.healthy, draining=self.draining or s.draining,
             queued_tokens=s.num_waiting_tokens + self.local_tokens,
             blocks_used=s.num_blocks_used + self.local_blocks, blocks_total=s.num_blocks_total,
-            inflight=self.inflight)
+            inflight=self.inflight, last_placed=self.last_placed)
 
 
 POOLS = ("prefill", "decode")
@@ -85,6 +87,7 @@ class WorkerPool:
     workers: dict[str, WorkerClient] = field(default_factory=dict)
     desired_replicas: dict[str, int] = field(default_factory=dict)  # set by the controller
     _task: asyncio.Task | None = None
+    _placements: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def add(self, role: str, address: str) -> WorkerClient:
         if address not in self.workers:
@@ -184,6 +187,7 @@ class WorkerPool:
         locally; if it ends before that poll, it is taken off again.
         """
         epoch = client.epoch
+        client.last_placed = next(self._placements)
         client.inflight += 1
         client.local_tokens += tokens
         client.local_blocks += blocks

@@ -20,6 +20,15 @@ def test_prefill_ties_break_on_inflight_then_id():
     assert pick_prefill([p("b", 10), p("a", 10)]).worker_id == "a"
 
 
+def test_equal_load_goes_to_the_worker_given_work_least_recently():
+    never, recent, earlier = (WorkerSnapshot(w, "decode", True, blocks_total=100, last_placed=n)
+                              for w, n in (("c", 0), ("a", 9), ("b", 4)))
+    assert pick_decode([recent, earlier], blocks_needed=1).worker_id == "b"
+    assert pick_decode([recent, earlier, never], blocks_needed=1).worker_id == "c"
+    assert pick_prefill([WorkerSnapshot("a", "prefill", True, last_placed=3),
+                         WorkerSnapshot("b", "prefill", True, last_placed=1)]).worker_id == "b"
+
+
 def test_unhealthy_draining_and_excluded_prefill_workers_are_skipped():
     workers = [p("a", 0, healthy=False), p("b", 0, draining=True), p("c", 900), p("d", 5)]
     assert pick_prefill(workers, exclude=frozenset({"d"})).worker_id == "c"

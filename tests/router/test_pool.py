@@ -1,5 +1,7 @@
-"""The router's local load accounting between two stats polls."""
+"""The router's local load accounting between two stats polls, and turn-taking among idle workers."""
 
+from protos import worker_pb2
+from router.policy import pick_decode
 from router.pool import WorkerClient, WorkerPool
 
 
@@ -21,3 +23,18 @@ def test_load_already_in_the_workers_stats_is_not_subtracted_twice():
         with pool.placed(c, blocks=3):
             pass
     assert c.local_blocks == 0
+
+
+def test_idle_workers_take_turns_for_requests_one_at_a_time():
+    """A lone client's sequential requests find every worker idle; they must still spread
+    (a fresh replica gets work at once instead of waiting for load to build up)."""
+    pool = WorkerPool()
+    workers = {a: WorkerClient("decode", a, channel=None, stub=None, healthy=True) for a in ("b:1", "a:1", "c:1")}
+    for c in workers.values():
+        c.stats = worker_pb2.WorkerStats(num_blocks_total=100)
+    picked = []
+    for _ in range(6):
+        choice = pick_decode([c.snapshot() for c in workers.values()], blocks_needed=2)
+        with pool.placed(workers[choice.worker_id], blocks=2):
+            picked.append(choice.worker_id)
+    assert picked == ["a:1", "b:1", "c:1"] * 2
