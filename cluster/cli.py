@@ -49,6 +49,7 @@ def serve(args) -> int:
     config = ClusterConfig(engine=engine, num_prefill=v["prefill"], num_decode=v["decode"], host=v["host"],
                            port=v["port"], http_port=None if v["http_port"] < 0 else v["http_port"],
                            kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
+                           admission_wait_s=v["admission_wait_seconds"],
                            threads_per_worker=v["threads_per_worker"], ray_address=v["address"],
                            prefill_placement=_placement(v, "prefill", default_gpus),
                            decode_placement=_placement(v, "decode", default_gpus), autoscaling=autoscaling)

@@ -34,6 +34,7 @@ class ClusterConfig:
     http_port: int | None = 8000  # the router's OpenAI-compatible HTTP port; None: off
     kv_transfer_backend: str = "nixl"
     lease_seconds: float = 30.0
+    admission_wait_s: float = 30.0  # a request's wait for room in a full pool before RESOURCE_EXHAUSTED
     transfer_timeout_s: float = 10.0
     inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
@@ -125,6 +126,7 @@ class LocalCluster:
         from decode_worker.worker import DecodeWorkerConfig
         from engine.loader import materialize
         from prefill_worker.worker import PrefillWorkerConfig
+        from router.orchestrator import RouterLimits
         from router.server import RouterConfig
 
         cfg = self.config
@@ -147,6 +149,7 @@ class LocalCluster:
         router_cfg = RouterConfig(engine=cfg.engine, model_name=cfg.model_name, host=cfg.host, port=cfg.port,
                                   http_port=cfg.http_port,
                                   stats_interval_s=cfg.router_poll_s,
+                                  limits=RouterLimits(admission_wait_s=cfg.admission_wait_s),
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
         self.router = ServerActor.remote("router", router_cfg)

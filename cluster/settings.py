@@ -47,6 +47,8 @@ SERVE = (
     Setting("max_model_len", int, None, "cap on prompt + output tokens (default: the model's)"),
     Setting("kv_transfer_backend", str, "nixl", "how KV moves from prefill to decode workers", ("nixl", "tcp")),
     Setting("lease_seconds", float, 30.0, "how long held KV waits to be pulled before it is freed"),
+    Setting("admission_wait_seconds", float, 30.0,
+            "how long a request waits for room in a full pool before RESOURCE_EXHAUSTED / HTTP 429"),
     Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)"),
     Setting("address", str, None, "join this Ray cluster instead of starting one"),
     Setting("cpus_per_worker", float, 0.01, "logical CPUs each worker's placement group reserves"),

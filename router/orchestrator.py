@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -17,7 +17,7 @@ from engine.errors import InvalidRequestError
 from engine.tokenizer import IncrementalDetokenizer
 from protos import pdserve_pb2, worker_pb2
 from router.frontend import ModelInfo, PreparedRequest
-from router.policy import pick_decode, pick_prefill
+from router.policy import Choice, pick_decode, pick_prefill
 from router.pool import WorkerPool
 from wire.convert import finish_from_wire, finish_to_wire, sampling_to_proto
 from wire.metrics import RequestMetrics
@@ -49,6 +49,10 @@ class RouterLimits:
     # Beyond this many queued prompt tokens on every prefill worker, new requests get
     # RESOURCE_EXHAUSTED instead of waiting (at ~600 tok/s per CPU worker: ~100 s of work).
     max_queued_tokens_per_prefill: int = 65536
+    # A request that finds every worker of a pool full (queue or KV) waits this long for room,
+    # re-checking at each stats poll, before it gets RESOURCE_EXHAUSTED: a burst queues
+    # briefly instead of failing, and a pool that stays full still answers, not hangs.
+    admission_wait_s: float = 30.0
 
 
 @dataclass
@@ -97,7 +101,7 @@ class RequestRun:
             params = dataclasses.replace(self.req.params, stop=(),
                                          max_tokens=self.req.params.max_tokens - len(self.progress.token_ids))
             worker_rid = f"{self.req.request_id}#{attempt}"
-            self._check_decode_capacity(len(prompt) + params.max_tokens)  # before any prefill work
+            await self._check_decode_capacity(len(prompt) + params.max_tokens)  # before any prefill work
             pre, prefill_addr = await self._prefill(worker_rid, prompt, params)
             if attempt == 0:
                 self.progress.cached_tokens = pre.num_cached_tokens
@@ -127,10 +131,21 @@ class RequestRun:
                 if kv_owned:
                     self._release_later(prefill_addr, pre.kv.lease_id)
 
-    def _check_decode_capacity(self, total_tokens: int) -> None:
-        choice = pick_decode(self.pool.snapshots(), -(-total_tokens // self.model.block_size))
+    async def _check_decode_capacity(self, total_tokens: int) -> None:
+        blocks = -(-total_tokens // self.model.block_size)
+        choice = await self._admit(lambda: pick_decode(self.pool.snapshots(), blocks))
         if choice.worker_id is None:
             raise _route_error(choice)
+
+    async def _admit(self, pick: Callable[[], Choice]) -> Choice:
+        """``pick()``, re-tried while its pool is saturated, for up to ``admission_wait_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.admission_wait_s
+        while True:
+            choice = pick()
+            if choice.worker_id is not None or not choice.saturated or loop.time() >= deadline:
+                return choice
+            await asyncio.sleep(min(self.pool.interval_s, max(deadline - loop.time(), 0.0)))
 
     # ---- prefill -------------------------------------------------------------------
     async def _prefill(self, worker_rid: str, prompt: list[int], params) -> tuple[worker_pb2.PrefillResponse, str]:
@@ -139,8 +154,8 @@ class RequestRun:
         tried: set[str] = set()
         last = "no prefill worker"
         for _ in range(self.limits.max_prefill_attempts):
-            choice = pick_prefill(self.pool.snapshots(), frozenset(tried), len(prompt),
-                                  self.limits.max_queued_tokens_per_prefill)
+            choice = await self._admit(lambda: pick_prefill(self.pool.snapshots(), frozenset(tried), len(prompt),
+                                                            self.limits.max_queued_tokens_per_prefill))
             if choice.worker_id is None:
                 if choice.saturated:
                     raise _route_error(choice)
@@ -171,7 +186,7 @@ class RequestRun:
         blocks = -(-(len(prompt) + params.max_tokens) // self.model.block_size)
         tried: set[str] = set()
         while True:
-            choice = pick_decode(self.pool.snapshots(), blocks, frozenset(tried))
+            choice = await self._admit(lambda: pick_decode(self.pool.snapshots(), blocks, frozenset(tried)))
             if choice.worker_id is None:
                 if tried and not choice.saturated:
                     raise _DecodeLost(choice.reason)
