@@ -46,8 +46,8 @@ class RouterLimits:
     max_prefill_attempts: int = 3  # prefill workers tried for one prefill
     max_migrations: int = 3  # times one request may move to a new prefill/decode pair
     prefill_timeout_s: float = 600.0
-    # Beyond this many queued prompt tokens on every prefill worker, new requests get
-    # RESOURCE_EXHAUSTED instead of waiting (at ~600 tok/s per CPU worker: ~100 s of work).
+    # Beyond this many queued prompt tokens on every prefill worker, the pool is full (at
+    # ~600 tok/s per CPU worker: ~100 s of work); new requests wait for room as below.
     max_queued_tokens_per_prefill: int = 65536
     # A request that finds every worker of a pool full (queue or KV) waits this long for room,
     # re-checking at each stats poll, before it gets RESOURCE_EXHAUSTED: a burst queues
@@ -65,6 +65,7 @@ class Progress:
     kv_bytes: int = 0
     kv_seconds: float = 0.0
     migrations: int = 0
+    admission_wait_s: float = 0.0  # time spent waiting in the router for room in a full pool
     first_token_at: float | None = None
 
 
@@ -106,7 +107,8 @@ class RequestRun:
             if attempt == 0:
                 self.progress.cached_tokens = pre.num_cached_tokens
                 self.progress.first_token_at = asyncio.get_running_loop().time()
-                self.metrics.prefilled(len(prompt), pre.queue_seconds, pre.prefill_seconds)
+                self.metrics.prefilled(len(prompt), pre.queue_seconds, pre.prefill_seconds,
+                                       admission_s=self.progress.admission_wait_s)
             kv_owned = pre.HasField("kv")
             try:
                 yield self._emit([pre.first_token_id], [pre.first_logprob] if params.logprobs else [],
@@ -140,12 +142,16 @@ class RequestRun:
     async def _admit(self, pick: Callable[[], Choice]) -> Choice:
         """``pick()``, re-tried while its pool is saturated, for up to ``admission_wait_s``."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.limits.admission_wait_s
-        while True:
-            choice = pick()
-            if choice.worker_id is not None or not choice.saturated or loop.time() >= deadline:
-                return choice
-            await asyncio.sleep(min(self.pool.interval_s, max(deadline - loop.time(), 0.0)))
+        start = loop.time()
+        deadline = start + self.limits.admission_wait_s
+        try:
+            while True:
+                choice = pick()
+                if choice.worker_id is not None or not choice.saturated or loop.time() >= deadline:
+                    return choice
+                await asyncio.sleep(min(self.pool.interval_s, max(deadline - loop.time(), 0.0)))
+        finally:
+            self.progress.admission_wait_s += loop.time() - start
 
     # ---- prefill -------------------------------------------------------------------
     async def _prefill(self, worker_rid: str, prompt: list[int], params) -> tuple[worker_pb2.PrefillResponse, str]:

@@ -11,7 +11,8 @@ Router, per request (router/orchestrator.py):
 - histogram ``pdserve:time_to_first_token_seconds``: request start to the first token sent
 - histogram ``pdserve:inter_token_latency_seconds``: between two token batches sent
 - histogram ``pdserve:e2e_request_latency_seconds``: request start to its finish (aborts included)
-- histogram ``pdserve:request_queue_time_seconds``: waiting on the prefill worker (first prefill)
+- histogram ``pdserve:request_queue_time_seconds``: waiting for room in a full pool, then on the
+  prefill worker (first prefill)
 - histogram ``pdserve:request_prefill_time_seconds``: prefill compute on the worker (first prefill)
 - histogram ``pdserve:request_decode_time_seconds``: first token to finish
 - histogram ``pdserve:kv_transfer_seconds``: one prompt's KV read by a decode worker
@@ -86,7 +87,7 @@ TTFT = _histogram("pdserve:time_to_first_token_seconds", "Request start to the f
 ITL = _histogram("pdserve:inter_token_latency_seconds", "Time between two token batches sent.", ITL_BUCKETS)
 E2E = _histogram("pdserve:e2e_request_latency_seconds", "Request start to finish, aborts included.")
 QUEUE_TIME = _histogram("pdserve:request_queue_time_seconds",
-                        "Time the request's first prefill waited on the prefill worker.")
+                        "Time the request waited for room in a full pool, then for the prefill worker.")
 PREFILL_TIME = _histogram("pdserve:request_prefill_time_seconds",
                           "Compute time of the request's first prefill on the prefill worker.")
 DECODE_TIME = _histogram("pdserve:request_decode_time_seconds", "First token to finish.")
@@ -141,10 +142,11 @@ class RequestMetrics:
         self._last_sent_at: float | None = None
         self.outcome: str | None = None  # the finish reason or failure code, once counted
 
-    def prefilled(self, prompt_tokens: int, queue_s: float, prefill_s: float) -> None:
-        """The first prefill answered; ``prefill_s`` is the worker's queue + compute time."""
+    def prefilled(self, prompt_tokens: int, queue_s: float, prefill_s: float, admission_s: float = 0.0) -> None:
+        """The first prefill answered; ``prefill_s`` is the worker's queue + compute time.
+        Queue time also counts ``admission_s``, the wait in the router for room in a full pool."""
         PROMPT_TOKENS.inc(prompt_tokens)
-        QUEUE_TIME.observe(queue_s)
+        QUEUE_TIME.observe(admission_s + queue_s)
         PREFILL_TIME.observe(max(0.0, prefill_s - queue_s))
 
     def sent(self, num_tokens: int, finish_reason: str | None = None) -> None:

@@ -11,7 +11,7 @@ import pytest
 from protos import worker_pb2
 from router.http_api import _as_http_error
 from router.orchestrator import RouteError
-from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run
+from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run, sample
 
 
 def full_decode_pool(prefill: FakePrefill):
@@ -69,3 +69,17 @@ def test_a_saturated_pool_is_http_429_and_unavailable_is_503():
     gone = _as_http_error(RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker"))
     assert (busy.status, busy.kind) == (429, "rate_limit_exceeded")
     assert (gone.status, gone.kind) == (503, "service_unavailable")
+
+
+def test_the_wait_for_room_counts_as_queue_time():
+    pool = full_decode_pool(FakePrefill(queue_seconds=0.0))
+    before = sample("pdserve:request_queue_time_seconds_sum")
+
+    async def main():
+        request = asyncio.create_task(run(pool, wait_s=30.0)())
+        await asyncio.sleep(0.5)
+        pool.workers["decode-0:1"].stats = worker_pb2.WorkerStats(num_blocks_total=10, num_blocks_used=2)
+        await asyncio.wait_for(request, 10)
+
+    asyncio.run(main())
+    assert sample("pdserve:request_queue_time_seconds_sum") - before >= 0.5
