@@ -1,13 +1,14 @@
 """The autoscaling loop: sample each pool, ask its policy (``cluster.autoscaling``), act.
 
-Every ``interval_s`` the loop reads each live worker's stats, turns them into one
-``PoolSample`` per pool (prefill: queued prompt tokens summed over the pool; decode: KV
-usage averaged over the pool), and calls ``decide`` over the pool's trailing window.
+Every ``interval_s`` the loop reads each live worker's stats and the router's latencies since
+the last round, turns them into one ``PoolSample`` per pool (prefill: queued prompt tokens
+summed over the pool and TTFT p90; decode: KV usage averaged over the pool and ITL p90), and
+calls ``decide`` over the pool's trailing window.
 Each decision is logged with its inputs and kept in ``decisions``. A scale-up starts one
 worker (Ray's autoscaler adds a node if no node can hold its placement group); a scale-down
 drains one (it leaves the routing table first and stops only once idle), so no client sees
-an error. Latency signals (TTFT and ITL p90) are not sampled yet: they read as "no
-evidence", so the pools scale on queue and KV usage alone.
+an error. A round in which no request got its first token (or no token after it) has no
+latency: no evidence either way, never a zero.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample, ScalerState, ScalingDecision, decide
-from protos import worker_pb2, worker_pb2_grpc
+from protos import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 POOLS = ("prefill", "decode")
@@ -41,6 +42,7 @@ class Autoscaler:
         self.configs = configs
         self.interval_s = interval_s
         self.traces = {pool: PoolTrace() for pool in POOLS}
+        self._last_step: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-autoscaler", daemon=True)
 
@@ -59,9 +61,12 @@ class Autoscaler:
                 log.exception("autoscaler round failed")
 
     def step(self, now: float) -> None:
+        since = self._last_step
+        self._last_step = now
+        latency = self._latency(now - since if since is not None else self.interval_s)
         for pool in POOLS:
             trace = self.traces[pool]
-            trace.samples.append(self.sample(pool, now))
+            trace.samples.append(self.sample(pool, now, latency))
             window = MetricsWindow.trailing(trace.samples, now, self.configs[pool].window_s)
             decision = decide(pool, window, self.configs[pool], trace.state, now)
             trace.state = trace.state.after(decision, now)
@@ -77,12 +82,25 @@ class Autoscaler:
         """Each pool's last decided size (exported by the router as autoscaler_desired_replicas)."""
         return {pool: t.decisions[-1].desired for pool, t in self.traces.items() if t.decisions}
 
-    def sample(self, pool: str, now: float) -> PoolSample:
+    def sample(self, pool: str, now: float, latency: admin_pb2.LatencySummary | None = None) -> PoolSample:
         stats = [s for s in (_stats(pool, a) for a in list(self.cluster.addresses(pool))) if s is not None]
+        latency = latency or admin_pb2.LatencySummary()
         if pool == "prefill":
-            return PoolSample(now, len(stats), queued_prompt_tokens=sum(s.num_waiting_tokens for s in stats))
+            return PoolSample(now, len(stats), queued_prompt_tokens=sum(s.num_waiting_tokens for s in stats),
+                              ttft_p90_s=latency.ttft_p90_s if latency.HasField("ttft_p90_s") else None)
         usage = [s.num_blocks_used / s.num_blocks_total for s in stats if s.num_blocks_total]
-        return PoolSample(now, len(stats), kv_usage=sum(usage) / len(usage) if usage else 0.0)
+        return PoolSample(now, len(stats), kv_usage=sum(usage) / len(usage) if usage else 0.0,
+                          itl_p90_s=latency.itl_p90_s if latency.HasField("itl_p90_s") else None)
+
+    def _latency(self, window_s: float) -> admin_pb2.LatencySummary | None:
+        """The router's TTFT and ITL p90 over the last ``window_s``; None if it cannot answer."""
+        try:
+            with grpc.insecure_channel(self.cluster.address) as channel:
+                return admin_pb2_grpc.RouterAdminStub(channel).GetLatency(
+                    admin_pb2.LatencyRequest(window_s=window_s), timeout=2)
+        except grpc.RpcError as exc:
+            log.warning("router latencies unavailable this round: %s", exc.code().name)
+            return None
 
     def _act(self, pool: str, decision: ScalingDecision) -> None:
         for _ in range(decision.desired - decision.current):

@@ -38,3 +38,21 @@ class MembershipAck(_message.Message):
     prefill_workers: int
     decode_workers: int
     def __init__(self, prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
+
+class LatencyRequest(_message.Message):
+    __slots__ = ("window_s",)
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    def __init__(self, window_s: _Optional[float] = ...) -> None: ...
+
+class LatencySummary(_message.Message):
+    __slots__ = ("ttft_p90_s", "itl_p90_s", "ttft_count", "itl_count")
+    TTFT_P90_S_FIELD_NUMBER: _ClassVar[int]
+    ITL_P90_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ITL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ttft_p90_s: float
+    itl_p90_s: float
+    ttft_count: int
+    itl_count: int
+    def __init__(self, ttft_p90_s: _Optional[float] = ..., itl_p90_s: _Optional[float] = ..., ttft_count: _Optional[int] = ..., itl_count: _Optional[int] = ...) -> None: ...

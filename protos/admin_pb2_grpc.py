@@ -44,6 +44,11 @@ class RouterAdminStub:
                 request_serializer=protos_dot_admin__pb2.Membership.SerializeToString,
                 response_deserializer=protos_dot_admin__pb2.Membership.FromString,
                 _registered_method=True)
+        self.GetLatency = channel.unary_unary(
+                '/pdserve.v1.RouterAdmin/GetLatency',
+                request_serializer=protos_dot_admin__pb2.LatencyRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.LatencySummary.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -63,6 +68,13 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLatency(self, request, context):
+        """p90 of time to first token and of inter-token latency over the last window_s seconds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.GetMembership,
                     request_deserializer=protos_dot_admin__pb2.Membership.FromString,
                     response_serializer=protos_dot_admin__pb2.Membership.SerializeToString,
+            ),
+            'GetLatency': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLatency,
+                    request_deserializer=protos_dot_admin__pb2.LatencyRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.LatencySummary.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class RouterAdmin:
             '/pdserve.v1.RouterAdmin/GetMembership',
             protos_dot_admin__pb2.Membership.SerializeToString,
             protos_dot_admin__pb2.Membership.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLatency(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterAdmin/GetLatency',
+            protos_dot_admin__pb2.LatencyRequest.SerializeToString,
+            protos_dot_admin__pb2.LatencySummary.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,9 +1,11 @@
-"""``pdserve.v1.RouterAdmin``: how the controller sets the router's membership."""
+"""``pdserve.v1.RouterAdmin``: how the controller sets the router's membership and reads the
+latencies its autoscaler weighs against the SLOs."""
 
 from __future__ import annotations
 
 from protos import admin_pb2, admin_pb2_grpc
 from router.pool import WorkerPool
+from wire import metrics
 
 
 class RouterAdminService(admin_pb2_grpc.RouterAdminServicer):
@@ -18,3 +20,13 @@ class RouterAdminService(admin_pb2_grpc.RouterAdminServicer):
 
     async def GetMembership(self, request, context):
         return admin_pb2.Membership(members=[admin_pb2.Member(role=r, address=a) for r, a in self.pool.members()])
+
+    async def GetLatency(self, request, context):
+        summary = admin_pb2.LatencySummary()
+        ttft, summary.ttft_count = metrics.RECENT_TTFT.quantile(0.9, request.window_s)
+        itl, summary.itl_count = metrics.RECENT_ITL.quantile(0.9, request.window_s)
+        if ttft is not None:
+            summary.ttft_p90_s = ttft
+        if itl is not None:
+            summary.itl_p90_s = itl
+        return summary

@@ -61,6 +61,7 @@ from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Coun
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protos import worker_pb2
+from wire.latency import RecentLatencies
 
 # The *_created series double the output and no dashboard reads them (vLLM drops them too).
 disable_created_metrics()
@@ -112,6 +113,11 @@ REPLICAS = Gauge("pdserve:pool_replicas", "Healthy workers in the pool.", [POOL_
 DESIRED_REPLICAS = Gauge("pdserve:autoscaler_desired_replicas", "Workers the autoscaler wants in the pool.",
                          [POOL_LABEL], registry=REGISTRY)
 
+# The same TTFT and ITL observations, kept exactly for a few minutes: the autoscaler asks the
+# router for their recent p90 (RouterAdmin.GetLatency), its SLO signals.
+RECENT_TTFT = RecentLatencies()
+RECENT_ITL = RecentLatencies()
+
 
 def render() -> tuple[bytes, str]:
     """This process's metrics as the Prometheus text format: (body, content type)."""
@@ -155,8 +161,10 @@ class RequestMetrics:
         if self.first_token_at is None:
             self.first_token_at = now
             TTFT.observe(now - self.started)
+            RECENT_TTFT.add(now - self.started)
         else:
             ITL.observe(now - self._last_sent_at)
+            RECENT_ITL.add(now - self._last_sent_at)
         self._last_sent_at = now
         GENERATION_TOKENS.inc(num_tokens)
         if finish_reason is not None:

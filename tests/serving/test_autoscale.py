@@ -1,6 +1,11 @@
 """Autoscaling end to end: long prompts with short outputs grow the prefill pool and not the
-decode pool; when the load stops, the pool drains back to its minimum. Every request
-completes, the scale-down included. Windows and cooldowns are seconds here, not minutes."""
+decode pool; long outputs grow decode and not prefill; a latency over its SLO alone grows its
+pool; when the load stops, each pool drains back to its minimum. Every request completes,
+the scale-down included. Windows and cooldowns are seconds here, not minutes.
+
+On this one 2-core machine both pools share the CPUs, so one pool's load slows the other's
+latency (the interference disaggregation removes on real hosts). The queue and KV tests
+therefore set SLOs no latency here reaches, and the latency test sets one SLO below any."""
 
 import asyncio
 import time
@@ -16,7 +21,10 @@ from protos import pdserve_pb2, pdserve_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
-FAST = dict(window_s=3.0, scale_up_cooldown_s=2.0, scale_down_cooldown_s=5.0, max_replicas=2, max_sample_age_s=5.0)
+FAST = dict(window_s=3.0, scale_up_cooldown_s=2.0, scale_down_cooldown_s=5.0, max_replicas=2, max_sample_age_s=5.0,
+            slo_s=600.0)
+QUEUE_AND_KV = {"prefill": pool_config("prefill", target=300, **FAST),
+                "decode": pool_config("decode", target=0.5, **FAST)}
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +33,7 @@ def cluster():
         # 96 MiB of KV per worker (~2,000 tokens): a dozen long streams fill a decode worker.
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), port=0, http_port=None,
         threads_per_worker=1, autoscale_interval_s=0.5,
-        autoscaling={"prefill": pool_config("prefill", target=300, **FAST),
-                     "decode": pool_config("decode", target=0.5, **FAST)})
+        autoscaling=dict(QUEUE_AND_KV))
     c = LocalCluster(config)
     c.start()
     yield c
@@ -80,3 +87,25 @@ def test_long_outputs_grow_decode_only_and_idle_shrinks_it(cluster):
     assert decode_actions[:1] == ["up"]
     assert all(d.action == "hold" for d in traces["prefill"].decisions[prefill_before:])
     shrunk(cluster, "decode")
+
+
+@pytest.mark.parametrize("pool,signal", [("prefill", "ttft_p90_s"), ("decode", "itl_p90_s")])
+def test_a_latency_over_its_slo_alone_grows_its_pool(cluster, pool, signal):
+    """Short requests, far below the queue and KV targets; only ``pool``'s SLO is (far) exceeded."""
+    autoscaler = cluster.autoscaler
+    first = len(autoscaler.traces[pool].samples)
+    autoscaler.configs[pool] = pool_config(pool, target=1e9 if pool == "prefill" else 0.99,
+                                           **{**FAST, "slo_s": 1e-4})
+    try:
+        counts = asyncio.run(send_load(cluster.address, n=12, every_s=0.4, prompt_len=30, max_tokens=8))
+        assert counts == [8] * 12
+        trace = autoscaler.traces[pool]
+        seen = [getattr(s, signal) for s in trace.samples[first:] if getattr(s, signal) is not None]
+        assert seen and all(v > 0 for v in seen)  # the router's latencies reached the controller
+        ups = [d for d in trace.decisions[first:] if d.action == "up"]  # one decision per sample
+        assert ups and signal in ups[0].reason
+        other = "decode" if pool == "prefill" else "prefill"
+        assert max(s.replicas for s in autoscaler.traces[other].samples[first:]) == 1
+    finally:
+        autoscaler.configs[pool] = QUEUE_AND_KV[pool]
+    shrunk(cluster, pool)
