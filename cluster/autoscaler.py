@@ -43,6 +43,7 @@ class Autoscaler:
         self.interval_s = interval_s
         self.traces = {pool: PoolTrace() for pool in POOLS}
         self._last_step: float | None = None
+        self._actions: dict[str, threading.Thread] = {}  # pool -> its scale action in progress
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-autoscaler", daemon=True)
 
@@ -52,6 +53,8 @@ class Autoscaler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(60)
+        for action in list(self._actions.values()):
+            action.join(120)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -75,8 +78,6 @@ class Autoscaler:
                 log.info("autoscaler %s: %s", pool, decision.as_dict())
                 self.cluster.push_membership()  # the router exports the new desired size at once
             self._act(pool, decision)
-            if self._stop.is_set():
-                return
 
     def desired(self) -> dict[str, int]:
         """Each pool's last decided size (exported by the router as autoscaler_desired_replicas)."""
@@ -103,10 +104,27 @@ class Autoscaler:
             return None
 
     def _act(self, pool: str, decision: ScalingDecision) -> None:
-        for _ in range(decision.desired - decision.current):
-            self.cluster.scale_up(pool)
-        for _ in range(decision.current - decision.desired):
-            self.cluster.scale_down(pool)
+        """Start the change in a thread of its own: a worker takes seconds to load and a drain
+        as long as its longest stream, and sampling must go on meanwhile (the policy's
+        pending-change guard holds the pool until the change shows in its ready replicas)."""
+        if decision.desired == decision.current or self._stop.is_set():
+            return
+        previous = self._actions.get(pool)  # a drain still finishing; changes apply in order
+        action = threading.Thread(target=self._apply, args=(pool, decision, previous),
+                                  name=f"pdserve-autoscale-{pool}", daemon=True)
+        self._actions[pool] = action
+        action.start()
+
+    def _apply(self, pool: str, decision: ScalingDecision, previous: threading.Thread | None) -> None:
+        if previous is not None:
+            previous.join()
+        try:
+            for _ in range(decision.desired - decision.current):
+                self.cluster.scale_up(pool)
+            for _ in range(decision.current - decision.desired):
+                self.cluster.scale_down(pool)
+        except Exception:  # the next decision sees the pool as it really is
+            log.exception("autoscaler %s: scaling to %d failed", pool, decision.desired)
 
 
 def _stats(pool: str, address: str) -> worker_pb2.WorkerStats | None:
