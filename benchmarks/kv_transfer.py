@@ -44,10 +44,10 @@ def _fill_pattern(cache: torch.Tensor) -> None:
     cache.copy_(values.to(torch.uint8)[:, None].expand_as(cache))
 
 
-def _holder_main(conn, backend: str, num_blocks: int, block_bytes: int) -> None:
+def _holder_main(conn, backend: str, num_blocks: int, block_bytes: int, opts: dict) -> None:
     cache = torch.empty((num_blocks, block_bytes), dtype=torch.uint8)
     _fill_pattern(cache)
-    agent = create_agent(backend, f"bench-holder-{backend}", cache)
+    agent = create_agent(backend, f"bench-holder-{backend}", cache, **opts)
     conn.send(agent.local_metadata().SerializeToString())
     conn.recv()  # "stop"
     agent.close()
@@ -69,15 +69,19 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
 
 
 def bench_backend(backend: str, sizes: list[int], reps: int, block_bytes: int,
-                  gen: torch.Generator, bar: tqdm) -> dict[int, float]:
-    """GB/s of scattered reads of each size from a holder process over ``backend``."""
+                  gen: torch.Generator, bar: tqdm, **opts) -> dict[int, float]:
+    """GB/s of scattered reads of each size from a holder process over ``backend``.
+
+    ``opts`` go to both agents (``create_agent``), e.g. NIXL's ``num_threads``.
+    """
     num_blocks = 2 * max(sizes)  # room to scatter
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    holder = ctx.Process(target=_holder_main, args=(child, backend, num_blocks, block_bytes))
+    holder = ctx.Process(target=_holder_main,
+                         args=(child, backend, num_blocks, block_bytes, opts))
     holder.start()
     reader = create_agent(backend, f"bench-reader-{backend}",
-                          torch.zeros((num_blocks, block_bytes), dtype=torch.uint8))
+                          torch.zeros((num_blocks, block_bytes), dtype=torch.uint8), **opts)
     results: dict[int, float] = {}
     try:
         peer = reader.add_remote(kv_transfer_pb2.AgentMetadata.FromString(conn.recv()))
@@ -180,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="8,32,128,512", help="blocks per read")
     parser.add_argument("--reps", type=int, default=10, help="timed reads per size")
     parser.add_argument("--backends", default="nixl,tcp")
+    parser.add_argument("--nixl-threads", default="2",
+                        help="extra NIXL runs with these UCX num_threads (comma list; "
+                             "the plain nixl column is NIXL's default, 0)")
     # One thread by default: NIXL's copy is single-threaded too, and on a small shared host
     # torch's 2-thread pool stalled every copy ~8 ms waiting for its second thread.
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -194,10 +201,15 @@ def main(argv: list[str] | None = None) -> None:
     load = _load()  # the host may be shared: record how busy it was
 
     rates: dict[str, dict[int, float]] = {}
-    with tqdm(total=len(sizes) * (len(backends) + 1), desc="kv_transfer bench") as bar:
-        for backend in backends:
-            bar.set_postfix_str(backend)
-            rates[backend] = bench_backend(backend, sizes, args.reps, args.block_bytes, gen, bar)
+    runs = [(b, b, {}) for b in backends]
+    if "nixl" in backends:
+        runs += [(f"nixl {n} threads", "nixl", {"num_threads": int(n)})
+                 for n in args.nixl_threads.split(",") if n]
+    with tqdm(total=len(sizes) * (len(runs) + 1), desc="kv_transfer bench") as bar:
+        for label, backend, opts in runs:
+            bar.set_postfix_str(label)
+            rates[label] = bench_backend(backend, sizes, args.reps, args.block_bytes, gen, bar,
+                                         **opts)
         bar.set_postfix_str("memcpy")
         rates["copy_"], rates["index_copy_"] = bench_memcpy(sizes, args.reps,
                                                             args.block_bytes, gen, bar)
