@@ -70,13 +70,17 @@ class Progress:
 
 
 class RequestRun:
-    def __init__(self, req: PreparedRequest, model: ModelInfo, pool: WorkerPool, limits: RouterLimits):
+    """One request through prefill and decode. ``arrived`` (``time.monotonic()``) is when it
+    reached the router, before tokenization: its latencies count from there."""
+
+    def __init__(self, req: PreparedRequest, model: ModelInfo, pool: WorkerPool, limits: RouterLimits,
+                 arrived: float | None = None):
         self.req = req
         self.model = model
         self.pool = pool
         self.limits = limits
         self.progress = Progress()
-        self.metrics = RequestMetrics()
+        self.metrics = RequestMetrics(arrived=arrived)
         self._detok = IncrementalDetokenizer(model.tokenizer, req.params.stop)
 
     async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -32,11 +33,12 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         Raises ``InvalidRequestError`` or ``RouteError``; an ``Abort`` ends the stream with a
         FINISH_REASON_ABORT response, a cancelled caller cleans up on the way out.
         """
+        arrived = time.monotonic()  # TTFT and e2e latency include tokenizing and the chat template
         prepared = prepare(request, self.model)
         rid = prepared.request_id
         if rid in self.running:
             raise InvalidRequestError("request_id", f"{rid!r} is already running")
-        run = RequestRun(prepared, self.model, self.pool, self.limits)
+        run = RequestRun(prepared, self.model, self.pool, self.limits, arrived=arrived)
         self.running[rid] = (asyncio.current_task(), run)
         try:
             async for resp in run.responses():

@@ -137,13 +137,15 @@ def set_pool(pool: str, running: int, waiting: int, kv_usage: float, replicas: i
 class RequestMetrics:
     """One request's timeline at the router, observed into the router's families as it goes.
 
+    Latencies count from ``arrived`` (a ``clock`` reading taken when the request reached the
+    router, before tokenization and validation; now when not given), as a client sees them.
     ``clock`` is injectable for tests. A request is counted once, by the first of
     ``finished`` or ``failed``; later calls are ignored.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, arrived: float | None = None):
         self._clock = clock
-        self.started = clock()
+        self.started = clock() if arrived is None else arrived
         self.first_token_at: float | None = None
         self._last_sent_at: float | None = None
         self.outcome: str | None = None  # the finish reason or failure code, once counted

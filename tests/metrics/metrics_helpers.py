@@ -42,7 +42,7 @@ def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-class _Tokenizer:
+class LetterTokenizer:
     """Each token id is one letter: enough for the router's incremental detokenizer."""
 
     def decode(self, ids) -> str:
@@ -118,6 +118,6 @@ def fake_pool(prefills: list[FakePrefill], decodes: list[FakeDecode]) -> WorkerP
 
 
 def request_run(pool: WorkerPool, max_tokens: int = 4, prompt_len: int = 7) -> RequestRun:
-    model = ModelInfo("fake", config=None, max_model_len=4096, block_size=16, tokenizer=_Tokenizer())
+    model = ModelInfo("fake", config=None, max_model_len=4096, block_size=16, tokenizer=LetterTokenizer())
     req = PreparedRequest("req-1", list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens))
     return RequestRun(req, model, pool, RouterLimits())

@@ -2,15 +2,19 @@
 publishes per-pool gauges and the workers' scrape targets from their last stats."""
 
 import asyncio
+import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from protos import worker_pb2
-from router.orchestrator import RouteError
+from protos import pdserve_pb2, worker_pb2
+from router.frontend import ModelInfo
+from router.orchestrator import RouteError, RouterLimits
+from router.service import GenerationService
 from router.pool import PoolLoad, WorkerClient, WorkerPool, pool_loads
-from tests.metrics.metrics_helpers import (FakeDecode, FakePrefill, deltas, fake_pool, request_run, rpc_error,
-                                           sample, samples)
+from tests.metrics.metrics_helpers import (FakeDecode, FakePrefill, LetterTokenizer, deltas, fake_pool,
+                                           request_run, rpc_error, sample, samples)
 
 COUNTS = ("pdserve:time_to_first_token_seconds_count", "pdserve:inter_token_latency_seconds_count",
           "pdserve:e2e_request_latency_seconds_count", "pdserve:kv_transfer_seconds_count",
@@ -147,3 +151,28 @@ def test_metrics_targets_list_every_worker_that_reported_an_address():
         {"targets": ["127.0.0.1:9101"], "labels": {"pool": "prefill", "worker": "prefill-0"}},
         {"targets": ["127.0.0.1:9102"], "labels": {"pool": "decode", "worker": "decode-0"}},  # down: Prometheus sees it
     ]
+
+
+class _SlowTokenizer(LetterTokenizer):
+    """Tokenizing takes 0.3 s, as a long prompt or chat template can."""
+
+    def encode(self, text: str) -> list[int]:
+        time.sleep(0.3)
+        return [3 + ord(c) % 26 for c in text]
+
+
+def test_latencies_count_from_arrival_so_tokenizing_is_inside_ttft():
+    model = ModelInfo("fake", config=SimpleNamespace(vocab_size=1000), max_model_len=4096, block_size=16,
+                      tokenizer=_SlowTokenizer())
+    service = GenerationService(model, fake_pool([FakePrefill()], [FakeDecode()]), RouterLimits())
+    request = pdserve_pb2.GenerateRequest(text="hello", sampling=pdserve_pb2.SamplingParams(max_tokens=2))
+    names = ("pdserve:time_to_first_token_seconds_sum", "pdserve:e2e_request_latency_seconds_sum")
+    before = samples(*names)
+
+    async def drain():
+        return [r async for r in service.run(request)]
+
+    assert sum(len(r.token_ids) for r in asyncio.run(drain())) == 2
+    grown = deltas(before)
+    assert grown["pdserve:time_to_first_token_seconds_sum"] >= 0.3
+    assert grown["pdserve:e2e_request_latency_seconds_sum"] >= 0.3
