@@ -8,6 +8,7 @@ import grpc
 
 from decode_worker.worker import DecodeWorker, KVArrived, KVSource, TransferFailed
 from engine.errors import CacheCapacityError, InvalidRequestError
+from kv_transfer import TransferError
 from protos import worker_pb2, worker_pb2_grpc
 from wire.convert import finish_to_wire, sampling_from_proto
 from wire.grpc_util import abort_invalid, aio_channel
@@ -43,9 +44,11 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             peer = await self._peer(kv.prefill_address)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, TransferError) as exc:
+            self.worker.source_unreachable()
+            reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"kv transfer failed: prefill worker {kv.prefill_address} unreachable ({exc.code().name})")
+                                f"kv transfer failed: prefill worker {kv.prefill_address} unreachable ({reason})")
         source = KVSource(peer, list(kv.block_ids), kv.num_tokens, kv.lease_id)
         stream = self.worker.decode(request.request_id, list(request.prompt_token_ids), request.first_token_id,
                                     params, source)

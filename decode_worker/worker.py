@@ -70,6 +70,11 @@ class DecodeWorker:
     def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
         return self.agent.add_remote(meta)
 
+    def source_unreachable(self) -> None:
+        """Count a pull that could not start (the prefill worker gave no usable metadata) as
+        a failed transfer: the KV did not move, and that is never silent."""
+        self.agent.stats.record(TransferState.FAILED, 0, 0.0)
+
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
                      source: KVSource) -> AsyncIterator[RequestOutput | KVArrived]:
