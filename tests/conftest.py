@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# Every Ray instance the tests start runs without token auth. A Ray driver fixes its auth mode
+# at the first ray.init of the process and keeps it after ray.shutdown, and the two-node
+# placement test needs auth off (a second `ray start` on one machine cannot join otherwise):
+# with the default, that test failed whenever a test that starts a local cluster ran first.
+os.environ["RAY_AUTH_MODE"] = "disabled"
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 RAY = str(Path(sys.executable).parent / "ray")
 # Ray 2.60 turns on token authentication for `ray start`; a second node on the same machine
-# then cannot join without the head's token. Loopback test clusters opt out.
+# then cannot join without the head's token. Loopback test clusters opt out (for the whole
+# test process: see tests/conftest.py).
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 
 
@@ -32,8 +33,7 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def two_nodes(monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+def two_nodes():
     port = free_port()
     common = ["--num-cpus=1", "--disable-usage-stats"]
     try:
