@@ -7,6 +7,8 @@ the same number of blocks into scattered positions, so the NIXL/memcpy ratio com
 with like. ``index_copy_`` runs on the cache viewed as int64: on uint8 rows torch takes a
 byte-wise kernel (~1 GB/s here) that says nothing about memory bandwidth. Transfers of a few
 MB fit in the last-level cache, so ``copy_`` there measures cache, not DRAM, bandwidth.
+All buffers sit on transparent huge pages, as a worker's KV cache does (``host_zeros``); the
+"nixl 4 KiB pages" column repeats the NIXL run on ordinary pages.
 
     .venv/bin/python benchmarks/kv_transfer.py            # table + benchmarks_kv_transfer.png
 
@@ -32,6 +34,7 @@ if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from engine.kv_cache import host_zeros  # noqa: E402
 from kv_transfer import TransferState, create_agent  # noqa: E402
 from protos import kv_transfer_pb2  # noqa: E402
 
@@ -44,8 +47,14 @@ def _fill_pattern(cache: torch.Tensor) -> None:
     cache.copy_(values.to(torch.uint8)[:, None].expand_as(cache))
 
 
-def _holder_main(conn, backend: str, num_blocks: int, block_bytes: int, opts: dict) -> None:
-    cache = torch.empty((num_blocks, block_bytes), dtype=torch.uint8)
+def _cache(shape: tuple[int, int], dtype: torch.dtype, huge_pages: bool) -> torch.Tensor:
+    """Memory as a worker's KV cache has it (``host_zeros``: huge pages), or plain 4 KiB pages."""
+    return host_zeros(shape, dtype) if huge_pages else torch.zeros(shape, dtype=dtype)
+
+
+def _holder_main(conn, backend: str, num_blocks: int, block_bytes: int, opts: dict,
+                 huge_pages: bool) -> None:
+    cache = _cache((num_blocks, block_bytes), torch.uint8, huge_pages)
     _fill_pattern(cache)
     agent = create_agent(backend, f"bench-holder-{backend}", cache, **opts)
     conn.send(agent.local_metadata().SerializeToString())
@@ -69,19 +78,21 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
 
 
 def bench_backend(backend: str, sizes: list[int], reps: int, block_bytes: int,
-                  gen: torch.Generator, bar: tqdm, **opts) -> dict[int, float]:
+                  gen: torch.Generator, bar: tqdm, huge_pages: bool = True,
+                  **opts) -> dict[int, float]:
     """GB/s of scattered reads of each size from a holder process over ``backend``.
 
+    Both caches sit on huge pages as the workers' do, unless ``huge_pages`` is False.
     ``opts`` go to both agents (``create_agent``), e.g. NIXL's ``num_threads``.
     """
     num_blocks = 2 * max(sizes)  # room to scatter
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     holder = ctx.Process(target=_holder_main,
-                         args=(child, backend, num_blocks, block_bytes, opts))
+                         args=(child, backend, num_blocks, block_bytes, opts, huge_pages))
     holder.start()
     reader = create_agent(backend, f"bench-reader-{backend}",
-                          torch.zeros((num_blocks, block_bytes), dtype=torch.uint8), **opts)
+                          _cache((num_blocks, block_bytes), torch.uint8, huge_pages), **opts)
     results: dict[int, float] = {}
     try:
         peer = reader.add_remote(kv_transfer_pb2.AgentMetadata.FromString(conn.recv()))
@@ -108,11 +119,11 @@ def bench_memcpy(sizes: list[int], reps: int, block_bytes: int, gen: torch.Gener
     if block_bytes % 8:
         raise ValueError(f"--block-bytes must be a multiple of 8, got {block_bytes}")
     num_blocks = 2 * max(sizes)
-    cache = torch.zeros((num_blocks, block_bytes // 8), dtype=torch.int64)
+    cache = host_zeros((num_blocks, block_bytes // 8), torch.int64)
     copy_rate, index_rate = {}, {}
     for n in sizes:
-        src = torch.ones((n, block_bytes // 8), dtype=torch.int64)
-        dst = torch.zeros_like(src)
+        src = host_zeros((n, block_bytes // 8), torch.int64).fill_(1)
+        dst = host_zeros((n, block_bytes // 8), torch.int64)
         local = torch.randperm(num_blocks, generator=gen)[:n]
         nbytes = n * block_bytes
         copy_rate[n] = _median_gbps(nbytes, _time(lambda: dst.copy_(src), reps))
@@ -205,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     if "nixl" in backends:
         runs += [(f"nixl {n} threads", "nixl", {"num_threads": int(n)})
                  for n in args.nixl_threads.split(",") if n]
+        runs.append(("nixl 4 KiB pages", "nixl", {"huge_pages": False}))
     with tqdm(total=len(sizes) * (len(runs) + 1), desc="kv_transfer bench") as bar:
         for label, backend, opts in runs:
             bar.set_postfix_str(label)
