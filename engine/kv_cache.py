@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-HUGE_PAGE_BYTES = 2 << 20
-
 from engine.config import ModelConfig
+
+HUGE_PAGE_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
