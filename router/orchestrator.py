@@ -199,7 +199,10 @@ class RequestRun:
         try:
             while True:
                 choice = pick()
-                if choice.worker_id is not None or not choice.saturated or time.monotonic() >= deadline:
+                if choice.worker_id is not None or not choice.saturated:
+                    return choice
+                if time.monotonic() >= deadline:
+                    self.remaining_s()  # DEADLINE_EXCEEDED if it was the request's own deadline
                     return choice
                 await asyncio.sleep(min(self.pool.interval_s, max(deadline - time.monotonic(), 0.0)))
         finally:
