@@ -35,6 +35,7 @@ class ClusterConfig:
     kv_transfer_backend: str = "nixl"
     lease_seconds: float = 30.0
     admission_wait_s: float = 30.0  # a request's wait for room in a full pool before RESOURCE_EXHAUSTED
+    router_limits: object = None  # a router.orchestrator.RouterLimits; None: its defaults with admission_wait_s
     transfer_timeout_s: float = 10.0
     inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
@@ -149,7 +150,7 @@ class LocalCluster:
         router_cfg = RouterConfig(engine=cfg.engine, model_name=cfg.model_name, host=cfg.host, port=cfg.port,
                                   http_port=cfg.http_port,
                                   stats_interval_s=cfg.router_poll_s,
-                                  limits=RouterLimits(admission_wait_s=cfg.admission_wait_s),
+                                  limits=cfg.router_limits or RouterLimits(admission_wait_s=cfg.admission_wait_s),
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
         self.router = ServerActor.remote("router", router_cfg)

@@ -127,11 +127,32 @@ def decode_json(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise HttpError(400, f"body is not valid UTF-8 (byte {exc.start})", param="body") from exc
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant)
     except (json.JSONDecodeError, ValueError) as exc:  # ValueError: NaN / Infinity
         raise HttpError(400, f"body is not valid JSON: {exc}", param="body") from exc
     except RecursionError as exc:
         raise HttpError(400, "body nests too deeply", param="body") from exc
+    _check_strings(value)
+    return value
+
+
+def _check_strings(value: Any) -> None:
+    """JSON may escape a lone surrogate (``"\\ud800"``): valid JSON, but no UTF-8 string, so
+    protobuf and the tokenizer would fail on it. Refused here, keys included."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise HttpError(400, f"body has a string that is not valid Unicode (a lone surrogate "
+                                f"at character {exc.start})", param="body") from None
 
 
 def _param(loc: tuple) -> str:

@@ -16,7 +16,8 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("raw", [b"\xff\xfe\xfd", b'{"prompt": "a\xff"}', b"{", b"", b'{"prompt": NaN}',
-                                 b'{"prompt": "x", "temperature": Infinity}', b"[" * 100_000])
+                                 b'{"prompt": "x", "temperature": Infinity}', b"[" * 100_000,
+                                 b'{"prompt": "a\\ud800"}', b'{"\\udfff": 1}'])
 def test_bytes_that_are_not_utf8_json_are_400(raw):
     with pytest.raises(HttpError) as err:
         decode_json(raw)
