@@ -99,6 +99,11 @@ class ServerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def drain(self, grace_s: float) -> int:
+        """The router's drain (see ``GenerationService.drain``); workers have none here."""
+        service = self._server.running.service
+        return self._server.submit(service.drain(grace_s)) if hasattr(service, "drain") else 0
+
     def stop(self) -> None:
         self._server.stop()
 
@@ -259,6 +264,14 @@ class LocalCluster:
         with grpc.insecure_channel(self.address) as channel:
             admin_pb2_grpc.RouterAdminStub(channel).SetMembership(
                 admin_pb2.Membership(members=members, desired_replicas=desired), timeout=10)
+
+    def drain(self, grace_s: float) -> int:
+        """The router stops admitting (health NOT_SERVING, new requests UNAVAILABLE / 503) and
+        waits up to ``grace_s`` for its requests to finish; the workers serve them meanwhile.
+        Returns how many were still running. ``stop()`` comes after."""
+        if self.router is None:
+            return 0
+        return ray.get(self.router.drain.remote(grace_s), timeout=grace_s + 30)
 
     def stop(self) -> None:
         if self.autoscaler is not None:

@@ -107,8 +107,11 @@ class GenerationService:
 
     # ---- gRPC methods ----------------------------------------------------------------
     async def Generate(self, request, context):
+        remaining = context.time_remaining()  # None: the client set no deadline
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed before the request began")
         try:
-            async for resp in self.run(request, context.time_remaining()):
+            async for resp in self.run(request, remaining):
                 yield resp
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
