@@ -91,11 +91,10 @@ class OpenAIFront:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise HttpError(400, f"body is over the router's limit max_body_bytes={limit}", param="body") from None
+        name = self.service.model.name
         if len(raw) > _PARSE_OFF_LOOP_BYTES:
-            body = await asyncio.to_thread(decode_json, raw)
-        else:
-            body = decode_json(raw)
-        return parse_body(body, chat, self.service.model.name)
+            return await asyncio.to_thread(lambda: parse_body(decode_json(raw), chat, name))
+        return parse_body(decode_json(raw), chat, name)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
