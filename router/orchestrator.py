@@ -259,17 +259,18 @@ class RequestRun:
             started = False
             try:
                 with self.pool.placed(client, blocks=blocks):
-                    async for resp in self._idle_bounded(call, client.address):
-                        started = True
-                        if resp.kv_bytes:  # the KV-arrived notice, not output
-                            self.progress.kv_bytes += resp.kv_bytes
-                            self.progress.kv_seconds += resp.kv_transfer_seconds
-                            self.metrics.kv_transferred(resp.kv_transfer_seconds)
-                            continue
-                        yield self._emit(list(resp.token_ids), list(resp.logprobs),
-                                         finish_from_wire(resp.finish_reason))
-                        if self.progress.finish_reason is not None:
-                            return
+                    async with contextlib.aclosing(self._idle_bounded(call, client.address)) as messages:
+                        async for resp in messages:
+                            started = True
+                            if resp.kv_bytes:  # the KV-arrived notice, not output
+                                self.progress.kv_bytes += resp.kv_bytes
+                                self.progress.kv_seconds += resp.kv_transfer_seconds
+                                self.metrics.kv_transferred(resp.kv_transfer_seconds)
+                                continue
+                            yield self._emit(list(resp.token_ids), list(resp.logprobs),
+                                             finish_from_wire(resp.finish_reason))
+                            if self.progress.finish_reason is not None:
+                                return
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
