@@ -46,7 +46,7 @@ def serve(args) -> int:
     engine = EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
                           cache=CacheConfig(block_size=v["block_size"],
                                             memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))))
-    config = ClusterConfig(engine=engine, num_prefill=v["prefill"], num_decode=v["decode"], host=v["host"],
+    config = ClusterConfig(engine=engine, router_limits=_router_limits(v), num_prefill=v["prefill"], num_decode=v["decode"], host=v["host"],
                            port=v["port"], http_port=None if v["http_port"] < 0 else v["http_port"],
                            kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
                            admission_wait_s=v["admission_wait_seconds"],
@@ -55,18 +55,38 @@ def serve(args) -> int:
                            decode_placement=_placement(v, "decode", default_gpus), autoscaling=autoscaling)
     cluster = LocalCluster(config)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    _on_stop_signals(stop)
     try:
         address = cluster.start()
+        _on_stop_signals(stop)  # ray.init (in start) installed its own SIGTERM handler: ours again
         http = f", OpenAI HTTP API on http://{cluster.http_address}/v1" if cluster.http_address else ""
         print(f"pdserve: gRPC API listening on {address}{http} "
               f"({v['prefill']} prefill, {v['decode']} decode worker(s)); Ctrl-C stops", flush=True)
         stop.wait()
+        print(f"pdserve: draining (up to {v['drain_grace_seconds']:g} s)", flush=True)
+        left = cluster.drain(v["drain_grace_seconds"])
+        if left:
+            print(f"pdserve: {left} request(s) still running after the grace period; stopping anyway", flush=True)
     finally:
         print("pdserve: stopping", flush=True)
         cluster.stop()
     return 0
+
+
+def _on_stop_signals(stop: threading.Event) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def _router_limits(v: dict):
+    from router.orchestrator import RouterLimits
+    from router.validation import RequestLimits
+
+    return RouterLimits(admission_wait_s=v["admission_wait_seconds"], request_timeout_s=v["request_timeout_seconds"],
+                        max_waiting_requests=v["max_waiting_requests"],
+                        decode_idle_timeout_s=v["decode_idle_timeout_seconds"],
+                        requests=RequestLimits(max_body_bytes=v["max_body_bytes"],
+                                               max_prompt_chars=v["max_prompt_chars"]))
 
 
 def _placement(v: dict, pool: str, default_gpus):

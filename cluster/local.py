@@ -35,6 +35,7 @@ class ClusterConfig:
     kv_transfer_backend: str = "nixl"
     lease_seconds: float = 30.0
     admission_wait_s: float = 30.0  # a request's wait for room in a full pool before RESOURCE_EXHAUSTED
+    router_limits: object = None  # a router.orchestrator.RouterLimits; None: its defaults with admission_wait_s
     transfer_timeout_s: float = 10.0
     inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
@@ -98,6 +99,11 @@ class ServerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def drain(self, grace_s: float) -> int:
+        """The router's drain (see ``GenerationService.drain``); workers have none here."""
+        service = self._server.running.service
+        return self._server.submit(service.drain(grace_s)) if hasattr(service, "drain") else 0
+
     def stop(self) -> None:
         self._server.stop()
 
@@ -149,7 +155,7 @@ class LocalCluster:
         router_cfg = RouterConfig(engine=cfg.engine, model_name=cfg.model_name, host=cfg.host, port=cfg.port,
                                   http_port=cfg.http_port,
                                   stats_interval_s=cfg.router_poll_s,
-                                  limits=RouterLimits(admission_wait_s=cfg.admission_wait_s),
+                                  limits=cfg.router_limits or RouterLimits(admission_wait_s=cfg.admission_wait_s),
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
         self.router = ServerActor.remote("router", router_cfg)
@@ -258,6 +264,14 @@ class LocalCluster:
         with grpc.insecure_channel(self.address) as channel:
             admin_pb2_grpc.RouterAdminStub(channel).SetMembership(
                 admin_pb2.Membership(members=members, desired_replicas=desired), timeout=10)
+
+    def drain(self, grace_s: float) -> int:
+        """The router stops admitting (health NOT_SERVING, new requests UNAVAILABLE / 503) and
+        waits up to ``grace_s`` for its requests to finish; the workers serve them meanwhile.
+        Returns how many were still running. ``stop()`` comes after."""
+        if self.router is None:
+            return 0
+        return ray.get(self.router.drain.remote(grace_s), timeout=grace_s + 30)
 
     def stop(self) -> None:
         if self.autoscaler is not None:

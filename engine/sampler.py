@@ -58,7 +58,8 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
+        # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=logits.device)
         scaled = logits / temps.unsqueeze(1)
         scaled = _filter(scaled, rows)
         probs = torch.softmax(scaled, dim=-1)

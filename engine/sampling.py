@@ -6,12 +6,22 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
+# Below this a temperature counts as greedy: logits / 1e-40 overflow float32 to inf, and
+# softmax of inf is NaN, which torch.multinomial refuses. At 1e-5 the largest logit a model
+# gives (~1e2) scales to ~1e7, far from float32's 3.4e38; and sampling at such a temperature
+# is the argmax anyway.
+TEMPERATURE_EPSILON = 1e-5
+# The penalty divides positive logits: a floor keeps them finite (1e2 / 1e-2 = 1e4).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+MAX_TEMPERATURE = 100.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
+    temperature below ``TEMPERATURE_EPSILON`` (0 included) means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
     filters. ``seed`` makes sampled output reproducible regardless of batch company.
     ``logprobs`` returns the log-probability (under the model's raw distribution) of each
     chosen token.
@@ -31,37 +41,42 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < TEMPERATURE_EPSILON
 
     def validate(self, vocab_size: int) -> None:
         """Raise ``InvalidRequestError`` naming the first field out of range."""
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}", 1)
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequestError("temperature", f"must be in [0, 100], got {self.temperature}", (0, 100))
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails every comparison
+            raise InvalidRequestError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (below "
+                                      f"{TEMPERATURE_EPSILON:g}: greedy), got {self.temperature}", (0, MAX_TEMPERATURE))
         if self.top_k < 0 and self.top_k != -1:
             raise InvalidRequestError("top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}", -1)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}", (0, 1))
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}", (0, 1))
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise InvalidRequestError(
-                "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}", (0, 10)
-            )
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            limits = (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+            raise InvalidRequestError("repetition_penalty", f"must be in [{limits[0]:g}, {limits[1]:g}], "
+                                      f"got {self.repetition_penalty}", limits)
         for tid in self.stop_token_ids:
             if not 0 <= tid < vocab_size:
                 raise InvalidRequestError("stop_token_ids", f"{tid} is outside [0, {vocab_size})", vocab_size)
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
-        if len(self.stop) > 16:
-            raise InvalidRequestError("stop", f"at most 16 stop strings, got {len(self.stop)}", 16)
 
 
 def validate_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
     """Checks every process makes the same way (the router before routing, the engine on
     entry). Raises ``InvalidRequestError`` naming the field and the limit."""
     params.validate(vocab_size)
+    validate_prompt(prompt_token_ids, params, vocab_size, max_model_len)
+
+
+def validate_prompt(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """The prompt's part of ``validate_request`` (the router checks ``params`` before it
+    tokenizes, and the prompt after)."""
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequestError("prompt", "must contain at least one token", 1)

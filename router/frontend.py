@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams, validate_request
+from engine.sampling import SamplingParams, validate_prompt
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2
+from router.validation import RequestLimits
 from wire.convert import sampling_from_proto
-
-MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -33,26 +32,50 @@ class PreparedRequest:
     params: SamplingParams  # stop strings included; workers get them stripped
 
 
-def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo) -> PreparedRequest:
-    """Validate and tokenize; raises ``InvalidRequestError`` naming the field and the limit."""
+def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestLimits = RequestLimits()
+            ) -> PreparedRequest:
+    """Validate and tokenize; raises ``InvalidRequestError`` naming the field and the limit.
+
+    The size limits come first, so that no request tokenizes or templates more than they allow.
+    Runs on a worker thread (the tokenizer's work is off the event loop).
+    """
     if req.model and req.model != model.name:
         raise InvalidRequestError("model", f"unknown model {req.model!r}; this server serves {model.name!r}")
+    check_limits(req, limits)
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input", "set one of text, token_ids or chat")
-    if kind == "text":
-        ids = model.tokenizer.encode(req.text)
-    elif kind == "token_ids":
+    params = sampling_from_proto(req.sampling)
+    params.validate(model.config.vocab_size)  # cheap: before the tokenizer's work
+    if kind == "token_ids":
         ids = list(req.token_ids.ids)
+    elif kind == "text":
+        ids = model.tokenizer.encode(req.text)
     else:
         ids = _chat_ids(req.chat, model.tokenizer)
-    params = sampling_from_proto(req.sampling)
-    for s in params.stop:
-        if len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequestError("stop", f"stop strings are limited to {MAX_STOP_STRING_CHARS} characters",
-                                      MAX_STOP_STRING_CHARS)
-    validate_request(ids, params, model.config.vocab_size, model.max_model_len)
+    validate_prompt(ids, params, model.config.vocab_size, model.max_model_len)
     return PreparedRequest(req.request_id or f"req-{uuid.uuid4().hex[:16]}", ids, params)
+
+
+def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """Every ``RequestLimits`` size, each refused with its setting's name as the field."""
+    s = req.sampling
+    _at_most("max_request_id_chars", "request_id", len(req.request_id), limits.max_request_id_chars)
+    _at_most("max_stop_token_ids", "stop_token_ids", len(s.stop_token_ids), limits.max_stop_token_ids)
+    _at_most("max_stop_strings", "stop", len(s.stop), limits.max_stop_strings)
+    for text in s.stop:
+        _at_most("max_stop_string_chars", "stop", len(text), limits.max_stop_string_chars)
+    if req.WhichOneof("input") == "chat":
+        _at_most("max_chat_messages", "messages", len(req.chat.messages), limits.max_chat_messages)
+        chars = sum(len(m.content) + len(m.role) for m in req.chat.messages)
+    else:
+        chars = len(req.text)
+    _at_most("max_prompt_chars", "prompt", chars, limits.max_prompt_chars)
+
+
+def _at_most(setting: str, field: str, value: int, limit: int) -> None:
+    if value > limit:
+        raise InvalidRequestError(field, f"{value} is over the router's limit {setting}={limit}", limit)
 
 
 def _chat_ids(chat: pdserve_pb2.ChatMessages, tokenizer: Tokenizer) -> list[int]:

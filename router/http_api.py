@@ -4,14 +4,19 @@
 chunks in OpenAI's format ending with ``data: [DONE]``; ``stream_options.include_usage``),
 ``GET /v1/models``, ``GET /health`` (503 while no prefill or no decode worker is ready),
 ``GET /metrics`` and ``GET /metrics/targets`` (Prometheus HTTP service discovery of the
-workers' own endpoints). Each request becomes a ``pdserve.v1.GenerateRequest`` and runs
-through the same ``GenerationService.run`` as gRPC, so validation, routing and recovery are
-shared. A client that disconnects cancels its handler, which aborts the request on the
-workers.
+workers' own endpoints). Each request becomes a ``pdserve.v1.GenerateRequest`` (typed
+models in ``router.validation``) and runs through the same ``GenerationService.run`` as
+gRPC, so validation, routing and recovery are shared. A client that disconnects cancels its
+handler, which aborts the request on the workers.
+
+A client may bound a request's time with the ``X-Request-Timeout`` header (seconds; the
+router's ``request_timeout_s`` caps it); past it the answer is 408 or, mid-stream, an error
+event. A 429 carries ``Retry-After``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -21,18 +26,23 @@ import grpc
 from aiohttp import web
 
 from engine.errors import InvalidRequestError
-from router.openai_format import (HttpError, chat_chunk, chat_response, completion_chunk, completion_response,
-                                  to_generate_request, usage_dict)
+from router.openai_format import chat_chunk, chat_response, completion_chunk, completion_response, usage_dict
 from router.orchestrator import RouteError
 from router.service import GenerationService
+from router.validation import HttpError, decode_json, parse_body
 
 _ROUTE_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
-                 grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable")}
+                 grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+                 grpc.StatusCode.DEADLINE_EXCEEDED: (408, "timeout")}
+TIMEOUT_HEADER = "X-Request-Timeout"
+_PARSE_OFF_LOOP_BYTES = 64 << 10  # larger bodies are parsed on a thread, not the event loop
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   retry_after_s: int | None = None) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.json_response(body, status=status)
+    headers = {"Retry-After": str(retry_after_s)} if status == 429 and retry_after_s is not None else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _as_http_error(exc: Exception) -> HttpError:
@@ -53,7 +63,7 @@ class OpenAIFront:
         self.service = service
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.service.limits.requests.max_body_bytes)
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -70,25 +80,37 @@ class OpenAIFront:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
+    def _error(self, exc: Exception) -> web.Response:
+        err = _as_http_error(exc)
+        return error_response(err.status, str(err), err.kind, err.param, self.service.limits.retry_after_s)
+
+    async def _read(self, request: web.Request, chat: bool):
+        """The body, read within ``max_body_bytes`` and parsed once; raises ``HttpError``."""
+        limit = self.service.limits.requests.max_body_bytes
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise HttpError(400, f"body is over the router's limit max_body_bytes={limit}", param="body") from None
+        name = self.service.model.name
+        if len(raw) > _PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(lambda: parse_body(decode_json(raw), chat, name))
+        return parse_body(decode_json(raw), chat, name)
+
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
-            return error_response(400, f"body is not valid JSON: {exc}", "BadRequestError")
-        try:
-            req, options = to_generate_request(body, chat, self.service.model)
+            timeout_s = _timeout(request)
+            req, options = await self._read(request, chat)
         except HttpError as exc:
-            return error_response(exc.status, str(exc), exc.kind, exc.param)
+            return self._error(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         req.request_id = rid
-        stream = self.service.run(req)
+        stream = self.service.run(req, timeout_s)
         try:
             first = await anext(stream)  # validation and routing errors surface before any byte is sent
         except StopAsyncIteration:
             first = None
         except (InvalidRequestError, RouteError, HttpError) as exc:
-            err = _as_http_error(exc)
-            return error_response(err.status, str(err), err.kind, err.param)
+            return self._error(exc)
         meta = {"id": rid, "created": int(time.time()), "model": self.service.model.name, "chat": chat,
                 "logprobs": options.logprobs, "tokenizer": self.service.model.tokenizer}
         try:
@@ -106,8 +128,7 @@ class OpenAIFront:
             async for resp in stream:
                 parts.append(resp)
         except (InvalidRequestError, RouteError) as exc:
-            err = _as_http_error(exc)
-            return error_response(err.status, str(err), err.kind, err.param)
+            return self._error(exc)
         build = chat_response if meta["chat"] else completion_response
         return web.json_response(build(parts, meta))
 
@@ -143,6 +164,8 @@ class OpenAIFront:
             "id": m.name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": m.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.service.draining:
+            return error_response(503, "the router is shutting down", "service_unavailable")
         if self.service.pool.ready():
             return web.json_response({"status": "ok"})
         return error_response(503, "no ready prefill worker or no ready decode worker", "service_unavailable")
@@ -155,6 +178,20 @@ class OpenAIFront:
 
     async def metrics_targets(self, request: web.Request) -> web.Response:
         return web.json_response(self.service.pool.metrics_targets())
+
+
+def _timeout(request: web.Request) -> float | None:
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise HttpError(400, f"{TIMEOUT_HEADER} must be a positive number of seconds, got {value!r}",
+                        param=TIMEOUT_HEADER)
+    return seconds
 
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:

@@ -1,6 +1,12 @@
 """One request's path through the cluster: prefill, stream the first token, decode, and
 recover from worker faults by re-prefilling prompt + tokens already sent. Each run records
-its request's metrics (``wire.metrics.RequestMetrics``) as it goes."""
+its request's metrics (``wire.metrics.RequestMetrics``) as it goes.
+
+Time: a request has one deadline (``timeout_s``, the client's or ``request_timeout_s``) that
+bounds every RPC it makes, and one admission budget (``admission_wait_s``) shared by every
+wait for room before its first token. RESOURCE_EXHAUSTED (HTTP 429) is only ever answered
+before the first token: later, a request that cannot go on ends UNAVAILABLE or
+DEADLINE_EXCEEDED."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -19,6 +26,7 @@ from protos import pdserve_pb2, worker_pb2
 from router.frontend import ModelInfo, PreparedRequest
 from router.policy import Choice, pick_decode, pick_prefill
 from router.pool import WorkerPool
+from router.validation import RequestLimits
 from wire.convert import finish_from_wire, finish_to_wire, sampling_to_proto
 from wire.metrics import RequestMetrics
 
@@ -45,13 +53,25 @@ class _DecodeLost(Exception):
 class RouterLimits:
     max_prefill_attempts: int = 3  # prefill workers tried for one prefill
     max_migrations: int = 3  # times one request may move to a new prefill/decode pair
-    prefill_timeout_s: float = 600.0
+    # A request's whole life, arrival to last token; a client may ask for less (gRPC deadline,
+    # HTTP X-Request-Timeout). Every RPC the router makes for it ends by then.
+    request_timeout_s: float = 600.0
+    # A decode stream that sends nothing for this long is given up and the request migrates
+    # (the first message waits for the KV transfer, bounded by the worker's transfer timeout).
+    decode_idle_timeout_s: float = 60.0
+    # Requests that have not had their first token yet (tokenizing, waiting for room, in
+    # prefill). Past it, RESOURCE_EXHAUSTED / 429 at once, with Retry-After.
+    max_waiting_requests: int = 256
+    retry_after_s: int = 1  # the Retry-After a 429 / RESOURCE_EXHAUSTED carries
+    tokenizer_threads: int = 1  # threads that tokenize and apply chat templates, off the event loop
+    requests: RequestLimits = field(default_factory=RequestLimits)
     # Beyond this many queued prompt tokens on every prefill worker, the pool is full (at
     # ~600 tok/s per CPU worker: ~100 s of work); new requests wait for room as below.
     max_queued_tokens_per_prefill: int = 65536
-    # A request that finds every worker of a pool full (queue or KV) waits this long for room,
+    # A request that finds every worker of a pool full (queue or KV) waits for room,
     # re-checking at each stats poll, before it gets RESOURCE_EXHAUSTED: a burst queues
-    # briefly instead of failing, and a pool that stays full still answers, not hangs.
+    # briefly instead of failing, and a pool that stays full still answers, not hangs. One
+    # budget per request, counted from its arrival, shared by every wait before its first token.
     admission_wait_s: float = 30.0
 
 
@@ -74,11 +94,13 @@ class RequestRun:
     reached the router, before tokenization: its latencies count from there."""
 
     def __init__(self, req: PreparedRequest, model: ModelInfo, pool: WorkerPool, limits: RouterLimits,
-                 arrived: float | None = None):
+                 arrived: float | None = None, timeout_s: float | None = None):
         self.req = req
         self.model = model
         self.pool = pool
         self.limits = limits
+        self.arrived = arrived if arrived is not None else time.monotonic()  # the loop's clock (monotonic)
+        self.timeout_s = timeout_s if timeout_s is not None else limits.request_timeout_s
         self.progress = Progress()
         self.metrics = RequestMetrics(arrived=arrived)
         self._detok = IncrementalDetokenizer(model.tokenizer, req.params.stop)
@@ -96,8 +118,31 @@ class RequestRun:
             self.metrics.finished("abort")
             raise
         except Exception as exc:
+            exc = self._after_first_token(exc)
             self.metrics.failed(_failure_code(exc))
-            raise
+            raise exc
+
+    def _after_first_token(self, exc: Exception) -> Exception:
+        """A full pool is a 429 only before the first token; a client that already has tokens
+        must not be told to retry the request (and perhaps repeat its side effects)."""
+        if (isinstance(exc, RouteError) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and self.progress.token_ids):
+            return RouteError(grpc.StatusCode.UNAVAILABLE, f"{exc} (after {len(self.progress.token_ids)} tokens)")
+        return exc
+
+    # ---- time ------------------------------------------------------------------------
+    @property
+    def deadline(self) -> float:
+        return self.arrived + self.timeout_s
+
+    def remaining_s(self) -> float:
+        """Seconds until the request's deadline; raises DEADLINE_EXCEEDED once it has passed."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"the request's deadline of {self.timeout_s:g} s passed "
+                             f"(after {len(self.progress.token_ids)} tokens)")
+        return left
 
     async def _attempts(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         attempt = 0
@@ -144,18 +189,24 @@ class RequestRun:
             raise _route_error(choice)
 
     async def _admit(self, pick: Callable[[], Choice]) -> Choice:
-        """``pick()``, re-tried while its pool is saturated, for up to ``admission_wait_s``."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        deadline = start + self.limits.admission_wait_s
+        """``pick()``, re-tried while its pool is saturated: before the first token until the
+        request's admission budget is spent, after it until the request's deadline."""
+        start = time.monotonic()
+        if self.progress.token_ids:
+            deadline = self.deadline
+        else:
+            deadline = min(self.deadline, self.arrived + self.limits.admission_wait_s)
         try:
             while True:
                 choice = pick()
-                if choice.worker_id is not None or not choice.saturated or loop.time() >= deadline:
+                if choice.worker_id is not None or not choice.saturated:
                     return choice
-                await asyncio.sleep(min(self.pool.interval_s, max(deadline - loop.time(), 0.0)))
+                if time.monotonic() >= deadline:
+                    self.remaining_s()  # DEADLINE_EXCEEDED if it was the request's own deadline
+                    return choice
+                await asyncio.sleep(min(self.pool.interval_s, max(deadline - time.monotonic(), 0.0)))
         finally:
-            self.progress.admission_wait_s += loop.time() - start
+            self.progress.admission_wait_s += time.monotonic() - start
 
     # ---- prefill -------------------------------------------------------------------
     async def _prefill(self, worker_rid: str, prompt: list[int], params) -> tuple[worker_pb2.PrefillResponse, str]:
@@ -174,10 +225,11 @@ class RequestRun:
             tried.add(client.address)
             try:
                 with self.pool.placed(client, tokens=len(prompt)):
-                    return await client.stub.Prefill(request, timeout=self.limits.prefill_timeout_s), client.address
+                    return await client.stub.Prefill(request, timeout=self.remaining_s()), client.address
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(_field(exc), exc.details()) from exc
+                self.remaining_s()  # our own deadline passed: not the worker's fault
                 if exc.code() not in _RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:
                     raise
                 last = f"prefill worker {client.address}: {exc.code().name} {exc.details()}"
@@ -203,25 +255,27 @@ class RequestRun:
                 raise _route_error(choice)
             client = self.pool.workers[choice.worker_id]
             tried.add(client.address)
-            call = client.stub.Decode(request)
+            call = client.stub.Decode(request, timeout=self.remaining_s())
             started = False
             try:
                 with self.pool.placed(client, blocks=blocks):
-                    async for resp in call:
-                        started = True
-                        if resp.kv_bytes:  # the KV-arrived notice, not output
-                            self.progress.kv_bytes += resp.kv_bytes
-                            self.progress.kv_seconds += resp.kv_transfer_seconds
-                            self.metrics.kv_transferred(resp.kv_transfer_seconds)
-                            continue
-                        yield self._emit(list(resp.token_ids), list(resp.logprobs),
-                                         finish_from_wire(resp.finish_reason))
-                        if self.progress.finish_reason is not None:
-                            return
+                    async with contextlib.aclosing(self._idle_bounded(call, client.address)) as messages:
+                        async for resp in messages:
+                            started = True
+                            if resp.kv_bytes:  # the KV-arrived notice, not output
+                                self.progress.kv_bytes += resp.kv_bytes
+                                self.progress.kv_seconds += resp.kv_transfer_seconds
+                                self.metrics.kv_transferred(resp.kv_transfer_seconds)
+                                continue
+                            yield self._emit(list(resp.token_ids), list(resp.logprobs),
+                                             finish_from_wire(resp.finish_reason))
+                            if self.progress.finish_reason is not None:
+                                return
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(_field(exc), exc.details()) from exc
+                self.remaining_s()  # our own deadline passed: not the worker's fault
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not started:
                     continue  # the KV is still held: another decode worker may take it
                 if "kv transfer failed" not in (exc.details() or ""):
@@ -229,6 +283,23 @@ class RequestRun:
                 raise _DecodeLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
             finally:
                 call.cancel()
+
+    async def _idle_bounded(self, call, address: str):
+        """``call``'s messages; a gap longer than ``decode_idle_timeout_s`` is a lost decode
+        (a hung worker), one that reaches the request's deadline is DEADLINE_EXCEEDED."""
+        messages = aiter(call)
+        while True:
+            idle_s = min(self.limits.decode_idle_timeout_s, self.remaining_s())
+            try:
+                async with asyncio.timeout(idle_s):  # not wait_for: on 3.11 it can swallow a cancel
+                    resp = await anext(messages)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                self.remaining_s()
+                raise _DecodeLost(f"decode worker {address} sent nothing for {idle_s:g} s "
+                                  f"(decode_idle_timeout_s)") from None
+            yield resp
 
     # ---- output --------------------------------------------------------------------
     def _emit(self, token_ids: list[int], logprobs: list[float], finish: str | None) -> pdserve_pb2.GenerateResponse:

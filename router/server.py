@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.config import EngineConfig
 from engine.loader import materialize, read_model_config
 from engine.tokenizer import Tokenizer
-from protos import admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from protos import admin_pb2_grpc, pdserve_pb2
 from router import http_api
 from router.admin import RouterAdminService
 from router.frontend import ModelInfo
@@ -54,7 +54,7 @@ async def start(config: RouterConfig) -> RunningServer:
     server = aio_server()
     address = bind(server, config.host, config.port)
     service = GenerationService(model, pool, config.limits)
-    pdserve_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    service.add_to(server)  # raw-bytes deserializers: garbage is INVALID_ARGUMENT, not UNKNOWN
     admin_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminService(pool), server)
     health = add_health(server, [SERVICE])
     names = (pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "grpc.health.v1.Health",
@@ -65,15 +65,16 @@ async def start(config: RouterConfig) -> RunningServer:
     if config.http_port is not None:
         runner, running.http_address = await http_api.start(service, config.host, config.http_port)
         running.on_stop.insert(0, runner.cleanup)
-    asyncio.create_task(_track_health(pool, health))
+    asyncio.create_task(_track_health(service, health))
     return running
 
 
-async def _track_health(pool: WorkerPool, health) -> None:
-    """SERVING while at least one prefill and one decode worker answer."""
+async def _track_health(service: GenerationService, health) -> None:
+    """SERVING while at least one prefill and one decode worker answer and the router is not draining."""
+    pool = service.pool
     serving = None
     while True:
-        ready = pool.ready()
+        ready = pool.ready() and not service.draining
         if ready != serving:
             await set_serving(health, [SERVICE], ready)
             serving = ready

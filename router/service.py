@@ -1,64 +1,123 @@
-"""The public ``pdserve.v1.Generation`` service."""
+"""The public ``pdserve.v1.Generation`` service.
+
+Every method takes its request as raw bytes and decodes it itself (``add_to``): grpc.aio
+answers a message its deserializer cannot read with UNKNOWN ("Unexpected DecodeError"); a
+client that sent garbage must get INVALID_ARGUMENT.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from engine.errors import InvalidRequestError
-from protos import pdserve_pb2, pdserve_pb2_grpc
+from protos import pdserve_pb2
 from router.frontend import ModelInfo, prepare
 from router.orchestrator import RequestRun, RouteError, RouterLimits
 from router.pool import WorkerPool
 from wire.grpc_util import abort_invalid
 
 log = logging.getLogger(__name__)
+SERVICE = "pdserve.v1.Generation"
 
 
-class GenerationService(pdserve_pb2_grpc.GenerationServicer):
+class GenerationService:
     def __init__(self, model: ModelInfo, pool: WorkerPool, limits: RouterLimits):
         self.model = model
         self.pool = pool
         self.limits = limits
         self.running: dict[str, tuple[asyncio.Task, RequestRun]] = {}
         self.aborted: set[str] = set()
+        self.waiting = 0  # requests admitted that have not had their first response yet
+        self.draining = False
+        # Tokenization and chat templates off the event loop. One thread by default: a HF
+        # fast tokenizer shared by threads can fail with "Already borrowed".
+        self._tokenize = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
 
-    async def run(self, request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    def timeout_s(self, client_timeout_s: float | None) -> float:
+        """The request's deadline from now: the client's, capped by ``request_timeout_s``."""
+        if client_timeout_s is None:
+            return self.limits.request_timeout_s
+        if not client_timeout_s > 0 or math.isinf(client_timeout_s):
+            raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {client_timeout_s}")
+        return min(client_timeout_s, self.limits.request_timeout_s)
+
+    async def run(self, request: pdserve_pb2.GenerateRequest,
+                  timeout_s: float | None = None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """One request's responses, for every front (gRPC here, HTTP in http_api.py).
 
         Raises ``InvalidRequestError`` or ``RouteError``; an ``Abort`` ends the stream with a
         FINISH_REASON_ABORT response, a cancelled caller cleans up on the way out.
         """
         arrived = time.monotonic()  # TTFT and e2e latency include tokenizing and the chat template
-        prepared = prepare(request, self.model)
-        rid = prepared.request_id
-        if rid in self.running:
-            raise InvalidRequestError("request_id", f"{rid!r} is already running")
-        run = RequestRun(prepared, self.model, self.pool, self.limits, arrived=arrived)
-        self.running[rid] = (asyncio.current_task(), run)
+        deadline_s = self.timeout_s(timeout_s)
+        self._admit()
+        self.waiting += 1
+        waiting = True
         try:
-            async for resp in run.responses():
-                yield resp
-        except asyncio.CancelledError:
-            if rid not in self.aborted:
-                raise  # the client went away; cleanup ran on the way out
-            yield pdserve_pb2.GenerateResponse(request_id=rid, finish_reason=pdserve_pb2.FINISH_REASON_ABORT,
-                                               usage=run.usage())
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self._tokenize, prepare, request, self.model, self.limits.requests)
+            rid = prepared.request_id
+            if rid in self.running:
+                raise InvalidRequestError("request_id", f"{rid!r} is already running")
+            run = RequestRun(prepared, self.model, self.pool, self.limits, arrived=arrived, timeout_s=deadline_s)
+            self.running[rid] = (asyncio.current_task(), run)
+            try:
+                async for resp in run.responses():
+                    if waiting:
+                        self.waiting, waiting = self.waiting - 1, False
+                    yield resp
+            except asyncio.CancelledError:
+                if rid not in self.aborted:
+                    raise  # the client went away; cleanup ran on the way out
+                yield pdserve_pb2.GenerateResponse(request_id=rid, finish_reason=pdserve_pb2.FINISH_REASON_ABORT,
+                                                   usage=run.usage())
+            finally:
+                self.running.pop(rid, None)
+                self.aborted.discard(rid)
         finally:
-            self.running.pop(rid, None)
-            self.aborted.discard(rid)
+            if waiting:
+                self.waiting -= 1
 
+    def _admit(self) -> None:
+        """Refuse at once, before any work: while draining, or past ``max_waiting_requests``."""
+        if self.draining:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down and takes no new request")
+        if self.waiting >= self.limits.max_waiting_requests:
+            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{self.waiting} requests are already waiting for their first token; the limit is "
+                             f"max_waiting_requests={self.limits.max_waiting_requests}")
+
+    async def drain(self, grace_s: float, poll_s: float = 0.1) -> int:
+        """Stop admitting; wait up to ``grace_s`` for running requests to finish. Returns how
+        many were still running when it gave up (0: all finished)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while (self.running or self.waiting) and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        return len(self.running) + self.waiting
+
+    # ---- gRPC methods ----------------------------------------------------------------
     async def Generate(self, request, context):
+        remaining = context.time_remaining()  # None: the client set no deadline
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed before the request began")
         try:
-            async for resp in self.run(request):
+            async for resp in self.run(request, remaining):
                 yield resp
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
         except RouteError as exc:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                context.set_trailing_metadata((("retry-after", str(self.limits.retry_after_s)),))
             await context.abort(exc.code, str(exc))
 
     async def Abort(self, request, context):
@@ -72,3 +131,46 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
     async def ListModels(self, request, context):
         return pdserve_pb2.ListModelsResponse(models=[pdserve_pb2.ModelInfo(
             id=self.model.name, max_model_len=self.model.max_model_len, vocab_size=self.model.config.vocab_size)])
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Register the service with raw-bytes request deserializers (see the module doc)."""
+        max_bytes = self.limits.requests.max_body_bytes
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                _streaming(self.Generate, pdserve_pb2.GenerateRequest, max_bytes),
+                response_serializer=pdserve_pb2.GenerateResponse.SerializeToString),
+            "Abort": grpc.unary_unary_rpc_method_handler(
+                _unary(self.Abort, pdserve_pb2.AbortRequest, max_bytes),
+                response_serializer=pdserve_pb2.AbortResponse.SerializeToString),
+            "ListModels": grpc.unary_unary_rpc_method_handler(
+                _unary(self.ListModels, pdserve_pb2.ListModelsRequest, max_bytes),
+                response_serializer=pdserve_pb2.ListModelsResponse.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+async def _decode(cls, raw: bytes, max_bytes: int, context):
+    """``raw`` as a ``cls`` message, or the call ends with INVALID_ARGUMENT naming why."""
+    if len(raw) > max_bytes:
+        await abort_invalid(context, InvalidRequestError(
+            "max_body_bytes", f"the message is {len(raw)} bytes; the limit is {max_bytes}", max_bytes))
+    try:
+        return cls.FromString(raw)
+    except (DecodeError, RuntimeError, ValueError) as exc:  # upb may raise any of them on garbage
+        await abort_invalid(context, InvalidRequestError("request", f"not a valid {cls.__name__} message: {exc}"))
+
+
+def _unary(method, cls, max_bytes: int):
+    async def handler(raw: bytes, context):
+        return await method(await _decode(cls, raw, max_bytes, context), context)
+
+    return handler
+
+
+def _streaming(method, cls, max_bytes: int):
+    async def handler(raw: bytes, context):
+        request = await _decode(cls, raw, max_bytes, context)
+        async for resp in method(request, context):
+            yield resp
+
+    return handler

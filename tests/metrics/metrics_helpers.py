@@ -80,7 +80,7 @@ class FakeDecode:
     def __init__(self, kv_seconds: float = 0.02, fail_after: int | None = None, token_s: float = 0.0):
         self.kv_seconds, self.fail_after, self.token_s = kv_seconds, fail_after, token_s
 
-    def Decode(self, request):
+    def Decode(self, request, timeout=None):
         fail_after, self.fail_after = self.fail_after, None
         return _DecodeCall(request, self.kv_seconds, fail_after, self.token_s)
 

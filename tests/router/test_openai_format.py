@@ -5,7 +5,13 @@ from types import SimpleNamespace
 import pytest
 
 from protos import pdserve_pb2
-from router.openai_format import HttpError, completion_response, to_generate_request
+from router.openai_format import completion_response
+from router.validation import HttpError, parse_body
+
+
+def to_generate_request(body, chat, model):
+    return parse_body(body, chat, model.name)
+
 
 MODEL = SimpleNamespace(name="smollm2")
 

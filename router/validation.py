@@ -1,0 +1,229 @@
+"""The OpenAI request bodies as typed models, and the size limits every request meets.
+
+Two steps, each done once per request:
+
+1. Shape (HTTP only): ``parse_body`` turns raw bytes into a ``GenerateRequest``. Bytes that
+   are not UTF-8 or not JSON, a wrong type, ``NaN``/``Infinity``, or a number the wire type
+   cannot hold (``max_tokens`` >= 2**32, ``seed`` >= 2**64, ...) become an ``HttpError`` 400
+   naming the parameter. Types are strict: ``"false"`` is not a boolean, ``1.0`` not an
+   integer. Semantic ranges (temperature in [0, 100], ...) are not checked here.
+2. Meaning (HTTP and gRPC): ``router.frontend.prepare`` applies ``RequestLimits`` before any
+   tokenization, then ``engine.sampling.validate_request`` checks every value for what it
+   does (the same function the engine runs on entry).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from protos import pdserve_pb2
+
+UINT32_MAX = 2**32 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Sizes a request may have; each breach is a 400 / INVALID_ARGUMENT naming its setting.
+
+    They bound the work a request can cause before it is refused: reading and parsing the
+    body, tokenizing, the chat template, and the per-token scans of stop ids and strings.
+    """
+
+    max_body_bytes: int = 4 << 20  # an HTTP body or a gRPC GenerateRequest message
+    max_prompt_chars: int = 262_144  # text prompt, or all chat contents together (~8x SmolLM2's context)
+    max_stop_token_ids: int = 64  # scanned for every generated token
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_chat_messages: int = 512
+    max_request_id_chars: int = 256
+
+
+class HttpError(Exception):
+    """A request the HTTP front refuses before it reaches the router's validation."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None):
+        self.status, self.kind, self.param = status, kind, param
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the HTTP front needs besides the ``GenerateRequest``: how to answer."""
+
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+
+# ---- the models ------------------------------------------------------------------------
+UInt32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+
+
+class _Strict(BaseModel):
+    # extra="ignore": OpenAI fields pdserve does not use (user, frequency_penalty, ...) are
+    # accepted and ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: Union[str, list[TextPart], None] = None
+
+
+class _Common(_Strict):
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)] = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+
+
+class CompletionBody(_Common):
+    prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]]
+    logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # only 0: the chosen tokens' logprobs
+
+
+class ChatBody(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # top alternatives are not supported
+
+
+# ---- bytes -> request ------------------------------------------------------------------
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def decode_json(raw: bytes) -> Any:
+    """Bytes -> a JSON value; 400 for bytes that are not UTF-8, not JSON, or nest too deep."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HttpError(400, f"body is not valid UTF-8 (byte {exc.start})", param="body") from exc
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, ValueError) as exc:  # ValueError: NaN / Infinity
+        raise HttpError(400, f"body is not valid JSON: {exc}", param="body") from exc
+    except RecursionError as exc:
+        raise HttpError(400, "body nests too deeply", param="body") from exc
+    _check_strings(value)
+    return value
+
+
+def _check_strings(value: Any) -> None:
+    """JSON may escape a lone surrogate (``"\\ud800"``): valid JSON, but no UTF-8 string, so
+    protobuf and the tokenizer would fail on it. Refused here, keys included."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise HttpError(400, f"body has a string that is not valid Unicode (a lone surrogate "
+                                f"at character {exc.start})", param="body") from None
+
+
+def _param(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "int", "list[str]", "list[int]", "list[list[int]]") or "[" in str(part):
+            continue  # pydantic names the union member it tried; the client's field is enough
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def parse_body(body: Any, chat: bool, model_name: str) -> tuple[pdserve_pb2.GenerateRequest, Options]:
+    """A decoded JSON body -> the wire request and answer options; ``HttpError`` naming the
+    parameter for anything the models refuse."""
+    if not isinstance(body, dict):
+        raise HttpError(400, "body must be a JSON object", param="body")
+    try:
+        parsed = (ChatBody if chat else CompletionBody).model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = _param(err["loc"])
+        raise HttpError(400, f"{param}: {err['msg']}", param=param) from None
+    if parsed.model is not None and parsed.model != model_name:
+        raise HttpError(404, f"model {parsed.model!r} does not exist; this server serves {model_name!r}",
+                        "NotFoundError", "model")
+    if parsed.stream_options is not None and not parsed.stream:
+        raise HttpError(400, "stream_options needs stream: true", param="stream_options")
+    req = pdserve_pb2.GenerateRequest()
+    if chat:
+        for m in parsed.messages:
+            content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
+            req.chat.messages.add(role=m.role, content=content or "")
+    else:
+        _set_prompt(req, parsed.prompt)
+    _set_sampling(req.sampling, parsed, chat)
+    include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
+    return req, Options(parsed.stream, include_usage, req.sampling.logprobs)
+
+
+def _set_prompt(req: pdserve_pb2.GenerateRequest, prompt) -> None:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise HttpError(400, "one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif prompt:
+        req.token_ids.ids.extend(prompt)
+    else:
+        raise HttpError(400, "prompt must not be empty", param="prompt")
+
+
+def _set_sampling(p: pdserve_pb2.SamplingParams, b: _Common, chat: bool) -> None:
+    """Every value here fits its wire type (the models bound them), so no setter raises.
+    Floats go to float32: a value too large becomes inf, refused by ``validate_request``."""
+    max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
+    if max_tokens is not None:
+        p.max_tokens = max_tokens
+    p.temperature = b.temperature
+    if b.top_p is not None:
+        p.top_p = b.top_p
+    if b.repetition_penalty is not None:
+        p.repetition_penalty = b.repetition_penalty
+    p.top_k = b.top_k
+    p.min_p = b.min_p
+    if b.seed is not None:
+        p.seed = b.seed
+    p.stop.extend([b.stop] if isinstance(b.stop, str) else b.stop or [])
+    p.stop_token_ids.extend(b.stop_token_ids or [])
+    p.ignore_eos = b.ignore_eos
+    p.logprobs = bool(b.logprobs) if chat else b.logprobs is not None
