@@ -36,8 +36,8 @@ class ClusterConfig:
     http_port: int | None = 8000  # the router's OpenAI-compatible HTTP port; None: off
     advertise_host: str | None = None  # the public address to report; None: from host (wire.address)
     # The internal plane (RouterAdmin, every worker RPC, worker /metrics, the tcp block server)
-    # binds this on every node; None: each node's IP as Ray knows it. A cluster pdserve starts
-    # itself runs Ray on 127.0.0.1, so by default nothing internal leaves this machine.
+    # binds this on every node. None: 127.0.0.1 when pdserve starts Ray itself (one machine:
+    # nothing internal is reachable from the network), each node's Ray IP when it joins one.
     internal_host: str | None = None
     internal_advertise_host: str | None = None  # only for one node (NAT); None: the bound address
     api_key: str | None = None  # clients must send it (router.auth); None: the public API is open
@@ -58,6 +58,12 @@ class ClusterConfig:
     autoscale_interval_s: float = 1.0
     prefill_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
     decode_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
+
+    def internal_bind_host(self) -> str | None:
+        """``internal_host`` as servers take it (None: each resolves its node's IP)."""
+        if self.internal_host is None and self.ray_address is None:
+            return "127.0.0.1"
+        return self.internal_host
 
     def worker_threads(self) -> int:
         if self.threads_per_worker:
@@ -82,6 +88,17 @@ def _start_role(role: str, config):
     else:
         raise ValueError(f"unknown role {role!r}")
     return start(config)
+
+
+def _set_ray_auth_mode(mode: str) -> None:
+    """Run the Ray this process starts in ``mode`` ("token": Ray makes a token in
+    ~/.ray/auth_token unless RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH names one). Ray reads
+    RAY_AUTH_MODE into its config at import, so the config is read again, as Ray's own
+    ``_enable_token_auth`` does. A driver keeps the mode of its first ``ray.init``."""
+    from ray._raylet import Config
+
+    os.environ["RAY_AUTH_MODE"] = mode
+    Config.initialize("")
 
 
 @ray.remote(num_cpus=0)
@@ -152,11 +169,11 @@ class LocalCluster:
             self._init_ray()
         threads = cfg.worker_threads()
         self.prefill = [self._place("prefill", i, cfg.prefill_placement, PrefillWorkerConfig(
-            worker_id=f"prefill-{i}", engine=cfg.engine, host=cfg.internal_host, tls=cfg.tls,
+            worker_id=f"prefill-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
             advertise_host=cfg.internal_advertise_host, lease_seconds=cfg.lease_seconds,
             kv_transfer_backend=cfg.kv_transfer_backend), threads) for i in range(cfg.num_prefill)]
         self.decode = [self._place("decode", i, cfg.decode_placement, DecodeWorkerConfig(
-            worker_id=f"decode-{i}", engine=cfg.engine, host=cfg.internal_host, tls=cfg.tls,
+            worker_id=f"decode-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
             advertise_host=cfg.internal_advertise_host, kv_transfer_backend=cfg.kv_transfer_backend,
             transfer_timeout_s=cfg.transfer_timeout_s, inject_transfer_delay_s=cfg.inject_transfer_delay_s), threads)
             for i in range(cfg.num_decode)]
@@ -164,7 +181,7 @@ class LocalCluster:
         self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
         router_cfg = RouterConfig(engine=cfg.engine, model_name=cfg.model_name, host=cfg.host, port=cfg.port,
                                   http_port=cfg.http_port, advertise_host=cfg.advertise_host, api_key=cfg.api_key,
-                                  public_tls=cfg.public_tls, internal_host=cfg.internal_host,
+                                  public_tls=cfg.public_tls, internal_host=cfg.internal_bind_host(),
                                   internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls,
                                   stats_interval_s=cfg.router_poll_s,
                                   limits=RouterLimits(admission_wait_s=cfg.admission_wait_s),
@@ -188,17 +205,16 @@ class LocalCluster:
         return self.address
 
     def _init_ray(self) -> None:
-        """Join ``ray_address``, or start a Ray of our own: on 127.0.0.1 unless an internal host
-        is named (a one-machine cluster keeps its internal plane off the network), and with
-        token authentication (``ray_token_auth``), so that nobody else can run code in it."""
+        """Join ``ray_address``, or start a Ray of our own with token authentication
+        (``ray_token_auth``), so that nobody else can run code in it."""
         cfg = self.config
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING)
             return
-        os.environ["RAY_AUTH_MODE"] = "token" if cfg.ray_token_auth else "disabled"
+        _set_ray_auth_mode("token" if cfg.ray_token_auth else "disabled")
         # "local" starts a new instance even when another Ray runs on this machine.
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
-                 object_store_memory=256 << 20, _node_ip_address=cfg.internal_host or "127.0.0.1")
+                 object_store_memory=256 << 20)
         self._started_ray = True
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):

@@ -30,14 +30,14 @@ class Endpoint:
 
 
 def node_ip() -> str:
-    """This node's address as its peers reach it: Ray's node IP inside a Ray process, else the
-    address of the interface that routes outward (no packet is sent: UDP connect only picks a
-    route), falling back to loopback on a host with no route."""
+    """This node's address as its peers reach it: inside a Ray process, the address its raylet
+    registered (``ray start --node-ip-address``); else the address of the interface that routes
+    outward (no packet is sent: UDP connect only picks a route), or loopback with no route."""
     try:
         import ray
 
         if ray.is_initialized():
-            return ray.util.get_node_ip_address()
+            return _ray_node_ip(ray)
     except ImportError:
         pass
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -46,6 +46,17 @@ def node_ip() -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def _ray_node_ip(ray) -> str:
+    # Inside an actor ray.util.get_node_ip_address() guesses from the routing table, which is
+    # not the node's address when a host has several (a namespace without a default route, a
+    # node started with --node-ip-address). The GCS's record of this node is.
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
 
 
 def resolve(bind_host: str | None, advertise_host: str | None = None) -> Endpoint:

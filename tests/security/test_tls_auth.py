@@ -119,3 +119,61 @@ def test_a_wildcard_bind_is_never_advertised():
     assert resolve("0.0.0.0").advertise_host not in ("0.0.0.0", "")
     assert resolve("0.0.0.0", "10.1.2.3").advertise(80) == "10.1.2.3:80"
     assert resolve("127.0.0.2").advertise(7) == "127.0.0.2:7"
+
+
+def test_public_tls_without_client_certificates(certs):
+    """The public plane takes a server certificate alone; clients need only trust its CA."""
+    public = tls.load(str(certs["router"].cert), str(certs["router"].key), None, prefix="public_tls",
+                      require_ca=False)
+    ca_pem = certs["ca"].cert.read_bytes()
+
+    async def main():
+        server, address = await serve(public)
+        try:
+            creds = grpc.ssl_channel_credentials(ca_pem)
+            async with grpc.aio.secure_channel(address, creds, options=public.channel_options()) as ch:
+                stats = await worker_pb2_grpc.PrefillWorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
+                assert stats.worker_id == "w"
+            assert await stats_code(address) == grpc.StatusCode.UNAVAILABLE  # plaintext to a TLS port
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_https_front_with_api_key(certs):
+    """The OpenAI front over HTTPS: /health open, /v1 behind the key (no model needed for these)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+    from types import SimpleNamespace
+
+    from router import http_api
+
+    public = tls.load(str(certs["router"].cert), str(certs["router"].key), None, prefix="public_tls",
+                      require_ca=False)
+    service = SimpleNamespace(pool=SimpleNamespace(ready=lambda: True),
+                              model=SimpleNamespace(name="m", max_model_len=8))
+    client_ctx = ssl.create_default_context(cadata=certs["ca"].cert.read_text())
+    client_ctx.check_hostname = False  # the certificate names pdserve.internal, the URL an IP
+
+    def get(address, path, key=None):
+        req = urllib.request.Request(f"https://{address}{path}",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(req, timeout=10, context=client_ctx) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    async def main():
+        runner, address = await http_api.start(service, "127.0.0.1", 0, api_key="k", tls=public)
+        try:
+            codes = await asyncio.to_thread(lambda: [get(address, "/health"), get(address, "/v1/models"),
+                                                     get(address, "/v1/models", "bad"),
+                                                     get(address, "/v1/models", "k")])
+            assert codes == [200, 401, 401, 200]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
