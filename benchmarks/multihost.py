@@ -4,8 +4,9 @@
 
 Two hosts: network namespaces joined by a veth pair, a Ray node in each
 (tests/security/netns.py); the prefill worker on 10.77.0.1, the decode worker on 10.77.0.2, so
-NIXL's read crosses the veth (UCX over TCP: the namespaces share no interface). One host: the
-same driver with a Ray of its own on this machine (UCX picks shared memory). Both run
+NIXL's read crosses the veth (UCX held to TCP, as between real hosts; the namespaces share a
+kernel, so UCX would otherwise use shared memory). One host: the same driver with a Ray of its
+own on this machine (UCX picks shared memory / CMA). Both run
 tests/security/netns_driver.py: random prompts, one request at a time, medians; the transfer
 time and bytes come from the decode worker's counters.
 """
@@ -40,9 +41,10 @@ def main() -> None:
     results = {}
     subprocess.run([sys.executable, str(DRIVER), str(tmp / "one.json"), *flags], env=env, check=True)
     results["one host"] = json.loads((tmp / "one.json").read_text())
-    with two_hosts(env) as hosts:
+    netenv = {**env, "UCX_TLS": "tcp,self"}  # as two real hosts: no shared memory between the namespaces
+    with two_hosts(netenv) as hosts:
         hosts.run("a", [sys.executable, str(DRIVER), str(tmp / "two.json"), "--ray-address", hosts.ray_address,
-                        *flags], timeout=600, env=env, check=True)
+                        *flags], timeout=600, env=netenv, check=True)
     results["two hosts (netns)"] = json.loads((tmp / "two.json").read_text())
     print("| layout | prompt tokens | TTFT ms | KV transfer ms | KV MB | GB/s |")
     print("|---|---|---|---|---|---|")

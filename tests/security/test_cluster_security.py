@@ -4,6 +4,9 @@ answer on the public port; every internal server refuses a client without a cert
 cluster's CA; and the controller puts back a routing table that someone else overwrote."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -11,6 +14,7 @@ import urllib.request
 import grpc
 import openai
 import pytest
+import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.certs import issue, make_ca
@@ -167,3 +171,18 @@ def test_controller_puts_back_a_membership_someone_overwrote(cluster, certs, stu
             != grpc.StatusCode.OK:
         assert time.monotonic() < deadline, "the router did not serve again after the membership came back"
         time.sleep(0.5)
+
+
+def test_ray_refuses_a_driver_without_the_token(cluster):
+    """The Ray pdserve started runs with token authentication: a driver with another token
+    cannot join (it could otherwise run any code in the workers)."""
+    gcs = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
+    try:
+        out = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r}); print('joined')"],
+                             env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as exc:  # Ray retries a refused token until it gives up
+        out = subprocess.CompletedProcess(exc.cmd, 1, exc.stdout or b"", exc.stderr or b"")
+    text = (out.stdout.decode() if isinstance(out.stdout, bytes) else out.stdout) + \
+        (out.stderr.decode() if isinstance(out.stderr, bytes) else out.stderr)
+    assert "joined" not in text and "InvalidAuthToken" in text
