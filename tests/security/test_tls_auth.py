@@ -177,3 +177,27 @@ def test_https_front_with_api_key(certs):
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_tcp_block_server_binds_one_address_and_advertises_another():
+    """The tcp backend's listener binds the internal plane's address and tells peers the
+    advertised one (before, it always bound and advertised 127.0.0.1)."""
+    import socket
+
+    from kv_transfer.tcp_backend import TcpAgent
+    from tests.kv_transfer.kv_helpers import make_cache
+    from wire.address import Endpoint, transfer_listen_opts
+
+    opts = transfer_listen_opts("tcp", Endpoint("127.0.0.2", "node-b.internal"))
+    assert transfer_listen_opts("nixl", Endpoint("127.0.0.2", "x")) == {}
+    agent = TcpAgent("holder", make_cache(4), **opts)
+    try:
+        advertised = agent.local_metadata().tcp_address
+        host, port = advertised.rsplit(":", 1)
+        assert host == "node-b.internal"
+        with socket.create_connection(("127.0.0.2", int(port)), timeout=5):
+            pass  # listening on the bind address
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()  # and only there
+    finally:
+        agent.close()
