@@ -22,6 +22,8 @@ import grpc
 
 from cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample, ScalerState, ScalingDecision, decide
 from protos import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
+from wire.grpc_util import channel
+from wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 POOLS = ("prefill", "decode")
@@ -84,7 +86,8 @@ class Autoscaler:
         return {pool: t.decisions[-1].desired for pool, t in self.traces.items() if t.decisions}
 
     def sample(self, pool: str, now: float, latency: admin_pb2.LatencySummary | None = None) -> PoolSample:
-        stats = [s for s in (_stats(pool, a) for a in list(self.cluster.addresses(pool))) if s is not None]
+        stats = [s for s in (_stats(pool, a, self.cluster.config.tls) for a in list(self.cluster.addresses(pool)))
+                 if s is not None]
         latency = latency or admin_pb2.LatencySummary()
         if pool == "prefill":
             return PoolSample(now, len(stats), queued_prompt_tokens=sum(s.num_waiting_tokens for s in stats),
@@ -96,8 +99,8 @@ class Autoscaler:
     def _latency(self, window_s: float) -> admin_pb2.LatencySummary | None:
         """The router's TTFT and ITL p90 over the last ``window_s``; None if it cannot answer."""
         try:
-            with grpc.insecure_channel(self.cluster.address) as channel:
-                return admin_pb2_grpc.RouterAdminStub(channel).GetLatency(
+            with channel(self.cluster.admin_address, self.cluster.config.tls) as ch:
+                return admin_pb2_grpc.RouterAdminStub(ch).GetLatency(
                     admin_pb2.LatencyRequest(window_s=window_s), timeout=2)
         except grpc.RpcError as exc:
             log.warning("router latencies unavailable this round: %s", exc.code().name)
@@ -127,10 +130,10 @@ class Autoscaler:
             log.exception("autoscaler %s: scaling to %d failed", pool, decision.desired)
 
 
-def _stats(pool: str, address: str) -> worker_pb2.WorkerStats | None:
+def _stats(pool: str, address: str, tls: TlsConfig | None) -> worker_pb2.WorkerStats | None:
     stub_cls = worker_pb2_grpc.PrefillWorkerStub if pool == "prefill" else worker_pb2_grpc.DecodeWorkerStub
     try:
-        with grpc.insecure_channel(address) as channel:
-            return stub_cls(channel).Stats(worker_pb2.StatsRequest(), timeout=2)
+        with channel(address, tls) as ch:
+            return stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=2)
     except grpc.RpcError:
         return None  # dead or busy: the supervisor deals with the dead

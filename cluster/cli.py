@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from cluster.settings import SettingsError, add_arguments, resolve
 
@@ -29,6 +31,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    p.add_argument("--api-key", default=None, help="the server's API key (default: env PDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", default=None, help="verify a TLS public API against this CA (PEM)")
 
 
 def serve(args) -> int:
@@ -37,10 +41,17 @@ def serve(args) -> int:
 
     from cluster.autoscaling import AutoscaleConfigError, from_mapping
 
+    from router.auth import ApiKeyError, read_key
+    from wire import tls
+
     try:
         v = resolve(args)
         autoscaling = from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None
-    except (SettingsError, AutoscaleConfigError) as exc:
+        security = dict(api_key=read_key(v["api_key"], v["api_key_file"]),
+                        tls=tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls"),
+                        public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"],
+                                            prefix="public_tls", require_ca=False))
+    except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     engine = EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
@@ -48,6 +59,8 @@ def serve(args) -> int:
                                             memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))))
     config = ClusterConfig(engine=engine, router_limits=_router_limits(v), num_prefill=v["prefill"], num_decode=v["decode"], host=v["host"],
                            port=v["port"], http_port=None if v["http_port"] < 0 else v["http_port"],
+                           advertise_host=v["advertise_host"], internal_host=v["internal_host"],
+                           internal_advertise_host=v["internal_advertise_host"], **security,
                            kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
                            admission_wait_s=v["admission_wait_seconds"],
                            threads_per_worker=v["threads_per_worker"], ray_address=v["address"],
@@ -107,10 +120,16 @@ def generate(args) -> int:
         req.text = args.prompt
     else:
         req.chat.messages.add(role="user", content=args.prompt)
-    with grpc.insecure_channel(args.address) as channel:
+    key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    if args.tls_ca:
+        channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes()))
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         try:
-            for resp in stub.Generate(req):
+            for resp in stub.Generate(req, metadata=metadata):
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()
                 if resp.finish_reason:

@@ -15,11 +15,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import grpc
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.placement import PoolPlacement, release, reserve
 from engine.config import EngineConfig
+from wire.grpc_util import channel
+from wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +31,19 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     num_prefill: int = 1
     num_decode: int = 1
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the public plane's bind address (router gRPC and HTTP), as `vllm serve --host`
     port: int = 50051  # the router's public gRPC port
     http_port: int | None = 8000  # the router's OpenAI-compatible HTTP port; None: off
+    advertise_host: str | None = None  # the public address to report; None: from host (wire.address)
+    # The internal plane (RouterAdmin, every worker RPC, worker /metrics, the tcp block server)
+    # binds this on every node. None: 127.0.0.1 when pdserve starts Ray itself (one machine:
+    # nothing internal is reachable from the network), each node's Ray IP when it joins one.
+    internal_host: str | None = None
+    internal_advertise_host: str | None = None  # only for one node (NAT); None: the bound address
+    api_key: str | None = None  # clients must send it (router.auth); None: the public API is open
+    tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls); None: plaintext
+    public_tls: TlsConfig | None = None  # TLS on the public plane
+    ray_token_auth: bool = True  # a Ray pdserve starts runs with token authentication
     kv_transfer_backend: str = "nixl"
     lease_seconds: float = 30.0
     admission_wait_s: float = 30.0  # a request's wait for room in a full pool before RESOURCE_EXHAUSTED
@@ -47,6 +59,12 @@ class ClusterConfig:
     autoscale_interval_s: float = 1.0
     prefill_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
     decode_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
+
+    def internal_bind_host(self) -> str | None:
+        """``internal_host`` as servers take it (None: each resolves its node's IP)."""
+        if self.internal_host is None and self.ray_address is None:
+            return "127.0.0.1"
+        return self.internal_host
 
     def worker_threads(self) -> int:
         if self.threads_per_worker:
@@ -73,6 +91,17 @@ def _start_role(role: str, config):
     return start(config)
 
 
+def _set_ray_auth_mode(mode: str) -> None:
+    """Run the Ray this process starts in ``mode`` ("token": Ray makes a token in
+    ~/.ray/auth_token unless RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH names one). Ray reads
+    RAY_AUTH_MODE into its config at import, so the config is read again, as Ray's own
+    ``_enable_token_auth`` does. A driver keeps the mode of its first ``ray.init``."""
+    from ray._raylet import Config
+
+    os.environ["RAY_AUTH_MODE"] = mode
+    Config.initialize("")
+
+
 @ray.remote(num_cpus=0)
 class ServerActor:
     """One role (prefill worker, decode worker or router) in its own process."""
@@ -96,6 +125,10 @@ class ServerActor:
     def http_address(self) -> str | None:
         return self._server.running.http_address
 
+    def internal_address(self) -> str:
+        """The router's internal plane (RouterAdmin); a worker's only address is internal."""
+        return self._server.running.internal_address or self._server.running.address
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -116,8 +149,9 @@ class LocalCluster:
         self.router = None
         self.prefill_addresses: list[str] = []
         self.decode_addresses: list[str] = []
-        self.address: str | None = None
+        self.address: str | None = None  # the router's public gRPC address
         self.http_address: str | None = None
+        self.admin_address: str | None = None  # the router's internal plane (RouterAdmin)
         self._groups: dict[tuple[str, int], object] = {}  # one placement group per worker slot
         self._specs: dict[tuple[str, int], tuple] = {}  # what to start again in a slot
         self._supervisor: Supervisor | None = None
@@ -138,29 +172,34 @@ class LocalCluster:
         cfg = self.config
         materialize(cfg.engine.model, progress=True)  # convert a GGUF once, before the workers race to
         if not ray.is_initialized():
-            # "local" starts a new instance even when another Ray runs on this machine.
-            ray.init(address=cfg.ray_address or "local", include_dashboard=False, logging_level=logging.WARNING,
-                     **({} if cfg.ray_address else {"object_store_memory": 256 << 20}))
-            self._started_ray = True
+            self._init_ray()
         threads = cfg.worker_threads()
         self.prefill = [self._place("prefill", i, cfg.prefill_placement, PrefillWorkerConfig(
-            worker_id=f"prefill-{i}", engine=cfg.engine, host=cfg.host, lease_seconds=cfg.lease_seconds,
+            worker_id=f"prefill-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
+            advertise_host=cfg.internal_advertise_host, lease_seconds=cfg.lease_seconds,
             kv_transfer_backend=cfg.kv_transfer_backend), threads) for i in range(cfg.num_prefill)]
         self.decode = [self._place("decode", i, cfg.decode_placement, DecodeWorkerConfig(
-            worker_id=f"decode-{i}", engine=cfg.engine, host=cfg.host, kv_transfer_backend=cfg.kv_transfer_backend,
+            worker_id=f"decode-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
+            advertise_host=cfg.internal_advertise_host, kv_transfer_backend=cfg.kv_transfer_backend,
             transfer_timeout_s=cfg.transfer_timeout_s, inject_transfer_delay_s=cfg.inject_transfer_delay_s), threads)
             for i in range(cfg.num_decode)]
         self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
         self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
         router_cfg = RouterConfig(engine=cfg.engine, model_name=cfg.model_name, host=cfg.host, port=cfg.port,
-                                  http_port=cfg.http_port,
+                                  http_port=cfg.http_port, advertise_host=cfg.advertise_host, api_key=cfg.api_key,
+                                  public_tls=cfg.public_tls, internal_host=cfg.internal_bind_host(),
+                                  internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls,
                                   stats_interval_s=cfg.router_poll_s,
                                   limits=cfg.router_limits or RouterLimits(admission_wait_s=cfg.admission_wait_s),
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
-        self.router = ServerActor.remote("router", router_cfg)
+        # The router runs on this (the driver's) node: its public address is where `pdserve
+        # serve` was started, not a node Ray happened to pick.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.router = ServerActor.options(scheduling_strategy=here).remote("router", router_cfg)
         self.address = ray.get(self.router.start.remote())
         self.http_address = ray.get(self.router.http_address.remote())
+        self.admin_address = ray.get(self.router.internal_address.remote())
         if cfg.supervise_interval_s:
             self._supervisor = Supervisor(self, cfg.supervise_interval_s)
             self._supervisor.start()
@@ -170,6 +209,19 @@ class LocalCluster:
             self.autoscaler = Autoscaler(self, cfg.autoscaling, cfg.autoscale_interval_s)
             self.autoscaler.start()
         return self.address
+
+    def _init_ray(self) -> None:
+        """Join ``ray_address``, or start a Ray of our own with token authentication
+        (``ray_token_auth``), so that nobody else can run code in it."""
+        cfg = self.config
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+            return
+        _set_ray_auth_mode("token" if cfg.ray_token_auth else "disabled")
+        # "local" starts a new instance even when another Ray runs on this machine.
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
+                 object_store_memory=256 << 20)
+        self._started_ray = True
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
         """A worker actor inside a placement group of its own."""
@@ -238,14 +290,13 @@ class LocalCluster:
         self.addresses(role).pop(index)
         return group
 
-    @staticmethod
-    def _drain(role: str, address: str, timeout_s: float) -> None:
+    def _drain(self, role: str, address: str, timeout_s: float) -> None:
         from protos import worker_pb2, worker_pb2_grpc
 
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(address) as channel:
-            stub = stub_cls(channel)
+        with channel(address, self.config.tls) as ch:
+            stub = stub_cls(ch)
             stats = stub.Drain(worker_pb2.DrainRequest(), timeout=10)
             while stats.num_running or stats.num_waiting or stats.num_held_leases:
                 if time.monotonic() > deadline:
@@ -261,8 +312,8 @@ class LocalCluster:
         members = [admin_pb2.Member(role=role, address=address)
                    for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
-        with grpc.insecure_channel(self.address) as channel:
-            admin_pb2_grpc.RouterAdminStub(channel).SetMembership(
+        with channel(self.admin_address, self.config.tls) as ch:
+            admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
                 admin_pb2.Membership(members=members, desired_replicas=desired), timeout=10)
 
     def drain(self, grace_s: float) -> int:
@@ -293,8 +344,9 @@ class LocalCluster:
 
 
 class Supervisor:
-    """Keeps every worker slot filled. A worker whose process died leaves the router's table
-    at once, then a new one starts in its slot (in a new placement group) and joins it."""
+    """Keeps every worker slot filled and the router's table true. A worker whose process died
+    leaves the router's table at once, then a new one starts in its slot (in a new placement
+    group) and joins it. Every round re-sends the membership."""
 
     def __init__(self, cluster: LocalCluster, interval_s: float):
         self.cluster = cluster
@@ -330,9 +382,15 @@ class Supervisor:
         return dead
 
     def check_once(self) -> None:
+        """Replace dead workers, and re-assert the membership in any case: the router's table
+        is the controller's word, so a router restarted (empty) or told otherwise by anyone
+        else is back to the true membership within one round."""
         with self.cluster.lock:
+            if self._stop.is_set():
+                return
             dead = self.dead_slots()
-            if not dead or self._stop.is_set():
+            if not dead:
+                self.cluster.push_membership()
                 return
             gone = {self.cluster.addresses(role)[index] for role, index in dead}
             log.warning("workers died: %s; replacing", sorted(gone))

@@ -25,7 +25,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._channels:
-            self._channels[address] = aio_channel(address)
+            self._channels[address] = aio_channel(address, self.worker.config.tls)
         return worker_pb2_grpc.PrefillWorkerStub(self._channels[address])
 
     async def _peer(self, address: str) -> str:

@@ -13,13 +13,17 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
 from kv_transfer import TransferHandle, TransferState, create_agent
 from protos import kv_transfer_pb2
+from wire.address import resolve, transfer_listen_opts
+from wire.tls import TlsConfig
 
 
 @dataclass(frozen=True)
 class DecodeWorkerConfig:
     worker_id: str = "decode-0"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
+    host: str | None = "127.0.0.1"  # internal plane bind address; None: the node's IP (wire.address)
+    advertise_host: str | None = None  # what peers dial; None: from host (wire.address.resolve)
+    tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls)
     port: int = 0
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
     kv_transfer_backend: str = "nixl"
@@ -51,9 +55,11 @@ class DecodeWorker:
     def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None):
         self.config = config
         self.engine = engine or LLMEngine.from_config(config.engine)
+        self.endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         self.agent = create_agent(config.kv_transfer_backend, config.worker_id, self.engine.kv_cache,
                                   inject_delay_s=config.inject_transfer_delay_s,
-                                  read_timeout_s=config.transfer_timeout_s)
+                                  read_timeout_s=config.transfer_timeout_s,
+                                  **transfer_listen_opts(config.kv_transfer_backend, self.endpoint))
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.draining = False  # set by Drain: no new requests, the current ones finish
         self._transfers: dict[str, TransferHandle] = {}

@@ -61,16 +61,17 @@ class _TcpRead:
 class TcpAgent(KVTransferAgent):
     """KV-transfer agent over plain TCP sockets.
 
-    Extra options: ``host`` to bind and advertise (default 127.0.0.1), ``port`` (0 picks a
-    free one), ``max_parallel_reads`` (reader threads). Raises BackendUnavailable if the
-    server cannot bind.
+    Extra options: ``host`` to bind (default 127.0.0.1), ``advertise_host`` for peers to dial
+    (default: ``host``; a worker passes its internal plane's, see ``wire.address``), ``port``
+    (0 picks a free one), ``max_parallel_reads`` (reader threads). Raises BackendUnavailable
+    if the server cannot bind.
     """
 
     backend_name = "tcp"
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
                  read_timeout_s: float = 30.0, host: str = "127.0.0.1", port: int = 0,
-                 max_parallel_reads: int = 4):
+                 advertise_host: str | None = None, max_parallel_reads: int = 4):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
                          read_timeout_s=read_timeout_s)
         if max_parallel_reads < 1:
@@ -86,6 +87,8 @@ class TcpAgent(KVTransferAgent):
             self._server = tcp_wire.BlockServer(host, port, self._blocks, self._on_notify)
         except OSError as exc:
             raise BackendUnavailable("tcp", f"cannot listen on {host}:{port}: {exc}") from exc
+        port = self._server.address.rpartition(":")[2]
+        self._advertised = f"{advertise_host or host}:{port}"
         self._pool = ThreadPoolExecutor(max_workers=max_parallel_reads,
                                         thread_name_prefix=f"kv-tcp-read-{name}")
 
@@ -100,7 +103,7 @@ class TcpAgent(KVTransferAgent):
         return out
 
     def _fill_backend_metadata(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
-        meta.tcp_address = self._server.address
+        meta.tcp_address = self._advertised
 
     def _connect_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
         host, sep, port = meta.tcp_address.rpartition(":")

@@ -13,13 +13,17 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
 from kv_transfer import create_agent
 from prefill_worker.leases import Lease, LeaseTable
+from wire.address import resolve, transfer_listen_opts
+from wire.tls import TlsConfig
 
 
 @dataclass(frozen=True)
 class PrefillWorkerConfig:
     worker_id: str = "prefill-0"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
+    host: str | None = "127.0.0.1"  # internal plane bind address; None: the node's IP (wire.address)
+    advertise_host: str | None = None  # what peers dial; None: from host (wire.address.resolve)
+    tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls)
     port: int = 0  # 0: any free port
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
     lease_seconds: float = 30.0  # held KV is freed this long after the first token at the latest
@@ -43,7 +47,9 @@ class PrefillWorker:
     def __init__(self, config: PrefillWorkerConfig, engine: LLMEngine | None = None):
         self.config = config
         self.engine = engine or LLMEngine.from_config(config.engine)
-        self.agent = create_agent(config.kv_transfer_backend, config.worker_id, self.engine.kv_cache)
+        self.endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
+        self.agent = create_agent(config.kv_transfer_backend, config.worker_id, self.engine.kv_cache,
+                                  **transfer_listen_opts(config.kv_transfer_backend, self.endpoint))
         self.leases = LeaseTable()
         self.draining = False  # set by Drain: no new requests, the current ones finish
         self.released_by = {"pulled": 0, "release_rpc": 0, "expired": 0}

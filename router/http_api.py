@@ -26,10 +26,13 @@ import grpc
 from aiohttp import web
 
 from engine.errors import InvalidRequestError
+from router import auth
 from router.openai_format import chat_chunk, chat_response, completion_chunk, completion_response, usage_dict
 from router.orchestrator import RouteError
 from router.service import GenerationService
 from router.validation import HttpError, decode_json, parse_body
+from wire.address import Endpoint, resolve
+from wire.tls import TlsConfig
 
 _ROUTE_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
                  grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
@@ -198,13 +201,19 @@ async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(f"data: {json.dumps(payload)}\n\n".encode())
 
 
-async def start(service: GenerationService, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Serve the front on ``host:port`` (0: any free port); returns the runner and the address."""
+async def start(service: GenerationService, host: str | Endpoint, port: int, *, api_key: str | None = None,
+                tls: TlsConfig | None = None) -> tuple[web.AppRunner, str]:
+    """Serve the front on ``host:port`` (0: any free port), behind ``api_key`` (``router.auth``)
+    and over HTTPS with ``tls``; returns the runner and the advertised address."""
+    endpoint = host if isinstance(host, Endpoint) else resolve(host)
+    app = OpenAIFront(service).app()
+    if api_key:
+        app.middlewares.append(auth.http_middleware(api_key))
     # handler_cancellation: a client that disconnects cancels its handler (aiohttp's default
     # since 3.9 is to let it run on), so its request stops using the workers at once.
-    runner = web.AppRunner(OpenAIFront(service).app(), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, endpoint.bind_host, port, ssl_context=tls.http_server_context() if tls else None)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # aiohttp exposes no public accessor for port 0
-    return runner, f"{host}:{bound}"
+    return runner, endpoint.advertise(bound)

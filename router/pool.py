@@ -19,6 +19,7 @@ from protos import worker_pb2, worker_pb2_grpc
 from router.policy import WorkerSnapshot
 from wire import metrics
 from wire.grpc_util import aio_channel
+from wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ def pool_loads(workers: Iterable[WorkerClient]) -> dict[str, PoolLoad]:
 @dataclass
 class WorkerPool:
     interval_s: float = 0.2
+    tls: TlsConfig | None = None  # mTLS to the workers (wire.tls)
     workers: dict[str, WorkerClient] = field(default_factory=dict)
     desired_replicas: dict[str, int] = field(default_factory=dict)  # set by the controller
     _task: asyncio.Task | None = None
@@ -91,7 +93,7 @@ class WorkerPool:
 
     def add(self, role: str, address: str) -> WorkerClient:
         if address not in self.workers:
-            channel = aio_channel(address)
+            channel = aio_channel(address, self.tls)
             stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
             self.workers[address] = WorkerClient(role, address, channel, stub)
         return self.workers[address]

@@ -1,4 +1,8 @@
-"""Starts the router: public gRPC API with health and reflection, over a worker pool."""
+"""Starts the router: the public gRPC API with health and reflection (and the OpenAI HTTP
+API), and apart from it the internal ``RouterAdmin`` the controller uses, over a worker pool.
+
+The public port is all a client may reach. ``RouterAdmin`` can rewrite the routing table, so
+it lives only on the internal plane (a private address, mTLS when configured)."""
 
 from __future__ import annotations
 
@@ -13,23 +17,34 @@ from engine.tokenizer import Tokenizer
 from protos import admin_pb2_grpc, pdserve_pb2
 from router import http_api
 from router.admin import RouterAdminService
+from router.auth import ApiKeyInterceptor
 from router.frontend import ModelInfo
 from router.orchestrator import RouterLimits
 from router.pool import WorkerPool
 from router.service import GenerationService
+from wire.address import resolve
 from wire.grpc_util import aio_server, bind
 from wire.server import RunningServer, add_health, set_serving
+from wire.tls import TlsConfig
 
 SERVICE = "pdserve.v1.Generation"
+ADMIN_SERVICE = "pdserve.v1.RouterAdmin"
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # model, max_model_len, block size
     model_name: str = "smollm2"  # the id ListModels and the OpenAI API report
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # public plane bind address (gRPC Generation and OpenAI HTTP)
     port: int = 50051
     http_port: int | None = 8000  # OpenAI-compatible HTTP; None: gRPC only
+    advertise_host: str | None = None  # the public address to report; None: from host (wire.address)
+    api_key: str | None = None  # required on the public plane when set (router.auth)
+    public_tls: TlsConfig | None = None  # TLS on the public gRPC and HTTP ports; with a CA, client certs too
+    internal_host: str | None = "127.0.0.1"  # internal plane (RouterAdmin) bind; None: the node's IP
+    internal_port: int = 0
+    internal_advertise_host: str | None = None
+    tls: TlsConfig | None = None  # mTLS on the internal plane: RouterAdmin and the channels to workers
     prefill_addresses: tuple[str, ...] = ()
     decode_addresses: tuple[str, ...] = ()
     stats_interval_s: float = 0.2
@@ -44,26 +59,37 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
 
 
 async def start(config: RouterConfig) -> RunningServer:
+    """Two servers: the public plane (``Generation``, health, reflection, the OpenAI API) and
+    the internal plane (``RouterAdmin``, health), each on its own port and address."""
     model = await asyncio.to_thread(load_model_info, config)
-    pool = WorkerPool(config.stats_interval_s)
+    pool = WorkerPool(config.stats_interval_s, tls=config.tls)
     for address in config.prefill_addresses:
         pool.add("prefill", address)
     for address in config.decode_addresses:
         pool.add("decode", address)
     await pool.start()
-    server = aio_server()
-    address = bind(server, config.host, config.port)
     service = GenerationService(model, pool, config.limits)
+    public = resolve(config.host, config.advertise_host)
+    server = aio_server([ApiKeyInterceptor(config.api_key)] if config.api_key else ())
+    address = bind(server, public, config.port, config.public_tls)
     service.add_to(server)  # raw-bytes deserializers: garbage is INVALID_ARGUMENT, not UNKNOWN
-    admin_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminService(pool), server)
     health = add_health(server, [SERVICE])
     names = (pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "grpc.health.v1.Health",
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
+    internal = aio_server()
+    internal_address = bind(internal, resolve(config.internal_host, config.internal_advertise_host),
+                            config.internal_port, config.tls)
+    admin_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminService(pool), internal)
+    internal_health = add_health(internal, [ADMIN_SERVICE])
+    await internal.start()
+    await set_serving(internal_health, [ADMIN_SERVICE], True)
     await server.start()
-    running = RunningServer(address, server, health, [pool.close], service)
+    running = RunningServer(address, server, health, [lambda: internal.stop(1.0), pool.close], service,
+                            internal_address=internal_address)
     if config.http_port is not None:
-        runner, running.http_address = await http_api.start(service, config.host, config.http_port)
+        runner, running.http_address = await http_api.start(service, public, config.http_port,
+                                                            api_key=config.api_key, tls=config.public_tls)
         running.on_stop.insert(0, runner.cleanup)
     asyncio.create_task(_track_health(service, health))
     return running

@@ -1,4 +1,5 @@
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -8,11 +9,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# Every Ray instance the tests start runs without token auth. A Ray driver fixes its auth mode
-# at the first ray.init of the process and keeps it after ray.shutdown, and the two-node
-# placement test needs auth off (a second `ray start` on one machine cannot join otherwise):
-# with the default, that test failed whenever a test that starts a local cluster ran first.
-os.environ["RAY_AUTH_MODE"] = "disabled"
+# Every Ray the tests start runs with token authentication, as a Ray pdserve starts does. A
+# driver fixes its auth mode at the first ray.init of the process and keeps it after
+# ray.shutdown, so the whole test process uses one mode. The token is made for this session and
+# travels in RAY_AUTH_TOKEN, which `ray start` subprocesses (the multi-node tests) inherit, so
+# their nodes share it and nothing is written to ~/.ray/auth_token. No test turns auth off.
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 @pytest.fixture(scope="session")

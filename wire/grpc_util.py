@@ -1,10 +1,15 @@
-"""gRPC settings shared by every process: message limits, keepalive, error mapping."""
+"""gRPC settings shared by every process: message limits, keepalive, error mapping, and the
+only places servers bind and channels open (with TLS when a ``TlsConfig`` is given)."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import grpc
 
 from engine.errors import InvalidRequestError
+from wire.address import Endpoint, resolve
+from wire.tls import TlsConfig
 
 # Prompts of many thousand token ids and agent metadata blobs exceed the 4 MiB default.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -25,20 +30,34 @@ SERVER_OPTIONS = OPTIONS + [
 ]
 
 
-def aio_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def aio_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=OPTIONS)
+def aio_channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """A channel to an internal server: mTLS with ``tls``, plaintext without."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=OPTIONS + tls.channel_options())
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> str:
-    """Bind ``host:port`` (0 picks a free port) and return the address clients should use."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
+    """The blocking twin of ``aio_channel`` (the controller's threads)."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=OPTIONS)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=OPTIONS + tls.channel_options())
+
+
+def bind(server: grpc.aio.Server, host: str | Endpoint | None, port: int, tls: TlsConfig | None = None) -> str:
+    """Bind ``host:port`` (0 picks a free port; TLS with ``tls``) and return the address peers
+    should dial: the advertised host (``wire.address``), never a wildcard."""
+    endpoint = host if isinstance(host, Endpoint) else resolve(host)
+    target = f"{endpoint.bind_host}:{port}"
+    bound = server.add_insecure_port(target) if tls is None else server.add_secure_port(
+        target, tls.server_credentials())
     if bound == 0:
-        raise OSError(f"cannot bind gRPC server to {host}:{port}")
-    return f"{host}:{bound}"
+        raise OSError(f"cannot bind gRPC server to {target}")
+    return endpoint.advertise(bound)
 
 
 async def abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequestError) -> None:

@@ -61,6 +61,7 @@ from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Coun
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protos import worker_pb2
+from wire.address import Endpoint, resolve
 from wire.latency import RecentLatencies
 
 # The *_created series double the output and no dashboard reads them (vLLM drops them too).
@@ -296,15 +297,18 @@ class MetricsEndpoint:
         self._server.server_close()
 
 
-def serve_worker(host: str, port: int, source: WorkerSource) -> MetricsEndpoint:
-    """Export ``source`` and serve this process's worker families on ``host:port`` (0: any).
+def serve_worker(host: str | Endpoint | None, port: int, source: WorkerSource) -> MetricsEndpoint:
+    """Export ``source`` and serve this process's worker families on ``host:port`` (0: any;
+    ``host`` None: the node's IP). The address it reports is the advertised one
+    (``wire.address``), never a wildcard.
 
     The endpoint serves only the worker families: the router's would read zero here.
     """
+    endpoint = host if isinstance(host, Endpoint) else resolve(host)
     WORKERS.add(source)
     try:
-        server, _ = start_http_server(port, host, registry=WORKERS)
+        server, _ = start_http_server(port, endpoint.bind_host, registry=WORKERS)
     except OSError:
         WORKERS.remove(source.worker)
         raise
-    return MetricsEndpoint(f"{host}:{server.server_address[1]}", server, source.worker)
+    return MetricsEndpoint(endpoint.advertise(server.server_address[1]), server, source.worker)

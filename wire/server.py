@@ -11,6 +11,9 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from wire.address import Endpoint
+from wire.tls import TlsConfig
+
 
 @dataclass
 class RunningServer:
@@ -20,6 +23,7 @@ class RunningServer:
     on_stop: list[Callable[[], object]] = field(default_factory=list)
     service: object = None  # the main servicer, for in-process callers (tests, the HTTP front)
     http_address: str | None = None  # the router's OpenAI HTTP front
+    internal_address: str | None = None  # the router's internal plane (RouterAdmin); workers: ``address``
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
@@ -30,13 +34,16 @@ class RunningServer:
                 await result
 
 
-async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server, str], None],
-                       service: str, on_stop: list[Callable[[], object]]) -> RunningServer:
-    """Bind, let ``register`` add the servicers (it gets the bound address), add health, start."""
+async def start_server(host: str | Endpoint | None, port: int, register: Callable[[grpc.aio.Server, str], None],
+                       service: str, on_stop: list[Callable[[], object]], *,
+                       tls: TlsConfig | None = None) -> RunningServer:
+    """Bind (``host`` None: the node's IP; see ``wire.address``), let ``register`` add the
+    servicers (it gets the advertised address), add health, start. With ``tls`` the server
+    speaks mTLS and refuses clients without a certificate signed by its CA."""
     from wire.grpc_util import aio_server, bind
 
     server = aio_server()
-    address = bind(server, host, port)
+    address = bind(server, host, port, tls)
     register(server, address)
     health = add_health(server, [service])
     await server.start()

@@ -20,10 +20,9 @@ from protos import pdserve_pb2, pdserve_pb2_grpc
 pytestmark = pytest.mark.slow
 
 RAY = str(Path(sys.executable).parent / "ray")
-# Ray 2.60 turns on token authentication for `ray start`; a second node on the same machine
-# then cannot join without the head's token. Loopback test clusters opt out (for the whole
-# test process: see tests/conftest.py).
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+# Both nodes run with token authentication and share the test session's token (RAY_AUTH_MODE and
+# RAY_AUTH_TOKEN come from tests/conftest.py through the environment).
+ENV = dict(os.environ)
 
 
 def free_port() -> int:
@@ -50,6 +49,7 @@ def test_each_pool_lands_on_its_own_node(two_nodes):
     config = ClusterConfig(
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=64 << 20)), num_prefill=2, num_decode=1,
         port=0, http_port=None, ray_address=two_nodes, threads_per_worker=1,
+        internal_host="127.0.0.1",  # both nodes are this machine; Ray registers them at its outward IP
         prefill_placement=PoolPlacement(resource="prefill_nodes"),
         decode_placement=PoolPlacement(resource="decode_nodes"))
     cluster = LocalCluster(config)

@@ -25,7 +25,7 @@ def cluster():
 
 
 def router_members(cluster) -> set[tuple[str, str]]:
-    with grpc.insecure_channel(cluster.address) as ch:
+    with grpc.insecure_channel(cluster.admin_address) as ch:  # RouterAdmin is on the internal plane only
         got = admin_pb2_grpc.RouterAdminStub(ch).GetMembership(admin_pb2.Membership(), timeout=5)
     return {(m.role, m.address) for m in got.members}
 

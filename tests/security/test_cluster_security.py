@@ -1,0 +1,188 @@
+"""A real cluster (Ray actors, NIXL, the default model) with both trust boundaries on: an API key
+on the public plane and mTLS on the internal one. Only ``Generation``, health and reflection
+answer on the public port; every internal server refuses a client without a certificate of the
+cluster's CA; and the controller puts back a routing table that someone else overwrote."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.certs import issue, make_ca
+from cluster.local import ClusterConfig, LocalCluster
+from engine.config import CacheConfig, EngineConfig
+from protos import admin_pb2, admin_pb2_grpc, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.serving.test_disaggregated import chat_request, collect, hf_chat_greedy, reference  # noqa: F401
+from wire import tls
+from wire.grpc_util import channel
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-7f3a"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("certs")
+    ca, other = make_ca(out / "ours"), make_ca(out / "other", name="someone else's CA")
+    ours = {name: issue(ca, out / "ours", name) for name in ("router", "controller")}
+    load = lambda issued, authority: tls.load(str(issued.cert), str(issued.key), str(authority.cert), prefix="tls")
+    return {"cluster": load(ours["router"], ca), "controller": load(ours["controller"], ca),
+            "stranger": load(issue(other, out / "other", "router"), ca)}
+
+
+@pytest.fixture(scope="module")
+def cluster(certs):
+    config = ClusterConfig(engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), num_prefill=1,
+                           num_decode=1, port=0, http_port=0, threads_per_worker=1, api_key=KEY,
+                           tls=certs["cluster"], supervise_interval_s=0.5)
+    c = LocalCluster(config)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    with grpc.insecure_channel(cluster.address) as ch:
+        yield pdserve_pb2_grpc.GenerationStub(ch)
+
+
+def code_of(call) -> grpc.StatusCode:
+    try:
+        call()
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def test_greedy_over_mtls_with_the_key_equals_transformers(stub, reference):  # noqa: F811
+    for q in ("What is the capital of France?", "Name three prime numbers."):
+        ids, _, _ = collect(stub.Generate(chat_request(q, 24), metadata=AUTH, timeout=120))
+        assert ids == hf_chat_greedy(reference, q, 24), q
+
+
+def test_grpc_without_the_key_is_unauthenticated(stub):
+    generate = lambda metadata: list(stub.Generate(chat_request("Hi", 4), metadata=metadata, timeout=30))
+    assert code_of(lambda: generate(())) == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: generate((("authorization", "Bearer wrong"),))) == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: generate((("authorization", KEY),))) == grpc.StatusCode.UNAUTHENTICATED  # no scheme
+    assert code_of(lambda: generate(AUTH)) == grpc.StatusCode.OK
+
+
+def test_public_port_serves_no_internal_rpc(cluster):
+    """Even with the key: RouterAdmin and every worker RPC do not exist on the public port."""
+    with grpc.insecure_channel(cluster.address) as ch:
+        admin = admin_pb2_grpc.RouterAdminStub(ch)
+        prefill, decode = worker_pb2_grpc.PrefillWorkerStub(ch), worker_pb2_grpc.DecodeWorkerStub(ch)
+        calls = [lambda: admin.SetMembership(admin_pb2.Membership(), metadata=AUTH, timeout=5),
+                 lambda: admin.GetMembership(admin_pb2.Membership(), metadata=AUTH, timeout=5),
+                 lambda: admin.GetLatency(admin_pb2.LatencyRequest(), metadata=AUTH, timeout=5),
+                 lambda: prefill.Prefill(worker_pb2.PrefillRequest(), metadata=AUTH, timeout=5),
+                 lambda: prefill.Release(worker_pb2.ReleaseRequest(), metadata=AUTH, timeout=5),
+                 lambda: prefill.GetAgentMetadata(worker_pb2.AgentMetadataRequest(), metadata=AUTH, timeout=5),
+                 lambda: prefill.Abort(worker_pb2.WorkerAbortRequest(), metadata=AUTH, timeout=5),
+                 lambda: prefill.Drain(worker_pb2.DrainRequest(), metadata=AUTH, timeout=5),
+                 lambda: prefill.Stats(worker_pb2.StatsRequest(), metadata=AUTH, timeout=5),
+                 lambda: list(decode.Decode(worker_pb2.DecodeRequest(), metadata=AUTH, timeout=5)),
+                 lambda: decode.Abort(worker_pb2.WorkerAbortRequest(), metadata=AUTH, timeout=5)]
+        assert [code_of(c) for c in calls] == [grpc.StatusCode.UNIMPLEMENTED] * len(calls)
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)  # no key needed
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http(cluster, path: str, key: str | None = None, body: dict | None = None) -> int:
+    req = urllib.request.Request(f"http://{cluster.http_address}{path}",
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_http_needs_the_key_except_health_and_metrics(cluster):
+    body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2}
+    assert http(cluster, "/v1/completions", body=body) == 401
+    assert http(cluster, "/v1/completions", "wrong", body) == 401
+    assert http(cluster, "/v1/models") == 401
+    assert http(cluster, "/v1/completions", KEY, body) == 200
+    assert http(cluster, "/health") == 200 and http(cluster, "/metrics") == 200
+
+
+def test_openai_client_with_api_key(cluster):
+    base = f"http://{cluster.http_address}/v1"
+    client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
+    out = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                         max_tokens=12, temperature=0)
+    assert "Paris" in out.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+
+
+def test_internal_servers_refuse_clients_without_a_cluster_certificate(cluster, certs):
+    ours, stranger = certs["controller"], certs["stranger"]
+    no_cert = grpc.ssl_channel_credentials(ours.ca_pem)  # TLS that trusts the server but shows no certificate
+    targets = [(a, worker_pb2_grpc.PrefillWorkerStub) for a in cluster.prefill_addresses] \
+        + [(a, worker_pb2_grpc.DecodeWorkerStub) for a in cluster.decode_addresses]
+    for address, stub_cls in targets:
+        assert address.startswith("127.0.0.1:")  # a Ray pdserve starts keeps the internal plane on loopback
+        stats = lambda ch: stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
+        with channel(address, None) as plain:
+            assert code_of(lambda: stats(plain)) == grpc.StatusCode.UNAVAILABLE
+        with grpc.secure_channel(address, no_cert, options=ours.channel_options()) as bare:
+            assert code_of(lambda: stats(bare)) == grpc.StatusCode.UNAVAILABLE
+        with channel(address, stranger) as foreign:
+            assert code_of(lambda: stats(foreign)) == grpc.StatusCode.UNAVAILABLE
+        with channel(address, ours) as good:
+            assert stats(good).worker_id
+    with channel(cluster.admin_address, stranger) as foreign:
+        get = lambda: admin_pb2_grpc.RouterAdminStub(foreign).GetMembership(admin_pb2.Membership(), timeout=5)
+        assert code_of(get) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_controller_puts_back_a_membership_someone_overwrote(cluster, certs, stub):
+    """An empty SetMembership, even from a holder of a valid certificate, lasts one round."""
+    with channel(cluster.admin_address, certs["controller"]) as ch:
+        admin = admin_pb2_grpc.RouterAdminStub(ch)
+        admin.SetMembership(admin_pb2.Membership(), timeout=5)
+        deadline = time.monotonic() + 10
+        members = []
+        while time.monotonic() < deadline and len(members) < 2:
+            time.sleep(0.2)
+            members = admin.GetMembership(admin_pb2.Membership(), timeout=5).members
+    assert sorted(m.address for m in members) == sorted(cluster.prefill_addresses + cluster.decode_addresses)
+    deadline = time.monotonic() + 10
+    while code_of(lambda: collect(stub.Generate(chat_request("Hi", 4), metadata=AUTH, timeout=60))) \
+            != grpc.StatusCode.OK:
+        assert time.monotonic() < deadline, "the router did not serve again after the membership came back"
+        time.sleep(0.5)
+
+
+def test_ray_refuses_a_driver_without_the_token(cluster):
+    """The Ray pdserve started runs with token authentication: a driver with another token
+    cannot join (it could otherwise run any code in the workers)."""
+    gcs = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
+    try:
+        out = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r}); print('joined')"],
+                             env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as exc:  # Ray retries a refused token until it gives up
+        out = subprocess.CompletedProcess(exc.cmd, 1, exc.stdout or b"", exc.stderr or b"")
+    text = (out.stdout.decode() if isinstance(out.stdout, bytes) else out.stdout) + \
+        (out.stderr.decode() if isinstance(out.stderr, bytes) else out.stderr)
+    assert "joined" not in text and "InvalidAuthToken" in text

@@ -1,0 +1,105 @@
+"""TLS for every gRPC server and channel, and for the public HTTP API: the one place that
+turns certificate files into credentials.
+
+Two uses:
+
+- **Internal plane (mTLS).** ``TlsConfig(ca, cert, key)``: every internal server (router admin,
+  every worker) asks for a client certificate signed by ``ca`` and refuses a connection
+  without one; every internal channel presents ``cert`` and checks the server against ``ca``.
+  Internal servers sit at addresses only known at run time (Ray picks the node, the port is
+  free-picked), so certificates do not name addresses: every internal certificate carries the
+  DNS name ``server_name`` (``pdserve.internal``), and channels check that name
+  (``grpc.ssl_target_name_override``). Trust is "signed by the cluster's CA", nothing else.
+- **Public plane (TLS).** ``TlsConfig(cert, key, ca=None)``: a server certificate for the public
+  gRPC and HTTP ports; with ``ca`` set, clients must present a certificate signed by it.
+
+The PEM bytes are read once, where the config is built (``load``), so a config can travel to a
+Ray actor on another node that lacks the files. ``scripts/make_certs.py`` makes a test CA and
+per-component certificates.
+"""
+
+from __future__ import annotations
+
+import ssl
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+INTERNAL_SERVER_NAME = "pdserve.internal"
+
+
+class TlsConfigError(ValueError):
+    """A TLS setting is incomplete or a file cannot be read; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert_pem: bytes  # this component's certificate chain
+    key_pem: bytes = b""
+    ca_pem: bytes | None = None  # peers must be signed by this; None (public plane only): no client certs
+    server_name: str = INTERNAL_SERVER_NAME  # the name channels check in the server's certificate
+
+    def __repr__(self) -> str:  # never print the key
+        return f"TlsConfig(server_name={self.server_name!r}, client_certs={self.ca_pem is not None})"
+
+    @property
+    def requires_client_cert(self) -> bool:
+        return self.ca_pem is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Serve with ``cert``; with a CA, refuse clients without a certificate it signed."""
+        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
+                                           require_client_auth=self.ca_pem is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Present ``cert`` and trust only servers signed by the CA."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
+                                            certificate_chain=self.cert_pem)
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)]
+
+    def http_server_context(self) -> ssl.SSLContext:
+        """An ``ssl`` server context with the same certificate (the public HTTP API)."""
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        with tempfile.TemporaryDirectory() as tmp:  # ssl loads keys only from files
+            cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
+            cert.write_bytes(self.cert_pem)
+            key.touch(mode=0o600)
+            key.write_bytes(self.key_pem)
+            ctx.load_cert_chain(cert, key)
+        if self.ca_pem is not None:
+            ctx.load_verify_locations(cadata=self.ca_pem.decode())
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+
+def load(cert: str | None, key: str | None, ca: str | None, *, prefix: str,
+         require_ca: bool = True) -> TlsConfig | None:
+    """Read ``cert``/``key``/``ca`` files into a ``TlsConfig``; None when none is named.
+
+    ``prefix`` is the settings' common name (``tls`` or ``public_tls``) for the errors. On the
+    internal plane (``require_ca``) all three are needed: mTLS without a CA would accept anyone.
+    """
+    named = {f"{prefix}_cert": cert, f"{prefix}_key": key, f"{prefix}_ca": ca}
+    if not any(named.values()):
+        return None
+    needed = [f"{prefix}_cert", f"{prefix}_key"] + ([f"{prefix}_ca"] if require_ca else [])
+    missing = [name for name in needed if not named[name]]
+    if missing:
+        raise TlsConfigError(f"{', '.join(missing)} must be set together with "
+                             f"{', '.join(n for n, v in named.items() if v)}")
+    return TlsConfig(cert_pem=_read(cert, f"{prefix}_cert"), key_pem=_read(key, f"{prefix}_key"),
+                     ca_pem=_read(ca, f"{prefix}_ca") if ca else None)
+
+
+def _read(path: str, setting: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise TlsConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from exc
+    if b"-----BEGIN" not in data:
+        raise TlsConfigError(f"{setting}: {path} is not a PEM file")
+    return data
