@@ -132,6 +132,10 @@ class Simulator:
         w.draining = True
         self.draining.append(w)
 
+    def start_worker_later(self, driver, pool: str) -> None:
+        """A scale-up: the worker takes requests once its model is loaded, ``startup_s`` from now."""
+        self.schedule(self.now + self.spec.startup_s, READY, (driver, pool))
+
     def schedule(self, t: float, kind: int, a=None, b=None) -> None:
         heapq.heappush(self._events, (t, next(self._counter), kind, a, b))
 
@@ -275,6 +279,7 @@ class Simulator:
         self.draining = [w for w in self.draining if not w.idle()]
         self.schedule(self.now + self.autoscaler.interval_s, TICK)
 
-    def _on_ready(self, role: str, _) -> None:
-        self.add_worker(role)
+    def _on_ready(self, driver_pool, _) -> None:
+        driver, pool = driver_pool
+        driver.worker_ready(self, pool)
         self._retry()
