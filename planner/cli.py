@@ -70,11 +70,21 @@ def run_plan(args) -> int:
 
 
 def run_profile(args) -> int:
-    from planner.profile import profile_engine
+    from pathlib import Path
 
-    profile = profile_engine(args.model, args.dtype, args.threads, quick=args.quick)
+    from planner.profile import profile_engine, save_points
+
+    profile, points, spec = profile_engine(args.model, args.dtype, args.threads, quick=args.quick)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.output)
-    print(f"pdserve profile: wrote {args.output}")
+    points_path = Path(args.output).with_suffix(".points.json")
+    save_points(points_path, points, profile, spec)
+    print(f"pdserve profile: wrote {args.output} and {points_path}")
+    print(f"  step overhead {profile.step_overhead_s * 1e3:.1f} ms, bandwidth {profile.mem_bw / 1e9:.1f} GB/s, "
+          f"{profile.flops / 1e9:.1f} GFLOP/s, KV link {profile.kv_link_bw / 1e9:.1f} GB/s")
+    for row in __import__("json").loads(points_path.read_text()):
+        print(f"  {row['kind']:<8} batch {row['batch']:>3} tokens {row['tokens']:>5}: measured "
+              f"{row['measured_s'] * 1e3:8.1f} ms, fitted {row['fitted_s'] * 1e3:8.1f} ms")
     return 0
 
 

@@ -68,7 +68,7 @@ class CostModel:
         weights = m.weight_bytes(self.hw.dtype_bytes) / (self.hw.mem_bw * self.tp)  # a short chunk still streams them
         compute = work / flops
         body = max(compute, weights) if self.hw.overlap else compute + weights
-        return self.hw.step_overhead_s + body + self._allreduce_s(tokens)
+        return self.hw.step_overhead_s + len(chunks) * self.hw.seq_overhead_s + body + self._allreduce_s(tokens)
 
     def decode_s(self, batch: int, total_context: float) -> float:
         """One decode step of ``batch`` sequences holding ``total_context`` tokens of KV between them."""
@@ -79,7 +79,7 @@ class CostModel:
         work = batch * (m.linear_flops_per_token + m.lm_head_flops) + total_context * m.attention_flops_per_pair
         compute = work / (self.hw.flops * self.tp)
         body = max(memory, compute) if self.hw.overlap else memory + compute
-        return self.hw.step_overhead_s + body + self._allreduce_s(batch)
+        return self.hw.step_overhead_s + batch * self.hw.seq_overhead_s + body + self._allreduce_s(batch)
 
     def transfer_s(self, tokens: int) -> float:
         """Moving ``tokens`` of KV from a prefill worker to a decode worker (each of the ``tp``

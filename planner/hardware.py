@@ -36,6 +36,9 @@ class HardwareProfile:
     kv_transfer_overhead_s: float  # fixed cost per transfer (handshake, registration, RPC)
     interconnect_bw: float  # bytes/s between GPUs of one tensor-parallel group (NVLink)
     step_overhead_s: float  # fixed cost of one engine step (launches, scheduling, sampling)
+    # Cost per sequence in a step beyond its FLOPs and bytes: 0 on GPUs (one batched kernel);
+    # on CPU the engine's per-sequence work (attention calls per context length, sampling) shows here.
+    seq_overhead_s: float = 0.0
     # True where compute and memory traffic overlap (a GPU's decode step takes the longer of
     # the two); False on one CPU core, where the same core does both, so they add.
     overlap: bool = True

@@ -19,9 +19,10 @@ step where the cache would run out of blocks, or early when new work arrives
 ``tests/planner/test_worker_vs_engine.py`` runs the real scheduler and this one on the same
 requests and compares their step sequences.
 
-Block accounting is exact for prefill and held KV and, for running sequences, the expected
-value: sum(ceil(n_i / bs)) is taken as (sum(n_i) + B (bs - 1) / 2) / bs, off by less than one
-block per sequence (the real cache rounds each sequence up).
+Block accounting is exact, as the real block manager counts it: a running sequence with L
+tokens (the newest not yet computed) holds ceil((L - 1) / bs) blocks between steps and needs
+ceil(L / bs) for its next step. ``RunningBlocks`` sums that over the batch for any future
+step in O(bs), so an epoch's length up to a full cache is a bisection, not a loop over steps.
 
 Roles: ``prefill`` (a finished prompt holds its blocks until its KV is transferred, then
 ``release``), ``decode`` (``reserve`` blocks when the router picks it, ``join`` when the KV
@@ -31,7 +32,6 @@ lands) and ``colocated`` (prefill and decode on one worker).
 from __future__ import annotations
 
 import heapq
-import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -47,6 +47,30 @@ class EngineLimits:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     enable_prefix_cache: bool = True
+
+
+class RunningBlocks:
+    """sum_i ceil((n_i + s) / bs) over running sequences, where sequence i holds n_i + s
+    tokens' worth of slots at decode step s. Write x_i = n_i + bs - 1 = q_i bs + r_i and
+    s = qs bs + rs; then the sum is sum(q_i) + B qs + #{i: r_i >= bs - rs}."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.q_sum = 0
+        self.count = 0
+        self.residues = [0] * block_size
+
+    def add(self, offset: int, sign: int = 1) -> None:
+        """A sequence whose slots at step s number ``offset + s`` joins (sign -1: leaves)."""
+        q, r = divmod(offset + self.bs - 1, self.bs)
+        self.q_sum += sign * q
+        self.count += sign
+        self.residues[r] += sign
+
+    def at(self, step: int) -> int:
+        qs, rs = divmod(step, self.bs)
+        over = sum(self.residues[self.bs - rs:]) if rs else 0
+        return self.q_sum + self.count * qs + over
 
 
 @dataclass(eq=False)
@@ -81,14 +105,15 @@ class StepResult:
 
 
 class SimWorker:
-    def __init__(self, wid: str, role: str, cost: CostModel, limits: EngineLimits):
+    def __init__(self, wid: str, role: str, cost: CostModel, limits: EngineLimits, num_blocks: int | None = None):
         self.wid, self.role, self.cost, self.limits = wid, role, cost, limits
-        self.num_blocks = max(1, cost.kv_capacity_tokens() // limits.block_size)
+        self.num_blocks = num_blocks or max(1, cost.kv_capacity_tokens() // limits.block_size)
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self._finish_heap: list[tuple[int, int, int, SimSeq]] = []
         self.step = 0  # decode steps taken
         self.run_tokens = 0  # tokens (computed + newest) of running sequences at ``step``
+        self.run_blocks = RunningBlocks(limits.block_size)
         self.fixed_blocks = 0  # blocks of waiting, prefilling, held and reserved sequences
         self.queued_tokens = 0  # prompt tokens still to prefill
         self.prefix_cache: OrderedDict[str, int] = OrderedDict()
@@ -106,9 +131,8 @@ class SimWorker:
 
     # ---- load, as the router and the autoscaler read it ----------------------------
     @property
-    def used_blocks(self) -> float:
-        b = len(self.running)
-        return self.fixed_blocks + (self.run_tokens + b * (self.limits.block_size - 1) / 2) / self.limits.block_size
+    def used_blocks(self) -> int:
+        return self.fixed_blocks + self.run_blocks.at(self.step)
 
     @property
     def kv_usage(self) -> float:
@@ -129,7 +153,7 @@ class SimWorker:
 
     def reserve(self, seq: SimSeq) -> None:
         """Decode role: the router placed ``seq`` here; its prompt's blocks are allocated now."""
-        self._reserved[seq.rid] = blocks = self._blocks_for(seq.prompt + 1)
+        self._reserved[seq.rid] = blocks = self._blocks_for(seq.prompt)
         self.fixed_blocks += blocks
 
     def join(self, seq: SimSeq) -> None:
@@ -141,6 +165,7 @@ class SimWorker:
         seq.live, seq.joins = True, seq.joins + 1
         self.running.append(seq)
         self.run_tokens += seq.join_tokens
+        self.run_blocks.add(self._slot_offset(seq))
         heapq.heappush(self._finish_heap, (seq.finish_step, seq.order, seq.joins, seq))
 
     def release(self, seq: SimSeq) -> None:
@@ -264,15 +289,16 @@ class SimWorker:
     def _decode_steps(self) -> int:
         """Steps until the first finish or until the cache runs out, preempting the youngest
         sequences first if not even one step fits."""
-        bs = self.limits.block_size
+        cap = self.num_blocks - self.fixed_blocks
         while self.running:
             self._drop_dead()
-            b = len(self.running)
-            until_finish = self._finish_heap[0][0] - self.step
-            room = (self.num_blocks - self.fixed_blocks) * bs - b * (bs - 1) / 2 - self.run_tokens
-            until_full = math.floor(room / b)
-            if until_full >= 1:
-                return max(1, min(until_finish, until_full))
+            until_finish = max(1, self._finish_heap[0][0] - self.step)
+            if self.run_blocks.at(self.step + 1) <= cap:
+                lo, hi = 1, until_finish  # k steps need the blocks of step + k: bisect the largest that fits
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if self.run_blocks.at(self.step + mid) <= cap else (lo, mid - 1)
+                return lo
             self._preempt(max(self.running, key=lambda s: s.order))
         return 0
 
@@ -290,6 +316,12 @@ class SimWorker:
         self.running.remove(seq)
         seq.live = False
         self.run_tokens -= seq.join_tokens + (self.step - seq.join_step)
+        self.run_blocks.add(self._slot_offset(seq), -1)
+
+    @staticmethod
+    def _slot_offset(seq: SimSeq) -> int:
+        """Slots held at decode step s are (tokens - 1) = join_tokens - 1 + s - join_step."""
+        return seq.join_tokens - 1 - seq.join_step
 
     def _drop_dead(self) -> None:
         while self._finish_heap and not self._current(self._finish_heap[0]):

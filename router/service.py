@@ -10,6 +10,7 @@ from typing import AsyncIterator
 import grpc
 
 from engine.errors import InvalidRequestError
+from planner.trace_writer import TraceWriter
 from protos import pdserve_pb2, pdserve_pb2_grpc
 from router.frontend import ModelInfo, prepare
 from router.orchestrator import RequestRun, RouteError, RouterLimits
@@ -26,6 +27,7 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
         self.limits = limits
         self.running: dict[str, tuple[asyncio.Task, RequestRun]] = {}
         self.aborted: set[str] = set()
+        self.trace = TraceWriter.from_env()  # planner replay: PDSERVE_TRACE_FILE records lengths per request
 
     async def run(self, request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """One request's responses, for every front (gRPC here, HTTP in http_api.py).
@@ -49,6 +51,8 @@ class GenerationService(pdserve_pb2_grpc.GenerationServicer):
             yield pdserve_pb2.GenerateResponse(request_id=rid, finish_reason=pdserve_pb2.FINISH_REASON_ABORT,
                                                usage=run.usage())
         finally:
+            if self.trace is not None:
+                self.trace.record(prepared.prompt_token_ids, len(run.progress.token_ids), arrived)
             self.running.pop(rid, None)
             self.aborted.discard(rid)
 
