@@ -23,7 +23,6 @@ from planner.synthetic import LengthMix, poisson
 from planner.trace import TraceRequest
 from planner.worker import EngineLimits
 
-MAX_WORKERS = 4096
 
 
 class PlanError(ValueError):
@@ -46,6 +45,7 @@ class PlanRequest:
     limits: EngineLimits = dataclasses.field(default_factory=EngineLimits)
     modes: tuple[str, ...] = ("disaggregated", "colocated")
     seed: int = 0
+    max_workers: int = 1024  # per pool: the search gives up beyond this
     replay: tuple[TraceRequest, ...] | None = None  # a recorded trace instead of Poisson arrivals
 
     def __post_init__(self) -> None:
@@ -94,7 +94,7 @@ def plan(req: PlanRequest, progress: Callable[[str], None] = lambda _: None) -> 
             if best is None or (found.gpus, -found.attainment) < (best.gpus, -best.attainment):
                 best = found
     if best is None:
-        raise PlanError("rate", f"no layout of up to {MAX_WORKERS} workers per pool serves {req.rate} req/s at "
+        raise PlanError("rate", f"no layout of up to {req.max_workers} workers per pool serves {req.rate} req/s at "
                                 f"{req.attainment:.0%} attainment of TTFT {req.slo.ttft_s} s / TPOT {req.slo.tpot_s} s")
     return best
 
@@ -112,16 +112,16 @@ def _search_mode(req: PlanRequest, trace, mode: str, tp: int) -> Plan | None:
         return Plan(layout, result, result.attainment(req.slo))
 
     if mode == "colocated":
-        n = _smallest(lambda c: run(Layout(colocated=c, tp_decode=tp)).attainment >= req.attainment)
+        n = _smallest(lambda c: run(Layout(colocated=c, tp_decode=tp)).attainment >= req.attainment, req.max_workers)
         return None if n is None else run(Layout(colocated=n, tp_decode=tp))
     # prefill alone: TTFT only, with decode (2n + 2 workers) out of the way
     ttft_ok = dataclasses.replace(req, slo=Slo(req.slo.ttft_s, math.inf))
-    p = _smallest(lambda n: _attained(ttft_ok, Layout(n, 2 * n + 2, 0, tp, tp), trace))
+    p = _smallest(lambda n: _attained(ttft_ok, Layout(n, 2 * n + 2, 0, tp, tp), trace), req.max_workers)
     if p is None:
         return None
     # decode with that prefill pool; if both SLOs together miss at any decode size, grow prefill
     for p_try in range(p, p + 4):
-        d = _smallest(lambda n: run(Layout(p_try, n, 0, tp, tp)).attainment >= req.attainment, limit=64 * p_try)
+        d = _smallest(lambda n: run(Layout(p_try, n, 0, tp, tp)).attainment >= req.attainment, limit=req.max_workers)
         if d is not None:
             return run(Layout(p_try, d, 0, tp, tp))
     return None
@@ -130,7 +130,7 @@ def _attained(req: PlanRequest, layout: Layout, trace) -> bool:
     return simulate(req, layout, trace).attainment(req.slo) >= req.attainment
 
 
-def _smallest(ok: Callable[[int], bool], limit: int = MAX_WORKERS) -> int | None:
+def _smallest(ok: Callable[[int], bool], limit: int) -> int | None:
     """The smallest n in [1, limit] with ok(n), assuming ok is monotone: doubling, then bisection."""
     hi = 1
     while not ok(hi):
