@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -41,6 +40,7 @@ from planner.cost import CostModel
 from planner.metrics import SimResult
 from planner.trace import TraceRequest
 from planner.worker import EngineLimits, SimSeq, SimWorker
+from planner.routing import RoutingIndex, snapshot
 from router.policy import WorkerSnapshot, pick_decode, pick_prefill
 
 ARRIVE, STEP, XFER, TICK, READY = range(5)
@@ -83,8 +83,9 @@ class ClusterSpec:
 
 
 class Simulator:
-    def __init__(self, spec: ClusterSpec, requests: list[TraceRequest], autoscaler=None):
+    def __init__(self, spec: ClusterSpec, requests: list[TraceRequest], autoscaler=None, full_scan: bool = False):
         self.spec = spec
+        self.full_scan = full_scan
         self.requests = requests
         self.autoscaler = autoscaler
         n = len(requests)
@@ -96,6 +97,8 @@ class Simulator:
         self.pools: dict[str, list[SimWorker]] = {role: [] for role in ROLES}
         self.draining: list[SimWorker] = []
         self._ids = itertools.count()
+        self._index = {"prefill": RoutingIndex(self._prefill_key), "colocated": RoutingIndex(self._prefill_key),
+                       "decode": RoutingIndex(self._decode_key)}
         self._by_id: dict[str, SimWorker] = {}
         self._placed = itertools.count(1)
         self._last_placed: dict[str, int] = {}
@@ -120,6 +123,7 @@ class Simulator:
         self.pools[role].append(w)
         self._by_id[w.wid] = w
         self._inflight[w.wid] = 0
+        self._touch(w)
         return w
 
     def drain_worker(self, role: str) -> None:
@@ -129,6 +133,7 @@ class Simulator:
             return
         w = min(pool, key=lambda x: (x.num_seqs, x.queued_tokens))
         pool.remove(w)
+        self._index[role].remove(w)
         w.draining = True
         self.draining.append(w)
 
@@ -167,11 +172,21 @@ class Simulator:
 
     # ---- routing ------------------------------------------------------------------
     def _snapshots(self, role: str) -> list[WorkerSnapshot]:
+        """What the policy sees: the one worker that can win (``planner.routing``), or with
+        ``full_scan`` every worker of the pool, as the router passes them."""
         kind = "prefill" if role != "decode" else "decode"
-        return [WorkerSnapshot(w.wid, kind, True, queued_tokens=w.queued_tokens,
-                               blocks_used=math.ceil(w.used_blocks), blocks_total=w.num_blocks,
-                               inflight=self._inflight[w.wid], last_placed=self._last_placed.get(w.wid, 0))
-                for w in self.pools[role]]
+        workers = self.pools[role] if self.full_scan else [w for w in (self._index[role].best(),) if w is not None]
+        return [snapshot(w, kind, self._inflight[w.wid], self._last_placed.get(w.wid, 0)) for w in workers]
+
+    def _prefill_key(self, w: SimWorker) -> tuple:
+        return (w.queued_tokens, self._inflight[w.wid], self._last_placed.get(w.wid, 0), w.wid)
+
+    def _decode_key(self, w: SimWorker) -> tuple:
+        return (w.used_blocks / max(w.num_blocks, 1), self._inflight[w.wid], self._last_placed.get(w.wid, 0), w.wid)
+
+    def _touch(self, w: SimWorker) -> None:
+        if not w.draining:
+            self._index[w.role].touch(w)
 
     def _place(self, seq: SimSeq) -> bool:
         role = "colocated" if self.spec.layout.colocated else "prefill"
@@ -184,6 +199,7 @@ class Simulator:
         self._inflight[w.wid] += 1
         w.add_prompt(seq)
         self._kick(w)
+        self._touch(w)
         return True
 
     def _place_decode(self, seq: SimSeq, src: SimWorker) -> bool:
@@ -198,6 +214,7 @@ class Simulator:
         self._last_placed[dst.wid] = next(self._placed)
         self._inflight[dst.wid] += 1
         dst.reserve(seq)
+        self._touch(dst)
         start = max(self.now, self._link_free.get(dst.wid, 0.0))
         done = start + self.spec.prefill_cost.transfer_s(seq.prompt)
         self._link_free[dst.wid] = done
@@ -262,6 +279,7 @@ class Simulator:
                 self.finish[seq.rid] = self.now
                 self._inflight[w.wid] -= 1
         self._kick(w)
+        self._touch(w)
         self._retry()
 
     def _on_xfer(self, pair: tuple[SimSeq, SimWorker], dst: SimWorker) -> None:
@@ -272,6 +290,8 @@ class Simulator:
         # the gap from the first token (on the prefill worker) to the second: transfer and queueing
         self._kick(dst)
         self._kick(src)
+        self._touch(dst)
+        self._touch(src)
         self._retry()
 
     def _on_tick(self, _a, _b) -> None:
