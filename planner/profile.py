@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -173,6 +174,7 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
     f = fit(spec, dtype_bytes, points)
     link = memcpy_bandwidth() * NIXL_SHARE_OF_MEMCPY
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = os.getloadavg()[0]  # a shared machine: the fit is only as quiet as the machine was
     profile = HardwareProfile(
         "cpu", peak_flops=f.flops, flops_efficiency=1.0, peak_mem_bw=f.mem_bw, mem_bw_efficiency=1.0,
         mem_bytes=spec.weight_bytes(dtype_bytes) + config.cache.memory_budget_bytes, kv_link_bw=link,
@@ -180,7 +182,7 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
         seq_overhead_s=f.seq_overhead_s,
         overlap=False, dtype_bytes=dtype_bytes,
         source=f"pdserve profile, {stamp}: {model} {engine.dtype}, {threads} thread(s), {len(points)} points "
-               f"fitted to t = overhead + seqs x per_seq + bytes/bw + flops/rate")
+               f"fitted to t = overhead + seqs x per_seq + bytes/bw + flops/rate; load average {load:.1f}")
     return profile, points, spec
 
 
