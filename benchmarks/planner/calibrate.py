@@ -4,6 +4,7 @@ benchmark's measured TTFT and TPOT percentiles. Target: within 25% of each measu
     PYTHONPATH=. .venv/bin/python benchmarks/planner/calibrate.py                 # current profile
     PYTHONPATH=. .venv/bin/python benchmarks/planner/calibrate.py --reprofile     # re-measure the engine first
     PYTHONPATH=. .venv/bin/python benchmarks/planner/calibrate.py --measured my_run.json
+    PYTHONPATH=. .venv/bin/python benchmarks/planner/calibrate.py --points benchmarks/planner/recorded_quiet_points.json
 
 The measured file (written by the serving benchmark, or by hand from its output):
 
@@ -23,6 +24,7 @@ open-loop runs can be replayed: the simulator has no closed-loop client.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -37,6 +39,7 @@ from planner.cli import parse_layout  # noqa: E402
 from planner.cost import CostModel  # noqa: E402
 from planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile  # noqa: E402
 from planner.model_spec import PRESETS  # noqa: E402
+from planner.profile import Point, fit  # noqa: E402
 from planner.simulator import ClusterSpec, Simulator  # noqa: E402
 from planner.trace import TraceRequest  # noqa: E402
 from planner.worker import EngineLimits  # noqa: E402
@@ -60,16 +63,29 @@ def simulate(run: dict, profile: HardwareProfile) -> dict:
             "tpot_ms": {k: v * 1e3 for k, v in pct["tpot_s"].items()}}
 
 
+def refit(template: HardwareProfile, points_path: str) -> HardwareProfile:
+    """``template`` (link, memory) with its compute, bandwidth and overheads fitted to other points."""
+    rows = json.loads(Path(points_path).read_text())
+    points = [Point(r["kind"], r["batch"], r["tokens"], r["measured_s"]) for r in rows]
+    f = fit(PRESETS["SmolLM2-135M"], template.dtype_bytes, points)
+    return dataclasses.replace(template, peak_flops=f.flops, peak_mem_bw=f.mem_bw, step_overhead_s=f.overhead_s,
+                               seq_overhead_s=f.seq_overhead_s, source=f"fitted to {points_path}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--measured", default=str(ROOT / "benchmarks/planner/serving_measured.json"))
     ap.add_argument("--profile", default=str(DEFAULT_CPU_PROFILE))
     ap.add_argument("--reprofile", action="store_true", help="run `pdserve profile` first (minutes)")
+    ap.add_argument("--points", default=None, help="fit the profile to these step times (JSON list of "
+                    "{kind, batch, tokens, measured_s}) instead of reading --profile")
     args = ap.parse_args()
     if args.reprofile:
         subprocess.run([sys.executable, "-m", "cluster.cli", "profile", "--output", args.profile], check=True, cwd=ROOT)
     measured = json.loads(Path(args.measured).read_text())
     profile = HardwareProfile.load(args.profile)
+    if args.points:
+        profile = refit(profile, args.points)
     print(f"measured: {measured.get('source', args.measured)}")
     print(f"profile:  {profile.source}")
     print(f"{'run':<34} {'metric':<8} {'measured ms':>12} {'simulated ms':>13} {'error':>8}")
