@@ -58,7 +58,7 @@ def format_plan(plan: Plan, req: PlanRequest) -> str:
     for name in ("ttft_s", "tpot_s", "itl_s"):
         p = pct[name]
         lines.append(f"  {name[:-2].upper():<20} " + " ".join(f"{_ms(p[k]):>10}" for k in ("p50", "p90", "p99")))
-    if not math.isfinite(r.preemptions) or r.preemptions:
+    if r.preemptions:
         lines.append(f"preemptions: {r.preemptions}")
     lines.append("")
     lines.append("# pdserve serve --config plan.yaml")

@@ -30,7 +30,7 @@ from planner.hardware import GPU_PROFILES  # noqa: E402
 from planner.metrics import Slo  # noqa: E402
 from planner.model_spec import PRESETS  # noqa: E402
 from planner.simulator import ClusterSpec, Layout, Simulator  # noqa: E402
-from planner.synthetic import LengthMix, bursty_day, demand_rate  # noqa: E402
+from planner.synthetic import LengthMix, bursty_day  # noqa: E402
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.1)
 LENGTHS = LengthMix(4000, 300, sigma=0.5, max_len=16000)
