@@ -2,6 +2,8 @@
 
     pdserve serve [MODEL]            start a local cluster (router + workers as Ray actors)
     pdserve generate "PROMPT"        stream a completion from a running cluster
+    pdserve plan                     size prefill and decode pools (simulated; planner/)
+    pdserve profile                  fit the CPU cost profile to this machine's engine
 """
 
 from __future__ import annotations
@@ -147,8 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
+    from planner.cli import add_plan_parser, add_profile_parser, run_plan, run_profile
+
+    add_plan_parser(sub)
+    add_profile_parser(sub)
     args = parser.parse_args(argv)
-    return {"serve": serve, "generate": generate}[args.command](args)
+    return {"serve": serve, "generate": generate, "plan": run_plan, "profile": run_profile}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from engine.errors import InvalidRequestError
+from planner.trace_writer import TraceWriter
 from protos import pdserve_pb2
 from router.frontend import ModelInfo, prepare
 from router.orchestrator import RequestRun, RouteError, RouterLimits
@@ -40,6 +41,7 @@ class GenerationService:
         # Tokenization and chat templates off the event loop. One thread by default: a HF
         # fast tokenizer shared by threads can fail with "Already borrowed".
         self._tokenize = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
+        self.trace = TraceWriter.from_env()  # planner replay: PDSERVE_TRACE_FILE records lengths per request
 
     def timeout_s(self, client_timeout_s: float | None) -> float:
         """The request's deadline from now: the client's, capped by ``request_timeout_s``."""
@@ -80,6 +82,8 @@ class GenerationService:
                 yield pdserve_pb2.GenerateResponse(request_id=rid, finish_reason=pdserve_pb2.FINISH_REASON_ABORT,
                                                    usage=run.usage())
             finally:
+                if self.trace is not None:
+                    self.trace.record(prepared.prompt_token_ids, len(run.progress.token_ids), arrived)
                 self.running.pop(rid, None)
                 self.aborted.discard(rid)
         finally:

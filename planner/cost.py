@@ -1,0 +1,94 @@
+"""Step and transfer times: pure functions of a model, a hardware profile and tensor parallelism.
+
+- Prefill step: the new tokens' matmul FLOPs plus attention's quadratic term (each new token
+  attends to the cached context and to the new tokens before it), over achievable FLOP/s.
+- Decode step: weight bytes plus the KV bytes of every running sequence, over achievable
+  bandwidth; with a compute bound (batch x FLOPs per token) that wins at large batches. On
+  a GPU the two overlap (the longer counts); on one CPU core they add.
+- KV transfer: the prompt's KV bytes over the link, plus a fixed cost per transfer.
+
+Tensor parallelism of ``tp`` splits weights, KV heads and FLOPs over ``tp`` devices and adds
+two all-reduces of the activations per layer over the interconnect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from planner.hardware import HardwareProfile
+from planner.model_spec import ModelSpec
+
+ALLREDUCE_LATENCY_S = 8e-6  # one NCCL all-reduce of a small message within a node (NCCL tests: 5-10 us)
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of device memory for weights + KV
+
+
+class CostError(ValueError):
+    """A cost-model input is out of range; ``field`` names it."""
+
+    def __init__(self, field: str, problem: str):
+        self.field = field
+        super().__init__(f"{field}: {problem}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    model: ModelSpec
+    hw: HardwareProfile
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.tp & (self.tp - 1):
+            raise CostError("tp", f"must be a power of two >= 1, got {self.tp}")
+        if self.model.num_kv_heads % self.tp and self.tp % self.model.num_kv_heads:
+            raise CostError("tp", f"must divide the {self.model.num_kv_heads} KV heads (or be a multiple), "
+                                  f"got {self.tp}")
+
+    # ---- capacity ------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.model.kv_bytes_per_token(self.hw.dtype_bytes)
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV one worker (``tp`` devices) holds beside its weights."""
+        usable = self.hw.mem_bytes * self.tp * GPU_MEMORY_UTILIZATION if self.hw.overlap else self.hw.mem_bytes
+        free = usable - self.model.weight_bytes(self.hw.dtype_bytes)
+        if free <= 0:
+            raise CostError("tp", f"{self.model.name} weights ({self.model.weight_bytes(self.hw.dtype_bytes) / 1e9:.0f} GB) "
+                                  f"do not fit {self.tp} x {self.hw.name}; raise tp")
+        return int(free / self.kv_bytes_per_token)
+
+    # ---- step times ----------------------------------------------------------------
+    def prefill_s(self, chunks: Sequence[tuple[int, int]], num_sampled: int = 1) -> float:
+        """One prefill step over ``chunks`` of (new tokens, tokens already cached before them)."""
+        m, flops = self.model, self.hw.flops * self.tp
+        tokens = sum(n for n, _ in chunks)
+        pairs = sum(n * c + n * (n + 1) / 2 for n, c in chunks)  # causal: token i sees c + i keys
+        work = tokens * m.linear_flops_per_token + pairs * m.attention_flops_per_pair + num_sampled * m.lm_head_flops
+        weights = m.weight_bytes(self.hw.dtype_bytes) / (self.hw.mem_bw * self.tp)  # a short chunk still streams them
+        compute = work / flops
+        body = max(compute, weights) if self.hw.overlap else compute + weights
+        return self.hw.step_overhead_s + len(chunks) * self.hw.seq_overhead_s + body + self._allreduce_s(tokens)
+
+    def decode_s(self, batch: int, total_context: float) -> float:
+        """One decode step of ``batch`` sequences holding ``total_context`` tokens of KV between them."""
+        if batch <= 0:
+            return 0.0
+        m = self.model
+        memory = (m.weight_bytes(self.hw.dtype_bytes) + total_context * self.kv_bytes_per_token) / (self.hw.mem_bw * self.tp)
+        work = batch * (m.linear_flops_per_token + m.lm_head_flops) + total_context * m.attention_flops_per_pair
+        compute = work / (self.hw.flops * self.tp)
+        body = max(memory, compute) if self.hw.overlap else memory + compute
+        return self.hw.step_overhead_s + batch * self.hw.seq_overhead_s + body + self._allreduce_s(batch)
+
+    def transfer_s(self, tokens: int) -> float:
+        """Moving ``tokens`` of KV from a prefill worker to a decode worker (each of the ``tp``
+        shards moves in parallel over its own NIC)."""
+        return self.hw.kv_transfer_overhead_s + tokens * self.kv_bytes_per_token / (self.hw.kv_link_bw * self.tp)
+
+    def _allreduce_s(self, tokens: int) -> float:
+        if self.tp == 1:
+            return 0.0
+        nbytes = tokens * self.model.hidden_size * self.hw.dtype_bytes
+        ring = 2 * (self.tp - 1) / self.tp * nbytes / self.hw.interconnect_bw
+        return 2 * self.model.num_layers * (ring + ALLREDUCE_LATENCY_S)

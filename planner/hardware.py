@@ -1,0 +1,116 @@
+"""Hardware profiles: what one device can do, as achievable (not peak) rates.
+
+A GPU profile takes its peaks from the vendor's datasheet and multiplies them by an
+efficiency factor; the factor and where it comes from are written next to each one. The CPU
+profile is not derived from peaks: ``pdserve profile`` fits it to step times measured on our
+own engine here, and writes it as JSON (``save`` / ``load``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ProfileError(ValueError):
+    """A profile name or file is unknown or malformed; ``field`` names the offending value."""
+
+    def __init__(self, field: str, problem: str):
+        self.field = field
+        super().__init__(f"{field}: {problem}")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device (a GPU, or one CPU core running one worker)."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s (CPU: the fitted achievable rate, efficiency 1)
+    flops_efficiency: float  # share of peak a prefill GEMM reaches (MFU)
+    peak_mem_bw: float  # bytes/s of device memory
+    mem_bw_efficiency: float  # share of peak a decode step's weight + KV reads reach (MBU)
+    mem_bytes: float  # device memory, weights + KV cache
+    kv_link_bw: float  # bytes/s for KV between a prefill and a decode worker
+    kv_transfer_overhead_s: float  # fixed cost per transfer (handshake, registration, RPC)
+    interconnect_bw: float  # bytes/s between GPUs of one tensor-parallel group (NVLink)
+    step_overhead_s: float  # fixed cost of one engine step (launches, scheduling, sampling)
+    # Cost per sequence in a step beyond its FLOPs and bytes: 0 on GPUs (one batched kernel);
+    # on CPU the engine's per-sequence work (attention calls per context length, sampling) shows here.
+    seq_overhead_s: float = 0.0
+    # True where compute and memory traffic overlap (a GPU's decode step takes the longer of
+    # the two); False on one CPU core, where the same core does both, so they add.
+    overlap: bool = True
+    dtype_bytes: int = 2
+    source: str = ""
+
+    @property
+    def flops(self) -> float:
+        """Achievable FLOP/s."""
+        return self.peak_flops * self.flops_efficiency
+
+    @property
+    def mem_bw(self) -> float:
+        """Achievable memory bandwidth, bytes/s."""
+        return self.peak_mem_bw * self.mem_bw_efficiency
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> HardwareProfile:
+        try:
+            values = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ProfileError("profile", f"cannot read {path}: {exc}") from exc
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ProfileError(unknown[0], f"unknown key in {path} (expected {sorted(names)})")
+        return cls(**values)
+
+
+_GB = 1e9
+_TF = 1e12
+# Efficiencies (stated assumptions, not measurements of ours):
+# - MFU 0.55 for prefill: large-prompt GEMMs in vLLM/SGLang reach 50-60% of dense peak on
+#   Hopper/Ampere (Megatron-LM and vLLM prefill profiles report this band).
+# - MBU 0.75 for decode: weight-streaming kernels reach 70-80% of HBM peak (Databricks,
+#   "LLM Inference Performance Engineering: Best Practices", 2023, measured MBU ~60-80%).
+# KV link: one 400 Gb/s InfiniBand NIC per GPU (DGX H100/H200 and A100 80GB SuperPOD), ~50 GB/s,
+# at 0.8 efficiency; 1 ms per transfer (RDMA registration + RPC, Mooncake/NIXL report ~0.1-1 ms).
+_MFU, _MBU, _IB, _XFER_S, _STEP_S = 0.55, 0.75, 50 * _GB * 0.8, 1e-3, 2e-3
+
+GPU_PROFILES = {
+    "H100": HardwareProfile("H100", 989 * _TF, _MFU, 3.35e12, _MBU, 80 * _GB, _IB, _XFER_S, 450 * _GB, _STEP_S,
+                            source="NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, "
+                                   "80 GB, NVLink 900 GB/s bidirectional"),
+    "H200": HardwareProfile("H200", 989 * _TF, _MFU, 4.8e12, _MBU, 141 * _GB, _IB, _XFER_S, 450 * _GB, _STEP_S,
+                            source="NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, "
+                                   "141 GB, NVLink 900 GB/s bidirectional"),
+    "A100": HardwareProfile("A100", 312 * _TF, _MFU, 2.039e12, _MBU, 80 * _GB, 25 * _GB * 0.8, _XFER_S,
+                            300 * _GB, _STEP_S,
+                            source="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense BF16, 2.039 TB/s "
+                                   "HBM2e, NVLink 600 GB/s bidirectional; 200 Gb/s HDR IB per GPU"),
+    "L40S": HardwareProfile("L40S", 362 * _TF, _MFU, 864 * _GB, _MBU, 48 * _GB, 50 * _GB * 0.8 / 2, _XFER_S,
+                            32 * _GB, _STEP_S,
+                            source="NVIDIA L40S datasheet: 362 TFLOP/s dense BF16 (733 with sparsity), "
+                                   "864 GB/s GDDR6, 48 GB, PCIe Gen4 x16 (no NVLink)"),
+}
+
+DEFAULT_CPU_PROFILE = Path(__file__).parent / "profiles" / "cpu.json"
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """A GPU profile by name, ``cpu`` for the fitted profile of this machine, or a JSON path."""
+    if name.upper() in GPU_PROFILES:
+        return GPU_PROFILES[name.upper()]
+    if name.lower() == "cpu":
+        if not DEFAULT_CPU_PROFILE.exists():
+            raise ProfileError("hardware", f"no CPU profile at {DEFAULT_CPU_PROFILE}; run `pdserve profile` first")
+        return HardwareProfile.load(DEFAULT_CPU_PROFILE)
+    if Path(name).suffix == ".json":
+        return HardwareProfile.load(name)
+    raise ProfileError("hardware", f"unknown profile {name!r}; expected one of {sorted(GPU_PROFILES)}, "
+                                   "'cpu' or a profile .json")

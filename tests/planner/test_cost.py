@@ -1,0 +1,89 @@
+import pytest
+
+from engine.config import model_config_from_hf
+from planner.cost import CostError, CostModel
+from planner.hardware import GPU_PROFILES, HardwareProfile, ProfileError, get_profile
+from planner.model_spec import PRESETS, ModelSpecError, get_model, spec_from_config
+from tests.factories import TINY_LLAMA
+from tests.planner.helpers import DEVICE, TINY, cost
+
+
+@pytest.mark.parametrize("name, billions", [("Llama-3.1-8B", 8.03), ("Llama-3.1-70B", 70.6), ("OPT-13B", 12.9),
+                                            ("SmolLM2-135M", 0.135)])
+def test_presets_have_the_published_parameter_counts(name, billions):
+    spec = PRESETS[name]
+    embedding = spec.vocab_size * spec.hidden_size  # counted once more when untied
+    total = spec.decoder_params + spec.lm_head_params + (0 if name == "SmolLM2-135M" else embedding)
+    assert total / 1e9 == pytest.approx(billions, rel=0.04)
+
+
+def test_spec_from_an_engine_model_config():
+    cfg = model_config_from_hf({**TINY_LLAMA, "model_type": "llama"}, "tiny")
+    spec = spec_from_config(cfg, "tiny")
+    assert (spec.num_layers, spec.hidden_size, spec.num_kv_heads, spec.head_dim) == (2, 64, 2, 16)
+    assert spec.kv_bytes_per_token(2) == 2 * 2 * 2 * 16 * 2
+
+
+def test_unknown_model_names_the_field():
+    with pytest.raises(ModelSpecError, match="model: unknown model 'nope'"):
+        get_model("nope")
+
+
+def test_decode_at_batch_one_is_weights_over_bandwidth():
+    c = cost()
+    memory = (TINY.weight_bytes(2) + 100 * c.kv_bytes_per_token) / 1e9
+    assert c.decode_s(1, 100) == pytest.approx(1e-3 + memory)
+
+
+def test_decode_turns_compute_bound_at_large_batches():
+    c = cost()
+    per_token = [c.decode_s(b, 0) / b for b in (1, 8, 64, 4096, 8192)]
+    assert per_token[0] > per_token[1] > per_token[2]  # weights are shared by the batch
+    compute = 8192 * (TINY.linear_flops_per_token + TINY.lm_head_flops) / 1e11
+    assert c.decode_s(8192, 0) == pytest.approx(1e-3 + compute)  # the compute bound wins
+    assert per_token[3] == pytest.approx(per_token[4], rel=0.1)
+
+
+def test_prefill_has_attention_s_quadratic_term():
+    c = cost()
+    body = lambda n, ctx=0: c.prefill_s([(n, ctx)]) - 1e-3
+    assert body(2000) > 2 * body(1000)
+    pairs = 1000 * 1000 + 1000 * 1001 / 2
+    assert body(1000, 1000) - body(1000) == pytest.approx((pairs - 1000 * 1001 / 2) * TINY.attention_flops_per_pair / 1e11)
+
+
+def test_transfer_is_a_fixed_cost_plus_bytes_over_the_link():
+    c = cost()
+    assert c.transfer_s(1000) == pytest.approx(1e-3 + 1000 * c.kv_bytes_per_token / 1e8)
+
+
+def test_cpu_profile_adds_compute_and_memory():
+    cpu = HardwareProfile(**{**DEVICE.__dict__, "overlap": False})
+    gpu_like = cost().decode_s(64, 1000)
+    assert CostModel(TINY, cpu).decode_s(64, 1000) > gpu_like
+
+
+def test_tensor_parallelism_splits_the_work_and_adds_all_reduces():
+    h100 = GPU_PROFILES["H100"]
+    with pytest.raises(CostError, match="tp: .*do not fit 1 x H100"):
+        CostModel(PRESETS["Llama-3.1-70B"], h100, 1).kv_capacity_tokens()
+    tp4, tp8 = CostModel(PRESETS["Llama-3.1-70B"], h100, 4), CostModel(PRESETS["Llama-3.1-70B"], h100, 8)
+    assert tp8.kv_capacity_tokens() > 2 * tp4.kv_capacity_tokens()
+    assert tp8.decode_s(1, 1000) < tp4.decode_s(1, 1000)
+    assert tp8._allreduce_s(1) > 0 == CostModel(PRESETS["Llama-3.1-8B"], h100, 1)._allreduce_s(1)
+    with pytest.raises(CostError, match="tp: must be a power of two"):
+        CostModel(TINY, DEVICE, 3)
+
+
+def test_profile_round_trips_and_rejects_unknown_keys(tmp_path):
+    path = tmp_path / "p.json"
+    DEVICE.save(path)
+    assert HardwareProfile.load(path) == DEVICE
+    path.write_text('{"name": "x", "bogus": 1}')
+    with pytest.raises(ProfileError, match="bogus: unknown key"):
+        HardwareProfile.load(path)
+    with pytest.raises(ProfileError, match="hardware: unknown profile 'TPU'"):
+        get_profile("TPU")
+    assert get_profile("h100") is GPU_PROFILES["H100"]
+    for hw in GPU_PROFILES.values():
+        assert hw.source and 0 < hw.flops_efficiency < 1 and 0 < hw.mem_bw_efficiency < 1

@@ -1,0 +1,88 @@
+"""Event ordering and the use of the real routing and autoscaling policies in the simulator."""
+
+import math
+
+import numpy as np
+import pytest
+
+from cluster.autoscaling import pool_config
+from planner.autoscale import AutoscaleDriver
+from planner.metrics import SimResult, Slo, weighted_percentiles
+from planner.simulator import Layout
+from planner.worker import EngineLimits
+from tests.planner.helpers import cost, requests, simulate
+
+
+def test_one_request_on_an_idle_disaggregated_cluster_takes_exactly_the_modelled_times():
+    c = cost()
+    r = simulate(Layout(prefill=1, decode=1), requests((1.0, 100, 5)))
+    prefill = c.prefill_s([(100, 0)])
+    assert r.first_token[0] == pytest.approx(1.0 + prefill)
+    # transfer, then 4 decode steps at contexts 101..104
+    decode = sum(c.decode_s(1, 101 + i) for i in range(4))
+    # one epoch of 4 steps uses the mid-epoch context for all of them
+    epoch = 4 * c.decode_s(1, 101 + 1.5)
+    assert r.finish[0] == pytest.approx(1.0 + prefill + c.transfer_s(100) + epoch)
+    assert epoch == pytest.approx(decode)
+    assert r.output_tokens[0] == 5 and r.failed == 0
+
+
+def test_colocated_request_decodes_on_the_worker_that_prefilled_it():
+    c = cost()
+    r = simulate(Layout(colocated=1), requests((0.0, 100, 3)))
+    assert r.first_token[0] == pytest.approx(c.prefill_s([(100, 0)]))
+    assert r.finish[0] - r.first_token[0] == pytest.approx(2 * c.decode_s(1, 101.5))
+
+
+def test_events_keep_causal_order_under_load():
+    rng = np.random.default_rng(0)
+    reqs = requests(*[(float(t), int(p), int(o)) for t, p, o in
+                      zip(np.sort(rng.uniform(0, 5, 300)), rng.integers(1, 900, 300), rng.integers(1, 80, 300))])
+    for layout in (Layout(prefill=2, decode=1), Layout(colocated=2)):
+        r = simulate(layout, reqs, EngineLimits(max_num_seqs=16, max_num_batched_tokens=512))
+        assert r.completed == len(reqs)
+        assert (r.first_token >= r.arrival).all() and (r.finish >= r.first_token).all()
+
+
+def test_the_router_policy_spreads_simultaneous_prompts_over_prefill_workers():
+    reqs = requests((0.0, 1000, 2), (0.0, 1000, 2))
+    one = simulate(Layout(prefill=1, decode=1), reqs, EngineLimits(max_num_batched_tokens=1000))
+    two = simulate(Layout(prefill=2, decode=1), reqs, EngineLimits(max_num_batched_tokens=1000))
+    assert one.first_token[1] > one.first_token[0]  # queued behind the first on the only worker
+    assert two.first_token[1] == two.first_token[0]  # least queued tokens: the idle worker took it
+
+
+def test_a_full_router_queue_fails_requests_after_the_admission_wait():
+    reqs = requests(*[(0.0, 4000, 2)] * 6)
+    r = simulate(Layout(prefill=1, decode=1), reqs, max_queued_tokens=8000, admission_wait_s=0.0)
+    assert r.failed > 0 and r.completed == len(reqs) - r.failed
+
+
+def test_a_burst_scales_the_prefill_pool_up_and_then_down():
+    fast = dict(window_s=3.0, scale_up_cooldown_s=1.0, scale_down_cooldown_s=5.0, max_sample_age_s=5.0)
+    configs = {"prefill": pool_config("prefill", target=2000.0, slo_s=100.0, max_replicas=3, **fast),
+               "decode": pool_config("decode", target=0.7, slo_s=100.0, **fast)}
+    burst = [(10.0 + i * 0.02, 4000, 2) for i in range(300)]  # 50 prompts/s, a worker does ~20
+    quiet = [(40.0 + i, 10, 2) for i in range(60)]
+    driver = AutoscaleDriver(configs)
+    r = simulate(Layout(prefill=1, decode=1), requests(*burst, *quiet), autoscaler=driver, startup_s=2.0)
+    replicas = [n for _, n, _, _ in r.pool_history["prefill"]]
+    assert max(replicas) > 1 and replicas[-1] == 1
+    assert r.completed == 360
+    assert max(n for _, n, _, _ in r.pool_history["decode"]) == 1
+
+
+def test_goodput_counts_requests_meeting_both_slos():
+    r = SimResult(arrival=np.zeros(4), first_token=np.array([0.1, 0.5, 0.1, np.nan]),
+                  finish=np.array([1.1, 1.5, 5.1, np.nan]), output_tokens=np.array([11, 11, 11, 11]),
+                  itl_values=np.array([0.1]), itl_weights=np.array([1]), duration_s=2.0, gpus=2)
+    slo = Slo(ttft_s=0.2, tpot_s=0.2)
+    assert r.attainment(slo) == 0.25  # only the first: the second is late, the third slow, the fourth failed
+    assert r.goodput_rps(slo) == 0.5
+    assert r.percentiles()["tpot_s"]["p50"] == pytest.approx(0.1)
+
+
+def test_weighted_percentiles():
+    p = weighted_percentiles(np.array([3.0, 1.0, 2.0]), np.array([1, 98, 1]))
+    assert p["p50"] == 1.0 and p["p99"] == 2.0
+    assert math.isnan(weighted_percentiles(np.array([]), np.array([]))["p50"])
