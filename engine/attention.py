@@ -1,9 +1,15 @@
-"""Paged attention: the per-step context object and the torch SDPA backend.
+"""Paged attention: the per-step context object, the torch SDPA backend, backend choice.
 
-Attention reads and writes the KV cache only through ``slot_mapping`` (where each new
+Attention reads and writes the KV cache only through the slot mapping (where each new
 token's K/V goes) and ``block_tables`` (where each sequence's earlier K/V lives).
 A layer's cache is ``(num_blocks, block_size, num_kv_heads, head_dim)``, a strided view into
 the worker's single block-first cache tensor (see kv_cache.py).
+
+Backends (``select_backend``): ``paged``, pdserve's own batch-invariant C++ kernel, one call
+per layer for any mix of prefill and decode (CPU, attention_paged.py); ``flash``, flash-attn
+on CUDA (attention_flash.py); ``sdpa``, torch's SDPA, one call per sequence (prefill) or per
+distinct context length (decode). Each says whether it is ``batch_invariant``: whether a
+token's output is bitwise the same whatever else shares its step.
 """
 
 from __future__ import annotations
@@ -24,17 +30,18 @@ class AttentionContext:
     is_decode: bool  # every sequence has exactly one new token
     slot_block: torch.Tensor  # (T,) int64 block id of each new token's slot
     slot_offset: torch.Tensor  # (T,) int64 offset inside that block
-    block_tables: torch.Tensor  # (B, M) int64, padded with block 0
+    block_tables: torch.Tensor  # (B, M) int32, padded with block 0 past each sequence's end
     query_lens: list[int]  # (B,) new tokens per sequence
     context_lens: list[int]  # (B,) tokens in the cache after this step, new ones included
     context_lens_t: torch.Tensor  # (B,) int32 on device, for kernels
     cu_query_lens: torch.Tensor  # (B+1,) int32 prefix sums of query_lens
-    # Decode only: sequences grouped by context length, as (row indices (G,), block tables
-    # (G, ceil(len/bs)), len). Each group is one unpadded, unmasked attention call, so a
-    # sequence's result never depends on its batch company (padding + masking changes the
+    # SDPA's decode only: sequences grouped by context length, as (row indices (G,), block
+    # tables (G, ceil(len/bs)), len). Each group is one unpadded, unmasked attention call, so
+    # a sequence's result never depends on its batch company (padding + masking changes the
     # reduction order of the CPU kernels, enough to flip a bfloat16 argmax).
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
     max_context_len: int = 0
+    max_query_len: int = 0
     block_size: int = 16
 
 
@@ -53,9 +60,15 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
 
 
 class SdpaAttention:
-    """torch ``scaled_dot_product_attention`` over the paged cache (CPU and CUDA)."""
+    """torch ``scaled_dot_product_attention`` over the paged cache (CPU and CUDA).
+
+    Not batch-invariant across phases: a prompt token's prefill result and the same
+    position recomputed after a preemption go through different SDPA kernels.
+    """
 
     name = "sdpa"
+    batch_invariant = False
+    needs_decode_groups = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.scale = head_dim ** -0.5
@@ -112,12 +125,25 @@ class SdpaAttention:
         return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
+BACKENDS = ("auto", "paged", "sdpa", "flash")
+
+
 def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
                    head_dim: int, block_size: int):
-    """``auto`` picks flash-attn on CUDA when the package imports, SDPA otherwise."""
-    if name not in ("auto", "sdpa", "flash"):
-        raise ValueError(f"attention_backend must be auto, sdpa or flash, got {name!r}")
+    """``auto``: flash-attn on CUDA when the package imports, SDPA otherwise there; on CPU the
+    ``paged`` kernel where the CPU has AVX2 + FMA, SDPA otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "sdpa":
+        return SdpaAttention(num_heads, num_kv_heads, head_dim)
+    if name == "paged" or (name == "auto" and device.type == "cpu"):
+        from engine.attention_paged import PagedAttention, paged_available
+
+        if paged_available(device) and head_dim % 8 == 0:
+            return PagedAttention(num_heads, num_kv_heads, head_dim)
+        if name == "paged":
+            raise ValueError("attention_backend=paged needs an x86-64 CPU with AVX2 and FMA, the device cpu "
+                             f"and head_dim a multiple of 8 (got device {device}, head_dim {head_dim})")
         return SdpaAttention(num_heads, num_kv_heads, head_dim)
     from engine.attention_flash import FlashAttention, flash_available
 

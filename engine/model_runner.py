@@ -8,6 +8,8 @@ prompt or are decoding.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 from engine.attention import AttentionContext, select_backend
@@ -53,64 +55,50 @@ class ModelRunner:
         return SampledTokens(dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {})
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
+        """Packed inputs and the step's ``AttentionContext``. Python touches each sequence once
+        (its token slice and block table); per-token work (positions, slots) is tensor ops."""
         bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slot_block: list[int] = []
-        slot_offset: list[int] = []
-        tables: list[list[int]] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        sample_idx: list[int] = []
-        for item in out.seqs:
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            table = self.blocks.block_table(seq.seq_id)
-            tokens.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            for p in range(start, start + n):
-                slot_block.append(table[p // bs])
-                slot_offset.append(p % bs)
-            tables.append(table[: -(-(start + n) // bs)])
-            query_lens.append(n)
-            context_lens.append(start + n)
-            if item.sample:
-                sample_idx.append(len(tokens) - 1)
+        items = out.seqs
+        starts = [item.seq.num_computed_tokens for item in items]
+        query_lens = [item.num_new_tokens for item in items]
+        context_lens = [s + n for s, n in zip(starts, query_lens)]
+        tokens = list(chain.from_iterable(item.seq.token_ids[s:c] for item, s, c in zip(items, starts, context_lens)))
+        used = [-(-c // bs) for c in context_lens]
+        width = max(used)
+        tables = [self.blocks.block_table(item.seq.seq_id)[:u] + [0] * (width - u) for item, u in zip(items, used)]
+        block_tables = torch.tensor(tables, dtype=torch.int32)  # (B, M)
+        q_lens = torch.tensor(query_lens, dtype=torch.int32)
+        cu = torch.zeros(len(items) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=cu[1:])
+        seq_of = torch.repeat_interleave(torch.arange(len(items)), q_lens)  # (T,) row of each token
+        positions = torch.arange(len(tokens)) - cu[seq_of] + torch.tensor(starts)[seq_of]  # (T,) int64
+        sample = torch.tensor([item.sample for item in items])
         dev = self.device
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        max_ctx = max(context_lens)
         ctx = AttentionContext(
             is_decode=not out.is_prefill and all(n == 1 for n in query_lens),
-            slot_block=torch.tensor(slot_block, dtype=torch.long, device=dev),
-            slot_offset=torch.tensor(slot_offset, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+            slot_block=block_tables[seq_of, positions // bs].long().to(dev),
+            slot_offset=(positions % bs).to(dev),
+            block_tables=block_tables.to(dev),
             query_lens=query_lens,
             context_lens=context_lens,
-            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            cu_query_lens=torch.tensor([0] + _cumsum(query_lens), dtype=torch.int32, device=dev),
-            max_context_len=max_ctx,
+            context_lens_t=torch.tensor(context_lens, dtype=torch.int32).to(dev),
+            cu_query_lens=cu.to(dev),
+            max_context_len=max(context_lens),
+            max_query_len=max(query_lens),
             block_size=bs,
         )
-        if ctx.is_decode:
+        if ctx.is_decode and self.backend.needs_decode_groups:
             ctx.decode_groups = self._decode_groups(tables, context_lens)
-        return (torch.tensor(tokens, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), ctx,
-                torch.tensor(sample_idx, dtype=torch.long, device=dev))
+        sample_idx = (cu[1:].long() - 1)[sample]
+        return (torch.tensor(tokens, dtype=torch.long).to(dev), positions.to(dev), ctx, sample_idx.to(dev))
 
     def _decode_groups(self, tables: list[list[int]], context_lens: list[int]):
+        """SDPA's decode: rows grouped by context length (see AttentionContext.decode_groups)."""
         rows_by_len: dict[int, list[int]] = {}
         for i, c in enumerate(context_lens):
             rows_by_len.setdefault(c, []).append(i)
         dev = self.device
+        bs = self.block_size
         return [(torch.tensor(rows, device=dev),
-                 torch.tensor([tables[i] for i in rows], dtype=torch.long, device=dev), c)
+                 torch.tensor([tables[i][: -(-c // bs)] for i in rows], dtype=torch.long, device=dev), c)
                 for c, rows in rows_by_len.items()]
-
-
-def _cumsum(xs: list[int]) -> list[int]:
-    out, total = [], 0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
