@@ -15,6 +15,7 @@ token's output is bitwise the same whatever else shares its step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -35,14 +36,48 @@ class AttentionContext:
     context_lens: list[int]  # (B,) tokens in the cache after this step, new ones included
     context_lens_t: torch.Tensor  # (B,) int32 on device, for kernels
     cu_query_lens: torch.Tensor  # (B+1,) int32 prefix sums of query_lens
-    # SDPA's decode only: sequences grouped by context length, as (row indices (G,), block
-    # tables (G, ceil(len/bs)), len). Each group is one unpadded, unmasked attention call, so
-    # a sequence's result never depends on its batch company (padding + masking changes the
-    # reduction order of the CPU kernels, enough to flip a bfloat16 argmax).
+    cu_context_lens: torch.Tensor  # (B+1,) int32 prefix sums of context_lens (flash-attn's varlen)
+    # SDPA's decode only, built by its first layer in a step: sequences grouped by context
+    # length, as (row indices (G,), block tables (G, ceil(len/bs)), len). Each group is one
+    # unpadded, unmasked attention call, so a sequence's result never depends on its batch
+    # company (padding + masking changes the reduction order of the CPU kernels, enough to
+    # flip a bfloat16 argmax).
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
     max_context_len: int = 0
     max_query_len: int = 0
     block_size: int = 16
+
+
+def build_context(starts: list[int], query_lens: list[int], tables: list[list[int]], block_size: int,
+                  device: torch.device, decode: bool) -> tuple[AttentionContext, torch.Tensor]:
+    """The step's context and positions (T,) for B sequences, each with ``starts[b]`` tokens
+    already cached, ``query_lens[b]`` new ones and block table ``tables[b]`` (at least long
+    enough). Per token, only tensor ops run: this is on every step's path."""
+    bs = block_size
+    context_lens = [s + n for s, n in zip(starts, query_lens)]
+    used = [-(-c // bs) for c in context_lens]
+    width = max(used)
+    block_tables = torch.tensor([t[:u] + [0] * (width - u) for t, u in zip(tables, used)], dtype=torch.int32)
+    q_lens = torch.tensor(query_lens, dtype=torch.int32)
+    cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    torch.cumsum(q_lens, 0, out=cu[1:])
+    seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # (T,) sequence of each token
+    positions = torch.arange(int(cu[-1])) - cu[seq_of] + torch.tensor(starts)[seq_of]  # (T,) int64
+    ctx = AttentionContext(
+        is_decode=decode and all(n == 1 for n in query_lens),
+        slot_block=block_tables[seq_of, positions // bs].long().to(device),
+        slot_offset=(positions % bs).to(device),
+        block_tables=block_tables.to(device),
+        query_lens=query_lens,
+        context_lens=context_lens,
+        context_lens_t=torch.tensor(context_lens, dtype=torch.int32).to(device),
+        cu_query_lens=cu.to(device),
+        cu_context_lens=torch.tensor([0, *accumulate(context_lens)], dtype=torch.int32).to(device),
+        max_context_len=max(context_lens),
+        max_query_len=max(query_lens),
+        block_size=bs,
+    )
+    return ctx, positions.to(device)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,7 +103,6 @@ class SdpaAttention:
 
     name = "sdpa"
     batch_invariant = False
-    needs_decode_groups = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.scale = head_dim ** -0.5
@@ -84,6 +118,8 @@ class SdpaAttention:
 
     def _decode(self, q, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
         q = q.unsqueeze(2)  # (B, nh, 1, hd)
+        if ctx.decode_groups is None:
+            ctx.decode_groups = _decode_groups(ctx)
         if len(ctx.decode_groups) == 1:
             return self._decode_group(q, k_cache, v_cache, *ctx.decode_groups[0][1:])
         out = torch.empty_like(q)
@@ -125,13 +161,25 @@ class SdpaAttention:
         return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
-BACKENDS = ("auto", "paged", "sdpa", "flash")
+BACKENDS = ("auto", "paged", "sdpa", "flash", "flash_invariant")
+
+
+def _decode_groups(ctx: AttentionContext) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    rows_by_len: dict[int, list[int]] = {}
+    for i, c in enumerate(ctx.context_lens):
+        rows_by_len.setdefault(c, []).append(i)
+    groups = []
+    for c, rows in rows_by_len.items():
+        idx = torch.tensor(rows, device=ctx.block_tables.device)
+        groups.append((idx, ctx.block_tables[idx, : -(-c // ctx.block_size)].long(), c))
+    return groups
 
 
 def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
                    head_dim: int, block_size: int):
     """``auto``: flash-attn on CUDA when the package imports, SDPA otherwise there; on CPU the
-    ``paged`` kernel where the CPU has AVX2 + FMA, SDPA otherwise."""
+    ``paged`` kernel where the CPU has AVX2 + FMA, SDPA otherwise. ``flash_invariant`` is
+    flash-attn in its batch-invariant mode (attention_flash.py)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "sdpa":
@@ -148,7 +196,7 @@ def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
     from engine.attention_flash import FlashAttention, flash_available
 
     if flash_available(device):
-        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size)
-    if name == "flash":
-        raise ValueError("attention_backend=flash needs CUDA and the flash-attn package (pip install '.[gpu]')")
+        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size, batch_invariant=name == "flash_invariant")
+    if name in ("flash", "flash_invariant"):
+        raise ValueError(f"attention_backend={name} needs CUDA and the flash-attn package (pip install '.[gpu]')")
     return SdpaAttention(num_heads, num_kv_heads, head_dim)

@@ -8,11 +8,11 @@ prompt or are decoding.
 
 from __future__ import annotations
 
-from itertools import chain
+from itertools import accumulate, chain
 
 import torch
 
-from engine.attention import AttentionContext, select_backend
+from engine.attention import AttentionContext, build_context, select_backend
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.kv_cache import layer_views
@@ -55,50 +55,17 @@ class ModelRunner:
         return SampledTokens(dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {})
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
-        """Packed inputs and the step's ``AttentionContext``. Python touches each sequence once
-        (its token slice and block table); per-token work (positions, slots) is tensor ops."""
-        bs = self.block_size
+        """Packed token ids (T,), positions (T,), the step's ``AttentionContext`` and the rows
+        to sample. Python touches each sequence once (its token slice and block table)."""
         items = out.seqs
         starts = [item.seq.num_computed_tokens for item in items]
         query_lens = [item.num_new_tokens for item in items]
-        context_lens = [s + n for s, n in zip(starts, query_lens)]
-        tokens = list(chain.from_iterable(item.seq.token_ids[s:c] for item, s, c in zip(items, starts, context_lens)))
-        used = [-(-c // bs) for c in context_lens]
-        width = max(used)
-        tables = [self.blocks.block_table(item.seq.seq_id)[:u] + [0] * (width - u) for item, u in zip(items, used)]
-        block_tables = torch.tensor(tables, dtype=torch.int32)  # (B, M)
-        q_lens = torch.tensor(query_lens, dtype=torch.int32)
-        cu = torch.zeros(len(items) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=cu[1:])
-        seq_of = torch.repeat_interleave(torch.arange(len(items)), q_lens)  # (T,) row of each token
-        positions = torch.arange(len(tokens)) - cu[seq_of] + torch.tensor(starts)[seq_of]  # (T,) int64
-        sample = torch.tensor([item.sample for item in items])
+        tokens = list(chain.from_iterable(item.seq.token_ids[s:s + n] for item, s, n in zip(items, starts, query_lens)))
+        tables = [self.blocks.block_table(item.seq.seq_id) for item in items]
+        ctx, positions = build_context(starts, query_lens, tables, self.block_size, self.device,
+                                       decode=not out.is_prefill)
+        # The last token of each sampled sequence.
+        sample_idx = [end - 1 for end, item in zip(accumulate(query_lens), items) if item.sample]
         dev = self.device
-        ctx = AttentionContext(
-            is_decode=not out.is_prefill and all(n == 1 for n in query_lens),
-            slot_block=block_tables[seq_of, positions // bs].long().to(dev),
-            slot_offset=(positions % bs).to(dev),
-            block_tables=block_tables.to(dev),
-            query_lens=query_lens,
-            context_lens=context_lens,
-            context_lens_t=torch.tensor(context_lens, dtype=torch.int32).to(dev),
-            cu_query_lens=cu.to(dev),
-            max_context_len=max(context_lens),
-            max_query_len=max(query_lens),
-            block_size=bs,
-        )
-        if ctx.is_decode and self.backend.needs_decode_groups:
-            ctx.decode_groups = self._decode_groups(tables, context_lens)
-        sample_idx = (cu[1:].long() - 1)[sample]
-        return (torch.tensor(tokens, dtype=torch.long).to(dev), positions.to(dev), ctx, sample_idx.to(dev))
-
-    def _decode_groups(self, tables: list[list[int]], context_lens: list[int]):
-        """SDPA's decode: rows grouped by context length (see AttentionContext.decode_groups)."""
-        rows_by_len: dict[int, list[int]] = {}
-        for i, c in enumerate(context_lens):
-            rows_by_len.setdefault(c, []).append(i)
-        dev = self.device
-        bs = self.block_size
-        return [(torch.tensor(rows, device=dev),
-                 torch.tensor([tables[i][: -(-c // bs)] for i in rows], dtype=torch.long, device=dev), c)
-                for c, rows in rows_by_len.items()]
+        return (torch.tensor(tokens, dtype=torch.long).to(dev), positions, ctx,
+                torch.tensor(sample_idx, dtype=torch.long).to(dev))

@@ -47,6 +47,9 @@ namespace {
 
 constexpr int64_t KEYS = 8;        // keys per score vector (one AVX2 register)
 constexpr int64_t QUERY_TILE = 8;  // queries of one sequence per work item: they share K/V loads
+// Consecutive tokens of one layer sit a whole token's KV apart in the cache (46 KB for the
+// default model), too far for the hardware prefetcher: rows are prefetched this many keys ahead.
+constexpr int64_t PREFETCH_KEYS = 16;
 
 // ---- loads: every dtype widens exactly to float32 -------------------------------------------
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -123,8 +126,8 @@ inline __m256 exp_nonpositive(__m256 x) {
 // ---- one work item ---------------------------------------------------------------------------
 struct Geometry {
   int64_t nh, nkv, group, hd, block_size, max_blocks;
-  int64_t q_tok, q_head;           // strides of q (elements)
-  int64_t kb, kt, kh, vb, vt, vh;  // strides of k/v cache: block, token, head
+  int64_t q_tok, q_head;              // strides of q (elements)
+  int64_t cache_block, cache_token, cache_head;  // strides of k_cache and v_cache (equal)
 };
 
 struct Item {
@@ -135,12 +138,14 @@ struct Item {
 struct Scratch {
   std::vector<float> q, scores, acc, kv, denom;  // (R, hd), (R, S), (R, hd), (KEYS, hd), (R,)
   std::vector<float> zero;                       // (hd,) the row read for keys past the end
+  std::vector<int64_t> offsets, keys;            // (S,) cache offset of each key, (R,) keys row r sees
   void reserve(int64_t rows, int64_t max_keys, int64_t hd) {
     grow(q, rows * hd); grow(scores, rows * max_keys); grow(acc, rows * hd); grow(kv, KEYS * hd);
-    grow(denom, rows); grow(zero, hd);
+    grow(denom, rows); grow(zero, hd); grow(offsets, max_keys); grow(keys, rows);
   }
-  static void grow(std::vector<float>& v, int64_t n) {
-    if (static_cast<int64_t>(v.size()) < n) v.resize(n, 0.f);
+  template <typename V>
+  static void grow(std::vector<V>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n, V(0));
   }
 };
 
@@ -153,59 +158,70 @@ class Worker {
 
   void run(const Item& it) {
     const int64_t qlen = cu_q_[it.seq + 1] - cu_q_[it.seq];
-    const int64_t first_pos = ctx_[it.seq] - qlen;  // position of query 0
-    const int32_t* table = tables_ + static_cast<int64_t>(it.seq) * g_.max_blocks;
+    const int64_t pos0 = ctx_[it.seq] - qlen + it.q_begin;  // position of the tile's first query
     // Rows: query-major, then the group's q heads: row = (j - q_begin) * group + h.
     const int64_t nq = it.q_end - it.q_begin, rows = nq * g_.group, hd = g_.hd;
-    for (int64_t j = 0; j < nq; ++j)
-      for (int64_t h = 0; h < g_.group; ++h)
-        widen_row(q_ + (cu_q_[it.seq] + it.q_begin + j) * g_.q_tok + (it.kv_head * g_.group + h) * g_.q_head,
-                  s_.q.data() + (j * g_.group + h) * hd, hd);
-    const int64_t n_max = first_pos + it.q_end;  // keys seen by the tile's last query
+    const int64_t n_max = pos0 + nq;  // keys seen by the tile's last query
     const int64_t stride = (n_max + KEYS - 1) / KEYS * KEYS;
-    scores(table, it.kv_head, rows, first_pos + it.q_begin, n_max, stride);
-    float* denom = s_.denom.data();
-    for (int64_t r = 0; r < rows; ++r) denom[r] = softmax(s_.scores.data() + r * stride, first_pos + it.q_begin + r / g_.group + 1);
-    weighted_values(table, it.kv_head, rows, first_pos + it.q_begin, n_max, stride);
+    const int64_t tok0 = cu_q_[it.seq] + it.q_begin;
+    for (int64_t r = 0; r < rows; ++r) {
+      s_.keys[r] = pos0 + r / g_.group + 1;
+      widen_row(q_ + (tok0 + r / g_.group) * g_.q_tok + (it.kv_head * g_.group + r % g_.group) * g_.q_head,
+                s_.q.data() + r * hd, hd);
+    }
+    key_offsets(tables_ + static_cast<int64_t>(it.seq) * g_.max_blocks, it.kv_head, n_max);
+    scores(rows, n_max, stride);
+    for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
+    weighted_values(rows, n_max, stride);
     for (int64_t r = 0; r < rows; ++r) {
       float* acc = s_.acc.data() + r * hd;
-      const __m256 l = _mm256_set1_ps(denom[r]);
+      const __m256 l = _mm256_set1_ps(s_.denom[r]);
       for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(acc + d, _mm256_div_ps(_mm256_loadu_ps(acc + d), l));
-      const int64_t j = r / g_.group, h = r % g_.group;
-      store_row(acc, out_ + ((cu_q_[it.seq] + it.q_begin + j) * g_.nh + it.kv_head * g_.group + h) * hd, hd);
+      store_row(acc, out_ + ((tok0 + r / g_.group) * g_.nh + it.kv_head * g_.group + r % g_.group) * hd, hd);
     }
   }
 
  private:
-  const T* row(const T* cache, int64_t bs, int64_t ts, int64_t hs, const int32_t* table, int64_t kv_head, int64_t pos) const {
-    return cache + table[pos / g_.block_size] * bs + (pos % g_.block_size) * ts + kv_head * hs;
+  // offsets[k]: where key k's row of this kv head starts, in elements from the cache base.
+  void key_offsets(const int32_t* table, int64_t kv_head, int64_t n) {
+    int64_t* off = s_.offsets.data();
+    for (int64_t k0 = 0, b = 0; k0 < n; k0 += g_.block_size, ++b) {
+      const int64_t base = table[b] * g_.cache_block + kv_head * g_.cache_head;
+      for (int64_t t = 0; t < g_.block_size && k0 + t < n; ++t) off[k0 + t] = base + t * g_.cache_token;
+    }
   }
 
-  // Key rows [k0, k0+8) as float32 pointers; rows past n read zeros.
-  void key_rows(const T* cache, int64_t bs, int64_t ts, int64_t hs, const int32_t* table, int64_t kv_head,
-                int64_t k0, int64_t n, const float** out) {
+  // Rows [k0, k0+8) of K or V as float32 pointers; rows past n read zeros. Prefetches the
+  // rows PREFETCH_KEYS further on.
+  void key_rows(const T* cache, int64_t k0, int64_t n, const float** out) {
+    const int64_t* off = s_.offsets.data();
+    const int64_t row_bytes = g_.hd * static_cast<int64_t>(sizeof(T));
+    for (int64_t k = k0 + PREFETCH_KEYS; k < std::min(n, k0 + PREFETCH_KEYS + KEYS); ++k) {
+      const char* p = reinterpret_cast<const char*>(cache + off[k]);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
     for (int64_t i = 0; i < KEYS; ++i) {
       const int64_t k = k0 + i;
       if (k >= n) {
         out[i] = s_.zero.data();
       } else if constexpr (std::is_same_v<T, float>) {
-        out[i] = row(cache, bs, ts, hs, table, kv_head, k);
+        out[i] = cache + off[k];
       } else {
         float* dst = s_.kv.data() + i * g_.hd;
-        widen_row(row(cache, bs, ts, hs, table, kv_head, k), dst, g_.hd);
+        widen_row(cache + off[k], dst, g_.hd);
         out[i] = dst;
       }
     }
   }
 
   // scores[r][k] = (q_r . K_k) * scale for every key group that row r reaches.
-  void scores(const int32_t* table, int64_t kv_head, int64_t rows, int64_t pos0, int64_t n_max, int64_t stride) {
+  void scores(int64_t rows, int64_t n_max, int64_t stride) {
     const float* krow[KEYS];
     const __m256 scale = _mm256_set1_ps(scale_);
     for (int64_t k0 = 0; k0 < n_max; k0 += KEYS) {
-      key_rows(k_, g_.kb, g_.kt, g_.kh, table, kv_head, k0, n_max, krow);
+      key_rows(k_, k0, n_max, krow);
       for (int64_t r = 0; r < rows; ++r) {
-        if (k0 > pos0 + r / g_.group) continue;  // no key of this group is visible to row r
+        if (k0 >= s_.keys[r]) continue;  // no key of this group is visible to row r
         const float* q = s_.q.data() + r * g_.hd;
         __m256 a[KEYS];
         for (int i = 0; i < KEYS; ++i) a[i] = _mm256_setzero_ps();
@@ -241,13 +257,13 @@ class Worker {
   }
 
   // acc[r] = sum over keys k <= pos_r of p[r][k] * V_k, FMA in increasing k.
-  void weighted_values(const int32_t* table, int64_t kv_head, int64_t rows, int64_t pos0, int64_t n_max, int64_t stride) {
+  void weighted_values(int64_t rows, int64_t n_max, int64_t stride) {
     std::fill(s_.acc.begin(), s_.acc.begin() + rows * g_.hd, 0.f);
     const float* vrow[KEYS];
     for (int64_t k0 = 0; k0 < n_max; k0 += KEYS) {
-      key_rows(v_, g_.vb, g_.vt, g_.vh, table, kv_head, k0, n_max, vrow);
+      key_rows(v_, k0, n_max, vrow);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t end = std::min<int64_t>(KEYS, pos0 + r / g_.group + 1 - k0);  // keys of this group row r sees
+        const int64_t end = std::min<int64_t>(KEYS, s_.keys[r] - k0);  // keys of this group row r sees
         if (end <= 0) continue;
         const float* p = s_.scores.data() + r * stride + k0;
         float* acc = s_.acc.data() + r * g_.hd;
@@ -302,6 +318,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(nkv > 0 && nh % nkv == 0, "paged_attention: num_heads ", nh, " is not a multiple of num_kv_heads ", nkv);
   TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "paged_attention: q, k_cache and v_cache need a contiguous last dimension");
+  TORCH_CHECK(k.strides() == v.strides(), "paged_attention: k_cache and v_cache must have equal strides "
+              "(views of one cache), got ", k.strides(), " and ", v.strides());
   for (const auto* t : {&tables, &cu_q, &ctx})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
                 "paged_attention: block_tables, cu_query_lens and context_lens must be contiguous int32");
@@ -367,7 +385,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at
   const int32_t* cx = ctx.const_data_ptr<int32_t>();
   check_lengths(tab, cq, cx, b, m, k.size(1), k.size(0), q.size(0));
   Geometry g{q.size(1), k.size(2), q.size(1) / k.size(2), q.size(2), k.size(1), m,
-             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)};
+             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2)};
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous (T, nh, hd)
   const float s = static_cast<float>(scale);
   switch (q.scalar_type()) {

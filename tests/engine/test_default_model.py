@@ -20,7 +20,7 @@ TOPICS = ["Hi", "What is 2+2?", "Name three colors.", "Explain photosynthesis in
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine.from_config(EngineConfig(attention_backend="sdpa", cache=CacheConfig(num_blocks=512)),
+    return LLMEngine.from_config(EngineConfig(cache=CacheConfig(num_blocks=512)),
                                  progress=False)
 
 
