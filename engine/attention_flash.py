@@ -74,14 +74,13 @@ class FlashAttention:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens_t,
                                      block_table=ctx.block_tables, softmax_scale=self.scale, causal=True)
             return out.squeeze(1)
-        if self.paged:
-            kk, vv, table = k_cache, v_cache, ctx.block_tables
-        else:
-            kk, vv, table = _packed_context(k_cache, ctx), _packed_context(v_cache, ctx), None
+        paged = {"block_table": ctx.block_tables} if self.paged else {}
+        kk = k_cache if self.paged else _packed_context(k_cache, ctx)
+        vv = v_cache if self.paged else _packed_context(v_cache, ctx)
         return self._varlen(
             q, kk, vv, cu_seqlens_q=ctx.cu_query_lens, cu_seqlens_k=ctx.cu_context_lens,
             max_seqlen_q=ctx.max_query_len, max_seqlen_k=ctx.max_context_len,
-            softmax_scale=self.scale, causal=True, block_table=table,
+            softmax_scale=self.scale, causal=True, **paged,
         )
 
     def _invariant(self, q: torch.Tensor, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
