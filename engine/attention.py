@@ -14,11 +14,14 @@ token's output is bitwise the same whatever else shares its step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -188,7 +191,12 @@ def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
         from engine.attention_paged import PagedAttention, paged_available
 
         if paged_available(device) and head_dim % 8 == 0:
-            return PagedAttention(num_heads, num_kv_heads, head_dim)
+            try:
+                return PagedAttention(num_heads, num_kv_heads, head_dim)
+            except Exception as exc:  # no compiler on this host: auto still serves, on SDPA
+                if name == "paged":
+                    raise
+                log.warning("paged attention kernel unavailable (%s); using SDPA", exc)
         if name == "paged":
             raise ValueError("attention_backend=paged needs an x86-64 CPU with AVX2 and FMA, the device cpu "
                              f"and head_dim a multiple of 8 (got device {device}, head_dim {head_dim})")

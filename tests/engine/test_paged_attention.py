@@ -161,3 +161,15 @@ def test_bad_inputs_raise_errors_naming_the_field(op, change, message):
     change(args)
     with pytest.raises(RuntimeError, match=message):
         op(args["q"], k_cache, v_cache, args["tables"], args["cu"], args["ctx"], HD ** -0.5)
+
+
+def test_auto_picks_the_paged_kernel_on_cpu_and_names_are_checked():
+    from engine.attention import select_backend
+
+    backend = select_backend("auto", torch.device("cpu"), NH, NKV, HD, BS)
+    assert backend.name == "paged" and backend.batch_invariant
+    assert select_backend("sdpa", torch.device("cpu"), NH, NKV, HD, BS).name == "sdpa"
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_backend("fast", torch.device("cpu"), NH, NKV, HD, BS)
+    with pytest.raises(ValueError, match="head_dim"):
+        select_backend("paged", torch.device("cpu"), 4, 2, 12, BS)
