@@ -8,10 +8,11 @@ cache laid out as the engine lays it out (30 layers, strided views): a decode ba
 staggered context lengths (100..1000, every sequence its own length, as under real traffic)
 and a 512-token prefill. Each backend call includes writing the new K/V. The backends are
 timed alternately, round after round, and the median per backend is reported, so a noisy
-machine shifts both alike. Times are CPU time of the process (``time.process_time``) at
+machine shifts both alike. Unless ``--no-step``, it also times the default model's whole
+decode forward (30 layers, the sequences at the same staggered lengths), alternating the
+backends the same way. Times are CPU time of the process (``time.process_time``) at
 ``--threads`` (default 1, as each cluster worker runs): on a shared machine, wall time
-mostly measures the neighbours. ``--step`` (default on) also times whole decode steps of the
-default model at the same staggered lengths, again alternating the two backends.
+mostly measures the neighbours.
 """
 
 from __future__ import annotations
@@ -74,34 +75,37 @@ def compare_layer(dtype: torch.dtype, starts, query_lens, decode: bool, rounds: 
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
-def compare_steps(dtype: str, rounds: int) -> dict[str, float]:
-    """Median ms per decode step of the default model, 16 sequences at staggered lengths."""
-    from engine.config import CacheConfig, EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
+def compare_steps(dtype: torch.dtype, rounds: int) -> dict[str, float]:
+    """Median ms per decode forward of the default model (all 30 layers, no sampling), 16
+    sequences at the staggered lengths. The cache holds random K/V: timing needs no prefill."""
+    from engine.kv_cache import KVCacheSpec, layer_views
+    from engine.loader import load_model
 
-    engines = {}
-    for name in ("paged", "sdpa"):
-        config = EngineConfig(dtype=dtype, attention_backend=name, cache=CacheConfig(num_blocks=1400))
-        if engines:  # share the weights
-            first = next(iter(engines.values()))
-            engines[name] = LLMEngine(first.runner.model, first.model_cfg, config, first.tokenizer)
-        else:
-            engines[name] = LLMEngine.from_config(config, progress=False)
-    params = SamplingParams(max_tokens=rounds + 4, ignore_eos=True)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in DECODE_LENS]
-    for engine in engines.values():
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
-            engine.step()  # prefill every prompt
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            start = time.process_time()
-            engine.step()
-            times[name].append(time.process_time() - start)
+    model, cfg, _ = load_model("default", dtype, torch.device("cpu"), progress=False)
+    starts = [c - 1 for c in DECODE_LENS]
+    spec = KVCacheSpec.of(cfg, BS, dtype)
+    num_blocks = sum(-(-c // BS) for c in DECODE_LENS) + 1
+    cache = spec.allocate(num_blocks, torch.device("cpu"))
+    cache.copy_(torch.randn(cache.shape))
+    perm = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for c in DECODE_LENS:
+        tables.append(perm[used:used + -(-c // BS)])
+        used += -(-c // BS)
+    ids = torch.randint(100, 40000, (len(starts),))
+    backends = {"paged": PagedAttention(NH, NKV, HD), "sdpa": SdpaAttention(NH, NKV, HD)}
+    views = [layer_views(cache, i) for i in range(cfg.num_layers)]
+    times: dict[str, list[float]] = {name: [] for name in backends}
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # round 0 warms up
+            for name, backend in backends.items():
+                for attn, (k, v) in zip(model.attention_layers, views):
+                    attn.bind_cache(k, v, backend)
+                ctx, positions = build_context(starts, [1] * len(starts), tables, BS, torch.device("cpu"), decode=True)
+                start = time.process_time()
+                model(ids, positions, ctx)
+                if r:
+                    times[name].append(time.process_time() - start)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
@@ -110,8 +114,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--step-rounds", type=int, default=8)
-    parser.add_argument("--no-step", action="store_true", help="skip the whole-model decode steps")
+    parser.add_argument("--step-rounds", type=int, default=5)
+    parser.add_argument("--no-step", action="store_true", help="skip the whole-model decode forward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
@@ -127,8 +131,8 @@ def main() -> None:
             r = compare_layer(dtype, starts, qlens, decode, args.rounds)
             print(f"| {name} | {label} | {r['paged']:.3f} | {r['sdpa']:.3f} | {r['sdpa'] / r['paged']:.2f} |")
         if not args.no_step:
-            r = compare_steps(name, args.step_rounds)
-            print(f"| {name} | decode step B=16, ctx 100..1000 (whole model) | {r['paged']:.1f} | {r['sdpa']:.1f} "
+            r = compare_steps(dtype, args.step_rounds)
+            print(f"| {name} | decode forward B=16, ctx 100..1000 (30 layers) | {r['paged']:.1f} | {r['sdpa']:.1f} "
                   f"| {r['sdpa'] / r['paged']:.2f} |")
 
 
