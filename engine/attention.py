@@ -6,8 +6,8 @@ A layer's cache is ``(num_blocks, block_size, num_kv_heads, head_dim)``, a strid
 the worker's single block-first cache tensor (see kv_cache.py).
 
 Backends (``select_backend``): ``paged``, pdserve's own batch-invariant C++ kernel, one call
-per layer for any mix of prefill and decode (CPU, attention_paged.py); ``flash``, flash-attn
-on CUDA (attention_flash.py); ``sdpa``, torch's SDPA, one call per sequence (prefill) or per
+per layer for any mix of prefill and decode (CPU, attention_paged.py); ``flash`` and
+``flash_invariant``, flash-attn on CUDA (attention_flash.py); ``sdpa``, torch's SDPA, one call per sequence (prefill) or per
 distinct context length (decode). Each says whether it is ``batch_invariant``: whether a
 token's output is bitwise the same whatever else shares its step.
 """
