@@ -1,17 +1,27 @@
-"""Paged attention: the per-step context object and the torch SDPA backend.
+"""Paged attention: the per-step context object, the torch SDPA backend, backend choice.
 
-Attention reads and writes the KV cache only through ``slot_mapping`` (where each new
+Attention reads and writes the KV cache only through the slot mapping (where each new
 token's K/V goes) and ``block_tables`` (where each sequence's earlier K/V lives).
 A layer's cache is ``(num_blocks, block_size, num_kv_heads, head_dim)``, a strided view into
 the worker's single block-first cache tensor (see kv_cache.py).
+
+Backends (``select_backend``): ``paged``, pdserve's own batch-invariant C++ kernel, one call
+per layer for any mix of prefill and decode (CPU, attention_paged.py); ``flash`` and
+``flash_invariant``, flash-attn on CUDA (attention_flash.py); ``sdpa``, torch's SDPA, one call per sequence (prefill) or per
+distinct context length (decode). Each says whether it is ``batch_invariant``: whether a
+token's output is bitwise the same whatever else shares its step.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -24,18 +34,53 @@ class AttentionContext:
     is_decode: bool  # every sequence has exactly one new token
     slot_block: torch.Tensor  # (T,) int64 block id of each new token's slot
     slot_offset: torch.Tensor  # (T,) int64 offset inside that block
-    block_tables: torch.Tensor  # (B, M) int64, padded with block 0
+    block_tables: torch.Tensor  # (B, M) int32, padded with block 0 past each sequence's end
     query_lens: list[int]  # (B,) new tokens per sequence
     context_lens: list[int]  # (B,) tokens in the cache after this step, new ones included
     context_lens_t: torch.Tensor  # (B,) int32 on device, for kernels
     cu_query_lens: torch.Tensor  # (B+1,) int32 prefix sums of query_lens
-    # Decode only: sequences grouped by context length, as (row indices (G,), block tables
-    # (G, ceil(len/bs)), len). Each group is one unpadded, unmasked attention call, so a
-    # sequence's result never depends on its batch company (padding + masking changes the
-    # reduction order of the CPU kernels, enough to flip a bfloat16 argmax).
+    cu_context_lens: torch.Tensor  # (B+1,) int32 prefix sums of context_lens (flash-attn's varlen)
+    # SDPA's decode only, built by its first layer in a step: sequences grouped by context
+    # length, as (row indices (G,), block tables (G, ceil(len/bs)), len). Each group is one
+    # unpadded, unmasked attention call, so a sequence's result never depends on its batch
+    # company (padding + masking changes the reduction order of the CPU kernels, enough to
+    # flip a bfloat16 argmax).
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
     max_context_len: int = 0
+    max_query_len: int = 0
     block_size: int = 16
+
+
+def build_context(starts: list[int], query_lens: list[int], tables: list[list[int]], block_size: int,
+                  device: torch.device, decode: bool) -> tuple[AttentionContext, torch.Tensor]:
+    """The step's context and positions (T,) for B sequences, each with ``starts[b]`` tokens
+    already cached, ``query_lens[b]`` new ones and block table ``tables[b]`` (at least long
+    enough). Per token, only tensor ops run: this is on every step's path."""
+    bs = block_size
+    context_lens = [s + n for s, n in zip(starts, query_lens)]
+    used = [-(-c // bs) for c in context_lens]
+    width = max(used)
+    block_tables = torch.tensor([t[:u] + [0] * (width - u) for t, u in zip(tables, used)], dtype=torch.int32)
+    q_lens = torch.tensor(query_lens, dtype=torch.int32)
+    cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    torch.cumsum(q_lens, 0, out=cu[1:])
+    seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # (T,) sequence of each token
+    positions = torch.arange(int(cu[-1])) - cu[seq_of] + torch.tensor(starts)[seq_of]  # (T,) int64
+    ctx = AttentionContext(
+        is_decode=decode and all(n == 1 for n in query_lens),
+        slot_block=block_tables[seq_of, positions // bs].long().to(device),
+        slot_offset=(positions % bs).to(device),
+        block_tables=block_tables.to(device),
+        query_lens=query_lens,
+        context_lens=context_lens,
+        context_lens_t=torch.tensor(context_lens, dtype=torch.int32).to(device),
+        cu_query_lens=cu.to(device),
+        cu_context_lens=torch.tensor([0, *accumulate(context_lens)], dtype=torch.int32).to(device),
+        max_context_len=max(context_lens),
+        max_query_len=max(query_lens),
+        block_size=bs,
+    )
+    return ctx, positions.to(device)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,9 +98,14 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
 
 
 class SdpaAttention:
-    """torch ``scaled_dot_product_attention`` over the paged cache (CPU and CUDA)."""
+    """torch ``scaled_dot_product_attention`` over the paged cache (CPU and CUDA).
+
+    Not batch-invariant across phases: a prompt token's prefill result and the same
+    position recomputed after a preemption go through different SDPA kernels.
+    """
 
     name = "sdpa"
+    batch_invariant = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.scale = head_dim ** -0.5
@@ -71,6 +121,8 @@ class SdpaAttention:
 
     def _decode(self, q, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
         q = q.unsqueeze(2)  # (B, nh, 1, hd)
+        if ctx.decode_groups is None:
+            ctx.decode_groups = _decode_groups(ctx)
         if len(ctx.decode_groups) == 1:
             return self._decode_group(q, k_cache, v_cache, *ctx.decode_groups[0][1:])
         out = torch.empty_like(q)
@@ -112,17 +164,47 @@ class SdpaAttention:
         return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
+BACKENDS = ("auto", "paged", "sdpa", "flash", "flash_invariant")
+
+
+def _decode_groups(ctx: AttentionContext) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    rows_by_len: dict[int, list[int]] = {}
+    for i, c in enumerate(ctx.context_lens):
+        rows_by_len.setdefault(c, []).append(i)
+    groups = []
+    for c, rows in rows_by_len.items():
+        idx = torch.tensor(rows, device=ctx.block_tables.device)
+        groups.append((idx, ctx.block_tables[idx, : -(-c // ctx.block_size)].long(), c))
+    return groups
+
+
 def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
                    head_dim: int, block_size: int):
-    """``auto`` picks flash-attn on CUDA when the package imports, SDPA otherwise."""
-    if name not in ("auto", "sdpa", "flash"):
-        raise ValueError(f"attention_backend must be auto, sdpa or flash, got {name!r}")
+    """``auto``: flash-attn on CUDA when the package imports, SDPA otherwise there; on CPU the
+    ``paged`` kernel where the CPU has AVX2 + FMA, SDPA otherwise. ``flash_invariant`` is
+    flash-attn in its batch-invariant mode (attention_flash.py)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "sdpa":
+        return SdpaAttention(num_heads, num_kv_heads, head_dim)
+    if name == "paged" or (name == "auto" and device.type == "cpu"):
+        from engine.attention_paged import PagedAttention, paged_available
+
+        if paged_available(device) and head_dim % 8 == 0:
+            try:
+                return PagedAttention(num_heads, num_kv_heads, head_dim)
+            except Exception as exc:  # no compiler on this host: auto still serves, on SDPA
+                if name == "paged":
+                    raise
+                log.warning("paged attention kernel unavailable (%s); using SDPA", exc)
+        if name == "paged":
+            raise ValueError("attention_backend=paged needs an x86-64 CPU with AVX2 and FMA, the device cpu "
+                             f"and head_dim a multiple of 8 (got device {device}, head_dim {head_dim})")
         return SdpaAttention(num_heads, num_kv_heads, head_dim)
     from engine.attention_flash import FlashAttention, flash_available
 
     if flash_available(device):
-        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size)
-    if name == "flash":
-        raise ValueError("attention_backend=flash needs CUDA and the flash-attn package (pip install '.[gpu]')")
+        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size, batch_invariant=name == "flash_invariant")
+    if name in ("flash", "flash_invariant"):
+        raise ValueError(f"attention_backend={name} needs CUDA and the flash-attn package (pip install '.[gpu]')")
     return SdpaAttention(num_heads, num_kv_heads, head_dim)

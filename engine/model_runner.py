@@ -8,9 +8,11 @@ prompt or are decoding.
 
 from __future__ import annotations
 
+from itertools import accumulate, chain
+
 import torch
 
-from engine.attention import AttentionContext, select_backend
+from engine.attention import AttentionContext, build_context, select_backend
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.kv_cache import layer_views
@@ -53,64 +55,17 @@ class ModelRunner:
         return SampledTokens(dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {})
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slot_block: list[int] = []
-        slot_offset: list[int] = []
-        tables: list[list[int]] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        sample_idx: list[int] = []
-        for item in out.seqs:
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            table = self.blocks.block_table(seq.seq_id)
-            tokens.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            for p in range(start, start + n):
-                slot_block.append(table[p // bs])
-                slot_offset.append(p % bs)
-            tables.append(table[: -(-(start + n) // bs)])
-            query_lens.append(n)
-            context_lens.append(start + n)
-            if item.sample:
-                sample_idx.append(len(tokens) - 1)
+        """Packed token ids (T,), positions (T,), the step's ``AttentionContext`` and the rows
+        to sample. Python touches each sequence once (its token slice and block table)."""
+        items = out.seqs
+        starts = [item.seq.num_computed_tokens for item in items]
+        query_lens = [item.num_new_tokens for item in items]
+        tokens = list(chain.from_iterable(item.seq.token_ids[s:s + n] for item, s, n in zip(items, starts, query_lens)))
+        tables = [self.blocks.block_table(item.seq.seq_id) for item in items]
+        ctx, positions = build_context(starts, query_lens, tables, self.block_size, self.device,
+                                       decode=not out.is_prefill)
+        # The last token of each sampled sequence.
+        sample_idx = [end - 1 for end, item in zip(accumulate(query_lens), items) if item.sample]
         dev = self.device
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        max_ctx = max(context_lens)
-        ctx = AttentionContext(
-            is_decode=not out.is_prefill and all(n == 1 for n in query_lens),
-            slot_block=torch.tensor(slot_block, dtype=torch.long, device=dev),
-            slot_offset=torch.tensor(slot_offset, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
-            query_lens=query_lens,
-            context_lens=context_lens,
-            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            cu_query_lens=torch.tensor([0] + _cumsum(query_lens), dtype=torch.int32, device=dev),
-            max_context_len=max_ctx,
-            block_size=bs,
-        )
-        if ctx.is_decode:
-            ctx.decode_groups = self._decode_groups(tables, context_lens)
-        return (torch.tensor(tokens, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), ctx,
-                torch.tensor(sample_idx, dtype=torch.long, device=dev))
-
-    def _decode_groups(self, tables: list[list[int]], context_lens: list[int]):
-        rows_by_len: dict[int, list[int]] = {}
-        for i, c in enumerate(context_lens):
-            rows_by_len.setdefault(c, []).append(i)
-        dev = self.device
-        return [(torch.tensor(rows, device=dev),
-                 torch.tensor([tables[i] for i in rows], dtype=torch.long, device=dev), c)
-                for c, rows in rows_by_len.items()]
-
-
-def _cumsum(xs: list[int]) -> list[int]:
-    out, total = [], 0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
+        return (torch.tensor(tokens, dtype=torch.long).to(dev), positions, ctx,
+                torch.tensor(sample_idx, dtype=torch.long).to(dev))

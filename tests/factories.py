@@ -39,7 +39,7 @@ def save_hf_model(model, directory: Path) -> Path:
 
 def engine_config(model_dir: Path | str, dtype: str = "float32", num_blocks: int | None = 256,
                   block_size: int = 16, enable_prefix_cache: bool = True, device: str = "cpu",
-                  attention_backend: str = "sdpa", **scheduler) -> EngineConfig:
+                  attention_backend: str = "auto", **scheduler) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir), dtype=dtype, device=device, attention_backend=attention_backend,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_cache=enable_prefix_cache),

@@ -20,7 +20,7 @@ TOPICS = ["Hi", "What is 2+2?", "Name three colors.", "Explain photosynthesis in
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine.from_config(EngineConfig(attention_backend="sdpa", cache=CacheConfig(num_blocks=512)),
+    return LLMEngine.from_config(EngineConfig(cache=CacheConfig(num_blocks=512)),
                                  progress=False)
 
 
@@ -72,7 +72,7 @@ def test_concurrent_with_preemption_equals_alone(engine, prompts):
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
     # 100 blocks x 16 = 1,600 slots for ~2,000 tokens of prompts + outputs: someone is preempted.
     small = LLMEngine(engine.runner.model, engine.model_cfg, EngineConfig(
-        attention_backend="sdpa", cache=CacheConfig(num_blocks=100),
+        cache=CacheConfig(num_blocks=100),
         scheduler=SchedulerConfig(max_num_batched_tokens=512)), engine.tokenizer)
     together = run_staggered(small, prompts, params, join_every=2)
     assert small.scheduler.num_preemptions > 0

@@ -1,0 +1,406 @@
+// Paged attention on CPU: one call per layer for a whole step (decode, prefill, chunked
+// prefill, or a mix of them), reading K/V in place through the block tables.
+//
+//   torch.ops.pdserve.paged_attention(q (T, nh, hd), k_cache, v_cache (num_blocks, block_size,
+//       nkv, hd) strided views, block_tables (B, M) int32, cu_query_lens (B+1) int32,
+//       context_lens (B) int32, scale float) -> out (T, nh, hd), the dtype of q
+//
+// Query j of sequence b (token cu_query_lens[b] + j) sits at position
+// context_lens[b] - query_len + j and attends to cache positions [0, pos]: its own K/V is
+// already in the cache (the caller writes the new tokens' K/V first).
+//
+// Why the result is batch-invariant (bitwise, in every dtype, at any thread count):
+// a query row's output is computed by one fixed sequence of float32 operations that reads
+// only its own q and the K/V rows of positions 0..pos, and nothing about the batch, the
+// chunking or the thread can change that sequence:
+//   - score s_k = reduce8(lane sums) * scale, where lane l accumulates q[d] * K_k[d] for
+//     d = l, l+8, l+16, ... by FMA in increasing d, and reduce8 adds the 8 lanes in one fixed
+//     tree. Scores are always produced 8 keys at a time at absolute key indices (8i..8i+7),
+//     keys past the row's end read a zero row and are discarded; no key's arithmetic depends
+//     on its neighbours.
+//   - m = max_k s_k (exact, order-free); p_k = exp(s_k - m) by the vectorised polynomial
+//     exp below (FMA only, no libm, so no CPU dispatch); l = fixed tree over 8 lane sums,
+//     lane i summing p_k for k = i mod 8 in increasing k; past-the-end lanes add an exact 0.
+//   - out[d] = (sum_k p_k * V_k[d], FMA in increasing k, keys past pos never touched) / l.
+// Parallelism is over (sequence, kv head, tile of queries) work items, each computed by one
+// thread start to finish, with no reduction across threads; a tile only shares loads of
+// K/V rows between its rows, never partial results. bf16/f16 inputs are widened exactly
+// to float32 on load; the output is rounded once at the end. The build flags
+// (engine/cpu_kernels.py) pin AVX2 + FMA and -ffp-contract=off, so the same bits come out
+// on every x86 machine. Decode, a prefill chunk and a preemption recompute of the same
+// position therefore produce identical bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t KEYS = 8;        // keys per score vector (one AVX2 register)
+constexpr int64_t QUERY_TILE = 8;  // queries of one sequence per work item: they share K/V loads
+// Consecutive tokens of one layer sit a whole token's KV apart in the cache (46 KB for the
+// default model), too far for the hardware prefetcher: rows are prefetched this many keys ahead.
+constexpr int64_t PREFETCH_KEYS = 16;
+
+// ---- loads: every dtype widens exactly to float32 -------------------------------------------
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t hd) {
+  for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t hd) {
+  for (int64_t d = 0; d < hd; ++d) dst[d] = static_cast<T>(src[d]);  // round to nearest even
+}
+template <>
+inline void store_row<float>(const float* src, float* dst, int64_t hd) {
+  std::copy(src, src + hd, dst);
+}
+
+// ---- fixed reductions ------------------------------------------------------------------------
+// 8 accumulators (one per key) -> one vector of their 8 lane sums. Every key gets the same
+// tree: ((x0+x4)+(x1+x5)) + ((x2+x6)+(x3+x7)).
+inline __m256 reduce8(const __m256* a) {
+  __m256 u04 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[4], 0x20), _mm256_permute2f128_ps(a[0], a[4], 0x31));
+  __m256 u15 = _mm256_add_ps(_mm256_permute2f128_ps(a[1], a[5], 0x20), _mm256_permute2f128_ps(a[1], a[5], 0x31));
+  __m256 u26 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[6], 0x20), _mm256_permute2f128_ps(a[2], a[6], 0x31));
+  __m256 u37 = _mm256_add_ps(_mm256_permute2f128_ps(a[3], a[7], 0x20), _mm256_permute2f128_ps(a[3], a[7], 0x31));
+  return _mm256_hadd_ps(_mm256_hadd_ps(u04, u15), _mm256_hadd_ps(u26, u37));
+}
+
+inline float hsum(__m256 v) {  // (l0+l4)+(l2+l6) + (l1+l5)+(l3+l7), always this tree
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {  // max is exact: the order does not matter
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (Cephes
+// coefficients), times 2^n built in the exponent bits. Below -87.3 (2^-126) it returns 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(underflow, y);
+}
+
+// ---- one work item ---------------------------------------------------------------------------
+struct Geometry {
+  int64_t nh, nkv, group, hd, block_size, max_blocks;
+  int64_t q_tok, q_head;              // strides of q (elements)
+  int64_t cache_block, cache_token, cache_head;  // strides of k_cache and v_cache (equal)
+};
+
+struct Item {
+  int32_t seq, kv_head, q_begin, q_end;  // queries [q_begin, q_end) of the sequence
+};
+
+// Per-thread buffers, kept between calls (a layer call must not pay for zeroing them).
+struct Scratch {
+  std::vector<float> q, scores, acc, kv, denom;  // (R, hd), (R, S), (R, hd), (KEYS, hd), (R,)
+  std::vector<float> zero;                       // (hd,) the row read for keys past the end
+  std::vector<int64_t> offsets, keys;            // (S,) cache offset of each key, (R,) keys row r sees
+  void reserve(int64_t rows, int64_t max_keys, int64_t hd) {
+    grow(q, rows * hd); grow(scores, rows * max_keys); grow(acc, rows * hd); grow(kv, KEYS * hd);
+    grow(denom, rows); grow(zero, hd); grow(offsets, max_keys); grow(keys, rows);
+  }
+  template <typename V>
+  static void grow(std::vector<V>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n, V(0));
+  }
+};
+
+template <typename T>
+class Worker {
+ public:
+  Worker(const Geometry& g, const T* q, const T* k, const T* v, T* out, const int32_t* tables,
+         const int32_t* cu_q, const int32_t* ctx, float scale, Scratch& s)
+      : g_(g), q_(q), k_(k), v_(v), out_(out), tables_(tables), cu_q_(cu_q), ctx_(ctx), scale_(scale), s_(s) {}
+
+  void run(const Item& it) {
+    const int64_t qlen = cu_q_[it.seq + 1] - cu_q_[it.seq];
+    const int64_t pos0 = ctx_[it.seq] - qlen + it.q_begin;  // position of the tile's first query
+    // Rows: query-major, then the group's q heads: row = (j - q_begin) * group + h.
+    const int64_t nq = it.q_end - it.q_begin, rows = nq * g_.group, hd = g_.hd;
+    const int64_t n_max = pos0 + nq;  // keys seen by the tile's last query
+    const int64_t stride = (n_max + KEYS - 1) / KEYS * KEYS;
+    const int64_t tok0 = cu_q_[it.seq] + it.q_begin;
+    for (int64_t r = 0; r < rows; ++r) {
+      s_.keys[r] = pos0 + r / g_.group + 1;
+      widen_row(q_ + (tok0 + r / g_.group) * g_.q_tok + (it.kv_head * g_.group + r % g_.group) * g_.q_head,
+                s_.q.data() + r * hd, hd);
+    }
+    key_offsets(tables_ + static_cast<int64_t>(it.seq) * g_.max_blocks, it.kv_head, n_max);
+    scores(rows, n_max, stride);
+    for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
+    weighted_values(rows, n_max, stride);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* acc = s_.acc.data() + r * hd;
+      const __m256 l = _mm256_set1_ps(s_.denom[r]);
+      for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(acc + d, _mm256_div_ps(_mm256_loadu_ps(acc + d), l));
+      store_row(acc, out_ + ((tok0 + r / g_.group) * g_.nh + it.kv_head * g_.group + r % g_.group) * hd, hd);
+    }
+  }
+
+ private:
+  // offsets[k]: where key k's row of this kv head starts, in elements from the cache base.
+  void key_offsets(const int32_t* table, int64_t kv_head, int64_t n) {
+    int64_t* off = s_.offsets.data();
+    for (int64_t k0 = 0, b = 0; k0 < n; k0 += g_.block_size, ++b) {
+      const int64_t base = table[b] * g_.cache_block + kv_head * g_.cache_head;
+      for (int64_t t = 0; t < g_.block_size && k0 + t < n; ++t) off[k0 + t] = base + t * g_.cache_token;
+    }
+  }
+
+  // Rows [k0, k0+8) of K or V as float32 pointers; rows past n read zeros. Prefetches the
+  // rows PREFETCH_KEYS further on.
+  void key_rows(const T* cache, int64_t k0, int64_t n, const float** out) {
+    const int64_t* off = s_.offsets.data();
+    const int64_t row_bytes = g_.hd * static_cast<int64_t>(sizeof(T));
+    for (int64_t k = k0 + PREFETCH_KEYS; k < std::min(n, k0 + PREFETCH_KEYS + KEYS); ++k) {
+      const char* p = reinterpret_cast<const char*>(cache + off[k]);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+    for (int64_t i = 0; i < KEYS; ++i) {
+      const int64_t k = k0 + i;
+      if (k >= n) {
+        out[i] = s_.zero.data();
+      } else if constexpr (std::is_same_v<T, float>) {
+        out[i] = cache + off[k];
+      } else {
+        float* dst = s_.kv.data() + i * g_.hd;
+        widen_row(cache + off[k], dst, g_.hd);
+        out[i] = dst;
+      }
+    }
+  }
+
+  // scores[r][k] = (q_r . K_k) * scale for every key group that row r reaches.
+  void scores(int64_t rows, int64_t n_max, int64_t stride) {
+    const float* krow[KEYS];
+    const __m256 scale = _mm256_set1_ps(scale_);
+    for (int64_t k0 = 0; k0 < n_max; k0 += KEYS) {
+      key_rows(k_, k0, n_max, krow);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (k0 >= s_.keys[r]) continue;  // no key of this group is visible to row r
+        const float* q = s_.q.data() + r * g_.hd;
+        __m256 a[KEYS];
+        for (int i = 0; i < KEYS; ++i) a[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < g_.hd; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + d);
+          for (int i = 0; i < KEYS; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[i] + d), a[i]);
+        }
+        _mm256_storeu_ps(s_.scores.data() + r * stride + k0, _mm256_mul_ps(reduce8(a), scale));
+      }
+    }
+  }
+
+  // In place: scores[0, n) -> exp(s - max); returns the fixed-order sum.
+  static float softmax(float* s, int64_t n) {
+    const int64_t groups = (n + KEYS - 1) / KEYS;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    auto valid = [&](int64_t k0) {  // lanes k0 + i < n
+      return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - k0)), lane));
+    };
+    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 mx = ninf;
+    for (int64_t g = 0; g < groups; ++g)
+      mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + g * KEYS), valid(g * KEYS)));
+    const __m256 m = _mm256_set1_ps(hmax(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + g * KEYS), m));
+      p = _mm256_and_ps(p, valid(g * KEYS));
+      _mm256_storeu_ps(s + g * KEYS, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    return hsum(sum);
+  }
+
+  // acc[r] = sum over keys k <= pos_r of p[r][k] * V_k, FMA in increasing k.
+  void weighted_values(int64_t rows, int64_t n_max, int64_t stride) {
+    std::fill(s_.acc.begin(), s_.acc.begin() + rows * g_.hd, 0.f);
+    const float* vrow[KEYS];
+    for (int64_t k0 = 0; k0 < n_max; k0 += KEYS) {
+      key_rows(v_, k0, n_max, vrow);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t end = std::min<int64_t>(KEYS, s_.keys[r] - k0);  // keys of this group row r sees
+        if (end <= 0) continue;
+        const float* p = s_.scores.data() + r * stride + k0;
+        float* acc = s_.acc.data() + r * g_.hd;
+        int64_t d = 0;
+        for (; d + 32 <= g_.hd; d += 32) {  // four registers of the row at a time
+          __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+          __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+          for (int64_t i = 0; i < end; ++i) {
+            const __m256 w = _mm256_set1_ps(p[i]);
+            const float* vr = vrow[i] + d;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+          }
+          _mm256_storeu_ps(acc + d, a0); _mm256_storeu_ps(acc + d + 8, a1);
+          _mm256_storeu_ps(acc + d + 16, a2); _mm256_storeu_ps(acc + d + 24, a3);
+        }
+        for (; d < g_.hd; d += 8) {
+          __m256 a = _mm256_loadu_ps(acc + d);
+          for (int64_t i = 0; i < end; ++i) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(vrow[i] + d), a);
+          _mm256_storeu_ps(acc + d, a);
+        }
+      }
+    }
+  }
+
+  const Geometry& g_;
+  const T *q_, *k_, *v_;
+  T* out_;
+  const int32_t *tables_, *cu_q_, *ctx_;
+  float scale_;
+  Scratch& s_;
+};
+
+// ---- validation ------------------------------------------------------------------------------
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                  const at::Tensor& cu_q, const at::Tensor& ctx) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention: q must be on the CPU, got ", q.device());
+  TORCH_CHECK(q.dim() == 3, "paged_attention: q must be (T, nh, hd), got ", q.sizes());
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(),
+              "paged_attention: k_cache and v_cache must both be (num_blocks, block_size, nkv, hd), got ",
+              k.sizes(), " and ", v.sizes());
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "paged_attention: dtype must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, "paged_attention: k_cache/v_cache dtype ",
+              k.scalar_type(), "/", v.scalar_type(), " differs from q's ", dt);
+  const int64_t nh = q.size(1), hd = q.size(2), nkv = k.size(2);
+  TORCH_CHECK(k.size(3) == hd, "paged_attention: cache head_dim ", k.size(3), " differs from q's ", hd);
+  TORCH_CHECK(hd % 8 == 0 && hd > 0, "paged_attention: head_dim must be a positive multiple of 8, got ", hd);
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "paged_attention: num_heads ", nh, " is not a multiple of num_kv_heads ", nkv);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "paged_attention: q, k_cache and v_cache need a contiguous last dimension");
+  TORCH_CHECK(k.strides() == v.strides(), "paged_attention: k_cache and v_cache must have equal strides "
+              "(views of one cache), got ", k.strides(), " and ", v.strides());
+  for (const auto* t : {&tables, &cu_q, &ctx})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "paged_attention: block_tables, cu_query_lens and context_lens must be contiguous int32");
+  TORCH_CHECK(tables.dim() == 2, "paged_attention: block_tables must be (B, M), got ", tables.sizes());
+  const int64_t b = tables.size(0);
+  TORCH_CHECK(cu_q.dim() == 1 && cu_q.numel() == b + 1, "paged_attention: cu_query_lens must have B+1 = ", b + 1,
+              " entries, got ", cu_q.numel());
+  TORCH_CHECK(ctx.dim() == 1 && ctx.numel() == b, "paged_attention: context_lens must have B = ", b,
+              " entries, got ", ctx.numel());
+}
+
+void check_lengths(const int32_t* tables, const int32_t* cu_q, const int32_t* ctx, int64_t b, int64_t m,
+                   int64_t block_size, int64_t num_blocks, int64_t tokens) {
+  TORCH_CHECK(cu_q[0] == 0 && cu_q[b] == tokens, "paged_attention: cu_query_lens must run from 0 to T = ", tokens,
+              ", got ", cu_q[0], "..", cu_q[b]);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t qlen = cu_q[i + 1] - cu_q[i];
+    TORCH_CHECK(qlen >= 0 && qlen <= ctx[i], "paged_attention: sequence ", i, " has query_len ", qlen,
+                " outside [0, context_len = ", ctx[i], "]");
+    const int64_t used = (ctx[i] + block_size - 1) / block_size;
+    TORCH_CHECK(used <= m, "paged_attention: sequence ", i, " needs ", used, " blocks, block_tables has ", m);
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t blk = tables[i * m + j];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention: block_tables[", i, "][", j, "] = ", blk,
+                  " outside [0, num_blocks = ", num_blocks, ")");
+    }
+  }
+}
+
+template <typename T>
+void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+             const int32_t* tables, const int32_t* cu_q, const int32_t* ctx, int64_t b, float scale) {
+  std::vector<Item> items;
+  int64_t max_ctx = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const int32_t qlen = cu_q[i + 1] - cu_q[i];
+    max_ctx = std::max<int64_t>(max_ctx, ctx[i]);
+    // Latest tiles first: they see the most keys, and dynamic scheduling then balances the tail.
+    for (int32_t end = qlen; end > 0; end -= QUERY_TILE)
+      for (int32_t h = 0; h < g.nkv; ++h) items.push_back({static_cast<int32_t>(i), h, std::max<int32_t>(0, end - QUERY_TILE), end});
+  }
+  if (items.empty()) return;
+  const int64_t max_keys = (max_ctx + KEYS - 1) / KEYS * KEYS;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  // Which thread runs an item never changes its arithmetic, so a work queue is safe here.
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    thread_local Scratch scratch;
+    scratch.reserve(QUERY_TILE * g.group, max_keys, g.hd);
+    Worker<T> w(g, q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
+                tables, cu_q, ctx, scale, scratch);
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) w.run(items[i]);
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                           const at::Tensor& cu_q, const at::Tensor& ctx, double scale) {
+  check_inputs(q_in, k, v, tables, cu_q, ctx);
+  const at::Tensor q = q_in;
+  const int64_t b = tables.size(0), m = tables.size(1);
+  const int32_t* tab = tables.const_data_ptr<int32_t>();
+  const int32_t* cq = cu_q.const_data_ptr<int32_t>();
+  const int32_t* cx = ctx.const_data_ptr<int32_t>();
+  check_lengths(tab, cq, cx, b, m, k.size(1), k.size(0), q.size(0));
+  Geometry g{q.size(1), k.size(2), q.size(1) / k.size(2), q.size(2), k.size(1), m,
+             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2)};
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous (T, nh, hd)
+  const float s = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat: run_all<float>(g, q, k, v, out, tab, cq, cx, b, s); break;
+    case at::kBFloat16: run_all<c10::BFloat16>(g, q, k, v, out, tab, cq, cx, b, s); break;
+    default: run_all<c10::Half>(g, q, k, v, out, tab, cq, cx, b, s); break;
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_query_lens, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,175 @@
+"""torch.ops.pdserve.paged_attention: against a float64 reference, and batch invariance.
+
+The cache here has the engine's layout (a 6-D block-first tensor seen through strided layer
+views), block tables are shuffled (a sequence's blocks are not adjacent) and lengths end in
+partly filled blocks.
+"""
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.attention_paged import load_kernel
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 and FMA")
+
+NH, NKV, HD, BS = 9, 3, 64, 16  # the default model's attention geometry
+
+
+@pytest.fixture(scope="module")
+def op():
+    load_kernel()
+    return torch.ops.pdserve.paged_attention
+
+
+def make_cache(dtype, num_blocks=160, layers=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(num_blocks, BS, layers, 2, NKV, HD, generator=g).to(dtype)
+    return cache[:, :, 1, 0], cache[:, :, 1, 1]  # strided (num_blocks, BS, NKV, HD) views
+
+
+def make_batch(query_lens, context_lens, dtype, num_blocks=160, seed=1):
+    """q (T, NH, HD) and shuffled int32 block tables for the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g)
+    width = max(-(-c // BS) for c in context_lens)
+    tables = torch.zeros(len(context_lens), width, dtype=torch.int32)
+    used = 0
+    for i, c in enumerate(context_lens):
+        n = -(-c // BS)
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), NH, HD, generator=g).to(dtype)
+    return q, tables, cu, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def reference(q, k_cache, v_cache, tables, cu, ctx):
+    """Causal softmax attention in float64, sequence by sequence, over gathered K/V."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, c in enumerate(ctx.tolist()):
+        s, e = cu[b].item(), cu[b + 1].item()
+        blocks = tables[b, : -(-c // BS)].long()
+        k = k_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(NH // NKV, 1)  # (c, NH, HD)
+        v = v_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(NH // NKV, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].double(), k) * HD ** -0.5
+        pos = torch.arange(c - (e - s), c).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(c).unsqueeze(0) > pos, float("-inf"))
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+CASES = {
+    "decode": ([1, 1, 1, 1], [1, 17, 300, 64]),
+    "prefill": ([40, 7, 129], [40, 7, 129]),
+    "chunked-prefill": ([32, 50], [96, 150]),  # later chunks of long prompts
+    "mixed": ([1, 33, 1, 5, 1], [250, 33, 16, 200, 2]),  # decode rows beside prompt chunks
+}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_float64_reference(op, case, dtype, tol):
+    k_cache, v_cache = make_cache(dtype)
+    q, tables, cu, ctx = make_batch(*CASES[case], dtype)
+    out = op(q, k_cache, v_cache, tables, cu, ctx, HD ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference(q, k_cache, v_cache, tables, cu, ctx)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def test_a_query_that_sees_one_key_returns_that_value(op):
+    k_cache, v_cache = make_cache(torch.float32)
+    q, tables, cu, ctx = make_batch([1], [1], torch.float32)
+    out = op(q, k_cache, v_cache, tables, cu, ctx, HD ** -0.5)
+    expected = v_cache[tables[0, 0].item(), 0].repeat_interleave(NH // NKV, 0)  # (NH, HD)
+    assert torch.equal(out[0], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_is_bitwise_the_same_alone_and_in_any_batch(op, dtype):
+    k_cache, v_cache = make_cache(dtype)
+    q, tables, cu, ctx = make_batch([1, 20, 1, 1, 7], [333, 20, 5, 71, 100], dtype)
+    batched = op(q, k_cache, v_cache, tables, cu, ctx, HD ** -0.5)
+    for b in range(len(ctx)):
+        s, e = cu[b].item(), cu[b + 1].item()
+        alone = op(q[s:e], k_cache, v_cache, tables[b:b + 1, : -(-ctx[b].item() // BS)].contiguous(),
+                   torch.tensor([0, e - s], dtype=torch.int32), ctx[b:b + 1], HD ** -0.5)
+        assert torch.equal(alone, batched[s:e]), f"sequence {b}"
+    # Reversed batch order: same rows, same bits.
+    order = list(reversed(range(len(ctx))))
+    rows = torch.cat([torch.arange(cu[b].item(), cu[b + 1].item()) for b in order])
+    lens = (cu[1:] - cu[:-1])[order]
+    cu_rev = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
+    rev = op(q[rows], k_cache, v_cache, tables[order].contiguous(), cu_rev, ctx[order].contiguous(), HD ** -0.5)
+    assert torch.equal(rev, batched[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_prompt_and_decode_give_the_whole_prompts_bits(op, dtype):
+    """Every way of splitting a 150-token sequence into steps yields the same bits per position:
+    whole prefill, chunks of 32 (with a decode row beside them), and one token at a time (the
+    decode path a sequence takes before a preemption recompute)."""
+    k_cache, v_cache = make_cache(dtype)
+    n = 150
+    q, tables, _, _ = make_batch([n], [n], dtype)
+    whole = op(q, k_cache, v_cache, tables, torch.tensor([0, n], dtype=torch.int32),
+               torch.tensor([n], dtype=torch.int32), HD ** -0.5)
+    other_q, other_tables, _, _ = make_batch([1], [90], dtype, seed=7)
+    for start in range(0, n, 32):
+        end = min(n, start + 32)
+        # This chunk, then a decode row of an unrelated sequence.
+        qq = torch.cat([q[start:end], other_q])
+        width = max(tables.shape[1], other_tables.shape[1])
+        tt = torch.zeros(2, width, dtype=torch.int32)
+        tt[0, : tables.shape[1]], tt[1, : other_tables.shape[1]] = tables[0], other_tables[0]
+        out = op(qq, k_cache, v_cache, tt, torch.tensor([0, end - start, end - start + 1], dtype=torch.int32),
+                 torch.tensor([end, 90], dtype=torch.int32), HD ** -0.5)
+        assert torch.equal(out[: end - start], whole[start:end]), f"chunk at {start}"
+    for pos in (0, 15, 16, 17, 63, 149):
+        one = op(q[pos:pos + 1], k_cache, v_cache, tables, torch.tensor([0, 1], dtype=torch.int32),
+                 torch.tensor([pos + 1], dtype=torch.int32), HD ** -0.5)
+        assert torch.equal(one, whole[pos:pos + 1]), f"position {pos}"
+
+
+def test_thread_count_does_not_change_the_bits(op):
+    k_cache, v_cache = make_cache(torch.bfloat16)
+    q, tables, cu, ctx = make_batch([1, 64, 1, 17, 1], [400, 64, 33, 200, 8], torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(op(q, k_cache, v_cache, tables, cu, ctx, HD ** -0.5))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: a.update(tables=a["tables"].long()), "int32"),
+    (lambda a: a["tables"].__setitem__((0, 0), 10_000), "num_blocks"),
+    (lambda a: a.update(ctx=a["ctx"] * 0), "query_len"),
+    (lambda a: a.update(cu=a["cu"][:-1].contiguous()), "cu_query_lens"),
+    (lambda a: a.update(q=a["q"].double()), "dtype"),
+    (lambda a: a.update(tables=a["tables"][:, :1].contiguous()), "blocks"),
+])
+def test_bad_inputs_raise_errors_naming_the_field(op, change, message):
+    k_cache, v_cache = make_cache(torch.float32)
+    q, tables, cu, ctx = make_batch([3, 1], [40, 50], torch.float32)
+    args = dict(q=q, tables=tables, cu=cu, ctx=ctx)
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        op(args["q"], k_cache, v_cache, args["tables"], args["cu"], args["ctx"], HD ** -0.5)
+
+
+def test_auto_picks_the_paged_kernel_on_cpu_and_names_are_checked():
+    from engine.attention import select_backend
+
+    backend = select_backend("auto", torch.device("cpu"), NH, NKV, HD, BS)
+    assert backend.name == "paged" and backend.batch_invariant
+    assert select_backend("sdpa", torch.device("cpu"), NH, NKV, HD, BS).name == "sdpa"
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_backend("fast", torch.device("cpu"), NH, NKV, HD, BS)
+    with pytest.raises(ValueError, match="head_dim"):
+        select_backend("paged", torch.device("cpu"), 4, 2, 12, BS)
