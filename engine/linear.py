@@ -79,6 +79,26 @@ class PackedRMSNorm(nn.Module):
         return torch.ops.pdserve.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    """Shapes of the kernels' outputs for torch.compile's tracing (FakeTensor), once per process."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+
+    @torch.library.register_fake("pdserve::linear")
+    def _linear(x, packed, n, bias, f32_out):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32 if f32_out else torch.bfloat16)
+
+    @torch.library.register_fake("pdserve::rms_norm")
+    def _rms_norm(x, weight, eps):
+        return torch.empty_like(x)
+
+    _fakes_registered = True
+
+
 class PackedCpuBackend:
     """pdserve's batch-invariant bfloat16 kernels (engine/csrc/linear.cpp)."""
 
@@ -87,6 +107,7 @@ class PackedCpuBackend:
 
     def __init__(self) -> None:
         cpu_kernels.load()
+        _register_fakes()
 
     def linear(self, layer: nn.Linear) -> nn.Module:
         return PackedLinear(layer.weight, layer.bias)
