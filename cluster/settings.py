@@ -40,7 +40,7 @@ SERVE = (
     Setting("host", str, "127.0.0.1", "address every server binds"),
     Setting("port", int, 50051, "router gRPC port"),
     Setting("http_port", int, 8000, "OpenAI-compatible HTTP port (-1: off)"),
-    Setting("dtype", str, None, "weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    Setting("dtype", str, None, "weights and KV dtype (default: bfloat16; float32 equals transformers token for token)",
             ("float32", "bfloat16", "float16")),
     Setting("block_size", int, 16, "tokens per KV block"),
     Setting("kv_cache_gib", float, 1.0, "KV cache per worker, GiB"),
