@@ -151,7 +151,8 @@ def bench_dtype(dtype: str, threads: int, batches: list[int], bandwidth: float, 
 
 def report(rows: list[dict], args) -> str:
     lines = [f"prompts {args.prompt_len} tokens; {args.steps} timed steps", "",
-             "| dtype | threads | batch | ours ms/step | transformers ms/step | ours tok/s | transformers tok/s | speed-up |",
+             "| dtype | threads | batch | ours ms/step | transformers ms/step | ours tok/s | transformers tok/s "
+             "| speed-up |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for b, d in r["decode"].items():

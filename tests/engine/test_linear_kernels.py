@@ -26,7 +26,8 @@ def kernels():
     select_backend(torch.bfloat16, torch.device("cpu"))  # loads the kernels, registers their fakes
 
 
-def random_linear(n: int, k: int, f32_out: bool, bias: bool = False, seed: int = 0) -> tuple[PackedLinear, torch.Tensor]:
+def random_linear(n: int, k: int, f32_out: bool, bias: bool = False,
+                  seed: int = 0) -> tuple[PackedLinear, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
