@@ -95,9 +95,10 @@ def test_concurrent_with_preemption_equals_alone(engine, prompts):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "bfloat16 attention is not batch-invariant yet: the SDPA backend computes a prompt's "
-    "attention differently when the 512-token budget chunks or co-schedules its prefill, and "
-    "when preemption recomputes decoded tokens as a prefill (prompt 3's first token differs). "
+    "bfloat16 attention is not batch-invariant yet: SDPA rounds a prompt's attention "
+    "differently when part of its context comes from the cache (a prefix-cache hit, a chunk, "
+    "a co-scheduled prefill) than in one whole prefill. Prompt 3's first token is 504 prefilled "
+    "whole and 33 after a prefix hit or in 16-token chunks, with the same packed linears. "
     "The linears, LM head and RMSNorm are invariant (test_linear_kernels.py); the single "
     "paged-attention kernel of issue 9 is to fix the rest. Remove this mark when it lands."))
 def test_bfloat16_concurrent_with_preemption_equals_alone_bitwise(engine_bf16, prompts):
