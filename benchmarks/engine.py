@@ -3,13 +3,19 @@ memory-bandwidth floor of a batch-1 decode step, all measured in one run on this
 
     .venv/bin/python benchmarks/engine.py                      # both dtypes, batches 1 8 16 32
     .venv/bin/python benchmarks/engine.py --dtypes float32 --batches 1 8
+    .venv/bin/python benchmarks/engine.py --dtypes bfloat16 --threads 1 2 --no-baseline
+
+bfloat16 on CPU runs pdserve's batch-invariant kernels (engine/csrc/linear.cpp); float32
+runs torch's. ``--threads`` repeats everything at each torch thread count (a cluster worker
+runs one), with the bandwidth, and so the floor, measured at that count.
 
 Decode: B requests with random 256-token prompts are prefilled, then ``--steps`` decode
 steps are timed (ms per step; tokens/s = B / step time). The baseline is
 ``transformers`` ``generate`` on the same weights and dtype: (time to generate 1 + steps
 tokens - time to generate 1 token) / steps. Prefill: one 512-token prompt, best of 3.
-The floor is the bytes of weights a decode step must read divided by a measured memory read
-bandwidth (a large tensor sum). Writes JSON to .bench/engine.json and a plot beside
+The floor is the bytes of weights a decode step must read (every linear and the LM head,
+as stored: packed bfloat16 or torch's) divided by a measured memory read bandwidth (a
+large tensor sum). Writes JSON to .bench/engine.json and a plot beside
 BENCHMARKS.md.
 """
 
@@ -28,13 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from engine.linear import PackedLinear  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import materialize  # noqa: E402
+from engine.model import CausalLM  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    """Best-of-N read bandwidth of a tensor much larger than any cache."""
+def read_bandwidth_gbs(gib: float = 0.5, repeats: int = 5) -> float:
+    """Best-of-N read bandwidth of a tensor much larger than any cache, at torch's thread count."""
     x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
     x.sum()
     best = float("inf")
@@ -45,8 +53,17 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def step_weight_bytes(model: CausalLM) -> int:
+    """Bytes of weights one decode step streams: every linear, and the LM head."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            total += m.packed.numel() * m.packed.element_size()
+        elif isinstance(m, torch.nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    if model.lm_head is None:  # tied and unpacked: the embedding table is the head
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -105,46 +122,51 @@ def hf_prefill_tps(model, length: int, vocab: int, repeats: int = 3) -> float:
     return length / best
 
 
-def bench_dtype(dtype: str, batches: list[int], prompt_len: int, steps: int, prefill_len: int,
-                bandwidth: float, bar: tqdm) -> dict:
+def bench_dtype(dtype: str, threads: int, batches: list[int], bandwidth: float, bar: tqdm, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     engine = LLMEngine.from_config(EngineConfig(
         dtype=dtype, cache=CacheConfig(memory_budget_bytes=4 << 30, enable_prefix_cache=False),
         scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192)), progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(materialize("default")), dtype=getattr(torch, dtype)).eval()
+    hf = (AutoModelForCausalLM.from_pretrained(str(materialize("default")), dtype=getattr(torch, dtype)).eval()
+          if args.baseline else None)
     vocab = engine.model_cfg.vocab_size
-    wbytes = weight_bytes(engine.runner.model)
-    row = {"dtype": dtype, "weight_bytes": wbytes, "floor_ms": wbytes / (bandwidth * 1e9) * 1e3, "decode": {}}
+    wbytes = step_weight_bytes(engine.runner.model)
+    row = {"dtype": dtype, "threads": threads, "kernels": engine.runner.model.linear_backend,
+           "bandwidth_gbs": bandwidth, "weight_bytes": wbytes, "floor_ms": wbytes / (bandwidth * 1e9) * 1e3,
+           "decode": {}}
+    nan = float("nan")
     for b in batches:
-        bar.set_postfix_str(f"{dtype} decode b={b}")
-        ours = ours_decode_ms(engine, b, prompt_len, steps)
-        base = hf_decode_ms(hf, b, prompt_len, steps, vocab)
+        bar.set_postfix_str(f"{dtype} x{threads} decode b={b}")
+        ours = ours_decode_ms(engine, b, args.prompt_len, args.steps)
+        base = hf_decode_ms(hf, b, args.prompt_len, args.steps, vocab) if hf else nan
         row["decode"][b] = {"ours_ms": ours, "hf_ms": base, "ours_tps": b / ours * 1e3, "hf_tps": b / base * 1e3}
         bar.update(1)
-    bar.set_postfix_str(f"{dtype} prefill")
-    row["prefill"] = {"ours_tps": ours_prefill_tps(engine, prefill_len),
-                      "hf_tps": hf_prefill_tps(hf, prefill_len, vocab)}
+    bar.set_postfix_str(f"{dtype} x{threads} prefill")
+    row["prefill"] = {"ours_tps": ours_prefill_tps(engine, args.prefill_len),
+                      "hf_tps": hf_prefill_tps(hf, args.prefill_len, vocab) if hf else nan}
     bar.update(1)
     return row
 
 
-def report(rows: list[dict], bandwidth: float, args) -> str:
-    lines = [f"read bandwidth: {bandwidth:.1f} GB/s; prompts {args.prompt_len} tokens; {args.steps} timed steps",
-             "", "| dtype | batch | ours ms/step | transformers ms/step | ours tok/s | transformers tok/s | speed-up |",
-             "|---|---|---|---|---|---|---|"]
+def report(rows: list[dict], args) -> str:
+    lines = [f"prompts {args.prompt_len} tokens; {args.steps} timed steps", "",
+             "| dtype | threads | batch | ours ms/step | transformers ms/step | ours tok/s | transformers tok/s "
+             "| speed-up |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for b, d in r["decode"].items():
-            lines.append(f"| {r['dtype']} | {b} | {d['ours_ms']:.1f} | {d['hf_ms']:.1f} | {d['ours_tps']:.0f} | "
-                         f"{d['hf_tps']:.0f} | {d['hf_ms'] / d['ours_ms']:.2f}x |")
-    lines += ["", "| dtype | weights MB | floor ms (batch 1) | ours batch-1 ms | ours / floor | "
-              f"prefill {args.prefill_len} tok/s ours | transformers | ratio |", "|---|---|---|---|---|---|---|---|"]
+            lines.append(f"| {r['dtype']} | {r['threads']} | {b} | {d['ours_ms']:.1f} | {d['hf_ms']:.1f} | "
+                         f"{d['ours_tps']:.0f} | {d['hf_tps']:.0f} | {d['hf_ms'] / d['ours_ms']:.2f}x |")
+    lines += ["", "| dtype (kernels) | threads | read GB/s | weights MB | floor ms (batch 1) | ours batch-1 ms | "
+              f"ours / floor | prefill {args.prefill_len} tok/s ours | transformers | ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b1 = r["decode"].get(1, {}).get("ours_ms", float("nan"))
         p = r["prefill"]
-        lines.append(f"| {r['dtype']} | {r['weight_bytes'] / 1e6:.0f} | {r['floor_ms']:.1f} | {b1:.1f} | "
-                     f"{b1 / r['floor_ms']:.2f}x | {p['ours_tps']:.0f} | {p['hf_tps']:.0f} | "
-                     f"{p['ours_tps'] / p['hf_tps']:.2f}x |")
+        lines.append(f"| {r['dtype']} ({r['kernels']}) | {r['threads']} | {r['bandwidth_gbs']:.1f} | "
+                     f"{r['weight_bytes'] / 1e6:.0f} | {r['floor_ms']:.1f} | {b1:.1f} | {b1 / r['floor_ms']:.2f}x | "
+                     f"{p['ours_tps']:.0f} | {p['hf_tps']:.0f} | {p['ours_tps'] / p['hf_tps']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -157,8 +179,9 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
         bs = list(r["decode"])
-        ax.plot(bs, [r["decode"][b]["ours_tps"] for b in bs], "o-", label=f"pdserve {r['dtype']}")
-        ax.plot(bs, [r["decode"][b]["hf_tps"] for b in bs], "s--", label=f"transformers {r['dtype']}")
+        tag = f"{r['dtype']}, {r['threads']} thread(s)"
+        ax.plot(bs, [r["decode"][b]["ours_tps"] for b in bs], "o-", label=f"pdserve {tag}")
+        ax.plot(bs, [r["decode"][b]["hf_tps"] for b in bs], "s--", label=f"transformers {tag}")
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("output tokens / s")
     ax.set_title("Decode throughput, SmolLM2-135M, 2 CPU cores")
@@ -172,22 +195,26 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--threads", nargs="+", type=int, default=[torch.get_num_threads()])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip transformers")
     ap.add_argument("--out", type=Path, default=ROOT / ".bench" / "engine.json")
     ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks_engine.png")
     args = ap.parse_args()
     torch.manual_seed(0)
-    bandwidth = read_bandwidth_gbs()
-    with tqdm(total=len(args.dtypes) * (len(args.batches) + 1), desc="engine benchmark") as bar:
-        rows = [bench_dtype(d, args.batches, args.prompt_len, args.steps, args.prefill_len, bandwidth, bar)
-                for d in args.dtypes]
-    text = report(rows, bandwidth, args)
+    rows = []
+    with tqdm(total=len(args.threads) * len(args.dtypes) * (len(args.batches) + 1), desc="engine benchmark") as bar:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            bandwidth = read_bandwidth_gbs()
+            rows += [bench_dtype(d, threads, args.batches, bandwidth, bar, args) for d in args.dtypes]
+    text = report(rows, args)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bandwidth_gbs": bandwidth, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"rows": rows}, indent=2))
     plot(rows, args.plot)
     print(f"\nwrote {args.out} and {args.plot}")
 

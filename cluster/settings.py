@@ -53,7 +53,7 @@ SERVE = (
     Setting("public_tls_cert", str, None, "public API TLS: server certificate (PEM)"),
     Setting("public_tls_key", str, None, "public API TLS: its private key (PEM)"),
     Setting("public_tls_ca", str, None, "public API TLS: require client certificates signed by this CA"),
-    Setting("dtype", str, None, "weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    Setting("dtype", str, None, "weights and KV dtype (default: bfloat16; float32 equals transformers token for token)",
             ("float32", "bfloat16", "float16")),
     Setting("block_size", int, 16, "tokens per KV block"),
     Setting("kv_cache_gib", float, 1.0, "KV cache per worker, GiB"),

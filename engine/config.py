@@ -97,14 +97,17 @@ def model_config_from_hf(hf: Any, source: str) -> ModelConfig:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA; float32 on CPU.
+    """bfloat16 on CUDA and on CPU.
 
-    On CPU, bfloat16 matmuls (oneDNN) take a different kernel for a single row than for
-    several, so in bfloat16 a sequence's tokens would depend on how many others share its
-    decode batch: greedy output would stop being reproducible under load. float32 keeps
-    batched output equal to transformers' token for token; BENCHMARKS.md has the speed of both.
+    On an x86-64 CPU, bfloat16 runs pdserve's own linear and RMSNorm kernels
+    (engine/csrc/linear.cpp, chosen by engine/linear.py): every output element is one
+    float32 FMA chain in a fixed order, so a sequence's tokens do not depend on how many
+    others share its batch, on the thread count or on the machine, and the weights stream
+    at half float32's bytes. Its numerics differ from ``transformers``' bfloat16 (oneDNN,
+    which is not batch-invariant); ``dtype="float32"`` keeps torch's kernels and equals
+    ``transformers`` in float32 token for token.
     """
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class EngineConfig:
     """Everything an engine needs, built once by the process that owns it."""
 
     model: str = "default"  # "default", a HF directory, or a .gguf file
-    dtype: str | None = None  # None: default_dtype(device)
+    dtype: str | None = None  # None: default_dtype(device); "float32": transformers-exact
     device: str | None = None  # None: cuda if available, else cpu
     attention_backend: str = "auto"  # auto | paged | sdpa | flash | flash_invariant (engine/attention.py)
     cache: CacheConfig = field(default_factory=CacheConfig)

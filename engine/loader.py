@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from engine.config import ModelConfig, model_config_from_hf
 from engine.errors import ModelLoadError
+from engine.linear import apply_backend, select_backend
 from engine.model import CausalLM
 
 DEFAULT_MODEL = "default"
@@ -112,7 +113,11 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device,
                progress: bool = True) -> tuple[CausalLM, ModelConfig, Path]:
-    """Build our ``CausalLM`` and fill it from ``model``; returns (model, config, HF dir)."""
+    """Build our ``CausalLM`` and fill it from ``model``; returns (model, config, HF dir).
+
+    Once filled, the model's linears are handed to the backend for ``dtype`` and ``device``
+    (engine/linear.py), which packs their weights once, here, for the rest of its life.
+    """
     model_dir = materialize(model, progress)
     cfg = read_model_config(model_dir)
     with torch.device("meta"):
@@ -128,4 +133,5 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device,
         raise ModelLoadError(str(model_dir), f"corrupt checkpoint: {exc}") from exc
     if missing:
         raise ModelLoadError(str(model_dir), f"checkpoint is missing tensors for {missing[:4]}")
-    return net.eval(), cfg, model_dir
+    del weights
+    return apply_backend(net.eval(), select_backend(dtype, device)), cfg, model_dir

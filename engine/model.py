@@ -4,7 +4,9 @@ Tokens of every sequence in a step are packed along one axis (T). The model does
 the KV cache exists: each attention layer is handed its cache slice (``bind_cache``) and
 the step's ``AttentionContext`` by the model runner. Projections are fused (q|k|v and
 gate|up) so a decode step issues fewer, larger matmuls; numerics follow ``transformers``
-op for op (RMSNorm in float32, RoPE tables in float32, logits cast to float32).
+op for op (RMSNorm in float32, RoPE tables in float32, logits cast to float32). After
+loading, engine/linear.py may swap the linears, norms and LM head for a backend's own
+modules (bfloat16 on CPU: pdserve's batch-invariant kernels); the model does not know which.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.linear_backend = "torch"  # engine.linear.apply_backend names the one it applied
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden)."""
@@ -104,9 +107,11 @@ class CausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32, computed in the model dtype as transformers does."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """(N, hidden) -> (N, vocab) float32: by default in the model dtype, then cast, as
+        transformers does; a packed head (engine/linear.py) sums and writes in float32."""
+        if self.lm_head is None:  # tied to the embedding, unpacked
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     @property
     def attention_layers(self) -> list[Attention]:

@@ -24,14 +24,15 @@ def run_staggered(engine, prompts, params, join_every=3):
     return [outs[i] for i in range(len(prompts))]
 
 
-def test_concurrent_requests_with_preemption_equal_their_solo_runs(tiny_llama_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: pdserve's batch-invariant kernels
+def test_concurrent_requests_with_preemption_equal_their_solo_runs(tiny_llama_dir, dtype):
     directory, _ = tiny_llama_dir
     prompts = random_prompts(len(LENGTHS), LENGTHS, seed=5)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    solo_engine = make_engine(directory, num_blocks=64)
+    solo_engine = make_engine(directory, num_blocks=64, dtype=dtype)
     solo = [solo_engine.generate([p], params)[0].token_ids for p in prompts]
     # 40 blocks of 16 cannot hold 9 sequences growing to ~250 tokens: forces preemption.
-    engine = make_engine(directory, num_blocks=40)
+    engine = make_engine(directory, num_blocks=40, dtype=dtype)
     together = run_staggered(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0
     assert together == solo

@@ -35,13 +35,11 @@ def collect(responses) -> tuple[list[int], str, list]:
 
 @pytest.fixture(scope="module")
 def reference():
-    """transformers on the same weights, in the cluster's dtype."""
+    """transformers on the same weights, in the cluster's dtype (float32: see conftest.py)."""
     from transformers import AutoTokenizer
 
-    from engine.config import default_dtype
-
     directory = materialize("default")
-    return load_reference(directory, default_dtype(torch.device("cpu"))), AutoTokenizer.from_pretrained(str(directory))
+    return load_reference(directory, torch.float32), AutoTokenizer.from_pretrained(str(directory))
 
 
 def hf_chat_greedy(reference, question: str, max_tokens: int) -> list[int]:

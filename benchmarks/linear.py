@@ -1,0 +1,100 @@
+"""Linear-layer benchmark: pdserve's batch-invariant bfloat16 kernels against torch's F.linear
+(bfloat16 and float32) on every linear shape of SmolLM2-135M, in one run, and against the
+memory-bandwidth floor of a batch-1 decode step.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/linear.py --threads 1 2
+
+Decode: one pass over the whole model's linears (30 layers x qkv, o, gate_up, down, plus the
+LM head) at M rows, timed as the median of ``--repeats`` passes; weights are random, with
+the model's shapes. Each layer has its own weight tensors, so a pass streams all 270 MB of
+bfloat16 weights from memory as a real decode step does. The floor is those bytes divided
+by the read bandwidth measured at the same thread count. Prefill: the same pass at 512 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import cpu_kernels  # noqa: E402
+from engine.linear import PackedLinear  # noqa: E402
+
+HIDDEN, INTER, LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
+LAYER_SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # (N, K)
+
+
+def read_bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Best-of-N read bandwidth (a float32 sum of a tensor far larger than L3) at ``threads``."""
+    torch.set_num_threads(threads)
+    x = torch.ones(mib << 18, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def build_weights(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
+    return [(torch.randn(n, k, generator=g) * k ** -0.5).bfloat16() for n, k in shapes]
+
+
+def passes(weights: list[torch.Tensor]) -> dict:
+    """One callable per implementation: x_by_k (dict K -> (M, K) input) -> None."""
+    packed = [PackedLinear(w, None, f32_out=(i == len(weights) - 1)) for i, w in enumerate(weights)]
+    w32 = [w.float() for w in weights]
+    return {
+        "pdserve bf16": lambda xs: [p(xs[p.in_features]) for p in packed],
+        "torch bf16": lambda xs: [F.linear(xs[w.shape[1]], w) for w in weights],
+        "torch f32": lambda xs: [F.linear(xs[w.shape[1]].float(), w) for w in w32],
+    }
+
+
+def time_pass(fn, rows: int, repeats: int) -> float:
+    xs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, INTER)}
+    fn(xs)
+    return statistics.median(_timed(lambda: fn(xs)) for _ in range(repeats)) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    cpu_kernels.load()
+    weights = build_weights()
+    wbytes = sum(w.numel() * 2 for w in weights)
+    impls = passes(weights)
+    print(f"bfloat16 weight bytes per pass: {wbytes / 1e6:.0f} MB")
+    print("| threads | rows | read GB/s | floor ms | " + " | ".join(f"{n} ms" for n in impls) +
+          " | pdserve / floor | pdserve vs torch bf16 | pdserve vs torch f32 |")
+    print("|---" * (7 + len(impls)) + "|")
+    for threads in args.threads:
+        bw = read_bandwidth_gbs(threads)
+        floor = wbytes / (bw * 1e9) * 1e3
+        for rows in args.rows + [args.prefill]:
+            torch.set_num_threads(threads)
+            ms = {name: time_pass(fn, rows, args.repeats if rows < 64 else 1) for name, fn in impls.items()}
+            ours = ms["pdserve bf16"]
+            print(f"| {threads} | {rows} | {bw:.1f} | {floor:.1f} | " + " | ".join(f"{v:.1f}" for v in ms.values()) +
+                  f" | {ours / floor:.2f}x | {ms['torch bf16'] / ours:.2f}x | {ms['torch f32'] / ours:.2f}x |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

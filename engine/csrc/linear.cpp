@@ -1,0 +1,240 @@
+// Batch-invariant bfloat16 linear layers and RMSNorm for x86 CPUs with AVX2 + FMA.
+//
+// Operators (torch.ops.pdserve.*):
+//   linear_pack(Tensor weight) -> Tensor
+//       weight (N, K), any float dtype (rounded to bfloat16 as .to(bfloat16) would)
+//       -> packed (ceil(N/16), K, 16) bfloat16, the only layout linear() reads.
+//   linear(Tensor x, Tensor packed, int n, Tensor? bias, bool f32_out) -> Tensor
+//       x (M, K) bfloat16; packed from linear_pack; n = N (the padding is dropped);
+//       bias (N,) float32 or None -> y (M, N) = x @ W^T + bias, bfloat16 (float32 if f32_out).
+//   rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
+//       x (M, D) bfloat16, weight (D,) bfloat16 -> (M, D) bfloat16, transformers' formula:
+//       bf16(weight * bf16(x * rsqrt(mean(x^2) + eps))), the mean in float32.
+//
+// Packed layout. Output columns are grouped in panels of 16; panel p holds columns
+// 16p .. 16p+15 for every k, K-major: packed[p][k][0..15]. Inside those 16 bfloat16 (32
+// bytes), slot 2j holds column j and slot 2j+1 holds column 8+j. Read as eight 32-bit
+// lanes, a left shift by 16 gives columns 0..7 as float32 and a mask of the high half gives
+// columns 8..15: a panel row becomes two float32 vectors in two integer instructions, with
+// no shuffles. Columns past N are zero and never written out.
+//
+// Why the result does not depend on the batch (the invariance contract):
+// every output element y[m][n] is ONE float32 accumulator, set to 0 and then updated by
+//     acc = fma(float(x[m][k]), float(W[n][k]), acc)      for k = 0, 1, ..., K-1 in order,
+// then (optionally) acc + bias[n], then one rounding to bfloat16. bfloat16 -> float32 is
+// exact and fma rounds once, so that chain has exactly one possible result. Vectors run
+// across output columns (8 columns per register), never across k: no kernel splits the
+// K sum, reorders it or reduces partial sums horizontally. What does change with M, the
+// thread count or the machine is only WHICH register holds an accumulator and how many rows
+// and panels are in flight (row tiles of 1..6, 1..6 panels at once, panels divided between
+// threads by at::parallel_for over N). None of these touches the order of any element's
+// chain, so a row's output is bitwise the same alone or in a batch of any size, at any
+// thread count, on any x86-64 machine with AVX2 + FMA (the flags are fixed, never -march=native).
+//
+// RMSNorm is row-local: each row's sum of squares runs through 8 float32 lane
+// accumulators (lane = d mod 8, in order of d) and then a fixed pairwise tree, whatever M is.
+//
+// Speed. Small M (decode) is bound by streaming the weights once: with one row, six panels
+// run at once, so twelve independent accumulators hide the FMA latency. Large M (prefill)
+// runs 6x16 register tiles (12 accumulators, two weight vectors, one broadcast); a group of
+// panels sized to stay in L2 is reused across every row tile before the next group is read.
+// The weight conversion costs two integer ops per 12 FMAs, so panels stay bfloat16 in cache
+// (half the bytes of a float32 copy).
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kPanel = 16;          // output columns per panel
+constexpr int kMaxRows = 6;             // rows per register tile
+constexpr int kMaxAcc = 12;             // accumulators (of 16 ymm registers) per tile
+constexpr int64_t kGroupBytes = 192 << 10;  // weight bytes reused from L2 across row tiles
+
+// Rows x panels of one register tile; accumulates all of K, then writes float32 sums.
+// x: MR rows of K float32 (row stride ldx); w: NP consecutive panels; out: [MR][NP * 16].
+template <int MR, int NP>
+void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* out) {
+  static_assert(MR * NP * 2 <= kMaxAcc, "tile exceeds the register budget");
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // One flat array, every loop over it unrolled: GCC then keeps it in registers (a 2-D
+  // array of __m256 was stored back to the stack on every k).
+  __m256 acc[MR * NP * 2];  // acc[2 (r NP + p)] columns 0..7 of panel p, row r; +1: columns 8..15
+#pragma GCC unroll 16
+  for (int i = 0; i < MR * NP * 2; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p * K + k) * kPanel));
+      const __m256 wl = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));   // columns 0..7
+      const __m256 wh = _mm256_castsi256_ps(_mm256_and_si256(v, high));  // columns 8..15
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+        acc[2 * (r * NP + p)] = _mm256_fmadd_ps(xb, wl, acc[2 * (r * NP + p)]);
+        acc[2 * (r * NP + p) + 1] = _mm256_fmadd_ps(xb, wh, acc[2 * (r * NP + p) + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR * NP * 2; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*);
+
+// Most panels a tile of `rows` rows can hold at once (two accumulators per row and panel).
+constexpr int panels_for(int rows) { return std::max(1, std::min(6, kMaxAcc / (2 * rows))); }
+
+template <int MR, int NP>
+TileFn pick_np(int np) {
+  if constexpr (NP == 0) {
+    return nullptr;
+  } else {
+    return np == NP ? &tile<MR, NP> : pick_np<MR, NP - 1>(np);
+  }
+}
+
+template <int MR>
+TileFn pick_mr(int mr, int np) {
+  if constexpr (MR == 0) {
+    return nullptr;
+  } else {
+    return mr == MR ? pick_np<MR, panels_for(MR)>(np) : pick_mr<MR - 1>(mr, np);
+  }
+}
+
+struct Output {
+  void* data;
+  bool f32;
+  int64_t n;        // real columns (the row stride)
+  const float* bias;
+};
+
+// Sums -> output rows: + bias, then the single rounding (round-to-nearest-even for bfloat16).
+void write_tile(const float* acc, int mr, int np, int64_t m0, int64_t col0, const Output& o) {
+  const int64_t cols = std::min<int64_t>(np * kPanel, o.n - col0);
+  for (int r = 0; r < mr; ++r) {
+    const float* src = acc + r * np * kPanel;
+    const int64_t base = (m0 + r) * o.n + col0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = o.bias ? src[c] + o.bias[col0 + c] : src[c];
+      if (o.f32) static_cast<float*>(o.data)[base + c] = v;
+      else static_cast<c10::BFloat16*>(o.data)[base + c] = c10::BFloat16(v);
+    }
+  }
+}
+
+// Panels [p0, p1) for all M rows: groups of panels sized for L2, each reused by every row tile.
+void run_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t p0, int64_t p1,
+                const Output& o) {
+  const int np_row = panels_for(static_cast<int>(std::min<int64_t>(M, kMaxRows)));
+  const int64_t group = std::max<int64_t>(np_row, kGroupBytes / (K * kPanel * 2) / np_row * np_row);
+  alignas(32) float acc[kMaxRows * 6 * kPanel];
+  for (int64_t g0 = p0; g0 < p1; g0 += group) {
+    const int64_t g1 = std::min(p1, g0 + group);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+      const int np_max = panels_for(mr);
+      for (int64_t p = g0; p < g1; p += np_max) {
+        const int np = static_cast<int>(std::min<int64_t>(np_max, g1 - p));
+        pick_mr<kMaxRows>(mr, np)(x + m0 * K, K, w + p * K * kPanel, K, acc);
+        write_tile(acc, mr, np, m0, p * kPanel, o);
+      }
+    }
+  }
+}
+
+at::Tensor linear_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "linear_pack: weight must be (N, K), got ", weight.sizes());
+  const auto w = weight.to(at::kBFloat16).contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  auto packed = at::zeros({P, K, kPanel}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
+        const int64_t slot = c < 8 ? 2 * c : 2 * (c - 8) + 1;
+        const uint16_t* row = src + (p * kPanel + c) * K;
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + slot] = row[k];
+      }
+  });
+  return packed;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                  const c10::optional<at::Tensor>& bias, bool f32_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear: x must be (M, K) bfloat16, got ",
+              x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous(), "linear: packed must come from linear_pack, got ", packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "linear: x has K=", K, " but the packed weight has K=", packed.size(1));
+  TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "linear: n=", n, " does not fit ", P, " panels");
+  at::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "linear: bias has ", bias->numel(), " elements, expected n=", n);
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  auto y = at::empty({M, n}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
+  if (M == 0) return y;
+  const auto x32 = x.contiguous().to(at::kFloat);  // exact; read by broadcasts
+  const Output o{y.data_ptr(), f32_out, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
+  const float* xp = x32.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  // Parallel over panels only: each thread owns whole output columns, never part of a K sum.
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { run_panels(xp, M, K, wp, b, e, o); });
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "rms_norm: x must be (M, D) bfloat16");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm: weight must be (D,)");
+  const auto xc = x.contiguous();
+  const auto w32 = weight.to(at::kFloat).contiguous();
+  const int64_t M = xc.size(0), D = xc.size(1);
+  auto y = at::empty_like(xc);
+  const auto* xp = xc.data_ptr<at::BFloat16>();
+  const float* wp = w32.data_ptr<float>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const float epsf = static_cast<float>(eps);
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const at::BFloat16* row = xp + m * D;
+      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = static_cast<float>(row[d]);
+        lane[d % 8] = std::fma(v, v, lane[d % 8]);
+      }
+      const float sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + epsf);
+      for (int64_t d = 0; d < D; ++d) {
+        const float normed = static_cast<float>(c10::BFloat16(static_cast<float>(row[d]) * inv));
+        yp[m * D + d] = c10::BFloat16(wp[d] * normed);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("linear_pack(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, bool f32_out) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+  m.impl("linear_pack", &linear_pack);
+  m.impl("linear", &linear);
+  m.impl("rms_norm", &rms_norm);
+}

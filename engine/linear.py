@@ -1,0 +1,146 @@
+"""How a model's projections, RMSNorms and LM head compute: one ``LinearBackend`` per model.
+
+The model (engine/model.py) is built from plain ``nn.Linear`` and ``RMSNorm`` modules so
+that weights load by name. ``select_backend(dtype, device)`` then picks a backend once, at
+load, and ``apply_backend`` swaps those modules for the backend's own (a transform of an
+unchanged model, never a branch inside it):
+
+- ``TorchBackend``: leaves everything to torch (float32 on CPU, where output equals
+  ``transformers`` token for token; any dtype on CUDA).
+- ``PackedCpuBackend``: bfloat16 on an x86-64 CPU with AVX2 + FMA. Weights are packed once
+  into panels for pdserve's kernels (engine/csrc/linear.cpp), whose every output element is
+  one float32 FMA chain over k in a fixed order: a row's result is bitwise the same alone or
+  in a batch of any size, at any thread count, on any such machine. The LM head writes
+  float32 logits straight from the float32 sums.
+
+Packing replaces each ``nn.Linear`` (its bfloat16 weight is freed), so the linears' weight
+memory is not doubled. A tied LM head is the exception: the embedding table stays for
+lookups and the head gets its packed copy (vocab x hidden bfloat16, 57 MB for SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import cpu_kernels
+from engine.model import CausalLM, RMSNorm
+
+
+class TorchBackend:
+    """torch's own kernels: exact against ``transformers`` in float32; not batch-invariant in
+    bfloat16 on CPU (oneDNN picks kernels by M and by instruction set)."""
+
+    name = "torch"
+    batch_invariant = False
+
+    def linear(self, layer: nn.Linear) -> nn.Module:
+        return layer
+
+    def norm(self, norm: RMSNorm) -> nn.Module:
+        return norm
+
+    def logits_head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        return None  # CausalLM computes F.linear(hidden, weight).float(), as transformers does
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W^T + b`` through ``torch.ops.pdserve.linear`` on weights packed at load.
+
+    x (..., K) bfloat16 -> (..., N) bfloat16, or float32 when ``f32_out`` (the LM head).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, f32_out: bool = False):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.f32_out = f32_out
+        self.register_buffer("packed", torch.ops.pdserve.linear_pack(weight.detach()))  # (N/16, K, 16)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.pdserve.linear(x.reshape(-1, self.in_features), self.packed, self.out_features,
+                                     self.bias, self.f32_out)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, f32_out={self.f32_out}"
+
+
+class PackedRMSNorm(nn.Module):
+    """RMSNorm through ``torch.ops.pdserve.rms_norm``: row-local, one fixed reduction order."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdserve.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    """Shapes of the kernels' outputs for torch.compile's tracing (FakeTensor), once per process."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+
+    @torch.library.register_fake("pdserve::linear")
+    def _linear(x, packed, n, bias, f32_out):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32 if f32_out else torch.bfloat16)
+
+    @torch.library.register_fake("pdserve::rms_norm")
+    def _rms_norm(x, weight, eps):
+        return torch.empty_like(x)
+
+    _fakes_registered = True
+
+
+class PackedCpuBackend:
+    """pdserve's batch-invariant bfloat16 kernels (engine/csrc/linear.cpp)."""
+
+    name = "packed-cpu"
+    batch_invariant = True
+
+    def __init__(self) -> None:
+        cpu_kernels.load()
+        _register_fakes()
+
+    def linear(self, layer: nn.Linear) -> nn.Module:
+        return PackedLinear(layer.weight, layer.bias)
+
+    def norm(self, norm: RMSNorm) -> nn.Module:
+        return PackedRMSNorm(norm)
+
+    def logits_head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        return PackedLinear(weight, bias, f32_out=True)
+
+
+LinearBackend = TorchBackend | PackedCpuBackend
+
+
+def select_backend(dtype: torch.dtype, device: torch.device) -> LinearBackend:
+    """The packed kernels for bfloat16 on an AVX2 + FMA CPU; torch's everywhere else."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.cpu_supported():
+        return PackedCpuBackend()
+    return TorchBackend()
+
+
+def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
+    """Swap ``model``'s linears, norms and LM head for ``backend``'s, in place (after loading)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and not (parent is model and name == "lm_head"):
+                setattr(parent, name, backend.linear(child))
+            elif isinstance(child, RMSNorm):
+                setattr(parent, name, backend.norm(child))
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    packed_head = backend.logits_head(head.weight, getattr(head, "bias", None))
+    if packed_head is not None:
+        model.lm_head = packed_head
+    model.linear_backend = backend.name
+    return model
+

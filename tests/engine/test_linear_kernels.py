@@ -1,0 +1,141 @@
+"""pdserve's bfloat16 CPU kernels (engine/csrc/linear.cpp): batch invariance and accuracy.
+
+Random weights with the shapes of every linear of the default model (SmolLM2-135M); no
+model is loaded. Invariance is bitwise: a row computed in a batch of M equals the same row
+computed alone, for M = 1..64, at any thread count.
+"""
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.linear import PackedLinear, PackedRMSNorm, select_backend
+from engine.model import RMSNorm
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 + FMA")
+
+HIDDEN, INTER = 576, 1536
+# (N, K, f32_out): qkv_proj, o_proj, gate_up_proj, down_proj, LM head (float32 logits).
+SHAPES = {"qkv": (960, HIDDEN, False), "o": (HIDDEN, HIDDEN, False), "gate_up": (2 * INTER, HIDDEN, False),
+          "down": (HIDDEN, INTER, False), "lm_head": (49152, HIDDEN, True)}
+MAX_ROWS = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    select_backend(torch.bfloat16, torch.device("cpu"))  # loads the kernels, registers their fakes
+
+
+def random_linear(n: int, k: int, f32_out: bool, bias: bool = False,
+                  seed: int = 0) -> tuple[PackedLinear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return PackedLinear(w, b, f32_out), w
+
+
+def rows(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_every_row_equals_the_row_alone_for_batches_of_1_to_64(name):
+    n, k, f32_out = SHAPES[name]
+    layer, _ = random_linear(n, k, f32_out)
+    x = rows(MAX_ROWS, k)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(MAX_ROWS)])
+    for m in range(1, MAX_ROWS + 1):
+        batch = layer(x[:m])
+        assert torch.equal(batch, alone[:m]), f"{name}: a batch of {m} rows differs from its rows alone"
+
+
+@pytest.mark.parametrize("name", ["qkv", "down", "lm_head"])
+def test_thread_count_does_not_change_bits(name, threads):
+    n, k, f32_out = SHAPES[name]
+    layer, _ = random_linear(n, k, f32_out)
+    x = rows(13, k)
+    outs = {}
+    for t in (1, 2, 3):
+        torch.set_num_threads(t)
+        outs[t] = [layer(x[:m]) for m in (1, 5, 13)]
+    for t in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[t])), f"{name}: {t} threads differ from 1"
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Worst-case error of a float32 dot product of length K (gamma_K * |x| |w|^T), plus the
+    final rounding to ``out_dtype`` (relative 2^-8 for bfloat16) of the exact result."""
+    k = x.shape[1]
+    u = 2.0 ** -24
+    gamma = k * u / (1 - k * u)
+    mag = x.double().abs() @ w.double().abs().T
+    exact = x.double() @ w.double().T
+    rounding = exact.abs() * 2.0 ** -8 if out_dtype == torch.bfloat16 else 0
+    return gamma * mag * 1.01 + rounding
+
+
+@pytest.mark.parametrize("n,k,m", [(960, 576, 1), (576, 1536, 7), (37, 19, 9), (3, 5, 2)])
+@pytest.mark.parametrize("f32_out", [False, True])
+def test_matches_a_float64_reference_within_the_float32_error_bound(n, k, m, f32_out):
+    layer, w = random_linear(n, k, f32_out)
+    x = rows(m, k)
+    y = layer(x)
+    assert y.shape == (m, n) and y.dtype == (torch.float32 if f32_out else torch.bfloat16)
+    err = (y.double() - x.double() @ w.double().T).abs()
+    bound = error_bound(x, w, y.dtype)
+    assert (err <= bound).all(), f"max error {err.max():.3g} over bound at {(err - bound).argmax()}"
+
+
+def test_bias_is_added_to_the_float32_sum():
+    layer, w = random_linear(37, 19, True, bias=True)
+    x = rows(4, 19)
+    ref = x.double() @ w.double().T + layer.bias.double()
+    assert ((layer(x).double() - ref).abs() <= error_bound(x, w, torch.float32) + 1e-6).all()
+
+
+def test_padding_columns_never_leak_into_a_neighbouring_row():
+    layer, _ = random_linear(20, 8, False)  # 2 panels, the second one 12/16 padding
+    x = rows(8, 8)
+    assert torch.equal(layer(x)[3], layer(x[3:4])[0])
+
+
+def test_rms_norm_is_row_local_and_close_to_the_float64_formula():
+    norm = RMSNorm(HIDDEN, 1e-5)
+    norm.weight.data = (1 + 0.1 * torch.randn(HIDDEN)).bfloat16()
+    packed = PackedRMSNorm(norm)
+    x = rows(MAX_ROWS, HIDDEN) * 3
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(MAX_ROWS)])
+    for m in (1, 2, 7, 16, 33, 64):
+        assert torch.equal(packed(x[:m]), alone[:m])
+    x64 = x.double()
+    ref = norm.weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(alone.double(), ref, rtol=2 ** -6, atol=1e-6)
+
+
+def test_backend_is_packed_for_bfloat16_on_cpu_and_torch_otherwise():
+    assert select_backend(torch.bfloat16, torch.device("cpu")).batch_invariant
+    assert select_backend(torch.float32, torch.device("cpu")).name == "torch"
+
+
+def test_wrong_shapes_are_rejected_naming_the_argument():
+    layer, _ = random_linear(16, 8, False)
+    with pytest.raises(RuntimeError, match="K=9 but the packed weight has K=8"):
+        torch.ops.pdserve.linear(rows(2, 9), layer.packed, 16, None, False)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.pdserve.linear(rows(2, 8).float(), layer.packed, 16, None, False)
+
+
+def test_ops_pass_torch_opcheck_for_compiled_graphs():
+    """Schema, fake (meta) shapes and autograd registration agree with the real kernels, so
+    ``torch.compile`` can trace a model that calls them."""
+    layer, _ = random_linear(40, 24, False, bias=True)
+    for f32_out in (False, True):
+        torch.library.opcheck(torch.ops.pdserve.linear.default, (rows(3, 24), layer.packed, 40, layer.bias, f32_out))
+    torch.library.opcheck(torch.ops.pdserve.rms_norm.default, (rows(3, 24), torch.ones(24).bfloat16(), 1e-5))
