@@ -7,15 +7,16 @@ import asyncio
 import grpc
 
 from decode_worker.worker import DecodeWorker, KVArrived, KVSource, TransferFailed
-from engine.errors import CacheCapacityError, InvalidRequestError
+from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from kv_transfer import TransferError
 from protos import worker_pb2, worker_pb2_grpc
 from wire.convert import finish_to_wire, sampling_from_proto
+from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid, aio_channel
-from wire.stats import worker_stats
+from wire.worker_shell import ShellRpcs
 
 
-class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, metrics_address: str = ""):
         self.worker = worker
         self.metrics_address = metrics_address
@@ -37,9 +38,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             return self._peers[address]
 
     async def Decode(self, request, context):
-        if self.worker.draining:  # the router offers the same KV to another decode worker
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode worker {self.worker.config.worker_id} is draining")
+        # The router offers the same KV to another decode worker.
+        await self.refuse_if_draining(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
         kv = request.kv
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
@@ -47,8 +47,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         except (grpc.aio.AioRpcError, TransferError) as exc:
             self.worker.source_unreachable()
             reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"kv transfer failed: prefill worker {kv.prefill_address} unreachable ({reason})")
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER,
+                             f"kv transfer failed: prefill worker {kv.prefill_address} unreachable ({reason})")
         source = KVSource(peer, list(kv.block_ids), kv.num_tokens, kv.lease_id)
         stream = self.worker.decode(request.request_id, list(request.prompt_token_ids), request.first_token_id,
                                     params, source)
@@ -68,7 +68,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker KV cache full: {exc}")
         except TransferFailed as exc:
             await self._release(kv, "transfer_failed")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed: {exc}")
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
         finally:
             await stream.aclose()
 
@@ -79,22 +81,6 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 worker_pb2.ReleaseRequest(lease_id=kv.lease_id, reason=reason), timeout=5)
         except grpc.aio.AioRpcError:
             pass  # the prefill worker is gone, or its lease will expire
-
-    async def Abort(self, request, context):
-        return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
-
-    async def Stats(self, request, context):
-        return decode_stats(self.worker, self.metrics_address)
-
-    async def Drain(self, request, context):
-        self.worker.draining = True
-        return decode_stats(self.worker, self.metrics_address)
-
-
-def decode_stats(worker: DecodeWorker, metrics_address: str = "") -> worker_pb2.WorkerStats:
-    """The worker's ``WorkerStats``: for the router's polls and the worker's /metrics."""
-    return worker_stats(worker.config.worker_id, "decode", worker.engine, worker.agent, metrics_address,
-                        draining=worker.draining)
 
 
 def add_to_server(server: grpc.aio.Server, worker: DecodeWorker, metrics_address: str = "") -> None:

@@ -1,18 +1,23 @@
-"""The decode worker's core: engine thread, KV agent and in-flight transfers, driven from asyncio."""
+"""The decode worker's core: the shared worker shell plus what only decode has, the KV reads
+in flight."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.engine_thread import EngineThread
+from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
 from kv_transfer import TransferHandle, TransferState, create_agent
 from protos import kv_transfer_pb2
+from wire.worker_shell import WorkerShell
+
+# While a read is in flight the engine thread checks on it at least this often (between
+# steps it checks every iteration); with no read in flight it does not poll at all.
+TRANSFER_POLL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,8 @@ class DecodeWorkerConfig:
     kv_transfer_backend: str = "nixl"
     transfer_timeout_s: float = 10.0  # a read not done by then fails (and the router re-prefills)
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
+    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight streams may finish
+    cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
 
 
 @dataclass(frozen=True)
@@ -47,25 +54,15 @@ class TransferFailed(Exception):
     """The prompt's KV could not be pulled; the request was aborted here."""
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerShell):
+    role = "decode"
+
     def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None):
-        self.config = config
-        self.engine = engine or LLMEngine.from_config(config.engine)
-        self.agent = create_agent(config.kv_transfer_backend, config.worker_id, self.engine.kv_cache,
-                                  inject_delay_s=config.inject_transfer_delay_s,
-                                  read_timeout_s=config.transfer_timeout_s)
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.draining = False  # set by Drain: no new requests, the current ones finish
+        engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
+        agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
+                             inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s)
+        super().__init__(config, engine, agent, hooks=[self._poll_transfers])
         self._transfers: dict[str, TransferHandle] = {}
-        self.thread = EngineThread(self.engine, self._on_outputs, hooks=[self._poll_transfers],
-                                   name=f"{config.worker_id}-engine")
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.thread.stop()
-        self.agent.close()
 
     def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
         return self.agent.add_remote(meta)
@@ -80,29 +77,25 @@ class DecodeWorker:
                      source: KVSource) -> AsyncIterator[RequestOutput | KVArrived]:
         """Pull the KV, then yield ``KVArrived`` once and the request's outputs as they come.
 
-        Raises TransferFailed if the KV never arrives. Closing the iterator early (the
-        caller was cancelled) aborts the request and its transfer.
+        Raises TransferFailed if the KV never arrives, StepFailed if a step holding the
+        request raised. Closing the iterator early (the caller was cancelled) aborts the
+        request and its transfer.
         """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, queue)
+        stream = self.open_stream(request_id)
         finished = False
         try:
-            await asyncio.wrap_future(self.thread.call(self._admit, request_id, prompt, first_token, params, source))
+            await self.call(self._admit, request_id, prompt, first_token, params, source)
             while not finished:
-                item = await queue.get()
-                if isinstance(item, TransferFailed):
+                item = await stream.get()
+                if isinstance(item, (TransferFailed, StepFailed)):
                     finished = True
                     raise item
                 finished = isinstance(item, RequestOutput) and item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
+            self.close_stream(request_id)
             if not finished:
-                self.thread.call(self._cancel, request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        return await asyncio.wrap_future(self.thread.call(self._cancel, request_id))
+                self.thread.call(self.cancel, request_id)
 
     # ---- engine thread -------------------------------------------------------------
     def _admit(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
@@ -117,7 +110,8 @@ class DecodeWorker:
             self.engine.abort(request_id)
             raise
 
-    def _poll_transfers(self) -> None:
+    def _poll_transfers(self) -> float | None:
+        arrived = []
         for request_id, handle in list(self._transfers.items()):
             state = self.agent.poll(handle)
             if not state.is_terminal:
@@ -125,22 +119,15 @@ class DecodeWorker:
             del self._transfers[request_id]
             if state is TransferState.DONE:
                 self.engine.kv_ready(request_id)
-                self._push(request_id, KVArrived(handle.nbytes, handle.finished_at - handle.started_at))
+                arrived.append((request_id, KVArrived(handle.nbytes, handle.finished_at - handle.started_at)))
             else:
                 self.engine.abort(request_id)
-                self._push(request_id, TransferFailed(f"KV transfer {state.name.lower()}: {handle.error}"))
+                arrived.append((request_id, TransferFailed(f"KV transfer {state.name.lower()}: {handle.error}")))
+        if arrived:
+            self.push(arrived)
+        return TRANSFER_POLL_S if self._transfers else None
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for o in outputs:
-            self._push(o.request_id, o)
-
-    def _push(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def _cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str) -> bool:
         handle = self._transfers.pop(request_id, None)
         if handle is not None:
             self.agent.abort(handle)

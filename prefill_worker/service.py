@@ -6,28 +6,30 @@ import time
 
 import grpc
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, StepFailed
 from protos import worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillWorker
 from wire.convert import finish_to_wire, sampling_from_proto
+from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid
-from wire.stats import worker_stats
+from wire.worker_shell import ShellRpcs
 
 
-class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
+class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, address: str, metrics_address: str = ""):
         self.worker = worker
         self.address = address
         self.metrics_address = metrics_address
 
     async def Prefill(self, request, context):
-        if self.worker.draining:  # the router retries on another prefill worker
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker.config.worker_id} is draining")
+        await self.refuse_if_draining(context, grpc.StatusCode.UNAVAILABLE)  # the router tries another
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params)
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
         kv = None
         if r.lease is not None:
             kv = worker_pb2.KVHandle(
@@ -44,23 +46,6 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def GetAgentMetadata(self, request, context):
         return self.worker.agent.local_metadata()
-
-    async def Abort(self, request, context):
-        return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
-
-    async def Stats(self, request, context):
-        return prefill_stats(self.worker, self.metrics_address)
-
-    async def Drain(self, request, context):
-        self.worker.draining = True
-        return prefill_stats(self.worker, self.metrics_address)
-
-
-def prefill_stats(worker: PrefillWorker, metrics_address: str = "") -> worker_pb2.WorkerStats:
-    """The worker's ``WorkerStats``: for the router's polls and the worker's /metrics."""
-    return worker_stats(worker.config.worker_id, "prefill", worker.engine, worker.agent, metrics_address,
-                        num_held_leases=len(worker.leases), leases_expired=worker.released_by["expired"],
-                        draining=worker.draining)
 
 
 def add_to_server(server: grpc.aio.Server, worker: PrefillWorker, address: str, metrics_address: str = "") -> None:

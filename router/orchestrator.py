@@ -20,6 +20,7 @@ from router.frontend import ModelInfo, PreparedRequest
 from router.policy import Choice, pick_decode, pick_prefill
 from router.pool import WorkerPool
 from wire.convert import finish_from_wire, finish_to_wire, sampling_to_proto
+from wire.failure import Failure, failure_of
 from wire.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class RequestRun:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(_field(exc), exc.details()) from exc
+                _raise_if_step_failed(exc)
                 if exc.code() not in _RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:
                     raise
                 last = f"prefill worker {client.address}: {exc.code().name} {exc.details()}"
@@ -224,7 +226,8 @@ class RequestRun:
                     raise InvalidRequestError(_field(exc), exc.details()) from exc
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not started:
                     continue  # the KV is still held: another decode worker may take it
-                if "kv transfer failed" not in (exc.details() or ""):
+                _raise_if_step_failed(exc)
+                if failure_of(exc) is not Failure.KV_TRANSFER:
                     self.pool.mark_down(client.address)  # the decode worker itself failed
                 raise _DecodeLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
             finally:
@@ -289,6 +292,13 @@ def _failure_code(exc: Exception) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code().name
     return grpc.StatusCode.INTERNAL.name
+
+
+def _raise_if_step_failed(exc: grpc.aio.AioRpcError) -> None:
+    """A step that raised aborted this request on a healthy worker: retrying it elsewhere
+    would repeat the failure, so the client gets it (ABORTED) and the worker stays up."""
+    if failure_of(exc) is Failure.STEP_FAILED:
+        raise RouteError(grpc.StatusCode.ABORTED, exc.details() or "engine step failed") from exc
 
 
 def _field(exc: grpc.aio.AioRpcError) -> str:
