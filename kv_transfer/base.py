@@ -293,6 +293,10 @@ class KVTransferAgent(abc.ABC):
                 self._finish(handle, TransferState.ABORTED, None)
             return handle.state
 
+    def expect_reads(self, expected: bool) -> None:
+        """Tell the agent whether a peer may be reading from it now, so a backend that needs
+        holder-side progress (NIXL) drives it only then. The default needs none."""
+
     def in_flight(self) -> int:
         """Number of reads started and not yet terminal."""
         with self._lock:

@@ -106,6 +106,7 @@ class PrefillWorker(WorkerShell):
         if o.finish_reason is None:
             lease = Lease(uuid.uuid4().hex, o.request_id, time.monotonic() + self.config.lease_seconds)
             self.leases.add(lease)
+            self.agent.expect_reads(True)
             block_ids = self.engine.held_block_ids(o.request_id)
         return o.request_id, PrefillResult(
             o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0, o.finish_reason, block_ids,
@@ -113,6 +114,7 @@ class PrefillWorker(WorkerShell):
             max(0.0, computing_since - started))
 
     def _poll_releases(self) -> float | None:
+        self.agent.expect_reads(bool(self.leases))
         if not self.leases:
             return None
         for note in self.agent.get_notifications():

@@ -58,6 +58,7 @@ class WorkerShell:
     def start(self) -> None:
         if self.config.cpus:
             pin_process(self.config.cpus)
+        self.agent.expect_reads(False)  # until the role says otherwise (a prefill worker holding KV)
         self.thread.start()
 
     def stop(self) -> None:
