@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from engine.config import EngineConfig
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
-from kv_transfer import TransferHandle, TransferState, create_agent
+from kv_transfer import InvalidTransferRequest, TransferHandle, TransferState, create_agent
+from kv_transfer.handoff import KVHandle
 from protos import kv_transfer_pb2
 from wire.worker_shell import WorkerShell
 
@@ -32,16 +33,6 @@ class DecodeWorkerConfig:
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight streams may finish
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
-
-
-@dataclass(frozen=True)
-class KVSource:
-    """Where the prompt's KV is: the peer agent, its blocks, and the lease to name on completion."""
-
-    peer: str
-    block_ids: list[int]
-    num_tokens: int
-    lease_id: str
 
 
 @dataclass(frozen=True)
@@ -74,8 +65,11 @@ class DecodeWorker(WorkerShell):
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
-                     source: KVSource) -> AsyncIterator[RequestOutput | KVArrived]:
-        """Pull the KV, then yield ``KVArrived`` once and the request's outputs as they come.
+                     kv: KVHandle, peer: str, claim: Callable[[], Awaitable[None]]
+                     ) -> AsyncIterator[RequestOutput | KVArrived]:
+        """Take the request (blocks here first: CacheCapacityError before any claim), claim
+        the lease (``claim``), pull the KV from agent ``peer``, then yield ``KVArrived`` once
+        and the request's outputs as they come.
 
         Raises TransferFailed if the KV never arrives, StepFailed if a step holding the
         request raised. Closing the iterator early (the caller was cancelled) aborts the
@@ -84,7 +78,9 @@ class DecodeWorker(WorkerShell):
         stream = self.open_stream(request_id)
         finished = False
         try:
-            await self.call(self._admit, request_id, prompt, first_token, params, source)
+            local = await self.call(self.engine.add_prefilled, request_id, prompt, first_token, params)
+            await claim()
+            await self.call(self._start_read, request_id, kv, peer, local)
             while not finished:
                 item = await stream.get()
                 if isinstance(item, (TransferFailed, StepFailed)):
@@ -98,17 +94,17 @@ class DecodeWorker(WorkerShell):
                 self.thread.call(self.cancel, request_id)
 
     # ---- engine thread -------------------------------------------------------------
-    def _admit(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
-               source: KVSource) -> None:
-        local = self.engine.add_prefilled(request_id, prompt, first_token, params)
-        tail = source.num_tokens - (len(source.block_ids) - 1) * self.engine.blocks.block_size
+    def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int]) -> None:
+        if not self.engine.blocks.has(request_id):  # aborted meanwhile
+            raise TransferFailed("the request was aborted before its read started")
         try:
             self._transfers[request_id] = self.agent.start_read(
-                source.peer, source.block_ids, local, notify=source.lease_id.encode(),
-                last_block_bytes=tail * self.engine.cache_spec.bytes_per_token)
-        except BaseException:
+                peer, kv.block_ids, local, notify=kv.lease_token.encode(),
+                last_block_bytes=kv.last_block_bytes(self.engine.blocks.block_size,
+                                                     self.engine.cache_spec.bytes_per_token))
+        except InvalidTransferRequest as exc:
             self.engine.abort(request_id)
-            raise
+            raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc
 
     def _poll_transfers(self) -> float | None:
         arrived = []

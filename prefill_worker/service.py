@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 
 from engine.errors import InvalidRequestError, StepFailed
+from kv_transfer.handoff import KVHandle, LeaseRefused, reason_from_wire
 from protos import worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillWorker
 from wire.convert import finish_to_wire, sampling_from_proto
@@ -32,17 +31,23 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
         kv = None
         if r.lease is not None:
-            kv = worker_pb2.KVHandle(
-                prefill_worker_id=self.worker.config.worker_id, prefill_address=self.address,
-                block_ids=r.block_ids, num_tokens=r.num_prompt_tokens, lease_id=r.lease.lease_id,
-                lease_expires_unix_s=time.time() + (r.lease.expires_at - time.monotonic()))
+            kv = KVHandle(self.address, r.lease.block_ids, r.num_prompt_tokens, r.lease.token).to_proto()
         return worker_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=r.first_token_id, first_logprob=r.first_logprob,
             finish_reason=finish_to_wire(r.finish_reason), kv=kv, num_cached_tokens=r.num_cached_tokens,
             prefill_seconds=r.seconds, queue_seconds=r.queue_seconds)
 
     async def Release(self, request, context):
-        return worker_pb2.ReleaseResponse(released=await self.worker.release(request.lease_id))
+        released = await self.worker.release(request.lease_token, reason_from_wire(request.reason))
+        return worker_pb2.ReleaseResponse(released=released)
+
+    async def Claim(self, request, context):
+        try:
+            await self.worker.claim(request.lease_token, list(request.block_ids))
+        except LeaseRefused as exc:
+            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
+                             f"lease refused ({exc.reason}): {exc}")
+        return worker_pb2.ClaimResponse()
 
     async def GetAgentMetadata(self, request, context):
         return self.worker.agent.local_metadata()

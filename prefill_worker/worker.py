@@ -1,10 +1,9 @@
 """The prefill worker's core: the shared worker shell plus what only prefill has, the leases
-on held KV."""
+on held KV (``kv_transfer.handoff``)."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -12,7 +11,7 @@ from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
 from kv_transfer import create_agent
-from prefill_worker.leases import Lease, LeaseTable
+from kv_transfer.handoff import Lease, LeaseTable, ReleaseReason
 from wire.worker_shell import WorkerShell
 
 # While KV is held, a decode worker's read can complete at any moment and its notification
@@ -55,7 +54,7 @@ class PrefillWorker(WorkerShell):
         super().__init__(config, engine, create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache),
                          hooks=[self._poll_releases, self._note_chunk])
         self.leases = LeaseTable()
-        self.released_by = {"pulled": 0, "release_rpc": 0, "expired": 0}
+        self.agent.read_guard = self.leases.read_allowed  # tcp serves only claimed leases' blocks
         self._arrived: dict[str, float] = {}  # request id -> when Prefill queued it
         # Queue time ends when a prompt's first chunk runs. Hooks run right before each step,
         # so the last hook's time is when the step now running started.
@@ -79,18 +78,22 @@ class PrefillWorker(WorkerShell):
         finally:
             self.close_stream(request_id)
             self._arrived.pop(request_id, None)
-            if not done:
-                self.thread.call(self.cancel, request_id)
+            if not done:  # our own caller gave up: its held KV (if any) goes too
+                self.thread.call(self._drop, request_id)
 
-    async def release(self, lease_id: str) -> bool:
-        return await self.call(self._release_lease, lease_id, "release_rpc")
+    async def claim(self, token: str, block_ids: list[int]) -> Lease:
+        """Claim the lease ``token`` for one read of ``block_ids``; raises LeaseRefused."""
+        return await self.call(self._claim, token, block_ids)
+
+    async def release(self, token: str, reason: ReleaseReason) -> bool:
+        return await self.call(self._release, token, reason)
 
     def in_flight(self) -> int:
         """Prompts computing, and KV held for a decode worker that has yet to read it."""
         return super().in_flight() + len(self.leases)
 
     def stats_extra(self) -> dict:
-        return {"num_held_leases": len(self.leases), "leases_expired": self.released_by["expired"]}
+        return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total}
 
     # ---- engine thread -------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -104,10 +107,9 @@ class PrefillWorker(WorkerShell):
             return o.request_id, None
         lease, block_ids = None, []
         if o.finish_reason is None:
-            lease = Lease(uuid.uuid4().hex, o.request_id, time.monotonic() + self.config.lease_seconds)
-            self.leases.add(lease)
-            self.agent.expect_reads(True)
             block_ids = self.engine.held_block_ids(o.request_id)
+            lease = self.leases.grant(o.request_id, block_ids, time.monotonic(), self.config.lease_seconds)
+            self.agent.expect_reads(True)
         return o.request_id, PrefillResult(
             o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0, o.finish_reason, block_ids,
             o.num_prompt_tokens, lease, o.num_cached_tokens, time.monotonic() - started,
@@ -118,12 +120,13 @@ class PrefillWorker(WorkerShell):
         if not self.leases:
             return None
         for note in self.agent.get_notifications():
-            self._release_lease(note.decode(), "pulled")
+            self._release(note.decode(errors="replace"), ReleaseReason.PULLED)
         now = time.monotonic()
         for lease in self.leases.pop_expired(now):
             self.engine.release(lease.request_id)
-            self.released_by["expired"] += 1
-        return NOTIFICATION_POLL_S if self.leases else None
+        if not self.leases:
+            return None
+        return max(0.0, min(NOTIFICATION_POLL_S, self.leases.next_deadline() - now))
 
     def _note_chunk(self) -> None:
         """Remember when a chunked prompt's first chunk ran (the step that just ended).
@@ -136,16 +139,29 @@ class PrefillWorker(WorkerShell):
             self._first_chunk_at.setdefault(waiting[0].seq_id, self._step_started)
         self._step_started = time.monotonic()
 
-    def _release_lease(self, lease_id: str, why: str) -> bool:
-        lease = self.leases.pop(lease_id)
+    def _claim(self, token: str, block_ids: list[int]) -> Lease:
+        return self.leases.claim(token, block_ids, time.monotonic(), self.config.lease_seconds)
+
+    def _release(self, token: str, reason: ReleaseReason) -> bool:
+        if reason is ReleaseReason.RETURNED:
+            return self.leases.give_back(token)
+        lease = self.leases.release(token, reason)
         if lease is None:
             return False
         self.engine.release(lease.request_id)
-        self.released_by[why] += 1
         return True
 
     def cancel(self, request_id: str) -> bool:
+        """The ``Abort`` RPC: stops a prompt still computing. Held KV is not touched: it
+        leaves only by its lease token (request ids are chosen by clients)."""
+        if any(l.request_id == request_id for l in self.leases.leases.values()):
+            return False
         self._first_chunk_at.pop(request_id, None)
-        for lease in [l for l in self.leases.leases.values() if l.request_id == request_id]:
-            self.leases.pop(lease.lease_id)
         return self.engine.abort(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        """Our own ``prefill`` caller gave up: free whatever the request holds."""
+        for lease in [l for l in self.leases.leases.values() if l.request_id == request_id]:
+            self.leases.release(lease.token, ReleaseReason.ABORTED)
+        self._first_chunk_at.pop(request_id, None)
+        self.engine.abort(request_id)

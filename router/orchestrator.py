@@ -20,6 +20,7 @@ from router.frontend import ModelInfo, PreparedRequest
 from router.policy import Choice, pick_decode, pick_prefill
 from router.pool import WorkerPool
 from wire.convert import finish_from_wire, finish_to_wire, sampling_to_proto
+from kv_transfer.handoff import ReleaseReason, release_request
 from wire.failure import Failure, failure_of
 from wire.metrics import RequestMetrics
 
@@ -136,7 +137,7 @@ class RequestRun:
                 self.metrics.migrated()
             finally:
                 if kv_owned:
-                    self._release_later(prefill_addr, pre.kv.lease_id)
+                    self._release_later(prefill_addr, pre.kv.lease_token)
 
     async def _check_decode_capacity(self, total_tokens: int) -> None:
         blocks = -(-total_tokens // self.model.block_size)
@@ -260,12 +261,12 @@ class RequestRun:
                                  completion_tokens=len(self.progress.token_ids),
                                  cached_prompt_tokens=self.progress.cached_tokens)
 
-    def _release_later(self, address: str, lease_id: str) -> None:
+    def _release_later(self, address: str, lease_token: str) -> None:
         """Free a lease the decode side never took (best effort; the lease expires anyway)."""
         client = self.pool.workers.get(address)
         if client is None:
             return
-        release = client.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id, reason="aborted"), timeout=5)
+        release = client.stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
         asyncio.ensure_future(_ignore_errors(release))
 
 

@@ -135,7 +135,7 @@ def test_lease_expiry_frees_kv_nobody_pulls(cluster):
         resp = prefill.Prefill(worker_pb2.PrefillRequest(
             request_id="orphan", prompt_token_ids=list(range(100, 150)),
             sampling=pdserve_pb2.SamplingParams(max_tokens=10, ignore_eos=True)), timeout=60)
-    assert len(resp.kv.block_ids) == 4 and resp.kv.lease_id
+    assert len(resp.kv.block_ids) == 4 and resp.kv.lease_token
     held = worker_stats(address, "prefill")
     assert held.num_held_leases == 1 and held.num_blocks_used == 4
     time.sleep(LEASE_S + 0.5)

@@ -74,7 +74,7 @@ def test_a_step_that_raises_fails_its_prompt_with_a_typed_code_and_the_worker_se
                 with pytest.raises(grpc.aio.AioRpcError) as info:  # temperature 1e-40 overflows the logits
                     await stub.Prefill(prefill_request("bad", bad, 1e-40), timeout=60)
                 after = await stub.Prefill(prefill_request("good", good, 0.0), timeout=60)
-                await stub.Release(worker_pb2.ReleaseRequest(lease_id=after.kv.lease_id), timeout=5)
+                await stub.Release(worker_pb2.ReleaseRequest(lease_token=after.kv.lease_token), timeout=5)
                 stats = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
                 return info.value, after, stats
         finally:
@@ -104,7 +104,7 @@ def test_drain_refuses_new_prompts_and_waits_for_held_kv(engine):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Prefill(prefill_request("b", second, 0.0), timeout=60)
             still_draining = not drain.done()  # the held KV is in flight: the drain waits for it
-            await stub.Release(worker_pb2.ReleaseRequest(lease_id=held.kv.lease_id), timeout=5)
+            await stub.Release(worker_pb2.ReleaseRequest(lease_token=held.kv.lease_token), timeout=5)
         await asyncio.wait_for(drain, 30)
         return status, refused.value, still_draining
 
@@ -146,7 +146,7 @@ def test_sigterm_drains_a_worker_process_then_it_exits_0(tiny_llama_dir):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Prefill(prefill_request("b", second, 0.0), timeout=60)
             assert proc.poll() is None  # held KV keeps it draining
-            stub.Release(worker_pb2.ReleaseRequest(lease_id=held.kv.lease_id), timeout=5)
+            stub.Release(worker_pb2.ReleaseRequest(lease_token=held.kv.lease_token), timeout=5)
         assert proc.wait(timeout=60) == 0
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
