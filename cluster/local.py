@@ -53,6 +53,17 @@ class ClusterConfig:
         return max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode))
 
 
+def _local_ray_cpus(cfg: ClusterConfig) -> int:
+    """CPUs a Ray this cluster starts announces: every worker it may run reserves its torch
+    threads, so a small machine running more threads than cores (oversubscribed on purpose,
+    as the tests do) still places them all. Never fewer than the machine has."""
+    workers = 0
+    for pool, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
+        policy = (cfg.autoscaling or {}).get(pool)
+        workers += max(count, getattr(policy, "max_replicas", count))
+    return max(os.cpu_count() or 1, workers * cfg.worker_threads() + 1)
+
+
 def default_gpus() -> float:
     import torch
 
@@ -121,6 +132,7 @@ class LocalCluster:
         self._group_serial = itertools.count()  # placement-group names stay unique for the cluster's life
         self.lock = threading.RLock()  # membership changes: scaling and the supervisor
         self._started_ray = False
+        self._core_slots = itertools.count()  # which cores the next pinned worker gets
 
     def start(self) -> str:
         from decode_worker.worker import DecodeWorkerConfig
@@ -134,7 +146,8 @@ class LocalCluster:
         if not ray.is_initialized():
             # "local" starts a new instance even when another Ray runs on this machine.
             ray.init(address=cfg.ray_address or "local", include_dashboard=False, logging_level=logging.WARNING,
-                     **({} if cfg.ray_address else {"object_store_memory": 256 << 20}))
+                     **({} if cfg.ray_address else {"object_store_memory": 256 << 20,
+                                                    "num_cpus": _local_ray_cpus(cfg)}))
             self._started_ray = True
         threads = cfg.worker_threads()
         self.prefill = [self._place("prefill", i, cfg.prefill_placement, PrefillWorkerConfig(
@@ -166,8 +179,16 @@ class LocalCluster:
         return self.address
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
-        """A worker actor inside a placement group of its own."""
+        """A worker actor inside a placement group of its own. Unless the pool names its CPUs,
+        Ray reserves as many as the worker runs torch threads; on a Ray this cluster started,
+        the worker is also pinned to cores of its own (round robin over the machine's)."""
         self._templates.setdefault(role, (placement, config, threads))
+        if placement.cpus == PoolPlacement().cpus:
+            placement = dataclasses.replace(placement, cpus=float(threads))
+        if self._started_ray and hasattr(config, "cpus"):
+            slot = next(self._core_slots)
+            config = dataclasses.replace(config, cpus=tuple((slot * threads + k) % (os.cpu_count() or 1)
+                                                            for k in range(threads)))
         self._next_id[role] = max(self._next_id[role], index + 1)
         self._specs[(role, index)] = (placement, config, threads)
         pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}-{next(self._group_serial)}")
