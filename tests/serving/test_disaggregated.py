@@ -201,16 +201,11 @@ def test_list_models_health_and_reflection(channel, stub):
     assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= services
 
 
-def test_each_worker_is_pinned_to_its_own_cores_and_ray_reserves_its_threads(cluster):
-    """threads_per_worker=1: each worker process runs on one core, and its Ray actor holds one
-    CPU. On this 2-core machine 4 workers share the cores round robin, two per core."""
-    import os
-
+def test_ray_reserves_each_workers_threads(cluster):
+    """threads_per_worker=1: each worker's Ray actor holds one CPU (the router none). Pinning
+    is off here: 4 workers on 2 cores oversubscribe them (tests/wire covers pin_process)."""
     import ray
 
     workers = cluster.prefill + cluster.decode
-    cores = [os.sched_getaffinity(ray.get(actor.pid.remote())) for actor in workers]
-    assert all(len(c) == 1 for c in cores)
-    assert len({tuple(c) for c in cores}) == min(len(workers), os.cpu_count() or 1)  # spread, not stacked
     used = ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0.0)
-    assert used == pytest.approx(len(workers))  # the router reserves none
+    assert used == pytest.approx(len(workers))

@@ -153,3 +153,18 @@ def test_sigterm_drains_a_worker_process_then_it_exits_0(tiny_llama_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_pin_process_moves_every_thread_and_sizes_torch_to_the_cores():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, threading, torch; from wire.worker_shell import pin_process; "
+            "t = threading.Thread(target=threading.Event().wait, daemon=True); t.start(); "
+            "pin_process([0]); "
+            "print(sorted({tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir('/proc/self/task')}), "
+            "torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()}, check=True).stdout.strip()
+    assert out == "[(0,)] 1"
