@@ -72,6 +72,22 @@ class ClusterConfig:
         return max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode))
 
 
+def _max_workers(cfg: ClusterConfig) -> int:
+    """Workers the cluster may run at once (autoscaling included)."""
+    workers = 0
+    for pool, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
+        policy = (cfg.autoscaling or {}).get(pool)
+        workers += max(count, getattr(policy, "max_replicas", count))
+    return workers
+
+
+def _local_ray_cpus(cfg: ClusterConfig) -> int:
+    """CPUs a Ray this cluster starts announces: every worker it may run reserves its torch
+    threads, so a small machine running more threads than cores (oversubscribed on purpose,
+    as the tests do) still places them all. Never fewer than the machine has."""
+    return max(os.cpu_count() or 1, _max_workers(cfg) * cfg.worker_threads() + 1)
+
+
 def default_gpus() -> float:
     import torch
 
@@ -161,6 +177,7 @@ class LocalCluster:
         self._group_serial = itertools.count()  # placement-group names stay unique for the cluster's life
         self.lock = threading.RLock()  # membership changes: scaling and the supervisor
         self._started_ray = False
+        self._core_slots = itertools.count()  # which cores the next pinned worker gets
 
     def start(self) -> str:
         from decode_worker.worker import DecodeWorkerConfig
@@ -220,12 +237,22 @@ class LocalCluster:
         _set_ray_auth_mode("token" if cfg.ray_token_auth else "disabled")
         # "local" starts a new instance even when another Ray runs on this machine.
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
-                 object_store_memory=256 << 20)
+                 object_store_memory=256 << 20, num_cpus=_local_ray_cpus(cfg))
         self._started_ray = True
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
-        """A worker actor inside a placement group of its own."""
+        """A worker actor inside a placement group of its own. Unless the pool names its CPUs,
+        Ray reserves as many as the worker runs torch threads. On a Ray this cluster started,
+        with a core for every thread, the worker is also pinned to cores of its own; on an
+        oversubscribed machine it is not (measured on 2 cores and 4 workers: pinning kept the
+        OS from moving a busy worker to an idle core, and decode fell behind)."""
         self._templates.setdefault(role, (placement, config, threads))
+        if placement.cpus == PoolPlacement().cpus:
+            placement = dataclasses.replace(placement, cpus=float(threads))
+        if self._started_ray and hasattr(config, "cpus") and _max_workers(self.config) * threads <= (os.cpu_count() or 1):
+            slot = next(self._core_slots)
+            config = dataclasses.replace(config, cpus=tuple((slot * threads + k) % (os.cpu_count() or 1)
+                                                            for k in range(threads)))
         self._next_id[role] = max(self._next_id[role], index + 1)
         self._specs[(role, index)] = (placement, config, threads)
         pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}-{next(self._group_serial)}")

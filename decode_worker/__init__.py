@@ -3,14 +3,17 @@
 Request lifecycle on this worker:
 
 - WAITING_FOR_KV: ``Decode`` arrived; blocks are allocated for the prompt (no prompt
-  forward pass ever runs here) and the prefill worker's metadata is known (fetched once per
-  peer over gRPC and cached).
+  forward pass ever runs here; a full cache answers RESOURCE_EXHAUSTED before the lease is
+  claimed, so the router's next decode worker finds it held), the prefill worker's metadata
+  is known (fetched once per peer over gRPC and cached), and the lease is claimed.
 - TRANSFERRING: a NIXL READ moves the prompt's KV from the prefill worker's blocks straight
   into ours; on completion NIXL notifies the prefill worker, which frees its copy.
 - RUNNING: the request joins the continuous batch, decoding from the first token the
   prefill worker sampled; every step's token streams back to the router.
 - FINISHED: EOS, a stop token, max_tokens or the context length; blocks freed.
 - ABORTED: the router cancelled the stream (client gone, stop string, Abort) or the
-  transfer failed. A failed transfer is reported to the router as an error (it re-runs the
-  prefill elsewhere) and to the prefill worker through ``Release``, never silently recomputed.
+  transfer failed. A failed transfer (or a refused claim) is reported to the router with the
+  typed failure code ``kv_transfer`` (it re-runs the prefill elsewhere) and to the prefill
+  worker through ``Release``, never silently recomputed. A step that raises aborts its
+  requests with the code ``step_failed``.
 """

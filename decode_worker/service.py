@@ -6,16 +6,18 @@ import asyncio
 
 import grpc
 
-from decode_worker.worker import DecodeWorker, KVArrived, KVSource, TransferFailed
-from engine.errors import CacheCapacityError, InvalidRequestError
+from decode_worker.worker import DecodeWorker, KVArrived, TransferFailed
+from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from kv_transfer import TransferError
+from kv_transfer.handoff import KVHandle, ReleaseReason, release_request
 from protos import worker_pb2, worker_pb2_grpc
 from wire.convert import finish_to_wire, sampling_from_proto
+from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid, aio_channel
-from wire.stats import worker_stats
+from wire.worker_shell import ShellRpcs
 
 
-class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, metrics_address: str = ""):
         self.worker = worker
         self.metrics_address = metrics_address
@@ -37,64 +39,76 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             return self._peers[address]
 
     async def Decode(self, request, context):
-        if self.worker.draining:  # the router offers the same KV to another decode worker
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode worker {self.worker.config.worker_id} is draining")
-        kv = request.kv
+        # The router offers the same KV to another decode worker.
+        await self.refuse_if_draining(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        kv = KVHandle.from_proto(request.kv)
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             peer = await self._peer(kv.prefill_address)
         except (grpc.aio.AioRpcError, TransferError) as exc:
             self.worker.source_unreachable()
             reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"kv transfer failed: prefill worker {kv.prefill_address} unreachable ({reason})")
-        source = KVSource(peer, list(kv.block_ids), kv.num_tokens, kv.lease_id)
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER,
+                             f"kv transfer failed: prefill worker {kv.prefill_address} unreachable ({reason})")
+        lease = _LeaseUse(self._stub(kv.prefill_address), kv)
         stream = self.worker.decode(request.request_id, list(request.prompt_token_ids), request.first_token_id,
-                                    params, source)
+                                    params, kv, peer, lease.claim)
         try:
             async for item in stream:
                 if isinstance(item, KVArrived):
+                    lease.done = True  # read: the holder frees its copy on the read's notification
                     yield worker_pb2.DecodeResponse(kv_bytes=item.nbytes, kv_transfer_seconds=item.seconds)
                     continue
                 yield worker_pb2.DecodeResponse(
                     token_ids=item.new_token_ids, logprobs=item.new_logprobs,
                     finish_reason=finish_to_wire(item.finish_reason if item.finished else None))
         except InvalidRequestError as exc:
-            await self._release(kv, "aborted")
             await abort_invalid(context, exc)
         except CacheCapacityError as exc:
-            await self._release(kv, "aborted")
+            await lease.end(ReleaseReason.RETURNED)  # unread: the router's next decode worker may claim it
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker KV cache full: {exc}")
+        except LeaseClaimFailed as exc:
+            self.worker.source_unreachable()
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
         except TransferFailed as exc:
-            await self._release(kv, "transfer_failed")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed: {exc}")
+            await lease.end(ReleaseReason.TRANSFER_FAILED)
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
         finally:
             await stream.aclose()
+            await lease.end(ReleaseReason.ABORTED)  # a no-op unless claimed and never read
 
-    async def _release(self, kv, reason: str) -> None:
-        """Tell the prefill worker to free its copy now rather than at lease expiry (best effort)."""
+
+class LeaseClaimFailed(Exception):
+    """The holder refused the claim, or could not be asked: nothing was read."""
+
+
+class _LeaseUse:
+    """This decode worker's use of one lease: claim it before reading, and end it (once) if
+    it was claimed and the read never finished."""
+
+    def __init__(self, stub: worker_pb2_grpc.PrefillWorkerStub, kv: KVHandle):
+        self.stub, self.kv = stub, kv
+        self.claimed = self.done = False
+
+    async def claim(self) -> None:
         try:
-            await self._stub(kv.prefill_address).Release(
-                worker_pb2.ReleaseRequest(lease_id=kv.lease_id, reason=reason), timeout=5)
+            await self.stub.Claim(worker_pb2.ClaimRequest(lease_token=self.kv.lease_token,
+                                                          block_ids=list(self.kv.block_ids)), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise LeaseClaimFailed(f"claim refused by {self.kv.prefill_address}: {exc.details()}") from exc
+        self.claimed = True
+
+    async def end(self, reason: ReleaseReason) -> None:
+        """Release (or hand back) a lease we claimed and did not read (best effort: it expires anyway)."""
+        if not self.claimed or self.done:
+            return
+        self.done = True
+        try:
+            await self.stub.Release(release_request(self.kv.lease_token, reason), timeout=5)
         except grpc.aio.AioRpcError:
             pass  # the prefill worker is gone, or its lease will expire
-
-    async def Abort(self, request, context):
-        return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
-
-    async def Stats(self, request, context):
-        return decode_stats(self.worker, self.metrics_address)
-
-    async def Drain(self, request, context):
-        self.worker.draining = True
-        return decode_stats(self.worker, self.metrics_address)
-
-
-def decode_stats(worker: DecodeWorker, metrics_address: str = "") -> worker_pb2.WorkerStats:
-    """The worker's ``WorkerStats``: for the router's polls and the worker's /metrics."""
-    return worker_stats(worker.config.worker_id, "decode", worker.engine, worker.agent, metrics_address,
-                        draining=worker.draining)
 
 
 def add_to_server(server: grpc.aio.Server, worker: DecodeWorker, metrics_address: str = "") -> None:

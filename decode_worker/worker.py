@@ -1,20 +1,26 @@
-"""The decode worker's core: engine thread, KV agent and in-flight transfers, driven from asyncio."""
+"""The decode worker's core: the shared worker shell plus what only decode has, the KV reads
+in flight."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from engine.config import EngineConfig
-from engine.engine_thread import EngineThread
+from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
-from kv_transfer import TransferHandle, TransferState, create_agent
+from kv_transfer import InvalidTransferRequest, TransferHandle, TransferState, create_agent
+from kv_transfer.handoff import KVHandle
 from protos import kv_transfer_pb2
 from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
+from wire.worker_shell import WorkerShell
+
+# While a read is in flight the engine thread checks on it at least this often (between
+# steps it checks every iteration); with no read in flight it does not poll at all.
+TRANSFER_POLL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -29,16 +35,8 @@ class DecodeWorkerConfig:
     kv_transfer_backend: str = "nixl"
     transfer_timeout_s: float = 10.0  # a read not done by then fails (and the router re-prefills)
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
-
-
-@dataclass(frozen=True)
-class KVSource:
-    """Where the prompt's KV is: the peer agent, its blocks, and the lease to name on completion."""
-
-    peer: str
-    block_ids: list[int]
-    num_tokens: int
-    lease_id: str
+    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight streams may finish
+    cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
 
 
 @dataclass(frozen=True)
@@ -51,27 +49,18 @@ class TransferFailed(Exception):
     """The prompt's KV could not be pulled; the request was aborted here."""
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerShell):
+    role = "decode"
+
     def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None):
-        self.config = config
-        self.engine = engine or LLMEngine.from_config(config.engine)
-        self.endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
-        self.agent = create_agent(config.kv_transfer_backend, config.worker_id, self.engine.kv_cache,
-                                  inject_delay_s=config.inject_transfer_delay_s,
-                                  read_timeout_s=config.transfer_timeout_s,
-                                  **transfer_listen_opts(config.kv_transfer_backend, self.endpoint))
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.draining = False  # set by Drain: no new requests, the current ones finish
+        engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
+        endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
+        agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
+                             inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
+                             **transfer_listen_opts(config.kv_transfer_backend, endpoint))
+        super().__init__(config, engine, agent, hooks=[self._poll_transfers])
+        self.endpoint = endpoint
         self._transfers: dict[str, TransferHandle] = {}
-        self.thread = EngineThread(self.engine, self._on_outputs, hooks=[self._poll_transfers],
-                                   name=f"{config.worker_id}-engine")
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.thread.stop()
-        self.agent.close()
 
     def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
         return self.agent.add_remote(meta)
@@ -83,47 +72,49 @@ class DecodeWorker:
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
-                     source: KVSource) -> AsyncIterator[RequestOutput | KVArrived]:
-        """Pull the KV, then yield ``KVArrived`` once and the request's outputs as they come.
+                     kv: KVHandle, peer: str, claim: Callable[[], Awaitable[None]]
+                     ) -> AsyncIterator[RequestOutput | KVArrived]:
+        """Take the request (blocks here first: CacheCapacityError before any claim), claim
+        the lease (``claim``), pull the KV from agent ``peer``, then yield ``KVArrived`` once
+        and the request's outputs as they come.
 
-        Raises TransferFailed if the KV never arrives. Closing the iterator early (the
-        caller was cancelled) aborts the request and its transfer.
+        Raises TransferFailed if the KV never arrives, StepFailed if a step holding the
+        request raised. Closing the iterator early (the caller was cancelled) aborts the
+        request and its transfer.
         """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, queue)
+        stream = self.open_stream(request_id)
         finished = False
         try:
-            await asyncio.wrap_future(self.thread.call(self._admit, request_id, prompt, first_token, params, source))
+            local = await self.call(self.engine.add_prefilled, request_id, prompt, first_token, params)
+            await claim()
+            await self.call(self._start_read, request_id, kv, peer, local)
             while not finished:
-                item = await queue.get()
-                if isinstance(item, TransferFailed):
+                item = await stream.get()
+                if isinstance(item, (TransferFailed, StepFailed)):
                     finished = True
                     raise item
                 finished = isinstance(item, RequestOutput) and item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
+            self.close_stream(request_id)
             if not finished:
-                self.thread.call(self._cancel, request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        return await asyncio.wrap_future(self.thread.call(self._cancel, request_id))
+                self.thread.call(self.cancel, request_id)
 
     # ---- engine thread -------------------------------------------------------------
-    def _admit(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
-               source: KVSource) -> None:
-        local = self.engine.add_prefilled(request_id, prompt, first_token, params)
-        tail = source.num_tokens - (len(source.block_ids) - 1) * self.engine.blocks.block_size
+    def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int]) -> None:
+        if not self.engine.blocks.has(request_id):  # aborted meanwhile
+            raise TransferFailed("the request was aborted before its read started")
         try:
             self._transfers[request_id] = self.agent.start_read(
-                source.peer, source.block_ids, local, notify=source.lease_id.encode(),
-                last_block_bytes=tail * self.engine.cache_spec.bytes_per_token)
-        except BaseException:
+                peer, kv.block_ids, local, notify=kv.lease_token.encode(),
+                last_block_bytes=kv.last_block_bytes(self.engine.blocks.block_size,
+                                                     self.engine.cache_spec.bytes_per_token))
+        except InvalidTransferRequest as exc:
             self.engine.abort(request_id)
-            raise
+            raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc
 
-    def _poll_transfers(self) -> None:
+    def _poll_transfers(self) -> float | None:
+        arrived = []
         for request_id, handle in list(self._transfers.items()):
             state = self.agent.poll(handle)
             if not state.is_terminal:
@@ -131,22 +122,15 @@ class DecodeWorker:
             del self._transfers[request_id]
             if state is TransferState.DONE:
                 self.engine.kv_ready(request_id)
-                self._push(request_id, KVArrived(handle.nbytes, handle.finished_at - handle.started_at))
+                arrived.append((request_id, KVArrived(handle.nbytes, handle.finished_at - handle.started_at)))
             else:
                 self.engine.abort(request_id)
-                self._push(request_id, TransferFailed(f"KV transfer {state.name.lower()}: {handle.error}"))
+                arrived.append((request_id, TransferFailed(f"KV transfer {state.name.lower()}: {handle.error}")))
+        if arrived:
+            self.push(arrived)
+        return TRANSFER_POLL_S if self._transfers else None
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for o in outputs:
-            self._push(o.request_id, o)
-
-    def _push(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def _cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str) -> bool:
         handle = self._transfers.pop(request_id, None)
         if handle is not None:
             self.agent.abort(handle)

@@ -125,7 +125,11 @@ class SchedulerConfig:
     """Continuous-batching limits."""
 
     max_num_seqs: int = 64  # sequences in one decode batch
-    max_num_batched_tokens: int = 2048  # prefill token budget per step (chunk size for long prompts)
+    # Prefill token budget per step (chunk size for long prompts). benchmarks/prefill_budget.py
+    # (256-token prompts, float32, 1 thread, 2026-11-22 on a loaded 2-core box): 256 / 512 /
+    # 1024 / 2048 gave 86 / 118 / 187 / 207 prompt tok/s (mean of two runs in opposite orders).
+    # 2048 keeps the most throughput; its longer step only delays a prompt arriving mid-step.
+    max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
 
 

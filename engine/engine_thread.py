@@ -2,10 +2,16 @@
 
 The engine is single-threaded by design; a worker's RPC handlers run elsewhere (an asyncio
 loop). They reach the engine only through ``call``, which queues a function to run on the
-engine thread between steps and returns a future. Outputs go to ``on_outputs``, called on
-the engine thread after every step. ``hooks`` run once per loop iteration on the same
-thread (a worker polls its KV transfers and leases there), so nothing that touches the
-engine or the KV cache ever runs concurrently with a forward pass.
+engine thread between steps and returns a future. Each loop iteration runs, in this order:
+the queued calls, the ``hooks``, then one step. So a request added while step N runs is in
+step N+1. Outputs go to ``on_outputs`` once per step; a step that raises ``StepFailed`` goes
+to ``on_step_error`` (its requests are already aborted; the loop carries on).
+
+Waits are event-driven. Each hook returns how soon it needs to run again (seconds), or None
+when nothing it watches can change until a call arrives. An idle engine blocks on its call
+queue for the smallest of those, forever when every hook says None: an idle worker uses no
+CPU. A worker's hooks poll KV transfers and leases there, so nothing that touches the engine
+or the KV cache ever runs concurrently with a forward pass.
 """
 
 from __future__ import annotations
@@ -14,30 +20,38 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
+from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
 
+Hook = Callable[[], Optional[float]]  # runs on the engine thread; returns seconds until it needs to run again
+
+_WAKE = object()  # queued by ``stop`` so a blocked loop sees the stop flag
+
 
 class EngineThread:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
-                 hooks: Iterable[Callable[[], None]] = (), idle_wait_s: float = 0.002, name: str = "engine"):
+                 hooks: Iterable[Hook] = (), name: str = "engine",
+                 on_step_error: Callable[[StepFailed], None] | None = None):
         self.engine = engine
         self._on_outputs = on_outputs
+        self._on_step_error = on_step_error
         self._hooks = list(hooks)
-        self._idle_wait_s = idle_wait_s  # how long an idle loop sleeps waiting for work
-        self._calls: queue.Queue[tuple[Callable[..., Any], tuple, Future]] = queue.Queue()
+        self._calls: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
+        self.idle_waits = 0  # times the loop blocked with nothing to run (tests read it)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._calls.put(_WAKE)
         self._thread.join(timeout)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -51,35 +65,56 @@ class EngineThread:
         while not self._stop.is_set():
             try:
                 self._drain_calls()
-                for hook in self._hooks:
-                    hook()
+                wait_s = self._run_hooks()
                 if self.engine.has_runnable():
-                    outputs = self.engine.step()
-                    self.steps += 1
-                    if outputs:
-                        self._on_outputs(outputs)
+                    self._step()
                 else:
-                    self._wait_for_call()
+                    self._wait_for_call(wait_s)
             except Exception:  # a bug here must not silently kill the worker's engine
                 log.exception("engine loop iteration failed")
+
+    def _run_hooks(self) -> float | None:
+        """Run every hook; the soonest any of them wants to run again (None: not before a call)."""
+        soonest = None
+        for hook in self._hooks:
+            wait_s = hook()
+            if wait_s is not None:
+                soonest = wait_s if soonest is None else min(soonest, wait_s)
+        return soonest
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except StepFailed as exc:
+            log.error("%s", exc, exc_info=exc.cause)
+            if self._on_step_error is not None:
+                self._on_step_error(exc)
+            return
+        self.steps += 1
+        if outputs:
+            self._on_outputs(outputs)
 
     def _drain_calls(self) -> None:
         while True:
             try:
-                fn, args, fut = self._calls.get_nowait()
+                item = self._calls.get_nowait()
             except queue.Empty:
                 return
-            self._run_call(fn, args, fut)
+            self._run_call(item)
 
-    def _wait_for_call(self) -> None:
+    def _wait_for_call(self, timeout_s: float | None) -> None:
+        self.idle_waits += 1
         try:
-            fn, args, fut = self._calls.get(timeout=self._idle_wait_s)
+            item = self._calls.get(timeout=max(timeout_s, 0.0) if timeout_s is not None else None)
         except queue.Empty:
             return
-        self._run_call(fn, args, fut)
+        self._run_call(item)
 
     @staticmethod
-    def _run_call(fn, args, fut: Future) -> None:
+    def _run_call(item) -> None:
+        if item is _WAKE:
+            return
+        fn, args, fut = item
         if not fut.set_running_or_notify_cancel():
             return
         try:

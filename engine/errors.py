@@ -34,3 +34,14 @@ class CacheCapacityError(EngineError):
         super().__init__(
             f"request needs {needed_blocks} KV blocks but the cache holds only {total_blocks}"
         )
+
+
+class StepFailed(EngineError):
+    """A forward step raised. The sequences it held (``request_ids``) were aborted and their
+    blocks freed; the engine goes on with everything else. ``cause`` is the original error."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        self.request_ids = list(request_ids)
+        self.cause = cause
+        super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); "
+                         f"aborted {len(self.request_ids)} request(s) of that step")

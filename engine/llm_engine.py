@@ -3,8 +3,8 @@
 ``step()`` is the whole loop body: schedule -> run -> postprocess. Requests enter with
 ``add_request`` (token ids in; the serving layers tokenize) and leave through the outputs of
 ``step`` or through ``abort``. Two entry points exist for disaggregation: a prefill-only
-request (``hold_kv=True``) stops after its first token and keeps its KV blocks until
-``release``; a prefilled request (``add_prefilled``) gets blocks for KV that another worker
+request (``hold_kv=True``) stops after its first token in state HELD, keeping its KV
+blocks until ``release``; a prefilled request (``add_prefilled``) gets blocks for KV that another worker
 computed and joins the decode batch on ``kv_ready``.
 """
 
@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import CacheCapacityError, InvalidRequestError
+from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from engine.kv_cache import KVCacheSpec
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
@@ -34,10 +34,10 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
+    new_text: str  # "" when the engine does not detokenize (workers: the router does)
     new_logprobs: list[float]
-    finished: bool
-    finish_reason: str | None
+    finished: bool  # no later step produces output for it (finished, or HELD)
+    finish_reason: str | None  # None with ``finished``: HELD, generation goes on elsewhere
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
@@ -55,11 +55,16 @@ class Completion:
 
 
 class LLMEngine:
+    """``detokenize=False`` builds no detokenizer: outputs carry token ids only and stop
+    strings are refused. Workers run so, since the router detokenizes (and applies stop
+    strings) for the client once, across prefill and decode."""
+
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, detokenize: bool = True):
         self.config = config
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
+        self.detokenize = detokenize and tokenizer is not None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
@@ -72,22 +77,23 @@ class LLMEngine:
         self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._held: dict[str, Sequence] = {}
 
     @classmethod
-    def from_config(cls, config: EngineConfig, progress: bool = True) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig, progress: bool = True, detokenize: bool = True) -> "LLMEngine":
         """Load the model named in ``config`` (weights, tokenizer) and build the engine."""
         from engine.loader import load_model
 
         model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress)
-        return cls(model, model_cfg, config, Tokenizer(model_dir))
+        # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
+        tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
+        return cls(model, model_cfg, config, tokenizer, detokenize=detokenize)
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` naming the field and the limit it breaks."""
         validate_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop", "stop strings need a tokenizer")
+        if params.stop and not self.detokenize:
+            raise InvalidRequestError("stop", "stop strings need an engine that detokenizes")
         try:
             self.blocks.check_fits(len(prompt_token_ids) + 1)
         except CacheCapacityError as exc:
@@ -96,7 +102,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     hold_kv: bool = False) -> None:
         """Queue a request. ``hold_kv``: prefill only, keep the KV for a transfer."""
-        if request_id in self._seqs or request_id in self._held:
+        if request_id in self._seqs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
@@ -123,30 +129,36 @@ class LLMEngine:
 
     def _track(self, seq: Sequence) -> None:
         self._seqs[seq.seq_id] = seq
-        if self.tokenizer is not None:
+        if self.detokenize:
             self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if it is unknown."""
         seq = self._seqs.get(request_id)
         if seq is None:
-            return self.release(request_id)
+            return False
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._forget(seq)
         return True
 
     def held_block_ids(self, request_id: str) -> list[int]:
-        """Block ids of a finished prefill-only request whose KV is still held."""
-        if request_id not in self._held:
+        """Block ids of a HELD request (prefill done, KV kept for another worker)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.is_held:
             raise KeyError(request_id)
         return list(self.blocks.block_table(request_id))
 
     def release(self, request_id: str) -> bool:
-        """Free the KV a prefill-only request held (after its transfer, abort or lease end)."""
-        if self._held.pop(request_id, None) is None:
+        """Free the KV of a HELD request (after its transfer, abort or lease end). False if
+        ``request_id`` is not HELD."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.is_held:
             return False
-        self.blocks.free(request_id)
-        return True
+        return self.abort(request_id)
+
+    @property
+    def num_held(self) -> int:
+        return sum(1 for s in self._seqs.values() if s.is_held)
 
     # ---- the loop ------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -157,12 +169,24 @@ class LLMEngine:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
+        """Run one step. If the forward or the sampler raises (say, logits that overflow),
+        the step's sequences are aborted, their blocks freed, and ``StepFailed`` names them:
+        the rest of the engine goes on as if they had never been scheduled."""
         out = self.scheduler.schedule()
         if out.empty:
             return []
-        sampled = self.runner.run(out)
+        try:
+            sampled = self.runner.run(out)
+        except Exception as exc:
+            raise StepFailed(self._abort_step(out), exc) from exc
         self.scheduler.update_from_output(out, sampled)
         return self._postprocess(out)
+
+    def _abort_step(self, out: SchedulerOutput) -> list[str]:
+        failed = [item.seq.seq_id for item in out.seqs if item.seq.seq_id in self._seqs]
+        for request_id in failed:
+            self.abort(request_id)
+        return failed
 
     def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
         results = []
@@ -181,19 +205,20 @@ class LLMEngine:
                     text += detok.flush()
             results.append(RequestOutput(
                 seq.seq_id, [token], text, seq.output_logprobs[-1:] if seq.params.logprobs else [],
-                seq.is_finished, seq.finish_reason.value if seq.finish_reason else None,
+                seq.is_done_here, seq.finish_reason.value if seq.finish_reason else None,
                 seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
             ))
             if seq.is_finished:
                 self._forget(seq)
+            elif seq.is_held:  # stays in _seqs (HELD) until released; nothing samples it again
+                self._detok.pop(seq.seq_id, None)
+                self.runner.sampler.forget(seq.seq_id)
         return results
 
     def _forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq.seq_id, None)
         self._detok.pop(seq.seq_id, None)
         self.runner.sampler.forget(seq.seq_id)
-        if seq.hold_kv and seq.finish_reason is None:
-            self._held[seq.seq_id] = seq
 
     # ---- convenience ---------------------------------------------------------------
     def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],

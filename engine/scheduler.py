@@ -155,7 +155,7 @@ class Scheduler:
         finished: list[Sequence] = []
         for item in out.seqs:
             seq = item.seq
-            if seq.is_finished:  # aborted while its step ran
+            if seq.is_done_here:  # aborted while its step ran
                 continue
             seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -165,11 +165,15 @@ class Scheduler:
             seq.token_ids.append(token)
             if seq.seq_id in sampled.logprobs:
                 seq.output_logprobs.append(sampled.logprobs[seq.seq_id])
+            reason = self._stop_reason(seq, token)
+            if seq.hold_kv and reason is None:
+                seq.status = SeqStatus.HELD  # never joins the decode batch: its KV goes elsewhere
+                finished.append(seq)
+                continue
             if out.is_prefill:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-            reason = self._stop_reason(seq, token)
-            if reason is not None or seq.hold_kv:
+            if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
@@ -183,11 +187,8 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: FinishReason | None) -> None:
-        """Take ``seq`` out of every queue and free its blocks.
-
-        A prefill-only sequence (``hold_kv``) that finishes with no reason (its generation
-        goes on elsewhere) keeps its blocks; its owner releases them after the transfer.
-        """
+        """Take ``seq`` out of every queue and free its blocks (a HELD sequence's too: that
+        is how held KV is released)."""
         if seq.is_finished:
             return
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
@@ -196,5 +197,4 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.awaiting_kv.pop(seq.seq_id, None)
-        if not (seq.hold_kv and reason is None):
-            self.blocks.free(seq.seq_id)
+        self.blocks.free(seq.seq_id)

@@ -15,6 +15,9 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"  # needs (re)computing of its tokens: a new prompt or a preempted sequence
     WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated; KV arrives from elsewhere (decode worker)
     RUNNING = "running"  # in the decode batch
+    # Prefill-only (``hold_kv``): its first token is sampled and its KV stays in its blocks
+    # for another worker to read; leaves with ``LLMEngine.release`` (or ``abort``).
+    HELD = "held"
     FINISHED = "finished"
 
 
@@ -69,3 +72,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def is_held(self) -> bool:
+        return self.status is SeqStatus.HELD
+
+    @property
+    def is_done_here(self) -> bool:
+        """Finished, or held for another worker: no step will run it again."""
+        return self.status in (SeqStatus.FINISHED, SeqStatus.HELD)

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -143,6 +143,10 @@ class KVTransferAgent(abc.ABC):
         self._inflight: dict[int, TransferHandle] = {}
         self._ids = itertools.count()
         self._closed = False
+        # Holder side: (lease token from the read's notify, block ids) -> whether to serve
+        # the read. Backends that serve reads themselves (tcp) ask it; NIXL reads are
+        # one-sided and never reach it. None: serve every read.
+        self.read_guard: Optional[Callable[[str, list[int]], bool]] = None
 
     # ----------------------------------------------------------------- metadata / peers
 
@@ -292,6 +296,10 @@ class KVTransferAgent(abc.ABC):
                 self._check_owned(handle)
                 self._finish(handle, TransferState.ABORTED, None)
             return handle.state
+
+    def expect_reads(self, expected: bool) -> None:
+        """Tell the agent whether a peer may be reading from it now, so a backend that needs
+        holder-side progress (NIXL) drives it only then. The default needs none."""
 
     def in_flight(self) -> int:
         """Number of reads started and not yet terminal."""

@@ -85,12 +85,25 @@ class NixlAgent(KVTransferAgent):
                                              f"cache failed: {type(exc).__name__}: {exc}") from exc
         self._progress_interval_s = progress_interval_s
         self._stop_progress = threading.Event()
+        self._reads_expected = threading.Event()  # see expect_reads
+        self._reads_expected.set()
         self._progress_thread = threading.Thread(
             target=self._progress_loop, name=f"kv-nixl-progress-{name}", daemon=True)
         self._progress_thread.start()
 
+    def expect_reads(self, expected: bool) -> None:
+        """Run the progress thread only while a peer may read from this agent (a prefill
+        worker holding KV): otherwise it sleeps without waking. On by default."""
+        if expected:
+            self._reads_expected.set()
+        else:
+            self._reads_expected.clear()
+
     def _progress_loop(self) -> None:
-        while not self._stop_progress.wait(self._progress_interval_s):
+        while True:
+            self._reads_expected.wait()
+            if self._stop_progress.wait(self._progress_interval_s):
+                return
             with self._lock:
                 if self._agent is None:
                     return
@@ -190,6 +203,7 @@ class NixlAgent(KVTransferAgent):
     def close(self) -> None:
         """Stop the progress thread, then release everything (see KVTransferAgent.close)."""
         self._stop_progress.set()
+        self._reads_expected.set()  # wakes a sleeping progress thread so it sees the stop
         if threading.current_thread() is not self._progress_thread:
             self._progress_thread.join(timeout=5)
         super().close()

@@ -84,13 +84,17 @@ class TcpAgent(KVTransferAgent):
         self._notify_lock = threading.Lock()
         self._addresses: dict[str, tuple[str, int]] = {}
         try:
-            self._server = tcp_wire.BlockServer(host, port, self._blocks, self._on_notify)
+            self._server = tcp_wire.BlockServer(host, port, self._blocks, self._on_notify,
+                                                self._authorize)
         except OSError as exc:
             raise BackendUnavailable("tcp", f"cannot listen on {host}:{port}: {exc}") from exc
         port = self._server.address.rpartition(":")[2]
         self._advertised = f"{advertise_host or host}:{port}"
         self._pool = ThreadPoolExecutor(max_workers=max_parallel_reads,
                                         thread_name_prefix=f"kv-tcp-read-{name}")
+
+    def _authorize(self, notify: bytes, block_ids: list[int]) -> bool:
+        return self.read_guard is None or self.read_guard(notify.decode(errors="replace"), block_ids)
 
     def _on_notify(self, msg: bytes) -> None:
         with self._notify_lock:

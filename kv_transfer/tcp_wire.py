@@ -125,8 +125,10 @@ class BlockServer:
     hands each acknowledged read's notify to ``on_notify``. Runs on background threads."""
 
     def __init__(self, host: str, port: int, blocks: torch.Tensor,
-                 on_notify: Callable[[bytes], None]):
+                 on_notify: Callable[[bytes], None],
+                 authorize: Callable[[bytes, list[int]], bool] = lambda notify, ids: True):
         self._blocks = blocks
+        self._authorize = authorize  # whether the read's notify (a lease token) covers its blocks
         # CPU caches are sent straight from their storage; CUDA blocks are gathered to host.
         self._host = blocks.numpy() if blocks.device.type == "cpu" else None
         self._on_notify = on_notify
@@ -154,8 +156,10 @@ class BlockServer:
             ids, notify, last = decode_read(sock)
             num_blocks, block_bytes = self._blocks.shape
             bad = [i for i in ids if i >= num_blocks]
-            if bad or not ids or not 0 < last <= block_bytes:
+            allowed = not bad and self._authorize(notify, ids)
+            if bad or not allowed or not ids or not 0 < last <= block_bytes:
                 reason = (f"block ids out of range [0, {num_blocks}): {bad[:8]}" if bad else
+                          "no claimed lease covers these blocks" if not allowed else
                           f"last block bytes {last} not in (0, {block_bytes}]").encode()
                 sock.sendall(REPLY_HEADER.pack(STATUS_ERROR, len(reason)) + reason)
                 return

@@ -4,13 +4,18 @@ Request lifecycle on this worker:
 
 - WAITING: ``Prefill`` queued the prompt in the engine (behind others, under the token budget).
 - RUNNING: the prompt is being computed, in one or more chunks, batched with other prompts.
-- HELD: the first token is sampled and returned with a KV handle (block ids + lease id);
-  the blocks stay allocated under a lease (default 30 s).
-- RELEASED: the blocks are freed, because the decode worker's NIXL read completed (its
-  notification names the lease), the router or decode worker called ``Release`` (abort or a
-  failed transfer), or the lease expired. A request that finishes at its first token (EOS,
+- HELD: the first token is sampled and returned with a KV handle (block ids + a secret lease
+  token); the engine keeps the sequence HELD, its blocks under a lease (default 30 s).
+  A decode worker ``Claim``s the lease (token + exactly its block ids) before reading, which
+  renews it; a refused claim changes nothing. ``Release(RETURNED)`` hands a claimed lease back
+  unread, still HELD, for the router's next decode worker.
+- RELEASED: the blocks are freed, because the decode worker's read completed (its
+  notification names the token), the router or decode worker called ``Release`` (ABORTED,
+  TRANSFER_FAILED), or the lease expired. A request that finishes at its first token (EOS,
   max_tokens 1) goes straight from RUNNING to RELEASED.
 
 A cancelled ``Prefill`` call aborts the request wherever it is; nothing holds blocks without
-a lease that will expire.
+a lease that will expire. ``Abort`` by request id stops a prompt still computing but never
+frees HELD KV: that takes the token (clients choose request ids). ``kv_transfer.handoff``
+owns the handle and the lease rules.
 """

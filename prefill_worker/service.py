@@ -2,65 +2,55 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, StepFailed
+from kv_transfer.handoff import KVHandle, LeaseRefused, reason_from_wire
 from protos import worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillWorker
 from wire.convert import finish_to_wire, sampling_from_proto
+from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid
-from wire.stats import worker_stats
+from wire.worker_shell import ShellRpcs
 
 
-class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
+class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, address: str, metrics_address: str = ""):
         self.worker = worker
         self.address = address
         self.metrics_address = metrics_address
 
     async def Prefill(self, request, context):
-        if self.worker.draining:  # the router retries on another prefill worker
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker.config.worker_id} is draining")
+        await self.refuse_if_draining(context, grpc.StatusCode.UNAVAILABLE)  # the router tries another
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params)
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
         kv = None
         if r.lease is not None:
-            kv = worker_pb2.KVHandle(
-                prefill_worker_id=self.worker.config.worker_id, prefill_address=self.address,
-                block_ids=r.block_ids, num_tokens=r.num_prompt_tokens, lease_id=r.lease.lease_id,
-                lease_expires_unix_s=time.time() + (r.lease.expires_at - time.monotonic()))
+            kv = KVHandle(self.address, r.lease.block_ids, r.num_prompt_tokens, r.lease.token).to_proto()
         return worker_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=r.first_token_id, first_logprob=r.first_logprob,
             finish_reason=finish_to_wire(r.finish_reason), kv=kv, num_cached_tokens=r.num_cached_tokens,
             prefill_seconds=r.seconds, queue_seconds=r.queue_seconds)
 
     async def Release(self, request, context):
-        return worker_pb2.ReleaseResponse(released=await self.worker.release(request.lease_id))
+        released = await self.worker.release(request.lease_token, reason_from_wire(request.reason))
+        return worker_pb2.ReleaseResponse(released=released)
+
+    async def Claim(self, request, context):
+        try:
+            await self.worker.claim(request.lease_token, list(request.block_ids))
+        except LeaseRefused as exc:
+            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
+                             f"lease refused ({exc.reason}): {exc}")
+        return worker_pb2.ClaimResponse()
 
     async def GetAgentMetadata(self, request, context):
         return self.worker.agent.local_metadata()
-
-    async def Abort(self, request, context):
-        return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
-
-    async def Stats(self, request, context):
-        return prefill_stats(self.worker, self.metrics_address)
-
-    async def Drain(self, request, context):
-        self.worker.draining = True
-        return prefill_stats(self.worker, self.metrics_address)
-
-
-def prefill_stats(worker: PrefillWorker, metrics_address: str = "") -> worker_pb2.WorkerStats:
-    """The worker's ``WorkerStats``: for the router's polls and the worker's /metrics."""
-    return worker_stats(worker.config.worker_id, "prefill", worker.engine, worker.agent, metrics_address,
-                        num_held_leases=len(worker.leases), leases_expired=worker.released_by["expired"],
-                        draining=worker.draining)
 
 
 def add_to_server(server: grpc.aio.Server, worker: PrefillWorker, address: str, metrics_address: str = "") -> None:

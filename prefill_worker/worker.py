@@ -1,20 +1,25 @@
-"""The prefill worker's core: engine thread, KV agent and leases, driven from asyncio."""
+"""The prefill worker's core: the shared worker shell plus what only prefill has, the leases
+on held KV (``kv_transfer.handoff``)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.engine_thread import EngineThread
+from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
 from kv_transfer import create_agent
-from prefill_worker.leases import Lease, LeaseTable
 from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
+from kv_transfer.handoff import Lease, LeaseTable, ReleaseReason
+from wire.worker_shell import WorkerShell
+
+# While KV is held, a decode worker's read can complete at any moment and its notification
+# frees the blocks: the engine thread looks for notifications this often, and never when
+# nothing is held (an idle worker sleeps).
+NOTIFICATION_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,8 @@ class PrefillWorkerConfig:
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
     lease_seconds: float = 30.0  # held KV is freed this long after the first token at the latest
     kv_transfer_backend: str = "nixl"
+    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight prompts and held KV may finish
+    cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
 
 
 @dataclass(frozen=True)
@@ -43,81 +50,90 @@ class PrefillResult:
     queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerShell):
+    role = "prefill"
+
     def __init__(self, config: PrefillWorkerConfig, engine: LLMEngine | None = None):
-        self.config = config
-        self.engine = engine or LLMEngine.from_config(config.engine)
-        self.endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
-        self.agent = create_agent(config.kv_transfer_backend, config.worker_id, self.engine.kv_cache,
-                                  **transfer_listen_opts(config.kv_transfer_backend, self.endpoint))
+        engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
+        endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
+        agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
+                             **transfer_listen_opts(config.kv_transfer_backend, endpoint))
+        super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk])
+        self.endpoint = endpoint
         self.leases = LeaseTable()
-        self.draining = False  # set by Drain: no new requests, the current ones finish
-        self.released_by = {"pulled": 0, "release_rpc": 0, "expired": 0}
-        self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, float]] = {}
+        self.agent.read_guard = self.leases.read_allowed  # tcp serves only claimed leases' blocks
+        self._arrived: dict[str, float] = {}  # request id -> when Prefill queued it
         # Queue time ends when a prompt's first chunk runs. Hooks run right before each step,
         # so the last hook's time is when the step now running started.
         self._step_started = time.monotonic()
         self._first_chunk_at: dict[str, float] = {}  # prompts whose first of several chunks ran
-        self.thread = EngineThread(self.engine, self._on_outputs, hooks=[self._poll_releases, self._note_chunk],
-                                   name=f"{config.worker_id}-engine")
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.thread.stop()
-        self.agent.close()
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> PrefillResult:
-        """Queue the prompt, wait for its first token; the KV stays held under a lease."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._pending[request_id] = (loop, fut, time.monotonic())
+        """Queue the prompt, wait for its first token; the KV stays held under a lease.
+        Raises StepFailed if the step that ran it raised (the request is gone then)."""
+        stream = self.open_stream(request_id)
+        self._arrived[request_id] = time.monotonic()
+        done = False
         try:
-            await asyncio.wrap_future(self.thread.call(self.engine.add_request, request_id, prompt, params, True))
-            return await fut
-        except BaseException:
-            self._pending.pop(request_id, None)
-            self.thread.call(self._cancel, request_id)
-            raise
+            await self.call(self.engine.add_request, request_id, prompt, params, True)
+            item = await stream.get()
+            done = True
+            if isinstance(item, StepFailed):
+                raise item
+            return item
         finally:
-            self._pending.pop(request_id, None)
+            self.close_stream(request_id)
+            self._arrived.pop(request_id, None)
+            if not done:  # our own caller gave up: its held KV (if any) goes too
+                self.thread.call(self._drop, request_id)
 
-    async def release(self, lease_id: str) -> bool:
-        return await asyncio.wrap_future(self.thread.call(self._release_lease, lease_id, "release_rpc"))
+    async def claim(self, token: str, block_ids: list[int]) -> Lease:
+        """Claim the lease ``token`` for one read of ``block_ids``; raises LeaseRefused."""
+        return await self.call(self._claim, token, block_ids)
 
-    async def abort(self, request_id: str) -> bool:
-        return await asyncio.wrap_future(self.thread.call(self._cancel, request_id))
+    async def release(self, token: str, reason: ReleaseReason) -> bool:
+        return await self.call(self._release, token, reason)
+
+    def in_flight(self) -> int:
+        """Prompts computing, and KV held for a decode worker that has yet to read it."""
+        return super().in_flight() + len(self.leases)
+
+    def stats_extra(self) -> dict:
+        return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total}
 
     # ---- engine thread -------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for o in outputs:
-            if not o.finished:
-                continue
-            computing_since = self._first_chunk_at.pop(o.request_id, self._step_started)
-            pending = self._pending.get(o.request_id)
-            if pending is None:  # the caller gave up while the step ran
-                self.engine.release(o.request_id)
-                continue
-            loop, fut, started = pending
-            lease, block_ids = None, []
-            if o.finish_reason is None:
-                lease = Lease(uuid.uuid4().hex, o.request_id, time.monotonic() + self.config.lease_seconds)
-                self.leases.add(lease)
-                block_ids = self.engine.held_block_ids(o.request_id)
-            result = PrefillResult(o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0,
-                                   o.finish_reason, block_ids, o.num_prompt_tokens, lease,
-                                   o.num_cached_tokens, time.monotonic() - started,
-                                   max(0.0, computing_since - started))
-            loop.call_soon_threadsafe(_resolve, fut, result)
+        self.push(self._result(o) for o in outputs if o.finished)
 
-    def _poll_releases(self) -> None:
+    def _result(self, o: RequestOutput) -> tuple[str, PrefillResult | None]:
+        computing_since = self._first_chunk_at.pop(o.request_id, self._step_started)
+        started = self._arrived.get(o.request_id)
+        if started is None:  # the caller gave up while the step ran
+            self.engine.release(o.request_id)
+            return o.request_id, None
+        lease, block_ids = None, []
+        if o.finish_reason is None:
+            block_ids = self.engine.held_block_ids(o.request_id)
+            lease = self.leases.grant(o.request_id, block_ids, time.monotonic(), self.config.lease_seconds)
+            self.agent.expect_reads(True)
+        return o.request_id, PrefillResult(
+            o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0, o.finish_reason, block_ids,
+            o.num_prompt_tokens, lease, o.num_cached_tokens, time.monotonic() - started,
+            max(0.0, computing_since - started))
+
+    def _poll_releases(self) -> float | None:
+        self.agent.expect_reads(bool(self.leases))
+        if not self.leases:
+            return None
         for note in self.agent.get_notifications():
-            self._release_lease(note.decode(), "pulled")
-        for lease in self.leases.pop_expired(time.monotonic()):
+            self._release(note.decode(errors="replace"), ReleaseReason.PULLED)
+        now = time.monotonic()
+        for lease in self.leases.pop_expired(now):
             self.engine.release(lease.request_id)
-            self.released_by["expired"] += 1
+        if not self.leases:
+            return None
+        return max(0.0, min(NOTIFICATION_POLL_S, self.leases.next_deadline() - now))
 
     def _note_chunk(self) -> None:
         """Remember when a chunked prompt's first chunk ran (the step that just ended).
@@ -130,21 +146,29 @@ class PrefillWorker:
             self._first_chunk_at.setdefault(waiting[0].seq_id, self._step_started)
         self._step_started = time.monotonic()
 
-    def _release_lease(self, lease_id: str, why: str) -> bool:
-        lease = self.leases.pop(lease_id)
+    def _claim(self, token: str, block_ids: list[int]) -> Lease:
+        return self.leases.claim(token, block_ids, time.monotonic(), self.config.lease_seconds)
+
+    def _release(self, token: str, reason: ReleaseReason) -> bool:
+        if reason is ReleaseReason.RETURNED:
+            return self.leases.give_back(token)
+        lease = self.leases.release(token, reason)
         if lease is None:
             return False
         self.engine.release(lease.request_id)
-        self.released_by[why] += 1
         return True
 
-    def _cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str) -> bool:
+        """The ``Abort`` RPC: stops a prompt still computing. Held KV is not touched: it
+        leaves only by its lease token (request ids are chosen by clients)."""
+        if any(l.request_id == request_id for l in self.leases.leases.values()):
+            return False
         self._first_chunk_at.pop(request_id, None)
-        for lease in [l for l in self.leases.leases.values() if l.request_id == request_id]:
-            self.leases.pop(lease.lease_id)
         return self.engine.abort(request_id)
 
-
-def _resolve(fut: asyncio.Future, result) -> None:
-    if not fut.done():
-        fut.set_result(result)
+    def _drop(self, request_id: str) -> None:
+        """Our own ``prefill`` caller gave up: free whatever the request holds."""
+        for lease in [l for l in self.leases.leases.values() if l.request_id == request_id]:
+            self.leases.release(lease.token, ReleaseReason.ABORTED)
+        self._first_chunk_at.pop(request_id, None)
+        self.engine.abort(request_id)

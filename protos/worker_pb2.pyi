@@ -1,6 +1,7 @@
 from protos import kv_transfer_pb2 as _kv_transfer_pb2
 from protos import pdserve_pb2 as _pdserve_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -8,21 +9,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RELEASE_REASON_UNSPECIFIED: _ClassVar[ReleaseReason]
+    RELEASE_REASON_ABORTED: _ClassVar[ReleaseReason]
+    RELEASE_REASON_TRANSFER_FAILED: _ClassVar[ReleaseReason]
+    RELEASE_REASON_RETURNED: _ClassVar[ReleaseReason]
+RELEASE_REASON_UNSPECIFIED: ReleaseReason
+RELEASE_REASON_ABORTED: ReleaseReason
+RELEASE_REASON_TRANSFER_FAILED: ReleaseReason
+RELEASE_REASON_RETURNED: ReleaseReason
+
 class KVHandle(_message.Message):
-    __slots__ = ("prefill_worker_id", "prefill_address", "block_ids", "num_tokens", "lease_id", "lease_expires_unix_s")
-    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("prefill_address", "block_ids", "num_tokens", "lease_token")
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    LEASE_EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
-    prefill_worker_id: str
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     prefill_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    lease_id: str
-    lease_expires_unix_s: float
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_s: _Optional[float] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
@@ -55,18 +63,30 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id", "reason")
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("lease_token", "reason")
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    lease_id: str
-    reason: str
-    def __init__(self, lease_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    lease_token: str
+    reason: ReleaseReason
+    def __init__(self, lease_token: _Optional[str] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("lease_token", "block_ids")
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_token: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_token: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class AgentMetadataRequest(_message.Message):
     __slots__ = ()

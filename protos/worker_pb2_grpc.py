@@ -45,6 +45,11 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_worker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Claim',
+                request_serializer=protos_dot_worker__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.ClaimResponse.FromString,
+                _registered_method=True)
         self.GetAgentMetadata = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/GetAgentMetadata',
                 request_serializer=protos_dot_worker__pb2.AgentMetadataRequest.SerializeToString,
@@ -77,6 +82,12 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Claim(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,6 +129,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=protos_dot_worker__pb2.ReleaseRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=protos_dot_worker__pb2.ClaimRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.ClaimResponse.SerializeToString,
             ),
             'GetAgentMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAgentMetadata,
@@ -194,6 +210,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Release',
             protos_dot_worker__pb2.ReleaseRequest.SerializeToString,
             protos_dot_worker__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Claim',
+            protos_dot_worker__pb2.ClaimRequest.SerializeToString,
+            protos_dot_worker__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

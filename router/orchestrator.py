@@ -28,6 +28,8 @@ from router.policy import Choice, pick_decode, pick_prefill
 from router.pool import WorkerPool
 from router.validation import RequestLimits
 from wire.convert import finish_from_wire, finish_to_wire, sampling_to_proto
+from kv_transfer.handoff import ReleaseReason, release_request
+from wire.failure import Failure, failure_of
 from wire.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
@@ -180,7 +182,7 @@ class RequestRun:
                 self.metrics.migrated()
             finally:
                 if kv_owned:
-                    self._release_later(prefill_addr, pre.kv.lease_id)
+                    self._release_later(prefill_addr, pre.kv.lease_token)
 
     async def _check_decode_capacity(self, total_tokens: int) -> None:
         blocks = -(-total_tokens // self.model.block_size)
@@ -230,6 +232,7 @@ class RequestRun:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(_field(exc), exc.details()) from exc
                 self.remaining_s()  # our own deadline passed: not the worker's fault
+                _raise_if_step_failed(exc)
                 if exc.code() not in _RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:
                     raise
                 last = f"prefill worker {client.address}: {exc.code().name} {exc.details()}"
@@ -278,7 +281,8 @@ class RequestRun:
                 self.remaining_s()  # our own deadline passed: not the worker's fault
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not started:
                     continue  # the KV is still held: another decode worker may take it
-                if "kv transfer failed" not in (exc.details() or ""):
+                _raise_if_step_failed(exc)
+                if failure_of(exc) is not Failure.KV_TRANSFER:
                     self.pool.mark_down(client.address)  # the decode worker itself failed
                 raise _DecodeLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
             finally:
@@ -328,12 +332,12 @@ class RequestRun:
                                  completion_tokens=len(self.progress.token_ids),
                                  cached_prompt_tokens=self.progress.cached_tokens)
 
-    def _release_later(self, address: str, lease_id: str) -> None:
+    def _release_later(self, address: str, lease_token: str) -> None:
         """Free a lease the decode side never took (best effort; the lease expires anyway)."""
         client = self.pool.workers.get(address)
         if client is None:
             return
-        release = client.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id, reason="aborted"), timeout=5)
+        release = client.stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
         asyncio.ensure_future(_ignore_errors(release))
 
 
@@ -360,6 +364,13 @@ def _failure_code(exc: Exception) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code().name
     return grpc.StatusCode.INTERNAL.name
+
+
+def _raise_if_step_failed(exc: grpc.aio.AioRpcError) -> None:
+    """A step that raised aborted this request on a healthy worker: retrying it elsewhere
+    would repeat the failure, so the client gets it (ABORTED) and the worker stays up."""
+    if failure_of(exc) is Failure.STEP_FAILED:
+        raise RouteError(grpc.StatusCode.ABORTED, exc.details() or "engine step failed") from exc
 
 
 def _field(exc: grpc.aio.AioRpcError) -> str:

@@ -87,3 +87,32 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) 
 
 def replace(config, **changes):
     return dataclasses.replace(config, **changes)
+
+
+class FailingSampler:
+    """Wraps an engine's sampler and raises for the named requests, as a sampler fed
+    overflowing logits once did (``torch.multinomial`` refusing inf/NaN probabilities).
+
+    A stand-in, used because the real trigger is gone: request validation now treats a
+    temperature below ``TEMPERATURE_EPSILON`` as greedy and floors the repetition penalty, so no
+    valid request can overflow the logits any more. What the tests check, that a step which
+    raises aborts exactly its own sequences and leaves the engine serving, does not depend on
+    why the step raised.
+    """
+
+    def __init__(self, inner, fail_for: set[str]):
+        self.inner, self.fail_for = inner, set(fail_for)
+
+    def __call__(self, logits, rows):
+        bad = [r.seq_id for r in rows if r.seq_id in self.fail_for]
+        if bad:
+            raise RuntimeError(f"injected sampler failure for {bad}")
+        return self.inner(logits, rows)
+
+    def forget(self, seq_id: str) -> None:
+        self.inner.forget(seq_id)
+
+
+def fail_sampling_for(engine, *request_ids: str) -> None:
+    """Make ``engine``'s sampler raise whenever a step samples one of ``request_ids``."""
+    engine.runner.sampler = FailingSampler(engine.runner.sampler, set(request_ids))

@@ -32,9 +32,8 @@ def test_an_unreachable_prefill_worker_is_a_counted_transfer_failure(tiny_llama_
                 request = worker_pb2.DecodeRequest(
                     request_id="r1", prompt_token_ids=list(range(3, 23)), first_token_id=5,
                     sampling=pdserve_pb2.SamplingParams(max_tokens=4),
-                    kv=worker_pb2.KVHandle(prefill_worker_id="prefill-gone",
-                                           prefill_address=f"127.0.0.1:{closed_port()}",
-                                           block_ids=[0, 1], num_tokens=20, lease_id="lease-1"))
+                    kv=worker_pb2.KVHandle(prefill_address=f"127.0.0.1:{closed_port()}",
+                                           block_ids=[0, 1], num_tokens=20, lease_token="lease-1"))
                 try:
                     async for _ in stub.Decode(request, timeout=30):
                         pass

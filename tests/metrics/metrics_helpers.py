@@ -60,7 +60,7 @@ class FakePrefill:
         if self.errors:
             raise self.errors.pop(0)
         return worker_pb2.PrefillResponse(
-            request_id=request.request_id, first_token_id=1, kv=worker_pb2.KVHandle(lease_id="lease"),
+            request_id=request.request_id, first_token_id=1, kv=worker_pb2.KVHandle(lease_token="lease"),
             prefill_seconds=self.prefill_seconds, queue_seconds=self.queue_seconds)
 
     def Release(self, request, timeout=None) -> asyncio.Future:

@@ -133,7 +133,7 @@ def test_lease_expiry_frees_kv_nobody_pulls(cluster):
         resp = prefill.Prefill(worker_pb2.PrefillRequest(
             request_id="orphan", prompt_token_ids=list(range(100, 150)),
             sampling=pdserve_pb2.SamplingParams(max_tokens=10, ignore_eos=True)), timeout=60)
-    assert len(resp.kv.block_ids) == 4 and resp.kv.lease_id
+    assert len(resp.kv.block_ids) == 4 and resp.kv.lease_token
     held = worker_stats(address, "prefill")
     assert held.num_held_leases == 1 and held.num_blocks_used == 4
     time.sleep(LEASE_S + 0.5)
@@ -197,3 +197,13 @@ def test_list_models_health_and_reflection(channel, stub):
         iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     services = {s.name for s in next(replies).list_services_response.service}
     assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= services
+
+
+def test_ray_reserves_each_workers_threads(cluster):
+    """threads_per_worker=1: each worker's Ray actor holds one CPU (the router none). Pinning
+    is off here: 4 workers on 2 cores oversubscribe them (tests/wire covers pin_process)."""
+    import ray
+
+    workers = cluster.prefill + cluster.decode
+    used = ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0.0)
+    assert used == pytest.approx(len(workers))

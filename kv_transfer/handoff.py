@@ -1,0 +1,188 @@
+"""The KV hand-off from a prefill worker to a decode worker, in one place.
+
+A prompt's KV changes hands like this:
+
+1. The prefill worker computes it and keeps its blocks HELD under a lease (``LeaseTable.grant``).
+   It answers ``Prefill`` with a ``KVHandle``: where the blocks are, which blocks, how many
+   tokens, and the lease token. The token is a secret: only the router and the decode worker
+   the router picks learn it.
+2. The decode worker allocates its own blocks, then claims the lease (``Claim`` RPC, then
+   ``LeaseTable.claim``) before it reads a byte. A claim is refused for an unknown token,
+   block ids that are not exactly the lease's, an expired lease or one already claimed (a
+   replay). A claim renews the lease for the length of the read.
+3. The read runs (NIXL or tcp); the tcp holder serves only the blocks of a claimed lease
+   (``LeaseTable.read_allowed``). Its completion notifies the holder with the token, which
+   releases the lease (PULLED).
+4. Every other end is a ``Release`` naming the token and a ``ReleaseReason``: the decode side
+   gave up (ABORTED, TRANSFER_FAILED), or it could not take the request after claiming and
+   hands the lease back unread (RETURNED: the lease stays held, claimable again by the decode
+   worker the router tries next). A lease nobody releases expires (EXPIRED).
+
+Pure Python, no I/O: the prefill worker owns one ``LeaseTable`` on its engine thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import secrets
+from dataclasses import dataclass, field
+
+from protos import worker_pb2
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Where a prompt's KV is held, and the capability to read it."""
+
+    prefill_address: str  # host:port of the holder's gRPC server
+    block_ids: tuple[int, ...]  # in token order
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    lease_token: str  # secret: claims, reads and releases name it
+
+    def last_block_bytes(self, block_size: int, bytes_per_token: int) -> int:
+        """Bytes of the last, partly filled block that a read must move."""
+        tail = self.num_tokens - (len(self.block_ids) - 1) * block_size
+        return tail * bytes_per_token
+
+    def to_proto(self) -> worker_pb2.KVHandle:
+        return worker_pb2.KVHandle(prefill_address=self.prefill_address, block_ids=list(self.block_ids),
+                                   num_tokens=self.num_tokens, lease_token=self.lease_token)
+
+    @classmethod
+    def from_proto(cls, p: worker_pb2.KVHandle) -> KVHandle:
+        return cls(p.prefill_address, tuple(p.block_ids), p.num_tokens, p.lease_token)
+
+
+class ReleaseReason(str, enum.Enum):
+    """Why a lease ends (or, for RETURNED, goes back to unclaimed); the prefill side counts each."""
+
+    PULLED = "pulled"  # the read completed (the holder's notification)
+    ABORTED = "aborted"  # the request ended before its KV was read
+    TRANSFER_FAILED = "transfer_failed"  # the read failed; the router re-prefills elsewhere
+    RETURNED = "returned"  # claimed, then handed back unread: the lease stays held for a retry
+    EXPIRED = "expired"  # nobody released it in time
+
+
+class LeaseRefused(Exception):
+    """A claim the holder refused before any byte moved; ``reason`` is one of REFUSALS."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)
+
+
+REFUSALS = ("unknown_token", "blocks_mismatch", "expired", "already_claimed")
+
+
+@dataclass
+class Lease:
+    token: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    expires_at: float  # time.monotonic() deadline
+    claimed: bool = False
+
+
+@dataclass
+class LeaseTable:
+    """Leases on held KV, by token. Engine-thread owned; ``read_allowed`` may be called from
+    any thread (it reads one dict entry)."""
+
+    leases: dict[str, Lease] = field(default_factory=dict)
+    released_by: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in ReleaseReason})
+    _deadlines: list[tuple[float, str]] = field(default_factory=list)
+    _claimed_blocks: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    def grant(self, request_id: str, block_ids: list[int], now: float, ttl_s: float) -> Lease:
+        lease = Lease(secrets.token_urlsafe(24), request_id, tuple(block_ids), now + ttl_s)
+        self.leases[lease.token] = lease
+        heapq.heappush(self._deadlines, (lease.expires_at, lease.token))
+        return lease
+
+    def claim(self, token: str, block_ids: list[int], now: float, ttl_s: float) -> Lease:
+        """Claim a lease for one read of exactly its blocks; renews it to ``now + ttl_s``.
+        Raises LeaseRefused (nothing changes) for an unknown token, other blocks, an expired
+        lease or one already claimed."""
+        lease = self.leases.get(token)
+        if lease is None:
+            raise LeaseRefused("unknown_token", "no lease with this token (released, expired or never granted)")
+        if tuple(block_ids) != lease.block_ids:
+            raise LeaseRefused("blocks_mismatch", f"the claim names {len(block_ids)} block ids that are not "
+                                                  f"the lease's {len(lease.block_ids)}")
+        if now >= lease.expires_at:
+            raise LeaseRefused("expired", "the lease has expired")
+        if lease.claimed:
+            raise LeaseRefused("already_claimed", "the lease is already claimed by a reader")
+        lease.claimed = True
+        self._renew(lease, now + ttl_s)
+        self._claimed_blocks[token] = frozenset(lease.block_ids)
+        return lease
+
+    def give_back(self, token: str) -> bool:
+        """RETURNED: a claimed lease goes back to unclaimed, still held until it expires."""
+        lease = self.leases.get(token)
+        if lease is None or not lease.claimed:
+            return False
+        lease.claimed = False
+        self._claimed_blocks.pop(token, None)
+        self.released_by[ReleaseReason.RETURNED.value] += 1
+        return True
+
+    def release(self, token: str, reason: ReleaseReason) -> Lease | None:
+        """End the lease; returns it (its blocks are the caller's to free), None if unknown.
+        RETURNED does not end a lease: use ``give_back``."""
+        if reason is ReleaseReason.RETURNED:
+            raise ValueError("RETURNED keeps the lease held; call give_back")
+        lease = self.leases.pop(token, None)
+        if lease is not None:
+            self._claimed_blocks.pop(token, None)
+            self.released_by[reason.value] += 1
+        return lease
+
+    def pop_expired(self, now: float) -> list[Lease]:
+        """Remove and return every lease whose deadline has passed."""
+        out = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, token = heapq.heappop(self._deadlines)
+            lease = self.leases.get(token)
+            if lease is not None and lease.expires_at == deadline:  # else renewed: a later entry exists
+                out.append(self.release(token, ReleaseReason.EXPIRED))
+        return out
+
+    def next_deadline(self) -> float | None:
+        return min((l.expires_at for l in self.leases.values()), default=None)
+
+    def read_allowed(self, token: str, block_ids: list[int]) -> bool:
+        """Whether a read of ``block_ids`` is covered by the claimed lease ``token``."""
+        claimed = self._claimed_blocks.get(token)
+        return claimed is not None and set(block_ids) <= claimed
+
+    def _renew(self, lease: Lease, expires_at: float) -> None:
+        lease.expires_at = max(lease.expires_at, expires_at)
+        heapq.heappush(self._deadlines, (lease.expires_at, lease.token))
+
+    @property
+    def expired_total(self) -> int:
+        return self.released_by[ReleaseReason.EXPIRED.value]
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+
+_REASON_FROM_WIRE = {
+    worker_pb2.RELEASE_REASON_UNSPECIFIED: ReleaseReason.ABORTED,
+    worker_pb2.RELEASE_REASON_ABORTED: ReleaseReason.ABORTED,
+    worker_pb2.RELEASE_REASON_TRANSFER_FAILED: ReleaseReason.TRANSFER_FAILED,
+    worker_pb2.RELEASE_REASON_RETURNED: ReleaseReason.RETURNED,
+}
+_REASON_TO_WIRE = {v: k for k, v in _REASON_FROM_WIRE.items() if k != worker_pb2.RELEASE_REASON_UNSPECIFIED}
+
+
+def reason_from_wire(reason: int) -> ReleaseReason:
+    return _REASON_FROM_WIRE.get(reason, ReleaseReason.ABORTED)
+
+
+def release_request(token: str, reason: ReleaseReason) -> worker_pb2.ReleaseRequest:
+    """The ``Release`` a router or decode worker sends (PULLED and EXPIRED never travel)."""
+    return worker_pb2.ReleaseRequest(lease_token=token, reason=_REASON_TO_WIRE[reason])

@@ -1,0 +1,172 @@
+"""Leases bound to their blocks, between a real prefill worker and real decode workers (tiny
+model, tcp KV backend, gRPC servers in this process). Every refusal happens before a byte of
+KV moves; a decode worker that cannot take a request leaves the lease held for the next one."""
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from decode_worker.server import start as start_decode
+from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from engine.sampling import SamplingParams
+from kv_transfer import TransferState, create_agent
+from prefill_worker.server import start as start_prefill
+from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from tests.factories import make_engine, random_prompts
+from wire.failure import Failure, failure_of
+from wire.grpc_util import aio_channel
+
+pytestmark = pytest.mark.slow
+
+PROMPT = random_prompts(1, [40], seed=11)[0]  # 3 blocks of 16
+SAMPLING = pdserve_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@contextlib.asynccontextmanager
+async def cluster(model_dir, decode_blocks=(64,), lease_seconds=30.0):
+    """A prefill worker and decode workers (the first ones with ``decode_blocks`` blocks)."""
+    prefill = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend="tcp", lease_seconds=lease_seconds),
+                            engine=make_engine(model_dir, num_blocks=64))
+    servers = [await start_prefill(prefill.config, prefill)]
+    decoders = []
+    for i, n in enumerate(decode_blocks):
+        d = DecodeWorker(DecodeWorkerConfig(worker_id=f"decode-{i}", kv_transfer_backend="tcp"),
+                         engine=make_engine(model_dir, num_blocks=n))
+        decoders.append(d)
+        servers.append(await start_decode(d.config, d))
+    channels = [aio_channel(s.address) for s in servers]
+    try:
+        yield (prefill, worker_pb2_grpc.PrefillWorkerStub(channels[0]),
+               decoders, [worker_pb2_grpc.DecodeWorkerStub(c) for c in channels[1:]])
+    finally:
+        for c in channels:
+            await c.close()
+        for s in servers:
+            await s.stop()
+
+
+async def prefill_one(stub, rid="client-a#0", prompt=PROMPT) -> worker_pb2.PrefillResponse:
+    return await stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                                        sampling=SAMPLING), timeout=60)
+
+
+async def decode(stub, pre, kv=None, rid="client-a#0") -> list[int]:
+    request = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=PROMPT, first_token_id=pre.first_token_id,
+                                       sampling=SAMPLING, kv=kv or pre.kv)  # max_tokens counts the first token
+    tokens = []
+    async for resp in stub.Decode(request, timeout=60):
+        tokens += resp.token_ids
+    return tokens
+
+
+async def refused(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
+async def stats(stub) -> worker_pb2.WorkerStats:
+    return await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+
+
+def test_a_full_decode_worker_leaves_the_lease_held_for_the_next_one(tiny_llama_dir):
+    model_dir = tiny_llama_dir[0]
+    expected = make_engine(model_dir).generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                        ignore_eos=True))[0].token_ids
+
+    async def run():
+        async with cluster(model_dir, decode_blocks=(6, 64)) as (prefill, p_stub, decoders, d_stubs):
+            full = decoders[0]  # 4 of its 6 blocks taken: the 3-block prompt does not fit now
+            await full.call(full.engine.add_prefilled, "filler", list(range(3, 53)), 5,
+                            SamplingParams(max_tokens=1))
+            pre = await prefill_one(p_stub)
+            error = await refused(decode(d_stubs[0], pre))
+            held = await stats(p_stub)
+            tokens = await decode(d_stubs[1], pre)
+            while (await stats(p_stub)).num_held_leases:  # the read's notification frees it
+                await asyncio.sleep(0.05)
+            return error, held, [pre.first_token_id] + tokens, await stats(d_stubs[1])
+
+    error, held, tokens, reader = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert held.num_held_leases == 1 and held.num_blocks_used == 3  # old code: released, then read freed blocks
+    assert tokens == expected
+    assert reader.kv_transfers == 1 and reader.num_blocks_used == 0
+
+
+def test_forged_unknown_and_replayed_claims_are_refused_before_any_byte_moves(tiny_llama_dir):
+    async def run():
+        async with cluster(tiny_llama_dir[0]) as (prefill, p_stub, decoders, d_stubs):
+            pre = await prefill_one(p_stub)
+            other = await prefill_one(p_stub, rid="client-b#0", prompt=random_prompts(1, [40], seed=12)[0])
+            forged = worker_pb2.KVHandle()
+            forged.CopyFrom(pre.kv)
+            forged.block_ids.append(other.kv.block_ids[0])  # another client's block
+            guessed = worker_pb2.KVHandle()
+            guessed.CopyFrom(pre.kv)
+            guessed.lease_token = "guessed-token"
+            errors = [await refused(decode(d_stubs[0], pre, kv=forged, rid="x#1")),
+                      await refused(decode(d_stubs[0], pre, kv=guessed, rid="x#2"))]
+            reader = await stats(d_stubs[0])
+            claim = worker_pb2.ClaimRequest(lease_token=other.kv.lease_token, block_ids=other.kv.block_ids)
+            await p_stub.Claim(claim, timeout=5)
+            replay = await refused(p_stub.Claim(claim, timeout=5))
+            return errors, reader, replay, await stats(p_stub)
+
+    errors, reader, replay, holder = asyncio.run(run())
+    for e in errors:
+        assert e.code() == grpc.StatusCode.UNAVAILABLE and failure_of(e) is Failure.KV_TRANSFER
+    assert "blocks_mismatch" in errors[0].details() and "unknown_token" in errors[1].details()
+    assert reader.kv_transfer_bytes == 0 and reader.kv_transfers == 0 and reader.num_blocks_used == 0
+    assert replay.code() == grpc.StatusCode.FAILED_PRECONDITION and "already_claimed" in replay.details()
+    assert holder.num_held_leases == 2 and holder.num_blocks_used == 6  # refusals changed nothing
+
+
+def test_an_expired_lease_cannot_be_claimed(tiny_llama_dir):
+    async def run():
+        async with cluster(tiny_llama_dir[0], lease_seconds=0.2) as (prefill, p_stub, decoders, d_stubs):
+            pre = await prefill_one(p_stub)
+            while (await stats(p_stub)).num_held_leases:
+                await asyncio.sleep(0.05)
+            return await refused(p_stub.Claim(worker_pb2.ClaimRequest(
+                lease_token=pre.kv.lease_token, block_ids=pre.kv.block_ids), timeout=5)), await stats(p_stub)
+
+    error, holder = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert holder.leases_expired == 1 and holder.num_blocks_used == 0
+
+
+def test_the_tcp_holder_serves_only_blocks_of_a_claimed_lease(tiny_llama_dir):
+    async def run():
+        async with cluster(tiny_llama_dir[0]) as (prefill, p_stub, decoders, d_stubs):
+            pre = await prefill_one(p_stub)
+            meta = await p_stub.GetAgentMetadata(worker_pb2.AgentMetadataRequest(), timeout=5)
+            with create_agent("tcp", "intruder", decoders[0].engine.kv_cache) as agent:
+                peer = agent.add_remote(meta)
+                token = pre.kv.lease_token.encode()
+                ids = list(pre.kv.block_ids)
+                unclaimed = agent.wait(agent.start_read(peer, ids, [0, 1, 2], notify=token), 10)
+                await p_stub.Claim(worker_pb2.ClaimRequest(lease_token=pre.kv.lease_token, block_ids=ids), timeout=5)
+                outside = agent.wait(agent.start_read(peer, [ids[0], 60], [0, 1], notify=token), 10)
+                return unclaimed, outside, agent.stats.snapshot()
+
+    unclaimed, outside, moved = asyncio.run(run())
+    assert unclaimed is TransferState.FAILED and outside is TransferState.FAILED
+    assert moved.bytes == 0 and moved.failures == 2
+
+
+def test_an_abort_naming_a_request_id_does_not_free_its_held_kv(tiny_llama_dir):
+    async def run():
+        async with cluster(tiny_llama_dir[0]) as (prefill, p_stub, decoders, d_stubs):
+            pre = await prefill_one(p_stub)
+            found = await p_stub.Abort(worker_pb2.WorkerAbortRequest(request_id="client-a#0"), timeout=5)
+            after = await stats(p_stub)
+            tokens = await decode(d_stubs[0], pre)
+            return found, after, tokens
+
+    found, after, tokens = asyncio.run(run())
+    assert not found.found and after.num_held_leases == 1 and after.num_blocks_used == 3
+    assert len(tokens) == 5  # the rightful decode worker still reads it

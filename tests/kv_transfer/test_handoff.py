@@ -1,0 +1,79 @@
+"""The hand-off's pure parts: the handle's wire form, and the lease table's claim rules."""
+
+import pytest
+
+from kv_transfer.handoff import KVHandle, LeaseRefused, LeaseTable, ReleaseReason, reason_from_wire, release_request
+
+
+def table_with_lease(ttl: float = 10.0):
+    t = LeaseTable()
+    lease = t.grant("req-a#0", [4, 9, 2], now=0.0, ttl_s=ttl)
+    return t, lease
+
+
+def refusal(fn) -> str:
+    with pytest.raises(LeaseRefused) as info:
+        fn()
+    return info.value.reason
+
+
+def test_the_handle_survives_the_wire_and_knows_its_last_block():
+    h = KVHandle("10.0.0.5:7000", (4, 9, 2), num_tokens=37, lease_token="t0k")
+    assert KVHandle.from_proto(h.to_proto()) == h
+    assert h.last_block_bytes(block_size=16, bytes_per_token=100) == 5 * 100  # 37 = 16 + 16 + 5
+
+
+def test_tokens_are_secret_and_distinct():
+    t = LeaseTable()
+    tokens = {t.grant(f"r{i}", [i], 0.0, 1.0).token for i in range(50)}
+    assert len(tokens) == 50 and all(len(tok) >= 32 for tok in tokens)
+
+
+def test_a_claim_must_name_exactly_the_leases_blocks():
+    t, lease = table_with_lease()
+    other = t.grant("req-b#0", [1, 3], 0.0, 10.0)
+    assert refusal(lambda: t.claim(lease.token, [4, 9, 2, 1], 1.0, 10.0)) == "blocks_mismatch"  # forged extra block
+    assert refusal(lambda: t.claim(lease.token, list(other.block_ids), 1.0, 10.0)) == "blocks_mismatch"
+    assert not lease.claimed and not t.read_allowed(lease.token, [1])
+
+
+def test_unknown_expired_and_replayed_claims_are_refused():
+    t, lease = table_with_lease(ttl=5.0)
+    assert refusal(lambda: t.claim("guessed", [4, 9, 2], 1.0, 10.0)) == "unknown_token"
+    assert refusal(lambda: t.claim(lease.token, [4, 9, 2], 5.0, 10.0)) == "expired"
+    t2, lease2 = table_with_lease()
+    t2.claim(lease2.token, [4, 9, 2], 1.0, 10.0)
+    assert refusal(lambda: t2.claim(lease2.token, [4, 9, 2], 1.5, 10.0)) == "already_claimed"
+
+
+def test_a_claim_renews_the_lease_for_the_read():
+    t, lease = table_with_lease(ttl=5.0)
+    t.claim(lease.token, [4, 9, 2], now=4.0, ttl_s=5.0)
+    assert t.pop_expired(6.0) == []  # the grant's deadline passed; the claim's did not
+    assert [l.token for l in t.pop_expired(9.0)] == [lease.token] and t.expired_total == 1
+
+
+def test_reads_are_allowed_only_inside_a_claimed_lease():
+    t, lease = table_with_lease()
+    assert not t.read_allowed(lease.token, [4])  # not claimed yet
+    t.claim(lease.token, [4, 9, 2], 1.0, 10.0)
+    assert t.read_allowed(lease.token, [9, 2]) and not t.read_allowed(lease.token, [9, 5])
+    t.release(lease.token, ReleaseReason.PULLED)
+    assert not t.read_allowed(lease.token, [9])
+
+
+def test_a_lease_handed_back_unread_stays_held_and_can_be_claimed_again():
+    t, lease = table_with_lease()
+    t.claim(lease.token, [4, 9, 2], 1.0, 10.0)
+    assert t.give_back(lease.token) and len(t) == 1 and not t.read_allowed(lease.token, [4])
+    assert t.claim(lease.token, [4, 9, 2], 2.0, 10.0) is lease
+    assert t.released_by["returned"] == 1
+
+
+def test_each_release_reason_is_counted_once():
+    t = LeaseTable()
+    a, b = t.grant("a", [1], 0.0, 10.0), t.grant("b", [2], 0.0, 10.0)
+    assert t.release(a.token, ReleaseReason.TRANSFER_FAILED).request_id == "a"
+    assert t.release(a.token, ReleaseReason.ABORTED) is None
+    t.release(b.token, reason_from_wire(release_request(b.token, ReleaseReason.ABORTED).reason))
+    assert (t.released_by["transfer_failed"], t.released_by["aborted"], len(t)) == (1, 1, 0)

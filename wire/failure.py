@@ -1,0 +1,37 @@
+"""Why a worker RPC failed, as a typed code in trailing metadata (never matched in error text).
+
+The router decides from the code what to do next: a failed KV transfer is the decode
+worker's peer's fault (re-prefill, keep the decode worker), a failed step is the request's
+own (do not retry it elsewhere, do not mark the worker down).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+FAILURE_KEY = "pdserve-failure"
+
+
+class Failure(str, enum.Enum):
+    KV_TRANSFER = "kv_transfer"  # the prompt's KV did not arrive (peer unreachable, read failed, lease refused)
+    STEP_FAILED = "step_failed"  # the engine step holding the request raised; the request was aborted
+
+
+async def abort_with(context: grpc.aio.ServicerContext, code: grpc.StatusCode, failure: Failure,
+                     message: str) -> None:
+    """End the RPC with ``code``, ``message`` and ``failure`` in the trailing metadata."""
+    context.set_trailing_metadata(((FAILURE_KEY, failure.value),))
+    await context.abort(code, message)
+
+
+def failure_of(exc: grpc.aio.AioRpcError) -> Failure | None:
+    """The failure code a worker attached to ``exc``, if any."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == FAILURE_KEY:
+            try:
+                return Failure(value)
+            except ValueError:
+                return None
+    return None

@@ -1,0 +1,76 @@
+"""One worker as a plain process, as Kubernetes runs it: ``python -m wire.worker_process
+prefill --model DIR``. It prints ``listening on HOST:PORT`` once it serves, and drains on
+SIGTERM (or SIGINT): health turns NOT_SERVING, new requests are refused, in-flight ones get
+up to ``--drain-grace-s`` to finish, then it exits 0.
+
+Under Ray (``cluster.local.ServerActor``) the same drain runs through the actor's ``stop``;
+Ray installs its own SIGTERM handler in its worker processes, so this module's handler is
+for processes that Ray does not own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from engine.config import CacheConfig, EngineConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m wire.worker_process", description=__doc__.split("\n\n")[0])
+    p.add_argument("role", choices=["prefill", "decode"])
+    p.add_argument("--model", default="default", help="'default', a HF directory or a .gguf file")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "tcp"])
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the memory budget's)")
+    p.add_argument("--drain-grace-s", type=float, default=30.0)
+    p.add_argument("--lease-seconds", type=float, default=30.0, help="prefill only")
+    p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
+    return p
+
+
+def _config(args):
+    engine = EngineConfig(model=args.model, cache=CacheConfig(num_blocks=args.num_blocks))
+    common = dict(worker_id=args.worker_id or f"{args.role}-0", engine=engine, host=args.host, port=args.port,
+                  kv_transfer_backend=args.kv_transfer_backend, drain_grace_s=args.drain_grace_s,
+                  cpus=tuple(int(c) for c in args.cpus.split(",") if c))
+    if args.role == "prefill":
+        from prefill_worker.worker import PrefillWorkerConfig
+
+        return PrefillWorkerConfig(lease_seconds=args.lease_seconds, **common)
+    from decode_worker.worker import DecodeWorkerConfig
+
+    return DecodeWorkerConfig(**common)
+
+
+async def run(config, role: str) -> None:
+    """Serve until SIGTERM or SIGINT, then drain and return."""
+    if role == "prefill":
+        from prefill_worker.server import start
+    else:
+        from decode_worker.server import start
+    running = await start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"listening on {running.address}", flush=True)
+    await stop.wait()
+    print(f"draining (grace {config.drain_grace_s:.0f} s)", flush=True)
+    await running.drain()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    config = _config(args)
+    asyncio.run(run(config, args.role))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

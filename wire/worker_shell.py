@@ -1,0 +1,200 @@
+"""The shell every worker role runs in, written once for prefill and decode.
+
+A worker is an engine on its thread plus a KV-transfer agent, served over gRPC. What differs
+between the roles is small (what a request waits for, what ``cancel`` frees, the hooks that
+poll transfers or leases); what is the same lives here:
+
+- ``WorkerShell``: start (pin the process to its cores, start the engine thread), stop, the
+  engine-thread-to-asyncio bridge (``call``; per-request streams fed once per step), abort,
+  stats, and drain (no new requests; wait for in-flight ones up to a grace period).
+- ``ShellRpcs``: the ``Abort`` / ``Stats`` / ``Drain`` RPCs both services serve.
+- ``serve``: a worker's gRPC server, health and /metrics, started and stopped together.
+
+It lives in ``wire/`` because that is the package for a process's face to the others
+(servers, stats, conversions): both worker packages already import it, and it imports
+neither of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Callable, ClassVar, Iterable
+
+import grpc
+
+from engine.engine_thread import EngineThread, Hook
+from engine.errors import StepFailed
+from engine.llm_engine import LLMEngine, RequestOutput
+from kv_transfer import KVTransferAgent
+from protos import worker_pb2
+from wire.metrics import WorkerSource, serve_worker
+from wire.server import RunningServer, set_serving, start_server
+from wire.stats import worker_stats
+
+log = logging.getLogger(__name__)
+
+# How often ``drain`` re-checks for in-flight work: its wait is bounded by the grace period,
+# and this only sets how soon after the last request it notices.
+_DRAIN_CHECK_S = 0.05
+
+
+class WorkerShell:
+    """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id`` and
+    ``cpus`` (cores to pin to; empty: no pinning)."""
+
+    role: ClassVar[str]
+
+    def __init__(self, config: Any, engine: LLMEngine, agent: KVTransferAgent, hooks: Iterable[Hook] = ()):
+        self.config = config
+        self.engine = engine
+        self.agent = agent
+        self.draining = False  # no new requests; those here finish
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.thread = EngineThread(engine, self._on_outputs, hooks=hooks, name=f"{config.worker_id}-engine",
+                                   on_step_error=self._on_step_error)
+
+    def start(self) -> None:
+        if self.config.cpus:
+            pin_process(self.config.cpus)
+        self.agent.expect_reads(False)  # until the role says otherwise (a prefill worker holding KV)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.thread.stop()
+        self.agent.close()
+
+    # ---- the bridge (asyncio side) ---------------------------------------------------
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the engine thread, between steps."""
+        return await asyncio.wrap_future(self.thread.call(fn, *args))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """The queue that ``push`` fills for ``request_id``, on the running loop."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.call(self.cancel, request_id)
+
+    # ---- the bridge (engine thread) ----------------------------------------------------
+    def push(self, items: Iterable[tuple[str, Any]]) -> None:
+        """Hand items to their requests' streams: one wake-up of each event loop per call,
+        however many requests and tokens (a step's outputs travel together)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that loop has closed: nobody is listening any more
+                pass
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.push((o.request_id, o) for o in outputs)
+
+    def _on_step_error(self, exc: StepFailed) -> None:
+        self.push((request_id, exc) for request_id in exc.request_ids)
+
+    # ---- the role's part -------------------------------------------------------------
+    def cancel(self, request_id: str) -> bool:
+        """Engine thread: stop ``request_id`` wherever it is and free what it holds."""
+        return self.engine.abort(request_id)
+
+    def in_flight(self) -> int:
+        """Requests that a drain waits for."""
+        return len(self._streams)
+
+    def stats_extra(self) -> dict[str, Any]:
+        """The role's own ``WorkerStats`` fields."""
+        return {}
+
+    # ---- stats and drain -------------------------------------------------------------
+    def stats(self, metrics_address: str = "") -> worker_pb2.WorkerStats:
+        return worker_stats(self.config.worker_id, self.role, self.engine, self.agent, metrics_address,
+                            draining=self.draining, **self.stats_extra())
+
+    async def drain(self, grace_s: float) -> bool:
+        """Refuse new requests, then wait until none is in flight or ``grace_s`` passes.
+        True if the worker went idle in time."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_CHECK_S)
+        return not self.in_flight()
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
+
+
+def pin_process(cpus: Iterable[int]) -> None:
+    """Pin every thread of this process (and the threads they start later) to ``cpus``, and
+    size torch's intra-op pool to match: one worker's threads then never share a core with
+    another's."""
+    import torch
+
+    cores = set(cpus)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # the thread ended meanwhile
+            pass
+    torch.set_num_threads(len(cores))
+
+
+class ShellRpcs:
+    """``Abort``, ``Stats`` and ``Drain``, served the same way by both worker services. Put
+    it before the generated servicer base, whose methods answer UNIMPLEMENTED."""
+
+    worker: WorkerShell
+    metrics_address: str = ""
+
+    async def Abort(self, request, context):
+        return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
+
+    async def Stats(self, request, context):
+        return self.worker.stats(self.metrics_address)
+
+    async def Drain(self, request, context):
+        self.worker.draining = True
+        return self.worker.stats(self.metrics_address)
+
+    async def refuse_if_draining(self, context, code: grpc.StatusCode) -> None:
+        if self.worker.draining:
+            await context.abort(code, f"{self.worker.role} worker {self.worker.config.worker_id} is draining")
+
+
+async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, str], None],
+                service: str) -> RunningServer:
+    """Start ``worker``, its /metrics and its gRPC server; ``register(server, address,
+    metrics_address)`` adds the role's servicer. The returned server's ``drain`` (SIGTERM)
+    turns health NOT_SERVING, lets in-flight requests finish within the config's
+    ``drain_grace_s``, then stops everything."""
+    config = worker.config
+    worker.start()
+    metrics = serve_worker(worker.endpoint, config.metrics_port, WorkerSource(
+        worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size))
+    running = await start_server(worker.endpoint, config.port,
+                                 lambda server, address: register(server, address, metrics.address),
+                                 service, [metrics.stop, worker.stop], tls=config.tls)
+
+    async def drain() -> None:
+        await set_serving(running.health, [service], False)
+        idle = await worker.drain(config.drain_grace_s)
+        if not idle:
+            log.warning("%s: %d request(s) still in flight after %.0f s of drain; stopping",
+                        config.worker_id, worker.in_flight(), config.drain_grace_s)
+        await running.stop()
+
+    running.drain = drain
+    return running
