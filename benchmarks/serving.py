@@ -5,6 +5,7 @@ driven by vLLM's own load generator, `vllm bench serve`, in one run; one server 
     .venv/bin/python benchmarks/serving.py                 # ~8 min: pdserve, then vLLM
     .venv/bin/python benchmarks/serving.py --profile       # + a py-spy profile of each pdserve worker
     .venv/bin/python benchmarks/serving.py --servers pdserve
+    .venv/bin/python benchmarks/serving.py --rerender      # tables and plot again from the last results
 
 1. pdserve: `pdserve serve --port P --http-port H` (the `pdserve` beside this interpreter; 1 prefill
    + 1 decode worker and every other setting at its default, as `make serve`), until /health is 200.
@@ -33,7 +34,8 @@ Results file schema, "pdserve-serving-benchmark/1" (times in ms, rates per secon
                cpu: {busy_cores, server_cores, loadavg_1m_before}, raw_result: path}]
     ratios: {LOAD: {ttft_p50, tpot_p50, output_tok_s}}       pdserve / vLLM; null if one side is missing
     targets: [{target, load, ratio, bound, kind: "max" | "min", value, met: bool | null}]
-    profiles: {"pdserve/LOAD/ROLE": {file, samples, self: [[function, share]], inclusive: [...]}}
+    profiles: {"pdserve/LOAD/ROLE": {file, samples, waiting_share, self: [[frame, share of busy samples]],
+               inclusive: [...]}}                         (serving_report.profile_summary)
 cpu.busy_cores is the whole machine's average busy cores over the load, server_cores the part the
 server's own processes used; the rest is the load generator and whatever else runs (the machine
 is shared).
@@ -231,7 +233,8 @@ def finish(doc: dict, args) -> None:
     plot(doc, args.plot)
     print("\n" + table)
     for key, prof in doc["profiles"].items():
-        print(f"\npy-spy {key} ({prof['samples']} samples; {prof['file']}), self time:")
+        print(f"\npy-spy {key} ({prof['samples']} samples, {100 * (prof['waiting_share'] or 0):.0f}% waiting; "
+              f"{prof['file']}), innermost frames of the busy samples:")
         for fn, share in prof["self"][:8]:
             print(f"  {100 * share:5.1f}%  {fn}")
     print(f"\nwrote {args.out_dir / 'serving.json'}, {args.out_dir / 'serving.md'} and {args.plot}")
@@ -255,6 +258,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmups", type=int, default=1, help="vllm bench serve --num-warmups, before each load")
     ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--rerender", action="store_true",
+                    help="run nothing: rebuild ratios, targets, profile summaries, table and plot from "
+                         "--out-dir's serving.json (and the profiles it names)")
     ap.add_argument("--note", default="", help="what else ran on the machine, stored with the results")
     ap.add_argument("--out-dir", type=Path, default=ROOT / ".bench" / "serving")
     ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks_serving.png")
@@ -280,8 +286,17 @@ def check_prerequisites(args) -> None:
         build_hf_dir(args.hf_dir)
 
 
+def rerender(args) -> None:
+    doc = json.loads((args.out_dir / "serving.json").read_text())
+    for prof in doc["profiles"].values():
+        prof.update(profile_summary(Path(prof["file"])))
+    finish(doc, args)
+
+
 def main() -> None:
     args = parse_args()
+    if args.rerender:
+        return rerender(args)
     check_prerequisites(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     # Ctrl-C (also when started in the background, where SIGINT comes in ignored) and SIGTERM

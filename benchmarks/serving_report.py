@@ -141,28 +141,38 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def profile_summary(raw: Path, top: int = 12) -> dict[str, list[tuple[str, float]]]:
-    """From py-spy's raw collapsed stacks ('frame;frame;... count' per line): where the samples
-    are, as (function, share of samples), largest first. 'self': the innermost frame of each
-    sample. 'inclusive': every function on the stack, once per sample (recursion counts once);
-    frames in nearly every sample (the thread's entry points) are left out, as they say nothing."""
+# Innermost frames where a thread sits blocked (py-spy cannot always tell a blocked thread from a
+# running one, so these are named): lock and event waits, selector polls, Ray's task loop.
+WAITS = ("Condition.wait", "Event.wait", "EpollSelector.select", "_PollLikeSelector.select",
+         "SelectSelector.select", "Worker.main_loop", "Queue.get", "sleep")
+
+
+def profile_summary(raw: Path, top: int = 12) -> dict:
+    """From py-spy's raw collapsed stacks ('frame;frame;... count' per line; a frame is
+    'function (file:line)'): where the busy samples are. Samples whose innermost function is a
+    wait (WAITS) count as waiting and are left out of the rest. 'self': the innermost frame,
+    'inclusive': every function on the stack once per sample; both as (frame, share of busy
+    samples), largest first, leaving out frames in nearly every busy sample (entry points)."""
     inclusive: dict[str, int] = {}
     leaf: dict[str, int] = {}
-    samples = 0
+    samples = waiting = 0
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         n, frames = int(count), stack.split(";")
         samples += n
+        if frames[-1].split(" (")[0] in WAITS:
+            waiting += n
+            continue
         leaf[frames[-1]] = leaf.get(frames[-1], 0) + n
         for frame in set(frames):
             inclusive[frame] = inclusive.get(frame, 0) + n
-    if not samples:
-        return {"samples": 0, "self": [], "inclusive": []}
+    busy = samples - waiting
 
     def ranked(counts: dict[str, int], cap: float) -> list[tuple[str, float]]:
-        shares = sorted(((f, n / samples) for f, n in counts.items()), key=lambda x: -x[1])
+        shares = sorted(((f, n / busy) for f, n in counts.items()), key=lambda x: -x[1])
         return [(f, round(s, 4)) for f, s in shares if s < cap][:top]
 
-    return {"samples": samples, "self": ranked(leaf, 1.01), "inclusive": ranked(inclusive, 0.995)}
+    return {"samples": samples, "waiting_share": round(waiting / samples, 4) if samples else None,
+            "self": ranked(leaf, 1.01) if busy else [], "inclusive": ranked(inclusive, 0.98) if busy else []}

@@ -87,14 +87,15 @@ def test_bench_command_per_load(tmp_path):
     assert "--ignore-eos" in conc16 and "--save-result" in conc16
 
 
-def test_profile_summary_self_and_inclusive(tmp_path):
+def test_profile_summary_self_and_inclusive_over_busy_samples(tmp_path):
     raw = tmp_path / "p.txt"
     raw.write_text("main (a.py:1);step (e.py:5);mm (m.py:9) 6\n"
                    "main (a.py:1);step (e.py:5);attn (m.py:20) 3\n"
-                   "main (a.py:1);poll (l.py:2) 1\n")
+                   "main (a.py:1);poll (l.py:2) 1\n"
+                   "main (a.py:1);loop (l.py:7);Condition.wait (threading.py:295) 10\n")
     s = profile_summary(raw)
-    assert s["samples"] == 10
-    assert s["self"][:3] == [("mm (m.py:9)", 0.6), ("attn (m.py:20)", 0.3), ("poll (l.py:2)", 0.1)]
-    # main is in every sample: an entry point, left out
-    assert s["inclusive"][0] == ("step (e.py:5)", 0.9)
-    assert "main (a.py:1)" not in dict(s["inclusive"])
+    assert (s["samples"], s["waiting_share"]) == (20, 0.5)
+    assert s["self"] == [("mm (m.py:9)", 0.6), ("attn (m.py:20)", 0.3), ("poll (l.py:2)", 0.1)]
+    # main is in every busy sample: an entry point, left out; the waiting loop is not counted
+    assert s["inclusive"] == [("step (e.py:5)", 0.9), ("mm (m.py:9)", 0.6), ("attn (m.py:20)", 0.3),
+                              ("poll (l.py:2)", 0.1)]
