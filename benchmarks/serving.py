@@ -31,7 +31,7 @@ Results file schema, "pdserve-serving-benchmark/1" (times in ms, rates per secon
     servers: {SERVER: {command: [str], env: {str: str}, served_model, startup_s}}   SERVER: pdserve | vllm
     results: [{server, load, completed, failed, duration_s, req_s, output_tok_s,
                ttft_ms: {mean, p50, p90, p99}, tpot_ms: {...}, itl_ms: {...}, e2el_ms: {...},
-               cpu: {busy_cores, server_cores, loadavg_1m_before}, raw_result: path}]
+               cpu: {busy_cores, server_cores, loadavg_1m_before}, raw_result: path}]   paths: relative to the file
     ratios: {LOAD: {ttft_p50, tpot_p50, output_tok_s}}       pdserve / vLLM; null if one side is missing
     targets: [{target, load, ratio, bound, kind: "max" | "min", value, met: bool | null}]
     profiles: {"pdserve/LOAD/ROLE": {file, samples, waiting_share, self: [[frame, share of busy samples]],
@@ -192,10 +192,11 @@ def run_server(args, server: ServerProcess, step, doc: dict) -> None:
                 raise ServerError(f"vllm bench serve against {name} ({load.name}) exited with {rc}; "
                                   f"log: {args.out_dir / f'{name}-{load.name}.log'}")
             row = record(name, load.name, json.loads(result.read_text()))
-            doc["results"].append({**row, "cpu": cpu, "raw_result": str(result)})
+            doc["results"].append({**row, "cpu": cpu, "raw_result": str(result.relative_to(args.out_dir))})
             for role, f in files.items():
                 if f in written:
-                    doc["profiles"][f"{name}/{load.name}/{role}"] = {"file": str(f), **profile_summary(f)}
+                    doc["profiles"][f"{name}/{load.name}/{role}"] = {"file": str(f.relative_to(args.out_dir)),
+                                                                    **profile_summary(f)}
         step(f"{name}: stopping")
 
 
@@ -257,7 +258,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmups", type=int, default=1, help="vllm bench serve --num-warmups, before each load")
-    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--startup-timeout", type=float, default=1800,
+                    help="seconds to wait for /health; vLLM compiles at start-up, >10 min on a busy machine")
     ap.add_argument("--rerender", action="store_true",
                     help="run nothing: rebuild ratios, targets, profile summaries, table and plot from "
                          "--out-dir's serving.json (and the profiles it names)")
@@ -289,7 +291,7 @@ def check_prerequisites(args) -> None:
 def rerender(args) -> None:
     doc = json.loads((args.out_dir / "serving.json").read_text())
     for prof in doc["profiles"].values():
-        prof.update(profile_summary(Path(prof["file"])))
+        prof.update(profile_summary(args.out_dir / prof["file"]))  # an absolute path stays as it is
     finish(doc, args)
 
 

@@ -12,6 +12,7 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 90, 99)
 SERVERS = ("pdserve", "vllm")
 SERVER_LABELS = {"pdserve": "pdserve (make serve: 1P+1D)", "vllm": "vLLM CPU (both cores)"}
+SERVER_COLORS = {"pdserve": "tab:blue", "vllm": "tab:orange"}
 
 
 class ResultError(ValueError):
@@ -128,9 +129,11 @@ def plot(doc: dict, path: Path) -> None:
                 if r is not None:
                     xs.append(j + (i - 0.5) * width)
                     ys.append(value(r))
-            bars = ax.bar(xs, ys, width, label=SERVER_LABELS[server])
+            if not ys:
+                continue
+            bars = ax.bar(xs, ys, width, label=SERVER_LABELS[server], color=SERVER_COLORS[server])
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
-        ax.set_xticks(range(len(loads)), [doc["loads"][l]["label"] for l in loads])
+        ax.set_xticks(range(len(loads)), [doc["loads"][l]["label"].replace(", ", "\n") for l in loads])
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
