@@ -28,7 +28,7 @@ Results file schema, "pdserve-serving-benchmark/1" (times in ms, rates per secon
     machine: {cpus, cpu_model, shared_note}
     workload: {dataset: "random", input_len, output_len, ignore_eos: true, seed, load_generator}
     loads: {LOAD: {label, num_prompts, request_rate (null = inf), max_concurrency (null = none)}}
-    servers: {SERVER: {command: [str], env: {str: str}, served_model, startup_s}}   SERVER: pdserve | vllm
+    servers: {SERVER: {command: [str], env: {str: str}, served_model, startup_s, start_attempts}}   SERVER: pdserve | vllm
     results: [{server, load, completed, failed, duration_s, req_s, output_tok_s,
                ttft_ms: {mean, p50, p90, p99}, tpot_ms: {...}, itl_ms: {...}, e2el_ms: {...},
                cpu: {busy_cores, server_cores, loadavg_1m_before}, raw_result: path}]   paths: relative to the file
@@ -63,8 +63,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.peers.hf_dir import PEERS, build as build_hf_dir  # noqa: E402
-from benchmarks.serving_procs import (Profiler, ServerError, ServerProcess, classify_worker,  # noqa: E402
-                                      run_teed, server_actor_pids)
+from benchmarks.serving_procs import (Profiler, ServerError, ServerExited, ServerProcess,  # noqa: E402
+                                      classify_worker, run_teed, server_actor_pids)
 from benchmarks.serving_report import (compare, markdown, plot, profile_summary, record,  # noqa: E402
                                        targets)
 
@@ -161,13 +161,11 @@ def run_server(args, server: ServerProcess, step, doc: dict) -> None:
     """Start one server, run every load against it, stop it (also on error)."""
     name = server.name
     with ExitStack() as stack:
-        step(f"{name}: starting ({' '.join(server.cmd)})")
-        stack.enter_context(server)
-        with tqdm(total=int(args.startup_timeout), desc=f"{name} start-up (model load, warm-up)", unit="s",
-                  leave=False) as bar:
-            startup = server.wait_healthy(args.startup_timeout, lambda t: bar.update(int(t) - bar.n))
+        stack.enter_context(server)  # stopped on the way out, whatever happens
+        startup, attempt = start(args, server, step)
         model = server.served_model()
         doc["servers"][name] = {"command": server.cmd, "served_model": model, "startup_s": round(startup, 1),
+                                "start_attempts": attempt,
                                 "env": {k: server.env[k] for k in sorted(server.env)
                                         if k.startswith(("VLLM_", "PDSERVE_"))}}
         step(f"{name}: healthy after {startup:.0f} s, serving '{model}'")
@@ -198,6 +196,25 @@ def run_server(args, server: ServerProcess, step, doc: dict) -> None:
                     doc["profiles"][f"{name}/{load.name}/{role}"] = {"file": str(f.relative_to(args.out_dir)),
                                                                     **profile_summary(f)}
         step(f"{name}: stopping")
+
+
+def start(args, server: ServerProcess, step) -> tuple[float, int]:
+    """Wait until the (entered) server is healthy, restarting it when it exits first, up to
+    --start-attempts times; returns (seconds to healthy, attempt)."""
+    attempt = 1
+    while True:
+        step(f"{server.name}: starting, attempt {attempt} ({' '.join(server.cmd)})")
+        try:
+            with tqdm(total=int(args.startup_timeout), desc=f"{server.name} start-up (model load, warm-up)",
+                      unit="s", leave=False) as bar:
+                return server.wait_healthy(args.startup_timeout, lambda t: bar.update(int(t) - bar.n)), attempt
+        except ServerExited as exc:
+            if attempt >= args.start_attempts:
+                raise
+            print(f"[serving] {exc}\n[serving] trying again", file=sys.stderr, flush=True)
+            server.stop()
+            server.__enter__()
+            attempt += 1
 
 
 def git_state() -> dict:
@@ -260,6 +277,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmups", type=int, default=1, help="vllm bench serve --num-warmups, before each load")
     ap.add_argument("--startup-timeout", type=float, default=1800,
                     help="seconds to wait for /health; vLLM compiles at start-up, >10 min on a busy machine")
+    ap.add_argument("--start-attempts", type=int, default=3,
+                    help="start a server this many times when it exits before it is healthy")
     ap.add_argument("--rerender", action="store_true",
                     help="run nothing: rebuild ratios, targets, profile summaries, table and plot from "
                          "--out-dir's serving.json (and the profiles it names)")

@@ -28,6 +28,11 @@ class ServerError(RuntimeError):
     """A server did not start, did not become healthy, or its load generator failed."""
 
 
+class ServerExited(ServerError):
+    """A server exited before it was healthy (Ray gives its raylet a fixed 30 s to register, which a
+    busy machine can miss): worth another attempt."""
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -65,7 +70,7 @@ class ServerProcess:
             raise ServerError(f"{self.name}: port(s) {busy} on {self.host} are in use; pick others "
                               "(--pdserve-port/--vllm-port) or stop what listens there")
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("w") as out:
+        with self.log.open("a") as out:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         self._seen[self.proc.pid] = psutil.Process(self.proc.pid).create_time()
@@ -96,7 +101,7 @@ class ServerProcess:
         t0 = time.monotonic()
         while (elapsed := time.monotonic() - t0) < timeout_s:
             if self.proc.poll() is not None:
-                raise ServerError(f"{self.name} exited with {self.proc.returncode} before it was healthy:\n"
+                raise ServerExited(f"{self.name} exited with {self.proc.returncode} before it was healthy:\n"
                                   + self.log_tail())
             self.descendants()
             try:

@@ -10,7 +10,7 @@ import textwrap
 import psutil
 import pytest
 
-from benchmarks.serving_procs import ServerError, ServerProcess, port_free, run_teed
+from benchmarks.serving_procs import ServerError, ServerExited, ServerProcess, port_free, run_teed
 
 # A /health server that first starts a grandchild in a session of its own, the way Ray's
 # daemons leave the server's process group, and writes its pid to a file.
@@ -74,3 +74,34 @@ def test_run_teed_returns_the_exit_code_and_keeps_the_output(tmp_path, capfd):
     assert rc == 4
     assert "progress 50%" in log.read_text()
     assert "progress 50%" in capfd.readouterr().out
+
+
+def test_a_server_that_exits_before_healthy_is_started_again(tmp_path):
+    import argparse
+
+    from benchmarks.serving import start
+
+    port, marker = free_port(), tmp_path / "tried"
+    script = tmp_path / "flaky.py"
+    # the first start exits (as pdserve does when Ray's raylet misses its 30 s), the second serves
+    script.write_text("import os, sys\n"
+                      f"if not os.path.exists({str(marker)!r}):\n"
+                      f"    open({str(marker)!r}, 'w').close(); sys.exit(1)\n" + SERVER)
+    server = ServerProcess("flaky", [sys.executable, str(script), str(port), str(tmp_path / "child.pid")], {},
+                           "127.0.0.1", [port], tmp_path / "flaky.log")
+    steps = []
+    with server:
+        _, attempt = start(argparse.Namespace(start_attempts=2, startup_timeout=30), server, steps.append)
+    assert attempt == 2 and len(steps) == 2
+    assert port_free("127.0.0.1", port)
+
+
+def test_start_gives_up_after_the_last_attempt(tmp_path):
+    import argparse
+
+    from benchmarks.serving import start
+
+    server = ServerProcess("broken", [sys.executable, "-c", "raise SystemExit(1)"], {}, "127.0.0.1",
+                           [free_port()], tmp_path / "b.log")
+    with server, pytest.raises(ServerExited):
+        start(argparse.Namespace(start_attempts=2, startup_timeout=30), server, lambda msg: None)
