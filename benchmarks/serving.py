@@ -148,9 +148,11 @@ def server_tree(server: ServerProcess) -> list[psutil.Process]:
 def start_profiles(args, server: ServerProcess, load: Load, profiler: Profiler) -> dict[str, Path]:
     files = {}
     for pid in server_actor_pids(server):
-        role = classify_worker(args.py_spy, pid) or f"pid{pid}"
+        role = classify_worker(args.py_spy, pid) or "unknown"
         if role == "router" and not args.profile_router:
             continue
+        if role in files:  # never two recorders on one file
+            role = f"{role}-pid{pid}"
         out = args.out_dir / "profiles" / f"pdserve-{load.name}-{role}.txt"
         profiler.start(pid, out)
         files[role] = out

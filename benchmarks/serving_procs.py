@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -221,16 +222,15 @@ class Profiler:
 
 def classify_worker(py_spy: Path, pid: int) -> str | None:
     """'prefill', 'decode' or 'router' for a pdserve ServerActor process, read from the name of
-    the thread its server runs in (wire.server.ServerThread(name=role)); None if unknown."""
+    the thread its server runs in (wire.server.ServerThread(name=role)), as py-spy dump prints it:
+    'Thread 0x7F.. (idle): "decode"'; None if unknown."""
     try:
         dump = subprocess.run([str(py_spy), "dump", "--pid", str(pid), "--nonblocking"], capture_output=True,
-                              text=True, timeout=30).stdout
+                              text=True, timeout=60).stdout
     except subprocess.TimeoutExpired:
         return None
-    for role in ("prefill", "decode", "router"):
-        if f'"{role}"' in dump or f"{role}_worker/" in dump or (role == "router" and "router/" in dump):
-            return role
-    return None
+    found = re.search(r'^Thread \S+ \([^)]*\): "(prefill|decode|router)"$', dump, re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def server_actor_pids(server: ServerProcess) -> list[int]:
