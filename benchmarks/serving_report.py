@@ -112,7 +112,7 @@ def _x(v: float | None) -> str:
 
 
 def plot(doc: dict, path: Path) -> None:
-    """Bars per load: TTFT p50, TPOT p50 and output tok/s, pdserve beside vLLM."""
+    """Bars per load: TTFT p50, TPOT p50 and output tok/s, pdserve beside vLLM (valid runs only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,7 +128,7 @@ def plot(doc: dict, path: Path) -> None:
             xs, ys = [], []
             for j, load in enumerate(loads):
                 r = find(doc["results"], server, load)
-                if r is not None:
+                if r is not None and r.get("valid", True):  # a load with failures has no bar
                     xs.append(j + (i - 0.5) * width)
                     ys.append(value(r))
             if not ys:
