@@ -191,8 +191,10 @@ class RequestRun:
             raise _route_error(choice)
 
     async def _admit(self, pick: Callable[[], Choice]) -> Choice:
-        """``pick()``, re-tried while its pool is saturated: before the first token until the
-        request's admission budget is spent, after it until the request's deadline."""
+        """``pick()``, re-tried while its pool is saturated or has no routable worker at all (a
+        replacement is on its way: with one decode worker, a crash would otherwise fail every
+        stream in flight): before the first token until the request's admission budget is
+        spent, after it until the request's deadline."""
         start = time.monotonic()
         if self.progress.token_ids:
             deadline = self.deadline
@@ -201,7 +203,7 @@ class RequestRun:
         try:
             while True:
                 choice = pick()
-                if choice.worker_id is not None or not choice.saturated:
+                if choice.worker_id is not None or not (choice.saturated or choice.pool_empty):
                     return choice
                 if time.monotonic() >= deadline:
                     self.remaining_s()  # DEADLINE_EXCEEDED if it was the request's own deadline

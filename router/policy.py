@@ -34,15 +34,26 @@ class Choice:
     reason: str
     saturated: bool = False  # nobody can take it now, but could later (RESOURCE_EXHAUSTED)
     too_large: bool = False  # nobody could ever take it (INVALID_ARGUMENT)
+    # The pool has no routable worker at all (a crash, a restart): the supervisor starts a
+    # replacement, so the caller may wait for one within its deadline (UNAVAILABLE after).
+    pool_empty: bool = False
+
+
+def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
+    """Why nobody of ``role`` can take it: none routable at all, or every routable one was tried."""
+    if any(w.role == role and w.routable for w in workers):
+        return Choice(None, f"every healthy {role} worker was tried")
+    return Choice(None, f"no healthy {role} worker", pool_empty=True)
 
 
 def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = frozenset(),
                  prompt_tokens: int = 0, max_queued_tokens: int | None = None) -> Choice:
     """The routable prefill worker with the fewest queued prompt tokens (ties: fewest in flight,
     then the one given work least recently, so idle workers take turns, then id). With ``max_queued_tokens``, a worker whose queue would pass it is full."""
+    workers = list(workers)
     candidates = [w for w in workers if w.role == "prefill" and w.routable and w.worker_id not in exclude]
     if not candidates:
-        return Choice(None, "no healthy prefill worker")
+        return _no_candidate(workers, "prefill")
     if max_queued_tokens is not None:
         candidates = [w for w in candidates if w.queued_tokens + prompt_tokens <= max_queued_tokens]
         if not candidates:
@@ -59,9 +70,10 @@ def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
     Workers that cannot fit ``blocks_needed`` are skipped; if none can, the answer says so
     (the caller returns RESOURCE_EXHAUSTED rather than queueing without bound).
     """
+    workers = list(workers)
     candidates = [w for w in workers if w.role == "decode" and w.routable and w.worker_id not in exclude]
     if not candidates:
-        return Choice(None, "no healthy decode worker")
+        return _no_candidate(workers, "decode")
     largest = max(w.blocks_total for w in candidates)
     if blocks_needed > largest:
         return Choice(None, f"prompt + max_tokens needs {blocks_needed} KV blocks; the largest decode "

@@ -117,7 +117,7 @@ def fake_pool(prefills: list[FakePrefill], decodes: list[FakeDecode]) -> WorkerP
     return pool
 
 
-def request_run(pool: WorkerPool, max_tokens: int = 4, prompt_len: int = 7) -> RequestRun:
+def request_run(pool: WorkerPool, max_tokens: int = 4, prompt_len: int = 7, **limits) -> RequestRun:
     model = ModelInfo("fake", config=None, max_model_len=4096, block_size=16, tokenizer=LetterTokenizer())
     req = PreparedRequest("req-1", list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens))
-    return RequestRun(req, model, pool, RouterLimits())
+    return RequestRun(req, model, pool, RouterLimits(**limits))

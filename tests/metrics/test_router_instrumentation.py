@@ -106,7 +106,9 @@ def test_a_request_no_worker_can_take_is_a_failure_by_status():
     prefill = FakePrefill(errors=[rpc_error(grpc.StatusCode.UNAVAILABLE, "gone")])
     before = outcomes()
     with pytest.raises(RouteError):
-        asyncio.run(consume(request_run(fake_pool([prefill], [FakeDecode()]))))
+        # The lone prefill worker is marked down: the request waits its admission budget for a
+        # replacement that never comes, then fails.
+        asyncio.run(consume(request_run(fake_pool([prefill], [FakeDecode()]), admission_wait_s=0.2)))
     assert changed(before) == {"UNAVAILABLE": 1}
 
 
