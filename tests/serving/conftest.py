@@ -14,14 +14,15 @@ LEASE_S = 4.0
 
 
 def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TRANSFER_DELAY_S,
-                  router_poll_s: float = 0.2, supervise_interval_s: float | None = 1.0) -> LocalCluster:
+                  router_poll_s: float = 0.2, supervise_interval_s: float | None = 1.0,
+                  admission_wait_s: float = 30.0) -> LocalCluster:
     # float32, the transformers-exact mode: served output is checked token for token against
     # transformers (bfloat16, the default, is checked in tests/engine/test_default_model.py).
     config = ClusterConfig(
         engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=192 << 20)),
         num_prefill=num_prefill, num_decode=num_decode, port=0, lease_seconds=LEASE_S,
         inject_transfer_delay_s=delay_s, threads_per_worker=1, router_poll_s=router_poll_s, http_port=0,
-        supervise_interval_s=supervise_interval_s)
+        supervise_interval_s=supervise_interval_s, admission_wait_s=admission_wait_s)
     c = LocalCluster(config)
     c.start()
     return c

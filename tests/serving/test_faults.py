@@ -28,7 +28,10 @@ def cluster():
     # which is the path these tests are after.
     # No supervisor: these tests are about the router surviving dead workers, not their
     # replacement (test_supervisor.py covers that).
-    c = start_cluster(num_prefill=3, num_decode=2, delay_s=DELAY_S, router_poll_s=30.0, supervise_interval_s=None)
+    # No supervisor: a dead worker is never replaced, so a request that finds a pool empty
+    # waits its admission budget (short here) for a replacement that never comes.
+    c = start_cluster(num_prefill=3, num_decode=2, delay_s=DELAY_S, router_poll_s=30.0, supervise_interval_s=None,
+                      admission_wait_s=3.0)
     yield c
     c.stop()
 
