@@ -34,7 +34,8 @@ def free_port() -> int:
 @pytest.fixture
 def two_nodes():
     port = free_port()
-    common = ["--num-cpus=1", "--disable-usage-stats"]
+    # Each worker reserves the CPUs it runs threads on (one here): the prefill node holds two.
+    common = ["--num-cpus=2", "--disable-usage-stats"]
     try:
         subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
                         '--resources={"prefill_nodes": 8}', *common], env=ENV, check=True, capture_output=True)
@@ -68,3 +69,6 @@ def test_each_pool_lands_on_its_own_node(two_nodes):
         assert "Paris" in text
     finally:
         cluster.stop()
+        # The cluster joined this Ray and leaves it running; disconnect before the fixture's
+        # `ray stop`, or this test process, still a driver of it, exits once its GCS is gone.
+        ray.shutdown()
