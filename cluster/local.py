@@ -81,11 +81,18 @@ def _max_workers(cfg: ClusterConfig) -> int:
     return workers
 
 
+# A Ray that pdserve starts on one machine is that machine: its workers share the cores on
+# purpose (more threads than cores on a small box), the OS schedules them, and pinning is a
+# separate choice. There the CPU resource is bookkeeping and must never be what stops a
+# placement, also for further clusters a driver starts in the same Ray (the tests run several
+# in one process). On a real multi-node Ray (``ray_address``) the nodes' own counts apply.
+LOCAL_RAY_MIN_CPUS = 64
+
+
 def _local_ray_cpus(cfg: ClusterConfig) -> int:
-    """CPUs a Ray this cluster starts announces: every worker it may run reserves its torch
-    threads, so a small machine running more threads than cores (oversubscribed on purpose,
-    as the tests do) still places them all. Never fewer than the machine has."""
-    return max(os.cpu_count() or 1, _max_workers(cfg) * cfg.worker_threads() + 1)
+    """CPUs a Ray this cluster starts announces: room for every worker it may run (each reserves
+    its torch threads), never fewer than ``LOCAL_RAY_MIN_CPUS`` or the machine's cores."""
+    return max(os.cpu_count() or 1, LOCAL_RAY_MIN_CPUS, _max_workers(cfg) * cfg.worker_threads() + 1)
 
 
 def default_gpus() -> float:
