@@ -30,11 +30,8 @@ QUEUE_AND_KV = {"prefill": pool_config("prefill", target=300, **FAST),
 @pytest.fixture(scope="module")
 def cluster():
     config = ClusterConfig(
-        # 96 MiB of float32 KV per worker (~2,000 tokens): a dozen long streams fill a decode
-        # worker. float32 pinned: in bfloat16, the default, the same bytes hold twice the tokens
-        # and the load no longer reaches the decode pool's KV target.
-        engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=96 << 20)), port=0,
-        http_port=None,
+        # 96 MiB of KV per worker (~2,000 tokens): a dozen long streams fill a decode worker.
+        engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), port=0, http_port=None,
         threads_per_worker=1, autoscale_interval_s=0.5,
         autoscaling=dict(QUEUE_AND_KV))
     c = LocalCluster(config)
