@@ -30,7 +30,8 @@ QUEUE_AND_KV = {"prefill": pool_config("prefill", target=300, **FAST),
 @pytest.fixture(scope="module")
 def cluster():
     config = ClusterConfig(
-        # 96 MiB of KV per worker (~2,000 tokens): a dozen long streams fill a decode worker.
+        # 96 MiB of KV per worker: ~4,200 tokens in bfloat16 (the default), so about two dozen
+        # long streams fill a decode worker.
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), port=0, http_port=None,
         threads_per_worker=1, autoscale_interval_s=0.5,
         autoscaling=dict(QUEUE_AND_KV))
@@ -80,8 +81,9 @@ def shrunk(cluster, pool: str, timeout_s: float = 120.0) -> None:
 def test_long_outputs_grow_decode_only_and_idle_shrinks_it(cluster):
     prefill_before = len(cluster.autoscaler.traces["prefill"].decisions)
     decode_before = len(cluster.autoscaler.traces["decode"].decisions)
-    counts = asyncio.run(send_load(cluster.address, n=14, every_s=0.3, prompt_len=30, max_tokens=200))
-    assert counts == [200] * 14
+    # 28 streams: sized for bfloat16 KV (14 filled the same cache in float32, half the tokens).
+    counts = asyncio.run(send_load(cluster.address, n=28, every_s=0.3, prompt_len=30, max_tokens=200))
+    assert counts == [200] * 28
     traces = cluster.autoscaler.traces
     decode_actions = [d.action for d in traces["decode"].decisions[decode_before:] if d.action != "hold"]
     assert decode_actions[:1] == ["up"]
