@@ -18,7 +18,9 @@ A prompt's KV changes hands like this:
    hands the lease back unread (RETURNED: the lease stays held, claimable again by the decode
    worker the router tries next). A lease nobody releases expires (EXPIRED).
 
-Pure Python, no I/O: the prefill worker owns one ``LeaseTable`` on its engine thread.
+Pure Python, no I/O. The prefill worker owns one ``LeaseTable``. Its engine thread grants,
+releases and expires leases; claims and give-backs come straight from the gRPC loop, so a
+claim never waits behind a long prefill step. One lock makes every operation atomic.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import enum
 import heapq
 import secrets
+import threading
 from dataclasses import dataclass, field
 
 from protos import worker_pb2
@@ -86,77 +89,90 @@ class Lease:
 
 @dataclass
 class LeaseTable:
-    """Leases on held KV, by token. Engine-thread owned; ``read_allowed`` may be called from
-    any thread (it reads one dict entry)."""
+    """Leases on held KV, by token. Safe to call from any thread: each method holds the
+    table's lock for its whole check-and-change."""
 
     leases: dict[str, Lease] = field(default_factory=dict)
     released_by: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in ReleaseReason})
     _deadlines: list[tuple[float, str]] = field(default_factory=list)
     _claimed_blocks: dict[str, frozenset[int]] = field(default_factory=dict)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def grant(self, request_id: str, block_ids: list[int], now: float, ttl_s: float) -> Lease:
         lease = Lease(secrets.token_urlsafe(24), request_id, tuple(block_ids), now + ttl_s)
-        self.leases[lease.token] = lease
-        heapq.heappush(self._deadlines, (lease.expires_at, lease.token))
+        with self._lock:
+            self.leases[lease.token] = lease
+            heapq.heappush(self._deadlines, (lease.expires_at, lease.token))
         return lease
 
     def claim(self, token: str, block_ids: list[int], now: float, ttl_s: float) -> Lease:
         """Claim a lease for one read of exactly its blocks; renews it to ``now + ttl_s``.
         Raises LeaseRefused (nothing changes) for an unknown token, other blocks, an expired
         lease or one already claimed."""
-        lease = self.leases.get(token)
-        if lease is None:
-            raise LeaseRefused("unknown_token", "no lease with this token (released, expired or never granted)")
-        if tuple(block_ids) != lease.block_ids:
-            raise LeaseRefused("blocks_mismatch", f"the claim names {len(block_ids)} block ids that are not "
-                                                  f"the lease's {len(lease.block_ids)}")
-        if now >= lease.expires_at:
-            raise LeaseRefused("expired", "the lease has expired")
-        if lease.claimed:
-            raise LeaseRefused("already_claimed", "the lease is already claimed by a reader")
-        lease.claimed = True
-        self._renew(lease, now + ttl_s)
-        self._claimed_blocks[token] = frozenset(lease.block_ids)
-        return lease
+        with self._lock:
+            lease = self.leases.get(token)
+            if lease is None:
+                raise LeaseRefused("unknown_token", "no lease with this token (released, expired or never granted)")
+            if tuple(block_ids) != lease.block_ids:
+                raise LeaseRefused("blocks_mismatch", f"the claim names {len(block_ids)} block ids that are not "
+                                                      f"the lease's {len(lease.block_ids)}")
+            if now >= lease.expires_at:
+                raise LeaseRefused("expired", "the lease has expired")
+            if lease.claimed:
+                raise LeaseRefused("already_claimed", "the lease is already claimed by a reader")
+            lease.claimed = True
+            self._renew(lease, now + ttl_s)
+            self._claimed_blocks[token] = frozenset(lease.block_ids)
+            return lease
 
     def give_back(self, token: str) -> bool:
         """RETURNED: a claimed lease goes back to unclaimed, still held until it expires."""
-        lease = self.leases.get(token)
-        if lease is None or not lease.claimed:
-            return False
-        lease.claimed = False
-        self._claimed_blocks.pop(token, None)
-        self.released_by[ReleaseReason.RETURNED.value] += 1
-        return True
+        with self._lock:
+            lease = self.leases.get(token)
+            if lease is None or not lease.claimed:
+                return False
+            lease.claimed = False
+            self._claimed_blocks.pop(token, None)
+            self.released_by[ReleaseReason.RETURNED.value] += 1
+            return True
 
     def release(self, token: str, reason: ReleaseReason) -> Lease | None:
         """End the lease; returns it (its blocks are the caller's to free), None if unknown.
         RETURNED does not end a lease: use ``give_back``."""
-        if reason is ReleaseReason.RETURNED:
-            raise ValueError("RETURNED keeps the lease held; call give_back")
-        lease = self.leases.pop(token, None)
-        if lease is not None:
-            self._claimed_blocks.pop(token, None)
-            self.released_by[reason.value] += 1
-        return lease
+        with self._lock:
+            if reason is ReleaseReason.RETURNED:
+                raise ValueError("RETURNED keeps the lease held; call give_back")
+            lease = self.leases.pop(token, None)
+            if lease is not None:
+                self._claimed_blocks.pop(token, None)
+                self.released_by[reason.value] += 1
+            return lease
 
     def pop_expired(self, now: float) -> list[Lease]:
         """Remove and return every lease whose deadline has passed."""
-        out = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, token = heapq.heappop(self._deadlines)
-            lease = self.leases.get(token)
-            if lease is not None and lease.expires_at == deadline:  # else renewed: a later entry exists
-                out.append(self.release(token, ReleaseReason.EXPIRED))
-        return out
+        with self._lock:
+            out = []
+            while self._deadlines and self._deadlines[0][0] <= now:
+                deadline, token = heapq.heappop(self._deadlines)
+                lease = self.leases.get(token)
+                if lease is not None and lease.expires_at == deadline:  # else renewed: a later entry exists
+                    out.append(self.release(token, ReleaseReason.EXPIRED))
+            return out
 
     def next_deadline(self) -> float | None:
-        return min((l.expires_at for l in self.leases.values()), default=None)
+        with self._lock:
+            return min((l.expires_at for l in self.leases.values()), default=None)
 
     def read_allowed(self, token: str, block_ids: list[int]) -> bool:
         """Whether a read of ``block_ids`` is covered by the claimed lease ``token``."""
-        claimed = self._claimed_blocks.get(token)
-        return claimed is not None and set(block_ids) <= claimed
+        with self._lock:
+            claimed = self._claimed_blocks.get(token)
+            return claimed is not None and set(block_ids) <= claimed
+
+    def of_request(self, request_id: str) -> list[Lease]:
+        """The leases held for ``request_id`` (a snapshot)."""
+        with self._lock:
+            return [l for l in self.leases.values() if l.request_id == request_id]
 
     def _renew(self, lease: Lease, expires_at: float) -> None:
         lease.expires_at = max(lease.expires_at, expires_at)

@@ -89,10 +89,14 @@ class PrefillWorker(WorkerShell):
                 self.thread.call(self._drop, request_id)
 
     async def claim(self, token: str, block_ids: list[int]) -> Lease:
-        """Claim the lease ``token`` for one read of ``block_ids``; raises LeaseRefused."""
-        return await self.call(self._claim, token, block_ids)
+        """Claim the lease ``token`` for one read of ``block_ids``; raises LeaseRefused.
+        Answered here, on the loop: the table is locked, and a claim must not wait for the
+        step running now (a long prefill would make the reader time out)."""
+        return self.leases.claim(token, block_ids, time.monotonic(), self.config.lease_seconds)
 
     async def release(self, token: str, reason: ReleaseReason) -> bool:
+        if reason is ReleaseReason.RETURNED:  # bookkeeping only: nothing to free
+            return self.leases.give_back(token)
         return await self.call(self._release, token, reason)
 
     def in_flight(self) -> int:
@@ -146,9 +150,6 @@ class PrefillWorker(WorkerShell):
             self._first_chunk_at.setdefault(waiting[0].seq_id, self._step_started)
         self._step_started = time.monotonic()
 
-    def _claim(self, token: str, block_ids: list[int]) -> Lease:
-        return self.leases.claim(token, block_ids, time.monotonic(), self.config.lease_seconds)
-
     def _release(self, token: str, reason: ReleaseReason) -> bool:
         if reason is ReleaseReason.RETURNED:
             return self.leases.give_back(token)
@@ -161,14 +162,14 @@ class PrefillWorker(WorkerShell):
     def cancel(self, request_id: str) -> bool:
         """The ``Abort`` RPC: stops a prompt still computing. Held KV is not touched: it
         leaves only by its lease token (request ids are chosen by clients)."""
-        if any(l.request_id == request_id for l in self.leases.leases.values()):
+        if self.leases.of_request(request_id):
             return False
         self._first_chunk_at.pop(request_id, None)
         return self.engine.abort(request_id)
 
     def _drop(self, request_id: str) -> None:
         """Our own ``prefill`` caller gave up: free whatever the request holds."""
-        for lease in [l for l in self.leases.leases.values() if l.request_id == request_id]:
+        for lease in self.leases.of_request(request_id):
             self.leases.release(lease.token, ReleaseReason.ABORTED)
         self._first_chunk_at.pop(request_id, None)
         self.engine.abort(request_id)
