@@ -21,6 +21,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from engine.rope import apply_rotary
+
 log = logging.getLogger(__name__)
 
 
@@ -83,6 +85,24 @@ def build_context(starts: list[int], query_lens: list[int], tables: list[list[in
     return ctx, positions.to(device)
 
 
+class AttentionBackend:
+    """What every backend shares: ``attend`` takes the fused q|k|v projection, splits it,
+    applies RoPE, and hands q, k, v to the backend's ``forward``. A backend with a fused
+    prologue (the CPU paged kernel) overrides ``attend``."""
+
+    def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+               v_cache: torch.Tensor, ctx: AttentionContext, nh: int, nkv: int, hd: int) -> torch.Tensor:
+        """qkv (T, (nh + 2 nkv) hd), rope = cos, sin (T, 1, hd) -> (T, nh, hd)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k = apply_rotary(q.view(t, nh, hd), k.view(t, nkv, hd), *rope)
+        return self.forward(q, k, v.view(t, nkv, hd), k_cache, v_cache, ctx)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        raise NotImplementedError
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              ctx: AttentionContext) -> None:
     """Store the new tokens' K/V (T, nkv, hd) in their slots."""
@@ -97,7 +117,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
     return blocks.view(b, m * cache.shape[1], *cache.shape[2:])[:, :length]
 
 
-class SdpaAttention:
+class SdpaAttention(AttentionBackend):
     """torch ``scaled_dot_product_attention`` over the paged cache (CPU and CUDA).
 
     Not batch-invariant across phases: a prompt token's prefill result and the same

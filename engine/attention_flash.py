@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionContext, write_kv
+from engine.attention import AttentionBackend, AttentionContext, write_kv
 
 PAGED_BLOCK_MULTIPLE = 256  # flash-attn's page_block_size constraint (see the docstring)
 
@@ -47,7 +47,7 @@ def flash_available(device: torch.device) -> bool:
     return True
 
 
-class FlashAttention:
+class FlashAttention(AttentionBackend):
     """flash-attn over the paged cache; ``batch_invariant`` selects the fixed-order mode."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,

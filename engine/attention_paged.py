@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine import cpu_kernels
-from engine.attention import AttentionContext, write_kv
+from engine.attention import AttentionBackend, AttentionContext, write_kv
 
 _fake_registered = False
 
@@ -24,6 +24,7 @@ def load_kernel() -> None:
     cpu_kernels.load()
     if not _fake_registered:
         torch.library.register_fake("pdserve::paged_attention")(_paged_attention_shape)
+        torch.library.register_fake("pdserve::rope_store_kv")(_rope_store_kv_shape)
         _fake_registered = True
 
 
@@ -31,11 +32,15 @@ def _paged_attention_shape(q, k_cache, v_cache, block_tables, cu_query_lens, con
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def _rope_store_kv_shape(qkv, cos, sin, k_cache, v_cache, slot_block, slot_offset, num_heads, num_kv_heads):
+    return qkv.new_empty((qkv.shape[0], num_heads, k_cache.shape[-1]))
+
+
 def paged_available(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_kernels.cpu_supported()
 
 
-class PagedAttention:
+class PagedAttention(AttentionBackend):
     """The C++ kernel over the paged cache: float32, bfloat16 and float16, GQA."""
 
     name = "paged"
@@ -47,6 +52,15 @@ class PagedAttention:
             raise ValueError(f"attention_backend=paged needs head_dim a multiple of 8, got {head_dim}")
         load_kernel()
         self.scale = head_dim ** -0.5
+
+    def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+               v_cache: torch.Tensor, ctx: AttentionContext, nh: int, nkv: int, hd: int) -> torch.Tensor:
+        """Two calls per layer: RoPE + K/V store in one (``rope_store_kv``, the same bits as
+        the eager ops), then attention."""
+        q = torch.ops.pdserve.rope_store_kv(qkv.contiguous(), rope[0], rope[1], k_cache, v_cache, ctx.slot_block,
+                                            ctx.slot_offset, nh, nkv)
+        return torch.ops.pdserve.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens,
+                                                 ctx.context_lens_t, self.scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:

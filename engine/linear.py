@@ -1,13 +1,14 @@
 """How a model's projections, RMSNorms and LM head compute: one ``LinearBackend`` per model.
 
-The model (engine/model.py) is built from plain ``nn.Linear`` and ``RMSNorm`` modules so
+The model (engine/model.py) is built from plain ``nn.Linear``, ``RMSNorm`` and ``SiluAndMul`` modules so
 that weights load by name. ``select_backend(dtype, device)`` then picks a backend once, at
 load, and ``apply_backend`` swaps those modules for the backend's own (a transform of an
 unchanged model, never a branch inside it):
 
 - ``TorchBackend``: leaves everything to torch (float32 on CPU, where output equals
   ``transformers`` token for token; any dtype on CUDA).
-- ``PackedCpuBackend``: bfloat16 on an x86-64 CPU with AVX2 + FMA. Weights are packed once
+- ``PackedCpuBackend``: bfloat16 on an x86-64 CPU with AVX2 + FMA (linears, norms, and
+  the MLP's silu * up fused into one pass). Weights are packed once
   into panels for pdserve's kernels (engine/csrc/linear.cpp), whose every output element is
   one float32 FMA chain over k in a fixed order: a row's result is bitwise the same alone or
   in a batch of any size, at any thread count, on any such machine. The LM head writes
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from engine import cpu_kernels
-from engine.model import CausalLM, RMSNorm
+from engine.model import CausalLM, RMSNorm, SiluAndMul
 
 
 class TorchBackend:
@@ -39,6 +40,9 @@ class TorchBackend:
 
     def norm(self, norm: RMSNorm) -> nn.Module:
         return norm
+
+    def act(self, act: SiluAndMul) -> nn.Module:
+        return act
 
     def logits_head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
         return None  # CausalLM computes F.linear(hidden, weight).float(), as transformers does
@@ -79,6 +83,14 @@ class PackedRMSNorm(nn.Module):
         return torch.ops.pdserve.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
+class PackedSiluAndMul(nn.Module):
+    """silu(gate) * up in one pass (``torch.ops.pdserve.silu_mul``): elementwise, fixed exp."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdserve.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(
+            *gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
 _fakes_registered = False
 
 
@@ -95,6 +107,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("pdserve::rms_norm")
     def _rms_norm(x, weight, eps):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("pdserve::silu_mul")
+    def _silu_mul(gate_up):
+        return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
     _fakes_registered = True
 
@@ -114,6 +130,9 @@ class PackedCpuBackend:
 
     def norm(self, norm: RMSNorm) -> nn.Module:
         return PackedRMSNorm(norm)
+
+    def act(self, act: SiluAndMul) -> nn.Module:
+        return PackedSiluAndMul()
 
     def logits_head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
         return PackedLinear(weight, bias, f32_out=True)
@@ -137,6 +156,8 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
                 setattr(parent, name, backend.linear(child))
             elif isinstance(child, RMSNorm):
                 setattr(parent, name, backend.norm(child))
+            elif isinstance(child, SiluAndMul):
+                setattr(parent, name, backend.act(child))
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     packed_head = backend.logits_head(head.weight, getattr(head, "bias", None))
     if packed_head is not None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionContext
 from engine.config import ModelConfig
-from engine.rope import RotaryEmbedding, apply_rotary
+from engine.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -50,14 +50,19 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.nh, self.hd)
-        k = k.view(t, self.nkv, self.hd)
-        v = v.view(t, self.nkv, self.hd)
-        q, k = apply_rotary(q, k, *rope)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx)  # (T, nh, hd)
-        return self.o_proj(out.reshape(t, self.q_size))
+        # The backend splits q|k|v, rotates, stores K/V and attends (fused where it can).
+        out = self.backend.attend(self.qkv_proj(x), rope, self.k_cache, self.v_cache, ctx,
+                                  self.nh, self.nkv, self.hd)  # (T, nh, hd)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+
+class SiluAndMul(nn.Module):
+    """(T, 2I) gate|up -> (T, I) silu(gate) * up, as transformers computes it; a linear
+    backend may swap it for a fused kernel (engine/linear.py)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -66,10 +71,10 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
