@@ -79,8 +79,13 @@ class PackedRMSNorm(nn.Module):
         self.weight = norm.weight
         self.eps = norm.eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pdserve.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """As ``RMSNorm.forward``; with ``residual``, the add runs in the same pass (``add_rms_norm``)."""
+        if residual is None:
+            return torch.ops.pdserve.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        y, h = torch.ops.pdserve.add_rms_norm(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]),
+                                              self.weight, self.eps)
+        return y.view(x.shape), h.view(x.shape)
 
 
 class PackedSiluAndMul(nn.Module):
@@ -107,6 +112,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("pdserve::rms_norm")
     def _rms_norm(x, weight, eps):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("pdserve::add_rms_norm")
+    def _add_rms_norm(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
 
     @torch.library.register_fake("pdserve::silu_mul")
     def _silu_mul(gate_up):

@@ -28,7 +28,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, first ``x = x + residual`` (the layer's skip
+        connection) and returns ``(norm(x), x)``, so a backend can fuse the add in."""
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -85,9 +93,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sublayer output, residual stream) in -> out. The stream is h = residual + x, the
+        sum each norm computes first: transformers' ``h = h + sublayer(norm(h))``, with each
+        add moved into the next norm (None: x is the embedding, nothing to add yet)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, ctx), residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -107,9 +123,10 @@ class CausalLM(nn.Module):
         """input_ids, positions (T,) -> hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, rope, ctx)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, ctx)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32: by default in the model dtype, then cast, as

@@ -10,6 +10,8 @@
 //   rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
 //       x (M, D) bfloat16, weight (D,) bfloat16 -> (M, D) bfloat16, transformers' formula:
 //       bf16(weight * bf16(x * rsqrt(mean(x^2) + eps))), the mean in float32.
+//   add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)
+//       the residual add then rms_norm in one pass: (rms_norm(bf16(x + residual)), bf16(x + residual)).
 //
 // Packed layout. Output columns are grouped in panels of 16; panel p holds columns
 // 16p .. 16p+15 for every k, K-major: packed[p][k][0..15]. Inside those 16 bfloat16 (32
@@ -51,6 +53,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -152,6 +156,19 @@ void run_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t
   }
 }
 
+// bfloat16 -> float32 (exact: the bits shifted into the high half), 8 at a time.
+void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+
 at::Tensor linear_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "linear_pack: weight must be (N, K), got ", weight.sizes());
   const auto w = weight.to(at::kBFloat16).contiguous();
@@ -186,43 +203,79 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   }
   auto y = at::empty({M, n}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
-  const auto x32 = x.contiguous().to(at::kFloat);  // exact; read by broadcasts
+  // x widened to float32 (exact), read by the broadcasts; converted here rather than by an
+  // ATen op, whose dispatch costs more than the conversion at decode sizes.
+  const auto xc = x.contiguous();
+  std::vector<float> x32(static_cast<size_t>(M * K));
+  widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M * K, x32.data());
   const Output o{y.data_ptr(), f32_out, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
-  const float* xp = x32.data_ptr<float>();
+  const float* xp = x32.data();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   // Parallel over panels only: each thread owns whole output columns, never part of a K sum.
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { run_panels(xp, M, K, wp, b, e, o); });
   return y;
 }
 
+// One row of RMSNorm: y = bf16(weight * bf16(x * inv_rms)), the sum of squares through 8
+// lane accumulators (lane = d mod 8, in order of d) and one fixed tree.
+void rms_norm_row(const at::BFloat16* row, const at::BFloat16* weight, int64_t D, float eps, at::BFloat16* out) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t d = 0; d < D; ++d) {
+    const float v = static_cast<float>(row[d]);
+    lane[d % 8] = std::fma(v, v, lane[d % 8]);
+  }
+  const float sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+  for (int64_t d = 0; d < D; ++d) {
+    const float normed = static_cast<float>(c10::BFloat16(static_cast<float>(row[d]) * inv));
+    out[d] = c10::BFloat16(static_cast<float>(weight[d]) * normed);
+  }
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be (M, D) bfloat16");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == at::kBFloat16 &&
+                  weight.is_contiguous(), op, ": weight must be (D,) bfloat16");
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "rms_norm: x must be (M, D) bfloat16");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm: weight must be (D,)");
+  check_norm_args(x, weight, "rms_norm");
   const auto xc = x.contiguous();
-  const auto w32 = weight.to(at::kFloat).contiguous();
   const int64_t M = xc.size(0), D = xc.size(1);
   auto y = at::empty_like(xc);
   const auto* xp = xc.data_ptr<at::BFloat16>();
-  const float* wp = w32.data_ptr<float>();
+  const auto* wp = weight.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
-  const float epsf = static_cast<float>(eps);
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) {
-      const at::BFloat16* row = xp + m * D;
-      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t d = 0; d < D; ++d) {
-        const float v = static_cast<float>(row[d]);
-        lane[d % 8] = std::fma(v, v, lane[d % 8]);
-      }
-      const float sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + epsf);
-      for (int64_t d = 0; d < D; ++d) {
-        const float normed = static_cast<float>(c10::BFloat16(static_cast<float>(row[d]) * inv));
-        yp[m * D + d] = c10::BFloat16(wp[d] * normed);
-      }
-    }
+    for (int64_t m = b; m < e; ++m) rms_norm_row(xp + m * D, wp, D, static_cast<float>(eps), yp + m * D);
   });
   return y;
+}
+
+// The residual add and the next RMSNorm in one pass: residual' = bf16(x + residual) (what
+// `h = h + sublayer(h)` rounds to), y = rms_norm(residual'). Returns (y, residual').
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kBFloat16,
+              "add_rms_norm: residual must match x, (M, D) bfloat16");
+  const auto xc = x.contiguous(), rc = residual.contiguous();
+  const int64_t M = xc.size(0), D = xc.size(1);
+  auto y = at::empty_like(xc);
+  auto sum = at::empty_like(xc);
+  const auto* xp = xc.data_ptr<at::BFloat16>();
+  const auto* rp = rc.data_ptr<at::BFloat16>();
+  const auto* wp = weight.data_ptr<at::BFloat16>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  auto* sp = sum.data_ptr<at::BFloat16>();
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      for (int64_t d = 0; d < D; ++d)
+        sp[m * D + d] = c10::BFloat16(static_cast<float>(xp[m * D + d]) + static_cast<float>(rp[m * D + d]));
+      rms_norm_row(sp + m * D, wp, D, static_cast<float>(eps), yp + m * D);
+    }
+  });
+  return {y, sum};
 }
 
 }  // namespace
@@ -231,10 +284,12 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("linear_pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, bool f32_out) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("linear_pack", &linear_pack);
   m.impl("linear", &linear);
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
 }

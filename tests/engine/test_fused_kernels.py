@@ -92,3 +92,21 @@ def test_fused_ops_pass_torch_opcheck_for_compiled_graphs():
                           (qkv, rope[0], rope[1], cache[:, :, 0], cache[:, :, 1], ctx.slot_block, ctx.slot_offset,
                            NH, NKV))
     torch.library.opcheck(torch.ops.pdserve.silu_mul.default, (torch.randn(3, 16).bfloat16(),))
+
+
+def test_add_rms_norm_equals_the_add_then_the_norm():
+    """The fused residual add rounds the sum to bfloat16 first, as ``h = h + sublayer(h)`` does."""
+    from engine.linear import PackedRMSNorm
+    from engine.model import RMSNorm
+
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + 0.1 * torch.randn(576, generator=torch.Generator().manual_seed(2))).bfloat16()
+    packed = PackedRMSNorm(norm)
+    g = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(2, 40, 576, generator=g) * 4).bfloat16()
+    y, h = packed(x, residual)
+    assert torch.equal(h, x + residual)
+    assert torch.equal(y, packed(x + residual))
+    torch_y, torch_h = norm.to(torch.bfloat16)(x, residual)  # the torch path of the same module
+    assert torch.equal(torch_h, h)
+    torch.library.opcheck(torch.ops.pdserve.add_rms_norm.default, (x[:3], residual[:3], norm.weight, 1e-5))
