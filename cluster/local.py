@@ -55,6 +55,9 @@ class ClusterConfig:
     model_name: str = "smollm2"
     router_poll_s: float = 0.2  # how often the router reads every worker's stats
     supervise_interval_s: float | None = 1.0  # how often dead workers are found and replaced; None: never
+    # A worker whose engine makes no progress this long while it holds work, or that does not
+    # answer this long, is hung: the router migrates its requests, the supervisor replaces it.
+    hang_timeout_s: float = 30.0
     autoscaling: dict | None = None  # {"prefill": PoolPolicyConfig, "decode": ...}; None: fixed pool sizes
     autoscale_interval_s: float = 1.0
     prefill_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
@@ -177,7 +180,7 @@ class LocalCluster:
         self.admin_address: str | None = None  # the router's internal plane (RouterAdmin)
         self._groups: dict[tuple[str, int], object] = {}  # one placement group per worker slot
         self._specs: dict[tuple[str, int], tuple] = {}  # what to start again in a slot
-        self._supervisor: Supervisor | None = None
+        self._supervisor = None  # a cluster.supervisor.Supervisor
         self.autoscaler = None
         self._templates: dict[str, tuple] = {}  # role -> (placement, config, threads) for new slots
         self._next_id = {"prefill": 0, "decode": 0}
@@ -213,7 +216,7 @@ class LocalCluster:
                                   http_port=cfg.http_port, advertise_host=cfg.advertise_host, api_key=cfg.api_key,
                                   public_tls=cfg.public_tls, internal_host=cfg.internal_bind_host(),
                                   internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls,
-                                  stats_interval_s=cfg.router_poll_s,
+                                  stats_interval_s=cfg.router_poll_s, hang_timeout_s=cfg.hang_timeout_s,
                                   limits=cfg.router_limits or RouterLimits(admission_wait_s=cfg.admission_wait_s),
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
@@ -225,6 +228,8 @@ class LocalCluster:
         self.http_address = ray.get(self.router.http_address.remote())
         self.admin_address = ray.get(self.router.internal_address.remote())
         if cfg.supervise_interval_s:
+            from cluster.supervisor import Supervisor
+
             self._supervisor = Supervisor(self, cfg.supervise_interval_s)
             self._supervisor.start()
         if cfg.autoscaling:
@@ -375,61 +380,3 @@ class LocalCluster:
             release(pg)
         if self._started_ray:
             ray.shutdown()
-
-
-class Supervisor:
-    """Keeps every worker slot filled and the router's table true. A worker whose process died
-    leaves the router's table at once, then a new one starts in its slot (in a new placement
-    group) and joins it. Every round re-sends the membership."""
-
-    def __init__(self, cluster: LocalCluster, interval_s: float):
-        self.cluster = cluster
-        self.interval_s = interval_s
-        self.replaced = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pdserve-supervisor", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check_once()
-            except Exception:  # keep supervising whatever one round hit
-                log.exception("supervisor round failed")
-
-    def dead_slots(self) -> list[tuple[str, int]]:
-        dead = []
-        for role in ("prefill", "decode"):
-            for index, actor in enumerate(self.cluster.actors(role)):
-                try:
-                    ray.get(actor.pid.remote(), timeout=5)
-                except ray.exceptions.RayActorError:
-                    dead.append((role, index))
-                except ray.exceptions.GetTimeoutError:
-                    pass  # busy or slow, not known dead
-        return dead
-
-    def check_once(self) -> None:
-        """Replace dead workers, and re-assert the membership in any case: the router's table
-        is the controller's word, so a router restarted (empty) or told otherwise by anyone
-        else is back to the true membership within one round."""
-        with self.cluster.lock:
-            if self._stop.is_set():
-                return
-            dead = self.dead_slots()
-            if not dead:
-                self.cluster.push_membership()
-                return
-            gone = {self.cluster.addresses(role)[index] for role, index in dead}
-            log.warning("workers died: %s; replacing", sorted(gone))
-            self.cluster.push_membership(exclude=gone)
-            for role, index in dead:
-                self.cluster.replace(role, index)
-                self.replaced += 1
-            self.cluster.push_membership()

@@ -48,6 +48,7 @@ class RouterConfig:
     prefill_addresses: tuple[str, ...] = ()
     decode_addresses: tuple[str, ...] = ()
     stats_interval_s: float = 0.2
+    hang_timeout_s: float = 30.0  # a worker without engine progress this long is hung (router.liveness)
     limits: RouterLimits = field(default_factory=RouterLimits)
 
 
@@ -62,7 +63,7 @@ async def start(config: RouterConfig) -> RunningServer:
     """Two servers: the public plane (``Generation``, health, reflection, the OpenAI API) and
     the internal plane (``RouterAdmin``, health), each on its own port and address."""
     model = await asyncio.to_thread(load_model_info, config)
-    pool = WorkerPool(config.stats_interval_s, tls=config.tls)
+    pool = WorkerPool(config.stats_interval_s, tls=config.tls, hang_timeout_s=config.hang_timeout_s)
     for address in config.prefill_addresses:
         pool.add("prefill", address)
     for address in config.decode_addresses:
