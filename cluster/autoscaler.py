@@ -29,21 +29,40 @@ log = logging.getLogger(__name__)
 POOLS = ("prefill", "decode")
 
 
+# Samples and decisions kept per pool: at the default 1 s interval, the last hour. Older ones
+# are dropped (the policy reads only its trailing window, a few tens of seconds), so a
+# long-running controller neither grows nor rescans an ever longer history.
+HISTORY = 3600
+
+
 @dataclass
 class PoolTrace:
-    """What the loop saw and decided for one pool, for logs, plots and tests."""
+    """What the loop saw and decided for one pool, for logs, plots and tests: the last
+    ``limit`` samples and decisions, oldest first."""
 
     samples: list[PoolSample] = field(default_factory=list)
     decisions: list[ScalingDecision] = field(default_factory=list)
     state: ScalerState = field(default_factory=ScalerState)
+    limit: int = HISTORY
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ValueError(f"history limit must be >= 1, got {self.limit}")
+
+    def record(self, sample: PoolSample | None = None, decision: ScalingDecision | None = None) -> None:
+        for kept, item in ((self.samples, sample), (self.decisions, decision)):
+            if item is not None:
+                kept.append(item)
+                del kept[:-self.limit]  # at most one item: a short move of pointers
 
 
 class Autoscaler:
-    def __init__(self, cluster, configs: dict[str, PoolPolicyConfig], interval_s: float = 1.0):
+    def __init__(self, cluster, configs: dict[str, PoolPolicyConfig], interval_s: float = 1.0,
+                 history: int = HISTORY):
         self.cluster = cluster
         self.configs = configs
         self.interval_s = interval_s
-        self.traces = {pool: PoolTrace() for pool in POOLS}
+        self.traces = {pool: PoolTrace(limit=history) for pool in POOLS}
         self._last_step: float | None = None
         self._actions: dict[str, threading.Thread] = {}  # pool -> its scale action in progress
         self._stop = threading.Event()
@@ -71,11 +90,11 @@ class Autoscaler:
         latency = self._latency(now - since if since is not None else self.interval_s)
         for pool in POOLS:
             trace = self.traces[pool]
-            trace.samples.append(self.sample(pool, now, latency))
+            trace.record(sample=self.sample(pool, now, latency))
             window = MetricsWindow.trailing(trace.samples, now, self.configs[pool].window_s)
             decision = decide(pool, window, self.configs[pool], trace.state, now)
             trace.state = trace.state.after(decision, now)
-            trace.decisions.append(decision)
+            trace.record(decision=decision)
             if decision.action != "hold":
                 log.info("autoscaler %s: %s", pool, decision.as_dict())
                 self.cluster.push_membership()  # the router exports the new desired size at once

@@ -60,6 +60,7 @@ class ClusterConfig:
     hang_timeout_s: float = 30.0
     autoscaling: dict | None = None  # {"prefill": PoolPolicyConfig, "decode": ...}; None: fixed pool sizes
     autoscale_interval_s: float = 1.0
+    autoscale_history: int = 3600  # samples and decisions the autoscaler keeps per pool (the last hour at 1 s)
     prefill_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
     decode_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
 
@@ -235,7 +236,7 @@ class LocalCluster:
         if cfg.autoscaling:
             from cluster.autoscaler import Autoscaler
 
-            self.autoscaler = Autoscaler(self, cfg.autoscaling, cfg.autoscale_interval_s)
+            self.autoscaler = Autoscaler(self, cfg.autoscaling, cfg.autoscale_interval_s, cfg.autoscale_history)
             self.autoscaler.start()
         return self.address
 
