@@ -182,6 +182,7 @@ class LocalCluster:
         self._groups: dict[tuple[str, int], object] = {}  # one placement group per worker slot
         self._specs: dict[tuple[str, int], tuple] = {}  # what to start again in a slot
         self._supervisor = None  # a cluster.supervisor.Supervisor
+        self._router_config = None  # what restart_router starts again
         self.autoscaler = None
         self._templates: dict[str, tuple] = {}  # role -> (placement, config, threads) for new slots
         self._next_id = {"prefill": 0, "decode": 0}
@@ -221,13 +222,7 @@ class LocalCluster:
                                   limits=cfg.router_limits or RouterLimits(admission_wait_s=cfg.admission_wait_s),
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
-        # The router runs on this (the driver's) node: its public address is where `pdserve
-        # serve` was started, not a node Ray happened to pick.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = ServerActor.options(scheduling_strategy=here).remote("router", router_cfg)
-        self.address = ray.get(self.router.start.remote())
-        self.http_address = ray.get(self.router.http_address.remote())
-        self.admin_address = ray.get(self.router.internal_address.remote())
+        self._start_router(router_cfg)
         if cfg.supervise_interval_s:
             from cluster.supervisor import Supervisor
 
@@ -239,6 +234,36 @@ class LocalCluster:
             self.autoscaler = Autoscaler(self, cfg.autoscaling, cfg.autoscale_interval_s, cfg.autoscale_history)
             self.autoscaler.start()
         return self.address
+
+    def _start_router(self, router_cfg) -> None:
+        """Start the router actor. Its public ports are then pinned in its config, so that a
+        router restarted by the supervisor (``restart_router``) serves where clients connect."""
+        from wire.address import split
+
+        # The router runs on this (the driver's) node: its public address is where `pdserve
+        # serve` was started, not a node Ray happened to pick.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.router = ServerActor.options(scheduling_strategy=here).remote("router", router_cfg)
+        self.address = ray.get(self.router.start.remote())
+        self.http_address = ray.get(self.router.http_address.remote())
+        self.admin_address = ray.get(self.router.internal_address.remote())
+        self._router_config = dataclasses.replace(
+            router_cfg, port=split(self.address)[1],
+            http_port=split(self.http_address)[1] if self.http_address else router_cfg.http_port)
+
+    def restart_router(self) -> str:
+        """Start a new router in place of a dead one, on the same public ports, and give it the
+        current membership. The requests the dead one carried are lost (their clients saw the
+        connection drop); clients that reconnect are served. Returns its public address."""
+        with self.lock:
+            try:
+                ray.kill(self.router, no_restart=True)
+            except Exception:  # already gone
+                pass
+            self._start_router(dataclasses.replace(self._router_config, prefill_addresses=tuple(self.prefill_addresses),
+                                                   decode_addresses=tuple(self.decode_addresses)))
+            self.push_membership()
+            return self.address
 
     def _init_ray(self) -> None:
         """Join ``ray_address``, or start a Ray of our own with token authentication

@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class Supervisor:
-    """Keeps every worker slot filled and the router's table true. A worker whose process died,
+    """Keeps the router and every worker slot alive, and the router's table true. A router whose
+    process died is started again on the same ports (``LocalCluster.restart_router``). A worker whose process died,
     or that hangs (``router.liveness``: its engine makes no progress while it holds work, or it
     stops answering, for ``hang_timeout_s``), leaves the router's table at once; a hung one is
     killed; then a new one starts in its slot (in a new placement group) and joins it. Every
@@ -30,6 +31,7 @@ class Supervisor:
         self.interval_s = interval_s
         self.replaced = 0
         self.hung_killed = 0
+        self.routers_restarted = 0
         self._liveness: dict[str, Liveness] = {}  # by worker address
         self._processes: dict[str, tuple[int, str]] = {}  # address -> (pid, Ray node id), once it answered
         self._stop = threading.Event()
@@ -67,6 +69,15 @@ class Supervisor:
             del self._liveness[address]
         return hung
 
+    def router_dead(self) -> bool:
+        try:
+            ray.get(self.cluster.router.pid.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            pass  # busy or slow, not known dead
+        return False
+
     def dead_slots(self, skip: frozenset[tuple[str, int]] = frozenset()) -> list[tuple[str, int]]:
         dead = []
         for role in ("prefill", "decode"):
@@ -91,6 +102,10 @@ class Supervisor:
         with self.cluster.lock:
             if self._stop.is_set():
                 return
+            if self.router_dead():
+                log.warning("the router died; starting a new one on the same ports")
+                self.cluster.restart_router()
+                self.routers_restarted += 1
             hung = self.hung_slots()
             dead = self.dead_slots(frozenset(hung))
             if not dead and not hung:

@@ -104,7 +104,8 @@ class PrefillWorker(WorkerShell):
         return super().in_flight() + len(self.leases)
 
     def stats_extra(self) -> dict:
-        return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total}
+        return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total,
+                "num_claimed_leases": self.leases.num_claimed}
 
     # ---- engine thread -------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
