@@ -40,7 +40,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request, context):
         # The router offers the same KV to another decode worker.
-        await self.refuse_if_draining(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        await self.admit(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
         kv = KVHandle.from_proto(request.kv)
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:

@@ -34,6 +34,7 @@ class PrefillWorkerConfig:
     lease_seconds: float = 30.0  # held KV is freed this long after the first token at the latest
     kv_transfer_backend: str = "nixl"
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight prompts and held KV may finish
+    max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
 
 

@@ -41,8 +41,8 @@ _DRAIN_CHECK_S = 0.05
 
 
 class WorkerShell:
-    """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id`` and
-    ``cpus`` (cores to pin to; empty: no pinning)."""
+    """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id``,
+    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests`` and ``drain_grace_s``."""
 
     role: ClassVar[str]
 
@@ -112,6 +112,10 @@ class WorkerShell:
         """Requests that a drain waits for."""
         return len(self._streams)
 
+    def requests(self) -> int:
+        """Requests on this worker now, queued or running (what ``max_requests`` bounds)."""
+        return len(self._streams)
+
     def stats_extra(self) -> dict[str, Any]:
         """The role's own ``WorkerStats`` fields."""
         return {}
@@ -169,9 +173,17 @@ class ShellRpcs:
         self.worker.draining = True
         return self.worker.stats(self.metrics_address)
 
-    async def refuse_if_draining(self, context, code: grpc.StatusCode) -> None:
-        if self.worker.draining:
-            await context.abort(code, f"{self.worker.role} worker {self.worker.config.worker_id} is draining")
+    async def admit(self, context, draining_code: grpc.StatusCode) -> None:
+        """Refuse a new request at once, before any work: ``draining_code`` while the worker
+        drains, RESOURCE_EXHAUSTED while it already holds ``max_requests`` (the router tries
+        another worker, or answers 429 with Retry-After)."""
+        worker = self.worker
+        if worker.draining:
+            await context.abort(draining_code, f"{worker.role} worker {worker.config.worker_id} is draining")
+        if worker.requests() >= worker.config.max_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{worker.role} worker {worker.config.worker_id} holds max_requests "
+                                f"({worker.config.max_requests}) requests")
 
 
 async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, str], None],
