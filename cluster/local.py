@@ -47,6 +47,7 @@ class ClusterConfig:
     kv_transfer_backend: str = "nixl"
     lease_seconds: float = 30.0
     worker_max_requests: int = 1024  # requests one worker holds at once; past it RESOURCE_EXHAUSTED
+    max_receive_bytes: int = 4 << 20  # largest gRPC request each server accepts (the router's public one: see RouterConfig)
     admission_wait_s: float = 30.0  # a request's wait for room in a full pool before RESOURCE_EXHAUSTED
     router_limits: object = None  # a router.orchestrator.RouterLimits; None: its defaults with admission_wait_s
     transfer_timeout_s: float = 10.0
@@ -207,12 +208,13 @@ class LocalCluster:
         self.prefill = [self._place("prefill", i, cfg.prefill_placement, PrefillWorkerConfig(
             worker_id=f"prefill-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
             advertise_host=cfg.internal_advertise_host, lease_seconds=cfg.lease_seconds,
-            kv_transfer_backend=cfg.kv_transfer_backend, max_requests=cfg.worker_max_requests), threads) for i in range(cfg.num_prefill)]
+            kv_transfer_backend=cfg.kv_transfer_backend, max_requests=cfg.worker_max_requests,
+            max_receive_bytes=cfg.max_receive_bytes), threads) for i in range(cfg.num_prefill)]
         self.decode = [self._place("decode", i, cfg.decode_placement, DecodeWorkerConfig(
             worker_id=f"decode-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
             advertise_host=cfg.internal_advertise_host, kv_transfer_backend=cfg.kv_transfer_backend,
             transfer_timeout_s=cfg.transfer_timeout_s, inject_transfer_delay_s=cfg.inject_transfer_delay_s,
-            max_requests=cfg.worker_max_requests), threads)
+            max_requests=cfg.worker_max_requests, max_receive_bytes=cfg.max_receive_bytes), threads)
             for i in range(cfg.num_decode)]
         self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
         self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
@@ -221,6 +223,7 @@ class LocalCluster:
                                   public_tls=cfg.public_tls, internal_host=cfg.internal_bind_host(),
                                   internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls,
                                   stats_interval_s=cfg.router_poll_s, hang_timeout_s=cfg.hang_timeout_s,
+                                  max_receive_bytes=cfg.max_receive_bytes,
                                   limits=cfg.router_limits or RouterLimits(admission_wait_s=cfg.admission_wait_s),
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))

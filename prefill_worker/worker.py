@@ -35,6 +35,7 @@ class PrefillWorkerConfig:
     kv_transfer_backend: str = "nixl"
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight prompts and held KV may finish
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
+    max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
 
 

@@ -42,7 +42,8 @@ _DRAIN_CHECK_S = 0.05
 
 class WorkerShell:
     """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id``,
-    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests`` and ``drain_grace_s``."""
+    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests``, ``max_receive_bytes`` and
+    ``drain_grace_s``."""
 
     role: ClassVar[str]
 
@@ -198,7 +199,8 @@ async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, s
         worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size))
     running = await start_server(worker.endpoint, config.port,
                                  lambda server, address: register(server, address, metrics.address),
-                                 service, [metrics.stop, worker.stop], tls=config.tls)
+                                 service, [metrics.stop, worker.stop], tls=config.tls,
+                                 max_receive_bytes=config.max_receive_bytes)
 
     async def drain() -> None:
         await set_serving(running.health, [service], False)

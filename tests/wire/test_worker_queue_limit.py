@@ -1,7 +1,8 @@
-"""A worker's queue is bounded: past ``max_requests`` held at once, a new request is refused
+"""A worker's intake is bounded: past ``max_requests`` held at once, a new request is refused
 at once with RESOURCE_EXHAUSTED naming the limit, and those admitted still complete. Real
 prefill worker (tiny model, tcp KV agent) behind its real gRPC server; its engine thread is
-held busy by a call so that the admitted prompts stay queued."""
+held busy by a call so that the admitted prompts stay queued. A request over the server's
+``max_receive_bytes`` is refused by the transport with RESOURCE_EXHAUSTED, never INTERNAL."""
 
 import asyncio
 import threading
@@ -54,3 +55,26 @@ def test_past_max_requests_a_worker_refuses_at_once_and_serves_the_admitted(tiny
     refused, answers = asyncio.run(run())
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_requests (2)" in refused.details()
     assert all(a.HasField("kv") for a in answers)
+
+
+def test_a_request_over_max_receive_bytes_is_resource_exhausted_and_the_worker_serves_on(tiny_llama_dir):
+    config = PrefillWorkerConfig(kv_transfer_backend="tcp", max_receive_bytes=16 << 10)
+    worker = PrefillWorker(config, engine=make_engine(tiny_llama_dir[0]))
+    small = random_prompts(1, [20], seed=10)[0]
+
+    async def run():
+        server = await start(config, worker)
+        try:
+            async with aio_channel(server.address) as channel:
+                stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:  # ~30 KB of token ids
+                    await stub.Prefill(prefill_request("big", [100_000] * 10_000), timeout=30)
+                ok = await stub.Prefill(prefill_request("small", small), timeout=60)
+                await stub.Release(worker_pb2.ReleaseRequest(lease_token=ok.kv.lease_token), timeout=5)
+                return refused.value, ok
+        finally:
+            await server.stop()
+
+    refused, ok = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ok.HasField("kv")
