@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample, ScalerState, ScalingDecision, decide
-from protos import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
+from cluster.supervisor import worker_stats
+from protos import admin_pb2, admin_pb2_grpc, worker_pb2
 from wire.grpc_util import channel
 from wire.tls import TlsConfig
 
@@ -150,9 +151,5 @@ class Autoscaler:
 
 
 def _stats(pool: str, address: str, tls: TlsConfig | None) -> worker_pb2.WorkerStats | None:
-    stub_cls = worker_pb2_grpc.PrefillWorkerStub if pool == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    try:
-        with channel(address, tls) as ch:
-            return stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=2)
-    except grpc.RpcError:
-        return None  # dead or busy: the supervisor deals with the dead
+    """None for a worker dead or busy: the supervisor deals with those."""
+    return worker_stats(pool, address, tls, timeout_s=2.0)

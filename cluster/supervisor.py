@@ -57,7 +57,7 @@ class Supervisor:
         hung, seen = [], set()
         for role in ("prefill", "decode"):
             for index, address in enumerate(self.cluster.addresses(role)):
-                stats = _worker_stats(role, address, self.cluster.config.tls, timeout_s=min(2.0, hang_s))
+                stats = worker_stats(role, address, self.cluster.config.tls, timeout_s=min(2.0, hang_s))
                 now = time.monotonic()
                 seen.add(address)
                 self._liveness[address] = observe(self._liveness.get(address), now, stats is not None,
@@ -137,7 +137,7 @@ class Supervisor:
         ray.kill(actor, no_restart=True)
 
 
-def _worker_stats(role: str, address: str, tls: TlsConfig | None, timeout_s: float):
+def worker_stats(role: str, address: str, tls: TlsConfig | None, timeout_s: float):
     """One ``Stats`` answer, or None if the worker did not answer in time."""
     import grpc
 
