@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -144,6 +145,11 @@ class ServerActor:
             torch.set_num_threads(threads)
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
         self._server = ServerThread(lambda: _start_role(role, config), name=role)
+        self._drain_grace_s = getattr(config, "drain_grace_s", 30.0)
+        if threading.current_thread() is threading.main_thread():
+            # Ray's own handler ends the process at once; a worker drains first, as the plain
+            # process does (wire.worker_process): what Kubernetes' SIGTERM to a pod means.
+            signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self._drain_and_exit, daemon=True).start())
 
     def start(self) -> str:
         return self._server.start()
@@ -168,6 +174,19 @@ class ServerActor:
 
     def stop(self) -> None:
         self._server.stop()
+
+    def _drain_and_exit(self) -> None:
+        """SIGTERM: health NOT_SERVING, no new requests, in-flight ones finish within the
+        grace period; then the process exits 0 (the supervisor starts a replacement)."""
+        running = self._server.running
+        try:
+            if running is not None and running.drain is not None:
+                self._server.submit(running.drain())
+            elif running is not None and hasattr(running.service, "drain"):  # the router
+                self._server.submit(running.service.drain(self._drain_grace_s))
+                self._server.stop()
+        finally:
+            os._exit(0)
 
 
 class LocalCluster:

@@ -224,3 +224,28 @@ def test_nothing_is_lost_under_faults_and_steady_load(cluster, stub):
         time.sleep(0.2)
     ids, _, _ = collect(stub.Generate(chat_request(PROMPTS[0], MAX_TOKENS, ignore_eos=True), timeout=120))
     assert ids == reference[0]
+
+
+def test_sigterm_drains_a_ray_worker_actor_then_it_is_replaced(cluster, stub):
+    """SIGTERM to a worker actor's process (what Kubernetes sends) drains it as it drains a
+    plain worker process: it reports draining while it finishes its stream, then exits."""
+    request = chat_request(PROMPTS[1], 48, ignore_eos=True)
+    reference, _, _ = collect(stub.Generate(request, timeout=120))
+    stream = stub.Generate(request, timeout=120)
+    got = list(next(stream).token_ids)
+    index = busy_worker(cluster, "decode", "num_running")
+    address, pid = cluster.decode_addresses[index], pid_of(cluster.decode[index])
+    os.kill(pid, signal.SIGTERM)
+    stats = worker_stats(address, "decode")
+    deadline = time.monotonic() + 10
+    while not stats.draining:
+        assert time.monotonic() < deadline, "the worker did not start draining"
+        stats = worker_stats(address, "decode")
+    assert stats.num_running >= 1  # it drains: the stream is still being served there
+    got += collect(stream)[0]
+    assert got == reference
+    deadline = time.monotonic() + 30
+    while not gone(pid):
+        assert time.monotonic() < deadline, "the drained worker did not exit"
+        time.sleep(0.1)
+    wait_replaced(cluster, "decode", address)
