@@ -9,6 +9,7 @@ import grpc
 from protos import worker_pb2
 from router.liveness import is_hung, observe
 from router.pool import WorkerClient, WorkerPool
+from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run
 
 HANG_S = 5.0
 
@@ -91,3 +92,97 @@ async def _pool_sequence(monkeypatch):
     clock[0] = 12.5
     await pool.refresh()
     assert w.hung and w.lost.is_set()
+
+
+class HangingDecode(FakeDecode):
+    """A decode worker that sends ``stall_after`` tokens, then nothing, ever (a SIGSTOPped one)."""
+
+    def __init__(self, stall_after: int):
+        super().__init__()
+        self.stall_after = stall_after
+
+    def Decode(self, request, timeout=None):
+        return _Stalling(super().Decode(request, timeout), self.stall_after)
+
+
+class _Stalling:
+    def __init__(self, call, stall_after: int):
+        self.call, self.stall_after = call, stall_after
+
+    def __aiter__(self):
+        return self._stream()
+
+    async def _stream(self):
+        sent = 0
+        async for resp in self.call:
+            if resp.token_ids and sent >= self.stall_after:
+                await asyncio.Event().wait()
+            sent += len(resp.token_ids)
+            yield resp
+
+    def cancel(self):
+        self.call.cancel()
+
+
+def test_a_stream_on_a_worker_found_hung_migrates_at_once_not_after_the_idle_timeout():
+    async def main():
+        pool = fake_pool([FakePrefill()], [HangingDecode(stall_after=2), FakeDecode()])
+        pool.workers["decode-1:1"].stats = worker_pb2.WorkerStats(num_blocks_total=1000, num_blocks_used=999)
+        run = request_run(pool, max_tokens=6, decode_idle_timeout_s=600.0)  # the idle timeout never fires here
+        stream = asyncio.create_task(_collect(run))
+        while len(run.progress.token_ids) < 3:  # the first token, then two from decode-0
+            await asyncio.sleep(0.01)
+        pool.workers["decode-0:1"].hung = True  # as the pool's liveness check marks it
+        pool.workers["decode-0:1"].lost.set()
+        return await asyncio.wait_for(stream, 10), run
+
+    responses, run = asyncio.run(main())
+    assert sum(len(r.token_ids) for r in responses) == 6
+    assert run.progress.migrations == 1 and run.progress.finish_reason is not None
+
+
+def test_a_prefill_on_a_worker_found_hung_is_retried_on_another():
+    class HangingPrefill(FakePrefill):
+        async def Prefill(self, request, timeout=None):
+            await asyncio.Event().wait()
+
+    class Call:
+        """What the router awaits: an awaitable it may cancel, as gRPC's call object."""
+
+        def __init__(self, coro):
+            self.task = asyncio.ensure_future(coro)
+
+        def __await__(self):
+            return self.task.__await__()
+
+        def cancel(self):
+            self.task.cancel()
+
+    class AsCall:
+        def __init__(self, stub):
+            self.stub = stub
+
+        def Prefill(self, request, timeout=None):
+            return Call(self.stub.Prefill(request, timeout))
+
+        def Release(self, request, timeout=None):
+            return self.stub.Release(request, timeout)
+
+    async def main():
+        pool = fake_pool([AsCall(HangingPrefill()), AsCall(FakePrefill())], [FakeDecode()])
+        pool.workers["prefill-1:1"].stats = worker_pb2.WorkerStats(num_waiting_tokens=10_000)  # picked second
+        run = request_run(pool, max_tokens=3)
+        stream = asyncio.create_task(_collect(run))
+        while not pool.workers["prefill-0:1"].inflight:
+            await asyncio.sleep(0.01)
+        pool.workers["prefill-0:1"].hung = True
+        pool.workers["prefill-0:1"].lost.set()
+        return await asyncio.wait_for(stream, 10), pool
+
+    responses, pool = asyncio.run(main())
+    assert sum(len(r.token_ids) for r in responses) == 3
+    assert not pool.workers["prefill-0:1"].snapshot().routable
+
+
+async def _collect(run) -> list:
+    return [r async for r in run.responses()]
