@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample, ScalerState, ScalingDecision, decide
-from protos import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
+from cluster.supervisor import worker_stats
+from protos import admin_pb2, admin_pb2_grpc, worker_pb2
 from wire.grpc_util import channel
 from wire.tls import TlsConfig
 
@@ -29,21 +30,40 @@ log = logging.getLogger(__name__)
 POOLS = ("prefill", "decode")
 
 
+# Samples and decisions kept per pool: at the default 1 s interval, the last hour. Older ones
+# are dropped (the policy reads only its trailing window, a few tens of seconds), so a
+# long-running controller neither grows nor rescans an ever longer history.
+HISTORY = 3600
+
+
 @dataclass
 class PoolTrace:
-    """What the loop saw and decided for one pool, for logs, plots and tests."""
+    """What the loop saw and decided for one pool, for logs, plots and tests: the last
+    ``limit`` samples and decisions, oldest first."""
 
     samples: list[PoolSample] = field(default_factory=list)
     decisions: list[ScalingDecision] = field(default_factory=list)
     state: ScalerState = field(default_factory=ScalerState)
+    limit: int = HISTORY
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ValueError(f"history limit must be >= 1, got {self.limit}")
+
+    def record(self, sample: PoolSample | None = None, decision: ScalingDecision | None = None) -> None:
+        for kept, item in ((self.samples, sample), (self.decisions, decision)):
+            if item is not None:
+                kept.append(item)
+                del kept[:-self.limit]  # at most one item: a short move of pointers
 
 
 class Autoscaler:
-    def __init__(self, cluster, configs: dict[str, PoolPolicyConfig], interval_s: float = 1.0):
+    def __init__(self, cluster, configs: dict[str, PoolPolicyConfig], interval_s: float = 1.0,
+                 history: int = HISTORY):
         self.cluster = cluster
         self.configs = configs
         self.interval_s = interval_s
-        self.traces = {pool: PoolTrace() for pool in POOLS}
+        self.traces = {pool: PoolTrace(limit=history) for pool in POOLS}
         self._last_step: float | None = None
         self._actions: dict[str, threading.Thread] = {}  # pool -> its scale action in progress
         self._stop = threading.Event()
@@ -71,11 +91,11 @@ class Autoscaler:
         latency = self._latency(now - since if since is not None else self.interval_s)
         for pool in POOLS:
             trace = self.traces[pool]
-            trace.samples.append(self.sample(pool, now, latency))
+            trace.record(sample=self.sample(pool, now, latency))
             window = MetricsWindow.trailing(trace.samples, now, self.configs[pool].window_s)
             decision = decide(pool, window, self.configs[pool], trace.state, now)
             trace.state = trace.state.after(decision, now)
-            trace.decisions.append(decision)
+            trace.record(decision=decision)
             if decision.action != "hold":
                 log.info("autoscaler %s: %s", pool, decision.as_dict())
                 self.cluster.push_membership()  # the router exports the new desired size at once
@@ -131,9 +151,5 @@ class Autoscaler:
 
 
 def _stats(pool: str, address: str, tls: TlsConfig | None) -> worker_pb2.WorkerStats | None:
-    stub_cls = worker_pb2_grpc.PrefillWorkerStub if pool == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    try:
-        with channel(address, tls) as ch:
-            return stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=2)
-    except grpc.RpcError:
-        return None  # dead or busy: the supervisor deals with the dead
+    """None for a worker dead or busy: the supervisor deals with those."""
+    return worker_stats(pool, address, tls, timeout_s=2.0)

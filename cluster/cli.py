@@ -64,7 +64,7 @@ def serve(args) -> int:
                            advertise_host=v["advertise_host"], internal_host=v["internal_host"],
                            internal_advertise_host=v["internal_advertise_host"], **security,
                            kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
-                           admission_wait_s=v["admission_wait_seconds"],
+                           admission_wait_s=v["admission_wait_seconds"], hang_timeout_s=v["hang_timeout_seconds"],
                            threads_per_worker=v["threads_per_worker"], ray_address=v["address"],
                            prefill_placement=_placement(v, "prefill", default_gpus),
                            decode_placement=_placement(v, "decode", default_gpus), autoscaling=autoscaling)

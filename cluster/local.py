@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ class ClusterConfig:
     ray_token_auth: bool = True  # a Ray pdserve starts runs with token authentication
     kv_transfer_backend: str = "nixl"
     lease_seconds: float = 30.0
+    worker_max_requests: int = 1024  # requests one worker holds at once; past it RESOURCE_EXHAUSTED
+    max_receive_bytes: int = 4 << 20  # largest gRPC request each server accepts (the router's public one: see RouterConfig)
     admission_wait_s: float = 30.0  # a request's wait for room in a full pool before RESOURCE_EXHAUSTED
     router_limits: object = None  # a router.orchestrator.RouterLimits; None: its defaults with admission_wait_s
     transfer_timeout_s: float = 10.0
@@ -55,8 +58,12 @@ class ClusterConfig:
     model_name: str = "smollm2"
     router_poll_s: float = 0.2  # how often the router reads every worker's stats
     supervise_interval_s: float | None = 1.0  # how often dead workers are found and replaced; None: never
+    # A worker whose engine makes no progress this long while it holds work, or that does not
+    # answer this long, is hung: the router migrates its requests, the supervisor replaces it.
+    hang_timeout_s: float = 30.0
     autoscaling: dict | None = None  # {"prefill": PoolPolicyConfig, "decode": ...}; None: fixed pool sizes
     autoscale_interval_s: float = 1.0
+    autoscale_history: int = 3600  # samples and decisions the autoscaler keeps per pool (the last hour at 1 s)
     prefill_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
     decode_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
 
@@ -138,6 +145,11 @@ class ServerActor:
             torch.set_num_threads(threads)
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
         self._server = ServerThread(lambda: _start_role(role, config), name=role)
+        self._drain_grace_s = getattr(config, "drain_grace_s", 30.0)
+        if threading.current_thread() is threading.main_thread():
+            # Ray's own handler ends the process at once; a worker drains first, as the plain
+            # process does (wire.worker_process): what Kubernetes' SIGTERM to a pod means.
+            signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self._drain_and_exit, daemon=True).start())
 
     def start(self) -> str:
         return self._server.start()
@@ -163,6 +175,19 @@ class ServerActor:
     def stop(self) -> None:
         self._server.stop()
 
+    def _drain_and_exit(self) -> None:
+        """SIGTERM: health NOT_SERVING, no new requests, in-flight ones finish within the
+        grace period; then the process exits 0 (the supervisor starts a replacement)."""
+        running = self._server.running
+        try:
+            if running is not None and running.drain is not None:
+                self._server.submit(running.drain())
+            elif running is not None and hasattr(running.service, "drain"):  # the router
+                self._server.submit(running.service.drain(self._drain_grace_s))
+                self._server.stop()
+        finally:
+            os._exit(0)
+
 
 class LocalCluster:
     def __init__(self, config: ClusterConfig):
@@ -177,7 +202,8 @@ class LocalCluster:
         self.admin_address: str | None = None  # the router's internal plane (RouterAdmin)
         self._groups: dict[tuple[str, int], object] = {}  # one placement group per worker slot
         self._specs: dict[tuple[str, int], tuple] = {}  # what to start again in a slot
-        self._supervisor: Supervisor | None = None
+        self._supervisor = None  # a cluster.supervisor.Supervisor
+        self._router_config = None  # what restart_router starts again
         self.autoscaler = None
         self._templates: dict[str, tuple] = {}  # role -> (placement, config, threads) for new slots
         self._next_id = {"prefill": 0, "decode": 0}
@@ -201,11 +227,13 @@ class LocalCluster:
         self.prefill = [self._place("prefill", i, cfg.prefill_placement, PrefillWorkerConfig(
             worker_id=f"prefill-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
             advertise_host=cfg.internal_advertise_host, lease_seconds=cfg.lease_seconds,
-            kv_transfer_backend=cfg.kv_transfer_backend), threads) for i in range(cfg.num_prefill)]
+            kv_transfer_backend=cfg.kv_transfer_backend, max_requests=cfg.worker_max_requests,
+            max_receive_bytes=cfg.max_receive_bytes), threads) for i in range(cfg.num_prefill)]
         self.decode = [self._place("decode", i, cfg.decode_placement, DecodeWorkerConfig(
             worker_id=f"decode-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
             advertise_host=cfg.internal_advertise_host, kv_transfer_backend=cfg.kv_transfer_backend,
-            transfer_timeout_s=cfg.transfer_timeout_s, inject_transfer_delay_s=cfg.inject_transfer_delay_s), threads)
+            transfer_timeout_s=cfg.transfer_timeout_s, inject_transfer_delay_s=cfg.inject_transfer_delay_s,
+            max_requests=cfg.worker_max_requests, max_receive_bytes=cfg.max_receive_bytes), threads)
             for i in range(cfg.num_decode)]
         self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
         self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
@@ -213,10 +241,29 @@ class LocalCluster:
                                   http_port=cfg.http_port, advertise_host=cfg.advertise_host, api_key=cfg.api_key,
                                   public_tls=cfg.public_tls, internal_host=cfg.internal_bind_host(),
                                   internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls,
-                                  stats_interval_s=cfg.router_poll_s,
+                                  stats_interval_s=cfg.router_poll_s, hang_timeout_s=cfg.hang_timeout_s,
+                                  max_receive_bytes=cfg.max_receive_bytes,
                                   limits=cfg.router_limits or RouterLimits(admission_wait_s=cfg.admission_wait_s),
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
+        self._start_router(router_cfg)
+        if cfg.supervise_interval_s:
+            from cluster.supervisor import Supervisor
+
+            self._supervisor = Supervisor(self, cfg.supervise_interval_s)
+            self._supervisor.start()
+        if cfg.autoscaling:
+            from cluster.autoscaler import Autoscaler
+
+            self.autoscaler = Autoscaler(self, cfg.autoscaling, cfg.autoscale_interval_s, cfg.autoscale_history)
+            self.autoscaler.start()
+        return self.address
+
+    def _start_router(self, router_cfg) -> None:
+        """Start the router actor. Its public ports are then pinned in its config, so that a
+        router restarted by the supervisor (``restart_router``) serves where clients connect."""
+        from wire.address import split
+
         # The router runs on this (the driver's) node: its public address is where `pdserve
         # serve` was started, not a node Ray happened to pick.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -224,15 +271,23 @@ class LocalCluster:
         self.address = ray.get(self.router.start.remote())
         self.http_address = ray.get(self.router.http_address.remote())
         self.admin_address = ray.get(self.router.internal_address.remote())
-        if cfg.supervise_interval_s:
-            self._supervisor = Supervisor(self, cfg.supervise_interval_s)
-            self._supervisor.start()
-        if cfg.autoscaling:
-            from cluster.autoscaler import Autoscaler
+        self._router_config = dataclasses.replace(
+            router_cfg, port=split(self.address)[1],
+            http_port=split(self.http_address)[1] if self.http_address else router_cfg.http_port)
 
-            self.autoscaler = Autoscaler(self, cfg.autoscaling, cfg.autoscale_interval_s)
-            self.autoscaler.start()
-        return self.address
+    def restart_router(self) -> str:
+        """Start a new router in place of a dead one, on the same public ports, and give it the
+        current membership. The requests the dead one carried are lost (their clients saw the
+        connection drop); clients that reconnect are served. Returns its public address."""
+        with self.lock:
+            try:
+                ray.kill(self.router, no_restart=True)
+            except Exception:  # already gone
+                pass
+            self._start_router(dataclasses.replace(self._router_config, prefill_addresses=tuple(self.prefill_addresses),
+                                                   decode_addresses=tuple(self.decode_addresses)))
+            self.push_membership()
+            return self.address
 
     def _init_ray(self) -> None:
         """Join ``ray_address``, or start a Ray of our own with token authentication
@@ -375,61 +430,3 @@ class LocalCluster:
             release(pg)
         if self._started_ray:
             ray.shutdown()
-
-
-class Supervisor:
-    """Keeps every worker slot filled and the router's table true. A worker whose process died
-    leaves the router's table at once, then a new one starts in its slot (in a new placement
-    group) and joins it. Every round re-sends the membership."""
-
-    def __init__(self, cluster: LocalCluster, interval_s: float):
-        self.cluster = cluster
-        self.interval_s = interval_s
-        self.replaced = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pdserve-supervisor", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check_once()
-            except Exception:  # keep supervising whatever one round hit
-                log.exception("supervisor round failed")
-
-    def dead_slots(self) -> list[tuple[str, int]]:
-        dead = []
-        for role in ("prefill", "decode"):
-            for index, actor in enumerate(self.cluster.actors(role)):
-                try:
-                    ray.get(actor.pid.remote(), timeout=5)
-                except ray.exceptions.RayActorError:
-                    dead.append((role, index))
-                except ray.exceptions.GetTimeoutError:
-                    pass  # busy or slow, not known dead
-        return dead
-
-    def check_once(self) -> None:
-        """Replace dead workers, and re-assert the membership in any case: the router's table
-        is the controller's word, so a router restarted (empty) or told otherwise by anyone
-        else is back to the true membership within one round."""
-        with self.cluster.lock:
-            if self._stop.is_set():
-                return
-            dead = self.dead_slots()
-            if not dead:
-                self.cluster.push_membership()
-                return
-            gone = {self.cluster.addresses(role)[index] for role, index in dead}
-            log.warning("workers died: %s; replacing", sorted(gone))
-            self.cluster.push_membership(exclude=gone)
-            for role, index in dead:
-                self.cluster.replace(role, index)
-                self.replaced += 1
-            self.cluster.push_membership()

@@ -67,6 +67,9 @@ SERVE = (
     Setting("max_waiting_requests", int, 256,
             "requests without a first token yet; past it RESOURCE_EXHAUSTED / HTTP 429 at once"),
     Setting("decode_idle_timeout_seconds", float, 60.0, "a decode stream silent this long migrates the request"),
+    Setting("hang_timeout_seconds", float, 30.0,
+            "a worker whose engine makes no progress this long while it holds work (or that does not answer) "
+            "is hung: its requests migrate and it is replaced"),
     Setting("max_body_bytes", int, 4 << 20, "largest HTTP body or gRPC GenerateRequest"),
     Setting("max_prompt_chars", int, 262_144, "largest text prompt, or all chat contents together"),
     Setting("drain_grace_seconds", float, 30.0,

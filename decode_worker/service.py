@@ -40,7 +40,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request, context):
         # The router offers the same KV to another decode worker.
-        await self.refuse_if_draining(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        await self.admit(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
         kv = KVHandle.from_proto(request.kv)
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
@@ -75,6 +75,12 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
         except StepFailed as exc:
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        except asyncio.CancelledError:
+            # The router gave up on this call, or died. Either way no other decode worker will
+            # be offered this KV (a router that goes on re-prefills), so it is freed now, not
+            # when its lease runs out.
+            lease.abandoned = True
+            raise
         finally:
             await stream.aclose()
             await lease.end(ReleaseReason.ABORTED)  # a no-op unless claimed and never read
@@ -86,11 +92,11 @@ class LeaseClaimFailed(Exception):
 
 class _LeaseUse:
     """This decode worker's use of one lease: claim it before reading, and end it (once) if
-    it was claimed and the read never finished."""
+    it was claimed, or abandoned by the router, and the read never finished."""
 
     def __init__(self, stub: worker_pb2_grpc.PrefillWorkerStub, kv: KVHandle):
         self.stub, self.kv = stub, kv
-        self.claimed = self.done = False
+        self.claimed = self.done = self.abandoned = False
 
     async def claim(self) -> None:
         try:
@@ -101,8 +107,9 @@ class _LeaseUse:
         self.claimed = True
 
     async def end(self, reason: ReleaseReason) -> None:
-        """Release (or hand back) a lease we claimed and did not read (best effort: it expires anyway)."""
-        if not self.claimed or self.done:
+        """Release (or hand back) a lease we claimed, or that the router abandoned, and did not
+        read (best effort: it expires anyway)."""
+        if self.done or not (self.claimed or self.abandoned):
             return
         self.done = True
         try:

@@ -37,6 +37,9 @@ def sources() -> list[Path]:
 def cache_dir() -> Path:
     root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
     digest = hashlib.blake2b(digest_size=8)
+    # The build files name the sources by path: two checkouts of the same sources sharing one
+    # directory would rewrite them in turn, and every worker start would compile again.
+    digest.update(str(CSRC.resolve()).encode())
     for src in sources() + sorted(CSRC.glob("*.h")):
         digest.update(src.name.encode())
         digest.update(src.read_bytes())

@@ -185,6 +185,11 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self.leases)
 
+    @property
+    def num_claimed(self) -> int:
+        """Leases a reader has claimed and not yet finished: reads in flight, or about to be."""
+        return len(self._claimed_blocks)
+
 
 _REASON_FROM_WIRE = {
     worker_pb2.RELEASE_REASON_UNSPECIFIED: ReleaseReason.ABORTED,

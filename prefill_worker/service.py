@@ -21,7 +21,7 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
         self.metrics_address = metrics_address
 
     async def Prefill(self, request, context):
-        await self.refuse_if_draining(context, grpc.StatusCode.UNAVAILABLE)  # the router tries another
+        await self.admit(context, grpc.StatusCode.UNAVAILABLE)  # refused: the router tries another
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params)

@@ -34,6 +34,8 @@ class PrefillWorkerConfig:
     lease_seconds: float = 30.0  # held KV is freed this long after the first token at the latest
     kv_transfer_backend: str = "nixl"
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight prompts and held KV may finish
+    max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
+    max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
 
 
@@ -104,7 +106,8 @@ class PrefillWorker(WorkerShell):
         return super().in_flight() + len(self.leases)
 
     def stats_extra(self) -> dict:
-        return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total}
+        return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total,
+                "num_claimed_leases": self.leases.num_claimed}
 
     # ---- engine thread -------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:

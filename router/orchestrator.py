@@ -229,7 +229,8 @@ class RequestRun:
             tried.add(client.address)
             try:
                 with self.pool.placed(client, tokens=len(prompt)):
-                    return await client.stub.Prefill(request, timeout=self.remaining_s()), client.address
+                    call = client.stub.Prefill(request, timeout=self.remaining_s())
+                    return await _unless_hung(call, client), client.address
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(_field(exc), exc.details()) from exc
@@ -264,7 +265,7 @@ class RequestRun:
             started = False
             try:
                 with self.pool.placed(client, blocks=blocks):
-                    async with contextlib.aclosing(self._idle_bounded(call, client.address)) as messages:
+                    async with contextlib.aclosing(self._idle_bounded(call, client)) as messages:
                         async for resp in messages:
                             started = True
                             if resp.kv_bytes:  # the KV-arrived notice, not output
@@ -290,22 +291,34 @@ class RequestRun:
             finally:
                 call.cancel()
 
-    async def _idle_bounded(self, call, address: str):
-        """``call``'s messages; a gap longer than ``decode_idle_timeout_s`` is a lost decode
-        (a hung worker), one that reaches the request's deadline is DEADLINE_EXCEEDED."""
+    async def _idle_bounded(self, call, client):
+        """``call``'s messages; a gap longer than ``decode_idle_timeout_s`` is a lost decode,
+        and so is the worker found hung meanwhile (``router.liveness``, usually much sooner);
+        a gap that reaches the request's deadline is DEADLINE_EXCEEDED."""
         messages = aiter(call)
         while True:
             idle_s = min(self.limits.decode_idle_timeout_s, self.remaining_s())
+            following = asyncio.ensure_future(anext(messages))
+            hung = asyncio.ensure_future(client.lost.wait())
             try:
-                async with asyncio.timeout(idle_s):  # not wait_for: on 3.11 it can swallow a cancel
-                    resp = await anext(messages)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                self.remaining_s()
-                raise _DecodeLost(f"decode worker {address} sent nothing for {idle_s:g} s "
-                                  f"(decode_idle_timeout_s)") from None
-            yield resp
+                done, _ = await asyncio.wait({following, hung}, timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hung.cancel()
+                if not following.done():
+                    following.cancel()
+            if following in done:
+                try:
+                    resp = following.result()
+                except StopAsyncIteration:
+                    return
+                yield resp
+                continue
+            if hung in done:
+                raise _DecodeLost(f"decode worker {client.address} is hung (no engine progress for "
+                                  f"{self.pool.hang_timeout_s:g} s, hang_timeout_s)")
+            self.remaining_s()
+            raise _DecodeLost(f"decode worker {client.address} sent nothing for {idle_s:g} s "
+                              f"(decode_idle_timeout_s)")
 
     # ---- output --------------------------------------------------------------------
     def _emit(self, token_ids: list[int], logprobs: list[float], finish: str | None) -> pdserve_pb2.GenerateResponse:
@@ -341,6 +354,24 @@ class RequestRun:
             return
         release = client.stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
         asyncio.ensure_future(_ignore_errors(release))
+
+
+async def _unless_hung(call, client):
+    """``call``'s answer, unless ``client`` is found hung first: then the call is cancelled
+    and it fails UNAVAILABLE, as for a dead worker (the caller tries another)."""
+    answer = asyncio.ensure_future(call)
+    hung = asyncio.ensure_future(client.lost.wait())
+    try:
+        await asyncio.wait({answer, hung}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hung.cancel()
+        if not answer.done():
+            call.cancel()
+            answer.cancel()
+    if answer.done():
+        return answer.result()
+    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               f"worker {client.address} is hung (no engine progress, hang_timeout_s)")
 
 
 async def _ignore_errors(awaitable) -> None:

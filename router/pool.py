@@ -10,12 +10,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import grpc
 
 from protos import worker_pb2, worker_pb2_grpc
+from router.liveness import Liveness, is_hung, observe
 from router.policy import WorkerSnapshot
 from wire import metrics
 from wire.grpc_util import aio_channel
@@ -40,11 +42,16 @@ class WorkerClient:
     draining: bool = False
     epoch: int = 0  # stats polls so far; local_* count only what was placed since the last
     last_placed: int = 0  # the pool's placement counter when this worker last got a request
+    liveness: Liveness | None = None  # router.liveness: its engine's progress as the polls saw it
+    hung: bool = False
+    # Set when the worker is found hung: the requests on it stop waiting and migrate. A new
+    # event replaces it once the worker makes progress again.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     def snapshot(self) -> WorkerSnapshot:
         s = self.stats or worker_pb2.WorkerStats()
         return WorkerSnapshot(
-            worker_id=self.address, role=self.role, healthy=self.healthy, draining=self.draining or s.draining,
+            worker_id=self.address, role=self.role, healthy=self.healthy and not self.hung, draining=self.draining or s.draining,
             queued_tokens=s.num_waiting_tokens + self.local_tokens,
             blocks_used=s.num_blocks_used + self.local_blocks, blocks_total=s.num_blocks_total,
             inflight=self.inflight, last_placed=self.last_placed)
@@ -86,6 +93,9 @@ def pool_loads(workers: Iterable[WorkerClient]) -> dict[str, PoolLoad]:
 class WorkerPool:
     interval_s: float = 0.2
     tls: TlsConfig | None = None  # mTLS to the workers (wire.tls)
+    # A worker whose engine makes no progress this long while it holds work (or that does not
+    # answer this long) is hung: not routed to, and its requests migrate (router.liveness).
+    hang_timeout_s: float = 30.0
     workers: dict[str, WorkerClient] = field(default_factory=dict)
     desired_replicas: dict[str, int] = field(default_factory=dict)  # set by the controller
     _task: asyncio.Task | None = None
@@ -126,7 +136,7 @@ class WorkerPool:
         return [w.snapshot() for w in self.workers.values()]
 
     def ready(self) -> bool:
-        roles = {w.role for w in self.workers.values() if w.healthy and not w.draining}
+        roles = {w.role for w in self.workers.values() if w.healthy and not w.hung and not w.draining}
         return {"prefill", "decode"} <= roles
 
     def metrics_targets(self) -> list[dict]:
@@ -172,14 +182,32 @@ class WorkerPool:
 
     async def _refresh_one(self, w: WorkerClient) -> None:
         try:
-            w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=2)
-            w.healthy = True
-            w.local_tokens = w.local_blocks = 0  # the fresh stats include what we sent
-            w.epoch += 1
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=min(2.0, self.hang_timeout_s))
         except grpc.aio.AioRpcError as exc:
             if w.healthy:
                 log.warning("worker %s unreachable: %s", w.address, exc.code().name)
             w.healthy = False
+            self._check_liveness(w, answered=False)
+            return
+        w.stats = stats
+        w.healthy = True
+        w.local_tokens = w.local_blocks = 0  # the fresh stats include what we sent
+        w.epoch += 1
+        self._check_liveness(w, answered=True)
+
+    def _check_liveness(self, w: WorkerClient, answered: bool) -> None:
+        now = time.monotonic()
+        s = w.stats if answered else None
+        w.liveness = observe(w.liveness, now, answered, s.engine_steps if s else 0, s.engine_busy if s else False)
+        hung = is_hung(w.liveness, now, self.hang_timeout_s)
+        if hung and not w.hung:
+            log.warning("worker %s is hung: no engine progress for %.1f s (hang_timeout_s %g); its requests migrate",
+                        w.address, now - w.liveness.progressed_at, self.hang_timeout_s)
+            w.lost.set()
+        elif w.hung and not hung:
+            log.warning("worker %s makes progress again", w.address)
+            w.lost = asyncio.Event()
+        w.hung = hung
 
     @contextlib.contextmanager
     def placed(self, client: WorkerClient, tokens: int = 0, blocks: int = 0):

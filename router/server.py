@@ -48,6 +48,11 @@ class RouterConfig:
     prefill_addresses: tuple[str, ...] = ()
     decode_addresses: tuple[str, ...] = ()
     stats_interval_s: float = 0.2
+    hang_timeout_s: float = 30.0  # a worker without engine progress this long is hung (router.liveness)
+    # Largest gRPC request each server accepts (larger: RESOURCE_EXHAUSTED from the transport).
+    # The public one stays above ``limits.requests.max_body_bytes``, so that up to there the
+    # router's own check answers INVALID_ARGUMENT naming that limit.
+    max_receive_bytes: int = 4 << 20
     limits: RouterLimits = field(default_factory=RouterLimits)
 
 
@@ -62,7 +67,7 @@ async def start(config: RouterConfig) -> RunningServer:
     """Two servers: the public plane (``Generation``, health, reflection, the OpenAI API) and
     the internal plane (``RouterAdmin``, health), each on its own port and address."""
     model = await asyncio.to_thread(load_model_info, config)
-    pool = WorkerPool(config.stats_interval_s, tls=config.tls)
+    pool = WorkerPool(config.stats_interval_s, tls=config.tls, hang_timeout_s=config.hang_timeout_s)
     for address in config.prefill_addresses:
         pool.add("prefill", address)
     for address in config.decode_addresses:
@@ -70,14 +75,15 @@ async def start(config: RouterConfig) -> RunningServer:
     await pool.start()
     service = GenerationService(model, pool, config.limits)
     public = resolve(config.host, config.advertise_host)
-    server = aio_server([ApiKeyInterceptor(config.api_key)] if config.api_key else ())
+    server = aio_server([ApiKeyInterceptor(config.api_key)] if config.api_key else (),
+                        max_receive_bytes=max(config.max_receive_bytes, 2 * config.limits.requests.max_body_bytes))
     address = bind(server, public, config.port, config.public_tls)
     service.add_to(server)  # raw-bytes deserializers: garbage is INVALID_ARGUMENT, not UNKNOWN
     health = add_health(server, [SERVICE])
     names = (pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "grpc.health.v1.Health",
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    internal = aio_server()
+    internal = aio_server(max_receive_bytes=config.max_receive_bytes)
     internal_address = bind(internal, resolve(config.internal_host, config.internal_advertise_host),
                             config.internal_port, config.tls)
     admin_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminService(pool), internal)

@@ -11,8 +11,12 @@ from engine.errors import InvalidRequestError
 from wire.address import Endpoint, resolve
 from wire.tls import TlsConfig
 
-# Prompts of many thousand token ids and agent metadata blobs exceed the 4 MiB default.
+# What a channel may receive and anyone may send: agent metadata blobs can be large.
 MAX_MESSAGE_BYTES = 64 << 20
+# What a server accepts in one request, unless told otherwise: every request between our
+# processes is far smaller (a prompt of 8192 token ids is ~40 KB). A larger one is refused by
+# the transport with RESOURCE_EXHAUSTED before any handler runs.
+MAX_RECEIVE_BYTES = 4 << 20
 KEEPALIVE_TIME_MS = 10_000  # a dead peer is noticed within this plus the timeout
 OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -30,8 +34,14 @@ SERVER_OPTIONS = OPTIONS + [
 ]
 
 
-def aio_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
+def aio_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+               max_receive_bytes: int = MAX_RECEIVE_BYTES) -> grpc.aio.Server:
+    """A server that takes requests of at most ``max_receive_bytes`` (larger: RESOURCE_EXHAUSTED)."""
+    if max_receive_bytes <= 0:
+        raise ValueError(f"max_receive_bytes must be > 0, got {max_receive_bytes}")
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    return grpc.aio.server(options=options + [("grpc.max_receive_message_length", max_receive_bytes)],
+                           interceptors=list(interceptors) or None)
 
 
 def aio_channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:

@@ -37,13 +37,14 @@ class RunningServer:
 
 async def start_server(host: str | Endpoint | None, port: int, register: Callable[[grpc.aio.Server, str], None],
                        service: str, on_stop: list[Callable[[], object]], *,
-                       tls: TlsConfig | None = None) -> RunningServer:
+                       tls: TlsConfig | None = None, max_receive_bytes: int | None = None) -> RunningServer:
     """Bind (``host`` None: the node's IP; see ``wire.address``), let ``register`` add the
     servicers (it gets the advertised address), add health, start. With ``tls`` the server
-    speaks mTLS and refuses clients without a certificate signed by its CA."""
-    from wire.grpc_util import aio_server, bind
+    speaks mTLS and refuses clients without a certificate signed by its CA. Requests over
+    ``max_receive_bytes`` (None: ``wire.grpc_util.MAX_RECEIVE_BYTES``) are RESOURCE_EXHAUSTED."""
+    from wire.grpc_util import MAX_RECEIVE_BYTES, aio_server, bind
 
-    server = aio_server()
+    server = aio_server(max_receive_bytes=max_receive_bytes or MAX_RECEIVE_BYTES)
     address = bind(server, host, port, tls)
     register(server, address)
     health = add_health(server, [service])

@@ -13,9 +13,10 @@ from protos import worker_pb2
 
 
 def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: KVTransferAgent, metrics_address: str = "",
-                 **extra) -> worker_pb2.WorkerStats:
-    """The snapshot; ``metrics_address`` is where the worker serves /metrics, ``extra`` the
-    role's own fields (leases on a prefill worker)."""
+                 engine_steps: int = 0, **extra) -> worker_pb2.WorkerStats:
+    """The snapshot; ``metrics_address`` is where the worker serves /metrics, ``engine_steps``
+    the engine thread's step count (with ``engine_busy`` it tells a hung engine from an idle
+    one: ``router.liveness``), ``extra`` the role's own fields (leases on a prefill worker)."""
     sched = engine.scheduler
     waiting = list(sched.waiting)
     t = agent.stats.snapshot()
@@ -29,4 +30,4 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: KVTransfer
         kv_transfer_bytes=t.bytes, kv_transfers=t.transfers, kv_transfer_failures=t.failures,
         kv_transfer_seconds=t.seconds, prefix_cache_queries=blocks.prefix_queries,
         prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=engine.cache_spec.bytes_per_token,
-        metrics_address=metrics_address, **extra)
+        metrics_address=metrics_address, engine_steps=engine_steps, engine_busy=engine.has_runnable(), **extra)

@@ -3,9 +3,9 @@ prefill --model DIR``. It prints ``listening on HOST:PORT`` once it serves, and 
 SIGTERM (or SIGINT): health turns NOT_SERVING, new requests are refused, in-flight ones get
 up to ``--drain-grace-s`` to finish, then it exits 0.
 
-Under Ray (``cluster.local.ServerActor``) the same drain runs through the actor's ``stop``;
-Ray installs its own SIGTERM handler in its worker processes, so this module's handler is
-for processes that Ray does not own.
+Under Ray (``cluster.local.ServerActor``) the actor installs the same drain as its process's
+SIGTERM handler in place of Ray's (which exits at once); this module's handler is for
+processes that Ray does not own.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "tcp"])
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the memory budget's)")
     p.add_argument("--drain-grace-s", type=float, default=30.0)
+    p.add_argument("--max-requests", type=int, default=1024,
+                   help="requests held at once; past it RESOURCE_EXHAUSTED at once")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="prefill only")
     p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
     return p
@@ -37,6 +39,7 @@ def _config(args):
     engine = EngineConfig(model=args.model, cache=CacheConfig(num_blocks=args.num_blocks))
     common = dict(worker_id=args.worker_id or f"{args.role}-0", engine=engine, host=args.host, port=args.port,
                   kv_transfer_backend=args.kv_transfer_backend, drain_grace_s=args.drain_grace_s,
+                  max_requests=args.max_requests,
                   cpus=tuple(int(c) for c in args.cpus.split(",") if c))
     if args.role == "prefill":
         from prefill_worker.worker import PrefillWorkerConfig

@@ -41,8 +41,9 @@ _DRAIN_CHECK_S = 0.05
 
 
 class WorkerShell:
-    """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id`` and
-    ``cpus`` (cores to pin to; empty: no pinning)."""
+    """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id``,
+    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests``, ``max_receive_bytes`` and
+    ``drain_grace_s``."""
 
     role: ClassVar[str]
 
@@ -112,6 +113,10 @@ class WorkerShell:
         """Requests that a drain waits for."""
         return len(self._streams)
 
+    def requests(self) -> int:
+        """Requests on this worker now, queued or running (what ``max_requests`` bounds)."""
+        return len(self._streams)
+
     def stats_extra(self) -> dict[str, Any]:
         """The role's own ``WorkerStats`` fields."""
         return {}
@@ -119,7 +124,7 @@ class WorkerShell:
     # ---- stats and drain -------------------------------------------------------------
     def stats(self, metrics_address: str = "") -> worker_pb2.WorkerStats:
         return worker_stats(self.config.worker_id, self.role, self.engine, self.agent, metrics_address,
-                            draining=self.draining, **self.stats_extra())
+                            engine_steps=self.thread.steps, draining=self.draining, **self.stats_extra())
 
     async def drain(self, grace_s: float) -> bool:
         """Refuse new requests, then wait until none is in flight or ``grace_s`` passes.
@@ -169,9 +174,17 @@ class ShellRpcs:
         self.worker.draining = True
         return self.worker.stats(self.metrics_address)
 
-    async def refuse_if_draining(self, context, code: grpc.StatusCode) -> None:
-        if self.worker.draining:
-            await context.abort(code, f"{self.worker.role} worker {self.worker.config.worker_id} is draining")
+    async def admit(self, context, draining_code: grpc.StatusCode) -> None:
+        """Refuse a new request at once, before any work: ``draining_code`` while the worker
+        drains, RESOURCE_EXHAUSTED while it already holds ``max_requests`` (the router tries
+        another worker, or answers 429 with Retry-After)."""
+        worker = self.worker
+        if worker.draining:
+            await context.abort(draining_code, f"{worker.role} worker {worker.config.worker_id} is draining")
+        if worker.requests() >= worker.config.max_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{worker.role} worker {worker.config.worker_id} holds max_requests "
+                                f"({worker.config.max_requests}) requests")
 
 
 async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, str], None],
@@ -186,7 +199,8 @@ async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, s
         worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size))
     running = await start_server(worker.endpoint, config.port,
                                  lambda server, address: register(server, address, metrics.address),
-                                 service, [metrics.stop, worker.stop], tls=config.tls)
+                                 service, [metrics.stop, worker.stop], tls=config.tls,
+                                 max_receive_bytes=config.max_receive_bytes)
 
     async def drain() -> None:
         await set_serving(running.health, [service], False)

@@ -170,3 +170,33 @@ def test_an_abort_naming_a_request_id_does_not_free_its_held_kv(tiny_llama_dir):
     found, after, tokens = asyncio.run(run())
     assert not found.found and after.num_held_leases == 1 and after.num_blocks_used == 3
     assert len(tokens) == 5  # the rightful decode worker still reads it
+
+
+def test_a_decode_call_the_router_abandons_before_the_claim_frees_the_held_kv_at_once(tiny_llama_dir):
+    """A router that dies (or gives up) after the prefill answered but before the decode
+    worker claimed the lease: the KV is freed when the call is cancelled, not when the lease
+    (an hour here) runs out."""
+    import threading
+
+    async def run():
+        async with cluster(tiny_llama_dir[0], lease_seconds=3600.0) as (prefill, prefill_stub, decoders, stubs):
+            pre = await prefill_one(prefill_stub)
+            hold = threading.Event()
+            busy = asyncio.wrap_future(decoders[0].thread.call(hold.wait, 60))  # before the claim, it waits here
+            call = asyncio.ensure_future(decode(stubs[0], pre))
+            while not decoders[0].requests():
+                await asyncio.sleep(0.01)
+            held = (await stats(prefill_stub)).num_held_leases
+            call.cancel()  # the router's connection drops
+            hold.set()
+            await busy
+            for _ in range(100):
+                after = await stats(prefill_stub)
+                if not after.num_held_leases:
+                    break
+                await asyncio.sleep(0.05)
+            return held, after
+
+    held, after = asyncio.run(run())
+    assert held == 1
+    assert after.num_held_leases == 0 and after.num_blocks_used == 0

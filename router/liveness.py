@@ -1,0 +1,44 @@
+"""Is a worker alive? The rule, pure: no I/O, no clock of its own.
+
+A worker that answers ``Stats`` may still be hung: its gRPC loop runs on a thread apart from
+the engine, so a wedged forward pass (or a process stopped between two answers) looks
+reachable. What tells is the engine's step count: while the engine holds runnable work it
+must move. A worker counts as having made progress when an answer shows its step count
+moved, or shows it idle (nothing to run, so nothing to move). A worker that does not
+answer at all (dead, or SIGSTOPped) makes no progress either. A worker without progress for
+``hang_timeout_s`` is hung: the router stops routing to it and its requests migrate, the
+supervisor replaces it.
+
+The timeout must exceed the longest single engine step (a full prefill chunk on a loaded
+CPU), or a slow step reads as a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """What the answers so far showed about one worker."""
+
+    steps: int  # the engine's step count in the last answer
+    progressed_at: float  # when it last made progress (or was first seen), on the caller's clock
+
+
+def observe(prev: Liveness | None, now: float, answered: bool, steps: int = 0, busy: bool = False) -> Liveness:
+    """Fold one ``Stats`` poll into ``prev``: ``answered`` False for a poll that failed, else
+    the answer's ``engine_steps`` and ``engine_busy``. A first sighting counts as progress
+    (the worker was added because it serves)."""
+    if prev is None:
+        return Liveness(steps if answered else 0, now)
+    if not answered:
+        return prev
+    if steps != prev.steps or not busy:  # a restarted worker's count starts over: also a change
+        return Liveness(steps, now)
+    return prev
+
+
+def is_hung(liveness: Liveness, now: float, hang_timeout_s: float) -> bool:
+    """No progress for longer than ``hang_timeout_s``."""
+    return now - liveness.progressed_at > hang_timeout_s

@@ -1,0 +1,251 @@
+"""Faults under a steady load: while clients keep requests running, a decode worker is
+SIGKILLed mid-stream, a decode worker is SIGSTOPped (a hang, not a death), a prefill
+worker is SIGKILLed while a KV read from it is in flight, and the router is SIGKILLed. Every request either completes
+with exactly the tokens of an undisturbed run, or ends with a clear error before its
+deadline; only the router's death may end requests. Then, well within the lease, no
+surviving worker holds a block, and every dead or hung process was replaced.
+
+The cluster runs the real default model in float32 (outputs compare token for token) over
+the tcp KV backend: a read is a connection to the holder's block server, so a holder that is
+stopped keeps a posted read open, and killing it then fails the read mid-flight. Leases last
+far longer than the checks wait, so nothing here passes by lease expiry.
+"""
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import ray
+
+from cluster.local import ClusterConfig, LocalCluster
+from engine.config import CacheConfig, EngineConfig
+from protos import pdserve_pb2_grpc
+from tests.serving.conftest import worker_stats
+from tests.serving.test_disaggregated import chat_request, collect
+
+pytestmark = pytest.mark.slow
+
+READ_DELAY_S = 1.0  # every KV read is posted this long after its claim (kv_transfer inject_delay_s)
+LEASE_S = 120.0  # far beyond every wait below: a freed block was freed on purpose
+HANG_S = 5.0
+REQUEST_TIMEOUT_S = 60.0
+CLIENTS = 3
+MAX_TOKENS = 16
+PROMPTS = [f"Tell me a short fact about the number {i}." for i in range(6)]
+CLEAN_WITHIN_S = 20.0  # every surviving worker holds no block within this (< LEASE_S)
+REPLACED_WITHIN_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = ClusterConfig(
+        engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=96 << 20)),
+        num_prefill=2, num_decode=2, port=0, http_port=None, lease_seconds=LEASE_S, kv_transfer_backend="tcp",
+        inject_transfer_delay_s=READ_DELAY_S, threads_per_worker=1, router_poll_s=0.2, supervise_interval_s=0.5,
+        hang_timeout_s=HANG_S)
+    c = LocalCluster(config)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    # Reconnect within a second once the router is back (gRPC's default backoff grows to minutes).
+    with grpc.insecure_channel(cluster.address, options=[("grpc.max_reconnect_backoff_ms", 1000),
+                                                         ("grpc.initial_reconnect_backoff_ms", 200)]) as ch:
+        yield pdserve_pb2_grpc.GenerationStub(ch)
+
+
+@dataclass
+class Outcome:
+    prompt: int
+    tokens: list[int]
+    code: grpc.StatusCode | None  # None: completed
+    details: str
+    elapsed_s: float
+
+
+class Load:
+    """``CLIENTS`` threads sending ``PROMPTS`` round-robin until stopped."""
+
+    def __init__(self, stub):
+        self.stub = stub
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(CLIENTS)]
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(REQUEST_TIMEOUT_S + 10)
+
+    def _client(self, k: int) -> None:
+        n = k
+        while not self._stop.is_set():
+            prompt = n % len(PROMPTS)
+            n += CLIENTS
+            start = time.monotonic()
+            try:
+                ids, _, _ = collect(self.stub.Generate(chat_request(PROMPTS[prompt], MAX_TOKENS, ignore_eos=True),
+                                                       timeout=REQUEST_TIMEOUT_S))
+                self.outcomes.append(Outcome(prompt, ids, None, "", time.monotonic() - start))
+            except grpc.RpcError as exc:
+                self.outcomes.append(Outcome(prompt, [], exc.code(), exc.details(), time.monotonic() - start))
+                time.sleep(0.2)  # as a client would, before it tries again
+
+    def wait_for(self, more: int, timeout_s: float = 60.0) -> None:
+        """Until ``more`` further requests have ended."""
+        target = len(self.outcomes) + more
+        deadline = time.monotonic() + timeout_s
+        while len(self.outcomes) < target:
+            assert time.monotonic() < deadline, f"the load stalled at {len(self.outcomes)} requests"
+            time.sleep(0.1)
+
+
+def pid_of(actor) -> int:
+    return ray.get(actor.pid.remote(), timeout=10)
+
+
+def busy_worker(cluster, role: str, field: str, timeout_s: float = 30.0) -> int:
+    """The slot of a ``role`` worker whose stats ``field`` is non-zero right now."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for index, address in enumerate(list(cluster.addresses(role))):
+            try:
+                if getattr(worker_stats(address, role), field):
+                    return index
+            except grpc.RpcError:
+                continue
+        time.sleep(0.02)
+    raise AssertionError(f"no {role} worker had {field} > 0 within {timeout_s} s")
+
+
+def wait_replaced(cluster, role: str, address: str) -> None:
+    deadline = time.monotonic() + REPLACED_WITHIN_S
+    while address in cluster.addresses(role) or len(cluster.addresses(role)) < 2:
+        assert time.monotonic() < deadline, f"{role} worker {address} was not replaced"
+        time.sleep(0.2)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def test_nothing_is_lost_under_faults_and_steady_load(cluster, stub):
+    reference = {i: collect(stub.Generate(chat_request(p, MAX_TOKENS, ignore_eos=True), timeout=120))[0]
+                 for i, p in enumerate(PROMPTS)}
+    assert all(len(ids) == MAX_TOKENS for ids in reference.values())
+    replaced_before = cluster._supervisor.replaced
+    stopped_pid = None
+    with Load(stub) as load:
+        load.wait_for(CLIENTS)
+
+        # (b) a decode worker SIGKILLed while it streams
+        index = busy_worker(cluster, "decode", "num_running")
+        address = cluster.decode_addresses[index]
+        os.kill(pid_of(cluster.decode[index]), signal.SIGKILL)
+        wait_replaced(cluster, "decode", address)
+        load.wait_for(CLIENTS)
+
+        # (c) a decode worker SIGSTOPped while it streams: alive to the OS, hung to the cluster
+        index = busy_worker(cluster, "decode", "num_running")
+        address, stopped_pid = cluster.decode_addresses[index], pid_of(cluster.decode[index])
+        os.kill(stopped_pid, signal.SIGSTOP)
+        wait_replaced(cluster, "decode", address)
+        assert gone(stopped_pid), "the hung worker was replaced but its process lives on"
+        load.wait_for(CLIENTS)
+
+        # (a) a prefill worker SIGKILLed while a read from it is in flight: it holds a claimed
+        # lease (the reader's read starts right after its claim), it is stopped so that the read,
+        # posted READ_DELAY_S after the claim, stays open, and then it is killed.
+        failures_mid = sum(worker_stats(a, "decode").kv_transfer_failures for a in cluster.decode_addresses)
+        index = busy_worker(cluster, "prefill", "num_claimed_leases")
+        address, pid = cluster.prefill_addresses[index], pid_of(cluster.prefill[index])
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(READ_DELAY_S + 0.5)
+        os.kill(pid, signal.SIGKILL)
+        wait_replaced(cluster, "prefill", address)
+        load.wait_for(CLIENTS)
+
+        # (d) the router SIGKILLed: its streams end UNAVAILABLE, the supervisor starts a new one
+        # on the same port, and the clients, reconnecting, are served again.
+        restarted = cluster._supervisor.routers_restarted
+        before_router_kill = len(load.outcomes)
+        os.kill(pid_of(cluster.router), signal.SIGKILL)
+        deadline = time.monotonic() + REPLACED_WITHIN_S
+        while cluster._supervisor.routers_restarted == restarted:
+            assert time.monotonic() < deadline, "the router was not restarted"
+            time.sleep(0.2)
+        served = sum(o.code is None for o in load.outcomes)
+        deadline = time.monotonic() + 60
+        while sum(o.code is None for o in load.outcomes) < served + CLIENTS:
+            assert time.monotonic() < deadline, "clients were not served by the restarted router"
+            time.sleep(0.2)
+
+    outcomes = load.outcomes
+    summary = {"completed": sum(o.code is None for o in outcomes),
+               "errors": [(i, o.code.name, o.details) for i, o in enumerate(outcomes) if o.code is not None]}
+    for o in outcomes:
+        if o.code is None:
+            assert o.tokens == reference[o.prompt], f"prompt {o.prompt}: tokens differ from the undisturbed run"
+        else:  # a clear error, before the deadline
+            assert o.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), summary
+            assert o.elapsed_s <= REQUEST_TIMEOUT_S + 2, summary
+    # Worker faults cost no request (they migrate); only the router's death ends requests.
+    assert all(o.code is None for o in outcomes[:before_router_kill]), summary
+    assert cluster._supervisor.replaced - replaced_before == 3
+    assert cluster._supervisor.hung_killed >= 1
+    live = [(role, a) for role in ("prefill", "decode") for a in cluster.addresses(role)]
+    failures_after = sum(worker_stats(a, "decode").kv_transfer_failures for role, a in live if role == "decode")
+    assert failures_after > failures_mid  # the read failed, and it was counted
+
+    deadline = time.monotonic() + CLEAN_WITHIN_S
+    while True:
+        busy = {a: (s.num_blocks_used, s.num_held_leases) for role, a in live
+                if (s := worker_stats(a, role)).num_blocks_used or s.num_held_leases}
+        if not busy:
+            break
+        assert time.monotonic() < deadline, f"blocks still held {CLEAN_WITHIN_S} s after the load: {busy}"
+        time.sleep(0.2)
+    ids, _, _ = collect(stub.Generate(chat_request(PROMPTS[0], MAX_TOKENS, ignore_eos=True), timeout=120))
+    assert ids == reference[0]
+
+
+def test_sigterm_drains_a_ray_worker_actor_then_it_is_replaced(cluster, stub):
+    """SIGTERM to a worker actor's process (what Kubernetes sends) drains it as it drains a
+    plain worker process: it reports draining while it finishes its stream, then exits."""
+    request = chat_request(PROMPTS[1], 48, ignore_eos=True)
+    reference, _, _ = collect(stub.Generate(request, timeout=120))
+    stream = stub.Generate(request, timeout=120)
+    got = list(next(stream).token_ids)
+    index = busy_worker(cluster, "decode", "num_running")
+    address, pid = cluster.decode_addresses[index], pid_of(cluster.decode[index])
+    os.kill(pid, signal.SIGTERM)
+    stats = worker_stats(address, "decode")
+    deadline = time.monotonic() + 10
+    while not stats.draining:
+        assert time.monotonic() < deadline, "the worker did not start draining"
+        stats = worker_stats(address, "decode")
+    assert stats.num_running >= 1  # it drains: the stream is still being served there
+    got += collect(stream)[0]
+    assert got == reference
+    deadline = time.monotonic() + 30
+    while not gone(pid):
+        assert time.monotonic() < deadline, "the drained worker did not exit"
+        time.sleep(0.1)
+    wait_replaced(cluster, "decode", address)
