@@ -7,12 +7,16 @@ calls ``decide`` over the pool's trailing window.
 Each decision is logged with its inputs and kept in ``decisions``. A scale-up starts one
 worker (Ray's autoscaler adds a node if no node can hold its placement group); a scale-down
 drains one (it leaves the routing table first and stops only once idle), so no client sees
-an error. A round in which no request got its first token (or no token after it) has no
+an error. With ``observe_only`` (plain Kubernetes, where KEDA or an HPA owns the counts)
+the loop decides, logs and exports the same way but never starts or drains a worker, and a
+decision leaves no pending change behind (nobody will carry it out).
+A round in which no request got its first token (or no token after it) has no
 latency: no evidence either way, never a zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -59,8 +63,9 @@ class PoolTrace:
 
 class Autoscaler:
     def __init__(self, cluster, configs: dict[str, PoolPolicyConfig], interval_s: float = 1.0,
-                 history: int = HISTORY):
+                 history: int = HISTORY, observe_only: bool = False):
         self.cluster = cluster
+        self.observe_only = observe_only
         self.configs = configs
         self.interval_s = interval_s
         self.traces = {pool: PoolTrace(limit=history) for pool in POOLS}
@@ -94,7 +99,8 @@ class Autoscaler:
             trace.record(sample=self.sample(pool, now, latency))
             window = MetricsWindow.trailing(trace.samples, now, self.configs[pool].window_s)
             decision = decide(pool, window, self.configs[pool], trace.state, now)
-            trace.state = trace.state.after(decision, now)
+            state = trace.state.after(decision, now)
+            trace.state = dataclasses.replace(state, desired=None) if self.observe_only else state
             trace.record(decision=decision)
             if decision.action != "hold":
                 log.info("autoscaler %s: %s", pool, decision.as_dict())
@@ -130,7 +136,7 @@ class Autoscaler:
         """Start the change in a thread of its own: a worker takes seconds to load and a drain
         as long as its longest stream, and sampling must go on meanwhile (the policy's
         pending-change guard holds the pool until the change shows in its ready replicas)."""
-        if decision.desired == decision.current or self._stop.is_set():
+        if decision.desired == decision.current or self._stop.is_set() or self.observe_only:
             return
         previous = self._actions.get(pool)  # a drain still finishing; changes apply in order
         action = threading.Thread(target=self._apply, args=(pool, decision, previous),

@@ -2,6 +2,7 @@
 
     pdserve serve [MODEL]            start a local cluster (router + workers as Ray actors)
     pdserve generate "PROMPT"        stream a completion from a running cluster
+    pdserve worker --role ROLE       one role as a plain process, without Ray (cluster/worker_cli.py)
     pdserve plan                     size prefill and decode pools (simulated; planner/)
     pdserve profile                  fit the CPU cost profile to this machine's engine
 """
@@ -153,8 +154,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_plan_parser(sub)
     add_profile_parser(sub)
+    from cluster import worker_cli
+
+    worker_cli.add_worker_parser(sub)
     args = parser.parse_args(argv)
-    return {"serve": serve, "generate": generate, "plan": run_plan, "profile": run_profile}[args.command](args)
+    return {"serve": serve, "generate": generate, "plan": run_plan, "profile": run_profile,
+            "worker": worker_cli.run_worker}[args.command](args)
 
 
 if __name__ == "__main__":

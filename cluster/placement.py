@@ -1,9 +1,12 @@
 """Where each worker runs: one Ray placement group per worker, with what its pool asks for.
 
-A pool asks for CPUs (or GPUs on GPU hosts) per worker, and optionally a custom resource
-that only the nodes of its node group offer (``ray start --resources '{"prefill_nodes": 8}'``):
-that pins the pool to those nodes, so prefill and decode land on hardware sized for each.
-When no node can hold a bundle yet, Ray's own autoscaler adds one; we wait for it.
+A pool asks for what one worker really uses: its CPUs (the torch threads it runs), its GPUs,
+its memory, and one unit of a custom resource that only the nodes of its node group offer
+(``ray start --resources '{"pdserve_decode": 4}'``: that node hosts up to 4 decode workers).
+The custom resource pins the pool to those nodes, so prefill and decode land on hardware sized
+for each. A worker that no node can hold keeps its placement group pending: that demand is
+what makes Ray's autoscaler (or KubeRay's) add a node of the group offering the resource, and
+``reserve`` waits for it.
 """
 
 from __future__ import annotations
@@ -14,10 +17,6 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-# A worker's share of its node-group resource: small, so one node can host many workers.
-RESOURCE_UNIT = 0.001
-
-
 @dataclass(frozen=True)
 class PoolPlacement:
     # Logical CPUs reserved per worker. Tiny by default: on a small CPU box several workers
@@ -25,14 +24,19 @@ class PoolPlacement:
     # to place the fourth worker on a 2-core machine.
     cpus: float = 0.01
     gpus: float = 0.0  # 1 on GPU hosts: each worker owns a device
-    resource: str | None = None  # custom resource naming this pool's node group
+    memory_bytes: int = 0  # host memory reserved per worker (weights, KV cache on CPU); 0: none
+    resource: str | None = None  # custom resource naming this pool's node group (pdserve_prefill, ...)
+    # Units of ``resource`` per worker: a node offering N hosts N of this pool's workers.
+    resource_units: float = 1.0
 
     def bundle(self) -> dict[str, float]:
         out = {"CPU": self.cpus}
         if self.gpus:
             out["GPU"] = self.gpus
+        if self.memory_bytes:
+            out["memory"] = self.memory_bytes
         if self.resource:
-            out[self.resource] = RESOURCE_UNIT
+            out[self.resource] = self.resource_units
         return out
 
 
@@ -56,8 +60,10 @@ def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0):
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
         "num_cpus": placement.cpus,
         "num_gpus": placement.gpus,
-        "resources": {placement.resource: RESOURCE_UNIT} if placement.resource else {},
+        "resources": {placement.resource: placement.resource_units} if placement.resource else {},
     }
+    if placement.memory_bytes:
+        options["memory"] = placement.memory_bytes
     return pg, options
 
 
