@@ -16,6 +16,8 @@ import signal
 import sys
 
 from engine.config import CacheConfig, EngineConfig
+from kv_transfer import BACKENDS, DEFAULT_BACKEND
+from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,10 +27,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "tcp"])
+    p.add_argument("--kv-transfer-backend", default=DEFAULT_BACKEND, choices=BACKENDS)
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the memory budget's)")
     p.add_argument("--drain-grace-s", type=float, default=30.0)
-    p.add_argument("--lease-seconds", type=float, default=30.0, help="prefill only")
+    p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS, help="prefill only")
     p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
     return p
 

@@ -26,7 +26,7 @@ def test_help_lists_the_commands():
 
 def test_serve_generate_and_ctrl_c(tmp_path):
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([str(PDSERVE), "serve", "--port", "0", "--http-port", "0", "--kv-cache-gib", "0.2"],
+    proc = subprocess.Popen([str(PDSERVE), "serve", "--grpc-port", "0", "--port", "0", "--kv-cache-gib", "0.2"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         address = None
