@@ -18,6 +18,7 @@ import sys
 from engine.config import CacheConfig, EngineConfig
 from kv_transfer import BACKENDS, DEFAULT_BACKEND
 from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
+from wire.logs import FORMATS, LEVELS, LogConfig, configure
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-grace-s", type=float, default=30.0)
     p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS, help="prefill only")
     p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
+    p.add_argument("--log-level", default=LogConfig.level, choices=LEVELS)
+    p.add_argument("--log-format", default=LogConfig.format, choices=FORMATS)
     return p
 
 
@@ -69,6 +72,7 @@ async def run(config, role: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     config = _config(args)
+    configure(LogConfig(args.log_level, args.log_format), config.worker_id)
     asyncio.run(run(config, args.role))
     return 0
 
