@@ -14,6 +14,7 @@ from engine.sampling import SamplingParams
 from kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
 from kv_transfer.handoff import KVHandle
 from protos import kv_transfer_pb2
+from wire import metrics
 from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
 from wire.worker_shell import WorkerShell
@@ -122,7 +123,10 @@ class DecodeWorker(WorkerShell):
             del self._transfers[request_id]
             if state is TransferState.DONE:
                 self.engine.kv_ready(request_id)
-                arrived.append((request_id, KVArrived(handle.nbytes, handle.finished_at - handle.started_at)))
+                seconds = handle.finished_at - handle.started_at
+                metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
+                                         handle.nbytes, len(handle.local_block_ids))  # one descriptor per block
+                arrived.append((request_id, KVArrived(handle.nbytes, seconds)))
             else:
                 self.engine.abort(request_id)
                 arrived.append((request_id, TransferFailed(f"KV transfer {state.name.lower()}: {handle.error}")))
