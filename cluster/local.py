@@ -352,9 +352,10 @@ class LocalCluster:
         members = [admin_pb2.Member(role=role, address=address)
                    for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
+        targets = {pool: policy.target for pool, policy in (self.config.autoscaling or {}).items()}
         with channel(self.admin_address, self.config.tls) as ch:
             admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
-                admin_pb2.Membership(members=members, desired_replicas=desired), timeout=10)
+                admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets), timeout=10)
 
     def drain(self, grace_s: float) -> int:
         """The router stops admitting (health NOT_SERVING, new requests UNAVAILABLE / 503) and

@@ -22,6 +22,7 @@ from router.frontend import ModelInfo
 from router.orchestrator import RouterLimits
 from router.pool import WorkerPool
 from router.service import GenerationService
+from wire import metrics
 from wire.address import resolve
 from wire.grpc_util import aio_server, bind
 from wire.server import RunningServer, add_health, set_serving
@@ -66,6 +67,7 @@ async def start(config: RouterConfig) -> RunningServer:
     """Two servers: the public plane (``Generation``, health, reflection, the OpenAI API) and
     the internal plane (``RouterAdmin``, health), each on its own port and address."""
     model = await asyncio.to_thread(load_model_info, config)
+    metrics.register_model(model.name)
     pool = WorkerPool(config.stats_interval_s, tls=config.tls)
     for address in config.prefill_addresses:
         pool.add("prefill", address)

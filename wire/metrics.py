@@ -33,6 +33,9 @@ Router, per stats poll (router/pool.py), label ``pool`` (prefill, decode):
 - gauge ``pdserve:kv_cache_usage_perc``: the pool's used KV blocks over its total, 0..1
 - gauge ``pdserve:pool_replicas``: healthy workers
 - gauge ``pdserve:autoscaler_desired_replicas``: what the autoscaler wants
+- gauge ``pdserve:autoscaler_signal_target``: the autoscaler's per-worker target of the pool's
+  primary signal (prefill: ``worker_num_waiting_prompt_tokens``; decode:
+  ``worker_kv_cache_usage_perc``); absent without autoscaling
 
 Workers, read from the engine and the KV agent at each scrape; labels ``pool``, ``worker``:
 
@@ -138,6 +141,8 @@ KV_USAGE = Gauge("pdserve:kv_cache_usage_perc", "Fraction of the pool's KV block
 REPLICAS = Gauge("pdserve:pool_replicas", "Healthy workers in the pool.", [POOL_LABEL], registry=REGISTRY)
 DESIRED_REPLICAS = Gauge("pdserve:autoscaler_desired_replicas", "Workers the autoscaler wants in the pool.",
                          [POOL_LABEL], registry=REGISTRY)
+SIGNAL_TARGET = Gauge("pdserve:autoscaler_signal_target",
+                      "The autoscaler's per-worker target of the pool's primary signal.", [POOL_LABEL], registry=REGISTRY)
 
 # The same TTFT and ITL observations, kept exactly for a few minutes: the autoscaler asks the
 # router for their recent p90 (RouterAdmin.GetLatency), its SLO signals.
@@ -151,8 +156,20 @@ def render() -> tuple[bytes, str]:
     return generate_latest(REGISTRY), CONTENT_TYPE_PLAIN_0_0_4
 
 
-def set_pool(pool: str, running: int, waiting: int, kv_usage: float, replicas: int, desired: int) -> None:
-    """Publish one pool's gauges (the router, after each stats poll)."""
+def register_model(model_name: str) -> None:
+    """Create the model's request series at zero when the router starts, so that a dashboard
+    reads 0 retries or migrations, not "no data", before the first one happens."""
+    for family in (TTFT, ITL, E2E, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_TIME, REQUEST_PROMPT_TOKENS,
+                   REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, RETRIES, MIGRATIONS):
+        family.labels(model_name)
+
+
+def set_pool(pool: str, running: int, waiting: int, kv_usage: float, replicas: int, desired: int,
+             target: float | None = None) -> None:
+    """Publish one pool's gauges (the router, after each stats poll); ``target``: the
+    autoscaler's signal target, None without autoscaling."""
+    if target is not None:
+        SIGNAL_TARGET.labels(pool).set(target)
     RUNNING.labels(pool).set(running)
     WAITING.labels(pool).set(waiting)
     KV_USAGE.labels(pool).set(kv_usage)

@@ -3,6 +3,7 @@
 import pytest
 
 from tests.metrics.metrics_helpers import FakeClock, deltas, sample, samples
+from wire import metrics
 from wire.metrics import RequestMetrics
 
 TIMES = ("pdserve:time_to_first_token_seconds_sum", "pdserve:inter_token_latency_seconds_sum",
@@ -75,3 +76,10 @@ def test_token_histograms_and_the_model_name_label():
     # 30 prompt tokens land in the (20, 50] bucket.
     assert (sample("pdserve:request_prompt_tokens_bucket", model_name="tiny", le="50.0")
             - sample("pdserve:request_prompt_tokens_bucket", model_name="tiny", le="20.0")) >= 1
+
+
+def test_a_registered_model_reads_zero_before_its_first_request():
+    metrics.register_model("fresh")
+    assert metrics.REGISTRY.get_sample_value("pdserve:request_retries_total", {"model_name": "fresh"}) == 0
+    assert metrics.REGISTRY.get_sample_value("pdserve:request_migrations_total", {"model_name": "fresh"}) == 0
+    assert metrics.REGISTRY.get_sample_value("pdserve:time_to_first_token_seconds_count", {"model_name": "fresh"}) == 0
