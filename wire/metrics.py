@@ -66,11 +66,12 @@ from __future__ import annotations
 
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest, start_http_server)
+                               disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protos import worker_pb2
@@ -391,8 +392,30 @@ def serve_worker(host: str | Endpoint | None, port: int, source: WorkerSource) -
     endpoint = host if isinstance(host, Endpoint) else resolve(host)
     WORKERS.add(source)
     try:
-        server, _ = start_http_server(port, endpoint.bind_host, registry=WORKER_REGISTRY)
+        server = ThreadingHTTPServer((endpoint.bind_host, port), _WorkerMetricsHandler)
     except OSError:
         WORKERS.remove(source.worker)
         raise
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=f"metrics-{source.worker}", daemon=True).start()
     return MetricsEndpoint(endpoint.advertise(server.server_address[1]), server, source.worker)
+
+
+class _WorkerMetricsHandler(BaseHTTPRequestHandler):
+    """``GET /metrics``: the worker registry, always in text format 0.0.4 as the router's
+    ``render``. prometheus_client's own server answers Prometheus' OpenMetrics Accept header
+    with underscore-escaped names (``pdserve_worker_...``), which no dashboard query names."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.split("?")[0] not in ("/", "/metrics"):
+            self.send_error(404)
+            return
+        body = generate_latest(WORKER_REGISTRY)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # a scrape a second is not worth a log line
+        pass

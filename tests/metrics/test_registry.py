@@ -98,3 +98,17 @@ def test_preemptions_and_per_read_transfer_histograms_with_their_backend():
     assert got[("pdserve:worker_kv_transfer_descriptors_bucket", tuple(sorted(labels + (("le", "4.0"),))))] == 1
     ep.stop()  # a stopped worker's reads are no longer exported
     assert metrics.REGISTRY.get_sample_value("pdserve:worker_kv_transfer_seconds_count", dict(labels)) is None
+
+
+def test_a_worker_endpoint_keeps_the_colon_names_whatever_the_scraper_accepts(endpoint):
+    """Prometheus asks for OpenMetrics first; prometheus_client's own server then escapes the
+    colons (pdserve_worker_...), and no dashboard query matched a worker (found by
+    tests/metrics/test_prometheus_live.py)."""
+    ep, _ = endpoint
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    req = urllib.request.Request(f"http://{ep.address}/metrics", headers={"Accept": accept})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        content_type, text = resp.headers["Content-Type"], resp.read().decode()
+    assert content_type.startswith("text/plain; version=0.0.4")
+    assert 'pdserve:worker_num_requests_running{pool="decode",worker="decode-7"} 2.0' in text
+    assert "pdserve_" not in text
