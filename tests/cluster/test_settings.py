@@ -137,3 +137,20 @@ def test_autoscaling_section_comes_from_the_file(tmp_path):
     pools = from_mapping(resolve(parse(["--config", str(cfg)]), environ={})["autoscaling"])
     assert pools["prefill"].max_replicas == 6 and pools["decode"].max_replicas == 4
     assert resolve(parse([]), environ={})["autoscaling"] is None  # off unless configured
+
+
+def test_chat_template_replaces_the_tokenizers_own(tmp_path):
+    """``--chat-template`` as text or as a file, as the router's tokenizer applies it."""
+    from engine.loader import materialize
+    from engine.tokenizer import Tokenizer
+
+    model_dir = materialize("default", progress=False)
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for value in (template, str(path)):
+        tok = Tokenizer(model_dir, chat_template=value)
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == tok.hf.encode("<<hi>>",
+                                                                                           add_special_tokens=False)
+    assert Tokenizer(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) != tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}])
