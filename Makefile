@@ -23,8 +23,9 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
+# Flags for pdserve serve: make serve ARGS="--port 8080 --decode 2"
 serve: $(STAMP)
-	$(VENV)/bin/pdserve serve
+	$(VENV)/bin/pdserve serve $(ARGS)
 
 bench-engine: $(STAMP)
 	$(PY) benchmarks/engine.py

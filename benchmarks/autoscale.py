@@ -56,7 +56,7 @@ def plot(cluster: LocalCluster, t0: float, phases: list[tuple[str, float, float]
 
 def main() -> None:
     config = ClusterConfig(
-        engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), port=0, http_port=None,
+        engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), grpc_port=0, http_port=None,
         threads_per_worker=1, autoscale_interval_s=0.5,
         autoscaling={"prefill": pool_config("prefill", target=300, **FAST),
                      "decode": pool_config("decode", target=0.5, **FAST)})

@@ -51,7 +51,7 @@ def main() -> None:
     router = issue(ca, certs, "router")
     internal = tls.load(str(router.cert), str(router.key), str(ca.cert), prefix="tls")
     base = dict(engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=128 << 20)), num_prefill=1, num_decode=1,
-                port=0, http_port=None, threads_per_worker=1, supervise_interval_s=None)
+                grpc_port=0, http_port=None, threads_per_worker=1, supervise_interval_s=None)
     clusters = {"plaintext": LocalCluster(ClusterConfig(**base)),
                 "mTLS": LocalCluster(ClusterConfig(**base, tls=internal))}
     results: dict[str, list[float]] = {name: [] for name in clusters}

@@ -7,7 +7,7 @@ driven by vLLM's own load generator, `vllm bench serve`, in one run; one server 
     .venv/bin/python benchmarks/serving.py --servers pdserve
     .venv/bin/python benchmarks/serving.py --rerender      # tables and plot again from the last results
 
-1. pdserve: `pdserve serve --port P --http-port H` (the `pdserve` beside this interpreter; 1 prefill
+1. pdserve: `pdserve serve --grpc-port P --port H` (the `pdserve` beside this interpreter; 1 prefill
    + 1 decode worker and every other setting at its default, as `make serve`), until /health is 200.
 2. vLLM: `vllm serve HF_DIR --dtype bfloat16 --max-model-len 2048` with VLLM_CPU_KVCACHE_SPACE=2 and
    VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores), as docs/peers.md says, on the Hugging Face copy of
@@ -87,8 +87,8 @@ LOADS = (Load("rate2", "2 req/s, 32 prompts", 32, 2.0, None),
 
 
 def pdserve_server(args) -> ServerProcess:
-    cmd = [str(args.pdserve_bin), "serve", "--port", str(args.pdserve_grpc_port),
-           "--http-port", str(args.pdserve_port)]
+    cmd = [str(args.pdserve_bin), "serve", "--grpc-port", str(args.pdserve_grpc_port),
+           "--port", str(args.pdserve_port)]
     # PYTHONPATH: this checkout's code, also in the Ray workers, when run from a worktree
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return ServerProcess("pdserve", cmd, env, HOST, [args.pdserve_port, args.pdserve_grpc_port],

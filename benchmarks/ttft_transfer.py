@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / ".bench" / "ttft_transfer.json")
     args = ap.parse_args()
     cluster = LocalCluster(ClusterConfig(engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=512 << 20)),
-                                         port=0, kv_transfer_backend=args.backend))
+                                         grpc_port=0, kv_transfer_backend=args.backend))
     rows = []
     try:
         cluster.start()

@@ -105,6 +105,8 @@ class Autoscaler:
             if decision.action != "hold":
                 log.info("autoscaler %s: %s", pool, decision.as_dict())
                 self.cluster.push_membership()  # the router exports the new desired size at once
+            else:  # every round, with its inputs: --log-level debug shows why nothing changed
+                log.debug("autoscaler %s: %s", pool, decision.as_dict())
             self._act(pool, decision)
 
     def desired(self) -> dict[str, int]:

@@ -24,13 +24,14 @@ def _serve_parser(sub) -> None:
                        description="Start a router, prefill workers and decode workers as Ray actors. "
                                    "Settings come from flags, PDSERVE_* variables and --config FILE.yaml, "
                                    "in that order of precedence.")
+    p.add_argument("--version", action="version", version=f"pdserve {version()}")
     add_arguments(p)
 
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream a completion from a running cluster")
     p.add_argument("prompt")
-    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--address", default="127.0.0.1:50051", help="the router's gRPC address (serve's --grpc-port)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
@@ -39,44 +40,28 @@ def _generate_parser(sub) -> None:
 
 
 def serve(args) -> int:
-    from cluster.local import ClusterConfig, LocalCluster, default_gpus
-    from engine.config import CacheConfig, EngineConfig
-
-    from cluster.autoscaling import AutoscaleConfigError, from_mapping
-
-    from router.auth import ApiKeyError, read_key
+    from cluster.autoscaling import AutoscaleConfigError
+    from cluster.local import LocalCluster
+    from cluster.serve_config import build
+    from router.auth import ApiKeyError
     from wire import tls
+    from wire.logs import configure
 
     try:
         v = resolve(args)
-        autoscaling = from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None
-        security = dict(api_key=read_key(v["api_key"], v["api_key_file"]),
-                        tls=tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls"),
-                        public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"],
-                                            prefix="public_tls", require_ca=False))
+        config = build(v)
     except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
-    engine = EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
-                          cache=CacheConfig(block_size=v["block_size"],
-                                            memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))))
-    config = ClusterConfig(engine=engine, router_limits=_router_limits(v), num_prefill=v["prefill"], num_decode=v["decode"], host=v["host"],
-                           port=v["port"], http_port=None if v["http_port"] < 0 else v["http_port"],
-                           advertise_host=v["advertise_host"], internal_host=v["internal_host"],
-                           internal_advertise_host=v["internal_advertise_host"], **security,
-                           kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
-                           admission_wait_s=v["admission_wait_seconds"], hang_timeout_s=v["hang_timeout_seconds"],
-                           threads_per_worker=v["threads_per_worker"], ray_address=v["address"],
-                           prefill_placement=_placement(v, "prefill", default_gpus),
-                           decode_placement=_placement(v, "decode", default_gpus), autoscaling=autoscaling)
+    configure(config.log, "controller")  # the autoscaler and supervisor log from this process
     cluster = LocalCluster(config)
     stop = threading.Event()
     _on_stop_signals(stop)
     try:
-        address = cluster.start()
+        cluster.start()
         _on_stop_signals(stop)  # ray.init (in start) installed its own SIGTERM handler: ours again
-        http = f", OpenAI HTTP API on http://{cluster.http_address}/v1" if cluster.http_address else ""
-        print(f"pdserve: gRPC API listening on {address}{http} "
+        http = f"OpenAI HTTP API on http://{cluster.http_address}/v1, " if cluster.http_address else ""
+        print(f"pdserve: {http}gRPC API listening on {cluster.address}, serving {', '.join(config.served_model_names)} "
               f"({v['prefill']} prefill, {v['decode']} decode worker(s)); Ctrl-C stops", flush=True)
         stop.wait()
         print(f"pdserve: draining (up to {v['drain_grace_seconds']:g} s)", flush=True)
@@ -92,24 +77,6 @@ def serve(args) -> int:
 def _on_stop_signals(stop: threading.Event) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-
-
-def _router_limits(v: dict):
-    from router.orchestrator import RouterLimits
-    from router.validation import RequestLimits
-
-    return RouterLimits(admission_wait_s=v["admission_wait_seconds"], request_timeout_s=v["request_timeout_seconds"],
-                        max_waiting_requests=v["max_waiting_requests"],
-                        decode_idle_timeout_s=v["decode_idle_timeout_seconds"],
-                        requests=RequestLimits(max_body_bytes=v["max_body_bytes"],
-                                               max_prompt_chars=v["max_prompt_chars"]))
-
-
-def _placement(v: dict, pool: str, default_gpus):
-    from cluster.placement import PoolPlacement
-
-    gpus = v["gpus_per_worker"] if v["gpus_per_worker"] is not None else default_gpus()
-    return PoolPlacement(cpus=v["cpus_per_worker"], gpus=gpus, resource=v[f"{pool}_resource"])
 
 
 def generate(args) -> int:
@@ -145,8 +112,20 @@ def generate(args) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed pdserve's version (pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("pdserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--version", action="version", version=f"pdserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)

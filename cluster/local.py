@@ -21,7 +21,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.placement import PoolPlacement, release, reserve
 from engine.config import EngineConfig
+from kv_transfer import DEFAULT_BACKEND
+from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
+from router.orchestrator import RouterLimits
 from wire.grpc_util import channel
+from wire.logs import LogConfig, configure
 from wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -33,8 +37,8 @@ class ClusterConfig:
     num_prefill: int = 1
     num_decode: int = 1
     host: str = "127.0.0.1"  # the public plane's bind address (router gRPC and HTTP), as `vllm serve --host`
-    port: int = 50051  # the router's public gRPC port
-    http_port: int | None = 8000  # the router's OpenAI-compatible HTTP port; None: off
+    grpc_port: int = 50051  # the router's public gRPC port (`pdserve serve --grpc-port`)
+    http_port: int | None = 8000  # the router's OpenAI-compatible HTTP port (`--port`); None: off
     advertise_host: str | None = None  # the public address to report; None: from host (wire.address)
     # The internal plane (RouterAdmin, every worker RPC, worker /metrics, the tcp block server)
     # binds this on every node. None: 127.0.0.1 when pdserve starts Ray itself (one machine:
@@ -45,17 +49,19 @@ class ClusterConfig:
     tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls); None: plaintext
     public_tls: TlsConfig | None = None  # TLS on the public plane
     ray_token_auth: bool = True  # a Ray pdserve starts runs with token authentication
-    kv_transfer_backend: str = "nixl"
-    lease_seconds: float = 30.0
+    kv_transfer_backend: str = DEFAULT_BACKEND
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     worker_max_requests: int = 1024  # requests one worker holds at once; past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request each server accepts (the router's public one: see RouterConfig)
-    admission_wait_s: float = 30.0  # a request's wait for room in a full pool before RESOURCE_EXHAUSTED
-    router_limits: object = None  # a router.orchestrator.RouterLimits; None: its defaults with admission_wait_s
+    router_limits: RouterLimits = field(default_factory=RouterLimits)  # admission wait, timeouts, sizes
     transfer_timeout_s: float = 10.0
     inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
     ray_address: str | None = None  # join this Ray cluster instead of starting one
-    model_name: str = "smollm2"
+    served_model_names: tuple[str, ...] = ("smollm2",)  # what the API answers to; the first is reported
+    tokenizer: str | None = None  # the router's tokenizer directory; None: the model's
+    chat_template: str | None = None  # a Jinja chat template; None: the tokenizer's
+    log: LogConfig = field(default_factory=LogConfig)  # every process's level and format
     router_poll_s: float = 0.2  # how often the router reads every worker's stats
     supervise_interval_s: float | None = 1.0  # how often dead workers are found and replaced; None: never
     # A worker whose engine makes no progress this long while it holds work, or that does not
@@ -136,14 +142,14 @@ def _set_ray_auth_mode(mode: str) -> None:
 class ServerActor:
     """One role (prefill worker, decode worker or router) in its own process."""
 
-    def __init__(self, role: str, config, threads: int | None = None):
+    def __init__(self, role: str, config, threads: int | None = None, log_config: LogConfig = LogConfig()):
         import torch
 
         from wire.server import ServerThread
 
         if threads:
             torch.set_num_threads(threads)
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+        configure(log_config, getattr(config, "worker_id", role))
         self._server = ServerThread(lambda: _start_role(role, config), name=role)
         self._drain_grace_s = getattr(config, "drain_grace_s", 30.0)
         if threading.current_thread() is threading.main_thread():
@@ -216,7 +222,6 @@ class LocalCluster:
         from decode_worker.worker import DecodeWorkerConfig
         from engine.loader import materialize
         from prefill_worker.worker import PrefillWorkerConfig
-        from router.orchestrator import RouterLimits
         from router.server import RouterConfig
 
         cfg = self.config
@@ -237,13 +242,14 @@ class LocalCluster:
             for i in range(cfg.num_decode)]
         self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
         self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
-        router_cfg = RouterConfig(engine=cfg.engine, model_name=cfg.model_name, host=cfg.host, port=cfg.port,
-                                  http_port=cfg.http_port, advertise_host=cfg.advertise_host, api_key=cfg.api_key,
+        router_cfg = RouterConfig(engine=cfg.engine, served_model_names=cfg.served_model_names,
+                                  tokenizer=cfg.tokenizer, chat_template=cfg.chat_template, host=cfg.host,
+                                  grpc_port=cfg.grpc_port, http_port=cfg.http_port, advertise_host=cfg.advertise_host, api_key=cfg.api_key,
                                   public_tls=cfg.public_tls, internal_host=cfg.internal_bind_host(),
                                   internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls,
                                   stats_interval_s=cfg.router_poll_s, hang_timeout_s=cfg.hang_timeout_s,
                                   max_receive_bytes=cfg.max_receive_bytes,
-                                  limits=cfg.router_limits or RouterLimits(admission_wait_s=cfg.admission_wait_s),
+                                  limits=cfg.router_limits,
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
         self._start_router(router_cfg)
@@ -267,7 +273,7 @@ class LocalCluster:
         # The router runs on this (the driver's) node: its public address is where `pdserve
         # serve` was started, not a node Ray happened to pick.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = ServerActor.options(scheduling_strategy=here).remote("router", router_cfg)
+        self.router = ServerActor.options(scheduling_strategy=here).remote("router", router_cfg, None, cfg.log)
         self.address = ray.get(self.router.start.remote())
         self.http_address = ray.get(self.router.http_address.remote())
         self.admin_address = ray.get(self.router.internal_address.remote())
@@ -319,7 +325,7 @@ class LocalCluster:
         self._specs[(role, index)] = (placement, config, threads)
         pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}-{next(self._group_serial)}")
         self._groups[(role, index)] = pg
-        return ServerActor.options(**options).remote(role, config, threads)
+        return ServerActor.options(**options).remote(role, config, threads, self.config.log)
 
     def actors(self, role: str) -> list:
         return self.prefill if role == "prefill" else self.decode
@@ -401,9 +407,10 @@ class LocalCluster:
         members = [admin_pb2.Member(role=role, address=address)
                    for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
+        targets = {pool: policy.target for pool, policy in (self.config.autoscaling or {}).items()}
         with channel(self.admin_address, self.config.tls) as ch:
             admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
-                admin_pb2.Membership(members=members, desired_replicas=desired), timeout=10)
+                admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets), timeout=10)
 
     def drain(self, grace_s: float) -> int:
         """The router stops admitting (health NOT_SERVING, new requests UNAVAILABLE / 503) and

@@ -8,6 +8,7 @@ environment variables and command-line flags, in rising order of precedence.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +20,12 @@ ENV_PREFIX = "PDSERVE_"
 @dataclass(frozen=True)
 class Setting:
     name: str  # snake_case; the flag is --kebab-case, the variable PDSERVE_UPPER_CASE
-    type: type
-    default: Any
+    type: type  # int, float, str, bool (flag pair --x / --no-x) or list (of str; one or more)
+    default: Any  # written here only when no config dataclass owns it; else read from that field
     help: str
     choices: tuple[str, ...] | None = None
+    minimum: float | None = None  # the smallest value allowed (inclusive)
+    above: float | None = None  # values must be greater than this
 
     @property
     def flag(self) -> str:
@@ -33,54 +36,87 @@ class Setting:
         return ENV_PREFIX + self.name.upper()
 
 
-SERVE = (
-    Setting("model", str, "default", "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)"),
-    Setting("prefill", int, 1, "prefill workers"),
-    Setting("decode", int, 1, "decode workers"),
-    Setting("host", str, "127.0.0.1", "public API bind address (router gRPC and OpenAI HTTP)"),
-    Setting("port", int, 50051, "router gRPC port"),
-    Setting("http_port", int, 8000, "OpenAI-compatible HTTP port (-1: off)"),
-    Setting("advertise_host", str, None, "public address to report (default: --host, or the node IP for 0.0.0.0)"),
-    Setting("internal_host", str, None,
-            "internal plane bind address on every node: RouterAdmin, worker RPCs, worker /metrics, KV "
-            "transfer (default: each node's Ray IP; 127.0.0.1 for a Ray pdserve starts)"),
-    Setting("internal_advertise_host", str, None, "internal address peers dial, if not the bound one (one node only)"),
-    Setting("api_key", str, None, "clients must send 'Authorization: Bearer KEY' (prefer the variable or a file)"),
-    Setting("api_key_file", str, None, "file holding the API key"),
-    Setting("tls_ca", str, None, "internal mTLS: CA that signs every component's certificate"),
-    Setting("tls_cert", str, None, "internal mTLS: this cluster's component certificate (PEM)"),
-    Setting("tls_key", str, None, "internal mTLS: its private key (PEM)"),
-    Setting("public_tls_cert", str, None, "public API TLS: server certificate (PEM)"),
-    Setting("public_tls_key", str, None, "public API TLS: its private key (PEM)"),
-    Setting("public_tls_ca", str, None, "public API TLS: require client certificates signed by this CA"),
-    Setting("dtype", str, None, "weights and KV dtype (default: bfloat16; float32 equals transformers token for token)",
-            ("float32", "bfloat16", "float16")),
-    Setting("block_size", int, 16, "tokens per KV block"),
-    Setting("kv_cache_gib", float, 1.0, "KV cache per worker, GiB"),
-    Setting("max_model_len", int, None, "cap on prompt + output tokens (default: the model's)"),
-    Setting("kv_transfer_backend", str, "nixl", "how KV moves from prefill to decode workers", ("nixl", "tcp")),
-    Setting("lease_seconds", float, 30.0, "how long held KV waits to be pulled before it is freed"),
-    Setting("admission_wait_seconds", float, 30.0,
-            "how long a request waits for room in a full pool before RESOURCE_EXHAUSTED / HTTP 429"),
-    Setting("request_timeout_seconds", float, 600.0,
-            "a request's whole deadline; clients may ask for less (gRPC deadline, HTTP X-Request-Timeout)"),
-    Setting("max_waiting_requests", int, 256,
-            "requests without a first token yet; past it RESOURCE_EXHAUSTED / HTTP 429 at once"),
-    Setting("decode_idle_timeout_seconds", float, 60.0, "a decode stream silent this long migrates the request"),
-    Setting("hang_timeout_seconds", float, 30.0,
-            "a worker whose engine makes no progress this long while it holds work (or that does not answer) "
-            "is hung: its requests migrate and it is replaced"),
-    Setting("max_body_bytes", int, 4 << 20, "largest HTTP body or gRPC GenerateRequest"),
-    Setting("max_prompt_chars", int, 262_144, "largest text prompt, or all chat contents together"),
-    Setting("drain_grace_seconds", float, 30.0,
-            "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the cluster stops"),
-    Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)"),
-    Setting("address", str, None, "join this Ray cluster instead of starting one"),
-    Setting("cpus_per_worker", float, 0.01, "logical CPUs each worker's placement group reserves"),
-    Setting("gpus_per_worker", float, None, "GPUs per worker (default: 1 where CUDA is, else 0)"),
-    Setting("prefill_resource", str, None, "custom Ray resource naming the prefill node group"),
-    Setting("decode_resource", str, None, "custom Ray resource naming the decode node group"),
-)
+@functools.cache
+def serve_settings() -> tuple[Setting, ...]:
+    """The settings of ``pdserve serve``. A default that a config dataclass also uses is read
+    from that dataclass (or the constant its module owns), so every default is written once.
+    Built on first use: the owners import torch, which ``pdserve generate`` never needs."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kv_transfer import BACKENDS, DEFAULT_BACKEND
+    from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
+    from router.orchestrator import RouterLimits
+    from router.validation import RequestLimits
+    from wire.logs import FORMATS, LEVELS, LogConfig
+
+    limits, requests, log = RouterLimits(), RequestLimits(), LogConfig()
+    return (
+        Setting("model", str, EngineConfig.model, "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)"),
+        Setting("served_model_name", list, None,
+                "model name(s) the API answers to; /v1/models lists them all (default: 'smollm2' for the "
+                "default model, else MODEL as given)"),
+        Setting("prefill", int, 1, "prefill workers", minimum=1),
+        Setting("decode", int, 1, "decode workers", minimum=1),
+        Setting("host", str, "127.0.0.1", "public API bind address (router OpenAI HTTP and gRPC)"),
+        Setting("port", int, 8000, "OpenAI-compatible HTTP port, as `vllm serve --port` (0: any free; -1: off)",
+                minimum=-1),
+        Setting("grpc_port", int, 50051, "router gRPC port (pdserve.v1.Generation; 0: any free)", minimum=0),
+        Setting("advertise_host", str, None, "public address to report (default: --host, or the node IP for 0.0.0.0)"),
+        Setting("internal_host", str, None,
+                "internal plane bind address on every node: RouterAdmin, worker RPCs, worker /metrics, KV "
+                "transfer (default: each node's Ray IP; 127.0.0.1 for a Ray pdserve starts)"),
+        Setting("internal_advertise_host", str, None, "internal address peers dial, if not the bound one (one node only)"),
+        Setting("api_key", str, None, "clients must send 'Authorization: Bearer KEY' (prefer the variable or a file)"),
+        Setting("api_key_file", str, None, "file holding the API key"),
+        Setting("tls_ca", str, None, "internal mTLS: CA that signs every component's certificate"),
+        Setting("tls_cert", str, None, "internal mTLS: this cluster's component certificate (PEM)"),
+        Setting("tls_key", str, None, "internal mTLS: its private key (PEM)"),
+        Setting("public_tls_cert", str, None, "public API TLS: server certificate (PEM)"),
+        Setting("public_tls_key", str, None, "public API TLS: its private key (PEM)"),
+        Setting("public_tls_ca", str, None, "public API TLS: require client certificates signed by this CA"),
+        Setting("tokenizer", str, None, "HF directory of the tokenizer to use (default: the model's)"),
+        Setting("chat_template", str, None, "Jinja chat template, a file or the template itself (default: the tokenizer's)"),
+        Setting("dtype", str, EngineConfig.dtype,
+                "weights and KV dtype (default: bfloat16; float32 equals transformers token for token)",
+                ("float32", "bfloat16", "float16")),
+        Setting("seed", int, EngineConfig.seed, "seed of the workers' sampling generators", minimum=0),
+        Setting("block_size", int, CacheConfig.block_size, "tokens per KV block", minimum=1),
+        Setting("kv_cache_gib", float, CacheConfig.memory_budget_bytes / (1 << 30), "KV cache per worker, GiB", above=0),
+        Setting("enable_prefix_caching", bool, CacheConfig.enable_prefix_cache, "reuse KV of shared prompt prefixes"),
+        Setting("max_num_seqs", int, SchedulerConfig.max_num_seqs, "sequences one worker batches at once", minimum=1),
+        Setting("max_num_batched_tokens", int, SchedulerConfig.max_num_batched_tokens,
+                "tokens one engine step may compute (the prefill chunk)", minimum=1),
+        Setting("max_model_len", int, EngineConfig.max_model_len, "cap on prompt + output tokens (default: the model's)",
+                minimum=1),
+        Setting("kv_transfer_backend", str, DEFAULT_BACKEND, "how KV moves from prefill to decode workers", BACKENDS),
+        Setting("lease_seconds", float, DEFAULT_LEASE_SECONDS, "how long held KV waits to be pulled before it is freed",
+                above=0),
+        Setting("admission_wait_seconds", float, limits.admission_wait_s,
+                "how long a request waits for room in a full pool before RESOURCE_EXHAUSTED / HTTP 429", minimum=0),
+        Setting("request_timeout_seconds", float, limits.request_timeout_s,
+                "a request's whole deadline; clients may ask for less (gRPC deadline, HTTP X-Request-Timeout)", above=0),
+        Setting("max_waiting_requests", int, limits.max_waiting_requests,
+                "requests without a first token yet; past it RESOURCE_EXHAUSTED / HTTP 429 at once", minimum=1),
+        Setting("decode_idle_timeout_seconds", float, limits.decode_idle_timeout_s,
+                "a decode stream silent this long migrates the request", above=0),
+        Setting("hang_timeout_seconds", float, 30.0,
+                "a worker whose engine makes no progress this long while it holds work (or that does not answer) "
+                "is hung: its requests migrate and it is replaced", above=0),
+        Setting("max_body_bytes", int, requests.max_body_bytes, "largest HTTP body or gRPC GenerateRequest", minimum=1),
+        Setting("max_prompt_chars", int, requests.max_prompt_chars, "largest text prompt, or all chat contents together",
+                minimum=1),
+        Setting("drain_grace_seconds", float, 30.0,
+                "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the cluster stops", minimum=0),
+        Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)", minimum=1),
+        Setting("address", str, None, "join this Ray cluster instead of starting one"),
+        Setting("cpus_per_worker", float, 0.01, "logical CPUs each worker's placement group reserves", above=0),
+        Setting("gpus_per_worker", float, None, "GPUs per worker (default: 1 where CUDA is, else 0)", minimum=0),
+        Setting("prefill_resource", str, None, "custom Ray resource naming the prefill node group"),
+        Setting("decode_resource", str, None, "custom Ray resource naming the decode node group"),
+        Setting("log_level", str, log.level, "log level of every process", LEVELS),
+        Setting("log_format", str, log.format, "log lines as text or one JSON object per line", FORMATS),
+    )
+
+
 # Autoscaling has per-pool settings, so it comes only from the file, as an ``autoscaling:``
 # section (see cluster/autoscaling); its presence turns autoscaling on.
 
@@ -89,21 +125,32 @@ class SettingsError(ValueError):
     """A setting could not be read; the message names where it came from."""
 
 
-def add_arguments(parser: argparse.ArgumentParser, settings=SERVE) -> None:
+def add_arguments(parser: argparse.ArgumentParser, settings: tuple[Setting, ...] | None = None) -> None:
     """Flags default to None so that only flags actually given override the file and env."""
+    settings = settings or serve_settings()
     parser.add_argument("--config", type=Path, default=None, help="YAML file of settings (keys as below, snake_case)")
     for s in settings:
-        if s.name == "model":
-            parser.add_argument("model", nargs="?", default=None, help=f"{s.help}; env {s.env}")
-            continue
         default = f" (default {s.default})" if s.default is not None else ""
-        metavar = None if s.choices else {int: "N", float: "X", str: "TEXT"}[s.type]
-        parser.add_argument(s.flag, type=s.type, choices=s.choices, default=None, metavar=metavar,
-                            help=f"{s.help}{default}; env {s.env}")
+        env = f"; env {s.env}"
+        if s.name == "model":
+            parser.add_argument("model", nargs="?", default=None, help=f"{s.help}{env}")
+        elif s.type is bool:
+            parser.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{s.help}{default}{env}")
+        elif s.type is list:
+            parser.add_argument(s.flag, nargs="+", default=None, metavar="NAME", help=f"{s.help}{env} (comma-separated)")
+        else:
+            metavar = None if s.choices else {int: "N", float: "X", str: "TEXT"}[s.type]
+            parser.add_argument(s.flag, type=str, choices=s.choices, default=None, metavar=metavar,
+                                help=f"{s.help}{default}{env}")
 
 
-def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ, settings=SERVE) -> dict[str, Any]:
-    """defaults < YAML file < environment < flags."""
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
+            settings: tuple[Setting, ...] | None = None) -> dict[str, Any]:
+    """defaults < YAML file < environment < flags. Every value is converted and checked
+    against its setting's type, choices and bounds; a bad one raises ``SettingsError`` naming
+    the key and where it came from (the flag, the variable, or the file and key)."""
+    settings = settings or serve_settings()
     values = {s.name: s.default for s in settings}
     values["autoscaling"] = None  # only from the file: per-pool settings do not fit in flags
     if getattr(args, "config", None):
@@ -114,7 +161,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ, s
     for s in settings:
         given = getattr(args, s.name, None)
         if given is not None:
-            values[s.name] = given
+            values[s.name] = _convert(s, given, "argument" if s.name == "model" else s.flag)
     return values
 
 
@@ -140,11 +187,33 @@ def _from_file(path: Path, settings) -> dict[str, Any]:
     return out
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _convert(s: Setting, raw: Any, where: str) -> Any:
+    """``raw`` (a string from a flag or variable, or a YAML value) as ``s.type``, checked."""
+    if s.type is list:
+        items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        value = tuple(str(v).strip() for v in items if str(v).strip())
+        if not value:
+            raise SettingsError(f"{where}: {s.name} needs at least one name")
+        return value
+    if s.type is bool:
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in _TRUE + _FALSE:
+            return str(raw).lower() in _TRUE
+        raise SettingsError(f"{where}: {raw!r} is not a valid bool for {s.name} (true or false)")
     try:
+        if s.type is not str and isinstance(raw, bool):
+            raise ValueError("a bool is not a number")
         value = s.type(raw)
     except (TypeError, ValueError) as exc:
         raise SettingsError(f"{where}: {raw!r} is not a valid {s.type.__name__} for {s.name}") from exc
     if s.choices and value not in s.choices:
-        raise SettingsError(f"{where}: {value!r} is not one of {', '.join(s.choices)}")
+        raise SettingsError(f"{where}: {value!r} is not one of {', '.join(s.choices)} for {s.name}")
+    if s.minimum is not None and value < s.minimum:
+        raise SettingsError(f"{where}: {s.name} must be at least {s.minimum:g}, got {value!r}")
+    if s.above is not None and value <= s.above:
+        raise SettingsError(f"{where}: {s.name} must be greater than {s.above:g}, got {value!r}")
     return value

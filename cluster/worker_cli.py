@@ -31,34 +31,39 @@ import socket
 import sys
 from typing import Any
 
-from cluster.settings import SERVE, Setting, SettingsError, add_arguments, resolve
+import functools
+
+from cluster.settings import Setting, SettingsError, add_arguments, resolve, serve_settings
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
 
 _SHARED = ("model", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
-           "drain_grace_seconds", "threads_per_worker", "host", "port", "http_port", "advertise_host",
+           "drain_grace_seconds", "threads_per_worker", "host", "port", "grpc_port", "advertise_host",
            "internal_host", "internal_advertise_host", "api_key", "api_key_file", "tls_ca", "tls_cert", "tls_key",
            "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars")
-WORKER = (
-    Setting("role", str, None, "which role this process serves", ROLES),
-    *(s for s in SERVE if s.name in _SHARED),
-    Setting("internal_port", int, 0, "internal plane port: a worker's gRPC, the router's RouterAdmin (0: any)"),
-    Setting("metrics_port", int, 0, "a worker's Prometheus /metrics port, on the internal host (0: any)"),
-    Setting("health_port", int, None, "plain HTTP /health for probes on the internal host (default: off)"),
-    Setting("worker_id", str, None, "a worker's name in stats and metrics (default: the host name)"),
-    Setting("router_admin", str, None, "a worker joins the router's membership here (its internal host:port)"),
-    Setting("join_interval_seconds", float, 5.0, "how often a worker checks that it is in the router's table"),
-    Setting("member_timeout_seconds", float, 30.0, "the router drops a worker that has not answered this long"),
-)
+@functools.cache
+def worker_settings() -> tuple[Setting, ...]:
+    """The settings of ``pdserve worker``: ``pdserve serve``'s that one process needs, and its own."""
+    return (
+        Setting("role", str, None, "which role this process serves", ROLES),
+        *(s for s in serve_settings() if s.name in _SHARED),
+        Setting("internal_port", int, 0, "internal plane port: a worker's gRPC, the router's RouterAdmin (0: any)"),
+        Setting("metrics_port", int, 0, "a worker's Prometheus /metrics port, on the internal host (0: any)"),
+        Setting("health_port", int, None, "plain HTTP /health for probes on the internal host (default: off)"),
+        Setting("worker_id", str, None, "a worker's name in stats and metrics (default: the host name)"),
+        Setting("router_admin", str, None, "a worker joins the router's membership here (its internal host:port)"),
+        Setting("join_interval_seconds", float, 5.0, "how often a worker checks that it is in the router's table"),
+        Setting("member_timeout_seconds", float, 30.0, "the router drops a worker that has not answered this long"),
+    )
 
 
 def add_worker_parser(sub) -> None:
     p = sub.add_parser("worker", help="run one role (prefill, decode or router) as a plain process, without Ray",
                        description=__doc__.split("\n\n")[0] + " Settings come from flags, PDSERVE_* variables "
                                    "and --config FILE.yaml, in that order of precedence.")
-    add_arguments(p, WORKER)
+    add_arguments(p, worker_settings())
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -87,7 +92,7 @@ def settings(args: argparse.Namespace, environ=None) -> dict[str, Any]:
     """The resolved settings, checked for what the role needs."""
     import os
 
-    v = resolve(args, os.environ if environ is None else environ, WORKER)
+    v = resolve(args, os.environ if environ is None else environ, worker_settings())
     if v["role"] is None:
         raise SettingsError("role: required (--role prefill|decode|router, or PDSERVE_ROLE)")
     if v["role"] != "router" and not v["router_admin"]:

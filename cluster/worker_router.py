@@ -22,13 +22,13 @@ log = logging.getLogger(__name__)
 
 
 def router_config(v: dict[str, Any]):
-    from cluster.cli import _router_limits
+    from cluster.serve_config import _router_limits
     from router.auth import read_key
     from router.server import RouterConfig
     from wire import tls
 
-    return RouterConfig(engine=engine_config(v), host=v["host"], port=v["port"],
-                        http_port=None if v["http_port"] < 0 else v["http_port"], advertise_host=v["advertise_host"],
+    return RouterConfig(engine=engine_config(v), host=v["host"], grpc_port=v["grpc_port"],
+                        http_port=None if v["port"] < 0 else v["port"], advertise_host=v["advertise_host"],
                         api_key=read_key(v["api_key"], v["api_key_file"]),
                         public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"],
                                             prefix="public_tls", require_ca=False),

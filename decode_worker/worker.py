@@ -11,9 +11,10 @@ from engine.config import EngineConfig
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
-from kv_transfer import InvalidTransferRequest, TransferHandle, TransferState, create_agent
+from kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
 from kv_transfer.handoff import KVHandle
 from protos import kv_transfer_pb2
+from wire import metrics
 from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
 from wire.worker_shell import WorkerShell
@@ -32,7 +33,7 @@ class DecodeWorkerConfig:
     tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls)
     port: int = 0
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
-    kv_transfer_backend: str = "nixl"
+    kv_transfer_backend: str = DEFAULT_BACKEND
     transfer_timeout_s: float = 10.0  # a read not done by then fails (and the router re-prefills)
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight streams may finish
@@ -124,7 +125,10 @@ class DecodeWorker(WorkerShell):
             del self._transfers[request_id]
             if state is TransferState.DONE:
                 self.engine.kv_ready(request_id)
-                arrived.append((request_id, KVArrived(handle.nbytes, handle.finished_at - handle.started_at)))
+                seconds = handle.finished_at - handle.started_at
+                metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
+                                         handle.nbytes, len(handle.local_block_ids))  # one descriptor per block
+                arrived.append((request_id, KVArrived(handle.nbytes, seconds)))
             else:
                 self.engine.abort(request_id)
                 arrived.append((request_id, TransferFailed(f"KV transfer {state.name.lower()}: {handle.error}")))

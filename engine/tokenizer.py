@@ -11,13 +11,17 @@ from engine.errors import ModelLoadError
 class Tokenizer:
     """Thin wrapper over a ``transformers`` fast tokenizer saved beside the weights."""
 
-    def __init__(self, model_dir: Path | str):
+    def __init__(self, model_dir: Path | str, chat_template: str | None = None):
+        """``chat_template``: a Jinja template, or a file holding one, that replaces the
+        tokenizer's own (``pdserve serve --chat-template``)."""
         from transformers import AutoTokenizer
 
         try:
             self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         except Exception as exc:  # transformers raises OSError/ValueError/... for a bad dir
             raise ModelLoadError(str(model_dir), f"cannot load tokenizer ({exc})") from exc
+        if chat_template is not None:
+            self.hf.chat_template = read_chat_template(chat_template)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -34,6 +38,17 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send plain text or token ids")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.hf.encode(text, add_special_tokens=False)
+
+
+def read_chat_template(value: str) -> str:
+    """The template itself: ``value`` names a file (read it) or is the Jinja text (as
+    ``vllm serve --chat-template`` takes either). Raises ValueError naming chat_template."""
+    if "{" in value:  # Jinja text always has a tag or an expression
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise ValueError(f"chat_template: cannot read {value!r} ({exc.strerror})") from exc
 
 
 class IncrementalDetokenizer:

@@ -41,6 +41,7 @@ from planner.metrics import SimResult
 from planner.trace import TraceRequest
 from planner.worker import EngineLimits, SimSeq, SimWorker
 from planner.routing import RoutingIndex, snapshot
+from router.orchestrator import RouterLimits
 from router.policy import WorkerSnapshot, pick_decode, pick_prefill
 
 ARRIVE, STEP, XFER, TICK, READY = range(5)
@@ -77,8 +78,8 @@ class ClusterSpec:
     prefill_cost: CostModel
     decode_cost: CostModel
     limits: EngineLimits = field(default_factory=EngineLimits)
-    max_queued_tokens: int = 65536  # router.orchestrator.RouterLimits.max_queued_tokens_per_prefill
-    admission_wait_s: float = 30.0  # RouterLimits.admission_wait_s
+    max_queued_tokens: int = RouterLimits.max_queued_tokens_per_prefill  # the router's own limits
+    admission_wait_s: float = RouterLimits.admission_wait_s
     startup_s: float = 30.0  # a new worker's time to load the model (autoscaling)
 
 

@@ -10,10 +10,10 @@ from engine.config import EngineConfig
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
-from kv_transfer import create_agent
+from kv_transfer import DEFAULT_BACKEND, create_agent
 from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
-from kv_transfer.handoff import Lease, LeaseTable, ReleaseReason
+from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason
 from wire.worker_shell import WorkerShell
 
 # While KV is held, a decode worker's read can complete at any moment and its notification
@@ -31,8 +31,8 @@ class PrefillWorkerConfig:
     tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls)
     port: int = 0  # 0: any free port
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
-    lease_seconds: float = 30.0  # held KV is freed this long after the first token at the latest
-    kv_transfer_backend: str = "nixl"
+    lease_seconds: float = DEFAULT_LEASE_SECONDS  # held KV is freed this long after the first token at the latest
+    kv_transfer_backend: str = DEFAULT_BACKEND
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight prompts and held KV may finish
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED

@@ -17,7 +17,7 @@ class Member(_message.Message):
     def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class Membership(_message.Message):
-    __slots__ = ("members", "desired_replicas")
+    __slots__ = ("members", "desired_replicas", "signal_targets")
     class DesiredReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,11 +25,20 @@ class Membership(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class SignalTargetsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     DESIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_TARGETS_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[Member]
     desired_replicas: _containers.ScalarMap[str, int]
-    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    signal_targets: _containers.ScalarMap[str, float]
+    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ..., signal_targets: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class MembershipAck(_message.Message):
     __slots__ = ("prefill_workers", "decode_workers")

@@ -14,6 +14,7 @@ class RouterAdminService(admin_pb2_grpc.RouterAdminServicer):
 
     async def SetMembership(self, request, context):
         self.pool.desired_replicas.update(request.desired_replicas)
+        self.pool.signal_targets.update(request.signal_targets)
         await self.pool.set_members([(m.role, m.address) for m in request.members])
         roles = [role for role, _ in self.pool.members()]
         return admin_pb2.MembershipAck(prefill_workers=roles.count("prefill"), decode_workers=roles.count("decode"))

@@ -18,11 +18,19 @@ from wire.convert import sampling_from_proto
 class ModelInfo:
     """What the router knows about the served model (no weights)."""
 
-    name: str
+    name: str  # the name responses report (the first served name)
     config: ModelConfig
     max_model_len: int
     block_size: int  # the workers' KV block size, to estimate a request's blocks
     tokenizer: Tokenizer
+    aliases: tuple[str, ...] = ()  # further names requests may use (`--served-model-name a b`)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def serves(self, name: str) -> bool:
+        return name in self.names
 
 
 @dataclass(frozen=True)
@@ -39,8 +47,9 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     The size limits come first, so that no request tokenizes or templates more than they allow.
     Runs on a worker thread (the tokenizer's work is off the event loop).
     """
-    if req.model and req.model != model.name:
-        raise InvalidRequestError("model", f"unknown model {req.model!r}; this server serves {model.name!r}")
+    if req.model and not model.serves(req.model):
+        raise InvalidRequestError("model", f"unknown model {req.model!r}; this server serves "
+                                           f"{', '.join(map(repr, model.names))}")
     check_limits(req, limits)
     kind = req.WhichOneof("input")
     if kind is None:

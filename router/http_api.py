@@ -32,6 +32,7 @@ from router.orchestrator import RouteError
 from router.service import GenerationService
 from router.validation import HttpError, decode_json, parse_body
 from wire.address import Endpoint, resolve
+from wire.logs import ACCESS_FORMAT, ACCESS_LOGGER
 from wire.tls import TlsConfig
 
 _ROUTE_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
@@ -94,7 +95,7 @@ class OpenAIFront:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise HttpError(400, f"body is over the router's limit max_body_bytes={limit}", param="body") from None
-        name = self.service.model.name
+        name = self.service.model.names
         if len(raw) > _PARSE_OFF_LOOP_BYTES:
             return await asyncio.to_thread(lambda: parse_body(decode_json(raw), chat, name))
         return parse_body(decode_json(raw), chat, name)
@@ -164,7 +165,8 @@ class OpenAIFront:
     async def models(self, request: web.Request) -> web.Response:
         m = self.service.model
         return web.json_response({"object": "list", "data": [{
-            "id": m.name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": m.max_model_len}]})
+            "id": name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": m.max_model_len}
+            for name in m.names]})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.service.draining:
@@ -211,7 +213,7 @@ async def start(service: GenerationService, host: str | Endpoint, port: int, *, 
         app.middlewares.append(auth.http_middleware(api_key))
     # handler_cancellation: a client that disconnects cancels its handler (aiohttp's default
     # since 3.9 is to let it run on), so its request stops using the workers at once.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(app, access_log=ACCESS_LOGGER, access_log_format=ACCESS_FORMAT, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, endpoint.bind_host, port, ssl_context=tls.http_server_context() if tls else None)
     await site.start()

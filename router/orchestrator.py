@@ -104,7 +104,7 @@ class RequestRun:
         self.arrived = arrived if arrived is not None else time.monotonic()  # the loop's clock (monotonic)
         self.timeout_s = timeout_s if timeout_s is not None else limits.request_timeout_s
         self.progress = Progress()
-        self.metrics = RequestMetrics(arrived=arrived)
+        self.metrics = RequestMetrics(arrived=arrived, model_name=model.name)
         self._detok = IncrementalDetokenizer(model.tokenizer, req.params.stop)
 
     async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:

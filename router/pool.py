@@ -98,6 +98,7 @@ class WorkerPool:
     hang_timeout_s: float = 30.0
     workers: dict[str, WorkerClient] = field(default_factory=dict)
     desired_replicas: dict[str, int] = field(default_factory=dict)  # set by the controller
+    signal_targets: dict[str, float] = field(default_factory=dict)  # the autoscaler's, set by the controller
     _task: asyncio.Task | None = None
     _placements: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -151,7 +152,8 @@ class WorkerPool:
         """Set the per-pool gauges from the workers' last stats."""
         for pool, load in pool_loads(self.workers.values()).items():
             desired = self.desired_replicas.get(pool, load.replicas)  # no autoscaler: the current size
-            metrics.set_pool(pool, load.running, load.waiting, load.kv_usage, load.replicas, desired=desired)
+            metrics.set_pool(pool, load.running, load.waiting, load.kv_usage, load.replicas, desired=desired,
+                             target=self.signal_targets.get(pool))
 
     def mark_down(self, address: str) -> None:
         client = self.workers.get(address)

@@ -22,6 +22,7 @@ from router.frontend import ModelInfo
 from router.orchestrator import RouterLimits
 from router.pool import WorkerPool
 from router.service import GenerationService
+from wire import metrics
 from wire.address import resolve
 from wire.grpc_util import aio_server, bind
 from wire.server import RunningServer, add_health, set_serving
@@ -34,9 +35,11 @@ ADMIN_SERVICE = "pdserve.v1.RouterAdmin"
 @dataclass(frozen=True)
 class RouterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # model, max_model_len, block size
-    model_name: str = "smollm2"  # the id ListModels and the OpenAI API report
+    served_model_names: tuple[str, ...] = ("smollm2",)  # the ids ListModels and /v1/models list; first reported
+    tokenizer: str | None = None  # tokenizer directory; None: the model's
+    chat_template: str | None = None  # Jinja chat template (a file or the text); None: the tokenizer's
     host: str = "127.0.0.1"  # public plane bind address (gRPC Generation and OpenAI HTTP)
-    port: int = 50051
+    grpc_port: int = 50051
     http_port: int | None = 8000  # OpenAI-compatible HTTP; None: gRPC only
     advertise_host: str | None = None  # the public address to report; None: from host (wire.address)
     api_key: str | None = None  # required on the public plane when set (router.auth)
@@ -60,13 +63,16 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
     model_dir = materialize(config.engine.model, progress=False)
     cfg = read_model_config(model_dir)
     max_len = min(config.engine.max_model_len or cfg.max_model_len, cfg.max_model_len)
-    return ModelInfo(config.model_name, cfg, max_len, config.engine.cache.block_size, Tokenizer(model_dir))
+    tokenizer = Tokenizer(config.tokenizer or model_dir, chat_template=config.chat_template)
+    first, *aliases = config.served_model_names
+    return ModelInfo(first, cfg, max_len, config.engine.cache.block_size, tokenizer, tuple(aliases))
 
 
 async def start(config: RouterConfig) -> RunningServer:
     """Two servers: the public plane (``Generation``, health, reflection, the OpenAI API) and
     the internal plane (``RouterAdmin``, health), each on its own port and address."""
     model = await asyncio.to_thread(load_model_info, config)
+    metrics.register_model(model.name)
     pool = WorkerPool(config.stats_interval_s, tls=config.tls, hang_timeout_s=config.hang_timeout_s)
     for address in config.prefill_addresses:
         pool.add("prefill", address)
@@ -77,7 +83,7 @@ async def start(config: RouterConfig) -> RunningServer:
     public = resolve(config.host, config.advertise_host)
     server = aio_server([ApiKeyInterceptor(config.api_key)] if config.api_key else (),
                         max_receive_bytes=max(config.max_receive_bytes, 2 * config.limits.requests.max_body_bytes))
-    address = bind(server, public, config.port, config.public_tls)
+    address = bind(server, public, config.grpc_port, config.public_tls)
     service.add_to(server)  # raw-bytes deserializers: garbage is INVALID_ARGUMENT, not UNKNOWN
     health = add_health(server, [SERVICE])
     names = (pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "grpc.health.v1.Health",

@@ -167,7 +167,7 @@ def _param(loc: tuple) -> str:
     return out or "body"
 
 
-def parse_body(body: Any, chat: bool, model_name: str) -> tuple[pdserve_pb2.GenerateRequest, Options]:
+def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...]) -> tuple[pdserve_pb2.GenerateRequest, Options]:
     """A decoded JSON body -> the wire request and answer options; ``HttpError`` naming the
     parameter for anything the models refuse."""
     if not isinstance(body, dict):
@@ -178,9 +178,10 @@ def parse_body(body: Any, chat: bool, model_name: str) -> tuple[pdserve_pb2.Gene
         err = exc.errors(include_url=False)[0]
         param = _param(err["loc"])
         raise HttpError(400, f"{param}: {err['msg']}", param=param) from None
-    if parsed.model is not None and parsed.model != model_name:
-        raise HttpError(404, f"model {parsed.model!r} does not exist; this server serves {model_name!r}",
-                        "NotFoundError", "model")
+    names = (model_names,) if isinstance(model_names, str) else model_names
+    if parsed.model is not None and parsed.model not in names:
+        raise HttpError(404, f"model {parsed.model!r} does not exist; this server serves "
+                             f"{', '.join(map(repr, names))}", "NotFoundError", "model")
     if parsed.stream_options is not None and not parsed.stream:
         raise HttpError(400, "stream_options needs stream: true", param="stream_options")
     req = pdserve_pb2.GenerateRequest()

@@ -6,7 +6,7 @@ prometheus_client's global default registry (other libraries in the process writ
 A process fills only its own families; ``render()`` serves the router's ``/metrics`` and
 ``serve_worker`` starts a worker's.
 
-Router, per request (router/orchestrator.py):
+Router, per request (router/orchestrator.py), label ``model_name`` (the first served name):
 
 - histogram ``pdserve:time_to_first_token_seconds``: request start to the first token sent
 - histogram ``pdserve:inter_token_latency_seconds``: between two token batches sent
@@ -20,6 +20,8 @@ Router, per request (router/orchestrator.py):
 - counter ``pdserve:request_failures_total{code}``: gRPC status of requests that failed while
   routing (malformed requests rejected before routing are not counted)
 - counter ``pdserve:prompt_tokens_total``, ``pdserve:generation_tokens_total``
+- histogram ``pdserve:request_prompt_tokens``: one request's prompt tokens (first prefill)
+- histogram ``pdserve:request_generation_tokens``: tokens one request was sent (at its finish)
 - counter ``pdserve:request_retries_total``: prefill attempts a worker failed (unreachable or
   full); the router then tries another if one is left
 - counter ``pdserve:request_migrations_total``: re-prefills after a lost decode (transfer or worker)
@@ -31,6 +33,9 @@ Router, per stats poll (router/pool.py), label ``pool`` (prefill, decode):
 - gauge ``pdserve:kv_cache_usage_perc``: the pool's used KV blocks over its total, 0..1
 - gauge ``pdserve:pool_replicas``: healthy workers
 - gauge ``pdserve:autoscaler_desired_replicas``: what the autoscaler wants
+- gauge ``pdserve:autoscaler_signal_target``: the autoscaler's per-worker target of the pool's
+  primary signal (prefill: ``worker_num_waiting_prompt_tokens``; decode:
+  ``worker_kv_cache_usage_perc``); absent without autoscaling
 
 Workers, read from the engine and the KV agent at each scrape; labels ``pool``, ``worker``:
 
@@ -43,6 +48,14 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
 - counter ``pdserve:prefix_cache_queries_total``, ``pdserve:prefix_cache_hits_total``: prompt
   tokens looked up and found (whole blocks only), as vLLM counts them
 - counter ``pdserve:forward_tokens_total``: tokens run through the model
+- counter ``pdserve:num_preemptions_total``: sequences whose KV was freed to make room
+
+Decode workers, per KV read, labels ``pool``, ``worker``, ``backend`` (nixl, tcp), as vLLM's
+NIXL connector reports them:
+
+- histogram ``pdserve:worker_kv_transfer_seconds``: start of the read to its completion
+- histogram ``pdserve:worker_kv_transfer_bytes``: bytes one read moved
+- histogram ``pdserve:worker_kv_transfer_descriptors``: descriptors (one per KV block) one read posted
 
 The per-worker gauges carry a ``worker_`` prefix because the router exports the pool sums
 under the plain names: one name per meaning, so ``sum by (pool)`` never adds a pool's sum to
@@ -53,11 +66,12 @@ from __future__ import annotations
 
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import (CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest, start_http_server)
+                               disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protos import worker_pb2
@@ -68,7 +82,10 @@ from wire.latency import RecentLatencies
 disable_created_metrics()
 
 REGISTRY = CollectorRegistry()
+# What a worker's own /metrics serves: its families and its transfer histograms, no router family.
+WORKER_REGISTRY = CollectorRegistry()
 POOL_LABEL = "pool"
+MODEL_LABEL = "model_name"
 
 # CPU latencies: a TTFT is ~0.1 s for a short prompt and minutes for a long one in a queue;
 # the prefill timeout is 600 s.
@@ -78,10 +95,20 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
                5.0, 10.0, 20.0)
 # A NIXL read of a few MiB takes milliseconds; injected delays and timeouts reach seconds.
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+# Token counts, 1-2-5 steps up to the longest context a supported model has (128 Ki).
+TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(5) for m in (1, 2, 5)) + (100000.0, 131072.0)
+# One prompt's KV: SmolLM2-135M holds 30 layers * 2 * 3 heads * 64 * 2 bytes = 23 KiB per token
+# in bfloat16, so a 16-token block is ~360 KiB and a long prompt hundreds of MiB.
+TRANSFER_BYTES_BUCKETS = tuple(float(4 ** k << 10) for k in range(2, 13))  # 16 KiB .. 16 GiB
+DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0, 16384.0)
 
 
 def _histogram(name: str, doc: str, buckets: tuple[float, ...] = REQUEST_BUCKETS) -> Histogram:
-    return Histogram(name, doc, buckets=buckets, registry=REGISTRY)
+    return Histogram(name, doc, [MODEL_LABEL], buckets=buckets, registry=REGISTRY)
+
+
+def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+    return Counter(name, doc, [*labels, MODEL_LABEL], registry=REGISTRY)
 
 
 # ---- router: requests -------------------------------------------------------------------
@@ -95,15 +122,17 @@ PREFILL_TIME = _histogram("pdserve:request_prefill_time_seconds",
 DECODE_TIME = _histogram("pdserve:request_decode_time_seconds", "First token to finish.")
 KV_TRANSFER_TIME = _histogram("pdserve:kv_transfer_seconds", "One prompt's KV read by a decode worker.",
                               TRANSFER_BUCKETS)
-REQUEST_SUCCESS = Counter("pdserve:request_success_total", "Finished requests, by finish reason.",
-                          ["finished_reason"], registry=REGISTRY)
-REQUEST_FAILURES = Counter("pdserve:request_failures_total", "Requests that failed while routing, by gRPC status.",
-                           ["code"], registry=REGISTRY)
-PROMPT_TOKENS = Counter("pdserve:prompt_tokens_total", "Prompt tokens of requests prefilled.", registry=REGISTRY)
-GENERATION_TOKENS = Counter("pdserve:generation_tokens_total", "Tokens sent to clients.", registry=REGISTRY)
-RETRIES = Counter("pdserve:request_retries_total", "Prefill attempts a worker failed (unreachable or full).",
-                  registry=REGISTRY)
-MIGRATIONS = Counter("pdserve:request_migrations_total", "Re-prefills after a lost decode.", registry=REGISTRY)
+REQUEST_PROMPT_TOKENS = _histogram("pdserve:request_prompt_tokens", "Prompt tokens of one request.", TOKEN_BUCKETS)
+REQUEST_GENERATION_TOKENS = _histogram("pdserve:request_generation_tokens", "Tokens one request was sent.",
+                                       TOKEN_BUCKETS)
+REQUEST_SUCCESS = _counter("pdserve:request_success_total", "Finished requests, by finish reason.",
+                           ("finished_reason",))
+REQUEST_FAILURES = _counter("pdserve:request_failures_total", "Requests that failed while routing, by gRPC status.",
+                            ("code",))
+PROMPT_TOKENS = _counter("pdserve:prompt_tokens_total", "Prompt tokens of requests prefilled.")
+GENERATION_TOKENS = _counter("pdserve:generation_tokens_total", "Tokens sent to clients.")
+RETRIES = _counter("pdserve:request_retries_total", "Prefill attempts a worker failed (unreachable or full).")
+MIGRATIONS = _counter("pdserve:request_migrations_total", "Re-prefills after a lost decode.")
 
 # ---- router: pools ----------------------------------------------------------------------
 RUNNING = Gauge("pdserve:num_requests_running", "Requests running in the pool.", [POOL_LABEL], registry=REGISTRY)
@@ -113,6 +142,8 @@ KV_USAGE = Gauge("pdserve:kv_cache_usage_perc", "Fraction of the pool's KV block
 REPLICAS = Gauge("pdserve:pool_replicas", "Healthy workers in the pool.", [POOL_LABEL], registry=REGISTRY)
 DESIRED_REPLICAS = Gauge("pdserve:autoscaler_desired_replicas", "Workers the autoscaler wants in the pool.",
                          [POOL_LABEL], registry=REGISTRY)
+SIGNAL_TARGET = Gauge("pdserve:autoscaler_signal_target",
+                      "The autoscaler's per-worker target of the pool's primary signal.", [POOL_LABEL], registry=REGISTRY)
 
 # The same TTFT and ITL observations, kept exactly for a few minutes: the autoscaler asks the
 # router for their recent p90 (RouterAdmin.GetLatency), its SLO signals.
@@ -126,8 +157,20 @@ def render() -> tuple[bytes, str]:
     return generate_latest(REGISTRY), CONTENT_TYPE_PLAIN_0_0_4
 
 
-def set_pool(pool: str, running: int, waiting: int, kv_usage: float, replicas: int, desired: int) -> None:
-    """Publish one pool's gauges (the router, after each stats poll)."""
+def register_model(model_name: str) -> None:
+    """Create the model's request series at zero when the router starts, so that a dashboard
+    reads 0 retries or migrations, not "no data", before the first one happens."""
+    for family in (TTFT, ITL, E2E, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_TIME, REQUEST_PROMPT_TOKENS,
+                   REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, RETRIES, MIGRATIONS):
+        family.labels(model_name)
+
+
+def set_pool(pool: str, running: int, waiting: int, kv_usage: float, replicas: int, desired: int,
+             target: float | None = None) -> None:
+    """Publish one pool's gauges (the router, after each stats poll); ``target``: the
+    autoscaler's signal target, None without autoscaling."""
+    if target is not None:
+        SIGNAL_TARGET.labels(pool).set(target)
     RUNNING.labels(pool).set(running)
     WAITING.labels(pool).set(waiting)
     KV_USAGE.labels(pool).set(kv_usage)
@@ -141,35 +184,41 @@ class RequestMetrics:
     Latencies count from ``arrived`` (a ``clock`` reading taken when the request reached the
     router, before tokenization and validation; now when not given), as a client sees them.
     ``clock`` is injectable for tests. A request is counted once, by the first of
-    ``finished`` or ``failed``; later calls are ignored.
+    ``finished`` or ``failed``; later calls are ignored. Every family carries ``model_name``.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, arrived: float | None = None):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, arrived: float | None = None,
+                 model_name: str = ""):
         self._clock = clock
+        self.model_name = model_name
         self.started = clock() if arrived is None else arrived
         self.first_token_at: float | None = None
         self._last_sent_at: float | None = None
+        self.generated = 0  # tokens sent so far
         self.outcome: str | None = None  # the finish reason or failure code, once counted
 
     def prefilled(self, prompt_tokens: int, queue_s: float, prefill_s: float, admission_s: float = 0.0) -> None:
         """The first prefill answered; ``prefill_s`` is the worker's queue + compute time.
         Queue time also counts ``admission_s``, the wait in the router for room in a full pool."""
-        PROMPT_TOKENS.inc(prompt_tokens)
-        QUEUE_TIME.observe(admission_s + queue_s)
-        PREFILL_TIME.observe(max(0.0, prefill_s - queue_s))
+        m = self.model_name
+        PROMPT_TOKENS.labels(m).inc(prompt_tokens)
+        REQUEST_PROMPT_TOKENS.labels(m).observe(prompt_tokens)
+        QUEUE_TIME.labels(m).observe(admission_s + queue_s)
+        PREFILL_TIME.labels(m).observe(max(0.0, prefill_s - queue_s))
 
     def sent(self, num_tokens: int, finish_reason: str | None = None) -> None:
         """A batch of tokens went to the client; the last batch carries the finish reason."""
         now = self._clock()
         if self.first_token_at is None:
             self.first_token_at = now
-            TTFT.observe(now - self.started)
+            TTFT.labels(self.model_name).observe(now - self.started)
             RECENT_TTFT.add(now - self.started)
         else:
-            ITL.observe(now - self._last_sent_at)
+            ITL.labels(self.model_name).observe(now - self._last_sent_at)
             RECENT_ITL.add(now - self._last_sent_at)
         self._last_sent_at = now
-        GENERATION_TOKENS.inc(num_tokens)
+        self.generated += num_tokens
+        GENERATION_TOKENS.labels(self.model_name).inc(num_tokens)
         if finish_reason is not None:
             self.finished(finish_reason)
 
@@ -178,29 +227,27 @@ class RequestMetrics:
         if self.outcome is not None:
             return
         self.outcome = reason
-        now = self._clock()
-        E2E.observe(now - self.started)
+        now, m = self._clock(), self.model_name
+        E2E.labels(m).observe(now - self.started)
         if self.first_token_at is not None:
-            DECODE_TIME.observe(now - self.first_token_at)
-        REQUEST_SUCCESS.labels(reason).inc()
+            DECODE_TIME.labels(m).observe(now - self.first_token_at)
+        REQUEST_GENERATION_TOKENS.labels(m).observe(self.generated)
+        REQUEST_SUCCESS.labels(reason, m).inc()
 
     def failed(self, code: str) -> None:
         """The request ended with gRPC status ``code`` (a name such as UNAVAILABLE)."""
         if self.outcome is None:
             self.outcome = code
-            REQUEST_FAILURES.labels(code).inc()
+            REQUEST_FAILURES.labels(code, self.model_name).inc()
 
-    @staticmethod
-    def kv_transferred(seconds: float) -> None:
-        KV_TRANSFER_TIME.observe(seconds)
+    def kv_transferred(self, seconds: float) -> None:
+        KV_TRANSFER_TIME.labels(self.model_name).observe(seconds)
 
-    @staticmethod
-    def retried() -> None:
-        RETRIES.inc()
+    def retried(self) -> None:
+        RETRIES.labels(self.model_name).inc()
 
-    @staticmethod
-    def migrated() -> None:
-        MIGRATIONS.inc()
+    def migrated(self) -> None:
+        MIGRATIONS.labels(self.model_name).inc()
 
 
 # ---- workers ----------------------------------------------------------------------------
@@ -243,6 +290,8 @@ _WORKER_FAMILIES = (
      lambda s, bs: s.prefix_cache_hits * bs),
     (CounterMetricFamily, "pdserve:forward_tokens_total", "Tokens run through the model.",
      lambda s, bs: s.num_forward_tokens),
+    (CounterMetricFamily, "pdserve:num_preemptions_total", "Sequences whose KV was freed to make room.",
+     lambda s, bs: s.num_preemptions),
 )
 
 
@@ -281,6 +330,40 @@ class WorkerCollector:
 
 WORKERS = WorkerCollector()
 REGISTRY.register(WORKERS)
+WORKER_REGISTRY.register(WORKERS)
+
+# ---- decode workers: one observation per KV read --------------------------------------------
+_TRANSFER_LABELS = [POOL_LABEL, "worker", "backend"]
+TRANSFER_SECONDS = Histogram("pdserve:worker_kv_transfer_seconds", "One KV read, start to completion.",
+                             _TRANSFER_LABELS, buckets=TRANSFER_BUCKETS, registry=WORKER_REGISTRY)
+TRANSFER_BYTES = Histogram("pdserve:worker_kv_transfer_bytes", "Bytes one KV read moved.", _TRANSFER_LABELS,
+                           buckets=TRANSFER_BYTES_BUCKETS, registry=WORKER_REGISTRY)
+TRANSFER_DESCRIPTORS = Histogram("pdserve:worker_kv_transfer_descriptors", "Descriptors one KV read posted.",
+                                 _TRANSFER_LABELS, buckets=DESCRIPTOR_BUCKETS, registry=WORKER_REGISTRY)
+_TRANSFER_FAMILIES = (TRANSFER_SECONDS, TRANSFER_BYTES, TRANSFER_DESCRIPTORS)
+for _family in _TRANSFER_FAMILIES:  # listed by the router's registry too, as the worker families are
+    REGISTRY.register(_family)
+_transfer_children: set[tuple[str, str, str]] = set()  # label values observed, to remove at stop
+_transfer_lock = threading.Lock()
+
+
+def kv_transfer_done(pool: str, worker: str, backend: str, seconds: float, nbytes: int, descriptors: int) -> None:
+    """A decode worker's KV read completed (called from its engine thread)."""
+    labels = (pool, worker, backend)
+    with _transfer_lock:
+        _transfer_children.add(labels)
+    TRANSFER_SECONDS.labels(*labels).observe(seconds)
+    TRANSFER_BYTES.labels(*labels).observe(nbytes)
+    TRANSFER_DESCRIPTORS.labels(*labels).observe(descriptors)
+
+
+def _forget_transfers(worker: str) -> None:
+    with _transfer_lock:
+        gone = {labels for labels in _transfer_children if labels[1] == worker}
+        _transfer_children.difference_update(gone)
+    for labels in gone:
+        for family in _TRANSFER_FAMILIES:
+            family.remove(*labels)
 
 
 @dataclass
@@ -293,6 +376,7 @@ class MetricsEndpoint:
 
     def stop(self) -> None:
         WORKERS.remove(self._worker)
+        _forget_transfers(self._worker)
         self._server.shutdown()
         self._server.server_close()
 
@@ -302,13 +386,36 @@ def serve_worker(host: str | Endpoint | None, port: int, source: WorkerSource) -
     ``host`` None: the node's IP). The address it reports is the advertised one
     (``wire.address``), never a wildcard.
 
-    The endpoint serves only the worker families: the router's would read zero here.
+    The endpoint serves only the worker families (``WORKER_REGISTRY``): the router's would
+    read zero here.
     """
     endpoint = host if isinstance(host, Endpoint) else resolve(host)
     WORKERS.add(source)
     try:
-        server, _ = start_http_server(port, endpoint.bind_host, registry=WORKERS)
+        server = ThreadingHTTPServer((endpoint.bind_host, port), _WorkerMetricsHandler)
     except OSError:
         WORKERS.remove(source.worker)
         raise
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=f"metrics-{source.worker}", daemon=True).start()
     return MetricsEndpoint(endpoint.advertise(server.server_address[1]), server, source.worker)
+
+
+class _WorkerMetricsHandler(BaseHTTPRequestHandler):
+    """``GET /metrics``: the worker registry, always in text format 0.0.4 as the router's
+    ``render``. prometheus_client's own server answers Prometheus' OpenMetrics Accept header
+    with underscore-escaped names (``pdserve_worker_...``), which no dashboard query names."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.split("?")[0] not in ("/", "/metrics"):
+            self.send_error(404)
+            return
+        body = generate_latest(WORKER_REGISTRY)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # a scrape a second is not worth a log line
+        pass

@@ -30,4 +30,5 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: KVTransfer
         kv_transfer_bytes=t.bytes, kv_transfers=t.transfers, kv_transfer_failures=t.failures,
         kv_transfer_seconds=t.seconds, prefix_cache_queries=blocks.prefix_queries,
         prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=engine.cache_spec.bytes_per_token,
-        metrics_address=metrics_address, engine_steps=engine_steps, engine_busy=engine.has_runnable(), **extra)
+        num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
+        engine_busy=engine.has_runnable(), **extra)

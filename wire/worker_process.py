@@ -16,6 +16,9 @@ import signal
 import sys
 
 from engine.config import CacheConfig, EngineConfig
+from kv_transfer import BACKENDS, DEFAULT_BACKEND
+from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
+from wire.logs import FORMATS, LEVELS, LogConfig, configure
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,13 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "tcp"])
+    p.add_argument("--kv-transfer-backend", default=DEFAULT_BACKEND, choices=BACKENDS)
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the memory budget's)")
     p.add_argument("--drain-grace-s", type=float, default=30.0)
     p.add_argument("--max-requests", type=int, default=1024,
                    help="requests held at once; past it RESOURCE_EXHAUSTED at once")
-    p.add_argument("--lease-seconds", type=float, default=30.0, help="prefill only")
+    p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS, help="prefill only")
     p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
+    p.add_argument("--log-level", default=LogConfig.level, choices=LEVELS)
+    p.add_argument("--log-format", default=LogConfig.format, choices=FORMATS)
     return p
 
 
@@ -70,6 +75,7 @@ async def run(config, role: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     config = _config(args)
+    configure(LogConfig(args.log_level, args.log_format), config.worker_id)
     asyncio.run(run(config, args.role))
     return 0
 

@@ -1,4 +1,9 @@
-"""The README's first command: ``pdserve serve`` starts the cluster, answers, and stops on Ctrl-C."""
+"""The README's first command: ``pdserve serve`` starts the cluster, answers (``pdserve
+generate`` over gRPC, and the README's own ``openai`` example, run as written, over HTTP),
+and stops on Ctrl-C."""
+
+import contextlib
+import io
 
 import os
 import re
@@ -20,22 +25,41 @@ def test_help_lists_the_commands():
     out = subprocess.run([str(PDSERVE), "--help"], capture_output=True, text=True, check=True).stdout
     assert "serve" in out and "generate" in out
     serve = subprocess.run([str(PDSERVE), "serve", "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--prefill", "--decode", "--port", "--dtype", "--block-size", "--kv-transfer-backend"):
-        assert flag in serve
+    for flag in ("--prefill", "--decode", "--port", "--grpc-port", "--dtype", "--block-size", "--kv-transfer-backend",
+                 "--served-model-name", "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--chat-template", "--tokenizer", "--seed", "--log-level",
+                 "--log-format", "--version"):
+        assert flag in serve, flag
+    version = subprocess.run([str(PDSERVE), "--version"], capture_output=True, text=True, check=True).stdout
+    assert re.fullmatch(r"pdserve \d+\.\d+\.\d+\n", version), version
+
+
+def readme_example(http_address: str) -> str:
+    """The README's first Python block, pointed at ``http_address`` instead of port 8000."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert "127.0.0.1:8000" in block, block
+    return block.replace("127.0.0.1:8000", http_address)
 
 
 def test_serve_generate_and_ctrl_c(tmp_path):
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([str(PDSERVE), "serve", "--port", "0", "--http-port", "0", "--kv-cache-gib", "0.2"],
+    proc = subprocess.Popen([str(PDSERVE), "serve", "--grpc-port", "0", "--port", "0", "--kv-cache-gib", "0.2"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         address = None
         deadline = time.monotonic() + 180
         while address is None and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)
-            found = re.search(r"gRPC API listening on ([\d.]+:\d+)", (tmp_path / "serve.log").read_text())
-            address = found and found.group(1)
+            found = re.search(r"OpenAI HTTP API on http://([\d.]+:\d+)/v1, gRPC API listening on ([\d.]+:\d+)",
+                              (tmp_path / "serve.log").read_text())
+            http_address, address = found.groups() if found else (None, None)
         assert address, (tmp_path / "serve.log").read_text()[-3000:]
+        example, printed = {}, io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(readme_example(http_address), example)
+        assert "Paris" in printed.getvalue()
+        assert example["reply"].choices[0].finish_reason == "stop", printed.getvalue()  # not cut short
         out = subprocess.run([str(PDSERVE), "generate", "What is the capital of France?", "--address", address,
                               "--max-tokens", "12"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr

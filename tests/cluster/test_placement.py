@@ -49,7 +49,7 @@ def two_nodes():
 def test_each_pool_lands_on_its_own_node(two_nodes):
     config = ClusterConfig(
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=64 << 20)), num_prefill=2, num_decode=1,
-        port=0, http_port=None, ray_address=two_nodes, threads_per_worker=1,
+        grpc_port=0, http_port=None, ray_address=two_nodes, threads_per_worker=1,
         internal_host="127.0.0.1",  # both nodes are this machine; Ray registers them at its outward IP
         prefill_placement=PoolPlacement(resource="prefill_nodes"),
         decode_placement=PoolPlacement(resource="decode_nodes"))

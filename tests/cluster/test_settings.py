@@ -4,7 +4,15 @@ import argparse
 
 import pytest
 
+from cluster.cli import main
+from cluster.local import ClusterConfig
+from cluster.serve_config import build
 from cluster.settings import SettingsError, add_arguments, resolve
+from decode_worker.worker import DecodeWorkerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefill_worker.worker import PrefillWorkerConfig
+from router.orchestrator import RouterLimits
+from wire.logs import LogConfig
 
 
 def parse(argv):
@@ -15,16 +23,86 @@ def parse(argv):
 
 def test_defaults():
     v = resolve(parse([]), environ={})
-    assert (v["model"], v["prefill"], v["port"], v["http_port"], v["kv_transfer_backend"]) == (
-        "default", 1, 50051, 8000, "nixl")
+    assert (v["model"], v["prefill"], v["port"], v["grpc_port"], v["kv_transfer_backend"]) == (
+        "default", 1, 8000, 50051, "nixl")
+
+
+def test_port_is_http_as_in_vllm_serve_and_grpc_port_is_grpc():
+    config = build(resolve(parse(["--port", "8100", "--grpc-port", "50100"]), environ={}))
+    assert (config.http_port, config.grpc_port) == (8100, 50100)
+    assert build(resolve(parse(["--port", "-1"]), environ={})).http_port is None  # gRPC only
+
+
+def test_every_default_is_its_owners():
+    """The table's defaults are the config dataclasses' own: a default changed there changes
+    the flag's, and the cluster built from no flags equals the dataclasses' defaults."""
+    config = build(resolve(parse([]), environ={}))
+    assert config.router_limits == RouterLimits()
+    assert config.lease_seconds == PrefillWorkerConfig().lease_seconds == ClusterConfig().lease_seconds
+    assert (config.kv_transfer_backend == PrefillWorkerConfig().kv_transfer_backend
+            == DecodeWorkerConfig().kv_transfer_backend == ClusterConfig().kv_transfer_backend)
+    assert config.engine.scheduler == SchedulerConfig() and config.engine.cache == CacheConfig()
+    assert config.engine.seed == EngineConfig().seed and config.log == LogConfig()
+    assert config.served_model_names == ClusterConfig().served_model_names == ("smollm2",)
+
+
+def test_vllm_serve_flags_reach_the_configs(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    config = build(resolve(parse([
+        "--served-model-name", "a", "b", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+        "--no-enable-prefix-caching", "--chat-template", str(template), "--tokenizer", str(tmp_path), "--seed", "7",
+        "--log-level", "debug", "--log-format", "json"]), environ={}))
+    assert config.served_model_names == ("a", "b")
+    assert (config.engine.scheduler.max_num_seqs, config.engine.scheduler.max_num_batched_tokens) == (8, 512)
+    assert config.engine.cache.enable_prefix_cache is False and config.engine.seed == 7
+    assert (config.chat_template, config.tokenizer) == (str(template), str(tmp_path))
+    assert config.log == LogConfig("debug", "json")
+    assert build(resolve(parse(["/models/x"]), environ={})).served_model_names == ("/models/x",)  # as vLLM
+
+
+def test_list_and_bool_settings_from_env_and_file(tmp_path):
+    v = resolve(parse([]), environ={"PDSERVE_SERVED_MODEL_NAME": "a, b", "PDSERVE_ENABLE_PREFIX_CACHING": "false"})
+    assert v["served_model_name"] == ("a", "b") and v["enable_prefix_caching"] is False
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("served_model_name: [x, y]\nenable-prefix-caching: no\n")
+    v = resolve(parse(["--config", str(cfg), "--enable-prefix-caching"]), environ={})
+    assert v["served_model_name"] == ("x", "y") and v["enable_prefix_caching"] is True  # the flag beats the file
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    (["--max-num-seqs", "0"], {}, "--max-num-seqs: max_num_seqs must be at least 1, got 0"),
+    (["--kv-cache-gib", "0"], {}, "--kv-cache-gib: kv_cache_gib must be greater than 0"),
+    (["--grpc-port", "-1"], {}, "--grpc-port: grpc_port must be at least 0"),
+    ([], {"PDSERVE_LEASE_SECONDS": "-3"}, "PDSERVE_LEASE_SECONDS: lease_seconds must be greater than 0"),
+    ([], {"PDSERVE_ENABLE_PREFIX_CACHING": "maybe"}, "PDSERVE_ENABLE_PREFIX_CACHING: 'maybe' is not a valid bool"),
+    ([], {"PDSERVE_SERVED_MODEL_NAME": " , "}, "served_model_name needs at least one name"),
+    (["--seed", "x"], {}, "--seed: 'x' is not a valid int for seed"),
+])
+def test_a_bad_value_names_the_setting_and_where_it_came_from(argv, environ, message):
+    with pytest.raises(SettingsError) as exc:
+        resolve(parse(argv), environ=environ)
+    assert message in str(exc.value)
+
+
+def test_bad_paths_fail_before_the_cluster_starts(tmp_path):
+    with pytest.raises(SettingsError, match="chat_template: cannot read"):
+        build(resolve(parse(["--chat-template", str(tmp_path / "missing.jinja")]), environ={}))
+    with pytest.raises(SettingsError, match="tokenizer: .* is not a directory"):
+        build(resolve(parse(["--tokenizer", str(tmp_path / "nope")]), environ={}))
+
+
+def test_pdserve_serve_exits_2_naming_the_bad_setting(capsys):
+    assert main(["serve", "--max-num-batched-tokens", "0"]) == 2
+    assert "max_num_batched_tokens must be at least 1" in capsys.readouterr().err
 
 
 def test_file_then_env_then_flag(tmp_path):
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("decode: 3\nkv-cache-gib: 2.5\nport: 7000\nmodel: /models/x\n")
-    v = resolve(parse(["--config", str(cfg), "--port", "9000"]), environ={"PDSERVE_DECODE": "4"})
+    cfg.write_text("decode: 3\nkv-cache-gib: 2.5\ngrpc_port: 7000\nmodel: /models/x\n")
+    v = resolve(parse(["--config", str(cfg), "--grpc-port", "9000"]), environ={"PDSERVE_DECODE": "4"})
     assert v["decode"] == 4  # env beats the file
-    assert v["port"] == 9000  # the flag beats the file
+    assert v["grpc_port"] == 9000  # the flag beats the file
     assert v["kv_cache_gib"] == 2.5 and v["model"] == "/models/x"
 
 
@@ -43,7 +121,7 @@ def test_unknown_file_key_is_named(tmp_path):
 def test_bad_env_value_names_the_variable():
     with pytest.raises(SettingsError, match="PDSERVE_DECODE.*not a valid int"):
         resolve(parse([]), environ={"PDSERVE_DECODE": "two"})
-    with pytest.raises(SettingsError, match="PDSERVE_KV_TRANSFER_BACKEND.*not one of nixl, tcp"):
+    with pytest.raises(SettingsError, match="PDSERVE_KV_TRANSFER_BACKEND.*not one of nixl, tcp for kv_transfer_backend"):
         resolve(parse([]), environ={"PDSERVE_KV_TRANSFER_BACKEND": "rdma"})
 
 
@@ -59,3 +137,20 @@ def test_autoscaling_section_comes_from_the_file(tmp_path):
     pools = from_mapping(resolve(parse(["--config", str(cfg)]), environ={})["autoscaling"])
     assert pools["prefill"].max_replicas == 6 and pools["decode"].max_replicas == 4
     assert resolve(parse([]), environ={})["autoscaling"] is None  # off unless configured
+
+
+def test_chat_template_replaces_the_tokenizers_own(tmp_path):
+    """``--chat-template`` as text or as a file, as the router's tokenizer applies it."""
+    from engine.loader import materialize
+    from engine.tokenizer import Tokenizer
+
+    model_dir = materialize("default", progress=False)
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for value in (template, str(path)):
+        tok = Tokenizer(model_dir, chat_template=value)
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == tok.hf.encode("<<hi>>",
+                                                                                           add_special_tokens=False)
+    assert Tokenizer(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) != tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}])

@@ -69,9 +69,9 @@ def settings_of(argv: list[str], env: dict[str, str], monkeypatch) -> tuple[tupl
 
     args = parsed(argv, monkeypatch)
     if args.command == "worker":
-        return worker_cli.WORKER, worker_cli.settings(args, env)
+        return worker_cli.worker_settings(), worker_cli.settings(args, env)
     assert args.command == "serve", argv
-    return settings.SERVE, settings.resolve(args, env)
+    return settings.serve_settings(), settings.resolve(args, env)
 
 
 def pdserve_containers(overlay: str):

@@ -30,7 +30,7 @@ def fits(bundle: dict[str, float], node: dict[str, float]) -> bool:
 
 
 def test_each_pools_workers_fit_only_their_own_group(monkeypatch, tmp_path):
-    from cluster.cli import _placement
+    from cluster.serve_config import _placement
 
     [(_, template, container, argv)] = list(pdserve_containers("kuberay"))
     _, values = settings_of(with_mounted_files(argv, template, "kuberay", tmp_path), {}, monkeypatch)

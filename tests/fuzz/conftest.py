@@ -22,7 +22,7 @@ REQUEST_TIMEOUT_S = 60.0
 def cluster():
     config = ClusterConfig(
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=192 << 20)), num_prefill=1, num_decode=1,
-        port=0, http_port=0, lease_seconds=LEASE_S, threads_per_worker=1,
+        grpc_port=0, http_port=0, lease_seconds=LEASE_S, threads_per_worker=1,
         router_limits=RouterLimits(max_waiting_requests=MAX_WAITING, request_timeout_s=REQUEST_TIMEOUT_S,
                                    admission_wait_s=10.0))
     c = LocalCluster(config)

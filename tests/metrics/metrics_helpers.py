@@ -15,8 +15,10 @@ from wire import metrics
 
 
 def sample(name: str, **labels: str) -> float:
-    """A sample's current value in pdserve's registry (0 when it does not exist yet)."""
-    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+    """The sum of the samples named ``name`` whose labels include ``labels`` (so a family's
+    ``model_name`` need not be named), in pdserve's registry; 0 when none exists yet."""
+    return sum(s.value for family in metrics.REGISTRY.collect() for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def samples(*names: str, **labels: str) -> dict[str, float]:

@@ -28,10 +28,12 @@ def get(url: str) -> str:
 
 
 def scrape(address: str) -> dict[str, float]:
-    """Samples keyed as PromQL writes them: ``name`` or ``name{label="value",...}``."""
+    """Samples keyed as PromQL writes them: ``name`` or ``name{label="value",...}``. The
+    router's request families carry the served model's name, checked here and left out of the key."""
     out = {}
     for family in text_string_to_metric_families(get(f"http://{address}/metrics")):
         for s in family.samples:
+            assert s.labels.pop("model_name", "smollm2") == "smollm2", s
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out

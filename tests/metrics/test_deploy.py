@@ -1,12 +1,15 @@
 """The Grafana dashboard and the Prometheus config in deploy/ query only metrics pdserve
 exports: renaming a metric or mistyping a query fails here, not on someone's screen."""
 
+import importlib.util
 import json
 import re
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from wire import metrics
@@ -23,7 +26,7 @@ def dashboard() -> dict:
 
 def series_names() -> set[str]:
     """Every series name pdserve exports, e.g. ``pdserve:x_seconds_bucket``, ``pdserve:y_total``."""
-    text = metrics.render()[0].decode()
+    text = metrics.render()[0].decode() + generate_latest(metrics.WORKER_REGISTRY).decode()
     return {f.name + suffix for f in text_string_to_metric_families(text) for suffix in SUFFIXES[f.type]}
 
 
@@ -39,16 +42,40 @@ def exprs(dashboard: dict) -> list[str]:
 
 
 def test_the_dashboard_is_a_grafana_dashboard(dashboard):
-    assert {"title", "uid", "panels", "schemaVersion", "templating"} <= dashboard.keys()
-    assert isinstance(dashboard["schemaVersion"], int)
+    """Checked against deploy/grafana/dashboard.schema.json: Grafana's dashboard JSON model,
+    written down in the repository (no package ships Grafana's schema as JSON Schema)."""
+    schema = json.loads((DEPLOY / "grafana" / "dashboard.schema.json").read_text())
+    jsonschema.validate(dashboard, schema)
+    bad = json.loads(json.dumps(dashboard))
+    bad["panels"][1]["gridPos"]["w"] = 30  # wider than Grafana's 24 columns: the schema must say no
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert dashboard["__inputs"] == [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "",
+                                      "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}]
+    assert {"model_name", "pool", "instance"} <= variables.keys()
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for p in graph_panels(dashboard):
         assert p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
         assert {"x", "y", "w", "h"} <= p["gridPos"].keys(), p["title"]
         assert p["targets"] and all(t["expr"].strip() and t["refId"] for t in p["targets"]), p["title"]
+
+
+def test_the_dashboard_file_is_what_its_generator_writes(dashboard):
+    spec = importlib.util.spec_from_file_location("dashboard", DEPLOY / "grafana" / "dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert dashboard == json.loads(module.render()), "run python deploy/grafana/dashboard.py"
+
+
+def test_each_pools_scaling_signal_is_plotted_with_its_target(dashboard):
+    by_title = {p["title"]: [t["expr"] for t in p["targets"]] for p in graph_panels(dashboard)}
+    for pool, signal in (("prefill", "worker_num_waiting_prompt_tokens"), ("decode", "worker_kv_cache_usage_perc")):
+        (title,) = [t for t in by_title if t.startswith(f"{pool.capitalize()} scaling signal")]
+        assert any(signal in e and f'pool="{pool}"' in e for e in by_title[title]), title
+        assert f'max(pdserve:autoscaler_signal_target{{pool="{pool}"}})' in by_title[title], title
 
 
 def test_every_query_names_only_exported_series(dashboard):
@@ -66,7 +93,11 @@ def test_the_dashboard_shows_what_an_operator_needs(dashboard):
                  "pdserve:generation_tokens_total", "pdserve:request_success_total", "pdserve:num_requests_running",
                  "pdserve:num_requests_waiting", "pdserve:kv_cache_usage_perc", "pdserve:kv_transfer_bytes_total",
                  "pdserve:kv_transfer_failures_total", "pdserve:prefix_cache_hits_total",
-                 "pdserve:prefix_cache_queries_total", "pdserve:pool_replicas", "pdserve:autoscaler_desired_replicas"):
+                 "pdserve:prefix_cache_queries_total", "pdserve:pool_replicas", "pdserve:autoscaler_desired_replicas",
+                 "pdserve:request_prompt_tokens_bucket", "pdserve:request_generation_tokens_bucket",
+                 "pdserve:num_preemptions_total", "pdserve:worker_kv_transfer_seconds_bucket",
+                 "pdserve:worker_kv_transfer_bytes_bucket", "pdserve:worker_kv_transfer_descriptors_bucket",
+                 "pdserve:worker_num_waiting_prompt_tokens", "pdserve:autoscaler_signal_target"):
         assert name in used, name
     quantiles = {float(q) for e in exprs(dashboard) if "time_to_first_token" in e
                  for q in re.findall(r"histogram_quantile\(([0-9.]+)", e)}

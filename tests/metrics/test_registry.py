@@ -80,3 +80,35 @@ def test_a_stopped_worker_is_no_longer_exported():
     assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9"}) == 0
     ep.stop()
     assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9"}) is None
+
+
+def test_preemptions_and_per_read_transfer_histograms_with_their_backend():
+    worker = FakeWorker()
+    worker.stats.num_preemptions = 3
+    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("decode", "decode-8", lambda: worker.stats, 16))
+    metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.003, nbytes=5 << 20, descriptors=20)
+    metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.2, nbytes=1 << 20, descriptors=4)
+    got = scrape(ep.address)
+    assert got[("pdserve:num_preemptions_total", (("pool", "decode"), ("worker", "decode-8")))] == 3
+    labels = (("backend", "tcp"), ("pool", "decode"), ("worker", "decode-8"))
+    assert got[("pdserve:worker_kv_transfer_seconds_count", labels)] == 2
+    assert got[("pdserve:worker_kv_transfer_seconds_sum", labels)] == pytest.approx(0.203)
+    assert got[("pdserve:worker_kv_transfer_bytes_sum", labels)] == 6 << 20
+    assert got[("pdserve:worker_kv_transfer_descriptors_sum", labels)] == 24
+    assert got[("pdserve:worker_kv_transfer_descriptors_bucket", tuple(sorted(labels + (("le", "4.0"),))))] == 1
+    ep.stop()  # a stopped worker's reads are no longer exported
+    assert metrics.REGISTRY.get_sample_value("pdserve:worker_kv_transfer_seconds_count", dict(labels)) is None
+
+
+def test_a_worker_endpoint_keeps_the_colon_names_whatever_the_scraper_accepts(endpoint):
+    """Prometheus asks for OpenMetrics first; prometheus_client's own server then escapes the
+    colons (pdserve_worker_...), and no dashboard query matched a worker (found by
+    tests/metrics/test_prometheus_live.py)."""
+    ep, _ = endpoint
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    req = urllib.request.Request(f"http://{ep.address}/metrics", headers={"Accept": accept})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        content_type, text = resp.headers["Content-Type"], resp.read().decode()
+    assert content_type.startswith("text/plain; version=0.0.4")
+    assert 'pdserve:worker_num_requests_running{pool="decode",worker="decode-7"} 2.0' in text
+    assert "pdserve_" not in text

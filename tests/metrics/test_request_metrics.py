@@ -2,7 +2,8 @@
 
 import pytest
 
-from tests.metrics.metrics_helpers import FakeClock, deltas, samples
+from tests.metrics.metrics_helpers import FakeClock, deltas, sample, samples
+from wire import metrics
 from wire.metrics import RequestMetrics
 
 TIMES = ("pdserve:time_to_first_token_seconds_sum", "pdserve:inter_token_latency_seconds_sum",
@@ -56,3 +57,29 @@ def test_an_abort_before_the_first_token_has_no_ttft_or_decode_time():
     clock.advance(2.0)
     m.finished("abort")
     assert deltas(before) == {names[0]: 0, names[1]: 0, names[2]: 1}
+
+
+def test_token_histograms_and_the_model_name_label():
+    names = ("pdserve:request_prompt_tokens_sum", "pdserve:request_prompt_tokens_count",
+             "pdserve:request_generation_tokens_sum", "pdserve:request_generation_tokens_count",
+             "pdserve:time_to_first_token_seconds_count")
+    before, other = samples(*names, model_name="tiny"), samples(*names, model_name="other")
+    m = RequestMetrics(FakeClock(), model_name="tiny")
+    m.prefilled(prompt_tokens=30, queue_s=0.0, prefill_s=0.1)
+    m.sent(1)
+    m.sent(4, "stop")
+    assert deltas(before, model_name="tiny") == {
+        "pdserve:request_prompt_tokens_sum": 30, "pdserve:request_prompt_tokens_count": 1,
+        "pdserve:request_generation_tokens_sum": 5, "pdserve:request_generation_tokens_count": 1,
+        "pdserve:time_to_first_token_seconds_count": 1}
+    assert set(deltas(other, model_name="other").values()) == {0}  # another model's series is untouched
+    # 30 prompt tokens land in the (20, 50] bucket.
+    assert (sample("pdserve:request_prompt_tokens_bucket", model_name="tiny", le="50.0")
+            - sample("pdserve:request_prompt_tokens_bucket", model_name="tiny", le="20.0")) >= 1
+
+
+def test_a_registered_model_reads_zero_before_its_first_request():
+    metrics.register_model("fresh")
+    assert metrics.REGISTRY.get_sample_value("pdserve:request_retries_total", {"model_name": "fresh"}) == 0
+    assert metrics.REGISTRY.get_sample_value("pdserve:request_migrations_total", {"model_name": "fresh"}) == 0
+    assert metrics.REGISTRY.get_sample_value("pdserve:time_to_first_token_seconds_count", {"model_name": "fresh"}) == 0

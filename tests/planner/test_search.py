@@ -9,7 +9,7 @@ import yaml
 
 from cluster.autoscaling import from_mapping
 from cluster.cli import main
-from cluster.settings import SERVE
+from cluster.settings import serve_settings
 from planner.hardware import GPU_PROFILES
 from planner.metrics import Slo
 from planner.model_spec import PRESETS
@@ -57,7 +57,7 @@ def test_every_plan_meets_the_attainment_asked_for():
 def test_the_printed_config_is_one_pdserve_serve_reads():
     config = autoscaling_config(planned(), BASE)
     text = yaml.safe_load(yaml.safe_dump(config))
-    known = {s.name for s in SERVE} | {"autoscaling"}
+    known = {s.name for s in serve_settings()} | {"autoscaling"}
     assert set(text) <= known
     pools = from_mapping(text["autoscaling"])
     assert pools["prefill"].slo_s == 0.5 and pools["decode"].slo_s == 0.05

@@ -52,7 +52,7 @@ def status_of(address: str, method: str, path: str, body: bytes | None = None) -
 def test_sigterm_finishes_every_in_flight_stream_then_exits_0(tmp_path):
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w+")
-    proc = subprocess.Popen([str(PDSERVE), "serve", "--port", "0", "--http-port", "0", "--kv-cache-gib", "0.2",
+    proc = subprocess.Popen([str(PDSERVE), "serve", "--grpc-port", "0", "--port", "0", "--kv-cache-gib", "0.2",
                              "--threads-per-worker", "1", "--drain-grace-seconds", "240"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": os.getcwd()})

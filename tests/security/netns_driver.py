@@ -80,7 +80,7 @@ def main() -> None:
         internal_tls = tls.load(str(d / "router.pem"), str(d / "router.key"), str(d / "ca.pem"), prefix="tls")
     config = ClusterConfig(
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=128 << 20)), num_prefill=1, num_decode=1,
-        port=0, http_port=0, threads_per_worker=1, ray_address=args.ray_address, tls=internal_tls,
+        grpc_port=0, http_port=0, threads_per_worker=1, ray_address=args.ray_address, tls=internal_tls,
         supervise_interval_s=None,
         prefill_placement=PoolPlacement(resource="prefill_nodes" if split else None),
         decode_placement=PoolPlacement(resource="decode_nodes" if split else None))

@@ -44,7 +44,7 @@ def certs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(certs):
     config = ClusterConfig(engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), num_prefill=1,
-                           num_decode=1, port=0, http_port=0, threads_per_worker=1, api_key=KEY,
+                           num_decode=1, grpc_port=0, http_port=0, threads_per_worker=1, api_key=KEY,
                            tls=certs["cluster"], supervise_interval_s=0.5)
     c = LocalCluster(config)
     try:

@@ -6,6 +6,7 @@ import pytest
 from cluster.local import ClusterConfig, LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from protos import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.orchestrator import RouterLimits
 
 # Every KV read is held back this long so a test can see the first token arrive before the
 # decode worker has its KV (the fault-injection hook of kv_transfer).
@@ -15,14 +16,15 @@ LEASE_S = 4.0
 
 def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TRANSFER_DELAY_S,
                   router_poll_s: float = 0.2, supervise_interval_s: float | None = 1.0,
-                  admission_wait_s: float = 30.0) -> LocalCluster:
+                  admission_wait_s: float = RouterLimits.admission_wait_s) -> LocalCluster:
     # float32, the transformers-exact mode: served output is checked token for token against
     # transformers (bfloat16, the default, is checked in tests/engine/test_default_model.py).
     config = ClusterConfig(
         engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=192 << 20)),
-        num_prefill=num_prefill, num_decode=num_decode, port=0, lease_seconds=LEASE_S,
+        num_prefill=num_prefill, num_decode=num_decode, grpc_port=0, lease_seconds=LEASE_S,
         inject_transfer_delay_s=delay_s, threads_per_worker=1, router_poll_s=router_poll_s, http_port=0,
-        supervise_interval_s=supervise_interval_s, admission_wait_s=admission_wait_s)
+        supervise_interval_s=supervise_interval_s,
+        router_limits=RouterLimits(admission_wait_s=admission_wait_s))
     c = LocalCluster(config)
     c.start()
     return c

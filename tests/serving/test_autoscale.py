@@ -32,7 +32,7 @@ def cluster():
     config = ClusterConfig(
         # 96 MiB of KV per worker: ~4,200 tokens in bfloat16 (the default), so about two dozen
         # long streams fill a decode worker.
-        engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), port=0, http_port=None,
+        engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), grpc_port=0, http_port=None,
         threads_per_worker=1, autoscale_interval_s=0.5,
         autoscaling=dict(QUEUE_AND_KV))
     c = LocalCluster(config)

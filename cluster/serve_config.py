@@ -1,0 +1,91 @@
+"""The frozen configs ``pdserve serve`` runs with, built once from the settings table's values
+(``cluster.settings.resolve``): engine, router limits, placement, logging, the cluster.
+
+Everything that can be checked before Ray starts is checked here, and a failure raises
+``SettingsError`` naming the setting: a typo costs a second, not a cluster start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cluster.settings import SettingsError
+
+DEFAULT_SERVED_NAME = "smollm2"  # the name of the default model (SmolLM2-135M-Instruct)
+
+
+def served_names(v: dict[str, Any]) -> tuple[str, ...]:
+    """``--served-model-name``, else the model as given, as vLLM does; the default model is
+    served as ``smollm2``."""
+    if v["served_model_name"]:
+        return tuple(v["served_model_name"])
+    return (DEFAULT_SERVED_NAME,) if v["model"] == "default" else (v["model"],)
+
+
+def build(v: dict[str, Any]):
+    """The ``ClusterConfig`` for resolved settings ``v``; raises ``SettingsError`` (and the
+    autoscaling, API key and TLS loaders their own typed errors) for a bad value."""
+    from cluster.autoscaling import from_mapping
+    from cluster.local import ClusterConfig, default_gpus
+    from router.auth import read_key
+    from wire import tls
+    from wire.logs import LogConfig
+
+    _check_paths(v)
+    return ClusterConfig(
+        engine=_engine(v), router_limits=_router_limits(v), num_prefill=v["prefill"], num_decode=v["decode"],
+        host=v["host"], grpc_port=v["grpc_port"], http_port=None if v["port"] < 0 else v["port"],
+        advertise_host=v["advertise_host"], internal_host=v["internal_host"],
+        internal_advertise_host=v["internal_advertise_host"],
+        api_key=read_key(v["api_key"], v["api_key_file"]),
+        tls=tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls"),
+        public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"], prefix="public_tls",
+                            require_ca=False),
+        kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
+        hang_timeout_s=v["hang_timeout_seconds"],
+        threads_per_worker=v["threads_per_worker"], ray_address=v["address"],
+        served_model_names=served_names(v), tokenizer=v["tokenizer"], chat_template=v["chat_template"],
+        log=LogConfig(v["log_level"], v["log_format"]),
+        prefill_placement=_placement(v, "prefill", default_gpus), decode_placement=_placement(v, "decode", default_gpus),
+        autoscaling=from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None)
+
+
+def _check_paths(v: dict[str, Any]) -> None:
+    from engine.tokenizer import read_chat_template
+
+    if v["tokenizer"] is not None and not Path(v["tokenizer"]).is_dir():
+        raise SettingsError(f"tokenizer: {v['tokenizer']!r} is not a directory")
+    if v["chat_template"] is not None:
+        try:
+            read_chat_template(v["chat_template"])
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+
+
+def _engine(v: dict[str, Any]):
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    cache = CacheConfig(block_size=v["block_size"], memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30)),
+                        enable_prefix_cache=v["enable_prefix_caching"])
+    scheduler = SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"])
+    return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"], seed=v["seed"],
+                        cache=cache, scheduler=scheduler)
+
+
+def _router_limits(v: dict[str, Any]):
+    from router.orchestrator import RouterLimits
+    from router.validation import RequestLimits
+
+    return RouterLimits(admission_wait_s=v["admission_wait_seconds"], request_timeout_s=v["request_timeout_seconds"],
+                        max_waiting_requests=v["max_waiting_requests"],
+                        decode_idle_timeout_s=v["decode_idle_timeout_seconds"],
+                        requests=RequestLimits(max_body_bytes=v["max_body_bytes"],
+                                               max_prompt_chars=v["max_prompt_chars"]))
+
+
+def _placement(v: dict[str, Any], pool: str, default_gpus):
+    from cluster.placement import PoolPlacement
+
+    gpus = v["gpus_per_worker"] if v["gpus_per_worker"] is not None else default_gpus()
+    return PoolPlacement(cpus=v["cpus_per_worker"], gpus=gpus, resource=v[f"{pool}_resource"])

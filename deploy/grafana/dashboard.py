@@ -1,0 +1,171 @@
+"""Writes ``pdserve-dashboard.json``, the Grafana dashboard (run ``python
+deploy/grafana/dashboard.py``; tests/metrics/test_deploy.py checks the file is fresh).
+
+Panels are listed row by row as (title, unit, description, [(PromQL, legend), ...]). Router
+families are filtered by ``$model_name``, worker families by ``$pool`` and ``$instance``
+(the scrape target of one worker). ``__inputs`` makes Grafana's import ask for the
+Prometheus data source; with file provisioning the ``DS_PROMETHEUS`` variable picks it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "pdserve-dashboard.json"
+DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+RATE = "$__rate_interval"
+M = '{model_name=~"$model_name"}'  # router request families
+W = '{pool=~"$pool", instance=~"$instance"}'  # worker families
+
+
+def _quantiles(metric: str, qs=(0.5, 0.9, 0.99), by: str = "le") -> list[tuple[str, str]]:
+    return [(f"histogram_quantile({q}, sum by ({by}) (rate({metric}_bucket{M}[{RATE}])))", f"p{round(q * 100)}")
+            for q in qs]
+
+
+def _worker_quantiles(metric: str) -> list[tuple[str, str]]:
+    return [(f"histogram_quantile({q}, sum by (le, backend) (rate({metric}_bucket{W}[{RATE}])))",
+             f"p{round(q * 100)} {{{{backend}}}}") for q in (0.5, 0.9)]
+
+
+ROWS = [
+    ("Latency (router)", [
+        ("Time to first token", "s", "Request start at the router to the first token sent.",
+         _quantiles("pdserve:time_to_first_token_seconds")),
+        ("Inter-token latency", "s", "Time between two token batches sent to a client.",
+         _quantiles("pdserve:inter_token_latency_seconds")),
+        ("End-to-end latency", "s", "Request start to finish, aborts included.",
+         _quantiles("pdserve:e2e_request_latency_seconds")),
+        ("Request phases (p90)", "s", "Queue (router admission + prefill worker), prefill compute, KV transfer, decode.",
+         [(e, name) for (e, _), name in zip(
+             [_quantiles(m, (0.9,))[0] for m in ("pdserve:request_queue_time_seconds",
+                                                 "pdserve:request_prefill_time_seconds",
+                                                 "pdserve:kv_transfer_seconds", "pdserve:request_decode_time_seconds")],
+             ("queue", "prefill", "kv transfer", "decode"))]),
+    ]),
+    ("Throughput", [
+        ("Tokens per second", "short", "Prompt tokens prefilled and tokens sent to clients.",
+         [(f"sum(rate(pdserve:generation_tokens_total{M}[{RATE}]))", "generated"),
+          (f"sum(rate(pdserve:prompt_tokens_total{M}[{RATE}]))", "prompt")]),
+        ("Requests per second", "reqps", "Finished requests by finish reason, failures by gRPC status, retries "
+         "and migrations.",
+         [(f"sum by (finished_reason) (rate(pdserve:request_success_total{M}[{RATE}]))", "{{finished_reason}}"),
+          (f"sum by (code) (rate(pdserve:request_failures_total{M}[{RATE}]))", "failed {{code}}"),
+          (f"sum(rate(pdserve:request_retries_total{M}[{RATE}]))", "retries"),
+          (f"sum(rate(pdserve:request_migrations_total{M}[{RATE}]))", "migrations")]),
+        ("Request length (p50, p90)", "short", "Prompt tokens and tokens generated per request.",
+         [(e, f"prompt {legend}") for e, legend in _quantiles("pdserve:request_prompt_tokens", (0.5, 0.9))]
+         + [(e, f"generated {legend}") for e, legend in _quantiles("pdserve:request_generation_tokens", (0.5, 0.9))]),
+    ]),
+    ("Autoscaling", [
+        ("Prefill scaling signal: queued prompt tokens per worker", "short",
+         "The prefill autoscaler's primary signal and its target (absent without autoscaling).",
+         [('avg(pdserve:worker_num_waiting_prompt_tokens{pool="prefill"})', "queued per worker"),
+          ('max(pdserve:autoscaler_signal_target{pool="prefill"})', "target")]),
+        ("Decode scaling signal: KV cache usage per worker", "percentunit",
+         "The decode autoscaler's primary signal and its target (absent without autoscaling).",
+         [('avg(pdserve:worker_kv_cache_usage_perc{pool="decode"})', "usage per worker"),
+          ('max(pdserve:autoscaler_signal_target{pool="decode"})', "target")]),
+        ("Replicas per pool", "short", "Healthy workers and the autoscaler's desired count.",
+         [('max by (pool) (pdserve:pool_replicas{pool=~"$pool"})', "{{pool}} healthy"),
+          ('max by (pool) (pdserve:autoscaler_desired_replicas{pool=~"$pool"})', "{{pool}} desired")]),
+    ]),
+    ("Pools and workers", [
+        ("Requests per pool", "short", "Running and waiting requests, summed over each pool's workers.",
+         [('max by (pool) (pdserve:num_requests_running{pool=~"$pool"})', "{{pool}} running"),
+          ('max by (pool) (pdserve:num_requests_waiting{pool=~"$pool"})', "{{pool}} waiting")]),
+        ("KV cache usage per pool", "percentunit", "Used KV blocks over the pool's total.",
+         [('max by (pool) (pdserve:kv_cache_usage_perc{pool=~"$pool"})', "{{pool}}")]),
+        ("KV cache usage per worker", "percentunit", "", [(f"pdserve:worker_kv_cache_usage_perc{W}", "{{worker}}")]),
+        ("Requests per worker", "short", "Running, waiting and held-KV prompts per worker.",
+         [(f"pdserve:worker_num_requests_running{W}", "{{worker}} running"),
+          (f"pdserve:worker_num_requests_waiting{W}", "{{worker}} waiting"),
+          (f"pdserve:worker_num_held_leases{W}", "{{worker}} held")]),
+        ("Model tokens per second per worker", "short", "Tokens run through the model.",
+         [(f"rate(pdserve:forward_tokens_total{W}[{RATE}])", "{{worker}}")]),
+        ("Preemptions per worker", "short", "Sequences whose KV was freed to make room, per second.",
+         [(f"rate(pdserve:num_preemptions_total{W}[{RATE}])", "{{worker}}")]),
+    ]),
+    ("KV transfer and prefix cache", [
+        ("KV transfer rate", "Bps", "KV bytes read by each decode worker.",
+         [(f"sum by (worker) (rate(pdserve:kv_transfer_bytes_total{W}[{RATE}]))", "{{worker}}")]),
+        ("KV transfers per second", "short", "",
+         [(f"sum by (worker) (rate(pdserve:kv_transfers_total{W}[{RATE}]))", "{{worker}}")]),
+        ("KV transfer failures", "short", "Failed reads and leases that expired unread.",
+         [(f"sum by (worker) (rate(pdserve:kv_transfer_failures_total{W}[{RATE}]))", "{{worker}} failed"),
+          (f"sum by (worker) (rate(pdserve:kv_leases_expired_total{W}[{RATE}]))", "{{worker}} expired")]),
+        ("KV transfer time per read", "s", "One read, start to completion, by backend.",
+         _worker_quantiles("pdserve:worker_kv_transfer_seconds")),
+        ("KV bytes per read", "bytes", "", _worker_quantiles("pdserve:worker_kv_transfer_bytes")),
+        ("KV descriptors per read", "short", "One descriptor per KV block.",
+         _worker_quantiles("pdserve:worker_kv_transfer_descriptors")),
+        ("Prefix cache hit rate", "percentunit", "Prompt tokens found in the prefix cache over those looked up.",
+         [(f"sum(rate(pdserve:prefix_cache_hits_total{W}[{RATE}])) / "
+           f"sum(rate(pdserve:prefix_cache_queries_total{W}[{RATE}]))", "all"),
+          (f"sum by (worker) (rate(pdserve:prefix_cache_hits_total{W}[{RATE}])) / "
+           f"sum by (worker) (rate(pdserve:prefix_cache_queries_total{W}[{RATE}]))", "{{worker}}")]),
+    ]),
+]
+
+
+def _panel(pid: int, title: str, unit: str, description: str, queries, x: int, y: int) -> dict:
+    overrides = [{"matcher": {"id": "byName", "options": "target"},
+                  "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                                 {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}}]}]
+    return {
+        "id": pid, "type": "timeseries", "title": title, "description": description, "datasource": DS,
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit, "custom": {"lineWidth": 1, "fillOpacity": 10}},
+                        "overrides": overrides if any(legend == "target" for _, legend in queries) else []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                    "tooltip": {"mode": "multi", "sort": "none"}},
+        "targets": [{"expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i), "datasource": DS}
+                    for i, (expr, legend) in enumerate(queries)],
+    }
+
+
+def _variable(name: str, label: str, query: str) -> dict:
+    return {"name": name, "label": label, "type": "query", "datasource": DS,
+            "query": {"query": query, "refId": f"{name}-values"}, "definition": query, "refresh": 2,
+            "includeAll": True, "multi": True, "allValue": ".*", "current": {}, "options": [], "hide": 0, "sort": 1}
+
+
+def build() -> dict:
+    panels, pid, y = [], 1, 0
+    for row_title, row in ROWS:
+        panels.append({"id": pid, "type": "row", "title": row_title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        pid, y = pid + 1, y + 1
+        for i, (title, unit, description, queries) in enumerate(row):
+            panels.append(_panel(pid, title, unit, description, queries, 12 * (i % 2), y + 8 * (i // 2)))
+            pid += 1
+        y += 8 * ((len(row) + 1) // 2)
+    return {
+        "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "", "type": "datasource",
+                      "pluginId": "prometheus", "pluginName": "Prometheus"}],
+        "__requires": [{"type": "grafana", "id": "grafana", "name": "Grafana", "version": "9.0.0"},
+                       {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+                       {"type": "panel", "id": "timeseries", "name": "Time series", "version": ""}],
+        "title": "pdserve", "uid": "pdserve", "description": "Disaggregated prefill/decode serving: router and workers.",
+        "tags": ["pdserve", "llm"], "editable": True, "schemaVersion": 39, "version": 1, "timezone": "",
+        "time": {"from": "now-30m", "to": "now"}, "refresh": "10s", "graphTooltip": 1, "annotations": {"list": []},
+        "templating": {"list": [
+            {"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+             "current": {}, "hide": 0, "refresh": 1, "options": []},
+            _variable("model_name", "Model", "label_values(pdserve:time_to_first_token_seconds_count, model_name)"),
+            _variable("pool", "Pool", "label_values(pdserve:worker_num_requests_running, pool)"),
+            _variable("instance", "Instance", 'label_values(pdserve:worker_num_requests_running{pool=~"$pool"}, instance)'),
+        ]},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    sys.stdout.write(f"wrote {OUT}\n")

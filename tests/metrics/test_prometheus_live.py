@@ -1,0 +1,150 @@
+"""The dashboard and the scrape config against a real Prometheus (Debian's ``prometheus``
+package) scraping a live cluster: deploy/prometheus/prometheus.yml finds the router and, by
+HTTP service discovery at ``/metrics/targets``, every worker; then every query of every
+dashboard panel returns data through Prometheus' query API.
+
+The config is used as shipped, with three test-only changes: the router's address (the test
+cluster listens on a free port, not 8000) and 1 s scrape and discovery intervals instead of
+5 s and 15 s. Grafana's variables are replaced as Grafana would for "All".
+"""
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.autoscaling import from_mapping
+from cluster.local import ClusterConfig, LocalCluster
+from engine.config import CacheConfig, EngineConfig
+from tests.metrics.test_deploy import DEPLOY, graph_panels
+
+pytestmark = pytest.mark.slow
+
+PROMETHEUS = shutil.which("prometheus")
+VARIABLES = {"$__rate_interval": "30s", "$model_name": ".*", "$pool": ".*", "$instance": ".*"}
+
+
+def _get(url: str, timeout: float = 5.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _post(url: str, body: dict, headers: dict | None = None) -> int:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config_for(router: str) -> dict:
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = "1s"
+    for job in config["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            static["targets"] = [router]
+        for sd in job.get("http_sd_configs", []):
+            sd["url"] = f"http://{router}/metrics/targets"
+            sd["refresh_interval"] = "1s"
+    return config
+
+
+def _wait(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            got = check()
+        except (OSError, ValueError):
+            got = None
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Autoscaling pinned at one worker per pool: nothing scales, but the controller reports
+    # each pool's signal target, which the dashboard plots.
+    pinned = {"min_replicas": 1, "max_replicas": 1}
+    config = ClusterConfig(engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=64 << 20)), grpc_port=0,
+                           http_port=0, threads_per_worker=1, router_poll_s=0.2,
+                           autoscaling=from_mapping({"prefill": pinned, "decode": pinned}))
+    c = LocalCluster(config)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(cluster, tmp_path_factory):
+    if PROMETHEUS is None:
+        pytest.skip("the prometheus binary is not installed (Debian: apt-get install prometheus)")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(_config_for(cluster.http_address)))
+    address = f"127.0.0.1:{_free_port()}"
+    log = open(tmp / "prometheus.log", "w")
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+                             f"--web.listen-address={address}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: urllib.request.urlopen(f"http://{address}/-/ready", timeout=2).status == 200, 30,
+              "Prometheus to start")
+        yield f"http://{address}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _up_targets(prom: str) -> dict[str, list[dict]]:
+    active = _get(f"{prom}/api/v1/targets?state=active")["data"]["activeTargets"]
+    jobs: dict[str, list[dict]] = {}
+    for t in active:
+        if t["health"] == "up":
+            jobs.setdefault(t["labels"]["job"], []).append(t["labels"])
+    return jobs
+
+
+def test_every_dashboard_query_returns_data_from_a_live_cluster(cluster, prometheus):
+    jobs = _wait(lambda: (j := _up_targets(prometheus)) and len(j.get("pdserve-workers", [])) == 2 and j,
+                 30, "the router and both workers up in Prometheus")
+    assert len(jobs["pdserve-router"]) == 1
+    assert sorted((w["pool"], w["worker"]) for w in jobs["pdserve-workers"]) == [("decode", "decode-0"),
+                                                                                 ("prefill", "prefill-0")]
+    api = f"http://{cluster.http_address}/v1/completions"
+    prompt = "The tides rise and fall twice a day because the moon pulls on the oceans of the earth, and"
+    for _ in range(2):  # the second is a prefix-cache hit
+        assert _post(api, {"model": "smollm2", "prompt": prompt, "max_tokens": 4}) == 200
+    # A request the router gives up on: its 1 ms deadline passes while it is routed.
+    assert _post(api, {"prompt": prompt + " then", "max_tokens": 64}, {"X-Request-Timeout": "0.001"}) >= 400
+    time.sleep(3)  # three scrapes after the traffic
+
+    empty = []
+    for panel in graph_panels(json.loads((DEPLOY / "grafana" / "pdserve-dashboard.json").read_text())):
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for name, value in VARIABLES.items():
+                expr = expr.replace(name, value)
+            result = _get(f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+            assert result["status"] == "success", (panel["title"], expr, result)
+            if not result["data"]["result"]:
+                empty.append(f"{panel['title']}: {expr}")
+    assert not empty, "queries without data:\n" + "\n".join(empty)
