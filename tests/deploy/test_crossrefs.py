@@ -14,7 +14,7 @@ import pytest
 from tests.deploy.manifests import OVERLAYS, container_ports, named, objects, pod_templates, render, selects
 from tests.metrics.test_deploy import NAME, series_names
 
-PORT_SETTINGS = ("port", "http_port", "internal_port", "metrics_port", "health_port")
+PORT_SETTINGS = ("port", "grpc_port", "internal_port", "metrics_port", "health_port")  # port: HTTP, as vllm
 
 
 # ---- what each container runs ----------------------------------------------------------------
@@ -160,7 +160,7 @@ def test_every_flag_variable_and_config_key_is_one_pdserve_reads(overlay, monkey
 
 def _served_paths(setting: str) -> set[str]:
     """The HTTP paths the server behind a port setting answers."""
-    if setting == "http_port":
+    if setting == "port":
         from router.http_api import OpenAIFront
 
         service = SimpleNamespace(limits=SimpleNamespace(requests=SimpleNamespace(max_body_bytes=1)))

@@ -70,7 +70,7 @@ def test_workers_join_the_router_and_sigterm_drains_one_to_the_other(free_ports)
     grpc_port, http_port, admin_port, health_a, health_b = free_ports(5)
     procs = []
     try:
-        router, address = start("router", "--role", "router", "--port", str(grpc_port), "--http-port",
+        router, address = start("router", "--role", "router", "--grpc-port", str(grpc_port), "--port",
                                 str(http_port), "--internal-host", "127.0.0.1", "--internal-port", str(admin_port),
                                 "--join-interval-seconds", "0.5")
         procs.append(router)
