@@ -273,12 +273,12 @@ class LocalCluster:
         # The router runs on this (the driver's) node: its public address is where `pdserve
         # serve` was started, not a node Ray happened to pick.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = ServerActor.options(scheduling_strategy=here).remote("router", router_cfg, None, cfg.log)
+        self.router = ServerActor.options(scheduling_strategy=here).remote("router", router_cfg, None, self.config.log)
         self.address = ray.get(self.router.start.remote())
         self.http_address = ray.get(self.router.http_address.remote())
         self.admin_address = ray.get(self.router.internal_address.remote())
         self._router_config = dataclasses.replace(
-            router_cfg, port=split(self.address)[1],
+            router_cfg, grpc_port=split(self.address)[1],
             http_port=split(self.http_address)[1] if self.http_address else router_cfg.http_port)
 
     def restart_router(self) -> str:

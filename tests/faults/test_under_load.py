@@ -44,7 +44,7 @@ REPLACED_WITHIN_S = 120.0
 def cluster():
     config = ClusterConfig(
         engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=96 << 20)),
-        num_prefill=2, num_decode=2, port=0, http_port=None, lease_seconds=LEASE_S, kv_transfer_backend="tcp",
+        num_prefill=2, num_decode=2, grpc_port=0, http_port=None, lease_seconds=LEASE_S, kv_transfer_backend="tcp",
         inject_transfer_delay_s=READ_DELAY_S, threads_per_worker=1, router_poll_s=0.2, supervise_interval_s=0.5,
         hang_timeout_s=HANG_S)
     c = LocalCluster(config)
