@@ -60,7 +60,7 @@ class DecodeWorker(WorkerShell):
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
                              inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
-                             **transfer_listen_opts(config.kv_transfer_backend, endpoint))
+                             **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_transfers])
         self.endpoint = endpoint
         self._transfers: dict[str, TransferHandle] = {}

@@ -11,12 +11,21 @@ its poll delay at 0, so it busy-spins a core per agent (measured: 1 core-second 
 while idle, halving READ throughput on a 2-core host). Instead a small Python thread drives
 UCX every ``progress_interval_s`` (connection wire-up and notifications on the holder side,
 which otherwise only progress when the holder calls in); ``poll`` progresses reads directly.
+
+Listeners: NIXL's own metadata listener stays off (metadata travels over the worker's gRPC,
+on the internal plane). UCX's TCP transport listens on every network interface it may use,
+so ``net_devices`` holds it to the internal plane's interface (UCX_NET_DEVICES for this
+agent's UCX context). NIXL's own ``ucx_devices`` parameter cannot do it: it names devices as
+``name:1`` (an InfiniBand port), which matches no TCP interface. A UCX_NET_DEVICES set by the
+operator (an RDMA device list, say) is left as it is.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -33,6 +42,20 @@ _NIXL_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.TRANSFERRING,
                 "ERR": TransferState.FAILED}
 
 
+@contextmanager
+def _ucx_net_devices(devices: str | None):
+    """UCX_NET_DEVICES=``devices`` while the agent's UCX context is made, unless the operator
+    has set it; the process's environment is as before afterwards."""
+    if not devices or "UCX_NET_DEVICES" in os.environ:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        os.environ.pop("UCX_NET_DEVICES", None)
+
+
 def _import_nixl() -> Any:
     try:
         import nixl_cu12
@@ -45,16 +68,17 @@ class NixlAgent(KVTransferAgent):
     """KV-transfer agent over NIXL with the UCX backend.
 
     Extra options: ``progress_interval_s`` (period of the progress thread, bounding the
-    holder's wire-up and notification latency) and ``num_threads`` (UCX worker threads;
-    0 = NIXL's default). Raises BackendUnavailable when nixl_cu12, the UCX plugin or the agent
-    cannot start.
+    holder's wire-up and notification latency), ``num_threads`` (UCX worker threads;
+    0 = NIXL's default) and ``net_devices`` (the network interfaces UCX may listen and connect
+    on, comma-separated; None: UCX's default, every interface). Raises BackendUnavailable
+    when nixl_cu12, the UCX plugin or the agent cannot start.
     """
 
     backend_name = "nixl"
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
                  read_timeout_s: float = 30.0, progress_interval_s: float = 0.001,
-                 num_threads: int = 0):
+                 num_threads: int = 0, net_devices: str | None = None):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
                          read_timeout_s=read_timeout_s)
         if progress_interval_s <= 0:
@@ -65,7 +89,8 @@ class NixlAgent(KVTransferAgent):
         try:
             config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                             num_threads=num_threads)
-            self._agent = nixl.nixl_agent(name, config)
+            with _ucx_net_devices(net_devices):  # UCX reads its configuration when the backend starts
+                self._agent = nixl.nixl_agent(name, config)
         except Exception as exc:
             raise BackendUnavailable("nixl", f"creating NIXL agent {name!r} with UCX failed: "
                                              f"{type(exc).__name__}: {exc}") from exc

@@ -2,7 +2,8 @@
 fallback. Each agent serves reads of its cache from a small server thread; each read runs on
 a background thread so ``start_read`` returns at once and ``poll`` works as with NIXL.
 Received bytes go straight into the local blocks (via a host staging buffer for CUDA caches).
-Framing is in ``kv_transfer.tcp_wire``.
+Framing is in ``kv_transfer.tcp_wire``. With ``tls`` (the internal plane's mTLS config) the
+server and every read speak TLS with client certificates, as the gRPC channels do.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kv_transfer.base import KVTransferAgent, TransferHandle, TransferState
 from kv_transfer.errors import BackendUnavailable, InvalidTransferRequest
 from kv_transfer.layout import block_bytes_view
 from protos import kv_transfer_pb2
+from wire.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ class _TcpRead:
             self._cancelled = True
             connected = self._sock is not None
             if connected:
-                try:
-                    self._sock.shutdown(socket.SHUT_RDWR)  # the blocked recv returns at once
+                try:  # the blocked recv returns at once (the plain shutdown, under TLS too)
+                    socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
                 except OSError:
                     pass  # already closed by the worker
         if connected:
@@ -63,15 +65,17 @@ class TcpAgent(KVTransferAgent):
 
     Extra options: ``host`` to bind (default 127.0.0.1), ``advertise_host`` for peers to dial
     (default: ``host``; a worker passes its internal plane's, see ``wire.address``), ``port``
-    (0 picks a free one), ``max_parallel_reads`` (reader threads). Raises BackendUnavailable
-    if the server cannot bind.
+    (0 picks a free one), ``max_parallel_reads`` (reader threads), ``tls`` (mTLS: a
+    ``TlsConfig`` with a CA; the server refuses readers without a certificate it signed, and
+    reads check the holder's). Raises BackendUnavailable if the server cannot bind.
     """
 
     backend_name = "tcp"
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
                  read_timeout_s: float = 30.0, host: str = "127.0.0.1", port: int = 0,
-                 advertise_host: str | None = None, max_parallel_reads: int = 4):
+                 advertise_host: str | None = None, max_parallel_reads: int = 4,
+                 tls: TlsConfig | None = None):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
                          read_timeout_s=read_timeout_s)
         if max_parallel_reads < 1:
@@ -83,9 +87,14 @@ class TcpAgent(KVTransferAgent):
         self._notifications: list[bytes] = []
         self._notify_lock = threading.Lock()
         self._addresses: dict[str, tuple[str, int]] = {}
+        if tls is not None and not tls.requires_client_cert:
+            raise InvalidTransferRequest("tls needs a CA: the block server must refuse readers "
+                                         "without a certificate of the cluster", field="tls")
+        self._tls = tls
+        self._client_ssl = tls.client_context() if tls else None
         try:
             self._server = tcp_wire.BlockServer(host, port, self._blocks, self._on_notify,
-                                                self._authorize)
+                                                self._authorize, tls.server_context() if tls else None)
         except OSError as exc:
             raise BackendUnavailable("tcp", f"cannot listen on {host}:{port}: {exc}") from exc
         port = self._server.address.rpartition(":")[2]
@@ -145,7 +154,7 @@ class TcpAgent(KVTransferAgent):
     def _run_read(self, job: _TcpRead, address: tuple[str, int], remote: tuple[int, ...],
                   local: tuple[int, ...], notify: bytes, last: int) -> None:
         try:
-            with socket.create_connection(address, timeout=self.read_timeout_s) as sock:
+            with self._connect(address) as sock:
                 if not job.attach(sock):
                     job.error = "cancelled before connecting"
                     return
@@ -160,6 +169,17 @@ class TcpAgent(KVTransferAgent):
                         f"{type(exc).__name__}: {exc}"
         finally:
             job.finished.set()
+
+    def _connect(self, address: tuple[str, int]) -> socket.socket:
+        """A connection to a holder; with mTLS, after a handshake that checks its certificate."""
+        sock = socket.create_connection(address, timeout=self.read_timeout_s)
+        if self._client_ssl is None:
+            return sock
+        try:
+            return self._client_ssl.wrap_socket(sock, server_hostname=self._tls.server_name)
+        except BaseException:
+            sock.close()
+            raise
 
     def _receive_blocks(self, sock: socket.socket, local: tuple[int, ...], last: int) -> None:
         if self._host_blocks is not None:

@@ -11,6 +11,10 @@ All integers big-endian (``struct``); no pickle::
 
 The holder records ``notify`` only after the ACK, so a notification always means the reader
 has the data, as with NIXL.
+
+With an ``ssl`` context (mTLS on the internal plane, ``wire.tls``) every connection starts
+with a TLS handshake; a reader without a certificate of the cluster's CA fails it and gets
+no byte. The frames are the same inside TLS.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import os
 import socket
 import socketserver
+import ssl
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -36,6 +41,7 @@ REPLY_HEADER = struct.Struct("!BQ")
 STATUS = struct.Struct("!B")
 MAX_NOTIFY_BYTES = 1 << 16  # notifications are request ids, not payloads
 _IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per sendmsg/recvmsg_into
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its TLS handshake by then is dropped
 
 
 class WireError(Exception):
@@ -66,8 +72,12 @@ def _advance(views: list[memoryview], first: int, nbytes: int) -> int:
 
 def recv_exact_into_many(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every view in order, scatter-reading up to IOV_MAX of them per syscall (one GIL
-    round trip per syscall instead of one per block)."""
+    round trip per syscall instead of one per block). TLS has no scatter read: one at a time."""
     views = [v for v in views if len(v)]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            recv_exact_into(sock, view)
+        return
     first = 0
     while first < len(views):
         nbytes = sock.recvmsg_into(views[first:first + _IOV_MAX])[0]
@@ -78,8 +88,13 @@ def recv_exact_into_many(sock: socket.socket, views: list[memoryview]) -> None:
 
 
 def send_all_many(sock: socket.socket, views: list[memoryview]) -> None:
-    """Send every view in order, gather-writing up to IOV_MAX of them per syscall."""
+    """Send every view in order, gather-writing up to IOV_MAX of them per syscall (TLS: one
+    at a time)."""
     views = [v for v in views if len(v)]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return
     first = 0
     while first < len(views):
         first = _advance(views, first, sock.sendmsg(views[first:first + _IOV_MAX]))
@@ -122,12 +137,16 @@ def recv_reply_header(sock: socket.socket, expected_bytes: int) -> None:
 
 class BlockServer:
     """Serves reads of ``blocks`` (a (num_blocks, block_bytes) uint8 view of the cache) and
-    hands each acknowledged read's notify to ``on_notify``. Runs on background threads."""
+    hands each acknowledged read's notify to ``on_notify``. Runs on background threads. With
+    ``ssl_context`` (a server context that requires client certificates) every reader must
+    complete a TLS handshake first."""
 
     def __init__(self, host: str, port: int, blocks: torch.Tensor,
                  on_notify: Callable[[bytes], None],
-                 authorize: Callable[[bytes, list[int]], bool] = lambda notify, ids: True):
+                 authorize: Callable[[bytes, list[int]], bool] = lambda notify, ids: True,
+                 ssl_context: ssl.SSLContext | None = None):
         self._blocks = blocks
+        self._ssl = ssl_context
         self._authorize = authorize  # whether the read's notify (a lease token) covers its blocks
         # CPU caches are sent straight from their storage; CUDA blocks are gathered to host.
         self._host = blocks.numpy() if blocks.device.type == "cpu" else None
@@ -136,7 +155,7 @@ class BlockServer:
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                server._serve(self.request)
+                server._accept(self.request)
 
         self._server = socketserver.ThreadingTCPServer((host, port), _Handler)
         self._server.daemon_threads = True
@@ -150,8 +169,22 @@ class BlockServer:
         host, port = self._server.server_address[:2]
         return f"{host}:{port}"
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _accept(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._ssl is None:
+            self._serve(sock)
+            return
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            tls_sock = self._ssl.wrap_socket(sock, server_side=True)
+        except OSError as exc:  # ssl.SSLError too: no certificate, another CA's, or not TLS at all
+            logger.info("tcp kv read refused: TLS handshake failed: %s", exc)
+            return
+        with tls_sock:
+            tls_sock.settimeout(None)
+            self._serve(tls_sock)
+
+    def _serve(self, sock: socket.socket) -> None:
         try:
             ids, notify, last = decode_read(sock)
             num_blocks, block_bytes = self._blocks.shape

@@ -59,7 +59,7 @@ class PrefillWorker(WorkerShell):
         engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
-                             **transfer_listen_opts(config.kv_transfer_backend, endpoint))
+                             **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk])
         self.endpoint = endpoint
         self.leases = LeaseTable()

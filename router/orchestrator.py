@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -152,7 +153,7 @@ class RequestRun:
             prompt = self.req.prompt_token_ids + self.progress.token_ids
             params = dataclasses.replace(self.req.params, stop=(),
                                          max_tokens=self.req.params.max_tokens - len(self.progress.token_ids))
-            worker_rid = f"{self.req.request_id}#{attempt}"
+            worker_rid = attempt_id(self.req.request_id, attempt)
             await self._check_decode_capacity(len(prompt) + params.max_tokens)  # before any prefill work
             pre, prefill_addr = await self._prefill(worker_rid, prompt, params)
             if attempt == 0:
@@ -372,6 +373,15 @@ async def _unless_hung(call, client):
         return answer.result()
     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                f"worker {client.address} is hung (no engine progress, hang_timeout_s)")
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The id the workers know one attempt of a request by: the client's id and the attempt
+    number (for logs), then 16 random bytes that only the router and the workers of this
+    attempt learn. Workers key the engine's sequence, the stream and ``Abort`` on it, so an
+    ``Abort`` or a second ``Decode`` naming a client's request id (clients choose ids), or
+    another router's request of the same id, reaches nothing of this attempt."""
+    return f"{request_id}#{attempt}.{secrets.token_urlsafe(16)}"
 
 
 async def _ignore_errors(awaitable) -> None:

@@ -3,6 +3,11 @@
 Every method takes its request as raw bytes and decodes it itself (``add_to``): grpc.aio
 answers a message its deserializer cannot read with UNKNOWN ("Unexpected DecodeError"); a
 client that sent garbage must get INVALID_ARGUMENT.
+
+Request ids are the client's choice, so a running request belongs to the caller that started
+it (``caller``): ``Abort`` reaches only the caller's own requests, and two clients may run the
+same id side by side. On the workers each attempt has an unguessable id of its own
+(``orchestrator.attempt_id``).
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ class GenerationService:
         self.model = model
         self.pool = pool
         self.limits = limits
-        self.running: dict[str, tuple[asyncio.Task, RequestRun]] = {}
-        self.aborted: set[str] = set()
+        self.running: dict[tuple[str, str], tuple[asyncio.Task, RequestRun]] = {}  # (owner, request id)
+        self.aborted: set[tuple[str, str]] = set()
         self.waiting = 0  # requests admitted that have not had their first response yet
         self.draining = False
         # Tokenization and chat templates off the event loop. One thread by default: a HF
@@ -51,9 +56,11 @@ class GenerationService:
             raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {client_timeout_s}")
         return min(client_timeout_s, self.limits.request_timeout_s)
 
-    async def run(self, request: pdserve_pb2.GenerateRequest,
-                  timeout_s: float | None = None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    async def run(self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None = None,
+                  owner: str = "") -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """One request's responses, for every front (gRPC here, HTTP in http_api.py).
+        ``owner`` is who may abort it (``caller``); the HTTP front, whose ids the router
+        makes, aborts by closing the stream and passes none.
 
         Raises ``InvalidRequestError`` or ``RouteError``; an ``Abort`` ends the stream with a
         FINISH_REASON_ABORT response, a cancelled caller cleans up on the way out.
@@ -67,25 +74,26 @@ class GenerationService:
             loop = asyncio.get_running_loop()
             prepared = await loop.run_in_executor(self._tokenize, prepare, request, self.model, self.limits.requests)
             rid = prepared.request_id
-            if rid in self.running:
+            key = (owner, rid)
+            if key in self.running:
                 raise InvalidRequestError("request_id", f"{rid!r} is already running")
             run = RequestRun(prepared, self.model, self.pool, self.limits, arrived=arrived, timeout_s=deadline_s)
-            self.running[rid] = (asyncio.current_task(), run)
+            self.running[key] = (asyncio.current_task(), run)
             try:
                 async for resp in run.responses():
                     if waiting:
                         self.waiting, waiting = self.waiting - 1, False
                     yield resp
             except asyncio.CancelledError:
-                if rid not in self.aborted:
+                if key not in self.aborted:
                     raise  # the client went away; cleanup ran on the way out
                 yield pdserve_pb2.GenerateResponse(request_id=rid, finish_reason=pdserve_pb2.FINISH_REASON_ABORT,
                                                    usage=run.usage())
             finally:
                 if self.trace is not None:
                     self.trace.record(prepared.prompt_token_ids, len(run.progress.token_ids), arrived)
-                self.running.pop(rid, None)
-                self.aborted.discard(rid)
+                self.running.pop(key, None)
+                self.aborted.discard(key)
         finally:
             if waiting:
                 self.waiting -= 1
@@ -115,7 +123,7 @@ class GenerationService:
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed before the request began")
         try:
-            async for resp in self.run(request, remaining):
+            async for resp in self.run(request, remaining, caller(context)):
                 yield resp
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
@@ -125,10 +133,12 @@ class GenerationService:
             await context.abort(exc.code, str(exc))
 
     async def Abort(self, request, context):
-        entry = self.running.get(request.request_id)
+        """Abort the caller's own request of that id; another client's is not found."""
+        key = (caller(context), request.request_id)
+        entry = self.running.get(key)
         if entry is None:
             return pdserve_pb2.AbortResponse(found=False)
-        self.aborted.add(request.request_id)
+        self.aborted.add(key)
         entry[0].cancel()
         return pdserve_pb2.AbortResponse(found=True)
 
@@ -152,6 +162,17 @@ class GenerationService:
                 response_serializer=pdserve_pb2.ListModelsResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+def caller(context: grpc.aio.ServicerContext) -> str:
+    """Who a public call comes from: the identity in its client certificate when the public
+    plane verifies them (any connection of that client), else the connection it came over
+    (``host:port`` of the peer). The one API key is shared by every client, so it names no
+    one. A client aborts over the channel it generates on."""
+    identities = context.peer_identities()
+    if identities:
+        return "cert:" + b",".join(identities).decode(errors="replace")
+    return "peer:" + context.peer()
 
 
 async def _decode(cls, raw: bytes, max_bytes: int, context):

@@ -12,8 +12,14 @@ advertised: peers get the node's IP instead.
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import socket
+import struct
 from dataclasses import dataclass
+from typing import Any
+
+from wire.tls import TlsConfig
 
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
@@ -74,10 +80,44 @@ def split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def transfer_listen_opts(backend: str, endpoint: Endpoint) -> dict[str, str]:
-    """``create_agent`` options naming where a KV-transfer backend's own listener binds and
-    what it advertises. Only the tcp block server has one; NIXL's metadata travels over the
-    worker's gRPC (internal plane) and its data over UCX."""
-    if backend != "tcp":
-        return {}
-    return {"host": endpoint.bind_host, "advertise_host": endpoint.advertise_host}
+def transfer_listen_opts(backend: str, endpoint: Endpoint, tls: TlsConfig | None = None) -> dict[str, Any]:
+    """``create_agent`` options that keep a KV-transfer backend's own listeners on the internal
+    plane. The tcp block server binds the endpoint's bind host, advertises its advertised host
+    and takes the plane's mTLS. NIXL's metadata travels over the worker's gRPC (internal
+    plane); UCX listens on every interface it may use, so it is held to the interface that
+    carries the bind host (``net_devices``; none for a wildcard or an address no interface has)."""
+    if backend == "tcp":
+        return {"host": endpoint.bind_host, "advertise_host": endpoint.advertise_host, "tls": tls}
+    if backend == "nixl":
+        device = interface_of(endpoint.bind_host)
+        return {"net_devices": device} if device else {}
+    return {}
+
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the network interface that has address ``host`` (any loopback address:
+    the loopback interface), or None for a wildcard, a host name, IPv6, or an address that
+    no interface has."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.version != 4 or ip.is_unspecified:
+        return None
+    for _, name in socket.if_nameindex():
+        address = _ipv4_of(name)
+        if address is not None and (address == ip or (address.is_loopback and ip.is_loopback)):
+            return name
+    return None
+
+
+def _ipv4_of(name: str) -> ipaddress.IPv4Address | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:  # no IPv4 address on it
+            return None
+    return ipaddress.IPv4Address(packed[20:24])

@@ -13,6 +13,10 @@ Two uses:
 - **Public plane (TLS).** ``TlsConfig(cert, key, ca=None)``: a server certificate for the public
   gRPC and HTTP ports; with ``ca`` set, clients must present a certificate signed by it.
 
+Servers and clients that are not gRPC (the public HTTP API, the tcp KV block server and its
+readers) take ``ssl`` contexts made here by the same rules (``server_context``,
+``client_context``).
+
 The PEM bytes are read once, where the config is built (``load``), so a config can travel to a
 Ray actor on another node that lacks the files. ``scripts/make_certs.py`` makes a test CA and
 per-component certificates.
@@ -61,19 +65,36 @@ class TlsConfig:
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)]
 
-    def http_server_context(self) -> ssl.SSLContext:
-        """An ``ssl`` server context with the same certificate (the public HTTP API)."""
+    def server_context(self) -> ssl.SSLContext:
+        """An ``ssl`` server context with the same certificate and the same rule as
+        ``server_credentials``: with a CA, a client without a certificate it signed fails the
+        handshake. For servers that are not gRPC: the public HTTP API, the tcp KV block server."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._load_chain(ctx)
+        if self.ca_pem is not None:
+            ctx.load_verify_locations(cadata=self.ca_pem.decode())
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    http_server_context = server_context  # the public HTTP API's name for it
+
+    def client_context(self) -> ssl.SSLContext:
+        """An ``ssl`` client context with the rules of ``channel_credentials``: present
+        ``cert``, trust only servers signed by the CA; wrap sockets with
+        ``server_hostname=server_name``. For the tcp KV reader."""
+        if self.ca_pem is None:
+            raise TlsConfigError("tls_ca must be set: an internal client trusts only the cluster's CA")
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=self.ca_pem.decode())
+        self._load_chain(ctx)
+        return ctx
+
+    def _load_chain(self, ctx: ssl.SSLContext) -> None:
         with tempfile.TemporaryDirectory() as tmp:  # ssl loads keys only from files
             cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
             cert.write_bytes(self.cert_pem)
             key.touch(mode=0o600)
             key.write_bytes(self.key_pem)
             ctx.load_cert_chain(cert, key)
-        if self.ca_pem is not None:
-            ctx.load_verify_locations(cadata=self.ca_pem.decode())
-            ctx.verify_mode = ssl.CERT_REQUIRED
-        return ctx
 
 
 def load(cert: str | None, key: str | None, ca: str | None, *, prefix: str,

@@ -80,6 +80,12 @@ def test_grpc_answers_resource_exhausted_with_retry_after():
         def time_remaining(self):
             return None
 
+        def peer_identities(self):  # who the caller is (router.service.caller)
+            return None
+
+        def peer(self):
+            return "ipv4:127.0.0.1:40000"
+
         async def abort(self, code, details):
             raise RouteError(code, details)
 

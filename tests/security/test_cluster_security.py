@@ -1,7 +1,8 @@
 """A real cluster (Ray actors, NIXL, the default model) with both trust boundaries on: an API key
 on the public plane and mTLS on the internal one. Only ``Generation``, health and reflection
 answer on the public port; every internal server refuses a client without a certificate of the
-cluster's CA; and the controller puts back a routing table that someone else overwrote."""
+cluster's CA; an abort reaches only its own client's request; and the controller puts back a
+routing table that someone else overwrote."""
 
 import json
 import os
@@ -20,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.certs import issue, make_ca
 from cluster.local import ClusterConfig, LocalCluster
 from engine.config import CacheConfig, EngineConfig
-from protos import admin_pb2, admin_pb2_grpc, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.serving.test_disaggregated import chat_request, collect, hf_chat_greedy, reference  # noqa: F401
 from wire import tls
 from wire.grpc_util import channel
@@ -150,9 +151,43 @@ def test_internal_servers_refuse_clients_without_a_cluster_certificate(cluster, 
             assert code_of(lambda: stats(foreign)) == grpc.StatusCode.UNAVAILABLE
         with channel(address, ours) as good:
             assert stats(good).worker_id
+    for address in cluster.prefill_addresses:  # NIXL's key to one-sided reads of the whole cache
+        meta = lambda ch: worker_pb2_grpc.PrefillWorkerStub(ch).GetAgentMetadata(worker_pb2.AgentMetadataRequest(),
+                                                                                timeout=5)
+        with grpc.secure_channel(address, no_cert, options=ours.channel_options()) as bare:
+            assert code_of(lambda: meta(bare)) == grpc.StatusCode.UNAVAILABLE
+        with channel(address, stranger) as foreign:
+            assert code_of(lambda: meta(foreign)) == grpc.StatusCode.UNAVAILABLE
+        with channel(address, ours) as good:
+            assert meta(good).backend_metadata
     with channel(cluster.admin_address, stranger) as foreign:
         get = lambda: admin_pb2_grpc.RouterAdminStub(foreign).GetMembership(admin_pb2.Membership(), timeout=5)
         assert code_of(get) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_abort_naming_another_clients_request_has_no_effect(cluster, certs, stub):
+    """Clients choose request ids. Another client naming this one's id (its own connection, the
+    same key) is not found, nor is a worker Abort naming the id's first attempt, even from a
+    holder of a cluster certificate: the stream completes. The owner's own Abort still works."""
+    request = chat_request("Write a long story about a dragon.", 32, ignore_eos=True)
+    request.request_id = "shared-id"
+    stream = stub.Generate(request, metadata=AUTH, timeout=120)
+    ids = list(next(stream).token_ids)  # running now, with 31 tokens to go
+    separate = [("grpc.use_local_subchannel_pool", 1)]  # its own connection, as another process has
+    with grpc.insecure_channel(cluster.address, options=separate) as ch:
+        foreign = pdserve_pb2_grpc.GenerationStub(ch).Abort(pdserve_pb2.AbortRequest(request_id="shared-id"),
+                                                            metadata=AUTH, timeout=5)
+    with channel(cluster.decode_addresses[0], certs["controller"]) as ch:
+        worker = worker_pb2_grpc.DecodeWorkerStub(ch).Abort(worker_pb2.WorkerAbortRequest(request_id="shared-id#0"),
+                                                            timeout=5)
+    rest, _, resps = collect(stream)
+    assert not foreign.found and not worker.found  # old code: both found, and the stream ended ABORT
+    assert len(ids + rest) == 32 and resps[-1].finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
+
+    stream = stub.Generate(request, metadata=AUTH, timeout=120)  # the same id, free again
+    next(stream)
+    assert stub.Abort(pdserve_pb2.AbortRequest(request_id="shared-id"), metadata=AUTH, timeout=5).found
+    assert collect(stream)[2][-1].finish_reason == pdserve_pb2.FINISH_REASON_ABORT
 
 
 def test_controller_puts_back_a_membership_someone_overwrote(cluster, certs, stub):
