@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,25 @@ def load() -> None:
             return
         out = cache_dir()
         out.mkdir(parents=True, exist_ok=True)
+        _clear_stale_build_lock(out)
         log.info("loading pdserve CPU kernels from %s (compiling on first use, about a minute)", out)
         build(name="pdserve_cpu_kernels", sources=srcs, extra_cflags=CFLAGS, build_directory=str(out),
               is_python_module=False, verbose=False)
         _loaded = True
+
+
+STALE_LOCK_S = 600.0  # a compile takes about a minute; a lock this old outlived its process
+
+
+def _clear_stale_build_lock(out: Path) -> None:
+    """torch's extension builder holds ``out/lock`` while one process compiles and makes the
+    others wait for it. A compile that was killed leaves the file behind, and every later
+    start would wait forever: a lock older than any compile is removed."""
+    lock = out / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock %s (%.0f s old: its compile was killed)", lock, age)
+        lock.unlink(missing_ok=True)
