@@ -11,7 +11,7 @@ from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from kv_transfer import TransferError
 from kv_transfer.handoff import KVHandle, ReleaseReason, release_request
 from protos import worker_pb2, worker_pb2_grpc
-from wire.convert import finish_to_wire, sampling_from_proto
+from wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid, aio_channel
 from wire.worker_shell import ShellRpcs
@@ -61,6 +61,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
                     continue
                 yield worker_pb2.DecodeResponse(
                     token_ids=item.new_token_ids, logprobs=item.new_logprobs,
+                    top_logprobs=[top_to_proto(top) for top in item.new_top_logprobs],
                     finish_reason=finish_to_wire(item.finish_reason if item.finished else None))
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)

@@ -90,6 +90,13 @@ class GenerationService:
             if waiting:
                 self.waiting -= 1
 
+    async def tokenize(self, call) -> list[int]:
+        """``call(tokenizer)`` (``/tokenize``) on the tokenizer thread, as prompts are."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, call, self.model.tokenizer)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, self.model.tokenizer.decode, token_ids)
+
     def _admit(self) -> None:
         """Refuse at once, before any work: while draining, or past ``max_waiting_requests``."""
         if self.draining:
