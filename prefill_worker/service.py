@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import grpc
 
 from engine.errors import InvalidRequestError, StepFailed
@@ -13,6 +14,8 @@ from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid
 from wire.worker_shell import ShellRpcs
 
+log = logging.getLogger(__name__)  # request ids are the router's (a client's X-Request-Id)
+
 
 class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, address: str, metrics_address: str = ""):
@@ -22,6 +25,7 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         await self.refuse_if_draining(context, grpc.StatusCode.UNAVAILABLE)  # the router tries another
+        log.debug("prefill %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids))
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params)

@@ -36,9 +36,13 @@ class PreparedRequest:
     default_max_tokens: bool = False
 
 
-def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestLimits = RequestLimits()
-            ) -> PreparedRequest:
+def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestLimits = RequestLimits(),
+            max_tokens_to_context: bool = False) -> PreparedRequest:
     """Validate and tokenize; raises ``InvalidRequestError`` naming the field and the limit.
+
+    A request without max_tokens gets ``wire.convert.DEFAULT_MAX_TOKENS`` (the gRPC API's
+    documented default) or, with ``max_tokens_to_context`` (the OpenAI front, as vLLM
+    does), the rest of the context after its prompt.
 
     The size limits come first, so that no request tokenizes or templates more than they allow.
     Runs on a worker thread (the tokenizer's work is off the event loop).
@@ -50,7 +54,7 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     if kind is None:
         raise InvalidRequestError("input", "set one of text, token_ids or chat")
     params = sampling_from_proto(req.sampling)
-    default_max_tokens = req.sampling.max_tokens == 0
+    default_max_tokens = max_tokens_to_context and req.sampling.max_tokens == 0
     if default_max_tokens:  # the most it can be, until the prompt's length is known
         params = dataclasses.replace(params, max_tokens=model.max_model_len)
     params.validate(model.config.vocab_size)  # cheap: before the tokenizer's work

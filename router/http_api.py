@@ -121,7 +121,7 @@ class OpenAIFront:
         for i, req in enumerate(reqs):
             req.request_id = rid if len(reqs) == 1 else f"{rid}-{i}"
             choices.append(Choice(i, prompt_text=self._prompt_text(req) if options.echo else ""))
-        streams = [self.service.run(req, timeout_s) for req in reqs]
+        streams = [self.service.run(req, timeout_s, max_tokens_to_context=True) for req in reqs]
         tasks: list[asyncio.Task] = []
         try:
             # Validation and routing errors surface before any byte is sent.

@@ -51,9 +51,10 @@ class GenerationService:
             raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {client_timeout_s}")
         return min(client_timeout_s, self.limits.request_timeout_s)
 
-    async def run(self, request: pdserve_pb2.GenerateRequest,
-                  timeout_s: float | None = None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    async def run(self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None = None,
+                  max_tokens_to_context: bool = False) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """One request's responses, for every front (gRPC here, HTTP in http_api.py).
+        ``max_tokens_to_context``: see ``router.frontend.prepare``.
 
         Raises ``InvalidRequestError`` or ``RouteError``; an ``Abort`` ends the stream with a
         FINISH_REASON_ABORT response, a cancelled caller cleans up on the way out.
@@ -65,7 +66,8 @@ class GenerationService:
         waiting = True
         try:
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._tokenize, prepare, request, self.model, self.limits.requests)
+            prepared = await loop.run_in_executor(self._tokenize, prepare, request, self.model, self.limits.requests,
+                                                  max_tokens_to_context)
             rid = prepared.request_id
             if rid in self.running:
                 raise InvalidRequestError("request_id", f"{rid!r} is already running")

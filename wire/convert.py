@@ -5,8 +5,8 @@ from __future__ import annotations
 from engine.sampling import SamplingParams, TopLogprobs
 from protos import pdserve_pb2
 
-# Without max_tokens an engine-level request stops here; the router instead gives a
-# request the rest of the context (``router.frontend.prepare``), as vLLM does.
+# Without max_tokens a gRPC request stops here; an OpenAI HTTP request instead gets the
+# rest of the context (``router.frontend.prepare``), as vLLM gives it.
 DEFAULT_MAX_TOKENS = 16
 
 _FINISH_TO_WIRE = {

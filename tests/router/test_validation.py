@@ -144,11 +144,13 @@ def test_token_ids_beyond_the_vocabulary_are_invalid():
     assert err.value.field == "prompt_token_ids"
 
 
-def test_max_tokens_unset_is_the_rest_of_the_context_and_min_tokens_may_exceed_sixteen():
-    p = prepare(pdserve_pb2.GenerateRequest(text="hello", sampling=pdserve_pb2.SamplingParams(min_tokens=40)), MODEL)
+def test_max_tokens_unset_is_the_rest_of_the_context_on_the_openai_front_and_16_on_grpc():
+    req = pdserve_pb2.GenerateRequest(text="hello", sampling=pdserve_pb2.SamplingParams(min_tokens=40))
+    p = prepare(req, MODEL, max_tokens_to_context=True)
     assert p.params.max_tokens == 64 - 5 and p.default_max_tokens and p.params.min_tokens == 40
-    p = prepare(grpc_request(max_tokens=7), MODEL)
+    p = prepare(grpc_request(max_tokens=7), MODEL, max_tokens_to_context=True)
     assert p.params.max_tokens == 7 and not p.default_max_tokens
+    assert prepare(grpc_request(), MODEL).params.max_tokens == 16
 
 
 @pytest.mark.parametrize("sampling,field", [

@@ -2,6 +2,7 @@
 on the shared float32 cluster (prefill and decode in different processes): each checked
 against transformers on the same weights."""
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -10,6 +11,7 @@ import openai
 import pytest
 import torch
 
+from protos import pdserve_pb2
 from tests.serving.test_disaggregated import reference  # noqa: F401  (module fixture: transformers)
 
 pytestmark = pytest.mark.slow
@@ -151,3 +153,21 @@ def test_tokenize_detokenize_version_model_card_and_request_id(cluster, referenc
     status, out, headers = http(cluster, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2},
                                 {"X-Request-Id": "trace-42"})
     assert status == 200 and headers["X-Request-Id"] == "trace-42"
+
+
+def test_x_request_id_is_the_requests_id_in_the_router(cluster, stub):
+    """A gRPC Abort naming a client's X-Request-Id stops that HTTP stream: the header is the
+    request's id in the router, which the workers get too (with an attempt suffix)."""
+    host, port = cluster.http_address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json", "X-Request-Id": "abort-me"},
+                     body=json.dumps({"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True,
+                                      "stream": True}))
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.headers["X-Request-Id"] == "abort-me"
+        assert resp.readline().startswith(b"data: ")  # running: its first token is out
+        assert stub.Abort(pdserve_pb2.AbortRequest(request_id="abort-me"), timeout=10).found
+        assert b'"finish_reason": "abort"' in resp.read()
+    finally:
+        conn.close()
