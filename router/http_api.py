@@ -122,19 +122,25 @@ class OpenAIFront:
             req.request_id = rid if len(reqs) == 1 else f"{rid}-{i}"
             choices.append(Choice(i, prompt_text=self._prompt_text(req) if options.echo else ""))
         streams = [self.service.run(req, timeout_s, max_tokens_to_context=True) for req in reqs]
-        tasks: list[asyncio.Task] = []
+        queue: asyncio.Queue = asyncio.Queue()
+        # One task iterates each choice's stream from start to end: the router's Abort cancels
+        # the task that runs a request, so that must stay the same task throughout.
+        tasks = [asyncio.create_task(_pump(c, s, queue)) for c, s in zip(choices, streams)]
         try:
             # Validation and routing errors surface before any byte is sent.
-            firsts = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
-            for first in firsts:
-                if isinstance(first, BaseException):
-                    return self._error(first)
+            early, started = [], set()
+            while len(started) < len(choices):
+                choice, item = await queue.get()
+                if isinstance(item, Exception):
+                    return self._error(item)
+                started.add(choice.index)
+                early.append((choice, item))
             meta = {"id": body_id, "created": int(time.time()), "model": self.service.model.name, "chat": chat,
                     "logprobs": options.logprobs, "top_logprobs": options.top_logprobs, "echo": options.echo,
                     "n": options.n, "tokenizer": self.service.model.tokenizer}
             if options.stream:
-                return await self._stream(request, choices, firsts, streams, tasks, meta, options.include_usage)
-            return await self._collect(choices, firsts, streams, tasks, meta)
+                return await self._stream(request, choices, early, queue, meta, options.include_usage)
+            return await self._collect(choices, early, queue, meta)
         finally:
             # However the handler ends (done, cancelled by a disconnect, a write to a closed
             # socket), stop the pumps, then close every choice's stream so the router aborts
@@ -151,62 +157,33 @@ class OpenAIFront:
             return req.text
         return self.service.model.tokenizer.hf.decode(list(req.token_ids.ids))
 
-    async def _collect(self, choices: list[Choice], firsts: list, streams: list, tasks: list, meta: dict
-                       ) -> web.Response:
-        async def drain(choice: Choice, first, stream) -> None:
-            if first is not None:
-                choice.parts.append(first)
-            async for resp in stream:
-                choice.parts.append(resp)
-
-        tasks += [asyncio.create_task(drain(c, f, s)) for c, f, s in zip(choices, firsts, streams)]
-        for result in await asyncio.gather(*tasks, return_exceptions=True):
-            if isinstance(result, BaseException):
-                return self._error(result)
+    async def _collect(self, choices: list[Choice], early: list, queue: asyncio.Queue, meta: dict) -> web.Response:
+        async for choice, item in _items(early, queue, len(choices)):
+            if isinstance(item, Exception):
+                return self._error(item)
+            choice.parts.append(item)
         build = chat_response if meta["chat"] else completion_response
         return web.json_response(build(choices, meta))
 
-    async def _stream(self, request: web.Request, choices: list[Choice], firsts: list, streams: list, tasks: list,
+    async def _stream(self, request: web.Request, choices: list[Choice], early: list, queue: asyncio.Queue,
                       meta: dict, include_usage: bool) -> web.StreamResponse:
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if REQUEST_ID_HEADER in request.headers:
             headers[REQUEST_ID_HEADER] = request.headers[REQUEST_ID_HEADER]
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(choice: Choice, stream) -> None:
-            try:
-                async for resp in stream:
-                    await queue.put((choice, resp))
-                await queue.put((choice, None))
-            except (InvalidRequestError, RouteError) as exc:
-                await queue.put((choice, exc))
-
-        lasts: dict[int, object] = {}
-        pending = 0
-        for choice, first in zip(choices, firsts):
-            if meta["chat"]:
+        if meta["chat"]:
+            for choice in choices:
                 await _send(response, chat_chunk(meta, choice, role=True))
-            if first is None:
-                continue
-            await self._send_part(response, meta, choice, first, first=True)
-            lasts[choice.index] = first
-            if not first.finish_reason:
-                pending += 1
-                tasks.append(asyncio.create_task(pump(choice, streams[choice.index])))
-        while pending:
-            choice, item = await queue.get()
-            if item is None:
-                pending -= 1
-            elif isinstance(item, Exception):
+        lasts: dict[int, object] = {}
+        async for choice, item in _items(early, queue, len(choices)):
+            if isinstance(item, Exception):
                 err = _as_http_error(item)
                 await _send(response, {"error": {"message": str(err), "type": err.kind, "param": err.param,
                                                   "code": err.status}})
                 break
-            else:
-                lasts[choice.index] = item
-                await self._send_part(response, meta, choice, item)
+            await self._send_part(response, meta, choice, item, first=choice.index not in lasts)
+            lasts[choice.index] = item
         done = [lasts.get(c.index) for c in choices]
         if include_usage and all(r is not None and r.finish_reason for r in done):
             await _send(response, {**(chat_chunk if meta["chat"] else completion_chunk)(meta),
@@ -288,6 +265,32 @@ class OpenAIFront:
 
     async def metrics_targets(self, request: web.Request) -> web.Response:
         return web.json_response(self.service.pool.metrics_targets())
+
+
+async def _pump(choice: Choice, stream: AsyncIterator, queue: asyncio.Queue) -> None:
+    """Every response of one choice's stream into ``queue`` as (choice, response), then
+    (choice, None); an error the client is told of ends it as (choice, error)."""
+    try:
+        async for resp in stream:
+            await queue.put((choice, resp))
+        await queue.put((choice, None))
+    except (InvalidRequestError, RouteError, HttpError) as exc:
+        await queue.put((choice, exc))
+
+
+async def _items(early: list, queue: asyncio.Queue, num_choices: int):
+    """(choice, response or error) in arrival order, ``early`` first, until every choice's
+    stream has ended (a choice's end marker is not yielded)."""
+    ended = 0
+    pending = list(early)
+    while ended < num_choices:
+        choice, item = pending.pop(0) if pending else await queue.get()
+        if item is None:
+            ended += 1
+            continue
+        yield choice, item
+        if isinstance(item, Exception):
+            return
 
 
 @web.middleware

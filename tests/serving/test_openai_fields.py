@@ -2,7 +2,7 @@
 on the shared float32 cluster (prefill and decode in different processes): each checked
 against transformers on the same weights."""
 
-import http.client
+import http.client as http_client
 import json
 import urllib.error
 import urllib.request
@@ -159,7 +159,7 @@ def test_x_request_id_is_the_requests_id_in_the_router(cluster, stub):
     """A gRPC Abort naming a client's X-Request-Id stops that HTTP stream: the header is the
     request's id in the router, which the workers get too (with an attempt suffix)."""
     host, port = cluster.http_address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn = http_client.HTTPConnection(host, int(port), timeout=60)
     try:
         conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json", "X-Request-Id": "abort-me"},
                      body=json.dumps({"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True,
