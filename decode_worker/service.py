@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 
@@ -11,10 +12,12 @@ from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from kv_transfer import TransferError
 from kv_transfer.handoff import KVHandle, ReleaseReason, release_request
 from protos import worker_pb2, worker_pb2_grpc
-from wire.convert import finish_to_wire, sampling_from_proto
+from wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid, aio_channel
 from wire.worker_shell import ShellRpcs
+
+log = logging.getLogger(__name__)  # request ids are the router's (a client's X-Request-Id)
 
 
 class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
@@ -41,6 +44,8 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request, context):
         # The router offers the same KV to another decode worker.
         await self.admit(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        log.debug("decode %s: %d prompt tokens from %s", request.request_id, len(request.prompt_token_ids),
+                  request.kv.prefill_address)
         kv = KVHandle.from_proto(request.kv)
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
@@ -61,6 +66,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
                     continue
                 yield worker_pb2.DecodeResponse(
                     token_ids=item.new_token_ids, logprobs=item.new_logprobs,
+                    top_logprobs=[top_to_proto(top) for top in item.new_top_logprobs],
                     finish_reason=finish_to_wire(item.finish_reason if item.finished else None))
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)

@@ -22,7 +22,7 @@ from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from engine.kv_cache import KVCacheSpec
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams, validate_request
+from engine.sampling import SamplingParams, TopLogprobs, validate_request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -41,6 +41,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # with params.top_logprobs
+    # On a request's first output, with params.prompt_logprobs: prompt tokens 1..n-1.
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
     finish_reason: str | None = None
 
 
@@ -75,6 +80,7 @@ class LLMEngine:
         eos = model_cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and tokenizer.eos_token_id is not None else ())
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos))
         self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed)
+        self.runner.sampler.eos_token_ids = frozenset(eos)  # banned before min_tokens
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
@@ -203,10 +209,13 @@ class LLMEngine:
                     self.scheduler.finish(seq, FinishReason.STOP)
                 if seq.is_finished and not hit_stop:
                     text += detok.flush()
+            first = seq.num_output_tokens == 1
             results.append(RequestOutput(
                 seq.seq_id, [token], text, seq.output_logprobs[-1:] if seq.params.logprobs else [],
                 seq.is_done_here, seq.finish_reason.value if seq.finish_reason else None,
                 seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                seq.output_top_logprobs[-1:] if seq.params.logprobs else [],
+                list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None,
             ))
             if seq.is_finished:
                 self._forget(seq)
@@ -239,6 +248,9 @@ class LLMEngine:
                 c.token_ids += o.new_token_ids
                 c.text += o.new_text
                 c.logprobs += o.new_logprobs
+                c.top_logprobs += o.new_top_logprobs
+                if o.prompt_logprobs is not None:
+                    c.prompt_logprobs = o.prompt_logprobs
                 if o.finished:
                     c.finish_reason = o.finish_reason
                     pending.discard(o.request_id)

@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.kv_cache import layer_views
 from engine.model import CausalLM
+from engine.prompt_logprobs import prompt_logprobs
 from engine.sampler import Sampler, SamplerRow
 from engine.scheduler import SampledTokens, SchedulerOutput
 
@@ -45,14 +46,16 @@ class ModelRunner:
             attn.bind_cache(k, v, self.backend)
         hidden = self.model(input_ids, positions, ctx)
         self.num_forward_tokens += input_ids.shape[0]
+        prompt_lps = prompt_logprobs(self.model, hidden, out)
         sampled = [s for s in out.seqs if s.sample]
         if not sampled:
-            return SampledTokens({})
+            return SampledTokens({}, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[sample_idx])  # (N, V) float32
-        rows = [SamplerRow(s.seq.seq_id, s.seq.params, s.seq.token_ids) for s in sampled]
-        tokens, logprobs = self.sampler(logits, rows)
+        rows = [SamplerRow(s.seq.seq_id, s.seq.params, s.seq.token_ids, s.seq.num_prompt_tokens) for s in sampled]
+        tokens, logprobs, tops = self.sampler(logits, rows)
         ids = [r.seq_id for r in rows]
-        return SampledTokens(dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {})
+        return SampledTokens(dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {},
+                             dict(zip(ids, tops)) if tops else {}, prompt_lps)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """Packed token ids (T,), positions (T,), the step's ``AttentionContext`` and the rows

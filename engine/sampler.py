@@ -1,25 +1,46 @@
 """Turns the last-position logits of each sequence into its next token.
 
-Order of operations (as in transformers): repetition penalty on the raw logits, then
+Order of operations (as in vLLM): ``min_tokens`` bans, ``logit_bias`` and the repetition,
+frequency and presence penalties on the raw logits (``engine.penalties``), then
 temperature, then top-k, top-p and min-p filters, then a draw. Greedy rows take the argmax
-of the penalised logits. A request with a seed draws from its own ``torch.Generator``, so
+of the penalised logits. Logprobs (the chosen token's and the top alternatives) are of the
+raw distribution, before any of this, as vLLM reports them by default. A request with a seed draws from its own ``torch.Generator``, so
 its output does not depend on what else is in the batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.penalties import apply_penalties
+from engine.sampling import SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True)
 class SamplerRow:
     seq_id: str
     params: SamplingParams
-    token_ids: list[int]  # prompt + output so far (for the repetition penalty)
+    token_ids: list[int]  # prompt + output so far (for the penalties)
+    num_prompt_tokens: int = 0  # token_ids[num_prompt_tokens:] is output (frequency / presence)
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[float] | None  # None unless a row asked for logprobs
+    top_logprobs: list[TopLogprobs] | None  # per row, () where the row asked for none
+
+
+def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
+    """logprobs (B, V) -> per row its ``ks[i]`` best (token id, logprob) pairs."""
+    k = max(ks, default=0)
+    if k == 0:
+        return [()] * len(ks)
+    values, ids = logprobs.topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [tuple(zip(ids[i][:n], values[i][:n])) for i, n in enumerate(ks)]
 
 
 class Sampler:
@@ -27,35 +48,29 @@ class Sampler:
         self.device = device
         self._shared = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        # Banned until ``min_tokens`` are out (besides stop_token_ids); the engine sets them.
+        self.eos_token_ids: frozenset[int] = frozenset()
 
     def forget(self, seq_id: str) -> None:
         """Drop a finished sequence's generator."""
         self._generators.pop(seq_id, None)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[float] | None]:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         """logits (B, V) float32 -> B token ids, and their logprobs if any row asked."""
         want_logprobs = any(r.params.logprobs for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if any(r.params.repetition_penalty != 1.0 for r in rows):
-            logits = self._apply_repetition_penalty(logits.clone(), rows)
+        if any(r.params.penalised for r in rows):
+            logits = apply_penalties(logits.clone(), rows, self.eos_token_ids)
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
         if raw_logprobs is None:
-            return token_list, None
-        return token_list, raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
-
-    def _apply_repetition_penalty(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
-        for i, r in enumerate(rows):
-            p = r.params.repetition_penalty
-            if p == 1.0:
-                continue
-            ids = torch.tensor(sorted(set(r.token_ids)), device=logits.device, dtype=torch.long)
-            seen = logits[i, ids]
-            logits[i, ids] = torch.where(seen < 0, seen * p, seen / p)
-        return logits
+            return SamplerOutput(token_list, None, None)
+        chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+        ks = [r.params.top_logprobs if r.params.logprobs else 0 for r in rows]
+        return SamplerOutput(token_list, chosen, top_logprobs(raw_logprobs, ks))
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
         # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.

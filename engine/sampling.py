@@ -15,6 +15,13 @@ TEMPERATURE_EPSILON = 1e-5
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2], as in OpenAI's API
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own limit on logit_bias keys
+MAX_TOP_LOGPROBS = 20  # alternatives per position, OpenAI's chat limit
+
+# The most likely alternatives at one position: (token id, logprob) pairs, best first.
+TopLogprobs = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -24,7 +31,16 @@ class SamplingParams:
     temperature below ``TEMPERATURE_EPSILON`` (0 included) means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
     filters. ``seed`` makes sampled output reproducible regardless of batch company.
     ``logprobs`` returns the log-probability (under the model's raw distribution) of each
-    chosen token.
+    chosen token, and ``top_logprobs`` that many most likely alternatives with it.
+    ``prompt_logprobs`` (None: off) returns the logprob of every prompt token after the
+    first, with that many alternatives (echo / loglikelihood); such a prompt bypasses the
+    prefix cache, whose blocks carry no logits.
+
+    Penalties, as vLLM applies them: ``logit_bias`` adds to the named tokens' logits;
+    ``repetition_penalty`` divides (multiplies, when negative) the logits of every token
+    in prompt and output; ``frequency_penalty`` subtracts, per token, its count in the
+    output so far, and ``presence_penalty`` a constant once it occurs there. Until
+    ``min_tokens`` tokens are out, EOS and ``stop_token_ids`` cannot be drawn.
     """
 
     max_tokens: int = 16
@@ -38,6 +54,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0
+
+    @property
+    def penalised(self) -> bool:
+        """True when any logit processing applies before the draw (greedy included)."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +88,31 @@ class SamplingParams:
             limits = (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
             raise InvalidRequestError("repetition_penalty", f"must be in [{limits[0]:g}, {limits[1]:g}], "
                                       f"got {self.repetition_penalty}", limits)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}",
+                                          (-MAX_PENALTY, MAX_PENALTY))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError("logit_bias", f"{len(self.logit_bias)} entries; the limit is "
+                                      f"{MAX_LOGIT_BIAS_ENTRIES}", MAX_LOGIT_BIAS_ENTRIES)
+        for tid, bias in self.logit_bias:
+            if not 0 <= tid < vocab_size:
+                raise InvalidRequestError("logit_bias", f"token id {tid} is outside [0, {vocab_size})", vocab_size)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError("logit_bias", f"bias {bias} for token {tid} is outside "
+                                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", MAX_LOGIT_BIAS)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], "
+                                      f"got {self.min_tokens}", self.max_tokens)
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                      f"{self.top_logprobs}", MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                      f"{self.prompt_logprobs}", MAX_TOP_LOGPROBS)
         for tid in self.stop_token_ids:
             if not 0 <= tid < vocab_size:
                 raise InvalidRequestError("stop_token_ids", f"{tid} is outside [0, {vocab_size})", vocab_size)

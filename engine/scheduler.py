@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.sampling import TopLogprobs
 from engine.sequence import FinishReason, Sequence, SeqStatus
 
 
@@ -44,6 +45,9 @@ class SampledTokens:
 
     token_ids: dict[str, int]
     logprobs: dict[str, float] = field(default_factory=dict)
+    top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
+    # Per sequence with ``prompt_logprobs``: entries for the prompt tokens this step scored.
+    prompt_logprobs: dict[str, list[tuple[float, TopLogprobs]]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -108,7 +112,9 @@ class Scheduler:
                     break
                 if not self.blocks.can_allocate(seq.num_tokens):
                     break
-                alloc = self.blocks.allocate(seq.seq_id, seq.token_ids)
+                # Prompt logprobs need every prompt position run: no prefix-cache hits.
+                alloc = self.blocks.allocate(seq.seq_id, seq.token_ids,
+                                             use_prefix_cache=seq.params.prompt_logprobs is None)
                 seq.num_computed_tokens = seq.num_cached_tokens = alloc.num_cached_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > budget and not self.config.enable_chunked_prefill:
@@ -157,6 +163,7 @@ class Scheduler:
             seq = item.seq
             if seq.is_done_here:  # aborted while its step ran
                 continue
+            seq.prompt_logprobs.extend(sampled.prompt_logprobs.get(seq.seq_id, ()))
             seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if not item.sample:
@@ -165,6 +172,7 @@ class Scheduler:
             seq.token_ids.append(token)
             if seq.seq_id in sampled.logprobs:
                 seq.output_logprobs.append(sampled.logprobs[seq.seq_id])
+                seq.output_top_logprobs.append(sampled.top_logprobs.get(seq.seq_id, ()))
             reason = self._stop_reason(seq, token)
             if seq.hold_kv and reason is None:
                 seq.status = SeqStatus.HELD  # never joins the decode batch: its KV goes elsewhere

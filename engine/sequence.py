@@ -6,7 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TopLogprobs
 
 _arrival = itertools.count()
 
@@ -44,6 +44,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # With ``params.prompt_logprobs``: (logprob, top alternatives) of prompt tokens 1..n-1.
+    prompt_logprobs: list[tuple[float, TopLogprobs]] = field(default_factory=list)
     # Prefill-only requests (the prefill worker's): finish after the first token and keep
     # the KV blocks, which the caller later releases.
     hold_kv: bool = False

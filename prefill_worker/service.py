@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import grpc
 
 from engine.errors import InvalidRequestError, StepFailed
 from kv_transfer.handoff import KVHandle, LeaseRefused, reason_from_wire
 from protos import worker_pb2, worker_pb2_grpc
 from prefill_worker.worker import PrefillWorker
-from wire.convert import finish_to_wire, sampling_from_proto
+from wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid
 from wire.worker_shell import ShellRpcs
+
+log = logging.getLogger(__name__)  # request ids are the router's (a client's X-Request-Id)
 
 
 class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
@@ -22,6 +25,7 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         await self.admit(context, grpc.StatusCode.UNAVAILABLE)  # refused: the router tries another
+        log.debug("prefill %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids))
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params)
@@ -35,7 +39,10 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=r.first_token_id, first_logprob=r.first_logprob,
             finish_reason=finish_to_wire(r.finish_reason), kv=kv, num_cached_tokens=r.num_cached_tokens,
-            prefill_seconds=r.seconds, queue_seconds=r.queue_seconds)
+            prefill_seconds=r.seconds, queue_seconds=r.queue_seconds,
+            first_top_logprobs=top_to_proto(r.first_top_logprobs),
+            prompt_logprobs=[lp for lp, _ in r.prompt_logprobs or ()],
+            prompt_top_logprobs=[top_to_proto(top) for _, top in r.prompt_logprobs or ()])
 
     async def Release(self, request, context):
         released = await self.worker.release(request.lease_token, reason_from_wire(request.reason))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TopLogprobs
 from kv_transfer import DEFAULT_BACKEND, create_agent
 from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
@@ -50,6 +50,8 @@ class PrefillResult:
     num_cached_tokens: int
     seconds: float  # queue + compute
     queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
+    first_top_logprobs: TopLogprobs = ()
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # with params.prompt_logprobs
 
 
 class PrefillWorker(WorkerShell):
@@ -127,7 +129,8 @@ class PrefillWorker(WorkerShell):
         return o.request_id, PrefillResult(
             o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0, o.finish_reason, block_ids,
             o.num_prompt_tokens, lease, o.num_cached_tokens, time.monotonic() - started,
-            max(0.0, computing_since - started))
+            max(0.0, computing_since - started), o.new_top_logprobs[0] if o.new_top_logprobs else (),
+            o.prompt_logprobs)
 
     def _poll_releases(self) -> float | None:
         self.agent.expect_reads(bool(self.leases))

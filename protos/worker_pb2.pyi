@@ -43,7 +43,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "finish_reason", "kv", "num_cached_tokens", "prefill_seconds", "queue_seconds")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "finish_reason", "kv", "num_cached_tokens", "prefill_seconds", "queue_seconds", "first_top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,9 @@ class PrefillResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: float
@@ -60,7 +63,10 @@ class PrefillResponse(_message.Message):
     num_cached_tokens: int
     prefill_seconds: float
     queue_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    first_top_logprobs: _pdserve_pb2.TopLogprobs
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_pdserve_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_token", "reason")
@@ -107,18 +113,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "kv_bytes", "kv_transfer_seconds")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "kv_bytes", "kv_transfer_seconds", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _pdserve_pb2.FinishReason
     kv_bytes: int
     kv_transfer_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

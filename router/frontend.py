@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -38,11 +39,18 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # stop strings included; workers get them stripped
+    # The client set no max_tokens: it is the rest of the context (as in vLLM), and the
+    # router reserves decode KV for only ``wire.convert.DEFAULT_MAX_TOKENS`` of it.
+    default_max_tokens: bool = False
 
 
-def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestLimits = RequestLimits()
-            ) -> PreparedRequest:
+def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestLimits = RequestLimits(),
+            max_tokens_to_context: bool = False) -> PreparedRequest:
     """Validate and tokenize; raises ``InvalidRequestError`` naming the field and the limit.
+
+    A request without max_tokens gets ``wire.convert.DEFAULT_MAX_TOKENS`` (the gRPC API's
+    documented default) or, with ``max_tokens_to_context`` (the OpenAI front, as vLLM
+    does), the rest of the context after its prompt.
 
     The size limits come first, so that no request tokenizes or templates more than they allow.
     Runs on a worker thread (the tokenizer's work is off the event loop).
@@ -55,6 +63,9 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     if kind is None:
         raise InvalidRequestError("input", "set one of text, token_ids or chat")
     params = sampling_from_proto(req.sampling)
+    default_max_tokens = max_tokens_to_context and req.sampling.max_tokens == 0
+    if default_max_tokens:  # the most it can be, until the prompt's length is known
+        params = dataclasses.replace(params, max_tokens=model.max_model_len)
     params.validate(model.config.vocab_size)  # cheap: before the tokenizer's work
     if kind == "token_ids":
         ids = list(req.token_ids.ids)
@@ -62,8 +73,11 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
         ids = model.tokenizer.encode(req.text)
     else:
         ids = _chat_ids(req.chat, model.tokenizer)
+    if default_max_tokens:
+        rest = max(model.max_model_len - len(ids), 1)  # a prompt too long is refused just below
+        params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
     validate_prompt(ids, params, model.config.vocab_size, model.max_model_len)
-    return PreparedRequest(req.request_id or f"req-{uuid.uuid4().hex[:16]}", ids, params)
+    return PreparedRequest(req.request_id or f"req-{uuid.uuid4().hex[:16]}", ids, params, default_max_tokens)
 
 
 def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> None:

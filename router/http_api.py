@@ -17,6 +17,7 @@ event. A 429 carries ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import time
 import uuid
@@ -27,9 +28,11 @@ from aiohttp import web
 
 from engine.errors import InvalidRequestError
 from router import auth
-from router.openai_format import chat_chunk, chat_response, completion_chunk, completion_response, usage_dict
+from router.openai_format import (Choice, chat_chunk, chat_response, completion_chunk, completion_response,
+                                  usage_dict)
 from router.orchestrator import RouteError
 from router.service import GenerationService
+from router.tokenize_api import detokenize_request, tokenize_request
 from router.validation import HttpError, decode_json, parse_body
 from wire.address import Endpoint, resolve
 from wire.logs import ACCESS_FORMAT, ACCESS_LOGGER
@@ -39,6 +42,7 @@ _ROUTE_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"
                  grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
                  grpc.StatusCode.DEADLINE_EXCEEDED: (408, "timeout")}
 TIMEOUT_HEADER = "X-Request-Timeout"
+REQUEST_ID_HEADER = "X-Request-Id"  # in: the request's id on the workers; out: echoed back
 _PARSE_OFF_LOOP_BYTES = 64 << 10  # larger bodies are parsed on a thread, not the event loop
 
 
@@ -67,11 +71,16 @@ class OpenAIFront:
         self.service = service
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.service.limits.requests.max_body_bytes)
+        app = web.Application(client_max_size=self.service.limits.requests.max_body_bytes,
+                              middlewares=[_echo_request_id])
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id:.+}", self.model_card),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
             web.get("/metrics/targets", self.metrics_targets),
@@ -95,78 +104,152 @@ class OpenAIFront:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise HttpError(400, f"body is over the router's limit max_body_bytes={limit}", param="body") from None
-        name = self.service.model.names
+        name, limits = self.service.model.names, self.service.limits.requests
         if len(raw) > _PARSE_OFF_LOOP_BYTES:
-            return await asyncio.to_thread(lambda: parse_body(decode_json(raw), chat, name))
-        return parse_body(decode_json(raw), chat, name)
+            return await asyncio.to_thread(lambda: parse_body(decode_json(raw), chat, name, limits))
+        return parse_body(decode_json(raw), chat, name, limits)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             timeout_s = _timeout(request)
-            req, options = await self._read(request, chat)
+            reqs, options = await self._read(request, chat)
         except HttpError as exc:
             return self._error(exc)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        req.request_id = rid
-        stream = self.service.run(req, timeout_s)
+        body_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        # The client's X-Request-Id names the request on the workers (their logs carry it).
+        rid = request.headers.get(REQUEST_ID_HEADER) or body_id
+        choices = []
+        for i, req in enumerate(reqs):
+            req.request_id = rid if len(reqs) == 1 else f"{rid}-{i}"
+            choices.append(Choice(i, prompt_text=self._prompt_text(req) if options.echo else ""))
+        streams = [self.service.run(req, timeout_s, max_tokens_to_context=True) for req in reqs]
+        queue: asyncio.Queue = asyncio.Queue()
+        # One task iterates each choice's stream from start to end: the router's Abort cancels
+        # the task that runs a request, so that must stay the same task throughout.
+        tasks = [asyncio.create_task(_pump(c, s, queue)) for c, s in zip(choices, streams)]
         try:
-            first = await anext(stream)  # validation and routing errors surface before any byte is sent
-        except StopAsyncIteration:
-            first = None
-        except (InvalidRequestError, RouteError, HttpError) as exc:
-            return self._error(exc)
-        meta = {"id": rid, "created": int(time.time()), "model": self.service.model.name, "chat": chat,
-                "logprobs": options.logprobs, "tokenizer": self.service.model.tokenizer}
-        try:
+            # Validation and routing errors surface before any byte is sent.
+            early, started = [], set()
+            while len(started) < len(choices):
+                choice, item = await queue.get()
+                if isinstance(item, Exception):
+                    return self._error(item)
+                started.add(choice.index)
+                early.append((choice, item))
+            meta = {"id": body_id, "created": int(time.time()), "model": self.service.model.name, "chat": chat,
+                    "logprobs": options.logprobs, "top_logprobs": options.top_logprobs, "echo": options.echo,
+                    "n": options.n, "tokenizer": self.service.model.tokenizer}
             if options.stream:
-                return await self._stream(request, first, stream, meta, options.include_usage)
-            return await self._collect(first, stream, meta)
+                return await self._stream(request, choices, early, queue, meta, options.include_usage)
+            return await self._collect(choices, early, queue, meta)
         finally:
             # However the handler ends (done, cancelled by a disconnect, a write to a closed
-            # socket), close the request's stream so the router aborts it on the workers.
-            await stream.aclose()
+            # socket), stop the pumps, then close every choice's stream so the router aborts
+            # it on the workers (a stream a pump still runs in cannot be closed).
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for s in streams:
+                await s.aclose()
 
-    async def _collect(self, first, stream: AsyncIterator, meta: dict) -> web.Response:
-        parts = [first] if first is not None else []
-        try:
-            async for resp in stream:
-                parts.append(resp)
-        except (InvalidRequestError, RouteError) as exc:
-            return self._error(exc)
+    def _prompt_text(self, req) -> str:
+        """The prompt as echo shows it: the text sent, or the token ids' text."""
+        if req.WhichOneof("input") == "text":
+            return req.text
+        return self.service.model.tokenizer.hf.decode(list(req.token_ids.ids))
+
+    async def _collect(self, choices: list[Choice], early: list, queue: asyncio.Queue, meta: dict) -> web.Response:
+        async for choice, item in _items(early, queue, len(choices)):
+            if isinstance(item, Exception):
+                return self._error(item)
+            choice.parts.append(item)
         build = chat_response if meta["chat"] else completion_response
-        return web.json_response(build(parts, meta))
+        return web.json_response(build(choices, meta))
 
-    async def _stream(self, request: web.Request, first, stream: AsyncIterator, meta: dict,
-                      include_usage: bool) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(self, request: web.Request, choices: list[Choice], early: list, queue: asyncio.Queue,
+                      meta: dict, include_usage: bool) -> web.StreamResponse:
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        if REQUEST_ID_HEADER in request.headers:
+            headers[REQUEST_ID_HEADER] = request.headers[REQUEST_ID_HEADER]
+        response = web.StreamResponse(headers=headers)
         await response.prepare(request)
-        chunk = chat_chunk if meta["chat"] else completion_chunk
         if meta["chat"]:
-            await _send(response, chunk(meta, role=True))
-        last = None
-        try:
-            resp = first
-            while resp is not None:
-                last = resp
-                if resp.token_ids or resp.text or resp.finish_reason:
-                    await _send(response, chunk(meta, resp=resp))
-                resp = await anext(stream, None)
-        except (InvalidRequestError, RouteError) as exc:
-            err = _as_http_error(exc)
-            await _send(response, {"error": {"message": str(err), "type": err.kind, "param": err.param,
-                                              "code": err.status}})
-        if include_usage and last is not None and last.finish_reason:
-            usage = last.usage
-            await _send(response, {**chunk(meta, usage_only=True), "usage": usage_dict(usage)})
+            for choice in choices:
+                await _send(response, chat_chunk(meta, choice, role=True))
+        lasts: dict[int, object] = {}
+        async for choice, item in _items(early, queue, len(choices)):
+            if isinstance(item, Exception):
+                err = _as_http_error(item)
+                await _send(response, {"error": {"message": str(err), "type": err.kind, "param": err.param,
+                                                  "code": err.status}})
+                break
+            await self._send_part(response, meta, choice, item, first=choice.index not in lasts)
+            lasts[choice.index] = item
+        done = [lasts.get(c.index) for c in choices]
+        if include_usage and all(r is not None and r.finish_reason for r in done):
+            await _send(response, {**(chat_chunk if meta["chat"] else completion_chunk)(meta),
+                                   "usage": usage_dict([r.usage for r in done], meta["n"])})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    async def models(self, request: web.Request) -> web.Response:
+    @staticmethod
+    async def _send_part(response: web.StreamResponse, meta: dict, choice: Choice, resp, first: bool = False) -> None:
+        if not (resp.token_ids or resp.text or resp.finish_reason or (first and meta["echo"])):
+            return
+        if meta["chat"]:
+            await _send(response, chat_chunk(meta, choice, resp))
+        else:
+            await _send(response, completion_chunk(meta, choice, resp, first=first))
+
+    def _card(self, name: str) -> dict:
         m = self.service.model
-        return web.json_response({"object": "list", "data": [{
-            "id": name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": m.max_model_len}
-            for name in m.names]})
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "root": m.name,
+                "max_model_len": m.max_model_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card(name) for name in self.service.model.names]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if not self.service.model.serves(model_id):
+            return error_response(404, f"model {model_id!r} does not exist; this server serves "
+                                  f"{', '.join(map(repr, self.service.model.names))}", "NotFoundError", "model")
+        return web.json_response(self._card(model_id))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            limits = self.service.limits.requests
+            ids = await self.service.tokenize(tokenize_request(body, self.service.model.names, limits.max_prompt_chars))
+        except (HttpError, InvalidRequestError) as exc:
+            return self._error(exc)
+        m = self.service.model
+        return web.json_response({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            ids = detokenize_request(body, self.service.model.names, self.service.model.config.vocab_size)
+        except HttpError as exc:
+            return self._error(exc)
+        text = await self.service.detokenize(ids)
+        return web.json_response({"prompt": text})
+
+    async def version(self, request: web.Request) -> web.Response:
+        try:
+            version = importlib.metadata.version("pdserve")
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree
+            version = "unknown"
+        return web.json_response({"version": version})
+
+    async def _json(self, request: web.Request):
+        limit = self.service.limits.requests.max_body_bytes
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise HttpError(400, f"body is over the router's limit max_body_bytes={limit}", param="body") from None
+        return decode_json(raw)
 
     async def health(self, request: web.Request) -> web.Response:
         if self.service.draining:
@@ -183,6 +266,43 @@ class OpenAIFront:
 
     async def metrics_targets(self, request: web.Request) -> web.Response:
         return web.json_response(self.service.pool.metrics_targets())
+
+
+async def _pump(choice: Choice, stream: AsyncIterator, queue: asyncio.Queue) -> None:
+    """Every response of one choice's stream into ``queue`` as (choice, response), then
+    (choice, None); an error the client is told of ends it as (choice, error)."""
+    try:
+        async for resp in stream:
+            await queue.put((choice, resp))
+        await queue.put((choice, None))
+    except (InvalidRequestError, RouteError, HttpError) as exc:
+        await queue.put((choice, exc))
+
+
+async def _items(early: list, queue: asyncio.Queue, num_choices: int):
+    """(choice, response or error) in arrival order, ``early`` first, until every choice's
+    stream has ended (a choice's end marker is not yielded)."""
+    ended = 0
+    pending = list(early)
+    while ended < num_choices:
+        choice, item = pending.pop(0) if pending else await queue.get()
+        if item is None:
+            ended += 1
+            continue
+        yield choice, item
+        if isinstance(item, Exception):
+            return
+
+
+@web.middleware
+async def _echo_request_id(request: web.Request, handler):
+    """A client's X-Request-Id comes back on the answer (streams set it themselves, since
+    their headers are sent before the handler returns)."""
+    response = await handler(request)
+    value = request.headers.get(REQUEST_ID_HEADER)
+    if value is not None and not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = value
+    return response
 
 
 def _timeout(request: web.Request) -> float | None:

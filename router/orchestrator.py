@@ -28,7 +28,7 @@ from router.frontend import ModelInfo, PreparedRequest
 from router.policy import Choice, pick_decode, pick_prefill
 from router.pool import WorkerPool
 from router.validation import RequestLimits
-from wire.convert import finish_from_wire, finish_to_wire, sampling_to_proto
+from wire.convert import DEFAULT_MAX_TOKENS, finish_from_wire, finish_to_wire, sampling_to_proto
 from kv_transfer.handoff import ReleaseReason, release_request
 from wire.failure import Failure, failure_of
 from wire.metrics import RequestMetrics
@@ -151,10 +151,14 @@ class RequestRun:
         attempt = 0
         while True:
             prompt = self.req.prompt_token_ids + self.progress.token_ids
-            params = dataclasses.replace(self.req.params, stop=(),
-                                         max_tokens=self.req.params.max_tokens - len(self.progress.token_ids))
+            sent = len(self.progress.token_ids)
+            # A re-prefill after a lost decode continues the output: the prompt logprobs went
+            # out with the first token, and min_tokens counts what was already sent.
+            params = dataclasses.replace(self.req.params, stop=(), max_tokens=self.req.params.max_tokens - sent,
+                                         min_tokens=max(0, self.req.params.min_tokens - sent),
+                                         prompt_logprobs=self.req.params.prompt_logprobs if not sent else None)
             worker_rid = attempt_id(self.req.request_id, attempt)
-            await self._check_decode_capacity(len(prompt) + params.max_tokens)  # before any prefill work
+            await self._check_decode_capacity(len(prompt) + self._reserved(params))  # before any prefill work
             pre, prefill_addr = await self._prefill(worker_rid, prompt, params)
             if attempt == 0:
                 self.progress.cached_tokens = pre.num_cached_tokens
@@ -163,8 +167,14 @@ class RequestRun:
                                        admission_s=self.progress.admission_wait_s)
             kv_owned = pre.HasField("kv")
             try:
-                yield self._emit([pre.first_token_id], [pre.first_logprob] if params.logprobs else [],
-                                 finish_from_wire(pre.finish_reason))
+                first = self._emit([pre.first_token_id], [pre.first_logprob] if params.logprobs else [],
+                                   finish_from_wire(pre.finish_reason),
+                                   [pre.first_top_logprobs] if params.top_logprobs else [])
+                if params.prompt_logprobs is not None:
+                    first.prompt_token_ids.extend(self.req.prompt_token_ids)
+                    first.prompt_logprobs.extend(pre.prompt_logprobs)
+                    first.prompt_top_logprobs.extend(pre.prompt_top_logprobs)
+                yield first
                 if self.progress.finish_reason is not None:
                     return
                 async for resp in self._decode(worker_rid, prompt, pre, params):
@@ -184,6 +194,14 @@ class RequestRun:
             finally:
                 if kv_owned:
                     self._release_later(prefill_addr, pre.kv.lease_token)
+
+    def _reserved(self, params) -> int:
+        """Output tokens to count on a decode worker: max_tokens, unless the client left it
+        to default to the rest of the context; then a short answer's worth, or every such
+        request would claim a whole context and one request could fill a worker."""
+        if self.req.default_max_tokens:
+            return min(params.max_tokens, DEFAULT_MAX_TOKENS)
+        return params.max_tokens
 
     async def _check_decode_capacity(self, total_tokens: int) -> None:
         blocks = -(-total_tokens // self.model.block_size)
@@ -252,7 +270,7 @@ class RequestRun:
         request = worker_pb2.DecodeRequest(request_id=worker_rid, prompt_token_ids=prompt,
                                            first_token_id=pre.first_token_id, sampling=sampling_to_proto(params),
                                            kv=pre.kv)
-        blocks = -(-(len(prompt) + params.max_tokens) // self.model.block_size)
+        blocks = -(-(len(prompt) + self._reserved(params)) // self.model.block_size)
         tried: set[str] = set()
         while True:
             choice = await self._admit(lambda: pick_decode(self.pool.snapshots(), blocks, frozenset(tried)))
@@ -275,7 +293,7 @@ class RequestRun:
                                 self.metrics.kv_transferred(resp.kv_transfer_seconds)
                                 continue
                             yield self._emit(list(resp.token_ids), list(resp.logprobs),
-                                             finish_from_wire(resp.finish_reason))
+                                             finish_from_wire(resp.finish_reason), list(resp.top_logprobs))
                             if self.progress.finish_reason is not None:
                                 return
                 return
@@ -322,7 +340,8 @@ class RequestRun:
                               f"(decode_idle_timeout_s)")
 
     # ---- output --------------------------------------------------------------------
-    def _emit(self, token_ids: list[int], logprobs: list[float], finish: str | None) -> pdserve_pb2.GenerateResponse:
+    def _emit(self, token_ids: list[int], logprobs: list[float], finish: str | None,
+              top_logprobs: list[pdserve_pb2.TopLogprobs] = ()) -> pdserve_pb2.GenerateResponse:
         text = []
         for t in token_ids:
             self.progress.token_ids.append(t)
@@ -337,6 +356,7 @@ class RequestRun:
             text.append(self._detok.flush())  # text held back while a stop string could still match
         resp = pdserve_pb2.GenerateResponse(request_id=self.req.request_id, token_ids=token_ids[:kept],
                                             text="".join(text), logprobs=logprobs[:kept],
+                                            top_logprobs=list(top_logprobs)[:kept],
                                             finish_reason=finish_to_wire(finish))
         if finish is not None:
             resp.usage.CopyFrom(self.usage())

@@ -57,10 +57,11 @@ class GenerationService:
         return min(client_timeout_s, self.limits.request_timeout_s)
 
     async def run(self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None = None,
-                  owner: str = "") -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+                  owner: str = "", max_tokens_to_context: bool = False) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """One request's responses, for every front (gRPC here, HTTP in http_api.py).
         ``owner`` is who may abort it (``caller``); the HTTP front, whose ids the router
-        makes, aborts by closing the stream and passes none.
+        makes, aborts by closing the stream and passes none. ``max_tokens_to_context``: see
+        ``router.frontend.prepare``.
 
         Raises ``InvalidRequestError`` or ``RouteError``; an ``Abort`` ends the stream with a
         FINISH_REASON_ABORT response, a cancelled caller cleans up on the way out.
@@ -72,7 +73,8 @@ class GenerationService:
         waiting = True
         try:
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._tokenize, prepare, request, self.model, self.limits.requests)
+            prepared = await loop.run_in_executor(self._tokenize, prepare, request, self.model, self.limits.requests,
+                                                  max_tokens_to_context)
             rid = prepared.request_id
             key = (owner, rid)
             if key in self.running:
@@ -97,6 +99,13 @@ class GenerationService:
         finally:
             if waiting:
                 self.waiting -= 1
+
+    async def tokenize(self, call) -> list[int]:
+        """``call(tokenizer)`` (``/tokenize``) on the tokenizer thread, as prompts are."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, call, self.model.tokenizer)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, self.model.tokenizer.decode, token_ids)
 
     def _admit(self) -> None:
         """Refuse at once, before any work: while draining, or past ``max_waiting_requests``."""

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.sampling import MAX_TOP_LOGPROBS
 from protos import pdserve_pb2
 
 UINT32_MAX = 2**32 - 1
@@ -42,6 +43,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_chat_messages: int = 512
     max_request_id_chars: int = 256
+    max_choices: int = 16  # completions: prompts x n in one request (each runs as its own request)
 
 
 class HttpError(Exception):
@@ -54,26 +56,32 @@ class HttpError(Exception):
 
 @dataclass(frozen=True)
 class Options:
-    """What the HTTP front needs besides the ``GenerateRequest``: how to answer."""
+    """What the HTTP front needs besides the wire requests: how to answer."""
 
     stream: bool
     include_usage: bool
     logprobs: bool
+    top_logprobs: int = 0  # alternatives per token in the answer
+    echo: bool = False  # completions: the prompt (and its logprobs) before the output
+    n: int = 1  # choices per prompt; requests are prompt-major (prompt i's j-th is i * n + j)
 
 
 # ---- the models ------------------------------------------------------------------------
 UInt32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+TopN = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class _Strict(BaseModel):
-    # extra="ignore": OpenAI fields pdserve does not use (user, frequency_penalty, ...) are
-    # accepted and ignored, as OpenAI-compatible servers do.
+    # extra="ignore": fields pdserve has no use for (user, ...) are accepted and ignored, as
+    # vLLM does; those that would change the answer and are not supported are refused by
+    # name in ``_refuse_unsupported``.
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", frozen=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class TextPart(_Strict):
@@ -88,15 +96,20 @@ class ChatMessage(_Strict):
 
 class _Common(_Strict):
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=UINT32_MAX)] = 1
+    best_of: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    min_tokens: UInt32 = 0
     temperature: float = 1.0
     top_p: float | None = None
     top_k: Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)] = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias
     seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[TokenId] | None = None
@@ -105,14 +118,31 @@ class _Common(_Strict):
 
 class CompletionBody(_Common):
     prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]]
-    logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # only 0: the chosen tokens' logprobs
+    logprobs: TopN | None = None  # the chosen tokens' logprobs and this many alternatives
+    echo: bool = False
 
 
 class ChatBody(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # top alternatives are not supported
+    top_logprobs: TopN | None = None
+
+
+# Fields that would change the answer and that pdserve does not implement: a client that
+# sets one must not quietly get something else. Each maps to the values that mean "off".
+_UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "suffix": (None, ""),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "prompt_logprobs": (None,), "prompt_embeds": (None,),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, off in _UNSUPPORTED.items():
+        if name in body and body[name] not in off:
+            raise HttpError(400, f"{name} is not supported by this server", param=name)
 
 
 # ---- bytes -> request ------------------------------------------------------------------
@@ -167,11 +197,13 @@ def _param(loc: tuple) -> str:
     return out or "body"
 
 
-def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...]) -> tuple[pdserve_pb2.GenerateRequest, Options]:
-    """A decoded JSON body -> the wire request and answer options; ``HttpError`` naming the
-    parameter for anything the models refuse."""
+def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits: RequestLimits = RequestLimits()
+               ) -> tuple[list[pdserve_pb2.GenerateRequest], Options]:
+    """A decoded JSON body -> one wire request per choice (prompts x ``n``, prompt-major)
+    and the answer options; ``HttpError`` naming the parameter for anything refused."""
     if not isinstance(body, dict):
         raise HttpError(400, "body must be a JSON object", param="body")
+    _refuse_unsupported(body)
     try:
         parsed = (ChatBody if chat else CompletionBody).model_validate(body)
     except ValidationError as exc:
@@ -184,23 +216,48 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...]) -> tup
                              f"{', '.join(map(repr, names))}", "NotFoundError", "model")
     if parsed.stream_options is not None and not parsed.stream:
         raise HttpError(400, "stream_options needs stream: true", param="stream_options")
-    req = pdserve_pb2.GenerateRequest()
+    if parsed.stream_options is not None and parsed.stream_options.continuous_usage_stats:
+        raise HttpError(400, "stream_options.continuous_usage_stats is not supported by this server",
+                        param="stream_options.continuous_usage_stats")
+    if parsed.best_of is not None and parsed.best_of != parsed.n:
+        raise HttpError(400, f"best_of ({parsed.best_of}) other than n ({parsed.n}) is not supported", param="best_of")
+    template = pdserve_pb2.GenerateRequest()
+    _set_sampling(template.sampling, parsed, chat)
     if chat:
         for m in parsed.messages:
             content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
-            req.chat.messages.add(role=m.role, content=content or "")
+            template.chat.messages.add(role=m.role, content=content or "")
+        prompts = [None]
     else:
-        _set_prompt(req, parsed.prompt)
-    _set_sampling(req.sampling, parsed, chat)
+        prompts = _prompts(parsed.prompt)
+    total = len(prompts) * parsed.n
+    if total > limits.max_choices:
+        raise HttpError(400, f"{len(prompts)} prompts x n={parsed.n} is {total} choices, over the router's limit "
+                        f"max_choices={limits.max_choices}", param="n" if len(prompts) == 1 else "prompt")
+    requests = []
+    for prompt in prompts:
+        for j in range(parsed.n):
+            req = pdserve_pb2.GenerateRequest()
+            req.CopyFrom(template)
+            if prompt is not None:
+                _set_prompt(req, prompt)
+            if parsed.seed is not None and j:  # n seeded choices: each its own reproducible draw
+                req.sampling.seed = (parsed.seed + j) % (UINT64_MAX + 1)
+            requests.append(req)
     include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-    return req, Options(parsed.stream, include_usage, req.sampling.logprobs)
+    top = (parsed.top_logprobs or 0) if chat else (parsed.logprobs or 0)
+    echo = not chat and parsed.echo
+    return requests, Options(parsed.stream, include_usage, template.sampling.logprobs, top, echo, parsed.n)
+
+
+def _prompts(prompt) -> list:
+    """The completions ``prompt`` as a list of prompts (a string, or a list of token ids)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
 
 
 def _set_prompt(req: pdserve_pb2.GenerateRequest, prompt) -> None:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise HttpError(400, "one prompt per request", param="prompt")
-        prompt = prompt[0]
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt:
@@ -209,9 +266,23 @@ def _set_prompt(req: pdserve_pb2.GenerateRequest, prompt) -> None:
         raise HttpError(400, "prompt must not be empty", param="prompt")
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            tid = -1
+        if not 0 <= tid <= UINT32_MAX:
+            raise HttpError(400, f"logit_bias: key {key!r} is not a token id", param="logit_bias")
+        out[tid] = value
+    return out
+
+
 def _set_sampling(p: pdserve_pb2.SamplingParams, b: _Common, chat: bool) -> None:
     """Every value here fits its wire type (the models bound them), so no setter raises.
-    Floats go to float32: a value too large becomes inf, refused by ``validate_request``."""
+    Floats go to float32: a value too large becomes inf, refused by ``validate_request``.
+    Without max_tokens the request gets the rest of the context (``router.frontend``)."""
     max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
     if max_tokens is not None:
         p.max_tokens = max_tokens
@@ -222,9 +293,23 @@ def _set_sampling(p: pdserve_pb2.SamplingParams, b: _Common, chat: bool) -> None
         p.repetition_penalty = b.repetition_penalty
     p.top_k = b.top_k
     p.min_p = b.min_p
+    p.min_tokens = b.min_tokens
+    p.presence_penalty = b.presence_penalty
+    p.frequency_penalty = b.frequency_penalty
+    for tid, bias in _logit_bias(b.logit_bias).items():
+        p.logit_bias[tid] = bias
     if b.seed is not None:
         p.seed = b.seed
     p.stop.extend([b.stop] if isinstance(b.stop, str) else b.stop or [])
     p.stop_token_ids.extend(b.stop_token_ids or [])
     p.ignore_eos = b.ignore_eos
-    p.logprobs = bool(b.logprobs) if chat else b.logprobs is not None
+    if chat:
+        p.logprobs = b.logprobs
+        if b.top_logprobs and not b.logprobs:
+            raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        p.top_logprobs = b.top_logprobs or 0
+    else:
+        p.logprobs = b.logprobs is not None
+        p.top_logprobs = b.logprobs or 0
+        if b.echo and b.logprobs is not None:
+            p.prompt_logprobs = b.logprobs

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TopLogprobs
 from protos import pdserve_pb2
 
+# Without max_tokens a gRPC request stops here; an OpenAI HTTP request instead gets the
+# rest of the context (``router.frontend.prepare``), as vLLM gives it.
 DEFAULT_MAX_TOKENS = 16
 
 _FINISH_TO_WIRE = {
@@ -34,6 +36,12 @@ def sampling_from_proto(p: pdserve_pb2.SamplingParams, keep_stop_strings: bool =
         stop=tuple(p.stop) if keep_stop_strings else (),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_tokens=p.min_tokens,
     )
 
 
@@ -42,11 +50,22 @@ def sampling_to_proto(s: SamplingParams) -> pdserve_pb2.SamplingParams:
         max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
         min_p=s.min_p, repetition_penalty=s.repetition_penalty,
         stop_token_ids=list(s.stop_token_ids), stop=list(s.stop), ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs,
+        logprobs=s.logprobs, top_logprobs=s.top_logprobs, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
     )
     if s.seed is not None:
         p.seed = s.seed
+    if s.prompt_logprobs is not None:
+        p.prompt_logprobs = s.prompt_logprobs
     return p
+
+
+def top_to_proto(top: TopLogprobs) -> pdserve_pb2.TopLogprobs:
+    return pdserve_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[v for _, v in top])
+
+
+def top_from_proto(p: pdserve_pb2.TopLogprobs) -> TopLogprobs:
+    return tuple(zip(p.token_ids, p.logprobs))
 
 
 def finish_to_wire(reason: str | None) -> int:

@@ -5,12 +5,14 @@ from types import SimpleNamespace
 import pytest
 
 from protos import pdserve_pb2
-from router.openai_format import completion_response
+from router.openai_format import Choice, completion_response
 from router.validation import HttpError, parse_body
 
 
 def to_generate_request(body, chat, model):
-    return parse_body(body, chat, model.name)
+    reqs, opts = parse_body(body, chat, model.name)
+    assert len(reqs) == 1
+    return reqs[0], opts
 
 
 MODEL = SimpleNamespace(name="smollm2")
@@ -41,16 +43,25 @@ def test_chat_messages_and_text_parts():
 
 @pytest.mark.parametrize("body,chat,status,param", [
     ({"prompt": "x", "model": "gpt-4"}, False, 404, "model"),
-    ({"prompt": "x", "n": 2}, False, 400, "n"),
-    ({"prompt": ["a", "b"]}, False, 400, "prompt"),
+    ({"prompt": "x", "n": 17}, False, 400, "n"),
+    ({"prompt": ["a", "b"], "n": 9}, False, 400, "prompt"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, False, 400, "best_of"),
+    ({"prompt": "x", "suffix": "y"}, False, 400, "suffix"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, False, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, True, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, True, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, True, 400,
+     "response_format"),
     ({"prompt": "x", "max_tokens": 0}, False, 400, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, False, 400, "temperature"),
     ({"prompt": "x", "stop": [1]}, False, 400, "stop"),
-    ({"prompt": "x", "logprobs": 5}, False, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, False, 400, "logprobs"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, False, 400, "stream_options"),
     ({"messages": []}, True, 400, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, 400, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, True, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, True, 400,
+     "top_logprobs"),
 ])
 def test_refusals_name_the_field(body, chat, status, param):
     with pytest.raises(HttpError) as err:
@@ -62,6 +73,32 @@ def test_completion_response_joins_text_and_reports_usage():
     parts = [pdserve_pb2.GenerateResponse(token_ids=[1], text="Hel"),
              pdserve_pb2.GenerateResponse(token_ids=[2], text="lo", finish_reason=pdserve_pb2.FINISH_REASON_LENGTH,
                                           usage=pdserve_pb2.Usage(prompt_tokens=3, completion_tokens=2))]
-    out = completion_response(parts, {"id": "cmpl-1", "created": 0, "model": "m", "chat": False, "logprobs": False})
+    meta = {"id": "cmpl-1", "created": 0, "model": "m", "chat": False, "logprobs": False, "echo": False}
+    out = completion_response([Choice(0, parts)], meta)
     assert out["choices"][0]["text"] == "Hello" and out["choices"][0]["finish_reason"] == "length"
-    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_new_fields_reach_the_wire_request():
+    reqs, opts = parse_body({"prompt": "x", "max_tokens": 3, "presence_penalty": 0.5, "frequency_penalty": -1,
+                             "logit_bias": {"7": 2.5, "9": -100}, "min_tokens": 2, "logprobs": 3, "echo": True,
+                             "repetition_penalty": 1.1, "best_of": 1, "user": "u", "response_format": None},
+                            False, MODEL.name)
+    s = reqs[0].sampling
+    assert s.presence_penalty == 0.5 and s.frequency_penalty == -1 and dict(s.logit_bias) == {7: 2.5, 9: -100}
+    assert s.min_tokens == 2 and s.logprobs and s.top_logprobs == 3 and s.prompt_logprobs == 3
+    assert opts.echo and opts.top_logprobs == 3
+
+
+def test_n_and_batched_prompts_make_one_request_per_choice_prompt_major():
+    reqs, opts = parse_body({"prompt": [[5, 6], [7]], "n": 3, "seed": 10, "temperature": 1.0}, False, MODEL.name)
+    assert [list(r.token_ids.ids) for r in reqs] == [[5, 6]] * 3 + [[7]] * 3 and opts.n == 3
+    assert [r.sampling.seed for r in reqs] == [10, 11, 12] * 2  # seeded choices differ, reproducibly
+    reqs, _ = parse_body({"prompt": ["a", "b"]}, False, MODEL.name)
+    assert [r.text for r in reqs] == ["a", "b"] and not reqs[0].sampling.HasField("seed")
+
+
+def test_max_tokens_left_unset_for_the_router_to_default():
+    reqs, _ = parse_body({"messages": [{"role": "user", "content": "x"}]}, True, MODEL.name)
+    assert reqs[0].sampling.max_tokens == 0  # router.frontend.prepare: the rest of the context

@@ -57,8 +57,8 @@ def test_wrong_types_and_unrepresentable_numbers_are_400_naming_the_parameter(bo
 
 
 def test_false_is_false_and_largest_representable_values_pass_shape_checks():
-    req, opts = parse_body({"prompt": [0, 2**32 - 1], "stream": False, "seed": 2**64 - 1, "top_k": 2**31 - 1,
-                            "max_tokens": 2**32 - 1}, False, "m")
+    [req], opts = parse_body({"prompt": [0, 2**32 - 1], "stream": False, "seed": 2**64 - 1, "top_k": 2**31 - 1,
+                              "max_tokens": 2**32 - 1}, False, "m")
     assert not opts.stream and req.sampling.seed == 2**64 - 1 and req.sampling.max_tokens == 2**32 - 1
 
 
@@ -134,7 +134,7 @@ def test_a_tiny_temperature_is_greedy_and_cannot_overflow_the_logits():
     assert params.greedy
     logits = torch.tensor([[30.0, 1.0, -5.0], [1.0, 2.0, 3.0]])
     rows = [SamplerRow("a", params, [0]), SamplerRow("b", SamplingParams(temperature=1.0, seed=1), [0])]
-    tokens, _ = Sampler(torch.device("cpu"))(logits, rows)
+    tokens, _, _ = Sampler(torch.device("cpu"))(logits, rows)
     assert tokens[0] == 0
 
 
@@ -142,3 +142,24 @@ def test_token_ids_beyond_the_vocabulary_are_invalid():
     with pytest.raises(InvalidRequestError) as err:
         prepare(pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=[1, 100])), MODEL)
     assert err.value.field == "prompt_token_ids"
+
+
+def test_max_tokens_unset_is_the_rest_of_the_context_on_the_openai_front_and_16_on_grpc():
+    req = pdserve_pb2.GenerateRequest(text="hello", sampling=pdserve_pb2.SamplingParams(min_tokens=40))
+    p = prepare(req, MODEL, max_tokens_to_context=True)
+    assert p.params.max_tokens == 64 - 5 and p.default_max_tokens and p.params.min_tokens == 40
+    p = prepare(grpc_request(max_tokens=7), MODEL, max_tokens_to_context=True)
+    assert p.params.max_tokens == 7 and not p.default_max_tokens
+    assert prepare(grpc_request(), MODEL).params.max_tokens == 16
+
+
+@pytest.mark.parametrize("sampling,field", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"logit_bias": {100: 1.0}}, "logit_bias"), ({"logit_bias": {5: 101.0}}, "logit_bias"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_new_sampling_fields_out_of_range_name_the_field(sampling, field):
+    with pytest.raises(InvalidRequestError) as err:
+        prepare(grpc_request(**sampling), MODEL)
+    assert err.value.field == field

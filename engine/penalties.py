@@ -1,0 +1,41 @@
+"""Logit processing before the draw: min_tokens, logit_bias and the three penalties.
+
+The order is vLLM's: bans (``min_tokens``) and ``logit_bias`` first, then repetition,
+frequency and presence penalties. Only rows whose ``SamplingParams.penalised`` is true are
+touched, so a batch without them costs one ``any`` and greedy output stays bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.sampler import SamplerRow
+
+
+def apply_penalties(logits: torch.Tensor, rows: list["SamplerRow"], eos_token_ids: frozenset[int]) -> torch.Tensor:
+    """logits (B, V), changed in place and returned."""
+    for i, r in enumerate(rows):
+        p = r.params
+        if not p.penalised:
+            continue
+        row = logits[i]
+        dev = row.device
+        output = r.token_ids[r.num_prompt_tokens:]
+        if len(output) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            if banned:
+                row[torch.tensor(sorted(banned), device=dev)] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
+            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=row.dtype))
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(r.token_ids)), device=dev, dtype=torch.long)
+            seen = row[ids]
+            row[ids] = torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
+        if output and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(output, device=dev), minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits

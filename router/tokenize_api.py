@@ -1,0 +1,78 @@
+"""``/tokenize`` and ``/detokenize`` bodies (vLLM's shapes), validated like the generation
+bodies: typed models, a 400 naming the parameter for anything else.
+
+``/tokenize`` takes ``prompt`` (text; ``add_special_tokens``, default true, adds BOS as a
+completion does) or ``messages`` (the chat template, with ``add_generation_prompt``,
+default true, as a chat completion applies it). ``/detokenize`` takes ``tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Callable
+
+from pydantic import Field, ValidationError
+
+from engine.tokenizer import Tokenizer
+from router.validation import ChatMessage, HttpError, TokenId, _param, _Strict
+
+
+class TokenizeBody(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def _validate(cls, body: Any, model_names: tuple[str, ...]):
+    if not isinstance(body, dict):
+        raise HttpError(400, "body must be a JSON object", param="body")
+    try:
+        parsed = cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = _param(err["loc"])
+        raise HttpError(400, f"{param}: {err['msg']}", param=param) from None
+    if parsed.model is not None and parsed.model not in model_names:
+        raise HttpError(404, f"model {parsed.model!r} does not exist; this server serves "
+                             f"{', '.join(map(repr, model_names))}", "NotFoundError", "model")
+    return parsed
+
+
+def tokenize_request(body: Any, model_names: tuple[str, ...], max_chars: int) -> Callable[[Tokenizer], list[int]]:
+    """The body -> the tokenizer call to make (on the router's tokenizer thread)."""
+    b = _validate(TokenizeBody, body, model_names)
+    if (b.prompt is None) == (b.messages is None):
+        raise HttpError(400, "set exactly one of prompt and messages", param="prompt")
+    if b.prompt is not None:
+        text = b.prompt
+        if len(text) > max_chars:
+            raise HttpError(400, f"{len(text)} characters is over the router's limit max_prompt_chars={max_chars}",
+                            param="prompt")
+        special = b.add_special_tokens is not False
+        return lambda tok: tok.hf.encode(text, add_special_tokens=special)
+    messages = [{"role": m.role, "content": m.content if not isinstance(m.content, list)
+                 else "".join(p.text for p in m.content) or ""} for m in b.messages]
+    if sum(len(m["content"] or "") for m in messages) > max_chars:
+        raise HttpError(400, f"messages are over the router's limit max_prompt_chars={max_chars}", param="messages")
+
+    def template(tok: Tokenizer) -> list[int]:
+        try:
+            return tok.apply_chat_template(messages, add_generation_prompt=b.add_generation_prompt)
+        except ValueError as exc:
+            raise HttpError(400, str(exc), param="messages") from exc
+
+    return template
+
+
+def detokenize_request(body: Any, model_names: tuple[str, ...], vocab_size: int) -> list[int]:
+    ids = _validate(DetokenizeBody, body, model_names).tokens
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise HttpError(400, f"token id {bad[0]} is outside [0, {vocab_size})", param="tokens")
+    return ids
