@@ -124,8 +124,9 @@ def _up_targets(prom: str) -> dict[str, list[dict]]:
 
 
 def test_every_dashboard_query_returns_data_from_a_live_cluster(cluster, prometheus):
-    jobs = _wait(lambda: (j := _up_targets(prometheus)) and len(j.get("pdserve-workers", [])) == 2 and j,
-                 30, "the router and both workers up in Prometheus")
+    # Each target is up from its own first scrape on: wait for all three, not only the workers.
+    jobs = _wait(lambda: (j := _up_targets(prometheus)) and len(j.get("pdserve-workers", [])) == 2
+                 and j.get("pdserve-router") and j, 30, "the router and both workers up in Prometheus")
     assert len(jobs["pdserve-router"]) == 1
     assert sorted((w["pool"], w["worker"]) for w in jobs["pdserve-workers"]) == [("decode", "decode-0"),
                                                                                  ("prefill", "prefill-0")]
