@@ -78,11 +78,21 @@ class Sampler:
         scaled = logits / temps.unsqueeze(1)
         scaled = _filter(scaled, rows)
         probs = torch.softmax(scaled, dim=-1)
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        # Inverse CDF: one uniform per row (from the row's own generator when it is seeded),
+        # then the first token whose cumulative probability passes it: one cumsum and one
+        # search for the batch (torch.multinomial took 1.5 ms a row over a 49k vocabulary).
+        # float32 sums move each token's probability by at most about 1e-7.
+        u = torch.cat([torch.rand(1, generator=self._generator(rows[i])) for i in drawn])
+        cdf = (probs if len(drawn) == len(rows) else probs[drawn]).cumsum(dim=-1)  # (D, V)
+        # right=True: the first index whose cdf exceeds the draw, so a zero-probability token
+        # (filtered out) is never chosen, even for a draw of exactly 0.
+        picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        picked.clamp_(max=probs.shape[-1] - 1)
+        if len(drawn) == len(rows):
+            return picked
         out = logits.argmax(dim=-1)  # greedy rows keep their argmax
-        for i, r in enumerate(rows):
-            if r.params.greedy:
-                continue
-            out[i] = torch.multinomial(probs[i], 1, generator=self._generator(r)).squeeze()
+        out[drawn] = picked
         return out
 
     def _generator(self, row: SamplerRow) -> torch.Generator:

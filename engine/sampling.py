@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 # Below this a temperature counts as greedy: logits / 1e-40 overflow float32 to inf, and
-# softmax of inf is NaN, which torch.multinomial refuses. At 1e-5 the largest logit a model
+# softmax of inf is NaN, which no draw can use. At 1e-5 the largest logit a model
 # gives (~1e2) scales to ~1e7, far from float32's 3.4e38; and sampling at such a temperature
 # is the argmax anyway.
 TEMPERATURE_EPSILON = 1e-5
