@@ -35,6 +35,7 @@
 namespace {
 
 using pdserve::exp_nonpositive;
+using pdserve::load8_bf16;
 
 template <typename T>
 inline T round_to(float v) { return static_cast<T>(v); }  // round to nearest even (identity for float)
@@ -117,11 +118,6 @@ inline __m256 silu8(__m256 g) {
   const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
   const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg);
   return _mm256_div_ps(num, den);
-}
-
-inline __m256 load8_bf16(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
 inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); }

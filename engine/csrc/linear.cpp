@@ -49,12 +49,14 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
-#include <vector>
 
 namespace {
 
@@ -159,10 +161,7 @@ void run_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t
 // bfloat16 -> float32 (exact: the bits shifted into the high half), 8 at a time.
 void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, pdserve::load8_bf16(src + i));
   for (; i < n; ++i) {
     const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
     std::memcpy(dst + i, &bits, sizeof(float));
@@ -206,10 +205,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   // x widened to float32 (exact), read by the broadcasts; converted here rather than by an
   // ATen op, whose dispatch costs more than the conversion at decode sizes.
   const auto xc = x.contiguous();
-  std::vector<float> x32(static_cast<size_t>(M * K));
-  widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M * K, x32.data());
+  // Uninitialised (every element is written next): a std::vector would zero it first.
+  std::unique_ptr<float[]> x32(new float[static_cast<size_t>(M * K)]);
+  widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M * K, x32.get());
   const Output o{y.data_ptr(), f32_out, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
-  const float* xp = x32.data();
+  const float* xp = x32.get();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   // Parallel over panels only: each thread owns whole output columns, never part of a K sum.
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { run_panels(xp, M, K, wp, b, e, o); });

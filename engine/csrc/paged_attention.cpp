@@ -57,10 +57,7 @@ constexpr int64_t PREFETCH_KEYS = 16;
 
 // ---- loads: every dtype widens exactly to float32 -------------------------------------------
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+inline __m256 load8(const c10::BFloat16* p) { return pdserve::load8_bf16(p); }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }

@@ -7,6 +7,12 @@
 
 namespace pdserve {
 
+// Eight bfloat16 values -> float32 (exact: the bits move into the high half).
+inline __m256 load8_bf16(const void* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 // exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (Cephes
 // coefficients), times 2^n built in the exponent bits. Below -87.3 (2^-126) it returns 0.
 inline __m256 exp_nonpositive(__m256 x) {
