@@ -104,8 +104,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
     float32 FMA chain in a fixed order, so a sequence's tokens do not depend on how many
     others share its batch, on the thread count or on the machine, and the weights stream
     at half float32's bytes. Its numerics differ from ``transformers``' bfloat16 (oneDNN,
-    which is not batch-invariant); ``dtype="float32"`` keeps torch's kernels and equals
-    ``transformers`` in float32 token for token.
+    which is not batch-invariant); ``dtype="float32"`` runs the same kernels on float32
+    weights and equals ``transformers`` in float32 token for token (near ties aside).
     """
     return torch.bfloat16
 

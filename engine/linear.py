@@ -5,14 +5,19 @@ that weights load by name. ``select_backend(dtype, device)`` then picks a backen
 load, and ``apply_backend`` swaps those modules for the backend's own (a transform of an
 unchanged model, never a branch inside it):
 
-- ``TorchBackend``: leaves everything to torch (float32 on CPU, where output equals
-  ``transformers`` token for token; any dtype on CUDA).
+- ``TorchBackend``: leaves everything to torch (any dtype on CUDA; a CPU without AVX2 + FMA).
 - ``PackedCpuBackend``: bfloat16 on an x86-64 CPU with AVX2 + FMA (linears, norms, and
   the MLP's silu * up fused into one pass). Weights are packed once
   into panels for pdserve's kernels (engine/csrc/linear.cpp), whose every output element is
   one float32 FMA chain over k in a fixed order: a row's result is bitwise the same alone or
   in a batch of any size, at any thread count, on any such machine. The LM head writes
   float32 logits straight from the float32 sums.
+- ``PackedCpuBackend(torch.float32)``: float32 on such a CPU. The linears and the LM head
+  run the same kernels on float32 panels, for the same reason: torch's float32 matmul picks
+  its summation order by the number of rows, so a sequence's greedy tokens could change with
+  its batch at a near-tie (it did: two logits 1e-5 apart on the default model gave one token
+  alone and another in a batch of 16). RMSNorm and silu * up stay torch's, which are
+  row-local (and are ``transformers``' own ops, so float32 stays close to it).
 
 Packing replaces each ``nn.Linear`` (its bfloat16 weight is freed), so the linears' weight
 memory is not doubled. A tied LM head is the exception: the embedding table stays for
@@ -29,8 +34,8 @@ from engine.model import CausalLM, RMSNorm, SiluAndMul
 
 
 class TorchBackend:
-    """torch's own kernels: exact against ``transformers`` in float32; not batch-invariant in
-    bfloat16 on CPU (oneDNN picks kernels by M and by instruction set)."""
+    """torch's own kernels: not batch-invariant on CPU (oneDNN and MKL pick kernels, and
+    summation orders, by M and by instruction set)."""
 
     name = "torch"
     batch_invariant = False
@@ -51,7 +56,8 @@ class TorchBackend:
 class PackedLinear(nn.Module):
     """``y = x @ W^T + b`` through ``torch.ops.pdserve.linear`` on weights packed at load.
 
-    x (..., K) bfloat16 -> (..., N) bfloat16, or float32 when ``f32_out`` (the LM head).
+    x (..., K) in the weight's dtype (bfloat16 or float32) -> (..., N) in that dtype, or
+    float32 when ``f32_out`` (the LM head).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, f32_out: bool = False):
@@ -107,7 +113,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("pdserve::linear")
     def _linear(x, packed, n, bias, f32_out):
-        return x.new_empty((x.shape[0], n), dtype=torch.float32 if f32_out else torch.bfloat16)
+        return x.new_empty((x.shape[0], n), dtype=torch.float32 if f32_out else x.dtype)
 
     @torch.library.register_fake("pdserve::rms_norm")
     def _rms_norm(x, weight, eps):
@@ -125,12 +131,16 @@ def _register_fakes() -> None:
 
 
 class PackedCpuBackend:
-    """pdserve's batch-invariant bfloat16 kernels (engine/csrc/linear.cpp)."""
+    """pdserve's batch-invariant CPU kernels (engine/csrc/linear.cpp): every linear and the LM
+    head in bfloat16 or float32; in bfloat16 the norms and silu * up too."""
 
-    name = "packed-cpu"
     batch_invariant = True
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the packed CPU kernels run bfloat16 or float32, not {dtype}")
+        self.dtype = dtype
+        self.name = "packed-cpu" if dtype == torch.bfloat16 else "packed-cpu-f32"
         cpu_kernels.load()
         _register_fakes()
 
@@ -138,10 +148,10 @@ class PackedCpuBackend:
         return PackedLinear(layer.weight, layer.bias)
 
     def norm(self, norm: RMSNorm) -> nn.Module:
-        return PackedRMSNorm(norm)
+        return PackedRMSNorm(norm) if self.dtype == torch.bfloat16 else norm
 
     def act(self, act: SiluAndMul) -> nn.Module:
-        return PackedSiluAndMul()
+        return PackedSiluAndMul() if self.dtype == torch.bfloat16 else act
 
     def logits_head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
         return PackedLinear(weight, bias, f32_out=True)
@@ -151,9 +161,9 @@ LinearBackend = TorchBackend | PackedCpuBackend
 
 
 def select_backend(dtype: torch.dtype, device: torch.device) -> LinearBackend:
-    """The packed kernels for bfloat16 on an AVX2 + FMA CPU; torch's everywhere else."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.cpu_supported():
-        return PackedCpuBackend()
+    """The packed kernels for bfloat16 and float32 on an AVX2 + FMA CPU; torch's everywhere else."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_kernels.cpu_supported():
+        return PackedCpuBackend(dtype)
     return TorchBackend()
 
 

@@ -1,12 +1,15 @@
-// Batch-invariant bfloat16 linear layers and RMSNorm for x86 CPUs with AVX2 + FMA.
+// Batch-invariant linear layers (bfloat16 and float32) and bfloat16 RMSNorm for x86 CPUs
+// with AVX2 + FMA.
 //
 // Operators (torch.ops.pdserve.*):
 //   linear_pack(Tensor weight) -> Tensor
-//       weight (N, K), any float dtype (rounded to bfloat16 as .to(bfloat16) would)
-//       -> packed (ceil(N/16), K, 16) bfloat16, the only layout linear() reads.
+//       weight (N, K): float32 stays float32, any other float dtype is rounded to bfloat16 (as
+//       .to(bfloat16) would) -> packed (ceil(N/16), K, 16) of that dtype, the only layout
+//       linear() reads.
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias, bool f32_out) -> Tensor
-//       x (M, K) bfloat16; packed from linear_pack; n = N (the padding is dropped);
-//       bias (N,) float32 or None -> y (M, N) = x @ W^T + bias, bfloat16 (float32 if f32_out).
+//       x (M, K) of the packed weight's dtype; packed from linear_pack; n = N (the padding is
+//       dropped); bias (N,) float32 or None -> y (M, N) = x @ W^T + bias, in x's dtype
+//       (float32 if f32_out).
 //   rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
 //       x (M, D) bfloat16, weight (D,) bfloat16 -> (M, D) bfloat16, transformers' formula:
 //       bf16(weight * bf16(x * rsqrt(mean(x^2) + eps))), the mean in float32.
@@ -14,17 +17,18 @@
 //       the residual add then rms_norm in one pass: (rms_norm(bf16(x + residual)), bf16(x + residual)).
 //
 // Packed layout. Output columns are grouped in panels of 16; panel p holds columns
-// 16p .. 16p+15 for every k, K-major: packed[p][k][0..15]. Inside those 16 bfloat16 (32
-// bytes), slot 2j holds column j and slot 2j+1 holds column 8+j. Read as eight 32-bit
-// lanes, a left shift by 16 gives columns 0..7 as float32 and a mask of the high half gives
-// columns 8..15: a panel row becomes two float32 vectors in two integer instructions, with
-// no shuffles. Columns past N are zero and never written out.
+// 16p .. 16p+15 for every k, K-major: packed[p][k][0..15]. float32 panels hold the columns in
+// order (two 8-lane loads). bfloat16 panels (32 bytes a row) interleave them: slot 2j holds
+// column j and slot 2j+1 holds column 8+j. Read as eight 32-bit lanes, a left shift by 16
+// gives columns 0..7 as float32 and a mask of the high half gives columns 8..15: a panel row
+// becomes two float32 vectors in two integer instructions, with no shuffles. Columns past N
+// are zero and never written out.
 //
 // Why the result does not depend on the batch (the invariance contract):
 // every output element y[m][n] is ONE float32 accumulator, set to 0 and then updated by
 //     acc = fma(float(x[m][k]), float(W[n][k]), acc)      for k = 0, 1, ..., K-1 in order,
-// then (optionally) acc + bias[n], then one rounding to bfloat16. bfloat16 -> float32 is
-// exact and fma rounds once, so that chain has exactly one possible result. Vectors run
+// then (optionally) acc + bias[n], then one rounding to the output dtype. bfloat16 -> float32
+// is exact and fma rounds once, so that chain has exactly one possible result. Vectors run
 // across output columns (8 columns per register), never across k: no kernel splits the
 // K sum, reorders it or reduces partial sums horizontally. What does change with M, the
 // thread count or the machine is only WHICH register holds an accumulator and how many rows
@@ -32,6 +36,9 @@
 // threads by at::parallel_for over N). None of these touches the order of any element's
 // chain, so a row's output is bitwise the same alone or in a batch of any size, at any
 // thread count, on any x86-64 machine with AVX2 + FMA (the flags are fixed, never -march=native).
+// torch's float32 matmul (MKL / oneDNN) gives no such promise: it picks a kernel, and with it
+// a summation order, by M, so a float32 sequence's greedy tokens could change with the batch
+// at a near-tie (seen: two logits 1e-5 apart on the default model).
 //
 // RMSNorm is row-local: each row's sum of squares runs through 8 float32 lane
 // accumulators (lane = d mod 8, in order of d) and then a fixed pairwise tree, whatever M is.
@@ -40,8 +47,8 @@
 // run at once, so twelve independent accumulators hide the FMA latency. Large M (prefill)
 // runs 6x16 register tiles (12 accumulators, two weight vectors, one broadcast); a group of
 // panels sized to stay in L2 is reused across every row tile before the next group is read.
-// The weight conversion costs two integer ops per 12 FMAs, so panels stay bfloat16 in cache
-// (half the bytes of a float32 copy).
+// The bfloat16 weight conversion costs two integer ops per 12 FMAs, so bfloat16 panels stay
+// bfloat16 in cache (half the bytes of a float32 copy).
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -65,12 +72,24 @@ constexpr int kMaxRows = 6;             // rows per register tile
 constexpr int kMaxAcc = 12;             // accumulators (of 16 ymm registers) per tile
 constexpr int64_t kGroupBytes = 192 << 10;  // weight bytes reused from L2 across row tiles
 
+// One panel row (16 columns at one k) as two float32 vectors: columns 0..7 and 8..15.
+inline void panel_row(const uint16_t* w, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline void panel_row(const float* w, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
+}
+
 // Rows x panels of one register tile; accumulates all of K, then writes float32 sums.
-// x: MR rows of K float32 (row stride ldx); w: NP consecutive panels; out: [MR][NP * 16].
-template <int MR, int NP>
-void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* out) {
+// x: MR rows of K float32 (row stride ldx); w: NP consecutive panels of weight type W
+// (uint16_t: bfloat16 bits, or float); out: [MR][NP * 16].
+template <typename W, int MR, int NP>
+void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* out) {
   static_assert(MR * NP * 2 <= kMaxAcc, "tile exceeds the register budget");
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   // One flat array, every loop over it unrolled: GCC then keeps it in registers (a 2-D
   // array of __m256 was stored back to the stack on every k).
   __m256 acc[MR * NP * 2];  // acc[2 (r NP + p)] columns 0..7 of panel p, row r; +1: columns 8..15
@@ -79,9 +98,8 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* out)
   for (int64_t k = 0; k < K; ++k) {
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p * K + k) * kPanel));
-      const __m256 wl = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));   // columns 0..7
-      const __m256 wh = _mm256_castsi256_ps(_mm256_and_si256(v, high));  // columns 8..15
+      __m256 wl, wh;  // columns 0..7, 8..15
+      panel_row(w + (p * K + k) * kPanel, wl, wh);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
@@ -94,26 +112,27 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* out)
   for (int i = 0; i < MR * NP * 2; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*);
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, float*);
 
 // Most panels a tile of `rows` rows can hold at once (two accumulators per row and panel).
 constexpr int panels_for(int rows) { return std::max(1, std::min(6, kMaxAcc / (2 * rows))); }
 
-template <int MR, int NP>
-TileFn pick_np(int np) {
+template <typename W, int MR, int NP>
+TileFn<W> pick_np(int np) {
   if constexpr (NP == 0) {
     return nullptr;
   } else {
-    return np == NP ? &tile<MR, NP> : pick_np<MR, NP - 1>(np);
+    return np == NP ? &tile<W, MR, NP> : pick_np<W, MR, NP - 1>(np);
   }
 }
 
-template <int MR>
-TileFn pick_mr(int mr, int np) {
+template <typename W, int MR>
+TileFn<W> pick_mr(int mr, int np) {
   if constexpr (MR == 0) {
     return nullptr;
   } else {
-    return mr == MR ? pick_np<MR, panels_for(MR)>(np) : pick_mr<MR - 1>(mr, np);
+    return mr == MR ? pick_np<W, MR, panels_for(MR)>(np) : pick_mr<W, MR - 1>(mr, np);
   }
 }
 
@@ -139,10 +158,12 @@ void write_tile(const float* acc, int mr, int np, int64_t m0, int64_t col0, cons
 }
 
 // Panels [p0, p1) for all M rows: groups of panels sized for L2, each reused by every row tile.
-void run_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t p0, int64_t p1,
+template <typename W>
+void run_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t p0, int64_t p1,
                 const Output& o) {
   const int np_row = panels_for(static_cast<int>(std::min<int64_t>(M, kMaxRows)));
-  const int64_t group = std::max<int64_t>(np_row, kGroupBytes / (K * kPanel * 2) / np_row * np_row);
+  const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(W));
+  const int64_t group = std::max<int64_t>(np_row, kGroupBytes / panel_bytes / np_row * np_row);
   alignas(32) float acc[kMaxRows * 6 * kPanel];
   for (int64_t g0 = p0; g0 < p1; g0 += group) {
     const int64_t g1 = std::min(p1, g0 + group);
@@ -151,7 +172,7 @@ void run_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t
       const int np_max = panels_for(mr);
       for (int64_t p = g0; p < g1; p += np_max) {
         const int np = static_cast<int>(std::min<int64_t>(np_max, g1 - p));
-        pick_mr<kMaxRows>(mr, np)(x + m0 * K, K, w + p * K * kPanel, K, acc);
+        pick_mr<W, kMaxRows>(mr, np)(x + m0 * K, K, w + p * K * kPanel, K, acc);
         write_tile(acc, mr, np, m0, p * kPanel, o);
       }
     }
@@ -170,28 +191,38 @@ void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
 
 at::Tensor linear_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "linear_pack: weight must be (N, K), got ", weight.sizes());
-  const auto w = weight.to(at::kBFloat16).contiguous();
+  const bool f32 = weight.scalar_type() == at::kFloat;
+  const auto w = weight.to(f32 ? at::kFloat : at::kBFloat16).contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
   auto packed = at::zeros({P, K, kPanel}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p)
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
-        const int64_t slot = c < 8 ? 2 * c : 2 * (c - 8) + 1;
-        const uint16_t* row = src + (p * kPanel + c) * K;
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + slot] = row[k];
-      }
-  });
+  // Column c of a panel goes to slot c (float32) or to the interleaved slot (bfloat16).
+  auto pack = [&](auto* dst, const auto* src, auto slot_of) {
+    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p)
+        for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
+          const int64_t slot = slot_of(c);
+          const auto* row = src + (p * kPanel + c) * K;
+          for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + slot] = row[k];
+        }
+    });
+  };
+  if (f32) {
+    pack(packed.data_ptr<float>(), w.data_ptr<float>(), [](int64_t c) { return c; });
+  } else {
+    pack(reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()),
+         reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+         [](int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; });
+  }
   return packed;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias, bool f32_out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear: x must be (M, K) bfloat16, got ",
-              x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kBFloat16 &&
+  const auto dtype = packed.scalar_type();
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && (dtype == at::kBFloat16 || dtype == at::kFloat) &&
                   packed.is_contiguous(), "linear: packed must come from linear_pack, got ", packed.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "linear: x must be (M, K) ", dtype == at::kFloat ?
+              "float32" : "bfloat16", " (the packed weight's dtype), got ", x.sizes(), " ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "linear: x has K=", K, " but the packed weight has K=", packed.size(1));
   TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "linear: n=", n, " does not fit ", P, " panels");
@@ -200,18 +231,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     TORCH_CHECK(bias->numel() == n, "linear: bias has ", bias->numel(), " elements, expected n=", n);
     b32 = bias->to(at::kFloat).contiguous();
   }
-  auto y = at::empty({M, n}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
+  const bool out_f32 = f32_out || dtype == at::kFloat;
+  auto y = at::empty({M, n}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
-  // x widened to float32 (exact), read by the broadcasts; converted here rather than by an
-  // ATen op, whose dispatch costs more than the conversion at decode sizes.
   const auto xc = x.contiguous();
-  // Uninitialised (every element is written next): a std::vector would zero it first.
+  const Output o{y.data_ptr(), out_f32, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
+  // Parallel over panels only: each thread owns whole output columns, never part of a K sum.
+  if (dtype == at::kFloat) {
+    const float* xp = xc.data_ptr<float>();
+    const float* wp = packed.data_ptr<float>();
+    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { run_panels(xp, M, K, wp, b, e, o); });
+    return y;
+  }
+  // x widened to float32 (exact), read by the broadcasts; converted here rather than by an
+  // ATen op, whose dispatch costs more than the conversion at decode sizes. Uninitialised
+  // (every element is written next): a std::vector would zero it first.
   std::unique_ptr<float[]> x32(new float[static_cast<size_t>(M * K)]);
   widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M * K, x32.get());
-  const Output o{y.data_ptr(), f32_out, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
   const float* xp = x32.get();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  // Parallel over panels only: each thread owns whole output columns, never part of a K sum.
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { run_panels(xp, M, K, wp, b, e, o); });
   return y;
 }

