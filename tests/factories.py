@@ -80,6 +80,37 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos_token_id=Non
     return out[0, len(prompt):].tolist()
 
 
+# Two logits closer than this are a tie in float32: two correct implementations that sum in
+# different orders land on either side of it (the default model has such a pair 1.1e-5 apart,
+# and transformers itself orders them one way with its KV cache and the other without).
+NEAR_TIE = 1e-4
+
+
+def assert_greedy_matches(hf_model, prompt: list[int], ours: list[int], max_new_tokens: int,
+                          eos_token_id=None, what: str = "") -> None:
+    """The float32 correctness oracle: ``ours`` equals transformers' greedy ``generate``
+    token for token, except where transformers' own top two logits are a near tie
+    (``NEAR_TIE``). There ours may take either token, and from there on each of our tokens
+    must be transformers' argmax given the prompt and our tokens before it (or tie with it).
+    A token that is not an argmax or a near tie fails, naming where."""
+    expected = hf_greedy(hf_model, prompt, max_new_tokens, eos_token_id)
+    if ours == expected:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), min(len(ours), len(expected)))
+    assert first < len(ours) and first < len(expected), (
+        f"{what}: one output stops early where the other goes on: ours {ours}, transformers {expected}")
+    with torch.no_grad():  # every position's logits given our own tokens (teacher forcing)
+        logits = hf_model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(ours)]
+    for i, token in enumerate(ours):
+        best = int(logits[i].argmax())
+        gap = float(logits[i, best] - logits[i, token])
+        assert gap <= NEAR_TIE, (f"{what}: token {i} is {token} but transformers' argmax there is {best}, "
+                                 f"{gap:.3g} above it (more than a near tie, {NEAR_TIE}); "
+                                 f"ours {ours}, transformers {expected}")
+    if eos_token_id is not None and ours[-1] != eos_token_id:
+        assert len(ours) == max_new_tokens, f"{what}: ours stopped after {len(ours)} tokens without EOS: {ours}"
+
+
 def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]

@@ -22,7 +22,7 @@ from cluster.certs import issue, make_ca
 from cluster.local import ClusterConfig, LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.serving.test_disaggregated import chat_request, collect, hf_chat_greedy, reference  # noqa: F401
+from tests.serving.test_disaggregated import chat_request, collect, assert_chat_greedy, reference  # noqa: F401
 from wire import tls
 from wire.grpc_util import channel
 
@@ -72,7 +72,7 @@ def code_of(call) -> grpc.StatusCode:
 def test_greedy_over_mtls_with_the_key_equals_transformers(stub, reference):  # noqa: F811
     for q in ("What is the capital of France?", "Name three prime numbers."):
         ids, _, _ = collect(stub.Generate(chat_request(q, 24), metadata=AUTH, timeout=120))
-        assert ids == hf_chat_greedy(reference, q, 24), q
+        assert_chat_greedy(reference, q, ids, 24)
 
 
 def test_grpc_without_the_key_is_unauthenticated(stub):

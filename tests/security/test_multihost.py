@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.security.netns import ADDRESSES, two_hosts
-from tests.serving.test_disaggregated import hf_chat_greedy, reference  # noqa: F401
+from tests.serving.test_disaggregated import assert_chat_greedy, reference  # noqa: F401
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
@@ -57,7 +57,7 @@ def test_each_pool_binds_and_advertises_its_own_host(run):
 def test_greedy_over_grpc_and_http_equals_transformers(run, reference):  # noqa: F811
     result, _ = run
     for q, got, http_text in zip(QUESTIONS, result["grpc"], result["http"]):
-        assert got["ids"] == hf_chat_greedy(reference, q, MAX_TOKENS), q
+        assert_chat_greedy(reference, q, got["ids"], MAX_TOKENS)
         assert http_text == got["text"], q
 
 
