@@ -16,7 +16,9 @@ A prompt's KV changes hands like this:
 4. Every other end is a ``Release`` naming the token and a ``ReleaseReason``: the decode side
    gave up (ABORTED, TRANSFER_FAILED), or it could not take the request after claiming and
    hands the lease back unread (RETURNED: the lease stays held, claimable again by the decode
-   worker the router tries next). A lease nobody releases expires (EXPIRED).
+   worker the router tries next). An unclaimed lease whose router has died (it stopped
+   polling the holder's Stats) is freed at once (OWNER_LOST): only that router knew the token.
+   A lease nobody releases expires (EXPIRED).
 
 Pure Python, no I/O. The prefill worker owns one ``LeaseTable``. Its engine thread grants,
 releases and expires leases; claims and give-backs come straight from the gRPC loop, so a
@@ -69,6 +71,7 @@ class ReleaseReason(str, enum.Enum):
     ABORTED = "aborted"  # the request ended before its KV was read
     TRANSFER_FAILED = "transfer_failed"  # the read failed; the router re-prefills elsewhere
     RETURNED = "returned"  # claimed, then handed back unread: the lease stays held for a retry
+    OWNER_LOST = "owner_lost"  # unclaimed, and the router it was granted to stopped polling (died)
     EXPIRED = "expired"  # nobody released it in time
 
 
@@ -90,6 +93,7 @@ class Lease:
     block_ids: tuple[int, ...]
     expires_at: float  # time.monotonic() deadline
     claimed: bool = False
+    owner: str = ""  # the router incarnation it was granted to ("": unknown, only expiry frees it)
 
 
 @dataclass
@@ -103,8 +107,8 @@ class LeaseTable:
     _claimed_blocks: dict[str, frozenset[int]] = field(default_factory=dict)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
-    def grant(self, request_id: str, block_ids: list[int], now: float, ttl_s: float) -> Lease:
-        lease = Lease(secrets.token_urlsafe(24), request_id, tuple(block_ids), now + ttl_s)
+    def grant(self, request_id: str, block_ids: list[int], now: float, ttl_s: float, owner: str = "") -> Lease:
+        lease = Lease(secrets.token_urlsafe(24), request_id, tuple(block_ids), now + ttl_s, owner=owner)
         with self._lock:
             self.leases[lease.token] = lease
             heapq.heappush(self._deadlines, (lease.expires_at, lease.token))
@@ -163,6 +167,13 @@ class LeaseTable:
                 if lease is not None and lease.expires_at == deadline:  # else renewed: a later entry exists
                     out.append(self.release(token, ReleaseReason.EXPIRED))
             return out
+
+    def pop_unclaimed_of(self, owners: set[str]) -> list[Lease]:
+        """Remove and return the unclaimed leases granted to any of ``owners`` (OWNER_LOST). A
+        claimed lease stays: its reader releases it, or it expires."""
+        with self._lock:
+            lost = [l.token for l in self.leases.values() if l.owner in owners and not l.claimed]
+            return [self.release(token, ReleaseReason.OWNER_LOST) for token in lost]
 
     def next_deadline(self) -> float | None:
         with self._lock:

@@ -28,7 +28,8 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
         log.debug("prefill %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids))
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
-            r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params)
+            r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params,
+                                          owner=request.router_id)
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
         except StepFailed as exc:

@@ -32,6 +32,9 @@ class PrefillWorkerConfig:
     port: int = 0  # 0: any free port
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
     lease_seconds: float = DEFAULT_LEASE_SECONDS  # held KV is freed this long after the first token at the latest
+    # A router that has not polled Stats (nor sent a Prefill) for this long is taken for dead:
+    # the unclaimed KV held for it is freed then, not at lease expiry (routers poll every 0.2 s).
+    owner_timeout_s: float = 10.0
     kv_transfer_backend: str = DEFAULT_BACKEND
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight prompts and held KV may finish
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
@@ -71,13 +74,24 @@ class PrefillWorker(WorkerShell):
         # so the last hook's time is when the step now running started.
         self._step_started = time.monotonic()
         self._first_chunk_at: dict[str, float] = {}  # prompts whose first of several chunks ran
+        self._owner_of: dict[str, str] = {}  # request id -> the router incarnation that asked
+        self._owner_seen: dict[str, float] = {}  # router incarnation -> when it last called
 
     # ---- called from the asyncio loop ----------------------------------------------
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> PrefillResult:
-        """Queue the prompt, wait for its first token; the KV stays held under a lease.
-        Raises StepFailed if the step that ran it raised (the request is gone then)."""
+    def note_poll(self, router_id: str) -> None:
+        """A router (incarnation ``router_id``) called: it is alive (see ``owner_timeout_s``)."""
+        if router_id:
+            self._owner_seen[router_id] = time.monotonic()
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      owner: str = "") -> PrefillResult:
+        """Queue the prompt, wait for its first token; the KV stays held under a lease granted
+        to ``owner`` (the asking router's incarnation). Raises StepFailed if the step that ran
+        it raised (the request is gone then)."""
         stream = self.open_stream(request_id)
         self._arrived[request_id] = time.monotonic()
+        self.note_poll(owner)
+        self._owner_of[request_id] = owner
         done = False
         try:
             await self.call(self.engine.add_request, request_id, prompt, params, True)
@@ -89,6 +103,7 @@ class PrefillWorker(WorkerShell):
         finally:
             self.close_stream(request_id)
             self._arrived.pop(request_id, None)
+            self._owner_of.pop(request_id, None)
             if not done:  # our own caller gave up: its held KV (if any) goes too
                 self.thread.call(self._drop, request_id)
 
@@ -124,7 +139,8 @@ class PrefillWorker(WorkerShell):
         lease, block_ids = None, []
         if o.finish_reason is None:
             block_ids = self.engine.held_block_ids(o.request_id)
-            lease = self.leases.grant(o.request_id, block_ids, time.monotonic(), self.config.lease_seconds)
+            lease = self.leases.grant(o.request_id, block_ids, time.monotonic(), self.config.lease_seconds,
+                                      owner=self._owner_of.get(o.request_id, ""))
             self.agent.expect_reads(True)
         return o.request_id, PrefillResult(
             o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0, o.finish_reason, block_ids,
@@ -141,6 +157,12 @@ class PrefillWorker(WorkerShell):
         now = time.monotonic()
         for lease in self.leases.pop_expired(now):
             self.engine.release(lease.request_id)
+        silent = {o for o, seen in list(self._owner_seen.items()) if now - seen > self.config.owner_timeout_s}
+        if silent:
+            for lease in self.leases.pop_unclaimed_of(silent):
+                self.engine.release(lease.request_id)
+            for owner in silent:
+                self._owner_seen.pop(owner, None)
         if not self.leases:
             return None
         return max(0.0, min(NOTIFICATION_POLL_S, self.leases.next_deadline() - now))

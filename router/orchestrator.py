@@ -234,7 +234,7 @@ class RequestRun:
     # ---- prefill -------------------------------------------------------------------
     async def _prefill(self, worker_rid: str, prompt: list[int], params) -> tuple[worker_pb2.PrefillResponse, str]:
         request = worker_pb2.PrefillRequest(request_id=worker_rid, prompt_token_ids=prompt,
-                                            sampling=sampling_to_proto(params))
+                                            sampling=sampling_to_proto(params), router_id=self.pool.router_id)
         tried: set[str] = set()
         last = "no prefill worker"
         for _ in range(self.limits.max_prefill_attempts):

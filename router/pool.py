@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
 import logging
 import time
 from dataclasses import dataclass, field
@@ -97,6 +98,9 @@ class WorkerPool:
     # answer this long) is hung: not routed to, and its requests migrate (router.liveness).
     hang_timeout_s: float = 30.0
     workers: dict[str, WorkerClient] = field(default_factory=dict)
+    # This router's incarnation, sent with every Stats poll and Prefill: a prefill worker frees
+    # the unclaimed KV it holds for an incarnation that stops polling (the router died).
+    router_id: str = field(default_factory=lambda: secrets.token_hex(8))
     desired_replicas: dict[str, int] = field(default_factory=dict)  # set by the controller
     signal_targets: dict[str, float] = field(default_factory=dict)  # the autoscaler's, set by the controller
     _task: asyncio.Task | None = None
@@ -184,7 +188,8 @@ class WorkerPool:
 
     async def _refresh_one(self, w: WorkerClient) -> None:
         try:
-            stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=min(2.0, self.hang_timeout_s))
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(router_id=self.router_id),
+                                       timeout=min(2.0, self.hang_timeout_s))
         except grpc.aio.AioRpcError as exc:
             if w.healthy:
                 log.warning("worker %s unreachable: %s", w.address, exc.code().name)

@@ -117,6 +117,9 @@ class WorkerShell:
         """Requests on this worker now, queued or running (what ``max_requests`` bounds)."""
         return len(self._streams)
 
+    def note_poll(self, router_id: str) -> None:
+        """A router polled Stats; the prefill worker tracks which routers are alive."""
+
     def stats_extra(self) -> dict[str, Any]:
         """The role's own ``WorkerStats`` fields."""
         return {}
@@ -168,6 +171,7 @@ class ShellRpcs:
         return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
 
     async def Stats(self, request, context):
+        self.worker.note_poll(request.router_id)
         return self.worker.stats(self.metrics_address)
 
     async def Drain(self, request, context):

@@ -26,10 +26,11 @@ SAMPLING = pdserve_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=
 
 
 @contextlib.asynccontextmanager
-async def cluster(model_dir, decode_blocks=(64,), lease_seconds=30.0, tls=None):
+async def cluster(model_dir, decode_blocks=(64,), lease_seconds=30.0, tls=None, owner_timeout_s=10.0):
     """A prefill worker and decode workers (the first ones with ``decode_blocks`` blocks); with
     ``tls``, mTLS on the internal plane (every worker and this test's channels use it)."""
-    prefill = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend="tcp", lease_seconds=lease_seconds, tls=tls),
+    prefill = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend="tcp", lease_seconds=lease_seconds, tls=tls,
+                                                owner_timeout_s=owner_timeout_s),
                             engine=make_engine(model_dir, num_blocks=64))
     servers = [await start_prefill(prefill.config, prefill)]
     decoders = []
@@ -49,9 +50,9 @@ async def cluster(model_dir, decode_blocks=(64,), lease_seconds=30.0, tls=None):
             await s.stop()
 
 
-async def prefill_one(stub, rid="client-a#0", prompt=PROMPT) -> worker_pb2.PrefillResponse:
+async def prefill_one(stub, rid="client-a#0", prompt=PROMPT, router_id="") -> worker_pb2.PrefillResponse:
     return await stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
-                                                        sampling=SAMPLING), timeout=60)
+                                                        sampling=SAMPLING, router_id=router_id), timeout=60)
 
 
 async def decode(stub, pre, kv=None, rid="client-a#0") -> list[int]:
@@ -201,3 +202,37 @@ def test_a_decode_call_the_router_abandons_before_the_claim_frees_the_held_kv_at
     held, after = asyncio.run(run())
     assert held == 1
     assert after.num_held_leases == 0 and after.num_blocks_used == 0
+
+
+def test_unclaimed_kv_of_a_router_that_stopped_polling_is_freed_long_before_its_lease_ends(tiny_llama_dir):
+    """A router that dies between a prefill's answer and the decode worker's claim is the only
+    holder of the lease token: nobody would release the KV until the lease ran out (30 s by
+    default, 120 s in the fault test that caught it). Leases name the router incarnation that
+    asked; one that stops polling Stats for ``owner_timeout_s`` is dead, and its unclaimed
+    leases go (OWNER_LOST). A live router's lease stays, and so does a claimed one (its reader
+    releases it, or it expires)."""
+    prompts = [random_prompts(1, [40], seed=s)[0] for s in (21, 22, 23)]
+
+    async def run():
+        async with cluster(tiny_llama_dir[0], lease_seconds=60.0, owner_timeout_s=1.0) as (prefill, p_stub, _, _):
+            dead = await prefill_one(p_stub, rid="d#0", prompt=prompts[0], router_id="dead-router")
+            live = await prefill_one(p_stub, rid="l#0", prompt=prompts[1], router_id="live-router")
+            claimed = await prefill_one(p_stub, rid="c#0", prompt=prompts[2], router_id="dead-router")
+            await p_stub.Claim(worker_pb2.ClaimRequest(lease_token=claimed.kv.lease_token,
+                                                       block_ids=claimed.kv.block_ids), timeout=5)
+            held = await stats(p_stub)
+            for _ in range(30):  # 3 s: the live router polls, the dead one is silent
+                await p_stub.Stats(worker_pb2.StatsRequest(router_id="live-router"), timeout=5)
+                await asyncio.sleep(0.1)
+            after = await stats(p_stub)
+            refusal = await refused(p_stub.Claim(worker_pb2.ClaimRequest(
+                lease_token=dead.kv.lease_token, block_ids=dead.kv.block_ids), timeout=5))
+            await p_stub.Claim(worker_pb2.ClaimRequest(lease_token=live.kv.lease_token,
+                                                       block_ids=live.kv.block_ids), timeout=5)
+            return held, after, refusal, prefill.leases.released_by
+
+    held, after, refusal, released_by = asyncio.run(run())
+    assert (held.num_held_leases, held.num_blocks_used) == (3, 9)
+    assert (after.num_held_leases, after.num_blocks_used) == (2, 6)  # the dead router's unclaimed lease went
+    assert released_by["owner_lost"] == 1 and released_by["expired"] == 0
+    assert "unknown_token" in refusal.details()
