@@ -5,8 +5,8 @@ memory-bandwidth floor of a batch-1 decode step, all measured in one run on this
     .venv/bin/python benchmarks/engine.py --dtypes float32 --batches 1 8
     .venv/bin/python benchmarks/engine.py --dtypes bfloat16 --threads 1 2 --no-baseline
 
-bfloat16 on CPU runs pdserve's batch-invariant kernels (engine/csrc/linear.cpp); float32
-runs torch's. ``--threads`` repeats everything at each torch thread count (a cluster worker
+Both dtypes run pdserve's batch-invariant kernels on CPU (engine/csrc/linear.cpp; float32
+keeps torch's RMSNorm and SiLU). ``--threads`` repeats everything at each torch thread count (a cluster worker
 runs one), with the bandwidth, and so the floor, measured at that count.
 
 Decode: B requests with random 256-token prompts are prefilled, then ``--steps`` decode
@@ -14,7 +14,7 @@ steps are timed (ms per step; tokens/s = B / step time). The baseline is
 ``transformers`` ``generate`` on the same weights and dtype: (time to generate 1 + steps
 tokens - time to generate 1 token) / steps. Prefill: one 512-token prompt, best of 3.
 The floor is the bytes of weights a decode step must read (every linear and the LM head,
-as stored: packed bfloat16 or torch's) divided by a measured memory read bandwidth (a
+as stored: packed bfloat16 or float32, or torch's) divided by a measured memory read bandwidth (a
 large tensor sum). Writes JSON to .bench/engine.json and a plot beside
 BENCHMARKS.md.
 """

