@@ -1,6 +1,6 @@
-"""Linear-layer benchmark: pdserve's batch-invariant bfloat16 kernels against torch's F.linear
-(bfloat16 and float32) on every linear shape of SmolLM2-135M, in one run, and against the
-memory-bandwidth floor of a batch-1 decode step.
+"""Linear-layer benchmark: pdserve's batch-invariant kernels (bfloat16 and float32 weights)
+against torch's F.linear (bfloat16 and float32) on every linear shape of SmolLM2-135M, in one
+run, and against the memory-bandwidth floor of a batch-1 decode step (bfloat16 weights).
 
     PYTHONPATH=. .venv/bin/python benchmarks/linear.py --threads 1 2
 
@@ -56,10 +56,12 @@ def passes(weights: list[torch.Tensor]) -> dict:
     """One callable per implementation: x_by_k (dict K -> (M, K) input) -> None."""
     packed = [PackedLinear(w, None, f32_out=(i == len(weights) - 1)) for i, w in enumerate(weights)]
     w32 = [w.float() for w in weights]
+    packed32 = [PackedLinear(w, None) for w in w32]
     return {
         "pdserve bf16": lambda xs: [p(xs[p.in_features]) for p in packed],
         "torch bf16": lambda xs: [F.linear(xs[w.shape[1]], w) for w in weights],
         "torch f32": lambda xs: [F.linear(xs[w.shape[1]].float(), w) for w in w32],
+        "pdserve f32": lambda xs: [p(xs[p.in_features].float()) for p in packed32],
     }
 
 
@@ -82,8 +84,8 @@ def main() -> None:
     impls = passes(weights)
     print(f"bfloat16 weight bytes per pass: {wbytes / 1e6:.0f} MB")
     print("| threads | rows | read GB/s | floor ms | " + " | ".join(f"{n} ms" for n in impls) +
-          " | pdserve / floor | pdserve vs torch bf16 | pdserve vs torch f32 |")
-    print("|---" * (7 + len(impls)) + "|")
+          " | pdserve / floor | pdserve vs torch bf16 | pdserve vs torch f32 | pdserve f32 vs torch f32 |")
+    print("|---" * (8 + len(impls)) + "|")
     for threads in args.threads:
         bw = read_bandwidth_gbs(threads)
         floor = wbytes / (bw * 1e9) * 1e3
@@ -92,7 +94,8 @@ def main() -> None:
             ms = {name: time_pass(fn, rows, args.repeats if rows < 64 else 1) for name, fn in impls.items()}
             ours = ms["pdserve bf16"]
             print(f"| {threads} | {rows} | {bw:.1f} | {floor:.1f} | " + " | ".join(f"{v:.1f}" for v in ms.values()) +
-                  f" | {ours / floor:.2f}x | {ms['torch bf16'] / ours:.2f}x | {ms['torch f32'] / ours:.2f}x |",
+                  f" | {ours / floor:.2f}x | {ms['torch bf16'] / ours:.2f}x | {ms['torch f32'] / ours:.2f}x"
+                  f" | {ms['torch f32'] / ms['pdserve f32']:.2f}x |",
                   flush=True)
 
 
