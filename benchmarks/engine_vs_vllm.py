@@ -65,7 +65,7 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ours:
         v = vllm[r["dtype"]]
-        step = r["decode"]["1"]["ours_ms"] if "1" in r["decode"] else r["decode"][1]["ours_ms"]
+        step = r["decode"]["1"]["ours_ms"]  # JSON keys are strings
         tpot = v["levels"][0]["tpot_ms_p50"]
         lines.append(f"| {r['dtype']} | {r['threads']} | {r['bandwidth_gbs']:.1f} | {r['floor_ms']:.1f} | {step:.1f} | "
                      f"{step / r['floor_ms']:.2f}x | {tpot:.1f} | {tpot / step:.2f}x | {r['prefill']['ours_tps']:.0f} | "

@@ -111,6 +111,16 @@ def assert_greedy_matches(hf_model, prompt: list[int], ours: list[int], max_new_
         assert len(ours) == max_new_tokens, f"{what}: ours stopped after {len(ours)} tokens without EOS: {ours}"
 
 
+CHAT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers.",
+                  "Explain gravity to a child in two sentences.", "Hi"]
+
+
+def chat_variants(n: int = 16) -> list[str]:
+    """``n`` distinct chat questions, CHAT_QUESTIONS numbered "(variant i)". With the default
+    model's chat template, "Hi (variant 14)" meets a float32 near tie at its second token."""
+    return [f"{q} (variant {i})" for i, q in enumerate(CHAT_QUESTIONS * (n // len(CHAT_QUESTIONS) + 1))][:n]
+
+
 def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]

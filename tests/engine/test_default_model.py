@@ -13,7 +13,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import materialize
 from engine.sampling import SamplingParams
 from tests.engine.test_engine_batching import run_staggered
-from tests.factories import load_reference
+from tests.factories import chat_variants, load_reference
 from tests.logprobs import check_logprobs_close, engine_generation, hf_generation
 
 pytestmark = pytest.mark.slow
@@ -117,11 +117,8 @@ def test_float32_near_tie_does_not_depend_on_the_batch(engine):
     with this chat template): torch's float32 matmul, which sums in an order chosen by the
     number of rows, gave one token alone and the other in this batch of 16. pdserve's float32
     kernels give the same token either way."""
-    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers.",
-                 "Explain gravity to a child in two sentences.", "Hi"]
     tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"{q} (variant {i})"}])
-               for i, q in enumerate((questions * 4)[:16])]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in chat_variants(16)]
     params = SamplingParams(max_tokens=3)
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
     together = [c.token_ids for c in engine.generate(prompts, params)]

@@ -9,13 +9,12 @@ import torch
 
 from engine.loader import materialize
 from protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.factories import assert_greedy_matches, load_reference
+from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, chat_variants, load_reference
 from tests.serving.conftest import LEASE_S, TRANSFER_DELAY_S, all_stats, worker_stats
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers.",
-             "Explain gravity to a child in two sentences.", "Hi"]
+QUESTIONS = CHAT_QUESTIONS
 
 
 def chat_request(question: str, max_tokens: int = 32, **sampling) -> pdserve_pb2.GenerateRequest:
@@ -92,7 +91,7 @@ def test_first_token_arrives_before_the_kv_transfer_finishes(cluster, stub):
 
 
 def test_sixteen_concurrent_streams_complete_and_free_every_block(cluster, stub, reference):
-    questions = [f"{q} (variant {i})" for i, q in enumerate(QUESTIONS * 4)][:16]
+    questions = chat_variants(16)
 
     async def one(aio_stub, q):
         ids = []
