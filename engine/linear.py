@@ -30,7 +30,9 @@ import torch
 from torch import nn
 
 from engine import cpu_kernels
-from engine.model import CausalLM, RMSNorm, SiluAndMul
+from engine.attention import AttentionContext
+from engine.attention_paged import PagedAttention
+from engine.model import CausalLM, DecoderStack, RMSNorm, SiluAndMul
 
 
 class TorchBackend:
@@ -51,6 +53,9 @@ class TorchBackend:
 
     def logits_head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
         return None  # CausalLM computes F.linear(hidden, weight).float(), as transformers does
+
+    def stack(self, layers: nn.ModuleList) -> nn.Module | None:
+        return None  # the layers run one by one
 
 
 class PackedLinear(nn.Module):
@@ -102,6 +107,46 @@ class PackedSiluAndMul(nn.Module):
             *gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
+class PackedDecoderStack(DecoderStack):
+    """The whole bfloat16 decoder stack in one call (``torch.ops.pdserve.decoder_layers``,
+    engine/csrc/decoder.cpp): the layers' own packed operators in their own order, called
+    from C++, so the step pays Python's dispatch once instead of ~300 times. Bitwise the
+    layer-by-layer result. Needs the paged-attention kernel; with another attention backend
+    (``attention_backend="sdpa"``) the layers run one by one, as ``DecoderStack`` runs them.
+
+    The weight lists reference the layers' packed tensors (no copy); they are built once,
+    after packing, which is the last time the weights change.
+    """
+
+    def __init__(self, layers: nn.ModuleList):
+        super().__init__()
+        attn = [layer.self_attn for layer in layers]
+        mlp = [layer.mlp for layer in layers]
+        self.input_norm = [layer.input_layernorm.weight.data for layer in layers]
+        self.post_norm = [layer.post_attention_layernorm.weight.data for layer in layers]
+        self.qkv = [a.qkv_proj.packed for a in attn]
+        self.qkv_bias = [a.qkv_proj.bias for a in attn]
+        self.o = [a.o_proj.packed for a in attn]
+        self.gate_up = [m.gate_up_proj.packed for m in mlp]
+        self.down = [m.down_proj.packed for m in mlp]
+        self.widths = [attn[0].qkv_proj.out_features, attn[0].o_proj.out_features,
+                       mlp[0].gate_up_proj.out_features, mlp[0].down_proj.out_features]
+        self.num_heads, self.num_kv_heads = attn[0].nh, attn[0].nkv
+        self.eps = layers[0].input_layernorm.eps
+
+    def forward(self, layers: nn.ModuleList, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        backend = layers[0].self_attn.backend
+        if not isinstance(backend, PagedAttention):
+            return super().forward(layers, h, rope, ctx)
+        k_caches = [layer.self_attn.k_cache for layer in layers]
+        v_caches = [layer.self_attn.v_cache for layer in layers]
+        return torch.ops.pdserve.decoder_layers(
+            h, rope[0], rope[1], self.input_norm, self.qkv, self.qkv_bias, self.o, self.post_norm, self.gate_up,
+            self.down, k_caches, v_caches, ctx.slot_block, ctx.slot_offset, ctx.block_tables, ctx.cu_query_lens,
+            ctx.context_lens_t, self.widths, self.num_heads, self.num_kv_heads, self.eps, backend.scale)
+
+
 _fakes_registered = False
 
 
@@ -122,6 +167,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("pdserve::add_rms_norm")
     def _add_rms_norm(x, residual, weight, eps):
         return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("pdserve::decoder_layers")
+    def _decoder_layers(h, *args):
+        return torch.empty_like(h), torch.empty_like(h)
 
     @torch.library.register_fake("pdserve::silu_mul")
     def _silu_mul(gate_up):
@@ -156,6 +205,11 @@ class PackedCpuBackend:
     def logits_head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
         return PackedLinear(weight, bias, f32_out=True)
 
+    def stack(self, layers: nn.ModuleList) -> nn.Module | None:
+        """bfloat16: one call over the whole stack. float32 keeps torch's norms between the
+        linears, so its layers run one by one."""
+        return PackedDecoderStack(layers) if self.dtype == torch.bfloat16 else None
+
 
 LinearBackend = TorchBackend | PackedCpuBackend
 
@@ -181,6 +235,9 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
     packed_head = backend.logits_head(head.weight, getattr(head, "bias", None))
     if packed_head is not None:
         model.lm_head = packed_head
+    stack = backend.stack(model.layers)  # after the layers are packed: it holds their packed weights
+    if stack is not None:
+        model.stack = stack
     model.linear_backend = backend.name
     return model
 

@@ -106,6 +106,20 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class DecoderStack(nn.Module):
+    """Runs the decoder layers one after another. It holds no weights (they stay under
+    ``CausalLM.layers``, named as ``transformers`` names them), so a linear backend can swap it
+    for one call over the whole stack (engine/linear.py) without touching how weights load."""
+
+    def forward(self, layers: nn.ModuleList, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedded tokens (T, hidden) -> (last MLP output, residual stream), for the final norm."""
+        residual = None
+        for layer in layers:
+            h, residual = layer(h, residual, rope, ctx)
+        return h, residual
+
+
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head."""
 
@@ -115,6 +129,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.stack = DecoderStack()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.linear_backend = "torch"  # engine.linear.apply_backend names the one it applied
@@ -123,9 +138,7 @@ class CausalLM(nn.Module):
         """input_ids, positions (T,) -> hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, rope, ctx)
+        h, residual = self.stack(self.layers, h, rope, ctx)
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -83,6 +84,10 @@ void rope_store_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
   });
 }
 
+}  // namespace
+
+namespace pdserve {
+
 at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                          at::Tensor v_cache, const at::Tensor& slot_block, const at::Tensor& slot_offset,
                          int64_t num_heads, int64_t num_kv_heads) {
@@ -108,6 +113,8 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   });
   return q;
 }
+
+namespace {
 
 // silu(g) = g / (1 + e^-g); written with e = exp(-|g|) <= 1 so nothing overflows:
 // g >= 0: g / (1 + e);  g < 0: g e / (1 + e).
@@ -142,6 +149,8 @@ void silu_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t n,
   }
 }
 
+}  // namespace
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.size(1) % 2 == 0,
               "silu_mul: gate_up must be (T, 2 I) bfloat16, got ", gate_up.sizes(), " ", gate_up.scalar_type());
@@ -156,7 +165,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("rope_store_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -165,6 +174,6 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
-  m.impl("rope_store_kv", &rope_store_kv);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_store_kv", &pdserve::rope_store_kv);
+  m.impl("silu_mul", &pdserve::silu_mul);
 }

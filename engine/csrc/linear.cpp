@@ -56,6 +56,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include "ops.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -189,6 +190,10 @@ void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
   }
 }
 
+}  // namespace
+
+namespace pdserve {
+
 at::Tensor linear_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "linear_pack: weight must be (N, K), got ", weight.sizes());
   const bool f32 = weight.scalar_type() == at::kFloat;
@@ -254,6 +259,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   return y;
 }
 
+namespace {
+
 // One row of RMSNorm: y = bf16(weight * bf16(x * inv_rms)), the sum of squares through 8
 // lane accumulators (lane = d mod 8, in order of d) and one fixed tree.
 void rms_norm_row(const at::BFloat16* row, const at::BFloat16* weight, int64_t D, float eps, at::BFloat16* out) {
@@ -275,6 +282,8 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* 
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == at::kBFloat16 &&
                   weight.is_contiguous(), op, ": weight must be (D,) bfloat16");
 }
+
+}  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight, "rms_norm");
@@ -316,7 +325,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {y, sum};
 }
 
-}  // namespace
+}  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("linear_pack(Tensor weight) -> Tensor");
@@ -326,8 +335,8 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
-  m.impl("linear_pack", &linear_pack);
-  m.impl("linear", &linear);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("linear_pack", &pdserve::linear_pack);
+  m.impl("linear", &pdserve::linear);
+  m.impl("rms_norm", &pdserve::rms_norm);
+  m.impl("add_rms_norm", &pdserve::add_rms_norm);
 }

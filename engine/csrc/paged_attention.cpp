@@ -36,6 +36,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -353,6 +354,10 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
   });
 }
 
+}  // namespace
+
+namespace pdserve {
+
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                            const at::Tensor& cu_q, const at::Tensor& ctx, double scale) {
   check_inputs(q_in, k, v, tables, cu_q, ctx);
@@ -374,11 +379,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at
   return out;
 }
 
-}  // namespace
+}  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_query_lens, "
         "Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_attention", &pdserve::paged_attention); }
