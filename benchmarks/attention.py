@@ -99,8 +99,7 @@ def compare_steps(dtype: torch.dtype, rounds: int) -> dict[str, float]:
     with torch.inference_mode():
         for r in range(rounds + 1):  # round 0 warms up
             for name, backend in backends.items():
-                for attn, (k, v) in zip(model.attention_layers, views):
-                    attn.bind_cache(k, v, backend)
+                model.bind_caches(views, backend)
                 ctx, positions = build_context(starts, [1] * len(starts), tables, BS, torch.device("cpu"), decode=True)
                 start = time.process_time()
                 model(ids, positions, ctx)

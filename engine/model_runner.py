@@ -40,10 +40,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> SampledTokens:
         input_ids, positions, ctx, sample_idx = self.prepare(out)
-        # Bound every step (30-odd attribute writes), so engines that share one model object
-        # (tests do) never run on each other's cache.
-        for attn, (k, v) in zip(self.model.attention_layers, self._layer_caches):
-            attn.bind_cache(k, v, self.backend)
+        self.model.bind_caches(self._layer_caches, self.backend)
         hidden = self.model(input_ids, positions, ctx)
         self.num_forward_tokens += input_ids.shape[0]
         prompt_lps = prompt_logprobs(self.model, hidden, out)

@@ -27,8 +27,7 @@ def forward_both_ways(engine, out):
         runner.cache.copy_(before)
         model.stack = stack
         input_ids, positions, ctx, _ = runner.prepare(out)
-        for attn, (k, v) in zip(model.attention_layers, runner._layer_caches):
-            attn.bind_cache(k, v, runner.backend)
+        model.bind_caches(runner._layer_caches, runner.backend)
         with torch.inference_mode():
             results.append((model(input_ids, positions, ctx), runner.cache.clone()))
     model.stack = fused
