@@ -92,18 +92,44 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_call_id", "tool_calls")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_call_id: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments_json")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments_json: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "tools")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling")

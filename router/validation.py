@@ -20,8 +20,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.errors import InvalidRequestError
 from engine.sampling import MAX_TOP_LOGPROBS
 from protos import pdserve_pb2
+from router.tools import ToolPlan, named_schema, required_schema
+from wire.convert import structured_from_proto
 
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -64,6 +67,7 @@ class Options:
     top_logprobs: int = 0  # alternatives per token in the answer
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
     n: int = 1  # choices per prompt; requests are prompt-major (prompt i's j-th is i * n + j)
+    tools: ToolPlan | None = None  # chat with tools: how the answer reports calls (router.tools)
 
 
 # ---- the models ------------------------------------------------------------------------
@@ -89,9 +93,55 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Strict):
     role: str
     content: Union[str, list[TextPart], None] = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaSpec(_Strict):
+    name: str
+    description: str | None = None
+    schema_: Union[dict[str, Any], bool, None] = Field(default=None, alias="schema")
+    strict: bool | None = None  # constrained decoding is always strict
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
 
 
 class _Common(_Strict):
@@ -114,6 +164,9 @@ class _Common(_Strict):
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    guided_json: Union[dict[str, Any], str, None] = None  # vLLM's extensions
+    guided_regex: str | None = None
 
 
 class CompletionBody(_Common):
@@ -127,14 +180,16 @@ class ChatBody(_Common):
     max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: TopN | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
 
 
 # Fields that would change the answer and that pdserve does not implement: a client that
 # sets one must not quietly get something else. Each maps to the values that mean "off".
 _UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "suffix": (None, ""),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
+    "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "prompt_logprobs": (None,), "prompt_embeds": (None,),
 }
 
@@ -223,10 +278,11 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
         raise HttpError(400, f"best_of ({parsed.best_of}) other than n ({parsed.n}) is not supported", param="best_of")
     template = pdserve_pb2.GenerateRequest()
     _set_sampling(template.sampling, parsed, chat)
+    _set_structured(template.sampling, parsed)
+    plan = None
     if chat:
-        for m in parsed.messages:
-            content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
-            template.chat.messages.add(role=m.role, content=content or "")
+        _set_chat(template.chat, parsed)
+        plan = _tool_plan(parsed, template.sampling)
         prompts = [None]
     else:
         prompts = _prompts(parsed.prompt)
@@ -247,7 +303,83 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
     include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
     top = (parsed.top_logprobs or 0) if chat else (parsed.logprobs or 0)
     echo = not chat and parsed.echo
-    return requests, Options(parsed.stream, include_usage, template.sampling.logprobs, top, echo, parsed.n)
+    return requests, Options(parsed.stream, include_usage, template.sampling.logprobs, top, echo, parsed.n, plan)
+
+
+def _set_chat(chat: pdserve_pb2.ChatMessages, b: ChatBody) -> None:
+    for m in b.messages:
+        content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
+        msg = chat.messages.add(role=m.role, content=content or "", tool_call_id=m.tool_call_id or "")
+        for call in m.tool_calls or ():
+            msg.tool_calls.add(id=call.id, name=call.function.name, arguments_json=call.function.arguments)
+    for t in b.tools or ():
+        f = t.function
+        chat.tools.add(name=f.name, description=f.description or "",
+                       parameters_json=json.dumps(f.parameters) if f.parameters is not None else "")
+
+
+def _set_structured(p: pdserve_pb2.SamplingParams, b: _Common) -> None:
+    """``response_format`` (or vLLM's ``guided_json`` / ``guided_regex``) -> the wire's
+    ``structured_output``; whether the spec compiles is checked with the other params."""
+    given = [name for name in ("response_format", "guided_json", "guided_regex")
+             if getattr(b, name) is not None and not (name == "response_format" and b.response_format.type == "text")]
+    if len(given) > 1:
+        raise HttpError(400, f"{' and '.join(given)} cannot be combined: set one", param=given[1])
+    so = p.structured_output
+    if b.guided_regex is not None:
+        so.regex = b.guided_regex
+    elif b.guided_json is not None:
+        so.json_schema = b.guided_json if isinstance(b.guided_json, str) else json.dumps(b.guided_json)
+    elif b.response_format is not None and b.response_format.type == "json_object":
+        so.json_object = True
+    elif b.response_format is not None and b.response_format.type == "json_schema":
+        spec = b.response_format.json_schema
+        if spec is None or spec.schema_ is None:
+            raise HttpError(400, "response_format.json_schema.schema is required with type json_schema",
+                            param="response_format.json_schema.schema")
+        so.json_schema = json.dumps(spec.schema_)
+    if given:
+        _check_compiles(p, {"response_format": "response_format.json_schema.schema"}.get(given[0], given[0]))
+
+
+def _check_compiles(p: pdserve_pb2.SamplingParams, param: str) -> None:
+    try:
+        structured_from_proto(p.structured_output).validate(param)
+    except InvalidRequestError as exc:
+        raise HttpError(400, str(exc), param=param) from None
+
+
+def _tool_plan(b: ChatBody, p: pdserve_pb2.SamplingParams) -> ToolPlan | None:
+    """The tool mode of a chat request (``router.tools``); "required" and a named function
+    constrain ``p`` to the call's JSON."""
+    tools = [t.model_dump(exclude_none=True) for t in b.tools or ()]
+    choice = b.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise HttpError(400, "tool_choice needs tools", param="tool_choice")
+        if b.parallel_tool_calls is not None:
+            raise HttpError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls")
+        return None
+    names = tuple(t["function"]["name"] for t in tools)
+    if len(set(names)) != len(names):
+        raise HttpError(400, "tools: function names must be distinct", param="tools")
+    parallel = b.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise HttpError(400, f"tool_choice names {choice.function.name!r}, which is not among tools",
+                            param="tool_choice")
+        plan = ToolPlan("named", names, choice.function.name, parallel)
+        schema = named_schema(tools, choice.function.name)
+    else:
+        plan = ToolPlan(choice or "auto", names, None, parallel)
+        schema = required_schema(tools, parallel) if plan.mode == "required" else None
+    if schema is not None:
+        if p.HasField("structured_output"):
+            raise HttpError(400, f"tool_choice {plan.mode!r} constrains the output itself; it cannot be combined "
+                            f"with response_format", param="response_format")
+        p.structured_output.json_schema = json.dumps(schema)
+        _check_compiles(p, "tools")
+    return plan
 
 
 def _prompts(prompt) -> list:
