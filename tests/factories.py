@@ -169,7 +169,7 @@ TOOLS_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
     "{%- for call in message.tool_calls %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
-    "\"arguments\": {{ call.function.arguments }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
     "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
     "</tool_response><|im_end|>\n"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
