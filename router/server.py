@@ -39,8 +39,8 @@ class RouterConfig:
     tokenizer: str | None = None  # tokenizer directory; None: the model's
     chat_template: str | None = None  # Jinja chat template (a file or the text); None: the tokenizer's
     # Reads tool calls in the model's text for tool_choice "auto" (router.tool_parsers):
-    # "auto" picks one from the chat template; None: "auto" tool choice is refused.
-    tool_call_parser: str | None = "auto"
+    # "auto" picks one from the chat template; "none": "auto" tool choice is refused.
+    tool_call_parser: str = tool_parsers.DEFAULT_PARSER
     host: str = "127.0.0.1"  # public plane bind address (gRPC Generation and OpenAI HTTP)
     grpc_port: int = 50051
     http_port: int | None = 8000  # OpenAI-compatible HTTP; None: gRPC only

@@ -138,17 +138,19 @@ class Llama3JsonParser:
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+DEFAULT_PARSER = "auto"  # ``--tool-call-parser``'s default
+CHOICES = ("auto", "none", *PARSERS)
 
 
 def choose(name: str | None, chat_template: str | None) -> ToolParser | None:
     """``name`` from ``PARSERS``; ``"auto"``: the one whose markers the template holds (None
-    if no template matches); None: no parser (``tool_choice: "auto"`` is then refused).
-    Raises ValueError for an unknown name."""
-    if name is None:
+    if no template matches); ``"none"`` or None: no parser (``tool_choice: "auto"`` is then
+    refused). Raises ValueError for an unknown name."""
+    if name in (None, "none"):
         return None
     if name != "auto":
         if name not in PARSERS:
-            raise ValueError(f"tool_call_parser: {name!r} is not one of auto, {', '.join(PARSERS)}")
+            raise ValueError(f"tool_call_parser: {name!r} is not one of {', '.join(CHOICES)}")
         return PARSERS[name]()
     template = chat_template or ""
     if HermesParser.OPEN in template:
