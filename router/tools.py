@@ -12,16 +12,25 @@
   output is the call's arguments, streamed as they come; ``finish_reason: "stop"``, as in
   OpenAI's and vLLM's answers.
 
-``ToolOutput`` turns one choice's text into OpenAI's content and ``tool_calls`` (whole, or
-stream deltas).
+``set_chat``, ``set_structured`` and ``tool_plan`` put a parsed body's messages, tools and
+constraints on the wire request (``router.validation.parse_body`` calls them); ``ToolOutput``
+turns one choice's text into OpenAI's content and ``tool_calls`` (whole, or stream deltas).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from engine.errors import InvalidRequestError
+from protos import pdserve_pb2
+from router.http_errors import HttpError
 from router.tool_parsers import ToolCall, ToolCallStream, ToolParser
+from wire.convert import structured_from_proto
+
+if TYPE_CHECKING:  # the typed bodies; router.validation imports this module
+    from router.validation import ChatBody, _Common
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,84 @@ class ToolPlan:
     names: tuple[str, ...]  # the tools' function names, in request order
     function: str | None = None  # with "named"
     parallel: bool = True
+
+
+# ---- the request -----------------------------------------------------------------------
+def set_chat(chat: pdserve_pb2.ChatMessages, b: "ChatBody") -> None:
+    """The messages (with earlier tool calls and tool answers) and the tools, on the wire."""
+    for m in b.messages:
+        content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
+        msg = chat.messages.add(role=m.role, content=content or "", tool_call_id=m.tool_call_id or "")
+        for call in m.tool_calls or ():
+            msg.tool_calls.add(id=call.id, name=call.function.name, arguments_json=call.function.arguments)
+    for t in b.tools or ():
+        f = t.function
+        chat.tools.add(name=f.name, description=f.description or "",
+                       parameters_json=json.dumps(f.parameters) if f.parameters is not None else "")
+
+
+def set_structured(p: pdserve_pb2.SamplingParams, b: "_Common") -> None:
+    """``response_format`` (or vLLM's ``guided_json`` / ``guided_regex``) -> the wire's
+    ``structured_output``; whether the spec compiles is checked with the other params."""
+    given = [name for name in ("response_format", "guided_json", "guided_regex")
+             if getattr(b, name) is not None and not (name == "response_format" and b.response_format.type == "text")]
+    if len(given) > 1:
+        raise HttpError(400, f"{' and '.join(given)} cannot be combined: set one", param=given[1])
+    so = p.structured_output
+    if b.guided_regex is not None:
+        so.regex = b.guided_regex
+    elif b.guided_json is not None:
+        so.json_schema = b.guided_json if isinstance(b.guided_json, str) else json.dumps(b.guided_json)
+    elif b.response_format is not None and b.response_format.type == "json_object":
+        so.json_object = True
+    elif b.response_format is not None and b.response_format.type == "json_schema":
+        spec = b.response_format.json_schema
+        if spec is None or spec.schema_ is None:
+            raise HttpError(400, "response_format.json_schema.schema is required with type json_schema",
+                            param="response_format.json_schema.schema")
+        so.json_schema = json.dumps(spec.schema_)
+    if given:
+        _check_compiles(p, {"response_format": "response_format.json_schema.schema"}.get(given[0], given[0]))
+
+
+def _check_compiles(p: pdserve_pb2.SamplingParams, param: str) -> None:
+    try:
+        structured_from_proto(p.structured_output).validate(param)
+    except InvalidRequestError as exc:
+        raise HttpError(400, str(exc), param=param) from None
+
+
+def tool_plan(b: "ChatBody", p: pdserve_pb2.SamplingParams) -> ToolPlan | None:
+    """The tool mode of a chat request; "required" and a named function constrain ``p`` to
+    the call's JSON."""
+    tools = [t.model_dump(exclude_none=True) for t in b.tools or ()]
+    choice = b.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise HttpError(400, "tool_choice needs tools", param="tool_choice")
+        if b.parallel_tool_calls is not None:
+            raise HttpError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls")
+        return None
+    names = tuple(t["function"]["name"] for t in tools)
+    if len(set(names)) != len(names):
+        raise HttpError(400, "tools: function names must be distinct", param="tools")
+    parallel = b.parallel_tool_calls is not False
+    if choice is None or isinstance(choice, str):
+        plan = ToolPlan(choice or "auto", names, None, parallel)
+        schema = required_schema(tools, parallel) if plan.mode == "required" else None
+    else:  # {"type": "function", "function": {"name": ...}}
+        if choice.function.name not in names:
+            raise HttpError(400, f"tool_choice names {choice.function.name!r}, which is not among tools",
+                            param="tool_choice")
+        plan = ToolPlan("named", names, choice.function.name, parallel)
+        schema = named_schema(tools, choice.function.name)
+    if schema is not None:
+        if p.HasField("structured_output"):
+            raise HttpError(400, f"tool_choice {plan.mode!r} constrains the output itself; it cannot be combined "
+                            f"with response_format", param="response_format")
+        p.structured_output.json_schema = json.dumps(schema)
+        _check_compiles(p, "tools")
+    return plan
 
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:
@@ -54,6 +141,7 @@ def _parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
 
 
+# ---- the answer ------------------------------------------------------------------------
 class ToolOutput:
     """One choice's answer text -> (content delta, tool-call deltas), for streams (``feed``
     per text delta) and whole answers (one ``feed`` with ``final``)."""

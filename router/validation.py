@@ -20,11 +20,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.errors import InvalidRequestError
 from engine.sampling import MAX_TOP_LOGPROBS
 from protos import pdserve_pb2
-from router.tools import ToolPlan, named_schema, required_schema
-from wire.convert import structured_from_proto
+from router.http_errors import HttpError
+from router.tools import ToolPlan, set_chat, set_structured, tool_plan
 
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -47,14 +46,6 @@ class RequestLimits:
     max_chat_messages: int = 512
     max_request_id_chars: int = 256
     max_choices: int = 16  # completions: prompts x n in one request (each runs as its own request)
-
-
-class HttpError(Exception):
-    """A request the HTTP front refuses before it reaches the router's validation."""
-
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None):
-        self.status, self.kind, self.param = status, kind, param
-        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -278,11 +269,11 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
         raise HttpError(400, f"best_of ({parsed.best_of}) other than n ({parsed.n}) is not supported", param="best_of")
     template = pdserve_pb2.GenerateRequest()
     _set_sampling(template.sampling, parsed, chat)
-    _set_structured(template.sampling, parsed)
+    set_structured(template.sampling, parsed)
     plan = None
     if chat:
-        _set_chat(template.chat, parsed)
-        plan = _tool_plan(parsed, template.sampling)
+        set_chat(template.chat, parsed)
+        plan = tool_plan(parsed, template.sampling)
         prompts = [None]
     else:
         prompts = _prompts(parsed.prompt)
@@ -304,82 +295,6 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
     top = (parsed.top_logprobs or 0) if chat else (parsed.logprobs or 0)
     echo = not chat and parsed.echo
     return requests, Options(parsed.stream, include_usage, template.sampling.logprobs, top, echo, parsed.n, plan)
-
-
-def _set_chat(chat: pdserve_pb2.ChatMessages, b: ChatBody) -> None:
-    for m in b.messages:
-        content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
-        msg = chat.messages.add(role=m.role, content=content or "", tool_call_id=m.tool_call_id or "")
-        for call in m.tool_calls or ():
-            msg.tool_calls.add(id=call.id, name=call.function.name, arguments_json=call.function.arguments)
-    for t in b.tools or ():
-        f = t.function
-        chat.tools.add(name=f.name, description=f.description or "",
-                       parameters_json=json.dumps(f.parameters) if f.parameters is not None else "")
-
-
-def _set_structured(p: pdserve_pb2.SamplingParams, b: _Common) -> None:
-    """``response_format`` (or vLLM's ``guided_json`` / ``guided_regex``) -> the wire's
-    ``structured_output``; whether the spec compiles is checked with the other params."""
-    given = [name for name in ("response_format", "guided_json", "guided_regex")
-             if getattr(b, name) is not None and not (name == "response_format" and b.response_format.type == "text")]
-    if len(given) > 1:
-        raise HttpError(400, f"{' and '.join(given)} cannot be combined: set one", param=given[1])
-    so = p.structured_output
-    if b.guided_regex is not None:
-        so.regex = b.guided_regex
-    elif b.guided_json is not None:
-        so.json_schema = b.guided_json if isinstance(b.guided_json, str) else json.dumps(b.guided_json)
-    elif b.response_format is not None and b.response_format.type == "json_object":
-        so.json_object = True
-    elif b.response_format is not None and b.response_format.type == "json_schema":
-        spec = b.response_format.json_schema
-        if spec is None or spec.schema_ is None:
-            raise HttpError(400, "response_format.json_schema.schema is required with type json_schema",
-                            param="response_format.json_schema.schema")
-        so.json_schema = json.dumps(spec.schema_)
-    if given:
-        _check_compiles(p, {"response_format": "response_format.json_schema.schema"}.get(given[0], given[0]))
-
-
-def _check_compiles(p: pdserve_pb2.SamplingParams, param: str) -> None:
-    try:
-        structured_from_proto(p.structured_output).validate(param)
-    except InvalidRequestError as exc:
-        raise HttpError(400, str(exc), param=param) from None
-
-
-def _tool_plan(b: ChatBody, p: pdserve_pb2.SamplingParams) -> ToolPlan | None:
-    """The tool mode of a chat request (``router.tools``); "required" and a named function
-    constrain ``p`` to the call's JSON."""
-    tools = [t.model_dump(exclude_none=True) for t in b.tools or ()]
-    choice = b.tool_choice
-    if not tools:
-        if choice not in (None, "none"):
-            raise HttpError(400, "tool_choice needs tools", param="tool_choice")
-        if b.parallel_tool_calls is not None:
-            raise HttpError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls")
-        return None
-    names = tuple(t["function"]["name"] for t in tools)
-    if len(set(names)) != len(names):
-        raise HttpError(400, "tools: function names must be distinct", param="tools")
-    parallel = b.parallel_tool_calls is not False
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise HttpError(400, f"tool_choice names {choice.function.name!r}, which is not among tools",
-                            param="tool_choice")
-        plan = ToolPlan("named", names, choice.function.name, parallel)
-        schema = named_schema(tools, choice.function.name)
-    else:
-        plan = ToolPlan(choice or "auto", names, None, parallel)
-        schema = required_schema(tools, parallel) if plan.mode == "required" else None
-    if schema is not None:
-        if p.HasField("structured_output"):
-            raise HttpError(400, f"tool_choice {plan.mode!r} constrains the output itself; it cannot be combined "
-                            f"with response_format", param="response_format")
-        p.structured_output.json_schema = json.dumps(schema)
-        _check_compiles(p, "tools")
-    return plan
 
 
 def _prompts(prompt) -> list:
