@@ -124,6 +124,8 @@ class SamplingParams:
             raise InvalidRequestError("stop", "stop strings must be non-empty")
         if self.structured is not None:
             self.structured.validate("structured_output")
+            if self.min_tokens:  # a complete grammar allows only EOS, which min_tokens bans
+                raise InvalidRequestError("min_tokens", "cannot be combined with structured output", 0)
 
 
 def validate_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:

@@ -105,3 +105,10 @@ def test_bad_specs_are_refused_naming_the_field(engine, prompts, so):
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request("bad", prompts[0], SamplingParams(structured=so))
     assert err.value.field == "structured_output"
+
+
+def test_min_tokens_is_refused_with_a_grammar(engine, prompts):
+    """Once the grammar is complete only EOS may follow, and min_tokens would ban it."""
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("bad", prompts[0], SamplingParams(min_tokens=2, structured=JSON_SCHEMA))
+    assert err.value.field == "min_tokens"

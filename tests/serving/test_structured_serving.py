@@ -3,10 +3,14 @@ float32 cluster (default model; the first token from a prefill worker, the rest 
 decode worker in another process, each applying the grammar)."""
 
 import json
+import re
 
+import grpc
 import jsonschema
 import openai
 import pytest
+
+from protos import pdserve_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -58,3 +62,15 @@ def test_streamed_tool_call_arrives_as_openai_deltas(client):
     assert names == ["get_forecast"] and len(ids) == 1 and finish == "stop"
     assert len([p for p in pieces if p]) > 1  # the arguments streamed, token by token
     jsonschema.validate(json.loads("".join(pieces)), FORECAST["function"]["parameters"])
+
+
+def test_grpc_regex_constraint_and_a_bad_one(stub):
+    so = pdserve_pb2.StructuredOutput(regex=r"(yes|no), because [a-z ]{1,20}\.")
+    req = pdserve_pb2.GenerateRequest(text="Is the sky blue?", sampling=pdserve_pb2.SamplingParams(
+        max_tokens=40, structured_output=so))
+    text = "".join(r.text for r in stub.Generate(req, timeout=60))
+    assert re.fullmatch(r"(yes|no), because [a-z ]{1,20}\.", text)
+    req.sampling.structured_output.regex = "a("
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_output" in err.value.details()
