@@ -136,8 +136,9 @@ class LLMEngine:
         return block_ids
 
     def _grammar_compiler(self) -> GrammarCompiler:
-        """Built on the first structured request (about half a second for a 49k vocabulary);
-        workers that do not detokenize load the tokenizer only then."""
+        """Built on the first structured request (1-2 s with a 49k vocabulary: xgrammar's
+        import and its vocabulary tables); workers that do not detokenize load the tokenizer
+        only then."""
         sampler = self.runner.sampler
         if sampler.grammars is None:
             tokenizer = self.tokenizer

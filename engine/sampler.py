@@ -1,13 +1,14 @@
 """Turns the last-position logits of each sequence into its next token.
 
 Order of operations (as in vLLM): the grammar mask of rows with structured output
-(``engine.grammar``; the reported logprobs are then of the constrained distribution, as in
-vLLM), ``min_tokens`` bans, ``logit_bias`` and the repetition,
-frequency and presence penalties on the raw logits (``engine.penalties``), then
-temperature, then top-k, top-p and min-p filters, then a draw. Greedy rows take the argmax
-of the penalised logits. Logprobs (the chosen token's and the top alternatives) are of the
-raw distribution, before any of this, as vLLM reports them by default. A request with a seed draws from its own ``torch.Generator``, so
-its output does not depend on what else is in the batch.
+(``engine.grammar``), then ``min_tokens`` bans, ``logit_bias`` and the repetition,
+frequency and presence penalties (``engine.penalties``), then temperature, then top-k,
+top-p and min-p filters, then a draw. Greedy rows take the argmax of the processed logits.
+Logprobs (the chosen token's and the top alternatives) are of the model's distribution
+before the penalties and filters, as vLLM reports them by default; for a constrained row
+that is after the grammar mask, as vLLM applies it to the logits before its sampler. A
+request with a seed draws from its own ``torch.Generator``, so its output does not depend
+on what else is in the batch.
 """
 
 from __future__ import annotations
