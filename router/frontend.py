@@ -75,7 +75,7 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     elif kind == "text":
         ids = model.tokenizer.encode(req.text)
     else:
-        ids = _chat_ids(req.chat, model.tokenizer)
+        ids = chat_token_ids(req.chat, model.tokenizer)
     if default_max_tokens:
         rest = max(model.max_model_len - len(ids), 1)  # a prompt too long is refused just below
         params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
@@ -106,7 +106,9 @@ def _at_most(setting: str, field: str, value: int, limit: int) -> None:
         raise InvalidRequestError(field, f"{value} is over the router's limit {setting}={limit}", limit)
 
 
-def _chat_ids(chat: pdserve_pb2.ChatMessages, tokenizer: Tokenizer) -> list[int]:
+def chat_token_ids(chat: pdserve_pb2.ChatMessages, tokenizer: Tokenizer, add_generation_prompt: bool = True
+                   ) -> list[int]:
+    """The chat template applied to wire messages and tools (``/tokenize`` renders the same)."""
     if not chat.messages:
         raise InvalidRequestError("chat.messages", "must contain at least one message", 1)
     messages = [_message(i, m) for i, m in enumerate(chat.messages)]
@@ -114,7 +116,7 @@ def _chat_ids(chat: pdserve_pb2.ChatMessages, tokenizer: Tokenizer) -> list[int]
                                                "parameters": _json(t.parameters_json, "tools") or {}}}
              for t in chat.tools]
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools)
     except ValueError as exc:
         raise InvalidRequestError("chat", str(exc)) from exc
     except Exception as exc:  # a template that raises on these messages (jinja2's TemplateError, ...)

@@ -91,3 +91,11 @@ def test_a_tool_turn_renders_in_the_template(model):
     text = model.tokenizer.hf.decode(prepare(reqs[0], model).prompt_token_ids)
     assert '{"name": "get_forecast", "arguments": {"unit": "celsius", "days": 2}}' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
+
+
+def test_tokenize_renders_tools_as_the_chat_does(model):
+    from router.tokenize_api import tokenize_request
+
+    reqs, _ = parse_body({"messages": MESSAGES, "tools": TOOLS}, True, "tiny")
+    ids = tokenize_request({"messages": MESSAGES, "tools": TOOLS}, ("tiny",), 10_000)(model.tokenizer)
+    assert ids == prepare(reqs[0], model).prompt_token_ids

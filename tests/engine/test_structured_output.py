@@ -112,3 +112,15 @@ def test_min_tokens_is_refused_with_a_grammar(engine, prompts):
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request("bad", prompts[0], SamplingParams(min_tokens=2, structured=JSON_SCHEMA))
     assert err.value.field == "min_tokens"
+
+
+def test_specs_too_large_or_too_deep_are_refused_before_compiling():
+    """xgrammar's time grows steeply with nesting: such specs never reach it."""
+    deep: dict = {"type": "integer"}
+    for _ in range(70):  # 140 JSON levels
+        deep = {"type": "object", "properties": {"a": deep}}
+    for so, limit in ((StructuredOutput(GrammarKind.JSON_SCHEMA, json.dumps(deep)), 128),
+                      (StructuredOutput(GrammarKind.REGEX, "a" * 70_000), 65_536)):
+        with pytest.raises(InvalidRequestError) as err:
+            so.validate()
+        assert err.value.field == "structured_output" and err.value.limit == limit
