@@ -5,8 +5,8 @@ the per-token mask cost of the grammar libraries, measured in one run on this ma
     .venv/bin/python benchmarks/structured.py --batches 1 --rounds 3 --no-libraries
 
 TPOT: the default model in-process (``LLMEngine``, bfloat16, one torch thread, as a worker
-runs), B requests with the same 64-token prompts prefilled, then ``--steps`` decode steps
-timed. Rounds alternate free and constrained (schema ``SCHEMA``: an array of at least 200
+runs), B requests with the same short prompt (``PROMPT``) prefilled, then ``--steps``
+decode steps timed. Rounds alternate free and constrained (schema ``SCHEMA``: an array of at least 200
 integers, so the grammar cannot end within the steps and both kinds decode every step), and
 each kind's time is the median of its rounds, so load that drifts during the run falls on
 both alike. The ratio constrained / free is the overhead.
