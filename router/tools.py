@@ -164,7 +164,10 @@ class ToolOutput:
             return "", self._named(delta)
         if mode == "required":
             self._text += delta
-            return ("", self._new_calls(_parse_required(self._text))) if final else ("", [])
+            if not final:
+                return "", []
+            calls = _parse_required(self._text)  # none when max_tokens cut the JSON short:
+            return ("", self._new_calls(calls)) if calls else (self._text, [])  # the text, as content
         if self._stream is None:
             return delta, []
         content, calls = self._stream.feed(delta, final)
