@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from kv_transfer import DEFAULT_BACKEND
 from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
 from router.orchestrator import RouterLimits
+from router.tool_parsers import DEFAULT_PARSER
 from wire.grpc_util import channel
 from wire.logs import LogConfig, configure
 from wire.tls import TlsConfig
@@ -61,6 +62,7 @@ class ClusterConfig:
     served_model_names: tuple[str, ...] = ("smollm2",)  # what the API answers to; the first is reported
     tokenizer: str | None = None  # the router's tokenizer directory; None: the model's
     chat_template: str | None = None  # a Jinja chat template; None: the tokenizer's
+    tool_call_parser: str = DEFAULT_PARSER  # router.tool_parsers: reads tool_choice "auto" answers
     log: LogConfig = field(default_factory=LogConfig)  # every process's level and format
     router_poll_s: float = 0.2  # how often the router reads every worker's stats
     supervise_interval_s: float | None = 1.0  # how often dead workers are found and replaced; None: never
@@ -243,7 +245,8 @@ class LocalCluster:
         self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
         self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
         router_cfg = RouterConfig(engine=cfg.engine, served_model_names=cfg.served_model_names,
-                                  tokenizer=cfg.tokenizer, chat_template=cfg.chat_template, host=cfg.host,
+                                  tokenizer=cfg.tokenizer, chat_template=cfg.chat_template,
+                                  tool_call_parser=cfg.tool_call_parser, host=cfg.host,
                                   grpc_port=cfg.grpc_port, http_port=cfg.http_port, advertise_host=cfg.advertise_host, api_key=cfg.api_key,
                                   public_tls=cfg.public_tls, internal_host=cfg.internal_bind_host(),
                                   internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls,

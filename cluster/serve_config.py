@@ -46,6 +46,7 @@ def build(v: dict[str, Any]):
         hang_timeout_s=v["hang_timeout_seconds"],
         threads_per_worker=v["threads_per_worker"], ray_address=v["address"],
         served_model_names=served_names(v), tokenizer=v["tokenizer"], chat_template=v["chat_template"],
+        tool_call_parser=v["tool_call_parser"],
         log=LogConfig(v["log_level"], v["log_format"]),
         prefill_placement=_placement(v, "prefill", default_gpus), decode_placement=_placement(v, "decode", default_gpus),
         autoscaling=from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None)

@@ -44,6 +44,7 @@ def serve_settings() -> tuple[Setting, ...]:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from kv_transfer import BACKENDS, DEFAULT_BACKEND
     from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
+    from router import tool_parsers
     from router.orchestrator import RouterLimits
     from router.validation import RequestLimits
     from wire.logs import FORMATS, LEVELS, LogConfig
@@ -75,6 +76,9 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("public_tls_ca", str, None, "public API TLS: require client certificates signed by this CA"),
         Setting("tokenizer", str, None, "HF directory of the tokenizer to use (default: the model's)"),
         Setting("chat_template", str, None, "Jinja chat template, a file or the template itself (default: the tokenizer's)"),
+        Setting("tool_call_parser", str, tool_parsers.DEFAULT_PARSER,
+                "reads tool calls in answers to tool_choice auto (auto: by the chat template; none: refuse auto)",
+                tool_parsers.CHOICES),
         Setting("dtype", str, EngineConfig.dtype,
                 "weights and KV dtype (default: bfloat16; float32 equals transformers token for token)",
                 ("float32", "bfloat16", "float16")),

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheSpec
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
@@ -62,10 +63,11 @@ class Completion:
 class LLMEngine:
     """``detokenize=False`` builds no detokenizer: outputs carry token ids only and stop
     strings are refused. Workers run so, since the router detokenizes (and applies stop
-    strings) for the client once, across prefill and decode."""
+    strings) for the client once, across prefill and decode. ``model_dir``: where to load a
+    tokenizer from when a structured-output request needs one and ``tokenizer`` is None."""
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | None = None, detokenize: bool = True):
+                 tokenizer: Tokenizer | None = None, detokenize: bool = True, model_dir: str | None = None):
         self.config = config
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
@@ -81,6 +83,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos))
         self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed)
         self.runner.sampler.eos_token_ids = frozenset(eos)  # banned before min_tokens
+        self._model_dir = model_dir
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
@@ -92,7 +95,7 @@ class LLMEngine:
         model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress)
         # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
         tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
-        return cls(model, model_cfg, config, tokenizer, detokenize=detokenize)
+        return cls(model, model_cfg, config, tokenizer, detokenize=detokenize, model_dir=str(model_dir))
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -100,6 +103,8 @@ class LLMEngine:
         validate_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
         if params.stop and not self.detokenize:
             raise InvalidRequestError("stop", "stop strings need an engine that detokenizes")
+        if params.structured is not None:
+            self._grammar_compiler().compile(params.structured)  # a bad spec fails here, not mid-step
         try:
             self.blocks.check_fits(len(prompt_token_ids) + 1)
         except CacheCapacityError as exc:
@@ -129,6 +134,20 @@ class LLMEngine:
         if request_id in self._detok:
             self._detok[request_id].add(first_token)  # its text was streamed by the prefill side
         return block_ids
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first structured request (1-2 s with a 49k vocabulary: xgrammar's
+        import and its vocabulary tables); workers that do not detokenize load the tokenizer
+        only then."""
+        sampler = self.runner.sampler
+        if sampler.grammars is None:
+            tokenizer = self.tokenizer
+            if tokenizer is None and self._model_dir is not None:
+                tokenizer = Tokenizer(self._model_dir)
+            if tokenizer is None:
+                raise InvalidRequestError("structured_output", "this engine has no tokenizer to compile grammars with")
+            sampler.grammars = GrammarCompiler(tokenizer.hf, self.model_cfg.vocab_size, sorted(sampler.eos_token_ids))
+        return sampler.grammars
 
     def kv_ready(self, request_id: str) -> None:
         self.scheduler.kv_ready(request_id)

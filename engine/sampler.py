@@ -1,11 +1,14 @@
 """Turns the last-position logits of each sequence into its next token.
 
-Order of operations (as in vLLM): ``min_tokens`` bans, ``logit_bias`` and the repetition,
-frequency and presence penalties on the raw logits (``engine.penalties``), then
-temperature, then top-k, top-p and min-p filters, then a draw. Greedy rows take the argmax
-of the penalised logits. Logprobs (the chosen token's and the top alternatives) are of the
-raw distribution, before any of this, as vLLM reports them by default. A request with a seed draws from its own ``torch.Generator``, so
-its output does not depend on what else is in the batch.
+Order of operations (as in vLLM): the grammar mask of rows with structured output
+(``engine.grammar``), then ``min_tokens`` bans, ``logit_bias`` and the repetition,
+frequency and presence penalties (``engine.penalties``), then temperature, then top-k,
+top-p and min-p filters, then a draw. Greedy rows take the argmax of the processed logits.
+Logprobs (the chosen token's and the top alternatives) are of the model's distribution
+before the penalties and filters, as vLLM reports them by default; for a constrained row
+that is after the grammar mask, as vLLM applies it to the logits before its sampler. A
+request with a seed draws from its own ``torch.Generator``, so its output does not depend
+on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.penalties import apply_penalties
 from engine.sampling import SamplingParams, TopLogprobs
 
@@ -50,13 +54,19 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         # Banned until ``min_tokens`` are out (besides stop_token_ids); the engine sets them.
         self.eos_token_ids: frozenset[int] = frozenset()
+        # Set by the engine before the first request with ``params.structured`` arrives.
+        self.grammars: GrammarCompiler | None = None
+        self._matchers: dict[str, GrammarMatcher] = {}
 
     def forget(self, seq_id: str) -> None:
-        """Drop a finished sequence's generator."""
+        """Drop a finished sequence's generator and grammar matcher."""
         self._generators.pop(seq_id, None)
+        self._matchers.pop(seq_id, None)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         """logits (B, V) float32 -> B token ids, and their logprobs if any row asked."""
+        if any(r.params.structured is not None for r in rows):
+            self._constrain(logits, rows)
         want_logprobs = any(r.params.logprobs for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(r.params.penalised for r in rows):
@@ -71,6 +81,21 @@ class Sampler:
         chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
         ks = [r.params.top_logprobs if r.params.logprobs else 0 for r in rows]
         return SamplerOutput(token_list, chosen, top_logprobs(raw_logprobs, ks))
+
+    def _constrain(self, logits: torch.Tensor, rows: list[SamplerRow]) -> None:
+        """Mask, in place, what each constrained row's grammar forbids; other rows stay
+        bit-identical (batch invariance)."""
+        stops = sorted(self.eos_token_ids)
+        for i, r in enumerate(rows):
+            if r.params.structured is None:
+                continue
+            matcher = self._matchers.get(r.seq_id)
+            if matcher is None:
+                if self.grammars is None:
+                    raise RuntimeError("a request has structured output but the engine set no grammar compiler")
+                matcher = self._matchers[r.seq_id] = self.grammars.matcher(r.params.structured)
+            matcher.advance(r.token_ids, r.num_prompt_tokens)
+            matcher.mask_row(logits[i:i + 1], stops)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
         # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.

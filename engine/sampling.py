@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutput
 
 # Below this a temperature counts as greedy: logits / 1e-40 overflow float32 to inf, and
 # softmax of inf is NaN, which no draw can use. At 1e-5 the largest logit a model
@@ -41,6 +42,8 @@ class SamplingParams:
     in prompt and output; ``frequency_penalty`` subtracts, per token, its count in the
     output so far, and ``presence_penalty`` a constant once it occurs there. Until
     ``min_tokens`` tokens are out, EOS and ``stop_token_ids`` cannot be drawn.
+    ``structured`` restricts every draw to what its grammar allows next, and forces a stop
+    token once the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -60,6 +63,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_tokens: int = 0
+    structured: StructuredOutput | None = None  # a grammar the output must follow (engine.grammar)
 
     @property
     def penalised(self) -> bool:
@@ -118,6 +122,10 @@ class SamplingParams:
                 raise InvalidRequestError("stop_token_ids", f"{tid} is outside [0, {vocab_size})", vocab_size)
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
+        if self.structured is not None:
+            self.structured.validate("structured_output")
+            if self.min_tokens:  # a complete grammar allows only EOS, which min_tokens bans
+                raise InvalidRequestError("min_tokens", "cannot be combined with structured output", 0)
 
 
 def validate_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:

@@ -33,10 +33,13 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """``tools``: OpenAI's tool list, for templates that render it (others ignore it)."""
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; send plain text or token ids")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           tools=tools or None)
         return self.hf.encode(text, add_special_tokens=False)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams, validate_prompt
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2
+from router.tool_parsers import ToolParser
 from router.validation import RequestLimits
 from wire.convert import sampling_from_proto
 
@@ -25,6 +27,7 @@ class ModelInfo:
     block_size: int  # the workers' KV block size, to estimate a request's blocks
     tokenizer: Tokenizer
     aliases: tuple[str, ...] = ()  # further names requests may use (`--served-model-name a b`)
+    tool_parser: ToolParser | None = None  # reads tool calls in the model's text (tool_choice "auto")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -72,7 +75,7 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     elif kind == "text":
         ids = model.tokenizer.encode(req.text)
     else:
-        ids = _chat_ids(req.chat, model.tokenizer)
+        ids = chat_token_ids(req.chat, model.tokenizer)
     if default_max_tokens:
         rest = max(model.max_model_len - len(ids), 1)  # a prompt too long is refused just below
         params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
@@ -90,7 +93,9 @@ def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> Non
         _at_most("max_stop_string_chars", "stop", len(text), limits.max_stop_string_chars)
     if req.WhichOneof("input") == "chat":
         _at_most("max_chat_messages", "messages", len(req.chat.messages), limits.max_chat_messages)
-        chars = sum(len(m.content) + len(m.role) for m in req.chat.messages)
+        chars = sum(len(m.content) + len(m.role) + sum(len(c.arguments_json) for c in m.tool_calls)
+                    for m in req.chat.messages)
+        chars += sum(len(t.description) + len(t.parameters_json) for t in req.chat.tools)
     else:
         chars = len(req.text)
     _at_most("max_prompt_chars", "prompt", chars, limits.max_prompt_chars)
@@ -101,15 +106,44 @@ def _at_most(setting: str, field: str, value: int, limit: int) -> None:
         raise InvalidRequestError(field, f"{value} is over the router's limit {setting}={limit}", limit)
 
 
-def _chat_ids(chat: pdserve_pb2.ChatMessages, tokenizer: Tokenizer) -> list[int]:
+def chat_token_ids(chat: pdserve_pb2.ChatMessages, tokenizer: Tokenizer, add_generation_prompt: bool = True
+                   ) -> list[int]:
+    """The chat template applied to wire messages and tools (``/tokenize`` renders the same)."""
     if not chat.messages:
         raise InvalidRequestError("chat.messages", "must contain at least one message", 1)
-    for i, m in enumerate(chat.messages):
-        if m.role not in ("system", "user", "assistant"):
-            raise InvalidRequestError(f"chat.messages[{i}].role",
-                                      f"must be system, user or assistant, got {m.role!r}")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = [_message(i, m) for i, m in enumerate(chat.messages)]
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                               "parameters": _json(t.parameters_json, "tools") or {}}}
+             for t in chat.tools]
     try:
-        return tokenizer.apply_chat_template(messages)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools)
     except ValueError as exc:
         raise InvalidRequestError("chat", str(exc)) from exc
+    except Exception as exc:  # a template that raises on these messages (jinja2's TemplateError, ...)
+        raise InvalidRequestError("chat", f"the chat template failed on these messages: {exc}") from exc
+
+
+def _message(i: int, m: pdserve_pb2.ChatMessage) -> dict:
+    """A wire message as chat templates take it (tool-call arguments as a mapping, as
+    transformers documents them)."""
+    if m.role not in ("system", "user", "assistant", "tool"):
+        raise InvalidRequestError(f"chat.messages[{i}].role",
+                                  f"must be system, user, assistant or tool, got {m.role!r}")
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        field = f"chat.messages[{i}].tool_calls"
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _json(c.arguments_json, field) or {}}}
+                             for c in m.tool_calls]
+    return out
+
+
+def _json(text: str, field: str):
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(field, f"is not valid JSON ({exc})") from None

@@ -33,6 +33,7 @@ from router.openai_format import (Choice, chat_chunk, chat_response, completion_
 from router.orchestrator import RouteError
 from router.service import GenerationService
 from router.tokenize_api import detokenize_request, tokenize_request
+from router.tools import ToolOutput
 from router.validation import HttpError, decode_json, parse_body
 from wire.address import Endpoint, resolve
 from wire.logs import ACCESS_FORMAT, ACCESS_LOGGER
@@ -115,13 +116,19 @@ class OpenAIFront:
             reqs, options = await self._read(request, chat)
         except HttpError as exc:
             return self._error(exc)
+        parser = self.service.model.tool_parser
+        if options.tools is not None and options.tools.mode == "auto" and parser is None:
+            return self._error(HttpError(400, "tool_choice \"auto\" (the default with tools) needs a tool-call "
+                                         "parser, and this model's chat template matches none; set "
+                                         "tool_choice, or serve with --tool-call-parser", param="tool_choice"))
         body_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         # The client's X-Request-Id names the request on the workers (their logs carry it).
         rid = request.headers.get(REQUEST_ID_HEADER) or body_id
         choices = []
         for i, req in enumerate(reqs):
             req.request_id = rid if len(reqs) == 1 else f"{rid}-{i}"
-            choices.append(Choice(i, prompt_text=self._prompt_text(req) if options.echo else ""))
+            choices.append(Choice(i, prompt_text=self._prompt_text(req) if options.echo else "",
+                                  tools=ToolOutput(options.tools, parser) if options.tools is not None else None))
         streams = [self.service.run(req, timeout_s, max_tokens_to_context=True) for req in reqs]
         queue: asyncio.Queue = asyncio.Queue()
         # One task iterates each choice's stream from start to end: the router's Abort cancels

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos import pdserve_pb2
+from router.tools import ToolOutput, message
 
 FINISH_NAMES = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length",
                 pdserve_pb2.FINISH_REASON_ABORT: "abort"}
@@ -24,6 +25,7 @@ class Choice:
     parts: list = field(default_factory=list)
     prompt_text: str = ""
     sent_chars: int = 0  # text streamed so far (the next chunk's text_offset)
+    tools: ToolOutput | None = None  # a chat with tools: the answer's calls (router.tools)
 
 
 # ---- logprobs --------------------------------------------------------------------------
@@ -114,9 +116,14 @@ def completion_response(choices: list[Choice], meta: dict) -> dict:
 
 
 def chat_response(choices: list[Choice], meta: dict) -> dict:
-    out = [{"index": c.index, "message": {"role": "assistant", "content": "".join(r.text for r in c.parts)},
-            "logprobs": _chat_logprobs(meta, c.parts), "finish_reason": _finish(c.parts[-1] if c.parts else None)}
-           for c in choices]
+    out = []
+    for c in choices:
+        text, finish = "".join(r.text for r in c.parts), _finish(c.parts[-1] if c.parts else None)
+        msg = {"role": "assistant", "content": text}
+        if c.tools is not None:
+            msg, finish = message(c.tools, text, finish)
+        out.append({"index": c.index, "message": msg, "logprobs": _chat_logprobs(meta, c.parts),
+                    "finish_reason": finish})
     return {"id": meta["id"], "object": "chat.completion", "created": meta["created"], "model": meta["model"],
             "choices": out, "usage": _usage(choices, meta)}
 
@@ -142,6 +149,14 @@ def chat_chunk(meta: dict, choice: Choice | None = None, resp=None, role: bool =
     if role:
         return {**base, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]}
-    delta = {"content": resp.text} if resp.text or not resp.finish_reason else {}
+    finish = _finish(resp)
+    if choice.tools is None:
+        delta = {"content": resp.text} if resp.text or not resp.finish_reason else {}
+    else:
+        content, calls = choice.tools.feed(resp.text, final=finish is not None)
+        delta = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        finish = choice.tools.finish_reason(finish)
     return {**base, "choices": [{"index": choice.index, "delta": delta, "logprobs": _chat_logprobs(meta, [resp]),
-                                 "finish_reason": _finish(resp)}]}
+                                 "finish_reason": finish}]}

@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from engine.errors import InvalidRequestError
+from engine.grammar import resumed
 from engine.tokenizer import IncrementalDetokenizer
 from protos import pdserve_pb2, worker_pb2
 from router.frontend import ModelInfo, PreparedRequest
@@ -156,7 +157,8 @@ class RequestRun:
             # out with the first token, and min_tokens counts what was already sent.
             params = dataclasses.replace(self.req.params, stop=(), max_tokens=self.req.params.max_tokens - sent,
                                          min_tokens=max(0, self.req.params.min_tokens - sent),
-                                         prompt_logprobs=self.req.params.prompt_logprobs if not sent else None)
+                                         prompt_logprobs=self.req.params.prompt_logprobs if not sent else None,
+                                         structured=resumed(self.req.params.structured, sent))
             worker_rid = attempt_id(self.req.request_id, attempt)
             await self._check_decode_capacity(len(prompt) + self._reserved(params))  # before any prefill work
             pre, prefill_addr = await self._prefill(worker_rid, prompt, params)

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.loader import materialize, read_model_config
 from engine.tokenizer import Tokenizer
 from protos import admin_pb2_grpc, pdserve_pb2
-from router import http_api
+from router import http_api, tool_parsers
 from router.admin import RouterAdminService
 from router.auth import ApiKeyInterceptor
 from router.frontend import ModelInfo
@@ -38,6 +38,9 @@ class RouterConfig:
     served_model_names: tuple[str, ...] = ("smollm2",)  # the ids ListModels and /v1/models list; first reported
     tokenizer: str | None = None  # tokenizer directory; None: the model's
     chat_template: str | None = None  # Jinja chat template (a file or the text); None: the tokenizer's
+    # Reads tool calls in the model's text for tool_choice "auto" (router.tool_parsers):
+    # "auto" picks one from the chat template; "none": "auto" tool choice is refused.
+    tool_call_parser: str = tool_parsers.DEFAULT_PARSER
     host: str = "127.0.0.1"  # public plane bind address (gRPC Generation and OpenAI HTTP)
     grpc_port: int = 50051
     http_port: int | None = 8000  # OpenAI-compatible HTTP; None: gRPC only
@@ -65,7 +68,8 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
     max_len = min(config.engine.max_model_len or cfg.max_model_len, cfg.max_model_len)
     tokenizer = Tokenizer(config.tokenizer or model_dir, chat_template=config.chat_template)
     first, *aliases = config.served_model_names
-    return ModelInfo(first, cfg, max_len, config.engine.cache.block_size, tokenizer, tuple(aliases))
+    parser = tool_parsers.choose(config.tool_call_parser, tokenizer.hf.chat_template)
+    return ModelInfo(first, cfg, max_len, config.engine.cache.block_size, tokenizer, tuple(aliases), parser)
 
 
 async def start(config: RouterConfig) -> RunningServer:

@@ -2,8 +2,8 @@
 bodies: typed models, a 400 naming the parameter for anything else.
 
 ``/tokenize`` takes ``prompt`` (text; ``add_special_tokens``, default true, adds BOS as a
-completion does) or ``messages`` (the chat template, with ``add_generation_prompt``,
-default true, as a chat completion applies it). ``/detokenize`` takes ``tokens``.
+completion does) or ``messages`` and ``tools`` (the chat template, with
+``add_generation_prompt``, default true, as a chat completion applies it). ``/detokenize`` takes ``tokens``.
 """
 
 from __future__ import annotations
@@ -13,13 +13,17 @@ from typing import Annotated, Any, Callable
 from pydantic import Field, ValidationError
 
 from engine.tokenizer import Tokenizer
-from router.validation import ChatMessage, HttpError, TokenId, _param, _Strict
+from protos import pdserve_pb2
+from router.frontend import chat_token_ids
+from router.tools import set_chat
+from router.validation import ChatMessage, HttpError, TokenId, Tool, _param, _Strict
 
 
 class TokenizeBody(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None  # rendered by the chat template, as a chat completion's
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
 
@@ -56,16 +60,14 @@ def tokenize_request(body: Any, model_names: tuple[str, ...], max_chars: int) ->
                             param="prompt")
         special = b.add_special_tokens is not False
         return lambda tok: tok.hf.encode(text, add_special_tokens=special)
-    messages = [{"role": m.role, "content": m.content if not isinstance(m.content, list)
-                 else "".join(p.text for p in m.content) or ""} for m in b.messages]
-    if sum(len(m["content"] or "") for m in messages) > max_chars:
+    chat = pdserve_pb2.ChatMessages()
+    set_chat(chat, b)
+    chars = sum(len(m.content) + sum(len(c.arguments_json) for c in m.tool_calls) for m in chat.messages)
+    if chars + sum(len(t.parameters_json) + len(t.description) for t in chat.tools) > max_chars:
         raise HttpError(400, f"messages are over the router's limit max_prompt_chars={max_chars}", param="messages")
 
     def template(tok: Tokenizer) -> list[int]:
-        try:
-            return tok.apply_chat_template(messages, add_generation_prompt=b.add_generation_prompt)
-        except ValueError as exc:
-            raise HttpError(400, str(exc), param="messages") from exc
+        return chat_token_ids(chat, tok, b.add_generation_prompt)  # InvalidRequestError names the field
 
     return template
 

@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling import MAX_TOP_LOGPROBS
 from protos import pdserve_pb2
+from router.http_errors import HttpError
+from router.tools import ToolPlan, set_chat, set_structured, tool_plan
 
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -46,14 +48,6 @@ class RequestLimits:
     max_choices: int = 16  # completions: prompts x n in one request (each runs as its own request)
 
 
-class HttpError(Exception):
-    """A request the HTTP front refuses before it reaches the router's validation."""
-
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None):
-        self.status, self.kind, self.param = status, kind, param
-        super().__init__(message)
-
-
 @dataclass(frozen=True)
 class Options:
     """What the HTTP front needs besides the wire requests: how to answer."""
@@ -64,6 +58,7 @@ class Options:
     top_logprobs: int = 0  # alternatives per token in the answer
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
     n: int = 1  # choices per prompt; requests are prompt-major (prompt i's j-th is i * n + j)
+    tools: ToolPlan | None = None  # chat with tools: how the answer reports calls (router.tools)
 
 
 # ---- the models ------------------------------------------------------------------------
@@ -89,9 +84,55 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Strict):
     role: str
     content: Union[str, list[TextPart], None] = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaSpec(_Strict):
+    name: str
+    description: str | None = None
+    schema_: Union[dict[str, Any], bool, None] = Field(default=None, alias="schema")
+    strict: bool | None = None  # constrained decoding is always strict
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
 
 
 class _Common(_Strict):
@@ -114,6 +155,9 @@ class _Common(_Strict):
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    guided_json: Union[dict[str, Any], str, None] = None  # vLLM's extensions
+    guided_regex: str | None = None
 
 
 class CompletionBody(_Common):
@@ -127,14 +171,16 @@ class ChatBody(_Common):
     max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: TopN | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
 
 
 # Fields that would change the answer and that pdserve does not implement: a client that
 # sets one must not quietly get something else. Each maps to the values that mean "off".
 _UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "suffix": (None, ""),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
+    "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "prompt_logprobs": (None,), "prompt_embeds": (None,),
 }
 
@@ -223,10 +269,11 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
         raise HttpError(400, f"best_of ({parsed.best_of}) other than n ({parsed.n}) is not supported", param="best_of")
     template = pdserve_pb2.GenerateRequest()
     _set_sampling(template.sampling, parsed, chat)
+    set_structured(template.sampling, parsed)
+    plan = None
     if chat:
-        for m in parsed.messages:
-            content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
-            template.chat.messages.add(role=m.role, content=content or "")
+        set_chat(template.chat, parsed)
+        plan = tool_plan(parsed, template.sampling)
         prompts = [None]
     else:
         prompts = _prompts(parsed.prompt)
@@ -247,7 +294,7 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
     include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
     top = (parsed.top_logprobs or 0) if chat else (parsed.logprobs or 0)
     echo = not chat and parsed.echo
-    return requests, Options(parsed.stream, include_usage, template.sampling.logprobs, top, echo, parsed.n)
+    return requests, Options(parsed.stream, include_usage, template.sampling.logprobs, top, echo, parsed.n, plan)
 
 
 def _prompts(prompt) -> list:

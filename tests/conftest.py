@@ -25,3 +25,14 @@ def tiny_llama_dir(tmp_path_factory):
 
     model = make_hf_model("llama")
     return save_hf_model(model, tmp_path_factory.mktemp("tiny-llama")), model
+
+
+@pytest.fixture(scope="session")
+def tool_llama(tmp_path_factory):
+    """A tiny random Llama with the default model's 49,152-token tokenizer and a chat template
+    with tools (``tests.factories.save_tool_llama``): (directory, ``Tokenizer``)."""
+    from engine.tokenizer import Tokenizer
+    from tests.factories import save_tool_llama
+
+    directory = save_tool_llama(tmp_path_factory.mktemp("tool-llama"))
+    return directory, Tokenizer(directory)

@@ -49,8 +49,8 @@ def engine_config(model_dir: Path | str, dtype: str = "float32", num_blocks: int
 
 def make_engine(model_dir: Path | str, tokenizer=None, **kwargs) -> LLMEngine:
     config = engine_config(model_dir, **kwargs)
-    model, model_cfg, _ = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)
-    return LLMEngine(model, model_cfg, config, tokenizer)
+    model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)
+    return LLMEngine(model, model_cfg, config, tokenizer, model_dir=str(model_dir))
 
 
 def load_reference(directory, dtype: torch.dtype):
@@ -157,3 +157,40 @@ class FailingSampler:
 def fail_sampling_for(engine, *request_ids: str) -> None:
     """Make ``engine``'s sampler raise whenever a step samples one of ``request_ids``."""
     engine.runner.sampler = FailingSampler(engine.runner.sampler, set(request_ids))
+
+
+# A Hermes-style chat template with tools (the format Qwen2.5 and Hermes 2/3 use: the tools as
+# JSON inside <tools>, calls answered as <tool_call>{json}</tool_call>), written for the tests.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions. Their signatures, within <tools></tools>:\n"
+    "<tools>\n{%- for tool in tools %}\n{{ tool | tojson }}\n{%- endfor %}\n</tools>\n"
+    "Answer a call as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for call in message.tool_calls %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def save_tool_llama(directory: Path, seed: int = 0) -> Path:
+    """A tiny random-weight Llama with the default model's tokenizer (49,152 tokens, as the
+    grammar tests need a real byte-level vocabulary) and ``TOOLS_CHAT_TEMPLATE``."""
+    import json
+    import shutil
+
+    from engine.loader import materialize
+
+    source = materialize("default", progress=False)
+    save_hf_model(make_hf_model("llama", seed=seed, vocab_size=49152), directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, directory / name)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(TOOLS_CHAT_TEMPLATE)
+    return directory

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.grammar import GrammarKind, StructuredOutput
 from engine.sampling import SamplingParams, TopLogprobs
 from protos import pdserve_pb2
 
@@ -42,7 +43,26 @@ def sampling_from_proto(p: pdserve_pb2.SamplingParams, keep_stop_strings: bool =
         frequency_penalty=p.frequency_penalty,
         logit_bias=tuple(sorted(p.logit_bias.items())),
         min_tokens=p.min_tokens,
+        structured=structured_from_proto(p.structured_output) if p.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(p: pdserve_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None for a message with no constraint set (nothing to follow)."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    spec = "" if kind == "json_object" else getattr(p, kind)
+    return StructuredOutput(GrammarKind(kind), spec, p.resumed_tokens)
+
+
+def structured_to_proto(s: StructuredOutput) -> pdserve_pb2.StructuredOutput:
+    p = pdserve_pb2.StructuredOutput(resumed_tokens=s.resumed_tokens)
+    if s.kind is GrammarKind.JSON_OBJECT:
+        p.json_object = True
+    else:
+        setattr(p, s.kind.value, s.spec)
+    return p
 
 
 def sampling_to_proto(s: SamplingParams) -> pdserve_pb2.SamplingParams:
@@ -57,6 +77,8 @@ def sampling_to_proto(s: SamplingParams) -> pdserve_pb2.SamplingParams:
         p.seed = s.seed
     if s.prompt_logprobs is not None:
         p.prompt_logprobs = s.prompt_logprobs
+    if s.structured is not None:
+        p.structured_output.CopyFrom(structured_to_proto(s.structured))
     return p
 
 

@@ -1,0 +1,186 @@
+"""Tool calls in a model's own text (``tool_choice: "auto"``): one parser per output format,
+chosen by model family, as vLLM's ``--tool-call-parser`` does. Pure functions, no I/O.
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call.
+  The format of Qwen2, Qwen2.5 and Qwen3 and of NousResearch Hermes 2 Pro / Hermes 3 (their
+  chat templates hold ``<tool_call>``).
+- ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}`` (calls joined by
+  ``;``), after an optional ``<|python_tag|>``: Llama 3.1, 3.2 and 3.3 Instruct's JSON tool calls.
+
+``"auto"`` picks the parser whose markers the chat template contains (``choose``). Text that
+starts a call but does not parse stays content, as vLLM leaves it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = field(default_factory=_call_id)
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Parsed:
+    content: str  # the text that is not a call
+    calls: tuple[ToolCall, ...] = ()
+
+
+class ToolParser(Protocol):
+    name: str
+
+    def start(self, text: str) -> int | None:
+        """Index where the calls begin in ``text``, or None while none has begun."""
+
+    def held_back(self, text: str) -> int:
+        """Characters at the end of ``text`` that may be the start of a call's marker: a
+        stream holds them until the next text decides."""
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        """The calls complete in ``text`` (``final``: the whole answer; an unclosed last call
+        counts if it parses) and the content before them."""
+
+
+def _call_from(obj, args_keys: tuple[str, ...]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models send the arguments as JSON text already
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _suffix_prefix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class HermesParser:
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+    def start(self, text: str) -> int | None:
+        i = text.find(self.OPEN)
+        return None if i < 0 else i
+
+    def held_back(self, text: str) -> int:
+        return _suffix_prefix(text, self.OPEN)
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        begin = self.start(text)
+        if begin is None:
+            return Parsed(text)
+        calls = []
+        for m in self._BLOCK.finditer(text, begin):
+            closed = m.group(0).endswith(self.CLOSE)
+            if not closed and not final:
+                break  # still being written
+            try:
+                call = _call_from(json.loads(m.group(1)), ("arguments", "parameters"))
+            except ValueError:
+                call = None
+            if call is None:
+                return Parsed(text) if final else Parsed(text[:begin], tuple(calls))
+            calls.append(call)
+        return Parsed(text[:begin], tuple(calls))
+
+
+class Llama3JsonParser:
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def start(self, text: str) -> int | None:
+        body = text.lstrip()
+        return len(text) - len(body) if body.startswith(("{", self.TAG)) else None
+
+    def held_back(self, text: str) -> int:
+        body = text.lstrip()
+        return len(text) if not body or self.TAG.startswith(body) else 0
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        begin = self.start(text)
+        if begin is None or not final:  # one JSON document: complete only at the end
+            return Parsed(text if begin is None else text[:begin])
+        body = text[begin:].removeprefix(self.TAG)
+        calls = []
+        for part in body.split(";"):
+            try:
+                call = _call_from(json.loads(part), ("parameters", "arguments"))
+            except ValueError:
+                call = None
+            if call is None:
+                return Parsed(text)
+            calls.append(call)
+        return Parsed(text[:begin], tuple(calls))
+
+
+PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+DEFAULT_PARSER = "auto"  # ``--tool-call-parser``'s default
+CHOICES = ("auto", "none", *PARSERS)
+
+
+def choose(name: str | None, chat_template: str | None) -> ToolParser | None:
+    """``name`` from ``PARSERS``; ``"auto"``: the one whose markers the template holds (None
+    if no template matches); ``"none"`` or None: no parser (``tool_choice: "auto"`` is then
+    refused). Raises ValueError for an unknown name."""
+    if name in (None, "none"):
+        return None
+    if name != "auto":
+        if name not in PARSERS:
+            raise ValueError(f"tool_call_parser: {name!r} is not one of {', '.join(CHOICES)}")
+        return PARSERS[name]()
+    template = chat_template or ""
+    if HermesParser.OPEN in template:
+        return HermesParser()
+    if Llama3JsonParser.TAG in template or "Environment: ipython" in template:
+        return Llama3JsonParser()
+    return None
+
+
+class ToolCallStream:
+    """A streamed answer's text -> content deltas and tool calls as they complete: content
+    flows until a call's marker may have begun, then the rest is held and parsed."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.text = ""
+        self._sent_content = 0
+        self._sent_calls = 0
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
+        self.text += delta
+        begin = self.parser.start(self.text)
+        if begin is None:
+            safe = len(self.text) - (0 if final else self.parser.held_back(self.text))
+            calls: tuple[ToolCall, ...] = ()
+        else:
+            parsed = self.parser.parse(self.text, final)
+            safe, calls = (len(self.text), ()) if final and not parsed.calls else (begin, parsed.calls)
+        content = self.text[self._sent_content:safe] if safe > self._sent_content else ""
+        self._sent_content = max(self._sent_content, safe)
+        new = list(calls[self._sent_calls:])
+        self._sent_calls = max(self._sent_calls, len(calls))
+        return content, new
