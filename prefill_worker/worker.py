@@ -14,6 +14,7 @@ from kv_transfer import DEFAULT_BACKEND, create_agent
 from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
 from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason
+from prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from wire.worker_shell import WorkerShell
 
 # While KV is held, a decode worker's read can complete at any moment and its notification
@@ -40,6 +41,10 @@ class PrefillWorkerConfig:
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
+    # Prefix-cache events kept for routers' polls (prefill_worker.cache_events). A router further
+    # behind gets a snapshot instead. At ~1,000 prompt tokens/s a CPU worker makes ~60 events a
+    # second, so this covers minutes between two 0.2 s polls.
+    cache_event_log_size: int = 16384
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,9 @@ class PrefillWorker(WorkerShell):
         self._first_chunk_at: dict[str, float] = {}  # prompts whose first of several chunks ran
         self._owner_of: dict[str, str] = {}  # request id -> the router incarnation that asked
         self._owner_seen: dict[str, float] = {}  # router incarnation -> when it last called
+        # What the prefix cache adds and evicts, for KV-aware routers (read in Stats polls).
+        self.cache_log = CacheEventLog(config.cache_event_log_size, engine.blocks.cached_hashes())
+        engine.blocks.subscribe(self.cache_log.record)
 
     # ---- called from the asyncio loop ----------------------------------------------
     def note_poll(self, router_id: str) -> None:
@@ -124,7 +132,11 @@ class PrefillWorker(WorkerShell):
 
     def stats_extra(self) -> dict:
         return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total,
-                "num_claimed_leases": self.leases.num_claimed}
+                "num_claimed_leases": self.leases.num_claimed, "block_size": self.engine.blocks.block_size}
+
+    def cache_events(self, epoch: str, after: int) -> CacheEventBatch:
+        """The prefix-cache events a router at (``epoch``, ``after``) has not seen yet."""
+        return self.cache_log.since(epoch, after)
 
     # ---- engine thread -------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
