@@ -41,6 +41,17 @@ def chain_hash(prev_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained hashes of the prompt blocks a prefix hit can cover: the full blocks, the
+    one holding the last token excluded (it is always computed; ``BlockManager.allocate``).
+    Routers compute them to know where a prompt's prefix is cached."""
+    hashes, prev = [], NO_HASH
+    for i in range((len(token_ids) - 1) // block_size if token_ids else 0):
+        prev = chain_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(prev)
+    return hashes
+
+
 @dataclass
 class _Block:
     block_id: int

@@ -69,6 +69,14 @@ class CacheEventLog:
             else:
                 self._cached.discard(block_hash)
 
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes`` (a prompt's chained block hashes), from the first, are cached."""
+        with self._lock:
+            n = 0
+            while n < len(hashes) and hashes[n] in self._cached:
+                n += 1
+            return n
+
     def since(self, epoch: str, after: int) -> CacheEventBatch:
         """The events after number ``after`` of incarnation ``epoch``; a snapshot when they
         cannot all be given (another epoch, a number from the future, or events dropped)."""

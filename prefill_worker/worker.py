@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine.block_manager import prompt_block_hashes
 from engine.config import EngineConfig
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -15,6 +16,7 @@ from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
 from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason
 from prefill_worker.cache_events import CacheEventBatch, CacheEventLog
+from protos import worker_pb2
 from wire.worker_shell import WorkerShell
 
 # While KV is held, a decode worker's read can complete at any moment and its notification
@@ -84,6 +86,7 @@ class PrefillWorker(WorkerShell):
         # What the prefix cache adds and evicts, for KV-aware routers (read in Stats polls).
         self.cache_log = CacheEventLog(config.cache_event_log_size, engine.blocks.cached_hashes())
         engine.blocks.subscribe(self.cache_log.record)
+        self._prompt_hashes: dict[str, list[bytes]] = {}  # queued prompts' block hashes (see stats)
 
     # ---- called from the asyncio loop ----------------------------------------------
     def note_poll(self, router_id: str) -> None:
@@ -100,6 +103,8 @@ class PrefillWorker(WorkerShell):
         self._arrived[request_id] = time.monotonic()
         self.note_poll(owner)
         self._owner_of[request_id] = owner
+        if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
+            self._prompt_hashes[request_id] = prompt_block_hashes(prompt, self.engine.blocks.block_size)
         done = False
         try:
             await self.call(self.engine.add_request, request_id, prompt, params, True)
@@ -112,6 +117,7 @@ class PrefillWorker(WorkerShell):
             self.close_stream(request_id)
             self._arrived.pop(request_id, None)
             self._owner_of.pop(request_id, None)
+            self._prompt_hashes.pop(request_id, None)
             if not done:  # our own caller gave up: its held KV (if any) goes too
                 self.thread.call(self._drop, request_id)
 
@@ -133,6 +139,24 @@ class PrefillWorker(WorkerShell):
     def stats_extra(self) -> dict:
         return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total,
                 "num_claimed_leases": self.leases.num_claimed, "block_size": self.engine.blocks.block_size}
+
+    def stats(self, metrics_address: str = "") -> worker_pb2.WorkerStats:
+        """The shell's stats, but queued prompt tokens that the prefix cache holds are not
+        counted: the worker will not compute them. (A queued prompt gets its blocks, and its
+        hits, only when it reaches the head of the queue.) Without this, a worker that caches a
+        popular prefix would report every queued request on it at full length, and routers
+        would send that prefix elsewhere, to be computed again."""
+        stats = super().stats(metrics_address)
+        stats.num_waiting_tokens = max(0, stats.num_waiting_tokens - self._queued_hit_tokens())
+        return stats
+
+    def _queued_hit_tokens(self) -> int:
+        blocks, hit_blocks = self.engine.blocks, 0
+        for seq in list(self.engine.scheduler.waiting):  # a racy read, as wire.stats explains
+            hashes = self._prompt_hashes.get(seq.seq_id)
+            if hashes and not blocks.has(seq.seq_id):  # admitted ones count only what is left already
+                hit_blocks += self.cache_log.cached_prefix(hashes)
+        return hit_blocks * blocks.block_size
 
     def cache_events(self, epoch: str, after: int) -> CacheEventBatch:
         """The prefix-cache events a router at (``epoch``, ``after``) has not seen yet."""

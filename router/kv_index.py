@@ -13,18 +13,10 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from engine.block_manager import NO_HASH, chain_hash
+from engine.block_manager import prompt_block_hashes
 from protos import worker_pb2
 
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hashes of the prompt's blocks that a prefix hit can cover: full blocks,
-    the one holding the last token excluded (the model must run on it; ``BlockManager``)."""
-    hashes, prev = [], NO_HASH
-    for i in range((len(token_ids) - 1) // block_size if token_ids else 0):
-        prev = chain_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
-        hashes.append(prev)
-    return hashes
+__all__ = ["KVIndex", "prompt_block_hashes"]
 
 
 class KVIndex:
