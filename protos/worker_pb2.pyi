@@ -143,14 +143,16 @@ class WorkerAbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("router_id", "cache_epoch", "cache_events_after")
+    __slots__ = ("router_id", "cache_events", "cache_epoch", "cache_events_after")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVENTS_AFTER_FIELD_NUMBER: _ClassVar[int]
     router_id: str
+    cache_events: bool
     cache_epoch: str
     cache_events_after: int
-    def __init__(self, router_id: _Optional[str] = ..., cache_epoch: _Optional[str] = ..., cache_events_after: _Optional[int] = ...) -> None: ...
+    def __init__(self, router_id: _Optional[str] = ..., cache_events: _Optional[bool] = ..., cache_epoch: _Optional[str] = ..., cache_events_after: _Optional[int] = ...) -> None: ...
 
 class CacheEvents(_message.Message):
     __slots__ = ("epoch", "last_seq", "snapshot", "block_hashes", "cached")

@@ -208,8 +208,8 @@ class WorkerPool:
     async def _refresh_one(self, w: WorkerClient) -> None:
         epoch, after = self.index.cursor(w.address)
         try:
-            stats = await w.stub.Stats(worker_pb2.StatsRequest(router_id=self.router_id, cache_epoch=epoch,
-                                                               cache_events_after=after),
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(router_id=self.router_id, cache_events=True,
+                                                               cache_epoch=epoch, cache_events_after=after),
                                        timeout=min(2.0, self.hang_timeout_s))
         except grpc.aio.AioRpcError as exc:
             if w.healthy:

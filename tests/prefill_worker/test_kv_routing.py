@@ -16,6 +16,7 @@ from engine.sampling import SamplingParams
 from kv_transfer.handoff import ReleaseReason
 from prefill_worker.server import start as start_prefill
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from protos import worker_pb2
 from router.frontend import ModelInfo, PreparedRequest
 from router.kv_index import prompt_block_hashes
 from router.kv_policy import RoutingConfig
@@ -74,9 +75,16 @@ def test_a_shared_prefix_goes_to_the_worker_that_caches_it_and_output_is_exact(t
             choice = pool.route_prefill(second, RoutingConfig())
             hits = sample("pdserve:routing_decisions_total", reason="cache")
             out2 = await generate(pool, second, "r2")
-            return out1, choice, out2, sample("pdserve:routing_decisions_total", reason="cache") - hits, prefills
+            stub = pool.workers[choice.worker_id].stub
+            plain = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)  # the supervisor's liveness poll
+            asked = await stub.Stats(worker_pb2.StatsRequest(cache_events=True), timeout=5)
+            return (out1, choice, out2, sample("pdserve:routing_decisions_total", reason="cache") - hits, prefills,
+                    (plain, asked))
 
-    (tokens1, cached1), choice, (tokens2, cached2), cache_decisions, prefills = asyncio.run(run())
+    (tokens1, cached1), choice, (tokens2, cached2), cache_decisions, prefills, (plain, asked) = asyncio.run(run())
+    assert not plain.HasField("cache_events")  # only pollers that ask get events
+    assert asked.cache_events.snapshot and set(prompt_block_hashes(second, BLOCK)) <= set(
+        asked.cache_events.block_hashes) and asked.block_size == BLOCK
     assert cached1 == 0
     assert (choice.rule, choice.cached_tokens) == ("cache", 3 * BLOCK)
     holder = prefills[choice.worker_id]
