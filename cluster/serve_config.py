@@ -75,12 +75,16 @@ def _engine(v: dict[str, Any]):
 
 
 def _router_limits(v: dict[str, Any]):
+    from router.kv_policy import RoutingConfig
     from router.orchestrator import RouterLimits
     from router.validation import RequestLimits
 
+    routing = RoutingConfig(policy=v["routing_policy"], prefill_weight=v["routing_prefill_weight"],
+                            load_weight=v["routing_load_weight"], temperature=v["routing_temperature"],
+                            balance_abs_tokens=v["routing_balance_abs_tokens"], balance_rel=v["routing_balance_rel"])
     return RouterLimits(admission_wait_s=v["admission_wait_seconds"], request_timeout_s=v["request_timeout_seconds"],
                         max_waiting_requests=v["max_waiting_requests"],
-                        decode_idle_timeout_s=v["decode_idle_timeout_seconds"],
+                        decode_idle_timeout_s=v["decode_idle_timeout_seconds"], routing=routing,
                         requests=RequestLimits(max_body_bytes=v["max_body_bytes"],
                                                max_prompt_chars=v["max_prompt_chars"]))
 

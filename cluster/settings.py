@@ -45,11 +45,13 @@ def serve_settings() -> tuple[Setting, ...]:
     from kv_transfer import BACKENDS, DEFAULT_BACKEND
     from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
     from router import tool_parsers
+    from router.kv_policy import POLICIES
     from router.orchestrator import RouterLimits
     from router.validation import RequestLimits
     from wire.logs import FORMATS, LEVELS, LogConfig
 
     limits, requests, log = RouterLimits(), RequestLimits(), LogConfig()
+    routing = limits.routing
     return (
         Setting("model", str, EngineConfig.model, "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)"),
         Setting("served_model_name", list, None,
@@ -105,6 +107,20 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("hang_timeout_seconds", float, 30.0,
                 "a worker whose engine makes no progress this long while it holds work (or that does not answer) "
                 "is hung: its requests migrate and it is replaced", above=0),
+        Setting("routing_policy", str, routing.policy,
+                "how the router picks a prefill worker: kv (prefix cache and load), load (fewest queued "
+                "prompt tokens), round_robin", POLICIES),
+        Setting("routing_prefill_weight", float, routing.prefill_weight,
+                "kv routing cost per prompt token the worker has not cached", minimum=0),
+        Setting("routing_load_weight", float, routing.load_weight,
+                "kv routing cost per prompt token already queued on the worker", minimum=0),
+        Setting("routing_temperature", float, routing.temperature,
+                "kv routing: 0 picks the cheapest worker; above 0 samples by softmax of the costs", minimum=0),
+        Setting("routing_balance_abs_tokens", int, routing.balance_abs_tokens,
+                "kv routing falls back to the shortest queue when queues differ by more than this many "
+                "tokens ...", minimum=0),
+        Setting("routing_balance_rel", float, routing.balance_rel,
+                "... and the longest is more than this many times the shortest", minimum=1),
         Setting("max_body_bytes", int, requests.max_body_bytes, "largest HTTP body or gRPC GenerateRequest", minimum=1),
         Setting("max_prompt_chars", int, requests.max_prompt_chars, "largest text prompt, or all chat contents together",
                 minimum=1),

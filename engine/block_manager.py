@@ -6,6 +6,12 @@ owns a block table (a list of block ids, in token order). Full blocks get a chai
 with the same tokens reuses them: the prefix cache. A free block keeps its hash until it is
 handed out again, so freed prefixes stay reusable for as long as memory allows (the free
 list is least-recently-freed first).
+
+Listeners (``subscribe``) hear each change of the set of cached hashes: ``(hash, True)`` when
+a full block's hash becomes findable, ``(hash, False)`` when it stops being findable because
+its block is handed out again (evicted). A block in use is never handed out, so a hash stays
+cached while any sequence (a held lease's included) references its block. A prefill worker
+publishes these events so that routers know where each prefix is cached.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from engine.errors import CacheCapacityError
 
 NO_HASH = b""
+
+# (block hash, True: now cached / False: evicted); called on the thread that changed the cache.
+CacheListener = Callable[[bytes, bool], None]
 
 
 def chain_hash(prev_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -30,6 +39,17 @@ def chain_hash(prev_hash: bytes, token_ids: Sequence[int]) -> bytes:
     h = hashlib.blake2b(prev_hash, digest_size=16)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained hashes of the prompt blocks a prefix hit can cover: the full blocks, the
+    one holding the last token excluded (it is always computed; ``BlockManager.allocate``).
+    Routers compute them to know where a prompt's prefix is cached."""
+    hashes, prev = [], NO_HASH
+    for i in range((len(token_ids) - 1) // block_size if token_ids else 0):
+        prev = chain_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(prev)
+    return hashes
 
 
 @dataclass
@@ -76,6 +96,19 @@ class BlockManager:
         self._seqs: dict[str, _SeqBlocks] = {}
         self.prefix_queries = 0  # full prompt blocks eligible for the prefix cache
         self.prefix_hits = 0  # of those, found
+        self._listeners: list[CacheListener] = []
+
+    def subscribe(self, listener: CacheListener) -> None:
+        """Call ``listener(hash, cached)`` at every change of the set of cached hashes."""
+        self._listeners.append(listener)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash a prefix lookup can find now (for a listener that starts late)."""
+        return list(self._by_hash)
+
+    def _emit(self, block_hash: bytes, cached: bool) -> None:
+        for listener in self._listeners:
+            listener(block_hash, cached)
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -195,7 +228,10 @@ class BlockManager:
             h = chain_hash(state.last_hash, chunk)
             block = self._blocks[state.block_ids[i]]
             block.hash, block.token_ids = h, chunk
+            new = h not in self._by_hash  # else another block holds the same tokens: still cached
             self._by_hash[h] = block.block_id
+            if new:
+                self._emit(h, True)
             state.last_hash = h
         state.num_hashed = max(state.num_hashed, num_full)
 
@@ -209,5 +245,6 @@ class BlockManager:
         block = self._blocks[block_id]
         if block.hash and self._by_hash.get(block.hash) == block_id:
             del self._by_hash[block.hash]
+            self._emit(block.hash, False)
         block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
         return block_id

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine.block_manager import prompt_block_hashes
 from engine.config import EngineConfig
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -14,6 +15,8 @@ from kv_transfer import DEFAULT_BACKEND, create_agent
 from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
 from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason
+from prefill_worker.cache_events import CacheEventBatch, CacheEventLog
+from protos import worker_pb2
 from wire.worker_shell import WorkerShell
 
 # While KV is held, a decode worker's read can complete at any moment and its notification
@@ -40,6 +43,10 @@ class PrefillWorkerConfig:
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
+    # Prefix-cache events kept for routers' polls (prefill_worker.cache_events). A router further
+    # behind gets a snapshot instead. At ~1,000 prompt tokens/s a CPU worker makes ~60 events a
+    # second, so this covers minutes between two 0.2 s polls.
+    cache_event_log_size: int = 16384
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,10 @@ class PrefillWorker(WorkerShell):
         self._first_chunk_at: dict[str, float] = {}  # prompts whose first of several chunks ran
         self._owner_of: dict[str, str] = {}  # request id -> the router incarnation that asked
         self._owner_seen: dict[str, float] = {}  # router incarnation -> when it last called
+        # What the prefix cache adds and evicts, for KV-aware routers (read in Stats polls).
+        self.cache_log = CacheEventLog(config.cache_event_log_size, engine.blocks.cached_hashes())
+        engine.blocks.subscribe(self.cache_log.record)
+        self._prompt_hashes: dict[str, list[bytes]] = {}  # queued prompts' block hashes (see stats)
 
     # ---- called from the asyncio loop ----------------------------------------------
     def note_poll(self, router_id: str) -> None:
@@ -92,6 +103,8 @@ class PrefillWorker(WorkerShell):
         self._arrived[request_id] = time.monotonic()
         self.note_poll(owner)
         self._owner_of[request_id] = owner
+        if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
+            self._prompt_hashes[request_id] = prompt_block_hashes(prompt, self.engine.blocks.block_size)
         done = False
         try:
             await self.call(self.engine.add_request, request_id, prompt, params, True)
@@ -104,6 +117,7 @@ class PrefillWorker(WorkerShell):
             self.close_stream(request_id)
             self._arrived.pop(request_id, None)
             self._owner_of.pop(request_id, None)
+            self._prompt_hashes.pop(request_id, None)
             if not done:  # our own caller gave up: its held KV (if any) goes too
                 self.thread.call(self._drop, request_id)
 
@@ -124,7 +138,29 @@ class PrefillWorker(WorkerShell):
 
     def stats_extra(self) -> dict:
         return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total,
-                "num_claimed_leases": self.leases.num_claimed}
+                "num_claimed_leases": self.leases.num_claimed, "block_size": self.engine.blocks.block_size}
+
+    def stats(self, metrics_address: str = "") -> worker_pb2.WorkerStats:
+        """The shell's stats, but queued prompt tokens that the prefix cache holds are not
+        counted: the worker will not compute them. (A queued prompt gets its blocks, and its
+        hits, only when it reaches the head of the queue.) Without this, a worker that caches a
+        popular prefix would report every queued request on it at full length, and routers
+        would send that prefix elsewhere, to be computed again."""
+        stats = super().stats(metrics_address)
+        stats.num_waiting_tokens = max(0, stats.num_waiting_tokens - self._queued_hit_tokens())
+        return stats
+
+    def _queued_hit_tokens(self) -> int:
+        blocks, hit_blocks = self.engine.blocks, 0
+        for seq in list(self.engine.scheduler.waiting):  # a racy read, as wire.stats explains
+            hashes = self._prompt_hashes.get(seq.seq_id)
+            if hashes and not blocks.has(seq.seq_id):  # admitted ones count only what is left already
+                hit_blocks += self.cache_log.cached_prefix(hashes)
+        return hit_blocks * blocks.block_size
+
+    def cache_events(self, epoch: str, after: int) -> CacheEventBatch:
+        """The prefix-cache events a router at (``epoch``, ``after``) has not seen yet."""
+        return self.cache_log.since(epoch, after)
 
     # ---- engine thread -------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:

@@ -143,17 +143,37 @@ class WorkerAbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("router_id",)
+    __slots__ = ("router_id", "cache_events", "cache_epoch", "cache_events_after")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_AFTER_FIELD_NUMBER: _ClassVar[int]
     router_id: str
-    def __init__(self, router_id: _Optional[str] = ...) -> None: ...
+    cache_events: bool
+    cache_epoch: str
+    cache_events_after: int
+    def __init__(self, router_id: _Optional[str] = ..., cache_events: _Optional[bool] = ..., cache_epoch: _Optional[str] = ..., cache_events_after: _Optional[int] = ...) -> None: ...
+
+class CacheEvents(_message.Message):
+    __slots__ = ("epoch", "last_seq", "snapshot", "block_hashes", "cached")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    last_seq: int
+    snapshot: bool
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    cached: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, epoch: _Optional[str] = ..., last_seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cached: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions", "block_size", "cache_events")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +197,8 @@ class WorkerStats(_message.Message):
     ENGINE_BUSY_FIELD_NUMBER: _ClassVar[int]
     NUM_CLAIMED_LEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -200,4 +222,6 @@ class WorkerStats(_message.Message):
     engine_busy: bool
     num_claimed_leases: int
     num_preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    block_size: int
+    cache_events: CacheEvents
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ...) -> None: ...

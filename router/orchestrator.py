@@ -26,7 +26,8 @@ from engine.grammar import resumed
 from engine.tokenizer import IncrementalDetokenizer
 from protos import pdserve_pb2, worker_pb2
 from router.frontend import ModelInfo, PreparedRequest
-from router.policy import Choice, pick_decode, pick_prefill
+from router.kv_policy import RoutingConfig
+from router.policy import Choice, pick_decode
 from router.pool import WorkerPool
 from router.validation import RequestLimits
 from wire.convert import DEFAULT_MAX_TOKENS, finish_from_wire, finish_to_wire, sampling_to_proto
@@ -77,6 +78,7 @@ class RouterLimits:
     # briefly instead of failing, and a pool that stays full still answers, not hangs. One
     # budget per request, counted from its arrival, shared by every wait before its first token.
     admission_wait_s: float = 30.0
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # how a prefill worker is picked
 
 
 @dataclass
@@ -240,16 +242,17 @@ class RequestRun:
         tried: set[str] = set()
         last = "no prefill worker"
         for _ in range(self.limits.max_prefill_attempts):
-            choice = await self._admit(lambda: pick_prefill(self.pool.snapshots(), frozenset(tried), len(prompt),
-                                                            self.limits.max_queued_tokens_per_prefill))
+            choice = await self._admit(lambda: self.pool.route_prefill(
+                prompt, self.limits.routing, frozenset(tried), self.limits.max_queued_tokens_per_prefill))
             if choice.worker_id is None:
                 if choice.saturated:
                     raise _route_error(choice)
                 break
             client = self.pool.workers[choice.worker_id]
             tried.add(client.address)
+            self.metrics.routed(choice.rule, choice.cached_tokens)
             try:
-                with self.pool.placed(client, tokens=len(prompt)):
+                with self.pool.placed(client, tokens=len(prompt) - choice.cached_tokens):
                     call = client.stub.Prefill(request, timeout=self.remaining_s())
                     return await _unless_hung(call, client), client.address
             except grpc.aio.AioRpcError as exc:

@@ -37,6 +37,10 @@ class Choice:
     # The pool has no routable worker at all (a crash, a restart): the supervisor starts a
     # replacement, so the caller may wait for one within its deadline (UNAVAILABLE after).
     pool_empty: bool = False
+    # Which rule chose (a metric label, router.kv_policy.RULES): "load", "cache", "balance",
+    # "round_robin", "only" (one candidate); empty when nobody was chosen.
+    rule: str = ""
+    cached_tokens: int = 0  # prompt tokens the chosen prefill worker caches, per the router's index
 
 
 def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
@@ -50,6 +54,22 @@ def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = fr
                  prompt_tokens: int = 0, max_queued_tokens: int | None = None) -> Choice:
     """The routable prefill worker with the fewest queued prompt tokens (ties: fewest in flight,
     then the one given work least recently, so idle workers take turns, then id). With ``max_queued_tokens``, a worker whose queue would pass it is full."""
+    candidates = prefill_candidates(workers, exclude, prompt_tokens, max_queued_tokens)
+    if isinstance(candidates, Choice):
+        return candidates
+    best = min(candidates, key=least_loaded)
+    return Choice(best.worker_id, f"least queued prompt tokens ({best.queued_tokens})", rule="load")
+
+
+def least_loaded(w: WorkerSnapshot) -> tuple:
+    """Sort key of prefill workers by load, with the tie-breaks ``pick_prefill`` documents."""
+    return (w.queued_tokens, w.inflight, w.last_placed, w.worker_id)
+
+
+def prefill_candidates(workers: Iterable[WorkerSnapshot], exclude: frozenset[str], prompt_tokens: int,
+                       max_queued_tokens: int | None) -> list[WorkerSnapshot] | Choice:
+    """The prefill workers that may take a prompt of ``prompt_tokens``: routable, not in
+    ``exclude``, with room in their queue. When there are none, the ``Choice`` saying why."""
     workers = list(workers)
     candidates = [w for w in workers if w.role == "prefill" and w.routable and w.worker_id not in exclude]
     if not candidates:
@@ -59,8 +79,7 @@ def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = fr
         if not candidates:
             return Choice(None, f"every prefill worker's queue is full ({max_queued_tokens} prompt tokens each)",
                           saturated=True)
-    best = min(candidates, key=lambda w: (w.queued_tokens, w.inflight, w.last_placed, w.worker_id))
-    return Choice(best.worker_id, f"least queued prompt tokens ({best.queued_tokens})")
+    return candidates
 
 
 def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,

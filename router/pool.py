@@ -1,6 +1,9 @@
 """The router's view of the workers: a gRPC client per worker, its last stats, and the load
 this router placed on it since. Membership changes through ``add`` / ``remove``.
 
+The same polls feed the KV index (``router.kv_index``): each prefill worker's answer carries
+its prefix-cache events since the last poll, and ``route_prefill`` reads the index.
+
 After each stats poll the pool publishes its per-pool gauges (``wire.metrics``) and knows
 where every worker serves its own /metrics (``metrics_targets``)."""
 
@@ -9,17 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import secrets
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import grpc
 
 from protos import worker_pb2, worker_pb2_grpc
+from router.kv_index import KVIndex
+from router.kv_policy import RoutingConfig, choose_prefill
 from router.liveness import Liveness, is_hung, observe
-from router.policy import WorkerSnapshot
+from router.policy import Choice, WorkerSnapshot
 from wire import metrics
 from wire.grpc_util import aio_channel
 from wire.tls import TlsConfig
@@ -103,8 +109,11 @@ class WorkerPool:
     router_id: str = field(default_factory=lambda: secrets.token_hex(8))
     desired_replicas: dict[str, int] = field(default_factory=dict)  # set by the controller
     signal_targets: dict[str, float] = field(default_factory=dict)  # the autoscaler's, set by the controller
+    index: KVIndex = field(default_factory=KVIndex)  # which prefill worker caches which blocks
+    rng: random.Random = field(default_factory=random.Random)  # KV routing with a temperature above 0
     _task: asyncio.Task | None = None
     _placements: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _turns: itertools.count = field(default_factory=itertools.count)  # round-robin routing
 
     def add(self, role: str, address: str) -> WorkerClient:
         if address not in self.workers:
@@ -117,6 +126,7 @@ class WorkerPool:
         """Stop routing to ``address`` at once; its channel closes once the requests already
         on it are done (closing it now would cancel them: a drained worker finishes its streams)."""
         client = self.workers.pop(address, None)
+        self.index.remove(address)
         if client is None:
             return
         if client.inflight:
@@ -139,6 +149,15 @@ class WorkerPool:
 
     def snapshots(self) -> list[WorkerSnapshot]:
         return [w.snapshot() for w in self.workers.values()]
+
+    def route_prefill(self, prompt: Sequence[int], routing: RoutingConfig, exclude: frozenset[str] = frozenset(),
+                      max_queued_tokens: int | None = None) -> Choice:
+        """The prefill worker for ``prompt`` under ``routing.policy`` (``router.kv_policy``),
+        with each worker's cached prefix read from the KV index."""
+        snapshots = self.snapshots()
+        overlaps = self.index.overlaps(prompt, [s.worker_id for s in snapshots if s.role == "prefill"])
+        turn = next(self._turns) if routing.policy == "round_robin" else 0
+        return choose_prefill(snapshots, overlaps, len(prompt), routing, turn, exclude, max_queued_tokens, self.rng)
 
     def ready(self) -> bool:
         roles = {w.role for w in self.workers.values() if w.healthy and not w.hung and not w.draining}
@@ -187,8 +206,10 @@ class WorkerPool:
         self.publish_metrics()
 
     async def _refresh_one(self, w: WorkerClient) -> None:
+        epoch, after = self.index.cursor(w.address)
         try:
-            stats = await w.stub.Stats(worker_pb2.StatsRequest(router_id=self.router_id),
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(router_id=self.router_id, cache_events=True,
+                                                               cache_epoch=epoch, cache_events_after=after),
                                        timeout=min(2.0, self.hang_timeout_s))
         except grpc.aio.AioRpcError as exc:
             if w.healthy:
@@ -196,6 +217,9 @@ class WorkerPool:
             w.healthy = False
             self._check_liveness(w, answered=False)
             return
+        if stats.HasField("cache_events") and self.workers.get(w.address) is w:  # not one removed meanwhile
+            self.index.apply(w.address, stats.cache_events, stats.block_size)
+            stats.ClearField("cache_events")  # applied; a snapshot can be large, keep only the load
         w.stats = stats
         w.healthy = True
         w.local_tokens = w.local_blocks = 0  # the fresh stats include what we sent

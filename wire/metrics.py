@@ -25,6 +25,11 @@ Router, per request (router/orchestrator.py), label ``model_name`` (the first se
 - counter ``pdserve:request_retries_total``: prefill attempts a worker failed (unreachable or
   full); the router then tries another if one is left
 - counter ``pdserve:request_migrations_total``: re-prefills after a lost decode (transfer or worker)
+- counter ``pdserve:routing_decisions_total{reason}``: prefill workers chosen, by the rule that
+  chose (``router.kv_policy.RULES``: cache, load, balance, round_robin, only)
+- histogram ``pdserve:routing_prefix_overlap_tokens``: prompt tokens the chosen prefill worker
+  caches as a prefix, per the router's KV index (what the worker then finds can be less: the
+  index may be stale)
 
 Router, per stats poll (router/pool.py), label ``pool`` (prefill, decode):
 
@@ -133,6 +138,11 @@ PROMPT_TOKENS = _counter("pdserve:prompt_tokens_total", "Prompt tokens of reques
 GENERATION_TOKENS = _counter("pdserve:generation_tokens_total", "Tokens sent to clients.")
 RETRIES = _counter("pdserve:request_retries_total", "Prefill attempts a worker failed (unreachable or full).")
 MIGRATIONS = _counter("pdserve:request_migrations_total", "Re-prefills after a lost decode.")
+ROUTING_DECISIONS = _counter("pdserve:routing_decisions_total", "Prefill workers chosen, by the rule that chose.",
+                             ("reason",))
+ROUTING_OVERLAP = _histogram("pdserve:routing_prefix_overlap_tokens",
+                             "Prompt tokens the chosen prefill worker caches, per the router's KV index.",
+                             (0.0,) + TOKEN_BUCKETS)
 
 # ---- router: pools ----------------------------------------------------------------------
 RUNNING = Gauge("pdserve:num_requests_running", "Requests running in the pool.", [POOL_LABEL], registry=REGISTRY)
@@ -161,7 +171,7 @@ def register_model(model_name: str) -> None:
     """Create the model's request series at zero when the router starts, so that a dashboard
     reads 0 retries or migrations, not "no data", before the first one happens."""
     for family in (TTFT, ITL, E2E, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_TIME, REQUEST_PROMPT_TOKENS,
-                   REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, RETRIES, MIGRATIONS):
+                   REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, RETRIES, MIGRATIONS, ROUTING_OVERLAP):
         family.labels(model_name)
 
 
@@ -248,6 +258,11 @@ class RequestMetrics:
 
     def migrated(self) -> None:
         MIGRATIONS.labels(self.model_name).inc()
+
+    def routed(self, rule: str, cached_tokens: int) -> None:
+        """A prefill worker was chosen by ``rule``; the index says it caches ``cached_tokens``."""
+        ROUTING_DECISIONS.labels(rule, self.model_name).inc()
+        ROUTING_OVERLAP.labels(self.model_name).observe(cached_tokens)
 
 
 # ---- workers ----------------------------------------------------------------------------

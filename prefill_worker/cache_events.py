@@ -1,0 +1,89 @@
+"""The prefix-cache events a prefill worker publishes to routers, for KV-aware routing.
+
+The block manager reports each hash that becomes cached and each one evicted
+(``BlockManager.subscribe``). This log numbers them (1, 2, ...) and keeps the newest
+``capacity``. A router asks, in the ``Stats`` poll it already makes, for the events after the
+last number it has seen; the answer carries them in order. If the router has never asked,
+asks about another incarnation of the log (``epoch``: the worker restarted), or is so far
+behind that events it needs were dropped, it gets a snapshot instead: every hash cached now,
+as of the newest number.
+
+Why this design, rather than a push stream per router:
+
+- No event is ever lost silently. A router either gets every event after its number, in
+  order, or a snapshot that replaces what it had; a slow or restarted router heals at its
+  next poll, and a restarted worker (new epoch) is never mistaken for the old one.
+- No extra connection, thread or back-pressure: the poll exists already (load, liveness),
+  and a router that stops polling costs the worker nothing but the bounded log.
+- The index is advisory. Between two polls (0.2 s) it can be stale; a stale entry only
+  sends a request to a worker that then misses and computes the prompt: time, never a wrong
+  token (the worker's own lookup checks hashes and tokens).
+
+Thread safety: events are recorded on the engine thread and read on the asyncio loop; a lock
+guards the log and the mirror set of cached hashes that snapshots copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheEventBatch:
+    """What one poll gets: events ``first_seq``..``last_seq`` (or a snapshot as of ``last_seq``)."""
+
+    epoch: str
+    last_seq: int
+    snapshot: bool  # True: ``hashes`` is the whole cached set, replacing the router's view
+    hashes: tuple[bytes, ...]
+    cached: tuple[bool, ...]  # per hash: True stored, False evicted (all True in a snapshot)
+
+
+class CacheEventLog:
+    """A bounded, numbered log of prefix-cache events plus the set of hashes cached now."""
+
+    def __init__(self, capacity: int, initial: tuple[bytes, ...] | list[bytes] = ()):
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.epoch = secrets.token_hex(8)  # this log's incarnation: numbers restart with it
+        self._events: deque[tuple[int, bytes, bool]] = deque(maxlen=capacity)
+        self._cached: set[bytes] = set(initial)
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def record(self, block_hash: bytes, cached: bool) -> None:
+        """The block manager's listener (engine thread)."""
+        with self._lock:
+            self._seq += 1
+            self._events.append((self._seq, block_hash, cached))
+            if cached:
+                self._cached.add(block_hash)
+            else:
+                self._cached.discard(block_hash)
+
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes`` (a prompt's chained block hashes), from the first, are cached."""
+        with self._lock:
+            n = 0
+            while n < len(hashes) and hashes[n] in self._cached:
+                n += 1
+            return n
+
+    def since(self, epoch: str, after: int) -> CacheEventBatch:
+        """The events after number ``after`` of incarnation ``epoch``; a snapshot when they
+        cannot all be given (another epoch, a number from the future, or events dropped)."""
+        with self._lock:
+            oldest = self._events[0][0] if self._events else self._seq + 1
+            if epoch == self.epoch and after <= self._seq and after + 1 >= oldest:
+                tail = list(itertools.islice(self._events, after + 1 - oldest, None))  # numbers are contiguous
+                return CacheEventBatch(self.epoch, self._seq, False, tuple(h for _, h, _ in tail),
+                                       tuple(c for _, _, c in tail))
+            return CacheEventBatch(self.epoch, self._seq, True, tuple(self._cached), (True,) * len(self._cached))

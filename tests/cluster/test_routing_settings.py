@@ -1,0 +1,47 @@
+"""The routing settings of ``pdserve serve`` and ``pdserve worker --role router`` reach the
+router's config; bad ones are refused naming the setting and where it came from."""
+
+import argparse
+
+import pytest
+
+from cluster import worker_cli
+from cluster.serve_config import _router_limits, build
+from cluster.settings import SettingsError, add_arguments, resolve
+from router.kv_policy import RoutingConfig
+
+
+def parse(argv, settings=None):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, settings)
+    return parser.parse_args(argv)
+
+
+def test_routing_flags_file_and_env_reach_the_router(tmp_path):
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("routing_temperature: 0.5\nrouting_balance_rel: 3\n")
+    argv = ["--config", str(config_file), "--routing-policy", "round_robin", "--routing-prefill-weight", "2",
+            "--routing-balance-abs-tokens", "100"]
+    routing = build(resolve(parse(argv), environ={"PDSERVE_ROUTING_LOAD_WEIGHT": "0.25"})).router_limits.routing
+    assert routing == RoutingConfig(policy="round_robin", prefill_weight=2.0, load_weight=0.25, temperature=0.5,
+                                    balance_abs_tokens=100, balance_rel=3.0)
+    assert build(resolve(parse([]), environ={})).router_limits.routing == RoutingConfig()  # kv by default
+
+
+def test_a_plain_router_process_takes_the_same_settings():
+    settings = worker_cli.worker_settings()
+    values = resolve(parse(["--routing-policy", "load"], settings), environ={}, settings=settings)
+    assert _router_limits(values).routing.policy == "load"
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    ([], {"PDSERVE_ROUTING_POLICY": "fastest"},
+     "PDSERVE_ROUTING_POLICY: 'fastest' is not one of kv, load, round_robin"),
+    (["--routing-temperature", "-1"], {}, "--routing-temperature: routing_temperature must be at least 0"),
+    (["--routing-balance-rel", "0.5"], {}, "--routing-balance-rel: routing_balance_rel must be at least 1"),
+    (["--routing-load-weight", "x"], {}, "--routing-load-weight: 'x' is not a valid float for routing_load_weight"),
+])
+def test_bad_routing_values_name_the_setting(argv, environ, message):
+    with pytest.raises(SettingsError) as exc:
+        resolve(parse(argv), environ=environ)
+    assert message in str(exc.value)
