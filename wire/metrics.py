@@ -25,6 +25,10 @@ Router, per request (router/orchestrator.py), label ``model_name`` (the first se
 - counter ``pdserve:request_retries_total``: prefill attempts a worker failed (unreachable or
   full); the router then tries another if one is left
 - counter ``pdserve:request_migrations_total``: re-prefills after a lost decode (transfer or worker)
+- counter ``pdserve:local_prefill_decisions_total{decision,reason}``: who prefilled each attempt,
+  ``local`` (its decode worker) or ``remote`` (the prefill pool), and why (router/local_prefill.py)
+- histogram ``pdserve:local_prefill_uncached_tokens{decision}``, ``pdserve:local_prefill_decode_load{decision}``:
+  the rule's inputs, the prompt's uncached tokens and the decode worker's KV share in use
 
 Router, per stats poll (router/pool.py), label ``pool`` (prefill, decode):
 
@@ -133,6 +137,16 @@ PROMPT_TOKENS = _counter("pdserve:prompt_tokens_total", "Prompt tokens of reques
 GENERATION_TOKENS = _counter("pdserve:generation_tokens_total", "Tokens sent to clients.")
 RETRIES = _counter("pdserve:request_retries_total", "Prefill attempts a worker failed (unreachable or full).")
 MIGRATIONS = _counter("pdserve:request_migrations_total", "Re-prefills after a lost decode.")
+LOCAL_PREFILL_DECISIONS = _counter("pdserve:local_prefill_decisions_total",
+                                   "Who prefilled each attempt: its decode worker (local) or the prefill pool (remote).",
+                                   ("decision", "reason"))
+LOCAL_PREFILL_UNCACHED = Histogram("pdserve:local_prefill_uncached_tokens",
+                                   "Uncached prompt tokens the local-prefill rule saw.", ["decision", MODEL_LABEL],
+                                   buckets=TOKEN_BUCKETS, registry=REGISTRY)
+LOCAL_PREFILL_LOAD = Histogram("pdserve:local_prefill_decode_load",
+                               "KV share in use (0..1) of the decode worker the local-prefill rule saw.",
+                               ["decision", MODEL_LABEL], buckets=tuple(k / 10 for k in range(1, 11)),
+                               registry=REGISTRY)
 
 # ---- router: pools ----------------------------------------------------------------------
 RUNNING = Gauge("pdserve:num_requests_running", "Requests running in the pool.", [POOL_LABEL], registry=REGISTRY)
@@ -248,6 +262,12 @@ class RequestMetrics:
 
     def migrated(self) -> None:
         MIGRATIONS.labels(self.model_name).inc()
+
+    def prefill_placed(self, decision: str, reason: str, uncached_tokens: int, load: float) -> None:
+        """The local-prefill rule decided (``decision``: local or remote) for this attempt."""
+        LOCAL_PREFILL_DECISIONS.labels(decision, reason, self.model_name).inc()
+        LOCAL_PREFILL_UNCACHED.labels(decision, self.model_name).observe(uncached_tokens)
+        LOCAL_PREFILL_LOAD.labels(decision, self.model_name).observe(load)
 
 
 # ---- workers ----------------------------------------------------------------------------
