@@ -34,8 +34,8 @@ from benchmarks.pd_modes import (Stream, load_average, percentile, pinned_cores,
                                  run_stream, start, stub_for)
 from cluster.mode import COLOCATED, DISAGGREGATED  # noqa: E402
 
-ARMS = {DISAGGREGATED: dict(num_prefill=1, num_decode=1, threads=1),
-        COLOCATED: dict(num_prefill=0, num_decode=1, threads=2)}
+ARMS = {DISAGGREGATED: dict(mode=DISAGGREGATED, num_prefill=1, num_decode=1, threads=1),
+        COLOCATED: dict(mode=COLOCATED, num_prefill=0, num_decode=1, threads=2)}
 
 
 async def measure(cluster, args, bar) -> dict:
@@ -77,19 +77,25 @@ def main() -> None:
     ap.add_argument("--stream-prompt", type=int, default=64, help="prompt tokens of a steady stream")
     ap.add_argument("--stream-max-tokens", type=int, default=4000, help="a steady stream's cap (it is stopped first)")
     ap.add_argument("--long-prompts", type=int, default=3)
-    ap.add_argument("--long-tokens", type=int, default=1800)
+    ap.add_argument("--long-tokens", type=int, default=1500)
     ap.add_argument("--gap-s", type=float, default=4.0, help="seconds between two long prompts")
     ap.add_argument("--tail-s", type=float, default=1.0, help="window kept after the last long prompt's first token")
     ap.add_argument("--dtype", default=None, help="default: the engine's (bfloat16)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="step token budget, both modes")
+    ap.add_argument("--colocated-chunk", type=int, default=512,
+                    help="also run colocated with this smaller step budget (prompt chunk), as vLLM's chunked "
+                         "prefill would; 0: skip that arm")
     ap.add_argument("--out", type=Path, default=Path("interference.json"))
     args = ap.parse_args()
+    arms = {name: {**arm, "budget": args.max_num_batched_tokens} for name, arm in ARMS.items()}
+    if args.colocated_chunk:
+        arms[f"{COLOCATED}-{args.colocated_chunk}"] = {**ARMS[COLOCATED], "budget": args.colocated_chunk}
     doc = {"args": {k: str(v) for k, v in vars(args).items()}, "load_average_before": load_average(), "modes": {}}
-    with tqdm(total=len(ARMS) * args.long_prompts, desc="long prompts sent", unit="prompt") as bar:
-        for mode, arm in ARMS.items():
+    with tqdm(total=len(arms) * args.long_prompts, desc="long prompts sent", unit="prompt") as bar:
+        for mode, arm in arms.items():
             bar.set_postfix_str(f"{mode}: starting")
-            cluster = start(mode, arm["num_prefill"], arm["num_decode"], arm["threads"], args.dtype,
-                            args.max_num_batched_tokens)
+            cluster = start(arm["mode"], arm["num_prefill"], arm["num_decode"], arm["threads"], args.dtype,
+                            arm["budget"])
             try:
                 bar.set_postfix_str(mode)
                 result = asyncio.run(measure(cluster, args, bar))
@@ -98,15 +104,18 @@ def main() -> None:
                 cluster.stop()
             doc["modes"][mode] = result
     doc["load_average_after"] = load_average()
-    d, c = doc["modes"][DISAGGREGATED], doc["modes"][COLOCATED]
-    doc["ratios"] = {k: (d[k] / c[k] if d[k] and c[k] else None) for k in ("itl_p50_s", "itl_p99_s")}
+    d = doc["modes"][DISAGGREGATED]
+    doc["ratios"] = {other: {k: (d[k] / r[k] if d[k] and r[k] else None) for k in ("itl_p50_s", "itl_p99_s")}
+                     for other, r in doc["modes"].items() if other != DISAGGREGATED}
     args.out.write_text(json.dumps(doc, indent=2))
-    print(f"{'mode':15} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'ITL max ms':>11} {'gaps':>6}  long TTFT s   cores")
+    print(f"{'mode':15} {'budget':>6} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'ITL max ms':>11} {'gaps':>6}  long TTFT s   cores")
     for mode, r in doc["modes"].items():
-        print(f"{mode:15} {r['itl_p50_s'] * 1e3:11.1f} {r['itl_p99_s'] * 1e3:11.1f} {r['itl_max_s'] * 1e3:11.1f} "
+        print(f"{mode:15} {r['workers']['budget']:6d} {r['itl_p50_s'] * 1e3:11.1f} {r['itl_p99_s'] * 1e3:11.1f} {r['itl_max_s'] * 1e3:11.1f} "
               f"{r['itl_count']:6d}  {r['long_ttft_s']}  {r['workers']['cores']}")
-    print(f"disaggregated / colocated: ITL p50 {doc['ratios']['itl_p50_s']:.2f}, ITL p99 {doc['ratios']['itl_p99_s']:.2f} "
-          f"(target p99 <= 0.5); load average {doc['load_average_before']} -> {doc['load_average_after']}")
+    for other, ratio in doc["ratios"].items():
+        print(f"disaggregated / {other}: ITL p50 {ratio['itl_p50_s']:.2f}, ITL p99 {ratio['itl_p99_s']:.2f} "
+              f"(target p99 <= 0.5)")
+    print(f"load average {doc['load_average_before']} -> {doc['load_average_after']}")
     print(f"wrote {args.out}")
 
 
