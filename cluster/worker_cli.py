@@ -42,7 +42,8 @@ _SHARED = ("model", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_
            "drain_grace_seconds", "threads_per_worker", "host", "port", "grpc_port", "advertise_host",
            "internal_host", "internal_advertise_host", "api_key", "api_key_file", "tls_ca", "tls_cert", "tls_key",
            "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
-           "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars")
+           "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
+           "local_prefill_max_tokens", "local_prefill_max_load")
 @functools.cache
 def worker_settings() -> tuple[Setting, ...]:
     """The settings of ``pdserve worker``: ``pdserve serve``'s that one process needs, and its own."""

@@ -49,3 +49,17 @@ def test_a_colocated_cluster_config_with_prefill_workers_is_refused():
         ClusterConfig(mode=COLOCATED, num_prefill=1)
     with pytest.raises(ValueError, match="mode must be one of disaggregated, colocated"):
         ClusterConfig(mode="both")
+
+
+def test_a_router_run_as_a_plain_process_reads_the_rule_too():
+    """``pdserve worker --role router`` (Kubernetes without Ray) builds its limits from the same table."""
+    import argparse
+
+    from cluster import worker_cli
+    from cluster.settings import add_arguments
+    from cluster.worker_router import router_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, worker_cli.worker_settings())
+    v = worker_cli.settings(parser.parse_args(["--role", "router", "--local-prefill-max-tokens", "256"]), environ={})
+    assert router_config(v).limits.local_prefill == LocalPrefillConfig(max_tokens=256)
