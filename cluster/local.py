@@ -88,6 +88,10 @@ class ClusterConfig:
         """The pools this cluster runs (colocated: the decode pool only)."""
         return ("decode",) if self.mode == COLOCATED else ("prefill", "decode")
 
+    def autoscaled_pools(self) -> dict:
+        """The autoscaling policies of the pools this cluster runs (none without autoscaling)."""
+        return {pool: policy for pool, policy in (self.autoscaling or {}).items() if pool in self.pools()}
+
     def router_limits_for_mode(self) -> RouterLimits:
         """The router's limits, told whether every request prefills on its decode worker."""
         if self.mode != COLOCATED:
@@ -285,8 +289,7 @@ class LocalCluster:
         if cfg.autoscaling:
             from cluster.autoscaler import Autoscaler
 
-            configs = {pool: policy for pool, policy in cfg.autoscaling.items() if pool in cfg.pools()}
-            self.autoscaler = Autoscaler(self, configs, cfg.autoscale_interval_s, cfg.autoscale_history)
+            self.autoscaler = Autoscaler(self, cfg.autoscaled_pools(), cfg.autoscale_interval_s, cfg.autoscale_history)
             self.autoscaler.start()
         return self.address
 
@@ -432,8 +435,7 @@ class LocalCluster:
         members = [admin_pb2.Member(role=role, address=address)
                    for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
-        targets = {pool: policy.target for pool, policy in (self.config.autoscaling or {}).items()
-                   if pool in self.config.pools()}
+        targets = {pool: policy.target for pool, policy in self.config.autoscaled_pools().items()}
         with channel(self.admin_address, self.config.tls) as ch:
             admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
                 admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets), timeout=10)

@@ -63,3 +63,31 @@ def test_a_router_run_as_a_plain_process_reads_the_rule_too():
     add_arguments(parser, worker_cli.worker_settings())
     v = worker_cli.settings(parser.parse_args(["--role", "router", "--local-prefill-max-tokens", "256"]), environ={})
     assert router_config(v).limits.local_prefill == LocalPrefillConfig(max_tokens=256)
+
+
+def test_a_colocated_cluster_autoscales_only_its_decode_pool(tmp_path):
+    """An ``autoscaling:`` section names both pools; colocated, only the decode pool exists, so
+    only it is sampled and scaled (a prefill policy would start prefill workers from nothing)."""
+    import time
+
+    from cluster.autoscaler import Autoscaler
+    from cluster.autoscaling import PoolSample
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("mode: colocated\nautoscaling:\n  prefill: {min_replicas: 1}\n  decode: {min_replicas: 1}\n")
+    config = build(resolve(parse(["--config", str(path)]), environ={}))
+    assert set(config.autoscaling) == {"prefill", "decode"} and set(config.autoscaled_pools()) == {"decode"}
+
+    class Cluster:
+        def addresses(self, pool):
+            return []
+
+        def push_membership(self):
+            pass
+
+    sampled = []
+    scaler = Autoscaler(Cluster(), config.autoscaled_pools(), observe_only=True)
+    scaler._latency = lambda window_s: None  # no router here
+    scaler.sample = lambda pool, now, latency=None: sampled.append(pool) or PoolSample(now, 1, kv_usage=0.1)
+    scaler.step(time.monotonic())
+    assert sampled == ["decode"] and set(scaler.desired()) == {"decode"}
