@@ -68,7 +68,8 @@ class Autoscaler:
         self.observe_only = observe_only
         self.configs = configs
         self.interval_s = interval_s
-        self.traces = {pool: PoolTrace(limit=history) for pool in POOLS}
+        self.pools = tuple(p for p in POOLS if p in configs)  # the pools it scales (colocated: decode only)
+        self.traces = {pool: PoolTrace(limit=history) for pool in self.pools}
         self._last_step: float | None = None
         self._actions: dict[str, threading.Thread] = {}  # pool -> its scale action in progress
         self._stop = threading.Event()
@@ -94,7 +95,7 @@ class Autoscaler:
         since = self._last_step
         self._last_step = now
         latency = self._latency(now - since if since is not None else self.interval_s)
-        for pool in POOLS:
+        for pool in self.pools:
             trace = self.traces[pool]
             trace.record(sample=self.sample(pool, now, latency))
             window = MetricsWindow.trailing(trace.samples, now, self.configs[pool].window_s)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.mode import COLOCATED, DISAGGREGATED, MODES
 from cluster.placement import PoolPlacement, release, reserve
 from engine.config import EngineConfig
 from kv_transfer import DEFAULT_BACKEND
@@ -35,7 +36,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
-    num_prefill: int = 1
+    # disaggregated: a prefill pool and a decode pool, KV moved between them. colocated: no
+    # prefill pool; the decode pool's workers prefill their own requests, prompt chunks mixed
+    # into their decode steps (the baseline the disaggregated mode is measured against).
+    mode: str = DISAGGREGATED
+    num_prefill: int = 1  # 0 in colocated mode
     num_decode: int = 1
     host: str = "127.0.0.1"  # the public plane's bind address (router gRPC and HTTP), as `vllm serve --host`
     grpc_port: int = 50051  # the router's public gRPC port (`pdserve serve --grpc-port`)
@@ -75,6 +80,27 @@ class ClusterConfig:
     prefill_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
     decode_placement: PoolPlacement = field(default_factory=lambda: PoolPlacement(gpus=default_gpus()))
 
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == COLOCATED and self.num_prefill:
+            raise ValueError(f"num_prefill must be 0 in colocated mode (no prefill pool), got {self.num_prefill}")
+
+    def pools(self) -> tuple[str, ...]:
+        """The pools this cluster runs (colocated: the decode pool only)."""
+        return ("decode",) if self.mode == COLOCATED else ("prefill", "decode")
+
+    def autoscaled_pools(self) -> dict:
+        """The autoscaling policies of the pools this cluster runs (none without autoscaling)."""
+        return {pool: policy for pool, policy in (self.autoscaling or {}).items() if pool in self.pools()}
+
+    def router_limits_for_mode(self) -> RouterLimits:
+        """The router's limits, told whether every request prefills on its decode worker."""
+        if self.mode != COLOCATED:
+            return self.router_limits
+        local = dataclasses.replace(self.router_limits.local_prefill, colocated=True)
+        return dataclasses.replace(self.router_limits, local_prefill=local)
+
     def internal_bind_host(self) -> str | None:
         """``internal_host`` as servers take it (None: each resolves its node's IP)."""
         if self.internal_host is None and self.ray_address is None:
@@ -91,6 +117,8 @@ def _max_workers(cfg: ClusterConfig) -> int:
     """Workers the cluster may run at once (autoscaling included)."""
     workers = 0
     for pool, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
+        if pool not in cfg.pools():
+            continue
         policy = (cfg.autoscaling or {}).get(pool)
         workers += max(count, getattr(policy, "max_replicas", count))
     return workers
@@ -252,7 +280,7 @@ class LocalCluster:
                                   internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls,
                                   stats_interval_s=cfg.router_poll_s, hang_timeout_s=cfg.hang_timeout_s,
                                   max_receive_bytes=cfg.max_receive_bytes,
-                                  limits=cfg.router_limits,
+                                  limits=cfg.router_limits_for_mode(),
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
         self._start_router(router_cfg)
@@ -264,7 +292,7 @@ class LocalCluster:
         if cfg.autoscaling:
             from cluster.autoscaler import Autoscaler
 
-            self.autoscaler = Autoscaler(self, cfg.autoscaling, cfg.autoscale_interval_s, cfg.autoscale_history)
+            self.autoscaler = Autoscaler(self, cfg.autoscaled_pools(), cfg.autoscale_interval_s, cfg.autoscale_history)
             self.autoscaler.start()
         return self.address
 
@@ -410,7 +438,7 @@ class LocalCluster:
         members = [admin_pb2.Member(role=role, address=address)
                    for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
-        targets = {pool: policy.target for pool, policy in (self.config.autoscaling or {}).items()}
+        targets = {pool: policy.target for pool, policy in self.config.autoscaled_pools().items()}
         with channel(self.admin_address, self.config.tls) as ch:
             admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
                 admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets), timeout=10)

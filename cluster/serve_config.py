@@ -28,13 +28,15 @@ def build(v: dict[str, Any]):
     autoscaling, API key and TLS loaders their own typed errors) for a bad value."""
     from cluster.autoscaling import from_mapping
     from cluster.local import ClusterConfig, default_gpus
+    from cluster.mode import COLOCATED
     from router.auth import read_key
     from wire import tls
     from wire.logs import LogConfig
 
     _check_paths(v)
     return ClusterConfig(
-        engine=_engine(v), router_limits=_router_limits(v), num_prefill=v["prefill"], num_decode=v["decode"],
+        engine=_engine(v), router_limits=_router_limits(v), mode=v["mode"],
+        num_prefill=0 if v["mode"] == COLOCATED else v["prefill"], num_decode=v["decode"],
         host=v["host"], grpc_port=v["grpc_port"], http_port=None if v["port"] < 0 else v["port"],
         advertise_host=v["advertise_host"], internal_host=v["internal_host"],
         internal_advertise_host=v["internal_advertise_host"],
@@ -76,15 +78,21 @@ def _engine(v: dict[str, Any]):
 
 def _router_limits(v: dict[str, Any]):
     from router.kv_policy import RoutingConfig
+    from router.local_prefill import LocalPrefillConfig
     from router.orchestrator import RouterLimits
     from router.validation import RequestLimits
 
+    if v["local_prefill_max_load"] > 1:
+        raise SettingsError(f"local_prefill_max_load must be at most 1 (a share of KV blocks), "
+                            f"got {v['local_prefill_max_load']!r}")
+    local = LocalPrefillConfig(max_tokens=v["local_prefill_max_tokens"], max_load=v["local_prefill_max_load"])
     routing = RoutingConfig(policy=v["routing_policy"], prefill_weight=v["routing_prefill_weight"],
                             load_weight=v["routing_load_weight"], temperature=v["routing_temperature"],
                             balance_abs_tokens=v["routing_balance_abs_tokens"], balance_rel=v["routing_balance_rel"])
-    return RouterLimits(admission_wait_s=v["admission_wait_seconds"], request_timeout_s=v["request_timeout_seconds"],
+    return RouterLimits(local_prefill=local, routing=routing, admission_wait_s=v["admission_wait_seconds"],
+                        request_timeout_s=v["request_timeout_seconds"],
                         max_waiting_requests=v["max_waiting_requests"],
-                        decode_idle_timeout_s=v["decode_idle_timeout_seconds"], routing=routing,
+                        decode_idle_timeout_s=v["decode_idle_timeout_seconds"],
                         requests=RequestLimits(max_body_bytes=v["max_body_bytes"],
                                                max_prompt_chars=v["max_prompt_chars"]))
 

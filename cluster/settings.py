@@ -46,19 +46,29 @@ def serve_settings() -> tuple[Setting, ...]:
     from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
     from router import tool_parsers
     from router.kv_policy import POLICIES
+    from cluster.mode import DISAGGREGATED, MODES
+    from router.local_prefill import LocalPrefillConfig
     from router.orchestrator import RouterLimits
     from router.validation import RequestLimits
     from wire.logs import FORMATS, LEVELS, LogConfig
 
-    limits, requests, log = RouterLimits(), RequestLimits(), LogConfig()
+    limits, requests, log, local = RouterLimits(), RequestLimits(), LogConfig(), LocalPrefillConfig()
     routing = limits.routing
     return (
         Setting("model", str, EngineConfig.model, "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)"),
         Setting("served_model_name", list, None,
                 "model name(s) the API answers to; /v1/models lists them all (default: 'smollm2' for the "
                 "default model, else MODEL as given)"),
-        Setting("prefill", int, 1, "prefill workers", minimum=1),
-        Setting("decode", int, 1, "decode workers", minimum=1),
+        Setting("mode", str, DISAGGREGATED,
+                "disaggregated: prefill and decode pools, KV moved between them; colocated: no prefill pool, "
+                "each of the --decode workers prefills its own requests, mixed into its decode steps", MODES),
+        Setting("prefill", int, 1, "prefill workers (none in colocated mode)", minimum=1),
+        Setting("decode", int, 1, "decode workers (colocated mode: the workers)", minimum=1),
+        Setting("local_prefill_max_tokens", int, local.max_tokens,
+                "conditional disaggregation: a prompt with fewer uncached tokens than this is prefilled by its "
+                "decode worker, not the prefill pool (0: off)", minimum=0),
+        Setting("local_prefill_max_load", float, local.max_load,
+                "... and only on a decode worker with less than this share of its KV blocks in use", above=0),
         Setting("host", str, "127.0.0.1", "public API bind address (router OpenAI HTTP and gRPC)"),
         Setting("port", int, 8000, "OpenAI-compatible HTTP port, as `vllm serve --port` (0: any free; -1: off)",
                 minimum=-1),

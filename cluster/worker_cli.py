@@ -44,7 +44,10 @@ _SHARED = ("model", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_
            "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
            "routing_policy", "routing_prefill_weight", "routing_load_weight", "routing_temperature",
-           "routing_balance_abs_tokens", "routing_balance_rel")
+           "routing_balance_abs_tokens", "routing_balance_rel",
+           "local_prefill_max_tokens", "local_prefill_max_load")
+
+
 @functools.cache
 def worker_settings() -> tuple[Setting, ...]:
     """The settings of ``pdserve worker``: ``pdserve serve``'s that one process needs, and its own."""

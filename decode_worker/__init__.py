@@ -1,4 +1,5 @@
-"""The decode worker: pulls a prompt's KV from a prefill worker, then generates the rest.
+"""The decode worker: pulls a prompt's KV from a prefill worker (or prefills it itself), then
+generates the rest.
 
 Request lifecycle on this worker:
 
@@ -11,6 +12,11 @@ Request lifecycle on this worker:
 - RUNNING: the request joins the continuous batch, decoding from the first token the
   prefill worker sampled; every step's token streams back to the router.
 - FINISHED: EOS, a stop token, max_tokens or the context length; blocks freed.
+- LOCAL PREFILL (instead of the two states above, when ``Decode`` asks for
+  ``local_prefill``: colocated mode, or the router's conditional-disaggregation rule): the
+  prompt queues in this worker's engine and its chunks run in the same steps as the running
+  streams (the ``mixed`` scheduling policy); the first token streams back as the first
+  response, then the request is RUNNING like any other.
 - ABORTED: the router cancelled the stream (client gone, stop string, Abort) or the
   transfer failed. A failed transfer (or a refused claim) is reported to the router with the
   typed failure code ``kv_transfer`` (it re-runs the prefill elsewhere) and to the prefill

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from decode_worker.worker import DecodeWorker, KVArrived, TransferFailed
+from decode_worker.worker import DecodeWorker, KVArrived, LocallyPrefilled, TransferFailed
 from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from kv_transfer import TransferError
 from kv_transfer.handoff import KVHandle, ReleaseReason, release_request
@@ -44,6 +44,10 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request, context):
         # The router offers the same KV to another decode worker.
         await self.admit(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if request.local_prefill:
+            async for resp in self._prefill_and_decode(request, context):
+                yield resp
+            return
         log.debug("decode %s: %d prompt tokens from %s", request.request_id, len(request.prompt_token_ids),
                   request.kv.prefill_address)
         kv = KVHandle.from_proto(request.kv)
@@ -64,10 +68,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
                     lease.done = True  # read: the holder frees its copy on the read's notification
                     yield worker_pb2.DecodeResponse(kv_bytes=item.nbytes, kv_transfer_seconds=item.seconds)
                     continue
-                yield worker_pb2.DecodeResponse(
-                    token_ids=item.new_token_ids, logprobs=item.new_logprobs,
-                    top_logprobs=[top_to_proto(top) for top in item.new_top_logprobs],
-                    finish_reason=finish_to_wire(item.finish_reason if item.finished else None))
+                yield _output_to_wire(item)
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
         except CacheCapacityError as exc:
@@ -90,6 +91,40 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             await stream.aclose()
             await lease.end(ReleaseReason.ABORTED)  # a no-op unless claimed and never read
+
+
+    async def _prefill_and_decode(self, request, context):
+        """``Decode`` with ``local_prefill``: no KV to pull; this worker runs the prompt itself
+        and the first response carries the first token, with what a prefill answer carries."""
+        log.debug("decode %s: %d prompt tokens, prefilled here", request.request_id, len(request.prompt_token_ids))
+        params = sampling_from_proto(request.sampling, keep_stop_strings=False)
+        stream = self.worker.prefill_and_decode(request.request_id, list(request.prompt_token_ids), params)
+        prefill_seconds = None
+        try:
+            async for item in stream:
+                if isinstance(item, LocallyPrefilled):
+                    prefill_seconds = item.seconds
+                    continue
+                resp = _output_to_wire(item)
+                if prefill_seconds is not None:  # the first token
+                    resp.prefill_seconds, resp.num_cached_tokens = prefill_seconds, item.num_cached_tokens
+                    resp.prompt_logprobs.extend(lp for lp, _ in item.prompt_logprobs or ())
+                    resp.prompt_top_logprobs.extend(top_to_proto(top) for _, top in item.prompt_logprobs or ())
+                    prefill_seconds = None
+                yield resp
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        finally:
+            await stream.aclose()
+
+
+def _output_to_wire(item) -> worker_pb2.DecodeResponse:
+    return worker_pb2.DecodeResponse(
+        token_ids=item.new_token_ids, logprobs=item.new_logprobs,
+        top_logprobs=[top_to_proto(top) for top in item.new_top_logprobs],
+        finish_reason=finish_to_wire(item.finish_reason if item.finished else None))
 
 
 class LeaseClaimFailed(Exception):

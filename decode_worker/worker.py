@@ -3,11 +3,12 @@ in flight."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
-from engine.config import EngineConfig
+from engine.config import MIXED, EngineConfig
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
@@ -48,6 +49,20 @@ class KVArrived:
     seconds: float
 
 
+@dataclass(frozen=True)
+class LocallyPrefilled:
+    """Sent before the first output of a request this worker prefilled itself."""
+
+    seconds: float  # arrival here to the first token: queue + prompt compute
+
+
+def decode_engine_config(engine: EngineConfig) -> EngineConfig:
+    """A decode worker's engine runs the ``mixed`` policy: a prompt it prefills (locally, or
+    a preempted sequence it recomputes) shares steps with its running streams instead of
+    stopping them for the whole prompt."""
+    return dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, policy=MIXED))
+
+
 class TransferFailed(Exception):
     """The prompt's KV could not be pulled; the request was aborted here."""
 
@@ -56,7 +71,7 @@ class DecodeWorker(WorkerShell):
     role = "decode"
 
     def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None):
-        engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
+        engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
                              inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
@@ -97,6 +112,32 @@ class DecodeWorker(WorkerShell):
                     finished = True
                     raise item
                 finished = isinstance(item, RequestOutput) and item.finished
+                yield item
+        finally:
+            self.close_stream(request_id)
+            if not finished:
+                self.thread.call(self.cancel, request_id)
+
+    async def prefill_and_decode(self, request_id: str, prompt: list[int], params: SamplingParams
+                                 ) -> AsyncIterator[RequestOutput | LocallyPrefilled]:
+        """Prefill ``prompt`` here (its chunks share steps with the running streams), then
+        decode: yields ``LocallyPrefilled`` once, just before the first output, then the
+        request's outputs as they come. Raises StepFailed if a step holding the request
+        raised; closing the iterator early aborts the request."""
+        stream = self.open_stream(request_id)
+        arrived = time.monotonic()
+        finished = first = False
+        try:
+            await self.call(self.engine.add_request, request_id, prompt, params)
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, StepFailed):
+                    finished = True
+                    raise item
+                if not first:
+                    first = True
+                    yield LocallyPrefilled(time.monotonic() - arrived)
+                finished = item.finished
                 yield item
         finally:
             self.close_stream(request_id)

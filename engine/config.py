@@ -120,6 +120,10 @@ class CacheConfig:
     enable_prefix_cache: bool = True
 
 
+PREFILL_FIRST, MIXED = "prefill_first", "mixed"
+SCHEDULING_POLICIES = (PREFILL_FIRST, MIXED)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits."""
@@ -131,6 +135,14 @@ class SchedulerConfig:
     # 2048 keeps the most throughput; its longer step only delays a prompt arriving mid-step.
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # prefill_first: a step prefills, or else decodes (a prefill worker's engine). mixed:
+    # every step decodes all running sequences and fills the rest of the token budget with
+    # prompt chunks (engine/scheduler.py); what a worker that decodes runs.
+    policy: str = PREFILL_FIRST
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduler policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Seq
 
-import torch
 from tqdm import tqdm
 
 from engine.block_manager import BlockManager

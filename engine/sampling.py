@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.grammar import StructuredOutput

@@ -1,9 +1,18 @@
 """Continuous-batching scheduler: which sequences run in the next forward, and how much.
 
-Policy (prefill first, as in nano-vllm): if waiting sequences fit, the next step prefills
-them, packing prompts of different lengths up to the token budget and chunking a prompt
-longer than what is left of the budget; otherwise every running sequence decodes one
-token. When a decoding sequence needs a block and none is free, the youngest running
+Two policies (``SchedulerConfig.policy``):
+
+- ``prefill_first`` (as in nano-vllm): if waiting sequences fit, the next step prefills
+  them, packing prompts of different lengths up to the token budget and chunking a prompt
+  longer than what is left of the budget; otherwise every running sequence decodes one
+  token. Right for a prefill worker, whose sequences never decode.
+- ``mixed`` (chunked prefill mixed into decode batches, as vLLM and SGLang run): every
+  running sequence decodes one token, and prefill chunks fill what is left of the token
+  budget in the same step. A worker that both prefills and decodes (colocated mode, a decode
+  worker prefilling locally or recomputing a preempted sequence) so never stops its streams
+  for a whole prompt: a step costs at most one budget's worth of prompt tokens.
+
+When a decoding sequence needs a block and none is free, the youngest running
 sequence is preempted: its blocks are freed and it goes back to the front of the waiting
 queue, to be recomputed (prefix-cache hits make that cheap) and resumed later.
 
@@ -16,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
+from engine.config import MIXED, SchedulerConfig
 from engine.sampling import TopLogprobs
 from engine.sequence import FinishReason, Sequence, SeqStatus
 
@@ -31,7 +40,7 @@ class ScheduledSeq:
 @dataclass(frozen=True)
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
-    is_prefill: bool
+    is_prefill: bool  # some sequence runs prompt tokens (in a mixed step, beside decode rows)
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -93,13 +102,23 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        prefill = self._schedule_prefill()
+        if self.config.policy == MIXED:
+            return self._schedule_mixed()
+        prefill = self._schedule_prefill(self.config.max_num_batched_tokens)
         if prefill:
             return SchedulerOutput(prefill, is_prefill=True)
         return self._schedule_decode()
 
-    def _schedule_prefill(self) -> list[ScheduledSeq]:
-        budget = self.config.max_num_batched_tokens
+    def _schedule_mixed(self) -> SchedulerOutput:
+        """Decode rows first (one token each), then prompt chunks in the rest of the budget.
+        A step that had to preempt admits no prompt: the blocks it freed are for the running
+        sequences, and a new prompt would only be preempted in turn."""
+        decode = self._schedule_decode()
+        budget = self.config.max_num_batched_tokens - len(decode.seqs)
+        prefill = self._schedule_prefill(budget) if budget > 0 and not decode.preempted else []
+        return SchedulerOutput(decode.seqs + prefill, is_prefill=bool(prefill), preempted=decode.preempted)
+
+    def _schedule_prefill(self, budget: int) -> list[ScheduledSeq]:
         batch: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -178,7 +197,7 @@ class Scheduler:
                 seq.status = SeqStatus.HELD  # never joins the decode batch: its KV goes elsewhere
                 finished.append(seq)
                 continue
-            if out.is_prefill:
+            if seq.status is SeqStatus.WAITING:  # its prompt is done: it joins the decode batch
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
             if reason is not None:

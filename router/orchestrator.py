@@ -27,6 +27,7 @@ from engine.tokenizer import IncrementalDetokenizer
 from protos import pdserve_pb2, worker_pb2
 from router.frontend import ModelInfo, PreparedRequest
 from router.kv_policy import RoutingConfig
+from router.local_prefill import LocalPrefillConfig, decide
 from router.policy import Choice, pick_decode
 from router.pool import WorkerPool
 from router.validation import RequestLimits
@@ -79,6 +80,8 @@ class RouterLimits:
     # budget per request, counted from its arrival, shared by every wait before its first token.
     admission_wait_s: float = 30.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # how a prefill worker is picked
+    # Colocated mode, and conditional disaggregation's thresholds (router/local_prefill.py).
+    local_prefill: LocalPrefillConfig = field(default_factory=LocalPrefillConfig)
 
 
 @dataclass
@@ -162,27 +165,27 @@ class RequestRun:
                                          prompt_logprobs=self.req.params.prompt_logprobs if not sent else None,
                                          structured=resumed(self.req.params.structured, sent))
             worker_rid = attempt_id(self.req.request_id, attempt)
-            await self._check_decode_capacity(len(prompt) + self._reserved(params))  # before any prefill work
-            pre, prefill_addr = await self._prefill(worker_rid, prompt, params)
-            if attempt == 0:
-                self.progress.cached_tokens = pre.num_cached_tokens
-                self.progress.first_token_at = asyncio.get_running_loop().time()
-                self.metrics.prefilled(len(prompt), pre.queue_seconds, pre.prefill_seconds,
-                                       admission_s=self.progress.admission_wait_s)
-            kv_owned = pre.HasField("kv")
+            blocks = await self._check_decode_capacity(len(prompt) + self._reserved(params))  # before any prefill work
+            lease = None  # (prefill worker, token) of KV held for us that no decode worker took yet
             try:
-                first = self._emit([pre.first_token_id], [pre.first_logprob] if params.logprobs else [],
-                                   finish_from_wire(pre.finish_reason),
-                                   [pre.first_top_logprobs] if params.top_logprobs else [])
-                if params.prompt_logprobs is not None:
-                    first.prompt_token_ids.extend(self.req.prompt_token_ids)
-                    first.prompt_logprobs.extend(pre.prompt_logprobs)
-                    first.prompt_top_logprobs.extend(pre.prompt_top_logprobs)
-                yield first
-                if self.progress.finish_reason is not None:
-                    return
-                async for resp in self._decode(worker_rid, prompt, pre, params):
-                    kv_owned = False  # the decode worker took over the lease
+                if self._prefill_locally(len(prompt), blocks):
+                    stream = self._decode(worker_rid, prompt, None, params)
+                else:
+                    pre, prefill_addr = await self._prefill(worker_rid, prompt, params)
+                    if pre.HasField("kv"):
+                        lease = (prefill_addr, pre.kv.lease_token)
+                    if attempt == 0:
+                        self._note_prefilled(len(prompt), pre.num_cached_tokens, pre.queue_seconds,
+                                             pre.prefill_seconds)
+                    first = self._emit([pre.first_token_id], [pre.first_logprob] if params.logprobs else [],
+                                       finish_from_wire(pre.finish_reason),
+                                       [pre.first_top_logprobs] if params.top_logprobs else [])
+                    yield self._with_prompt_logprobs(first, params, pre)
+                    if self.progress.finish_reason is not None:
+                        return
+                    stream = self._decode(worker_rid, prompt, pre, params)
+                async for resp in stream:
+                    lease = None  # the decode worker took over the lease
                     yield resp
                     if self.progress.finish_reason is not None:
                         return
@@ -196,8 +199,36 @@ class RequestRun:
                                      f"migrations: {exc}") from exc
                 self.metrics.migrated()
             finally:
-                if kv_owned:
-                    self._release_later(prefill_addr, pre.kv.lease_token)
+                if lease is not None:
+                    self._release_later(*lease)
+
+    def _note_prefilled(self, prompt_tokens: int, cached_tokens: int, queue_s: float, prefill_s: float) -> None:
+        """The request's first prefill answered (on a prefill worker, or its decode worker)."""
+        self.progress.cached_tokens = cached_tokens
+        self.progress.first_token_at = asyncio.get_running_loop().time()
+        self.metrics.prefilled(prompt_tokens, queue_s, prefill_s, admission_s=self.progress.admission_wait_s)
+
+    def _with_prompt_logprobs(self, first: pdserve_pb2.GenerateResponse, params,
+                              answer) -> pdserve_pb2.GenerateResponse:
+        """``first`` (an attempt's first token) with the prompt logprobs, if asked for, from
+        ``answer``: a PrefillResponse, or a locally prefilled DecodeResponse."""
+        if params.prompt_logprobs is not None:
+            first.prompt_token_ids.extend(self.req.prompt_token_ids)
+            first.prompt_logprobs.extend(answer.prompt_logprobs)
+            first.prompt_top_logprobs.extend(answer.prompt_top_logprobs)
+        return first
+
+    def _prefill_locally(self, prompt_tokens: int, blocks: int) -> bool:
+        """The local-prefill rule (router/local_prefill.py) for this attempt, on the decode
+        worker ``_decode`` will pick first (the same pick over the same snapshots, with no
+        await between), recorded in the metrics."""
+        snapshots = self.pool.snapshots()
+        choice = pick_decode(snapshots, blocks)
+        worker = next((w for w in snapshots if w.worker_id == choice.worker_id), None)
+        load = min(1.0, worker.blocks_used / max(worker.blocks_total, 1)) if worker is not None else 1.0
+        decision = decide(self.limits.local_prefill, prompt_tokens, load)
+        self.metrics.prefill_placed(decision.label, decision.reason.value, decision.uncached_tokens, decision.load)
+        return decision.local
 
     def _reserved(self, params) -> int:
         """Output tokens to count on a decode worker: max_tokens, unless the client left it
@@ -207,11 +238,13 @@ class RequestRun:
             return min(params.max_tokens, DEFAULT_MAX_TOKENS)
         return params.max_tokens
 
-    async def _check_decode_capacity(self, total_tokens: int) -> None:
+    async def _check_decode_capacity(self, total_tokens: int) -> int:
+        """Wait for a decode worker with room for ``total_tokens``; returns their blocks."""
         blocks = -(-total_tokens // self.model.block_size)
         choice = await self._admit(lambda: pick_decode(self.pool.snapshots(), blocks))
         if choice.worker_id is None:
             raise _route_error(choice)
+        return blocks
 
     async def _admit(self, pick: Callable[[], Choice]) -> Choice:
         """``pick()``, re-tried while its pool is saturated or has no routable worker at all (a
@@ -271,10 +304,16 @@ class RequestRun:
         raise RouteError(code, f"no prefill worker could take the request ({last})")
 
     # ---- decode --------------------------------------------------------------------
-    async def _decode(self, worker_rid: str, prompt: list[int], pre: worker_pb2.PrefillResponse, params):
-        request = worker_pb2.DecodeRequest(request_id=worker_rid, prompt_token_ids=prompt,
-                                           first_token_id=pre.first_token_id, sampling=sampling_to_proto(params),
-                                           kv=pre.kv)
+    async def _decode(self, worker_rid: str, prompt: list[int], pre: worker_pb2.PrefillResponse | None, params):
+        """The decode stream, on the first decode worker that takes it. ``pre`` None: that
+        worker prefills the prompt itself, and its first response carries the first token."""
+        if pre is None:
+            request = worker_pb2.DecodeRequest(request_id=worker_rid, prompt_token_ids=prompt,
+                                               sampling=sampling_to_proto(params), local_prefill=True)
+        else:
+            request = worker_pb2.DecodeRequest(request_id=worker_rid, prompt_token_ids=prompt,
+                                               first_token_id=pre.first_token_id, sampling=sampling_to_proto(params),
+                                               kv=pre.kv)
         blocks = -(-(len(prompt) + self._reserved(params)) // self.model.block_size)
         tried: set[str] = set()
         while True:
@@ -286,7 +325,7 @@ class RequestRun:
             client = self.pool.workers[choice.worker_id]
             tried.add(client.address)
             call = client.stub.Decode(request, timeout=self.remaining_s())
-            started = False
+            started = tokens_seen = False
             try:
                 with self.pool.placed(client, blocks=blocks):
                     async with contextlib.aclosing(self._idle_bounded(call, client)) as messages:
@@ -296,6 +335,12 @@ class RequestRun:
                                 self.progress.kv_bytes += resp.kv_bytes
                                 self.progress.kv_seconds += resp.kv_transfer_seconds
                                 self.metrics.kv_transferred(resp.kv_transfer_seconds)
+                                continue
+                            if pre is None and not tokens_seen:
+                                tokens_seen = True
+                                yield self._locally_prefilled(resp, len(prompt), params)
+                                if self.progress.finish_reason is not None:
+                                    return
                                 continue
                             yield self._emit(list(resp.token_ids), list(resp.logprobs),
                                              finish_from_wire(resp.finish_reason), list(resp.top_logprobs))
@@ -314,6 +359,15 @@ class RequestRun:
                 raise _DecodeLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
             finally:
                 call.cancel()
+
+    def _locally_prefilled(self, resp: worker_pb2.DecodeResponse, prompt_tokens: int,
+                           params) -> pdserve_pb2.GenerateResponse:
+        """The first response of a locally prefilled stream, sent as a prefill answer's is."""
+        if self.progress.first_token_at is None:
+            self._note_prefilled(prompt_tokens, resp.num_cached_tokens, 0.0, resp.prefill_seconds)
+        first = self._emit(list(resp.token_ids), list(resp.logprobs), finish_from_wire(resp.finish_reason),
+                           list(resp.top_logprobs))
+        return self._with_prompt_logprobs(first, params, resp)
 
     async def _idle_bounded(self, call, client):
         """``call``'s messages; a gap longer than ``decode_idle_timeout_s`` is a lost decode,

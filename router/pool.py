@@ -104,6 +104,7 @@ class WorkerPool:
     # answer this long) is hung: not routed to, and its requests migrate (router.liveness).
     hang_timeout_s: float = 30.0
     workers: dict[str, WorkerClient] = field(default_factory=dict)
+    required_roles: tuple[str, ...] = POOLS  # ready when each has a routable worker; colocated: decode only
     # This router's incarnation, sent with every Stats poll and Prefill: a prefill worker frees
     # the unclaimed KV it holds for an incarnation that stops polling (the router died).
     router_id: str = field(default_factory=lambda: secrets.token_hex(8))
@@ -161,7 +162,7 @@ class WorkerPool:
 
     def ready(self) -> bool:
         roles = {w.role for w in self.workers.values() if w.healthy and not w.hung and not w.draining}
-        return {"prefill", "decode"} <= roles
+        return set(self.required_roles) <= roles
 
     def metrics_targets(self) -> list[dict]:
         """Prometheus HTTP service discovery: one entry per worker that reported its /metrics.

@@ -20,7 +20,7 @@ from router.admin import RouterAdminService
 from router.auth import ApiKeyInterceptor
 from router.frontend import ModelInfo
 from router.orchestrator import RouterLimits
-from router.pool import WorkerPool
+from router.pool import POOLS, WorkerPool
 from router.service import GenerationService
 from wire import metrics
 from wire.address import resolve
@@ -77,7 +77,8 @@ async def start(config: RouterConfig) -> RunningServer:
     the internal plane (``RouterAdmin``, health), each on its own port and address."""
     model = await asyncio.to_thread(load_model_info, config)
     metrics.register_model(model.name)
-    pool = WorkerPool(config.stats_interval_s, tls=config.tls, hang_timeout_s=config.hang_timeout_s)
+    pool = WorkerPool(config.stats_interval_s, tls=config.tls, hang_timeout_s=config.hang_timeout_s,
+                      required_roles=("decode",) if config.limits.local_prefill.colocated else POOLS)
     for address in config.prefill_addresses:
         pool.add("prefill", address)
     for address in config.decode_addresses:
@@ -112,7 +113,8 @@ async def start(config: RouterConfig) -> RunningServer:
 
 
 async def _track_health(service: GenerationService, health) -> None:
-    """SERVING while at least one prefill and one decode worker answer and the router is not draining."""
+    """SERVING while at least one prefill and one decode worker (colocated: one worker)
+    answer and the router is not draining."""
     pool = service.pool
     serving = None
     while True:

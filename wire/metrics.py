@@ -30,6 +30,10 @@ Router, per request (router/orchestrator.py), label ``model_name`` (the first se
 - histogram ``pdserve:routing_prefix_overlap_tokens``: prompt tokens the chosen prefill worker
   caches as a prefix, per the router's KV index (what the worker then finds can be less: the
   index may be stale)
+- counter ``pdserve:local_prefill_decisions_total{decision,reason}``: who prefilled each attempt,
+  ``local`` (its decode worker) or ``remote`` (the prefill pool), and why (router/local_prefill.py)
+- histogram ``pdserve:local_prefill_uncached_tokens{decision}``, ``pdserve:local_prefill_decode_load{decision}``:
+  the rule's inputs, the prompt's uncached tokens and the decode worker's KV share in use
 
 Router, per stats poll (router/pool.py), label ``pool`` (prefill, decode):
 
@@ -143,6 +147,16 @@ ROUTING_DECISIONS = _counter("pdserve:routing_decisions_total", "Prefill workers
 ROUTING_OVERLAP = _histogram("pdserve:routing_prefix_overlap_tokens",
                              "Prompt tokens the chosen prefill worker caches, per the router's KV index.",
                              (0.0,) + TOKEN_BUCKETS)
+LOCAL_PREFILL_DECISIONS = _counter("pdserve:local_prefill_decisions_total",
+                                   "Who prefilled each attempt: its decode worker (local) or the prefill pool (remote).",
+                                   ("decision", "reason"))
+LOCAL_PREFILL_UNCACHED = Histogram("pdserve:local_prefill_uncached_tokens",
+                                   "Uncached prompt tokens the local-prefill rule saw.", ["decision", MODEL_LABEL],
+                                   buckets=TOKEN_BUCKETS, registry=REGISTRY)
+LOCAL_PREFILL_LOAD = Histogram("pdserve:local_prefill_decode_load",
+                               "KV share in use (0..1) of the decode worker the local-prefill rule saw.",
+                               ["decision", MODEL_LABEL], buckets=tuple(k / 10 for k in range(1, 11)),
+                               registry=REGISTRY)
 
 # ---- router: pools ----------------------------------------------------------------------
 RUNNING = Gauge("pdserve:num_requests_running", "Requests running in the pool.", [POOL_LABEL], registry=REGISTRY)
@@ -263,6 +277,11 @@ class RequestMetrics:
         """A prefill worker was chosen by ``rule``; the index says it caches ``cached_tokens``."""
         ROUTING_DECISIONS.labels(rule, self.model_name).inc()
         ROUTING_OVERLAP.labels(self.model_name).observe(cached_tokens)
+    def prefill_placed(self, decision: str, reason: str, uncached_tokens: int, load: float) -> None:
+        """The local-prefill rule decided (``decision``: local or remote) for this attempt."""
+        LOCAL_PREFILL_DECISIONS.labels(decision, reason, self.model_name).inc()
+        LOCAL_PREFILL_UNCACHED.labels(decision, self.model_name).observe(uncached_tokens)
+        LOCAL_PREFILL_LOAD.labels(decision, self.model_name).observe(load)
 
 
 # ---- workers ----------------------------------------------------------------------------

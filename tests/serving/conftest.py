@@ -1,5 +1,7 @@
 """A real local cluster for the serving tests: Ray actors, gRPC, NIXL, the default model."""
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -16,7 +18,8 @@ LEASE_S = 4.0
 
 def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TRANSFER_DELAY_S,
                   router_poll_s: float = 0.2, supervise_interval_s: float | None = 1.0,
-                  admission_wait_s: float = RouterLimits.admission_wait_s) -> LocalCluster:
+                  admission_wait_s: float = RouterLimits.admission_wait_s, **overrides) -> LocalCluster:
+    """``overrides``: further ``ClusterConfig`` fields (``mode``, ``router_limits``)."""
     # float32, the transformers-exact mode: served output is checked token for token against
     # transformers (bfloat16, the default, is checked in tests/engine/test_default_model.py).
     config = ClusterConfig(
@@ -25,7 +28,7 @@ def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TR
         inject_transfer_delay_s=delay_s, threads_per_worker=1, router_poll_s=router_poll_s, http_port=0,
         supervise_interval_s=supervise_interval_s,
         router_limits=RouterLimits(admission_wait_s=admission_wait_s))
-    c = LocalCluster(config)
+    c = LocalCluster(dataclasses.replace(config, **overrides))
     c.start()
     return c
 

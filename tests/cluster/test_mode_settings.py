@@ -1,0 +1,93 @@
+"""``--mode`` and the conditional-disaggregation settings: from the one settings table to the
+cluster's and router's configs (no cluster started)."""
+
+import pytest
+
+from cluster.local import ClusterConfig
+from cluster.mode import COLOCATED, DISAGGREGATED
+from cluster.serve_config import build
+from cluster.settings import SettingsError, resolve
+from router.local_prefill import LocalPrefillConfig
+from tests.cluster.test_settings import parse
+
+
+def test_the_default_is_disaggregated_with_the_rule_off():
+    config = build(resolve(parse([]), environ={}))
+    assert config.mode == DISAGGREGATED and config.pools() == ("prefill", "decode")
+    assert config.router_limits_for_mode().local_prefill == LocalPrefillConfig() and not LocalPrefillConfig().max_tokens
+
+
+def test_colocated_runs_no_prefill_pool_and_tells_the_router(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("mode: colocated\ndecode: 2\nprefill: 3\n")
+    config = build(resolve(parse(["--config", str(path)]), environ={}))
+    assert (config.mode, config.num_prefill, config.num_decode) == (COLOCATED, 0, 2)
+    assert config.pools() == ("decode",) and config.worker_threads() >= 1
+    assert config.router_limits_for_mode().local_prefill.colocated
+    assert not config.router_limits.local_prefill.colocated  # derived, not written back
+
+
+def test_rule_thresholds_come_from_flags_and_variables():
+    v = resolve(parse(["--local-prefill-max-tokens", "512"]), environ={"PDSERVE_LOCAL_PREFILL_MAX_LOAD": "0.25"})
+    assert build(v).router_limits.local_prefill == LocalPrefillConfig(max_tokens=512, max_load=0.25)
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    ([], {"PDSERVE_MODE": "split"}, "PDSERVE_MODE: 'split' is not one of disaggregated, colocated for mode"),
+    (["--local-prefill-max-tokens", "-1"], {}, "local_prefill_max_tokens must be at least 0"),
+    ([], {"PDSERVE_LOCAL_PREFILL_MAX_LOAD": "0"}, "PDSERVE_LOCAL_PREFILL_MAX_LOAD: local_prefill_max_load must be "
+                                                   "greater than 0"),
+    (["--local-prefill-max-load", "1.5"], {}, "local_prefill_max_load must be at most 1"),
+])
+def test_bad_values_name_the_setting(argv, environ, message):
+    with pytest.raises(SettingsError, match=message):
+        build(resolve(parse(argv), environ=environ))
+
+
+def test_a_colocated_cluster_config_with_prefill_workers_is_refused():
+    with pytest.raises(ValueError, match="num_prefill must be 0 in colocated mode"):
+        ClusterConfig(mode=COLOCATED, num_prefill=1)
+    with pytest.raises(ValueError, match="mode must be one of disaggregated, colocated"):
+        ClusterConfig(mode="both")
+
+
+def test_a_router_run_as_a_plain_process_reads_the_rule_too():
+    """``pdserve worker --role router`` (Kubernetes without Ray) builds its limits from the same table."""
+    import argparse
+
+    from cluster import worker_cli
+    from cluster.settings import add_arguments
+    from cluster.worker_router import router_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, worker_cli.worker_settings())
+    v = worker_cli.settings(parser.parse_args(["--role", "router", "--local-prefill-max-tokens", "256"]), environ={})
+    assert router_config(v).limits.local_prefill == LocalPrefillConfig(max_tokens=256)
+
+
+def test_a_colocated_cluster_autoscales_only_its_decode_pool(tmp_path):
+    """An ``autoscaling:`` section names both pools; colocated, only the decode pool exists, so
+    only it is sampled and scaled (a prefill policy would start prefill workers from nothing)."""
+    import time
+
+    from cluster.autoscaler import Autoscaler
+    from cluster.autoscaling import PoolSample
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("mode: colocated\nautoscaling:\n  prefill: {min_replicas: 1}\n  decode: {min_replicas: 1}\n")
+    config = build(resolve(parse(["--config", str(path)]), environ={}))
+    assert set(config.autoscaling) == {"prefill", "decode"} and set(config.autoscaled_pools()) == {"decode"}
+
+    class Cluster:
+        def addresses(self, pool):
+            return []
+
+        def push_membership(self):
+            pass
+
+    sampled = []
+    scaler = Autoscaler(Cluster(), config.autoscaled_pools(), observe_only=True)
+    scaler._latency = lambda window_s: None  # no router here
+    scaler.sample = lambda pool, now, latency=None: sampled.append(pool) or PoolSample(now, 1, kv_usage=0.1)
+    scaler.step(time.monotonic())
+    assert sampled == ["decode"] and set(scaler.desired()) == {"decode"}
