@@ -1,0 +1,97 @@
+"""The load generator against a real OpenAI-compatible HTTP server: pdserve's own HTTP front
+(router/http_api.py, with validation, SSE streaming and usage), in process, over fake workers
+(tests/metrics/metrics_helpers.py) whose decode stream sleeps ``TOKEN_S`` per token. No model
+and no processes, so it is cheap; the serving tests and benchmarks/loadgen.py's own run cover
+the load generator against a real cluster."""
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+from benchmarks.load import SLO, Arrivals, Lengths, WorkloadSpec, run_async
+from benchmarks.load.metrics import itls, tpot, ttft
+from benchmarks.load.report import plot, text, write_json
+from router import http_api
+from router.frontend import ModelInfo
+from router.orchestrator import RouterLimits
+from router.service import GenerationService
+from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
+
+TOKEN_S = 0.04
+OUTPUT_LEN = 6
+
+
+class CountingDecode(FakeDecode):
+    """A fake decode worker that also records the most streams it served at once."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.active = self.peak = 0
+
+    def Decode(self, request, timeout=None):
+        return _Counted(super().Decode(request, timeout), self)
+
+
+class _Counted:
+    def __init__(self, call, owner: CountingDecode):
+        self.call, self.owner = call, owner
+
+    def __aiter__(self):
+        return self._stream()
+
+    async def _stream(self):
+        self.owner.active += 1
+        self.owner.peak = max(self.owner.peak, self.owner.active)
+        try:
+            async for resp in self.call:
+                yield resp
+        finally:
+            self.owner.active -= 1
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+def spec(arrivals: Arrivals, slo: SLO | None = None) -> WorkloadSpec:
+    return WorkloadSpec(num_requests=8, arrivals=arrivals, prompt_len=Lengths.uniform(4, 12),
+                        output_len=Lengths.fixed(OUTPUT_LEN), token_range=(3, 900), slo=slo, warmup=1, seed=1)
+
+
+def drive(workload: WorkloadSpec):
+    """Serve the front on a free loopback port and run the workload against it."""
+    async def main():
+        decode = CountingDecode(token_s=TOKEN_S)
+        model = ModelInfo("m", SimpleNamespace(vocab_size=1000), 4096, 16, LetterTokenizer())
+        service = GenerationService(model, fake_pool([FakePrefill()], [decode]), RouterLimits())
+        runner, address = await http_api.start(service, "127.0.0.1", 0)
+        try:
+            return await run_async(workload, f"http://{address}", progress=False), decode.peak
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def test_open_loop_records_every_token_and_the_decode_pace(tmp_path):
+    results, peak = drive(spec(Arrivals("poisson", rate=math.inf), SLO(ttft_ms=60_000, tpot_ms=60_000)))
+    s = results.summary
+    assert results.model == "m" and (s.completed, s.failed) == (8, 0)
+    for r in results.records:
+        assert r.output_tokens == OUTPUT_LEN and len(r.chunk_times) == OUTPUT_LEN  # usage, and a chunk per token
+        assert 4 <= r.prompt_tokens <= 12 and 0 < ttft(r) <= r.end - r.sent
+        assert all(g >= 0.9 * TOKEN_S for g in itls(r)[1:])  # decode tokens: each slept TOKEN_S
+        assert tpot(r) >= 0.9 * TOKEN_S * (OUTPUT_LEN - 2) / (OUTPUT_LEN - 1)
+    assert peak >= 3  # all sent at once: the streams overlapped
+    assert s.goodput_req_s == s.req_s and s.slo_attainment == 1.0  # a generous SLO: all meet it
+    assert s.output_tok_s == 8 * OUTPUT_LEN / s.duration_s
+
+    out = write_json(results, tmp_path / "run.json")
+    assert '"records"' in out.read_text() and "NaN" not in out.read_text()
+    assert plot(results, tmp_path / "run.png").stat().st_size > 10_000
+    assert "goodput: " in text(results)
+
+
+def test_closed_loop_keeps_its_concurrency_and_a_tight_tpot_slo_has_no_goodput():
+    results, peak = drive(spec(Arrivals("closed", concurrency=2), SLO(ttft_ms=60_000, tpot_ms=0.5 * TOKEN_S * 1000)))
+    assert results.summary.completed == 8 and peak <= 2
+    assert results.summary.goodput_req_s == 0 and results.summary.slo_attainment == 0
