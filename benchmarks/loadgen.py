@@ -15,7 +15,9 @@ Lengths (--prompt-len, --output-len): fixed:N, uniform:LOW:HIGH, lognormal:MEAN:
 chat-prompt[:SCALE] / chat-output[:SCALE] (log-normal with ShareGPT's means, 161 and 338
 tokens, sigma 1.0 and 0.8, means scaled by SCALE). --shared-prefix N:L puts one of N system
 prompts of L tokens (round robin) before each request's own prompt.
-Prompts are random token ids from --token-range (exact lengths) or, with --text, words.
+Prompts are random token ids from --token-range (exact lengths) or, with --text, words. The
+same --seed gives the same prompts: a server with a prefix cache answers a repeated run from
+its cache, so give each run its own seed unless the cache is what you measure.
 
 Writes --out-dir/loadgen.json (spec, summary, every request's record; times in seconds from
 the start, latencies in the summary in ms) and loadgen.png (TTFT / TPOT / ITL CDFs and output

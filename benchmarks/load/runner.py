@@ -48,16 +48,17 @@ class Results:
 
     def to_json(self) -> str:
         # NaN (a distribution with no values) is written as null: strict JSON readers refuse NaN
-        return json.dumps(_nan_to_none(self.to_dict()), indent=1)
+        return json.dumps(nan_to_none(self.to_dict()), indent=1)
 
 
-def _nan_to_none(x):
+def nan_to_none(x):
+    """x with every NaN (a distribution with no values) as None, which JSON writes as null."""
     if isinstance(x, float) and x != x:
         return None
     if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
+        return {k: nan_to_none(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_nan_to_none(v) for v in x]
+        return [nan_to_none(v) for v in x]
     return x
 
 
