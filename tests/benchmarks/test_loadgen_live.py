@@ -5,12 +5,16 @@ and no processes, so it is cheap; the serving tests and benchmarks/loadgen.py's 
 the load generator against a real cluster."""
 
 import asyncio
+import json
 import math
+import threading
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 from benchmarks.load import SLO, Arrivals, Lengths, WorkloadSpec, run_async
 from benchmarks.load.metrics import itls, tpot, ttft
 from benchmarks.load.report import plot, text, write_json
+from benchmarks.loadgen import main as loadgen_main
 from router import http_api
 from router.frontend import ModelInfo
 from router.orchestrator import RouterLimits
@@ -57,19 +61,40 @@ def spec(arrivals: Arrivals, slo: SLO | None = None) -> WorkloadSpec:
                         output_len=Lengths.fixed(OUTPUT_LEN), token_range=(3, 900), slo=slo, warmup=1, seed=1)
 
 
+async def start_front(decode: FakeDecode):
+    """The HTTP front on a free loopback port; returns its runner and address."""
+    model = ModelInfo("m", SimpleNamespace(vocab_size=1000), 4096, 16, LetterTokenizer())
+    service = GenerationService(model, fake_pool([FakePrefill()], [decode]), RouterLimits())
+    return await http_api.start(service, "127.0.0.1", 0)
+
+
 def drive(workload: WorkloadSpec):
-    """Serve the front on a free loopback port and run the workload against it."""
+    """Serve the front and run the workload against it, in one event loop."""
     async def main():
         decode = CountingDecode(token_s=TOKEN_S)
-        model = ModelInfo("m", SimpleNamespace(vocab_size=1000), 4096, 16, LetterTokenizer())
-        service = GenerationService(model, fake_pool([FakePrefill()], [decode]), RouterLimits())
-        runner, address = await http_api.start(service, "127.0.0.1", 0)
+        runner, address = await start_front(decode)
         try:
             return await run_async(workload, f"http://{address}", progress=False), decode.peak
         finally:
             await runner.cleanup()
 
     return asyncio.run(main())
+
+
+@contextmanager
+def front_in_thread():
+    """The front in its own thread and loop, for a caller that runs its own (the CLI)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner, address = asyncio.run_coroutine_threadsafe(start_front(FakeDecode(token_s=0.01)), loop).result(30)
+    try:
+        yield address
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
 
 
 def test_open_loop_records_every_token_and_the_decode_pace(tmp_path):
@@ -95,3 +120,15 @@ def test_closed_loop_keeps_its_concurrency_and_a_tight_tpot_slo_has_no_goodput()
     results, peak = drive(spec(Arrivals("closed", concurrency=2), SLO(ttft_ms=60_000, tpot_ms=0.5 * TOKEN_S * 1000)))
     assert results.summary.completed == 8 and peak <= 2
     assert results.summary.goodput_req_s == 0 and results.summary.slo_attainment == 0
+
+
+def test_cli_runs_a_closed_loop_and_writes_json_and_png(tmp_path, capsys):
+    with front_in_thread() as address:
+        rc = loadgen_main(["--base-url", f"http://{address}", "-n", "5", "--concurrency", "2",
+                           "--prompt-len", "uniform:3:9", "--output-len", "fixed:4", "--token-range", "3:900",
+                           "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--out-dir", str(tmp_path),
+                           "--no-progress"])
+    doc = json.loads((tmp_path / "loadgen.json").read_text())
+    assert rc == 0 and doc["summary"]["completed"] == 5 and doc["spec"]["arrivals"]["kind"] == "closed"
+    assert [r["output_tokens"] for r in doc["records"]] == [4] * 5 and (tmp_path / "loadgen.png").exists()
+    assert "goodput: " in capsys.readouterr().out
