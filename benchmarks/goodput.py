@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.load import SLO, Arrivals, WorkloadError, run  # noqa: E402
 from benchmarks.load.metrics import percentile, tpot, ttft  # noqa: E402
-from benchmarks.load.runner import nan_to_none  # noqa: E402
+from benchmarks.load.runner import json_safe  # noqa: E402
 from benchmarks.loadgen import add_workload_args, spec_from_args  # noqa: E402
 from benchmarks.serving_procs import ServerProcess  # noqa: E402
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"schema": "pdserve-goodput/1", "label": args.label, "base_url": base_url, "serve_flags": extra,
            "loadavg": {"start": loadavg_start, "end": os.getloadavg()}, "workload": asdict(spec_from_args(args, slo)), "slo": slo_doc, "rows": rows}
     out = args.out_dir / "goodput.json"
-    out.write_text(json.dumps(nan_to_none(doc), indent=1) + "\n")
+    out.write_text(json.dumps(json_safe(doc), indent=1) + "\n")
     plot(doc, args.out_dir / "goodput.png")
     print("\n".join(line(r) for r in rows))
     print(f"wrote {out} and {args.out_dir / 'goodput.png'}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from contextlib import nullcontext
@@ -47,18 +48,20 @@ class Results:
                 "records": [{**asdict(r), "prefix": p} for r, p in zip(self.records, self.prefixes)]}
 
     def to_json(self) -> str:
-        # NaN (a distribution with no values) is written as null: strict JSON readers refuse NaN
-        return json.dumps(nan_to_none(self.to_dict()), indent=1)
+        return json.dumps(json_safe(self.to_dict()), indent=1)
 
 
-def nan_to_none(x):
-    """x with every NaN (a distribution with no values) as None, which JSON writes as null."""
+def json_safe(x):
+    """x with every NaN (a distribution with no values) as None and every infinity (a rate of
+    "all at once") as the string "inf": strict JSON readers refuse NaN and Infinity."""
     if isinstance(x, float) and x != x:
         return None
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
     if isinstance(x, dict):
-        return {k: nan_to_none(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [nan_to_none(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
