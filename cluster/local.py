@@ -260,12 +260,12 @@ class LocalCluster:
             self._init_ray()
         threads = cfg.worker_threads()
         self.prefill = [self._place("prefill", i, cfg.prefill_placement, PrefillWorkerConfig(
-            worker_id=f"prefill-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
+            worker_id=f"prefill-{i}", model_name=cfg.served_model_names[0], engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
             advertise_host=cfg.internal_advertise_host, lease_seconds=cfg.lease_seconds,
             kv_transfer_backend=cfg.kv_transfer_backend, max_requests=cfg.worker_max_requests,
             max_receive_bytes=cfg.max_receive_bytes), threads) for i in range(cfg.num_prefill)]
         self.decode = [self._place("decode", i, cfg.decode_placement, DecodeWorkerConfig(
-            worker_id=f"decode-{i}", engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
+            worker_id=f"decode-{i}", model_name=cfg.served_model_names[0], engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
             advertise_host=cfg.internal_advertise_host, kv_transfer_backend=cfg.kv_transfer_backend,
             transfer_timeout_s=cfg.transfer_timeout_s, inject_transfer_delay_s=cfg.inject_transfer_delay_s,
             max_requests=cfg.worker_max_requests, max_receive_bytes=cfg.max_receive_bytes), threads)

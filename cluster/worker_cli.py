@@ -33,12 +33,13 @@ from typing import Any
 
 import functools
 
+from cluster.serve_config import served_names
 from cluster.settings import Setting, SettingsError, add_arguments, resolve, serve_settings
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
 
-_SHARED = ("model", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
+_SHARED = ("model", "served_model_name", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
            "drain_grace_seconds", "threads_per_worker", "host", "port", "grpc_port", "advertise_host",
            "internal_host", "internal_advertise_host", "api_key", "api_key_file", "tls_ca", "tls_cert", "tls_key",
            "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
@@ -122,7 +123,8 @@ def internal_tls(v: dict[str, Any]):
 
 def worker_config(v: dict[str, Any]):
     """The role's frozen config from the settings."""
-    common = dict(worker_id=v["worker_id"] or socket.gethostname(), engine=engine_config(v), host=v["internal_host"],
+    common = dict(worker_id=v["worker_id"] or socket.gethostname(), model_name=served_names(v)[0],
+                  engine=engine_config(v), host=v["internal_host"],
                   advertise_host=v["internal_advertise_host"], tls=internal_tls(v), port=v["internal_port"],
                   metrics_port=v["metrics_port"], kv_transfer_backend=v["kv_transfer_backend"],
                   drain_grace_s=v["drain_grace_seconds"])

@@ -28,6 +28,7 @@ TRANSFER_POLL_S = 0.0005
 @dataclass(frozen=True)
 class DecodeWorkerConfig:
     worker_id: str = "decode-0"
+    model_name: str = "smollm2"  # the served name (the first), the workers' metrics label model_name
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str | None = "127.0.0.1"  # internal plane bind address; None: the node's IP (wire.address)
     advertise_host: str | None = None  # what peers dial; None: from host (wire.address.resolve)
@@ -168,7 +169,8 @@ class DecodeWorker(WorkerShell):
                 self.engine.kv_ready(request_id)
                 seconds = handle.finished_at - handle.started_at
                 metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
-                                         handle.nbytes, len(handle.local_block_ids))  # one descriptor per block
+                                         handle.nbytes, len(handle.local_block_ids),  # one descriptor per block
+                                         self.config.model_name)
                 arrived.append((request_id, KVArrived(handle.nbytes, seconds)))
             else:
                 self.engine.abort(request_id)

@@ -28,6 +28,7 @@ NOTIFICATION_POLL_S = 0.005
 @dataclass(frozen=True)
 class PrefillWorkerConfig:
     worker_id: str = "prefill-0"
+    model_name: str = "smollm2"  # the served name (the first), the workers' metrics label model_name
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str | None = "127.0.0.1"  # internal plane bind address; None: the node's IP (wire.address)
     advertise_host: str | None = None  # what peers dial; None: from host (wire.address.resolve)

@@ -46,7 +46,8 @@ Router, per stats poll (router/pool.py), label ``pool`` (prefill, decode):
   primary signal (prefill: ``worker_num_waiting_prompt_tokens``; decode:
   ``worker_kv_cache_usage_perc``); absent without autoscaling
 
-Workers, read from the engine and the KV agent at each scrape; labels ``pool``, ``worker``:
+Workers, read from the engine and the KV agent at each scrape; labels ``pool``, ``worker``,
+``model_name`` (the first served name, as on the router's families):
 
 - gauge ``pdserve:worker_num_requests_running``, ``pdserve:worker_num_requests_waiting``,
   ``pdserve:worker_num_waiting_prompt_tokens`` (the prefill autoscaling signal, for KEDA/HPA),
@@ -59,7 +60,7 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
 - counter ``pdserve:forward_tokens_total``: tokens run through the model
 - counter ``pdserve:num_preemptions_total``: sequences whose KV was freed to make room
 
-Decode workers, per KV read, labels ``pool``, ``worker``, ``backend`` (nixl, tcp), as vLLM's
+Decode workers, per KV read, labels ``pool``, ``worker``, ``backend`` (nixl, tcp), ``model_name``, as vLLM's
 NIXL connector reports them:
 
 - histogram ``pdserve:worker_kv_transfer_seconds``: start of the read to its completion
@@ -293,6 +294,7 @@ class WorkerSource:
     worker: str
     stats: Callable[[], worker_pb2.WorkerStats]
     block_size: int  # prefix-cache counters are in blocks; vLLM's are in tokens
+    model_name: str = "smollm2"  # the served name, as the router's families carry it
 
 
 def _usage(used: int, total: int) -> float:
@@ -349,7 +351,7 @@ class WorkerCollector:
             self._sources.pop(worker, None)
 
     def describe(self) -> list:
-        return [cls(name, doc, labels=[POOL_LABEL, "worker"]) for cls, name, doc, _ in _WORKER_FAMILIES]
+        return [cls(name, doc, labels=[POOL_LABEL, "worker", MODEL_LABEL]) for cls, name, doc, _ in _WORKER_FAMILIES]
 
     def collect(self) -> list:
         families = self.describe()
@@ -358,7 +360,7 @@ class WorkerCollector:
         for src in sources:
             stats = src.stats()
             for family, (_, _, _, value) in zip(families, _WORKER_FAMILIES):
-                family.add_metric([src.pool, src.worker], value(stats, src.block_size))
+                family.add_metric([src.pool, src.worker, src.model_name], value(stats, src.block_size))
         return families
 
 
@@ -367,7 +369,7 @@ REGISTRY.register(WORKERS)
 WORKER_REGISTRY.register(WORKERS)
 
 # ---- decode workers: one observation per KV read --------------------------------------------
-_TRANSFER_LABELS = [POOL_LABEL, "worker", "backend"]
+_TRANSFER_LABELS = [POOL_LABEL, "worker", "backend", MODEL_LABEL]
 TRANSFER_SECONDS = Histogram("pdserve:worker_kv_transfer_seconds", "One KV read, start to completion.",
                              _TRANSFER_LABELS, buckets=TRANSFER_BUCKETS, registry=WORKER_REGISTRY)
 TRANSFER_BYTES = Histogram("pdserve:worker_kv_transfer_bytes", "Bytes one KV read moved.", _TRANSFER_LABELS,
@@ -377,13 +379,14 @@ TRANSFER_DESCRIPTORS = Histogram("pdserve:worker_kv_transfer_descriptors", "Desc
 _TRANSFER_FAMILIES = (TRANSFER_SECONDS, TRANSFER_BYTES, TRANSFER_DESCRIPTORS)
 for _family in _TRANSFER_FAMILIES:  # listed by the router's registry too, as the worker families are
     REGISTRY.register(_family)
-_transfer_children: set[tuple[str, str, str]] = set()  # label values observed, to remove at stop
+_transfer_children: set[tuple[str, str, str, str]] = set()  # label values observed, to remove at stop
 _transfer_lock = threading.Lock()
 
 
-def kv_transfer_done(pool: str, worker: str, backend: str, seconds: float, nbytes: int, descriptors: int) -> None:
+def kv_transfer_done(pool: str, worker: str, backend: str, seconds: float, nbytes: int, descriptors: int,
+                     model_name: str = "smollm2") -> None:
     """A decode worker's KV read completed (called from its engine thread)."""
-    labels = (pool, worker, backend)
+    labels = (pool, worker, backend, model_name)
     with _transfer_lock:
         _transfer_children.add(labels)
     TRANSFER_SECONDS.labels(*labels).observe(seconds)

@@ -200,7 +200,7 @@ async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, s
     config = worker.config
     worker.start()
     metrics = serve_worker(worker.endpoint, config.metrics_port, WorkerSource(
-        worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size))
+        worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size, config.model_name))
     running = await start_server(worker.endpoint, config.port,
                                  lambda server, address: register(server, address, metrics.address),
                                  service, [metrics.stop, worker.stop], tls=config.tls,

@@ -29,7 +29,7 @@ def get(url: str) -> str:
 
 def scrape(address: str) -> dict[str, float]:
     """Samples keyed as PromQL writes them: ``name`` or ``name{label="value",...}``. The
-    router's request families carry the served model's name, checked here and left out of the key."""
+    router's and the workers' families carry the served model's name, checked here and left out of the key."""
     out = {}
     for family in text_string_to_metric_families(get(f"http://{address}/metrics")):
         for s in family.samples:

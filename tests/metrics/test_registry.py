@@ -42,7 +42,7 @@ class FakeWorker:
 @pytest.fixture
 def endpoint():
     worker = FakeWorker()
-    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("decode", "decode-7", lambda: worker.stats, 16))
+    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("decode", "decode-7", lambda: worker.stats, 16, "tiny"))
     yield ep, worker
     ep.stop()
 
@@ -56,7 +56,7 @@ def scrape(address: str) -> dict[tuple[str, tuple], float]:
 
 def test_a_worker_endpoint_reads_its_stats_at_each_scrape(endpoint):
     ep, worker = endpoint
-    labels = (("pool", "decode"), ("worker", "decode-7"))
+    labels = (("model_name", "tiny"), ("pool", "decode"), ("worker", "decode-7"))
     got = scrape(ep.address)
     assert got[("pdserve:worker_num_requests_running", labels)] == 2
     assert got[("pdserve:worker_kv_cache_usage_perc", labels)] == 0.25
@@ -77,20 +77,20 @@ def test_a_worker_endpoint_serves_no_router_family(endpoint):
 
 def test_a_stopped_worker_is_no_longer_exported():
     ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("prefill", "prefill-9", worker_pb2.WorkerStats, 16))
-    assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9"}) == 0
+    assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9", "model_name": "smollm2"}) == 0
     ep.stop()
-    assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9"}) is None
+    assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9", "model_name": "smollm2"}) is None
 
 
 def test_preemptions_and_per_read_transfer_histograms_with_their_backend():
     worker = FakeWorker()
     worker.stats.num_preemptions = 3
-    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("decode", "decode-8", lambda: worker.stats, 16))
-    metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.003, nbytes=5 << 20, descriptors=20)
-    metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.2, nbytes=1 << 20, descriptors=4)
+    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("decode", "decode-8", lambda: worker.stats, 16, "tiny"))
+    metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.003, nbytes=5 << 20, descriptors=20, model_name="tiny")
+    metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.2, nbytes=1 << 20, descriptors=4, model_name="tiny")
     got = scrape(ep.address)
-    assert got[("pdserve:num_preemptions_total", (("pool", "decode"), ("worker", "decode-8")))] == 3
-    labels = (("backend", "tcp"), ("pool", "decode"), ("worker", "decode-8"))
+    assert got[("pdserve:num_preemptions_total", (("model_name", "tiny"), ("pool", "decode"), ("worker", "decode-8")))] == 3
+    labels = (("backend", "tcp"), ("model_name", "tiny"), ("pool", "decode"), ("worker", "decode-8"))
     assert got[("pdserve:worker_kv_transfer_seconds_count", labels)] == 2
     assert got[("pdserve:worker_kv_transfer_seconds_sum", labels)] == pytest.approx(0.203)
     assert got[("pdserve:worker_kv_transfer_bytes_sum", labels)] == 6 << 20
@@ -110,5 +110,5 @@ def test_a_worker_endpoint_keeps_the_colon_names_whatever_the_scraper_accepts(en
     with urllib.request.urlopen(req, timeout=5) as resp:
         content_type, text = resp.headers["Content-Type"], resp.read().decode()
     assert content_type.startswith("text/plain; version=0.0.4")
-    assert 'pdserve:worker_num_requests_running{pool="decode",worker="decode-7"} 2.0' in text
+    assert 'pdserve:worker_num_requests_running{model_name="tiny",pool="decode",worker="decode-7"} 2.0' in text
     assert "pdserve_" not in text
