@@ -13,9 +13,12 @@ import pytest
 from benchmarks.serving_procs import ServerError, ServerExited, ServerProcess, port_free, run_teed
 
 # A /health server that first starts a grandchild in a session of its own, the way Ray's
-# daemons leave the server's process group, and writes its pid to a file.
+# daemons leave the server's process group, and writes its pid to a file. It stops on SIGINT
+# as pdserve and vLLM do: a process started in the background (as CI may start the suite)
+# inherits SIGINT ignored, and the fake server then sat out stop()'s 30 s SIGINT wait.
 SERVER = textwrap.dedent("""
-    import http.server, subprocess, sys
+    import http.server, signal, subprocess, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     open(sys.argv[2], "w").write(str(child.pid))
     class H(http.server.BaseHTTPRequestHandler):
