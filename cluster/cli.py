@@ -1,6 +1,8 @@
 """The ``pdserve`` command.
 
     pdserve serve [MODEL]            start a local cluster (router + workers as Ray actors)
+    pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
+    pdserve stop --address RAY       drain and stop it
     pdserve generate "PROMPT"        stream a completion from a running cluster
     pdserve worker --role ROLE       one role as a plain process, without Ray (cluster/worker_cli.py)
     pdserve plan                     size prefill and decode pools (simulated; planner/)
@@ -25,7 +27,22 @@ def _serve_parser(sub) -> None:
                                    "Settings come from flags, PDSERVE_* variables and --config FILE.yaml, "
                                    "in that order of precedence.")
     p.add_argument("--version", action="version", version=f"pdserve {version()}")
+    p.add_argument("--detach", action="store_true",
+                   help="with --address: return once the cluster serves, and leave it running (pdserve stop ends it)")
     add_arguments(p)
+
+
+def _cluster_parsers(sub) -> None:
+    for name, help_ in (("status", "the endpoints and processes of a cluster started with --address"),
+                        ("stop", "drain and stop a cluster started with --address")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--address", required=True, help="the Ray cluster's address (serve's --address)")
+        p.add_argument("--cluster-name", default="pdserve", help="the cluster's Ray namespace (serve's --cluster-name)")
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print the status as one JSON object")
+        else:
+            p.add_argument("--drain-grace-seconds", type=float, default=30.0,
+                           help="how long in-flight requests may take to finish before the cluster stops")
 
 
 def _generate_parser(sub) -> None:
@@ -53,6 +70,8 @@ def serve(args) -> int:
     except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
+    if config.ray_address:
+        return _serve_on_ray(config, v, args.detach)
     configure(config.log, "controller")  # the autoscaler and supervisor log from this process
     cluster = LocalCluster(config)
     stop = threading.Event()
@@ -71,6 +90,91 @@ def serve(args) -> int:
     finally:
         print("pdserve: stopping", flush=True)
         cluster.stop()
+    return 0
+
+
+def _banner(status: dict, config, v: dict) -> str:
+    http = f"OpenAI HTTP API on http://{status['http_address']}/v1, " if status["http_address"] else ""
+    return (f"{http}gRPC API listening on {status['grpc_address']}, serving {', '.join(config.served_model_names)} "
+            f"({len(status.get('prefill', []))} prefill, {len(status['decode'])} decode worker(s))")
+
+
+def _serve_on_ray(config, v: dict, detach: bool) -> int:
+    """``serve --address``: the cluster's controller is a detached actor (``cluster.controller``).
+    This process starts it, or attaches to the one running, and on Ctrl-C drains and stops the
+    cluster. If this process dies instead, the cluster keeps serving."""
+    import ray
+
+    from cluster import controller
+    from wire.logs import configure
+
+    configure(config.log, "driver")
+    controller.connect(config.ray_address, v["cluster_name"])
+    stop = threading.Event()
+    _on_stop_signals(stop)
+    handle, running = controller.get_or_create(config)
+    if running and ray.get(handle.config.remote()) != config:
+        print(f"pdserve: a cluster named {v['cluster_name']!r} already runs with other settings; attaching to it "
+              f"unchanged (pdserve stop --address {config.ray_address} first to apply new ones)", flush=True)
+    status = ray.get(handle.start.remote())
+    what = "attached to the running cluster" if running else "started"
+    print(f"pdserve: {what}: {_banner(status, config, v)}; controller is the detached actor 'controller' in Ray "
+          f"namespace {v['cluster_name']!r}; " + ("detached, `pdserve stop --address` stops it" if detach
+                                                    else "Ctrl-C stops the cluster"), flush=True)
+    if detach:
+        return 0
+    stop.wait()
+    print(f"pdserve: draining (up to {v['drain_grace_seconds']:g} s)", flush=True)
+    _stop_cluster(handle, v["drain_grace_seconds"])
+    return 0
+
+
+def _stop_cluster(handle, grace_s: float) -> None:
+    import ray
+
+    left = ray.get(handle.drain.remote(grace_s))
+    if left:
+        print(f"pdserve: {left} request(s) still running after the grace period; stopping anyway", flush=True)
+    print("pdserve: stopping", flush=True)
+    try:
+        ray.get(handle.shutdown.remote())
+    except ray.exceptions.RayActorError:  # the controller ends itself as it answers
+        pass
+
+
+def cluster_status(args) -> int:
+    import json
+
+    from cluster import controller
+
+    controller.connect(args.address, args.cluster_name)
+    handle = controller.find()
+    if handle is None:
+        print(f"pdserve: no cluster named {args.cluster_name!r} on {args.address}", file=sys.stderr)
+        return 1
+    import ray
+
+    status = ray.get(handle.status.remote())
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    print(f"router: gRPC {status['grpc_address']}, HTTP {status['http_address']}, pid {status['router_pid']}")
+    print(f"controller: pid {status['controller_pid']}" + (" (restarted; took the cluster over)" if status["adopted"] else ""))
+    for role in ("prefill", "decode"):
+        for w in status[role]:
+            print(f"{role}: {w['address']} pid {w['pid']}")
+    return 0
+
+
+def cluster_stop(args) -> int:
+    from cluster import controller
+
+    controller.connect(args.address, args.cluster_name)
+    handle = controller.find()
+    if handle is None:
+        print(f"pdserve: no cluster named {args.cluster_name!r} on {args.address}", file=sys.stderr)
+        return 1
+    _stop_cluster(handle, args.drain_grace_seconds)
     return 0
 
 
@@ -129,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
+    _cluster_parsers(sub)
     from planner.cli import add_plan_parser, add_profile_parser, run_plan, run_profile
 
     add_plan_parser(sub)
@@ -138,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_cli.add_worker_parser(sub)
     args = parser.parse_args(argv)
     return {"serve": serve, "generate": generate, "plan": run_plan, "profile": run_profile,
-            "worker": worker_cli.run_worker}[args.command](args)
+            "worker": worker_cli.run_worker, "status": cluster_status, "stop": cluster_stop}[args.command](args)
 
 
 if __name__ == "__main__":

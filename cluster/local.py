@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -172,11 +173,13 @@ def _set_ray_auth_mode(mode: str) -> None:
 class ServerActor:
     """One role (prefill worker, decode worker or router) in its own process."""
 
-    def __init__(self, role: str, config, threads: int | None = None, log_config: LogConfig = LogConfig()):
+    def __init__(self, role: str, config, threads: int | None = None, log_config: LogConfig = LogConfig(),
+                 placement: PoolPlacement | None = None):
         import torch
 
         from wire.server import ServerThread
 
+        self._spec = (role, config, threads, placement)  # what ``describe`` tells a controller that adopts it
         if threads:
             torch.set_num_threads(threads)
         configure(log_config, getattr(config, "worker_id", role))
@@ -203,6 +206,15 @@ class ServerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def describe(self) -> dict:
+        """What a restarted controller needs to take this actor over (``LocalCluster.adopt``)."""
+        role, config, threads, placement = self._spec
+        running = self._server.running
+        return {"role": role, "config": config, "threads": threads, "placement": placement,
+                "group": ray.util.get_current_placement_group(), "pid": os.getpid(),
+                "address": running.address, "http_address": running.http_address,
+                "internal_address": running.internal_address or running.address}
+
     def drain(self, grace_s: float) -> int:
         """The router's drain (see ``GenerationService.drain``); workers have none here."""
         service = self._server.running.service
@@ -226,8 +238,16 @@ class ServerActor:
 
 
 class LocalCluster:
-    def __init__(self, config: ClusterConfig):
+    """The controller's state and actions: it starts the router and the workers, replaces dead
+    ones (``cluster.supervisor``), scales pools (``cluster.autoscaler``) and stops them all.
+
+    ``detached``: every actor and placement group it makes outlives the process that runs it, and
+    is named in the Ray namespace, so that a controller started again (``cluster.controller``)
+    finds them and takes them over (``adopt``) instead of starting the workers again."""
+
+    def __init__(self, config: ClusterConfig, detached: bool = False):
         self.config = config
+        self.detached = detached
         self.prefill: list = []
         self.decode: list = []
         self.router = None
@@ -243,15 +263,12 @@ class LocalCluster:
         self.autoscaler = None
         self._templates: dict[str, tuple] = {}  # role -> (placement, config, threads) for new slots
         self._next_id = {"prefill": 0, "decode": 0}
-        self._group_serial = itertools.count()  # placement-group names stay unique for the cluster's life
         self.lock = threading.RLock()  # membership changes: scaling and the supervisor
         self._started_ray = False
         self._core_slots = itertools.count()  # which cores the next pinned worker gets
 
     def start(self) -> str:
-        from decode_worker.worker import DecodeWorkerConfig
         from engine.loader import materialize
-        from prefill_worker.worker import PrefillWorkerConfig
         from router.server import RouterConfig
 
         cfg = self.config
@@ -259,17 +276,10 @@ class LocalCluster:
         if not ray.is_initialized():
             self._init_ray()
         threads = cfg.worker_threads()
-        self.prefill = [self._place("prefill", i, cfg.prefill_placement, PrefillWorkerConfig(
-            worker_id=f"prefill-{i}", model_name=cfg.served_model_names[0], engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
-            advertise_host=cfg.internal_advertise_host, lease_seconds=cfg.lease_seconds,
-            kv_transfer_backend=cfg.kv_transfer_backend, max_requests=cfg.worker_max_requests,
-            max_receive_bytes=cfg.max_receive_bytes), threads) for i in range(cfg.num_prefill)]
-        self.decode = [self._place("decode", i, cfg.decode_placement, DecodeWorkerConfig(
-            worker_id=f"decode-{i}", model_name=cfg.served_model_names[0], engine=cfg.engine, host=cfg.internal_bind_host(), tls=cfg.tls,
-            advertise_host=cfg.internal_advertise_host, kv_transfer_backend=cfg.kv_transfer_backend,
-            transfer_timeout_s=cfg.transfer_timeout_s, inject_transfer_delay_s=cfg.inject_transfer_delay_s,
-            max_requests=cfg.worker_max_requests, max_receive_bytes=cfg.max_receive_bytes), threads)
-            for i in range(cfg.num_decode)]
+        self.prefill = [self._place("prefill", i, cfg.prefill_placement, self._worker_config("prefill", i), threads)
+                        for i in range(cfg.num_prefill)]
+        self.decode = [self._place("decode", i, cfg.decode_placement, self._worker_config("decode", i), threads)
+                       for i in range(cfg.num_decode)]
         self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
         self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
         router_cfg = RouterConfig(engine=cfg.engine, served_model_names=cfg.served_model_names,
@@ -284,6 +294,27 @@ class LocalCluster:
                                   prefill_addresses=tuple(self.prefill_addresses),
                                   decode_addresses=tuple(self.decode_addresses))
         self._start_router(router_cfg)
+        self._start_loops()
+        return self.address
+
+    def _worker_config(self, role: str, index: int):
+        """The config of ``role``'s worker number ``index``."""
+        from decode_worker.worker import DecodeWorkerConfig
+        from prefill_worker.worker import PrefillWorkerConfig
+
+        cfg = self.config
+        common = dict(worker_id=f"{role}-{index}", model_name=cfg.served_model_names[0], engine=cfg.engine,
+                      host=cfg.internal_bind_host(), tls=cfg.tls, advertise_host=cfg.internal_advertise_host,
+                      kv_transfer_backend=cfg.kv_transfer_backend, max_requests=cfg.worker_max_requests,
+                      max_receive_bytes=cfg.max_receive_bytes)
+        if role == "prefill":
+            return PrefillWorkerConfig(lease_seconds=cfg.lease_seconds, **common)
+        return DecodeWorkerConfig(transfer_timeout_s=cfg.transfer_timeout_s,
+                                  inject_transfer_delay_s=cfg.inject_transfer_delay_s, **common)
+
+    def _start_loops(self) -> None:
+        """The supervisor and the autoscaler, as the config asks."""
+        cfg = self.config
         if cfg.supervise_interval_s:
             from cluster.supervisor import Supervisor
 
@@ -294,7 +325,80 @@ class LocalCluster:
 
             self.autoscaler = Autoscaler(self, cfg.autoscaled_pools(), cfg.autoscale_interval_s, cfg.autoscale_history)
             self.autoscaler.start()
-        return self.address
+
+    def _actor_options(self, kind: str) -> dict:
+        """Ray options that name a detached cluster's actor (``kind``: router, prefill, decode)."""
+        if not self.detached:
+            return {}
+        return {"name": f"{kind}.{uuid.uuid4().hex[:12]}", "lifetime": "detached"}
+
+    def adopt(self) -> bool:
+        """Take over the router and workers a previous controller of this namespace left running:
+        their slots, addresses and placement groups, from each actor's own ``describe``. A pool
+        found short of its configured size (a worker died while no controller watched) is filled
+        up. Starts the supervisor and autoscaler. False, and nothing done, if no router runs."""
+        from wire.address import split
+
+        found = {"router": [], "prefill": [], "decode": []}
+        for name in ray.util.list_named_actors():
+            kind = name.split(".", 1)[0]
+            if kind not in found:
+                continue
+            try:
+                actor = ray.get_actor(name)
+                found[kind].append((actor, ray.get(actor.describe.remote(), timeout=30)))
+            except Exception as exc:  # it died while no controller watched; its slot is refilled below
+                log.warning("not adopting %s: %s", name, exc)
+        if not found["router"]:
+            return False
+        self.router, router = found["router"][-1]
+        for extra, _ in found["router"][:-1]:  # a router whose replacement was started before a crash
+            ray.kill(extra, no_restart=True)
+        self.address, self.http_address, self.admin_address = (router["address"], router["http_address"],
+                                                               router["internal_address"])
+        self._router_config = dataclasses.replace(
+            router["config"], grpc_port=split(self.address)[1],
+            http_port=split(self.http_address)[1] if self.http_address else router["config"].http_port)
+        for role in ("prefill", "decode"):
+            for actor, d in sorted(found[role], key=lambda a: int(a[1]["config"].worker_id.rsplit("-", 1)[1])):
+                index = len(self.actors(role))
+                self.actors(role).append(actor)
+                self.addresses(role).append(d["address"])
+                self._specs[(role, index)] = (d["placement"], d["config"], d["threads"])
+                self._groups[(role, index)] = d["group"]
+                self._templates.setdefault(role, (d["placement"], d["config"], d["threads"]))
+                self._next_id[role] = max(self._next_id[role], int(d["config"].worker_id.rsplit("-", 1)[1]) + 1)
+        self._release_orphan_groups()
+        for role, size in (("prefill", self.config.num_prefill), ("decode", self.config.num_decode)):
+            if role in self.config.pools():
+                self._templates.setdefault(role, (self._pool_placement(role), self._worker_config(role, 0),
+                                                  self.config.worker_threads()))
+                while len(self.actors(role)) < size:
+                    log.warning("%s pool has %d of %d workers; starting one", role, len(self.actors(role)), size)
+                    self.scale_up(role)
+        self.push_membership()
+        self._start_loops()
+        return True
+
+    def _release_orphan_groups(self) -> None:
+        """Remove the detached placement groups of this namespace that no adopted worker runs in
+        (their worker died while no controller watched)."""
+        from ray.util.placement_group import PlacementGroup, placement_group_table
+
+        prefix = self._group_prefix()
+        kept = {pg.id.hex() for pg in self._groups.values()}
+        for pg_id, info in placement_group_table().items():
+            if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED" and pg_id not in kept:
+                release(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+    def _group_prefix(self) -> str:
+        """How the names of this cluster's placement groups begin (a detached one: its namespace's)."""
+        if self.detached:
+            return f"pdserve:{ray.get_runtime_context().namespace}:"
+        return f"pdserve-{id(self):x}-"
+
+    def _pool_placement(self, role: str) -> PoolPlacement:
+        return self.config.prefill_placement if role == "prefill" else self.config.decode_placement
 
     def _start_router(self, router_cfg) -> None:
         """Start the router actor. Its public ports are then pinned in its config, so that a
@@ -304,7 +408,8 @@ class LocalCluster:
         # The router runs on this (the driver's) node: its public address is where `pdserve
         # serve` was started, not a node Ray happened to pick.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = ServerActor.options(scheduling_strategy=here).remote("router", router_cfg, None, self.config.log)
+        self.router = ServerActor.options(scheduling_strategy=here, **self._actor_options("router")).remote(
+            "router", router_cfg, None, self.config.log)
         self.address = ray.get(self.router.start.remote())
         self.http_address = ray.get(self.router.http_address.remote())
         self.admin_address = ray.get(self.router.internal_address.remote())
@@ -354,9 +459,11 @@ class LocalCluster:
                                                             for k in range(threads)))
         self._next_id[role] = max(self._next_id[role], index + 1)
         self._specs[(role, index)] = (placement, config, threads)
-        pg, options = reserve(placement, f"pdserve-{role}-{index}-{id(self):x}-{next(self._group_serial)}")
+        pg, options = reserve(placement, f"{self._group_prefix()}{role}-{index}-{uuid.uuid4().hex[:8]}",
+                              detached=self.detached)
         self._groups[(role, index)] = pg
-        return ServerActor.options(**options).remote(role, config, threads, self.config.log)
+        return ServerActor.options(**options, **self._actor_options(role)).remote(
+            role, config, threads, self.config.log, placement)
 
     def actors(self, role: str) -> list:
         return self.prefill if role == "prefill" else self.decode

@@ -44,13 +44,14 @@ class PlacementTimeout(RuntimeError):
     """No node could hold a worker's bundle in time; names the pool and the bundle."""
 
 
-def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0):
-    """Create the worker's placement group and wait until Ray has reserved it.
+def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0, detached: bool = False):
+    """Create the worker's placement group and wait until Ray has reserved it. A detached group
+    outlives the process that made it (the controller actor, when that restarts).
 
     Returns (placement group, actor options that schedule into it and use its resources).
     """
     bundle = placement.bundle()
-    pg = placement_group([bundle], strategy="STRICT_PACK", name=name)
+    pg = placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached" if detached else None)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)

@@ -137,7 +137,9 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("drain_grace_seconds", float, 30.0,
                 "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the cluster stops", minimum=0),
         Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)", minimum=1),
-        Setting("address", str, None, "join this Ray cluster instead of starting one"),
+        Setting("address", str, None, "join this Ray cluster instead of starting one; the controller then runs "
+                "detached, and the cluster outlives this command (pdserve stop ends it)"),
+        Setting("cluster_name", str, "pdserve", "with --address: the Ray namespace the cluster's named actors live in"),
         Setting("cpus_per_worker", float, 0.01, "logical CPUs each worker's placement group reserves", above=0),
         Setting("gpus_per_worker", float, None, "GPUs per worker (default: 1 where CUDA is, else 0)", minimum=0),
         Setting("prefill_resource", str, None, "custom Ray resource naming the prefill node group"),
