@@ -14,6 +14,7 @@ run as a user runs them, with the default model in float32:
 """
 
 import json
+import logging
 import os
 import re
 import signal
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+import ray
+from ray.util.placement_group import placement_group_table
 
 from protos import pdserve_pb2_grpc
 from tests.cluster.test_placement import ENV, RAY, free_port
@@ -65,8 +68,8 @@ def serve(address: str, log: Path) -> tuple[subprocess.Popen, str, str]:
     raise AssertionError(log.read_text()[-3000:])
 
 
-def status(address: str) -> dict | None:
-    """``pdserve status --json``; None when no cluster runs."""
+def status_command(address: str) -> dict | None:
+    """``pdserve status --json``, as a user runs it; None when no cluster runs."""
     done = subprocess.run([PDSERVE, "status", "--address", address, "--json"], env=ENV, capture_output=True,
                           text=True, timeout=120)
     if done.returncode == 1 and "no cluster named" in done.stderr:
@@ -75,11 +78,22 @@ def status(address: str) -> dict | None:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def wait_status(address: str, ok, what: str, timeout_s: float = 180) -> dict:
+def status() -> dict:
+    """The controller's ``status``, asked from this process (a driver of the cluster's
+    namespace: each ``pdserve status`` process would spend seconds joining Ray)."""
+    from cluster import controller
+
+    return ray.get(controller.find().status.remote(), timeout=120)
+
+
+def wait_status(ok, what: str, timeout_s: float = 180) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        now = status(address)
-        if now is not None and ok(now):
+        try:
+            now = status()
+        except (AttributeError, ray.exceptions.RayActorError) as exc:  # no controller, or it is restarting
+            now = exc
+        if isinstance(now, dict) and ok(now):
             return now
         assert time.monotonic() < deadline, f"{what}: {now}"
         time.sleep(1)
@@ -100,10 +114,11 @@ def greedy(grpc_address: str, reference) -> None:
 
 def test_the_cluster_outlives_its_driver_and_its_controller(ray_head, reference, tmp_path):
     driver, how, grpc_address = serve(ray_head, tmp_path / "serve1.log")
+    ray.init(address=ray_head, namespace="pdserve", logging_level=logging.WARNING)
     try:
         assert how == "started"
         greedy(grpc_address, reference)
-        first = status(ray_head)
+        first = status_command(ray_head)
         assert first["grpc_address"] == grpc_address and not first["adopted"]
         assert len(first["prefill"]) == 1 and len(first["decode"]) == 1 and None not in pids(first)["decode"]
 
@@ -111,19 +126,18 @@ def test_the_cluster_outlives_its_driver_and_its_controller(ray_head, reference,
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait(30)
         greedy(grpc_address, reference)
-        assert pids(status(ray_head)) == pids(first)
+        assert pids(status()) == pids(first)
 
         # 3. The controller dies: Ray starts it again and it takes the same processes over.
         os.kill(first["controller_pid"], signal.SIGKILL)
-        second = wait_status(ray_head, lambda s: s["controller_pid"] != first["controller_pid"],
-                             "Ray restarted the controller")
+        second = wait_status(lambda s: s["controller_pid"] != first["controller_pid"], "Ray restarted the controller")
         assert second["adopted"] and pids(second) == pids(first), (first, second)
         assert second["grpc_address"] == grpc_address
         greedy(grpc_address, reference)
         # ... and supervises them: a dead decode worker is replaced, and serves.
         os.kill(first["decode"][0]["pid"], signal.SIGKILL)
-        third = wait_status(ray_head, lambda s: None not in pids(s)["decode"]
-                            and pids(s)["decode"] != pids(first)["decode"], "the decode worker was replaced")
+        third = wait_status(lambda s: None not in pids(s)["decode"] and pids(s)["decode"] != pids(first)["decode"],
+                            "the decode worker was replaced")
         assert third["router_pid"] == first["router_pid"] and pids(third)["prefill"] == pids(first)["prefill"]
         deadline = time.monotonic() + 60
         while True:  # the replacement joins the router's table on the supervisor's next round
@@ -137,25 +151,14 @@ def test_the_cluster_outlives_its_driver_and_its_controller(ray_head, reference,
         # 4. serve again attaches; its Ctrl-C stops the cluster and leaves nothing behind.
         driver, how, again = serve(ray_head, tmp_path / "serve2.log")
         assert how == "attached to the running cluster" and again == grpc_address
-        assert pids(status(ray_head)) == pids(third)
+        assert pids(status()) == pids(third)
         os.killpg(driver.pid, signal.SIGINT)
         assert driver.wait(120) == 0, (tmp_path / "serve2.log").read_text()[-2000:]
-        assert status(ray_head) is None
-        left = subprocess.run([sys.executable, "-c", LEFT_BEHIND, ray_head], env=ENV, capture_output=True, text=True,
-                              timeout=120)
-        assert left.returncode == 0, left.stderr[-2000:]
-        assert json.loads(left.stdout.strip().splitlines()[-1]) == {"actors": [], "groups": []}
+        assert status_command(ray_head) is None
+        groups = [g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
+        assert ray.util.list_named_actors() == [] and groups == []
     finally:
         if driver.poll() is None:
             driver.kill()
-
-
-# Run in a driver of its own: the named actors and live placement groups of the namespace.
-LEFT_BEHIND = """
-import json, logging, sys
-import ray
-from ray.util.placement_group import placement_group_table
-ray.init(address=sys.argv[1], namespace="pdserve", logging_level=logging.ERROR)
-groups = [g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
-print(json.dumps({"actors": ray.util.list_named_actors(), "groups": groups}))
-"""
+        # Disconnect before the fixture's `ray stop`, or this process exits with the Ray it joined.
+        ray.shutdown()
