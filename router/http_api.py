@@ -261,9 +261,10 @@ class OpenAIFront:
     async def health(self, request: web.Request) -> web.Response:
         if self.service.draining:
             return error_response(503, "the router is shutting down", "service_unavailable")
-        if self.service.pool.ready():
+        missing = self.service.pool.missing_roles()
+        if not missing:
             return web.json_response({"status": "ok"})
-        return error_response(503, "no ready prefill worker or no ready decode worker", "service_unavailable")
+        return error_response(503, " and ".join(f"no ready {role} worker" for role in missing), "service_unavailable")
 
     async def metrics(self, request: web.Request) -> web.Response:
         from wire import metrics

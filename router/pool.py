@@ -161,8 +161,12 @@ class WorkerPool:
         return choose_prefill(snapshots, overlaps, len(prompt), routing, turn, exclude, max_queued_tokens, self.rng)
 
     def ready(self) -> bool:
+        return not self.missing_roles()
+
+    def missing_roles(self) -> list[str]:
+        """The pools this router needs that have no routable worker (colocated: decode only)."""
         roles = {w.role for w in self.workers.values() if w.healthy and not w.hung and not w.draining}
-        return set(self.required_roles) <= roles
+        return [role for role in self.required_roles if role not in roles]
 
     def metrics_targets(self) -> list[dict]:
         """Prometheus HTTP service discovery: one entry per worker that reported its /metrics.

@@ -84,10 +84,14 @@ async def _pool_sequence(monkeypatch):
     clock[0] = 6.0  # busy, and still at step 1: hung
     await pool.refresh()
     assert w.hung and not w.snapshot().routable and not pool.ready() and lost.is_set()
+    assert pool.missing_roles() == ["prefill", "decode"]  # what /health's 503 names
+    colocated = WorkerPool(hang_timeout_s=HANG_S, required_roles=("decode",))
+    assert colocated.missing_roles() == ["decode"]  # no prefill pool to miss
     stub.answer = worker_pb2.WorkerStats(num_blocks_total=10, engine_steps=2, engine_busy=True)
     clock[0] = 7.0
     await pool.refresh()
     assert not w.hung and w.snapshot().routable and not w.lost.is_set()  # a fresh event for its new life
+    assert pool.missing_roles() == ["prefill"]
     stub.answer = None  # stopped: answers nothing
     clock[0] = 12.5
     await pool.refresh()
