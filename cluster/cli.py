@@ -145,15 +145,11 @@ def _stop_cluster(handle, grace_s: float) -> None:
 def cluster_status(args) -> int:
     import json
 
-    from cluster import controller
-
-    controller.connect(args.address, args.cluster_name)
-    handle = controller.find()
-    if handle is None:
-        print(f"pdserve: no cluster named {args.cluster_name!r} on {args.address}", file=sys.stderr)
-        return 1
     import ray
 
+    handle = _running_controller(args)
+    if handle is None:
+        return 1
     status = ray.get(handle.status.remote())
     if args.json:
         print(json.dumps(status))
@@ -167,15 +163,22 @@ def cluster_status(args) -> int:
 
 
 def cluster_stop(args) -> int:
+    handle = _running_controller(args)
+    if handle is None:
+        return 1
+    _stop_cluster(handle, args.drain_grace_seconds)
+    return 0
+
+
+def _running_controller(args):
+    """The controller of ``--cluster-name`` on the Ray at ``--address``; None, said on stderr, if none runs."""
     from cluster import controller
 
     controller.connect(args.address, args.cluster_name)
     handle = controller.find()
     if handle is None:
         print(f"pdserve: no cluster named {args.cluster_name!r} on {args.address}", file=sys.stderr)
-        return 1
-    _stop_cluster(handle, args.drain_grace_seconds)
-    return 0
+    return handle
 
 
 def _on_stop_signals(stop: threading.Event) -> None:

@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import signal
 import threading
 import time
 import uuid
@@ -21,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.mode import COLOCATED, DISAGGREGATED, MODES
+from cluster.actors import ServerActor
 from cluster.placement import PoolPlacement, release, reserve
 from engine.config import EngineConfig
 from kv_transfer import DEFAULT_BACKEND
@@ -28,7 +28,7 @@ from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
 from router.orchestrator import RouterLimits
 from router.tool_parsers import DEFAULT_PARSER
 from wire.grpc_util import channel
-from wire.logs import LogConfig, configure
+from wire.logs import LogConfig
 from wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -145,19 +145,6 @@ def default_gpus() -> float:
     return 1.0 if torch.cuda.is_available() else 0.0
 
 
-def _start_role(role: str, config):
-    """The coroutine factory that starts ``role``'s server inside its actor."""
-    if role == "prefill":
-        from prefill_worker.server import start
-    elif role == "decode":
-        from decode_worker.server import start
-    elif role == "router":
-        from router.server import start
-    else:
-        raise ValueError(f"unknown role {role!r}")
-    return start(config)
-
-
 def _set_ray_auth_mode(mode: str) -> None:
     """Run the Ray this process starts in ``mode`` ("token": Ray makes a token in
     ~/.ray/auth_token unless RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH names one). Ray reads
@@ -167,74 +154,6 @@ def _set_ray_auth_mode(mode: str) -> None:
 
     os.environ["RAY_AUTH_MODE"] = mode
     Config.initialize("")
-
-
-@ray.remote(num_cpus=0)
-class ServerActor:
-    """One role (prefill worker, decode worker or router) in its own process."""
-
-    def __init__(self, role: str, config, threads: int | None = None, log_config: LogConfig = LogConfig(),
-                 placement: PoolPlacement | None = None):
-        import torch
-
-        from wire.server import ServerThread
-
-        self._spec = (role, config, threads, placement)  # what ``describe`` tells a controller that adopts it
-        if threads:
-            torch.set_num_threads(threads)
-        configure(log_config, getattr(config, "worker_id", role))
-        self._server = ServerThread(lambda: _start_role(role, config), name=role)
-        self._drain_grace_s = getattr(config, "drain_grace_s", 30.0)
-        if threading.current_thread() is threading.main_thread():
-            # Ray's own handler ends the process at once; a worker drains first, as the plain
-            # process does (wire.worker_process): what Kubernetes' SIGTERM to a pod means.
-            signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self._drain_and_exit, daemon=True).start())
-
-    def start(self) -> str:
-        return self._server.start()
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def http_address(self) -> str | None:
-        return self._server.running.http_address
-
-    def internal_address(self) -> str:
-        """The router's internal plane (RouterAdmin); a worker's only address is internal."""
-        return self._server.running.internal_address or self._server.running.address
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def describe(self) -> dict:
-        """What a restarted controller needs to take this actor over (``LocalCluster.adopt``)."""
-        role, config, threads, placement = self._spec
-        running = self._server.running
-        return {"role": role, "config": config, "threads": threads, "placement": placement,
-                "group": ray.util.get_current_placement_group(), "pid": os.getpid(),
-                "address": running.address, "http_address": running.http_address,
-                "internal_address": running.internal_address or running.address}
-
-    def drain(self, grace_s: float) -> int:
-        """The router's drain (see ``GenerationService.drain``); workers have none here."""
-        service = self._server.running.service
-        return self._server.submit(service.drain(grace_s)) if hasattr(service, "drain") else 0
-
-    def stop(self) -> None:
-        self._server.stop()
-
-    def _drain_and_exit(self) -> None:
-        """SIGTERM: health NOT_SERVING, no new requests, in-flight ones finish within the
-        grace period; then the process exits 0 (the supervisor starts a replacement)."""
-        running = self._server.running
-        try:
-            if running is not None and running.drain is not None:
-                self._server.submit(running.drain())
-            elif running is not None and hasattr(running.service, "drain"):  # the router
-                self._server.submit(running.service.drain(self._drain_grace_s))
-                self._server.stop()
-        finally:
-            os._exit(0)
 
 
 class LocalCluster:

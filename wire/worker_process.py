@@ -3,7 +3,7 @@ prefill --model DIR``. It prints ``listening on HOST:PORT`` once it serves, and 
 SIGTERM (or SIGINT): health turns NOT_SERVING, new requests are refused, in-flight ones get
 up to ``--drain-grace-s`` to finish, then it exits 0.
 
-Under Ray (``cluster.local.ServerActor``) the actor installs the same drain as its process's
+Under Ray (``cluster.actors.ServerActor``) the actor installs the same drain as its process's
 SIGTERM handler in place of Ray's (which exits at once); this module's handler is for
 processes that Ray does not own.
 """
