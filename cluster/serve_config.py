@@ -93,6 +93,7 @@ def _router_limits(v: dict[str, Any]):
                         request_timeout_s=v["request_timeout_seconds"],
                         max_waiting_requests=v["max_waiting_requests"],
                         decode_idle_timeout_s=v["decode_idle_timeout_seconds"],
+                        stream_kv_min_tokens=v["stream_kv_min_tokens"],
                         requests=RequestLimits(max_body_bytes=v["max_body_bytes"],
                                                max_prompt_chars=v["max_prompt_chars"]))
 

@@ -69,6 +69,9 @@ def serve_settings() -> tuple[Setting, ...]:
                 "decode worker, not the prefill pool (0: off)", minimum=0),
         Setting("local_prefill_max_load", float, local.max_load,
                 "... and only on a decode worker with less than this share of its KV blocks in use", above=0),
+        Setting("stream_kv_min_tokens", int, limits.stream_kv_min_tokens,
+                "prompts at least this long stream their KV to the decode worker chunk by chunk while they "
+                "compute (pays when a prompt spans several --max-num-batched-tokens chunks; 0: off)", minimum=0),
         Setting("host", str, "127.0.0.1", "public API bind address (router OpenAI HTTP and gRPC)"),
         Setting("port", int, 8000, "OpenAI-compatible HTTP port, as `vllm serve --port` (0: any free; -1: off)",
                 minimum=-1),

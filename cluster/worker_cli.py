@@ -46,7 +46,7 @@ _SHARED = ("model", "served_model_name", "dtype", "block_size", "kv_cache_gib", 
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
            "routing_policy", "routing_prefill_weight", "routing_load_weight", "routing_temperature",
            "routing_balance_abs_tokens", "routing_balance_rel",
-           "local_prefill_max_tokens", "local_prefill_max_load")
+           "local_prefill_max_tokens", "local_prefill_max_load", "stream_kv_min_tokens")
 
 
 @functools.cache

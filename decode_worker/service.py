@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from decode_worker.worker import DecodeWorker, KVArrived, LocallyPrefilled, TransferFailed
+from decode_worker.worker import DecodeWorker, KVArrived, KVProgressed, LocallyPrefilled, TransferFailed
 from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from kv_transfer import TransferError
 from kv_transfer.handoff import KVHandle, ReleaseReason, release_request
@@ -60,10 +60,14 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER,
                              f"kv transfer failed: prefill worker {kv.prefill_address} unreachable ({reason})")
         lease = _LeaseUse(self._stub(kv.prefill_address), kv)
+        watch = lease.watch if request.kv_streamed else None
         stream = self.worker.decode(request.request_id, list(request.prompt_token_ids), request.first_token_id,
-                                    params, kv, peer, lease.claim)
+                                    params, kv, peer, lease.claim, watch)
         try:
             async for item in stream:
+                if isinstance(item, KVProgressed):
+                    yield worker_pb2.DecodeResponse(kv_progress=True)
+                    continue
                 if isinstance(item, KVArrived):
                     lease.done = True  # read: the holder frees its copy on the read's notification
                     yield worker_pb2.DecodeResponse(kv_bytes=item.nbytes, kv_transfer_seconds=item.seconds)
@@ -146,6 +150,19 @@ class _LeaseUse:
         except grpc.aio.AioRpcError as exc:
             raise LeaseClaimFailed(f"claim refused by {self.kv.prefill_address}: {exc.details()}") from exc
         self.claimed = True
+
+    async def watch(self):
+        """The claimed streamed lease's progress: (tokens computed, the first token once done).
+        Raises TransferFailed if the holder stops answering or the prompt stops."""
+        call = self.stub.WatchKV(worker_pb2.WatchKVRequest(lease_token=self.kv.lease_token))
+        try:
+            async for progress in call:
+                yield progress.ready_tokens, progress.first_token_id if progress.done else None
+        except grpc.aio.AioRpcError as exc:
+            raise TransferFailed(f"the prefill worker {self.kv.prefill_address} stopped streaming the KV: "
+                                 f"{exc.code().name} {exc.details()}") from exc
+        finally:
+            call.cancel()
 
     async def end(self, reason: ReleaseReason) -> None:
         """Release (or hand back) a lease we claimed, or that the router abandoned, and did not

@@ -1,19 +1,24 @@
 """The decode worker's core: the shared worker shell plus what only decode has, the KV reads
-in flight."""
+in flight.
+
+A prompt's KV arrives in one read after its prefill, or, streamed (``watch``), in one read per
+newly finished stretch of blocks while the prefill worker still computes, then a last read
+of the rest. Either way the same bytes land in the same blocks, the last read ends the lease
+on the holder, and any failed read fails the request's transfer as a whole."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from engine.config import MIXED, EngineConfig
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
 from kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
-from kv_transfer.handoff import KVHandle
+from kv_transfer.handoff import KVHandle, partial_notify
 from protos import kv_transfer_pb2
 from wire import metrics
 from wire.address import resolve, transfer_listen_opts
@@ -51,6 +56,28 @@ class KVArrived:
 
 
 @dataclass(frozen=True)
+class KVProgressed:
+    """Streamed KV: a read of more finished blocks started while prefill goes on."""
+
+    ready_tokens: int
+
+
+@dataclass
+class _Pull:
+    """One request's reads of its prompt's KV."""
+
+    handles: list[TransferHandle] = field(default_factory=list)
+    next_block: int = 0  # blocks before this one have a read started
+    final_at: Optional[float] = None  # when the last read (the rest, ending the lease) started
+    first_token: Optional[int] = None  # streamed: learnt with the end of the prompt
+
+
+# Streamed KV's progress as the decode worker hears it: (prompt tokens computed, the first
+# token once the whole prompt is).
+Watch = Callable[[], AsyncIterator[tuple[int, Optional[int]]]]
+
+
+@dataclass(frozen=True)
 class LocallyPrefilled:
     """Sent before the first output of a request this worker prefilled itself."""
 
@@ -79,7 +106,7 @@ class DecodeWorker(WorkerShell):
                              **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_transfers])
         self.endpoint = endpoint
-        self._transfers: dict[str, TransferHandle] = {}
+        self._pulls: dict[str, _Pull] = {}
 
     def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
         return self.agent.add_remote(meta)
@@ -91,11 +118,15 @@ class DecodeWorker(WorkerShell):
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
-                     kv: KVHandle, peer: str, claim: Callable[[], Awaitable[None]]
-                     ) -> AsyncIterator[RequestOutput | KVArrived]:
+                     kv: KVHandle, peer: str, claim: Callable[[], Awaitable[None]], watch: Watch | None = None
+                     ) -> AsyncIterator[RequestOutput | KVArrived | KVProgressed]:
         """Take the request (blocks here first: CacheCapacityError before any claim), claim
         the lease (``claim``), pull the KV from agent ``peer``, then yield ``KVArrived`` once
         and the request's outputs as they come.
+
+        ``watch``: the KV is streamed (``first_token`` is a placeholder): read each stretch of
+        blocks ``watch`` says is computed, yielding ``KVProgressed``, and the rest once it says
+        the prompt is done, with the first token.
 
         Raises TransferFailed if the KV never arrives, StepFailed if a step holding the
         request raised. Closing the iterator early (the caller was cancelled) aborts the
@@ -106,7 +137,17 @@ class DecodeWorker(WorkerShell):
         try:
             local = await self.call(self.engine.add_prefilled, request_id, prompt, first_token, params)
             await claim()
-            await self.call(self._start_read, request_id, kv, peer, local)
+            if watch is None:
+                await self.call(self._start_read, request_id, kv, peer, local, kv.num_tokens, True, None)
+            else:
+                async for ready_tokens, first in watch():
+                    await self.call(self._start_read, request_id, kv, peer, local, ready_tokens,
+                                    first is not None, first)
+                    if first is not None:
+                        break
+                    yield KVProgressed(ready_tokens)
+                else:
+                    raise TransferFailed("the prefill worker stopped streaming the KV before the prompt was done")
             while not finished:
                 item = await stream.get()
                 if isinstance(item, (TransferFailed, StepFailed)):
@@ -146,41 +187,56 @@ class DecodeWorker(WorkerShell):
                 self.thread.call(self.cancel, request_id)
 
     # ---- engine thread -------------------------------------------------------------
-    def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int]) -> None:
-        if not self.engine.blocks.has(request_id):  # aborted meanwhile
+    def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int], ready_tokens: int,
+                    last: bool, first_token: int | None) -> None:
+        """Read the blocks not read yet that hold only computed tokens; with ``last``, every
+        block not read yet, notifying the holder with the lease token (which ends the lease).
+        Early reads leave the last block to the last read, so that one always moves a block."""
+        if not self.engine.blocks.has(request_id):  # aborted meanwhile (or an early read failed)
             raise TransferFailed("the request was aborted before its read started")
+        pull = self._pulls.setdefault(request_id, _Pull())
+        size, n = self.engine.blocks.block_size, len(kv.block_ids)
+        end = n if last else min(ready_tokens // size, n - 1)
+        if end <= pull.next_block:
+            return
         try:
-            self._transfers[request_id] = self.agent.start_read(
-                peer, kv.block_ids, local, notify=kv.lease_token.encode(),
-                last_block_bytes=kv.last_block_bytes(self.engine.blocks.block_size,
-                                                     self.engine.cache_spec.bytes_per_token))
+            handle = self.agent.start_read(
+                peer, kv.block_ids[pull.next_block:end], local[pull.next_block:end],
+                notify=kv.lease_token.encode() if last else partial_notify(kv.lease_token),
+                last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None)
         except InvalidTransferRequest as exc:
-            self.engine.abort(request_id)
+            self.cancel(request_id)
             raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc
+        pull.handles.append(handle)
+        pull.next_block = end
+        if last:
+            pull.final_at, pull.first_token = handle.started_at, first_token
 
     def _poll_transfers(self) -> float | None:
         arrived = []
-        for request_id, handle in list(self._transfers.items()):
-            state = self.agent.poll(handle)
-            if not state.is_terminal:
-                continue
-            del self._transfers[request_id]
-            if state is TransferState.DONE:
-                self.engine.kv_ready(request_id)
-                seconds = handle.finished_at - handle.started_at
+        for request_id, pull in list(self._pulls.items()):
+            states = [self.agent.poll(h) for h in pull.handles]
+            failed = next((h for h, state in zip(pull.handles, states)
+                           if state.is_terminal and state is not TransferState.DONE), None)
+            if failed is not None:
+                self.cancel(request_id)
+                arrived.append((request_id, TransferFailed(f"KV transfer {failed.state.name.lower()}: {failed.error}")))
+            elif pull.final_at is not None and all(state is TransferState.DONE for state in states):
+                del self._pulls[request_id]
+                self.engine.kv_ready(request_id, pull.first_token)
+                # The wait after the last read started: for streamed KV, what is left after prefill.
+                seconds = max(h.finished_at for h in pull.handles) - pull.final_at
+                nbytes = sum(h.nbytes for h in pull.handles)
                 metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
-                                         handle.nbytes, len(handle.local_block_ids),  # one descriptor per block
+                                         nbytes, sum(len(h.local_block_ids) for h in pull.handles),  # one descriptor per block
                                          self.config.model_name)
-                arrived.append((request_id, KVArrived(handle.nbytes, seconds)))
-            else:
-                self.engine.abort(request_id)
-                arrived.append((request_id, TransferFailed(f"KV transfer {state.name.lower()}: {handle.error}")))
+                arrived.append((request_id, KVArrived(nbytes, seconds)))
         if arrived:
             self.push(arrived)
-        return TRANSFER_POLL_S if self._transfers else None
+        return TRANSFER_POLL_S if self._pulls else None
 
     def cancel(self, request_id: str) -> bool:
-        handle = self._transfers.pop(request_id, None)
-        if handle is not None:
+        pull = self._pulls.pop(request_id, None)
+        for handle in pull.handles if pull is not None else ():
             self.agent.abort(handle)
         return self.engine.abort(request_id)

@@ -148,8 +148,24 @@ class LLMEngine:
             sampler.grammars = GrammarCompiler(tokenizer.hf, self.model_cfg.vocab_size, sorted(sampler.eos_token_ids))
         return sampler.grammars
 
-    def kv_ready(self, request_id: str) -> None:
+    def kv_ready(self, request_id: str, first_token: int | None = None) -> None:
+        """The prompt's KV has landed; it decodes from the next step. ``first_token``: the
+        token ``add_prefilled`` was given as a placeholder (streamed KV learns it last)."""
+        if first_token is not None:
+            seq = self._seqs[request_id]
+            seq.token_ids[seq.num_prompt_tokens] = first_token
+            if request_id in self._detok:
+                self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+                self._detok[request_id].add(first_token)
         self.scheduler.kv_ready(request_id)
+
+    def prompt_progress(self, request_id: str) -> int | None:
+        """Tokens of a prompt whose KV is in its blocks now; None while it has no blocks yet
+        (queued) or once it is gone."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not self.blocks.has(request_id):
+            return None
+        return seq.num_computed_tokens
 
     def _track(self, seq: Sequence) -> None:
         self._seqs[seq.seq_id] = seq

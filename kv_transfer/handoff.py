@@ -20,6 +20,14 @@ A prompt's KV changes hands like this:
    polling the holder's Stats) is freed at once (OWNER_LOST): only that router knew the token.
    A lease nobody releases expires (EXPIRED).
 
+Streamed KV (``PrefillStream``): the lease is granted as soon as the prompt has blocks and
+its first chunk has run, not after the whole prompt, and is renewed at every chunk. The decode
+worker claims it early and reads each block once its chunk is done, while later chunks
+compute. Those early reads carry ``partial_notify(token)``: they are authorized by the lease
+like any read but do not end it. The last read, after the whole prompt, carries the token and
+releases the lease (PULLED) as before. Any other end (the decode side gave up, the prompt
+failed) is the same Release as above.
+
 Pure Python, no I/O. The prefill worker owns one ``LeaseTable``. Its engine thread grants,
 releases and expires leases; claims and give-backs come straight from the gRPC loop, so a
 claim never waits behind a long prefill step. One lock makes every operation atomic.
@@ -84,6 +92,22 @@ class LeaseRefused(Exception):
 
 
 REFUSALS = ("unknown_token", "blocks_mismatch", "expired", "already_claimed")
+
+# A read of part of a streamed lease's blocks notifies the holder with this prefix before the
+# token: the read is authorized by the lease, and does not end it.
+_PARTIAL = "partial:"
+
+
+def partial_notify(token: str) -> bytes:
+    """The notify of an early read of a streamed lease (see the module's docstring)."""
+    return (_PARTIAL + token).encode()
+
+
+def lease_of_notify(note: str) -> tuple[str, bool]:
+    """(token, whether the read that sent ``note`` completes the lease)."""
+    if note.startswith(_PARTIAL):
+        return note[len(_PARTIAL):], False
+    return note, True
 
 
 @dataclass
@@ -175,12 +199,27 @@ class LeaseTable:
             lost = [l.token for l in self.leases.values() if l.owner in owners and not l.claimed]
             return [self.release(token, ReleaseReason.OWNER_LOST) for token in lost]
 
+    def renew(self, token: str, expires_at: float) -> bool:
+        """Push a lease's deadline to ``expires_at`` (never earlier); False if it is gone."""
+        with self._lock:
+            lease = self.leases.get(token)
+            if lease is None:
+                return False
+            self._renew(lease, expires_at)
+            return True
+
+    def is_claimed(self, token: str) -> bool:
+        with self._lock:
+            return token in self._claimed_blocks
+
     def next_deadline(self) -> float | None:
         with self._lock:
             return min((l.expires_at for l in self.leases.values()), default=None)
 
     def read_allowed(self, token: str, block_ids: list[int]) -> bool:
-        """Whether a read of ``block_ids`` is covered by the claimed lease ``token``."""
+        """Whether a read of ``block_ids`` is covered by the claimed lease ``token`` (or
+        ``partial_notify(token)``, an early read of a streamed lease)."""
+        token, _ = lease_of_notify(token)
         with self._lock:
             claimed = self._claimed_blocks.get(token)
             return claimed is not None and set(block_ids) <= claimed

@@ -8,7 +8,7 @@ import grpc
 from engine.errors import InvalidRequestError, StepFailed
 from kv_transfer.handoff import KVHandle, LeaseRefused, reason_from_wire
 from protos import worker_pb2, worker_pb2_grpc
-from prefill_worker.worker import PrefillWorker
+from prefill_worker.worker import KVEarly, KVLeaseEnded, KVReady, PrefillResult, PrefillWorker
 from wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid
@@ -34,6 +34,54 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
             await abort_invalid(context, exc)
         except StepFailed as exc:
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        return self._answer(request, r)
+
+    async def PrefillStream(self, request, context):
+        """``Prefill``, with the KV handle sent early (``kv_streaming``) while the prompt still
+        computes; the last message is the answer."""
+        await self.admit(context, grpc.StatusCode.UNAVAILABLE)
+        log.debug("prefill %s: %d prompt tokens, KV streamed", request.request_id, len(request.prompt_token_ids))
+        params = sampling_from_proto(request.sampling, keep_stop_strings=False)
+        prompt = list(request.prompt_token_ids)
+        try:
+            async for item in self.worker.prefill_stream(request.request_id, prompt, params,
+                                                         owner=request.router_id, stream_kv=True):
+                if isinstance(item, KVEarly):
+                    kv = KVHandle(self.address, item.lease.block_ids, len(prompt), item.lease.token).to_proto()
+                    yield worker_pb2.PrefillResponse(request_id=request.request_id, kv=kv, kv_streaming=True)
+                elif isinstance(item, PrefillResult):
+                    yield self._answer(request, item)
+                else:
+                    assert isinstance(item, KVReady)  # for WatchKV callers, not the router
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        except KVLeaseEnded as exc:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"prefill stopped: {exc}")
+
+    async def WatchKV(self, request, context):
+        """A streamed lease's progress, for the decode worker that claimed it."""
+        token = request.lease_token
+        watch = self.worker.watches.get(token)
+        if watch is None or not self.worker.leases.is_claimed(token):
+            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
+                             "no claimed streamed lease with this token (claim it first; it may have ended)")
+        sent = -1
+        while True:
+            changed = watch.changed
+            if watch.failed is not None:
+                await abort_with(context, grpc.StatusCode.ABORTED, Failure.KV_TRANSFER, watch.failed)
+            if watch.first_token is not None:
+                yield worker_pb2.KVProgress(ready_tokens=watch.ready_tokens, done=True,
+                                            first_token_id=watch.first_token)
+                return
+            if watch.ready_tokens != sent:
+                sent = watch.ready_tokens
+                yield worker_pb2.KVProgress(ready_tokens=sent)
+            await changed.wait()
+
+    def _answer(self, request, r: PrefillResult) -> worker_pb2.PrefillResponse:
         kv = None
         if r.lease is not None:
             kv = KVHandle(self.address, r.lease.block_ids, r.num_prompt_tokens, r.lease.token).to_proto()

@@ -1,10 +1,13 @@
 """The prefill worker's core: the shared worker shell plus what only prefill has, the leases
-on held KV (``kv_transfer.handoff``)."""
+on held KV (``kv_transfer.handoff``), and the progress of prompts whose KV streams out while
+they compute (``prefill_stream``, ``KVWatch``)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from engine.block_manager import prompt_block_hashes
 from engine.config import EngineConfig
@@ -14,7 +17,7 @@ from engine.sampling import SamplingParams, TopLogprobs
 from kv_transfer import DEFAULT_BACKEND, create_agent
 from wire.address import resolve, transfer_listen_opts
 from wire.tls import TlsConfig
-from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason
+from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason, lease_of_notify
 from prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from protos import worker_pb2
 from wire.worker_shell import WorkerShell
@@ -65,6 +68,48 @@ class PrefillResult:
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # with params.prompt_logprobs
 
 
+@dataclass(frozen=True)
+class KVEarly:
+    """A streamed prompt has its blocks and its first chunk is computed: the lease on them."""
+
+    lease: Lease
+    ready_tokens: int
+
+
+@dataclass(frozen=True)
+class KVReady:
+    """Another chunk of a streamed prompt is computed."""
+
+    ready_tokens: int
+
+
+class KVLeaseEnded(Exception):
+    """A streamed prompt's lease ended before the prompt was done (the decode side gave up,
+    its router died, or it expired): the prompt was stopped."""
+
+
+class KVWatch:
+    """A streamed lease's progress, on the event loop, for ``WatchKV`` callers: how many
+    prompt tokens are computed, then the first token (done), or why it failed."""
+
+    def __init__(self, ready_tokens: int):
+        self.ready_tokens = ready_tokens
+        self.first_token: int | None = None
+        self.failed: str | None = None
+        self.changed = asyncio.Event()  # replaced at each update: wait on the one you read
+
+    def update(self, ready_tokens: int | None = None, first_token: int | None = None,
+               failed: str | None = None) -> None:
+        if self.first_token is not None or self.failed is not None:
+            return  # ended: later news (the lease's release after a good end) changes nothing
+        if ready_tokens is not None:
+            self.ready_tokens = ready_tokens
+        self.first_token = first_token
+        self.failed = failed
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
+
+
 class PrefillWorker(WorkerShell):
     role = "prefill"
 
@@ -73,7 +118,7 @@ class PrefillWorker(WorkerShell):
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
                              **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
-        super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk])
+        super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv])
         self.endpoint = endpoint
         self.leases = LeaseTable()
         self.agent.read_guard = self.leases.read_allowed  # tcp serves only claimed leases' blocks
@@ -88,6 +133,11 @@ class PrefillWorker(WorkerShell):
         self.cache_log = CacheEventLog(config.cache_event_log_size, engine.blocks.cached_hashes())
         engine.blocks.subscribe(self.cache_log.record)
         self._prompt_hashes: dict[str, list[bytes]] = {}  # queued prompts' block hashes (see stats)
+        # Engine thread: streamed prompts still computing -> (their lease once granted, tokens
+        # announced). Loop: the streamed leases' progress, by token, until each lease ends.
+        self._streaming: dict[str, tuple[Lease | None, int]] = {}
+        self.watches: dict[str, KVWatch] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- called from the asyncio loop ----------------------------------------------
     def note_poll(self, router_id: str) -> None:
@@ -100,26 +150,54 @@ class PrefillWorker(WorkerShell):
         """Queue the prompt, wait for its first token; the KV stays held under a lease granted
         to ``owner`` (the asking router's incarnation). Raises StepFailed if the step that ran
         it raised (the request is gone then)."""
+        async for result in self.prefill_stream(request_id, prompt, params, owner):
+            return result
+        raise AssertionError("prefill_stream ended without an answer")
+
+    async def prefill_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
+                             owner: str = "", stream_kv: bool = False
+                             ) -> AsyncIterator[KVEarly | KVReady | PrefillResult]:
+        """``prefill``, as a stream. With ``stream_kv`` the lease comes early: ``KVEarly``
+        once the prompt has blocks and a chunk has run, ``KVReady`` after each later chunk,
+        and the ``PrefillResult`` last (a prompt done in one step yields only that). Raises
+        StepFailed, or KVLeaseEnded if the early lease ended before the prompt was done."""
         stream = self.open_stream(request_id)
+        self._loop = asyncio.get_running_loop()
         self._arrived[request_id] = time.monotonic()
         self.note_poll(owner)
         self._owner_of[request_id] = owner
         if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
             self._prompt_hashes[request_id] = prompt_block_hashes(prompt, self.engine.blocks.block_size)
         done = False
+        watch: KVWatch | None = None
         try:
-            await self.call(self.engine.add_request, request_id, prompt, params, True)
-            item = await stream.get()
-            done = True
-            if isinstance(item, StepFailed):
-                raise item
-            return item
+            await self.call(self._add, request_id, prompt, params, stream_kv)
+            while not done:
+                item = await stream.get()
+                if isinstance(item, (StepFailed, KVLeaseEnded)):
+                    done = True
+                    if watch is not None:
+                        watch.update(failed=f"the prompt stopped: {item}")
+                    raise item
+                if isinstance(item, KVEarly):
+                    watch = self.watches[item.lease.token] = KVWatch(item.ready_tokens)
+                elif isinstance(item, KVReady):
+                    watch.update(ready_tokens=item.ready_tokens)
+                else:
+                    done = True
+                    if watch is not None and item.lease is not None:
+                        watch.update(ready_tokens=item.num_prompt_tokens, first_token=item.first_token_id)
+                    elif watch is not None:
+                        watch.update(failed=f"the prompt finished at its first token ({item.finish_reason})")
+                yield item
         finally:
             self.close_stream(request_id)
             self._arrived.pop(request_id, None)
             self._owner_of.pop(request_id, None)
             self._prompt_hashes.pop(request_id, None)
             if not done:  # our own caller gave up: its held KV (if any) goes too
+                if watch is not None:
+                    watch.update(failed="the prefill call was cancelled")
                 self.thread.call(self._drop, request_id)
 
     async def claim(self, token: str, block_ids: list[int]) -> Lease:
@@ -163,7 +241,41 @@ class PrefillWorker(WorkerShell):
         """The prefix-cache events a router at (``epoch``, ``after``) has not seen yet."""
         return self.cache_log.since(epoch, after)
 
+    def _forget_watch(self, token: str) -> None:
+        """Loop: the lease ``token`` ended; its watchers are told if it ended early."""
+        watch = self.watches.pop(token, None)
+        if watch is not None:
+            watch.update(failed="the lease ended before the prompt was done")
+
     # ---- engine thread -------------------------------------------------------------
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, stream_kv: bool) -> None:
+        self.engine.add_request(request_id, prompt, params, True)
+        if stream_kv:
+            self._streaming[request_id] = (None, 0)
+
+    def _publish_kv(self) -> None:
+        """Hook, before each step: grant a streamed prompt its lease once it has blocks and
+        a chunk has run, then announce each chunk computed since (the step that just ended).
+        Each announcement renews the lease: it expires only if the prompt stops moving."""
+        if not self._streaming:
+            return None
+        now, out = time.monotonic(), []
+        for request_id, (lease, announced) in list(self._streaming.items()):
+            ready = self.engine.prompt_progress(request_id)
+            if not ready or ready == announced:
+                continue
+            if lease is None:
+                lease = self.leases.grant(request_id, self.engine.blocks.block_table(request_id), now,
+                                          self.config.lease_seconds, owner=self._owner_of.get(request_id, ""))
+                self.agent.expect_reads(True)
+                out.append((request_id, KVEarly(lease, ready)))
+            else:
+                self.leases.renew(lease.token, now + self.config.lease_seconds)
+                out.append((request_id, KVReady(ready)))
+            self._streaming[request_id] = (lease, ready)
+        self.push(out)
+        return None
+
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.push(self._result(o) for o in outputs if o.finished)
 
@@ -173,8 +285,15 @@ class PrefillWorker(WorkerShell):
         if started is None:  # the caller gave up while the step ran
             self.engine.release(o.request_id)
             return o.request_id, None
-        lease, block_ids = None, []
-        if o.finish_reason is None:
+        lease, block_ids = self._streaming.pop(o.request_id, (None, 0))[0], []
+        if o.finish_reason is not None and lease is not None:  # done at its first token: no KV to read
+            self.leases.release(lease.token, ReleaseReason.ABORTED)
+            self._watch_ended(lease.token)
+            lease = None
+        elif lease is not None:
+            self.leases.renew(lease.token, time.monotonic() + self.config.lease_seconds)
+            block_ids = list(lease.block_ids)
+        elif o.finish_reason is None:
             block_ids = self.engine.held_block_ids(o.request_id)
             lease = self.leases.grant(o.request_id, block_ids, time.monotonic(), self.config.lease_seconds,
                                       owner=self._owner_of.get(o.request_id, ""))
@@ -190,14 +309,16 @@ class PrefillWorker(WorkerShell):
         if not self.leases:
             return None
         for note in self.agent.get_notifications():
-            self._release(note.decode(errors="replace"), ReleaseReason.PULLED)
+            token, completes = lease_of_notify(note.decode(errors="replace"))
+            if completes:  # an early read of a streamed lease leaves it held
+                self._release(token, ReleaseReason.PULLED)
         now = time.monotonic()
         for lease in self.leases.pop_expired(now):
-            self.engine.release(lease.request_id)
+            self._free(lease, ReleaseReason.EXPIRED)
         silent = {o for o, seen in list(self._owner_seen.items()) if now - seen > self.config.owner_timeout_s}
         if silent:
             for lease in self.leases.pop_unclaimed_of(silent):
-                self.engine.release(lease.request_id)
+                self._free(lease, ReleaseReason.OWNER_LOST)
             for owner in silent:
                 self._owner_seen.pop(owner, None)
         if not self.leases:
@@ -221,8 +342,23 @@ class PrefillWorker(WorkerShell):
         lease = self.leases.release(token, reason)
         if lease is None:
             return False
-        self.engine.release(lease.request_id)
+        self._free(lease, reason)
         return True
+
+    def _free(self, lease: Lease, reason: ReleaseReason) -> None:
+        """A lease ended: free its blocks. A streamed prompt still computing is stopped, and
+        its ``prefill_stream`` raises KVLeaseEnded."""
+        if not self.engine.release(lease.request_id) and self._streaming.pop(lease.request_id, None) is not None:
+            self.engine.abort(lease.request_id)
+            self.push([(lease.request_id, KVLeaseEnded(f"its KV lease ended ({reason.value}) before it was done"))])
+        self._watch_ended(lease.token)
+
+    def _watch_ended(self, token: str) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._forget_watch, token)
+            except RuntimeError:  # the loop has closed
+                pass
 
     def cancel(self, request_id: str) -> bool:
         """The ``Abort`` RPC: stops a prompt still computing. Held KV is not touched: it
@@ -236,5 +372,7 @@ class PrefillWorker(WorkerShell):
         """Our own ``prefill`` caller gave up: free whatever the request holds."""
         for lease in self.leases.of_request(request_id):
             self.leases.release(lease.token, ReleaseReason.ABORTED)
+            self._watch_ended(lease.token)
+        self._streaming.pop(request_id, None)
         self._first_chunk_at.pop(request_id, None)
         self.engine.abort(request_id)

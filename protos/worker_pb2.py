@@ -26,49 +26,53 @@ from protos import kv_transfer_pb2 as protos_dot_kv__transfer__pb2
 from protos import pdserve_pb2 as protos_dot_pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\npdserve.v1\x1a\x18protos/kv_transfer.proto\x1a\x14protos/pdserve.proto\"q\n\x08KVHandle\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0blease_token\x18\x07 \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\x7f\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\trouter_id\x18\x04 \x01(\t\"\xf6\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x08 \x01(\x01\x12\x33\n\x12\x66irst_top_logprobs\x18\t \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\n \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x0b \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"\\\n\x0eReleaseRequest\x12\x13\n\x0blease_token\x18\x03 \x01(\t\x12)\n\x06reason\x18\x04 \x01(\x0e\x32\x19.pdserve.v1.ReleaseReasonJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"6\n\x0c\x43laimRequest\x12\x13\n\x0blease_token\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\x0f\n\rClaimResponse\"\x16\n\x14\x41gentMetadataRequest\"\xbc\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\xc7\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x05 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"h\n\x0cStatsRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_events\x18\x04 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_epoch\x18\x02 \x01(\t\x12\x1a\n\x12\x63\x61\x63he_events_after\x18\x03 \x01(\x04\"f\n\x0b\x43\x61\x63heEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x03(\x08\"\x0e\n\x0c\x44rainRequest\"\x83\x05\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x05 \x01(\x04\x12\x18\n\x10num_blocks_total\x18\x06 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x07 \x01(\r\x12\x17\n\x0fnum_held_leases\x18\x08 \x01(\r\x12\x1a\n\x12num_forward_tokens\x18\t \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\n \x01(\x04\x12\x14\n\x0ckv_transfers\x18\x0b \x01(\x04\x12\x1c\n\x14kv_transfer_failures\x18\x0c \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x10 \x01(\x04\x12\x16\n\x0eleases_expired\x18\x11 \x01(\x04\x12\x10\n\x08\x64raining\x18\x12 \x01(\x08\x12\x17\n\x0fmetrics_address\x18\x13 \x01(\t\x12\x14\n\x0c\x65ngine_steps\x18\x14 \x01(\x04\x12\x13\n\x0b\x65ngine_busy\x18\x15 \x01(\x08\x12\x1a\n\x12num_claimed_leases\x18\x16 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x17 \x01(\x04\x12\x12\n\nblock_size\x18\x1e \x01(\r\x12-\n\x0c\x63\x61\x63he_events\x18\x1f \x01(\x0b\x32\x17.pdserve.v1.CacheEvents*\x8c\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16RELEASE_REASON_ABORTED\x10\x01\x12\"\n\x1eRELEASE_REASON_TRANSFER_FAILED\x10\x02\x12\x1b\n\x17RELEASE_REASON_RETURNED\x10\x03\x32\xe8\x03\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05\x43laim\x12\x18.pdserve.v1.ClaimRequest\x1a\x19.pdserve.v1.ClaimResponse\x12O\n\x10GetAgentMetadata\x12 .pdserve.v1.AgentMetadataRequest\x1a\x19.pdserve.v1.AgentMetadata\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12:\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x17.pdserve.v1.WorkerStats2\x93\x02\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12:\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\npdserve.v1\x1a\x18protos/kv_transfer.proto\x1a\x14protos/pdserve.proto\"q\n\x08KVHandle\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0blease_token\x18\x07 \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\x7f\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\trouter_id\x18\x04 \x01(\t\"\x8c\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x08 \x01(\x01\x12\x33\n\x12\x66irst_top_logprobs\x18\t \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\n \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x0b \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x14\n\x0ckv_streaming\x18\x0c \x01(\x08\"\\\n\x0eReleaseRequest\x12\x13\n\x0blease_token\x18\x03 \x01(\t\x12)\n\x06reason\x18\x04 \x01(\x0e\x32\x19.pdserve.v1.ReleaseReasonJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"6\n\x0c\x43laimRequest\x12\x13\n\x0blease_token\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\x0f\n\rClaimResponse\"\x16\n\x14\x41gentMetadataRequest\"%\n\x0eWatchKVRequest\x12\x13\n\x0blease_token\x18\x01 \x01(\t\"H\n\nKVProgress\x12\x14\n\x0cready_tokens\x18\x01 \x01(\r\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\"\xd1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\x12\x13\n\x0bkv_streamed\x18\x07 \x01(\x08\"\xdc\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x05 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x13\n\x0bkv_progress\x18\x0b \x01(\x08\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"h\n\x0cStatsRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_events\x18\x04 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_epoch\x18\x02 \x01(\t\x12\x1a\n\x12\x63\x61\x63he_events_after\x18\x03 \x01(\x04\"f\n\x0b\x43\x61\x63heEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x03(\x08\"\x0e\n\x0c\x44rainRequest\"\x83\x05\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x05 \x01(\x04\x12\x18\n\x10num_blocks_total\x18\x06 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x07 \x01(\r\x12\x17\n\x0fnum_held_leases\x18\x08 \x01(\r\x12\x1a\n\x12num_forward_tokens\x18\t \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\n \x01(\x04\x12\x14\n\x0ckv_transfers\x18\x0b \x01(\x04\x12\x1c\n\x14kv_transfer_failures\x18\x0c \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x10 \x01(\x04\x12\x16\n\x0eleases_expired\x18\x11 \x01(\x04\x12\x10\n\x08\x64raining\x18\x12 \x01(\x08\x12\x17\n\x0fmetrics_address\x18\x13 \x01(\t\x12\x14\n\x0c\x65ngine_steps\x18\x14 \x01(\x04\x12\x13\n\x0b\x65ngine_busy\x18\x15 \x01(\x08\x12\x1a\n\x12num_claimed_leases\x18\x16 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x17 \x01(\x04\x12\x12\n\nblock_size\x18\x1e \x01(\r\x12-\n\x0c\x63\x61\x63he_events\x18\x1f \x01(\x0b\x32\x17.pdserve.v1.CacheEvents*\x8c\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16RELEASE_REASON_ABORTED\x10\x01\x12\"\n\x1eRELEASE_REASON_TRANSFER_FAILED\x10\x02\x12\x1b\n\x17RELEASE_REASON_RETURNED\x10\x03\x32\xf5\x04\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12J\n\rPrefillStream\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12?\n\x07WatchKV\x12\x1a.pdserve.v1.WatchKVRequest\x1a\x16.pdserve.v1.KVProgress0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05\x43laim\x12\x18.pdserve.v1.ClaimRequest\x1a\x19.pdserve.v1.ClaimResponse\x12O\n\x10GetAgentMetadata\x12 .pdserve.v1.AgentMetadataRequest\x1a\x19.pdserve.v1.AgentMetadata\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12:\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x17.pdserve.v1.WorkerStats2\x93\x02\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12:\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RELEASEREASON']._serialized_start=2406
-  _globals['_RELEASEREASON']._serialized_end=2546
+  _globals['_RELEASEREASON']._serialized_start=2583
+  _globals['_RELEASEREASON']._serialized_end=2723
   _globals['_KVHANDLE']._serialized_start=83
   _globals['_KVHANDLE']._serialized_end=196
   _globals['_PREFILLREQUEST']._serialized_start=198
   _globals['_PREFILLREQUEST']._serialized_end=325
   _globals['_PREFILLRESPONSE']._serialized_start=328
-  _globals['_PREFILLRESPONSE']._serialized_end=702
-  _globals['_RELEASEREQUEST']._serialized_start=704
-  _globals['_RELEASEREQUEST']._serialized_end=796
-  _globals['_RELEASERESPONSE']._serialized_start=798
-  _globals['_RELEASERESPONSE']._serialized_end=833
-  _globals['_CLAIMREQUEST']._serialized_start=835
-  _globals['_CLAIMREQUEST']._serialized_end=889
-  _globals['_CLAIMRESPONSE']._serialized_start=891
-  _globals['_CLAIMRESPONSE']._serialized_end=906
-  _globals['_AGENTMETADATAREQUEST']._serialized_start=908
-  _globals['_AGENTMETADATAREQUEST']._serialized_end=930
-  _globals['_DECODEREQUEST']._serialized_start=933
-  _globals['_DECODEREQUEST']._serialized_end=1121
-  _globals['_DECODERESPONSE']._serialized_start=1124
-  _globals['_DECODERESPONSE']._serialized_end=1451
-  _globals['_WORKERABORTREQUEST']._serialized_start=1453
-  _globals['_WORKERABORTREQUEST']._serialized_end=1493
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1495
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1531
-  _globals['_STATSREQUEST']._serialized_start=1533
-  _globals['_STATSREQUEST']._serialized_end=1637
-  _globals['_CACHEEVENTS']._serialized_start=1639
-  _globals['_CACHEEVENTS']._serialized_end=1741
-  _globals['_DRAINREQUEST']._serialized_start=1743
-  _globals['_DRAINREQUEST']._serialized_end=1757
-  _globals['_WORKERSTATS']._serialized_start=1760
-  _globals['_WORKERSTATS']._serialized_end=2403
-  _globals['_PREFILLWORKER']._serialized_start=2549
-  _globals['_PREFILLWORKER']._serialized_end=3037
-  _globals['_DECODEWORKER']._serialized_start=3040
-  _globals['_DECODEWORKER']._serialized_end=3315
+  _globals['_PREFILLRESPONSE']._serialized_end=724
+  _globals['_RELEASEREQUEST']._serialized_start=726
+  _globals['_RELEASEREQUEST']._serialized_end=818
+  _globals['_RELEASERESPONSE']._serialized_start=820
+  _globals['_RELEASERESPONSE']._serialized_end=855
+  _globals['_CLAIMREQUEST']._serialized_start=857
+  _globals['_CLAIMREQUEST']._serialized_end=911
+  _globals['_CLAIMRESPONSE']._serialized_start=913
+  _globals['_CLAIMRESPONSE']._serialized_end=928
+  _globals['_AGENTMETADATAREQUEST']._serialized_start=930
+  _globals['_AGENTMETADATAREQUEST']._serialized_end=952
+  _globals['_WATCHKVREQUEST']._serialized_start=954
+  _globals['_WATCHKVREQUEST']._serialized_end=991
+  _globals['_KVPROGRESS']._serialized_start=993
+  _globals['_KVPROGRESS']._serialized_end=1065
+  _globals['_DECODEREQUEST']._serialized_start=1068
+  _globals['_DECODEREQUEST']._serialized_end=1277
+  _globals['_DECODERESPONSE']._serialized_start=1280
+  _globals['_DECODERESPONSE']._serialized_end=1628
+  _globals['_WORKERABORTREQUEST']._serialized_start=1630
+  _globals['_WORKERABORTREQUEST']._serialized_end=1670
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1672
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1708
+  _globals['_STATSREQUEST']._serialized_start=1710
+  _globals['_STATSREQUEST']._serialized_end=1814
+  _globals['_CACHEEVENTS']._serialized_start=1816
+  _globals['_CACHEEVENTS']._serialized_end=1918
+  _globals['_DRAINREQUEST']._serialized_start=1920
+  _globals['_DRAINREQUEST']._serialized_end=1934
+  _globals['_WORKERSTATS']._serialized_start=1937
+  _globals['_WORKERSTATS']._serialized_end=2580
+  _globals['_PREFILLWORKER']._serialized_start=2726
+  _globals['_PREFILLWORKER']._serialized_end=3355
+  _globals['_DECODEWORKER']._serialized_start=3358
+  _globals['_DECODEWORKER']._serialized_end=3633
 # @@protoc_insertion_point(module_scope)

@@ -45,7 +45,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "finish_reason", "kv", "num_cached_tokens", "prefill_seconds", "queue_seconds", "first_top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "finish_reason", "kv", "num_cached_tokens", "prefill_seconds", "queue_seconds", "first_top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "kv_streaming")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class PrefillResponse(_message.Message):
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAMING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: float
@@ -68,7 +69,8 @@ class PrefillResponse(_message.Message):
     first_top_logprobs: _pdserve_pb2.TopLogprobs
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_pdserve_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    kv_streaming: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_pdserve_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., kv_streaming: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_token", "reason")
@@ -100,24 +102,42 @@ class AgentMetadataRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WatchKVRequest(_message.Message):
+    __slots__ = ("lease_token",)
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    lease_token: str
+    def __init__(self, lease_token: _Optional[str] = ...) -> None: ...
+
+class KVProgress(_message.Message):
+    __slots__ = ("ready_tokens", "done", "first_token_id")
+    READY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ready_tokens: int
+    done: bool
+    first_token_id: int
+    def __init__(self, ready_tokens: _Optional[int] = ..., done: _Optional[bool] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv", "local_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv", "local_prefill", "kv_streamed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     sampling: _pdserve_pb2.SamplingParams
     kv: KVHandle
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    kv_streamed: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_streamed: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "kv_bytes", "kv_transfer_seconds", "top_logprobs", "num_cached_tokens", "prefill_seconds", "prompt_logprobs", "prompt_top_logprobs")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "kv_bytes", "kv_transfer_seconds", "top_logprobs", "num_cached_tokens", "prefill_seconds", "prompt_logprobs", "prompt_top_logprobs", "kv_progress")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +148,7 @@ class DecodeResponse(_message.Message):
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _pdserve_pb2.FinishReason
@@ -138,7 +159,8 @@ class DecodeResponse(_message.Message):
     prefill_seconds: float
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TopLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    kv_progress: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., kv_progress: _Optional[bool] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

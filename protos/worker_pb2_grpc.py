@@ -40,6 +40,16 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/pdserve.v1.PrefillWorker/PrefillStream',
+                request_serializer=protos_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.WatchKV = channel.unary_stream(
+                '/pdserve.v1.PrefillWorker/WatchKV',
+                request_serializer=protos_dot_worker__pb2.WatchKVRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.KVProgress.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Release',
                 request_serializer=protos_dot_worker__pb2.ReleaseRequest.SerializeToString,
@@ -76,6 +86,20 @@ class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request, context):
+        """Prefill, answering early with the KV handle (kv_streaming) so the KV can move chunk by
+        chunk while the prompt computes; the last message is Prefill's answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchKV(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,6 +148,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=protos_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=protos_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'WatchKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKV,
+                    request_deserializer=protos_dot_worker__pb2.WatchKVRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.KVProgress.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -183,6 +217,60 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             protos_dot_worker__pb2.PrefillRequest.SerializeToString,
             protos_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/PrefillStream',
+            protos_dot_worker__pb2.PrefillRequest.SerializeToString,
+            protos_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/WatchKV',
+            protos_dot_worker__pb2.WatchKVRequest.SerializeToString,
+            protos_dot_worker__pb2.KVProgress.FromString,
             options,
             channel_credentials,
             insecure,

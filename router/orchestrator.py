@@ -82,6 +82,11 @@ class RouterLimits:
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # how a prefill worker is picked
     # Colocated mode, and conditional disaggregation's thresholds (router/local_prefill.py).
     local_prefill: LocalPrefillConfig = field(default_factory=LocalPrefillConfig)
+    # Prompts of at least this many tokens stream their KV: the decode worker is picked as soon
+    # as the prompt has blocks and reads each chunk's blocks while later chunks compute
+    # (PrefillStream, WatchKV). It pays when a prompt spans several chunks
+    # (max_num_batched_tokens); the decode worker's blocks are taken for the whole prefill. 0: off.
+    stream_kv_min_tokens: int = 0
 
 
 @dataclass
@@ -167,13 +172,17 @@ class RequestRun:
             worker_rid = attempt_id(self.req.request_id, attempt)
             blocks = await self._check_decode_capacity(len(prompt) + self._reserved(params))  # before any prefill work
             lease = None  # (prefill worker, token) of KV held for us that no decode worker took yet
+            decoding = None  # streamed KV: the decode stream, started before the prefill answered
             try:
                 if self._prefill_locally(len(prompt), blocks):
                     stream = self._decode(worker_rid, prompt, None, params)
                 else:
-                    pre, prefill_addr = await self._prefill(worker_rid, prompt, params)
+                    pre, prefill_addr, streaming = await self._prefill(worker_rid, prompt, params)
                     if pre.HasField("kv"):
                         lease = (prefill_addr, pre.kv.lease_token)
+                    if streaming is not None:  # the KV streams to a decode worker picked now
+                        decoding = _Started(self._decode(worker_rid, prompt, pre, params))
+                        pre = await self._streamed_answer(streaming, prefill_addr, decoding)
                     if attempt == 0:
                         self._note_prefilled(len(prompt), pre.num_cached_tokens, pre.queue_seconds,
                                              pre.prefill_seconds)
@@ -183,7 +192,7 @@ class RequestRun:
                     yield self._with_prompt_logprobs(first, params, pre)
                     if self.progress.finish_reason is not None:
                         return
-                    stream = self._decode(worker_rid, prompt, pre, params)
+                    stream = decoding.stream() if decoding is not None else self._decode(worker_rid, prompt, pre, params)
                 async for resp in stream:
                     lease = None  # the decode worker took over the lease
                     yield resp
@@ -199,6 +208,8 @@ class RequestRun:
                                      f"migrations: {exc}") from exc
                 self.metrics.migrated()
             finally:
+                if decoding is not None:
+                    await decoding.close()
                 if lease is not None:
                     self._release_later(*lease)
 
@@ -269,9 +280,13 @@ class RequestRun:
             self.progress.admission_wait_s += time.monotonic() - start
 
     # ---- prefill -------------------------------------------------------------------
-    async def _prefill(self, worker_rid: str, prompt: list[int], params) -> tuple[worker_pb2.PrefillResponse, str]:
+    async def _prefill(self, worker_rid: str, prompt: list[int], params):
+        """(the prefill worker's answer, its address, None); with streamed KV, the answer may
+        be the early KV handle (``kv_streaming``), and then the third is the open call, whose
+        last message is the answer (``_streamed_answer``)."""
         request = worker_pb2.PrefillRequest(request_id=worker_rid, prompt_token_ids=prompt,
                                             sampling=sampling_to_proto(params), router_id=self.pool.router_id)
+        stream_kv = 0 < self.limits.stream_kv_min_tokens <= len(prompt)
         tried: set[str] = set()
         last = "no prefill worker"
         for _ in range(self.limits.max_prefill_attempts):
@@ -286,8 +301,14 @@ class RequestRun:
             self.metrics.routed(choice.rule, choice.cached_tokens)
             try:
                 with self.pool.placed(client, tokens=len(prompt) - choice.cached_tokens):
-                    call = client.stub.Prefill(request, timeout=self.remaining_s())
-                    return await _unless_hung(call, client), client.address
+                    if not stream_kv:
+                        call = client.stub.Prefill(request, timeout=self.remaining_s())
+                        return await _unless_hung(call, client), client.address, None
+                    call = client.stub.PrefillStream(request, timeout=self.remaining_s())
+                    first = await _unless_hung(call.read(), client, call)
+                    if first is grpc.aio.EOF:
+                        raise _unavailable(f"prefill worker {client.address} ended the stream without an answer")
+                    return first, client.address, (call if first.kv_streaming else None)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(_field(exc), exc.details()) from exc
@@ -303,6 +324,40 @@ class RequestRun:
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if "RESOURCE_EXHAUSTED" in last else grpc.StatusCode.UNAVAILABLE
         raise RouteError(code, f"no prefill worker could take the request ({last})")
 
+    async def _streamed_answer(self, call, address: str, decoding: _Started) -> worker_pb2.PrefillResponse:
+        """The answer of a PrefillStream whose KV is streaming to ``decoding`` meanwhile. A
+        failure of either side before the answer loses this attempt (re-prefill), as a
+        failed transfer does; a decode side that failed first cancels the prefill."""
+        client = self.pool.workers.get(address)
+        answer = asyncio.ensure_future(_last_message(call))
+        try:
+            while not answer.done():
+                waits = {answer} | ({decoding.first} if not decoding.first.done() else set())
+                lost = asyncio.ensure_future(client.lost.wait()) if client is not None else None
+                try:
+                    await asyncio.wait(waits | ({lost} if lost else set()), timeout=self.remaining_s(),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if lost is not None:
+                        lost.cancel()
+                self.remaining_s()
+                if decoding.first.done() and decoding.first.exception() is not None:
+                    raise decoding.first.exception()
+                if lost is not None and lost.done() and not answer.done():
+                    raise _DecodeLost(f"prefill worker {address} is hung (no engine progress, hang_timeout_s)")
+            return answer.result()
+        except grpc.aio.AioRpcError as exc:
+            self.remaining_s()
+            _raise_if_step_failed(exc)
+            if failure_of(exc) is not Failure.KV_TRANSFER:
+                self.pool.mark_down(address)
+            raise _DecodeLost(f"prefill worker {address} while the KV streamed: {exc.code().name} "
+                              f"{exc.details()}") from exc
+        finally:
+            if not answer.done():
+                answer.cancel()
+                call.cancel()
+
     # ---- decode --------------------------------------------------------------------
     async def _decode(self, worker_rid: str, prompt: list[int], pre: worker_pb2.PrefillResponse | None, params):
         """The decode stream, on the first decode worker that takes it. ``pre`` None: that
@@ -313,7 +368,7 @@ class RequestRun:
         else:
             request = worker_pb2.DecodeRequest(request_id=worker_rid, prompt_token_ids=prompt,
                                                first_token_id=pre.first_token_id, sampling=sampling_to_proto(params),
-                                               kv=pre.kv)
+                                               kv=pre.kv, kv_streamed=pre.kv_streaming)
         blocks = -(-(len(prompt) + self._reserved(params)) // self.model.block_size)
         tried: set[str] = set()
         while True:
@@ -331,6 +386,8 @@ class RequestRun:
                     async with contextlib.aclosing(self._idle_bounded(call, client)) as messages:
                         async for resp in messages:
                             started = True
+                            if resp.kv_progress:  # streamed KV: more of it read while prefill goes on
+                                continue
                             if resp.kv_bytes:  # the KV-arrived notice, not output
                                 self.progress.kv_bytes += resp.kv_bytes
                                 self.progress.kv_seconds += resp.kv_transfer_seconds
@@ -436,10 +493,12 @@ class RequestRun:
         asyncio.ensure_future(_ignore_errors(release))
 
 
-async def _unless_hung(call, client):
-    """``call``'s answer, unless ``client`` is found hung first: then the call is cancelled
-    and it fails UNAVAILABLE, as for a dead worker (the caller tries another)."""
-    answer = asyncio.ensure_future(call)
+async def _unless_hung(awaitable, client, call=None):
+    """``awaitable``'s result (a unary ``call``, or a read of the streaming ``call``), unless
+    ``client`` is found hung first: then the call is cancelled and it fails UNAVAILABLE, as
+    for a dead worker (the caller tries another)."""
+    call = call if call is not None else awaitable
+    answer = asyncio.ensure_future(awaitable)
     hung = asyncio.ensure_future(client.lost.wait())
     try:
         await asyncio.wait({answer, hung}, return_when=asyncio.FIRST_COMPLETED)
@@ -450,8 +509,52 @@ async def _unless_hung(call, client):
             answer.cancel()
     if answer.done():
         return answer.result()
-    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                               f"worker {client.address} is hung (no engine progress, hang_timeout_s)")
+    raise _unavailable(f"worker {client.address} is hung (no engine progress, hang_timeout_s)")
+
+
+def _unavailable(message: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
+
+
+async def _last_message(call):
+    """The last message of a streaming call (its first one already read)."""
+    last = None
+    while (message := await call.read()) is not grpc.aio.EOF:
+        last = message
+    if last is None or last.kv_streaming:
+        raise _unavailable("the prefill worker ended the stream without an answer")
+    return last
+
+
+class _Started:
+    """An async iterator whose first item is being fetched in the background already (a
+    decode stream started while the prefill still runs)."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+        self.first = asyncio.ensure_future(_first_or_none(iterator))
+
+    async def stream(self):
+        item = await self.first
+        if item is None:
+            return
+        yield item
+        async for item in self.iterator:
+            yield item
+
+    async def close(self) -> None:
+        if not self.first.done():
+            self.first.cancel()
+            with contextlib.suppress(BaseException):
+                await self.first
+        await self.iterator.aclose()
+
+
+async def _first_or_none(iterator):
+    try:
+        return await anext(iterator)
+    except StopAsyncIteration:
+        return None
 
 
 def attempt_id(request_id: str, attempt: int) -> str:

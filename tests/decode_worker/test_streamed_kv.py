@@ -1,0 +1,209 @@
+"""Streamed KV (PrefillStream + WatchKV): the decode worker reads each chunk's blocks while the
+prefill worker computes the next ones. Real prefill and decode workers with their gRPC servers
+in this process, a tiny random Llama, and the real transfer backends (NIXL, and tcp, whose
+holder checks every read against the lease). The router is the real orchestrator
+(``router.orchestrator.RequestRun``) over a pool of real stubs to those servers."""
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+import torch
+
+from decode_worker.server import start as start_decode
+from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from engine.sampling import SamplingParams
+from prefill_worker.server import start as start_prefill
+from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from protos import worker_pb2, worker_pb2_grpc
+from router.frontend import ModelInfo, PreparedRequest
+from router.orchestrator import RequestRun, RouterLimits
+from router.pool import WorkerClient, WorkerPool
+from tests.factories import make_engine, random_prompts
+from tests.metrics.metrics_helpers import LetterTokenizer
+from wire.grpc_util import aio_channel
+
+pytestmark = pytest.mark.slow
+
+BLOCK, CHUNK = 16, 32
+PROMPT = random_prompts(1, [100], seed=21)[0]  # 7 blocks (the last holds 4 tokens), 4 chunks
+MAX_TOKENS = 8
+# Each prefill step is held back this long: a tiny model's chunk takes a millisecond, less than
+# one progress message's trip, so without it the decode worker would hear of several chunks
+# at once (and fewer early reads would happen, by chance). 0.25 s is ~100x that trip.
+STEP_S = 0.25
+
+
+def expected_tokens(model_dir) -> list[int]:
+    engine = make_engine(model_dir, max_num_batched_tokens=CHUNK)
+    return engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0].token_ids
+
+
+@contextlib.asynccontextmanager
+async def workers(model_dir, backend: str, num_decode: int = 1):
+    """A prefill worker that computes prompts in chunks of CHUNK tokens, and decode workers;
+    prefix caching off, so that every prompt is computed, chunk by chunk, and freed blocks
+    count as free."""
+    prefill = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend=backend),
+                            engine=make_engine(model_dir, num_blocks=64, max_num_batched_tokens=CHUNK,
+                                               enable_prefix_cache=False))
+    step = prefill.engine.step
+
+    def slow_step():  # a chunk takes STEP_S, as a long prompt's chunk would: reads overlap compute
+        time.sleep(STEP_S)
+        return step()
+
+    prefill.engine.step = slow_step
+    servers = [await start_prefill(prefill.config, prefill)]
+    decoders = []
+    for i in range(num_decode):
+        d = DecodeWorker(DecodeWorkerConfig(worker_id=f"decode-{i}", kv_transfer_backend=backend),
+                         engine=make_engine(model_dir, num_blocks=64, enable_prefix_cache=False))
+        decoders.append(d)
+        servers.append(await start_decode(d.config, d))
+    channels = [aio_channel(s.address) for s in servers]
+    pool = WorkerPool()
+    for role, server, channel in zip(["prefill"] + ["decode"] * num_decode, servers, channels):
+        stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
+        pool.workers[server.address] = WorkerClient(role, server.address, channel=channel, stub=stub, healthy=True,
+                                                    stats=worker_pb2.WorkerStats(num_blocks_total=64))
+    try:
+        yield prefill, decoders, pool
+    finally:
+        for c in channels:
+            await c.close()
+        for s in servers:
+            await s.stop()
+
+
+def request_run(pool: WorkerPool, rid: str, stream_kv: bool) -> RequestRun:
+    model = ModelInfo("tiny", config=None, max_model_len=4096, block_size=BLOCK, tokenizer=LetterTokenizer())
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    limits = RouterLimits(stream_kv_min_tokens=1 if stream_kv else 0)
+    return RequestRun(PreparedRequest(rid, list(PROMPT), params), model, pool, limits)
+
+
+async def run_tokens(run: RequestRun) -> list[int]:
+    return [t for resp in [r async for r in run.responses()] for t in resp.token_ids]
+
+
+def spy_on_arrivals(decoder: DecodeWorker) -> dict[str, torch.Tensor]:
+    """The prompt's KV as it lies in the decode worker's blocks when the transfer completes
+    (tokens 0..len(PROMPT)-1, every layer, K and V), by request id."""
+    landed, ready = {}, decoder.engine.kv_ready
+
+    def kv_ready(request_id, first_token=None):
+        table = decoder.engine.blocks.block_table(request_id)
+        cache = decoder.engine.kv_cache
+        slots = torch.tensor([table[t // BLOCK] * BLOCK + t % BLOCK for t in range(len(PROMPT))])
+        landed[request_id] = cache.view(cache.shape[0] * BLOCK, -1)[slots].clone()
+        ready(request_id, first_token)
+
+    decoder.engine.kv_ready = kv_ready
+    return landed
+
+
+async def settle(prefill: PrefillWorker, decoders: list[DecodeWorker]) -> None:
+    """Wait until every lease has ended and every block is free (the last read's notice
+    frees the holder's copy): fails if anything stays stranded."""
+    def used(worker) -> int:
+        return worker.engine.blocks.num_blocks - worker.engine.blocks.num_free_blocks
+
+    for _ in range(200):
+        if not prefill.leases and not used(prefill) and not any(used(d) for d in decoders):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"stranded: {len(prefill.leases)} leases, {used(prefill)} prefill blocks, "
+                         f"{[used(d) for d in decoders]} decode blocks")
+
+
+@pytest.mark.parametrize("backend", ["nixl", "tcp"])
+def test_streamed_kv_lands_the_same_bytes_in_the_same_blocks_and_decodes_the_same_tokens(tiny_llama_dir, backend):
+    model_dir = tiny_llama_dir[0]
+    expected = expected_tokens(model_dir)
+
+    async def main():
+        async with workers(model_dir, backend) as (prefill, (decoder,), pool):
+            landed = spy_on_arrivals(decoder)
+            whole = request_run(pool, "whole", stream_kv=False)
+            tokens = {"whole": await run_tokens(whole)}
+            await settle(prefill, [decoder])
+            reads_whole = decoder.agent.stats.snapshot().transfers
+            streamed = request_run(pool, "streamed", stream_kv=True)
+            tokens["streamed"] = await run_tokens(streamed)
+            await settle(prefill, [decoder])
+            reads = decoder.agent.stats.snapshot().transfers - reads_whole
+            return tokens, landed, reads_whole, reads, prefill.leases.released_by, (whole, streamed)
+
+    tokens, landed, reads_whole, reads, released_by, runs = asyncio.run(main())
+    assert tokens == {"whole": expected, "streamed": expected}
+    (whole_kv,), (streamed_kv,) = [[v for k, v in landed.items() if k.startswith(name)] for name in ("whole", "streamed")]
+    assert torch.equal(whole_kv, streamed_kv)  # every prompt token's K and V, bit for bit
+    # One read for the whole prompt. Streamed: one per chunk computed before the last (blocks
+    # 0-1, 2-3, 4-5) and the last read (block 6), which ends the lease; progress messages that
+    # arrive together (a loaded machine) merge two early reads into one, so at least 2.
+    assert reads_whole == 1 and 2 <= reads <= 4
+    assert released_by["pulled"] == 2 and released_by["transfer_failed"] == 0
+    assert all(run.progress.migrations == 0 for run in runs)
+
+
+def test_a_streamed_transfer_that_fails_half_way_is_a_transfer_failure_and_the_request_re_prefills(tiny_llama_dir):
+    """The holder refuses the second early read (tcp: the holder serves each read it
+    authorizes, as a holder that went away would not): the decode worker fails the transfer and
+    releases the lease, which stops the prompt still computing; the router re-prefills (one
+    migration) and the client gets the same greedy tokens. Nothing stays held."""
+    model_dir = tiny_llama_dir[0]
+    expected = expected_tokens(model_dir)
+
+    async def main():
+        async with workers(model_dir, "tcp") as (prefill, decoders, pool):
+            allow, partial_reads = prefill.agent.read_guard, []
+
+            def guard(note: str, block_ids: list[int]) -> bool:
+                if note.startswith("partial:"):
+                    partial_reads.append(block_ids)
+                    if len(partial_reads) == 2:
+                        return False  # the second early read: refused half-way through the prompt
+                return allow(note, block_ids)
+
+            prefill.agent.read_guard = guard
+            run = request_run(pool, "fails", stream_kv=True)
+            tokens = await run_tokens(run)
+            await settle(prefill, decoders)
+            return tokens, run, prefill.leases.released_by, decoders[0].agent.stats.snapshot(), len(partial_reads)
+
+    tokens, run, released_by, reader, partial_reads = asyncio.run(main())
+    assert tokens == expected
+    assert run.progress.migrations == 1
+    assert released_by["transfer_failed"] == 1 and released_by["pulled"] == 1
+    assert reader.failures == 1 and partial_reads >= 3  # the retry streamed again, and was served
+
+
+def test_watch_kv_is_refused_without_a_claimed_streamed_lease(tiny_llama_dir):
+    async def main():
+        async with workers(tiny_llama_dir[0], "tcp") as (prefill, decoders, pool):
+            stub = next(c.stub for c in pool.workers.values() if c.role == "prefill")
+            call = stub.PrefillStream(worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=PROMPT,
+                                                                sampling=_sampling()), timeout=60)
+            early = await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as unclaimed:
+                async for _ in stub.WatchKV(worker_pb2.WatchKVRequest(lease_token=early.kv.lease_token)):
+                    pass
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                async for _ in stub.WatchKV(worker_pb2.WatchKVRequest(lease_token="guessed")):
+                    pass
+            call.cancel()  # the caller gives up: the prompt stops and its lease ends
+            await settle(prefill, decoders)
+            return early, unclaimed.value, unknown.value
+
+    early, unclaimed, unknown = asyncio.run(main())
+    assert early.kv_streaming and len(early.kv.block_ids) == 7 and early.kv.num_tokens == len(PROMPT)
+    assert unclaimed.code() == unknown.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _sampling():
+    from protos import pdserve_pb2
+
+    return pdserve_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
