@@ -9,6 +9,9 @@ Request lifecycle on this worker:
   is known (fetched once per peer over gRPC and cached), and the lease is claimed.
 - TRANSFERRING: a NIXL READ moves the prompt's KV from the prefill worker's blocks straight
   into ours; on completion NIXL notifies the prefill worker, which frees its copy.
+  Streamed KV (``kv_streamed``): the lease comes while the prompt still computes; the worker
+  reads each stretch of finished blocks as ``WatchKV`` reports it, then the rest and the
+  first token once the prompt is done. Any failed read fails the transfer as a whole.
 - RUNNING: the request joins the continuous batch, decoding from the first token the
   prefill worker sampled; every step's token streams back to the router.
 - FINISHED: EOS, a stop token, max_tokens or the context length; blocks freed.

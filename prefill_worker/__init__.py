@@ -14,6 +14,13 @@ Request lifecycle on this worker:
   TRANSFER_FAILED), or the lease expired. A request that finishes at its first token (EOS,
   max_tokens 1) goes straight from RUNNING to RELEASED.
 
+With ``PrefillStream`` (streamed KV), the lease comes while RUNNING: it is granted once the
+prompt has blocks and its first chunk has run, the handle goes out at once, and a decode
+worker may claim it and read each finished chunk's blocks (``WatchKV`` tells it how far the
+prompt is) while the next chunks compute. Each chunk renews the lease. Its end while still
+RUNNING (the decode side released it, or it expired) stops the prompt. At the last chunk the
+request becomes HELD as above, and the decode worker's last read releases it.
+
 A cancelled ``Prefill`` call aborts the request wherever it is; nothing holds blocks without
 a lease that will expire. ``Abort`` by request id stops a prompt still computing but never
 frees HELD KV: that takes the token (clients choose request ids). ``kv_transfer.handoff``

@@ -63,9 +63,11 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
 Decode workers, per KV read, labels ``pool``, ``worker``, ``backend`` (nixl, tcp), ``model_name``, as vLLM's
 NIXL connector reports them:
 
-- histogram ``pdserve:worker_kv_transfer_seconds``: start of the read to its completion
-- histogram ``pdserve:worker_kv_transfer_bytes``: bytes one read moved
-- histogram ``pdserve:worker_kv_transfer_descriptors``: descriptors (one per KV block) one read posted
+- histogram ``pdserve:worker_kv_transfer_seconds``: start of the read to its completion (a
+  streamed prompt's KV: the wait from the start of its last read, after prefill, to the end of
+  every read)
+- histogram ``pdserve:worker_kv_transfer_bytes``: bytes one prompt's KV moved
+- histogram ``pdserve:worker_kv_transfer_descriptors``: descriptors (one per KV block) it posted
 
 The per-worker gauges carry a ``worker_`` prefix because the router exports the pool sums
 under the plain names: one name per meaning, so ``sum by (pool)`` never adds a pool's sum to

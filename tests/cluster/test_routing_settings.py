@@ -45,3 +45,15 @@ def test_bad_routing_values_name_the_setting(argv, environ, message):
     with pytest.raises(SettingsError) as exc:
         resolve(parse(argv), environ=environ)
     assert message in str(exc.value)
+
+
+def test_stream_kv_min_tokens_reaches_both_router_processes_and_refuses_a_negative():
+    assert build(resolve(parse([]), environ={})).router_limits.stream_kv_min_tokens == 0  # off by default
+    values = resolve(parse([]), environ={"PDSERVE_STREAM_KV_MIN_TOKENS": "1024"})
+    assert build(values).router_limits.stream_kv_min_tokens == 1024
+    settings = worker_cli.worker_settings()
+    values = resolve(parse(["--stream-kv-min-tokens", "2048"], settings), environ={}, settings=settings)
+    assert _router_limits(values).stream_kv_min_tokens == 2048
+    with pytest.raises(SettingsError) as exc:
+        resolve(parse(["--stream-kv-min-tokens", "-1"]), environ={})
+    assert "--stream-kv-min-tokens" in str(exc.value) and "at least 0" in str(exc.value)

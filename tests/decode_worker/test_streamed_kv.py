@@ -21,7 +21,7 @@ from protos import worker_pb2, worker_pb2_grpc
 from router.frontend import ModelInfo, PreparedRequest
 from router.orchestrator import RequestRun, RouterLimits
 from router.pool import WorkerClient, WorkerPool
-from tests.factories import make_engine, random_prompts
+from tests.factories import assert_greedy_matches, make_engine, random_prompts
 from tests.metrics.metrics_helpers import LetterTokenizer
 from wire.grpc_util import aio_channel
 
@@ -139,6 +139,7 @@ def test_streamed_kv_lands_the_same_bytes_in_the_same_blocks_and_decodes_the_sam
 
     tokens, landed, reads_whole, reads, released_by, runs = asyncio.run(main())
     assert tokens == {"whole": expected, "streamed": expected}
+    assert_greedy_matches(tiny_llama_dir[1], PROMPT, tokens["streamed"], MAX_TOKENS, what="streamed")  # transformers
     (whole_kv,), (streamed_kv,) = [[v for k, v in landed.items() if k.startswith(name)] for name in ("whole", "streamed")]
     assert torch.equal(whole_kv, streamed_kv)  # every prompt token's K and V, bit for bit
     # One read for the whole prompt. Streamed: one per chunk computed before the last (blocks
@@ -176,6 +177,7 @@ def test_a_streamed_transfer_that_fails_half_way_is_a_transfer_failure_and_the_r
 
     tokens, run, released_by, reader, partial_reads = asyncio.run(main())
     assert tokens == expected
+    assert_greedy_matches(tiny_llama_dir[1], PROMPT, tokens, MAX_TOKENS, what="re-prefilled")
     assert run.progress.migrations == 1
     assert released_by["transfer_failed"] == 1 and released_by["pulled"] == 1
     assert reader.failures == 1 and partial_reads >= 3  # the retry streamed again, and was served
