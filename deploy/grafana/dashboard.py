@@ -88,6 +88,24 @@ ROWS = [
         ("Preemptions per worker", "short", "Sequences whose KV was freed to make room, per second.",
          [(f"rate(pdserve:num_preemptions_total{W}[{RATE}])", "{{worker}}")]),
     ]),
+    ("Routing and conditional disaggregation", [
+        ("Prefill routing decisions", "short",
+         "Prefill workers chosen per second, by the rule that chose: cache (a prefix hit won), load, balance "
+         "(queues imbalanced: shortest queue), round_robin, only (one candidate).",
+         [(f"sum by (reason) (rate(pdserve:routing_decisions_total{M}[{RATE}]))", "{{reason}}")]),
+        ("Prefix overlap of the chosen prefill worker", "short",
+         "Prompt tokens the chosen worker caches, per the router's KV index.",
+         _quantiles("pdserve:routing_prefix_overlap_tokens")),
+        ("Who prefilled", "short",
+         "Attempts per second prefilled by their decode worker (local) or by the prefill pool (remote), by the "
+         "local-prefill rule's reason.",
+         [(f"sum by (decision, reason) (rate(pdserve:local_prefill_decisions_total{M}[{RATE}]))",
+           "{{decision}} {{reason}}")]),
+        ("Local-prefill rule input: uncached prompt tokens (p90)", "short",
+         "The uncached prompt tokens the rule saw, by its decision (compare with --local-prefill-max-tokens).",
+         [(f"histogram_quantile(0.9, sum by (le, decision) (rate(pdserve:local_prefill_uncached_tokens_bucket{M}"
+           f"[{RATE}])))", "{{decision}}")]),
+    ]),
     ("KV transfer and prefix cache", [
         ("KV transfer rate", "Bps", "KV bytes read by each decode worker.",
          [(f"sum by (worker) (rate(pdserve:kv_transfer_bytes_total{W}[{RATE}]))", "{{worker}}")]),
