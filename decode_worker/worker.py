@@ -8,6 +8,8 @@ on the holder, and any failed read fails the request's transfer as a whole."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -158,7 +160,7 @@ class DecodeWorker(WorkerShell):
         finally:
             self.close_stream(request_id)
             if not finished:
-                self.thread.call(self.cancel, request_id)
+                await self._cancel_now(request_id)
 
     async def prefill_and_decode(self, request_id: str, prompt: list[int], params: SamplingParams
                                  ) -> AsyncIterator[RequestOutput | LocallyPrefilled]:
@@ -184,7 +186,14 @@ class DecodeWorker(WorkerShell):
         finally:
             self.close_stream(request_id)
             if not finished:
-                self.thread.call(self.cancel, request_id)
+                await self._cancel_now(request_id)
+
+    async def _cancel_now(self, request_id: str) -> None:
+        """Free what an unfinished request holds before its caller hears that it ended, so a
+        Stats read right after the error sees its blocks free (a race a loaded machine hit).
+        If the call is cancelled meanwhile the cancel still runs, just unawaited."""
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(asyncio.wrap_future(self.thread.call(self.cancel, request_id)))
 
     # ---- engine thread -------------------------------------------------------------
     def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int], ready_tokens: int,
