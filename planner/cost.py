@@ -43,6 +43,17 @@ class CostModel:
         if self.model.num_kv_heads % self.tp and self.tp % self.model.num_kv_heads:
             raise CostError("tp", f"must divide the {self.model.num_kv_heads} KV heads (or be a multiple), "
                                   f"got {self.tp}")
+        # Constants of the step-time formulas, computed once: the simulator calls them millions of
+        # times. Each is the same expression the formulas spelled out inline, so results are bit-identical.
+        m, hw = self.model, self.hw
+        weights = m.weight_bytes(hw.dtype_bytes)
+        for name, value in (("_weights", weights), ("_kvb", self.kv_bytes_per_token),
+                            ("_bw", hw.mem_bw * self.tp), ("_flops", hw.flops * self.tp),
+                            ("_lin", m.linear_flops_per_token), ("_head", m.lm_head_flops),
+                            ("_lin_head", m.linear_flops_per_token + m.lm_head_flops),
+                            ("_attn", m.attention_flops_per_pair),
+                            ("_weights_s", weights / (hw.mem_bw * self.tp))):
+            object.__setattr__(self, name, value)
 
     # ---- capacity ------------------------------------------------------------------
     @property
@@ -61,25 +72,25 @@ class CostModel:
     # ---- step times ----------------------------------------------------------------
     def prefill_s(self, chunks: Sequence[tuple[int, int]], num_sampled: int = 1) -> float:
         """One prefill step over ``chunks`` of (new tokens, tokens already cached before them)."""
-        m, flops = self.model, self.hw.flops * self.tp
         tokens = sum(n for n, _ in chunks)
         pairs = sum(n * c + n * (n + 1) / 2 for n, c in chunks)  # causal: token i sees c + i keys
-        work = tokens * m.linear_flops_per_token + pairs * m.attention_flops_per_pair + num_sampled * m.lm_head_flops
-        weights = m.weight_bytes(self.hw.dtype_bytes) / (self.hw.mem_bw * self.tp)  # a short chunk still streams them
-        compute = work / flops
-        body = max(compute, weights) if self.hw.overlap else compute + weights
-        return self.hw.step_overhead_s + len(chunks) * self.hw.seq_overhead_s + body + self._allreduce_s(tokens)
+        work = tokens * self._lin + pairs * self._attn + num_sampled * self._head
+        weights = self._weights_s  # a short chunk still streams them
+        compute = work / self._flops
+        hw = self.hw
+        body = max(compute, weights) if hw.overlap else compute + weights
+        return hw.step_overhead_s + len(chunks) * hw.seq_overhead_s + body + self._allreduce_s(tokens)
 
     def decode_s(self, batch: int, total_context: float) -> float:
         """One decode step of ``batch`` sequences holding ``total_context`` tokens of KV between them."""
         if batch <= 0:
             return 0.0
-        m = self.model
-        memory = (m.weight_bytes(self.hw.dtype_bytes) + total_context * self.kv_bytes_per_token) / (self.hw.mem_bw * self.tp)
-        work = batch * (m.linear_flops_per_token + m.lm_head_flops) + total_context * m.attention_flops_per_pair
-        compute = work / (self.hw.flops * self.tp)
-        body = max(memory, compute) if self.hw.overlap else memory + compute
-        return self.hw.step_overhead_s + batch * self.hw.seq_overhead_s + body + self._allreduce_s(batch)
+        memory = (self._weights + total_context * self._kvb) / self._bw
+        work = batch * self._lin_head + total_context * self._attn
+        compute = work / self._flops
+        hw = self.hw
+        body = max(memory, compute) if hw.overlap else memory + compute
+        return hw.step_overhead_s + batch * hw.seq_overhead_s + body + self._allreduce_s(batch)
 
     def transfer_s(self, tokens: int) -> float:
         """Moving ``tokens`` of KV from a prefill worker to a decode worker (each of the ``tp``
