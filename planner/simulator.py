@@ -78,6 +78,9 @@ class ClusterSpec:
     prefill_cost: CostModel
     decode_cost: CostModel
     limits: EngineLimits = field(default_factory=EngineLimits)
+    # Prefill workers' own limits where they differ (DistServe ran its prefill and decode
+    # instances with different batch limits); None: ``limits`` for every role.
+    prefill_limits: EngineLimits | None = None
     max_queued_tokens: int = RouterLimits.max_queued_tokens_per_prefill  # the router's own limits
     admission_wait_s: float = RouterLimits.admission_wait_s
     startup_s: float = 30.0  # a new worker's time to load the model (autoscaling)
@@ -120,7 +123,8 @@ class Simulator:
     # ---- workers ------------------------------------------------------------------
     def add_worker(self, role: str) -> SimWorker:
         cost = self.spec.prefill_cost if role == "prefill" else self.spec.decode_cost
-        w = SimWorker(f"{role}-{next(self._ids)}", role, cost, self.spec.limits)
+        limits = self.spec.prefill_limits if role == "prefill" and self.spec.prefill_limits else self.spec.limits
+        w = SimWorker(f"{role}-{next(self._ids)}", role, cost, limits)
         self.pools[role].append(w)
         self._by_id[w.wid] = w
         self._inflight[w.wid] = 0
