@@ -231,10 +231,15 @@ def main() -> None:
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="arrival and length seeds to average over")
     ap.add_argument("--sigma", type=float, default=None,
                     help=f"log-normal spread of the lengths (default: the chat mix's {CHAT.sigma})")
+    ap.add_argument("--prompt-mean", type=int, default=None,
+                    help=f"mean prompt tokens before the 2048 filter (default {CHAT.prompt_mean}; the filter leaves "
+                         "about 615, and 1050 leaves about 755)")
     args = ap.parse_args()
     SEEDS = tuple(int(x) for x in args.seeds.split(","))
     if args.sigma is not None:
         LENGTHS = dataclasses.replace(LENGTHS, sigma=args.sigma)
+    if args.prompt_mean is not None:
+        LENGTHS = dataclasses.replace(LENGTHS, prompt_mean=args.prompt_mean)
     t0 = time.process_time()
     out: dict = {"slo": dataclasses.asdict(SLO), "lengths": dataclasses.asdict(LENGTHS), "models": {}}
     systems = SYSTEMS + ([] if args.no_extra else EXTRA)
