@@ -14,9 +14,9 @@ against one vLLM instance (TP1, 1 GPU), and attainment against an "SLO scale" (b
   each prefill stalls every running stream (pdserve's scheduler rules with chunking off);
 - DistServe's own instances: prefill batches of up to 128 prompts / 8,192 tokens, decode
   batches of up to 1,024 sequences, prefill TP2 and decode TP1 for OPT-13B;
-- ShareGPT lengths: the planner's chat mix (log-normal around DistServe's 755 / 200-token
-  means, ``planner.synthetic.CHAT``), keeping pairs under OPT's 2,048 tokens as DistServe's
-  dataset script does; Poisson arrivals (its default); the 90% crossing found between grid
+- ShareGPT lengths: the planner's chat mix (``planner.synthetic.CHAT``, log-normal around
+  755 / 200 tokens), keeping pairs under OPT's 2,048 tokens as DistServe's dataset script does
+  (which leaves 615 / 193 on average; ``--prompt-mean 1050`` leaves 755); Poisson arrivals (its default); the 90% crossing found between grid
   points by linear interpolation (its ``find_intersection``). Each point averages three seeds
   of 2,000 requests (DistServe ran 100 per GPU per point once).
 
