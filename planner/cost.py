@@ -36,13 +36,27 @@ class CostModel:
     model: ModelSpec
     hw: HardwareProfile
     tp: int = 1
+    mem_util: float = GPU_MEMORY_UTILIZATION  # share of device memory for weights + KV (vLLM's --gpu-memory-utilization)
 
     def __post_init__(self) -> None:
+        if not 0 < self.mem_util <= 1:
+            raise CostError("mem_util", f"must be within (0, 1], got {self.mem_util}")
         if self.tp < 1 or self.tp & (self.tp - 1):
             raise CostError("tp", f"must be a power of two >= 1, got {self.tp}")
         if self.model.num_kv_heads % self.tp and self.tp % self.model.num_kv_heads:
             raise CostError("tp", f"must divide the {self.model.num_kv_heads} KV heads (or be a multiple), "
                                   f"got {self.tp}")
+        # Constants of the step-time formulas, computed once: the simulator calls them millions of
+        # times. Each is the same expression the formulas spelled out inline, so results are bit-identical.
+        m, hw = self.model, self.hw
+        weights = m.weight_bytes(hw.dtype_bytes)
+        for name, value in (("_weights", weights), ("_kvb", self.kv_bytes_per_token),
+                            ("_bw", hw.mem_bw * self.tp), ("_flops", hw.flops * self.tp),
+                            ("_lin", m.linear_flops_per_token), ("_head", m.lm_head_flops),
+                            ("_lin_head", m.linear_flops_per_token + m.lm_head_flops),
+                            ("_attn", m.attention_flops_per_pair),
+                            ("_weights_s", weights / (hw.mem_bw * self.tp))):
+            object.__setattr__(self, name, value)
 
     # ---- capacity ------------------------------------------------------------------
     @property
@@ -51,7 +65,7 @@ class CostModel:
 
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV one worker (``tp`` devices) holds beside its weights."""
-        usable = self.hw.mem_bytes * self.tp * GPU_MEMORY_UTILIZATION if self.hw.overlap else self.hw.mem_bytes
+        usable = self.hw.mem_bytes * self.tp * self.mem_util if self.hw.overlap else self.hw.mem_bytes
         free = usable - self.model.weight_bytes(self.hw.dtype_bytes)
         if free <= 0:
             raise CostError("tp", f"{self.model.name} weights ({self.model.weight_bytes(self.hw.dtype_bytes) / 1e9:.0f} GB) "
@@ -61,25 +75,25 @@ class CostModel:
     # ---- step times ----------------------------------------------------------------
     def prefill_s(self, chunks: Sequence[tuple[int, int]], num_sampled: int = 1) -> float:
         """One prefill step over ``chunks`` of (new tokens, tokens already cached before them)."""
-        m, flops = self.model, self.hw.flops * self.tp
         tokens = sum(n for n, _ in chunks)
         pairs = sum(n * c + n * (n + 1) / 2 for n, c in chunks)  # causal: token i sees c + i keys
-        work = tokens * m.linear_flops_per_token + pairs * m.attention_flops_per_pair + num_sampled * m.lm_head_flops
-        weights = m.weight_bytes(self.hw.dtype_bytes) / (self.hw.mem_bw * self.tp)  # a short chunk still streams them
-        compute = work / flops
-        body = max(compute, weights) if self.hw.overlap else compute + weights
-        return self.hw.step_overhead_s + len(chunks) * self.hw.seq_overhead_s + body + self._allreduce_s(tokens)
+        work = tokens * self._lin + pairs * self._attn + num_sampled * self._head
+        weights = self._weights_s  # a short chunk still streams them
+        compute = work / self._flops
+        hw = self.hw
+        body = max(compute, weights) if hw.overlap else compute + weights
+        return hw.step_overhead_s + len(chunks) * hw.seq_overhead_s + body + self._allreduce_s(tokens)
 
     def decode_s(self, batch: int, total_context: float) -> float:
         """One decode step of ``batch`` sequences holding ``total_context`` tokens of KV between them."""
         if batch <= 0:
             return 0.0
-        m = self.model
-        memory = (m.weight_bytes(self.hw.dtype_bytes) + total_context * self.kv_bytes_per_token) / (self.hw.mem_bw * self.tp)
-        work = batch * (m.linear_flops_per_token + m.lm_head_flops) + total_context * m.attention_flops_per_pair
-        compute = work / (self.hw.flops * self.tp)
-        body = max(memory, compute) if self.hw.overlap else memory + compute
-        return self.hw.step_overhead_s + batch * self.hw.seq_overhead_s + body + self._allreduce_s(batch)
+        memory = (self._weights + total_context * self._kvb) / self._bw
+        work = batch * self._lin_head + total_context * self._attn
+        compute = work / self._flops
+        hw = self.hw
+        body = max(memory, compute) if hw.overlap else memory + compute
+        return hw.step_overhead_s + batch * hw.seq_overhead_s + body + self._allreduce_s(batch)
 
     def transfer_s(self, tokens: int) -> float:
         """Moving ``tokens`` of KV from a prefill worker to a decode worker (each of the ``tp``
@@ -92,3 +106,43 @@ class CostModel:
         nbytes = tokens * self.model.hidden_size * self.hw.dtype_bytes
         ring = 2 * (self.tp - 1) / self.tp * nbytes / self.hw.interconnect_bw
         return 2 * self.model.num_layers * (ring + ALLREDUCE_LATENCY_S)
+
+
+@dataclass(frozen=True)
+class FittedStepCost:
+    """Step times from a fit to measured steps instead of from FLOPs and bytes, in the form
+    DistServe's simulator uses (``simdistserve/estimators/time_estimator.py``), in ms:
+
+    - prefill: a + b * new tokens + c * sum(chunk length ** 2) (the quadratic term: attention);
+    - decode: a + b * context tokens of the batch + c * batch, with one (a, b, c) below
+      ``large_batch`` sequences and another from it on.
+
+    KV capacity and transfers come from ``base`` (the fit says nothing about them), so a
+    simulated worker runs the same rules with the measured engine's step times.
+    """
+
+    base: CostModel
+    prefill_ms: tuple[float, float, float]
+    decode_small_ms: tuple[float, float, float]
+    decode_large_ms: tuple[float, float, float]
+    large_batch: int = 95
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.base.kv_bytes_per_token
+
+    def kv_capacity_tokens(self) -> int:
+        return self.base.kv_capacity_tokens()
+
+    def transfer_s(self, tokens: int) -> float:
+        return self.base.transfer_s(tokens)
+
+    def prefill_s(self, chunks: Sequence[tuple[int, int]], num_sampled: int = 1) -> float:
+        a, b, c = self.prefill_ms
+        return (a + b * sum(n for n, _ in chunks) + c * sum(n * n for n, _ in chunks)) / 1e3
+
+    def decode_s(self, batch: int, total_context: float) -> float:
+        if batch <= 0:
+            return 0.0
+        a, b, c = self.decode_small_ms if batch < self.large_batch else self.decode_large_ms
+        return (a + b * total_context + c * batch) / 1e3

@@ -78,3 +78,13 @@ def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict[str, f
     order = np.argsort(values)
     v, cum = values[order], np.cumsum(weights[order])
     return {f"p{p}": float(v[min(np.searchsorted(cum, p / 100 * cum[-1]), len(v) - 1)]) for p in PERCENTILES}
+
+
+def first_crossing(xs, ys, target: float) -> float | None:
+    """Where the curve (xs, ys) first crosses ``target``, linearly interpolated between the two
+    points around it (DistServe's ``find_intersection``: attainment against rate or SLO scale,
+    crossing 90%). None if it never crosses."""
+    for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]):
+        if (y0 < target) != (y1 < target):
+            return x0 + (target - y0) * (x1 - x0) / (y1 - y0)
+    return None

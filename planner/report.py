@@ -53,6 +53,7 @@ def format_plan(plan: Plan, req: PlanRequest) -> str:
         f"layout: {plan.layout.describe()} = {plan.gpus} GPUs ({plan.layout.mode})",
         f"SLO attainment {plan.attainment:.1%}; goodput {r.goodput_rps(req.slo):.2f} req/s = "
         f"{r.goodput_rps(req.slo) / max(plan.gpus, 1):.3f} req/s per GPU",
+        f"simulated {len(r.arrival)} requests over {r.duration_s:.0f} s of arrivals",
         "expected (simulated)   p50        p90        p99",
     ]
     for name in ("ttft_s", "tpot_s", "itl_s"):

@@ -23,27 +23,45 @@ KeyFn = Callable[[SimWorker], tuple]
 
 
 class RoutingIndex:
+    """Keys must be unique per worker (the simulator's end with the worker id), so the minimum
+    is one worker whatever the heap's shape: skipping a re-key that changes nothing and
+    compacting stale entries never changes which worker ``best`` returns."""
+
     def __init__(self, key: KeyFn):
         self._key = key
         self._heap: list[tuple[tuple, int, SimWorker]] = []
-        self._version: dict[str, int] = {}
+        self._current: dict[str, tuple[tuple, int, SimWorker]] = {}  # worker -> its live entry
+        self._version = 0
 
     def touch(self, w: SimWorker) -> None:
         """``w``'s load changed (or it joined the pool): re-key it."""
-        v = self._version.get(w.wid, 0) + 1
-        self._version[w.wid] = v
-        heapq.heappush(self._heap, (self._key(w), v, w))
+        key = self._key(w)
+        entry = self._current.get(w.wid)
+        if entry is not None and entry[0] == key:
+            return  # most touches after a step leave the key as it was
+        self._version += 1
+        entry = (key, self._version, w)
+        self._current[w.wid] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 4 * len(self._current) + 64:
+            self._compact()
 
     def remove(self, w: SimWorker) -> None:
-        self._version[w.wid] = self._version.get(w.wid, 0) + 1  # every entry of it is now stale
+        self._current.pop(w.wid, None)  # every entry of it is now stale
 
     def best(self) -> SimWorker | None:
-        while self._heap:
-            _, v, w = self._heap[0]
-            if v == self._version.get(w.wid):
-                return w
-            heapq.heappop(self._heap)
+        heap, current = self._heap, self._current
+        while heap:
+            entry = heap[0]
+            if current.get(entry[2].wid) is entry:
+                return entry[2]
+            heapq.heappop(heap)
         return None
+
+    def _compact(self) -> None:
+        """Drop stale entries (each worker re-keyed since, or removed): the heap stays O(workers)."""
+        self._heap = list(self._current.values())
+        heapq.heapify(self._heap)
 
 
 def snapshot(w: SimWorker, kind: str, inflight: int, last_placed: int) -> WorkerSnapshot:

@@ -78,6 +78,9 @@ class ClusterSpec:
     prefill_cost: CostModel
     decode_cost: CostModel
     limits: EngineLimits = field(default_factory=EngineLimits)
+    # Prefill workers' own limits where they differ (DistServe ran its prefill and decode
+    # instances with different batch limits); None: ``limits`` for every role.
+    prefill_limits: EngineLimits | None = None
     max_queued_tokens: int = RouterLimits.max_queued_tokens_per_prefill  # the router's own limits
     admission_wait_s: float = RouterLimits.admission_wait_s
     startup_s: float = 30.0  # a new worker's time to load the model (autoscaling)
@@ -120,7 +123,8 @@ class Simulator:
     # ---- workers ------------------------------------------------------------------
     def add_worker(self, role: str) -> SimWorker:
         cost = self.spec.prefill_cost if role == "prefill" else self.spec.decode_cost
-        w = SimWorker(f"{role}-{next(self._ids)}", role, cost, self.spec.limits)
+        limits = self.spec.prefill_limits if role == "prefill" and self.spec.prefill_limits else self.spec.limits
+        w = SimWorker(f"{role}-{next(self._ids)}", role, cost, limits)
         self.pools[role].append(w)
         self._by_id[w.wid] = w
         self._inflight[w.wid] = 0
@@ -147,14 +151,30 @@ class Simulator:
 
     # ---- the loop -----------------------------------------------------------------
     def run(self) -> SimResult:
-        for i, r in enumerate(self.requests):
-            self.schedule(r.t, ARRIVE, i)
+        # Arrivals are read in (time, index) order from one sorted list, merged with the event
+        # heap, instead of pushed into it up front: the heap then holds only the events in
+        # flight (about one per busy worker), not every request of the run. The order is the
+        # one a heap of all arrivals gave: arrivals were scheduled first, so an arrival goes
+        # before any other event at the same time.
+        events = self._events
+        reqs = self.requests
+        arrivals = sorted(range(len(reqs)), key=lambda i: reqs[i].t)  # stable: ties by index
+        arrival_t = [reqs[i].t for i in arrivals]
+        n, nxt = len(arrivals), 0
         if self.autoscaler is not None:
             self.schedule(0.0, TICK)
-        end = self.requests[-1].t if self.requests else 0.0
+        end = reqs[-1].t if reqs else 0.0
         handlers = (self._on_arrive, self._on_step, self._on_xfer, self._on_tick, self._on_ready)
-        while self._events:
-            t, _, kind, a, b = heapq.heappop(self._events)
+        on_arrive, pop = self._on_arrive, heapq.heappop
+        while True:
+            if nxt < n and (not events or arrival_t[nxt] <= events[0][0]):
+                self.now = arrival_t[nxt]
+                on_arrive(arrivals[nxt], None)
+                nxt += 1
+                continue
+            if not events:
+                break
+            t, _, kind, a, b = pop(events)
             self.now = t
             if kind == TICK and t > end and not self._busy():
                 continue  # traffic is over: stop sampling so the loop ends

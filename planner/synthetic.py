@@ -19,6 +19,10 @@ class LengthMix:
     output_mean: int
     sigma: float = 0.0
     max_len: int = 8192
+    # Pairs with prompt + output >= max_total are dropped and drawn again, as a data set is
+    # filtered to a model's context (DistServe keeps ShareGPT pairs under OPT's 2048 tokens).
+    # None: no filter (each length is only clipped to max_len).
+    max_total: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("prompt_mean", "output_mean"):
@@ -26,9 +30,18 @@ class LengthMix:
                 raise TraceError(key, f"must be >= 1, got {getattr(self, key)}")
         if self.sigma < 0:
             raise TraceError("sigma", f"must be >= 0, got {self.sigma}")
+        if self.max_total is not None and self.max_total < 3:
+            raise TraceError("max_total", f"must be >= 3 (a prompt and an output token), got {self.max_total}")
 
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        return self._draw(self.prompt_mean, n, rng), self._draw(self.output_mean, n, rng)
+        if self.max_total is None:
+            return self._draw(self.prompt_mean, n, rng), self._draw(self.output_mean, n, rng)
+        prompts, outputs = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        while len(prompts) < n:
+            p, o = self._draw(self.prompt_mean, n, rng), self._draw(self.output_mean, n, rng)
+            keep = p + o < self.max_total
+            prompts, outputs = np.concatenate([prompts, p[keep]]), np.concatenate([outputs, o[keep]])
+        return prompts[:n], outputs[:n]
 
     def _draw(self, mean: int, n: int, rng: np.random.Generator) -> np.ndarray:
         if self.sigma == 0:

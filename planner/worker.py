@@ -59,6 +59,7 @@ class RunningBlocks:
         self.q_sum = 0
         self.count = 0
         self.residues = [0] * block_size
+        self._above: list[int] | None = None  # _above[j] = sum(residues[j:]); rebuilt after a change
 
     def add(self, offset: int, sign: int = 1) -> None:
         """A sequence whose slots at step s number ``offset + s`` joins (sign -1: leaves)."""
@@ -66,11 +67,19 @@ class RunningBlocks:
         self.q_sum += sign * q
         self.count += sign
         self.residues[r] += sign
+        self._above = None
 
     def at(self, step: int) -> int:
         qs, rs = divmod(step, self.bs)
-        over = sum(self.residues[self.bs - rs:]) if rs else 0
-        return self.q_sum + self.count * qs + over
+        if not rs:
+            return self.q_sum + self.count * qs
+        above = self._above
+        if above is None:  # the batch changed: O(bs) once, then O(1) per call (an epoch's bisection asks ~8)
+            above = [0] * (self.bs + 1)
+            for j in range(self.bs - 1, -1, -1):
+                above[j] = above[j + 1] + self.residues[j]
+            self._above = above
+        return self.q_sum + self.count * qs + above[self.bs - rs]
 
 
 @dataclass(eq=False)
@@ -294,6 +303,8 @@ class SimWorker:
             self._drop_dead()
             until_finish = max(1, self._finish_heap[0][0] - self.step)
             if self.run_blocks.at(self.step + 1) <= cap:
+                if self.run_blocks.at(self.step + until_finish) <= cap:
+                    return until_finish  # the usual case: the cache holds the batch to its next finish
                 lo, hi = 1, until_finish  # k steps need the blocks of step + k: bisect the largest that fits
                 while lo < hi:
                     mid = (lo + hi + 1) // 2

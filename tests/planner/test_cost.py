@@ -87,3 +87,29 @@ def test_profile_round_trips_and_rejects_unknown_keys(tmp_path):
     assert get_profile("h100") is GPU_PROFILES["H100"]
     for hw in GPU_PROFILES.values():
         assert hw.source and 0 < hw.flops_efficiency < 1 and 0 < hw.mem_bw_efficiency < 1
+
+
+def test_memory_utilization_sets_the_kv_capacity():
+    a100 = GPU_PROFILES["A100"]
+    at90, at95 = CostModel(PRESETS["OPT-13B"], a100, 1), CostModel(PRESETS["OPT-13B"], a100, 1, mem_util=0.95)
+    assert at95.kv_capacity_tokens() - at90.kv_capacity_tokens() == pytest.approx(
+        0.05 * a100.mem_bytes / at90.kv_bytes_per_token, abs=2)
+    with pytest.raises(CostError) as err:
+        CostModel(TINY, DEVICE, 1, mem_util=1.5)
+    assert err.value.field == "mem_util"
+
+
+def test_fitted_step_cost_applies_the_published_form_in_ms():
+    from planner.cost import FittedStepCost
+
+    fit = FittedStepCost(cost(), prefill_ms=(10.0, 0.1, 1e-4), decode_small_ms=(20.0, 0.001, 0.5),
+                         decode_large_ms=(5.0, 0.002, 1.0), large_batch=4)
+    # prefill: a + b * tokens + c * sum(len^2), over the prompts of the batch
+    assert fit.prefill_s([(100, 0), (200, 0)]) == pytest.approx((10 + 0.1 * 300 + 1e-4 * (100**2 + 200**2)) / 1e3)
+    # decode: a + b * context + c * batch; the large-batch fit from ``large_batch`` sequences on
+    assert fit.decode_s(3, 1000) == pytest.approx((20 + 1 + 1.5) / 1e3)
+    assert fit.decode_s(4, 1000) == pytest.approx((5 + 2 + 4) / 1e3)
+    assert fit.decode_s(0, 0) == 0.0
+    # capacity and transfers are the base model's
+    assert fit.kv_capacity_tokens() == cost().kv_capacity_tokens()
+    assert fit.transfer_s(100) == cost().transfer_s(100)

@@ -86,3 +86,33 @@ def test_weighted_percentiles():
     p = weighted_percentiles(np.array([3.0, 1.0, 2.0]), np.array([1, 98, 1]))
     assert p["p50"] == 1.0 and p["p99"] == 2.0
     assert math.isnan(weighted_percentiles(np.array([]), np.array([]))["p50"])
+
+
+def test_first_crossing_interpolates_where_the_curve_falls_through_the_target():
+    from planner.metrics import first_crossing
+
+    assert first_crossing([1, 2, 3], [0.99, 0.95, 0.85], 0.9) == pytest.approx(2.5)
+    assert first_crossing([1.6, 1.0, 0.4], [1.0, 0.95, 0.75], 0.9) == pytest.approx(1.0 - 0.6 * 0.25)
+    assert first_crossing([1, 2], [0.95, 0.92], 0.9) is None
+
+
+def test_prefill_workers_take_their_own_limits():
+    # a prefill budget of 100 tokens chunks a 250-token prompt into three steps; decode keeps the default
+    c = cost()
+    r = simulate(Layout(prefill=1, decode=1), requests((0.0, 250, 2)), EngineLimits(),
+                 prefill_limits=EngineLimits(max_num_batched_tokens=100))
+    chunks = c.prefill_s([(100, 0)]) + c.prefill_s([(100, 100)]) + c.prefill_s([(50, 200)])  # each step samples one row
+    assert r.first_token[0] == pytest.approx(chunks)
+
+
+def test_without_chunking_a_colocated_prefill_stalls_every_running_stream():
+    # vLLM before chunked prefill: a step is whole prompts or decodes, prefill first. Request 0
+    # decodes alone until request 1 arrives; its whole 1000-token prefill is a gap in request
+    # 0's tokens, so request 0's TPOT carries it.
+    c = cost()
+    lim = EngineLimits(max_num_batched_tokens=16384, enable_chunked_prefill=False)
+    alone = simulate(Layout(colocated=1), requests((0.0, 100, 50)), lim)
+    both = simulate(Layout(colocated=1), requests((0.0, 100, 50), (0.05, 1000, 2)), lim)
+    stall = c.prefill_s([(1000, 0)])
+    assert both.finish[0] - alone.finish[0] >= stall
+    assert both.tpot[0] - alone.tpot[0] >= stall / 49

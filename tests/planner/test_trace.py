@@ -59,3 +59,14 @@ def test_router_trace_writer_writes_the_replay_format(tmp_path):
     assert (b.t, b.prefix_hash, b.prefix_tokens) == (0.5, None, 0)
     other = TraceWriter(tmp_path / "o.jsonl", block_size=4, prefix_blocks=2, clock=lambda: 0.0)
     assert other.prefix_of(list(range(8)) + [99]) == (a.prefix_hash, 8)  # same leading blocks, same hash
+
+
+def test_a_context_limit_drops_pairs_that_do_not_fit_and_keeps_the_count():
+    mix = LengthMix(755, 200, sigma=0.8, max_len=4096, max_total=2048)
+    prompts, outputs = mix.sample(5000, np.random.default_rng(0))
+    assert len(prompts) == len(outputs) == 5000
+    assert (prompts + outputs).max() < 2048
+    unfiltered, _ = LengthMix(755, 200, sigma=0.8, max_len=4096).sample(5000, np.random.default_rng(0))
+    assert (unfiltered >= 2048).any() and prompts.mean() < unfiltered.mean()
+    with pytest.raises(TraceError):
+        LengthMix(10, 10, max_total=2)
