@@ -208,10 +208,14 @@ class DecodeWorker(WorkerShell):
         end = n if last else min(ready_tokens // size, n - 1)
         if end <= pull.next_block:
             return
+        if last:
+            notify = kv.lease_token.encode()
+        else:  # an early read: a holder that checks reads needs the token; a one-sided one needs
+            # nothing, and a notice would complete only when the holder next runs its progress
+            notify = partial_notify(kv.lease_token) if self.agent.guards_reads else b""
         try:
             handle = self.agent.start_read(
-                peer, kv.block_ids[pull.next_block:end], local[pull.next_block:end],
-                notify=kv.lease_token.encode() if last else partial_notify(kv.lease_token),
+                peer, kv.block_ids[pull.next_block:end], local[pull.next_block:end], notify=notify,
                 last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None)
         except InvalidTransferRequest as exc:
             self.cancel(request_id)

@@ -121,6 +121,10 @@ class KVTransferAgent(abc.ABC):
     """
 
     backend_name: ClassVar[str]
+    # Whether the holder serves each read itself and checks it with ``read_guard`` against the
+    # read's ``notify`` (tcp). False for one-sided reads (NIXL), where a read with an empty
+    # ``notify`` completes without any work on the holder's side.
+    guards_reads: ClassVar[bool] = False
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
                  read_timeout_s: float = 30.0):
@@ -297,9 +301,11 @@ class KVTransferAgent(abc.ABC):
                 self._finish(handle, TransferState.ABORTED, None)
             return handle.state
 
-    def expect_reads(self, expected: bool) -> None:
+    def expect_reads(self, expected: bool, urgent: bool = True) -> None:
         """Tell the agent whether a peer may be reading from it now, so a backend that needs
-        holder-side progress (NIXL) drives it only then. The default needs none."""
+        holder-side progress (NIXL) drives it only then; ``urgent`` False: no reader waits on
+        those reads (streamed KV's early reads), so slower progress will do. The default needs
+        none."""
 
     def in_flight(self) -> int:
         """Number of reads started and not yet terminal."""

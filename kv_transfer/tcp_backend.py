@@ -71,6 +71,7 @@ class TcpAgent(KVTransferAgent):
     """
 
     backend_name = "tcp"
+    guards_reads = True
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
                  read_timeout_s: float = 30.0, host: str = "127.0.0.1", port: int = 0,
