@@ -68,7 +68,9 @@ class NixlAgent(KVTransferAgent):
     """KV-transfer agent over NIXL with the UCX backend.
 
     Extra options: ``progress_interval_s`` (period of the progress thread, bounding the
-    holder's wire-up and notification latency), ``num_threads`` (UCX worker threads;
+    holder's wire-up and notification latency), ``relaxed_progress_interval_s`` (its period
+    while reads may come but none is waited on, ``expect_reads(True, urgent=False)``),
+    ``num_threads`` (UCX worker threads;
     0 = NIXL's default) and ``net_devices`` (the network interfaces UCX may listen and connect
     on, comma-separated; None: UCX's default, every interface). Raises BackendUnavailable
     when nixl_cu12, the UCX plugin or the agent cannot start.
@@ -78,13 +80,14 @@ class NixlAgent(KVTransferAgent):
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
                  read_timeout_s: float = 30.0, progress_interval_s: float = 0.001,
-                 num_threads: int = 0, net_devices: str | None = None):
+                 relaxed_progress_interval_s: float = 0.1, num_threads: int = 0,
+                 net_devices: str | None = None):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
                          read_timeout_s=read_timeout_s)
-        if progress_interval_s <= 0:
-            raise InvalidTransferRequest(
-                f"progress_interval_s must be > 0, got {progress_interval_s}",
-                field="progress_interval_s", limit=0)
+        for option, value in (("progress_interval_s", progress_interval_s),
+                              ("relaxed_progress_interval_s", relaxed_progress_interval_s)):
+            if value <= 0:
+                raise InvalidTransferRequest(f"{option} must be > 0, got {value}", field=option, limit=0)
         nixl = _import_nixl()
         try:
             config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
@@ -109,6 +112,7 @@ class NixlAgent(KVTransferAgent):
             raise BackendUnavailable("nixl", f"registering the {self.layout.nixl_mem_type} "
                                              f"cache failed: {type(exc).__name__}: {exc}") from exc
         self._progress_interval_s = progress_interval_s
+        self._intervals = (relaxed_progress_interval_s, progress_interval_s)  # by urgent
         self._stop_progress = threading.Event()
         self._reads_expected = threading.Event()  # see expect_reads
         self._reads_expected.set()
@@ -116,9 +120,12 @@ class NixlAgent(KVTransferAgent):
             target=self._progress_loop, name=f"kv-nixl-progress-{name}", daemon=True)
         self._progress_thread.start()
 
-    def expect_reads(self, expected: bool) -> None:
+    def expect_reads(self, expected: bool, urgent: bool = True) -> None:
         """Run the progress thread only while a peer may read from this agent (a prefill
-        worker holding KV): otherwise it sleeps without waking. On by default."""
+        worker holding KV): otherwise it sleeps without waking. On by default. A READ here
+        completes only once the holder's UCX progresses, so reads nobody waits on urgently
+        (``urgent`` False: streamed KV's early reads) get the relaxed period."""
+        self._progress_interval_s = self._intervals[urgent]
         if expected:
             self._reads_expected.set()
         else:

@@ -265,7 +265,6 @@ class PrefillWorker(WorkerShell):
             if not ready or ready == announced:
                 continue
             if lease is None:
-                # No expect_reads here: see _poll_releases.
                 lease = self.leases.grant(request_id, self.engine.blocks.block_table(request_id), now,
                                           self.config.lease_seconds, owner=self._owner_of.get(request_id, ""))
                 out.append((request_id, KVEarly(lease, ready)))
@@ -273,6 +272,7 @@ class PrefillWorker(WorkerShell):
                 self.leases.renew(lease.token, now + self.config.lease_seconds)
                 out.append((request_id, KVReady(ready)))
             self._streaming[request_id] = (lease, ready)
+        self._expect_reads()  # a lease granted here gets its early reads progressed
         self.push(out)
         return None
 
@@ -293,7 +293,7 @@ class PrefillWorker(WorkerShell):
         elif lease is not None:
             self.leases.renew(lease.token, time.monotonic() + self.config.lease_seconds)
             block_ids = list(lease.block_ids)
-            self.agent.expect_reads(True)  # the last read, whose notice frees the blocks, comes now
+            self._expect_reads()  # the last read, whose notice frees the blocks, comes now
         elif o.finish_reason is None:
             block_ids = self.engine.held_block_ids(o.request_id)
             lease = self.leases.grant(o.request_id, block_ids, time.monotonic(), self.config.lease_seconds,
@@ -305,14 +305,16 @@ class PrefillWorker(WorkerShell):
             max(0.0, computing_since - started), o.new_top_logprobs[0] if o.new_top_logprobs else (),
             o.prompt_logprobs)
 
-    def _poll_releases(self) -> float | None:
-        # Holder-side progress (NIXL: a thread waking every millisecond) matters only for the
-        # notice of a lease's last read. Leases of prompts still computing get only early
-        # reads, which are one-sided and whose notices are ignored; the thread would take
-        # time from the prefill on this core (measured: a streamed 2,048-token prompt's TTFT
-        # rose ~7% with it). Their notices are collected here, before each step.
+    def _expect_reads(self) -> None:
+        """Holder-side progress (NIXL: a thread waking every millisecond, on this worker's
+        core) completes reads of held KV and delivers their notices. Leases of prompts still
+        computing get only early reads, which nobody waits on: relaxed progress (every 100 ms)
+        completes those without taking the prefill's core a thousand times a second."""
         streaming = sum(1 for lease, _ in self._streaming.values() if lease is not None)
-        self.agent.expect_reads(len(self.leases) > streaming)
+        self.agent.expect_reads(bool(self.leases), urgent=len(self.leases) > streaming)
+
+    def _poll_releases(self) -> float | None:
+        self._expect_reads()
         if not self.leases:
             return None
         for note in self.agent.get_notifications():
@@ -328,7 +330,8 @@ class PrefillWorker(WorkerShell):
                 self._free(lease, ReleaseReason.OWNER_LOST)
             for owner in silent:
                 self._owner_seen.pop(owner, None)
-        if not self.leases:
+        if not self.leases:  # the last lease just ended: the progress thread may sleep again
+            self._expect_reads()  # (else it woke every millisecond until the next request)
             return None
         return max(0.0, min(NOTIFICATION_POLL_S, self.leases.next_deadline() - now))
 

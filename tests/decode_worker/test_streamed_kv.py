@@ -131,13 +131,26 @@ def test_streamed_kv_lands_the_same_bytes_in_the_same_blocks_and_decodes_the_sam
             tokens = {"whole": await run_tokens(whole)}
             await settle(prefill, [decoder])
             reads_whole = decoder.agent.stats.snapshot().transfers
+            expect_reads, progress = prefill.agent.expect_reads, []
+
+            def spy(expected, urgent=True):  # the holder's progress: (reads may come, urgently)
+                progress.append((expected, urgent))
+                expect_reads(expected, urgent)
+
+            prefill.agent.expect_reads = spy
             streamed = request_run(pool, "streamed", stream_kv=True)
             tokens["streamed"] = await run_tokens(streamed)
             await settle(prefill, [decoder])
             reads = decoder.agent.stats.snapshot().transfers - reads_whole
-            return tokens, landed, reads_whole, reads, prefill.leases.released_by, (whole, streamed)
+            return tokens, landed, reads_whole, reads, prefill.leases.released_by, (whole, streamed), progress
 
-    tokens, landed, reads_whole, reads, released_by, runs = asyncio.run(main())
+    tokens, landed, reads_whole, reads, released_by, runs, progress = asyncio.run(main())
+    # While the prompt computes, its early reads get relaxed holder progress (nobody waits on
+    # them; NIXL's progress thread would otherwise wake every millisecond on the prefill's
+    # core); once it is done, urgent progress for the last read; none once the lease ended.
+    changes = [p for i, p in enumerate(progress) if i == 0 or p != progress[i - 1]]
+    assert changes[0] == (False, False) and (True, False) in changes and changes[-1] == (False, False)
+    assert changes.index((True, False)) < changes.index((True, True))
     assert tokens == {"whole": expected, "streamed": expected}
     assert_greedy_matches(tiny_llama_dir[1], PROMPT, tokens["streamed"], MAX_TOKENS, what="streamed")  # transformers
     (whole_kv,), (streamed_kv,) = [[v for k, v in landed.items() if k.startswith(name)] for name in ("whole", "streamed")]
