@@ -2,13 +2,13 @@
 and without the local-prefill rule, on the same cluster shape (1 prefill + 1 decode worker,
 each pinned to a core of its own), in one run.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/conditional.py [--threshold 512] [--out conditional.json]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/conditional.py [--threshold 512 2048] [--out conditional.json]
 
 The same seeded arrival schedule (Poisson, ``--rate`` requests/s) of ``--requests`` greedy
 requests, a ``--long-share`` of them with ``--long-tokens`` prompt tokens and the rest with
 ``--short-tokens``, each ``--max-tokens`` long, goes to two clusters: the rule off (every
-prompt through the prefill pool) and on (``local_prefill_max_tokens=--threshold``,
-``local_prefill_max_load=--max-load``). Per arm: TTFT p50/p99 of the short and of the long
+prompt through the prefill pool) and on, once per ``--threshold`` given
+(``local_prefill_max_tokens``; ``local_prefill_max_load=--max-load``). Per arm: TTFT p50/p99 of the short and of the long
 prompts, ITL p50/p99, output tokens per second over the run's makespan, and the router's
 decision counts (its /metrics). Prints rule-on / rule-off ratios and writes JSON.
 
@@ -103,7 +103,8 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=1536)
     ap.add_argument("--long-share", type=float, default=0.25)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threshold", type=int, default=512, help="local_prefill_max_tokens of the rule-on arm")
+    ap.add_argument("--threshold", type=int, nargs="+", default=[512],
+                    help="local_prefill_max_tokens of each rule-on arm")
     ap.add_argument("--max-load", type=float, default=LocalPrefillConfig.max_load, help="local_prefill_max_load")
     ap.add_argument("--dtype", default=None, help="default: the engine's (bfloat16)")
     ap.add_argument("--seed", type=int, default=0)
@@ -111,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     plan = schedule(args)
     arms = {"rule_off": LocalPrefillConfig(),
-            "rule_on": LocalPrefillConfig(max_tokens=args.threshold, max_load=args.max_load)}
+            **{f"rule_on_{t}": LocalPrefillConfig(max_tokens=t, max_load=args.max_load) for t in args.threshold}}
     doc = {"args": {k: str(v) for k, v in vars(args).items()}, "load_average_before": load_average(), "arms": {}}
     with tqdm(total=len(arms) * len(plan), desc="requests", unit="req") as bar:
         for name, rule in arms.items():
@@ -127,16 +128,20 @@ def main() -> None:
                 cluster.stop()
             doc["arms"][name] = result
     doc["load_average_after"] = load_average()
-    on, off = doc["arms"]["rule_on"], doc["arms"]["rule_off"]
+    off = doc["arms"]["rule_off"]
     keys = ("short_ttft_p50_s", "short_ttft_p99_s", "long_ttft_p50_s", "long_ttft_p99_s", "itl_p50_s", "itl_p99_s",
             "output_tokens_per_s")
-    doc["ratios_on_over_off"] = {k: (on[k] / off[k] if on[k] and off[k] else None) for k in keys}
+    ons = [name for name in arms if name != "rule_off"]
+    doc["ratios_on_over_off"] = {name: {k: (doc["arms"][name][k] / off[k] if doc["arms"][name][k] and off[k] else None)
+                                        for k in keys} for name in ons}
     args.out.write_text(json.dumps(doc, indent=2))
-    print(f"{'metric':22} {'rule off':>10} {'rule on':>10} {'on/off':>8}")
+    print(f"{'metric':22} {'rule off':>10}" + "".join(f" {name:>14} {'on/off':>7}" for name in ons))
     for k in keys:
-        ratio = doc["ratios_on_over_off"][k]
-        print(f"{k:22} {off[k]:10.3f} {on[k]:10.3f} {ratio:8.2f}" if ratio else f"{k:22} {off[k]} {on[k]}")
-    print(f"decisions: off {off['decisions']}, on {on['decisions']}")
+        cells = "".join(f" {doc['arms'][name][k] or 0:14.3f} {doc['ratios_on_over_off'][name][k] or 0:7.2f}"
+                        for name in ons)
+        print(f"{k:22} {off[k] or 0:10.3f}{cells}")
+    for name in ("rule_off", *ons):
+        print(f"decisions, {name}: {doc['arms'][name]['decisions']}")
     print(f"load average {doc['load_average_before']} -> {doc['load_average_after']}; wrote {args.out}")
 
 
