@@ -31,6 +31,7 @@ from router.local_prefill import LocalPrefillConfig, decide
 from router.policy import Choice, pick_decode
 from router.pool import WorkerPool
 from router.validation import RequestLimits
+from router.worker_calls import Started, error_field, ignore_errors, last_message, unavailable, unless_hung
 from wire.convert import DEFAULT_MAX_TOKENS, finish_from_wire, finish_to_wire, sampling_to_proto
 from kv_transfer.handoff import ReleaseReason, release_request
 from wire.failure import Failure, failure_of
@@ -181,7 +182,7 @@ class RequestRun:
                     if pre.HasField("kv"):
                         lease = (prefill_addr, pre.kv.lease_token)
                     if streaming is not None:  # the KV streams to a decode worker picked now
-                        decoding = _Started(self._decode(worker_rid, prompt, pre, params))
+                        decoding = Started(self._decode(worker_rid, prompt, pre, params))
                         pre = await self._streamed_answer(streaming, prefill_addr, decoding)
                     if attempt == 0:
                         self._note_prefilled(len(prompt), pre.num_cached_tokens, pre.queue_seconds,
@@ -303,15 +304,15 @@ class RequestRun:
                 with self.pool.placed(client, tokens=len(prompt) - choice.cached_tokens):
                     if not stream_kv:
                         call = client.stub.Prefill(request, timeout=self.remaining_s())
-                        return await _unless_hung(call, client), client.address, None
+                        return await unless_hung(call, client), client.address, None
                     call = client.stub.PrefillStream(request, timeout=self.remaining_s())
-                    first = await _unless_hung(call.read(), client, call)
+                    first = await unless_hung(call.read(), client, call)
                     if first is grpc.aio.EOF:
-                        raise _unavailable(f"prefill worker {client.address} ended the stream without an answer")
+                        raise unavailable(f"prefill worker {client.address} ended the stream without an answer")
                     return first, client.address, (call if first.kv_streaming else None)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidRequestError(_field(exc), exc.details()) from exc
+                    raise InvalidRequestError(error_field(exc), exc.details()) from exc
                 self.remaining_s()  # our own deadline passed: not the worker's fault
                 _raise_if_step_failed(exc)
                 if exc.code() not in _RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:
@@ -324,12 +325,12 @@ class RequestRun:
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if "RESOURCE_EXHAUSTED" in last else grpc.StatusCode.UNAVAILABLE
         raise RouteError(code, f"no prefill worker could take the request ({last})")
 
-    async def _streamed_answer(self, call, address: str, decoding: _Started) -> worker_pb2.PrefillResponse:
+    async def _streamed_answer(self, call, address: str, decoding: Started) -> worker_pb2.PrefillResponse:
         """The answer of a PrefillStream whose KV is streaming to ``decoding`` meanwhile. A
         failure of either side before the answer loses this attempt (re-prefill), as a
         failed transfer does; a decode side that failed first cancels the prefill."""
         client = self.pool.workers.get(address)
-        answer = asyncio.ensure_future(_last_message(call))
+        answer = asyncio.ensure_future(last_message(call))
         try:
             while not answer.done():
                 waits = {answer} | ({decoding.first} if not decoding.first.done() else set())
@@ -406,7 +407,7 @@ class RequestRun:
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidRequestError(_field(exc), exc.details()) from exc
+                    raise InvalidRequestError(error_field(exc), exc.details()) from exc
                 self.remaining_s()  # our own deadline passed: not the worker's fault
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not started:
                     continue  # the KV is still held: another decode worker may take it
@@ -490,71 +491,7 @@ class RequestRun:
         if client is None:
             return
         release = client.stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
-        asyncio.ensure_future(_ignore_errors(release))
-
-
-async def _unless_hung(awaitable, client, call=None):
-    """``awaitable``'s result (a unary ``call``, or a read of the streaming ``call``), unless
-    ``client`` is found hung first: then the call is cancelled and it fails UNAVAILABLE, as
-    for a dead worker (the caller tries another)."""
-    call = call if call is not None else awaitable
-    answer = asyncio.ensure_future(awaitable)
-    hung = asyncio.ensure_future(client.lost.wait())
-    try:
-        await asyncio.wait({answer, hung}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        hung.cancel()
-        if not answer.done():
-            call.cancel()
-            answer.cancel()
-    if answer.done():
-        return answer.result()
-    raise _unavailable(f"worker {client.address} is hung (no engine progress, hang_timeout_s)")
-
-
-def _unavailable(message: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
-
-
-async def _last_message(call):
-    """The last message of a streaming call (its first one already read)."""
-    last = None
-    while (message := await call.read()) is not grpc.aio.EOF:
-        last = message
-    if last is None or last.kv_streaming:
-        raise _unavailable("the prefill worker ended the stream without an answer")
-    return last
-
-
-class _Started:
-    """An async iterator whose first item is being fetched in the background already (a
-    decode stream started while the prefill still runs)."""
-
-    def __init__(self, iterator):
-        self.iterator = iterator
-        self.first = asyncio.ensure_future(_first_or_none(iterator))
-
-    async def stream(self):
-        item = await self.first
-        if item is None:
-            return
-        yield item
-        async for item in self.iterator:
-            yield item
-
-    async def close(self) -> None:
-        if not self.first.done():
-            self.first.cancel()
-            with contextlib.suppress(BaseException):
-                await self.first
-        await self.iterator.aclose()
-
-
-async def _first_or_none(iterator):
-    try:
-        return await anext(iterator)
-    except StopAsyncIteration:
-        return None
+        asyncio.ensure_future(ignore_errors(release))
 
 
 def attempt_id(request_id: str, attempt: int) -> str:
@@ -564,13 +501,6 @@ def attempt_id(request_id: str, attempt: int) -> str:
     ``Abort`` or a second ``Decode`` naming a client's request id (clients choose ids), or
     another router's request of the same id, reaches nothing of this attempt."""
     return f"{request_id}#{attempt}.{secrets.token_urlsafe(16)}"
-
-
-async def _ignore_errors(awaitable) -> None:
-    try:
-        await awaitable
-    except grpc.aio.AioRpcError:
-        pass
 
 
 def _route_error(choice) -> Exception:
@@ -596,10 +526,3 @@ def _raise_if_step_failed(exc: grpc.aio.AioRpcError) -> None:
     would repeat the failure, so the client gets it (ABORTED) and the worker stays up."""
     if failure_of(exc) is Failure.STEP_FAILED:
         raise RouteError(grpc.StatusCode.ABORTED, exc.details() or "engine step failed") from exc
-
-
-def _field(exc: grpc.aio.AioRpcError) -> str:
-    for key, value in exc.trailing_metadata() or ():
-        if key == "pdserve-field":
-            return value
-    return "request"

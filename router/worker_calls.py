@@ -1,0 +1,89 @@
+"""Calls to workers from one request's run, and what their answers mean: waiting on a call
+unless its worker is found hung, the last message of a streaming call, a decode stream
+started in the background (streamed KV), and the fields a worker's error names."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+
+async def unless_hung(awaitable, client, call=None):
+    """``awaitable``'s result (a unary ``call``, or a read of the streaming ``call``), unless
+    ``client`` is found hung first: then the call is cancelled and it fails UNAVAILABLE, as
+    for a dead worker (the caller tries another)."""
+    call = call if call is not None else awaitable
+    answer = asyncio.ensure_future(awaitable)
+    hung = asyncio.ensure_future(client.lost.wait())
+    try:
+        await asyncio.wait({answer, hung}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hung.cancel()
+        if not answer.done():
+            call.cancel()
+            answer.cancel()
+    if answer.done():
+        return answer.result()
+    raise unavailable(f"worker {client.address} is hung (no engine progress, hang_timeout_s)")
+
+
+def unavailable(message: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
+
+
+async def last_message(call):
+    """The last message of a streaming call (its first one already read)."""
+    last = None
+    while (message := await call.read()) is not grpc.aio.EOF:
+        last = message
+    if last is None or last.kv_streaming:
+        raise unavailable("the prefill worker ended the stream without an answer")
+    return last
+
+
+class Started:
+    """An async iterator whose first item is being fetched in the background already (a
+    decode stream started while the prefill still runs)."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+        self.first = asyncio.ensure_future(first_or_none(iterator))
+
+    async def stream(self):
+        item = await self.first
+        if item is None:
+            return
+        yield item
+        async for item in self.iterator:
+            yield item
+
+    async def close(self) -> None:
+        if not self.first.done():
+            self.first.cancel()
+            with contextlib.suppress(BaseException):
+                await self.first
+        await self.iterator.aclose()
+
+
+async def first_or_none(iterator):
+    try:
+        return await anext(iterator)
+    except StopAsyncIteration:
+        return None
+
+
+async def ignore_errors(awaitable) -> None:
+    try:
+        await awaitable
+    except grpc.aio.AioRpcError:
+        pass
+
+
+def error_field(exc: grpc.aio.AioRpcError) -> str:
+    """The request field a worker's INVALID_ARGUMENT names (its ``pdserve-field`` trailer)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "pdserve-field":
+            return value
+    return "request"
