@@ -5,6 +5,7 @@ they compute (``prefill_stream``, ``KVWatch``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -150,8 +151,9 @@ class PrefillWorker(WorkerShell):
         """Queue the prompt, wait for its first token; the KV stays held under a lease granted
         to ``owner`` (the asking router's incarnation). Raises StepFailed if the step that ran
         it raised (the request is gone then)."""
-        async for result in self.prefill_stream(request_id, prompt, params, owner):
-            return result
+        async with contextlib.aclosing(self.prefill_stream(request_id, prompt, params, owner)) as stream:
+            async for result in stream:
+                return result
         raise AssertionError("prefill_stream ended without an answer")
 
     async def prefill_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
