@@ -136,6 +136,7 @@ class SimWorker:
         self._start = self._end = self._dt = 0.0
         self._k = 0
         self._batch: list[tuple[SimSeq, int]] = []
+        self._joining: list[SimSeq] = []  # KV arrived mid-step: they join when it ends
         self.version = 0  # bumped when the step in flight is cut short
 
     # ---- load, as the router and the autoscaler read it ----------------------------
@@ -149,7 +150,7 @@ class SimWorker:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self._joining)
 
     def idle(self) -> bool:
         return not self.busy and not self.waiting and not self.running
@@ -166,7 +167,12 @@ class SimWorker:
         self.fixed_blocks += blocks
 
     def join(self, seq: SimSeq) -> None:
-        """The sequence's KV is here (transferred, or just prefilled): it decodes from the next step."""
+        """The sequence's KV is here (transferred, or just prefilled): it decodes from the next step.
+        Mid-step it waits for the step in flight to end (``finish``), as the real engine adds a
+        sequence between steps: joined at once, it would be counted in steps it never ran."""
+        if self.busy:
+            self._joining.append(seq)
+            return
         self.fixed_blocks -= self._reserved.pop(seq.rid, 0) + seq.blocks
         seq.blocks = 0
         seq.join_step, seq.join_tokens = self.step, seq.tokens + 1
@@ -220,7 +226,11 @@ class SimWorker:
     def finish(self) -> StepResult:
         """Apply the step in flight (call at the time ``start``/``interrupt`` returned)."""
         self.busy = False
-        return self._finish_prefill() if self._kind == "prefill" else self._finish_decode()
+        out = self._finish_prefill() if self._kind == "prefill" else self._finish_decode()
+        joining, self._joining = self._joining, []
+        for seq in joining:
+            self.join(seq)
+        return out
 
     # ---- prefill (Scheduler._schedule_prefill on counts) ---------------------------
     def _schedule_prefill(self) -> list[tuple[SimSeq, int]]:

@@ -34,6 +34,20 @@ def test_colocated_request_decodes_on_the_worker_that_prefilled_it():
     assert r.finish[0] - r.first_token[0] == pytest.approx(2 * c.decode_s(1, 101.5))
 
 
+def test_a_sequence_whose_kv_arrives_mid_epoch_runs_every_one_of_its_steps():
+    # A decodes a long epoch; B's long prompt ends while that epoch runs, so B's KV arrives
+    # mid-epoch. B joins at the next step boundary and then runs its 19 steps; it must not be
+    # counted in the epoch's steps that ran before it arrived.
+    c = cost()
+    r = simulate(Layout(prefill=1, decode=1), requests((0.0, 100, 400), (0.0, 2000, 20)))
+    kv_here = r.first_token[1] + c.transfer_s(2000)
+    assert kv_here < r.finish[0]  # it did arrive while A was decoding
+    one_step_at_least = c.decode_s(1, 101)
+    one_step_at_most = c.decode_s(2, 2 * 2500)
+    assert r.finish[1] - kv_here >= 19 * one_step_at_least
+    assert r.finish[1] - kv_here <= 20 * one_step_at_most  # at most one step's wait for the boundary
+
+
 def test_events_keep_causal_order_under_load():
     rng = np.random.default_rng(0)
     reqs = requests(*[(float(t), int(p), int(o)) for t, p, o in
