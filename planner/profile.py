@@ -103,7 +103,7 @@ def measure(engine, quick: bool) -> list[Point]:
     from tqdm import tqdm
 
     prefill_lens = (32, 128, 256) if quick else (64, 256, 512, 1024)
-    decode_grid = list(itertools.product((1, 4) if quick else (1, 4, 16), (64, 256) if quick else (128, 512)))
+    decode_grid = list(itertools.product((1, 4) if quick else (1, 2, 4, 8, 16), (64, 256) if quick else (128, 512)))
     repeats = 2 if quick else 3
     bar = tqdm(total=len(prefill_lens) * repeats + len(decode_grid), desc="profile", unit="point")
     points = []
