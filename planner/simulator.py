@@ -20,6 +20,11 @@ Events, in time order (ties: the order they were scheduled):
   runs the real ``cluster.autoscaling.decide``; a scale-up adds a worker ``startup_s`` later
   (``READY``), a scale-down drains the least-loaded one (no new work; gone once idle).
 
+Open or closed loop: by default each request arrives at its trace time. With ``closed_loop=C``
+the trace's times are ignored and C clients send the requests in order, each its next one when
+its last one finishes or fails (as ``vllm bench serve --max-concurrency C`` with rate ``inf``,
+or ``benchmarks/loadgen.py --concurrency C``); a request's arrival is when its client sent it.
+
 Request states: routed -> prefilling (queued or in a step) -> [transferring -> decoding] ->
 finished, or failed (no worker took it within ``admission_wait_s``).
 
@@ -87,12 +92,18 @@ class ClusterSpec:
 
 
 class Simulator:
-    def __init__(self, spec: ClusterSpec, requests: list[TraceRequest], autoscaler=None, full_scan: bool = False):
+    def __init__(self, spec: ClusterSpec, requests: list[TraceRequest], autoscaler=None, full_scan: bool = False,
+                 closed_loop: int | None = None):
+        if closed_loop is not None and (closed_loop < 1 or autoscaler is not None):
+            raise ValueError(f"closed_loop: needs >= 1 client and no autoscaler, got {closed_loop}")
         self.spec = spec
+        self.closed_loop = closed_loop
         self.full_scan = full_scan
         self.requests = requests
         self.autoscaler = autoscaler
         n = len(requests)
+        self.arrival = np.array([r.t for r in requests], dtype=float) if closed_loop is None else np.full(n, np.nan)
+        self._next_sent = 0  # closed loop: requests its clients have sent
         self.first_token = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self._itl: list[tuple[float, int]] = []
@@ -159,11 +170,15 @@ class Simulator:
         events = self._events
         reqs = self.requests
         arrivals = sorted(range(len(reqs)), key=lambda i: reqs[i].t)  # stable: ties by index
+        if self.closed_loop is not None:
+            arrivals = []  # the clients send them: ``_send``
+            for _ in range(min(self.closed_loop, len(reqs))):
+                self._send()
         arrival_t = [reqs[i].t for i in arrivals]
         n, nxt = len(arrivals), 0
         if self.autoscaler is not None:
             self.schedule(0.0, TICK)
-        end = reqs[-1].t if reqs else 0.0
+        end = reqs[-1].t if reqs and self.closed_loop is None else 0.0
         handlers = (self._on_arrive, self._on_step, self._on_xfer, self._on_tick, self._on_ready)
         on_arrive, pop = self._on_arrive, heapq.heappop
         while True:
@@ -180,13 +195,28 @@ class Simulator:
                 continue  # traffic is over: stop sampling so the loop ends
             handlers[kind](a, b)
         itl = np.array(self._itl, dtype=float).reshape(-1, 2)
+        if self.closed_loop is not None and reqs:
+            end = float(np.nanmax(self.arrival))  # the last send, as an open loop's last arrival
         lay = self.spec.layout
-        return SimResult(np.array([r.t for r in self.requests]), self.first_token, self.finish,
+        return SimResult(self.arrival, self.first_token, self.finish,
                          np.array([r.output_tokens for r in self.requests]), itl[:, 0], itl[:, 1],
                          duration_s=max(end, 1e-9), gpus=lay.gpus,
                          preemptions=sum(w.preemptions for p in self.pools.values() for w in p),
                          failed=self.failed,
                          pool_history=self.autoscaler.history if self.autoscaler is not None else {})
+
+    def _send(self) -> None:
+        """Closed loop: a client sends the next request now."""
+        if self._next_sent < len(self.requests):
+            self.schedule(self.now, ARRIVE, self._next_sent)
+            self._next_sent += 1
+
+    def _done(self, rid: int | None) -> None:
+        """A request finished (``rid``) or failed (None): its client, in a closed loop, sends the next."""
+        if rid is not None:
+            self.finish[rid] = self.now
+        if self.closed_loop is not None:
+            self._send()
 
     def _busy(self) -> bool:
         return any(not w.idle() for p in self.pools.values() for w in p) or bool(self._waiting_prefill)
@@ -253,9 +283,10 @@ class Simulator:
             self._waiting_decode.popleft()
         while self._waiting_prefill:
             seq = self._waiting_prefill[0]
-            if self.now - self.requests[seq.rid].t > self.spec.admission_wait_s:
+            if self.now - self.arrival[seq.rid] > self.spec.admission_wait_s:
                 self._waiting_prefill.popleft()
                 self.failed += 1
+                self._done(None)
                 continue
             if not self._place(seq):
                 break
@@ -264,10 +295,13 @@ class Simulator:
     def _fail(self, seq: SimSeq, src: SimWorker) -> None:
         src.release(seq)
         self.failed += 1
+        self._done(None)
 
     # ---- handlers -----------------------------------------------------------------
     def _on_arrive(self, i: int, _) -> None:
         r = self.requests[i]
+        if self.closed_loop is not None:
+            self.arrival[i] = self.now
         seq = SimSeq(i, i, r.prompt_tokens, r.output_tokens, r.prefix_hash, r.prefix_tokens)
         if self._waiting_prefill or not self._place(seq):
             self._waiting_prefill.append(seq)
@@ -287,17 +321,17 @@ class Simulator:
         for seq in out.prefilled:
             if not seq.recompute:
                 self.first_token[seq.rid] = self.now
-                self.recent_ttft.append(self.now - self.requests[seq.rid].t)
+                self.recent_ttft.append(self.now - self.arrival[seq.rid])
             if w.role == "prefill":
                 self._inflight[w.wid] -= 1
                 if seq.remaining == 0:
                     w.release(seq)
-                    self.finish[seq.rid] = self.now
+                    self._done(seq.rid)
                 elif not self._place_decode(seq, w):
                     self._waiting_decode.append((seq, w))
         for seq in out.finished:
             if w.role != "prefill":
-                self.finish[seq.rid] = self.now
+                self._done(seq.rid)
                 self._inflight[w.wid] -= 1
         self._kick(w)
         self._touch(w)

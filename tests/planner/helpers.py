@@ -27,6 +27,6 @@ def requests(*specs: tuple[float, int, int]) -> list[TraceRequest]:
 
 
 def simulate(layout: Layout, reqs: list[TraceRequest], limits: EngineLimits = EngineLimits(), autoscaler=None,
-             **spec_kw):
+             closed_loop: int | None = None, **spec_kw):
     spec = ClusterSpec(layout, cost(layout.tp_prefill), cost(layout.tp_decode), limits, **spec_kw)
-    return Simulator(spec, reqs, autoscaler).run()
+    return Simulator(spec, reqs, autoscaler, closed_loop=closed_loop).run()

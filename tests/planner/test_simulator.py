@@ -48,6 +48,29 @@ def test_a_sequence_whose_kv_arrives_mid_epoch_runs_every_one_of_its_steps():
     assert r.finish[1] - kv_here <= 20 * one_step_at_most  # at most one step's wait for the boundary
 
 
+def test_a_closed_loop_sends_each_request_when_a_client_is_free():
+    c = cost()
+    reqs = requests(*[(99.0, 100, 3)] * 5)  # the trace's times do not count in a closed loop
+    r = simulate(Layout(colocated=1), reqs, closed_loop=2)
+    assert r.completed == 5 and r.failed == 0
+    assert list(r.arrival[:2]) == [0.0, 0.0]
+    # each later request is sent the moment an earlier one finishes: by a client that is free
+    finishes = sorted(r.finish)
+    assert list(r.arrival[2:]) == finishes[:3]
+    # never more than 2 in flight
+    for t in r.arrival:
+        assert ((r.arrival <= t) & (r.finish > t)).sum() <= 2
+    # TTFT counts from the send, not from the trace's time
+    assert r.first_token[0] == pytest.approx(c.prefill_s([(100, 0)]))
+    assert np.nanmin(r.first_token - r.arrival) > 0
+
+
+def test_a_closed_loop_of_one_runs_the_requests_back_to_back():
+    r = simulate(Layout(prefill=1, decode=1), requests(*[(0.0, 200, 4)] * 3), closed_loop=1)
+    assert r.arrival[1] == pytest.approx(r.finish[0]) and r.arrival[2] == pytest.approx(r.finish[1])
+    assert r.ttft[0] == pytest.approx(r.ttft[1]) == pytest.approx(r.ttft[2])  # same work, idle cluster each time
+
+
 def test_events_keep_causal_order_under_load():
     rng = np.random.default_rng(0)
     reqs = requests(*[(float(t), int(p), int(o)) for t, p, o in
