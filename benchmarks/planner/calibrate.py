@@ -19,8 +19,9 @@ The measured file (written by the serving benchmark, or by hand from its output)
                             "tpot_ms": {"p50": 238.9, "p90": 262.7}}}]}
 
 Arrivals are Poisson at ``request_rate`` (as ``vllm bench serve --request-rate`` sends them),
-``num_prompts`` of them, fixed lengths (``--random-range-ratio 0``, ``--ignore-eos``). Only
-open-loop runs can be replayed: the simulator has no closed-loop client. The served run drew
+``num_prompts`` of them, fixed lengths (``--random-range-ratio 0``, ``--ignore-eos``); or, with
+``max_concurrency`` instead of ``request_rate``, a closed loop of that many clients (the
+simulator's ``closed_loop``). An open-loop served run from ``vllm bench serve`` drew
 its arrival times from vLLM's random generator, which this script cannot repeat, and with 32
 prompts near saturation one draw of arrival times moves TTFT by tens of percent. So the
 simulated value is the mean over ``--seeds`` draws, printed with the 10-90% range of the draws.
@@ -61,9 +62,11 @@ from planner.worker import EngineLimits  # noqa: E402
 TOLERANCE = 0.25
 
 
-# --measure: the serving benchmark's workload (random 256-token prompts, 64 output tokens,
-# --ignore-eos, 32 prompts) below saturation and at the rate that saturates one prefill worker
-MEASURE_RATES = (0.5, 2.0)
+# --measure: the serving benchmark's two loads (random 256-token prompts, 64 output tokens,
+# --ignore-eos): 2 req/s with 32 prompts, which saturates one prefill worker, and a closed loop
+# of 16 clients with 48 prompts; and 0.5 req/s with 32 prompts, below saturation
+MEASURE_LOADS = ({"request_rate": 0.5, "num_prompts": 32}, {"request_rate": 2.0, "num_prompts": 32},
+                 {"max_concurrency": 16, "num_prompts": 48})
 
 
 def measure(base_url: str, seed: int) -> dict:
@@ -74,19 +77,23 @@ def measure(base_url: str, seed: int) -> dict:
     from benchmarks.load.metrics import tpot, ttft
 
     runs = []
-    for i, rate in enumerate(MEASURE_RATES):
-        w = {"request_rate": rate, "num_prompts": 32, "input_len": 256, "output_len": 64, "seed": seed + i}
-        spec = WorkloadSpec(num_requests=w["num_prompts"], arrivals=Arrivals("poisson", rate=rate),
+    for i, load in enumerate(MEASURE_LOADS):
+        w = {**load, "input_len": 256, "output_len": 64, "seed": seed + i}
+        closed = "max_concurrency" in w
+        arrivals = (Arrivals("closed", concurrency=w["max_concurrency"]) if closed
+                    else Arrivals("poisson", rate=w["request_rate"]))
+        name = f"1P+1D, concurrency {w['max_concurrency']}" if closed else f"1P+1D, {w['request_rate']:g} req/s"
+        spec = WorkloadSpec(num_requests=w["num_prompts"], arrivals=arrivals,
                             prompt_len=Lengths.fixed(w["input_len"]), output_len=Lengths.fixed(w["output_len"]),
                             seed=w["seed"])  # a seed per run: no prefix-cache hits from an earlier run
         res = run(spec, base_url)
         if res.summary.failed:
-            raise SystemExit(f"calibrate: {res.summary.failed} requests failed at {rate:g} req/s")
+            raise SystemExit(f"calibrate: {res.summary.failed} requests failed in {name}")
         records = sorted(res.records, key=lambda r: r.sent)
         t0 = records[0].sent
         pick = lambda d: {"p50": d["p50"], "p90": d["p90"]}  # noqa: E731
-        runs.append({"name": f"1P+1D, {rate:g} req/s", "layout": "1P:1D", "workload": w,
-                     "arrivals_s": [r.sent - t0 for r in records],
+        runs.append({"name": name, "layout": "1P:1D", "workload": w,
+                     **({} if closed else {"arrivals_s": [r.sent - t0 for r in records]}),
                      # each request's own times, to set beside the simulated ones
                      "requests_ms": [{"ttft": 1e3 * ttft(r), "tpot": 1e3 * tpot(r)} for r in records],
                      "measured": {"ttft_ms": pick(res.summary.ttft_ms), "tpot_ms": pick(res.summary.tpot_ms)}})
@@ -95,11 +102,58 @@ def measure(base_url: str, seed: int) -> dict:
                       "generator, random 256-token prompts, 64 output tokens, ignore_eos", "runs": runs}
 
 
+# The served probe: decode steps at batch 1 and at batch 16 (short prompts, long outputs, so
+# nearly every step of a request runs at the full batch), against the bare engine's profile,
+# while a second client keeps the prefill worker busy with 256-token prompts (one output token
+# each, so they add no decode work), as it is in the loads that saturate it.
+PROBE_PROMPT, PROBE_OUTPUT, PROBE_BATCH = 32, 256, 16
+
+
+def _probe_tpot(base_url: str, batch: int, seed: int) -> float:
+    """Served TPOT p50 (s) of ``batch`` concurrent long answers, the prefill worker kept busy."""
+    import asyncio
+
+    from benchmarks.load import Arrivals, Lengths, WorkloadSpec, run_async
+
+    probe = WorkloadSpec(num_requests=max(batch, 3), arrivals=Arrivals("closed", concurrency=batch),
+                         prompt_len=Lengths.fixed(PROBE_PROMPT), output_len=Lengths.fixed(PROBE_OUTPUT), seed=seed)
+    busy = WorkloadSpec(num_requests=10_000, arrivals=Arrivals("closed", concurrency=2),
+                        prompt_len=Lengths.fixed(256), output_len=Lengths.fixed(1), seed=seed + 1, warmup=0)
+
+    async def both() -> float:
+        background = asyncio.ensure_future(run_async(busy, base_url, progress=False))
+        await asyncio.sleep(2.0)  # the prefill worker is busy before the probe starts
+        try:
+            return (await run_async(probe, base_url)).summary.tpot_ms["p50"] / 1e3
+        finally:
+            background.cancel()
+            await asyncio.gather(background, return_exceptions=True)
+
+    return asyncio.run(both())
+
+
+def serving_cost(base_url: str, profile: HardwareProfile) -> tuple[float, float]:
+    """What a served decode step costs beyond the bare engine's, with the prefill worker busy:
+    (per step, per sequence), in seconds, each >= 0, solved from the served TPOT at batch 1
+    and at batch 16."""
+    cost = CostModel(PRESETS["SmolLM2-135M"], profile, 1)
+    context = PROBE_PROMPT + PROBE_OUTPUT // 2  # per sequence, mid-answer
+    extra = {}
+    for batch, seed in ((1, 7001), (PROBE_BATCH, 7002)):
+        served = _probe_tpot(base_url, batch, seed)
+        extra[batch] = served - cost.decode_s(batch, batch * context)
+        print(f"served probe, batch {batch}: TPOT p50 {served * 1e3:.1f} ms, bare engine "
+              f"{cost.decode_s(batch, batch * context) * 1e3:.1f} ms")
+    per_seq = max(0.0, (extra[PROBE_BATCH] - extra[1]) / (PROBE_BATCH - 1))
+    per_step = max(0.0, extra[1] - per_seq)
+    return per_step, per_seq
+
+
 def workload(w: dict, arrivals_s: list[float] | None = None) -> list[TraceRequest]:
     if arrivals_s is not None:  # the served run's own send times
         return [TraceRequest(float(t), w["input_len"], w["output_len"]) for t in arrivals_s]
-    if "max_concurrency" in w:
-        raise SystemExit("calibrate: closed-loop runs (max_concurrency) cannot be replayed; use request_rate runs")
+    if "max_concurrency" in w:  # a closed loop: the simulator's clients send them (times unused)
+        return [TraceRequest(0.0, w["input_len"], w["output_len"])] * w["num_prompts"]
     rng = np.random.default_rng(w.get("seed", 0))
     times = np.cumsum(rng.exponential(1 / w["request_rate"], w["num_prompts"]))
     return [TraceRequest(float(t - times[0]), w["input_len"], w["output_len"]) for t in times]
@@ -108,7 +162,8 @@ def workload(w: dict, arrivals_s: list[float] | None = None) -> list[TraceReques
 def simulate(run: dict, profile: HardwareProfile) -> dict:
     cost = CostModel(PRESETS["SmolLM2-135M"], profile, 1)
     requests = workload(run["workload"], run.get("arrivals_s"))
-    result = Simulator(ClusterSpec(parse_layout(run["layout"]), cost, cost, EngineLimits()), requests).run()
+    result = Simulator(ClusterSpec(parse_layout(run["layout"]), cost, cost, EngineLimits()), requests,
+                       closed_loop=run["workload"].get("max_concurrency")).run()
     pct = result.percentiles()
     return {"ttft_ms": {k: v * 1e3 for k, v in pct["ttft_s"].items()},
             "tpot_ms": {k: v * 1e3 for k, v in pct["tpot_s"].items()}}
@@ -117,7 +172,7 @@ def simulate(run: dict, profile: HardwareProfile) -> dict:
 def simulate_draws(run: dict, profile: HardwareProfile, seeds: int) -> list[dict]:
     """``simulate`` over ``seeds`` draws of the arrival times (seeds 0..seeds-1); the run's own
     arrivals, once, when it recorded them."""
-    if "arrivals_s" in run:
+    if "arrivals_s" in run or "max_concurrency" in run["workload"]:  # nothing random to draw
         return [simulate(run, profile)]
     return [simulate({**run, "workload": {**run["workload"], "seed": seed}}, profile) for seed in range(seeds)]
 
@@ -133,9 +188,11 @@ def refit(template: HardwareProfile, points_path: str) -> HardwareProfile:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--measured", nargs="+", default=sorted(map(str, (ROOT / "benchmarks/planner/calibration").glob("set*.json"))),
+    ap.add_argument("--measured", nargs="+", default=[str(p) for p in sorted((ROOT / "benchmarks/planner/calibration").glob("set*.json"),
+                                                     key=lambda p: int(p.stem[3:]))],
                     help="measured files (default: the recorded sets); with --measure, the one file to write")
-    ap.add_argument("--profile", default=str(DEFAULT_CPU_PROFILE))
+    ap.add_argument("--profile", default=None, help="compare every set with this profile (default: each set's "
+                    "own, taken with it by --reprofile --measure, else planner/profiles/cpu.json)")
     ap.add_argument("--reprofile", action="store_true", help="run `pdserve profile` first (minutes)")
     ap.add_argument("--seeds", type=int, default=40, help="draws of the arrival times to average over")
     ap.add_argument("--points", default=None, help="fit the profile to these step times (JSON list of "
@@ -143,19 +200,40 @@ def main() -> int:
     ap.add_argument("--measure", default=None, metavar="URL",
                     help="take the served runs now against this running cluster (writes --measured)")
     ap.add_argument("--measure-seed", type=int, default=100, help="--measure's workload seed (prompts, arrivals)")
+    ap.add_argument("--serving-cost", action="store_true", help="with --reprofile --measure: add what a served "
+                    "decode step costs beyond the bare engine (probes at batch 1 and 16) to the profile")
     args = ap.parse_args()
+    if args.measure and len(args.measured) != 1:
+        ap.error("--measure writes one file: give one --measured")
     if args.reprofile:
-        subprocess.run([sys.executable, "-m", "cluster.cli", "profile", "--output", args.profile], check=True, cwd=ROOT)
+        out = args.profile or str(DEFAULT_CPU_PROFILE)
+        subprocess.run([sys.executable, "-m", "cluster.cli", "profile", "--output", out], check=True, cwd=ROOT)
+    if args.measure and args.reprofile and args.serving_cost:
+        base = HardwareProfile.load(out)
+        per_step, per_seq = serving_cost(args.measure, base)
+        dataclasses.replace(base, step_overhead_s=base.step_overhead_s + per_step,
+                            seq_overhead_s=base.seq_overhead_s + per_seq,
+                            source=f"{base.source}; plus the served probe's {per_step * 1e3:.2f} ms a step and "
+                                   f"{per_seq * 1e3:.2f} ms a sequence").save(out)
     if args.measure:
-        if len(args.measured) != 1:
-            ap.error("--measure writes one file: give one --measured")
+        doc = measure(args.measure, args.measure_seed)
+        if args.reprofile:  # the set keeps the profile taken with it
+            doc["profile"] = json.loads(Path(out).read_text())
         Path(args.measured[0]).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.measured[0]).write_text(json.dumps(measure(args.measure, args.measure_seed), indent=1) + "\n")
-    profile = HardwareProfile.load(args.profile)
-    if args.points:
-        profile = refit(profile, args.points)
-    print(f"profile:  {profile.source}")
-    worst = max(compare(json.loads(Path(path).read_text()), path, profile, args.seeds) for path in args.measured)
+        Path(args.measured[0]).write_text(json.dumps(doc, indent=1) + "\n")
+    fixed = HardwareProfile.load(args.profile) if args.profile else None
+    worst = 0.0
+    for path in args.measured:
+        measured = json.loads(Path(path).read_text())
+        if fixed is not None:
+            profile = fixed
+        elif "profile" in measured:
+            profile = HardwareProfile(**measured["profile"])
+        else:
+            profile = HardwareProfile.load(DEFAULT_CPU_PROFILE)
+        if args.points:
+            profile = refit(profile, args.points)
+        worst = max(worst, compare(measured, path, profile, args.seeds))
     print(f"worst relative error {worst:.1%} (target {TOLERANCE:.0%}): {'met' if worst <= TOLERANCE else 'NOT met'}")
     return 0
 
@@ -163,6 +241,7 @@ def main() -> int:
 def compare(measured: dict, path: str, profile: HardwareProfile, seeds: int) -> float:
     """Print one measured file against the simulator; its worst relative error."""
     print(f"\nmeasured: {measured.get('source', path)}")
+    print(f"profile:  {profile.source}")
     print(f"{'run':<34} {'metric':<8} {'measured ms':>12} {'simulated ms':>13} {'error':>8}  draws 10-90% ms")
     worst = 0.0
     for run in measured["runs"]:
