@@ -33,6 +33,8 @@ from wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
+RAY_START_ATTEMPTS = 2  # a local Ray whose GCS server does not come up is started once more
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -359,8 +361,20 @@ class LocalCluster:
             return
         _set_ray_auth_mode("token" if cfg.ray_token_auth else "disabled")
         # "local" starts a new instance even when another Ray runs on this machine.
-        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
-                 object_store_memory=256 << 20, num_cpus=_local_ray_cpus(cfg))
+        for attempt in range(1, RAY_START_ATTEMPTS + 1):
+            try:
+                ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
+                         object_store_memory=256 << 20, num_cpus=_local_ray_cpus(cfg))
+                break
+            except RuntimeError as exc:
+                # Ray waits 30 s for its GCS server to publish its port. Once in about a
+                # thousand starts here the GCS had not even opened its log in that time, and
+                # the next start was fine: start it again rather than fail the cluster.
+                if "gcs_server_port" not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                    raise
+                log.warning("Ray's GCS server did not start (%s); starting Ray again (%d of %d)",
+                            exc, attempt + 1, RAY_START_ATTEMPTS)
+                ray.shutdown()
         self._started_ray = True
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
