@@ -367,9 +367,9 @@ class LocalCluster:
                          object_store_memory=256 << 20, num_cpus=_local_ray_cpus(cfg))
                 break
             except RuntimeError as exc:
-                # Ray waits 30 s for its GCS server to publish its port. Once in about a
-                # thousand starts here the GCS had not even opened its log in that time, and
-                # the next start was fine: start it again rather than fail the cluster.
+                # Ray waits 30 s for its GCS server to publish its port. Once, in a test run
+                # here, the GCS had not even opened its log in that time, and the run's next
+                # start was fine: start it again rather than fail the cluster.
                 if "gcs_server_port" not in str(exc) or attempt == RAY_START_ATTEMPTS:
                     raise
                 log.warning("Ray's GCS server did not start (%s); starting Ray again (%d of %d)",
