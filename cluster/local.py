@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.mode import COLOCATED, DISAGGREGATED, MODES
 from cluster.actors import ServerActor
 from cluster.placement import PoolPlacement, release, reserve
+from cluster.ray_start import start_local_ray
 from engine.config import EngineConfig
 from kv_transfer import DEFAULT_BACKEND
 from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
@@ -32,8 +33,6 @@ from wire.logs import LogConfig
 from wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
-
-RAY_START_ATTEMPTS = 2  # a local Ray whose GCS server does not come up is started once more
 
 
 @dataclass(frozen=True)
@@ -145,17 +144,6 @@ def default_gpus() -> float:
     import torch
 
     return 1.0 if torch.cuda.is_available() else 0.0
-
-
-def _set_ray_auth_mode(mode: str) -> None:
-    """Run the Ray this process starts in ``mode`` ("token": Ray makes a token in
-    ~/.ray/auth_token unless RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH names one). Ray reads
-    RAY_AUTH_MODE into its config at import, so the config is read again, as Ray's own
-    ``_enable_token_auth`` does. A driver keeps the mode of its first ``ray.init``."""
-    from ray._raylet import Config
-
-    os.environ["RAY_AUTH_MODE"] = mode
-    Config.initialize("")
 
 
 class LocalCluster:
@@ -359,22 +347,7 @@ class LocalCluster:
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING)
             return
-        _set_ray_auth_mode("token" if cfg.ray_token_auth else "disabled")
-        # "local" starts a new instance even when another Ray runs on this machine.
-        for attempt in range(1, RAY_START_ATTEMPTS + 1):
-            try:
-                ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
-                         object_store_memory=256 << 20, num_cpus=_local_ray_cpus(cfg))
-                break
-            except RuntimeError as exc:
-                # Ray waits 30 s for its GCS server to publish its port. Once, in a test run
-                # here, the GCS had not even opened its log in that time, and the run's next
-                # start was fine: start it again rather than fail the cluster.
-                if "gcs_server_port" not in str(exc) or attempt == RAY_START_ATTEMPTS:
-                    raise
-                log.warning("Ray's GCS server did not start (%s); starting Ray again (%d of %d)",
-                            exc, attempt + 1, RAY_START_ATTEMPTS)
-                ray.shutdown()
+        start_local_ray(_local_ray_cpus(cfg), cfg.ray_token_auth)
         self._started_ray = True
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):

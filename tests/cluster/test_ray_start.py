@@ -1,12 +1,12 @@
 """Starting a local Ray: a GCS server that does not come up in time gets one more start.
 
 Ray's GCS not publishing its port within Ray's 30 s cannot be caused on demand, so these tests
-stand a fake in for ``ray.init`` (and ``ray.shutdown``); the rest of ``_init_ray`` is real.
+stand a fake in for ``ray.init`` (and ``ray.shutdown``); the rest of ``start_local_ray`` and ``LocalCluster._init_ray`` is real.
 """
 
 import pytest
 
-import cluster.local as local
+import cluster.ray_start as ray_start
 from cluster.local import ClusterConfig, LocalCluster
 
 GCS_TIMEOUT = RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_0123abcd")
@@ -32,8 +32,8 @@ class FakeRay:
 def fake_ray(monkeypatch):
     def install(failures):
         fake = FakeRay(failures)
-        monkeypatch.setattr(local.ray, "init", fake.init)
-        monkeypatch.setattr(local.ray, "shutdown", fake.shutdown)
+        monkeypatch.setattr(ray_start.ray, "init", fake.init)
+        monkeypatch.setattr(ray_start.ray, "shutdown", fake.shutdown)
         return fake
     return install
 
@@ -51,7 +51,7 @@ def test_a_second_gcs_timeout_is_raised(fake_ray):
     c = LocalCluster(ClusterConfig())
     with pytest.raises(RuntimeError, match="gcs_server_port"):
         c._init_ray()
-    assert fake.inits == local.RAY_START_ATTEMPTS == 2
+    assert fake.inits == ray_start.RAY_START_ATTEMPTS == 2
 
 
 def test_any_other_start_failure_is_raised_at_once(fake_ray):
