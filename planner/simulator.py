@@ -178,7 +178,7 @@ class Simulator:
         n, nxt = len(arrivals), 0
         if self.autoscaler is not None:
             self.schedule(0.0, TICK)
-        end = reqs[-1].t if reqs and self.closed_loop is None else 0.0
+        end = reqs[-1].t if reqs else 0.0
         handlers = (self._on_arrive, self._on_step, self._on_xfer, self._on_tick, self._on_ready)
         on_arrive, pop = self._on_arrive, heapq.heappop
         while True:
