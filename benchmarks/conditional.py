@@ -36,7 +36,7 @@ from benchmarks.pd_modes import (Stream, load_average, percentile, pinned_cores,
                                  run_stream, start, stub_for)
 from cluster.mode import DISAGGREGATED  # noqa: E402
 from router.local_prefill import LocalPrefillConfig  # noqa: E402
-from router.orchestrator import RouterLimits  # noqa: E402
+from router.limits import RouterLimits  # noqa: E402
 
 
 def schedule(args) -> list[tuple[float, int, int]]:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from cluster.local import ClusterConfig, LocalCluster  # noqa: E402
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from protos import pdserve_pb2, pdserve_pb2_grpc  # noqa: E402
-from router.orchestrator import RouterLimits  # noqa: E402
+from router.limits import RouterLimits  # noqa: E402
 
 
 @dataclass

@@ -36,7 +36,7 @@ from benchmarks.ttft_transfer import decode_stats, one  # noqa: E402
 from cluster.local import ClusterConfig, LocalCluster  # noqa: E402
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from protos import pdserve_pb2_grpc  # noqa: E402
-from router.orchestrator import RouterLimits  # noqa: E402
+from router.limits import RouterLimits  # noqa: E402
 
 KEYS = ("ttft", "second", "transfer", "wait")
 

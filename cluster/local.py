@@ -26,7 +26,7 @@ from cluster.ray_start import start_local_ray
 from engine.config import EngineConfig
 from kv_transfer import DEFAULT_BACKEND
 from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 from router.tool_parsers import DEFAULT_PARSER
 from wire.grpc_util import channel
 from wire.logs import LogConfig

@@ -79,7 +79,7 @@ def _engine(v: dict[str, Any]):
 def _router_limits(v: dict[str, Any]):
     from router.kv_policy import RoutingConfig
     from router.local_prefill import LocalPrefillConfig
-    from router.orchestrator import RouterLimits
+    from router.limits import RouterLimits
     from router.validation import RequestLimits
 
     if v["local_prefill_max_load"] > 1:

@@ -48,7 +48,7 @@ def serve_settings() -> tuple[Setting, ...]:
     from router.kv_policy import POLICIES
     from cluster.mode import DISAGGREGATED, MODES
     from router.local_prefill import LocalPrefillConfig
-    from router.orchestrator import RouterLimits
+    from router.limits import RouterLimits
     from router.validation import RequestLimits
     from wire.logs import FORMATS, LEVELS, LogConfig
 

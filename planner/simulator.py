@@ -46,7 +46,7 @@ from planner.metrics import SimResult
 from planner.trace import TraceRequest
 from planner.worker import EngineLimits, SimSeq, SimWorker
 from planner.routing import RoutingIndex, snapshot
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 from router.policy import WorkerSnapshot, pick_decode, pick_prefill
 
 ARRIVE, STEP, XFER, TICK, READY = range(5)

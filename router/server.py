@@ -19,7 +19,7 @@ from router import http_api, tool_parsers
 from router.admin import RouterAdminService
 from router.auth import ApiKeyInterceptor
 from router.frontend import ModelInfo
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 from router.pool import POOLS, WorkerPool
 from router.service import GenerationService
 from wire import metrics

@@ -26,7 +26,8 @@ from engine.errors import InvalidRequestError
 from planner.trace_writer import TraceWriter
 from protos import pdserve_pb2
 from router.frontend import ModelInfo, prepare
-from router.orchestrator import RequestRun, RouteError, RouterLimits
+from router.orchestrator import RequestRun, RouteError
+from router.limits import RouterLimits
 from router.pool import WorkerPool
 from wire.grpc_util import abort_invalid
 

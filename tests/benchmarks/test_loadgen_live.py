@@ -19,7 +19,7 @@ from benchmarks.load.report import plot, text, write_json
 from benchmarks.loadgen import main as loadgen_main
 from router import http_api
 from router.frontend import ModelInfo
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 from router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
 

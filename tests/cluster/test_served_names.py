@@ -15,7 +15,7 @@ from engine.errors import InvalidRequestError
 from protos import pdserve_pb2
 from router import http_api
 from router.frontend import ModelInfo, prepare
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 from router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
 

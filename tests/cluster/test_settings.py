@@ -11,7 +11,7 @@ from cluster.settings import SettingsError, add_arguments, resolve
 from decode_worker.worker import DecodeWorkerConfig
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefill_worker.worker import PrefillWorkerConfig
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 from wire.logs import LogConfig
 
 

@@ -19,7 +19,8 @@ from prefill_worker.server import start as start_prefill
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from protos import worker_pb2, worker_pb2_grpc
 from router.frontend import ModelInfo, PreparedRequest
-from router.orchestrator import RequestRun, RouterLimits
+from router.orchestrator import RequestRun
+from router.limits import RouterLimits
 from router.pool import WorkerClient, WorkerPool
 from tests.factories import assert_greedy_matches, make_engine, random_prompts
 from tests.metrics.metrics_helpers import LetterTokenizer

@@ -10,7 +10,7 @@ import pytest
 
 from cluster.local import ClusterConfig, LocalCluster
 from engine.config import CacheConfig, EngineConfig
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 from tests.serving.conftest import all_stats
 
 LEASE_S = 120.0

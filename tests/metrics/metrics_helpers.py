@@ -9,7 +9,8 @@ import grpc
 from engine.sampling import SamplingParams
 from protos import pdserve_pb2, worker_pb2
 from router.frontend import ModelInfo, PreparedRequest
-from router.orchestrator import RequestRun, RouterLimits
+from router.orchestrator import RequestRun
+from router.limits import RouterLimits
 from router.pool import WorkerClient, WorkerPool
 from wire import metrics
 

@@ -10,7 +10,8 @@ import pytest
 
 from protos import pdserve_pb2, worker_pb2
 from router.frontend import ModelInfo
-from router.orchestrator import RouteError, RouterLimits
+from router.orchestrator import RouteError
+from router.limits import RouterLimits
 from router.service import GenerationService
 from router.pool import PoolLoad, WorkerClient, WorkerPool, pool_loads
 from tests.metrics.metrics_helpers import (FakeDecode, FakePrefill, LetterTokenizer, deltas, fake_pool,

@@ -20,7 +20,8 @@ from protos import worker_pb2
 from router.frontend import ModelInfo, PreparedRequest
 from router.kv_index import prompt_block_hashes
 from router.kv_policy import RoutingConfig
-from router.orchestrator import RequestRun, RouterLimits
+from router.orchestrator import RequestRun
+from router.limits import RouterLimits
 from router.pool import WorkerPool
 from tests.factories import assert_greedy_matches, load_reference, make_engine, random_prompts
 from tests.metrics.metrics_helpers import LetterTokenizer, sample

@@ -11,7 +11,7 @@ import pytest
 
 from router import http_api
 from router.frontend import ModelInfo
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 from router.service import GenerationService
 from router.validation import RequestLimits
 from tests.router.test_overload import SlowPrefill

@@ -149,7 +149,7 @@ def test_https_front_with_api_key(certs):
     from types import SimpleNamespace
 
     from router import http_api
-    from router.orchestrator import RouterLimits
+    from router.limits import RouterLimits
 
     public = tls.load(str(certs["router"].cert), str(certs["router"].key), None, prefix="public_tls",
                       require_ca=False)

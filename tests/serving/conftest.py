@@ -8,7 +8,7 @@ import pytest
 from cluster.local import ClusterConfig, LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from protos import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 
 # Every KV read is held back this long so a test can see the first token arrive before the
 # decode worker has its KV (the fault-injection hook of kv_transfer).

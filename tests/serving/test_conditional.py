@@ -13,7 +13,7 @@ import pytest
 
 from protos import pdserve_pb2_grpc
 from router.local_prefill import LocalPrefillConfig
-from router.orchestrator import RouterLimits
+from router.limits import RouterLimits
 from tests.serving.conftest import start_cluster, worker_stats
 from tests.serving.test_colocated import get, wait_healthy
 from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401
