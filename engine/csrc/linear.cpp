@@ -32,7 +32,7 @@
 // across output columns (8 columns per register), never across k: no kernel splits the
 // K sum, reorders it or reduces partial sums horizontally. What does change with M, the
 // thread count or the machine is only WHICH register holds an accumulator and how many rows
-// and panels are in flight (row tiles of 1..6, 1..6 panels at once, panels divided between
+// and panels are in flight (row tiles of 1..6, 1, 2 or 6 panels at once, panels divided between
 // threads by at::parallel_for over N). None of these touches the order of any element's
 // chain, so a row's output is bitwise the same alone or in a batch of any size, at any
 // thread count, on any x86-64 machine with AVX2 + FMA (the flags are fixed, never -march=native).
@@ -47,6 +47,11 @@
 // run at once, so twelve independent accumulators hide the FMA latency. Large M (prefill)
 // runs 6x16 register tiles (12 accumulators, two weight vectors, one broadcast); a group of
 // panels sized to stay in L2 is reused across every row tile before the next group is read.
+// Tiles of 2 to 5 rows: one panel at a time (two panels for 2 rows). Filling the twelve
+// accumulators with more panels (3 for 2 rows, 2 for 3 rows) ran those tiles at half speed
+// on a 2-core AMD EPYC (AVX2): the 576x3072 bfloat16 linear took 160 us at M=2 against 88, and
+// since a batch is cut into tiles of 6 rows, batches of 8, 9 and 15 paid it in their last tile
+// (a decode step at batch 9 was slower than at batch 10).
 // The bfloat16 weight conversion costs two integer ops per 12 FMAs, so bfloat16 panels stay
 // bfloat16 in cache (half the bytes of a float32 copy).
 
@@ -116,8 +121,8 @@ void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* out) {
 template <typename W>
 using TileFn = void (*)(const float*, int64_t, const W*, int64_t, float*);
 
-// Most panels a tile of `rows` rows can hold at once (two accumulators per row and panel).
-constexpr int panels_for(int rows) { return std::max(1, std::min(6, kMaxAcc / (2 * rows))); }
+// Panels per tile of `rows` rows (2 x rows x panels accumulators, at most kMaxAcc).
+constexpr int panels_for(int rows) { return rows == 1 ? 6 : rows == 2 ? 2 : 1; }
 
 template <typename W, int MR, int NP>
 TileFn<W> pick_np(int np) {
