@@ -83,6 +83,9 @@ def run_profile(args) -> int:
     print(f"pdserve profile: wrote {args.output} and {points_path}")
     print(f"  step overhead {profile.step_overhead_s * 1e3:.1f} ms, bandwidth {profile.mem_bw / 1e9:.1f} GB/s, "
           f"{profile.flops / 1e9:.1f} GFLOP/s, KV link {profile.kv_link_bw / 1e9:.1f} GB/s")
+    if profile.prefill_attention_flops and profile.decode_attention_flops:
+        print(f"  attention: prefill {profile.prefill_attention_flops / 1e9:.1f} GFLOP/s, "
+              f"decode {profile.decode_attention_flops / 1e9:.1f} GFLOP/s")
     for row in __import__("json").loads(points_path.read_text()):
         print(f"  {row['kind']:<8} batch {row['batch']:>3} tokens {row['tokens']:>5}: measured "
               f"{row['measured_s'] * 1e3:8.1f} ms, fitted {row['fitted_s'] * 1e3:8.1f} ms")

@@ -1,7 +1,8 @@
 """Step and transfer times: pure functions of a model, a hardware profile and tensor parallelism.
 
 - Prefill step: the new tokens' matmul FLOPs plus attention's quadratic term (each new token
-  attends to the cached context and to the new tokens before it), over achievable FLOP/s.
+  attends to the cached context and to the new tokens before it), over achievable FLOP/s
+  (attention at its own rate where the profile measured one: the CPU's).
 - Decode step: weight bytes plus the KV bytes of every running sequence, over achievable
   bandwidth; with a compute bound (batch x FLOPs per token) that wins at large batches. On
   a GPU the two overlap (the longer counts); on one CPU core they add.
@@ -50,6 +51,12 @@ class CostModel:
         # times. Each is the same expression the formulas spelled out inline, so results are bit-identical.
         m, hw = self.model, self.hw
         weights = m.weight_bytes(hw.dtype_bytes)
+        # Attention at its own rate where the profile has one (the CPU fit): the seconds per
+        # attention FLOP, else None and attention counts as matmul work.
+        object.__setattr__(self, "_attn_p_s", m.attention_flops_per_pair / (hw.prefill_attention_flops * self.tp)
+                           if hw.prefill_attention_flops else None)
+        object.__setattr__(self, "_attn_d_s", m.attention_flops_per_pair / (hw.decode_attention_flops * self.tp)
+                           if hw.decode_attention_flops else None)
         for name, value in (("_weights", weights), ("_kvb", self.kv_bytes_per_token),
                             ("_bw", hw.mem_bw * self.tp), ("_flops", hw.flops * self.tp),
                             ("_lin", m.linear_flops_per_token), ("_head", m.lm_head_flops),
@@ -77,9 +84,11 @@ class CostModel:
         """One prefill step over ``chunks`` of (new tokens, tokens already cached before them)."""
         tokens = sum(n for n, _ in chunks)
         pairs = sum(n * c + n * (n + 1) / 2 for n, c in chunks)  # causal: token i sees c + i keys
-        work = tokens * self._lin + pairs * self._attn + num_sampled * self._head
         weights = self._weights_s  # a short chunk still streams them
-        compute = work / self._flops
+        if self._attn_p_s is None:
+            compute = (tokens * self._lin + pairs * self._attn + num_sampled * self._head) / self._flops
+        else:
+            compute = (tokens * self._lin + num_sampled * self._head) / self._flops + pairs * self._attn_p_s
         hw = self.hw
         body = max(compute, weights) if hw.overlap else compute + weights
         return hw.step_overhead_s + len(chunks) * hw.seq_overhead_s + body + self._allreduce_s(tokens)
@@ -89,8 +98,10 @@ class CostModel:
         if batch <= 0:
             return 0.0
         memory = (self._weights + total_context * self._kvb) / self._bw
-        work = batch * self._lin_head + total_context * self._attn
-        compute = work / self._flops
+        if self._attn_d_s is None:
+            compute = (batch * self._lin_head + total_context * self._attn) / self._flops
+        else:
+            compute = batch * self._lin_head / self._flops + total_context * self._attn_d_s
         hw = self.hw
         body = max(memory, compute) if hw.overlap else memory + compute
         return hw.step_overhead_s + batch * hw.seq_overhead_s + body + self._allreduce_s(batch)

@@ -44,6 +44,14 @@ class HardwareProfile:
     overlap: bool = True
     dtype_bytes: int = 2
     source: str = ""
+    # Achievable FLOP/s of attention, where it differs from the matmuls' (``flops``): None on
+    # the GPU profiles, where attention runs at the matmuls' rate in prefill and decode
+    # attention is paid through its KV bytes. The CPU fit measures both: a prefill's causal
+    # attention and a decode step's attention over the cached context run other kernels than
+    # the linears, at a fraction of their rate (decode: about 4 us per context token here,
+    # several times what its KV bytes alone would cost).
+    prefill_attention_flops: float | None = None
+    decode_attention_flops: float | None = None
 
     @property
     def flops(self) -> float:

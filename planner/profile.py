@@ -1,17 +1,23 @@
 """``pdserve profile``: measure our own engine on this machine and fit the ``cpu`` profile.
 
-Prefill steps at several prompt lengths and decode steps at several batch sizes and context
-lengths are timed on ``engine.llm_engine.LLMEngine`` (one prompt per prefill step, as a
-prefill worker runs them; median of repeats, since this machine is shared). Each point's
-work is known from the model's shape (``ModelSpec``): bytes read (weights + KV) and FLOPs
-(matmuls + attention). The fit is a non-negative least squares
+Prefill steps at several prompt lengths, and decode steps at every batch size from 16 down
+to 1 at two context lengths, are timed on ``engine.llm_engine.LLMEngine`` (one prompt per
+prefill step, as a prefill worker runs them; medians of repeats, since this machine is
+shared). Each point's work is known from the model's shape (``ModelSpec``): bytes read
+(weights + KV), matmul FLOPs, and attention FLOPs (a prefill's causal pairs, a decode
+step's context). The fit is a non-negative least squares
 
-    t = overhead + sequences x per_sequence + bytes / bandwidth + flops / flop_rate
+    t = overhead + sequences x per_sequence + bytes / bandwidth + matmul flops / flop_rate
+        + prefill attention flops / its rate + decode attention flops / its rate
 
-(one core does both, so they add: ``overlap=False``). The KV link is measured as a memcpy
-of a cache-sized buffer, at 0.74x (NIXL's measured share of memcpy on this machine,
-BENCHMARKS.md "KV transfer"), with a 2 ms fixed cost per transfer (the cluster's measured
-2.1-6.4 ms at 512 tokens, BENCHMARKS.md "Share of time to first token").
+(one core does all of it, so the terms add: ``overlap=False``), with the bandwidth measured
+apart, as one thread's read rate (``read_bandwidth``). Attention gets rates of its own
+because its kernels are not the linears': fitted at the matmuls' rate, decode steps came out
+up to 16% short at 512-token contexts and 14% long at 128, and a 2,048-token prefill 18%
+short. The KV link is measured as a memcpy of a cache-sized buffer, at 0.74x (NIXL's
+measured share of memcpy on this machine, BENCHMARKS.md "KV transfer"), with a 2 ms fixed
+cost per transfer (the cluster's measured 2.1-6.4 ms at 512 tokens, BENCHMARKS.md "Share of
+time to first token").
 """
 
 from __future__ import annotations
@@ -41,17 +47,18 @@ class Point:
     seconds: float
 
 
-def work(spec: ModelSpec, dtype_bytes: int, p: Point) -> tuple[float, float]:
-    """(bytes read, FLOPs) of one step: the regressors of the fit."""
+def work(spec: ModelSpec, dtype_bytes: int, p: Point) -> tuple[float, float, float, float]:
+    """(bytes read, matmul FLOPs, prefill attention FLOPs, decode attention FLOPs) of one
+    step: the regressors of the fit."""
     weights = spec.weight_bytes(dtype_bytes)
     if p.kind == "prefill":
-        pairs = p.tokens * (p.tokens + 1) / 2
-        flops = p.tokens * spec.linear_flops_per_token + pairs * spec.attention_flops_per_pair + spec.lm_head_flops
-        return weights, flops
+        pairs = p.batch * p.tokens * (p.tokens + 1) / 2
+        matmul = p.batch * (p.tokens * spec.linear_flops_per_token + spec.lm_head_flops)
+        return weights, matmul, pairs * spec.attention_flops_per_pair, 0.0
     context = p.batch * p.tokens
     nbytes = weights + context * spec.kv_bytes_per_token(dtype_bytes)
-    flops = p.batch * (spec.linear_flops_per_token + spec.lm_head_flops) + context * spec.attention_flops_per_pair
-    return nbytes, flops
+    matmul = p.batch * (spec.linear_flops_per_token + spec.lm_head_flops)
+    return nbytes, matmul, 0.0, context * spec.attention_flops_per_pair
 
 
 @dataclass(frozen=True)
@@ -59,31 +66,55 @@ class Fit:
     overhead_s: float
     seq_overhead_s: float
     mem_bw: float  # bytes/s
-    flops: float  # FLOP/s
+    flops: float  # FLOP/s of the matmuls
+    prefill_attention_flops: float | None = None  # None: not fitted apart (attention at ``flops``)
+    decode_attention_flops: float | None = None
 
 
-def fit(spec: ModelSpec, dtype_bytes: int, points: list[Point]) -> Fit:
+# Columns of the fit: overhead, sequences, bytes, matmul FLOPs, prefill and decode attention FLOPs.
+_FREE = 1e15  # a rate whose term the fit set to zero
+
+
+def fit(spec: ModelSpec, dtype_bytes: int, points: list[Point], mem_bw: float | None = None,
+        attention: bool = True) -> Fit:
     """Least squares in relative error (short steps count as much as long ones), every
-    coefficient >= 0 (non-negative least squares by enumerating which terms are active)."""
-    rows = np.array([(1.0, p.batch, *work(spec, dtype_bytes, p)) for p in points])
+    coefficient >= 0 (non-negative least squares by enumerating which terms are active).
+
+    ``mem_bw``: the bandwidth measured apart (bytes/s), held fixed. With one model every
+    step reads the same weights, so the fit alone cannot tell their time from a fixed step
+    overhead; a measured bandwidth keeps that time where it belongs (and the profile usable
+    for a model of another size). ``attention``: fit prefill's and decode's attention at
+    rates of their own (else at the matmuls' rate)."""
+    regs = np.array([(1.0, p.batch, *work(spec, dtype_bytes, p)) for p in points])
+    if not attention:
+        regs = np.column_stack([regs[:, :3], regs[:, 3:].sum(axis=1)])
     y = np.array([p.seconds for p in points])
-    weighted = rows / y[:, None]  # relative error: divide each row by its measurement
+    fixed = np.zeros(len(y))
+    free = list(range(regs.shape[1]))
+    if mem_bw is not None:
+        fixed = regs[:, 2] / mem_bw
+        free.remove(2)
+    weighted = regs / y[:, None]  # relative error: divide each row by its measurement
+    target = 1.0 - fixed / y
     scale = np.abs(weighted).max(axis=0)
+    scale[scale == 0] = 1.0
     best, best_err = None, np.inf
-    for keep in itertools.product((True, False), repeat=4):
-        cols = [i for i in range(4) if keep[i]]
+    for keep in itertools.product((True, False), repeat=len(free)):
+        cols = [c for c, k in zip(free, keep) if k]
         if 3 not in cols:
-            continue  # FLOPs always cost something
-        coef, *_ = np.linalg.lstsq(weighted[:, cols] / scale[cols], np.ones(len(y)), rcond=None)
+            continue  # matmul FLOPs always cost something
+        coef, *_ = np.linalg.lstsq(weighted[:, cols] / scale[cols], target, rcond=None)
         if (coef < 0).any():
             continue
-        full = np.zeros(4)
+        full = np.zeros(regs.shape[1])
         full[cols] = coef / scale[cols]
-        err = float(((weighted @ full - 1.0) ** 2).sum())
+        err = float(((weighted @ full - target) ** 2).sum())
         if err < best_err:
             best, best_err = full, err
-    overhead, per_seq, inv_bw, inv_flops = best
-    return Fit(float(overhead), float(per_seq), float(1 / inv_bw) if inv_bw > 0 else 1e15, float(1 / inv_flops))
+    rate = lambda inv: float(1 / inv) if inv > 0 else _FREE  # noqa: E731
+    bw = mem_bw if mem_bw is not None else rate(best[2])
+    attn = (rate(best[4]), rate(best[5])) if attention else (None, None)
+    return Fit(float(best[0]), float(best[1]), bw, rate(best[3]), *attn)
 
 
 def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
@@ -99,13 +130,31 @@ def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
     return nbytes / min(times)
 
 
+def read_bandwidth(nbytes: int = 512 << 20) -> float:
+    """Bytes/s one thread streams from memory (a sum over a buffer far larger than the caches):
+    the rate a decode step reads the weights at."""
+    import torch
+
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / min(times)
+
+
 def measure(engine, quick: bool) -> list[Point]:
+    """Prefill steps of one prompt at several lengths, and decode steps at every batch size
+    from the largest down to 1 at two context lengths (the engine's step time is not linear
+    in the batch: its kernels cut a batch into row tiles)."""
     from tqdm import tqdm
 
     prefill_lens = (32, 128, 256) if quick else (64, 256, 512, 1024)
-    decode_grid = list(itertools.product((1, 4) if quick else (1, 2, 4, 8, 16), (64, 256) if quick else (128, 512)))
+    max_batch, contexts = (4, (64, 256)) if quick else (16, (128, 512))
     repeats = 2 if quick else 3
-    bar = tqdm(total=len(prefill_lens) * repeats + len(decode_grid), desc="profile", unit="point")
+    bar = tqdm(total=len(prefill_lens) * repeats + len(contexts) * max_batch, desc="profile", unit="point")
     points = []
     for n in prefill_lens:
         times = []
@@ -113,9 +162,8 @@ def measure(engine, quick: bool) -> list[Point]:
             times.append(_prefill_once(engine, n, f"p{n}-{r}"))
             bar.update(1)
         points.append(Point("prefill", 1, n, statistics.median(times)))
-    for batch, ctx in decode_grid:
-        points.append(Point("decode", batch, ctx, _decode(engine, batch, ctx, steps=3 if quick else 5)))
-        bar.update(1)
+    for ctx in contexts:
+        points += _decode_sweep(engine, max_batch, ctx, steps=3 if quick else 5, progress=lambda: bar.update(1))
     bar.close()
     return points
 
@@ -137,23 +185,33 @@ def _prefill_once(engine, n: int, rid: str) -> float:
     return elapsed
 
 
-def _decode(engine, batch: int, ctx: int, steps: int) -> float:
+def _decode_sweep(engine, max_batch: int, ctx: int, steps: int, progress) -> list[Point]:
+    """Decode steps of ``max_batch`` sequences of ``ctx``-token prompts, then of one fewer
+    (one aborted) and so on down to 1: one prefill of the whole batch serves every batch size.
+    Each point records the mean context the sequences held then (it grows by a token a step)."""
     from engine.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"d{batch}-{ctx}-{i}", _prompt(engine, ctx, 7 * i + ctx), params)
+    params = SamplingParams(max_tokens=(steps + 1) * max_batch + 4, ignore_eos=True)
+    for i in range(max_batch):
+        engine.add_request(f"d{ctx}-{i}", _prompt(engine, ctx, 7 * i + ctx), params)
     while engine.scheduler.waiting:
         engine.step()
     engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    while engine.has_unfinished():
-        engine.step()
-    return statistics.median(times)
+    points = []
+    for batch in range(max_batch, 0, -1):
+        while len(engine.scheduler.running) > batch:
+            engine.abort(engine.scheduler.running[-1].seq_id)
+        context = statistics.mean(seq.num_tokens for seq in engine.scheduler.running)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        points.append(Point("decode", batch, round(context), statistics.median(times)))
+        progress()
+    for seq in list(engine.scheduler.running):
+        engine.abort(seq.seq_id)
+    return points
 
 
 def profile_engine(model: str = "default", dtype: str | None = None, threads: int = 1,
@@ -171,7 +229,7 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
     spec = spec_from_config(engine.model_cfg, model)
     dtype_bytes = engine.dtype.itemsize
     points = measure(engine, quick)
-    f = fit(spec, dtype_bytes, points)
+    f = fit(spec, dtype_bytes, points, mem_bw=read_bandwidth())
     link = memcpy_bandwidth() * NIXL_SHARE_OF_MEMCPY
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()[0]  # a shared machine: the fit is only as quiet as the machine was
@@ -179,10 +237,11 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
         "cpu", peak_flops=f.flops, flops_efficiency=1.0, peak_mem_bw=f.mem_bw, mem_bw_efficiency=1.0,
         mem_bytes=spec.weight_bytes(dtype_bytes) + config.cache.memory_budget_bytes, kv_link_bw=link,
         kv_transfer_overhead_s=TRANSFER_OVERHEAD_S, interconnect_bw=link, step_overhead_s=f.overhead_s,
-        seq_overhead_s=f.seq_overhead_s,
-        overlap=False, dtype_bytes=dtype_bytes,
+        seq_overhead_s=f.seq_overhead_s, overlap=False, dtype_bytes=dtype_bytes,
+        prefill_attention_flops=f.prefill_attention_flops, decode_attention_flops=f.decode_attention_flops,
         source=f"pdserve profile, {stamp}: {model} {engine.dtype}, {threads} thread(s), {len(points)} points "
-               f"fitted to t = overhead + seqs x per_seq + bytes/bw + flops/rate; load average {load:.1f}")
+               f"fitted to t = overhead + seqs x per_seq + bytes/bw + matmul flops/rate + attention flops/"
+               f"(prefill's, decode's rate), bw measured apart; load average {load:.1f}")
     return profile, points, spec
 
 
