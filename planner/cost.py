@@ -64,6 +64,7 @@ class CostModel:
                             ("_attn", m.attention_flops_per_pair),
                             ("_weights_s", weights / (hw.mem_bw * self.tp))):
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_ratios", self._measured_ratios())
 
     # ---- capacity ------------------------------------------------------------------
     @property
@@ -97,6 +98,14 @@ class CostModel:
         """One decode step of ``batch`` sequences holding ``total_context`` tokens of KV between them."""
         if batch <= 0:
             return 0.0
+        step = self.formula_decode_s(batch, total_context)
+        if self._ratios:
+            step *= self._ratio(batch, total_context / batch)
+        return step + self.hw.served_step_s + batch * self.hw.served_seq_s
+
+    def formula_decode_s(self, batch: int, total_context: float) -> float:
+        """The engine's step from the formula alone: without the measured points' correction or
+        what serving adds (``decode_s`` has both)."""
         memory = (self._weights + total_context * self._kvb) / self._bw
         if self._attn_d_s is None:
             compute = (batch * self._lin_head + total_context * self._attn) / self._flops
@@ -105,6 +114,30 @@ class CostModel:
         hw = self.hw
         body = max(memory, compute) if hw.overlap else memory + compute
         return hw.step_overhead_s + batch * hw.seq_overhead_s + body + self._allreduce_s(batch)
+
+    def _measured_ratios(self) -> dict[int, tuple[tuple[float, float], ...]]:
+        """batch -> ((context, measured / formula), ...) by context, from the profile's decode
+        points, when they were measured on this model (at tp 1); else empty: the formula alone."""
+        if not self.hw.decode_points or self.tp != 1 or tuple(self.hw.points_model) != self.model.shape:
+            return {}
+        table: dict[int, list[tuple[float, float]]] = {}
+        for batch, context, seconds in self.hw.decode_points:
+            table.setdefault(int(batch), []).append(
+                (float(context), seconds / self.formula_decode_s(int(batch), batch * context)))
+        return {b: tuple(sorted(rows)) for b, rows in table.items()}
+
+    def _ratio(self, batch: int, context: float) -> float:
+        """The measured / formula ratio at ``batch`` (the nearest measured batch), linear in
+        the context between the measured ones and held at the ends."""
+        rows = self._ratios.get(batch)
+        if rows is None:
+            rows = self._ratios[min(self._ratios, key=lambda b: (abs(b - batch), b))]
+        if context <= rows[0][0]:
+            return rows[0][1]
+        for (c0, r0), (c1, r1) in zip(rows, rows[1:]):
+            if context <= c1:
+                return r0 + (r1 - r0) * (context - c0) / (c1 - c0) if c1 > c0 else r1
+        return rows[-1][1]
 
     def transfer_s(self, tokens: int) -> float:
         """Moving ``tokens`` of KV from a prefill worker to a decode worker (each of the ``tp``

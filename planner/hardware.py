@@ -52,6 +52,23 @@ class HardwareProfile:
     # several times what its KV bytes alone would cost).
     prefill_attention_flops: float | None = None
     decode_attention_flops: float | None = None
+    # The decode steps the CPU fit was made from, [[batch, context per sequence, seconds], ...],
+    # and the shape of the model they ran ([layers, hidden, heads, KV heads, head dim,
+    # intermediate, vocab]). For that model the cost model corrects its formula by the measured
+    # over fitted ratio at the nearest points: the engine's step is not linear in the batch
+    # (its kernels cut a batch into row tiles), and the fit leaves up to 8% at some batches.
+    decode_points: tuple = ()
+    points_model: tuple = ()
+    # What serving adds to each decode step beyond the engine's own (the worker's loop between
+    # steps, streaming each token out): per step and per sequence in it. Measured through a
+    # running cluster (``benchmarks/planner/calibrate.py --serving-cost``); 0 on the GPU
+    # profiles, whose step overheads already stand for the whole served step.
+    served_step_s: float = 0.0
+    served_seq_s: float = 0.0
+
+    def __post_init__(self) -> None:  # JSON gives lists; keep the profile hashable
+        object.__setattr__(self, "decode_points", tuple(tuple(p) for p in self.decode_points))
+        object.__setattr__(self, "points_model", tuple(self.points_model))
 
     @property
     def flops(self) -> float:

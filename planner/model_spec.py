@@ -30,6 +30,12 @@ class ModelSpec:
     max_model_len: int
     mlp_matrices: int = 3  # gated MLP (Llama: gate, up, down) = 3; OPT's plain fc1/fc2 = 2
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What its step times depend on (not its name or context limit)."""
+        return (self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.intermediate_size, self.vocab_size, self.mlp_matrices)
+
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                     "vocab_size", "max_model_len"):

@@ -239,6 +239,8 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
         kv_transfer_overhead_s=TRANSFER_OVERHEAD_S, interconnect_bw=link, step_overhead_s=f.overhead_s,
         seq_overhead_s=f.seq_overhead_s, overlap=False, dtype_bytes=dtype_bytes,
         prefill_attention_flops=f.prefill_attention_flops, decode_attention_flops=f.decode_attention_flops,
+        decode_points=tuple((p.batch, p.tokens, p.seconds) for p in points if p.kind == "decode"),
+        points_model=spec.shape,
         source=f"pdserve profile, {stamp}: {model} {engine.dtype}, {threads} thread(s), {len(points)} points "
                f"fitted to t = overhead + seqs x per_seq + bytes/bw + matmul flops/rate + attention flops/"
                f"(prefill's, decode's rate), bw measured apart; load average {load:.1f}")
@@ -252,6 +254,7 @@ def save_points(path: str | Path, points: list[Point], profile: HardwareProfile,
     cost = CostModel(spec, profile)
     rows = []
     for p in points:
-        fitted = cost.prefill_s([(p.tokens, 0)]) if p.kind == "prefill" else cost.decode_s(p.batch, p.batch * p.tokens)
+        fitted = (cost.prefill_s([(p.tokens, 0)]) if p.kind == "prefill"
+                  else cost.formula_decode_s(p.batch, p.batch * p.tokens))
         rows.append({"kind": p.kind, "batch": p.batch, "tokens": p.tokens, "measured_s": p.seconds, "fitted_s": fitted})
     Path(path).write_text(json.dumps(rows, indent=2) + "\n")

@@ -102,51 +102,61 @@ def measure(base_url: str, seed: int) -> dict:
                       "generator, random 256-token prompts, 64 output tokens, ignore_eos", "runs": runs}
 
 
-# The served probe: decode steps at batch 1 and at batch 16 (short prompts, long outputs, so
-# nearly every step of a request runs at the full batch), against the bare engine's profile,
-# while a second client keeps the prefill worker busy with 256-token prompts (one output token
-# each, so they add no decode work), as it is in the loads that saturate it.
-PROBE_PROMPT, PROBE_OUTPUT, PROBE_BATCH = 32, 256, 16
+# The served probe: what serving adds to the engine's own steps, from the token times a client
+# sees. Requests at batch 1 (256-token prompts, one at a time) and at batch 16 (short prompts,
+# long outputs, so nearly every step of a request runs at the full batch), while a second
+# client keeps the prefill worker busy with 256-token prompts (one output token each, so they
+# add no decode work), as it is in the loads that saturate it. Between the first token (from
+# the prefill worker) and the second (the decode worker's first step) lies the hand-off: the
+# router asking the decode worker, the KV read, the sequence joining. Every later gap is one
+# served decode step.
+PROBE_PROMPT, PROBE_OUTPUT, PROBE_BATCH = 32, 128, 16
 
 
-def _probe_tpot(base_url: str, batch: int, seed: int) -> float:
-    """Served TPOT p50 (s) of ``batch`` concurrent long answers, the prefill worker kept busy."""
+def _probe(base_url: str, batch: int, prompt: int, output: int, requests: int, seed: int):
+    """Records of ``requests`` requests, ``batch`` at a time, the prefill worker kept busy."""
     import asyncio
 
     from benchmarks.load import Arrivals, Lengths, WorkloadSpec, run_async
 
-    probe = WorkloadSpec(num_requests=max(batch, 3), arrivals=Arrivals("closed", concurrency=batch),
-                         prompt_len=Lengths.fixed(PROBE_PROMPT), output_len=Lengths.fixed(PROBE_OUTPUT), seed=seed)
+    probe = WorkloadSpec(num_requests=requests, arrivals=Arrivals("closed", concurrency=batch),
+                         prompt_len=Lengths.fixed(prompt), output_len=Lengths.fixed(output), seed=seed)
     busy = WorkloadSpec(num_requests=10_000, arrivals=Arrivals("closed", concurrency=2),
                         prompt_len=Lengths.fixed(256), output_len=Lengths.fixed(1), seed=seed + 1, warmup=0)
 
-    async def both() -> float:
+    async def both():
         background = asyncio.ensure_future(run_async(busy, base_url, progress=False))
         await asyncio.sleep(2.0)  # the prefill worker is busy before the probe starts
         try:
-            return (await run_async(probe, base_url)).summary.tpot_ms["p50"] / 1e3
+            return (await run_async(probe, base_url)).records
         finally:
             background.cancel()
             await asyncio.gather(background, return_exceptions=True)
 
-    return asyncio.run(both())
+    return [r for r in asyncio.run(both()) if r.ok and len(r.chunk_times) == output]
 
 
-def serving_cost(base_url: str, profile: HardwareProfile) -> tuple[float, float]:
-    """What a served decode step costs beyond the bare engine's, with the prefill worker busy:
-    (per step, per sequence), in seconds, each >= 0, solved from the served TPOT at batch 1
-    and at batch 16."""
+def serving_cost(base_url: str, profile: HardwareProfile) -> dict[str, float]:
+    """What serving adds to the engine, in seconds: ``served_step_s`` and ``served_seq_s`` per
+    decode step (solved from the served step at batch 1 and at batch 16 against the profile's
+    steps there), and ``kv_transfer_overhead_s``, the hand-off beyond the KV bytes over the link."""
     cost = CostModel(PRESETS["SmolLM2-135M"], profile, 1)
-    context = PROBE_PROMPT + PROBE_OUTPUT // 2  # per sequence, mid-answer
-    extra = {}
-    for batch, seed in ((1, 7001), (PROBE_BATCH, 7002)):
-        served = _probe_tpot(base_url, batch, seed)
-        extra[batch] = served - cost.decode_s(batch, batch * context)
-        print(f"served probe, batch {batch}: TPOT p50 {served * 1e3:.1f} ms, bare engine "
-              f"{cost.decode_s(batch, batch * context) * 1e3:.1f} ms")
+    extra, handoff = {}, []
+    for batch, prompt, output, n, seed in ((1, 256, 64, 8, 7001), (PROBE_BATCH, PROBE_PROMPT, PROBE_OUTPUT, 32, 7002)):
+        records = _probe(base_url, batch, prompt, output, n, seed)
+        gaps = [b - a for r in records for a, b in zip(r.chunk_times[1:], r.chunk_times[2:])]
+        step = float(np.median(gaps))
+        bare = cost.decode_s(batch, batch * (prompt + output // 2))
+        extra[batch] = step - bare
+        if batch == 1:  # the first gap is the hand-off plus one step
+            handoff = [r.chunk_times[1] - r.chunk_times[0] - step for r in records]
+        print(f"served probe, batch {batch}: decode step {step * 1e3:.1f} ms served, {bare * 1e3:.1f} ms in the "
+              f"profile" + (f"; hand-off {np.median(handoff) * 1e3:.1f} ms (median of {len(handoff)})"
+                            if batch == 1 else ""))
     per_seq = max(0.0, (extra[PROBE_BATCH] - extra[1]) / (PROBE_BATCH - 1))
     per_step = max(0.0, extra[1] - per_seq)
-    return per_step, per_seq
+    link = max(0.0, float(np.median(handoff)) - (cost.transfer_s(256) - profile.kv_transfer_overhead_s))
+    return {"served_step_s": per_step, "served_seq_s": per_seq, "kv_transfer_overhead_s": link}
 
 
 def workload(w: dict, arrivals_s: list[float] | None = None) -> list[TraceRequest]:
@@ -181,9 +191,13 @@ def refit(template: HardwareProfile, points_path: str) -> HardwareProfile:
     """``template`` (link, memory) with its compute, bandwidth and overheads fitted to other points."""
     rows = json.loads(Path(points_path).read_text())
     points = [Point(r["kind"], r["batch"], r["tokens"], r["measured_s"]) for r in rows]
-    f = fit(PRESETS["SmolLM2-135M"], template.dtype_bytes, points)
+    f = fit(PRESETS["SmolLM2-135M"], template.dtype_bytes, points)  # the bandwidth fitted too: none measured
+    spec = PRESETS["SmolLM2-135M"]
     return dataclasses.replace(template, peak_flops=f.flops, peak_mem_bw=f.mem_bw, step_overhead_s=f.overhead_s,
-                               seq_overhead_s=f.seq_overhead_s, source=f"fitted to {points_path}")
+                               seq_overhead_s=f.seq_overhead_s, prefill_attention_flops=f.prefill_attention_flops,
+                               decode_attention_flops=f.decode_attention_flops,
+                               decode_points=tuple((p.batch, p.tokens, p.seconds) for p in points if p.kind == "decode"),
+                               points_model=spec.shape, source=f"fitted to {points_path}")
 
 
 def main() -> int:
@@ -210,11 +224,10 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "cluster.cli", "profile", "--output", out], check=True, cwd=ROOT)
     if args.measure and args.reprofile and args.serving_cost:
         base = HardwareProfile.load(out)
-        per_step, per_seq = serving_cost(args.measure, base)
-        dataclasses.replace(base, step_overhead_s=base.step_overhead_s + per_step,
-                            seq_overhead_s=base.seq_overhead_s + per_seq,
-                            source=f"{base.source}; plus the served probe's {per_step * 1e3:.2f} ms a step and "
-                                   f"{per_seq * 1e3:.2f} ms a sequence").save(out)
+        served = serving_cost(args.measure, base)
+        dataclasses.replace(base, **served, source=f"{base.source}; plus the served probe's "
+                            f"{served['served_step_s'] * 1e3:.2f} ms a step, {served['served_seq_s'] * 1e3:.2f} ms a "
+                            f"sequence and {served['kv_transfer_overhead_s'] * 1e3:.1f} ms a hand-off").save(out)
     if args.measure:
         doc = measure(args.measure, args.measure_seed)
         if args.reprofile:  # the set keeps the profile taken with it

@@ -113,3 +113,50 @@ def test_fitted_step_cost_applies_the_published_form_in_ms():
     # capacity and transfers are the base model's
     assert fit.kv_capacity_tokens() == cost().kv_capacity_tokens()
     assert fit.transfer_s(100) == cost().transfer_s(100)
+
+
+def test_measured_decode_points_correct_the_formula_for_the_model_they_ran():
+    import dataclasses
+
+    smol = PRESETS["SmolLM2-135M"]
+    base = dataclasses.replace(DEVICE, overlap=False, dtype_bytes=2)
+    plain = CostModel(smol, base)
+    f = plain.decode_s
+    # measured: 10% over the formula at batch 2, context 100; 30% over at context 300; 20% under at batch 4
+    points = ((2, 100, 1.1 * f(2, 200)), (2, 300, 1.3 * f(2, 600)), (4, 100, 0.8 * f(4, 400)))
+    hw = dataclasses.replace(base, decode_points=points, points_model=smol.shape)
+    measured = CostModel(smol, hw)
+    assert measured.decode_s(2, 200) == pytest.approx(points[0][2], rel=1e-12)  # the measured points themselves
+    assert measured.decode_s(2, 600) == pytest.approx(points[1][2], rel=1e-12)
+    assert measured.decode_s(2, 400) == pytest.approx(1.2 * f(2, 400), rel=1e-12)  # linear between contexts
+    assert measured.decode_s(2, 2000) == pytest.approx(1.3 * f(2, 2000), rel=1e-12)  # held past the last
+    assert measured.decode_s(3, 300) == pytest.approx(1.1 * f(3, 300), rel=1e-12)  # nearest batch (ties: smaller)
+    assert measured.decode_s(64, 64 * 100) == pytest.approx(0.8 * f(64, 6400), rel=1e-12)
+    assert measured.formula_decode_s(2, 200) == f(2, 200)
+    # measured on another model, or at another tensor parallelism: the formula alone
+    assert CostModel(TINY, dataclasses.replace(hw, dtype_bytes=2)).decode_s(2, 200) == CostModel(TINY, base).decode_s(2, 200)
+    on_tiny = dataclasses.replace(hw, points_model=TINY.shape)
+    assert CostModel(TINY, on_tiny).decode_s(2, 200) != CostModel(TINY, base).decode_s(2, 200)
+    assert CostModel(TINY, on_tiny, 2).decode_s(2, 200) == CostModel(TINY, base, 2).decode_s(2, 200)
+
+
+def test_a_profile_with_decode_points_round_trips_through_json(tmp_path):
+    import dataclasses
+
+    smol = PRESETS["SmolLM2-135M"]
+    hw = dataclasses.replace(DEVICE, decode_points=((1, 128, 0.015), (1, 512, 0.017)), points_model=smol.shape,
+                             prefill_attention_flops=5e10, decode_attention_flops=2e10)
+    hw.save(tmp_path / "p.json")
+    back = HardwareProfile.load(tmp_path / "p.json")
+    assert back == hw and hash(back) == hash(hw)
+
+
+def test_what_serving_adds_comes_on_top_of_the_measured_step():
+    import dataclasses
+
+    smol = PRESETS["SmolLM2-135M"]
+    base = dataclasses.replace(DEVICE, overlap=False, dtype_bytes=2)
+    f = CostModel(smol, base).decode_s
+    hw = dataclasses.replace(base, decode_points=((4, 100, 1.5 * f(4, 400)),), points_model=smol.shape,
+                             served_step_s=2e-3, served_seq_s=1e-4)
+    assert CostModel(smol, hw).decode_s(4, 400) == pytest.approx(1.5 * f(4, 400) + 2e-3 + 4e-4, rel=1e-12)
