@@ -92,7 +92,8 @@ class CostModel:
             compute = (tokens * self._lin + num_sampled * self._head) / self._flops + pairs * self._attn_p_s
         hw = self.hw
         body = max(compute, weights) if hw.overlap else compute + weights
-        return hw.step_overhead_s + len(chunks) * hw.seq_overhead_s + body + self._allreduce_s(tokens)
+        step = hw.step_overhead_s + len(chunks) * hw.seq_overhead_s + body + self._allreduce_s(tokens)
+        return step * hw.served_prefill_factor if hw.served_prefill_factor != 1.0 else step
 
     def decode_s(self, batch: int, total_context: float) -> float:
         """One decode step of ``batch`` sequences holding ``total_context`` tokens of KV between them."""

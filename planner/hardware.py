@@ -65,6 +65,9 @@ class HardwareProfile:
     # profiles, whose step overheads already stand for the whole served step.
     served_step_s: float = 0.0
     served_seq_s: float = 0.0
+    # A served prefill step over the engine's own: the other worker busy on the other core
+    # (they share memory bandwidth and the L3 cache), and the router between client and worker.
+    served_prefill_factor: float = 1.0
 
     def __post_init__(self) -> None:  # JSON gives lists; keep the profile hashable
         object.__setattr__(self, "decode_points", tuple(tuple(p) for p in self.decode_points))

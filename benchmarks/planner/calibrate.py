@@ -113,16 +113,19 @@ def measure(base_url: str, seed: int) -> dict:
 PROBE_PROMPT, PROBE_OUTPUT, PROBE_BATCH = 32, 128, 16
 
 
-def _probe(base_url: str, batch: int, prompt: int, output: int, requests: int, seed: int):
-    """Records of ``requests`` requests, ``batch`` at a time, the prefill worker kept busy."""
+def _probe(base_url: str, batch: int, prompt: int, output: int, requests: int, seed: int, busy_decode: bool = False):
+    """Records of ``requests`` requests, ``batch`` at a time, the prefill worker kept busy (or,
+    with ``busy_decode``, the decode worker: eight short prompts with long answers)."""
     import asyncio
 
     from benchmarks.load import Arrivals, Lengths, WorkloadSpec, run_async
 
     probe = WorkloadSpec(num_requests=requests, arrivals=Arrivals("closed", concurrency=batch),
                          prompt_len=Lengths.fixed(prompt), output_len=Lengths.fixed(output), seed=seed)
-    busy = WorkloadSpec(num_requests=10_000, arrivals=Arrivals("closed", concurrency=2),
-                        prompt_len=Lengths.fixed(256), output_len=Lengths.fixed(1), seed=seed + 1, warmup=0)
+    busy = (WorkloadSpec(num_requests=10_000, arrivals=Arrivals("closed", concurrency=8), prompt_len=Lengths.fixed(16),
+                         output_len=Lengths.fixed(512), seed=seed + 1, warmup=0) if busy_decode else
+            WorkloadSpec(num_requests=10_000, arrivals=Arrivals("closed", concurrency=2),
+                         prompt_len=Lengths.fixed(256), output_len=Lengths.fixed(1), seed=seed + 1, warmup=0))
 
     async def both():
         background = asyncio.ensure_future(run_async(busy, base_url, progress=False))
@@ -136,14 +139,17 @@ def _probe(base_url: str, batch: int, prompt: int, output: int, requests: int, s
     return [r for r in asyncio.run(both()) if r.ok and len(r.chunk_times) == output]
 
 
-def serving_cost(base_url: str, profile: HardwareProfile) -> dict[str, float]:
+def serving_cost(base_url: str, profile: HardwareProfile, seed: int) -> dict[str, float]:
     """What serving adds to the engine, in seconds: ``served_step_s`` and ``served_seq_s`` per
     decode step (solved from the served step at batch 1 and at batch 16 against the profile's
-    steps there), and ``kv_transfer_overhead_s``, the hand-off beyond the KV bytes over the link."""
+    steps there), ``kv_transfer_overhead_s``, the hand-off beyond the KV bytes over the link,
+    and ``served_prefill_factor``, a served prefill's time over the profile's."""
     cost = CostModel(PRESETS["SmolLM2-135M"], profile, 1)
     extra, handoff = {}, []
-    for batch, prompt, output, n, seed in ((1, 256, 64, 8, 7001), (PROBE_BATCH, PROBE_PROMPT, PROBE_OUTPUT, 32, 7002)):
-        records = _probe(base_url, batch, prompt, output, n, seed)
+    # seeds of their own (each probe and its background client), and apart from every run's:
+    # a prompt the prefix cache has seen would skip its prefill
+    for batch, prompt, output, n, k in ((1, 256, 64, 8, 1), (PROBE_BATCH, PROBE_PROMPT, PROBE_OUTPUT, 32, 3)):
+        records = _probe(base_url, batch, prompt, output, n, 10 * seed + k)
         gaps = [b - a for r in records for a, b in zip(r.chunk_times[1:], r.chunk_times[2:])]
         step = float(np.median(gaps))
         bare = cost.decode_s(batch, batch * (prompt + output // 2))
@@ -156,7 +162,15 @@ def serving_cost(base_url: str, profile: HardwareProfile) -> dict[str, float]:
     per_seq = max(0.0, (extra[PROBE_BATCH] - extra[1]) / (PROBE_BATCH - 1))
     per_step = max(0.0, extra[1] - per_seq)
     link = max(0.0, float(np.median(handoff)) - (cost.transfer_s(256) - profile.kv_transfer_overhead_s))
-    return {"served_step_s": per_step, "served_seq_s": per_seq, "kv_transfer_overhead_s": link}
+    # A served prefill: 256-token prompts one at a time (one output token: no decode), the
+    # decode worker busy on the other core, against the profile's prefill alone.
+    records = _probe(base_url, 1, 256, 1, 6, 10 * seed + 5, busy_decode=True)
+    ttft = float(np.median([r.chunk_times[0] - r.sent for r in records]))
+    factor = max(1.0, ttft / cost.prefill_s([(256, 0)]))
+    print(f"served probe, prefill: 256 tokens in {ttft * 1e3:.0f} ms served (TTFT), "
+          f"{cost.prefill_s([(256, 0)]) * 1e3:.0f} ms in the profile")
+    return {"served_step_s": per_step, "served_seq_s": per_seq, "kv_transfer_overhead_s": link,
+            "served_prefill_factor": factor}
 
 
 def workload(w: dict, arrivals_s: list[float] | None = None) -> list[TraceRequest]:
@@ -214,8 +228,8 @@ def main() -> int:
     ap.add_argument("--measure", default=None, metavar="URL",
                     help="take the served runs now against this running cluster (writes --measured)")
     ap.add_argument("--measure-seed", type=int, default=100, help="--measure's workload seed (prompts, arrivals)")
-    ap.add_argument("--serving-cost", action="store_true", help="with --reprofile --measure: add what a served "
-                    "decode step costs beyond the bare engine (probes at batch 1 and 16) to the profile")
+    ap.add_argument("--serving-cost", action="store_true", help="with --reprofile --measure: add what serving costs "
+                    "beyond the bare engine (decode probes at batch 1 and 16, the hand-off, a prefill probe) to the profile")
     args = ap.parse_args()
     if args.measure and len(args.measured) != 1:
         ap.error("--measure writes one file: give one --measured")
@@ -224,10 +238,11 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "cluster.cli", "profile", "--output", out], check=True, cwd=ROOT)
     if args.measure and args.reprofile and args.serving_cost:
         base = HardwareProfile.load(out)
-        served = serving_cost(args.measure, base)
+        served = serving_cost(args.measure, base, 1000 + args.measure_seed)
         dataclasses.replace(base, **served, source=f"{base.source}; plus the served probe's "
                             f"{served['served_step_s'] * 1e3:.2f} ms a step, {served['served_seq_s'] * 1e3:.2f} ms a "
-                            f"sequence and {served['kv_transfer_overhead_s'] * 1e3:.1f} ms a hand-off").save(out)
+                            f"sequence and {served['kv_transfer_overhead_s'] * 1e3:.1f} ms a hand-off, prefill "
+                            f"x{served['served_prefill_factor']:.3f}").save(out)
     if args.measure:
         doc = measure(args.measure, args.measure_seed)
         if args.reprofile:  # the set keeps the profile taken with it

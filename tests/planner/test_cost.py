@@ -160,3 +160,11 @@ def test_what_serving_adds_comes_on_top_of_the_measured_step():
     hw = dataclasses.replace(base, decode_points=((4, 100, 1.5 * f(4, 400)),), points_model=smol.shape,
                              served_step_s=2e-3, served_seq_s=1e-4)
     assert CostModel(smol, hw).decode_s(4, 400) == pytest.approx(1.5 * f(4, 400) + 2e-3 + 4e-4, rel=1e-12)
+
+
+def test_a_served_prefill_factor_scales_the_prefill_step():
+    import dataclasses
+
+    base = dataclasses.replace(DEVICE, overlap=False)
+    served = CostModel(TINY, dataclasses.replace(base, served_prefill_factor=1.07))
+    assert served.prefill_s([(256, 0), (256, 0)]) == pytest.approx(1.07 * CostModel(TINY, base).prefill_s([(256, 0), (256, 0)]))
