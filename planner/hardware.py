@@ -53,8 +53,8 @@ class HardwareProfile:
     prefill_attention_flops: float | None = None
     decode_attention_flops: float | None = None
     # The decode steps the CPU fit was made from, [[batch, context per sequence, seconds], ...],
-    # and the shape of the model they ran ([layers, hidden, heads, KV heads, head dim,
-    # intermediate, vocab]). For that model the cost model corrects its formula by the measured
+    # and the shape of the model they ran (``ModelSpec.shape``: layers, hidden, heads, KV heads,
+    # head dim, intermediate, vocab, MLP matrices). For that model the cost model corrects its formula by the measured
     # over fitted ratio at the nearest points: the engine's step is not linear in the batch
     # (its kernels cut a batch into row tiles), and the fit leaves up to 8% at some batches.
     decode_points: tuple = ()
