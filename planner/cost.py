@@ -93,7 +93,7 @@ class CostModel:
         hw = self.hw
         body = max(compute, weights) if hw.overlap else compute + weights
         step = hw.step_overhead_s + len(chunks) * hw.seq_overhead_s + body + self._allreduce_s(tokens)
-        return step * hw.served_prefill_factor if hw.served_prefill_factor != 1.0 else step
+        return step * hw.served_prefill_factor  # 1 (exactly the step) unless a served probe measured one
 
     def decode_s(self, batch: int, total_context: float) -> float:
         """One decode step of ``batch`` sequences holding ``total_context`` tokens of KV between them."""
@@ -131,8 +131,8 @@ class CostModel:
         """The measured / formula ratio at ``batch`` (the nearest measured batch), linear in
         the context between the measured ones and held at the ends."""
         rows = self._ratios.get(batch)
-        if rows is None:
-            rows = self._ratios[min(self._ratios, key=lambda b: (abs(b - batch), b))]
+        if rows is None:  # looked up once per batch size, then kept
+            rows = self._ratios[batch] = self._ratios[min(self._ratios, key=lambda b: (abs(b - batch), b))]
         if context <= rows[0][0]:
             return rows[0][1]
         for (c0, r0), (c1, r1) in zip(rows, rows[1:]):

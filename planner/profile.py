@@ -117,17 +117,22 @@ def fit(spec: ModelSpec, dtype_bytes: int, points: list[Point], mem_bw: float | 
     return Fit(float(best[0]), float(best[1]), bw, rate(best[3]), *attn)
 
 
+def _best_rate(nbytes: int, op) -> float:
+    """``nbytes`` over the fastest of five timed runs of ``op`` (after one untimed)."""
+    op()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t)
+    return nbytes / min(times)
+
+
 def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
     import torch
 
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    dst.copy_(src)
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return nbytes / min(times)
+    return _best_rate(nbytes, lambda: dst.copy_(src))
 
 
 def read_bandwidth(nbytes: int = 512 << 20) -> float:
@@ -136,13 +141,7 @@ def read_bandwidth(nbytes: int = 512 << 20) -> float:
     import torch
 
     x = torch.ones(nbytes // 4)
-    x.sum()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return nbytes / min(times)
+    return _best_rate(nbytes, x.sum)
 
 
 def measure(engine, quick: bool) -> list[Point]:

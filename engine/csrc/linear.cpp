@@ -50,7 +50,7 @@
 // Tiles of 2 to 5 rows: one panel at a time (two panels for 2 rows). Filling the twelve
 // accumulators with more panels (3 for 2 rows, 2 for 3 rows) ran those tiles at half speed
 // on a 2-core AMD EPYC (AVX2): the 576x3072 bfloat16 linear took 160 us at M=2 against 88, and
-// since a batch is cut into tiles of 6 rows, batches of 8, 9 and 15 paid it in their last tile
+// since a batch is cut into tiles of 6 rows, batches of 8, 9, 14 and 15 paid it in their last tile
 // (a decode step at batch 9 was slower than at batch 10).
 // The bfloat16 weight conversion costs two integer ops per 12 FMAs, so bfloat16 panels stay
 // bfloat16 in cache (half the bytes of a float32 copy).
