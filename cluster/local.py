@@ -65,6 +65,7 @@ class ClusterConfig:
     transfer_timeout_s: float = 10.0
     inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
+    step_trace_dir: str | None = None  # each worker's engine steps, one JSON line each (engine.step_trace)
     ray_address: str | None = None  # join this Ray cluster instead of starting one
     served_model_names: tuple[str, ...] = ("smollm2",)  # what the API answers to; the first is reported
     tokenizer: str | None = None  # the router's tokenizer directory; None: the model's
@@ -215,7 +216,7 @@ class LocalCluster:
         common = dict(worker_id=f"{role}-{index}", model_name=cfg.served_model_names[0], engine=cfg.engine,
                       host=cfg.internal_bind_host(), tls=cfg.tls, advertise_host=cfg.internal_advertise_host,
                       kv_transfer_backend=cfg.kv_transfer_backend, max_requests=cfg.worker_max_requests,
-                      max_receive_bytes=cfg.max_receive_bytes)
+                      max_receive_bytes=cfg.max_receive_bytes, step_trace_dir=cfg.step_trace_dir)
         if role == "prefill":
             return PrefillWorkerConfig(lease_seconds=cfg.lease_seconds, **common)
         return DecodeWorkerConfig(transfer_timeout_s=cfg.transfer_timeout_s,

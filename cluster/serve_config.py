@@ -46,12 +46,17 @@ def build(v: dict[str, Any]):
                             require_ca=False),
         kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
         hang_timeout_s=v["hang_timeout_seconds"],
-        threads_per_worker=v["threads_per_worker"], ray_address=v["address"],
+        threads_per_worker=v["threads_per_worker"], step_trace_dir=_absolute(v["step_trace_dir"]), ray_address=v["address"],
         served_model_names=served_names(v), tokenizer=v["tokenizer"], chat_template=v["chat_template"],
         tool_call_parser=v["tool_call_parser"],
         log=LogConfig(v["log_level"], v["log_format"]),
         prefill_placement=_placement(v, "prefill", default_gpus), decode_placement=_placement(v, "decode", default_gpus),
         autoscaling=from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None)
+
+
+def _absolute(path: str | None) -> str | None:
+    """``path`` made absolute here: workers start in directories of Ray's choosing."""
+    return None if path is None else str(Path(path).resolve())
 
 
 def _check_paths(v: dict[str, Any]) -> None:

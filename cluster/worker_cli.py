@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
 
 _SHARED = ("model", "served_model_name", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
-           "drain_grace_seconds", "threads_per_worker", "host", "port", "grpc_port", "advertise_host",
+           "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "host", "port", "grpc_port", "advertise_host",
            "internal_host", "internal_advertise_host", "api_key", "api_key_file", "tls_ca", "tls_cert", "tls_key",
            "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
@@ -127,7 +127,7 @@ def worker_config(v: dict[str, Any]):
                   engine=engine_config(v), host=v["internal_host"],
                   advertise_host=v["internal_advertise_host"], tls=internal_tls(v), port=v["internal_port"],
                   metrics_port=v["metrics_port"], kv_transfer_backend=v["kv_transfer_backend"],
-                  drain_grace_s=v["drain_grace_seconds"])
+                  drain_grace_s=v["drain_grace_seconds"], step_trace_dir=v["step_trace_dir"])
     if v["role"] == "prefill":
         from prefill_worker.worker import PrefillWorkerConfig
 

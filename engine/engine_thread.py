@@ -12,6 +12,8 @@ when nothing it watches can change until a call arrives. An idle engine blocks o
 queue for the smallest of those, forever when every hook says None: an idle worker uses no
 CPU. A worker's hooks poll KV transfers and leases there, so nothing that touches the engine
 or the KV cache ever runs concurrently with a forward pass.
+
+With a ``step_trace``, every step's start, length and shape go to it (``engine.step_trace``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Optional
 
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.step_trace import StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ _WAKE = object()  # queued by ``stop`` so a blocked loop sees the stop flag
 class EngineThread:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
                  hooks: Iterable[Hook] = (), name: str = "engine",
-                 on_step_error: Callable[[StepFailed], None] | None = None):
+                 on_step_error: Callable[[StepFailed], None] | None = None, step_trace: StepTrace | None = None):
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_step_error = on_step_error
@@ -45,6 +49,9 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
         self.idle_waits = 0  # times the loop blocked with nothing to run (tests read it)
+        self._trace = step_trace  # every step's start, length and shape (engine.step_trace)
+        self._idle_since_step = True
+        engine.keep_step_shape = step_trace is not None
 
     def start(self) -> None:
         self._thread.start()
@@ -53,6 +60,8 @@ class EngineThread:
         self._stop.set()
         self._calls.put(_WAKE)
         self._thread.join(timeout)
+        if self._trace is not None:
+            self._trace.close()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the engine thread before the next step; its result or
@@ -83,14 +92,19 @@ class EngineThread:
         return soonest
 
     def _step(self) -> None:
+        start, t = time.time(), time.perf_counter()
         try:
             outputs = self.engine.step()
         except StepFailed as exc:
             log.error("%s", exc, exc_info=exc.cause)
             if self._on_step_error is not None:
                 self._on_step_error(exc)
+            self._idle_since_step = True  # a gap in the trace: the next step's time is its own
             return
         self.steps += 1
+        if self._trace is not None and self.engine.last_step_shape is not None:
+            self._trace.write(start, time.perf_counter() - t, self._idle_since_step, self.engine.last_step_shape)
+        self._idle_since_step = False
         if outputs:
             self._on_outputs(outputs)
 
@@ -104,6 +118,7 @@ class EngineThread:
 
     def _wait_for_call(self, timeout_s: float | None) -> None:
         self.idle_waits += 1
+        self._idle_since_step = True
         try:
             item = self._calls.get(timeout=max(timeout_s, 0.0) if timeout_s is not None else None)
         except queue.Empty:

@@ -25,6 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, TopLogprobs, validate_request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
+from engine.step_trace import StepShape
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -85,6 +86,10 @@ class LLMEngine:
         self._model_dir = model_dir
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # With ``keep_step_shape``, each step leaves what it ran in ``last_step_shape`` (a step
+        # trace reads it); off, a step computes nothing for it.
+        self.keep_step_shape = False
+        self.last_step_shape: StepShape | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True, detokenize: bool = True) -> "LLMEngine":
@@ -213,6 +218,7 @@ class LLMEngine:
         the step's sequences are aborted, their blocks freed, and ``StepFailed`` names them:
         the rest of the engine goes on as if they had never been scheduled."""
         out = self.scheduler.schedule()
+        self.last_step_shape = StepShape.of(out) if self.keep_step_shape and not out.empty else None
         if out.empty:
             return []
         try:

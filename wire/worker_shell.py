@@ -27,6 +27,7 @@ import grpc
 from engine.engine_thread import EngineThread, Hook
 from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.step_trace import StepTrace, trace_path
 from kv_transfer import KVTransferAgent
 from protos import worker_pb2
 from wire.metrics import WorkerSource, serve_worker
@@ -42,8 +43,8 @@ _DRAIN_CHECK_S = 0.05
 
 class WorkerShell:
     """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id``,
-    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests``, ``max_receive_bytes`` and
-    ``drain_grace_s``."""
+    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests``, ``max_receive_bytes``,
+    ``drain_grace_s`` and ``step_trace_dir`` (None: no step trace)."""
 
     role: ClassVar[str]
 
@@ -53,8 +54,9 @@ class WorkerShell:
         self.agent = agent
         self.draining = False  # no new requests; those here finish
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        trace = StepTrace(trace_path(config.step_trace_dir, config.worker_id)) if config.step_trace_dir else None
         self.thread = EngineThread(engine, self._on_outputs, hooks=hooks, name=f"{config.worker_id}-engine",
-                                   on_step_error=self._on_step_error)
+                                   on_step_error=self._on_step_error, step_trace=trace)
 
     def start(self) -> None:
         if self.config.cpus:

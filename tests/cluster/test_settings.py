@@ -154,3 +154,14 @@ def test_chat_template_replaces_the_tokenizers_own(tmp_path):
                                                                                            add_special_tokens=False)
     assert Tokenizer(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) != tok.apply_chat_template(
         [{"role": "user", "content": "hi"}])
+
+
+def test_step_trace_dir_reaches_every_worker_as_an_absolute_path(tmp_path, monkeypatch):
+    from cluster.local import LocalCluster
+
+    monkeypatch.chdir(tmp_path)
+    config = build(resolve(parse(["--step-trace-dir", "steps"]), environ={}))
+    assert config.step_trace_dir == str(tmp_path / "steps")  # Ray starts workers in a directory of its own
+    cluster = LocalCluster(config)
+    assert {cluster._worker_config(role, 0).step_trace_dir for role in ("prefill", "decode")} == {config.step_trace_dir}
+    assert build(resolve(parse([]), environ={})).step_trace_dir is None  # off unless asked for

@@ -169,3 +169,26 @@ def test_pin_process_moves_every_thread_and_sizes_torch_to_the_cores():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.getcwd()}, check=True).stdout.strip()
     assert out == "[(0,)] 1"
+
+
+def test_a_worker_with_a_step_trace_dir_traces_its_engine_steps(engine, tmp_path):
+    from engine.step_trace import read, trace_path
+
+    config = PrefillWorkerConfig(worker_id="prefill-7", kv_transfer_backend="tcp", step_trace_dir=str(tmp_path))
+    worker = PrefillWorker(config, engine=engine)
+    prompt = random_prompts(1, [40], seed=9)[0]
+
+    async def run():
+        server = await start(config, worker)
+        try:
+            async with aio_channel(server.address) as channel:
+                stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+                done = await stub.Prefill(prefill_request("a", prompt, 0.0), timeout=60)
+                await stub.Release(worker_pb2.ReleaseRequest(lease_token=done.kv.lease_token), timeout=5)
+        finally:
+            await server.stop()
+
+    asyncio.run(run())
+    steps = list(read(trace_path(tmp_path, "prefill-7")))
+    assert [s.shape.prefill for s in steps] == [((40, 0),)]  # one prefill step, the prompt whole; no decode
+    assert steps[0].shape.sampled == 1 and steps[0].after_idle
