@@ -102,7 +102,8 @@ class CostModel:
         step = self.formula_decode_s(batch, total_context)
         if self._ratios:
             step *= self._ratio(batch, total_context / batch)
-        return step + self.hw.served_step_s + batch * self.hw.served_seq_s
+        hw = self.hw
+        return step * hw.served_decode_factor + hw.served_step_s + batch * hw.served_seq_s  # x1.0 is exact
 
     def formula_decode_s(self, batch: int, total_context: float) -> float:
         """The engine's step from the formula alone: without the measured points' correction or

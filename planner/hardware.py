@@ -68,6 +68,9 @@ class HardwareProfile:
     # A served prefill step over the engine's own: the other worker busy on the other core
     # (they share memory bandwidth and the L3 cache), and the router between client and worker.
     served_prefill_factor: float = 1.0
+    # A served decode step's engine time over the profile's, where a served run measured it
+    # (``calibrate.py --step-trace``: the machine's speed during that run). 1 everywhere else.
+    served_decode_factor: float = 1.0
 
     def __post_init__(self) -> None:  # JSON gives lists; keep the profile hashable
         object.__setattr__(self, "decode_points", tuple(tuple(p) for p in self.decode_points))

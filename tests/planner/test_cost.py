@@ -168,3 +168,14 @@ def test_a_served_prefill_factor_scales_the_prefill_step():
     base = dataclasses.replace(DEVICE, overlap=False)
     served = CostModel(TINY, dataclasses.replace(base, served_prefill_factor=1.07))
     assert served.prefill_s([(256, 0), (256, 0)]) == pytest.approx(1.07 * CostModel(TINY, base).prefill_s([(256, 0), (256, 0)]))
+
+
+def test_a_served_decode_factor_scales_the_engine_step_not_what_serving_adds():
+    import dataclasses
+
+    smol = PRESETS["SmolLM2-135M"]
+    base = dataclasses.replace(DEVICE, overlap=False, dtype_bytes=2, served_step_s=2e-3, served_seq_s=1e-4)
+    engine = CostModel(smol, dataclasses.replace(base, served_step_s=0.0, served_seq_s=0.0)).decode_s(4, 400)
+    slower = CostModel(smol, dataclasses.replace(base, served_decode_factor=1.2))
+    assert slower.decode_s(4, 400) == pytest.approx(1.2 * engine + 2e-3 + 4e-4, rel=1e-12)
+    assert CostModel(smol, base).decode_s(4, 400) == engine + 2e-3 + 4e-4  # 1.0 leaves it as it was
