@@ -34,6 +34,13 @@ simulation, no draws.
 
     PYTHONPATH=. .venv/bin/python benchmarks/planner/calibrate.py --reprofile \
         --measure http://127.0.0.1:8300 --measured .bench/calibrate/measured.json
+
+``--step-trace DIR``, for a cluster started with ``pdserve serve --step-trace-dir DIR``, keeps
+the engine steps each run made in both workers (``traced_steps``), and the comparison adds a
+second simulation of the run at the speed those steps ran at: the profile's prefill and
+decode steps scaled by one measured factor per pool (``run_speed``). The profile says how a
+step's time depends on its batch, chunks and KV; the trace says how fast this machine was
+while the run lasted.
 """
 
 from __future__ import annotations
@@ -69,8 +76,9 @@ MEASURE_LOADS = ({"request_rate": 0.5, "num_prompts": 32}, {"request_rate": 2.0,
                  {"max_concurrency": 16, "num_prompts": 48})
 
 
-def measure(base_url: str, seed: int) -> dict:
-    """Served runs against the cluster at ``base_url``, with the arrivals each one sent."""
+def measure(base_url: str, seed: int, trace_dir: str | None = None) -> dict:
+    """Served runs against the cluster at ``base_url``, with the arrivals each one sent (and,
+    with ``trace_dir``, the engine steps both workers ran during each: ``traced_steps``)."""
     import time
 
     from benchmarks.load import Arrivals, Lengths, WorkloadSpec, run
@@ -87,16 +95,19 @@ def measure(base_url: str, seed: int) -> dict:
                             prompt_len=Lengths.fixed(w["input_len"]), output_len=Lengths.fixed(w["output_len"]),
                             seed=w["seed"])  # a seed per run: no prefix-cache hits from an earlier run
         res = run(spec, base_url)
+        wall_end = time.time()  # the run's clock (perf_counter from its start) on the traces' (Unix time)
         if res.summary.failed:
             raise SystemExit(f"calibrate: {res.summary.failed} requests failed in {name}")
         records = sorted(res.records, key=lambda r: r.sent)
         t0 = records[0].sent
+        window = (wall_end - res.summary.duration_s + t0, wall_end)  # first send to last token
         pick = lambda d: {"p50": d["p50"], "p90": d["p90"]}  # noqa: E731
         runs.append({"name": name, "layout": "1P:1D", "workload": w,
                      **({} if closed else {"arrivals_s": [r.sent - t0 for r in records]}),
                      # each request's own times, to set beside the simulated ones
                      "requests_ms": [{"ttft": 1e3 * ttft(r), "tpot": 1e3 * tpot(r)} for r in records],
-                     "measured": {"ttft_ms": pick(res.summary.ttft_ms), "tpot_ms": pick(res.summary.tpot_ms)}})
+                     "measured": {"ttft_ms": pick(res.summary.ttft_ms), "tpot_ms": pick(res.summary.tpot_ms)},
+                     **({"traced_steps": traced_steps(trace_dir, *window)} if trace_dir else {})})
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {"source": f"benchmarks/planner/calibrate.py --measure {base_url}, {stamp}: the project's load "
                       "generator, random 256-token prompts, 64 output tokens, ignore_eos", "runs": runs}
@@ -173,6 +184,66 @@ def serving_cost(base_url: str, profile: HardwareProfile, seed: int) -> dict[str
             "served_prefill_factor": factor}
 
 
+# The machine's speed during a run. This machine's speed drifts by 15-25% within minutes, so a
+# profile taken minutes before a run can be that far from the run's own speed. A cluster
+# started with ``--step-trace-dir`` logs every engine step (engine.step_trace); a run keeps
+# the steps each pool ran while it lasted, and the profile's time for each of those very
+# steps (the same batch, chunks and KV) sets one factor per pool: the served seconds over the
+# profile's seconds. A step's served seconds include the loop's time before it (its queued
+# calls, hooks and outputs), unless the loop was idle there. The simulation at the run's
+# speed scales the profile's prefill and decode steps by those factors, and nothing else:
+# which steps run, with which batch, and how long requests wait stay the simulator's.
+def traced_steps(trace_dir: str, start: float, end: float) -> dict:
+    """The steps each pool's workers ran between ``start`` and ``end`` (Unix seconds), as
+    ``{"prefill": [[seconds, [[new, cached], ...], sampled], ...], "decode": [[seconds, batch,
+    context], ...]}``; a decode worker's steps that ran prompt tokens are left out (the runs
+    here have none: every prompt prefills on the prefill worker)."""
+    from engine.step_trace import read
+
+    out: dict[str, list] = {"prefill": [], "decode": []}
+    for pool in out:
+        files = sorted(Path(trace_dir).glob(f"{pool}-*.steps.jsonl"))
+        if not files:
+            raise SystemExit(f"calibrate: no {pool} worker's step trace in {trace_dir}: start the cluster with "
+                             f"--step-trace-dir {trace_dir}")
+        for path in files:
+            previous = None
+            for step in read(path):
+                seconds = step.seconds if step.after_idle or previous is None else step.end - previous.end
+                previous = step
+                if not start <= step.start <= end:
+                    continue
+                shape = step.shape
+                if pool == "prefill":
+                    out[pool].append([round(seconds, 7), [list(c) for c in shape.prefill], shape.sampled])
+                elif not shape.prefill:
+                    out[pool].append([round(seconds, 7), shape.decode_batch, shape.decode_context])
+    return out
+
+
+def run_speed(steps: dict, profile: HardwareProfile) -> dict[str, float]:
+    """Each pool's served seconds over the profile's engine seconds for the same steps, and
+    ``prefill_sigma``: the spread (standard deviation of the log) of that ratio step by step."""
+    bare = dataclasses.replace(profile, served_prefill_factor=1.0, served_decode_factor=1.0, served_step_s=0.0,
+                               served_seq_s=0.0)
+    cost = CostModel(PRESETS["SmolLM2-135M"], bare, 1)
+    prefill = [(s, cost.prefill_s([tuple(c) for c in chunks], sampled)) for s, chunks, sampled in steps["prefill"]]
+    decode = [(s, cost.decode_s(batch, context)) for s, batch, context in steps["decode"]]
+    speed = {pool: sum(s for s, _ in rows) / sum(p for _, p in rows)
+             for pool, rows in (("prefill", prefill), ("decode", decode)) if rows}
+    speed["prefill_sigma"] = float(np.std(np.log([s / p for s, p in prefill]))) if len(prefill) > 1 else 0.0
+    return speed
+
+
+def at_run_speed(profile: HardwareProfile, speed: dict[str, float]) -> HardwareProfile:
+    """``profile`` with its steps at a run's measured speed: the factors stand for what the
+    served probe's step costs stood for (their time is in the traced steps), the hand-off stays."""
+    return dataclasses.replace(profile, served_prefill_factor=speed["prefill"], served_decode_factor=speed["decode"],
+                               served_step_s=0.0, served_seq_s=0.0,
+                               source=f"{profile.source}; at the run's traced speed, prefill x{speed['prefill']:.3f}, "
+                                      f"decode x{speed['decode']:.3f}")
+
+
 def workload(w: dict, arrivals_s: list[float] | None = None) -> list[TraceRequest]:
     if arrivals_s is not None:  # the served run's own send times
         return [TraceRequest(float(t), w["input_len"], w["output_len"]) for t in arrivals_s]
@@ -183,10 +254,29 @@ def workload(w: dict, arrivals_s: list[float] | None = None) -> list[TraceReques
     return [TraceRequest(float(t - times[0]), w["input_len"], w["output_len"]) for t in times]
 
 
-def simulate(run: dict, profile: HardwareProfile) -> dict:
+class NoisyPrefill:
+    """``cost`` with each prefill step's time multiplied by a log-normal draw (mean 1, log
+    spread ``sigma``): the step-to-step spread a trace measured. Near saturation, which prompts
+    share a prefill step turns on tens of milliseconds (a prompt arriving just before or just
+    after a step starts), and every later step follows from it; one replay with exact step
+    times is one outcome of many that the same machine could have produced."""
+
+    def __init__(self, cost: CostModel, sigma: float, seed: int):
+        self._cost, self._sigma, self._rng = cost, sigma, np.random.default_rng(seed)
+
+    def prefill_s(self, chunks, num_sampled: int = 1) -> float:
+        draw = float(np.exp(self._rng.normal(-self._sigma ** 2 / 2, self._sigma)))
+        return self._cost.prefill_s(chunks, num_sampled) * draw
+
+    def __getattr__(self, name: str):
+        return getattr(self._cost, name)
+
+
+def simulate(run: dict, profile: HardwareProfile, prefill_sigma: float = 0.0, seed: int = 0) -> dict:
     cost = CostModel(PRESETS["SmolLM2-135M"], profile, 1)
+    prefill = NoisyPrefill(cost, prefill_sigma, seed) if prefill_sigma else cost
     requests = workload(run["workload"], run.get("arrivals_s"))
-    result = Simulator(ClusterSpec(parse_layout(run["layout"]), cost, cost, EngineLimits()), requests,
+    result = Simulator(ClusterSpec(parse_layout(run["layout"]), prefill, cost, EngineLimits()), requests,
                        closed_loop=run["workload"].get("max_concurrency")).run()
     pct = result.percentiles()
     return {"ttft_ms": {k: v * 1e3 for k, v in pct["ttft_s"].items()},
@@ -230,7 +320,12 @@ def main() -> int:
     ap.add_argument("--measure-seed", type=int, default=100, help="--measure's workload seed (prompts, arrivals)")
     ap.add_argument("--serving-cost", action="store_true", help="with --reprofile --measure: add what serving costs "
                     "beyond the bare engine (decode probes at batch 1 and 16, the hand-off, a prefill probe) to the profile")
+    ap.add_argument("--step-trace", default=None, metavar="DIR",
+                    help="with --measure: the cluster's --step-trace-dir; each run keeps the engine steps it ran, "
+                    "and is compared also at the speed they ran at")
     args = ap.parse_args()
+    if args.step_trace and not args.measure:
+        ap.error("--step-trace needs --measure (a recorded set keeps its traced steps)")
     if args.measure and len(args.measured) != 1:
         ap.error("--measure writes one file: give one --measured")
     if args.reprofile:
@@ -244,13 +339,15 @@ def main() -> int:
                             f"sequence and {served['kv_transfer_overhead_s'] * 1e3:.1f} ms a hand-off, prefill "
                             f"x{served['served_prefill_factor']:.3f}").save(out)
     if args.measure:
-        doc = measure(args.measure, args.measure_seed)
+        doc = measure(args.measure, args.measure_seed, args.step_trace)
         if args.reprofile:  # the set keeps the profile taken with it
             doc["profile"] = json.loads(Path(out).read_text())
         Path(args.measured[0]).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.measured[0]).write_text(json.dumps(doc, indent=1) + "\n")
+        # thousands of traced steps: one line, not one per number
+        text = json.dumps(doc, separators=(",", ":")) if args.step_trace else json.dumps(doc, indent=1)
+        Path(args.measured[0]).write_text(text + "\n")
     fixed = HardwareProfile.load(args.profile) if args.profile else None
-    worst = 0.0
+    errors = []
     for path in args.measured:
         measured = json.loads(Path(path).read_text())
         if fixed is not None:
@@ -261,30 +358,78 @@ def main() -> int:
             profile = HardwareProfile.load(DEFAULT_CPU_PROFILE)
         if args.points:
             profile = refit(profile, args.points)
-        worst = max(worst, compare(measured, path, profile, args.seeds))
-    print(f"worst relative error {worst:.1%} (target {TOLERANCE:.0%}): {'met' if worst <= TOLERANCE else 'NOT met'}")
+        errors += compare(measured, path, profile, args.seeds)
+    summarize(errors)
     return 0
 
 
-def compare(measured: dict, path: str, profile: HardwareProfile, seeds: int) -> float:
-    """Print one measured file against the simulator; its worst relative error."""
+def summarize(errors: list[tuple[str, str, float, float | None]]) -> None:
+    """By figure (load and percentile) over every set: how many within the target, the range
+    and the median of the errors; then the worst, for the profile and at the runs' speed."""
+    traced = [e for e in errors if e[3] is not None]
+    if len(errors) > 12:
+        cols = f"{'within':>7} {'errors':>17} {'median':>8}"
+        print(f"\n{'by figure, over the sets':<34} {'metric':<8} {cols}" + (f" | at run speed: {cols}" if traced else ""))
+        for key in dict.fromkeys((run, metric) for run, metric, _, _ in errors):
+            line = f"{key[0]:<34} {key[1]:<8} "
+            for part, errs in enumerate((np.array([e for r, m, e, _ in errors if (r, m) == key]),
+                                         np.array([s for r, m, _, s in traced if (r, m) == key]))):
+                if len(errs):
+                    within = f"{int((abs(errs) <= TOLERANCE).sum())}/{len(errs)}"
+                    line += (" | " + " " * 14 if part else "") + (
+                        f"{within:>7} {errs.min():+7.1%}..{errs.max():+7.1%} {np.median(errs):+8.1%}")
+            print(line)
+    verdict = lambda e: "met" if e <= TOLERANCE else "NOT met"  # noqa: E731
+    worst = max(abs(e[2]) for e in errors)
+    within = sum(abs(e[2]) <= TOLERANCE for e in errors)
+    print(f"worst relative error {worst:.1%} (target {TOLERANCE:.0%}): {verdict(worst)}; "
+          f"{within} of {len(errors)} figures within")
+    if traced:
+        worst_s = max(abs(e[3]) for e in traced)
+        within_s = sum(abs(e[3]) <= TOLERANCE for e in traced)
+        print(f"at each run's traced speed ({len(traced)} figures of traced runs): worst {worst_s:.1%}: "
+              f"{verdict(worst_s)}; {within_s} of {len(traced)} within")
+
+
+def compare(measured: dict, path: str, profile: HardwareProfile, seeds: int) -> list[tuple[str, str, float, float | None]]:
+    """Print one measured file against the simulator: with the profile, and (runs with traced
+    steps) with the profile at each run's own speed. Each figure's (run, metric, error, error
+    at the run's speed or None)."""
     print(f"\nmeasured: {measured.get('source', path)}")
     print(f"profile:  {profile.source}")
-    print(f"{'run':<34} {'metric':<8} {'measured ms':>12} {'simulated ms':>13} {'error':>8}  draws 10-90% ms")
-    worst = 0.0
+    print(f"{'run':<34} {'metric':<8} {'measured ms':>12} {'simulated ms':>13} {'error':>8} "
+          f"{'at run speed':>13} {'error':>8}  draws 10-90% ms (at run speed where traced)")
+    errors = []
     for run in measured["runs"]:
         draws = simulate_draws(run, profile, seeds)
+        speed = run_speed(run["traced_steps"], profile) if "traced_steps" in run else None
+        if speed:  # the run's speed, and the spread of its prefill steps drawn step by step
+            fast = at_run_speed(profile, speed)
+            draws_s = [simulate(run, fast, speed["prefill_sigma"], seed) for seed in range(seeds)]
+            print(f"{run['name']}: traced {len(run['traced_steps']['prefill'])} prefill and "
+                  f"{len(run['traced_steps']['decode'])} decode steps; served / profile seconds: prefill "
+                  f"{speed['prefill']:.3f} (step to step, log sd {speed['prefill_sigma']:.3f}), "
+                  f"decode {speed['decode']:.3f}")
         for metric, values in run["measured"].items():
             for pct, value in values.items():
                 sims = np.array([d[metric][pct] for d in draws])
                 got = float(sims.mean())
                 err = (got - value) / value
-                worst = max(worst, abs(err))
+                line = f"{run['name']:<34} {metric[:-3] + ' ' + pct:<8} {value:12.1f} {got:13.1f} {err:+8.1%} "
+                err_s = None
+                if speed:
+                    sims = np.array([d[metric][pct] for d in draws_s])
+                    err_s = (float(sims.mean()) - value) / value
+                    line += f"{sims.mean():13.1f} {err_s:+8.1%} "
+                else:
+                    line += f"{'':13} {'':8} "
                 lo, hi = np.percentile(sims, [10, 90])
-                print(f"{run['name']:<34} {metric[:-3] + ' ' + pct:<8} {value:12.1f} {got:13.1f} {err:+8.1%}  "
-                      f"{lo:.1f}-{hi:.1f}")
-    print(f"worst relative error here {worst:.1%}")
-    return worst
+                print(f"{line} {lo:.1f}-{hi:.1f}")
+                errors.append((run["name"], metric[:-3] + " " + pct, err, err_s))
+    worst = max(abs(e[2]) for e in errors)
+    traced = [abs(e[3]) for e in errors if e[3] is not None]
+    print(f"worst relative error here {worst:.1%}" + (f"; at the runs' traced speed {max(traced):.1%}" if traced else ""))
+    return errors
 
 
 if __name__ == "__main__":
