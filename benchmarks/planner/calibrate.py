@@ -184,7 +184,7 @@ def serving_cost(base_url: str, profile: HardwareProfile, seed: int) -> dict[str
             "served_prefill_factor": factor}
 
 
-# The machine's speed during a run. This machine's speed drifts by 15-25% within minutes, so a
+# The machine's speed during a run. This machine's speed drifts by 15-30% within minutes, so a
 # profile taken minutes before a run can be that far from the run's own speed. A cluster
 # started with ``--step-trace-dir`` logs every engine step (engine.step_trace); a run keeps
 # the steps each pool ran while it lasted, and the profile's time for each of those very
