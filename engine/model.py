@@ -133,6 +133,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.linear_backend = "torch"  # engine.linear.apply_backend names the one it applied
+        self.kernel_path: str | None = None  # and the CPU instruction-set path, for the packed kernels
         self._bound: tuple[list, object] | None = None  # what bind_caches bound last
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:

@@ -36,3 +36,25 @@ def tool_llama(tmp_path_factory):
 
     directory = save_tool_llama(tmp_path_factory.mktemp("tool-llama"))
     return directory, Tokenizer(directory)
+
+
+def _kernel_paths():
+    from engine import cpu_kernels
+
+    return list(cpu_kernels.ISAS) if cpu_kernels.cpu_supported() else []
+
+
+@pytest.fixture(params=_kernel_paths())
+def kernel_path(request):
+    """Each CPU kernel path (engine/csrc/isa.h) this processor runs, in turn; the paths it
+    lacks are skipped, and named in the skip. Weights packed inside the test are packed for
+    that path; the process's own path comes back afterwards."""
+    from engine import cpu_kernels
+
+    name = request.param
+    if name not in cpu_kernels.runnable_isas():
+        pytest.skip(f"kernel path {name}: not on this processor ({cpu_kernels.cpu_model()}; "
+                    f"it runs {', '.join(cpu_kernels.runnable_isas())})")
+    cpu_kernels.set_isa(name)
+    yield name
+    cpu_kernels.set_isa(cpu_kernels.default_isa())

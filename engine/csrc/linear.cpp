@@ -1,11 +1,13 @@
 // Batch-invariant linear layers (bfloat16 and float32) and bfloat16 RMSNorm for x86 CPUs
-// with AVX2 + FMA.
+// with AVX2 + FMA, and the dispatch to the kernel path in force (isa.h): this file's AVX2
+// kernels, or linear_avx512.cpp's and linear_amx.cpp's (layouts in linear_kernels.h).
 //
 // Operators (torch.ops.pdserve.*):
 //   linear_pack(Tensor weight) -> Tensor
 //       weight (N, K): float32 stays float32, any other float dtype is rounded to bfloat16 (as
-//       .to(bfloat16) would) -> packed (ceil(N/16), K, 16) of that dtype, the only layout
-//       linear() reads.
+//       .to(bfloat16) would) -> packed (ceil(N/16), K, 16) of that dtype, or, for bfloat16 on
+//       the avx512_bf16 and amx paths, (ceil(N/16), ceil(K/2), 32): pairs of k. Weights are
+//       packed for the path in force and refused on another.
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias, bool f32_out) -> Tensor
 //       x (M, K) of the packed weight's dtype; packed from linear_pack; n = N (the padding is
 //       dropped); bias (N,) float32 or None -> y (M, N) = x @ W^T + bias, in x's dtype
@@ -36,6 +38,9 @@
 // threads by at::parallel_for over N). None of these touches the order of any element's
 // chain, so a row's output is bitwise the same alone or in a batch of any size, at any
 // thread count, on any x86-64 machine with AVX2 + FMA (the flags are fixed, never -march=native).
+// The AVX-512 path runs this same chain over 16 lanes (the same bits). The avx512_bf16 and
+// amx paths keep one accumulator per element too, but add a pair of products per step
+// (VDPBF16PS, TDPBF16PS): invariant on their own, with bits of their own.
 // torch's float32 matmul (MKL / oneDNN) gives no such promise: it picks a kernel, and with it
 // a summation order, by M, so a float32 sequence's greedy tokens could change with the batch
 // at a near-tie (seen: two logits 1e-5 apart on the default model).
@@ -61,7 +66,10 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include "isa.h"
+#include "linear_kernels.h"
 #include "ops.h"
+#include "panel_loop.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -73,10 +81,11 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;          // output columns per panel
+using pdserve::kPanel;
+using pdserve::Output;
+
 constexpr int kMaxRows = 6;             // rows per register tile
 constexpr int kMaxAcc = 12;             // accumulators (of 16 ymm registers) per tile
-constexpr int64_t kGroupBytes = 192 << 10;  // weight bytes reused from L2 across row tiles
 
 // One panel row (16 columns at one k) as two float32 vectors: columns 0..7 and 8..15.
 inline void panel_row(const uint16_t* w, __m256& lo, __m256& hi) {
@@ -142,13 +151,6 @@ TileFn<W> pick_mr(int mr, int np) {
   }
 }
 
-struct Output {
-  void* data;
-  bool f32;
-  int64_t n;        // real columns (the row stride)
-  const float* bias;
-};
-
 // Sums -> output rows: + bias, then the single rounding (round-to-nearest-even for bfloat16).
 void write_tile(const float* acc, int mr, int np, int64_t m0, int64_t col0, const Output& o) {
   const int64_t cols = std::min<int64_t>(np * kPanel, o.n - col0);
@@ -163,26 +165,16 @@ void write_tile(const float* acc, int mr, int np, int64_t m0, int64_t col0, cons
   }
 }
 
-// Panels [p0, p1) for all M rows: groups of panels sized for L2, each reused by every row tile.
+// Panels [p0, p1) for all M rows (AVX2).
 template <typename W>
 void run_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t p0, int64_t p1,
                 const Output& o) {
-  const int np_row = panels_for(static_cast<int>(std::min<int64_t>(M, kMaxRows)));
-  const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(W));
-  const int64_t group = std::max<int64_t>(np_row, kGroupBytes / panel_bytes / np_row * np_row);
   alignas(32) float acc[kMaxRows * 6 * kPanel];
-  for (int64_t g0 = p0; g0 < p1; g0 += group) {
-    const int64_t g1 = std::min(p1, g0 + group);
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-      const int np_max = panels_for(mr);
-      for (int64_t p = g0; p < g1; p += np_max) {
-        const int np = static_cast<int>(std::min<int64_t>(np_max, g1 - p));
-        pick_mr<W, kMaxRows>(mr, np)(x + m0 * K, K, w + p * K * kPanel, K, acc);
-        write_tile(acc, mr, np, m0, p * kPanel, o);
-      }
-    }
-  }
+  for_each_tile(M, p0, p1, kMaxRows, panels_for, K * kPanel * static_cast<int64_t>(sizeof(W)),
+                [&](int64_t m0, int mr, int64_t p, int np) {
+                  pick_mr<W, kMaxRows>(mr, np)(x + m0 * K, K, w + p * K * kPanel, K, acc);
+                  write_tile(acc, mr, np, m0, p * kPanel, o);
+                });
 }
 
 // bfloat16 -> float32 (exact: the bits shifted into the high half), 8 at a time.
@@ -204,6 +196,18 @@ at::Tensor linear_pack(const at::Tensor& weight) {
   const bool f32 = weight.scalar_type() == at::kFloat;
   const auto w = weight.to(f32 ? at::kFloat : at::kBFloat16).contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  if (!f32 && pairs_layout(current_isa())) {  // packed[p][j][c][i] = W[16p + c][2j + i]
+    const int64_t KP = (K + 1) / 2;
+    auto packed = at::zeros({P, KP, 2 * kPanel}, w.options());
+    auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+    const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p)
+        for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c)
+          for (int64_t k = 0; k < K; ++k) dst[((p * KP + k / 2) * kPanel + c) * 2 + k % 2] = src[(p * kPanel + c) * K + k];
+    });
+    return packed;
+  }
   auto packed = at::zeros({P, K, kPanel}, w.options());
   // Column c of a panel goes to slot c (float32) or to the interleaved slot (bfloat16).
   auto pack = [&](auto* dst, const auto* src, auto slot_of) {
@@ -226,15 +230,59 @@ at::Tensor linear_pack(const at::Tensor& weight) {
   return packed;
 }
 
+namespace {
+
+// x (M, K) bfloat16 copied into a (rows, ld) buffer, zero from column K to ld. Rows past M
+// are left uninitialised: only the AMX kernel reads them, into sums it never writes out.
+std::unique_ptr<uint16_t[]> padded_rows(const uint16_t* x, int64_t M, int64_t K, int64_t rows, int64_t ld) {
+  std::unique_ptr<uint16_t[]> buf(new uint16_t[static_cast<size_t>(rows * ld)]);
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(buf.get() + m * ld, x + m * K, K * sizeof(uint16_t));
+    std::memset(buf.get() + m * ld + K, 0, (ld - K) * sizeof(uint16_t));
+  }
+  return buf;
+}
+
+// bfloat16 weights in the pairs layout: VDPBF16PS or AMX, by the path in force.
+void linear_pairs(const at::Tensor& xc, const at::Tensor& packed, const Output& o) {
+  const Isa isa = current_isa();
+  const int64_t M = xc.size(0), K = xc.size(1), P = packed.size(0), KP = packed.size(1);
+  TORCH_CHECK(pairs_layout(isa), "linear: the weight was packed in pairs of k (for avx512_bf16 or amx) but the "
+              "kernel path is ", isa_name(isa), ": pack it after set_isa");
+  TORCH_CHECK(KP == (K + 1) / 2, "linear: x has K=", K, " but the packed weight has K=", 2 * KP - 1, " or ", 2 * KP);
+  const auto* x = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  if (isa == Isa::kAmx) {
+    // x is read in place when its rows are already whole k blocks; only the last, partial
+    // row tile (and every row when K is not a multiple of 32) is copied with padding.
+    const int64_t ld = (KP + 15) / 16 * 32;
+    const int64_t split = M / 16 * 16;
+    std::unique_ptr<uint16_t[]> head;
+    if (ld != K && split > 0) head = padded_rows(x, split, K, split, ld);
+    const auto tail = padded_rows(x + split * K, M - split, K, 16, ld);
+    const AmxRows rows{head ? head.get() : x, tail.get(), split, ld};
+    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { amx_panels(rows, M, KP, w, b, e, o); });
+    return;
+  }
+  std::unique_ptr<uint16_t[]> buf;
+  if (K % 2) buf = padded_rows(x, M, K, M, K + 1);
+  const uint16_t* xp = buf ? buf.get() : x;
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { dpbf16_panels(xp, 2 * KP, M, KP, w, b, e, o); });
+}
+
+}  // namespace
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias, bool f32_out) {
   const auto dtype = packed.scalar_type();
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && (dtype == at::kBFloat16 || dtype == at::kFloat) &&
-                  packed.is_contiguous(), "linear: packed must come from linear_pack, got ", packed.sizes());
+  const bool pairs = packed.dim() == 3 && packed.size(2) == 2 * kPanel && dtype == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kPanel || pairs) &&
+                  (dtype == at::kBFloat16 || dtype == at::kFloat) && packed.is_contiguous(),
+              "linear: packed must come from linear_pack, got ", packed.sizes());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "linear: x must be (M, K) ", dtype == at::kFloat ?
               "float32" : "bfloat16", " (the packed weight's dtype), got ", x.sizes(), " ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "linear: x has K=", K, " but the packed weight has K=", packed.size(1));
+  TORCH_CHECK(pairs || packed.size(1) == K, "linear: x has K=", K, " but the packed weight has K=", packed.size(1));
   TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "linear: n=", n, " does not fit ", P, " panels");
   at::Tensor b32;
   if (bias.has_value() && bias->defined()) {
@@ -247,10 +295,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const auto xc = x.contiguous();
   const Output o{y.data_ptr(), out_f32, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
   // Parallel over panels only: each thread owns whole output columns, never part of a K sum.
+  if (pairs) {
+    linear_pairs(xc, packed, o);
+    return y;
+  }
+  TORCH_CHECK(dtype == at::kFloat || !pairs_layout(current_isa()), "linear: the weight was packed in single k "
+              "(for avx2 or avx512) but the kernel path is ", isa_name(current_isa()), ": pack it after set_isa");
+  const bool wide = current_isa() != Isa::kAvx2;  // 16-lane FMA: the same chain, the same bits
   if (dtype == at::kFloat) {
     const float* xp = xc.data_ptr<float>();
     const float* wp = packed.data_ptr<float>();
-    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { run_panels(xp, M, K, wp, b, e, o); });
+    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+      wide ? avx512_panels_f32(xp, M, K, wp, b, e, o) : run_panels(xp, M, K, wp, b, e, o);
+    });
     return y;
   }
   // x widened to float32 (exact), read by the broadcasts; converted here rather than by an
@@ -260,7 +317,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M * K, x32.get());
   const float* xp = x32.get();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { run_panels(xp, M, K, wp, b, e, o); });
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+    wide ? avx512_panels_bf16(xp, M, K, wp, b, e, o) : run_panels(xp, M, K, wp, b, e, o);
+  });
   return y;
 }
 

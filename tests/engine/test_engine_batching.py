@@ -25,7 +25,8 @@ def run_staggered(engine, prompts, params, join_every=3):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: pdserve's batch-invariant kernels
-def test_concurrent_requests_with_preemption_equal_their_solo_runs(tiny_llama_dir, dtype):
+def test_concurrent_requests_with_preemption_equal_their_solo_runs(tiny_llama_dir, dtype, kernel_path):
+    """On every kernel path this processor runs: a request's tokens never depend on its batch."""
     directory, _ = tiny_llama_dir
     prompts = random_prompts(len(LENGTHS), LENGTHS, seed=5)
     params = SamplingParams(max_tokens=48, ignore_eos=True)

@@ -54,11 +54,23 @@ def test_stops_at_eos_like_transformers(tiny_llama_dir):
     assert ours.finish_reason == "stop"
 
 
+def test_greedy_matches_transformers_on_every_kernel_path(tmp_path, kernel_path):
+    """float32 weights take the FMA chain on every path (the same bits as AVX2)."""
+    hf = variant_model("qwen2-qkv-bias")
+    engine = make_engine(save_hf_model(hf, tmp_path))
+    assert engine.runner.model.kernel_path == kernel_path
+    prompts = random_prompts(3, [1, 40, 130], seed=4)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 24), f"{kernel_path}: prompt of {len(prompt)} tokens"
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_bfloat16_is_close_to_transformers_in_float32(variant, tmp_path):
+def test_bfloat16_is_close_to_transformers_in_float32(variant, tmp_path, kernel_path):
     hf = variant_model(variant)
     engine = make_engine(save_hf_model(hf, tmp_path), dtype="bfloat16")
     assert engine.runner.model.linear_backend == "packed-cpu"
+    assert engine.runner.model.kernel_path == kernel_path
     prompts = random_prompts(3, [5, 33, 100], seed=2)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     ours = [engine_generation(engine, p, params) for p in prompts]
