@@ -35,7 +35,7 @@
 // K sum, reorders it or reduces partial sums horizontally. What does change with M, the
 // thread count or the machine is only WHICH register holds an accumulator and how many rows
 // and panels are in flight (row tiles of 1..6, 1, 2 or 6 panels at once, panels divided between
-// threads by at::parallel_for over N). None of these touches the order of any element's
+// threads by parallel_chunks over N). None of these touches the order of any element's
 // chain, so a row's output is bitwise the same alone or in a batch of any size, at any
 // thread count, on any x86-64 machine with AVX2 + FMA (the flags are fixed, never -march=native).
 // The AVX-512 path runs this same chain over 16 lanes (the same bits). The avx512_bf16 and
@@ -70,6 +70,7 @@
 #include "linear_kernels.h"
 #include "ops.h"
 #include "panel_loop.h"
+#include "parallel_chunks.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -261,13 +262,13 @@ void linear_pairs(const at::Tensor& xc, const at::Tensor& packed, const Output& 
     if (ld != K && split > 0) head = padded_rows(x, split, K, split, ld);
     const auto tail = padded_rows(x + split * K, M - split, K, 16, ld);
     const AmxRows rows{head ? head.get() : x, tail.get(), split, ld};
-    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { amx_panels(rows, M, KP, w, b, e, o); });
+    parallel_chunks(P, 2, [&](int64_t b, int64_t e) { amx_panels(rows, M, KP, w, b, e, o); });
     return;
   }
   std::unique_ptr<uint16_t[]> buf;
   if (K % 2) buf = padded_rows(x, M, K, M, K + 1);
   const uint16_t* xp = buf ? buf.get() : x;
-  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { dpbf16_panels(xp, 2 * KP, M, KP, w, b, e, o); });
+  parallel_chunks(P, 2, [&](int64_t b, int64_t e) { dpbf16_panels(xp, 2 * KP, M, KP, w, b, e, o); });
 }
 
 }  // namespace
@@ -294,7 +295,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   if (M == 0) return y;
   const auto xc = x.contiguous();
   const Output o{y.data_ptr(), out_f32, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
-  // Parallel over panels only: each thread owns whole output columns, never part of a K sum.
+  // Parallel over panels only, in chunks handed to whichever thread asks (parallel_chunks.h):
+  // each thread owns whole output columns, never part of a K sum.
   if (pairs) {
     linear_pairs(xc, packed, o);
     return y;
@@ -305,7 +307,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   if (dtype == at::kFloat) {
     const float* xp = xc.data_ptr<float>();
     const float* wp = packed.data_ptr<float>();
-    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+    parallel_chunks(P, 2, [&](int64_t b, int64_t e) {
       wide ? avx512_panels_f32(xp, M, K, wp, b, e, o) : run_panels(xp, M, K, wp, b, e, o);
     });
     return y;
@@ -317,7 +319,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M * K, x32.get());
   const float* xp = x32.get();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+  parallel_chunks(P, 2, [&](int64_t b, int64_t e) {
     wide ? avx512_panels_bf16(xp, M, K, wp, b, e, o) : run_panels(xp, M, K, wp, b, e, o);
   });
   return y;

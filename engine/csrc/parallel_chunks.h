@@ -1,0 +1,33 @@
+// Work handed out in chunks to whichever thread of the team asks next, instead of split in
+// equal parts up front: a thread that is preempted (its core shared with another worker, the
+// router or Ray's daemons) then holds back at most the one chunk it is on.
+//
+// What a chunk is must never change a result: the linears' chunks are ranges of whole
+// output panels, so a thread computes every element it writes from start to end.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace pdserve {
+
+// fn(begin, end) over [0, n) in chunks of about n / (chunks_per_thread x threads) items, at
+// least min_chunk. One thread: one call over everything.
+template <typename Fn>
+void parallel_chunks(int64_t n, int64_t min_chunk, Fn&& fn, int64_t chunks_per_thread = 6) {
+  const int threads = at::get_num_threads();
+  if (threads <= 1 || n <= min_chunk || at::in_parallel_region()) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  const int64_t chunk = std::max(min_chunk, (n + chunks_per_thread * threads - 1) / (chunks_per_thread * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(chunk); b < n; b = next.fetch_add(chunk)) fn(b, std::min(n, b + chunk));
+  });
+}
+
+}  // namespace pdserve
