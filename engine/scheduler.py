@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import MIXED, SchedulerConfig
+from engine.errors import SequenceFailed
 from engine.sampling import TopLogprobs
 from engine.sequence import FinishReason, Sequence, SeqStatus
 
@@ -57,6 +58,9 @@ class SampledTokens:
     top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
     # Per sequence with ``prompt_logprobs``: entries for the prompt tokens this step scored.
     prompt_logprobs: dict[str, list[tuple[float, TopLogprobs]]] = field(default_factory=dict)
+    # Sequences whose own fault ended them this step (no token): the engine finishes them
+    # with FinishReason.ERROR before ``update_from_output``.
+    failed: dict[str, SequenceFailed] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -173,6 +177,13 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def requeue_unrun(self, seq: Sequence) -> None:
+        """``seq`` was scheduled in a step that produced nothing (it raised): a prompt whose
+        last chunk the step took off the waiting queue goes back to its head, blocks kept,
+        to run again; a decoding sequence is still in ``running``."""
+        if seq.status is SeqStatus.WAITING and seq not in self.waiting:
+            self.waiting.appendleft(seq)
 
     # ---- results -------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: SampledTokens) -> list[Sequence]:
