@@ -62,6 +62,7 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
         raise InvalidRequestError("model", f"unknown model {req.model!r}; this server serves "
                                            f"{', '.join(map(repr, model.names))}")
     check_limits(req, limits)
+    refuse_router_only(req)
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input", "set one of text, token_ids or chat")
@@ -99,6 +100,23 @@ def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> Non
     else:
         chars = len(req.text)
     _at_most("max_prompt_chars", "prompt", chars, limits.max_prompt_chars)
+
+
+# Public fields that only the router sets (when it re-sends a migrated request), each with the
+# test of whether a client set it. Taken from a client they would lie to the engine about the
+# request (resumed_tokens: that the prompt's tail is output already accepted by the grammar),
+# and a lie the engine trips over is a fault in a step other requests share.
+ROUTER_ONLY_FIELDS = {
+    "sampling.structured_output.resumed_tokens": lambda req: req.sampling.structured_output.resumed_tokens != 0,
+}
+
+
+def refuse_router_only(req: pdserve_pb2.GenerateRequest) -> None:
+    """INVALID_ARGUMENT naming the first router-only field the client set."""
+    for field, is_set in ROUTER_ONLY_FIELDS.items():
+        if is_set(req):
+            raise InvalidRequestError(field, "is set only by the router (when it re-sends a migrated request); "
+                                             "clients leave it 0", 0)
 
 
 def _at_most(setting: str, field: str, value: int, limit: int) -> None:
