@@ -52,8 +52,8 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     """Validate and tokenize; raises ``InvalidRequestError`` naming the field and the limit.
 
     A request without max_tokens gets ``wire.convert.DEFAULT_MAX_TOKENS`` (the gRPC API's
-    documented default) or, with ``max_tokens_to_context`` (the OpenAI front, as vLLM
-    does), the rest of the context after its prompt.
+    documented default, and /v1/completions') or, with ``max_tokens_to_context`` (OpenAI
+    chat, as vLLM does), the rest of the context after its prompt.
 
     The size limits come first, so that no request tokenizes or templates more than they allow.
     Runs on a worker thread (the tokenizer's work is off the event loop).

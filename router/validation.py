@@ -329,7 +329,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 def _set_sampling(p: pdserve_pb2.SamplingParams, b: _Common, chat: bool) -> None:
     """Every value here fits its wire type (the models bound them), so no setter raises.
     Floats go to float32: a value too large becomes inf, refused by ``validate_request``.
-    Without max_tokens the request gets the rest of the context (``router.frontend``)."""
+    Without max_tokens a chat request gets the rest of the context (``router.frontend``), a
+    completion 16 tokens (``wire.convert.DEFAULT_MAX_TOKENS``), as OpenAI and vLLM give."""
     max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
     if max_tokens is not None:
         p.max_tokens = max_tokens
