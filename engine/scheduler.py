@@ -12,9 +12,13 @@ Two policies (``SchedulerConfig.policy``):
   worker prefilling locally or recomputing a preempted sequence) so never stops its streams
   for a whole prompt: a step costs at most one budget's worth of prompt tokens.
 
-When a decoding sequence needs a block and none is free, the youngest running
-sequence is preempted: its blocks are freed and it goes back to the front of the waiting
-queue, to be recomputed (prefix-cache hits make that cheap) and resumed later.
+When a decoding sequence needs a block and none is free, a running sequence is preempted:
+its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
+(prefix-cache hits make that cheap) and resumed later. The victim is the one that may still
+grow the most (tokens left before its max_tokens or the context's end), the youngest among
+equals. So a request without a limit (the OpenAI chat default: the rest of the context) is
+preempted before limited ones, and however far it runs it cannot push them out; with equal
+limits the rule is vLLM's, youngest first.
 
 Pure Python; tests feed it hand-built outputs through ``update_from_output``.
 """
@@ -159,8 +163,11 @@ class Scheduler:
         while queue:
             seq = queue.pop(0)
             while not self.blocks.append_slots(seq.seq_id, seq.token_ids):
-                victim = max(queue, key=lambda s: s.arrival) if queue else seq
-                if victim is not seq:
+                # A victim already given its slot this step leaves the step: nothing ran yet.
+                victim = max((*scheduled, *queue, seq), key=self._preemption_rank)
+                if victim in scheduled:
+                    scheduled.remove(victim)
+                elif victim is not seq:
                     queue.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
@@ -170,6 +177,11 @@ class Scheduler:
                 scheduled.append(seq)
         self.running = scheduled
         return SchedulerOutput([ScheduledSeq(s, 1, True) for s in scheduled], False, preempted)
+
+    def _preemption_rank(self, seq: Sequence) -> tuple[int, int]:
+        """Highest is preempted first: tokens it may still add, then youth (module docstring)."""
+        growth = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return growth, seq.arrival
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)

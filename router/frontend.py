@@ -43,7 +43,8 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # stop strings included; workers get them stripped
     # The client set no max_tokens: it is the rest of the context (as in vLLM), and the
-    # router reserves decode KV for only ``wire.convert.DEFAULT_MAX_TOKENS`` of it.
+    # router reserves decode KV for only ``wire.convert.DEFAULT_MAX_TOKENS`` of it (past
+    # that, the decode engine preempts it before any limited request: engine/scheduler.py).
     default_max_tokens: bool = False
 
 
