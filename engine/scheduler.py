@@ -92,7 +92,8 @@ class Scheduler:
         ``seq.token_ids`` is prompt + the first token. Returns the block ids to fill.
         """
         self.blocks.check_fits(seq.num_tokens + 1)
-        alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=False)
+        alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=False,
+                                     cache_salt=seq.params.cache_salt)
         seq.status = SeqStatus.WAITING_FOR_KV
         self.awaiting_kv[seq.seq_id] = seq
         return list(alloc.block_ids)
@@ -141,7 +142,8 @@ class Scheduler:
                     break
                 # Prompt logprobs need every prompt position run: no prefix-cache hits.
                 alloc = self.blocks.allocate(seq.seq_id, seq.token_ids,
-                                             use_prefix_cache=seq.params.prompt_logprobs is None)
+                                             use_prefix_cache=seq.params.prompt_logprobs is None,
+                                             cache_salt=seq.params.cache_salt)
                 seq.num_computed_tokens = seq.num_cached_tokens = alloc.num_cached_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > budget and not self.config.enable_chunked_prefill:

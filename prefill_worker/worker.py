@@ -170,7 +170,8 @@ class PrefillWorker(WorkerShell):
         self.note_poll(owner)
         self._owner_of[request_id] = owner
         if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
-            self._prompt_hashes[request_id] = prompt_block_hashes(prompt, self.engine.blocks.block_size)
+            self._prompt_hashes[request_id] = prompt_block_hashes(prompt, self.engine.blocks.block_size,
+                                                                  params.cache_salt)
         done = False
         watch: KVWatch | None = None
         try:

@@ -12,6 +12,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams, validate_prompt
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2
+from router.cache_salt import request_salt
 from router.tool_parsers import ToolParser
 from router.validation import RequestLimits
 from wire.convert import sampling_from_proto
@@ -49,12 +50,15 @@ class PreparedRequest:
 
 
 def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestLimits = RequestLimits(),
-            max_tokens_to_context: bool = False) -> PreparedRequest:
+            max_tokens_to_context: bool = False, tenant: str = "") -> PreparedRequest:
     """Validate and tokenize; raises ``InvalidRequestError`` naming the field and the limit.
 
     A request without max_tokens gets ``wire.convert.DEFAULT_MAX_TOKENS`` (the gRPC API's
     documented default, and /v1/completions') or, with ``max_tokens_to_context`` (OpenAI
     chat, as vLLM does), the rest of the context after its prompt.
+
+    ``tenant``: the salt of the caller's API key (``router.cache_salt``); the request's cache
+    salt is the client's within it.
 
     The size limits come first, so that no request tokenizes or templates more than they allow.
     Runs on a worker thread (the tokenizer's work is off the event loop).
@@ -72,6 +76,8 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     if default_max_tokens:  # the most it can be, until the prompt's length is known
         params = dataclasses.replace(params, max_tokens=model.max_model_len)
     params.validate(model.config.vocab_size)  # cheap: before the tokenizer's work
+    if tenant:
+        params = dataclasses.replace(params, cache_salt=request_salt(params.cache_salt, tenant))
     if kind == "token_ids":
         ids = list(req.token_ids.ids)
     elif kind == "text":

@@ -131,7 +131,8 @@ class OpenAIFront:
                                   tools=ToolOutput(options.tools, parser) if options.tools is not None else None))
         # Without max_tokens, chat runs to the rest of the context and completions stop at 16
         # (wire.convert.DEFAULT_MAX_TOKENS), as in OpenAI's API and vLLM.
-        streams = [self.service.run(req, timeout_s, max_tokens_to_context=chat) for req in reqs]
+        auth = request.headers.get("Authorization")  # its key salts the prefix cache (router.cache_salt)
+        streams = [self.service.run(req, timeout_s, max_tokens_to_context=chat, authorization=auth) for req in reqs]
         queue: asyncio.Queue = asyncio.Queue()
         # One task iterates each choice's stream from start to end: the router's Abort cancels
         # the task that runs a request, so that must stay the same task throughout.

@@ -260,7 +260,8 @@ class RequestRun:
         last = "no prefill worker"
         for _ in range(self.limits.max_prefill_attempts):
             choice = await self._admit(lambda: self.pool.route_prefill(
-                prompt, self.limits.routing, frozenset(tried), self.limits.max_queued_tokens_per_prefill))
+                prompt, self.limits.routing, frozenset(tried), self.limits.max_queued_tokens_per_prefill,
+                params.cache_salt))
             if choice.worker_id is None:
                 if choice.saturated:
                     raise _route_error(choice)

@@ -84,7 +84,7 @@ async def start(config: RouterConfig) -> RunningServer:
     for address in config.decode_addresses:
         pool.add("decode", address)
     await pool.start()
-    service = GenerationService(model, pool, config.limits)
+    service = GenerationService(model, pool, config.limits, salt_by_api_key=config.api_key is not None)
     public = resolve(config.host, config.advertise_host)
     server = aio_server([ApiKeyInterceptor(config.api_key)] if config.api_key else (),
                         max_receive_bytes=max(config.max_receive_bytes, 2 * config.limits.requests.max_body_bytes))

@@ -158,6 +158,7 @@ class _Common(_Strict):
     response_format: ResponseFormat | None = None
     guided_json: Union[dict[str, Any], str, None] = None  # vLLM's extensions
     guided_regex: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within a salt
 
 
 class CompletionBody(_Common):
@@ -351,6 +352,8 @@ def _set_sampling(p: pdserve_pb2.SamplingParams, b: _Common, chat: bool) -> None
     p.stop.extend([b.stop] if isinstance(b.stop, str) else b.stop or [])
     p.stop_token_ids.extend(b.stop_token_ids or [])
     p.ignore_eos = b.ignore_eos
+    if b.cache_salt is not None:
+        p.cache_salt = b.cache_salt
     if chat:
         p.logprobs = b.logprobs
         if b.top_logprobs and not b.logprobs:
