@@ -67,8 +67,8 @@ def serve(args) -> int:
     try:
         v = resolve(args)
         config = build(v)
-    except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError) as exc:
-        print(f"pdserve: {exc}", file=sys.stderr)
+    except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError, ValueError) as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)  # ValueError: ClusterConfig's checks across settings
         return 2
     if config.ray_address:
         return _serve_on_ray(config, v, args.detach)

@@ -88,6 +88,12 @@ class ClusterConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.mode == COLOCATED and self.num_prefill:
             raise ValueError(f"num_prefill must be 0 in colocated mode (no prefill pool), got {self.num_prefill}")
+        # A claim renews the lease for lease_seconds and the read may take transfer_timeout_s:
+        # a lease no longer than that could free (and hand out) blocks a reader still reads.
+        if self.lease_seconds <= self.transfer_timeout_s:
+            raise ValueError(f"lease_seconds ({self.lease_seconds:g} s, --lease-seconds) must exceed "
+                             f"transfer_timeout_s ({self.transfer_timeout_s:g} s, the KV read timeout), or a "
+                             f"lease could expire while a decode worker reads its blocks")
 
     def pools(self) -> tuple[str, ...]:
         """The pools this cluster runs (colocated: the decode pool only)."""
