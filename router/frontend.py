@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import unicodedata
 import uuid
 from dataclasses import dataclass
 
@@ -95,6 +96,9 @@ def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> Non
     """Every ``RequestLimits`` size, each refused with its setting's name as the field."""
     s = req.sampling
     _at_most("max_request_id_chars", "request_id", len(req.request_id), limits.max_request_id_chars)
+    if any(unicodedata.category(c) == "Cc" for c in req.request_id):
+        # Ids go into text logs (the router's, the workers'): a newline would forge a line.
+        raise InvalidRequestError("request_id", "must not contain control characters (newlines, tabs, ...)")
     _at_most("max_stop_token_ids", "stop_token_ids", len(s.stop_token_ids), limits.max_stop_token_ids)
     _at_most("max_stop_strings", "stop", len(s.stop), limits.max_stop_strings)
     for text in s.stop:

@@ -57,3 +57,19 @@ def test_the_same_request_without_it_is_served():
     """The refusal is of the field, not of structured output: left 0, the request runs."""
     code, details, _ = generate(regex_request(0))
     assert code == grpc.StatusCode.OK, details
+
+
+@pytest.mark.parametrize("request_id", ["a\nINFO forged line", "a\rb", "tab\there", "nul\x00", "del\x7f", "c1\x85"])
+def test_a_request_id_with_control_characters_is_refused_naming_it(request_id):
+    """Request ids go into the router's and workers' text logs: a newline in one would forge
+    a log line."""
+    request = pdserve_pb2.GenerateRequest(request_id=request_id, token_ids=pdserve_pb2.TokenIds(ids=[5, 6]),
+                                          sampling=pdserve_pb2.SamplingParams(max_tokens=2))
+    code, details, field = generate(request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field == "request_id" and "control" in details
+
+
+def test_a_printable_request_id_is_served():
+    request = pdserve_pb2.GenerateRequest(request_id="client-7 é/ü:ok", token_ids=pdserve_pb2.TokenIds(ids=[5, 6]),
+                                          sampling=pdserve_pb2.SamplingParams(max_tokens=2))
+    assert generate(request)[0] == grpc.StatusCode.OK
