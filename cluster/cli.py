@@ -67,8 +67,8 @@ def serve(args) -> int:
     try:
         v = resolve(args)
         config = build(v)
-    except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError) as exc:
-        print(f"pdserve: {exc}", file=sys.stderr)
+    except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError, ValueError) as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)  # ValueError: ClusterConfig's checks across settings
         return 2
     if config.ray_address:
         return _serve_on_ray(config, v, args.detach)
@@ -113,7 +113,8 @@ def _serve_on_ray(config, v: dict, detach: bool) -> int:
     stop = threading.Event()
     _on_stop_signals(stop)
     handle, running = controller.get_or_create(config)
-    if running and ray.get(handle.config.remote()) != config:
+    # Secrets are not compared: the controller does not hand them out (a changed key goes unseen).
+    if running and ray.get(handle.config.remote()) != config.without_secrets():
         print(f"pdserve: a cluster named {v['cluster_name']!r} already runs with other settings; attaching to it "
               f"unchanged (pdserve stop --address {config.ray_address} first to apply new ones)", flush=True)
     status = ray.get(handle.start.remote())

@@ -52,7 +52,8 @@ class Controller:
         return self.status()
 
     def config(self) -> ClusterConfig:
-        return self.cluster.config
+        """The cluster's settings, without its secrets: any Ray client may call this."""
+        return self.cluster.config.without_secrets()
 
     def status(self) -> dict:
         """The endpoints, and every process the cluster runs (for ``pdserve status``)."""

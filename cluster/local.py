@@ -34,6 +34,8 @@ from wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
+SECRET_SET = "<set>"  # ``ClusterConfig.without_secrets``: a secret is configured, its value withheld
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -53,7 +55,7 @@ class ClusterConfig:
     # nothing internal is reachable from the network), each node's Ray IP when it joins one.
     internal_host: str | None = None
     internal_advertise_host: str | None = None  # only for one node (NAT); None: the bound address
-    api_key: str | None = None  # clients must send it (router.auth); None: the public API is open
+    api_key: str | None = field(default=None, repr=False)  # clients must send it (router.auth); None: open. Never printed
     tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls); None: plaintext
     public_tls: TlsConfig | None = None  # TLS on the public plane
     ray_token_auth: bool = True  # a Ray pdserve starts runs with token authentication
@@ -88,6 +90,20 @@ class ClusterConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.mode == COLOCATED and self.num_prefill:
             raise ValueError(f"num_prefill must be 0 in colocated mode (no prefill pool), got {self.num_prefill}")
+        # A claim renews the lease for lease_seconds and the read may take transfer_timeout_s:
+        # a lease no longer than that could free (and hand out) blocks a reader still reads.
+        if self.lease_seconds <= self.transfer_timeout_s:
+            raise ValueError(f"lease_seconds ({self.lease_seconds:g} s, --lease-seconds) must exceed "
+                             f"transfer_timeout_s ({self.transfer_timeout_s:g} s, the KV read timeout), or a "
+                             f"lease could expire while a decode worker reads its blocks")
+
+    def without_secrets(self) -> "ClusterConfig":
+        """This config for whoever may read it (``Controller.config``, any Ray client): the API
+        key replaced by a marker that it is set, and no TLS private keys."""
+        return dataclasses.replace(
+            self, api_key=SECRET_SET if self.api_key is not None else None,
+            tls=dataclasses.replace(self.tls, key_pem=b"") if self.tls is not None else None,
+            public_tls=dataclasses.replace(self.public_tls, key_pem=b"") if self.public_tls is not None else None)
 
     def pools(self) -> tuple[str, ...]:
         """The pools this cluster runs (colocated: the decode pool only)."""

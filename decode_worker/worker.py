@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from engine.config import MIXED, EngineConfig
-from engine.errors import StepFailed
+from engine.errors import SequenceFailed, StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
 from kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
@@ -132,7 +132,7 @@ class DecodeWorker(WorkerShell):
         the prompt is done, with the first token.
 
         Raises TransferFailed if the KV never arrives, StepFailed if a step holding the
-        request raised. Closing the iterator early (the caller was cancelled) aborts the
+        request raised, SequenceFailed if its own fault ended it. Closing the iterator early (the caller was cancelled) aborts the
         request and its transfer.
         """
         stream = self.open_stream(request_id)
@@ -153,7 +153,7 @@ class DecodeWorker(WorkerShell):
                     raise TransferFailed("the prefill worker stopped streaming the KV before the prompt was done")
             while not finished:
                 item = await stream.get()
-                if isinstance(item, (TransferFailed, StepFailed)):
+                if isinstance(item, (TransferFailed, StepFailed, SequenceFailed)):
                     finished = True
                     raise item
                 finished = isinstance(item, RequestOutput) and item.finished
@@ -168,7 +168,7 @@ class DecodeWorker(WorkerShell):
         """Prefill ``prompt`` here (its chunks share steps with the running streams), then
         decode: yields ``LocallyPrefilled`` once, just before the first output, then the
         request's outputs as they come. Raises StepFailed if a step holding the request
-        raised; closing the iterator early aborts the request."""
+        raised, SequenceFailed if its own fault ended it; closing the iterator early aborts the request."""
         stream = self.open_stream(request_id)
         arrived = time.monotonic()
         finished = first = False
@@ -176,7 +176,7 @@ class DecodeWorker(WorkerShell):
             await self.call(self.engine.add_request, request_id, prompt, params)
             while not finished:
                 item = await stream.get()
-                if isinstance(item, StepFailed):
+                if isinstance(item, (StepFailed, SequenceFailed)):
                     finished = True
                     raise item
                 if not first:

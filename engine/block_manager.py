@@ -3,7 +3,9 @@
 The cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots. Each sequence
 owns a block table (a list of block ids, in token order). Full blocks get a chained hash
 (the hash of the previous block and this block's tokens), so a later prompt that starts
-with the same tokens reuses them: the prefix cache. A free block keeps its hash until it is
+with the same tokens reuses them: the prefix cache. A request's ``cache_salt`` (vLLM's field)
+is the root of its chain, so blocks are shared only between requests of the same salt: one
+tenant cannot learn from a hit (or ``cached_tokens``) what another sent. A free block keeps its hash until it is
 handed out again, so freed prefixes stay reusable for as long as memory allows (the free
 list is least-recently-freed first).
 
@@ -41,11 +43,19 @@ def chain_hash(prev_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def chain_root(cache_salt: str) -> bytes:
+    """The ``prev_hash`` of a sequence's first block: ``NO_HASH`` without a salt (the hashes
+    of unsalted prompts are as before salts existed), else a hash of the salt."""
+    if not cache_salt:
+        return NO_HASH
+    return hashlib.blake2b(b"pdserve cache salt\0" + cache_salt.encode(), digest_size=16).digest()
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:
     """The chained hashes of the prompt blocks a prefix hit can cover: the full blocks, the
     one holding the last token excluded (it is always computed; ``BlockManager.allocate``).
     Routers compute them to know where a prompt's prefix is cached."""
-    hashes, prev = [], NO_HASH
+    hashes, prev = [], chain_root(cache_salt)
     for i in range((len(token_ids) - 1) // block_size if token_ids else 0):
         prev = chain_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(prev)
@@ -143,8 +153,10 @@ class BlockManager:
             raise CacheCapacityError(needed, self.num_blocks)
 
     # ---- allocation ----------------------------------------------------------------
-    def allocate(self, seq_id: str, token_ids: Sequence[int], use_prefix_cache: bool = True) -> Allocation:
-        """Give ``seq_id`` blocks for all of ``token_ids``, reusing cached full blocks.
+    def allocate(self, seq_id: str, token_ids: Sequence[int], use_prefix_cache: bool = True,
+                 cache_salt: str = "") -> Allocation:
+        """Give ``seq_id`` blocks for all of ``token_ids``, reusing cached full blocks of the
+        same ``cache_salt`` (its blocks are registered under that salt too).
 
         At least one token is always left uncached, because the model must run on the
         last prompt token to produce the next token's logits.
@@ -152,10 +164,11 @@ class BlockManager:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         needed = self.blocks_needed(len(token_ids))
-        hits = self._match_prefix(token_ids) if (use_prefix_cache and self.enable_prefix_cache) else []
+        root = chain_root(cache_salt)
+        hits = self._match_prefix(token_ids, root) if (use_prefix_cache and self.enable_prefix_cache) else []
         if needed - len(hits) > len(self._free) - sum(1 for b, _ in hits if b in self._free):
             raise CacheCapacityError(needed, len(self._free))
-        state = _SeqBlocks()
+        state = _SeqBlocks(last_hash=root)
         for block_id, block_hash in hits:
             self._take(block_id)
             state.block_ids.append(block_id)
@@ -167,13 +180,13 @@ class BlockManager:
         self._register_full_blocks(state, token_ids)
         return Allocation(tuple(state.block_ids), len(hits) * self.block_size)
 
-    def _match_prefix(self, token_ids: Sequence[int]) -> list[tuple[int, bytes]]:
+    def _match_prefix(self, token_ids: Sequence[int], root: bytes) -> list[tuple[int, bytes]]:
         bs = self.block_size
         num_full = len(token_ids) // bs
         if num_full * bs == len(token_ids):
             num_full -= 1  # keep the last block uncached so the last token gets computed
         hits: list[tuple[int, bytes]] = []
-        prev = NO_HASH
+        prev = root
         self.prefix_queries += max(num_full, 0)  # every eligible block counts, hit or not
         for i in range(max(num_full, 0)):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])

@@ -45,3 +45,13 @@ class StepFailed(EngineError):
         self.cause = cause
         super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); "
                          f"aborted {len(self.request_ids)} request(s) of that step")
+
+
+class SequenceFailed(InvalidRequestError):
+    """One sequence's own fault, found while its step ran (its grammar rejects its tokens,
+    its logits are NaN): that sequence alone ended, with finish reason "error"; the rest of
+    its step went on as if it had never been there. ``field`` names what failed."""
+
+    def __init__(self, request_id: str, field: str, message: str):
+        self.request_id = request_id
+        super().__init__(field, f"request failed in the engine: {message}")

@@ -10,6 +10,7 @@ computed and joins the decode batch on ``kv_ready``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Seq
 
@@ -17,7 +18,7 @@ from tqdm import tqdm
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
+from engine.errors import CacheCapacityError, InvalidRequestError, SequenceFailed, StepFailed
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheSpec
 from engine.model import CausalLM
@@ -28,6 +29,7 @@ from engine.sequence import FinishReason, Sequence
 from engine.step_trace import StepShape
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -45,6 +47,8 @@ class RequestOutput:
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # with params.top_logprobs
     # On a request's first output, with params.prompt_logprobs: prompt tokens 1..n-1.
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
+    # With finish_reason "error": the request's own fault that ended it (no token with it).
+    error: SequenceFailed | None = None
 
 
 @dataclass
@@ -214,9 +218,16 @@ class LLMEngine:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
-        """Run one step. If the forward or the sampler raises (say, logits that overflow),
-        the step's sequences are aborted, their blocks freed, and ``StepFailed`` names them:
-        the rest of the engine goes on as if they had never been scheduled."""
+        """Run one step.
+
+        A fault the sampler pins on one sequence (its grammar, its penalties, NaN logits)
+        ends that sequence alone: its output has finish reason "error" and ``error`` set,
+        and the other sequences get exactly the tokens they would have got without it.
+
+        A fault nothing pins on a sequence (the forward or the sampler raised) fails the
+        step; nothing of it is kept, so its sequences simply run again on the next step.
+        A sequence whose retry fails too is aborted, its blocks freed, and ``StepFailed``
+        names it: the rest of the engine goes on as if it had never been scheduled."""
         out = self.scheduler.schedule()
         self.last_step_shape = StepShape.of(out) if self.keep_step_shape and not out.empty else None
         if out.empty:
@@ -224,15 +235,51 @@ class LLMEngine:
         try:
             sampled = self.runner.run(out)
         except Exception as exc:
-            raise StepFailed(self._abort_step(out), exc) from exc
+            failed = self._fail_or_retry(out, exc)
+            if failed:
+                raise StepFailed(failed, exc) from exc
+            return []
+        errors = self._end_failed(sampled.failed)
         self.scheduler.update_from_output(out, sampled)
-        return self._postprocess(out)
+        for item in out.seqs:
+            item.seq.step_retried = False
+        return errors + self._postprocess(out)
 
-    def _abort_step(self, out: SchedulerOutput) -> list[str]:
-        failed = [item.seq.seq_id for item in out.seqs if item.seq.seq_id in self._seqs]
-        for request_id in failed:
-            self.abort(request_id)
+    def _fail_or_retry(self, out: SchedulerOutput, exc: Exception) -> list[str]:
+        """Abort the step's sequences that were already retried once; mark the others for
+        their retry. update_from_output did not run, so each one is scheduled again as it
+        was (the KV this step wrote lands in the same slots again). Returns the aborted."""
+        failed = []
+        for item in reversed(out.seqs):  # reversed: requeued prompts keep their order
+            seq = item.seq
+            if seq.seq_id not in self._seqs or seq.is_done_here:
+                continue
+            if seq.step_retried:
+                failed.append(seq.seq_id)
+                self.abort(seq.seq_id)
+            else:
+                seq.step_retried = True
+                self.scheduler.requeue_unrun(seq)
+        failed.reverse()
+        if len(failed) < len(out.seqs):
+            log.warning("engine step failed (%s: %s); running %d of its sequence(s) again on the next step",
+                        type(exc).__name__, exc, len(out.seqs) - len(failed))
         return failed
+
+    def _end_failed(self, failed: dict[str, SequenceFailed]) -> list[RequestOutput]:
+        """Finish each sequence whose own fault the sampler found, with its error."""
+        outputs = []
+        for request_id, error in failed.items():
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                continue
+            log.warning("request %s ended alone: %s", request_id, error)
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            outputs.append(RequestOutput(request_id, [], "", [], True, FinishReason.ERROR.value,
+                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                                         error=error))
+            self._forget(seq)
+        return outputs
 
     def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
         results = []

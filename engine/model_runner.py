@@ -49,10 +49,11 @@ class ModelRunner:
             return SampledTokens({}, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[sample_idx])  # (N, V) float32
         rows = [SamplerRow(s.seq.seq_id, s.seq.params, s.seq.token_ids, s.seq.num_prompt_tokens) for s in sampled]
-        tokens, logprobs, tops = self.sampler(logits, rows)
-        ids = [r.seq_id for r in rows]
-        return SampledTokens(dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {},
-                             dict(zip(ids, tops)) if tops else {}, prompt_lps)
+        drawn = self.sampler(logits, rows)
+        ids = [r.seq_id for r in rows if r.seq_id not in drawn.failed]
+        return SampledTokens(dict(zip(ids, drawn.token_ids)), dict(zip(ids, drawn.logprobs)) if drawn.logprobs else {},
+                             dict(zip(ids, drawn.top_logprobs)) if drawn.top_logprobs else {}, prompt_lps,
+                             dict(drawn.failed))
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """Packed token ids (T,), positions (T,), the step's ``AttentionContext`` and the rows

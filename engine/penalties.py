@@ -11,31 +11,45 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.errors import SequenceFailed
+
 if TYPE_CHECKING:
     from engine.sampler import SamplerRow
 
 
-def apply_penalties(logits: torch.Tensor, rows: list["SamplerRow"], eos_token_ids: frozenset[int]) -> torch.Tensor:
-    """logits (B, V), changed in place and returned."""
+def apply_penalties(logits: torch.Tensor, rows: list["SamplerRow"], eos_token_ids: frozenset[int],
+                    failed: dict[str, SequenceFailed] | None = None) -> torch.Tensor:
+    """logits (B, V), changed in place and returned. A row whose processing raises goes to
+    ``failed`` (its logits row is then unspecified; the sampler drops it), or, with no
+    ``failed`` given, the error propagates."""
     for i, r in enumerate(rows):
-        p = r.params
-        if not p.penalised:
+        if not r.params.penalised or (failed is not None and r.seq_id in failed):
             continue
-        row = logits[i]
-        dev = row.device
-        output = r.token_ids[r.num_prompt_tokens:]
-        if len(output) < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            if banned:
-                row[torch.tensor(sorted(banned), device=dev)] = float("-inf")
-        if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
-            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=row.dtype))
-        if p.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted(set(r.token_ids)), device=dev, dtype=torch.long)
-            seen = row[ids]
-            row[ids] = torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
-        if output and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(torch.tensor(output, device=dev), minlength=row.shape[0]).to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        try:
+            _penalise(logits[i], r, eos_token_ids)
+        except Exception as exc:  # this row's own bias or penalties: its fault alone
+            if failed is None:
+                raise
+            failed[r.seq_id] = SequenceFailed(r.seq_id, "sampling", f"{type(exc).__name__}: {exc}")
     return logits
+
+
+def _penalise(row: torch.Tensor, r: "SamplerRow", eos_token_ids: frozenset[int]) -> None:
+    """row (V,), in place."""
+    p = r.params
+    dev = row.device
+    output = r.token_ids[r.num_prompt_tokens:]
+    if len(output) < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if banned:
+            row[torch.tensor(sorted(banned), device=dev)] = float("-inf")
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
+        row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=row.dtype))
+    if p.repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(r.token_ids)), device=dev, dtype=torch.long)
+        seen = row[ids]
+        row[ids] = torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
+    if output and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(output, device=dev), minlength=row.shape[0]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)

@@ -9,6 +9,11 @@ before the penalties and filters, as vLLM reports them by default; for a constra
 that is after the grammar mask, as vLLM applies it to the logits before its sampler. A
 request with a seed draws from its own ``torch.Generator``, so its output does not depend
 on what else is in the batch.
+
+A fault that belongs to one row (its grammar rejects its tokens, its penalties raise, its
+processed logits are NaN or forbid every token) drops that row before anything is drawn and
+is reported in ``SamplerOutput.failed``: the other rows are computed exactly as in a batch
+without it (row-wise operations only, and the shared generator never draws for it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.errors import SequenceFailed
 from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.penalties import apply_penalties
 from engine.sampling import SamplingParams, TopLogprobs
@@ -32,9 +38,12 @@ class SamplerRow:
 
 
 class SamplerOutput(NamedTuple):
+    """Per row that did not fail, in row order; ``failed``: the rows that did, by seq id."""
+
     token_ids: list[int]
     logprobs: list[float] | None  # None unless a row asked for logprobs
     top_logprobs: list[TopLogprobs] | None  # per row, () where the row asked for none
+    failed: dict[str, SequenceFailed] = {}
 
 
 def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
@@ -64,13 +73,29 @@ class Sampler:
         self._matchers.pop(seq_id, None)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
-        """logits (B, V) float32 -> B token ids, and their logprobs if any row asked."""
+        """logits (B, V) float32 -> a token id for each row that did not fail, and their
+        logprobs if any row asked."""
+        failed: dict[str, SequenceFailed] = {}
         if any(r.params.structured is not None for r in rows):
-            self._constrain(logits, rows)
-        want_logprobs = any(r.params.logprobs for r in rows)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+            self._constrain(logits, rows, failed)
+        raw = logits
         if any(r.params.penalised for r in rows):
-            logits = apply_penalties(logits.clone(), rows, self.eos_token_ids)
+            logits = apply_penalties(logits.clone(), rows, self.eos_token_ids, failed)
+        _unusable_rows(logits, rows, failed)
+        if failed:
+            keep = [i for i, r in enumerate(rows) if r.seq_id not in failed]
+            rows = [rows[i] for i in keep]
+            if not rows:
+                return SamplerOutput([], None, None, failed)
+            index = torch.tensor(keep, device=logits.device)
+            logits, raw = logits.index_select(0, index), raw.index_select(0, index)
+        output = self._draw(logits, raw, rows)
+        return output._replace(failed=failed) if failed else output
+
+    def _draw(self, logits: torch.Tensor, raw: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
+        """logits (B, V) processed, raw (B, V) before penalties -> the rows' tokens."""
+        want_logprobs = any(r.params.logprobs for r in rows)
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
@@ -82,20 +107,23 @@ class Sampler:
         ks = [r.params.top_logprobs if r.params.logprobs else 0 for r in rows]
         return SamplerOutput(token_list, chosen, top_logprobs(raw_logprobs, ks))
 
-    def _constrain(self, logits: torch.Tensor, rows: list[SamplerRow]) -> None:
+    def _constrain(self, logits: torch.Tensor, rows: list[SamplerRow], failed: dict[str, SequenceFailed]) -> None:
         """Mask, in place, what each constrained row's grammar forbids; other rows stay
-        bit-identical (batch invariance)."""
+        bit-identical (batch invariance). A row whose grammar raises goes to ``failed``."""
+        if self.grammars is None:
+            raise RuntimeError("a request has structured output but the engine set no grammar compiler")
         stops = sorted(self.eos_token_ids)
         for i, r in enumerate(rows):
             if r.params.structured is None:
                 continue
-            matcher = self._matchers.get(r.seq_id)
-            if matcher is None:
-                if self.grammars is None:
-                    raise RuntimeError("a request has structured output but the engine set no grammar compiler")
-                matcher = self._matchers[r.seq_id] = self.grammars.matcher(r.params.structured)
-            matcher.advance(r.token_ids, r.num_prompt_tokens)
-            matcher.mask_row(logits[i:i + 1], stops)
+            try:
+                matcher = self._matchers.get(r.seq_id)
+                if matcher is None:
+                    matcher = self._matchers[r.seq_id] = self.grammars.matcher(r.params.structured)
+                matcher.advance(r.token_ids, r.num_prompt_tokens)
+                matcher.mask_row(logits[i:i + 1], stops)
+            except Exception as exc:  # this row's grammar: its fault alone
+                failed[r.seq_id] = SequenceFailed(r.seq_id, "structured_output", f"{type(exc).__name__}: {exc}")
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
         # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.
@@ -127,6 +155,17 @@ class Sampler:
         if gen is None:
             gen = self._generators[row.seq_id] = torch.Generator(device=self.device).manual_seed(row.params.seed)
         return gen
+
+
+def _unusable_rows(logits: torch.Tensor, rows: list[SamplerRow], failed: dict[str, SequenceFailed]) -> None:
+    """Rows whose processed logits (B, V) leave nothing to draw: NaN (a forward that
+    overflowed for this sequence) or -inf everywhere. One max per row finds both, since NaN
+    and -inf both fail ``> -inf``."""
+    usable = (logits.max(dim=-1).values > float("-inf")).tolist()
+    for r, ok in zip(rows, usable):
+        if not ok and r.seq_id not in failed:
+            failed[r.seq_id] = SequenceFailed(r.seq_id, "logits", "no token can be drawn: this sequence's "
+                                              "logits are NaN or every token is forbidden")
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:

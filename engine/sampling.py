@@ -20,6 +20,7 @@ MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2], as in OpenAI
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own limit on logit_bias keys
 MAX_TOP_LOGPROBS = 20  # alternatives per position, OpenAI's chat limit
+MAX_CACHE_SALT_CHARS = 256  # room for a client's salt; the router's per-key salts are 64
 
 # The most likely alternatives at one position: (token id, logprob) pairs, best first.
 TopLogprobs = tuple[tuple[int, float], ...]
@@ -44,6 +45,10 @@ class SamplingParams:
     ``min_tokens`` tokens are out, EOS and ``stop_token_ids`` cannot be drawn.
     ``structured`` restricts every draw to what its grammar allows next, and forces a stop
     token once the grammar is complete.
+
+    ``cache_salt`` is not about sampling, but travels with the request's parameters to every
+    worker that caches its KV: prefix-cache blocks are shared only between requests of the
+    same salt (``engine.block_manager``).
     """
 
     max_tokens: int = 16
@@ -64,6 +69,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_tokens: int = 0
     structured: StructuredOutput | None = None  # a grammar the output must follow (engine.grammar)
+    cache_salt: str = ""  # "": the shared, unsalted prefix cache
 
     @property
     def penalised(self) -> bool:
@@ -120,6 +126,9 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not 0 <= tid < vocab_size:
                 raise InvalidRequestError("stop_token_ids", f"{tid} is outside [0, {vocab_size})", vocab_size)
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError("cache_salt", f"{len(self.cache_salt)} characters; the limit is "
+                                      f"{MAX_CACHE_SALT_CHARS}", MAX_CACHE_SALT_CHARS)
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
         if self.structured is not None:

@@ -12,9 +12,13 @@ Two policies (``SchedulerConfig.policy``):
   worker prefilling locally or recomputing a preempted sequence) so never stops its streams
   for a whole prompt: a step costs at most one budget's worth of prompt tokens.
 
-When a decoding sequence needs a block and none is free, the youngest running
-sequence is preempted: its blocks are freed and it goes back to the front of the waiting
-queue, to be recomputed (prefix-cache hits make that cheap) and resumed later.
+When a decoding sequence needs a block and none is free, a running sequence is preempted:
+its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
+(prefix-cache hits make that cheap) and resumed later. The victim is the one that may still
+grow the most (tokens left before its max_tokens or the context's end), the youngest among
+equals. So a request without a limit (the OpenAI chat default: the rest of the context) is
+preempted before limited ones, and however far it runs it cannot push them out; with equal
+limits the rule is vLLM's, youngest first.
 
 Pure Python; tests feed it hand-built outputs through ``update_from_output``.
 """
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import MIXED, SchedulerConfig
+from engine.errors import SequenceFailed
 from engine.sampling import TopLogprobs
 from engine.sequence import FinishReason, Sequence, SeqStatus
 
@@ -57,6 +62,9 @@ class SampledTokens:
     top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
     # Per sequence with ``prompt_logprobs``: entries for the prompt tokens this step scored.
     prompt_logprobs: dict[str, list[tuple[float, TopLogprobs]]] = field(default_factory=dict)
+    # Sequences whose own fault ended them this step (no token): the engine finishes them
+    # with FinishReason.ERROR before ``update_from_output``.
+    failed: dict[str, SequenceFailed] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -84,7 +92,8 @@ class Scheduler:
         ``seq.token_ids`` is prompt + the first token. Returns the block ids to fill.
         """
         self.blocks.check_fits(seq.num_tokens + 1)
-        alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=False)
+        alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=False,
+                                     cache_salt=seq.params.cache_salt)
         seq.status = SeqStatus.WAITING_FOR_KV
         self.awaiting_kv[seq.seq_id] = seq
         return list(alloc.block_ids)
@@ -133,7 +142,8 @@ class Scheduler:
                     break
                 # Prompt logprobs need every prompt position run: no prefix-cache hits.
                 alloc = self.blocks.allocate(seq.seq_id, seq.token_ids,
-                                             use_prefix_cache=seq.params.prompt_logprobs is None)
+                                             use_prefix_cache=seq.params.prompt_logprobs is None,
+                                             cache_salt=seq.params.cache_salt)
                 seq.num_computed_tokens = seq.num_cached_tokens = alloc.num_cached_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > budget and not self.config.enable_chunked_prefill:
@@ -155,8 +165,11 @@ class Scheduler:
         while queue:
             seq = queue.pop(0)
             while not self.blocks.append_slots(seq.seq_id, seq.token_ids):
-                victim = max(queue, key=lambda s: s.arrival) if queue else seq
-                if victim is not seq:
+                # A victim already given its slot this step leaves the step: nothing ran yet.
+                victim = max((*scheduled, *queue, seq), key=self._preemption_rank)
+                if victim in scheduled:
+                    scheduled.remove(victim)
+                elif victim is not seq:
                     queue.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
@@ -167,12 +180,24 @@ class Scheduler:
         self.running = scheduled
         return SchedulerOutput([ScheduledSeq(s, 1, True) for s in scheduled], False, preempted)
 
+    def _preemption_rank(self, seq: Sequence) -> tuple[int, int]:
+        """Highest is preempted first: tokens it may still add, then youth (module docstring)."""
+        growth = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return growth, seq.arrival
+
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def requeue_unrun(self, seq: Sequence) -> None:
+        """``seq`` was scheduled in a step that produced nothing (it raised): a prompt whose
+        last chunk the step took off the waiting queue goes back to its head, blocks kept,
+        to run again; a decoding sequence is still in ``running``."""
+        if seq.status is SeqStatus.WAITING and seq not in self.waiting:
+            self.waiting.appendleft(seq)
 
     # ---- results -------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: SampledTokens) -> list[Sequence]:

@@ -25,6 +25,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's length limit
     ABORT = "abort"
+    ERROR = "error"  # the sequence's own fault ended it (engine.errors.SequenceFailed)
 
 
 @dataclass(eq=False)
@@ -51,6 +52,9 @@ class Sequence:
     # the KV blocks, which the caller later releases.
     hold_kv: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival))
+    # Set when a step holding this sequence raised and nothing named whose fault it was: it
+    # runs once more on the next step, and fails if that step raises too.
+    step_retried: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

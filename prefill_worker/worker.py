@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from engine.block_manager import prompt_block_hashes
 from engine.config import EngineConfig
-from engine.errors import StepFailed
+from engine.errors import SequenceFailed, StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams, TopLogprobs
 from kv_transfer import DEFAULT_BACKEND, create_agent
@@ -151,7 +151,7 @@ class PrefillWorker(WorkerShell):
                       owner: str = "") -> PrefillResult:
         """Queue the prompt, wait for its first token; the KV stays held under a lease granted
         to ``owner`` (the asking router's incarnation). Raises StepFailed if the step that ran
-        it raised (the request is gone then)."""
+        it raised, SequenceFailed if its own fault ended it (the request is gone then)."""
         async with contextlib.aclosing(self.prefill_stream(request_id, prompt, params, owner)) as stream:
             async for result in stream:
                 return result
@@ -163,21 +163,22 @@ class PrefillWorker(WorkerShell):
         """``prefill``, as a stream. With ``stream_kv`` the lease comes early: ``KVEarly``
         once the prompt has blocks and a chunk has run, ``KVReady`` after each later chunk,
         and the ``PrefillResult`` last (a prompt done in one step yields only that). Raises
-        StepFailed, or KVLeaseEnded if the early lease ended before the prompt was done."""
+        StepFailed, SequenceFailed, or KVLeaseEnded if the early lease ended before the prompt was done."""
         stream = self.open_stream(request_id)
         self._loop = asyncio.get_running_loop()
         self._arrived[request_id] = time.monotonic()
         self.note_poll(owner)
         self._owner_of[request_id] = owner
         if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
-            self._prompt_hashes[request_id] = prompt_block_hashes(prompt, self.engine.blocks.block_size)
+            self._prompt_hashes[request_id] = prompt_block_hashes(prompt, self.engine.blocks.block_size,
+                                                                  params.cache_salt)
         done = False
         watch: KVWatch | None = None
         try:
             await self.call(self._add, request_id, prompt, params, stream_kv)
             while not done:
                 item = await stream.get()
-                if isinstance(item, (StepFailed, KVLeaseEnded)):
+                if isinstance(item, (StepFailed, SequenceFailed, KVLeaseEnded)):
                     done = True
                     if watch is not None:
                         watch.update(failed=f"the prompt stopped: {item}")
@@ -282,13 +283,18 @@ class PrefillWorker(WorkerShell):
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.push(self._result(o) for o in outputs if o.finished)
 
-    def _result(self, o: RequestOutput) -> tuple[str, PrefillResult | None]:
+    def _result(self, o: RequestOutput) -> tuple[str, PrefillResult | SequenceFailed | None]:
         computing_since = self._first_chunk_at.pop(o.request_id, self._step_started)
         started = self._arrived.get(o.request_id)
         if started is None:  # the caller gave up while the step ran
             self.engine.release(o.request_id)
             return o.request_id, None
         lease, block_ids = self._streaming.pop(o.request_id, (None, 0))[0], []
+        if o.error is not None:  # its own fault ended it alone: no token, no KV to read
+            if lease is not None:
+                self.leases.release(lease.token, ReleaseReason.ABORTED)
+                self._watch_ended(lease.token)
+            return o.request_id, o.error
         if o.finish_reason is not None and lease is not None:  # done at its first token: no KV to read
             self.leases.release(lease.token, ReleaseReason.ABORTED)
             self._watch_ended(lease.token)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xd0\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"w\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x03 \x01(\x08H\x00\x12\x16\n\x0eresumed_tokens\x18\x04 \x01(\rB\x0c\n\nconstraint\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"Z\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x08 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\t \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\n \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xe4\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x12\n\ncache_salt\x18\x13 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"w\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x03 \x01(\x08H\x00\x12\x16\n\x0eresumed_tokens\x18\x04 \x01(\rB\x0c\n\nconstraint\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"Z\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x08 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\t \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\n \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,42 +33,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2006
-  _globals['_FINISHREASON']._serialized_end=2126
+  _globals['_FINISHREASON']._serialized_start=2026
+  _globals['_FINISHREASON']._serialized_end=2146
   _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=629
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=519
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=567
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=631
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=750
-  _globals['_TOPLOGPROBS']._serialized_start=752
-  _globals['_TOPLOGPROBS']._serialized_end=802
-  _globals['_TOKENIDS']._serialized_start=804
-  _globals['_TOKENIDS']._serialized_end=827
-  _globals['_CHATMESSAGE']._serialized_start=829
-  _globals['_CHATMESSAGE']._serialized_end=937
-  _globals['_TOOL']._serialized_start=939
-  _globals['_TOOL']._serialized_end=1005
-  _globals['_TOOLCALL']._serialized_start=1007
-  _globals['_TOOLCALL']._serialized_end=1067
-  _globals['_CHATMESSAGES']._serialized_start=1069
-  _globals['_CHATMESSAGES']._serialized_end=1159
-  _globals['_GENERATEREQUEST']._serialized_start=1162
-  _globals['_GENERATEREQUEST']._serialized_end=1370
-  _globals['_USAGE']._serialized_start=1372
-  _globals['_USAGE']._serialized_end=1459
-  _globals['_GENERATERESPONSE']._serialized_start=1462
-  _globals['_GENERATERESPONSE']._serialized_end=1786
-  _globals['_ABORTREQUEST']._serialized_start=1788
-  _globals['_ABORTREQUEST']._serialized_end=1822
-  _globals['_ABORTRESPONSE']._serialized_start=1824
-  _globals['_ABORTRESPONSE']._serialized_end=1854
-  _globals['_LISTMODELSREQUEST']._serialized_start=1856
-  _globals['_LISTMODELSREQUEST']._serialized_end=1875
-  _globals['_MODELINFO']._serialized_start=1877
-  _globals['_MODELINFO']._serialized_end=1943
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1945
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2004
-  _globals['_GENERATION']._serialized_start=2129
-  _globals['_GENERATION']._serialized_end=2353
+  _globals['_SAMPLINGPARAMS']._serialized_end=649
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=539
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=587
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=651
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=770
+  _globals['_TOPLOGPROBS']._serialized_start=772
+  _globals['_TOPLOGPROBS']._serialized_end=822
+  _globals['_TOKENIDS']._serialized_start=824
+  _globals['_TOKENIDS']._serialized_end=847
+  _globals['_CHATMESSAGE']._serialized_start=849
+  _globals['_CHATMESSAGE']._serialized_end=957
+  _globals['_TOOL']._serialized_start=959
+  _globals['_TOOL']._serialized_end=1025
+  _globals['_TOOLCALL']._serialized_start=1027
+  _globals['_TOOLCALL']._serialized_end=1087
+  _globals['_CHATMESSAGES']._serialized_start=1089
+  _globals['_CHATMESSAGES']._serialized_end=1179
+  _globals['_GENERATEREQUEST']._serialized_start=1182
+  _globals['_GENERATEREQUEST']._serialized_end=1390
+  _globals['_USAGE']._serialized_start=1392
+  _globals['_USAGE']._serialized_end=1479
+  _globals['_GENERATERESPONSE']._serialized_start=1482
+  _globals['_GENERATERESPONSE']._serialized_end=1806
+  _globals['_ABORTREQUEST']._serialized_start=1808
+  _globals['_ABORTREQUEST']._serialized_end=1842
+  _globals['_ABORTRESPONSE']._serialized_start=1844
+  _globals['_ABORTRESPONSE']._serialized_end=1874
+  _globals['_LISTMODELSREQUEST']._serialized_start=1876
+  _globals['_LISTMODELSREQUEST']._serialized_end=1895
+  _globals['_MODELINFO']._serialized_start=1897
+  _globals['_MODELINFO']._serialized_end=1963
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1965
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2024
+  _globals['_GENERATION']._serialized_start=2149
+  _globals['_GENERATION']._serialized_end=2373
 # @@protoc_insertion_point(module_scope)

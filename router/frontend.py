@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import unicodedata
 import uuid
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams, validate_prompt
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2
+from router.cache_salt import request_salt
 from router.tool_parsers import ToolParser
 from router.validation import RequestLimits
 from wire.convert import sampling_from_proto
@@ -43,17 +45,21 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # stop strings included; workers get them stripped
     # The client set no max_tokens: it is the rest of the context (as in vLLM), and the
-    # router reserves decode KV for only ``wire.convert.DEFAULT_MAX_TOKENS`` of it.
+    # router reserves decode KV for only ``wire.convert.DEFAULT_MAX_TOKENS`` of it (past
+    # that, the decode engine preempts it before any limited request: engine/scheduler.py).
     default_max_tokens: bool = False
 
 
 def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestLimits = RequestLimits(),
-            max_tokens_to_context: bool = False) -> PreparedRequest:
+            max_tokens_to_context: bool = False, tenant: str = "") -> PreparedRequest:
     """Validate and tokenize; raises ``InvalidRequestError`` naming the field and the limit.
 
     A request without max_tokens gets ``wire.convert.DEFAULT_MAX_TOKENS`` (the gRPC API's
-    documented default) or, with ``max_tokens_to_context`` (the OpenAI front, as vLLM
-    does), the rest of the context after its prompt.
+    documented default, and /v1/completions') or, with ``max_tokens_to_context`` (OpenAI
+    chat, as vLLM does), the rest of the context after its prompt.
+
+    ``tenant``: the salt of the caller's API key (``router.cache_salt``); the request's cache
+    salt is the client's within it.
 
     The size limits come first, so that no request tokenizes or templates more than they allow.
     Runs on a worker thread (the tokenizer's work is off the event loop).
@@ -62,6 +68,7 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
         raise InvalidRequestError("model", f"unknown model {req.model!r}; this server serves "
                                            f"{', '.join(map(repr, model.names))}")
     check_limits(req, limits)
+    refuse_router_only(req)
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input", "set one of text, token_ids or chat")
@@ -70,6 +77,8 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     if default_max_tokens:  # the most it can be, until the prompt's length is known
         params = dataclasses.replace(params, max_tokens=model.max_model_len)
     params.validate(model.config.vocab_size)  # cheap: before the tokenizer's work
+    if tenant:
+        params = dataclasses.replace(params, cache_salt=request_salt(params.cache_salt, tenant))
     if kind == "token_ids":
         ids = list(req.token_ids.ids)
     elif kind == "text":
@@ -87,6 +96,9 @@ def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> Non
     """Every ``RequestLimits`` size, each refused with its setting's name as the field."""
     s = req.sampling
     _at_most("max_request_id_chars", "request_id", len(req.request_id), limits.max_request_id_chars)
+    if any(unicodedata.category(c) == "Cc" for c in req.request_id):
+        # Ids go into text logs (the router's, the workers'): a newline would forge a line.
+        raise InvalidRequestError("request_id", "must not contain control characters (newlines, tabs, ...)")
     _at_most("max_stop_token_ids", "stop_token_ids", len(s.stop_token_ids), limits.max_stop_token_ids)
     _at_most("max_stop_strings", "stop", len(s.stop), limits.max_stop_strings)
     for text in s.stop:
@@ -99,6 +111,23 @@ def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> Non
     else:
         chars = len(req.text)
     _at_most("max_prompt_chars", "prompt", chars, limits.max_prompt_chars)
+
+
+# Public fields that only the router sets (when it re-sends a migrated request), each with the
+# test of whether a client set it. Taken from a client they would lie to the engine about the
+# request (resumed_tokens: that the prompt's tail is output already accepted by the grammar),
+# and a lie the engine trips over is a fault in a step other requests share.
+ROUTER_ONLY_FIELDS = {
+    "sampling.structured_output.resumed_tokens": lambda req: req.sampling.structured_output.resumed_tokens != 0,
+}
+
+
+def refuse_router_only(req: pdserve_pb2.GenerateRequest) -> None:
+    """INVALID_ARGUMENT naming the first router-only field the client set."""
+    for field, is_set in ROUTER_ONLY_FIELDS.items():
+        if is_set(req):
+            raise InvalidRequestError(field, "is set only by the router (when it re-sends a migrated request); "
+                                             "clients leave it 0", 0)
 
 
 def _at_most(setting: str, field: str, value: int, limit: int) -> None:

@@ -129,7 +129,10 @@ class OpenAIFront:
             req.request_id = rid if len(reqs) == 1 else f"{rid}-{i}"
             choices.append(Choice(i, prompt_text=self._prompt_text(req) if options.echo else "",
                                   tools=ToolOutput(options.tools, parser) if options.tools is not None else None))
-        streams = [self.service.run(req, timeout_s, max_tokens_to_context=True) for req in reqs]
+        # Without max_tokens, chat runs to the rest of the context and completions stop at 16
+        # (wire.convert.DEFAULT_MAX_TOKENS), as in OpenAI's API and vLLM.
+        auth = request.headers.get("Authorization")  # its key salts the prefix cache (router.cache_salt)
+        streams = [self.service.run(req, timeout_s, max_tokens_to_context=chat, authorization=auth) for req in reqs]
         queue: asyncio.Queue = asyncio.Queue()
         # One task iterates each choice's stream from start to end: the router's Abort cancels
         # the task that runs a request, so that must stay the same task throughout.

@@ -67,9 +67,9 @@ class KVIndex:
         self._cursor.pop(worker, None)
         self.block_sizes.pop(worker, None)
 
-    def overlaps(self, token_ids: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
-        """Per worker, the prompt tokens its cache holds as a prefix: the longest run of
-        consecutive block hits from the first block, times its block size."""
+    def overlaps(self, token_ids: Sequence[int], workers: Iterable[str], cache_salt: str = "") -> dict[str, int]:
+        """Per worker, the prompt tokens its cache holds as a prefix under ``cache_salt``: the
+        longest run of consecutive block hits from the first block, times its block size."""
         out: dict[str, int] = {}
         by_size: dict[int, list[str]] = {}
         for w in workers:
@@ -81,7 +81,7 @@ class KVIndex:
         for size, group in by_size.items():
             active, blocks = set(group), 0
             counts = dict.fromkeys(group, 0)
-            for block_hash in prompt_block_hashes(token_ids, size):
+            for block_hash in prompt_block_hashes(token_ids, size, cache_salt):
                 active &= self._by_hash.get(block_hash, set())
                 if not active:
                     break

@@ -210,7 +210,10 @@ class RequestRun:
     def _reserved(self, params) -> int:
         """Output tokens to count on a decode worker: max_tokens, unless the client left it
         to default to the rest of the context; then a short answer's worth, or every such
-        request would claim a whole context and one request could fill a worker."""
+        request would claim a whole context and one request could fill a worker. What it
+        grows past that is taken back first: the decode engine preempts the sequence that may
+        still grow the most (engine/scheduler.py), so such requests cannot push out limited
+        ones however far they run."""
         if self.req.default_max_tokens:
             return min(params.max_tokens, DEFAULT_MAX_TOKENS)
         return params.max_tokens
@@ -257,7 +260,8 @@ class RequestRun:
         last = "no prefill worker"
         for _ in range(self.limits.max_prefill_attempts):
             choice = await self._admit(lambda: self.pool.route_prefill(
-                prompt, self.limits.routing, frozenset(tried), self.limits.max_queued_tokens_per_prefill))
+                prompt, self.limits.routing, frozenset(tried), self.limits.max_queued_tokens_per_prefill,
+                params.cache_salt))
             if choice.worker_id is None:
                 if choice.saturated:
                     raise _route_error(choice)

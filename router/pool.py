@@ -152,11 +152,11 @@ class WorkerPool:
         return [w.snapshot() for w in self.workers.values()]
 
     def route_prefill(self, prompt: Sequence[int], routing: RoutingConfig, exclude: frozenset[str] = frozenset(),
-                      max_queued_tokens: int | None = None) -> Choice:
+                      max_queued_tokens: int | None = None, cache_salt: str = "") -> Choice:
         """The prefill worker for ``prompt`` under ``routing.policy`` (``router.kv_policy``),
-        with each worker's cached prefix read from the KV index."""
+        with each worker's cached prefix (under ``cache_salt``) read from the KV index."""
         snapshots = self.snapshots()
-        overlaps = self.index.overlaps(prompt, [s.worker_id for s in snapshots if s.role == "prefill"])
+        overlaps = self.index.overlaps(prompt, [s.worker_id for s in snapshots if s.role == "prefill"], cache_salt)
         turn = next(self._turns) if routing.policy == "round_robin" else 0
         return choose_prefill(snapshots, overlaps, len(prompt), routing, turn, exclude, max_queued_tokens, self.rng)
 

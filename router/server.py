@@ -45,7 +45,7 @@ class RouterConfig:
     grpc_port: int = 50051
     http_port: int | None = 8000  # OpenAI-compatible HTTP; None: gRPC only
     advertise_host: str | None = None  # the public address to report; None: from host (wire.address)
-    api_key: str | None = None  # required on the public plane when set (router.auth)
+    api_key: str | None = field(default=None, repr=False)  # required on the public plane when set (router.auth); never printed
     public_tls: TlsConfig | None = None  # TLS on the public gRPC and HTTP ports; with a CA, client certs too
     internal_host: str | None = "127.0.0.1"  # internal plane (RouterAdmin) bind; None: the node's IP
     internal_port: int = 0
@@ -84,7 +84,7 @@ async def start(config: RouterConfig) -> RunningServer:
     for address in config.decode_addresses:
         pool.add("decode", address)
     await pool.start()
-    service = GenerationService(model, pool, config.limits)
+    service = GenerationService(model, pool, config.limits, salt_by_api_key=config.api_key is not None)
     public = resolve(config.host, config.advertise_host)
     server = aio_server([ApiKeyInterceptor(config.api_key)] if config.api_key else (),
                         max_receive_bytes=max(config.max_receive_bytes, 2 * config.limits.requests.max_body_bytes))

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from engine.errors import InvalidRequestError
 from planner.trace_writer import TraceWriter
 from protos import pdserve_pb2
+from router.cache_salt import key_salt
 from router.frontend import ModelInfo, prepare
 from router.orchestrator import RequestRun, RouteError
 from router.limits import RouterLimits
@@ -36,10 +37,12 @@ SERVICE = "pdserve.v1.Generation"
 
 
 class GenerationService:
-    def __init__(self, model: ModelInfo, pool: WorkerPool, limits: RouterLimits):
+    def __init__(self, model: ModelInfo, pool: WorkerPool, limits: RouterLimits, salt_by_api_key: bool = False):
         self.model = model
         self.pool = pool
         self.limits = limits
+        # An API key is configured: each caller's key (a hash of it) salts its prefix cache.
+        self.salt_by_api_key = salt_by_api_key
         self.running: dict[tuple[str, str], tuple[asyncio.Task, RequestRun]] = {}  # (owner, request id)
         self.aborted: set[tuple[str, str]] = set()
         self.waiting = 0  # requests admitted that have not had their first response yet
@@ -58,11 +61,13 @@ class GenerationService:
         return min(client_timeout_s, self.limits.request_timeout_s)
 
     async def run(self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None = None,
-                  owner: str = "", max_tokens_to_context: bool = False) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+                  owner: str = "", max_tokens_to_context: bool = False, authorization: str | None = None
+                  ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """One request's responses, for every front (gRPC here, HTTP in http_api.py).
         ``owner`` is who may abort it (``caller``); the HTTP front, whose ids the router
         makes, aborts by closing the stream and passes none. ``max_tokens_to_context``: see
-        ``router.frontend.prepare``.
+        ``router.frontend.prepare``. ``authorization``: the caller's credentials, whose key
+        salts its prefix cache when ``salt_by_api_key`` (``router.cache_salt``).
 
         Raises ``InvalidRequestError`` or ``RouteError``; an ``Abort`` ends the stream with a
         FINISH_REASON_ABORT response, a cancelled caller cleans up on the way out.
@@ -74,8 +79,9 @@ class GenerationService:
         waiting = True
         try:
             loop = asyncio.get_running_loop()
+            tenant = key_salt(authorization) if self.salt_by_api_key else ""
             prepared = await loop.run_in_executor(self._tokenize, prepare, request, self.model, self.limits.requests,
-                                                  max_tokens_to_context)
+                                                  max_tokens_to_context, tenant)
             rid = prepared.request_id
             key = (owner, rid)
             if key in self.running:
@@ -133,7 +139,10 @@ class GenerationService:
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed before the request began")
         try:
-            async for resp in self.run(request, remaining, caller(context)):
+            authorization = None
+            if self.salt_by_api_key:  # the key the interceptor accepted salts this caller's cache
+                authorization = dict(context.invocation_metadata() or ()).get("authorization")
+            async for resp in self.run(request, remaining, caller(context), authorization=authorization):
                 yield resp
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)

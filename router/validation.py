@@ -158,6 +158,7 @@ class _Common(_Strict):
     response_format: ResponseFormat | None = None
     guided_json: Union[dict[str, Any], str, None] = None  # vLLM's extensions
     guided_regex: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within a salt
 
 
 class CompletionBody(_Common):
@@ -329,7 +330,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 def _set_sampling(p: pdserve_pb2.SamplingParams, b: _Common, chat: bool) -> None:
     """Every value here fits its wire type (the models bound them), so no setter raises.
     Floats go to float32: a value too large becomes inf, refused by ``validate_request``.
-    Without max_tokens the request gets the rest of the context (``router.frontend``)."""
+    Without max_tokens a chat request gets the rest of the context (``router.frontend``), a
+    completion 16 tokens (``wire.convert.DEFAULT_MAX_TOKENS``), as OpenAI and vLLM give."""
     max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
     if max_tokens is not None:
         p.max_tokens = max_tokens
@@ -350,6 +352,8 @@ def _set_sampling(p: pdserve_pb2.SamplingParams, b: _Common, chat: bool) -> None
     p.stop.extend([b.stop] if isinstance(b.stop, str) else b.stop or [])
     p.stop_token_ids.extend(b.stop_token_ids or [])
     p.ignore_eos = b.ignore_eos
+    if b.cache_salt is not None:
+        p.cache_salt = b.cache_salt
     if chat:
         p.logprobs = b.logprobs
         if b.top_logprobs and not b.logprobs:

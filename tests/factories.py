@@ -141,12 +141,14 @@ class FailingSampler:
     why the step raised.
     """
 
-    def __init__(self, inner, fail_for: set[str]):
-        self.inner, self.fail_for = inner, set(fail_for)
+    def __init__(self, inner, fail_for: set[str], times: int | None = None):
+        self.inner, self.fail_for, self.times = inner, set(fail_for), times
 
     def __call__(self, logits, rows):
         bad = [r.seq_id for r in rows if r.seq_id in self.fail_for]
-        if bad:
+        if bad and (self.times is None or self.times > 0):
+            if self.times is not None:
+                self.times -= 1
             raise RuntimeError(f"injected sampler failure for {bad}")
         return self.inner(logits, rows)
 
@@ -154,9 +156,32 @@ class FailingSampler:
         self.inner.forget(seq_id)
 
 
-def fail_sampling_for(engine, *request_ids: str) -> None:
-    """Make ``engine``'s sampler raise whenever a step samples one of ``request_ids``."""
-    engine.runner.sampler = FailingSampler(engine.runner.sampler, set(request_ids))
+def fail_sampling_for(engine, *request_ids: str, times: int | None = None) -> None:
+    """Make ``engine``'s sampler raise (the whole call: nothing says which row) whenever a
+    step samples one of ``request_ids``; with ``times``, only that many times."""
+    engine.runner.sampler = FailingSampler(engine.runner.sampler, set(request_ids), times)
+
+
+class NaNLogitsSampler:
+    """Wraps an engine's sampler and sets the named requests' logits rows to NaN before the
+    real sampler sees them, as a forward that overflowed for one sequence would."""
+
+    def __init__(self, inner, nan_for: set[str]):
+        self.inner, self.nan_for = inner, set(nan_for)
+
+    def __call__(self, logits, rows):
+        for i, r in enumerate(rows):
+            if r.seq_id in self.nan_for:
+                logits[i] = float("nan")
+        return self.inner(logits, rows)
+
+    def forget(self, seq_id: str) -> None:
+        self.inner.forget(seq_id)
+
+
+def nan_logits_for(engine, *request_ids: str) -> None:
+    """Make the logits of ``request_ids`` NaN whenever a step samples them."""
+    engine.runner.sampler = NaNLogitsSampler(engine.runner.sampler, set(request_ids))
 
 
 # A Hermes-style chat template with tools (the format Qwen2.5 and Hermes 2/3 use: the tools as

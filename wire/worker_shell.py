@@ -101,7 +101,8 @@ class WorkerShell:
                 pass
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        self.push((o.request_id, o) for o in outputs)
+        """A request its own fault ended gets its ``SequenceFailed``, which its RPC raises."""
+        self.push((o.request_id, o.error if o.error is not None else o) for o in outputs)
 
     def _on_step_error(self, exc: StepFailed) -> None:
         self.push((request_id, exc) for request_id in exc.request_ids)

@@ -91,3 +91,16 @@ def test_a_colocated_cluster_autoscales_only_its_decode_pool(tmp_path):
     scaler.sample = lambda pool, now, latency=None: sampled.append(pool) or PoolSample(now, 1, kv_usage=0.1)
     scaler.step(time.monotonic())
     assert sampled == ["decode"] and set(scaler.desired()) == {"decode"}
+
+
+def test_a_lease_shorter_than_the_kv_read_timeout_is_refused_at_start(capsys):
+    """A claimed lease must outlive the read it was claimed for: with --lease-seconds 5 and
+    a 10 s transfer timeout, held KV could be freed while a decode worker still reads it."""
+    with pytest.raises(ValueError, match=r"lease_seconds \(5 s, --lease-seconds\) must exceed transfer_timeout_s \(10 s"):
+        ClusterConfig(lease_seconds=5.0, transfer_timeout_s=10.0)
+    assert ClusterConfig(lease_seconds=30.0, transfer_timeout_s=10.0).lease_seconds == 30.0
+    from cluster.cli import main
+
+    assert main(["serve", "--lease-seconds", "10"]) == 2  # equal is refused too: no margin for the read
+    err = capsys.readouterr().err
+    assert "lease_seconds" in err and "transfer_timeout_s" in err and "Traceback" not in err

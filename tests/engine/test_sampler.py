@@ -15,7 +15,7 @@ def rows(params, n=1, history=(1,)):
 def draw_many(params, logits, n=400, seed=0):
     sampler = Sampler(torch.device("cpu"), seed=seed)
     batch = logits.repeat(n, 1)
-    tokens, _, _ = sampler(batch, [SamplerRow(f"s{i}", params, [0]) for i in range(n)])
+    tokens = sampler(batch, [SamplerRow(f"s{i}", params, [0]) for i in range(n)]).token_ids
     return tokens
 
 
@@ -23,7 +23,7 @@ LOGITS = torch.tensor([[4.0, 3.5, 3.0, 1.0, 0.5, -1.0]])
 
 
 def test_greedy_is_argmax():
-    tokens, logprobs, _ = Sampler(torch.device("cpu"))(LOGITS.clone(), rows(SamplingParams()))
+    tokens, logprobs, _, _ = Sampler(torch.device("cpu"))(LOGITS.clone(), rows(SamplingParams()))
     assert tokens == [0] and logprobs is None
 
 
@@ -50,13 +50,13 @@ def test_high_temperature_spreads_and_low_temperature_sharpens():
 
 def test_repetition_penalty_demotes_seen_tokens():
     sampler = Sampler(torch.device("cpu"))
-    tokens, _, _ = sampler(LOGITS.clone(), rows(SamplingParams(repetition_penalty=1.5), history=[0]))
+    tokens = sampler(LOGITS.clone(), rows(SamplingParams(repetition_penalty=1.5), history=[0])).token_ids
     assert tokens == [1]  # 4.0/1.5 < 3.5
 
 
 def test_logprobs_are_of_the_raw_distribution():
     sampler = Sampler(torch.device("cpu"))
-    tokens, logprobs, _ = sampler(LOGITS.clone(), rows(SamplingParams(logprobs=True, temperature=0.5, seed=3)))
+    tokens, logprobs, _, _ = sampler(LOGITS.clone(), rows(SamplingParams(logprobs=True, temperature=0.5, seed=3)))
     expected = torch.log_softmax(LOGITS[0], -1)[tokens[0]].item()
     assert math.isclose(logprobs[0], expected, rel_tol=1e-6)
 

@@ -96,6 +96,29 @@ def test_decode_preempts_the_youngest_when_blocks_run_out_and_resumes_it():
     assert out.is_prefill and out.seqs[0].seq is young and out.seqs[0].num_new_tokens == young.num_tokens
 
 
+def test_a_sequence_without_a_limit_is_preempted_before_a_limited_one():
+    """Issue 25: requests that run to the end of the context (no max_tokens) grew and pushed
+    out the younger, limited streams beside them. The victim is the sequence that may still
+    grow the most: here the older one, whose limit is the rest of the context."""
+    sched, bm = make(num_blocks=4, block_size=4, max_len=1000)
+    unlimited, limited = seq("unlimited", 4, max_tokens=996), seq("limited", 4, max_tokens=8)
+    sched.add(unlimited)
+    sched.add(limited)
+    feed(sched, sched.schedule())
+    out = sched.schedule()
+    for _ in range(4):
+        feed(sched, out)
+        out = sched.schedule()
+    assert out.preempted == ["unlimited"]
+    assert [s.seq.seq_id for s in out.seqs] == ["limited"] and unlimited.status is SeqStatus.WAITING
+    while limited.status is not SeqStatus.FINISHED:  # the limited one runs to its end ...
+        assert "limited" not in out.preempted
+        feed(sched, out)
+        out = sched.schedule()
+    assert limited.num_output_tokens == 8
+    assert [s.seq for s in out.seqs] == [unlimited]  # ... and the unlimited one resumes after
+
+
 def test_a_lone_sequence_that_cannot_grow_is_preempted_not_crashed():
     sched, bm = make(num_blocks=2, block_size=2)
     s = seq("a", 3, max_tokens=10)

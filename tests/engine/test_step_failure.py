@@ -1,5 +1,6 @@
-"""A step that raises aborts exactly the sequences it held, frees their blocks, and leaves the
-engine serving everything else. The failure is injected into the sampler
+"""A step that raises (twice: the first time its sequences are retried on the next step)
+aborts exactly the sequences it held, frees their blocks, and leaves the engine serving
+everything else. The failure is injected into the sampler
 (``tests.factories.FailingSampler`` says why: validation closed the real overflow)."""
 
 import pytest
@@ -26,6 +27,7 @@ def test_a_failing_prefill_step_aborts_its_batch_and_the_engine_goes_on(tiny_lla
     good, bad, later = random_prompts(3, [20, 30, 25], seed=3)
     engine.add_request("good", good, GREEDY)
     engine.add_request("bad", bad, OVERFLOW)
+    assert engine.step() == []  # the first failure is retried
     with pytest.raises(StepFailed) as info:
         engine.step()  # both prompts are in this prefill step: both are aborted
     assert sorted(info.value.request_ids) == ["bad", "good"]
@@ -44,6 +46,7 @@ def test_a_failing_decode_step_does_not_make_later_steps_fail(tiny_llama_dir):
     # "bad" enters as a remote-prefilled request: its first forward is a decode step.
     engine.add_prefilled("bad", bad, 5, OVERFLOW)
     engine.kv_ready("bad")
+    assert engine.step() == []  # the first failure is retried
     with pytest.raises(StepFailed) as info:
         engine.step()
     assert info.value.request_ids == ["bad"]

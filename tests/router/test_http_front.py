@@ -70,3 +70,20 @@ def test_a_full_router_answers_429_with_retry_after_and_the_admitted_request_com
     (status, retry_after, payload), (ok_status, _, ok) = asyncio.run(main())
     assert (status, retry_after) == (429, "2") and "max_waiting_requests=1" in payload["error"]["message"]
     assert ok_status == 200 and ok["choices"][0]["text"] == "bcd"
+
+
+def test_completions_without_max_tokens_get_16_as_openai_and_vllm_give():
+    """Issue 25: {"prompt": [[1, 2], [3]]} with no max_tokens ran to the end of the context.
+    /v1/completions now defaults to 16 tokens (chat keeps "the rest of the context")."""
+    async def main():
+        service = serve(FakePrefill())
+        runner, address = await http_api.start(service, "127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await post(session, address, json.dumps({"prompt": [5, 6]}).encode())
+        finally:
+            await runner.cleanup()
+
+    status, _, payload = asyncio.run(main())
+    assert status == 200, payload
+    assert payload["usage"]["completion_tokens"] == 16 and payload["choices"][0]["finish_reason"] == "length"

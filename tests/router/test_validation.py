@@ -134,7 +134,7 @@ def test_a_tiny_temperature_is_greedy_and_cannot_overflow_the_logits():
     assert params.greedy
     logits = torch.tensor([[30.0, 1.0, -5.0], [1.0, 2.0, 3.0]])
     rows = [SamplerRow("a", params, [0]), SamplerRow("b", SamplingParams(temperature=1.0, seed=1), [0])]
-    tokens, _, _ = Sampler(torch.device("cpu"))(logits, rows)
+    tokens = Sampler(torch.device("cpu"))(logits, rows).token_ids
     assert tokens[0] == 0
 
 

@@ -14,6 +14,8 @@ from router.limits import RouterLimits
 # decode worker has its KV (the fault-injection hook of kv_transfer).
 TRANSFER_DELAY_S = 0.5
 LEASE_S = 4.0
+# Reads here take TRANSFER_DELAY_S; a lease must outlive the longest read (ClusterConfig).
+TRANSFER_TIMEOUT_S = 3.0
 
 
 def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TRANSFER_DELAY_S,
@@ -25,6 +27,7 @@ def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TR
     config = ClusterConfig(
         engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=192 << 20)),
         num_prefill=num_prefill, num_decode=num_decode, grpc_port=0, lease_seconds=LEASE_S,
+        transfer_timeout_s=TRANSFER_TIMEOUT_S,
         inject_transfer_delay_s=delay_s, threads_per_worker=1, router_poll_s=router_poll_s, http_port=0,
         supervise_interval_s=supervise_interval_s,
         router_limits=RouterLimits(admission_wait_s=admission_wait_s))

@@ -13,7 +13,7 @@ from engine.engine_thread import EngineThread
 from prefill_worker.server import start
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from tests.factories import fail_sampling_for, make_engine, random_prompts
+from tests.factories import fail_sampling_for, make_engine, nan_logits_for, random_prompts
 from wire.failure import Failure, failure_of
 from wire.grpc_util import aio_channel
 
@@ -85,6 +85,34 @@ def test_a_step_that_raises_fails_its_prompt_with_a_typed_code_and_the_worker_se
     assert error.code() == grpc.StatusCode.ABORTED and failure_of(error) is Failure.STEP_FAILED
     assert after.HasField("kv") and len(after.kv.block_ids) == 2
     assert stats.num_blocks_used == 0 and stats.num_waiting == 0 and stats.num_held_leases == 0
+
+
+def test_a_request_whose_own_fault_ends_it_gets_invalid_argument_and_its_batch_does_not(engine):
+    """NaN logits for "bad" alone: its Prefill ends INVALID_ARGUMENT naming the field, and
+    "good", sent at the same time (same step), gets its answer."""
+    config = PrefillWorkerConfig(kv_transfer_backend="tcp")
+    worker = PrefillWorker(config, engine=engine)
+    nan_logits_for(engine, "bad")
+    bad, good = random_prompts(2, [30, 20], seed=5)
+
+    async def run():
+        server = await start(config, worker)
+        try:
+            async with aio_channel(server.address) as channel:
+                stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+                calls = [stub.Prefill(prefill_request(rid, p, 0.0), timeout=60) for rid, p in (("bad", bad), ("good", good))]
+                bad_answer, good_answer = await asyncio.gather(*calls, return_exceptions=True)
+                await stub.Release(worker_pb2.ReleaseRequest(lease_token=good_answer.kv.lease_token), timeout=5)
+                stats = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+                return bad_answer, good_answer, stats
+        finally:
+            await server.stop()
+
+    error, good_answer, stats = asyncio.run(run())
+    assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logits" in error.details() and dict(error.trailing_metadata())["pdserve-field"] == "logits"
+    assert good_answer.HasField("kv") and len(good_answer.kv.block_ids) == 2
+    assert stats.num_blocks_used == 0 and stats.num_held_leases == 0
 
 
 def test_drain_refuses_new_prompts_and_waits_for_held_kv(engine):
