@@ -4,6 +4,7 @@ the router, each its own Ray actor (``ServerActor``), started and supervised by 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -12,6 +13,8 @@ import ray
 
 from cluster.placement import PoolPlacement
 from wire.logs import LogConfig, configure
+
+log = logging.getLogger(__name__)
 
 
 def _start_role(role: str, config):
@@ -27,6 +30,23 @@ def _start_role(role: str, config):
     return start(config)
 
 
+def normal_priority() -> None:
+    """Every thread of this process at niceness 0 (Linux keeps a niceness per thread, and new
+    threads take their creator's). A Ray this cluster started already runs its workers at 0
+    (cluster/ray_start.py); on another Ray, whose workers start at 15, raising the priority
+    needs CAP_SYS_NICE, and without it the worker stays where Ray put it, with a warning."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) > 0:
+                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+        except PermissionError:
+            log.warning("this worker runs at niceness %d: raising it to 0 needs CAP_SYS_NICE (or start the "
+                        "Ray nodes with RAY_worker_niceness=0)", os.getpriority(os.PRIO_PROCESS, 0))
+            return
+
+
 @ray.remote(num_cpus=0)
 class ServerActor:
     """One role (prefill worker, decode worker or router) in its own process."""
@@ -38,6 +58,7 @@ class ServerActor:
         from wire.server import ServerThread
 
         self._spec = (role, config, threads, placement)  # what ``describe`` tells a controller that adopts it
+        normal_priority()
         if threads:
             torch.set_num_threads(threads)
         configure(log_config, getattr(config, "worker_id", role))

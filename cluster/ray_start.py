@@ -11,6 +11,9 @@ import ray
 log = logging.getLogger(__name__)
 
 RAY_START_ATTEMPTS = 2  # a local Ray whose GCS server does not come up is started once more
+# Ray starts its worker processes at niceness 15 unless told otherwise, so on a small host the
+# router, the load and Ray's own daemons preempted the engines. Workers run at 0.
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 
 def set_ray_auth_mode(mode: str) -> None:
@@ -28,6 +31,7 @@ def start_local_ray(num_cpus: int, token_auth: bool) -> None:
     """A new Ray instance of this process's own ("local": even when another Ray runs on this
     machine), with token authentication unless ``token_auth`` is off."""
     set_ray_auth_mode("token" if token_auth else "disabled")
+    os.environ.setdefault(WORKER_NICENESS_ENV, "0")  # read by the raylet this ray.init starts
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,

@@ -60,3 +60,43 @@ def test_any_other_start_failure_is_raised_at_once(fake_ray):
     with pytest.raises(RuntimeError, match="object store"):
         c._init_ray()
     assert (fake.inits, fake.shutdowns) == (1, 0)
+
+
+def test_a_local_ray_starts_its_workers_at_niceness_0(fake_ray, monkeypatch):
+    """Ray's raylet starts workers at niceness 15 unless RAY_worker_niceness says otherwise."""
+    monkeypatch.delenv(ray_start.WORKER_NICENESS_ENV, raising=False)
+    fake_ray([])
+    ray_start.start_local_ray(num_cpus=2, token_auth=True)
+    assert ray_start.os.environ[ray_start.WORKER_NICENESS_ENV] == "0"
+
+
+def test_a_worker_raises_every_thread_to_niceness_0():
+    """A worker on a Ray that started it at 15 (another Ray's default) runs at 0 after
+    ``normal_priority``, the thread it started while still at 15 included."""
+    import os
+    import threading
+
+    from cluster.actors import normal_priority
+
+    ready, done = threading.Event(), threading.Event()
+    tids = []
+
+    def worker():
+        tids.append(threading.get_native_id())
+        ready.set()
+        done.wait(10)
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    thread = threading.Thread(target=worker)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 15)  # this thread: its new thread inherits 15
+        thread.start()
+        ready.wait(10)
+        assert os.getpriority(os.PRIO_PROCESS, tids[0]) == 15
+        normal_priority()
+        assert os.getpriority(os.PRIO_PROCESS, tids[0]) == 0
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 0
+    finally:
+        done.set()
+        thread.join()
+        os.setpriority(os.PRIO_PROCESS, 0, before)
