@@ -109,6 +109,9 @@ def compare_steps(dtype: torch.dtype, rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=30)

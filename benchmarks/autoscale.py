@@ -55,6 +55,9 @@ def plot(cluster: LocalCluster, t0: float, phases: list[tuple[str, float, float]
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     config = ClusterConfig(
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), grpc_port=0, http_port=None,
         threads_per_worker=1, autoscale_interval_s=0.5,

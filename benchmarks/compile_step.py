@@ -49,6 +49,9 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, tag: str) -> tuple[f
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)

@@ -96,6 +96,9 @@ def summarize(records: list[Stream], args) -> dict:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")

@@ -193,6 +193,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", nargs="+", type=int, default=[torch.get_num_threads()])

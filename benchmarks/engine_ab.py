@@ -66,6 +66,9 @@ def measure(tree: Path, batch: int, steps: int, dtype: str) -> dict:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision to compare against")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])

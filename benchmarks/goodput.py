@@ -189,6 +189,9 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     loadavg_start = os.getloadavg()  # the machine is shared: what else ran, before and after

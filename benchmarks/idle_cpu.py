@@ -58,6 +58,9 @@ def measure(seconds: float, model: str) -> float:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--model", default="default")

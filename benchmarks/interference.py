@@ -72,6 +72,9 @@ async def measure(cluster, args, bar) -> dict:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=6, help="steady decode streams")
     ap.add_argument("--stream-prompt", type=int, default=64, help="prompt tokens of a steady stream")

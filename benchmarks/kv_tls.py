@@ -50,6 +50,9 @@ def timed_read(reader, peer: str, blocks: int, num_blocks: int) -> float:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=15)

@@ -190,6 +190,9 @@ def plot(sizes: list[int], rates: dict[str, dict[int, float]], block_bytes: int,
 
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark; see ``--help``."""
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-bytes", type=int, default=SMOLLM2_BLOCK_BYTES)
     parser.add_argument("--sizes", default="8,32,128,512", help="blocks per read")

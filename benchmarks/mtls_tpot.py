@@ -42,6 +42,9 @@ def tpot(stub, tokens: int, seed: int) -> float:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)

@@ -30,6 +30,9 @@ DRIVER = ROOT / "tests" / "security" / "netns_driver.py"
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", nargs="+", default=["512"])
     ap.add_argument("--repeats", default="5")

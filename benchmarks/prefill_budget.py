@@ -51,6 +51,9 @@ def run_queue(engine: LLMEngine, budget: int, prompts: list[list[int]]) -> tuple
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--prompts", type=int, default=16)

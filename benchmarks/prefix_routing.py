@@ -196,6 +196,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     args = parse_args()
     cache_tokens = int(args.cache_prompts * (args.system_tokens + 48))
     config = ClusterConfig(

@@ -327,6 +327,9 @@ def rerender(args) -> None:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     args = parse_args()
     if args.rerender:
         return rerender(args)

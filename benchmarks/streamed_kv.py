@@ -78,6 +78,9 @@ def run_arm(stream: bool, args, seeds: list[int], bar) -> list[dict]:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of both arms")

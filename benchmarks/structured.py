@@ -228,6 +228,9 @@ def _outlines(hf_tok, vocab, ids, logits) -> dict:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=32)

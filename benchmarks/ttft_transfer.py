@@ -50,6 +50,9 @@ def one(stub, decode_address: str, length: int, seed: int) -> dict:
 
 
 def main() -> None:
+    from benchmarks.processor import print_banner
+
+    print_banner()  # the processor and kernel path every figure below ran on
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", nargs="+", type=int, default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=5)
