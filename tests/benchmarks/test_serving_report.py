@@ -53,12 +53,15 @@ def test_targets_met_and_missed():
             record("pdserve", "conc16", vllm_result(ttft=900.0, tpot=40.0, out_tok_s=280.0)),
             record("vllm", "conc16", vllm_result(ttft=500.0, tpot=45.0, out_tok_s=300.0))]
     doc = doc_with(rows)
-    assert doc["ratios"]["rate2"] == {"ttft_p50": 2.5, "tpot_p50": 0.857, "output_tok_s": 0.909}
+    assert doc["ratios"]["rate2"] == {"ttft_p50": 2.5, "tpot_p50": 0.857, "itl_p99": 0.857, "output_tok_s": 0.909}
     met = {(t["load"], t["ratio"]): t["met"] for t in doc["targets"]}
-    assert met == {("rate2", "tpot_p50"): True, ("rate2", "ttft_p50"): False, ("conc16", "output_tok_s"): False}
+    assert met == {("rate2", "tpot_p50"): True, ("rate2", "ttft_p50"): False, ("rate2", "itl_p99"): False,
+                   ("conc16", "output_tok_s"): False}
     table = markdown(doc)
     assert "| TPOT p50 at most vLLM's | 2 req/s, 32 prompts | 0.86x | ≤ 1x | **met** |" in table
     assert "| output tok/s at least vLLM's | concurrency 16, 48 prompts | 0.93x | ≥ 1x | **not met** |" in table
+    assert table.startswith(f"Processor: {doc['machine']['cpu_model']}")
+    assert f"kernel path {doc['machine']['kernel_path']}" in table
 
 
 def test_a_load_with_failed_requests_is_not_compared():
