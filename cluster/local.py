@@ -67,6 +67,7 @@ class ClusterConfig:
     transfer_timeout_s: float = 10.0
     inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
+    borrow_idle_cores: bool = True  # pinned workers also borrow the other workers' cores while idle
     step_trace_dir: str | None = None  # each worker's engine steps, one JSON line each (engine.step_trace)
     ray_address: str | None = None  # join this Ray cluster instead of starting one
     served_model_names: tuple[str, ...] = ("smollm2",)  # what the API answers to; the first is reported
@@ -378,8 +379,9 @@ class LocalCluster:
             placement = dataclasses.replace(placement, cpus=float(threads))
         if self._started_ray and hasattr(config, "cpus") and _max_workers(self.config) * threads <= (os.cpu_count() or 1):
             slot = next(self._core_slots)
-            config = dataclasses.replace(config, cpus=tuple((slot * threads + k) % (os.cpu_count() or 1)
-                                                            for k in range(threads)))
+            cpus = tuple((slot * threads + k) % (os.cpu_count() or 1) for k in range(threads))
+            borrow = tuple(c for c in range(os.cpu_count() or 1) if c not in cpus) if self.config.borrow_idle_cores else ()
+            config = dataclasses.replace(config, cpus=cpus, borrow_cpus=borrow)
         self._next_id[role] = max(self._next_id[role], index + 1)
         self._specs[(role, index)] = (placement, config, threads)
         pg, options = reserve(placement, f"{self._group_prefix()}{role}-{index}-{uuid.uuid4().hex[:8]}",

@@ -48,6 +48,7 @@ class PrefillWorkerConfig:
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
+    borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (wire.worker_shell)
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
     # Prefix-cache events kept for routers' polls (prefill_worker.cache_events). A router further
     # behind gets a snapshot instead. At ~1,000 prompt tokens/s a CPU worker makes ~60 events a

@@ -61,6 +61,8 @@ class WorkerShell:
     def start(self) -> None:
         if self.config.cpus:
             pin_process(self.config.cpus)
+            if self.config.borrow_cpus:
+                borrow_idle_cores(self.config.cpus, self.config.borrow_cpus)
         self.agent.expect_reads(False)  # until the role says otherwise (a prefill worker holding KV)
         self.thread.start()
 
@@ -161,6 +163,23 @@ def pin_process(cpus: Iterable[int]) -> None:
         except (ProcessLookupError, PermissionError):  # the thread ended meanwhile
             pass
     torch.set_num_threads(len(cores))
+
+
+def borrow_idle_cores(own: Iterable[int], borrowed: Iterable[int]) -> None:
+    """Let this worker's CPU kernels also run on ``borrowed`` cores while their owners (the
+    other workers on this host) are idle: one idle-priority helper per core, which gives the
+    core back the moment its owner wakes (engine/csrc/borrow_pool.h). Torch's own pool keeps
+    the worker's own cores. Without pdserve's CPU kernels (a GPU, or no AVX2) there is nothing
+    to share."""
+    from engine import cpu_kernels
+
+    if not cpu_kernels.cpu_supported():
+        return
+    import torch
+
+    cpu_kernels.load()
+    helpers = torch.ops.pdserve.start_borrow_pool(sorted(own), sorted(borrowed))
+    log.info("kernels on cores %s, and %d idle-priority helper(s) on %s", sorted(own), helpers, sorted(borrowed))
 
 
 class ShellRpcs:

@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "parallel_chunks.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -342,16 +343,14 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
   }
   if (items.empty()) return;
   const int64_t max_keys = (max_ctx + KEYS - 1) / KEYS * KEYS;
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   // Which thread runs an item never changes its arithmetic, so a work queue is safe here.
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  pdserve::parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     thread_local Scratch scratch;
     scratch.reserve(QUERY_TILE * g.group, max_keys, g.hd);
     Worker<T> w(g, q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
                 tables, cu_q, ctx, scale, scratch);
-    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) w.run(items[i]);
-  });
+    for (int64_t i = b; i < e; ++i) w.run(items[i]);
+  }, 4);
 }
 
 }  // namespace

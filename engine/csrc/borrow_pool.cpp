@@ -1,0 +1,157 @@
+// The borrowing pool (borrow_pool.h) and its operator:
+//
+//   start_borrow_pool(int[] own, int[] borrowed) -> int
+//       Pins the calling thread's process to `own`, and starts one helper thread per core in
+//       `borrowed`, at SCHED_IDLE, allowed on own + borrowed (so a starved helper can move
+//       to an own core that went idle). Returns the number of helpers. Once per process.
+//
+// A job is a ticket: generation (high 32 bits) and the next unclaimed index (low 32 bits),
+// claimed by compare-and-swap. A thread that read a job's fields acts on them only after a
+// successful claim under that job's generation, and the caller publishes the next job only
+// once every chunk of this one is claimed and done: so no helper ever runs a stale job.
+#include "borrow_pool.h"
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+namespace pdserve {
+namespace {
+
+constexpr int kSpinWait = 20000;  // pause loops before sleeping: about the gap between two kernels
+
+class BorrowPool {
+ public:
+  int64_t start(const std::vector<int64_t>& borrowed, const cpu_set_t& all) {
+    for (size_t i = 0; i < borrowed.size(); ++i) threads_.emplace_back([this, all] { helper(all); });
+    return static_cast<int64_t>(threads_.size());
+  }
+
+  bool active() const { return !threads_.empty(); }
+
+  void run(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+    const uint32_t gen = ++gen_;
+    fn_.store(&fn, std::memory_order_relaxed);
+    n_.store(n, std::memory_order_relaxed);
+    chunk_.store(chunk, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    helpers_in_.store(0, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ticket_.store(static_cast<uint64_t>(gen) << 32, std::memory_order_release);
+    }
+    if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+    work(gen, &fn, n, chunk);
+    // Every chunk is claimed now; wait for those a helper still runs, asleep after a short
+    // spin, so this core is idle and a preempted helper can be moved here to finish.
+    for (int spin = 0; done_.load(std::memory_order_acquire) < n; ++spin) {
+      if (spin < kSpinWait) _mm_pause();
+      else std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    last_helpers_ = helpers_in_.load(std::memory_order_relaxed);
+  }
+
+  int64_t last_helpers() const { return last_helpers_; }
+
+ private:
+  // Claims and runs chunks of job `gen` until none is left; returns how many it ran.
+  int64_t work(uint32_t gen, const std::function<void(int64_t, int64_t)>* fn, int64_t n, int64_t chunk) {
+    int64_t ran = 0;
+    for (uint64_t cur = ticket_.load(std::memory_order_acquire);;) {
+      if ((cur >> 32) != gen) return ran;
+      const int64_t b = static_cast<int64_t>(cur & 0xFFFFFFFFu);
+      if (b >= n) return ran;
+      if (!ticket_.compare_exchange_weak(cur, cur + static_cast<uint64_t>(chunk), std::memory_order_acq_rel))
+        continue;  // cur now holds the ticket's new value
+      const int64_t e = std::min(n, b + chunk);
+      (*fn)(b, e);
+      done_.fetch_add(e - b, std::memory_order_release);
+      ++ran;
+      cur = ticket_.load(std::memory_order_acquire);
+    }
+  }
+
+  void helper(cpu_set_t all) {
+    sched_param none{};
+    pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &all);
+    sched_setscheduler(0, SCHED_IDLE, &none);
+    uint32_t seen = 0;
+    for (;;) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      for (int spin = 0; (t >> 32) == seen && spin < kSpinWait; ++spin) {
+        _mm_pause();
+        t = ticket_.load(std::memory_order_acquire);
+      }
+      if ((t >> 32) == seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        sleepers_.fetch_add(1, std::memory_order_acq_rel);
+        cv_.wait(lock, [&] { return (ticket_.load(std::memory_order_acquire) >> 32) != seen; });
+        sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+        t = ticket_.load(std::memory_order_acquire);
+      }
+      seen = static_cast<uint32_t>(t >> 32);
+      // The fields may already belong to a later job: then every claim below fails.
+      const auto* fn = fn_.load(std::memory_order_relaxed);
+      const int64_t n = n_.load(std::memory_order_relaxed), chunk = chunk_.load(std::memory_order_relaxed);
+      if (work(seen, fn, n, chunk) > 0) helpers_in_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<const std::function<void(int64_t, int64_t)>*> fn_{nullptr};
+  std::atomic<int64_t> n_{0}, chunk_{1}, done_{0}, helpers_in_{0};
+  std::atomic<int> sleepers_{0};
+  uint32_t gen_ = 0;
+  int64_t last_helpers_ = 0;
+};
+
+BorrowPool& pool() {
+  static BorrowPool* p = new BorrowPool();  // never destroyed: its helpers live as long as the process
+  return *p;
+}
+
+std::once_flag g_started;
+
+int64_t start_borrow_pool(std::vector<int64_t> own, std::vector<int64_t> borrowed) {
+  TORCH_CHECK(!own.empty(), "start_borrow_pool: a worker needs at least one core of its own");
+  int64_t helpers = -1;
+  std::call_once(g_started, [&] {
+    cpu_set_t own_set, all;
+    CPU_ZERO(&own_set);
+    for (int64_t c : own) CPU_SET(static_cast<int>(c), &own_set);
+    all = own_set;
+    for (int64_t c : borrowed) CPU_SET(static_cast<int>(c), &all);
+    helpers = pool().start(borrowed, all);
+  });
+  TORCH_CHECK(helpers >= 0, "start_borrow_pool: the pool of this process is already started");
+  return helpers;
+}
+
+}  // namespace
+
+bool borrow_pool_active() { return pool().active(); }
+
+void borrow_pool_run(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+  pool().run(n, chunk, fn);
+}
+
+int64_t borrow_pool_helpers() { return pool().last_helpers(); }
+
+}  // namespace pdserve
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("start_borrow_pool(int[] own, int[] borrowed) -> int", &pdserve::start_borrow_pool);
+  m.def("borrow_pool_helpers() -> int", &pdserve::borrow_pool_helpers);
+}

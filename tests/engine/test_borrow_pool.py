@@ -1,0 +1,56 @@
+"""Borrowed cores (engine/csrc/borrow_pool.h): a worker's kernels also run on idle-priority
+helpers on another worker's cores. Whichever thread computes a chunk, the bits are the same.
+
+The pool is once per process, so the check runs in a fresh process: the decoder's linears and
+paged attention before the pool starts, then with it, compared bitwise.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported() or (os.cpu_count() or 1) < 2,
+                                reason="needs an x86-64 CPU with AVX2 + FMA and two cores")
+
+CHILD = r"""
+import os, torch
+from engine import cpu_kernels
+from engine.linear import PackedLinear
+cpu_kernels.load()
+os.sched_setaffinity(0, {0})
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+layers = [PackedLinear((torch.randn(n, k, generator=g) * k ** -0.5).bfloat16(), None) for n, k in
+          [(960, 576), (3072, 576), (576, 1536), (49152, 576)]]
+xs = {k: torch.randn(70, k, generator=g).bfloat16() for k in (576, 1536)}
+q = torch.randn(40, 9, 64, generator=g).bfloat16()
+kv = torch.randn(2, 32, 16, 3, 64, generator=g).bfloat16()
+tables = torch.arange(32, dtype=torch.int32).view(4, 8)
+cu = torch.tensor([0, 1, 2, 39, 40], dtype=torch.int32)
+ctx = torch.tensor([100, 17, 120, 64], dtype=torch.int32)
+
+def run():
+    outs = [l(xs[l.in_features][:m]) for l in layers for m in (1, 16, 70)]
+    return outs + [torch.ops.pdserve.paged_attention(q, kv[0], kv[1], tables, cu, ctx, 0.125)]
+
+before = run()
+print("helpers", torch.ops.pdserve.start_borrow_pool([0], [1]))
+ran = 0
+for _ in range(20):
+    after = run()
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "a chunk run by a helper changed the bits"
+    ran += torch.ops.pdserve.borrow_pool_helpers()
+print("jobs a helper joined (of the last in each round):", ran)
+"""
+
+
+def test_outputs_are_bitwise_the_same_with_borrowed_cores():
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", CHILD], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "helpers 1" in out.stdout
