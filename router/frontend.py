@@ -95,10 +95,7 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
 def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Every ``RequestLimits`` size, each refused with its setting's name as the field."""
     s = req.sampling
-    _at_most("max_request_id_chars", "request_id", len(req.request_id), limits.max_request_id_chars)
-    if any(unicodedata.category(c) == "Cc" for c in req.request_id):
-        # Ids go into text logs (the router's, the workers'): a newline would forge a line.
-        raise InvalidRequestError("request_id", "must not contain control characters (newlines, tabs, ...)")
+    check_request_id(req.request_id, limits)
     _at_most("max_stop_token_ids", "stop_token_ids", len(s.stop_token_ids), limits.max_stop_token_ids)
     _at_most("max_stop_strings", "stop", len(s.stop), limits.max_stop_strings)
     for text in s.stop:
@@ -111,6 +108,15 @@ def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> Non
     else:
         chars = len(req.text)
     _at_most("max_prompt_chars", "prompt", chars, limits.max_prompt_chars)
+
+
+def check_request_id(request_id: str, limits: RequestLimits) -> None:
+    """A client's request id, as ``Generate`` and ``Abort`` take it: at most
+    ``max_request_id_chars``, and no control characters, because ids go into text logs (the
+    router's, the workers'), where a newline would forge a line."""
+    _at_most("max_request_id_chars", "request_id", len(request_id), limits.max_request_id_chars)
+    if any(unicodedata.category(c) == "Cc" for c in request_id):
+        raise InvalidRequestError("request_id", "must not contain control characters (newlines, tabs, ...)")
 
 
 # Public fields that only the router sets (when it re-sends a migrated request), each with the

@@ -26,7 +26,7 @@ from engine.errors import InvalidRequestError
 from planner.trace_writer import TraceWriter
 from protos import pdserve_pb2
 from router.cache_salt import key_salt
-from router.frontend import ModelInfo, prepare
+from router.frontend import ModelInfo, check_request_id, prepare
 from router.orchestrator import RequestRun, RouteError
 from router.limits import RouterLimits
 from router.pool import WorkerPool
@@ -152,7 +152,12 @@ class GenerationService:
             await context.abort(exc.code, str(exc))
 
     async def Abort(self, request, context):
-        """Abort the caller's own request of that id; another client's is not found."""
+        """Abort the caller's own request of that id; another client's is not found. The id
+        is checked as ``Generate`` checks it (it is logged the same way)."""
+        try:
+            check_request_id(request.request_id, self.limits.requests)
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
         key = (caller(context), request.request_id)
         entry = self.running.get(key)
         if entry is None:

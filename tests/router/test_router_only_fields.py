@@ -73,3 +73,43 @@ def test_a_printable_request_id_is_served():
     request = pdserve_pb2.GenerateRequest(request_id="client-7 é/ü:ok", token_ids=pdserve_pb2.TokenIds(ids=[5, 6]),
                                           sampling=pdserve_pb2.SamplingParams(max_tokens=2))
     assert generate(request)[0] == grpc.StatusCode.OK
+
+
+def abort(request_id: str) -> tuple[grpc.StatusCode, str, str]:
+    """``Abort`` of ``request_id`` through a real router gRPC server: (code, details, trailing
+    pdserve-field); OK when the router answered (found or not)."""
+    async def main():
+        model = ModelInfo("m", SimpleNamespace(vocab_size=1000), 4096, 16, LetterTokenizer())
+        service = GenerationService(model, fake_pool([FakePrefill()], [FakeDecode()]), RouterLimits())
+        server = aio_server()
+        address = bind(server, "127.0.0.1", 0)
+        service.add_to(server)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                try:
+                    await pdserve_pb2_grpc.GenerationStub(channel).Abort(
+                        pdserve_pb2.AbortRequest(request_id=request_id), timeout=30)
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code(), exc.details(), dict(exc.trailing_metadata() or ()).get("pdserve-field", "")
+                return grpc.StatusCode.OK, "", ""
+        finally:
+            await server.stop(None)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("request_id", ["a\nINFO forged line", "a\rb", "tab\there", "nul\x00", "del\x7f", "c1\x85"])
+def test_abort_refuses_a_request_id_with_control_characters_naming_it(request_id):
+    """Abort takes a client's id as Generate does, and logs it as Generate does: the same refusal."""
+    code, details, field = abort(request_id)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field == "request_id" and "control" in details
+
+
+def test_abort_refuses_a_request_id_over_the_limit_naming_it():
+    code, details, field = abort("x" * (RouterLimits().requests.max_request_id_chars + 1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field == "request_id" and "max_request_id_chars" in details
+
+
+def test_abort_of_a_printable_unknown_id_is_answered_not_found():
+    assert abort("client-7 é/ü:ok")[0] == grpc.StatusCode.OK
