@@ -61,45 +61,29 @@ class PendingRows {
   explicit PendingRows(const Output& o) : o_(o) {}
 
   void start(const float* c, int64_t m0, int mr, int64_t p, int np) {
-    c_ = c, m0_ = m0, p_ = p, np_ = np;
-    t_ = i_ = r_ = 0;
-    rows_[0] = std::min(16, mr), rows_[1] = std::max(0, mr - 16);
-    live_ = mr > 0;
-    begin_tile();
+    c_ = c, m0_ = m0, np_ = np;
+    next_ = 0;
+    total_ = mr;
+    row_ = PanelPairWriter(o_, p * kPanel, np);
   }
 
-  // Up to `count` more rows (a row of one tile: 16 columns), tile by tile.
+  // Up to `count` more rows (both panels of one row of the block).
   inline void write(int count) {
-    while (live_ && count > 0) {
-      const int n = std::min(count, rows_[t_] - r_);
-      for (int r = r_; r < r_ + n; ++r) row_.write(tile_ + 16 * r, m0_ + 16 * t_ + r);
-      r_ += n, count -= n;
-      if (r_ == rows_[t_]) next_tile();
+    for (const int end = std::min(total_, next_ + count); next_ < end; ++next_) {
+      const int t = next_ / 16, r = next_ % 16;
+      const float* tile = c_ + 2 * t * 256 + 16 * r;  // tile_kernel's order: tmm 2t + i
+      row_.write(tile, np_ > 1 ? tile + 256 : nullptr, m0_ + next_);
     }
   }
 
-  void finish() { write(64); }
+  void finish() { write(total_); }
 
  private:
-  void begin_tile() {
-    tile_ = c_ + (2 * t_ + i_) * 256;  // tile_kernel's order: tmm 2t + i
-    row_ = RowWriter(o_, (p_ + i_) * kPanel);
-  }
-
-  void next_tile() {
-    r_ = 0;
-    if (++i_ == np_) i_ = 0, ++t_;
-    if (t_ == 2 || rows_[t_] == 0) live_ = false;
-    else begin_tile();
-  }
-
   const Output& o_;
   const float* c_ = nullptr;
-  const float* tile_ = nullptr;
-  RowWriter row_;
-  int64_t m0_ = 0, p_ = 0;
-  int np_ = 0, t_ = 0, i_ = 0, r_ = 0, rows_[2] = {0, 0};
-  bool live_ = false;
+  PanelPairWriter row_;
+  int64_t m0_ = 0;
+  int np_ = 0, next_ = 0, total_ = 0;
 };
 
 // MA A tiles (16 rows each, from a0 and a1) x NB panels over KB blocks of k. b[i]: panel i's first block;
@@ -109,7 +93,7 @@ template <int MA, int NB>
 void tile_kernel(const uint16_t* a0, const uint16_t* a1, int64_t lda, const char* const* b, const char* const* tail, int64_t KB,
                  float* c, PendingRows& pending) {
   const int64_t stride = lda * 2;  // bytes per A row
-  const int rows_per_step = static_cast<int>((64 + KB - 1) / KB);
+  const int rows_per_step = static_cast<int>((32 + KB - 1) / KB);
   _tile_zero(0);
   if constexpr (NB > 1) _tile_zero(1);
   if constexpr (MA > 1) _tile_zero(2);

@@ -33,29 +33,41 @@ inline void write_row16(__m512 v, int64_t m, int64_t col0, const pdserve::Output
   else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(o.data) + at, mask, round_bf16(v));
 }
 
-// The same, for many rows of one 16-column panel: the mask and the bias loaded once.
-class RowWriter {
+// Rows of two adjacent panels (32 columns, one 64-byte line of bfloat16) written together:
+// one store a row instead of two. The second panel may be absent (an odd panel at the end).
+class PanelPairWriter {
  public:
-  RowWriter() = default;
-  RowWriter(const pdserve::Output& o, int64_t col0) : o_(&o), col0_(col0) {
-    const int64_t cols = std::min<int64_t>(16, o.n - col0);
-    mask_ = static_cast<__mmask16>((1u << cols) - 1);
-    bias_ = o.bias ? _mm512_maskz_loadu_ps(mask_, o.bias + col0) : _mm512_setzero_ps();
+  PanelPairWriter() = default;
+  PanelPairWriter(const pdserve::Output& o, int64_t col0, int panels) : o_(&o), col0_(col0) {
+    const int64_t cols = std::min<int64_t>(16 * panels, o.n - col0);
+    mask32_ = cols >= 32 ? ~0u : (1u << cols) - 1;
+    lo_ = static_cast<__mmask16>(mask32_ & 0xFFFF), hi_ = static_cast<__mmask16>(mask32_ >> 16);
+    bias_lo_ = o.bias ? _mm512_maskz_loadu_ps(lo_, o.bias + col0) : _mm512_setzero_ps();
+    bias_hi_ = o.bias && hi_ ? _mm512_maskz_loadu_ps(hi_, o.bias + col0 + 16) : _mm512_setzero_ps();
   }
 
-  inline void write(const float* sums, int64_t m) const {
-    __m512 v = _mm512_load_ps(sums);
-    if (o_->bias) v = _mm512_add_ps(v, bias_);
+  // lo: sums of the first panel's row; hi: the second's (null when there is none).
+  inline void write(const float* lo, const float* hi, int64_t m) const {
+    __m512 a = _mm512_load_ps(lo);
+    __m512 b = hi ? _mm512_load_ps(hi) : _mm512_setzero_ps();
+    if (o_->bias) a = _mm512_add_ps(a, bias_lo_), b = _mm512_add_ps(b, bias_hi_);
     const int64_t at = m * o_->n + col0_;
-    if (o_->f32) _mm512_mask_storeu_ps(static_cast<float*>(o_->data) + at, mask_, v);
-    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(o_->data) + at, mask_, round_bf16(v));
+    if (o_->f32) {
+      float* dst = static_cast<float*>(o_->data) + at;
+      _mm512_mask_storeu_ps(dst, lo_, a);
+      if (hi_) _mm512_mask_storeu_ps(dst + 16, hi_, b);
+      return;
+    }
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(round_bf16(a)), round_bf16(b), 1);
+    _mm512_mask_storeu_epi16(static_cast<uint16_t*>(o_->data) + at, mask32_, both);
   }
 
  private:
   const pdserve::Output* o_ = nullptr;
   int64_t col0_ = 0;
-  __mmask16 mask_ = 0;
-  __m512 bias_ = _mm512_setzero_ps();
+  __mmask32 mask32_ = 0;
+  __mmask16 lo_ = 0, hi_ = 0;
+  __m512 bias_lo_ = _mm512_setzero_ps(), bias_hi_ = _mm512_setzero_ps();
 };
 
 }  // namespace
