@@ -198,11 +198,17 @@ def _decode_groups(ctx: AttentionContext) -> list[tuple[torch.Tensor, torch.Tens
     return groups
 
 
+# flash-attn's kernels take only these (its ``q.dtype`` check); float32 on CUDA runs SDPA.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                   head_dim: int, block_size: int):
-    """``auto``: flash-attn on CUDA when the package imports, SDPA otherwise there; on CPU the
-    ``paged`` kernel where the CPU has AVX2 + FMA, SDPA otherwise. ``flash_invariant`` is
-    flash-attn in its batch-invariant mode (attention_flash.py)."""
+                   head_dim: int, block_size: int, *, dtype: torch.dtype | None = None):
+    """``auto``: flash-attn on CUDA when the package imports and ``dtype`` (the cache's and
+    the activations') is float16 or bfloat16, SDPA otherwise there; on CPU the ``paged``
+    kernel where the CPU has AVX2 + FMA, SDPA otherwise. ``flash_invariant`` is flash-attn in
+    its batch-invariant mode (attention_flash.py). ``dtype`` None (a caller that does not
+    say) never gets flash from ``auto``: a float32 model on flash fails at its first step."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "sdpa":
@@ -223,7 +229,10 @@ def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
         return SdpaAttention(num_heads, num_kv_heads, head_dim)
     from engine.attention_flash import FlashAttention, flash_available
 
-    if flash_available(device):
+    if name in ("flash", "flash_invariant") and dtype not in FLASH_DTYPES:
+        raise ValueError(f"attention_backend={name} needs dtype float16 or bfloat16 (flash-attn's kernels), "
+                         f"got {dtype}; use auto or sdpa for it")
+    if flash_available(device) and dtype in FLASH_DTYPES:
         return FlashAttention(num_heads, num_kv_heads, head_dim, block_size, batch_invariant=name == "flash_invariant")
     if name in ("flash", "flash_invariant"):
         raise ValueError(f"attention_backend={name} needs CUDA and the flash-attn package (pip install '.[gpu]')")

@@ -32,7 +32,7 @@ class ModelRunner:
         self.block_size = blocks.block_size
         self.device = cache.device
         self.backend = select_backend(attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads,
-                                      cfg.head_dim, self.block_size)
+                                      cfg.head_dim, self.block_size, dtype=cache.dtype)
         self._layer_caches = [layer_views(cache, i) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed)
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
