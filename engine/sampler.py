@@ -9,6 +9,13 @@ before the penalties and filters, as vLLM reports them by default; for a constra
 that is after the grammar mask, as vLLM applies it to the logits before its sampler. A
 request with a seed draws from its own ``torch.Generator``, so its output does not depend
 on what else is in the batch.
+
+Devices: every tensor the sampler hands a kernel is on the logits' device (a CUDA step
+never mixes in a host tensor; xgrammar and torch refuse that, issue 26). The generators
+stay on the host on every device: each drawn row takes one uniform from its generator, the
+step's draws go to the device in one copy, and a seeded request draws the same numbers on a
+CPU and on a GPU (on CUDA, a generator per device would launch a kernel per row). The
+results come back in one device-to-host copy (``DeviceSample.to_host``).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.grammar import GrammarCompiler, GrammarMatcher
+from engine.grammar import GrammarCompiler, GrammarMatcher, apply_bitmasks
 from engine.penalties import apply_penalties
 from engine.sampling import SamplingParams, TopLogprobs
 
@@ -37,6 +44,39 @@ class SamplerOutput(NamedTuple):
     top_logprobs: list[TopLogprobs] | None  # per row, () where the row asked for none
 
 
+class DeviceSample(NamedTuple):
+    """One step's choices on the device: tokens (B,) int64; with logprobs, the chosen
+    tokens' (B,) and the best ``max(ks)`` alternatives (B, k), values and ids."""
+
+    tokens: torch.Tensor
+    chosen: torch.Tensor | None = None
+    ks: list[int] | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def to_host(self, pack: bool | None = None) -> SamplerOutput:
+        """The lists the engine hands out. ``pack`` (None: off the CPU) sends everything in one
+        copy, one sync a step: float64 holds every token id and float32 logprob exactly. On
+        the CPU there is nothing to copy, and each tensor is read as it is."""
+        parts = [t for t in (self.tokens, self.chosen, self.top_values, self.top_ids) if t is not None]
+        if pack is None:
+            pack = self.tokens.device.type != "cpu"
+        if pack and len(parts) > 1:
+            b = self.tokens.shape[0]
+            packed = torch.cat([t.reshape(b, -1).double() for t in parts], dim=1).cpu()  # (B, 2 + 2k)
+            parts = list(packed.split([t.reshape(b, -1).shape[1] for t in parts], dim=1))
+            parts = [p.long() if i in (0, 3) else p for i, p in enumerate(parts)]
+            parts[0], parts[1] = parts[0].squeeze(1), parts[1].squeeze(1)
+        token_list = parts[0].tolist()
+        if self.chosen is None:
+            return SamplerOutput(token_list, None, None)
+        if self.top_values is None:
+            return SamplerOutput(token_list, parts[1].tolist(), [()] * len(self.ks))
+        values, ids = parts[2].tolist(), parts[3].tolist()
+        tops = [tuple(zip(ids[i][:n], values[i][:n])) for i, n in enumerate(self.ks)]
+        return SamplerOutput(token_list, parts[1].tolist(), tops)
+
+
 def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
     """logprobs (B, V) -> per row its ``ks[i]`` best (token id, logprob) pairs."""
     k = max(ks, default=0)
@@ -50,7 +90,7 @@ def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
-        self._shared = torch.Generator(device=device).manual_seed(seed)
+        self._shared = torch.Generator().manual_seed(seed)  # host generators: see the module docstring
         self._generators: dict[str, torch.Generator] = {}
         # Banned until ``min_tokens`` are out (besides stop_token_ids); the engine sets them.
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -65,6 +105,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         """logits (B, V) float32 -> B token ids, and their logprobs if any row asked."""
+        return self.pick(logits, rows).to_host()
+
+    def pick(self, logits: torch.Tensor, rows: list[SamplerRow]) -> "DeviceSample":
+        """The step's choices, still on the logits' device (nothing waits for the device)."""
         if any(r.params.structured is not None for r in rows):
             self._constrain(logits, rows)
         want_logprobs = any(r.params.logprobs for r in rows)
@@ -75,17 +119,20 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, rows)
-        token_list = tokens.tolist()
         if raw_logprobs is None:
-            return SamplerOutput(token_list, None, None)
-        chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+            return DeviceSample(tokens)
+        chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1)
         ks = [r.params.top_logprobs if r.params.logprobs else 0 for r in rows]
-        return SamplerOutput(token_list, chosen, top_logprobs(raw_logprobs, ks))
+        k = max(ks)
+        top = raw_logprobs.topk(k, dim=-1) if k else None
+        return DeviceSample(tokens, chosen, ks, top.values if top else None, top.indices if top else None)
 
     def _constrain(self, logits: torch.Tensor, rows: list[SamplerRow]) -> None:
         """Mask, in place, what each constrained row's grammar forbids; other rows stay
-        bit-identical (batch invariance)."""
+        bit-identical (batch invariance). The grammars fill one host bitmask for the step,
+        which goes to the logits' device in one copy and is applied in one call."""
         stops = sorted(self.eos_token_ids)
+        masked: list[tuple[int, GrammarMatcher]] = []
         for i, r in enumerate(rows):
             if r.params.structured is None:
                 continue
@@ -95,7 +142,12 @@ class Sampler:
                     raise RuntimeError("a request has structured output but the engine set no grammar compiler")
                 matcher = self._matchers[r.seq_id] = self.grammars.matcher(r.params.structured)
             matcher.advance(r.token_ids, r.num_prompt_tokens)
-            matcher.mask_row(logits[i:i + 1], stops)
+            if matcher.finished:
+                matcher.keep_only(logits[i:i + 1], stops)
+            else:
+                masked.append((i, matcher))
+        if masked:
+            apply_bitmasks(logits, masked)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
         # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.
@@ -108,7 +160,8 @@ class Sampler:
         # then the first token whose cumulative probability passes it: one cumsum and one
         # search for the batch (torch.multinomial took 1.5 ms a row over a 49k vocabulary).
         # float32 sums move each token's probability by at most about 1e-7.
-        u = torch.cat([torch.rand(1, generator=self._generator(rows[i])) for i in drawn])
+        u = torch.cat([torch.rand(1, generator=self._generator(rows[i])) for i in drawn])  # (D,) host
+        u = u.to(logits.device, non_blocking=True)  # one copy for the step; a no-op on CPU
         cdf = (probs if len(drawn) == len(rows) else probs[drawn]).cumsum(dim=-1)  # (D, V)
         # right=True: the first index whose cdf exceeds the draw, so a zero-probability token
         # (filtered out) is never chosen, even for a draw of exactly 0.
@@ -125,7 +178,7 @@ class Sampler:
             return self._shared
         gen = self._generators.get(row.seq_id)
         if gen is None:
-            gen = self._generators[row.seq_id] = torch.Generator(device=self.device).manual_seed(row.params.seed)
+            gen = self._generators[row.seq_id] = torch.Generator().manual_seed(row.params.seed)
         return gen
 
 
