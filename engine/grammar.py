@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
+from engine.device import to_device
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the router imports this module and needs neither
@@ -197,5 +198,5 @@ def apply_bitmasks(logits: "torch.Tensor", rows: Sequence[tuple[int, GrammarMatc
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
     for i, matcher in rows:
         matcher.fill(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    indices=[i for i, _ in rows])
+    [bitmask] = to_device([bitmask], logits.device)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[i for i, _ in rows])

@@ -13,8 +13,8 @@ on what else is in the batch.
 Devices: every tensor the sampler hands a kernel is on the logits' device (a CUDA step
 never mixes in a host tensor; xgrammar and torch refuse that, issue 26). The generators
 stay on the host on every device: each drawn row takes one uniform from its generator, the
-step's draws go to the device in one copy, and a seeded request draws the same numbers on a
-CPU and on a GPU (on CUDA, a generator per device would launch a kernel per row). The
+step's draws go to the device in one copy with its temperatures and filter limits, and a
+seeded request draws the same numbers on a CPU and on a GPU (on CUDA, a generator per device would launch a kernel per row). The
 results come back in one device-to-host copy (``DeviceSample.to_host``).
 """
 
@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.device import to_device
 from engine.grammar import GrammarCompiler, GrammarMatcher, apply_bitmasks
 from engine.penalties import apply_penalties
 from engine.sampling import SamplingParams, TopLogprobs
@@ -150,18 +151,21 @@ class Sampler:
             apply_bitmasks(logits, masked)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
-        # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=logits.device)
-        scaled = logits / temps.unsqueeze(1)
-        scaled = _filter(scaled, rows)
-        probs = torch.softmax(scaled, dim=-1)
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows])
         # Inverse CDF: one uniform per row (from the row's own generator when it is seeded),
         # then the first token whose cumulative probability passes it: one cumsum and one
         # search for the batch (torch.multinomial took 1.5 ms a row over a 49k vocabulary).
         # float32 sums move each token's probability by at most about 1e-7.
-        u = torch.cat([torch.rand(1, generator=self._generator(rows[i])) for i in drawn])  # (D,) host
-        u = u.to(logits.device, non_blocking=True)  # one copy for the step; a no-op on CPU
+        u = torch.cat([torch.rand(1, generator=self._generator(rows[i])) for i in drawn])  # (D,)
+        limits = _filter_limits(rows, logits.shape[-1])
+        # The step's per-row values go to the device in one copy; on CPU nothing moves.
+        temps, u, *limits = to_device([temps, u, *limits], logits.device)
+        scaled = logits / temps.unsqueeze(1)
+        if limits:
+            scaled = _filter(scaled, *limits)
+        probs = torch.softmax(scaled, dim=-1)
         cdf = (probs if len(drawn) == len(rows) else probs[drawn]).cumsum(dim=-1)  # (D, V)
         # right=True: the first index whose cdf exceeds the draw, so a zero-probability token
         # (filtered out) is never chosen, even for a draw of exactly 0.
@@ -182,24 +186,27 @@ class Sampler:
         return gen
 
 
-def _filter(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
-    """Mask out tokens that top-k, top-p or min-p exclude (per row; disabled rows untouched)."""
+def _filter_limits(rows: list[SamplerRow], vocab: int) -> list[torch.Tensor]:
+    """Host (B,) top-k, top-p and min-p per row, or none when no row filters."""
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
     min_p = [r.params.min_p for r in rows]
     if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0 for m in min_p):
-        return logits
+        return []
+    return [torch.tensor([k if k > 0 else vocab for k in top_k]), torch.tensor(top_p), torch.tensor(min_p)]
+
+
+def _filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Mask out tokens that top-k (k), top-p (p) or min-p (m), each (B,) on the logits'
+    device, exclude; a row's disabled filters keep every token."""
     vocab = logits.shape[-1]
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev)
     remove |= torch.arange(vocab, device=dev).unsqueeze(0) >= k.unsqueeze(1)
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    p = torch.tensor(top_p, device=dev)
     # Drop a token when the tokens before it already cover top_p; the first always stays.
     remove |= (sorted_probs.cumsum(-1) - sorted_probs) > p.unsqueeze(1)
-    m = torch.tensor(min_p, device=dev)
     remove |= sorted_probs < (m.unsqueeze(1) * sorted_probs[:, :1])
     remove[:, 0] = False
     filtered = sorted_logits.masked_fill(remove, float("-inf"))
