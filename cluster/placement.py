@@ -7,6 +7,12 @@ The custom resource pins the pool to those nodes, so prefill and decode land on 
 for each. A worker that no node can hold keeps its placement group pending: that demand is
 what makes Ray's autoscaler (or KubeRay's) add a node of the group offering the resource, and
 ``reserve`` waits for it.
+
+GPUs may be shared: ``gpus`` below 1 reserves a fraction of one device (Ray's fractional
+GPUs), so one GPU holds a prefill and a decode worker at 0.5 each. Ray then hands both the
+same device (``CUDA_VISIBLE_DEVICES``); it does not divide the device's memory, which each
+worker's KV cache budget (``kv_cache_gib``) must leave room for. Above 1, Ray takes only
+whole GPUs.
 """
 
 from __future__ import annotations
@@ -23,11 +29,16 @@ class PoolPlacement:
     # share the cores (their torch thread count is set separately), and Ray must not refuse
     # to place the fourth worker on a 2-core machine.
     cpus: float = 0.01
-    gpus: float = 0.0  # 1 on GPU hosts: each worker owns a device
+    gpus: float = 0.0  # 1 on GPU hosts: each worker owns a device; 0.5: two workers share one
     memory_bytes: int = 0  # host memory reserved per worker (weights, KV cache on CPU); 0: none
     resource: str | None = None  # custom resource naming this pool's node group (pdserve_prefill, ...)
     # Units of ``resource`` per worker: a node offering N hosts N of this pool's workers.
     resource_units: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.gpus < 0 or (self.gpus > 1 and not float(self.gpus).is_integer()):
+            raise ValueError(f"gpus_per_worker must be a fraction of one GPU (at most 1) or a whole number of "
+                             f"GPUs, got {self.gpus:g}")
 
     def bundle(self) -> dict[str, float]:
         out = {"CPU": self.cpus}
@@ -57,6 +68,12 @@ def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0, detac
         remove_placement_group(pg)
         raise PlacementTimeout(f"{name}: no Ray node offered {bundle} within {timeout_s:.0f} s "
                                f"(is a node with resource {placement.resource!r} in the cluster?)")
+    return pg, actor_options(placement, pg)
+
+
+def actor_options(placement: PoolPlacement, pg) -> dict:
+    """Ray actor options that schedule a worker into its placement group ``pg`` and use what
+    its bundle reserved (a fractional ``num_gpus`` included)."""
     options = {
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
         "num_cpus": placement.cpus,
@@ -65,7 +82,7 @@ def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0, detac
     }
     if placement.memory_bytes:
         options["memory"] = placement.memory_bytes
-    return pg, options
+    return options
 
 
 def release(pg) -> None:

@@ -107,4 +107,7 @@ def _placement(v: dict[str, Any], pool: str, default_gpus):
     from cluster.placement import PoolPlacement
 
     gpus = v["gpus_per_worker"] if v["gpus_per_worker"] is not None else default_gpus()
-    return PoolPlacement(cpus=v["cpus_per_worker"], gpus=gpus, resource=v[f"{pool}_resource"])
+    try:
+        return PoolPlacement(cpus=v["cpus_per_worker"], gpus=gpus, resource=v[f"{pool}_resource"])
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None

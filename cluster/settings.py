@@ -148,7 +148,8 @@ def serve_settings() -> tuple[Setting, ...]:
                 "detached, and the cluster outlives this command (pdserve stop ends it)"),
         Setting("cluster_name", str, "pdserve", "with --address: the Ray namespace the cluster's named actors live in"),
         Setting("cpus_per_worker", float, 0.01, "logical CPUs each worker's placement group reserves", above=0),
-        Setting("gpus_per_worker", float, None, "GPUs per worker (default: 1 where CUDA is, else 0)", minimum=0),
+        Setting("gpus_per_worker", float, None, "GPUs per worker (default: 1 where CUDA is, else 0); a fraction shares "
+                "one GPU, e.g. 0.5 runs 1 prefill + 1 decode worker on one GPU", minimum=0),
         Setting("prefill_resource", str, None, "custom Ray resource naming the prefill node group"),
         Setting("decode_resource", str, None, "custom Ray resource naming the decode node group"),
         Setting("log_level", str, log.level, "log level of every process", LEVELS),

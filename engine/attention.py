@@ -15,12 +15,14 @@ token's output is bitwise the same whatever else shares its step.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from engine.device import to_device
 from engine.rope import apply_rotary
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,36 @@ def build_context(starts: list[int], query_lens: list[int], tables: list[list[in
                   device: torch.device, decode: bool) -> tuple[AttentionContext, torch.Tensor]:
     """The step's context and positions (T,) for B sequences, each with ``starts[b]`` tokens
     already cached, ``query_lens[b]`` new ones and block table ``tables[b]`` (at least long
-    enough). Per token, only tensor ops run: this is on every step's path."""
+    enough)."""
+    ctx, positions, _ = host_context(starts, query_lens, tables, block_size, decode).to(device)
+    return ctx, positions
+
+
+@dataclass
+class HostContext:
+    """A step's ``AttentionContext`` and positions, built on the host; ``to`` puts them (and
+    the step's other inputs) on the device in one copy."""
+
+    ctx: AttentionContext  # its tensors on the host
+    positions: torch.Tensor  # (T,) int64
+
+    def to(self, device: torch.device, extra: Sequence[torch.Tensor] = ()
+           ) -> tuple[AttentionContext, torch.Tensor, list[torch.Tensor]]:
+        """(context, positions, ``extra``) on ``device``; on the CPU, the very same tensors."""
+        if device.type == "cpu":  # nothing to move, and nothing to rebuild on every step
+            return self.ctx, self.positions, list(extra)
+        c = self.ctx
+        moved = to_device([c.slot_block, c.slot_offset, c.block_tables, c.context_lens_t, c.cu_query_lens,
+                           c.cu_context_lens, self.positions, *extra], device)
+        ctx = replace(c, slot_block=moved[0], slot_offset=moved[1], block_tables=moved[2], context_lens_t=moved[3],
+                      cu_query_lens=moved[4], cu_context_lens=moved[5])
+        return ctx, moved[6], moved[7:]
+
+
+def host_context(starts: list[int], query_lens: list[int], tables: list[list[int]], block_size: int,
+                 decode: bool) -> HostContext:
+    """``build_context``'s work, on the host. Per token, only tensor ops run: this is on
+    every step's path."""
     bs = block_size
     context_lens = [s + n for s, n in zip(starts, query_lens)]
     used = [-(-c // bs) for c in context_lens]
@@ -70,19 +101,19 @@ def build_context(starts: list[int], query_lens: list[int], tables: list[list[in
     positions = torch.arange(int(cu[-1])) - cu[seq_of] + torch.tensor(starts)[seq_of]  # (T,) int64
     ctx = AttentionContext(
         is_decode=decode and all(n == 1 for n in query_lens),
-        slot_block=block_tables[seq_of, positions // bs].long().to(device),
-        slot_offset=(positions % bs).to(device),
-        block_tables=block_tables.to(device),
+        slot_block=block_tables[seq_of, positions // bs].long(),
+        slot_offset=positions % bs,
+        block_tables=block_tables,
         query_lens=query_lens,
         context_lens=context_lens,
-        context_lens_t=torch.tensor(context_lens, dtype=torch.int32).to(device),
-        cu_query_lens=cu.to(device),
-        cu_context_lens=torch.tensor([0, *accumulate(context_lens)], dtype=torch.int32).to(device),
+        context_lens_t=torch.tensor(context_lens, dtype=torch.int32),
+        cu_query_lens=cu,
+        cu_context_lens=torch.tensor([0, *accumulate(context_lens)], dtype=torch.int32),
         max_context_len=max(context_lens),
         max_query_len=max(query_lens),
         block_size=bs,
     )
-    return ctx, positions.to(device)
+    return HostContext(ctx, positions)
 
 
 class AttentionBackend:
@@ -191,18 +222,23 @@ def _decode_groups(ctx: AttentionContext) -> list[tuple[torch.Tensor, torch.Tens
     rows_by_len: dict[int, list[int]] = {}
     for i, c in enumerate(ctx.context_lens):
         rows_by_len.setdefault(c, []).append(i)
-    groups = []
-    for c, rows in rows_by_len.items():
-        idx = torch.tensor(rows, device=ctx.block_tables.device)
-        groups.append((idx, ctx.block_tables[idx, : -(-c // ctx.block_size)].long(), c))
-    return groups
+    # Every group's row indices go to the device in one copy (one per group was a host sync each).
+    indices = to_device([torch.tensor(rows) for rows in rows_by_len.values()], ctx.block_tables.device)
+    return [(idx, ctx.block_tables[idx, : -(-c // ctx.block_size)].long(), c)
+            for idx, c in zip(indices, rows_by_len)]
+
+
+# flash-attn's kernels take only these (its ``q.dtype`` check); float32 on CUDA runs SDPA.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                   head_dim: int, block_size: int):
-    """``auto``: flash-attn on CUDA when the package imports, SDPA otherwise there; on CPU the
-    ``paged`` kernel where the CPU has AVX2 + FMA, SDPA otherwise. ``flash_invariant`` is
-    flash-attn in its batch-invariant mode (attention_flash.py)."""
+                   head_dim: int, block_size: int, *, dtype: torch.dtype | None = None):
+    """``auto``: flash-attn on CUDA when the package imports and ``dtype`` (the cache's and
+    the activations') is float16 or bfloat16, SDPA otherwise there; on CPU the ``paged``
+    kernel where the CPU has AVX2 + FMA, SDPA otherwise. ``flash_invariant`` is flash-attn in
+    its batch-invariant mode (attention_flash.py). ``dtype`` None (a caller that does not
+    say) never gets flash from ``auto``: a float32 model on flash fails at its first step."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "sdpa":
@@ -223,7 +259,10 @@ def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
         return SdpaAttention(num_heads, num_kv_heads, head_dim)
     from engine.attention_flash import FlashAttention, flash_available
 
-    if flash_available(device):
+    if name in ("flash", "flash_invariant") and dtype not in FLASH_DTYPES:
+        raise ValueError(f"attention_backend={name} needs dtype float16 or bfloat16 (flash-attn's kernels), "
+                         f"got {dtype}; use auto or sdpa for it")
+    if flash_available(device) and dtype in FLASH_DTYPES:
         return FlashAttention(num_heads, num_kv_heads, head_dim, block_size, batch_invariant=name == "flash_invariant")
     if name in ("flash", "flash_invariant"):
         raise ValueError(f"attention_backend={name} needs CUDA and the flash-attn package (pip install '.[gpu]')")

@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
+from engine.device import to_device
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the router imports this module and needs neither
@@ -144,19 +145,18 @@ class GrammarCompiler:
             raise InvalidRequestError(field, f"cannot compile this {so.kind.value}: {exc}") from None
 
     def matcher(self, so: StructuredOutput) -> "GrammarMatcher":
-        return GrammarMatcher(self.compile(so), so.resumed_tokens, self.vocab_size)
+        return GrammarMatcher(self.compile(so), so.resumed_tokens)
 
 
 class GrammarMatcher:
     """One sequence's place in its grammar. ``advance`` catches up with the sequence's
-    tokens, ``mask_row`` forbids what the grammar does not allow next."""
+    tokens, ``fill`` writes what the grammar allows next into a bitmask (``apply_bitmasks``),
+    and once it is ``finished`` only stop tokens may follow (``keep_only``)."""
 
-    def __init__(self, compiled: "xgrammar.CompiledGrammar", resumed_tokens: int, vocab_size: int):
+    def __init__(self, compiled: "xgrammar.CompiledGrammar", resumed_tokens: int):
         import xgrammar as xgr
 
-        self._xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # (1, ceil(V / 32)) int32
         self.resumed_tokens = resumed_tokens
         self.consumed = 0  # tokens of the grammar's output accepted so far
 
@@ -171,14 +171,32 @@ class GrammarMatcher:
                 raise GrammarViolation(f"token {token} at output position {self.consumed} breaks the grammar")
             self.consumed += 1
 
-    def mask_row(self, logits_row: "torch.Tensor", stop_token_ids: Sequence[int]) -> None:
-        """logits_row (1, V) float32, in place: -inf where the grammar forbids the token."""
-        if self._matcher.is_terminated() and stop_token_ids:
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: only stop tokens may follow (``keep_only``)."""
+        return self._matcher.is_terminated()
+
+    def keep_only(self, logits_row: "torch.Tensor", stop_token_ids: Sequence[int]) -> None:
+        """logits_row (1, V) float32, in place: -inf but at the stop tokens (none known: as is)."""
+        if stop_token_ids:
             keep = logits_row[0, list(stop_token_ids)].clone()
             logits_row.fill_(float("-inf"))
             logits_row[0, list(stop_token_ids)] = keep
-            return
-        if self._matcher.is_terminated():
-            return  # no stop token known: nothing to force
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        self._xgr.apply_token_bitmask_inplace(logits_row, self._bitmask)
+
+    def fill(self, bitmask: "torch.Tensor", row: int) -> None:
+        """Write what the grammar allows next into host ``bitmask[row]`` (1 bit a token)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def apply_bitmasks(logits: "torch.Tensor", rows: Sequence[tuple[int, GrammarMatcher]]) -> None:
+    """logits (B, V) float32, in place: -inf where row i's matcher forbids a token, for each
+    (i, matcher) in ``rows`` (none of them finished). xgrammar fills bitmasks on the host and
+    applies them only on the logits' device, so the step's mask is one (B, ceil(V / 32)) int32
+    host tensor, copied once; rows not named keep their bits."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    for i, matcher in rows:
+        matcher.fill(bitmask, i)
+    [bitmask] = to_device([bitmask], logits.device)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[i for i, _ in rows])

@@ -12,7 +12,7 @@ from itertools import accumulate, chain
 
 import torch
 
-from engine.attention import AttentionContext, build_context, select_backend
+from engine.attention import AttentionContext, host_context, select_backend
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.kv_cache import layer_views
@@ -32,7 +32,7 @@ class ModelRunner:
         self.block_size = blocks.block_size
         self.device = cache.device
         self.backend = select_backend(attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads,
-                                      cfg.head_dim, self.block_size)
+                                      cfg.head_dim, self.block_size, dtype=cache.dtype)
         self._layer_caches = [layer_views(cache, i) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed)
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
@@ -63,10 +63,10 @@ class ModelRunner:
         query_lens = [item.num_new_tokens for item in items]
         tokens = list(chain.from_iterable(item.seq.token_ids[s:s + n] for item, s, n in zip(items, starts, query_lens)))
         tables = [self.blocks.block_table(item.seq.seq_id) for item in items]
-        ctx, positions = build_context(starts, query_lens, tables, self.block_size, self.device,
-                                       decode=not out.is_prefill)
+        host = host_context(starts, query_lens, tables, self.block_size, decode=not out.is_prefill)
         # The last token of each sampled sequence.
         sample_idx = [end - 1 for end, item in zip(accumulate(query_lens), items) if item.sample]
-        dev = self.device
-        return (torch.tensor(tokens, dtype=torch.long).to(dev), positions, ctx,
-                torch.tensor(sample_idx, dtype=torch.long).to(dev))
+        # Every input of the step goes to the device in one copy that the host does not wait for.
+        ctx, positions, (input_ids, sample_rows) = host.to(self.device, [
+            torch.tensor(tokens, dtype=torch.long), torch.tensor(sample_idx, dtype=torch.long)])
+        return input_ids, positions, ctx, sample_rows

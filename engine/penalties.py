@@ -51,5 +51,8 @@ def _penalise(row: torch.Tensor, r: "SamplerRow", eos_token_ids: frozenset[int])
         seen = row[ids]
         row[ids] = torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
     if output and (p.frequency_penalty or p.presence_penalty):
-        counts = torch.bincount(torch.tensor(output, device=dev), minlength=row.shape[0]).to(row.dtype)
+        # Counts by index_add (exact whole numbers, as bincount gave): it runs on every
+        # device type, the meta device of the device tests included.
+        ids = torch.tensor(output, device=dev)
+        counts = row.new_zeros(row.shape[0]).index_add_(0, ids, row.new_ones(len(output)))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)

@@ -10,10 +10,19 @@ that is after the grammar mask, as vLLM applies it to the logits before its samp
 request with a seed draws from its own ``torch.Generator``, so its output does not depend
 on what else is in the batch.
 
+Devices: every tensor the sampler hands a kernel is on the logits' device (a CUDA step
+never mixes in a host tensor; xgrammar and torch refuse that, issue 26). The generators
+stay on the host on every device: each drawn row takes one uniform from its generator, the
+step's draws go to the device in one copy with its temperatures and filter limits, and a
+seeded request draws the same numbers on a CPU and on a GPU (on CUDA, a generator per device would launch a kernel per row). The
+results come back in one device-to-host copy (``DeviceSample.to_host``).
+
 A fault that belongs to one row (its grammar rejects its tokens, its penalties raise, its
 processed logits are NaN or forbid every token) drops that row before anything is drawn and
 is reported in ``SamplerOutput.failed``: the other rows are computed exactly as in a batch
-without it (row-wise operations only, and the shared generator never draws for it).
+without it (row-wise operations only, and the shared generator never draws for it). Finding
+NaN rows reads one flag a row back from the device: a second sync on a GPU, in a step that
+has penalties, grammars or NaN to look for anyway.
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ from typing import NamedTuple
 
 import torch
 
+from engine.device import to_device
 from engine.errors import SequenceFailed
-from engine.grammar import GrammarCompiler, GrammarMatcher
+from engine.grammar import GrammarCompiler, GrammarMatcher, apply_bitmasks
 from engine.penalties import apply_penalties
 from engine.sampling import SamplingParams, TopLogprobs
 
@@ -46,6 +56,39 @@ class SamplerOutput(NamedTuple):
     failed: dict[str, SequenceFailed] = {}
 
 
+class DeviceSample(NamedTuple):
+    """One step's choices on the device: tokens (B,) int64; with logprobs, the chosen
+    tokens' (B,) and the best ``max(ks)`` alternatives (B, k), values and ids."""
+
+    tokens: torch.Tensor
+    chosen: torch.Tensor | None = None
+    ks: list[int] | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def to_host(self, pack: bool | None = None) -> SamplerOutput:
+        """The lists the engine hands out. ``pack`` (None: off the CPU) sends everything in one
+        copy, one sync a step: float64 holds every token id and float32 logprob exactly. On
+        the CPU there is nothing to copy, and each tensor is read as it is."""
+        parts = [t for t in (self.tokens, self.chosen, self.top_values, self.top_ids) if t is not None]
+        if pack is None:
+            pack = self.tokens.device.type != "cpu"
+        if pack and len(parts) > 1:
+            b = self.tokens.shape[0]
+            packed = torch.cat([t.reshape(b, -1).double() for t in parts], dim=1).cpu()  # (B, 2 + 2k)
+            parts = list(packed.split([t.reshape(b, -1).shape[1] for t in parts], dim=1))
+            parts = [p.long() if i in (0, 3) else p for i, p in enumerate(parts)]
+            parts[0], parts[1] = parts[0].squeeze(1), parts[1].squeeze(1)
+        token_list = parts[0].tolist()
+        if self.chosen is None:
+            return SamplerOutput(token_list, None, None)
+        if self.top_values is None:
+            return SamplerOutput(token_list, parts[1].tolist(), [()] * len(self.ks))
+        values, ids = parts[2].tolist(), parts[3].tolist()
+        tops = [tuple(zip(ids[i][:n], values[i][:n])) for i, n in enumerate(self.ks)]
+        return SamplerOutput(token_list, parts[1].tolist(), tops)
+
+
 def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
     """logprobs (B, V) -> per row its ``ks[i]`` best (token id, logprob) pairs."""
     k = max(ks, default=0)
@@ -59,7 +102,7 @@ def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
-        self._shared = torch.Generator(device=device).manual_seed(seed)
+        self._shared = torch.Generator().manual_seed(seed)  # host generators: see the module docstring
         self._generators: dict[str, torch.Generator] = {}
         # Banned until ``min_tokens`` are out (besides stop_token_ids); the engine sets them.
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -89,30 +132,43 @@ class Sampler:
                 return SamplerOutput([], None, None, failed)
             index = torch.tensor(keep, device=logits.device)
             logits, raw = logits.index_select(0, index), raw.index_select(0, index)
-        output = self._draw(logits, raw, rows)
+        output = self.pick(logits, rows, raw).to_host()
         return output._replace(failed=failed) if failed else output
 
-    def _draw(self, logits: torch.Tensor, raw: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
-        """logits (B, V) processed, raw (B, V) before penalties -> the rows' tokens."""
+    def pick(self, logits: torch.Tensor, rows: list[SamplerRow], raw: torch.Tensor | None = None) -> "DeviceSample":
+        """The step's choices from ``logits`` (B, V) after the grammar masks and penalties
+        (``raw``: before the penalties, for logprobs; None: ``logits`` themselves, the
+        grammars and penalties then applied here), still on the logits' device."""
+        if raw is None:
+            if any(r.params.structured is not None for r in rows):
+                self._constrain(logits, rows)
+            raw = logits
+            if any(r.params.penalised for r in rows):
+                logits = apply_penalties(logits.clone(), rows, self.eos_token_ids)
         want_logprobs = any(r.params.logprobs for r in rows)
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, rows)
-        token_list = tokens.tolist()
         if raw_logprobs is None:
-            return SamplerOutput(token_list, None, None)
-        chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+            return DeviceSample(tokens)
+        chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1)
         ks = [r.params.top_logprobs if r.params.logprobs else 0 for r in rows]
-        return SamplerOutput(token_list, chosen, top_logprobs(raw_logprobs, ks))
+        k = max(ks)
+        top = raw_logprobs.topk(k, dim=-1) if k else None
+        return DeviceSample(tokens, chosen, ks, top.values if top else None, top.indices if top else None)
 
-    def _constrain(self, logits: torch.Tensor, rows: list[SamplerRow], failed: dict[str, SequenceFailed]) -> None:
+    def _constrain(self, logits: torch.Tensor, rows: list[SamplerRow],
+                   failed: dict[str, SequenceFailed] | None = None) -> None:
         """Mask, in place, what each constrained row's grammar forbids; other rows stay
-        bit-identical (batch invariance). A row whose grammar raises goes to ``failed``."""
+        bit-identical (batch invariance). The grammars fill one host bitmask for the step,
+        which goes to the logits' device in one copy and is applied in one call. A row whose
+        grammar raises goes to ``failed`` (with none given, the error propagates)."""
         if self.grammars is None:
             raise RuntimeError("a request has structured output but the engine set no grammar compiler")
         stops = sorted(self.eos_token_ids)
+        masked: list[tuple[int, GrammarMatcher]] = []
         for i, r in enumerate(rows):
             if r.params.structured is None:
                 continue
@@ -121,22 +177,33 @@ class Sampler:
                 if matcher is None:
                     matcher = self._matchers[r.seq_id] = self.grammars.matcher(r.params.structured)
                 matcher.advance(r.token_ids, r.num_prompt_tokens)
-                matcher.mask_row(logits[i:i + 1], stops)
+                if matcher.finished:
+                    matcher.keep_only(logits[i:i + 1], stops)
+                else:
+                    masked.append((i, matcher))
             except Exception as exc:  # this row's grammar: its fault alone
+                if failed is None:
+                    raise
                 failed[r.seq_id] = SequenceFailed(r.seq_id, "structured_output", f"{type(exc).__name__}: {exc}")
+        if masked:
+            apply_bitmasks(logits, masked)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
-        # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=logits.device)
-        scaled = logits / temps.unsqueeze(1)
-        scaled = _filter(scaled, rows)
-        probs = torch.softmax(scaled, dim=-1)
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows])
         # Inverse CDF: one uniform per row (from the row's own generator when it is seeded),
         # then the first token whose cumulative probability passes it: one cumsum and one
         # search for the batch (torch.multinomial took 1.5 ms a row over a 49k vocabulary).
         # float32 sums move each token's probability by at most about 1e-7.
-        u = torch.cat([torch.rand(1, generator=self._generator(rows[i])) for i in drawn])
+        u = torch.cat([torch.rand(1, generator=self._generator(rows[i])) for i in drawn])  # (D,)
+        limits = _filter_limits(rows, logits.shape[-1])
+        # The step's per-row values go to the device in one copy; on CPU nothing moves.
+        temps, u, *limits = to_device([temps, u, *limits], logits.device)
+        scaled = logits / temps.unsqueeze(1)
+        if limits:
+            scaled = _filter(scaled, *limits)
+        probs = torch.softmax(scaled, dim=-1)
         cdf = (probs if len(drawn) == len(rows) else probs[drawn]).cumsum(dim=-1)  # (D, V)
         # right=True: the first index whose cdf exceeds the draw, so a zero-probability token
         # (filtered out) is never chosen, even for a draw of exactly 0.
@@ -153,7 +220,7 @@ class Sampler:
             return self._shared
         gen = self._generators.get(row.seq_id)
         if gen is None:
-            gen = self._generators[row.seq_id] = torch.Generator(device=self.device).manual_seed(row.params.seed)
+            gen = self._generators[row.seq_id] = torch.Generator().manual_seed(row.params.seed)
         return gen
 
 
@@ -168,24 +235,27 @@ def _unusable_rows(logits: torch.Tensor, rows: list[SamplerRow], failed: dict[st
                                               "logits are NaN or every token is forbidden")
 
 
-def _filter(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
-    """Mask out tokens that top-k, top-p or min-p exclude (per row; disabled rows untouched)."""
+def _filter_limits(rows: list[SamplerRow], vocab: int) -> list[torch.Tensor]:
+    """Host (B,) top-k, top-p and min-p per row, or none when no row filters."""
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
     min_p = [r.params.min_p for r in rows]
     if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0 for m in min_p):
-        return logits
+        return []
+    return [torch.tensor([k if k > 0 else vocab for k in top_k]), torch.tensor(top_p), torch.tensor(min_p)]
+
+
+def _filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Mask out tokens that top-k (k), top-p (p) or min-p (m), each (B,) on the logits'
+    device, exclude; a row's disabled filters keep every token."""
     vocab = logits.shape[-1]
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev)
     remove |= torch.arange(vocab, device=dev).unsqueeze(0) >= k.unsqueeze(1)
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    p = torch.tensor(top_p, device=dev)
     # Drop a token when the tokens before it already cover top_p; the first always stays.
     remove |= (sorted_probs.cumsum(-1) - sorted_probs) > p.unsqueeze(1)
-    m = torch.tensor(min_p, device=dev)
     remove |= sorted_probs < (m.unsqueeze(1) * sorted_probs[:, :1])
     remove[:, 0] = False
     filtered = sorted_logits.masked_fill(remove, float("-inf"))

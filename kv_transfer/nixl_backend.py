@@ -18,15 +18,27 @@ so ``net_devices`` holds it to the internal plane's interface (UCX_NET_DEVICES f
 agent's UCX context). NIXL's own ``ucx_devices`` parameter cannot do it: it names devices as
 ``name:1`` (an InfiniBand port), which matches no TCP interface. A UCX_NET_DEVICES set by the
 operator (an RDMA device list, say) is left as it is.
+
+Which NIXL: the wheel built for torch's CUDA (``nixl_cu12`` or ``nixl_cu13``): each bundles
+a UCX whose CUDA transports link that CUDA's runtime, which a torch of the other CUDA does
+not bring. A CPU torch (DRAM caches only) takes ``nixl_cu12``, or ``nixl_cu13`` if that is
+the one installed.
+
+CUDA threads: UCX decides whether cuda_ipc reaches a peer's VRAM, and arms its CUDA events,
+in the calling thread's current CUDA context; a thread with none gets cuda_ipc marked
+unreachable (UCX before 1.20, vLLM #36475) or a crash. So every call into NIXL first makes
+the cache's device current on its thread (``cuda_binder``): the caller's threads (gRPC,
+the engine) and the progress thread alike.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -56,12 +68,61 @@ def _ucx_net_devices(devices: str | None):
         os.environ.pop("UCX_NET_DEVICES", None)
 
 
+NIXL_MODULES = {"12": "nixl_cu12", "13": "nixl_cu13"}  # torch's CUDA major -> the wheel built for it
+
+
+def nixl_modules_for(cuda_version: str | None) -> tuple[str, ...]:
+    """The NIXL modules that fit a torch built for ``cuda_version`` (``torch.version.cuda``;
+    None for a CPU build), in the order to try them."""
+    if cuda_version is None:
+        return ("nixl_cu12", "nixl_cu13")  # DRAM only: either UCX serves it
+    name = NIXL_MODULES.get(cuda_version.split(".")[0])
+    return (name,) if name else ()
+
+
 def _import_nixl() -> Any:
-    try:
-        import nixl_cu12
-    except Exception as exc:  # ImportError, or a missing shared library (OSError)
-        raise BackendUnavailable("nixl", f"cannot import nixl_cu12: {exc}") from exc
-    return nixl_cu12
+    """The NIXL module for this torch's CUDA (``torch.version.cuda``). Raises
+    BackendUnavailable naming every NIXL module, why each did not serve, and the CUDA
+    version."""
+    cuda = torch.version.cuda
+    wanted = nixl_modules_for(cuda)
+    why: dict[str, str] = {}
+    for name in wanted:
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:  # ImportError, or a missing shared library (OSError)
+            why[name] = f"{type(exc).__name__}: {exc}"
+    for name in NIXL_MODULES.values():
+        why.setdefault(name, f"not tried: built for another CUDA than {cuda}")
+    fits = " or ".join(n.replace("_", "-") for n in wanted) or f"none exists for CUDA {cuda}"
+    raise BackendUnavailable("nixl", f"no NIXL module loads for torch with CUDA {cuda or 'none (a CPU build)'} "
+                                     f"({'; '.join(f'{n}: {w}' for n, w in why.items())}); "
+                                     f"install {fits}, or use kv_transfer_backend tcp")
+
+
+def _nothing() -> None:
+    return None
+
+
+def cuda_binder(device: torch.device) -> Callable[[], None]:
+    """A function that makes ``device`` (a CUDA cache's) the calling thread's current
+    device, with its primary context bound, the first time each thread calls it; for a host
+    cache it does nothing. ``torch.cuda.set_device`` alone may skip the CUDA call when the
+    index is already the thread's default (0), and binds no context then; a stream query is a
+    runtime call, which binds the device's primary context to the thread without waiting."""
+    if device.type != "cuda":
+        return _nothing
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    bound = threading.local()
+
+    def bind() -> None:
+        if getattr(bound, "done", False):
+            return
+        torch.cuda.set_device(index)
+        torch.cuda.current_stream(index).query()
+        bound.done = True
+
+    return bind
 
 
 class NixlAgent(KVTransferAgent):
@@ -73,7 +134,7 @@ class NixlAgent(KVTransferAgent):
     ``num_threads`` (UCX worker threads;
     0 = NIXL's default) and ``net_devices`` (the network interfaces UCX may listen and connect
     on, comma-separated; None: UCX's default, every interface). Raises BackendUnavailable
-    when nixl_cu12, the UCX plugin or the agent cannot start.
+    when no NIXL module fits (``_import_nixl``), or the UCX plugin or the agent cannot start.
     """
 
     backend_name = "nixl"
@@ -89,6 +150,8 @@ class NixlAgent(KVTransferAgent):
             if value <= 0:
                 raise InvalidTransferRequest(f"{option} must be > 0, got {value}", field=option, limit=0)
         nixl = _import_nixl()
+        self._bind_device = cuda_binder(cache.device)
+        self._bind_device()
         try:
             config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                             num_threads=num_threads)
@@ -132,6 +195,7 @@ class NixlAgent(KVTransferAgent):
             self._reads_expected.clear()
 
     def _progress_loop(self) -> None:
+        self._bind_device()
         while True:
             self._reads_expected.wait()
             if self._stop_progress.wait(self._progress_interval_s):
@@ -143,6 +207,7 @@ class NixlAgent(KVTransferAgent):
 
     def _collect_notifications(self) -> None:
         # Without NIXL's thread, getNotifs also runs the UCX progress loop.
+        self._bind_device()
         for msgs in self._agent.get_new_notifs().values():
             self._notifications.extend(msgs)
 
@@ -151,10 +216,12 @@ class NixlAgent(KVTransferAgent):
         return [(self.layout.base_address, total, self.layout.device_id, "")]
 
     def _fill_backend_metadata(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
+        self._bind_device()
         meta.backend_metadata = self._agent.get_agent_metadata()
 
     def _connect_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
         name = meta.agent_name
+        self._bind_device()  # UCX unpacks the peer's keys here, and decides on cuda_ipc
         try:
             loaded = self._agent.add_remote_agent(meta.backend_metadata)
         except Exception as exc:
@@ -179,6 +246,7 @@ class NixlAgent(KVTransferAgent):
 
     def _drop_peer(self, name: str) -> None:
         dlist = self._remote_dlists.pop(name, None)
+        self._bind_device()
         try:
             if dlist is not None:
                 dlist.release()
@@ -188,6 +256,7 @@ class NixlAgent(KVTransferAgent):
             logger.warning("dropping NIXL peer %r failed", name, exc_info=True)
 
     def _start_backend(self, handle: TransferHandle) -> TransferState:
+        self._bind_device()
         if handle.last_block_bytes == self.layout.block_bytes:
             xfer = self._agent.make_prepped_xfer(
                 "READ", self._local_dlist, np.asarray(handle.local_block_ids, dtype=np.int32),
@@ -213,9 +282,11 @@ class NixlAgent(KVTransferAgent):
         return self._agent.get_xfer_descs(rows, layout.nixl_mem_type)
 
     def _poll_backend(self, handle: TransferHandle) -> TransferState:
+        self._bind_device()
         return _NIXL_STATES[self._agent.check_xfer_state(handle.backend_handle)]
 
     def _release_backend(self, handle: TransferHandle) -> None:
+        self._bind_device()
         try:
             # On a read still in flight NIXL cancels it. If that fails the handle stays
             # unreleased and its finalizer parks it on the agent's leak list for teardown.
@@ -241,6 +312,7 @@ class NixlAgent(KVTransferAgent):
         super().close()
 
     def _close_backend(self) -> None:
+        self._bind_device()
         try:
             self._local_dlist.release()
             self._agent.deregister_memory(self._registration)

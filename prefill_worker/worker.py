@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from engine.block_manager import prompt_block_hashes
 from engine.config import EngineConfig
+from engine.device import wait_for_writes
 from engine.errors import SequenceFailed, StepFailed
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams, TopLogprobs
@@ -277,6 +278,10 @@ class PrefillWorker(WorkerShell):
                 self.leases.renew(lease.token, now + self.config.lease_seconds)
                 out.append((request_id, KVReady(ready)))
             self._streaming[request_id] = (lease, ready)
+        if out:
+            # The step that computed these chunks may still be writing their KV on the device:
+            # a decode worker reads it the moment it hears of it.
+            wait_for_writes(self.engine.device)
         self._expect_reads()  # a lease granted here gets its early reads progressed
         self.push(out)
         return None

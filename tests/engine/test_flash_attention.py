@@ -79,14 +79,14 @@ def _reference(q, ctx, k_cache, v_cache):
 @pytest.mark.parametrize("name,block_size", [("flash", 16), ("flash", 256), ("flash_invariant", 256)])
 @pytest.mark.parametrize("starts,query_lens", [([5, 300, 40], [1, 1, 1]), ([0, 299, 40, 0], [37, 1, 64, 1])])
 def test_every_step_kind_matches_a_float32_reference(name, block_size, starts, query_lens):
-    backend = select_backend(name, torch.device("cuda"), NH, NKV, HD, block_size)
+    backend = select_backend(name, torch.device("cuda"), NH, NKV, HD, block_size, dtype=torch.bfloat16)
     out, ctx, (k_cache, v_cache), q = _step(backend, block_size, starts, query_lens)
     torch.testing.assert_close(out.float(), _reference(q, ctx, k_cache, v_cache), rtol=2e-2, atol=2e-2)
 
 
 @requires_cuda
 def test_flash_invariant_rows_are_bitwise_the_same_alone_and_batched():
-    backend = select_backend("flash_invariant", torch.device("cuda"), NH, NKV, HD, 256)
+    backend = select_backend("flash_invariant", torch.device("cuda"), NH, NKV, HD, 256, dtype=torch.bfloat16)
     assert backend.batch_invariant
     starts, query_lens = [700, 0, 33, 1000], [1, 100, 1, 17]
     batched, ctx, (k_cache, v_cache), q = _step(backend, 256, starts, query_lens)

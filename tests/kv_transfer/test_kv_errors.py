@@ -125,8 +125,9 @@ def test_closed_agent_refuses_work():
 
 
 def test_nixl_missing_raises_backend_unavailable(monkeypatch):
-    monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # import now fails as if absent
-    with pytest.raises(BackendUnavailable, match="'nixl' is unavailable: cannot import") as err:
+    for name in ("nixl_cu12", "nixl_cu13"):
+        monkeypatch.setitem(sys.modules, name, None)  # import now fails as if absent
+    with pytest.raises(BackendUnavailable, match="'nixl' is unavailable: no NIXL module loads") as err:
         create_agent("nixl", "no-nixl", make_cache(2))
     assert err.value.backend == "nixl"
 

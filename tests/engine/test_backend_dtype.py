@@ -1,0 +1,66 @@
+"""The attention backend choice sees the dtype: flash-attn takes only float16 and bfloat16,
+so ``auto`` on CUDA with flash-attn present must not pick it for a float32 model (issue 26:
+``--dtype float32`` on an H100 failed at its first step). CUDA and flash-attn are faked: the
+choice is plain Python, and no kernel runs."""
+
+import pytest
+import torch
+
+import engine.attention_flash as attention_flash
+from engine.attention import select_backend
+
+CUDA = torch.device("cuda")
+
+
+class FakeFlash:
+    name = "flash"
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, batch_invariant=False):
+        self.name = "flash_invariant" if batch_invariant else "flash"
+
+
+@pytest.fixture
+def flash_present(monkeypatch):
+    monkeypatch.setattr(attention_flash, "flash_available", lambda device: device.type == "cuda")
+    monkeypatch.setattr(attention_flash, "FlashAttention", FakeFlash)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_auto_picks_flash_for_half_dtypes(flash_present, dtype):
+    assert select_backend("auto", CUDA, 4, 2, 16, 16, dtype=dtype).name == "flash"
+
+
+def test_auto_picks_sdpa_for_float32_even_with_flash(flash_present):
+    assert select_backend("auto", CUDA, 4, 2, 16, 16, dtype=torch.float32).name == "sdpa"
+
+
+def test_auto_without_a_dtype_never_picks_flash(flash_present):
+    assert select_backend("auto", CUDA, 4, 2, 16, 16).name == "sdpa"
+
+
+@pytest.mark.parametrize("name", ["flash", "flash_invariant"])
+def test_asking_for_flash_in_float32_names_the_dtype(flash_present, name):
+    with pytest.raises(ValueError, match="float16 or bfloat16.*float32"):
+        select_backend(name, CUDA, 4, 2, 16, 256, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runner_passes_the_cache_dtype(monkeypatch, dtype):
+    """The model runner, the one caller that builds the engine's backend, hands it the dtype."""
+    import engine.model_runner as model_runner
+    from engine.block_manager import BlockManager
+    from engine.config import ModelConfig
+
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return select_backend("sdpa", *args[1:], **kwargs)
+
+    monkeypatch.setattr(model_runner, "select_backend", spy)
+    cfg = ModelConfig("llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False)
+    cache = torch.zeros(4, 16, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    model_runner.ModelRunner(None, cfg, cache, BlockManager(4, 16))
+    assert seen["dtype"] is dtype

@@ -1,0 +1,65 @@
+"""A streamed prompt's chunk is announced only after the device has written its KV (issue
+26): on CUDA the step that computed a chunk may still be running when the hook after it
+announces the chunk, and a decode worker reads the blocks as soon as it hears.
+
+No GPU here: ``wait_for_writes`` is replaced by a recorder, and the test checks that it ran
+on the worker's device before every announcement reached a stream, and not when there was
+nothing to announce. That CUDA's stream synchronize is what it calls is read, not run."""
+
+import types
+
+import torch
+
+import prefill_worker.worker as worker_module
+from kv_transfer.handoff import LeaseTable
+from prefill_worker.worker import KVEarly, KVReady, PrefillWorker
+
+
+class FakeEngine:
+    device = torch.device("cuda", 0)
+
+    def __init__(self):
+        self.progress = {}
+        self.blocks = types.SimpleNamespace(block_table=lambda request_id: [3, 4])
+
+    def prompt_progress(self, request_id):
+        return self.progress.get(request_id, 0)
+
+
+def _worker(monkeypatch, events):
+    """A PrefillWorker with only what ``_publish_kv`` touches (no model, no agent)."""
+    w = PrefillWorker.__new__(PrefillWorker)
+    w.engine = FakeEngine()
+    w.leases = LeaseTable()
+    w.config = types.SimpleNamespace(lease_seconds=30.0)
+    w._owner_of = {}
+    w._streaming = {"r1": (None, 0)}
+    w._expect_reads = lambda: None
+    w.push = lambda items: events.extend(("push", type(item).__name__) for _, item in items)
+    monkeypatch.setattr(worker_module, "wait_for_writes", lambda device: events.append(("wait", device)))
+    return w
+
+
+def test_each_announcement_waits_for_the_device(monkeypatch):
+    events = []
+    w = _worker(monkeypatch, events)
+    w.engine.progress["r1"] = 16  # the first chunk ran: the lease comes with it
+    w._publish_kv()
+    w.engine.progress["r1"] = 32  # the next chunk
+    w._publish_kv()
+    dev = FakeEngine.device
+    assert events == [("wait", dev), ("push", KVEarly.__name__), ("wait", dev), ("push", KVReady.__name__)]
+
+
+def test_nothing_new_waits_for_nothing(monkeypatch):
+    """A step that moved no streamed prompt costs no device sync."""
+    events = []
+    w = _worker(monkeypatch, events)
+    w._publish_kv()  # no chunk yet
+    assert ("wait", FakeEngine.device) not in events
+
+
+def test_the_wait_is_a_no_op_on_the_cpu():
+    from engine.device import wait_for_writes
+
+    wait_for_writes(torch.device("cpu"))  # must not touch torch.cuda (absent here)
