@@ -16,8 +16,7 @@ import asyncio
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -25,6 +24,7 @@ from google.protobuf.message import DecodeError
 from engine.errors import InvalidRequestError
 from planner.trace_writer import TraceWriter
 from protos import pdserve_pb2
+from router.client_work import ClientWork
 from router.frontend import ModelInfo, prepare
 from router.orchestrator import RequestRun, RouteError
 from router.limits import RouterLimits
@@ -33,6 +33,7 @@ from wire.grpc_util import abort_invalid
 
 log = logging.getLogger(__name__)
 SERVICE = "pdserve.v1.Generation"
+T = TypeVar("T")
 
 
 class GenerationService:
@@ -44,9 +45,8 @@ class GenerationService:
         self.aborted: set[tuple[str, str]] = set()
         self.waiting = 0  # requests admitted that have not had their first response yet
         self.draining = False
-        # Tokenization and chat templates off the event loop. One thread by default: a HF
-        # fast tokenizer shared by threads can fail with "Already borrowed".
-        self._tokenize = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
+        # Tokenization, chat templates and large bodies off the event loop, in a bounded queue.
+        self.work = ClientWork(limits.tokenizer_threads, limits.max_tokenizer_queue)
         self.trace = TraceWriter.from_env()  # planner replay: PDSERVE_TRACE_FILE records lengths per request
 
     def timeout_s(self, client_timeout_s: float | None) -> float:
@@ -73,9 +73,7 @@ class GenerationService:
         self.waiting += 1
         waiting = True
         try:
-            loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._tokenize, prepare, request, self.model, self.limits.requests,
-                                                  max_tokens_to_context)
+            prepared = await self.work.run(prepare, request, self.model, self.limits.requests, max_tokens_to_context)
             rid = prepared.request_id
             key = (owner, rid)
             if key in self.running:
@@ -101,12 +99,16 @@ class GenerationService:
             if waiting:
                 self.waiting -= 1
 
-    async def tokenize(self, call) -> list[int]:
-        """``call(tokenizer)`` (``/tokenize``) on the tokenizer thread, as prompts are."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize, call, self.model.tokenizer)
-
-    async def detokenize(self, token_ids: list[int]) -> str:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize, self.model.tokenizer.decode, token_ids)
+    async def client_job(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the tokenizer threads for a request that is not a generation
+        (``/tokenize``, ``/detokenize``): admitted as one (``_admit``, counted as waiting),
+        and refused when the tokenizer queue is full."""
+        self._admit()
+        self.waiting += 1
+        try:
+            return await self.work.run(fn, *args)
+        finally:
+            self.waiting -= 1
 
     def _admit(self) -> None:
         """Refuse at once, before any work: while draining, or past ``max_waiting_requests``."""
