@@ -78,11 +78,15 @@ class Autoscaler:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Scale nothing from now on (the cluster is stopping)."""
         self._stop.set()
-        self._thread.join(60)
+
+    def stop(self, join_s: float = 60.0) -> None:
+        self.halt()
+        self._thread.join(join_s)
         for action in list(self._actions.values()):
-            action.join(120)
+            action.join(2 * join_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

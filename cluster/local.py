@@ -463,22 +463,30 @@ class LocalCluster:
         Returns how many were still running. ``stop()`` comes after."""
         if self.router is None:
             return 0
-        return ray.get(self.router.drain.remote(grace_s), timeout=grace_s + 30)
+        return ray.get(self.router.drain.remote(grace_s), timeout=grace_s + 2)  # it answers by grace_s
 
-    def stop(self) -> None:
+    def stop_supervising(self) -> None:
+        """Replace and scale nothing from now on; at once, without waiting for a round in
+        progress (see ``cluster.shutdown``: a stopping cluster's workers exit on purpose)."""
+        for loop in (self._supervisor, self.autoscaler):
+            if loop is not None:
+                loop.halt()
+
+    def stop(self, stop_timeout_s: float = 5.0) -> None:
+        """Stop every actor (all at once, each given ``stop_timeout_s``), release the placement
+        groups, and end the Ray this cluster started. Never raises: a Ray already gone (the
+        process group's SIGTERM reached it too) has nothing left to stop."""
         if self.autoscaler is not None:
-            self.autoscaler.stop()
+            self.autoscaler.stop(join_s=stop_timeout_s)
         if self._supervisor is not None:
-            self._supervisor.stop()
-        for actor in [self.router, *self.decode, *self.prefill]:
-            if actor is None:
-                continue
+            self._supervisor.stop(join_s=stop_timeout_s)
+        actors = [a for a in [self.router, *self.decode, *self.prefill] if a is not None]
+        steps = [lambda: ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=stop_timeout_s)]
+        steps += [lambda a=a: ray.kill(a) for a in actors] + [lambda g=g: release(g) for g in self._groups.values()]
+        for step in steps:
             try:
-                ray.get(actor.stop.remote(), timeout=10)
-            except Exception:  # a dead actor has nothing left to stop
-                pass
-            ray.kill(actor)
-        for pg in self._groups.values():
-            release(pg)
+                step()
+            except Exception as exc:  # a dead actor, or a Ray already gone
+                log.warning("stopping the cluster: %s", exc)
         if self._started_ray:
             ray.shutdown()
