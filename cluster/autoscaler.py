@@ -119,7 +119,7 @@ class Autoscaler:
         return {pool: t.decisions[-1].desired for pool, t in self.traces.items() if t.decisions}
 
     def sample(self, pool: str, now: float, latency: admin_pb2.LatencySummary | None = None) -> PoolSample:
-        stats = [s for s in (_stats(pool, a, self.cluster.config.tls) for a in list(self.cluster.addresses(pool)))
+        stats = [s for s in (_stats(pool, a, self.cluster.config.tls_for("controller")) for a in list(self.cluster.addresses(pool)))
                  if s is not None]
         latency = latency or admin_pb2.LatencySummary()
         if pool == "prefill":
@@ -132,7 +132,7 @@ class Autoscaler:
     def _latency(self, window_s: float) -> admin_pb2.LatencySummary | None:
         """The router's TTFT and ITL p90 over the last ``window_s``; None if it cannot answer."""
         try:
-            with channel(self.cluster.admin_address, self.cluster.config.tls) as ch:
+            with channel(self.cluster.admin_address, self.cluster.config.tls_for("controller")) as ch:
                 return admin_pb2_grpc.RouterAdminStub(ch).GetLatency(
                     admin_pb2.LatencyRequest(window_s=window_s), timeout=2)
         except grpc.RpcError as exc:

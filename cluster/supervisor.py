@@ -62,7 +62,7 @@ class Supervisor:
         hung, seen = [], set()
         for role in ("prefill", "decode"):
             for index, address in enumerate(self.cluster.addresses(role)):
-                stats = worker_stats(role, address, self.cluster.config.tls, timeout_s=min(2.0, hang_s))
+                stats = worker_stats(role, address, self.cluster.config.tls_for("controller"), timeout_s=min(2.0, hang_s))
                 now = time.monotonic()
                 seen.add(address)
                 self._liveness[address] = observe(self._liveness.get(address), now, stats is not None,
