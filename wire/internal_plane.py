@@ -11,6 +11,9 @@ hand out the layout of every cache. So:
   (``ALLOWED``); anyone else is PERMISSION_DENIED naming the method and the roles. A caller
   without a certificate exists only on a plane without mTLS (loopback, or insecure by choice),
   where roles cannot be told apart and are not checked.
+
+The same interceptor decodes every internal request itself: grpc.aio answers a message its
+deserializer cannot read with UNKNOWN; garbage must be INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import ipaddress
 import inspect
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from wire.tls import TlsConfig
 
@@ -96,29 +100,37 @@ def refusal(method: str, role: str | None) -> str | None:
 
 
 class RoleInterceptor(grpc.aio.ServerInterceptor):
-    """PERMISSION_DENIED for an internal RPC whose caller's role is not in ``ALLOWED``."""
+    """PERMISSION_DENIED for an internal RPC whose caller's role is not in ``ALLOWED``, and
+    INVALID_ARGUMENT for a request that is not its message (unary requests)."""
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or details.method not in ALLOWED:
+        if handler is None or not (handler.unary_unary or handler.unary_stream):
             return handler
         return _guarded(handler, details.method)
 
 
 def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """``handler`` with the role check in front of its behaviour."""
-    async def check(context) -> None:
+    """``handler`` taking raw bytes, with the role check and the decoding in front of its behaviour."""
+    decode = handler.request_deserializer
+
+    async def check(raw: bytes, context):
         reason = refusal(method, peer_role(context))
         if reason is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+        if decode is None:
+            return raw
+        try:
+            return decode(raw)
+        except (DecodeError, RuntimeError, ValueError) as exc:  # upb may raise any of them on garbage
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid request of {method}: {exc}")
 
-    codec = {"request_deserializer": handler.request_deserializer,
-             "response_serializer": handler.response_serializer}
-    if handler.unary_stream or handler.stream_stream:
-        inner = handler.unary_stream or handler.stream_stream
+    codec = {"request_deserializer": None, "response_serializer": handler.response_serializer}
+    if handler.unary_stream:
+        inner = handler.unary_stream
 
-        async def streaming(request, context):
-            await check(context)
+        async def streaming(raw, context):
+            request = await check(raw, context)
             result = inner(request, context)
             if hasattr(result, "__aiter__"):
                 async for item in result:
@@ -127,14 +139,12 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
                 for item in result:
                     yield item
 
-        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-        return make(streaming, **codec)
-    inner = handler.unary_unary or handler.stream_unary
+        return grpc.unary_stream_rpc_method_handler(streaming, **codec)
+    inner = handler.unary_unary
 
-    async def unary(request, context):
-        await check(context)
+    async def unary(raw, context):
+        request = await check(raw, context)
         result = inner(request, context)
         return await result if inspect.isawaitable(result) else result
 
-    make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
-    return make(unary, **codec)
+    return grpc.unary_unary_rpc_method_handler(unary, **codec)
