@@ -93,12 +93,20 @@ def serve(args) -> int:
         _drain(cluster, grace_s)
     finally:
         print("pdserve: stopping", flush=True)
-        cluster.stop()
+        lost = cluster.ray_lost()
+        if not lost:
+            cluster.stop()
         shutdown.end_descendants()
+    if lost:  # Ray's own exit handler would wait on the GCS the signal ended
+        print("pdserve: Ray was stopped by the same signal; its processes are ended", flush=True)
+        os._exit(0)
     return 0
 
 
 def _drain(cluster, grace_s: float) -> None:
+    if cluster.ray_lost():
+        print("pdserve: Ray was stopped by the same signal (its workers drained themselves); stopping", flush=True)
+        return
     try:
         left = cluster.drain(grace_s)
     except Exception as exc:  # the router is gone already (the process group's signal reached it)

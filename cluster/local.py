@@ -483,6 +483,15 @@ class LocalCluster:
             if loop is not None:
                 loop.halt()
 
+    def ray_lost(self) -> bool:
+        """Whether the Ray this cluster started has lost its GCS or raylet (a signal to the
+        process group reaches them too): then every Ray call would wait on them in vain."""
+        node = getattr(ray._private.worker, "_global_node", None)
+        if not self._started_ray or node is None:
+            return False
+        return any(info.process.poll() is not None
+                   for kind in ("gcs_server", "raylet") for info in node.all_processes.get(kind, []))
+
     def stop(self, stop_timeout_s: float = 5.0) -> None:
         """Stop every actor (all at once, each given ``stop_timeout_s``), release the placement
         groups, and end the Ray this cluster started. Never raises: a Ray already gone (the

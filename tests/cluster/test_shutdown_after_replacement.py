@@ -81,7 +81,7 @@ def wait_for(predicate, what: str, log_path: Path, timeout_s: float = 300):
     raise AssertionError(f"{what}; log: {log_path.read_text()[-3000:]}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_process_group_after_a_replacement_stops_everything_in_time(tmp_path, sig):
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w+")
