@@ -133,8 +133,11 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
             request = await check(raw, context)
             result = inner(request, context)
             if hasattr(result, "__aiter__"):
-                async for item in result:
-                    yield item
+                try:
+                    async for item in result:
+                        yield item
+                finally:  # closed early (the client went): the servicer's own cleanup runs now
+                    await result.aclose()
             else:
                 for item in result:
                     yield item
