@@ -194,3 +194,14 @@ def test_a_detokenize_body_longer_than_any_context_is_refused_before_it_is_parse
         stop()
     assert status == 400 and b"detokenize_max_bytes=" in payload
     assert not gate.entered.is_set()  # never parsed
+
+
+def test_a_stream_write_the_client_never_takes_ends_the_stream():
+    """A client that stops reading fills the socket, and a write then waits for it: past
+    stream_idle_timeout_s the handler gives up (which aborts the request on the workers)."""
+    class StuckResponse:  # a write that waits for a reader that never reads
+        async def write(self, data: bytes) -> None:
+            await asyncio.Event().wait()
+
+    with pytest.raises(ConnectionResetError, match="stream_idle_timeout_s=0.1"):
+        asyncio.run(http_api._write(StuckResponse(), b"data: x\n\n", 0.1))
