@@ -78,11 +78,15 @@ class Autoscaler:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Scale nothing from now on (the cluster is stopping)."""
         self._stop.set()
-        self._thread.join(60)
+
+    def stop(self, join_s: float = 60.0) -> None:
+        self.halt()
+        self._thread.join(join_s)
         for action in list(self._actions.values()):
-            action.join(120)
+            action.join(2 * join_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -115,7 +119,7 @@ class Autoscaler:
         return {pool: t.decisions[-1].desired for pool, t in self.traces.items() if t.decisions}
 
     def sample(self, pool: str, now: float, latency: admin_pb2.LatencySummary | None = None) -> PoolSample:
-        stats = [s for s in (_stats(pool, a, self.cluster.config.tls) for a in list(self.cluster.addresses(pool)))
+        stats = [s for s in (_stats(pool, a, self.cluster.config.tls_for("controller")) for a in list(self.cluster.addresses(pool)))
                  if s is not None]
         latency = latency or admin_pb2.LatencySummary()
         if pool == "prefill":
@@ -128,7 +132,7 @@ class Autoscaler:
     def _latency(self, window_s: float) -> admin_pb2.LatencySummary | None:
         """The router's TTFT and ITL p90 over the last ``window_s``; None if it cannot answer."""
         try:
-            with channel(self.cluster.admin_address, self.cluster.config.tls) as ch:
+            with channel(self.cluster.admin_address, self.cluster.config.tls_for("controller")) as ch:
                 return admin_pb2_grpc.RouterAdminStub(ch).GetLatency(
                     admin_pb2.LatencyRequest(window_s=window_s), timeout=2)
         except grpc.RpcError as exc:

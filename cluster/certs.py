@@ -3,10 +3,15 @@
     python -m cluster.certs DIR [--components router prefill decode controller] [--days 30]
 
 writes ``DIR/ca.pem`` (and ``ca.key``, keep it off the cluster), and for each component
-``DIR/<name>.pem`` + ``DIR/<name>.key``. Every certificate is both a server and a client
-certificate and carries the DNS name ``pdserve.internal`` that internal channels check
-(``wire.tls``), so any of them serves any role; the common name tells them apart in logs.
-Then: ``pdserve serve --tls-ca DIR/ca.pem --tls-cert DIR/router.pem --tls-key DIR/router.key``.
+``DIR/<name>.pem`` + ``DIR/<name>.key``. Every component certificate is both a server and a
+client certificate, carries the DNS name ``pdserve.internal`` that internal channels check
+(``wire.tls``), and has the common name ``pdserve-<component>``: its role on the internal
+plane, where each RPC accepts only the roles that need it (``wire.internal_plane``).
+Then: ``pdserve serve --tls-dir DIR`` (each role its own identity).
+
+``--public-names`` also makes ``public.pem``: a server-only certificate for the public API,
+without ``pdserve.internal`` and without clientAuth, so that whoever holds the ingress key
+cannot call the internal plane with it.
 
 For production use a real CA; this one is for tests and trials (EC P-256, short-lived).
 """
@@ -65,14 +70,16 @@ def make_ca(out: Path, days: int = 30, name: str = "pdserve test CA") -> Issued:
     return _write(out, "ca", cert, key)
 
 
-def issue(ca: Issued, out: Path, component: str, days: int = 30, extra_names: tuple[str, ...] = ()) -> Issued:
+def issue(ca: Issued, out: Path, component: str, days: int = 30, extra_names: tuple[str, ...] = (),
+          public: bool = False) -> Issued:
     """A certificate for ``component`` signed by ``ca``, valid as server and client, naming
-    ``pdserve.internal`` and ``extra_names`` (host names or IPs, for a public server)."""
+    ``pdserve.internal`` and ``extra_names`` (host names or IPs). ``public``: a server-only
+    certificate naming ``extra_names`` alone (the public API's)."""
     ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
     ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    names: list[x509.GeneralName] = [x509.DNSName(INTERNAL_SERVER_NAME)]
+    names: list[x509.GeneralName] = [] if public else [x509.DNSName(INTERNAL_SERVER_NAME)]
     for extra in extra_names:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(extra)))
@@ -83,7 +90,8 @@ def issue(ca: Issued, out: Path, component: str, days: int = 30, extra_names: tu
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH] if public else
+                                                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
     return _write(out, component, cert, key)
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for component in args.components:
         issue(ca, args.out, component, args.days)
     if args.public_names:
-        issue(ca, args.out, "public", args.days, tuple(args.public_names))
+        issue(ca, args.out, "public", args.days, tuple(args.public_names), public=True)
     print(f"wrote {ca.cert} and {len(args.components)} component certificate(s) to {args.out}")
     return 0
 

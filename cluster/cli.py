@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+from cluster import shutdown
 from cluster.settings import SettingsError, add_arguments, resolve
 
 
@@ -76,6 +77,7 @@ def serve(args) -> int:
     cluster = LocalCluster(config)
     stop = threading.Event()
     _on_stop_signals(stop)
+    shutdown.become_subreaper()  # every process Ray starts stays ours to end (cluster.shutdown)
     try:
         cluster.start()
         _on_stop_signals(stop)  # ray.init (in start) installed its own SIGTERM handler: ours again
@@ -83,14 +85,35 @@ def serve(args) -> int:
         print(f"pdserve: {http}gRPC API listening on {cluster.address}, serving {', '.join(config.served_model_names)} "
               f"({v['prefill']} prefill, {v['decode']} decode worker(s)); Ctrl-C stops", flush=True)
         stop.wait()
-        print(f"pdserve: draining (up to {v['drain_grace_seconds']:g} s)", flush=True)
-        left = cluster.drain(v["drain_grace_seconds"])
-        if left:
-            print(f"pdserve: {left} request(s) still running after the grace period; stopping anyway", flush=True)
+        grace_s = v["drain_grace_seconds"]
+        # Whatever the stop waits on, the process ends in time (TERM_WAIT_S: to end the rest).
+        shutdown.StopDeadline(grace_s + shutdown.MARGIN_S - shutdown.TERM_WAIT_S).start()
+        cluster.stop_supervising()  # the workers the group's SIGTERM ends are not replaced
+        print(f"pdserve: draining (up to {grace_s:g} s)", flush=True)
+        _drain(cluster, grace_s)
     finally:
         print("pdserve: stopping", flush=True)
-        cluster.stop()
+        lost = cluster.ray_lost()
+        if not lost:
+            cluster.stop()
+        shutdown.end_descendants()
+    if lost:  # Ray's own exit handler would wait on the GCS the signal ended
+        print("pdserve: Ray was stopped by the same signal; its processes are ended", flush=True)
+        os._exit(0)
     return 0
+
+
+def _drain(cluster, grace_s: float) -> None:
+    if cluster.ray_lost():
+        print("pdserve: Ray was stopped by the same signal (its workers drained themselves); stopping", flush=True)
+        return
+    try:
+        left = cluster.drain(grace_s)
+    except Exception as exc:  # the router is gone already (the process group's signal reached it)
+        print(f"pdserve: the router did not drain ({type(exc).__name__}: {exc}); stopping", flush=True)
+        return
+    if left:
+        print(f"pdserve: {left} request(s) still running after the grace period; stopping anyway", flush=True)
 
 
 def _banner(status: dict, config, v: dict) -> str:

@@ -57,6 +57,11 @@ class ClusterConfig:
     internal_advertise_host: str | None = None  # only for one node (NAT); None: the bound address
     api_key: str | None = field(default=None, repr=False)  # clients must send it (router.auth); None: open. Never printed
     tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls); None: plaintext
+    # Each role's own identity on the internal plane (role -> its certificate, from
+    # ``cluster.certs``), so that each internal RPC accepts only the roles that need it
+    # (wire.internal_plane); a role not named here uses ``tls``.
+    role_tls: tuple[tuple[str, TlsConfig], ...] = ()
+    insecure_internal: bool = False  # the internal plane may listen beyond loopback without mTLS
     public_tls: TlsConfig | None = None  # TLS on the public plane
     ray_token_auth: bool = True  # a Ray pdserve starts runs with token authentication
     kv_transfer_backend: str = DEFAULT_BACKEND
@@ -126,6 +131,10 @@ class ClusterConfig:
         if self.internal_host is None and self.ray_address is None:
             return "127.0.0.1"
         return self.internal_host
+
+    def tls_for(self, role: str) -> TlsConfig | None:
+        """The internal plane's TLS of ``role`` (router, prefill, decode, controller)."""
+        return dict(self.role_tls).get(role, self.tls)
 
     def worker_threads(self) -> int:
         if self.threads_per_worker:
@@ -214,7 +223,8 @@ class LocalCluster:
                                   tool_call_parser=cfg.tool_call_parser, host=cfg.host,
                                   grpc_port=cfg.grpc_port, http_port=cfg.http_port, advertise_host=cfg.advertise_host, api_key=cfg.api_key,
                                   public_tls=cfg.public_tls, internal_host=cfg.internal_bind_host(),
-                                  internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls,
+                                  internal_advertise_host=cfg.internal_advertise_host, tls=cfg.tls_for("router"),
+                                  insecure_internal=cfg.insecure_internal,
                                   stats_interval_s=cfg.router_poll_s, hang_timeout_s=cfg.hang_timeout_s,
                                   max_receive_bytes=cfg.max_receive_bytes,
                                   limits=cfg.router_limits_for_mode(),
@@ -231,7 +241,8 @@ class LocalCluster:
 
         cfg = self.config
         common = dict(worker_id=f"{role}-{index}", model_name=cfg.served_model_names[0], engine=cfg.engine,
-                      host=cfg.internal_bind_host(), tls=cfg.tls, advertise_host=cfg.internal_advertise_host,
+                      host=cfg.internal_bind_host(), tls=cfg.tls_for(role), advertise_host=cfg.internal_advertise_host,
+                      insecure_internal=cfg.insecure_internal,
                       kv_transfer_backend=cfg.kv_transfer_backend, max_requests=cfg.worker_max_requests,
                       max_receive_bytes=cfg.max_receive_bytes, step_trace_dir=cfg.step_trace_dir)
         if role == "prefill":
@@ -453,7 +464,7 @@ class LocalCluster:
 
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         deadline = time.monotonic() + timeout_s
-        with channel(address, self.config.tls) as ch:
+        with channel(address, self.config.tls_for("controller")) as ch:
             stub = stub_cls(ch)
             stats = stub.Drain(worker_pb2.DrainRequest(), timeout=10)
             while stats.num_running or stats.num_waiting or stats.num_held_leases:
@@ -471,7 +482,7 @@ class LocalCluster:
                    for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
         targets = {pool: policy.target for pool, policy in self.config.autoscaled_pools().items()}
-        with channel(self.admin_address, self.config.tls) as ch:
+        with channel(self.admin_address, self.config.tls_for("controller")) as ch:
             admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
                 admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets), timeout=10)
 
@@ -481,22 +492,39 @@ class LocalCluster:
         Returns how many were still running. ``stop()`` comes after."""
         if self.router is None:
             return 0
-        return ray.get(self.router.drain.remote(grace_s), timeout=grace_s + 30)
+        return ray.get(self.router.drain.remote(grace_s), timeout=grace_s + 2)  # it answers by grace_s
 
-    def stop(self) -> None:
+    def stop_supervising(self) -> None:
+        """Replace and scale nothing from now on; at once, without waiting for a round in
+        progress (see ``cluster.shutdown``: a stopping cluster's workers exit on purpose)."""
+        for loop in (self._supervisor, self.autoscaler):
+            if loop is not None:
+                loop.halt()
+
+    def ray_lost(self) -> bool:
+        """Whether the Ray this cluster started has lost its GCS or raylet (a signal to the
+        process group reaches them too): then every Ray call would wait on them in vain."""
+        node = getattr(ray._private.worker, "_global_node", None)
+        if not self._started_ray or node is None:
+            return False
+        return any(info.process.poll() is not None
+                   for kind in ("gcs_server", "raylet") for info in node.all_processes.get(kind, []))
+
+    def stop(self, stop_timeout_s: float = 5.0) -> None:
+        """Stop every actor (all at once, each given ``stop_timeout_s``), release the placement
+        groups, and end the Ray this cluster started. Never raises: a Ray already gone (the
+        process group's SIGTERM reached it too) has nothing left to stop."""
         if self.autoscaler is not None:
-            self.autoscaler.stop()
+            self.autoscaler.stop(join_s=stop_timeout_s)
         if self._supervisor is not None:
-            self._supervisor.stop()
-        for actor in [self.router, *self.decode, *self.prefill]:
-            if actor is None:
-                continue
+            self._supervisor.stop(join_s=stop_timeout_s)
+        actors = [a for a in [self.router, *self.decode, *self.prefill] if a is not None]
+        steps = [lambda: ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=stop_timeout_s)]
+        steps += [lambda a=a: ray.kill(a) for a in actors] + [lambda g=g: release(g) for g in self._groups.values()]
+        for step in steps:
             try:
-                ray.get(actor.stop.remote(), timeout=10)
-            except Exception:  # a dead actor has nothing left to stop
-                pass
-            ray.kill(actor)
-        for pg in self._groups.values():
-            release(pg)
+                step()
+            except Exception as exc:  # a dead actor, or a Ray already gone
+                log.warning("stopping the cluster: %s", exc)
         if self._started_ray:
             ray.shutdown()

@@ -42,6 +42,7 @@ def build(v: dict[str, Any]):
         internal_advertise_host=v["internal_advertise_host"],
         api_key=read_key(v["api_key"], v["api_key_file"]),
         tls=tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls"),
+        role_tls=_role_tls(v), insecure_internal=v["insecure_internal"],
         public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"], prefix="public_tls",
                             require_ca=False),
         kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
@@ -52,6 +53,20 @@ def build(v: dict[str, Any]):
         log=LogConfig(v["log_level"], v["log_format"]),
         prefill_placement=_placement(v, "prefill", default_gpus), decode_placement=_placement(v, "decode", default_gpus),
         autoscaling=from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None)
+
+
+def _role_tls(v: dict[str, Any]) -> tuple:
+    """Each role's certificate from ``tls_dir`` (``cluster.certs``'s layout); () without one."""
+    from cluster.certs import COMPONENTS
+    from wire import tls
+
+    if not v["tls_dir"]:
+        return ()
+    if v["tls_cert"] or v["tls_key"] or v["tls_ca"]:
+        raise tls.TlsConfigError("tls_dir and tls_cert/tls_key/tls_ca are both set; give one")
+    d = Path(v["tls_dir"])
+    return tuple((role, tls.load(str(d / f"{role}.pem"), str(d / f"{role}.key"), str(d / "ca.pem"), prefix="tls"))
+                 for role in COMPONENTS)
 
 
 def _absolute(path: str | None) -> str | None:

@@ -86,6 +86,12 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("tls_ca", str, None, "internal mTLS: CA that signs every component's certificate"),
         Setting("tls_cert", str, None, "internal mTLS: this cluster's component certificate (PEM)"),
         Setting("tls_key", str, None, "internal mTLS: its private key (PEM)"),
+        Setting("tls_dir", str, None,
+                "internal mTLS with one identity per role: a directory as python -m cluster.certs writes it "
+                "(ca.pem, router/prefill/decode/controller .pem + .key); instead of tls_ca/tls_cert/tls_key"),
+        Setting("insecure_internal", bool, False,
+                "let the internal plane listen beyond loopback without mTLS (anyone who reaches it can drain "
+                "workers and rewrite routing)"),
         Setting("public_tls_cert", str, None, "public API TLS: server certificate (PEM)"),
         Setting("public_tls_key", str, None, "public API TLS: its private key (PEM)"),
         Setting("public_tls_ca", str, None, "public API TLS: require client certificates signed by this CA"),

@@ -40,9 +40,14 @@ class Supervisor:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Replace nothing from now on: a stopping cluster's workers exit on purpose (each
+        ``ServerActor`` drains and exits on the process group's SIGTERM)."""
         self._stop.set()
-        self._thread.join(30)
+
+    def stop(self, join_s: float = 30.0) -> None:
+        self.halt()
+        self._thread.join(join_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -57,7 +62,7 @@ class Supervisor:
         hung, seen = [], set()
         for role in ("prefill", "decode"):
             for index, address in enumerate(self.cluster.addresses(role)):
-                stats = worker_stats(role, address, self.cluster.config.tls, timeout_s=min(2.0, hang_s))
+                stats = worker_stats(role, address, self.cluster.config.tls_for("controller"), timeout_s=min(2.0, hang_s))
                 now = time.monotonic()
                 seen.add(address)
                 self._liveness[address] = observe(self._liveness.get(address), now, stats is not None,
@@ -119,6 +124,8 @@ class Supervisor:
             for role, index in hung:
                 self._kill(self.cluster.addresses(role)[index], self.cluster.actors(role)[index])
             for role, index in dead + hung:
+                if self._stop.is_set():  # the cluster began to stop during this round
+                    return
                 self._processes.pop(self.cluster.addresses(role)[index], None)
                 self.cluster.replace(role, index)
                 self.replaced += 1

@@ -42,7 +42,7 @@ ROLES = ("prefill", "decode", "router")
 _SHARED = ("model", "served_model_name", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
            "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "host", "port", "grpc_port", "advertise_host",
            "internal_host", "internal_advertise_host", "api_key", "api_key_file", "tls_ca", "tls_cert", "tls_key",
-           "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
+           "insecure_internal", "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
            "routing_policy", "routing_prefill_weight", "routing_load_weight", "routing_temperature",
            "routing_balance_abs_tokens", "routing_balance_rel",
@@ -126,6 +126,7 @@ def worker_config(v: dict[str, Any]):
     common = dict(worker_id=v["worker_id"] or socket.gethostname(), model_name=served_names(v)[0],
                   engine=engine_config(v), host=v["internal_host"],
                   advertise_host=v["internal_advertise_host"], tls=internal_tls(v), port=v["internal_port"],
+                  insecure_internal=v["insecure_internal"],
                   metrics_port=v["metrics_port"], kv_transfer_backend=v["kv_transfer_backend"],
                   drain_grace_s=v["drain_grace_seconds"], step_trace_dir=v["step_trace_dir"])
     if v["role"] == "prefill":

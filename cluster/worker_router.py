@@ -33,7 +33,7 @@ def router_config(v: dict[str, Any]):
                         public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"],
                                             prefix="public_tls", require_ca=False),
                         internal_host=v["internal_host"], internal_port=v["internal_port"],
-                        internal_advertise_host=v["internal_advertise_host"], tls=internal_tls(v),
+                        internal_advertise_host=v["internal_advertise_host"], tls=internal_tls(v), insecure_internal=v["insecure_internal"],
                         limits=_router_limits(v))
 
 

@@ -1,8 +1,18 @@
-"""gRPC face of the decode worker (``pdserve.v1.DecodeWorker``)."""
+"""gRPC face of the decode worker (``pdserve.v1.DecodeWorker``).
+
+Peers are known by the agent a prefill worker's address serves *and its incarnation* (a digest
+of the metadata it hands out: a restarted worker registers new memory). A prefill worker that
+restarts on the same address (a Kubernetes container restart keeps the pod IP and the fixed
+internal port) would otherwise be read with its dead predecessor's metadata forever. So after
+a transfer from an address fails, its metadata is fetched again at once, and a new incarnation
+replaces the peer before the router retries; the router marks a source whose transfers keep
+failing down (``router.pool.WorkerPool.transfer_failed``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 
 import grpc
@@ -24,7 +34,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, metrics_address: str = ""):
         self.worker = worker
         self.metrics_address = metrics_address
-        self._peers: dict[str, str] = {}  # prefill address -> peer agent name
+        self._peers: dict[str, tuple[str, str]] = {}  # prefill address -> (peer agent name, incarnation)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._lock = asyncio.Lock()
 
@@ -33,13 +43,29 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             self._channels[address] = aio_channel(address, self.worker.config.tls)
         return worker_pb2_grpc.PrefillWorkerStub(self._channels[address])
 
-    async def _peer(self, address: str) -> str:
-        """The prefill worker's agent, added once per peer (metadata travels over gRPC)."""
+    async def _peer(self, address: str, check_again: bool = False) -> str:
+        """The prefill worker's agent at ``address``, added once per incarnation (metadata
+        travels over gRPC). ``check_again``: fetch its metadata even if known, and replace the
+        peer if the worker there is a new incarnation."""
         async with self._lock:
-            if address not in self._peers:
+            known = self._peers.get(address)
+            if known is None or check_again:
                 meta = await self._stub(address).GetAgentMetadata(worker_pb2.AgentMetadataRequest(), timeout=10)
-                self._peers[address] = await asyncio.to_thread(self.worker.add_peer, meta)
-            return self._peers[address]
+                incarnation = hashlib.sha256(meta.SerializeToString(deterministic=True)).hexdigest()[:16]
+                if known is None or known[1] != incarnation:
+                    if known is not None:
+                        log.info("prefill worker %s is a new incarnation (%s, was %s); its peer is replaced",
+                                 address, incarnation, known[1])
+                    self._peers[address] = (await asyncio.to_thread(self.worker.add_peer, meta), incarnation)
+            return self._peers[address][0]
+
+    async def _check_source(self, address: str) -> None:
+        """After a failed transfer: the worker at ``address`` may have restarted; look again
+        (best effort: an unreachable one stays as it was, and the router judges it)."""
+        try:
+            await self._peer(address, check_again=True)
+        except (grpc.aio.AioRpcError, TransferError) as exc:
+            log.info("prefill worker %s could not be checked again after a failed transfer: %s", address, exc)
 
     async def Decode(self, request, context):
         # The router offers the same KV to another decode worker.
@@ -80,9 +106,11 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker KV cache full: {exc}")
         except LeaseClaimFailed as exc:
             self.worker.source_unreachable()
+            await self._check_source(kv.prefill_address)
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
         except TransferFailed as exc:
             await lease.end(ReleaseReason.TRANSFER_FAILED)
+            await self._check_source(kv.prefill_address)
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
         except StepFailed as exc:
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))

@@ -24,6 +24,7 @@ from kv_transfer.handoff import KVHandle, partial_notify
 from protos import kv_transfer_pb2
 from wire import metrics
 from wire.address import resolve, transfer_listen_opts
+from wire.internal_plane import check_bind
 from wire.tls import TlsConfig
 from wire.worker_shell import WorkerShell
 
@@ -40,6 +41,7 @@ class DecodeWorkerConfig:
     host: str | None = "127.0.0.1"  # internal plane bind address; None: the node's IP (wire.address)
     advertise_host: str | None = None  # what peers dial; None: from host (wire.address.resolve)
     tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls)
+    insecure_internal: bool = False  # allow binding beyond loopback without tls (wire.internal_plane)
     port: int = 0
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
     kv_transfer_backend: str = DEFAULT_BACKEND
@@ -105,6 +107,7 @@ class DecodeWorker(WorkerShell):
     def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None):
         engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
+        check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
         agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
                              inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
                              **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))

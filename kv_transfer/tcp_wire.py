@@ -2,8 +2,8 @@
 
 All integers big-endian (``struct``); no pickle::
 
-    reader -> holder  READ   "PDK1" n_blocks:u32 notify_len:u32, n_blocks x block_id:u32,
-                             notify bytes
+    reader -> holder  READ   "PDK3" n_blocks:u32 notify_len:u32 last_block_bytes:u64,
+                             notify bytes, n_blocks x block_id:u32
     holder -> reader  REPLY  status:u8 length:u64, then `length` bytes: the blocks in request
                              order (OK) or a utf-8 reason (ERROR)
     reader -> holder  ACK    "PDKA" once every byte has landed in the reader's blocks
@@ -11,6 +11,12 @@ All integers big-endian (``struct``); no pickle::
 
 The holder records ``notify`` only after the ACK, so a notification always means the reader
 has the data, as with NIXL.
+
+The holder refuses before it allocates (``decode_read``): the header's counts are checked
+against sane maxima (the holder's cache size, ``MAX_NOTIFY_BYTES``) and the notify (the lease
+token) against the claimed leases before the block ids are read, so a sender's ``n_blocks``
+(up to 2**32) never sizes a buffer. Every socket has a timeout on each read and write
+(``io_timeout_s``): a reader that stops sending, or stops taking the blocks, is dropped.
 
 With an ``ssl`` context (mTLS on the internal plane, ``wire.tls``) every connection starts
 with a TLS handshake; a reader without a certificate of the cluster's CA fails it and gets
@@ -32,7 +38,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-READ_MAGIC = b"PDK2"
+READ_MAGIC = b"PDK3"  # PDK3: the notify (lease token) comes before the block ids
 ACK_MAGIC = b"PDKA"
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -42,6 +48,11 @@ STATUS = struct.Struct("!B")
 MAX_NOTIFY_BYTES = 1 << 16  # notifications are request ids, not payloads
 _IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per sendmsg/recvmsg_into
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its TLS handshake by then is dropped
+IO_TIMEOUT_S = 30.0  # a connection idle this long within one read or write is dropped
+
+
+class ReadRefused(Exception):
+    """A READ the holder will not serve; the reason names the field and the limit."""
 
 
 class WireError(Exception):
@@ -110,19 +121,30 @@ def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
 def encode_read(block_ids: Sequence[int], notify: bytes, last_block_bytes: int) -> bytes:
     """The READ frame for ``block_ids`` (the last one cut to ``last_block_bytes``) with
     ``notify`` for the holder."""
-    return (READ_HEADER.pack(READ_MAGIC, len(block_ids), len(notify), last_block_bytes)
-            + struct.pack(f"!{len(block_ids)}I", *block_ids) + notify)
+    return (READ_HEADER.pack(READ_MAGIC, len(block_ids), len(notify), last_block_bytes) + notify
+            + struct.pack(f"!{len(block_ids)}I", *block_ids))
 
 
-def decode_read(sock: socket.socket) -> tuple[list[int], bytes, int]:
-    """Read one READ frame; returns (block ids, notify, last block bytes)."""
+def decode_read(sock: socket.socket, max_blocks: int, block_bytes: int,
+                lease_claimed: Callable[[bytes], bool]) -> tuple[list[int], bytes, int]:
+    """Read one READ frame; returns (block ids, notify, last block bytes). Raises
+    ``ReadRefused`` before any buffer is sized by the sender: ``n_blocks`` over ``max_blocks``
+    (the holder's cache), ``last`` outside (0, ``block_bytes``], a notify over
+    ``MAX_NOTIFY_BYTES`` or one no claimed lease matches (``lease_claimed``)."""
     magic, n_blocks, notify_len, last = READ_HEADER.unpack(recv_exact(sock, READ_HEADER.size))
     if magic != READ_MAGIC:
         raise WireError(f"bad READ magic {magic!r}, expected {READ_MAGIC!r}")
     if notify_len > MAX_NOTIFY_BYTES:
-        raise WireError(f"notify is {notify_len} bytes, limit {MAX_NOTIFY_BYTES}")
+        raise ReadRefused(f"notify_len {notify_len} is over the limit MAX_NOTIFY_BYTES={MAX_NOTIFY_BYTES}")
+    if not 0 < n_blocks <= max_blocks:
+        raise ReadRefused(f"n_blocks {n_blocks} is not in (0, {max_blocks}], the holder's num_blocks")
+    if not 0 < last <= block_bytes:
+        raise ReadRefused(f"last block bytes {last} not in (0, {block_bytes}]")
+    notify = recv_exact(sock, notify_len)
+    if not lease_claimed(notify):
+        raise ReadRefused("no claimed lease matches this read's token")
     ids = list(struct.unpack(f"!{n_blocks}I", recv_exact(sock, 4 * n_blocks)))
-    return ids, recv_exact(sock, notify_len), last
+    return ids, notify, last
 
 
 def recv_reply_header(sock: socket.socket, expected_bytes: int) -> None:
@@ -144,8 +166,9 @@ class BlockServer:
     def __init__(self, host: str, port: int, blocks: torch.Tensor,
                  on_notify: Callable[[bytes], None],
                  authorize: Callable[[bytes, list[int]], bool] = lambda notify, ids: True,
-                 ssl_context: ssl.SSLContext | None = None):
+                 ssl_context: ssl.SSLContext | None = None, io_timeout_s: float = IO_TIMEOUT_S):
         self._blocks = blocks
+        self._io_timeout_s = io_timeout_s
         self._ssl = ssl_context
         self._authorize = authorize  # whether the read's notify (a lease token) covers its blocks
         # CPU caches are sent straight from their storage; CUDA blocks are gathered to host.
@@ -171,29 +194,32 @@ class BlockServer:
 
     def _accept(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self._io_timeout_s)
         if self._ssl is None:
             self._serve(sock)
             return
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        sock.settimeout(min(HANDSHAKE_TIMEOUT_S, self._io_timeout_s))
         try:
             tls_sock = self._ssl.wrap_socket(sock, server_side=True)
         except OSError as exc:  # ssl.SSLError too: no certificate, another CA's, or not TLS at all
             logger.info("tcp kv read refused: TLS handshake failed: %s", exc)
             return
         with tls_sock:
-            tls_sock.settimeout(None)
+            tls_sock.settimeout(self._io_timeout_s)
             self._serve(tls_sock)
 
     def _serve(self, sock: socket.socket) -> None:
+        num_blocks, block_bytes = self._blocks.shape
         try:
-            ids, notify, last = decode_read(sock)
-            num_blocks, block_bytes = self._blocks.shape
-            bad = [i for i in ids if i >= num_blocks]
-            allowed = not bad and self._authorize(notify, ids)
-            if bad or not allowed or not ids or not 0 < last <= block_bytes:
-                reason = (f"block ids out of range [0, {num_blocks}): {bad[:8]}" if bad else
-                          "no claimed lease covers these blocks" if not allowed else
-                          f"last block bytes {last} not in (0, {block_bytes}]").encode()
+            try:
+                ids, notify, last = decode_read(sock, num_blocks, block_bytes, lambda n: self._authorize(n, []))
+                bad = [i for i in ids if i >= num_blocks]
+                if bad:
+                    raise ReadRefused(f"block ids out of range [0, {num_blocks}): {bad[:8]}")
+                if not self._authorize(notify, ids):
+                    raise ReadRefused("no claimed lease covers these blocks")
+            except ReadRefused as exc:
+                reason = str(exc).encode()
                 sock.sendall(REPLY_HEADER.pack(STATUS_ERROR, len(reason)) + reason)
                 return
             sock.sendall(REPLY_HEADER.pack(STATUS_OK, (len(ids) - 1) * block_bytes + last))

@@ -18,6 +18,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams, TopLogprobs
 from kv_transfer import DEFAULT_BACKEND, create_agent
 from wire.address import resolve, transfer_listen_opts
+from wire.internal_plane import check_bind
 from wire.tls import TlsConfig
 from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason, lease_of_notify
 from prefill_worker.cache_events import CacheEventBatch, CacheEventLog
@@ -38,6 +39,7 @@ class PrefillWorkerConfig:
     host: str | None = "127.0.0.1"  # internal plane bind address; None: the node's IP (wire.address)
     advertise_host: str | None = None  # what peers dial; None: from host (wire.address.resolve)
     tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls)
+    insecure_internal: bool = False  # allow binding beyond loopback without tls (wire.internal_plane)
     port: int = 0  # 0: any free port
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
     lease_seconds: float = DEFAULT_LEASE_SECONDS  # held KV is freed this long after the first token at the latest
@@ -120,6 +122,7 @@ class PrefillWorker(WorkerShell):
     def __init__(self, config: PrefillWorkerConfig, engine: LLMEngine | None = None):
         engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
+        check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the prefill worker")  # before its KV listener
         agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
                              **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv])

@@ -3,7 +3,9 @@
 gRPC callers send metadata ``authorization: Bearer <key>``; HTTP callers the header
 ``Authorization: Bearer <key>`` (what the ``openai`` client sends for ``api_key=``). A missing
 or wrong key is ``UNAUTHENTICATED`` / HTTP 401. Health checks, reflection, ``/health`` and
-``/metrics`` stay open, so that load balancers and Prometheus need no secret.
+``/metrics`` stay open, so that load balancers and Prometheus need no secret; every other HTTP
+path (``/tokenize``, ``/detokenize``, ``/version``, ``/metrics/targets`` too) needs the key, and
+is refused before its body is read.
 
 The key comes from ``--api-key``, ``PDSERVE_API_KEY`` or ``--api-key-file`` (``read_key``).
 """
@@ -18,7 +20,7 @@ import grpc
 from aiohttp import web
 
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-OPEN_HTTP_PATHS = ("/health", "/metrics")  # as vLLM: only /v1/* needs the key
+OPEN_HTTP_PATHS = ("/health", "/metrics")  # the only HTTP paths open without the key
 
 
 class ApiKeyError(ValueError):
@@ -78,10 +80,11 @@ def _refusing(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHand
 
 
 def http_middleware(key: str) -> Callable:
-    """aiohttp middleware: 401 in OpenAI's error shape for a /v1 request without the key."""
+    """aiohttp middleware: 401 in OpenAI's error shape for a request without the key, on
+    every path but ``OPEN_HTTP_PATHS``."""
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        if request.path in OPEN_HTTP_PATHS or not request.path.startswith("/v1"):
+        if request.path in OPEN_HTTP_PATHS:
             return await handler(request)
         given = request.headers.get("Authorization")
         if _matches(given, key):

@@ -12,6 +12,12 @@ handler, which aborts the request on the workers.
 A client may bound a request's time with the ``X-Request-Timeout`` header (seconds; the
 router's ``request_timeout_s`` caps it); past it the answer is 408 or, mid-stream, an error
 event. A 429 carries ``Retry-After``.
+
+The event loop never waits on a client (``router.client_work``): bodies above
+``INLINE_BYTES`` are parsed, and every tokenizer call (``/tokenize``, ``/detokenize``, an
+echoed prompt, logprob token strings) runs, on the router's tokenizer threads, in a bounded
+queue. Slow clients time out: headers (``http_header_timeout_s``), body
+(``http_body_timeout_s``), and a stream the client stops reading (``stream_idle_timeout_s``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from aiohttp import web
 
 from engine.errors import InvalidRequestError
 from router import auth
+from router.client_work import INLINE_BYTES
 from router.openai_format import (Choice, chat_chunk, chat_response, completion_chunk, completion_response,
                                   usage_dict)
 from router.orchestrator import RouteError
@@ -44,7 +51,6 @@ _ROUTE_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"
                  grpc.StatusCode.DEADLINE_EXCEEDED: (408, "timeout")}
 TIMEOUT_HEADER = "X-Request-Timeout"
 REQUEST_ID_HEADER = "X-Request-Id"  # in: the request's id on the workers; out: echoed back
-_PARSE_OFF_LOOP_BYTES = 64 << 10  # larger bodies are parsed on a thread, not the event loop
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
@@ -98,23 +104,38 @@ class OpenAIFront:
         err = _as_http_error(exc)
         return error_response(err.status, str(err), err.kind, err.param, self.service.limits.retry_after_s)
 
-    async def _read(self, request: web.Request, chat: bool):
-        """The body, read within ``max_body_bytes`` and parsed once; raises ``HttpError``."""
-        limit = self.service.limits.requests.max_body_bytes
+    async def _raw(self, request: web.Request, max_bytes: int | None = None, limit_name: str = "max_body_bytes") -> bytes:
+        """The body, read within ``max_bytes`` (default ``max_body_bytes``; a declared length
+        over it is refused before any byte is read) and ``http_body_timeout_s``; raises ``HttpError``."""
+        limit, timeout_s = self.service.limits.requests.max_body_bytes, self.service.limits.http_body_timeout_s
+        if max_bytes is not None and (request.content_length or 0) > max_bytes:
+            raise HttpError(400, f"body is {request.content_length} bytes; the limit is {limit_name}={max_bytes}",
+                            param="body")
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), timeout_s)
+            if max_bytes is not None and len(raw) > max_bytes:
+                raise HttpError(400, f"body is over the limit {limit_name}={max_bytes}", param="body")
+            return raw
         except web.HTTPRequestEntityTooLarge:
             raise HttpError(400, f"body is over the router's limit max_body_bytes={limit}", param="body") from None
+        except TimeoutError:
+            raise HttpError(408, f"the body did not arrive within the router's limit http_body_timeout_s={timeout_s:g}",
+                            "timeout", param="body") from None
+
+    async def _read(self, request: web.Request, chat: bool):
+        """The body, read and parsed once (off the loop when large); raises ``HttpError``."""
+        raw = await self._raw(request)
         name, limits = self.service.model.names, self.service.limits.requests
-        if len(raw) > _PARSE_OFF_LOOP_BYTES:
-            return await asyncio.to_thread(lambda: parse_body(decode_json(raw), chat, name, limits))
+        if len(raw) > INLINE_BYTES:
+            return await self.service.work.run(lambda: parse_body(decode_json(raw), chat, name, limits))
         return parse_body(decode_json(raw), chat, name, limits)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             timeout_s = _timeout(request)
             reqs, options = await self._read(request, chat)
-        except HttpError as exc:
+            texts = await self._prompt_texts(reqs) if options.echo else [""] * len(reqs)
+        except (HttpError, RouteError) as exc:
             return self._error(exc)
         parser = self.service.model.tool_parser
         if options.tools is not None and options.tools.mode == "auto" and parser is None:
@@ -127,7 +148,7 @@ class OpenAIFront:
         choices = []
         for i, req in enumerate(reqs):
             req.request_id = rid if len(reqs) == 1 else f"{rid}-{i}"
-            choices.append(Choice(i, prompt_text=self._prompt_text(req) if options.echo else "",
+            choices.append(Choice(i, prompt_text=texts[i],
                                   tools=ToolOutput(options.tools, parser) if options.tools is not None else None))
         # Without max_tokens, chat runs to the rest of the context and completions stop at 16
         # (wire.convert.DEFAULT_MAX_TOKENS), as in OpenAI's API and vLLM.
@@ -162,11 +183,15 @@ class OpenAIFront:
             for s in streams:
                 await s.aclose()
 
-    def _prompt_text(self, req) -> str:
-        """The prompt as echo shows it: the text sent, or the token ids' text."""
-        if req.WhichOneof("input") == "text":
-            return req.text
-        return self.service.model.tokenizer.hf.decode(list(req.token_ids.ids))
+    async def _prompt_texts(self, reqs: list) -> list[str]:
+        """Each prompt as echo shows it: the text sent, or the token ids' text (decoded on
+        the tokenizer threads)."""
+        hf = self.service.model.tokenizer.hf
+
+        def texts() -> list[str]:
+            return [r.text if r.WhichOneof("input") == "text" else hf.decode(list(r.token_ids.ids)) for r in reqs]
+
+        return await self.service.work.run(texts)
 
     async def _collect(self, choices: list[Choice], early: list, queue: asyncio.Queue, meta: dict) -> web.Response:
         async for choice, item in _items(early, queue, len(choices)):
@@ -174,7 +199,11 @@ class OpenAIFront:
                 return self._error(item)
             choice.parts.append(item)
         build = chat_response if meta["chat"] else completion_response
-        return web.json_response(build(choices, meta))
+        if not (meta["logprobs"] or meta["echo"]):
+            return web.json_response(build(choices, meta))
+        # Token strings decode every token, an echoed prompt's too: off the loop.
+        body = await self.service.work.run(lambda: json.dumps(build(choices, meta)), admitted=True)
+        return web.json_response(text=body)
 
     async def _stream(self, request: web.Request, choices: list[Choice], early: list, queue: asyncio.Queue,
                       meta: dict, include_usage: bool) -> web.StreamResponse:
@@ -183,34 +212,38 @@ class OpenAIFront:
             headers[REQUEST_ID_HEADER] = request.headers[REQUEST_ID_HEADER]
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
+        idle_s = self.service.limits.stream_idle_timeout_s
         if meta["chat"]:
             for choice in choices:
-                await _send(response, chat_chunk(meta, choice, role=True))
+                await _send(response, chat_chunk(meta, choice, role=True), idle_s)
         lasts: dict[int, object] = {}
         async for choice, item in _items(early, queue, len(choices)):
             if isinstance(item, Exception):
                 err = _as_http_error(item)
                 await _send(response, {"error": {"message": str(err), "type": err.kind, "param": err.param,
-                                                  "code": err.status}})
+                                                  "code": err.status}}, idle_s)
                 break
-            await self._send_part(response, meta, choice, item, first=choice.index not in lasts)
+            await self._send_part(response, meta, choice, item, idle_s, first=choice.index not in lasts)
             lasts[choice.index] = item
         done = [lasts.get(c.index) for c in choices]
         if include_usage and all(r is not None and r.finish_reason for r in done):
             await _send(response, {**(chat_chunk if meta["chat"] else completion_chunk)(meta),
-                                   "usage": usage_dict([r.usage for r in done], meta["n"])})
-        await response.write(b"data: [DONE]\n\n")
+                                   "usage": usage_dict([r.usage for r in done], meta["n"])}, idle_s)
+        await _write(response, b"data: [DONE]\n\n", idle_s)
         await response.write_eof()
         return response
 
-    @staticmethod
-    async def _send_part(response: web.StreamResponse, meta: dict, choice: Choice, resp, first: bool = False) -> None:
+    async def _send_part(self, response: web.StreamResponse, meta: dict, choice: Choice, resp, idle_s: float,
+                         first: bool = False) -> None:
         if not (resp.token_ids or resp.text or resp.finish_reason or (first and meta["echo"])):
             return
         if meta["chat"]:
-            await _send(response, chat_chunk(meta, choice, resp))
+            chunk = lambda: chat_chunk(meta, choice, resp)  # noqa: E731
         else:
-            await _send(response, completion_chunk(meta, choice, resp, first=first))
+            chunk = lambda: completion_chunk(meta, choice, resp, first=first)  # noqa: E731
+        # Logprobs decode each token (and an echoed prompt's): off the loop.
+        await _send(response, await self.service.work.run(chunk, admitted=True) if meta["logprobs"] else chunk(),
+                    idle_s)
 
     def _card(self, name: str) -> dict:
         m = self.service.model
@@ -228,23 +261,30 @@ class OpenAIFront:
         return web.json_response(self._card(model_id))
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json(request)
-            limits = self.service.limits.requests
-            ids = await self.service.tokenize(tokenize_request(body, self.service.model.names, limits.max_prompt_chars))
-        except (HttpError, InvalidRequestError) as exc:
-            return self._error(exc)
-        m = self.service.model
-        return web.json_response({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids})
+        m, limits = self.service.model, self.service.limits.requests
+
+        def job(raw: bytes) -> str:  # parse, check, tokenize: all on the tokenizer thread
+            ids = tokenize_request(decode_json(raw), m.names, limits.max_prompt_chars)(m.tokenizer)
+            return json.dumps({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids})
+
+        return await self._tokenizer_call(request, job)
 
     async def detokenize(self, request: web.Request) -> web.Response:
+        m = self.service.model
+
+        def job(raw: bytes) -> str:
+            ids = detokenize_request(decode_json(raw), m.names, m.config.vocab_size, m.max_model_len)
+            return json.dumps({"prompt": m.tokenizer.decode(ids)})
+
+        # No body longer than this holds max_model_len token ids (each at most 10 digits and ", ").
+        return await self._tokenizer_call(request, job, (m.max_model_len * 12 + 1024, "detokenize_max_bytes"))
+
+    async def _tokenizer_call(self, request: web.Request, job, limit: tuple[int | None, str] = (None, "")) -> web.Response:
+        """``job(body)`` -> JSON text, run as a request admitted to the tokenizer queue."""
         try:
-            body = await self._json(request)
-            ids = detokenize_request(body, self.service.model.names, self.service.model.config.vocab_size)
-        except HttpError as exc:
+            return web.json_response(text=await self.service.client_job(job, await self._raw(request, *limit)))
+        except (HttpError, InvalidRequestError, RouteError) as exc:
             return self._error(exc)
-        text = await self.service.detokenize(ids)
-        return web.json_response({"prompt": text})
 
     async def version(self, request: web.Request) -> web.Response:
         try:
@@ -252,14 +292,6 @@ class OpenAIFront:
         except importlib.metadata.PackageNotFoundError:  # run from a source tree
             version = "unknown"
         return web.json_response({"version": version})
-
-    async def _json(self, request: web.Request):
-        limit = self.service.limits.requests.max_body_bytes
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise HttpError(400, f"body is over the router's limit max_body_bytes={limit}", param="body") from None
-        return decode_json(raw)
 
     async def health(self, request: web.Request) -> web.Response:
         if self.service.draining:
@@ -330,8 +362,17 @@ def _timeout(request: web.Request) -> float | None:
     return seconds
 
 
-async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+async def _send(response: web.StreamResponse, payload: dict[str, Any], idle_s: float) -> None:
+    await _write(response, f"data: {json.dumps(payload)}\n\n".encode(), idle_s)
+
+
+async def _write(response: web.StreamResponse, data: bytes, idle_s: float) -> None:
+    """One write of a stream; a client that takes none of it for ``idle_s`` is dropped (the
+    handler ends, which aborts its request on the workers)."""
+    try:
+        await asyncio.wait_for(response.write(data), idle_s)
+    except TimeoutError:
+        raise ConnectionResetError(f"the client read nothing for stream_idle_timeout_s={idle_s:g}") from None
 
 
 async def start(service: GenerationService, host: str | Endpoint, port: int, *, api_key: str | None = None,
@@ -344,7 +385,10 @@ async def start(service: GenerationService, host: str | Endpoint, port: int, *, 
         app.middlewares.append(auth.http_middleware(api_key))
     # handler_cancellation: a client that disconnects cancels its handler (aiohttp's default
     # since 3.9 is to let it run on), so its request stops using the workers at once.
-    runner = web.AppRunner(app, access_log=ACCESS_LOGGER, access_log_format=ACCESS_FORMAT, handler_cancellation=True)
+    # keepalive_timeout: aiohttp closes a connection that has not completed a request's
+    # headers this long after it opened (or after its last answer): the header timeout.
+    runner = web.AppRunner(app, access_log=ACCESS_LOGGER, access_log_format=ACCESS_FORMAT, handler_cancellation=True,
+                           keepalive_timeout=service.limits.http_header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, endpoint.bind_host, port, ssl_context=tls.http_server_context() if tls else None)
     await site.start()

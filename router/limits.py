@@ -25,6 +25,15 @@ class RouterLimits:
     max_waiting_requests: int = 256
     retry_after_s: int = 1  # the Retry-After a 429 / RESOURCE_EXHAUSTED carries
     tokenizer_threads: int = 1  # threads that tokenize and apply chat templates, off the event loop
+    # Client work (parsing large bodies, tokenizing, detokenizing) queued or running on those
+    # threads; past it a new request is RESOURCE_EXHAUSTED / 429 (router.client_work).
+    max_tokenizer_queue: int = 64
+    # Slow HTTP clients (aiohttp has no limits of its own): a request's headers must arrive
+    # within header_timeout_s of its connection (or of the previous answer), its body within
+    # body_timeout_s, and a stream the client stops reading ends after stream_idle_timeout_s.
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 60.0
     requests: RequestLimits = field(default_factory=RequestLimits)
     # Beyond this many queued prompt tokens on every prefill worker, the pool is full (at
     # ~600 tok/s per CPU worker: ~100 s of work); new requests wait for room as below.

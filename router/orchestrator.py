@@ -359,6 +359,7 @@ class RequestRun:
                             if resp.kv_progress:  # streamed KV: more of it read while prefill goes on
                                 continue
                             if resp.kv_bytes:  # the KV-arrived notice, not output
+                                self.pool.transfer_ok(pre.kv.prefill_address)
                                 self.progress.kv_bytes += resp.kv_bytes
                                 self.progress.kv_seconds += resp.kv_transfer_seconds
                                 self.metrics.kv_transferred(resp.kv_transfer_seconds)
@@ -383,6 +384,8 @@ class RequestRun:
                 _raise_if_step_failed(exc)
                 if failure_of(exc) is not Failure.KV_TRANSFER:
                     self.pool.mark_down(client.address)  # the decode worker itself failed
+                elif pre is not None:
+                    self.pool.transfer_failed(pre.kv.prefill_address)  # its source, if it keeps failing
                 raise _DecodeLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
             finally:
                 call.cancel()

@@ -32,6 +32,9 @@ from wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
+MAX_TRANSFER_FAILURES = 3  # KV pulls from one prefill worker failed in a row before it is down
+TRANSFER_DOWN_S = 10.0  # how long it stays down for routing then (it may have been restarted)
+
 
 @dataclass
 class WorkerClient:
@@ -54,11 +57,17 @@ class WorkerClient:
     # Set when the worker is found hung: the requests on it stop waiting and migrate. A new
     # event replaces it once the worker makes progress again.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # KV pulls from this (prefill) worker that failed in a row, and until when (monotonic) it
+    # is down for routing because they kept failing (``WorkerPool.transfer_failed``): a worker
+    # whose KV nobody can read answers Stats fine, and KV-aware routing would keep picking it.
+    transfer_failures: int = 0
+    down_until: float = 0.0
 
     def snapshot(self) -> WorkerSnapshot:
         s = self.stats or worker_pb2.WorkerStats()
+        down = self.down_until > time.monotonic()
         return WorkerSnapshot(
-            worker_id=self.address, role=self.role, healthy=self.healthy and not self.hung, draining=self.draining or s.draining,
+            worker_id=self.address, role=self.role, healthy=self.healthy and not self.hung and not down, draining=self.draining or s.draining,
             queued_tokens=s.num_waiting_tokens + self.local_tokens,
             blocks_used=s.num_blocks_used + self.local_blocks, blocks_total=s.num_blocks_total,
             inflight=self.inflight, last_placed=self.last_placed)
@@ -187,6 +196,24 @@ class WorkerPool:
         client = self.workers.get(address)
         if client is not None:
             client.healthy = False
+
+    def transfer_failed(self, address: str) -> None:
+        """A KV pull from ``address`` failed; after ``MAX_TRANSFER_FAILURES`` in a row it is
+        down for routing for ``TRANSFER_DOWN_S`` (its Stats answers do not bring it back)."""
+        client = self.workers.get(address)
+        if client is None:
+            return
+        client.transfer_failures += 1
+        if client.transfer_failures >= MAX_TRANSFER_FAILURES:
+            log.warning("prefill worker %s: %d KV transfers from it failed in a row; down for %.0f s",
+                        address, client.transfer_failures, TRANSFER_DOWN_S)
+            client.transfer_failures = 0
+            client.down_until = time.monotonic() + TRANSFER_DOWN_S
+
+    def transfer_ok(self, address: str) -> None:
+        client = self.workers.get(address)
+        if client is not None:
+            client.transfer_failures = 0
 
     async def start(self) -> None:
         await self.refresh()

@@ -7,6 +7,7 @@ it lives only on the internal plane (a private address, mTLS when configured).""
 from __future__ import annotations
 
 import asyncio
+import sys
 from dataclasses import dataclass, field
 
 from grpc_reflection.v1alpha import reflection
@@ -25,10 +26,16 @@ from router.service import GenerationService
 from wire import metrics
 from wire.address import resolve
 from wire.grpc_util import aio_server, bind
+from wire.internal_plane import RoleInterceptor, check_bind
 from wire.server import RunningServer, add_health, set_serving
 from wire.tls import TlsConfig
 
 SERVICE = "pdserve.v1.Generation"
+# Client work runs on the tokenizer threads (router.client_work), but Python code there holds
+# the GIL for a whole switch interval (5 ms by default) each time the loop's thread asks for
+# it back, and the loop asks at every socket call: /health under a flood of 20 bodies of
+# 3.8 MB took up to 420 ms at 5 ms, 107 ms at 0.5 ms (scripts/health_under_flood.py).
+ROUTER_SWITCH_INTERVAL_S = 0.0005
 ADMIN_SERVICE = "pdserve.v1.RouterAdmin"
 
 
@@ -51,6 +58,7 @@ class RouterConfig:
     internal_port: int = 0
     internal_advertise_host: str | None = None
     tls: TlsConfig | None = None  # mTLS on the internal plane: RouterAdmin and the channels to workers
+    insecure_internal: bool = False  # allow RouterAdmin beyond loopback without tls (wire.internal_plane)
     prefill_addresses: tuple[str, ...] = ()
     decode_addresses: tuple[str, ...] = ()
     stats_interval_s: float = 0.2
@@ -75,6 +83,9 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
 async def start(config: RouterConfig) -> RunningServer:
     """Two servers: the public plane (``Generation``, health, reflection, the OpenAI API) and
     the internal plane (``RouterAdmin``, health), each on its own port and address."""
+    sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)  # the process is the router's (see above)
+    internal_endpoint = resolve(config.internal_host, config.internal_advertise_host)
+    check_bind(internal_endpoint.bind_host, config.tls, config.insecure_internal, ADMIN_SERVICE)  # before any work
     model = await asyncio.to_thread(load_model_info, config)
     metrics.register_model(model.name)
     pool = WorkerPool(config.stats_interval_s, tls=config.tls, hang_timeout_s=config.hang_timeout_s,
@@ -94,9 +105,8 @@ async def start(config: RouterConfig) -> RunningServer:
     names = (pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "grpc.health.v1.Health",
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    internal = aio_server(max_receive_bytes=config.max_receive_bytes)
-    internal_address = bind(internal, resolve(config.internal_host, config.internal_advertise_host),
-                            config.internal_port, config.tls)
+    internal = aio_server([RoleInterceptor()], max_receive_bytes=config.max_receive_bytes)
+    internal_address = bind(internal, internal_endpoint, config.internal_port, config.tls)
     admin_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminService(pool), internal)
     internal_health = add_health(internal, [ADMIN_SERVICE])
     await internal.start()

@@ -16,8 +16,7 @@ import asyncio
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,6 +25,7 @@ from engine.errors import InvalidRequestError
 from planner.trace_writer import TraceWriter
 from protos import pdserve_pb2
 from router.cache_salt import key_salt
+from router.client_work import ClientWork
 from router.frontend import ModelInfo, check_request_id, prepare
 from router.orchestrator import RequestRun, RouteError
 from router.limits import RouterLimits
@@ -34,6 +34,7 @@ from wire.grpc_util import abort_invalid
 
 log = logging.getLogger(__name__)
 SERVICE = "pdserve.v1.Generation"
+T = TypeVar("T")
 
 
 class GenerationService:
@@ -47,9 +48,8 @@ class GenerationService:
         self.aborted: set[tuple[str, str]] = set()
         self.waiting = 0  # requests admitted that have not had their first response yet
         self.draining = False
-        # Tokenization and chat templates off the event loop. One thread by default: a HF
-        # fast tokenizer shared by threads can fail with "Already borrowed".
-        self._tokenize = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
+        # Tokenization, chat templates and large bodies off the event loop, in a bounded queue.
+        self.work = ClientWork(limits.tokenizer_threads, limits.max_tokenizer_queue)
         self.trace = TraceWriter.from_env()  # planner replay: PDSERVE_TRACE_FILE records lengths per request
 
     def timeout_s(self, client_timeout_s: float | None) -> float:
@@ -78,10 +78,9 @@ class GenerationService:
         self.waiting += 1
         waiting = True
         try:
-            loop = asyncio.get_running_loop()
             tenant = key_salt(authorization) if self.salt_by_api_key else ""
-            prepared = await loop.run_in_executor(self._tokenize, prepare, request, self.model, self.limits.requests,
-                                                  max_tokens_to_context, tenant)
+            prepared = await self.work.run(prepare, request, self.model, self.limits.requests, max_tokens_to_context,
+                                           tenant)
             rid = prepared.request_id
             key = (owner, rid)
             if key in self.running:
@@ -107,12 +106,16 @@ class GenerationService:
             if waiting:
                 self.waiting -= 1
 
-    async def tokenize(self, call) -> list[int]:
-        """``call(tokenizer)`` (``/tokenize``) on the tokenizer thread, as prompts are."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize, call, self.model.tokenizer)
-
-    async def detokenize(self, token_ids: list[int]) -> str:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize, self.model.tokenizer.decode, token_ids)
+    async def client_job(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the tokenizer threads for a request that is not a generation
+        (``/tokenize``, ``/detokenize``): admitted as one (``_admit``, counted as waiting),
+        and refused when the tokenizer queue is full."""
+        self._admit()
+        self.waiting += 1
+        try:
+            return await self.work.run(fn, *args)
+        finally:
+            self.waiting -= 1
 
     def _admit(self) -> None:
         """Refuse at once, before any work: while draining, or past ``max_waiting_requests``."""

@@ -72,7 +72,12 @@ def tokenize_request(body: Any, model_names: tuple[str, ...], max_chars: int) ->
     return template
 
 
-def detokenize_request(body: Any, model_names: tuple[str, ...], vocab_size: int) -> list[int]:
+def detokenize_request(body: Any, model_names: tuple[str, ...], vocab_size: int, max_tokens: int) -> list[int]:
+    """The ids to decode: at most ``max_tokens`` (the model's context: no sequence is longer),
+    counted before the list is validated item by item."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if isinstance(tokens, list) and len(tokens) > max_tokens:
+        raise HttpError(400, f"{len(tokens)} tokens is over the limit max_model_len={max_tokens}", param="tokens")
     ids = _validate(DetokenizeBody, body, model_names).tokens
     bad = [t for t in ids if t >= vocab_size]
     if bad:

@@ -37,15 +37,22 @@ class RunningServer:
 
 async def start_server(host: str | Endpoint | None, port: int, register: Callable[[grpc.aio.Server, str], None],
                        service: str, on_stop: list[Callable[[], object]], *,
-                       tls: TlsConfig | None = None, max_receive_bytes: int | None = None) -> RunningServer:
+                       tls: TlsConfig | None = None, max_receive_bytes: int | None = None,
+                       insecure_internal: bool = False) -> RunningServer:
     """Bind (``host`` None: the node's IP; see ``wire.address``), let ``register`` add the
     servicers (it gets the advertised address), add health, start. With ``tls`` the server
-    speaks mTLS and refuses clients without a certificate signed by its CA. Requests over
-    ``max_receive_bytes`` (None: ``wire.grpc_util.MAX_RECEIVE_BYTES``) are RESOURCE_EXHAUSTED."""
+    speaks mTLS and refuses clients without a certificate signed by its CA, and each RPC
+    accepts only the roles that need it; beyond loopback it needs ``tls`` unless
+    ``insecure_internal`` (``wire.internal_plane``). Requests over ``max_receive_bytes``
+    (None: ``wire.grpc_util.MAX_RECEIVE_BYTES``) are RESOURCE_EXHAUSTED."""
+    from wire.address import resolve
     from wire.grpc_util import MAX_RECEIVE_BYTES, aio_server, bind
+    from wire.internal_plane import RoleInterceptor, check_bind
 
-    server = aio_server(max_receive_bytes=max_receive_bytes or MAX_RECEIVE_BYTES)
-    address = bind(server, host, port, tls)
+    endpoint = host if isinstance(host, Endpoint) else resolve(host)
+    check_bind(endpoint.bind_host, tls, insecure_internal, service)
+    server = aio_server([RoleInterceptor()], max_receive_bytes=max_receive_bytes or MAX_RECEIVE_BYTES)
+    address = bind(server, endpoint, port, tls)
     register(server, address)
     health = add_health(server, [service])
     await server.start()

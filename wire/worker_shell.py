@@ -226,7 +226,8 @@ async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, s
     running = await start_server(worker.endpoint, config.port,
                                  lambda server, address: register(server, address, metrics.address),
                                  service, [metrics.stop, worker.stop], tls=config.tls,
-                                 max_receive_bytes=config.max_receive_bytes)
+                                 max_receive_bytes=config.max_receive_bytes,
+                                 insecure_internal=config.insecure_internal)
 
     async def drain() -> None:
         await set_serving(running.health, [service], False)

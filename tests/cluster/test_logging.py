@@ -31,6 +31,8 @@ class OneRound:
     def scale_up(self, pool): pass
     def scale_down(self, pool): pass
     def drain(self, grace_s): return 0
+    def stop_supervising(self): pass
+    def ray_lost(self): return False
     def stop(self): pass
     def start(self):
         Autoscaler(self, self.config.autoscaling).step(time.monotonic())

@@ -28,21 +28,26 @@ SAMPLING = pdserve_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=
 @contextlib.asynccontextmanager
 async def cluster(model_dir, decode_blocks=(64,), lease_seconds=30.0, tls=None, owner_timeout_s=10.0):
     """A prefill worker and decode workers (the first ones with ``decode_blocks`` blocks); with
-    ``tls``, mTLS on the internal plane (every worker and this test's channels use it)."""
-    prefill = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend="tcp", lease_seconds=lease_seconds, tls=tls,
+    ``tls`` (role -> its certificate), mTLS on the internal plane: each worker has its role's
+    identity, and this test's channels the router's (``prefill.decode_stub``: the decode's)."""
+    tls = tls or {}
+    prefill = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend="tcp", lease_seconds=lease_seconds,
+                                                tls=tls.get("prefill"),
                                                 owner_timeout_s=owner_timeout_s),
                             engine=make_engine(model_dir, num_blocks=64))
     servers = [await start_prefill(prefill.config, prefill)]
     decoders = []
     for i, n in enumerate(decode_blocks):
-        d = DecodeWorker(DecodeWorkerConfig(worker_id=f"decode-{i}", kv_transfer_backend="tcp", tls=tls),
+        d = DecodeWorker(DecodeWorkerConfig(worker_id=f"decode-{i}", kv_transfer_backend="tcp", tls=tls.get("decode")),
                          engine=make_engine(model_dir, num_blocks=n))
         decoders.append(d)
         servers.append(await start_decode(d.config, d))
-    channels = [aio_channel(s.address, tls) for s in servers]
+    channels = [aio_channel(s.address, tls.get("router")) for s in servers]
+    channels.append(aio_channel(servers[0].address, tls.get("decode")))
+    prefill.decode_stub = worker_pb2_grpc.PrefillWorkerStub(channels[-1])
     try:
         yield (prefill, worker_pb2_grpc.PrefillWorkerStub(channels[0]),
-               decoders, [worker_pb2_grpc.DecodeWorkerStub(c) for c in channels[1:]])
+               decoders, [worker_pb2_grpc.DecodeWorkerStub(c) for c in channels[1:-1]])
     finally:
         for c in channels:
             await c.close()

@@ -38,3 +38,22 @@ def test_idle_workers_take_turns_for_requests_one_at_a_time():
         with pool.placed(workers[choice.worker_id], blocks=2):
             picked.append(choice.worker_id)
     assert picked == ["a:1", "b:1", "c:1"] * 2
+
+
+def test_a_prefill_worker_whose_kv_transfers_keep_failing_is_down_for_routing():
+    """Its Stats answer fine (a worker restarted under the same address, say), so only the
+    failed pulls tell; a success in between starts the count again."""
+    from router.pool import MAX_TRANSFER_FAILURES
+
+    pool = WorkerPool()
+    bad, good = (WorkerClient("prefill", a, channel=None, stub=None, healthy=True) for a in ("bad:1", "good:1"))
+    pool.workers = {"bad:1": bad, "good:1": good}
+    for _ in range(MAX_TRANSFER_FAILURES - 1):
+        pool.transfer_failed("bad:1")
+    pool.transfer_ok("bad:1")
+    for _ in range(MAX_TRANSFER_FAILURES - 1):
+        pool.transfer_failed("bad:1")
+    assert bad.snapshot().healthy  # never MAX_TRANSFER_FAILURES in a row yet
+    pool.transfer_failed("bad:1")
+    bad.healthy = True  # as the next Stats poll sets it
+    assert not bad.snapshot().healthy and good.snapshot().healthy

@@ -71,16 +71,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ttft-lengths", nargs="*", type=int, default=[])
     ap.add_argument("--ttft-repeats", type=int, default=5)
-    ap.add_argument("--tls-dir", type=Path, default=None, help="ca.pem, router.pem, router.key: mTLS inside")
+    ap.add_argument("--tls-dir", type=Path, default=None, help="python -m cluster.certs output: mTLS inside")
     args = ap.parse_args()
     split = args.ray_address is not None
-    internal_tls = None
-    if args.tls_dir:
+    role_tls = ()
+    if args.tls_dir:  # each role its own identity (wire.internal_plane), as python -m cluster.certs writes them
         d = args.tls_dir
-        internal_tls = tls.load(str(d / "router.pem"), str(d / "router.key"), str(d / "ca.pem"), prefix="tls")
+        role_tls = tuple((role, tls.load(str(d / f"{role}.pem"), str(d / f"{role}.key"), str(d / "ca.pem"),
+                                         prefix="tls")) for role in ("router", "prefill", "decode", "controller"))
     config = ClusterConfig(
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=128 << 20)), num_prefill=1, num_decode=1,
-        grpc_port=0, http_port=0, threads_per_worker=1, ray_address=args.ray_address, tls=internal_tls,
+        grpc_port=0, http_port=0, threads_per_worker=1, ray_address=args.ray_address, role_tls=role_tls,
+        insecure_internal=not role_tls,  # without --tls-dir the plane is plaintext across namespaces, by choice
         supervise_interval_s=None,
         prefill_placement=PoolPlacement(resource="prefill_nodes" if split else None),
         decode_placement=PoolPlacement(resource="decode_nodes" if split else None))

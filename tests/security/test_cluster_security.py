@@ -18,7 +18,7 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.certs import issue, make_ca
+from cluster.certs import COMPONENTS, issue, make_ca
 from cluster.local import ClusterConfig, LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -36,17 +36,16 @@ AUTH = (("authorization", f"Bearer {KEY}"),)
 def certs(tmp_path_factory):
     out = tmp_path_factory.mktemp("certs")
     ca, other = make_ca(out / "ours"), make_ca(out / "other", name="someone else's CA")
-    ours = {name: issue(ca, out / "ours", name) for name in ("router", "controller")}
     load = lambda issued, authority: tls.load(str(issued.cert), str(issued.key), str(authority.cert), prefix="tls")
-    return {"cluster": load(ours["router"], ca), "controller": load(ours["controller"], ca),
-            "stranger": load(issue(other, out / "other", "router"), ca)}
+    ours = {name: load(issue(ca, out / "ours", name), ca) for name in COMPONENTS}  # each role its own identity
+    return {**ours, "roles": tuple(ours.items()), "stranger": load(issue(other, out / "other", "router"), ca)}
 
 
 @pytest.fixture(scope="module")
 def cluster(certs):
     config = ClusterConfig(engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), num_prefill=1,
                            num_decode=1, grpc_port=0, http_port=0, threads_per_worker=1, api_key=KEY,
-                           tls=certs["cluster"], supervise_interval_s=0.5)
+                           role_tls=certs["roles"], supervise_interval_s=0.5)
     c = LocalCluster(config)
     try:
         c.start()
@@ -158,8 +157,10 @@ def test_internal_servers_refuse_clients_without_a_cluster_certificate(cluster, 
             assert code_of(lambda: meta(bare)) == grpc.StatusCode.UNAVAILABLE
         with channel(address, stranger) as foreign:
             assert code_of(lambda: meta(foreign)) == grpc.StatusCode.UNAVAILABLE
-        with channel(address, ours) as good:
+        with channel(address, certs["decode"]) as good:  # only decode workers may ask
             assert meta(good).backend_metadata
+        with channel(address, ours) as controller:
+            assert code_of(lambda: meta(controller)) == grpc.StatusCode.PERMISSION_DENIED
     with channel(cluster.admin_address, stranger) as foreign:
         get = lambda: admin_pb2_grpc.RouterAdminStub(foreign).GetMembership(admin_pb2.Membership(), timeout=5)
         assert code_of(get) == grpc.StatusCode.UNAVAILABLE
@@ -177,7 +178,7 @@ def test_an_abort_naming_another_clients_request_has_no_effect(cluster, certs, s
     with grpc.insecure_channel(cluster.address, options=separate) as ch:
         foreign = pdserve_pb2_grpc.GenerationStub(ch).Abort(pdserve_pb2.AbortRequest(request_id="shared-id"),
                                                             metadata=AUTH, timeout=5)
-    with channel(cluster.decode_addresses[0], certs["controller"]) as ch:
+    with channel(cluster.decode_addresses[0], certs["router"]) as ch:  # the one role that may Abort
         worker = worker_pb2_grpc.DecodeWorkerStub(ch).Abort(worker_pb2.WorkerAbortRequest(request_id="shared-id#0"),
                                                             timeout=5)
     rest, _, resps = collect(stream)

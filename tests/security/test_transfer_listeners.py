@@ -28,7 +28,7 @@ def certs(tmp_path_factory):
     ca, other = make_ca(out / "ours"), make_ca(out / "other", name="someone else's CA")
     load = lambda issued: tls.load(str(issued.cert), str(issued.key), str(ca.cert), prefix="tls")
     return {"holder": load(issue(ca, out / "ours", "prefill")), "reader": load(issue(ca, out / "ours", "decode")),
-            "stranger": load(issue(other, out / "other", "decode"))}
+            "router": load(issue(ca, out / "ours", "router")), "stranger": load(issue(other, out / "other", "decode"))}
 
 
 def read(reader, holder, ids=(0, 1, 2)) -> TransferState:
@@ -73,11 +73,12 @@ def test_workers_with_mtls_move_kv_over_tls_and_refuse_a_plain_reader(tiny_llama
                                                                         ignore_eos=True))[0].token_ids
 
     async def run():
-        async with cluster(model_dir, tls=certs["holder"]) as (prefill, p_stub, decoders, d_stubs):
+        roles = {"prefill": certs["holder"], "decode": certs["reader"], "router": certs["router"]}
+        async with cluster(model_dir, tls=roles) as (prefill, p_stub, decoders, d_stubs):
             pre = await prefill_one(p_stub)
-            meta = await p_stub.GetAgentMetadata(worker_pb2.AgentMetadataRequest(), timeout=5)
+            meta = await prefill.decode_stub.GetAgentMetadata(worker_pb2.AgentMetadataRequest(), timeout=5)
             token, ids = pre.kv.lease_token, list(pre.kv.block_ids)
-            await p_stub.Claim(worker_pb2.ClaimRequest(lease_token=token, block_ids=ids), timeout=5)
+            await prefill.decode_stub.Claim(worker_pb2.ClaimRequest(lease_token=token, block_ids=ids), timeout=5)
             with create_agent("tcp", "intruder", torch.zeros_like(decoders[0].engine.kv_cache)) as intruder:
                 peer = intruder.add_remote(meta)
                 stolen = intruder.wait(intruder.start_read(peer, ids, [0, 1, 2], notify=token.encode()), 10)
