@@ -52,7 +52,8 @@ namespace {
 using pdserve::exp_nonpositive;
 
 constexpr int64_t KEYS = 8;        // keys per score vector (one AVX2 register)
-constexpr int64_t QUERY_TILE = 8;  // queries of one sequence per work item: they share K/V loads
+constexpr int64_t QUERY_TILE = 32;  // queries of one sequence per work item: they share K/V loads (8: 6.5 ms
+                                   // for a 512-token layer here, 16: 5.7, 32: 5.3)
 // Consecutive tokens of one layer sit a whole token's KV apart in the cache (46 KB for the
 // default model), too far for the hardware prefetcher: rows are prefetched this many keys ahead.
 constexpr int64_t PREFETCH_KEYS = 16;
