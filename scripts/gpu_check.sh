@@ -11,7 +11,8 @@
 #   2. the engine against transformers on CUDA: float32 exact, bfloat16 logprob-close, on every
 #      attention backend present, with chunked prefill, a prefix hit and a preemption
 #   3. sampling (seeded, unseeded, top-k/p/min-p, penalties, logprobs) and a JSON-schema request
-#   4. a decode step profile at batch 1 and 64: ms, host syncs and kernel launches a step
+#   4. a decode step profile at batch 1 and 64 (ms, host syncs and kernel launches a step; batch 1
+#      against its memory floor: weight bytes over the device read bandwidth), and a 512-token prefill
 # Results go to $GPU_CHECK_OUT (default gpu_check_out/): probe.json, step_profile.json,
 # pytest.log. PYTHON picks the interpreter (default python3); PDSERVE_CHECK_DEVICE=cpu
 # dry-runs every step on the CPU (proving the check, not CUDA).
