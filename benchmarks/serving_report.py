@@ -150,8 +150,10 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
+    machine = doc["machine"]
     fig.suptitle(f"vllm bench serve, random {doc['workload']['input_len']} in / {doc['workload']['output_len']} "
-                 f"out, {doc['machine']['cpus']} shared CPU cores ({doc['created'][:16]} UTC)", fontsize=10)
+                 f"out, {machine['cpus']} shared CPU cores of {machine.get('cpu_model', '?')} "
+                 f"(pdserve kernel path {machine.get('kernel_path') or '?'}; {doc['created'][:16]} UTC)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
