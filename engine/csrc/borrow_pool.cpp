@@ -21,6 +21,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <mutex>
 #include <thread>
 
@@ -39,7 +40,12 @@ class BorrowPool {
   bool active() const { return !threads_.empty(); }
 
   void run(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+    if (t_in_chunk) {  // a kernel called from inside a chunk: no nesting, run it here
+      fn(0, n);
+      return;
+    }
     const uint32_t gen = ++gen_;
+    error_ = nullptr;
     fn_.store(&fn, std::memory_order_relaxed);
     n_.store(n, std::memory_order_relaxed);
     chunk_.store(chunk, std::memory_order_relaxed);
@@ -58,6 +64,7 @@ class BorrowPool {
       else std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     last_helpers_ = helpers_in_.load(std::memory_order_relaxed);
+    if (error_) std::rethrow_exception(error_);  // after every chunk ended: nothing uses fn now
   }
 
   int64_t last_helpers() const { return last_helpers_; }
@@ -73,7 +80,14 @@ class BorrowPool {
       if (!ticket_.compare_exchange_weak(cur, cur + static_cast<uint64_t>(chunk), std::memory_order_acq_rel))
         continue;  // cur now holds the ticket's new value
       const int64_t e = std::min(n, b + chunk);
-      (*fn)(b, e);
+      t_in_chunk = true;
+      try {
+        (*fn)(b, e);
+      } catch (...) {  // kept for the caller; the chunk still counts as ended, or it would wait forever
+        std::lock_guard<std::mutex> lock(error_mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+      t_in_chunk = false;
       done_.fetch_add(e - b, std::memory_order_release);
       ++ran;
       cur = ticket_.load(std::memory_order_acquire);
@@ -106,8 +120,10 @@ class BorrowPool {
     }
   }
 
+  static thread_local bool t_in_chunk;
   std::vector<std::thread> threads_;
-  std::mutex mu_;
+  std::mutex mu_, error_mu_;
+  std::exception_ptr error_;
   std::condition_variable cv_;
   std::atomic<uint64_t> ticket_{0};
   std::atomic<const std::function<void(int64_t, int64_t)>*> fn_{nullptr};
@@ -116,6 +132,8 @@ class BorrowPool {
   uint32_t gen_ = 0;
   int64_t last_helpers_ = 0;
 };
+
+thread_local bool BorrowPool::t_in_chunk = false;
 
 BorrowPool& pool() {
   static BorrowPool* p = new BorrowPool();  // never destroyed: its helpers live as long as the process
