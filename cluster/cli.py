@@ -65,9 +65,12 @@ def serve(args) -> int:
     from wire import tls
     from wire.logs import configure
 
+    from engine.cpu_kernels import check_requested_isa
+
     try:
         v = resolve(args)
         config = build(v)
+        check_requested_isa()  # a KernelPathError is a ValueError too
     except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError, ValueError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)  # ValueError: ClusterConfig's checks across settings
         return 2

@@ -79,15 +79,19 @@ def run_worker(args: argparse.Namespace) -> int:
     from wire import tls
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from engine.cpu_kernels import KernelPathError, check_requested_isa
+
     try:
         v = settings(args)
+        if v["role"] != "router":
+            check_requested_isa()
         if v["role"] == "router":  # every config is built, and checked, before anything starts
             from cluster.worker_router import autoscaling, router_config, run_router
 
             coro = run_router(v, router_config(v), autoscaling(v))
         else:
             coro = run_role(v, worker_config(v))
-    except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError) as exc:
+    except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError, KernelPathError) as exc:
         print(f"pdserve worker: {exc}", file=sys.stderr)
         return 2
     asyncio.run(coro)

@@ -73,7 +73,7 @@ ISA_ENV = "PDSERVE_CPU_ISA"
 ISAS = ("avx2", "avx512", "avx512_bf16", "amx")  # slowest first
 
 
-class KernelPathError(RuntimeError):
+class KernelPathError(ValueError):
     """``PDSERVE_CPU_ISA`` names a path this processor cannot run, or no path at all."""
 
 
@@ -85,6 +85,32 @@ def requested_isa() -> str | None:
     if name not in ISAS:
         raise KernelPathError(f"{ISA_ENV}={name!r} is not a kernel path: expected one of {', '.join(ISAS)} or auto")
     return name
+
+
+# What /proc/cpuinfo must list for each path (the kernels check CPUID itself at load).
+ISA_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+             "avx512_bf16": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+             "amx": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile",
+                     "amx_bf16")}
+
+
+def check_requested_isa(cpuinfo: str | None = None) -> None:
+    """Before anything starts (``pdserve serve``, ``pdserve worker``): a ``PDSERVE_CPU_ISA`` that
+    names no path, or a path this processor lacks, is a ``KernelPathError`` naming what it has;
+    no kernels are compiled for the check. ``cpuinfo``: /proc/cpuinfo's text (read if None)."""
+    wanted = requested_isa()
+    if wanted is None:
+        return
+    try:
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return  # not Linux: the workers' own check at load still applies
+    have = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    runs = [name for name in ISAS if set(ISA_FLAGS[name]) <= have]
+    if wanted not in runs:
+        missing = sorted(set(ISA_FLAGS[wanted]) - have)
+        raise KernelPathError(f"{ISA_ENV}={wanted} but this processor ({cpu_model()}) lacks {', '.join(missing)}; "
+                              f"it runs {', '.join(runs) or 'none of the kernel paths'}")
 
 
 def runnable_isas() -> list[str]:

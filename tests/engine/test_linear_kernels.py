@@ -244,3 +244,23 @@ def test_a_new_process_runs_the_path_the_variable_names():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "avx2"
+
+
+AVX2_ONLY = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"
+
+
+def test_a_path_the_processor_lacks_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "amx")
+    with pytest.raises(cpu_kernels.KernelPathError, match="PDSERVE_CPU_ISA=amx but .* lacks amx_bf16, amx_tile, "
+                       "avx512_bf16, avx512bw, avx512dq, avx512f, avx512vl; it runs avx2"):
+        cpu_kernels.check_requested_isa(AVX2_ONLY)
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")
+    cpu_kernels.check_requested_isa(AVX2_ONLY)  # runs: no error
+
+
+def test_pdserve_serve_refuses_an_unknown_path_at_start():
+    env = {**os.environ, "PDSERVE_CPU_ISA": "sse4"}
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "serve"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 2
+    assert "PDSERVE_CPU_ISA='sse4' is not a kernel path" in out.stderr
