@@ -72,7 +72,7 @@ class ClusterConfig:
     transfer_timeout_s: float = 10.0
     inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
-    borrow_idle_cores: bool = True  # pinned workers also borrow the other workers' cores while idle
+    borrow_idle_cores: bool = False  # pinned workers also borrow the other workers' cores while idle (opt-in)
     step_trace_dir: str | None = None  # each worker's engine steps, one JSON line each (engine.step_trace)
     ray_address: str | None = None  # join this Ray cluster instead of starting one
     served_model_names: tuple[str, ...] = ("smollm2",)  # what the API answers to; the first is reported

@@ -146,8 +146,9 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("drain_grace_seconds", float, 30.0,
                 "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the cluster stops", minimum=0),
         Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)", minimum=1),
-        Setting("borrow_idle_cores", bool, True, "where workers are pinned to cores of their own, each also runs "
-                "idle-priority helpers on the other workers' cores, used only while those are idle"),
+        Setting("borrow_idle_cores", bool, False, "where workers are pinned to cores of their own, each also runs "
+                "idle-priority helpers on the other workers' cores, used only while those are idle (off by default: "
+                "a helper crashed a worker under the fuzz tests once, docs/cpu_kernels.md)"),
         Setting("step_trace_dir", str, None, "each worker appends one JSON line per engine step (its start, "
                 "length and batch) to DIR/<worker>.steps.jsonl, on its own host (default: off)"),
         Setting("address", str, None, "join this Ray cluster instead of starting one; the controller then runs "

@@ -6,9 +6,12 @@
 //       to an own core that went idle). Returns the number of helpers. Once per process.
 //
 // A job is a ticket: generation (high 32 bits) and the next unclaimed index (low 32 bits),
-// claimed by compare-and-swap. A thread that read a job's fields acts on them only after a
-// successful claim under that job's generation, and the caller publishes the next job only
-// once every chunk of this one is claimed and done: so no helper ever runs a stale job.
+// claimed by compare-and-swap. A helper reads the ticket and the job (function, size, chunk)
+// together under one lock, the lock the caller publishes them with, and claims only under
+// that generation; the caller publishes the next job only once every chunk of this one is
+// claimed and done. So no helper runs a chunk of a job it did not read whole. (Reading the
+// fields apart from the ticket once paired a finished job's generation with the next job's
+// size: a claim past the old end ran after its caller had returned and freed its buffers.)
 #include "borrow_pool.h"
 
 #include <ATen/ATen.h>
@@ -46,13 +49,13 @@ class BorrowPool {
     }
     const uint32_t gen = ++gen_;
     error_ = nullptr;
-    fn_.store(&fn, std::memory_order_relaxed);
-    n_.store(n, std::memory_order_relaxed);
-    chunk_.store(chunk, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     helpers_in_.store(0, std::memory_order_relaxed);
     {
+      // The job and its ticket change together, under the lock a helper reads them with:
+      // a helper never pairs one job's generation with another's size or function.
       std::lock_guard<std::mutex> lock(mu_);
+      job_ = Job{&fn, n, chunk};
       ticket_.store(static_cast<uint64_t>(gen) << 32, std::memory_order_release);
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
@@ -112,11 +115,15 @@ class BorrowPool {
         sleepers_.fetch_sub(1, std::memory_order_acq_rel);
         t = ticket_.load(std::memory_order_acquire);
       }
+      Job job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);  // the job of exactly this generation
+        t = ticket_.load(std::memory_order_acquire);
+        job = job_;
+      }
       seen = static_cast<uint32_t>(t >> 32);
-      // The fields may already belong to a later job: then every claim below fails.
-      const auto* fn = fn_.load(std::memory_order_relaxed);
-      const int64_t n = n_.load(std::memory_order_relaxed), chunk = chunk_.load(std::memory_order_relaxed);
-      if (work(seen, fn, n, chunk) > 0) helpers_in_.fetch_add(1, std::memory_order_relaxed);
+      // A later job may start at any moment: then every claim under `seen` fails.
+      if (work(seen, job.fn, job.n, job.chunk) > 0) helpers_in_.fetch_add(1, std::memory_order_relaxed);
     }
   }
 
@@ -126,8 +133,12 @@ class BorrowPool {
   std::exception_ptr error_;
   std::condition_variable cv_;
   std::atomic<uint64_t> ticket_{0};
-  std::atomic<const std::function<void(int64_t, int64_t)>*> fn_{nullptr};
-  std::atomic<int64_t> n_{0}, chunk_{1}, done_{0}, helpers_in_{0};
+  struct Job {
+    const std::function<void(int64_t, int64_t)>* fn = nullptr;
+    int64_t n = 0, chunk = 1;
+  };
+  Job job_;  // guarded by mu_, with the ticket's generation
+  std::atomic<int64_t> done_{0}, helpers_in_{0};
   std::atomic<int> sleepers_{0};
   uint32_t gen_ = 0;
   int64_t last_helpers_ = 0;

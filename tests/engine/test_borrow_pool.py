@@ -54,3 +54,46 @@ def test_outputs_are_bitwise_the_same_with_borrowed_cores():
     out = subprocess.run([sys.executable, "-c", CHILD], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "helpers 1" in out.stdout
+
+
+STRESS = r"""
+import os, torch
+from engine import cpu_kernels
+from engine.linear import PackedLinear
+cpu_kernels.load()
+os.sched_setaffinity(0, {0})
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+small = [PackedLinear((torch.randn(n, 64, generator=g) * 0.1).bfloat16(), None) for n in (48, 160, 96, 320)]
+xs = [torch.randn(m, 64, generator=g).bfloat16() for m in (1, 3, 17, 40)]
+want = [[l(x) for x in xs] for l in small]
+torch.ops.pdserve.start_borrow_pool([0], [1])
+# The lender: a normal-priority process on the helper's core, busy and idle in short turns, so
+# the helper is preempted at every point of its loop (as a prefill worker's steps preempt it).
+lender = os.fork()
+if lender == 0:
+    os.sched_setaffinity(0, {1})
+    import time
+    while True:
+        end = time.perf_counter() + 0.0003
+        while time.perf_counter() < end:
+            pass
+        time.sleep(0.0002)
+try:
+    for _ in range(1500):  # many short jobs back to back: each one's fields follow the last one's at once
+        for l, w in zip(small, want):
+            for x, y in zip(xs, w):
+                assert torch.equal(l(x), y)
+finally:
+    os.kill(lender, 9)
+print("ok")
+"""
+
+
+def test_many_short_jobs_back_to_back_keep_their_bits_and_the_process_alive():
+    """A helper must act only on the job it read: jobs of different sizes, back to back, as a
+    decode step's linears come (a helper that mixed one job's size with another's ran chunks
+    after their buffers were freed, and a worker died of it under the fuzz tests)."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", STRESS], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, (out.returncode, out.stderr[-2000:])
