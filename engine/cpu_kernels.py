@@ -101,11 +101,9 @@ def check_requested_isa(cpuinfo: str | None = None) -> None:
     wanted = requested_isa()
     if wanted is None:
         return
-    try:
-        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
-    except OSError:
+    have = _flags(cpuinfo)
+    if have is None:
         return  # not Linux: the workers' own check at load still applies
-    have = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
     runs = [name for name in ISAS if set(ISA_FLAGS[name]) <= have]
     if wanted not in runs:
         missing = sorted(set(ISA_FLAGS[wanted]) - have)
@@ -195,13 +193,17 @@ def cpu_model() -> str:
 
 def cpu_flags() -> list[str]:
     """The instruction-set flags that pick a kernel path, as /proc/cpuinfo names them."""
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
+    have = _flags() or set()
+    return [f for f in ISA_FLAGS["amx"] if f in have]
+
+
+def _flags(cpuinfo: str | None = None) -> set[str] | None:
+    """The first ``flags`` line of /proc/cpuinfo (or of ``cpuinfo``), None where there is none to read."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return [f for f in wanted if f in flags]
+        return None
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
 STALE_LOCK_S = 600.0  # a compile takes about a minute; a lock this old outlived its process
