@@ -119,11 +119,7 @@ class Sampler:
         """logits (B, V) float32 -> a token id for each row that did not fail, and their
         logprobs if any row asked."""
         failed: dict[str, SequenceFailed] = {}
-        if any(r.params.structured is not None for r in rows):
-            self._constrain(logits, rows, failed)
-        raw = logits
-        if any(r.params.penalised for r in rows):
-            logits = apply_penalties(logits.clone(), rows, self.eos_token_ids, failed)
+        logits, raw = self._process(logits, rows, failed)
         _unusable_rows(logits, rows, failed)
         if failed:
             keep = [i for i, r in enumerate(rows) if r.seq_id not in failed]
@@ -140,11 +136,7 @@ class Sampler:
         (``raw``: before the penalties, for logprobs; None: ``logits`` themselves, the
         grammars and penalties then applied here), still on the logits' device."""
         if raw is None:
-            if any(r.params.structured is not None for r in rows):
-                self._constrain(logits, rows)
-            raw = logits
-            if any(r.params.penalised for r in rows):
-                logits = apply_penalties(logits.clone(), rows, self.eos_token_ids)
+            logits, raw = self._process(logits, rows)
         want_logprobs = any(r.params.logprobs for r in rows)
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
         if all(r.params.greedy for r in rows):
@@ -158,6 +150,16 @@ class Sampler:
         k = max(ks)
         top = raw_logprobs.topk(k, dim=-1) if k else None
         return DeviceSample(tokens, chosen, ks, top.values if top else None, top.indices if top else None)
+
+    def _process(self, logits: torch.Tensor, rows: list[SamplerRow],
+                 failed: dict[str, SequenceFailed] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(processed, raw): the grammar masks applied in place to ``logits`` (raw), then the
+        penalties on a copy (processed). Rows that fail go to ``failed`` (none given: raise)."""
+        if any(r.params.structured is not None for r in rows):
+            self._constrain(logits, rows, failed)
+        if any(r.params.penalised for r in rows):
+            return apply_penalties(logits.clone(), rows, self.eos_token_ids, failed), logits
+        return logits, logits
 
     def _constrain(self, logits: torch.Tensor, rows: list[SamplerRow],
                    failed: dict[str, SequenceFailed] | None = None) -> None:
