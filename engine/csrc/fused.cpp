@@ -27,11 +27,14 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "isa.h"
 #include "ops.h"
 #include "vec_math.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -42,7 +45,7 @@ template <typename T>
 inline T round_to(float v) { return static_cast<T>(v); }  // round to nearest even (identity for float)
 
 template <typename T>
-void rope_row(const T* x, const T* c, const T* s, int64_t hd, T* out) {
+void rope_row_scalar(const T* x, const T* c, const T* s, int64_t hd, T* out) {
   const int64_t half = hd / 2;
   for (int64_t d = 0; d < hd; ++d) {
     const float rot = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
@@ -50,6 +53,34 @@ void rope_row(const T* x, const T* c, const T* s, int64_t hd, T* out) {
     const float b = static_cast<float>(round_to<T>(rot * static_cast<float>(s[d])));
     out[d] = round_to<T>(a + b);
   }
+}
+
+// The same three roundings eight lanes at a time, for the dtypes the engine runs (float32:
+// rounding is the identity; bfloat16: as c10 rounds). head_dim is a multiple of 16 here, so
+// the rotated half is whole vectors.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) { return load8_bf16(p); }
+inline __m256 rounded(__m256 v, const float*) { return v; }
+inline __m256 rounded(__m256 v, const c10::BFloat16*) { return pdserve::round_bf16_8(v); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) { pdserve::store8_bf16(p, v); }
+
+template <typename T>
+void rope_row(const T* x, const T* c, const T* s, int64_t hd, T* out) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (hd % 16 == 0) {
+      const int64_t half = hd / 2;
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      for (int64_t d = 0; d < hd; d += 8) {
+        const __m256 rot = d < half ? _mm256_xor_ps(load8(x + d + half), sign) : load8(x + d - half);
+        const __m256 a = rounded(_mm256_mul_ps(load8(x + d), load8(c + d)), x);
+        const __m256 b = rounded(_mm256_mul_ps(rot, load8(s + d)), x);
+        store8(out + d, _mm256_add_ps(a, b));
+      }
+      return;
+    }
+  }
+  rope_row_scalar(x, c, s, hd, out);
 }
 
 template <typename T>
@@ -130,9 +161,13 @@ inline __m256 silu8(__m256 g) {
 inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); }
 
 void silu_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t n, c10::BFloat16* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)  // both roundings in vector form (store8_bf16 rounds as c10 does)
+    pdserve::store8_bf16(out + i, _mm256_mul_ps(pdserve::round_bf16_8(silu8(load8_bf16(gate + i))),
+                                                load8_bf16(up + i)));
   alignas(32) float buf[8];
   alignas(32) c10::BFloat16 g8[8], u8[8];
-  for (int64_t i = 0; i < n; i += 8) {
+  for (; i < n; i += 8) {
     const int64_t w = std::min<int64_t>(8, n - i);
     const c10::BFloat16* gp = gate + i;
     const c10::BFloat16* upp = up + i;
@@ -151,6 +186,67 @@ void silu_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t n,
 
 }  // namespace
 
+// The same row sixteen lanes at a time (paths with AVX-512): every operation is elementwise
+// and the same IEEE operation as above (the exp polynomial, the division, both roundings as
+// c10 rounds), so the bits are the AVX2 loop's.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace {
+
+inline __m512 exp_nonpositive16(__m512 x) {  // vec_math.h's exp_nonpositive, 16 lanes
+  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+inline __m512 load16_bf16(const void* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline __m512i bf16_bits16(__m512 v) {  // c10's rounding: NaN -> 0x7FC0, else to nearest even
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+inline __m512 silu16(__m512 g) {  // silu8, 16 lanes
+  const __m512 e = exp_nonpositive16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g),
+                                                                         _mm512_set1_epi32(INT32_MIN))));
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_div_ps(_mm512_mask_mul_ps(g, neg, g, e), den);
+}
+
+// Columns [0, n - n % 16) of one row; returns how many it wrote.
+int64_t silu_mul_row16(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t n, c10::BFloat16* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(silu16(load16_bf16(gate + i))), 16));
+    const __m512i r = bf16_bits16(_mm512_mul_ps(s, load16_bf16(up + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(r));
+  }
+  return i;
+}
+
+}  // namespace
+#pragma GCC pop_options
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.size(1) % 2 == 0,
               "silu_mul: gate_up must be (T, 2 I) bfloat16, got ", gate_up.sizes(), " ", gate_up.scalar_type());
@@ -159,8 +255,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   auto out = at::empty({T, I}, x.options());
   const auto* xp = x.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
+  const bool wide = current_isa() != Isa::kAvx2;
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) silu_mul_row(xp + t * 2 * I, xp + t * 2 * I + I, I, op + t * I);
+    for (int64_t t = b; t < e; ++t) {
+      const c10::BFloat16 *gate = xp + t * 2 * I, *up = gate + I;
+      const int64_t done = wide ? silu_mul_row16(gate, up, I, op + t * I) : 0;
+      silu_mul_row(gate + done, up + done, I - done, op + t * I + done);
+    }
   });
   return out;
 }

@@ -328,19 +328,40 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 namespace {
 
 // One row of RMSNorm: y = bf16(weight * bf16(x * inv_rms)), the sum of squares through 8
-// lane accumulators (lane = d mod 8, in order of d) and one fixed tree.
+// lane accumulators (lane = d mod 8, FMA in order of d) and one fixed tree. The vector loop
+// and the scalar tail do the same operations per element, so D need not be a multiple of 8.
 void rms_norm_row(const at::BFloat16* row, const at::BFloat16* weight, int64_t D, float eps, at::BFloat16* out) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t d = 0; d < D; ++d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 v = pdserve::load8_bf16(row + d);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  alignas(32) float lane[8];
+  _mm256_store_ps(lane, acc);
+  for (; d < D; ++d) {
     const float v = static_cast<float>(row[d]);
     lane[d % 8] = std::fma(v, v, lane[d % 8]);
   }
   const float sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-  for (int64_t d = 0; d < D; ++d) {
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (d = 0; d + 8 <= D; d += 8) {
+    const __m256 normed = pdserve::round_bf16_8(_mm256_mul_ps(pdserve::load8_bf16(row + d), inv8));
+    pdserve::store8_bf16(out + d, _mm256_mul_ps(pdserve::load8_bf16(weight + d), normed));
+  }
+  for (; d < D; ++d) {
     const float normed = static_cast<float>(c10::BFloat16(static_cast<float>(row[d]) * inv));
     out[d] = c10::BFloat16(static_cast<float>(weight[d]) * normed);
   }
+}
+
+// residual' = bf16(x + residual), one row.
+void add_row(const at::BFloat16* x, const at::BFloat16* r, int64_t D, at::BFloat16* out) {
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    pdserve::store8_bf16(out + d, _mm256_add_ps(pdserve::load8_bf16(x + d), pdserve::load8_bf16(r + d)));
+  for (; d < D; ++d) out[d] = c10::BFloat16(static_cast<float>(x[d]) + static_cast<float>(r[d]));
 }
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* op) {
@@ -383,8 +404,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   auto* sp = sum.data_ptr<at::BFloat16>();
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
-      for (int64_t d = 0; d < D; ++d)
-        sp[m * D + d] = c10::BFloat16(static_cast<float>(xp[m * D + d]) + static_cast<float>(rp[m * D + d]));
+      add_row(xp + m * D, rp + m * D, D, sp + m * D);
       rms_norm_row(sp + m * D, wp, D, static_cast<float>(eps), yp + m * D);
     }
   });

@@ -36,6 +36,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "attention_kernels.h"
+#include "isa.h"
 #include "ops.h"
 #include "parallel_chunks.h"
 #include "vec_math.h"
@@ -43,6 +45,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -57,6 +61,10 @@ constexpr int64_t QUERY_TILE = 32;  // queries of one sequence per work item: th
 // Consecutive tokens of one layer sit a whole token's KV apart in the cache (46 KB for the
 // default model), too far for the hardware prefetcher: rows are prefetched this many keys ahead.
 constexpr int64_t PREFETCH_KEYS = 16;
+// The AVX-512 loops (attention_avx512.cpp) take work items of at least this many query rows
+// (prefill tiles; a decode item's few rows would not repay transposing K), in blocks of 16 keys.
+constexpr int64_t WIDE_MIN_ROWS = 8;
+constexpr int64_t WIDE_KEYS = 16;
 
 // ---- loads: every dtype widens exactly to float32 -------------------------------------------
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -115,14 +123,52 @@ struct Item {
   int32_t seq, kv_head, q_begin, q_end;  // queries [q_begin, q_end) of the sequence
 };
 
+// A float32 buffer whose start sits at a fixed offset from a 4 KiB boundary. The hot loops
+// load from one buffer while storing to another, and heap-placed std::vectors left their
+// relative placement to the allocations before them: one unrelated change to this struct cost
+// the AVX2 loops a quarter of their speed, decode included. Placed this way, each buffer has
+// its own offset within a page, and the speed no longer depends on the heap.
+class Buffer {
+ public:
+  explicit Buffer(int64_t lines) : offset_(lines * 16) {}
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { std::free(base_); }
+  float* data() { return p_; }
+  float& operator[](int64_t i) { return p_[i]; }
+  // At least n floats, zero where new (contents are not kept across a growth).
+  void grow(int64_t n) {
+    if (n <= n_) return;
+    std::free(base_);
+    const size_t bytes = (static_cast<size_t>(n + offset_) * sizeof(float) + 4095) / 4096 * 4096;
+    base_ = static_cast<float*>(std::aligned_alloc(4096, bytes));
+    TORCH_CHECK(base_ != nullptr, "paged_attention: out of memory for ", bytes, " bytes of scratch");
+    std::memset(base_, 0, bytes);
+    p_ = base_ + offset_;
+    n_ = n;
+  }
+
+ private:
+  const int64_t offset_;  // floats
+  float* base_ = nullptr;
+  float* p_ = nullptr;
+  int64_t n_ = 0;
+};
+
 // Per-thread buffers, kept between calls (a layer call must not pay for zeroing them).
 struct Scratch {
-  std::vector<float> q, scores, acc, kv, denom;  // (R, hd), (R, S), (R, hd), (KEYS, hd), (R,)
-  std::vector<float> zero;                       // (hd,) the row read for keys past the end
+  // (R, hd), (R, S), (R, hd), (KEYS, hd), (R,); zero: (hd,) the row read for keys past the end.
+  Buffer q{0}, scores{16}, acc{32}, kv{48}, denom{13}, zero{29};
   std::vector<int64_t> offsets, keys;            // (S,) cache offset of each key, (R,) keys row r sees
+  // The wide loops' K (transposed, blocks of 16 keys) and V (rows) of one (sequence, kv head)
+  // in float32, kept while the thread's next items are tiles of the same sequence and head.
+  Buffer kt{45}, vrows{61};
+  const void* wide_for = nullptr;  // the cache these came from; with wide_call, seq and head
+  uint64_t wide_call = 0;
+  int64_t wide_seq = -1, wide_head = -1, wide_keys = 0;
   void reserve(int64_t rows, int64_t max_keys, int64_t hd) {
-    grow(q, rows * hd); grow(scores, rows * max_keys); grow(acc, rows * hd); grow(kv, KEYS * hd);
-    grow(denom, rows); grow(zero, hd); grow(offsets, max_keys); grow(keys, rows);
+    q.grow(rows * hd); scores.grow(rows * max_keys); acc.grow(rows * hd); kv.grow(KEYS * hd);
+    denom.grow(rows); zero.grow(hd); grow(offsets, max_keys); grow(keys, rows);
   }
   template <typename V>
   static void grow(std::vector<V>& v, int64_t n) {
@@ -134,8 +180,9 @@ template <typename T>
 class Worker {
  public:
   Worker(const Geometry& g, const T* q, const T* k, const T* v, T* out, const int32_t* tables,
-         const int32_t* cu_q, const int32_t* ctx, float scale, Scratch& s)
-      : g_(g), q_(q), k_(k), v_(v), out_(out), tables_(tables), cu_q_(cu_q), ctx_(ctx), scale_(scale), s_(s) {}
+         const int32_t* cu_q, const int32_t* ctx, float scale, Scratch& s, bool wide, uint64_t call)
+      : g_(g), q_(q), k_(k), v_(v), out_(out), tables_(tables), cu_q_(cu_q), ctx_(ctx), scale_(scale), s_(s),
+        wide_(wide), call_(call) {}
 
   void run(const Item& it) {
     const int64_t qlen = cu_q_[it.seq + 1] - cu_q_[it.seq];
@@ -143,7 +190,7 @@ class Worker {
     // Rows: query-major, then the group's q heads: row = (j - q_begin) * group + h.
     const int64_t nq = it.q_end - it.q_begin, rows = nq * g_.group, hd = g_.hd;
     const int64_t n_max = pos0 + nq;  // keys seen by the tile's last query
-    const int64_t stride = (n_max + KEYS - 1) / KEYS * KEYS;
+    const int64_t stride = (n_max + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
     const int64_t tok0 = cu_q_[it.seq] + it.q_begin;
     for (int64_t r = 0; r < rows; ++r) {
       s_.keys[r] = pos0 + r / g_.group + 1;
@@ -151,9 +198,14 @@ class Worker {
                 s_.q.data() + r * hd, hd);
     }
     key_offsets(tables_ + static_cast<int64_t>(it.seq) * g_.max_blocks, it.kv_head, n_max);
-    scores(rows, n_max, stride);
-    for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
-    weighted_values(rows, n_max, stride);
+    // Tiles of many rows take the AVX-512 loops where the path has them: the same bits.
+    if (wide_ && rows >= WIDE_MIN_ROWS) {
+      wide_tile(it, rows, n_max, stride);
+    } else {
+      scores(rows, n_max, stride);
+      for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
+      weighted_values(rows, n_max, stride);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       float* acc = s_.acc.data() + r * hd;
       const __m256 l = _mm256_set1_ps(s_.denom[r]);
@@ -163,6 +215,45 @@ class Worker {
   }
 
  private:
+  // The wide loops' inputs: K rows [0, n) transposed into blocks of 16 keys (zero past n), and
+  // V rows [0, n), both float32. Kept across the thread's items of one sequence and kv head
+  // (the latest tile comes first and sees the most keys), so a prefill widens each row once.
+  // Scores, softmax and weighted values of one tile by attention_avx512.cpp's loops.
+  void wide_tile(const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
+    const int64_t hd = g_.hd;
+    widen_kv(it, n_max);
+    pdserve::attention512::scores(s_.q.data(), rows, hd, s_.keys.data(), s_.kt.data(), n_max, stride, scale_,
+                                  s_.scores.data());
+    for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
+    pdserve::attention512::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), s_.vrows.data(),
+                                           s_.acc.data());
+  }
+
+  void widen_kv(const Item& it, int64_t n) {
+    if (s_.wide_for == k_ && s_.wide_call == call_ && s_.wide_seq == it.seq && s_.wide_head == it.kv_head &&
+        s_.wide_keys >= n)
+      return;
+    const int64_t hd = g_.hd, padded = (n + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
+    s_.kt.grow(padded * hd);
+    s_.vrows.grow(padded * hd);
+    float* row = s_.kv.data();
+    for (int64_t k = 0; k < padded; ++k) {
+      float* kt = s_.kt.data() + (k / WIDE_KEYS) * WIDE_KEYS * hd + k % WIDE_KEYS;
+      if (k < n) {
+        widen_row(k_ + s_.offsets[k], row, hd);
+        for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = row[d];
+        widen_row(v_ + s_.offsets[k], s_.vrows.data() + k * hd, hd);
+      } else {
+        for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = 0.f;
+      }
+    }
+    s_.wide_for = k_;
+    s_.wide_call = call_;
+    s_.wide_seq = it.seq;
+    s_.wide_head = it.kv_head;
+    s_.wide_keys = n;
+  }
+
   // offsets[k]: where key k's row of this kv head starts, in elements from the cache base.
   void key_offsets(const int32_t* table, int64_t kv_head, int64_t n) {
     int64_t* off = s_.offsets.data();
@@ -239,7 +330,7 @@ class Worker {
 
   // acc[r] = sum over keys k <= pos_r of p[r][k] * V_k, FMA in increasing k.
   void weighted_values(int64_t rows, int64_t n_max, int64_t stride) {
-    std::fill(s_.acc.begin(), s_.acc.begin() + rows * g_.hd, 0.f);
+    std::fill(s_.acc.data(), s_.acc.data() + rows * g_.hd, 0.f);
     const float* vrow[KEYS];
     for (int64_t k0 = 0; k0 < n_max; k0 += KEYS) {
       key_rows(v_, k0, n_max, vrow);
@@ -278,6 +369,8 @@ class Worker {
   const int32_t *tables_, *cu_q_, *ctx_;
   float scale_;
   Scratch& s_;
+  const bool wide_;
+  const uint64_t call_;
 };
 
 // ---- validation ------------------------------------------------------------------------------
@@ -338,18 +431,23 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
   for (int64_t i = 0; i < b; ++i) {
     const int32_t qlen = cu_q[i + 1] - cu_q[i];
     max_ctx = std::max<int64_t>(max_ctx, ctx[i]);
-    // Latest tiles first: they see the most keys, and dynamic scheduling then balances the tail.
-    for (int32_t end = qlen; end > 0; end -= QUERY_TILE)
-      for (int32_t h = 0; h < g.nkv; ++h) items.push_back({static_cast<int32_t>(i), h, std::max<int32_t>(0, end - QUERY_TILE), end});
+    // Per kv head, latest tiles first: they see the most keys, dynamic scheduling then balances
+    // the tail, and a thread's next item usually reuses the K and V the wide loops widened.
+    for (int32_t h = 0; h < g.nkv; ++h)
+      for (int32_t end = qlen; end > 0; end -= QUERY_TILE)
+        items.push_back({static_cast<int32_t>(i), h, std::max<int32_t>(0, end - QUERY_TILE), end});
   }
   if (items.empty()) return;
-  const int64_t max_keys = (max_ctx + KEYS - 1) / KEYS * KEYS;
+  const int64_t max_keys = (max_ctx + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
+  const bool wide = pdserve::current_isa() != pdserve::Isa::kAvx2 && g.hd % 16 == 0;
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = ++calls;  // a thread's widened K/V is reused only within this call
   // Which thread runs an item never changes its arithmetic, so a work queue is safe here.
   pdserve::parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     thread_local Scratch scratch;
     scratch.reserve(QUERY_TILE * g.group, max_keys, g.hd);
     Worker<T> w(g, q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
-                tables, cu_q, ctx, scale, scratch);
+                tables, cu_q, ctx, scale, scratch, wide, call);
     for (int64_t i = b; i < e; ++i) w.run(items[i]);
   }, 4);
 }

@@ -13,6 +13,27 @@ inline __m256 load8_bf16(const void* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+// Eight float32 -> their bfloat16 bits (in the low 16 bits of each 32-bit lane), rounded as
+// c10::BFloat16 rounds: NaN -> 0x7FC0, otherwise to nearest even (add 0x7FFF + the kept low
+// bit). So a vector kernel writes the bits its scalar c10 form would.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+// float32 -> the float32 value of its bfloat16 rounding (what float(bf16(v)) gives).
+inline __m256 round_bf16_8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+
+// Rounds eight float32 to bfloat16 and stores them at p (16 bytes).
+inline void store8_bf16(void* p, __m256 v) {
+  const __m256i r = bf16_bits8(v);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
 // exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (Cephes
 // coefficients), times 2^n built in the exponent bits. Below -87.3 (2^-126) it returns 0.
 inline __m256 exp_nonpositive(__m256 x) {

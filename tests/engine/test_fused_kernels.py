@@ -110,3 +110,15 @@ def test_add_rms_norm_equals_the_add_then_the_norm():
     torch_y, torch_h = norm.to(torch.bfloat16)(x, residual)  # the torch path of the same module
     assert torch.equal(torch_h, h)
     torch.library.opcheck(torch.ops.pdserve.add_rms_norm.default, (x[:3], residual[:3], norm.weight, 1e-5))
+
+
+def test_every_kernel_path_gives_the_avx2_bits_for_silu_mul(kernel_path):
+    """silu_mul runs sixteen lanes on the AVX-512 paths: elementwise, the same IEEE operations,
+    so the AVX2 bits, tails (a width of 24 = 16 + 8, and 13) and underflow included."""
+    g = torch.Generator().manual_seed(3)
+    rows = [(torch.randn(5, 2 * width, generator=g) * 8).bfloat16() for width in (1536, 24, 13)]
+    rows[0][0, :4] = torch.tensor([-200.0, 100.0, 0.0, float("nan")])
+    on_path = [torch.ops.pdserve.silu_mul(r) for r in rows]
+    cpu_kernels.set_isa("avx2")
+    for got, r in zip(on_path, rows):
+        assert torch.equal(got.view(torch.int16), torch.ops.pdserve.silu_mul(r).view(torch.int16))

@@ -173,3 +173,24 @@ def test_auto_picks_the_paged_kernel_on_cpu_and_names_are_checked():
         select_backend("fast", torch.device("cpu"), NH, NKV, HD, BS)
     with pytest.raises(ValueError, match="head_dim"):
         select_backend("paged", torch.device("cpu"), 4, 2, 12, BS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_kernel_path_gives_the_avx2_bits(op, kernel_path, dtype):
+    """Paths with AVX-512 run prefill tiles through their own loops (attention_avx512.cpp),
+    decode rows through the AVX2 ones: both must give the AVX2 loops' bits, or a position's
+    result would change between a prefill and a recompute. A mixed batch exercises both, a
+    head_dim of 80 the 16-column tail, and 8 a head_dim the wide loops leave to AVX2."""
+    k, v = make_cache(dtype)
+    q, tables, cu, ctx = make_batch(*CASES["mixed"], dtype)
+    on_path = op(q, k, v, tables, cu, ctx, HD ** -0.5)
+    g = torch.Generator().manual_seed(5)
+    odd = [torch.randn(40, BS, 2, hd, generator=g).to(dtype) for hd in (80, 8)]
+    q_odd = [torch.randn(70, 4, hd, generator=g).to(dtype) for hd in (80, 8)]
+    odd_tables = torch.arange(40, dtype=torch.int32).view(2, 20)
+    odd_cu, odd_ctx = torch.tensor([0, 64, 70], dtype=torch.int32), torch.tensor([300, 6], dtype=torch.int32)
+    odd_on_path = [op(qo, c, c, odd_tables, odd_cu, odd_ctx, 0.1) for qo, c in zip(q_odd, odd)]
+    cpu_kernels.set_isa("avx2")
+    assert torch.equal(on_path, op(q, k, v, tables, cu, ctx, HD ** -0.5))
+    for got, qo, c in zip(odd_on_path, q_odd, odd):
+        assert torch.equal(got, op(qo, c, c, odd_tables, odd_cu, odd_ctx, 0.1))
