@@ -43,10 +43,17 @@ class BorrowPool {
   bool active() const { return !threads_.empty(); }
 
   void run(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
-    if (t_in_chunk) {  // a kernel called from inside a chunk: no nesting, run it here
+    // One job at a time. A kernel called from inside a chunk runs here (no nesting), and so
+    // does one called by a second thread while a job is out: run() keeps a single job's
+    // fields, and a second owner would overwrite the first one's while its helpers read them.
+    if (t_in_chunk || owner_.exchange(true, std::memory_order_acquire)) {
       fn(0, n);
       return;
     }
+    struct Release {
+      std::atomic<bool>& owner;
+      ~Release() { owner.store(false, std::memory_order_release); }
+    } release{owner_};
     const uint32_t gen = ++gen_;
     error_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
@@ -140,6 +147,7 @@ class BorrowPool {
   Job job_;  // guarded by mu_, with the ticket's generation
   std::atomic<int64_t> done_{0}, helpers_in_{0};
   std::atomic<int> sleepers_{0};
+  std::atomic<bool> owner_{false};  // a thread is in run() with a job out
   uint32_t gen_ = 0;
   int64_t last_helpers_ = 0;
 };
