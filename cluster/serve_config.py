@@ -100,8 +100,13 @@ def _router_limits(v: dict[str, Any]):
     from router.kv_policy import RoutingConfig
     from router.local_prefill import LocalPrefillConfig
     from router.limits import RouterLimits
-    from router.validation import RequestLimits
+    from router.validation import BODY_BYTES_PER_CHAR, RequestLimits
 
+    if v["max_body_bytes"] < BODY_BYTES_PER_CHAR * v["max_prompt_chars"]:
+        raise SettingsError(f"max_body_bytes={v['max_body_bytes']} cannot hold a prompt of max_prompt_chars="
+                            f"{v['max_prompt_chars']} written as JSON escapes: raise it to at least "
+                            f"{BODY_BYTES_PER_CHAR} x max_prompt_chars = {BODY_BYTES_PER_CHAR * v['max_prompt_chars']}, "
+                            f"or lower max_prompt_chars")
     if v["local_prefill_max_load"] > 1:
         raise SettingsError(f"local_prefill_max_load must be at most 1 (a share of KV blocks), "
                             f"got {v['local_prefill_max_load']!r}")

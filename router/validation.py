@@ -30,6 +30,9 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT64_MAX = 2**64 - 1
 
 
+BODY_BYTES_PER_CHAR = 7  # 6 for a character written as a JSON \u escape, 1 more of room for the rest of a body
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Sizes a request may have; each breach is a 400 / INVALID_ARGUMENT naming its setting.
@@ -38,8 +41,13 @@ class RequestLimits:
     body, tokenizing, the chat template, and the per-token scans of stop ids and strings.
     """
 
-    max_body_bytes: int = 4 << 20  # an HTTP body or a gRPC GenerateRequest message
-    max_prompt_chars: int = 262_144  # text prompt, or all chat contents together (~8x SmolLM2's context)
+    # An HTTP body or a gRPC GenerateRequest message. Parsing JSON holds the router's GIL, so
+    # this bounds how long one body can stall its event loop (/health included): 1 MiB of
+    # token ids parses in ~20-35 ms, 4 MiB in ~75-140 ms. It stays at least BODY_BYTES_PER_CHAR
+    # times max_prompt_chars (cluster/serve_config.py refuses less), so that the longest
+    # allowed prompt fits even as JSON \u escapes, as Python's json.dumps writes non-ASCII.
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 131_072  # text prompt, or all chat contents together (~4x SmolLM2's context)
     max_stop_token_ids: int = 64  # scanned for every generated token
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256

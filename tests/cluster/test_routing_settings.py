@@ -57,3 +57,21 @@ def test_stream_kv_min_tokens_reaches_both_router_processes_and_refuses_a_negati
     with pytest.raises(SettingsError) as exc:
         resolve(parse(["--stream-kv-min-tokens", "-1"]), environ={})
     assert "--stream-kv-min-tokens" in str(exc.value) and "at least 0" in str(exc.value)
+
+
+def test_the_body_limit_holds_the_longest_prompt_and_settings_that_break_that_are_refused():
+    """max_body_bytes bounds how long one body's JSON holds the router's loop, so it is small
+    (1 MiB); a prompt of max_prompt_chars non-ASCII characters, written as Python's json.dumps
+    writes it (\\u escapes), must still fit. Settings that break that are refused, naming both."""
+    import json
+
+    from router.validation import RequestLimits
+
+    limits = build(resolve(parse([]), environ={})).router_limits.requests
+    assert limits == RequestLimits()
+    longest = json.dumps({"model": "smollm2", "prompt": "\u00e9" * limits.max_prompt_chars, "max_tokens": 16})
+    assert len(longest.encode()) <= limits.max_body_bytes
+    with pytest.raises(SettingsError) as exc:
+        build(resolve(parse(["--max-body-bytes", "100000"]), environ={}))
+    assert "max_body_bytes=100000" in str(exc.value) and "max_prompt_chars=131072" in str(exc.value)
+    build(resolve(parse(["--max-body-bytes", "100000", "--max-prompt-chars", "10000"]), environ={}))
