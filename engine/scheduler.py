@@ -18,7 +18,10 @@ its blocks are freed and it goes back to the front of the waiting queue, to be r
 grow the most (tokens left before its max_tokens or the context's end), the youngest among
 equals. So a request without a limit (the OpenAI chat default: the rest of the context) is
 preempted before limited ones, and however far it runs it cannot push them out; with equal
-limits the rule is vLLM's, youngest first.
+limits the rule is vLLM's, youngest first. The same rule makes room for a request whose KV
+arrives from a prefill worker (``add_remote_prefilled``): it preempts running sequences that
+may grow more than the newcomer, so requests without a limit filling a decode worker cannot
+keep a limited one out (the router admits it on those blocks: router/policy.py).
 
 Pure Python; tests feed it hand-built outputs through ``update_from_output``.
 """
@@ -89,9 +92,14 @@ class Scheduler:
     def add_remote_prefilled(self, seq: Sequence) -> list[int]:
         """Allocate fresh blocks for a prompt whose KV another worker computed.
 
-        ``seq.token_ids`` is prompt + the first token. Returns the block ids to fill.
+        ``seq.token_ids`` is prompt + the first token. Returns the block ids to fill. With
+        too few blocks free, running sequences that may grow more than ``seq`` are preempted
+        first, by the rule a step preempts by (module docstring): the router counts the
+        blocks of requests without a limit as room for one with a limit (router/policy.py),
+        and this is where that room is made.
         """
         self.blocks.check_fits(seq.num_tokens + 1)
+        self._make_room(seq, self.blocks.blocks_needed(len(seq.prompt_token_ids)))
         alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=False,
                                      cache_salt=seq.params.cache_salt)
         seq.status = SeqStatus.WAITING_FOR_KV
@@ -179,6 +187,18 @@ class Scheduler:
                 scheduled.append(seq)
         self.running = scheduled
         return SchedulerOutput([ScheduledSeq(s, 1, True) for s in scheduled], False, preempted)
+
+    def _make_room(self, seq: Sequence, needed: int) -> None:
+        """Preempt running sequences ranked above ``seq`` (they may grow more), highest
+        first, until ``needed`` blocks are free or none is left to preempt."""
+        rank = self._preemption_rank(seq)
+        while self.blocks.num_free_blocks < needed:
+            above = [s for s in self.running if self._preemption_rank(s) > rank]
+            if not above:
+                return  # the allocation then refuses it, as without this rule
+            victim = max(above, key=self._preemption_rank)
+            self.running.remove(victim)
+            self._preempt(victim)
 
     def _preemption_rank(self, seq: Sequence) -> tuple[int, int]:
         """Highest is preempted first: tokens it may still add, then youth (module docstring)."""

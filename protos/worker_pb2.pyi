@@ -205,7 +205,7 @@ class DrainRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions", "block_size", "cache_events")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_blocks_unbounded", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions", "block_size", "cache_events")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class WorkerStats(_message.Message):
     NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_UNBOUNDED_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_LEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +239,7 @@ class WorkerStats(_message.Message):
     num_waiting_tokens: int
     num_blocks_total: int
     num_blocks_used: int
+    num_blocks_unbounded: int
     num_held_leases: int
     num_forward_tokens: int
     kv_transfer_bytes: int
@@ -256,4 +258,4 @@ class WorkerStats(_message.Message):
     num_preemptions: int
     block_size: int
     cache_events: CacheEvents
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_unbounded: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ...) -> None: ...

@@ -200,7 +200,7 @@ class RequestRun:
         worker ``_decode`` will pick first (the same pick over the same snapshots, with no
         await between), recorded in the metrics."""
         snapshots = self.pool.snapshots()
-        choice = pick_decode(snapshots, blocks)
+        choice = pick_decode(snapshots, blocks, limited=not self.req.default_max_tokens)
         worker = next((w for w in snapshots if w.worker_id == choice.worker_id), None)
         load = min(1.0, worker.blocks_used / max(worker.blocks_total, 1)) if worker is not None else 1.0
         decision = decide(self.limits.local_prefill, prompt_tokens, load)
@@ -221,7 +221,8 @@ class RequestRun:
     async def _check_decode_capacity(self, total_tokens: int) -> int:
         """Wait for a decode worker with room for ``total_tokens``; returns their blocks."""
         blocks = -(-total_tokens // self.model.block_size)
-        choice = await self._admit(lambda: pick_decode(self.pool.snapshots(), blocks))
+        choice = await self._admit(lambda: pick_decode(self.pool.snapshots(), blocks,
+                                                       limited=not self.req.default_max_tokens))
         if choice.worker_id is None:
             raise _route_error(choice)
         return blocks
@@ -342,7 +343,8 @@ class RequestRun:
         blocks = -(-(len(prompt) + self._reserved(params)) // self.model.block_size)
         tried: set[str] = set()
         while True:
-            choice = await self._admit(lambda: pick_decode(self.pool.snapshots(), blocks, frozenset(tried)))
+            choice = await self._admit(lambda: pick_decode(self.pool.snapshots(), blocks, frozenset(tried),
+                                                           limited=not self.req.default_max_tokens))
             if choice.worker_id is None:
                 if tried and not choice.saturated:
                     raise _DecodeLost(choice.reason)

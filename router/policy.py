@@ -20,6 +20,7 @@ class WorkerSnapshot:
     queued_tokens: int = 0  # prefill load
     blocks_used: int = 0  # decode load
     blocks_total: int = 0
+    blocks_unbounded: int = 0  # of blocks_used: held by requests without a limit (preempted first)
     inflight: int = 0  # requests this router has on the worker
     last_placed: int = 0  # this router's placement sequence number of its last request (0: never)
 
@@ -83,11 +84,14 @@ def prefill_candidates(workers: Iterable[WorkerSnapshot], exclude: frozenset[str
 
 
 def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
-                exclude: frozenset[str] = frozenset()) -> Choice:
+                exclude: frozenset[str] = frozenset(), limited: bool = False) -> Choice:
     """The routable decode worker with the least of its KV in use (ties as for prefill).
 
     Workers that cannot fit ``blocks_needed`` are skipped; if none can, the answer says so
-    (the caller returns RESOURCE_EXHAUSTED rather than queueing without bound).
+    (the caller returns RESOURCE_EXHAUSTED rather than queueing without bound). A ``limited``
+    request (the client set max_tokens) counts the blocks of requests without a limit as
+    room: the decode engine preempts those first (engine/scheduler.py), so requests that
+    may run to the context's end cannot keep limited ones out.
     """
     workers = list(workers)
     candidates = [w for w in workers if w.role == "decode" and w.routable and w.worker_id not in exclude]
@@ -97,7 +101,10 @@ def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
     if blocks_needed > largest:
         return Choice(None, f"prompt + max_tokens needs {blocks_needed} KV blocks; the largest decode "
                       f"worker holds {largest}", too_large=True)
-    fitting = [w for w in candidates if w.blocks_total - w.blocks_used >= blocks_needed]
+    def room(w: WorkerSnapshot) -> int:
+        return w.blocks_total - w.blocks_used + (min(w.blocks_unbounded, w.blocks_used) if limited else 0)
+
+    fitting = [w for w in candidates if room(w) >= blocks_needed]
     if not fitting:
         return Choice(None, f"every decode worker's KV cache is full (request needs {blocks_needed} blocks)",
                       saturated=True)

@@ -26,9 +26,18 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: KVTransfer
         num_running=len(sched.running) + len(sched.awaiting_kv), num_waiting=len(waiting),
         num_waiting_tokens=sum(s.num_tokens - s.num_computed_tokens for s in waiting),
         num_blocks_total=blocks.num_blocks, num_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+        num_blocks_unbounded=unbounded_blocks(engine),
         num_forward_tokens=engine.runner.num_forward_tokens,
         kv_transfer_bytes=t.bytes, kv_transfers=t.transfers, kv_transfer_failures=t.failures,
         kv_transfer_seconds=t.seconds, prefix_cache_queries=blocks.prefix_queries,
         prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=engine.cache_spec.bytes_per_token,
         num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
         engine_busy=engine.has_runnable(), **extra)
+
+
+def unbounded_blocks(engine: LLMEngine) -> int:
+    """Blocks held by running sequences whose limit is the context's end (a client that set no
+    max_tokens): the ones the scheduler preempts first, so room for a request with a limit."""
+    running = list(engine.scheduler.running)
+    return sum(len(engine.blocks.block_table(s.seq_id)) for s in running
+               if s.num_prompt_tokens + s.params.max_tokens >= engine.max_model_len and engine.blocks.has(s.seq_id))

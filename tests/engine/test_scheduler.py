@@ -181,3 +181,45 @@ def test_remote_prefilled_sequence_waits_for_kv_then_decodes():
     out = sched.schedule()
     assert not out.is_prefill and out.seqs[0].seq is s
     assert s.num_computed_tokens == 6  # the first token is the one to compute now
+
+
+def test_a_limited_request_arriving_at_a_worker_full_of_unlimited_ones_preempts_them():
+    """Issue 25: decode workers full of requests without a limit (each may run to the end of
+    the context) kept a limited request out: its KV had no blocks to land in. The router
+    counts those requests' blocks as room for a limited one, and here the room is made, by
+    the preemption rule (most growth first); the unlimited one resumes after."""
+    sched, bm = make(num_blocks=4, block_size=4, max_len=1000)
+    unlimited = []
+    for i in range(2):  # two unlimited streams, each holding two blocks: the cache is full
+        s = Sequence(f"u{i}", list(range(10, 17)) + [7], SamplingParams(max_tokens=993), num_prompt_tokens=7)
+        sched.add_remote_prefilled(s)
+        sched.kv_ready(s.seq_id)
+        unlimited.append(s)
+    assert bm.num_free_blocks == 0
+    limited = Sequence("limited", list(range(10, 17)) + [7], SamplingParams(max_tokens=4), num_prompt_tokens=7)
+    assert len(sched.add_remote_prefilled(limited)) == 2
+    assert [s.status for s in unlimited] == [SeqStatus.RUNNING, SeqStatus.WAITING]  # the youngest went
+    sched.kv_ready("limited")
+    out = sched.schedule()
+    while limited.status is not SeqStatus.FINISHED:
+        assert "limited" not in out.preempted
+        feed(sched, out)
+        out = sched.schedule()
+    assert limited.num_output_tokens == 4
+
+
+def test_a_request_arriving_at_a_full_worker_preempts_nobody_that_grows_less():
+    """The room is made only from sequences ranked above the newcomer: one without a limit
+    arriving at a worker full of limited ones is refused, as before, and nothing is preempted."""
+    import pytest
+
+    from engine.errors import CacheCapacityError
+
+    sched, bm = make(num_blocks=3, block_size=4, max_len=1000)
+    held = Sequence("limited", list(range(10, 17)) + [7], SamplingParams(max_tokens=4), num_prompt_tokens=7)
+    sched.add_remote_prefilled(held)
+    sched.kv_ready("limited")
+    with pytest.raises(CacheCapacityError):
+        sched.add_remote_prefilled(Sequence("u", list(range(10, 17)) + [7], SamplingParams(max_tokens=993),
+                                            num_prompt_tokens=7))
+    assert held.status is SeqStatus.RUNNING and sched.num_preemptions == 0

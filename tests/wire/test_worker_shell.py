@@ -220,3 +220,22 @@ def test_a_worker_with_a_step_trace_dir_traces_its_engine_steps(engine, tmp_path
     steps = list(read(trace_path(tmp_path, "prefill-7")))
     assert [s.shape.prefill for s in steps] == [((40, 0),)]  # one prefill step, the prompt whole; no decode
     assert steps[0].shape.sampled == 1 and steps[0].after_idle
+
+
+def test_stats_count_the_blocks_of_requests_without_a_limit(tiny_llama_dir):
+    """WorkerStats.num_blocks_unbounded: the blocks of running sequences whose only limit is
+    the context's end, which the router counts as room for a request with a limit (issue 25)."""
+    from types import SimpleNamespace
+
+    from engine.sampling import SamplingParams
+    from kv_transfer.base import TransferStats
+    from wire.stats import worker_stats
+
+    eng = make_engine(tiny_llama_dir[0])
+    prompt = list(range(1, 40))  # 39 tokens + the first: 3 blocks of 16
+    eng.add_prefilled("unbounded", prompt, 5, SamplingParams(max_tokens=eng.max_model_len - len(prompt)))
+    eng.add_prefilled("limited", prompt, 5, SamplingParams(max_tokens=8))
+    for rid in ("unbounded", "limited"):
+        eng.kv_ready(rid)
+    stats = worker_stats("w", "decode", eng, SimpleNamespace(stats=TransferStats()))  # no transfers here
+    assert stats.num_blocks_used == 6 and stats.num_blocks_unbounded == 3
