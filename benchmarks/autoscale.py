@@ -82,7 +82,7 @@ def main() -> None:
         for pool in ("prefill", "decode"):
             changes = [d.action for d in cluster.autoscaler.traces[pool].decisions if d.action != "hold"]
             print(pool, "changes:", changes)
-        path = ROOT / "autoscale_run.png"
+        path = ROOT / "docs" / "benchmarks" / "autoscale_run.png"
         plot(cluster, t0, phases, path)
         print(f"wrote {path}")
     finally:

@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip transformers")
     ap.add_argument("--out", type=Path, default=ROOT / ".bench" / "engine.json")
-    ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks_engine.png")
+    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "benchmarks_engine.png")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []

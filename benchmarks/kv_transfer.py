@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     # torch's 2-thread pool stalled every copy ~8 ms waiting for its second thread.
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads for the memcpy baselines")
-    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "benchmarks_kv_transfer.png")
+    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "benchmarks" / "benchmarks_kv_transfer.png")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.torch_threads)

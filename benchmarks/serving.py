@@ -21,7 +21,7 @@ summary in the results file), so a missed target comes with where the time goes.
 
 Outputs (--out-dir, default .bench/serving/): serving.json (schema below), serving.md (the tables
 BENCHMARKS.md shows), the raw `vllm bench serve` results and logs; the PNG goes to --plot
-(default benchmarks_serving.png beside BENCHMARKS.md).
+(default docs/benchmarks/benchmarks_serving.png).
 
 Results file schema, "pdserve-serving-benchmark/1" (times in ms, rates per second):
     schema: str; created: ISO-8601 UTC; git: {commit, dirty}
@@ -282,7 +282,7 @@ def parse_args() -> argparse.Namespace:
                          "--out-dir's serving.json (and the profiles it names)")
     ap.add_argument("--note", default="", help="what else ran on the machine, stored with the results")
     ap.add_argument("--out-dir", type=Path, default=ROOT / ".bench" / "serving")
-    ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks_serving.png")
+    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "benchmarks_serving.png")
     args = ap.parse_args()
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = set(args.servers) - {"pdserve", "vllm"}

@@ -7,7 +7,7 @@ several workers at the peak) and 300-token answers. Traffic: ``planner.synthetic
 (diurnal 0.2x-1.8x of the mean, plus 12 ten-minute bursts at 3x). Autoscaling: the built-in
 prefill and decode policies with their default guards (20 s window, 10 s up / 60 s down
 cooldowns, step 1), targets as ``pdserve plan`` derives them; a new worker serves 60 s after
-it is asked for (model load). Writes autoscale_day.png beside BENCHMARKS.md: replicas per
+it is asked for (model load). Writes docs/benchmarks/autoscale_day.png: replicas per
 pool against demand, and SLO attainment per half hour.
 """
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", type=float, default=1.0, help="mean requests/s over the day")
     ap.add_argument("--hours", type=float, default=24.0)
-    ap.add_argument("--out", default=str(ROOT / "autoscale_day.png"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "autoscale_day.png"))
     args = ap.parse_args()
     duration = args.hours * 3600
     reqs = bursty_day(args.rate, LENGTHS, duration_s=duration, seed=11)
