@@ -27,9 +27,11 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 test-quick: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
 
 # Flags for pdserve serve: make serve ARGS="--port 8080 --decode 2"

@@ -4,7 +4,6 @@ did not carry out does not hold the pool as "pending" (its advice keeps up with 
 
 from types import SimpleNamespace
 
-import pytest
 
 from cluster.autoscaler import Autoscaler
 from cluster.autoscaling import PoolSample, from_mapping

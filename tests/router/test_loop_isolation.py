@@ -10,7 +10,6 @@ import socket
 import threading
 from types import SimpleNamespace
 
-import aiohttp
 import pytest
 
 from router import http_api

@@ -15,7 +15,7 @@ import ray
 
 from protos import pdserve_pb2
 from tests.serving.conftest import all_stats, start_cluster, worker_stats
-from tests.serving.test_disaggregated import assert_all_blocks_free, chat_request, collect
+from tests.serving.test_disaggregated import chat_request, collect
 
 pytestmark = pytest.mark.slow
 
