@@ -9,7 +9,7 @@ first), timing the median step in thread CPU time; then its ``model.forward`` is
 Prints the compile time (every graph the steps needed: dynamo specialises sizes 0 and 1, so a
 batch of one, a single sequence and a one-block table each get their own graph), the step
 times, their ratio, and whether the compiled engine produced the eager engine's tokens.
-Not a serving option yet (BENCHMARKS.md says why).
+Not a serving option yet (docs/benchmarks/history.md says why).
 """
 
 from __future__ import annotations

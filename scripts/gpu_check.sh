@@ -6,7 +6,7 @@
 #   WHEELHOUSE=wheelhouse scripts/gpu_check.sh     # first installs what it needs from there
 #   scripts/gpu_check.sh                           # when those packages are installed already
 #
-# Steps (README, "GPU check"):
+# Steps (docs/gpu.md, "GPU check"):
 #   1. environment probe: CUDA, driver, flash-attn, NIXL's UCX CUDA libraries, `auto`'s backend
 #   2. the engine against transformers on CUDA: float32 exact, bfloat16 logprob-close, on every
 #      attention backend present, with chunked prefill, a prefix hit and a preemption
