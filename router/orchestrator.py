@@ -30,7 +30,7 @@ from router.limits import RouterLimits
 from router.local_prefill import decide
 from router.policy import Choice, pick_decode
 from router.pool import WorkerPool
-from router.worker_calls import Started, error_field, ignore_errors, last_message, unavailable, unless_hung
+from router.worker_calls import Started, detach, error_field, ignore_errors, last_message, unavailable, unless_hung
 from wire.convert import DEFAULT_MAX_TOKENS, finish_from_wire, finish_to_wire, sampling_to_proto
 from kv_transfer.handoff import ReleaseReason, release_request
 from wire.failure import Failure, failure_of
@@ -465,7 +465,7 @@ class RequestRun:
         if client is None:
             return
         release = client.stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
-        asyncio.ensure_future(ignore_errors(release))
+        detach(ignore_errors(release))
 
 
 def attempt_id(request_id: str, attempt: int) -> str:

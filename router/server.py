@@ -23,6 +23,7 @@ from router.frontend import ModelInfo
 from router.limits import RouterLimits
 from router.pool import POOLS, WorkerPool
 from router.service import GenerationService
+from router.worker_calls import detach
 from wire import metrics
 from wire.address import resolve
 from wire.grpc_util import aio_server, bind
@@ -118,7 +119,7 @@ async def start(config: RouterConfig) -> RunningServer:
         runner, running.http_address = await http_api.start(service, public, config.http_port,
                                                             api_key=config.api_key, tls=config.public_tls)
         running.on_stop.insert(0, runner.cleanup)
-    asyncio.create_task(_track_health(service, health))
+    detach(_track_health(service, health))
     return running
 
 

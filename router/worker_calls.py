@@ -74,6 +74,18 @@ async def first_or_none(iterator):
         return None
 
 
+_detached: set[asyncio.Task] = set()
+
+
+def detach(coro) -> asyncio.Task:
+    """Run ``coro`` as a task nobody awaits, holding a reference to it until it ends: the
+    event loop keeps only weak ones, so an unreferenced task can be collected mid-flight."""
+    task = asyncio.ensure_future(coro)
+    _detached.add(task)
+    task.add_done_callback(_detached.discard)
+    return task
+
+
 async def ignore_errors(awaitable) -> None:
     try:
         await awaitable
