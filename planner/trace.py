@@ -4,51 +4,19 @@
 
 ``t`` is seconds since the trace started; ``prefix_hash`` (optional) names a shared prompt
 prefix of ``prefix_tokens`` tokens: requests with the same hash share those leading tokens,
-so a prefix cache can serve them. The router writes this format (``planner.trace_writer``),
-synthetic workloads (``planner.synthetic``) produce it, and the simulator replays it.
+so a prefix cache can serve them. The router writes this format (``router.request_trace``,
+which also holds the record type), synthetic workloads (``planner.synthetic``) produce it, and the simulator replays it.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from router.request_trace import TraceError, TraceRequest
 
-class TraceError(ValueError):
-    """A trace line is malformed; ``field`` names the value and the message the line."""
-
-    def __init__(self, field: str, problem: str):
-        self.field = field
-        super().__init__(f"{field}: {problem}")
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    t: float  # arrival, seconds since the start of the trace
-    prompt_tokens: int
-    output_tokens: int  # tokens generated (the first one included)
-    prefix_hash: str | None = None
-    prefix_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.t) and self.t >= 0):
-            raise TraceError("t", f"must be a finite number >= 0, got {self.t}")
-        if self.prompt_tokens < 1:
-            raise TraceError("prompt_tokens", f"must be >= 1, got {self.prompt_tokens}")
-        if self.output_tokens < 1:
-            raise TraceError("output_tokens", f"must be >= 1, got {self.output_tokens}")
-        if not 0 <= self.prefix_tokens <= self.prompt_tokens:
-            raise TraceError("prefix_tokens", f"must be within [0, prompt_tokens={self.prompt_tokens}], "
-                                              f"got {self.prefix_tokens}")
-
-    def to_json(self) -> str:
-        values = {"t": round(self.t, 6), "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}
-        if self.prefix_hash is not None:
-            values.update(prefix_hash=self.prefix_hash, prefix_tokens=self.prefix_tokens)
-        return json.dumps(values)
+__all__ = ["TraceError", "TraceRequest", "iter_json", "read_trace", "write_trace"]
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:

@@ -22,7 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from engine.errors import InvalidRequestError
-from planner.trace_writer import TraceWriter
+from router.request_trace import TraceWriter
 from protos import pdserve_pb2
 from router.cache_salt import key_salt
 from router.client_work import ClientWork

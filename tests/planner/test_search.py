@@ -82,7 +82,7 @@ def test_cli_rejects_a_bad_layout(capsys):
 
 
 def test_cli_replays_a_trace_the_router_wrote(tmp_path, capsys):
-    from planner.trace_writer import TraceWriter
+    from router.request_trace import TraceWriter
 
     path = tmp_path / "router.jsonl"
     clock = iter(float(i) * 0.5 for i in range(40))

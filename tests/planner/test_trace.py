@@ -3,7 +3,7 @@ import pytest
 
 from planner.synthetic import LengthMix, bursty_day, poisson, shared_prefix
 from planner.trace import TraceError, TraceRequest, read_trace, write_trace
-from planner.trace_writer import TraceWriter
+from router.request_trace import TraceWriter
 
 
 def test_trace_round_trips_sorted(tmp_path):

@@ -1,4 +1,6 @@
-"""Recording the router's traffic as a replayable trace (``planner.trace`` format).
+"""Recording the router's traffic as a replayable trace: the record type (``TraceRequest``)
+and the writer. The planner reads and replays these traces (``planner.trace``,
+``planner.simulator``); the types live here so that the router does not import the planner.
 
 The router calls ``record`` once per request when it ends, with the prompt's token ids, the
 tokens it sent and its arrival time. The trace keeps no text and no token ids, only lengths
@@ -11,16 +13,52 @@ running cluster can be recorded without a new flag on every layer.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from engine.block_manager import NO_HASH, chain_hash
-from planner.trace import TraceRequest
 
 ENV = "PDSERVE_TRACE_FILE"
+
+
+class TraceError(ValueError):
+    """A trace line is malformed; ``field`` names the value and the message the line."""
+
+    def __init__(self, field: str, problem: str):
+        self.field = field
+        super().__init__(f"{field}: {problem}")
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    t: float  # arrival, seconds since the start of the trace
+    prompt_tokens: int
+    output_tokens: int  # tokens generated (the first one included)
+    prefix_hash: str | None = None
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.t) and self.t >= 0):
+            raise TraceError("t", f"must be a finite number >= 0, got {self.t}")
+        if self.prompt_tokens < 1:
+            raise TraceError("prompt_tokens", f"must be >= 1, got {self.prompt_tokens}")
+        if self.output_tokens < 1:
+            raise TraceError("output_tokens", f"must be >= 1, got {self.output_tokens}")
+        if not 0 <= self.prefix_tokens <= self.prompt_tokens:
+            raise TraceError("prefix_tokens", f"must be within [0, prompt_tokens={self.prompt_tokens}], "
+                                              f"got {self.prefix_tokens}")
+
+    def to_json(self) -> str:
+        values = {"t": round(self.t, 6), "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}
+        if self.prefix_hash is not None:
+            values.update(prefix_hash=self.prefix_hash, prefix_tokens=self.prefix_tokens)
+        return json.dumps(values)
 
 
 class TraceWriter:
