@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from cluster.cli import main
-from cluster.local import ClusterConfig
+from cluster.config import ClusterConfig
 from cluster.serve_config import build
 from cluster.settings import SettingsError, add_arguments, resolve
 from decode_worker.worker import DecodeWorkerConfig
@@ -157,11 +157,8 @@ def test_chat_template_replaces_the_tokenizers_own(tmp_path):
 
 
 def test_step_trace_dir_reaches_every_worker_as_an_absolute_path(tmp_path, monkeypatch):
-    from cluster.local import LocalCluster
-
     monkeypatch.chdir(tmp_path)
     config = build(resolve(parse(["--step-trace-dir", "steps"]), environ={}))
     assert config.step_trace_dir == str(tmp_path / "steps")  # Ray starts workers in a directory of its own
-    cluster = LocalCluster(config)
-    assert {cluster._worker_config(role, 0).step_trace_dir for role in ("prefill", "decode")} == {config.step_trace_dir}
+    assert {config.worker_config(role, 0).step_trace_dir for role in ("prefill", "decode")} == {config.step_trace_dir}
     assert build(resolve(parse([]), environ={})).step_trace_dir is None  # off unless asked for
