@@ -22,7 +22,7 @@ from engine.sampling import SamplingParams
 from kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
 from kv_transfer.handoff import KVHandle, partial_notify
 from protos import kv_transfer_pb2
-from wire import metrics
+from wire import worker_metrics
 from wire.address import resolve, transfer_listen_opts
 from wire.internal_plane import check_bind
 from wire.tls import TlsConfig
@@ -245,7 +245,7 @@ class DecodeWorker(WorkerShell):
                 # The wait after the last read started: for streamed KV, what is left after prefill.
                 seconds = max(h.finished_at for h in pull.handles) - pull.final_at
                 nbytes = sum(h.nbytes for h in pull.handles)
-                metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
+                worker_metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
                                          nbytes, sum(len(h.local_block_ids) for h in pull.handles),  # one descriptor per block
                                          self.config.model_name)
                 arrived.append((request_id, KVArrived(nbytes, seconds)))

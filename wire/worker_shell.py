@@ -30,7 +30,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.step_trace import StepTrace, trace_path
 from kv_transfer import KVTransferAgent
 from protos import worker_pb2
-from wire.metrics import WorkerSource, serve_worker
+from wire.worker_metrics import WorkerSource, serve_worker
 from wire.server import RunningServer, set_serving, start_server
 from wire.stats import worker_stats
 
