@@ -1,6 +1,6 @@
 """The prefill worker's core: the shared worker shell plus what only prefill has, the leases
 on held KV (``kv_transfer.handoff``), and the progress of prompts whose KV streams out while
-they compute (``prefill_stream``, ``KVWatch``)."""
+they compute (``prefill_stream``; its messages and watch are ``prefill_worker.kv_stream``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from wire.internal_plane import check_bind
 from wire.tls import TlsConfig
 from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason, lease_of_notify
 from prefill_worker.cache_events import CacheEventBatch, CacheEventLog
+from prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
 from protos import worker_pb2
 from wire.worker_shell import WorkerShell
 
@@ -72,48 +73,6 @@ class PrefillResult:
     queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
     first_top_logprobs: TopLogprobs = ()
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # with params.prompt_logprobs
-
-
-@dataclass(frozen=True)
-class KVEarly:
-    """A streamed prompt has its blocks and its first chunk is computed: the lease on them."""
-
-    lease: Lease
-    ready_tokens: int
-
-
-@dataclass(frozen=True)
-class KVReady:
-    """Another chunk of a streamed prompt is computed."""
-
-    ready_tokens: int
-
-
-class KVLeaseEnded(Exception):
-    """A streamed prompt's lease ended before the prompt was done (the decode side gave up,
-    its router died, or it expired): the prompt was stopped."""
-
-
-class KVWatch:
-    """A streamed lease's progress, on the event loop, for ``WatchKV`` callers: how many
-    prompt tokens are computed, then the first token (done), or why it failed."""
-
-    def __init__(self, ready_tokens: int):
-        self.ready_tokens = ready_tokens
-        self.first_token: int | None = None
-        self.failed: str | None = None
-        self.changed = asyncio.Event()  # replaced at each update: wait on the one you read
-
-    def update(self, ready_tokens: int | None = None, first_token: int | None = None,
-               failed: str | None = None) -> None:
-        if self.first_token is not None or self.failed is not None:
-            return  # ended: later news (the lease's release after a good end) changes nothing
-        if ready_tokens is not None:
-            self.ready_tokens = ready_tokens
-        self.first_token = first_token
-        self.failed = failed
-        changed, self.changed = self.changed, asyncio.Event()
-        changed.set()
 
 
 class PrefillWorker(WorkerShell):
