@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from cluster.mode import COLOCATED, DISAGGREGATED, MODES
 from cluster.placement import PoolPlacement
+from cluster.settings import LEASE_SECONDS
 from engine.config import EngineConfig
 from kv_transfer import DEFAULT_BACKEND
-from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
 from router.limits import RouterLimits
 from router.tool_parsers import DEFAULT_PARSER
 from wire.logs import LogConfig
@@ -52,7 +52,7 @@ class ClusterConfig:
     public_tls: TlsConfig | None = None  # TLS on the public plane
     ray_token_auth: bool = True  # a Ray pdserve starts runs with token authentication
     kv_transfer_backend: str = DEFAULT_BACKEND
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    lease_seconds: float = LEASE_SECONDS.default
     worker_max_requests: int = 1024  # requests one worker holds at once; past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request each server accepts (the router's public one: see RouterConfig)
     router_limits: RouterLimits = field(default_factory=RouterLimits)  # admission wait, timeouts, sizes

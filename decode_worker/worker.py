@@ -47,7 +47,6 @@ class DecodeWorkerConfig:
     kv_transfer_backend: str = DEFAULT_BACKEND
     transfer_timeout_s: float = 10.0  # a read not done by then fails (and the router re-prefills)
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
-    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight streams may finish
     max_requests: int = 1024  # requests held at once (waiting for KV, queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any

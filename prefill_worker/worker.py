@@ -20,7 +20,7 @@ from kv_transfer import DEFAULT_BACKEND, create_agent
 from wire.address import resolve, transfer_listen_opts
 from wire.internal_plane import check_bind
 from wire.tls import TlsConfig
-from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason, lease_of_notify
+from kv_transfer.handoff import Lease, LeaseTable, ReleaseReason, lease_of_notify
 from prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
 from protos import worker_pb2
@@ -43,12 +43,13 @@ class PrefillWorkerConfig:
     insecure_internal: bool = False  # allow binding beyond loopback without tls (wire.internal_plane)
     port: int = 0  # 0: any free port
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
-    lease_seconds: float = DEFAULT_LEASE_SECONDS  # held KV is freed this long after the first token at the latest
+    # Held KV is freed this long after the first token at the latest. No default here: the
+    # process entry passes the ``lease_seconds`` setting (declared once, in cluster.settings).
+    lease_seconds: float = field(kw_only=True)
     # A router that has not polled Stats (nor sent a Prefill) for this long is taken for dead:
     # the unclaimed KV held for it is freed then, not at lease expiry (routers poll every 0.2 s).
     owner_timeout_s: float = 10.0
     kv_transfer_backend: str = DEFAULT_BACKEND
-    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight prompts and held KV may finish
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
