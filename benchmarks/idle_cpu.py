@@ -22,6 +22,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 
 
 async def _serve(model: str) -> None:
+    from cluster.settings import LEASE_SECONDS
     from decode_worker.server import start as start_decode
     from decode_worker.worker import DecodeWorkerConfig
     from engine.config import CacheConfig, EngineConfig
@@ -29,7 +30,7 @@ async def _serve(model: str) -> None:
     from prefill_worker.worker import PrefillWorkerConfig
 
     engine = EngineConfig(model=model, cache=CacheConfig(memory_budget_bytes=64 << 20))
-    servers = [await start_prefill(PrefillWorkerConfig(engine=engine)),
+    servers = [await start_prefill(PrefillWorkerConfig(engine=engine, lease_seconds=LEASE_SECONDS.default)),
                await start_decode(DecodeWorkerConfig(engine=engine))]
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # until the parent says stop

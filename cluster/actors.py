@@ -12,6 +12,7 @@ import threading
 import ray
 
 from cluster.placement import PoolPlacement
+from cluster.settings import DRAIN_GRACE_SECONDS
 from wire.logs import LogConfig, configure
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ class ServerActor:
             torch.set_num_threads(threads)
         configure(log_config, getattr(config, "worker_id", role))
         self._server = ServerThread(lambda: _start_role(role, config), name=role)
-        self._drain_grace_s = getattr(config, "drain_grace_s", 30.0)
+        # An actor's own SIGTERM (its node or pod stopping) drains within the setting's default:
+        # the cluster's stop, which ``--drain-grace-seconds`` sets, drains the router instead.
+        self._drain_grace_s = DRAIN_GRACE_SECONDS.default
         if threading.current_thread() is threading.main_thread():
             # Ray's own handler ends the process at once; a worker drains first, as the plain
             # process does (wire.worker_process): what Kubernetes' SIGTERM to a pod means.
@@ -107,7 +110,7 @@ class ServerActor:
         running = self._server.running
         try:
             if running is not None and running.drain is not None:
-                self._server.submit(running.drain())
+                self._server.submit(running.drain(self._drain_grace_s))
             elif running is not None and hasattr(running.service, "drain"):  # the router
                 self._server.submit(running.service.drain(self._drain_grace_s))
                 self._server.stop()

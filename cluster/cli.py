@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from cluster import shutdown
-from cluster.settings import SettingsError, add_arguments, resolve
+from cluster.settings import DRAIN_GRACE_SECONDS, SettingsError, add_arguments, flag_type, resolve
 
 
 def _serve_parser(sub) -> None:
@@ -42,8 +42,9 @@ def _cluster_parsers(sub) -> None:
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the status as one JSON object")
         else:
-            p.add_argument("--drain-grace-seconds", type=float, default=30.0,
-                           help="how long in-flight requests may take to finish before the cluster stops")
+            grace = DRAIN_GRACE_SECONDS
+            p.add_argument(grace.flag, type=flag_type(grace), default=grace.default,
+                           help=f"{grace.help} (default {grace.default:g})")
 
 
 def _generate_parser(sub) -> None:

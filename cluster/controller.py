@@ -23,7 +23,8 @@ import os
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.local import ClusterConfig, LocalCluster
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
 from wire.logs import configure
 
 log = logging.getLogger(__name__)

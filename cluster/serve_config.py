@@ -27,7 +27,7 @@ def build(v: dict[str, Any]):
     """The ``ClusterConfig`` for resolved settings ``v``; raises ``SettingsError`` (and the
     autoscaling, API key and TLS loaders their own typed errors) for a bad value."""
     from cluster.autoscaling import from_mapping
-    from cluster.local import ClusterConfig, default_gpus
+    from cluster.config import ClusterConfig, default_gpus
     from cluster.mode import COLOCATED
     from router.auth import read_key
     from wire import tls

@@ -12,7 +12,7 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 ENV_PREFIX = "PDSERVE_"
 
@@ -36,6 +36,17 @@ class Setting:
         return ENV_PREFIX + self.name.upper()
 
 
+# Settings that the workers' configs and the plain worker processes also take: declared here
+# once, and passed down as plain values (a worker config has no default of its own for them).
+# A decode worker claims held KV within milliseconds normally; the lease's slack covers a router
+# that waits for room in a full decode pool.
+LEASE_SECONDS = Setting("lease_seconds", float, 30.0, "how long held KV waits to be pulled before it is freed",
+                        above=0)
+DRAIN_GRACE_SECONDS = Setting("drain_grace_seconds", float, 30.0,
+                              "on a stop (SIGTERM, SIGINT, pdserve stop): how long in-flight requests may take to "
+                              "finish", minimum=0)
+
+
 @functools.cache
 def serve_settings() -> tuple[Setting, ...]:
     """The settings of ``pdserve serve``. A default that a config dataclass also uses is read
@@ -43,7 +54,6 @@ def serve_settings() -> tuple[Setting, ...]:
     Built on first use: the owners import torch, which ``pdserve generate`` never needs."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from kv_transfer import BACKENDS, DEFAULT_BACKEND
-    from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
     from router import tool_parsers
     from router.kv_policy import POLICIES
     from cluster.mode import DISAGGREGATED, MODES
@@ -113,8 +123,7 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("max_model_len", int, EngineConfig.max_model_len, "cap on prompt + output tokens (default: the model's)",
                 minimum=1),
         Setting("kv_transfer_backend", str, DEFAULT_BACKEND, "how KV moves from prefill to decode workers", BACKENDS),
-        Setting("lease_seconds", float, DEFAULT_LEASE_SECONDS, "how long held KV waits to be pulled before it is freed",
-                above=0),
+        LEASE_SECONDS,
         Setting("admission_wait_seconds", float, limits.admission_wait_s,
                 "how long a request waits for room in a full pool before RESOURCE_EXHAUSTED / HTTP 429", minimum=0),
         Setting("request_timeout_seconds", float, limits.request_timeout_s,
@@ -143,8 +152,7 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("max_body_bytes", int, requests.max_body_bytes, "largest HTTP body or gRPC GenerateRequest", minimum=1),
         Setting("max_prompt_chars", int, requests.max_prompt_chars, "largest text prompt, or all chat contents together",
                 minimum=1),
-        Setting("drain_grace_seconds", float, 30.0,
-                "on SIGTERM/SIGINT: how long in-flight requests may take to finish before the cluster stops", minimum=0),
+        DRAIN_GRACE_SECONDS,
         Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)", minimum=1),
         Setting("borrow_idle_cores", bool, False, "where workers are pinned to cores of their own, each also runs "
                 "idle-priority helpers on the other workers' cores, used only while those are idle (off by default: "
@@ -190,6 +198,19 @@ def add_arguments(parser: argparse.ArgumentParser, settings: tuple[Setting, ...]
             metavar = None if s.choices else {int: "N", float: "X", str: "TEXT"}[s.type]
             parser.add_argument(s.flag, type=str, choices=s.choices, default=None, metavar=metavar,
                                 help=f"{s.help}{default}{env}")
+
+
+def flag_type(s: Setting, flag: str | None = None) -> Callable[[str], Any]:
+    """An argparse ``type`` for a parser that takes ``s`` as one flag of its own (``pdserve
+    stop``, the plain worker process): the value converted and checked against ``s``'s type,
+    choices and bounds, as ``resolve`` checks it."""
+    def convert(raw: str) -> Any:
+        try:
+            return _convert(s, raw, flag or s.flag)
+        except SettingsError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return convert
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,

@@ -132,7 +132,7 @@ def worker_config(v: dict[str, Any]):
                   advertise_host=v["internal_advertise_host"], tls=internal_tls(v), port=v["internal_port"],
                   insecure_internal=v["insecure_internal"],
                   metrics_port=v["metrics_port"], kv_transfer_backend=v["kv_transfer_backend"],
-                  drain_grace_s=v["drain_grace_seconds"], step_trace_dir=v["step_trace_dir"])
+                  step_trace_dir=v["step_trace_dir"])
     if v["role"] == "prefill":
         from prefill_worker.worker import PrefillWorkerConfig
 
@@ -162,9 +162,10 @@ async def run_role(v: dict[str, Any], config) -> None:
     await _stop_signal()
     health.draining = True
     keeper.cancel()
-    print(f"draining (grace {config.drain_grace_s:g} s)", flush=True)
+    grace_s = v["drain_grace_seconds"]
+    print(f"draining (grace {grace_s:g} s)", flush=True)
     await membership.leave()
-    await running.drain()
+    await running.drain(grace_s)
     if runner is not None:
         await runner.cleanup()
 

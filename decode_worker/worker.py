@@ -22,7 +22,7 @@ from engine.sampling import SamplingParams
 from kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
 from kv_transfer.handoff import KVHandle, partial_notify
 from protos import kv_transfer_pb2
-from wire import metrics
+from wire import worker_metrics
 from wire.address import resolve, transfer_listen_opts
 from wire.internal_plane import check_bind
 from wire.tls import TlsConfig
@@ -47,7 +47,6 @@ class DecodeWorkerConfig:
     kv_transfer_backend: str = DEFAULT_BACKEND
     transfer_timeout_s: float = 10.0  # a read not done by then fails (and the router re-prefills)
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
-    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight streams may finish
     max_requests: int = 1024  # requests held at once (waiting for KV, queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
@@ -245,7 +244,7 @@ class DecodeWorker(WorkerShell):
                 # The wait after the last read started: for streamed KV, what is left after prefill.
                 seconds = max(h.finished_at for h in pull.handles) - pull.final_at
                 nbytes = sum(h.nbytes for h in pull.handles)
-                metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
+                worker_metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
                                          nbytes, sum(len(h.local_block_ids) for h in pull.handles),  # one descriptor per block
                                          self.config.model_name)
                 arrived.append((request_id, KVArrived(nbytes, seconds)))

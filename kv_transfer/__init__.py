@@ -1,9 +1,10 @@
 """Moving KV-cache blocks between two workers' caches (pull model).
 
 ``create_agent(backend, name, cache)`` builds the agent a worker keeps for its lifetime; see
-``kv_transfer.base`` for the contract and the state of a read. Backends: ``"nixl"`` (default,
-NIXL over UCX) and ``"tcp"`` (plain sockets, for hosts where UCX cannot run). A backend that
-cannot start raises BackendUnavailable; nothing falls back silently.
+``kv_transfer.base`` for the contract and the state of a read, ``kv_transfer.read`` for its
+types. Backends: ``"nixl"`` (default, NIXL over UCX) and ``"tcp"`` (plain sockets, for hosts
+where UCX cannot run). A backend that cannot start raises BackendUnavailable; nothing falls
+back silently.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import (BackendUnavailable, KVTransferAgent, TransferError,
-                              TransferHandle, TransferState, TransferStats)
-from kv_transfer.errors import InvalidTransferRequest
+from kv_transfer.base import KVTransferAgent
+from kv_transfer.errors import BackendUnavailable, InvalidTransferRequest, TransferError
+from kv_transfer.read import TransferHandle, TransferState, TransferStats
 
 DEFAULT_BACKEND = "nixl"
 BACKENDS = ("nixl", "tcp")

@@ -1,5 +1,5 @@
 """Typed errors of the KV-transfer layer; each names what failed and, where one applies, the
-limit that was crossed. Re-exported by ``kv_transfer.base`` and ``kv_transfer``."""
+limit that was crossed. Re-exported by ``kv_transfer``."""
 
 from __future__ import annotations
 

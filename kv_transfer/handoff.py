@@ -43,11 +43,6 @@ from dataclasses import dataclass, field
 
 from protos import worker_pb2
 
-# How long held KV waits to be pulled before it is freed (EXPIRED), unless configured. A decode
-# worker claims within milliseconds normally; the slack covers a router that waits for room in
-# a full decode pool.
-DEFAULT_LEASE_SECONDS = 30.0
-
 
 @dataclass(frozen=True)
 class KVHandle:

@@ -43,9 +43,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kv_transfer.base import KVTransferAgent, TransferHandle, TransferState
+from kv_transfer.base import KVTransferAgent
 from kv_transfer.errors import BackendUnavailable, InvalidTransferRequest, TransferError
 from kv_transfer.layout import layout_of_metadata
+from kv_transfer.read import TransferHandle, TransferState
 from protos import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)

@@ -17,9 +17,10 @@ from typing import Optional
 import torch
 
 from kv_transfer import tcp_wire
-from kv_transfer.base import KVTransferAgent, TransferHandle, TransferState
+from kv_transfer.base import KVTransferAgent
 from kv_transfer.errors import BackendUnavailable, InvalidTransferRequest
 from kv_transfer.layout import block_bytes_view
+from kv_transfer.read import TransferHandle, TransferState
 from protos import kv_transfer_pb2
 from wire.tls import TlsConfig
 

@@ -5,7 +5,7 @@ Request lifecycle on this worker:
 - WAITING: ``Prefill`` queued the prompt in the engine (behind others, under the token budget).
 - RUNNING: the prompt is being computed, in one or more chunks, batched with other prompts.
 - HELD: the first token is sampled and returned with a KV handle (block ids + a secret lease
-  token); the engine keeps the sequence HELD, its blocks under a lease (default 30 s).
+  token); the engine keeps the sequence HELD, its blocks under a lease (``lease_seconds``).
   A decode worker ``Claim``s the lease (token + exactly its block ids) before reading, which
   renews it; a refused claim changes nothing. ``Release(RETURNED)`` hands a claimed lease back
   unread, still HELD, for the router's next decode worker.

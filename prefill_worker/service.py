@@ -8,7 +8,8 @@ import grpc
 from engine.errors import InvalidRequestError, StepFailed
 from kv_transfer.handoff import KVHandle, LeaseRefused, reason_from_wire
 from protos import worker_pb2, worker_pb2_grpc
-from prefill_worker.worker import KVEarly, KVLeaseEnded, KVReady, PrefillResult, PrefillWorker
+from prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady
+from prefill_worker.worker import PrefillResult, PrefillWorker
 from wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from wire.failure import Failure, abort_with
 from wire.grpc_util import abort_invalid

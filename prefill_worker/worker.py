@@ -1,6 +1,6 @@
 """The prefill worker's core: the shared worker shell plus what only prefill has, the leases
 on held KV (``kv_transfer.handoff``), and the progress of prompts whose KV streams out while
-they compute (``prefill_stream``, ``KVWatch``)."""
+they compute (``prefill_stream``; its messages and watch are ``prefill_worker.kv_stream``)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from kv_transfer import DEFAULT_BACKEND, create_agent
 from wire.address import resolve, transfer_listen_opts
 from wire.internal_plane import check_bind
 from wire.tls import TlsConfig
-from kv_transfer.handoff import DEFAULT_LEASE_SECONDS, Lease, LeaseTable, ReleaseReason, lease_of_notify
+from kv_transfer.handoff import Lease, LeaseTable, ReleaseReason, lease_of_notify
 from prefill_worker.cache_events import CacheEventBatch, CacheEventLog
+from prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
 from protos import worker_pb2
 from wire.worker_shell import WorkerShell
 
@@ -42,12 +43,13 @@ class PrefillWorkerConfig:
     insecure_internal: bool = False  # allow binding beyond loopback without tls (wire.internal_plane)
     port: int = 0  # 0: any free port
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
-    lease_seconds: float = DEFAULT_LEASE_SECONDS  # held KV is freed this long after the first token at the latest
+    # Held KV is freed this long after the first token at the latest. No default here: the
+    # process entry passes the ``lease_seconds`` setting (declared once, in cluster.settings).
+    lease_seconds: float = field(kw_only=True)
     # A router that has not polled Stats (nor sent a Prefill) for this long is taken for dead:
     # the unclaimed KV held for it is freed then, not at lease expiry (routers poll every 0.2 s).
     owner_timeout_s: float = 10.0
     kv_transfer_backend: str = DEFAULT_BACKEND
-    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight prompts and held KV may finish
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
@@ -72,48 +74,6 @@ class PrefillResult:
     queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
     first_top_logprobs: TopLogprobs = ()
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # with params.prompt_logprobs
-
-
-@dataclass(frozen=True)
-class KVEarly:
-    """A streamed prompt has its blocks and its first chunk is computed: the lease on them."""
-
-    lease: Lease
-    ready_tokens: int
-
-
-@dataclass(frozen=True)
-class KVReady:
-    """Another chunk of a streamed prompt is computed."""
-
-    ready_tokens: int
-
-
-class KVLeaseEnded(Exception):
-    """A streamed prompt's lease ended before the prompt was done (the decode side gave up,
-    its router died, or it expired): the prompt was stopped."""
-
-
-class KVWatch:
-    """A streamed lease's progress, on the event loop, for ``WatchKV`` callers: how many
-    prompt tokens are computed, then the first token (done), or why it failed."""
-
-    def __init__(self, ready_tokens: int):
-        self.ready_tokens = ready_tokens
-        self.first_token: int | None = None
-        self.failed: str | None = None
-        self.changed = asyncio.Event()  # replaced at each update: wait on the one you read
-
-    def update(self, ready_tokens: int | None = None, first_token: int | None = None,
-               failed: str | None = None) -> None:
-        if self.first_token is not None or self.failed is not None:
-            return  # ended: later news (the lease's release after a good end) changes nothing
-        if ready_tokens is not None:
-            self.ready_tokens = ready_tokens
-        self.first_token = first_token
-        self.failed = failed
-        changed, self.changed = self.changed, asyncio.Event()
-        changed.set()
 
 
 class PrefillWorker(WorkerShell):

@@ -47,6 +47,15 @@ def engine_config(model_dir: Path | str, dtype: str = "float32", num_blocks: int
     )
 
 
+def prefill_worker_config(**fields):
+    """A ``PrefillWorkerConfig`` with ``pdserve serve``'s lease unless ``fields`` name one: the
+    config has no default of its own (``cluster.settings.LEASE_SECONDS`` is the one)."""
+    from cluster.settings import LEASE_SECONDS
+    from prefill_worker.worker import PrefillWorkerConfig
+
+    return PrefillWorkerConfig(**{"lease_seconds": LEASE_SECONDS.default, **fields})
+
+
 def make_engine(model_dir: Path | str, tokenizer=None, **kwargs) -> LLMEngine:
     config = engine_config(model_dir, **kwargs)
     model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)

@@ -24,7 +24,7 @@ class RunningServer:
     service: object = None  # the main servicer, for in-process callers (tests, the HTTP front)
     http_address: str | None = None  # the router's OpenAI HTTP front
     internal_address: str | None = None  # the router's internal plane (RouterAdmin); workers: ``address``
-    drain: Callable[[], Awaitable[None]] | None = None  # a worker's graceful stop (SIGTERM)
+    drain: Callable[[float], Awaitable[None]] | None = None  # a worker's graceful stop (SIGTERM), given its grace in s
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -15,9 +15,9 @@ import asyncio
 import signal
 import sys
 
+from cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, flag_type
 from engine.config import CacheConfig, EngineConfig
 from kv_transfer import BACKENDS, DEFAULT_BACKEND
-from kv_transfer.handoff import DEFAULT_LEASE_SECONDS
 from wire.logs import FORMATS, LEVELS, LogConfig, configure
 
 
@@ -30,10 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--kv-transfer-backend", default=DEFAULT_BACKEND, choices=BACKENDS)
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the memory budget's)")
-    p.add_argument("--drain-grace-s", type=float, default=30.0)
+    p.add_argument("--drain-grace-s", type=flag_type(DRAIN_GRACE_SECONDS, "--drain-grace-s"),
+                   default=DRAIN_GRACE_SECONDS.default, help=DRAIN_GRACE_SECONDS.help)
     p.add_argument("--max-requests", type=int, default=1024,
                    help="requests held at once; past it RESOURCE_EXHAUSTED at once")
-    p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS, help="prefill only")
+    p.add_argument(LEASE_SECONDS.flag, type=flag_type(LEASE_SECONDS), default=LEASE_SECONDS.default,
+                   help=f"{LEASE_SECONDS.help} (prefill only)")
     p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
     p.add_argument("--log-level", default=LogConfig.level, choices=LEVELS)
     p.add_argument("--log-format", default=LogConfig.format, choices=FORMATS)
@@ -43,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 def _config(args):
     engine = EngineConfig(model=args.model, cache=CacheConfig(num_blocks=args.num_blocks))
     common = dict(worker_id=args.worker_id or f"{args.role}-0", engine=engine, host=args.host, port=args.port,
-                  kv_transfer_backend=args.kv_transfer_backend, drain_grace_s=args.drain_grace_s,
+                  kv_transfer_backend=args.kv_transfer_backend,
                   max_requests=args.max_requests,
                   cpus=tuple(int(c) for c in args.cpus.split(",") if c))
     if args.role == "prefill":
@@ -55,8 +57,9 @@ def _config(args):
     return DecodeWorkerConfig(**common)
 
 
-async def run(config, role: str) -> None:
-    """Serve until SIGTERM or SIGINT, then drain and return."""
+async def run(config, role: str, drain_grace_s: float) -> None:
+    """Serve until SIGTERM or SIGINT, then drain (in-flight requests get ``drain_grace_s``)
+    and return."""
     if role == "prefill":
         from prefill_worker.server import start
     else:
@@ -68,15 +71,15 @@ async def run(config, role: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     print(f"listening on {running.address}", flush=True)
     await stop.wait()
-    print(f"draining (grace {config.drain_grace_s:.0f} s)", flush=True)
-    await running.drain()
+    print(f"draining (grace {drain_grace_s:.0f} s)", flush=True)
+    await running.drain(drain_grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     config = _config(args)
     configure(LogConfig(args.log_level, args.log_format), config.worker_id)
-    asyncio.run(run(config, args.role))
+    asyncio.run(run(config, args.role, args.drain_grace_s))
     return 0
 
 

@@ -30,7 +30,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.step_trace import StepTrace, trace_path
 from kv_transfer import KVTransferAgent
 from protos import worker_pb2
-from wire.metrics import WorkerSource, serve_worker
+from wire.worker_metrics import WorkerSource, serve_worker
 from wire.server import RunningServer, set_serving, start_server
 from wire.stats import worker_stats
 
@@ -43,8 +43,8 @@ _DRAIN_CHECK_S = 0.05
 
 class WorkerShell:
     """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id``,
-    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests``, ``max_receive_bytes``,
-    ``drain_grace_s`` and ``step_trace_dir`` (None: no step trace)."""
+    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests``, ``max_receive_bytes``
+    and ``step_trace_dir`` (None: no step trace)."""
 
     role: ClassVar[str]
 
@@ -216,9 +216,9 @@ class ShellRpcs:
 async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, str], None],
                 service: str) -> RunningServer:
     """Start ``worker``, its /metrics and its gRPC server; ``register(server, address,
-    metrics_address)`` adds the role's servicer. The returned server's ``drain`` (SIGTERM)
-    turns health NOT_SERVING, lets in-flight requests finish within the config's
-    ``drain_grace_s``, then stops everything."""
+    metrics_address)`` adds the role's servicer. The returned server's ``drain(grace_s)``
+    (SIGTERM) turns health NOT_SERVING, lets in-flight requests finish within ``grace_s``
+    (the process's ``drain_grace_seconds``), then stops everything."""
     config = worker.config
     worker.start()
     metrics = serve_worker(worker.endpoint, config.metrics_port, WorkerSource(
@@ -229,12 +229,12 @@ async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, s
                                  max_receive_bytes=config.max_receive_bytes,
                                  insecure_internal=config.insecure_internal)
 
-    async def drain() -> None:
+    async def drain(grace_s: float) -> None:
         await set_serving(running.health, [service], False)
-        idle = await worker.drain(config.drain_grace_s)
+        idle = await worker.drain(grace_s)
         if not idle:
             log.warning("%s: %d request(s) still in flight after %.0f s of drain; stopping",
-                        config.worker_id, worker.in_flight(), config.drain_grace_s)
+                        config.worker_id, worker.in_flight(), grace_s)
         await running.stop()
 
     running.drain = drain

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from benchmarks.planner.calibrate import NoisyPrefill, at_run_speed, run_speed, traced_steps
+from benchmarks.planner.calibrate import NoisyPrefill, at_run_speed, run_speed
+from benchmarks.planner.served_runs import traced_steps
 from engine.step_trace import StepShape, StepTrace, trace_path
 from planner.cost import CostModel
 from planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile

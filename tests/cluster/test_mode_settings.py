@@ -3,7 +3,7 @@ cluster's and router's configs (no cluster started)."""
 
 import pytest
 
-from cluster.local import ClusterConfig
+from cluster.config import ClusterConfig
 from cluster.mode import COLOCATED, DISAGGREGATED
 from cluster.serve_config import build
 from cluster.settings import SettingsError, resolve

@@ -12,7 +12,8 @@ import grpc
 import pytest
 import ray
 
-from cluster.local import ClusterConfig, LocalCluster
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
 from cluster.placement import PoolPlacement
 from engine.config import CacheConfig, EngineConfig
 from protos import pdserve_pb2, pdserve_pb2_grpc

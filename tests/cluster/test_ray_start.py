@@ -7,7 +7,8 @@ stand a fake in for ``ray.init`` (and ``ray.shutdown``); the rest of ``start_loc
 import pytest
 
 import cluster.ray_start as ray_start
-from cluster.local import ClusterConfig, LocalCluster
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
 
 GCS_TIMEOUT = RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_0123abcd")
 

@@ -5,7 +5,7 @@ what ``Controller.config()`` hands to any Ray client: the API key and the TLS pr
 from types import SimpleNamespace
 
 from cluster.controller import Controller
-from cluster.local import ClusterConfig
+from cluster.config import ClusterConfig
 from router.server import RouterConfig
 from wire.tls import TlsConfig
 

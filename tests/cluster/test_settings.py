@@ -5,13 +5,13 @@ import argparse
 import pytest
 
 from cluster.cli import main
-from cluster.local import ClusterConfig
+from cluster.config import ClusterConfig
 from cluster.serve_config import build
-from cluster.settings import SettingsError, add_arguments, resolve
+from cluster.settings import LEASE_SECONDS, SettingsError, add_arguments, resolve
 from decode_worker.worker import DecodeWorkerConfig
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from prefill_worker.worker import PrefillWorkerConfig
 from router.limits import RouterLimits
+from tests.factories import prefill_worker_config
 from wire.logs import LogConfig
 
 
@@ -38,8 +38,8 @@ def test_every_default_is_its_owners():
     the flag's, and the cluster built from no flags equals the dataclasses' defaults."""
     config = build(resolve(parse([]), environ={}))
     assert config.router_limits == RouterLimits()
-    assert config.lease_seconds == PrefillWorkerConfig().lease_seconds == ClusterConfig().lease_seconds
-    assert (config.kv_transfer_backend == PrefillWorkerConfig().kv_transfer_backend
+    assert config.lease_seconds == ClusterConfig().lease_seconds == LEASE_SECONDS.default
+    assert (config.kv_transfer_backend == prefill_worker_config().kv_transfer_backend
             == DecodeWorkerConfig().kv_transfer_backend == ClusterConfig().kv_transfer_backend)
     assert config.engine.scheduler == SchedulerConfig() and config.engine.cache == CacheConfig()
     assert config.engine.seed == EngineConfig().seed and config.log == LogConfig()
@@ -157,11 +157,8 @@ def test_chat_template_replaces_the_tokenizers_own(tmp_path):
 
 
 def test_step_trace_dir_reaches_every_worker_as_an_absolute_path(tmp_path, monkeypatch):
-    from cluster.local import LocalCluster
-
     monkeypatch.chdir(tmp_path)
     config = build(resolve(parse(["--step-trace-dir", "steps"]), environ={}))
     assert config.step_trace_dir == str(tmp_path / "steps")  # Ray starts workers in a directory of its own
-    cluster = LocalCluster(config)
-    assert {cluster._worker_config(role, 0).step_trace_dir for role in ("prefill", "decode")} == {config.step_trace_dir}
+    assert {config.worker_config(role, 0).step_trace_dir for role in ("prefill", "decode")} == {config.step_trace_dir}
     assert build(resolve(parse([]), environ={})).step_trace_dir is None  # off unless asked for

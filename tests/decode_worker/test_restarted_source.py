@@ -15,10 +15,10 @@ from decode_worker.server import start as start_decode
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.sampling import SamplingParams
 from prefill_worker.server import start as start_prefill
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from prefill_worker.worker import PrefillWorker
 from protos import worker_pb2_grpc
 from tests.decode_worker.test_lease_handoff import PROMPT, decode, prefill_one
-from tests.factories import make_engine
+from tests.factories import make_engine, prefill_worker_config
 from wire.grpc_util import aio_channel
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def test_a_prefill_worker_restarted_on_the_same_port_is_read_again(tiny_llama_di
     model_dir = tiny_llama_dir[0]
     expected = make_engine(model_dir).generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0,
                                                                         ignore_eos=True))[0].token_ids
-    config = PrefillWorkerConfig(worker_id="prefill-0", kv_transfer_backend="nixl")
+    config = prefill_worker_config(worker_id="prefill-0", kv_transfer_backend="nixl")
 
     async def outcome(p_stub, d_stub, rid):
         pre = await prefill_one(p_stub, rid=rid)

@@ -16,13 +16,13 @@ from decode_worker.server import start as start_decode
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.sampling import SamplingParams
 from prefill_worker.server import start as start_prefill
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from prefill_worker.worker import PrefillWorker
 from protos import worker_pb2, worker_pb2_grpc
 from router.frontend import ModelInfo, PreparedRequest
 from router.orchestrator import RequestRun
 from router.limits import RouterLimits
 from router.pool import WorkerClient, WorkerPool
-from tests.factories import assert_greedy_matches, make_engine, random_prompts
+from tests.factories import assert_greedy_matches, make_engine, prefill_worker_config, random_prompts
 from tests.metrics.metrics_helpers import LetterTokenizer
 from wire.grpc_util import aio_channel
 
@@ -47,7 +47,7 @@ async def workers(model_dir, backend: str, num_decode: int = 1):
     """A prefill worker that computes prompts in chunks of CHUNK tokens, and decode workers;
     prefix caching off, so that every prompt is computed, chunk by chunk, and freed blocks
     count as free."""
-    prefill = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend=backend),
+    prefill = PrefillWorker(prefill_worker_config(kv_transfer_backend=backend),
                             engine=make_engine(model_dir, num_blocks=64, max_num_batched_tokens=CHUNK,
                                                enable_prefix_cache=False))
     step = prefill.engine.step

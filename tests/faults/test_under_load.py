@@ -21,7 +21,8 @@ import grpc
 import pytest
 import ray
 
-from cluster.local import ClusterConfig, LocalCluster
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from protos import pdserve_pb2_grpc
 from tests.serving.conftest import worker_stats

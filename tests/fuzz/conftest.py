@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from cluster.local import ClusterConfig, LocalCluster
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from router.limits import RouterLimits
 from tests.serving.conftest import all_stats

@@ -12,7 +12,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wire import metrics
+from wire import metrics, worker_metrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 NAME = re.compile(r"pdserve:[A-Za-z0-9_:]+")
@@ -26,7 +26,7 @@ def dashboard() -> dict:
 
 def series_names() -> set[str]:
     """Every series name pdserve exports, e.g. ``pdserve:x_seconds_bucket``, ``pdserve:y_total``."""
-    text = metrics.render()[0].decode() + generate_latest(metrics.WORKER_REGISTRY).decode()
+    text = metrics.render()[0].decode() + generate_latest(worker_metrics.WORKER_REGISTRY).decode()
     return {f.name + suffix for f in text_string_to_metric_families(text) for suffix in SUFFIXES[f.type]}
 
 

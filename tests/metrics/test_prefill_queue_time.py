@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine.sampling import SamplingParams
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
-from tests.factories import make_engine
+from prefill_worker.worker import PrefillWorker
+from tests.factories import make_engine, prefill_worker_config
 
 CHUNK = 128
 
@@ -17,7 +17,7 @@ CHUNK = 128
 def worker(tiny_llama_dir):
     model_dir, _ = tiny_llama_dir
     engine = make_engine(model_dir, num_blocks=256, max_num_batched_tokens=CHUNK)
-    w = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend="tcp"), engine=engine)
+    w = PrefillWorker(prefill_worker_config(kv_transfer_backend="tcp"), engine=engine)
     w.start()
     yield w
     w.stop()

@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from cluster.autoscaling import from_mapping
-from cluster.local import ClusterConfig, LocalCluster
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from tests.metrics.test_deploy import DEPLOY, graph_panels
 

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos import worker_pb2
-from wire import metrics
+from wire import metrics, worker_metrics
 
 
 def exported_families() -> dict[str, str]:
@@ -42,7 +42,7 @@ class FakeWorker:
 @pytest.fixture
 def endpoint():
     worker = FakeWorker()
-    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("decode", "decode-7", lambda: worker.stats, 16, "tiny"))
+    ep = worker_metrics.serve_worker("127.0.0.1", 0, worker_metrics.WorkerSource("decode", "decode-7", lambda: worker.stats, 16, "tiny"))
     yield ep, worker
     ep.stop()
 
@@ -76,7 +76,7 @@ def test_a_worker_endpoint_serves_no_router_family(endpoint):
 
 
 def test_a_stopped_worker_is_no_longer_exported():
-    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("prefill", "prefill-9", worker_pb2.WorkerStats, 16))
+    ep = worker_metrics.serve_worker("127.0.0.1", 0, worker_metrics.WorkerSource("prefill", "prefill-9", worker_pb2.WorkerStats, 16))
     assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9", "model_name": "smollm2"}) == 0
     ep.stop()
     assert metrics.REGISTRY.get_sample_value("pdserve:kv_transfers_total", {"pool": "prefill", "worker": "prefill-9", "model_name": "smollm2"}) is None
@@ -85,9 +85,9 @@ def test_a_stopped_worker_is_no_longer_exported():
 def test_preemptions_and_per_read_transfer_histograms_with_their_backend():
     worker = FakeWorker()
     worker.stats.num_preemptions = 3
-    ep = metrics.serve_worker("127.0.0.1", 0, metrics.WorkerSource("decode", "decode-8", lambda: worker.stats, 16, "tiny"))
-    metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.003, nbytes=5 << 20, descriptors=20, model_name="tiny")
-    metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.2, nbytes=1 << 20, descriptors=4, model_name="tiny")
+    ep = worker_metrics.serve_worker("127.0.0.1", 0, worker_metrics.WorkerSource("decode", "decode-8", lambda: worker.stats, 16, "tiny"))
+    worker_metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.003, nbytes=5 << 20, descriptors=20, model_name="tiny")
+    worker_metrics.kv_transfer_done("decode", "decode-8", "tcp", seconds=0.2, nbytes=1 << 20, descriptors=4, model_name="tiny")
     got = scrape(ep.address)
     assert got[("pdserve:num_preemptions_total", (("model_name", "tiny"), ("pool", "decode"), ("worker", "decode-8")))] == 3
     labels = (("backend", "tcp"), ("model_name", "tiny"), ("pool", "decode"), ("worker", "decode-8"))

@@ -15,7 +15,7 @@ from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.sampling import SamplingParams
 from kv_transfer.handoff import ReleaseReason
 from prefill_worker.server import start as start_prefill
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from prefill_worker.worker import PrefillWorker
 from protos import worker_pb2
 from router.frontend import ModelInfo, PreparedRequest
 from router.kv_index import prompt_block_hashes
@@ -23,7 +23,7 @@ from router.kv_policy import RoutingConfig
 from router.orchestrator import RequestRun
 from router.limits import RouterLimits
 from router.pool import WorkerPool
-from tests.factories import assert_greedy_matches, load_reference, make_engine, random_prompts
+from tests.factories import assert_greedy_matches, load_reference, make_engine, prefill_worker_config, random_prompts
 from tests.metrics.metrics_helpers import LetterTokenizer, sample
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ MAX_TOKENS = 6
 async def cluster(model_dir, prefill_blocks: int):
     """Two prefill workers and a decode worker, and a router pool over them that polls only
     when the test says (``pool.refresh``), so the test decides how stale the index is."""
-    prefills = [PrefillWorker(PrefillWorkerConfig(worker_id=f"prefill-{i}", kv_transfer_backend="tcp"),
+    prefills = [PrefillWorker(prefill_worker_config(worker_id=f"prefill-{i}", kv_transfer_backend="tcp"),
                               engine=make_engine(model_dir, num_blocks=prefill_blocks, block_size=BLOCK))
                 for i in range(2)]
     decode = DecodeWorker(DecodeWorkerConfig(kv_transfer_backend="tcp"), engine=make_engine(model_dir, num_blocks=64))

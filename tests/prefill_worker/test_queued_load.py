@@ -4,15 +4,15 @@ prefill autoscaling signal) leaves out queued prompt tokens its prefix cache alr
 import asyncio
 
 from engine.sampling import SamplingParams
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
-from tests.factories import make_engine, random_prompts
+from prefill_worker.worker import PrefillWorker
+from tests.factories import make_engine, prefill_worker_config, random_prompts
 
 SYSTEM = random_prompts(1, [48], seed=31)[0]  # 3 blocks of 16
 QUESTIONS = random_prompts(3, [5, 9, 12], seed=32)
 
 
 def test_queued_tokens_the_cache_holds_are_not_load(tiny_llama_dir):
-    worker = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend="tcp"), engine=make_engine(tiny_llama_dir[0]))
+    worker = PrefillWorker(prefill_worker_config(kv_transfer_backend="tcp"), engine=make_engine(tiny_llama_dir[0]))
     params = SamplingParams(max_tokens=2)
     worker.engine.generate([SYSTEM + QUESTIONS[0]], params)  # the prefix is now cached
 

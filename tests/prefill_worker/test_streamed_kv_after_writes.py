@@ -12,7 +12,8 @@ import torch
 
 import prefill_worker.worker as worker_module
 from kv_transfer.handoff import LeaseTable
-from prefill_worker.worker import KVEarly, KVReady, PrefillWorker
+from prefill_worker.kv_stream import KVEarly, KVReady
+from prefill_worker.worker import PrefillWorker
 
 
 class FakeEngine:

@@ -24,7 +24,8 @@ import openai  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from cluster.local import ClusterConfig, LocalCluster  # noqa: E402
+from cluster.config import ClusterConfig  # noqa: E402
+from cluster.local import LocalCluster  # noqa: E402
 from cluster.placement import PoolPlacement  # noqa: E402
 from engine.config import CacheConfig, EngineConfig  # noqa: E402
 from protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402

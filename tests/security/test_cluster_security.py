@@ -19,7 +19,8 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.certs import COMPONENTS, issue, make_ca
-from cluster.local import ClusterConfig, LocalCluster
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.serving.test_disaggregated import chat_request, collect, assert_chat_greedy, reference  # noqa: F401

@@ -5,7 +5,8 @@ import dataclasses
 import grpc
 import pytest
 
-from cluster.local import ClusterConfig, LocalCluster
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from protos import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.limits import RouterLimits

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cluster.autoscaling import pool_config
-from cluster.local import ClusterConfig, LocalCluster
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from protos import pdserve_pb2, pdserve_pb2_grpc
 

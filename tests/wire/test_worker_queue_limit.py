@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from prefill_worker.server import start
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from prefill_worker.worker import PrefillWorker
 from protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from tests.factories import make_engine, random_prompts
+from tests.factories import make_engine, prefill_worker_config, random_prompts
 from wire.grpc_util import aio_channel
 
 
@@ -23,7 +23,7 @@ def prefill_request(rid: str, prompt) -> worker_pb2.PrefillRequest:
 
 
 def test_past_max_requests_a_worker_refuses_at_once_and_serves_the_admitted(tiny_llama_dir):
-    config = PrefillWorkerConfig(kv_transfer_backend="tcp", max_requests=2)
+    config = prefill_worker_config(kv_transfer_backend="tcp", max_requests=2)
     worker = PrefillWorker(config, engine=make_engine(tiny_llama_dir[0]))
     prompts = random_prompts(3, [20, 20, 20], seed=9)
     hold = threading.Event()
@@ -58,7 +58,7 @@ def test_past_max_requests_a_worker_refuses_at_once_and_serves_the_admitted(tiny
 
 
 def test_a_request_over_max_receive_bytes_is_resource_exhausted_and_the_worker_serves_on(tiny_llama_dir):
-    config = PrefillWorkerConfig(kv_transfer_backend="tcp", max_receive_bytes=16 << 10)
+    config = prefill_worker_config(kv_transfer_backend="tcp", max_receive_bytes=16 << 10)
     worker = PrefillWorker(config, engine=make_engine(tiny_llama_dir[0]))
     small = random_prompts(1, [20], seed=10)[0]
 

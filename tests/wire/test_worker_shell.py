@@ -11,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.engine_thread import EngineThread
 from prefill_worker.server import start
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from prefill_worker.worker import PrefillWorker
 from protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from tests.factories import fail_sampling_for, make_engine, nan_logits_for, random_prompts
+from tests.factories import fail_sampling_for, make_engine, nan_logits_for, prefill_worker_config, random_prompts
 from wire.failure import Failure, failure_of
 from wire.grpc_util import aio_channel
 
@@ -35,7 +35,7 @@ def test_an_idle_engine_thread_blocks_instead_of_polling(engine):
 
 
 def test_a_step_outputs_reach_the_event_loop_in_one_wake_up(engine):
-    worker = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend="tcp"), engine=engine)
+    worker = PrefillWorker(prefill_worker_config(kv_transfer_backend="tcp"), engine=engine)
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -62,7 +62,7 @@ def prefill_request(rid: str, prompt, temperature: float) -> worker_pb2.PrefillR
 
 
 def test_a_step_that_raises_fails_its_prompt_with_a_typed_code_and_the_worker_serves_on(engine):
-    config = PrefillWorkerConfig(kv_transfer_backend="tcp")
+    config = prefill_worker_config(kv_transfer_backend="tcp")
     worker = PrefillWorker(config, engine=engine)
     fail_sampling_for(engine, "bad")
     bad, good = random_prompts(2, [30, 20], seed=5)
@@ -90,7 +90,7 @@ def test_a_step_that_raises_fails_its_prompt_with_a_typed_code_and_the_worker_se
 def test_a_request_whose_own_fault_ends_it_gets_invalid_argument_and_its_batch_does_not(engine):
     """NaN logits for "bad" alone: its Prefill ends INVALID_ARGUMENT naming the field, and
     "good", sent at the same time (same step), gets its answer."""
-    config = PrefillWorkerConfig(kv_transfer_backend="tcp")
+    config = prefill_worker_config(kv_transfer_backend="tcp")
     worker = PrefillWorker(config, engine=engine)
     nan_logits_for(engine, "bad")
     bad, good = random_prompts(2, [30, 20], seed=5)
@@ -116,7 +116,7 @@ def test_a_request_whose_own_fault_ends_it_gets_invalid_argument_and_its_batch_d
 
 
 def test_drain_refuses_new_prompts_and_waits_for_held_kv(engine):
-    config = PrefillWorkerConfig(kv_transfer_backend="tcp", drain_grace_s=60.0)
+    config = prefill_worker_config(kv_transfer_backend="tcp")
     worker = PrefillWorker(config, engine=engine)
     first, second = random_prompts(2, [20, 20], seed=6)
 
@@ -126,7 +126,7 @@ def test_drain_refuses_new_prompts_and_waits_for_held_kv(engine):
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             held = await stub.Prefill(prefill_request("a", first, 0.0), timeout=60)
-            drain = asyncio.create_task(server.drain())
+            drain = asyncio.create_task(server.drain(60.0))
             while not worker.draining:
                 await asyncio.sleep(0.01)
             status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
@@ -202,7 +202,7 @@ def test_pin_process_moves_every_thread_and_sizes_torch_to_the_cores():
 def test_a_worker_with_a_step_trace_dir_traces_its_engine_steps(engine, tmp_path):
     from engine.step_trace import read, trace_path
 
-    config = PrefillWorkerConfig(worker_id="prefill-7", kv_transfer_backend="tcp", step_trace_dir=str(tmp_path))
+    config = prefill_worker_config(worker_id="prefill-7", kv_transfer_backend="tcp", step_trace_dir=str(tmp_path))
     worker = PrefillWorker(config, engine=engine)
     prompt = random_prompts(1, [40], seed=9)[0]
 
