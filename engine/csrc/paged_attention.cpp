@@ -36,10 +36,13 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "attention_avx2.h"
 #include "attention_kernels.h"
 #include "isa.h"
 #include "ops.h"
+#include "paged_attention_checks.h"
 #include "parallel_chunks.h"
+#include "scratch_buffer.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -54,6 +57,7 @@
 namespace {
 
 using pdserve::exp_nonpositive;
+using namespace pdserve::attention_avx2;
 
 constexpr int64_t KEYS = 8;        // keys per score vector (one AVX2 register)
 constexpr int64_t QUERY_TILE = 32;  // queries of one sequence per work item: they share K/V loads (8: 6.5 ms
@@ -66,52 +70,6 @@ constexpr int64_t PREFETCH_KEYS = 16;
 constexpr int64_t WIDE_MIN_ROWS = 8;
 constexpr int64_t WIDE_KEYS = 16;
 
-// ---- loads: every dtype widens exactly to float32 -------------------------------------------
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) { return pdserve::load8_bf16(p); }
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-template <typename T>
-inline void widen_row(const T* src, float* dst, int64_t hd) {
-  for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
-}
-
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t hd) {
-  for (int64_t d = 0; d < hd; ++d) dst[d] = static_cast<T>(src[d]);  // round to nearest even
-}
-template <>
-inline void store_row<float>(const float* src, float* dst, int64_t hd) {
-  std::copy(src, src + hd, dst);
-}
-
-// ---- fixed reductions ------------------------------------------------------------------------
-// 8 accumulators (one per key) -> one vector of their 8 lane sums. Every key gets the same
-// tree: ((x0+x4)+(x1+x5)) + ((x2+x6)+(x3+x7)).
-inline __m256 reduce8(const __m256* a) {
-  __m256 u04 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[4], 0x20), _mm256_permute2f128_ps(a[0], a[4], 0x31));
-  __m256 u15 = _mm256_add_ps(_mm256_permute2f128_ps(a[1], a[5], 0x20), _mm256_permute2f128_ps(a[1], a[5], 0x31));
-  __m256 u26 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[6], 0x20), _mm256_permute2f128_ps(a[2], a[6], 0x31));
-  __m256 u37 = _mm256_add_ps(_mm256_permute2f128_ps(a[3], a[7], 0x20), _mm256_permute2f128_ps(a[3], a[7], 0x31));
-  return _mm256_hadd_ps(_mm256_hadd_ps(u04, u15), _mm256_hadd_ps(u26, u37));
-}
-
-inline float hsum(__m256 v) {  // (l0+l4)+(l2+l6) + (l1+l5)+(l3+l7), always this tree
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {  // max is exact: the order does not matter
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // ---- one work item ---------------------------------------------------------------------------
 struct Geometry {
   int64_t nh, nkv, group, hd, block_size, max_blocks;
@@ -123,39 +81,9 @@ struct Item {
   int32_t seq, kv_head, q_begin, q_end;  // queries [q_begin, q_end) of the sequence
 };
 
-// A float32 buffer whose start sits at a fixed offset from a 4 KiB boundary. The hot loops
-// load from one buffer while storing to another, and heap-placed std::vectors left their
-// relative placement to the allocations before them: one unrelated change to this struct cost
-// the AVX2 loops a quarter of their speed, decode included. Placed this way, each buffer has
-// its own offset within a page, and the speed no longer depends on the heap.
-class Buffer {
- public:
-  explicit Buffer(int64_t lines) : offset_(lines * 16) {}
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() { std::free(base_); }
-  float* data() { return p_; }
-  float& operator[](int64_t i) { return p_[i]; }
-  // At least n floats, zero where new (contents are not kept across a growth).
-  void grow(int64_t n) {
-    if (n <= n_) return;
-    std::free(base_);
-    const size_t bytes = (static_cast<size_t>(n + offset_) * sizeof(float) + 4095) / 4096 * 4096;
-    base_ = static_cast<float*>(std::aligned_alloc(4096, bytes));
-    TORCH_CHECK(base_ != nullptr, "paged_attention: out of memory for ", bytes, " bytes of scratch");
-    std::memset(base_, 0, bytes);
-    p_ = base_ + offset_;
-    n_ = n;
-  }
-
- private:
-  const int64_t offset_;  // floats
-  float* base_ = nullptr;
-  float* p_ = nullptr;
-  int64_t n_ = 0;
-};
-
 // Per-thread buffers, kept between calls (a layer call must not pay for zeroing them).
+using pdserve::Buffer;
+
 struct Scratch {
   // (R, hd), (R, S), (R, hd), (KEYS, hd), (R,); zero: (hd,) the row read for keys past the end.
   Buffer q{0}, scores{16}, acc{32}, kv{48}, denom{13}, zero{29};
@@ -373,56 +301,6 @@ class Worker {
   const uint64_t call_;
 };
 
-// ---- validation ------------------------------------------------------------------------------
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
-                  const at::Tensor& cu_q, const at::Tensor& ctx) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_attention: q must be on the CPU, got ", q.device());
-  TORCH_CHECK(q.dim() == 3, "paged_attention: q must be (T, nh, hd), got ", q.sizes());
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(),
-              "paged_attention: k_cache and v_cache must both be (num_blocks, block_size, nkv, hd), got ",
-              k.sizes(), " and ", v.sizes());
-  const auto dt = q.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "paged_attention: dtype must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, "paged_attention: k_cache/v_cache dtype ",
-              k.scalar_type(), "/", v.scalar_type(), " differs from q's ", dt);
-  const int64_t nh = q.size(1), hd = q.size(2), nkv = k.size(2);
-  TORCH_CHECK(k.size(3) == hd, "paged_attention: cache head_dim ", k.size(3), " differs from q's ", hd);
-  TORCH_CHECK(hd % 8 == 0 && hd > 0, "paged_attention: head_dim must be a positive multiple of 8, got ", hd);
-  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "paged_attention: num_heads ", nh, " is not a multiple of num_kv_heads ", nkv);
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "paged_attention: q, k_cache and v_cache need a contiguous last dimension");
-  TORCH_CHECK(k.strides() == v.strides(), "paged_attention: k_cache and v_cache must have equal strides "
-              "(views of one cache), got ", k.strides(), " and ", v.strides());
-  for (const auto* t : {&tables, &cu_q, &ctx})
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
-                "paged_attention: block_tables, cu_query_lens and context_lens must be contiguous int32");
-  TORCH_CHECK(tables.dim() == 2, "paged_attention: block_tables must be (B, M), got ", tables.sizes());
-  const int64_t b = tables.size(0);
-  TORCH_CHECK(cu_q.dim() == 1 && cu_q.numel() == b + 1, "paged_attention: cu_query_lens must have B+1 = ", b + 1,
-              " entries, got ", cu_q.numel());
-  TORCH_CHECK(ctx.dim() == 1 && ctx.numel() == b, "paged_attention: context_lens must have B = ", b,
-              " entries, got ", ctx.numel());
-}
-
-void check_lengths(const int32_t* tables, const int32_t* cu_q, const int32_t* ctx, int64_t b, int64_t m,
-                   int64_t block_size, int64_t num_blocks, int64_t tokens) {
-  TORCH_CHECK(cu_q[0] == 0 && cu_q[b] == tokens, "paged_attention: cu_query_lens must run from 0 to T = ", tokens,
-              ", got ", cu_q[0], "..", cu_q[b]);
-  for (int64_t i = 0; i < b; ++i) {
-    const int64_t qlen = cu_q[i + 1] - cu_q[i];
-    TORCH_CHECK(qlen >= 0 && qlen <= ctx[i], "paged_attention: sequence ", i, " has query_len ", qlen,
-                " outside [0, context_len = ", ctx[i], "]");
-    const int64_t used = (ctx[i] + block_size - 1) / block_size;
-    TORCH_CHECK(used <= m, "paged_attention: sequence ", i, " needs ", used, " blocks, block_tables has ", m);
-    for (int64_t j = 0; j < used; ++j) {
-      const int32_t blk = tables[i * m + j];
-      TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention: block_tables[", i, "][", j, "] = ", blk,
-                  " outside [0, num_blocks = ", num_blocks, ")");
-    }
-  }
-}
-
 template <typename T>
 void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
              const int32_t* tables, const int32_t* cu_q, const int32_t* ctx, int64_t b, float scale) {
@@ -458,13 +336,13 @@ namespace pdserve {
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                            const at::Tensor& cu_q, const at::Tensor& ctx, double scale) {
-  check_inputs(q_in, k, v, tables, cu_q, ctx);
+  paged_attention_checks::check_inputs(q_in, k, v, tables, cu_q, ctx);
   const at::Tensor q = q_in;
   const int64_t b = tables.size(0), m = tables.size(1);
   const int32_t* tab = tables.const_data_ptr<int32_t>();
   const int32_t* cq = cu_q.const_data_ptr<int32_t>();
   const int32_t* cx = ctx.const_data_ptr<int32_t>();
-  check_lengths(tab, cq, cx, b, m, k.size(1), k.size(0), q.size(0));
+  paged_attention_checks::check_lengths(tab, cq, cx, b, m, k.size(1), k.size(0), q.size(0));
   Geometry g{q.size(1), k.size(2), q.size(1) / k.size(2), q.size(2), k.size(1), m,
              q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2)};
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous (T, nh, hd)
