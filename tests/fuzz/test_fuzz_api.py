@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protos import pdserve_pb2
+from router.validation import RequestLimits
 from tests.fuzz.conftest import assert_all_blocks_free, assert_no_process_died
 
 pytestmark = pytest.mark.slow
@@ -196,7 +197,9 @@ def test_grpc_hostile_fields(raw_generate, req):
 
 
 def test_grpc_oversized_message_is_invalid_argument(raw_generate):
-    req = pdserve_pb2.GenerateRequest(text="x" * (5 << 20))
+    """Over max_body_bytes but within what the transport takes (the larger of its 4 MiB and
+    twice max_body_bytes): the router's own check answers, naming the limit."""
+    req = pdserve_pb2.GenerateRequest(text="x" * (RequestLimits().max_body_bytes + (1 << 20)))
     with pytest.raises(grpc.RpcError) as err:
         list(raw_generate(req.SerializeToString(), timeout=CLIENT_TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_body_bytes" in err.value.details()
