@@ -32,14 +32,17 @@ Results file schema, "pdserve-serving-benchmark/1" (times in ms, rates per secon
     results: [{server, load, completed, failed, valid (completed > 0 and failed == 0), duration_s,
                req_s, output_tok_s,
                ttft_ms: {mean, p50, p90, p99}, tpot_ms: {...}, itl_ms: {...}, e2el_ms: {...},
-               cpu: {busy_cores, server_cores, loadavg_1m_before}, raw_result: path}]   paths: relative to the file
+               cpu: {busy_cores, server_cores, window_s, busy_cores_whole_run, server_cores_whole_run,
+                     window_s_whole_run, loadavg_1m_before}, raw_result: path}]   paths: relative to the file
     ratios: {LOAD: {ttft_p50, tpot_p50, output_tok_s}}   pdserve / vLLM; null if a side is missing or not valid
     targets: [{target, load, ratio, bound, kind: "max" | "min", value, met: bool | null}]
     profiles: {"pdserve/LOAD/ROLE": {file, samples, waiting_share, self: [[frame, share of busy samples]],
                inclusive: [...]}}                         (serving_report.profile_summary)
-cpu.busy_cores is the whole machine's average busy cores over the load, server_cores the part the
+cpu.busy_cores is the whole machine's average busy cores over the load's main run (window_s:
+vllm bench serve's timed requests, not its start-up or warmup), server_cores the part the
 server's own processes used; the rest is the load generator and whatever else runs (the machine
-is shared).
+is shared). The *_whole_run figures span the load generator's whole life, as results before
+2026-11-25 04:00 UTC did.
 """
 
 from __future__ import annotations
@@ -137,6 +140,18 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+# vllm bench serve's lines around its main run (after the warmup requests)
+MAIN_RUN_START = b"Starting main benchmark run"
+MAIN_RUN_END = b"Serving Benchmark Result"
+
+
+def cpu_shares(a: tuple[float, float, float], b: tuple[float, float, float]) -> dict[str, float]:
+    """Average busy cores between two (time, machine busy s, server cpu s) marks."""
+    wall = max(b[0] - a[0], 1e-9)
+    return {"busy_cores": round((b[1] - a[1]) / wall, 2), "server_cores": round((b[2] - a[2]) / wall, 2),
+            "window_s": round(wall, 1)}
+
+
 def busy_seconds() -> float:
     t = psutil.cpu_times()
     return sum(t) - t.idle - getattr(t, "iowait", 0.0)
@@ -180,15 +195,25 @@ def run_server(args, server: ServerProcess, step, doc: dict) -> None:
                 files = start_profiles(args, server, load, profiler)
             step(f"{name}: {load.label}" + (f" (py-spy on {', '.join(files)})" if files else ""))
             tree, loadavg = server_tree(server), os.getloadavg()[0]
-            busy0, mine0, t0 = busy_seconds(), cpu_seconds(tree), time.monotonic()
+            # CPU over the main run only: from vllm bench's "Starting main benchmark run" to
+            # its result banner (not its start-up, tokenizer load, prompt sampling or warmup,
+            # which ran the load generator alone and made every server look idler).
+            marks: dict[str, tuple[float, float, float]] = {}
+
+            def mark(name: str, tree=tree) -> None:
+                marks[name] = (time.monotonic(), busy_seconds(), cpu_seconds(tree))
+
+            mark("launch")
             try:
                 rc = run_teed(bench_cmd(args, server.port, model, load, result), bench_env(),
-                              args.out_dir / f"{name}-{load.name}.log")
+                              args.out_dir / f"{name}-{load.name}.log",
+                              marks={MAIN_RUN_START: lambda: mark("start"), MAIN_RUN_END: lambda: mark("end")})
             finally:
                 written = profiler.stop()
-            wall = time.monotonic() - t0
-            cpu = {"busy_cores": round((busy_seconds() - busy0) / wall, 2),
-                   "server_cores": round((cpu_seconds(tree) - mine0) / wall, 2), "loadavg_1m_before": loadavg}
+            mark("exit")
+            cpu = cpu_shares(marks.get("start", marks["launch"]), marks.get("end", marks["exit"]))
+            cpu.update({f"{k}_whole_run": v for k, v in cpu_shares(marks["launch"], marks["exit"]).items()},
+                       loadavg_1m_before=loadavg)
             if rc != 0 or not result.exists():
                 raise ServerError(f"vllm bench serve against {name} ({load.name}) exited with {rc}; "
                                   f"log: {args.out_dir / f'{name}-{load.name}.log'}")

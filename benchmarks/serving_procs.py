@@ -165,15 +165,24 @@ class ServerProcess:
                   flush=True)
 
 
-def run_teed(cmd: list[str], env: dict[str, str], log: Path) -> int:
+def run_teed(cmd: list[str], env: dict[str, str], log: Path,
+             marks: dict[bytes, Callable[[], None]] | None = None) -> int:
     """Run a command in its own group, copying its output (progress bars included) to the
-    terminal and to log; on any exception (Ctrl-C included) the group is killed."""
+    terminal and to log; on any exception (Ctrl-C included) the group is killed. marks: each
+    callback runs once, as soon as its text first appears in the output."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    pending = dict(marks or {})
+    keep = max((len(t) for t in pending), default=1) - 1
+    tail = b""  # the end of the previous chunk, for a mark split between two reads
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         with log.open("wb") as out:
             while chunk := os.read(proc.stdout.fileno(), 4096):
+                seen = tail + chunk
+                for text in [t for t in pending if t in seen]:
+                    pending.pop(text)()
+                tail = seen[-keep:] if keep else b""
                 out.write(chunk)
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()

@@ -79,6 +79,20 @@ def test_run_teed_returns_the_exit_code_and_keeps_the_output(tmp_path, capfd):
     assert "progress 50%" in capfd.readouterr().out
 
 
+def test_run_teed_calls_each_mark_once_when_its_text_appears_even_split_between_reads(tmp_path):
+    # the first mark is written in two flushes with a pause between, so two reads see its halves
+    script = ("import sys, time\n"
+              "print('warmup'); sys.stdout.write('Starting main bench'); sys.stdout.flush(); time.sleep(0.3)\n"
+              "print('mark run'); sys.stdout.flush(); time.sleep(0.3)\n"
+              "print('== Result =='); print('== Result ==')\n")
+    seen = []
+    rc = run_teed([sys.executable, "-c", script], {}, tmp_path / "out.log",
+                  marks={b"Starting main benchmark run": lambda: seen.append("start"),
+                         b"== Result ==": lambda: seen.append("end"), b"never printed": lambda: seen.append("no")})
+    assert rc == 0
+    assert seen == ["start", "end"]
+
+
 def test_a_server_that_exits_before_healthy_is_started_again(tmp_path):
     import argparse
 
