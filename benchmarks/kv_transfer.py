@@ -34,9 +34,9 @@ if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from engine.kv_cache import host_zeros  # noqa: E402
-from kv_transfer import TransferState, create_agent  # noqa: E402
-from protos import kv_transfer_pb2  # noqa: E402
+from pdserve.engine.kv_cache import host_zeros  # noqa: E402
+from pdserve.kv_transfer import TransferState, create_agent  # noqa: E402
+from pdserve.protos import kv_transfer_pb2  # noqa: E402
 
 SMOLLM2_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 2  # layers, K/V, tokens, kv heads, dims, bf16
 
