@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import time
-
-# Run as a script, this file's folder comes first on sys.path, and benchmarks/engine.py would
-# shadow the engine package: the tree under test is the one PYTHONPATH names.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 async def _serve(model: str) -> None:

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(REPO_ROOT)  # else benchmarks/kv_transfer.py shadows the kv_transfer package
+sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 

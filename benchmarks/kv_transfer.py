@@ -26,10 +26,7 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# `python benchmarks/kv_transfer.py` puts benchmarks/ first on sys.path, where this very file
-# would shadow the kv_transfer package; point that entry at the repo root instead.
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(REPO_ROOT)
+sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
