@@ -42,7 +42,7 @@ bench-engine: $(STAMP)
 	$(PY) benchmarks/engine.py
 
 protos: $(STAMP)
-	$(PY) protos/generate.py
+	$(PY) pdserve/protos/generate.py
 
 # Resolve pyproject.toml's ranges afresh in a scratch venv and write every version down.
 lock:

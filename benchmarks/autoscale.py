@@ -18,10 +18,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cluster.autoscaling import pool_config  # noqa: E402
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.local import LocalCluster  # noqa: E402
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdserve.cluster.autoscaling import pool_config  # noqa: E402
+from pdserve.cluster.config import ClusterConfig  # noqa: E402
+from pdserve.cluster.local import LocalCluster  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from tests.serving.test_autoscale import FAST, send_load  # noqa: E402
 
 

@@ -24,9 +24,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampling import SamplingParams  # noqa: E402
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int, tag: str) -> tuple[float, list[list[int]]]:

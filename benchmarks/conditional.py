@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.pd_modes import (Stream, load_average, percentile, pinned_cores, random_prompt,  # noqa: E402
                                  run_stream, start, stub_for)
-from cluster.mode import DISAGGREGATED  # noqa: E402
-from router.local_prefill import LocalPrefillConfig  # noqa: E402
-from router.limits import RouterLimits  # noqa: E402
+from pdserve.cluster.mode import DISAGGREGATED  # noqa: E402
+from pdserve.router.local_prefill import LocalPrefillConfig  # noqa: E402
+from pdserve.router.limits import RouterLimits  # noqa: E402
 
 
 def schedule(args) -> list[tuple[float, int, int]]:

@@ -5,7 +5,7 @@ memory-bandwidth floor of a batch-1 decode step, all measured in one run on this
     .venv/bin/python benchmarks/engine.py --dtypes float32 --batches 1 8
     .venv/bin/python benchmarks/engine.py --dtypes bfloat16 --threads 1 2 --no-baseline
 
-Both dtypes run pdserve's batch-invariant kernels on CPU (engine/csrc/linear.cpp; float32
+Both dtypes run pdserve's batch-invariant kernels on CPU (pdserve/engine/csrc/linear.cpp; float32
 keeps torch's RMSNorm and SiLU). ``--threads`` repeats everything at each torch thread count (a cluster worker
 runs one), with the bandwidth, and so the floor, measured at that count.
 
@@ -33,12 +33,12 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.linear import PackedLinear  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import materialize  # noqa: E402
-from engine.model import CausalLM  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.linear import PackedLinear  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.loader import materialize  # noqa: E402
+from pdserve.engine.model import CausalLM  # noqa: E402
+from pdserve.engine.sampling import SamplingParams  # noqa: E402
 
 
 def read_bandwidth_gbs(gib: float = 0.5, repeats: int = 5) -> float:

@@ -25,11 +25,13 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
-import json, sys, time, torch
+import importlib, json, os, sys, time, torch
 sys.path.insert(0, sys.argv[1])
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+# Revisions before the one import name keep the engine at the top level of the tree.
+pkg = "pdserve.engine" if os.path.isdir(os.path.join(sys.argv[1], "pdserve", "engine")) else "engine"
+EngineConfig = importlib.import_module(pkg + ".config").EngineConfig
+LLMEngine = importlib.import_module(pkg + ".llm_engine").LLMEngine
+SamplingParams = importlib.import_module(pkg + ".sampling").SamplingParams
 batch, steps, dtype = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.set_num_threads(1)
 engine = LLMEngine.from_config(EngineConfig(model="default", dtype=dtype), detokenize=False)

@@ -37,10 +37,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import materialize  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.loader import materialize  # noqa: E402
+from pdserve.engine.sampling import SamplingParams  # noqa: E402
 
 FIRST_REGULAR_ID = 100  # skip SmolLM2's special tokens
 

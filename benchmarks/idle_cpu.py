@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import time
 
-# Run as a script, this file's folder comes first on sys.path, and benchmarks/engine.py would
-# shadow the engine package: the tree under test is the one PYTHONPATH names.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
 
 async def _serve(model: str) -> None:
-    from cluster.settings import LEASE_SECONDS
-    from decode_worker.server import start as start_decode
-    from decode_worker.worker import DecodeWorkerConfig
-    from engine.config import CacheConfig, EngineConfig
-    from prefill_worker.server import start as start_prefill
-    from prefill_worker.worker import PrefillWorkerConfig
+    from pdserve.cluster.settings import LEASE_SECONDS
+    from pdserve.decode_worker.server import start as start_decode
+    from pdserve.decode_worker.worker import DecodeWorkerConfig
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.prefill_worker.server import start as start_prefill
+    from pdserve.prefill_worker.worker import PrefillWorkerConfig
 
     engine = EngineConfig(model=model, cache=CacheConfig(memory_budget_bytes=64 << 20))
     servers = [await start_prefill(PrefillWorkerConfig(engine=engine, lease_seconds=LEASE_SECONDS.default)),

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.pd_modes import (Stream, load_average, percentile, pinned_cores, random_prompt,  # noqa: E402
                                  run_stream, start, stub_for)
-from cluster.mode import COLOCATED, DISAGGREGATED  # noqa: E402
+from pdserve.cluster.mode import COLOCATED, DISAGGREGATED  # noqa: E402
 
 ARMS = {DISAGGREGATED: dict(mode=DISAGGREGATED, num_prefill=1, num_decode=1, threads=1),
         COLOCATED: dict(mode=COLOCATED, num_prefill=0, num_decode=1, threads=2)}

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/kv_tls.py [--blocks 32] [--repeats 15]
 
 Two holder/reader pairs of tcp agents in this process over loopback, one plaintext, one with
-the internal plane's mTLS (a CA from cluster/certs.py, contexts from wire/tls.py); the same
+the internal plane's mTLS (a CA from pdserve/cluster/certs.py, contexts from pdserve/wire/tls.py); the same
 scattered-block read goes to them in turn, A B A B, so the machine's load falls on both alike.
 Default block: SmolLM2-135M in bf16 (368,640 bytes, as benchmarks/kv_transfer.py); 32 blocks
 is a 512-token prompt. Reports the median time per read and GB/s (1e9 bytes per second).
@@ -20,14 +20,13 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(REPO_ROOT)  # else benchmarks/kv_transfer.py shadows the kv_transfer package
+sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 
-from cluster.certs import issue, make_ca  # noqa: E402
-from kv_transfer import TransferState, create_agent  # noqa: E402
-from wire import tls  # noqa: E402
+from pdserve.cluster.certs import issue, make_ca  # noqa: E402
+from pdserve.kv_transfer import TransferState, create_agent  # noqa: E402
+from pdserve.wire import tls  # noqa: E402
 
 BLOCK_SHAPE = (30, 2, 16, 3, 64)  # layers, K/V, tokens, kv heads, head dim: 368,640 bytes in bf16
 

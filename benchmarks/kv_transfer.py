@@ -26,17 +26,14 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# `python benchmarks/kv_transfer.py` puts benchmarks/ first on sys.path, where this very file
-# would shadow the kv_transfer package; point that entry at the repo root instead.
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(REPO_ROOT)
+sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from engine.kv_cache import host_zeros  # noqa: E402
-from kv_transfer import TransferState, create_agent  # noqa: E402
-from protos import kv_transfer_pb2  # noqa: E402
+from pdserve.engine.kv_cache import host_zeros  # noqa: E402
+from pdserve.kv_transfer import TransferState, create_agent  # noqa: E402
+from pdserve.protos import kv_transfer_pb2  # noqa: E402
 
 SMOLLM2_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 2  # layers, K/V, tokens, kv heads, dims, bf16
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import cpu_kernels  # noqa: E402
-from engine.linear import PackedLinear  # noqa: E402
+from pdserve.engine import cpu_kernels  # noqa: E402
+from pdserve.engine.linear import PackedLinear  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
 LAYER_SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # (N, K)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/mtls_tpot.py [--requests 8] [--tokens 48]
 
 Starts two clusters side by side in one Ray (1 prefill + 1 decode worker each, default model),
-one plaintext inside, one with mTLS (a CA from cluster/certs.py), and sends the same greedy
+one plaintext inside, one with mTLS (a CA from pdserve/cluster/certs.py), and sends the same greedy
 requests to them in turn, one at a time, A B A B ..., so that the machine's noise falls on
 both alike. TPOT is measured by the client: (last token time - first token time) / (tokens -
 1); every decoded token crosses decode worker -> router over the internal channel.
@@ -23,12 +23,12 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cluster.certs import issue, make_ca  # noqa: E402
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.local import LocalCluster  # noqa: E402
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from protos import pdserve_pb2, pdserve_pb2_grpc  # noqa: E402
-from wire import tls  # noqa: E402
+from pdserve.cluster.certs import issue, make_ca  # noqa: E402
+from pdserve.cluster.config import ClusterConfig  # noqa: E402
+from pdserve.cluster.local import LocalCluster  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc  # noqa: E402
+from pdserve.wire import tls  # noqa: E402
 
 
 def tpot(stub, tokens: int, seed: int) -> float:

@@ -25,10 +25,10 @@ import torch
 
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.scheduler import Scheduler  # noqa: E402
 
 
 def run_queue(engine: LLMEngine, budget: int, prompts: list[list[int]]) -> tuple[float, float]:

@@ -41,12 +41,12 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.local import LocalCluster  # noqa: E402
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
-from router.kv_policy import RoutingConfig  # noqa: E402
-from router.limits import RouterLimits  # noqa: E402
+from pdserve.cluster.config import ClusterConfig  # noqa: E402
+from pdserve.cluster.local import LocalCluster  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from pdserve.router.kv_policy import RoutingConfig  # noqa: E402
+from pdserve.router.limits import RouterLimits  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M in bfloat16: layers * (K, V) * kv heads * head dim * 2 B
 VOCAB = (100, 49000)  # ordinary token ids of the default model

@@ -32,10 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.grammar import GrammarKind, StructuredOutput  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.grammar import GrammarKind, StructuredOutput  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampling import SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 200}
 PERSON = {"type": "object", "properties": {
@@ -242,8 +242,8 @@ def main() -> None:
 
     result = {"load_before": os.getloadavg()}
     if args.libraries:
-        from engine.loader import materialize
-        from engine.tokenizer import Tokenizer
+        from pdserve.engine.loader import materialize
+        from pdserve.engine.tokenizer import Tokenizer
 
         result["libraries"] = bench_libraries(Tokenizer(materialize("default", progress=False)).hf, 49152)
     if args.tpot:

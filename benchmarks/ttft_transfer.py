@@ -26,10 +26,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.local import LocalCluster  # noqa: E402
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from pdserve.cluster.config import ClusterConfig  # noqa: E402
+from pdserve.cluster.local import LocalCluster  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 
 def decode_stats(address: str) -> worker_pb2.WorkerStats:

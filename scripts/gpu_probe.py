@@ -72,14 +72,14 @@ def _ucx_cuda_libs(module: str) -> dict:
 
 
 def _nixl() -> dict:
-    from kv_transfer.nixl_backend import nixl_modules_for
+    from pdserve.kv_transfer.nixl_backend import nixl_modules_for
 
     wanted = nixl_modules_for(torch.version.cuda)
     return {"fits_this_torch": list(wanted), **{m: _ucx_cuda_libs(m) for m in wanted}}
 
 
 def _auto_backend(device: torch.device) -> dict:
-    from engine.attention import select_backend
+    from pdserve.engine.attention import select_backend
 
     # SmolLM2-135M's heads: 9 query, 3 KV, 64 wide; the default block size.
     return {str(dtype).removeprefix("torch."): select_backend("auto", device, 9, 3, 64, 16, dtype=dtype).name

@@ -33,7 +33,7 @@ def _request(address: str, method: str, path: str, body: bytes | None = None) ->
 
 def serve() -> None:
     """The router, until stdin closes; prints its HTTP address first."""
-    from router import server
+    from pdserve.router import server
 
     loop = asyncio.new_event_loop()
     running = loop.run_until_complete(server.start(server.RouterConfig(grpc_port=0, http_port=0)))

@@ -31,7 +31,7 @@ def tiny_llama_dir(tmp_path_factory):
 def tool_llama(tmp_path_factory):
     """A tiny random Llama with the default model's 49,152-token tokenizer and a chat template
     with tools (``tests.factories.save_tool_llama``): (directory, ``Tokenizer``)."""
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
     from tests.factories import save_tool_llama
 
     directory = save_tool_llama(tmp_path_factory.mktemp("tool-llama"))
@@ -39,17 +39,17 @@ def tool_llama(tmp_path_factory):
 
 
 def _kernel_paths():
-    from engine import cpu_kernels
+    from pdserve.engine import cpu_kernels
 
     return list(cpu_kernels.ISAS) if cpu_kernels.cpu_supported() else []
 
 
 @pytest.fixture(params=_kernel_paths())
 def kernel_path(request):
-    """Each CPU kernel path (engine/csrc/isa.h) this processor runs, in turn; the paths it
+    """Each CPU kernel path (pdserve/engine/csrc/isa.h) this processor runs, in turn; the paths it
     lacks are skipped, and named in the skip. Weights packed inside the test are packed for
     that path; the process's own path comes back afterwards."""
-    from engine import cpu_kernels
+    from pdserve.engine import cpu_kernels
 
     name = request.param
     if name not in cpu_kernels.runnable_isas():

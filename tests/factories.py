@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import load_model
 
 TINY_LLAMA = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -49,9 +49,9 @@ def engine_config(model_dir: Path | str, dtype: str = "float32", num_blocks: int
 
 def prefill_worker_config(**fields):
     """A ``PrefillWorkerConfig`` with ``pdserve serve``'s lease unless ``fields`` name one: the
-    config has no default of its own (``cluster.settings.LEASE_SECONDS`` is the one)."""
-    from cluster.settings import LEASE_SECONDS
-    from prefill_worker.worker import PrefillWorkerConfig
+    config has no default of its own (``pdserve.cluster.settings.LEASE_SECONDS`` is the one)."""
+    from pdserve.cluster.settings import LEASE_SECONDS
+    from pdserve.prefill_worker.worker import PrefillWorkerConfig
 
     return PrefillWorkerConfig(**{"lease_seconds": LEASE_SECONDS.default, **fields})
 
@@ -217,7 +217,7 @@ def save_tool_llama(directory: Path, seed: int = 0) -> Path:
     import json
     import shutil
 
-    from engine.loader import materialize
+    from pdserve.engine.loader import materialize
 
     source = materialize("default", progress=False)
     save_hf_model(make_hf_model("llama", seed=seed, vocab_size=49152), directory)

@@ -1,7 +1,7 @@
 """Write a Hugging Face directory of the default model (SmolLM2-135M) that vLLM accepts.
 
 The project already converts the default GGUF into a float32 HF directory
-(``engine.loader.materialize``); this copies it into a peer directory with bfloat16 weights and
+(``pdserve.engine.loader.materialize``); this copies it into a peer directory with bfloat16 weights and
 patches config.json / tokenizer_config.json the way docs/peers.md says, so the older
 transformers inside vLLM's venv reads it: ``architectures``, ``rope_theta: 100000.0``,
 ``torch_dtype``, ``tokenizer_class: PreTrainedTokenizerFast``, ``model_max_length: 8192`` and the
@@ -34,7 +34,7 @@ def build(out: Path, force: bool = False) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from engine.loader import materialize
+    from pdserve.engine.loader import materialize
 
     src = materialize("default")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

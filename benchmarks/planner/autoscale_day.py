@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/planner/autoscale_day.py [--rate 1.0] [--hours 24]
 
 Llama-3.1-8B on L40S workers (TP1), long prompts (mean 4000 tokens, so prefill needs
-several workers at the peak) and 300-token answers. Traffic: ``planner.synthetic.bursty_day``
+several workers at the peak) and 300-token answers. Traffic: ``pdserve.planner.synthetic.bursty_day``
 (diurnal 0.2x-1.8x of the mean, plus 12 ten-minute bursts at 3x). Autoscaling: the built-in
 prefill and decode policies with their default guards (20 s window, 10 s up / 60 s down
 cooldowns, step 1), targets as ``pdserve plan`` derives them; a new worker serves 60 s after
@@ -23,14 +23,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from cluster.autoscaling import pool_config  # noqa: E402
-from planner.autoscale import AutoscaleDriver  # noqa: E402
-from planner.cost import CostModel  # noqa: E402
-from planner.hardware import GPU_PROFILES  # noqa: E402
-from planner.metrics import Slo  # noqa: E402
-from planner.model_spec import PRESETS  # noqa: E402
-from planner.simulator import ClusterSpec, Layout, Simulator  # noqa: E402
-from planner.synthetic import LengthMix, bursty_day  # noqa: E402
+from pdserve.cluster.autoscaling import pool_config  # noqa: E402
+from pdserve.planner.autoscale import AutoscaleDriver  # noqa: E402
+from pdserve.planner.cost import CostModel  # noqa: E402
+from pdserve.planner.hardware import GPU_PROFILES  # noqa: E402
+from pdserve.planner.metrics import Slo  # noqa: E402
+from pdserve.planner.model_spec import PRESETS  # noqa: E402
+from pdserve.planner.simulator import ClusterSpec, Layout, Simulator  # noqa: E402
+from pdserve.planner.synthetic import LengthMix, bursty_day  # noqa: E402
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.1)
 LENGTHS = LengthMix(4000, 300, sigma=0.5, max_len=16000)

@@ -57,14 +57,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from planner.cli import parse_layout  # noqa: E402
-from planner.cost import CostModel  # noqa: E402
-from planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile  # noqa: E402
-from planner.model_spec import PRESETS  # noqa: E402
-from planner.profile import Point, fit  # noqa: E402
-from planner.simulator import ClusterSpec, Simulator  # noqa: E402
-from planner.trace import TraceRequest  # noqa: E402
-from planner.worker import EngineLimits  # noqa: E402
+from pdserve.planner.cli import parse_layout  # noqa: E402
+from pdserve.planner.cost import CostModel  # noqa: E402
+from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile  # noqa: E402
+from pdserve.planner.model_spec import PRESETS  # noqa: E402
+from pdserve.planner.profile import Point, fit  # noqa: E402
+from pdserve.planner.simulator import ClusterSpec, Simulator  # noqa: E402
+from pdserve.planner.trace import TraceRequest  # noqa: E402
+from pdserve.planner.worker import EngineLimits  # noqa: E402
 
 from benchmarks.planner.served_runs import measure, serving_cost  # noqa: E402
 
@@ -169,7 +169,7 @@ def main() -> int:
                                                      key=lambda p: int(p.stem[3:]))],
                     help="measured files (default: the recorded sets); with --measure, the one file to write")
     ap.add_argument("--profile", default=None, help="compare every set with this profile (default: each set's "
-                    "own, taken with it by --reprofile --measure, else planner/profiles/cpu.json)")
+                    "own, taken with it by --reprofile --measure, else pdserve/planner/profiles/cpu.json)")
     ap.add_argument("--reprofile", action="store_true", help="run `pdserve profile` first (minutes)")
     ap.add_argument("--seeds", type=int, default=40, help="draws of the arrival times to average over")
     ap.add_argument("--points", default=None, help="fit the profile to these step times (JSON list of "
@@ -189,7 +189,7 @@ def main() -> int:
         ap.error("--measure writes one file: give one --measured")
     if args.reprofile:
         out = args.profile or str(DEFAULT_CPU_PROFILE)
-        subprocess.run([sys.executable, "-m", "cluster.cli", "profile", "--output", out], check=True, cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "profile", "--output", out], check=True, cwd=ROOT)
     if args.measure and args.reprofile and args.serving_cost:
         base = HardwareProfile.load(out)
         served = serving_cost(args.measure, base, 1000 + args.measure_seed)

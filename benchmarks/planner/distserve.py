@@ -14,7 +14,7 @@ against one vLLM instance (TP1, 1 GPU), and attainment against an "SLO scale" (b
   each prefill stalls every running stream (pdserve's scheduler rules with chunking off);
 - DistServe's own instances: prefill batches of up to 128 prompts / 8,192 tokens, decode
   batches of up to 1,024 sequences, prefill TP2 and decode TP1 for OPT-13B;
-- ShareGPT lengths: the planner's chat mix (``planner.synthetic.CHAT``, log-normal around
+- ShareGPT lengths: the planner's chat mix (``pdserve.planner.synthetic.CHAT``, log-normal around
   755 / 200 tokens), keeping pairs under OPT's 2,048 tokens as DistServe's dataset script does
   (which leaves 615 / 193 on average; ``--prompt-mean 1050`` leaves 755); Poisson arrivals (its default); the 90% crossing found between grid
   points by linear interpolation (its ``find_intersection``). Each point averages three seeds
@@ -41,13 +41,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from planner.cost import CostModel, FittedStepCost  # noqa: E402
-from planner.hardware import GPU_PROFILES  # noqa: E402
-from planner.metrics import Slo, first_crossing  # noqa: E402
-from planner.model_spec import PRESETS  # noqa: E402
-from planner.simulator import ClusterSpec, Layout, Simulator  # noqa: E402
-from planner.synthetic import CHAT, poisson  # noqa: E402
-from planner.worker import EngineLimits  # noqa: E402
+from pdserve.planner.cost import CostModel, FittedStepCost  # noqa: E402
+from pdserve.planner.hardware import GPU_PROFILES  # noqa: E402
+from pdserve.planner.metrics import Slo, first_crossing  # noqa: E402
+from pdserve.planner.model_spec import PRESETS  # noqa: E402
+from pdserve.planner.simulator import ClusterSpec, Layout, Simulator  # noqa: E402
+from pdserve.planner.synthetic import CHAT, poisson  # noqa: E402
+from pdserve.planner.worker import EngineLimits  # noqa: E402
 
 SLO = Slo(ttft_s=0.25, tpot_s=0.1)  # DistServe Table 1 and _plot.py: OPT-13B chatbot
 TARGET = 0.9

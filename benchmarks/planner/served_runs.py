@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.cost import CostModel
-from planner.hardware import HardwareProfile
-from planner.model_spec import PRESETS
+from pdserve.planner.cost import CostModel
+from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.model_spec import PRESETS
 
 
 # --measure: the serving benchmark's two loads (random 256-token prompts, 64 output tokens,
@@ -135,7 +135,7 @@ def traced_steps(trace_dir: str, start: float, end: float) -> dict:
     ``{"prefill": [[seconds, [[new, cached], ...], sampled], ...], "decode": [[seconds, batch,
     context], ...]}``; a decode worker's steps that ran prompt tokens are left out (the runs
     here have none: every prompt prefills on the prefill worker)."""
-    from engine.step_trace import read
+    from pdserve.engine.step_trace import read
 
     out: dict[str, list] = {"prefill": [], "decode": []}
     for pool in out:

@@ -9,13 +9,13 @@ import json
 import jsonschema
 import pytest
 
-from engine.loader import read_model_config
-from router.frontend import ModelInfo, prepare
-from router.openai_format import Choice, chat_response
-from router.tool_parsers import choose
-from router.tools import ToolOutput
-from router.validation import parse_body
-from protos import pdserve_pb2
+from pdserve.engine.loader import read_model_config
+from pdserve.router.frontend import ModelInfo, prepare
+from pdserve.router.openai_format import Choice, chat_response
+from pdserve.router.tool_parsers import choose
+from pdserve.router.tools import ToolOutput
+from pdserve.router.validation import parse_body
+from pdserve.protos import pdserve_pb2
 from tests.factories import make_engine
 
 UNIT = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"enum": [1, 2, 3]}},
@@ -94,7 +94,7 @@ def test_a_tool_turn_renders_in_the_template(model):
 
 
 def test_tokenize_renders_tools_as_the_chat_does(model):
-    from router.tokenize_api import tokenize_request
+    from pdserve.router.tokenize_api import tokenize_request
 
     reqs, _ = parse_body({"messages": MESSAGES, "tools": TOOLS}, True, "tiny")
     ids = tokenize_request({"messages": MESSAGES, "tools": TOOLS}, ("tiny",), 10_000)(model.tokenizer)

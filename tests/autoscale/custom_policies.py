@@ -1,6 +1,6 @@
 """Policies loaded by import path in the custom-policy tests."""
 
-from cluster.autoscaling import DecisionInputs, ScalingDecision
+from pdserve.cluster.autoscaling import DecisionInputs, ScalingDecision
 
 NOT_CALLABLE = 3
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample, ScalerState, ScalingDecision, decide
+from pdserve.cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample, ScalerState, ScalingDecision, decide
 
 # A load maps (t, ready replicas) to a sample's pool signals, e.g. {"kv_usage": 0.5}.
 Load = Callable[[float, int], dict]

@@ -3,7 +3,7 @@ construction with the key and the limit named."""
 
 import pytest
 
-from cluster.autoscaling import (DEFAULTS, AutoscaleConfigError, PoolPolicyConfig, decode_policy, from_mapping,
+from pdserve.cluster.autoscaling import (DEFAULTS, AutoscaleConfigError, PoolPolicyConfig, decode_policy, from_mapping,
                                  load_policy, pool_config, prefill_policy)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.autoscaling import ScalerState, decide, from_mapping, pool_config
+from pdserve.cluster.autoscaling import ScalerState, decide, from_mapping, pool_config
 from tests.autoscale.helpers import simulate, steady_window
 
 ALWAYS_UP = "tests.autoscale.custom_policies:always_up"

@@ -2,7 +2,7 @@
 
 import random
 
-from cluster.autoscaling import ScalerState, decide, pool_config
+from pdserve.cluster.autoscaling import ScalerState, decide, pool_config
 from tests.autoscale.helpers import decode_load, simulate, steady_window
 
 CFG = pool_config("decode")  # target 0.7 of KV, ITL SLO 0.2 s

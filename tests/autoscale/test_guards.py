@@ -3,7 +3,7 @@ bounds, step and cooldowns. Prefill's defaults serve as the example pool."""
 
 import pytest
 
-from cluster.autoscaling import MetricsError, MetricsWindow, ScalerState, decide, pool_config
+from pdserve.cluster.autoscaling import MetricsError, MetricsWindow, ScalerState, decide, pool_config
 from tests.autoscale.helpers import steady_window
 
 CFG = pool_config("prefill")  # window 20 s, up cooldown 10 s, down cooldown 60 s, 1..4 replicas

@@ -3,9 +3,9 @@ the last ``history`` samples and decisions per pool, not every one since it star
 
 import pytest
 
-from cluster.autoscaler import Autoscaler, PoolTrace
-from cluster.autoscaling.config import pool_config
-from cluster.autoscaling.window import PoolSample
+from pdserve.cluster.autoscaler import Autoscaler, PoolTrace
+from pdserve.cluster.autoscaling.config import pool_config
+from pdserve.cluster.autoscaling.window import PoolSample
 
 
 class StillCluster:

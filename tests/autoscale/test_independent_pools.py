@@ -1,6 +1,6 @@
 """Each pool scales on its own signal with its own config: one workload, two pools."""
 
-from cluster.autoscaling import pool_config
+from pdserve.cluster.autoscaling import pool_config
 from tests.autoscale.helpers import decode_load, prefill_load, simulate
 
 # A toy workload: requests/s, prompt tokens, output tokens. The prefill backlog is about a

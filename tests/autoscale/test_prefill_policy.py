@@ -2,7 +2,7 @@
 
 import random
 
-from cluster.autoscaling import MetricsWindow, PoolSample, ScalerState, decide, pool_config
+from pdserve.cluster.autoscaling import MetricsWindow, PoolSample, ScalerState, decide, pool_config
 from tests.autoscale.helpers import prefill_load, simulate, steady_window
 
 TARGET = 4096

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.autoscaling import MetricsError, MetricsWindow, PoolSample
+from pdserve.cluster.autoscaling import MetricsError, MetricsWindow, PoolSample
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -9,10 +9,10 @@ import pytest
 
 from benchmarks.planner.calibrate import NoisyPrefill, at_run_speed, run_speed
 from benchmarks.planner.served_runs import traced_steps
-from engine.step_trace import StepShape, StepTrace, trace_path
-from planner.cost import CostModel
-from planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile
-from planner.model_spec import PRESETS
+from pdserve.engine.step_trace import StepShape, StepTrace, trace_path
+from pdserve.planner.cost import CostModel
+from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile
+from pdserve.planner.model_spec import PRESETS
 
 
 def write(directory, worker_id, steps):

@@ -1,5 +1,5 @@
 """The load generator against a real OpenAI-compatible HTTP server: pdserve's own HTTP front
-(router/http_api.py, with validation, SSE streaming and usage), in process, over fake workers
+(pdserve/router/http_api.py, with validation, SSE streaming and usage), in process, over fake workers
 (tests/metrics/metrics_helpers.py) whose decode stream sleeps ``TOKEN_S`` per token. No model
 and no processes, so it is cheap; against a real cluster it runs by hand (benchmarks/goodput.py
 against `pdserve serve`), not in the suite."""
@@ -17,10 +17,10 @@ from benchmarks.load import SLO, Arrivals, Lengths, WorkloadSpec, run_async
 from benchmarks.load.metrics import itls, tpot, ttft
 from benchmarks.load.report import plot, text, write_json
 from benchmarks.loadgen import main as loadgen_main
-from router import http_api
-from router.frontend import ModelInfo
-from router.limits import RouterLimits
-from router.service import GenerationService
+from pdserve.router import http_api
+from pdserve.router.frontend import ModelInfo
+from pdserve.router.limits import RouterLimits
+from pdserve.router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
 
 TOKEN_S = 0.04

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from cluster import cli
-from cluster.settings import add_arguments, resolve
+from pdserve.cluster import cli
+from pdserve.cluster.settings import add_arguments, resolve
 
 
 def serve_args(argv):

@@ -1,4 +1,4 @@
-"""``lease_seconds`` and ``drain_grace_seconds`` are each declared once, in ``cluster.settings``:
+"""``lease_seconds`` and ``drain_grace_seconds`` are each declared once, in ``pdserve.cluster.settings``:
 every parser that takes one reads its default, help and bounds from that declaration, the
 worker configs take the value passed down, and no other source file writes a default of its own."""
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster import cli, worker_cli
-from cluster.config import ClusterConfig
-from cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, serve_settings
-from decode_worker.worker import DecodeWorkerConfig
-from prefill_worker.worker import PrefillWorkerConfig
-from wire import worker_process
+from pdserve.cluster import cli, worker_cli
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, serve_settings
+from pdserve.decode_worker.worker import DecodeWorkerConfig
+from pdserve.prefill_worker.worker import PrefillWorkerConfig
+from pdserve.wire import worker_process
 
 ROOT = Path(__file__).resolve().parents[2]
 SPELLINGS = {"lease_seconds": ("lease_seconds", "lease-seconds"), "drain_grace": ("drain_grace", "drain-grace")}
@@ -70,7 +70,7 @@ def defaults_written(tree: ast.AST, spellings: tuple[str, ...]) -> set[int]:
 def test_the_source_tree_writes_each_default_once_in_the_settings_table(setting):
     found = [f"{path.relative_to(ROOT)}:{line}" for path in source_files()
              for line in sorted(defaults_written(ast.parse(path.read_text()), SPELLINGS[setting]))]
-    assert len(found) == 1 and found[0].startswith("cluster/settings.py:"), found
+    assert len(found) == 1 and found[0].startswith("pdserve/cluster/settings.py:"), found
 
 
 def test_the_scan_sees_a_second_default_where_one_is_written():

@@ -28,7 +28,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from protos import pdserve_pb2_grpc
+from pdserve.protos import pdserve_pb2_grpc
 from tests.cluster.test_placement import ENV, RAY, free_port
 from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401
 
@@ -81,7 +81,7 @@ def status_command(address: str) -> dict | None:
 def status() -> dict:
     """The controller's ``status``, asked from this process (a driver of the cluster's
     namespace: each ``pdserve status`` process would spend seconds joining Ray)."""
-    from cluster import controller
+    from pdserve.cluster import controller
 
     return ray.get(controller.find().status.remote(), timeout=120)
 

@@ -10,9 +10,9 @@ import argparse
 
 import pytest
 
-from cluster.placement import PoolPlacement, actor_options
-from cluster.serve_config import _placement
-from cluster.settings import SettingsError, add_arguments, resolve
+from pdserve.cluster.placement import PoolPlacement, actor_options
+from pdserve.cluster.serve_config import _placement
+from pdserve.cluster.settings import SettingsError, add_arguments, resolve
 
 
 def _values(argv):

@@ -1,4 +1,4 @@
-"""Logging is configured in every pdserve process (wire/logs.py), as text or JSON, and the
+"""Logging is configured in every pdserve process (pdserve/wire/logs.py), as text or JSON, and the
 autoscaler's decisions reach the ``pdserve serve`` console with their inputs."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from wire.logs import JsonFormatter, LogConfig, LogConfigError, configure
+from pdserve.wire.logs import JsonFormatter, LogConfig, LogConfigError, configure
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # configures logging from its settings, so the autoscaler's lines are printed.
 SERVE_ONE_ROUND = """
 import os, signal, sys, time
-import cluster.local
-from cluster.autoscaler import Autoscaler
-from cluster.cli import main
+import pdserve.cluster.local
+from pdserve.cluster.autoscaler import Autoscaler
+from pdserve.cluster.cli import main
 
 class OneRound:
     def __init__(self, config):
@@ -39,7 +39,7 @@ class OneRound:
         os.kill(os.getpid(), signal.SIGINT)
         return self.address
 
-cluster.local.LocalCluster = OneRound
+pdserve.cluster.local.LocalCluster = OneRound
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -52,7 +52,7 @@ def test_the_autoscalers_decisions_appear_under_pdserve_serve_as_json(tmp_path):
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
-    decisions = [r for r in records if r["logger"] == "cluster.autoscaler" and "'action': 'up'" in r["message"]]
+    decisions = [r for r in records if r["logger"] == "pdserve.cluster.autoscaler" and "'action': 'up'" in r["message"]]
     assert {r["process"] for r in decisions} == {"controller"}, out.stderr[-3000:]
     by_pool = {("prefill" if "'pool': 'prefill'" in r["message"] else "decode"): r["message"] for r in decisions}
     assert set(by_pool) == {"prefill", "decode"}, decisions

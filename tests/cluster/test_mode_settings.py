@@ -3,11 +3,11 @@ cluster's and router's configs (no cluster started)."""
 
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.mode import COLOCATED, DISAGGREGATED
-from cluster.serve_config import build
-from cluster.settings import SettingsError, resolve
-from router.local_prefill import LocalPrefillConfig
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.mode import COLOCATED, DISAGGREGATED
+from pdserve.cluster.serve_config import build
+from pdserve.cluster.settings import SettingsError, resolve
+from pdserve.router.local_prefill import LocalPrefillConfig
 from tests.cluster.test_settings import parse
 
 
@@ -55,9 +55,9 @@ def test_a_router_run_as_a_plain_process_reads_the_rule_too():
     """``pdserve worker --role router`` (Kubernetes without Ray) builds its limits from the same table."""
     import argparse
 
-    from cluster import worker_cli
-    from cluster.settings import add_arguments
-    from cluster.worker_router import router_config
+    from pdserve.cluster import worker_cli
+    from pdserve.cluster.settings import add_arguments
+    from pdserve.cluster.worker_router import router_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser, worker_cli.worker_settings())
@@ -70,8 +70,8 @@ def test_a_colocated_cluster_autoscales_only_its_decode_pool(tmp_path):
     only it is sampled and scaled (a prefill policy would start prefill workers from nothing)."""
     import time
 
-    from cluster.autoscaler import Autoscaler
-    from cluster.autoscaling import PoolSample
+    from pdserve.cluster.autoscaler import Autoscaler
+    from pdserve.cluster.autoscaling import PoolSample
 
     path = tmp_path / "serve.yaml"
     path.write_text("mode: colocated\nautoscaling:\n  prefill: {min_replicas: 1}\n  decode: {min_replicas: 1}\n")
@@ -99,7 +99,7 @@ def test_a_lease_shorter_than_the_kv_read_timeout_is_refused_at_start(capsys):
     with pytest.raises(ValueError, match=r"lease_seconds \(5 s, --lease-seconds\) must exceed transfer_timeout_s \(10 s"):
         ClusterConfig(lease_seconds=5.0, transfer_timeout_s=10.0)
     assert ClusterConfig(lease_seconds=30.0, transfer_timeout_s=10.0).lease_seconds == 30.0
-    from cluster.cli import main
+    from pdserve.cluster.cli import main
 
     assert main(["serve", "--lease-seconds", "10"]) == 2  # equal is refused too: no margin for the read
     err = capsys.readouterr().err

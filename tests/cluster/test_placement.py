@@ -12,11 +12,11 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import ClusterConfig
-from cluster.local import LocalCluster
-from cluster.placement import PoolPlacement
-from engine.config import CacheConfig, EngineConfig
-from protos import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.local import LocalCluster
+from pdserve.cluster.placement import PoolPlacement
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ stand a fake in for ``ray.init`` (and ``ray.shutdown``); the rest of ``start_loc
 
 import pytest
 
-import cluster.ray_start as ray_start
-from cluster.config import ClusterConfig
-from cluster.local import LocalCluster
+import pdserve.cluster.ray_start as ray_start
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.local import LocalCluster
 
 GCS_TIMEOUT = RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_0123abcd")
 
@@ -77,7 +77,7 @@ def test_a_worker_raises_every_thread_to_niceness_0():
     import os
     import threading
 
-    from cluster.actors import normal_priority
+    from pdserve.cluster.actors import normal_priority
 
     ready, done = threading.Event(), threading.Event()
     tids = []

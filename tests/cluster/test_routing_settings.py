@@ -5,10 +5,10 @@ import argparse
 
 import pytest
 
-from cluster import worker_cli
-from cluster.serve_config import _router_limits, build
-from cluster.settings import SettingsError, add_arguments, resolve
-from router.kv_policy import RoutingConfig
+from pdserve.cluster import worker_cli
+from pdserve.cluster.serve_config import _router_limits, build
+from pdserve.cluster.settings import SettingsError, add_arguments, resolve
+from pdserve.router.kv_policy import RoutingConfig
 
 
 def parse(argv, settings=None):
@@ -65,7 +65,7 @@ def test_the_body_limit_holds_the_longest_prompt_and_settings_that_break_that_ar
     writes it (\\u escapes), must still fit. Settings that break that are refused, naming both."""
     import json
 
-    from router.validation import RequestLimits
+    from pdserve.router.validation import RequestLimits
 
     limits = build(resolve(parse([]), environ={})).router_limits.requests
     assert limits == RequestLimits()

@@ -4,10 +4,10 @@ what ``Controller.config()`` hands to any Ray client: the API key and the TLS pr
 
 from types import SimpleNamespace
 
-from cluster.controller import Controller
-from cluster.config import ClusterConfig
-from router.server import RouterConfig
-from wire.tls import TlsConfig
+from pdserve.cluster.controller import Controller
+from pdserve.cluster.config import ClusterConfig
+from pdserve.router.server import RouterConfig
+from pdserve.wire.tls import TlsConfig
 
 KEY = "sk-very-secret-key"
 TLS_KEY = b"-----BEGIN PRIVATE KEY-----\nSECRETKEYBYTES\n-----END PRIVATE KEY-----\n"

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from engine.errors import InvalidRequestError
-from protos import pdserve_pb2
-from router import http_api
-from router.frontend import ModelInfo, prepare
-from router.limits import RouterLimits
-from router.service import GenerationService
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.protos import pdserve_pb2
+from pdserve.router import http_api
+from pdserve.router.frontend import ModelInfo, prepare
+from pdserve.router.limits import RouterLimits
+from pdserve.router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
 
 MODEL = ModelInfo("a", SimpleNamespace(vocab_size=1000), 4096, 16, LetterTokenizer(), aliases=("b",))

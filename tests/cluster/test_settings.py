@@ -4,15 +4,15 @@ import argparse
 
 import pytest
 
-from cluster.cli import main
-from cluster.config import ClusterConfig
-from cluster.serve_config import build
-from cluster.settings import LEASE_SECONDS, SettingsError, add_arguments, resolve
-from decode_worker.worker import DecodeWorkerConfig
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from router.limits import RouterLimits
+from pdserve.cluster.cli import main
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.serve_config import build
+from pdserve.cluster.settings import LEASE_SECONDS, SettingsError, add_arguments, resolve
+from pdserve.decode_worker.worker import DecodeWorkerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.router.limits import RouterLimits
 from tests.factories import prefill_worker_config
-from wire.logs import LogConfig
+from pdserve.wire.logs import LogConfig
 
 
 def parse(argv):
@@ -126,7 +126,7 @@ def test_bad_env_value_names_the_variable():
 
 
 def test_autoscaling_section_comes_from_the_file(tmp_path):
-    from cluster.autoscaling import AutoscaleConfigError, from_mapping
+    from pdserve.cluster.autoscaling import AutoscaleConfigError, from_mapping
 
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("autoscaling:\n  prefill: {max_replicas: 6}\n  decode: {step: 0}\n")
@@ -141,8 +141,8 @@ def test_autoscaling_section_comes_from_the_file(tmp_path):
 
 def test_chat_template_replaces_the_tokenizers_own(tmp_path):
     """``--chat-template`` as text or as a file, as the router's tokenizer applies it."""
-    from engine.loader import materialize
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.loader import materialize
+    from pdserve.engine.tokenizer import Tokenizer
 
     model_dir = materialize("default", progress=False)
     template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"

@@ -8,16 +8,16 @@ import contextlib
 import grpc
 import pytest
 
-from decode_worker.server import start as start_decode
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
-from engine.sampling import SamplingParams
-from kv_transfer import TransferState, create_agent
-from prefill_worker.server import start as start_prefill
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
-from protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.decode_worker.server import start as start_decode
+from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine.sampling import SamplingParams
+from pdserve.kv_transfer import TransferState, create_agent
+from pdserve.prefill_worker.server import start as start_prefill
+from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories import make_engine, random_prompts
-from wire.failure import Failure, failure_of
-from wire.grpc_util import aio_channel
+from pdserve.wire.failure import Failure, failure_of
+from pdserve.wire.grpc_util import aio_channel
 
 pytestmark = pytest.mark.slow
 

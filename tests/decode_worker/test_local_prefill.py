@@ -9,12 +9,12 @@ import asyncio
 
 import grpc
 
-from decode_worker.server import start
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig, decode_engine_config
-from engine.config import MIXED
-from protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.decode_worker.server import start
+from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig, decode_engine_config
+from pdserve.engine.config import MIXED
+from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories import assert_greedy_matches, make_engine, random_prompts
-from wire.grpc_util import aio_channel
+from pdserve.wire.grpc_util import aio_channel
 
 SHORT_TOKENS, LONG_TOKENS = 64, 16  # the short streams outlast the long prompt's arrival
 

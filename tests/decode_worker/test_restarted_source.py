@@ -11,15 +11,15 @@ import gc
 import grpc
 import pytest
 
-from decode_worker.server import start as start_decode
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
-from engine.sampling import SamplingParams
-from prefill_worker.server import start as start_prefill
-from prefill_worker.worker import PrefillWorker
-from protos import worker_pb2_grpc
+from pdserve.decode_worker.server import start as start_decode
+from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine.sampling import SamplingParams
+from pdserve.prefill_worker.server import start as start_prefill
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.protos import worker_pb2_grpc
 from tests.decode_worker.test_lease_handoff import PROMPT, decode, prefill_one
 from tests.factories import make_engine, prefill_worker_config
-from wire.grpc_util import aio_channel
+from pdserve.wire.grpc_util import aio_channel
 
 pytestmark = pytest.mark.slow
 AFTER_RESTART = 3

@@ -2,7 +2,7 @@
 prefill worker computes the next ones. Real prefill and decode workers with their gRPC servers
 in this process, a tiny random Llama, and the real transfer backends (NIXL, and tcp, whose
 holder checks every read against the lease). The router is the real orchestrator
-(``router.orchestrator.RequestRun``) over a pool of real stubs to those servers."""
+(``pdserve.router.orchestrator.RequestRun``) over a pool of real stubs to those servers."""
 
 import asyncio
 import contextlib
@@ -12,19 +12,19 @@ import grpc
 import pytest
 import torch
 
-from decode_worker.server import start as start_decode
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
-from engine.sampling import SamplingParams
-from prefill_worker.server import start as start_prefill
-from prefill_worker.worker import PrefillWorker
-from protos import worker_pb2, worker_pb2_grpc
-from router.frontend import ModelInfo, PreparedRequest
-from router.orchestrator import RequestRun
-from router.limits import RouterLimits
-from router.pool import WorkerClient, WorkerPool
+from pdserve.decode_worker.server import start as start_decode
+from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine.sampling import SamplingParams
+from pdserve.prefill_worker.server import start as start_prefill
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.router.frontend import ModelInfo, PreparedRequest
+from pdserve.router.orchestrator import RequestRun
+from pdserve.router.limits import RouterLimits
+from pdserve.router.pool import WorkerClient, WorkerPool
 from tests.factories import assert_greedy_matches, make_engine, prefill_worker_config, random_prompts
 from tests.metrics.metrics_helpers import LetterTokenizer
-from wire.grpc_util import aio_channel
+from pdserve.wire.grpc_util import aio_channel
 
 pytestmark = pytest.mark.slow
 
@@ -220,6 +220,6 @@ def test_watch_kv_is_refused_without_a_claimed_streamed_lease(tiny_llama_dir):
 
 
 def _sampling():
-    from protos import pdserve_pb2
+    from pdserve.protos import pdserve_pb2
 
     return pdserve_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -7,11 +7,11 @@ import socket
 
 import grpc
 
-from decode_worker.server import start
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
-from protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.decode_worker.server import start
+from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories import make_engine
-from wire.grpc_util import aio_channel
+from pdserve.wire.grpc_util import aio_channel
 
 
 def closed_port() -> int:

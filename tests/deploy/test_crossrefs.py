@@ -53,19 +53,19 @@ def environment(container: dict) -> dict[str, str]:
 
 def parsed(argv: list[str], monkeypatch) -> SimpleNamespace:
     """Parse ``argv`` with the real `pdserve` parser; returns the command and its namespace."""
-    import cluster.cli
-    from cluster import worker_cli
+    import pdserve.cluster.cli
+    from pdserve.cluster import worker_cli
 
     seen = {}
-    monkeypatch.setattr(cluster.cli, "serve", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setattr(pdserve.cluster.cli, "serve", lambda args: seen.setdefault("args", args) and 0)
     monkeypatch.setattr(worker_cli, "run_worker", lambda args: seen.setdefault("args", args) and 0)
-    cluster.cli.main(argv)
+    pdserve.cluster.cli.main(argv)
     return seen["args"]
 
 
 def settings_of(argv: list[str], env: dict[str, str], monkeypatch) -> tuple[tuple, dict]:
     """(settings table, resolved values) of the command ``argv`` runs, as it would resolve them."""
-    from cluster import settings, worker_cli
+    from pdserve.cluster import settings, worker_cli
 
     args = parsed(argv, monkeypatch)
     if args.command == "worker":
@@ -151,7 +151,7 @@ def test_every_flag_variable_and_config_key_is_one_pdserve_reads(overlay, monkey
         unknown = {name for name in environment(container) if name.startswith("PDSERVE_")} - known
         assert not unknown, f"{overlay}: {where} sets {sorted(unknown)}, which pdserve does not read"
         if values["autoscaling"] is not None:
-            from cluster.autoscaling import from_mapping
+            from pdserve.cluster.autoscaling import from_mapping
 
             from_mapping(values["autoscaling"])
         seen += 1
@@ -161,12 +161,12 @@ def test_every_flag_variable_and_config_key_is_one_pdserve_reads(overlay, monkey
 def _served_paths(setting: str) -> set[str]:
     """The HTTP paths the server behind a port setting answers."""
     if setting == "port":
-        from router.http_api import OpenAIFront
+        from pdserve.router.http_api import OpenAIFront
 
         service = SimpleNamespace(limits=SimpleNamespace(requests=SimpleNamespace(max_body_bytes=1)))
         return {r.resource.canonical for r in OpenAIFront(service).app().router.routes()}
     if setting == "health_port":
-        from cluster.worker_cli import Health
+        from pdserve.cluster.worker_cli import Health
 
         return set(Health.ROUTES)
     if setting == "metrics_port":
@@ -231,7 +231,7 @@ def test_each_scaled_object_scales_its_pool_on_metrics_pdserve_exports(monkeypat
         for trigger in so["spec"]["triggers"]:
             query = trigger["metadata"]["query"]
             assert NAME.findall(query), query
-            assert set(NAME.findall(query)) <= exported, f"{query}: not exported by wire/metrics.py"
+            assert set(NAME.findall(query)) <= exported, f"{query}: not exported by pdserve/wire/metrics.py"
             assert set(re.findall(r'pool="(\w+)"', query)) <= {role}, f"{so['metadata']['name']} reads another pool"
         scaled.add(role)
     assert scaled == {"prefill", "decode"}

@@ -5,8 +5,8 @@ did not carry out does not hold the pool as "pending" (its advice keeps up with 
 from types import SimpleNamespace
 
 
-from cluster.autoscaler import Autoscaler
-from cluster.autoscaling import PoolSample, from_mapping
+from pdserve.cluster.autoscaler import Autoscaler
+from pdserve.cluster.autoscaling import PoolSample, from_mapping
 
 FAST = {"window_s": 3, "scale_up_cooldown_s": 0, "scale_down_cooldown_s": 0, "max_replicas": 8}
 

@@ -26,11 +26,11 @@ import ray
 import yaml
 from ray.cluster_utils import AutoscalingCluster
 
-from cluster.local import LocalCluster
-from cluster.serve_config import build
-from cluster.settings import add_arguments, resolve
-from engine.loader import materialize
-from protos import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.cluster.local import LocalCluster
+from pdserve.cluster.serve_config import build
+from pdserve.cluster.settings import add_arguments, resolve
+from pdserve.engine.loader import materialize
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
 from tests.factories import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ Ray's autoscaler add a pod of the right group (deploy/k8s/overlays/kuberay)."""
 
 import json
 
-from cluster.placement import PoolPlacement
+from pdserve.cluster.placement import PoolPlacement
 from tests.deploy.manifests import named
 from tests.deploy.test_crossrefs import pdserve_containers, settings_of, with_mounted_files
 
@@ -30,7 +30,7 @@ def fits(bundle: dict[str, float], node: dict[str, float]) -> bool:
 
 
 def test_each_pools_workers_fit_only_their_own_group(monkeypatch, tmp_path):
-    from cluster.serve_config import _placement
+    from pdserve.cluster.serve_config import _placement
 
     [(_, template, container, argv)] = list(pdserve_containers("kuberay"))
     _, values = settings_of(with_mounted_files(argv, template, "kuberay", tmp_path), {}, monkeypatch)

@@ -16,12 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-PDSERVE = [sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main())"]
+PDSERVE = [sys.executable, "-c", "import sys; from pdserve.cluster.cli import main; sys.exit(main())"]
 GRACE_S = 1.0  # the decode worker's drain: shorter than the stream, so the stream must move
 
 

@@ -6,8 +6,8 @@ choice is plain Python, and no kernel runs."""
 import pytest
 import torch
 
-import engine.attention_flash as attention_flash
-from engine.attention import select_backend
+import pdserve.engine.attention_flash as attention_flash
+from pdserve.engine.attention import select_backend
 
 CUDA = torch.device("cuda")
 
@@ -47,9 +47,9 @@ def test_asking_for_flash_in_float32_names_the_dtype(flash_present, name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_runner_passes_the_cache_dtype(monkeypatch, dtype):
     """The model runner, the one caller that builds the engine's backend, hands it the dtype."""
-    import engine.model_runner as model_runner
-    from engine.block_manager import BlockManager
-    from engine.config import ModelConfig
+    import pdserve.engine.model_runner as model_runner
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.config import ModelConfig
 
     seen = {}
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from engine.block_manager import NO_HASH, BlockManager, chain_hash
-from engine.errors import CacheCapacityError
+from pdserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
+from pdserve.engine.errors import CacheCapacityError
 
 
 def test_allocate_and_free_returns_every_block():

@@ -8,10 +8,10 @@ the default, is held to vLLM's standard against transformers in float32 (tests/l
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import materialize
-from engine.sampling import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import materialize
+from pdserve.engine.sampling import SamplingParams
 from tests.engine.test_engine_batching import run_staggered
 from tests.factories import chat_variants, load_reference
 from tests.logprobs import check_logprobs_close, engine_generation, hf_generation

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 from tests.factories import make_engine, random_prompts
 
 LENGTHS = [1, 7, 16, 17, 40, 64, 90, 130, 200]
@@ -127,7 +127,7 @@ def test_prefix_cache_hit_skips_computation_and_keeps_output(tiny_llama_dir):
     ("prompt", SamplingParams(max_tokens=1), [5] * 2048),
 ])
 def test_bad_requests_name_the_field_and_limit(tiny_llama_dir, field, params, prompt):
-    from engine.errors import InvalidRequestError
+    from pdserve.engine.errors import InvalidRequestError
 
     directory, _ = tiny_llama_dir
     engine = make_engine(directory, num_blocks=256)
@@ -139,7 +139,7 @@ def test_bad_requests_name_the_field_and_limit(tiny_llama_dir, field, params, pr
 
 
 def test_prompt_larger_than_the_whole_cache_is_rejected_not_queued_forever(tiny_llama_dir):
-    from engine.errors import InvalidRequestError
+    from pdserve.engine.errors import InvalidRequestError
 
     directory, _ = tiny_llama_dir
     engine = make_engine(directory, num_blocks=4)  # 64 token slots

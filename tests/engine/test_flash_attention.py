@@ -1,13 +1,13 @@
 """flash-attn backends against SDPA and a float32 reference. Runs only where CUDA and flash-attn are.
 
-Never run where it was written (no GPU there): see engine/attention_flash.py.
+Never run where it was written (no GPU there): see pdserve/engine/attention_flash.py.
 """
 
 import pytest
 import torch
 
-from engine.attention import build_context, select_backend
-from engine.sampling import SamplingParams
+from pdserve.engine.attention import build_context, select_backend
+from pdserve.engine.sampling import SamplingParams
 from tests.factories import make_engine, random_prompts
 
 pytestmark = pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""pdserve's fused decoder-layer kernels (engine/csrc/fused.cpp).
+"""pdserve's fused decoder-layer kernels (pdserve/engine/csrc/fused.cpp).
 
 ``rope_store_kv`` must give exactly the bits of the eager ops it replaces (split, RoPE as
 transformers writes it, ``index_put_`` into the cache), in every dtype: float32 output is
@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine.attention import AttentionBackend, build_context
-from engine.attention_paged import PagedAttention
-from engine.linear import PackedSiluAndMul, select_backend
-from engine.model import SiluAndMul
-from engine.rope import RotaryEmbedding
+from pdserve.engine import cpu_kernels
+from pdserve.engine.attention import AttentionBackend, build_context
+from pdserve.engine.attention_paged import PagedAttention
+from pdserve.engine.linear import PackedSiluAndMul, select_backend
+from pdserve.engine.model import SiluAndMul
+from pdserve.engine.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 + FMA")
 
@@ -96,8 +96,8 @@ def test_fused_ops_pass_torch_opcheck_for_compiled_graphs():
 
 def test_add_rms_norm_equals_the_add_then_the_norm():
     """The fused residual add rounds the sum to bfloat16 first, as ``h = h + sublayer(h)`` does."""
-    from engine.linear import PackedRMSNorm
-    from engine.model import RMSNorm
+    from pdserve.engine.linear import PackedRMSNorm
+    from pdserve.engine.model import RMSNorm
 
     norm = RMSNorm(576, 1e-5)
     norm.weight.data = (1 + 0.1 * torch.randn(576, generator=torch.Generator().manual_seed(2))).bfloat16()

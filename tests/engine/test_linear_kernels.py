@@ -1,4 +1,4 @@
-"""pdserve's CPU linear kernels (engine/csrc/linear*.cpp), bfloat16 and float32 weights:
+"""pdserve's CPU linear kernels (pdserve/engine/csrc/linear*.cpp), bfloat16 and float32 weights:
 batch invariance and accuracy, on every instruction-set path this processor runs (the
 ``kernel_path`` fixture; the paths it lacks are skipped and named in the output).
 
@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.linear import PackedLinear, PackedRMSNorm, select_backend
-from engine.model import RMSNorm
+from pdserve.engine import cpu_kernels
+from pdserve.engine.linear import PackedLinear, PackedRMSNorm, select_backend
+from pdserve.engine.model import RMSNorm
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 + FMA")
 
@@ -239,7 +239,7 @@ def test_pdserve_cpu_isa_pins_the_path_and_a_bad_name_is_a_clear_error(monkeypat
 
 
 def test_a_new_process_runs_the_path_the_variable_names():
-    code = "from engine import cpu_kernels; print(cpu_kernels.isa())"
+    code = "from pdserve.engine import cpu_kernels; print(cpu_kernels.isa())"
     env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -260,7 +260,7 @@ def test_a_path_the_processor_lacks_is_refused_before_anything_starts(monkeypatc
 
 def test_pdserve_serve_refuses_an_unknown_path_at_start():
     env = {**os.environ, "PDSERVE_CPU_ISA": "sse4"}
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "serve"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "serve"], env=env, capture_output=True, text=True,
                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 2
     assert "PDSERVE_CPU_ISA='sse4' is not a kernel path" in out.stderr

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from engine.errors import ModelLoadError
-from engine.loader import load_model, resolve_model_path
+from pdserve.engine.errors import ModelLoadError
+from pdserve.engine.loader import load_model, resolve_model_path
 import torch
 
 

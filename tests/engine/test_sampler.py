@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from engine.sampler import Sampler, SamplerRow
-from engine.sampling import SamplingParams
+from pdserve.engine.sampler import Sampler, SamplerRow
+from pdserve.engine.sampling import SamplingParams
 
 
 def rows(params, n=1, history=(1,)):

@@ -18,9 +18,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from engine.grammar import GrammarCompiler, GrammarKind, StructuredOutput
-from engine.sampler import Sampler, SamplerRow
-from engine.sampling import SamplingParams
+from pdserve.engine.grammar import GrammarCompiler, GrammarKind, StructuredOutput
+from pdserve.engine.sampler import Sampler, SamplerRow
+from pdserve.engine.sampling import SamplingParams
 
 META = torch.device("meta")
 V = 64

@@ -1,10 +1,10 @@
 """Scheduling policy on CPU with hand-built outputs: no model, no torch."""
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling import SamplingParams
-from engine.scheduler import SampledTokens, Scheduler
-from engine.sequence import FinishReason, Sequence, SeqStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import SampledTokens, Scheduler
+from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 
 
 def make(num_blocks=64, block_size=4, max_len=1000, **cfg):
@@ -213,7 +213,7 @@ def test_a_request_arriving_at_a_full_worker_preempts_nobody_that_grows_less():
     arriving at a worker full of limited ones is refused, as before, and nothing is preempted."""
     import pytest
 
-    from engine.errors import CacheCapacityError
+    from pdserve.engine.errors import CacheCapacityError
 
     sched, bm = make(num_blocks=3, block_size=4, max_len=1000)
     held = Sequence("limited", list(range(10, 17)) + [7], SamplingParams(max_tokens=4), num_prompt_tokens=7)

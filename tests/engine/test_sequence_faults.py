@@ -6,9 +6,9 @@ and its sequences are retried once on a fresh step before they fail."""
 
 import pytest
 
-from engine.errors import SequenceFailed, StepFailed
-from engine.grammar import GrammarKind, StructuredOutput
-from engine.sampling import SamplingParams
+from pdserve.engine.errors import SequenceFailed, StepFailed
+from pdserve.engine.grammar import GrammarKind, StructuredOutput
+from pdserve.engine.sampling import SamplingParams
 from tests.factories import fail_sampling_for, make_engine, nan_logits_for, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -5,8 +5,8 @@ everything else. The failure is injected into the sampler
 
 import pytest
 
-from engine.errors import StepFailed
-from engine.sampling import SamplingParams
+from pdserve.engine.errors import StepFailed
+from pdserve.engine.sampling import SamplingParams
 from tests.factories import fail_sampling_for, make_engine, random_prompts
 
 OVERFLOW = SamplingParams(max_tokens=4, temperature=0.7)  # the sampler fails for "bad"

@@ -4,9 +4,9 @@
 
 import threading
 
-from engine.engine_thread import EngineThread
-from engine.sampling import SamplingParams
-from engine.step_trace import StepShape, StepTrace, read, trace_path
+from pdserve.engine.engine_thread import EngineThread
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.step_trace import StepShape, StepTrace, read, trace_path
 from tests.factories import make_engine, random_prompts
 
 

@@ -8,9 +8,9 @@ import json
 import jsonschema
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.grammar import GrammarKind, StructuredOutput, resumed
-from engine.sampling import SamplingParams
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.grammar import GrammarKind, StructuredOutput, resumed
+from pdserve.engine.sampling import SamplingParams
 from tests.factories import make_engine
 
 # Every value is bounded (enum, boolean, short string), so random weights finish it well

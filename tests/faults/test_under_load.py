@@ -21,10 +21,10 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import ClusterConfig
-from cluster.local import LocalCluster
-from engine.config import CacheConfig, EngineConfig
-from protos import pdserve_pb2_grpc
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.local import LocalCluster
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.protos import pdserve_pb2_grpc
 from tests.serving.conftest import worker_stats
 from tests.serving.test_disaggregated import chat_request, collect
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.local import LocalCluster
-from engine.config import CacheConfig, EngineConfig
-from router.limits import RouterLimits
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.local import LocalCluster
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.router.limits import RouterLimits
 from tests.serving.conftest import all_stats
 
 LEASE_S = 120.0

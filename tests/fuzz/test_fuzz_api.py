@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protos import pdserve_pb2
-from router.validation import RequestLimits
+from pdserve.protos import pdserve_pb2
+from pdserve.router.validation import RequestLimits
 from tests.fuzz.conftest import assert_all_blocks_free, assert_no_process_died
 
 pytestmark = pytest.mark.slow
@@ -213,7 +213,7 @@ def test_zz_afterwards_nothing_died_blocks_are_free_and_greedy_equals_transforme
     assert_all_blocks_free(cluster)
     ref = reference.__wrapped__()
     with grpc.insecure_channel(cluster.address) as channel:
-        from protos import pdserve_pb2_grpc
+        from pdserve.protos import pdserve_pb2_grpc
 
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         ids, _, _ = collect(stub.Generate(chat_request(QUESTIONS[0], 16), timeout=120))

@@ -20,7 +20,7 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protos import admin_pb2, worker_pb2
+from pdserve.protos import admin_pb2, worker_pb2
 from tests.fuzz.conftest import assert_no_process_died
 from tests.fuzz.test_fuzz_api import CLIENT_TIMEOUT_S, PROTO_FLOATS, SAFE_TEXT, fuzz_settings
 
@@ -133,7 +133,7 @@ def test_internal_hostile_fields(cluster, method, cls, streams):
 
 
 def test_zz_afterwards_nothing_died_blocks_are_free_and_greedy_equals_transformers(cluster):
-    from protos import pdserve_pb2_grpc
+    from pdserve.protos import pdserve_pb2_grpc
     from tests.serving.test_disaggregated import QUESTIONS, assert_chat_greedy, chat_request, collect, reference
 
     assert_no_process_died(cluster)

@@ -6,7 +6,7 @@ prefill, a prefix-cache hit and a preemption. Never run on a GPU where it was wr
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 from tests.factories import NEAR_TIE, make_engine
 from tests.gpu.smol import check_device, hf_greedy, reference, teacher_forced_logprobs
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from engine.grammar import GrammarKind, StructuredOutput
-from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
+from pdserve.engine.grammar import GrammarKind, StructuredOutput
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
 from tests.factories import make_engine
 
 pytestmark = pytest.mark.cuda

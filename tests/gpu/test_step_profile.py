@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 from tests.factories import make_engine
 
 pytestmark = pytest.mark.cuda

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from kv_transfer import create_agent
-from protos import kv_transfer_pb2
+from pdserve.kv_transfer import create_agent
+from pdserve.protos import kv_transfer_pb2
 
 # (layers, K/V, tokens, kv heads, head dim) in bf16: 768 bytes per block, block-first.
 BLOCK_SHAPE = (2, 2, 4, 3, 8)

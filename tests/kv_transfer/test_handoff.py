@@ -2,7 +2,7 @@
 
 import pytest
 
-from kv_transfer.handoff import KVHandle, LeaseRefused, LeaseTable, ReleaseReason, reason_from_wire, release_request
+from pdserve.kv_transfer.handoff import KVHandle, LeaseRefused, LeaseTable, ReleaseReason, reason_from_wire, release_request
 
 
 def table_with_lease(ttl: float = 10.0):

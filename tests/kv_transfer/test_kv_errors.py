@@ -9,9 +9,9 @@ import pytest
 import torch
 from kv_helpers import BACKENDS, BLOCK_BYTES, make_cache
 
-from kv_transfer import (BackendUnavailable, InvalidTransferRequest, TransferError,
+from pdserve.kv_transfer import (BackendUnavailable, InvalidTransferRequest, TransferError,
                          TransferState, create_agent)
-from protos import kv_transfer_pb2
+from pdserve.protos import kv_transfer_pb2
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

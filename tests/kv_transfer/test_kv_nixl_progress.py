@@ -7,7 +7,7 @@ import time
 
 from kv_helpers import make_cache
 
-from kv_transfer import create_agent
+from pdserve.kv_transfer import create_agent
 
 
 def _cpu_seconds() -> float:

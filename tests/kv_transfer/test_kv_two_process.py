@@ -7,7 +7,7 @@ import pytest
 import torch
 from kv_helpers import BACKENDS, BLOCK_BYTES, Holder, make_cache, same_bytes
 
-from kv_transfer import TransferState, create_agent
+from pdserve.kv_transfer import TransferState, create_agent
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

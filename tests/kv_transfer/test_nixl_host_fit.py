@@ -14,10 +14,10 @@ import pytest
 import torch
 from kv_helpers import make_cache
 
-import kv_transfer.nixl_backend as nixl_backend
-from kv_transfer import create_agent
-from kv_transfer.errors import BackendUnavailable
-from kv_transfer.nixl_backend import _import_nixl, cuda_binder, nixl_modules_for
+import pdserve.kv_transfer.nixl_backend as nixl_backend
+from pdserve.kv_transfer import create_agent
+from pdserve.kv_transfer.errors import BackendUnavailable
+from pdserve.kv_transfer.nixl_backend import _import_nixl, cuda_binder, nixl_modules_for
 
 
 @pytest.mark.parametrize("cuda,modules", [(None, ("nixl_cu12", "nixl_cu13")), ("12.8", ("nixl_cu12",)),

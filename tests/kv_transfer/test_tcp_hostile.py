@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from kv_transfer import tcp_wire
+from pdserve.kv_transfer import tcp_wire
 
 NUM_BLOCKS, BLOCK_BYTES = 8, 64
 TOKEN = b"lease-token"

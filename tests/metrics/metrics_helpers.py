@@ -6,13 +6,13 @@ import asyncio
 
 import grpc
 
-from engine.sampling import SamplingParams
-from protos import pdserve_pb2, worker_pb2
-from router.frontend import ModelInfo, PreparedRequest
-from router.orchestrator import RequestRun
-from router.limits import RouterLimits
-from router.pool import WorkerClient, WorkerPool
-from wire import metrics
+from pdserve.engine.sampling import SamplingParams
+from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.router.frontend import ModelInfo, PreparedRequest
+from pdserve.router.orchestrator import RequestRun
+from pdserve.router.limits import RouterLimits
+from pdserve.router.pool import WorkerClient, WorkerPool
+from pdserve.wire import metrics
 
 
 def sample(name: str, **labels: str) -> float:

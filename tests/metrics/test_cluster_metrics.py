@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
 from tests.serving.conftest import all_stats, start_cluster
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wire import metrics, worker_metrics
+from pdserve.wire import metrics, worker_metrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 NAME = re.compile(r"pdserve:[A-Za-z0-9_:]+")
@@ -83,7 +83,7 @@ def test_every_query_names_only_exported_series(dashboard):
     for expr in exprs(dashboard):
         assert NAME.findall(expr), expr
         unknown = set(NAME.findall(expr)) - exported
-        assert not unknown, f"{expr}: {sorted(unknown)} not exported by wire/metrics.py"
+        assert not unknown, f"{expr}: {sorted(unknown)} not exported by pdserve/wire/metrics.py"
         assert expr.count("(") == expr.count(")"), expr
 
 

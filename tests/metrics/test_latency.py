@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from protos import admin_pb2
-from router.admin import RouterAdminService
+from pdserve.protos import admin_pb2
+from pdserve.router.admin import RouterAdminService
 from tests.metrics.metrics_helpers import FakeClock, FakeDecode, FakePrefill, fake_pool, request_run
-from wire.latency import RecentLatencies
+from pdserve.wire.latency import RecentLatencies
 
 
 def test_p90_is_the_nearest_rank_of_the_windows_observations():

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine.sampling import SamplingParams
-from prefill_worker.worker import PrefillWorker
+from pdserve.engine.sampling import SamplingParams
+from pdserve.prefill_worker.worker import PrefillWorker
 from tests.factories import make_engine, prefill_worker_config
 
 CHUNK = 128

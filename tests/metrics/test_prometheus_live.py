@@ -22,10 +22,10 @@ import urllib.request
 import pytest
 import yaml
 
-from cluster.autoscaling import from_mapping
-from cluster.config import ClusterConfig
-from cluster.local import LocalCluster
-from engine.config import CacheConfig, EngineConfig
+from pdserve.cluster.autoscaling import from_mapping
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.local import LocalCluster
+from pdserve.engine.config import CacheConfig, EngineConfig
 from tests.metrics.test_deploy import DEPLOY, graph_panels
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos import worker_pb2
-from wire import metrics, worker_metrics
+from pdserve.protos import worker_pb2
+from pdserve.wire import metrics, worker_metrics
 
 
 def exported_families() -> dict[str, str]:

@@ -3,8 +3,8 @@
 import pytest
 
 from tests.metrics.metrics_helpers import FakeClock, deltas, sample, samples
-from wire import metrics
-from wire.metrics import RequestMetrics
+from pdserve.wire import metrics
+from pdserve.wire.metrics import RequestMetrics
 
 TIMES = ("pdserve:time_to_first_token_seconds_sum", "pdserve:inter_token_latency_seconds_sum",
          "pdserve:e2e_request_latency_seconds_sum", "pdserve:request_decode_time_seconds_sum",

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from protos import pdserve_pb2, worker_pb2
-from router.frontend import ModelInfo
-from router.orchestrator import RouteError
-from router.limits import RouterLimits
-from router.service import GenerationService
-from router.pool import PoolLoad, WorkerClient, WorkerPool, pool_loads
+from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.router.frontend import ModelInfo
+from pdserve.router.orchestrator import RouteError
+from pdserve.router.limits import RouterLimits
+from pdserve.router.service import GenerationService
+from pdserve.router.pool import PoolLoad, WorkerClient, WorkerPool, pool_loads
 from tests.metrics.metrics_helpers import (FakeDecode, FakePrefill, LetterTokenizer, deltas, fake_pool,
                                            request_run, rpc_error, sample, samples)
 

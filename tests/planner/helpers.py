@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from planner.cost import CostModel
-from planner.hardware import HardwareProfile
-from planner.model_spec import ModelSpec
-from planner.simulator import ClusterSpec, Layout, Simulator
-from planner.trace import TraceRequest
-from planner.worker import EngineLimits
+from pdserve.planner.cost import CostModel
+from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.model_spec import ModelSpec
+from pdserve.planner.simulator import ClusterSpec, Layout, Simulator
+from pdserve.planner.trace import TraceRequest
+from pdserve.planner.worker import EngineLimits
 
 # A small model on a made-up device with round numbers, so expected times are easy to write.
 TINY = ModelSpec("tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -1,9 +1,9 @@
 import pytest
 
-from engine.config import model_config_from_hf
-from planner.cost import CostError, CostModel
-from planner.hardware import GPU_PROFILES, HardwareProfile, ProfileError, get_profile
-from planner.model_spec import PRESETS, ModelSpecError, get_model, spec_from_config
+from pdserve.engine.config import model_config_from_hf
+from pdserve.planner.cost import CostError, CostModel
+from pdserve.planner.hardware import GPU_PROFILES, HardwareProfile, ProfileError, get_profile
+from pdserve.planner.model_spec import PRESETS, ModelSpecError, get_model, spec_from_config
 from tests.factories import TINY_LLAMA
 from tests.planner.helpers import DEVICE, TINY, cost
 
@@ -100,7 +100,7 @@ def test_memory_utilization_sets_the_kv_capacity():
 
 
 def test_fitted_step_cost_applies_the_published_form_in_ms():
-    from planner.cost import FittedStepCost
+    from pdserve.planner.cost import FittedStepCost
 
     fit = FittedStepCost(cost(), prefill_ms=(10.0, 0.1, 1e-4), decode_small_ms=(20.0, 0.001, 0.5),
                          decode_large_ms=(5.0, 0.002, 1.0), large_batch=4)

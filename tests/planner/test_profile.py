@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from planner.cost import CostModel
-from planner.model_spec import PRESETS
-from planner.profile import Point, fit, measure
+from pdserve.planner.cost import CostModel
+from pdserve.planner.model_spec import PRESETS
+from pdserve.planner.profile import Point, fit, measure
 from tests.planner.helpers import DEVICE
 
 SMOL = PRESETS["SmolLM2-135M"]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from planner.simulator import ClusterSpec, Layout, Simulator
-from planner.worker import EngineLimits
+from pdserve.planner.simulator import ClusterSpec, Layout, Simulator
+from pdserve.planner.worker import EngineLimits
 from tests.planner.helpers import cost, requests
 
 
@@ -24,7 +24,7 @@ def test_indexed_routing_equals_the_full_scan(layout):
 
 
 def test_the_index_stays_the_size_of_the_pool_and_still_finds_the_minimum():
-    from planner.routing import RoutingIndex
+    from pdserve.planner.routing import RoutingIndex
 
     class W:
         def __init__(self, wid):

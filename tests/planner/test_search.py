@@ -7,15 +7,15 @@ import functools
 import pytest
 import yaml
 
-from cluster.autoscaling import from_mapping
-from cluster.cli import main
-from cluster.settings import serve_settings
-from planner.hardware import GPU_PROFILES
-from planner.metrics import Slo
-from planner.model_spec import PRESETS
-from planner.report import autoscaling_config
-from planner.search import PlanError, PlanRequest, plan
-from planner.synthetic import LengthMix
+from pdserve.cluster.autoscaling import from_mapping
+from pdserve.cluster.cli import main
+from pdserve.cluster.settings import serve_settings
+from pdserve.planner.hardware import GPU_PROFILES
+from pdserve.planner.metrics import Slo
+from pdserve.planner.model_spec import PRESETS
+from pdserve.planner.report import autoscaling_config
+from pdserve.planner.search import PlanError, PlanRequest, plan
+from pdserve.planner.synthetic import LengthMix
 
 BASE = PlanRequest(PRESETS["Llama-3.1-8B"], GPU_PROFILES["A100"], 20.0, LengthMix(755, 200, 0.5), Slo(0.5, 0.05),
                    tp_choices=(1,), num_requests=250, min_duration_s=8.0, modes=("disaggregated",))
@@ -82,7 +82,7 @@ def test_cli_rejects_a_bad_layout(capsys):
 
 
 def test_cli_replays_a_trace_the_router_wrote(tmp_path, capsys):
-    from router.request_trace import TraceWriter
+    from pdserve.router.request_trace import TraceWriter
 
     path = tmp_path / "router.jsonl"
     clock = iter(float(i) * 0.5 for i in range(40))

@@ -5,11 +5,11 @@ import math
 import numpy as np
 import pytest
 
-from cluster.autoscaling import pool_config
-from planner.autoscale import AutoscaleDriver
-from planner.metrics import SimResult, Slo, weighted_percentiles
-from planner.simulator import Layout
-from planner.worker import EngineLimits
+from pdserve.cluster.autoscaling import pool_config
+from pdserve.planner.autoscale import AutoscaleDriver
+from pdserve.planner.metrics import SimResult, Slo, weighted_percentiles
+from pdserve.planner.simulator import Layout
+from pdserve.planner.worker import EngineLimits
 from tests.planner.helpers import cost, requests, simulate
 
 
@@ -126,7 +126,7 @@ def test_weighted_percentiles():
 
 
 def test_first_crossing_interpolates_where_the_curve_falls_through_the_target():
-    from planner.metrics import first_crossing
+    from pdserve.planner.metrics import first_crossing
 
     assert first_crossing([1, 2, 3], [0.99, 0.95, 0.85], 0.9) == pytest.approx(2.5)
     assert first_crossing([1.6, 1.0, 0.4], [1.0, 0.95, 0.75], 0.9) == pytest.approx(1.0 - 0.6 * 0.25)

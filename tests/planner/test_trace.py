@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from planner.synthetic import LengthMix, bursty_day, poisson, shared_prefix
-from planner.trace import TraceError, TraceRequest, read_trace, write_trace
-from router.request_trace import TraceWriter
+from pdserve.planner.synthetic import LengthMix, bursty_day, poisson, shared_prefix
+from pdserve.planner.trace import TraceError, TraceRequest, read_trace, write_trace
+from pdserve.router.request_trace import TraceWriter
 
 
 def test_trace_round_trips_sorted(tmp_path):

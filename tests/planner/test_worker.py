@@ -1,6 +1,6 @@
 """The simulated worker applies the engine scheduler's rules to counts."""
 
-from planner.worker import EngineLimits, SimSeq, SimWorker
+from pdserve.planner.worker import EngineLimits, SimSeq, SimWorker
 from tests.planner.helpers import cost
 
 

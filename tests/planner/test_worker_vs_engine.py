@@ -7,12 +7,12 @@ size) per step must match, and every request must finish at the same step.
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling import SamplingParams
-from engine.scheduler import SampledTokens, Scheduler
-from engine.sequence import Sequence
-from planner.worker import EngineLimits, SimSeq, SimWorker
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import SampledTokens, Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.planner.worker import EngineLimits, SimSeq, SimWorker
 from tests.planner.helpers import cost
 
 

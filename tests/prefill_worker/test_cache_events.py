@@ -3,8 +3,8 @@ numbered log that serves them to routers' polls, and that held blocks are never 
 
 import pytest
 
-from engine.block_manager import NO_HASH, BlockManager, chain_hash
-from prefill_worker.cache_events import CacheEventLog
+from pdserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
+from pdserve.prefill_worker.cache_events import CacheEventLog
 
 
 def recording(bm: BlockManager) -> list[tuple[bytes, bool]]:

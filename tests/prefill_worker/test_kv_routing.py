@@ -10,19 +10,19 @@ import contextlib
 import pytest
 import torch
 
-from decode_worker.server import start as start_decode
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
-from engine.sampling import SamplingParams
-from kv_transfer.handoff import ReleaseReason
-from prefill_worker.server import start as start_prefill
-from prefill_worker.worker import PrefillWorker
-from protos import worker_pb2
-from router.frontend import ModelInfo, PreparedRequest
-from router.kv_index import prompt_block_hashes
-from router.kv_policy import RoutingConfig
-from router.orchestrator import RequestRun
-from router.limits import RouterLimits
-from router.pool import WorkerPool
+from pdserve.decode_worker.server import start as start_decode
+from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine.sampling import SamplingParams
+from pdserve.kv_transfer.handoff import ReleaseReason
+from pdserve.prefill_worker.server import start as start_prefill
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.protos import worker_pb2
+from pdserve.router.frontend import ModelInfo, PreparedRequest
+from pdserve.router.kv_index import prompt_block_hashes
+from pdserve.router.kv_policy import RoutingConfig
+from pdserve.router.orchestrator import RequestRun
+from pdserve.router.limits import RouterLimits
+from pdserve.router.pool import WorkerPool
 from tests.factories import assert_greedy_matches, load_reference, make_engine, prefill_worker_config, random_prompts
 from tests.metrics.metrics_helpers import LetterTokenizer, sample
 

@@ -3,8 +3,8 @@ prefill autoscaling signal) leaves out queued prompt tokens its prefix cache alr
 
 import asyncio
 
-from engine.sampling import SamplingParams
-from prefill_worker.worker import PrefillWorker
+from pdserve.engine.sampling import SamplingParams
+from pdserve.prefill_worker.worker import PrefillWorker
 from tests.factories import make_engine, prefill_worker_config, random_prompts
 
 SYSTEM = random_prompts(1, [48], seed=31)[0]  # 3 blocks of 16

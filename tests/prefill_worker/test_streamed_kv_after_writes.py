@@ -10,10 +10,10 @@ import types
 
 import torch
 
-import prefill_worker.worker as worker_module
-from kv_transfer.handoff import LeaseTable
-from prefill_worker.kv_stream import KVEarly, KVReady
-from prefill_worker.worker import PrefillWorker
+import pdserve.prefill_worker.worker as worker_module
+from pdserve.kv_transfer.handoff import LeaseTable
+from pdserve.prefill_worker.kv_stream import KVEarly, KVReady
+from pdserve.prefill_worker.worker import PrefillWorker
 
 
 class FakeEngine:
@@ -61,6 +61,6 @@ def test_nothing_new_waits_for_nothing(monkeypatch):
 
 
 def test_the_wait_is_a_no_op_on_the_cpu():
-    from engine.device import wait_for_writes
+    from pdserve.engine.device import wait_for_writes
 
     wait_for_writes(torch.device("cpu"))  # must not touch torch.cuda (absent here)

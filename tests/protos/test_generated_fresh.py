@@ -1,4 +1,4 @@
-"""The committed generated protobuf code matches what protos/generate.py produces."""
+"""The committed generated protobuf code matches what pdserve/protos/generate.py produces."""
 
 import shutil
 import subprocess
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GENERATE = REPO_ROOT / "protos" / "generate.py"
+GENERATE = REPO_ROOT / "pdserve" / "protos" / "generate.py"
 
 
 def _run_check(root: Path) -> subprocess.CompletedProcess:
@@ -20,14 +20,14 @@ def test_committed_generated_code_is_fresh():
 
 
 def test_check_names_stale_and_orphaned_files(tmp_path):
-    # A copy of protos/ with one generated file edited and one orphan: --check must fail
+    # A copy of pdserve/protos/ with one generated file edited and one orphan: --check must fail
     # and name both, otherwise the freshness test above could never fail.
-    shutil.copytree(REPO_ROOT / "protos", tmp_path / "protos",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    stale = tmp_path / "protos" / "kv_transfer_pb2.py"
+    copy = tmp_path / "pdserve" / "protos"
+    shutil.copytree(REPO_ROOT / "pdserve" / "protos", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    stale = copy / "kv_transfer_pb2.py"
     stale.write_text(stale.read_text() + "\n# hand edit\n")
-    (tmp_path / "protos" / "gone_pb2.py").write_text("")
+    (copy / "gone_pb2.py").write_text("")
     result = _run_check(tmp_path)
     assert result.returncode == 1
-    assert "protos/kv_transfer_pb2.py: stale" in result.stderr
-    assert "protos/gone_pb2.py: orphaned" in result.stderr
+    assert "pdserve/protos/kv_transfer_pb2.py: stale" in result.stderr
+    assert "pdserve/protos/gone_pb2.py: orphaned" in result.stderr

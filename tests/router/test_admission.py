@@ -8,9 +8,9 @@ import dataclasses
 import grpc
 import pytest
 
-from protos import worker_pb2
-from router.http_api import _as_http_error
-from router.orchestrator import RouteError
+from pdserve.protos import worker_pb2
+from pdserve.router.http_api import _as_http_error
+from pdserve.router.orchestrator import RouteError
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run, sample
 
 

@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import aiohttp
 import grpc
 
-from protos import pdserve_pb2, pdserve_pb2_grpc
-from router import http_api
-from router.auth import ApiKeyInterceptor
-from router.frontend import ModelInfo
-from router.limits import RouterLimits
-from router.service import GenerationService
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router import http_api
+from pdserve.router.auth import ApiKeyInterceptor
+from pdserve.router.frontend import ModelInfo
+from pdserve.router.limits import RouterLimits
+from pdserve.router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
-from wire.grpc_util import aio_server, bind
+from pdserve.wire.grpc_util import aio_server, bind
 
 KEY = "sk-tenant-secret-123"
 

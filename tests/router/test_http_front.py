@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from router import http_api
-from router.frontend import ModelInfo
-from router.limits import RouterLimits
-from router.service import GenerationService
-from router.validation import RequestLimits
+from pdserve.router import http_api
+from pdserve.router.frontend import ModelInfo
+from pdserve.router.limits import RouterLimits
+from pdserve.router.service import GenerationService
+from pdserve.router.validation import RequestLimits
 from tests.router.test_overload import SlowPrefill
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
 

@@ -4,10 +4,10 @@ are the longest runs of consecutive cached blocks."""
 
 import random
 
-from engine.block_manager import BlockManager
-from prefill_worker.cache_events import CacheEventBatch, CacheEventLog
-from protos import worker_pb2
-from router.kv_index import KVIndex, prompt_block_hashes
+from pdserve.engine.block_manager import BlockManager
+from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
+from pdserve.protos import worker_pb2
+from pdserve.router.kv_index import KVIndex, prompt_block_hashes
 
 
 def wire(batch: CacheEventBatch) -> worker_pb2.CacheEvents:

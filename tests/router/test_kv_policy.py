@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from router.kv_policy import (POLICIES, RoutingConfig, choose_prefill, pick_prefill_kv, pick_prefill_round_robin)
-from router.policy import WorkerSnapshot
+from pdserve.router.kv_policy import (POLICIES, RoutingConfig, choose_prefill, pick_prefill_kv, pick_prefill_round_robin)
+from pdserve.router.policy import WorkerSnapshot
 
 KV = RoutingConfig()
 

@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 
-from protos import worker_pb2
-from router.liveness import is_hung, observe
-from router.pool import WorkerClient, WorkerPool
+from pdserve.protos import worker_pb2
+from pdserve.router.liveness import is_hung, observe
+from pdserve.router.pool import WorkerClient, WorkerPool
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run
 
 HANG_S = 5.0
@@ -74,7 +74,7 @@ def test_the_pool_stops_routing_to_a_hung_worker_and_tells_its_requests(monkeypa
 
 async def _pool_sequence(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr("router.pool.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("pdserve.router.pool.time.monotonic", lambda: clock[0])
     pool = WorkerPool(hang_timeout_s=HANG_S)
     stub = FakeStub()
     w = pool.workers["d:1"] = WorkerClient("decode", "d:1", channel=None, stub=stub)

@@ -1,10 +1,10 @@
-"""The local-prefill rule (router/local_prefill.py): pure, checked over a grid of inputs."""
+"""The local-prefill rule (pdserve/router/local_prefill.py): pure, checked over a grid of inputs."""
 
 import itertools
 
 import pytest
 
-from router.local_prefill import Decision, LocalPrefillConfig, Reason, decide
+from pdserve.router.local_prefill import Decision, LocalPrefillConfig, Reason, decide
 
 PROMPTS = (1, 2, 63, 64, 65, 255, 256, 257, 4096)
 LOADS = (0.0, 0.1, 0.49, 0.5, 0.51, 0.99, 1.0)

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from router import http_api
-from router.client_work import INLINE_BYTES
-from router.frontend import ModelInfo
-from router.limits import RouterLimits
-from router.service import GenerationService
+from pdserve.router import http_api
+from pdserve.router.client_work import INLINE_BYTES
+from pdserve.router.frontend import ModelInfo
+from pdserve.router.limits import RouterLimits
+from pdserve.router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
 
 FLOOD = 20

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from protos import pdserve_pb2
-from router.openai_format import Choice, completion_response
-from router.validation import HttpError, parse_body
+from pdserve.protos import pdserve_pb2
+from pdserve.router.openai_format import Choice, completion_response
+from pdserve.router.validation import HttpError, parse_body
 
 
 def to_generate_request(body, chat, model):

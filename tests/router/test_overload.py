@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from protos import pdserve_pb2, worker_pb2
-from router.frontend import ModelInfo
-from router.orchestrator import RouteError
-from router.limits import RouterLimits
-from router.service import GenerationService
+from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.router.frontend import ModelInfo
+from pdserve.router.orchestrator import RouteError
+from pdserve.router.limits import RouterLimits
+from pdserve.router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
 
 
@@ -214,7 +214,7 @@ def test_a_silent_decode_stream_migrates_after_the_idle_timeout():
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
 def test_a_bad_client_timeout_is_invalid(value):
-    from engine.errors import InvalidRequestError
+    from pdserve.engine.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError) as err:
         service(FakePrefill()).timeout_s(value)

@@ -1,8 +1,8 @@
 """The router's local load accounting between two stats polls, and turn-taking among idle workers."""
 
-from protos import worker_pb2
-from router.policy import pick_decode
-from router.pool import WorkerClient, WorkerPool
+from pdserve.protos import worker_pb2
+from pdserve.router.policy import pick_decode
+from pdserve.router.pool import WorkerClient, WorkerPool
 
 
 def client():
@@ -43,7 +43,7 @@ def test_idle_workers_take_turns_for_requests_one_at_a_time():
 def test_a_prefill_worker_whose_kv_transfers_keep_failing_is_down_for_routing():
     """Its Stats answer fine (a worker restarted under the same address, say), so only the
     failed pulls tell; a success in between starts the count again."""
-    from router.pool import MAX_TRANSFER_FAILURES
+    from pdserve.router.pool import MAX_TRANSFER_FAILURES
 
     pool = WorkerPool()
     bad, good = (WorkerClient("prefill", a, channel=None, stub=None, healthy=True) for a in ("bad:1", "good:1"))

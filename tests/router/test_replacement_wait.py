@@ -8,10 +8,10 @@ import asyncio
 import grpc
 import pytest
 
-from protos import worker_pb2
-from router.orchestrator import RouteError
-from router.policy import WorkerSnapshot, pick_decode, pick_prefill
-from router.pool import WorkerClient
+from pdserve.protos import worker_pb2
+from pdserve.router.orchestrator import RouteError
+from pdserve.router.policy import WorkerSnapshot, pick_decode, pick_prefill
+from pdserve.router.pool import WorkerClient
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run
 
 

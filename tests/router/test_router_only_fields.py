@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from protos import pdserve_pb2, pdserve_pb2_grpc
-from router.frontend import ModelInfo
-from router.limits import RouterLimits
-from router.service import GenerationService
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.frontend import ModelInfo
+from pdserve.router.limits import RouterLimits
+from pdserve.router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
-from wire.grpc_util import aio_server, bind
+from pdserve.wire.grpc_util import aio_server, bind
 
 
 def generate(request: pdserve_pb2.GenerateRequest) -> tuple[grpc.StatusCode, str, str]:

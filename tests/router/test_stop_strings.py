@@ -5,7 +5,7 @@ cancels the decode worker's request at once. Fake worker stubs (no model needed)
 import asyncio
 import dataclasses
 
-from protos import pdserve_pb2
+from pdserve.protos import pdserve_pb2
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, _DecodeCall, fake_pool, request_run
 
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from router.tool_parsers import HermesParser, Llama3JsonParser, ToolCallStream, choose
-from router.tools import ToolOutput, ToolPlan, message
-from router.validation import HttpError, parse_body
+from pdserve.router.tool_parsers import HermesParser, Llama3JsonParser, ToolCallStream, choose
+from pdserve.router.tools import ToolOutput, ToolPlan, message
+from pdserve.router.validation import HttpError, parse_body
 from tests.factories import TOOLS_CHAT_TEMPLATE
 
 HERMES = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'

@@ -7,7 +7,7 @@ Host a is ``10.77.0.1`` and runs the Ray head (with the custom resource ``prefil
 host b is ``10.77.0.2`` and runs a second Ray node (``decode_nodes``). Each namespace has only
 its loopback and its end of the veth, so a server reachable from the other host must bind its
 namespace's veth address, and one advertising ``127.0.0.1`` points the peer at itself. A
-default route through the veth lets Ray and our ``wire.address`` find each node's address; no
+default route through the veth lets Ray and our ``pdserve.wire.address`` find each node's address; no
 other network is reachable from inside.
 
 Everything started inside is found again through ``ip netns pids`` and killed on the way out,

@@ -24,13 +24,13 @@ import openai  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.local import LocalCluster  # noqa: E402
-from cluster.placement import PoolPlacement  # noqa: E402
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
-from wire import tls  # noqa: E402
-from wire.grpc_util import channel  # noqa: E402
+from pdserve.cluster.config import ClusterConfig  # noqa: E402
+from pdserve.cluster.local import LocalCluster  # noqa: E402
+from pdserve.cluster.placement import PoolPlacement  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from pdserve.wire import tls  # noqa: E402
+from pdserve.wire.grpc_util import channel  # noqa: E402
 
 
 def chat(question: str, max_tokens: int) -> pdserve_pb2.GenerateRequest:
@@ -72,11 +72,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ttft-lengths", nargs="*", type=int, default=[])
     ap.add_argument("--ttft-repeats", type=int, default=5)
-    ap.add_argument("--tls-dir", type=Path, default=None, help="python -m cluster.certs output: mTLS inside")
+    ap.add_argument("--tls-dir", type=Path, default=None, help="python -m pdserve.cluster.certs output: mTLS inside")
     args = ap.parse_args()
     split = args.ray_address is not None
     role_tls = ()
-    if args.tls_dir:  # each role its own identity (wire.internal_plane), as python -m cluster.certs writes them
+    if args.tls_dir:  # each role its own identity (wire.internal_plane), as python -m pdserve.cluster.certs writes them
         d = args.tls_dir
         role_tls = tuple((role, tls.load(str(d / f"{role}.pem"), str(d / f"{role}.key"), str(d / "ca.pem"),
                                          prefix="tls")) for role in ("router", "prefill", "decode", "controller"))

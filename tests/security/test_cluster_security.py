@@ -18,14 +18,14 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.certs import COMPONENTS, issue, make_ca
-from cluster.config import ClusterConfig
-from cluster.local import LocalCluster
-from engine.config import CacheConfig, EngineConfig
-from protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.cluster.certs import COMPONENTS, issue, make_ca
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.local import LocalCluster
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.serving.test_disaggregated import chat_request, collect, assert_chat_greedy, reference  # noqa: F401
-from wire import tls
-from wire.grpc_util import channel
+from pdserve.wire import tls
+from pdserve.wire.grpc_util import channel
 
 pytestmark = pytest.mark.slow
 

@@ -10,13 +10,13 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from cluster.certs import COMPONENTS, issue, make_ca
-from protos import admin_pb2, admin_pb2_grpc, kv_transfer_pb2, worker_pb2, worker_pb2_grpc
-from wire import tls
-from wire.grpc_util import aio_channel
-from wire.internal_plane import InsecureInternalError, check_bind
-from wire.server import start_server
-from wire.tls import INTERNAL_SERVER_NAME
+from pdserve.cluster.certs import COMPONENTS, issue, make_ca
+from pdserve.protos import admin_pb2, admin_pb2_grpc, kv_transfer_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.wire import tls
+from pdserve.wire.grpc_util import aio_channel
+from pdserve.wire.internal_plane import InsecureInternalError, check_bind
+from pdserve.wire.server import start_server
+from pdserve.wire.tls import INTERNAL_SERVER_NAME
 
 OK, DENIED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED
 

@@ -8,13 +8,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.certs import issue, make_ca
-from protos import worker_pb2, worker_pb2_grpc
-from router.auth import ApiKeyError, ApiKeyInterceptor, read_key
-from wire import tls
-from wire.address import resolve
-from wire.grpc_util import aio_channel, aio_server, bind
-from wire.server import add_health, set_serving
+from pdserve.cluster.certs import issue, make_ca
+from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.router.auth import ApiKeyError, ApiKeyInterceptor, read_key
+from pdserve.wire import tls
+from pdserve.wire.address import resolve
+from pdserve.wire.grpc_util import aio_channel, aio_server, bind
+from pdserve.wire.server import add_health, set_serving
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +148,8 @@ def test_https_front_with_api_key(certs):
     import urllib.request
     from types import SimpleNamespace
 
-    from router import http_api
-    from router.limits import RouterLimits
+    from pdserve.router import http_api
+    from pdserve.router.limits import RouterLimits
 
     public = tls.load(str(certs["router"].cert), str(certs["router"].key), None, prefix="public_tls",
                       require_ca=False)
@@ -185,9 +185,9 @@ def test_tcp_block_server_binds_one_address_and_advertises_another():
     advertised one (before, it always bound and advertised 127.0.0.1)."""
     import socket
 
-    from kv_transfer.tcp_backend import TcpAgent
+    from pdserve.kv_transfer.tcp_backend import TcpAgent
     from tests.kv_transfer.kv_helpers import make_cache
-    from wire.address import Endpoint, transfer_listen_opts
+    from pdserve.wire.address import Endpoint, transfer_listen_opts
 
     opts = transfer_listen_opts("tcp", Endpoint("127.0.0.2", "node-b.internal"))
     assert transfer_listen_opts("nixl", Endpoint("0.0.0.0", "x")) == {}  # a wildcard: UCX's default

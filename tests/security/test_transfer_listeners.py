@@ -10,15 +10,15 @@ import socket
 import pytest
 import torch
 
-from cluster.certs import issue, make_ca
-from kv_transfer import TransferState, create_agent
-from kv_transfer.handoff import ReleaseReason, release_request
-from protos import worker_pb2
+from pdserve.cluster.certs import issue, make_ca
+from pdserve.kv_transfer import TransferState, create_agent
+from pdserve.kv_transfer.handoff import ReleaseReason, release_request
+from pdserve.protos import worker_pb2
 from tests.decode_worker.test_lease_handoff import PROMPT, cluster, decode, prefill_one, stats
 from tests.factories import make_engine
 from tests.kv_transfer.kv_helpers import make_cache
-from wire import tls
-from wire.address import Endpoint, interface_of, transfer_listen_opts
+from pdserve.wire import tls
+from pdserve.wire.address import Endpoint, interface_of, transfer_listen_opts
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_workers_with_mtls_move_kv_over_tls_and_refuse_a_plain_reader(tiny_llama
     """With mTLS on, the workers' tcp KV path is TLS: a reader without a certificate that holds a
     claimed lease's token still gets nothing; the rightful decode worker reads it."""
     model_dir = tiny_llama_dir[0]
-    from engine.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
     expected = make_engine(model_dir).generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0,
                                                                         ignore_eos=True))[0].token_ids
 

@@ -5,11 +5,11 @@ import dataclasses
 import grpc
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.local import LocalCluster
-from engine.config import CacheConfig, EngineConfig
-from protos import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.limits import RouterLimits
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.local import LocalCluster
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.protos import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.router.limits import RouterLimits
 
 # Every KV read is held back this long so a test can see the first token arrive before the
 # decode worker has its KV (the fault-injection hook of kv_transfer).

@@ -14,11 +14,11 @@ import grpc
 import pytest
 import torch
 
-from cluster.autoscaling import pool_config
-from cluster.config import ClusterConfig
-from cluster.local import LocalCluster
-from engine.config import CacheConfig, EngineConfig
-from protos import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.cluster.autoscaling import pool_config
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.local import LocalCluster
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

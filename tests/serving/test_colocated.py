@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import ray
 
-from cluster.mode import COLOCATED
+from pdserve.cluster.mode import COLOCATED
 from tests.serving.conftest import start_cluster, worker_stats
 from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401
 
@@ -44,7 +44,7 @@ def wait_healthy(http_address: str, timeout_s: float = 30.0) -> None:
 def test_colocated_serves_transformers_greedy_and_survives_a_worker_death(reference):
     import grpc
 
-    from protos import pdserve_pb2_grpc
+    from pdserve.protos import pdserve_pb2_grpc
 
     # No supervisor: the router alone must survive the dead worker.
     cluster = start_cluster(num_prefill=0, num_decode=2, delay_s=0.0, supervise_interval_s=None, mode=COLOCATED)

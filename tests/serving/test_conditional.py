@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
-from protos import pdserve_pb2_grpc
-from router.local_prefill import LocalPrefillConfig
-from router.limits import RouterLimits
+from pdserve.protos import pdserve_pb2_grpc
+from pdserve.router.local_prefill import LocalPrefillConfig
+from pdserve.router.limits import RouterLimits
 from tests.serving.conftest import start_cluster, worker_stats
 from tests.serving.test_colocated import get, wait_healthy
 from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401

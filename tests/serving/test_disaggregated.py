@@ -7,8 +7,8 @@ import grpc
 import pytest
 import torch
 
-from engine.loader import materialize
-from protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.engine.loader import materialize
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, chat_variants, load_reference
 from tests.serving.conftest import LEASE_S, TRANSFER_DELAY_S, all_stats, worker_stats
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 import ray
 
-from protos import pdserve_pb2
+from pdserve.protos import pdserve_pb2
 from tests.serving.conftest import all_stats, start_cluster, worker_stats
 from tests.serving.test_disaggregated import chat_request, collect
 
@@ -38,7 +38,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def stub(cluster):
-    from protos import pdserve_pb2_grpc
+    from pdserve.protos import pdserve_pb2_grpc
 
     with grpc.insecure_channel(cluster.address) as ch:
         yield pdserve_pb2_grpc.GenerationStub(ch)

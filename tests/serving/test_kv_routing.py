@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 import torch
 
-from engine.loader import materialize
-from protos import pdserve_pb2
+from pdserve.engine.loader import materialize
+from pdserve.protos import pdserve_pb2
 from tests.factories import assert_greedy_matches, load_reference
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import materialize
+from pdserve.engine.loader import materialize
 from tests.serving.test_disaggregated import reference  # noqa: F401  (module fixture: transformers)
 
 pytestmark = pytest.mark.slow

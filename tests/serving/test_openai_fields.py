@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from protos import pdserve_pb2
+from pdserve.protos import pdserve_pb2
 from tests.serving.test_disaggregated import reference  # noqa: F401  (module fixture: transformers)
 
 pytestmark = pytest.mark.slow

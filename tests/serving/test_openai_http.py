@@ -7,7 +7,7 @@ import urllib.request
 import openai
 import pytest
 
-from protos import pdserve_pb2
+from pdserve.protos import pdserve_pb2
 from tests.serving.test_disaggregated import assert_all_blocks_free, chat_request, collect
 
 pytestmark = pytest.mark.slow

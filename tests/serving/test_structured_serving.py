@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from protos import pdserve_pb2
+from pdserve.protos import pdserve_pb2
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import ray
 
-from protos import admin_pb2, admin_pb2_grpc, pdserve_pb2_grpc
+from pdserve.protos import admin_pb2, admin_pb2_grpc, pdserve_pb2_grpc
 from tests.serving.conftest import start_cluster, worker_stats
 from tests.serving.test_disaggregated import chat_request, collect
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from wire.grpc_util import KEEPALIVE_TIME_MS, aio_channel, aio_server, bind
+from pdserve.wire.grpc_util import KEEPALIVE_TIME_MS, aio_channel, aio_server, bind
 
 
 class _Health(health_pb2_grpc.HealthServicer):

@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine.grammar import GrammarKind, StructuredOutput
-from engine.sampling import SamplingParams
-from protos import pdserve_pb2
-from wire.convert import sampling_from_proto, sampling_to_proto
+from pdserve.engine.grammar import GrammarKind, StructuredOutput
+from pdserve.engine.sampling import SamplingParams
+from pdserve.protos import pdserve_pb2
+from pdserve.wire.convert import sampling_from_proto, sampling_to_proto
 
 
 @pytest.mark.parametrize("so", [StructuredOutput(GrammarKind.JSON_SCHEMA, '{"type": "object"}', 3),

@@ -10,11 +10,11 @@ import threading
 import grpc
 import pytest
 
-from prefill_worker.server import start
-from prefill_worker.worker import PrefillWorker
-from protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.prefill_worker.server import start
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories import make_engine, prefill_worker_config, random_prompts
-from wire.grpc_util import aio_channel
+from pdserve.wire.grpc_util import aio_channel
 
 
 def prefill_request(rid: str, prompt) -> worker_pb2.PrefillRequest:

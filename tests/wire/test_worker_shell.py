@@ -9,13 +9,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.engine_thread import EngineThread
-from prefill_worker.server import start
-from prefill_worker.worker import PrefillWorker
-from protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.engine.engine_thread import EngineThread
+from pdserve.prefill_worker.server import start
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories import fail_sampling_for, make_engine, nan_logits_for, prefill_worker_config, random_prompts
-from wire.failure import Failure, failure_of
-from wire.grpc_util import aio_channel
+from pdserve.wire.failure import Failure, failure_of
+from pdserve.wire.grpc_util import aio_channel
 
 
 @pytest.fixture
@@ -153,7 +153,7 @@ def test_sigterm_drains_a_worker_process_then_it_exits_0(tiny_llama_dir):
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wire.worker_process", "prefill", "--model", str(tiny_llama_dir[0]),
+        [sys.executable, "-m", "pdserve.wire.worker_process", "prefill", "--model", str(tiny_llama_dir[0]),
          "--kv-transfer-backend", "tcp", "--num-blocks", "64", "--drain-grace-s", "120"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
@@ -189,7 +189,7 @@ def test_pin_process_moves_every_thread_and_sizes_torch_to_the_cores():
     import subprocess
     import sys
 
-    code = ("import os, threading, torch; from wire.worker_shell import pin_process; "
+    code = ("import os, threading, torch; from pdserve.wire.worker_shell import pin_process; "
             "t = threading.Thread(target=threading.Event().wait, daemon=True); t.start(); "
             "pin_process([0]); "
             "print(sorted({tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir('/proc/self/task')}), "
@@ -200,7 +200,7 @@ def test_pin_process_moves_every_thread_and_sizes_torch_to_the_cores():
 
 
 def test_a_worker_with_a_step_trace_dir_traces_its_engine_steps(engine, tmp_path):
-    from engine.step_trace import read, trace_path
+    from pdserve.engine.step_trace import read, trace_path
 
     config = prefill_worker_config(worker_id="prefill-7", kv_transfer_backend="tcp", step_trace_dir=str(tmp_path))
     worker = PrefillWorker(config, engine=engine)
@@ -227,9 +227,9 @@ def test_stats_count_the_blocks_of_requests_without_a_limit(tiny_llama_dir):
     the context's end, which the router counts as room for a request with a limit (issue 25)."""
     from types import SimpleNamespace
 
-    from engine.sampling import SamplingParams
-    from kv_transfer.base import TransferStats
-    from wire.stats import worker_stats
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.kv_transfer.base import TransferStats
+    from pdserve.wire.stats import worker_stats
 
     eng = make_engine(tiny_llama_dir[0])
     prompt = list(range(1, 40))  # 39 tokens + the first: 3 blocks of 16

@@ -1,0 +1,118 @@
+"""Make a test CA and per-component certificates for the internal plane's mTLS.
+
+    python -m pdserve.cluster.certs DIR [--components router prefill decode controller] [--days 30]
+
+writes ``DIR/ca.pem`` (and ``ca.key``, keep it off the cluster), and for each component
+``DIR/<name>.pem`` + ``DIR/<name>.key``. Every component certificate is both a server and a
+client certificate, carries the DNS name ``pdserve.internal`` that internal channels check
+(``pdserve.wire.tls``), and has the common name ``pdserve-<component>``: its role on the internal
+plane, where each RPC accepts only the roles that need it (``pdserve.wire.internal_plane``).
+Then: ``pdserve serve --tls-dir DIR`` (each role its own identity).
+
+``--public-names`` also makes ``public.pem``: a server-only certificate for the public API,
+without ``pdserve.internal`` and without clientAuth, so that whoever holds the ingress key
+cannot call the internal plane with it.
+
+For production use a real CA; this one is for tests and trials (EC P-256, short-lived).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from pdserve.wire.tls import INTERNAL_SERVER_NAME
+
+COMPONENTS = ("router", "prefill", "decode", "controller")
+
+
+@dataclass(frozen=True)
+class Issued:
+    cert: Path
+    key: Path
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdserve"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _write(out: Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Issued:
+    cert_path, key_path = out / f"{stem}.pem", out / f"{stem}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.touch(mode=0o600)
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return Issued(cert_path, key_path)
+
+
+def make_ca(out: Path, days: int = 30, name: str = "pdserve test CA") -> Issued:
+    """A self-signed CA in ``out/ca.pem`` / ``out/ca.key``."""
+    out.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return _write(out, "ca", cert, key)
+
+
+def issue(ca: Issued, out: Path, component: str, days: int = 30, extra_names: tuple[str, ...] = (),
+          public: bool = False) -> Issued:
+    """A certificate for ``component`` signed by ``ca``, valid as server and client, naming
+    ``pdserve.internal`` and ``extra_names`` (host names or IPs). ``public``: a server-only
+    certificate naming ``extra_names`` alone (the public API's)."""
+    ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    names: list[x509.GeneralName] = [] if public else [x509.DNSName(INTERNAL_SERVER_NAME)]
+    for extra in extra_names:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(extra)))
+        except ValueError:
+            names.append(x509.DNSName(extra))
+    cert = (x509.CertificateBuilder().subject_name(_name(f"pdserve-{component}")).issuer_name(ca_cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH] if public else
+                                                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return _write(out, component, cert, key)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.cluster.certs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--components", nargs="+", default=list(COMPONENTS))
+    parser.add_argument("--days", type=int, default=30)
+    parser.add_argument("--public-names", nargs="*", default=[],
+                        help="also make public.pem/public.key for these host names or IPs (public API TLS)")
+    args = parser.parse_args(argv)
+    ca = make_ca(args.out, args.days)
+    for component in args.components:
+        issue(ca, args.out, component, args.days)
+    if args.public_names:
+        issue(ca, args.out, "public", args.days, tuple(args.public_names), public=True)
+    print(f"wrote {ca.cert} and {len(args.components)} component certificate(s) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

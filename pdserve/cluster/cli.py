@@ -1,0 +1,281 @@
+"""The ``pdserve`` command.
+
+    pdserve serve [MODEL]            start a local cluster (router + workers as Ray actors)
+    pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
+    pdserve stop --address RAY       drain and stop it
+    pdserve generate "PROMPT"        stream a completion from a running cluster
+    pdserve worker --role ROLE       one role as a plain process, without Ray (pdserve/cluster/worker_cli.py)
+    pdserve plan                     size prefill and decode pools (simulated; pdserve/planner/)
+    pdserve profile                  fit the CPU cost profile to this machine's engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from pdserve.cluster import shutdown
+from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, SettingsError, add_arguments, flag_type, resolve
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="start the cluster with a model (default: SmolLM2-135M-Instruct)",
+                       description="Start a router, prefill workers and decode workers as Ray actors. "
+                                   "Settings come from flags, PDSERVE_* variables and --config FILE.yaml, "
+                                   "in that order of precedence.")
+    p.add_argument("--version", action="version", version=f"pdserve {version()}")
+    p.add_argument("--detach", action="store_true",
+                   help="with --address: return once the cluster serves, and leave it running (pdserve stop ends it)")
+    add_arguments(p)
+
+
+def _cluster_parsers(sub) -> None:
+    for name, help_ in (("status", "the endpoints and processes of a cluster started with --address"),
+                        ("stop", "drain and stop a cluster started with --address")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--address", required=True, help="the Ray cluster's address (serve's --address)")
+        p.add_argument("--cluster-name", default="pdserve", help="the cluster's Ray namespace (serve's --cluster-name)")
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print the status as one JSON object")
+        else:
+            grace = DRAIN_GRACE_SECONDS
+            p.add_argument(grace.flag, type=flag_type(grace), default=grace.default,
+                           help=f"{grace.help} (default {grace.default:g})")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="stream a completion from a running cluster")
+    p.add_argument("prompt")
+    p.add_argument("--address", default="127.0.0.1:50051", help="the router's gRPC address (serve's --grpc-port)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    p.add_argument("--api-key", default=None, help="the server's API key (default: env PDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", default=None, help="verify a TLS public API against this CA (PEM)")
+
+
+def serve(args) -> int:
+    from pdserve.cluster.autoscaling import AutoscaleConfigError
+    from pdserve.cluster.local import LocalCluster
+    from pdserve.cluster.serve_config import build
+    from pdserve.router.auth import ApiKeyError
+    from pdserve.wire import tls
+    from pdserve.wire.logs import configure
+
+    from pdserve.engine.cpu_kernels import check_requested_isa
+
+    try:
+        v = resolve(args)
+        config = build(v)
+        check_requested_isa()  # a KernelPathError is a ValueError too
+    except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError, ValueError) as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)  # ValueError: ClusterConfig's checks across settings
+        return 2
+    if config.ray_address:
+        return _serve_on_ray(config, v, args.detach)
+    configure(config.log, "controller")  # the autoscaler and supervisor log from this process
+    cluster = LocalCluster(config)
+    stop = threading.Event()
+    _on_stop_signals(stop)
+    shutdown.become_subreaper()  # every process Ray starts stays ours to end (cluster.shutdown)
+    try:
+        cluster.start()
+        _on_stop_signals(stop)  # ray.init (in start) installed its own SIGTERM handler: ours again
+        http = f"OpenAI HTTP API on http://{cluster.http_address}/v1, " if cluster.http_address else ""
+        print(f"pdserve: {http}gRPC API listening on {cluster.address}, serving {', '.join(config.served_model_names)} "
+              f"({v['prefill']} prefill, {v['decode']} decode worker(s)); Ctrl-C stops", flush=True)
+        stop.wait()
+        grace_s = v["drain_grace_seconds"]
+        # Whatever the stop waits on, the process ends in time (TERM_WAIT_S: to end the rest).
+        shutdown.StopDeadline(grace_s + shutdown.MARGIN_S - shutdown.TERM_WAIT_S).start()
+        cluster.stop_supervising()  # the workers the group's SIGTERM ends are not replaced
+        print(f"pdserve: draining (up to {grace_s:g} s)", flush=True)
+        _drain(cluster, grace_s)
+    finally:
+        print("pdserve: stopping", flush=True)
+        lost = cluster.ray_lost()
+        if not lost:
+            cluster.stop()
+        shutdown.end_descendants()
+    if lost:  # Ray's own exit handler would wait on the GCS the signal ended
+        print("pdserve: Ray was stopped by the same signal; its processes are ended", flush=True)
+        os._exit(0)
+    return 0
+
+
+def _drain(cluster, grace_s: float) -> None:
+    if cluster.ray_lost():
+        print("pdserve: Ray was stopped by the same signal (its workers drained themselves); stopping", flush=True)
+        return
+    try:
+        left = cluster.drain(grace_s)
+    except Exception as exc:  # the router is gone already (the process group's signal reached it)
+        print(f"pdserve: the router did not drain ({type(exc).__name__}: {exc}); stopping", flush=True)
+        return
+    if left:
+        print(f"pdserve: {left} request(s) still running after the grace period; stopping anyway", flush=True)
+
+
+def _banner(status: dict, config, v: dict) -> str:
+    http = f"OpenAI HTTP API on http://{status['http_address']}/v1, " if status["http_address"] else ""
+    return (f"{http}gRPC API listening on {status['grpc_address']}, serving {', '.join(config.served_model_names)} "
+            f"({len(status.get('prefill', []))} prefill, {len(status['decode'])} decode worker(s))")
+
+
+def _serve_on_ray(config, v: dict, detach: bool) -> int:
+    """``serve --address``: the cluster's controller is a detached actor (``pdserve.cluster.controller``).
+    This process starts it, or attaches to the one running, and on Ctrl-C drains and stops the
+    cluster. If this process dies instead, the cluster keeps serving."""
+    import ray
+
+    from pdserve.cluster import controller
+    from pdserve.wire.logs import configure
+
+    configure(config.log, "driver")
+    controller.connect(config.ray_address, v["cluster_name"])
+    stop = threading.Event()
+    _on_stop_signals(stop)
+    handle, running = controller.get_or_create(config)
+    # Secrets are not compared: the controller does not hand them out (a changed key goes unseen).
+    if running and ray.get(handle.config.remote()) != config.without_secrets():
+        print(f"pdserve: a cluster named {v['cluster_name']!r} already runs with other settings; attaching to it "
+              f"unchanged (pdserve stop --address {config.ray_address} first to apply new ones)", flush=True)
+    status = ray.get(handle.start.remote())
+    what = "attached to the running cluster" if running else "started"
+    print(f"pdserve: {what}: {_banner(status, config, v)}; controller is the detached actor 'controller' in Ray "
+          f"namespace {v['cluster_name']!r}; " + ("detached, `pdserve stop --address` stops it" if detach
+                                                    else "Ctrl-C stops the cluster"), flush=True)
+    if detach:
+        return 0
+    stop.wait()
+    print(f"pdserve: draining (up to {v['drain_grace_seconds']:g} s)", flush=True)
+    _stop_cluster(handle, v["drain_grace_seconds"])
+    return 0
+
+
+def _stop_cluster(handle, grace_s: float) -> None:
+    import ray
+
+    left = ray.get(handle.drain.remote(grace_s))
+    if left:
+        print(f"pdserve: {left} request(s) still running after the grace period; stopping anyway", flush=True)
+    print("pdserve: stopping", flush=True)
+    try:
+        ray.get(handle.shutdown.remote())
+    except ray.exceptions.RayActorError:  # the controller ends itself as it answers
+        pass
+
+
+def cluster_status(args) -> int:
+    import json
+
+    import ray
+
+    handle = _running_controller(args)
+    if handle is None:
+        return 1
+    status = ray.get(handle.status.remote())
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    print(f"router: gRPC {status['grpc_address']}, HTTP {status['http_address']}, pid {status['router_pid']}")
+    print(f"controller: pid {status['controller_pid']}" + (" (restarted; took the cluster over)" if status["adopted"] else ""))
+    for role in ("prefill", "decode"):
+        for w in status[role]:
+            print(f"{role}: {w['address']} pid {w['pid']}")
+    return 0
+
+
+def cluster_stop(args) -> int:
+    handle = _running_controller(args)
+    if handle is None:
+        return 1
+    _stop_cluster(handle, args.drain_grace_seconds)
+    return 0
+
+
+def _running_controller(args):
+    """The controller of ``--cluster-name`` on the Ray at ``--address``; None, said on stderr, if none runs."""
+    from pdserve.cluster import controller
+
+    controller.connect(args.address, args.cluster_name)
+    handle = controller.find()
+    if handle is None:
+        print(f"pdserve: no cluster named {args.cluster_name!r} on {args.address}", file=sys.stderr)
+    return handle
+
+
+def _on_stop_signals(stop: threading.Event) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def generate(args) -> int:
+    import grpc
+
+    from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
+
+    req = pdserve_pb2.GenerateRequest(sampling=pdserve_pb2.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature))
+    if args.raw:
+        req.text = args.prompt
+    else:
+        req.chat.messages.add(role="user", content=args.prompt)
+    key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    if args.tls_ca:
+        channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes()))
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        try:
+            for resp in stub.Generate(req, metadata=metadata):
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                if resp.finish_reason:
+                    usage = resp.usage
+                    print(f"\n[{pdserve_pb2.FinishReason.Name(resp.finish_reason)}; "
+                          f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens]")
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def version() -> str:
+    """The installed pdserve's version (pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("pdserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--version", action="version", version=f"pdserve {version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _generate_parser(sub)
+    _cluster_parsers(sub)
+    from pdserve.planner.cli import add_plan_parser, add_profile_parser, run_plan, run_profile
+
+    add_plan_parser(sub)
+    add_profile_parser(sub)
+    from pdserve.cluster import worker_cli
+
+    worker_cli.add_worker_parser(sub)
+    args = parser.parse_args(argv)
+    return {"serve": serve, "generate": generate, "plan": run_plan, "profile": run_profile,
+            "worker": worker_cli.run_worker, "status": cluster_status, "stop": cluster_stop}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

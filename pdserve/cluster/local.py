@@ -1,0 +1,368 @@
+"""A cluster on Ray: the router and every worker are Ray actors, each its own process.
+
+``LocalCluster(config).start()`` starts (or joins, with ``ray_address``) Ray, converts the
+model once, starts the workers, then the router pointed at them, and returns the router's
+address. ``stop()`` stops them in reverse order and shuts Ray down if it started it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pdserve.cluster.actors import ServerActor
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.placement import PoolPlacement, release, reserve
+from pdserve.cluster.ray_start import start_local_ray
+from pdserve.wire.grpc_util import channel
+
+log = logging.getLogger(__name__)
+
+# A Ray that pdserve starts on one machine is that machine: its workers share the cores on
+# purpose (more threads than cores on a small box), the OS schedules them, and pinning is a
+# separate choice. There the CPU resource is bookkeeping and must never be what stops a
+# placement, also for further clusters a driver starts in the same Ray (the tests run several
+# in one process). On a real multi-node Ray (``ray_address``) the nodes' own counts apply.
+LOCAL_RAY_MIN_CPUS = 64
+
+
+def _local_ray_cpus(cfg: ClusterConfig) -> int:
+    """CPUs a Ray this cluster starts announces: room for every worker it may run (each reserves
+    its torch threads), never fewer than ``LOCAL_RAY_MIN_CPUS`` or the machine's cores."""
+    return max(os.cpu_count() or 1, LOCAL_RAY_MIN_CPUS, cfg.max_workers() * cfg.worker_threads() + 1)
+
+
+class LocalCluster:
+    """The controller's state and actions: it starts the router and the workers, replaces dead
+    ones (``pdserve.cluster.supervisor``), scales pools (``pdserve.cluster.autoscaler``) and stops them all.
+
+    ``detached``: every actor and placement group it makes outlives the process that runs it, and
+    is named in the Ray namespace, so that a controller started again (``pdserve.cluster.controller``)
+    finds them and takes them over (``adopt``) instead of starting the workers again."""
+
+    def __init__(self, config: ClusterConfig, detached: bool = False):
+        self.config = config
+        self.detached = detached
+        self.prefill: list = []
+        self.decode: list = []
+        self.router = None
+        self.prefill_addresses: list[str] = []
+        self.decode_addresses: list[str] = []
+        self.address: str | None = None  # the router's public gRPC address
+        self.http_address: str | None = None
+        self.admin_address: str | None = None  # the router's internal plane (RouterAdmin)
+        self._groups: dict[tuple[str, int], object] = {}  # one placement group per worker slot
+        self._specs: dict[tuple[str, int], tuple] = {}  # what to start again in a slot
+        self._supervisor = None  # a cluster.supervisor.Supervisor
+        self._router_config = None  # what restart_router starts again
+        self.autoscaler = None
+        self._templates: dict[str, tuple] = {}  # role -> (placement, config, threads) for new slots
+        self._next_id = {"prefill": 0, "decode": 0}
+        self.lock = threading.RLock()  # membership changes: scaling and the supervisor
+        self._started_ray = False
+        self._core_slots = itertools.count()  # which cores the next pinned worker gets
+
+    def start(self) -> str:
+        from pdserve.engine.loader import materialize
+
+        cfg = self.config
+        materialize(cfg.engine.model, progress=True)  # convert a GGUF once, before the workers race to
+        if not ray.is_initialized():
+            self._init_ray()
+        threads = cfg.worker_threads()
+        self.prefill = [self._place("prefill", i, cfg.prefill_placement, cfg.worker_config("prefill", i), threads)
+                        for i in range(cfg.num_prefill)]
+        self.decode = [self._place("decode", i, cfg.decode_placement, cfg.worker_config("decode", i), threads)
+                       for i in range(cfg.num_decode)]
+        self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
+        self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
+        self._start_router(cfg.router_config(tuple(self.prefill_addresses), tuple(self.decode_addresses)))
+        self._start_loops()
+        return self.address
+
+    def _start_loops(self) -> None:
+        """The supervisor and the autoscaler, as the config asks."""
+        cfg = self.config
+        if cfg.supervise_interval_s:
+            from pdserve.cluster.supervisor import Supervisor
+
+            self._supervisor = Supervisor(self, cfg.supervise_interval_s)
+            self._supervisor.start()
+        if cfg.autoscaling:
+            from pdserve.cluster.autoscaler import Autoscaler
+
+            self.autoscaler = Autoscaler(self, cfg.autoscaled_pools(), cfg.autoscale_interval_s, cfg.autoscale_history)
+            self.autoscaler.start()
+
+    def _actor_options(self, kind: str) -> dict:
+        """Ray options that name a detached cluster's actor (``kind``: router, prefill, decode)."""
+        if not self.detached:
+            return {}
+        return {"name": f"{kind}.{uuid.uuid4().hex[:12]}", "lifetime": "detached"}
+
+    def adopt(self) -> bool:
+        """Take over the router and workers a previous controller of this namespace left running:
+        their slots, addresses and placement groups, from each actor's own ``describe``. A pool
+        found short of its configured size (a worker died while no controller watched) is filled
+        up. Starts the supervisor and autoscaler. False, and nothing done, if no router runs."""
+        from pdserve.wire.address import split
+
+        found = {"router": [], "prefill": [], "decode": []}
+        for name in ray.util.list_named_actors():
+            kind = name.split(".", 1)[0]
+            if kind not in found:
+                continue
+            try:
+                actor = ray.get_actor(name)
+                found[kind].append((actor, ray.get(actor.describe.remote(), timeout=30)))
+            except Exception as exc:  # it died while no controller watched; its slot is refilled below
+                log.warning("not adopting %s: %s", name, exc)
+        if not found["router"]:
+            return False
+        self.router, router = found["router"][-1]
+        for extra, _ in found["router"][:-1]:  # a router whose replacement was started before a crash
+            ray.kill(extra, no_restart=True)
+        self.address, self.http_address, self.admin_address = (router["address"], router["http_address"],
+                                                               router["internal_address"])
+        self._router_config = dataclasses.replace(
+            router["config"], grpc_port=split(self.address)[1],
+            http_port=split(self.http_address)[1] if self.http_address else router["config"].http_port)
+        for role in ("prefill", "decode"):
+            for actor, d in sorted(found[role], key=lambda a: int(a[1]["config"].worker_id.rsplit("-", 1)[1])):
+                index = len(self.actors(role))
+                self.actors(role).append(actor)
+                self.addresses(role).append(d["address"])
+                self._specs[(role, index)] = (d["placement"], d["config"], d["threads"])
+                self._groups[(role, index)] = d["group"]
+                self._templates.setdefault(role, (d["placement"], d["config"], d["threads"]))
+                self._next_id[role] = max(self._next_id[role], int(d["config"].worker_id.rsplit("-", 1)[1]) + 1)
+        self._release_orphan_groups()
+        for role, size in (("prefill", self.config.num_prefill), ("decode", self.config.num_decode)):
+            if role in self.config.pools():
+                self._templates.setdefault(role, (self._pool_placement(role), self.config.worker_config(role, 0),
+                                                  self.config.worker_threads()))
+                while len(self.actors(role)) < size:
+                    log.warning("%s pool has %d of %d workers; starting one", role, len(self.actors(role)), size)
+                    self.scale_up(role)
+        self.push_membership()
+        self._start_loops()
+        return True
+
+    def _release_orphan_groups(self) -> None:
+        """Remove the detached placement groups of this namespace that no adopted worker runs in
+        (their worker died while no controller watched)."""
+        from ray.util.placement_group import PlacementGroup, placement_group_table
+
+        prefix = self._group_prefix()
+        kept = {pg.id.hex() for pg in self._groups.values()}
+        for pg_id, info in placement_group_table().items():
+            if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED" and pg_id not in kept:
+                release(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+    def _group_prefix(self) -> str:
+        """How the names of this cluster's placement groups begin (a detached one: its namespace's)."""
+        if self.detached:
+            return f"pdserve:{ray.get_runtime_context().namespace}:"
+        return f"pdserve-{id(self):x}-"
+
+    def _pool_placement(self, role: str) -> PoolPlacement:
+        return self.config.prefill_placement if role == "prefill" else self.config.decode_placement
+
+    def _start_router(self, router_cfg) -> None:
+        """Start the router actor. Its public ports are then pinned in its config, so that a
+        router restarted by the supervisor (``restart_router``) serves where clients connect."""
+        from pdserve.wire.address import split
+
+        # The router runs on this (the driver's) node: its public address is where `pdserve
+        # serve` was started, not a node Ray happened to pick.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.router = ServerActor.options(scheduling_strategy=here, **self._actor_options("router")).remote(
+            "router", router_cfg, None, self.config.log)
+        self.address = ray.get(self.router.start.remote())
+        self.http_address = ray.get(self.router.http_address.remote())
+        self.admin_address = ray.get(self.router.internal_address.remote())
+        self._router_config = dataclasses.replace(
+            router_cfg, grpc_port=split(self.address)[1],
+            http_port=split(self.http_address)[1] if self.http_address else router_cfg.http_port)
+
+    def restart_router(self) -> str:
+        """Start a new router in place of a dead one, on the same public ports, and give it the
+        current membership. The requests the dead one carried are lost (their clients saw the
+        connection drop); clients that reconnect are served. Returns its public address."""
+        with self.lock:
+            try:
+                ray.kill(self.router, no_restart=True)
+            except Exception:  # already gone
+                pass
+            self._start_router(dataclasses.replace(self._router_config, prefill_addresses=tuple(self.prefill_addresses),
+                                                   decode_addresses=tuple(self.decode_addresses)))
+            self.push_membership()
+            return self.address
+
+    def _init_ray(self) -> None:
+        """Join ``ray_address``, or start a Ray of our own with token authentication
+        (``ray_token_auth``), so that nobody else can run code in it."""
+        cfg = self.config
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+            return
+        start_local_ray(_local_ray_cpus(cfg), cfg.ray_token_auth)
+        self._started_ray = True
+
+    def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
+        """A worker actor inside a placement group of its own. Unless the pool names its CPUs,
+        Ray reserves as many as the worker runs torch threads. On a Ray this cluster started,
+        with a core for every thread, the worker is also pinned to cores of its own; on an
+        oversubscribed machine it is not (measured on 2 cores and 4 workers: pinning kept the
+        OS from moving a busy worker to an idle core, and decode fell behind)."""
+        self._templates.setdefault(role, (placement, config, threads))
+        if placement.cpus == PoolPlacement().cpus:
+            placement = dataclasses.replace(placement, cpus=float(threads))
+        if self._started_ray and hasattr(config, "cpus") and self.config.max_workers() * threads <= (os.cpu_count() or 1):
+            slot = next(self._core_slots)
+            cpus = tuple((slot * threads + k) % (os.cpu_count() or 1) for k in range(threads))
+            borrow = tuple(c for c in range(os.cpu_count() or 1) if c not in cpus) if self.config.borrow_idle_cores else ()
+            config = dataclasses.replace(config, cpus=cpus, borrow_cpus=borrow)
+        self._next_id[role] = max(self._next_id[role], index + 1)
+        self._specs[(role, index)] = (placement, config, threads)
+        pg, options = reserve(placement, f"{self._group_prefix()}{role}-{index}-{uuid.uuid4().hex[:8]}",
+                              detached=self.detached)
+        self._groups[(role, index)] = pg
+        return ServerActor.options(**options, **self._actor_options(role)).remote(
+            role, config, threads, self.config.log, placement)
+
+    def actors(self, role: str) -> list:
+        return self.prefill if role == "prefill" else self.decode
+
+    def addresses(self, role: str) -> list[str]:
+        return self.prefill_addresses if role == "prefill" else self.decode_addresses
+
+    def replace(self, role: str, index: int) -> str:
+        """Start a new worker in a slot whose worker died; returns its address."""
+        old = self._groups.pop((role, index), None)
+        if old is not None:
+            release(old)
+        actor = self._place(role, index, *self._specs[(role, index)])
+        self.actors(role)[index] = actor
+        self.addresses(role)[index] = ray.get(actor.start.remote())
+        return self.addresses(role)[index]
+
+    def scale_up(self, role: str) -> str:
+        """Start one more worker in ``role``'s pool; it joins the router once it serves."""
+        with self.lock:
+            placement, config, threads = self._templates[role]
+            worker_id = f"{role}-{self._next_id[role]}"
+            index = len(self.actors(role))
+            actor = self._place(role, index, placement, dataclasses.replace(config, worker_id=worker_id), threads)
+            self.actors(role).append(actor)
+            self.addresses(role).append(ray.get(actor.start.remote()))
+            self.push_membership()
+            return self.addresses(role)[index]
+
+    def scale_down(self, role: str, index: int = -1, drain_timeout_s: float = 300.0) -> str:
+        """Remove one worker by draining it: it leaves the routing table first, takes no new
+        request, finishes the ones it has (a prefill worker also waits until its held KV is
+        pulled or expires), and only then stops. Returns its address."""
+        with self.lock:
+            index %= len(self.actors(role))
+            actor, address = self.actors(role)[index], self.addresses(role)[index]
+            group = self._drop_slot(role, index)
+            self.push_membership()
+        self._drain(role, address, drain_timeout_s)
+        try:
+            ray.get(actor.stop.remote(), timeout=30)
+        finally:
+            ray.kill(actor)
+            release(group)  # only now: removing a placement group kills the actors in it
+        return address
+
+    def _drop_slot(self, role: str, index: int):
+        """Forget a slot (later slots move down one index); returns its placement group."""
+        actors = self.actors(role)
+        last = len(actors) - 1
+        group = self._groups.pop((role, index))
+        for i in range(index, last):  # later slots move down one index
+            self._groups[(role, i)] = self._groups.pop((role, i + 1))
+            self._specs[(role, i)] = self._specs.pop((role, i + 1))
+        self._specs.pop((role, last), None)
+        actors.pop(index)
+        self.addresses(role).pop(index)
+        return group
+
+    def _drain(self, role: str, address: str, timeout_s: float) -> None:
+        from pdserve.protos import worker_pb2, worker_pb2_grpc
+
+        stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        deadline = time.monotonic() + timeout_s
+        with channel(address, self.config.tls_for("controller")) as ch:
+            stub = stub_cls(ch)
+            stats = stub.Drain(worker_pb2.DrainRequest(), timeout=10)
+            while stats.num_running or stats.num_waiting or stats.num_held_leases:
+                if time.monotonic() > deadline:
+                    log.warning("%s still busy after %.0f s of draining; stopping it anyway", address, timeout_s)
+                    return
+                time.sleep(0.2)
+                stats = stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+
+    def push_membership(self, exclude: set[str] = frozenset()) -> None:
+        """Tell the router the workers it may route to: all live slots, minus ``exclude``."""
+        from pdserve.protos import admin_pb2, admin_pb2_grpc
+
+        members = [admin_pb2.Member(role=role, address=address)
+                   for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
+        desired = self.autoscaler.desired() if self.autoscaler is not None else {}
+        targets = {pool: policy.target for pool, policy in self.config.autoscaled_pools().items()}
+        with channel(self.admin_address, self.config.tls_for("controller")) as ch:
+            admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
+                admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets), timeout=10)
+
+    def drain(self, grace_s: float) -> int:
+        """The router stops admitting (health NOT_SERVING, new requests UNAVAILABLE / 503) and
+        waits up to ``grace_s`` for its requests to finish; the workers serve them meanwhile.
+        Returns how many were still running. ``stop()`` comes after."""
+        if self.router is None:
+            return 0
+        return ray.get(self.router.drain.remote(grace_s), timeout=grace_s + 2)  # it answers by grace_s
+
+    def stop_supervising(self) -> None:
+        """Replace and scale nothing from now on; at once, without waiting for a round in
+        progress (see ``pdserve.cluster.shutdown``: a stopping cluster's workers exit on purpose)."""
+        for loop in (self._supervisor, self.autoscaler):
+            if loop is not None:
+                loop.halt()
+
+    def ray_lost(self) -> bool:
+        """Whether the Ray this cluster started has lost its GCS or raylet (a signal to the
+        process group reaches them too): then every Ray call would wait on them in vain."""
+        node = getattr(ray._private.worker, "_global_node", None)
+        if not self._started_ray or node is None:
+            return False
+        return any(info.process.poll() is not None
+                   for kind in ("gcs_server", "raylet") for info in node.all_processes.get(kind, []))
+
+    def stop(self, stop_timeout_s: float = 5.0) -> None:
+        """Stop every actor (all at once, each given ``stop_timeout_s``), release the placement
+        groups, and end the Ray this cluster started. Never raises: a Ray already gone (the
+        process group's SIGTERM reached it too) has nothing left to stop."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop(join_s=stop_timeout_s)
+        if self._supervisor is not None:
+            self._supervisor.stop(join_s=stop_timeout_s)
+        actors = [a for a in [self.router, *self.decode, *self.prefill] if a is not None]
+        steps = [lambda: ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=stop_timeout_s)]
+        steps += [lambda a=a: ray.kill(a) for a in actors] + [lambda g=g: release(g) for g in self._groups.values()]
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # a dead actor, or a Ray already gone
+                log.warning("stopping the cluster: %s", exc)
+        if self._started_ray:
+            ray.shutdown()

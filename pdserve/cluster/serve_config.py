@@ -1,0 +1,133 @@
+"""The frozen configs ``pdserve serve`` runs with, built once from the settings table's values
+(``pdserve.cluster.settings.resolve``): engine, router limits, placement, logging, the cluster.
+
+Everything that can be checked before Ray starts is checked here, and a failure raises
+``SettingsError`` naming the setting: a typo costs a second, not a cluster start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pdserve.cluster.settings import SettingsError
+
+DEFAULT_SERVED_NAME = "smollm2"  # the name of the default model (SmolLM2-135M-Instruct)
+
+
+def served_names(v: dict[str, Any]) -> tuple[str, ...]:
+    """``--served-model-name``, else the model as given, as vLLM does; the default model is
+    served as ``smollm2``."""
+    if v["served_model_name"]:
+        return tuple(v["served_model_name"])
+    return (DEFAULT_SERVED_NAME,) if v["model"] == "default" else (v["model"],)
+
+
+def build(v: dict[str, Any]):
+    """The ``ClusterConfig`` for resolved settings ``v``; raises ``SettingsError`` (and the
+    autoscaling, API key and TLS loaders their own typed errors) for a bad value."""
+    from pdserve.cluster.autoscaling import from_mapping
+    from pdserve.cluster.config import ClusterConfig, default_gpus
+    from pdserve.cluster.mode import COLOCATED
+    from pdserve.router.auth import read_key
+    from pdserve.wire import tls
+    from pdserve.wire.logs import LogConfig
+
+    _check_paths(v)
+    return ClusterConfig(
+        engine=_engine(v), router_limits=_router_limits(v), mode=v["mode"],
+        num_prefill=0 if v["mode"] == COLOCATED else v["prefill"], num_decode=v["decode"],
+        host=v["host"], grpc_port=v["grpc_port"], http_port=None if v["port"] < 0 else v["port"],
+        advertise_host=v["advertise_host"], internal_host=v["internal_host"],
+        internal_advertise_host=v["internal_advertise_host"],
+        api_key=read_key(v["api_key"], v["api_key_file"]),
+        tls=tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls"),
+        role_tls=_role_tls(v), insecure_internal=v["insecure_internal"],
+        public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"], prefix="public_tls",
+                            require_ca=False),
+        kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
+        hang_timeout_s=v["hang_timeout_seconds"],
+        threads_per_worker=v["threads_per_worker"], borrow_idle_cores=v["borrow_idle_cores"], step_trace_dir=_absolute(v["step_trace_dir"]), ray_address=v["address"],
+        served_model_names=served_names(v), tokenizer=v["tokenizer"], chat_template=v["chat_template"],
+        tool_call_parser=v["tool_call_parser"],
+        log=LogConfig(v["log_level"], v["log_format"]),
+        prefill_placement=_placement(v, "prefill", default_gpus), decode_placement=_placement(v, "decode", default_gpus),
+        autoscaling=from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None)
+
+
+def _role_tls(v: dict[str, Any]) -> tuple:
+    """Each role's certificate from ``tls_dir`` (``pdserve.cluster.certs``'s layout); () without one."""
+    from pdserve.cluster.certs import COMPONENTS
+    from pdserve.wire import tls
+
+    if not v["tls_dir"]:
+        return ()
+    if v["tls_cert"] or v["tls_key"] or v["tls_ca"]:
+        raise tls.TlsConfigError("tls_dir and tls_cert/tls_key/tls_ca are both set; give one")
+    d = Path(v["tls_dir"])
+    return tuple((role, tls.load(str(d / f"{role}.pem"), str(d / f"{role}.key"), str(d / "ca.pem"), prefix="tls"))
+                 for role in COMPONENTS)
+
+
+def _absolute(path: str | None) -> str | None:
+    """``path`` made absolute here: workers start in directories of Ray's choosing."""
+    return None if path is None else str(Path(path).resolve())
+
+
+def _check_paths(v: dict[str, Any]) -> None:
+    from pdserve.engine.tokenizer import read_chat_template
+
+    if v["tokenizer"] is not None and not Path(v["tokenizer"]).is_dir():
+        raise SettingsError(f"tokenizer: {v['tokenizer']!r} is not a directory")
+    if v["chat_template"] is not None:
+        try:
+            read_chat_template(v["chat_template"])
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+
+
+def _engine(v: dict[str, Any]):
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    cache = CacheConfig(block_size=v["block_size"], memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30)),
+                        enable_prefix_cache=v["enable_prefix_caching"])
+    scheduler = SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"])
+    return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"], seed=v["seed"],
+                        cache=cache, scheduler=scheduler)
+
+
+def _router_limits(v: dict[str, Any]):
+    from pdserve.router.kv_policy import RoutingConfig
+    from pdserve.router.local_prefill import LocalPrefillConfig
+    from pdserve.router.limits import RouterLimits
+    from pdserve.router.validation import BODY_BYTES_PER_CHAR, RequestLimits
+
+    if v["max_body_bytes"] < BODY_BYTES_PER_CHAR * v["max_prompt_chars"]:
+        raise SettingsError(f"max_body_bytes={v['max_body_bytes']} cannot hold a prompt of max_prompt_chars="
+                            f"{v['max_prompt_chars']} written as JSON escapes: raise it to at least "
+                            f"{BODY_BYTES_PER_CHAR} x max_prompt_chars = {BODY_BYTES_PER_CHAR * v['max_prompt_chars']}, "
+                            f"or lower max_prompt_chars")
+    if v["local_prefill_max_load"] > 1:
+        raise SettingsError(f"local_prefill_max_load must be at most 1 (a share of KV blocks), "
+                            f"got {v['local_prefill_max_load']!r}")
+    local = LocalPrefillConfig(max_tokens=v["local_prefill_max_tokens"], max_load=v["local_prefill_max_load"])
+    routing = RoutingConfig(policy=v["routing_policy"], prefill_weight=v["routing_prefill_weight"],
+                            load_weight=v["routing_load_weight"], temperature=v["routing_temperature"],
+                            balance_abs_tokens=v["routing_balance_abs_tokens"], balance_rel=v["routing_balance_rel"])
+    return RouterLimits(local_prefill=local, routing=routing, admission_wait_s=v["admission_wait_seconds"],
+                        request_timeout_s=v["request_timeout_seconds"],
+                        max_waiting_requests=v["max_waiting_requests"],
+                        decode_idle_timeout_s=v["decode_idle_timeout_seconds"],
+                        stream_kv_min_tokens=v["stream_kv_min_tokens"],
+                        requests=RequestLimits(max_body_bytes=v["max_body_bytes"],
+                                               max_prompt_chars=v["max_prompt_chars"]))
+
+
+def _placement(v: dict[str, Any], pool: str, default_gpus):
+    from pdserve.cluster.placement import PoolPlacement
+
+    gpus = v["gpus_per_worker"] if v["gpus_per_worker"] is not None else default_gpus()
+    try:
+        return PoolPlacement(cpus=v["cpus_per_worker"], gpus=gpus, resource=v[f"{pool}_resource"])
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None

@@ -1,0 +1,287 @@
+"""``pdserve serve`` settings: one table, read from defaults, a YAML file, ``PDSERVE_*``
+environment variables and command-line flags, in rising order of precedence.
+
+    pdserve serve --config serve.yaml --decode 2      # the flag beats the file
+    PDSERVE_KV_CACHE_GIB=4 pdserve serve              # the variable beats the file, not a flag
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+ENV_PREFIX = "PDSERVE_"
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # snake_case; the flag is --kebab-case, the variable PDSERVE_UPPER_CASE
+    type: type  # int, float, str, bool (flag pair --x / --no-x) or list (of str; one or more)
+    default: Any  # written here only when no config dataclass owns it; else read from that field
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None  # the smallest value allowed (inclusive)
+    above: float | None = None  # values must be greater than this
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+# Settings that the workers' configs and the plain worker processes also take: declared here
+# once, and passed down as plain values (a worker config has no default of its own for them).
+# A decode worker claims held KV within milliseconds normally; the lease's slack covers a router
+# that waits for room in a full decode pool.
+LEASE_SECONDS = Setting("lease_seconds", float, 30.0, "how long held KV waits to be pulled before it is freed",
+                        above=0)
+DRAIN_GRACE_SECONDS = Setting("drain_grace_seconds", float, 30.0,
+                              "on a stop (SIGTERM, SIGINT, pdserve stop): how long in-flight requests may take to "
+                              "finish", minimum=0)
+
+
+@functools.cache
+def serve_settings() -> tuple[Setting, ...]:
+    """The settings of ``pdserve serve``. A default that a config dataclass also uses is read
+    from that dataclass (or the constant its module owns), so every default is written once.
+    Built on first use: the owners import torch, which ``pdserve generate`` never needs."""
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.kv_transfer import BACKENDS, DEFAULT_BACKEND
+    from pdserve.router import tool_parsers
+    from pdserve.router.kv_policy import POLICIES
+    from pdserve.cluster.mode import DISAGGREGATED, MODES
+    from pdserve.router.local_prefill import LocalPrefillConfig
+    from pdserve.router.limits import RouterLimits
+    from pdserve.router.validation import RequestLimits
+    from pdserve.wire.logs import FORMATS, LEVELS, LogConfig
+
+    limits, requests, log, local = RouterLimits(), RequestLimits(), LogConfig(), LocalPrefillConfig()
+    routing = limits.routing
+    return (
+        Setting("model", str, EngineConfig.model, "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)"),
+        Setting("served_model_name", list, None,
+                "model name(s) the API answers to; /v1/models lists them all (default: 'smollm2' for the "
+                "default model, else MODEL as given)"),
+        Setting("mode", str, DISAGGREGATED,
+                "disaggregated: prefill and decode pools, KV moved between them; colocated: no prefill pool, "
+                "each of the --decode workers prefills its own requests, mixed into its decode steps", MODES),
+        Setting("prefill", int, 1, "prefill workers (none in colocated mode)", minimum=1),
+        Setting("decode", int, 1, "decode workers (colocated mode: the workers)", minimum=1),
+        Setting("local_prefill_max_tokens", int, local.max_tokens,
+                "conditional disaggregation: a prompt with fewer uncached tokens than this is prefilled by its "
+                "decode worker, not the prefill pool (0: off)", minimum=0),
+        Setting("local_prefill_max_load", float, local.max_load,
+                "... and only on a decode worker with less than this share of its KV blocks in use", above=0),
+        Setting("stream_kv_min_tokens", int, limits.stream_kv_min_tokens,
+                "prompts at least this long stream their KV to the decode worker chunk by chunk while they "
+                "compute (pays when a prompt spans several --max-num-batched-tokens chunks; 0: off)", minimum=0),
+        Setting("host", str, "127.0.0.1", "public API bind address (router OpenAI HTTP and gRPC)"),
+        Setting("port", int, 8000, "OpenAI-compatible HTTP port, as `vllm serve --port` (0: any free; -1: off)",
+                minimum=-1),
+        Setting("grpc_port", int, 50051, "router gRPC port (pdserve.v1.Generation; 0: any free)", minimum=0),
+        Setting("advertise_host", str, None, "public address to report (default: --host, or the node IP for 0.0.0.0)"),
+        Setting("internal_host", str, None,
+                "internal plane bind address on every node: RouterAdmin, worker RPCs, worker /metrics, KV "
+                "transfer (default: each node's Ray IP; 127.0.0.1 for a Ray pdserve starts)"),
+        Setting("internal_advertise_host", str, None, "internal address peers dial, if not the bound one (one node only)"),
+        Setting("api_key", str, None, "clients must send 'Authorization: Bearer KEY' (prefer the variable or a file)"),
+        Setting("api_key_file", str, None, "file holding the API key"),
+        Setting("tls_ca", str, None, "internal mTLS: CA that signs every component's certificate"),
+        Setting("tls_cert", str, None, "internal mTLS: this cluster's component certificate (PEM)"),
+        Setting("tls_key", str, None, "internal mTLS: its private key (PEM)"),
+        Setting("tls_dir", str, None,
+                "internal mTLS with one identity per role: a directory as python -m pdserve.cluster.certs writes it "
+                "(ca.pem, router/prefill/decode/controller .pem + .key); instead of tls_ca/tls_cert/tls_key"),
+        Setting("insecure_internal", bool, False,
+                "let the internal plane listen beyond loopback without mTLS (anyone who reaches it can drain "
+                "workers and rewrite routing)"),
+        Setting("public_tls_cert", str, None, "public API TLS: server certificate (PEM)"),
+        Setting("public_tls_key", str, None, "public API TLS: its private key (PEM)"),
+        Setting("public_tls_ca", str, None, "public API TLS: require client certificates signed by this CA"),
+        Setting("tokenizer", str, None, "HF directory of the tokenizer to use (default: the model's)"),
+        Setting("chat_template", str, None, "Jinja chat template, a file or the template itself (default: the tokenizer's)"),
+        Setting("tool_call_parser", str, tool_parsers.DEFAULT_PARSER,
+                "reads tool calls in answers to tool_choice auto (auto: by the chat template; none: refuse auto)",
+                tool_parsers.CHOICES),
+        Setting("dtype", str, EngineConfig.dtype,
+                "weights and KV dtype (default: bfloat16; float32 equals transformers token for token)",
+                ("float32", "bfloat16", "float16")),
+        Setting("seed", int, EngineConfig.seed, "seed of the workers' sampling generators", minimum=0),
+        Setting("block_size", int, CacheConfig.block_size, "tokens per KV block", minimum=1),
+        Setting("kv_cache_gib", float, CacheConfig.memory_budget_bytes / (1 << 30), "KV cache per worker, GiB", above=0),
+        Setting("enable_prefix_caching", bool, CacheConfig.enable_prefix_cache, "reuse KV of shared prompt prefixes"),
+        Setting("max_num_seqs", int, SchedulerConfig.max_num_seqs, "sequences one worker batches at once", minimum=1),
+        Setting("max_num_batched_tokens", int, SchedulerConfig.max_num_batched_tokens,
+                "tokens one engine step may compute (the prefill chunk)", minimum=1),
+        Setting("max_model_len", int, EngineConfig.max_model_len, "cap on prompt + output tokens (default: the model's)",
+                minimum=1),
+        Setting("kv_transfer_backend", str, DEFAULT_BACKEND, "how KV moves from prefill to decode workers", BACKENDS),
+        LEASE_SECONDS,
+        Setting("admission_wait_seconds", float, limits.admission_wait_s,
+                "how long a request waits for room in a full pool before RESOURCE_EXHAUSTED / HTTP 429", minimum=0),
+        Setting("request_timeout_seconds", float, limits.request_timeout_s,
+                "a request's whole deadline; clients may ask for less (gRPC deadline, HTTP X-Request-Timeout)", above=0),
+        Setting("max_waiting_requests", int, limits.max_waiting_requests,
+                "requests without a first token yet; past it RESOURCE_EXHAUSTED / HTTP 429 at once", minimum=1),
+        Setting("decode_idle_timeout_seconds", float, limits.decode_idle_timeout_s,
+                "a decode stream silent this long migrates the request", above=0),
+        Setting("hang_timeout_seconds", float, 30.0,
+                "a worker whose engine makes no progress this long while it holds work (or that does not answer) "
+                "is hung: its requests migrate and it is replaced", above=0),
+        Setting("routing_policy", str, routing.policy,
+                "how the router picks a prefill worker: kv (prefix cache and load), load (fewest queued "
+                "prompt tokens), round_robin", POLICIES),
+        Setting("routing_prefill_weight", float, routing.prefill_weight,
+                "kv routing cost per prompt token the worker has not cached", minimum=0),
+        Setting("routing_load_weight", float, routing.load_weight,
+                "kv routing cost per prompt token already queued on the worker", minimum=0),
+        Setting("routing_temperature", float, routing.temperature,
+                "kv routing: 0 picks the cheapest worker; above 0 samples by softmax of the costs", minimum=0),
+        Setting("routing_balance_abs_tokens", int, routing.balance_abs_tokens,
+                "kv routing falls back to the shortest queue when queues differ by more than this many "
+                "tokens ...", minimum=0),
+        Setting("routing_balance_rel", float, routing.balance_rel,
+                "... and the longest is more than this many times the shortest", minimum=1),
+        Setting("max_body_bytes", int, requests.max_body_bytes, "largest HTTP body or gRPC GenerateRequest", minimum=1),
+        Setting("max_prompt_chars", int, requests.max_prompt_chars, "largest text prompt, or all chat contents together",
+                minimum=1),
+        DRAIN_GRACE_SECONDS,
+        Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)", minimum=1),
+        Setting("borrow_idle_cores", bool, False, "where workers are pinned to cores of their own, each also runs "
+                "idle-priority helpers on the other workers' cores, used only while those are idle (off by default: "
+                "a helper crashed a worker under the fuzz tests once, docs/cpu_kernels.md)"),
+        Setting("step_trace_dir", str, None, "each worker appends one JSON line per engine step (its start, "
+                "length and batch) to DIR/<worker>.steps.jsonl, on its own host (default: off)"),
+        Setting("address", str, None, "join this Ray cluster instead of starting one; the controller then runs "
+                "detached, and the cluster outlives this command (pdserve stop ends it)"),
+        Setting("cluster_name", str, "pdserve", "with --address: the Ray namespace the cluster's named actors live in"),
+        Setting("cpus_per_worker", float, 0.01, "logical CPUs each worker's placement group reserves", above=0),
+        Setting("gpus_per_worker", float, None, "GPUs per worker (default: 1 where CUDA is, else 0); a fraction shares "
+                "one GPU, e.g. 0.5 runs 1 prefill + 1 decode worker on one GPU", minimum=0),
+        Setting("prefill_resource", str, None, "custom Ray resource naming the prefill node group"),
+        Setting("decode_resource", str, None, "custom Ray resource naming the decode node group"),
+        Setting("log_level", str, log.level, "log level of every process", LEVELS),
+        Setting("log_format", str, log.format, "log lines as text or one JSON object per line", FORMATS),
+    )
+
+
+# Autoscaling has per-pool settings, so it comes only from the file, as an ``autoscaling:``
+# section (see pdserve/cluster/autoscaling); its presence turns autoscaling on.
+
+
+class SettingsError(ValueError):
+    """A setting could not be read; the message names where it came from."""
+
+
+def add_arguments(parser: argparse.ArgumentParser, settings: tuple[Setting, ...] | None = None) -> None:
+    """Flags default to None so that only flags actually given override the file and env."""
+    settings = settings or serve_settings()
+    parser.add_argument("--config", type=Path, default=None, help="YAML file of settings (keys as below, snake_case)")
+    for s in settings:
+        default = f" (default {s.default})" if s.default is not None else ""
+        env = f"; env {s.env}"
+        if s.name == "model":
+            parser.add_argument("model", nargs="?", default=None, help=f"{s.help}{env}")
+        elif s.type is bool:
+            parser.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{s.help}{default}{env}")
+        elif s.type is list:
+            parser.add_argument(s.flag, nargs="+", default=None, metavar="NAME", help=f"{s.help}{env} (comma-separated)")
+        else:
+            metavar = None if s.choices else {int: "N", float: "X", str: "TEXT"}[s.type]
+            parser.add_argument(s.flag, type=str, choices=s.choices, default=None, metavar=metavar,
+                                help=f"{s.help}{default}{env}")
+
+
+def flag_type(s: Setting, flag: str | None = None) -> Callable[[str], Any]:
+    """An argparse ``type`` for a parser that takes ``s`` as one flag of its own (``pdserve
+    stop``, the plain worker process): the value converted and checked against ``s``'s type,
+    choices and bounds, as ``resolve`` checks it."""
+    def convert(raw: str) -> Any:
+        try:
+            return _convert(s, raw, flag or s.flag)
+        except SettingsError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return convert
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
+            settings: tuple[Setting, ...] | None = None) -> dict[str, Any]:
+    """defaults < YAML file < environment < flags. Every value is converted and checked
+    against its setting's type, choices and bounds; a bad one raises ``SettingsError`` naming
+    the key and where it came from (the flag, the variable, or the file and key)."""
+    settings = settings or serve_settings()
+    values = {s.name: s.default for s in settings}
+    values["autoscaling"] = None  # only from the file: per-pool settings do not fit in flags
+    if getattr(args, "config", None):
+        values.update(_from_file(args.config, settings))
+    for s in settings:
+        if s.env in environ:
+            values[s.name] = _convert(s, environ[s.env], s.env)
+    for s in settings:
+        given = getattr(args, s.name, None)
+        if given is not None:
+            values[s.name] = _convert(s, given, "argument" if s.name == "model" else s.flag)
+    return values
+
+
+def _from_file(path: Path, settings) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SettingsError(f"--config {path}: cannot read ({exc})") from exc
+    if not isinstance(data, dict):
+        raise SettingsError(f"--config {path}: expected a mapping of setting names to values")
+    by_name = {s.name: s for s in settings}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name == "autoscaling":  # a nested section, read by cluster.autoscaling.from_mapping
+            out[name] = value if value is not None else {}
+            continue
+        if name not in by_name:
+            raise SettingsError(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(by_name))}")
+        out[name] = None if value is None else _convert(by_name[name], value, f"{path}:{key}")
+    return out
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _convert(s: Setting, raw: Any, where: str) -> Any:
+    """``raw`` (a string from a flag or variable, or a YAML value) as ``s.type``, checked."""
+    if s.type is list:
+        items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        value = tuple(str(v).strip() for v in items if str(v).strip())
+        if not value:
+            raise SettingsError(f"{where}: {s.name} needs at least one name")
+        return value
+    if s.type is bool:
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in _TRUE + _FALSE:
+            return str(raw).lower() in _TRUE
+        raise SettingsError(f"{where}: {raw!r} is not a valid bool for {s.name} (true or false)")
+    try:
+        if s.type is not str and isinstance(raw, bool):
+            raise ValueError("a bool is not a number")
+        value = s.type(raw)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{where}: {raw!r} is not a valid {s.type.__name__} for {s.name}") from exc
+    if s.choices and value not in s.choices:
+        raise SettingsError(f"{where}: {value!r} is not one of {', '.join(s.choices)} for {s.name}")
+    if s.minimum is not None and value < s.minimum:
+        raise SettingsError(f"{where}: {s.name} must be at least {s.minimum:g}, got {value!r}")
+    if s.above is not None and value <= s.above:
+        raise SettingsError(f"{where}: {s.name} must be greater than {s.above:g}, got {value!r}")
+    return value

@@ -1,0 +1,258 @@
+"""``pdserve worker --role prefill|decode|router``: one role as a plain process, without Ray,
+as a Kubernetes Deployment runs it (deploy/k8s/overlays/plain-k8s).
+
+A worker serves its role on the internal plane, then **joins** the router through
+``RouterAdmin`` on the router's internal address (``--router-admin``): it reads the
+membership and writes it back with itself added. It checks again every
+``--join-interval-seconds`` and joins anew if it is missing (a router restarted with an empty
+table, or a join lost to another worker's concurrent one). On SIGTERM it **leaves** the
+table first (the router stops sending it work), then drains: health turns NOT_SERVING,
+in-flight requests get up to ``--drain-grace-seconds``, then it exits 0.
+
+The router role serves the public and internal planes with an empty table that the workers
+fill. It drops a member that has not answered its stats polls for
+``--member-timeout-seconds`` (a pod killed without a drain). With an ``autoscaling:``
+section in ``--config`` it runs pdserve's controller in observe-only mode: decisions are
+logged and exported as ``pdserve:autoscaler_desired_replicas``, and KEDA or an HPA owns the
+worker counts. On SIGTERM it drains like ``pdserve serve``.
+
+``--health-port`` serves a plain HTTP ``/health`` for the kubelet, which cannot present the
+client certificate that the gRPC health service asks for under mTLS: 200 while the worker
+serves, 503 once it drains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+import functools
+
+from pdserve.cluster.serve_config import served_names
+from pdserve.cluster.settings import Setting, SettingsError, add_arguments, resolve, serve_settings
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "router")
+
+_SHARED = ("model", "served_model_name", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
+           "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "host", "port", "grpc_port", "advertise_host",
+           "internal_host", "internal_advertise_host", "api_key", "api_key_file", "tls_ca", "tls_cert", "tls_key",
+           "insecure_internal", "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
+           "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
+           "routing_policy", "routing_prefill_weight", "routing_load_weight", "routing_temperature",
+           "routing_balance_abs_tokens", "routing_balance_rel",
+           "local_prefill_max_tokens", "local_prefill_max_load", "stream_kv_min_tokens")
+
+
+@functools.cache
+def worker_settings() -> tuple[Setting, ...]:
+    """The settings of ``pdserve worker``: ``pdserve serve``'s that one process needs, and its own."""
+    return (
+        Setting("role", str, None, "which role this process serves", ROLES),
+        *(s for s in serve_settings() if s.name in _SHARED),
+        Setting("internal_port", int, 0, "internal plane port: a worker's gRPC, the router's RouterAdmin (0: any)"),
+        Setting("metrics_port", int, 0, "a worker's Prometheus /metrics port, on the internal host (0: any)"),
+        Setting("health_port", int, None, "plain HTTP /health for probes on the internal host (default: off)"),
+        Setting("worker_id", str, None, "a worker's name in stats and metrics (default: the host name)"),
+        Setting("router_admin", str, None, "a worker joins the router's membership here (its internal host:port)"),
+        Setting("join_interval_seconds", float, 5.0, "how often a worker checks that it is in the router's table"),
+        Setting("member_timeout_seconds", float, 30.0, "the router drops a worker that has not answered this long"),
+    )
+
+
+def add_worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="run one role (prefill, decode or router) as a plain process, without Ray",
+                       description=__doc__.split("\n\n")[0] + " Settings come from flags, PDSERVE_* variables "
+                                   "and --config FILE.yaml, in that order of precedence.")
+    add_arguments(p, worker_settings())
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Entry of ``pdserve worker``: read the settings, serve the role until SIGTERM."""
+    from pdserve.cluster.autoscaling import AutoscaleConfigError
+    from pdserve.router.auth import ApiKeyError
+    from pdserve.wire import tls
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from pdserve.engine.cpu_kernels import KernelPathError, check_requested_isa
+
+    try:
+        v = settings(args)
+        if v["role"] != "router":
+            check_requested_isa()
+        if v["role"] == "router":  # every config is built, and checked, before anything starts
+            from pdserve.cluster.worker_router import autoscaling, router_config, run_router
+
+            coro = run_router(v, router_config(v), autoscaling(v))
+        else:
+            coro = run_role(v, worker_config(v))
+    except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError, KernelPathError) as exc:
+        print(f"pdserve worker: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(coro)
+    return 0
+
+
+def settings(args: argparse.Namespace, environ=None) -> dict[str, Any]:
+    """The resolved settings, checked for what the role needs."""
+    import os
+
+    v = resolve(args, os.environ if environ is None else environ, worker_settings())
+    if v["role"] is None:
+        raise SettingsError("role: required (--role prefill|decode|router, or PDSERVE_ROLE)")
+    if v["role"] != "router" and not v["router_admin"]:
+        raise SettingsError(f"router_admin: a {v['role']} worker needs the router's internal address to join "
+                            "(--router-admin HOST:PORT, or PDSERVE_ROUTER_ADMIN)")
+    return v
+
+
+def engine_config(v: dict[str, Any]):
+    from pdserve.engine.config import CacheConfig, EngineConfig
+
+    return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
+                        cache=CacheConfig(block_size=v["block_size"],
+                                          memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))))
+
+
+def internal_tls(v: dict[str, Any]):
+    from pdserve.wire import tls
+
+    return tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls")
+
+
+def worker_config(v: dict[str, Any]):
+    """The role's frozen config from the settings."""
+    common = dict(worker_id=v["worker_id"] or socket.gethostname(), model_name=served_names(v)[0],
+                  engine=engine_config(v), host=v["internal_host"],
+                  advertise_host=v["internal_advertise_host"], tls=internal_tls(v), port=v["internal_port"],
+                  insecure_internal=v["insecure_internal"],
+                  metrics_port=v["metrics_port"], kv_transfer_backend=v["kv_transfer_backend"],
+                  step_trace_dir=v["step_trace_dir"])
+    if v["role"] == "prefill":
+        from pdserve.prefill_worker.worker import PrefillWorkerConfig
+
+        return PrefillWorkerConfig(lease_seconds=v["lease_seconds"], **common)
+    from pdserve.decode_worker.worker import DecodeWorkerConfig
+
+    return DecodeWorkerConfig(**common)
+
+
+async def run_role(v: dict[str, Any], config) -> None:
+    """Serve a prefill or decode worker, keep it in the router's table, and on SIGTERM leave
+    the table, then drain."""
+    import torch
+
+    if v["threads_per_worker"]:
+        torch.set_num_threads(v["threads_per_worker"])
+    if v["role"] == "prefill":
+        from pdserve.prefill_worker.server import start
+    else:
+        from pdserve.decode_worker.server import start
+    running = await start(config)
+    health = Health()
+    runner = await health.serve(config.host, v["health_port"]) if v["health_port"] is not None else None
+    membership = Membership(v["router_admin"], config.tls, v["role"], running.address, config.worker_id)
+    keeper = asyncio.create_task(membership.keep_joined(v["join_interval_seconds"]))
+    print(f"listening on {running.address}", flush=True)
+    await _stop_signal()
+    health.draining = True
+    keeper.cancel()
+    grace_s = v["drain_grace_seconds"]
+    print(f"draining (grace {grace_s:g} s)", flush=True)
+    await membership.leave()
+    await running.drain(grace_s)
+    if runner is not None:
+        await runner.cleanup()
+
+
+async def _stop_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+class Health:
+    """The plain HTTP ``/health`` of a worker: 200 until it drains, 503 after."""
+
+    ROUTES = ("/health",)
+
+    def __init__(self) -> None:
+        self.draining = False
+
+    async def serve(self, host: str | None, port: int):
+        from aiohttp import web
+
+        from pdserve.wire.address import resolve as resolve_host
+
+        app = web.Application()
+        app.add_routes([web.get("/health", self._health)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, resolve_host(host).bind_host, port).start()
+        return runner
+
+    async def _health(self, request):
+        from aiohttp import web
+
+        if self.draining:
+            return web.Response(status=503, text="draining\n")
+        return web.Response(text="serving\n")
+
+
+class Membership:
+    """A worker's entry in the router's table, kept through ``RouterAdmin`` on the internal plane.
+
+    The table is replaced whole by ``SetMembership``; a join reads it and writes it back with
+    this worker added. Two workers joining at once can lose one entry: ``keep_joined`` finds
+    it missing on its next check and joins again."""
+
+    def __init__(self, admin_address: str, tls, role: str, address: str, worker_id: str):
+        from pdserve.protos import admin_pb2
+
+        self.admin_address, self.tls = admin_address, tls
+        self.member = admin_pb2.Member(role=role, address=address, worker_id=worker_id)
+
+    async def _update(self, present: bool, timeout_s: float = 5.0) -> bool:
+        """Make this worker present in (or absent from) the table; True if it had to change."""
+        from pdserve.protos import admin_pb2, admin_pb2_grpc
+        from pdserve.wire.grpc_util import aio_channel
+
+        async with aio_channel(self.admin_address, self.tls) as ch:
+            stub = admin_pb2_grpc.RouterAdminStub(ch)
+            table = await stub.GetMembership(admin_pb2.Membership(), timeout=timeout_s)
+            others = [m for m in table.members if m.address != self.member.address]
+            if present == (len(others) < len(table.members)):
+                return False
+            members = [*others, self.member] if present else others
+            await stub.SetMembership(admin_pb2.Membership(members=members), timeout=timeout_s)
+            return True
+
+    async def join(self) -> bool:
+        return await self._update(True)
+
+    async def leave(self) -> None:
+        import grpc
+
+        try:
+            await self._update(False)
+        except grpc.RpcError as exc:  # the router is gone too: nobody routes to us anyway
+            log.warning("could not leave the router's table at %s: %s", self.admin_address, exc.code().name)
+
+    async def keep_joined(self, interval_s: float) -> None:
+        import grpc
+
+        while True:
+            try:
+                if await self.join():
+                    log.info("joined the router at %s as %s %s", self.admin_address, self.member.role,
+                             self.member.address)
+            except grpc.RpcError as exc:  # the router is starting or restarting: try again
+                log.warning("router at %s not reachable: %s", self.admin_address, exc.code().name)
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,126 @@
+"""``pdserve worker --role router``: the router as a plain process whose workers join it
+(``pdserve.cluster.worker_cli``), for Kubernetes without Ray.
+
+Nobody else owns the table here, so the router keeps it true itself: a member that has not
+answered a stats poll for ``member_timeout_seconds`` is dropped (a pod killed without its
+drain; a restarted pod joins again under its new address). The optional controller only
+watches (``Autoscaler(observe_only=True)``): KEDA or an HPA changes the worker counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.cluster.worker_cli import _stop_signal, engine_config, internal_tls
+from pdserve.router.pool import WorkerPool
+from pdserve.wire.tls import TlsConfig
+
+log = logging.getLogger(__name__)
+
+
+def router_config(v: dict[str, Any]):
+    from pdserve.cluster.serve_config import _router_limits
+    from pdserve.router.auth import read_key
+    from pdserve.router.server import RouterConfig
+    from pdserve.wire import tls
+
+    return RouterConfig(engine=engine_config(v), host=v["host"], grpc_port=v["grpc_port"],
+                        http_port=None if v["port"] < 0 else v["port"], advertise_host=v["advertise_host"],
+                        api_key=read_key(v["api_key"], v["api_key_file"]),
+                        public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"],
+                                            prefix="public_tls", require_ca=False),
+                        internal_host=v["internal_host"], internal_port=v["internal_port"],
+                        internal_advertise_host=v["internal_advertise_host"], tls=internal_tls(v), insecure_internal=v["insecure_internal"],
+                        limits=_router_limits(v))
+
+
+async def run_router(v: dict[str, Any], config, autoscaling: dict | None) -> None:
+    """Serve until SIGTERM, then drain (running streams finish within the grace) and stop.
+    ``autoscaling``: the pools' policies for the observe-only controller; None: no controller."""
+    from pdserve.router.server import start
+
+    running = await start(config)
+    pool = running.service.pool
+    pruner = asyncio.create_task(prune_silent(pool, v["member_timeout_seconds"], v["join_interval_seconds"]))
+    observer = _observe(running.internal_address, config.tls, pool, autoscaling)
+    http = f", OpenAI HTTP API on http://{running.http_address}/v1" if running.http_address else ""
+    print(f"router: gRPC API listening on {running.address}{http}; workers join at {running.internal_address}",
+          flush=True)
+    await _stop_signal()
+    grace = v["drain_grace_seconds"]
+    print(f"router: draining (up to {grace:g} s)", flush=True)
+    left = await running.service.drain(grace)
+    if left:
+        print(f"router: {left} request(s) still running after the grace period; stopping anyway", flush=True)
+    pruner.cancel()
+    if observer is not None:
+        await asyncio.to_thread(observer.stop)
+    await running.stop()
+
+
+def autoscaling(v: dict[str, Any]):
+    from pdserve.cluster.autoscaling import from_mapping
+
+    return from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None
+
+
+async def prune_silent(pool: WorkerPool, timeout_s: float, interval_s: float) -> None:
+    """Drop members that have been unreachable for ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    silent_since: dict[str, float] = {}
+    while True:
+        await asyncio.sleep(interval_s)
+        now = loop.time()
+        for address, worker in list(pool.workers.items()):
+            if worker.healthy:
+                silent_since.pop(address, None)
+            elif now - silent_since.setdefault(address, now) >= timeout_s:
+                log.warning("dropping %s worker %s: unreachable for %.0f s", worker.role, address, timeout_s)
+                silent_since.pop(address)
+                await pool.remove(address)
+
+
+@dataclass(frozen=True)
+class _ObservedConfig:
+    tls: TlsConfig | None  # what the autoscaler reads of a cluster's config
+
+
+class ObservedCluster:
+    """What ``Autoscaler`` needs of a cluster, for a router whose workers are not ours to start:
+    the members come from ``RouterAdmin.GetMembership`` (the autoscaler samples from its own
+    thread, and the table lives on the router's event loop), and each decision reaches the
+    router's ``pdserve:autoscaler_desired_replicas`` gauge through that loop."""
+
+    def __init__(self, admin_address: str, tls: TlsConfig | None, pool: WorkerPool,
+                 loop: asyncio.AbstractEventLoop):
+        self.admin_address = admin_address
+        self.config = _ObservedConfig(tls)
+        self.autoscaler = None
+        self._pool, self._loop = pool, loop
+
+    def addresses(self, role: str) -> list[str]:
+        from pdserve.protos import admin_pb2, admin_pb2_grpc
+        from pdserve.wire.grpc_util import channel
+
+        with channel(self.admin_address, self.config.tls) as ch:
+            table = admin_pb2_grpc.RouterAdminStub(ch).GetMembership(admin_pb2.Membership(), timeout=2)
+        return [m.address for m in table.members if m.role == role]
+
+    def push_membership(self) -> None:
+        if self.autoscaler is not None:
+            self._loop.call_soon_threadsafe(self._pool.desired_replicas.update, self.autoscaler.desired())
+
+
+def _observe(admin_address: str, tls: TlsConfig | None, pool: WorkerPool, configs):
+    """Start the observe-only controller when the config has an ``autoscaling:`` section."""
+    if configs is None:
+        return None
+    from pdserve.cluster.autoscaler import Autoscaler
+
+    cluster = ObservedCluster(admin_address, tls, pool, asyncio.get_running_loop())
+    cluster.autoscaler = Autoscaler(cluster, configs, observe_only=True)
+    cluster.autoscaler.start()
+    return cluster.autoscaler

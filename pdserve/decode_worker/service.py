@@ -1,0 +1,208 @@
+"""gRPC face of the decode worker (``pdserve.v1.DecodeWorker``).
+
+Peers are known by the agent a prefill worker's address serves *and its incarnation* (a digest
+of the metadata it hands out: a restarted worker registers new memory). A prefill worker that
+restarts on the same address (a Kubernetes container restart keeps the pod IP and the fixed
+internal port) would otherwise be read with its dead predecessor's metadata forever. So after
+a transfer from an address fails, its metadata is fetched again at once, and a new incarnation
+replaces the peer before the router retries; the router marks a source whose transfers keep
+failing down (``pdserve.router.pool.WorkerPool.transfer_failed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+
+import grpc
+
+from pdserve.decode_worker.worker import DecodeWorker, KVArrived, KVProgressed, LocallyPrefilled, TransferFailed
+from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
+from pdserve.kv_transfer import TransferError
+from pdserve.kv_transfer.handoff import KVHandle, ReleaseReason, release_request
+from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
+from pdserve.wire.failure import Failure, abort_with
+from pdserve.wire.grpc_util import abort_invalid, aio_channel
+from pdserve.wire.worker_shell import ShellRpcs
+
+log = logging.getLogger(__name__)  # request ids are the router's (a client's X-Request-Id)
+
+
+class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, metrics_address: str = ""):
+        self.worker = worker
+        self.metrics_address = metrics_address
+        self._peers: dict[str, tuple[str, str]] = {}  # prefill address -> (peer agent name, incarnation)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._lock = asyncio.Lock()
+
+    def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+        if address not in self._channels:
+            self._channels[address] = aio_channel(address, self.worker.config.tls)
+        return worker_pb2_grpc.PrefillWorkerStub(self._channels[address])
+
+    async def _peer(self, address: str, check_again: bool = False) -> str:
+        """The prefill worker's agent at ``address``, added once per incarnation (metadata
+        travels over gRPC). ``check_again``: fetch its metadata even if known, and replace the
+        peer if the worker there is a new incarnation."""
+        async with self._lock:
+            known = self._peers.get(address)
+            if known is None or check_again:
+                meta = await self._stub(address).GetAgentMetadata(worker_pb2.AgentMetadataRequest(), timeout=10)
+                incarnation = hashlib.sha256(meta.SerializeToString(deterministic=True)).hexdigest()[:16]
+                if known is None or known[1] != incarnation:
+                    if known is not None:
+                        log.info("prefill worker %s is a new incarnation (%s, was %s); its peer is replaced",
+                                 address, incarnation, known[1])
+                    self._peers[address] = (await asyncio.to_thread(self.worker.add_peer, meta), incarnation)
+            return self._peers[address][0]
+
+    async def _check_source(self, address: str) -> None:
+        """After a failed transfer: the worker at ``address`` may have restarted; look again
+        (best effort: an unreachable one stays as it was, and the router judges it)."""
+        try:
+            await self._peer(address, check_again=True)
+        except (grpc.aio.AioRpcError, TransferError) as exc:
+            log.info("prefill worker %s could not be checked again after a failed transfer: %s", address, exc)
+
+    async def Decode(self, request, context):
+        # The router offers the same KV to another decode worker.
+        await self.admit(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if request.local_prefill:
+            async for resp in self._prefill_and_decode(request, context):
+                yield resp
+            return
+        log.debug("decode %s: %d prompt tokens from %s", request.request_id, len(request.prompt_token_ids),
+                  request.kv.prefill_address)
+        kv = KVHandle.from_proto(request.kv)
+        params = sampling_from_proto(request.sampling, keep_stop_strings=False)
+        try:
+            peer = await self._peer(kv.prefill_address)
+        except (grpc.aio.AioRpcError, TransferError) as exc:
+            self.worker.source_unreachable()
+            reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER,
+                             f"kv transfer failed: prefill worker {kv.prefill_address} unreachable ({reason})")
+        lease = _LeaseUse(self._stub(kv.prefill_address), kv)
+        watch = lease.watch if request.kv_streamed else None
+        stream = self.worker.decode(request.request_id, list(request.prompt_token_ids), request.first_token_id,
+                                    params, kv, peer, lease.claim, watch)
+        try:
+            async for item in stream:
+                if isinstance(item, KVProgressed):
+                    yield worker_pb2.DecodeResponse(kv_progress=True)
+                    continue
+                if isinstance(item, KVArrived):
+                    lease.done = True  # read: the holder frees its copy on the read's notification
+                    yield worker_pb2.DecodeResponse(kv_bytes=item.nbytes, kv_transfer_seconds=item.seconds)
+                    continue
+                yield _output_to_wire(item)
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        except CacheCapacityError as exc:
+            await lease.end(ReleaseReason.RETURNED)  # unread: the router's next decode worker may claim it
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker KV cache full: {exc}")
+        except LeaseClaimFailed as exc:
+            self.worker.source_unreachable()
+            await self._check_source(kv.prefill_address)
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
+        except TransferFailed as exc:
+            await lease.end(ReleaseReason.TRANSFER_FAILED)
+            await self._check_source(kv.prefill_address)
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        except asyncio.CancelledError:
+            # The router gave up on this call, or died. Either way no other decode worker will
+            # be offered this KV (a router that goes on re-prefills), so it is freed now, not
+            # when its lease runs out.
+            lease.abandoned = True
+            raise
+        finally:
+            await stream.aclose()
+            await lease.end(ReleaseReason.ABORTED)  # a no-op unless claimed and never read
+
+
+    async def _prefill_and_decode(self, request, context):
+        """``Decode`` with ``local_prefill``: no KV to pull; this worker runs the prompt itself
+        and the first response carries the first token, with what a prefill answer carries."""
+        log.debug("decode %s: %d prompt tokens, prefilled here", request.request_id, len(request.prompt_token_ids))
+        params = sampling_from_proto(request.sampling, keep_stop_strings=False)
+        stream = self.worker.prefill_and_decode(request.request_id, list(request.prompt_token_ids), params)
+        prefill_seconds = None
+        try:
+            async for item in stream:
+                if isinstance(item, LocallyPrefilled):
+                    prefill_seconds = item.seconds
+                    continue
+                resp = _output_to_wire(item)
+                if prefill_seconds is not None:  # the first token
+                    resp.prefill_seconds, resp.num_cached_tokens = prefill_seconds, item.num_cached_tokens
+                    resp.prompt_logprobs.extend(lp for lp, _ in item.prompt_logprobs or ())
+                    resp.prompt_top_logprobs.extend(top_to_proto(top) for _, top in item.prompt_logprobs or ())
+                    prefill_seconds = None
+                yield resp
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        finally:
+            await stream.aclose()
+
+
+def _output_to_wire(item) -> worker_pb2.DecodeResponse:
+    return worker_pb2.DecodeResponse(
+        token_ids=item.new_token_ids, logprobs=item.new_logprobs,
+        top_logprobs=[top_to_proto(top) for top in item.new_top_logprobs],
+        finish_reason=finish_to_wire(item.finish_reason if item.finished else None))
+
+
+class LeaseClaimFailed(Exception):
+    """The holder refused the claim, or could not be asked: nothing was read."""
+
+
+class _LeaseUse:
+    """This decode worker's use of one lease: claim it before reading, and end it (once) if
+    it was claimed, or abandoned by the router, and the read never finished."""
+
+    def __init__(self, stub: worker_pb2_grpc.PrefillWorkerStub, kv: KVHandle):
+        self.stub, self.kv = stub, kv
+        self.claimed = self.done = self.abandoned = False
+
+    async def claim(self) -> None:
+        try:
+            await self.stub.Claim(worker_pb2.ClaimRequest(lease_token=self.kv.lease_token,
+                                                          block_ids=list(self.kv.block_ids)), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise LeaseClaimFailed(f"claim refused by {self.kv.prefill_address}: {exc.details()}") from exc
+        self.claimed = True
+
+    async def watch(self):
+        """The claimed streamed lease's progress: (tokens computed, the first token once done).
+        Raises TransferFailed if the holder stops answering or the prompt stops."""
+        call = self.stub.WatchKV(worker_pb2.WatchKVRequest(lease_token=self.kv.lease_token))
+        try:
+            async for progress in call:
+                yield progress.ready_tokens, progress.first_token_id if progress.done else None
+        except grpc.aio.AioRpcError as exc:
+            raise TransferFailed(f"the prefill worker {self.kv.prefill_address} stopped streaming the KV: "
+                                 f"{exc.code().name} {exc.details()}") from exc
+        finally:
+            call.cancel()
+
+    async def end(self, reason: ReleaseReason) -> None:
+        """Release (or hand back) a lease we claimed, or that the router abandoned, and did not
+        read (best effort: it expires anyway)."""
+        if self.done or not (self.claimed or self.abandoned):
+            return
+        self.done = True
+        try:
+            await self.stub.Release(release_request(self.kv.lease_token, reason), timeout=5)
+        except grpc.aio.AioRpcError:
+            pass  # the prefill worker is gone, or its lease will expire
+
+
+def add_to_server(server: grpc.aio.Server, worker: DecodeWorker, metrics_address: str = "") -> None:
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker, metrics_address), server)

@@ -1,0 +1,259 @@
+"""The decode worker's core: the shared worker shell plus what only decode has, the KV reads
+in flight.
+
+A prompt's KV arrives in one read after its prefill, or, streamed (``watch``), in one read per
+newly finished stretch of blocks while the prefill worker still computes, then a last read
+of the rest. Either way the same bytes land in the same blocks, the last read ends the lease
+on the holder, and any failed read fails the request's transfer as a whole."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable, Optional
+
+from pdserve.engine.config import MIXED, EngineConfig
+from pdserve.engine.errors import SequenceFailed, StepFailed
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling import SamplingParams
+from pdserve.kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
+from pdserve.kv_transfer.handoff import KVHandle, partial_notify
+from pdserve.protos import kv_transfer_pb2
+from pdserve.wire import worker_metrics
+from pdserve.wire.address import resolve, transfer_listen_opts
+from pdserve.wire.internal_plane import check_bind
+from pdserve.wire.tls import TlsConfig
+from pdserve.wire.worker_shell import WorkerShell
+
+# While a read is in flight the engine thread checks on it at least this often (between
+# steps it checks every iteration); with no read in flight it does not poll at all.
+TRANSFER_POLL_S = 0.0005
+
+
+@dataclass(frozen=True)
+class DecodeWorkerConfig:
+    worker_id: str = "decode-0"
+    model_name: str = "smollm2"  # the served name (the first), the workers' metrics label model_name
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str | None = "127.0.0.1"  # internal plane bind address; None: the node's IP (wire.address)
+    advertise_host: str | None = None  # what peers dial; None: from host (wire.address.resolve)
+    tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls)
+    insecure_internal: bool = False  # allow binding beyond loopback without tls (wire.internal_plane)
+    port: int = 0
+    metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
+    kv_transfer_backend: str = DEFAULT_BACKEND
+    transfer_timeout_s: float = 10.0  # a read not done by then fails (and the router re-prefills)
+    inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
+    max_requests: int = 1024  # requests held at once (waiting for KV, queued or running); past it RESOURCE_EXHAUSTED
+    max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
+    cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
+    borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (wire.worker_shell)
+    step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
+
+
+@dataclass(frozen=True)
+class KVArrived:
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class KVProgressed:
+    """Streamed KV: a read of more finished blocks started while prefill goes on."""
+
+    ready_tokens: int
+
+
+@dataclass
+class _Pull:
+    """One request's reads of its prompt's KV."""
+
+    handles: list[TransferHandle] = field(default_factory=list)
+    next_block: int = 0  # blocks before this one have a read started
+    final_at: Optional[float] = None  # when the last read (the rest, ending the lease) started
+    first_token: Optional[int] = None  # streamed: learnt with the end of the prompt
+
+
+# Streamed KV's progress as the decode worker hears it: (prompt tokens computed, the first
+# token once the whole prompt is).
+Watch = Callable[[], AsyncIterator[tuple[int, Optional[int]]]]
+
+
+@dataclass(frozen=True)
+class LocallyPrefilled:
+    """Sent before the first output of a request this worker prefilled itself."""
+
+    seconds: float  # arrival here to the first token: queue + prompt compute
+
+
+def decode_engine_config(engine: EngineConfig) -> EngineConfig:
+    """A decode worker's engine runs the ``mixed`` policy: a prompt it prefills (locally, or
+    a preempted sequence it recomputes) shares steps with its running streams instead of
+    stopping them for the whole prompt."""
+    return dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, policy=MIXED))
+
+
+class TransferFailed(Exception):
+    """The prompt's KV could not be pulled; the request was aborted here."""
+
+
+class DecodeWorker(WorkerShell):
+    role = "decode"
+
+    def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None):
+        engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
+        endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
+        check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
+        agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
+                             inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
+                             **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
+        super().__init__(config, engine, agent, hooks=[self._poll_transfers])
+        self.endpoint = endpoint
+        self._pulls: dict[str, _Pull] = {}
+
+    def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
+        return self.agent.add_remote(meta)
+
+    def source_unreachable(self) -> None:
+        """Count a pull that could not start (the prefill worker gave no usable metadata) as
+        a failed transfer: the KV did not move, and that is never silent."""
+        self.agent.stats.record(TransferState.FAILED, 0, 0.0)
+
+    # ---- called from the asyncio loop ----------------------------------------------
+    async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
+                     kv: KVHandle, peer: str, claim: Callable[[], Awaitable[None]], watch: Watch | None = None
+                     ) -> AsyncIterator[RequestOutput | KVArrived | KVProgressed]:
+        """Take the request (blocks here first: CacheCapacityError before any claim), claim
+        the lease (``claim``), pull the KV from agent ``peer``, then yield ``KVArrived`` once
+        and the request's outputs as they come.
+
+        ``watch``: the KV is streamed (``first_token`` is a placeholder): read each stretch of
+        blocks ``watch`` says is computed, yielding ``KVProgressed``, and the rest once it says
+        the prompt is done, with the first token.
+
+        Raises TransferFailed if the KV never arrives, StepFailed if a step holding the
+        request raised, SequenceFailed if its own fault ended it. Closing the iterator early (the caller was cancelled) aborts the
+        request and its transfer.
+        """
+        stream = self.open_stream(request_id)
+        finished = False
+        try:
+            local = await self.call(self.engine.add_prefilled, request_id, prompt, first_token, params)
+            await claim()
+            if watch is None:
+                await self.call(self._start_read, request_id, kv, peer, local, kv.num_tokens, True, None)
+            else:
+                async for ready_tokens, first in watch():
+                    await self.call(self._start_read, request_id, kv, peer, local, ready_tokens,
+                                    first is not None, first)
+                    if first is not None:
+                        break
+                    yield KVProgressed(ready_tokens)
+                else:
+                    raise TransferFailed("the prefill worker stopped streaming the KV before the prompt was done")
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, (TransferFailed, StepFailed, SequenceFailed)):
+                    finished = True
+                    raise item
+                finished = isinstance(item, RequestOutput) and item.finished
+                yield item
+        finally:
+            self.close_stream(request_id)
+            if not finished:
+                await self._cancel_now(request_id)
+
+    async def prefill_and_decode(self, request_id: str, prompt: list[int], params: SamplingParams
+                                 ) -> AsyncIterator[RequestOutput | LocallyPrefilled]:
+        """Prefill ``prompt`` here (its chunks share steps with the running streams), then
+        decode: yields ``LocallyPrefilled`` once, just before the first output, then the
+        request's outputs as they come. Raises StepFailed if a step holding the request
+        raised, SequenceFailed if its own fault ended it; closing the iterator early aborts the request."""
+        stream = self.open_stream(request_id)
+        arrived = time.monotonic()
+        finished = first = False
+        try:
+            await self.call(self.engine.add_request, request_id, prompt, params)
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, (StepFailed, SequenceFailed)):
+                    finished = True
+                    raise item
+                if not first:
+                    first = True
+                    yield LocallyPrefilled(time.monotonic() - arrived)
+                finished = item.finished
+                yield item
+        finally:
+            self.close_stream(request_id)
+            if not finished:
+                await self._cancel_now(request_id)
+
+    async def _cancel_now(self, request_id: str) -> None:
+        """Free what an unfinished request holds before its caller hears that it ended, so a
+        Stats read right after the error sees its blocks free (a race a loaded machine hit).
+        If the call is cancelled meanwhile the cancel still runs, just unawaited."""
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(asyncio.wrap_future(self.thread.call(self.cancel, request_id)))
+
+    # ---- engine thread -------------------------------------------------------------
+    def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int], ready_tokens: int,
+                    last: bool, first_token: int | None) -> None:
+        """Read the blocks not read yet that hold only computed tokens; with ``last``, every
+        block not read yet, notifying the holder with the lease token (which ends the lease).
+        Early reads leave the last block to the last read, so that one always moves a block."""
+        if not self.engine.blocks.has(request_id):  # aborted meanwhile (or an early read failed)
+            raise TransferFailed("the request was aborted before its read started")
+        pull = self._pulls.setdefault(request_id, _Pull())
+        size, n = self.engine.blocks.block_size, len(kv.block_ids)
+        end = n if last else min(ready_tokens // size, n - 1)
+        if end <= pull.next_block:
+            return
+        if last:
+            notify = kv.lease_token.encode()
+        else:  # an early read: a holder that checks reads needs the token; a one-sided one needs
+            # nothing, and a notice would complete only when the holder next runs its progress
+            notify = partial_notify(kv.lease_token) if self.agent.guards_reads else b""
+        try:
+            handle = self.agent.start_read(
+                peer, kv.block_ids[pull.next_block:end], local[pull.next_block:end], notify=notify,
+                last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None)
+        except InvalidTransferRequest as exc:
+            self.cancel(request_id)
+            raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc
+        pull.handles.append(handle)
+        pull.next_block = end
+        if last:
+            pull.final_at, pull.first_token = handle.started_at, first_token
+
+    def _poll_transfers(self) -> float | None:
+        arrived = []
+        for request_id, pull in list(self._pulls.items()):
+            states = [self.agent.poll(h) for h in pull.handles]
+            failed = next((h for h, state in zip(pull.handles, states)
+                           if state.is_terminal and state is not TransferState.DONE), None)
+            if failed is not None:
+                self.cancel(request_id)
+                arrived.append((request_id, TransferFailed(f"KV transfer {failed.state.name.lower()}: {failed.error}")))
+            elif pull.final_at is not None and all(state is TransferState.DONE for state in states):
+                del self._pulls[request_id]
+                self.engine.kv_ready(request_id, pull.first_token)
+                # The wait after the last read started: for streamed KV, what is left after prefill.
+                seconds = max(h.finished_at for h in pull.handles) - pull.final_at
+                nbytes = sum(h.nbytes for h in pull.handles)
+                worker_metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
+                                         nbytes, sum(len(h.local_block_ids) for h in pull.handles),  # one descriptor per block
+                                         self.config.model_name)
+                arrived.append((request_id, KVArrived(nbytes, seconds)))
+        if arrived:
+            self.push(arrived)
+        return TRANSFER_POLL_S if self._pulls else None
+
+    def cancel(self, request_id: str) -> bool:
+        pull = self._pulls.pop(request_id, None)
+        for handle in pull.handles if pull is not None else ():
+            self.agent.abort(handle)
+        return self.engine.abort(request_id)

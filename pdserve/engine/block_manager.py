@@ -1,0 +1,263 @@
+"""Block accounting for the paged KV cache, in plain Python (no torch).
+
+The cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots. Each sequence
+owns a block table (a list of block ids, in token order). Full blocks get a chained hash
+(the hash of the previous block and this block's tokens), so a later prompt that starts
+with the same tokens reuses them: the prefix cache. A request's ``cache_salt`` (vLLM's field)
+is the root of its chain, so blocks are shared only between requests of the same salt: one
+tenant cannot learn from a hit (or ``cached_tokens``) what another sent. A free block keeps its hash until it is
+handed out again, so freed prefixes stay reusable for as long as memory allows (the free
+list is least-recently-freed first).
+
+Listeners (``subscribe``) hear each change of the set of cached hashes: ``(hash, True)`` when
+a full block's hash becomes findable, ``(hash, False)`` when it stops being findable because
+its block is handed out again (evicted). A block in use is never handed out, so a hash stays
+cached while any sequence (a held lease's included) references its block. A prefill worker
+publishes these events so that routers know where each prefix is cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from pdserve.engine.errors import CacheCapacityError
+
+NO_HASH = b""
+
+# (block hash, True: now cached / False: evicted); called on the thread that changed the cache.
+CacheListener = Callable[[bytes, bool], None]
+
+
+def chain_hash(prev_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Hash of a full block given the hash of the block before it (``NO_HASH`` for the first).
+
+    blake2b over packed ints, so the value is the same in every process (unlike ``hash()``
+    of a str) and a router can compute it too.
+    """
+    h = hashlib.blake2b(prev_hash, digest_size=16)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+def chain_root(cache_salt: str) -> bytes:
+    """The ``prev_hash`` of a sequence's first block: ``NO_HASH`` without a salt (the hashes
+    of unsalted prompts are as before salts existed), else a hash of the salt."""
+    if not cache_salt:
+        return NO_HASH
+    return hashlib.blake2b(b"pdserve cache salt\0" + cache_salt.encode(), digest_size=16).digest()
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:
+    """The chained hashes of the prompt blocks a prefix hit can cover: the full blocks, the
+    one holding the last token excluded (it is always computed; ``BlockManager.allocate``).
+    Routers compute them to know where a prompt's prefix is cached."""
+    hashes, prev = [], chain_root(cache_salt)
+    for i in range((len(token_ids) - 1) // block_size if token_ids else 0):
+        prev = chain_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(prev)
+    return hashes
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes = NO_HASH
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Result of allocating a sequence: its blocks and how many leading tokens were cached."""
+
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+
+
+@dataclass
+class _SeqBlocks:
+    block_ids: list[int] = field(default_factory=list)
+    # Hash of the last full block registered for this sequence, and how many full blocks
+    # have been hashed so far (so appending never re-hashes earlier blocks).
+    last_hash: bytes = NO_HASH
+    num_hashed: int = 0
+
+
+class BlockManager:
+    """Allocates, shares and frees KV blocks; owns every sequence's block table."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # Insertion-ordered free list: O(1) pop of the oldest and O(1) removal of a cached
+        # block that a prefix hit revives.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._by_hash: dict[bytes, int] = {}
+        self._seqs: dict[str, _SeqBlocks] = {}
+        self.prefix_queries = 0  # full prompt blocks eligible for the prefix cache
+        self.prefix_hits = 0  # of those, found
+        self._listeners: list[CacheListener] = []
+
+    def subscribe(self, listener: CacheListener) -> None:
+        """Call ``listener(hash, cached)`` at every change of the set of cached hashes."""
+        self._listeners.append(listener)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash a prefix lookup can find now (for a listener that starts late)."""
+        return list(self._by_hash)
+
+    def _emit(self, block_hash: bytes, cached: bool) -> None:
+        for listener in self._listeners:
+            listener(block_hash, cached)
+
+    # ---- queries -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence (0.0 to 1.0)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self._seqs[seq_id].block_ids
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def can_allocate(self, num_tokens: int, reserve: int = 0) -> bool:
+        """Whether ``num_tokens`` fresh slots fit while leaving ``reserve`` blocks free.
+
+        Conservative: ignores prefix-cache hits that would make the request cheaper.
+        """
+        return self.blocks_needed(num_tokens) + reserve <= len(self._free)
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise if a sequence of ``num_tokens`` could never fit, even in an empty cache."""
+        needed = self.blocks_needed(num_tokens)
+        if needed > self.num_blocks:
+            raise CacheCapacityError(needed, self.num_blocks)
+
+    # ---- allocation ----------------------------------------------------------------
+    def allocate(self, seq_id: str, token_ids: Sequence[int], use_prefix_cache: bool = True,
+                 cache_salt: str = "") -> Allocation:
+        """Give ``seq_id`` blocks for all of ``token_ids``, reusing cached full blocks of the
+        same ``cache_salt`` (its blocks are registered under that salt too).
+
+        At least one token is always left uncached, because the model must run on the
+        last prompt token to produce the next token's logits.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        needed = self.blocks_needed(len(token_ids))
+        root = chain_root(cache_salt)
+        hits = self._match_prefix(token_ids, root) if (use_prefix_cache and self.enable_prefix_cache) else []
+        if needed - len(hits) > len(self._free) - sum(1 for b, _ in hits if b in self._free):
+            raise CacheCapacityError(needed, len(self._free))
+        state = _SeqBlocks(last_hash=root)
+        for block_id, block_hash in hits:
+            self._take(block_id)
+            state.block_ids.append(block_id)
+            state.last_hash = block_hash
+        state.num_hashed = len(hits)
+        while len(state.block_ids) < needed:
+            state.block_ids.append(self._take_fresh())
+        self._seqs[seq_id] = state
+        self._register_full_blocks(state, token_ids)
+        return Allocation(tuple(state.block_ids), len(hits) * self.block_size)
+
+    def _match_prefix(self, token_ids: Sequence[int], root: bytes) -> list[tuple[int, bytes]]:
+        bs = self.block_size
+        num_full = len(token_ids) // bs
+        if num_full * bs == len(token_ids):
+            num_full -= 1  # keep the last block uncached so the last token gets computed
+        hits: list[tuple[int, bytes]] = []
+        prev = root
+        self.prefix_queries += max(num_full, 0)  # every eligible block counts, hit or not
+        for i in range(max(num_full, 0)):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(prev, chunk)
+            block_id = self._by_hash.get(h)
+            if block_id is None or self._blocks[block_id].token_ids != chunk:
+                break
+            self.prefix_hits += 1
+            hits.append((block_id, h))
+            prev = h
+        return hits
+
+    def append_slots(self, seq_id: str, token_ids: Sequence[int]) -> bool:
+        """Make room for ``token_ids`` (the sequence's whole token list, the newest last).
+
+        Returns False, changing nothing, when a new block is needed and none is free; the
+        caller then preempts someone and tries again.
+        """
+        state = self._seqs[seq_id]
+        needed = self.blocks_needed(len(token_ids))
+        if needed - len(state.block_ids) > len(self._free):
+            return False
+        while len(state.block_ids) < needed:
+            state.block_ids.append(self._take_fresh())
+        return True
+
+    def register_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Hash the blocks that ``num_computed`` tokens have filled, for later prefix reuse."""
+        self._register_full_blocks(self._seqs[seq_id], token_ids[:num_computed])
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence's references; blocks no one else holds go back to the free list."""
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return
+        # Reverse order: the tail of a sequence is the least likely to be shared again, so it
+        # is handed out first.
+        for block_id in reversed(state.block_ids):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    # ---- internals -----------------------------------------------------------------
+    def _register_full_blocks(self, state: _SeqBlocks, token_ids: Sequence[int]) -> None:
+        if not self.enable_prefix_cache:
+            return
+        bs = self.block_size
+        num_full = min(len(token_ids) // bs, len(state.block_ids))
+        for i in range(state.num_hashed, num_full):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(state.last_hash, chunk)
+            block = self._blocks[state.block_ids[i]]
+            block.hash, block.token_ids = h, chunk
+            new = h not in self._by_hash  # else another block holds the same tokens: still cached
+            self._by_hash[h] = block.block_id
+            if new:
+                self._emit(h, True)
+            state.last_hash = h
+        state.num_hashed = max(state.num_hashed, num_full)
+
+    def _take(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        self._free.pop(block_id, None)
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.hash and self._by_hash.get(block.hash) == block_id:
+            del self._by_hash[block.hash]
+            self._emit(block.hash, False)
+        block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
+        return block_id

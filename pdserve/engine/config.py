@@ -1,0 +1,171 @@
+"""Configuration dataclasses of the engine: one frozen dataclass per concern.
+
+Built once at process entry and passed down; derived values (block counts, cache bytes)
+are returned by functions, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from pdserve.engine.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder, independent of where weights came from."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 has biases on q/k/v projections; Llama and Mistral do not.
+    rope_scaling: Mapping[str, Any] | None = None  # only the "llama3" type is supported
+    sliding_window: int | None = None  # Mistral: caps max_model_len (no windowed attention)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def max_model_len(self) -> int:
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def model_config_from_hf(hf: Any, source: str) -> ModelConfig:
+    """Read a ``transformers`` config (object or dict) into a ``ModelConfig``.
+
+    ``source`` is the path the config came from; it names the model in errors.
+    """
+    get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, Mapping) else (lambda k, d=None: getattr(hf, k, d))
+    model_type = get("model_type")
+    archs = get("architectures") or []
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            source,
+            f"unsupported architecture {archs or model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}",
+        )
+    num_heads = get("num_attention_heads")
+    hidden = get("hidden_size")
+    rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+    rope_theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ModelLoadError(source, f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
+    eos = get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    use_window = get("use_sliding_window", model_type == "mistral")
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=get("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=get("intermediate_size"),
+        num_layers=get("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=get("num_key_value_heads") or num_heads,
+        head_dim=get("head_dim") or hidden // num_heads,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
+        rope_scaling=rope if rope_type == "llama3" else None,
+        sliding_window=(get("sliding_window") or None) if use_window else None,
+        bos_token_id=get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA and on CPU.
+
+    On an x86-64 CPU, bfloat16 runs pdserve's own linear and RMSNorm kernels
+    (pdserve/engine/csrc/linear.cpp, chosen by pdserve/engine/linear.py): every output element is one
+    float32 FMA chain in a fixed order, so a sequence's tokens do not depend on how many
+    others share its batch, on the thread count or on the machine, and the weights stream
+    at half float32's bytes. Its numerics differ from ``transformers``' bfloat16 (oneDNN,
+    which is not batch-invariant); ``dtype="float32"`` runs the same kernels on float32
+    weights and equals ``transformers`` in float32 token for token (near ties aside).
+    """
+    return torch.bfloat16
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry. The block count is derived from the memory budget."""
+
+    block_size: int = 16  # tokens per block; 16 keeps waste under one block per sequence
+    memory_budget_bytes: int = 1 << 30  # KV cache size per worker (1 GiB)
+    num_blocks: int | None = None  # set to override the budget (tests use tiny caches)
+    enable_prefix_cache: bool = True
+
+
+PREFILL_FIRST, MIXED = "prefill_first", "mixed"
+SCHEDULING_POLICIES = (PREFILL_FIRST, MIXED)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_seqs: int = 64  # sequences in one decode batch
+    # Prefill token budget per step (chunk size for long prompts). benchmarks/prefill_budget.py
+    # (256-token prompts, float32, 1 thread, 2026-11-22 on a loaded 2-core box): 256 / 512 /
+    # 1024 / 2048 gave 86 / 118 / 187 / 207 prompt tok/s (mean of two runs in opposite orders).
+    # 2048 keeps the most throughput; its longer step only delays a prompt arriving mid-step.
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    # prefill_first: a step prefills, or else decodes (a prefill worker's engine). mixed:
+    # every step decodes all running sequences and fills the rest of the token budget with
+    # prompt chunks (pdserve/engine/scheduler.py); what a worker that decodes runs.
+    policy: str = PREFILL_FIRST
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduler policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs, built once by the process that owns it."""
+
+    model: str = "default"  # "default", a HF directory, or a .gguf file
+    dtype: str | None = None  # None: default_dtype(device); "float32": transformers-exact
+    device: str | None = None  # None: cuda if available, else cpu
+    attention_backend: str = "auto"  # auto | paged | sdpa | flash | flash_invariant (pdserve/engine/attention.py)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_model_len: int | None = None  # None: the model's own limit
+    seed: int = 0  # seeds weight-free randomness (unseeded sampling)
+
+    def torch_device(self) -> torch.device:
+        if self.device:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            return default_dtype(self.torch_device())
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]

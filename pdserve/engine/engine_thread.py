@@ -1,0 +1,138 @@
+"""Runs an ``LLMEngine`` on a thread of its own.
+
+The engine is single-threaded by design; a worker's RPC handlers run elsewhere (an asyncio
+loop). They reach the engine only through ``call``, which queues a function to run on the
+engine thread between steps and returns a future. Each loop iteration runs, in this order:
+the queued calls, the ``hooks``, then one step. So a request added while step N runs is in
+step N+1. Outputs go to ``on_outputs`` once per step; a step that raises ``StepFailed`` goes
+to ``on_step_error`` (its requests are already aborted; the loop carries on).
+
+Waits are event-driven. Each hook returns how soon it needs to run again (seconds), or None
+when nothing it watches can change until a call arrives. An idle engine blocks on its call
+queue for the smallest of those, forever when every hook says None: an idle worker uses no
+CPU. A worker's hooks poll KV transfers and leases there, so nothing that touches the engine
+or the KV cache ever runs concurrently with a forward pass.
+
+With a ``step_trace``, every step's start, length and shape go to it (``pdserve.engine.step_trace``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable, Optional
+
+from pdserve.engine.errors import StepFailed
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.step_trace import StepTrace
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[], Optional[float]]  # runs on the engine thread; returns seconds until it needs to run again
+
+_WAKE = object()  # queued by ``stop`` so a blocked loop sees the stop flag
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
+                 hooks: Iterable[Hook] = (), name: str = "engine",
+                 on_step_error: Callable[[StepFailed], None] | None = None, step_trace: StepTrace | None = None):
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._on_step_error = on_step_error
+        self._hooks = list(hooks)
+        self._calls: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.steps = 0
+        self.idle_waits = 0  # times the loop blocked with nothing to run (tests read it)
+        self._trace = step_trace  # every step's start, length and shape (engine.step_trace)
+        self._idle_since_step = True
+        engine.keep_step_shape = step_trace is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._calls.put(_WAKE)
+        self._thread.join(timeout)
+        if self._trace is not None:
+            self._trace.close()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the engine thread before the next step; its result or
+        exception lands in the returned future."""
+        fut: Future = Future()
+        self._calls.put((fn, args, fut))
+        return fut
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain_calls()
+                wait_s = self._run_hooks()
+                if self.engine.has_runnable():
+                    self._step()
+                else:
+                    self._wait_for_call(wait_s)
+            except Exception:  # a bug here must not silently kill the worker's engine
+                log.exception("engine loop iteration failed")
+
+    def _run_hooks(self) -> float | None:
+        """Run every hook; the soonest any of them wants to run again (None: not before a call)."""
+        soonest = None
+        for hook in self._hooks:
+            wait_s = hook()
+            if wait_s is not None:
+                soonest = wait_s if soonest is None else min(soonest, wait_s)
+        return soonest
+
+    def _step(self) -> None:
+        start, t = time.time(), time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except StepFailed as exc:
+            log.error("%s", exc, exc_info=exc.cause)
+            if self._on_step_error is not None:
+                self._on_step_error(exc)
+            self._idle_since_step = True  # a gap in the trace: the next step's time is its own
+            return
+        self.steps += 1
+        if self._trace is not None and self.engine.last_step_shape is not None:
+            self._trace.write(start, time.perf_counter() - t, self._idle_since_step, self.engine.last_step_shape)
+        self._idle_since_step = False
+        if outputs:
+            self._on_outputs(outputs)
+
+    def _drain_calls(self) -> None:
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            self._run_call(item)
+
+    def _wait_for_call(self, timeout_s: float | None) -> None:
+        self.idle_waits += 1
+        self._idle_since_step = True
+        try:
+            item = self._calls.get(timeout=max(timeout_s, 0.0) if timeout_s is not None else None)
+        except queue.Empty:
+            return
+        self._run_call(item)
+
+    @staticmethod
+    def _run_call(item) -> None:
+        if item is _WAKE:
+            return
+        fn, args, fut = item
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # handed to the caller, who decides
+            fut.set_exception(exc)

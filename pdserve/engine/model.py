@@ -1,0 +1,212 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over packed, variable-length tokens.
+
+Tokens of every sequence in a step are packed along one axis (T). The model does not know
+the KV cache exists: each attention layer is handed its cache slice (``bind_cache``) and
+the step's ``AttentionContext`` by the model runner. Projections are fused (q|k|v and
+gate|up) so a decode step issues fewer, larger matmuls; numerics follow ``transformers``
+op for op (RMSNorm in float32, RoPE tables in float32, logits cast to float32). After
+loading, pdserve/engine/linear.py may swap the linears, norms and LM head for a backend's own
+modules (bfloat16 on CPU: pdserve's batch-invariant kernels); the model does not know which.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from pdserve.engine.attention import AttentionContext
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, first ``x = x + residual`` (the layer's skip
+        connection) and returns ``(norm(x), x)``, so a backend can fuse the add in."""
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.backend = None  # set by the model runner
+        self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd), bound by the runner
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:
+        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        # The backend splits q|k|v, rotates, stores K/V and attends (fused where it can).
+        out = self.backend.attend(self.qkv_proj(x), rope, self.k_cache, self.v_cache, ctx,
+                                  self.nh, self.nkv, self.hd)  # (T, nh, hd)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+
+class SiluAndMul(nn.Module):
+    """(T, 2I) gate|up -> (T, I) silu(gate) * up, as transformers computes it; a linear
+    backend may swap it for a fused kernel (pdserve/engine/linear.py)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sublayer output, residual stream) in -> out. The stream is h = residual + x, the
+        sum each norm computes first: transformers' ``h = h + sublayer(norm(h))``, with each
+        add moved into the next norm (None: x is the embedding, nothing to add yet)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, ctx), residual)
+        return self.mlp(x), residual
+
+
+class DecoderStack(nn.Module):
+    """Runs the decoder layers one after another. It holds no weights (they stay under
+    ``CausalLM.layers``, named as ``transformers`` names them), so a linear backend can swap it
+    for one call over the whole stack (pdserve/engine/linear.py) without touching how weights load."""
+
+    def forward(self, layers: nn.ModuleList, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedded tokens (T, hidden) -> (last MLP output, residual stream), for the final norm."""
+        residual = None
+        for layer in layers:
+            h, residual = layer(h, residual, rope, ctx)
+        return h, residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.stack = DecoderStack()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.linear_backend = "torch"  # engine.linear.apply_backend names the one it applied
+        self.kernel_path: str | None = None  # and the CPU instruction-set path, for the packed kernels
+        self._bound: tuple[list, object] | None = None  # what bind_caches bound last
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions (T,) -> hidden states (T, hidden)."""
+        h = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, h.dtype)
+        h, residual = self.stack(self.layers, h, rope, ctx)
+        return self.norm(h, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32: by default in the model dtype, then cast, as
+        transformers does; a packed head (pdserve/engine/linear.py) sums and writes in float32."""
+        if self.lm_head is None:  # tied to the embedding, unpacked
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def bind_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> None:
+        """Hand each attention layer its (K, V) cache views and the attention backend.
+
+        A model runner calls this every step, so engines that share one model object (tests
+        do) never run on each other's cache; it rebinds only when the caches or the backend
+        changed, since 90 module attribute writes cost about a millisecond a step."""
+        if self._bound is not None and self._bound[0] is caches and self._bound[1] is backend:
+            return
+        for attn, (k, v) in zip(self.attention_layers, caches):
+            attn.bind_cache(k, v, backend)
+        self._bound = (caches, backend)
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> list[str]:
+        """Copy a ``transformers``-named state dict in, fusing q|k|v and gate|up.
+
+        Returns the names of parameters that received nothing (empty when complete); raises
+        ValueError on a shape mismatch naming the tensor.
+        """
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        for hf_name, tensor in weights.items():
+            target = _target_of(hf_name, self.cfg)
+            if target is None:
+                continue
+            name, offset = target
+            if name not in params:
+                continue
+            param = params[name]
+            dst = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
+            if dst.shape != tensor.shape:
+                raise ValueError(f"tensor {hf_name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            filled.add(name)
+        return [n for n in params if n not in filled]
+
+
+def _target_of(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
+    """Map a transformers parameter name to (our parameter, row offset into a fused one)."""
+    name = hf_name.removeprefix("model.")
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter),
+    }
+    for src, (dst, offset) in fused.items():
+        if f".{src}." in name:
+            return name.replace(src, dst), offset
+    if "rotary_emb" in name:
+        return None
+    return name, None

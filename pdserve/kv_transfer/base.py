@@ -1,0 +1,349 @@
+"""The KV-transfer contract: an agent per worker that READs peers' cache blocks into its own.
+
+Lifecycle of one read, as ``poll`` reports it (``TransferState``):
+
+- PENDING: accepted by ``start_read`` but not yet posted (only with ``inject_delay_s``).
+- TRANSFERRING: posted to the backend; bytes are moving.
+- DONE: every block is in place locally and the holder is (being) notified; bytes counted.
+- FAILED: the backend reported an error, the peer went away, or ``read_timeout_s`` passed;
+  counted in ``stats.failures``. Local target blocks hold undefined bytes.
+- ABORTED: the caller gave up with ``abort``; nothing counted as transferred.
+
+Terminal states are DONE, FAILED and ABORTED; a terminal handle's backend resources are
+already released. The holder (the side whose blocks were read) learns of each completed read
+through ``get_notifications``. No NIXL import here: backends live in their own modules.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import Callable, ClassVar, Optional
+
+import torch
+
+from pdserve.kv_transfer.errors import InvalidTransferRequest, TransferError
+from pdserve.kv_transfer.layout import CacheLayout
+from pdserve.kv_transfer.read import TransferHandle, TransferState, TransferStats
+from pdserve.protos import kv_transfer_pb2
+
+__all__ = ["KVTransferAgent"]
+
+# wait() sleeps between polls (never spins: a spinning caller holds the GIL that the tcp
+# reader thread needs) and backs off to this cap, which bounds the added latency per read.
+_POLL_SLEEP_MAX_S = 2e-4
+
+
+class KVTransferAgent(abc.ABC):
+    """Moves KV blocks between this worker's cache and its peers' (pull model).
+
+    The whole cache is registered once at construction. Peers are added from the protobuf
+    metadata that ``local_metadata`` produces on the other side. All methods are thread-safe
+    (one lock per agent; backend calls are short and non-blocking).
+
+    Options common to every backend:
+      inject_delay_s: test/fault-injection hook: each read is posted this many seconds after
+        ``start_read`` (state PENDING until then), so its completion is delayed by as much.
+      read_timeout_s: a read not DONE this long after being posted is aborted and FAILED.
+    """
+
+    backend_name: ClassVar[str]
+    # Whether the holder serves each read itself and checks it with ``read_guard`` against the
+    # read's ``notify`` (tcp). False for one-sided reads (NIXL), where a read with an empty
+    # ``notify`` completes without any work on the holder's side.
+    guards_reads: ClassVar[bool] = False
+
+    def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
+                 read_timeout_s: float = 30.0):
+        if not isinstance(name, str) or not name:
+            raise InvalidTransferRequest("agent name must be a non-empty string", field="name")
+        if inject_delay_s < 0:
+            raise InvalidTransferRequest(f"inject_delay_s must be >= 0, got {inject_delay_s}",
+                                         field="inject_delay_s", limit=0)
+        if read_timeout_s <= 0:
+            raise InvalidTransferRequest(f"read_timeout_s must be > 0, got {read_timeout_s}",
+                                         field="read_timeout_s", limit=0)
+        self.name = name
+        self.cache = cache
+        self.layout = CacheLayout.of(cache)
+        self.inject_delay_s = float(inject_delay_s)
+        self.read_timeout_s = float(read_timeout_s)
+        self.stats = TransferStats()
+        self._lock = threading.RLock()
+        self._peers: dict[str, kv_transfer_pb2.AgentMetadata] = {}
+        self._inflight: dict[int, TransferHandle] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        # Holder side: (lease token from the read's notify, block ids) -> whether to serve
+        # the read. Backends that serve reads themselves (tcp) ask it; NIXL reads are
+        # one-sided and never reach it. None: serve every read.
+        self.read_guard: Optional[Callable[[str, list[int]], bool]] = None
+
+    # ----------------------------------------------------------------- metadata / peers
+
+    def local_metadata(self) -> kv_transfer_pb2.AgentMetadata:
+        """What a peer needs to read from this agent; send it over the control channel."""
+        self._check_open()
+        meta = kv_transfer_pb2.AgentMetadata(
+            agent_name=self.name, backend=self.backend_name,
+            base_address=self.layout.base_address, block_bytes=self.layout.block_bytes,
+            num_blocks=self.layout.num_blocks, memory_type=self.layout.memory_type,
+            device_id=self.layout.device_id)
+        self._fill_backend_metadata(meta)
+        return meta
+
+    def add_remote(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
+        """Register a peer from its metadata and return its name (the ``peer`` argument of
+        ``start_read``). Idempotent: the same metadata again is a cached no-op; new metadata
+        under a known name (a restarted peer) replaces the old connection."""
+        self._check_remote(meta)
+        name = meta.agent_name
+        with self._lock:
+            self._check_open()
+            known = self._peers.get(name)
+            if known is not None and known == meta:
+                return name
+            if known is not None:
+                self._peers.pop(name)
+                self._drop_peer(name)
+            self._connect_peer(meta)
+            self._peers[name] = meta
+        return name
+
+    def _check_remote(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
+        if not isinstance(meta, kv_transfer_pb2.AgentMetadata):
+            raise InvalidTransferRequest(
+                f"metadata must be an AgentMetadata message, got {type(meta).__name__}",
+                field="metadata")
+        if not meta.agent_name or meta.agent_name == self.name:
+            raise InvalidTransferRequest(
+                f"peer agent_name must be non-empty and differ from this agent's "
+                f"{self.name!r}, got {meta.agent_name!r}", field="agent_name")
+        if meta.backend != self.backend_name:
+            raise InvalidTransferRequest(
+                f"peer {meta.agent_name!r} uses backend {meta.backend!r} but this agent uses "
+                f"{self.backend_name!r}; both sides must set the same kv_transfer_backend",
+                field="backend", limit=self.backend_name, peer=meta.agent_name)
+        if meta.block_bytes != self.layout.block_bytes:
+            raise InvalidTransferRequest(
+                f"block_bytes mismatch: peer {meta.agent_name!r} has {meta.block_bytes}, this "
+                f"agent has {self.layout.block_bytes}; both caches need the same block layout",
+                field="block_bytes", limit=self.layout.block_bytes, peer=meta.agent_name)
+        if meta.num_blocks < 1:
+            raise InvalidTransferRequest(
+                f"peer {meta.agent_name!r} announces {meta.num_blocks} blocks",
+                field="num_blocks", limit=1, peer=meta.agent_name)
+
+    # ----------------------------------------------------------------- reads
+
+    def start_read(self, peer: str, remote_block_ids: Sequence[int],
+                   local_block_ids: Sequence[int], notify: bytes = b"",
+                   last_block_bytes: Optional[int] = None) -> TransferHandle:
+        """Begin READing ``remote_block_ids`` of ``peer`` into ``local_block_ids`` (pairwise).
+
+        Returns at once; follow with ``poll``/``wait``. When the read completes the peer gets
+        ``notify`` from its ``get_notifications`` (empty ``notify``: no notification).
+        ``last_block_bytes``: move only the first this-many bytes of the last block (a
+        partly filled block); None moves it whole.
+        Raises InvalidTransferRequest for an unknown peer, unequal lengths or ids out of range.
+        """
+        with self._lock:
+            self._check_open()
+            meta = self._peers.get(peer)
+            if meta is None:
+                raise InvalidTransferRequest(
+                    f"unknown peer {peer!r}: call add_remote with its metadata first",
+                    field="peer", peer=peer)
+            remote = _block_ids("remote_block_ids", remote_block_ids, meta.num_blocks)
+            local = _block_ids("local_block_ids", local_block_ids, self.layout.num_blocks)
+            if len(remote) != len(local):
+                raise InvalidTransferRequest(
+                    f"remote_block_ids has {len(remote)} ids but local_block_ids has "
+                    f"{len(local)}; they pair up one to one", field="local_block_ids",
+                    limit=len(remote), peer=peer)
+            if len(set(local)) != len(local):
+                raise InvalidTransferRequest("local_block_ids must not repeat a block",
+                                             field="local_block_ids", peer=peer)
+            if not isinstance(notify, bytes):
+                raise InvalidTransferRequest(
+                    f"notify must be bytes, got {type(notify).__name__}", field="notify")
+            block_bytes = self.layout.block_bytes
+            last = block_bytes if last_block_bytes is None else int(last_block_bytes)
+            if not 0 < last <= block_bytes or not local:
+                raise InvalidTransferRequest(
+                    f"last_block_bytes must be in (0, {block_bytes}] with at least one block, "
+                    f"got {last_block_bytes}", field="last_block_bytes", limit=block_bytes, peer=peer)
+            now = time.monotonic()
+            handle = TransferHandle(
+                transfer_id=next(self._ids), peer=peer, remote_block_ids=remote,
+                local_block_ids=local, notify=notify, last_block_bytes=last,
+                nbytes=(len(local) - 1) * block_bytes + last, started_at=now,
+                post_at=now + self.inject_delay_s)
+            self._inflight[handle.transfer_id] = handle
+            if self.inject_delay_s == 0:
+                self._post(handle)
+            return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        """Advance and return the read's state without blocking."""
+        with self._lock:
+            if handle.state.is_terminal:
+                return handle.state
+            self._check_owned(handle)
+            now = time.monotonic()
+            if handle.state == TransferState.PENDING:
+                if now >= handle.post_at:
+                    self._post(handle)
+                return handle.state
+            try:
+                state = self._poll_backend(handle)
+            except Exception as exc:  # backend errors (peer gone, UCX error) fail this read
+                self._finish(handle, TransferState.FAILED, f"{type(exc).__name__}: {exc}")
+                return handle.state
+            if state.is_terminal:
+                error = None if state == TransferState.DONE else "backend reported an error"
+                self._finish(handle, state, handle.error or error)
+            elif now - handle.post_at > self.read_timeout_s:
+                self._finish(handle, TransferState.FAILED,
+                             f"not done {self.read_timeout_s}s after posting (read_timeout_s)")
+            return handle.state
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> TransferState:
+        """Poll until the read is terminal or ``timeout_s`` passes; returns the last state."""
+        deadline = time.monotonic() + timeout_s
+        sleep = 1e-5
+        while True:
+            state = self.poll(handle)
+            if state.is_terminal or time.monotonic() >= deadline:
+                return state
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _POLL_SLEEP_MAX_S)
+
+    def abort(self, handle: TransferHandle) -> TransferState:
+        """Cancel a read that is not yet terminal and release its resources; counts nothing
+        as transferred. A terminal read is left as it is. Returns the final state."""
+        with self._lock:
+            if not handle.state.is_terminal:
+                self._check_owned(handle)
+                self._finish(handle, TransferState.ABORTED, None)
+            return handle.state
+
+    def expect_reads(self, expected: bool, urgent: bool = True) -> None:
+        """Tell the agent whether a peer may be reading from it now, so a backend that needs
+        holder-side progress (NIXL) drives it only then; ``urgent`` False: no reader waits on
+        those reads (streamed KV's early reads), so slower progress will do. The default needs
+        none."""
+
+    def in_flight(self) -> int:
+        """Number of reads started and not yet terminal."""
+        with self._lock:
+            return len(self._inflight)
+
+    def _check_owned(self, handle: TransferHandle) -> None:
+        if self._inflight.get(handle.transfer_id) is not handle:
+            raise InvalidTransferRequest(
+                f"transfer {handle.transfer_id} was not started by agent {self.name!r}",
+                field="handle", peer=handle.peer)
+
+    def _post(self, handle: TransferHandle) -> None:
+        handle.state = TransferState.TRANSFERRING
+        try:
+            state = self._start_backend(handle)
+        except Exception as exc:  # e.g. the peer is already gone: a counted failure
+            self._finish(handle, TransferState.FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        if state.is_terminal:
+            self._finish(handle, state, None if state == TransferState.DONE else
+                         handle.error or "backend reported an error when posting")
+
+    def _finish(self, handle: TransferHandle, state: TransferState,
+                error: Optional[str]) -> None:
+        handle.finished_at = time.monotonic()
+        handle.state = state
+        handle.error = error
+        self._inflight.pop(handle.transfer_id, None)
+        if handle.backend_handle is not None:  # cancels the read if it is still running
+            self._release_backend(handle)
+            handle.backend_handle = None
+        self.stats.record(state, handle.nbytes, handle.finished_at - handle.started_at)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Abort reads in flight, drop peers and release the backend. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            for handle in list(self._inflight.values()):
+                self.abort(handle)
+            for name in list(self._peers):
+                self._drop_peer(name)
+            self._peers.clear()
+            self._closed = True
+            self._close_backend()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"agent {self.name!r} is closed", backend=self.backend_name)
+
+    def __enter__(self) -> KVTransferAgent:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- backend hooks
+
+    @abc.abstractmethod
+    def get_notifications(self) -> list[bytes]:
+        """Notifications received (as holder) since the last call, oldest first per peer."""
+
+    @abc.abstractmethod
+    def _fill_backend_metadata(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
+        """Set backend_metadata / tcp_address on this agent's metadata."""
+
+    @abc.abstractmethod
+    def _connect_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
+        """Make ``meta.agent_name`` readable; raise TransferError if it cannot be."""
+
+    @abc.abstractmethod
+    def _drop_peer(self, name: str) -> None:
+        """Forget a peer added by ``_connect_peer``; must not raise."""
+
+    @abc.abstractmethod
+    def _start_backend(self, handle: TransferHandle) -> TransferState:
+        """Post the read; set ``handle.backend_handle``; return TRANSFERRING or terminal."""
+
+    @abc.abstractmethod
+    def _poll_backend(self, handle: TransferHandle) -> TransferState:
+        """Non-blocking progress check of a posted read."""
+
+    @abc.abstractmethod
+    def _release_backend(self, handle: TransferHandle) -> None:
+        """Free ``handle.backend_handle``, cancelling the read if it is still running (abort,
+        timeout); must not raise."""
+
+    @abc.abstractmethod
+    def _close_backend(self) -> None:
+        """Release everything the backend holds; must not raise."""
+
+
+def _block_ids(field_name: str, ids: Sequence[int], num_blocks: int) -> tuple[int, ...]:
+    """Validate block ids against ``[0, num_blocks)``; errors name the field and the limit."""
+    try:
+        out = tuple(int(i) for i in ids)
+    except (TypeError, ValueError) as exc:
+        raise InvalidTransferRequest(f"{field_name} must be a sequence of ints: {exc}",
+                                     field=field_name) from None
+    if not out:
+        raise InvalidTransferRequest(f"{field_name} must not be empty", field=field_name,
+                                     limit=1)
+    bad = [i for i in out if i < 0 or i >= num_blocks]
+    if bad:
+        raise InvalidTransferRequest(
+            f"{field_name} has ids out of range [0, {num_blocks}): {bad[:8]}",
+            field=field_name, limit=num_blocks)
+    return out

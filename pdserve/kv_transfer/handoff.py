@@ -1,0 +1,259 @@
+"""The KV hand-off from a prefill worker to a decode worker, in one place.
+
+A prompt's KV changes hands like this:
+
+1. The prefill worker computes it and keeps its blocks HELD under a lease (``LeaseTable.grant``).
+   It answers ``Prefill`` with a ``KVHandle``: where the blocks are, which blocks, how many
+   tokens, and the lease token. The token is a secret: only the router and the decode worker
+   the router picks learn it.
+2. The decode worker allocates its own blocks, then claims the lease (``Claim`` RPC, then
+   ``LeaseTable.claim``) before it reads a byte. A claim is refused for an unknown token,
+   block ids that are not exactly the lease's, an expired lease or one already claimed (a
+   replay). A claim renews the lease for the length of the read.
+3. The read runs (NIXL or tcp); the tcp holder serves only the blocks of a claimed lease
+   (``LeaseTable.read_allowed``). Its completion notifies the holder with the token, which
+   releases the lease (PULLED).
+4. Every other end is a ``Release`` naming the token and a ``ReleaseReason``: the decode side
+   gave up (ABORTED, TRANSFER_FAILED), or it could not take the request after claiming and
+   hands the lease back unread (RETURNED: the lease stays held, claimable again by the decode
+   worker the router tries next). An unclaimed lease whose router has died (it stopped
+   polling the holder's Stats) is freed at once (OWNER_LOST): only that router knew the token.
+   A lease nobody releases expires (EXPIRED).
+
+Streamed KV (``PrefillStream``): the lease is granted as soon as the prompt has blocks and
+its first chunk has run, not after the whole prompt, and is renewed at every chunk. The decode
+worker claims it early and reads each block once its chunk is done, while later chunks
+compute. Those early reads carry ``partial_notify(token)``: they are authorized by the lease
+like any read but do not end it. The last read, after the whole prompt, carries the token and
+releases the lease (PULLED) as before. Any other end (the decode side gave up, the prompt
+failed) is the same Release as above.
+
+Pure Python, no I/O. The prefill worker owns one ``LeaseTable``. Its engine thread grants,
+releases and expires leases; claims and give-backs come straight from the gRPC loop, so a
+claim never waits behind a long prefill step. One lock makes every operation atomic.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import secrets
+import threading
+from dataclasses import dataclass, field
+
+from pdserve.protos import worker_pb2
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Where a prompt's KV is held, and the capability to read it."""
+
+    prefill_address: str  # host:port of the holder's gRPC server
+    block_ids: tuple[int, ...]  # in token order
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    lease_token: str  # secret: claims, reads and releases name it
+
+    def last_block_bytes(self, block_size: int, bytes_per_token: int) -> int:
+        """Bytes of the last, partly filled block that a read must move."""
+        tail = self.num_tokens - (len(self.block_ids) - 1) * block_size
+        return tail * bytes_per_token
+
+    def to_proto(self) -> worker_pb2.KVHandle:
+        return worker_pb2.KVHandle(prefill_address=self.prefill_address, block_ids=list(self.block_ids),
+                                   num_tokens=self.num_tokens, lease_token=self.lease_token)
+
+    @classmethod
+    def from_proto(cls, p: worker_pb2.KVHandle) -> KVHandle:
+        return cls(p.prefill_address, tuple(p.block_ids), p.num_tokens, p.lease_token)
+
+
+class ReleaseReason(str, enum.Enum):
+    """Why a lease ends (or, for RETURNED, goes back to unclaimed); the prefill side counts each."""
+
+    PULLED = "pulled"  # the read completed (the holder's notification)
+    ABORTED = "aborted"  # the request ended before its KV was read
+    TRANSFER_FAILED = "transfer_failed"  # the read failed; the router re-prefills elsewhere
+    RETURNED = "returned"  # claimed, then handed back unread: the lease stays held for a retry
+    OWNER_LOST = "owner_lost"  # unclaimed, and the router it was granted to stopped polling (died)
+    EXPIRED = "expired"  # nobody released it in time
+
+
+class LeaseRefused(Exception):
+    """A claim the holder refused before any byte moved; ``reason`` is one of REFUSALS."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)
+
+
+REFUSALS = ("unknown_token", "blocks_mismatch", "expired", "already_claimed")
+
+# A read of part of a streamed lease's blocks notifies the holder with this prefix before the
+# token: the read is authorized by the lease, and does not end it.
+_PARTIAL = "partial:"
+
+
+def partial_notify(token: str) -> bytes:
+    """The notify of an early read of a streamed lease (see the module's docstring)."""
+    return (_PARTIAL + token).encode()
+
+
+def lease_of_notify(note: str) -> tuple[str, bool]:
+    """(token, whether the read that sent ``note`` completes the lease)."""
+    if note.startswith(_PARTIAL):
+        return note[len(_PARTIAL):], False
+    return note, True
+
+
+@dataclass
+class Lease:
+    token: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    expires_at: float  # time.monotonic() deadline
+    claimed: bool = False
+    owner: str = ""  # the router incarnation it was granted to ("": unknown, only expiry frees it)
+
+
+@dataclass
+class LeaseTable:
+    """Leases on held KV, by token. Safe to call from any thread: each method holds the
+    table's lock for its whole check-and-change."""
+
+    leases: dict[str, Lease] = field(default_factory=dict)
+    released_by: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in ReleaseReason})
+    _deadlines: list[tuple[float, str]] = field(default_factory=list)
+    _claimed_blocks: dict[str, frozenset[int]] = field(default_factory=dict)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    def grant(self, request_id: str, block_ids: list[int], now: float, ttl_s: float, owner: str = "") -> Lease:
+        lease = Lease(secrets.token_urlsafe(24), request_id, tuple(block_ids), now + ttl_s, owner=owner)
+        with self._lock:
+            self.leases[lease.token] = lease
+            heapq.heappush(self._deadlines, (lease.expires_at, lease.token))
+        return lease
+
+    def claim(self, token: str, block_ids: list[int], now: float, ttl_s: float) -> Lease:
+        """Claim a lease for one read of exactly its blocks; renews it to ``now + ttl_s``.
+        Raises LeaseRefused (nothing changes) for an unknown token, other blocks, an expired
+        lease or one already claimed."""
+        with self._lock:
+            lease = self.leases.get(token)
+            if lease is None:
+                raise LeaseRefused("unknown_token", "no lease with this token (released, expired or never granted)")
+            if tuple(block_ids) != lease.block_ids:
+                raise LeaseRefused("blocks_mismatch", f"the claim names {len(block_ids)} block ids that are not "
+                                                      f"the lease's {len(lease.block_ids)}")
+            if now >= lease.expires_at:
+                raise LeaseRefused("expired", "the lease has expired")
+            if lease.claimed:
+                raise LeaseRefused("already_claimed", "the lease is already claimed by a reader")
+            lease.claimed = True
+            self._renew(lease, now + ttl_s)
+            self._claimed_blocks[token] = frozenset(lease.block_ids)
+            return lease
+
+    def give_back(self, token: str) -> bool:
+        """RETURNED: a claimed lease goes back to unclaimed, still held until it expires."""
+        with self._lock:
+            lease = self.leases.get(token)
+            if lease is None or not lease.claimed:
+                return False
+            lease.claimed = False
+            self._claimed_blocks.pop(token, None)
+            self.released_by[ReleaseReason.RETURNED.value] += 1
+            return True
+
+    def release(self, token: str, reason: ReleaseReason) -> Lease | None:
+        """End the lease; returns it (its blocks are the caller's to free), None if unknown.
+        RETURNED does not end a lease: use ``give_back``."""
+        with self._lock:
+            if reason is ReleaseReason.RETURNED:
+                raise ValueError("RETURNED keeps the lease held; call give_back")
+            lease = self.leases.pop(token, None)
+            if lease is not None:
+                self._claimed_blocks.pop(token, None)
+                self.released_by[reason.value] += 1
+            return lease
+
+    def pop_expired(self, now: float) -> list[Lease]:
+        """Remove and return every lease whose deadline has passed."""
+        with self._lock:
+            out = []
+            while self._deadlines and self._deadlines[0][0] <= now:
+                deadline, token = heapq.heappop(self._deadlines)
+                lease = self.leases.get(token)
+                if lease is not None and lease.expires_at == deadline:  # else renewed: a later entry exists
+                    out.append(self.release(token, ReleaseReason.EXPIRED))
+            return out
+
+    def pop_unclaimed_of(self, owners: set[str]) -> list[Lease]:
+        """Remove and return the unclaimed leases granted to any of ``owners`` (OWNER_LOST). A
+        claimed lease stays: its reader releases it, or it expires."""
+        with self._lock:
+            lost = [l.token for l in self.leases.values() if l.owner in owners and not l.claimed]
+            return [self.release(token, ReleaseReason.OWNER_LOST) for token in lost]
+
+    def renew(self, token: str, expires_at: float) -> bool:
+        """Push a lease's deadline to ``expires_at`` (never earlier); False if it is gone."""
+        with self._lock:
+            lease = self.leases.get(token)
+            if lease is None:
+                return False
+            self._renew(lease, expires_at)
+            return True
+
+    def is_claimed(self, token: str) -> bool:
+        with self._lock:
+            return token in self._claimed_blocks
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            return min((l.expires_at for l in self.leases.values()), default=None)
+
+    def read_allowed(self, token: str, block_ids: list[int]) -> bool:
+        """Whether a read of ``block_ids`` is covered by the claimed lease ``token`` (or
+        ``partial_notify(token)``, an early read of a streamed lease)."""
+        token, _ = lease_of_notify(token)
+        with self._lock:
+            claimed = self._claimed_blocks.get(token)
+            return claimed is not None and set(block_ids) <= claimed
+
+    def of_request(self, request_id: str) -> list[Lease]:
+        """The leases held for ``request_id`` (a snapshot)."""
+        with self._lock:
+            return [l for l in self.leases.values() if l.request_id == request_id]
+
+    def _renew(self, lease: Lease, expires_at: float) -> None:
+        lease.expires_at = max(lease.expires_at, expires_at)
+        heapq.heappush(self._deadlines, (lease.expires_at, lease.token))
+
+    @property
+    def expired_total(self) -> int:
+        return self.released_by[ReleaseReason.EXPIRED.value]
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    @property
+    def num_claimed(self) -> int:
+        """Leases a reader has claimed and not yet finished: reads in flight, or about to be."""
+        return len(self._claimed_blocks)
+
+
+_REASON_FROM_WIRE = {
+    worker_pb2.RELEASE_REASON_UNSPECIFIED: ReleaseReason.ABORTED,
+    worker_pb2.RELEASE_REASON_ABORTED: ReleaseReason.ABORTED,
+    worker_pb2.RELEASE_REASON_TRANSFER_FAILED: ReleaseReason.TRANSFER_FAILED,
+    worker_pb2.RELEASE_REASON_RETURNED: ReleaseReason.RETURNED,
+}
+_REASON_TO_WIRE = {v: k for k, v in _REASON_FROM_WIRE.items() if k != worker_pb2.RELEASE_REASON_UNSPECIFIED}
+
+
+def reason_from_wire(reason: int) -> ReleaseReason:
+    return _REASON_FROM_WIRE.get(reason, ReleaseReason.ABORTED)
+
+
+def release_request(token: str, reason: ReleaseReason) -> worker_pb2.ReleaseRequest:
+    """The ``Release`` a router or decode worker sends (PULLED and EXPIRED never travel)."""
+    return worker_pb2.ReleaseRequest(lease_token=token, reason=_REASON_TO_WIRE[reason])

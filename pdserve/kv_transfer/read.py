@@ -1,0 +1,77 @@
+"""One read as an agent tracks it: its state (``TransferState``, the lifecycle told in
+``pdserve.kv_transfer.base``), its ``TransferHandle``, and the agent's running ``TransferStats``."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class TransferState(enum.IntEnum):
+    """State of one read; ``PENDING < TRANSFERRING < DONE`` is the happy path's order."""
+
+    PENDING = 0
+    TRANSFERRING = 1
+    DONE = 2
+    FAILED = 3
+    ABORTED = 4
+
+    @property
+    def is_terminal(self) -> bool:
+        """True once the read can no longer change state."""
+        return self >= TransferState.DONE
+
+
+@dataclass
+class TransferStats:
+    """Cumulative counters of one agent (reader side), read by the metrics exporter.
+
+    ``bytes`` counts only completed reads (blocks * block_bytes); ``seconds`` sums the time
+    from ``start_read`` to DONE being observed. Updates and ``snapshot`` are thread-safe.
+    """
+
+    bytes: int = 0
+    transfers: int = 0
+    failures: int = 0
+    aborts: int = 0
+    seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def snapshot(self) -> TransferStats:
+        """A consistent copy that later updates do not change."""
+        with self._lock:
+            return dataclasses.replace(self, _lock=threading.Lock())
+
+    def record(self, state: TransferState, nbytes: int, seconds: float) -> None:
+        """Account one read that reached terminal ``state``."""
+        with self._lock:
+            if state == TransferState.DONE:
+                self.bytes += nbytes
+                self.transfers += 1
+                self.seconds += seconds
+            elif state == TransferState.FAILED:
+                self.failures += 1
+            elif state == TransferState.ABORTED:
+                self.aborts += 1
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """One READ of ``remote_block_ids`` on ``peer`` into ``local_block_ids`` (same order)."""
+
+    transfer_id: int
+    peer: str
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    notify: bytes
+    last_block_bytes: int  # bytes of the last block to move (block_bytes: all of it)
+    nbytes: int
+    started_at: float  # time.monotonic() at start_read
+    post_at: float  # when the read may be posted (started_at + inject_delay_s)
+    state: TransferState = TransferState.PENDING
+    error: Optional[str] = None  # why it FAILED
+    finished_at: Optional[float] = None
+    backend_handle: Any = field(default=None, repr=False)  # owned by the backend

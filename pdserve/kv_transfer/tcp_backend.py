@@ -1,0 +1,202 @@
+"""Plain TCP backend, for hosts where UCX cannot run; chosen explicitly, never as a silent
+fallback. Each agent serves reads of its cache from a small server thread; each read runs on
+a background thread so ``start_read`` returns at once and ``poll`` works as with NIXL.
+Received bytes go straight into the local blocks (via a host staging buffer for CUDA caches).
+Framing is in ``pdserve.kv_transfer.tcp_wire``. With ``tls`` (the internal plane's mTLS config) the
+server and every read speak TLS with client certificates, as the gRPC channels do.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+from pdserve.kv_transfer import tcp_wire
+from pdserve.kv_transfer.base import KVTransferAgent
+from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferRequest
+from pdserve.kv_transfer.layout import block_bytes_view
+from pdserve.kv_transfer.read import TransferHandle, TransferState
+from pdserve.protos import kv_transfer_pb2
+from pdserve.wire.tls import TlsConfig
+
+logger = logging.getLogger(__name__)
+
+_CANCEL_JOIN_S = 5.0  # a cancelled read stops within one recv; this only bounds a wedged one
+
+
+class _TcpRead:
+    """One read running on a worker thread; ``poll`` reads its outcome."""
+
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+        self.error: Optional[str] = None
+        self._cancelled = False
+        self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()
+
+    def attach(self, sock: socket.socket) -> bool:
+        """Remember the socket so ``cancel`` can break it; False if already cancelled."""
+        with self._lock:
+            self._sock = sock
+            return not self._cancelled
+
+    def cancel(self) -> None:
+        """Stop the read; on return no more bytes land in the local blocks."""
+        with self._lock:
+            self._cancelled = True
+            connected = self._sock is not None
+            if connected:
+                try:  # the blocked recv returns at once (the plain shutdown, under TLS too)
+                    socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed by the worker
+        if connected:
+            # Blocks are written only after attach(); wait so a caller that frees them on
+            # return cannot race a late write. Unconnected reads never write: no wait.
+            self.finished.wait(_CANCEL_JOIN_S)
+
+
+class TcpAgent(KVTransferAgent):
+    """KV-transfer agent over plain TCP sockets.
+
+    Extra options: ``host`` to bind (default 127.0.0.1), ``advertise_host`` for peers to dial
+    (default: ``host``; a worker passes its internal plane's, see ``pdserve.wire.address``), ``port``
+    (0 picks a free one), ``max_parallel_reads`` (reader threads), ``tls`` (mTLS: a
+    ``TlsConfig`` with a CA; the server refuses readers without a certificate it signed, and
+    reads check the holder's). Raises BackendUnavailable if the server cannot bind.
+    """
+
+    backend_name = "tcp"
+    guards_reads = True
+
+    def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
+                 read_timeout_s: float = 30.0, host: str = "127.0.0.1", port: int = 0,
+                 advertise_host: str | None = None, max_parallel_reads: int = 4,
+                 tls: TlsConfig | None = None):
+        super().__init__(name, cache, inject_delay_s=inject_delay_s,
+                         read_timeout_s=read_timeout_s)
+        if max_parallel_reads < 1:
+            raise InvalidTransferRequest(
+                f"max_parallel_reads must be >= 1, got {max_parallel_reads}",
+                field="max_parallel_reads", limit=1)
+        self._blocks = block_bytes_view(cache)  # (num_blocks, block_bytes) uint8
+        self._host_blocks = self._blocks.numpy() if cache.device.type == "cpu" else None
+        self._notifications: list[bytes] = []
+        self._notify_lock = threading.Lock()
+        self._addresses: dict[str, tuple[str, int]] = {}
+        if tls is not None and not tls.requires_client_cert:
+            raise InvalidTransferRequest("tls needs a CA: the block server must refuse readers "
+                                         "without a certificate of the cluster", field="tls")
+        self._tls = tls
+        self._client_ssl = tls.client_context() if tls else None
+        try:
+            self._server = tcp_wire.BlockServer(host, port, self._blocks, self._on_notify,
+                                                self._authorize, tls.server_context() if tls else None)
+        except OSError as exc:
+            raise BackendUnavailable("tcp", f"cannot listen on {host}:{port}: {exc}") from exc
+        port = self._server.address.rpartition(":")[2]
+        self._advertised = f"{advertise_host or host}:{port}"
+        self._pool = ThreadPoolExecutor(max_workers=max_parallel_reads,
+                                        thread_name_prefix=f"kv-tcp-read-{name}")
+
+    def _authorize(self, notify: bytes, block_ids: list[int]) -> bool:
+        return self.read_guard is None or self.read_guard(notify.decode(errors="replace"), block_ids)
+
+    def _on_notify(self, msg: bytes) -> None:
+        with self._notify_lock:
+            self._notifications.append(msg)
+
+    def get_notifications(self) -> list[bytes]:
+        """Notifications of reads acknowledged since the last call, in arrival order."""
+        with self._notify_lock:
+            out, self._notifications = self._notifications, []
+        return out
+
+    def _fill_backend_metadata(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
+        meta.tcp_address = self._advertised
+
+    def _connect_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
+        host, sep, port = meta.tcp_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidTransferRequest(
+                f"peer {meta.agent_name!r} has tcp_address {meta.tcp_address!r}, expected "
+                "host:port", field="tcp_address", peer=meta.agent_name)
+        self._addresses[meta.agent_name] = (host, int(port))
+
+    def _drop_peer(self, name: str) -> None:
+        self._addresses.pop(name, None)
+
+    def _start_backend(self, handle: TransferHandle) -> TransferState:
+        job = _TcpRead()
+        handle.backend_handle = job
+        self._pool.submit(self._run_read, job, self._addresses[handle.peer],
+                          handle.remote_block_ids, handle.local_block_ids, handle.notify,
+                          handle.last_block_bytes)
+        return TransferState.TRANSFERRING
+
+    def _poll_backend(self, handle: TransferHandle) -> TransferState:
+        job: _TcpRead = handle.backend_handle
+        if not job.finished.is_set():
+            return TransferState.TRANSFERRING
+        if job.error is not None:
+            handle.error = job.error
+            return TransferState.FAILED
+        return TransferState.DONE
+
+    def _release_backend(self, handle: TransferHandle) -> None:
+        job: _TcpRead = handle.backend_handle
+        if not job.finished.is_set():
+            job.cancel()
+
+    def _run_read(self, job: _TcpRead, address: tuple[str, int], remote: tuple[int, ...],
+                  local: tuple[int, ...], notify: bytes, last: int) -> None:
+        try:
+            with self._connect(address) as sock:
+                if not job.attach(sock):
+                    job.error = "cancelled before connecting"
+                    return
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.sendall(tcp_wire.encode_read(remote, notify, last))
+                tcp_wire.recv_reply_header(sock, (len(remote) - 1) * self.layout.block_bytes + last)
+                self._receive_blocks(sock, local, last)
+                sock.sendall(tcp_wire.ACK_MAGIC)
+                tcp_wire.recv_exact(sock, tcp_wire.STATUS.size)
+        except Exception as exc:  # every failure ends this read as FAILED with the reason
+            job.error = f"tcp read from {address[0]}:{address[1]} failed: " \
+                        f"{type(exc).__name__}: {exc}"
+        finally:
+            job.finished.set()
+
+    def _connect(self, address: tuple[str, int]) -> socket.socket:
+        """A connection to a holder; with mTLS, after a handshake that checks its certificate."""
+        sock = socket.create_connection(address, timeout=self.read_timeout_s)
+        if self._client_ssl is None:
+            return sock
+        try:
+            return self._client_ssl.wrap_socket(sock, server_hostname=self._tls.server_name)
+        except BaseException:
+            sock.close()
+            raise
+
+    def _receive_blocks(self, sock: socket.socket, local: tuple[int, ...], last: int) -> None:
+        if self._host_blocks is not None:
+            views = [memoryview(self._host_blocks[block]) for block in local]
+            views[-1] = views[-1][:last]
+            tcp_wire.recv_exact_into_many(sock, views)
+            return
+        staging = torch.zeros((len(local), self.layout.block_bytes), dtype=torch.uint8,
+                              pin_memory=True)
+        flat = memoryview(staging.numpy()).cast("B")
+        tcp_wire.recv_exact_into(sock, flat[: len(flat) - (self.layout.block_bytes - last)])
+        index = torch.tensor(local, device=self._blocks.device)
+        self._blocks.index_copy_(0, index, staging.to(self._blocks.device, non_blocking=True))
+        torch.cuda.current_stream(self._blocks.device).synchronize()
+
+    def _close_backend(self) -> None:
+        self._server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)

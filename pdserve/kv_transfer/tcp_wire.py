@@ -1,0 +1,250 @@
+"""Wire format and block server of the tcp backend (one TCP connection per read).
+
+All integers big-endian (``struct``); no pickle::
+
+    reader -> holder  READ   "PDK3" n_blocks:u32 notify_len:u32 last_block_bytes:u64,
+                             notify bytes, n_blocks x block_id:u32
+    holder -> reader  REPLY  status:u8 length:u64, then `length` bytes: the blocks in request
+                             order (OK) or a utf-8 reason (ERROR)
+    reader -> holder  ACK    "PDKA" once every byte has landed in the reader's blocks
+    holder -> reader  status:u8 (OK) after recording ``notify``; then both sides close
+
+The holder records ``notify`` only after the ACK, so a notification always means the reader
+has the data, as with NIXL.
+
+The holder refuses before it allocates (``decode_read``): the header's counts are checked
+against sane maxima (the holder's cache size, ``MAX_NOTIFY_BYTES``) and the notify (the lease
+token) against the claimed leases before the block ids are read, so a sender's ``n_blocks``
+(up to 2**32) never sizes a buffer. Every socket has a timeout on each read and write
+(``io_timeout_s``): a reader that stops sending, or stops taking the blocks, is dropped.
+
+With an ``ssl`` context (mTLS on the internal plane, ``pdserve.wire.tls``) every connection starts
+with a TLS handshake; a reader without a certificate of the cluster's CA fails it and gets
+no byte. The frames are the same inside TLS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import socketserver
+import ssl
+import struct
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+READ_MAGIC = b"PDK3"  # PDK3: the notify (lease token) comes before the block ids
+ACK_MAGIC = b"PDKA"
+STATUS_OK = 0
+STATUS_ERROR = 1
+READ_HEADER = struct.Struct("!4sIIQ")  # magic, blocks, notify length, last block bytes
+REPLY_HEADER = struct.Struct("!BQ")
+STATUS = struct.Struct("!B")
+MAX_NOTIFY_BYTES = 1 << 16  # notifications are request ids, not payloads
+_IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per sendmsg/recvmsg_into
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its TLS handshake by then is dropped
+IO_TIMEOUT_S = 30.0  # a connection idle this long within one read or write is dropped
+
+
+class ReadRefused(Exception):
+    """A READ the holder will not serve; the reason names the field and the limit."""
+
+
+class WireError(Exception):
+    """The connection broke or carried a malformed frame."""
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; raises WireError if the peer closes first."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise WireError(f"peer closed the connection after {got} of {len(view)} bytes")
+        got += n
+
+
+def _advance(views: list[memoryview], first: int, nbytes: int) -> int:
+    """Consume ``nbytes`` from ``views[first:]`` in place; return the first unfinished one."""
+    while nbytes > 0:
+        if nbytes >= len(views[first]):
+            nbytes -= len(views[first])
+            first += 1
+        else:
+            views[first] = views[first][nbytes:]
+            nbytes = 0
+    return first
+
+
+def recv_exact_into_many(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view in order, scatter-reading up to IOV_MAX of them per syscall (one GIL
+    round trip per syscall instead of one per block). TLS has no scatter read: one at a time."""
+    views = [v for v in views if len(v)]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            recv_exact_into(sock, view)
+        return
+    first = 0
+    while first < len(views):
+        nbytes = sock.recvmsg_into(views[first:first + _IOV_MAX])[0]
+        if nbytes == 0:
+            raise WireError(f"peer closed the connection with {len(views) - first} of "
+                            f"{len(views)} buffers unfilled")
+        first = _advance(views, first, nbytes)
+
+
+def send_all_many(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send every view in order, gather-writing up to IOV_MAX of them per syscall (TLS: one
+    at a time)."""
+    views = [v for v in views if len(v)]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return
+    first = 0
+    while first < len(views):
+        first = _advance(views, first, sock.sendmsg(views[first:first + _IOV_MAX]))
+
+
+def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    """Read exactly ``nbytes`` from ``sock``."""
+    buf = bytearray(nbytes)
+    recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def encode_read(block_ids: Sequence[int], notify: bytes, last_block_bytes: int) -> bytes:
+    """The READ frame for ``block_ids`` (the last one cut to ``last_block_bytes``) with
+    ``notify`` for the holder."""
+    return (READ_HEADER.pack(READ_MAGIC, len(block_ids), len(notify), last_block_bytes) + notify
+            + struct.pack(f"!{len(block_ids)}I", *block_ids))
+
+
+def decode_read(sock: socket.socket, max_blocks: int, block_bytes: int,
+                lease_claimed: Callable[[bytes], bool]) -> tuple[list[int], bytes, int]:
+    """Read one READ frame; returns (block ids, notify, last block bytes). Raises
+    ``ReadRefused`` before any buffer is sized by the sender: ``n_blocks`` over ``max_blocks``
+    (the holder's cache), ``last`` outside (0, ``block_bytes``], a notify over
+    ``MAX_NOTIFY_BYTES`` or one no claimed lease matches (``lease_claimed``)."""
+    magic, n_blocks, notify_len, last = READ_HEADER.unpack(recv_exact(sock, READ_HEADER.size))
+    if magic != READ_MAGIC:
+        raise WireError(f"bad READ magic {magic!r}, expected {READ_MAGIC!r}")
+    if notify_len > MAX_NOTIFY_BYTES:
+        raise ReadRefused(f"notify_len {notify_len} is over the limit MAX_NOTIFY_BYTES={MAX_NOTIFY_BYTES}")
+    if not 0 < n_blocks <= max_blocks:
+        raise ReadRefused(f"n_blocks {n_blocks} is not in (0, {max_blocks}], the holder's num_blocks")
+    if not 0 < last <= block_bytes:
+        raise ReadRefused(f"last block bytes {last} not in (0, {block_bytes}]")
+    notify = recv_exact(sock, notify_len)
+    if not lease_claimed(notify):
+        raise ReadRefused("no claimed lease matches this read's token")
+    ids = list(struct.unpack(f"!{n_blocks}I", recv_exact(sock, 4 * n_blocks)))
+    return ids, notify, last
+
+
+def recv_reply_header(sock: socket.socket, expected_bytes: int) -> None:
+    """Read the REPLY header; raises WireError with the holder's reason unless it is OK."""
+    status, length = REPLY_HEADER.unpack(recv_exact(sock, REPLY_HEADER.size))
+    if status != STATUS_OK:
+        reason = recv_exact(sock, min(length, 4096)).decode("utf-8", "replace")
+        raise WireError(f"holder refused the read: {reason}")
+    if length != expected_bytes:
+        raise WireError(f"holder sends {length} bytes, expected {expected_bytes}")
+
+
+class BlockServer:
+    """Serves reads of ``blocks`` (a (num_blocks, block_bytes) uint8 view of the cache) and
+    hands each acknowledged read's notify to ``on_notify``. Runs on background threads. With
+    ``ssl_context`` (a server context that requires client certificates) every reader must
+    complete a TLS handshake first."""
+
+    def __init__(self, host: str, port: int, blocks: torch.Tensor,
+                 on_notify: Callable[[bytes], None],
+                 authorize: Callable[[bytes, list[int]], bool] = lambda notify, ids: True,
+                 ssl_context: ssl.SSLContext | None = None, io_timeout_s: float = IO_TIMEOUT_S):
+        self._blocks = blocks
+        self._io_timeout_s = io_timeout_s
+        self._ssl = ssl_context
+        self._authorize = authorize  # whether the read's notify (a lease token) covers its blocks
+        # CPU caches are sent straight from their storage; CUDA blocks are gathered to host.
+        self._host = blocks.numpy() if blocks.device.type == "cpu" else None
+        self._on_notify = on_notify
+        server = self
+
+        class _Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                server._accept(self.request)
+
+        self._server = socketserver.ThreadingTCPServer((host, port), _Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name=f"kv-tcp-server-{port}", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on (the real port when 0 was asked for)."""
+        host, port = self._server.server_address[:2]
+        return f"{host}:{port}"
+
+    def _accept(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self._io_timeout_s)
+        if self._ssl is None:
+            self._serve(sock)
+            return
+        sock.settimeout(min(HANDSHAKE_TIMEOUT_S, self._io_timeout_s))
+        try:
+            tls_sock = self._ssl.wrap_socket(sock, server_side=True)
+        except OSError as exc:  # ssl.SSLError too: no certificate, another CA's, or not TLS at all
+            logger.info("tcp kv read refused: TLS handshake failed: %s", exc)
+            return
+        with tls_sock:
+            tls_sock.settimeout(self._io_timeout_s)
+            self._serve(tls_sock)
+
+    def _serve(self, sock: socket.socket) -> None:
+        num_blocks, block_bytes = self._blocks.shape
+        try:
+            try:
+                ids, notify, last = decode_read(sock, num_blocks, block_bytes, lambda n: self._authorize(n, []))
+                bad = [i for i in ids if i >= num_blocks]
+                if bad:
+                    raise ReadRefused(f"block ids out of range [0, {num_blocks}): {bad[:8]}")
+                if not self._authorize(notify, ids):
+                    raise ReadRefused("no claimed lease covers these blocks")
+            except ReadRefused as exc:
+                reason = str(exc).encode()
+                sock.sendall(REPLY_HEADER.pack(STATUS_ERROR, len(reason)) + reason)
+                return
+            sock.sendall(REPLY_HEADER.pack(STATUS_OK, (len(ids) - 1) * block_bytes + last))
+            self._send_blocks(sock, ids, last)
+            if recv_exact(sock, len(ACK_MAGIC)) != ACK_MAGIC:
+                raise WireError("bad ACK magic")
+            if notify:
+                self._on_notify(notify)
+            sock.sendall(STATUS.pack(STATUS_OK))
+        except (OSError, WireError, struct.error) as exc:
+            # The reader sees the broken connection and fails its read; nothing to undo here.
+            logger.info("tcp kv read aborted: %s", exc)
+
+    def _send_blocks(self, sock: socket.socket, ids: list[int], last: int) -> None:
+        if self._host is not None:
+            views = [memoryview(self._host[i]) for i in ids]
+            views[-1] = views[-1][:last]
+            send_all_many(sock, views)
+            return
+        index = torch.tensor(ids, device=self._blocks.device)
+        flat = self._blocks.index_select(0, index).cpu().numpy().reshape(-1)
+        sock.sendall(memoryview(flat[: flat.size - (self._blocks.shape[1] - last)]))
+
+    def close(self) -> None:
+        """Stop accepting reads and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

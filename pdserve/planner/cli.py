@@ -1,0 +1,121 @@
+"""``pdserve plan`` and ``pdserve profile``: argument parsers and entry points
+(``pdserve/cluster/cli.py`` registers them)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, ProfileError, get_profile
+from pdserve.planner.metrics import Slo
+from pdserve.planner.model_spec import PRESETS, ModelSpecError, get_model
+from pdserve.planner.synthetic import LengthMix
+from pdserve.planner.trace import TraceError, read_trace
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="size prefill and decode pools for a rate at an SLO (simulated)",
+                       description="Search pool sizes and tensor parallelism for the fewest GPUs that serve "
+                                   "--rate at --attainment of both SLOs, with pdserve's own scheduler rules, "
+                                   "routing policy and a cost model of the hardware.")
+    p.add_argument("--model", default="Llama-3.1-8B", help=f"preset ({', '.join(PRESETS)}) or a HF model directory")
+    p.add_argument("--hardware", default="H100", help="H100, H200, A100, L40S, cpu, or a profile .json")
+    p.add_argument("--rate", type=float, default=None, help="requests/s (default: the trace's rate, else 10)")
+    p.add_argument("--prompt-mean", type=int, default=755, help="mean prompt tokens (default: ShareGPT's 755)")
+    p.add_argument("--output-mean", type=int, default=200, help="mean output tokens (default: ShareGPT's 200)")
+    p.add_argument("--sigma", type=float, default=0.8, help="log-normal spread of lengths; 0 for fixed")
+    p.add_argument("--max-len", type=int, default=4096, help="longest prompt or output drawn")
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
+    p.add_argument("--tpot-slo", type=float, default=0.1, help="seconds")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests meeting both SLOs")
+    p.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees to try, comma-separated")
+    p.add_argument("--mode", choices=("both", "disaggregated", "colocated"), default="both")
+    p.add_argument("--requests", type=int, default=3000,
+                   help="requests simulated per candidate layout; arrivals always span at least 60 s, so at "
+                        "high rates more are simulated (2000 req/s: about 120,000)")
+    p.add_argument("--trace", default=None, help="replay this JSONL trace instead of Poisson arrivals")
+    p.add_argument("--layout", default=None, help="simulate this layout only, e.g. 2P:3D, 2P:3D:TP4 or 4C:TP2")
+
+
+def add_profile_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure the engine on this machine and fit the 'cpu' hardware profile")
+    p.add_argument("--model", default="default", help="model to measure (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the cluster runs one per worker)")
+    p.add_argument("--output", default=str(DEFAULT_CPU_PROFILE), help="profile file to write")
+    p.add_argument("--quick", action="store_true", help="fewer points (about a minute)")
+
+
+def run_plan(args) -> int:
+    from pdserve.planner.report import format_plan
+    from pdserve.planner.search import PlanError, PlanRequest, Plan, plan, simulate
+
+    try:
+        replay = tuple(read_trace(args.trace)) if args.trace else None
+        rate = args.rate or (_trace_rate(replay) if replay else 10.0)
+        req = PlanRequest(get_model(args.model), get_profile(args.hardware), rate,
+                          LengthMix(args.prompt_mean, args.output_mean, args.sigma, args.max_len),
+                          Slo(args.ttft_slo, args.tpot_slo), args.attainment, _tp_list(args.tp),
+                          num_requests=args.requests, modes=_modes(args.mode), replay=replay)
+        if args.layout:
+            layout = parse_layout(args.layout)
+            result = simulate(req, layout, req.trace())
+            found = Plan(layout, result, result.attainment(req.slo))
+        else:
+            found = plan(req, progress=lambda line: print(f"  tried {line}", file=sys.stderr, flush=True))
+    except (PlanError, ProfileError, ModelSpecError, TraceError, ValueError) as exc:
+        print(f"pdserve plan: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(found, req))
+    return 0
+
+
+def run_profile(args) -> int:
+    from pathlib import Path
+
+    from pdserve.planner.profile import profile_engine, save_points
+
+    profile, points, spec = profile_engine(args.model, args.dtype, args.threads, quick=args.quick)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    profile.save(args.output)
+    points_path = Path(args.output).with_suffix(".points.json")
+    save_points(points_path, points, profile, spec)
+    print(f"pdserve profile: wrote {args.output} and {points_path}")
+    print(f"  step overhead {profile.step_overhead_s * 1e3:.1f} ms, bandwidth {profile.mem_bw / 1e9:.1f} GB/s, "
+          f"{profile.flops / 1e9:.1f} GFLOP/s, KV link {profile.kv_link_bw / 1e9:.1f} GB/s")
+    if profile.prefill_attention_flops and profile.decode_attention_flops:
+        print(f"  attention: prefill {profile.prefill_attention_flops / 1e9:.1f} GFLOP/s, "
+              f"decode {profile.decode_attention_flops / 1e9:.1f} GFLOP/s")
+    for row in __import__("json").loads(points_path.read_text()):
+        print(f"  {row['kind']:<8} batch {row['batch']:>3} tokens {row['tokens']:>5}: measured "
+              f"{row['measured_s'] * 1e3:8.1f} ms, fitted {row['fitted_s'] * 1e3:8.1f} ms")
+    return 0
+
+
+def parse_layout(text: str):
+    """``2P:3D`` (TP1), ``2P:3D:TP4``, ``4C`` or ``4C:TP2`` (colocated) as a ``Layout``."""
+    from pdserve.planner.simulator import Layout
+
+    m = re.fullmatch(r"(?:(\d+)P:(\d+)D|(\d+)C)(?::TP(\d+))?", text.strip(), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--layout: expected like 2P:3D, 2P:3D:TP4 or 4C:TP2, got {text!r}")
+    tp = int(m.group(4) or 1)
+    if m.group(3):
+        return Layout(colocated=int(m.group(3)), tp_decode=tp)
+    return Layout(int(m.group(1)), int(m.group(2)), 0, tp, tp)
+
+
+def _tp_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError as exc:
+        raise ValueError(f"--tp: expected comma-separated integers, got {text!r}") from exc
+
+
+def _modes(mode: str) -> tuple[str, ...]:
+    return ("disaggregated", "colocated") if mode == "both" else (mode,)
+
+
+def _trace_rate(replay) -> float:
+    span = replay[-1].t - replay[0].t if len(replay) > 1 else 1.0
+    return len(replay) / max(span, 1e-9)

@@ -1,0 +1,259 @@
+"""``pdserve profile``: measure our own engine on this machine and fit the ``cpu`` profile.
+
+Prefill steps at several prompt lengths, and decode steps at every batch size from 16 down
+to 1 at two context lengths, are timed on ``pdserve.engine.llm_engine.LLMEngine`` (one prompt per
+prefill step, as a prefill worker runs them; medians of repeats, since this machine is
+shared). Each point's work is known from the model's shape (``ModelSpec``): bytes read
+(weights + KV), matmul FLOPs, and attention FLOPs (a prefill's causal pairs, a decode
+step's context). The fit is a non-negative least squares
+
+    t = overhead + sequences x per_sequence + bytes / bandwidth + matmul flops / flop_rate
+        + prefill attention flops / its rate + decode attention flops / its rate
+
+(one core does all of it, so the terms add: ``overlap=False``), with the bandwidth measured
+apart, as one thread's read rate (``read_bandwidth``). Attention gets rates of its own
+because its kernels are not the linears': fitted at the matmuls' rate, decode steps came out
+up to 16% short at 512-token contexts and 14% long at 128, and a 2,048-token prefill 18%
+short. The KV link is measured as a memcpy of a cache-sized buffer, at 0.74x (NIXL's
+measured share of memcpy on this machine, BENCHMARKS.md "KV transfer"), with a 2 ms fixed
+cost per transfer (the cluster's measured 2.1-6.4 ms at 512 tokens, BENCHMARKS.md "Share of
+time to first token").
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.model_spec import ModelSpec
+
+NIXL_SHARE_OF_MEMCPY = 0.74
+TRANSFER_OVERHEAD_S = 2e-3
+
+
+@dataclass(frozen=True)
+class Point:
+    kind: str  # "prefill" | "decode"
+    batch: int
+    tokens: int  # prefill: prompt length; decode: context per sequence
+    seconds: float
+
+
+def work(spec: ModelSpec, dtype_bytes: int, p: Point) -> tuple[float, float, float, float]:
+    """(bytes read, matmul FLOPs, prefill attention FLOPs, decode attention FLOPs) of one
+    step: the regressors of the fit."""
+    weights = spec.weight_bytes(dtype_bytes)
+    if p.kind == "prefill":
+        pairs = p.batch * p.tokens * (p.tokens + 1) / 2
+        matmul = p.batch * (p.tokens * spec.linear_flops_per_token + spec.lm_head_flops)
+        return weights, matmul, pairs * spec.attention_flops_per_pair, 0.0
+    context = p.batch * p.tokens
+    nbytes = weights + context * spec.kv_bytes_per_token(dtype_bytes)
+    matmul = p.batch * (spec.linear_flops_per_token + spec.lm_head_flops)
+    return nbytes, matmul, 0.0, context * spec.attention_flops_per_pair
+
+
+@dataclass(frozen=True)
+class Fit:
+    overhead_s: float
+    seq_overhead_s: float
+    mem_bw: float  # bytes/s
+    flops: float  # FLOP/s of the matmuls
+    prefill_attention_flops: float | None = None  # None: not fitted apart (attention at ``flops``)
+    decode_attention_flops: float | None = None
+
+
+# Columns of the fit: overhead, sequences, bytes, matmul FLOPs, prefill and decode attention FLOPs.
+_FREE = 1e15  # a rate whose term the fit set to zero
+
+
+def fit(spec: ModelSpec, dtype_bytes: int, points: list[Point], mem_bw: float | None = None,
+        attention: bool = True) -> Fit:
+    """Least squares in relative error (short steps count as much as long ones), every
+    coefficient >= 0 (non-negative least squares by enumerating which terms are active).
+
+    ``mem_bw``: the bandwidth measured apart (bytes/s), held fixed. With one model every
+    step reads the same weights, so the fit alone cannot tell their time from a fixed step
+    overhead; a measured bandwidth keeps that time where it belongs (and the profile usable
+    for a model of another size). ``attention``: fit prefill's and decode's attention at
+    rates of their own (else at the matmuls' rate)."""
+    regs = np.array([(1.0, p.batch, *work(spec, dtype_bytes, p)) for p in points])
+    if not attention:
+        regs = np.column_stack([regs[:, :3], regs[:, 3:].sum(axis=1)])
+    y = np.array([p.seconds for p in points])
+    fixed = np.zeros(len(y))
+    free = list(range(regs.shape[1]))
+    if mem_bw is not None:
+        fixed = regs[:, 2] / mem_bw
+        free.remove(2)
+    weighted = regs / y[:, None]  # relative error: divide each row by its measurement
+    target = 1.0 - fixed / y
+    scale = np.abs(weighted).max(axis=0)
+    scale[scale == 0] = 1.0
+    best, best_err = None, np.inf
+    for keep in itertools.product((True, False), repeat=len(free)):
+        cols = [c for c, k in zip(free, keep) if k]
+        if 3 not in cols:
+            continue  # matmul FLOPs always cost something
+        coef, *_ = np.linalg.lstsq(weighted[:, cols] / scale[cols], target, rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(regs.shape[1])
+        full[cols] = coef / scale[cols]
+        err = float(((weighted @ full - target) ** 2).sum())
+        if err < best_err:
+            best, best_err = full, err
+    rate = lambda inv: float(1 / inv) if inv > 0 else _FREE  # noqa: E731
+    bw = mem_bw if mem_bw is not None else rate(best[2])
+    attn = (rate(best[4]), rate(best[5])) if attention else (None, None)
+    return Fit(float(best[0]), float(best[1]), bw, rate(best[3]), *attn)
+
+
+def _best_rate(nbytes: int, op) -> float:
+    """``nbytes`` over the fastest of five timed runs of ``op`` (after one untimed)."""
+    op()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t)
+    return nbytes / min(times)
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
+    import torch
+
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    return _best_rate(nbytes, lambda: dst.copy_(src))
+
+
+def read_bandwidth(nbytes: int = 512 << 20) -> float:
+    """Bytes/s one thread streams from memory (a sum over a buffer far larger than the caches):
+    the rate a decode step reads the weights at."""
+    import torch
+
+    x = torch.ones(nbytes // 4)
+    return _best_rate(nbytes, x.sum)
+
+
+def measure(engine, quick: bool) -> list[Point]:
+    """Prefill steps of one prompt at several lengths, and decode steps at every batch size
+    from the largest down to 1 at two context lengths (the engine's step time is not linear
+    in the batch: its kernels cut a batch into row tiles)."""
+    from tqdm import tqdm
+
+    prefill_lens = (32, 128, 256) if quick else (64, 256, 512, 1024)
+    max_batch, contexts = (4, (64, 256)) if quick else (16, (128, 512))
+    repeats = 2 if quick else 3
+    bar = tqdm(total=len(prefill_lens) * repeats + len(contexts) * max_batch, desc="profile", unit="point")
+    points = []
+    for n in prefill_lens:
+        times = []
+        for r in range(repeats):
+            times.append(_prefill_once(engine, n, f"p{n}-{r}"))
+            bar.update(1)
+        points.append(Point("prefill", 1, n, statistics.median(times)))
+    for ctx in contexts:
+        points += _decode_sweep(engine, max_batch, ctx, steps=3 if quick else 5, progress=lambda: bar.update(1))
+    bar.close()
+    return points
+
+
+def _prompt(engine, n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, engine.model_cfg.vocab_size - 100, n).tolist()
+
+
+def _prefill_once(engine, n: int, rid: str) -> float:
+    from pdserve.engine.sampling import SamplingParams
+
+    engine.add_request(rid, _prompt(engine, n, hash(rid) % 2**31), SamplingParams(max_tokens=1, ignore_eos=True))
+    t = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - t
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed
+
+
+def _decode_sweep(engine, max_batch: int, ctx: int, steps: int, progress) -> list[Point]:
+    """Decode steps of ``max_batch`` sequences of ``ctx``-token prompts, then of one fewer
+    (one aborted) and so on down to 1: one prefill of the whole batch serves every batch size.
+    Each point records the mean context the sequences held then (it grows by a token a step)."""
+    from pdserve.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=(steps + 1) * max_batch + 4, ignore_eos=True)
+    for i in range(max_batch):
+        engine.add_request(f"d{ctx}-{i}", _prompt(engine, ctx, 7 * i + ctx), params)
+    while engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    points = []
+    for batch in range(max_batch, 0, -1):
+        while len(engine.scheduler.running) > batch:
+            engine.abort(engine.scheduler.running[-1].seq_id)
+        context = statistics.mean(seq.num_tokens for seq in engine.scheduler.running)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        points.append(Point("decode", batch, round(context), statistics.median(times)))
+        progress()
+    for seq in list(engine.scheduler.running):
+        engine.abort(seq.seq_id)
+    return points
+
+
+def profile_engine(model: str = "default", dtype: str | None = None, threads: int = 1,
+                   quick: bool = False) -> tuple[HardwareProfile, list[Point], ModelSpec]:
+    """Measure the engine; the fitted profile, the measured points and the model measured."""
+    import torch
+
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.planner.model_spec import spec_from_config
+
+    torch.set_num_threads(threads)
+    config = EngineConfig(model=model, dtype=dtype, cache=CacheConfig())
+    engine = LLMEngine.from_config(config)
+    spec = spec_from_config(engine.model_cfg, model)
+    dtype_bytes = engine.dtype.itemsize
+    points = measure(engine, quick)
+    f = fit(spec, dtype_bytes, points, mem_bw=read_bandwidth())
+    link = memcpy_bandwidth() * NIXL_SHARE_OF_MEMCPY
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = os.getloadavg()[0]  # a shared machine: the fit is only as quiet as the machine was
+    profile = HardwareProfile(
+        "cpu", peak_flops=f.flops, flops_efficiency=1.0, peak_mem_bw=f.mem_bw, mem_bw_efficiency=1.0,
+        mem_bytes=spec.weight_bytes(dtype_bytes) + config.cache.memory_budget_bytes, kv_link_bw=link,
+        kv_transfer_overhead_s=TRANSFER_OVERHEAD_S, interconnect_bw=link, step_overhead_s=f.overhead_s,
+        seq_overhead_s=f.seq_overhead_s, overlap=False, dtype_bytes=dtype_bytes,
+        prefill_attention_flops=f.prefill_attention_flops, decode_attention_flops=f.decode_attention_flops,
+        decode_points=tuple((p.batch, p.tokens, p.seconds) for p in points if p.kind == "decode"),
+        points_model=spec.shape,
+        source=f"pdserve profile, {stamp}: {model} {engine.dtype}, {threads} thread(s), {len(points)} points "
+               f"fitted to t = overhead + seqs x per_seq + bytes/bw + matmul flops/rate + attention flops/"
+               f"(prefill's, decode's rate), bw measured apart; load average {load:.1f}")
+    return profile, points, spec
+
+
+def save_points(path: str | Path, points: list[Point], profile: HardwareProfile, spec: ModelSpec) -> None:
+    """The measured points with the fitted model's prediction for each (for BENCHMARKS.md)."""
+    from pdserve.planner.cost import CostModel
+
+    cost = CostModel(spec, profile)
+    rows = []
+    for p in points:
+        fitted = (cost.prefill_s([(p.tokens, 0)]) if p.kind == "prefill"
+                  else cost.formula_decode_s(p.batch, p.batch * p.tokens))
+        rows.append({"kind": p.kind, "batch": p.batch, "tokens": p.tokens, "measured_s": p.seconds, "fitted_s": fitted})
+    Path(path).write_text(json.dumps(rows, indent=2) + "\n")

@@ -1,0 +1,71 @@
+"""How ``pdserve plan`` prints its answer: the layout, the expected percentiles, goodput per
+GPU, and the per-pool autoscaling settings that follow from it, as ``pdserve serve --config`` YAML."""
+
+from __future__ import annotations
+
+import math
+
+import yaml
+
+from pdserve.planner.cost import CostModel
+from pdserve.planner.search import Plan, PlanRequest
+
+# Decode scales on KV in use; 0.7 leaves room for running streams to grow before a full cache
+# preempts them (the built-in default, see pdserve/cluster/autoscaling/config.py).
+DECODE_KV_TARGET = 0.7
+
+
+def autoscaling_config(plan: Plan, req: PlanRequest) -> dict:
+    """The ``pdserve serve --config`` mapping: pool sizes and per-pool autoscaling targets.
+
+    Prefill's target is the queue a worker clears in half the TTFT SLO at the mean prompt
+    length (so queueing leaves half the SLO for the prefill itself); its latency SLO is the
+    TTFT SLO. Decode's latency SLO is the TPOT SLO (ITL p90). Bounds: down to 1, up to twice
+    the planned size for bursts.
+    """
+    lay = plan.layout
+    if lay.colocated:  # one pool of workers running both phases: no per-pool autoscaling
+        return {"mode": "colocated", "workers": lay.colocated, "gpus_per_worker": lay.tp_decode}
+    cost = CostModel(req.model, req.hw, lay.tp_prefill)
+    prompt = req.lengths.prompt_mean
+    tokens_per_s = prompt / cost.prefill_s([(prompt, 0)])
+    queue_target = max(float(req.limits.max_num_batched_tokens), round(tokens_per_s * req.slo.ttft_s / 2, -2))
+    return {
+        "prefill": lay.prefill,
+        "decode": lay.decode,
+        "gpus_per_worker": lay.tp_decode,
+        "autoscaling": {
+            "prefill": {"min_replicas": 1, "max_replicas": max(2, 2 * lay.prefill), "target": queue_target,
+                        "slo_s": req.slo.ttft_s},
+            "decode": {"min_replicas": 1, "max_replicas": max(2, 2 * lay.decode), "target": DECODE_KV_TARGET,
+                       "slo_s": req.slo.tpot_s},
+        },
+    }
+
+
+def format_plan(plan: Plan, req: PlanRequest) -> str:
+    r = plan.result
+    pct = r.percentiles()
+    lines = [
+        f"model {req.model.name} on {req.hw.name}; {req.rate:g} req/s, prompts ~{req.lengths.prompt_mean} / "
+        f"outputs ~{req.lengths.output_mean} tokens (sigma {req.lengths.sigma}); SLO TTFT {req.slo.ttft_s:g} s, "
+        f"TPOT {req.slo.tpot_s:g} s at {req.attainment:.0%}",
+        f"layout: {plan.layout.describe()} = {plan.gpus} GPUs ({plan.layout.mode})",
+        f"SLO attainment {plan.attainment:.1%}; goodput {r.goodput_rps(req.slo):.2f} req/s = "
+        f"{r.goodput_rps(req.slo) / max(plan.gpus, 1):.3f} req/s per GPU",
+        f"simulated {len(r.arrival)} requests over {r.duration_s:.0f} s of arrivals",
+        "expected (simulated)   p50        p90        p99",
+    ]
+    for name in ("ttft_s", "tpot_s", "itl_s"):
+        p = pct[name]
+        lines.append(f"  {name[:-2].upper():<20} " + " ".join(f"{_ms(p[k]):>10}" for k in ("p50", "p90", "p99")))
+    if r.preemptions:
+        lines.append(f"preemptions: {r.preemptions}")
+    lines.append("")
+    lines.append("# pdserve serve --config plan.yaml")
+    lines.append(yaml.safe_dump(autoscaling_config(plan, req), sort_keys=False, default_flow_style=None).rstrip())
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return "n/a" if not math.isfinite(seconds) else f"{seconds * 1000:.1f} ms"

@@ -1,0 +1,360 @@
+"""A discrete-event simulator of a pdserve cluster.
+
+Events, in time order (ties: the order they were scheduled):
+
+- ``ARRIVE``: a request reaches the router. Disaggregated: the real ``pdserve.router.policy.pick_prefill``
+  chooses a prefill worker (least queued prompt tokens, with the router's queue limit);
+  colocated: the same policy over colocated workers. No worker can take it: it waits in the
+  router, re-tried whenever a step ends, and fails after ``admission_wait_s``.
+- ``STEP``: a worker's step (a prefill step, or a decode epoch of k steps, see
+  ``pdserve.planner.worker``) ends. Prompts prefilled there get their first token (TTFT). On a prefill
+  worker each then needs a decode worker: the real ``pick_decode`` (least KV in use, enough
+  free blocks for prompt + output) chooses one, which reserves the prompt's blocks, and the
+  KV transfer starts (``XFER``). Finished requests record their finish time. The worker then
+  starts its next step if it has work.
+- ``XFER``: a KV transfer lands. The prefill worker releases the held blocks; the decode
+  worker's batch takes the sequence at its next step (``SimWorker.interrupt`` cuts the decode
+  epoch in flight short). Transfers into one decode worker share its link, first come first
+  served.
+- ``TICK``: every second, the autoscaling driver (``pdserve.planner.autoscale``) samples each pool and
+  runs the real ``pdserve.cluster.autoscaling.decide``; a scale-up adds a worker ``startup_s`` later
+  (``READY``), a scale-down drains the least-loaded one (no new work; gone once idle).
+
+Open or closed loop: by default each request arrives at its trace time. With ``closed_loop=C``
+the trace's times are ignored and C clients send the requests in order, each its next one when
+its last one finishes or fails (as ``vllm bench serve --max-concurrency C`` with rate ``inf``,
+or ``benchmarks/loadgen.py --concurrency C``); a request's arrival is when its client sent it.
+
+Request states: routed -> prefilling (queued or in a step) -> [transferring -> decoding] ->
+finished, or failed (no worker took it within ``admission_wait_s``).
+
+The router here reads each worker's load exactly, where the real one reads polled stats plus
+its own placements since; on a cluster the router's view lags by up to one poll (0.5 s).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.planner.cost import CostModel
+from pdserve.planner.metrics import SimResult
+from pdserve.planner.trace import TraceRequest
+from pdserve.planner.worker import EngineLimits, SimSeq, SimWorker
+from pdserve.planner.routing import RoutingIndex, snapshot
+from pdserve.router.limits import RouterLimits
+from pdserve.router.policy import WorkerSnapshot, pick_decode, pick_prefill
+
+ARRIVE, STEP, XFER, TICK, READY = range(5)
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Workers per pool and tensor parallelism per worker. Colocated: ``colocated`` > 0, the others 0."""
+
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 0
+    tp_prefill: int = 1
+    tp_decode: int = 1
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocated else "disaggregated"
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill * self.tp_prefill + self.decode * self.tp_decode + self.colocated * self.tp_decode
+
+    def describe(self) -> str:
+        if self.colocated:
+            return f"{self.colocated} colocated worker(s) x TP{self.tp_decode}"
+        return f"{self.prefill}P (TP{self.tp_prefill}) : {self.decode}D (TP{self.tp_decode})"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    layout: Layout
+    prefill_cost: CostModel
+    decode_cost: CostModel
+    limits: EngineLimits = field(default_factory=EngineLimits)
+    # Prefill workers' own limits where they differ (DistServe ran its prefill and decode
+    # instances with different batch limits); None: ``limits`` for every role.
+    prefill_limits: EngineLimits | None = None
+    max_queued_tokens: int = RouterLimits.max_queued_tokens_per_prefill  # the router's own limits
+    admission_wait_s: float = RouterLimits.admission_wait_s
+    startup_s: float = 30.0  # a new worker's time to load the model (autoscaling)
+
+
+class Simulator:
+    def __init__(self, spec: ClusterSpec, requests: list[TraceRequest], autoscaler=None, full_scan: bool = False,
+                 closed_loop: int | None = None):
+        if closed_loop is not None and (closed_loop < 1 or autoscaler is not None):
+            raise ValueError(f"closed_loop: needs >= 1 client and no autoscaler, got {closed_loop}")
+        self.spec = spec
+        self.closed_loop = closed_loop
+        self.full_scan = full_scan
+        self.requests = requests
+        self.autoscaler = autoscaler
+        n = len(requests)
+        self.arrival = np.array([r.t for r in requests], dtype=float) if closed_loop is None else np.full(n, np.nan)
+        self._next_sent = 0  # closed loop: requests its clients have sent
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self._itl: list[tuple[float, int]] = []
+        self._events: list = []
+        self._counter = itertools.count()
+        self.pools: dict[str, list[SimWorker]] = {role: [] for role in ROLES}
+        self.draining: list[SimWorker] = []
+        self._ids = itertools.count()
+        self._index = {"prefill": RoutingIndex(self._prefill_key), "colocated": RoutingIndex(self._prefill_key),
+                       "decode": RoutingIndex(self._decode_key)}
+        self._by_id: dict[str, SimWorker] = {}
+        self._placed = itertools.count(1)
+        self._last_placed: dict[str, int] = {}
+        self._inflight: dict[str, int] = {}
+        self._waiting_prefill: deque[SimSeq] = deque()
+        self._waiting_decode: deque[tuple[SimSeq, SimWorker]] = deque()
+        self._link_free: dict[str, float] = {}
+        self.failed = 0
+        self.now = 0.0
+        lay = spec.layout
+        for role, count in (("prefill", lay.prefill), ("decode", lay.decode), ("colocated", lay.colocated)):
+            for _ in range(count):
+                self.add_worker(role)
+        # listeners the autoscaler reads: first tokens and ITLs since its last sample
+        self.recent_ttft: list[float] = []
+        self.recent_itl: list[tuple[float, int]] = []
+
+    # ---- workers ------------------------------------------------------------------
+    def add_worker(self, role: str) -> SimWorker:
+        cost = self.spec.prefill_cost if role == "prefill" else self.spec.decode_cost
+        limits = self.spec.prefill_limits if role == "prefill" and self.spec.prefill_limits else self.spec.limits
+        w = SimWorker(f"{role}-{next(self._ids)}", role, cost, limits)
+        self.pools[role].append(w)
+        self._by_id[w.wid] = w
+        self._inflight[w.wid] = 0
+        self._touch(w)
+        return w
+
+    def drain_worker(self, role: str) -> None:
+        """Take the least-loaded worker of ``role`` out of routing; it leaves once idle."""
+        pool = self.pools[role]
+        if len(pool) <= 1:
+            return
+        w = min(pool, key=lambda x: (x.num_seqs, x.queued_tokens))
+        pool.remove(w)
+        self._index[role].remove(w)
+        w.draining = True
+        self.draining.append(w)
+
+    def start_worker_later(self, driver, pool: str) -> None:
+        """A scale-up: the worker takes requests once its model is loaded, ``startup_s`` from now."""
+        self.schedule(self.now + self.spec.startup_s, READY, (driver, pool))
+
+    def schedule(self, t: float, kind: int, a=None, b=None) -> None:
+        heapq.heappush(self._events, (t, next(self._counter), kind, a, b))
+
+    # ---- the loop -----------------------------------------------------------------
+    def run(self) -> SimResult:
+        # Arrivals are read in (time, index) order from one sorted list, merged with the event
+        # heap, instead of pushed into it up front: the heap then holds only the events in
+        # flight (about one per busy worker), not every request of the run. The order is the
+        # one a heap of all arrivals gave: arrivals were scheduled first, so an arrival goes
+        # before any other event at the same time.
+        events = self._events
+        reqs = self.requests
+        arrivals = sorted(range(len(reqs)), key=lambda i: reqs[i].t)  # stable: ties by index
+        if self.closed_loop is not None:
+            arrivals = []  # the clients send them: ``_send``
+            for _ in range(min(self.closed_loop, len(reqs))):
+                self._send()
+        arrival_t = [reqs[i].t for i in arrivals]
+        n, nxt = len(arrivals), 0
+        if self.autoscaler is not None:
+            self.schedule(0.0, TICK)
+        end = reqs[-1].t if reqs else 0.0
+        handlers = (self._on_arrive, self._on_step, self._on_xfer, self._on_tick, self._on_ready)
+        on_arrive, pop = self._on_arrive, heapq.heappop
+        while True:
+            if nxt < n and (not events or arrival_t[nxt] <= events[0][0]):
+                self.now = arrival_t[nxt]
+                on_arrive(arrivals[nxt], None)
+                nxt += 1
+                continue
+            if not events:
+                break
+            t, _, kind, a, b = pop(events)
+            self.now = t
+            if kind == TICK and t > end and not self._busy():
+                continue  # traffic is over: stop sampling so the loop ends
+            handlers[kind](a, b)
+        itl = np.array(self._itl, dtype=float).reshape(-1, 2)
+        if self.closed_loop is not None and reqs:
+            end = float(np.nanmax(self.arrival))  # the last send, as an open loop's last arrival
+        lay = self.spec.layout
+        return SimResult(self.arrival, self.first_token, self.finish,
+                         np.array([r.output_tokens for r in self.requests]), itl[:, 0], itl[:, 1],
+                         duration_s=max(end, 1e-9), gpus=lay.gpus,
+                         preemptions=sum(w.preemptions for p in self.pools.values() for w in p),
+                         failed=self.failed,
+                         pool_history=self.autoscaler.history if self.autoscaler is not None else {})
+
+    def _send(self) -> None:
+        """Closed loop: a client sends the next request now."""
+        if self._next_sent < len(self.requests):
+            self.schedule(self.now, ARRIVE, self._next_sent)
+            self._next_sent += 1
+
+    def _done(self, rid: int | None) -> None:
+        """A request finished (``rid``) or failed (None): its client, in a closed loop, sends the next."""
+        if rid is not None:
+            self.finish[rid] = self.now
+        if self.closed_loop is not None:
+            self._send()
+
+    def _busy(self) -> bool:
+        return any(not w.idle() for p in self.pools.values() for w in p) or bool(self._waiting_prefill)
+
+    # ---- routing ------------------------------------------------------------------
+    def _snapshots(self, role: str) -> list[WorkerSnapshot]:
+        """What the policy sees: the one worker that can win (``pdserve.planner.routing``), or with
+        ``full_scan`` every worker of the pool, as the router passes them."""
+        kind = "prefill" if role != "decode" else "decode"
+        workers = self.pools[role] if self.full_scan else [w for w in (self._index[role].best(),) if w is not None]
+        return [snapshot(w, kind, self._inflight[w.wid], self._last_placed.get(w.wid, 0)) for w in workers]
+
+    def _prefill_key(self, w: SimWorker) -> tuple:
+        return (w.queued_tokens, self._inflight[w.wid], self._last_placed.get(w.wid, 0), w.wid)
+
+    def _decode_key(self, w: SimWorker) -> tuple:
+        return (w.used_blocks / max(w.num_blocks, 1), self._inflight[w.wid], self._last_placed.get(w.wid, 0), w.wid)
+
+    def _touch(self, w: SimWorker) -> None:
+        if not w.draining:
+            self._index[w.role].touch(w)
+
+    def _place(self, seq: SimSeq) -> bool:
+        role = "colocated" if self.spec.layout.colocated else "prefill"
+        choice = pick_prefill(self._snapshots(role), prompt_tokens=seq.prompt,
+                              max_queued_tokens=self.spec.max_queued_tokens)
+        if choice.worker_id is None:
+            return False
+        w = self._worker(role, choice.worker_id)
+        self._last_placed[w.wid] = next(self._placed)
+        self._inflight[w.wid] += 1
+        w.add_prompt(seq)
+        self._kick(w)
+        self._touch(w)
+        return True
+
+    def _place_decode(self, seq: SimSeq, src: SimWorker) -> bool:
+        blocks = -(-(seq.prompt + seq.remaining + 1) // self.spec.limits.block_size)
+        choice = pick_decode(self._snapshots("decode"), blocks)
+        if choice.worker_id is None:
+            if choice.too_large:
+                self._fail(seq, src)
+                return True
+            return False
+        dst = self._worker("decode", choice.worker_id)
+        self._last_placed[dst.wid] = next(self._placed)
+        self._inflight[dst.wid] += 1
+        dst.reserve(seq)
+        self._touch(dst)
+        start = max(self.now, self._link_free.get(dst.wid, 0.0))
+        done = start + self.spec.prefill_cost.transfer_s(seq.prompt)
+        self._link_free[dst.wid] = done
+        self.schedule(done, XFER, (seq, src), dst)
+        return True
+
+    def _worker(self, role: str, wid: str) -> SimWorker:
+        return self._by_id[wid]
+
+    def _retry(self) -> None:
+        while self._waiting_decode:
+            seq, src = self._waiting_decode[0]
+            if not self._place_decode(seq, src):
+                break
+            self._waiting_decode.popleft()
+        while self._waiting_prefill:
+            seq = self._waiting_prefill[0]
+            if self.now - self.arrival[seq.rid] > self.spec.admission_wait_s:
+                self._waiting_prefill.popleft()
+                self.failed += 1
+                self._done(None)
+                continue
+            if not self._place(seq):
+                break
+            self._waiting_prefill.popleft()
+
+    def _fail(self, seq: SimSeq, src: SimWorker) -> None:
+        src.release(seq)
+        self.failed += 1
+        self._done(None)
+
+    # ---- handlers -----------------------------------------------------------------
+    def _on_arrive(self, i: int, _) -> None:
+        r = self.requests[i]
+        if self.closed_loop is not None:
+            self.arrival[i] = self.now
+        seq = SimSeq(i, i, r.prompt_tokens, r.output_tokens, r.prefix_hash, r.prefix_tokens)
+        if self._waiting_prefill or not self._place(seq):
+            self._waiting_prefill.append(seq)
+
+    def _kick(self, w: SimWorker) -> None:
+        end = w.start(self.now) if not w.busy else w.interrupt(self.now)
+        if end is not None:
+            self.schedule(end, STEP, w, w.version)
+
+    def _on_step(self, w: SimWorker, version: int) -> None:
+        if version != w.version or not w.busy:
+            return  # superseded: the epoch was cut short and rescheduled
+        out = w.finish()
+        if out.itl is not None:
+            self._itl.append(out.itl)
+            self.recent_itl.append(out.itl)
+        for seq in out.prefilled:
+            if not seq.recompute:
+                self.first_token[seq.rid] = self.now
+                self.recent_ttft.append(self.now - self.arrival[seq.rid])
+            if w.role == "prefill":
+                self._inflight[w.wid] -= 1
+                if seq.remaining == 0:
+                    w.release(seq)
+                    self._done(seq.rid)
+                elif not self._place_decode(seq, w):
+                    self._waiting_decode.append((seq, w))
+        for seq in out.finished:
+            if w.role != "prefill":
+                self._done(seq.rid)
+                self._inflight[w.wid] -= 1
+        self._kick(w)
+        self._touch(w)
+        self._retry()
+
+    def _on_xfer(self, pair: tuple[SimSeq, SimWorker], dst: SimWorker) -> None:
+        seq, src = pair
+        src.release(seq)
+        seq.tokens = seq.prompt
+        dst.join(seq)
+        # the gap from the first token (on the prefill worker) to the second: transfer and queueing
+        self._kick(dst)
+        self._kick(src)
+        self._touch(dst)
+        self._touch(src)
+        self._retry()
+
+    def _on_tick(self, _a, _b) -> None:
+        self.autoscaler.tick(self, self.now)
+        self.draining = [w for w in self.draining if not w.idle()]
+        self.schedule(self.now + self.autoscaler.interval_s, TICK)
+
+    def _on_ready(self, driver_pool, _) -> None:
+        driver, pool = driver_pool
+        driver.worker_ready(self, pool)
+        self._retry()

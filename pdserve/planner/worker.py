@@ -1,0 +1,370 @@
+"""One simulated worker: the engine scheduler's rules (``pdserve/engine/scheduler.py``), applied to
+token counts instead of token lists, with step times from the cost model.
+
+Rules kept from the real scheduler:
+- prefill first: if waiting sequences fit, the next step prefills them, packing prompts up to
+  ``max_num_batched_tokens`` and chunking one that is longer than what is left of the budget;
+  admission leaves one free block per running sequence (``reserve``) and stops at
+  ``max_num_seqs``;
+- otherwise every running sequence decodes one token;
+- a decoding sequence that needs a block when none is free preempts the youngest running
+  sequence, which goes back to the front of the waiting queue and is recomputed later.
+
+Why not the real ``Scheduler`` and ``BlockManager`` in this loop: they work on token lists,
+one Python object per token and one ``append_slots`` per sequence per step, so a day of
+traffic costs O(tokens) Python calls (about 10^10 for 1,000 workers). Here a decode
+*epoch* of k steps with an unchanged batch is one event: it ends at the next finish, at the
+step where the cache would run out of blocks, or early when new work arrives
+(``interrupt``), which is exactly where the real scheduler's decision could change.
+``tests/planner/test_worker_vs_engine.py`` runs the real scheduler and this one on the same
+requests and compares their step sequences.
+
+Block accounting is exact, as the real block manager counts it: a running sequence with L
+tokens (the newest not yet computed) holds ceil((L - 1) / bs) blocks between steps and needs
+ceil(L / bs) for its next step. ``RunningBlocks`` sums that over the batch for any future
+step in O(bs), so an epoch's length up to a full cache is a bisection, not a loop over steps.
+
+Roles: ``prefill`` (a finished prompt holds its blocks until its KV is transferred, then
+``release``), ``decode`` (``reserve`` blocks when the router picks it, ``join`` when the KV
+lands) and ``colocated`` (prefill and decode on one worker).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from pdserve.planner.cost import CostModel
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The engine's scheduler and cache settings (``SchedulerConfig``, ``CacheConfig``)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    enable_prefix_cache: bool = True
+
+
+class RunningBlocks:
+    """sum_i ceil((n_i + s) / bs) over running sequences, where sequence i holds n_i + s
+    tokens' worth of slots at decode step s. Write x_i = n_i + bs - 1 = q_i bs + r_i and
+    s = qs bs + rs; then the sum is sum(q_i) + B qs + #{i: r_i >= bs - rs}."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.q_sum = 0
+        self.count = 0
+        self.residues = [0] * block_size
+        self._above: list[int] | None = None  # _above[j] = sum(residues[j:]); rebuilt after a change
+
+    def add(self, offset: int, sign: int = 1) -> None:
+        """A sequence whose slots at step s number ``offset + s`` joins (sign -1: leaves)."""
+        q, r = divmod(offset + self.bs - 1, self.bs)
+        self.q_sum += sign * q
+        self.count += sign
+        self.residues[r] += sign
+        self._above = None
+
+    def at(self, step: int) -> int:
+        qs, rs = divmod(step, self.bs)
+        if not rs:
+            return self.q_sum + self.count * qs
+        above = self._above
+        if above is None:  # the batch changed: O(bs) once, then O(1) per call (an epoch's bisection asks ~8)
+            above = [0] * (self.bs + 1)
+            for j in range(self.bs - 1, -1, -1):
+                above[j] = above[j + 1] + self.residues[j]
+            self._above = above
+        return self.q_sum + self.count * qs + above[self.bs - rs]
+
+
+@dataclass(eq=False)
+class SimSeq:
+    """A request's state on one worker."""
+
+    rid: int
+    order: int  # arrival order; the youngest (largest) is preempted first
+    prompt: int
+    remaining: int  # tokens still to generate
+    prefix_hash: str | None = None
+    prefix_tokens: int = 0
+    todo: int = 0  # tokens still to prefill
+    tokens: int = 0  # tokens to hold in the cache once prefilled (prompt, or prompt + output so far)
+    blocks: int = 0  # blocks allocated while waiting / prefilling / held
+    join_step: int = 0  # decode step counter when it joined the batch
+    join_tokens: int = 0  # tokens (computed + the newest) when it joined
+    finish_step: int = 0
+    recompute: bool = False  # preempted: its prefill produces no first token
+    live: bool = False  # in the decode batch
+    joins: int = 0  # times it joined a batch; a finish-heap entry from an earlier join is stale
+
+
+@dataclass
+class StepResult:
+    """What one step (or decode epoch) produced."""
+
+    prefilled: list[SimSeq] = field(default_factory=list)  # prompts done: first token out
+    finished: list[SimSeq] = field(default_factory=list)  # decoding done
+    preempted: int = 0
+    itl: tuple[float, int] | None = None  # (inter-token latency, tokens that saw it)
+
+
+class SimWorker:
+    def __init__(self, wid: str, role: str, cost: CostModel, limits: EngineLimits, num_blocks: int | None = None):
+        self.wid, self.role, self.cost, self.limits = wid, role, cost, limits
+        self.num_blocks = num_blocks or max(1, cost.kv_capacity_tokens() // limits.block_size)
+        self.waiting: deque[SimSeq] = deque()
+        self.running: list[SimSeq] = []
+        self._finish_heap: list[tuple[int, int, int, SimSeq]] = []
+        self.step = 0  # decode steps taken
+        self.run_tokens = 0  # tokens (computed + newest) of running sequences at ``step``
+        self.run_blocks = RunningBlocks(limits.block_size)
+        self.fixed_blocks = 0  # blocks of waiting, prefilling, held and reserved sequences
+        self.queued_tokens = 0  # prompt tokens still to prefill
+        self.prefix_cache: OrderedDict[str, int] = OrderedDict()
+        self._held: dict[int, int] = {}  # prefill role: request -> blocks held for its transfer
+        self._reserved: dict[int, int] = {}  # decode role: request -> blocks reserved for its KV
+        self.busy = False
+        self.draining = False
+        self.preemptions = 0
+        # the step in flight
+        self._kind = ""
+        self._start = self._end = self._dt = 0.0
+        self._k = 0
+        self._batch: list[tuple[SimSeq, int]] = []
+        self._joining: list[SimSeq] = []  # KV arrived mid-step: they join when it ends
+        self.version = 0  # bumped when the step in flight is cut short
+
+    # ---- load, as the router and the autoscaler read it ----------------------------
+    @property
+    def used_blocks(self) -> int:
+        return self.fixed_blocks + self.run_blocks.at(self.step)
+
+    @property
+    def kv_usage(self) -> float:
+        return min(1.0, self.used_blocks / self.num_blocks)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self._joining)
+
+    def idle(self) -> bool:
+        return not self.busy and not self.waiting and not self.running
+
+    # ---- work in ------------------------------------------------------------------
+    def add_prompt(self, seq: SimSeq) -> None:
+        seq.todo = seq.tokens = seq.prompt
+        self.waiting.append(seq)
+        self.queued_tokens += seq.todo
+
+    def reserve(self, seq: SimSeq) -> None:
+        """Decode role: the router placed ``seq`` here; its prompt's blocks are allocated now."""
+        self._reserved[seq.rid] = blocks = self._blocks_for(seq.prompt)
+        self.fixed_blocks += blocks
+
+    def join(self, seq: SimSeq) -> None:
+        """The sequence's KV is here (transferred, or just prefilled): it decodes from the next step.
+        Mid-step it waits for the step in flight to end (``finish``), as the real engine adds a
+        sequence between steps: joined at once, it would be counted in steps it never ran."""
+        if self.busy:
+            self._joining.append(seq)
+            return
+        self.fixed_blocks -= self._reserved.pop(seq.rid, 0) + seq.blocks
+        seq.blocks = 0
+        seq.join_step, seq.join_tokens = self.step, seq.tokens + 1
+        seq.finish_step = self.step + seq.remaining
+        seq.live, seq.joins = True, seq.joins + 1
+        self.running.append(seq)
+        self.run_tokens += seq.join_tokens
+        self.run_blocks.add(self._slot_offset(seq))
+        heapq.heappush(self._finish_heap, (seq.finish_step, seq.order, seq.joins, seq))
+
+    def release(self, seq: SimSeq) -> None:
+        """Prefill role: the held KV has been transferred (or dropped)."""
+        self.fixed_blocks -= self._held.pop(seq.rid, 0)
+
+    # ---- stepping -----------------------------------------------------------------
+    def start(self, now: float) -> float | None:
+        """Begin the next step if there is work; returns when it ends (None: nothing to run)."""
+        if self.busy:
+            return None
+        batch = self._schedule_prefill()
+        if batch:
+            chunks = [(n, s.tokens - s.todo) for s, n in batch]
+            sampled = sum(1 for s, n in batch if n == s.todo)
+            self._kind, self._batch, self._k = "prefill", batch, 1
+            self._dt = self.cost.prefill_s(chunks, max(sampled, 1))
+        elif self.running:
+            k = self._decode_steps()
+            if not self.running:
+                return self.start(now) if self.waiting else None
+            b = len(self.running)
+            self._kind, self._k = "decode", k
+            self._dt = self.cost.decode_s(b, self.run_tokens + b * (k - 1) / 2)
+        else:
+            return None
+        self.busy, self._start = True, now
+        self._end = now + self._dt * self._k
+        return self._end
+
+    def interrupt(self, now: float) -> float | None:
+        """New work arrived mid-epoch: end the decode epoch after the step now running, where
+        the real scheduler would first see the new work. Returns the new end, or None if unchanged."""
+        if not self.busy or self._kind != "decode" or self._k <= 1:
+            return None
+        done = min(self._k, int((now - self._start) / self._dt) + 1)
+        if done >= self._k:
+            return None
+        self._k, self._end = done, self._start + done * self._dt
+        self.version += 1
+        return self._end
+
+    def finish(self) -> StepResult:
+        """Apply the step in flight (call at the time ``start``/``interrupt`` returned)."""
+        self.busy = False
+        out = self._finish_prefill() if self._kind == "prefill" else self._finish_decode()
+        joining, self._joining = self._joining, []
+        for seq in joining:
+            self.join(seq)
+        return out
+
+    # ---- prefill (Scheduler._schedule_prefill on counts) ---------------------------
+    def _schedule_prefill(self) -> list[tuple[SimSeq, int]]:
+        lim = self.limits
+        budget = lim.max_num_batched_tokens
+        batch: list[tuple[SimSeq, int]] = []
+        while self.waiting and budget > 0 and len(self.running) + len(batch) < lim.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.blocks == 0:
+                need = self._blocks_for(seq.tokens)
+                free = self.num_blocks - self.used_blocks
+                if need + len(self.running) > free and (self.running or batch):
+                    break
+                if need > free:
+                    break
+                seq.blocks = need
+                self.fixed_blocks += need
+                self._prefix_hit(seq)
+            if seq.todo > budget and not lim.enable_chunked_prefill:
+                if batch:
+                    break
+                budget = seq.todo
+            n = min(seq.todo, budget)
+            batch.append((seq, n))
+            budget -= n
+            if n < seq.todo:
+                break
+            self.waiting.popleft()
+        return batch
+
+    def _prefix_hit(self, seq: SimSeq) -> None:
+        """Full blocks of a cached shared prefix are not recomputed (the last token always is)."""
+        if not (self.limits.enable_prefix_cache and seq.prefix_hash):
+            return
+        bs = self.limits.block_size
+        cached_blocks = min(seq.prefix_tokens, seq.tokens - 1) // bs
+        if seq.prefix_hash in self.prefix_cache:
+            self.prefix_cache.move_to_end(seq.prefix_hash)
+            hit = cached_blocks * bs
+            seq.todo -= hit
+            self.queued_tokens -= hit
+        else:
+            self.prefix_cache[seq.prefix_hash] = cached_blocks
+            # The real cache keeps freed blocks until they are reused; bound the index by half the cache.
+            while sum(self.prefix_cache.values()) > self.num_blocks // 2:
+                self.prefix_cache.popitem(last=False)
+
+    def _finish_prefill(self) -> StepResult:
+        out = StepResult()
+        for seq, n in self._batch:
+            seq.todo -= n
+            self.queued_tokens -= n
+            if seq.todo:
+                continue
+            seq.remaining -= 1  # the step sampled its next token
+            if self.role == "prefill":
+                self._held[seq.rid], seq.blocks = seq.blocks, 0  # held until ``release``
+                out.prefilled.append(seq)
+                continue
+            if not seq.recompute:
+                out.prefilled.append(seq)
+            if seq.remaining == 0:
+                self.fixed_blocks -= seq.blocks
+                seq.blocks = 0
+                out.finished.append(seq)
+            else:
+                self.join(seq)
+        if self.running and self.role == "colocated":
+            b = len(self.running)
+            out.itl = (self._dt + self.cost.decode_s(b, self.run_tokens), b)  # decodes stalled by the prefill
+        self._batch = []
+        return out
+
+    # ---- decode (Scheduler._schedule_decode on counts) -----------------------------
+    def _decode_steps(self) -> int:
+        """Steps until the first finish or until the cache runs out, preempting the youngest
+        sequences first if not even one step fits."""
+        cap = self.num_blocks - self.fixed_blocks
+        while self.running:
+            self._drop_dead()
+            until_finish = max(1, self._finish_heap[0][0] - self.step)
+            if self.run_blocks.at(self.step + 1) <= cap:
+                if self.run_blocks.at(self.step + until_finish) <= cap:
+                    return until_finish  # the usual case: the cache holds the batch to its next finish
+                lo, hi = 1, until_finish  # k steps need the blocks of step + k: bisect the largest that fits
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if self.run_blocks.at(self.step + mid) <= cap else (lo, mid - 1)
+                return lo
+            self._preempt(max(self.running, key=lambda s: s.order))
+        return 0
+
+    def _preempt(self, seq: SimSeq) -> None:
+        self._leave(seq)
+        seq.remaining = seq.finish_step - self.step
+        seq.recompute = True
+        seq.tokens = seq.join_tokens + (self.step - seq.join_step)  # prompt + tokens generated so far
+        seq.todo = seq.tokens
+        self.queued_tokens += seq.todo
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _leave(self, seq: SimSeq) -> None:
+        self.running.remove(seq)
+        seq.live = False
+        self.run_tokens -= seq.join_tokens + (self.step - seq.join_step)
+        self.run_blocks.add(self._slot_offset(seq), -1)
+
+    @staticmethod
+    def _slot_offset(seq: SimSeq) -> int:
+        """Slots held at decode step s are (tokens - 1) = join_tokens - 1 + s - join_step."""
+        return seq.join_tokens - 1 - seq.join_step
+
+    def _drop_dead(self) -> None:
+        while self._finish_heap and not self._current(self._finish_heap[0]):
+            heapq.heappop(self._finish_heap)
+
+    @staticmethod
+    def _current(entry: tuple[int, int, int, SimSeq]) -> bool:
+        return entry[3].live and entry[3].joins == entry[2]
+
+    def _finish_decode(self) -> StepResult:
+        out = StepResult(itl=(self._dt, len(self.running) * self._k))
+        self.step += self._k
+        self.run_tokens += len(self.running) * self._k
+        self._drop_dead()
+        while self._finish_heap and self._finish_heap[0][0] <= self.step:
+            entry = heapq.heappop(self._finish_heap)
+            seq = entry[3]
+            if self._current(entry):
+                seq.remaining = 0
+                self._leave(seq)
+                out.finished.append(seq)
+        return out
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.limits.block_size)

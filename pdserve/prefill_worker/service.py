@@ -1,0 +1,125 @@
+"""gRPC face of the prefill worker (``pdserve.v1.PrefillWorker``)."""
+
+from __future__ import annotations
+
+import logging
+import grpc
+
+from pdserve.engine.errors import InvalidRequestError, StepFailed
+from pdserve.kv_transfer.handoff import KVHandle, LeaseRefused, reason_from_wire
+from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady
+from pdserve.prefill_worker.worker import PrefillResult, PrefillWorker
+from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
+from pdserve.wire.failure import Failure, abort_with
+from pdserve.wire.grpc_util import abort_invalid
+from pdserve.wire.worker_shell import ShellRpcs
+
+log = logging.getLogger(__name__)  # request ids are the router's (a client's X-Request-Id)
+
+
+class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker, address: str, metrics_address: str = ""):
+        self.worker = worker
+        self.address = address
+        self.metrics_address = metrics_address
+
+    async def Prefill(self, request, context):
+        await self.admit(context, grpc.StatusCode.UNAVAILABLE)  # refused: the router tries another
+        log.debug("prefill %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids))
+        params = sampling_from_proto(request.sampling, keep_stop_strings=False)
+        try:
+            r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params,
+                                          owner=request.router_id)
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        return self._answer(request, r)
+
+    async def PrefillStream(self, request, context):
+        """``Prefill``, with the KV handle sent early (``kv_streaming``) while the prompt still
+        computes; the last message is the answer."""
+        await self.admit(context, grpc.StatusCode.UNAVAILABLE)
+        log.debug("prefill %s: %d prompt tokens, KV streamed", request.request_id, len(request.prompt_token_ids))
+        params = sampling_from_proto(request.sampling, keep_stop_strings=False)
+        prompt = list(request.prompt_token_ids)
+        try:
+            async for item in self.worker.prefill_stream(request.request_id, prompt, params,
+                                                         owner=request.router_id, stream_kv=True):
+                if isinstance(item, KVEarly):
+                    kv = KVHandle(self.address, item.lease.block_ids, len(prompt), item.lease.token).to_proto()
+                    yield worker_pb2.PrefillResponse(request_id=request.request_id, kv=kv, kv_streaming=True)
+                elif isinstance(item, PrefillResult):
+                    yield self._answer(request, item)
+                else:
+                    assert isinstance(item, KVReady)  # for WatchKV callers, not the router
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        except StepFailed as exc:
+            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        except KVLeaseEnded as exc:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"prefill stopped: {exc}")
+
+    async def WatchKV(self, request, context):
+        """A streamed lease's progress, for the decode worker that claimed it."""
+        token = request.lease_token
+        watch = self.worker.watches.get(token)
+        if watch is None or not self.worker.leases.is_claimed(token):
+            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
+                             "no claimed streamed lease with this token (claim it first; it may have ended)")
+        sent = -1
+        while True:
+            changed = watch.changed
+            if watch.failed is not None:
+                await abort_with(context, grpc.StatusCode.ABORTED, Failure.KV_TRANSFER, watch.failed)
+            if watch.first_token is not None:
+                yield worker_pb2.KVProgress(ready_tokens=watch.ready_tokens, done=True,
+                                            first_token_id=watch.first_token)
+                return
+            if watch.ready_tokens != sent:
+                sent = watch.ready_tokens
+                yield worker_pb2.KVProgress(ready_tokens=sent)
+            await changed.wait()
+
+    def _answer(self, request, r: PrefillResult) -> worker_pb2.PrefillResponse:
+        kv = None
+        if r.lease is not None:
+            kv = KVHandle(self.address, r.lease.block_ids, r.num_prompt_tokens, r.lease.token).to_proto()
+        return worker_pb2.PrefillResponse(
+            request_id=request.request_id, first_token_id=r.first_token_id, first_logprob=r.first_logprob,
+            finish_reason=finish_to_wire(r.finish_reason), kv=kv, num_cached_tokens=r.num_cached_tokens,
+            prefill_seconds=r.seconds, queue_seconds=r.queue_seconds,
+            first_top_logprobs=top_to_proto(r.first_top_logprobs),
+            prompt_logprobs=[lp for lp, _ in r.prompt_logprobs or ()],
+            prompt_top_logprobs=[top_to_proto(top) for _, top in r.prompt_logprobs or ()])
+
+    async def Stats(self, request, context):
+        """The shell's stats plus, when asked, the prefix-cache events this router has not seen yet."""
+        stats = await super().Stats(request, context)
+        if not request.cache_events:
+            return stats
+        batch = self.worker.cache_events(request.cache_epoch, request.cache_events_after)
+        stats.cache_events.CopyFrom(worker_pb2.CacheEvents(
+            epoch=batch.epoch, last_seq=batch.last_seq, snapshot=batch.snapshot, block_hashes=batch.hashes,
+            cached=batch.cached))
+        return stats
+
+    async def Release(self, request, context):
+        released = await self.worker.release(request.lease_token, reason_from_wire(request.reason))
+        return worker_pb2.ReleaseResponse(released=released)
+
+    async def Claim(self, request, context):
+        try:
+            await self.worker.claim(request.lease_token, list(request.block_ids))
+        except LeaseRefused as exc:
+            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
+                             f"lease refused ({exc.reason}): {exc}")
+        return worker_pb2.ClaimResponse()
+
+    async def GetAgentMetadata(self, request, context):
+        return self.worker.agent.local_metadata()
+
+
+def add_to_server(server: grpc.aio.Server, worker: PrefillWorker, address: str, metrics_address: str = "") -> None:
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker, address, metrics_address), server)

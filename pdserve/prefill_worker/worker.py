@@ -1,0 +1,366 @@
+"""The prefill worker's core: the shared worker shell plus what only prefill has, the leases
+on held KV (``pdserve.kv_transfer.handoff``), and the progress of prompts whose KV streams out while
+they compute (``prefill_stream``; its messages and watch are ``pdserve.prefill_worker.kv_stream``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from pdserve.engine.block_manager import prompt_block_hashes
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.device import wait_for_writes
+from pdserve.engine.errors import SequenceFailed, StepFailed
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling import SamplingParams, TopLogprobs
+from pdserve.kv_transfer import DEFAULT_BACKEND, create_agent
+from pdserve.wire.address import resolve, transfer_listen_opts
+from pdserve.wire.internal_plane import check_bind
+from pdserve.wire.tls import TlsConfig
+from pdserve.kv_transfer.handoff import Lease, LeaseTable, ReleaseReason, lease_of_notify
+from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
+from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
+from pdserve.protos import worker_pb2
+from pdserve.wire.worker_shell import WorkerShell
+
+# While KV is held, a decode worker's read can complete at any moment and its notification
+# frees the blocks: the engine thread looks for notifications this often, and never when
+# nothing is held (an idle worker sleeps).
+NOTIFICATION_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class PrefillWorkerConfig:
+    worker_id: str = "prefill-0"
+    model_name: str = "smollm2"  # the served name (the first), the workers' metrics label model_name
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str | None = "127.0.0.1"  # internal plane bind address; None: the node's IP (wire.address)
+    advertise_host: str | None = None  # what peers dial; None: from host (wire.address.resolve)
+    tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls)
+    insecure_internal: bool = False  # allow binding beyond loopback without tls (wire.internal_plane)
+    port: int = 0  # 0: any free port
+    metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
+    # Held KV is freed this long after the first token at the latest. No default here: the
+    # process entry passes the ``lease_seconds`` setting (declared once, in cluster.settings).
+    lease_seconds: float = field(kw_only=True)
+    # A router that has not polled Stats (nor sent a Prefill) for this long is taken for dead:
+    # the unclaimed KV held for it is freed then, not at lease expiry (routers poll every 0.2 s).
+    owner_timeout_s: float = 10.0
+    kv_transfer_backend: str = DEFAULT_BACKEND
+    max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
+    max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
+    cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
+    borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (wire.worker_shell)
+    step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
+    # Prefix-cache events kept for routers' polls (prefill_worker.cache_events). A router further
+    # behind gets a snapshot instead. At ~1,000 prompt tokens/s a CPU worker makes ~60 events a
+    # second, so this covers minutes between two 0.2 s polls.
+    cache_event_log_size: int = 16384
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprob: float
+    finish_reason: str | None  # None: generation continues on a decode worker
+    block_ids: list[int]
+    num_prompt_tokens: int
+    lease: Lease | None
+    num_cached_tokens: int
+    seconds: float  # queue + compute
+    queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
+    first_top_logprobs: TopLogprobs = ()
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # with params.prompt_logprobs
+
+
+class PrefillWorker(WorkerShell):
+    role = "prefill"
+
+    def __init__(self, config: PrefillWorkerConfig, engine: LLMEngine | None = None):
+        engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
+        endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
+        check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the prefill worker")  # before its KV listener
+        agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
+                             **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
+        super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv])
+        self.endpoint = endpoint
+        self.leases = LeaseTable()
+        self.agent.read_guard = self.leases.read_allowed  # tcp serves only claimed leases' blocks
+        self._arrived: dict[str, float] = {}  # request id -> when Prefill queued it
+        # Queue time ends when a prompt's first chunk runs. Hooks run right before each step,
+        # so the last hook's time is when the step now running started.
+        self._step_started = time.monotonic()
+        self._first_chunk_at: dict[str, float] = {}  # prompts whose first of several chunks ran
+        self._owner_of: dict[str, str] = {}  # request id -> the router incarnation that asked
+        self._owner_seen: dict[str, float] = {}  # router incarnation -> when it last called
+        # What the prefix cache adds and evicts, for KV-aware routers (read in Stats polls).
+        self.cache_log = CacheEventLog(config.cache_event_log_size, engine.blocks.cached_hashes())
+        engine.blocks.subscribe(self.cache_log.record)
+        self._prompt_hashes: dict[str, list[bytes]] = {}  # queued prompts' block hashes (see stats)
+        # Engine thread: streamed prompts still computing -> (their lease once granted, tokens
+        # announced). Loop: the streamed leases' progress, by token, until each lease ends.
+        self._streaming: dict[str, tuple[Lease | None, int]] = {}
+        self.watches: dict[str, KVWatch] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- called from the asyncio loop ----------------------------------------------
+    def note_poll(self, router_id: str) -> None:
+        """A router (incarnation ``router_id``) called: it is alive (see ``owner_timeout_s``)."""
+        if router_id:
+            self._owner_seen[router_id] = time.monotonic()
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      owner: str = "") -> PrefillResult:
+        """Queue the prompt, wait for its first token; the KV stays held under a lease granted
+        to ``owner`` (the asking router's incarnation). Raises StepFailed if the step that ran
+        it raised, SequenceFailed if its own fault ended it (the request is gone then)."""
+        async with contextlib.aclosing(self.prefill_stream(request_id, prompt, params, owner)) as stream:
+            async for result in stream:
+                return result
+        raise AssertionError("prefill_stream ended without an answer")
+
+    async def prefill_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
+                             owner: str = "", stream_kv: bool = False
+                             ) -> AsyncIterator[KVEarly | KVReady | PrefillResult]:
+        """``prefill``, as a stream. With ``stream_kv`` the lease comes early: ``KVEarly``
+        once the prompt has blocks and a chunk has run, ``KVReady`` after each later chunk,
+        and the ``PrefillResult`` last (a prompt done in one step yields only that). Raises
+        StepFailed, SequenceFailed, or KVLeaseEnded if the early lease ended before the prompt was done."""
+        stream = self.open_stream(request_id)
+        self._loop = asyncio.get_running_loop()
+        self._arrived[request_id] = time.monotonic()
+        self.note_poll(owner)
+        self._owner_of[request_id] = owner
+        if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
+            self._prompt_hashes[request_id] = prompt_block_hashes(prompt, self.engine.blocks.block_size,
+                                                                  params.cache_salt)
+        done = False
+        watch: KVWatch | None = None
+        try:
+            await self.call(self._add, request_id, prompt, params, stream_kv)
+            while not done:
+                item = await stream.get()
+                if isinstance(item, (StepFailed, SequenceFailed, KVLeaseEnded)):
+                    done = True
+                    if watch is not None:
+                        watch.update(failed=f"the prompt stopped: {item}")
+                    raise item
+                if isinstance(item, KVEarly):
+                    watch = self.watches[item.lease.token] = KVWatch(item.ready_tokens)
+                elif isinstance(item, KVReady):
+                    watch.update(ready_tokens=item.ready_tokens)
+                else:
+                    done = True
+                    if watch is not None and item.lease is not None:
+                        watch.update(ready_tokens=item.num_prompt_tokens, first_token=item.first_token_id)
+                    elif watch is not None:
+                        watch.update(failed=f"the prompt finished at its first token ({item.finish_reason})")
+                yield item
+        finally:
+            self.close_stream(request_id)
+            self._arrived.pop(request_id, None)
+            self._owner_of.pop(request_id, None)
+            self._prompt_hashes.pop(request_id, None)
+            if not done:  # our own caller gave up: its held KV (if any) goes too
+                if watch is not None:
+                    watch.update(failed="the prefill call was cancelled")
+                self.thread.call(self._drop, request_id)
+
+    async def claim(self, token: str, block_ids: list[int]) -> Lease:
+        """Claim the lease ``token`` for one read of ``block_ids``; raises LeaseRefused.
+        Answered here, on the loop: the table is locked, and a claim must not wait for the
+        step running now (a long prefill would make the reader time out)."""
+        return self.leases.claim(token, block_ids, time.monotonic(), self.config.lease_seconds)
+
+    async def release(self, token: str, reason: ReleaseReason) -> bool:
+        if reason is ReleaseReason.RETURNED:  # bookkeeping only: nothing to free
+            return self.leases.give_back(token)
+        return await self.call(self._release, token, reason)
+
+    def in_flight(self) -> int:
+        """Prompts computing, and KV held for a decode worker that has yet to read it."""
+        return super().in_flight() + len(self.leases)
+
+    def stats_extra(self) -> dict:
+        return {"num_held_leases": len(self.leases), "leases_expired": self.leases.expired_total,
+                "num_claimed_leases": self.leases.num_claimed, "block_size": self.engine.blocks.block_size}
+
+    def stats(self, metrics_address: str = "") -> worker_pb2.WorkerStats:
+        """The shell's stats, but queued prompt tokens that the prefix cache holds are not
+        counted: the worker will not compute them. (A queued prompt gets its blocks, and its
+        hits, only when it reaches the head of the queue.) Without this, a worker that caches a
+        popular prefix would report every queued request on it at full length, and routers
+        would send that prefix elsewhere, to be computed again."""
+        stats = super().stats(metrics_address)
+        stats.num_waiting_tokens = max(0, stats.num_waiting_tokens - self._queued_hit_tokens())
+        return stats
+
+    def _queued_hit_tokens(self) -> int:
+        blocks, hit_blocks = self.engine.blocks, 0
+        for seq in list(self.engine.scheduler.waiting):  # a racy read, as wire.stats explains
+            hashes = self._prompt_hashes.get(seq.seq_id)
+            if hashes and not blocks.has(seq.seq_id):  # admitted ones count only what is left already
+                hit_blocks += self.cache_log.cached_prefix(hashes)
+        return hit_blocks * blocks.block_size
+
+    def cache_events(self, epoch: str, after: int) -> CacheEventBatch:
+        """The prefix-cache events a router at (``epoch``, ``after``) has not seen yet."""
+        return self.cache_log.since(epoch, after)
+
+    def _forget_watch(self, token: str) -> None:
+        """Loop: the lease ``token`` ended; its watchers are told if it ended early."""
+        watch = self.watches.pop(token, None)
+        if watch is not None:
+            watch.update(failed="the lease ended before the prompt was done")
+
+    # ---- engine thread -------------------------------------------------------------
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, stream_kv: bool) -> None:
+        self.engine.add_request(request_id, prompt, params, True)
+        if stream_kv:
+            self._streaming[request_id] = (None, 0)
+
+    def _publish_kv(self) -> None:
+        """Hook, before each step: grant a streamed prompt its lease once it has blocks and
+        a chunk has run, then announce each chunk computed since (the step that just ended).
+        Each announcement renews the lease: it expires only if the prompt stops moving."""
+        if not self._streaming:
+            return None
+        now, out = time.monotonic(), []
+        for request_id, (lease, announced) in list(self._streaming.items()):
+            ready = self.engine.prompt_progress(request_id)
+            if not ready or ready == announced:
+                continue
+            if lease is None:
+                lease = self.leases.grant(request_id, self.engine.blocks.block_table(request_id), now,
+                                          self.config.lease_seconds, owner=self._owner_of.get(request_id, ""))
+                out.append((request_id, KVEarly(lease, ready)))
+            else:
+                self.leases.renew(lease.token, now + self.config.lease_seconds)
+                out.append((request_id, KVReady(ready)))
+            self._streaming[request_id] = (lease, ready)
+        if out:
+            # The step that computed these chunks may still be writing their KV on the device:
+            # a decode worker reads it the moment it hears of it.
+            wait_for_writes(self.engine.device)
+        self._expect_reads()  # a lease granted here gets its early reads progressed
+        self.push(out)
+        return None
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.push(self._result(o) for o in outputs if o.finished)
+
+    def _result(self, o: RequestOutput) -> tuple[str, PrefillResult | SequenceFailed | None]:
+        computing_since = self._first_chunk_at.pop(o.request_id, self._step_started)
+        started = self._arrived.get(o.request_id)
+        if started is None:  # the caller gave up while the step ran
+            self.engine.release(o.request_id)
+            return o.request_id, None
+        lease, block_ids = self._streaming.pop(o.request_id, (None, 0))[0], []
+        if o.error is not None:  # its own fault ended it alone: no token, no KV to read
+            if lease is not None:
+                self.leases.release(lease.token, ReleaseReason.ABORTED)
+                self._watch_ended(lease.token)
+            return o.request_id, o.error
+        if o.finish_reason is not None and lease is not None:  # done at its first token: no KV to read
+            self.leases.release(lease.token, ReleaseReason.ABORTED)
+            self._watch_ended(lease.token)
+            lease = None
+        elif lease is not None:
+            self.leases.renew(lease.token, time.monotonic() + self.config.lease_seconds)
+            block_ids = list(lease.block_ids)
+            self._expect_reads()  # the last read, whose notice frees the blocks, comes now
+        elif o.finish_reason is None:
+            block_ids = self.engine.held_block_ids(o.request_id)
+            lease = self.leases.grant(o.request_id, block_ids, time.monotonic(), self.config.lease_seconds,
+                                      owner=self._owner_of.get(o.request_id, ""))
+            self.agent.expect_reads(True)
+        return o.request_id, PrefillResult(
+            o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0, o.finish_reason, block_ids,
+            o.num_prompt_tokens, lease, o.num_cached_tokens, time.monotonic() - started,
+            max(0.0, computing_since - started), o.new_top_logprobs[0] if o.new_top_logprobs else (),
+            o.prompt_logprobs)
+
+    def _expect_reads(self) -> None:
+        """Holder-side progress (NIXL: a thread waking every millisecond, on this worker's
+        core) completes reads of held KV and delivers their notices. Leases of prompts still
+        computing get only early reads, which nobody waits on: relaxed progress (every 100 ms)
+        completes those without taking the prefill's core a thousand times a second."""
+        streaming = sum(1 for lease, _ in self._streaming.values() if lease is not None)
+        self.agent.expect_reads(bool(self.leases), urgent=len(self.leases) > streaming)
+
+    def _poll_releases(self) -> float | None:
+        self._expect_reads()
+        if not self.leases:
+            return None
+        for note in self.agent.get_notifications():
+            token, completes = lease_of_notify(note.decode(errors="replace"))
+            if completes:  # an early read of a streamed lease leaves it held
+                self._release(token, ReleaseReason.PULLED)
+        now = time.monotonic()
+        for lease in self.leases.pop_expired(now):
+            self._free(lease, ReleaseReason.EXPIRED)
+        silent = {o for o, seen in list(self._owner_seen.items()) if now - seen > self.config.owner_timeout_s}
+        if silent:
+            for lease in self.leases.pop_unclaimed_of(silent):
+                self._free(lease, ReleaseReason.OWNER_LOST)
+            for owner in silent:
+                self._owner_seen.pop(owner, None)
+        if not self.leases:  # the last lease just ended: the progress thread may sleep again
+            self._expect_reads()  # (else it woke every millisecond until the next request)
+            return None
+        return max(0.0, min(NOTIFICATION_POLL_S, self.leases.next_deadline() - now))
+
+    def _note_chunk(self) -> None:
+        """Remember when a chunked prompt's first chunk ran (the step that just ended).
+
+        Only the head of the waiting queue can be part-computed: a chunked prompt stays
+        there until its last chunk. A prompt computed in one step is seen in ``_on_outputs``.
+        """
+        waiting = self.engine.scheduler.waiting
+        if waiting and waiting[0].num_computed_tokens > waiting[0].num_cached_tokens:
+            self._first_chunk_at.setdefault(waiting[0].seq_id, self._step_started)
+        self._step_started = time.monotonic()
+
+    def _release(self, token: str, reason: ReleaseReason) -> bool:
+        if reason is ReleaseReason.RETURNED:
+            return self.leases.give_back(token)
+        lease = self.leases.release(token, reason)
+        if lease is None:
+            return False
+        self._free(lease, reason)
+        return True
+
+    def _free(self, lease: Lease, reason: ReleaseReason) -> None:
+        """A lease ended: free its blocks. A streamed prompt still computing is stopped, and
+        its ``prefill_stream`` raises KVLeaseEnded."""
+        if not self.engine.release(lease.request_id) and self._streaming.pop(lease.request_id, None) is not None:
+            self.engine.abort(lease.request_id)
+            self.push([(lease.request_id, KVLeaseEnded(f"its KV lease ended ({reason.value}) before it was done"))])
+        self._watch_ended(lease.token)
+
+    def _watch_ended(self, token: str) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._forget_watch, token)
+            except RuntimeError:  # the loop has closed
+                pass
+
+    def cancel(self, request_id: str) -> bool:
+        """The ``Abort`` RPC: stops a prompt still computing. Held KV is not touched: it
+        leaves only by its lease token (request ids are chosen by clients)."""
+        if self.leases.of_request(request_id):
+            return False
+        self._first_chunk_at.pop(request_id, None)
+        return self.engine.abort(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        """Our own ``prefill`` caller gave up: free whatever the request holds."""
+        for lease in self.leases.of_request(request_id):
+            self.leases.release(lease.token, ReleaseReason.ABORTED)
+            self._watch_ended(lease.token)
+        self._streaming.pop(request_id, None)
+        self._first_chunk_at.pop(request_id, None)
+        self.engine.abort(request_id)

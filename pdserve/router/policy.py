@@ -1,0 +1,113 @@
+"""Routing policy: pure functions from worker snapshots to a choice. No I/O.
+
+Least outstanding work: a prefill worker's load is the prompt tokens queued on it (its
+last reported queue plus what this router sent since); a decode worker's load is the KV
+blocks in use (reported plus the blocks of streams this router placed since).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    healthy: bool
+    draining: bool = False
+    queued_tokens: int = 0  # prefill load
+    blocks_used: int = 0  # decode load
+    blocks_total: int = 0
+    blocks_unbounded: int = 0  # of blocks_used: held by requests without a limit (preempted first)
+    inflight: int = 0  # requests this router has on the worker
+    last_placed: int = 0  # this router's placement sequence number of its last request (0: never)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+
+@dataclass(frozen=True)
+class Choice:
+    worker_id: str | None  # None: nobody can take it
+    reason: str
+    saturated: bool = False  # nobody can take it now, but could later (RESOURCE_EXHAUSTED)
+    too_large: bool = False  # nobody could ever take it (INVALID_ARGUMENT)
+    # The pool has no routable worker at all (a crash, a restart): the supervisor starts a
+    # replacement, so the caller may wait for one within its deadline (UNAVAILABLE after).
+    pool_empty: bool = False
+    # Which rule chose (a metric label, router.kv_policy.RULES): "load", "cache", "balance",
+    # "round_robin", "only" (one candidate); empty when nobody was chosen.
+    rule: str = ""
+    cached_tokens: int = 0  # prompt tokens the chosen prefill worker caches, per the router's index
+
+
+def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
+    """Why nobody of ``role`` can take it: none routable at all, or every routable one was tried."""
+    if any(w.role == role and w.routable for w in workers):
+        return Choice(None, f"every healthy {role} worker was tried")
+    return Choice(None, f"no healthy {role} worker", pool_empty=True)
+
+
+def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = frozenset(),
+                 prompt_tokens: int = 0, max_queued_tokens: int | None = None) -> Choice:
+    """The routable prefill worker with the fewest queued prompt tokens (ties: fewest in flight,
+    then the one given work least recently, so idle workers take turns, then id). With ``max_queued_tokens``, a worker whose queue would pass it is full."""
+    candidates = prefill_candidates(workers, exclude, prompt_tokens, max_queued_tokens)
+    if isinstance(candidates, Choice):
+        return candidates
+    best = min(candidates, key=least_loaded)
+    return Choice(best.worker_id, f"least queued prompt tokens ({best.queued_tokens})", rule="load")
+
+
+def least_loaded(w: WorkerSnapshot) -> tuple:
+    """Sort key of prefill workers by load, with the tie-breaks ``pick_prefill`` documents."""
+    return (w.queued_tokens, w.inflight, w.last_placed, w.worker_id)
+
+
+def prefill_candidates(workers: Iterable[WorkerSnapshot], exclude: frozenset[str], prompt_tokens: int,
+                       max_queued_tokens: int | None) -> list[WorkerSnapshot] | Choice:
+    """The prefill workers that may take a prompt of ``prompt_tokens``: routable, not in
+    ``exclude``, with room in their queue. When there are none, the ``Choice`` saying why."""
+    workers = list(workers)
+    candidates = [w for w in workers if w.role == "prefill" and w.routable and w.worker_id not in exclude]
+    if not candidates:
+        return _no_candidate(workers, "prefill")
+    if max_queued_tokens is not None:
+        candidates = [w for w in candidates if w.queued_tokens + prompt_tokens <= max_queued_tokens]
+        if not candidates:
+            return Choice(None, f"every prefill worker's queue is full ({max_queued_tokens} prompt tokens each)",
+                          saturated=True)
+    return candidates
+
+
+def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
+                exclude: frozenset[str] = frozenset(), limited: bool = False) -> Choice:
+    """The routable decode worker with the least of its KV in use (ties as for prefill).
+
+    Workers that cannot fit ``blocks_needed`` are skipped; if none can, the answer says so
+    (the caller returns RESOURCE_EXHAUSTED rather than queueing without bound). A ``limited``
+    request (the client set max_tokens) counts the blocks of requests without a limit as
+    room: the decode engine preempts those first (pdserve/engine/scheduler.py), so requests that
+    may run to the context's end cannot keep limited ones out.
+    """
+    workers = list(workers)
+    candidates = [w for w in workers if w.role == "decode" and w.routable and w.worker_id not in exclude]
+    if not candidates:
+        return _no_candidate(workers, "decode")
+    largest = max(w.blocks_total for w in candidates)
+    if blocks_needed > largest:
+        return Choice(None, f"prompt + max_tokens needs {blocks_needed} KV blocks; the largest decode "
+                      f"worker holds {largest}", too_large=True)
+    def room(w: WorkerSnapshot) -> int:
+        return w.blocks_total - w.blocks_used + (min(w.blocks_unbounded, w.blocks_used) if limited else 0)
+
+    fitting = [w for w in candidates if room(w) >= blocks_needed]
+    if not fitting:
+        return Choice(None, f"every decode worker's KV cache is full (request needs {blocks_needed} blocks)",
+                      saturated=True)
+    best = min(fitting, key=lambda w: (w.blocks_used / max(w.blocks_total, 1), w.inflight, w.last_placed,
+                                      w.worker_id))
+    return Choice(best.worker_id, f"least KV in use ({best.blocks_used}/{best.blocks_total} blocks)")

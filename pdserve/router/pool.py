@@ -1,0 +1,299 @@
+"""The router's view of the workers: a gRPC client per worker, its last stats, and the load
+this router placed on it since. Membership changes through ``add`` / ``remove``.
+
+The same polls feed the KV index (``pdserve.router.kv_index``): each prefill worker's answer carries
+its prefix-cache events since the last poll, and ``route_prefill`` reads the index.
+
+After each stats poll the pool publishes its per-pool gauges (``pdserve.wire.metrics``) and knows
+where every worker serves its own /metrics (``metrics_targets``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import secrets
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import grpc
+
+from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.router.kv_index import KVIndex
+from pdserve.router.kv_policy import RoutingConfig, choose_prefill
+from pdserve.router.liveness import Liveness, is_hung, observe
+from pdserve.router.policy import Choice, WorkerSnapshot
+from pdserve.wire import metrics
+from pdserve.wire.grpc_util import aio_channel
+from pdserve.wire.tls import TlsConfig
+
+log = logging.getLogger(__name__)
+
+MAX_TRANSFER_FAILURES = 3  # KV pulls from one prefill worker failed in a row before it is down
+TRANSFER_DOWN_S = 10.0  # how long it stays down for routing then (it may have been restarted)
+
+
+@dataclass
+class WorkerClient:
+    """One worker as the router sees it; ``address`` is its identity."""
+
+    role: str
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    stats: worker_pb2.WorkerStats | None = None
+    healthy: bool = False
+    local_tokens: int = 0  # prompt tokens sent since the last stats
+    local_blocks: int = 0  # blocks of streams placed since the last stats
+    inflight: int = 0
+    draining: bool = False
+    epoch: int = 0  # stats polls so far; local_* count only what was placed since the last
+    last_placed: int = 0  # the pool's placement counter when this worker last got a request
+    liveness: Liveness | None = None  # router.liveness: its engine's progress as the polls saw it
+    hung: bool = False
+    # Set when the worker is found hung: the requests on it stop waiting and migrate. A new
+    # event replaces it once the worker makes progress again.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # KV pulls from this (prefill) worker that failed in a row, and until when (monotonic) it
+    # is down for routing because they kept failing (``WorkerPool.transfer_failed``): a worker
+    # whose KV nobody can read answers Stats fine, and KV-aware routing would keep picking it.
+    transfer_failures: int = 0
+    down_until: float = 0.0
+
+    def snapshot(self) -> WorkerSnapshot:
+        s = self.stats or worker_pb2.WorkerStats()
+        down = self.down_until > time.monotonic()
+        return WorkerSnapshot(
+            worker_id=self.address, role=self.role, healthy=self.healthy and not self.hung and not down, draining=self.draining or s.draining,
+            queued_tokens=s.num_waiting_tokens + self.local_tokens,
+            blocks_used=s.num_blocks_used + self.local_blocks, blocks_total=s.num_blocks_total,
+            blocks_unbounded=s.num_blocks_unbounded, inflight=self.inflight, last_placed=self.last_placed)
+
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's load: its healthy workers' last stats, summed."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0
+    blocks_total: int = 0
+    replicas: int = 0  # healthy workers
+
+    @property
+    def kv_usage(self) -> float:
+        """Used KV blocks over the pool's total, 0..1 (0 for an empty pool)."""
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
+
+
+def pool_loads(workers: Iterable[WorkerClient]) -> dict[str, PoolLoad]:
+    """Every pool's load, an empty pool included. Unhealthy workers' stats are stale: left out."""
+    loads = {pool: PoolLoad() for pool in POOLS}
+    for w in workers:
+        if not w.healthy or w.stats is None:
+            continue
+        s, old = w.stats, loads.get(w.role, PoolLoad())
+        loads[w.role] = PoolLoad(old.running + s.num_running, old.waiting + s.num_waiting,
+                                 old.blocks_used + s.num_blocks_used, old.blocks_total + s.num_blocks_total,
+                                 old.replicas + 1)
+    return loads
+
+
+@dataclass
+class WorkerPool:
+    interval_s: float = 0.2
+    tls: TlsConfig | None = None  # mTLS to the workers (wire.tls)
+    # A worker whose engine makes no progress this long while it holds work (or that does not
+    # answer this long) is hung: not routed to, and its requests migrate (router.liveness).
+    hang_timeout_s: float = 30.0
+    workers: dict[str, WorkerClient] = field(default_factory=dict)
+    required_roles: tuple[str, ...] = POOLS  # ready when each has a routable worker; colocated: decode only
+    # This router's incarnation, sent with every Stats poll and Prefill: a prefill worker frees
+    # the unclaimed KV it holds for an incarnation that stops polling (the router died).
+    router_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    desired_replicas: dict[str, int] = field(default_factory=dict)  # set by the controller
+    signal_targets: dict[str, float] = field(default_factory=dict)  # the autoscaler's, set by the controller
+    index: KVIndex = field(default_factory=KVIndex)  # which prefill worker caches which blocks
+    rng: random.Random = field(default_factory=random.Random)  # KV routing with a temperature above 0
+    _task: asyncio.Task | None = None
+    _placements: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _turns: itertools.count = field(default_factory=itertools.count)  # round-robin routing
+
+    def add(self, role: str, address: str) -> WorkerClient:
+        if address not in self.workers:
+            channel = aio_channel(address, self.tls)
+            stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
+            self.workers[address] = WorkerClient(role, address, channel, stub)
+        return self.workers[address]
+
+    async def remove(self, address: str) -> None:
+        """Stop routing to ``address`` at once; its channel closes once the requests already
+        on it are done (closing it now would cancel them: a drained worker finishes its streams)."""
+        client = self.workers.pop(address, None)
+        self.index.remove(address)
+        if client is None:
+            return
+        if client.inflight:
+            asyncio.get_running_loop().create_task(_close_when_idle(client))
+        else:
+            await client.channel.close(grace=None)
+
+    async def set_members(self, members: list[tuple[str, str]]) -> None:
+        """Make the routing table exactly ``members`` ((role, address) pairs): the controller's word."""
+        wanted = {address: role for role, address in members}
+        for address in [a for a in self.workers if a not in wanted]:
+            await self.remove(address)
+        for address, role in wanted.items():
+            if address not in self.workers:
+                self.add(role, address)
+        await self.refresh()
+
+    def members(self) -> list[tuple[str, str]]:
+        return [(w.role, w.address) for w in self.workers.values()]
+
+    def snapshots(self) -> list[WorkerSnapshot]:
+        return [w.snapshot() for w in self.workers.values()]
+
+    def route_prefill(self, prompt: Sequence[int], routing: RoutingConfig, exclude: frozenset[str] = frozenset(),
+                      max_queued_tokens: int | None = None, cache_salt: str = "") -> Choice:
+        """The prefill worker for ``prompt`` under ``routing.policy`` (``pdserve.router.kv_policy``),
+        with each worker's cached prefix (under ``cache_salt``) read from the KV index."""
+        snapshots = self.snapshots()
+        overlaps = self.index.overlaps(prompt, [s.worker_id for s in snapshots if s.role == "prefill"], cache_salt)
+        turn = next(self._turns) if routing.policy == "round_robin" else 0
+        return choose_prefill(snapshots, overlaps, len(prompt), routing, turn, exclude, max_queued_tokens, self.rng)
+
+    def ready(self) -> bool:
+        return not self.missing_roles()
+
+    def missing_roles(self) -> list[str]:
+        """The pools this router needs that have no routable worker (colocated: decode only)."""
+        roles = {w.role for w in self.workers.values() if w.healthy and not w.hung and not w.draining}
+        return [role for role in self.required_roles if role not in roles]
+
+    def metrics_targets(self) -> list[dict]:
+        """Prometheus HTTP service discovery: one entry per worker that reported its /metrics.
+
+        Workers now unreachable stay listed, so that Prometheus records them as down.
+        """
+        return [{"targets": [w.stats.metrics_address], "labels": {"pool": w.role, "worker": w.stats.worker_id}}
+                for w in self.workers.values() if w.stats is not None and w.stats.metrics_address]
+
+    def publish_metrics(self) -> None:
+        """Set the per-pool gauges from the workers' last stats."""
+        for pool, load in pool_loads(self.workers.values()).items():
+            desired = self.desired_replicas.get(pool, load.replicas)  # no autoscaler: the current size
+            metrics.set_pool(pool, load.running, load.waiting, load.kv_usage, load.replicas, desired=desired,
+                             target=self.signal_targets.get(pool))
+
+    def mark_down(self, address: str) -> None:
+        client = self.workers.get(address)
+        if client is not None:
+            client.healthy = False
+
+    def transfer_failed(self, address: str) -> None:
+        """A KV pull from ``address`` failed; after ``MAX_TRANSFER_FAILURES`` in a row it is
+        down for routing for ``TRANSFER_DOWN_S`` (its Stats answers do not bring it back)."""
+        client = self.workers.get(address)
+        if client is None:
+            return
+        client.transfer_failures += 1
+        if client.transfer_failures >= MAX_TRANSFER_FAILURES:
+            log.warning("prefill worker %s: %d KV transfers from it failed in a row; down for %.0f s",
+                        address, client.transfer_failures, TRANSFER_DOWN_S)
+            client.transfer_failures = 0
+            client.down_until = time.monotonic() + TRANSFER_DOWN_S
+
+    def transfer_ok(self, address: str) -> None:
+        client = self.workers.get(address)
+        if client is not None:
+            client.transfer_failures = 0
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for address in list(self.workers):
+            await self.remove(address)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # keep polling whatever one round hit
+                log.exception("worker stats refresh failed")
+
+    async def refresh(self) -> None:
+        await asyncio.gather(*(self._refresh_one(w) for w in list(self.workers.values())))
+        self.publish_metrics()
+
+    async def _refresh_one(self, w: WorkerClient) -> None:
+        epoch, after = self.index.cursor(w.address)
+        try:
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(router_id=self.router_id, cache_events=True,
+                                                               cache_epoch=epoch, cache_events_after=after),
+                                       timeout=min(2.0, self.hang_timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            if w.healthy:
+                log.warning("worker %s unreachable: %s", w.address, exc.code().name)
+            w.healthy = False
+            self._check_liveness(w, answered=False)
+            return
+        if stats.HasField("cache_events") and self.workers.get(w.address) is w:  # not one removed meanwhile
+            self.index.apply(w.address, stats.cache_events, stats.block_size)
+            stats.ClearField("cache_events")  # applied; a snapshot can be large, keep only the load
+        w.stats = stats
+        w.healthy = True
+        w.local_tokens = w.local_blocks = 0  # the fresh stats include what we sent
+        w.epoch += 1
+        self._check_liveness(w, answered=True)
+
+    def _check_liveness(self, w: WorkerClient, answered: bool) -> None:
+        now = time.monotonic()
+        s = w.stats if answered else None
+        w.liveness = observe(w.liveness, now, answered, s.engine_steps if s else 0, s.engine_busy if s else False)
+        hung = is_hung(w.liveness, now, self.hang_timeout_s)
+        if hung and not w.hung:
+            log.warning("worker %s is hung: no engine progress for %.1f s (hang_timeout_s %g); its requests migrate",
+                        w.address, now - w.liveness.progressed_at, self.hang_timeout_s)
+            w.lost.set()
+        elif w.hung and not hung:
+            log.warning("worker %s makes progress again", w.address)
+            w.lost = asyncio.Event()
+        w.hung = hung
+
+    @contextlib.contextmanager
+    def placed(self, client: WorkerClient, tokens: int = 0, blocks: int = 0):
+        """Count a request's load on ``client`` while it runs there.
+
+        Until the next stats poll the worker's own numbers do not include it, so it is added
+        locally; if it ends before that poll, it is taken off again.
+        """
+        epoch = client.epoch
+        client.last_placed = next(self._placements)
+        client.inflight += 1
+        client.local_tokens += tokens
+        client.local_blocks += blocks
+        try:
+            yield client
+        finally:
+            client.inflight -= 1
+            if client.epoch == epoch:
+                client.local_tokens = max(0, client.local_tokens - tokens)
+                client.local_blocks = max(0, client.local_blocks - blocks)
+
+
+async def _close_when_idle(client: WorkerClient, poll_s: float = 0.2) -> None:
+    while client.inflight:
+        await asyncio.sleep(poll_s)
+    await client.channel.close(grace=None)

@@ -1,0 +1,43 @@
+"""A worker's ``WorkerStats`` snapshot, read without stopping the engine thread.
+
+The reads race with the engine thread by design (a step can take seconds; the router's
+poll must not wait for it): each field is a single Python read under the GIL, so values
+are individually consistent, and the snapshot as a whole is at most one step old.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer import KVTransferAgent
+from pdserve.protos import worker_pb2
+
+
+def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: KVTransferAgent, metrics_address: str = "",
+                 engine_steps: int = 0, **extra) -> worker_pb2.WorkerStats:
+    """The snapshot; ``metrics_address`` is where the worker serves /metrics, ``engine_steps``
+    the engine thread's step count (with ``engine_busy`` it tells a hung engine from an idle
+    one: ``pdserve.router.liveness``), ``extra`` the role's own fields (leases on a prefill worker)."""
+    sched = engine.scheduler
+    waiting = list(sched.waiting)
+    t = agent.stats.snapshot()
+    blocks = engine.blocks
+    return worker_pb2.WorkerStats(
+        worker_id=worker_id, role=role,
+        num_running=len(sched.running) + len(sched.awaiting_kv), num_waiting=len(waiting),
+        num_waiting_tokens=sum(s.num_tokens - s.num_computed_tokens for s in waiting),
+        num_blocks_total=blocks.num_blocks, num_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+        num_blocks_unbounded=unbounded_blocks(engine),
+        num_forward_tokens=engine.runner.num_forward_tokens,
+        kv_transfer_bytes=t.bytes, kv_transfers=t.transfers, kv_transfer_failures=t.failures,
+        kv_transfer_seconds=t.seconds, prefix_cache_queries=blocks.prefix_queries,
+        prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=engine.cache_spec.bytes_per_token,
+        num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
+        engine_busy=engine.has_runnable(), **extra)
+
+
+def unbounded_blocks(engine: LLMEngine) -> int:
+    """Blocks held by running sequences whose limit is the context's end (a client that set no
+    max_tokens): the ones the scheduler preempts first, so room for a request with a limit."""
+    running = list(engine.scheduler.running)
+    return sum(len(engine.blocks.block_table(s.seq_id)) for s in running
+               if s.num_prompt_tokens + s.params.max_tokens >= engine.max_model_len and engine.blocks.has(s.seq_id))

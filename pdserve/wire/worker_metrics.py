@@ -1,0 +1,204 @@
+"""A worker's metrics: the families read from its stats at each scrape, the histograms of its
+KV reads, and its own ``/metrics`` endpoint (``serve_worker``).
+
+Every family is listed, with its meaning, in ``pdserve.wire.metrics``, whose router registry lists
+these too. A worker's endpoint serves ``WORKER_REGISTRY`` alone: the router's families would
+read zero there.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdserve.protos import worker_pb2
+from pdserve.wire.address import Endpoint, resolve
+
+# The *_created series double the output and no dashboard reads them (vLLM drops them too).
+disable_created_metrics()
+
+# What a worker's own /metrics serves: its families and its transfer histograms, no router family.
+WORKER_REGISTRY = CollectorRegistry()
+POOL_LABEL = "pool"
+MODEL_LABEL = "model_name"
+
+# A NIXL read of a few MiB takes milliseconds; injected delays and timeouts reach seconds.
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+# One prompt's KV: SmolLM2-135M holds 30 layers * 2 * 3 heads * 64 * 2 bytes = 23 KiB per token
+# in bfloat16, so a 16-token block is ~360 KiB and a long prompt hundreds of MiB.
+TRANSFER_BYTES_BUCKETS = tuple(float(4 ** k << 10) for k in range(2, 13))  # 16 KiB .. 16 GiB
+DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0, 16384.0)
+
+
+@dataclass(frozen=True)
+class WorkerSource:
+    """A worker whose numbers are exported; ``stats`` is called at each scrape."""
+
+    pool: str
+    worker: str
+    stats: Callable[[], worker_pb2.WorkerStats]
+    block_size: int  # prefix-cache counters are in blocks; vLLM's are in tokens
+    model_name: str = "smollm2"  # the served name, as the router's families carry it
+
+
+def _usage(used: int, total: int) -> float:
+    return used / total if total else 0.0
+
+
+# (family class, name, help, value from the worker's stats and block size)
+_WORKER_FAMILIES = (
+    (GaugeMetricFamily, "pdserve:worker_num_requests_running", "Requests running (KV transfers included).",
+     lambda s, bs: s.num_running),
+    (GaugeMetricFamily, "pdserve:worker_num_requests_waiting", "Requests waiting for a prefill slot.",
+     lambda s, bs: s.num_waiting),
+    (GaugeMetricFamily, "pdserve:worker_num_waiting_prompt_tokens", "Prompt tokens queued, not yet computed.",
+     lambda s, bs: s.num_waiting_tokens),
+    (GaugeMetricFamily, "pdserve:worker_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
+     lambda s, bs: _usage(s.num_blocks_used, s.num_blocks_total)),
+    (GaugeMetricFamily, "pdserve:worker_num_held_leases", "Prompts whose KV is held for a decode worker.",
+     lambda s, bs: s.num_held_leases),
+    (CounterMetricFamily, "pdserve:kv_transfer_bytes_total", "KV bytes read from prefill workers.",
+     lambda s, bs: s.kv_transfer_bytes),
+    (CounterMetricFamily, "pdserve:kv_transfers_total", "KV reads completed.", lambda s, bs: s.kv_transfers),
+    (CounterMetricFamily, "pdserve:kv_transfer_failures_total", "KV reads failed.",
+     lambda s, bs: s.kv_transfer_failures),
+    (CounterMetricFamily, "pdserve:kv_leases_expired_total", "Held KV freed because no one pulled it in time.",
+     lambda s, bs: s.leases_expired),
+    (CounterMetricFamily, "pdserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+     lambda s, bs: s.prefix_cache_queries * bs),
+    (CounterMetricFamily, "pdserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+     lambda s, bs: s.prefix_cache_hits * bs),
+    (CounterMetricFamily, "pdserve:forward_tokens_total", "Tokens run through the model.",
+     lambda s, bs: s.num_forward_tokens),
+    (CounterMetricFamily, "pdserve:num_preemptions_total", "Sequences whose KV was freed to make room.",
+     lambda s, bs: s.num_preemptions),
+)
+
+
+class WorkerCollector:
+    """The worker families, read from every registered worker of this process at scrape time.
+
+    Reading at scrape time keeps the engine's hot path free of metric updates; the reads
+    race with the engine thread the way ``pdserve.wire.stats`` explains.
+    """
+
+    def __init__(self) -> None:
+        self._sources: dict[str, WorkerSource] = {}
+        self._lock = threading.Lock()
+
+    def add(self, source: WorkerSource) -> None:
+        with self._lock:
+            self._sources[source.worker] = source
+
+    def remove(self, worker: str) -> None:
+        with self._lock:
+            self._sources.pop(worker, None)
+
+    def describe(self) -> list:
+        return [cls(name, doc, labels=[POOL_LABEL, "worker", MODEL_LABEL]) for cls, name, doc, _ in _WORKER_FAMILIES]
+
+    def collect(self) -> list:
+        families = self.describe()
+        with self._lock:
+            sources = list(self._sources.values())
+        for src in sources:
+            stats = src.stats()
+            for family, (_, _, _, value) in zip(families, _WORKER_FAMILIES):
+                family.add_metric([src.pool, src.worker, src.model_name], value(stats, src.block_size))
+        return families
+
+
+WORKERS = WorkerCollector()
+WORKER_REGISTRY.register(WORKERS)
+
+# ---- decode workers: one observation per KV read --------------------------------------------
+_TRANSFER_LABELS = [POOL_LABEL, "worker", "backend", MODEL_LABEL]
+TRANSFER_SECONDS = Histogram("pdserve:worker_kv_transfer_seconds", "One KV read, start to completion.",
+                             _TRANSFER_LABELS, buckets=TRANSFER_BUCKETS, registry=WORKER_REGISTRY)
+TRANSFER_BYTES = Histogram("pdserve:worker_kv_transfer_bytes", "Bytes one KV read moved.", _TRANSFER_LABELS,
+                           buckets=TRANSFER_BYTES_BUCKETS, registry=WORKER_REGISTRY)
+TRANSFER_DESCRIPTORS = Histogram("pdserve:worker_kv_transfer_descriptors", "Descriptors one KV read posted.",
+                                 _TRANSFER_LABELS, buckets=DESCRIPTOR_BUCKETS, registry=WORKER_REGISTRY)
+TRANSFER_FAMILIES = (TRANSFER_SECONDS, TRANSFER_BYTES, TRANSFER_DESCRIPTORS)
+_transfer_children: set[tuple[str, str, str, str]] = set()  # label values observed, to remove at stop
+_transfer_lock = threading.Lock()
+
+
+def kv_transfer_done(pool: str, worker: str, backend: str, seconds: float, nbytes: int, descriptors: int,
+                     model_name: str = "smollm2") -> None:
+    """A decode worker's KV read completed (called from its engine thread)."""
+    labels = (pool, worker, backend, model_name)
+    with _transfer_lock:
+        _transfer_children.add(labels)
+    TRANSFER_SECONDS.labels(*labels).observe(seconds)
+    TRANSFER_BYTES.labels(*labels).observe(nbytes)
+    TRANSFER_DESCRIPTORS.labels(*labels).observe(descriptors)
+
+
+def _forget_transfers(worker: str) -> None:
+    with _transfer_lock:
+        gone = {labels for labels in _transfer_children if labels[1] == worker}
+        _transfer_children.difference_update(gone)
+    for labels in gone:
+        for family in TRANSFER_FAMILIES:
+            family.remove(*labels)
+
+
+@dataclass
+class MetricsEndpoint:
+    """A worker's running ``/metrics`` HTTP server."""
+
+    address: str  # host:port to scrape
+    _server: object
+    _worker: str
+
+    def stop(self) -> None:
+        WORKERS.remove(self._worker)
+        _forget_transfers(self._worker)
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def serve_worker(host: str | Endpoint | None, port: int, source: WorkerSource) -> MetricsEndpoint:
+    """Export ``source`` and serve this process's worker families on ``host:port`` (0: any;
+    ``host`` None: the node's IP). The address it reports is the advertised one
+    (``pdserve.wire.address``), never a wildcard.
+
+    The endpoint serves only the worker families (``WORKER_REGISTRY``): the router's would
+    read zero here.
+    """
+    endpoint = host if isinstance(host, Endpoint) else resolve(host)
+    WORKERS.add(source)
+    try:
+        server = ThreadingHTTPServer((endpoint.bind_host, port), _WorkerMetricsHandler)
+    except OSError:
+        WORKERS.remove(source.worker)
+        raise
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=f"metrics-{source.worker}", daemon=True).start()
+    return MetricsEndpoint(endpoint.advertise(server.server_address[1]), server, source.worker)
+
+
+class _WorkerMetricsHandler(BaseHTTPRequestHandler):
+    """``GET /metrics``: the worker registry, always in text format 0.0.4 as the router's
+    ``render``. prometheus_client's own server answers Prometheus' OpenMetrics Accept header
+    with underscore-escaped names (``pdserve_worker_...``), which no dashboard query names."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.split("?")[0] not in ("/", "/metrics"):
+            self.send_error(404)
+            return
+        body = generate_latest(WORKER_REGISTRY)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # a scrape a second is not worth a log line
+        pass

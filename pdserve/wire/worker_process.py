@@ -1,0 +1,88 @@
+"""One worker as a plain process, as Kubernetes runs it: ``python -m pdserve.wire.worker_process
+prefill --model DIR``. It prints ``listening on HOST:PORT`` once it serves, and drains on
+SIGTERM (or SIGINT): health turns NOT_SERVING, new requests are refused, in-flight ones get
+up to ``--drain-grace-s`` to finish, then it exits 0.
+
+Under Ray (``pdserve.cluster.actors.ServerActor``) the actor installs the same drain as its process's
+SIGTERM handler in place of Ray's (which exits at once); this module's handler is for
+processes that Ray does not own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, flag_type
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.kv_transfer import BACKENDS, DEFAULT_BACKEND
+from pdserve.wire.logs import FORMATS, LEVELS, LogConfig, configure
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdserve.wire.worker_process", description=__doc__.split("\n\n")[0])
+    p.add_argument("role", choices=["prefill", "decode"])
+    p.add_argument("--model", default="default", help="'default', a HF directory or a .gguf file")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--kv-transfer-backend", default=DEFAULT_BACKEND, choices=BACKENDS)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the memory budget's)")
+    p.add_argument("--drain-grace-s", type=flag_type(DRAIN_GRACE_SECONDS, "--drain-grace-s"),
+                   default=DRAIN_GRACE_SECONDS.default, help=DRAIN_GRACE_SECONDS.help)
+    p.add_argument("--max-requests", type=int, default=1024,
+                   help="requests held at once; past it RESOURCE_EXHAUSTED at once")
+    p.add_argument(LEASE_SECONDS.flag, type=flag_type(LEASE_SECONDS), default=LEASE_SECONDS.default,
+                   help=f"{LEASE_SECONDS.help} (prefill only)")
+    p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
+    p.add_argument("--log-level", default=LogConfig.level, choices=LEVELS)
+    p.add_argument("--log-format", default=LogConfig.format, choices=FORMATS)
+    return p
+
+
+def _config(args):
+    engine = EngineConfig(model=args.model, cache=CacheConfig(num_blocks=args.num_blocks))
+    common = dict(worker_id=args.worker_id or f"{args.role}-0", engine=engine, host=args.host, port=args.port,
+                  kv_transfer_backend=args.kv_transfer_backend,
+                  max_requests=args.max_requests,
+                  cpus=tuple(int(c) for c in args.cpus.split(",") if c))
+    if args.role == "prefill":
+        from pdserve.prefill_worker.worker import PrefillWorkerConfig
+
+        return PrefillWorkerConfig(lease_seconds=args.lease_seconds, **common)
+    from pdserve.decode_worker.worker import DecodeWorkerConfig
+
+    return DecodeWorkerConfig(**common)
+
+
+async def run(config, role: str, drain_grace_s: float) -> None:
+    """Serve until SIGTERM or SIGINT, then drain (in-flight requests get ``drain_grace_s``)
+    and return."""
+    if role == "prefill":
+        from pdserve.prefill_worker.server import start
+    else:
+        from pdserve.decode_worker.server import start
+    running = await start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"listening on {running.address}", flush=True)
+    await stop.wait()
+    print(f"draining (grace {drain_grace_s:.0f} s)", flush=True)
+    await running.drain(drain_grace_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    config = _config(args)
+    configure(LogConfig(args.log_level, args.log_format), config.worker_id)
+    asyncio.run(run(config, args.role, args.drain_grace_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

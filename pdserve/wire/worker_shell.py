@@ -1,0 +1,241 @@
+"""The shell every worker role runs in, written once for prefill and decode.
+
+A worker is an engine on its thread plus a KV-transfer agent, served over gRPC. What differs
+between the roles is small (what a request waits for, what ``cancel`` frees, the hooks that
+poll transfers or leases); what is the same lives here:
+
+- ``WorkerShell``: start (pin the process to its cores, start the engine thread), stop, the
+  engine-thread-to-asyncio bridge (``call``; per-request streams fed once per step), abort,
+  stats, and drain (no new requests; wait for in-flight ones up to a grace period).
+- ``ShellRpcs``: the ``Abort`` / ``Stats`` / ``Drain`` RPCs both services serve.
+- ``serve``: a worker's gRPC server, health and /metrics, started and stopped together.
+
+It lives in ``pdserve/wire/`` because that is the package for a process's face to the others
+(servers, stats, conversions): both worker packages already import it, and it imports
+neither of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Callable, ClassVar, Iterable
+
+import grpc
+
+from pdserve.engine.engine_thread import EngineThread, Hook
+from pdserve.engine.errors import StepFailed
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.step_trace import StepTrace, trace_path
+from pdserve.kv_transfer import KVTransferAgent
+from pdserve.protos import worker_pb2
+from pdserve.wire.worker_metrics import WorkerSource, serve_worker
+from pdserve.wire.server import RunningServer, set_serving, start_server
+from pdserve.wire.stats import worker_stats
+
+log = logging.getLogger(__name__)
+
+# How often ``drain`` re-checks for in-flight work: its wait is bounded by the grace period,
+# and this only sets how soon after the last request it notices.
+_DRAIN_CHECK_S = 0.05
+
+
+class WorkerShell:
+    """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id``,
+    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests``, ``max_receive_bytes``
+    and ``step_trace_dir`` (None: no step trace)."""
+
+    role: ClassVar[str]
+
+    def __init__(self, config: Any, engine: LLMEngine, agent: KVTransferAgent, hooks: Iterable[Hook] = ()):
+        self.config = config
+        self.engine = engine
+        self.agent = agent
+        self.draining = False  # no new requests; those here finish
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        trace = StepTrace(trace_path(config.step_trace_dir, config.worker_id)) if config.step_trace_dir else None
+        self.thread = EngineThread(engine, self._on_outputs, hooks=hooks, name=f"{config.worker_id}-engine",
+                                   on_step_error=self._on_step_error, step_trace=trace)
+
+    def start(self) -> None:
+        if self.config.cpus:
+            pin_process(self.config.cpus)
+            if self.config.borrow_cpus:
+                borrow_idle_cores(self.config.cpus, self.config.borrow_cpus)
+        self.agent.expect_reads(False)  # until the role says otherwise (a prefill worker holding KV)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.thread.stop()
+        self.agent.close()
+
+    # ---- the bridge (asyncio side) ---------------------------------------------------
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the engine thread, between steps."""
+        return await asyncio.wrap_future(self.thread.call(fn, *args))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """The queue that ``push`` fills for ``request_id``, on the running loop."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.call(self.cancel, request_id)
+
+    # ---- the bridge (engine thread) ----------------------------------------------------
+    def push(self, items: Iterable[tuple[str, Any]]) -> None:
+        """Hand items to their requests' streams: one wake-up of each event loop per call,
+        however many requests and tokens (a step's outputs travel together)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that loop has closed: nobody is listening any more
+                pass
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A request its own fault ended gets its ``SequenceFailed``, which its RPC raises."""
+        self.push((o.request_id, o.error if o.error is not None else o) for o in outputs)
+
+    def _on_step_error(self, exc: StepFailed) -> None:
+        self.push((request_id, exc) for request_id in exc.request_ids)
+
+    # ---- the role's part -------------------------------------------------------------
+    def cancel(self, request_id: str) -> bool:
+        """Engine thread: stop ``request_id`` wherever it is and free what it holds."""
+        return self.engine.abort(request_id)
+
+    def in_flight(self) -> int:
+        """Requests that a drain waits for."""
+        return len(self._streams)
+
+    def requests(self) -> int:
+        """Requests on this worker now, queued or running (what ``max_requests`` bounds)."""
+        return len(self._streams)
+
+    def note_poll(self, router_id: str) -> None:
+        """A router polled Stats; the prefill worker tracks which routers are alive."""
+
+    def stats_extra(self) -> dict[str, Any]:
+        """The role's own ``WorkerStats`` fields."""
+        return {}
+
+    # ---- stats and drain -------------------------------------------------------------
+    def stats(self, metrics_address: str = "") -> worker_pb2.WorkerStats:
+        return worker_stats(self.config.worker_id, self.role, self.engine, self.agent, metrics_address,
+                            engine_steps=self.thread.steps, draining=self.draining, **self.stats_extra())
+
+    async def drain(self, grace_s: float) -> bool:
+        """Refuse new requests, then wait until none is in flight or ``grace_s`` passes.
+        True if the worker went idle in time."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_CHECK_S)
+        return not self.in_flight()
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
+
+
+def pin_process(cpus: Iterable[int]) -> None:
+    """Pin every thread of this process (and the threads they start later) to ``cpus``, and
+    size torch's intra-op pool to match: one worker's threads then never share a core with
+    another's."""
+    import torch
+
+    cores = set(cpus)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # the thread ended meanwhile
+            pass
+    torch.set_num_threads(len(cores))
+
+
+def borrow_idle_cores(own: Iterable[int], borrowed: Iterable[int]) -> None:
+    """Let this worker's CPU kernels also run on ``borrowed`` cores while their owners (the
+    other workers on this host) are idle: one idle-priority helper per core, which gives the
+    core back the moment its owner wakes (pdserve/engine/csrc/borrow_pool.h). Torch's own pool keeps
+    the worker's own cores. Without pdserve's CPU kernels (a GPU, or no AVX2) there is nothing
+    to share."""
+    from pdserve.engine import cpu_kernels
+
+    if not cpu_kernels.cpu_supported():
+        return
+    import torch
+
+    cpu_kernels.load()
+    helpers = torch.ops.pdserve.start_borrow_pool(sorted(own), sorted(borrowed))
+    log.info("kernels on cores %s, and %d idle-priority helper(s) on %s", sorted(own), helpers, sorted(borrowed))
+
+
+class ShellRpcs:
+    """``Abort``, ``Stats`` and ``Drain``, served the same way by both worker services. Put
+    it before the generated servicer base, whose methods answer UNIMPLEMENTED."""
+
+    worker: WorkerShell
+    metrics_address: str = ""
+
+    async def Abort(self, request, context):
+        return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
+
+    async def Stats(self, request, context):
+        self.worker.note_poll(request.router_id)
+        return self.worker.stats(self.metrics_address)
+
+    async def Drain(self, request, context):
+        self.worker.draining = True
+        return self.worker.stats(self.metrics_address)
+
+    async def admit(self, context, draining_code: grpc.StatusCode) -> None:
+        """Refuse a new request at once, before any work: ``draining_code`` while the worker
+        drains, RESOURCE_EXHAUSTED while it already holds ``max_requests`` (the router tries
+        another worker, or answers 429 with Retry-After)."""
+        worker = self.worker
+        if worker.draining:
+            await context.abort(draining_code, f"{worker.role} worker {worker.config.worker_id} is draining")
+        if worker.requests() >= worker.config.max_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{worker.role} worker {worker.config.worker_id} holds max_requests "
+                                f"({worker.config.max_requests}) requests")
+
+
+async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, str], None],
+                service: str) -> RunningServer:
+    """Start ``worker``, its /metrics and its gRPC server; ``register(server, address,
+    metrics_address)`` adds the role's servicer. The returned server's ``drain(grace_s)``
+    (SIGTERM) turns health NOT_SERVING, lets in-flight requests finish within ``grace_s``
+    (the process's ``drain_grace_seconds``), then stops everything."""
+    config = worker.config
+    worker.start()
+    metrics = serve_worker(worker.endpoint, config.metrics_port, WorkerSource(
+        worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size, config.model_name))
+    running = await start_server(worker.endpoint, config.port,
+                                 lambda server, address: register(server, address, metrics.address),
+                                 service, [metrics.stop, worker.stop], tls=config.tls,
+                                 max_receive_bytes=config.max_receive_bytes,
+                                 insecure_internal=config.insecure_internal)
+
+    async def drain(grace_s: float) -> None:
+        await set_serving(running.health, [service], False)
+        idle = await worker.drain(grace_s)
+        if not idle:
+            log.warning("%s: %d request(s) still in flight after %.0f s of drain; stopping",
+                        config.worker_id, worker.in_flight(), grace_s)
+        await running.stop()
+
+    running.drain = drain
+    return running
