@@ -200,8 +200,8 @@ def run_server(args, server: ServerProcess, step, doc: dict) -> None:
             # which ran the load generator alone and made every server look idler).
             marks: dict[str, tuple[float, float, float]] = {}
 
-            def mark(name: str, tree=tree) -> None:
-                marks[name] = (time.monotonic(), busy_seconds(), cpu_seconds(tree))
+            def mark(label: str, tree=tree) -> None:
+                marks[label] = (time.monotonic(), busy_seconds(), cpu_seconds(tree))
 
             mark("launch")
             try:
@@ -211,6 +211,8 @@ def run_server(args, server: ServerProcess, step, doc: dict) -> None:
             finally:
                 written = profiler.stop()
             mark("exit")
+            if not {"start", "end"} <= marks.keys():  # another vllm's wording: the whole run, said so
+                step(f"{name}: vllm bench printed no main-run marks; busy cores span its whole run")
             cpu = cpu_shares(marks.get("start", marks["launch"]), marks.get("end", marks["exit"]))
             cpu.update({f"{k}_whole_run": v for k, v in cpu_shares(marks["launch"], marks["exit"]).items()},
                        loadavg_1m_before=loadavg)
