@@ -174,9 +174,14 @@ def test_nothing_is_lost_under_faults_and_steady_load(cluster, stub):
         # (a) a prefill worker SIGKILLed while a read from it is in flight: it holds a claimed
         # lease (the reader's read starts right after its claim), it is stopped so that the read,
         # posted READ_DELAY_S after the claim, stays open, and then it is killed.
+        # The pids are asked for first: a claimed lease's read is posted READ_DELAY_S after the
+        # claim, and a Ray call to a busy worker between seeing the claim and the SIGSTOP once took
+        # longer than that on a loaded machine, so the read had already finished and nothing failed.
         failures_mid = sum(worker_stats(a, "decode").kv_transfer_failures for a in cluster.decode_addresses)
+        pids = {a: pid_of(actor) for a, actor in zip(list(cluster.prefill_addresses), list(cluster.prefill))}
         index = busy_worker(cluster, "prefill", "num_claimed_leases")
-        address, pid = cluster.prefill_addresses[index], pid_of(cluster.prefill[index])
+        address = cluster.prefill_addresses[index]
+        pid = pids[address]
         os.kill(pid, signal.SIGSTOP)
         time.sleep(READ_DELAY_S + 0.5)
         os.kill(pid, signal.SIGKILL)
