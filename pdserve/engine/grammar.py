@@ -22,6 +22,7 @@ schema, against 12 and 3).
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
@@ -58,15 +59,23 @@ class StructuredOutput:
     spec: str = ""
     resumed_tokens: int = 0
 
-    def validate(self, field: str = "structured_output") -> None:
-        """Raise ``InvalidRequestError`` naming ``field`` if the spec cannot be compiled. Needs
-        no tokenizer, so the router checks a request before routing it."""
+    def check(self, field: str = "structured_output") -> None:
+        """The cheap part of ``validate`` (sizes), which every engine runs on entry."""
         if self.resumed_tokens < 0:
             raise InvalidRequestError(f"{field}.resumed_tokens", f"must be >= 0, got {self.resumed_tokens}", 0)
         if len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidRequestError(field, f"{len(self.spec)} characters; the limit is {MAX_SPEC_CHARS}",
                                       MAX_SPEC_CHARS)
-        _grammar(self, field)
+
+    def validate(self, field: str = "structured_output") -> None:
+        """Raise ``InvalidRequestError`` naming ``field`` if the spec cannot be compiled. Needs
+        no tokenizer, so the router checks a request before routing it."""
+        self.check(field)
+        try:
+            _accepted(self.kind, self.spec)
+        except InvalidRequestError:
+            _grammar(self, field)  # again, to name ``field`` in the error
+            raise
 
 
 def resumed(so: StructuredOutput | None, generated: int) -> StructuredOutput | None:
@@ -77,6 +86,14 @@ def resumed(so: StructuredOutput | None, generated: int) -> StructuredOutput | N
 class GrammarViolation(RuntimeError):
     """A sequence holds a token its grammar forbids (a worker sent output it did not sample
     under the same grammar): the step fails and the request is aborted."""
+
+
+@functools.lru_cache(maxsize=64)
+def _accepted(kind: GrammarKind, spec: str) -> None:
+    """Raises if the spec does not convert; the specs that did are remembered (raising calls
+    are not), so a request checked twice on its way in (the HTTP front names the body's
+    parameter, ``pdserve.router.tools``) builds its grammar once."""
+    _grammar(StructuredOutput(kind, spec), "structured_output")
 
 
 def _grammar(so: StructuredOutput, field: str) -> "xgrammar.Grammar":

@@ -23,7 +23,7 @@ from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling import SamplingParams, TopLogprobs, validate_request
+from pdserve.engine.sampling import SamplingParams, TopLogprobs, check_request
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence
 from pdserve.engine.step_trace import StepShape
@@ -107,8 +107,10 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
-        """Raise ``InvalidRequestError`` naming the field and the limit it breaks."""
-        validate_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
+        """Raise ``InvalidRequestError`` naming the field and the limit it breaks: the cheap
+        checks that protect this engine (the router validated the request as a whole once,
+        ``pdserve.engine.sampling.validate_request``), and a structured spec compiled here."""
+        check_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
         if params.stop and not self.detokenize:
             raise InvalidRequestError("stop", "stop strings need an engine that detokenizes")
         if params.structured is not None:

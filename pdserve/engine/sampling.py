@@ -1,4 +1,11 @@
-"""Sampling parameters of one request, validated at the door."""
+"""Sampling parameters of one request, and the checks they meet.
+
+Two levels, each written once. ``SamplingParams.check`` and ``check_prompt`` are the cheap
+checks that protect an engine (sizes, ranges, token ids within the vocabulary, the context
+length): every engine runs them on entry, whoever sent the request (``check_request``). The
+router runs the same checks once per request, before it routes, and also asks whether a
+structured-output spec compiles (``StructuredOutput.validate``); an engine finds that out
+when it compiles the spec to use it (``pdserve.engine.grammar.GrammarCompiler``)."""
 
 from __future__ import annotations
 
@@ -81,8 +88,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < TEMPERATURE_EPSILON
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise ``InvalidRequestError`` naming the first field out of range."""
+    def check(self, vocab_size: int) -> None:
+        """Raise ``InvalidRequestError`` naming the first field out of range or over its size.
+        Cheap (no grammar is built): every engine runs it on entry."""
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}", 1)
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails every comparison
@@ -132,20 +140,19 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
         if self.structured is not None:
-            self.structured.validate("structured_output")
+            self.structured.check("structured_output")
             if self.min_tokens:  # a complete grammar allows only EOS, which min_tokens bans
                 raise InvalidRequestError("min_tokens", "cannot be combined with structured output", 0)
 
 
-def validate_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """Checks every process makes the same way (the router before routing, the engine on
-    entry). Raises ``InvalidRequestError`` naming the field and the limit."""
-    params.validate(vocab_size)
-    validate_prompt(prompt_token_ids, params, vocab_size, max_model_len)
+def check_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """The cheap checks that protect an engine, as every engine runs them on entry."""
+    params.check(vocab_size)
+    check_prompt(prompt_token_ids, params, vocab_size, max_model_len)
 
 
-def validate_prompt(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """The prompt's part of ``validate_request`` (the router checks ``params`` before it
+def check_prompt(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """The prompt's part of ``check_request`` (the router checks ``params`` before it
     tokenizes, and the prompt after)."""
     n = len(prompt_token_ids)
     if n == 0:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling import SamplingParams, validate_prompt
+from pdserve.engine.sampling import SamplingParams, check_prompt
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import pdserve_pb2
 from pdserve.router.cache_salt import request_salt
@@ -76,7 +76,9 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     default_max_tokens = max_tokens_to_context and req.sampling.max_tokens == 0
     if default_max_tokens:  # the most it can be, until the prompt's length is known
         params = dataclasses.replace(params, max_tokens=model.max_model_len)
-    params.validate(model.config.vocab_size)  # cheap: before the tokenizer's work
+    params.check(model.config.vocab_size)  # cheap: before the tokenizer's work
+    if params.structured is not None:  # workers compile it; whether it compiles is known here
+        params.structured.validate("structured_output")
     if tenant:
         params = dataclasses.replace(params, cache_salt=request_salt(params.cache_salt, tenant))
     if kind == "token_ids":
@@ -88,7 +90,7 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     if default_max_tokens:
         rest = max(model.max_model_len - len(ids), 1)  # a prompt too long is refused just below
         params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
-    validate_prompt(ids, params, model.config.vocab_size, model.max_model_len)
+    check_prompt(ids, params, model.config.vocab_size, model.max_model_len)
     return PreparedRequest(req.request_id or f"req-{uuid.uuid4().hex[:16]}", ids, params, default_max_tokens)
 
 

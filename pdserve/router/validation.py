@@ -8,8 +8,8 @@ Two steps, each done once per request:
    naming the parameter. Types are strict: ``"false"`` is not a boolean, ``1.0`` not an
    integer. Semantic ranges (temperature in [0, 100], ...) are not checked here.
 2. Meaning (HTTP and gRPC): ``pdserve.router.frontend.prepare`` applies ``RequestLimits`` before any
-   tokenization, then ``pdserve.engine.sampling.validate_request`` checks every value for what it
-   does (the same function the engine runs on entry).
+   tokenization, then checks every value for what it does: the ranges and sizes every engine
+   also checks on entry (``pdserve.engine.sampling``), and that a structured spec compiles.
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 def _set_sampling(p: pdserve_pb2.SamplingParams, b: _Common, chat: bool) -> None:
     """Every value here fits its wire type (the models bound them), so no setter raises.
-    Floats go to float32: a value too large becomes inf, refused by ``validate_request``.
+    Floats go to float32: a value too large becomes inf, refused by ``SamplingParams.check``.
     Without max_tokens a chat request gets the rest of the context (``pdserve.router.frontend``), a
     completion 16 tokens (``pdserve.wire.convert.DEFAULT_MAX_TOKENS``), as OpenAI and vLLM give."""
     max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
