@@ -18,8 +18,9 @@ Request lifecycle on this worker:
 - LOCAL PREFILL (instead of the two states above, when ``Decode`` asks for
   ``local_prefill``: colocated mode, or the router's conditional-disaggregation rule): the
   prompt queues in this worker's engine and its chunks run in the same steps as the running
-  streams (the ``mixed`` scheduling policy); the first token streams back as the first
-  response, then the request is RUNNING like any other.
+  streams (the ``mixed`` scheduling policy); the stream's first response is the prefill
+  answer (``prefilled``: the first token, as a prefill worker would have answered), then the
+  request is RUNNING like any other.
 - ABORTED: the router cancelled the stream (client gone, stop string, Abort) or the
   transfer failed. A failed transfer (or a refused claim) is reported to the router with the
   typed failure code ``kv_transfer`` (it re-runs the prefill elsewhere) and to the prefill

@@ -126,8 +126,9 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
 
 
     async def _prefill_and_decode(self, request, context):
-        """``Decode`` with ``local_prefill``: no KV to pull; this worker runs the prompt itself
-        and the first response carries the first token, with what a prefill answer carries."""
+        """``Decode`` with ``local_prefill``: no KV to pull; this worker runs the prompt itself.
+        The first response is ``prefilled`` (the first token, as a prefill answer carries it),
+        then outputs as for any decode."""
         log.debug("decode %s: %d prompt tokens, prefilled here", request.request_id, len(request.prompt_token_ids))
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         stream = self.worker.prefill_and_decode(request.request_id, list(request.prompt_token_ids), params)
@@ -137,13 +138,13 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
                 if isinstance(item, LocallyPrefilled):
                     prefill_seconds = item.seconds
                     continue
-                resp = _output_to_wire(item)
-                if prefill_seconds is not None:  # the first token
-                    resp.prefill_seconds, resp.num_cached_tokens = prefill_seconds, item.num_cached_tokens
-                    resp.prompt_logprobs.extend(lp for lp, _ in item.prompt_logprobs or ())
-                    resp.prompt_top_logprobs.extend(top_to_proto(top) for _, top in item.prompt_logprobs or ())
-                    prefill_seconds = None
-                yield resp
+                if prefill_seconds is None or not item.new_token_ids:
+                    yield _output_to_wire(item)
+                    continue
+                yield worker_pb2.DecodeResponse(prefilled=_prefill_answer(request.request_id, item, prefill_seconds))
+                prefill_seconds = None
+                if len(item.new_token_ids) > 1:  # more than the first token in one output
+                    yield _output_to_wire(item, start=1)
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
         except StepFailed as exc:
@@ -152,11 +153,26 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             await stream.aclose()
 
 
-def _output_to_wire(item) -> worker_pb2.DecodeResponse:
+def _output_to_wire(item, start: int = 0) -> worker_pb2.DecodeResponse:
+    """``item``'s tokens from ``start`` on (and its finish reason)."""
     return worker_pb2.DecodeResponse(
-        token_ids=item.new_token_ids, logprobs=item.new_logprobs,
-        top_logprobs=[top_to_proto(top) for top in item.new_top_logprobs],
+        token_ids=item.new_token_ids[start:], logprobs=item.new_logprobs[start:],
+        top_logprobs=[top_to_proto(top) for top in item.new_top_logprobs[start:]],
         finish_reason=finish_to_wire(item.finish_reason if item.finished else None))
+
+
+def _prefill_answer(request_id: str, item, seconds: float) -> worker_pb2.PrefillResponse:
+    """The first output of a request prefilled here, in a prefill answer's form (no KV: it
+    stays here). ``item.finish_reason`` only when the first token is also the last."""
+    last = item.finished and len(item.new_token_ids) == 1
+    return worker_pb2.PrefillResponse(
+        request_id=request_id, first_token_id=item.new_token_ids[0],
+        first_logprob=item.new_logprobs[0] if item.new_logprobs else 0.0,
+        first_top_logprobs=top_to_proto(item.new_top_logprobs[0]) if item.new_top_logprobs else None,
+        finish_reason=finish_to_wire(item.finish_reason if last else None),
+        num_cached_tokens=item.num_cached_tokens, prefill_seconds=seconds,
+        prompt_logprobs=[lp for lp, _ in item.prompt_logprobs or ()],
+        prompt_top_logprobs=[top_to_proto(top) for _, top in item.prompt_logprobs or ()])
 
 
 class LeaseClaimFailed(Exception):

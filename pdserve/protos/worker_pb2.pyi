@@ -137,30 +137,24 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_streamed: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "kv_bytes", "kv_transfer_seconds", "top_logprobs", "num_cached_tokens", "prefill_seconds", "prompt_logprobs", "prompt_top_logprobs", "kv_progress")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "kv_bytes", "kv_transfer_seconds", "top_logprobs", "kv_progress", "prefilled")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _pdserve_pb2.FinishReason
     kv_bytes: int
     kv_transfer_seconds: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TopLogprobs]
-    num_cached_tokens: int
-    prefill_seconds: float
-    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TopLogprobs]
     kv_progress: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., kv_progress: _Optional[bool] = ...) -> None: ...
+    prefilled: PrefillResponse
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., kv_progress: _Optional[bool] = ..., prefilled: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

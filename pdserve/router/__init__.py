@@ -14,4 +14,12 @@ Request lifecycle at the router:
 
 Stop strings are applied here, the one place that sees the whole text; the decode worker
 is cancelled when one matches.
+
+Where each part lives: ``frontend`` validates and tokenizes (once per request, into one
+engine ``SamplingParams``); ``request_run`` is a request's life (attempts, migration, the
+deadline and admission budget of ``request_budget``); ``attempts`` holds the two attempt
+kinds (prefill on a prefill worker, or locally on the decode worker), which make the
+``prefill_call`` and the ``decode_call``; ``worker_calls`` reads what a worker's error means
+(``triage``, once for every call); ``output_processor`` turns worker outputs into the
+client's responses (text, stop strings, logprobs, usage).
 """

@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 
 import grpc
 
-from pdserve.router.orchestrator import RouteError
+from pdserve.router.errors import RouteError
 
 T = TypeVar("T")
 INLINE_BYTES = 16 << 10  # client data up to this size is cheap enough to handle on the loop

@@ -37,7 +37,7 @@ from pdserve.router import auth
 from pdserve.router.client_work import INLINE_BYTES
 from pdserve.router.openai_format import (Choice, chat_chunk, chat_response, completion_chunk, completion_response,
                                   usage_dict)
-from pdserve.router.orchestrator import RouteError
+from pdserve.router.errors import RouteError
 from pdserve.router.service import GenerationService
 from pdserve.router.tokenize_api import detokenize_request, tokenize_request
 from pdserve.router.tools import ToolOutput

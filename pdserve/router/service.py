@@ -7,7 +7,7 @@ client that sent garbage must get INVALID_ARGUMENT.
 Request ids are the client's choice, so a running request belongs to the caller that started
 it (``caller``): ``Abort`` reaches only the caller's own requests, and two clients may run the
 same id side by side. On the workers each attempt has an unguessable id of its own
-(``orchestrator.attempt_id``).
+(``pdserve.router.attempts.attempt_id``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pdserve.protos import pdserve_pb2
 from pdserve.router.cache_salt import key_salt
 from pdserve.router.client_work import ClientWork
 from pdserve.router.frontend import ModelInfo, check_request_id, prepare
-from pdserve.router.orchestrator import RequestRun, RouteError
+from pdserve.router.errors import RouteError
+from pdserve.router.request_run import RequestRun
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerPool
 from pdserve.wire.grpc_util import abort_invalid
@@ -99,7 +100,7 @@ class GenerationService:
                                                    usage=run.usage())
             finally:
                 if self.trace is not None:
-                    self.trace.record(prepared.prompt_token_ids, len(run.progress.token_ids), arrived)
+                    self.trace.record(prepared.prompt_token_ids, len(run.output.token_ids), arrived)
                 self.running.pop(key, None)
                 self.aborted.discard(key)
         finally:

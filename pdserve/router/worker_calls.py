@@ -1,13 +1,68 @@
-"""Calls to workers from one request's run, and what their answers mean: waiting on a call
-unless its worker is found hung, the last message of a streaming call, a decode stream
-started in the background (streamed KV), and the fields a worker's error names."""
+"""Calls to workers from one request's run, and what their answers mean: what a call needs
+of its request (``CallContext``), the one reading of a worker's error (``triage``), waiting on
+a call unless its worker is found hung, the last message of a streaming call, and a decode
+stream started in the background (streamed KV)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
+from dataclasses import dataclass
 
 import grpc
+
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.router.errors import RouteError
+from pdserve.router.limits import RouterLimits
+from pdserve.router.pool import WorkerPool
+from pdserve.router.request_budget import RequestBudget
+from pdserve.wire.failure import Failure, failure_of
+from pdserve.wire.metrics import RequestMetrics
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a call to a worker needs of the request it serves."""
+
+    request_id: str  # the client's, for logs (workers know each attempt by its own id)
+    pool: WorkerPool
+    limits: RouterLimits
+    budget: RequestBudget
+    metrics: RequestMetrics
+    limited: bool  # the client set max_tokens (``pdserve.router.policy.pick_decode``)
+
+
+class Fault(enum.Enum):
+    """What a worker's error means for the attempt, once the request's own faults are out."""
+
+    WORKER = "the worker died, hung or cannot be reached"
+    BUSY = "the worker has no room now (RESOURCE_EXHAUSTED)"
+    TRANSFER = "the prompt's KV did not move"
+    REFUSED = "the worker refused the call for another reason"
+
+
+# A worker that cannot be reached: another may serve the call.
+_WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+                grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+
+
+def triage(exc: grpc.aio.AioRpcError, budget: RequestBudget) -> Fault:
+    """The one reading of a worker call's error. Raises what ends the request whichever worker
+    serves it: its own fault (INVALID_ARGUMENT, naming the field), its deadline passed (not
+    the worker's fault), or a step that failed holding it on a healthy worker (ABORTED:
+    elsewhere it would fail again). Returns what else the error says about the worker."""
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        raise InvalidRequestError(error_field(exc), exc.details()) from exc
+    budget.remaining_s()
+    failure = failure_of(exc)
+    if failure is Failure.STEP_FAILED:
+        raise RouteError(grpc.StatusCode.ABORTED, exc.details() or "engine step failed") from exc
+    if failure is Failure.KV_TRANSFER:
+        return Fault.TRANSFER
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Fault.BUSY
+    return Fault.WORKER if exc.code() in _WORKER_GONE else Fault.REFUSED
 
 
 async def unless_hung(awaitable, client, call=None):

@@ -6,7 +6,7 @@ prometheus_client's global default registry (other libraries in the process writ
 A process fills only its own families; ``render()`` serves the router's ``/metrics`` and
 ``pdserve.wire.worker_metrics.serve_worker`` starts a worker's.
 
-Router, per request (pdserve/router/orchestrator.py), label ``model_name`` (the first served name):
+Router, per request (pdserve/router/request_run.py), label ``model_name`` (the first served name):
 
 - histogram ``pdserve:time_to_first_token_seconds``: request start to the first token sent
 - histogram ``pdserve:inter_token_latency_seconds``: between two token batches sent

@@ -1,5 +1,6 @@
-"""A decode worker that prefills prompts itself (``DecodeRequest.local_prefill``): real
-worker (tiny model, float32) behind its real gRPC server, no prefill worker anywhere.
+"""A decode worker that prefills prompts itself (``DecodeRequest.local_prefill``; its stream
+starts with the prefill answer, ``DecodeResponse.prefilled``): real worker (tiny model,
+float32) behind its real gRPC server, no prefill worker anywhere.
 
 Short requests stream while a long prompt arrives, so its chunks run in mixed steps beside
 their decodes; every output equals transformers' greedy one, and every block is free after.
@@ -73,13 +74,16 @@ def test_local_prefill_mixed_with_running_streams_equals_transformers_and_frees_
 
     results, stats = asyncio.run(run())
     for prompt, resps, n in zip(short + [long], results, expected_tokens):
-        ids = [t for r in resps for t in r.token_ids]
+        # The first response is the prefill answer alone; outputs follow.
+        answer = resps[0].prefilled
+        assert resps[0].HasField("prefilled") and not resps[0].token_ids and answer.prefill_seconds > 0
+        assert not any(r.HasField("prefilled") for r in resps[1:])
+        ids = [answer.first_token_id] + [t for r in resps[1:] for t in r.token_ids]
         assert_greedy_matches(hf, prompt, ids, n, what=f"{len(prompt)}-token prompt prefilled locally")
-        assert resps[0].prefill_seconds > 0 and len(resps[0].token_ids) == 1
         assert resps[-1].finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
-    first = results[0][0]
+    first = results[0][0].prefilled
     assert len(first.prompt_logprobs) == len(short[0]) - 1 == len(first.prompt_top_logprobs)
-    assert not results[1][0].prompt_logprobs
+    assert not results[1][0].prefilled.prompt_logprobs
     # The long prompt ran in chunks of the budget left beside the short streams' decodes.
     mixed = [(rows, n) for rows, n in steps if rows and n]
     assert sum(n for _, n in mixed) == len(long) and all(rows + n <= 64 for rows, n in mixed)

@@ -1,8 +1,8 @@
 """Streamed KV (PrefillStream + WatchKV): the decode worker reads each chunk's blocks while the
 prefill worker computes the next ones. Real prefill and decode workers with their gRPC servers
 in this process, a tiny random Llama, and the real transfer backends (NIXL, and tcp, whose
-holder checks every read against the lease). The router is the real orchestrator
-(``pdserve.router.orchestrator.RequestRun``) over a pool of real stubs to those servers."""
+holder checks every read against the lease). The router is the real request run
+(``pdserve.router.request_run.RequestRun``) over a pool of real stubs to those servers."""
 
 import asyncio
 import contextlib
@@ -19,7 +19,7 @@ from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.router.frontend import ModelInfo, PreparedRequest
-from pdserve.router.orchestrator import RequestRun
+from pdserve.router.request_run import RequestRun
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerClient, WorkerPool
 from tests.factories import assert_greedy_matches, make_engine, prefill_worker_config, random_prompts
@@ -161,7 +161,7 @@ def test_streamed_kv_lands_the_same_bytes_in_the_same_blocks_and_decodes_the_sam
     # arrive together (a loaded machine) merge two early reads into one, so at least 2.
     assert reads_whole == 1 and 2 <= reads <= 4
     assert released_by["pulled"] == 2 and released_by["transfer_failed"] == 0
-    assert all(run.progress.migrations == 0 for run in runs)
+    assert all(run.migrations == 0 for run in runs)
 
 
 def test_a_streamed_transfer_that_fails_half_way_is_a_transfer_failure_and_the_request_re_prefills(tiny_llama_dir):
@@ -192,7 +192,7 @@ def test_a_streamed_transfer_that_fails_half_way_is_a_transfer_failure_and_the_r
     tokens, run, released_by, reader, partial_reads = asyncio.run(main())
     assert tokens == expected
     assert_greedy_matches(tiny_llama_dir[1], PROMPT, tokens, MAX_TOKENS, what="re-prefilled")
-    assert run.progress.migrations == 1
+    assert run.migrations == 1
     assert released_by["transfer_failed"] == 1 and released_by["pulled"] == 1
     assert reader.failures == 1 and partial_reads >= 3  # the retry streamed again, and was served
 

@@ -9,7 +9,7 @@ import grpc
 from pdserve.engine.sampling import SamplingParams
 from pdserve.protos import pdserve_pb2, worker_pb2
 from pdserve.router.frontend import ModelInfo, PreparedRequest
-from pdserve.router.orchestrator import RequestRun
+from pdserve.router.request_run import RequestRun
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerClient, WorkerPool
 from pdserve.wire import metrics

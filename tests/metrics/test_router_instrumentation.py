@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.protos import pdserve_pb2, worker_pb2
 from pdserve.router.frontend import ModelInfo
-from pdserve.router.orchestrator import RouteError
+from pdserve.router.errors import RouteError
 from pdserve.router.limits import RouterLimits
 from pdserve.router.service import GenerationService
 from pdserve.router.pool import PoolLoad, WorkerClient, WorkerPool, pool_loads

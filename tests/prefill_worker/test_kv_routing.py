@@ -20,7 +20,7 @@ from pdserve.protos import worker_pb2
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.kv_index import prompt_block_hashes
 from pdserve.router.kv_policy import RoutingConfig
-from pdserve.router.orchestrator import RequestRun
+from pdserve.router.request_run import RequestRun
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerPool
 from tests.factories import assert_greedy_matches, load_reference, make_engine, prefill_worker_config, random_prompts
@@ -62,7 +62,7 @@ async def generate(pool: WorkerPool, prompt: list[int], rid: str) -> tuple[list[
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     run = RequestRun(PreparedRequest(rid, prompt, params), model, pool, RouterLimits(routing=RoutingConfig()))
     tokens = [t async for resp in run.responses() for t in resp.token_ids]
-    return tokens, run.progress.cached_tokens
+    return tokens, run.output.cached_tokens
 
 
 def test_a_shared_prefix_goes_to_the_worker_that_caches_it_and_output_is_exact(tiny_llama_dir):

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.protos import worker_pb2
 from pdserve.router.http_api import _as_http_error
-from pdserve.router.orchestrator import RouteError
+from pdserve.router.errors import RouteError
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run, sample
 
 

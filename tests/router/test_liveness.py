@@ -134,7 +134,7 @@ def test_a_stream_on_a_worker_found_hung_migrates_at_once_not_after_the_idle_tim
         pool.workers["decode-1:1"].stats = worker_pb2.WorkerStats(num_blocks_total=1000, num_blocks_used=999)
         run = request_run(pool, max_tokens=6, decode_idle_timeout_s=600.0)  # the idle timeout never fires here
         stream = asyncio.create_task(_collect(run))
-        while len(run.progress.token_ids) < 3:  # the first token, then two from decode-0
+        while len(run.output.token_ids) < 3:  # the first token, then two from decode-0
             await asyncio.sleep(0.01)
         pool.workers["decode-0:1"].hung = True  # as the pool's liveness check marks it
         pool.workers["decode-0:1"].lost.set()
@@ -142,7 +142,7 @@ def test_a_stream_on_a_worker_found_hung_migrates_at_once_not_after_the_idle_tim
 
     responses, run = asyncio.run(main())
     assert sum(len(r.token_ids) for r in responses) == 6
-    assert run.progress.migrations == 1 and run.progress.finish_reason is not None
+    assert run.migrations == 1 and run.output.finish_reason is not None
 
 
 def test_a_prefill_on_a_worker_found_hung_is_retried_on_another():

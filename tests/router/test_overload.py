@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.protos import pdserve_pb2, worker_pb2
 from pdserve.router.frontend import ModelInfo
-from pdserve.router.orchestrator import RouteError
+from pdserve.router.errors import RouteError
 from pdserve.router.limits import RouterLimits
 from pdserve.router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from pdserve.protos import worker_pb2
-from pdserve.router.orchestrator import RouteError
+from pdserve.router.errors import RouteError
 from pdserve.router.policy import WorkerSnapshot, pick_decode, pick_prefill
 from pdserve.router.pool import WorkerClient
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run
@@ -49,7 +49,7 @@ def test_a_crash_of_the_only_decode_worker_waits_for_its_replacement():
 
     responses, run = asyncio.run(main())
     assert sum(len(r.token_ids) for r in responses) == 5
-    assert run.progress.migrations == 1 and run.progress.finish_reason is not None
+    assert run.migrations == 1 and run.output.finish_reason is not None
 
 
 def test_no_replacement_within_the_deadline_ends_with_a_clear_error():

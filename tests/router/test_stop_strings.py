@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 
 from pdserve.protos import pdserve_pb2
+from pdserve.router.request_run import RequestRun
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, _DecodeCall, fake_pool, request_run
 
 
@@ -24,9 +25,9 @@ class RecordingDecode(FakeDecode):
 
 def test_a_stop_string_ends_the_stream_and_cancels_the_decode_request():
     decode = RecordingDecode()
-    run = request_run(fake_pool([FakePrefill()], [decode]), max_tokens=50)
-    run.req = dataclasses.replace(run.req, params=dataclasses.replace(run.req.params, stop=("e",)))
-    run._detok = type(run._detok)(run.model.tokenizer, ("e",))
+    plain = request_run(fake_pool([FakePrefill()], [decode]), max_tokens=50)
+    req = dataclasses.replace(plain.req, params=dataclasses.replace(plain.req.params, stop=("e",)))
+    run = RequestRun(req, plain.model, plain.pool, plain.limits)
 
     async def collect():
         return [r async for r in run.responses()]

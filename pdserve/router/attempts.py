@@ -1,0 +1,128 @@
+"""One attempt at a request, in one of two kinds. An attempt yields the prefill answer (its
+first token) and then the decode outputs, until the request's run has what it needs and
+closes it; closing it ends its calls and frees what it holds.
+
+- ``RemotePrefill``: a prefill worker computes the prompt and holds its KV under a lease; a
+  decode worker reads the KV and goes on. With streamed KV (``stream_kv_min_tokens``) the
+  decode stream opens as soon as the prompt has blocks, and reads them while prefill runs.
+- ``LocalPrefill``: the decode worker prefills the prompt itself (colocated mode, or the
+  local-prefill rule, ``pdserve.router.local_prefill``); its stream's first message is the
+  prefill answer (``DecodeResponse.prefilled``).
+
+A run makes a new attempt after a lost one, with the output sent so far appended to the
+prompt (``Attempt``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass
+from typing import AsyncIterator, Union
+
+from pdserve.engine.grammar import resumed
+from pdserve.engine.sampling import SamplingParams
+from pdserve.kv_transfer.handoff import ReleaseReason, release_request
+from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.router.decode_call import decode
+from pdserve.router.errors import AttemptLost
+from pdserve.router.prefill_call import prefill, streamed_answer
+from pdserve.router.worker_calls import CallContext, Started, detach, ignore_errors
+
+Output = Union[worker_pb2.PrefillResponse, worker_pb2.DecodeResponse]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one attempt sends to its workers: one sampling message for both calls."""
+
+    worker_rid: str  # ``attempt_id``
+    prompt: list[int]  # the client's prompt, then the tokens it was sent before this attempt
+    sampling: pdserve_pb2.SamplingParams
+    blocks: int  # KV blocks to count on a decode worker: the prompt and the output reserved
+
+
+def attempt_params(params: SamplingParams, sent: int) -> SamplingParams:
+    """The request's parameters for an attempt after ``sent`` tokens went out: the rest of
+    the output, min_tokens counting what was sent, the prompt logprobs only on the first
+    attempt that answers (they went out with the first token), a grammar resumed past the
+    sent tokens, and no stop strings (only the router applies them)."""
+    return dataclasses.replace(params, stop=(), max_tokens=params.max_tokens - sent,
+                               min_tokens=max(0, params.min_tokens - sent),
+                               prompt_logprobs=params.prompt_logprobs if not sent else None,
+                               structured=resumed(params.structured, sent))
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The id the workers know one attempt of a request by: the client's id and the attempt
+    number (for logs), then 16 random bytes that only the router and the workers of this
+    attempt learn. Workers key the engine's sequence, the stream and ``Abort`` on it, so an
+    ``Abort`` or a second ``Decode`` naming a client's request id (clients choose ids), or
+    another router's request of the same id, reaches nothing of this attempt."""
+    return f"{request_id}#{attempt}.{secrets.token_urlsafe(16)}"
+
+
+class LocalPrefill:
+    """The decode worker prefills the prompt itself."""
+
+    label = "local"
+
+    async def outputs(self, ctx: CallContext, attempt: Attempt) -> AsyncIterator[Output]:
+        request = worker_pb2.DecodeRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,
+                                           sampling=attempt.sampling, local_prefill=True)
+        answered = False
+        async for out in decode(ctx, request, attempt.blocks, source=None):
+            if not answered and not isinstance(out, worker_pb2.PrefillResponse):
+                raise AttemptLost("the decode worker sent output before its prefill answer")
+            answered = True
+            yield out
+
+
+class RemotePrefill:
+    """A prefill worker computes the prompt; its KV moves to the decode worker."""
+
+    label = "remote"
+
+    def __init__(self, stream_kv: bool):
+        self.stream_kv = stream_kv
+
+    async def outputs(self, ctx: CallContext, attempt: Attempt) -> AsyncIterator[Output]:
+        request = worker_pb2.PrefillRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,
+                                            sampling=attempt.sampling, router_id=ctx.pool.router_id)
+        answer, address, streaming = await prefill(ctx, request, self.stream_kv, attempt.sampling.cache_salt)
+        lease = answer.kv.lease_token if answer.HasField("kv") else ""  # held for us, not yet taken
+        decoding = None
+        try:
+            if streaming is not None:  # the KV streams to a decode worker picked now
+                decoding = Started(decode(ctx, _decode_request(attempt, answer), attempt.blocks,
+                                          answer.kv.prefill_address))
+                answer = await streamed_answer(ctx, streaming, address, decoding)
+            yield answer
+            if answer.finish_reason:
+                return
+            stream = decoding.stream() if decoding is not None else decode(
+                ctx, _decode_request(attempt, answer), attempt.blocks, answer.kv.prefill_address)
+            async for out in stream:
+                lease = ""  # the decode worker took it over
+                yield out
+        finally:
+            if decoding is not None:
+                await decoding.close()
+            if lease:
+                _release_later(ctx, address, lease)
+
+
+def _decode_request(attempt: Attempt, answer: worker_pb2.PrefillResponse) -> worker_pb2.DecodeRequest:
+    """The decode call after a prefill answer, or with streamed KV after its early handle
+    (``kv_streaming``: no first token yet; the decode worker learns it from WatchKV)."""
+    return worker_pb2.DecodeRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,
+                                    first_token_id=answer.first_token_id, sampling=attempt.sampling,
+                                    kv=answer.kv, kv_streamed=answer.kv_streaming)
+
+
+def _release_later(ctx: CallContext, address: str, lease_token: str) -> None:
+    """Free a lease the decode side never took (best effort; the lease expires anyway)."""
+    client = ctx.pool.workers.get(address)
+    if client is None:
+        return
+    release = client.stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
+    detach(ignore_errors(release))

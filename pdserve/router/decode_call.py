@@ -1,0 +1,89 @@
+"""The decode call of one attempt: the Decode stream on the first decode worker that takes
+it, bounded by how long it may stay silent. It yields what the client's output is made of:
+a locally prefilled stream's first message (``DecodeResponse.prefilled``, a prefill answer)
+and then token outputs; the KV-arrived and KV-progress notices are taken here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.protos import worker_pb2
+from pdserve.router.errors import AttemptLost, route_error
+from pdserve.router.policy import pick_decode
+from pdserve.router.worker_calls import CallContext, Fault, triage
+
+
+async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: int, source: str | None
+                 ) -> AsyncIterator[worker_pb2.PrefillResponse | worker_pb2.DecodeResponse]:
+    """The stream of ``request`` (``blocks`` of KV on the decode worker); ``source`` is the
+    prefill worker whose KV it reads (None: local prefill). A decode worker that is full
+    before it sent anything is passed over for another; any other failure loses the attempt."""
+    tried: set[str] = set()
+    while True:
+        choice = await ctx.budget.admit(lambda: pick_decode(ctx.pool.snapshots(), blocks, frozenset(tried),
+                                                            limited=ctx.limited), ctx.pool.interval_s)
+        if choice.worker_id is None:
+            if tried and not choice.saturated:
+                raise AttemptLost(choice.reason)
+            raise route_error(choice)
+        client = ctx.pool.workers[choice.worker_id]
+        tried.add(client.address)
+        call = client.stub.Decode(request, timeout=ctx.budget.remaining_s())
+        started = False
+        try:
+            with ctx.pool.placed(client, blocks=blocks):
+                async with contextlib.aclosing(_idle_bounded(ctx, call, client)) as messages:
+                    async for resp in messages:
+                        started = True
+                        if resp.kv_progress:  # streamed KV: more of it read while prefill goes on
+                            continue
+                        if resp.kv_bytes:  # the KV-arrived notice, not output
+                            ctx.pool.transfer_ok(source)
+                            ctx.metrics.kv_transferred(resp.kv_transfer_seconds)
+                            continue
+                        yield resp.prefilled if resp.HasField("prefilled") else resp
+            return
+        except grpc.aio.AioRpcError as exc:
+            fault = triage(exc, ctx.budget)
+            if fault is Fault.BUSY and not started:
+                continue  # the KV is still held: another decode worker may take it
+            if fault is not Fault.TRANSFER:
+                ctx.pool.mark_down(client.address)  # the decode worker itself failed
+            elif source is not None:
+                ctx.pool.transfer_failed(source)  # the KV's source, if it keeps failing
+            raise AttemptLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
+        finally:
+            call.cancel()
+
+
+async def _idle_bounded(ctx: CallContext, call, client):
+    """``call``'s messages; a gap longer than ``decode_idle_timeout_s`` loses the attempt, and
+    so does the worker found hung meanwhile (``pdserve.router.liveness``, usually much
+    sooner); a gap that reaches the request's deadline is DEADLINE_EXCEEDED."""
+    messages = aiter(call)
+    while True:
+        idle_s = min(ctx.limits.decode_idle_timeout_s, ctx.budget.remaining_s())
+        following = asyncio.ensure_future(anext(messages))
+        hung = asyncio.ensure_future(client.lost.wait())
+        try:
+            done, _ = await asyncio.wait({following, hung}, timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hung.cancel()
+            if not following.done():
+                following.cancel()
+        if following in done:
+            try:
+                resp = following.result()
+            except StopAsyncIteration:
+                return
+            yield resp
+            continue
+        if hung in done:
+            raise AttemptLost(f"decode worker {client.address} is hung (no engine progress for "
+                              f"{ctx.pool.hang_timeout_s:g} s, hang_timeout_s)")
+        ctx.budget.remaining_s()
+        raise AttemptLost(f"decode worker {client.address} sent nothing for {idle_s:g} s (decode_idle_timeout_s)")

@@ -1,0 +1,41 @@
+"""How a request run fails: the error a client gets, and the loss of one attempt that the
+run recovers from by re-prefilling elsewhere."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.router.policy import Choice
+
+
+class RouteError(Exception):
+    """The request cannot be served; ``code`` is the gRPC status the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+class AttemptLost(Exception):
+    """This attempt cannot go on (its transfer failed, a worker died or hung, the decode
+    stream ended early): the run re-prefills prompt + tokens sent and continues."""
+
+
+def route_error(choice: Choice) -> Exception:
+    """The client's error for a routing choice that found no worker."""
+    if choice.too_large:
+        return InvalidRequestError("max_tokens", choice.reason)
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if choice.saturated else grpc.StatusCode.UNAVAILABLE
+    return RouteError(code, choice.reason)
+
+
+def failure_code(exc: Exception) -> str:
+    """The gRPC status name a failed request ends with, for the failure counter."""
+    if isinstance(exc, RouteError):
+        return exc.code.name
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT.name
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    return grpc.StatusCode.INTERNAL.name

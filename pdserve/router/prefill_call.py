@@ -1,0 +1,90 @@
+"""The prefill call of one attempt: route the prompt to a prefill worker (trying others
+while they are gone or full), and, when its KV streams, wait for the answer while the decode
+side already reads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pdserve.protos import worker_pb2
+from pdserve.router.errors import AttemptLost, RouteError, route_error
+from pdserve.router.worker_calls import CallContext, Fault, Started, last_message, triage, unavailable, unless_hung
+
+log = logging.getLogger(__name__)
+
+
+async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_kv: bool, cache_salt: str):
+    """(the prefill worker's answer, its address, None). With ``stream_kv`` the answer may be
+    the early KV handle (``kv_streaming``); then the third is the open call, whose last
+    message is the answer (``streamed_answer``)."""
+    prompt = list(request.prompt_token_ids)
+    tried: set[str] = set()
+    last = "no prefill worker"
+    for _ in range(ctx.limits.max_prefill_attempts):
+        choice = await ctx.budget.admit(lambda: ctx.pool.route_prefill(
+            prompt, ctx.limits.routing, frozenset(tried), ctx.limits.max_queued_tokens_per_prefill, cache_salt),
+            ctx.pool.interval_s)
+        if choice.worker_id is None:
+            if choice.saturated:
+                raise route_error(choice)
+            break
+        client = ctx.pool.workers[choice.worker_id]
+        tried.add(client.address)
+        ctx.metrics.routed(choice.rule, choice.cached_tokens)
+        try:
+            with ctx.pool.placed(client, tokens=len(prompt) - choice.cached_tokens):
+                if not stream_kv:
+                    call = client.stub.Prefill(request, timeout=ctx.budget.remaining_s())
+                    return await unless_hung(call, client), client.address, None
+                call = client.stub.PrefillStream(request, timeout=ctx.budget.remaining_s())
+                first = await unless_hung(call.read(), client, call)
+                if first is grpc.aio.EOF:
+                    raise unavailable(f"prefill worker {client.address} ended the stream without an answer")
+                return first, client.address, (call if first.kv_streaming else None)
+        except grpc.aio.AioRpcError as exc:
+            fault = triage(exc, ctx.budget)
+            if fault is Fault.REFUSED:
+                raise
+            last = f"prefill worker {client.address}: {exc.code().name} {exc.details()}"
+            if fault is not Fault.BUSY:
+                ctx.pool.mark_down(client.address)
+            ctx.metrics.retried()
+            log.warning("request %s: %s; trying another", ctx.request_id, last)
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if "RESOURCE_EXHAUSTED" in last else grpc.StatusCode.UNAVAILABLE
+    raise RouteError(code, f"no prefill worker could take the request ({last})")
+
+
+async def streamed_answer(ctx: CallContext, call, address: str, decoding: Started) -> worker_pb2.PrefillResponse:
+    """The answer of a PrefillStream whose KV is streaming to ``decoding`` meanwhile. A
+    failure of either side before the answer loses this attempt (re-prefill), as a failed
+    transfer does; a decode side that failed first cancels the prefill."""
+    client = ctx.pool.workers.get(address)
+    answer = asyncio.ensure_future(last_message(call))
+    try:
+        while not answer.done():
+            waits = {answer} | ({decoding.first} if not decoding.first.done() else set())
+            lost = asyncio.ensure_future(client.lost.wait()) if client is not None else None
+            try:
+                await asyncio.wait(waits | ({lost} if lost else set()), timeout=ctx.budget.remaining_s(),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if lost is not None:
+                    lost.cancel()
+            ctx.budget.remaining_s()
+            if decoding.first.done() and decoding.first.exception() is not None:
+                raise decoding.first.exception()
+            if lost is not None and lost.done() and not answer.done():
+                raise AttemptLost(f"prefill worker {address} is hung (no engine progress, hang_timeout_s)")
+        return answer.result()
+    except grpc.aio.AioRpcError as exc:
+        if triage(exc, ctx.budget) is not Fault.TRANSFER:
+            ctx.pool.mark_down(address)
+        raise AttemptLost(f"prefill worker {address} while the KV streamed: {exc.code().name} "
+                          f"{exc.details()}") from exc
+    finally:
+        if not answer.done():
+            answer.cancel()
+            call.cancel()

@@ -1,0 +1,60 @@
+"""A request's time: one deadline (``timeout_s``, the client's or ``request_timeout_s``) that
+bounds every RPC it makes, and one admission budget (``admission_wait_s``) shared by every
+wait for room before its first token. RESOURCE_EXHAUSTED (HTTP 429) is only ever answered
+before the first token: later, a request that cannot go on ends UNAVAILABLE or
+DEADLINE_EXCEEDED."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import grpc
+
+from pdserve.router.errors import RouteError
+from pdserve.router.policy import Choice
+
+
+class RequestBudget:
+    """The deadline and the admission budget of one request. ``arrived`` is
+    ``time.monotonic()`` when it reached the router; ``sent()`` how many tokens the client
+    has (after the first, waits count against the deadline alone)."""
+
+    def __init__(self, arrived: float, timeout_s: float, admission_wait_s: float, sent: Callable[[], int]):
+        self.arrived = arrived
+        self.timeout_s = timeout_s
+        self.admission_wait_s = admission_wait_s
+        self.sent = sent
+        self.waited_s = 0.0  # time spent waiting in the router for room in a full pool
+
+    @property
+    def deadline(self) -> float:
+        return self.arrived + self.timeout_s
+
+    def remaining_s(self) -> float:
+        """Seconds until the request's deadline; raises DEADLINE_EXCEEDED once it has passed."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"the request's deadline of {self.timeout_s:g} s passed (after {self.sent()} tokens)")
+        return left
+
+    async def admit(self, pick: Callable[[], Choice], poll_s: float) -> Choice:
+        """``pick()``, tried again every ``poll_s`` while its pool is saturated or has no
+        routable worker at all (a replacement is on its way: with one decode worker, a crash
+        would otherwise fail every stream in flight): before the first token until the
+        admission budget is spent, after it until the deadline."""
+        start = time.monotonic()
+        deadline = self.deadline if self.sent() else min(self.deadline, self.arrived + self.admission_wait_s)
+        try:
+            while True:
+                choice = pick()
+                if choice.worker_id is not None or not (choice.saturated or choice.pool_empty):
+                    return choice
+                if time.monotonic() >= deadline:
+                    self.remaining_s()  # DEADLINE_EXCEEDED if it was the request's own deadline
+                    return choice
+                await asyncio.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
+        finally:
+            self.waited_s += time.monotonic() - start

@@ -1,0 +1,161 @@
+"""One request's life in the router: attempts until the output is complete, recovering from
+worker faults by re-prefilling prompt + tokens already sent on a healthy pair (a migration),
+within the request's deadline and admission budget (``pdserve.router.request_budget``).
+
+Each attempt is of one kind (``pdserve.router.attempts``): its prefill answer and decode
+outputs go through the request's ``OutputProcessor`` to the client. Each run records its
+request's metrics (``pdserve.wire.metrics.RequestMetrics``) as it goes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.router.attempts import Attempt, LocalPrefill, Output, RemotePrefill, attempt_id, attempt_params
+from pdserve.router.errors import AttemptLost, RouteError, failure_code, route_error
+from pdserve.router.frontend import ModelInfo, PreparedRequest
+from pdserve.router.limits import RouterLimits
+from pdserve.router.local_prefill import decide
+from pdserve.router.output_processor import OutputProcessor
+from pdserve.router.policy import pick_decode
+from pdserve.router.pool import WorkerPool
+from pdserve.router.request_budget import RequestBudget
+from pdserve.router.worker_calls import CallContext
+from pdserve.wire.convert import DEFAULT_MAX_TOKENS, finish_from_wire, sampling_to_proto
+from pdserve.wire.metrics import RequestMetrics
+
+log = logging.getLogger(__name__)
+
+
+class RequestRun:
+    """One request through prefill and decode. ``arrived`` (``time.monotonic()``) is when it
+    reached the router, before tokenization: its latencies count from there."""
+
+    def __init__(self, req: PreparedRequest, model: ModelInfo, pool: WorkerPool, limits: RouterLimits,
+                 arrived: float | None = None, timeout_s: float | None = None):
+        self.req = req
+        self.model = model
+        self.pool = pool
+        self.limits = limits
+        arrived = arrived if arrived is not None else time.monotonic()
+        self.output = OutputProcessor(req.request_id, req.prompt_token_ids, req.params, model.tokenizer)
+        self.budget = RequestBudget(arrived, timeout_s if timeout_s is not None else limits.request_timeout_s,
+                                    limits.admission_wait_s, sent=lambda: len(self.output.token_ids))
+        self.metrics = RequestMetrics(arrived=arrived, model_name=model.name)
+        self.calls = CallContext(req.request_id, pool, limits, self.budget, self.metrics,
+                                 limited=not req.default_max_tokens)
+        self.migrations = 0
+        self._prefilled = False  # the request's first prefill answer came
+
+    async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """The client's stream. The request is counted however it ends: finished, failed, or
+        cancelled (``Abort``, or the client gone)."""
+        try:
+            async with contextlib.aclosing(self._attempts()) as stream:
+                async for resp in stream:
+                    yield resp
+        except (asyncio.CancelledError, GeneratorExit):
+            # Ignored when the last response was already sent (a caller may close the stream
+            # once it has it): the request counted as finished then.
+            self.metrics.finished("abort")
+            raise
+        except Exception as exc:
+            exc = self._after_first_token(exc)
+            self.metrics.failed(failure_code(exc))
+            raise exc
+
+    def usage(self) -> pdserve_pb2.Usage:
+        return self.output.usage()
+
+    def _after_first_token(self, exc: Exception) -> Exception:
+        """A full pool is a 429 only before the first token; a client that already has tokens
+        must not be told to retry the request (and perhaps repeat its side effects)."""
+        if (isinstance(exc, RouteError) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and self.output.token_ids):
+            return RouteError(grpc.StatusCode.UNAVAILABLE, f"{exc} (after {len(self.output.token_ids)} tokens)")
+        return exc
+
+    async def _attempts(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        number = 0
+        while True:
+            attempt = self._attempt(number)
+            await self._check_decode_capacity(attempt.blocks)  # before any prefill work
+            kind = self._kind(attempt)
+            try:
+                async with contextlib.aclosing(kind.outputs(self.calls, attempt)) as outputs:
+                    async for out in outputs:
+                        yield self._process(out, attempt)
+                        if self.output.finished:
+                            return
+                raise AttemptLost("decode stream ended without a finish reason")
+            except AttemptLost as exc:
+                number += 1
+                self._migrate(exc, attempt)
+
+    def _attempt(self, number: int) -> Attempt:
+        """The next attempt: the prompt with the output sent so far, and the rest to make."""
+        sent = self.output.token_ids
+        params = attempt_params(self.req.params, len(sent))
+        prompt = self.req.prompt_token_ids + sent
+        blocks = -(-(len(prompt) + self._reserved(params.max_tokens)) // self.model.block_size)
+        return Attempt(attempt_id(self.req.request_id, number), prompt, sampling_to_proto(params), blocks)
+
+    def _reserved(self, max_tokens: int) -> int:
+        """Output tokens to count on a decode worker: max_tokens, unless the client left it
+        to default to the rest of the context; then a short answer's worth, or every such
+        request would claim a whole context and one request could fill a worker. What it
+        grows past that is taken back first: the decode engine preempts the sequence that may
+        still grow the most (pdserve/engine/scheduler.py), so such requests cannot push out limited
+        ones however far they run."""
+        if self.req.default_max_tokens:
+            return min(max_tokens, DEFAULT_MAX_TOKENS)
+        return max_tokens
+
+    async def _check_decode_capacity(self, blocks: int) -> None:
+        """Wait for a decode worker with room for ``blocks``."""
+        choice = await self.budget.admit(lambda: pick_decode(self.pool.snapshots(), blocks, limited=self.calls.limited),
+                                         self.pool.interval_s)
+        if choice.worker_id is None:
+            raise route_error(choice)
+
+    def _kind(self, attempt: Attempt) -> LocalPrefill | RemotePrefill:
+        """The local-prefill rule (pdserve/router/local_prefill.py) for this attempt, on the
+        decode worker its decode call will pick first (the same pick over the same snapshots,
+        with no await between), recorded in the metrics."""
+        snapshots = self.pool.snapshots()
+        choice = pick_decode(snapshots, attempt.blocks, limited=self.calls.limited)
+        worker = next((w for w in snapshots if w.worker_id == choice.worker_id), None)
+        load = min(1.0, worker.blocks_used / max(worker.blocks_total, 1)) if worker is not None else 1.0
+        decision = decide(self.limits.local_prefill, len(attempt.prompt), load)
+        self.metrics.prefill_placed(decision.label, decision.reason.value, decision.uncached_tokens, decision.load)
+        if decision.local:
+            return LocalPrefill()
+        return RemotePrefill(stream_kv=0 < self.limits.stream_kv_min_tokens <= len(attempt.prompt))
+
+    def _process(self, out: Output, attempt: Attempt) -> pdserve_pb2.GenerateResponse:
+        """One worker output as the client's response, counted in the metrics."""
+        if isinstance(out, worker_pb2.PrefillResponse):
+            if not self._prefilled:
+                self._prefilled = True
+                self.metrics.prefilled(len(attempt.prompt), out.queue_seconds, out.prefill_seconds,
+                                       admission_s=self.budget.waited_s)
+            resp = self.output.prefilled(out)
+        else:
+            resp = self.output.decoded(out)
+        self.metrics.sent(len(resp.token_ids), finish_from_wire(resp.finish_reason))
+        return resp
+
+    def _migrate(self, lost: AttemptLost, attempt: Attempt) -> None:
+        """After a lost attempt: count it, or give up past ``max_migrations``."""
+        self.migrations += 1
+        log.warning("request %s: %s; re-prefilling %d tokens", self.req.request_id, lost, len(attempt.prompt) + 1)
+        if self.migrations > self.limits.max_migrations:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                             f"gave up after {self.migrations - 1} migrations: {lost}") from lost
+        self.metrics.migrated()
