@@ -16,10 +16,11 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import pdserve_pb2
 from pdserve.router.frontend import chat_token_ids
 from pdserve.router.tools import set_chat
-from pdserve.router.validation import ChatMessage, HttpError, TokenId, Tool, _param, _Strict
+from pdserve.router.http_errors import HttpError
+from pdserve.router.openai_bodies import ChatMessage, StrictModel, TokenId, Tool, param_name
 
 
-class TokenizeBody(_Strict):
+class TokenizeBody(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
@@ -28,7 +29,7 @@ class TokenizeBody(_Strict):
     add_generation_prompt: bool = True
 
 
-class DetokenizeBody(_Strict):
+class DetokenizeBody(StrictModel):
     model: str | None = None
     tokens: list[TokenId]
 
@@ -40,7 +41,7 @@ def _validate(cls, body: Any, model_names: tuple[str, ...]):
         parsed = cls.model_validate(body)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
-        param = _param(err["loc"])
+        param = param_name(err["loc"])
         raise HttpError(400, f"{param}: {err['msg']}", param=param) from None
     if parsed.model is not None and parsed.model not in model_names:
         raise HttpError(404, f"model {parsed.model!r} does not exist; this server serves "

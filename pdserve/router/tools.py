@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.protos import pdserve_pb2
 from pdserve.router.http_errors import HttpError
+from pdserve.router.openai_bodies import ChatBody, SamplingBody
 from pdserve.router.tool_parsers import ToolCall, ToolCallStream, ToolParser
 from pdserve.wire.convert import structured_from_proto
-
-if TYPE_CHECKING:  # the typed bodies; router.validation imports this module
-    from pdserve.router.validation import ChatBody, _Common
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,7 @@ class ToolPlan:
 
 
 # ---- the request -----------------------------------------------------------------------
-def set_chat(chat: pdserve_pb2.ChatMessages, b: "ChatBody") -> None:
+def set_chat(chat: pdserve_pb2.ChatMessages, b: ChatBody) -> None:
     """The messages (with earlier tool calls and tool answers) and the tools, on the wire."""
     for m in b.messages:
         content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
@@ -57,7 +54,7 @@ def set_chat(chat: pdserve_pb2.ChatMessages, b: "ChatBody") -> None:
                        parameters_json=json.dumps(f.parameters) if f.parameters is not None else "")
 
 
-def set_structured(p: pdserve_pb2.SamplingParams, b: "_Common") -> None:
+def set_structured(p: pdserve_pb2.SamplingParams, b: SamplingBody) -> None:
     """``response_format`` (or vLLM's ``guided_json`` / ``guided_regex``) -> the wire's
     ``structured_output``; whether the spec compiles is checked with the other params."""
     given = [name for name in ("response_format", "guided_json", "guided_regex")
@@ -88,7 +85,7 @@ def _check_compiles(p: pdserve_pb2.SamplingParams, param: str) -> None:
         raise HttpError(400, str(exc), param=param) from None
 
 
-def tool_plan(b: "ChatBody", p: pdserve_pb2.SamplingParams) -> ToolPlan | None:
+def tool_plan(b: ChatBody, p: pdserve_pb2.SamplingParams) -> ToolPlan | None:
     """The tool mode of a chat request; "required" and a named function constrain ``p`` to
     the call's JSON."""
     tools = [t.model_dump(exclude_none=True) for t in b.tools or ()]

@@ -1,4 +1,4 @@
-"""The OpenAI request bodies as typed models, and the size limits every request meets.
+"""The OpenAI request bodies read into wire requests, and the size limits every request meets.
 
 Two steps, each done once per request:
 
@@ -16,19 +16,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from pdserve.engine.sampling import MAX_TOP_LOGPROBS
 from pdserve.protos import pdserve_pb2
 from pdserve.router.http_errors import HttpError
+from pdserve.router.openai_bodies import UINT32_MAX, UINT64_MAX, ChatBody, CompletionBody, SamplingBody, param_name
 from pdserve.router.tools import ToolPlan, set_chat, set_structured, tool_plan
-
-UINT32_MAX = 2**32 - 1
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-UINT64_MAX = 2**64 - 1
-
 
 BODY_BYTES_PER_CHAR = 7  # 6 for a character written as a JSON \u escape, 1 more of room for the rest of a body
 
@@ -67,122 +62,6 @@ class Options:
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
     n: int = 1  # choices per prompt; requests are prompt-major (prompt i's j-th is i * n + j)
     tools: ToolPlan | None = None  # chat with tools: how the answer reports calls (router.tools)
-
-
-# ---- the models ------------------------------------------------------------------------
-UInt32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
-TopN = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
-
-
-class _Strict(BaseModel):
-    # extra="ignore": fields pdserve has no use for (user, ...) are accepted and ignored, as
-    # vLLM does; those that would change the answer and are not supported are refused by
-    # name in ``_refuse_unsupported``.
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", frozen=True)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCallIn(_Strict):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCallIn(_Strict):
-    id: str = ""
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class ChatMessage(_Strict):
-    role: str
-    content: Union[str, list[TextPart], None] = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
-
-
-class FunctionDef(_Strict):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionName(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class JsonSchemaSpec(_Strict):
-    name: str
-    description: str | None = None
-    schema_: Union[dict[str, Any], bool, None] = Field(default=None, alias="schema")
-    strict: bool | None = None  # constrained decoding is always strict
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaSpec | None = None
-
-
-class _Common(_Strict):
-    model: str | None = None
-    n: Annotated[int, Field(ge=1, le=UINT32_MAX)] = 1
-    best_of: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
-    min_tokens: UInt32 = 0
-    temperature: float = 1.0
-    top_p: float | None = None
-    top_k: Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)] = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias
-    seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    response_format: ResponseFormat | None = None
-    guided_json: Union[dict[str, Any], str, None] = None  # vLLM's extensions
-    guided_regex: str | None = None
-    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within a salt
-
-
-class CompletionBody(_Common):
-    prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]]
-    logprobs: TopN | None = None  # the chosen tokens' logprobs and this many alternatives
-    echo: bool = False
-
-
-class ChatBody(_Common):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
-    logprobs: bool = False
-    top_logprobs: TopN | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
-    parallel_tool_calls: bool | None = None
 
 
 # Fields that would change the answer and that pdserve does not implement: a client that
@@ -240,18 +119,6 @@ def _check_strings(value: Any) -> None:
                                 f"at character {exc.start})", param="body") from None
 
 
-def _param(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("str", "int", "list[str]", "list[int]", "list[list[int]]") or "[" in str(part):
-            continue  # pydantic names the union member it tried; the client's field is enough
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "body"
-
-
 def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits: RequestLimits = RequestLimits()
                ) -> tuple[list[pdserve_pb2.GenerateRequest], Options]:
     """A decoded JSON body -> one wire request per choice (prompts x ``n``, prompt-major)
@@ -263,7 +130,7 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
         parsed = (ChatBody if chat else CompletionBody).model_validate(body)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
-        param = _param(err["loc"])
+        param = param_name(err["loc"])
         raise HttpError(400, f"{param}: {err['msg']}", param=param) from None
     names = (model_names,) if isinstance(model_names, str) else model_names
     if parsed.model is not None and parsed.model not in names:
@@ -335,7 +202,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def _set_sampling(p: pdserve_pb2.SamplingParams, b: _Common, chat: bool) -> None:
+def _set_sampling(p: pdserve_pb2.SamplingParams, b: SamplingBody, chat: bool) -> None:
     """Every value here fits its wire type (the models bound them), so no setter raises.
     Floats go to float32: a value too large becomes inf, refused by ``SamplingParams.check``.
     Without max_tokens a chat request gets the rest of the context (``pdserve.router.frontend``), a
