@@ -20,7 +20,7 @@ from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
-from pdserve.kv_transfer.handoff import KVHandle, partial_notify
+from pdserve.kv_transfer.handoff import KVHandle, ReadNotice
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire import worker_metrics
 from pdserve.wire.address import resolve, transfer_listen_opts
@@ -213,10 +213,10 @@ class DecodeWorker(WorkerShell):
         if end <= pull.next_block:
             return
         if last:
-            notify = kv.lease_token.encode()
+            notify = ReadNotice(kv.lease_token, ends_lease=True).encode()
         else:  # an early read: a holder that checks reads needs the token; a one-sided one needs
             # nothing, and a notice would complete only when the holder next runs its progress
-            notify = partial_notify(kv.lease_token) if self.agent.guards_reads else b""
+            notify = ReadNotice(kv.lease_token, ends_lease=False).encode() if self.agent.guards_reads else b""
         try:
             handle = self.agent.start_read(
                 peer, kv.block_ids[pull.next_block:end], local[pull.next_block:end], notify=notify,
