@@ -255,5 +255,5 @@ class DecodeWorker(WorkerShell):
     def cancel(self, request_id: str) -> bool:
         pull = self._pulls.pop(request_id, None)
         for handle in pull.handles if pull is not None else ():
-            self.agent.abort(handle)
+            self.agent.cancel(handle)
         return self.engine.abort(request_id)

@@ -286,7 +286,7 @@ class NixlAgent(KVTransferAgent):
         self._bind_device()
         return _NIXL_STATES[self._agent.check_xfer_state(handle.backend_handle)]
 
-    def _release_backend(self, handle: TransferHandle) -> None:
+    def _free_backend(self, handle: TransferHandle) -> None:
         self._bind_device()
         try:
             # On a read still in flight NIXL cancels it. If that fails the handle stays

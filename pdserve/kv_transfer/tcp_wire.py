@@ -231,7 +231,7 @@ class BlockServer:
             sock.sendall(STATUS.pack(STATUS_OK))
         except (OSError, WireError, struct.error) as exc:
             # The reader sees the broken connection and fails its read; nothing to undo here.
-            logger.info("tcp kv read aborted: %s", exc)
+            logger.info("tcp kv read broke off: %s", exc)
 
     def _send_blocks(self, sock: socket.socket, ids: list[int], last: int) -> None:
         if self._host is not None:
