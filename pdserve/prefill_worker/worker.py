@@ -353,7 +353,7 @@ class PrefillWorker(WorkerShell):
             self.push([(lease.request_id, KVLeaseEnded(f"its KV lease ended ({reason.value}) before it was done"))])
         self.forget(lease.request_id)
 
-    def cancel(self, request_id: str) -> bool:
+    def abort_now(self, request_id: str) -> bool:
         """The ``Abort`` RPC: stops a prompt still computing. KV handed out under a lease is
         not touched: it leaves only by its lease token (request ids are chosen by clients)."""
         record = self.records.get(request_id)
