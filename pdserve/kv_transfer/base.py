@@ -223,7 +223,7 @@ class KVTransferAgent(abc.ABC):
             sleep = min(sleep * 2, _POLL_SLEEP_MAX_S)
 
     def cancel(self, handle: TransferHandle) -> TransferState:
-        """Cancel a read that is not yet terminal and release its resources; counts nothing
+        """Cancel a read that is not yet terminal and free its resources; counts nothing
         as transferred. A terminal read is left as it is. Returns the final state."""
         with self._lock:
             if not handle.state.is_terminal:

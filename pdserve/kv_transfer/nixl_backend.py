@@ -305,7 +305,7 @@ class NixlAgent(KVTransferAgent):
         return out
 
     def close(self) -> None:
-        """Stop the progress thread, then release everything (see KVTransferAgent.close)."""
+        """Stop the progress thread, then free everything (see KVTransferAgent.close)."""
         self._stop_progress.set()
         self._reads_expected.set()  # wakes a sleeping progress thread so it sees the stop
         if threading.current_thread() is not self._progress_thread:

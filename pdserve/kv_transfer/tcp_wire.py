@@ -244,7 +244,7 @@ class BlockServer:
         sock.sendall(memoryview(flat[: flat.size - (self._blocks.shape[1] - last)]))
 
     def close(self) -> None:
-        """Stop accepting reads and release the port."""
+        """Stop accepting reads and close the port."""
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
