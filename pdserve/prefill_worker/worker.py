@@ -1,6 +1,7 @@
-"""The prefill worker's core: the shared worker shell plus what only prefill has, the leases
-on held KV (``pdserve.kv_transfer.handoff``), and the progress of prompts whose KV streams out while
-they compute (``prefill_stream``; its messages and watch are ``pdserve.prefill_worker.kv_stream``)."""
+"""The prefill worker's core: the shared worker shell plus what only prefill has, one record
+per request (``pdserve.prefill_worker.record``, removed by ``forget``), the leases on held KV
+(``pdserve.kv_transfer.handoff``), and the progress of prompts whose KV streams out while they
+compute (``prefill_stream``; its messages and watch are ``pdserve.prefill_worker.kv_stream``)."""
 
 from __future__ import annotations
 
