@@ -188,25 +188,32 @@ def test_a_streamed_transfer_that_fails_while_the_prompt_computes_stops_the_prom
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("streamed", [False, True])
-def test_a_caller_that_gives_up_mid_prompt(tiny_llama_dir, streamed):
+@pytest.mark.parametrize("when", ["queued", "streamed", "during_the_last_chunk"])
+def test_a_caller_that_gives_up_mid_prompt(tiny_llama_dir, when):
+    """Cancelled while queued, while its streamed lease is out, or while the step that samples
+    its first token runs (the step ends before the forget queued for it runs)."""
     async def main():
         async with worker(tiny_llama_dir, gated=True) as (w, gate):
-            if streamed:  # its lease was already out
+            if when == "streamed":
                 stream, _ = await streamed_until_lease(w, gate, "gone#0")
                 await stream.aclose()
             else:
                 call = asyncio.ensure_future(w.prefill("gone#0", PROMPT, GREEDY))
-                while "gone#0" not in w.records or not w.engine.has_unfinished():
+                while not w.engine.has_unfinished():
                     await asyncio.sleep(0.01)
-                gate.allow(1)  # a chunk runs: the prompt has blocks
+                if when == "during_the_last_chunk":
+                    gate.allow(3)
+                    while w.engine.prompt_progress("gone#0") != 3 * CHUNK:  # then held before the 4th
+                        await asyncio.sleep(0.01)
                 call.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await call
             gate.open()
             await assert_left_nothing(w)
+            return w.leases.released_by
 
-    asyncio.run(main())
+    released_by = asyncio.run(main())
+    assert released_by["aborted"] == (when == "streamed")  # no lease is granted to a caller that left
 
 
 def test_a_prompt_that_ends_at_its_first_token_or_fails_holds_nothing(tiny_llama_dir):
