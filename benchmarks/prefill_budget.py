@@ -46,7 +46,7 @@ def run_queue(engine: LLMEngine, budget: int, prompts: list[list[int]]) -> tuple
         steps.append(time.perf_counter() - t)
     total = time.perf_counter() - start
     for i in range(len(prompts)):
-        engine.release(f"q{i}")
+        engine.free_held(f"q{i}")
     return sum(map(len, prompts)) / total, statistics.median(steps) * 1e3
 
 

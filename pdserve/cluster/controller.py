@@ -74,7 +74,7 @@ class Controller:
         return self.cluster.drain(grace_s)
 
     def shutdown(self) -> None:
-        """Stop the router and every worker, release their placement groups, and end this actor
+        """Stop the router and every worker, remove their placement groups, and end this actor
         for good (Ray does not start it again)."""
         self.cluster.stop()
         ray.actor.exit_actor()

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.actors import ServerActor
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.placement import PoolPlacement, release, reserve
+from pdserve.cluster.placement import PoolPlacement, remove, reserve
 from pdserve.cluster.ray_start import start_local_ray
 from pdserve.wire.grpc_util import channel
 
@@ -144,7 +144,7 @@ class LocalCluster:
                 self._groups[(role, index)] = d["group"]
                 self._templates.setdefault(role, (d["placement"], d["config"], d["threads"]))
                 self._next_id[role] = max(self._next_id[role], int(d["config"].worker_id.rsplit("-", 1)[1]) + 1)
-        self._release_orphan_groups()
+        self._remove_orphan_groups()
         for role, size in (("prefill", self.config.num_prefill), ("decode", self.config.num_decode)):
             if role in self.config.pools():
                 self._templates.setdefault(role, (self._pool_placement(role), self.config.worker_config(role, 0),
@@ -156,7 +156,7 @@ class LocalCluster:
         self._start_loops()
         return True
 
-    def _release_orphan_groups(self) -> None:
+    def _remove_orphan_groups(self) -> None:
         """Remove the detached placement groups of this namespace that no adopted worker runs in
         (their worker died while no controller watched)."""
         from ray.util.placement_group import PlacementGroup, placement_group_table
@@ -165,7 +165,7 @@ class LocalCluster:
         kept = {pg.id.hex() for pg in self._groups.values()}
         for pg_id, info in placement_group_table().items():
             if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED" and pg_id not in kept:
-                release(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+                remove(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
     def _group_prefix(self) -> str:
         """How the names of this cluster's placement groups begin (a detached one: its namespace's)."""
@@ -249,7 +249,7 @@ class LocalCluster:
         """Start a new worker in a slot whose worker died; returns its address."""
         old = self._groups.pop((role, index), None)
         if old is not None:
-            release(old)
+            remove(old)
         actor = self._place(role, index, *self._specs[(role, index)])
         self.actors(role)[index] = actor
         self.addresses(role)[index] = ray.get(actor.start.remote())
@@ -281,7 +281,7 @@ class LocalCluster:
             ray.get(actor.stop.remote(), timeout=30)
         finally:
             ray.kill(actor)
-            release(group)  # only now: removing a placement group kills the actors in it
+            remove(group)  # only now: removing a placement group kills the actors in it
         return address
 
     def _drop_slot(self, role: str, index: int):
@@ -349,7 +349,7 @@ class LocalCluster:
                    for kind in ("gcs_server", "raylet") for info in node.all_processes.get(kind, []))
 
     def stop(self, stop_timeout_s: float = 5.0) -> None:
-        """Stop every actor (all at once, each given ``stop_timeout_s``), release the placement
+        """Stop every actor (all at once, each given ``stop_timeout_s``), remove the placement
         groups, and end the Ray this cluster started. Never raises: a Ray already gone (the
         process group's SIGTERM reached it too) has nothing left to stop."""
         if self.autoscaler is not None:
@@ -358,7 +358,7 @@ class LocalCluster:
             self._supervisor.stop(join_s=stop_timeout_s)
         actors = [a for a in [self.router, *self.decode, *self.prefill] if a is not None]
         steps = [lambda: ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=stop_timeout_s)]
-        steps += [lambda a=a: ray.kill(a) for a in actors] + [lambda g=g: release(g) for g in self._groups.values()]
+        steps += [lambda a=a: ray.kill(a) for a in actors] + [lambda g=g: remove(g) for g in self._groups.values()]
         for step in steps:
             try:
                 step()

@@ -85,7 +85,8 @@ def actor_options(placement: PoolPlacement, pg) -> dict:
     return options
 
 
-def release(pg) -> None:
+def remove(pg) -> None:
+    """Remove a placement group (Ray's word), which kills the actors in it."""
     try:
         remove_placement_group(pg)
     except Exception:  # already gone with its cluster

@@ -20,7 +20,7 @@ from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
-from pdserve.kv_transfer.handoff import KVHandle, partial_notify
+from pdserve.kv_transfer.handoff import KVHandle, ReadNotice
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire import worker_metrics
 from pdserve.wire.address import resolve, transfer_listen_opts
@@ -164,7 +164,7 @@ class DecodeWorker(WorkerShell):
         finally:
             self.close_stream(request_id)
             if not finished:
-                await self._cancel_now(request_id)
+                await self._abort_and_wait(request_id)
 
     async def prefill_and_decode(self, request_id: str, prompt: list[int], params: SamplingParams
                                  ) -> AsyncIterator[RequestOutput | LocallyPrefilled]:
@@ -190,14 +190,14 @@ class DecodeWorker(WorkerShell):
         finally:
             self.close_stream(request_id)
             if not finished:
-                await self._cancel_now(request_id)
+                await self._abort_and_wait(request_id)
 
-    async def _cancel_now(self, request_id: str) -> None:
+    async def _abort_and_wait(self, request_id: str) -> None:
         """Free what an unfinished request holds before its caller hears that it ended, so a
         Stats read right after the error sees its blocks free (a race a loaded machine hit).
-        If the call is cancelled meanwhile the cancel still runs, just unawaited."""
+        If the call is cancelled meanwhile the abort still runs, just unawaited."""
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(asyncio.wrap_future(self.thread.call(self.cancel, request_id)))
+            await asyncio.shield(asyncio.wrap_future(self.thread.call(self.abort_now, request_id)))
 
     # ---- engine thread -------------------------------------------------------------
     def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int], ready_tokens: int,
@@ -213,16 +213,16 @@ class DecodeWorker(WorkerShell):
         if end <= pull.next_block:
             return
         if last:
-            notify = kv.lease_token.encode()
+            notify = ReadNotice(kv.lease_token, ends_lease=True).encode()
         else:  # an early read: a holder that checks reads needs the token; a one-sided one needs
             # nothing, and a notice would complete only when the holder next runs its progress
-            notify = partial_notify(kv.lease_token) if self.agent.guards_reads else b""
+            notify = ReadNotice(kv.lease_token, ends_lease=False).encode() if self.agent.guards_reads else b""
         try:
             handle = self.agent.start_read(
                 peer, kv.block_ids[pull.next_block:end], local[pull.next_block:end], notify=notify,
                 last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None)
         except InvalidTransferRequest as exc:
-            self.cancel(request_id)
+            self.abort_now(request_id)
             raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc
         pull.handles.append(handle)
         pull.next_block = end
@@ -236,7 +236,7 @@ class DecodeWorker(WorkerShell):
             failed = next((h for h, state in zip(pull.handles, states)
                            if state.is_terminal and state is not TransferState.DONE), None)
             if failed is not None:
-                self.cancel(request_id)
+                self.abort_now(request_id)
                 arrived.append((request_id, TransferFailed(f"KV transfer {failed.state.name.lower()}: {failed.error}")))
             elif pull.final_at is not None and all(state is TransferState.DONE for state in states):
                 del self._pulls[request_id]
@@ -252,8 +252,8 @@ class DecodeWorker(WorkerShell):
             self.push(arrived)
         return TRANSFER_POLL_S if self._pulls else None
 
-    def cancel(self, request_id: str) -> bool:
+    def abort_now(self, request_id: str) -> bool:
         pull = self._pulls.pop(request_id, None)
         for handle in pull.handles if pull is not None else ():
-            self.agent.abort(handle)
+            self.agent.cancel(handle)
         return self.engine.abort(request_id)

@@ -4,8 +4,8 @@
 ``add_request`` (token ids in; the serving layers tokenize) and leave through the outputs of
 ``step`` or through ``abort``. Two entry points exist for disaggregation: a prefill-only
 request (``hold_kv=True``) stops after its first token in state HELD, keeping its KV
-blocks until ``release``; a prefilled request (``add_prefilled``) gets blocks for KV that another worker
-computed and joins the decode batch on ``kv_ready``.
+blocks until ``free_held`` (or ``abort``); a prefilled request (``add_prefilled``) gets
+blocks for KV that another worker computed and joins the decode batch on ``kv_ready``.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class LLMEngine:
             raise KeyError(request_id)
         return list(self.blocks.block_table(request_id))
 
-    def release(self, request_id: str) -> bool:
+    def free_held(self, request_id: str) -> bool:
         """Free the KV of a HELD request (after its transfer, abort or lease end). False if
         ``request_id`` is not HELD."""
         seq = self._seqs.get(request_id)
@@ -308,7 +308,7 @@ class LLMEngine:
             ))
             if seq.is_finished:
                 self._forget(seq)
-            elif seq.is_held:  # stays in _seqs (HELD) until released; nothing samples it again
+            elif seq.is_held:  # stays in _seqs (HELD) until freed (free_held, abort); nothing samples it again
                 self._detok.pop(seq.seq_id, None)
                 self.runner.sampler.forget(seq.seq_id)
         return results

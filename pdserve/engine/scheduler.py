@@ -260,7 +260,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason | None) -> None:
         """Take ``seq`` out of every queue and free its blocks (a HELD sequence's too: that
-        is how held KV is released)."""
+        is how held KV is freed)."""
         if seq.is_finished:
             return
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

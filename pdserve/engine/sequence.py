@@ -16,7 +16,7 @@ class SeqStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated; KV arrives from elsewhere (decode worker)
     RUNNING = "running"  # in the decode batch
     # Prefill-only (``hold_kv``): its first token is sampled and its KV stays in its blocks
-    # for another worker to read; leaves with ``LLMEngine.release`` (or ``abort``).
+    # for another worker to read; leaves with ``LLMEngine.free_held`` (or ``abort``).
     HELD = "held"
     FINISHED = "finished"
 
@@ -49,7 +49,7 @@ class Sequence:
     # With ``params.prompt_logprobs``: (logprob, top alternatives) of prompt tokens 1..n-1.
     prompt_logprobs: list[tuple[float, TopLogprobs]] = field(default_factory=list)
     # Prefill-only requests (the prefill worker's): finish after the first token and keep
-    # the KV blocks, which the caller later releases.
+    # the KV blocks, which the caller frees later.
     hold_kv: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival))
     # Set when a step holding this sequence raised and nothing named whose fault it was: it

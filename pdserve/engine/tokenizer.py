@@ -60,7 +60,7 @@ class IncrementalDetokenizer:
     Decodes only a short window (the tokens since the last emitted boundary) so each step
     costs O(1), and holds text back while the window ends in an incomplete UTF-8 sequence.
     With stop strings, the last ``max(len(stop)) - 1`` characters are also held back, so a
-    stop string is never partly streamed before it is recognised; ``flush`` releases them.
+    stop string is never partly streamed before it is recognised; ``flush`` emits them.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):

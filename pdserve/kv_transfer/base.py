@@ -7,10 +7,10 @@ Lifecycle of one read, as ``poll`` reports it (``TransferState``):
 - DONE: every block is in place locally and the holder is (being) notified; bytes counted.
 - FAILED: the backend reported an error, the peer went away, or ``read_timeout_s`` passed;
   counted in ``stats.failures``. Local target blocks hold undefined bytes.
-- ABORTED: the caller gave up with ``abort``; nothing counted as transferred.
+- CANCELLED: the caller stopped it with ``cancel``; nothing counted as transferred.
 
-Terminal states are DONE, FAILED and ABORTED; a terminal handle's backend resources are
-already released. The holder (the side whose blocks were read) learns of each completed read
+Terminal states are DONE, FAILED and CANCELLED; a terminal handle's backend resources are
+already freed. The holder (the side whose blocks were read) learns of each completed read
 through ``get_notifications``. No NIXL import here: backends live in their own modules.
 """
 
@@ -47,7 +47,7 @@ class KVTransferAgent(abc.ABC):
     Options common to every backend:
       inject_delay_s: test/fault-injection hook: each read is posted this many seconds after
         ``start_read`` (state PENDING until then), so its completion is delayed by as much.
-      read_timeout_s: a read not DONE this long after being posted is aborted and FAILED.
+      read_timeout_s: a read not DONE this long after being posted is stopped and FAILED.
     """
 
     backend_name: ClassVar[str]
@@ -222,13 +222,13 @@ class KVTransferAgent(abc.ABC):
             time.sleep(sleep)
             sleep = min(sleep * 2, _POLL_SLEEP_MAX_S)
 
-    def abort(self, handle: TransferHandle) -> TransferState:
-        """Cancel a read that is not yet terminal and release its resources; counts nothing
+    def cancel(self, handle: TransferHandle) -> TransferState:
+        """Cancel a read that is not yet terminal and free its resources; counts nothing
         as transferred. A terminal read is left as it is. Returns the final state."""
         with self._lock:
             if not handle.state.is_terminal:
                 self._check_owned(handle)
-                self._finish(handle, TransferState.ABORTED, None)
+                self._finish(handle, TransferState.CANCELLED, None)
             return handle.state
 
     def expect_reads(self, expected: bool, urgent: bool = True) -> None:
@@ -266,19 +266,19 @@ class KVTransferAgent(abc.ABC):
         handle.error = error
         self._inflight.pop(handle.transfer_id, None)
         if handle.backend_handle is not None:  # cancels the read if it is still running
-            self._release_backend(handle)
+            self._free_backend(handle)
             handle.backend_handle = None
         self.stats.record(state, handle.nbytes, handle.finished_at - handle.started_at)
 
     # ----------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        """Abort reads in flight, drop peers and release the backend. Idempotent."""
+        """Cancel reads in flight, drop peers and close the backend. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             for handle in list(self._inflight.values()):
-                self.abort(handle)
+                self.cancel(handle)
             for name in list(self._peers):
                 self._drop_peer(name)
             self._peers.clear()
@@ -322,8 +322,8 @@ class KVTransferAgent(abc.ABC):
         """Non-blocking progress check of a posted read."""
 
     @abc.abstractmethod
-    def _release_backend(self, handle: TransferHandle) -> None:
-        """Free ``handle.backend_handle``, cancelling the read if it is still running (abort,
+    def _free_backend(self, handle: TransferHandle) -> None:
+        """Free ``handle.backend_handle``, stopping the read if it is still running (cancel,
         timeout); must not raise."""
 
     @abc.abstractmethod

@@ -11,25 +11,42 @@ A prompt's KV changes hands like this:
    block ids that are not exactly the lease's, an expired lease or one already claimed (a
    replay). A claim renews the lease for the length of the read.
 3. The read runs (NIXL or tcp); the tcp holder serves only the blocks of a claimed lease
-   (``LeaseTable.read_allowed``). Its completion notifies the holder with the token, which
-   releases the lease (PULLED).
+   (``LeaseTable.read_allowed``). Every read tells the holder a ``ReadNotice`` (the lease
+   token, and whether it is the lease's last read). The last read's notice ends the lease
+   (PULLED).
 4. Every other end is a ``Release`` naming the token and a ``ReleaseReason``: the decode side
    gave up (ABORTED, TRANSFER_FAILED), or it could not take the request after claiming and
-   hands the lease back unread (RETURNED: the lease stays held, claimable again by the decode
-   worker the router tries next). An unclaimed lease whose router has died (it stopped
-   polling the holder's Stats) is freed at once (OWNER_LOST): only that router knew the token.
-   A lease nobody releases expires (EXPIRED).
+   hands its claim back unread (RETURNED: the lease stays held, claimable again by the decode
+   worker the router tries next). ``LeaseTable.release`` applies either kind, and
+   ``ReleaseReason.ends_lease`` tells them apart. An unclaimed lease whose router has died (it
+   stopped polling the holder's Stats) is freed at once (OWNER_LOST): only that router knew
+   the token. A lease nobody releases expires (EXPIRED).
 
 Streamed KV (``PrefillStream``): the lease is granted as soon as the prompt has blocks and
 its first chunk has run, not after the whole prompt, and is renewed at every chunk. The decode
 worker claims it early and reads each block once its chunk is done, while later chunks
-compute. Those early reads carry ``partial_notify(token)``: they are authorized by the lease
-like any read but do not end it. The last read, after the whole prompt, carries the token and
-releases the lease (PULLED) as before. Any other end (the decode side gave up, the prompt
-failed) is the same Release as above.
+compute. Those early reads carry a notice with ``ends_lease`` False: they are authorized by
+the lease like any read but do not end it. The last read, after the whole prompt, ends the
+lease (PULLED) as before. Any other end (the decode side gave up, the prompt failed) is the
+same Release as above.
+
+Words, each with one meaning across pdserve:
+
+- *release*: let go of a lease: end it, or (RETURNED) only the claim on it. The ``Release``
+  RPC, ``LeaseTable.release`` and ``ReleaseReason`` use it, and nothing else does.
+- *free*: give KV blocks back to the engine's pool (``LLMEngine.free_held``); a lease's end
+  frees its blocks.
+- *abort*: stop a request wherever it is, freeing what it holds (``LLMEngine.abort``, the
+  workers' ``Abort`` RPC). ABORTED, as a release reason, means the lease's request was
+  aborted before its KV was read. On a prefill worker, KV handed out under a lease belongs to
+  the lease: aborting by request id does not free it.
+- *cancel*: stop one operation in flight, not a request: a KV read
+  (``KVTransferAgent.cancel``, state CANCELLED), an asyncio task or gRPC call.
+- *forget*: a prefill worker drops its record of a request, the one exit every path ends in
+  (``PrefillWorker.forget``).
 
 Pure Python, no I/O. The prefill worker owns one ``LeaseTable``. Its engine thread grants,
-releases and expires leases; claims and give-backs come straight from the gRPC loop, so a
+ends and expires leases; claims and give-backs come straight from the gRPC loop, so a
 claim never waits behind a long prefill step. One lock makes every operation atomic.
 """
 
@@ -77,6 +94,12 @@ class ReleaseReason(str, enum.Enum):
     OWNER_LOST = "owner_lost"  # unclaimed, and the router it was granted to stopped polling (died)
     EXPIRED = "expired"  # nobody released it in time
 
+    @property
+    def ends_lease(self) -> bool:
+        """Whether a release for this reason ends the lease (and frees its blocks). RETURNED
+        lets go of the claim only: the lease stays held for the next reader."""
+        return self is not ReleaseReason.RETURNED
+
 
 class LeaseRefused(Exception):
     """A claim the holder refused before any byte moved; ``reason`` is one of REFUSALS."""
@@ -88,21 +111,30 @@ class LeaseRefused(Exception):
 
 REFUSALS = ("unknown_token", "blocks_mismatch", "expired", "already_claimed")
 
-# A read of part of a streamed lease's blocks notifies the holder with this prefix before the
-# token: the read is authorized by the lease, and does not end it.
-_PARTIAL = "partial:"
+@dataclass(frozen=True)
+class ReadNotice:
+    """What a read tells the holder, carried as the read's ``notify`` bytes: the lease that
+    authorizes it, and whether it is the lease's last read (which ends the lease, PULLED) or
+    an early read of a streamed lease (which leaves it held)."""
 
+    lease_token: str
+    ends_lease: bool
 
-def partial_notify(token: str) -> bytes:
-    """The notify of an early read of a streamed lease (see the module's docstring)."""
-    return (_PARTIAL + token).encode()
+    # The bytes: a last read's notice is the bare token (what any holder can check); an early
+    # read's puts this marker before it. Tokens are url-safe base64 and never contain ':'.
+    _EARLY = "partial:"
 
+    def encode(self) -> bytes:
+        return (self.lease_token if self.ends_lease else self._EARLY + self.lease_token).encode()
 
-def lease_of_notify(note: str) -> tuple[str, bool]:
-    """(token, whether the read that sent ``note`` completes the lease)."""
-    if note.startswith(_PARTIAL):
-        return note[len(_PARTIAL):], False
-    return note, True
+    @classmethod
+    def decode(cls, note: bytes | str) -> ReadNotice:
+        """The notice in a read's ``notify`` (bytes from a notification, or the text a tcp
+        holder's read guard is given)."""
+        text = note.decode(errors="replace") if isinstance(note, bytes) else note
+        if text.startswith(cls._EARLY):
+            return cls(text[len(cls._EARLY):], ends_lease=False)
+        return cls(text, ends_lease=True)
 
 
 @dataclass
@@ -153,27 +185,21 @@ class LeaseTable:
             self._claimed_blocks[token] = frozenset(lease.block_ids)
             return lease
 
-    def give_back(self, token: str) -> bool:
-        """RETURNED: a claimed lease goes back to unclaimed, still held until it expires."""
+    def release(self, token: str, reason: ReleaseReason) -> Lease | None:
+        """Apply a ``Release``. A reason that ``ends_lease`` removes the lease; RETURNED puts a
+        claimed lease back to unclaimed, still held until it expires. Returns the lease it
+        changed, None if nothing changed (an unknown token, or RETURNED for an unclaimed lease).
+        The blocks of a lease that ended are the caller's to free."""
         with self._lock:
             lease = self.leases.get(token)
-            if lease is None or not lease.claimed:
-                return False
-            lease.claimed = False
+            if lease is None or not (reason.ends_lease or lease.claimed):
+                return None
             self._claimed_blocks.pop(token, None)
-            self.released_by[ReleaseReason.RETURNED.value] += 1
-            return True
-
-    def release(self, token: str, reason: ReleaseReason) -> Lease | None:
-        """End the lease; returns it (its blocks are the caller's to free), None if unknown.
-        RETURNED does not end a lease: use ``give_back``."""
-        with self._lock:
-            if reason is ReleaseReason.RETURNED:
-                raise ValueError("RETURNED keeps the lease held; call give_back")
-            lease = self.leases.pop(token, None)
-            if lease is not None:
-                self._claimed_blocks.pop(token, None)
-                self.released_by[reason.value] += 1
+            self.released_by[reason.value] += 1
+            if reason.ends_lease:
+                del self.leases[token]
+            else:
+                lease.claimed = False
             return lease
 
     def pop_expired(self, now: float) -> list[Lease]:
@@ -211,18 +237,18 @@ class LeaseTable:
         with self._lock:
             return min((l.expires_at for l in self.leases.values()), default=None)
 
-    def read_allowed(self, token: str, block_ids: list[int]) -> bool:
-        """Whether a read of ``block_ids`` is covered by the claimed lease ``token`` (or
-        ``partial_notify(token)``, an early read of a streamed lease)."""
-        token, _ = lease_of_notify(token)
+    def read_allowed(self, note: str, block_ids: list[int]) -> bool:
+        """Whether a read of ``block_ids`` whose notify is ``note`` (a ``ReadNotice``) is
+        covered by the claimed lease it names."""
+        token = ReadNotice.decode(note).lease_token
         with self._lock:
             claimed = self._claimed_blocks.get(token)
             return claimed is not None and set(block_ids) <= claimed
 
-    def of_request(self, request_id: str) -> list[Lease]:
-        """The leases held for ``request_id`` (a snapshot)."""
+    def get(self, token: str) -> Lease | None:
+        """The lease ``token``, None once it has ended (or if it never existed)."""
         with self._lock:
-            return [l for l in self.leases.values() if l.request_id == request_id]
+            return self.leases.get(token)
 
     def _renew(self, lease: Lease, expires_at: float) -> None:
         lease.expires_at = max(lease.expires_at, expires_at)

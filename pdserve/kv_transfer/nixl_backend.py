@@ -286,7 +286,7 @@ class NixlAgent(KVTransferAgent):
         self._bind_device()
         return _NIXL_STATES[self._agent.check_xfer_state(handle.backend_handle)]
 
-    def _release_backend(self, handle: TransferHandle) -> None:
+    def _free_backend(self, handle: TransferHandle) -> None:
         self._bind_device()
         try:
             # On a read still in flight NIXL cancels it. If that fails the handle stays
@@ -305,7 +305,7 @@ class NixlAgent(KVTransferAgent):
         return out
 
     def close(self) -> None:
-        """Stop the progress thread, then release everything (see KVTransferAgent.close)."""
+        """Stop the progress thread, then free everything (see KVTransferAgent.close)."""
         self._stop_progress.set()
         self._reads_expected.set()  # wakes a sleeping progress thread so it sees the stop
         if threading.current_thread() is not self._progress_thread:

@@ -17,7 +17,7 @@ class TransferState(enum.IntEnum):
     TRANSFERRING = 1
     DONE = 2
     FAILED = 3
-    ABORTED = 4
+    CANCELLED = 4
 
     @property
     def is_terminal(self) -> bool:
@@ -36,7 +36,7 @@ class TransferStats:
     bytes: int = 0
     transfers: int = 0
     failures: int = 0
-    aborts: int = 0
+    cancels: int = 0
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -54,8 +54,8 @@ class TransferStats:
                 self.seconds += seconds
             elif state == TransferState.FAILED:
                 self.failures += 1
-            elif state == TransferState.ABORTED:
-                self.aborts += 1
+            elif state == TransferState.CANCELLED:
+                self.cancels += 1
 
 
 @dataclass(eq=False)

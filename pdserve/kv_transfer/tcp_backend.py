@@ -148,7 +148,7 @@ class TcpAgent(KVTransferAgent):
             return TransferState.FAILED
         return TransferState.DONE
 
-    def _release_backend(self, handle: TransferHandle) -> None:
+    def _free_backend(self, handle: TransferHandle) -> None:
         job: _TcpRead = handle.backend_handle
         if not job.finished.is_set():
             job.cancel()

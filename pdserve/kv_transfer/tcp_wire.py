@@ -231,7 +231,7 @@ class BlockServer:
             sock.sendall(STATUS.pack(STATUS_OK))
         except (OSError, WireError, struct.error) as exc:
             # The reader sees the broken connection and fails its read; nothing to undo here.
-            logger.info("tcp kv read aborted: %s", exc)
+            logger.info("tcp kv read broke off: %s", exc)
 
     def _send_blocks(self, sock: socket.socket, ids: list[int], last: int) -> None:
         if self._host is not None:
@@ -244,7 +244,7 @@ class BlockServer:
         sock.sendall(memoryview(flat[: flat.size - (self._blocks.shape[1] - last)]))
 
     def close(self) -> None:
-        """Stop accepting reads and release the port."""
+        """Stop accepting reads and close the port."""
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)

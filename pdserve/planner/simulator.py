@@ -12,7 +12,7 @@ Events, in time order (ties: the order they were scheduled):
   free blocks for prompt + output) chooses one, which reserves the prompt's blocks, and the
   KV transfer starts (``XFER``). Finished requests record their finish time. The worker then
   starts its next step if it has work.
-- ``XFER``: a KV transfer lands. The prefill worker releases the held blocks; the decode
+- ``XFER``: a KV transfer lands. The prefill worker frees the held blocks; the decode
   worker's batch takes the sequence at its next step (``SimWorker.interrupt`` cuts the decode
   epoch in flight short). Transfers into one decode worker share its link, first come first
   served.
@@ -293,7 +293,7 @@ class Simulator:
             self._waiting_prefill.popleft()
 
     def _fail(self, seq: SimSeq, src: SimWorker) -> None:
-        src.release(seq)
+        src.free(seq)
         self.failed += 1
         self._done(None)
 
@@ -325,7 +325,7 @@ class Simulator:
             if w.role == "prefill":
                 self._inflight[w.wid] -= 1
                 if seq.remaining == 0:
-                    w.release(seq)
+                    w.free(seq)
                     self._done(seq.rid)
                 elif not self._place_decode(seq, w):
                     self._waiting_decode.append((seq, w))
@@ -339,7 +339,7 @@ class Simulator:
 
     def _on_xfer(self, pair: tuple[SimSeq, SimWorker], dst: SimWorker) -> None:
         seq, src = pair
-        src.release(seq)
+        src.free(seq)
         seq.tokens = seq.prompt
         dst.join(seq)
         # the gap from the first token (on the prefill worker) to the second: transfer and queueing

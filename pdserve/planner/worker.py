@@ -25,7 +25,7 @@ ceil(L / bs) for its next step. ``RunningBlocks`` sums that over the batch for a
 step in O(bs), so an epoch's length up to a full cache is a bisection, not a loop over steps.
 
 Roles: ``prefill`` (a finished prompt holds its blocks until its KV is transferred, then
-``release``), ``decode`` (``reserve`` blocks when the router picks it, ``join`` when the KV
+``free``), ``decode`` (``reserve`` blocks when the router picks it, ``join`` when the KV
 lands) and ``colocated`` (prefill and decode on one worker).
 """
 
@@ -183,7 +183,7 @@ class SimWorker:
         self.run_blocks.add(self._slot_offset(seq))
         heapq.heappush(self._finish_heap, (seq.finish_step, seq.order, seq.joins, seq))
 
-    def release(self, seq: SimSeq) -> None:
+    def free(self, seq: SimSeq) -> None:
         """Prefill role: the held KV has been transferred (or dropped)."""
         self.fixed_blocks -= self._held.pop(seq.rid, 0)
 
@@ -287,7 +287,7 @@ class SimWorker:
                 continue
             seq.remaining -= 1  # the step sampled its next token
             if self.role == "prefill":
-                self._held[seq.rid], seq.blocks = seq.blocks, 0  # held until ``release``
+                self._held[seq.rid], seq.blocks = seq.blocks, 0  # held until ``free``
                 out.prefilled.append(seq)
                 continue
             if not seq.recompute:

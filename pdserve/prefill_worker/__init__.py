@@ -10,9 +10,10 @@ Request lifecycle on this worker:
   renews it; a refused claim changes nothing. ``Release(RETURNED)`` hands a claimed lease back
   unread, still HELD, for the router's next decode worker.
 - RELEASED: the blocks are freed, because the decode worker's read completed (its
-  notification names the token), the router or decode worker called ``Release`` (ABORTED,
-  TRANSFER_FAILED), or the lease expired. A request that finishes at its first token (EOS,
-  max_tokens 1) goes straight from RUNNING to RELEASED.
+  ``ReadNotice`` names the token), the router or decode worker called ``Release`` (ABORTED,
+  TRANSFER_FAILED), the lease expired, or its router died while it was unclaimed
+  (OWNER_LOST). A request that finishes at its first token (EOS, max_tokens 1) goes
+  straight from RUNNING to RELEASED.
 
 With ``PrefillStream`` (streamed KV), the lease comes while RUNNING: it is granted once the
 prompt has blocks and its first chunk has run, the handle goes out at once, and a decode
@@ -24,5 +25,10 @@ request becomes HELD as above, and the decode worker's last read releases it.
 A cancelled ``Prefill`` call aborts the request wherever it is; nothing holds blocks without
 a lease that will expire. ``Abort`` by request id stops a prompt still computing but never
 frees HELD KV: that takes the token (clients choose request ids). ``pdserve.kv_transfer.handoff``
-owns the handle and the lease rules.
+owns the handle and the lease rules, and the words (release, free, abort, cancel, forget).
+
+The worker keeps one ``RequestRecord`` per request (``record.py``), made when ``Prefill``
+arrives and removed by ``PrefillWorker.forget``, which every end above calls: it ends the
+lease if it is still held, frees the blocks wherever the request is, and tells ``WatchKV``
+callers. A request without a record holds no block.
 """

@@ -64,7 +64,7 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
     async def WatchKV(self, request, context):
         """A streamed lease's progress, for the decode worker that claimed it."""
         token = request.lease_token
-        watch = self.worker.watches.get(token)
+        watch = self.worker.watch(token)
         if watch is None or not self.worker.leases.is_claimed(token):
             await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
                              "no claimed streamed lease with this token (claim it first; it may have ended)")

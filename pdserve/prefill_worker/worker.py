@@ -1,6 +1,7 @@
-"""The prefill worker's core: the shared worker shell plus what only prefill has, the leases
-on held KV (``pdserve.kv_transfer.handoff``), and the progress of prompts whose KV streams out while
-they compute (``prefill_stream``; its messages and watch are ``pdserve.prefill_worker.kv_stream``)."""
+"""The prefill worker's core: the shared worker shell plus what only prefill has, one record
+per request (``pdserve.prefill_worker.record``, removed by ``forget``), the leases on held KV
+(``pdserve.kv_transfer.handoff``), and the progress of prompts whose KV streams out while they
+compute (``prefill_stream``; its messages and watch are ``pdserve.prefill_worker.kv_stream``)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from typing import AsyncIterator
 from pdserve.engine.block_manager import prompt_block_hashes
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.device import wait_for_writes
-from pdserve.engine.errors import SequenceFailed, StepFailed
+from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams, TopLogprobs
 from pdserve.kv_transfer import DEFAULT_BACKEND, create_agent
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
-from pdserve.kv_transfer.handoff import Lease, LeaseTable, ReleaseReason, lease_of_notify
+from pdserve.kv_transfer.handoff import Lease, LeaseTable, ReadNotice, ReleaseReason
 from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
+from pdserve.prefill_worker.record import RequestRecord
 from pdserve.protos import worker_pb2
 from pdserve.wire.worker_shell import WorkerShell
 
@@ -66,9 +68,8 @@ class PrefillResult:
     first_token_id: int
     first_logprob: float
     finish_reason: str | None  # None: generation continues on a decode worker
-    block_ids: list[int]
     num_prompt_tokens: int
-    lease: Lease | None
+    lease: Lease | None  # on the prompt's KV (its blocks are the lease's); None: nothing to read
     num_cached_tokens: int
     seconds: float  # queue + compute
     queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
@@ -89,21 +90,15 @@ class PrefillWorker(WorkerShell):
         self.endpoint = endpoint
         self.leases = LeaseTable()
         self.agent.read_guard = self.leases.read_allowed  # tcp serves only claimed leases' blocks
-        self._arrived: dict[str, float] = {}  # request id -> when Prefill queued it
+        # Every request here, from its Prefill until ``forget``: queued, computing, or HELD.
+        self.records: dict[str, RequestRecord] = {}
         # Queue time ends when a prompt's first chunk runs. Hooks run right before each step,
         # so the last hook's time is when the step now running started.
         self._step_started = time.monotonic()
-        self._first_chunk_at: dict[str, float] = {}  # prompts whose first of several chunks ran
-        self._owner_of: dict[str, str] = {}  # request id -> the router incarnation that asked
         self._owner_seen: dict[str, float] = {}  # router incarnation -> when it last called
         # What the prefix cache adds and evicts, for KV-aware routers (read in Stats polls).
         self.cache_log = CacheEventLog(config.cache_event_log_size, engine.blocks.cached_hashes())
         engine.blocks.subscribe(self.cache_log.record)
-        self._prompt_hashes: dict[str, list[bytes]] = {}  # queued prompts' block hashes (see stats)
-        # Engine thread: streamed prompts still computing -> (their lease once granted, tokens
-        # announced). Loop: the streamed leases' progress, by token, until each lease ends.
-        self._streaming: dict[str, tuple[Lease | None, int]] = {}
-        self.watches: dict[str, KVWatch] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- called from the asyncio loop ----------------------------------------------
@@ -128,46 +123,46 @@ class PrefillWorker(WorkerShell):
         """``prefill``, as a stream. With ``stream_kv`` the lease comes early: ``KVEarly``
         once the prompt has blocks and a chunk has run, ``KVReady`` after each later chunk,
         and the ``PrefillResult`` last (a prompt done in one step yields only that). Raises
-        StepFailed, SequenceFailed, or KVLeaseEnded if the early lease ended before the prompt was done."""
-        stream = self.open_stream(request_id)
+        StepFailed, SequenceFailed, or KVLeaseEnded if the early lease ended before the prompt
+        was done. Unless it hands out a lease, the request is forgotten when the call ends."""
+        if request_id in self.records:  # checked before its stream and record are replaced
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self._loop = asyncio.get_running_loop()
-        self._arrived[request_id] = time.monotonic()
         self.note_poll(owner)
-        self._owner_of[request_id] = owner
+        hashes = None
         if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
-            self._prompt_hashes[request_id] = prompt_block_hashes(prompt, self.engine.blocks.block_size,
-                                                                  params.cache_salt)
-        done = False
-        watch: KVWatch | None = None
+            hashes = prompt_block_hashes(prompt, self.engine.blocks.block_size, params.cache_salt)
+        record = self.records[request_id] = RequestRecord(request_id, owner, time.monotonic(), hashes, stream_kv)
+        stream = self.open_stream(request_id)
+        held = False
         try:
-            await self.call(self._add, request_id, prompt, params, stream_kv)
-            while not done:
+            await self.call(self.engine.add_request, request_id, prompt, params, True)
+            while True:
                 item = await stream.get()
                 if isinstance(item, (StepFailed, SequenceFailed, KVLeaseEnded)):
-                    done = True
-                    if watch is not None:
-                        watch.update(failed=f"the prompt stopped: {item}")
+                    if record.watch is not None:
+                        record.watch.update(failed=f"the prompt stopped: {item}")
                     raise item
                 if isinstance(item, KVEarly):
-                    watch = self.watches[item.lease.token] = KVWatch(item.ready_tokens)
+                    record.watch = KVWatch(item.ready_tokens)
                 elif isinstance(item, KVReady):
-                    watch.update(ready_tokens=item.ready_tokens)
+                    record.watch.update(ready_tokens=item.ready_tokens)
                 else:
-                    done = True
-                    if watch is not None and item.lease is not None:
-                        watch.update(ready_tokens=item.num_prompt_tokens, first_token=item.first_token_id)
-                    elif watch is not None:
-                        watch.update(failed=f"the prompt finished at its first token ({item.finish_reason})")
+                    held = item.lease is not None
+                    if record.watch is not None and held:
+                        record.watch.update(ready_tokens=item.num_prompt_tokens, first_token=item.first_token_id)
+                    elif record.watch is not None:
+                        record.watch.update(failed=f"the prompt finished at its first token ({item.finish_reason})")
                 yield item
+                if not isinstance(item, (KVEarly, KVReady)):
+                    return
         finally:
             self.close_stream(request_id)
-            self._arrived.pop(request_id, None)
-            self._owner_of.pop(request_id, None)
-            self._prompt_hashes.pop(request_id, None)
-            if not done:  # our own caller gave up: its held KV (if any) goes too
-                if watch is not None:
-                    watch.update(failed="the prefill call was cancelled")
-                self.thread.call(self._drop, request_id)
+            if not held:  # the request ends with this call; if it was cancelled, what it holds goes
+                record.caller_gone = True
+                if record.watch is not None:  # (a watch that already ended keeps its news)
+                    record.watch.update(failed="the prefill call was cancelled")
+                self.thread.call(self.forget, request_id, record)
 
     async def claim(self, token: str, block_ids: list[int]) -> Lease:
         """Claim the lease ``token`` for one read of ``block_ids``; raises LeaseRefused.
@@ -176,9 +171,19 @@ class PrefillWorker(WorkerShell):
         return self.leases.claim(token, block_ids, time.monotonic(), self.config.lease_seconds)
 
     async def release(self, token: str, reason: ReleaseReason) -> bool:
-        if reason is ReleaseReason.RETURNED:  # bookkeeping only: nothing to free
-            return self.leases.give_back(token)
-        return await self.call(self._release, token, reason)
+        """The ``Release`` RPC; False if it changed nothing. A give-back (RETURNED) is table
+        bookkeeping, answered here on the loop like a claim; a release that ends the lease
+        frees its blocks on the engine thread."""
+        if not reason.ends_lease:
+            return self.leases.release(token, reason) is not None
+        return await self.call(self._end_lease, token, reason)
+
+    def watch(self, token: str) -> KVWatch | None:
+        """The progress of the streamed lease ``token``; None once it has ended (or if it is
+        not a streamed lease)."""
+        lease = self.leases.get(token)
+        record = self.records.get(lease.request_id) if lease is not None else None
+        return record.watch if record is not None else None
 
     def in_flight(self) -> int:
         """Prompts computing, and KV held for a decode worker that has yet to read it."""
@@ -201,7 +206,8 @@ class PrefillWorker(WorkerShell):
     def _queued_hit_tokens(self) -> int:
         blocks, hit_blocks = self.engine.blocks, 0
         for seq in list(self.engine.scheduler.waiting):  # a racy read, as wire.stats explains
-            hashes = self._prompt_hashes.get(seq.seq_id)
+            record = self.records.get(seq.seq_id)
+            hashes = record.prompt_hashes if record is not None else None
             if hashes and not blocks.has(seq.seq_id):  # admitted ones count only what is left already
                 hit_blocks += self.cache_log.cached_prefix(hashes)
         return hit_blocks * blocks.block_size
@@ -210,37 +216,46 @@ class PrefillWorker(WorkerShell):
         """The prefix-cache events a router at (``epoch``, ``after``) has not seen yet."""
         return self.cache_log.since(epoch, after)
 
-    def _forget_watch(self, token: str) -> None:
-        """Loop: the lease ``token`` ended; its watchers are told if it ended early."""
-        watch = self.watches.pop(token, None)
-        if watch is not None:
-            watch.update(failed="the lease ended before the prompt was done")
-
     # ---- engine thread -------------------------------------------------------------
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, stream_kv: bool) -> None:
-        self.engine.add_request(request_id, prompt, params, True)
-        if stream_kv:
-            self._streaming[request_id] = (None, 0)
+    def forget(self, request_id: str, record: RequestRecord | None = None) -> None:
+        """``request_id`` leaves this worker: the exit every path ends in. Its lease ends
+        (ABORTED, unless it has ended already), its blocks are freed wherever it is, its
+        watchers hear that it ended, and its record goes. ``record``: forget only that one
+        (a late call about a request whose id was reused since does nothing). Idempotent."""
+        if record is not None and self.records.get(request_id) is not record:
+            return
+        record = self.records.pop(request_id, None)
+        if record is None:
+            return
+        if record.lease is not None:
+            self.leases.release(record.lease.token, ReleaseReason.ABORTED)
+        self.engine.abort(request_id)
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(_watch_ended, record)
+            except RuntimeError:  # the loop has closed
+                pass
 
     def _publish_kv(self) -> None:
         """Hook, before each step: grant a streamed prompt its lease once it has blocks and
         a chunk has run, then announce each chunk computed since (the step that just ended).
         Each announcement renews the lease: it expires only if the prompt stops moving."""
-        if not self._streaming:
+        streaming = [r for r in list(self.records.values()) if r.streaming]
+        if not streaming:
             return None
         now, out = time.monotonic(), []
-        for request_id, (lease, announced) in list(self._streaming.items()):
-            ready = self.engine.prompt_progress(request_id)
-            if not ready or ready == announced:
+        for record in streaming:
+            ready = self.engine.prompt_progress(record.request_id)
+            if not ready or ready == record.announced_tokens:
                 continue
-            if lease is None:
-                lease = self.leases.grant(request_id, self.engine.blocks.block_table(request_id), now,
-                                          self.config.lease_seconds, owner=self._owner_of.get(request_id, ""))
-                out.append((request_id, KVEarly(lease, ready)))
+            if record.lease is None:
+                record.lease = self.leases.grant(record.request_id, self.engine.blocks.block_table(record.request_id),
+                                                 now, self.config.lease_seconds, owner=record.owner)
+                out.append((record.request_id, KVEarly(record.lease, ready)))
             else:
-                self.leases.renew(lease.token, now + self.config.lease_seconds)
-                out.append((request_id, KVReady(ready)))
-            self._streaming[request_id] = (lease, ready)
+                self.leases.renew(record.lease.token, now + self.config.lease_seconds)
+                out.append((record.request_id, KVReady(ready)))
+            record.announced_tokens = ready
         if out:
             # The step that computed these chunks may still be writing their KV on the device:
             # a decode worker reads it the moment it hears of it.
@@ -253,32 +268,28 @@ class PrefillWorker(WorkerShell):
         self.push(self._result(o) for o in outputs if o.finished)
 
     def _result(self, o: RequestOutput) -> tuple[str, PrefillResult | SequenceFailed | None]:
-        computing_since = self._first_chunk_at.pop(o.request_id, self._step_started)
-        started = self._arrived.get(o.request_id)
-        if started is None:  # the caller gave up while the step ran
-            self.engine.release(o.request_id)
+        record = self.records.get(o.request_id)
+        if record is None or record.caller_gone:  # the caller gave up while the step ran
+            self.engine.abort(o.request_id)  # (a HELD sequence's blocks; forget comes next)
             return o.request_id, None
-        lease, block_ids = self._streaming.pop(o.request_id, (None, 0))[0], []
-        if o.error is not None:  # its own fault ended it alone: no token, no KV to read
-            if lease is not None:
-                self.leases.release(lease.token, ReleaseReason.ABORTED)
-                self._watch_ended(lease.token)
-            return o.request_id, o.error
-        if o.finish_reason is not None and lease is not None:  # done at its first token: no KV to read
-            self.leases.release(lease.token, ReleaseReason.ABORTED)
-            self._watch_ended(lease.token)
+        record.computing, record.prompt_hashes = False, None
+        started = record.arrived_at
+        computing_since = record.first_chunk_at if record.first_chunk_at is not None else self._step_started
+        lease = record.lease
+        if o.error is not None or o.finish_reason is not None:  # no KV to read: the request leaves
+            self.forget(o.request_id)
+            if o.error is not None:  # its own fault ended it alone
+                return o.request_id, o.error
             lease = None
         elif lease is not None:
             self.leases.renew(lease.token, time.monotonic() + self.config.lease_seconds)
-            block_ids = list(lease.block_ids)
             self._expect_reads()  # the last read, whose notice frees the blocks, comes now
-        elif o.finish_reason is None:
-            block_ids = self.engine.held_block_ids(o.request_id)
-            lease = self.leases.grant(o.request_id, block_ids, time.monotonic(), self.config.lease_seconds,
-                                      owner=self._owner_of.get(o.request_id, ""))
+        else:
+            lease = record.lease = self.leases.grant(o.request_id, self.engine.held_block_ids(o.request_id),
+                                                     time.monotonic(), self.config.lease_seconds, owner=record.owner)
             self.agent.expect_reads(True)
         return o.request_id, PrefillResult(
-            o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0, o.finish_reason, block_ids,
+            o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0, o.finish_reason,
             o.num_prompt_tokens, lease, o.num_cached_tokens, time.monotonic() - started,
             max(0.0, computing_since - started), o.new_top_logprobs[0] if o.new_top_logprobs else (),
             o.prompt_logprobs)
@@ -288,24 +299,25 @@ class PrefillWorker(WorkerShell):
         core) completes reads of held KV and delivers their notices. Leases of prompts still
         computing get only early reads, which nobody waits on: relaxed progress (every 100 ms)
         completes those without taking the prefill's core a thousand times a second."""
-        streaming = sum(1 for lease, _ in self._streaming.values() if lease is not None)
-        self.agent.expect_reads(bool(self.leases), urgent=len(self.leases) > streaming)
+        held = len(self.leases)
+        streaming = sum(1 for r in list(self.records.values()) if r.streaming and r.lease is not None) if held else 0
+        self.agent.expect_reads(held > 0, urgent=held > streaming)
 
     def _poll_releases(self) -> float | None:
         self._expect_reads()
         if not self.leases:
             return None
         for note in self.agent.get_notifications():
-            token, completes = lease_of_notify(note.decode(errors="replace"))
-            if completes:  # an early read of a streamed lease leaves it held
-                self._release(token, ReleaseReason.PULLED)
+            notice = ReadNotice.decode(note)
+            if notice.ends_lease:  # an early read of a streamed lease leaves it held
+                self._end_lease(notice.lease_token, ReleaseReason.PULLED)
         now = time.monotonic()
         for lease in self.leases.pop_expired(now):
-            self._free(lease, ReleaseReason.EXPIRED)
+            self._lease_ended(lease, ReleaseReason.EXPIRED)
         silent = {o for o, seen in list(self._owner_seen.items()) if now - seen > self.config.owner_timeout_s}
         if silent:
             for lease in self.leases.pop_unclaimed_of(silent):
-                self._free(lease, ReleaseReason.OWNER_LOST)
+                self._lease_ended(lease, ReleaseReason.OWNER_LOST)
             for owner in silent:
                 self._owner_seen.pop(owner, None)
         if not self.leases:  # the last lease just ended: the progress thread may sleep again
@@ -321,46 +333,39 @@ class PrefillWorker(WorkerShell):
         """
         waiting = self.engine.scheduler.waiting
         if waiting and waiting[0].num_computed_tokens > waiting[0].num_cached_tokens:
-            self._first_chunk_at.setdefault(waiting[0].seq_id, self._step_started)
+            record = self.records.get(waiting[0].seq_id)
+            if record is not None and record.first_chunk_at is None:
+                record.first_chunk_at = self._step_started
         self._step_started = time.monotonic()
 
-    def _release(self, token: str, reason: ReleaseReason) -> bool:
-        if reason is ReleaseReason.RETURNED:
-            return self.leases.give_back(token)
+    def _end_lease(self, token: str, reason: ReleaseReason) -> bool:
+        """End the lease ``token`` for ``reason`` and free its blocks; False if it is gone."""
         lease = self.leases.release(token, reason)
         if lease is None:
             return False
-        self._free(lease, reason)
+        self._lease_ended(lease, reason)
         return True
 
-    def _free(self, lease: Lease, reason: ReleaseReason) -> None:
-        """A lease ended: free its blocks. A streamed prompt still computing is stopped, and
-        its ``prefill_stream`` raises KVLeaseEnded."""
-        if not self.engine.release(lease.request_id) and self._streaming.pop(lease.request_id, None) is not None:
-            self.engine.abort(lease.request_id)
+    def _lease_ended(self, lease: Lease, reason: ReleaseReason) -> None:
+        """The table ended ``lease``: its request leaves. A streamed prompt still computing is
+        stopped, and its ``prefill_stream`` raises KVLeaseEnded."""
+        record = self.records.get(lease.request_id)
+        if record is not None and record.computing:
             self.push([(lease.request_id, KVLeaseEnded(f"its KV lease ended ({reason.value}) before it was done"))])
-        self._watch_ended(lease.token)
+        self.forget(lease.request_id)
 
-    def _watch_ended(self, token: str) -> None:
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._forget_watch, token)
-            except RuntimeError:  # the loop has closed
-                pass
-
-    def cancel(self, request_id: str) -> bool:
-        """The ``Abort`` RPC: stops a prompt still computing. Held KV is not touched: it
-        leaves only by its lease token (request ids are chosen by clients)."""
-        if self.leases.of_request(request_id):
+    def abort_now(self, request_id: str) -> bool:
+        """The ``Abort`` RPC: stops a prompt still computing. KV handed out under a lease is
+        not touched: it leaves only by its lease token (request ids are chosen by clients)."""
+        record = self.records.get(request_id)
+        if record is not None and record.lease is not None:
             return False
-        self._first_chunk_at.pop(request_id, None)
-        return self.engine.abort(request_id)
+        found = self.engine.abort(request_id)
+        self.forget(request_id)
+        return found
 
-    def _drop(self, request_id: str) -> None:
-        """Our own ``prefill`` caller gave up: free whatever the request holds."""
-        for lease in self.leases.of_request(request_id):
-            self.leases.release(lease.token, ReleaseReason.ABORTED)
-            self._watch_ended(lease.token)
-        self._streaming.pop(request_id, None)
-        self._first_chunk_at.pop(request_id, None)
-        self.engine.abort(request_id)
+
+def _watch_ended(record: RequestRecord) -> None:
+    """Loop: a forgotten request's watchers learn that its lease ended, if it ended early."""
+    if record.watch is not None:
+        record.watch.update(failed="the lease ended before the prompt was done")

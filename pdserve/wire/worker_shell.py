@@ -1,7 +1,7 @@
 """The shell every worker role runs in, written once for prefill and decode.
 
 A worker is an engine on its thread plus a KV-transfer agent, served over gRPC. What differs
-between the roles is small (what a request waits for, what ``cancel`` frees, the hooks that
+between the roles is small (what a request waits for, what ``abort_now`` frees, the hooks that
 poll transfers or leases); what is the same lives here:
 
 - ``WorkerShell``: start (pin the process to its cores, start the engine thread), stop, the
@@ -85,7 +85,7 @@ class WorkerShell:
         self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.call(self.cancel, request_id)
+        return await self.call(self.abort_now, request_id)
 
     # ---- the bridge (engine thread) ----------------------------------------------------
     def push(self, items: Iterable[tuple[str, Any]]) -> None:
@@ -110,8 +110,9 @@ class WorkerShell:
         self.push((request_id, exc) for request_id in exc.request_ids)
 
     # ---- the role's part -------------------------------------------------------------
-    def cancel(self, request_id: str) -> bool:
-        """Engine thread: stop ``request_id`` wherever it is and free what it holds."""
+    def abort_now(self, request_id: str) -> bool:
+        """Engine thread: abort ``request_id``, stopping it wherever it is and freeing what it
+        holds (the ``Abort`` RPC, run between steps)."""
         return self.engine.abort(request_id)
 
     def in_flight(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from pdserve.decode_worker.server import start as start_decode
 from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from pdserve.engine.sampling import SamplingParams
+from pdserve.kv_transfer.handoff import ReadNotice
 from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2, worker_pb2_grpc
@@ -177,7 +178,7 @@ def test_a_streamed_transfer_that_fails_half_way_is_a_transfer_failure_and_the_r
             allow, partial_reads = prefill.agent.read_guard, []
 
             def guard(note: str, block_ids: list[int]) -> bool:
-                if note.startswith("partial:"):
+                if not ReadNotice.decode(note).ends_lease:
                     partial_reads.append(block_ids)
                     if len(partial_reads) == 2:
                         return False  # the second early read: refused half-way through the prompt

@@ -62,5 +62,5 @@ def test_held_kv_is_a_state_and_release_frees_it(tiny_llama_dir):
     assert out.finished and out.finish_reason is None
     assert len(engine.held_block_ids("p")) == 3 and engine.num_held == 1
     assert not engine.has_runnable()
-    assert engine.release("p") and not engine.release("p")
+    assert engine.free_held("p") and not engine.free_held("p")
     assert engine.num_free_blocks == 256 and engine.num_held == 0

@@ -82,7 +82,7 @@ def test_prefill_decode_handoff_keeps_the_grammar_place(tool_llama, engine, prom
     first = engine.step()[0].new_token_ids[0]
     blocks = decode.add_prefilled("r", prompts[0], first, params)
     decode.kv_cache[blocks] = engine.kv_cache[engine.held_block_ids("r")]
-    engine.release("r")
+    engine.free_held("r")
     decode.kv_ready("r")
     rest = []
     while decode.has_unfinished():

@@ -1,8 +1,10 @@
-"""The hand-off's pure parts: the handle's wire form, and the lease table's claim rules."""
+"""The hand-off's pure parts: the handle's and the read notice's wire forms, and the lease
+table's claim and release rules."""
 
 import pytest
 
-from pdserve.kv_transfer.handoff import KVHandle, LeaseRefused, LeaseTable, ReleaseReason, reason_from_wire, release_request
+from pdserve.kv_transfer.handoff import (KVHandle, LeaseRefused, LeaseTable, ReadNotice, ReleaseReason, reason_from_wire,
+                                         release_request)
 
 
 def table_with_lease(ttl: float = 10.0):
@@ -65,9 +67,33 @@ def test_reads_are_allowed_only_inside_a_claimed_lease():
 def test_a_lease_handed_back_unread_stays_held_and_can_be_claimed_again():
     t, lease = table_with_lease()
     t.claim(lease.token, [4, 9, 2], 1.0, 10.0)
-    assert t.give_back(lease.token) and len(t) == 1 and not t.read_allowed(lease.token, [4])
+    assert t.release(lease.token, ReleaseReason.RETURNED) is lease
+    assert len(t) == 1 and not t.read_allowed(lease.token, [4])
     assert t.claim(lease.token, [4, 9, 2], 2.0, 10.0) is lease
     assert t.released_by["returned"] == 1
+
+
+def test_only_a_claimed_lease_can_be_handed_back_and_only_returned_keeps_a_lease():
+    t, lease = table_with_lease()
+    assert t.release(lease.token, ReleaseReason.RETURNED) is None  # nothing to hand back
+    assert t.released_by["returned"] == 0 and len(t) == 1
+    kept = [r for r in ReleaseReason if not r.ends_lease]
+    assert kept == [ReleaseReason.RETURNED]
+
+
+def test_a_read_notice_says_whether_the_read_ends_its_lease():
+    for ends in (True, False):
+        notice = ReadNotice("tok_en-1", ends_lease=ends)
+        assert ReadNotice.decode(notice.encode()) == notice
+        assert ReadNotice.decode(notice.encode().decode()) == notice
+    assert ReadNotice("tok", ends_lease=True).encode() == b"tok"  # a last read's notify is the bare token
+
+
+def test_an_early_read_is_allowed_by_its_claimed_lease_like_a_last_one():
+    t, lease = table_with_lease()
+    t.claim(lease.token, [4, 9, 2], 1.0, 10.0)
+    early = ReadNotice(lease.token, ends_lease=False).encode().decode()
+    assert t.read_allowed(early, [4, 9]) and not t.read_allowed(early, [5])
 
 
 def test_each_release_reason_is_counted_once():

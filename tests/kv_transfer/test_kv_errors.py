@@ -83,12 +83,12 @@ def test_metadata_survives_protobuf_round_trip(pair):
     assert bool(parsed.tcp_address) == (holder.backend_name == "tcp")
 
 
-def test_finished_read_cannot_be_aborted_or_recounted(pair):
+def test_finished_read_cannot_be_cancelled_or_recounted(pair):
     reader, peer, _ = pair
     handle = reader.start_read(peer, [3], [0], b"")
     assert reader.wait(handle, timeout_s=10) == TransferState.DONE, handle.error
     before = reader.stats.snapshot()
-    assert reader.abort(handle) == TransferState.DONE
+    assert reader.cancel(handle) == TransferState.DONE
     assert reader.poll(handle) == TransferState.DONE
     assert reader.stats.snapshot() == before
 
@@ -146,4 +146,4 @@ def test_state_order():
     assert TransferState.PENDING < TransferState.TRANSFERRING < TransferState.DONE
     assert not TransferState.TRANSFERRING.is_terminal
     assert all(s.is_terminal for s in (TransferState.DONE, TransferState.FAILED,
-                                       TransferState.ABORTED))
+                                       TransferState.CANCELLED))

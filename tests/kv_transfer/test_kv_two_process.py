@@ -75,18 +75,18 @@ def test_add_remote_is_idempotent(holder, reader):
     assert reader.wait(handle, timeout_s=10) == TransferState.DONE, handle.error
 
 
-def test_abort_of_delayed_read_moves_nothing_and_counts_nothing(holder):
+def test_cancel_of_delayed_read_moves_nothing_and_counts_nothing(holder):
     reader = create_agent(holder.backend, "slow-reader", make_cache(4), inject_delay_s=30)
     try:
         peer = reader.add_remote(holder.metadata())
         handle = reader.start_read(peer, [2], [0], b"never")
         assert reader.poll(handle) == TransferState.PENDING
-        assert reader.abort(handle) == TransferState.ABORTED
-        assert reader.poll(handle) == TransferState.ABORTED
+        assert reader.cancel(handle) == TransferState.CANCELLED
+        assert reader.poll(handle) == TransferState.CANCELLED
         assert reader.in_flight() == 0
         assert same_bytes(reader.cache, make_cache(4))
         stats = reader.stats.snapshot()
-        assert (stats.bytes, stats.transfers, stats.aborts) == (0, 0, 1)
+        assert (stats.bytes, stats.transfers, stats.cancels) == (0, 0, 1)
         assert holder.notifications(want=1, timeout_s=0.3) == []
     finally:
         reader.close()
@@ -139,7 +139,7 @@ def test_vanished_peer_fails_fast_and_its_restart_is_readable_again(backend):
             reborn.stop()
 
 
-def test_stalled_tcp_holder_times_out_and_in_flight_abort_is_prompt():
+def test_stalled_tcp_holder_times_out_and_in_flight_cancel_is_prompt():
     # tcp needs the holder's CPU to serve bytes, so a SIGSTOPped holder stalls the read.
     # (A NIXL READ over UCX shared memory is one-sided and completes anyway.)
     stalled = Holder("tcp", name="stalled")
@@ -151,16 +151,16 @@ def test_stalled_tcp_holder_times_out_and_in_flight_abort_is_prompt():
         assert reader.wait(timed_out, timeout_s=5) == TransferState.FAILED
         assert "read_timeout_s" in timed_out.error
 
-        in_flight = reader.start_read(peer, [1], [1], b"aborted")
+        in_flight = reader.start_read(peer, [1], [1], b"cancelled")
         time.sleep(0.05)
         assert reader.poll(in_flight) == TransferState.TRANSFERRING
         start = time.monotonic()
-        assert reader.abort(in_flight) == TransferState.ABORTED
+        assert reader.cancel(in_flight) == TransferState.CANCELLED
         assert time.monotonic() - start < 1
         stalled.resume()
         assert stalled.notifications(want=1, timeout_s=0.5) == []
         stats = reader.stats.snapshot()
-        assert (stats.failures, stats.aborts, stats.transfers, stats.bytes) == (1, 1, 0, 0)
+        assert (stats.failures, stats.cancels, stats.transfers, stats.bytes) == (1, 1, 0, 0)
         assert same_bytes(reader.cache, make_cache(4))
     finally:
         stalled.resume()

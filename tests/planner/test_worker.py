@@ -100,13 +100,13 @@ def test_admission_leaves_a_block_per_running_sequence():
     assert not w2._schedule_prefill()
 
 
-def test_prefill_role_holds_blocks_until_released_and_decode_role_reserves():
+def test_prefill_role_holds_blocks_until_freed_and_decode_role_reserves():
     p = worker("prefill")
     s = seq(0, 40, 5)
     p.add_prompt(s)
     run_step(p)
     assert p.fixed_blocks == 3
-    p.release(s)
+    p.free(s)
     assert p.fixed_blocks == 0
     d = worker("decode")
     d.reserve(s)

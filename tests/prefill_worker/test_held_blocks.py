@@ -23,4 +23,4 @@ def test_held_blocks_keep_their_bytes_while_other_prompts_churn_the_cache(tiny_l
     assert len(seen) == 8 and not seen & set(block_ids)  # every free block was used, no held one
     assert engine.held_block_ids("held") == block_ids
     assert (engine.kv_cache[block_ids] == kept).all()
-    assert engine.release("held") and engine.blocks.num_free_blocks == 12
+    assert engine.free_held("held") and engine.blocks.num_free_blocks == 12

@@ -13,6 +13,7 @@ import torch
 import pdserve.prefill_worker.worker as worker_module
 from pdserve.kv_transfer.handoff import LeaseTable
 from pdserve.prefill_worker.kv_stream import KVEarly, KVReady
+from pdserve.prefill_worker.record import RequestRecord
 from pdserve.prefill_worker.worker import PrefillWorker
 
 
@@ -33,8 +34,7 @@ def _worker(monkeypatch, events):
     w.engine = FakeEngine()
     w.leases = LeaseTable()
     w.config = types.SimpleNamespace(lease_seconds=30.0)
-    w._owner_of = {}
-    w._streaming = {"r1": (None, 0)}
+    w.records = {"r1": RequestRecord("r1", owner="", arrived_at=0.0, prompt_hashes=None, stream_kv=True)}
     w._expect_reads = lambda: None
     w.push = lambda items: events.extend(("push", type(item).__name__) for _, item in items)
     monkeypatch.setattr(worker_module, "wait_for_writes", lambda device: events.append(("wait", device)))
