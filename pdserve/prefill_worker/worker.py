@@ -24,7 +24,7 @@ from pdserve.kv_transfer.handoff import Lease, LeaseTable, ReleaseReason, lease_
 from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
 from pdserve.protos import worker_pb2
-from pdserve.wire.worker_shell import WorkerShell
+from pdserve.shell.worker import WorkerShell
 
 # While KV is held, a decode worker's read can complete at any moment and its notification
 # frees the blocks: the engine thread looks for notifications this often, and never when

@@ -15,7 +15,7 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, serve_settings
 from pdserve.decode_worker.worker import DecodeWorkerConfig
 from pdserve.prefill_worker.worker import PrefillWorkerConfig
-from pdserve.wire import worker_process
+from pdserve.cluster import worker_process
 
 ROOT = Path(__file__).resolve().parents[2]
 SPELLINGS = {"lease_seconds": ("lease_seconds", "lease-seconds"), "drain_grace": ("drain_grace", "drain-grace")}
