@@ -28,10 +28,12 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-logo --no-cache
 	$(PY) -m pytest -q
 
 test-quick: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-logo --no-cache
 	$(PY) -m pytest -q -m "not slow"
 
 # Flags for pdserve serve: make serve ARGS="--port 8080 --decode 2"

@@ -189,7 +189,7 @@ def main() -> int:
         ap.error("--measure writes one file: give one --measured")
     if args.reprofile:
         out = args.profile or str(DEFAULT_CPU_PROFILE)
-        subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "profile", "--output", out], check=True, cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--output", out], check=True, cwd=ROOT)
     if args.measure and args.reprofile and args.serving_cost:
         base = HardwareProfile.load(out)
         served = serving_cost(args.measure, base, 1000 + args.measure_seed)

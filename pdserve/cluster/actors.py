@@ -69,7 +69,7 @@ class ServerActor:
         self._drain_grace_s = DRAIN_GRACE_SECONDS.default
         if threading.current_thread() is threading.main_thread():
             # Ray's own handler ends the process at once; a worker drains first, as the plain
-            # process does (wire.worker_process): what Kubernetes' SIGTERM to a pod means.
+            # process does (cluster.worker_process): what Kubernetes' SIGTERM to a pod means.
             signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self._drain_and_exit, daemon=True).start())
 
     def start(self) -> str:

@@ -1,12 +1,11 @@
-"""The ``pdserve`` command.
+"""The cluster's commands of ``pdserve`` (``pdserve.cli`` registers them with the planner's):
 
     pdserve serve [MODEL]            start a local cluster (router + workers as Ray actors)
     pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
     pdserve stop --address RAY       drain and stop it
     pdserve generate "PROMPT"        stream a completion from a running cluster
-    pdserve worker --role ROLE       one role as a plain process, without Ray (pdserve/cluster/worker_cli.py)
-    pdserve plan                     size prefill and decode pools (simulated; pdserve/planner/)
-    pdserve profile                  fit the CPU cost profile to this machine's engine
+
+``pdserve worker --role ROLE`` is ``pdserve.cluster.worker_cli``'s.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 from pdserve.cluster import shutdown
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, SettingsError, add_arguments, flag_type, resolve
@@ -258,24 +258,9 @@ def version() -> str:
         return "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
-    parser.add_argument("--version", action="version", version=f"pdserve {version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_commands(sub) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add ``serve``, ``generate``, ``status`` and ``stop`` to ``sub``; returns each command's entry."""
     _serve_parser(sub)
     _generate_parser(sub)
     _cluster_parsers(sub)
-    from pdserve.planner.cli import add_plan_parser, add_profile_parser, run_plan, run_profile
-
-    add_plan_parser(sub)
-    add_profile_parser(sub)
-    from pdserve.cluster import worker_cli
-
-    worker_cli.add_worker_parser(sub)
-    args = parser.parse_args(argv)
-    return {"serve": serve, "generate": generate, "plan": run_plan, "profile": run_profile,
-            "worker": worker_cli.run_worker, "status": cluster_status, "stop": cluster_stop}[args.command](args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"serve": serve, "generate": generate, "status": cluster_status, "stop": cluster_stop}

@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import socket
 import sys
 from typing import Any
 
 import functools
 
+from pdserve.cluster.plain_process import engine_config, internal_tls, stop_signal
 from pdserve.cluster.serve_config import served_names
 from pdserve.cluster.settings import Setting, SettingsError, add_arguments, resolve, serve_settings
 
@@ -111,20 +111,6 @@ def settings(args: argparse.Namespace, environ=None) -> dict[str, Any]:
     return v
 
 
-def engine_config(v: dict[str, Any]):
-    from pdserve.engine.config import CacheConfig, EngineConfig
-
-    return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
-                        cache=CacheConfig(block_size=v["block_size"],
-                                          memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))))
-
-
-def internal_tls(v: dict[str, Any]):
-    from pdserve.wire import tls
-
-    return tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls")
-
-
 def worker_config(v: dict[str, Any]):
     """The role's frozen config from the settings."""
     common = dict(worker_id=v["worker_id"] or socket.gethostname(), model_name=served_names(v)[0],
@@ -159,7 +145,7 @@ async def run_role(v: dict[str, Any], config) -> None:
     membership = Membership(v["router_admin"], config.tls, v["role"], running.address, config.worker_id)
     keeper = asyncio.create_task(membership.keep_joined(v["join_interval_seconds"]))
     print(f"listening on {running.address}", flush=True)
-    await _stop_signal()
+    await stop_signal()
     health.draining = True
     keeper.cancel()
     grace_s = v["drain_grace_seconds"]
@@ -168,14 +154,6 @@ async def run_role(v: dict[str, Any], config) -> None:
     await running.drain(grace_s)
     if runner is not None:
         await runner.cleanup()
-
-
-async def _stop_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
 
 
 class Health:

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.cluster.worker_cli import _stop_signal, engine_config, internal_tls
+from pdserve.cluster.plain_process import engine_config, internal_tls, stop_signal
 from pdserve.router.pool import WorkerPool
 from pdserve.wire.tls import TlsConfig
 
@@ -49,7 +49,7 @@ async def run_router(v: dict[str, Any], config, autoscaling: dict | None) -> Non
     http = f", OpenAI HTTP API on http://{running.http_address}/v1" if running.http_address else ""
     print(f"router: gRPC API listening on {running.address}{http}; workers join at {running.internal_address}",
           flush=True)
-    await _stop_signal()
+    await stop_signal()
     grace = v["drain_grace_seconds"]
     print(f"router: draining (up to {grace:g} s)", flush=True)
     left = await running.service.drain(grace)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pdserve.decode_worker.service import add_to_server
 from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from pdserve.wire.server import RunningServer
-from pdserve.wire.worker_shell import serve
+from pdserve.shell.server import serve
 
 
 async def start(config: DecodeWorkerConfig, worker: DecodeWorker | None = None) -> RunningServer:

@@ -25,7 +25,7 @@ from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from pdserve.wire.failure import Failure, abort_with
 from pdserve.wire.grpc_util import abort_invalid, aio_channel
-from pdserve.wire.worker_shell import ShellRpcs
+from pdserve.shell.service import ShellRpcs
 
 log = logging.getLogger(__name__)  # request ids are the router's (a client's X-Request-Id)
 

@@ -26,7 +26,7 @@ from pdserve.wire import worker_metrics
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
-from pdserve.wire.worker_shell import WorkerShell
+from pdserve.shell.worker import WorkerShell
 
 # While a read is in flight the engine thread checks on it at least this often (between
 # steps it checks every iteration); with no read in flight it does not poll at all.
@@ -50,7 +50,7 @@ class DecodeWorkerConfig:
     max_requests: int = 1024  # requests held at once (waiting for KV, queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
-    borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (wire.worker_shell)
+    borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
 
 

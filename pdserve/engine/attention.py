@@ -1,11 +1,11 @@
-"""Paged attention: the per-step context object, the torch SDPA backend, backend choice.
+"""Paged attention: the per-step context object, the backend interface and the torch SDPA backend.
 
 Attention reads and writes the KV cache only through the slot mapping (where each new
 token's K/V goes) and ``block_tables`` (where each sequence's earlier K/V lives).
 A layer's cache is ``(num_blocks, block_size, num_kv_heads, head_dim)``, a strided view into
 the worker's single block-first cache tensor (see kv_cache.py).
 
-Backends (``select_backend``): ``paged``, pdserve's own batch-invariant C++ kernel, one call
+Backends (chosen by ``attention_select.select_backend``): ``paged``, pdserve's own batch-invariant C++ kernel, one call
 per layer for any mix of prefill and decode (CPU, attention_paged.py); ``flash`` and
 ``flash_invariant``, flash-attn on CUDA (attention_flash.py); ``sdpa``, torch's SDPA, one call per sequence (prefill) or per
 distinct context length (decode). Each says whether it is ``batch_invariant``: whether a
@@ -14,7 +14,6 @@ token's output is bitwise the same whatever else shares its step.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Sequence
@@ -24,8 +23,6 @@ import torch.nn.functional as F
 
 from pdserve.engine.device import to_device
 from pdserve.engine.rope import apply_rotary
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -215,9 +212,6 @@ class SdpaAttention(AttentionBackend):
         return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
-BACKENDS = ("auto", "paged", "sdpa", "flash", "flash_invariant")
-
-
 def _decode_groups(ctx: AttentionContext) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     rows_by_len: dict[int, list[int]] = {}
     for i, c in enumerate(ctx.context_lens):
@@ -226,44 +220,3 @@ def _decode_groups(ctx: AttentionContext) -> list[tuple[torch.Tensor, torch.Tens
     indices = to_device([torch.tensor(rows) for rows in rows_by_len.values()], ctx.block_tables.device)
     return [(idx, ctx.block_tables[idx, : -(-c // ctx.block_size)].long(), c)
             for idx, c in zip(indices, rows_by_len)]
-
-
-# flash-attn's kernels take only these (its ``q.dtype`` check); float32 on CUDA runs SDPA.
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                   head_dim: int, block_size: int, *, dtype: torch.dtype | None = None):
-    """``auto``: flash-attn on CUDA when the package imports and ``dtype`` (the cache's and
-    the activations') is float16 or bfloat16, SDPA otherwise there; on CPU the ``paged``
-    kernel where the CPU has AVX2 + FMA, SDPA otherwise. ``flash_invariant`` is flash-attn in
-    its batch-invariant mode (attention_flash.py). ``dtype`` None (a caller that does not
-    say) never gets flash from ``auto``: a float32 model on flash fails at its first step."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    if name == "sdpa":
-        return SdpaAttention(num_heads, num_kv_heads, head_dim)
-    if name == "paged" or (name == "auto" and device.type == "cpu"):
-        from pdserve.engine.attention_paged import PagedAttention, paged_available
-
-        if paged_available(device) and head_dim % 8 == 0:
-            try:
-                return PagedAttention(num_heads, num_kv_heads, head_dim)
-            except Exception as exc:  # no compiler on this host: auto still serves, on SDPA
-                if name == "paged":
-                    raise
-                log.warning("paged attention kernel unavailable (%s); using SDPA", exc)
-        if name == "paged":
-            raise ValueError("attention_backend=paged needs an x86-64 CPU with AVX2 and FMA, the device cpu "
-                             f"and head_dim a multiple of 8 (got device {device}, head_dim {head_dim})")
-        return SdpaAttention(num_heads, num_kv_heads, head_dim)
-    from pdserve.engine.attention_flash import FlashAttention, flash_available
-
-    if name in ("flash", "flash_invariant") and dtype not in FLASH_DTYPES:
-        raise ValueError(f"attention_backend={name} needs dtype float16 or bfloat16 (flash-attn's kernels), "
-                         f"got {dtype}; use auto or sdpa for it")
-    if flash_available(device) and dtype in FLASH_DTYPES:
-        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size, batch_invariant=name == "flash_invariant")
-    if name in ("flash", "flash_invariant"):
-        raise ValueError(f"attention_backend={name} needs CUDA and the flash-attn package (pip install '.[gpu]')")
-    return SdpaAttention(num_heads, num_kv_heads, head_dim)

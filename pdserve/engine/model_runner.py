@@ -12,7 +12,8 @@ from itertools import accumulate, chain
 
 import torch
 
-from pdserve.engine.attention import AttentionContext, host_context, select_backend
+from pdserve.engine.attention import AttentionContext, host_context
+from pdserve.engine.attention_select import select_backend
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv_cache import layer_views

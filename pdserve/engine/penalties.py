@@ -7,17 +7,25 @@ touched, so a batch without them costs one ``any`` and greedy output stays bit-i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 import torch
 
 from pdserve.engine.errors import SequenceFailed
-
-if TYPE_CHECKING:
-    from pdserve.engine.sampler import SamplerRow
+from pdserve.engine.sampling import SamplingParams
 
 
-def apply_penalties(logits: torch.Tensor, rows: list["SamplerRow"], eos_token_ids: frozenset[int],
+class PenalisedRow(Protocol):
+    """What the penalties read of a row; the sampler's ``SamplerRow`` is one. Declared here, so
+    that this module needs nothing of the sampler that calls it."""
+
+    seq_id: str
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int  # token_ids[num_prompt_tokens:] is output
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[PenalisedRow], eos_token_ids: frozenset[int],
                     failed: dict[str, SequenceFailed] | None = None) -> torch.Tensor:
     """logits (B, V), changed in place and returned. A row whose processing raises goes to
     ``failed`` (its logits row is then unspecified; the sampler drops it), or, with no
@@ -34,7 +42,7 @@ def apply_penalties(logits: torch.Tensor, rows: list["SamplerRow"], eos_token_id
     return logits
 
 
-def _penalise(row: torch.Tensor, r: "SamplerRow", eos_token_ids: frozenset[int]) -> None:
+def _penalise(row: torch.Tensor, r: PenalisedRow, eos_token_ids: frozenset[int]) -> None:
     """row (V,), in place."""
     p = r.params
     dev = row.device

@@ -1,5 +1,5 @@
 """``pdserve plan`` and ``pdserve profile``: argument parsers and entry points
-(``pdserve/cluster/cli.py`` registers them)."""
+(``pdserve.cli`` registers them)."""
 
 from __future__ import annotations
 

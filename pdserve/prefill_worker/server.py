@@ -5,7 +5,7 @@ from __future__ import annotations
 from pdserve.prefill_worker.service import add_to_server
 from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from pdserve.wire.server import RunningServer
-from pdserve.wire.worker_shell import serve
+from pdserve.shell.server import serve
 
 
 async def start(config: PrefillWorkerConfig, worker: PrefillWorker | None = None) -> RunningServer:

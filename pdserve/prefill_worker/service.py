@@ -13,7 +13,7 @@ from pdserve.prefill_worker.worker import PrefillResult, PrefillWorker
 from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from pdserve.wire.failure import Failure, abort_with
 from pdserve.wire.grpc_util import abort_invalid
-from pdserve.wire.worker_shell import ShellRpcs
+from pdserve.shell.service import ShellRpcs
 
 log = logging.getLogger(__name__)  # request ids are the router's (a client's X-Request-Id)
 

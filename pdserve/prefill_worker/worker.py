@@ -26,7 +26,7 @@ from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
 from pdserve.prefill_worker.record import RequestRecord
 from pdserve.protos import worker_pb2
-from pdserve.wire.worker_shell import WorkerShell
+from pdserve.shell.worker import WorkerShell
 
 # While KV is held, a decode worker's read can complete at any moment and its notification
 # frees the blocks: the engine thread looks for notifications this often, and never when
@@ -55,7 +55,7 @@ class PrefillWorkerConfig:
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
-    borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (wire.worker_shell)
+    borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
     # Prefix-cache events kept for routers' polls (prefill_worker.cache_events). A router further
     # behind gets a snapshot instead. At ~1,000 prompt tokens/s a CPU worker makes ~60 events a
@@ -205,7 +205,7 @@ class PrefillWorker(WorkerShell):
 
     def _queued_hit_tokens(self) -> int:
         blocks, hit_blocks = self.engine.blocks, 0
-        for seq in list(self.engine.scheduler.waiting):  # a racy read, as wire.stats explains
+        for seq in list(self.engine.scheduler.waiting):  # a racy read, as shell.stats explains
             record = self.records.get(seq.seq_id)
             hashes = record.prompt_hashes if record is not None else None
             if hashes and not blocks.has(seq.seq_id):  # admitted ones count only what is left already

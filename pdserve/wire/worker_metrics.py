@@ -84,7 +84,7 @@ class WorkerCollector:
     """The worker families, read from every registered worker of this process at scrape time.
 
     Reading at scrape time keeps the engine's hot path free of metric updates; the reads
-    race with the engine thread the way ``pdserve.wire.stats`` explains.
+    race with the engine thread the way ``pdserve.shell.stats`` explains.
     """
 
     def __init__(self) -> None:

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cli import main
 from pdserve.cluster import cli, worker_cli
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, serve_settings
 from pdserve.decode_worker.worker import DecodeWorkerConfig
 from pdserve.prefill_worker.worker import PrefillWorkerConfig
-from pdserve.wire import worker_process
+from pdserve.cluster import worker_process
 
 ROOT = Path(__file__).resolve().parents[2]
 SPELLINGS = {"lease_seconds": ("lease_seconds", "lease-seconds"), "drain_grace": ("drain_grace", "drain-grace")}
@@ -110,8 +111,8 @@ def test_the_plain_worker_process_reads_default_and_bounds_from_the_declarations
 def test_pdserve_stop_reads_default_and_bounds_from_the_declaration(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(cli, "cluster_stop", lambda args: seen.append(args.drain_grace_seconds) or 0)
-    assert cli.main(["stop", "--address", "127.0.0.1:6379"]) == 0
+    assert main(["stop", "--address", "127.0.0.1:6379"]) == 0
     assert seen == [DRAIN_GRACE_SECONDS.default]
     with pytest.raises(SystemExit):
-        cli.main(["stop", "--address", "127.0.0.1:6379", "--drain-grace-seconds", "-1"])
+        main(["stop", "--address", "127.0.0.1:6379", "--drain-grace-seconds", "-1"])
     assert "drain_grace_seconds must be at least 0" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from pdserve.wire.logs import JsonFormatter, LogConfig, LogConfigError, configur
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# `pdserve serve` itself (cluster.cli.main), with LocalCluster replaced by a stand-in that runs
+# `pdserve serve` itself (pdserve.cli.main), with LocalCluster replaced by a stand-in that runs
 # one real autoscaler round over an empty cluster (both pools below min_replicas: a scale-up
 # each) and then presses Ctrl-C. No Ray, no model: what is tested is that the serve process
 # configures logging from its settings, so the autoscaler's lines are printed.
@@ -21,7 +21,7 @@ SERVE_ONE_ROUND = """
 import os, signal, sys, time
 import pdserve.cluster.local
 from pdserve.cluster.autoscaler import Autoscaler
-from pdserve.cluster.cli import main
+from pdserve.cli import main
 
 class OneRound:
     def __init__(self, config):

@@ -99,7 +99,7 @@ def test_a_lease_shorter_than_the_kv_read_timeout_is_refused_at_start(capsys):
     with pytest.raises(ValueError, match=r"lease_seconds \(5 s, --lease-seconds\) must exceed transfer_timeout_s \(10 s"):
         ClusterConfig(lease_seconds=5.0, transfer_timeout_s=10.0)
     assert ClusterConfig(lease_seconds=30.0, transfer_timeout_s=10.0).lease_seconds == 30.0
-    from pdserve.cluster.cli import main
+    from pdserve.cli import main
 
     assert main(["serve", "--lease-seconds", "10"]) == 2  # equal is refused too: no margin for the read
     err = capsys.readouterr().err

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from pdserve.cluster.cli import main
+from pdserve.cli import main
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import LEASE_SECONDS, SettingsError, add_arguments, resolve

@@ -54,12 +54,13 @@ def environment(container: dict) -> dict[str, str]:
 def parsed(argv: list[str], monkeypatch) -> SimpleNamespace:
     """Parse ``argv`` with the real `pdserve` parser; returns the command and its namespace."""
     import pdserve.cluster.cli
+    from pdserve.cli import main
     from pdserve.cluster import worker_cli
 
     seen = {}
     monkeypatch.setattr(pdserve.cluster.cli, "serve", lambda args: seen.setdefault("args", args) and 0)
     monkeypatch.setattr(worker_cli, "run_worker", lambda args: seen.setdefault("args", args) and 0)
-    pdserve.cluster.cli.main(argv)
+    main(argv)
     return seen["args"]
 
 

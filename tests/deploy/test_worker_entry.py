@@ -21,7 +21,7 @@ from pdserve.protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_g
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-PDSERVE = [sys.executable, "-c", "import sys; from pdserve.cluster.cli import main; sys.exit(main())"]
+PDSERVE = [sys.executable, "-c", "import sys; from pdserve.cli import main; sys.exit(main())"]
 GRACE_S = 1.0  # the decode worker's drain: shorter than the stream, so the stream must move
 
 

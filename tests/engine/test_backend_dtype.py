@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pdserve.engine.attention_flash as attention_flash
-from pdserve.engine.attention import select_backend
+from pdserve.engine.attention_select import select_backend
 
 CUDA = torch.device("cuda")
 

@@ -6,7 +6,8 @@ Never run where it was written (no GPU there): see pdserve/engine/attention_flas
 import pytest
 import torch
 
-from pdserve.engine.attention import build_context, select_backend
+from pdserve.engine.attention import build_context
+from pdserve.engine.attention_select import select_backend
 from pdserve.engine.sampling import SamplingParams
 from tests.factories import make_engine, random_prompts
 

@@ -260,7 +260,7 @@ def test_a_path_the_processor_lacks_is_refused_before_anything_starts(monkeypatc
 
 def test_pdserve_serve_refuses_an_unknown_path_at_start():
     env = {**os.environ, "PDSERVE_CPU_ISA": "sse4"}
-    out = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "serve"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve"], env=env, capture_output=True, text=True,
                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 2
     assert "PDSERVE_CPU_ISA='sse4' is not a kernel path" in out.stderr

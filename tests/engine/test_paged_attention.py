@@ -164,7 +164,7 @@ def test_bad_inputs_raise_errors_naming_the_field(op, change, message):
 
 
 def test_auto_picks_the_paged_kernel_on_cpu_and_names_are_checked():
-    from pdserve.engine.attention import select_backend
+    from pdserve.engine.attention_select import select_backend
 
     backend = select_backend("auto", torch.device("cpu"), NH, NKV, HD, BS)
     assert backend.name == "paged" and backend.batch_invariant

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pdserve.cluster.autoscaling import from_mapping
-from pdserve.cluster.cli import main
+from pdserve.cli import main
 from pdserve.cluster.settings import serve_settings
 from pdserve.planner.hardware import GPU_PROFILES
 from pdserve.planner.metrics import Slo

@@ -1,7 +1,12 @@
-"""One worker as a plain process, as Kubernetes runs it: ``python -m pdserve.wire.worker_process
-prefill --model DIR``. It prints ``listening on HOST:PORT`` once it serves, and drains on
-SIGTERM (or SIGINT): health turns NOT_SERVING, new requests are refused, in-flight ones get
-up to ``--drain-grace-s`` to finish, then it exits 0.
+"""One prefill or decode worker as a plain process that joins no router: ``python -m
+pdserve.cluster.worker_process prefill --model DIR``. It prints ``listening on HOST:PORT`` once
+it serves, and drains on SIGTERM (or SIGINT): health turns NOT_SERVING, new requests are
+refused, in-flight ones get up to ``--drain-grace-s`` to finish, then it exits 0.
+
+``pdserve worker --role`` (``pdserve.cluster.worker_cli``) is the one a Kubernetes Deployment
+runs: it also joins a router's table and leaves it on SIGTERM. This entry serves a worker
+whose address its caller passes on by hand (the drain tests do), with flags of its own for
+the core pinning, block count and request bound.
 
 Under Ray (``pdserve.cluster.actors.ServerActor``) the actor installs the same drain as its process's
 SIGTERM handler in place of Ray's (which exits at once); this module's handler is for
@@ -22,7 +27,7 @@ from pdserve.wire.logs import FORMATS, LEVELS, LogConfig, configure
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdserve.wire.worker_process", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.cluster.worker_process", description=__doc__.split("\n\n")[0])
     p.add_argument("role", choices=["prefill", "decode"])
     p.add_argument("--model", default="default", help="'default', a HF directory or a .gguf file")
     p.add_argument("--worker-id", default=None)

@@ -1,18 +1,11 @@
-"""The shell every worker role runs in, written once for prefill and decode.
+"""The worker both roles are: an engine on its thread plus a KV-transfer agent, written once
+for prefill and decode (``PrefillWorker`` and ``DecodeWorker`` subclass ``WorkerShell``).
 
-A worker is an engine on its thread plus a KV-transfer agent, served over gRPC. What differs
-between the roles is small (what a request waits for, what ``abort_now`` frees, the hooks that
-poll transfers or leases); what is the same lives here:
-
-- ``WorkerShell``: start (pin the process to its cores, start the engine thread), stop, the
-  engine-thread-to-asyncio bridge (``call``; per-request streams fed once per step), abort,
-  stats, and drain (no new requests; wait for in-flight ones up to a grace period).
-- ``ShellRpcs``: the ``Abort`` / ``Stats`` / ``Drain`` RPCs both services serve.
-- ``serve``: a worker's gRPC server, health and /metrics, started and stopped together.
-
-It lives in ``pdserve/wire/`` because that is the package for a process's face to the others
-(servers, stats, conversions): both worker packages already import it, and it imports
-neither of them.
+What differs between the roles is small (what a request waits for, what ``abort_now`` frees, the
+hooks that poll transfers or leases); what is the same lives here: start (pin the process to
+its cores, start the engine thread), stop, the engine-thread-to-asyncio bridge (``call``;
+per-request streams fed once per step), abort, stats, and drain (no new requests; wait for
+in-flight ones up to a grace period).
 """
 
 from __future__ import annotations
@@ -22,17 +15,13 @@ import logging
 import os
 from typing import Any, Callable, ClassVar, Iterable
 
-import grpc
-
 from pdserve.engine.engine_thread import EngineThread, Hook
 from pdserve.engine.errors import StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.step_trace import StepTrace, trace_path
 from pdserve.kv_transfer import KVTransferAgent
 from pdserve.protos import worker_pb2
-from pdserve.wire.worker_metrics import WorkerSource, serve_worker
-from pdserve.wire.server import RunningServer, set_serving, start_server
-from pdserve.wire.stats import worker_stats
+from pdserve.shell.stats import worker_stats
 
 log = logging.getLogger(__name__)
 
@@ -181,62 +170,3 @@ def borrow_idle_cores(own: Iterable[int], borrowed: Iterable[int]) -> None:
     cpu_kernels.load()
     helpers = torch.ops.pdserve.start_borrow_pool(sorted(own), sorted(borrowed))
     log.info("kernels on cores %s, and %d idle-priority helper(s) on %s", sorted(own), helpers, sorted(borrowed))
-
-
-class ShellRpcs:
-    """``Abort``, ``Stats`` and ``Drain``, served the same way by both worker services. Put
-    it before the generated servicer base, whose methods answer UNIMPLEMENTED."""
-
-    worker: WorkerShell
-    metrics_address: str = ""
-
-    async def Abort(self, request, context):
-        return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
-
-    async def Stats(self, request, context):
-        self.worker.note_poll(request.router_id)
-        return self.worker.stats(self.metrics_address)
-
-    async def Drain(self, request, context):
-        self.worker.draining = True
-        return self.worker.stats(self.metrics_address)
-
-    async def admit(self, context, draining_code: grpc.StatusCode) -> None:
-        """Refuse a new request at once, before any work: ``draining_code`` while the worker
-        drains, RESOURCE_EXHAUSTED while it already holds ``max_requests`` (the router tries
-        another worker, or answers 429 with Retry-After)."""
-        worker = self.worker
-        if worker.draining:
-            await context.abort(draining_code, f"{worker.role} worker {worker.config.worker_id} is draining")
-        if worker.requests() >= worker.config.max_requests:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{worker.role} worker {worker.config.worker_id} holds max_requests "
-                                f"({worker.config.max_requests}) requests")
-
-
-async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, str], None],
-                service: str) -> RunningServer:
-    """Start ``worker``, its /metrics and its gRPC server; ``register(server, address,
-    metrics_address)`` adds the role's servicer. The returned server's ``drain(grace_s)``
-    (SIGTERM) turns health NOT_SERVING, lets in-flight requests finish within ``grace_s``
-    (the process's ``drain_grace_seconds``), then stops everything."""
-    config = worker.config
-    worker.start()
-    metrics = serve_worker(worker.endpoint, config.metrics_port, WorkerSource(
-        worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size, config.model_name))
-    running = await start_server(worker.endpoint, config.port,
-                                 lambda server, address: register(server, address, metrics.address),
-                                 service, [metrics.stop, worker.stop], tls=config.tls,
-                                 max_receive_bytes=config.max_receive_bytes,
-                                 insecure_internal=config.insecure_internal)
-
-    async def drain(grace_s: float) -> None:
-        await set_serving(running.health, [service], False)
-        idle = await worker.drain(grace_s)
-        if not idle:
-            log.warning("%s: %d request(s) still in flight after %.0f s of drain; stopping",
-                        config.worker_id, worker.in_flight(), grace_s)
-        await running.stop()
-
-    running.drain = drain
-    return running

@@ -153,7 +153,7 @@ def test_sigterm_drains_a_worker_process_then_it_exits_0(tiny_llama_dir):
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.wire.worker_process", "prefill", "--model", str(tiny_llama_dir[0]),
+        [sys.executable, "-m", "pdserve.cluster.worker_process", "prefill", "--model", str(tiny_llama_dir[0]),
          "--kv-transfer-backend", "tcp", "--num-blocks", "64", "--drain-grace-s", "120"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
@@ -189,7 +189,7 @@ def test_pin_process_moves_every_thread_and_sizes_torch_to_the_cores():
     import subprocess
     import sys
 
-    code = ("import os, threading, torch; from pdserve.wire.worker_shell import pin_process; "
+    code = ("import os, threading, torch; from pdserve.shell.worker import pin_process; "
             "t = threading.Thread(target=threading.Event().wait, daemon=True); t.start(); "
             "pin_process([0]); "
             "print(sorted({tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir('/proc/self/task')}), "
@@ -229,7 +229,7 @@ def test_stats_count_the_blocks_of_requests_without_a_limit(tiny_llama_dir):
 
     from pdserve.engine.sampling import SamplingParams
     from pdserve.kv_transfer.base import TransferStats
-    from pdserve.wire.stats import worker_stats
+    from pdserve.shell.stats import worker_stats
 
     eng = make_engine(tiny_llama_dir[0])
     prompt = list(range(1, 40))  # 39 tokens + the first: 3 blocks of 16

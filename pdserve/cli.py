@@ -1,0 +1,40 @@
+"""The ``pdserve`` command, the one entry point of the installed package.
+
+    pdserve serve [MODEL]            start a local cluster (router + workers as Ray actors)
+    pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
+    pdserve stop --address RAY       drain and stop it
+    pdserve generate "PROMPT"        stream a completion from a running cluster
+    pdserve worker --role ROLE       one role as a plain process, without Ray (pdserve/cluster/worker_cli.py)
+    pdserve plan                     size prefill and decode pools (simulated; pdserve/planner/)
+    pdserve profile                  fit the CPU cost profile to this machine's engine
+
+It sits above every subpackage: the cluster's commands and the planner's register here, so
+that ``pdserve.cluster`` needs nothing of ``pdserve.planner`` (which imports the cluster's
+autoscaling policies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.cluster import cli as cluster_cli
+from pdserve.cluster import worker_cli
+from pdserve.planner import cli as planner_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--version", action="version", version=f"pdserve {cluster_cli.version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands = cluster_cli.add_commands(sub)
+    planner_cli.add_plan_parser(sub)
+    planner_cli.add_profile_parser(sub)
+    worker_cli.add_worker_parser(sub)
+    commands.update(plan=planner_cli.run_plan, profile=planner_cli.run_profile, worker=worker_cli.run_worker)
+    args = parser.parse_args(argv)
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

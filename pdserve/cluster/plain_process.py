@@ -1,0 +1,37 @@
+"""What both kinds of ``pdserve worker`` process share, whichever role they serve
+(``worker_cli`` for a prefill or decode worker, ``worker_router`` for the router): the engine
+and internal-plane settings read from the resolved values, and the wait for SIGTERM.
+
+A module of its own so that the two entry modules need nothing of each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+
+def engine_config(v: dict[str, Any]):
+    """The engine's config from the resolved settings of ``pdserve worker``."""
+    from pdserve.engine.config import CacheConfig, EngineConfig
+
+    return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
+                        cache=CacheConfig(block_size=v["block_size"],
+                                          memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))))
+
+
+def internal_tls(v: dict[str, Any]):
+    """The internal plane's certificate (``--tls-cert/--tls-key/--tls-ca``); None without one."""
+    from pdserve.wire import tls
+
+    return tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls")
+
+
+async def stop_signal() -> None:
+    """Return once this process gets SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,59 @@
+"""Which attention backend a model runs on: ``select_backend`` turns the configured name
+(``auto``, ``paged``, ``sdpa``, ``flash``, ``flash_invariant``) and the device into one of
+attention.py's, attention_paged.py's or attention_flash.py's backends.
+
+It is a module of its own because it imports every backend, and each backend imports the
+interface in attention.py: kept there, the choice made a loop of the three files.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.engine.attention import SdpaAttention
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "paged", "sdpa", "flash", "flash_invariant")
+
+# flash-attn's kernels take only these (its ``q.dtype`` check); float32 on CUDA runs SDPA.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
+                   head_dim: int, block_size: int, *, dtype: torch.dtype | None = None):
+    """``auto``: flash-attn on CUDA when the package imports and ``dtype`` (the cache's and
+    the activations') is float16 or bfloat16, SDPA otherwise there; on CPU the ``paged``
+    kernel where the CPU has AVX2 + FMA, SDPA otherwise. ``flash_invariant`` is flash-attn in
+    its batch-invariant mode (attention_flash.py). ``dtype`` None (a caller that does not
+    say) never gets flash from ``auto``: a float32 model on flash fails at its first step."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "sdpa":
+        return SdpaAttention(num_heads, num_kv_heads, head_dim)
+    if name == "paged" or (name == "auto" and device.type == "cpu"):
+        from pdserve.engine.attention_paged import PagedAttention, paged_available
+
+        if paged_available(device) and head_dim % 8 == 0:
+            try:
+                return PagedAttention(num_heads, num_kv_heads, head_dim)
+            except Exception as exc:  # no compiler on this host: auto still serves, on SDPA
+                if name == "paged":
+                    raise
+                log.warning("paged attention kernel unavailable (%s); using SDPA", exc)
+        if name == "paged":
+            raise ValueError("attention_backend=paged needs an x86-64 CPU with AVX2 and FMA, the device cpu "
+                             f"and head_dim a multiple of 8 (got device {device}, head_dim {head_dim})")
+        return SdpaAttention(num_heads, num_kv_heads, head_dim)
+    from pdserve.engine.attention_flash import FlashAttention, flash_available
+
+    if name in ("flash", "flash_invariant") and dtype not in FLASH_DTYPES:
+        raise ValueError(f"attention_backend={name} needs dtype float16 or bfloat16 (flash-attn's kernels), "
+                         f"got {dtype}; use auto or sdpa for it")
+    if flash_available(device) and dtype in FLASH_DTYPES:
+        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size, batch_invariant=name == "flash_invariant")
+    if name in ("flash", "flash_invariant"):
+        raise ValueError(f"attention_backend={name} needs CUDA and the flash-attn package (pip install '.[gpu]')")
+    return SdpaAttention(num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,40 @@
+"""The RPCs both worker services answer the same way: ``Abort``, ``Stats`` and ``Drain``, and
+the admission check every new request passes (``ShellRpcs``)."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.protos import worker_pb2
+from pdserve.shell.worker import WorkerShell
+
+
+class ShellRpcs:
+    """``Abort``, ``Stats`` and ``Drain``, served the same way by both worker services. Put
+    it before the generated servicer base, whose methods answer UNIMPLEMENTED."""
+
+    worker: WorkerShell
+    metrics_address: str = ""
+
+    async def Abort(self, request, context):
+        return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
+
+    async def Stats(self, request, context):
+        self.worker.note_poll(request.router_id)
+        return self.worker.stats(self.metrics_address)
+
+    async def Drain(self, request, context):
+        self.worker.draining = True
+        return self.worker.stats(self.metrics_address)
+
+    async def admit(self, context, draining_code: grpc.StatusCode) -> None:
+        """Refuse a new request at once, before any work: ``draining_code`` while the worker
+        drains, RESOURCE_EXHAUSTED while it already holds ``max_requests`` (the router tries
+        another worker, or answers 429 with Retry-After)."""
+        worker = self.worker
+        if worker.draining:
+            await context.abort(draining_code, f"{worker.role} worker {worker.config.worker_id} is draining")
+        if worker.requests() >= worker.config.max_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{worker.role} worker {worker.config.worker_id} holds max_requests "
+                                f"({worker.config.max_requests}) requests")
