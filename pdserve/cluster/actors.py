@@ -101,6 +101,24 @@ class ServerActor:
         service = self._server.running.service
         return self._server.submit(service.drain(grace_s)) if hasattr(service, "drain") else 0
 
+    def ready(self) -> bool:
+        """A router: whether it would take traffic now (its readiness: a routable worker in
+        each pool, not draining). A worker serves once ``start`` has returned."""
+        service = self._server.running.service
+        if not hasattr(service, "pool"):
+            return True
+        return service.pool.ready() and not service.draining and not service.unready
+
+    def hand_over(self, unready_s: float, grace_s: float) -> int:
+        """A router replaced in a rolling restart (``pdserve.router.handover``): readiness
+        false, stop listening, let its streams finish within ``grace_s``, stop. Returns how
+        many requests were cut at the grace's end."""
+        from pdserve.router.handover import hand_over
+
+        left = self._server.submit(hand_over(self._server.running, unready_s, grace_s))
+        self._server.stop()
+        return left
+
     def stop(self) -> None:
         self._server.stop()
 

@@ -3,6 +3,7 @@
     pdserve serve [MODEL]            start a local cluster (router + workers as Ray actors)
     pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
     pdserve stop --address RAY       drain and stop it
+    pdserve rollout --address RAY --pool POOL   restart every process of a pool in turn, losing no request
     pdserve generate "PROMPT"        stream a completion from a running cluster
 
 ``pdserve worker --role ROLE`` is ``pdserve.cluster.worker_cli``'s.
@@ -45,6 +46,21 @@ def _cluster_parsers(sub) -> None:
             grace = DRAIN_GRACE_SECONDS
             p.add_argument(grace.flag, type=flag_type(grace), default=grace.default,
                            help=f"{grace.help} (default {grace.default:g})")
+
+
+def _rollout_parser(sub) -> None:
+    p = sub.add_parser("rollout", help="restart every process of one pool in turn, as a Deployment's rolling update does",
+                       description="Each process of the pool is replaced in turn: a new one starts with the same "
+                                   "settings and becomes ready, then the old one drains (no new requests; its "
+                                   "held KV is pulled, its streams finish) and stops. Clients lose no request "
+                                   "(docs/operations.md).")
+    p.add_argument("--address", required=True, help="the Ray cluster's address (serve's --address)")
+    p.add_argument("--cluster-name", default="pdserve", help="the cluster's Ray namespace (serve's --cluster-name)")
+    p.add_argument("--pool", required=True, choices=("prefill", "decode", "router"))
+    grace = DRAIN_GRACE_SECONDS
+    p.add_argument(grace.flag, type=flag_type(grace), default=grace.default,
+                   help=f"how long each old process may take to finish what it runs; past it a worker's streams "
+                        f"migrate (default {grace.default:g})")
 
 
 def _generate_parser(sub) -> None:
@@ -198,6 +214,20 @@ def cluster_stop(args) -> int:
     return 0
 
 
+def cluster_rollout(args) -> int:
+    import ray
+
+    handle = _running_controller(args)
+    if handle is None:
+        return 1
+    print(f"pdserve: rolling the {args.pool} pool, one process at a time", flush=True)
+    for r in ray.get(handle.rollout.remote(args.pool, args.drain_grace_seconds)):
+        busy = "" if r["idle"] else "; stopped at the end of its grace with requests running"
+        print(f"{r['pool']}: {r['old']} -> {r['new']} (ready in {r['surge_s']:.1f} s, drained in {r['drain_s']:.1f} s{busy})",
+              flush=True)
+    return 0
+
+
 def _running_controller(args):
     """The controller of ``--cluster-name`` on the Ray at ``--address``; None, said on stderr, if none runs."""
     from pdserve.cluster import controller
@@ -263,4 +293,6 @@ def add_commands(sub) -> dict[str, Callable[[argparse.Namespace], int]]:
     _serve_parser(sub)
     _generate_parser(sub)
     _cluster_parsers(sub)
-    return {"serve": serve, "generate": generate, "status": cluster_status, "stop": cluster_stop}
+    _rollout_parser(sub)
+    return {"serve": serve, "generate": generate, "status": cluster_status, "stop": cluster_stop,
+            "rollout": cluster_rollout}

@@ -73,6 +73,15 @@ class Controller:
     def drain(self, grace_s: float) -> int:
         return self.cluster.drain(grace_s)
 
+    def rollout(self, pool: str, drain_grace_s: float) -> list[dict]:
+        """Replace every process of ``pool`` in turn (``pdserve.cluster.rollout``); one record
+        per process replaced."""
+        import dataclasses
+
+        from pdserve.cluster.rollout import RolloutConfig, roll
+
+        return [dataclasses.asdict(r) for r in roll(self.cluster, pool, RolloutConfig(drain_grace_s=drain_grace_s))]
+
     def shutdown(self) -> None:
         """Stop the router and every worker, remove their placement groups, and end this actor
         for good (Ray does not start it again)."""

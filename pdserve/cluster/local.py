@@ -207,6 +207,24 @@ class LocalCluster:
             self.push_membership()
             return self.address
 
+    def surge_router(self):
+        """Start a second router on the same public ports (both listen, with SO_REUSEPORT, and
+        the kernel spreads new connections over them) and give it the membership; it becomes
+        the cluster's router. Returns the one it replaces, still serving, for
+        ``pdserve.cluster.rollout`` to hand over; on failure the old one stays the router."""
+        with self.lock:
+            old = (self.router, self.address, self.http_address, self.admin_address, self._router_config)
+            try:
+                self._start_router(dataclasses.replace(self._router_config, prefill_addresses=tuple(self.prefill_addresses),
+                                                       decode_addresses=tuple(self.decode_addresses)))
+                self.push_membership()
+            except Exception:
+                if self.router is not old[0]:
+                    ray.kill(self.router, no_restart=True)
+                self.router, self.address, self.http_address, self.admin_address, self._router_config = old
+                raise
+            return old[0]
+
     def _init_ray(self) -> None:
         """Join ``ray_address``, or start a Ray of our own with token authentication
         (``ray_token_auth``), so that nobody else can run code in it."""
@@ -272,17 +290,28 @@ class LocalCluster:
         request, finishes the ones it has (a prefill worker also waits until its held KV is
         pulled or expires), and only then stops. Returns its address."""
         with self.lock:
-            index %= len(self.actors(role))
-            actor, address = self.actors(role)[index], self.addresses(role)[index]
+            address = self.addresses(role)[index % len(self.actors(role))]
+        self.retire(role, address, drain_timeout_s)
+        return address
+
+    def retire(self, role: str, address: str, drain_timeout_s: float) -> bool | None:
+        """Drain the worker at ``address`` out of the cluster (see ``scale_down``). True if it
+        went idle within ``drain_timeout_s`` (else it is stopped busy, and the router migrates
+        what it ran); None if no slot serves there (it was replaced or removed meanwhile)."""
+        with self.lock:
+            if address not in self.addresses(role):
+                return None
+            index = self.addresses(role).index(address)
+            actor = self.actors(role)[index]
             group = self._drop_slot(role, index)
             self.push_membership()
-        self._drain(role, address, drain_timeout_s)
+        idle = self._drain(role, address, drain_timeout_s)
         try:
             ray.get(actor.stop.remote(), timeout=30)
         finally:
             ray.kill(actor)
             remove(group)  # only now: removing a placement group kills the actors in it
-        return address
+        return idle
 
     def _drop_slot(self, role: str, index: int):
         """Forget a slot (later slots move down one index); returns its placement group."""
@@ -297,7 +326,8 @@ class LocalCluster:
         self.addresses(role).pop(index)
         return group
 
-    def _drain(self, role: str, address: str, timeout_s: float) -> None:
+    def _drain(self, role: str, address: str, timeout_s: float) -> bool:
+        """Whether the worker went idle (no request, no held KV) within ``timeout_s``."""
         from pdserve.protos import worker_pb2, worker_pb2_grpc
 
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
@@ -308,9 +338,10 @@ class LocalCluster:
             while stats.num_running or stats.num_waiting or stats.num_held_leases:
                 if time.monotonic() > deadline:
                     log.warning("%s still busy after %.0f s of draining; stopping it anyway", address, timeout_s)
-                    return
+                    return False
                 time.sleep(0.2)
                 stats = stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+        return True
 
     def push_membership(self, exclude: set[str] = frozenset()) -> None:
         """Tell the router the workers it may route to: all live slots, minus ``exclude``."""

@@ -38,8 +38,12 @@ def router_config(v: dict[str, Any]):
 
 
 async def run_router(v: dict[str, Any], config, autoscaling: dict | None) -> None:
-    """Serve until SIGTERM, then drain (running streams finish within the grace) and stop.
+    """Serve until SIGTERM, then hand over (``pdserve.router.handover``: readiness false, stop
+    listening and send clients GOAWAY, running streams finish within the grace) and stop. A
+    rolling update's new router is behind the same Service by then; the pod's preStop sleep
+    has let the endpoints drop this one first, so nothing new is refused here.
     ``autoscaling``: the pools' policies for the observe-only controller; None: no controller."""
+    from pdserve.router.handover import hand_over
     from pdserve.router.server import start
 
     running = await start(config)
@@ -52,7 +56,7 @@ async def run_router(v: dict[str, Any], config, autoscaling: dict | None) -> Non
     await stop_signal()
     grace = v["drain_grace_seconds"]
     print(f"router: draining (up to {grace:g} s)", flush=True)
-    left = await running.service.drain(grace)
+    left = await hand_over(running, 0.0, grace)
     if left:
         print(f"router: {left} request(s) still running after the grace period; stopping anyway", flush=True)
     pruner.cancel()

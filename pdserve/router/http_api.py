@@ -294,7 +294,7 @@ class OpenAIFront:
         return web.json_response({"version": version})
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.service.draining:
+        if self.service.draining or self.service.unready:
             return error_response(503, "the router is shutting down", "service_unavailable")
         missing = self.service.pool.missing_roles()
         if not missing:
@@ -390,7 +390,10 @@ async def start(service: GenerationService, host: str | Endpoint, port: int, *, 
     runner = web.AppRunner(app, access_log=ACCESS_LOGGER, access_log_format=ACCESS_FORMAT, handler_cancellation=True,
                            keepalive_timeout=service.limits.http_header_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, endpoint.bind_host, port, ssl_context=tls.http_server_context() if tls else None)
+    # reuse_port: a rolling restart's next router binds the same port while this one still
+    # serves (gRPC's own servers set SO_REUSEPORT already); pdserve.router.handover.
+    site = web.TCPSite(runner, endpoint.bind_host, port, ssl_context=tls.http_server_context() if tls else None,
+                       reuse_port=True)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # aiohttp exposes no public accessor for port 0
     return runner, endpoint.advertise(bound)

@@ -81,7 +81,12 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
     return ModelInfo(first, cfg, max_len, config.engine.cache.block_size, tokenizer, tuple(aliases), parser)
 
 
-async def start(config: RouterConfig) -> RunningServer:
+@dataclass
+class RunningRouter(RunningServer):
+    http_runner: object = None  # the OpenAI front's aiohttp runner, stopped first in a hand-over
+
+
+async def start(config: RouterConfig) -> RunningRouter:
     """Two servers: the public plane (``Generation``, health, reflection, the OpenAI API) and
     the internal plane (``RouterAdmin``, health), each on its own port and address."""
     sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)  # the process is the router's (see above)
@@ -113,12 +118,13 @@ async def start(config: RouterConfig) -> RunningServer:
     await internal.start()
     await set_serving(internal_health, [ADMIN_SERVICE], True)
     await server.start()
-    running = RunningServer(address, server, health, [lambda: internal.stop(1.0), pool.close], service,
+    running = RunningRouter(address, server, health, [lambda: internal.stop(1.0), pool.close], service,
                             internal_address=internal_address)
     if config.http_port is not None:
         runner, running.http_address = await http_api.start(service, public, config.http_port,
                                                             api_key=config.api_key, tls=config.public_tls)
         running.on_stop.insert(0, runner.cleanup)
+        running.http_runner = runner
     detach(_track_health(service, health))
     return running
 
@@ -129,7 +135,7 @@ async def _track_health(service: GenerationService, health) -> None:
     pool = service.pool
     serving = None
     while True:
-        ready = pool.ready() and not service.draining
+        ready = pool.ready() and not service.draining and not service.unready
         if ready != serving:
             await set_serving(health, [SERVICE], ready)
             serving = ready

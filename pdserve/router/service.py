@@ -49,6 +49,9 @@ class GenerationService:
         self.aborted: set[tuple[str, str]] = set()
         self.waiting = 0  # requests admitted that have not had their first response yet
         self.draining = False
+        # Readiness false while it still serves what reaches it: a rolling restart's old router
+        # until it stops listening (pdserve.router.handover).
+        self.unready = False
         # Tokenization, chat templates and large bodies off the event loop, in a bounded queue.
         self.work = ClientWork(limits.tokenizer_threads, limits.max_tokenizer_queue)
         self.trace = TraceWriter.from_env()  # planner replay: PDSERVE_TRACE_FILE records lengths per request

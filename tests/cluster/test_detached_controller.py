@@ -9,6 +9,7 @@ run as a user runs them, with the default model in float32:
 3. The controller's process is SIGKILLed: Ray starts it again, it takes the running router
    and workers over (same pids: no model load), and its supervisor still works: a decode
    worker SIGKILLed afterwards is replaced, and the stream is served again.
+   ``pdserve rollout --pool router`` then replaces the router on the same address.
 4. ``pdserve serve --address`` run again attaches to the running cluster (same endpoints);
    Ctrl-C on it drains and stops the cluster: no named actor and no placement group is left.
 """
@@ -148,10 +149,19 @@ def test_the_cluster_outlives_its_driver_and_its_controller(ray_head, reference,
                 assert time.monotonic() < deadline, exc
                 time.sleep(1)
 
+        # ... and `pdserve rollout` replaces the router: same address, a new process, and the
+        # old one's named actor is gone (step 4 finds no actor left).
+        done = subprocess.run([PDSERVE, "rollout", "--address", ray_head, "--pool", "router"], env=ENV,
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0 and "router: " in done.stdout, done.stderr[-2000:]
+        rolled = status()
+        assert rolled["grpc_address"] == grpc_address and rolled["router_pid"] != third["router_pid"]
+        greedy(grpc_address, reference)
+
         # 4. serve again attaches; its Ctrl-C stops the cluster and leaves nothing behind.
         driver, how, again = serve(ray_head, tmp_path / "serve2.log")
         assert how == "attached to the running cluster" and again == grpc_address
-        assert pids(status()) == pids(third)
+        assert pids(status()) == pids(rolled)
         os.killpg(driver.pid, signal.SIGINT)
         assert driver.wait(120) == 0, (tmp_path / "serve2.log").read_text()[-2000:]
         assert status_command(ray_head) is None

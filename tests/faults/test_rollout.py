@@ -1,0 +1,223 @@
+"""Rolling restarts under a steady load (``pdserve.cluster.rollout``): the prefill worker
+(a pool of one: never a moment without one), then each of the two decode workers in turn,
+then the router is replaced while clients keep greedy streams running. Every stream completes with exactly the tokens of an undisturbed run, none
+fails, the graceful drains migrate nothing, and afterwards no worker holds a KV block.
+
+A decode worker that must stop before its streams are done (a grace of 0) hands them over:
+they migrate and still complete with the same tokens.
+
+The cluster runs the real default model in float32, so outputs compare token for token.
+"""
+
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import ray
+
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.local import LocalCluster
+from pdserve.cluster.rollout import RolloutConfig, roll
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.protos import pdserve_pb2_grpc
+from tests.faults.test_under_load import gone
+from tests.serving.conftest import worker_stats
+from tests.serving.test_disaggregated import chat_request, collect
+
+pytestmark = pytest.mark.slow
+
+LEASE_S = 120.0  # far beyond every wait here: a freed block was freed on purpose, not by expiry
+REQUEST_TIMEOUT_S = 60.0
+CLIENTS = 3
+MAX_TOKENS = 16
+LONG_TOKENS = 32  # streams still running when a worker with no grace stops
+PROMPTS = [f"Tell me a short fact about the number {i}." for i in range(3)]
+CLEAN_WITHIN_S = 20.0
+GRACEFUL = RolloutConfig(drain_grace_s=60.0, unready_s=0.5, ready_timeout_s=120.0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = ClusterConfig(
+        engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=96 << 20)),
+        num_prefill=1, num_decode=2, grpc_port=0, http_port=0, lease_seconds=LEASE_S, threads_per_worker=1,
+        router_poll_s=0.2, supervise_interval_s=0.5)
+    c = LocalCluster(config)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    # Reconnect at once after a GOAWAY (gRPC's default backoff grows to minutes after failures).
+    with grpc.insecure_channel(cluster.address, options=[("grpc.max_reconnect_backoff_ms", 1000),
+                                                         ("grpc.initial_reconnect_backoff_ms", 200)]) as ch:
+        yield pdserve_pb2_grpc.GenerationStub(ch)
+
+
+@pytest.fixture(scope="module")
+def reference(stub):
+    """Each prompt's greedy tokens from the undisturbed cluster, for ``MAX_TOKENS`` and
+    ``LONG_TOKENS`` (greedy with ignore_eos: the shorter run is the longer one's beginning)."""
+    out = {}
+    for i, p in enumerate(PROMPTS):
+        out[(i, LONG_TOKENS)] = collect(stub.Generate(chat_request(p, LONG_TOKENS, ignore_eos=True), timeout=120))[0]
+        assert len(out[(i, LONG_TOKENS)]) == LONG_TOKENS
+        out[(i, MAX_TOKENS)] = out[(i, LONG_TOKENS)][:MAX_TOKENS]
+    return out
+
+
+@dataclass
+class Outcome:
+    prompt: int
+    tokens: list[int]
+    code: grpc.StatusCode | None  # None: completed
+    details: str
+    started: float
+    ended: float
+
+
+class Load:
+    """``CLIENTS`` threads, each sending ``PROMPTS`` round-robin until stopped, over one channel."""
+
+    def __init__(self, stub, max_tokens: int):
+        self.stub, self.max_tokens = stub, max_tokens
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(CLIENTS)]
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(REQUEST_TIMEOUT_S + 10)
+
+    def _client(self, k: int) -> None:
+        n = k
+        while not self._stop.is_set():
+            prompt, n = n % len(PROMPTS), n + CLIENTS
+            start = time.monotonic()
+            request = chat_request(PROMPTS[prompt], self.max_tokens, ignore_eos=True)
+            try:
+                ids, _, _ = collect(self.stub.Generate(request, timeout=REQUEST_TIMEOUT_S))
+                self.outcomes.append(Outcome(prompt, ids, None, "", start, time.monotonic()))
+            except grpc.RpcError as exc:
+                self.outcomes.append(Outcome(prompt, [], exc.code(), exc.details(), start, time.monotonic()))
+
+    def wait_for(self, more: int, timeout_s: float = 60.0) -> None:
+        target = len(self.outcomes) + more
+        deadline = time.monotonic() + timeout_s
+        while len(self.outcomes) < target:
+            assert time.monotonic() < deadline, f"the load stalled at {len(self.outcomes)} requests"
+            time.sleep(0.05)
+
+    def spanning(self, t: float) -> int:
+        """Requests that were running at ``t``."""
+        return sum(o.started < t < o.ended for o in self.outcomes)
+
+
+def check(outcomes: list[Outcome], reference: dict, max_tokens: int) -> None:
+    errors = [(o.prompt, o.code.name, o.details) for o in outcomes if o.code is not None]
+    assert not errors, f"{len(errors)} of {len(outcomes)} requests failed: {errors[:5]}"
+    for o in outcomes:
+        assert o.tokens == reference[(o.prompt, max_tokens)], f"prompt {o.prompt}: tokens differ from the undisturbed run"
+
+
+def migrations(cluster) -> float:
+    """The router's ``pdserve:request_migrations_total``."""
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pdserve:request_migrations_total"):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def pids(cluster) -> dict[str, int]:
+    actors = {"router": [cluster.router], "prefill": cluster.prefill, "decode": cluster.decode}
+    return {f"{role}:{i}": ray.get(a.pid.remote(), timeout=10) for role, group in actors.items()
+            for i, a in enumerate(group)}
+
+
+def assert_no_kv_held(cluster) -> None:
+    live = [(role, a) for role in ("prefill", "decode") for a in cluster.addresses(role)]
+    deadline = time.monotonic() + CLEAN_WITHIN_S
+    while True:
+        busy = {a: (s.num_blocks_used, s.num_held_leases) for role, a in live
+                if (s := worker_stats(a, role)).num_blocks_used or s.num_held_leases}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"KV still held {CLEAN_WITHIN_S} s after the load: {busy}"
+        time.sleep(0.2)
+
+
+def test_rolling_each_pool_and_the_router_loses_no_request(cluster, stub, reference):
+    before = {"prefill": list(cluster.prefill_addresses), "decode": list(cluster.decode_addresses)}
+    old_pids = pids(cluster)
+    address = cluster.address
+    drains = []  # (pool, when the old process's drain began)
+    with Load(stub, MAX_TOKENS) as load:
+        load.wait_for(CLIENTS)
+        for pool in ("prefill", "decode"):
+            migrated = migrations(cluster)
+            start = time.monotonic()
+            done = roll(cluster, pool, GRACEFUL)
+            assert [d.old for d in done] == before[pool]
+            assert all(d.idle for d in done), done
+            # the drains, each right after its surge, in the order they ran
+            t = start
+            for d in done:
+                drains.append((pool, t + d.surge_s))
+                t += d.surge_s + d.drain_s
+            assert migrations(cluster) == migrated, f"a graceful {pool} drain migrated streams"
+            load.wait_for(CLIENTS)
+        start = time.monotonic()
+        [done] = roll(cluster, "router", GRACEFUL)
+        assert done.idle
+        drains.append(("router", start + done.surge_s))
+        load.wait_for(2 * CLIENTS)  # served by the new router
+
+    check(load.outcomes, reference, MAX_TOKENS)
+    for pool, t in drains:  # each old process had streams to finish when its drain began
+        assert load.spanning(t) >= 1, f"no request was running when a {pool} drain began"
+    after = {"prefill": cluster.prefill_addresses, "decode": cluster.decode_addresses}
+    for pool in ("prefill", "decode"):
+        assert len(after[pool]) == len(before[pool]) and not set(after[pool]) & set(before[pool])
+    assert cluster.address == address  # clients kept their address
+    new_pids = set(pids(cluster).values())
+    for name, pid in old_pids.items():
+        assert pid not in new_pids and gone(pid), f"the old {name} process lives on"
+    assert_no_kv_held(cluster)
+
+
+def busy(decode_addresses: list[str], timeout_s: float = 30.0) -> str:
+    """One of ``decode_addresses`` that runs a stream right now."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for address in decode_addresses:
+            if worker_stats(address, "decode").num_running:
+                return address
+        time.sleep(0.02)
+    raise AssertionError(f"none of {decode_addresses} ran a stream within {timeout_s} s")
+
+
+def test_a_decode_worker_out_of_grace_hands_its_streams_over(cluster, stub, reference):
+    """Grace 0: the old decode worker stops with streams running; they migrate and complete."""
+    migrated = migrations(cluster)
+    old = list(cluster.decode_addresses)
+    cluster.scale_up("decode")  # the surge, so the pool keeps its size
+    with Load(stub, LONG_TOKENS) as load:
+        victim = busy(old)
+        assert cluster.retire("decode", victim, drain_timeout_s=0.0) is False  # stopped busy
+        load.wait_for(2 * CLIENTS)
+    check(load.outcomes, reference, LONG_TOKENS)
+    assert migrations(cluster) > migrated
+    assert victim not in cluster.decode_addresses and len(cluster.decode_addresses) == 2
+    assert_no_kv_held(cluster)
