@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: test test-quick serve bench-engine clean protos lock
+.PHONY: test test-quick serve image bench-engine clean protos lock
 
 $(STAMP): pyproject.toml requirements.lock Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 		cp $(VENV)/prometheus-deb/root/usr/bin/prometheus $(VENV)/bin/prometheus && \
 		rm -rf $(VENV)/prometheus-deb; \
 	fi
+	# podman (daemonless, with runc) and mmdebstrap for tests/deploy/test_image.py, which builds
+	# and runs the image: Debian's packages, where this runs as root. Elsewhere, or if apt-get
+	# fails, that test skips and says why.
+	if ! command -v podman >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap \
+			>/dev/null) || echo "podman could not be installed: the image tests will skip"; \
+	fi
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -39,6 +46,11 @@ test-quick: $(STAMP)
 # Flags for pdserve serve: make serve ARGS="--port 8080 --decode 2"
 serve: $(STAMP)
 	$(VENV)/bin/pdserve serve $(ARGS)
+
+# The CPU image, built with podman from Debian's packages and the locked wheels, offline
+# (deploy/image.py); reused while what it holds is unchanged.
+image: $(STAMP)
+	$(PY) deploy/image.py $(ARGS)
 
 bench-engine: $(STAMP)
 	$(PY) benchmarks/engine.py

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -99,7 +100,13 @@ def serve(args) -> int:
     _on_stop_signals(stop)
     shutdown.become_subreaper()  # every process Ray starts stays ours to end (cluster.shutdown)
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except Exception:
+            # Say why now: stopping a half-started Ray can end this process (its core exits when
+            # the GCS is gone) before the exception would reach the top.
+            print(f"pdserve: the cluster did not start:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            raise
         _on_stop_signals(stop)  # ray.init (in start) installed its own SIGTERM handler: ours again
         http = f"OpenAI HTTP API on http://{cluster.http_address}/v1, " if cluster.http_address else ""
         print(f"pdserve: {http}gRPC API listening on {cluster.address}, serving {', '.join(config.served_model_names)} "

@@ -86,6 +86,11 @@ def _convert_gguf(path: Path, out: Path, progress: bool) -> None:
     config["torch_dtype"] = "float32"
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous().float() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    # safetensors writes its file private (0600). The directory is meant to be shared (mounted
+    # read-only into a container that runs as another user): give it the umask's usual mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    (tmp / "model.safetensors").chmod(0o666 & ~umask)
     tokenizer.save_pretrained(str(tmp))
     (tmp / "complete").write_text(str(path))
     tmp.rename(out) if not out.exists() else None
