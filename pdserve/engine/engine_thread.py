@@ -117,6 +117,8 @@ class EngineThread:
             self._run_call(item)
 
     def _wait_for_call(self, timeout_s: float | None) -> None:
+        if self._stop.is_set():  # stop()'s wake-up may have been drained with the calls already
+            return
         self.idle_waits += 1
         self._idle_since_step = True
         try:
