@@ -18,11 +18,8 @@ import grpc
 import pytest
 import ray
 
-from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.local import LocalCluster
 from pdserve.cluster.rollout import RolloutConfig, roll
-from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.protos import pdserve_pb2_grpc
+from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.faults.test_under_load import gone
 from tests.serving.conftest import worker_stats
 from tests.serving.test_disaggregated import chat_request, collect
@@ -41,22 +38,15 @@ GRACEFUL = RolloutConfig(drain_grace_s=60.0, unready_s=0.5, ready_timeout_s=120.
 
 @pytest.fixture(scope="module")
 def cluster():
-    config = ClusterConfig(
-        engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=96 << 20)),
-        num_prefill=1, num_decode=2, grpc_port=0, http_port=0, lease_seconds=LEASE_S, threads_per_worker=1,
-        router_poll_s=0.2, supervise_interval_s=0.5)
-    c = LocalCluster(config)
-    c.start()
-    yield c
-    c.stop()
+    with running_cluster(cluster_config(dtype="float32", num_decode=2, lease_seconds=LEASE_S, router_poll_s=0.2,
+                                        supervise_interval_s=0.5)) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def stub(cluster):
-    # Reconnect at once after a GOAWAY (gRPC's default backoff grows to minutes after failures).
-    with grpc.insecure_channel(cluster.address, options=[("grpc.max_reconnect_backoff_ms", 1000),
-                                                         ("grpc.initial_reconnect_backoff_ms", 200)]) as ch:
-        yield pdserve_pb2_grpc.GenerationStub(ch)
+    with reconnecting_stub(cluster.address) as stub:  # the next call after a GOAWAY reaches the new router
+        yield stub
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,7 @@ import grpc
 import pytest
 import ray
 
-from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.local import LocalCluster
-from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.protos import pdserve_pb2_grpc
+from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.serving.conftest import worker_stats
 from tests.serving.test_disaggregated import chat_request, collect
 
@@ -43,23 +40,17 @@ REPLACED_WITHIN_S = 120.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    config = ClusterConfig(
-        engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=96 << 20)),
-        num_prefill=2, num_decode=2, grpc_port=0, http_port=None, lease_seconds=LEASE_S, kv_transfer_backend="tcp",
-        inject_transfer_delay_s=READ_DELAY_S, threads_per_worker=1, router_poll_s=0.2, supervise_interval_s=0.5,
-        hang_timeout_s=HANG_S)
-    c = LocalCluster(config)
-    c.start()
-    yield c
-    c.stop()
+    with running_cluster(cluster_config(
+            dtype="float32", num_prefill=2, num_decode=2, http_port=None, lease_seconds=LEASE_S,
+            kv_transfer_backend="tcp", inject_transfer_delay_s=READ_DELAY_S, router_poll_s=0.2,
+            supervise_interval_s=0.5, hang_timeout_s=HANG_S)) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def stub(cluster):
-    # Reconnect within a second once the router is back (gRPC's default backoff grows to minutes).
-    with grpc.insecure_channel(cluster.address, options=[("grpc.max_reconnect_backoff_ms", 1000),
-                                                         ("grpc.initial_reconnect_backoff_ms", 200)]) as ch:
-        yield pdserve_pb2_grpc.GenerationStub(ch)
+    with reconnecting_stub(cluster.address) as stub:  # back within a second once the router is back
+        yield stub
 
 
 @dataclass

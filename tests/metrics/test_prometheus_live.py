@@ -23,9 +23,7 @@ import pytest
 import yaml
 
 from pdserve.cluster.autoscaling import from_mapping
-from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.local import LocalCluster
-from pdserve.engine.config import CacheConfig, EngineConfig
+from tests.clusters import cluster_config, running_cluster
 from tests.metrics.test_deploy import DEPLOY, graph_panels
 
 pytestmark = pytest.mark.slow
@@ -86,15 +84,9 @@ def cluster():
     # Autoscaling pinned at one worker per pool: nothing scales, but the controller reports
     # each pool's signal target, which the dashboard plots.
     pinned = {"min_replicas": 1, "max_replicas": 1}
-    config = ClusterConfig(engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=64 << 20)), grpc_port=0,
-                           http_port=0, threads_per_worker=1, router_poll_s=0.2,
-                           autoscaling=from_mapping({"prefill": pinned, "decode": pinned}))
-    c = LocalCluster(config)
-    try:
-        c.start()
+    with running_cluster(cluster_config(kv_mib=64, router_poll_s=0.2,
+                                        autoscaling=from_mapping({"prefill": pinned, "decode": pinned}))) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,23 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.certs import COMPONENTS, issue, make_ca
-from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.local import LocalCluster
-from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.protos import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.serving.test_disaggregated import chat_request, collect, assert_chat_greedy, reference  # noqa: F401
+from pdserve.protos import (
+    admin_pb2,
+    admin_pb2_grpc,
+    pdserve_pb2,
+    pdserve_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from pdserve.wire import tls
 from pdserve.wire.grpc_util import channel
+from tests.clusters import cluster_config, running_cluster
+from tests.serving.test_disaggregated import (  # noqa: F401
+    assert_chat_greedy,
+    chat_request,
+    collect,
+    reference,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +54,8 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(certs):
-    config = ClusterConfig(engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), num_prefill=1,
-                           num_decode=1, grpc_port=0, http_port=0, threads_per_worker=1, api_key=KEY,
-                           role_tls=certs["roles"], supervise_interval_s=0.5)
-    c = LocalCluster(config)
-    try:
-        c.start()
+    with running_cluster(cluster_config(api_key=KEY, role_tls=certs["roles"], supervise_interval_s=0.5)) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,12 @@
 """A real local cluster for the serving tests: Ray actors, gRPC, NIXL, the default model."""
 
-import dataclasses
-
 import grpc
 import pytest
 
-from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.local import LocalCluster
-from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.protos import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.router.limits import RouterLimits
+from tests.clusters import cluster_config
 
 # Every KV read is held back this long so a test can see the first token arrive before the
 # decode worker has its KV (the fault-injection hook of kv_transfer).
@@ -25,15 +22,17 @@ def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TR
     """``overrides``: further ``ClusterConfig`` fields (``mode``, ``router_limits``)."""
     # float32, the transformers-exact mode: served output is checked token for token against
     # transformers (bfloat16, the default, is checked in tests/engine/test_default_model.py).
-    config = ClusterConfig(
-        engine=EngineConfig(dtype="float32", cache=CacheConfig(memory_budget_bytes=192 << 20)),
-        num_prefill=num_prefill, num_decode=num_decode, grpc_port=0, lease_seconds=LEASE_S,
-        transfer_timeout_s=TRANSFER_TIMEOUT_S,
-        inject_transfer_delay_s=delay_s, threads_per_worker=1, router_poll_s=router_poll_s, http_port=0,
-        supervise_interval_s=supervise_interval_s,
-        router_limits=RouterLimits(admission_wait_s=admission_wait_s))
-    c = LocalCluster(dataclasses.replace(config, **overrides))
-    c.start()
+    config = cluster_config(**{
+        "dtype": "float32", "kv_mib": 192, "num_prefill": num_prefill, "num_decode": num_decode,
+        "lease_seconds": LEASE_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S, "inject_transfer_delay_s": delay_s,
+        "router_poll_s": router_poll_s, "supervise_interval_s": supervise_interval_s,
+        "router_limits": RouterLimits(admission_wait_s=admission_wait_s), **overrides})
+    c = LocalCluster(config)
+    try:
+        c.start()
+    except BaseException:
+        c.stop()  # a half-started Ray would outlive the test
+        raise
     return c
 
 

@@ -15,10 +15,8 @@ import pytest
 import torch
 
 from pdserve.cluster.autoscaling import pool_config
-from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.local import LocalCluster
-from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
+from tests.clusters import cluster_config, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +28,11 @@ QUEUE_AND_KV = {"prefill": pool_config("prefill", target=300, **FAST),
 
 @pytest.fixture(scope="module")
 def cluster():
-    config = ClusterConfig(
-        # 96 MiB of KV per worker: ~4,200 tokens in bfloat16 (the default), so about two dozen
-        # long streams fill a decode worker.
-        engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=96 << 20)), grpc_port=0, http_port=None,
-        threads_per_worker=1, autoscale_interval_s=0.5,
-        autoscaling=dict(QUEUE_AND_KV))
-    c = LocalCluster(config)
-    c.start()
-    yield c
-    c.stop()
+    # 96 MiB of KV per worker: ~4,200 tokens in bfloat16 (the default), so about two dozen
+    # long streams fill a decode worker.
+    with running_cluster(cluster_config(kv_mib=96, http_port=None, autoscale_interval_s=0.5,
+                                        autoscaling=dict(QUEUE_AND_KV))) as c:
+        yield c
 
 
 async def send_load(address: str, n: int, every_s: float, prompt_len: int, max_tokens: int = 3) -> list[int]:
