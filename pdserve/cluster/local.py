@@ -335,7 +335,7 @@ class LocalCluster:
         with channel(address, self.config.tls_for("controller")) as ch:
             stub = stub_cls(ch)
             stats = stub.Drain(worker_pb2.DrainRequest(), timeout=10)
-            while stats.num_running or stats.num_waiting or stats.num_held_leases:
+            while stats.num_in_flight:  # not running + waiting + held: those have a gap (worker.proto)
                 if time.monotonic() > deadline:
                     log.warning("%s still busy after %.0f s of draining; stopping it anyway", address, timeout_s)
                     return False
