@@ -9,17 +9,15 @@ they migrate and still complete with the same tokens.
 The cluster runs the real default model in float32, so outputs compare token for token.
 """
 
-import threading
 import time
 import urllib.request
-from dataclasses import dataclass
 
-import grpc
 import pytest
 import ray
 
 from pdserve.cluster.rollout import RolloutConfig, roll
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster
+from tests.faults.load import Load, Outcome
 from tests.faults.test_under_load import gone
 from tests.serving.conftest import worker_stats
 from tests.serving.test_disaggregated import chat_request, collect
@@ -61,59 +59,6 @@ def reference(stub):
     return out
 
 
-@dataclass
-class Outcome:
-    prompt: int
-    tokens: list[int]
-    code: grpc.StatusCode | None  # None: completed
-    details: str
-    started: float
-    ended: float
-
-
-class Load:
-    """``CLIENTS`` threads, each sending ``PROMPTS`` round-robin until stopped, over one channel."""
-
-    def __init__(self, stub, max_tokens: int):
-        self.stub, self.max_tokens = stub, max_tokens
-        self.outcomes: list[Outcome] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(CLIENTS)]
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(REQUEST_TIMEOUT_S + 10)
-
-    def _client(self, k: int) -> None:
-        n = k
-        while not self._stop.is_set():
-            prompt, n = n % len(PROMPTS), n + CLIENTS
-            start = time.monotonic()
-            request = chat_request(PROMPTS[prompt], self.max_tokens, ignore_eos=True)
-            try:
-                ids, _, _ = collect(self.stub.Generate(request, timeout=REQUEST_TIMEOUT_S))
-                self.outcomes.append(Outcome(prompt, ids, None, "", start, time.monotonic()))
-            except grpc.RpcError as exc:
-                self.outcomes.append(Outcome(prompt, [], exc.code(), exc.details(), start, time.monotonic()))
-
-    def wait_for(self, more: int, timeout_s: float = 60.0) -> None:
-        target = len(self.outcomes) + more
-        deadline = time.monotonic() + timeout_s
-        while len(self.outcomes) < target:
-            assert time.monotonic() < deadline, f"the load stalled at {len(self.outcomes)} requests"
-            time.sleep(0.05)
-
-    def spanning(self, t: float) -> int:
-        """Requests that were running at ``t``."""
-        return sum(o.started < t < o.ended for o in self.outcomes)
-
-
 def check(outcomes: list[Outcome], reference: dict, max_tokens: int) -> None:
     errors = [(o.prompt, o.code.name, o.details) for o in outcomes if o.code is not None]
     assert not errors, f"{len(errors)} of {len(outcomes)} requests failed: {errors[:5]}"
@@ -153,7 +98,7 @@ def test_rolling_each_pool_and_the_router_loses_no_request(cluster, stub, refere
     old_pids = pids(cluster)
     address = cluster.address
     drains = []  # (pool, when the old process's drain began)
-    with Load(stub, MAX_TOKENS) as load:
+    with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
         load.wait_for(CLIENTS)
         for pool in ("prefill", "decode"):
             migrated = migrations(cluster)
@@ -203,7 +148,7 @@ def test_a_decode_worker_out_of_grace_hands_its_streams_over(cluster, stub, refe
     migrated = migrations(cluster)
     old = list(cluster.decode_addresses)
     cluster.scale_up("decode")  # the surge, so the pool keeps its size
-    with Load(stub, LONG_TOKENS) as load:
+    with Load(stub, PROMPTS, LONG_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
         victim = busy(old)
         assert cluster.retire("decode", victim, drain_timeout_s=0.0) is False  # stopped busy
         load.wait_for(2 * CLIENTS)

@@ -13,15 +13,14 @@ far longer than the checks wait, so nothing here passes by lease expiry.
 
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 import pytest
 import ray
 
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster
+from tests.faults.load import Load
 from tests.serving.conftest import worker_stats
 from tests.serving.test_disaggregated import chat_request, collect
 
@@ -51,57 +50,6 @@ def cluster():
 def stub(cluster):
     with reconnecting_stub(cluster.address) as stub:  # back within a second once the router is back
         yield stub
-
-
-@dataclass
-class Outcome:
-    prompt: int
-    tokens: list[int]
-    code: grpc.StatusCode | None  # None: completed
-    details: str
-    elapsed_s: float
-
-
-class Load:
-    """``CLIENTS`` threads sending ``PROMPTS`` round-robin until stopped."""
-
-    def __init__(self, stub):
-        self.stub = stub
-        self.outcomes: list[Outcome] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(CLIENTS)]
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(REQUEST_TIMEOUT_S + 10)
-
-    def _client(self, k: int) -> None:
-        n = k
-        while not self._stop.is_set():
-            prompt = n % len(PROMPTS)
-            n += CLIENTS
-            start = time.monotonic()
-            try:
-                ids, _, _ = collect(self.stub.Generate(chat_request(PROMPTS[prompt], MAX_TOKENS, ignore_eos=True),
-                                                       timeout=REQUEST_TIMEOUT_S))
-                self.outcomes.append(Outcome(prompt, ids, None, "", time.monotonic() - start))
-            except grpc.RpcError as exc:
-                self.outcomes.append(Outcome(prompt, [], exc.code(), exc.details(), time.monotonic() - start))
-                time.sleep(0.2)  # as a client would, before it tries again
-
-    def wait_for(self, more: int, timeout_s: float = 60.0) -> None:
-        """Until ``more`` further requests have ended."""
-        target = len(self.outcomes) + more
-        deadline = time.monotonic() + timeout_s
-        while len(self.outcomes) < target:
-            assert time.monotonic() < deadline, f"the load stalled at {len(self.outcomes)} requests"
-            time.sleep(0.1)
 
 
 def pid_of(actor) -> int:
@@ -144,7 +92,7 @@ def test_nothing_is_lost_under_faults_and_steady_load(cluster, stub):
     assert all(len(ids) == MAX_TOKENS for ids in reference.values())
     replaced_before = cluster._supervisor.replaced
     stopped_pid = None
-    with Load(stub) as load:
+    with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S, pause_after_error_s=0.2) as load:
         load.wait_for(CLIENTS)
 
         # (b) a decode worker SIGKILLed while it streams
@@ -202,7 +150,7 @@ def test_nothing_is_lost_under_faults_and_steady_load(cluster, stub):
             assert o.tokens == reference[o.prompt], f"prompt {o.prompt}: tokens differ from the undisturbed run"
         else:  # a clear error, before the deadline
             assert o.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), summary
-            assert o.elapsed_s <= REQUEST_TIMEOUT_S + 2, summary
+            assert o.ended - o.started <= REQUEST_TIMEOUT_S + 2, summary
     # Worker faults cost no request (they migrate); only the router's death ends requests.
     assert all(o.code is None for o in outcomes[:before_router_kill]), summary
     assert cluster._supervisor.replaced - replaced_before == 3
