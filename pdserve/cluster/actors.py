@@ -119,8 +119,10 @@ class ServerActor:
         self._server.stop()
         return left
 
-    def stop(self) -> None:
-        self._server.stop()
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving; RPCs still running get ``grace_s`` to finish, then are cut (their
+        streams fail over: the router migrates them)."""
+        self._server.stop(grace_s)
 
     def _drain_and_exit(self) -> None:
         """SIGTERM: health NOT_SERVING, no new requests, in-flight ones finish within the
