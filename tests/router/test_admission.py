@@ -3,8 +3,6 @@ appears, and otherwise ends with RESOURCE_EXHAUSTED (HTTP 429) naming the pool's
 The workers are in-process fakes of the gRPC stubs: what is tested is the router's logic."""
 
 import asyncio
-import dataclasses
-
 import grpc
 import pytest
 
@@ -22,8 +20,7 @@ def full_decode_pool(prefill: FakePrefill):
 
 def run(pool, wait_s: float, max_tokens: int = 4, prompt_len: int = 20):
     """The request's stream, consumed; a request of ``prompt_len + max_tokens`` = 2 blocks."""
-    r = request_run(pool, max_tokens=max_tokens, prompt_len=prompt_len)
-    r.limits = dataclasses.replace(r.limits, admission_wait_s=wait_s)
+    r = request_run(pool, max_tokens=max_tokens, prompt_len=prompt_len, admission_wait_s=wait_s)
 
     async def consume():
         return [t for resp in [x async for x in r.responses()] for t in resp.token_ids]
