@@ -62,6 +62,7 @@ class ClusterConfig:
     borrow_idle_cores: bool = False  # pinned workers also borrow the other workers' cores while idle (opt-in)
     step_trace_dir: str | None = None  # each worker's engine steps, one JSON line each (engine.step_trace)
     ray_address: str | None = None  # join this Ray cluster instead of starting one
+    otlp_traces_endpoint: str | None = None  # every process exports its request spans there (wire.tracing)
     served_model_names: tuple[str, ...] = ("smollm2",)  # what the API answers to; the first is reported
     tokenizer: str | None = None  # the router's tokenizer directory; None: the model's
     chat_template: str | None = None  # a Jinja chat template; None: the tokenizer's
@@ -147,7 +148,8 @@ class ClusterConfig:
                       host=self.internal_bind_host(), tls=self.tls_for(role), advertise_host=self.internal_advertise_host,
                       insecure_internal=self.insecure_internal,
                       kv_transfer_backend=self.kv_transfer_backend, max_requests=self.worker_max_requests,
-                      max_receive_bytes=self.max_receive_bytes, step_trace_dir=self.step_trace_dir)
+                      max_receive_bytes=self.max_receive_bytes, step_trace_dir=self.step_trace_dir,
+                      otlp_traces_endpoint=self.otlp_traces_endpoint)
         if role == "prefill":
             return PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common)
         return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
@@ -167,7 +169,8 @@ class ClusterConfig:
                             stats_interval_s=self.router_poll_s, hang_timeout_s=self.hang_timeout_s,
                             max_receive_bytes=self.max_receive_bytes,
                             limits=self.router_limits_for_mode(),
-                            prefill_addresses=prefill_addresses, decode_addresses=decode_addresses)
+                            prefill_addresses=prefill_addresses, decode_addresses=decode_addresses,
+                            otlp_traces_endpoint=self.otlp_traces_endpoint)
 
 
 def default_gpus() -> float:

@@ -48,6 +48,7 @@ def build(v: dict[str, Any]):
         kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
         hang_timeout_s=v["hang_timeout_seconds"],
         threads_per_worker=v["threads_per_worker"], borrow_idle_cores=v["borrow_idle_cores"], step_trace_dir=_absolute(v["step_trace_dir"]), ray_address=v["address"],
+        otlp_traces_endpoint=v["otlp_traces_endpoint"],
         served_model_names=served_names(v), tokenizer=v["tokenizer"], chat_template=v["chat_template"],
         tool_call_parser=v["tool_call_parser"],
         log=LogConfig(v["log_level"], v["log_format"]),

@@ -159,6 +159,9 @@ def serve_settings() -> tuple[Setting, ...]:
                 "a helper crashed a worker under the fuzz tests once, docs/cpu_kernels.md)"),
         Setting("step_trace_dir", str, None, "each worker appends one JSON line per engine step (its start, "
                 "length and batch) to DIR/<worker>.steps.jsonl, on its own host (default: off)"),
+        Setting("otlp_traces_endpoint", str, None, "export one OpenTelemetry trace per request (router, prefill, KV "
+                "transfer, decode spans) over OTLP/gRPC to this collector, e.g. localhost:4317, as `vllm serve "
+                "--otlp-traces-endpoint` (default: off)"),
         Setting("address", str, None, "join this Ray cluster instead of starting one; the controller then runs "
                 "detached, and the cluster outlives this command (pdserve stop ends it)"),
         Setting("cluster_name", str, "pdserve", "with --address: the Ray namespace the cluster's named actors live in"),

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
 
 _SHARED = ("model", "served_model_name", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
-           "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "host", "port", "grpc_port", "advertise_host",
+           "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "otlp_traces_endpoint", "host", "port", "grpc_port", "advertise_host",
            "internal_host", "internal_advertise_host", "api_key", "api_key_file", "tls_ca", "tls_cert", "tls_key",
            "insecure_internal", "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
@@ -118,7 +118,7 @@ def worker_config(v: dict[str, Any]):
                   advertise_host=v["internal_advertise_host"], tls=internal_tls(v), port=v["internal_port"],
                   insecure_internal=v["insecure_internal"],
                   metrics_port=v["metrics_port"], kv_transfer_backend=v["kv_transfer_backend"],
-                  step_trace_dir=v["step_trace_dir"])
+                  step_trace_dir=v["step_trace_dir"], otlp_traces_endpoint=v["otlp_traces_endpoint"])
     if v["role"] == "prefill":
         from pdserve.prefill_worker.worker import PrefillWorkerConfig
 

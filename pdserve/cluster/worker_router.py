@@ -34,7 +34,7 @@ def router_config(v: dict[str, Any]):
                                             prefix="public_tls", require_ca=False),
                         internal_host=v["internal_host"], internal_port=v["internal_port"],
                         internal_advertise_host=v["internal_advertise_host"], tls=internal_tls(v), insecure_internal=v["insecure_internal"],
-                        limits=_router_limits(v))
+                        limits=_router_limits(v), otlp_traces_endpoint=v["otlp_traces_endpoint"])
 
 
 async def run_router(v: dict[str, Any], config, autoscaling: dict | None) -> None:

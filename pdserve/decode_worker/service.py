@@ -14,14 +14,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import sys
 
 import grpc
 
+from pdserve.decode_worker.spans import DecodeSpans
 from pdserve.decode_worker.worker import DecodeWorker, KVArrived, KVProgressed, LocallyPrefilled, TransferFailed
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from pdserve.kv_transfer import TransferError
 from pdserve.kv_transfer.handoff import KVHandle, ReleaseReason, release_request
 from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.wire import tracing
 from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from pdserve.wire.failure import Failure, abort_with
 from pdserve.wire.grpc_util import abort_invalid, aio_channel
@@ -70,8 +73,12 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request, context):
         # The router offers the same KV to another decode worker.
         await self.admit(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        spans = None  # the call's spans while tracing (pdserve.decode_worker.spans)
+        if tracing.enabled():
+            config = self.worker.config
+            spans = DecodeSpans(context, request, config.worker_id, config.kv_transfer_backend)
         if request.local_prefill:
-            async for resp in self._prefill_and_decode(request, context):
+            async for resp in self._prefill_and_decode(request, context, spans):
                 yield resp
             return
         log.debug("decode %s: %d prompt tokens from %s", request.request_id, len(request.prompt_token_ids),
@@ -82,6 +89,8 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             peer = await self._peer(kv.prefill_address)
         except (grpc.aio.AioRpcError, TransferError) as exc:
             self.worker.source_unreachable()
+            if spans is not None:
+                spans.end(exc)
             reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER,
                              f"kv transfer failed: prefill worker {kv.prefill_address} unreachable ({reason})")
@@ -96,8 +105,12 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
                     continue
                 if isinstance(item, KVArrived):
                     lease.done = True  # read: the holder frees its copy on the read's notification
+                    if spans is not None:
+                        spans.kv_arrived(item)
                     yield worker_pb2.DecodeResponse(kv_bytes=item.nbytes, kv_transfer_seconds=item.seconds)
                     continue
+                if spans is not None:
+                    spans.output(len(item.new_token_ids))
                 yield _output_to_wire(item)
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
@@ -123,9 +136,10 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             await stream.aclose()
             await lease.end(ReleaseReason.ABORTED)  # a no-op unless claimed and never read
+            if spans is not None:
+                spans.end(sys.exc_info()[1])  # the error this call ends with, if any
 
-
-    async def _prefill_and_decode(self, request, context):
+    async def _prefill_and_decode(self, request, context, spans: DecodeSpans | None):
         """``Decode`` with ``local_prefill``: no KV to pull; this worker runs the prompt itself.
         The first response is ``prefilled`` (the first token, as a prefill answer carries it),
         then outputs as for any decode."""
@@ -138,6 +152,8 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
                 if isinstance(item, LocallyPrefilled):
                     prefill_seconds = item.seconds
                     continue
+                if spans is not None:
+                    spans.output(len(item.new_token_ids))
                 if prefill_seconds is None or not item.new_token_ids:
                     yield _output_to_wire(item)
                     continue
@@ -151,6 +167,8 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
         finally:
             await stream.aclose()
+            if spans is not None:
+                spans.end(sys.exc_info()[1])
 
 
 def _output_to_wire(item, start: int = 0) -> worker_pb2.DecodeResponse:

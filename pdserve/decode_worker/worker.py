@@ -52,12 +52,16 @@ class DecodeWorkerConfig:
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
     borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
+    otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
 
 
 @dataclass(frozen=True)
 class KVArrived:
     nbytes: int
-    seconds: float
+    seconds: float  # from the last read's start (streamed KV: what was left after the prefill)
+    started_at: float = 0.0  # time.monotonic() when the first read started
+    finished_at: float = 0.0  # ... and when the last one finished
+    blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -242,12 +246,14 @@ class DecodeWorker(WorkerShell):
                 del self._pulls[request_id]
                 self.engine.kv_ready(request_id, pull.first_token)
                 # The wait after the last read started: for streamed KV, what is left after prefill.
-                seconds = max(h.finished_at for h in pull.handles) - pull.final_at
+                finished_at = max(h.finished_at for h in pull.handles)
+                seconds = finished_at - pull.final_at
                 nbytes = sum(h.nbytes for h in pull.handles)
+                blocks = sum(len(h.local_block_ids) for h in pull.handles)  # one descriptor per block
                 worker_metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
-                                         nbytes, sum(len(h.local_block_ids) for h in pull.handles),  # one descriptor per block
-                                         self.config.model_name)
-                arrived.append((request_id, KVArrived(nbytes, seconds)))
+                                                nbytes, blocks, self.config.model_name)
+                started_at = min(h.started_at for h in pull.handles)
+                arrived.append((request_id, KVArrived(nbytes, seconds, started_at, finished_at, blocks)))
         if arrived:
             self.push(arrived)
         return TRANSFER_POLL_S if self._pulls else None

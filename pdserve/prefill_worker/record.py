@@ -33,6 +33,9 @@ class RequestRecord:
     announced_tokens: int = 0  # streamed: prompt tokens whose KV has been announced
     watch: KVWatch | None = None  # streamed: its progress, for WatchKV callers (loop only)
     caller_gone: bool = False  # its Prefill call ended without taking a lease: forget follows
+    # While tracing: each chunk that has run, (start, end, prompt tokens computed by then), in
+    # time.monotonic() seconds, for the chunk spans (pdserve.wire.tracing). None: not kept.
+    chunks: list[tuple[float, float, int]] | None = None
 
     @property
     def streaming(self) -> bool:

@@ -10,6 +10,7 @@ from pdserve.kv_transfer.handoff import KVHandle, LeaseRefused, reason_from_wire
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady
 from pdserve.prefill_worker.worker import PrefillResult, PrefillWorker
+from pdserve.wire import tracing
 from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from pdserve.wire.failure import Failure, abort_with
 from pdserve.wire.grpc_util import abort_invalid
@@ -27,14 +28,21 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request, context):
         await self.admit(context, grpc.StatusCode.UNAVAILABLE)  # refused: the router tries another
         log.debug("prefill %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids))
+        span = self._span(request, context, "prefill_worker.Prefill")
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params,
                                           owner=request.router_id)
         except InvalidRequestError as exc:
+            tracing.end_span(span, error=exc)
             await abort_invalid(context, exc)
         except StepFailed as exc:
+            tracing.end_span(span, error=exc)
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        except BaseException as exc:  # the caller gave up (cancelled): the span says so
+            tracing.end_span(span, error=exc if isinstance(exc, Exception) else "cancelled")
+            raise
+        _end_spans(span, r)
         return self._answer(request, r)
 
     async def PrefillStream(self, request, context):
@@ -42,24 +50,44 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
         computes; the last message is the answer."""
         await self.admit(context, grpc.StatusCode.UNAVAILABLE)
         log.debug("prefill %s: %d prompt tokens, KV streamed", request.request_id, len(request.prompt_token_ids))
+        span = self._span(request, context, "prefill_worker.PrefillStream")
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         prompt = list(request.prompt_token_ids)
+        result, error = None, "cancelled"
         try:
             async for item in self.worker.prefill_stream(request.request_id, prompt, params,
                                                          owner=request.router_id, stream_kv=True):
                 if isinstance(item, KVEarly):
+                    tracing.add_event(span, "kv_early", {"pdserve.ready_tokens": item.ready_tokens})
                     kv = KVHandle(self.address, item.lease.block_ids, len(prompt), item.lease.token).to_proto()
                     yield worker_pb2.PrefillResponse(request_id=request.request_id, kv=kv, kv_streaming=True)
                 elif isinstance(item, PrefillResult):
+                    result = item
                     yield self._answer(request, item)
                 else:
                     assert isinstance(item, KVReady)  # for WatchKV callers, not the router
-        except InvalidRequestError as exc:
-            await abort_invalid(context, exc)
-        except StepFailed as exc:
-            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
-        except KVLeaseEnded as exc:
-            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"prefill stopped: {exc}")
+            error = None
+        except (InvalidRequestError, StepFailed, KVLeaseEnded) as exc:
+            error = exc
+            if isinstance(exc, InvalidRequestError):
+                await abort_invalid(context, exc)
+            elif isinstance(exc, StepFailed):
+                await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+            else:
+                await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"prefill stopped: {exc}")
+        finally:
+            if result is not None and error is None:
+                _end_spans(span, result)
+            else:
+                tracing.end_span(span, error=error)
+
+    def _span(self, request, context, name: str):
+        """The server span of a prefill call (None while tracing is off)."""
+        if not tracing.enabled():
+            return None
+        return tracing.server_span(context, name, {
+            tracing.REQUEST_ID: request.request_id, tracing.WORKER_ID: self.worker.config.worker_id,
+            tracing.PROMPT_TOKENS: len(request.prompt_token_ids)})
 
     async def WatchKV(self, request, context):
         """A streamed lease's progress, for the decode worker that claimed it."""
@@ -119,6 +147,19 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def GetAgentMetadata(self, request, context):
         return self.worker.agent.local_metadata()
+
+
+def _end_spans(span, r: PrefillResult) -> None:
+    """The prefill's queue wait and chunks, from the times the worker kept, under ``span``,
+    which ends."""
+    if span is None:
+        return
+    queued_until = r.arrived_at + r.queue_seconds
+    tracing.record_span("prefill.queue", span, r.arrived_at, queued_until)
+    for i, (start, end, computed) in enumerate(r.chunks):
+        tracing.record_span("prefill.chunk", span, start, end, {"pdserve.chunk.index": i, tracing.CHUNK_TOKENS: computed})
+    tracing.end_span(span, attributes={tracing.CACHED_TOKENS: r.num_cached_tokens, tracing.CHUNKS: len(r.chunks),
+                                       tracing.TIME_IN_QUEUE: r.queue_seconds})
 
 
 def add_to_server(server: grpc.aio.Server, worker: PrefillWorker, address: str, metrics_address: str = "") -> None:

@@ -27,6 +27,7 @@ from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVW
 from pdserve.prefill_worker.record import RequestRecord
 from pdserve.protos import worker_pb2
 from pdserve.shell.worker import WorkerShell
+from pdserve.wire import tracing
 
 # While KV is held, a decode worker's read can complete at any moment and its notification
 # frees the blocks: the engine thread looks for notifications this often, and never when
@@ -57,6 +58,7 @@ class PrefillWorkerConfig:
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
     borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
+    otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
     # Prefix-cache events kept for routers' polls (prefill_worker.cache_events). A router further
     # behind gets a snapshot instead. At ~1,000 prompt tokens/s a CPU worker makes ~60 events a
     # second, so this covers minutes between two 0.2 s polls.
@@ -75,6 +77,8 @@ class PrefillResult:
     queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
     first_top_logprobs: TopLogprobs = ()
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # with params.prompt_logprobs
+    arrived_at: float = 0.0  # time.monotonic() when Prefill queued it
+    chunks: tuple[tuple[float, float, int], ...] = ()  # while tracing: ``RequestRecord.chunks``, the last one too
 
 
 class PrefillWorker(WorkerShell):
@@ -132,7 +136,8 @@ class PrefillWorker(WorkerShell):
         hashes = None
         if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
             hashes = prompt_block_hashes(prompt, self.engine.blocks.block_size, params.cache_salt)
-        record = self.records[request_id] = RequestRecord(request_id, owner, time.monotonic(), hashes, stream_kv)
+        record = self.records[request_id] = RequestRecord(request_id, owner, time.monotonic(), hashes, stream_kv,
+                                                          chunks=[] if tracing.enabled() else None)
         stream = self.open_stream(request_id)
         held = False
         try:
@@ -288,11 +293,15 @@ class PrefillWorker(WorkerShell):
             lease = record.lease = self.leases.grant(o.request_id, self.engine.held_block_ids(o.request_id),
                                                      time.monotonic(), self.config.lease_seconds, owner=record.owner)
             self.agent.expect_reads(True)
+        now = time.monotonic()
+        chunks = ()
+        if record.chunks is not None:  # the last chunk is the step that just ended
+            chunks = (*record.chunks, (self._step_started, now, o.num_prompt_tokens))
         return o.request_id, PrefillResult(
             o.new_token_ids[0], o.new_logprobs[0] if o.new_logprobs else 0.0, o.finish_reason,
-            o.num_prompt_tokens, lease, o.num_cached_tokens, time.monotonic() - started,
+            o.num_prompt_tokens, lease, o.num_cached_tokens, now - started,
             max(0.0, computing_since - started), o.new_top_logprobs[0] if o.new_top_logprobs else (),
-            o.prompt_logprobs)
+            o.prompt_logprobs, started, chunks)
 
     def _expect_reads(self) -> None:
         """Holder-side progress (NIXL: a thread waking every millisecond, on this worker's
@@ -326,17 +335,22 @@ class PrefillWorker(WorkerShell):
         return max(0.0, min(NOTIFICATION_POLL_S, self.leases.next_deadline() - now))
 
     def _note_chunk(self) -> None:
-        """Remember when a chunked prompt's first chunk ran (the step that just ended).
+        """Remember when a chunked prompt's first chunk ran (the step that just ended), and
+        while tracing each of its chunks.
 
         Only the head of the waiting queue can be part-computed: a chunked prompt stays
         there until its last chunk. A prompt computed in one step is seen in ``_on_outputs``.
         """
+        now = time.monotonic()
         waiting = self.engine.scheduler.waiting
         if waiting and waiting[0].num_computed_tokens > waiting[0].num_cached_tokens:
             record = self.records.get(waiting[0].seq_id)
             if record is not None and record.first_chunk_at is None:
                 record.first_chunk_at = self._step_started
-        self._step_started = time.monotonic()
+            computed = waiting[0].num_computed_tokens
+            if record is not None and record.chunks is not None and (not record.chunks or record.chunks[-1][2] < computed):
+                record.chunks.append((self._step_started, now, computed))
+        self._step_started = now
 
     def _end_lease(self, token: str, reason: ReleaseReason) -> bool:
         """End the lease ``token`` for ``reason`` and free its blocks; False if it is gone."""

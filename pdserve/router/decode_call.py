@@ -15,6 +15,7 @@ from pdserve.protos import worker_pb2
 from pdserve.router.errors import AttemptLost, route_error
 from pdserve.router.policy import pick_decode
 from pdserve.router.worker_calls import CallContext, Fault, triage
+from pdserve.wire import tracing
 
 
 async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: int, source: str | None
@@ -24,16 +25,20 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
     before it sent anything is passed over for another; any other failure loses the attempt."""
     tried: set[str] = set()
     while True:
+        route = ctx.spans.route("decode") if ctx.spans is not None else None
         choice = await ctx.budget.admit(lambda: pick_decode(ctx.pool.snapshots(), blocks, frozenset(tried),
                                                             limited=ctx.limited), ctx.pool.interval_s)
+        tracing.end_span(route, attributes={tracing.WORKER_ID: choice.worker_id or ""} if route else None)
         if choice.worker_id is None:
             if tried and not choice.saturated:
                 raise AttemptLost(choice.reason)
             raise route_error(choice)
         client = ctx.pool.workers[choice.worker_id]
         tried.add(client.address)
-        call = client.stub.Decode(request, timeout=ctx.budget.remaining_s())
+        span = ctx.spans.call("Decode", client.address) if ctx.spans is not None else None
+        call = client.stub.Decode(request, timeout=ctx.budget.remaining_s(), **tracing.metadata_kwargs(span))
         started = False
+        error = None
         try:
             with ctx.pool.placed(client, blocks=blocks):
                 async with contextlib.aclosing(_idle_bounded(ctx, call, client)) as messages:
@@ -44,10 +49,13 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
                         if resp.kv_bytes:  # the KV-arrived notice, not output
                             ctx.pool.transfer_ok(source)
                             ctx.metrics.kv_transferred(resp.kv_transfer_seconds)
+                            tracing.add_event(span, "kv_arrived", {tracing.KV_BYTES: resp.kv_bytes,
+                                                                   tracing.KV_TRANSFER_TIME: resp.kv_transfer_seconds})
                             continue
                         yield resp.prefilled if resp.HasField("prefilled") else resp
             return
         except grpc.aio.AioRpcError as exc:
+            error = f"{exc.code().name} {exc.details()}"
             fault = triage(exc, ctx.budget)
             if fault is Fault.BUSY and not started:
                 continue  # the KV is still held: another decode worker may take it
@@ -56,8 +64,12 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
             elif source is not None:
                 ctx.pool.transfer_failed(source)  # the KV's source, if it keeps failing
             raise AttemptLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
+        except Exception as exc:
+            error = exc
+            raise
         finally:
             call.cancel()
+            tracing.end_span(span, error=error)
 
 
 async def _idle_bounded(ctx: CallContext, call, client):

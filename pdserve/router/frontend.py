@@ -62,15 +62,31 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
     salt is the client's within it.
 
     The size limits come first, so that no request tokenizes or templates more than they allow.
-    Runs on a worker thread (the tokenizer's work is off the event loop).
+    Runs on a worker thread (the tokenizer's work is off the event loop). The two halves,
+    ``validate`` and ``tokenize``, are apart so that a trace can time each.
     """
+    return tokenize(validate(req, model, limits, max_tokens_to_context, tenant), model)
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request whose every check before tokenizing passed (``validate``)."""
+
+    req: pdserve_pb2.GenerateRequest
+    params: SamplingParams  # max_tokens the most it can be when ``default_max_tokens``
+    default_max_tokens: bool
+
+
+def validate(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestLimits = RequestLimits(),
+             max_tokens_to_context: bool = False, tenant: str = "") -> ValidRequest:
+    """``prepare``'s checks before tokenizing: the model, the size limits, the router-only
+    fields, the sampling parameters and the grammar."""
     if req.model and not model.serves(req.model):
         raise InvalidRequestError("model", f"unknown model {req.model!r}; this server serves "
                                            f"{', '.join(map(repr, model.names))}")
     check_limits(req, limits)
     refuse_router_only(req)
-    kind = req.WhichOneof("input")
-    if kind is None:
+    if req.WhichOneof("input") is None:
         raise InvalidRequestError("input", "set one of text, token_ids or chat")
     params = sampling_from_proto(req.sampling)
     default_max_tokens = max_tokens_to_context and req.sampling.max_tokens == 0
@@ -81,17 +97,25 @@ def prepare(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: RequestL
         params.structured.validate("structured_output")
     if tenant:
         params = dataclasses.replace(params, cache_salt=request_salt(params.cache_salt, tenant))
+    return ValidRequest(req, params, default_max_tokens)
+
+
+def tokenize(valid: ValidRequest, model: ModelInfo) -> PreparedRequest:
+    """``prepare``'s second half: the prompt's token ids (chat template applied), then the
+    checks that need its length."""
+    req, params = valid.req, valid.params
+    kind = req.WhichOneof("input")
     if kind == "token_ids":
         ids = list(req.token_ids.ids)
     elif kind == "text":
         ids = model.tokenizer.encode(req.text)
     else:
         ids = chat_token_ids(req.chat, model.tokenizer)
-    if default_max_tokens:
+    if valid.default_max_tokens:
         rest = max(model.max_model_len - len(ids), 1)  # a prompt too long is refused just below
         params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
     check_prompt(ids, params, model.config.vocab_size, model.max_model_len)
-    return PreparedRequest(req.request_id or f"req-{uuid.uuid4().hex[:16]}", ids, params, default_max_tokens)
+    return PreparedRequest(req.request_id or f"req-{uuid.uuid4().hex[:16]}", ids, params, valid.default_max_tokens)
 
 
 def check_limits(req: pdserve_pb2.GenerateRequest, limits: RequestLimits) -> None:

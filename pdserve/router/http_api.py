@@ -44,6 +44,7 @@ from pdserve.router.tools import ToolOutput
 from pdserve.router.validation import HttpError, decode_json, parse_body
 from pdserve.wire.address import Endpoint, resolve
 from pdserve.wire.logs import ACCESS_FORMAT, ACCESS_LOGGER
+from pdserve.wire import tracing
 from pdserve.wire.tls import TlsConfig
 
 _ROUTE_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
@@ -153,7 +154,9 @@ class OpenAIFront:
         # Without max_tokens, chat runs to the rest of the context and completions stop at 16
         # (wire.convert.DEFAULT_MAX_TOKENS), as in OpenAI's API and vLLM.
         auth = request.headers.get("Authorization")  # its key salts the prefix cache (router.cache_salt)
-        streams = [self.service.run(req, timeout_s, max_tokens_to_context=chat, authorization=auth) for req in reqs]
+        headers = request.headers if tracing.enabled() else None  # a traceparent the trace continues
+        streams = [self.service.run(req, timeout_s, max_tokens_to_context=chat, authorization=auth,
+                                    trace_headers=headers) for req in reqs]
         queue: asyncio.Queue = asyncio.Queue()
         # One task iterates each choice's stream from start to end: the router's Abort cancels
         # the task that runs a request, so that must stay the same task throughout.

@@ -12,6 +12,7 @@ import grpc
 from pdserve.protos import worker_pb2
 from pdserve.router.errors import AttemptLost, RouteError, route_error
 from pdserve.router.worker_calls import CallContext, Fault, Started, last_message, triage, unavailable, unless_hung
+from pdserve.wire import tracing
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +25,13 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
     tried: set[str] = set()
     last = "no prefill worker"
     for _ in range(ctx.limits.max_prefill_attempts):
+        route = ctx.spans.route("prefill") if ctx.spans is not None else None
         choice = await ctx.budget.admit(lambda: ctx.pool.route_prefill(
             prompt, ctx.limits.routing, frozenset(tried), ctx.limits.max_queued_tokens_per_prefill, cache_salt),
             ctx.pool.interval_s)
+        if route is not None:
+            tracing.end_span(route, attributes={tracing.ROUTE_RULE: choice.rule or "", tracing.CACHED_TOKENS:
+                                                choice.cached_tokens, tracing.WORKER_ID: choice.worker_id or ""})
         if choice.worker_id is None:
             if choice.saturated:
                 raise route_error(choice)
@@ -34,17 +39,24 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
         client = ctx.pool.workers[choice.worker_id]
         tried.add(client.address)
         ctx.metrics.routed(choice.rule, choice.cached_tokens)
+        method = "PrefillStream" if stream_kv else "Prefill"
+        span = ctx.spans.call(method, client.address) if ctx.spans is not None else None
         try:
             with ctx.pool.placed(client, tokens=len(prompt) - choice.cached_tokens):
                 if not stream_kv:
-                    call = client.stub.Prefill(request, timeout=ctx.budget.remaining_s())
-                    return await unless_hung(call, client), client.address, None
-                call = client.stub.PrefillStream(request, timeout=ctx.budget.remaining_s())
+                    call = client.stub.Prefill(request, timeout=ctx.budget.remaining_s(), **tracing.metadata_kwargs(span))
+                    answer = await unless_hung(call, client)
+                    tracing.end_span(span)
+                    return answer, client.address, None
+                call = client.stub.PrefillStream(request, timeout=ctx.budget.remaining_s(),
+                                                 **tracing.metadata_kwargs(span))
                 first = await unless_hung(call.read(), client, call)
                 if first is grpc.aio.EOF:
                     raise unavailable(f"prefill worker {client.address} ended the stream without an answer")
+                tracing.end_span(span)  # the early handle (or the answer) came back
                 return first, client.address, (call if first.kv_streaming else None)
         except grpc.aio.AioRpcError as exc:
+            tracing.end_span(span, error=f"{exc.code().name} {exc.details()}")
             fault = triage(exc, ctx.budget)
             if fault is Fault.REFUSED:
                 raise
@@ -53,6 +65,9 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
                 ctx.pool.mark_down(client.address)
             ctx.metrics.retried()
             log.warning("request %s: %s; trying another", ctx.request_id, last)
+        except BaseException as exc:
+            tracing.end_span(span, error=exc)
+            raise
     code = grpc.StatusCode.RESOURCE_EXHAUSTED if "RESOURCE_EXHAUSTED" in last else grpc.StatusCode.UNAVAILABLE
     raise RouteError(code, f"no prefill worker could take the request ({last})")
 

@@ -26,6 +26,7 @@ from pdserve.router.output_processor import OutputProcessor
 from pdserve.router.policy import pick_decode
 from pdserve.router.pool import WorkerPool
 from pdserve.router.request_budget import RequestBudget
+from pdserve.router.request_spans import RequestSpans
 from pdserve.router.worker_calls import CallContext
 from pdserve.wire.convert import DEFAULT_MAX_TOKENS, finish_from_wire, sampling_to_proto
 from pdserve.wire.metrics import RequestMetrics
@@ -35,10 +36,11 @@ log = logging.getLogger(__name__)
 
 class RequestRun:
     """One request through prefill and decode. ``arrived`` (``time.monotonic()``) is when it
-    reached the router, before tokenization: its latencies count from there."""
+    reached the router, before tokenization: its latencies count from there. ``spans``: the
+    request's trace (``pdserve.router.request_spans``); None while tracing is off."""
 
     def __init__(self, req: PreparedRequest, model: ModelInfo, pool: WorkerPool, limits: RouterLimits,
-                 arrived: float | None = None, timeout_s: float | None = None):
+                 arrived: float | None = None, timeout_s: float | None = None, spans: RequestSpans | None = None):
         self.req = req
         self.model = model
         self.pool = pool
@@ -49,7 +51,7 @@ class RequestRun:
                                     limits.admission_wait_s, sent=lambda: len(self.output.token_ids))
         self.metrics = RequestMetrics(arrived=arrived, model_name=model.name)
         self.calls = CallContext(req.request_id, pool, limits, self.budget, self.metrics,
-                                 limited=not req.default_max_tokens)
+                                 limited=not req.default_max_tokens, spans=spans)
         self.migrations = 0
         self._prefilled = False  # the request's first prefill answer came
 
@@ -87,14 +89,21 @@ class RequestRun:
             attempt = self._attempt(number)
             await self._check_decode_capacity(attempt.blocks)  # before any prefill work
             kind = self._kind(attempt)
+            spans = self.calls.spans
+            if spans is not None:
+                spans.start_attempt(number, kind.label, len(attempt.prompt))
             try:
                 async with contextlib.aclosing(kind.outputs(self.calls, attempt)) as outputs:
                     async for out in outputs:
                         yield self._process(out, attempt)
                         if self.output.finished:
+                            if spans is not None:
+                                spans.end_attempt()
                             return
                 raise AttemptLost("decode stream ended without a finish reason")
             except AttemptLost as exc:
+                if spans is not None:
+                    spans.end_attempt(lost=exc)
                 number += 1
                 self._migrate(exc, attempt)
 

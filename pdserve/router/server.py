@@ -24,7 +24,7 @@ from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import POOLS, WorkerPool
 from pdserve.router.service import GenerationService
 from pdserve.router.worker_calls import detach
-from pdserve.wire import metrics
+from pdserve.wire import metrics, tracing
 from pdserve.wire.address import resolve
 from pdserve.wire.grpc_util import aio_server, bind
 from pdserve.wire.internal_plane import RoleInterceptor, check_bind
@@ -69,6 +69,7 @@ class RouterConfig:
     # router's own check answers INVALID_ARGUMENT naming that limit.
     max_receive_bytes: int = 4 << 20
     limits: RouterLimits = field(default_factory=RouterLimits)
+    otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
 
 
 def load_model_info(config: RouterConfig) -> ModelInfo:
@@ -90,6 +91,7 @@ async def start(config: RouterConfig) -> RunningRouter:
     """Two servers: the public plane (``Generation``, health, reflection, the OpenAI API) and
     the internal plane (``RouterAdmin``, health), each on its own port and address."""
     sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)  # the process is the router's (see above)
+    tracing.configure(config.otlp_traces_endpoint, "router")
     internal_endpoint = resolve(config.internal_host, config.internal_advertise_host)
     check_bind(internal_endpoint.bind_host, config.tls, config.insecure_internal, ADMIN_SERVICE)  # before any work
     model = await asyncio.to_thread(load_model_info, config)

@@ -29,8 +29,10 @@ from pdserve.router.client_work import ClientWork
 from pdserve.router.frontend import ModelInfo, check_request_id, prepare
 from pdserve.router.errors import RouteError
 from pdserve.router.request_run import RequestRun
+from pdserve.router.request_spans import end_request, start_request, traced_prepare
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerPool
+from pdserve.wire import tracing
 from pdserve.wire.grpc_util import abort_invalid
 
 log = logging.getLogger(__name__)
@@ -65,13 +67,15 @@ class GenerationService:
         return min(client_timeout_s, self.limits.request_timeout_s)
 
     async def run(self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None = None,
-                  owner: str = "", max_tokens_to_context: bool = False, authorization: str | None = None
-                  ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+                  owner: str = "", max_tokens_to_context: bool = False, authorization: str | None = None,
+                  trace_headers=None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """One request's responses, for every front (gRPC here, HTTP in http_api.py).
         ``owner`` is who may abort it (``caller``); the HTTP front, whose ids the router
         makes, aborts by closing the stream and passes none. ``max_tokens_to_context``: see
         ``pdserve.router.frontend.prepare``. ``authorization``: the caller's credentials, whose key
         salts its prefix cache when ``salt_by_api_key`` (``pdserve.router.cache_salt``).
+        ``trace_headers``: the caller's gRPC metadata or HTTP headers, whose ``traceparent``
+        the request's trace continues (read only while tracing is on).
 
         Raises ``InvalidRequestError`` or ``RouteError``; an ``Abort`` ends the stream with a
         FINISH_REASON_ABORT response, a cancelled caller cleans up on the way out.
@@ -79,26 +83,35 @@ class GenerationService:
         arrived = time.monotonic()  # TTFT and e2e latency include tokenizing and the chat template
         deadline_s = self.timeout_s(timeout_s)
         self._admit()
+        spans = start_request(trace_headers, request, self.model)  # None: tracing is off
         self.waiting += 1
         waiting = True
+        run = prepared = first_at = None
+        finish, error = "", None
         try:
             tenant = key_salt(authorization) if self.salt_by_api_key else ""
-            prepared = await self.work.run(prepare, request, self.model, self.limits.requests, max_tokens_to_context,
-                                           tenant)
+            args = (request, self.model, self.limits.requests, max_tokens_to_context, tenant)
+            prepared = await (self.work.run(prepare, *args) if spans is None else
+                              self.work.run(traced_prepare, spans, *args))
             rid = prepared.request_id
             key = (owner, rid)
             if key in self.running:
                 raise InvalidRequestError("request_id", f"{rid!r} is already running")
-            run = RequestRun(prepared, self.model, self.pool, self.limits, arrived=arrived, timeout_s=deadline_s)
+            run = RequestRun(prepared, self.model, self.pool, self.limits, arrived=arrived, timeout_s=deadline_s,
+                             spans=spans)
             self.running[key] = (asyncio.current_task(), run)
             try:
                 async for resp in run.responses():
                     if waiting:
                         self.waiting, waiting = self.waiting - 1, False
+                        first_at = time.monotonic()
+                    if spans is not None and resp.finish_reason:
+                        finish = pdserve_pb2.FinishReason.Name(resp.finish_reason)
                     yield resp
             except asyncio.CancelledError:
                 if key not in self.aborted:
                     raise  # the client went away; cleanup ran on the way out
+                finish = "FINISH_REASON_ABORT"
                 yield pdserve_pb2.GenerateResponse(request_id=rid, finish_reason=pdserve_pb2.FINISH_REASON_ABORT,
                                                    usage=run.usage())
             finally:
@@ -106,9 +119,17 @@ class GenerationService:
                     self.trace.record(prepared.prompt_token_ids, len(run.output.token_ids), arrived)
                 self.running.pop(key, None)
                 self.aborted.discard(key)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             if waiting:
                 self.waiting -= 1
+            if spans is not None:
+                end_request(spans, arrived, first_at, len(prepared.prompt_token_ids) if prepared else 0,
+                            len(run.output.token_ids) if run else 0,
+                            finish or ("" if isinstance(error, Exception) or error is None else "cancelled"),
+                            error if isinstance(error, Exception) else None)  # not the client leaving
 
     async def client_job(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the tokenizer threads for a request that is not a generation
@@ -149,7 +170,9 @@ class GenerationService:
             authorization = None
             if self.salt_by_api_key:  # the key the interceptor accepted salts this caller's cache
                 authorization = dict(context.invocation_metadata() or ()).get("authorization")
-            async for resp in self.run(request, remaining, caller(context), authorization=authorization):
+            headers = context.invocation_metadata() if tracing.enabled() else None  # its traceparent
+            async for resp in self.run(request, remaining, caller(context), authorization=authorization,
+                                       trace_headers=headers):
                 yield resp
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,6 +20,9 @@ from pdserve.router.pool import WorkerPool
 from pdserve.router.request_budget import RequestBudget
 from pdserve.wire.failure import Failure, failure_of
 from pdserve.wire.metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from pdserve.router.request_spans import RequestSpans
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class CallContext:
     budget: RequestBudget
     metrics: RequestMetrics
     limited: bool  # the client set max_tokens (``pdserve.router.policy.pick_decode``)
+    spans: RequestSpans | None = None  # its trace (``pdserve.router.request_spans``); None: tracing off
 
 
 class Fault(enum.Enum):

@@ -9,6 +9,7 @@ from typing import Callable
 import grpc
 
 from pdserve.shell.worker import WorkerShell
+from pdserve.wire import tracing
 from pdserve.wire.server import RunningServer, set_serving, start_server
 from pdserve.wire.worker_metrics import WorkerSource, serve_worker
 
@@ -22,6 +23,7 @@ async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, s
     (SIGTERM) turns health NOT_SERVING, lets in-flight requests finish within ``grace_s``
     (the process's ``drain_grace_seconds``), then stops everything."""
     config = worker.config
+    tracing.configure(config.otlp_traces_endpoint, worker.role, config.worker_id)
     worker.start()
     metrics = serve_worker(worker.endpoint, config.metrics_port, WorkerSource(
         worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size, config.model_name))

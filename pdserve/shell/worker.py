@@ -32,8 +32,9 @@ _DRAIN_CHECK_S = 0.05
 
 class WorkerShell:
     """Base of ``PrefillWorker`` and ``DecodeWorker``. ``config`` needs ``worker_id``,
-    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests``, ``max_receive_bytes``
-    and ``step_trace_dir`` (None: no step trace)."""
+    ``cpus`` (cores to pin to; empty: no pinning), ``max_requests``, ``max_receive_bytes``,
+    ``step_trace_dir`` (None: no step trace) and ``otlp_traces_endpoint`` (None: no request
+    traces; ``pdserve.shell.server.serve`` configures them)."""
 
     role: ClassVar[str]
 
