@@ -124,8 +124,8 @@ def _release_later(ctx: CallContext, address: str, lease_token: str) -> None:
     client = ctx.pool.workers.get(address)
     if client is None:
         return
-    # Its own stub, whatever role the router lists it under now (an elastic worker that switched
-    # to decode still serves the KV it held as prefill).
-    stub = worker_pb2_grpc.PrefillWorkerStub(client.channel)
+    # An elastic worker that switched to decode meanwhile still serves the KV it held as prefill,
+    # through its prefill service.
+    stub = client.stub if client.role == "prefill" else worker_pb2_grpc.PrefillWorkerStub(client.channel)
     release = stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
     detach(ignore_errors(release))
