@@ -19,8 +19,13 @@ log = logging.getLogger(__name__)
 
 
 def _start_role(role: str, config):
-    """The coroutine factory that starts ``role``'s server inside its actor."""
-    if role == "prefill":
+    """The coroutine factory that starts ``role``'s server inside its actor (an elastic
+    worker's, whichever pool it starts in, when its config is one)."""
+    from pdserve.elastic_worker.worker import ElasticWorkerConfig
+
+    if isinstance(config, ElasticWorkerConfig):
+        from pdserve.elastic_worker.server import start
+    elif role == "prefill":
         from pdserve.prefill_worker.server import start
     elif role == "decode":
         from pdserve.decode_worker.server import start

@@ -4,6 +4,7 @@
     pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
     pdserve stop --address RAY       drain and stop it
     pdserve rollout --address RAY --pool POOL   restart every process of a pool in turn, losing no request
+    pdserve set-role --address RAY --worker ADDR --role ROLE   move an elastic worker to the other pool in place
     pdserve generate "PROMPT"        stream a completion from a running cluster
 
 ``pdserve worker --role ROLE`` is ``pdserve.cluster.worker_cli``'s.
@@ -62,6 +63,23 @@ def _rollout_parser(sub) -> None:
     p.add_argument(grace.flag, type=flag_type(grace), default=grace.default,
                    help=f"how long each old process may take to finish what it runs; past it a worker's streams "
                         f"migrate (default {grace.default:g})")
+
+
+def _set_role_parser(sub) -> None:
+    p = sub.add_parser("set-role", help="move an elastic worker to the other pool in place, without a model load",
+                       description="The worker (of a cluster served with --elastic-roles) leaves its pool, lets "
+                                   "what it runs there finish (held KV is pulled, streams end; past the grace "
+                                   "its streams migrate), and joins the other pool in the same process "
+                                   "(docs/elastic-roles.md).")
+    p.add_argument("--address", required=True, help="the Ray cluster's address (serve's --address)")
+    p.add_argument("--cluster-name", default="pdserve", help="the cluster's Ray namespace (serve's --cluster-name)")
+    p.add_argument("--worker", required=True, help="the worker's internal address, as `pdserve status` lists it")
+    p.add_argument("--role", required=True, choices=("prefill", "decode"))
+    p.add_argument("--reason", default="manual", help="why, for the log and pdserve:role_changes_total")
+    grace = DRAIN_GRACE_SECONDS
+    p.add_argument(grace.flag, type=flag_type(grace), default=grace.default,
+                   help=f"how long the old role's work may take to finish; past it its streams migrate "
+                        f"(default {grace.default:g})")
 
 
 def _generate_parser(sub) -> None:
@@ -235,6 +253,18 @@ def cluster_rollout(args) -> int:
     return 0
 
 
+def cluster_set_role(args) -> int:
+    import ray
+
+    handle = _running_controller(args)
+    if handle is None:
+        return 1
+    r = ray.get(handle.set_role.remote(args.worker, args.role, args.drain_grace_seconds, args.reason))
+    past = "" if r["idle"] else f"; past the grace {r['handed_over']} stream(s) migrated"
+    print(f"{r['address']}: {r['previous']} -> {r['role']} in {r['seconds']:.3f} s{past}", flush=True)
+    return 0
+
+
 def _running_controller(args):
     """The controller of ``--cluster-name`` on the Ray at ``--address``; None, said on stderr, if none runs."""
     from pdserve.cluster import controller
@@ -301,5 +331,6 @@ def add_commands(sub) -> dict[str, Callable[[argparse.Namespace], int]]:
     _generate_parser(sub)
     _cluster_parsers(sub)
     _rollout_parser(sub)
+    _set_role_parser(sub)
     return {"serve": serve, "generate": generate, "status": cluster_status, "stop": cluster_stop,
-            "rollout": cluster_rollout}
+            "rollout": cluster_rollout, "set-role": cluster_set_role}

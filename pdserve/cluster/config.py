@@ -33,6 +33,9 @@ class ClusterConfig:
     mode: str = DISAGGREGATED
     num_prefill: int = 1  # 0 in colocated mode
     num_decode: int = 1
+    # Every worker is elastic (pdserve.elastic_worker): it serves both roles' RPCs on one engine
+    # and starts in its pool's role, which ``LocalCluster.set_role`` changes in place.
+    elastic_roles: bool = False
     host: str = "127.0.0.1"  # the public plane's bind address (router gRPC and HTTP), as `vllm serve --host`
     grpc_port: int = 50051  # the router's public gRPC port (`pdserve serve --grpc-port`)
     http_port: int | None = 8000  # the router's OpenAI-compatible HTTP port (`--port`); None: off
@@ -82,6 +85,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == COLOCATED and self.elastic_roles:
+            raise ValueError("elastic_roles needs the disaggregated mode (a colocated cluster has no prefill pool)")
         if self.mode == COLOCATED and self.num_prefill:
             raise ValueError(f"num_prefill must be 0 in colocated mode (no prefill pool), got {self.num_prefill}")
         # A claim renews the lease for lease_seconds and the read may take transfer_timeout_s:
@@ -150,8 +155,16 @@ class ClusterConfig:
                       kv_transfer_backend=self.kv_transfer_backend, max_requests=self.worker_max_requests,
                       max_receive_bytes=self.max_receive_bytes, step_trace_dir=self.step_trace_dir,
                       otlp_traces_endpoint=self.otlp_traces_endpoint)
+        prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common)
+        if self.elastic_roles:  # both roles' settings, one process; its outbound calls are a decode worker's
+            from pdserve.elastic_worker.worker import ElasticWorkerConfig
+
+            decode = DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
+                                        inject_transfer_delay_s=self.inject_transfer_delay_s,
+                                        **{**common, "tls": self.tls_for("decode")})
+            return ElasticWorkerConfig(prefill=prefill, decode=decode, role=role)
         if role == "prefill":
-            return PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common)
+            return prefill
         return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
                                   inject_transfer_delay_s=self.inject_transfer_delay_s, **common)
 

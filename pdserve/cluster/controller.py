@@ -82,6 +82,12 @@ class Controller:
 
         return [dataclasses.asdict(r) for r in roll(self.cluster, pool, RolloutConfig(drain_grace_s=drain_grace_s))]
 
+    def set_role(self, address: str, role: str, drain_grace_s: float, reason: str) -> dict:
+        """Switch the elastic worker at ``address`` to ``role`` in place (``pdserve.cluster.roles``)."""
+        import dataclasses
+
+        return dataclasses.asdict(self.cluster.set_role(address, role, drain_grace_s, reason))
+
     def shutdown(self) -> None:
         """Stop the router and every worker, remove their placement groups, and end this actor
         for good (Ray does not start it again)."""

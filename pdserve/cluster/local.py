@@ -22,6 +22,7 @@ from pdserve.cluster.actors import ServerActor
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.placement import PoolPlacement, remove, reserve
 from pdserve.cluster.ray_start import start_local_ray
+from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
 from pdserve.wire.grpc_util import channel
 
 log = logging.getLogger(__name__)
@@ -343,8 +344,42 @@ class LocalCluster:
                 stats = stub.Stats(worker_pb2.StatsRequest(), timeout=10)
         return True
 
-    def push_membership(self, exclude: set[str] = frozenset()) -> None:
-        """Tell the router the workers it may route to: all live slots, minus ``exclude``."""
+    def set_role(self, address: str, role: str, grace_s: float = DRAIN_GRACE_SECONDS.default,
+                 reason: str = "manual"):
+        """Switch the elastic worker at ``address`` to ``role`` in place (``pdserve.cluster.roles``)."""
+        from pdserve.cluster.roles import switch_role
+
+        return switch_role(self, address, role, grace_s, reason)
+
+    def role_of(self, address: str) -> str:
+        """The pool whose slots hold ``address``; ValueError if none does."""
+        for role in ("prefill", "decode"):
+            if address in self.addresses(role):
+                return role
+        raise ValueError(f"no worker of this cluster serves at {address}")
+
+    def take_slot(self, role: str, address: str) -> tuple:
+        """Take the worker at ``address`` out of ``role``'s slots, still running (a role switch):
+        (actor, address, placement group, spec), for ``put_slot``. Call with ``lock`` held."""
+        index = self.addresses(role).index(address)
+        actor, spec = self.actors(role)[index], self._specs[(role, index)]
+        return actor, address, self._drop_slot(role, index), spec
+
+    def put_slot(self, role: str, slot: tuple) -> None:
+        """Put a worker ``take_slot`` took into ``role``'s slots; a replacement the supervisor
+        starts there starts in ``role``. Call with ``lock`` held."""
+        actor, address, group, (placement, config, threads) = slot
+        index = len(self.actors(role))
+        self.actors(role).append(actor)
+        self.addresses(role).append(address)
+        self._groups[(role, index)] = group
+        if hasattr(config, "role"):  # an elastic worker's config: its replacement starts in this role
+            config = dataclasses.replace(config, role=role)
+        self._specs[(role, index)] = (placement, config, threads)
+
+    def push_membership(self, exclude: set[str] = frozenset(), role_changes: tuple = ()) -> None:
+        """Tell the router the workers it may route to: all live slots, minus ``exclude``;
+        ``role_changes`` (``admin_pb2.RoleChange``): switches this push completes."""
         from pdserve.protos import admin_pb2, admin_pb2_grpc
 
         members = [admin_pb2.Member(role=role, address=address)
@@ -353,7 +388,8 @@ class LocalCluster:
         targets = {pool: policy.target for pool, policy in self.config.autoscaled_pools().items()}
         with channel(self.admin_address, self.config.tls_for("controller")) as ch:
             admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
-                admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets), timeout=10)
+                admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets,
+                                     role_changes=role_changes), timeout=10)
 
     def drain(self, grace_s: float) -> int:
         """The router stops admitting (health NOT_SERVING, new requests UNAVAILABLE / 503) and

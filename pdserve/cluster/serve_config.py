@@ -37,6 +37,7 @@ def build(v: dict[str, Any]):
     return ClusterConfig(
         engine=_engine(v), router_limits=_router_limits(v), mode=v["mode"],
         num_prefill=0 if v["mode"] == COLOCATED else v["prefill"], num_decode=v["decode"],
+        elastic_roles=v["elastic_roles"],
         host=v["host"], grpc_port=v["grpc_port"], http_port=None if v["port"] < 0 else v["port"],
         advertise_host=v["advertise_host"], internal_host=v["internal_host"],
         internal_advertise_host=v["internal_advertise_host"],

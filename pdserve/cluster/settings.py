@@ -74,6 +74,9 @@ def serve_settings() -> tuple[Setting, ...]:
                 "each of the --decode workers prefills its own requests, mixed into its decode steps", MODES),
         Setting("prefill", int, 1, "prefill workers (none in colocated mode)", minimum=1),
         Setting("decode", int, 1, "decode workers (colocated mode: the workers)", minimum=1),
+        Setting("elastic_roles", bool, False,
+                "every worker serves both roles on one engine and starts in its pool's; `pdserve set-role` "
+                "moves one between the pools in place, without a model load (docs/elastic-roles.md)"),
         Setting("local_prefill_max_tokens", int, local.max_tokens,
                 "conditional disaggregation: a prompt with fewer uncached tokens than this is prefilled by its "
                 "decode worker, not the prefill pool (0: off)", minimum=0),

@@ -19,7 +19,8 @@ import sys
 import grpc
 
 from pdserve.decode_worker.spans import DecodeSpans
-from pdserve.decode_worker.worker import DecodeWorker, KVArrived, KVProgressed, LocallyPrefilled, TransferFailed
+from pdserve.decode_worker.worker import (DecodeWorker, HandedOver, KVArrived, KVProgressed, LocallyPrefilled,
+                                          TransferFailed)
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from pdserve.kv_transfer import TransferError
 from pdserve.kv_transfer.handoff import KVHandle, ReleaseReason, release_request
@@ -127,6 +128,8 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
         except StepFailed as exc:
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        except HandedOver as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"stream handed over: {exc}")
         except asyncio.CancelledError:
             # The router gave up on this call, or died. Either way no other decode worker will
             # be offered this KV (a router that goes on re-prefills), so it is freed now, not
@@ -165,6 +168,8 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             await abort_invalid(context, exc)
         except StepFailed as exc:
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+        except HandedOver as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"stream handed over: {exc}")
         finally:
             await stream.aclose()
             if spans is not None:

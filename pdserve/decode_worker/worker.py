@@ -19,7 +19,8 @@ from pdserve.engine.config import MIXED, EngineConfig
 from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, TransferHandle, TransferState, create_agent
+from pdserve.kv_transfer import (DEFAULT_BACKEND, InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState,
+                                 create_agent)
 from pdserve.kv_transfer.handoff import KVHandle, ReadNotice
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire import worker_metrics
@@ -104,16 +105,26 @@ class TransferFailed(Exception):
     """The prompt's KV could not be pulled; the request was aborted here."""
 
 
+class HandedOver(Exception):
+    """This worker gave the stream up before it finished (``hand_over_streams``: it stops
+    decoding, for a new role, past its grace); the request is aborted here and the router
+    migrates it (a re-prefill of prompt + tokens sent on another pair)."""
+
+
 class DecodeWorker(WorkerShell):
     role = "decode"
 
-    def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None):
+    def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None,
+                 agent: KVTransferAgent | None = None):
+        """``engine`` and ``agent``: ones this worker shares with a prefill worker in the same
+        process (``pdserve.elastic_worker``); None: its own."""
         engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
-        agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
-                             inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
-                             **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
+        if agent is None:
+            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
+                                 inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
+                                 **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_transfers])
         self.endpoint = endpoint
         self._pulls: dict[str, _Pull] = {}
@@ -160,6 +171,8 @@ class DecodeWorker(WorkerShell):
                     raise TransferFailed("the prefill worker stopped streaming the KV before the prompt was done")
             while not finished:
                 item = await stream.get()
+                if isinstance(item, HandedOver):
+                    raise item  # unfinished: the finally aborts it
                 if isinstance(item, (TransferFailed, StepFailed, SequenceFailed)):
                     finished = True
                     raise item
@@ -183,6 +196,8 @@ class DecodeWorker(WorkerShell):
             await self.call(self.engine.add_request, request_id, prompt, params)
             while not finished:
                 item = await stream.get()
+                if isinstance(item, HandedOver):
+                    raise item  # unfinished: the finally aborts it
                 if isinstance(item, (StepFailed, SequenceFailed)):
                     finished = True
                     raise item
@@ -195,6 +210,13 @@ class DecodeWorker(WorkerShell):
             self.close_stream(request_id)
             if not finished:
                 await self._abort_and_wait(request_id)
+
+    def hand_over_streams(self, why: str) -> int:
+        """Give up every stream here: each one's call ends UNAVAILABLE (``HandedOver``), its
+        request is aborted and its blocks freed, and the router migrates it. Returns how many."""
+        request_ids = list(self._streams)
+        self.push((request_id, HandedOver(why)) for request_id in request_ids)
+        return len(request_ids)
 
     async def _abort_and_wait(self, request_id: str) -> None:
         """Free what an unfinished request holds before its caller hears that it ended, so a

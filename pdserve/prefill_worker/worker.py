@@ -17,7 +17,7 @@ from pdserve.engine.device import wait_for_writes
 from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams, TopLogprobs
-from pdserve.kv_transfer import DEFAULT_BACKEND, create_agent
+from pdserve.kv_transfer import DEFAULT_BACKEND, KVTransferAgent, create_agent
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
@@ -84,12 +84,16 @@ class PrefillResult:
 class PrefillWorker(WorkerShell):
     role = "prefill"
 
-    def __init__(self, config: PrefillWorkerConfig, engine: LLMEngine | None = None):
+    def __init__(self, config: PrefillWorkerConfig, engine: LLMEngine | None = None,
+                 agent: KVTransferAgent | None = None):
+        """``engine`` and ``agent``: ones this worker shares with a decode worker in the same
+        process (``pdserve.elastic_worker``); None: its own."""
         engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the prefill worker")  # before its KV listener
-        agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
-                             **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
+        if agent is None:
+            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
+                                 **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv])
         self.endpoint = endpoint
         self.leases = LeaseTable()
@@ -189,6 +193,9 @@ class PrefillWorker(WorkerShell):
         lease = self.leases.get(token)
         record = self.records.get(lease.request_id) if lease is not None else None
         return record.watch if record is not None else None
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.records
 
     def in_flight(self) -> int:
         """Prompts computing, and KV held for a decode worker that has yet to read it."""

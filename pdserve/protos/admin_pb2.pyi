@@ -17,7 +17,7 @@ class Member(_message.Message):
     def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class Membership(_message.Message):
-    __slots__ = ("members", "desired_replicas", "signal_targets")
+    __slots__ = ("members", "desired_replicas", "signal_targets", "role_changes")
     class DesiredReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,10 +35,26 @@ class Membership(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     DESIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_CHANGES_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[Member]
     desired_replicas: _containers.ScalarMap[str, int]
     signal_targets: _containers.ScalarMap[str, float]
-    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ..., signal_targets: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    role_changes: _containers.RepeatedCompositeFieldContainer[RoleChange]
+    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ..., signal_targets: _Optional[_Mapping[str, float]] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ...) -> None: ...
+
+class RoleChange(_message.Message):
+    __slots__ = ("address", "from_role", "to_role", "reason", "seconds")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
+    TO_ROLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    from_role: str
+    to_role: str
+    reason: str
+    seconds: float
+    def __init__(self, address: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class MembershipAck(_message.Message):
     __slots__ = ("prefill_workers", "decode_workers")

@@ -255,3 +255,29 @@ class WorkerStats(_message.Message):
     cache_events: CacheEvents
     num_in_flight: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_unbounded: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ..., num_in_flight: _Optional[int] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "grace_s", "reason")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    grace_s: float
+    reason: str
+    def __init__(self, role: _Optional[str] = ..., grace_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("role", "previous", "idle", "handed_over", "leases_left", "seconds")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
+    LEASES_LEFT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous: str
+    idle: bool
+    handed_over: int
+    leases_left: int
+    seconds: float
+    def __init__(self, role: _Optional[str] = ..., previous: _Optional[str] = ..., idle: _Optional[bool] = ..., handed_over: _Optional[int] = ..., leases_left: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

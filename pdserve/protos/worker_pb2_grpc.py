@@ -643,3 +643,78 @@ class DecodeWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ElasticWorkerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetRole = channel.unary_unary(
+                '/pdserve.v1.ElasticWorker/SetRole',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
+
+
+class ElasticWorkerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def SetRole(self, request, context):
+        """Stop taking new requests of the old role, let what it runs finish (held KV keeps being
+        served until pulled or expired; decode streams still running at the grace's end are
+        handed over), then take requests of the new one. The same role again changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ElasticWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.SetRoleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.ElasticWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.ElasticWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ElasticWorker:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.ElasticWorker/SetRole',
+            pdserve_dot_protos_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

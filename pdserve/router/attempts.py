@@ -22,7 +22,7 @@ from typing import AsyncIterator, Union
 from pdserve.engine.grammar import resumed
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
-from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.router.decode_call import decode
 from pdserve.router.errors import AttemptLost
 from pdserve.router.prefill_call import prefill, streamed_answer
@@ -124,5 +124,8 @@ def _release_later(ctx: CallContext, address: str, lease_token: str) -> None:
     client = ctx.pool.workers.get(address)
     if client is None:
         return
-    release = client.stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
+    # An elastic worker that switched to decode meanwhile still serves the KV it held as prefill,
+    # through its prefill service.
+    stub = client.stub if client.role == "prefill" else worker_pb2_grpc.PrefillWorkerStub(client.channel)
+    release = stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
     detach(ignore_errors(release))

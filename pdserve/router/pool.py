@@ -147,7 +147,9 @@ class WorkerPool:
     async def set_members(self, members: list[tuple[str, str]]) -> None:
         """Make the routing table exactly ``members`` ((role, address) pairs): the controller's word."""
         wanted = {address: role for role, address in members}
-        for address in [a for a in self.workers if a not in wanted]:
+        # A worker listed under another role (an elastic worker that switched) is a new member:
+        # its old client finishes the calls it carries, a new one polls and routes as the new role.
+        for address in [a for a, w in self.workers.items() if wanted.get(a) != w.role]:
             await self.remove(address)
         for address, role in wanted.items():
             if address not in self.workers:

@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, str], None],
                 service: str) -> RunningServer:
-    """Start ``worker``, its /metrics and its gRPC server; ``register(server, address,
+    """Start ``worker`` (a ``WorkerShell``, or one with the same start, stop, stats, drain and
+    in_flight: ``pdserve.elastic_worker.worker.ElasticWorker``), its /metrics and its gRPC server; ``register(server, address,
     metrics_address)`` adds the role's servicer. The returned server's ``drain(grace_s)``
     (SIGTERM) turns health NOT_SERVING, lets in-flight requests finish within ``grace_s``
     (the process's ``drain_grace_seconds``), then stops everything."""

@@ -33,7 +33,7 @@ class ShellRpcs:
         another worker, or answers 429 with Retry-After)."""
         worker = self.worker
         if worker.draining:
-            await context.abort(draining_code, f"{worker.role} worker {worker.config.worker_id} is draining")
+            await context.abort(draining_code, f"{worker.role} worker {worker.config.worker_id} {worker.refusal}")
         if worker.requests() >= worker.config.max_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{worker.role} worker {worker.config.worker_id} holds max_requests "

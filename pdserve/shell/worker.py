@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 from pdserve.engine.engine_thread import EngineThread, Hook
 from pdserve.engine.errors import StepFailed
@@ -43,9 +43,11 @@ class WorkerShell:
         self.engine = engine
         self.agent = agent
         self.draining = False  # no new requests; those here finish
+        self.refusal = "is draining"  # what a request refused while draining is told (ShellRpcs.admit)
+        self.hooks = list(hooks)  # kept for a worker that runs several shells on one thread (run_together)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         trace = StepTrace(trace_path(config.step_trace_dir, config.worker_id)) if config.step_trace_dir else None
-        self.thread = EngineThread(engine, self._on_outputs, hooks=hooks, name=f"{config.worker_id}-engine",
+        self.thread = EngineThread(engine, self._on_outputs, hooks=self.hooks, name=f"{config.worker_id}-engine",
                                    on_step_error=self._on_step_error, step_trace=trace)
 
     def start(self) -> None:
@@ -105,6 +107,10 @@ class WorkerShell:
         holds (the ``Abort`` RPC, run between steps)."""
         return self.engine.abort(request_id)
 
+    def owns(self, request_id: str) -> bool:
+        """Whether ``request_id`` is this shell's (``run_together`` hands it its outputs)."""
+        return request_id in self._streams
+
     def in_flight(self) -> int:
         """Requests that a drain waits for."""
         return len(self._streams)
@@ -135,6 +141,34 @@ class WorkerShell:
         while self.in_flight() and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_CHECK_S)
         return not self.in_flight()
+
+
+def run_together(shells: Sequence[WorkerShell], name: str, step_trace: StepTrace | None = None) -> EngineThread:
+    """One engine thread for several shells over one engine and one KV agent (a worker that
+    serves both roles, ``pdserve.elastic_worker``): every shell's hooks run before each step,
+    each output goes to the shell that owns its request (``owns``), one no shell owns to the
+    first (the prefill shell, which frees a finished sequence nobody waits for), and a failed
+    step to all. Replaces each shell's own thread (build the shells without a step trace:
+    ``step_trace`` is the one thread's); start it once, for all of them."""
+    first = shells[0]
+
+    def on_outputs(outputs: list[RequestOutput]) -> None:
+        mine: dict[int, list[RequestOutput]] = {}
+        for o in outputs:
+            k = next((k for k, shell in enumerate(shells) if shell.owns(o.request_id)), 0)
+            mine.setdefault(k, []).append(o)
+        for k, batch in mine.items():
+            shells[k]._on_outputs(batch)
+
+    def on_step_error(exc: StepFailed) -> None:
+        for shell in shells:
+            shell._on_step_error(exc)
+
+    thread = EngineThread(first.engine, on_outputs, hooks=[h for shell in shells for h in shell.hooks], name=name,
+                          on_step_error=on_step_error, step_trace=step_trace)
+    for shell in shells:
+        shell.thread = thread
+    return thread
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:

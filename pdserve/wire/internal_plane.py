@@ -50,6 +50,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     _DECODE + "Abort": frozenset({"router"}),
     _DECODE + "Stats": frozenset({"router", "controller"}),
     _DECODE + "Drain": frozenset({"controller"}),
+    "/pdserve.v1.ElasticWorker/SetRole": frozenset({"controller"}),
 }
 
 

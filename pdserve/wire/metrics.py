@@ -35,6 +35,13 @@ Router, per request (pdserve/router/request_run.py), label ``model_name`` (the f
 - histogram ``pdserve:local_prefill_uncached_tokens{decision}``, ``pdserve:local_prefill_decode_load{decision}``:
   the rule's inputs, the prompt's uncached tokens and the decode worker's KV share in use
 
+Router, per role switch of an elastic worker (pdserve/elastic_worker), as the controller reports it
+(``Membership.role_changes``):
+
+- histogram ``pdserve:role_switch_seconds{to_role}``: the controller's decision to the router
+  listing the worker in its new pool (its old role drained, its new one open)
+- counter ``pdserve:role_changes_total{from_role,to_role,reason}``
+
 Router, per stats poll (pdserve/router/pool.py), label ``pool`` (prefill, decode):
 
 - gauge ``pdserve:num_requests_running``, ``pdserve:num_requests_waiting``: summed over the
@@ -153,6 +160,21 @@ DESIRED_REPLICAS = Gauge("pdserve:autoscaler_desired_replicas", "Workers the aut
                          [POOL_LABEL], registry=REGISTRY)
 SIGNAL_TARGET = Gauge("pdserve:autoscaler_signal_target",
                       "The autoscaler's per-worker target of the pool's primary signal.", [POOL_LABEL], registry=REGISTRY)
+
+# ---- router: role changes of elastic workers (pdserve/router/admin.py, from the controller) --
+SWITCH_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ROLE_SWITCH_TIME = Histogram("pdserve:role_switch_seconds",
+                             "An elastic worker's role switch, from the controller's decision until it serves its "
+                             "new role.", ["to_role"], buckets=SWITCH_BUCKETS, registry=REGISTRY)
+ROLE_CHANGES = Counter("pdserve:role_changes_total", "Role switches of elastic workers, by old role, new role and reason.",
+                       ["from_role", "to_role", "reason"], registry=REGISTRY)
+
+
+def role_changed(from_role: str, to_role: str, reason: str, seconds: float) -> None:
+    """One completed role switch (the controller reports it with the membership that lists the new role)."""
+    ROLE_SWITCH_TIME.labels(to_role).observe(seconds)
+    ROLE_CHANGES.labels(from_role, to_role, reason).inc()
+
 
 # The workers' families (wire.worker_metrics) are listed here too, after the router's.
 REGISTRY.register(WORKERS)

@@ -108,8 +108,9 @@ class WorkerCollector:
             sources = list(self._sources.values())
         for src in sources:
             stats = src.stats()
+            pool = stats.role or src.pool  # an elastic worker's pool is its role now
             for family, (_, _, _, value) in zip(families, _WORKER_FAMILIES):
-                family.add_metric([src.pool, src.worker, src.model_name], value(stats, src.block_size))
+                family.add_metric([pool, src.worker, src.model_name], value(stats, src.block_size))
         return families
 
 

@@ -42,6 +42,11 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.WorkerStats(worker_id="prefill-0")
 
 
+class FakeElastic(worker_pb2_grpc.ElasticWorkerServicer):
+    async def SetRole(self, request, context):
+        return worker_pb2.SetRoleResponse(role=request.role)
+
+
 class FakeAdmin(admin_pb2_grpc.RouterAdminServicer):
     async def SetMembership(self, request, context):
         return admin_pb2.MembershipAck()
@@ -50,6 +55,7 @@ class FakeAdmin(admin_pb2_grpc.RouterAdminServicer):
 def register(server, address):
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(FakePrefill(), server)
     admin_pb2_grpc.add_RouterAdminServicer_to_server(FakeAdmin(), server)
+    worker_pb2_grpc.add_ElasticWorkerServicer_to_server(FakeElastic(), server)
 
 
 CALLS = {
@@ -58,6 +64,8 @@ CALLS = {
     "Drain": lambda ch: worker_pb2_grpc.PrefillWorkerStub(ch).Drain(worker_pb2.DrainRequest(), timeout=10),
     "Stats": lambda ch: worker_pb2_grpc.PrefillWorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10),
     "SetMembership": lambda ch: admin_pb2_grpc.RouterAdminStub(ch).SetMembership(admin_pb2.Membership(), timeout=10),
+    "SetRole": lambda ch: worker_pb2_grpc.ElasticWorkerStub(ch).SetRole(worker_pb2.SetRoleRequest(role="decode"),
+                                                                       timeout=10),
 }
 
 
@@ -77,6 +85,7 @@ def test_each_internal_rpc_accepts_only_the_roles_that_need_it(certs):
         ("Drain", "controller"): OK, ("Drain", "router"): DENIED, ("Drain", "decode"): DENIED,
         ("Stats", "router"): OK, ("Stats", "controller"): OK, ("Stats", "decode"): DENIED,
         ("SetMembership", "controller"): OK, ("SetMembership", "router"): DENIED,
+        ("SetRole", "controller"): OK, ("SetRole", "router"): DENIED, ("SetRole", "decode"): DENIED,
     }
 
     async def main():

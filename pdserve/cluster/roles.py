@@ -1,0 +1,90 @@
+"""Changing an elastic worker's role in place (``pdserve.elastic_worker``): the controller's
+half of the switch. The worker keeps its process, weights and KV cache; only the pool the
+router lists it in changes, and the router never sends it work its role cannot take:
+
+1. Decide: take the worker out of its old pool's slots and push the membership, so the
+   router stops routing to it under its old role (its calls already running carry on).
+2. ``SetRole`` on the worker: its old role closes (what still arrives is refused as by a
+   draining worker, and the router tries another), what it runs finishes within the grace
+   (held KV is pulled or its lease ends; decode streams still running at the grace's end are
+   handed over and the router migrates them), then its new role opens.
+3. Put the worker in the new pool's slots and push the membership with the switch's record
+   (``Membership.role_changes``): the router lists it under its new role and counts the
+   switch in ``pdserve:role_changes_total`` and ``pdserve:role_switch_seconds`` (decision to
+   this push).
+
+A worker whose ``SetRole`` fails goes back to its old pool's slots (it may have closed its old
+role: its Stats then say draining, and the router does not route to it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
+from pdserve.wire.grpc_util import channel
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class RoleSwitch:
+    """One switch, as an operator reads it."""
+
+    address: str
+    previous: str
+    role: str
+    reason: str
+    seconds: float  # the decision to the router listing the worker in its new pool
+    worker_seconds: float  # of which: the worker's own drain and switch (SetRole)
+    idle: bool  # the old role finished everything it ran within the grace
+    handed_over: int  # decode streams the router migrated because the grace ran out
+    leases_left: int  # held KV still served under its lease when the new role opened
+
+
+def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_SECONDS.default,
+                reason: str = "manual") -> RoleSwitch:
+    """Switch the elastic worker at ``address`` of ``cluster`` (a ``LocalCluster`` with
+    ``elastic_roles``) to ``role``. Raises ValueError for an unknown role or address, and the
+    worker's gRPC error if it would not switch (it is back in its old pool then)."""
+    from pdserve.protos import admin_pb2, worker_pb2, worker_pb2_grpc
+
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if grace_s < 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    decided = time.monotonic()
+    with cluster.lock:
+        previous = cluster.role_of(address)
+        if previous == role:
+            return RoleSwitch(address, previous, role, reason, 0.0, 0.0, True, 0, 0)
+        slot = cluster.take_slot(previous, address)
+        cluster.push_membership()
+    try:
+        with channel(address, cluster.config.tls_for("controller")) as ch:
+            answer = worker_pb2_grpc.ElasticWorkerStub(ch).SetRole(
+                worker_pb2.SetRoleRequest(role=role, grace_s=grace_s, reason=reason), timeout=grace_s + 30)
+    except grpc.RpcError:
+        log.exception("worker %s did not switch from %s to %s; it goes back to the %s pool", address, previous,
+                      role, previous)
+        with cluster.lock:
+            cluster.put_slot(previous, slot)
+            cluster.push_membership()
+        raise
+    with cluster.lock:
+        cluster.put_slot(role, slot)
+        seconds = time.monotonic() - decided
+        cluster.push_membership(role_changes=[admin_pb2.RoleChange(
+            address=address, from_role=previous, to_role=role, reason=reason, seconds=seconds)])
+    done = RoleSwitch(address, previous, role, reason, time.monotonic() - decided, answer.seconds, answer.idle,
+                      answer.handed_over, answer.leases_left)
+    log.info("worker %s: %s -> %s (%s) in %.3f s (the worker's own part %.3f s%s)", address, previous, role, reason,
+             done.seconds, done.worker_seconds,
+             "" if done.idle else f"; past the grace {done.handed_over} stream(s) migrated")
+    return done

@@ -1,0 +1,112 @@
+"""Elastic workers changing role in place under a steady load (``pdserve.elastic_worker``,
+``pdserve.cluster.roles``): one worker moves prefill -> decode -> prefill -> decode -> prefill
+while clients keep greedy streams running, then a busy decode worker switches with no grace
+and hands its streams over. Every stream completes with exactly the tokens of an undisturbed
+run, none fails, the process (and so the loaded model) stays the same, the router counts each
+switch and its time, and afterwards no worker holds a KV block.
+
+The cluster runs the real default model in float32, so outputs compare token for token.
+"""
+
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from tests.clusters import cluster_config, reconnecting_stub, running_cluster
+from tests.faults.load import Load
+from tests.faults.test_rollout import assert_no_kv_held, busy, check, migrations
+from tests.serving.test_disaggregated import chat_request, collect
+
+pytestmark = pytest.mark.slow
+
+LEASE_S = 120.0  # far beyond every wait here: a freed block was freed on purpose, not by expiry
+REQUEST_TIMEOUT_S = 60.0
+CLIENTS = 3
+MAX_TOKENS = 16
+LONG_TOKENS = 32  # streams still running when a worker with no grace switches
+PROMPTS = [f"Tell me a short fact about the number {i}." for i in range(3)]
+GRACE_S = 60.0  # far beyond a 16-token stream: a graceful switch migrates nothing
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with running_cluster(cluster_config(dtype="float32", num_prefill=2, num_decode=1, elastic_roles=True,
+                                        lease_seconds=LEASE_S, router_poll_s=0.2)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    with reconnecting_stub(cluster.address) as stub:
+        yield stub
+
+
+@pytest.fixture(scope="module")
+def reference(stub):
+    """Each prompt's greedy tokens from the cluster before any switch (greedy with ignore_eos:
+    the shorter run is the longer one's beginning)."""
+    out = {}
+    for i, p in enumerate(PROMPTS):
+        out[(i, LONG_TOKENS)] = collect(stub.Generate(chat_request(p, LONG_TOKENS, ignore_eos=True), timeout=120))[0]
+        assert len(out[(i, LONG_TOKENS)]) == LONG_TOKENS
+        out[(i, MAX_TOKENS)] = out[(i, LONG_TOKENS)][:MAX_TOKENS]
+    return out
+
+
+def switch_metrics(cluster) -> dict[str, float]:
+    """The router's role-switch series: each sample's name with its labels -> value."""
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines)
+            if name.startswith(("pdserve:role_changes_total", "pdserve:role_switch_seconds_count"))}
+
+
+def changes(metrics: dict[str, float], from_role: str, to_role: str, reason: str) -> float:
+    return metrics.get(f'pdserve:role_changes_total{{from_role="{from_role}",reason="{reason}",to_role="{to_role}"}}',
+                       0.0)
+
+
+def test_a_worker_switches_role_back_and_forth_under_load_losing_nothing(cluster, stub, reference):
+    worker = cluster.prefill_addresses[1]
+    pid = ray.get(cluster.prefill[1].pid.remote(), timeout=10)
+    migrated = migrations(cluster)
+    switches = []
+    with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
+        load.wait_for(CLIENTS)
+        for role in ("decode", "prefill", "decode", "prefill"):
+            switches.append((time.monotonic(), cluster.set_role(worker, role, GRACE_S, reason="test")))
+            assert worker in cluster.addresses(role) and cluster.role_of(worker) == role
+            load.wait_for(CLIENTS)  # served with the worker in its new role
+    check(load.outcomes, reference, MAX_TOKENS)
+    for started, done in switches:
+        assert done.idle and done.handed_over == 0, done
+        assert done.seconds >= done.worker_seconds >= 0
+    assert any(load.spanning(t) for t, _ in switches), "no request was running during any switch"
+    assert migrations(cluster) == migrated, "a graceful switch migrated streams"
+    assert ray.get(cluster.prefill[-1].pid.remote(), timeout=10) == pid  # the same process: no reload
+    metrics = switch_metrics(cluster)
+    assert changes(metrics, "prefill", "decode", "test") == 2 and changes(metrics, "decode", "prefill", "test") == 2
+    assert metrics['pdserve:role_switch_seconds_count{to_role="decode"}'] == 2
+    assert metrics['pdserve:role_switch_seconds_count{to_role="prefill"}'] == 2
+    assert_no_kv_held(cluster)
+
+
+def test_a_decode_worker_out_of_grace_hands_its_streams_over(cluster, stub, reference):
+    """Grace 0: the decode worker switches with streams running; they migrate and complete."""
+    spare = cluster.prefill_addresses[-1]
+    cluster.set_role(spare, "decode", GRACE_S, reason="test")  # so the decode pool keeps a worker
+    migrated = migrations(cluster)
+    with Load(stub, PROMPTS, LONG_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
+        victim = busy([a for a in cluster.decode_addresses if a != spare])
+        done = cluster.set_role(victim, "prefill", 0.0, reason="test")
+        assert not done.idle and done.handed_over >= 1, done
+        load.wait_for(2 * CLIENTS)
+        cluster.set_role(spare, "prefill", GRACE_S, reason="test")
+        cluster.set_role(victim, "decode", GRACE_S, reason="test")  # the layout the cluster began with
+        load.wait_for(CLIENTS)
+    check(load.outcomes, reference, LONG_TOKENS)
+    assert migrations(cluster) > migrated
+    assert len(cluster.prefill_addresses) == 2 and len(cluster.decode_addresses) == 1
+    assert_no_kv_held(cluster)
