@@ -233,20 +233,3 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(traced, traced_stub
     [call] = children(spans, attempts[1], "router.call Decode")
     [decode] = children(spans, call, "decode_worker.Decode")
     assert decode["attrs"]["pdserve.worker.id"] != serving[0] and not decode["error"]
-
-
-def test_with_no_endpoint_workers_never_import_the_sdk(cluster, stub):
-    """The serving tests' shared cluster has no endpoint: after a request, no process of it has
-    imported the OpenTelemetry SDK or exporter (nor does it hold a tracer)."""
-    assert collect(stub.Generate(chat_request("Hi", 2), timeout=60))[0]
-
-    def otel_state(actor):
-        import sys
-
-        from pdserve.wire import tracing
-
-        return tracing.enabled(), sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk",
-                                                                                 "opentelemetry.exporter")))
-
-    for actor in [cluster.router, *cluster.prefill, *cluster.decode]:
-        assert ray.get(actor.__ray_call__.remote(otel_state)) == (False, [])
