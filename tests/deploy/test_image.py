@@ -107,6 +107,9 @@ def test_the_plain_k8s_deployments_serve_from_three_containers(plain_k8s, model_
     pulled = [line for line in metrics["decode"].splitlines()
               if line.startswith("pdserve:kv_transfer_bytes_total") and not line.endswith(" 0.0")]
     assert pulled, metrics["decode"][-2000:]  # the decode container pulled the KV from the prefill container
+    [router] = plain_k8s.running("router")
+    log = podman("logs", router.name, check=False)
+    assert "autoscaler round failed" not in log.stdout + log.stderr  # the overlay's observe-only controller runs
 
 
 METRICS_OF_9100 = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9100/metrics').read().decode())"
