@@ -1,4 +1,4 @@
-"""The image run with podman, for the image tests (test_image.py, test_image_rollout.py).
+"""The image run with podman, for the image tests (test_image.py).
 
 ``PlainK8s`` runs the plain-k8s overlay's Deployments as containers, one per pod, on a podman
 network of their own (one address each, as pods have): args, environment variables, mounts,
