@@ -89,7 +89,13 @@ async def prune_silent(pool: WorkerPool, timeout_s: float, interval_s: float) ->
 
 @dataclass(frozen=True)
 class _ObservedConfig:
-    tls: TlsConfig | None  # what the autoscaler reads of a cluster's config
+    """What the autoscaler reads of a cluster's config."""
+
+    tls: TlsConfig | None  # the router's own: the internal plane admits the router to Stats and GetLatency
+
+    def tls_for(self, role: str) -> TlsConfig | None:
+        """``ClusterConfig.tls_for``'s answer here: one process, one certificate for every role."""
+        return self.tls
 
 
 class ObservedCluster:

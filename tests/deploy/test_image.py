@@ -1,11 +1,13 @@
 """The image, built here (deploy/image.py, what `make image` runs) and run here with podman.
 
 1. `pdserve serve` in one container serves the same greedy tokens as the engine on the host.
-2. The plain-Kubernetes overlay's three Deployments, each in its own container on a podman
-   network of their own (one address per container, as pods have): the args, environment
-   variables and mounts come from `kubectl kustomize deploy/k8s/overlays/plain-k8s`, the config
-   is the overlay's own pdserve.yaml, and the TLS and API-key secrets are made here. The KV
-   moves from the prefill container to the decode container over NIXL, as the overlay sets it.
+2. The plain-Kubernetes overlay's three Deployments, each a container on a podman network of
+   their own (tests/deploy/containers.py: args, environment, mounts and secrets as the overlay
+   gives them, clients through the router's Service), serve the host engine's greedy tokens
+   in float32, with the KV moving from the prefill container to the decode container over NIXL,
+   as the overlay sets it.
+3. Those same pods rolled, one Deployment after the other, as `kubectl rollout restart` does,
+   under a steady load: no stream lost or changed, no KV left held.
 
 The image is reused when one was built from the same inputs (deploy/image.py labels it with
 their hash), so the build is paid once per change to what the image holds. Where podman is
@@ -14,50 +16,26 @@ missing, or this kernel refuses to run a container, the tests skip and say why.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import resource
 import shutil
-import stat
-import subprocess
-import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 
-from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.wire import grpc_util, tls
+from tests.deploy.containers import ROLES, PlainK8s, Pod, load_image_tool, podman, ulimits
+from tests.faults.load import Load
+from tests.serving.test_disaggregated import chat_request, collect
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-OVERLAY = ROOT / "deploy" / "k8s" / "overlays" / "plain-k8s"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three facts about the moon:"]
 MAX_TOKENS = 16
-
-
-def load_image_tool():
-    spec = importlib.util.spec_from_file_location("pdserve_image_tool", ROOT / "deploy" / "image.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def ulimits() -> list[str]:
-    """The container's limits, at or below this process's (runc may not raise them)."""
-    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 16384)
-    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    nproc = 8192 if nproc == resource.RLIM_INFINITY else min(nproc, 8192)
-    return ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
-
-
-def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["podman", "--runtime", "runc", *args], capture_output=True, text=True, check=check,
-                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -153,80 +131,155 @@ def test_serve_in_one_container_gives_the_hosts_greedy_tokens(image, model_dir, 
     assert "pdserve: stopping" in log  # SIGTERM to the container drained and stopped the cluster
 
 
-def plain_k8s_deployments() -> dict[str, dict]:
-    rendered = subprocess.run(["kubectl", "kustomize", str(OVERLAY)], capture_output=True, text=True, check=True)
-    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d and d.get("kind") == "Deployment"]
-    return {d["metadata"]["name"].removeprefix("pdserve-"): d["spec"]["template"]["spec"] for d in docs}
-
-
-def secrets(tmp: Path) -> tuple[Path, Path, str]:
-    """The overlay's two secrets as Kubernetes mounts them: files readable by the pod's user."""
-    tls = tmp / "tls"
-    subprocess.run([sys.executable, "-m", "pdserve.cluster.certs", str(tls)], check=True, capture_output=True)
-    (tls / "ca.key").unlink()  # the deploy guide keeps it off the cluster
-    api_key_dir = tmp / "api-key"
-    api_key_dir.mkdir()
-    key = uuid.uuid4().hex
-    (api_key_dir / "api-key").write_text(key)
-    for path in [*tls.iterdir(), api_key_dir / "api-key"]:
-        path.chmod(stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)  # a Secret's defaultMode 0644
-    return tls, api_key_dir, key
-
-
-def test_the_plain_k8s_deployments_serve_from_three_containers(image, model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def plain_k8s(image, model_dir, tmp_path_factory):
+    """The plain-k8s overlay's router, prefill and decode pods, each ready (tests/deploy/containers.py);
+    the module's last test rolls them."""
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl (with kustomize) renders the overlay; it is not installed")
-    specs = plain_k8s_deployments()
-    tls, api_key_dir, key = secrets(tmp_path)
-    subnet = 200 + os.getpid() % 50
-    network = f"pdserve-test-{uuid.uuid4().hex[:8]}"
-    podman("network", "create", "--subnet", f"10.123.{subnet}.0/24", network)
-    addresses = {"router": f"10.123.{subnet}.10", "prefill": f"10.123.{subnet}.11", "decode": f"10.123.{subnet}.12"}
-    names = {role: f"{network}-{role}" for role in addresses}
-    mounts = {"model": f"{model_dir}:/models/model:ro", "config": f"{OVERLAY}:/etc/pdserve/config:ro",
-              "tls": f"{tls}:/etc/pdserve/tls:ro", "api-key": f"{api_key_dir}:/etc/pdserve/api-key:ro"}
+    cluster = PlainK8s(image, model_dir, tmp_path_factory.mktemp("plain-k8s"))
     try:
-        for role in ("router", "prefill", "decode"):
-            spec = specs[role]
-            container = spec["containers"][0]
-            env = {}
-            for item in container.get("env", []):
-                field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-                env[item["name"]] = {"metadata.name": names[role], "status.podIP": addresses[role]}.get(
-                    field, item.get("value"))
-            # What this machine cannot give a pod: the overlay's 20 GiB of KV and its cores.
-            env |= {"PDSERVE_KV_CACHE_GIB": "0.25", "PDSERVE_THREADS_PER_WORKER": "1"}
-            volumes = [arg for m in container.get("volumeMounts", []) if m["name"] in mounts
-                       for arg in ("-v", mounts[m["name"]])]
-            alias = ["--network-alias", "pdserve-router-internal"] if role == "router" else []
-            podman("run", "-d", "--name", names[role], "--network", network, "--ip", addresses[role], *alias,
-                   "--shm-size", "1g", *ulimits(), *volumes, *[a for k, v in env.items() for a in ("-e", f"{k}={v}")],
-                   image, *container["args"])
-        router = f"{addresses['router']}:50051"
-        auth = (("authorization", f"Bearer {key}"),)
-        wait_serving(router, names["router"], metadata=auth)
-        deadline = time.monotonic() + 300
-        while True:  # the workers join through the router's membership API
-            try:
-                served = served_greedy(router, metadata=auth, tokenizer_dir=model_dir)
-                break
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-                time.sleep(2.0)
-        metrics = {role: podman("exec", names[role], "python", "-c", METRICS_OF_9100, check=False).stdout
-                   for role in ("prefill", "decode")}
+        pods = [cluster.start(role) for role in ROLES]
+        for pod in pods[1:] + pods[:1]:  # the router is ready once both workers have joined it
+            cluster.wait_ready(pod)
+        yield cluster
     finally:
-        logs = {role: podman("logs", name, check=False).stdout[-3000:] for role, name in names.items()}
-        for name in names.values():
-            podman("rm", "-f", "--time", "5", name, check=False, timeout=90)
-        podman("network", "rm", "-f", network, check=False)
-    # The overlay's config names no dtype: the host engine takes the same default.
-    assert served == host_greedy(model_dir, None), json.dumps(logs, indent=1)
+        cluster.close()
+
+
+def test_the_plain_k8s_deployments_serve_from_three_containers(plain_k8s, model_dir):
+    auth = (("authorization", f"Bearer {plain_k8s.api_key}"),)
+    served = served_greedy(plain_k8s.public.address, metadata=auth, tokenizer_dir=model_dir)
+    metrics = {role: podman("exec", pod.name, "python", "-c", METRICS_OF_9100, check=False).stdout
+               for role in ("prefill", "decode") for pod in plain_k8s.running(role)}
+    assert served == host_greedy(model_dir, "float32"), json.dumps(plain_k8s.logs(), indent=1)
     pulled = [line for line in metrics["decode"].splitlines()
               if line.startswith("pdserve:kv_transfer_bytes_total") and not line.endswith(" 0.0")]
     assert pulled, metrics["decode"][-2000:]  # the decode container pulled the KV from the prefill container
+    [router] = plain_k8s.running("router")
+    log = podman("logs", router.name, check=False)
+    assert "autoscaler round failed" not in log.stdout + log.stderr  # the overlay's observe-only controller runs
 
 
 METRICS_OF_9100 = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9100/metrics').read().decode())"
 
+# The rolling restart's load: three clients, short streams (a few seconds each on one busy core).
+CLIENTS = 3
+ROLL_TOKENS = 12
+REQUEST_TIMEOUT_S = 120.0
+ROLL_PROMPTS = [f"Tell me a short fact about the number {i}." for i in range(3)]
+CLEAN_WITHIN_S = 20.0
+
+
+class Authorized:
+    """A Generation stub that sends the API key the overlay's router asks for with every call."""
+
+    def __init__(self, stub: pdserve_pb2_grpc.GenerationStub, key: str):
+        self._stub, self._metadata = stub, (("authorization", f"Bearer {key}"),)
+
+    def Generate(self, request, **kwargs):  # noqa: N802 (the stub's name)
+        return self._stub.Generate(request, metadata=self._metadata, **kwargs)
+
+
+def migrations(router: Pod) -> float:
+    """The router's ``pdserve:request_migrations_total``."""
+    with urllib.request.urlopen(f"http://{router.ip}:8000/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pdserve:request_migrations_total"):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def worker_stats(cluster: PlainK8s, pod: Pod) -> worker_pb2.WorkerStats:
+    """Stats over the internal plane's mTLS, as the router asks (with the router's certificate)."""
+    router_tls = tls.load(str(cluster.tls / "router.pem"), str(cluster.tls / "router.key"),
+                          str(cluster.tls / "ca.pem"), prefix="tls")
+    stub = worker_pb2_grpc.PrefillWorkerStub if pod.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    with grpc_util.channel(f"{pod.ip}:50061", router_tls) as ch:
+        return stub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+
+
+def assert_no_kv_held(cluster: PlainK8s) -> None:
+    workers = cluster.running("prefill") + cluster.running("decode")
+    deadline = time.monotonic() + CLEAN_WITHIN_S
+    while True:
+        held = {p.name: (s.num_blocks_used, s.num_held_leases) for p in workers
+                if (s := worker_stats(cluster, p)).num_blocks_used or s.num_held_leases}
+        if not held:
+            return
+        assert time.monotonic() < deadline, f"KV still held {CLEAN_WITHIN_S} s after the load: {held}"
+        time.sleep(0.5)
+
+
+def roll(cluster: PlainK8s, role: str) -> dict:
+    """One Deployment's rolling restart (one pod: maxSurge 1, maxUnavailable 0); when the old
+    pod was deleted, and how long each step took."""
+    assert cluster.specs[role]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    [old] = cluster.running(role)
+    start = time.monotonic()
+    new = cluster.start(role)
+    ready_s = cluster.wait_ready(new)
+    if role == "router":  # nothing migrated while the old router served
+        assert migrations(old) == 0, json.dumps(cluster.logs(), indent=1)
+    deleted = time.monotonic()
+    stopped = cluster.terminate(old)
+    assert stopped.exit_code == 0, f"the old {role} pod did not drain within its grace:\n{cluster.log(old)}"
+    return {"role": role, "deleted": deleted, "surge_s": round(ready_s, 1), "stop_s": round(stopped.seconds, 1),
+            "total_s": round(time.monotonic() - start, 1)}
+
+
+def test_rolling_each_deployment_loses_no_request(plain_k8s):
+    """`kubectl rollout restart` of each plain-k8s Deployment, in containers, under a steady load:
+    the prefill pool, then the decode pool, then the router, while clients keep greedy float32
+    streams running. Every stream completes with the tokens of an undisturbed run, none fails,
+    nothing migrates, and afterwards no worker holds a KV block or lease.
+
+    The pods are ``plain_k8s``'s, run from the image as the overlay declares them
+    (tests/deploy/containers.py). Each roll is the Deployment's RollingUpdate with maxSurge 1 and
+    maxUnavailable 0, step by step as Kubernetes takes it:
+
+    1. a new pod of the Deployment starts (same args, environment and mounts);
+    2. it becomes ready: its readinessProbe (GET /health on the health port for a worker, on the
+       HTTP port for the router) answers 200, polled every 0.5 s. Nothing else is waited for: a
+       worker's join to the router is its own business, as in Kubernetes;
+    3. the old pod is deleted: it leaves its Services' endpoints, the kubelet runs its preStop hook
+       (a worker's: SIGTERM to pdserve and wait for its exit; the router's: sleep 5), then
+       `podman stop --time` with what is left of terminationGracePeriodSeconds (SIGTERM, then
+       SIGKILL). Each old pod must exit 0, within its grace.
+
+    The Services are modelled by a proxy per Service on the network's gateway address
+    (tests/deploy/service.py), doing what kube-proxy does for a ClusterIP Service: each new
+    connection goes to an endpoint picked at random, open connections stay where they are. The
+    clients use one address throughout, `pdserve-router` (50051); its endpoints are the ready
+    routers that are not terminating. Workers join through `pdserve-router-internal` (50052), whose
+    endpoints are every router pod until it is gone (publishNotReadyAddresses), so a new router
+    gathers its workers before it is ready. A podman network alias shared by both routers would not
+    do: podman's DNS lists their addresses in a fixed order, so every join and every client would
+    reach the same router, where kube-proxy spreads connections over both.
+    """
+    channel = grpc.insecure_channel(plain_k8s.public.address, options=[
+        ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.initial_reconnect_backoff_ms", 200)])
+    stub = Authorized(pdserve_pb2_grpc.GenerationStub(channel), plain_k8s.api_key)
+    with channel:
+        reference = {i: collect(stub.Generate(chat_request(p, ROLL_TOKENS, ignore_eos=True), timeout=300))[0]
+                     for i, p in enumerate(ROLL_PROMPTS)}
+        timings = []
+        with Load(stub, ROLL_PROMPTS, ROLL_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
+            load.wait_for(CLIENTS, timeout_s=REQUEST_TIMEOUT_S)
+            for role in ("prefill", "decode", "router"):
+                timings.append(roll(plain_k8s, role))
+                load.wait_for(CLIENTS, timeout_s=REQUEST_TIMEOUT_S)  # served by the new pod
+        print(f"\nrolled under load ({len(load.outcomes)} requests):",
+              [{k: v for k, v in t.items() if k != "deleted"} for t in timings])
+
+    errors = [(o.prompt, o.code.name, o.details) for o in load.outcomes if o.code is not None]
+    assert not errors, f"{len(errors)} of {len(load.outcomes)} requests failed: {errors[:5]}\n" + json.dumps(
+        plain_k8s.logs(), indent=1)
+    for o in load.outcomes:
+        assert o.tokens == reference[o.prompt], f"prompt {o.prompt}: tokens differ from the undisturbed run"
+    assert all(len(tokens) == ROLL_TOKENS for tokens in reference.values())
+    for t in timings:  # each old pod had streams to finish (or pass on) when it was deleted
+        assert load.spanning(t["deleted"]) >= 1, f"no request was running when the old {t['role']} pod was deleted"
+    [router] = plain_k8s.running("router")
+    assert migrations(router) == 0
+    assert_no_kv_held(plain_k8s)
