@@ -1,6 +1,6 @@
 """The image, built here (deploy/image.py, what `make image` runs) and run here with podman.
 
-1. `pdserve serve` in one container serves the same greedy tokens as the engine on the host.
+1. `pdserve serve --dtype float32` in one container serves transformers' greedy tokens.
 2. The plain-Kubernetes overlay's three Deployments, each a container on a podman network of
    their own (tests/deploy/containers.py: args, environment, mounts and secrets as the overlay
    gives them, clients through the router's Service), serve the host engine's greedy tokens
@@ -113,7 +113,10 @@ def wait_serving(address: str, container: str, timeout_s: float = 300.0, metadat
                          f"{podman('logs', container, check=False).stdout[-4000:]}")
 
 
-def test_serve_in_one_container_gives_the_hosts_greedy_tokens(image, model_dir, free_ports):
+def test_serve_in_one_container_gives_transformers_greedy_tokens(image, model_dir, free_ports):
+    """``--dtype float32``: each prompt's served greedy tokens are transformers' ``generate``
+    on the host, token for token (tests.factories.assert_greedy_matches: a near tie may go
+    either way)."""
     http_port, grpc_port = free_ports(2)
     name = f"pdserve-serve-{uuid.uuid4().hex[:8]}"
     podman("run", "-d", "--name", name, "--network", "host", "--shm-size", "1g", *ulimits(),
@@ -127,7 +130,15 @@ def test_serve_in_one_container_gives_the_hosts_greedy_tokens(image, model_dir, 
         podman("stop", "--time", "30", name, check=False, timeout=90)
         log = podman("logs", name, check=False).stdout
         podman("rm", "-f", name, check=False)
-    assert served == host_greedy(model_dir, "float32"), log[-3000:]
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.factories import assert_greedy_matches, load_reference
+
+    tokenizer, reference = AutoTokenizer.from_pretrained(str(model_dir)), load_reference(model_dir, torch.float32)
+    for prompt, tokens in zip(PROMPTS, served):
+        assert_greedy_matches(reference, tokenizer(prompt)["input_ids"], tokens, MAX_TOKENS,
+                              what=f"{prompt!r} served in the container\n{log[-3000:]}")
     assert "pdserve: stopping" in log  # SIGTERM to the container drained and stopped the cluster
 
 
