@@ -28,7 +28,7 @@ import asyncio
 import logging
 import socket
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import functools
 
@@ -140,9 +140,9 @@ async def run_role(v: dict[str, Any], config) -> None:
     else:
         from pdserve.decode_worker.server import start
     running = await start(config)
-    health = Health()
-    runner = await health.serve(config.host, v["health_port"]) if v["health_port"] is not None else None
     membership = Membership(v["router_admin"], config.tls, v["role"], running.address, config.worker_id)
+    health = Health(lambda: membership.joined)
+    runner = await health.serve(config.host, v["health_port"]) if v["health_port"] is not None else None
     keeper = asyncio.create_task(membership.keep_joined(v["join_interval_seconds"]))
     print(f"listening on {running.address}", flush=True)
     await stop_signal()
@@ -157,12 +157,16 @@ async def run_role(v: dict[str, Any], config) -> None:
 
 
 class Health:
-    """The plain HTTP ``/health`` of a worker: 200 until it drains, 503 after."""
+    """The plain HTTP ``/health`` of a worker (its readiness): 503 until it is in the router's
+    table (``joined()``), then 200 until it drains, then 503. A worker's only traffic comes
+    through the router, so a rolling update must not count a new pod ready, and stop an old
+    one, before the router can send the new one anything."""
 
     ROUTES = ("/health",)
 
-    def __init__(self) -> None:
+    def __init__(self, joined: Callable[[], bool] = lambda: True) -> None:
         self.draining = False
+        self.joined = joined
 
     async def serve(self, host: str | None, port: int):
         from aiohttp import web
@@ -181,6 +185,8 @@ class Health:
 
         if self.draining:
             return web.Response(status=503, text="draining\n")
+        if not self.joined():
+            return web.Response(status=503, text="not yet in the router's table\n")
         return web.Response(text="serving\n")
 
 
@@ -196,6 +202,7 @@ class Membership:
 
         self.admin_address, self.tls = admin_address, tls
         self.member = admin_pb2.Member(role=role, address=address, worker_id=worker_id)
+        self.joined = False  # the router's table has listed this worker (set once, by keep_joined)
 
     async def _update(self, present: bool, timeout_s: float = 5.0) -> bool:
         """Make this worker present in (or absent from) the table; True if it had to change."""
@@ -231,6 +238,7 @@ class Membership:
                 if await self.join():
                     log.info("joined the router at %s as %s %s", self.admin_address, self.member.role,
                              self.member.address)
+                self.joined = True  # listed now: added just now, or found there
             except grpc.RpcError as exc:  # the router is starting or restarting: try again
                 log.warning("router at %s not reachable: %s", self.admin_address, exc.code().name)
             await asyncio.sleep(interval_s)
