@@ -7,6 +7,11 @@ the queued calls, the ``hooks``, then one step. So a request added while step N 
 step N+1. Outputs go to ``on_outputs`` once per step; a step that raises ``StepFailed`` goes
 to ``on_step_error`` (its requests are already aborted; the loop carries on).
 
+A ``hold`` may delay a step a little for work about to arrive: it returns a moment
+(``time.monotonic``) to wait until, or None. Until then the loop runs calls and hooks as they
+come, and steps as soon as every hold is past or returns None. A decode worker holds for a
+stream whose KV is on its way, so the stream joins this step, not the next.
+
 Waits are event-driven. Each hook returns how soon it needs to run again (seconds), or None
 when nothing it watches can change until a call arrives. An idle engine blocks on its call
 queue for the smallest of those, forever when every hook says None: an idle worker uses no
@@ -32,22 +37,26 @@ from pdserve.engine.step_trace import StepTrace
 log = logging.getLogger(__name__)
 
 Hook = Callable[[], Optional[float]]  # runs on the engine thread; returns seconds until it needs to run again
+Hold = Callable[[], Optional[float]]  # runs on the engine thread; returns a time.monotonic() to hold the step until
+HOLD_POLL_S = 0.0005  # while a step is held, the hooks run at least this often
 
 _WAKE = object()  # queued by ``stop`` so a blocked loop sees the stop flag
 
 
 class EngineThread:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
-                 hooks: Iterable[Hook] = (), name: str = "engine",
+                 hooks: Iterable[Hook] = (), name: str = "engine", holds: Iterable[Hold] = (),
                  on_step_error: Callable[[StepFailed], None] | None = None, step_trace: StepTrace | None = None):
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_step_error = on_step_error
         self._hooks = list(hooks)
+        self._holds = list(holds)
         self._calls: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
+        self.last_step_s = 0.0  # how long the last step that ran took (a hook may size a wait by it)
         self.idle_waits = 0  # times the loop blocked with nothing to run (tests read it)
         self._trace = step_trace  # every step's start, length and shape (engine.step_trace)
         self._idle_since_step = True
@@ -76,6 +85,7 @@ class EngineThread:
                 self._drain_calls()
                 wait_s = self._run_hooks()
                 if self.engine.has_runnable():
+                    self._hold()
                     self._step()
                 else:
                     self._wait_for_call(wait_s)
@@ -91,6 +101,20 @@ class EngineThread:
                 soonest = wait_s if soonest is None else min(soonest, wait_s)
         return soonest
 
+    def _hold(self) -> None:
+        """Before a step: until the latest moment a hold names, run calls and hooks as they come."""
+        while self._holds and not self._stop.is_set():
+            until = max((t for t in (hold() for hold in self._holds) if t is not None), default=None)
+            left = until - time.monotonic() if until is not None else 0.0
+            if left <= 0:
+                return
+            try:
+                self._run_call(self._calls.get(timeout=min(left, HOLD_POLL_S)))
+                self._drain_calls()
+            except queue.Empty:
+                pass
+            self._run_hooks()
+
     def _step(self) -> None:
         start, t = time.time(), time.perf_counter()
         try:
@@ -102,6 +126,7 @@ class EngineThread:
             self._idle_since_step = True  # a gap in the trace: the next step's time is its own
             return
         self.steps += 1
+        self.last_step_s = time.perf_counter() - t
         if self._trace is not None and self.engine.last_step_shape is not None:
             self._trace.write(start, time.perf_counter() - t, self._idle_since_step, self.engine.last_step_shape)
         self._idle_since_step = False

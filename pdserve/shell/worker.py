@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
-from pdserve.engine.engine_thread import EngineThread, Hook
+from pdserve.engine.engine_thread import EngineThread, Hold, Hook
 from pdserve.engine.errors import StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.step_trace import StepTrace, trace_path
@@ -38,17 +38,19 @@ class WorkerShell:
 
     role: ClassVar[str]
 
-    def __init__(self, config: Any, engine: LLMEngine, agent: KVTransferAgent, hooks: Iterable[Hook] = ()):
+    def __init__(self, config: Any, engine: LLMEngine, agent: KVTransferAgent, hooks: Iterable[Hook] = (),
+                 holds: Iterable[Hold] = ()):
         self.config = config
         self.engine = engine
         self.agent = agent
         self.draining = False  # no new requests; those here finish
         self.refusal = "is draining"  # what a request refused while draining is told (ShellRpcs.admit)
         self.hooks = list(hooks)  # kept for a worker that runs several shells on one thread (run_together)
+        self.holds = list(holds)  # likewise (engine_thread: what may delay a step a little)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         trace = StepTrace(trace_path(config.step_trace_dir, config.worker_id)) if config.step_trace_dir else None
         self.thread = EngineThread(engine, self._on_outputs, hooks=self.hooks, name=f"{config.worker_id}-engine",
-                                   on_step_error=self._on_step_error, step_trace=trace)
+                                   holds=self.holds, on_step_error=self._on_step_error, step_trace=trace)
 
     def start(self) -> None:
         if self.config.cpus:
@@ -165,7 +167,7 @@ def run_together(shells: Sequence[WorkerShell], name: str, step_trace: StepTrace
             shell._on_step_error(exc)
 
     thread = EngineThread(first.engine, on_outputs, hooks=[h for shell in shells for h in shell.hooks], name=name,
-                          on_step_error=on_step_error, step_trace=step_trace)
+                          holds=[h for shell in shells for h in shell.holds], on_step_error=on_step_error, step_trace=step_trace)
     for shell in shells:
         shell.thread = thread
     return thread

@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.engine.engine_thread import EngineThread
+from pdserve.engine.sampling import SamplingParams
 from pdserve.prefill_worker.server import start
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
@@ -239,3 +240,38 @@ def test_stats_count_the_blocks_of_requests_without_a_limit(tiny_llama_dir):
         eng.kv_ready(rid)
     stats = worker_stats("w", "decode", eng, SimpleNamespace(stats=TransferStats()))  # no transfers here
     assert stats.num_blocks_used == 6 and stats.num_blocks_unbounded == 3
+
+
+def test_a_held_step_waits_running_the_calls_that_come_then_steps(engine):
+    """A hold (engine_thread) keeps the next step back while it names a moment still ahead; the
+    calls that come meanwhile run first, and once the hold lets go the step runs."""
+    released = threading.Event()
+    holds = []
+
+    def hold():
+        holds.append(thread.steps)
+        return None if released.is_set() else time.monotonic() + 600
+
+    thread = EngineThread(engine, lambda outputs: None, holds=[hold])
+    engine.add_request("held", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    thread.start()
+    try:
+        for _ in range(1000):  # held: the loop keeps asking, and has not stepped
+            if len(holds) >= 3:
+                break
+            time.sleep(0.01)
+        assert len(holds) >= 3 and thread.steps == 0
+
+        def let_go():
+            released.set()
+            return thread.steps
+
+        assert thread.call(let_go).result(timeout=5) == 0  # ran inside the hold, before any step
+        for _ in range(1000):
+            if thread.steps:
+                break
+            time.sleep(0.01)
+        assert thread.steps > 0
+    finally:
+        thread.stop()
+    assert set(holds[:3]) == {0}
