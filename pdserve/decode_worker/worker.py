@@ -32,6 +32,15 @@ from pdserve.shell.worker import WorkerShell
 # While a read is in flight the engine thread checks on it at least this often (between
 # steps it checks every iteration); with no read in flight it does not poll at all.
 TRANSFER_POLL_S = 0.0005
+# A stream whose KV is on its way holds the next step for a share of the last step's time (at
+# most HOLD_CAP_S) from its latest move: added here, then from the start of its last read.
+# Otherwise a hand-off that lands mid-step waits out that step and a whole one more: at 2
+# req/s on 2 cores (docs/benchmarks/history.md) a stream's first-to-second-token gap was 2.7
+# decode steps, and the ITL p99 of the whole run. The claim and a shared-memory read of a
+# 256-token prompt take a few ms; the streams running pay at most the share, once per hand-off.
+HOLD_SHARE = 0.3
+HOLD_CAP_S = 0.02
+HOLD_FORGET_S = 1.0  # an arrival this old is no longer waited for (it left some other way)
 
 
 @dataclass(frozen=True)
@@ -125,9 +134,10 @@ class DecodeWorker(WorkerShell):
             agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
                                  inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
                                  **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
-        super().__init__(config, engine, agent, hooks=[self._poll_transfers])
+        super().__init__(config, engine, agent, hooks=[self._poll_transfers], holds=[self._hold_for_arrivals])
         self.endpoint = endpoint
         self._pulls: dict[str, _Pull] = {}
+        self._arriving: dict[str, float] = {}  # request -> its latest move (time.monotonic), until its KV is here
 
     def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
         return self.agent.add_remote(meta)
@@ -156,7 +166,7 @@ class DecodeWorker(WorkerShell):
         stream = self.open_stream(request_id)
         finished = False
         try:
-            local = await self.call(self.engine.add_prefilled, request_id, prompt, first_token, params)
+            local = await self.call(self._add_arriving, request_id, prompt, first_token, params)
             await claim()
             if watch is None:
                 await self.call(self._start_read, request_id, kv, peer, local, kv.num_tokens, True, None)
@@ -226,6 +236,21 @@ class DecodeWorker(WorkerShell):
             await asyncio.shield(asyncio.wrap_future(self.thread.call(self.abort_now, request_id)))
 
     # ---- engine thread -------------------------------------------------------------
+    def _add_arriving(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams) -> list[int]:
+        local = self.engine.add_prefilled(request_id, prompt, first_token, params)
+        self._arriving[request_id] = time.monotonic()
+        return local
+
+    def _hold_for_arrivals(self) -> float | None:
+        """Until when the next step waits for streams whose KV is on its way (engine_thread holds)."""
+        if not self._arriving:
+            return None
+        now = time.monotonic()
+        for request_id in [r for r, t in self._arriving.items() if now - t > HOLD_FORGET_S]:
+            del self._arriving[request_id]
+        share = min(HOLD_CAP_S, HOLD_SHARE * self.thread.last_step_s)
+        return max(self._arriving.values(), default=now) + share
+
     def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int], ready_tokens: int,
                     last: bool, first_token: int | None) -> None:
         """Read the blocks not read yet that hold only computed tokens; with ``last``, every
@@ -254,6 +279,8 @@ class DecodeWorker(WorkerShell):
         pull.next_block = end
         if last:
             pull.final_at, pull.first_token = handle.started_at, first_token
+            if request_id in self._arriving:
+                self._arriving[request_id] = handle.started_at
 
     def _poll_transfers(self) -> float | None:
         arrived = []
@@ -262,10 +289,11 @@ class DecodeWorker(WorkerShell):
             failed = next((h for h, state in zip(pull.handles, states)
                            if state.is_terminal and state is not TransferState.DONE), None)
             if failed is not None:
-                self.abort_now(request_id)
+                self.abort_now(request_id)  # (no longer arriving)
                 arrived.append((request_id, TransferFailed(f"KV transfer {failed.state.name.lower()}: {failed.error}")))
             elif pull.final_at is not None and all(state is TransferState.DONE for state in states):
                 del self._pulls[request_id]
+                self._arriving.pop(request_id, None)
                 self.engine.kv_ready(request_id, pull.first_token)
                 # The wait after the last read started: for streamed KV, what is left after prefill.
                 finished_at = max(h.finished_at for h in pull.handles)
@@ -281,6 +309,7 @@ class DecodeWorker(WorkerShell):
         return TRANSFER_POLL_S if self._pulls else None
 
     def abort_now(self, request_id: str) -> bool:
+        self._arriving.pop(request_id, None)
         pull = self._pulls.pop(request_id, None)
         for handle in pull.handles if pull is not None else ():
             self.agent.cancel(handle)

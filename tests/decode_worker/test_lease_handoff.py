@@ -241,3 +241,21 @@ def test_unclaimed_kv_of_a_router_that_stopped_polling_is_freed_long_before_its_
     assert (after.num_held_leases, after.num_blocks_used) == (2, 6)  # the dead router's unclaimed lease went
     assert released_by["owner_lost"] == 1 and released_by["expired"] == 0
     assert "unknown_token" in refusal.details()
+
+
+def test_a_stream_is_no_longer_waited_for_once_its_kv_is_here_or_it_is_gone(tiny_llama_dir):
+    """The decode worker holds a step for a stream whose KV is on its way (decode_worker.worker
+    HOLD_SHARE); once the KV lands, or the decode ends before it does, nothing is left to hold for."""
+    async def run():
+        async with cluster(tiny_llama_dir[0]) as (prefill, pstub, decoders, dstubs):
+            pre = await prefill_one(pstub)
+            assert len(await decode(dstubs[0], pre)) == SAMPLING.max_tokens - 1
+            done = dict(decoders[0]._arriving)
+            forged = worker_pb2.KVHandle()
+            forged.CopyFrom(pre.kv)
+            forged.lease_token = "forged"
+            await refused(decode(dstubs[0], pre, kv=forged, rid="client-b#0"))  # the claim is refused
+            return done, dict(decoders[0]._arriving), decoders[0].thread.call(decoders[0]._hold_for_arrivals).result(5)
+
+    done, refused_after, hold = asyncio.run(run())
+    assert done == {} and refused_after == {} and hold is None
