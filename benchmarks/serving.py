@@ -117,7 +117,7 @@ def bench_cmd(args, port: int, model: str, load: Load, result: Path) -> list[str
            "--request-rate", "inf" if load.request_rate is None else f"{load.request_rate:g}",
            "--seed", str(args.seed), "--num-warmups", str(args.warmups), "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(result.parent),
-           "--result-filename", result.name]
+           "--result-filename", result.name, "--save-detailed"]
     if load.max_concurrency is not None:
         cmd += ["--max-concurrency", str(load.max_concurrency)]
     return cmd
