@@ -36,7 +36,25 @@ def record(server: str, load: str, raw: dict) -> dict:
            "output_tok_s": need("output_throughput")}
     for m in METRICS:
         row[f"{m}_ms"] = {"mean": need(f"mean_{m}_ms"), **{f"p{p}": need(f"p{p}_{m}_ms") for p in PERCENTILES}}
+    row.update(itl_split(raw.get("itls")))
     return row
+
+
+def itl_split(itls: list[list[float]] | None) -> dict:
+    """With per-request detail (--save-detailed): each stream's first inter-token gap (first
+    to second token: for pdserve the KV hand-off to the decode worker) apart from its others."""
+    if not itls:
+        return {}
+    first = [x[0] * 1e3 for x in itls if x]
+    rest = [y * 1e3 for x in itls for y in x[1:]]
+    return {"second_token_gap_ms": _percentiles(first), "steady_itl_ms": _percentiles(rest)}
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    values = sorted(values)
+    return {f"p{p}": round(values[min(len(values) - 1, int(p / 100 * len(values)))], 1) for p in PERCENTILES}
 
 
 def find(results: list[dict], server: str, load: str) -> dict | None:
@@ -105,6 +123,14 @@ def markdown(doc: dict) -> str:
     for load, r in doc["ratios"].items():
         lines.append(f"| {loads[load]['label']} | "
                      + " | ".join(_x(r.get(k)) for k in ("ttft_p50", "tpot_p50", "itl_p99", "output_tok_s")) + " |")
+    split = [r for r in doc["results"] if r.get("second_token_gap_ms")]
+    if split:
+        lines += ["", "| server | load | first-to-second-token gap p50 / p90 / p99 ms | the other ITLs p50 / p90 / p99 ms |",
+                  "|---|---|---|---|"]
+        for r in split:
+            lines.append(f"| {SERVER_LABELS.get(r['server'], r['server'])} | {loads[r['load']]['label']} | "
+                         + " | ".join(" / ".join(f"{r[k].get(f'p{p}', float('nan')):.1f}" for p in PERCENTILES)
+                                      for k in ("second_token_gap_ms", "steady_itl_ms")) + " |")
     lines += ["", "| target | load | pdserve / vLLM | bound | met |", "|---|---|---|---|---|"]
     for t in doc["targets"]:
         met = "n/a" if t["met"] is None else ("**met**" if t["met"] else "**not met**")
