@@ -157,9 +157,9 @@ def serve_settings() -> tuple[Setting, ...]:
                 minimum=1),
         DRAIN_GRACE_SECONDS,
         Setting("threads_per_worker", int, None, "torch threads per worker (default: cores / workers)", minimum=1),
-        Setting("borrow_idle_cores", bool, False, "where workers are pinned to cores of their own, each also runs "
-                "idle-priority helpers on the other workers' cores, used only while those are idle (off by default: "
-                "a helper crashed a worker under the fuzz tests once, docs/cpu_kernels.md)"),
+        Setting("borrow_idle_cores", bool, True, "where workers are pinned to cores of their own, each also runs "
+                "idle-priority helpers on the other workers' cores, used only while those are idle "
+                "(docs/cpu_kernels.md; --no-borrow-idle-cores: each worker on its own cores only)"),
         Setting("step_trace_dir", str, None, "each worker appends one JSON line per engine step (its start, "
                 "length and batch) to DIR/<worker>.steps.jsonl, on its own host (default: off)"),
         Setting("otlp_traces_endpoint", str, None, "export one OpenTelemetry trace per request (router, prefill, KV "
