@@ -12,7 +12,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 import uuid
 
 import ray
@@ -20,26 +19,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.actors import ServerActor
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.placement import PoolPlacement, remove, reserve
-from pdserve.cluster.ray_start import start_local_ray
+from pdserve.cluster.placement import PoolPlacement, remove, remove_orphan_groups, reserve
+from pdserve.cluster.ray_start import local_ray_cpus, start_local_ray
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
+from pdserve.cluster.worker_drain import drain_worker
 from pdserve.wire.grpc_util import channel
 
 log = logging.getLogger(__name__)
-
-# A Ray that pdserve starts on one machine is that machine: its workers share the cores on
-# purpose (more threads than cores on a small box), the OS schedules them, and pinning is a
-# separate choice. There the CPU resource is bookkeeping and must never be what stops a
-# placement, also for further clusters a driver starts in the same Ray (the tests run several
-# in one process). On a real multi-node Ray (``ray_address``) the nodes' own counts apply.
-LOCAL_RAY_MIN_CPUS = 64
-
-
-def _local_ray_cpus(cfg: ClusterConfig) -> int:
-    """CPUs a Ray this cluster starts announces: room for every worker it may run (each reserves
-    its torch threads), never fewer than ``LOCAL_RAY_MIN_CPUS`` or the machine's cores."""
-    return max(os.cpu_count() or 1, LOCAL_RAY_MIN_CPUS, cfg.max_workers() * cfg.worker_threads() + 1)
-
 
 class LocalCluster:
     """The controller's state and actions: it starts the router and the workers, replaces dead
@@ -145,7 +131,7 @@ class LocalCluster:
                 self._groups[(role, index)] = d["group"]
                 self._templates.setdefault(role, (d["placement"], d["config"], d["threads"]))
                 self._next_id[role] = max(self._next_id[role], int(d["config"].worker_id.rsplit("-", 1)[1]) + 1)
-        self._remove_orphan_groups()
+        remove_orphan_groups(self._group_prefix(), {pg.id.hex() for pg in self._groups.values()})
         for role, size in (("prefill", self.config.num_prefill), ("decode", self.config.num_decode)):
             if role in self.config.pools():
                 self._templates.setdefault(role, (self._pool_placement(role), self.config.worker_config(role, 0),
@@ -156,17 +142,6 @@ class LocalCluster:
         self.push_membership()
         self._start_loops()
         return True
-
-    def _remove_orphan_groups(self) -> None:
-        """Remove the detached placement groups of this namespace that no adopted worker runs in
-        (their worker died while no controller watched)."""
-        from ray.util.placement_group import PlacementGroup, placement_group_table
-
-        prefix = self._group_prefix()
-        kept = {pg.id.hex() for pg in self._groups.values()}
-        for pg_id, info in placement_group_table().items():
-            if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED" and pg_id not in kept:
-                remove(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
     def _group_prefix(self) -> str:
         """How the names of this cluster's placement groups begin (a detached one: its namespace's)."""
@@ -233,7 +208,7 @@ class LocalCluster:
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING)
             return
-        start_local_ray(_local_ray_cpus(cfg), cfg.ray_token_auth)
+        start_local_ray(local_ray_cpus(cfg), cfg.ray_token_auth)
         self._started_ray = True
 
     def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
@@ -306,7 +281,7 @@ class LocalCluster:
             actor = self.actors(role)[index]
             group = self._drop_slot(role, index)
             self.push_membership()
-        idle = self._drain(role, address, drain_timeout_s)
+        idle = drain_worker(role, address, self.config.tls_for("controller"), drain_timeout_s)
         try:  # a drain out of time has spent the grace: what still runs is cut now, not 2 s later
             ray.get(actor.stop.remote(grace_s=2.0 if idle else 0.0), timeout=30)
         finally:
@@ -326,23 +301,6 @@ class LocalCluster:
         actors.pop(index)
         self.addresses(role).pop(index)
         return group
-
-    def _drain(self, role: str, address: str, timeout_s: float) -> bool:
-        """Whether the worker went idle (no request, no held KV) within ``timeout_s``."""
-        from pdserve.protos import worker_pb2, worker_pb2_grpc
-
-        stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-        deadline = time.monotonic() + timeout_s
-        with channel(address, self.config.tls_for("controller")) as ch:
-            stub = stub_cls(ch)
-            stats = stub.Drain(worker_pb2.DrainRequest(), timeout=10)
-            while stats.num_in_flight:  # not running + waiting + held: those have a gap (worker.proto)
-                if time.monotonic() > deadline:
-                    log.warning("%s still busy after %.0f s of draining; stopping it anyway", address, timeout_s)
-                    return False
-                time.sleep(0.2)
-                stats = stub.Stats(worker_pb2.StatsRequest(), timeout=10)
-        return True
 
     def set_role(self, address: str, role: str, grace_s: float = DRAIN_GRACE_SECONDS.default,
                  reason: str = "manual"):

@@ -91,3 +91,14 @@ def remove(pg) -> None:
         remove_placement_group(pg)
     except Exception:  # already gone with its cluster
         pass
+
+
+def remove_orphan_groups(prefix: str, kept: set[str]) -> None:
+    """Remove the placement groups whose names begin with ``prefix`` (one cluster's) and whose
+    ids (hex) are not in ``kept``: a restarted controller's sweep of the groups whose worker
+    died while no controller watched."""
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED" and pg_id not in kept:
+            remove(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))

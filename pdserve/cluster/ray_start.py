@@ -27,6 +27,21 @@ def set_ray_auth_mode(mode: str) -> None:
     Config.initialize("")
 
 
+# A Ray that pdserve starts on one machine is that machine: its workers share the cores on
+# purpose (more threads than cores on a small box), the OS schedules them, and pinning is a
+# separate choice. There the CPU resource is bookkeeping and must never be what stops a
+# placement, also for further clusters a driver starts in the same Ray (the tests run several
+# in one process). On a real multi-node Ray (``ray_address``) the nodes' own counts apply.
+LOCAL_RAY_MIN_CPUS = 64
+
+
+def local_ray_cpus(cfg) -> int:
+    """CPUs a Ray that a cluster starts announces (``cfg``: its ``ClusterConfig``): room for every
+    worker it may run (each reserves its torch threads), never fewer than ``LOCAL_RAY_MIN_CPUS``
+    or the machine's cores."""
+    return max(os.cpu_count() or 1, LOCAL_RAY_MIN_CPUS, cfg.max_workers() * cfg.worker_threads() + 1)
+
+
 def start_local_ray(num_cpus: int, token_auth: bool) -> None:
     """A new Ray instance of this process's own ("local": even when another Ray runs on this
     machine), with token authentication unless ``token_auth`` is off."""

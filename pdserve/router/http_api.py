@@ -29,7 +29,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-import grpc
 from aiohttp import web
 
 from pdserve.engine.errors import InvalidRequestError
@@ -41,37 +40,15 @@ from pdserve.router.errors import RouteError
 from pdserve.router.service import GenerationService
 from pdserve.router.tokenize_api import detokenize_request, tokenize_request
 from pdserve.router.tools import ToolOutput
+from pdserve.router.http_errors import as_http_error, error_response
 from pdserve.router.validation import HttpError, decode_json, parse_body
 from pdserve.wire.address import Endpoint, resolve
 from pdserve.wire.logs import ACCESS_FORMAT, ACCESS_LOGGER
 from pdserve.wire import tracing
 from pdserve.wire.tls import TlsConfig
 
-_ROUTE_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
-                 grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-                 grpc.StatusCode.DEADLINE_EXCEEDED: (408, "timeout")}
 TIMEOUT_HEADER = "X-Request-Timeout"
 REQUEST_ID_HEADER = "X-Request-Id"  # in: the request's id on the workers; out: echoed back
-
-
-def error_response(status: int, message: str, kind: str, param: str | None = None,
-                   retry_after_s: int | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    headers = {"Retry-After": str(retry_after_s)} if status == 429 and retry_after_s is not None else None
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _as_http_error(exc: Exception) -> HttpError:
-    if isinstance(exc, HttpError):
-        return exc
-    if isinstance(exc, InvalidRequestError):
-        if exc.field == "model":
-            return HttpError(404, str(exc), "NotFoundError", "model")
-        return HttpError(400, str(exc), "BadRequestError", exc.field)
-    if isinstance(exc, RouteError):
-        status, kind = _ROUTE_STATUS.get(exc.code, (503, "service_unavailable"))
-        return HttpError(status, str(exc), kind)
-    raise exc
 
 
 class OpenAIFront:
@@ -102,7 +79,7 @@ class OpenAIFront:
         return await self._serve(request, chat=True)
 
     def _error(self, exc: Exception) -> web.Response:
-        err = _as_http_error(exc)
+        err = as_http_error(exc)
         return error_response(err.status, str(err), err.kind, err.param, self.service.limits.retry_after_s)
 
     async def _raw(self, request: web.Request, max_bytes: int | None = None, limit_name: str = "max_body_bytes") -> bytes:
@@ -222,7 +199,7 @@ class OpenAIFront:
         lasts: dict[int, object] = {}
         async for choice, item in _items(early, queue, len(choices)):
             if isinstance(item, Exception):
-                err = _as_http_error(item)
+                err = as_http_error(item)
                 await _send(response, {"error": {"message": str(err), "type": err.kind, "param": err.param,
                                                   "code": err.status}}, idle_s)
                 break

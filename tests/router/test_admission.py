@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from pdserve.protos import worker_pb2
-from pdserve.router.http_api import _as_http_error
+from pdserve.router.http_errors import as_http_error
 from pdserve.router.errors import RouteError
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run, sample
 
@@ -62,8 +62,8 @@ def test_a_request_waits_for_room_and_then_completes():
 
 
 def test_a_saturated_pool_is_http_429_and_unavailable_is_503():
-    busy = _as_http_error(RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, "every decode worker's KV cache is full"))
-    gone = _as_http_error(RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker"))
+    busy = as_http_error(RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, "every decode worker's KV cache is full"))
+    gone = as_http_error(RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker"))
     assert (busy.status, busy.kind) == (429, "rate_limit_exceeded")
     assert (gone.status, gone.kind) == (503, "service_unavailable")
 
