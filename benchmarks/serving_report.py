@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.load.metrics import percentile
+
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 90, 99)
 SERVERS = ("pdserve", "vllm")
@@ -51,10 +53,7 @@ def itl_split(itls: list[list[float]] | None) -> dict:
 
 
 def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {}
-    values = sorted(values)
-    return {f"p{p}": round(values[min(len(values) - 1, int(p / 100 * len(values)))], 1) for p in PERCENTILES}
+    return {f"p{p}": round(percentile(values, p), 1) for p in PERCENTILES} if values else {}
 
 
 def find(results: list[dict], server: str, load: str) -> dict | None:

@@ -35,12 +35,11 @@ TRANSFER_POLL_S = 0.0005
 # A stream whose KV is on its way holds the next step for a share of the last step's time (at
 # most HOLD_CAP_S) from its latest move: added here, then from the start of its last read.
 # Otherwise a hand-off that lands mid-step waits out that step and a whole one more: at 2
-# req/s on 2 cores (docs/benchmarks/history.md) a stream's first-to-second-token gap was 2.7
-# decode steps, and the ITL p99 of the whole run. The claim and a shared-memory read of a
+# req/s on 2 cores (docs/benchmarks/history.md) a stream's first-to-second-token gap was
+# nearly three decode steps, and the ITL p99 of the whole run. The claim and a shared-memory read of a
 # 256-token prompt take a few ms; the streams running pay at most the share, once per hand-off.
 HOLD_SHARE = 0.3
 HOLD_CAP_S = 0.02
-HOLD_FORGET_S = 1.0  # an arrival this old is no longer waited for (it left some other way)
 
 
 @dataclass(frozen=True)
@@ -243,13 +242,9 @@ class DecodeWorker(WorkerShell):
 
     def _hold_for_arrivals(self) -> float | None:
         """Until when the next step waits for streams whose KV is on its way (engine_thread holds)."""
-        if not self._arriving:
+        if not self._arriving:  # a stream leaves it when its KV lands or it is aborted (abort_now)
             return None
-        now = time.monotonic()
-        for request_id in [r for r, t in self._arriving.items() if now - t > HOLD_FORGET_S]:
-            del self._arriving[request_id]
-        share = min(HOLD_CAP_S, HOLD_SHARE * self.thread.last_step_s)
-        return max(self._arriving.values(), default=now) + share
+        return max(self._arriving.values()) + min(HOLD_CAP_S, HOLD_SHARE * self.thread.last_step_s)
 
     def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int], ready_tokens: int,
                     last: bool, first_token: int | None) -> None:
@@ -289,7 +284,7 @@ class DecodeWorker(WorkerShell):
             failed = next((h for h, state in zip(pull.handles, states)
                            if state.is_terminal and state is not TransferState.DONE), None)
             if failed is not None:
-                self.abort_now(request_id)  # (no longer arriving)
+                self.abort_now(request_id)
                 arrived.append((request_id, TransferFailed(f"KV transfer {failed.state.name.lower()}: {failed.error}")))
             elif pull.final_at is not None and all(state is TransferState.DONE for state in states):
                 del self._pulls[request_id]
