@@ -132,6 +132,8 @@ def markdown(doc: dict) -> str:
                                       for k in ("second_token_gap_ms", "steady_itl_ms")) + " |")
     lines += ["", "| target | load | pdserve / vLLM | bound | met |", "|---|---|---|---|---|"]
     for t in doc["targets"]:
+        if t["load"] not in loads:  # a run of some loads only (--loads): that target was not measured
+            continue
         met = "n/a" if t["met"] is None else ("**met**" if t["met"] else "**not met**")
         bound = f"{'≤' if t['kind'] == 'max' else '≥'} {t['bound']:g}x"
         lines.append(f"| {t['target']} | {loads[t['load']]['label']} | {_x(t['value'])} | {bound} | {met} |")

@@ -84,6 +84,19 @@ def test_one_server_only_leaves_ratios_and_targets_open(tmp_path):
     json.dumps(doc)  # the whole document is plain JSON
 
 
+def test_a_run_of_one_load_tables_only_its_targets():
+    """`--loads rate2`: the concurrency-16 target was not measured, so it has no row (and no KeyError)."""
+    args = argparse.Namespace(note="test", input_len=256, output_len=64, seed=0, loads=LOADS[:1])
+    doc = new_doc(args)
+    doc["results"] = [record("pdserve", "rate2", vllm_result(250.0, 30.0, 100.0)),
+                      record("vllm", "rate2", vllm_result(100.0, 35.0, 110.0))]
+    doc["ratios"] = compare(doc["results"], list(doc["loads"]))
+    doc["targets"] = targets(doc["ratios"])
+    table = markdown(doc)
+    assert "| TPOT p50 at most vLLM's | 2 req/s, 32 prompts | 0.86x | ≤ 1x | **met** |" in table
+    assert "output tok/s at least" not in table
+
+
 def test_bench_command_per_load(tmp_path):
     args = argparse.Namespace(vllm_venv=tmp_path, hf_dir=tmp_path / "hf", input_len=256, output_len=64, seed=0,
                               warmups=1)
