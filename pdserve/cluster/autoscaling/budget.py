@@ -1,0 +1,178 @@
+"""The budget policy: with a fixed number of elastic workers, which pool needs one more and which
+can give one up. A pure function from the two pools' windows of samples to a move; no Ray, no
+I/O. ``pdserve.cluster.role_balancer`` samples and switches; the simulator replays the same
+function (``pdserve.planner.elastic``).
+
+Each pool's **pressure** is its load against the targets its autoscaling policy already has
+(``PoolPolicyConfig``; the defaults where autoscaling is off), the largest of its signals:
+
+- prefill: queued prompt tokens per worker / ``target``, and TTFT p90 / ``slo_s``;
+- decode: KV usage / ``target``, and ITL p90 / ``slo_s``.
+
+Above 1, a pool misses a target. A move takes one worker from a donor pool to a taker pool when
+
+1. the taker's pressure, averaged over the window, is above ``high`` (sustained, not a spike);
+2. the donor keeps more than its minimum of workers; and
+3. the donor's pressure at its peak over the window, spread over one worker fewer
+   (``peak * n / (n - 1)``), stays below ``low``: the donor is still comfortable after the move.
+
+That is the hysteresis: right after a move the donor is below ``low`` < ``high``, so the reverse
+move cannot follow until the donor's own load grows past ``high``. The guards around it, as in
+``decide``: no decision on stale samples, on a window that does not yet span ``window_s``, on
+one that holds samples from before the last switch (or from another worker count), or within
+``dwell_s`` of the last switch. A pool both over ``high`` gets nothing from the other: with the
+budget fixed there is nothing to move, and per-pool autoscaling grows the budget where it may.
+
+Latency is not linear in workers the way a queue is; the projection in 3 is a first-order
+guess, and ``low`` leaves room for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.cluster.autoscaling.config import PoolPolicyConfig
+from pdserve.cluster.autoscaling.window import MetricsWindow, PoolSample
+
+POOLS = ("prefill", "decode")
+
+
+class BudgetConfigError(ValueError):
+    def __init__(self, key: str, problem: str):
+        self.key = key
+        super().__init__(f"{key}: {problem}")
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    # A pool asks for a worker when its pressure's window mean is above this (1: at its targets).
+    high: float = 1.0
+    # The donor gives one up only if its projected peak stays below this. Below ``high``: the
+    # band between them keeps one move from calling for its reverse.
+    low: float = 0.7
+    # The window a decision reads (at the controller's one sample a second, about ten samples).
+    window_s: float = 10.0
+    # The least time between two switches: a switch's effect must show before the next one.
+    dwell_s: float = 15.0
+    # Samples older than this mean the metrics stalled: no decision on them.
+    max_sample_age_s: float = 5.0
+    min_prefill: int = 1
+    min_decode: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("high", "low", "window_s", "dwell_s", "max_sample_age_s"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise BudgetConfigError(key, f"must be a number > 0, got {value!r}")
+        if self.low >= self.high:
+            raise BudgetConfigError("low", f"must be below high ({self.high}), got {self.low}: "
+                                    "without the band a move could call for its own reverse")
+        for key in ("min_prefill", "min_decode"):
+            if getattr(self, key) < 1:
+                raise BudgetConfigError(key, f"must be at least 1, got {getattr(self, key)}")
+
+    def minimum(self, pool: str) -> int:
+        return self.min_prefill if pool == "prefill" else self.min_decode
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """One pool's pressure over a window: its mean and peak, the signal behind the peak, and
+    its workers in the latest sample."""
+
+    pool: str
+    workers: int
+    mean: float
+    peak: float
+    signal: str  # the signal whose ratio is largest at the peak
+
+    def after_losing_one(self) -> float:
+        """The peak spread over one worker fewer (inf when it has only one)."""
+        return float("inf") if self.workers <= 1 else self.peak * self.workers / (self.workers - 1)
+
+
+@dataclass(frozen=True)
+class RoleMove:
+    """What the policy decided: move one worker ``donor`` -> ``taker``, or hold (``taker`` None)."""
+
+    taker: str | None
+    donor: str | None
+    reason: str
+    pressures: tuple[Pressure, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The switch's reason as a metric label (``pdserve:role_changes_total{reason}``)."""
+        return f"{self.taker}_pressure" if self.taker else "hold"
+
+
+def pressure(pool: str, window: MetricsWindow, target: PoolPolicyConfig) -> Pressure:
+    """``pool``'s pressure over ``window`` against ``target``'s ``target`` and ``slo_s``."""
+    per_sample = [_sample_pressure(pool, s, target) for s in window.samples]
+    values = [v for v, _ in per_sample]
+    peak = max(values, default=0.0)
+    signal = max(per_sample, key=lambda p: p[0])[1] if per_sample else "none"
+    workers = window.latest.replicas if window.latest else 0
+    return Pressure(pool, workers, sum(values) / len(values) if values else 0.0, peak, signal)
+
+
+def _sample_pressure(pool: str, s: PoolSample, target: PoolPolicyConfig) -> tuple[float, str]:
+    if pool == "prefill":
+        ratios = {"queued_prompt_tokens_per_worker": s.queued_prompt_tokens / max(s.replicas, 1) / target.target,
+                  "ttft_p90_s": None if s.ttft_p90_s is None else s.ttft_p90_s / target.slo_s}
+    else:
+        ratios = {"kv_usage": s.kv_usage / target.target,
+                  "itl_p90_s": None if s.itl_p90_s is None else s.itl_p90_s / target.slo_s}
+    known = {k: v for k, v in ratios.items() if v is not None}  # a latency with no request: no evidence
+    name = max(known, key=known.get)
+    return known[name], name
+
+
+def decide_roles(windows: dict[str, MetricsWindow], targets: dict[str, PoolPolicyConfig], config: BudgetConfig,
+                 last_switch_t: float | None, now: float) -> RoleMove:
+    """One worker to move between the prefill and decode pools at ``now``, or a hold, with the
+    reason. ``windows`` and ``targets`` hold both pools; ``last_switch_t`` is when the last
+    switch completed (None: never). Pure: same inputs, same move."""
+    for pool in POOLS:
+        window = windows[pool]
+        if window.latest is None:
+            return RoleMove(None, None, f"hold: no {pool} samples yet")
+        if now - window.latest.t > config.max_sample_age_s:
+            return RoleMove(None, None, f"hold: stale, the latest {pool} sample is {now - window.latest.t:.1f} s old "
+                            f"> max_sample_age_s {config.max_sample_age_s}")
+        if window.span_s(now) < config.window_s:
+            return RoleMove(None, None, f"hold: cold start, the {pool} window spans {window.span_s(now):.1f} s "
+                            f"of window_s {config.window_s}")
+        if any(s.replicas != window.latest.replicas for s in window.samples) or (
+                last_switch_t is not None and window.oldest.t < last_switch_t):
+            return RoleMove(None, None, f"hold: settling, the {pool} window holds samples from before the last change")
+    pressures = tuple(pressure(pool, windows[pool], targets[pool]) for pool in POOLS)
+    by_pool = {p.pool: p for p in pressures}
+    if last_switch_t is not None and now - last_switch_t < config.dwell_s:
+        return RoleMove(None, None, f"hold: dwell, {now - last_switch_t:.1f} s since the last switch of "
+                        f"dwell_s {config.dwell_s}", pressures)
+    hot = sorted((p for p in pressures if p.mean > config.high), key=lambda p: -p.mean)
+    if not hot:
+        return RoleMove(None, None, f"hold: both pools at or below high {config.high} ({_describe(pressures)})",
+                        pressures)
+    taker = hot[0]
+    donor = by_pool["decode" if taker.pool == "prefill" else "prefill"]
+    if donor.mean > config.high:
+        return RoleMove(None, None, f"hold: both pools above high {config.high} ({_describe(pressures)}); a fixed "
+                        "budget has nothing to move", pressures)
+    if donor.workers <= config.minimum(donor.pool):
+        return RoleMove(None, None, f"hold: {taker.pool} needs a worker but {donor.pool} is at its minimum "
+                        f"{config.minimum(donor.pool)} ({_describe(pressures)})", pressures)
+    projected = donor.after_losing_one()
+    if projected >= config.low:
+        return RoleMove(None, None, f"hold: {taker.pool} needs a worker but {donor.pool}'s peak over "
+                        f"{donor.workers - 1} worker(s) would be {projected:.2f} >= low {config.low} "
+                        f"({_describe(pressures)})", pressures)
+    return RoleMove(taker.pool, donor.pool,
+                    f"{donor.pool} -> {taker.pool}: {taker.pool} pressure {taker.mean:.2f} ({taker.signal}) > "
+                    f"high {config.high}; {donor.pool} over {donor.workers - 1} worker(s) {projected:.2f} < "
+                    f"low {config.low}", pressures)
+
+
+def _describe(pressures: tuple[Pressure, ...]) -> str:
+    return ", ".join(f"{p.pool} mean {p.mean:.2f} peak {p.peak:.2f} ({p.signal})" for p in pressures)
