@@ -72,6 +72,27 @@ ROWS = [
          [('max by (pool) (pdserve:pool_replicas{pool=~"$pool"})', "{{pool}} healthy"),
           ('max by (pool) (pdserve:autoscaler_desired_replicas{pool=~"$pool"})', "{{pool}} desired")]),
     ]),
+    ("Elastic roles", [
+        ("Workers per role", "short", "Each pool's healthy workers: with elastic roles (--elastic-roles), the role "
+         "timeline, which moves as workers switch.",
+         [('max by (pool) (pdserve:pool_replicas{pool=~"$pool"})', "{{pool}}")]),
+        ("Role budget pressure", "short", "The budget policy's pressure of each pool (--role-budget): the largest "
+         "of its signals over their targets; a pool above 1 asks the other for a worker.",
+         [('max by (pool) (pdserve:role_budget_pressure{pool=~"$pool"})', "{{pool}}")]),
+        ("Role changes", "short", "Switches completed per window, by direction and reason (manual, or the pool "
+         "whose pressure asked for the worker).",
+         [(f"sum by (from_role, to_role, reason) (increase(pdserve:role_changes_total[{RATE}]))",
+           "{{from_role}} -> {{to_role}} ({{reason}})")]),
+        ("Role switch time", "s", "From the controller's decision until the worker serves its new role.",
+         [(f"histogram_quantile({q}, sum by (le, to_role) (rate(pdserve:role_switch_seconds_bucket[{RATE}])))",
+           f"p{round(q * 100)} to {{{{to_role}}}}") for q in (0.5, 0.99)]),
+        ("Work moved by role switches", "short", "Decode streams migrated past a switch's grace, and held KV "
+         "left to its lease when the new role opened, per window.",
+         [(f"sum by (from_role) (increase(pdserve:role_switch_streams_handed_over_total[{RATE}]))",
+           "streams handed over from {{from_role}}"),
+          (f"sum by (from_role) (increase(pdserve:role_switch_leases_left_total[{RATE}]))",
+           "leases left by {{from_role}}")]),
+    ]),
     ("Pools and workers", [
         ("Requests per pool", "short", "Running and waiting requests, summed over each pool's workers.",
          [('max by (pool) (pdserve:num_requests_running{pool=~"$pool"})', "{{pool}} running"),

@@ -119,25 +119,23 @@ class Autoscaler:
         return {pool: t.decisions[-1].desired for pool, t in self.traces.items() if t.decisions}
 
     def sample(self, pool: str, now: float, latency: admin_pb2.LatencySummary | None = None) -> PoolSample:
-        stats = [s for s in (_stats(pool, a, self.cluster.config.tls_for("controller")) for a in list(self.cluster.addresses(pool)))
-                 if s is not None]
-        latency = latency or admin_pb2.LatencySummary()
-        if pool == "prefill":
-            return PoolSample(now, len(stats), queued_prompt_tokens=sum(s.num_waiting_tokens for s in stats),
-                              ttft_p90_s=latency.ttft_p90_s if latency.HasField("ttft_p90_s") else None)
-        usage = [s.num_blocks_used / s.num_blocks_total for s in stats if s.num_blocks_total]
-        return PoolSample(now, len(stats), kv_usage=sum(usage) / len(usage) if usage else 0.0,
-                          itl_p90_s=latency.itl_p90_s if latency.HasField("itl_p90_s") else None)
+        return sample_pool(self.cluster, pool, now, latency)
 
     def _latency(self, window_s: float) -> admin_pb2.LatencySummary | None:
-        """The router's TTFT and ITL p90 over the last ``window_s``; None if it cannot answer."""
-        try:
-            with channel(self.cluster.admin_address, self.cluster.config.tls_for("controller")) as ch:
-                return admin_pb2_grpc.RouterAdminStub(ch).GetLatency(
-                    admin_pb2.LatencyRequest(window_s=window_s), timeout=2)
-        except grpc.RpcError as exc:
-            log.warning("router latencies unavailable this round: %s", exc.code().name)
-            return None
+        return router_latency(self.cluster, window_s)
+
+    def pending(self) -> bool:
+        """A scale change still under way (decided, not yet done): the role balancer waits."""
+        return any(a.is_alive() for a in self._actions.values()) or any(
+            t.state.pending(t.samples[-1].replicas) for t in self.traces.values() if t.samples)
+
+    def roles_moved(self, donor: str, taker: str) -> None:
+        """An elastic worker moved ``donor`` -> ``taker`` (``pdserve.cluster.role_balancer``):
+        the desired counts follow, or the pools would look mid-change to the guards for good."""
+        for pool, delta in ((donor, -1), (taker, 1)):
+            trace = self.traces.get(pool)
+            if trace is not None and trace.state.desired is not None:
+                trace.state = dataclasses.replace(trace.state, desired=trace.state.desired + delta)
 
     def _act(self, pool: str, decision: ScalingDecision) -> None:
         """Start the change in a thread of its own: a worker takes seconds to load and a drain
@@ -161,6 +159,29 @@ class Autoscaler:
                 self.cluster.scale_down(pool)
         except Exception:  # the next decision sees the pool as it really is
             log.exception("autoscaler %s: scaling to %d failed", pool, decision.desired)
+
+
+def sample_pool(cluster, pool: str, now: float, latency: admin_pb2.LatencySummary | None = None) -> PoolSample:
+    """One ``PoolSample`` of ``pool``: its live workers' stats and the router's latencies."""
+    stats = [s for s in (_stats(pool, a, cluster.config.tls_for("controller")) for a in list(cluster.addresses(pool)))
+             if s is not None]
+    latency = latency or admin_pb2.LatencySummary()
+    if pool == "prefill":
+        return PoolSample(now, len(stats), queued_prompt_tokens=sum(s.num_waiting_tokens for s in stats),
+                          ttft_p90_s=latency.ttft_p90_s if latency.HasField("ttft_p90_s") else None)
+    usage = [s.num_blocks_used / s.num_blocks_total for s in stats if s.num_blocks_total]
+    return PoolSample(now, len(stats), kv_usage=sum(usage) / len(usage) if usage else 0.0,
+                      itl_p90_s=latency.itl_p90_s if latency.HasField("itl_p90_s") else None)
+
+
+def router_latency(cluster, window_s: float) -> admin_pb2.LatencySummary | None:
+    """The router's TTFT and ITL p90 over the last ``window_s``; None if it cannot answer."""
+    try:
+        with channel(cluster.admin_address, cluster.config.tls_for("controller")) as ch:
+            return admin_pb2_grpc.RouterAdminStub(ch).GetLatency(admin_pb2.LatencyRequest(window_s=window_s), timeout=2)
+    except grpc.RpcError as exc:
+        log.warning("router latencies unavailable this round: %s", exc.code().name)
+        return None
 
 
 def _stats(pool: str, address: str, tls: TlsConfig | None) -> worker_pb2.WorkerStats | None:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from pdserve.cluster.autoscaling.budget import BudgetConfig
 from pdserve.cluster.mode import COLOCATED, DISAGGREGATED, MODES
 from pdserve.cluster.placement import PoolPlacement
 from pdserve.cluster.settings import LEASE_SECONDS
@@ -36,6 +37,9 @@ class ClusterConfig:
     # Every worker is elastic (pdserve.elastic_worker): it serves both roles' RPCs on one engine
     # and starts in its pool's role, which ``LocalCluster.set_role`` changes in place.
     elastic_roles: bool = False
+    # With elastic roles: the budget policy (pdserve.cluster.autoscaling.budget) that moves workers
+    # between the pools, their number fixed; None: roles change only when asked (pdserve set-role).
+    role_budget: BudgetConfig | None = None
     host: str = "127.0.0.1"  # the public plane's bind address (router gRPC and HTTP), as `vllm serve --host`
     grpc_port: int = 50051  # the router's public gRPC port (`pdserve serve --grpc-port`)
     http_port: int | None = 8000  # the router's OpenAI-compatible HTTP port (`--port`); None: off
@@ -87,6 +91,8 @@ class ClusterConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.mode == COLOCATED and self.elastic_roles:
             raise ValueError("elastic_roles needs the disaggregated mode (a colocated cluster has no prefill pool)")
+        if self.role_budget is not None and not self.elastic_roles:
+            raise ValueError("role_budget needs elastic_roles: only an elastic worker changes its role in place")
         if self.mode == COLOCATED and self.num_prefill:
             raise ValueError(f"num_prefill must be 0 in colocated mode (no prefill pool), got {self.num_prefill}")
         # A claim renews the lease for lease_seconds and the read may take transfer_timeout_s:
@@ -107,6 +113,13 @@ class ClusterConfig:
     def pools(self) -> tuple[str, ...]:
         """The pools this cluster runs (colocated: the decode pool only)."""
         return ("decode",) if self.mode == COLOCATED else ("prefill", "decode")
+
+    def budget_targets(self) -> dict:
+        """The targets the budget policy weighs each pool's pressure against: its autoscaling
+        policy's, or the defaults where it has none."""
+        from pdserve.cluster.autoscaling import pool_config
+
+        return {pool: (self.autoscaling or {}).get(pool) or pool_config(pool) for pool in ("prefill", "decode")}
 
     def autoscaled_pools(self) -> dict:
         """The autoscaling policies of the pools this cluster runs (none without autoscaling)."""

@@ -51,6 +51,7 @@ class LocalCluster:
         self._supervisor = None  # a cluster.supervisor.Supervisor
         self._router_config = None  # what restart_router starts again
         self.autoscaler = None
+        self.role_balancer = None  # a cluster.role_balancer.RoleBalancer with role_budget
         self._templates: dict[str, tuple] = {}  # role -> (placement, config, threads) for new slots
         self._next_id = {"prefill": 0, "decode": 0}
         self.lock = threading.RLock()  # membership changes: scaling and the supervisor
@@ -88,6 +89,11 @@ class LocalCluster:
 
             self.autoscaler = Autoscaler(self, cfg.autoscaled_pools(), cfg.autoscale_interval_s, cfg.autoscale_history)
             self.autoscaler.start()
+        if cfg.role_budget is not None:
+            from pdserve.cluster.role_balancer import RoleBalancer
+
+            self.role_balancer = RoleBalancer(self, cfg.role_budget, cfg.budget_targets(), cfg.autoscale_interval_s)
+            self.role_balancer.start()
 
     def _actor_options(self, kind: str) -> dict:
         """Ray options that name a detached cluster's actor (``kind``: router, prefill, decode)."""
@@ -344,10 +350,11 @@ class LocalCluster:
                    for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
         targets = {pool: policy.target for pool, policy in self.config.autoscaled_pools().items()}
+        pressure = self.role_balancer.pressures() if self.role_balancer is not None else {}
         with channel(self.admin_address, self.config.tls_for("controller")) as ch:
             admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
                 admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets,
-                                     role_changes=role_changes), timeout=10)
+                                     role_changes=role_changes, budget_pressure=pressure), timeout=10)
 
     def drain(self, grace_s: float) -> int:
         """The router stops admitting (health NOT_SERVING, new requests UNAVAILABLE / 503) and
@@ -360,7 +367,7 @@ class LocalCluster:
     def stop_supervising(self) -> None:
         """Replace and scale nothing from now on; at once, without waiting for a round in
         progress (see ``pdserve.cluster.shutdown``: a stopping cluster's workers exit on purpose)."""
-        for loop in (self._supervisor, self.autoscaler):
+        for loop in (self._supervisor, self.autoscaler, self.role_balancer):
             if loop is not None:
                 loop.halt()
 
@@ -377,10 +384,9 @@ class LocalCluster:
         """Stop every actor (all at once, each given ``stop_timeout_s``), remove the placement
         groups, and end the Ray this cluster started. Never raises: a Ray already gone (the
         process group's SIGTERM reached it too) has nothing left to stop."""
-        if self.autoscaler is not None:
-            self.autoscaler.stop(join_s=stop_timeout_s)
-        if self._supervisor is not None:
-            self._supervisor.stop(join_s=stop_timeout_s)
+        for loop in (self.role_balancer, self.autoscaler, self._supervisor):
+            if loop is not None:
+                loop.stop(join_s=stop_timeout_s)
         actors = [a for a in [self.router, *self.decode, *self.prefill] if a is not None]
         steps = [lambda: ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=stop_timeout_s)]
         steps += [lambda a=a: ray.kill(a) for a in actors] + [lambda g=g: remove(g) for g in self._groups.values()]

@@ -81,7 +81,8 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
         cluster.put_slot(role, slot)
         seconds = time.monotonic() - decided
         cluster.push_membership(role_changes=[admin_pb2.RoleChange(
-            address=address, from_role=previous, to_role=role, reason=reason, seconds=seconds)])
+            address=address, from_role=previous, to_role=role, reason=reason, seconds=seconds,
+            handed_over=answer.handed_over, leases_left=answer.leases_left)])
     done = RoleSwitch(address, previous, role, reason, time.monotonic() - decided, answer.seconds, answer.idle,
                       answer.handed_over, answer.leases_left)
     log.info("worker %s: %s -> %s (%s) in %.3f s (the worker's own part %.3f s%s)", address, previous, role, reason,

@@ -37,7 +37,7 @@ def build(v: dict[str, Any]):
     return ClusterConfig(
         engine=_engine(v), router_limits=_router_limits(v), mode=v["mode"],
         num_prefill=0 if v["mode"] == COLOCATED else v["prefill"], num_decode=v["decode"],
-        elastic_roles=v["elastic_roles"],
+        elastic_roles=v["elastic_roles"], role_budget=_role_budget(v),
         host=v["host"], grpc_port=v["grpc_port"], http_port=None if v["port"] < 0 else v["port"],
         advertise_host=v["advertise_host"], internal_host=v["internal_host"],
         internal_advertise_host=v["internal_advertise_host"],
@@ -55,6 +55,15 @@ def build(v: dict[str, Any]):
         log=LogConfig(v["log_level"], v["log_format"]),
         prefill_placement=_placement(v, "prefill", default_gpus), decode_placement=_placement(v, "decode", default_gpus),
         autoscaling=from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None)
+
+
+def _role_budget(v: dict[str, Any]):
+    """The budget policy's config where ``--role-budget`` asks for one, else None."""
+    from pdserve.cluster.autoscaling.budget import BudgetConfig
+
+    if not v["role_budget"]:
+        return None
+    return BudgetConfig(dwell_s=v["role_budget_dwell_s"], window_s=v["role_budget_window_s"])
 
 
 def _role_tls(v: dict[str, Any]) -> tuple:

@@ -57,12 +57,14 @@ def serve_settings() -> tuple[Setting, ...]:
     from pdserve.router import tool_parsers
     from pdserve.router.kv_policy import POLICIES
     from pdserve.cluster.mode import DISAGGREGATED, MODES
+    from pdserve.cluster.autoscaling.budget import BudgetConfig
     from pdserve.router.local_prefill import LocalPrefillConfig
     from pdserve.router.limits import RouterLimits
     from pdserve.router.validation import RequestLimits
     from pdserve.wire.logs import FORMATS, LEVELS, LogConfig
 
     limits, requests, log, local = RouterLimits(), RequestLimits(), LogConfig(), LocalPrefillConfig()
+    budget = BudgetConfig()
     routing = limits.routing
     return (
         Setting("model", str, EngineConfig.model, "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)"),
@@ -77,6 +79,12 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("elastic_roles", bool, False,
                 "every worker serves both roles on one engine and starts in its pool's; `pdserve set-role` "
                 "moves one between the pools in place, without a model load (docs/elastic-roles.md)"),
+        Setting("role_budget", bool, False,
+                "with --elastic-roles: the controller moves workers between the pools from each pool's own "
+                "pressure, the worker count fixed (docs/elastic-roles.md#the-budget-policy)"),
+        Setting("role_budget_dwell_s", float, budget.dwell_s, "the role budget's least time between two switches",
+                above=0),
+        Setting("role_budget_window_s", float, budget.window_s, "the role budget's window of samples", above=0),
         Setting("local_prefill_max_tokens", int, local.max_tokens,
                 "conditional disaggregation: a prompt with fewer uncached tokens than this is prefilled by its "
                 "decode worker, not the prefill pool (0: off)", minimum=0),

@@ -17,7 +17,7 @@ class Member(_message.Message):
     def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class Membership(_message.Message):
-    __slots__ = ("members", "desired_replicas", "signal_targets", "role_changes")
+    __slots__ = ("members", "desired_replicas", "signal_targets", "role_changes", "budget_pressure")
     class DesiredReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,29 +32,42 @@ class Membership(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class BudgetPressureEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     DESIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_TARGETS_FIELD_NUMBER: _ClassVar[int]
     ROLE_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_PRESSURE_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[Member]
     desired_replicas: _containers.ScalarMap[str, int]
     signal_targets: _containers.ScalarMap[str, float]
     role_changes: _containers.RepeatedCompositeFieldContainer[RoleChange]
-    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ..., signal_targets: _Optional[_Mapping[str, float]] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ...) -> None: ...
+    budget_pressure: _containers.ScalarMap[str, float]
+    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ..., signal_targets: _Optional[_Mapping[str, float]] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., budget_pressure: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RoleChange(_message.Message):
-    __slots__ = ("address", "from_role", "to_role", "reason", "seconds")
+    __slots__ = ("address", "from_role", "to_role", "reason", "seconds", "handed_over", "leases_left")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
     TO_ROLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
+    LEASES_LEFT_FIELD_NUMBER: _ClassVar[int]
     address: str
     from_role: str
     to_role: str
     reason: str
     seconds: float
-    def __init__(self, address: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    handed_over: int
+    leases_left: int
+    def __init__(self, address: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ..., handed_over: _Optional[int] = ..., leases_left: _Optional[int] = ...) -> None: ...
 
 class MembershipAck(_message.Message):
     __slots__ = ("prefill_workers", "decode_workers")

@@ -17,7 +17,9 @@ class RouterAdminService(admin_pb2_grpc.RouterAdminServicer):
         self.pool.signal_targets.update(request.signal_targets)
         await self.pool.set_members([(m.role, m.address) for m in request.members])
         for change in request.role_changes:  # the worker is in its new pool from here on
-            metrics.role_changed(change.from_role, change.to_role, change.reason or "unspecified", change.seconds)
+            metrics.role_changed(change.from_role, change.to_role, change.reason or "unspecified", change.seconds,
+                                 change.handed_over, change.leases_left)
+        metrics.set_budget_pressure(dict(request.budget_pressure))
         roles = [role for role, _ in self.pool.members()]
         return admin_pb2.MembershipAck(prefill_workers=roles.count("prefill"), decode_workers=roles.count("decode"))
 

@@ -40,7 +40,14 @@ Router, per role switch of an elastic worker (pdserve/elastic_worker), as the co
 
 - histogram ``pdserve:role_switch_seconds{to_role}``: the controller's decision to the router
   listing the worker in its new pool (its old role drained, its new one open)
-- counter ``pdserve:role_changes_total{from_role,to_role,reason}``
+- counter ``pdserve:role_changes_total{from_role,to_role,reason}``: ``reason`` is ``manual``
+  (or what ``pdserve set-role --reason`` said) or the budget policy's ``prefill_pressure`` /
+  ``decode_pressure`` (the pool that needed the worker)
+- counters ``pdserve:role_switch_streams_handed_over_total{from_role}`` and
+  ``pdserve:role_switch_leases_left_total{from_role}``: the work a switch moved (streams the
+  router migrated past the grace, held KV left to its lease)
+- gauge ``pdserve:role_budget_pressure{pool}``: the budget policy's pressure of each pool as the
+  controller last pushed it (pdserve/cluster/autoscaling/budget.py)
 
 Router, per stats poll (pdserve/router/pool.py), label ``pool`` (prefill, decode):
 
@@ -168,12 +175,29 @@ ROLE_SWITCH_TIME = Histogram("pdserve:role_switch_seconds",
                              "new role.", ["to_role"], buckets=SWITCH_BUCKETS, registry=REGISTRY)
 ROLE_CHANGES = Counter("pdserve:role_changes_total", "Role switches of elastic workers, by old role, new role and reason.",
                        ["from_role", "to_role", "reason"], registry=REGISTRY)
+ROLE_SWITCH_HANDED_OVER = Counter("pdserve:role_switch_streams_handed_over_total",
+                                  "Decode streams a role switch gave up past its grace (the router migrated them).",
+                                  ["from_role"], registry=REGISTRY)
+ROLE_SWITCH_LEASES_LEFT = Counter("pdserve:role_switch_leases_left_total",
+                                  "Held KV leases still served under their lease when a switch's new role opened.",
+                                  ["from_role"], registry=REGISTRY)
+BUDGET_PRESSURE = Gauge("pdserve:role_budget_pressure",
+                        "The budget policy's pressure of each pool (1: at its targets), as the controller last saw it.",
+                        [POOL_LABEL], registry=REGISTRY)
 
 
-def role_changed(from_role: str, to_role: str, reason: str, seconds: float) -> None:
+def role_changed(from_role: str, to_role: str, reason: str, seconds: float, handed_over: int = 0,
+                 leases_left: int = 0) -> None:
     """One completed role switch (the controller reports it with the membership that lists the new role)."""
     ROLE_SWITCH_TIME.labels(to_role).observe(seconds)
     ROLE_CHANGES.labels(from_role, to_role, reason).inc()
+    ROLE_SWITCH_HANDED_OVER.labels(from_role).inc(handed_over)
+    ROLE_SWITCH_LEASES_LEFT.labels(from_role).inc(leases_left)
+
+
+def set_budget_pressure(pressures: dict[str, float]) -> None:
+    for pool, value in pressures.items():
+        BUDGET_PRESSURE.labels(pool).set(value)
 
 
 # The workers' families (wire.worker_metrics) are listed here too, after the router's.

@@ -104,3 +104,15 @@ def test_a_lease_shorter_than_the_kv_read_timeout_is_refused_at_start(capsys):
     assert main(["serve", "--lease-seconds", "10"]) == 2  # equal is refused too: no margin for the read
     err = capsys.readouterr().err
     assert "lease_seconds" in err and "transfer_timeout_s" in err and "Traceback" not in err
+
+
+def test_the_role_budget_comes_from_flags_and_needs_elastic_roles():
+    assert build(resolve(parse([]), environ={})).role_budget is None
+    config = build(resolve(parse(["--elastic-roles", "--role-budget", "--role-budget-dwell-s", "30"]),
+                           environ={"PDSERVE_ROLE_BUDGET_WINDOW_S": "5"}))
+    assert (config.role_budget.dwell_s, config.role_budget.window_s) == (30.0, 5.0)
+    assert config.budget_targets()["decode"].slo_s == 0.2  # the decode autoscaling defaults' ITL SLO
+    with pytest.raises(ValueError, match="role_budget needs elastic_roles"):
+        build(resolve(parse(["--role-budget"]), environ={}))
+    with pytest.raises(SettingsError, match="role_budget_dwell_s must be greater than 0"):
+        resolve(parse(["--role-budget-dwell-s", "0"]), environ={})

@@ -110,3 +110,45 @@ def test_a_decode_worker_out_of_grace_hands_its_streams_over(cluster, stub, refe
     assert migrations(cluster) > migrated
     assert len(cluster.prefill_addresses) == 2 and len(cluster.decode_addresses) == 1
     assert_no_kv_held(cluster)
+
+
+def test_the_budget_policy_moves_a_worker_to_the_pool_under_pressure(cluster, stub, reference):
+    """The controller's budget loop (pdserve.cluster.role_balancer) on the real cluster: targets
+    set so that running streams put the decode pool far over its target while the prefill pool
+    stays far under, it moves one prefill worker to decode by itself, with the streams intact,
+    and the router counts the switch under the policy's reason and shows both pressures."""
+    from pdserve.cluster.autoscaling import pool_config
+    from pdserve.cluster.autoscaling.budget import BudgetConfig
+    from pdserve.cluster.role_balancer import RoleBalancer
+
+    targets = {"prefill": pool_config("prefill", target=1e9, slo_s=1e6),  # never pressed
+               "decode": pool_config("decode", target=0.001, slo_s=1e6)}  # any stream's KV: pressed
+    balancer = RoleBalancer(cluster, BudgetConfig(window_s=2.0, dwell_s=2.0), targets, interval_s=0.25,
+                            grace_s=GRACE_S)
+    before = changes(switch_metrics(cluster), "prefill", "decode", "decode_pressure")
+    cluster.role_balancer = balancer  # as LocalCluster._start_loops sets it: its pressures go with each push
+    try:
+        with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
+            load.wait_for(CLIENTS)
+            balancer.start()
+            deadline = time.monotonic() + 60
+            while not balancer.switches and time.monotonic() < deadline:
+                time.sleep(0.2)
+            balancer.stop()
+            load.wait_for(CLIENTS)
+    finally:
+        balancer.stop()
+        cluster.role_balancer = None
+    assert balancer.switches, [m.reason for _, m in list(balancer.moves)[-5:]]
+    (moved,) = balancer.switches  # the dwell and the settling window held back a second one
+    assert (moved.previous, moved.role, moved.reason) == ("prefill", "decode", "decode_pressure")
+    assert moved.idle and moved.handed_over == 0, moved
+    check(load.outcomes, reference, MAX_TOKENS)
+    metrics = switch_metrics(cluster)
+    assert changes(metrics, "prefill", "decode", "decode_pressure") == before + 1
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'pdserve:role_budget_pressure{pool="decode"}' in text and 'pdserve:role_budget_pressure{pool="prefill"}' in text
+    assert len(cluster.prefill_addresses) == 1 and len(cluster.decode_addresses) == 2
+    cluster.set_role(moved.address, "prefill", GRACE_S, reason="test")  # the layout the module began with
+    assert_no_kv_held(cluster)

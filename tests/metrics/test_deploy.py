@@ -97,7 +97,9 @@ def test_the_dashboard_shows_what_an_operator_needs(dashboard):
                  "pdserve:request_prompt_tokens_bucket", "pdserve:request_generation_tokens_bucket",
                  "pdserve:num_preemptions_total", "pdserve:worker_kv_transfer_seconds_bucket",
                  "pdserve:worker_kv_transfer_bytes_bucket", "pdserve:worker_kv_transfer_descriptors_bucket",
-                 "pdserve:worker_num_waiting_prompt_tokens", "pdserve:autoscaler_signal_target"):
+                 "pdserve:worker_num_waiting_prompt_tokens", "pdserve:autoscaler_signal_target",
+                 "pdserve:role_changes_total", "pdserve:role_switch_seconds_bucket", "pdserve:role_budget_pressure",
+                 "pdserve:role_switch_streams_handed_over_total", "pdserve:role_switch_leases_left_total"):
         assert name in used, name
     quantiles = {float(q) for e in exprs(dashboard) if "time_to_first_token" in e
                  for q in re.findall(r"histogram_quantile\(([0-9.]+)", e)}

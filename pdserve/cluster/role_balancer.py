@@ -1,0 +1,122 @@
+"""The budget loop: with a fixed number of elastic workers, move one between the prefill and the
+decode pool when the budget policy says so (``pdserve.cluster.autoscaling.budget``).
+
+Every ``interval_s`` the loop samples both pools as the autoscaler does (the same
+``sample_pool``: live workers' stats and the router's TTFT and ITL p90 since the last round),
+keeps the trailing window, and asks ``decide_roles``. A move switches the donor pool's least
+loaded worker in place (``pdserve.cluster.roles.switch_role``: out of its pool, drained within
+``grace_s``, into the other) on a thread of its own, so sampling goes on; no new decision is
+taken while it runs, and the window starts over once it is done (the policy's settling guard).
+The switch's reason is the policy's label (``prefill_pressure`` or ``decode_pressure``); the
+router counts it in ``pdserve:role_changes_total`` and shows each pool's pressure in
+``pdserve:role_budget_pressure``.
+
+Beside per-pool autoscaling: the autoscaler still grows or shrinks a pool where its bounds let
+it; the budget loop waits while one of its changes is under way, and tells it of each move so
+that its desired counts follow the pools.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from pdserve.cluster.autoscaler import _stats, router_latency, sample_pool
+from pdserve.cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample
+from pdserve.cluster.autoscaling.budget import POOLS, BudgetConfig, RoleMove, decide_roles
+from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
+
+log = logging.getLogger(__name__)
+
+
+class RoleBalancer:
+    def __init__(self, cluster, config: BudgetConfig, targets: dict[str, PoolPolicyConfig], interval_s: float = 1.0,
+                 grace_s: float = DRAIN_GRACE_SECONDS.default, history: int = 3600):
+        self.cluster = cluster
+        self.config = config
+        self.targets = targets
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        self.samples: dict[str, deque[PoolSample]] = {pool: deque(maxlen=history) for pool in POOLS}
+        self.moves: deque[tuple[float, RoleMove]] = deque(maxlen=history)  # every decision, holds included
+        self.switches: list = []  # each completed switch (pdserve.cluster.roles.RoleSwitch)
+        self.last_switch_t: float | None = None
+        self._switch: threading.Thread | None = None
+        self._last_round: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-role-balancer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def halt(self) -> None:
+        self._stop.set()
+
+    def stop(self, join_s: float = 60.0) -> None:
+        self.halt()
+        self._thread.join(join_s)
+        if self._switch is not None:
+            self._switch.join(join_s + self.grace_s)
+
+    def pressures(self) -> dict[str, float]:
+        """Each pool's pressure (window mean) at the last decision that computed it."""
+        for _, move in reversed(self.moves):
+            if move.pressures:
+                return {p.pool: p.mean for p in move.pressures}
+        return {}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.step(time.monotonic())
+            except Exception:  # keep balancing whatever one round hit
+                log.exception("role balancer round failed")
+
+    def step(self, now: float) -> RoleMove | None:
+        """One round: sample, decide, start a switch. None while a switch or a scale change runs."""
+        since, self._last_round = self._last_round, now
+        latency = router_latency(self.cluster, now - since if since is not None else self.interval_s)
+        for pool in POOLS:
+            self.samples[pool].append(sample_pool(self.cluster, pool, now, latency))
+        autoscaler = getattr(self.cluster, "autoscaler", None)
+        if (self._switch is not None and self._switch.is_alive()) or (autoscaler is not None and autoscaler.pending()):
+            return None
+        windows = {pool: MetricsWindow.trailing(list(self.samples[pool]), now, self.config.window_s) for pool in POOLS}
+        move = decide_roles(windows, self.targets, self.config, self.last_switch_t, now)
+        self.moves.append((now, move))
+        if move.taker is None:
+            log.debug("role balancer: %s", move.reason)
+            return move
+        address = self._least_loaded(move.donor)
+        if address is None:
+            return move
+        log.info("role balancer: %s; switching %s", move.reason, address)
+        self._switch = threading.Thread(target=self._apply, args=(address, move), name="pdserve-role-switch",
+                                        daemon=True)
+        self._switch.start()
+        return move
+
+    def _least_loaded(self, pool: str) -> str | None:
+        """The donor's worker with the least to hand over: fewest queued prompt tokens (prefill) or
+        KV blocks in use (decode)."""
+        loads = []
+        for address in list(self.cluster.addresses(pool)):
+            stats = _stats(pool, address, self.cluster.config.tls_for("controller"))
+            if stats is not None:
+                loads.append((stats.num_waiting_tokens if pool == "prefill" else stats.num_blocks_used, address))
+        return min(loads)[1] if loads else None
+
+    def _apply(self, address: str, move: RoleMove) -> None:
+        try:
+            switch = self.cluster.set_role(address, move.taker, self.grace_s, move.label)
+        except Exception:  # back in its old pool (switch_role); the next window decides again
+            log.exception("role balancer: switching %s to %s failed", address, move.taker)
+            switch = None
+        self.last_switch_t = time.monotonic()  # a failed switch also waits out the dwell: no retry storm
+        if switch is not None:
+            self.switches.append(switch)
+            autoscaler = getattr(self.cluster, "autoscaler", None)
+            if autoscaler is not None:
+                autoscaler.roles_moved(move.donor, move.taker)
