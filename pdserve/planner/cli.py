@@ -35,6 +35,9 @@ def add_plan_parser(sub) -> None:
                         "high rates more are simulated (2000 req/s: about 120,000)")
     p.add_argument("--trace", default=None, help="replay this JSONL trace instead of Poisson arrivals")
     p.add_argument("--layout", default=None, help="simulate this layout only, e.g. 2P:3D, 2P:3D:TP4 or 4C:TP2")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --layout kP:mD: compare every fixed split of its k+m workers (and k+m colocated) "
+                        "with elastic roles starting from it (--elastic-roles --role-budget), by goodput")
 
 
 def add_profile_parser(sub) -> None:
@@ -57,6 +60,10 @@ def run_plan(args) -> int:
                           LengthMix(args.prompt_mean, args.output_mean, args.sigma, args.max_len),
                           Slo(args.ttft_slo, args.tpot_slo), args.attainment, _tp_list(args.tp),
                           num_requests=args.requests, modes=_modes(args.mode), replay=replay)
+        if args.elastic:
+            if not args.layout:
+                raise ValueError("--elastic: needs --layout, the split elastic roles start from (e.g. 1P:2D)")
+            return _print_elastic(req, parse_layout(args.layout))
         if args.layout:
             layout = parse_layout(args.layout)
             result = simulate(req, layout, req.trace())
@@ -67,6 +74,19 @@ def run_plan(args) -> int:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
     print(format_plan(found, req))
+    return 0
+
+
+def _print_elastic(req, start) -> int:
+    from pdserve.planner.elastic import compare_layouts
+
+    rows = compare_layouts(req, req.trace(), start)
+    print(f"{len(req.trace())} requests, SLO TTFT {req.slo.ttft_s} s / TPOT {req.slo.tpot_s} s")
+    print(f"{'layout':<32} {'goodput req/s':>14} {'attainment':>11} {'TTFT p90 s':>11} {'TPOT p90 s':>11}")
+    for name, result in rows:
+        pct = result.percentiles()
+        print(f"{name:<32} {result.goodput_rps(req.slo):>14.3f} {result.attainment(req.slo):>11.3f} "
+              f"{pct['ttft_s']['p90']:>11.3f} {pct['tpot_s']['p90']:>11.3f}")
     return 0
 
 

@@ -142,16 +142,17 @@ class Simulator:
         self._touch(w)
         return w
 
-    def drain_worker(self, role: str) -> None:
+    def drain_worker(self, role: str) -> SimWorker | None:
         """Take the least-loaded worker of ``role`` out of routing; it leaves once idle."""
         pool = self.pools[role]
         if len(pool) <= 1:
-            return
+            return None
         w = min(pool, key=lambda x: (x.num_seqs, x.queued_tokens))
         pool.remove(w)
         self._index[role].remove(w)
         w.draining = True
         self.draining.append(w)
+        return w
 
     def start_worker_later(self, driver, pool: str) -> None:
         """A scale-up: the worker takes requests once its model is loaded, ``startup_s`` from now."""

@@ -3,6 +3,7 @@ or a long-tailed chat mix), as ``TraceRequest`` lists. Seeded, so a plan is repr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,16 @@ def poisson(rate: float, duration_s: float, lengths: LengthMix, seed: int = 0) -
     n = rng.poisson(rate * duration_s)
     times = np.sort(rng.uniform(0, duration_s, n))
     return _build(times, lengths, rng)
+
+
+def shifting(phases: list[tuple[float, float, LengthMix]], seed: int = 0) -> list[TraceRequest]:
+    """Poisson phases one after another: ``(duration_s, rate, lengths)`` each, e.g. long prompts
+    with short answers, then short prompts with long answers, then back (a day's mix moving)."""
+    out, start = [], 0.0
+    for i, (duration_s, rate, lengths) in enumerate(phases):
+        out += [dataclasses.replace(r, t=r.t + start) for r in poisson(rate, duration_s, lengths, seed + i)]
+        start += duration_s
+    return out
 
 
 def bursty_day(mean_rate: float, lengths: LengthMix, duration_s: float = 86400.0, bursts: int = 12,

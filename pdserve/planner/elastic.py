@@ -1,0 +1,111 @@
+"""Elastic roles in the simulator: the real budget policy (``pdserve.cluster.autoscaling.budget``)
+moving workers between a disaggregated layout's pools, its worker count fixed.
+
+Once a second (``interval_s``) the driver samples both pools as ``pdserve.planner.autoscale``
+does (the same sample functions: prefill queued prompt tokens and TTFT p90 of the first tokens
+since the last sample; decode KV usage and ITL p90), keeps each pool's trailing window and
+calls ``decide_roles``. A move drains the donor's least loaded worker (out of routing at once;
+what it holds finishes: prompts are prefilled and their KV sent, streams run to their end) and,
+at the first tick that finds it idle, the worker serves the other role ``switch_s`` later (a
+role switch loads no model: tens of milliseconds measured, docs/elastic-roles.md).
+
+Differences from a served cluster, each erring against elastic roles: a worker changes role
+only at a tick (up to ``interval_s`` after it went idle), a decode worker's streams always
+finish (a served switch hands them over past its grace), and the worker's prefix cache starts
+empty in its new role.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample, pool_config
+from pdserve.cluster.autoscaling.budget import POOLS, BudgetConfig, RoleMove, decide_roles
+from pdserve.planner.autoscale import AutoscaleDriver
+from pdserve.planner.simulator import READY
+
+
+class ElasticDriver:
+    def __init__(self, config: BudgetConfig = BudgetConfig(), targets: dict[str, PoolPolicyConfig] | None = None,
+                 interval_s: float = 1.0, switch_s: float = 0.05):
+        self.config = config
+        self.targets = targets or {pool: pool_config(pool) for pool in POOLS}
+        self.interval_s = interval_s
+        self.switch_s = switch_s
+        self._samples: dict[str, deque[PoolSample]] = {pool: deque() for pool in POOLS}
+        self._moving = None  # (worker draining, its move, when decided)
+        self._decided: float | None = None  # when the switch under way was decided
+        self.last_switch_t: float | None = None
+        self.switches: list[tuple[float, float, str, str]] = []  # (decided, serving, donor, taker)
+        self.moves: list[tuple[float, RoleMove]] = []  # every decision that computed pressures
+        # pool -> [(t, ready workers, ready workers, pressure)]: AutoscaleDriver.history's shape, for plots
+        self.history: dict[str, list[tuple[float, int, int, float]]] = {pool: [] for pool in POOLS}
+
+    def tick(self, sim, now: float) -> None:
+        samples = {"prefill": AutoscaleDriver._prefill_sample(sim, now),
+                   "decode": AutoscaleDriver._decode_sample(sim, now)}
+        sim.recent_ttft.clear()
+        sim.recent_itl.clear()
+        for pool in POOLS:
+            window = self._samples[pool]
+            window.append(samples[pool])
+            while len(window) > 2 and window[1].t <= now - self.config.window_s:
+                window.popleft()  # keep the one sample at or before the window's start
+        if self._moving is not None:
+            worker, move, _ = self._moving
+            if worker.idle():
+                self._moving = None
+                sim.schedule(now + self.switch_s, READY, (self, move.taker))  # it serves its new role
+            self._record(now, None)
+            return
+        windows = {pool: MetricsWindow(tuple(self._samples[pool])) for pool in POOLS}
+        move = decide_roles(windows, self.targets, self.config, self.last_switch_t, now)
+        if move.pressures:
+            self.moves.append((now, move))
+        if move.taker is not None:
+            worker = sim.drain_worker(move.donor)
+            if worker is not None:
+                self._moving, self._decided = (worker, move, now), now
+        self._record(now, move)
+
+    def worker_ready(self, sim, pool: str) -> None:
+        """The drained worker serves ``pool`` now (the simulator's READY event)."""
+        sim.add_worker(pool)
+        self.last_switch_t = sim.now
+        donor = "decode" if pool == "prefill" else "prefill"
+        self.switches.append((self._decided, sim.now, donor, pool))
+
+    def _record(self, now: float, move: RoleMove | None) -> None:
+        pressure = {p.pool: p.mean for p in move.pressures} if move is not None and move.pressures else {}
+        for pool in POOLS:
+            ready = self._samples[pool][-1].replicas
+            last = self.history[pool][-1][3] if self.history[pool] else 0.0
+            self.history[pool].append((now, ready, ready, pressure.get(pool, last)))
+
+
+def compare_layouts(req, trace, start, driver: ElasticDriver | None = None,
+                    progress=lambda name: None) -> list[tuple[str, object]]:
+    """Every fixed split of ``start``'s workers (kP:(N-k)D, and N colocated) and elastic roles
+    starting from ``start`` (``driver``, default ``ElasticDriver()``), each simulated over
+    ``trace``: [(name, SimResult)], elastic last. ``req`` is the ``PlanRequest`` (model,
+    hardware, limits); TP as in ``start``. ``progress`` hears each layout's name as it starts."""
+    from pdserve.planner.cost import CostModel
+    from pdserve.planner.simulator import ClusterSpec, Layout, Simulator
+
+    if start.colocated or start.prefill < 1 or start.decode < 1:
+        raise ValueError(f"--layout: elastic roles start from a disaggregated layout like 1P:2D, got {start.describe()}")
+    workers = start.prefill + start.decode
+    tp_p, tp_d = start.tp_prefill, start.tp_decode
+    fixed = [Layout(k, workers - k, 0, tp_p, tp_d) for k in range(1, workers)]
+    if tp_p == tp_d:
+        fixed.append(Layout(colocated=workers, tp_decode=tp_d))
+    out = []
+    for layout in fixed + [start]:
+        spec = ClusterSpec(layout, CostModel(req.model, req.hw, layout.tp_prefill),
+                           CostModel(req.model, req.hw, layout.tp_decode), req.limits)
+        elastic = layout is start  # the last run: the same start, roles free to move
+        name = f"elastic from {layout.describe()}" if elastic else layout.describe()
+        progress(name)
+        result = Simulator(spec, trace, autoscaler=(driver or ElasticDriver()) if elastic else None).run()
+        out.append((name, result))
+    return out
