@@ -116,10 +116,11 @@ class ClusterConfig:
 
     def budget_targets(self) -> dict:
         """The targets the budget policy weighs each pool's pressure against: its autoscaling
-        policy's, or the defaults where it has none."""
+        policy's (the defaults where it has none), with the budget's own SLOs where set."""
         from pdserve.cluster.autoscaling import pool_config
 
-        return {pool: (self.autoscaling or {}).get(pool) or pool_config(pool) for pool in ("prefill", "decode")}
+        policies = {pool: (self.autoscaling or {}).get(pool) or pool_config(pool) for pool in ("prefill", "decode")}
+        return self.role_budget.targets(policies) if self.role_budget is not None else policies
 
     def autoscaled_pools(self) -> dict:
         """The autoscaling policies of the pools this cluster runs (none without autoscaling)."""

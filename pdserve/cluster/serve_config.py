@@ -63,7 +63,8 @@ def _role_budget(v: dict[str, Any]):
 
     if not v["role_budget"]:
         return None
-    return BudgetConfig(dwell_s=v["role_budget_dwell_s"], window_s=v["role_budget_window_s"])
+    return BudgetConfig(dwell_s=v["role_budget_dwell_s"], window_s=v["role_budget_window_s"],
+                        ttft_slo_s=v["role_budget_ttft_slo_s"], itl_slo_s=v["role_budget_itl_slo_s"])
 
 
 def _role_tls(v: dict[str, Any]) -> tuple:

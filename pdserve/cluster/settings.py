@@ -85,6 +85,10 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("role_budget_dwell_s", float, budget.dwell_s, "the role budget's least time between two switches",
                 above=0),
         Setting("role_budget_window_s", float, budget.window_s, "the role budget's window of samples", above=0),
+        Setting("role_budget_ttft_slo_s", float, None, "the TTFT p90 SLO the role budget weighs the prefill pool "
+                "against (default: the prefill autoscaling policy's, 2 s)", above=0),
+        Setting("role_budget_itl_slo_s", float, None, "the ITL p90 SLO the role budget weighs the decode pool "
+                "against (default: the decode autoscaling policy's, 0.2 s)", above=0),
         Setting("local_prefill_max_tokens", int, local.max_tokens,
                 "conditional disaggregation: a prompt with fewer uncached tokens than this is prefilled by its "
                 "decode worker, not the prefill pool (0: off)", minimum=0),

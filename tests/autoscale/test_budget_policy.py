@@ -47,6 +47,15 @@ def test_the_donor_must_stay_comfortable_after_the_move():
     assert ok.taker == "prefill"
 
 
+def test_a_donors_latency_is_not_spread_over_fewer_workers_but_must_be_low_itself():
+    # decode: ITL p90 at half its SLO over 2 workers gives one up (one fewer streams' worth of
+    # weights to read per step, not twice the latency); at 0.8 of its SLO it does not
+    ok = decide_roles(windows(1, 2, queued=8192, kv=0.05, itl=0.1), TARGETS, CFG, None, NOW)
+    assert ok.taker == "prefill", ok.reason
+    held = decide_roles(windows(1, 2, queued=8192, kv=0.05, itl=0.16), TARGETS, CFG, None, NOW)
+    assert held.taker is None and "would be 0.80 >= low 0.7" in held.reason
+
+
 def test_the_donor_keeps_its_minimum():
     move = decide_roles(windows(3, 1, queued=30000), TARGETS, CFG, None, NOW)
     assert move.taker is None and "decode is at its minimum 1" in move.reason

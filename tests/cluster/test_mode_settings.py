@@ -112,6 +112,8 @@ def test_the_role_budget_comes_from_flags_and_needs_elastic_roles():
                            environ={"PDSERVE_ROLE_BUDGET_WINDOW_S": "5"}))
     assert (config.role_budget.dwell_s, config.role_budget.window_s) == (30.0, 5.0)
     assert config.budget_targets()["decode"].slo_s == 0.2  # the decode autoscaling defaults' ITL SLO
+    own = build(resolve(parse(["--elastic-roles", "--role-budget", "--role-budget-itl-slo-s", "0.05"]), environ={}))
+    assert own.budget_targets()["decode"].slo_s == 0.05 and own.budget_targets()["prefill"].slo_s == 2.0
     with pytest.raises(ValueError, match="role_budget needs elastic_roles"):
         build(resolve(parse(["--role-budget"]), environ={}))
     with pytest.raises(SettingsError, match="role_budget_dwell_s must be greater than 0"):

@@ -13,8 +13,10 @@ Above 1, a pool misses a target. A move takes one worker from a donor pool to a 
 
 1. the taker's pressure, averaged over the window, is above ``high`` (sustained, not a spike);
 2. the donor keeps more than its minimum of workers; and
-3. the donor's pressure at its peak over the window, spread over one worker fewer
-   (``peak * n / (n - 1)``), stays below ``low``: the donor is still comfortable after the move.
+3. the donor's pressure at its peak over the window stays below ``low`` with one worker fewer:
+   its load signals (queued tokens per worker, KV usage) spread over the workers left
+   (``peak * n / (n - 1)``), its latency signals as they are. The donor is still comfortable
+   after the move.
 
 That is the hysteresis: right after a move the donor is below ``low`` < ``high``, so the reverse
 move cannot follow until the donor's own load grows past ``high``. The guards around it, as in
@@ -23,12 +25,15 @@ one that holds samples from before the last switch (or from another worker count
 ``dwell_s`` of the last switch. A pool both over ``high`` gets nothing from the other: with the
 budget fixed there is nothing to move, and per-pool autoscaling grows the budget where it may.
 
-Latency is not linear in workers the way a queue is; the projection in 3 is a first-order
-guess, and ``low`` leaves room for it.
+Latency is not linear in workers the way a queue is: a decode step at a small batch costs about
+what it costs at one stream (the weights are read once either way), and a prefill queue that is
+empty stays empty. So 3 scales only the load signals; the latency a pool shows must itself be
+below ``low``. It is a first-order guess, and ``low`` leaves room for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pdserve.cluster.autoscaling.config import PoolPolicyConfig
@@ -58,8 +63,16 @@ class BudgetConfig:
     max_sample_age_s: float = 5.0
     min_prefill: int = 1
     min_decode: int = 1
+    # The SLOs the latency signals are weighed against (TTFT p90, ITL p90); None: the pool's
+    # autoscaling ``slo_s`` (2 s and 0.2 s by default). Set them to the service's own SLOs.
+    ttft_slo_s: float | None = None
+    itl_slo_s: float | None = None
 
     def __post_init__(self) -> None:
+        for key in ("ttft_slo_s", "itl_slo_s"):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise BudgetConfigError(key, f"must be a number > 0 or None, got {value!r}")
         for key in ("high", "low", "window_s", "dwell_s", "max_sample_age_s"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and value > 0):
@@ -74,6 +87,13 @@ class BudgetConfig:
     def minimum(self, pool: str) -> int:
         return self.min_prefill if pool == "prefill" else self.min_decode
 
+    def targets(self, policies: dict[str, PoolPolicyConfig]) -> dict[str, PoolPolicyConfig]:
+        """Each pool's targets for its pressure: ``policies``' (the pools' autoscaling configs),
+        with this config's SLOs where it sets them."""
+        slo = {"prefill": self.ttft_slo_s, "decode": self.itl_slo_s}
+        return {pool: policy if slo[pool] is None else dataclasses.replace(policy, slo_s=slo[pool])
+                for pool, policy in policies.items()}
+
 
 @dataclass(frozen=True)
 class Pressure:
@@ -85,10 +105,15 @@ class Pressure:
     mean: float
     peak: float
     signal: str  # the signal whose ratio is largest at the peak
+    load_peak: float = 0.0  # the peak of the load signals alone (queued tokens per worker, KV usage)
+    latency_peak: float = 0.0  # the peak of the latency signals alone (TTFT or ITL p90 over its SLO)
 
     def after_losing_one(self) -> float:
-        """The peak spread over one worker fewer (inf when it has only one)."""
-        return float("inf") if self.workers <= 1 else self.peak * self.workers / (self.workers - 1)
+        """The pressure with one worker fewer: the load spread over the workers left, the latency
+        as it is (inf when it has only one worker)."""
+        if self.workers <= 1:
+            return float("inf")
+        return max(self.load_peak * self.workers / (self.workers - 1), self.latency_peak)
 
 
 @dataclass(frozen=True)
@@ -108,24 +133,25 @@ class RoleMove:
 
 def pressure(pool: str, window: MetricsWindow, target: PoolPolicyConfig) -> Pressure:
     """``pool``'s pressure over ``window`` against ``target``'s ``target`` and ``slo_s``."""
-    per_sample = [_sample_pressure(pool, s, target) for s in window.samples]
-    values = [v for v, _ in per_sample]
-    peak = max(values, default=0.0)
-    signal = max(per_sample, key=lambda p: p[0])[1] if per_sample else "none"
+    per_sample = [_ratios(pool, s, target) for s in window.samples]
+    values = [max(v for v in (load, latency) if v is not None) for load, latency in per_sample]
     workers = window.latest.replicas if window.latest else 0
-    return Pressure(pool, workers, sum(values) / len(values) if values else 0.0, peak, signal)
+    if not values:
+        return Pressure(pool, workers, 0.0, 0.0, "none")
+    load_peak = max(load for load, _ in per_sample)
+    latency_peak = max((lat for _, lat in per_sample if lat is not None), default=0.0)
+    names = ("queued_prompt_tokens_per_worker", "ttft_p90_s") if pool == "prefill" else ("kv_usage", "itl_p90_s")
+    return Pressure(pool, workers, sum(values) / len(values), max(values),
+                    names[0] if load_peak >= latency_peak else names[1], load_peak, latency_peak)
 
 
-def _sample_pressure(pool: str, s: PoolSample, target: PoolPolicyConfig) -> tuple[float, str]:
+def _ratios(pool: str, s: PoolSample, target: PoolPolicyConfig) -> tuple[float, float | None]:
+    """(load over its target, latency over its SLO) of one sample; the latency None when no
+    request gave one in its interval (no evidence either way)."""
     if pool == "prefill":
-        ratios = {"queued_prompt_tokens_per_worker": s.queued_prompt_tokens / max(s.replicas, 1) / target.target,
-                  "ttft_p90_s": None if s.ttft_p90_s is None else s.ttft_p90_s / target.slo_s}
-    else:
-        ratios = {"kv_usage": s.kv_usage / target.target,
-                  "itl_p90_s": None if s.itl_p90_s is None else s.itl_p90_s / target.slo_s}
-    known = {k: v for k, v in ratios.items() if v is not None}  # a latency with no request: no evidence
-    name = max(known, key=known.get)
-    return known[name], name
+        latency = None if s.ttft_p90_s is None else s.ttft_p90_s / target.slo_s
+        return s.queued_prompt_tokens / max(s.replicas, 1) / target.target, latency
+    return s.kv_usage / target.target, None if s.itl_p90_s is None else s.itl_p90_s / target.slo_s
 
 
 def decide_roles(windows: dict[str, MetricsWindow], targets: dict[str, PoolPolicyConfig], config: BudgetConfig,
