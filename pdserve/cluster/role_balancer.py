@@ -43,6 +43,7 @@ class RoleBalancer:
         self.moves: deque[tuple[float, RoleMove]] = deque(maxlen=history)  # every decision, holds included
         self.switches: list = []  # each completed switch (pdserve.cluster.roles.RoleSwitch)
         self.last_switch_t: float | None = None
+        self._pressures: dict[str, float] = {}
         self._switch: threading.Thread | None = None
         self._last_round: float | None = None
         self._stop = threading.Event()
@@ -61,11 +62,9 @@ class RoleBalancer:
             self._switch.join(join_s + self.grace_s)
 
     def pressures(self) -> dict[str, float]:
-        """Each pool's pressure (window mean) at the last decision that computed it."""
-        for _, move in reversed(self.moves):
-            if move.pressures:
-                return {p.pool: p.mean for p in move.pressures}
-        return {}
+        """Each pool's pressure (window mean) at the last decision that computed it (read by
+        ``push_membership`` on other threads: a dict replaced whole, never changed in place)."""
+        return self._pressures
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -86,6 +85,8 @@ class RoleBalancer:
         windows = {pool: MetricsWindow.trailing(list(self.samples[pool]), now, self.config.window_s) for pool in POOLS}
         move = decide_roles(windows, self.targets, self.config, self.last_switch_t, now)
         self.moves.append((now, move))
+        if move.pressures:
+            self._pressures = {p.pool: p.mean for p in move.pressures}
         if move.taker is None:
             log.debug("role balancer: %s", move.reason)
             return move
