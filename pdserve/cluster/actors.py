@@ -4,6 +4,8 @@ the router, each its own Ray actor (``ServerActor``), started and supervised by 
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import signal
@@ -92,6 +94,14 @@ class ServerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def retag(self, role: str) -> None:
+        """An elastic worker switched to ``role`` (``pdserve.cluster.roles``): ``describe`` says so
+        from now on, so that a controller that adopts it files it under its pool, and a
+        replacement of it starts in that role."""
+        _, config, threads, placement = self._spec
+        self._spec = (role, dataclasses.replace(config, role=role) if hasattr(config, "role") else config, threads,
+                      placement)
 
     def describe(self) -> dict:
         """What a restarted controller needs to take this actor over (``LocalCluster.adopt``)."""

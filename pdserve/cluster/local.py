@@ -110,12 +110,12 @@ class LocalCluster:
 
         found = {"router": [], "prefill": [], "decode": []}
         for name in ray.util.list_named_actors():
-            kind = name.split(".", 1)[0]
-            if kind not in found:
+            if name.split(".", 1)[0] not in found:
                 continue
             try:
                 actor = ray.get_actor(name)
-                found[kind].append((actor, ray.get(actor.describe.remote(), timeout=30)))
+                described = ray.get(actor.describe.remote(), timeout=30)
+                found[described["role"]].append((actor, described))  # an elastic worker's current role
             except Exception as exc:  # it died while no controller watched; its slot is refilled below
                 log.warning("not adopting %s: %s", name, exc)
         if not found["router"]:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import ray
 
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
 from pdserve.wire.grpc_util import channel
@@ -77,6 +78,10 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
             cluster.put_slot(previous, slot)
             cluster.push_membership()
         raise
+    try:  # the actor's own record of its role, for a controller that adopts it later
+        ray.get(slot[0].retag.remote(role), timeout=10)
+    except Exception as exc:  # noqa: BLE001 - the switch stands; only a later adoption would misfile it
+        log.warning("worker %s switched to %s but its actor did not record it: %s", address, role, exc)
     with cluster.lock:
         cluster.put_slot(role, slot)
         seconds = time.monotonic() - decided

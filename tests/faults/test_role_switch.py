@@ -150,5 +150,9 @@ def test_the_budget_policy_moves_a_worker_to_the_pool_under_pressure(cluster, st
         text = r.read().decode()
     assert 'pdserve:role_budget_pressure{pool="decode"}' in text and 'pdserve:role_budget_pressure{pool="prefill"}' in text
     assert len(cluster.prefill_addresses) == 1 and len(cluster.decode_addresses) == 2
+    actor = cluster.decode[cluster.decode_addresses.index(moved.address)]
+    described = ray.get(actor.describe.remote(), timeout=10)  # what a controller adopting it would read
+    assert described["role"] == "decode" and described["config"].role == "decode"
     cluster.set_role(moved.address, "prefill", GRACE_S, reason="test")  # the layout the module began with
+    assert ray.get(actor.describe.remote(), timeout=10)["role"] == "prefill"
     assert_no_kv_held(cluster)
