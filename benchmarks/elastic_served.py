@@ -45,7 +45,7 @@ def phases(args) -> list[tuple[str, float, str, str]]:
 def layouts(args) -> list[tuple[str, list[str]]]:
     n = args.workers
     fixed = [(f"{k}P:{n - k}D", ["--prefill", str(k), "--decode", str(n - k)]) for k in range(1, n)]
-    start = n // 2 if n % 2 == 0 else n // 2 + 1  # the split elastic starts from: prefill-heavy, as phase 1 wants
+    start = args.elastic_prefill or (n // 2 if n % 2 == 0 else n // 2 + 1)  # default prefill-heavy, as phase 1 wants
     elastic = (f"elastic from {start}P:{n - start}D",
                ["--prefill", str(start), "--decode", str(n - start), "--elastic-roles", "--role-budget",
                 "--role-budget-dwell-s", str(args.dwell_s), "--role-budget-window-s", str(args.window_s),
@@ -148,6 +148,8 @@ def main() -> int:
     ap.add_argument("--slo-tpot-ms", type=float, default=60.0)
     ap.add_argument("--dwell-s", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=8.0)
+    ap.add_argument("--elastic-prefill", type=int, default=None,
+                    help="prefill workers elastic roles start with (default: half, rounded up)")
     ap.add_argument("--only", default=None, help="run only the layouts whose name contains this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=ROOT / ".bench" / "elastic")

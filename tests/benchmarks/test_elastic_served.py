@@ -9,7 +9,7 @@ from benchmarks.load import parse_lengths
 
 def args(**kw):
     base = dict(workers=3, rate_prompts=0.8, rate_answers=2.5, long_prompt=768, long_output=192, slo_ttft_ms=1500.0,
-                slo_tpot_ms=70.0, dwell_s=10.0, window_s=8.0)
+                slo_tpot_ms=70.0, dwell_s=10.0, window_s=8.0, elastic_prefill=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -21,6 +21,7 @@ def test_every_fixed_split_then_elastic_with_the_benchmarks_slo():
     assert flags[flags.index("--role-budget-ttft-slo-s") + 1] == "1.5"
     assert flags[flags.index("--role-budget-itl-slo-s") + 1] == "0.07"
     assert [name for name, _ in layouts(args(workers=4))] == ["1P:3D", "2P:2D", "3P:1D", "elastic from 2P:2D"]
+    assert layouts(args(elastic_prefill=1))[-1][0] == "elastic from 1P:2D"
 
 
 def test_phases_shift_from_long_prompts_to_long_answers_and_back():
