@@ -25,7 +25,7 @@ from collections import deque
 
 from pdserve.cluster.autoscaler import _stats, router_latency, sample_pool
 from pdserve.cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample
-from pdserve.cluster.autoscaling.budget import POOLS, BudgetConfig, RoleMove, decide_roles
+from pdserve.cluster.autoscaling.budget import POOLS, BudgetConfig, RoleMove, decide_roles, pressure
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,9 @@ class RoleBalancer:
             self._switch.join(join_s + self.grace_s)
 
     def pressures(self) -> dict[str, float]:
-        """Each pool's pressure (window mean) at the last decision that computed it (read by
-        ``push_membership`` on other threads: a dict replaced whole, never changed in place)."""
+        """Each pool's pressure (mean over the trailing window, however short) as of the last
+        round (read by ``push_membership`` on other threads: a dict replaced whole, never
+        changed in place)."""
         return self._pressures
 
     def _run(self) -> None:
@@ -79,14 +80,14 @@ class RoleBalancer:
         latency = router_latency(self.cluster, now - since if since is not None else self.interval_s)
         for pool in POOLS:
             self.samples[pool].append(sample_pool(self.cluster, pool, now, latency))
+        windows = {pool: MetricsWindow.trailing(list(self.samples[pool]), now, self.config.window_s) for pool in POOLS}
+        # exported every round, whatever holds the decision: a dashboard shows the pressure building
+        self._pressures = {pool: pressure(pool, windows[pool], self.targets[pool]).mean for pool in POOLS}
         autoscaler = getattr(self.cluster, "autoscaler", None)
         if (self._switch is not None and self._switch.is_alive()) or (autoscaler is not None and autoscaler.pending()):
             return None
-        windows = {pool: MetricsWindow.trailing(list(self.samples[pool]), now, self.config.window_s) for pool in POOLS}
         move = decide_roles(windows, self.targets, self.config, self.last_switch_t, now)
         self.moves.append((now, move))
-        if move.pressures:
-            self._pressures = {p.pool: p.mean for p in move.pressures}
         if move.taker is None:
             log.debug("role balancer: %s", move.reason)
             return move

@@ -96,6 +96,7 @@ async def start(config: RouterConfig) -> RunningRouter:
     check_bind(internal_endpoint.bind_host, config.tls, config.insecure_internal, ADMIN_SERVICE)  # before any work
     model = await asyncio.to_thread(load_model_info, config)
     metrics.register_model(model.name)
+    metrics.register_role_changes()
     pool = WorkerPool(config.stats_interval_s, tls=config.tls, hang_timeout_s=config.hang_timeout_s,
                       required_roles=("decode",) if config.limits.local_prefill.colocated else POOLS)
     for address in config.prefill_addresses:

@@ -195,6 +195,22 @@ def role_changed(from_role: str, to_role: str, reason: str, seconds: float, hand
     ROLE_SWITCH_LEASES_LEFT.labels(from_role).inc(leases_left)
 
 
+# The reasons a switch has unless an operator names another (``pdserve set-role --reason``).
+ROLE_CHANGE_REASONS = ("manual", "prefill_pressure", "decode_pressure")
+
+
+def register_role_changes() -> None:
+    """Create the role-switch series at zero when the router starts, so that a dashboard reads
+    no switches, not "no data", until the first one (the budget's pressure exists only while
+    a budget policy runs)."""
+    for src, dst in (("prefill", "decode"), ("decode", "prefill")):
+        ROLE_SWITCH_TIME.labels(dst)
+        ROLE_SWITCH_HANDED_OVER.labels(src)
+        ROLE_SWITCH_LEASES_LEFT.labels(src)
+        for reason in ROLE_CHANGE_REASONS:
+            ROLE_CHANGES.labels(src, dst, reason)
+
+
 def set_budget_pressure(pressures: dict[str, float]) -> None:
     for pool, value in pressures.items():
         BUDGET_PRESSURE.labels(pool).set(value)

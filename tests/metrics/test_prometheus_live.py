@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from pdserve.cluster.autoscaling import from_mapping
+from pdserve.cluster.autoscaling.budget import BudgetConfig
 from tests.clusters import cluster_config, running_cluster
 from tests.metrics.test_deploy import DEPLOY, graph_panels
 
@@ -82,9 +83,10 @@ def _wait(check, timeout_s: float, what: str):
 @pytest.fixture(scope="module")
 def cluster():
     # Autoscaling pinned at one worker per pool: nothing scales, but the controller reports
-    # each pool's signal target, which the dashboard plots.
+    # each pool's signal target, which the dashboard plots. Elastic roles with the budget
+    # policy, which has nothing to move with one worker a pool: its pressures are exported.
     pinned = {"min_replicas": 1, "max_replicas": 1}
-    with running_cluster(cluster_config(kv_mib=64, router_poll_s=0.2,
+    with running_cluster(cluster_config(kv_mib=64, router_poll_s=0.2, elastic_roles=True, role_budget=BudgetConfig(),
                                         autoscaling=from_mapping({"prefill": pinned, "decode": pinned}))) as c:
         yield c
 
