@@ -81,6 +81,14 @@ def main() -> None:
 
 
 def plot(driver: ElasticDriver, phase_s: float, path: Path) -> None:
+    series = {pool: ([x[0] for x in h], [x[1] for x in h], [x[3] for x in h]) for pool, h in driver.history.items()}
+    plot_roles(series, driver.config, phase_s, "Elastic roles, simulated: each pool's workers against its pressure",
+               path, symlog=True)
+
+
+def plot_roles(series: dict, config, phase_s: float, title: str, path: Path, symlog: bool = False) -> None:
+    """Each pool's workers (top) and pressure (bottom) over time, with the policy's ``high`` and
+    ``low`` and the phase boundaries; ``series``: pool -> (times, workers, pressures)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,21 +96,21 @@ def plot(driver: ElasticDriver, phase_s: float, path: Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
     for pool, color in (("prefill", "tab:blue"), ("decode", "tab:orange")):
-        h = driver.history[pool]
-        t = [x[0] for x in h]
-        top.step(t, [x[1] for x in h], where="post", color=color, label=f"{pool} workers")
-        bottom.plot(t, [x[3] for x in h], color=color, label=f"{pool} pressure")
-    bottom.axhline(driver.config.high, color="red", ls="--", lw=1, label="high (asks for a worker)")
-    bottom.axhline(driver.config.low, color="grey", ls=":", lw=1, label="low (may give one up)")
+        t, workers, pressure = series[pool]
+        top.step(t, workers, where="post", color=color, label=f"{pool} workers")
+        bottom.plot(t, pressure, color=color, label=f"{pool} pressure")
+    bottom.axhline(config.high, color="red", ls="--", lw=1, label="high (asks for a worker)")
+    bottom.axhline(config.low, color="grey", ls=":", lw=1, label="low (may give one up)")
     for ax in (top, bottom):
         for edge in (phase_s, 2 * phase_s):
             ax.axvline(edge, color="black", lw=0.5)
         ax.legend(loc="upper right", fontsize=8)
     top.set_ylabel("workers")
     bottom.set_ylabel("pressure (1 = at target)")
-    bottom.set_yscale("symlog", linthresh=1)
+    if symlog:
+        bottom.set_yscale("symlog", linthresh=1)
     bottom.set_xlabel("seconds (phases: long prompts | long answers | long prompts)")
-    top.set_title("Elastic roles, simulated: each pool's workers against its pressure")
+    top.set_title(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -28,7 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.goodput import HOST, free_port  # noqa: E402
 from benchmarks.load import SLO, Arrivals, WorkloadSpec, parse_lengths, run  # noqa: E402
+from pdserve.cluster.autoscaling.budget import BudgetConfig  # noqa: E402
 from benchmarks.load.metrics import meets_slo, percentile, tpot, ttft  # noqa: E402
+from benchmarks.elastic_plan import plot_roles  # noqa: E402
 from benchmarks.processor import print_banner  # noqa: E402
 from benchmarks.serving_procs import ServerProcess  # noqa: E402
 
@@ -185,31 +187,13 @@ def main() -> int:
 
 
 def plot(row: dict, phase_s: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
-    t = [x["t"] for x in row["timeline"]]
-    for pool, color in (("prefill", "tab:blue"), ("decode", "tab:orange")):
-        top.step(t, [x.get(f"pool_replicas:{pool}", float("nan")) for x in row["timeline"]], where="post",
-                 color=color, label=f"{pool} workers")
-        bottom.plot(t, [x.get(f"role_budget_pressure:{pool}", float("nan")) for x in row["timeline"]], color=color,
-                    label=f"{pool} pressure")
-    bottom.axhline(1.0, color="red", ls="--", lw=1, label="high")
-    bottom.axhline(0.7, color="grey", ls=":", lw=1, label="low")
-    for ax in (top, bottom):
-        for edge in (phase_s, 2 * phase_s):
-            ax.axvline(edge, color="black", lw=0.5)
-        ax.legend(loc="upper right", fontsize=8)
-    top.set_ylabel("workers")
-    bottom.set_ylabel("pressure (1 = at target)")
-    bottom.set_xlabel("seconds (phases: long prompts | long answers | long prompts; boundaries nominal)")
-    top.set_title(f"{row['layout']}, served: each pool's workers against its pressure")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    timeline = row["timeline"]
+    t = [x["t"] for x in timeline]
+    series = {pool: (t, [x.get(f"pool_replicas:{pool}", float("nan")) for x in timeline],
+                     [x.get(f"role_budget_pressure:{pool}", float("nan")) for x in timeline])
+              for pool in ("prefill", "decode")}
+    plot_roles(series, BudgetConfig(), phase_s, f"{row['layout']}, served: each pool's workers against its pressure",
+               path)
 
 
 if __name__ == "__main__":
