@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample, ScalerState, ScalingDecision, decide
+from pdserve.cluster.round_loop import RoundLoop
 from pdserve.cluster.supervisor import worker_stats
 from pdserve.protos import admin_pb2, admin_pb2_grpc, worker_pb2
 from pdserve.wire.grpc_util import channel
@@ -61,39 +62,27 @@ class PoolTrace:
                 del kept[:-self.limit]  # at most one item: a short move of pointers
 
 
-class Autoscaler:
+class Autoscaler(RoundLoop):
+    name = "autoscaler"
+
     def __init__(self, cluster, configs: dict[str, PoolPolicyConfig], interval_s: float = 1.0,
                  history: int = HISTORY, observe_only: bool = False):
+        super().__init__(interval_s)
         self.cluster = cluster
         self.observe_only = observe_only
         self.configs = configs
-        self.interval_s = interval_s
         self.pools = tuple(p for p in POOLS if p in configs)  # the pools it scales (colocated: decode only)
         self.traces = {pool: PoolTrace(limit=history) for pool in self.pools}
         self._last_step: float | None = None
         self._actions: dict[str, threading.Thread] = {}  # pool -> its scale action in progress
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pdserve-autoscaler", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def halt(self) -> None:
-        """Scale nothing from now on (the cluster is stopping)."""
-        self._stop.set()
 
     def stop(self, join_s: float = 60.0) -> None:
-        self.halt()
-        self._thread.join(join_s)
+        super().stop(join_s)
         for action in list(self._actions.values()):
             action.join(2 * join_s)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.step(time.monotonic())
-            except Exception:  # keep scaling whatever one round hit
-                log.exception("autoscaler round failed")
+    def round(self) -> None:
+        self.step(time.monotonic())
 
     def step(self, now: float) -> None:
         since = self._last_step

@@ -26,18 +26,21 @@ from collections import deque
 from pdserve.cluster.autoscaler import _stats, router_latency, sample_pool
 from pdserve.cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample
 from pdserve.cluster.autoscaling.budget import POOLS, BudgetConfig, RoleMove, decide_roles, pressure
+from pdserve.cluster.round_loop import RoundLoop
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
 
 log = logging.getLogger(__name__)
 
 
-class RoleBalancer:
+class RoleBalancer(RoundLoop):
+    name = "role-balancer"
+
     def __init__(self, cluster, config: BudgetConfig, targets: dict[str, PoolPolicyConfig], interval_s: float = 1.0,
                  grace_s: float = DRAIN_GRACE_SECONDS.default, history: int = 3600):
+        super().__init__(interval_s)
         self.cluster = cluster
         self.config = config
         self.targets = targets
-        self.interval_s = interval_s
         self.grace_s = grace_s
         self.samples: dict[str, deque[PoolSample]] = {pool: deque(maxlen=history) for pool in POOLS}
         self.moves: deque[tuple[float, RoleMove]] = deque(maxlen=history)  # every decision, holds included
@@ -46,18 +49,9 @@ class RoleBalancer:
         self._pressures: dict[str, float] = {}
         self._switch: threading.Thread | None = None
         self._last_round: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pdserve-role-balancer", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def halt(self) -> None:
-        self._stop.set()
 
     def stop(self, join_s: float = 60.0) -> None:
-        self.halt()
-        self._thread.join(join_s)
+        super().stop(join_s)
         if self._switch is not None:
             self._switch.join(join_s + self.grace_s)
 
@@ -67,12 +61,8 @@ class RoleBalancer:
         changed in place)."""
         return self._pressures
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.step(time.monotonic())
-            except Exception:  # keep balancing whatever one round hit
-                log.exception("role balancer round failed")
+    def round(self) -> None:
+        self.step(time.monotonic())
 
     def step(self, now: float) -> RoleMove | None:
         """One round: sample, decide, start a switch. None while a switch or a scale change runs."""

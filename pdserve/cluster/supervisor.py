@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 
 import ray
 
+from pdserve.cluster.round_loop import RoundLoop
 from pdserve.router.liveness import Liveness, is_hung, observe
 from pdserve.wire.grpc_util import channel
 from pdserve.wire.tls import TlsConfig
@@ -18,7 +18,7 @@ from pdserve.wire.tls import TlsConfig
 log = logging.getLogger(__name__)
 
 
-class Supervisor:
+class Supervisor(RoundLoop):
     """Keeps the router and every worker slot alive, and the router's table true. A router whose
     process died is started again on the same ports (``LocalCluster.restart_router``). A worker whose process died,
     or that hangs (``pdserve.router.liveness``: its engine makes no progress while it holds work, or it
@@ -26,35 +26,19 @@ class Supervisor:
     killed; then a new one starts in its slot (in a new placement group) and joins it. Every
     round re-sends the membership."""
 
+    name = "supervisor"
+
     def __init__(self, cluster, interval_s: float):
+        super().__init__(interval_s)
         self.cluster = cluster
-        self.interval_s = interval_s
         self.replaced = 0
         self.hung_killed = 0
         self.routers_restarted = 0
         self._liveness: dict[str, Liveness] = {}  # by worker address
         self._processes: dict[str, tuple[int, str]] = {}  # address -> (pid, Ray node id), once it answered
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pdserve-supervisor", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def halt(self) -> None:
-        """Replace nothing from now on: a stopping cluster's workers exit on purpose (each
-        ``ServerActor`` drains and exits on the process group's SIGTERM)."""
-        self._stop.set()
-
-    def stop(self, join_s: float = 30.0) -> None:
-        self.halt()
-        self._thread.join(join_s)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check_once()
-            except Exception:  # keep supervising whatever one round hit
-                log.exception("supervisor round failed")
+    def round(self) -> None:
+        self.check_once()
 
     def hung_slots(self) -> list[tuple[str, int]]:
         """Slots whose worker is hung, from one ``Stats`` poll of every worker."""
