@@ -4,7 +4,7 @@
     pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
     pdserve stop --address RAY       drain and stop it
     pdserve rollout --address RAY --pool POOL   restart every process of a pool in turn, losing no request
-    pdserve set-role --address RAY --worker ADDR --role ROLE   move an elastic worker to the other pool in place
+    pdserve set-role --address RAY --worker ADDR --role ROLE   move an elastic worker to another role in place
     pdserve generate "PROMPT"        stream a completion from a running cluster
 
 ``pdserve worker --role ROLE`` is ``pdserve.cluster.worker_cli``'s.
@@ -66,7 +66,7 @@ def _rollout_parser(sub) -> None:
 
 
 def _set_role_parser(sub) -> None:
-    p = sub.add_parser("set-role", help="move an elastic worker to the other pool in place, without a model load",
+    p = sub.add_parser("set-role", help="move an elastic worker to another role in place, without a model load",
                        description="The worker (of a cluster served with --elastic-roles) leaves its pool, lets "
                                    "what it runs there finish (held KV is pulled, streams end; past the grace "
                                    "its streams migrate), and joins the other pool in the same process "
@@ -74,7 +74,8 @@ def _set_role_parser(sub) -> None:
     p.add_argument("--address", required=True, help="the Ray cluster's address (serve's --address)")
     p.add_argument("--cluster-name", default="pdserve", help="the cluster's Ray namespace (serve's --cluster-name)")
     p.add_argument("--worker", required=True, help="the worker's internal address, as `pdserve status` lists it")
-    p.add_argument("--role", required=True, choices=("prefill", "decode"))
+    p.add_argument("--role", required=True, choices=("prefill", "decode", "mixed"),
+                   help="mixed: in the decode pool, and it prefills the requests it takes itself")
     p.add_argument("--reason", default="manual", help="why, for the log and pdserve:role_changes_total")
     grace = DRAIN_GRACE_SECONDS
     p.add_argument(grace.flag, type=flag_type(grace), default=grace.default,
@@ -227,7 +228,7 @@ def cluster_status(args) -> int:
     print(f"controller: pid {status['controller_pid']}" + (" (restarted; took the cluster over)" if status["adopted"] else ""))
     for role in ("prefill", "decode"):
         for w in status[role]:
-            print(f"{role}: {w['address']} pid {w['pid']}")
+            print(f"{w.get('role', role)}: {w['address']} pid {w['pid']}")  # an elastic worker's own role
     return 0
 
 

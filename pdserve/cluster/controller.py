@@ -60,13 +60,14 @@ class Controller:
         """The endpoints, and every process the cluster runs (for ``pdserve status``)."""
         c = self.cluster
         with c.lock:
-            workers = {role: list(zip(c.actors(role), c.addresses(role))) for role in ("prefill", "decode")}
+            workers = {role: [(actor, address, c.role_of(address)) for actor, address in zip(c.actors(role), c.addresses(role))]
+                       for role in ("prefill", "decode")}
             router = c.router
         return {
             "grpc_address": c.address, "http_address": c.http_address, "admin_address": c.admin_address,
             "controller_pid": os.getpid(), "adopted": self.adopted,
             "router_pid": _pid(router),
-            **{role: [{"address": address, "pid": _pid(actor)} for actor, address in pairs]
+            **{role: [{"address": address, "pid": _pid(actor), "role": held} for actor, address, held in pairs]
                for role, pairs in workers.items()},
         }
 

@@ -23,6 +23,7 @@ from pdserve.cluster.placement import PoolPlacement, remove, remove_orphan_group
 from pdserve.cluster.ray_start import local_ray_cpus, start_local_ray
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
 from pdserve.cluster.worker_drain import drain_worker
+from pdserve.elastic_worker.roles import POOL
 from pdserve.wire.grpc_util import channel
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class LocalCluster:
         self.router = None
         self.prefill_addresses: list[str] = []
         self.decode_addresses: list[str] = []
+        self.mixed: set[str] = set()  # elastic workers in the mixed role (their slots are the decode pool's)
         self.address: str | None = None  # the router's public gRPC address
         self.http_address: str | None = None
         self.admin_address: str | None = None  # the router's internal plane (RouterAdmin)
@@ -115,7 +117,10 @@ class LocalCluster:
             try:
                 actor = ray.get_actor(name)
                 described = ray.get(actor.describe.remote(), timeout=30)
-                found[described["role"]].append((actor, described))  # an elastic worker's current role
+                role = described["role"]  # an elastic worker's current role
+                found[POOL.get(role, role)].append((actor, described))
+                if role == "mixed":
+                    self.mixed.add(described["address"])
             except Exception as exc:  # it died while no controller watched; its slot is refilled below
                 log.warning("not adopting %s: %s", name, exc)
         if not found["router"]:
@@ -252,7 +257,10 @@ class LocalCluster:
             remove(old)
         actor = self._place(role, index, *self._specs[(role, index)])
         self.actors(role)[index] = actor
-        self.addresses(role)[index] = ray.get(actor.start.remote())
+        dead, self.addresses(role)[index] = self.addresses(role)[index], ray.get(actor.start.remote())
+        if dead in self.mixed:  # its spec's config says mixed: the replacement started in it
+            self.mixed.discard(dead)
+            self.mixed.add(self.addresses(role)[index])
         return self.addresses(role)[index]
 
     def scale_up(self, role: str) -> str:
@@ -305,7 +313,7 @@ class LocalCluster:
             self._specs[(role, i)] = self._specs.pop((role, i + 1))
         self._specs.pop((role, last), None)
         actors.pop(index)
-        self.addresses(role).pop(index)
+        self.mixed.discard(self.addresses(role).pop(index))
         return group
 
     def set_role(self, address: str, role: str, grace_s: float = DRAIN_GRACE_SECONDS.default,
@@ -316,38 +324,43 @@ class LocalCluster:
         return switch_role(self, address, role, grace_s, reason)
 
     def role_of(self, address: str) -> str:
-        """The pool whose slots hold ``address``; ValueError if none does."""
-        for role in ("prefill", "decode"):
-            if address in self.addresses(role):
-                return role
+        """The role of the worker at ``address``: its pool, or ``mixed`` (an elastic worker in the
+        decode pool's slots that also prefills its own requests); ValueError if none serves there."""
+        for pool in ("prefill", "decode"):
+            if address in self.addresses(pool):
+                return "mixed" if address in self.mixed else pool
         raise ValueError(f"no worker of this cluster serves at {address}")
 
     def take_slot(self, role: str, address: str) -> tuple:
         """Take the worker at ``address`` out of ``role``'s slots, still running (a role switch):
         (actor, address, placement group, spec), for ``put_slot``. Call with ``lock`` held."""
-        index = self.addresses(role).index(address)
-        actor, spec = self.actors(role)[index], self._specs[(role, index)]
-        return actor, address, self._drop_slot(role, index), spec
+        pool = POOL[role]
+        index = self.addresses(pool).index(address)
+        actor, spec = self.actors(pool)[index], self._specs[(pool, index)]
+        return actor, address, self._drop_slot(pool, index), spec
 
     def put_slot(self, role: str, slot: tuple) -> None:
-        """Put a worker ``take_slot`` took into ``role``'s slots; a replacement the supervisor
-        starts there starts in ``role``. Call with ``lock`` held."""
+        """Put a worker ``take_slot`` took into ``role``'s slots (a mixed one: the decode pool's);
+        a replacement the supervisor starts there starts in ``role``. Call with ``lock`` held."""
         actor, address, group, (placement, config, threads) = slot
-        index = len(self.actors(role))
-        self.actors(role).append(actor)
-        self.addresses(role).append(address)
-        self._groups[(role, index)] = group
+        pool = POOL[role]
+        index = len(self.actors(pool))
+        self.actors(pool).append(actor)
+        self.addresses(pool).append(address)
+        if role == "mixed":
+            self.mixed.add(address)
+        self._groups[(pool, index)] = group
         if hasattr(config, "role"):  # an elastic worker's config: its replacement starts in this role
             config = dataclasses.replace(config, role=role)
-        self._specs[(role, index)] = (placement, config, threads)
+        self._specs[(pool, index)] = (placement, config, threads)
 
     def push_membership(self, exclude: set[str] = frozenset(), role_changes: tuple = ()) -> None:
         """Tell the router the workers it may route to: all live slots, minus ``exclude``;
         ``role_changes`` (``admin_pb2.RoleChange``): switches this push completes."""
         from pdserve.protos import admin_pb2, admin_pb2_grpc
 
-        members = [admin_pb2.Member(role=role, address=address)
-                   for role in ("prefill", "decode") for address in self.addresses(role) if address not in exclude]
+        members = [admin_pb2.Member(role="mixed" if address in self.mixed else pool, address=address)
+                   for pool in ("prefill", "decode") for address in self.addresses(pool) if address not in exclude]
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
         targets = {pool: policy.target for pool, policy in self.config.autoscaled_pools().items()}
         pressure = self.role_balancer.pressures() if self.role_balancer is not None else {}

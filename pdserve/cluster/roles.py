@@ -13,6 +13,10 @@ router lists it in changes, and the router never sends it work its role cannot t
    switch in ``pdserve:role_changes_total`` and ``pdserve:role_switch_seconds`` (decision to
    this push).
 
+A switch between decode and mixed keeps the same core open (``pdserve.elastic_worker.roles``):
+nothing is drained and the worker stays listed throughout; ``SetRole`` records the new role and
+the one push lists the worker under it. A mixed worker's slot is in the decode pool's list.
+
 A worker whose ``SetRole`` fails goes back to its old pool's slots (it may have closed its old
 role: its Stats then say draining, and the router does not route to it).
 """
@@ -27,11 +31,10 @@ import grpc
 import ray
 
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
+from pdserve.elastic_worker.roles import CORE, POOL, ROLES
 from pdserve.wire.grpc_util import channel
 
 log = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,14 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
         previous = cluster.role_of(address)
         if previous == role:
             return RoleSwitch(address, previous, role, reason, 0.0, 0.0, True, 0, 0)
-        slot = cluster.take_slot(previous, address)
-        cluster.push_membership()
+        same_core = CORE[previous] == CORE[role]
+        if same_core:  # decode <-> mixed: it keeps serving, listed as it was until the switch's push
+            pool = POOL[previous]
+            actor = cluster.actors(pool)[cluster.addresses(pool).index(address)]
+        else:
+            slot = cluster.take_slot(previous, address)
+            actor = slot[0]
+            cluster.push_membership()
     try:
         with channel(address, cluster.config.tls_for("controller")) as ch:
             answer = worker_pb2_grpc.ElasticWorkerStub(ch).SetRole(
@@ -75,14 +84,17 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
         log.exception("worker %s did not switch from %s to %s; it goes back to the %s pool", address, previous,
                       role, previous)
         with cluster.lock:
-            cluster.put_slot(previous, slot)
-            cluster.push_membership()
+            if not same_core:
+                cluster.put_slot(previous, slot)
+                cluster.push_membership()
         raise
     try:  # the actor's own record of its role, for a controller that adopts it later
-        ray.get(slot[0].retag.remote(role), timeout=10)
+        ray.get(actor.retag.remote(role), timeout=10)
     except Exception as exc:  # noqa: BLE001 - the switch stands; only a later adoption would misfile it
         log.warning("worker %s switched to %s but its actor did not record it: %s", address, role, exc)
     with cluster.lock:
+        if same_core:
+            slot = cluster.take_slot(previous, address)
         cluster.put_slot(role, slot)
         seconds = time.monotonic() - decided
         cluster.push_membership(role_changes=[admin_pb2.RoleChange(

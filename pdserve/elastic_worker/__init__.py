@@ -20,7 +20,7 @@ A switch (``ElasticWorker.set_role``), one at a time:
    ``Release`` are never closed, until it is pulled or its lease expires.
 3. OPEN: the new role takes requests; the controller adds the worker to the router's new pool.
 
-Only prefill and decode are roles here. A decode-role worker already prefills short prompts
-itself when the router's conditional disaggregation says so; a worker in both pools at once
-(mixed) is future work (``docs/elastic-roles.md``).
+A third role, ``mixed``, uses the decode core: the worker takes streams and the router lets it
+prefill the ones it takes itself (``pdserve.elastic_worker.roles``). Switching between decode and
+mixed closes nothing and drains nothing; only the router's use of the worker changes.
 """

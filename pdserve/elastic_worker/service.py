@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.elastic_worker.worker import ROLES, ElasticWorker
+from pdserve.elastic_worker.roles import ROLES
+from pdserve.elastic_worker.worker import ElasticWorker
 from pdserve.protos import worker_pb2_grpc
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig, decode_engine_config
+from pdserve.elastic_worker.roles import CORE, ROLES
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.step_trace import StepTrace, trace_path
 from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
@@ -17,8 +18,6 @@ from pdserve.protos import worker_pb2
 from pdserve.shell.worker import WorkerShell, run_together
 
 log = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -86,10 +85,10 @@ class ElasticWorker:
         """The core that serves ``role``."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        return self.prefill if role == "prefill" else self.decode
+        return self.prefill if CORE[role] == "prefill" else self.decode
 
     def other(self, role: str) -> WorkerShell:
-        return self.decode if role == "prefill" else self.prefill
+        return self.decode if CORE[role] == "prefill" else self.prefill
 
     @staticmethod
     def _close(part: WorkerShell, role: str) -> None:
@@ -127,6 +126,9 @@ class ElasticWorker:
             if role == previous:
                 return Switched(role, previous, True, 0, len(self.prefill.leases), 0.0)
             old = self.part(previous)
+            if old is new:  # decode <-> mixed: the same core stays open, only the router's use of it changes
+                self.role = role
+                return Switched(role, previous, True, 0, len(self.prefill.leases), time.monotonic() - start)
             self._close(old, role)
             idle = await old.drain(grace_s)
             handed_over = 0

@@ -21,7 +21,8 @@ class RouterAdminService(admin_pb2_grpc.RouterAdminServicer):
                                  change.handed_over, change.leases_left)
         metrics.set_budget_pressure(dict(request.budget_pressure))
         roles = [role for role, _ in self.pool.members()]
-        return admin_pb2.MembershipAck(prefill_workers=roles.count("prefill"), decode_workers=roles.count("decode"))
+        return admin_pb2.MembershipAck(prefill_workers=roles.count("prefill"),
+                                       decode_workers=roles.count("decode") + roles.count("mixed"))
 
     async def GetMembership(self, request, context):
         return admin_pb2.Membership(members=[admin_pb2.Member(role=r, address=a) for r, a in self.pool.members()])

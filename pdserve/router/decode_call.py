@@ -40,7 +40,9 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
         started = False
         error = None
         try:
-            with ctx.pool.placed(client, blocks=blocks):
+            # a local prefill's prompt queues on the worker too (a mixed worker's queue is routed by)
+            prompt = len(request.prompt_token_ids) if request.local_prefill else 0
+            with ctx.pool.placed(client, tokens=prompt, blocks=blocks):
                 async with contextlib.aclosing(_idle_bounded(ctx, call, client)) as messages:
                     async for resp in messages:
                         started = True

@@ -10,11 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+# The roles a pool's work goes to: a mixed worker (pdserve/elastic_worker) takes decode streams,
+# and prefills the ones it takes itself (pdserve/router/local_prefill.py), never others'.
+SERVES = {"prefill": ("prefill",), "decode": ("decode", "mixed")}
+
 
 @dataclass(frozen=True)
 class WorkerSnapshot:
     worker_id: str
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "mixed" (a decode worker that also prefills its own requests)
     healthy: bool
     draining: bool = False
     queued_tokens: int = 0  # prefill load
@@ -46,7 +50,7 @@ class Choice:
 
 def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
     """Why nobody of ``role`` can take it: none routable at all, or every routable one was tried."""
-    if any(w.role == role and w.routable for w in workers):
+    if any(w.role in SERVES[role] and w.routable for w in workers):
         return Choice(None, f"every healthy {role} worker was tried")
     return Choice(None, f"no healthy {role} worker", pool_empty=True)
 
@@ -94,7 +98,7 @@ def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
     may run to the context's end cannot keep limited ones out.
     """
     workers = list(workers)
-    candidates = [w for w in workers if w.role == "decode" and w.routable and w.worker_id not in exclude]
+    candidates = [w for w in workers if w.role in SERVES["decode"] and w.routable and w.worker_id not in exclude]
     if not candidates:
         return _no_candidate(workers, "decode")
     largest = max(w.blocks_total for w in candidates)

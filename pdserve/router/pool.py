@@ -74,6 +74,7 @@ class WorkerClient:
 
 
 POOLS = ("prefill", "decode")
+POOL_OF = {"mixed": "decode"}  # a mixed worker's KV and streams are its decode pool's (router.policy.SERVES)
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,9 @@ def pool_loads(workers: Iterable[WorkerClient]) -> dict[str, PoolLoad]:
     for w in workers:
         if not w.healthy or w.stats is None:
             continue
-        s, old = w.stats, loads.get(w.role, PoolLoad())
-        loads[w.role] = PoolLoad(old.running + s.num_running, old.waiting + s.num_waiting,
+        pool = POOL_OF.get(w.role, w.role)
+        s, old = w.stats, loads.get(pool, PoolLoad())
+        loads[pool] = PoolLoad(old.running + s.num_running, old.waiting + s.num_waiting,
                                  old.blocks_used + s.num_blocks_used, old.blocks_total + s.num_blocks_total,
                                  old.replicas + 1)
     return loads
@@ -177,6 +179,8 @@ class WorkerPool:
     def missing_roles(self) -> list[str]:
         """The pools this router needs that have no routable worker (colocated: decode only)."""
         roles = {w.role for w in self.workers.values() if w.healthy and not w.hung and not w.draining}
+        if "mixed" in roles:  # it decodes, and it prefills what it decodes (and, then, so do the decode workers)
+            roles |= {"prefill", "decode"}
         return [role for role in self.required_roles if role not in roles]
 
     def metrics_targets(self) -> list[dict]:

@@ -21,9 +21,9 @@ from pdserve.router.attempts import Attempt, LocalPrefill, Output, RemotePrefill
 from pdserve.router.errors import AttemptLost, RouteError, failure_code, route_error
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
-from pdserve.router.local_prefill import decide
+from pdserve.router.local_prefill import Mixed, decide
 from pdserve.router.output_processor import OutputProcessor
-from pdserve.router.policy import pick_decode
+from pdserve.router.policy import WorkerSnapshot, pick_decode
 from pdserve.router.pool import WorkerPool
 from pdserve.router.request_budget import RequestBudget
 from pdserve.router.request_spans import RequestSpans
@@ -141,7 +141,7 @@ class RequestRun:
         choice = pick_decode(snapshots, attempt.blocks, limited=self.calls.limited)
         worker = next((w for w in snapshots if w.worker_id == choice.worker_id), None)
         load = min(1.0, worker.blocks_used / max(worker.blocks_total, 1)) if worker is not None else 1.0
-        decision = decide(self.limits.local_prefill, len(attempt.prompt), load)
+        decision = decide(self.limits.local_prefill, len(attempt.prompt), load, mixed=_mixed(snapshots, worker))
         self.metrics.prefill_placed(decision.label, decision.reason.value, decision.uncached_tokens, decision.load)
         if decision.local:
             return LocalPrefill()
@@ -168,3 +168,12 @@ class RequestRun:
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"gave up after {self.migrations - 1} migrations: {lost}") from lost
         self.metrics.migrated()
+
+
+def _mixed(snapshots: list[WorkerSnapshot], worker: WorkerSnapshot | None) -> Mixed:
+    """The mixed workers' part of the local-prefill rule, for a stream on ``worker``."""
+    queues = [w.queued_tokens for w in snapshots if w.role == "prefill" and w.routable]
+    return Mixed(worker=worker is not None and worker.role == "mixed",
+                 own_queue=worker.queued_tokens if worker is not None else 0,
+                 prefill_queue=min(queues) if queues else None,
+                 any_mixed=any(w.role == "mixed" and w.routable for w in snapshots))

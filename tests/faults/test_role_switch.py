@@ -156,3 +156,53 @@ def test_the_budget_policy_moves_a_worker_to_the_pool_under_pressure(cluster, st
     cluster.set_role(moved.address, "prefill", GRACE_S, reason="test")  # the layout the module began with
     assert ray.get(actor.describe.remote(), timeout=10)["role"] == "prefill"
     assert_no_kv_held(cluster)
+
+
+def prefill_decisions(cluster) -> dict[tuple[str, str], float]:
+    """The router's ``pdserve:local_prefill_decisions_total`` by (decision, reason)."""
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    out: dict[tuple[str, str], float] = {}
+    for line in lines:
+        if line.startswith("pdserve:local_prefill_decisions_total{"):
+            labels, value = line.rsplit(" ", 1)
+            fields = dict(part.split("=", 1) for part in labels[labels.index("{") + 1:-1].split(","))
+            key = (fields["decision"].strip('"'), fields["reason"].strip('"'))
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def test_workers_go_mixed_and_back_under_load_losing_nothing(cluster, stub, reference):
+    """The mixed role: the decode worker becomes mixed and prefills its own requests (no drain:
+    the same core stays open), then both prefill workers become mixed (their prefill cores
+    drain), so the cluster runs colocated with no prefill pool; then back to two prefill
+    workers and one decode worker. Every stream keeps its greedy tokens, nothing migrates, the
+    router counts the local prefills under the mixed reasons, and no KV is held after."""
+    (decode,) = cluster.decode_addresses
+    prefill = list(cluster.prefill_addresses)
+    migrated, before = migrations(cluster), prefill_decisions(cluster)
+    steps = [(decode, "mixed"), (prefill[0], "mixed"), (prefill[1], "mixed"),
+             (prefill[1], "prefill"), (prefill[0], "prefill"), (decode, "decode")]
+    switches = []
+    with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
+        load.wait_for(CLIENTS)
+        for address, role in steps:
+            switches.append((time.monotonic(), cluster.set_role(address, role, GRACE_S, reason="test")))
+            assert cluster.role_of(address) == role
+            load.wait_for(CLIENTS)  # served in the new layout
+            if role == "mixed" and address == prefill[1]:  # every worker mixed: colocated, no prefill pool
+                assert cluster.prefill_addresses == [] and len(cluster.decode_addresses) == 3
+    check(load.outcomes, reference, MAX_TOKENS)
+    for started, done in switches:
+        assert done.idle and done.handed_over == 0, done
+    assert switches[0][1].worker_seconds < 1.0  # decode -> mixed drains nothing
+    assert any(load.spanning(t) for t, _ in switches), "no request was running during any switch"
+    assert migrations(cluster) == migrated, "a graceful switch migrated streams"
+    after = prefill_decisions(cluster)
+    assert after.get(("local", "mixed_worker"), 0) > before.get(("local", "mixed_worker"), 0)
+    metrics = switch_metrics(cluster)
+    assert changes(metrics, "decode", "mixed", "test") == 1 and changes(metrics, "prefill", "mixed", "test") == 2
+    assert changes(metrics, "mixed", "decode", "test") == 1 and changes(metrics, "mixed", "prefill", "test") == 2
+    assert sorted(cluster.prefill_addresses) == sorted(prefill) and cluster.decode_addresses == [decode]
+    assert cluster.mixed == set()
+    assert_no_kv_held(cluster)

@@ -1,0 +1,16 @@
+"""The roles an elastic worker can hold, and the core of it that takes each role's new requests.
+
+- ``prefill``: its prefill core (``PrefillWorker``) takes prompts for the decode pool.
+- ``decode``: its decode core (``DecodeWorker``) takes streams, their KV read from a prefill worker
+  (or prefilled on it when the router's conditional disaggregation says so).
+- ``mixed``: its decode core takes streams, and the router lets it prefill the ones it takes
+  itself, as a colocated worker does (``pdserve.router.local_prefill``). A decode worker's
+  ``Decode`` call already prefills with ``local_prefill``: decode <-> mixed changes no core.
+
+Plain constants, so that the controller reads them without loading an engine.
+"""
+
+ROLES = ("prefill", "decode", "mixed")
+CORE = {"prefill": "prefill", "decode": "decode", "mixed": "decode"}
+# The pool whose slots, KV and streams a role's worker counts in (the router's ``SERVES``).
+POOL = {"prefill": "prefill", "decode": "decode", "mixed": "decode"}
