@@ -6,8 +6,8 @@ role timeline plotted against each pool's pressure.
     .venv/bin/python benchmarks/elastic_plan.py [--hardware H100] [--model Llama-3.1-8B] [--plot docs/benchmarks/elastic_plan.png]
 
 The simulator replays the controller's own budget policy (pdserve/cluster/autoscaling/budget.py)
-and the router's own routing policies; its cost model is the hardware profile's. A served
-comparison on this project's 2-core machines needs the mixed role (docs/elastic-roles.md).
+and the router's own routing policies, the mixed role included; its cost model is the hardware
+profile's.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
         g = r.goodput_rps(slo)
         print(f"| {name} | {g:.2f} | {r.attainment(slo):.3f} | {g / best_fixed:.2f}x |")
         out.append({"layout": name, "goodput_rps": g, "attainment": r.attainment(slo), "failed": r.failed})
-    print("\nelastic switches (decided -> serving, donor -> taker): "
+    print("\nelastic switches (decided -> serving, from -> to): "
           + ", ".join(f"{d:.0f}->{s:.1f} s {a}->{b}" for d, s, a, b in driver.switches))
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "args": vars(args) | {"plot": str(args.plot),
@@ -82,6 +82,7 @@ def main() -> None:
 
 def plot(driver: ElasticDriver, phase_s: float, path: Path) -> None:
     series = {pool: ([x[0] for x in h], [x[1] for x in h], [x[3] for x in h]) for pool, h in driver.history.items()}
+    series["mixed"] = ([t for t, _ in driver.mixed_history], [n for _, n in driver.mixed_history])
     plot_roles(series, driver.config, phase_s, "Elastic roles, simulated: each pool's workers against its pressure",
                path, symlog=True)
 
@@ -99,6 +100,9 @@ def plot_roles(series: dict, config, phase_s: float, title: str, path: Path, sym
         t, workers, pressure = series[pool]
         top.step(t, workers, where="post", color=color, label=f"{pool} workers")
         bottom.plot(t, pressure, color=color, label=f"{pool} pressure")
+    if "mixed" in series:  # (times, counts): decode workers in the mixed role
+        t, mixed = series["mixed"]
+        top.step(t, mixed, where="post", color="tab:green", ls="--", label="of decode: mixed")
     bottom.axhline(config.high, color="red", ls="--", lw=1, label="high (asks for a worker)")
     bottom.axhline(config.low, color="grey", ls=":", lw=1, label="low (may give one up)")
     for ax in (top, bottom):

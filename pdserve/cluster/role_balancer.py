@@ -7,6 +7,7 @@ keeps the trailing window, and asks ``decide_roles``. A move switches the donor 
 loaded worker in place (``pdserve.cluster.roles.switch_role``: out of its pool, drained within
 ``grace_s``, into the other) on a thread of its own, so sampling goes on; no new decision is
 taken while it runs, and the window starts over once it is done (the policy's settling guard).
+A half move (decode <-> mixed) switches a worker of its ``source`` role, and changes no pool.
 The switch's reason is the policy's label (``prefill_pressure`` or ``decode_pressure``); the
 router counts it in ``pdserve:role_changes_total`` and shows each pool's pressure in
 ``pdserve:role_budget_pressure``.
@@ -28,6 +29,7 @@ from pdserve.cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSam
 from pdserve.cluster.autoscaling.budget import POOLS, BudgetConfig, RoleMove, decide_roles, pressure
 from pdserve.cluster.round_loop import RoundLoop
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
+from pdserve.elastic_worker.roles import POOL
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +78,12 @@ class RoleBalancer(RoundLoop):
         autoscaler = getattr(self.cluster, "autoscaler", None)
         if (self._switch is not None and self._switch.is_alive()) or (autoscaler is not None and autoscaler.pending()):
             return None
-        move = decide_roles(windows, self.targets, self.config, self.last_switch_t, now)
+        move = decide_roles(windows, self.targets, self.config, self.last_switch_t, now, mixed=len(self.cluster.mixed))
         self.moves.append((now, move))
         if move.taker is None:
             log.debug("role balancer: %s", move.reason)
             return move
-        address = self._least_loaded(move.donor)
+        address = self._least_loaded(move)
         if address is None:
             return move
         log.info("role balancer: %s; switching %s", move.reason, address)
@@ -90,11 +92,15 @@ class RoleBalancer(RoundLoop):
         self._switch.start()
         return move
 
-    def _least_loaded(self, pool: str) -> str | None:
-        """The donor's worker with the least to hand over: fewest queued prompt tokens (prefill) or
-        KV blocks in use (decode)."""
-        loads = []
-        for address in list(self.cluster.addresses(pool)):
+    def _least_loaded(self, move: RoleMove) -> str | None:
+        """The worker with the least to hand over among those the move may switch (a whole move:
+        the donor pool's, mixed ones included; a half move: those in its ``source`` role): fewest
+        queued prompt tokens (prefill) or KV blocks in use (decode)."""
+        pool, loads = move.donor if move.from_role is None else POOL[move.source], []
+        with self.cluster.lock:
+            addresses = [a for a in self.cluster.addresses(pool)
+                         if move.from_role is None or self.cluster.role_of(a) == move.source]
+        for address in addresses:
             stats = _stats(pool, address, self.cluster.config.tls_for("controller"))
             if stats is not None:
                 loads.append((stats.num_waiting_tokens if pool == "prefill" else stats.num_blocks_used, address))
@@ -102,13 +108,13 @@ class RoleBalancer(RoundLoop):
 
     def _apply(self, address: str, move: RoleMove) -> None:
         try:
-            switch = self.cluster.set_role(address, move.taker, self.grace_s, move.label)
+            switch = self.cluster.set_role(address, move.target, self.grace_s, move.label)
         except Exception:  # back in its old pool (switch_role); the next window decides again
-            log.exception("role balancer: switching %s to %s failed", address, move.taker)
+            log.exception("role balancer: switching %s to %s failed", address, move.target)
             switch = None
         self.last_switch_t = time.monotonic()  # a failed switch also waits out the dwell: no retry storm
         if switch is not None:
             self.switches.append(switch)
             autoscaler = getattr(self.cluster, "autoscaler", None)
-            if autoscaler is not None:
-                autoscaler.roles_moved(move.donor, move.taker)
+            if autoscaler is not None and POOL[switch.previous] != POOL[switch.role]:  # a half move stays in its pool
+                autoscaler.roles_moved(POOL[switch.previous], POOL[switch.role])

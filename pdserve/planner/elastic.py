@@ -4,7 +4,8 @@ moving workers between a disaggregated layout's pools, its worker count fixed.
 Once a second (``interval_s``) the driver samples both pools as ``pdserve.planner.autoscale``
 does (the same sample functions: prefill queued prompt tokens and TTFT p90 of the first tokens
 since the last sample; decode KV usage and ITL p90), keeps each pool's trailing window and
-calls ``decide_roles``. A move drains the donor's least loaded worker (out of routing at once;
+calls ``decide_roles``. A half move (decode <-> mixed) switches a decode worker in place
+(``Simulator.switch_in_place``: its streams stay, only its routing changes). A whole move drains the donor's least loaded worker (out of routing at once;
 what it holds finishes: prompts are prefilled and their KV sent, streams run to their end) and,
 at the first tick that finds it idle, the worker serves the other role ``switch_s`` later (a
 role switch loads no model: tens of milliseconds measured, docs/elastic-roles.md).
@@ -40,6 +41,7 @@ class ElasticDriver:
         self.moves: list[tuple[float, RoleMove]] = []  # every decision that computed pressures
         # pool -> [(t, ready workers, ready workers, pressure)]: AutoscaleDriver.history's shape, for plots
         self.history: dict[str, list[tuple[float, int, int, float]]] = {pool: [] for pool in POOLS}
+        self.mixed_history: list[tuple[float, int]] = []  # (t, decode workers in the mixed role)
 
     def tick(self, sim, now: float) -> None:
         samples = {"prefill": AutoscaleDriver._prefill_sample(sim, now),
@@ -56,17 +58,21 @@ class ElasticDriver:
             if worker.idle():
                 self._moving = None
                 sim.schedule(now + self.switch_s, READY, (self, move.taker))  # it serves its new role
-            self._record(now, None)
+            self._record(now, None, len(sim.mixed))
             return
         windows = {pool: MetricsWindow(tuple(self._samples[pool])) for pool in POOLS}
-        move = decide_roles(windows, self.targets, self.config, self.last_switch_t, now)
+        move = decide_roles(windows, self.targets, self.config, self.last_switch_t, now, mixed=len(sim.mixed))
         if move.pressures:
             self.moves.append((now, move))
-        if move.taker is not None:
+        if move.taker is not None and move.from_role is not None:  # a half move: in place, nothing drains
+            if sim.switch_in_place(move.target) is not None:
+                self.last_switch_t = now + self.switch_s
+                self.switches.append((now, now + self.switch_s, move.source, move.target))
+        elif move.taker is not None:
             worker = sim.drain_worker(move.donor)
             if worker is not None:
                 self._moving, self._decided = (worker, move, now), now
-        self._record(now, move)
+        self._record(now, move, len(sim.mixed))
 
     def worker_ready(self, sim, pool: str) -> None:
         """The drained worker serves ``pool`` now (the simulator's READY event)."""
@@ -75,12 +81,13 @@ class ElasticDriver:
         donor = "decode" if pool == "prefill" else "prefill"
         self.switches.append((self._decided, sim.now, donor, pool))
 
-    def _record(self, now: float, move: RoleMove | None) -> None:
+    def _record(self, now: float, move: RoleMove | None, mixed: int) -> None:
         pressure = {p.pool: p.mean for p in move.pressures} if move is not None and move.pressures else {}
         for pool in POOLS:
             ready = self._samples[pool][-1].replicas
             last = self.history[pool][-1][3] if self.history[pool] else 0.0
             self.history[pool].append((now, ready, ready, pressure.get(pool, last)))
+        self.mixed_history.append((now, mixed))
 
 
 def compare_layouts(req, trace, start, driver: ElasticDriver | None = None,

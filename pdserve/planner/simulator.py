@@ -115,6 +115,10 @@ class Simulator:
         self._index = {"prefill": RoutingIndex(self._prefill_key), "colocated": RoutingIndex(self._prefill_key),
                        "decode": RoutingIndex(self._decode_key)}
         self._by_id: dict[str, SimWorker] = {}
+        # Decode workers in the mixed role (elastic roles): in the decode pool and its index, role
+        # "colocated" (a prefill in their steps stalls their streams), and a prompt placed on one
+        # is prefilled there unless a prefill worker queues less (pdserve/router/local_prefill.py).
+        self.mixed: set[str] = set()
         self._placed = itertools.count(1)
         self._last_placed: dict[str, int] = {}
         self._inflight: dict[str, int] = {}
@@ -150,8 +154,26 @@ class Simulator:
         w = min(pool, key=lambda x: (x.num_seqs, x.queued_tokens))
         pool.remove(w)
         self._index[role].remove(w)
+        self.mixed.discard(w.wid)
         w.draining = True
         self.draining.append(w)
+        return w
+
+    def switch_in_place(self, to_role: str) -> SimWorker | None:
+        """Elastic roles' half move: the least loaded plain decode worker becomes mixed
+        (``to_role`` "mixed"), or a mixed one plain decode again ("decode"). Its streams and
+        queued prompts stay; only how it is routed to changes. None if none can switch."""
+        mixed = to_role == "mixed"
+        pool = [w for w in self.pools["decode"] if (w.wid in self.mixed) != mixed]
+        if not pool:
+            return None
+        w = min(pool, key=lambda x: (x.num_seqs, x.queued_tokens))
+        if mixed:
+            self.mixed.add(w.wid)
+            w.role = "colocated"
+        else:
+            self.mixed.discard(w.wid)
+            w.role = "decode"
         return w
 
     def start_worker_later(self, driver, pool: str) -> None:
@@ -238,15 +260,35 @@ class Simulator:
 
     def _touch(self, w: SimWorker) -> None:
         if not w.draining:
-            self._index[w.role].touch(w)
+            self._index["decode" if w.wid in self.mixed else w.role].touch(w)
 
     def _place(self, seq: SimSeq) -> bool:
+        if self.mixed and self._place_mixed(seq):
+            return True
         role = "colocated" if self.spec.layout.colocated else "prefill"
         choice = pick_prefill(self._snapshots(role), prompt_tokens=seq.prompt,
                               max_queued_tokens=self.spec.max_queued_tokens)
         if choice.worker_id is None:
             return False
         w = self._worker(role, choice.worker_id)
+        self._last_placed[w.wid] = next(self._placed)
+        self._inflight[w.wid] += 1
+        w.add_prompt(seq)
+        self._kick(w)
+        self._touch(w)
+        return True
+
+    def _place_mixed(self, seq: SimSeq) -> bool:
+        """The router's rule for a stream whose decode worker is mixed: prefilled there unless a
+        prefill worker queues less. False: the prefill pool takes it as usual."""
+        blocks = -(-(seq.prompt + seq.remaining + 1) // self.spec.limits.block_size)
+        choice = pick_decode(self._snapshots("decode"), blocks)
+        if choice.worker_id not in self.mixed:
+            return False
+        w = self._by_id[choice.worker_id]
+        prefill = [p.queued_tokens for p in self.pools["prefill"]]
+        if prefill and min(prefill) < w.queued_tokens:
+            return False
         self._last_placed[w.wid] = next(self._placed)
         self._inflight[w.wid] += 1
         w.add_prompt(seq)

@@ -11,6 +11,7 @@ from tests.autoscale.helpers import steady_window
 
 TARGETS = {"prefill": pool_config("prefill"), "decode": pool_config("decode")}  # 4096 tokens/worker, TTFT 2 s; KV 0.7, ITL 0.2 s
 CFG = BudgetConfig()  # high 1.0, low 0.7, window 10 s, dwell 15 s
+WHOLE = BudgetConfig(mixed=False)  # whole moves only: the holds below would otherwise be half moves
 NOW = 100.0
 
 
@@ -41,8 +42,10 @@ def test_no_move_within_the_band_or_when_both_pools_are_hot():
 
 def test_the_donor_must_stay_comfortable_after_the_move():
     # decode at 0.4 of its KV target over 2 workers would be 0.8 over 1: above low (0.7), so no move
-    move = decide_roles(windows(1, 2, queued=8192, kv=0.28), TARGETS, CFG, None, NOW)
+    move = decide_roles(windows(1, 2, queued=8192, kv=0.28), TARGETS, WHOLE, None, NOW)
     assert move.taker is None and "would be 0.80 >= low 0.7" in move.reason
+    half = decide_roles(windows(1, 2, queued=8192, kv=0.28), TARGETS, CFG, None, NOW)  # 0.4 as it is: < low
+    assert (half.source, half.target) == ("decode", "mixed") and "would be 0.80 >= low 0.7" in half.reason
     ok = decide_roles(windows(1, 2, queued=8192, kv=0.21), TARGETS, CFG, None, NOW)  # 0.3 -> 0.6 over 1
     assert ok.taker == "prefill"
 
@@ -52,14 +55,14 @@ def test_a_donors_latency_is_not_spread_over_fewer_workers_but_must_be_low_itsel
     # weights to read per step, not twice the latency); at 0.8 of its SLO it does not
     ok = decide_roles(windows(1, 2, queued=8192, kv=0.05, itl=0.1), TARGETS, CFG, None, NOW)
     assert ok.taker == "prefill", ok.reason
-    held = decide_roles(windows(1, 2, queued=8192, kv=0.05, itl=0.16), TARGETS, CFG, None, NOW)
+    held = decide_roles(windows(1, 2, queued=8192, kv=0.05, itl=0.16), TARGETS, WHOLE, None, NOW)
     assert held.taker is None and "would be 0.80 >= low 0.7" in held.reason
 
 
 def test_the_donor_keeps_its_minimum():
-    move = decide_roles(windows(3, 1, queued=30000), TARGETS, CFG, None, NOW)
+    move = decide_roles(windows(3, 1, queued=30000), TARGETS, WHOLE, None, NOW)
     assert move.taker is None and "decode is at its minimum 1" in move.reason
-    assert decide_roles(windows(3, 2, queued=30000), TARGETS, BudgetConfig(min_decode=2), None, NOW).taker is None
+    assert decide_roles(windows(3, 2, queued=30000), TARGETS, BudgetConfig(min_decode=2, mixed=False), None, NOW).taker is None
 
 
 def test_guards_stale_cold_settling_and_dwell():
@@ -100,7 +103,7 @@ def test_a_shifting_load_moves_workers_back_and_forth_without_flapping():
     load spreads over its workers (the prefill backlog per worker, the KV demand per worker), the
     controller samples once a second and a switch takes 2 s. The policy follows each phase with
     few moves, and never reverses a move within the dwell time."""
-    cfg, dt, switch_s = BudgetConfig(), 1.0, 2.0
+    cfg, dt, switch_s = WHOLE, 1.0, 2.0  # (the mixed role: below)
     roles = {"prefill": 2, "decode": 2}
     history = {"prefill": [], "decode": []}
     last_switch, busy_until, moves = None, -1.0, []
@@ -130,3 +133,63 @@ def test_a_shifting_load_moves_workers_back_and_forth_without_flapping():
     assert len(moves) <= 8, moves
     assert all(b[0] - a[0] >= cfg.dwell_s for a, b in zip(moves, moves[1:])), moves
     assert roles["prefill"] >= 1 and roles["decode"] >= 1
+
+
+# ---- the mixed role: half moves where a whole one is refused --------------------------------
+
+def test_two_workers_under_a_prompt_backlog_make_the_decode_worker_mixed():
+    """1P:1D: each pool at its minimum, so no whole move; the decode worker, comfortable,
+    prefills its own streams too."""
+    move = decide_roles(windows(1, 1, queued=8192, kv=0.1, itl=0.05), TARGETS, CFG, None, NOW)
+    assert (move.source, move.target, move.label) == ("decode", "mixed", "prefill_pressure"), move.reason
+    assert "decode is at its minimum 1" in move.reason
+    # a decode pool near its own targets is not loaded with prompts as well
+    busy = decide_roles(windows(1, 1, queued=8192, kv=0.5), TARGETS, CFG, None, NOW)  # peak 0.71 >= low
+    assert busy.taker is None and "decode is at its minimum" in busy.reason
+    slow = decide_roles(windows(1, 1, queued=8192, kv=0.1, itl=0.15), TARGETS, CFG, None, NOW)  # ITL 0.75 >= low
+    assert slow.taker is None
+    assert decide_roles(windows(1, 1, queued=8192, kv=0.1), TARGETS, WHOLE, None, NOW).taker is None
+
+
+def test_a_whole_move_comes_before_a_half_one():
+    move = decide_roles(windows(1, 3, queued=8192, kv=0.1), TARGETS, CFG, None, NOW)
+    assert (move.source, move.target) == ("decode", "prefill")
+
+
+def test_once_every_decode_worker_is_mixed_the_prefill_pool_gets_nothing_more():
+    move = decide_roles(windows(1, 1, queued=8192, kv=0.1), TARGETS, CFG, None, NOW, mixed=1)
+    assert move.taker is None
+
+
+def test_slow_tokens_turn_a_mixed_worker_back_to_decode_first():
+    move = decide_roles(windows(1, 2, kv=0.1, itl=0.3), TARGETS, CFG, None, NOW, mixed=1)
+    assert (move.source, move.target, move.label) == ("mixed", "decode", "decode_pressure"), move.reason
+    # without a mixed worker the same window moves a whole prefill worker... when it may
+    assert decide_roles(windows(2, 2, kv=0.1, itl=0.3), TARGETS, CFG, None, NOW).source == "prefill"
+    # a full KV cache is not helped by unmixing: a whole worker moves instead
+    kv = decide_roles(windows(2, 2, kv=0.9), TARGETS, CFG, None, NOW, mixed=1)
+    assert (kv.source, kv.target) == ("prefill", "decode")
+
+
+def test_two_workers_through_a_prompt_burst_mix_once_and_unmix_when_tokens_slow():
+    """1P:1D sampled once a second: a prompt backlog (prefill pressed, decode idle) makes the
+    decode worker mixed; the backlog drains, and then the mixed worker's ITL passes its SLO
+    (its streams share steps with prompts), which turns it back to decode. One move each way,
+    the dwell between them."""
+    from pdserve.cluster.autoscaling import MetricsWindow, PoolSample
+    cfg = BudgetConfig()
+    history = {"prefill": [], "decode": []}
+    mixed, last_switch, moves = 0, None, []
+    for t in range(0, 120):
+        backlog = 0 if mixed else 8192 if t < 60 else 0
+        itl = 0.05 if not mixed else 0.1 if t < 60 else 0.3
+        history["prefill"].append(PoolSample(float(t), 1, queued_prompt_tokens=backlog))
+        history["decode"].append(PoolSample(float(t), 1, kv_usage=0.05, itl_p90_s=itl))
+        w = {pool: MetricsWindow.trailing(history[pool], float(t), cfg.window_s) for pool in history}
+        move = decide_roles(w, TARGETS, cfg, last_switch, float(t), mixed=mixed)
+        if move.taker:
+            mixed += 1 if move.target == "mixed" else -1
+            last_switch = float(t)
+            moves.append((t, move.source, move.target))
+    assert [(a, b) for _, a, b in moves] == [("decode", "mixed"), ("mixed", "decode")], moves
+    assert moves[1][0] - moves[0][0] >= cfg.dwell_s

@@ -206,3 +206,45 @@ def test_workers_go_mixed_and_back_under_load_losing_nothing(cluster, stub, refe
     assert sorted(cluster.prefill_addresses) == sorted(prefill) and cluster.decode_addresses == [decode]
     assert cluster.mixed == set()
     assert_no_kv_held(cluster)
+
+
+def test_the_budget_policy_makes_the_only_decode_worker_mixed_when_prompts_wait(cluster, stub, reference):
+    """The half move on the real cluster: targets set so that every first token misses the
+    prefill SLO while the decode pool idles far under its own. The decode pool is at its
+    minimum (one worker), so no whole move: the loop makes that worker mixed by itself, in
+    place, and then holds (no plain decode worker is left to mix). Streams keep their tokens."""
+    from pdserve.cluster.autoscaling import pool_config
+    from pdserve.cluster.autoscaling.budget import BudgetConfig
+    from pdserve.cluster.role_balancer import RoleBalancer
+
+    targets = {"prefill": pool_config("prefill", target=1e9, slo_s=1e-6),  # every TTFT misses it
+               "decode": pool_config("decode", target=1.0, slo_s=1e6)}  # a few streams' KV: far under
+    balancer = RoleBalancer(cluster, BudgetConfig(window_s=2.0, dwell_s=2.0), targets, interval_s=0.25,
+                            grace_s=GRACE_S)
+    (decode,) = cluster.decode_addresses
+    before = changes(switch_metrics(cluster), "decode", "mixed", "prefill_pressure")
+    cluster.role_balancer = balancer
+    try:
+        with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
+            load.wait_for(CLIENTS)
+            balancer.start()
+            deadline = time.monotonic() + 60
+            while not balancer.switches and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(3.0)  # past the dwell: the loop holds, it has nothing more to mix
+            balancer.stop()
+            load.wait_for(CLIENTS)
+    finally:
+        balancer.stop()
+        cluster.role_balancer = None
+    assert balancer.switches, [m.reason for _, m in list(balancer.moves)[-5:]]
+    (moved,) = balancer.switches
+    assert (moved.address, moved.previous, moved.role, moved.reason) == (decode, "decode", "mixed", "prefill_pressure")
+    assert moved.idle and moved.worker_seconds < 1.0, moved
+    after = [m for t, m in balancer.moves if t > balancer.last_switch_t]
+    assert after and all(m.taker is None for m in after), [m.reason for m in after]  # held, nothing left to mix
+    check(load.outcomes, reference, MAX_TOKENS)
+    assert changes(switch_metrics(cluster), "decode", "mixed", "prefill_pressure") == before + 1
+    assert cluster.role_of(decode) == "mixed" and len(cluster.prefill_addresses) == 2
+    cluster.set_role(decode, "decode", GRACE_S, reason="test")  # the layout the module began with
+    assert_no_kv_held(cluster)

@@ -4,6 +4,7 @@ over a workload whose mix shifts, and ``pdserve plan --elastic``."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from pdserve.cli import main
 from pdserve.planner.elastic import ElasticDriver, compare_layouts
 from pdserve.planner.hardware import get_profile
@@ -83,3 +84,24 @@ def test_cli_compares_fixed_and_elastic_layouts(capsys):
     assert main(["plan", "--layout", "3C", "--elastic"]) == 2
     assert "elastic roles start from a disaggregated layout" in capsys.readouterr().err
     assert main(["plan", "--layout", "0P:2D", "--elastic"]) == 2
+
+
+def test_two_workers_under_long_prompts_make_the_decode_worker_mixed_in_place():
+    """1P:1D: both pools at their minimum, so no whole move. Long prompts press the prefill pool
+    while decode idles: the decode worker becomes mixed at once (no drain), prompts then prefill
+    on it too, and every request finishes."""
+    from pdserve.planner.cost import CostModel
+    from pdserve.planner.simulator import ClusterSpec, Simulator
+
+    driver = ElasticDriver()
+    spec = ClusterSpec(Layout(1, 1), CostModel(REQ.model, REQ.hw, 1), CostModel(REQ.model, REQ.hw, 1), REQ.limits)
+    sim = Simulator(spec, phases(12, 20, seconds=60), autoscaler=driver)
+    result = sim.run()
+    assert result.failed == 0 and np.isfinite(result.finish).all()
+    assert driver.switches and driver.switches[0][2:] == ("decode", "mixed"), driver.switches
+    decided, serving, _, _ = driver.switches[0]
+    assert serving - decided == pytest.approx(driver.switch_s)  # nothing drained
+    assert max(n for _, n in driver.mixed_history) == 1
+    assert all(r + d == 2 for (_, r, _, _), (_, d, _, _) in zip(driver.history["prefill"], driver.history["decode"]))
+    (mixed,) = [w for w in sim.pools["decode"] if w.wid in sim.mixed] or [None]
+    assert mixed is not None and mixed.role == "colocated"  # its prefills stall its streams, as served

@@ -25,6 +25,19 @@ one that holds samples from before the last switch (or from another worker count
 ``dwell_s`` of the last switch. A pool both over ``high`` gets nothing from the other: with the
 budget fixed there is nothing to move, and per-pool autoscaling grows the budget where it may.
 
+**The mixed role** (``mixed``; an elastic worker in the decode pool that prefills the streams
+it takes, ``pdserve.router.local_prefill``) gives the policy a half move where a whole one is
+refused, so that two workers can still move (1P:1D has nothing to give: each pool is at its
+minimum):
+
+- prefill pressed and no decode worker to spare: a plain decode worker becomes mixed when the
+  decode pool's peak as it is stays below ``low``. It keeps its streams and takes prompts too.
+- decode pressed on its latency (ITL) with mixed workers: one goes back to plain decode before
+  any other move. Prompt chunks in its steps are what stretches ITL, and the switch is free.
+
+The decode pool's windows count mixed workers as its own (their KV and streams are there); the
+prefill pool's are its plain prefill workers. ``mixed=False`` in the config turns the role off.
+
 Latency is not linear in workers the way a queue is: a decode step at a small batch costs about
 what it costs at one stream (the weights are read once either way), and a prefill queue that is
 empty stays empty. So 3 scales only the load signals; the latency a pool shows must itself be
@@ -67,6 +80,8 @@ class BudgetConfig:
     # autoscaling ``slo_s`` (2 s and 0.2 s by default). Set them to the service's own SLOs.
     ttft_slo_s: float | None = None
     itl_slo_s: float | None = None
+    # Whether the policy may use the mixed role (the half moves above).
+    mixed: bool = True
 
     def __post_init__(self) -> None:
         for key in ("ttft_slo_s", "itl_slo_s"):
@@ -118,12 +133,26 @@ class Pressure:
 
 @dataclass(frozen=True)
 class RoleMove:
-    """What the policy decided: move one worker ``donor`` -> ``taker``, or hold (``taker`` None)."""
+    """What the policy decided: one worker helps ``taker`` at ``donor``'s cost, or hold (``taker``
+    None). The worker switches from ``from_role`` to ``to_role``: the pools themselves, or for a
+    half move, decode -> mixed (helping prefill) or mixed -> decode (helping decode)."""
 
     taker: str | None
     donor: str | None
     reason: str
     pressures: tuple[Pressure, ...] = ()
+    from_role: str | None = None  # None: ``donor``
+    to_role: str | None = None  # None: ``taker``
+
+    @property
+    def source(self) -> str | None:
+        """The role of the worker that switches."""
+        return self.from_role or self.donor
+
+    @property
+    def target(self) -> str | None:
+        """The role it switches to."""
+        return self.to_role or self.taker
 
     @property
     def label(self) -> str:
@@ -155,10 +184,11 @@ def _ratios(pool: str, s: PoolSample, target: PoolPolicyConfig) -> tuple[float, 
 
 
 def decide_roles(windows: dict[str, MetricsWindow], targets: dict[str, PoolPolicyConfig], config: BudgetConfig,
-                 last_switch_t: float | None, now: float) -> RoleMove:
+                 last_switch_t: float | None, now: float, mixed: int = 0) -> RoleMove:
     """One worker to move between the prefill and decode pools at ``now``, or a hold, with the
     reason. ``windows`` and ``targets`` hold both pools; ``last_switch_t`` is when the last
-    switch completed (None: never). Pure: same inputs, same move."""
+    switch completed (None: never); ``mixed``: how many of the decode pool's workers are mixed
+    now. Pure: same inputs, same move."""
     for pool in POOLS:
         window = windows[pool]
         if window.latest is None:
@@ -186,6 +216,21 @@ def decide_roles(windows: dict[str, MetricsWindow], targets: dict[str, PoolPolic
     if donor.mean > config.high:
         return RoleMove(None, None, f"hold: both pools above high {config.high} ({_describe(pressures)}); a fixed "
                         "budget has nothing to move", pressures)
+    if config.mixed and taker.pool == "decode" and mixed and taker.latency_peak >= taker.load_peak:
+        return RoleMove("decode", "prefill", f"mixed -> decode: decode pressure {taker.mean:.2f} ({taker.signal}) > "
+                        f"high {config.high}, and a mixed worker's prompts share its steps", pressures,
+                        from_role="mixed", to_role="decode")
+    whole = _whole_move(taker, donor, config, pressures)
+    if whole.taker is None and config.mixed and taker.pool == "prefill" and donor.workers - mixed > 0:
+        if donor.peak < config.low:
+            return RoleMove("prefill", "decode", f"decode -> mixed: {whole.reason.removeprefix('hold: ')}; decode's "
+                            f"peak {donor.peak:.2f} < low {config.low}, so a decode worker prefills its own "
+                            "streams too", pressures, from_role="decode", to_role="mixed")
+    return whole
+
+
+def _whole_move(taker: Pressure, donor: Pressure, config: BudgetConfig, pressures: tuple[Pressure, ...]) -> RoleMove:
+    """A worker from ``donor``'s pool to ``taker``'s, or why not."""
     if donor.workers <= config.minimum(donor.pool):
         return RoleMove(None, None, f"hold: {taker.pool} needs a worker but {donor.pool} is at its minimum "
                         f"{config.minimum(donor.pool)} ({_describe(pressures)})", pressures)
