@@ -231,11 +231,11 @@ class LocalCluster:
         self._templates.setdefault(role, (placement, config, threads))
         if placement.cpus == PoolPlacement().cpus:
             placement = dataclasses.replace(placement, cpus=float(threads))
-        if self._started_ray and hasattr(config, "cpus") and self.config.max_workers() * threads <= (os.cpu_count() or 1):
+        if self._started_ray and self.config.max_workers() * threads <= (os.cpu_count() or 1):
             slot = next(self._core_slots)
             cpus = tuple((slot * threads + k) % (os.cpu_count() or 1) for k in range(threads))
             borrow = tuple(c for c in range(os.cpu_count() or 1) if c not in cpus) if self.config.borrow_idle_cores else ()
-            config = dataclasses.replace(config, cpus=cpus, borrow_cpus=borrow)
+            config = _pinned(config, cpus, borrow)
         self._next_id[role] = max(self._next_id[role], index + 1)
         self._specs[(role, index)] = (placement, config, threads)
         pg, options = reserve(placement, f"{self._group_prefix()}{role}-{index}-{uuid.uuid4().hex[:8]}",
@@ -410,3 +410,15 @@ class LocalCluster:
                 log.warning("stopping the cluster: %s", exc)
         if self._started_ray:
             ray.shutdown()
+
+
+def _pinned(config, cpus: tuple[int, ...], borrow: tuple[int, ...]):
+    """A worker's config pinned to ``cpus``, its kernels free to borrow ``borrow`` while idle. An
+    elastic worker's two cores both carry it (its decode core's settings pin the process, whatever
+    its role). A config without cores (the router's) is returned as it is."""
+    if hasattr(config, "decode") and hasattr(config, "prefill"):
+        return dataclasses.replace(config, decode=_pinned(config.decode, cpus, borrow),
+                                   prefill=_pinned(config.prefill, cpus, borrow))
+    if hasattr(config, "cpus"):
+        return dataclasses.replace(config, cpus=cpus, borrow_cpus=borrow)
+    return config

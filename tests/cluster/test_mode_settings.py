@@ -118,3 +118,18 @@ def test_the_role_budget_comes_from_flags_and_needs_elastic_roles():
         build(resolve(parse(["--role-budget"]), environ={}))
     with pytest.raises(SettingsError, match="role_budget_dwell_s must be greater than 0"):
         resolve(parse(["--role-budget-dwell-s", "0"]), environ={})
+
+
+def test_an_elastic_worker_is_pinned_as_a_plain_one():
+    """LocalCluster._place pins a worker's config to its cores; an elastic worker's process is
+    pinned by its decode core's settings whatever its role, and both cores carry them."""
+    from pdserve.cluster.local import _pinned
+
+    elastic = build(resolve(parse(["--elastic-roles"]), environ={}))
+    for role in ("prefill", "decode"):
+        pinned = _pinned(elastic.worker_config(role, 0), (1,), (0,))
+        assert pinned.role == role
+        for part in (pinned.decode, pinned.prefill):
+            assert (part.cpus, part.borrow_cpus) == ((1,), (0,))
+    plain = build(resolve(parse([]), environ={}))
+    assert _pinned(plain.worker_config("decode", 0), (0,), ()).cpus == (0,)
