@@ -74,8 +74,10 @@ ROWS = [
     ]),
     ("Elastic roles", [
         ("Workers per role", "short", "Each pool's healthy workers: with elastic roles (--elastic-roles), the role "
-         "timeline, which moves as workers switch.",
-         [('max by (pool) (pdserve:pool_replicas{pool=~"$pool"})', "{{pool}}")]),
+         "timeline, which moves as workers switch. Mixed: those of the decode pool that prefill the streams they "
+         "take.",
+         [('max by (pool) (pdserve:pool_replicas{pool=~"$pool"})', "{{pool}}"),
+          ("max(pdserve:mixed_workers)", "of decode: mixed")]),
         ("Role budget pressure", "short", "The budget policy's pressure of each pool (--role-budget): the largest "
          "of its signals over their targets; a pool above 1 asks the other for a worker.",
          [('max by (pool) (pdserve:role_budget_pressure{pool=~"$pool"})', "{{pool}}")]),

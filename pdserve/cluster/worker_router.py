@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.cluster.plain_process import engine_config, internal_tls, stop_signal
+from pdserve.elastic_worker.roles import POOL
 from pdserve.router.pool import WorkerPool
 from pdserve.wire.tls import TlsConfig
 
@@ -117,7 +118,7 @@ class ObservedCluster:
 
         with channel(self.admin_address, self.config.tls) as ch:
             table = admin_pb2_grpc.RouterAdminStub(ch).GetMembership(admin_pb2.Membership(), timeout=2)
-        return [m.address for m in table.members if m.role == role]
+        return [m.address for m in table.members if POOL.get(m.role, m.role) == role]  # a mixed worker: decode
 
     def push_membership(self) -> None:
         if self.autoscaler is not None:

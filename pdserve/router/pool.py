@@ -197,6 +197,7 @@ class WorkerPool:
             desired = self.desired_replicas.get(pool, load.replicas)  # no autoscaler: the current size
             metrics.set_pool(pool, load.running, load.waiting, load.kv_usage, load.replicas, desired=desired,
                              target=self.signal_targets.get(pool))
+        metrics.set_mixed_workers(sum(w.role == "mixed" and w.healthy for w in self.workers.values()))
 
     def mark_down(self, address: str) -> None:
         client = self.workers.get(address)

@@ -55,6 +55,8 @@ Router, per stats poll (pdserve/router/pool.py), label ``pool`` (prefill, decode
   pool's healthy workers
 - gauge ``pdserve:kv_cache_usage_perc``: the pool's used KV blocks over its total, 0..1
 - gauge ``pdserve:pool_replicas``: healthy workers
+- gauge ``pdserve:mixed_workers`` (no label): of the decode pool's, those in the mixed role
+  (elastic roles: they prefill the streams they take)
 - gauge ``pdserve:autoscaler_desired_replicas``: what the autoscaler wants
 - gauge ``pdserve:autoscaler_signal_target``: the autoscaler's per-worker target of the pool's
   primary signal (prefill: ``worker_num_waiting_prompt_tokens``; decode:
@@ -181,6 +183,8 @@ ROLE_SWITCH_HANDED_OVER = Counter("pdserve:role_switch_streams_handed_over_total
 ROLE_SWITCH_LEASES_LEFT = Counter("pdserve:role_switch_leases_left_total",
                                   "Held KV leases still served under their lease when a switch's new role opened.",
                                   ["from_role"], registry=REGISTRY)
+MIXED_WORKERS = Gauge("pdserve:mixed_workers", "Healthy decode-pool workers in the mixed role (elastic roles): "
+                      "they prefill the streams they take.", registry=REGISTRY)
 BUDGET_PRESSURE = Gauge("pdserve:role_budget_pressure",
                         "The budget policy's pressure of each pool (1: at its targets), as the controller last saw it.",
                         [POOL_LABEL], registry=REGISTRY)
@@ -239,6 +243,10 @@ def register_model(model_name: str) -> None:
     for family in (TTFT, ITL, E2E, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_TIME, REQUEST_PROMPT_TOKENS,
                    REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, RETRIES, MIGRATIONS, ROUTING_OVERLAP):
         family.labels(model_name)
+
+
+def set_mixed_workers(count: int) -> None:
+    MIXED_WORKERS.set(count)
 
 
 def set_pool(pool: str, running: int, waiting: int, kv_usage: float, replicas: int, desired: int,

@@ -99,7 +99,8 @@ def test_the_dashboard_shows_what_an_operator_needs(dashboard):
                  "pdserve:worker_kv_transfer_bytes_bucket", "pdserve:worker_kv_transfer_descriptors_bucket",
                  "pdserve:worker_num_waiting_prompt_tokens", "pdserve:autoscaler_signal_target",
                  "pdserve:role_changes_total", "pdserve:role_switch_seconds_bucket", "pdserve:role_budget_pressure",
-                 "pdserve:role_switch_streams_handed_over_total", "pdserve:role_switch_leases_left_total"):
+                 "pdserve:role_switch_streams_handed_over_total", "pdserve:role_switch_leases_left_total",
+                 "pdserve:mixed_workers"):
         assert name in used, name
     quantiles = {float(q) for e in exprs(dashboard) if "time_to_first_token" in e
                  for q in re.findall(r"histogram_quantile\(([0-9.]+)", e)}
