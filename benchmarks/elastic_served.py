@@ -1,9 +1,10 @@
 """Elastic roles served, on this machine (issue 29): a workload whose mix shifts from long prompts
 with short answers to short prompts with long answers and back, against one SLO, served by each
-fixed split of N workers and by elastic roles with the budget policy (``--elastic-roles
---role-budget``), one server at a time. Goodput = requests meeting both SLOs per second of the
-whole run; the elastic run's role timeline (the router's ``pdserve:pool_replicas``) is plotted
-against each pool's pressure (``pdserve:role_budget_pressure``), both scraped once a second.
+fixed split of N workers, N colocated workers, one colocated worker on every core, and by
+elastic roles with the budget policy (``--elastic-roles --role-budget``), one server at a time.
+Goodput = requests meeting both SLOs per second of the whole run; the elastic run's role
+timeline (the router's ``pdserve:pool_replicas`` and ``pdserve:mixed_workers``) is plotted
+against each pool's pressure (``pdserve:role_budget_pressure``), all scraped once a second.
 
     .venv/bin/python benchmarks/elastic_served.py [--workers 3] [--phase-s 60] [--plot P] [--json J]
 
@@ -35,6 +36,7 @@ from benchmarks.processor import print_banner  # noqa: E402
 from benchmarks.serving_procs import ServerProcess  # noqa: E402
 
 SERIES = re.compile(r'^pdserve:(pool_replicas|role_budget_pressure)\{pool="(prefill|decode)"\} ([0-9.eE+-]+)$')
+MIXED = re.compile(r'^pdserve:mixed_workers ([0-9.eE+-]+)$')
 
 
 def phases(args) -> list[tuple[str, float, str, str]]:
@@ -47,6 +49,9 @@ def phases(args) -> list[tuple[str, float, str, str]]:
 def layouts(args) -> list[tuple[str, list[str]]]:
     n = args.workers
     fixed = [(f"{k}P:{n - k}D", ["--prefill", str(k), "--decode", str(n - k)]) for k in range(1, n)]
+    # colocated: n workers of a core each, and one worker on all the cores (torch threads = cores / workers)
+    fixed += [(f"colocated {n}", ["--mode", "colocated", "--decode", str(n)]),
+              ("colocated 1", ["--mode", "colocated", "--decode", "1"])]
     start = args.elastic_prefill or (n // 2 if n % 2 == 0 else n // 2 + 1)  # default prefill-heavy, as phase 1 wants
     elastic = (f"elastic from {start}P:{n - start}D",
                ["--prefill", str(start), "--decode", str(n - start), "--elastic-roles", "--role-budget",
@@ -84,6 +89,8 @@ class Scraper:
                 m = SERIES.match(line)
                 if m:
                     row[f"{m.group(1)}:{m.group(2)}"] = float(m.group(3))
+                elif (m := MIXED.match(line)):
+                    row["mixed_workers"] = float(m.group(1))
             self.rows.append(row)
 
 
@@ -192,6 +199,7 @@ def plot(row: dict, phase_s: float, path: Path) -> None:
     series = {pool: (t, [x.get(f"pool_replicas:{pool}", float("nan")) for x in timeline],
                      [x.get(f"role_budget_pressure:{pool}", float("nan")) for x in timeline])
               for pool in ("prefill", "decode")}
+    series["mixed"] = (t, [x.get("mixed_workers", float("nan")) for x in timeline])
     plot_roles(series, BudgetConfig(), phase_s, f"{row['layout']}, served: each pool's workers against its pressure",
                path)
 

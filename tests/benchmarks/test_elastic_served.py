@@ -3,7 +3,7 @@ serves, with which flags, and the phases' workloads."""
 
 import argparse
 
-from benchmarks.elastic_served import SERIES, layouts, phases
+from benchmarks.elastic_served import MIXED, SERIES, layouts, phases
 from benchmarks.load import parse_lengths
 
 
@@ -15,12 +15,15 @@ def args(**kw):
 
 def test_every_fixed_split_then_elastic_with_the_benchmarks_slo():
     plan = layouts(args())
-    assert [name for name, _ in plan] == ["1P:2D", "2P:1D", "elastic from 2P:1D"]
+    assert [name for name, _ in plan] == ["1P:2D", "2P:1D", "colocated 3", "colocated 1", "elastic from 2P:1D"]
+    assert plan[2][1] == ["--mode", "colocated", "--decode", "3"] and plan[3][1] == ["--mode", "colocated", "--decode", "1"]
     flags = plan[-1][1]
     assert flags[:4] == ["--prefill", "2", "--decode", "1"] and "--elastic-roles" in flags and "--role-budget" in flags
     assert flags[flags.index("--role-budget-ttft-slo-s") + 1] == "1.5"
     assert flags[flags.index("--role-budget-itl-slo-s") + 1] == "0.07"
-    assert [name for name, _ in layouts(args(workers=4))] == ["1P:3D", "2P:2D", "3P:1D", "elastic from 2P:2D"]
+    assert [name for name, _ in layouts(args(workers=4))] == ["1P:3D", "2P:2D", "3P:1D", "colocated 4", "colocated 1",
+                                                             "elastic from 2P:2D"]
+    assert [name for name, _ in layouts(args(workers=2))] == ["1P:1D", "colocated 2", "colocated 1", "elastic from 1P:1D"]
     assert layouts(args(elastic_prefill=1))[-1][0] == "elastic from 1P:2D"
 
 
@@ -36,3 +39,4 @@ def test_the_scraper_reads_the_routers_pool_series():
     m = SERIES.match('pdserve:role_budget_pressure{pool="decode"} 1.25')
     assert m and m.groups() == ("role_budget_pressure", "decode", "1.25")
     assert SERIES.match('pdserve:pool_replicas{pool="prefill"} 2.0')
+    assert MIXED.match("pdserve:mixed_workers 1.0").group(1) == "1.0"
