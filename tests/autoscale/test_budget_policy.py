@@ -143,11 +143,13 @@ def test_two_workers_under_a_prompt_backlog_make_the_decode_worker_mixed():
     move = decide_roles(windows(1, 1, queued=8192, kv=0.1, itl=0.05), TARGETS, CFG, None, NOW)
     assert (move.source, move.target, move.label) == ("decode", "mixed", "prefill_pressure"), move.reason
     assert "decode is at its minimum 1" in move.reason
-    # a decode pool near its own targets is not loaded with prompts as well
-    busy = decide_roles(windows(1, 1, queued=8192, kv=0.5), TARGETS, CFG, None, NOW)  # peak 0.71 >= low
-    assert busy.taker is None and "decode is at its minimum" in busy.reason
-    slow = decide_roles(windows(1, 1, queued=8192, kv=0.1, itl=0.15), TARGETS, CFG, None, NOW)  # ITL 0.75 >= low
-    assert slow.taker is None
+    # a decode pool under its own targets takes prompts too, however near them; one over them does not
+    near = decide_roles(windows(1, 1, queued=8192, kv=0.1, itl=0.19), TARGETS, CFG, None, NOW)  # ITL 0.95 < high
+    assert near.target == "mixed", near.reason
+    slow = decide_roles(windows(1, 1, queued=8192, kv=0.1, itl=0.21), TARGETS, CFG, None, NOW)  # ITL 1.05
+    assert slow.taker is None and "nothing to move" in slow.reason
+    full = decide_roles(windows(1, 1, queued=8192, kv=0.69), TARGETS, CFG, None, NOW)  # KV 0.99 of its target
+    assert full.target == "mixed"
     assert decide_roles(windows(1, 1, queued=8192, kv=0.1), TARGETS, WHOLE, None, NOW).taker is None
 
 
@@ -164,6 +166,9 @@ def test_once_every_decode_worker_is_mixed_the_prefill_pool_gets_nothing_more():
 def test_slow_tokens_turn_a_mixed_worker_back_to_decode_first():
     move = decide_roles(windows(1, 2, kv=0.1, itl=0.3), TARGETS, CFG, None, NOW, mixed=1)
     assert (move.source, move.target, move.label) == ("mixed", "decode", "decode_pressure"), move.reason
+    # ... when the prefill pool can take the prompts back: under low, not merely under high
+    held = decide_roles(windows(1, 2, kv=0.1, itl=0.3, queued=3500), TARGETS, CFG, None, NOW, mixed=1)  # 0.85
+    assert held.taker is None and "could not take a mixed worker's prompts back" in held.reason
     # without a mixed worker the same window moves a whole prefill worker... when it may
     assert decide_roles(windows(2, 2, kv=0.1, itl=0.3), TARGETS, CFG, None, NOW).source == "prefill"
     # a full KV cache is not helped by unmixing: a whole worker moves instead

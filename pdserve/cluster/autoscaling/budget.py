@@ -31,9 +31,16 @@ refused, so that two workers can still move (1P:1D has nothing to give: each poo
 minimum):
 
 - prefill pressed and no decode worker to spare: a plain decode worker becomes mixed when the
-  decode pool's peak as it is stays below ``low``. It keeps its streams and takes prompts too.
-- decode pressed on its latency (ITL) with mixed workers: one goes back to plain decode before
-  any other move. Prompt chunks in its steps are what stretches ITL, and the switch is free.
+  decode pool's peak as it is stays below ``high`` (it meets its targets). It keeps its streams
+  and takes prompts too. The bar is ``high``, not ``low``: a prefill pool over ``high`` misses
+  TTFT for nearly every request, so prompts in a decode worker's steps that bring its ITL near
+  its SLO cost less goodput than leaving them queued.
+- decode pressed on its latency (ITL) with mixed workers: one goes back to plain decode, before
+  any other move, when the prefill pool's peak is below ``low`` (it can take the prompts back).
+  Prompt chunks in its steps are what stretches ITL, and the switch is free.
+
+The band is the same as a whole move's, between the two conditions: mixing needs the prefill
+pool over ``high`` and unmixing needs it under ``low``.
 
 The decode pool's windows count mixed workers as its own (their KV and streams are there); the
 prefill pool's are its plain prefill workers. ``mixed=False`` in the config turns the role off.
@@ -217,14 +224,18 @@ def decide_roles(windows: dict[str, MetricsWindow], targets: dict[str, PoolPolic
         return RoleMove(None, None, f"hold: both pools above high {config.high} ({_describe(pressures)}); a fixed "
                         "budget has nothing to move", pressures)
     if config.mixed and taker.pool == "decode" and mixed and taker.latency_peak >= taker.load_peak:
+        if donor.peak >= config.low:
+            return RoleMove(None, None, f"hold: decode pressure {taker.mean:.2f} ({taker.signal}) > high "
+                            f"{config.high}, but prefill's peak {donor.peak:.2f} >= low {config.low}: it could not "
+                            "take a mixed worker's prompts back", pressures)
         return RoleMove("decode", "prefill", f"mixed -> decode: decode pressure {taker.mean:.2f} ({taker.signal}) > "
-                        f"high {config.high}, and a mixed worker's prompts share its steps", pressures,
-                        from_role="mixed", to_role="decode")
+                        f"high {config.high}, a mixed worker's prompts share its steps, and prefill's peak "
+                        f"{donor.peak:.2f} < low {config.low}", pressures, from_role="mixed", to_role="decode")
     whole = _whole_move(taker, donor, config, pressures)
     if whole.taker is None and config.mixed and taker.pool == "prefill" and donor.workers - mixed > 0:
-        if donor.peak < config.low:
+        if donor.peak < config.high:
             return RoleMove("prefill", "decode", f"decode -> mixed: {whole.reason.removeprefix('hold: ')}; decode's "
-                            f"peak {donor.peak:.2f} < low {config.low}, so a decode worker prefills its own "
+                            f"peak {donor.peak:.2f} < high {config.high}, so a decode worker prefills its own "
                             "streams too", pressures, from_role="decode", to_role="mixed")
     return whole
 
