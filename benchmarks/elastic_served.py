@@ -52,7 +52,7 @@ def layouts(args) -> list[tuple[str, list[str]]]:
     # colocated: n workers of a core each, and one worker on all the cores (torch threads = cores / workers)
     fixed += [(f"colocated {n}", ["--mode", "colocated", "--decode", str(n)]),
               ("colocated 1", ["--mode", "colocated", "--decode", "1"])]
-    start = args.elastic_prefill or (n // 2 if n % 2 == 0 else n // 2 + 1)  # default prefill-heavy, as phase 1 wants
+    start = _elastic_start(args)  # default prefill-heavy, as phase 1 wants
     elastic = (f"elastic from {start}P:{n - start}D",
                ["--prefill", str(start), "--decode", str(n - start), "--elastic-roles", "--role-budget",
                 "--role-budget-dwell-s", str(args.dwell_s), "--role-budget-window-s", str(args.window_s),
@@ -145,6 +145,40 @@ def serve_one(args, name: str, flags: list[str], slo: SLO) -> dict:
             "by_phase": {k: {"requests": n, "met": m} for k, (n, m) in by_phase.items()}, "timeline": scraper.rows}
 
 
+def simulate(args, slo: SLO, profile: str) -> dict[str, float]:
+    """The same phases in ``pdserve plan``'s simulator with the hardware profile ``profile``
+    (``cpu``: the one ``pdserve profile`` fitted on this machine): each layout's goodput by the
+    served layout's name (one colocated worker on every core is not modelled: a CPU profile is
+    of one thread). The elastic run replays the budget policy with the served run's settings."""
+    from pdserve.cluster.autoscaling import pool_config
+    from pdserve.planner.elastic import ElasticDriver, compare_layouts
+    from pdserve.planner.hardware import get_profile
+    from pdserve.planner.metrics import Slo
+    from pdserve.planner.model_spec import get_model
+    from pdserve.planner.search import PlanRequest
+    from pdserve.planner.simulator import Layout
+    from pdserve.planner.synthetic import LengthMix, shifting
+
+    prompts, answers = LengthMix(args.long_prompt, 16, 0.3, 2048), LengthMix(64, args.long_output, 0.3, 1024)
+    trace = shifting([(args.phase_s, args.rate_prompts, prompts), (args.phase_s, args.rate_answers, answers),
+                      (args.phase_s, args.rate_prompts, prompts)], args.seed)
+    sim_slo = Slo(slo.ttft_ms / 1000, slo.tpot_ms / 1000)
+    req = PlanRequest(get_model("SmolLM2-135M"), get_profile(profile), 1.0, prompts, sim_slo)
+    budget = BudgetConfig(dwell_s=args.dwell_s, window_s=args.window_s, ttft_slo_s=sim_slo.ttft_s,
+                          itl_slo_s=sim_slo.tpot_s)
+    driver = ElasticDriver(budget, budget.targets({pool: pool_config(pool) for pool in ("prefill", "decode")}))
+    n, start = args.workers, _elastic_start(args)
+    rows = compare_layouts(req, trace, Layout(start, n - start), driver)
+    names = [f"{k}P:{n - k}D" for k in range(1, n)] + [f"colocated {n}", f"elastic from {start}P:{n - start}D"]
+    return {name: result.goodput_rps(sim_slo) for name, (_, result) in zip(names, rows)}
+
+
+def _elastic_start(args) -> int:
+    """The prefill workers elastic roles start with: ``--elastic-prefill``, or half rounded up."""
+    n = args.workers
+    return args.elastic_prefill or (n // 2 if n % 2 == 0 else n // 2 + 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=3)
@@ -159,6 +193,9 @@ def main() -> int:
     ap.add_argument("--window-s", type=float, default=8.0)
     ap.add_argument("--elastic-prefill", type=int, default=None,
                     help="prefill workers elastic roles start with (default: half, rounded up)")
+    ap.add_argument("--simulate", default=None, metavar="PROFILE",
+                    help="also simulate each layout with this hardware profile (cpu: `pdserve profile`'s fit of this "
+                         "machine, or a profile .json) and print the simulated goodput beside the served one")
     ap.add_argument("--only", default=None, help="run only the layouts whose name contains this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=ROOT / ".bench" / "elastic")
@@ -177,10 +214,16 @@ def main() -> int:
     best = max(fixed) if fixed else None
     print(f"\nSLO TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms; phases of {args.phase_s:.0f} s: "
           + ", ".join(f"{p} {r} req/s ({pl} in, {ol} out)" for p, r, pl, ol in phases(args)) + "\n")
-    print("| layout | goodput req/s | met / requests | failed | vs best fixed |\n|---|---|---|---|---|")
+    simulated = simulate(args, slo, args.simulate) if args.simulate else {}
+    print("| layout | goodput req/s | met / requests | failed | vs best fixed | simulated goodput | served / simulated |"
+          "\n|---|---|---|---|---|---|---|")
     for r in rows:
         vs = f"{r['goodput_req_s'] / best:.2f}x" if best else "—"
-        print(f"| {r['layout']} | {r['goodput_req_s']:.3f} | {r['met']} / {r['requests']} | {r['failed']} | {vs} |")
+        sim = simulated.get(r["layout"])
+        r["simulated_goodput_req_s"] = sim
+        agree = f"{r['goodput_req_s'] / sim:.2f}" if sim else "—"
+        print(f"| {r['layout']} | {r['goodput_req_s']:.3f} | {r['met']} / {r['requests']} | {r['failed']} | {vs} | "
+              f"{'—' if sim is None else f'{sim:.3f}'} | {agree} |")
     doc = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     out = args.json or args.out_dir / "elastic_served.json"
     out.parent.mkdir(parents=True, exist_ok=True)

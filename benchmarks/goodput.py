@@ -6,6 +6,7 @@ requests per second that meet both a TTFT and a TPOT SLO (DistServe's goodput).
     .venv/bin/python benchmarks/goodput.py --rates 0.5,1,2 -- --mode colocated   # serve flags after --
     .venv/bin/python benchmarks/goodput.py --base-url http://127.0.0.1:8000 --rates 1,2
     .venv/bin/python benchmarks/goodput.py --slo-from .bench/goodput/disagg/goodput.json -- --mode colocated
+    .venv/bin/python benchmarks/goodput.py --compare A/goodput.json B/goodput.json [--plot P]  # runs side by side
 
 Without --base-url it starts `pdserve serve --port P --grpc-port G` (the `pdserve` beside this
 interpreter, this checkout's code on PYTHONPATH) with the flags after `--`, waits for /health,
@@ -145,6 +146,48 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def compare(paths: list[Path], plot_path: Path | None) -> str:
+    """Several sweeps' goodput.json (one SLO, the same rates) side by side: a markdown table of
+    goodput (attainment) per rate, the last run against the best of the others, and a plot of
+    goodput and ITL p99 against rate."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    rates = [r["rate"] for r in docs[0]["rows"]]
+    def objective(d: dict) -> tuple:  # the SLO itself, not the unloaded latencies each run measured
+        return d["slo"]["ttft_ms"], d["slo"]["tpot_ms"]
+
+    if any([r["rate"] for r in d["rows"]] != rates for d in docs) or any(objective(d) != objective(docs[0]) for d in docs):
+        raise SystemExit("--compare: the runs need the same rates and the same SLO")
+    head = " | ".join(d["label"] for d in docs)
+    out = [f"| rate req/s | {head} | {docs[-1]['label']} / best other |", "|" + "---|" * (len(docs) + 2)]
+    for i, rate in enumerate(rates):
+        cells = [f"{d['rows'][i]['goodput_req_s']:.2f} ({100 * d['rows'][i]['slo_attainment']:.0f}%)" for d in docs]
+        best = max(d["rows"][i]["goodput_req_s"] for d in docs[:-1])
+        ratio = docs[-1]["rows"][i]["goodput_req_s"] / best if best else float("nan")
+        out.append(f"| {rate:g} | {' | '.join(cells)} | {ratio:.2f}x |")
+    if plot_path is not None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        for d in docs:
+            a.plot(rates, [r["goodput_req_s"] for r in d["rows"]], marker="o", label=d["label"])
+            b.plot(rates, [r["itl_ms"]["p99"] for r in d["rows"]], marker="o", label=d["label"])
+        a.plot(rates, rates, color="grey", linewidth=0.8, label="offered")
+        a.set_ylabel("goodput (req/s meeting both SLOs)")
+        b.set_ylabel("ITL p99 (ms)")
+        for ax in (a, b):
+            ax.set_xlabel("request rate (req/s)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        slo = docs[0]["slo"]
+        fig.suptitle(f"SLO TTFT {slo['ttft_ms']:.0f} ms, TPOT {slo['tpot_ms']:.1f} ms")
+        fig.tight_layout()
+        fig.savefig(plot_path, dpi=90)
+        plt.close(fig)
+    return "\n".join(out)
+
+
 def parse_args(argv):
     own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,8 +234,14 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.processor import print_banner
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--compare":  # --compare A/goodput.json B/goodput.json ... [--plot P]: no serving
+        paths = argv[1:argv.index("--plot")] if "--plot" in argv else argv[1:]
+        print(compare([Path(p) for p in paths], Path(argv[argv.index("--plot") + 1]) if "--plot" in argv else None))
+        return 0
+
     print_banner()  # the processor and kernel path every figure below ran on
-    args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     loadavg_start = os.getloadavg()  # the machine is shared: what else ran, before and after
     with ExitStack() as stack:

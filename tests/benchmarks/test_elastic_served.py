@@ -40,3 +40,14 @@ def test_the_scraper_reads_the_routers_pool_series():
     assert m and m.groups() == ("role_budget_pressure", "decode", "1.25")
     assert SERIES.match('pdserve:pool_replicas{pool="prefill"} 2.0')
     assert MIXED.match("pdserve:mixed_workers 1.0").group(1) == "1.0"
+
+
+def test_the_simulated_comparison_names_the_served_layouts():
+    """--simulate: the same phases in the planner's simulator, by the served layouts' names (the
+    figures themselves are the benchmark's)."""
+    from benchmarks.elastic_served import simulate
+    from benchmarks.load import SLO
+
+    out = simulate(args(workers=2, phase_s=10.0, seed=0), SLO(1500.0, 70.0), "cpu")
+    assert list(out) == ["1P:1D", "colocated 2", "elastic from 1P:1D"]
+    assert all(g >= 0 for g in out.values())
