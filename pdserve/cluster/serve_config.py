@@ -64,7 +64,8 @@ def _role_budget(v: dict[str, Any]):
     if not v["role_budget"]:
         return None
     return BudgetConfig(dwell_s=v["role_budget_dwell_s"], window_s=v["role_budget_window_s"],
-                        ttft_slo_s=v["role_budget_ttft_slo_s"], itl_slo_s=v["role_budget_itl_slo_s"])
+                        ttft_slo_s=v["role_budget_ttft_slo_s"], itl_slo_s=v["role_budget_itl_slo_s"],
+                        mixed=v["role_budget_mixed"])
 
 
 def _role_tls(v: dict[str, Any]) -> tuple:

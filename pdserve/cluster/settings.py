@@ -89,6 +89,8 @@ def serve_settings() -> tuple[Setting, ...]:
                 "against (default: the prefill autoscaling policy's, 2 s)", above=0),
         Setting("role_budget_itl_slo_s", float, None, "the ITL p90 SLO the role budget weighs the decode pool "
                 "against (default: the decode autoscaling policy's, 0.2 s)", above=0),
+        Setting("role_budget_mixed", bool, budget.mixed, "the role budget may make a decode worker mixed (it "
+                "prefills the streams it takes) where no whole worker can move (docs/elastic-roles.md#the-budget-policy)"),
         Setting("local_prefill_max_tokens", int, local.max_tokens,
                 "conditional disaggregation: a prompt with fewer uncached tokens than this is prefilled by its "
                 "decode worker, not the prefill pool (0: off)", minimum=0),

@@ -111,6 +111,9 @@ def test_the_role_budget_comes_from_flags_and_needs_elastic_roles():
     config = build(resolve(parse(["--elastic-roles", "--role-budget", "--role-budget-dwell-s", "30"]),
                            environ={"PDSERVE_ROLE_BUDGET_WINDOW_S": "5"}))
     assert (config.role_budget.dwell_s, config.role_budget.window_s) == (30.0, 5.0)
+    assert config.role_budget.mixed  # half moves with the mixed role, unless turned off
+    whole = build(resolve(parse(["--elastic-roles", "--role-budget", "--no-role-budget-mixed"]), environ={}))
+    assert not whole.role_budget.mixed
     assert config.budget_targets()["decode"].slo_s == 0.2  # the decode autoscaling defaults' ITL SLO
     own = build(resolve(parse(["--elastic-roles", "--role-budget", "--role-budget-itl-slo-s", "0.05"]), environ={}))
     assert own.budget_targets()["decode"].slo_s == 0.05 and own.budget_targets()["prefill"].slo_s == 2.0
