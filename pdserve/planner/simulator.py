@@ -271,11 +271,7 @@ class Simulator:
         if choice.worker_id is None:
             return False
         w = self._worker(role, choice.worker_id)
-        self._last_placed[w.wid] = next(self._placed)
-        self._inflight[w.wid] += 1
-        w.add_prompt(seq)
-        self._kick(w)
-        self._touch(w)
+        self._take_prompt(w, seq)
         return True
 
     def _place_mixed(self, seq: SimSeq) -> bool:
@@ -289,12 +285,16 @@ class Simulator:
         prefill = [p.queued_tokens for p in self.pools["prefill"]]
         if prefill and min(prefill) < w.queued_tokens:
             return False
+        self._take_prompt(w, seq)
+        return True
+
+    def _take_prompt(self, w: SimWorker, seq: SimSeq) -> None:
+        """``w`` prefills ``seq`` (the router placed the prompt there)."""
         self._last_placed[w.wid] = next(self._placed)
         self._inflight[w.wid] += 1
         w.add_prompt(seq)
         self._kick(w)
         self._touch(w)
-        return True
 
     def _place_decode(self, seq: SimSeq, src: SimWorker) -> bool:
         blocks = -(-(seq.prompt + seq.remaining + 1) // self.spec.limits.block_size)

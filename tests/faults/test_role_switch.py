@@ -68,6 +68,26 @@ def changes(metrics: dict[str, float], from_role: str, to_role: str, reason: str
                        0.0)
 
 
+def run_balancer(cluster, stub, balancer, after_switch_s: float = 0.0) -> Load:
+    """``balancer`` running on ``cluster`` under the clients' load until it made a switch (or 60 s
+    passed), ``after_switch_s`` more, then stopped; the load's outcomes after it drained."""
+    cluster.role_balancer = balancer  # as LocalCluster._start_loops sets it: its pressures go with each push
+    try:
+        with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
+            load.wait_for(CLIENTS)
+            balancer.start()
+            deadline = time.monotonic() + 60
+            while not balancer.switches and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(after_switch_s)
+            balancer.stop()
+            load.wait_for(CLIENTS)
+    finally:
+        balancer.stop()
+        cluster.role_balancer = None
+    return load
+
+
 def test_a_worker_switches_role_back_and_forth_under_load_losing_nothing(cluster, stub, reference):
     worker = cluster.prefill_addresses[1]
     pid = ray.get(cluster.prefill[1].pid.remote(), timeout=10)
@@ -126,19 +146,7 @@ def test_the_budget_policy_moves_a_worker_to_the_pool_under_pressure(cluster, st
     balancer = RoleBalancer(cluster, BudgetConfig(window_s=2.0, dwell_s=2.0), targets, interval_s=0.25,
                             grace_s=GRACE_S)
     before = changes(switch_metrics(cluster), "prefill", "decode", "decode_pressure")
-    cluster.role_balancer = balancer  # as LocalCluster._start_loops sets it: its pressures go with each push
-    try:
-        with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
-            load.wait_for(CLIENTS)
-            balancer.start()
-            deadline = time.monotonic() + 60
-            while not balancer.switches and time.monotonic() < deadline:
-                time.sleep(0.2)
-            balancer.stop()
-            load.wait_for(CLIENTS)
-    finally:
-        balancer.stop()
-        cluster.role_balancer = None
+    load = run_balancer(cluster, stub, balancer)
     assert balancer.switches, [m.reason for _, m in list(balancer.moves)[-5:]]
     (moved,) = balancer.switches  # the dwell and the settling window held back a second one
     assert (moved.previous, moved.role, moved.reason) == ("prefill", "decode", "decode_pressure")
@@ -223,20 +231,7 @@ def test_the_budget_policy_makes_the_only_decode_worker_mixed_when_prompts_wait(
                             grace_s=GRACE_S)
     (decode,) = cluster.decode_addresses
     before = changes(switch_metrics(cluster), "decode", "mixed", "prefill_pressure")
-    cluster.role_balancer = balancer
-    try:
-        with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
-            load.wait_for(CLIENTS)
-            balancer.start()
-            deadline = time.monotonic() + 60
-            while not balancer.switches and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(3.0)  # past the dwell: the loop holds, it has nothing more to mix
-            balancer.stop()
-            load.wait_for(CLIENTS)
-    finally:
-        balancer.stop()
-        cluster.role_balancer = None
+    load = run_balancer(cluster, stub, balancer, after_switch_s=3.0)  # past the dwell: it holds, nothing left to mix
     assert balancer.switches, [m.reason for _, m in list(balancer.moves)[-5:]]
     (moved,) = balancer.switches
     assert (moved.address, moved.previous, moved.role, moved.reason) == (decode, "decode", "mixed", "prefill_pressure")
