@@ -44,15 +44,16 @@ def make_batch(query_lens, context_lens, dtype, num_blocks=160, seed=1):
     return q, tables, cu, torch.tensor(context_lens, dtype=torch.int32)
 
 
-def reference(q, k_cache, v_cache, tables, cu, ctx):
+def reference(q, k_cache, v_cache, tables, cu, ctx, scale=HD ** -0.5):
     """Causal softmax attention in float64, sequence by sequence, over gathered K/V."""
     out = torch.empty(q.shape, dtype=torch.float64)
+    bs, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     for b, c in enumerate(ctx.tolist()):
         s, e = cu[b].item(), cu[b + 1].item()
-        blocks = tables[b, : -(-c // BS)].long()
-        k = k_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(NH // NKV, 1)  # (c, NH, HD)
-        v = v_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(NH // NKV, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[s:e].double(), k) * HD ** -0.5
+        blocks = tables[b, : -(-c // bs)].long()
+        k = k_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(group, 1)  # (c, nh, hd)
+        v = v_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].double(), k) * scale
         pos = torch.arange(c - (e - s), c).unsqueeze(1)
         scores = scores.masked_fill(torch.arange(c).unsqueeze(0) > pos, float("-inf"))
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
@@ -69,7 +70,7 @@ CASES = {
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_float64_reference(op, case, dtype, tol):
+def test_matches_float64_reference(op, kernel_path, case, dtype, tol):
     k_cache, v_cache = make_cache(dtype)
     q, tables, cu, ctx = make_batch(*CASES[case], dtype)
     out = op(q, k_cache, v_cache, tables, cu, ctx, HD ** -0.5)
@@ -87,7 +88,7 @@ def test_a_query_that_sees_one_key_returns_that_value(op):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_sequence_is_bitwise_the_same_alone_and_in_any_batch(op, dtype):
+def test_a_sequence_is_bitwise_the_same_alone_and_in_any_batch(op, kernel_path, dtype):
     k_cache, v_cache = make_cache(dtype)
     q, tables, cu, ctx = make_batch([1, 20, 1, 1, 7], [333, 20, 5, 71, 100], dtype)
     batched = op(q, k_cache, v_cache, tables, cu, ctx, HD ** -0.5)
@@ -106,7 +107,7 @@ def test_a_sequence_is_bitwise_the_same_alone_and_in_any_batch(op, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_prompt_and_decode_give_the_whole_prompts_bits(op, dtype):
+def test_chunked_prompt_and_decode_give_the_whole_prompts_bits(op, kernel_path, dtype):
     """Every way of splitting a 150-token sequence into steps yields the same bits per position:
     whole prefill, chunks of 32 (with a decode row beside them), and one token at a time (the
     decode path a sequence takes before a preemption recompute)."""
@@ -132,7 +133,7 @@ def test_chunked_prompt_and_decode_give_the_whole_prompts_bits(op, dtype):
         assert torch.equal(one, whole[pos:pos + 1]), f"position {pos}"
 
 
-def test_thread_count_does_not_change_the_bits(op):
+def test_thread_count_does_not_change_the_bits(op, kernel_path):
     k_cache, v_cache = make_cache(torch.bfloat16)
     q, tables, cu, ctx = make_batch([1, 64, 1, 17, 1], [400, 64, 33, 200, 8], torch.bfloat16)
     before = torch.get_num_threads()
@@ -176,11 +177,14 @@ def test_auto_picks_the_paged_kernel_on_cpu_and_names_are_checked():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_kernel_path_gives_the_avx2_bits(op, kernel_path, dtype):
+def test_every_kernel_path_gives_the_avx2_bits_but_amx_in_bfloat16(op, kernel_path, dtype):
     """Paths with AVX-512 run prefill tiles through their own loops (attention_avx512.cpp),
     decode rows through the AVX2 ones: both must give the AVX2 loops' bits, or a position's
     result would change between a prefill and a recompute. A mixed batch exercises both, a
-    head_dim of 80 the 16-column tail, and 8 a head_dim the wide loops leave to AVX2."""
+    head_dim of 80 the 16-column tail, and 8 a head_dim the wide loops leave to AVX2. The amx
+    path runs bfloat16 on tiles (attention_amx.cpp), with bits of its own, held to the float64
+    reference here (and to its own invariance by the tests above); a head_dim the tiles do not
+    take (80, 8) stays on the AVX2 bits there too."""
     k, v = make_cache(dtype)
     q, tables, cu, ctx = make_batch(*CASES["mixed"], dtype)
     on_path = op(q, k, v, tables, cu, ctx, HD ** -0.5)
@@ -191,6 +195,51 @@ def test_every_kernel_path_gives_the_avx2_bits(op, kernel_path, dtype):
     odd_cu, odd_ctx = torch.tensor([0, 64, 70], dtype=torch.int32), torch.tensor([300, 6], dtype=torch.int32)
     odd_on_path = [op(qo, c, c, odd_tables, odd_cu, odd_ctx, 0.1) for qo, c in zip(q_odd, odd)]
     cpu_kernels.set_isa("avx2")
-    assert torch.equal(on_path, op(q, k, v, tables, cu, ctx, HD ** -0.5))
+    avx2 = op(q, k, v, tables, cu, ctx, HD ** -0.5)
+    if kernel_path == "amx" and dtype == torch.bfloat16:
+        assert not torch.equal(on_path, avx2)  # the tiles did run
+        torch.testing.assert_close(on_path.double(), reference(q, k, v, tables, cu, ctx), rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(on_path, avx2)
     for got, qo, c in zip(odd_on_path, q_odd, odd):
         assert torch.equal(got, op(qo, c, c, odd_tables, odd_cu, odd_ctx, 0.1))
+
+
+@pytest.mark.parametrize("hd,bs,group", [(32, 16, 1), (128, 32, 4), (64, 48, 2)])
+def test_tile_geometries_match_the_reference_and_their_decode(op, kernel_path, hd, bs, group):
+    """Head dims of one to four tile steps (32, 128: two passes over the output's columns),
+    blocks of 32 and 48 keys (several tiles of keys a block), 16 query rows of a group of
+    heads in one tile and not: against float64, and a decode row against its prefill's bits."""
+    g = torch.Generator().manual_seed(11)
+    nkv, blocks = 2, 40
+    cache = torch.randn(blocks, bs, 2, 2, nkv, hd, generator=g).to(torch.bfloat16)
+    k, v = cache[:, :, 1, 0], cache[:, :, 1, 1]
+    lens = [70, 3 * bs + 5]
+    tables = torch.zeros(2, 10, dtype=torch.int32)
+    tables[0, : -(-lens[0] // bs)] = torch.arange(-(-lens[0] // bs), dtype=torch.int32) + 20
+    tables[1, : -(-lens[1] // bs)] = torch.arange(-(-lens[1] // bs), dtype=torch.int32)
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    q = torch.randn(sum(lens), nkv * group, hd, generator=g).to(torch.bfloat16)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    out = op(q, k, v, tables, cu, ctx, hd ** -0.5)
+    ref = reference(q, k, v, tables, cu, ctx, hd ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+    last = sum(lens) - 1  # the second sequence's last position, decoded alone
+    one = op(q[last:], k, v, tables[1:], torch.tensor([0, 1], dtype=torch.int32), ctx[1:], hd ** -0.5)
+    assert torch.equal(one, out[last:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_what_the_cache_holds_past_a_sequence_never_reaches_its_result(op, kernel_path, dtype):
+    """The slots of a sequence's last block past its end hold another sequence's K/V, or
+    anything: NaN and infinity there change no bit of the result (the amx path's tiles read
+    them and drop their scores; a probability past a row's end is an exact zero)."""
+    k, v = make_cache(dtype)
+    q, tables, cu, ctx = make_batch([1, 9, 1], [37, 9, 300], dtype)
+    clean = op(q, k, v, tables, cu, ctx, HD ** -0.5)
+    for b, c in enumerate(ctx.tolist()):
+        block = tables[b, c // BS].item()
+        k[block, c % BS:] = float("nan")
+        v[block, c % BS:] = float("inf")
+    poisoned = op(q, k, v, tables, cu, ctx, HD ** -0.5)
+    assert torch.equal(poisoned, clean) and not poisoned.isnan().any()

@@ -1,5 +1,7 @@
-// Paged attention's AVX-512 loops (attention_avx512.cpp), called by paged_attention.cpp for
-// prefill tiles on every path but avx2. Same bits as its AVX2 loops; see both files.
+// Paged attention's wider loops, called by paged_attention.cpp: the AVX-512 ones
+// (attention_avx512.cpp) for prefill tiles on every path but avx2, the same bits as its AVX2
+// loops; and the AMX scores (attention_amx.cpp) for every bfloat16 work item on the amx path,
+// bits of their own.
 #pragma once
 
 #include <cstdint>
@@ -19,3 +21,30 @@ void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, c
                      float* acc);
 
 }  // namespace pdserve::attention512
+
+namespace pdserve::attention_amx {
+
+// The geometry the AMX scores take: head_dim a multiple of 32 up to 128, and blocks of the
+// cache a multiple of 16 keys.
+bool supported(int64_t hd, int64_t block_size);
+
+// out[r * stride + k] = (q_r . K_k) * scale for the blocks of 16 keys below n_max that row r
+// reaches (keys[r] = keys row r sees, non-decreasing in r; the rest of a block is computed
+// and left for the caller to ignore). qt: q in groups of 16 rows, each hd / 32 tiles of 16
+// pairs of head_dim x 16 rows (dword [g][t][p][n] = q[16 g + n][32 t + 2 p .. + 1], zero past
+// rows). cache + offsets[k]: key k's bfloat16 row; keys of one block are key_stride elements
+// apart.
+void scores(const uint32_t* qt, int64_t rows, int64_t hd, const uint16_t* cache, const int64_t* offsets,
+            int64_t key_stride, const int64_t* keys, int64_t n_max, int64_t stride, float scale, float* out);
+
+
+// out = V of keys [0, n) in the pairs layout of B tiles: per block of 32 keys, hd / 16 tiles
+// of 16 pairs of keys x 16 columns x 2 (512 bfloat16 each), zeros past n.
+void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t n, int64_t hd, uint16_t* out);
+
+// acc (rows rounded up to 16, x hd) = sum over k < keys[r] of bfloat16(p[r * stride + k]) *
+// V_k, with V from pair_values over at least keys[rows - 1] keys. keys non-decreasing in r.
+void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* keys,
+                     const uint16_t* pairs, float* acc);
+
+}  // namespace pdserve::attention_amx

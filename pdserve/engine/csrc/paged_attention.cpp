@@ -29,6 +29,11 @@
 // (engine/cpu_kernels.py) pin AVX2 + FMA and -ffp-contract=off, so the same bits come out
 // on every x86 machine. Decode, a prefill chunk and a preemption recompute of the same
 // position therefore produce identical bits.
+//
+// bfloat16 on the amx path is the exception: every work item's scores and weighted values run
+// on AMX tiles (attention_amx.cpp), with a fixed sequence of their own per element (and each
+// probability rounded to bfloat16 before it weighs V). The same argument holds for them on one
+// processor; they are not the bits above.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -84,6 +89,17 @@ struct Item {
 // Per-thread buffers, kept between calls (a layer call must not pay for zeroing them).
 using pdserve::Buffer;
 
+// Which (cache, call, sequence, kv head) a thread's prepared K or V rows came from, and how
+// many keys they cover: a thread's next items are usually earlier tiles of the same head.
+struct Prepared {
+  const void* cache = nullptr;
+  uint64_t call = 0;
+  int64_t seq = -1, head = -1, keys = 0;
+  bool holds(const void* c, uint64_t k, int64_t s, int64_t h, int64_t n) const {
+    return cache == c && call == k && seq == s && head == h && keys >= n;
+  }
+};
+
 struct Scratch {
   // (R, hd), (R, S), (R, hd), (KEYS, hd), (R,); zero: (hd,) the row read for keys past the end.
   Buffer q{0}, scores{16}, acc{32}, kv{48}, denom{13}, zero{29};
@@ -91,9 +107,11 @@ struct Scratch {
   // The wide loops' K (transposed, blocks of 16 keys) and V (rows) of one (sequence, kv head)
   // in float32, kept while the thread's next items are tiles of the same sequence and head.
   Buffer kt{45}, vrows{61};
-  const void* wide_for = nullptr;  // the cache these came from; with wide_call, seq and head
-  uint64_t wide_call = 0;
-  int64_t wide_seq = -1, wide_head = -1, wide_keys = 0;
+  Prepared wide;
+  bool wide_has_k = false;
+  // The amx path's q as tiles of pairs, and V in the pairs layout (attention_kernels.h).
+  Buffer qt{7}, vpairs{23};
+  Prepared pairs;
   void reserve(int64_t rows, int64_t max_keys, int64_t hd) {
     q.grow(rows * hd); scores.grow(rows * max_keys); acc.grow(rows * hd); kv.grow(KEYS * hd);
     denom.grow(rows); zero.grow(hd); grow(offsets, max_keys); grow(keys, rows);
@@ -108,9 +126,9 @@ template <typename T>
 class Worker {
  public:
   Worker(const Geometry& g, const T* q, const T* k, const T* v, T* out, const int32_t* tables,
-         const int32_t* cu_q, const int32_t* ctx, float scale, Scratch& s, bool wide, uint64_t call)
+         const int32_t* cu_q, const int32_t* ctx, float scale, Scratch& s, bool wide, bool amx, uint64_t call)
       : g_(g), q_(q), k_(k), v_(v), out_(out), tables_(tables), cu_q_(cu_q), ctx_(ctx), scale_(scale), s_(s),
-        wide_(wide), call_(call) {}
+        wide_(wide), amx_(amx), call_(call) {}
 
   void run(const Item& it) {
     const int64_t qlen = cu_q_[it.seq + 1] - cu_q_[it.seq];
@@ -122,16 +140,27 @@ class Worker {
     const int64_t tok0 = cu_q_[it.seq] + it.q_begin;
     for (int64_t r = 0; r < rows; ++r) {
       s_.keys[r] = pos0 + r / g_.group + 1;
-      widen_row(q_ + (tok0 + r / g_.group) * g_.q_tok + (it.kv_head * g_.group + r % g_.group) * g_.q_head,
-                s_.q.data() + r * hd, hd);
+      if (!amx_) widen_row(q_row(tok0, it, r), s_.q.data() + r * hd, hd);
     }
     key_offsets(tables_ + static_cast<int64_t>(it.seq) * g_.max_blocks, it.kv_head, n_max);
-    // Tiles of many rows take the AVX-512 loops where the path has them: the same bits.
-    if (wide_ && rows >= WIDE_MIN_ROWS) {
-      wide_tile(it, rows, n_max, stride);
+    const bool wide = wide_ && rows >= WIDE_MIN_ROWS;  // tiles of many rows take the AVX-512 loops
+    if (amx_) {
+      amx_scores(tok0, it, rows, n_max, stride);
+    } else if (wide) {
+      widen_kv(it, n_max, true);
+      pdserve::attention512::scores(s_.q.data(), rows, hd, s_.keys.data(), s_.kt.data(), n_max, stride, scale_,
+                                    s_.scores.data());
     } else {
       scores(rows, n_max, stride);
-      for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
+    }
+    for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
+    if (amx_) {
+      amx_values(it, rows, n_max, stride);
+    } else if (wide) {
+      widen_kv(it, n_max, !amx_);
+      pdserve::attention512::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), s_.vrows.data(),
+                                             s_.acc.data());
+    } else {
       weighted_values(rows, n_max, stride);
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -143,43 +172,65 @@ class Worker {
   }
 
  private:
-  // The wide loops' inputs: K rows [0, n) transposed into blocks of 16 keys (zero past n), and
-  // V rows [0, n), both float32. Kept across the thread's items of one sequence and kv head
-  // (the latest tile comes first and sees the most keys), so a prefill widens each row once.
-  // Scores, softmax and weighted values of one tile by attention_avx512.cpp's loops.
-  void wide_tile(const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
-    const int64_t hd = g_.hd;
-    widen_kv(it, n_max);
-    pdserve::attention512::scores(s_.q.data(), rows, hd, s_.keys.data(), s_.kt.data(), n_max, stride, scale_,
-                                  s_.scores.data());
-    for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
-    pdserve::attention512::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), s_.vrows.data(),
-                                           s_.acc.data());
+  // Query row r of the item: its token's q for one head of the group.
+  const T* q_row(int64_t tok0, const Item& it, int64_t r) const {
+    return q_ + (tok0 + r / g_.group) * g_.q_tok + (it.kv_head * g_.group + r % g_.group) * g_.q_head;
   }
 
-  void widen_kv(const Item& it, int64_t n) {
-    if (s_.wide_for == k_ && s_.wide_call == call_ && s_.wide_seq == it.seq && s_.wide_head == it.kv_head &&
-        s_.wide_keys >= n)
-      return;
+  // The amx path's scores (attention_amx.cpp): q as tiles of pairs of head_dim, K read in place.
+  void amx_scores(int64_t tok0, const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
+    const int64_t hd = g_.hd, steps = hd / 32, groups = (rows + 15) / 16;
+    s_.qt.grow(groups * steps * 256);
+    uint32_t* qt = reinterpret_cast<uint32_t*>(s_.qt.data());
+    std::fill(qt, qt + groups * steps * 256, 0u);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* q = q_row(tok0, it, r);
+      uint32_t* group = qt + (r / 16) * steps * 256 + r % 16;
+      for (int64_t pair = 0; pair < hd / 2; ++pair)  // [step][pair within the step][row]
+        std::memcpy(group + (pair / 16) * 256 + (pair % 16) * 16, q + 2 * pair, 4);
+    }
+    pdserve::attention_amx::scores(qt, rows, hd, reinterpret_cast<const uint16_t*>(k_), s_.offsets.data(),
+                                   g_.cache_token, s_.keys.data(), n_max, stride, scale_, s_.scores.data());
+  }
+
+  // The amx path's weighted values: V in the pairs layout, kept across the thread's items of one
+  // sequence and kv head as the wide loops' rows are.
+  void amx_values(const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
+    const int64_t hd = g_.hd, padded = (n_max + 31) / 32 * 32;
+    if (!s_.pairs.holds(k_, call_, it.seq, it.kv_head, n_max)) {
+      s_.vpairs.grow(padded * hd / 2);  // bfloat16, two to a float
+      pdserve::attention_amx::pair_values(reinterpret_cast<const uint16_t*>(v_), s_.offsets.data(), n_max, hd,
+                                          reinterpret_cast<uint16_t*>(s_.vpairs.data()));
+      s_.pairs = {k_, call_, it.seq, it.kv_head, n_max};
+    }
+    s_.acc.grow((rows + 15) / 16 * 16 * hd);  // whole tiles of rows
+    pdserve::attention_amx::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(),
+                                            reinterpret_cast<const uint16_t*>(s_.vpairs.data()), s_.acc.data());
+  }
+
+  // The wide loops' inputs: V rows [0, n) and, with_k, K rows [0, n) transposed into blocks of
+  // 16 keys (zero past n), all float32. Kept across the thread's items of one sequence and kv
+  // head (the latest tile comes first and sees the most keys), so a prefill widens each row once.
+  void widen_kv(const Item& it, int64_t n, bool with_k) {
+    if (s_.wide.holds(k_, call_, it.seq, it.kv_head, n) && (s_.wide_has_k || !with_k)) return;
     const int64_t hd = g_.hd, padded = (n + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
-    s_.kt.grow(padded * hd);
+    if (with_k) s_.kt.grow(padded * hd);
     s_.vrows.grow(padded * hd);
     float* row = s_.kv.data();
     for (int64_t k = 0; k < padded; ++k) {
       float* kt = s_.kt.data() + (k / WIDE_KEYS) * WIDE_KEYS * hd + k % WIDE_KEYS;
       if (k < n) {
-        widen_row(k_ + s_.offsets[k], row, hd);
-        for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = row[d];
+        if (with_k) {
+          widen_row(k_ + s_.offsets[k], row, hd);
+          for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = row[d];
+        }
         widen_row(v_ + s_.offsets[k], s_.vrows.data() + k * hd, hd);
-      } else {
+      } else if (with_k) {
         for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = 0.f;
       }
     }
-    s_.wide_for = k_;
-    s_.wide_call = call_;
-    s_.wide_seq = it.seq;
-    s_.wide_head = it.kv_head;
-    s_.wide_keys = n;
+    s_.wide = {k_, call_, it.seq, it.kv_head, n};
+    s_.wide_has_k = with_k;
   }
 
   // offsets[k]: where key k's row of this kv head starts, in elements from the cache base.
@@ -297,7 +348,7 @@ class Worker {
   const int32_t *tables_, *cu_q_, *ctx_;
   float scale_;
   Scratch& s_;
-  const bool wide_;
+  const bool wide_, amx_;
   const uint64_t call_;
 };
 
@@ -317,7 +368,11 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
   }
   if (items.empty()) return;
   const int64_t max_keys = (max_ctx + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
-  const bool wide = pdserve::current_isa() != pdserve::Isa::kAvx2 && g.hd % 16 == 0;
+  const pdserve::Isa isa = pdserve::current_isa();
+  const bool wide = isa != pdserve::Isa::kAvx2 && g.hd % 16 == 0;
+  // bfloat16 on the amx path: every item's scores on tiles, decode and prefill alike.
+  const bool amx = std::is_same_v<T, c10::BFloat16> && isa == pdserve::Isa::kAmx &&
+                   pdserve::attention_amx::supported(g.hd, g.block_size);
   static std::atomic<uint64_t> calls{0};
   const uint64_t call = ++calls;  // a thread's widened K/V is reused only within this call
   // Which thread runs an item never changes its arithmetic, so a work queue is safe here.
@@ -325,7 +380,7 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
     thread_local Scratch scratch;
     scratch.reserve(QUERY_TILE * g.group, max_keys, g.hd);
     Worker<T> w(g, q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
-                tables, cu_q, ctx, scale, scratch, wide, call);
+                tables, cu_q, ctx, scale, scratch, wide, amx, call);
     for (int64_t i = b; i < e; ++i) w.run(items[i]);
   }, 4);
 }
