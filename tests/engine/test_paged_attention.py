@@ -177,14 +177,15 @@ def test_auto_picks_the_paged_kernel_on_cpu_and_names_are_checked():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_kernel_path_gives_the_avx2_bits_but_amx_in_bfloat16(op, kernel_path, dtype):
+def test_every_kernel_path_gives_the_avx2_bits_but_the_pairs_kernels_in_bfloat16(op, kernel_path, dtype):
     """Paths with AVX-512 run prefill tiles through their own loops (attention_avx512.cpp),
     decode rows through the AVX2 ones: both must give the AVX2 loops' bits, or a position's
     result would change between a prefill and a recompute. A mixed batch exercises both, a
-    head_dim of 80 the 16-column tail, and 8 a head_dim the wide loops leave to AVX2. The amx
-    path runs bfloat16 on tiles (attention_amx.cpp), with bits of its own, held to the float64
-    reference here (and to its own invariance by the tests above); a head_dim the tiles do not
-    take (80, 8) stays on the AVX2 bits there too."""
+    head_dim of 80 the 16-column tail, and 8 a head_dim the wide loops leave to AVX2. In
+    bfloat16 the avx512_bf16 and amx paths run pairs kernels (attention_bf16.cpp, VDPBF16PS;
+    attention_amx.cpp, tiles) with bits of their own, held to the float64 reference here (and
+    to their own invariance by the tests above); a head_dim they do not take (80, 8) stays on
+    the AVX2 bits there too."""
     k, v = make_cache(dtype)
     q, tables, cu, ctx = make_batch(*CASES["mixed"], dtype)
     on_path = op(q, k, v, tables, cu, ctx, HD ** -0.5)
@@ -196,8 +197,8 @@ def test_every_kernel_path_gives_the_avx2_bits_but_amx_in_bfloat16(op, kernel_pa
     odd_on_path = [op(qo, c, c, odd_tables, odd_cu, odd_ctx, 0.1) for qo, c in zip(q_odd, odd)]
     cpu_kernels.set_isa("avx2")
     avx2 = op(q, k, v, tables, cu, ctx, HD ** -0.5)
-    if kernel_path == "amx" and dtype == torch.bfloat16:
-        assert not torch.equal(on_path, avx2)  # the tiles did run
+    if kernel_path in ("avx512_bf16", "amx") and dtype == torch.bfloat16:
+        assert not torch.equal(on_path, avx2)  # the pairs kernels did run
         torch.testing.assert_close(on_path.double(), reference(q, k, v, tables, cu, ctx), rtol=1e-2, atol=1e-2)
     else:
         assert torch.equal(on_path, avx2)

@@ -24,8 +24,8 @@
 // rounded once to bfloat16 (round to nearest even) on its way into the tile, as flash
 // attention does on GPUs and torch's CPU attention does, while the softmax's sum that divides
 // the result stays the float32 sum of the unrounded ones. V goes into the pairs layout (two
-// keys' values side by side per column) once per work item, with zeros past the item's last
-// key. out(r, d) is one float32 accumulator updated block of 32 keys after block, in order,
+// keys' values side by side per column, attention_bf16.cpp's pair_values) once per work item,
+// with zeros past the item's last key. out(r, d) is one float32 accumulator updated block of 32 keys after block, in order,
 // from row r of P and column d of V alone; a row's probabilities past its own last key are
 // exact zeros, so the blocks a longer row of its tile adds change nothing.
 #include "attention_kernels.h"
@@ -179,34 +179,6 @@ void group_values(const float* p, int64_t stride, const int64_t* keys, int64_t r
 }  // namespace
 
 namespace pdserve::attention_amx {
-
-void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t n, int64_t hd, uint16_t* out) {
-  __m512i lo_idx, hi_idx;  // (a[i], b[i]) for i in [0, 16), and for i in [16, 32)
-  {
-    alignas(64) uint16_t lo[32], hi[32];
-    for (int i = 0; i < 16; ++i) {
-      lo[2 * i] = i, lo[2 * i + 1] = 32 + i;
-      hi[2 * i] = 16 + i, hi[2 * i + 1] = 48 + i;
-    }
-    lo_idx = _mm512_load_si512(lo);
-    hi_idx = _mm512_load_si512(hi);
-  }
-  const int64_t tiles = hd / 16;
-  for (int64_t k0 = 0; k0 < n; k0 += 32) {
-    uint16_t* block = out + (k0 / 32) * tiles * 512;
-    for (int64_t pair = 0; pair < 16; ++pair) {
-      const int64_t k = k0 + 2 * pair;
-      const uint16_t* v0 = k < n ? cache + offsets[k] : nullptr;
-      const uint16_t* v1 = k + 1 < n ? cache + offsets[k + 1] : nullptr;
-      for (int64_t h = 0; h < hd / 32; ++h) {
-        const __m512i a = v0 ? _mm512_loadu_si512(v0 + 32 * h) : _mm512_setzero_si512();
-        const __m512i b = v1 ? _mm512_loadu_si512(v1 + 32 * h) : _mm512_setzero_si512();
-        _mm512_storeu_si512(block + (2 * h) * 512 + pair * 32, _mm512_permutex2var_epi16(a, lo_idx, b));
-        _mm512_storeu_si512(block + (2 * h + 1) * 512 + pair * 32, _mm512_permutex2var_epi16(a, hi_idx, b));
-      }
-    }
-  }
-}
 
 void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* keys,
                      const uint16_t* pairs, float* acc) {

@@ -1,7 +1,7 @@
 // Paged attention's wider loops, called by paged_attention.cpp: the AVX-512 ones
 // (attention_avx512.cpp) for prefill tiles on every path but avx2, the same bits as its AVX2
-// loops; and the AMX scores (attention_amx.cpp) for every bfloat16 work item on the amx path,
-// bits of their own.
+// loops; for every bfloat16 work item, VDPBF16PS (attention_bf16.cpp) on the avx512_bf16 path
+// and AMX tiles (attention_amx.cpp) on the amx path, each with bits of its own.
 #pragma once
 
 #include <cstdint>
@@ -38,13 +38,34 @@ void scores(const uint32_t* qt, int64_t rows, int64_t hd, const uint16_t* cache,
             int64_t key_stride, const int64_t* keys, int64_t n_max, int64_t stride, float scale, float* out);
 
 
-// out = V of keys [0, n) in the pairs layout of B tiles: per block of 32 keys, hd / 16 tiles
-// of 16 pairs of keys x 16 columns x 2 (512 bfloat16 each), zeros past n.
-void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t n, int64_t hd, uint16_t* out);
-
 // acc (rows rounded up to 16, x hd) = sum over k < keys[r] of bfloat16(p[r * stride + k]) *
 // V_k, with V from pair_values over at least keys[rows - 1] keys. keys non-decreasing in r.
 void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* keys,
                      const uint16_t* pairs, float* acc);
 
 }  // namespace pdserve::attention_amx
+
+namespace pdserve::attention_bf16 {
+
+// out = V of keys [0, n) in the pairs layout (B tiles of AMX, rows of VDPBF16PS): per block of
+// 32 keys, hd / 16 tiles of 16 pairs of keys x 16 columns x 2 (512 bfloat16 each), zeros past
+// n. hd % 32 == 0.
+void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t n, int64_t hd, uint16_t* out);
+
+// out = K of keys [0, n) as blocks of 16 keys, each hd / 2 rows of 16 dwords (row p: the pair
+// 2p, 2p+1 of head_dim of each key), zeros past n. hd % 32 == 0.
+void transpose_keys(const uint16_t* cache, const int64_t* offsets, int64_t n, int64_t hd, uint32_t* out);
+
+// out[r * stride + k] = (q_r . K_k) * scale for the blocks of 16 keys below n_max that row r
+// reaches (and possibly its neighbours' blocks: the caller ignores keys past a row's own). q:
+// rows x hd bfloat16 (as hd / 2 dwords a row); kt from transpose_keys.
+void scores(const uint32_t* q, int64_t rows, int64_t hd, const int64_t* keys, const uint32_t* kt, int64_t n_max,
+            int64_t stride, float scale, float* out);
+
+// acc (rows x hd) = sum over k < keys[r] of bfloat16(p[r * stride + k]) * V_k, V from
+// pair_values over at least keys[rows - 1] keys; pb: scratch of rows x keys[rows - 1]
+// rounded up to 32 bfloat16. keys non-decreasing in r.
+void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* keys,
+                     const uint16_t* pairs, uint16_t* pb, float* acc);
+
+}  // namespace pdserve::attention_bf16

@@ -30,10 +30,10 @@
 // on every x86 machine. Decode, a prefill chunk and a preemption recompute of the same
 // position therefore produce identical bits.
 //
-// bfloat16 on the amx path is the exception: every work item's scores and weighted values run
-// on AMX tiles (attention_amx.cpp), with a fixed sequence of their own per element (and each
-// probability rounded to bfloat16 before it weighs V). The same argument holds for them on one
-// processor; they are not the bits above.
+// bfloat16 on the avx512_bf16 and amx paths is the exception: every work item's scores and
+// weighted values run on VDPBF16PS (attention_bf16.cpp) or AMX tiles (attention_amx.cpp), with
+// a fixed sequence of their own per element (and each probability rounded to bfloat16 before
+// it weighs V). The same argument holds for them on one processor; they are not the bits above.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -86,6 +86,9 @@ struct Item {
   int32_t seq, kv_head, q_begin, q_end;  // queries [q_begin, q_end) of the sequence
 };
 
+// Which bfloat16 kernels take every work item: none (the float32 FMA loops), VDPBF16PS, AMX.
+enum class Pairs { kNone, kDot, kAmx };
+
 // Per-thread buffers, kept between calls (a layer call must not pay for zeroing them).
 using pdserve::Buffer;
 
@@ -109,9 +112,10 @@ struct Scratch {
   Buffer kt{45}, vrows{61};
   Prepared wide;
   bool wide_has_k = false;
-  // The amx path's q as tiles of pairs, and V in the pairs layout (attention_kernels.h).
-  Buffer qt{7}, vpairs{23};
-  Prepared pairs;
+  // The pairs kernels' q (amx: as tiles of pairs; avx512_bf16: rows), V in the pairs layout,
+  // avx512_bf16's K transposed and its probabilities in bfloat16 (attention_kernels.h).
+  Buffer qt{7}, vpairs{23}, kpairs{39}, pb{55};
+  Prepared pairs, kpaired;
   void reserve(int64_t rows, int64_t max_keys, int64_t hd) {
     q.grow(rows * hd); scores.grow(rows * max_keys); acc.grow(rows * hd); kv.grow(KEYS * hd);
     denom.grow(rows); zero.grow(hd); grow(offsets, max_keys); grow(keys, rows);
@@ -126,9 +130,9 @@ template <typename T>
 class Worker {
  public:
   Worker(const Geometry& g, const T* q, const T* k, const T* v, T* out, const int32_t* tables,
-         const int32_t* cu_q, const int32_t* ctx, float scale, Scratch& s, bool wide, bool amx, uint64_t call)
+         const int32_t* cu_q, const int32_t* ctx, float scale, Scratch& s, bool wide, Pairs pairs, uint64_t call)
       : g_(g), q_(q), k_(k), v_(v), out_(out), tables_(tables), cu_q_(cu_q), ctx_(ctx), scale_(scale), s_(s),
-        wide_(wide), amx_(amx), call_(call) {}
+        wide_(wide), amx_(pairs == Pairs::kAmx), dot_(pairs == Pairs::kDot), call_(call) {}
 
   void run(const Item& it) {
     const int64_t qlen = cu_q_[it.seq + 1] - cu_q_[it.seq];
@@ -140,12 +144,14 @@ class Worker {
     const int64_t tok0 = cu_q_[it.seq] + it.q_begin;
     for (int64_t r = 0; r < rows; ++r) {
       s_.keys[r] = pos0 + r / g_.group + 1;
-      if (!amx_) widen_row(q_row(tok0, it, r), s_.q.data() + r * hd, hd);
+      if (!amx_ && !dot_) widen_row(q_row(tok0, it, r), s_.q.data() + r * hd, hd);
     }
     key_offsets(tables_ + static_cast<int64_t>(it.seq) * g_.max_blocks, it.kv_head, n_max);
     const bool wide = wide_ && rows >= WIDE_MIN_ROWS;  // tiles of many rows take the AVX-512 loops
     if (amx_) {
       amx_scores(tok0, it, rows, n_max, stride);
+    } else if (dot_) {
+      dot_scores(tok0, it, rows, n_max, stride);
     } else if (wide) {
       widen_kv(it, n_max, true);
       pdserve::attention512::scores(s_.q.data(), rows, hd, s_.keys.data(), s_.kt.data(), n_max, stride, scale_,
@@ -154,10 +160,10 @@ class Worker {
       scores(rows, n_max, stride);
     }
     for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
-    if (amx_) {
-      amx_values(it, rows, n_max, stride);
+    if (amx_ || dot_) {
+      pairs_values(it, rows, n_max, stride);
     } else if (wide) {
-      widen_kv(it, n_max, !amx_);
+      widen_kv(it, n_max, true);
       pdserve::attention512::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), s_.vrows.data(),
                                              s_.acc.data());
     } else {
@@ -193,19 +199,43 @@ class Worker {
                                    g_.cache_token, s_.keys.data(), n_max, stride, scale_, s_.scores.data());
   }
 
-  // The amx path's weighted values: V in the pairs layout, kept across the thread's items of one
-  // sequence and kv head as the wide loops' rows are.
-  void amx_values(const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
+  // The avx512_bf16 path's scores (attention_bf16.cpp): q's rows as bfloat16, K transposed into
+  // blocks of 16 keys, kept across the thread's items of one sequence and kv head.
+  void dot_scores(int64_t tok0, const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
+    const int64_t hd = g_.hd, padded = (n_max + 15) / 16 * 16;
+    s_.qt.grow(rows * hd / 2);
+    uint16_t* q = reinterpret_cast<uint16_t*>(s_.qt.data());
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(q + r * hd, q_row(tok0, it, r), hd * 2);
+    if (!s_.kpaired.holds(k_, call_, it.seq, it.kv_head, n_max)) {
+      s_.kpairs.grow(padded * hd / 2);
+      pdserve::attention_bf16::transpose_keys(reinterpret_cast<const uint16_t*>(k_), s_.offsets.data(), n_max, hd,
+                                              reinterpret_cast<uint32_t*>(s_.kpairs.data()));
+      s_.kpaired = {k_, call_, it.seq, it.kv_head, n_max};
+    }
+    pdserve::attention_bf16::scores(reinterpret_cast<const uint32_t*>(q), rows, hd, s_.keys.data(),
+                                    reinterpret_cast<const uint32_t*>(s_.kpairs.data()), n_max, stride, scale_,
+                                    s_.scores.data());
+  }
+
+  // Weighted values of the pairs kernels (amx and avx512_bf16): V in the pairs layout, kept
+  // across the thread's items of one sequence and kv head as the wide loops' rows are.
+  void pairs_values(const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
     const int64_t hd = g_.hd, padded = (n_max + 31) / 32 * 32;
     if (!s_.pairs.holds(k_, call_, it.seq, it.kv_head, n_max)) {
       s_.vpairs.grow(padded * hd / 2);  // bfloat16, two to a float
-      pdserve::attention_amx::pair_values(reinterpret_cast<const uint16_t*>(v_), s_.offsets.data(), n_max, hd,
+      pdserve::attention_bf16::pair_values(reinterpret_cast<const uint16_t*>(v_), s_.offsets.data(), n_max, hd,
                                           reinterpret_cast<uint16_t*>(s_.vpairs.data()));
       s_.pairs = {k_, call_, it.seq, it.kv_head, n_max};
     }
+    const uint16_t* pairs = reinterpret_cast<const uint16_t*>(s_.vpairs.data());
+    if (dot_) {
+      s_.pb.grow(rows * padded / 2);
+      pdserve::attention_bf16::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), pairs,
+                                               reinterpret_cast<uint16_t*>(s_.pb.data()), s_.acc.data());
+      return;
+    }
     s_.acc.grow((rows + 15) / 16 * 16 * hd);  // whole tiles of rows
-    pdserve::attention_amx::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(),
-                                            reinterpret_cast<const uint16_t*>(s_.vpairs.data()), s_.acc.data());
+    pdserve::attention_amx::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), pairs, s_.acc.data());
   }
 
   // The wide loops' inputs: V rows [0, n) and, with_k, K rows [0, n) transposed into blocks of
@@ -348,7 +378,7 @@ class Worker {
   const int32_t *tables_, *cu_q_, *ctx_;
   float scale_;
   Scratch& s_;
-  const bool wide_, amx_;
+  const bool wide_, amx_, dot_;
   const uint64_t call_;
 };
 
@@ -370,9 +400,13 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
   const int64_t max_keys = (max_ctx + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
   const pdserve::Isa isa = pdserve::current_isa();
   const bool wide = isa != pdserve::Isa::kAvx2 && g.hd % 16 == 0;
-  // bfloat16 on the amx path: every item's scores on tiles, decode and prefill alike.
-  const bool amx = std::is_same_v<T, c10::BFloat16> && isa == pdserve::Isa::kAmx &&
-                   pdserve::attention_amx::supported(g.hd, g.block_size);
+  // bfloat16 on the pairs paths: every item on tiles (amx) or VDPBF16PS (avx512_bf16), decode
+  // and prefill alike, where the geometry suits them.
+  Pairs pairs = Pairs::kNone;
+  if (std::is_same_v<T, c10::BFloat16> && isa == pdserve::Isa::kAmx && pdserve::attention_amx::supported(g.hd, g.block_size))
+    pairs = Pairs::kAmx;
+  else if (std::is_same_v<T, c10::BFloat16> && isa == pdserve::Isa::kAvx512Bf16 && g.hd % 32 == 0)
+    pairs = Pairs::kDot;
   static std::atomic<uint64_t> calls{0};
   const uint64_t call = ++calls;  // a thread's widened K/V is reused only within this call
   // Which thread runs an item never changes its arithmetic, so a work queue is safe here.
@@ -380,7 +414,7 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
     thread_local Scratch scratch;
     scratch.reserve(QUERY_TILE * g.group, max_keys, g.hd);
     Worker<T> w(g, q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
-                tables, cu_q, ctx, scale, scratch, wide, amx, call);
+                tables, cu_q, ctx, scale, scratch, wide, pairs, call);
     for (int64_t i = b; i < e; ++i) w.run(items[i]);
   }, 4);
 }
