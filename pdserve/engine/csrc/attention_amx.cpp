@@ -25,9 +25,10 @@
 // attention does on GPUs and torch's CPU attention does, while the softmax's sum that divides
 // the result stays the float32 sum of the unrounded ones. V goes into the pairs layout (two
 // keys' values side by side per column, attention_bf16.cpp's pair_values) once per work item,
-// with zeros past the item's last key. out(r, d) is one float32 accumulator updated block of 32 keys after block, in order,
-// from row r of P and column d of V alone; a row's probabilities past its own last key are
-// exact zeros, so the blocks a longer row of its tile adds change nothing.
+// with zeros past the item's last key. out(r, d) is one float32 accumulator updated block of
+// 32 keys after block, in order, from row r of P and column d of V alone; a row's
+// probabilities past its own last key are exact zeros, so the blocks a longer row of its tile
+// adds change nothing.
 #include "attention_kernels.h"
 
 #include <immintrin.h>
@@ -102,8 +103,8 @@ void scores_steps(const uint32_t* qt, int64_t rows, const uint16_t* cache, const
   alignas(64) float c[KEYS * ROWS];
   configure();
   for (int64_t k0 = 0; k0 < n_max && keys[rows - 1] > k0; k0 += KEYS) {
-    // The next group's rows: each is a line or two far from the last (a token's KV of every
-    // layer lies between), too far for the hardware prefetcher.
+    // The next group's rows: consecutive keys lie a whole token's KV (every layer's) apart,
+    // too far for the hardware prefetcher.
     for (int64_t k = k0 + KEYS; k < k0 + 2 * KEYS && k < n_max; ++k) {
       const char* p = reinterpret_cast<const char*>(cache + offsets[k]);
       for (int64_t b = 0; b < STEPS * DIMS * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
@@ -132,6 +133,10 @@ inline void probabilities(const float* p, int64_t stride, const int64_t* keys, i
   for (int64_t i = 0; i < ROWS; ++i) {
     const int64_t r = r0 + i;
     const int64_t n = r < r1 ? std::clamp<int64_t>(keys[r] - k0, 0, 32) : 0;
+    if (n == 0) {
+      _mm512_storeu_si512(out + i * 32, _mm512_setzero_si512());
+      continue;
+    }
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
     const float* row = p + r * stride + k0;

@@ -184,7 +184,8 @@ static void probabilities(const float* p, int64_t n, int64_t count, uint16_t* ou
     const int64_t m = std::clamp<int64_t>(n - k0, 0, 32);
     const __mmask16 lo = m >= 16 ? 0xffff : static_cast<__mmask16>((1u << m) - 1);
     const __mmask16 hi = m >= 32 ? 0xffff : m > 16 ? static_cast<__mmask16>((1u << (m - 16)) - 1) : 0;
-    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + k0 + 16), _mm512_maskz_loadu_ps(lo, p + k0));
+    const __m512bh both =
+        _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + k0 + 16), _mm512_maskz_loadu_ps(lo, p + k0));
     _mm512_storeu_si512(out + k0, reinterpret_cast<const __m512i&>(both));
   }
 }

@@ -111,7 +111,6 @@ struct Scratch {
   // in float32, kept while the thread's next items are tiles of the same sequence and head.
   Buffer kt{45}, vrows{61};
   Prepared wide;
-  bool wide_has_k = false;
   // The pairs kernels' q (amx: as tiles of pairs; avx512_bf16: rows), V in the pairs layout,
   // avx512_bf16's K transposed and its probabilities in bfloat16 (attention_kernels.h).
   Buffer qt{7}, vpairs{23}, kpairs{39}, pb{55};
@@ -153,7 +152,7 @@ class Worker {
     } else if (dot_) {
       dot_scores(tok0, it, rows, n_max, stride);
     } else if (wide) {
-      widen_kv(it, n_max, true);
+      widen_kv(it, n_max);
       pdserve::attention512::scores(s_.q.data(), rows, hd, s_.keys.data(), s_.kt.data(), n_max, stride, scale_,
                                     s_.scores.data());
     } else {
@@ -162,8 +161,7 @@ class Worker {
     for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
     if (amx_ || dot_) {
       pairs_values(it, rows, n_max, stride);
-    } else if (wide) {
-      widen_kv(it, n_max, true);
+    } else if (wide) {  // K and V widened above
       pdserve::attention512::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), s_.vrows.data(),
                                              s_.acc.data());
     } else {
@@ -238,29 +236,26 @@ class Worker {
     pdserve::attention_amx::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), pairs, s_.acc.data());
   }
 
-  // The wide loops' inputs: V rows [0, n) and, with_k, K rows [0, n) transposed into blocks of
-  // 16 keys (zero past n), all float32. Kept across the thread's items of one sequence and kv
-  // head (the latest tile comes first and sees the most keys), so a prefill widens each row once.
-  void widen_kv(const Item& it, int64_t n, bool with_k) {
-    if (s_.wide.holds(k_, call_, it.seq, it.kv_head, n) && (s_.wide_has_k || !with_k)) return;
+  // The wide loops' inputs: K rows [0, n) transposed into blocks of 16 keys (zero past n), and
+  // V rows [0, n), both float32. Kept across the thread's items of one sequence and kv head
+  // (the latest tile comes first and sees the most keys), so a prefill widens each row once.
+  void widen_kv(const Item& it, int64_t n) {
+    if (s_.wide.holds(k_, call_, it.seq, it.kv_head, n)) return;
     const int64_t hd = g_.hd, padded = (n + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
-    if (with_k) s_.kt.grow(padded * hd);
+    s_.kt.grow(padded * hd);
     s_.vrows.grow(padded * hd);
     float* row = s_.kv.data();
     for (int64_t k = 0; k < padded; ++k) {
       float* kt = s_.kt.data() + (k / WIDE_KEYS) * WIDE_KEYS * hd + k % WIDE_KEYS;
       if (k < n) {
-        if (with_k) {
-          widen_row(k_ + s_.offsets[k], row, hd);
-          for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = row[d];
-        }
+        widen_row(k_ + s_.offsets[k], row, hd);
+        for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = row[d];
         widen_row(v_ + s_.offsets[k], s_.vrows.data() + k * hd, hd);
-      } else if (with_k) {
+      } else {
         for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = 0.f;
       }
     }
     s_.wide = {k_, call_, it.seq, it.kv_head, n};
-    s_.wide_has_k = with_k;
   }
 
   // offsets[k]: where key k's row of this kv head starts, in elements from the cache base.
@@ -403,10 +398,12 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
   // bfloat16 on the pairs paths: every item on tiles (amx) or VDPBF16PS (avx512_bf16), decode
   // and prefill alike, where the geometry suits them.
   Pairs pairs = Pairs::kNone;
-  if (std::is_same_v<T, c10::BFloat16> && isa == pdserve::Isa::kAmx && pdserve::attention_amx::supported(g.hd, g.block_size))
-    pairs = Pairs::kAmx;
-  else if (std::is_same_v<T, c10::BFloat16> && isa == pdserve::Isa::kAvx512Bf16 && g.hd % 32 == 0)
-    pairs = Pairs::kDot;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (isa == pdserve::Isa::kAmx && pdserve::attention_amx::supported(g.hd, g.block_size))
+      pairs = Pairs::kAmx;
+    else if (isa == pdserve::Isa::kAvx512Bf16 && g.hd % 32 == 0)
+      pairs = Pairs::kDot;
+  }
   static std::atomic<uint64_t> calls{0};
   const uint64_t call = ++calls;  // a thread's widened K/V is reused only within this call
   // Which thread runs an item never changes its arithmetic, so a work queue is safe here.
