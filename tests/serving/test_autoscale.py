@@ -55,11 +55,13 @@ async def send_load(address: str, n: int, every_s: float, prompt_len: int, max_t
 
 
 def test_long_prompts_grow_prefill_only_and_idle_shrinks_it(cluster):
-    # 600-token prompts every 0.15 s: 4,000 prompt tokens a second, more than one prefill
-    # worker does on any of this project's processors. (Every 0.6 s queued up on AVX2, but an
-    # AMX prefill kept up, and nothing grew.) A slower processor only queues more.
-    counts = asyncio.run(send_load(cluster.address, n=24, every_s=0.15, prompt_len=600))
-    assert counts == [3] * 24  # every request completed in full, through the scale-up
+    # 600-token prompts every 0.075 s for 3 s: 8,000 prompt tokens a second, more than one
+    # prefill worker does on any of this project's processors. The load has had to grow with
+    # the kernels: every 0.6 s queued up on AVX2 but an AMX prefill kept up; every 0.15 s
+    # (4,000 a second) queued up until attention moved to AMX tiles, and then one prefill
+    # worker, borrowing the idle decode core, kept up again. A slower processor only queues more.
+    counts = asyncio.run(send_load(cluster.address, n=40, every_s=0.075, prompt_len=600))
+    assert counts == [3] * 40  # every request completed in full, through the scale-up
     traces = cluster.autoscaler.traces
     assert max(s.replicas for s in traces["prefill"].samples) == 2
     assert max(s.replicas for s in traces["decode"].samples) == 1
