@@ -39,30 +39,15 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
+#include "amx_tiles.h"
+#include "bf16_round.h"
+
 namespace {
 
 constexpr int64_t KEYS = 16;      // keys per tile (rows of A)
 constexpr int64_t ROWS = 16;      // query rows per tile (columns of B and C)
 constexpr int64_t DIMS = 32;      // bfloat16 of head_dim per tile step
 constexpr int64_t MAX_STEPS = 4;  // head_dim <= 128: K of 16 keys fits tmm4-7
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes (the linear kernel's shapes too); the config is per thread.
-void configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
 
 // Loads K's steps for keys [k0, k0 + 16) into tmm4.. (one tile per 32 of head_dim).
 template <int STEPS>
@@ -101,7 +86,7 @@ void scores_steps(const uint32_t* qt, int64_t rows, const uint16_t* cache, const
   const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(ROWS), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
                                                                                        10, 11, 12, 13, 14, 15));
   alignas(64) float c[KEYS * ROWS];
-  configure();
+  pdserve::configure_tiles();
   for (int64_t k0 = 0; k0 < n_max && keys[rows - 1] > k0; k0 += KEYS) {
     // The next group's rows: consecutive keys lie a whole token's KV (every layer's) apart,
     // too far for the hardware prefetcher.
@@ -132,16 +117,11 @@ inline void probabilities(const float* p, int64_t stride, const int64_t* keys, i
                           uint16_t* out) {
   for (int64_t i = 0; i < ROWS; ++i) {
     const int64_t r = r0 + i;
-    const int64_t n = r < r1 ? std::clamp<int64_t>(keys[r] - k0, 0, 32) : 0;
-    if (n == 0) {
+    if (r >= r1 || keys[r] <= k0) {
       _mm512_storeu_si512(out + i * 32, _mm512_setzero_si512());
       continue;
     }
-    const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-    const __mmask16 hi = n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
-    const float* row = p + r * stride + k0;
-    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + 16), _mm512_maskz_loadu_ps(lo, row));
-    _mm512_storeu_si512(out + i * 32, (__m512i)both);
+    pdserve::round_probabilities32(p + r * stride + k0, keys[r] - k0, out + i * 32);
   }
 }
 
@@ -188,7 +168,7 @@ namespace pdserve::attention_amx {
 void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* keys,
                      const uint16_t* pairs, float* acc) {
   const int64_t tiles = hd / 16;
-  configure();
+  pdserve::configure_tiles();
   for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
     const int64_t r1 = std::min(rows, r0 + ROWS);
     for (int64_t dc = 0; dc < tiles; dc += 4) {

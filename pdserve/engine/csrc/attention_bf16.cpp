@@ -22,6 +22,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
+#include "bf16_round.h"
+
 namespace {
 
 constexpr int64_t KEYS = 16;  // keys per transposed block (lanes of a score vector)
@@ -179,21 +181,12 @@ void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t n, int64
   }
 }
 
-static void probabilities(const float* p, int64_t n, int64_t count, uint16_t* out) {
-  for (int64_t k0 = 0; k0 < count; k0 += 32) {
-    const int64_t m = std::clamp<int64_t>(n - k0, 0, 32);
-    const __mmask16 lo = m >= 16 ? 0xffff : static_cast<__mmask16>((1u << m) - 1);
-    const __mmask16 hi = m >= 32 ? 0xffff : m > 16 ? static_cast<__mmask16>((1u << (m - 16)) - 1) : 0;
-    const __m512bh both =
-        _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + k0 + 16), _mm512_maskz_loadu_ps(lo, p + k0));
-    _mm512_storeu_si512(out + k0, reinterpret_cast<const __m512i&>(both));
-  }
-}
-
 void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* keys,
                      const uint16_t* pairs, uint16_t* pb, float* acc) {
   const int64_t tiles = hd / 16, padded = (keys[rows - 1] + 31) / 32 * 32;
-  for (int64_t r = 0; r < rows; ++r) probabilities(p + r * stride, keys[r], padded, pb + r * padded);
+  for (int64_t r = 0; r < rows; ++r)  // each row in bfloat16, zeros past its own keys
+    for (int64_t k0 = 0; k0 < padded; k0 += 32)
+      pdserve::round_probabilities32(p + r * stride + k0, keys[r] - k0, pb + r * padded + k0);
   int64_t r0 = 0;
   for (; r0 < rows; r0 += 2) {
     const int64_t n = keys[std::min(rows, r0 + 2) - 1];  // the pair's longer row

@@ -22,6 +22,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
+#include "amx_tiles.h"
 #include "panel_loop.h"
 #include "write_avx512.h"
 
@@ -34,24 +35,6 @@ constexpr int64_t kBlockK = 32;                    // bfloat16 k per tile step
 constexpr int64_t kTileBytes = 1024;               // 16 rows x 64 bytes
 constexpr int64_t kPairRow = 2 * kPanel;           // bfloat16 per panel row of the pairs layout
 constexpr int64_t kAmxGroupBytes = 512 << 10;      // weights reused across row tiles (L2 is 2 MB a core)
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes; the config is per thread, so every thread loads it.
-void configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
 
 // The sums of one finished block (up to 2 x 2 tiles) on their way out: written a few rows
 // at a time from inside the next block's k loop, so the conversion runs while the tile unit
@@ -145,7 +128,7 @@ void amx_panels(const AmxRows& x, int64_t M, int64_t KP, const uint16_t* w, int6
   alignas(64) float sums[2][4 * 256];  // this block's and the previous block's
   int buf = 0;
   PendingRows pending(o);
-  configure();
+  pdserve::configure_tiles();
   for_each_tile(M, p0, p1, 32, panels_for, panel_bytes, [&](int64_t m0, int mr, int64_t p, int np) {
     const char* b[2];
     const char* tail[2] = {nullptr, nullptr};
