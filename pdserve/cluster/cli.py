@@ -261,7 +261,7 @@ def cluster_set_role(args) -> int:
     if handle is None:
         return 1
     r = ray.get(handle.set_role.remote(args.worker, args.role, args.drain_grace_seconds, args.reason))
-    past = "" if r["idle"] else f"; past the grace {r['handed_over']} stream(s) migrated"
+    past = "" if r["idle"] else f"; past the grace {r['handed_over']} stream(s) migrated, {r['kv_moved']} with their KV"
     print(f"{r['address']}: {r['previous']} -> {r['role']} in {r['seconds']:.3f} s{past}", flush=True)
     return 0
 

@@ -7,7 +7,8 @@ router lists it in changes, and the router never sends it work its role cannot t
 2. ``SetRole`` on the worker: its old role closes (what still arrives is refused as by a
    draining worker, and the router tries another), what it runs finishes within the grace
    (held KV is pulled or its lease ends; decode streams still running at the grace's end are
-   handed over and the router migrates them), then its new role opens.
+   handed over, with their KV where it is whole, and the router moves them to another decode
+   worker, or re-prefills them), then its new role opens.
 3. Put the worker in the new pool's slots and push the membership with the switch's record
    (``Membership.role_changes``): the router lists it under its new role and counts the
    switch in ``pdserve:role_changes_total`` and ``pdserve:role_switch_seconds`` (decision to
@@ -50,6 +51,7 @@ class RoleSwitch:
     idle: bool  # the old role finished everything it ran within the grace
     handed_over: int  # decode streams the router migrated because the grace ran out
     leases_left: int  # held KV still served under its lease when the new role opened
+    kv_moved: int = 0  # of handed_over: streams that moved with their KV (no re-prefill)
 
 
 def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_SECONDS.default,
@@ -99,10 +101,10 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
         seconds = time.monotonic() - decided
         cluster.push_membership(role_changes=[admin_pb2.RoleChange(
             address=address, from_role=previous, to_role=role, reason=reason, seconds=seconds,
-            handed_over=answer.handed_over, leases_left=answer.leases_left)])
+            handed_over=answer.handed_over, leases_left=answer.leases_left, kv_moved=answer.kv_moved)])
     done = RoleSwitch(address, previous, role, reason, time.monotonic() - decided, answer.seconds, answer.idle,
-                      answer.handed_over, answer.leases_left)
+                      answer.handed_over, answer.leases_left, answer.kv_moved)
     log.info("worker %s: %s -> %s (%s) in %.3f s (the worker's own part %.3f s%s)", address, previous, role, reason,
-             done.seconds, done.worker_seconds,
-             "" if done.idle else f"; past the grace {done.handed_over} stream(s) migrated")
+             done.seconds, done.worker_seconds, "" if done.idle else
+             f"; past the grace {done.handed_over} stream(s) migrated, {done.kv_moved} with their KV")
     return done

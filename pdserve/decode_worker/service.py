@@ -129,7 +129,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
         except StepFailed as exc:
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
         except HandedOver as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"stream handed over: {exc}")
+            yield await _handed_over(context, exc)
         except asyncio.CancelledError:
             # The router gave up on this call, or died. Either way no other decode worker will
             # be offered this KV (a router that goes on re-prefills), so it is freed now, not
@@ -169,11 +169,19 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
         except StepFailed as exc:
             await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
         except HandedOver as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"stream handed over: {exc}")
+            yield await _handed_over(context, exc)
         finally:
             await stream.aclose()
             if spans is not None:
                 spans.end(sys.exc_info()[1])
+
+
+async def _handed_over(context, exc: HandedOver) -> worker_pb2.DecodeResponse:
+    """The last message of a stream handed over with its KV (the router moves it to another
+    decode worker); without KV the call ends UNAVAILABLE (the router re-prefills it)."""
+    if exc.kv is None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"stream handed over: {exc}")
+    return worker_pb2.DecodeResponse(handed_over=exc.kv.to_proto())
 
 
 def _output_to_wire(item, start: int = 0) -> worker_pb2.DecodeResponse:

@@ -115,8 +115,19 @@ class TransferFailed(Exception):
 
 class HandedOver(Exception):
     """This worker gave the stream up before it finished (``hand_over_streams``: it stops
-    decoding, for a new role, past its grace); the request is aborted here and the router
-    migrates it (a re-prefill of prompt + tokens sent on another pair)."""
+    decoding, for a new role, past its grace). With ``kv``, the stream's KV stays here under a
+    lease and the router moves the stream to another decode worker, which reads the KV and
+    decodes on; without, the request is aborted here and the router migrates it (a re-prefill
+    of prompt + tokens sent on another pair)."""
+
+    def __init__(self, why: str, kv: KVHandle | None = None):
+        super().__init__(why)
+        self.kv = kv
+
+
+# On the engine thread, for a stream handed over: keep its KV for another decode worker and
+# return the handle to it, or None where it cannot move (``hand_over_streams``).
+Keep = Callable[[str], Optional[KVHandle]]
 
 
 class DecodeWorker(WorkerShell):
@@ -181,7 +192,8 @@ class DecodeWorker(WorkerShell):
             while not finished:
                 item = await stream.get()
                 if isinstance(item, HandedOver):
-                    raise item  # unfinished: the finally aborts it
+                    finished = item.kv is not None  # its KV is the lease's now; else the finally aborts it
+                    raise item
                 if isinstance(item, (TransferFailed, StepFailed, SequenceFailed)):
                     finished = True
                     raise item
@@ -206,7 +218,8 @@ class DecodeWorker(WorkerShell):
             while not finished:
                 item = await stream.get()
                 if isinstance(item, HandedOver):
-                    raise item  # unfinished: the finally aborts it
+                    finished = item.kv is not None  # its KV is the lease's now; else the finally aborts it
+                    raise item
                 if isinstance(item, (StepFailed, SequenceFailed)):
                     finished = True
                     raise item
@@ -220,12 +233,21 @@ class DecodeWorker(WorkerShell):
             if not finished:
                 await self._abort_and_wait(request_id)
 
-    def hand_over_streams(self, why: str) -> int:
-        """Give up every stream here: each one's call ends UNAVAILABLE (``HandedOver``), its
-        request is aborted and its blocks freed, and the router migrates it. Returns how many."""
-        request_ids = list(self._streams)
-        self.push((request_id, HandedOver(why)) for request_id in request_ids)
-        return len(request_ids)
+    async def hand_over_streams(self, why: str, keep: Keep | None = None) -> tuple[int, int]:
+        """Give up every stream here (``HandedOver``), between two steps. ``keep`` (an elastic
+        worker's) keeps a decoding stream's KV under a lease: its call sends every token made so
+        far, then the handle, and ends. The others' calls end UNAVAILABLE, their requests are
+        aborted and their blocks freed, and the router re-prefills them. Returns how many
+        streams were handed over, and how many of them with their KV."""
+        return await self.call(self._hand_over, why, keep)
+
+    def _hand_over(self, why: str, keep: Keep | None) -> tuple[int, int]:
+        # Here on the engine thread, each stream's outputs so far are already in its queue: the
+        # handle comes after them, so the router has every token the KV was computed from.
+        items = [(request_id, HandedOver(why, keep(request_id) if keep is not None else None))
+                 for request_id in list(self._streams)]
+        self.push(items)
+        return len(items), sum(1 for _, item in items if item.kv is not None)
 
     async def _abort_and_wait(self, request_id: str) -> None:
         """Free what an unfinished request holds before its caller hears that it ended, so a

@@ -13,6 +13,7 @@ from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig, decod
 from pdserve.elastic_worker.roles import CORE, ROLES
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.step_trace import StepTrace, trace_path
+from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from pdserve.protos import worker_pb2
 from pdserve.shell.worker import WorkerShell, run_together
@@ -52,11 +53,12 @@ class Switched:
     handed_over: int  # decode streams given up past the grace (the router migrates them)
     leases_left: int  # held KV still served under its lease when the new role opened
     seconds: float  # from the call until the new role took requests
+    kv_moved: int = 0  # of handed_over: streams whose KV stays held here for their next decode worker
 
     def to_proto(self) -> worker_pb2.SetRoleResponse:
         return worker_pb2.SetRoleResponse(role=self.role, previous=self.previous, idle=self.idle,
                                           handed_over=self.handed_over, leases_left=self.leases_left,
-                                          seconds=self.seconds)
+                                          seconds=self.seconds, kv_moved=self.kv_moved)
 
 
 class ElasticWorker:
@@ -78,6 +80,7 @@ class ElasticWorker:
         self.engine = engine
         self.agent = self.decode.agent
         self.role = config.role
+        self.address = ""  # its gRPC server's, once serving (the server's register sets it): KV handles name it
         self._close(self.other(self.role), self.role)
         self._switching: asyncio.Lock | None = None
 
@@ -131,13 +134,28 @@ class ElasticWorker:
                 return Switched(role, previous, True, 0, len(self.prefill.leases), time.monotonic() - start)
             self._close(old, role)
             idle = await old.drain(grace_s)
-            handed_over = 0
+            handed_over = moved = 0
             if not idle and old is self.decode:
-                handed_over = self.decode.hand_over_streams(f"worker {self.config.worker_id} changes its role to {role}")
+                handed_over, moved = await self.decode.hand_over_streams(
+                    f"worker {self.config.worker_id} changes its role to {role}", self._keep if self.address else None)
             self.role = role
             new.draining = False
-            switched = Switched(role, previous, idle, handed_over, len(self.prefill.leases), time.monotonic() - start)
+            switched = Switched(role, previous, idle, handed_over, len(self.prefill.leases), time.monotonic() - start,
+                                moved)
         log.info("%s: role %s -> %s (%s) in %.3f s%s", self.config.worker_id, previous, role, reason or "no reason given",
-                 switched.seconds, "" if idle else f", past the grace: {handed_over} stream(s) handed over, "
-                 f"{switched.leases_left} lease(s) left to their holders")
+                 switched.seconds, "" if idle else f", past the grace: {handed_over} stream(s) handed over "
+                 f"({moved} with their KV), {switched.leases_left} lease(s) left to their holders")
         return switched
+
+    def _keep(self, request_id: str) -> KVHandle | None:
+        """Engine thread: a decoding stream handed over keeps its KV here, under a lease of the
+        prefill core's (whose ``Claim`` and reads are served in every role), for the decode
+        worker the router moves it to. The KV covers the prompt and every token sent but the
+        newest, from which the next worker decodes on. None where the stream has no whole KV
+        (its prompt or its KV still on the way): it is re-prefilled."""
+        kept = self.engine.hold_running(request_id)
+        if kept is None:
+            return None
+        block_ids, num_tokens = kept
+        lease = self.prefill.adopt(request_id, block_ids)
+        return KVHandle(self.address, lease.block_ids, num_tokens, lease.token)

@@ -6,6 +6,9 @@
 request (``hold_kv=True``) stops after its first token in state HELD, keeping its KV
 blocks until ``free_held`` (or ``abort``); a prefilled request (``add_prefilled``) gets
 blocks for KV that another worker computed and joins the decode batch on ``kv_ready``.
+A decoding request can leave the same way a prefill-only one does (``hold_running``): HELD,
+its KV kept for another worker, which takes it up with ``add_prefilled`` (an elastic worker
+changing role hands its streams over so, ``pdserve.elastic_worker``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pdserve.engine.model import CausalLM
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams, TopLogprobs, check_request
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.engine.step_trace import StepShape
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -198,6 +201,20 @@ class LLMEngine:
         if seq is None or not seq.is_held:
             raise KeyError(request_id)
         return list(self.blocks.block_table(request_id))
+
+    def hold_running(self, request_id: str) -> tuple[list[int], int] | None:
+        """Stop a decoding request here and keep its KV (HELD, as a prefill-only request after
+        its first token), so that another worker reads it and decodes on from the newest
+        token. Returns the blocks that hold the KV, in token order, and how many tokens they
+        hold: all but the newest, which is sampled and not yet computed. None (nothing
+        changes) unless the request is decoding with exactly that much computed: a prompt
+        still computing, KV still arriving, or a preempted sequence has nothing whole to move."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1:
+            return None
+        self.scheduler.hold(seq)
+        computed = seq.num_computed_tokens
+        return list(self.blocks.block_table(request_id))[:self.blocks.blocks_needed(computed)], computed
 
     def free_held(self, request_id: str) -> bool:
         """Free the KV of a HELD request (after its transfer, abort or lease end). False if

@@ -212,6 +212,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def hold(self, seq: Sequence) -> None:
+        """Take a decoding ``seq`` out of the batch with its blocks kept (HELD), for another
+        worker to read its KV and go on decoding it (``LLMEngine.hold_running``)."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.HELD
+
     def requeue_unrun(self, seq: Sequence) -> None:
         """``seq`` was scheduled in a step that produced nothing (it raised): a prompt whose
         last chunk the step took off the waiting queue goes back to its head, blocks kept,

@@ -248,6 +248,18 @@ class PrefillWorker(WorkerShell):
             except RuntimeError:  # the loop has closed
                 pass
 
+    def adopt(self, request_id: str, block_ids: list[int]) -> Lease:
+        """Engine thread: hold the KV of a stream that this process's decode core handed over
+        (``pdserve.elastic_worker``; the engine holds the sequence already) under a lease, as
+        if this worker had prefilled it: the decode worker the router moves the stream to
+        claims and reads it, and the read's notice, a release or the lease's expiry frees it.
+        No owner: the router that learns the token may be any (the lease expires)."""
+        record = self.records[request_id] = RequestRecord(request_id, "", time.monotonic(), None, False,
+                                                          computing=False)
+        record.lease = self.leases.grant(request_id, block_ids, time.monotonic(), self.config.lease_seconds)
+        self._expect_reads()
+        return record.lease
+
     def _publish_kv(self) -> None:
         """Hook, before each step: grant a streamed prompt its lease once it has blocks and
         a chunk has run, then announce each chunk computed since (the step that just ended).

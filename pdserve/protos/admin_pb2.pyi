@@ -52,7 +52,7 @@ class Membership(_message.Message):
     def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ..., signal_targets: _Optional[_Mapping[str, float]] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., budget_pressure: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RoleChange(_message.Message):
-    __slots__ = ("address", "from_role", "to_role", "reason", "seconds", "handed_over", "leases_left")
+    __slots__ = ("address", "from_role", "to_role", "reason", "seconds", "handed_over", "leases_left", "kv_moved")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
     TO_ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class RoleChange(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     LEASES_LEFT_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVED_FIELD_NUMBER: _ClassVar[int]
     address: str
     from_role: str
     to_role: str
@@ -67,7 +68,8 @@ class RoleChange(_message.Message):
     seconds: float
     handed_over: int
     leases_left: int
-    def __init__(self, address: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ..., handed_over: _Optional[int] = ..., leases_left: _Optional[int] = ...) -> None: ...
+    kv_moved: int
+    def __init__(self, address: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ..., handed_over: _Optional[int] = ..., leases_left: _Optional[int] = ..., kv_moved: _Optional[int] = ...) -> None: ...
 
 class MembershipAck(_message.Message):
     __slots__ = ("prefill_workers", "decode_workers")

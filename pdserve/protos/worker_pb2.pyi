@@ -137,7 +137,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_streamed: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "kv_bytes", "kv_transfer_seconds", "top_logprobs", "kv_progress", "prefilled")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "kv_bytes", "kv_transfer_seconds", "top_logprobs", "kv_progress", "prefilled", "handed_over")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class DecodeResponse(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _pdserve_pb2.FinishReason
@@ -154,7 +155,8 @@ class DecodeResponse(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TopLogprobs]
     kv_progress: bool
     prefilled: PrefillResponse
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., kv_progress: _Optional[bool] = ..., prefilled: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+    handed_over: KVHandle
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., kv_progress: _Optional[bool] = ..., prefilled: _Optional[_Union[PrefillResponse, _Mapping]] = ..., handed_over: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -267,17 +269,19 @@ class SetRoleRequest(_message.Message):
     def __init__(self, role: _Optional[str] = ..., grace_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SetRoleResponse(_message.Message):
-    __slots__ = ("role", "previous", "idle", "handed_over", "leases_left", "seconds")
+    __slots__ = ("role", "previous", "idle", "handed_over", "leases_left", "seconds", "kv_moved")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     IDLE_FIELD_NUMBER: _ClassVar[int]
     HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     LEASES_LEFT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVED_FIELD_NUMBER: _ClassVar[int]
     role: str
     previous: str
     idle: bool
     handed_over: int
     leases_left: int
     seconds: float
-    def __init__(self, role: _Optional[str] = ..., previous: _Optional[str] = ..., idle: _Optional[bool] = ..., handed_over: _Optional[int] = ..., leases_left: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    kv_moved: int
+    def __init__(self, role: _Optional[str] = ..., previous: _Optional[str] = ..., idle: _Optional[bool] = ..., handed_over: _Optional[int] = ..., leases_left: _Optional[int] = ..., seconds: _Optional[float] = ..., kv_moved: _Optional[int] = ...) -> None: ...

@@ -18,7 +18,7 @@ class RouterAdminService(admin_pb2_grpc.RouterAdminServicer):
         await self.pool.set_members([(m.role, m.address) for m in request.members])
         for change in request.role_changes:  # the worker is in its new pool from here on
             metrics.role_changed(change.from_role, change.to_role, change.reason or "unspecified", change.seconds,
-                                 change.handed_over, change.leases_left)
+                                 change.handed_over, change.leases_left, change.kv_moved)
         metrics.set_budget_pressure(dict(request.budget_pressure))
         roles = [role for role, _ in self.pool.members()]
         return admin_pb2.MembershipAck(prefill_workers=roles.count("prefill"),

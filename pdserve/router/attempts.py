@@ -1,4 +1,4 @@
-"""One attempt at a request, in one of two kinds. An attempt yields the prefill answer (its
+"""One attempt at a request, in one of three kinds. An attempt yields the prefill answer (its
 first token) and then the decode outputs, until the request's run has what it needs and
 closes it; closing it ends its calls and frees what it holds.
 
@@ -8,9 +8,13 @@ closes it; closing it ends its calls and frees what it holds.
 - ``LocalPrefill``: the decode worker prefills the prompt itself (colocated mode, or the
   local-prefill rule, ``pdserve.router.local_prefill``); its stream's first message is the
   prefill answer (``DecodeResponse.prefilled``).
+- ``MovedKV``: the previous attempt's decode worker handed the stream over with its KV (an
+  elastic worker changing role); another decode worker reads that KV as a prompt's and decodes
+  on from the last token sent. No prefill answer: the stream goes on where it stopped.
 
 A run makes a new attempt after a lost one, with the output sent so far appended to the
-prompt (``Attempt``)."""
+prompt (``Attempt``); after a move, all of it but the last token, which is the decode
+worker's first (``moved_params``)."""
 
 from __future__ import annotations
 
@@ -50,6 +54,13 @@ def attempt_params(params: SamplingParams, sent: int) -> SamplingParams:
                                min_tokens=max(0, params.min_tokens - sent),
                                prompt_logprobs=params.prompt_logprobs if not sent else None,
                                structured=resumed(params.structured, sent))
+
+
+def moved_params(params: SamplingParams, sent: int) -> SamplingParams:
+    """The parameters for an attempt that goes on from moved KV after ``sent`` tokens: the
+    last one sent is the attempt's first output (as a prefill answer's token is), so it counts
+    as ``sent - 1`` before it; its prompt logprobs went out long ago."""
+    return dataclasses.replace(attempt_params(params, sent - 1), prompt_logprobs=None)
 
 
 def attempt_id(request_id: str, attempt: int) -> str:
@@ -108,7 +119,30 @@ class RemotePrefill:
             if decoding is not None:
                 await decoding.close()
             if lease:
-                _release_later(ctx, address, lease)
+                release_later(ctx, address, lease)
+
+
+class MovedKV:
+    """The KV of the prompt and every token sent but the last is held by the worker that
+    handed the stream over (``kv``); another decode worker reads it and decodes on from
+    ``last_token``. If no decode worker takes it, the lease is released (the run re-prefills)."""
+
+    label = "moved"
+
+    def __init__(self, kv: worker_pb2.KVHandle, last_token: int):
+        self.kv, self.last_token = kv, last_token
+
+    async def outputs(self, ctx: CallContext, attempt: Attempt) -> AsyncIterator[Output]:
+        request = worker_pb2.DecodeRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,
+                                           first_token_id=self.last_token, sampling=attempt.sampling, kv=self.kv)
+        taken = False
+        try:
+            async for out in decode(ctx, request, attempt.blocks, self.kv.prefill_address):
+                taken = True  # the decode worker read the KV (its read's notice ended the lease)
+                yield out
+        finally:
+            if not taken:  # a lease it claimed it ended itself; one nobody claimed ends here
+                release_later(ctx, self.kv.prefill_address, self.kv.lease_token)
 
 
 def _decode_request(attempt: Attempt, answer: worker_pb2.PrefillResponse) -> worker_pb2.DecodeRequest:
@@ -119,7 +153,7 @@ def _decode_request(attempt: Attempt, answer: worker_pb2.PrefillResponse) -> wor
                                     kv=answer.kv, kv_streamed=answer.kv_streaming)
 
 
-def _release_later(ctx: CallContext, address: str, lease_token: str) -> None:
+def release_later(ctx: CallContext, address: str, lease_token: str) -> None:
     """Free a lease the decode side never took (best effort; the lease expires anyway)."""
     client = ctx.pool.workers.get(address)
     if client is None:

@@ -22,15 +22,19 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
                  ) -> AsyncIterator[worker_pb2.PrefillResponse | worker_pb2.DecodeResponse]:
     """The stream of ``request`` (``blocks`` of KV on the decode worker); ``source`` is the
     prefill worker whose KV it reads (None: local prefill). A decode worker that is full
-    before it sent anything is passed over for another; any other failure loses the attempt."""
+    before it sent anything is passed over for another; any other failure loses the attempt.
+    The source itself is never picked: an elastic worker that took the decode role while it
+    still held KV as a prefill worker cannot read from its own agent (with no other decode
+    worker, the attempt is lost and the run re-prefills)."""
     tried: set[str] = set()
+    passed = frozenset(w.worker_id for w in ctx.pool.snapshots() if w.worker_id == source and w.role != "prefill")
     while True:
         route = ctx.spans.route("decode") if ctx.spans is not None else None
-        choice = await ctx.budget.admit(lambda: pick_decode(ctx.pool.snapshots(), blocks, frozenset(tried),
+        choice = await ctx.budget.admit(lambda: pick_decode(ctx.pool.snapshots(), blocks, passed | tried,
                                                             limited=ctx.limited), ctx.pool.interval_s)
         tracing.end_span(route, attributes={tracing.WORKER_ID: choice.worker_id or ""} if route else None)
         if choice.worker_id is None:
-            if tried and not choice.saturated:
+            if (tried or passed) and not choice.saturated:
                 raise AttemptLost(choice.reason)
             raise route_error(choice)
         client = ctx.pool.workers[choice.worker_id]
@@ -48,6 +52,9 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
                         started = True
                         if resp.kv_progress:  # streamed KV: more of it read while prefill goes on
                             continue
+                        if resp.HasField("handed_over"):  # it stops decoding, and holds the KV for the next worker
+                            raise AttemptLost(f"decode worker {client.address} handed the stream over with its KV",
+                                              moved=resp.handed_over)
                         if resp.kv_bytes:  # the KV-arrived notice, not output
                             ctx.pool.transfer_ok(source)
                             ctx.metrics.kv_transferred(resp.kv_transfer_seconds)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.protos import worker_pb2
 from pdserve.router.policy import Choice
 
 
@@ -19,7 +20,13 @@ class RouteError(Exception):
 
 class AttemptLost(Exception):
     """This attempt cannot go on (its transfer failed, a worker died or hung, the decode
-    stream ended early): the run re-prefills prompt + tokens sent and continues."""
+    stream ended early): the run re-prefills prompt + tokens sent and continues. ``moved``:
+    the decode worker handed the stream over and holds its KV under this lease; the run goes on
+    from it on another decode worker instead (``pdserve.router.attempts.MovedKV``)."""
+
+    def __init__(self, message: str, moved: worker_pb2.KVHandle | None = None):
+        super().__init__(message)
+        self.moved = moved
 
 
 def route_error(choice: Choice) -> Exception:

@@ -1,6 +1,8 @@
 """One request's life in the router: attempts until the output is complete, recovering from
 worker faults by re-prefilling prompt + tokens already sent on a healthy pair (a migration),
-within the request's deadline and admission budget (``pdserve.router.request_budget``).
+within the request's deadline and admission budget (``pdserve.router.request_budget``). A
+stream a decode worker hands over with its KV goes on from that KV on another decode worker
+instead (``MovedKV``).
 
 Each attempt is of one kind (``pdserve.router.attempts``): its prefill answer and decode
 outputs go through the request's ``OutputProcessor`` to the client. Each run records its
@@ -17,7 +19,8 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.protos import pdserve_pb2, worker_pb2
-from pdserve.router.attempts import Attempt, LocalPrefill, Output, RemotePrefill, attempt_id, attempt_params
+from pdserve.router.attempts import (Attempt, LocalPrefill, MovedKV, Output, RemotePrefill, attempt_id, attempt_params,
+                                     moved_params, release_later)
 from pdserve.router.errors import AttemptLost, RouteError, failure_code, route_error
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
@@ -84,11 +87,11 @@ class RequestRun:
         return exc
 
     async def _attempts(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        number = 0
+        number, moved = 0, None
         while True:
-            attempt = self._attempt(number)
+            attempt = self._attempt(number, moved is not None)
             await self._check_decode_capacity(attempt.blocks)  # before any prefill work
-            kind = self._kind(attempt)
+            kind = MovedKV(moved, self.output.token_ids[-1]) if moved is not None else self._kind(attempt)
             spans = self.calls.spans
             if spans is not None:
                 spans.start_attempt(number, kind.label, len(attempt.prompt))
@@ -105,13 +108,15 @@ class RequestRun:
                 if spans is not None:
                     spans.end_attempt(lost=exc)
                 number += 1
-                self._migrate(exc, attempt)
+                moved = self._movable(exc.moved)
+                self._migrate(exc, attempt, moved)
 
-    def _attempt(self, number: int) -> Attempt:
-        """The next attempt: the prompt with the output sent so far, and the rest to make."""
+    def _attempt(self, number: int, moved: bool = False) -> Attempt:
+        """The next attempt: the prompt with the output sent so far, and the rest to make.
+        ``moved``: it goes on from moved KV, which holds all of that but the last token sent."""
         sent = self.output.token_ids
-        params = attempt_params(self.req.params, len(sent))
-        prompt = self.req.prompt_token_ids + sent
+        params = moved_params(self.req.params, len(sent)) if moved else attempt_params(self.req.params, len(sent))
+        prompt = self.req.prompt_token_ids + (sent[:-1] if moved else sent)
         blocks = -(-(len(prompt) + self._reserved(params.max_tokens)) // self.model.block_size)
         return Attempt(attempt_id(self.req.request_id, number), prompt, sampling_to_proto(params), blocks)
 
@@ -160,14 +165,36 @@ class RequestRun:
         self.metrics.sent(len(resp.token_ids), finish_from_wire(resp.finish_reason))
         return resp
 
-    def _migrate(self, lost: AttemptLost, attempt: Attempt) -> None:
-        """After a lost attempt: count it, or give up past ``max_migrations``."""
+    def _movable(self, kv: worker_pb2.KVHandle | None) -> worker_pb2.KVHandle | None:
+        """``kv``, if the stream can go on from it: it holds exactly the prompt and every token
+        this run has, but the last. Otherwise its lease is released, and the run re-prefills."""
+        if kv is None:
+            return None
+        sent = self.output.token_ids
+        if sent and kv.num_tokens == len(self.req.prompt_token_ids) + len(sent) - 1:
+            return kv
+        log.warning("request %s: moved KV holds %d tokens, the stream has %d; re-prefilling", self.req.request_id,
+                    kv.num_tokens, len(self.req.prompt_token_ids) + len(sent))
+        release_later(self.calls, kv.prefill_address, kv.lease_token)
+        return None
+
+    def _migrate(self, lost: AttemptLost, attempt: Attempt, moved: worker_pb2.KVHandle | None) -> None:
+        """After a lost attempt: count it, or give up past ``max_migrations``. A move with the
+        KV (``moved``) counts towards the limit too: each is a hand-over that could repeat."""
         self.migrations += 1
-        log.warning("request %s: %s; re-prefilling %d tokens", self.req.request_id, lost, len(attempt.prompt) + 1)
+        if moved is not None:
+            log.info("request %s: %s; going on from it elsewhere", self.req.request_id, lost)
+        else:
+            log.warning("request %s: %s; re-prefilling %d tokens", self.req.request_id, lost, len(attempt.prompt) + 1)
         if self.migrations > self.limits.max_migrations:
+            if moved is not None:
+                release_later(self.calls, moved.prefill_address, moved.lease_token)
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"gave up after {self.migrations - 1} migrations: {lost}") from lost
-        self.metrics.migrated()
+        if moved is not None:
+            self.metrics.kv_moved()
+        else:
+            self.metrics.migrated()
 
 
 def _mixed(snapshots: list[WorkerSnapshot], worker: WorkerSnapshot | None) -> Mixed:

@@ -25,6 +25,8 @@ Router, per request (pdserve/router/request_run.py), label ``model_name`` (the f
 - counter ``pdserve:request_retries_total``: prefill attempts a worker failed (unreachable or
   full); the router then tries another if one is left
 - counter ``pdserve:request_migrations_total``: re-prefills after a lost decode (transfer or worker)
+- counter ``pdserve:request_kv_moves_total``: streams a decode worker handed over with their KV
+  that went on on another decode worker from that KV (no re-prefill)
 - counter ``pdserve:routing_decisions_total{reason}``: prefill workers chosen, by the rule that
   chose (``pdserve.router.kv_policy.RULES``: cache, load, balance, round_robin, only)
 - histogram ``pdserve:routing_prefix_overlap_tokens``: prompt tokens the chosen prefill worker
@@ -43,9 +45,11 @@ Router, per role switch of an elastic worker (pdserve/elastic_worker), as the co
 - counter ``pdserve:role_changes_total{from_role,to_role,reason}``: ``reason`` is ``manual``
   (or what ``pdserve set-role --reason`` said) or the budget policy's ``prefill_pressure`` /
   ``decode_pressure`` (the pool that needed the worker)
-- counters ``pdserve:role_switch_streams_handed_over_total{from_role}`` and
+- counters ``pdserve:role_switch_streams_handed_over_total{from_role}``,
+  ``pdserve:role_switch_streams_kv_moved_total{from_role}`` and
   ``pdserve:role_switch_leases_left_total{from_role}``: the work a switch moved (streams the
-  router migrated past the grace, held KV left to its lease)
+  router migrated past the grace, those of them that moved with their KV, held KV left to its
+  lease)
 - gauge ``pdserve:role_budget_pressure{pool}``: the budget policy's pressure of each pool as the
   controller last pushed it (pdserve/cluster/autoscaling/budget.py)
 
@@ -143,6 +147,8 @@ PROMPT_TOKENS = _counter("pdserve:prompt_tokens_total", "Prompt tokens of reques
 GENERATION_TOKENS = _counter("pdserve:generation_tokens_total", "Tokens sent to clients.")
 RETRIES = _counter("pdserve:request_retries_total", "Prefill attempts a worker failed (unreachable or full).")
 MIGRATIONS = _counter("pdserve:request_migrations_total", "Re-prefills after a lost decode.")
+KV_MOVES = _counter("pdserve:request_kv_moves_total",
+                    "Streams handed over with their KV that went on on another decode worker (no re-prefill).")
 ROUTING_DECISIONS = _counter("pdserve:routing_decisions_total", "Prefill workers chosen, by the rule that chose.",
                              ("reason",))
 ROUTING_OVERLAP = _histogram("pdserve:routing_prefix_overlap_tokens",
@@ -180,6 +186,9 @@ ROLE_CHANGES = Counter("pdserve:role_changes_total", "Role switches of elastic w
 ROLE_SWITCH_HANDED_OVER = Counter("pdserve:role_switch_streams_handed_over_total",
                                   "Decode streams a role switch gave up past its grace (the router migrated them).",
                                   ["from_role"], registry=REGISTRY)
+ROLE_SWITCH_KV_MOVED = Counter("pdserve:role_switch_streams_kv_moved_total",
+                               "Of the streams a role switch handed over, those that moved with their KV to another "
+                               "decode worker (no re-prefill).", ["from_role"], registry=REGISTRY)
 ROLE_SWITCH_LEASES_LEFT = Counter("pdserve:role_switch_leases_left_total",
                                   "Held KV leases still served under their lease when a switch's new role opened.",
                                   ["from_role"], registry=REGISTRY)
@@ -191,11 +200,12 @@ BUDGET_PRESSURE = Gauge("pdserve:role_budget_pressure",
 
 
 def role_changed(from_role: str, to_role: str, reason: str, seconds: float, handed_over: int = 0,
-                 leases_left: int = 0) -> None:
+                 leases_left: int = 0, kv_moved: int = 0) -> None:
     """One completed role switch (the controller reports it with the membership that lists the new role)."""
     ROLE_SWITCH_TIME.labels(to_role).observe(seconds)
     ROLE_CHANGES.labels(from_role, to_role, reason).inc()
     ROLE_SWITCH_HANDED_OVER.labels(from_role).inc(handed_over)
+    ROLE_SWITCH_KV_MOVED.labels(from_role).inc(kv_moved)
     ROLE_SWITCH_LEASES_LEFT.labels(from_role).inc(leases_left)
 
 
@@ -241,7 +251,7 @@ def register_model(model_name: str) -> None:
     """Create the model's request series at zero when the router starts, so that a dashboard
     reads 0 retries or migrations, not "no data", before the first one happens."""
     for family in (TTFT, ITL, E2E, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_TIME, REQUEST_PROMPT_TOKENS,
-                   REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, RETRIES, MIGRATIONS, ROUTING_OVERLAP):
+                   REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, RETRIES, MIGRATIONS, KV_MOVES, ROUTING_OVERLAP):
         family.labels(model_name)
 
 
@@ -332,6 +342,9 @@ class RequestMetrics:
 
     def migrated(self) -> None:
         MIGRATIONS.labels(self.model_name).inc()
+
+    def kv_moved(self) -> None:
+        KV_MOVES.labels(self.model_name).inc()
 
     def routed(self, rule: str, cached_tokens: int) -> None:
         """A prefill worker was chosen by ``rule``; the index says it caches ``cached_tokens``."""

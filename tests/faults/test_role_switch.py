@@ -1,7 +1,7 @@
 """Elastic workers changing role in place under a steady load (``pdserve.elastic_worker``,
 ``pdserve.cluster.roles``): one worker moves prefill -> decode -> prefill -> decode -> prefill
 while clients keep greedy streams running, then a busy decode worker switches with no grace
-and hands its streams over. Every stream completes with exactly the tokens of an undisturbed
+and hands its streams over with their KV. Every stream completes with exactly the tokens of an undisturbed
 run, none fails, the process (and so the loaded model) stays the same, the router counts each
 switch and its time, and afterwards no worker holds a KV block.
 
@@ -113,21 +113,39 @@ def test_a_worker_switches_role_back_and_forth_under_load_losing_nothing(cluster
     assert_no_kv_held(cluster)
 
 
-def test_a_decode_worker_out_of_grace_hands_its_streams_over(cluster, stub, reference):
-    """Grace 0: the decode worker switches with streams running; they migrate and complete."""
+def kv_moves(cluster) -> tuple[float, float]:
+    """The router's streams moved with their KV: as it continued them, and as switches reported them."""
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    total = {name: sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+             for name in ("pdserve:request_kv_moves_total", "pdserve:role_switch_streams_kv_moved_total")}
+    return total["pdserve:request_kv_moves_total"], total["pdserve:role_switch_streams_kv_moved_total"]
+
+
+def test_a_decode_worker_out_of_grace_moves_its_streams_with_their_kv(cluster, stub, reference):
+    """Grace 0: the decode worker switches with streams running. Each decoding stream's KV stays
+    held there under a lease; the router continues it on the other decode worker, which reads
+    that KV over NIXL and decodes on: no re-prefill. Every stream completes with its undisturbed
+    tokens, the router counts the moves, and no lease is left (each was read)."""
     spare = cluster.prefill_addresses[-1]
     cluster.set_role(spare, "decode", GRACE_S, reason="test")  # so the decode pool keeps a worker
-    migrated = migrations(cluster)
+    migrated, (moved, reported) = migrations(cluster), kv_moves(cluster)
     with Load(stub, PROMPTS, LONG_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
         victim = busy([a for a in cluster.decode_addresses if a != spare])
         done = cluster.set_role(victim, "prefill", 0.0, reason="test")
-        assert not done.idle and done.handed_over >= 1, done
+        assert not done.idle and done.handed_over >= 1 and done.kv_moved >= 1, done
         load.wait_for(2 * CLIENTS)
+        # Back to the layout the cluster began with, the decode pool never empty (a prompt
+        # prefilled meanwhile would wait for a decode worker, and be re-prefilled)
+        cluster.set_role(victim, "decode", GRACE_S, reason="test")
         cluster.set_role(spare, "prefill", GRACE_S, reason="test")
-        cluster.set_role(victim, "decode", GRACE_S, reason="test")  # the layout the cluster began with
         load.wait_for(CLIENTS)
     check(load.outcomes, reference, LONG_TOKENS)
-    assert migrations(cluster) > migrated
+    # A stream handed over before its KV was whole (its prompt or its KV still on the way) is
+    # re-prefilled; every other one moved. A stream that finished as the switch came counts as
+    # handed over with nothing to move or re-prefill, hence at most.
+    assert kv_moves(cluster) == (moved + done.kv_moved, reported + done.kv_moved)
+    assert migrations(cluster) - migrated <= done.handed_over - done.kv_moved
     assert len(cluster.prefill_addresses) == 2 and len(cluster.decode_addresses) == 1
     assert_no_kv_held(cluster)
 

@@ -1,6 +1,7 @@
-"""A request's attempts in the router: the one reading of a worker's error (``triage``), and
-the local-prefill attempt, whose decode stream starts with a typed prefill answer. The
-workers are in-process fakes of the gRPC stubs."""
+"""A request's attempts in the router: the one reading of a worker's error (``triage``), the
+local-prefill attempt, whose decode stream starts with a typed prefill answer, and the attempt
+that goes on from KV a decode worker handed over. The workers are in-process fakes of the gRPC
+stubs."""
 
 import asyncio
 import time
@@ -19,7 +20,7 @@ from pdserve.router.request_budget import RequestBudget
 from pdserve.router.request_run import RequestRun
 from pdserve.router.worker_calls import Fault, triage
 from pdserve.wire.failure import FAILURE_KEY, Failure
-from tests.metrics.metrics_helpers import FakeDecode, fake_pool, request_run
+from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run, sample
 
 
 def rpc_error(code: grpc.StatusCode, details: str = "", **trailers: str) -> grpc.aio.AioRpcError:
@@ -129,3 +130,118 @@ def test_output_before_the_prefill_answer_loses_the_attempt():
     with pytest.raises(RouteError) as err:
         asyncio.run(collect())
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "before its prefill answer" in str(err.value)
+
+
+class HandingOverDecode(FakeDecode):
+    """A decode worker's stub that, ``after`` tokens into its first stream (None: never), hands the stream
+    over with its KV (an elastic worker changing role): ``handed_over`` names a lease on the
+    prompt and every token sent but the last, held at ``holder`` (out of the decode pool, as an
+    elastic worker that changed role is). ``off_by``: a handle that holds that many tokens
+    more (a worker out of step with what it sent). Later streams continue the numbering from
+    their first token, as the same model would, and finish at ``max_tokens``."""
+
+    def __init__(self, after: int | None = None, off_by: int = 0, holder: str = "elastic-0:1"):
+        super().__init__()
+        self.after, self.off_by, self.holder = after, off_by, holder
+        self.requests: list[worker_pb2.DecodeRequest] = []
+
+    def Decode(self, request, timeout=None):
+        self.requests.append(request)
+        return _HandingOverCall(request, self.after if len(self.requests) == 1 else None, self.off_by, self.holder)
+
+
+class _HandingOverCall:
+    def __init__(self, request, after: int | None, off_by: int, holder: str):
+        self.request, self.after, self.off_by, self.holder = request, after, off_by, holder
+
+    def __aiter__(self):
+        return self._stream()
+
+    async def _stream(self):
+        yield worker_pb2.DecodeResponse(kv_bytes=1024, kv_transfer_seconds=0.01)
+        first, remaining = self.request.first_token_id, self.request.sampling.max_tokens - 1
+        for i in range(remaining):
+            if i == self.after:
+                # KV of the prompt, the first token and the i tokens sent here, but the last
+                kv = worker_pb2.KVHandle(prefill_address=self.holder, block_ids=[7, 8], lease_token="moved",
+                                         num_tokens=len(self.request.prompt_token_ids) + i + self.off_by)
+                yield worker_pb2.DecodeResponse(handed_over=kv)
+                return
+            yield worker_pb2.DecodeResponse(token_ids=[first + 1 + i],
+                                            finish_reason=pdserve_pb2.FINISH_REASON_LENGTH if i == remaining - 1 else 0)
+
+    def cancel(self) -> None:
+        pass
+
+
+def moving_run(decode: HandingOverDecode, max_tokens: int = 8) -> RequestRun:
+    return request_run(fake_pool([FakePrefill()], [decode]), max_tokens=max_tokens)
+
+
+def test_a_stream_handed_over_with_its_kv_goes_on_from_it_without_a_prefill():
+    """The next decode call reads the moved KV: its prompt is the client's prompt and every
+    token sent but the last, which is its first token; max_tokens counts that token again as
+    a prefill answer's would be counted. The client sees one unbroken stream, and the run counts
+    a move, not a re-prefill."""
+    decode = HandingOverDecode(after=3)
+    run = moving_run(decode)
+    moves, migrations = sample("pdserve:request_kv_moves_total"), sample("pdserve:request_migrations_total")
+
+    async def collect():
+        return [t async for r in run.responses() for t in r.token_ids]
+
+    assert asyncio.run(collect()) == [1, 2, 3, 4, 5, 6, 7, 8]  # the prefill's 1, three, then the rest
+    first, moved = decode.requests
+    sent = [1, 2, 3, 4]
+    assert list(moved.prompt_token_ids) == run.req.prompt_token_ids + sent[:-1]
+    assert moved.first_token_id == sent[-1] and moved.kv.lease_token == "moved"
+    assert moved.sampling.max_tokens == 8 - (len(sent) - 1) and not moved.local_prefill
+    assert moved.request_id != first.request_id  # a new attempt
+    assert sample("pdserve:request_kv_moves_total") == moves + 1
+    assert sample("pdserve:request_migrations_total") == migrations
+
+
+def test_moved_kv_that_does_not_hold_what_was_sent_is_re_prefilled():
+    """A handle one token off is not used (its lease is released): the run re-prefills prompt +
+    tokens sent, as after a lost worker, and the client's tokens are still whole."""
+    decode = HandingOverDecode(after=2, off_by=1, holder="gone:1")  # an address the pool does not know
+    run = moving_run(decode)
+    migrations = sample("pdserve:request_migrations_total")
+
+    async def collect():
+        return [t async for r in run.responses() for t in r.token_ids]
+
+    tokens = asyncio.run(collect())
+    first, again = decode.requests
+    assert list(again.prompt_token_ids) == run.req.prompt_token_ids + [1, 2, 3]  # re-prefilled: all it was sent
+    assert again.kv.lease_token == "lease" and tokens[:3] == [1, 2, 3] and len(tokens) == 8  # the prefill's lease
+    assert sample("pdserve:request_migrations_total") == migrations + 1
+
+
+
+class HeldBy(FakePrefill):
+    """A prefill answer whose KV is held at ``holder``."""
+
+    def __init__(self, holder: str):
+        super().__init__()
+        self.holder = holder
+
+    async def Prefill(self, request, timeout=None):
+        answer = await super().Prefill(request, timeout)
+        answer.kv.prefill_address = self.holder
+        return answer
+
+
+def test_the_kv_source_is_never_its_own_decode_worker():
+    """A decode worker cannot read KV from its own agent (an elastic worker that took the
+    decode role while still holding KV it prefilled): the KV's holder, though the emptiest
+    decode worker, is passed over for the other one."""
+    holder, other = HandingOverDecode(), HandingOverDecode()
+    pool = fake_pool([HeldBy("decode-0:1")], [holder, other])
+    pool.workers["decode-1:1"].stats.num_blocks_used = 500  # the holder is the emptier
+
+    async def collect():
+        return [t async for r in request_run(pool, max_tokens=4).responses() for t in r.token_ids]
+
+    assert asyncio.run(collect()) == [1, 2, 3, 4]
+    assert not holder.requests and len(other.requests) == 1
