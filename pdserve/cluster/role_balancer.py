@@ -28,7 +28,6 @@ from pdserve.cluster.autoscaler import _stats, router_latency, sample_pool
 from pdserve.cluster.autoscaling import MetricsWindow, PoolPolicyConfig, PoolSample
 from pdserve.cluster.autoscaling.budget import POOLS, BudgetConfig, RoleMove, decide_roles, pressure
 from pdserve.cluster.round_loop import RoundLoop
-from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
 from pdserve.elastic_worker.roles import POOL
 
 log = logging.getLogger(__name__)
@@ -38,12 +37,13 @@ class RoleBalancer(RoundLoop):
     name = "role-balancer"
 
     def __init__(self, cluster, config: BudgetConfig, targets: dict[str, PoolPolicyConfig], interval_s: float = 1.0,
-                 grace_s: float = DRAIN_GRACE_SECONDS.default, history: int = 3600):
+                 grace_s: float | None = None, history: int = 3600):
+        """``grace_s``: each switch's drain grace; None: the config's (``BudgetConfig.grace_s``)."""
         super().__init__(interval_s)
         self.cluster = cluster
         self.config = config
         self.targets = targets
-        self.grace_s = grace_s
+        self.grace_s = config.grace_s if grace_s is None else grace_s
         self.samples: dict[str, deque[PoolSample]] = {pool: deque(maxlen=history) for pool in POOLS}
         self.moves: deque[tuple[float, RoleMove]] = deque(maxlen=history)  # every decision, holds included
         self.switches: list = []  # each completed switch (pdserve.cluster.roles.RoleSwitch)

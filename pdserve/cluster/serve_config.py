@@ -65,7 +65,7 @@ def _role_budget(v: dict[str, Any]):
         return None
     return BudgetConfig(dwell_s=v["role_budget_dwell_s"], window_s=v["role_budget_window_s"],
                         ttft_slo_s=v["role_budget_ttft_slo_s"], itl_slo_s=v["role_budget_itl_slo_s"],
-                        mixed=v["role_budget_mixed"])
+                        mixed=v["role_budget_mixed"], grace_s=v["role_budget_grace_s"])
 
 
 def _role_tls(v: dict[str, Any]) -> tuple:

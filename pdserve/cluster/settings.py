@@ -85,6 +85,9 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("role_budget_dwell_s", float, budget.dwell_s, "the role budget's least time between two switches",
                 above=0),
         Setting("role_budget_window_s", float, budget.window_s, "the role budget's window of samples", above=0),
+        Setting("role_budget_grace_s", float, budget.grace_s, "how long a worker the role budget moves may finish "
+                "what its old role runs; past it, its decode streams move with their KV to the rest of its pool",
+                minimum=0),
         Setting("role_budget_ttft_slo_s", float, None, "the TTFT p90 SLO the role budget weighs the prefill pool "
                 "against (default: the prefill autoscaling policy's, 2 s)", above=0),
         Setting("role_budget_itl_slo_s", float, None, "the ITL p90 SLO the role budget weighs the decode pool "

@@ -5,15 +5,17 @@ Once a second (``interval_s``) the driver samples both pools as ``pdserve.planne
 does (the same sample functions: prefill queued prompt tokens and TTFT p90 of the first tokens
 since the last sample; decode KV usage and ITL p90), keeps each pool's trailing window and
 calls ``decide_roles``. A half move (decode <-> mixed) switches a decode worker in place
-(``Simulator.switch_in_place``: its streams stay, only its routing changes). A whole move drains the donor's least loaded worker (out of routing at once;
-what it holds finishes: prompts are prefilled and their KV sent, streams run to their end) and,
-at the first tick that finds it idle, the worker serves the other role ``switch_s`` later (a
-role switch loads no model: tens of milliseconds measured, docs/elastic-roles.md).
+(``Simulator.switch_in_place``: its streams stay, only its routing changes). A whole move
+drains the donor's least loaded worker (out of routing at once; what it holds finishes: prompts
+are prefilled and their KV sent; a decode worker's streams run until the policy's grace, then
+move with their KV to the rest of the pool, ``Simulator.hand_over``) and, at the first tick
+that finds it idle, the worker serves the other role ``switch_s`` later (a role switch loads no
+model: tens of milliseconds measured, docs/elastic-roles.md).
 
 Differences from a served cluster, each erring against elastic roles: a worker changes role
-only at a tick (up to ``interval_s`` after it went idle), a decode worker's streams always
-finish (a served switch hands them over past its grace), and the worker's prefix cache starts
-empty in its new role.
+and hands its streams over only at a tick (up to ``interval_s`` late), and the worker's prefix
+cache starts empty in its new role. Erring for them: a moved stream's wait for its KV is not
+counted in its ITL.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class ElasticDriver:
             while len(window) > 2 and window[1].t <= now - self.config.window_s:
                 window.popleft()  # keep the one sample at or before the window's start
         if self._moving is not None:
-            worker, move, _ = self._moving
+            worker, move, decided = self._moving
+            if move.donor == "decode" and worker.running and now - decided >= self.config.grace_s:
+                sim.hand_over(worker)  # past the grace: its streams move with their KV
             if worker.idle():
                 self._moving = None
                 sim.schedule(now + self.switch_s, READY, (self, move.taker))  # it serves its new role

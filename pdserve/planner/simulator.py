@@ -125,6 +125,7 @@ class Simulator:
         self._waiting_prefill: deque[SimSeq] = deque()
         self._waiting_decode: deque[tuple[SimSeq, SimWorker]] = deque()
         self._link_free: dict[str, float] = {}
+        self._handing_over: set[str] = set()  # draining workers whose streams move once their step ends
         self.failed = 0
         self.now = 0.0
         lay = spec.layout
@@ -175,6 +176,18 @@ class Simulator:
             self.mixed.discard(w.wid)
             w.role = "decode"
         return w
+
+    def hand_over(self, w: SimWorker) -> None:
+        """A draining decode worker's streams move with their KV to the decode pool, at the end
+        of the step in flight (``SimWorker.hand_over``; transfers as a prompt's, ``_place_decode``)."""
+        if w.busy:
+            self._handing_over.add(w.wid)
+            return
+        self._handing_over.discard(w.wid)
+        for seq in w.hand_over():
+            self._inflight[w.wid] -= 1
+            if not self._place_decode(seq, w):
+                self._waiting_decode.append((seq, w))
 
     def start_worker_later(self, driver, pool: str) -> None:
         """A scale-up: the worker takes requests once its model is loaded, ``startup_s`` from now."""
@@ -376,6 +389,8 @@ class Simulator:
             if w.role != "prefill":
                 self._done(seq.rid)
                 self._inflight[w.wid] -= 1
+        if w.wid in self._handing_over:
+            self.hand_over(w)
         self._kick(w)
         self._touch(w)
         self._retry()

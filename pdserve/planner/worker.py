@@ -187,6 +187,19 @@ class SimWorker:
         """Prefill role: the held KV has been transferred (or dropped)."""
         self.fixed_blocks -= self._held.pop(seq.rid, 0)
 
+    def hand_over(self) -> list[SimSeq]:
+        """Elastic roles, between steps: give up every decoding sequence with its KV (a served
+        switch past its grace). Each leaves with what it has made so far: its KV is its prompt
+        now (the router's moved attempt: prompt + every token sent but the newest), and another
+        decode worker reads it and makes the rest."""
+        moved = []
+        for seq in list(self.running):
+            self._leave(seq)
+            seq.remaining = seq.finish_step - self.step
+            seq.prompt = seq.tokens = seq.join_tokens - 1 + (self.step - seq.join_step)
+            moved.append(seq)
+        return moved
+
     # ---- stepping -----------------------------------------------------------------
     def start(self, now: float) -> float | None:
         """Begin the next step if there is work; returns when it ends (None: nothing to run)."""

@@ -112,6 +112,9 @@ def test_the_role_budget_comes_from_flags_and_needs_elastic_roles():
                            environ={"PDSERVE_ROLE_BUDGET_WINDOW_S": "5"}))
     assert (config.role_budget.dwell_s, config.role_budget.window_s) == (30.0, 5.0)
     assert config.role_budget.mixed  # half moves with the mixed role, unless turned off
+    assert config.role_budget.grace_s == 1.0  # then decode streams move with their KV
+    assert build(resolve(parse(["--elastic-roles", "--role-budget", "--role-budget-grace-s", "0"]),
+                         environ={})).role_budget.grace_s == 0.0
     whole = build(resolve(parse(["--elastic-roles", "--role-budget", "--no-role-budget-mixed"]), environ={}))
     assert not whole.role_budget.mixed
     assert config.budget_targets()["decode"].slo_s == 0.2  # the decode autoscaling defaults' ITL SLO

@@ -105,3 +105,27 @@ def test_two_workers_under_long_prompts_make_the_decode_worker_mixed_in_place():
     assert all(r + d == 2 for (_, r, _, _), (_, d, _, _) in zip(driver.history["prefill"], driver.history["decode"]))
     (mixed,) = [w for w in sim.pools["decode"] if w.wid in sim.mixed] or [None]
     assert mixed is not None and mixed.role == "colocated"  # its prefills stall its streams, as served
+
+
+def test_a_decode_worker_changing_role_moves_its_streams_with_their_kv_past_the_grace():
+    """The same shifting mix over 2P:2D. Where a decode worker goes to prefill, a patient policy
+    (a grace longer than any answer) waits for its streams to end; the default hands them over
+    with their KV at the grace (``Simulator.hand_over``), so the switch is served within a tick
+    or two of it, and every moved stream still finishes, with all its tokens."""
+    from pdserve.cluster.autoscaling.budget import BudgetConfig
+    from pdserve.planner.cost import CostModel
+    from pdserve.planner.simulator import ClusterSpec, Simulator
+
+    spec = ClusterSpec(Layout(2, 2), CostModel(REQ.model, REQ.hw, 1), CostModel(REQ.model, REQ.hw, 1), REQ.limits)
+    waits = {}
+    for grace_s in (BudgetConfig().grace_s, 1e6):
+        driver = ElasticDriver(BudgetConfig(grace_s=grace_s))
+        result = Simulator(spec, phases(), autoscaler=driver).run()
+        assert result.failed == 0 and np.isfinite(result.finish).all()
+        assert (result.output_tokens > 0).all()
+        waits[grace_s] = [serving - decided for decided, serving, donor, taker in driver.switches
+                          if (donor, taker) == ("decode", "prefill")]
+    quick, patient = waits[BudgetConfig().grace_s], waits[1e6]
+    assert quick and patient, waits
+    assert max(quick) <= BudgetConfig().grace_s + 2 * driver.interval_s + driver.switch_s, waits
+    assert max(patient) > 5.0, waits  # the long answers' streams ran to their end first

@@ -89,6 +89,10 @@ class BudgetConfig:
     itl_slo_s: float | None = None
     # Whether the policy may use the mixed role (the half moves above).
     mixed: bool = True
+    # A whole move's drain: how long the worker's old role may finish what it runs. Past it,
+    # a decode worker's streams move with their KV to the rest of the pool (no re-prefill), so
+    # a switch need not wait for its longest answer; prompts and held KV finish whatever it is.
+    grace_s: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("ttft_slo_s", "itl_slo_s"):
@@ -102,6 +106,8 @@ class BudgetConfig:
         if self.low >= self.high:
             raise BudgetConfigError("low", f"must be below high ({self.high}), got {self.low}: "
                                     "without the band a move could call for its own reverse")
+        if not (isinstance(self.grace_s, (int, float)) and self.grace_s >= 0):
+            raise BudgetConfigError("grace_s", f"must be a number >= 0, got {self.grace_s!r}")
         for key in ("min_prefill", "min_decode"):
             if getattr(self, key) < 1:
                 raise BudgetConfigError(key, f"must be at least 1, got {getattr(self, key)}")
