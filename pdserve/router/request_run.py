@@ -180,21 +180,18 @@ class RequestRun:
 
     def _migrate(self, lost: AttemptLost, attempt: Attempt, moved: worker_pb2.KVHandle | None) -> None:
         """After a lost attempt: count it, or give up past ``max_migrations``. A move with the
-        KV (``moved``) counts towards the limit too: each is a hand-over that could repeat."""
-        self.migrations += 1
+        KV (``moved``) is no fault and re-prefills nothing: it does not count towards the limit
+        (each needs a role switch, which the controller's dwell time spaces out)."""
         if moved is not None:
             log.info("request %s: %s; going on from it elsewhere", self.req.request_id, lost)
-        else:
-            log.warning("request %s: %s; re-prefilling %d tokens", self.req.request_id, lost, len(attempt.prompt) + 1)
+            self.metrics.kv_moved()
+            return
+        self.migrations += 1
+        log.warning("request %s: %s; re-prefilling %d tokens", self.req.request_id, lost, len(attempt.prompt) + 1)
         if self.migrations > self.limits.max_migrations:
-            if moved is not None:
-                release_later(self.calls, moved.prefill_address, moved.lease_token)
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"gave up after {self.migrations - 1} migrations: {lost}") from lost
-        if moved is not None:
-            self.metrics.kv_moved()
-        else:
-            self.metrics.migrated()
+        self.metrics.migrated()
 
 
 def _mixed(snapshots: list[WorkerSnapshot], worker: WorkerSnapshot | None) -> Mixed:

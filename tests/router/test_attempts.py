@@ -174,8 +174,8 @@ class _HandingOverCall:
         pass
 
 
-def moving_run(decode: HandingOverDecode, max_tokens: int = 8) -> RequestRun:
-    return request_run(fake_pool([FakePrefill()], [decode]), max_tokens=max_tokens)
+def moving_run(decode: HandingOverDecode, max_tokens: int = 8, **limits) -> RequestRun:
+    return request_run(fake_pool([FakePrefill()], [decode]), max_tokens=max_tokens, **limits)
 
 
 def test_a_stream_handed_over_with_its_kv_goes_on_from_it_without_a_prefill():
@@ -184,7 +184,7 @@ def test_a_stream_handed_over_with_its_kv_goes_on_from_it_without_a_prefill():
     a prefill answer's would be counted. The client sees one unbroken stream, and the run counts
     a move, not a re-prefill."""
     decode = HandingOverDecode(after=3)
-    run = moving_run(decode)
+    run = moving_run(decode, max_migrations=0)  # a move is no fault: the limit on re-prefills leaves it be
     moves, migrations = sample("pdserve:request_kv_moves_total"), sample("pdserve:request_migrations_total")
 
     async def collect():
