@@ -88,10 +88,13 @@ ROWS = [
         ("Role switch time", "s", "From the controller's decision until the worker serves its new role.",
          [(f"histogram_quantile({q}, sum by (le, to_role) (rate(pdserve:role_switch_seconds_bucket[{RATE}])))",
            f"p{round(q * 100)} to {{{{to_role}}}}") for q in (0.5, 0.99)]),
-        ("Work moved by role switches", "short", "Decode streams migrated past a switch's grace, and held KV "
-         "left to its lease when the new role opened, per window.",
+        ("Work moved by role switches", "short", "Decode streams handed over past a switch's grace (and of them "
+         "those that moved with their KV, no re-prefill), and held KV left to its lease when the new role "
+         "opened, per window.",
          [(f"sum by (from_role) (increase(pdserve:role_switch_streams_handed_over_total[{RATE}]))",
            "streams handed over from {{from_role}}"),
+          (f"sum by (from_role) (increase(pdserve:role_switch_streams_kv_moved_total[{RATE}]))",
+           "of them moved with their KV, from {{from_role}}"),
           (f"sum by (from_role) (increase(pdserve:role_switch_leases_left_total[{RATE}]))",
            "leases left by {{from_role}}")]),
     ]),
