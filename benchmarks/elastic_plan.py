@@ -25,7 +25,7 @@ from pdserve.planner.hardware import get_profile  # noqa: E402
 from pdserve.planner.metrics import Slo  # noqa: E402
 from pdserve.planner.model_spec import get_model  # noqa: E402
 from pdserve.planner.search import PlanRequest  # noqa: E402
-from pdserve.planner.simulator import Layout  # noqa: E402
+from pdserve.planner.layout import Layout  # noqa: E402
 from pdserve.planner.synthetic import LengthMix, shifting  # noqa: E402
 
 

@@ -156,7 +156,7 @@ def simulate(args, slo: SLO, profile: str) -> dict[str, float]:
     from pdserve.planner.metrics import Slo
     from pdserve.planner.model_spec import get_model
     from pdserve.planner.search import PlanRequest
-    from pdserve.planner.simulator import Layout
+    from pdserve.planner.layout import Layout
     from pdserve.planner.synthetic import LengthMix, shifting
 
     prompts, answers = LengthMix(args.long_prompt, 16, 0.3, 2048), LengthMix(64, args.long_output, 0.3, 1024)

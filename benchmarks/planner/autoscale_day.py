@@ -29,7 +29,8 @@ from pdserve.planner.cost import CostModel  # noqa: E402
 from pdserve.planner.hardware import GPU_PROFILES  # noqa: E402
 from pdserve.planner.metrics import Slo  # noqa: E402
 from pdserve.planner.model_spec import PRESETS  # noqa: E402
-from pdserve.planner.simulator import ClusterSpec, Layout, Simulator  # noqa: E402
+from pdserve.planner.layout import ClusterSpec, Layout  # noqa: E402
+from pdserve.planner.simulator import Simulator  # noqa: E402
 from pdserve.planner.synthetic import LengthMix, bursty_day  # noqa: E402
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.1)

@@ -62,7 +62,8 @@ from pdserve.planner.cost import CostModel  # noqa: E402
 from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile  # noqa: E402
 from pdserve.planner.model_spec import PRESETS  # noqa: E402
 from pdserve.planner.profile import Point, fit  # noqa: E402
-from pdserve.planner.simulator import ClusterSpec, Simulator  # noqa: E402
+from pdserve.planner.layout import ClusterSpec  # noqa: E402
+from pdserve.planner.simulator import Simulator  # noqa: E402
 from pdserve.planner.trace import TraceRequest  # noqa: E402
 from pdserve.planner.worker import EngineLimits  # noqa: E402
 

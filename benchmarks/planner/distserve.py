@@ -45,7 +45,8 @@ from pdserve.planner.cost import CostModel, FittedStepCost  # noqa: E402
 from pdserve.planner.hardware import GPU_PROFILES  # noqa: E402
 from pdserve.planner.metrics import Slo, first_crossing  # noqa: E402
 from pdserve.planner.model_spec import PRESETS  # noqa: E402
-from pdserve.planner.simulator import ClusterSpec, Layout, Simulator  # noqa: E402
+from pdserve.planner.layout import ClusterSpec, Layout  # noqa: E402
+from pdserve.planner.simulator import Simulator  # noqa: E402
 from pdserve.planner.synthetic import CHAT, poisson  # noqa: E402
 from pdserve.planner.worker import EngineLimits  # noqa: E402
 

@@ -114,7 +114,7 @@ def run_profile(args) -> int:
 
 def parse_layout(text: str):
     """``2P:3D`` (TP1), ``2P:3D:TP4``, ``4C`` or ``4C:TP2`` (colocated) as a ``Layout``."""
-    from pdserve.planner.simulator import Layout
+    from pdserve.planner.layout import Layout
 
     m = re.fullmatch(r"(?:(\d+)P:(\d+)D|(\d+)C)(?::TP(\d+))?", text.strip(), re.IGNORECASE)
     if not m:

@@ -101,7 +101,8 @@ def compare_layouts(req, trace, start, driver: ElasticDriver | None = None,
     ``trace``: [(name, SimResult)], elastic last. ``req`` is the ``PlanRequest`` (model,
     hardware, limits); TP as in ``start``. ``progress`` hears each layout's name as it starts."""
     from pdserve.planner.cost import CostModel
-    from pdserve.planner.simulator import ClusterSpec, Layout, Simulator
+    from pdserve.planner.layout import ClusterSpec, Layout
+    from pdserve.planner.simulator import Simulator
 
     if start.colocated or start.prefill < 1 or start.decode < 1:
         raise ValueError(f"--layout: elastic roles start from a disaggregated layout like 1P:2D, got {start.describe()}")

@@ -18,7 +18,8 @@ from pdserve.planner.cost import CostError, CostModel
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.metrics import SimResult, Slo
 from pdserve.planner.model_spec import ModelSpec
-from pdserve.planner.simulator import ClusterSpec, Layout, Simulator
+from pdserve.planner.layout import ClusterSpec, Layout
+from pdserve.planner.simulator import Simulator
 from pdserve.planner.synthetic import LengthMix, poisson
 from pdserve.planner.trace import TraceRequest
 from pdserve.planner.worker import EngineLimits

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pdserve.planner.cost import CostModel
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.model_spec import ModelSpec
-from pdserve.planner.simulator import ClusterSpec, Layout, Simulator
+from pdserve.planner.layout import ClusterSpec, Layout
+from pdserve.planner.simulator import Simulator
 from pdserve.planner.trace import TraceRequest
 from pdserve.planner.worker import EngineLimits
 

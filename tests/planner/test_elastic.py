@@ -11,7 +11,7 @@ from pdserve.planner.hardware import get_profile
 from pdserve.planner.metrics import Slo
 from pdserve.planner.model_spec import get_model
 from pdserve.planner.search import PlanRequest
-from pdserve.planner.simulator import Layout
+from pdserve.planner.layout import Layout
 from pdserve.planner.synthetic import LengthMix, shifting
 from tests.planner.helpers import simulate
 
@@ -38,7 +38,8 @@ def test_the_budget_policy_follows_the_mix_and_loses_no_request():
     workers back to decode, and the long prompts again to prefill. Every request finishes, and
     the worker count never changes."""
     from pdserve.planner.cost import CostModel
-    from pdserve.planner.simulator import ClusterSpec, Simulator
+    from pdserve.planner.layout import ClusterSpec
+    from pdserve.planner.simulator import Simulator
 
     driver = ElasticDriver()
     spec = ClusterSpec(Layout(2, 2), CostModel(REQ.model, REQ.hw, 1), CostModel(REQ.model, REQ.hw, 1), REQ.limits)
@@ -91,7 +92,8 @@ def test_two_workers_under_long_prompts_make_the_decode_worker_mixed_in_place():
     while decode idles: the decode worker becomes mixed at once (no drain), prompts then prefill
     on it too, and every request finishes."""
     from pdserve.planner.cost import CostModel
-    from pdserve.planner.simulator import ClusterSpec, Simulator
+    from pdserve.planner.layout import ClusterSpec
+    from pdserve.planner.simulator import Simulator
 
     driver = ElasticDriver()
     spec = ClusterSpec(Layout(1, 1), CostModel(REQ.model, REQ.hw, 1), CostModel(REQ.model, REQ.hw, 1), REQ.limits)
@@ -114,7 +116,8 @@ def test_a_decode_worker_changing_role_moves_its_streams_with_their_kv_past_the_
     or two of it, and every moved stream still finishes, with all its tokens."""
     from pdserve.cluster.autoscaling.budget import BudgetConfig
     from pdserve.planner.cost import CostModel
-    from pdserve.planner.simulator import ClusterSpec, Simulator
+    from pdserve.planner.layout import ClusterSpec
+    from pdserve.planner.simulator import Simulator
 
     spec = ClusterSpec(Layout(2, 2), CostModel(REQ.model, REQ.hw, 1), CostModel(REQ.model, REQ.hw, 1), REQ.limits)
     waits = {}

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from pdserve.planner.simulator import ClusterSpec, Layout, Simulator
+from pdserve.planner.layout import ClusterSpec, Layout
+from pdserve.planner.simulator import Simulator
 from pdserve.planner.worker import EngineLimits
 from tests.planner.helpers import cost, requests
 

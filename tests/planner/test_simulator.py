@@ -8,7 +8,7 @@ import pytest
 from pdserve.cluster.autoscaling import pool_config
 from pdserve.planner.autoscale import AutoscaleDriver
 from pdserve.planner.metrics import SimResult, Slo, weighted_percentiles
-from pdserve.planner.simulator import Layout
+from pdserve.planner.layout import Layout
 from pdserve.planner.worker import EngineLimits
 from tests.planner.helpers import cost, requests, simulate
 
