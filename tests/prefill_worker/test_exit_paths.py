@@ -262,3 +262,36 @@ def test_a_request_id_in_use_is_refused_without_touching_the_request_that_has_it
             await assert_left_nothing(w)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("end", ["pulled", "aborted", "expired"])
+def test_kv_a_decode_core_hands_over_leaves_by_its_lease(tiny_llama_dir, end):
+    """An elastic worker's decode core hands a stream over with its KV: between two steps the
+    engine holds the decoding sequence (``hold_running``) and the prefill core adopts its blocks
+    under a lease (``adopt``). That KV leaves as a prefilled prompt's does: read by the next
+    decode worker, released, or expired; every block comes back."""
+    async def main():
+        async with worker(tiny_llama_dir, lease_seconds=0.3 if end == "expired" else 30.0) as (w, _):
+            params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+            await w.call(w.engine.add_request, "moved#0", PROMPT, params)
+            seq = w.engine._seqs["moved#0"]
+            while seq.num_output_tokens < 3:  # a racy read, enough to wait on
+                await asyncio.sleep(0.005)
+
+            def hand_over():
+                block_ids, tokens = w.engine.hold_running("moved#0")
+                assert tokens == seq.num_tokens - 1  # every token but the newest
+                return w.adopt("moved#0", block_ids), seq.num_output_tokens
+
+            lease, made = await w.call(hand_over)
+            assert len(lease.block_ids) == -(-(len(PROMPT) + made - 1) // 16)
+            if end == "pulled":
+                await w.claim(lease.token, list(lease.block_ids))
+                assert await asyncio.to_thread(pull, w, lease) is TransferState.DONE
+            elif end == "aborted":
+                assert await w.release(lease.token, ReleaseReason.ABORTED)
+            await assert_left_nothing(w)
+            assert seq.num_output_tokens == made  # it made nothing more after the hand-over
+            return w.leases.released_by
+
+    assert asyncio.run(main())[end] == 1
