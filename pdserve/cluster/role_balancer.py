@@ -51,6 +51,7 @@ class RoleBalancer(RoundLoop):
         self._pressures: dict[str, float] = {}
         self._switch: threading.Thread | None = None
         self._last_round: float | None = None
+        self._hold_logged: float | None = None  # when a hold under pressure was last logged
 
     def stop(self, join_s: float = 60.0) -> None:
         super().stop(join_s)
@@ -81,7 +82,7 @@ class RoleBalancer(RoundLoop):
         move = decide_roles(windows, self.targets, self.config, self.last_switch_t, now, mixed=len(self.cluster.mixed))
         self.moves.append((now, move))
         if move.taker is None:
-            log.debug("role balancer: %s", move.reason)
+            self._log_hold(now, move)
             return move
         address = self._least_loaded(move)
         if address is None:
@@ -91,6 +92,17 @@ class RoleBalancer(RoundLoop):
                                         daemon=True)
         self._switch.start()
         return move
+
+    def _log_hold(self, now: float, move: RoleMove) -> None:
+        """A hold while a pool is over ``high`` is logged (once a window at most): why a pressed
+        pool got no worker is what an operator, or a benchmark's log, needs to read afterwards.
+        Other holds are debug."""
+        pressed = any(p.mean > self.config.high for p in move.pressures)
+        if pressed and (self._hold_logged is None or now - self._hold_logged >= self.config.window_s):
+            self._hold_logged = now
+            log.info("role balancer: %s", move.reason)
+        else:
+            log.debug("role balancer: %s", move.reason)
 
     def _least_loaded(self, move: RoleMove) -> str | None:
         """The worker with the least to hand over among those the move may switch (a whole move:

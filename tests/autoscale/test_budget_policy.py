@@ -198,3 +198,21 @@ def test_two_workers_through_a_prompt_burst_mix_once_and_unmix_when_tokens_slow(
             moves.append((t, move.source, move.target))
     assert [(a, b) for _, a, b in moves] == [("decode", "mixed"), ("mixed", "decode")], moves
     assert moves[1][0] - moves[0][0] >= cfg.dwell_s
+
+
+def test_a_hold_while_a_pool_is_pressed_is_logged_once_a_window(caplog):
+    """The controller logs why a pressed pool got no worker (at most once a window); holds with
+    both pools calm stay at debug."""
+    import logging
+
+    from pdserve.cluster.role_balancer import RoleBalancer
+
+    balancer = RoleBalancer(None, CFG, TARGETS)
+    pressed = decide_roles(windows(2, 2, queued=20000, kv=0.9), TARGETS, CFG, None, NOW)  # both hot: a hold
+    calm = decide_roles(windows(2, 2, queued=4000, kv=0.5), TARGETS, CFG, None, NOW)
+    with caplog.at_level(logging.INFO, logger="pdserve.cluster.role_balancer"):
+        for t in (0.0, 1.0, CFG.window_s + 0.5):
+            balancer._log_hold(t, pressed)
+        balancer._log_hold(100.0, calm)
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(logged) == 2 and all("nothing to move" in m for m in logged), logged
