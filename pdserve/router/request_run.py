@@ -90,7 +90,12 @@ class RequestRun:
         number, moved = 0, None
         while True:
             attempt = self._attempt(number, moved is not None)
-            await self._check_decode_capacity(attempt.blocks)  # before any prefill work
+            try:
+                await self._check_decode_capacity(attempt.blocks)  # before any prefill work
+            except BaseException:  # no room in time, or the client left: moved KV is freed now
+                if moved is not None:
+                    release_later(self.calls, moved.prefill_address, moved.lease_token)
+                raise
             kind = MovedKV(moved, self.output.token_ids[-1]) if moved is not None else self._kind(attempt)
             spans = self.calls.spans
             if spans is not None:

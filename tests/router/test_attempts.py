@@ -140,19 +140,22 @@ class HandingOverDecode(FakeDecode):
     more (a worker out of step with what it sent). Later streams continue the numbering from
     their first token, as the same model would, and finish at ``max_tokens``."""
 
-    def __init__(self, after: int | None = None, off_by: int = 0, holder: str = "elastic-0:1"):
+    def __init__(self, after: int | None = None, off_by: int = 0, holder: str = "elastic-0:1", on_hand_over=None):
         super().__init__()
         self.after, self.off_by, self.holder = after, off_by, holder
+        self.on_hand_over = on_hand_over or (lambda: None)  # called as it hands the stream over
         self.requests: list[worker_pb2.DecodeRequest] = []
 
     def Decode(self, request, timeout=None):
         self.requests.append(request)
-        return _HandingOverCall(request, self.after if len(self.requests) == 1 else None, self.off_by, self.holder)
+        return _HandingOverCall(request, self.after if len(self.requests) == 1 else None, self.off_by, self.holder,
+                                self.on_hand_over)
 
 
 class _HandingOverCall:
-    def __init__(self, request, after: int | None, off_by: int, holder: str):
+    def __init__(self, request, after: int | None, off_by: int, holder: str, on_hand_over):
         self.request, self.after, self.off_by, self.holder = request, after, off_by, holder
+        self.on_hand_over = on_hand_over
 
     def __aiter__(self):
         return self._stream()
@@ -165,6 +168,7 @@ class _HandingOverCall:
                 # KV of the prompt, the first token and the i tokens sent here, but the last
                 kv = worker_pb2.KVHandle(prefill_address=self.holder, block_ids=[7, 8], lease_token="moved",
                                          num_tokens=len(self.request.prompt_token_ids) + i + self.off_by)
+                self.on_hand_over()
                 yield worker_pb2.DecodeResponse(handed_over=kv)
                 return
             yield worker_pb2.DecodeResponse(token_ids=[first + 1 + i],
@@ -245,3 +249,40 @@ def test_the_kv_source_is_never_its_own_decode_worker():
 
     assert asyncio.run(collect()) == [1, 2, 3, 4]
     assert not holder.requests and len(other.requests) == 1
+
+
+class ReleaseRecorder(FakePrefill):
+    """A prefill worker's stub (the moved KV's holder) that records the leases released."""
+
+    def __init__(self):
+        super().__init__()
+        self.released: list[str] = []
+
+    def Release(self, request, timeout=None):
+        self.released.append(request.lease_token)
+        return super().Release(request, timeout)
+
+
+def test_moved_kv_with_no_decode_worker_to_take_it_is_released():
+    """The stream is handed over, and no decode worker has room for it until the request's
+    deadline (after its first token a request waits for room up to its deadline): it fails, and
+    the lease on the moved KV is released then, not left to expire."""
+    holder = ReleaseRecorder()
+
+    def full() -> None:  # no room left for the moved stream
+        pool.workers["decode-0:1"].stats.num_blocks_used = pool.workers["decode-0:1"].stats.num_blocks_total
+
+    pool = fake_pool([holder], [HandingOverDecode(after=2, holder="prefill-0:1", on_hand_over=full)])
+    run = request_run(pool, max_tokens=8, request_timeout_s=1.0)
+
+    async def collect():
+        out = []
+        with pytest.raises(RouteError) as err:
+            async for r in run.responses():
+                out += r.token_ids
+        await asyncio.sleep(0)  # the release is scheduled, not awaited
+        return out, err.value
+
+    tokens, err = asyncio.run(collect())
+    assert tokens == [1, 2, 3] and err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert holder.released == ["moved"]
