@@ -220,6 +220,7 @@ def register_role_changes() -> None:
     for src, dst in (("prefill", "decode"), ("decode", "prefill")):
         ROLE_SWITCH_TIME.labels(dst)
         ROLE_SWITCH_HANDED_OVER.labels(src)
+        ROLE_SWITCH_KV_MOVED.labels(src)
         ROLE_SWITCH_LEASES_LEFT.labels(src)
         for reason in ROLE_CHANGE_REASONS:
             ROLE_CHANGES.labels(src, dst, reason)
