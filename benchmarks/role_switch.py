@@ -105,8 +105,9 @@ def main() -> int:
     for kind in kinds + ["all"]:
         sel = [s for s in switches if kind in ("all", s["kind"])]
         t = np.array([s["seconds"] for s in sel]) * 1e3
-        row = {"kind": kind, "n": len(sel), "p50_ms": float(np.percentile(t, 50)), "p99_ms": float(np.percentile(t, 99)),
-               "max_ms": float(t.max()), "handed_over": sum(s["handed_over"] for s in sel),
+        row = {"kind": kind, "n": len(sel), "p50_ms": float(np.percentile(t, 50)),
+               "p99_ms": float(np.percentile(t, 99)), "max_ms": float(t.max()),
+               "handed_over": sum(s["handed_over"] for s in sel),
                "kv_moved": sum(s["kv_moved"] for s in sel)}
         rows.append(row)
         print(f"| {kind} | {row['n']} | {row['p50_ms']:.0f} / {row['p99_ms']:.0f} / {row['max_ms']:.0f} | "

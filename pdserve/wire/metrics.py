@@ -252,7 +252,8 @@ def register_model(model_name: str) -> None:
     """Create the model's request series at zero when the router starts, so that a dashboard
     reads 0 retries or migrations, not "no data", before the first one happens."""
     for family in (TTFT, ITL, E2E, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_TIME, REQUEST_PROMPT_TOKENS,
-                   REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, RETRIES, MIGRATIONS, KV_MOVES, ROUTING_OVERLAP):
+                   REQUEST_GENERATION_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, RETRIES, MIGRATIONS, KV_MOVES,
+                   ROUTING_OVERLAP):
         family.labels(model_name)
 
 
