@@ -249,14 +249,12 @@ class PrefillWorker(WorkerShell):
                 pass
 
     def adopt(self, request_id: str, block_ids: list[int]) -> Lease:
-        """Engine thread: hold the KV of a stream that this process's decode core handed over
-        (``pdserve.elastic_worker``; the engine holds the sequence already) under a lease, as
-        if this worker had prefilled it: the decode worker the router moves the stream to
-        claims and reads it, and the read's notice, a release or the lease's expiry frees it.
-        No owner: the router that learns the token may be any (the lease expires)."""
-        record = self.records[request_id] = RequestRecord(request_id, "", time.monotonic(), None, False,
-                                                          computing=False)
-        record.lease = self.leases.grant(request_id, block_ids, time.monotonic(), self.config.lease_seconds)
+        """Engine thread: hold under a lease, as if prefilled here, the KV of a stream this
+        process's decode core handed over (``pdserve.elastic_worker``). No owner router (any
+        may learn the token): unread, it ends by its expiry."""
+        now = time.monotonic()
+        record = self.records[request_id] = RequestRecord(request_id, "", now, None, False, computing=False)
+        record.lease = self.leases.grant(request_id, block_ids, now, self.config.lease_seconds)
         self._expect_reads()
         return record.lease
 
