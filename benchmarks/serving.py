@@ -9,7 +9,8 @@ driven by vLLM's own load generator, `vllm bench serve`, in one run; one server 
 
 1. pdserve: `pdserve serve --grpc-port P --port H` (the `pdserve` beside this interpreter; 1 prefill
    + 1 decode worker and every other setting at its default, as `make serve`), until /health is 200.
-2. vLLM: `vllm serve HF_DIR --dtype bfloat16 --max-model-len 2048` with VLLM_CPU_KVCACHE_SPACE=2 and
+2. vLLM: `vllm serve HF_DIR --dtype bfloat16 --max-model-len 2048`
+   (--vllm-dtype float32 for AVX2 only) with VLLM_CPU_KVCACHE_SPACE=2 and
    VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores), as docs/peers.md says, on the Hugging Face copy of
    the same weights (benchmarks/peers/hf_dir.py, built if missing).
 Each is driven at two loads, random prompts of 256 tokens, 64 output tokens, --ignore-eos, seed 0,
@@ -100,7 +101,7 @@ def pdserve_server(args) -> ServerProcess:
 
 def vllm_server(args) -> ServerProcess:
     cmd = [str(args.vllm_venv / "bin" / "vllm"), "serve", str(args.hf_dir), "--served-model-name", "smollm2",
-           "--host", HOST, "--port", str(args.vllm_port), "--dtype", "bfloat16", "--max-model-len", "2048"]
+           "--host", HOST, "--port", str(args.vllm_port), "--dtype", args.vllm_dtype, "--max-model-len", "2048"]
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND=args.vllm_threads_bind, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
@@ -295,6 +296,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--pdserve-port", type=int, default=8300, help="pdserve's HTTP port")
     ap.add_argument("--pdserve-grpc-port", type=int, default=50351)
     ap.add_argument("--vllm-port", type=int, default=8100)
+    ap.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="vLLM's dtype: bfloat16 is its best on AVX-512 BF16 and AMX; on AVX2 only, run float32 too")
     ap.add_argument("--vllm-threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)

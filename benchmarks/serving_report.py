@@ -107,7 +107,9 @@ def markdown(doc: dict) -> str:
     loads = doc["loads"]
     machine = doc["machine"]
     lines = [f"Processor: {machine.get('cpu_model', '?')}, {machine.get('cpus', '?')} cpus, flags "
-             f"{' '.join(machine.get('flags', [])) or '?'}; pdserve kernel path {machine.get('kernel_path') or '?'}.", "",
+             f"{' '.join(machine.get('flags', [])) or '?'}; pdserve kernel path {machine.get('kernel_path') or '?'}"
+             + (f"; oneDNN capped at {machine['onednn_max_isa']} (an emulation)" if machine.get("onednn_max_isa") else "")
+             + ".", "",
              "| server | load | done / failed | req/s | out tok/s | TTFT p50 / p90 / p99 ms | "
              "TPOT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | E2EL p50 / p90 / p99 ms | server busy cores |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -180,7 +182,9 @@ def plot(doc: dict, path: Path) -> None:
     machine = doc["machine"]
     fig.suptitle(f"vllm bench serve, random {doc['workload']['input_len']} in / {doc['workload']['output_len']} "
                  f"out, {machine['cpus']} shared CPU cores of {machine.get('cpu_model', '?')} "
-                 f"(pdserve kernel path {machine.get('kernel_path') or '?'}; {doc['created'][:16]} UTC)", fontsize=10)
+                 f"(pdserve kernel path {machine.get('kernel_path') or '?'}"
+                 + (f", oneDNN capped at {machine['onednn_max_isa']}" if machine.get("onednn_max_isa") else "")
+                 + f"; {doc['created'][:16]} UTC)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
