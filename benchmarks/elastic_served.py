@@ -224,7 +224,13 @@ def main() -> int:
         agree = f"{r['goodput_req_s'] / sim:.2f}" if sim else "—"
         print(f"| {r['layout']} | {r['goodput_req_s']:.3f} | {r['met']} / {r['requests']} | {r['failed']} | {vs} | "
               f"{'—' if sim is None else f'{sim:.3f}'} | {agree} |")
-    doc = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    bound = switching_bound(rows)
+    if bound:
+        print(f"\nper-phase best fixed layout ({', '.join(f'{p}: {l}' for p, l in bound['best_per_phase'].items())}), "
+              f"as if switched for free at each phase: {bound['goodput_req_s']:.3f} req/s = "
+              f"{bound['vs_best_fixed']:.2f}x the best fixed layout")
+    doc = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+           "switching_bound": bound}
     out = args.json or args.out_dir / "elastic_served.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
@@ -234,6 +240,23 @@ def main() -> int:
         plot(elastic[0], args.phase_s, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def switching_bound(rows: list[dict]) -> dict | None:
+    """What any role policy could reach on this run's mix, were it free to switch: the fixed
+    layouts' best count of requests met in each phase, added up, over their mean run length.
+    Against the best fixed layout it says how much room the mix leaves for switching at all:
+    when one layout wins every phase, no policy can beat it (by this measure) by switching.
+    None without at least two fixed layouts."""
+    fixed = [r for r in rows if not r["layout"].startswith("elastic")]
+    if len(fixed) < 2:
+        return None
+    best = {phase: max(fixed, key=lambda r: r["by_phase"][phase]["met"]) for phase in fixed[0]["by_phase"]}
+    met = sum(r["by_phase"][phase]["met"] for phase, r in best.items())
+    duration = sum(r["duration_s"] for r in fixed) / len(fixed)
+    top = max(r["goodput_req_s"] for r in fixed)
+    return {"goodput_req_s": met / duration, "vs_best_fixed": met / duration / top,
+            "best_per_phase": {phase: r["layout"] for phase, r in best.items()}}
 
 
 def plot(row: dict, phase_s: float, path: Path) -> None:
