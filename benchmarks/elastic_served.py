@@ -243,10 +243,12 @@ def main() -> int:
 
 
 def switching_bound(rows: list[dict]) -> dict | None:
-    """What any role policy could reach on this run's mix, were it free to switch: the fixed
-    layouts' best count of requests met in each phase, added up, over their mean run length.
-    Against the best fixed layout it says how much room the mix leaves for switching at all:
-    when one layout wins every phase, no policy can beat it (by this measure) by switching.
+    """What switching between the fixed layouts could reach on this run's mix, were each
+    switch free and made at the phase's start: the fixed layouts' best count of requests met
+    in each phase, added up, over their mean run length. Against the best fixed layout it says
+    how much room the mix leaves for switching: when one layout wins every phase, switching
+    among them gains nothing. Not a strict bound on elastic roles, which also hold states no
+    fixed layout has (a prefill worker beside a mixed one) and can beat each in a phase.
     None without at least two fixed layouts."""
     fixed = [r for r in rows if not r["layout"].startswith("elastic")]
     if len(fixed) < 2:
