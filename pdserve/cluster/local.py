@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import uuid
 
 import ray
@@ -21,9 +22,10 @@ from pdserve.cluster.actors import ServerActor
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.placement import PoolPlacement, remove, remove_orphan_groups, reserve
 from pdserve.cluster.ray_start import local_ray_cpus, start_local_ray
+from pdserve.cluster.roles import hand_over_to_retire, switch_role
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
 from pdserve.cluster.worker_drain import drain_worker
-from pdserve.elastic_worker.roles import POOL
+from pdserve.elastic_worker.roles import HAND_OVER_AFTER_S, POOL
 from pdserve.wire.grpc_util import channel
 
 log = logging.getLogger(__name__)
@@ -275,19 +277,24 @@ class LocalCluster:
             self.push_membership()
             return self.addresses(role)[index]
 
-    def scale_down(self, role: str, index: int = -1, drain_timeout_s: float = 300.0) -> str:
+    def scale_down(self, role: str, index: int = -1, drain_timeout_s: float = 300.0,
+                   hand_over_after_s: float = HAND_OVER_AFTER_S) -> str:
         """Remove one worker by draining it: it leaves the routing table first, takes no new
         request, finishes the ones it has (a prefill worker also waits until its held KV is
         pulled or expires), and only then stops. Returns its address."""
         with self.lock:
             address = self.addresses(role)[index % len(self.actors(role))]
-        self.retire(role, address, drain_timeout_s)
+        self.retire(role, address, drain_timeout_s, hand_over_after_s)
         return address
 
-    def retire(self, role: str, address: str, drain_timeout_s: float) -> bool | None:
+    def retire(self, role: str, address: str, drain_timeout_s: float,
+               hand_over_after_s: float = HAND_OVER_AFTER_S) -> bool | None:
         """Drain the worker at ``address`` out of the cluster (see ``scale_down``). True if it
         went idle within ``drain_timeout_s`` (else it is stopped busy, and the router migrates
-        what it ran); None if no slot serves there (it was replaced or removed meanwhile)."""
+        what it ran); None if no slot serves there (it was replaced or removed meanwhile). An
+        elastic decode worker's streams still running after ``hand_over_after_s`` move with
+        their KV first (``pdserve.cluster.roles.hand_over_to_retire``)."""
+        start = time.monotonic()
         with self.lock:
             if address not in self.addresses(role):
                 return None
@@ -295,7 +302,10 @@ class LocalCluster:
             actor = self.actors(role)[index]
             group = self._drop_slot(role, index)
             self.push_membership()
-        idle = drain_worker(role, address, self.config.tls_for("controller"), drain_timeout_s)
+        if self.config.elastic_roles and role == "decode":
+            role = hand_over_to_retire(self, address, min(hand_over_after_s, drain_timeout_s / 2))
+        idle = drain_worker(role, address, self.config.tls_for("controller"),
+                            max(0.0, drain_timeout_s - (time.monotonic() - start)))
         try:  # a drain out of time has spent the grace: what still runs is cut now, not 2 s later
             ray.get(actor.stop.remote(grace_s=2.0 if idle else 0.0), timeout=30)
         finally:
@@ -319,8 +329,6 @@ class LocalCluster:
     def set_role(self, address: str, role: str, grace_s: float = DRAIN_GRACE_SECONDS.default,
                  reason: str = "manual"):
         """Switch the elastic worker at ``address`` to ``role`` in place (``pdserve.cluster.roles``)."""
-        from pdserve.cluster.roles import switch_role
-
         return switch_role(self, address, role, grace_s, reason)
 
     def role_of(self, address: str) -> str:

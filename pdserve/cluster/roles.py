@@ -108,3 +108,27 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
              done.seconds, done.worker_seconds, "" if done.idle else
              f"; past the grace {done.handed_over} stream(s) migrated, {done.kv_moved} with their KV")
     return done
+
+
+def hand_over_to_retire(cluster, address: str, grace_s: float) -> str:
+    """Before the controller drains an elastic decode or mixed worker out of ``cluster``
+    (``LocalCluster.retire``: scale-down, rollout), whose slot is already gone: its streams get
+    ``grace_s`` to finish, and those still running move with their KV to the rest of the decode
+    pool, as past a switch's grace (``SetRole`` to prefill), instead of running into the drain's
+    end and being re-prefilled. The worker then holds their KV under leases as a prefill worker
+    does, and the drain waits until it is read. Returns the role to drain the worker as:
+    ``prefill``, or ``decode`` where the worker would not switch (its streams then finish or are
+    cut at the drain's end, as a plain decode worker's)."""
+    from pdserve.protos import worker_pb2, worker_pb2_grpc
+
+    try:
+        with channel(address, cluster.config.tls_for("controller")) as ch:
+            answer = worker_pb2_grpc.ElasticWorkerStub(ch).SetRole(
+                worker_pb2.SetRoleRequest(role="prefill", grace_s=grace_s, reason="retire"), timeout=grace_s + 30)
+    except grpc.RpcError as exc:
+        log.warning("worker %s did not hand its streams over before retiring (%s); draining it as a decode worker",
+                    address, exc.details() if hasattr(exc, "details") else exc)
+        return "decode"
+    log.info("worker %s retires: %d stream(s) still running after %.1f s handed over, %d with their KV", address,
+             answer.handed_over, grace_s, answer.kv_moved)
+    return "prefill"

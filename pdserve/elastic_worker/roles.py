@@ -14,3 +14,7 @@ ROLES = ("prefill", "decode", "mixed")
 CORE = {"prefill": "prefill", "decode": "decode", "mixed": "decode"}
 # The pool whose slots, KV and streams a role's worker counts in (the router's ``SERVES``).
 POOL = {"prefill": "prefill", "decode": "decode", "mixed": "decode"}
+# How long a decode role's streams may finish on their own when the worker leaves that role
+# (a switch, or retiring from the cluster) before they move with their KV to the rest of the
+# pool: a move costs a stream tens of milliseconds, so no switch waits for its longest answer.
+HAND_OVER_AFTER_S = 1.0

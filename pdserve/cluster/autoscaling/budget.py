@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from pdserve.cluster.autoscaling.config import PoolPolicyConfig
 from pdserve.cluster.autoscaling.window import MetricsWindow, PoolSample
+from pdserve.elastic_worker.roles import HAND_OVER_AFTER_S
 
 POOLS = ("prefill", "decode")
 
@@ -92,7 +93,7 @@ class BudgetConfig:
     # A whole move's drain: how long the worker's old role may finish what it runs. Past it,
     # a decode worker's streams move with their KV to the rest of the pool (no re-prefill), so
     # a switch need not wait for its longest answer; prompts and held KV finish whatever it is.
-    grace_s: float = 1.0
+    grace_s: float = HAND_OVER_AFTER_S
 
     def __post_init__(self) -> None:
         for key in ("ttft_slo_s", "itl_slo_s"):
