@@ -293,7 +293,7 @@ class LocalCluster:
         went idle within ``drain_timeout_s`` (else it is stopped busy, and the router migrates
         what it ran); None if no slot serves there (it was replaced or removed meanwhile). An
         elastic decode worker's streams still running after ``hand_over_after_s`` move with
-        their KV first (``pdserve.cluster.roles.hand_over_to_retire``)."""
+        their KV first, if a decode worker is left (``pdserve.cluster.roles.hand_over_to_retire``)."""
         start = time.monotonic()
         with self.lock:
             if address not in self.addresses(role):
@@ -302,7 +302,7 @@ class LocalCluster:
             actor = self.actors(role)[index]
             group = self._drop_slot(role, index)
             self.push_membership()
-        if self.config.elastic_roles and role == "decode":
+        if self.config.elastic_roles and role == "decode" and self.addresses("decode"):  # somewhere to move to
             role = hand_over_to_retire(self, address, min(hand_over_after_s, drain_timeout_s / 2))
         idle = drain_worker(role, address, self.config.tls_for("controller"),
                             max(0.0, drain_timeout_s - (time.monotonic() - start)))

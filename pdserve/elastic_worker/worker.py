@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig, decode_engine_config
-from pdserve.elastic_worker.roles import CORE, HAND_OVER_AFTER_S, ROLES
+from pdserve.elastic_worker.roles import CORE, ROLES
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.step_trace import StepTrace, trace_path
 from pdserve.kv_transfer.handoff import KVHandle
@@ -112,18 +112,12 @@ class ElasticWorker:
         return self.prefill.in_flight() + self.decode.in_flight()
 
     async def drain(self, grace_s: float) -> bool:
-        """SIGTERM: both roles take nothing new. Decode streams get ``HAND_OVER_AFTER_S`` (at
-        most half of ``grace_s``) to finish; those still running then move with their KV, as
-        past a switch's grace, and the rest of ``grace_s`` serves their reads (held under the
-        prefill core's leases) and the prompts computing. True if all went idle in time."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + grace_s
-        self.prefill.draining = True
-        if not await self.decode.drain(min(HAND_OVER_AFTER_S, grace_s / 2)):
-            await self.decode.hand_over_streams(f"worker {self.config.worker_id} drains",
-                                                self._keep if self.address else None)
-        rest = max(0.0, end - loop.time())
-        return all(await asyncio.gather(self.prefill.drain(rest), self.decode.drain(rest)))
+        """SIGTERM: both roles take nothing new; True if both went idle within ``grace_s``.
+        Streams are not handed over early here, as they are when the controller retires the
+        worker: alone, a worker cannot know that a decode worker is left to take them (a whole
+        deployment ending drains every one of them at once)."""
+        done = await asyncio.gather(self.prefill.drain(grace_s), self.decode.drain(grace_s))
+        return all(done)
 
     # ---- the switch ----------------------------------------------------------------
     async def set_role(self, role: str, grace_s: float, reason: str = "") -> Switched:

@@ -8,7 +8,6 @@ switch and its time, and afterwards no worker holds a KV block.
 The cluster runs the real default model in float32, so outputs compare token for token.
 """
 
-import os
 import time
 import urllib.request
 
@@ -29,7 +28,6 @@ MAX_TOKENS = 16
 LONG_TOKENS = 32  # streams still running when a worker with no grace switches
 PROMPTS = [f"Tell me a short fact about the number {i}." for i in range(3)]
 GRACE_S = 60.0  # far beyond a 16-token stream: a graceful switch migrates nothing
-SIGTERM_TOKENS = 256  # seconds of decoding: still running well past a drain's hand-over
 
 
 @pytest.fixture(scope="module")
@@ -265,60 +263,22 @@ def test_the_budget_policy_makes_the_only_decode_worker_mixed_when_prompts_wait(
     assert_no_kv_held(cluster)
 
 
-def test_sigterm_to_a_busy_elastic_decode_worker_moves_its_stream_with_its_kv(cluster, stub):
-    """A Kubernetes pod ending: SIGTERM to the only decode worker while a long stream decodes
-    there, with a second decode worker (a prefill worker switched) listed meanwhile. The drain
-    gives the stream ``HAND_OVER_AFTER_S``, far less than it has left, then moves it with its
-    KV; the other worker reads it over NIXL and the client's tokens equal the undisturbed run.
-    The supervisor replaces the worker that exited: the module's next test starts 1P:2D."""
-    import signal
-    import threading
-
-    request = chat_request(PROMPTS[0], SIGTERM_TOKENS, ignore_eos=True)
-    expected = collect(stub.Generate(request, timeout=120))[0]
-    (victim,) = cluster.decode_addresses
-    spare = cluster.prefill_addresses[-1]
-    pid = ray.get(cluster.decode[0].pid.remote(), timeout=10)
-    moved, _ = kv_moves(cluster)
-    got: list[int] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        for r in stub.Generate(request, timeout=120):
-            got.extend(r.token_ids)
-            if len(got) >= 4:
-                started.set()
-
-    client = threading.Thread(target=stream)
-    client.start()
-    assert started.wait(60), "the long stream did not start"
-    cluster.set_role(spare, "decode", GRACE_S, reason="test")  # where the stream can go
-    os.kill(pid, signal.SIGTERM)
-    client.join(120)
-    assert got == expected, "the moved stream's tokens differ from the undisturbed run"
-    assert kv_moves(cluster)[0] == moved + 1, "the stream was not moved with its KV"
-    deadline = time.monotonic() + 120
-    while not (len(cluster.decode_addresses) == 2 and victim not in cluster.decode_addresses):
-        assert time.monotonic() < deadline, "the supervisor did not replace the worker that drained"
-        time.sleep(0.5)
-    assert_no_kv_held(cluster)
-
 def test_a_busy_elastic_decode_worker_scaled_down_moves_its_streams_with_their_kv(cluster, stub, reference):
     """Retiring (scale-down, ``pdserve rollout``) an elastic decode worker with streams running:
     the controller takes it out of the routing table, its streams get no time to finish here
     (``hand_over_after_s=0``), and they move with their KV to the other decode worker, which
     reads it over NIXL; the drain waits for those reads, then the worker stops. Every stream
     keeps its undisturbed tokens, and no KV is left held. The module's last test: the cluster ends one decode worker smaller."""
-    assert len(cluster.decode_addresses) == 2  # as the test before leaves it
+    spare = cluster.prefill_addresses[-1]
+    cluster.set_role(spare, "decode", GRACE_S, reason="test")  # the decode pool keeps a worker
     moved, _ = kv_moves(cluster)
     with Load(stub, PROMPTS, LONG_TOKENS, CLIENTS, REQUEST_TIMEOUT_S) as load:
-        victim = busy(cluster.decode_addresses)
-        (other,) = [a for a in cluster.decode_addresses if a != victim]
+        victim = busy([a for a in cluster.decode_addresses if a != spare])
         # The leases outlast the drain's timeout (LEASE_S): idle means each moved KV was read
         idle = cluster.retire("decode", victim, drain_timeout_s=60.0, hand_over_after_s=0.0)
         load.wait_for(CLIENTS)
     check(load.outcomes, reference, LONG_TOKENS)
     assert idle, "the retired worker still held KV or streams at the drain's end"
-    assert cluster.decode_addresses == [other] and victim not in cluster.prefill_addresses
+    assert cluster.decode_addresses == [spare] and victim not in cluster.prefill_addresses
     assert kv_moves(cluster)[0] > moved, "no stream running on it moved with its KV"
     assert_no_kv_held(cluster)
