@@ -24,6 +24,7 @@ from pdserve.cluster.placement import PoolPlacement, remove, remove_orphan_group
 from pdserve.cluster.ray_start import local_ray_cpus, start_local_ray
 from pdserve.cluster.roles import hand_over_to_retire, switch_role
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS
+from pdserve.cluster.slots import Slot, Slots
 from pdserve.cluster.worker_drain import drain_worker
 from pdserve.elastic_worker.roles import HAND_OVER_AFTER_S, POOL
 from pdserve.wire.grpc_util import channel
@@ -41,17 +42,14 @@ class LocalCluster:
     def __init__(self, config: ClusterConfig, detached: bool = False):
         self.config = config
         self.detached = detached
-        self.prefill: list = []
-        self.decode: list = []
+        self.slots = Slots()  # the workers, pool by pool (pdserve.cluster.slots); these are its lists:
+        self.prefill, self.decode = self.slots.actors["prefill"], self.slots.actors["decode"]
+        self.prefill_addresses, self.decode_addresses = self.slots.addresses["prefill"], self.slots.addresses["decode"]
+        self.mixed = self.slots.mixed  # elastic workers in the mixed role (their slots are the decode pool's)
         self.router = None
-        self.prefill_addresses: list[str] = []
-        self.decode_addresses: list[str] = []
-        self.mixed: set[str] = set()  # elastic workers in the mixed role (their slots are the decode pool's)
         self.address: str | None = None  # the router's public gRPC address
         self.http_address: str | None = None
         self.admin_address: str | None = None  # the router's internal plane (RouterAdmin)
-        self._groups: dict[tuple[str, int], object] = {}  # one placement group per worker slot
-        self._specs: dict[tuple[str, int], tuple] = {}  # what to start again in a slot
         self._supervisor = None  # a cluster.supervisor.Supervisor
         self._router_config = None  # what restart_router starts again
         self.autoscaler = None
@@ -70,12 +68,12 @@ class LocalCluster:
         if not ray.is_initialized():
             self._init_ray()
         threads = cfg.worker_threads()
-        self.prefill = [self._place("prefill", i, cfg.prefill_placement, cfg.worker_config("prefill", i), threads)
-                        for i in range(cfg.num_prefill)]
-        self.decode = [self._place("decode", i, cfg.decode_placement, cfg.worker_config("decode", i), threads)
-                       for i in range(cfg.num_decode)]
-        self.prefill_addresses = ray.get([a.start.remote() for a in self.prefill])
-        self.decode_addresses = ray.get([a.start.remote() for a in self.decode])
+        sizes = {"prefill": cfg.num_prefill, "decode": cfg.num_decode}
+        placed = [(pool, self._place(pool, self._pool_placement(pool), cfg.worker_config(pool, i), threads))
+                  for pool, size in sizes.items() for i in range(size)]
+        for (pool, slot), address in zip(placed, ray.get([slot[0].start.remote() for _, slot in placed])):
+            self.slots.add(pool, *slot, address)  # all started at once: their models load side by side
+        self._next_id.update(sizes)
         self._start_router(cfg.router_config(tuple(self.prefill_addresses), tuple(self.decode_addresses)))
         self._start_loops()
         return self.address
@@ -121,8 +119,6 @@ class LocalCluster:
                 described = ray.get(actor.describe.remote(), timeout=30)
                 role = described["role"]  # an elastic worker's current role
                 found[POOL.get(role, role)].append((actor, described))
-                if role == "mixed":
-                    self.mixed.add(described["address"])
             except Exception as exc:  # it died while no controller watched; its slot is refilled below
                 log.warning("not adopting %s: %s", name, exc)
         if not found["router"]:
@@ -137,14 +133,10 @@ class LocalCluster:
             http_port=split(self.http_address)[1] if self.http_address else router["config"].http_port)
         for role in ("prefill", "decode"):
             for actor, d in sorted(found[role], key=lambda a: int(a[1]["config"].worker_id.rsplit("-", 1)[1])):
-                index = len(self.actors(role))
-                self.actors(role).append(actor)
-                self.addresses(role).append(d["address"])
-                self._specs[(role, index)] = (d["placement"], d["config"], d["threads"])
-                self._groups[(role, index)] = d["group"]
+                self.slots.put(d["role"], Slot(actor, d["address"], d["group"], (d["placement"], d["config"], d["threads"])))
                 self._templates.setdefault(role, (d["placement"], d["config"], d["threads"]))
                 self._next_id[role] = max(self._next_id[role], int(d["config"].worker_id.rsplit("-", 1)[1]) + 1)
-        remove_orphan_groups(self._group_prefix(), {pg.id.hex() for pg in self._groups.values()})
+        remove_orphan_groups(self._group_prefix(), {pg.id.hex() for pg in self.slots.groups()})
         for role, size in (("prefill", self.config.num_prefill), ("decode", self.config.num_decode)):
             if role in self.config.pools():
                 self._templates.setdefault(role, (self._pool_placement(role), self.config.worker_config(role, 0),
@@ -224,8 +216,9 @@ class LocalCluster:
         start_local_ray(local_ray_cpus(cfg), cfg.ray_token_auth)
         self._started_ray = True
 
-    def _place(self, role: str, index: int, placement: PoolPlacement, config, threads: int):
-        """A worker actor inside a placement group of its own. Unless the pool names its CPUs,
+    def _place(self, role: str, placement: PoolPlacement, config, threads: int) -> tuple:
+        """A worker actor inside a placement group of its own: (actor, group, spec), for a slot
+        (``spec``: what starts again there, with the cores it was pinned to). Unless the pool names its CPUs,
         Ray reserves as many as the worker runs torch threads. On a Ray this cluster started,
         with a core for every thread, the worker is also pinned to cores of its own; on an
         oversubscribed machine it is not (measured on 2 cores and 4 workers: pinning kept the
@@ -238,13 +231,11 @@ class LocalCluster:
             cpus = tuple((slot * threads + k) % (os.cpu_count() or 1) for k in range(threads))
             borrow = tuple(c for c in range(os.cpu_count() or 1) if c not in cpus) if self.config.borrow_idle_cores else ()
             config = _pinned(config, cpus, borrow)
-        self._next_id[role] = max(self._next_id[role], index + 1)
-        self._specs[(role, index)] = (placement, config, threads)
-        pg, options = reserve(placement, f"{self._group_prefix()}{role}-{index}-{uuid.uuid4().hex[:8]}",
+        pg, options = reserve(placement, f"{self._group_prefix()}{config.worker_id}-{uuid.uuid4().hex[:8]}",
                               detached=self.detached)
-        self._groups[(role, index)] = pg
-        return ServerActor.options(**options, **self._actor_options(role)).remote(
+        actor = ServerActor.options(**options, **self._actor_options(role)).remote(
             role, config, threads, self.config.log, placement)
+        return actor, pg, (placement, config, threads)
 
     def actors(self, role: str) -> list:
         return self.prefill if role == "prefill" else self.decode
@@ -254,15 +245,9 @@ class LocalCluster:
 
     def replace(self, role: str, index: int) -> str:
         """Start a new worker in a slot whose worker died; returns its address."""
-        old = self._groups.pop((role, index), None)
-        if old is not None:
-            remove(old)
-        actor = self._place(role, index, *self._specs[(role, index)])
-        self.actors(role)[index] = actor
-        dead, self.addresses(role)[index] = self.addresses(role)[index], ray.get(actor.start.remote())
-        if dead in self.mixed:  # its spec's config says mixed: the replacement started in it
-            self.mixed.discard(dead)
-            self.mixed.add(self.addresses(role)[index])
+        remove(self.slots.group(role, index))
+        actor, group, spec = self._place(role, *self.slots.spec(role, index))
+        self.slots.refill(role, index, actor, group, spec, ray.get(actor.start.remote()))
         return self.addresses(role)[index]
 
     def scale_up(self, role: str) -> str:
@@ -270,10 +255,9 @@ class LocalCluster:
         with self.lock:
             placement, config, threads = self._templates[role]
             worker_id = f"{role}-{self._next_id[role]}"
-            index = len(self.actors(role))
-            actor = self._place(role, index, placement, dataclasses.replace(config, worker_id=worker_id), threads)
-            self.actors(role).append(actor)
-            self.addresses(role).append(ray.get(actor.start.remote()))
+            self._next_id[role] += 1
+            actor, group, spec = self._place(role, placement, dataclasses.replace(config, worker_id=worker_id), threads)
+            index = self.slots.add(role, actor, group, spec, ray.get(actor.start.remote()))
             self.push_membership()
             return self.addresses(role)[index]
 
@@ -298,33 +282,18 @@ class LocalCluster:
         with self.lock:
             if address not in self.addresses(role):
                 return None
-            index = self.addresses(role).index(address)
-            actor = self.actors(role)[index]
-            group = self._drop_slot(role, index)
+            slot = self.slots.drop(role, self.addresses(role).index(address))
             self.push_membership()
         if self.config.elastic_roles and role == "decode" and self.addresses("decode"):  # somewhere to move to
             role = hand_over_to_retire(self, address, min(hand_over_after_s, drain_timeout_s / 2))
         idle = drain_worker(role, address, self.config.tls_for("controller"),
                             max(0.0, drain_timeout_s - (time.monotonic() - start)))
         try:  # a drain out of time has spent the grace: what still runs is cut now, not 2 s later
-            ray.get(actor.stop.remote(grace_s=2.0 if idle else 0.0), timeout=30)
+            ray.get(slot.actor.stop.remote(grace_s=2.0 if idle else 0.0), timeout=30)
         finally:
-            ray.kill(actor)
-            remove(group)  # only now: removing a placement group kills the actors in it
+            ray.kill(slot.actor)
+            remove(slot.group)  # only now: removing a placement group kills the actors in it
         return idle
-
-    def _drop_slot(self, role: str, index: int):
-        """Forget a slot (later slots move down one index); returns its placement group."""
-        actors = self.actors(role)
-        last = len(actors) - 1
-        group = self._groups.pop((role, index))
-        for i in range(index, last):  # later slots move down one index
-            self._groups[(role, i)] = self._groups.pop((role, i + 1))
-            self._specs[(role, i)] = self._specs.pop((role, i + 1))
-        self._specs.pop((role, last), None)
-        actors.pop(index)
-        self.mixed.discard(self.addresses(role).pop(index))
-        return group
 
     def set_role(self, address: str, role: str, grace_s: float = DRAIN_GRACE_SECONDS.default,
                  reason: str = "manual"):
@@ -334,41 +303,14 @@ class LocalCluster:
     def role_of(self, address: str) -> str:
         """The role of the worker at ``address``: its pool, or ``mixed`` (an elastic worker in the
         decode pool's slots that also prefills its own requests); ValueError if none serves there."""
-        for pool in ("prefill", "decode"):
-            if address in self.addresses(pool):
-                return "mixed" if address in self.mixed else pool
-        raise ValueError(f"no worker of this cluster serves at {address}")
-
-    def take_slot(self, role: str, address: str) -> tuple:
-        """Take the worker at ``address`` out of ``role``'s slots, still running (a role switch):
-        (actor, address, placement group, spec), for ``put_slot``. Call with ``lock`` held."""
-        pool = POOL[role]
-        index = self.addresses(pool).index(address)
-        actor, spec = self.actors(pool)[index], self._specs[(pool, index)]
-        return actor, address, self._drop_slot(pool, index), spec
-
-    def put_slot(self, role: str, slot: tuple) -> None:
-        """Put a worker ``take_slot`` took into ``role``'s slots (a mixed one: the decode pool's);
-        a replacement the supervisor starts there starts in ``role``. Call with ``lock`` held."""
-        actor, address, group, (placement, config, threads) = slot
-        pool = POOL[role]
-        index = len(self.actors(pool))
-        self.actors(pool).append(actor)
-        self.addresses(pool).append(address)
-        if role == "mixed":
-            self.mixed.add(address)
-        self._groups[(pool, index)] = group
-        if hasattr(config, "role"):  # an elastic worker's config: its replacement starts in this role
-            config = dataclasses.replace(config, role=role)
-        self._specs[(pool, index)] = (placement, config, threads)
+        return self.slots.role_of(address)
 
     def push_membership(self, exclude: set[str] = frozenset(), role_changes: tuple = ()) -> None:
         """Tell the router the workers it may route to: all live slots, minus ``exclude``;
         ``role_changes`` (``admin_pb2.RoleChange``): switches this push completes."""
         from pdserve.protos import admin_pb2, admin_pb2_grpc
 
-        members = [admin_pb2.Member(role="mixed" if address in self.mixed else pool, address=address)
-                   for pool in ("prefill", "decode") for address in self.addresses(pool) if address not in exclude]
+        members = [admin_pb2.Member(role=role, address=address) for role, address in self.slots.members(exclude)]
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
         targets = {pool: policy.target for pool, policy in self.config.autoscaled_pools().items()}
         pressure = self.role_balancer.pressures() if self.role_balancer is not None else {}
@@ -410,7 +352,7 @@ class LocalCluster:
                 loop.stop(join_s=stop_timeout_s)
         actors = [a for a in [self.router, *self.decode, *self.prefill] if a is not None]
         steps = [lambda: ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=stop_timeout_s)]
-        steps += [lambda a=a: ray.kill(a) for a in actors] + [lambda g=g: remove(g) for g in self._groups.values()]
+        steps += [lambda a=a: ray.kill(a) for a in actors] + [lambda g=g: remove(g) for g in self.slots.groups()]
         for step in steps:
             try:
                 step()

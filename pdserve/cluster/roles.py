@@ -75,8 +75,8 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
             pool = POOL[previous]
             actor = cluster.actors(pool)[cluster.addresses(pool).index(address)]
         else:
-            slot = cluster.take_slot(previous, address)
-            actor = slot[0]
+            slot = cluster.slots.take(previous, address)
+            actor = slot.actor
             cluster.push_membership()
     try:
         with channel(address, cluster.config.tls_for("controller")) as ch:
@@ -87,7 +87,7 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
                       role, previous)
         with cluster.lock:
             if not same_core:
-                cluster.put_slot(previous, slot)
+                cluster.slots.put(previous, slot)
                 cluster.push_membership()
         raise
     try:  # the actor's own record of its role, for a controller that adopts it later
@@ -96,8 +96,8 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
         log.warning("worker %s switched to %s but its actor did not record it: %s", address, role, exc)
     with cluster.lock:
         if same_core:
-            slot = cluster.take_slot(previous, address)
-        cluster.put_slot(role, slot)
+            slot = cluster.slots.take(previous, address)
+        cluster.slots.put(role, slot)
         seconds = time.monotonic() - decided
         cluster.push_membership(role_changes=[admin_pb2.RoleChange(
             address=address, from_role=previous, to_role=role, reason=reason, seconds=seconds,
