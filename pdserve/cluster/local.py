@@ -282,7 +282,7 @@ class LocalCluster:
         with self.lock:
             if address not in self.addresses(role):
                 return None
-            slot = self.slots.drop(role, self.addresses(role).index(address))
+            slot = self.slots.drop(POOL[role], self.addresses(role).index(address))
             self.push_membership()
         if self.config.elastic_roles and role == "decode" and self.addresses("decode"):  # somewhere to move to
             role = hand_over_to_retire(self, address, min(hand_over_after_s, drain_timeout_s / 2))

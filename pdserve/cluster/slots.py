@@ -38,9 +38,8 @@ class Slots:
         self._specs: dict[str, list[tuple]] = {pool: [] for pool in POOLS}
         self.mixed: set[str] = set()  # addresses of mixed workers (their slots are the decode pool's)
 
-    def add(self, pool: str, actor, group, spec: tuple, address: str = "") -> int:
-        """A new last slot of ``pool``; its index. ``address`` may follow (``addresses[pool][i] = ...``)
-        once the actor serves."""
+    def add(self, pool: str, actor, group, spec: tuple, address: str) -> int:
+        """A new last slot of ``pool`` for a worker that serves at ``address``; its index."""
         for column, value in ((self.actors, actor), (self.addresses, address), (self._groups, group),
                               (self._specs, spec)):
             column[pool].append(value)
