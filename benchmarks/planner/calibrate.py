@@ -85,7 +85,7 @@ def run_speed(steps: dict, profile: HardwareProfile) -> dict[str, float]:
     """Each pool's served seconds over the profile's engine seconds for the same steps, and
     ``prefill_sigma``: the spread (standard deviation of the log) of that ratio step by step."""
     bare = dataclasses.replace(profile, served_prefill_factor=1.0, served_decode_factor=1.0, served_step_s=0.0,
-                               served_seq_s=0.0)
+                               served_seq_s=0.0, borrow_prefill_factor=1.0, borrow_decode_factor=1.0)
     cost = CostModel(PRESETS["SmolLM2-135M"], bare, 1)
     prefill = [(s, cost.prefill_s([tuple(c) for c in chunks], sampled)) for s, chunks, sampled in steps["prefill"]]
     decode = [(s, cost.decode_s(batch, context)) for s, batch, context in steps["decode"]]
@@ -99,7 +99,7 @@ def at_run_speed(profile: HardwareProfile, speed: dict[str, float]) -> HardwareP
     """``profile`` with its steps at a run's measured speed: the factors stand for what the
     served probe's step costs stood for (their time is in the traced steps), the hand-off stays."""
     return dataclasses.replace(profile, served_prefill_factor=speed["prefill"], served_decode_factor=speed["decode"],
-                               served_step_s=0.0, served_seq_s=0.0,
+                               served_step_s=0.0, served_seq_s=0.0, borrow_prefill_factor=1.0, borrow_decode_factor=1.0,
                                source=f"{profile.source}; at the run's traced speed, prefill x{speed['prefill']:.3f}, "
                                       f"decode x{speed['decode']:.3f}")
 
@@ -197,7 +197,8 @@ def main() -> int:
         dataclasses.replace(base, **served, source=f"{base.source}; plus the served probe's "
                             f"{served['served_step_s'] * 1e3:.2f} ms a step, {served['served_seq_s'] * 1e3:.2f} ms a "
                             f"sequence and {served['kv_transfer_overhead_s'] * 1e3:.1f} ms a hand-off, prefill "
-                            f"x{served['served_prefill_factor']:.3f}").save(out)
+                            f"x{served['served_prefill_factor']:.3f}; borrowing idle cores, prefill "
+                            f"x{served['borrow_prefill_factor']:.3f}, decode x{served['borrow_decode_factor']:.3f}").save(out)
     if args.measure:
         doc = measure(args.measure, args.measure_seed, args.step_trace)
         if args.reprofile:  # the set keeps the profile taken with it

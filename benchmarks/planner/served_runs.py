@@ -69,9 +69,11 @@ def measure(base_url: str, seed: int, trace_dir: str | None = None) -> dict:
 PROBE_PROMPT, PROBE_OUTPUT, PROBE_BATCH = 32, 128, 16
 
 
-def _probe(base_url: str, batch: int, prompt: int, output: int, requests: int, seed: int, busy_decode: bool = False):
+def _probe(base_url: str, batch: int, prompt: int, output: int, requests: int, seed: int, busy_decode: bool = False,
+           alone: bool = False):
     """Records of ``requests`` requests, ``batch`` at a time, the prefill worker kept busy (or,
-    with ``busy_decode``, the decode worker: eight short prompts with long answers)."""
+    with ``busy_decode``, the decode worker: eight short prompts with long answers; with
+    ``alone``, neither: the worker's kernels borrow the idle one's core)."""
     import asyncio
 
     from benchmarks.load import Arrivals, Lengths, WorkloadSpec, run_async
@@ -84,6 +86,8 @@ def _probe(base_url: str, batch: int, prompt: int, output: int, requests: int, s
                          prompt_len=Lengths.fixed(256), output_len=Lengths.fixed(1), seed=seed + 1, warmup=0))
 
     async def both():
+        if alone:
+            return (await run_async(probe, base_url)).records
         background = asyncio.ensure_future(run_async(busy, base_url, progress=False))
         await asyncio.sleep(2.0)  # the prefill worker is busy before the probe starts
         try:
@@ -99,9 +103,13 @@ def serving_cost(base_url: str, profile: HardwareProfile, seed: int) -> dict[str
     """What serving adds to the engine, in seconds: ``served_step_s`` and ``served_seq_s`` per
     decode step (solved from the served step at batch 1 and at batch 16 against the profile's
     steps there), ``kv_transfer_overhead_s``, the hand-off beyond the KV bytes over the link,
-    and ``served_prefill_factor``, a served prefill's time over the profile's."""
+    and ``served_prefill_factor``, a served prefill's time over the profile's. And what the
+    idle worker's core lends (``--borrow-idle-cores``): ``borrow_decode_factor``, the served
+    step with the prefill worker idle over the step with it busy (the geometric mean over both
+    batches), and ``borrow_prefill_factor``, a prompt's TTFT with the decode worker idle over
+    its TTFT with it busy."""
     cost = CostModel(PRESETS["SmolLM2-135M"], profile, 1)
-    extra, handoff = {}, []
+    extra, handoff, lent = {}, [], []
     # seeds of their own (each probe and its background client), and apart from every run's:
     # a prompt the prefix cache has seen would skip its prefill
     for batch, prompt, output, n, k in ((1, 256, 64, 8, 1), (PROBE_BATCH, PROBE_PROMPT, PROBE_OUTPUT, 32, 3)):
@@ -112,9 +120,12 @@ def serving_cost(base_url: str, profile: HardwareProfile, seed: int) -> dict[str
         extra[batch] = step - bare
         if batch == 1:  # the first gap is the hand-off plus one step
             handoff = [r.chunk_times[1] - r.chunk_times[0] - step for r in records]
+        alone = _probe(base_url, batch, prompt, output, n, 10 * seed + k + 6, alone=True)
+        step_alone = float(np.median([b - a for r in alone for a, b in zip(r.chunk_times[1:], r.chunk_times[2:])]))
+        lent.append(step_alone / step)
         print(f"served probe, batch {batch}: decode step {step * 1e3:.1f} ms served, {bare * 1e3:.1f} ms in the "
-              f"profile" + (f"; hand-off {np.median(handoff) * 1e3:.1f} ms (median of {len(handoff)})"
-                            if batch == 1 else ""))
+              f"profile, {step_alone * 1e3:.1f} ms with the prefill worker idle"
+              + (f"; hand-off {np.median(handoff) * 1e3:.1f} ms (median of {len(handoff)})" if batch == 1 else ""))
     per_seq = max(0.0, (extra[PROBE_BATCH] - extra[1]) / (PROBE_BATCH - 1))
     per_step = max(0.0, extra[1] - per_seq)
     link = max(0.0, float(np.median(handoff)) - (cost.transfer_s(256) - profile.kv_transfer_overhead_s))
@@ -123,10 +134,13 @@ def serving_cost(base_url: str, profile: HardwareProfile, seed: int) -> dict[str
     records = _probe(base_url, 1, 256, 1, 6, 10 * seed + 5, busy_decode=True)
     ttft = float(np.median([r.chunk_times[0] - r.sent for r in records]))
     factor = max(1.0, ttft / cost.prefill_s([(256, 0)]))
+    alone = _probe(base_url, 1, 256, 1, 6, 10 * seed + 9, alone=True)
+    ttft_alone = float(np.median([r.chunk_times[0] - r.sent for r in alone]))
     print(f"served probe, prefill: 256 tokens in {ttft * 1e3:.0f} ms served (TTFT), "
-          f"{cost.prefill_s([(256, 0)]) * 1e3:.0f} ms in the profile")
+          f"{cost.prefill_s([(256, 0)]) * 1e3:.0f} ms in the profile, {ttft_alone * 1e3:.0f} ms with the decode worker idle")
     return {"served_step_s": per_step, "served_seq_s": per_seq, "kv_transfer_overhead_s": link,
-            "served_prefill_factor": factor}
+            "served_prefill_factor": factor, "borrow_prefill_factor": min(1.0, ttft_alone / ttft),
+            "borrow_decode_factor": min(1.0, float(np.exp(np.mean(np.log(lent)))))}
 
 
 # What ``calibrate.run_speed`` reads to find the machine's speed during a run.

@@ -71,6 +71,11 @@ class HardwareProfile:
     # A served decode step's engine time over the profile's, where a served run measured it
     # (``calibrate.py --step-trace``: the machine's speed during that run). 1 everywhere else.
     served_decode_factor: float = 1.0
+    # A step's time when the host's other workers are idle and its kernels borrow their cores
+    # (``--borrow-idle-cores``, on by default where ``pdserve serve`` pins workers), over its time
+    # with them busy: the served probe measures both. 1 (no borrowing) on the GPU profiles.
+    borrow_prefill_factor: float = 1.0
+    borrow_decode_factor: float = 1.0
 
     def __post_init__(self) -> None:  # JSON gives lists; keep the profile hashable
         object.__setattr__(self, "decode_points", tuple(tuple(p) for p in self.decode_points))

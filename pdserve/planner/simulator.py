@@ -323,7 +323,18 @@ class Simulator:
             self._waiting_prefill.append(seq)
 
     def _kick(self, w: SimWorker) -> None:
-        end = w.start(self.now) if not w.busy else w.interrupt(self.now)
+        if w.busy:
+            end = w.interrupt(self.now)
+        elif w.borrow_factors == (1.0, 1.0):  # a profile without borrowed cores (every GPU one)
+            end = w.start(self.now)
+        else:  # the workers share one host: with the others idle, its kernels borrow their cores
+            others = [x for x in self._by_id.values() if x is not w]
+            end = w.start(self.now, borrow=not any(x.busy for x in others))
+            if end is not None:  # a borrowed core is busy again: its borrower runs at its own speed from its next step
+                for x in others:
+                    if x.busy and x.borrowing and (cut := x.interrupt(self.now)) is not None:
+                        x.borrowing = False
+                        self.schedule(cut, STEP, x, x.version)
         if end is not None:
             self.schedule(end, STEP, w, w.version)
 

@@ -129,6 +129,9 @@ class SimWorker:
         self._held: dict[int, int] = {}  # prefill role: request -> blocks held for its transfer
         self._reserved: dict[int, int] = {}  # decode role: request -> blocks reserved for its KV
         self.busy = False
+        self.borrowing = False  # the step in flight also runs on the idle workers' cores
+        hw = cost.hw if hasattr(cost, "hw") else cost.base.hw  # a FittedStepCost keeps its profile in base
+        self.borrow_factors = (hw.borrow_prefill_factor, hw.borrow_decode_factor)
         self.draining = False
         self.preemptions = 0
         # the step in flight
@@ -201,8 +204,10 @@ class SimWorker:
         return moved
 
     # ---- stepping -----------------------------------------------------------------
-    def start(self, now: float) -> float | None:
-        """Begin the next step if there is work; returns when it ends (None: nothing to run)."""
+    def start(self, now: float, borrow: bool = False) -> float | None:
+        """Begin the next step if there is work; returns when it ends (None: nothing to run).
+        ``borrow``: the host's other workers idle, so its kernels run on their cores too (the
+        profile's ``borrow_*_factor``), for the whole step or decode epoch."""
         if self.busy:
             return None
         batch = self._schedule_prefill()
@@ -210,17 +215,17 @@ class SimWorker:
             chunks = [(n, s.tokens - s.todo) for s, n in batch]
             sampled = sum(1 for s, n in batch if n == s.todo)
             self._kind, self._batch, self._k = "prefill", batch, 1
-            self._dt = self.cost.prefill_s(chunks, max(sampled, 1))
+            self._dt = self.cost.prefill_s(chunks, max(sampled, 1)) * (self.borrow_factors[0] if borrow else 1.0)
         elif self.running:
             k = self._decode_steps()
             if not self.running:
                 return self.start(now) if self.waiting else None
             b = len(self.running)
             self._kind, self._k = "decode", k
-            self._dt = self.cost.decode_s(b, self.run_tokens + b * (k - 1) / 2)
+            self._dt = self.cost.decode_s(b, self.run_tokens + b * (k - 1) / 2) * (self.borrow_factors[1] if borrow else 1.0)
         else:
             return None
-        self.busy, self._start = True, now
+        self.busy, self._start, self.borrowing = True, now, borrow
         self._end = now + self._dt * self._k
         return self._end
 

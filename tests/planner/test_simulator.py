@@ -9,6 +9,7 @@ from pdserve.cluster.autoscaling import pool_config
 from pdserve.planner.autoscale import AutoscaleDriver
 from pdserve.planner.metrics import SimResult, Slo, weighted_percentiles
 from pdserve.planner.layout import Layout
+from pdserve.planner.cost import CostModel
 from pdserve.planner.worker import EngineLimits
 from tests.planner.helpers import cost, requests, simulate
 
@@ -153,3 +154,35 @@ def test_without_chunking_a_colocated_prefill_stalls_every_running_stream():
     stall = c.prefill_s([(1000, 0)])
     assert both.finish[0] - alone.finish[0] >= stall
     assert both.tpot[0] - alone.tpot[0] >= stall / 49
+
+
+def test_a_step_runs_at_the_borrowed_speed_only_while_every_other_worker_idles():
+    """A CPU profile's borrowed cores (``borrow_*_factor``): a lone request's prefill and decode
+    run at the borrowed speed (the other worker idles throughout); a second prompt arriving
+    mid-decode ends the borrowed epoch after its step, and the decode steps that overlap the
+    prefill run at the worker's own speed. With factors of 1 (a GPU profile) nothing changes."""
+    import dataclasses
+
+    from pdserve.planner.layout import ClusterSpec
+    from pdserve.planner.simulator import Simulator
+    from tests.planner.helpers import DEVICE, TINY
+
+    lent = dataclasses.replace(DEVICE, borrow_prefill_factor=0.5, borrow_decode_factor=0.6)
+    c = CostModel(TINY, lent)
+    run = lambda reqs: Simulator(ClusterSpec(Layout(prefill=1, decode=1), c, c, EngineLimits()), reqs).run()  # noqa: E731
+    alone = run(requests((0.0, 100, 5)))
+    prefill = 0.5 * c.prefill_s([(100, 0)])
+    assert alone.first_token[0] == pytest.approx(prefill)
+    assert alone.finish[0] == pytest.approx(prefill + c.transfer_s(100) + 4 * 0.6 * c.decode_s(1, 101 + 1.5))
+    # a long answer, and a prompt that arrives during its third decode step
+    start = prefill + c.transfer_s(100)
+    step = 0.6 * c.decode_s(1, 101 + 98 / 2)  # the epoch runs to the first finish: 99 steps
+    second = start + 2.5 * step
+    both, long = run(requests((0.0, 100, 100), (second, 100, 2))), run(requests((0.0, 100, 100)))
+    busy = c.prefill_s([(100, 0)])
+    assert both.first_token[1] == pytest.approx(second + busy)  # the decode worker is busy: no borrowing
+    # While that prompt computes, the long answer's steps take their own time, not 0.6 of it:
+    # it ends at least 0.4 of the prefill later than alone (the second stream's steps add more)
+    assert both.finish[0] - long.finish[0] >= 0.4 * busy * 0.99
+    plain = simulate(Layout(prefill=1, decode=1), requests((0.0, 100, 5)))
+    assert plain.first_token[0] == pytest.approx(cost().prefill_s([(100, 0)]))
