@@ -330,10 +330,9 @@ class Simulator:
         else:  # the workers share one host: with the others idle, its kernels borrow their cores
             others = [x for x in self._by_id.values() if x is not w]
             end = w.start(self.now, borrow=not any(x.busy for x in others))
-            if end is not None:  # a borrowed core is busy again: its borrower runs at its own speed from its next step
+            if end is not None:  # a borrowed core is busy again: its borrower goes on at its own speed
                 for x in others:
-                    if x.busy and x.borrowing and (cut := x.interrupt(self.now)) is not None:
-                        x.borrowing = False
+                    if x.busy and x.borrowing and (cut := x.unborrow(self.now)) is not None:
                         self.schedule(cut, STEP, x, x.version)
         if end is not None:
             self.schedule(end, STEP, w, w.version)

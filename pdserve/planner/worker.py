@@ -241,6 +241,18 @@ class SimWorker:
         self.version += 1
         return self._end
 
+    def unborrow(self, now: float) -> float | None:
+        """The cores this step borrows are busy again (another worker started a step): a
+        prefill step's rest runs at the worker's own speed, a decode epoch ends after its step
+        in flight (``interrupt``). Returns the new end, or None if unchanged."""
+        self.borrowing = False
+        if self._kind != "prefill":
+            return self.interrupt(now)
+        self._end = now + (self._end - now) / self.borrow_factors[0]
+        self._dt = self._end - self._start
+        self.version += 1
+        return self._end
+
     def finish(self) -> StepResult:
         """Apply the step in flight (call at the time ``start``/``interrupt`` returned)."""
         self.busy = False

@@ -186,3 +186,22 @@ def test_a_step_runs_at_the_borrowed_speed_only_while_every_other_worker_idles()
     assert both.finish[0] - long.finish[0] >= 0.4 * busy * 0.99
     plain = simulate(Layout(prefill=1, decode=1), requests((0.0, 100, 5)))
     assert plain.first_token[0] == pytest.approx(cost().prefill_s([(100, 0)]))
+
+
+def test_a_borrowed_prefill_step_goes_on_at_its_own_speed_once_another_worker_starts():
+    """Two prompts on two idle prefill workers, the second 1 ms after the first: the first
+    starts on the borrowed cores (half its time) and computes the rest of its step at its own
+    speed from the moment the second starts, which never borrows."""
+    import dataclasses
+
+    from pdserve.planner.layout import ClusterSpec
+    from pdserve.planner.simulator import Simulator
+    from tests.planner.helpers import DEVICE, TINY
+
+    c = CostModel(TINY, dataclasses.replace(DEVICE, borrow_prefill_factor=0.5, borrow_decode_factor=0.5))
+    own, gap = c.prefill_s([(1000, 0)]), 1e-3
+    r = Simulator(ClusterSpec(Layout(prefill=2, decode=1), c, c, EngineLimits()),
+                  requests((0.0, 1000, 1), (gap, 1000, 1))).run()
+    assert gap < 0.5 * own
+    assert r.first_token[0] == pytest.approx(gap + (0.5 * own - gap) / 0.5)  # = own - gap
+    assert r.first_token[1] == pytest.approx(gap + own)
