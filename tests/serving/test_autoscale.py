@@ -71,8 +71,16 @@ def test_long_prompts_grow_prefill_only_and_idle_shrinks_it(cluster):
 
 
 def shrunk(cluster, pool: str, timeout_s: float = 120.0) -> None:
+    """Until ``pool`` is back at one worker after its last scale-up: its last decision that
+    changed anything a "down", and one slot left. The count alone is not enough: a worker still
+    starting has no slot yet (it gets one once it serves), so right after an "up" the pool
+    would look shrunk already."""
+    trace = cluster.autoscaler.traces[pool]
     deadline = time.monotonic() + timeout_s
-    while len(cluster.actors(pool)) > 1:
+    while True:
+        changes = [d.action for d in trace.decisions if d.action != "hold"]
+        if len(cluster.actors(pool)) == 1 and changes[-1:] in ([], ["down"]):
+            return
         assert time.monotonic() < deadline, f"the {pool} pool did not shrink back"
         time.sleep(0.5)
 
