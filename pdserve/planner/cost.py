@@ -177,6 +177,10 @@ class FittedStepCost:
     def kv_bytes_per_token(self) -> float:
         return self.base.kv_bytes_per_token
 
+    @property
+    def hw(self) -> HardwareProfile:
+        return self.base.hw
+
     def kv_capacity_tokens(self) -> int:
         return self.base.kv_capacity_tokens()
 

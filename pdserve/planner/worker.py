@@ -130,8 +130,7 @@ class SimWorker:
         self._reserved: dict[int, int] = {}  # decode role: request -> blocks reserved for its KV
         self.busy = False
         self.borrowing = False  # the step in flight also runs on the idle workers' cores
-        hw = cost.hw if hasattr(cost, "hw") else cost.base.hw  # a FittedStepCost keeps its profile in base
-        self.borrow_factors = (hw.borrow_prefill_factor, hw.borrow_decode_factor)
+        self.borrow_factors = (cost.hw.borrow_prefill_factor, cost.hw.borrow_decode_factor)
         self.draining = False
         self.preemptions = 0
         # the step in flight
