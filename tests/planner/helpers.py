@@ -18,8 +18,8 @@ DEVICE = HardwareProfile("dev", peak_flops=1e11, flops_efficiency=1.0, peak_mem_
                          step_overhead_s=1e-3, overlap=True)
 
 
-def cost(tp: int = 1) -> CostModel:
-    return CostModel(TINY, DEVICE, tp)
+def cost(tp: int = 1, hw: HardwareProfile = DEVICE) -> CostModel:
+    return CostModel(TINY, hw, tp)
 
 
 def requests(*specs: tuple[float, int, int]) -> list[TraceRequest]:
@@ -28,6 +28,6 @@ def requests(*specs: tuple[float, int, int]) -> list[TraceRequest]:
 
 
 def simulate(layout: Layout, reqs: list[TraceRequest], limits: EngineLimits = EngineLimits(), autoscaler=None,
-             closed_loop: int | None = None, **spec_kw):
-    spec = ClusterSpec(layout, cost(layout.tp_prefill), cost(layout.tp_decode), limits, **spec_kw)
+             closed_loop: int | None = None, hw: HardwareProfile = DEVICE, **spec_kw):
+    spec = ClusterSpec(layout, cost(layout.tp_prefill, hw), cost(layout.tp_decode, hw), limits, **spec_kw)
     return Simulator(spec, reqs, autoscaler, closed_loop=closed_loop).run()

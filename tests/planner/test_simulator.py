@@ -1,5 +1,6 @@
 """Event ordering and the use of the real routing and autoscaling policies in the simulator."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,9 +10,8 @@ from pdserve.cluster.autoscaling import pool_config
 from pdserve.planner.autoscale import AutoscaleDriver
 from pdserve.planner.metrics import SimResult, Slo, weighted_percentiles
 from pdserve.planner.layout import Layout
-from pdserve.planner.cost import CostModel
 from pdserve.planner.worker import EngineLimits
-from tests.planner.helpers import cost, requests, simulate
+from tests.planner.helpers import DEVICE, cost, requests, simulate
 
 
 def test_one_request_on_an_idle_disaggregated_cluster_takes_exactly_the_modelled_times():
@@ -156,21 +156,20 @@ def test_without_chunking_a_colocated_prefill_stalls_every_running_stream():
     assert both.tpot[0] - alone.tpot[0] >= stall / 49
 
 
+
+def lending(prefill: float, decode: float):
+    """The test device as a CPU host whose idle workers lend their cores (``borrow_*_factor``)."""
+    return dataclasses.replace(DEVICE, borrow_prefill_factor=prefill, borrow_decode_factor=decode)
+
+
 def test_a_step_runs_at_the_borrowed_speed_only_while_every_other_worker_idles():
     """A CPU profile's borrowed cores (``borrow_*_factor``): a lone request's prefill and decode
     run at the borrowed speed (the other worker idles throughout); a second prompt arriving
     mid-decode ends the borrowed epoch after its step, and the decode steps that overlap the
-    prefill run at the worker's own speed. With factors of 1 (a GPU profile) nothing changes."""
-    import dataclasses
-
-    from pdserve.planner.layout import ClusterSpec
-    from pdserve.planner.simulator import Simulator
-    from tests.planner.helpers import DEVICE, TINY
-
-    lent = dataclasses.replace(DEVICE, borrow_prefill_factor=0.5, borrow_decode_factor=0.6)
-    c = CostModel(TINY, lent)
-    run = lambda reqs: Simulator(ClusterSpec(Layout(prefill=1, decode=1), c, c, EngineLimits()), reqs).run()  # noqa: E731
-    alone = run(requests((0.0, 100, 5)))
+    prefill run at the worker's own speed."""
+    hw = lending(0.5, 0.6)
+    c = cost(hw=hw)
+    alone = simulate(Layout(prefill=1, decode=1), requests((0.0, 100, 5)), hw=hw)
     prefill = 0.5 * c.prefill_s([(100, 0)])
     assert alone.first_token[0] == pytest.approx(prefill)
     assert alone.finish[0] == pytest.approx(prefill + c.transfer_s(100) + 4 * 0.6 * c.decode_s(1, 101 + 1.5))
@@ -178,30 +177,22 @@ def test_a_step_runs_at_the_borrowed_speed_only_while_every_other_worker_idles()
     start = prefill + c.transfer_s(100)
     step = 0.6 * c.decode_s(1, 101 + 98 / 2)  # the epoch runs to the first finish: 99 steps
     second = start + 2.5 * step
-    both, long = run(requests((0.0, 100, 100), (second, 100, 2))), run(requests((0.0, 100, 100)))
+    both = simulate(Layout(prefill=1, decode=1), requests((0.0, 100, 100), (second, 100, 2)), hw=hw)
+    long = simulate(Layout(prefill=1, decode=1), requests((0.0, 100, 100)), hw=hw)
     busy = c.prefill_s([(100, 0)])
     assert both.first_token[1] == pytest.approx(second + busy)  # the decode worker is busy: no borrowing
     # While that prompt computes, the long answer's steps take their own time, not 0.6 of it:
     # it ends at least 0.4 of the prefill later than alone (the second stream's steps add more)
     assert both.finish[0] - long.finish[0] >= 0.4 * busy * 0.99
-    plain = simulate(Layout(prefill=1, decode=1), requests((0.0, 100, 5)))
-    assert plain.first_token[0] == pytest.approx(cost().prefill_s([(100, 0)]))
 
 
 def test_a_borrowed_prefill_step_goes_on_at_its_own_speed_once_another_worker_starts():
     """Two prompts on two idle prefill workers, the second 1 ms after the first: the first
     starts on the borrowed cores (half its time) and computes the rest of its step at its own
     speed from the moment the second starts, which never borrows."""
-    import dataclasses
-
-    from pdserve.planner.layout import ClusterSpec
-    from pdserve.planner.simulator import Simulator
-    from tests.planner.helpers import DEVICE, TINY
-
-    c = CostModel(TINY, dataclasses.replace(DEVICE, borrow_prefill_factor=0.5, borrow_decode_factor=0.5))
-    own, gap = c.prefill_s([(1000, 0)]), 1e-3
-    r = Simulator(ClusterSpec(Layout(prefill=2, decode=1), c, c, EngineLimits()),
-                  requests((0.0, 1000, 1), (gap, 1000, 1))).run()
+    hw = lending(0.5, 0.5)
+    own, gap = cost(hw=hw).prefill_s([(1000, 0)]), 1e-3
+    r = simulate(Layout(prefill=2, decode=1), requests((0.0, 1000, 1), (gap, 1000, 1)), hw=hw)
     assert gap < 0.5 * own
     assert r.first_token[0] == pytest.approx(gap + (0.5 * own - gap) / 0.5)  # = own - gap
     assert r.first_token[1] == pytest.approx(gap + own)
