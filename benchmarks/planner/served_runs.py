@@ -114,14 +114,12 @@ def serving_cost(base_url: str, profile: HardwareProfile, seed: int) -> dict[str
     # a prompt the prefix cache has seen would skip its prefill
     for batch, prompt, output, n, k in ((1, 256, 64, 8, 1), (PROBE_BATCH, PROBE_PROMPT, PROBE_OUTPUT, 32, 3)):
         records = _probe(base_url, batch, prompt, output, n, 10 * seed + k)
-        gaps = [b - a for r in records for a, b in zip(r.chunk_times[1:], r.chunk_times[2:])]
-        step = float(np.median(gaps))
+        step = _median_step(records)
         bare = cost.decode_s(batch, batch * (prompt + output // 2))
         extra[batch] = step - bare
         if batch == 1:  # the first gap is the hand-off plus one step
             handoff = [r.chunk_times[1] - r.chunk_times[0] - step for r in records]
-        alone = _probe(base_url, batch, prompt, output, n, 10 * seed + k + 6, alone=True)
-        step_alone = float(np.median([b - a for r in alone for a, b in zip(r.chunk_times[1:], r.chunk_times[2:])]))
+        step_alone = _median_step(_probe(base_url, batch, prompt, output, n, 10 * seed + k + 6, alone=True))
         lent.append(step_alone / step)
         print(f"served probe, batch {batch}: decode step {step * 1e3:.1f} ms served, {bare * 1e3:.1f} ms in the "
               f"profile, {step_alone * 1e3:.1f} ms with the prefill worker idle"
@@ -132,15 +130,23 @@ def serving_cost(base_url: str, profile: HardwareProfile, seed: int) -> dict[str
     # A served prefill: 256-token prompts one at a time (one output token: no decode), the
     # decode worker busy on the other core, against the profile's prefill alone.
     records = _probe(base_url, 1, 256, 1, 6, 10 * seed + 5, busy_decode=True)
-    ttft = float(np.median([r.chunk_times[0] - r.sent for r in records]))
+    ttft = _median_ttft(records)
     factor = max(1.0, ttft / cost.prefill_s([(256, 0)]))
-    alone = _probe(base_url, 1, 256, 1, 6, 10 * seed + 9, alone=True)
-    ttft_alone = float(np.median([r.chunk_times[0] - r.sent for r in alone]))
+    ttft_alone = _median_ttft(_probe(base_url, 1, 256, 1, 6, 10 * seed + 9, alone=True))
     print(f"served probe, prefill: 256 tokens in {ttft * 1e3:.0f} ms served (TTFT), "
           f"{cost.prefill_s([(256, 0)]) * 1e3:.0f} ms in the profile, {ttft_alone * 1e3:.0f} ms with the decode worker idle")
     return {"served_step_s": per_step, "served_seq_s": per_seq, "kv_transfer_overhead_s": link,
             "served_prefill_factor": factor, "borrow_prefill_factor": min(1.0, ttft_alone / ttft),
             "borrow_decode_factor": min(1.0, float(np.exp(np.mean(np.log(lent)))))}
+
+
+def _median_step(records) -> float:
+    """The median gap between a stream's tokens after its second: one served decode step."""
+    return float(np.median([b - a for r in records for a, b in zip(r.chunk_times[1:], r.chunk_times[2:])]))
+
+
+def _median_ttft(records) -> float:
+    return float(np.median([r.chunk_times[0] - r.sent for r in records]))
 
 
 # What ``calibrate.run_speed`` reads to find the machine's speed during a run.
