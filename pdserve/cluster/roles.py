@@ -59,7 +59,7 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
     """Switch the elastic worker at ``address`` of ``cluster`` (a ``LocalCluster`` with
     ``elastic_roles``) to ``role``. Raises ValueError for an unknown role or address, and the
     worker's gRPC error if it would not switch (it is back in its old pool then)."""
-    from pdserve.protos import admin_pb2, worker_pb2, worker_pb2_grpc
+    from pdserve.protos import admin_pb2
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -79,9 +79,7 @@ def switch_role(cluster, address: str, role: str, grace_s: float = DRAIN_GRACE_S
             actor = slot.actor
             cluster.push_membership()
     try:
-        with channel(address, cluster.config.tls_for("controller")) as ch:
-            answer = worker_pb2_grpc.ElasticWorkerStub(ch).SetRole(
-                worker_pb2.SetRoleRequest(role=role, grace_s=grace_s, reason=reason), timeout=grace_s + 30)
+        answer = _set_role(cluster, address, role, grace_s, reason)
     except grpc.RpcError:
         log.exception("worker %s did not switch from %s to %s; it goes back to the %s pool", address, previous,
                       role, previous)
@@ -119,12 +117,8 @@ def hand_over_to_retire(cluster, address: str, grace_s: float) -> str:
     does, and the drain waits until it is read. Returns the role to drain the worker as:
     ``prefill``, or ``decode`` where the worker would not switch (its streams then finish or are
     cut at the drain's end, as a plain decode worker's)."""
-    from pdserve.protos import worker_pb2, worker_pb2_grpc
-
     try:
-        with channel(address, cluster.config.tls_for("controller")) as ch:
-            answer = worker_pb2_grpc.ElasticWorkerStub(ch).SetRole(
-                worker_pb2.SetRoleRequest(role="prefill", grace_s=grace_s, reason="retire"), timeout=grace_s + 30)
+        answer = _set_role(cluster, address, "prefill", grace_s, "retire")
     except grpc.RpcError as exc:
         log.warning("worker %s did not hand its streams over before retiring (%s); draining it as a decode worker",
                     address, exc.details() if hasattr(exc, "details") else exc)
@@ -132,3 +126,12 @@ def hand_over_to_retire(cluster, address: str, grace_s: float) -> str:
     log.info("worker %s retires: %d stream(s) still running after %.1f s handed over, %d with their KV", address,
              answer.handed_over, grace_s, answer.kv_moved)
     return "prefill"
+
+
+def _set_role(cluster, address: str, role: str, grace_s: float, reason: str):
+    """The worker's ``SetRole`` RPC; its ``SetRoleResponse``, or the gRPC error."""
+    from pdserve.protos import worker_pb2, worker_pb2_grpc
+
+    with channel(address, cluster.config.tls_for("controller")) as ch:
+        return worker_pb2_grpc.ElasticWorkerStub(ch).SetRole(
+            worker_pb2.SetRoleRequest(role=role, grace_s=grace_s, reason=reason), timeout=grace_s + 30)
