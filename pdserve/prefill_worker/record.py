@@ -1,4 +1,5 @@
-"""What a prefill worker knows about one request, in one record (``RequestRecord``).
+"""What a prefill worker knows about one request, in one record (``RequestRecord``), and what
+it answers for it (``PrefillResult``).
 
 The worker keeps one record per request in ``PrefillWorker.records``, from the ``Prefill``
 call that brings it until ``PrefillWorker.forget`` removes it, which every exit calls: the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.sampling import TopLogprobs
 from pdserve.kv_transfer.handoff import Lease
 from pdserve.prefill_worker.kv_stream import KVWatch
 
@@ -41,3 +43,19 @@ class RequestRecord:
     def streaming(self) -> bool:
         """A streamed prompt still computing: its chunks are announced as they finish."""
         return self.stream_kv and self.computing
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprob: float
+    finish_reason: str | None  # None: generation continues on a decode worker
+    num_prompt_tokens: int
+    lease: Lease | None  # on the prompt's KV (its blocks are the lease's); None: nothing to read
+    num_cached_tokens: int
+    seconds: float  # queue + compute
+    queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
+    first_top_logprobs: TopLogprobs = ()
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # with params.prompt_logprobs
+    arrived_at: float = 0.0  # time.monotonic() when Prefill queued it
+    chunks: tuple[tuple[float, float, int], ...] = ()  # while tracing: ``RequestRecord.chunks``, the last one too

@@ -9,7 +9,8 @@ from pdserve.engine.errors import InvalidRequestError, StepFailed
 from pdserve.kv_transfer.handoff import KVHandle, LeaseRefused, reason_from_wire
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady
-from pdserve.prefill_worker.worker import PrefillResult, PrefillWorker
+from pdserve.prefill_worker.record import PrefillResult
+from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.wire import tracing
 from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from pdserve.wire.failure import Failure, abort_with

@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.device import wait_for_writes
 from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.sampling import SamplingParams, TopLogprobs
+from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer import DEFAULT_BACKEND, KVTransferAgent, create_agent
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
@@ -24,7 +24,7 @@ from pdserve.wire.tls import TlsConfig
 from pdserve.kv_transfer.handoff import Lease, LeaseTable, ReadNotice, ReleaseReason
 from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
-from pdserve.prefill_worker.record import RequestRecord
+from pdserve.prefill_worker.record import PrefillResult, RequestRecord
 from pdserve.protos import worker_pb2
 from pdserve.shell.worker import WorkerShell
 from pdserve.wire import tracing
@@ -63,22 +63,6 @@ class PrefillWorkerConfig:
     # behind gets a snapshot instead. At ~1,000 prompt tokens/s a CPU worker makes ~60 events a
     # second, so this covers minutes between two 0.2 s polls.
     cache_event_log_size: int = 16384
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token_id: int
-    first_logprob: float
-    finish_reason: str | None  # None: generation continues on a decode worker
-    num_prompt_tokens: int
-    lease: Lease | None  # on the prompt's KV (its blocks are the lease's); None: nothing to read
-    num_cached_tokens: int
-    seconds: float  # queue + compute
-    queue_seconds: float  # of ``seconds``: before the prompt's first chunk ran
-    first_top_logprobs: TopLogprobs = ()
-    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # with params.prompt_logprobs
-    arrived_at: float = 0.0  # time.monotonic() when Prefill queued it
-    chunks: tuple[tuple[float, float, int], ...] = ()  # while tracing: ``RequestRecord.chunks``, the last one too
 
 
 class PrefillWorker(WorkerShell):
