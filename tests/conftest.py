@@ -1,3 +1,4 @@
+import atexit
 import os
 import secrets
 import sys
@@ -16,6 +17,31 @@ if str(ROOT) not in sys.path:
 # their nodes share it and nothing is written to ~/.ray/auth_token. No test turns auth off.
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+
+# The test process ends without its interpreter's native teardown, once pytest has reported and
+# cleaned up. Its last part (module teardown, then C++ static destructors) runs while native
+# threads that no close() or shutdown() stops are still running: after the suite, grpcio's
+# asyncio poller and core threads, and, in any process that ever called ray.init, Ray's driver
+# keeps its GCS client I/O thread and its own gRPC threads past ray.shutdown() (both seen in
+# /proc/self/task at the end of the serving and worker suites). In one whole `make test` in
+# about nine, such a thread called through a freed function pointer there (the kernel logged
+# a jump to a heap address from a thread other than main), and the run went red after every
+# test had passed. Nothing of the product runs in this process: pdserve's own processes are
+# started by the tests and their exits are tested there. Registered now, before those
+# libraries are imported, so it runs after their exit handlers (last registered, first run).
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status[:] = [int(exitstatus)]
+
+
+@atexit.register
+def _exit_without_native_teardown() -> None:
+    if _exit_status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[0])
 
 
 @pytest.fixture(scope="session")
