@@ -156,7 +156,6 @@ def test_without_chunking_a_colocated_prefill_stalls_every_running_stream():
     assert both.tpot[0] - alone.tpot[0] >= stall / 49
 
 
-
 def lending(prefill: float, decode: float):
     """The test device as a CPU host whose idle workers lend their cores (``borrow_*_factor``)."""
     return dataclasses.replace(DEVICE, borrow_prefill_factor=prefill, borrow_decode_factor=decode)
