@@ -5,15 +5,44 @@ owns a block table (a list of block ids, in token order). Full blocks get a chai
 (the hash of the previous block and this block's tokens), so a later prompt that starts
 with the same tokens reuses them: the prefix cache. A request's ``cache_salt`` (vLLM's field)
 is the root of its chain, so blocks are shared only between requests of the same salt: one
-tenant cannot learn from a hit (or ``cached_tokens``) what another sent. A free block keeps its hash until it is
-handed out again, so freed prefixes stay reusable for as long as memory allows (the free
-list is least-recently-freed first).
+tenant cannot learn from a hit (or ``cached_tokens``) what another sent.
+
+A block's life is a small state machine, and only this module moves it:
+
+    FREE ──allocate──▶ PENDING ──mark_final──▶ SHARED ──last free──▶ CACHED
+      ▲                   │                      ▲                     │  │
+      └────last free──────┘                      └──────prefix hit─────┘  │
+    PENDING ◀──────────────── allocate (evicts the hash) ─────────────────┘
+
+- PENDING: held by a sequence, contents not final: being computed, arriving over a transfer,
+  or abandoned by an abort, a failed pull or a preemption. Never findable.
+- SHARED: held by a sequence, full, and final: a finished step computed every token in it
+  (``mark_final`` from the scheduler), or a transfer delivered it and its checksum matched
+  (``mark_final`` from ``Scheduler.kv_ready``). Findable by its chained hash.
+- CACHED: held by no sequence, contents kept: findable until the block is handed out again
+  (the free list is least-recently-freed first, so freed prefixes stay reusable for as long
+  as memory allows).
+- FREE: held by no sequence, nothing findable.
+
+Invariants (``check_invariants``; tests/engine/test_block_life.py drives random interleavings
+of allocate, compute, abort, preempt, pull start/finish/fail and free through them):
+
+1. A block is free (in the free list) exactly when no sequence's table holds it, and its
+   reference count is the number of tables that hold it.
+2. Every hash a lookup can find names a block whose ``hash`` is that hash and whose contents
+   were made final by ``mark_final`` under that chain; a PENDING block is never in the index.
+3. A sequence's first ``num_hashed`` blocks are the full blocks of its final tokens, chained
+   from its salt's root; nothing past its final tokens is ever hashed.
+
+Hence the rule the rest of pdserve relies on: a block is shared (found by a prefix lookup,
+published to the router) only when its KV is final. The first design registered a prompt's
+full blocks when they were allocated, so an abort between prefill chunks left hashes pointing
+at blocks that were never computed, and the next request with that prefix decoded garbage.
 
 Listeners (``subscribe``) hear each change of the set of cached hashes: ``(hash, True)`` when
-a full block's hash becomes findable, ``(hash, False)`` when it stops being findable because
-its block is handed out again (evicted). A block in use is never handed out, so a hash stays
-cached while any sequence (a held lease's included) references its block. A prefill worker
-publishes these events so that routers know where each prefix is cached.
+a full block's hash becomes findable (it became final), ``(hash, False)`` when it stops being
+findable because its block is handed out again (evicted). A prefill worker publishes these
+events so that routers know where each prefix is cached.
 """
 
 from __future__ import annotations
@@ -81,10 +110,16 @@ class Allocation:
 @dataclass
 class _SeqBlocks:
     block_ids: list[int] = field(default_factory=list)
-    # Hash of the last full block registered for this sequence, and how many full blocks
+    # Hash of the last full block made final for this sequence, and how many full blocks
     # have been hashed so far (so appending never re-hashes earlier blocks).
     last_hash: bytes = NO_HASH
     num_hashed: int = 0
+    num_final_tokens: int = 0  # leading tokens whose KV is final (prefix hits included)
+    root: bytes = NO_HASH  # the chain's root: its salt's (``chain_root``)
+
+
+class BlockStateError(RuntimeError):
+    """An invariant of the block life (module docstring) does not hold: a bug, never input."""
 
 
 class BlockManager:
@@ -156,7 +191,8 @@ class BlockManager:
     def allocate(self, seq_id: str, token_ids: Sequence[int], use_prefix_cache: bool = True,
                  cache_salt: str = "") -> Allocation:
         """Give ``seq_id`` blocks for all of ``token_ids``, reusing cached full blocks of the
-        same ``cache_salt`` (its blocks are registered under that salt too).
+        same ``cache_salt``. The fresh blocks are PENDING: nothing can find them until
+        ``mark_final`` says their KV is final (they are then hashed under this salt).
 
         At least one token is always left uncached, because the model must run on the
         last prompt token to produce the next token's logits.
@@ -168,16 +204,16 @@ class BlockManager:
         hits = self._match_prefix(token_ids, root) if (use_prefix_cache and self.enable_prefix_cache) else []
         if needed - len(hits) > len(self._free) - sum(1 for b, _ in hits if b in self._free):
             raise CacheCapacityError(needed, len(self._free))
-        state = _SeqBlocks(last_hash=root)
+        state = _SeqBlocks(last_hash=root, root=root)
         for block_id, block_hash in hits:
             self._take(block_id)
             state.block_ids.append(block_id)
             state.last_hash = block_hash
         state.num_hashed = len(hits)
+        state.num_final_tokens = len(hits) * self.block_size
         while len(state.block_ids) < needed:
             state.block_ids.append(self._take_fresh())
         self._seqs[seq_id] = state
-        self._register_full_blocks(state, token_ids)
         return Allocation(tuple(state.block_ids), len(hits) * self.block_size)
 
     def _match_prefix(self, token_ids: Sequence[int], root: bytes) -> list[tuple[int, bytes]]:
@@ -213,9 +249,21 @@ class BlockManager:
             state.block_ids.append(self._take_fresh())
         return True
 
-    def register_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Hash the blocks that ``num_computed`` tokens have filled, for later prefix reuse."""
-        self._register_full_blocks(self._seqs[seq_id], token_ids[:num_computed])
+    def mark_final(self, seq_id: str, token_ids: Sequence[int], num_final: int) -> None:
+        """The KV of the first ``num_final`` of ``token_ids`` is final in ``seq_id``'s blocks:
+        a step that computed them has finished, or a transfer that delivered them was
+        verified. The full blocks they fill become SHARED (findable, published). Called only
+        then: a block marked final too early is a wrong token for whoever finds it."""
+        state = self._seqs[seq_id]
+        if num_final > len(state.block_ids) * self.block_size or num_final > len(token_ids):
+            raise BlockStateError(f"sequence {seq_id!r}: {num_final} final tokens, but it holds "
+                                  f"{len(state.block_ids)} blocks and {len(token_ids)} tokens")
+        state.num_final_tokens = max(state.num_final_tokens, num_final)
+        self._register_full_blocks(state, token_ids[:num_final])
+
+    def num_final_tokens(self, seq_id: str) -> int:
+        """Leading tokens of ``seq_id`` whose KV is final (its prefix hits included)."""
+        return self._seqs[seq_id].num_final_tokens
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's references; blocks no one else holds go back to the free list."""
@@ -229,6 +277,40 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+
+    def check_invariants(self) -> None:
+        """Raise ``BlockStateError`` if an invariant of the module docstring does not hold.
+        O(blocks + tokens): for tests and debugging, not for a serving step."""
+        refs: dict[int, int] = {}
+        for state in self._seqs.values():
+            for block_id in state.block_ids:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        for block in self._blocks:
+            held = refs.get(block.block_id, 0)
+            if block.ref_count != held or (held == 0) != (block.block_id in self._free):
+                raise BlockStateError(f"block {block.block_id}: ref_count {block.ref_count}, held by "
+                                      f"{held} tables, free {block.block_id in self._free}")
+        for block_hash, block_id in self._by_hash.items():
+            if self._blocks[block_id].hash != block_hash:
+                raise BlockStateError(f"the index names block {block_id} for a hash it does not hold")
+        for seq_id, state in self._seqs.items():
+            self._check_chain(seq_id, state)
+
+    def _check_chain(self, seq_id: str, state: _SeqBlocks) -> None:
+        if state.num_hashed * self.block_size > state.num_final_tokens:
+            raise BlockStateError(f"sequence {seq_id!r}: {state.num_hashed} blocks hashed past its "
+                                  f"{state.num_final_tokens} final tokens")
+        prev = state.root
+        for i, block_id in enumerate(state.block_ids):
+            block = self._blocks[block_id]
+            if i >= state.num_hashed:
+                if block.hash != NO_HASH:
+                    raise BlockStateError(f"sequence {seq_id!r}: block {block_id} at {i} is hashed "
+                                          "but not final")
+                continue
+            if block.hash != chain_hash(prev, block.token_ids):
+                raise BlockStateError(f"sequence {seq_id!r}: block {block_id} at {i} breaks its chain")
+            prev = block.hash
 
     # ---- internals -----------------------------------------------------------------
     def _register_full_blocks(self, state: _SeqBlocks, token_ids: Sequence[int]) -> None:

@@ -100,6 +100,7 @@ class Scheduler:
         """
         self.blocks.check_fits(seq.num_tokens + 1)
         self._make_room(seq, self.blocks.blocks_needed(len(seq.prompt_token_ids)))
+        # PENDING until ``kv_ready``: the blocks are findable once the pull has been verified.
         alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=False,
                                      cache_salt=seq.params.cache_salt)
         seq.status = SeqStatus.WAITING_FOR_KV
@@ -107,9 +108,12 @@ class Scheduler:
         return list(alloc.block_ids)
 
     def kv_ready(self, seq_id: str) -> None:
-        """The prompt's KV has landed: the sequence joins the decode batch."""
+        """The prompt's KV has landed and was verified: the sequence joins the decode batch,
+        and its full prompt blocks become findable (only now: a pull still in flight, or one
+        that failed, leaves nothing a prefix lookup could find)."""
         seq = self.awaiting_kv.pop(seq_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
+        self.blocks.mark_final(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
@@ -235,7 +239,8 @@ class Scheduler:
                 continue
             seq.prompt_logprobs.extend(sampled.prompt_logprobs.get(seq.seq_id, ()))
             seq.num_computed_tokens += item.num_new_tokens
-            self.blocks.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            # The step finished: the KV it wrote is final, and the blocks it filled shareable.
+            self.blocks.mark_final(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if not item.sample:
                 continue
             token = sampled.token_ids[seq.seq_id]

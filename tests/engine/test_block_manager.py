@@ -8,6 +8,13 @@ from pdserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
 from pdserve.engine.errors import CacheCapacityError
 
 
+def computed(bm: BlockManager, seq_id: str, tokens: list[int], salt: str = ""):
+    """Allocate ``tokens`` and mark all of them final, as a finished prefill step does."""
+    alloc = bm.allocate(seq_id, tokens, cache_salt=salt)
+    bm.mark_final(seq_id, tokens, len(tokens))
+    return alloc
+
+
 def test_allocate_and_free_returns_every_block():
     bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_cache=False)
     a = bm.allocate("a", list(range(9)))  # 9 tokens -> 3 blocks
@@ -54,7 +61,7 @@ def test_chain_hash_depends_on_prefix_and_is_stable():
 def test_prefix_cache_reuses_full_blocks_of_a_shared_prompt():
     bm = BlockManager(num_blocks=16, block_size=4)
     prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
-    a = bm.allocate("a", prompt)
+    a = computed(bm, "a", prompt)
     b = bm.allocate("b", prompt[:8] + [7, 7, 7])
     assert b.num_cached_tokens == 8
     assert b.block_ids[:2] == a.block_ids[:2]
@@ -67,7 +74,7 @@ def test_prefix_cache_reuses_full_blocks_of_a_shared_prompt():
 def test_fully_cached_prompt_still_computes_its_last_token():
     bm = BlockManager(num_blocks=8, block_size=4)
     prompt = list(range(8))  # exactly 2 blocks
-    bm.allocate("a", prompt)
+    computed(bm, "a", prompt)
     bm.free("a")
     again = bm.allocate("b", prompt)
     assert again.num_cached_tokens == 4  # the last block is recomputed, never shared-and-written
@@ -75,7 +82,7 @@ def test_fully_cached_prompt_still_computes_its_last_token():
 
 def test_freed_blocks_keep_their_hash_until_reused():
     bm = BlockManager(num_blocks=3, block_size=2)
-    bm.allocate("a", [1, 2, 3, 4, 5])
+    computed(bm, "a", [1, 2, 3, 4, 5])
     bm.free("a")
     assert bm.allocate("b", [1, 2, 3, 4, 9]).num_cached_tokens == 4
     bm.free("b")
@@ -86,18 +93,53 @@ def test_freed_blocks_keep_their_hash_until_reused():
 
 def test_hit_and_query_counters():
     bm = BlockManager(num_blocks=8, block_size=2)
-    bm.allocate("a", [1, 2, 3, 4, 5])
+    computed(bm, "a", [1, 2, 3, 4, 5])
     bm.allocate("b", [1, 2, 3, 4, 6])
     assert bm.prefix_queries == 4 and bm.prefix_hits == 2
 
 
-def test_register_computed_hashes_blocks_filled_during_decode():
+def test_blocks_are_findable_only_once_final():
+    """An allocated block is not findable until ``mark_final``: a second request with the
+    same prompt, allocated while the first is still computing, shares only what is final."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 113))  # 3 full blocks + 1 token
+    bm.allocate("a", prompt)
+    assert bm.allocate("b", prompt).num_cached_tokens == 0  # nothing of "a" is computed yet
+    bm.mark_final("a", prompt, 6)  # a first chunk of 6 tokens: one full block
+    assert bm.allocate("c", prompt).num_cached_tokens == 4
+    bm.free("a")
+    assert bm.allocate("d", prompt).num_cached_tokens == 4  # the rest was never final
+    bm.check_invariants()
+
+
+def test_an_abandoned_allocation_leaves_nothing_findable():
+    """A prompt aborted before its step, or a pull that failed, frees PENDING blocks: no hash,
+    no published event."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    events = []
+    bm.subscribe(lambda h, cached: events.append(cached))
+    bm.allocate("a", [1, 2, 3, 4, 5])
+    bm.free("a")
+    assert events == [] and bm.cached_hashes() == []
+    assert bm.allocate("b", [1, 2, 3, 4, 5]).num_cached_tokens == 0
+
+
+def test_mark_final_beyond_the_blocks_held_is_refused():
+    from pdserve.engine.block_manager import BlockStateError
+
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.allocate("a", [1, 2, 3])
+    with pytest.raises(BlockStateError):
+        bm.mark_final("a", [1, 2, 3, 4, 5], 5)
+
+
+def test_mark_final_hashes_blocks_filled_during_decode():
     bm = BlockManager(num_blocks=8, block_size=2)
     toks = [1, 2, 3]
-    bm.allocate("a", toks)
+    computed(bm, "a", toks)
     toks.append(4)
     bm.append_slots("a", toks)
-    bm.register_computed("a", toks, 4)
+    bm.mark_final("a", toks, 4)
     bm.free("a")
     assert bm.allocate("b", [1, 2, 3, 4, 5]).num_cached_tokens == 4
 
@@ -113,13 +155,13 @@ def test_random_workload_never_leaks_or_double_frees(seed):
             sid = f"s{step}"
             toks = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
             if bm.can_allocate(len(toks)):
-                bm.allocate(sid, toks)
+                computed(bm, sid, toks)
                 live[sid] = toks
         elif op < 0.8 and live:
             sid = rng.choice(list(live))
             live[sid].append(rng.randrange(4))
             if bm.append_slots(sid, live[sid]):
-                bm.register_computed(sid, live[sid], len(live[sid]) - 1)
+                bm.mark_final(sid, live[sid], len(live[sid]) - 1)
             else:
                 live[sid].pop()
         elif live:
@@ -128,6 +170,7 @@ def test_random_workload_never_leaks_or_double_frees(seed):
             bm.free(sid)
         referenced = {b for sid in live for b in bm.block_table(sid)}
         assert len(referenced) + bm.num_free_blocks == 32
+        bm.check_invariants()
     for sid in list(live):
         bm.free(sid)
     assert bm.num_free_blocks == 32

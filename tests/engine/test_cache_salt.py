@@ -12,6 +12,7 @@ PROMPT = list(range(10, 10 + 33))  # two full blocks of 16 a hit can cover
 def test_block_manager_hits_only_under_the_same_salt():
     bm = BlockManager(16, 16)
     bm.allocate("a", PROMPT, cache_salt="alice")
+    bm.mark_final("a", PROMPT, len(PROMPT))
     bm.free("a")
     assert bm.allocate("b", PROMPT, cache_salt="bob").num_cached_tokens == 0
     assert bm.allocate("c", PROMPT).num_cached_tokens == 0  # unsalted is a salt of its own
@@ -25,6 +26,7 @@ def test_the_routers_hashes_are_the_workers_for_each_salt():
     published = []
     bm.subscribe(lambda h, cached: published.append(h))
     bm.allocate("a", PROMPT, cache_salt="alice")
+    bm.mark_final("a", PROMPT, len(PROMPT))
     assert published[:2] == prompt_block_hashes(PROMPT, 16, cache_salt="alice")
     assert prompt_block_hashes(PROMPT, 16, cache_salt="bob") != prompt_block_hashes(PROMPT, 16, cache_salt="alice")
     assert prompt_block_hashes(PROMPT, 16) == prompt_block_hashes(PROMPT, 16, cache_salt="")

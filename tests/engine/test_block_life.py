@@ -1,0 +1,219 @@
+"""The block life, property-tested: random interleavings of what happens to KV blocks.
+
+A model of the KV cache's *contents* runs beside the block manager. Each slot holds what was
+last written into it: ``(salt, tokens[:p + 1])`` when a step computed (or a verified pull
+delivered) the KV of position ``p`` of a sequence, or ``GARBAGE`` when a step raised or was
+aborted mid-write, a pull failed, or a transfer is still landing. The KV of a position depends
+only on the tokens up to it; the salt is kept so that a hit across tenants counts as wrong too.
+
+Rules, each what the engine or a worker does to the block manager:
+- a prompt arrives (``allocate`` with the prefix cache), and its chunks are computed one
+  ``mark_final`` at a time; a step that raised writes garbage and marks nothing;
+- a decoding sequence grows by one token (``append_slots``, then ``mark_final``);
+- a pull starts (``allocate`` without the cache, as ``Scheduler.add_remote_prefilled``), lands
+  part of its blocks, then finishes verified (``mark_final`` of the whole prompt) or fails
+  (garbage, ``free``);
+- a sequence is aborted, finishes, or is preempted (``free``; a preempted one comes back later
+  and is allocated again, with the cache).
+
+Invariants checked after every rule:
+- ``BlockManager.check_invariants`` (reference counts, the free list, the index, the chains);
+- every hash a lookup can find names a block whose slots hold exactly the KV of that hash's
+  prefix under that hash's salt;
+- every prefix hit handed to a new allocation covers slots holding exactly the KV the new
+  sequence would compute itself. This is the one a user sees: a wrong hit is a wrong token.
+
+On the first design (blocks hashed at allocation) the last two fail within a few rules: a
+prompt aborted before its first chunk leaves findable blocks full of garbage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pdserve.engine.block_manager import BlockManager, chain_hash, chain_root
+
+BLOCK_SIZE = 2
+NUM_BLOCKS = 12
+GARBAGE = ("garbage",)
+# Prompts share prefixes so that hits happen; two salts so that tenants meet.
+BASES = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5, 6, 7, 8, 1, 2, 3])
+SALTS = ("", "tenant-b")
+
+
+@dataclass
+class SeqModel:
+    tokens: list[int]
+    salt: str
+    computed: int = 0  # leading tokens whose KV the model has written as final
+    remote: bool = False  # its prompt arrives by a pull, not a local step
+    landed: bool = False  # a remote prompt's pull has finished and was verified
+
+
+class BlockLife(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.slots: list[list[tuple]] = [[GARBAGE] * BLOCK_SIZE for _ in range(NUM_BLOCKS)]
+        self.seqs: dict[str, SeqModel] = {}
+        self.preempted: dict[str, SeqModel] = {}
+        self.next_id = 0
+
+    # ---- helpers -----------------------------------------------------------------
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"s{self.next_id}"
+
+    def _write(self, sid: str, start: int, end: int, garbage: bool = False) -> None:
+        seq, table = self.seqs[sid], self.bm.block_table(sid)
+        for p in range(start, end):
+            value = GARBAGE if garbage else (seq.salt, tuple(seq.tokens[:p + 1]))
+            self.slots[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = value
+
+    def _check_hits(self, sid: str, num_cached: int) -> None:
+        seq, table = self.seqs[sid], self.bm.block_table(sid)
+        for p in range(num_cached):
+            got = self.slots[table[p // BLOCK_SIZE]][p % BLOCK_SIZE]
+            assert got == (seq.salt, tuple(seq.tokens[:p + 1])), (
+                f"{sid} reused block {table[p // BLOCK_SIZE]} whose slot {p % BLOCK_SIZE} holds {got}")
+
+    def _admit(self, sid: str, seq: SeqModel) -> None:
+        alloc = self.bm.allocate(sid, seq.tokens, cache_salt=seq.salt)
+        self.seqs[sid] = seq
+        seq.computed = alloc.num_cached_tokens
+        self._check_hits(sid, alloc.num_cached_tokens)
+
+    def _local(self, computing: bool):
+        return sorted(s for s, m in self.seqs.items() if not m.remote and (m.computed < len(m.tokens)) == computing)
+
+    # ---- rules -------------------------------------------------------------------
+    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 8), tail=st.lists(st.integers(0, 3), max_size=3),
+          salt=st.sampled_from(SALTS))
+    def prompt_arrives(self, base, cut, tail, salt):
+        tokens = base[:cut] + tail
+        if self.bm.can_allocate(len(tokens)):
+            self._admit(self._new_id(), SeqModel(tokens, salt))
+
+    @precondition(lambda self: self._local(computing=True))
+    @rule(data=st.data(), n=st.integers(1, 5))
+    def chunk_computes(self, data, n):
+        sid = data.draw(st.sampled_from(self._local(computing=True)))
+        seq = self.seqs[sid]
+        end = min(len(seq.tokens), seq.computed + n)
+        self._write(sid, seq.computed, end)
+        seq.computed = end
+        self.bm.mark_final(sid, seq.tokens, end)
+
+    @precondition(lambda self: self._local(computing=True))
+    @rule(data=st.data(), n=st.integers(1, 5))
+    def chunk_raises(self, data, n):
+        """A step that wrote part of its KV and then raised (or whose request was aborted
+        while it ran): nothing is final."""
+        sid = data.draw(st.sampled_from(self._local(computing=True)))
+        seq = self.seqs[sid]
+        self._write(sid, seq.computed, min(len(seq.tokens), seq.computed + n), garbage=True)
+
+    @precondition(lambda self: self._local(computing=False)
+                  or any(m.landed for m in self.seqs.values()))
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def decode_step(self, data, token):
+        ready = self._local(computing=False) + sorted(s for s, m in self.seqs.items() if m.landed)
+        sid = data.draw(st.sampled_from(ready))
+        seq = self.seqs[sid]
+        seq.tokens.append(token)
+        if not self.bm.append_slots(sid, seq.tokens):
+            seq.tokens.pop()
+            return
+        self._write(sid, len(seq.tokens) - 1, len(seq.tokens))
+        seq.computed = len(seq.tokens)
+        self.bm.mark_final(sid, seq.tokens, seq.computed)
+
+    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 8), salt=st.sampled_from(SALTS))
+    def pull_starts(self, base, cut, salt):
+        tokens = base[:cut]
+        if self.bm.can_allocate(len(tokens)):
+            sid = self._new_id()
+            self.bm.allocate(sid, tokens, use_prefix_cache=False, cache_salt=salt)
+            self.seqs[sid] = SeqModel(tokens, salt, remote=True)
+
+    def _pulling(self):
+        return sorted(s for s, m in self.seqs.items() if m.remote and not m.landed)
+
+    @precondition(lambda self: self._pulling())
+    @rule(data=st.data())
+    def pull_lands_partly(self, data):
+        """Streamed KV: some blocks are in, the rest not yet; in-flight bytes are not final."""
+        sid = data.draw(st.sampled_from(self._pulling()))
+        seq = self.seqs[sid]
+        part = data.draw(st.integers(0, len(seq.tokens)))
+        self._write(sid, 0, part)
+        self._write(sid, part, len(seq.tokens), garbage=True)
+
+    @precondition(lambda self: self._pulling())
+    @rule(data=st.data())
+    def pull_finishes_verified(self, data):
+        sid = data.draw(st.sampled_from(self._pulling()))
+        seq = self.seqs[sid]
+        self._write(sid, 0, len(seq.tokens))
+        seq.computed, seq.landed = len(seq.tokens), True
+        self.bm.mark_final(sid, seq.tokens, len(seq.tokens))
+
+    @precondition(lambda self: self._pulling())
+    @rule(data=st.data())
+    def pull_fails(self, data):
+        """A failed read, a checksum mismatch or an expired lease: the bytes are not the KV."""
+        sid = data.draw(st.sampled_from(self._pulling()))
+        self._write(sid, 0, len(self.seqs[sid].tokens), garbage=True)
+        self.bm.free(sid)
+        del self.seqs[sid]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def ends(self, data):
+        """Aborted by its client, finished, or its lease released: its blocks are freed."""
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.bm.free(sid)
+        del self.seqs[sid]
+
+    @precondition(lambda self: self._local(computing=False))
+    @rule(data=st.data())
+    def preempted(self, data):
+        sid = data.draw(st.sampled_from(self._local(computing=False)))
+        self.bm.free(sid)
+        self.preempted[sid] = self.seqs.pop(sid)
+
+    @precondition(lambda self: self.preempted)
+    @rule(data=st.data())
+    def resumes(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.preempted)))
+        seq = self.preempted[sid]
+        if self.bm.can_allocate(len(seq.tokens)):
+            del self.preempted[sid]
+            self._admit(sid, SeqModel(seq.tokens, seq.salt))
+
+    # ---- invariants --------------------------------------------------------------
+    @invariant()
+    def accounting_holds(self):
+        self.bm.check_invariants()
+
+    @invariant()
+    def every_findable_block_holds_its_prefix(self):
+        for block_hash, block_id in self.bm._by_hash.items():
+            last = self.slots[block_id][BLOCK_SIZE - 1]
+            assert last is not GARBAGE, f"block {block_id} is findable but holds garbage"
+            salt, prefix = last
+            assert len(prefix) % BLOCK_SIZE == 0
+            chain = chain_root(salt)
+            for i in range(len(prefix) // BLOCK_SIZE):
+                chain = chain_hash(chain, prefix[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+            assert chain == block_hash, f"block {block_id} is findable under another prefix's hash"
+            for j in range(BLOCK_SIZE):
+                want = (salt, prefix[:len(prefix) - BLOCK_SIZE + j + 1])
+                assert self.slots[block_id][j] == want, f"block {block_id} slot {j}: {self.slots[block_id][j]}"
+
+
+BlockLife.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestBlockLife = BlockLife.TestCase
