@@ -135,6 +135,14 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) 
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
+def computed_blocks(bm, seq_id: str, tokens: list[int], **allocate_kwargs):
+    """Allocate ``tokens`` in block manager ``bm`` and mark all of them final, as a finished
+    prefill step does (a block is findable only then)."""
+    alloc = bm.allocate(seq_id, tokens, **allocate_kwargs)
+    bm.mark_final(seq_id, tokens, len(tokens))
+    return alloc
+
+
 def replace(config, **changes):
     return dataclasses.replace(config, **changes)
 

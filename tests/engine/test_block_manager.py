@@ -6,13 +6,8 @@ import pytest
 
 from pdserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
 from pdserve.engine.errors import CacheCapacityError
+from tests.factories import computed_blocks
 
-
-def computed(bm: BlockManager, seq_id: str, tokens: list[int], salt: str = ""):
-    """Allocate ``tokens`` and mark all of them final, as a finished prefill step does."""
-    alloc = bm.allocate(seq_id, tokens, cache_salt=salt)
-    bm.mark_final(seq_id, tokens, len(tokens))
-    return alloc
 
 
 def test_allocate_and_free_returns_every_block():
@@ -61,7 +56,7 @@ def test_chain_hash_depends_on_prefix_and_is_stable():
 def test_prefix_cache_reuses_full_blocks_of_a_shared_prompt():
     bm = BlockManager(num_blocks=16, block_size=4)
     prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
-    a = computed(bm, "a", prompt)
+    a = computed_blocks(bm, "a", prompt)
     b = bm.allocate("b", prompt[:8] + [7, 7, 7])
     assert b.num_cached_tokens == 8
     assert b.block_ids[:2] == a.block_ids[:2]
@@ -74,7 +69,7 @@ def test_prefix_cache_reuses_full_blocks_of_a_shared_prompt():
 def test_fully_cached_prompt_still_computes_its_last_token():
     bm = BlockManager(num_blocks=8, block_size=4)
     prompt = list(range(8))  # exactly 2 blocks
-    computed(bm, "a", prompt)
+    computed_blocks(bm, "a", prompt)
     bm.free("a")
     again = bm.allocate("b", prompt)
     assert again.num_cached_tokens == 4  # the last block is recomputed, never shared-and-written
@@ -82,7 +77,7 @@ def test_fully_cached_prompt_still_computes_its_last_token():
 
 def test_freed_blocks_keep_their_hash_until_reused():
     bm = BlockManager(num_blocks=3, block_size=2)
-    computed(bm, "a", [1, 2, 3, 4, 5])
+    computed_blocks(bm, "a", [1, 2, 3, 4, 5])
     bm.free("a")
     assert bm.allocate("b", [1, 2, 3, 4, 9]).num_cached_tokens == 4
     bm.free("b")
@@ -93,7 +88,7 @@ def test_freed_blocks_keep_their_hash_until_reused():
 
 def test_hit_and_query_counters():
     bm = BlockManager(num_blocks=8, block_size=2)
-    computed(bm, "a", [1, 2, 3, 4, 5])
+    computed_blocks(bm, "a", [1, 2, 3, 4, 5])
     bm.allocate("b", [1, 2, 3, 4, 6])
     assert bm.prefix_queries == 4 and bm.prefix_hits == 2
 
@@ -136,7 +131,7 @@ def test_mark_final_beyond_the_blocks_held_is_refused():
 def test_mark_final_hashes_blocks_filled_during_decode():
     bm = BlockManager(num_blocks=8, block_size=2)
     toks = [1, 2, 3]
-    computed(bm, "a", toks)
+    computed_blocks(bm, "a", toks)
     toks.append(4)
     bm.append_slots("a", toks)
     bm.mark_final("a", toks, 4)
@@ -155,7 +150,7 @@ def test_random_workload_never_leaks_or_double_frees(seed):
             sid = f"s{step}"
             toks = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
             if bm.can_allocate(len(toks)):
-                computed(bm, sid, toks)
+                computed_blocks(bm, sid, toks)
                 live[sid] = toks
         elif op < 0.8 and live:
             sid = rng.choice(list(live))

@@ -5,6 +5,8 @@ import pytest
 
 from pdserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
 from pdserve.prefill_worker.cache_events import CacheEventLog
+from tests.factories import computed_blocks
+
 
 
 def recording(bm: BlockManager) -> list[tuple[bytes, bool]]:
@@ -18,6 +20,8 @@ def test_full_blocks_are_announced_once_and_evicted_when_handed_out_again():
     events = recording(bm)
     prompt = list(range(10, 19))  # 2 full blocks + 1 token
     bm.allocate("a", prompt)
+    assert events == []  # nothing is announced before its KV is final
+    bm.mark_final("a", prompt, len(prompt))
     h1 = chain_hash(NO_HASH, prompt[:4])
     h2 = chain_hash(h1, prompt[4:8])
     assert events == [(h1, True), (h2, True)]
@@ -35,17 +39,17 @@ def test_a_second_copy_of_a_cached_prefix_announces_nothing():
     bm = BlockManager(num_blocks=8, block_size=4)
     events = recording(bm)
     prompt = [1, 2, 3, 4, 5]
-    bm.allocate("a", prompt, use_prefix_cache=False)  # computes its own copy of block 1
-    bm.allocate("b", prompt, use_prefix_cache=False)  # and another
+    computed_blocks(bm, "a", prompt, use_prefix_cache=False)  # computes its own copy of block 1
+    computed_blocks(bm, "b", prompt, use_prefix_cache=False)  # and another
     assert events == [(chain_hash(NO_HASH, [1, 2, 3, 4]), True)]
 
 
 def test_no_events_without_the_prefix_cache():
     bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_cache=False)
     events = recording(bm)
-    bm.allocate("a", list(range(12)))
+    computed_blocks(bm, "a", list(range(12)))
     bm.free("a")
-    bm.allocate("b", list(range(50, 66)))
+    computed_blocks(bm, "b", list(range(50, 66)))
     assert events == []
 
 
@@ -54,12 +58,12 @@ def test_blocks_held_by_a_sequence_are_never_evicted_or_reused():
     however hard the cache is pressed, its blocks stay its own and its hashes stay cached."""
     bm = BlockManager(num_blocks=8, block_size=4)
     events = recording(bm)
-    held = bm.allocate("held", list(range(200, 213)))  # 4 blocks, 3 full
+    held = computed_blocks(bm, "held", list(range(200, 213)))  # 4 blocks, 3 full
     held_hashes = {h for h, _ in events}
     for i in range(50):  # churn: sequences of 1 to 4 blocks fill what is left, then leave
         seq = f"s{i}"
         n = 1 + i % 4
-        bm.allocate(seq, list(range(1000 * i, 1000 * i + 4 * n)))
+        computed_blocks(bm, seq, list(range(1000 * i, 1000 * i + 4 * n)))
         assert not set(bm.block_table(seq)) & set(held.block_ids)
         bm.free(seq)
     assert bm.block_table("held") == list(held.block_ids)

@@ -8,6 +8,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.protos import worker_pb2
 from pdserve.router.kv_index import KVIndex, prompt_block_hashes
+from tests.factories import computed_blocks
 
 
 def wire(batch: CacheEventBatch) -> worker_pb2.CacheEvents:
@@ -31,7 +32,7 @@ def worker(num_blocks=64, block_size=4, capacity=1024):
 def test_the_router_hashes_a_prompt_as_the_worker_caches_it():
     bm, log = worker()
     prompt = list(range(100, 123))  # 5 full blocks of 4 + 3 tokens
-    bm.allocate("a", prompt)
+    computed_blocks(bm, "a", prompt)
     assert prompt_block_hashes(prompt, 4) == list(log.since(log.epoch, 0).hashes)  # in event order
     assert len(prompt_block_hashes(prompt[:20], 4)) == 4  # exact blocks: the last one is computed
     assert prompt_block_hashes([], 4) == [] and prompt_block_hashes([1, 2, 3], 4) == []
@@ -62,10 +63,10 @@ def test_incremental_events_apply_in_order_once_even_when_answers_overlap():
     poll(index, "w", log, 4)  # the first poll: a snapshot (empty)
     before = index.cursor("w")
     a = list(range(9))
-    bm.allocate("a", a)
+    computed_blocks(bm, "a", a)
     early = log.since(*before)  # two polls in flight with the same cursor
     bm.free("a")
-    bm.allocate("b", list(range(50, 66)))  # all 4 blocks: a's prefix is evicted
+    computed_blocks(bm, "b", list(range(50, 66)))  # all 4 blocks: a's prefix is evicted
     late = log.since(*before)
     assert not early.snapshot and not late.snapshot and len(late.hashes) > len(early.hashes)
     index.apply("w", wire(late), 4)
@@ -114,7 +115,7 @@ def test_a_random_workload_keeps_the_index_equal_to_the_cache():
         else:
             prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 10))]
             seq = f"s{step}"
-            bm.allocate(seq, prompt)
+            computed_blocks(bm, seq, prompt)
             live.append(seq)
         if rng.random() < 0.4:
             snapshots += poll(index, "w", log, 4).snapshot
