@@ -259,7 +259,7 @@ class BlockManager:
             raise BlockStateError(f"sequence {seq_id!r}: {num_final} final tokens, but it holds "
                                   f"{len(state.block_ids)} blocks and {len(token_ids)} tokens")
         state.num_final_tokens = max(state.num_final_tokens, num_final)
-        self._register_full_blocks(state, token_ids[:num_final])
+        self._register_full_blocks(state, token_ids, num_final)
 
     def num_final_tokens(self, seq_id: str) -> int:
         """Leading tokens of ``seq_id`` whose KV is final (its prefix hits included)."""
@@ -313,11 +313,13 @@ class BlockManager:
             prev = block.hash
 
     # ---- internals -----------------------------------------------------------------
-    def _register_full_blocks(self, state: _SeqBlocks, token_ids: Sequence[int]) -> None:
+    def _register_full_blocks(self, state: _SeqBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Hash the full blocks of the first ``num_tokens`` of ``token_ids`` not hashed yet
+        (no slice of the whole list: a decode step calls this for every sequence)."""
         if not self.enable_prefix_cache:
             return
         bs = self.block_size
-        num_full = min(len(token_ids) // bs, len(state.block_ids))
+        num_full = min(num_tokens // bs, len(state.block_ids))
         for i in range(state.num_hashed, num_full):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(state.last_hash, chunk)
