@@ -118,8 +118,11 @@ class GrammarJobs:
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
     def close(self) -> None:
+        """Stop the compile thread once its compile under way ends (a later ``submit`` starts
+        another); jobs not started are cancelled, and fail at their deadline."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     # ---- the compile thread -----------------------------------------------------------
     def _compile(self, spec: StructuredOutput, deadline: float) -> "xgrammar.CompiledGrammar":
