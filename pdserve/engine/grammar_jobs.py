@@ -101,8 +101,10 @@ class GrammarJobs:
         return results
 
     def has_done(self) -> bool:
+        """Whether ``done`` would return something. Safe from any thread (a worker's Stats
+        reads it through ``LLMEngine.has_runnable`` off the engine thread)."""
         now = time.monotonic()
-        return any(job.future.done() or now >= job.deadline for job in self._jobs.values())
+        return any(job.future.done() or now >= job.deadline for job in list(self._jobs.values()))
 
     def next_deadline_s(self) -> float | None:
         """Seconds until the earliest pending job's deadline (None: no job pending)."""
