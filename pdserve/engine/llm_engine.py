@@ -28,7 +28,7 @@ from pdserve.engine.model import CausalLM
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput
 from pdserve.engine.sampling import SamplingParams, check_request
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.engine.step_isolation import Unattributed, isolate
 from pdserve.engine.step_trace import StepShape
@@ -272,7 +272,7 @@ class LLMEngine:
         self.scheduler.update_from_output(out, sampled)
         return self._take_pending() + errors + self._postprocess(out)
 
-    def _isolate(self, out: SchedulerOutput, exc: Exception):
+    def _isolate(self, out: SchedulerOutput, exc: Exception) -> SampledTokens:
         """The step's results from its parts that run (``step_isolation``); raises
         ``StepFailed`` after aborting its sequences if none does."""
         log.warning("engine step of %d sequence(s) raised (%s: %s); running it again in parts to find whose "
