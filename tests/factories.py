@@ -179,6 +179,30 @@ def fail_sampling_for(engine, *request_ids: str, times: int | None = None) -> No
     engine.runner.sampler = FailingSampler(engine.runner.sampler, set(request_ids), times)
 
 
+def fail_forward_for(engine, request_id: str, when=lambda seq: True) -> list[list[str]]:
+    """An injected fault outside the sampler: ``engine``'s forward raises after the decoder
+    stack (every layer has written the step's KV) whenever the batch it runs, a whole step or a
+    part of one the engine runs again, holds ``request_id`` and ``when(its sequence)`` is true.
+    Returns the list every run's request ids are appended to, in order."""
+    runner = engine.runner
+    runs: list[list[str]] = []
+    current: list = []  # the sequences of the run under way
+    run = runner.run
+
+    def run_and_note(out):
+        runs.append([item.seq.seq_id for item in out.seqs])
+        current[:] = [item.seq for item in out.seqs]
+        return run(out)
+
+    def raise_for_it(module, args):
+        if any(seq.seq_id == request_id and when(seq) for seq in current):
+            raise RuntimeError(f"injected forward fault for {request_id}")
+
+    runner.run = run_and_note
+    runner.model.norm.register_forward_pre_hook(raise_for_it)
+    return runs
+
+
 class NaNLogitsSampler:
     """Wraps an engine's sampler and sets the named requests' logits rows to NaN before the
     real sampler sees them, as a forward that overflowed for one sequence would."""

@@ -127,7 +127,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             await self._check_source(kv.prefill_address)
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
         except StepFailed as exc:
-            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.STEP_FAILED, str(exc))
         except HandedOver as exc:
             yield await _handed_over(context, exc)
         except asyncio.CancelledError:
@@ -167,7 +167,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
         except InvalidRequestError as exc:
             await abort_invalid(context, exc)
         except StepFailed as exc:
-            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.STEP_FAILED, str(exc))
         except HandedOver as exc:
             yield await _handed_over(context, exc)
         finally:

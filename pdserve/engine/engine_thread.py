@@ -16,7 +16,9 @@ Waits are event-driven. Each hook returns how soon it needs to run again (second
 when nothing it watches can change until a call arrives. An idle engine blocks on its call
 queue for the smallest of those, forever when every hook says None: an idle worker uses no
 CPU. A worker's hooks poll KV transfers and leases there, so nothing that touches the engine
-or the KV cache ever runs concurrently with a forward pass.
+or the KV cache ever runs concurrently with a forward pass. The engine's grammar compiles
+(``pdserve.engine.grammar_jobs``) run on a thread of their own: one that finishes wakes the
+loop, and the loop wakes by itself at the earliest compile deadline.
 
 With a ``step_trace``, every step's start, length and shape go to it (``pdserve.engine.step_trace``).
 """
@@ -61,16 +63,22 @@ class EngineThread:
         self._trace = step_trace  # every step's start, length and shape (engine.step_trace)
         self._idle_since_step = True
         engine.keep_step_shape = step_trace is not None
+        engine.grammars.notify = self._wake  # a compiled grammar lets its request join the next step
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._calls.put(_WAKE)
+        self._wake()
         self._thread.join(timeout)
+        self.engine.grammars.close()
         if self._trace is not None:
             self._trace.close()
+
+    def _wake(self) -> None:
+        """Make a loop blocked on its call queue go round once (from any thread)."""
+        self._calls.put(_WAKE)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the engine thread before the next step; its result or
@@ -93,8 +101,9 @@ class EngineThread:
                 log.exception("engine loop iteration failed")
 
     def _run_hooks(self) -> float | None:
-        """Run every hook; the soonest any of them wants to run again (None: not before a call)."""
-        soonest = None
+        """Run every hook; the soonest any of them (or a grammar deadline) wants the loop to
+        run again (None: not before a call)."""
+        soonest = self.engine.grammars.next_deadline_s()
         for hook in self._hooks:
             wait_s = hook()
             if wait_s is not None:

@@ -22,6 +22,7 @@ class InvalidRequestError(EngineError, ValueError):
     def __init__(self, field: str, message: str, limit: object = None):
         self.field = field
         self.limit = limit
+        self.reason = message  # the message without the field
         super().__init__(f"{field}: {message}")
 
 
@@ -37,8 +38,11 @@ class CacheCapacityError(EngineError):
 
 
 class StepFailed(EngineError):
-    """A forward step raised. The sequences it held (``request_ids``) were aborted and their
-    blocks freed; the engine goes on with everything else. ``cause`` is the original error."""
+    """A step raised and no part of it ran when its batch was split and run again
+    (``pdserve.engine.step_isolation``): the fault is pinned on none of its sequences
+    (``request_ids``), which were aborted and their blocks freed; the engine goes on with
+    everything else. Not the requests' fault: another worker may serve them. ``cause`` is the
+    original error."""
 
     def __init__(self, request_ids: list[str], cause: BaseException):
         self.request_ids = list(request_ids)
@@ -48,10 +52,16 @@ class StepFailed(EngineError):
 
 
 class SequenceFailed(InvalidRequestError):
-    """One sequence's own fault, found while its step ran (its grammar rejects its tokens,
-    its logits are NaN): that sequence alone ended, with finish reason "error"; the rest of
-    its step went on as if it had never been there. ``field`` names what failed."""
+    """One sequence's own fault, found while it was in the engine (its grammar rejects its
+    tokens or does not compile, its logits are NaN, its step raised with it alone in it): that
+    sequence alone ended, with finish reason "error"; the rest of its step went on as if it had
+    never been there. ``field`` names what failed, ``limit`` the bound it broke, if any."""
 
-    def __init__(self, request_id: str, field: str, message: str):
+    def __init__(self, request_id: str, field: str, message: str, limit: object = None):
         self.request_id = request_id
-        super().__init__(field, f"request failed in the engine: {message}")
+        super().__init__(field, f"request failed in the engine: {message}", limit)
+
+    @classmethod
+    def of(cls, request_id: str, error: InvalidRequestError) -> "SequenceFailed":
+        """``error``, found for ``request_id`` after it entered the engine."""
+        return cls(request_id, error.field, error.reason, error.limit)

@@ -2,9 +2,10 @@
 
 A request's ``SamplingParams.structured`` names a JSON schema, "any JSON object" or a regular
 expression. The engine compiles it once per distinct spec against the model's vocabulary
-(``GrammarCompiler``), and the sampler keeps one ``GrammarMatcher`` per constrained
-sequence: before each draw it advances the matcher over the sequence's output tokens it has
-not seen yet, then masks every token the grammar forbids. Once the grammar is complete only
+(``GrammarCompiler``), off its own thread (``pdserve.engine.grammar_jobs``: a new spec must
+not stall the streams batched with it), and the sampler keeps one ``GrammarMatcher`` per
+constrained sequence: before each draw it advances the matcher over the sequence's output
+tokens it has not seen yet, then masks every token the grammar forbids. Once the grammar is complete only
 the stop tokens stay allowed, so the output ends with EOS.
 
 Because the matcher catches up from the sequence's own tokens, every place a request runs
@@ -167,7 +168,7 @@ class GrammarCompiler:
 
 class GrammarMatcher:
     """One sequence's place in its grammar. ``advance`` catches up with the sequence's
-    tokens, ``fill`` writes what the grammar allows next into a bitmask (``apply_bitmasks``),
+    tokens, ``fill`` writes what the grammar allows next into a bitmask (``apply_bitmask``),
     and once it is ``finished`` only stop tokens may follow (``keep_only``)."""
 
     def __init__(self, compiled: "xgrammar.CompiledGrammar", resumed_tokens: int):
@@ -205,15 +206,19 @@ class GrammarMatcher:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def apply_bitmasks(logits: "torch.Tensor", rows: Sequence[tuple[int, GrammarMatcher]]) -> None:
-    """logits (B, V) float32, in place: -inf where row i's matcher forbids a token, for each
-    (i, matcher) in ``rows`` (none of them finished). xgrammar fills bitmasks on the host and
-    applies them only on the logits' device, so the step's mask is one (B, ceil(V / 32)) int32
-    host tensor, copied once; rows not named keep their bits."""
+def token_bitmask(batch: int, vocab: int) -> "torch.Tensor":
+    """A host bitmask for one step: (batch, ceil(vocab / 32)) int32, every token allowed.
+    Matchers fill their own rows (``GrammarMatcher.fill``); ``apply_bitmask`` applies them."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    for i, matcher in rows:
-        matcher.fill(bitmask, i)
+    return xgr.allocate_token_bitmask(batch, vocab)
+
+
+def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: Sequence[int]) -> None:
+    """logits (B, V) float32, in place: -inf where ``bitmask`` forbids a token, in ``rows``
+    only (the others keep their bits). xgrammar fills bitmasks on the host and applies them
+    only on the logits' device, so the step's mask is copied there once."""
+    import xgrammar as xgr
+
     [bitmask] = to_device([bitmask], logits.device)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[i for i, _ in rows])
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(rows))

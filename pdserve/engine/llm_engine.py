@@ -14,7 +14,6 @@ changing role hands its streams over so, ``pdserve.elastic_worker``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Seq
 
 from tqdm import tqdm
@@ -23,48 +22,19 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, SequenceFailed, StepFailed
 from pdserve.engine.grammar import GrammarCompiler
+from pdserve.engine.grammar_jobs import GrammarJobs
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling import SamplingParams, TopLogprobs, check_request
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.outputs import Completion, RequestOutput
+from pdserve.engine.sampling import SamplingParams, check_request
+from pdserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from pdserve.engine.step_isolation import Unattributed, isolate
 from pdserve.engine.step_trace import StepShape
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request (a diff, not the whole state)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str  # "" when the engine does not detokenize (workers: the router does)
-    new_logprobs: list[float]
-    finished: bool  # no later step produces output for it (finished, or HELD)
-    finish_reason: str | None  # None with ``finished``: HELD, generation goes on elsewhere
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # with params.top_logprobs
-    # On a request's first output, with params.prompt_logprobs: prompt tokens 1..n-1.
-    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
-    # With finish_reason "error": the request's own fault that ended it (no token with it).
-    error: SequenceFailed | None = None
-
-
-@dataclass
-class Completion:
-    """A finished request, as ``generate`` returns it."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
-    finish_reason: str | None = None
 
 
 class LLMEngine:
@@ -93,6 +63,13 @@ class LLMEngine:
         self._model_dir = model_dir
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Requests with a structured spec wait in ``grammars`` for its compile, off this thread;
+        # one whose KV landed meanwhile waits in ``_landed``, one whose compile failed before
+        # its KV landed in ``_unfit`` (its blocks are still being written: it ends on kv_ready).
+        self.grammars = GrammarJobs(self._build_grammar_compiler)
+        self._landed: set[str] = set()
+        self._unfit: dict[str, SequenceFailed] = {}
+        self._pending: list[RequestOutput] = []  # outputs made between steps (a request ended there)
         # With ``keep_step_shape``, each step leaves what it ran in ``last_step_shape`` (a step
         # trace reads it); off, a step computes nothing for it.
         self.keep_step_shape = False
@@ -112,12 +89,12 @@ class LLMEngine:
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` naming the field and the limit it breaks: the cheap
         checks that protect this engine (the router validated the request as a whole once,
-        ``pdserve.engine.sampling.validate_request``), and a structured spec compiled here."""
+        ``pdserve.engine.sampling.validate_request``). A structured spec is compiled after
+        this, off the engine thread (``grammars``); one that does not compile ends its request
+        with that error as its output (``SequenceFailed``), before it ever joins a batch."""
         check_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
         if params.stop and not self.detokenize:
             raise InvalidRequestError("stop", "stop strings need an engine that detokenizes")
-        if params.structured is not None:
-            self._grammar_compiler().compile(params.structured)  # a bad spec fails here, not mid-step
         try:
             self.blocks.check_fits(len(prompt_token_ids) + 1)
         except CacheCapacityError as exc:
@@ -130,7 +107,10 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
-        self.scheduler.add(seq)
+        if params.structured is None:
+            self.scheduler.add(seq)
+        else:
+            self.grammars.submit(request_id, params.structured)  # joins the scheduler once compiled
         self._track(seq)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
@@ -140,37 +120,59 @@ class LLMEngine:
         if request_id in self._seqs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        self._check_first_token(first_token)
         seq = Sequence(request_id, list(prompt_token_ids) + [first_token], params,
                        num_prompt_tokens=len(prompt_token_ids))
         block_ids = self.scheduler.add_remote_prefilled(seq)
+        if params.structured is not None:
+            self.grammars.submit(request_id, params.structured)  # its KV arrives meanwhile
         self._track(seq)
         if request_id in self._detok:
             self._detok[request_id].add(first_token)  # its text was streamed by the prefill side
         return block_ids
 
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """Built on the first structured request (1-2 s with a 49k vocabulary: xgrammar's
-        import and its vocabulary tables); workers that do not detokenize load the tokenizer
-        only then."""
-        sampler = self.runner.sampler
-        if sampler.grammars is None:
-            tokenizer = self.tokenizer
-            if tokenizer is None and self._model_dir is not None:
-                tokenizer = Tokenizer(self._model_dir)
-            if tokenizer is None:
-                raise InvalidRequestError("structured_output", "this engine has no tokenizer to compile grammars with")
-            sampler.grammars = GrammarCompiler(tokenizer.hf, self.model_cfg.vocab_size, sorted(sampler.eos_token_ids))
-        return sampler.grammars
+    def _build_grammar_compiler(self) -> GrammarCompiler:
+        """Built on the compile thread for the first structured request (1-2 s with a 49k
+        vocabulary: xgrammar's import and its vocabulary tables); workers that do not
+        detokenize load the tokenizer only then."""
+        tokenizer = self.tokenizer
+        if tokenizer is None and self._model_dir is not None:
+            tokenizer = Tokenizer(self._model_dir)
+        if tokenizer is None:
+            raise InvalidRequestError("structured_output", "this engine has no tokenizer to compile grammars with")
+        return GrammarCompiler(tokenizer.hf, self.model_cfg.vocab_size, sorted(self.runner.sampler.eos_token_ids))
+
+    def _check_first_token(self, token: int) -> None:
+        """A peer's first token is a token of this vocabulary (else it would index past the
+        embedding table in the next forward)."""
+        vocab = self.model_cfg.vocab_size
+        if not 0 <= token < vocab:
+            raise InvalidRequestError("first_token_id", f"{token} is not a token id: ids are in [0, {vocab})", vocab)
 
     def kv_ready(self, request_id: str, first_token: int | None = None) -> None:
-        """The prompt's KV has landed; it decodes from the next step. ``first_token``: the
-        token ``add_prefilled`` was given as a placeholder (streamed KV learns it last)."""
+        """The prompt's KV has landed; it decodes from the next step (once its grammar, if it
+        has one, is compiled). ``first_token``: the token ``add_prefilled`` was given as a
+        placeholder (streamed KV learns it last). A first token out of the vocabulary, or a
+        grammar that did not compile, ends the request here: its output on the next step
+        carries the error (its KV has landed, so its blocks are free to go)."""
+        seq = self._seqs[request_id]
+        error = self._unfit.pop(request_id, None)
+        if first_token is not None and error is None:
+            try:
+                self._check_first_token(first_token)
+            except InvalidRequestError as exc:
+                error = SequenceFailed.of(request_id, exc)
+        if error is not None:
+            self._pending.append(self._fail(seq, error))
+            return
         if first_token is not None:
-            seq = self._seqs[request_id]
             seq.token_ids[seq.num_prompt_tokens] = first_token
             if request_id in self._detok:
                 self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
                 self._detok[request_id].add(first_token)
+        if request_id in self.grammars:
+            self._landed.add(request_id)  # it joins the batch with its grammar (_admit_compiled)
+            return
         self.scheduler.kv_ready(request_id)
 
     def prompt_progress(self, request_id: str) -> int | None:
@@ -230,11 +232,13 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or len(self.grammars) > 0 or bool(self._pending)
 
     def has_runnable(self) -> bool:
-        """True when a ``step`` would run something (sequences waiting for KV do not count)."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """True when a ``step`` would run or hand out something (sequences waiting for KV or
+        for their grammar do not count; a grammar just compiled, or an output made between
+        steps, does)."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending or self.grammars.has_done())
 
     def step(self) -> list[RequestOutput]:
         """Run one step.
@@ -243,62 +247,81 @@ class LLMEngine:
         ends that sequence alone: its output has finish reason "error" and ``error`` set,
         and the other sequences get exactly the tokens they would have got without it.
 
-        A fault nothing pins on a sequence (the forward or the sampler raised) fails the
-        step; nothing of it is kept, so its sequences simply run again on the next step.
-        A sequence whose retry fails too is aborted, its blocks freed, and ``StepFailed``
-        names it: the rest of the engine goes on as if it had never been scheduled."""
+        A step that raises is run again in parts (``pdserve.engine.step_isolation``): a
+        sequence that raises alone ends alone, the same way; the others go on with the tokens
+        they would have got. If no part runs, nothing pins the fault on any of them: they
+        are aborted, their blocks freed, and ``StepFailed`` names them; the engine goes on
+        with everything else.
+
+        With nothing to run but grammars compiling, it first waits for one of them (a
+        caller that steps in a loop, as ``generate`` does, neither spins nor steps empty); an
+        engine thread never finds it so (it steps only when ``has_runnable``)."""
+        self._admit_compiled()
+        if not self.has_runnable() and len(self.grammars):
+            self.grammars.wait()
+            self._admit_compiled()
         out = self.scheduler.schedule()
         self.last_step_shape = StepShape.of(out) if self.keep_step_shape and not out.empty else None
         if out.empty:
-            return []
+            return self._take_pending()
         try:
             sampled = self.runner.run(out)
         except Exception as exc:
-            failed = self._fail_or_retry(out, exc)
-            if failed:
-                raise StepFailed(failed, exc) from exc
-            return []
+            sampled = self._isolate(out, exc)
         errors = self._end_failed(sampled.failed)
         self.scheduler.update_from_output(out, sampled)
-        for item in out.seqs:
-            item.seq.step_retried = False
-        return errors + self._postprocess(out)
+        return self._take_pending() + errors + self._postprocess(out)
 
-    def _fail_or_retry(self, out: SchedulerOutput, exc: Exception) -> list[str]:
-        """Abort the step's sequences that were already retried once; mark the others for
-        their retry. update_from_output did not run, so each one is scheduled again as it
-        was (the KV this step wrote lands in the same slots again). Returns the aborted."""
-        failed = []
-        for item in reversed(out.seqs):  # reversed: requeued prompts keep their order
-            seq = item.seq
-            if seq.seq_id not in self._seqs or seq.is_done_here:
-                continue
-            if seq.step_retried:
-                failed.append(seq.seq_id)
-                self.abort(seq.seq_id)
-            else:
-                seq.step_retried = True
-                self.scheduler.requeue_unrun(seq)
-        failed.reverse()
-        if len(failed) < len(out.seqs):
-            log.warning("engine step failed (%s: %s); running %d of its sequence(s) again on the next step",
-                        type(exc).__name__, exc, len(out.seqs) - len(failed))
-        return failed
+    def _isolate(self, out: SchedulerOutput, exc: Exception) -> SampledTokens:
+        """The step's results from its parts that run (``step_isolation``); raises
+        ``StepFailed`` after aborting its sequences if none does."""
+        log.warning("engine step of %d sequence(s) raised (%s: %s); running it again in parts to find whose "
+                    "fault it is", len(out.seqs), type(exc).__name__, exc)
+        try:
+            return isolate(self.runner.run, out)
+        except Unattributed as unattributed:
+            failed = [item.seq.seq_id for item in out.seqs if item.seq.seq_id in self._seqs]
+            for request_id in failed:
+                self.abort(request_id)
+            raise StepFailed(failed, unattributed.cause) from exc
 
-    def _end_failed(self, failed: dict[str, SequenceFailed]) -> list[RequestOutput]:
-        """Finish each sequence whose own fault the sampler found, with its error."""
-        outputs = []
-        for request_id, error in failed.items():
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the scheduler (or, with their KV landed, the
+        decode batch); those whose compile failed or ran past its deadline end."""
+        for request_id, result in self.grammars.done():
             seq = self._seqs.get(request_id)
             if seq is None:
                 continue
-            log.warning("request %s ended alone: %s", request_id, error)
-            self.scheduler.finish(seq, FinishReason.ERROR)
-            outputs.append(RequestOutput(request_id, [], "", [], True, FinishReason.ERROR.value,
-                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                                         error=error))
-            self._forget(seq)
-        return outputs
+            if isinstance(result, InvalidRequestError):
+                error = SequenceFailed.of(request_id, result)
+                if seq.status is SeqStatus.WAITING_FOR_KV and request_id not in self._landed:
+                    self._unfit[request_id] = error  # its KV is still arriving: it ends on kv_ready
+                else:
+                    self._landed.discard(request_id)
+                    self._pending.append(self._fail(seq, error))
+                continue
+            self.runner.sampler.attach(request_id, result, seq.params.structured.resumed_tokens)
+            if seq.status is not SeqStatus.WAITING_FOR_KV:
+                self.scheduler.add(seq)
+            elif request_id in self._landed:
+                self._landed.discard(request_id)
+                self.scheduler.kv_ready(request_id)
+
+    def _take_pending(self) -> list[RequestOutput]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    def _end_failed(self, failed: dict[str, SequenceFailed]) -> list[RequestOutput]:
+        """Finish each sequence whose own fault the step found, with its error."""
+        return [self._fail(self._seqs[rid], error) for rid, error in failed.items() if rid in self._seqs]
+
+    def _fail(self, seq: Sequence, error: SequenceFailed) -> RequestOutput:
+        """End ``seq`` with finish reason "error": its last output, which carries ``error``."""
+        log.warning("request %s ended alone: %s", seq.seq_id, error)
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        self._forget(seq)
+        return RequestOutput(seq.seq_id, [], "", [], True, FinishReason.ERROR.value, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_cached_tokens, error=error)
 
     def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
         results = []
@@ -334,6 +357,9 @@ class LLMEngine:
         self._seqs.pop(seq.seq_id, None)
         self._detok.pop(seq.seq_id, None)
         self.runner.sampler.forget(seq.seq_id)
+        self.grammars.cancel(seq.seq_id)
+        self._landed.discard(seq.seq_id)
+        self._unfit.pop(seq.seq_id, None)
 
     # ---- convenience ---------------------------------------------------------------
     def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],

@@ -17,12 +17,17 @@ step's draws go to the device in one copy with its temperatures and filter limit
 seeded request draws the same numbers on a CPU and on a GPU (on CUDA, a generator per device would launch a kernel per row). The
 results come back in one device-to-host copy (``DeviceSample.to_host``).
 
-A fault that belongs to one row (its grammar rejects its tokens, its penalties raise, its
-processed logits are NaN or forbid every token) drops that row before anything is drawn and
-is reported in ``SamplerOutput.failed``: the other rows are computed exactly as in a batch
-without it (row-wise operations only, and the shared generator never draws for it). Finding
-NaN rows reads one flag a row back from the device: a second sync on a GPU, in a step that
-has penalties, grammars or NaN to look for anyway.
+A fault that belongs to one row (its grammar rejects its tokens or cannot fill its mask,
+its penalties raise, its processed logits are NaN or forbid every token) drops that row
+before anything is drawn and is reported in ``SamplerOutput.failed``: the other rows are
+computed exactly as in a batch without it (row-wise operations only, and the shared generator
+never draws for it). Finding NaN rows reads one flag a row back from the device: a second
+sync on a GPU, in a step that has penalties, grammars or NaN to look for anyway.
+
+A call that raises takes nothing from the generators: each one's state from before its first
+draw of the call is put back. The engine runs a step that raised again in parts
+(``pdserve.engine.step_isolation``), and a seeded request must still draw once per token.
+Grammar matchers need no such care: they catch up from the sequence's own tokens.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 
 from pdserve.engine.device import to_device
 from pdserve.engine.errors import SequenceFailed
-from pdserve.engine.grammar import GrammarCompiler, GrammarMatcher, apply_bitmasks
+from pdserve.engine.grammar import GrammarCompiler, GrammarMatcher, apply_bitmask, token_bitmask
 from pdserve.engine.penalties import apply_penalties
 from pdserve.engine.sampling import SamplingParams, TopLogprobs
 
@@ -106,9 +111,17 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         # Banned until ``min_tokens`` are out (besides stop_token_ids); the engine sets them.
         self.eos_token_ids: frozenset[int] = frozenset()
-        # Set by the engine before the first request with ``params.structured`` arrives.
+        # The engine attaches each constrained sequence's matcher (``attach``), its grammar
+        # compiled off the engine thread. Without one, a row compiles its spec here with
+        # ``grammars`` (callers that use the sampler alone set it), or fails.
         self.grammars: GrammarCompiler | None = None
         self._matchers: dict[str, GrammarMatcher] = {}
+        # In a call: each generator it drew from, with its state before the call's first draw.
+        self._drawn: dict[int, tuple[torch.Generator, torch.Tensor]] | None = None
+
+    def attach(self, seq_id: str, compiled, resumed_tokens: int = 0) -> None:
+        """Constrain ``seq_id`` by ``compiled`` (an ``xgrammar.CompiledGrammar``) from now on."""
+        self._matchers[seq_id] = GrammarMatcher(compiled, resumed_tokens)
 
     def forget(self, seq_id: str) -> None:
         """Drop a finished sequence's generator and grammar matcher."""
@@ -117,7 +130,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         """logits (B, V) float32 -> a token id for each row that did not fail, and their
-        logprobs if any row asked."""
+        logprobs if any row asked. If it raises, the generators are as they were."""
+        self._drawn = {}
+        try:
+            return self._sample_rows(logits, rows)
+        except BaseException:
+            for gen, state in self._drawn.values():
+                gen.set_state(state)
+            raise
+        finally:
+            self._drawn = None
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         failed: dict[str, SequenceFailed] = {}
         logits, raw = self._process(logits, rows, failed)
         _unusable_rows(logits, rows, failed)
@@ -167,30 +191,37 @@ class Sampler:
                    failed: dict[str, SequenceFailed] | None = None) -> None:
         """Mask, in place, what each constrained row's grammar forbids; other rows stay
         bit-identical (batch invariance). The grammars fill one host bitmask for the step,
-        which goes to the logits' device in one copy and is applied in one call. A row whose
-        grammar raises goes to ``failed`` (with none given, the error propagates)."""
-        if self.grammars is None:
-            raise RuntimeError("a request has structured output but the engine set no grammar compiler")
+        each its own row, which goes to the logits' device in one copy and is applied in one
+        call to the rows filled. A row whose grammar raises (catching up, filling its row)
+        goes to ``failed`` (with none given, the error propagates)."""
         stops = sorted(self.eos_token_ids)
-        masked: list[tuple[int, GrammarMatcher]] = []
+        bitmask = token_bitmask(len(rows), logits.shape[-1])
+        masked: list[int] = []
         for i, r in enumerate(rows):
             if r.params.structured is None:
                 continue
             try:
-                matcher = self._matchers.get(r.seq_id)
-                if matcher is None:
-                    matcher = self._matchers[r.seq_id] = self.grammars.matcher(r.params.structured)
+                matcher = self._matcher(r)
                 matcher.advance(r.token_ids, r.num_prompt_tokens)
                 if matcher.finished:
                     matcher.keep_only(logits[i:i + 1], stops)
                 else:
-                    masked.append((i, matcher))
+                    matcher.fill(bitmask, i)
+                    masked.append(i)
             except Exception as exc:  # this row's grammar: its fault alone
                 if failed is None:
                     raise
                 failed[r.seq_id] = SequenceFailed(r.seq_id, "structured_output", f"{type(exc).__name__}: {exc}")
         if masked:
-            apply_bitmasks(logits, masked)
+            apply_bitmask(logits, bitmask, masked)
+
+    def _matcher(self, row: SamplerRow) -> GrammarMatcher:
+        matcher = self._matchers.get(row.seq_id)
+        if matcher is None:
+            if self.grammars is None:
+                raise RuntimeError("no grammar was compiled for this request")
+            matcher = self._matchers[row.seq_id] = self.grammars.matcher(row.params.structured)
+        return matcher
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -220,11 +251,15 @@ class Sampler:
         return out
 
     def _generator(self, row: SamplerRow) -> torch.Generator:
+        """The generator ``row`` draws from; in a call, its state is kept before the first draw."""
         if row.params.seed is None:
-            return self._shared
-        gen = self._generators.get(row.seq_id)
-        if gen is None:
-            gen = self._generators[row.seq_id] = torch.Generator().manual_seed(row.params.seed)
+            gen = self._shared
+        else:
+            gen = self._generators.get(row.seq_id)
+            if gen is None:
+                gen = self._generators[row.seq_id] = torch.Generator().manual_seed(row.params.seed)
+        if self._drawn is not None and id(gen) not in self._drawn:
+            self._drawn[id(gen)] = (gen, gen.get_state())
         return gen
 
 

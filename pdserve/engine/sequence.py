@@ -52,9 +52,6 @@ class Sequence:
     # the KV blocks, which the caller frees later.
     hold_kv: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival))
-    # Set when a step holding this sequence raised and nothing named whose fault it was: it
-    # runs once more on the next step, and fails if that step raises too.
-    step_retried: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -39,7 +39,7 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
             await abort_invalid(context, exc)
         except StepFailed as exc:
             tracing.end_span(span, error=exc)
-            await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.STEP_FAILED, str(exc))
         except BaseException as exc:  # the caller gave up (cancelled): the span says so
             tracing.end_span(span, error=exc if isinstance(exc, Exception) else "cancelled")
             raise
@@ -73,7 +73,7 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
             if isinstance(exc, InvalidRequestError):
                 await abort_invalid(context, exc)
             elif isinstance(exc, StepFailed):
-                await abort_with(context, grpc.StatusCode.ABORTED, Failure.STEP_FAILED, str(exc))
+                await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.STEP_FAILED, str(exc))
             else:
                 await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"prefill stopped: {exc}")
         finally:

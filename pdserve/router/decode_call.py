@@ -68,10 +68,11 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
             fault = triage(exc, ctx.budget)
             if fault is Fault.BUSY and not started:
                 continue  # the KV is still held: another decode worker may take it
-            if fault is not Fault.TRANSFER:
+            if fault is Fault.TRANSFER:
+                if source is not None:
+                    ctx.pool.transfer_failed(source)  # the KV's source, if it keeps failing
+            elif fault is not Fault.STEP:  # a failed step (not the request's fault) leaves it serving
                 ctx.pool.mark_down(client.address)  # the decode worker itself failed
-            elif source is not None:
-                ctx.pool.transfer_failed(source)  # the KV's source, if it keeps failing
             raise AttemptLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
         except Exception as exc:
             error = exc

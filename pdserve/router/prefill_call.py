@@ -61,7 +61,7 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
             if fault is Fault.REFUSED:
                 raise
             last = f"prefill worker {client.address}: {exc.code().name} {exc.details()}"
-            if fault is not Fault.BUSY:
+            if fault not in (Fault.BUSY, Fault.STEP):  # a failed step leaves its worker serving
                 ctx.pool.mark_down(client.address)
             ctx.metrics.retried()
             log.warning("request %s: %s; trying another", ctx.request_id, last)
@@ -95,7 +95,7 @@ async def streamed_answer(ctx: CallContext, call, address: str, decoding: Starte
                 raise AttemptLost(f"prefill worker {address} is hung (no engine progress, hang_timeout_s)")
         return answer.result()
     except grpc.aio.AioRpcError as exc:
-        if triage(exc, ctx.budget) is not Fault.TRANSFER:
+        if triage(exc, ctx.budget) not in (Fault.TRANSFER, Fault.STEP):
             ctx.pool.mark_down(address)
         raise AttemptLost(f"prefill worker {address} while the KV streamed: {exc.code().name} "
                           f"{exc.details()}") from exc

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.router.errors import RouteError
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerPool
 from pdserve.router.request_budget import RequestBudget
@@ -44,6 +43,7 @@ class Fault(enum.Enum):
     WORKER = "the worker died, hung or cannot be reached"
     BUSY = "the worker has no room now (RESOURCE_EXHAUSTED)"
     TRANSFER = "the prompt's KV did not move"
+    STEP = "a step holding the request raised, and the fault was not the request's"
     REFUSED = "the worker refused the call for another reason"
 
 
@@ -54,15 +54,16 @@ _WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 
 def triage(exc: grpc.aio.AioRpcError, budget: RequestBudget) -> Fault:
     """The one reading of a worker call's error. Raises what ends the request whichever worker
-    serves it: its own fault (INVALID_ARGUMENT, naming the field), its deadline passed (not
-    the worker's fault), or a step that failed holding it on a healthy worker (ABORTED:
-    elsewhere it would fail again). Returns what else the error says about the worker."""
+    serves it: its own fault (INVALID_ARGUMENT, naming the field: bad input, or a fault its
+    worker pinned on it alone, which elsewhere would fail again) or its deadline passed (not
+    the worker's fault). Returns what else the error says: a step that failed holding it
+    without being its fault (``Fault.STEP``: another worker may serve it) and the rest."""
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
         raise InvalidRequestError(error_field(exc), exc.details()) from exc
     budget.remaining_s()
     failure = failure_of(exc)
     if failure is Failure.STEP_FAILED:
-        raise RouteError(grpc.StatusCode.ABORTED, exc.details() or "engine step failed") from exc
+        return Fault.STEP
     if failure is Failure.KV_TRANSFER:
         return Fault.TRANSFER
     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:

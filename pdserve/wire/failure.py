@@ -1,8 +1,10 @@
 """Why a worker RPC failed, as a typed code in trailing metadata (never matched in error text).
 
 The router decides from the code what to do next: a failed KV transfer is the decode
-worker's peer's fault (re-prefill, keep the decode worker), a failed step is the request's
-own (do not retry it elsewhere, do not mark the worker down).
+worker's peer's fault (re-prefill, keep the decode worker); a failed step is not the
+request's fault (try it elsewhere, do not mark the worker down). A request's own fault is
+not one of these: the worker ends its call INVALID_ARGUMENT naming the field
+(``grpc_util.abort_invalid``), which the router never retries.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ FAILURE_KEY = "pdserve-failure"
 
 class Failure(str, enum.Enum):
     KV_TRANSFER = "kv_transfer"  # the prompt's KV did not arrive (peer unreachable, read failed, lease refused)
-    STEP_FAILED = "step_failed"  # the engine step holding the request raised; the request was aborted
+    # The step holding the request raised, and no part of it ran when the engine split its
+    # batch to find whose fault it was (engine.step_isolation): pinned on no request, the
+    # request was aborted. Its own fault (it raised alone while the rest ran) is not this:
+    # that ends INVALID_ARGUMENT, field "step".
+    STEP_FAILED = "step_failed"
 
 
 async def abort_with(context: grpc.aio.ServicerContext, code: grpc.StatusCode, failure: Failure,

@@ -1,12 +1,12 @@
 """One sequence's fault is its own: a fault the sampler can pin on one row (its grammar
 rejects its tokens, its logits are NaN) ends that sequence alone with finish reason "error"
 and a typed error naming the field, and every other sequence of the step goes on bitwise as
-if the faulty one had never been in the batch. A fault nothing pins on a row fails the step,
-and its sequences are retried once on a fresh step before they fail."""
+if the faulty one had never been in the batch. A step that raises is run again in parts
+at once (``pdserve.engine.step_isolation``): a fault that does not come back costs nothing,
+and one that does is pinned on the row it belongs to."""
 
-import pytest
 
-from pdserve.engine.errors import SequenceFailed, StepFailed
+from pdserve.engine.errors import SequenceFailed
 from pdserve.engine.grammar import GrammarKind, StructuredOutput
 from pdserve.engine.sampling import SamplingParams
 from tests.factories import fail_sampling_for, make_engine, nan_logits_for, random_prompts
@@ -76,9 +76,9 @@ def test_a_nan_row_ends_its_own_request_and_the_batch_keeps_its_tokens(tiny_llam
     assert engine.num_free_blocks == 256
 
 
-def test_a_fault_nobody_can_pin_is_retried_once_on_a_fresh_step(tiny_llama_dir):
+def test_a_fault_that_does_not_come_back_costs_nothing(tiny_llama_dir):
     """The sampler raises once for the whole step (nothing names a row): the step's
-    sequences run again on the next step, and their output is what it would have been."""
+    sequences run again in parts at once, and their output is what it would have been."""
     directory = tiny_llama_dir[0]
     prompts = dict(zip("ab", random_prompts(2, [20, 30], seed=3)))
     expected = solo(directory, prompts)
@@ -86,21 +86,20 @@ def test_a_fault_nobody_can_pin_is_retried_once_on_a_fresh_step(tiny_llama_dir):
     fail_sampling_for(engine, "a", times=1)
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, GREEDY)
-    assert engine.step() == []  # failed, retried: nothing yet, nothing aborted
     tokens, last = run_to_end(engine)
     assert tokens == expected and {o.finish_reason for o in last.values()} == {"length"}
     assert engine.num_free_blocks == 256
 
 
-def test_a_fault_that_persists_fails_the_step_after_its_retry(tiny_llama_dir):
+def test_a_fault_that_persists_is_pinned_on_its_row(tiny_llama_dir):
     directory = tiny_llama_dir[0]
     engine = make_engine(directory, policy="mixed")
     fail_sampling_for(engine, "bad")
     good, bad = random_prompts(2, [20, 30], seed=3)
+    expected = solo(directory, {"good": good})
     engine.add_request("good", good, GREEDY)
     engine.add_request("bad", bad, GREEDY)
-    assert engine.step() == []  # the first failure is retried
-    with pytest.raises(StepFailed) as info:
-        engine.step()  # the retry fails too: both sequences of the step fail now
-    assert sorted(info.value.request_ids) == ["bad", "good"]
+    tokens, last = run_to_end(engine)
+    assert last["bad"].finish_reason == "error" and last["bad"].error.field == "step" and tokens["bad"] == []
+    assert {"good": tokens["good"]} == expected
     assert not engine.has_unfinished() and engine.num_free_blocks == 256

@@ -41,6 +41,11 @@ def test_a_worker_error_reads_as_one_fault(code, fault):
     assert triage(rpc_error(code), budget()) is fault
 
 
+def test_a_failed_step_pinned_on_no_request_is_not_the_requests_fault():
+    for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED):  # ABORTED: workers before the split
+        assert triage(rpc_error(code, "step raised", **{FAILURE_KEY: Failure.STEP_FAILED.value}), budget()) is Fault.STEP
+
+
 def test_a_failed_transfer_is_the_transfers_fault_whatever_its_code():
     for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION):
         assert triage(rpc_error(code, **{FAILURE_KEY: Failure.KV_TRANSFER.value}), budget()) is Fault.TRANSFER
@@ -50,10 +55,10 @@ def test_the_requests_own_faults_end_it_on_any_worker():
     with pytest.raises(InvalidRequestError) as err:
         triage(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "top_k: bad", **{"pdserve-field": "top_k"}), budget())
     assert err.value.field == "top_k"
-    with pytest.raises(RouteError) as err:
-        triage(rpc_error(grpc.StatusCode.ABORTED, "step raised", **{FAILURE_KEY: Failure.STEP_FAILED.value}),
+    with pytest.raises(InvalidRequestError) as err:  # a step fault its worker pinned on it alone
+        triage(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "step: raised alone", **{"pdserve-field": "step"}),
                budget())
-    assert err.value.code == grpc.StatusCode.ABORTED
+    assert err.value.field == "step"
     with pytest.raises(RouteError) as err:  # a passed deadline is not the worker's fault
         triage(rpc_error(grpc.StatusCode.UNAVAILABLE), budget(timeout_s=-1.0))
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -83,7 +83,7 @@ def test_a_step_that_raises_fails_its_prompt_with_a_typed_code_and_the_worker_se
             await server.stop()
 
     error, after, stats = asyncio.run(run())
-    assert error.code() == grpc.StatusCode.ABORTED and failure_of(error) is Failure.STEP_FAILED
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and failure_of(error) is Failure.STEP_FAILED
     assert after.HasField("kv") and len(after.kv.block_ids) == 2
     assert stats.num_blocks_used == 0 and stats.num_waiting == 0 and stats.num_held_leases == 0
 

@@ -1,0 +1,42 @@
+"""What the engine hands out: one step's output for one request (``RequestOutput``, a diff),
+and a whole finished request (``Completion``, from ``LLMEngine.generate``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.errors import SequenceFailed
+from pdserve.engine.sampling import TopLogprobs
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a diff, not the whole state)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # "" when the engine does not detokenize (workers: the router does)
+    new_logprobs: list[float]
+    finished: bool  # no later step produces output for it (finished, or HELD)
+    finish_reason: str | None  # None with ``finished``: HELD, generation goes on elsewhere
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # with params.top_logprobs
+    # On a request's first output, with params.prompt_logprobs: prompt tokens 1..n-1.
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
+    # With finish_reason "error": the request's own fault that ended it (no token with it).
+    error: SequenceFailed | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request, as ``generate`` returns it."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
+    finish_reason: str | None = None
