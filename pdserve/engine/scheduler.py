@@ -222,13 +222,6 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.HELD
 
-    def requeue_unrun(self, seq: Sequence) -> None:
-        """``seq`` was scheduled in a step that produced nothing (it raised): a prompt whose
-        last chunk the step took off the waiting queue goes back to its head, blocks kept,
-        to run again; a decoding sequence is still in ``running``."""
-        if seq.status is SeqStatus.WAITING and seq not in self.waiting:
-            self.waiting.appendleft(seq)
-
     # ---- results -------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: SampledTokens) -> list[Sequence]:
         """Advance every scheduled sequence; return those that finished this step."""
