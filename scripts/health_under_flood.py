@@ -115,18 +115,16 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}]
 
 
-def _byte_token_ids(*values: int) -> list[int]:
-    """The ids of the default model's tokens that are each one of these bytes alone."""
+def _byte_token_ids() -> list[int]:
+    """The ids of the default model's tokens that are the bytes 0xF0 and 0x80 alone (the first
+    and last bytes of U+1F600), found through its byte-level alphabet (so on any checkout)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
     from pdserve.engine.loader import materialize
     from pdserve.engine.tokenizer import Tokenizer
 
-    tok = Tokenizer(materialize("default", progress=False))
-    by_byte = {}
-    for i in range(len(tok.hf)):
-        piece = tok.token_bytes.piece(i)
-        if isinstance(piece, bytes) and len(piece) == 1:
-            by_byte[piece[0]] = i
-    return [by_byte[v] for v in values]
+    chars = ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str("\U0001F600")[0][0]
+    return Tokenizer(materialize("default", progress=False)).hf.convert_tokens_to_ids([chars[0], chars[3]])
 
 
 def _fresh_schema(rng: random.Random, depth: int) -> dict:
@@ -204,6 +202,8 @@ def _lag_summary(before: dict[float, float], after: dict[float, float]) -> dict:
     """p99 and max of the lags observed between two scrapes, as bucket upper bounds (seconds)."""
     bounds = sorted(after)
     counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts:  # a router without the metric (before issue 41)
+        return {"probes": 0, "p99_le_s": None, "max_le_s": None, "over_50ms": None}
     total = counts[-1]
     p99 = next((b for b, c in zip(bounds, counts) if c >= 0.99 * total), None)
     top = next((b for b, c in zip(bounds, counts) if c >= total), None)
@@ -219,7 +219,7 @@ def hostile(args) -> None:
     cmd = [str(Path(sys.executable).parent / "pdserve"), "serve", "--grpc-port", str(args.grpc_port),
            "--port", str(args.port), "--tool-call-parser", "hermes"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    byte_ids = _byte_token_ids(0xF0, 0x80)
+    byte_ids = _byte_token_ids()
     host, address = "127.0.0.1", f"127.0.0.1:{args.port}"
     with ServerProcess("pdserve", cmd, env, host, [args.port, args.grpc_port], out_dir / "server.log") as cluster:
         print(f"[hostile] starting the cluster ({' '.join(cmd)}); log: {cluster.log}", flush=True)
