@@ -42,6 +42,9 @@ COMPILE_CACHE_BYTES = 64 << 20
 # convert; 128 deep 0.9 s; 300 deep 9 s), and the router converts every spec it is sent.
 MAX_SPEC_CHARS = 65_536
 MAX_SCHEMA_DEPTH = 128  # JSON nesting levels of a schema
+# Specs whose conversion (accepted or refused) the router remembers: at most MAX_SPEC_CHARS
+# each, so at most 16 MiB of keys.
+CONVERSION_CACHE_SPECS = 256
 
 
 class GrammarKind(str, enum.Enum):
@@ -70,13 +73,13 @@ class StructuredOutput:
 
     def validate(self, field: str = "structured_output") -> None:
         """Raise ``InvalidRequestError`` naming ``field`` if the spec cannot be compiled. Needs
-        no tokenizer, so the router checks a request before routing it."""
+        no tokenizer, so the router checks a request before routing it. Each spec converts
+        once (``_conversion``), off the router's event loop (its callers run on the
+        tokenizer threads: ``pdserve.router.frontend.prepare``, ``pdserve.router.validation``)."""
         self.check(field)
-        try:
-            _accepted(self.kind, self.spec)
-        except InvalidRequestError:
-            _grammar(self, field)  # again, to name ``field`` in the error
-            raise
+        refusal = _conversion(self.kind, self.spec)
+        if refusal is not None:
+            raise InvalidRequestError(field, refusal.reason, refusal.limit)
 
 
 def resumed(so: StructuredOutput | None, generated: int) -> StructuredOutput | None:
@@ -89,12 +92,29 @@ class GrammarViolation(RuntimeError):
     under the same grammar): the step fails and the request is aborted."""
 
 
-@functools.lru_cache(maxsize=64)
-def _accepted(kind: GrammarKind, spec: str) -> None:
-    """Raises if the spec does not convert; the specs that did are remembered (raising calls
-    are not), so a request checked twice on its way in (the HTTP front names the body's
-    parameter, ``pdserve.router.tools``) builds its grammar once."""
-    _grammar(StructuredOutput(kind, spec), "structured_output")
+_FIELD = "structured_output"  # the field _conversion's errors name, replaced by the caller's
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """Why a spec does not convert, for any field name (``InvalidRequestError``'s message)."""
+
+    reason: str
+    limit: object = None
+
+
+@functools.lru_cache(maxsize=CONVERSION_CACHE_SPECS)
+def _conversion(kind: GrammarKind, spec: str) -> _Refusal | None:
+    """Converts a spec once and remembers the outcome, refusals as well: a request checked
+    twice on its way in (the HTTP front names the body's parameter, ``pdserve.router.tools``,
+    then ``prepare`` checks the wire request) converts once, and a client resending a spec
+    that cannot convert (up to 0.9 s each at the depth limit) costs a lookup. xgrammar
+    releases the GIL while it converts, so threads doing this leave the event loop free."""
+    try:
+        _grammar(StructuredOutput(kind, spec), _FIELD)
+    except InvalidRequestError as exc:
+        return _Refusal(str(exc).removeprefix(f"{_FIELD}: "), exc.limit)
+    return None
 
 
 def _grammar(so: StructuredOutput, field: str) -> "xgrammar.Grammar":

@@ -14,9 +14,9 @@ router's ``request_timeout_s`` caps it); past it the answer is 408 or, mid-strea
 event. A 429 carries ``Retry-After``.
 
 The event loop never waits on a client (``pdserve.router.client_work``): bodies above
-``INLINE_BYTES`` are parsed, and every tokenizer call (``/tokenize``, ``/detokenize``, an
-echoed prompt, logprob token strings) runs, on the router's tokenizer threads, in a bounded
-queue. Slow clients time out: headers (``http_header_timeout_s``), body
+``INLINE_BYTES`` or asking for a grammar are parsed, and every tokenizer call (``/tokenize``,
+``/detokenize``, an echoed prompt, logprob token strings) runs, on the router's tokenizer
+threads, in a bounded queue. Slow clients time out: headers (``http_header_timeout_s``), body
 (``http_body_timeout_s``), and a stream the client stops reading (``stream_idle_timeout_s``).
 """
 
@@ -41,7 +41,7 @@ from pdserve.router.service import GenerationService
 from pdserve.router.tokenize_api import detokenize_request, tokenize_request
 from pdserve.router.tools import ToolOutput
 from pdserve.router.http_errors import as_http_error, error_response
-from pdserve.router.validation import HttpError, decode_json, parse_body
+from pdserve.router.validation import HttpError, converts_grammar, decode_json, parse_body
 from pdserve.wire.address import Endpoint, resolve
 from pdserve.wire.logs import ACCESS_FORMAT, ACCESS_LOGGER
 from pdserve.wire import tracing
@@ -101,12 +101,16 @@ class OpenAIFront:
                             "timeout", param="body") from None
 
     async def _read(self, request: web.Request, chat: bool):
-        """The body, read and parsed once (off the loop when large); raises ``HttpError``."""
+        """The body, read and parsed once (off the loop when large or when it converts a
+        grammar); raises ``HttpError``."""
         raw = await self._raw(request)
         name, limits = self.service.model.names, self.service.limits.requests
         if len(raw) > INLINE_BYTES:
             return await self.service.work.run(lambda: parse_body(decode_json(raw), chat, name, limits))
-        return parse_body(decode_json(raw), chat, name, limits)
+        body = decode_json(raw)
+        if converts_grammar(body):  # a schema's conversion can take a second: off the loop too
+            return await self.service.work.run(parse_body, body, chat, name, limits)
+        return parse_body(body, chat, name, limits)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:

@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.loader import materialize, read_model_config
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import admin_pb2_grpc, pdserve_pb2
-from pdserve.router import http_api, tool_parsers
+from pdserve.router import http_api, loop_lag, tool_parsers
 from pdserve.router.admin import RouterAdminService
 from pdserve.router.auth import ApiKeyInterceptor
 from pdserve.router.frontend import ModelInfo
@@ -129,6 +129,7 @@ async def start(config: RouterConfig) -> RunningRouter:
         running.on_stop.insert(0, runner.cleanup)
         running.http_runner = runner
     detach(_track_health(service, health))
+    detach(loop_lag.probe())  # pdserve:router_loop_lag_seconds
     return running
 
 

@@ -42,6 +42,7 @@ class Parsed:
 
 class ToolParser(Protocol):
     name: str
+    anchored: bool  # calls only begin the answer (after whitespace), never after content
 
     def start(self, text: str) -> int | None:
         """Index where the calls begin in ``text``, or None while none has begun."""
@@ -53,6 +54,15 @@ class ToolParser(Protocol):
     def parse(self, text: str, final: bool) -> Parsed:
         """The calls complete in ``text`` (``final``: the whole answer; an unclosed last call
         counts if it parses) and the content before them."""
+
+    def reader(self) -> CallReader | None:
+        """Reads calls as they complete in a stream (``ToolCallStream``); None: a format
+        whose calls are complete only at the end."""
+
+
+class CallReader(Protocol):
+    def feed(self, delta: str) -> list[ToolCall]:
+        """The calls complete so far, once the calls' text has grown by ``delta``."""
 
 
 def _call_from(obj, args_keys: tuple[str, ...]) -> ToolCall | None:
@@ -79,6 +89,7 @@ def _suffix_prefix(text: str, marker: str) -> int:
 
 class HermesParser:
     name = "hermes"
+    anchored = False
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -98,18 +109,27 @@ class HermesParser:
             closed = m.group(0).endswith(self.CLOSE)
             if not closed and not final:
                 break  # still being written
-            try:
-                call = _call_from(json.loads(m.group(1)), ("arguments", "parameters"))
-            except ValueError:
-                call = None
+            call = self.call(m.group(1))
             if call is None:
                 return Parsed(text) if final else Parsed(text[:begin], tuple(calls))
             calls.append(call)
         return Parsed(text[:begin], tuple(calls))
 
+    def reader(self) -> _ClosedBlocks:
+        return _ClosedBlocks()
+
+    @staticmethod
+    def call(block: str) -> ToolCall | None:
+        """One block's text (between the markers) as a call; None if it is not one."""
+        try:
+            return _call_from(json.loads(block), ("arguments", "parameters"))
+        except ValueError:
+            return None
+
 
 class Llama3JsonParser:
     name = "llama3_json"
+    anchored = True
     TAG = "<|python_tag|>"
 
     def start(self, text: str) -> int | None:
@@ -117,8 +137,11 @@ class Llama3JsonParser:
         return len(text) - len(body) if body.startswith(("{", self.TAG)) else None
 
     def held_back(self, text: str) -> int:
-        body = text.lstrip()
-        return len(text) if not body or self.TAG.startswith(body) else 0
+        body = text.lstrip()  # whitespace before it is content whether calls follow or not
+        return len(body) if self.TAG.startswith(body) else 0
+
+    def reader(self) -> None:
+        return None  # one JSON document: complete only at the end
 
     def parse(self, text: str, final: bool) -> Parsed:
         begin = self.start(text)
@@ -162,25 +185,87 @@ def choose(name: str | None, chat_template: str | None) -> ToolParser | None:
 
 class ToolCallStream:
     """A streamed answer's text -> content deltas and tool calls as they complete: content
-    flows until a call's marker may have begun, then the rest is held and parsed."""
+    flows until a call's marker may have begun, then the rest is held and parsed.
+
+    Each delta costs time in proportion to its own length, however long the answer (the
+    whole text was parsed again per delta before): before the calls, only the text that may
+    begin a marker is held and looked at again; after, hermes blocks are read as they close,
+    each once (``_ClosedBlocks``), and the whole rest is parsed once, at the end, by the
+    parser's own ``parse``, so the final answer is exactly what ``parse`` makes of the text."""
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
-        self.text = ""
-        self._sent_content = 0
+        self._held = ""  # before the calls: text not sent yet, which may begin them
+        self._passing = False  # an anchored parser's answer began with content: it has no calls
+        self._rest: list[str] | None = None  # the text from the calls' start on (None: not begun)
+        self._reader = parser.reader()
         self._sent_calls = 0
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
-        self.text += delta
-        begin = self.parser.start(self.text)
-        if begin is None:
-            safe = len(self.text) - (0 if final else self.parser.held_back(self.text))
-            calls: tuple[ToolCall, ...] = ()
+        content = ""
+        if self._rest is None:
+            content, delta = self._before_calls(delta, final)
+            if self._rest is None:
+                return content, []
+        self._rest.append(delta)
+        if final:
+            parsed = self.parser.parse("".join(self._rest), final=True)
+            if not parsed.calls:  # what began as calls is none: all of it is content
+                return content + "".join(self._rest), []
+            calls: tuple[ToolCall, ...] | list[ToolCall] = parsed.calls
         else:
-            parsed = self.parser.parse(self.text, final)
-            safe, calls = (len(self.text), ()) if final and not parsed.calls else (begin, parsed.calls)
-        content = self.text[self._sent_content:safe] if safe > self._sent_content else ""
-        self._sent_content = max(self._sent_content, safe)
+            calls = self._reader.feed(delta) if self._reader is not None else ()
         new = list(calls[self._sent_calls:])
         self._sent_calls = max(self._sent_calls, len(calls))
         return content, new
+
+    def _before_calls(self, delta: str, final: bool) -> tuple[str, str]:
+        """(content to send, the text of ``delta`` from the calls' start on, if they began)."""
+        if self._passing:
+            return delta, ""
+        window = self._held + delta
+        begin = self.parser.start(window)
+        if begin is not None:
+            self._held, self._rest = "", []
+            return window[:begin], window[begin:]
+        hold = 0 if final else self.parser.held_back(window)
+        content, self._held = window[:len(window) - hold], window[len(window) - hold:]
+        self._passing = self.parser.anchored and content.strip() != ""
+        return content, ""
+
+
+class _ClosedBlocks:
+    """Hermes calls as their blocks close, in a text fed in pieces: each character is looked
+    at a bounded number of times (a marker split across pieces is found from the last
+    ``len(marker) - 1`` characters kept), and each block is joined and parsed once. The first
+    block that is not a call ends the reading, as ``HermesParser.parse`` stops there."""
+
+    def __init__(self):
+        self.calls: list[ToolCall] = []
+        self._inside = False  # within a block (looking for its end), else between blocks
+        self._block: list[str] = []  # the open block's text so far
+        self._carry = ""  # the last characters looked at, which may begin a marker
+        self._failed = False
+
+    def feed(self, delta: str) -> list[ToolCall]:
+        text, pos = self._carry + delta, 0
+        while not self._failed:
+            marker = HermesParser.CLOSE if self._inside else HermesParser.OPEN
+            found = text.find(marker, pos)
+            if found < 0:
+                keep = max(pos, len(text) - len(marker) + 1)
+                if self._inside:
+                    self._block.append(text[pos:keep])
+                self._carry = text[keep:]
+                break
+            if self._inside:
+                self._block.append(text[pos:found])
+                call = HermesParser.call("".join(self._block))
+                self._block = []
+                if call is None:
+                    self._failed = True
+                else:
+                    self.calls.append(call)
+            self._inside = not self._inside
+            pos = found + len(marker)
+        return self.calls

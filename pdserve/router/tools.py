@@ -146,7 +146,7 @@ class ToolOutput:
     def __init__(self, plan: ToolPlan, parser: ToolParser | None):
         self.plan = plan
         self._stream = ToolCallStream(parser) if plan.mode == "auto" and parser is not None else None
-        self._text = ""
+        self._parts: list[str] = []  # "required": the answer so far, joined once at its end
         self._calls: list[ToolCall] = []
         self._named_id: str | None = None
 
@@ -160,11 +160,12 @@ class ToolOutput:
         if mode == "named":
             return "", self._named(delta)
         if mode == "required":
-            self._text += delta
+            self._parts.append(delta)
             if not final:
                 return "", []
-            calls = _parse_required(self._text)  # none when max_tokens cut the JSON short:
-            return ("", self._new_calls(calls)) if calls else (self._text, [])  # the text, as content
+            text = "".join(self._parts)
+            calls = _parse_required(text)  # none when max_tokens cut the JSON short:
+            return ("", self._new_calls(calls)) if calls else (text, [])  # the text, as content
         if self._stream is None:
             return delta, []
         content, calls = self._stream.feed(delta, final)

@@ -119,6 +119,18 @@ def _check_strings(value: Any) -> None:
                                 f"at character {exc.start})", param="body") from None
 
 
+# Body fields whose spec becomes a grammar: converting one may take up to ~1 s
+# (pdserve.engine.grammar.MAX_SCHEMA_DEPTH), so such a body is parsed off the event loop.
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "tools")
+
+
+def converts_grammar(body: Any) -> bool:
+    """Whether ``parse_body`` of this decoded body may convert a grammar (a schema, a regex,
+    or the call schema of ``tool_choice``): the HTTP front then runs it on the tokenizer
+    threads, as it does a large body."""
+    return isinstance(body, dict) and any(body.get(name) is not None for name in GRAMMAR_FIELDS)
+
+
 def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits: RequestLimits = RequestLimits()
                ) -> tuple[list[pdserve_pb2.GenerateRequest], Options]:
     """A decoded JSON body -> one wire request per choice (prompts x ``n``, prompt-major)

@@ -37,6 +37,12 @@ Router, per request (pdserve/router/request_run.py), label ``model_name`` (the f
 - histogram ``pdserve:local_prefill_uncached_tokens{decision}``, ``pdserve:local_prefill_decode_load{decision}``:
   the rule's inputs, the prompt's uncached tokens and the decode worker's KV share in use
 
+Router, its event loop (pdserve/router/loop_lag.py):
+
+- histogram ``pdserve:router_loop_lag_seconds``: how late the loop ran a callback scheduled
+  every 0.1 s (no labels). Everything the router serves (gRPC, HTTP, ``/health``, its worker
+  polls) waits at least this long; past 10 s the prefill workers free its KV as OWNER_LOST
+
 Router, per role switch of an elastic worker (pdserve/elastic_worker), as the controller reports it
 (``Membership.role_changes``):
 
@@ -175,6 +181,14 @@ DESIRED_REPLICAS = Gauge("pdserve:autoscaler_desired_replicas", "Workers the aut
                          [POOL_LABEL], registry=REGISTRY)
 SIGNAL_TARGET = Gauge("pdserve:autoscaler_signal_target",
                       "The autoscaler's per-worker target of the pool's primary signal.", [POOL_LABEL], registry=REGISTRY)
+
+# ---- router: its event loop (pdserve/router/loop_lag.py) -----------------------------------
+# A healthy loop is late by well under a millisecond; 10 s stalls lose the router's KV.
+LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LOOP_LAG = Histogram("pdserve:router_loop_lag_seconds",
+                     "How late the router's event loop ran a callback scheduled every 0.1 s.",
+                     buckets=LOOP_LAG_BUCKETS, registry=REGISTRY)
+
 
 # ---- router: role changes of elastic workers (pdserve/router/admin.py, from the controller) --
 SWITCH_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
