@@ -29,11 +29,12 @@ def build(v: dict[str, Any]):
     from pdserve.cluster.autoscaling import from_mapping
     from pdserve.cluster.config import ClusterConfig, default_gpus
     from pdserve.cluster.mode import COLOCATED
-    from pdserve.router.auth import read_key
+    from pdserve.router.auth import read_keys
     from pdserve.wire import tls
     from pdserve.wire.logs import LogConfig
 
     _check_paths(v)
+    api_key, api_keys = read_keys(v["api_key"], v["api_key_file"], v["api_keys_file"])
     return ClusterConfig(
         engine=_engine(v), router_limits=_router_limits(v), mode=v["mode"],
         num_prefill=0 if v["mode"] == COLOCATED else v["prefill"], num_decode=v["decode"],
@@ -41,7 +42,7 @@ def build(v: dict[str, Any]):
         host=v["host"], grpc_port=v["grpc_port"], http_port=None if v["port"] < 0 else v["port"],
         advertise_host=v["advertise_host"], internal_host=v["internal_host"],
         internal_advertise_host=v["internal_advertise_host"],
-        api_key=read_key(v["api_key"], v["api_key_file"]),
+        api_key=api_key, api_keys=api_keys,
         tls=tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls"),
         role_tls=_role_tls(v), insecure_internal=v["insecure_internal"],
         public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"], prefix="public_tls",

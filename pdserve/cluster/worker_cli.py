@@ -41,7 +41,7 @@ ROLES = ("prefill", "decode", "router")
 
 _SHARED = ("model", "served_model_name", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
            "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "otlp_traces_endpoint", "host", "port", "grpc_port", "advertise_host",
-           "internal_host", "internal_advertise_host", "api_key", "api_key_file", "tls_ca", "tls_cert", "tls_key",
+           "internal_host", "internal_advertise_host", "api_key", "api_key_file", "api_keys_file", "tls_ca", "tls_cert", "tls_key",
            "insecure_internal", "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
            "routing_policy", "routing_prefill_weight", "routing_load_weight", "routing_temperature",

@@ -149,12 +149,13 @@ def test_https_front_with_api_key(certs):
     from types import SimpleNamespace
 
     from pdserve.router import http_api
+    from pdserve.router.auth import ApiKeys
     from pdserve.router.limits import RouterLimits
 
     public = tls.load(str(certs["router"].cert), str(certs["router"].key), None, prefix="public_tls",
                       require_ca=False)
     service = SimpleNamespace(pool=SimpleNamespace(ready=lambda: True, missing_roles=lambda: []), limits=RouterLimits(), draining=False, unready=False,
-                              model=SimpleNamespace(name="m", names=("m",), max_model_len=8))
+                              model=SimpleNamespace(name="m", names=("m",), max_model_len=8), keys=ApiKeys.single("k"))
     client_ctx = ssl.create_default_context(cadata=certs["ca"].cert.read_text())
     client_ctx.check_hostname = False  # the certificate names pdserve.internal, the URL an IP
 
@@ -168,7 +169,7 @@ def test_https_front_with_api_key(certs):
             return exc.code
 
     async def main():
-        runner, address = await http_api.start(service, "127.0.0.1", 0, api_key="k", tls=public)
+        runner, address = await http_api.start(service, "127.0.0.1", 0, tls=public)
         try:
             codes = await asyncio.to_thread(lambda: [get(address, "/health"), get(address, "/v1/models"),
                                                      get(address, "/v1/models", "bad"),
