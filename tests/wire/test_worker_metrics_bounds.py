@@ -54,7 +54,7 @@ def test_a_connection_that_sends_nothing_is_closed():
 
 
 def test_connections_past_the_cap_are_closed_while_scrapes_still_answer_after():
-    ep = worker_metrics.serve_worker("127.0.0.1", 0, source("decode-many"), timeout_s=2.0)
+    ep = worker_metrics.serve_worker("127.0.0.1", 0, source("decode-many"), timeout_s=60.0)  # held till closed
     host, port = ep.address.rsplit(":", 1)
     held = [socket.create_connection((host, int(port)), timeout=30)
             for _ in range(worker_metrics.MAX_METRICS_CONNECTIONS)]
