@@ -145,7 +145,8 @@ class ClusterConfig:
         return self.internal_host
 
     def tls_for(self, role: str) -> TlsConfig | None:
-        """The internal plane's TLS of ``role`` (router, prefill, decode, controller)."""
+        """The internal plane's TLS of component ``role`` (router, prefill, decode, controller,
+        elastic: ``pdserve.cluster.certs.COMPONENT_ROLES``)."""
         return dict(self.role_tls).get(role, self.tls)
 
     def worker_threads(self) -> int:
@@ -174,14 +175,15 @@ class ClusterConfig:
                       kv_transfer_backend=self.kv_transfer_backend, max_requests=self.worker_max_requests,
                       max_receive_bytes=self.max_receive_bytes, step_trace_dir=self.step_trace_dir,
                       otlp_traces_endpoint=self.otlp_traces_endpoint)
-        prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common)
-        if self.elastic_roles:  # both roles' settings, one process; its outbound calls are a decode worker's
+        if self.elastic_roles:  # both roles' settings, one process, one identity that holds both roles
             from pdserve.elastic_worker.worker import ElasticWorkerConfig
 
+            common["tls"] = self.tls_for("elastic")
             decode = DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
-                                        inject_transfer_delay_s=self.inject_transfer_delay_s,
-                                        **{**common, "tls": self.tls_for("decode")})
-            return ElasticWorkerConfig(prefill=prefill, decode=decode, role=role)
+                                        inject_transfer_delay_s=self.inject_transfer_delay_s, **common)
+            return ElasticWorkerConfig(prefill=PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common),
+                                       decode=decode, role=role)
+        prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common)
         if role == "prefill":
             return prefill
         return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,

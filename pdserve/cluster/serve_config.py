@@ -70,8 +70,9 @@ def _role_budget(v: dict[str, Any]):
 
 
 def _role_tls(v: dict[str, Any]) -> tuple:
-    """Each role's certificate from ``tls_dir`` (``pdserve.cluster.certs``'s layout); () without one."""
-    from pdserve.cluster.certs import COMPONENTS
+    """Each component's certificate from ``tls_dir`` (``pdserve.cluster.certs``'s layout, the
+    elastic workers' only with ``elastic_roles``), each checked to name its roles; () without one."""
+    from pdserve.cluster.certs import COMPONENT_ROLES
     from pdserve.wire import tls
 
     if not v["tls_dir"]:
@@ -79,8 +80,15 @@ def _role_tls(v: dict[str, Any]) -> tuple:
     if v["tls_cert"] or v["tls_key"] or v["tls_ca"]:
         raise tls.TlsConfigError("tls_dir and tls_cert/tls_key/tls_ca are both set; give one")
     d = Path(v["tls_dir"])
-    return tuple((role, tls.load(str(d / f"{role}.pem"), str(d / f"{role}.key"), str(d / "ca.pem"), prefix="tls"))
-                 for role in COMPONENTS)
+    out = []
+    for component, roles in COMPONENT_ROLES.items():
+        if component == "elastic" and not v["elastic_roles"]:
+            continue
+        config = tls.load(str(d / f"{component}.pem"), str(d / f"{component}.key"), str(d / "ca.pem"), prefix="tls")
+        for role in roles:
+            tls.check_role(config, role, f"tls_dir {d / component}.pem")
+        out.append((component, config))
+    return tuple(out)
 
 
 def _absolute(path: str | None) -> str | None:

@@ -117,7 +117,7 @@ class ObservedCluster:
         from pdserve.protos import admin_pb2, admin_pb2_grpc
         from pdserve.wire.grpc_util import channel
 
-        with channel(self.admin_address, self.config.tls) as ch:
+        with channel(self.admin_address, self.config.tls, peer="router") as ch:
             table = admin_pb2_grpc.RouterAdminStub(ch).GetMembership(admin_pb2.Membership(), timeout=2)
         return [m.address for m in table.members if POOL.get(m.role, m.role) == role]  # a mixed worker: decode
 
