@@ -155,3 +155,32 @@ def test_each_tenant_runs_under_its_own_salt_and_a_tenants_keys_share_it():
 
     a1, a2, b = asyncio.run(main())
     assert a1 == a2 == A.salt and b != a1 and b
+
+
+def test_an_http_request_is_its_tenants_too():
+    """An HTTP request (id from X-Request-Id) belongs to its tenant: another tenant's Abort of
+    that id finds nothing, its own tenant's (over gRPC) ends it."""
+    async def main():
+        async with Router() as router:
+            body = json.dumps({"prompt": [9, 6, 7], "max_tokens": 3, "stream": True}).encode()
+            headers = {"Authorization": f"Bearer {KEY_A}", "X-Request-Id": "http-id"}
+            async with aiohttp.ClientSession() as session:
+                async def stream() -> str:
+                    async with session.post(f"http://{router.http_address}/v1/completions", data=body,
+                                            headers=headers) as r:
+                        return await r.text()
+
+                http = asyncio.create_task(stream())
+                await router.wait_running(1)
+                async with router.channel() as ch:
+                    stub = pdserve_pb2_grpc.GenerationStub(ch)
+                    by_b = await stub.Abort(pdserve_pb2.AbortRequest(request_id="http-id"), metadata=auth(KEY_B),
+                                            timeout=5)
+                    by_a = await stub.Abort(pdserve_pb2.AbortRequest(request_id="http-id"), metadata=auth(KEY_A2),
+                                            timeout=5)
+                text = await asyncio.wait_for(http, 30)
+            return by_b.found, by_a.found, text
+
+    by_b, by_a, text = asyncio.run(main())
+    assert (by_b, by_a) == (False, True)  # old code: no one could abort an HTTP request by its id
+    assert '"finish_reason": "abort"' in text  # the stream ended, and says why
