@@ -84,12 +84,14 @@ def drive(workload: WorkloadSpec):
 
 
 @contextmanager
-def front_in_thread():
-    """The front in its own thread and loop, for a caller that runs its own (the CLI)."""
+def front_in_thread(start=None):
+    """The front (``start()``'s, default ``start_front``'s) in its own thread and loop, for a
+    caller that runs its own (the CLI)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    runner, address = asyncio.run_coroutine_threadsafe(start_front(FakeDecode(token_s=0.01)), loop).result(30)
+    start = start or (lambda: start_front(FakeDecode(token_s=0.01)))
+    runner, address = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
     try:
         yield address
     finally:
@@ -152,20 +154,11 @@ def test_cli_flood_mode_measures_one_tenant_alone_and_under_anothers_refused_flo
                                     keys=keys)
         return await http_api.start(service, "127.0.0.1", 0)
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner, address = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-    try:
+    with front_in_thread(start) as address:
         rc = loadgen_main(["--base-url", f"http://{address}", "-n", "6", "--concurrency", "2", "--prompt-len",
                            "fixed:6", "--output-len", "fixed:4", "--token-range", "3:900", "--out-dir", str(tmp_path),
                            "--no-progress", "--no-plot", "--api-key", measured, "--flood-api-key", flooder,
                            "--flood-concurrency", "4", "--flood-pause-s", "0.01"])
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
     doc = json.loads((tmp_path / "tenant_flood.json").read_text())
     assert rc == 0 and doc["alone"]["summary"]["completed"] == doc["flooded"]["summary"]["completed"] == 6
     assert doc["flood"]["refused"] > 0 and doc["flood"]["failed"] == 0  # past its limit: 429s, nothing else
