@@ -127,6 +127,13 @@ class TlsConfig:
             ctx.load_cert_chain(cert, key)
 
 
+def peer_roles(sock: ssl.SSLSocket) -> frozenset[str]:
+    """The roles the certificate of the peer of a verified ``ssl`` socket names as SAN URIs:
+    what a server that is not gRPC (the tcp KV block server) checks of its caller."""
+    sans = (sock.getpeercert() or {}).get("subjectAltName", ())
+    return frozenset(v[len(ROLE_URI_PREFIX):] for k, v in sans if k == "URI" and v.startswith(ROLE_URI_PREFIX))
+
+
 def check_role(config: TlsConfig | None, role: str, setting: str) -> TlsConfig | None:
     """``config``, if its certificate names ``role`` (the SAN URI ``role_uri(role)``); refused at
     start otherwise, where a certificate of an older layout would fail every call."""
