@@ -198,3 +198,41 @@ def test_only_the_controller_replaces_the_table_and_a_worker_joins_as_its_own_ro
     assert (out[("set", "decode")], out[("set", "prefill")], out[("set", "controller")]) == (DENIED, DENIED, OK)
     assert (out["join as prefill"], out["leave as prefill"], out["join as decode"]) == (DENIED, DENIED, OK)
     assert out["table"] == [("decode", "127.0.0.1:1")]  # the decode join replaced the controller's prefill entry
+
+
+def test_a_certificate_that_does_not_name_its_role_is_refused_at_start(tmp_path):
+    """`pdserve worker --role prefill` with a decode certificate, and a --tls-dir whose
+    certificates name no role (the layout before roles were SAN URIs), stop before anything
+    starts, naming the file. Old code started, and every call between the roles failed."""
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from pdserve.cluster.plain_process import internal_tls
+    from pdserve.cluster.serve_config import _role_tls
+
+    ca = make_ca(tmp_path)
+    decode = {name: issue(ca, tmp_path, name) for name in COMPONENTS}["decode"]
+    with pytest.raises(tls.TlsConfigError, match="names decode, not prefill"):
+        internal_tls({"tls_cert": str(decode.cert), "tls_key": str(decode.key), "tls_ca": str(ca.cert), "role": "prefill"})
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "ca.pem").write_bytes(ca.cert.read_bytes())
+    ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
+    for component in ("router", "prefill", "decode", "controller"):  # CN pdserve-<role>, DNS pdserve.internal
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, f"pdserve-{component}")])
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(ca_cert.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(ca_cert.not_valid_before_utc)
+                .not_valid_after(ca_cert.not_valid_after_utc)
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName("pdserve.internal")]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        (old / f"{component}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (old / f"{component}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    settings = {"tls_dir": str(old), "tls_cert": None, "tls_key": None, "tls_ca": None, "elastic_roles": False}
+    with pytest.raises(tls.TlsConfigError, match="router.pem: the certificate names no role"):
+        _role_tls(settings)
+    assert [c for c, _ in _role_tls({**settings, "tls_dir": str(tmp_path)})] == ["router", "prefill", "decode",
+                                                                                 "controller"]
