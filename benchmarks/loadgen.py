@@ -7,6 +7,7 @@ goodput (requests/s meeting both a TTFT and a TPOT SLO, DistServe's definition).
         --prompt-len chat-prompt --output-len chat-output:0.25          # bursty, long-tailed chat mix
     .venv/bin/python benchmarks/loadgen.py --concurrency 8 -n 48           # closed loop
     .venv/bin/python benchmarks/loadgen.py --shared-prefix 8:1500 --prompt-len uniform:16:48 --rate 1
+    .venv/bin/python benchmarks/loadgen.py --api-key "$KEY_B" --flood-api-key "$KEY_A" --rate 1 -n 32
 
 Arrivals: --rate R alone is Poisson (open loop, ``inf`` sends all at once); --burstiness K
 makes the gaps gamma with shape K and the same mean (K < 1 burstier, as vllm bench serve);
@@ -19,14 +20,22 @@ Prompts are random token ids from --token-range (exact lengths) or, with --text,
 same --seed gives the same prompts: a server with a prefix cache answers a repeated run from
 its cache, so give each run its own seed unless the cache is what you measure.
 
+--api-key sends a key (``Authorization: Bearer``). --flood-api-key KEY measures tenant
+isolation (docs/security.md#tenants; benchmarks/load/flood.py): the workload runs alone, then
+again while the tenant of KEY floods the server with --flood-concurrency clients (past its
+limits in the server's --api-keys-file), and the report gives the measured tenant's TTFT p50
+both ways, their ratio, and the flood's 429s.
+
 Writes --out-dir/loadgen.json (spec, summary, every request's record; times in seconds from
 the start, latencies in the summary in ms) and loadgen.png (TTFT / TPOT / ITL CDFs and output
-tokens per second).
+tokens per second); with --flood-api-key, tenant_flood.json (both runs and the flood's counts)
+and the plot of the run under the flood.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -36,7 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.load import (SLO, Arrivals, SharedPrefix, WorkloadError, WorkloadSpec,  # noqa: E402
                              parse_lengths, run)
+from benchmarks.load.flood import FloodSpec, isolation  # noqa: E402
 from benchmarks.load.report import plot, text, write_json  # noqa: E402
+from benchmarks.load.runner import json_safe  # noqa: E402
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -93,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / ".bench" / "loadgen")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--api-key", default=None, help="the key every request sends (Authorization: Bearer)")
+    ap.add_argument("--flood-api-key", default=None,
+                    help="measure tenant isolation: run alone, then under a flood from this key's tenant")
+    ap.add_argument("--flood-concurrency", type=int, default=32, help="the flood's clients (closed loop)")
+    ap.add_argument("--flood-pause-s", type=float, default=0.1, help="a flood client's wait after a 429")
     args = ap.parse_args(argv)
     if (args.slo_ttft_ms is None) != (args.slo_tpot_ms is None):
         ap.error("--slo-ttft-ms and --slo-tpot-ms go together (goodput needs both)")
@@ -103,11 +119,26 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_from_args(args, slo)
     except WorkloadError as exc:
         ap.error(str(exc))
-    results = run(spec, args.base_url, progress=not args.no_progress)
+    if args.flood_api_key:
+        return _isolation(args, spec)
+    results = run(spec, args.base_url, progress=not args.no_progress, api_key=args.api_key)
     print(text(results))
     out = write_json(results, args.out_dir / "loadgen.json")
     print(f"wrote {out}" + ("" if args.no_plot else f" and {plot(results, args.out_dir / 'loadgen.png')}"))
     return 0 if results.summary.failed == 0 else 1
+
+
+def _isolation(args, spec) -> int:
+    """--flood-api-key: the measured run alone and under the flood, compared."""
+    flooder = FloodSpec(args.flood_api_key, args.flood_concurrency, args.flood_pause_s)
+    result = isolation(spec, args.base_url, args.api_key, flooder, progress=not args.no_progress)
+    print(text(result.flooded))
+    print(result.text())
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / "tenant_flood.json"
+    out.write_text(json.dumps(json_safe(result.to_dict()), indent=1))
+    print(f"wrote {out}" + ("" if args.no_plot else f" and {plot(result.flooded, args.out_dir / 'loadgen.png')}"))
+    return 0 if result.alone.summary.failed == 0 and result.flooded.summary.failed == 0 else 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from typing import Awaitable, Callable
 
 import aiohttp
 from tqdm import tqdm
@@ -104,11 +105,16 @@ async def _closed_loop(spec, requests, send_one, bar) -> list[RequestRecord]:
     return records
 
 
-async def run_async(spec: WorkloadSpec, base_url: str, progress: bool = True) -> Results:
+async def run_async(spec: WorkloadSpec, base_url: str, progress: bool = True, api_key: str | None = None,
+                    during: Callable[[str, str], Awaitable[object]] | None = None) -> Results:
+    """``run``'s coroutine. ``api_key``: sent as ``Authorization: Bearer`` with every request.
+    ``during(base_url, model)``: a task that runs alongside the measured requests (after the
+    warm-up) and is cancelled when they end (benchmarks/load/flood.py)."""
     base_url = base_url.rstrip("/")
     url = f"{base_url}/v1/completions"
     connector = aiohttp.TCPConnector(limit=0)  # no client-side cap: the workload sets concurrency
-    async with aiohttp.ClientSession(connector=connector) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
         model = spec.model or await served_model(session, base_url)
         for req in build_warmup(spec):
             record = await send(session, url, payload(model, req, spec.ignore_eos), time.perf_counter(),
@@ -123,8 +129,14 @@ async def run_async(spec: WorkloadSpec, base_url: str, progress: bool = True) ->
 
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         loop = _open_loop if spec.arrivals.open_loop else _closed_loop
-        with tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, leave=False) as bar:
-            records = await loop(spec, requests, send_one, bar)
+        beside = asyncio.ensure_future(during(base_url, model)) if during is not None else None
+        try:
+            with tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, leave=False) as bar:
+                records = await loop(spec, requests, send_one, bar)
+        finally:
+            if beside is not None:
+                beside.cancel()
+                await asyncio.gather(beside, return_exceptions=True)
         duration = time.perf_counter() - t0
     return Results(spec, base_url, model, started, tuple(records), summarize(records, duration, spec.slo),
                    tuple(r.prefix for r in requests))
@@ -134,7 +146,7 @@ def build_warmup(spec: WorkloadSpec) -> list[Request]:
     return build_requests(spec, n=spec.warmup, seed_offset=WARMUP_SEED_OFFSET) if spec.warmup else []
 
 
-def run(spec: WorkloadSpec, base_url: str, progress: bool = True) -> Results:
+def run(spec: WorkloadSpec, base_url: str, progress: bool = True, api_key: str | None = None) -> Results:
     """Run ``spec`` against the OpenAI-compatible server at ``base_url`` (``http://host:port``,
     without ``/v1``) and return every request's record and the summary."""
-    return asyncio.run(run_async(spec, base_url, progress))
+    return asyncio.run(run_async(spec, base_url, progress, api_key))

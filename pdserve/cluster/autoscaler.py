@@ -166,7 +166,7 @@ def sample_pool(cluster, pool: str, now: float, latency: admin_pb2.LatencySummar
 def router_latency(cluster, window_s: float) -> admin_pb2.LatencySummary | None:
     """The router's TTFT and ITL p90 over the last ``window_s``; None if it cannot answer."""
     try:
-        with channel(cluster.admin_address, cluster.config.tls_for("controller")) as ch:
+        with channel(cluster.admin_address, cluster.config.tls_for("controller"), peer="router") as ch:
             return admin_pb2_grpc.RouterAdminStub(ch).GetLatency(admin_pb2.LatencyRequest(window_s=window_s), timeout=2)
     except grpc.RpcError as exc:
         log.warning("router latencies unavailable this round: %s", exc.code().name)

@@ -4,10 +4,12 @@
 
 writes ``DIR/ca.pem`` (and ``ca.key``, keep it off the cluster), and for each component
 ``DIR/<name>.pem`` + ``DIR/<name>.key``. Every component certificate is both a server and a
-client certificate, carries the DNS name ``pdserve.internal`` that internal channels check
-(``pdserve.wire.tls``), and has the common name ``pdserve-<component>``: its role on the internal
-plane, where each RPC accepts only the roles that need it (``pdserve.wire.internal_plane``).
-Then: ``pdserve serve --tls-dir DIR`` (each role its own identity).
+client certificate and names its roles twice (``pdserve.wire.tls``): as SAN URIs
+``spiffe://pdserve/<role>``, which a server reads to decide which RPCs the caller may make
+(``pdserve.wire.internal_plane``), and as DNS names ``<role>.pdserve.internal``, which a channel
+checks to know the server it reached serves the role it meant to call. A component has one
+role, but ``elastic`` (an elastic worker, which serves both pools' RPCs and changes between
+them in place) has two: prefill and decode. Then: ``pdserve serve --tls-dir DIR``.
 
 ``--public-names`` also makes ``public.pem``: a server-only certificate for the public API,
 without ``pdserve.internal`` and without clientAuth, so that whoever holds the ingress key
@@ -29,9 +31,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from pdserve.wire.tls import INTERNAL_SERVER_NAME
+from pdserve.wire.tls import role_name, role_uri
 
-COMPONENTS = ("router", "prefill", "decode", "controller")
+# Each component's roles on the internal plane (wire.internal_plane.ROLES).
+COMPONENT_ROLES = {"router": ("router",), "prefill": ("prefill",), "decode": ("decode",),
+                   "controller": ("controller",), "elastic": ("prefill", "decode")}
+COMPONENTS = tuple(COMPONENT_ROLES)
 
 
 @dataclass(frozen=True)
@@ -73,13 +78,17 @@ def make_ca(out: Path, days: int = 30, name: str = "pdserve test CA") -> Issued:
 def issue(ca: Issued, out: Path, component: str, days: int = 30, extra_names: tuple[str, ...] = (),
           public: bool = False) -> Issued:
     """A certificate for ``component`` signed by ``ca``, valid as server and client, naming
-    ``pdserve.internal`` and ``extra_names`` (host names or IPs). ``public``: a server-only
-    certificate naming ``extra_names`` alone (the public API's)."""
+    the component's roles (``COMPONENT_ROLES``; a name not listed there is one role of its own
+    name) and ``extra_names`` (host names or IPs). ``public``: a server-only certificate naming
+    ``extra_names`` alone (the public API's)."""
     ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
     ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    names: list[x509.GeneralName] = [] if public else [x509.DNSName(INTERNAL_SERVER_NAME)]
+    names: list[x509.GeneralName] = []
+    if not public:
+        for role in COMPONENT_ROLES.get(component, (component,)):
+            names += [x509.UniformResourceIdentifier(role_uri(role)), x509.DNSName(role_name(role))]
     for extra in extra_names:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(extra)))

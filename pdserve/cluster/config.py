@@ -17,6 +17,7 @@ from pdserve.cluster.placement import PoolPlacement
 from pdserve.cluster.settings import LEASE_SECONDS
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import DEFAULT_BACKEND
+from pdserve.router.auth import ApiKeys
 from pdserve.router.limits import RouterLimits
 from pdserve.router.tool_parsers import DEFAULT_PARSER
 from pdserve.wire.logs import LogConfig
@@ -50,6 +51,8 @@ class ClusterConfig:
     internal_host: str | None = None
     internal_advertise_host: str | None = None  # only for one node (NAT); None: the bound address
     api_key: str | None = field(default=None, repr=False)  # clients must send it (router.auth); None: open. Never printed
+    # Many keys, each naming its tenant with its limits (--api-keys-file; router.tenants); instead of api_key.
+    api_keys: ApiKeys | None = field(default=None, repr=False)
     tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls); None: plaintext
     # Each role's own identity on the internal plane (role -> its certificate, from
     # ``pdserve.cluster.certs``), so that each internal RPC accepts only the roles that need it
@@ -104,9 +107,11 @@ class ClusterConfig:
 
     def without_secrets(self) -> "ClusterConfig":
         """This config for whoever may read it (``Controller.config``, any Ray client): the API
-        key replaced by a marker that it is set, and no TLS private keys."""
+        key replaced by a marker that it is set, no digests of the keys file's keys, and no TLS
+        private keys."""
         return dataclasses.replace(
-            self, api_key=SECRET_SET if self.api_key is not None else None,
+            self, api_key=SECRET_SET if self.api_key is not None or self.api_keys is not None else None,
+            api_keys=None,
             tls=dataclasses.replace(self.tls, key_pem=b"") if self.tls is not None else None,
             public_tls=dataclasses.replace(self.public_tls, key_pem=b"") if self.public_tls is not None else None)
 
@@ -140,7 +145,8 @@ class ClusterConfig:
         return self.internal_host
 
     def tls_for(self, role: str) -> TlsConfig | None:
-        """The internal plane's TLS of ``role`` (router, prefill, decode, controller)."""
+        """The internal plane's TLS of component ``role`` (router, prefill, decode, controller,
+        elastic: ``pdserve.cluster.certs.COMPONENT_ROLES``)."""
         return dict(self.role_tls).get(role, self.tls)
 
     def worker_threads(self) -> int:
@@ -169,14 +175,15 @@ class ClusterConfig:
                       kv_transfer_backend=self.kv_transfer_backend, max_requests=self.worker_max_requests,
                       max_receive_bytes=self.max_receive_bytes, step_trace_dir=self.step_trace_dir,
                       otlp_traces_endpoint=self.otlp_traces_endpoint)
-        prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common)
-        if self.elastic_roles:  # both roles' settings, one process; its outbound calls are a decode worker's
+        if self.elastic_roles:  # both roles' settings, one process, one identity that holds both roles
             from pdserve.elastic_worker.worker import ElasticWorkerConfig
 
+            common["tls"] = self.tls_for("elastic")
             decode = DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
-                                        inject_transfer_delay_s=self.inject_transfer_delay_s,
-                                        **{**common, "tls": self.tls_for("decode")})
-            return ElasticWorkerConfig(prefill=prefill, decode=decode, role=role)
+                                        inject_transfer_delay_s=self.inject_transfer_delay_s, **common)
+            return ElasticWorkerConfig(prefill=PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common),
+                                       decode=decode, role=role)
+        prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common)
         if role == "prefill":
             return prefill
         return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
@@ -190,7 +197,7 @@ class ClusterConfig:
                             tokenizer=self.tokenizer, chat_template=self.chat_template,
                             tool_call_parser=self.tool_call_parser, host=self.host,
                             grpc_port=self.grpc_port, http_port=self.http_port, advertise_host=self.advertise_host,
-                            api_key=self.api_key, public_tls=self.public_tls, internal_host=self.internal_bind_host(),
+                            api_key=self.api_key, api_keys=self.api_keys, public_tls=self.public_tls, internal_host=self.internal_bind_host(),
                             internal_advertise_host=self.internal_advertise_host, tls=self.tls_for("router"),
                             insecure_internal=self.insecure_internal,
                             stats_interval_s=self.router_poll_s, hang_timeout_s=self.hang_timeout_s,

@@ -314,7 +314,7 @@ class LocalCluster:
         desired = self.autoscaler.desired() if self.autoscaler is not None else {}
         targets = {pool: policy.target for pool, policy in self.config.autoscaled_pools().items()}
         pressure = self.role_balancer.pressures() if self.role_balancer is not None else {}
-        with channel(self.admin_address, self.config.tls_for("controller")) as ch:
+        with channel(self.admin_address, self.config.tls_for("controller"), peer="router") as ch:
             admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
                 admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets,
                                      role_changes=role_changes, budget_pressure=pressure), timeout=10)

@@ -22,10 +22,11 @@ def engine_config(v: dict[str, Any]):
 
 
 def internal_tls(v: dict[str, Any]):
-    """The internal plane's certificate (``--tls-cert/--tls-key/--tls-ca``); None without one."""
+    """The internal plane's certificate (``--tls-cert/--tls-key/--tls-ca``), checked to name
+    the process's role; None without one."""
     from pdserve.wire import tls
 
-    return tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls")
+    return tls.check_role(tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls"), v["role"], "tls_cert")
 
 
 async def stop_signal() -> None:

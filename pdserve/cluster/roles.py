@@ -132,6 +132,6 @@ def _set_role(cluster, address: str, role: str, grace_s: float, reason: str):
     """The worker's ``SetRole`` RPC; its ``SetRoleResponse``, or the gRPC error."""
     from pdserve.protos import worker_pb2, worker_pb2_grpc
 
-    with channel(address, cluster.config.tls_for("controller")) as ch:
+    with channel(address, cluster.config.tls_for("controller"), peer=POOL[role]) as ch:
         return worker_pb2_grpc.ElasticWorkerStub(ch).SetRole(
             worker_pb2.SetRoleRequest(role=role, grace_s=grace_s, reason=reason), timeout=grace_s + 30)

@@ -111,7 +111,7 @@ def _wait_listed(cluster, role: str, address: str, deadline: float) -> None:
     from pdserve.protos import admin_pb2, admin_pb2_grpc
 
     while True:
-        with channel(cluster.admin_address, cluster.config.tls_for("controller")) as ch:
+        with channel(cluster.admin_address, cluster.config.tls_for("controller"), peer="router") as ch:
             table = admin_pb2_grpc.RouterAdminStub(ch).GetMembership(admin_pb2.Membership(), timeout=10)
         if any(m.role == role and m.address == address for m in table.members):
             return

@@ -29,11 +29,12 @@ def build(v: dict[str, Any]):
     from pdserve.cluster.autoscaling import from_mapping
     from pdserve.cluster.config import ClusterConfig, default_gpus
     from pdserve.cluster.mode import COLOCATED
-    from pdserve.router.auth import read_key
+    from pdserve.router.auth import read_keys
     from pdserve.wire import tls
     from pdserve.wire.logs import LogConfig
 
     _check_paths(v)
+    api_key, api_keys = read_keys(v["api_key"], v["api_key_file"], v["api_keys_file"])
     return ClusterConfig(
         engine=_engine(v), router_limits=_router_limits(v), mode=v["mode"],
         num_prefill=0 if v["mode"] == COLOCATED else v["prefill"], num_decode=v["decode"],
@@ -41,7 +42,7 @@ def build(v: dict[str, Any]):
         host=v["host"], grpc_port=v["grpc_port"], http_port=None if v["port"] < 0 else v["port"],
         advertise_host=v["advertise_host"], internal_host=v["internal_host"],
         internal_advertise_host=v["internal_advertise_host"],
-        api_key=read_key(v["api_key"], v["api_key_file"]),
+        api_key=api_key, api_keys=api_keys,
         tls=tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls"),
         role_tls=_role_tls(v), insecure_internal=v["insecure_internal"],
         public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"], prefix="public_tls",
@@ -69,8 +70,9 @@ def _role_budget(v: dict[str, Any]):
 
 
 def _role_tls(v: dict[str, Any]) -> tuple:
-    """Each role's certificate from ``tls_dir`` (``pdserve.cluster.certs``'s layout); () without one."""
-    from pdserve.cluster.certs import COMPONENTS
+    """Each component's certificate from ``tls_dir`` (``pdserve.cluster.certs``'s layout, the
+    elastic workers' only with ``elastic_roles``), each checked to name its roles; () without one."""
+    from pdserve.cluster.certs import COMPONENT_ROLES
     from pdserve.wire import tls
 
     if not v["tls_dir"]:
@@ -78,8 +80,15 @@ def _role_tls(v: dict[str, Any]) -> tuple:
     if v["tls_cert"] or v["tls_key"] or v["tls_ca"]:
         raise tls.TlsConfigError("tls_dir and tls_cert/tls_key/tls_ca are both set; give one")
     d = Path(v["tls_dir"])
-    return tuple((role, tls.load(str(d / f"{role}.pem"), str(d / f"{role}.key"), str(d / "ca.pem"), prefix="tls"))
-                 for role in COMPONENTS)
+    out = []
+    for component, roles in COMPONENT_ROLES.items():
+        if component == "elastic" and not v["elastic_roles"]:
+            continue
+        config = tls.load(str(d / f"{component}.pem"), str(d / f"{component}.key"), str(d / "ca.pem"), prefix="tls")
+        for role in roles:
+            tls.check_role(config, role, f"tls_dir {d / component}.pem")
+        out.append((component, config))
+    return tuple(out)
 
 
 def _absolute(path: str | None) -> str | None:

@@ -113,6 +113,9 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("internal_advertise_host", str, None, "internal address peers dial, if not the bound one (one node only)"),
         Setting("api_key", str, None, "clients must send 'Authorization: Bearer KEY' (prefer the variable or a file)"),
         Setting("api_key_file", str, None, "file holding the API key"),
+        Setting("api_keys_file", str, None,
+                "YAML or JSON file of API keys, each naming its tenant, with optional per-tenant limits "
+                "(docs/security.md#tenants); instead of --api-key"),
         Setting("tls_ca", str, None, "internal mTLS: CA that signs every component's certificate"),
         Setting("tls_cert", str, None, "internal mTLS: this cluster's component certificate (PEM)"),
         Setting("tls_key", str, None, "internal mTLS: its private key (PEM)"),

@@ -12,6 +12,7 @@ import ray
 
 from pdserve.cluster.round_loop import RoundLoop
 from pdserve.router.liveness import Liveness, is_hung, observe
+from pdserve.elastic_worker.roles import POOL
 from pdserve.wire.grpc_util import channel
 from pdserve.wire.tls import TlsConfig
 
@@ -136,7 +137,7 @@ def worker_stats(role: str, address: str, tls: TlsConfig | None, timeout_s: floa
 
     stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
     try:
-        with channel(address, tls) as ch:
+        with channel(address, tls, peer=POOL.get(role, role)) as ch:
             return stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=timeout_s)
     except grpc.RpcError:
         return None

@@ -2,10 +2,9 @@
 as a Kubernetes Deployment runs it (deploy/k8s/overlays/plain-k8s).
 
 A worker serves its role on the internal plane, then **joins** the router through
-``RouterAdmin`` on the router's internal address (``--router-admin``): it reads the
-membership and writes it back with itself added. It checks again every
-``--join-interval-seconds`` and joins anew if it is missing (a router restarted with an empty
-table, or a join lost to another worker's concurrent one). On SIGTERM it **leaves** the
+``RouterAdmin.Join`` on the router's internal address (``--router-admin``), under the role its
+certificate names. It joins again every ``--join-interval-seconds`` (a no-op while it is
+listed; a router restarted with an empty table lists it again). On SIGTERM it **leaves** the
 table first (the router stops sending it work), then drains: health turns NOT_SERVING,
 in-flight requests get up to ``--drain-grace-seconds``, then it exits 0.
 
@@ -41,7 +40,7 @@ ROLES = ("prefill", "decode", "router")
 
 _SHARED = ("model", "served_model_name", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
            "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "otlp_traces_endpoint", "host", "port", "grpc_port", "advertise_host",
-           "internal_host", "internal_advertise_host", "api_key", "api_key_file", "tls_ca", "tls_cert", "tls_key",
+           "internal_host", "internal_advertise_host", "api_key", "api_key_file", "api_keys_file", "tls_ca", "tls_cert", "tls_key",
            "insecure_internal", "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
            "routing_policy", "routing_prefill_weight", "routing_load_weight", "routing_temperature",
@@ -193,9 +192,8 @@ class Health:
 class Membership:
     """A worker's entry in the router's table, kept through ``RouterAdmin`` on the internal plane.
 
-    The table is replaced whole by ``SetMembership``; a join reads it and writes it back with
-    this worker added. Two workers joining at once can lose one entry: ``keep_joined`` finds
-    it missing on its next check and joins again."""
+    ``Join`` and ``Leave`` change this worker's entry alone, under the role its certificate
+    names (the router refuses any other, and only the controller may replace the table)."""
 
     def __init__(self, admin_address: str, tls, role: str, address: str, worker_id: str):
         from pdserve.protos import admin_pb2
@@ -206,18 +204,13 @@ class Membership:
 
     async def _update(self, present: bool, timeout_s: float = 5.0) -> bool:
         """Make this worker present in (or absent from) the table; True if it had to change."""
-        from pdserve.protos import admin_pb2, admin_pb2_grpc
+        from pdserve.protos import admin_pb2_grpc
         from pdserve.wire.grpc_util import aio_channel
 
-        async with aio_channel(self.admin_address, self.tls) as ch:
+        async with aio_channel(self.admin_address, self.tls, peer="router") as ch:
             stub = admin_pb2_grpc.RouterAdminStub(ch)
-            table = await stub.GetMembership(admin_pb2.Membership(), timeout=timeout_s)
-            others = [m for m in table.members if m.address != self.member.address]
-            if present == (len(others) < len(table.members)):
-                return False
-            members = [*others, self.member] if present else others
-            await stub.SetMembership(admin_pb2.Membership(members=members), timeout=timeout_s)
-            return True
+            ack = await (stub.Join if present else stub.Leave)(self.member, timeout=timeout_s)
+            return ack.changed
 
     async def join(self) -> bool:
         return await self._update(True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.elastic_worker.roles import POOL
 from pdserve.wire.grpc_util import channel
 
 log = logging.getLogger(__name__)
@@ -18,7 +19,7 @@ def drain_worker(role: str, address: str, tls, timeout_s: float) -> bool:
 
     stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
     deadline = time.monotonic() + timeout_s
-    with channel(address, tls) as ch:
+    with channel(address, tls, peer=POOL.get(role, role)) as ch:
         stub = stub_cls(ch)
         stats = stub.Drain(worker_pb2.DrainRequest(), timeout=10)
         while stats.num_in_flight:  # not running + waiting + held: those have a gap (worker.proto)

@@ -24,13 +24,14 @@ log = logging.getLogger(__name__)
 
 def router_config(v: dict[str, Any]):
     from pdserve.cluster.serve_config import _router_limits
-    from pdserve.router.auth import read_key
+    from pdserve.router.auth import read_keys
     from pdserve.router.server import RouterConfig
     from pdserve.wire import tls
 
+    api_key, api_keys = read_keys(v["api_key"], v["api_key_file"], v["api_keys_file"])
     return RouterConfig(engine=engine_config(v), host=v["host"], grpc_port=v["grpc_port"],
                         http_port=None if v["port"] < 0 else v["port"], advertise_host=v["advertise_host"],
-                        api_key=read_key(v["api_key"], v["api_key_file"]),
+                        api_key=api_key, api_keys=api_keys,
                         public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"],
                                             prefix="public_tls", require_ca=False),
                         internal_host=v["internal_host"], internal_port=v["internal_port"],
@@ -116,7 +117,7 @@ class ObservedCluster:
         from pdserve.protos import admin_pb2, admin_pb2_grpc
         from pdserve.wire.grpc_util import channel
 
-        with channel(self.admin_address, self.config.tls) as ch:
+        with channel(self.admin_address, self.config.tls, peer="router") as ch:
             table = admin_pb2_grpc.RouterAdminStub(ch).GetMembership(admin_pb2.Membership(), timeout=2)
         return [m.address for m in table.members if POOL.get(m.role, m.role) == role]  # a mixed worker: decode
 

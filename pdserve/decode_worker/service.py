@@ -44,7 +44,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._channels:
-            self._channels[address] = aio_channel(address, self.worker.config.tls)
+            self._channels[address] = aio_channel(address, self.worker.config.tls, peer="prefill")
         return worker_pb2_grpc.PrefillWorkerStub(self._channels[address])
 
     async def _peer(self, address: str, check_again: bool = False) -> str:

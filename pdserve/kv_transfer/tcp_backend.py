@@ -22,7 +22,7 @@ from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferReques
 from pdserve.kv_transfer.layout import block_bytes_view
 from pdserve.kv_transfer.read import TransferHandle, TransferState
 from pdserve.protos import kv_transfer_pb2
-from pdserve.wire.tls import TlsConfig
+from pdserve.wire.tls import TlsConfig, role_name
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class TcpAgent(KVTransferAgent):
         if self._client_ssl is None:
             return sock
         try:
-            return self._client_ssl.wrap_socket(sock, server_hostname=self._tls.server_name)
+            return self._client_ssl.wrap_socket(sock, server_hostname=role_name("prefill"))  # KV is held by prefill servers
         except BaseException:
             sock.close()
             raise

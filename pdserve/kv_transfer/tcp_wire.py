@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pdserve.wire.tls import peer_roles
+
 logger = logging.getLogger(__name__)
 
 READ_MAGIC = b"PDK3"  # PDK3: the notify (lease token) comes before the block ids
@@ -49,6 +51,7 @@ MAX_NOTIFY_BYTES = 1 << 16  # notifications are request ids, not payloads
 _IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per sendmsg/recvmsg_into
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its TLS handshake by then is dropped
 IO_TIMEOUT_S = 30.0  # a connection idle this long within one read or write is dropped
+READER_ROLE = "decode"  # with mTLS, only a certificate naming this role reads KV (wire.tls.role_uri)
 
 
 class ReadRefused(Exception):
@@ -205,6 +208,9 @@ class BlockServer:
             logger.info("tcp kv read refused: TLS handshake failed: %s", exc)
             return
         with tls_sock:
+            if READER_ROLE not in peer_roles(tls_sock):  # a cluster certificate, but not a KV reader's
+                logger.info("tcp kv read refused: the reader's certificate does not name the %s role", READER_ROLE)
+                return
             tls_sock.settimeout(self._io_timeout_s)
             self._serve(tls_sock)
 

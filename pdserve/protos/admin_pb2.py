@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/protos/admin.proto\x12\npdserve.v1\":\n\x06Member\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\xd3\x03\n\nMembership\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Member\x12\x45\n\x10\x64\x65sired_replicas\x18\x02 \x03(\x0b\x32+.pdserve.v1.Membership.DesiredReplicasEntry\x12\x41\n\x0esignal_targets\x18\x03 \x03(\x0b\x32).pdserve.v1.Membership.SignalTargetsEntry\x12,\n\x0crole_changes\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.RoleChange\x12\x43\n\x0f\x62udget_pressure\x18\x05 \x03(\x0b\x32*.pdserve.v1.Membership.BudgetPressureEntry\x1a\x36\n\x14\x44\x65siredReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x34\n\x12SignalTargetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13\x42udgetPressureEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9e\x01\n\nRoleChange\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tfrom_role\x18\x02 \x01(\t\x12\x0f\n\x07to_role\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x13\n\x0bhanded_over\x18\x06 \x01(\r\x12\x13\n\x0bleases_left\x18\x07 \x01(\r\x12\x10\n\x08kv_moved\x18\x08 \x01(\r\"@\n\rMembershipAck\x12\x17\n\x0fprefill_workers\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x02 \x01(\r\"\"\n\x0eLatencyRequest\x12\x10\n\x08window_s\x18\x01 \x01(\x01\"\x85\x01\n\x0eLatencySummary\x12\x17\n\nttft_p90_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\titl_p90_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\nttft_count\x18\x03 \x01(\r\x12\x11\n\titl_count\x18\x04 \x01(\rB\r\n\x0b_ttft_p90_sB\x0c\n\n_itl_p90_s2\xd8\x01\n\x0bRouterAdmin\x12\x42\n\rSetMembership\x12\x16.pdserve.v1.Membership\x1a\x19.pdserve.v1.MembershipAck\x12?\n\rGetMembership\x12\x16.pdserve.v1.Membership\x1a\x16.pdserve.v1.Membership\x12\x44\n\nGetLatency\x12\x1a.pdserve.v1.LatencyRequest\x1a\x1a.pdserve.v1.LatencySummaryb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/protos/admin.proto\x12\npdserve.v1\":\n\x06Member\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\xd3\x03\n\nMembership\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Member\x12\x45\n\x10\x64\x65sired_replicas\x18\x02 \x03(\x0b\x32+.pdserve.v1.Membership.DesiredReplicasEntry\x12\x41\n\x0esignal_targets\x18\x03 \x03(\x0b\x32).pdserve.v1.Membership.SignalTargetsEntry\x12,\n\x0crole_changes\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.RoleChange\x12\x43\n\x0f\x62udget_pressure\x18\x05 \x03(\x0b\x32*.pdserve.v1.Membership.BudgetPressureEntry\x1a\x36\n\x14\x44\x65siredReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x34\n\x12SignalTargetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13\x42udgetPressureEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9e\x01\n\nRoleChange\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tfrom_role\x18\x02 \x01(\t\x12\x0f\n\x07to_role\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x13\n\x0bhanded_over\x18\x06 \x01(\r\x12\x13\n\x0bleases_left\x18\x07 \x01(\r\x12\x10\n\x08kv_moved\x18\x08 \x01(\r\"@\n\rMembershipAck\x12\x17\n\x0fprefill_workers\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x02 \x01(\r\"\x1a\n\x07JoinAck\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\"\"\n\x0eLatencyRequest\x12\x10\n\x08window_s\x18\x01 \x01(\x01\"\x85\x01\n\x0eLatencySummary\x12\x17\n\nttft_p90_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\titl_p90_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\nttft_count\x18\x03 \x01(\r\x12\x11\n\titl_count\x18\x04 \x01(\rB\r\n\x0b_ttft_p90_sB\x0c\n\n_itl_p90_s2\xbb\x02\n\x0bRouterAdmin\x12\x42\n\rSetMembership\x12\x16.pdserve.v1.Membership\x1a\x19.pdserve.v1.MembershipAck\x12/\n\x04Join\x12\x12.pdserve.v1.Member\x1a\x13.pdserve.v1.JoinAck\x12\x30\n\x05Leave\x12\x12.pdserve.v1.Member\x1a\x13.pdserve.v1.JoinAck\x12?\n\rGetMembership\x12\x16.pdserve.v1.Membership\x1a\x16.pdserve.v1.Membership\x12\x44\n\nGetLatency\x12\x1a.pdserve.v1.LatencyRequest\x1a\x1a.pdserve.v1.LatencySummaryb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,10 +51,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLECHANGE']._serialized_end=731
   _globals['_MEMBERSHIPACK']._serialized_start=733
   _globals['_MEMBERSHIPACK']._serialized_end=797
-  _globals['_LATENCYREQUEST']._serialized_start=799
-  _globals['_LATENCYREQUEST']._serialized_end=833
-  _globals['_LATENCYSUMMARY']._serialized_start=836
-  _globals['_LATENCYSUMMARY']._serialized_end=969
-  _globals['_ROUTERADMIN']._serialized_start=972
-  _globals['_ROUTERADMIN']._serialized_end=1188
+  _globals['_JOINACK']._serialized_start=799
+  _globals['_JOINACK']._serialized_end=825
+  _globals['_LATENCYREQUEST']._serialized_start=827
+  _globals['_LATENCYREQUEST']._serialized_end=861
+  _globals['_LATENCYSUMMARY']._serialized_start=864
+  _globals['_LATENCYSUMMARY']._serialized_end=997
+  _globals['_ROUTERADMIN']._serialized_start=1000
+  _globals['_ROUTERADMIN']._serialized_end=1315
 # @@protoc_insertion_point(module_scope)

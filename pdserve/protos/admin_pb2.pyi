@@ -79,6 +79,12 @@ class MembershipAck(_message.Message):
     decode_workers: int
     def __init__(self, prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
 
+class JoinAck(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: bool
+    def __init__(self, changed: _Optional[bool] = ...) -> None: ...
+
 class LatencyRequest(_message.Message):
     __slots__ = ("window_s",)
     WINDOW_S_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,16 @@ class RouterAdminStub:
                 request_serializer=pdserve_dot_protos_dot_admin__pb2.Membership.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_admin__pb2.MembershipAck.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/pdserve.v1.RouterAdmin/Join',
+                request_serializer=pdserve_dot_protos_dot_admin__pb2.Member.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_admin__pb2.JoinAck.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/pdserve.v1.RouterAdmin/Leave',
+                request_serializer=pdserve_dot_protos_dot_admin__pb2.Member.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_admin__pb2.JoinAck.FromString,
+                _registered_method=True)
         self.GetMembership = channel.unary_unary(
                 '/pdserve.v1.RouterAdmin/GetMembership',
                 request_serializer=pdserve_dot_protos_dot_admin__pb2.Membership.SerializeToString,
@@ -58,6 +68,20 @@ class RouterAdminServicer:
         """Replaces the router's routing table: workers not listed stop receiving new requests at
         once (requests already on them finish or fail over as usual).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Join(self, request, context):
+        """A plain-process worker (pdserve worker) adds itself to the table, or takes itself out:
+        one member, under the role its certificate names; the rest of the table is left alone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -82,6 +106,16 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.SetMembership,
                     request_deserializer=pdserve_dot_protos_dot_admin__pb2.Membership.FromString,
                     response_serializer=pdserve_dot_protos_dot_admin__pb2.MembershipAck.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=pdserve_dot_protos_dot_admin__pb2.Member.FromString,
+                    response_serializer=pdserve_dot_protos_dot_admin__pb2.JoinAck.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=pdserve_dot_protos_dot_admin__pb2.Member.FromString,
+                    response_serializer=pdserve_dot_protos_dot_admin__pb2.JoinAck.SerializeToString,
             ),
             'GetMembership': grpc.unary_unary_rpc_method_handler(
                     servicer.GetMembership,
@@ -121,6 +155,60 @@ class RouterAdmin:
             '/pdserve.v1.RouterAdmin/SetMembership',
             pdserve_dot_protos_dot_admin__pb2.Membership.SerializeToString,
             pdserve_dot_protos_dot_admin__pb2.MembershipAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterAdmin/Join',
+            pdserve_dot_protos_dot_admin__pb2.Member.SerializeToString,
+            pdserve_dot_protos_dot_admin__pb2.JoinAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterAdmin/Leave',
+            pdserve_dot_protos_dot_admin__pb2.Member.SerializeToString,
+            pdserve_dot_protos_dot_admin__pb2.JoinAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,7 +80,8 @@ class OpenAIFront:
 
     def _error(self, exc: Exception) -> web.Response:
         err = as_http_error(exc)
-        return error_response(err.status, str(err), err.kind, err.param, self.service.limits.retry_after_s)
+        retry_s = self.service.retry_after_s(exc) if isinstance(exc, RouteError) else self.service.limits.retry_after_s
+        return error_response(err.status, str(err), err.kind, err.param, retry_s)
 
     async def _raw(self, request: web.Request, max_bytes: int | None = None, limit_name: str = "max_body_bytes") -> bytes:
         """The body, read within ``max_bytes`` (default ``max_body_bytes``; a declared length
@@ -134,9 +135,10 @@ class OpenAIFront:
                                   tools=ToolOutput(options.tools, parser) if options.tools is not None else None))
         # Without max_tokens, chat runs to the rest of the context and completions stop at 16
         # (wire.convert.DEFAULT_MAX_TOKENS), as in OpenAI's API and vLLM.
-        auth = request.headers.get("Authorization")  # its key salts the prefix cache (router.cache_salt)
+        # The key's tenant (router.auth) salts, owns and admits the request.
+        tenant = self.service.tenant_of(request.headers.get("Authorization"))
         headers = request.headers if tracing.enabled() else None  # a traceparent the trace continues
-        streams = [self.service.run(req, timeout_s, max_tokens_to_context=chat, authorization=auth,
+        streams = [self.service.run(req, timeout_s, max_tokens_to_context=chat, tenant=tenant,
                                     trace_headers=headers) for req in reqs]
         queue: asyncio.Queue = asyncio.Queue()
         # One task iterates each choice's stream from start to end: the router's Abort cancels
@@ -266,7 +268,9 @@ class OpenAIFront:
     async def _tokenizer_call(self, request: web.Request, job, limit: tuple[int | None, str] = (None, "")) -> web.Response:
         """``job(body)`` -> JSON text, run as a request admitted to the tokenizer queue."""
         try:
-            return web.json_response(text=await self.service.client_job(job, await self._raw(request, *limit)))
+            body = await self._raw(request, *limit)
+            tenant = self.service.tenant_of(request.headers.get("Authorization"))
+            return web.json_response(text=await self.service.client_job(job, body, tenant=tenant))
         except (HttpError, InvalidRequestError, RouteError) as exc:
             return self._error(exc)
 
@@ -359,14 +363,14 @@ async def _write(response: web.StreamResponse, data: bytes, idle_s: float) -> No
         raise ConnectionResetError(f"the client read nothing for stream_idle_timeout_s={idle_s:g}") from None
 
 
-async def start(service: GenerationService, host: str | Endpoint, port: int, *, api_key: str | None = None,
-                tls: TlsConfig | None = None) -> tuple[web.AppRunner, str]:
-    """Serve the front on ``host:port`` (0: any free port), behind ``api_key`` (``pdserve.router.auth``)
-    and over HTTPS with ``tls``; returns the runner and the advertised address."""
+async def start(service: GenerationService, host: str | Endpoint, port: int, *, tls: TlsConfig | None = None
+                ) -> tuple[web.AppRunner, str]:
+    """Serve the front on ``host:port`` (0: any free port), behind the service's API keys
+    (``pdserve.router.auth``) and over HTTPS with ``tls``; returns the runner and the advertised address."""
     endpoint = host if isinstance(host, Endpoint) else resolve(host)
     app = OpenAIFront(service).app()
-    if api_key:
-        app.middlewares.append(auth.http_middleware(api_key))
+    if service.keys is not None:
+        app.middlewares.append(auth.http_middleware(service.keys))
     # handler_cancellation: a client that disconnects cancels its handler (aiohttp's default
     # since 3.9 is to let it run on), so its request stops using the workers at once.
     # keepalive_timeout: aiohttp closes a connection that has not completed a request's

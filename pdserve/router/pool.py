@@ -129,7 +129,7 @@ class WorkerPool:
 
     def add(self, role: str, address: str) -> WorkerClient:
         if address not in self.workers:
-            channel = aio_channel(address, self.tls)
+            channel = aio_channel(address, self.tls, peer=POOL_OF.get(role, role))
             stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
             self.workers[address] = WorkerClient(role, address, channel, stub)
         return self.workers[address]

@@ -18,7 +18,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import admin_pb2_grpc, pdserve_pb2
 from pdserve.router import http_api, loop_lag, tool_parsers
 from pdserve.router.admin import RouterAdminService
-from pdserve.router.auth import ApiKeyInterceptor
+from pdserve.router.auth import ApiKeyInterceptor, ApiKeys
 from pdserve.router.frontend import ModelInfo
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import POOLS, WorkerPool
@@ -54,6 +54,8 @@ class RouterConfig:
     http_port: int | None = 8000  # OpenAI-compatible HTTP; None: gRPC only
     advertise_host: str | None = None  # the public address to report; None: from host (wire.address)
     api_key: str | None = field(default=None, repr=False)  # required on the public plane when set (router.auth); never printed
+    # Many keys, each naming its tenant (--api-keys-file; router.tenants); instead of api_key.
+    api_keys: ApiKeys | None = field(default=None, repr=False)
     public_tls: TlsConfig | None = None  # TLS on the public gRPC and HTTP ports; with a CA, client certs too
     internal_host: str | None = "127.0.0.1"  # internal plane (RouterAdmin) bind; None: the node's IP
     internal_port: int = 0
@@ -104,9 +106,10 @@ async def start(config: RouterConfig) -> RunningRouter:
     for address in config.decode_addresses:
         pool.add("decode", address)
     await pool.start()
-    service = GenerationService(model, pool, config.limits, salt_by_api_key=config.api_key is not None)
+    keys = config.api_keys or (ApiKeys.single(config.api_key) if config.api_key else None)
+    service = GenerationService(model, pool, config.limits, keys=keys)
     public = resolve(config.host, config.advertise_host)
-    server = aio_server([ApiKeyInterceptor(config.api_key)] if config.api_key else (),
+    server = aio_server([ApiKeyInterceptor(keys)] if keys is not None else (),
                         max_receive_bytes=max(config.max_receive_bytes, 2 * config.limits.requests.max_body_bytes))
     address = bind(server, public, config.grpc_port, config.public_tls)
     service.add_to(server)  # raw-bytes deserializers: garbage is INVALID_ARGUMENT, not UNKNOWN
@@ -124,8 +127,7 @@ async def start(config: RouterConfig) -> RunningRouter:
     running = RunningRouter(address, server, health, [lambda: internal.stop(1.0), pool.close], service,
                             internal_address=internal_address)
     if config.http_port is not None:
-        runner, running.http_address = await http_api.start(service, public, config.http_port,
-                                                            api_key=config.api_key, tls=config.public_tls)
+        runner, running.http_address = await http_api.start(service, public, config.http_port, tls=config.public_tls)
         running.on_stop.insert(0, runner.cleanup)
         running.http_runner = runner
     detach(_track_health(service, health))

@@ -27,7 +27,8 @@ async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, s
     tracing.configure(config.otlp_traces_endpoint, worker.role, config.worker_id)
     worker.start()
     metrics = serve_worker(worker.endpoint, config.metrics_port, WorkerSource(
-        worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size, config.model_name))
+        worker.role, config.worker_id, worker.stats, worker.engine.blocks.block_size, config.model_name),
+        tls=config.tls, insecure_internal=config.insecure_internal)
     running = await start_server(worker.endpoint, config.port,
                                  lambda server, address: register(server, address, metrics.address),
                                  service, [metrics.stop, worker.stop], tls=config.tls,

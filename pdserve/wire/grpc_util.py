@@ -44,18 +44,26 @@ def aio_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                            interceptors=list(interceptors) or None)
 
 
-def aio_channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
-    """A channel to an internal server: mTLS with ``tls``, plaintext without."""
+def aio_channel(address: str, tls: TlsConfig | None = None, *, peer: str | None = None) -> grpc.aio.Channel:
+    """A channel to an internal server of role ``peer`` (``pdserve.wire.internal_plane.ROLES``):
+    mTLS with ``tls``, where the handshake fails unless the server's certificate names that
+    role; plaintext without."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=OPTIONS)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=OPTIONS + tls.channel_options())
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=OPTIONS + _peer_options(tls, peer))
 
 
-def channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
+def channel(address: str, tls: TlsConfig | None = None, *, peer: str | None = None) -> grpc.Channel:
     """The blocking twin of ``aio_channel`` (the controller's threads)."""
     if tls is None:
         return grpc.insecure_channel(address, options=OPTIONS)
-    return grpc.secure_channel(address, tls.channel_credentials(), options=OPTIONS + tls.channel_options())
+    return grpc.secure_channel(address, tls.channel_credentials(), options=OPTIONS + _peer_options(tls, peer))
+
+
+def _peer_options(tls: TlsConfig, peer: str | None) -> list[tuple[str, str]]:
+    if peer is None:  # a programming error: every mTLS channel knows whom it calls
+        raise ValueError("an mTLS channel names the role of the server it calls (peer=...)")
+    return tls.channel_options(peer)
 
 
 def bind(server: grpc.aio.Server, host: str | Endpoint | None, port: int, tls: TlsConfig | None = None) -> str:

@@ -6,14 +6,19 @@ hand out the layout of every cache. So:
 
 - ``check_bind``: an internal server binds a non-loopback address only with mTLS (a CA that
   client certificates must chain to), unless the operator says ``--insecure-internal``.
-- ``RoleInterceptor``: each caller's certificate names its role (``pdserve.cluster.certs`` issues
-  common names ``pdserve-<role>``), and each internal RPC accepts only the roles that need it
-  (``ALLOWED``); anyone else is PERMISSION_DENIED naming the method and the roles. A caller
-  without a certificate exists only on a plane without mTLS (loopback, or insecure by choice),
-  where roles cannot be told apart and are not checked.
+- ``RoleInterceptor``: each caller's certificate names its roles (SAN URIs
+  ``spiffe://pdserve/<role>``, ``pdserve.wire.tls.certificate_roles``), and each internal RPC
+  accepts only the roles that need it (``ALLOWED``); anyone else is PERMISSION_DENIED naming
+  the method and the roles. A method not listed is refused to everyone, and handlers that
+  take a stream of requests are checked like the rest. A caller without a certificate exists
+  only on a plane without mTLS (loopback, or insecure by choice), where roles cannot be told
+  apart and are not checked (an unlisted method is refused there too).
+- The other end: a channel checks the server it reached holds the role it meant to call
+  (``pdserve.wire.grpc_util.aio_channel``'s ``peer``), so a decode worker's certificate cannot
+  serve as a prefill worker, nor a worker's as the router's admin.
 
-The same interceptor decodes every internal request itself: grpc.aio answers a message its
-deserializer cannot read with UNKNOWN; garbage must be INVALID_ARGUMENT.
+The same interceptor decodes every unary internal request itself: grpc.aio answers a message
+its deserializer cannot read with UNKNOWN; garbage must be INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -24,18 +29,21 @@ import inspect
 import grpc
 from google.protobuf.message import DecodeError
 
-from pdserve.wire.tls import TlsConfig
+from pdserve.wire.tls import TlsConfig, certificate_roles
 
 ROLES = ("router", "prefill", "decode", "controller")
-ROLE_PREFIX = "pdserve-"  # a certificate's common name: pdserve-<role>
 _WILDCARDS = ("", "0.0.0.0", "::")
 
 _ADMIN, _PREFILL, _DECODE = "/pdserve.v1.RouterAdmin/", "/pdserve.v1.PrefillWorker/", "/pdserve.v1.DecodeWorker/"
+_HEALTH = "/grpc.health.v1.Health/"
 ALLOWED: dict[str, frozenset[str]] = {
-    # The controller owns the routing table; plain-process workers (pdserve/cluster/worker_cli.py)
-    # register themselves, and a plain router reads it (pdserve/cluster/worker_router.py).
-    _ADMIN + "SetMembership": frozenset({"controller", "prefill", "decode"}),
-    _ADMIN + "GetMembership": frozenset({"controller", "prefill", "decode", "router"}),
+    # The controller owns the routing table, and replaces it whole. A plain-process worker
+    # (pdserve/cluster/worker_cli.py) adds or takes out itself alone, under the role its
+    # certificate names (router/admin.py); a plain router reads the table (cluster/worker_router.py).
+    _ADMIN + "SetMembership": frozenset({"controller"}),
+    _ADMIN + "Join": frozenset({"prefill", "decode"}),
+    _ADMIN + "Leave": frozenset({"prefill", "decode"}),
+    _ADMIN + "GetMembership": frozenset({"controller", "router"}),
     _ADMIN + "GetLatency": frozenset({"controller", "router"}),  # a plain router observes itself (worker_router)
     _PREFILL + "Prefill": frozenset({"router"}),
     _PREFILL + "PrefillStream": frozenset({"router"}),
@@ -51,6 +59,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     _DECODE + "Stats": frozenset({"router", "controller"}),
     _DECODE + "Drain": frozenset({"controller"}),
     "/pdserve.v1.ElasticWorker/SetRole": frozenset({"controller"}),
+    # Every internal server's health: any component may ask (probes go to the plain HTTP port).
+    _HEALTH + "Check": frozenset(ROLES),
+    _HEALTH + "Watch": frozenset(ROLES),
+    _HEALTH + "List": frozenset(ROLES),
 }
 
 
@@ -80,35 +92,44 @@ def check_bind(host: str, tls: TlsConfig | None, insecure_internal: bool, what: 
         f"(python -m pdserve.cluster.certs makes them), bind a loopback address, or pass --insecure-internal")
 
 
-def peer_role(context: grpc.aio.ServicerContext) -> str | None:
-    """The role the caller's certificate names, "" for a certificate that names none, None for
-    a caller without a certificate."""
-    names = context.auth_context().get("x509_common_name")
-    if not names:
-        return None if not context.peer_identities() else ""
-    name = names[0].decode(errors="replace")
-    role = name[len(ROLE_PREFIX):] if name.startswith(ROLE_PREFIX) else ""
-    return role if role in ROLES else ""
+def peer_roles(context: grpc.aio.ServicerContext) -> frozenset[str] | None:
+    """The roles the caller's certificate names (empty for a certificate that names none),
+    None for a caller without a certificate."""
+    pems = context.auth_context().get("x509_pem_cert")
+    if not pems:
+        return None if not context.peer_identities() else frozenset()
+    return certificate_roles(pems[0]) & frozenset(ROLES)
 
 
-def refusal(method: str, role: str | None) -> str | None:
-    """Why a caller of ``role`` may not call ``method``; None if it may."""
+def refusal(method: str, roles: frozenset[str] | None) -> str | None:
+    """Why a caller holding ``roles`` (None: no certificate) may not call ``method``; None if it may."""
     allowed = ALLOWED.get(method)
-    if allowed is None or role is None or role in allowed:
+    if allowed is None:
+        return f"{method} is not an RPC of the internal plane (wire.internal_plane.ALLOWED lists them)"
+    if roles is None or roles & allowed:
         return None
-    who = f"role {role!r}" if role else "a certificate that names no pdserve role"
+    who = f"roles {', '.join(sorted(roles))}" if roles else "a certificate that names no pdserve role"
     return f"{method} accepts only {', '.join(sorted(allowed))}; the caller presented {who}"
 
 
 class RoleInterceptor(grpc.aio.ServerInterceptor):
-    """PERMISSION_DENIED for an internal RPC whose caller's role is not in ``ALLOWED``, and
-    INVALID_ARGUMENT for a request that is not its message (unary requests)."""
+    """PERMISSION_DENIED for an internal RPC whose caller's role is not in ``ALLOWED`` (or that
+    is not listed at all), whatever the shape of its handler, and INVALID_ARGUMENT for a unary
+    request that is not its message."""
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or not (handler.unary_unary or handler.unary_stream):
-            return handler
-        return _guarded(handler, details.method)
+        if handler is None:
+            return None
+        if handler.unary_unary or handler.unary_stream:
+            return _guarded(handler, details.method)
+        return _guarded_streaming_request(handler, details.method)
+
+
+async def _check_role(method: str, context) -> None:
+    reason = refusal(method, peer_roles(context))
+    if reason is not None:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
 
 
 def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
@@ -116,9 +137,7 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
     decode = handler.request_deserializer
 
     async def check(raw: bytes, context):
-        reason = refusal(method, peer_role(context))
-        if reason is not None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+        await _check_role(method, context)
         if decode is None:
             return raw
         try:
@@ -132,16 +151,8 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
 
         async def streaming(raw, context):
             request = await check(raw, context)
-            result = inner(request, context)
-            if hasattr(result, "__aiter__"):
-                try:
-                    async for item in result:
-                        yield item
-                finally:  # closed early (the client went): the servicer's own cleanup runs now
-                    await result.aclose()
-            else:
-                for item in result:
-                    yield item
+            async for item in _items(inner(request, context)):
+                yield item
 
         return grpc.unary_stream_rpc_method_handler(streaming, **codec)
     inner = handler.unary_unary
@@ -152,3 +163,41 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
         return await result if inspect.isawaitable(result) else result
 
     return grpc.unary_unary_rpc_method_handler(unary, **codec)
+
+
+def _guarded_streaming_request(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """A handler that takes a stream of requests, with the role check before its behaviour
+    reads any (gRPC decodes each as it comes, with the handler's own deserializer)."""
+    codec = {"request_deserializer": handler.request_deserializer,
+             "response_serializer": handler.response_serializer}
+    if handler.stream_stream:
+        inner = handler.stream_stream
+
+        async def bidi(requests, context):
+            await _check_role(method, context)
+            async for item in _items(inner(requests, context)):
+                yield item
+
+        return grpc.stream_stream_rpc_method_handler(bidi, **codec)
+    inner = handler.stream_unary
+
+    async def client_streaming(requests, context):
+        await _check_role(method, context)
+        result = inner(requests, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return grpc.stream_unary_rpc_method_handler(client_streaming, **codec)
+
+
+async def _items(result):
+    """The responses of a streaming behaviour, async or not; one closed early (the client
+    went) runs its own cleanup at once."""
+    if hasattr(result, "__aiter__"):
+        try:
+            async for item in result:
+                yield item
+        finally:
+            await result.aclose()
+    else:
+        for item in result:
+            yield item

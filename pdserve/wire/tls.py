@@ -7,9 +7,12 @@ Two uses:
   every worker) asks for a client certificate signed by ``ca`` and refuses a connection
   without one; every internal channel presents ``cert`` and checks the server against ``ca``.
   Internal servers sit at addresses only known at run time (Ray picks the node, the port is
-  free-picked), so certificates do not name addresses: every internal certificate carries the
-  DNS name ``server_name`` (``pdserve.internal``), and channels check that name
-  (``grpc.ssl_target_name_override``). Trust is "signed by the cluster's CA", nothing else.
+  free-picked), so certificates do not name addresses but roles: each role a certificate
+  holds as a SAN URI ``spiffe://pdserve/<role>`` (``role_uri``; what a server checks of its
+  caller, ``certificate_roles``) and as a DNS name ``<role>.pdserve.internal`` (``role_name``;
+  what a channel checks of the server it reached, ``grpc.ssl_target_name_override``). So a
+  channel to a prefill worker fails its handshake with any server that is not one, whoever
+  signed its certificate.
 - **Public plane (TLS).** ``TlsConfig(cert, key, ca=None)``: a server certificate for the public
   gRPC and HTTP ports; with ``ca`` set, clients must present a certificate signed by it.
 
@@ -24,6 +27,7 @@ per-component certificates.
 
 from __future__ import annotations
 
+import functools
 import ssl
 import tempfile
 from dataclasses import dataclass
@@ -31,7 +35,33 @@ from pathlib import Path
 
 import grpc
 
-INTERNAL_SERVER_NAME = "pdserve.internal"
+INTERNAL_DOMAIN = "pdserve.internal"
+ROLE_URI_PREFIX = "spiffe://pdserve/"
+
+
+def role_name(role: str) -> str:
+    """The DNS name a certificate of ``role`` carries, and a channel to ``role`` checks."""
+    return f"{role}.{INTERNAL_DOMAIN}"
+
+
+def role_uri(role: str) -> str:
+    """The SAN URI that names ``role`` in a certificate, which servers read of their callers."""
+    return ROLE_URI_PREFIX + role
+
+
+@functools.lru_cache(maxsize=256)
+def certificate_roles(pem: bytes) -> frozenset[str]:
+    """The roles a PEM certificate names as SAN URIs (``role_uri``); none for one that names none.
+    Cached: a server reads its callers' few certificates at every call."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return frozenset()
+    uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+    return frozenset(u[len(ROLE_URI_PREFIX):] for u in uris if u.startswith(ROLE_URI_PREFIX))
 
 
 class TlsConfigError(ValueError):
@@ -43,10 +73,9 @@ class TlsConfig:
     cert_pem: bytes  # this component's certificate chain
     key_pem: bytes = b""
     ca_pem: bytes | None = None  # peers must be signed by this; None (public plane only): no client certs
-    server_name: str = INTERNAL_SERVER_NAME  # the name channels check in the server's certificate
 
     def __repr__(self) -> str:  # never print the key
-        return f"TlsConfig(server_name={self.server_name!r}, client_certs={self.ca_pem is not None})"
+        return f"TlsConfig(roles={sorted(certificate_roles(self.cert_pem))}, client_certs={self.ca_pem is not None})"
 
     @property
     def requires_client_cert(self) -> bool:
@@ -62,8 +91,9 @@ class TlsConfig:
         return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
                                             certificate_chain=self.cert_pem)
 
-    def channel_options(self) -> list[tuple[str, str]]:
-        return [("grpc.ssl_target_name_override", self.server_name)]
+    def channel_options(self, peer: str) -> list[tuple[str, str]]:
+        """A channel's options to a server of role ``peer``: its certificate must name it."""
+        return [("grpc.ssl_target_name_override", role_name(peer))]
 
     def server_context(self) -> ssl.SSLContext:
         """An ``ssl`` server context with the same certificate and the same rule as
@@ -81,7 +111,7 @@ class TlsConfig:
     def client_context(self) -> ssl.SSLContext:
         """An ``ssl`` client context with the rules of ``channel_credentials``: present
         ``cert``, trust only servers signed by the CA; wrap sockets with
-        ``server_hostname=server_name``. For the tcp KV reader."""
+        ``server_hostname=role_name(<the role expected>)``. For the tcp KV reader."""
         if self.ca_pem is None:
             raise TlsConfigError("tls_ca must be set: an internal client trusts only the cluster's CA")
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=self.ca_pem.decode())
@@ -95,6 +125,23 @@ class TlsConfig:
             key.touch(mode=0o600)
             key.write_bytes(self.key_pem)
             ctx.load_cert_chain(cert, key)
+
+
+def peer_roles(sock: ssl.SSLSocket) -> frozenset[str]:
+    """The roles the certificate of the peer of a verified ``ssl`` socket names as SAN URIs:
+    what a server that is not gRPC (the tcp KV block server) checks of its caller."""
+    sans = (sock.getpeercert() or {}).get("subjectAltName", ())
+    return frozenset(v[len(ROLE_URI_PREFIX):] for k, v in sans if k == "URI" and v.startswith(ROLE_URI_PREFIX))
+
+
+def check_role(config: TlsConfig | None, role: str, setting: str) -> TlsConfig | None:
+    """``config``, if its certificate names ``role`` (the SAN URI ``role_uri(role)``); refused at
+    start otherwise, where a certificate of an older layout would fail every call."""
+    if config is not None and role not in certificate_roles(config.cert_pem):
+        named = ", ".join(sorted(certificate_roles(config.cert_pem))) or "no role"
+        raise TlsConfigError(f"{setting}: the certificate names {named}, not {role} (a SAN URI {role_uri(role)}); "
+                             f"issue it with python -m pdserve.cluster.certs")
+    return config
 
 
 def load(cert: str | None, key: str | None, ca: str | None, *, prefix: str,

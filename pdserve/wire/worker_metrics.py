@@ -18,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.protos import worker_pb2
 from pdserve.wire.address import Endpoint, resolve
+from pdserve.wire.internal_plane import check_bind
+from pdserve.wire.tls import TlsConfig
 
 # The *_created series double the output and no dashboard reads them (vLLM drops them too).
 disable_created_metrics()
@@ -165,24 +167,64 @@ class MetricsEndpoint:
         self._server.server_close()
 
 
-def serve_worker(host: str | Endpoint | None, port: int, source: WorkerSource) -> MetricsEndpoint:
+# A scrape is one small GET: a connection that sends its request slower than this, or reads
+# the answer slower, is dropped; and only this many connections are served at once (one thread
+# each), so that a peer that opens many and sends nothing holds neither threads nor sockets.
+METRICS_TIMEOUT_S = 10.0
+MAX_METRICS_CONNECTIONS = 16
+
+
+def serve_worker(host: str | Endpoint | None, port: int, source: WorkerSource, *, tls: TlsConfig | None = None,
+                 insecure_internal: bool = False, timeout_s: float = METRICS_TIMEOUT_S) -> MetricsEndpoint:
     """Export ``source`` and serve this process's worker families on ``host:port`` (0: any;
     ``host`` None: the node's IP). The address it reports is the advertised one
     (``pdserve.wire.address``), never a wildcard.
+
+    The endpoint is on the internal plane: its bind address passes ``check_bind`` as every
+    other internal server's does (``tls`` and ``insecure_internal`` are the worker's). Each
+    connection has ``timeout_s`` for every read and write, and at most
+    ``MAX_METRICS_CONNECTIONS`` are served at once; more are closed unanswered.
 
     The endpoint serves only the worker families (``WORKER_REGISTRY``): the router's would
     read zero here.
     """
     endpoint = host if isinstance(host, Endpoint) else resolve(host)
+    check_bind(endpoint.bind_host, tls, insecure_internal, f"{source.worker}'s /metrics")
     WORKERS.add(source)
+    handler = type("_Handler", (_WorkerMetricsHandler,), {"timeout": timeout_s})
     try:
-        server = ThreadingHTTPServer((endpoint.bind_host, port), _WorkerMetricsHandler)
+        server = _BoundedHTTPServer((endpoint.bind_host, port), handler)
     except OSError:
         WORKERS.remove(source.worker)
         raise
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name=f"metrics-{source.worker}", daemon=True).start()
     return MetricsEndpoint(endpoint.advertise(server.server_address[1]), server, source.worker)
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server that serves at most ``MAX_METRICS_CONNECTIONS`` connections at
+    once and closes the rest as they arrive."""
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_METRICS_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _WorkerMetricsHandler(BaseHTTPRequestHandler):

@@ -84,12 +84,14 @@ def drive(workload: WorkloadSpec):
 
 
 @contextmanager
-def front_in_thread():
-    """The front in its own thread and loop, for a caller that runs its own (the CLI)."""
+def front_in_thread(start=None):
+    """The front (``start()``'s, default ``start_front``'s) in its own thread and loop, for a
+    caller that runs its own (the CLI)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    runner, address = asyncio.run_coroutine_threadsafe(start_front(FakeDecode(token_s=0.01)), loop).result(30)
+    start = start or (lambda: start_front(FakeDecode(token_s=0.01)))
+    runner, address = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
     try:
         yield address
     finally:
@@ -134,3 +136,30 @@ def test_cli_runs_a_closed_loop_and_writes_json_and_png(tmp_path, capsys):
     assert rc == 0 and doc["summary"]["completed"] == 5 and doc["spec"]["arrivals"]["kind"] == "closed"
     assert [r["output_tokens"] for r in doc["records"]] == [4] * 5 and (tmp_path / "loadgen.png").exists()
     assert "goodput: " in capsys.readouterr().out
+
+
+def test_cli_flood_mode_measures_one_tenant_alone_and_under_anothers_refused_flood(tmp_path, capsys):
+    """--flood-api-key: the measured tenant's run alone and under a second tenant's flood past
+    its limit; the flood is refused (429) and the measured requests all complete."""
+    from pdserve.router.auth import ApiKeys
+    from pdserve.router.tenants import Tenant, TenantLimits, key_digest
+
+    measured, flooder = "sk-measured-tenant-0001", "sk-flooding-tenant-0002"
+    keys = ApiKeys(((key_digest(measured), Tenant("measured")),
+                    (key_digest(flooder), Tenant("flooder", TenantLimits(max_concurrent_requests=1)))))
+
+    async def start():
+        model = ModelInfo("m", SimpleNamespace(vocab_size=1000), 4096, 16, LetterTokenizer())
+        service = GenerationService(model, fake_pool([FakePrefill()], [FakeDecode(token_s=0.01)]), RouterLimits(),
+                                    keys=keys)
+        return await http_api.start(service, "127.0.0.1", 0)
+
+    with front_in_thread(start) as address:
+        rc = loadgen_main(["--base-url", f"http://{address}", "-n", "6", "--concurrency", "2", "--prompt-len",
+                           "fixed:6", "--output-len", "fixed:4", "--token-range", "3:900", "--out-dir", str(tmp_path),
+                           "--no-progress", "--no-plot", "--api-key", measured, "--flood-api-key", flooder,
+                           "--flood-concurrency", "4", "--flood-pause-s", "0.01"])
+    doc = json.loads((tmp_path / "tenant_flood.json").read_text())
+    assert rc == 0 and doc["alone"]["summary"]["completed"] == doc["flooded"]["summary"]["completed"] == 6
+    assert doc["flood"]["refused"] > 0 and doc["flood"]["failed"] == 0  # past its limit: 429s, nothing else
+    assert doc["ttft_p50_ratio"] > 0 and "refused (429)" in capsys.readouterr().out

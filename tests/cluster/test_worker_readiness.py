@@ -24,14 +24,12 @@ class Table(admin_pb2_grpc.RouterAdminServicer):
         self.members = []
         self.reachable = False
 
-    async def GetMembership(self, request, context):
+    async def Join(self, request, context):
         if not self.reachable:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "starting")
-        return admin_pb2.Membership(members=self.members)
-
-    async def SetMembership(self, request, context):
-        self.members = list(request.members)
-        return admin_pb2.Membership(members=self.members)
+        changed = request.address not in [m.address for m in self.members]
+        self.members = [m for m in self.members if m.address != request.address] + [request]
+        return admin_pb2.JoinAck(changed=changed)
 
 
 def free_port() -> int:

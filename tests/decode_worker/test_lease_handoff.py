@@ -42,8 +42,8 @@ async def cluster(model_dir, decode_blocks=(64,), lease_seconds=30.0, tls=None, 
                          engine=make_engine(model_dir, num_blocks=n))
         decoders.append(d)
         servers.append(await start_decode(d.config, d))
-    channels = [aio_channel(s.address, tls.get("router")) for s in servers]
-    channels.append(aio_channel(servers[0].address, tls.get("decode")))
+    channels = [aio_channel(s.address, tls.get("router"), peer=peer) for s, peer in zip(servers, ["prefill"] + ["decode"] * len(decoders))]
+    channels.append(aio_channel(servers[0].address, tls.get("decode"), peer="prefill"))
     prefill.decode_stub = worker_pb2_grpc.PrefillWorkerStub(channels[-1])
     try:
         yield (prefill, worker_pb2_grpc.PrefillWorkerStub(channels[0]),

@@ -1,6 +1,6 @@
 """The router's part of tenant isolation in the prefix cache: a client's ``cache_salt`` (gRPC
 ``sampling.cache_salt``, the OpenAI body's ``cache_salt``) reaches the workers, and with an API
-key configured every request is salted by a hash of the caller's key (never the key itself).
+key configured every request is salted by the caller's tenant (a hash, never the key itself).
 Real gRPC and HTTP fronts over fake workers that record what they were sent; the engine's
 part (no hit across salts) is tests/engine/test_cache_salt.py."""
 
@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router import http_api
-from pdserve.router.auth import ApiKeyInterceptor
+from pdserve.router.auth import ApiKeyInterceptor, ApiKeys
 from pdserve.router.frontend import ModelInfo
 from pdserve.router.limits import RouterLimits
 from pdserve.router.service import GenerationService
@@ -35,7 +35,8 @@ class RecordingPrefill(FakePrefill):
 
 def service(prefill, api_key: str | None) -> GenerationService:
     model = ModelInfo("m", SimpleNamespace(vocab_size=1000), 4096, 16, LetterTokenizer())
-    return GenerationService(model, fake_pool([prefill], [FakeDecode()]), RouterLimits(), salt_by_api_key=api_key is not None)
+    return GenerationService(model, fake_pool([prefill], [FakeDecode()]), RouterLimits(),
+                             keys=ApiKeys.single(api_key) if api_key else None)
 
 
 def grpc_salts(api_key: str | None, client_salts: list[str]) -> list[str]:
@@ -65,7 +66,7 @@ def test_a_clients_salt_reaches_the_workers_unchanged_without_a_key():
     assert grpc_salts(None, ["team-a", ""]) == ["team-a", ""]
 
 
-def test_with_an_api_key_every_request_is_salted_by_a_hash_of_it():
+def test_with_an_api_key_every_request_is_salted_by_its_tenant():
     keyed, plain = grpc_salts(KEY, ["", "team-a"]), grpc_salts(None, ["", "team-a"])
     assert keyed[0] and KEY not in keyed[0]  # the default: a hash of the key, never the key
     assert keyed[1] not in (keyed[0], "team-a") and KEY not in keyed[1]  # a client salt subdivides it

@@ -16,6 +16,7 @@ from pdserve.router import http_api
 from pdserve.router.client_work import INLINE_BYTES
 from pdserve.router.frontend import ModelInfo
 from pdserve.router.limits import RouterLimits
+from pdserve.router.auth import ApiKeys
 from pdserve.router.service import GenerationService
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
 
@@ -133,7 +134,9 @@ def test_a_full_tokenizer_queue_is_429_with_retry_after_and_the_queued_call_comp
 @pytest.mark.parametrize("method,path", [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
                                          ("GET", "/metrics/targets"), ("GET", "/v1/models")])
 def test_every_path_but_health_and_metrics_needs_the_api_key(method, path):
-    address, stop = serve_in_thread(service_with(), api_key="sesame")
+    service = service_with()
+    service.keys = ApiKeys.single("sesame")
+    address, stop = serve_in_thread(service)
     body = json.dumps({"tokens": [1]}).encode() if method == "POST" else None
     try:
         refused = request(address, method, path, body)

@@ -41,7 +41,7 @@ def chat(question: str, max_tokens: int) -> pdserve_pb2.GenerateRequest:
 
 def stats(cluster: LocalCluster, address: str, role: str) -> worker_pb2.WorkerStats:
     cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    with channel(address, cluster.config.tls) as ch:
+    with channel(address, cluster.config.tls_for("controller"), peer=role) as ch:
         return cls(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
 
 

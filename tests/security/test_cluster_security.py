@@ -1,7 +1,7 @@
 """A real cluster (Ray actors, NIXL, the default model) with both trust boundaries on: an API key
 on the public plane and mTLS on the internal one. Only ``Generation``, health and reflection
 answer on the public port; every internal server refuses a client without a certificate of the
-cluster's CA; an abort reaches only its own client's request; and the controller puts back a
+cluster's CA; an abort reaches only its own tenant's request; and the controller puts back a
 routing table that someone else overwrote."""
 
 import json
@@ -27,6 +27,8 @@ from pdserve.protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from pdserve.router.auth import ApiKeys
+from pdserve.router.tenants import Tenant, key_digest
 from pdserve.wire import tls
 from pdserve.wire.grpc_util import channel
 from tests.clusters import cluster_config, running_cluster
@@ -39,8 +41,9 @@ from tests.serving.test_disaggregated import (  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
-KEY = "sk-test-7f3a"
-AUTH = (("authorization", f"Bearer {KEY}"),)
+KEY, OTHER_KEY = "sk-test-7f3a-tenant-a", "sk-test-9c1e-tenant-b"
+AUTH, OTHER_AUTH = (("authorization", f"Bearer {KEY}"),), (("authorization", f"Bearer {OTHER_KEY}"),)
+KEYS = ApiKeys(((key_digest(KEY), Tenant("team-a")), (key_digest(OTHER_KEY), Tenant("team-b"))))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(certs):
-    with running_cluster(cluster_config(api_key=KEY, role_tls=certs["roles"], supervise_interval_s=0.5)) as c:
+    with running_cluster(cluster_config(api_keys=KEYS, role_tls=certs["roles"], supervise_interval_s=0.5)) as c:
         yield c
 
 
@@ -144,45 +147,44 @@ def test_internal_servers_refuse_clients_without_a_cluster_certificate(cluster, 
     targets = [(a, worker_pb2_grpc.PrefillWorkerStub) for a in cluster.prefill_addresses] \
         + [(a, worker_pb2_grpc.DecodeWorkerStub) for a in cluster.decode_addresses]
     for address, stub_cls in targets:
+        peer = "prefill" if stub_cls is worker_pb2_grpc.PrefillWorkerStub else "decode"
         assert address.startswith("127.0.0.1:")  # a Ray pdserve starts keeps the internal plane on loopback
         stats = lambda ch: stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
         with channel(address, None) as plain:
             assert code_of(lambda: stats(plain)) == grpc.StatusCode.UNAVAILABLE
-        with grpc.secure_channel(address, no_cert, options=ours.channel_options()) as bare:
+        with grpc.secure_channel(address, no_cert, options=ours.channel_options(peer)) as bare:
             assert code_of(lambda: stats(bare)) == grpc.StatusCode.UNAVAILABLE
-        with channel(address, stranger) as foreign:
+        with channel(address, stranger, peer=peer) as foreign:
             assert code_of(lambda: stats(foreign)) == grpc.StatusCode.UNAVAILABLE
-        with channel(address, ours) as good:
+        with channel(address, ours, peer=peer) as good:
             assert stats(good).worker_id
     for address in cluster.prefill_addresses:  # NIXL's key to one-sided reads of the whole cache
         meta = lambda ch: worker_pb2_grpc.PrefillWorkerStub(ch).GetAgentMetadata(worker_pb2.AgentMetadataRequest(),
                                                                                 timeout=5)
-        with grpc.secure_channel(address, no_cert, options=ours.channel_options()) as bare:
+        with grpc.secure_channel(address, no_cert, options=ours.channel_options("prefill")) as bare:
             assert code_of(lambda: meta(bare)) == grpc.StatusCode.UNAVAILABLE
-        with channel(address, stranger) as foreign:
+        with channel(address, stranger, peer="prefill") as foreign:
             assert code_of(lambda: meta(foreign)) == grpc.StatusCode.UNAVAILABLE
-        with channel(address, certs["decode"]) as good:  # only decode workers may ask
+        with channel(address, certs["decode"], peer="prefill") as good:  # only decode workers may ask
             assert meta(good).backend_metadata
-        with channel(address, ours) as controller:
+        with channel(address, ours, peer="prefill") as controller:
             assert code_of(lambda: meta(controller)) == grpc.StatusCode.PERMISSION_DENIED
-    with channel(cluster.admin_address, stranger) as foreign:
+    with channel(cluster.admin_address, stranger, peer="router") as foreign:
         get = lambda: admin_pb2_grpc.RouterAdminStub(foreign).GetMembership(admin_pb2.Membership(), timeout=5)
         assert code_of(get) == grpc.StatusCode.UNAVAILABLE
 
 
-def test_an_abort_naming_another_clients_request_has_no_effect(cluster, certs, stub):
-    """Clients choose request ids. Another client naming this one's id (its own connection, the
-    same key) is not found, nor is a worker Abort naming the id's first attempt, even from a
-    holder of a cluster certificate: the stream completes. The owner's own Abort still works."""
+def test_an_abort_naming_another_tenants_request_has_no_effect(cluster, certs, stub):
+    """Clients choose request ids. Another tenant naming this one's id (over the same
+    connection, as behind a proxy) is not found, nor is a worker Abort naming the id's first
+    attempt, even from a holder of a cluster certificate: the stream completes. The owner's own
+    Abort works, from another connection too."""
     request = chat_request("Write a long story about a dragon.", 32, ignore_eos=True)
     request.request_id = "shared-id"
     stream = stub.Generate(request, metadata=AUTH, timeout=120)
     ids = list(next(stream).token_ids)  # running now, with 31 tokens to go
-    separate = [("grpc.use_local_subchannel_pool", 1)]  # its own connection, as another process has
-    with grpc.insecure_channel(cluster.address, options=separate) as ch:
-        foreign = pdserve_pb2_grpc.GenerationStub(ch).Abort(pdserve_pb2.AbortRequest(request_id="shared-id"),
-                                                            metadata=AUTH, timeout=5)
-    with channel(cluster.decode_addresses[0], certs["router"]) as ch:  # the one role that may Abort
+    foreign = stub.Abort(pdserve_pb2.AbortRequest(request_id="shared-id"), metadata=OTHER_AUTH, timeout=5)
+    with channel(cluster.decode_addresses[0], certs["router"], peer="decode") as ch:  # the one role that may Abort
         worker = worker_pb2_grpc.DecodeWorkerStub(ch).Abort(worker_pb2.WorkerAbortRequest(request_id="shared-id#0"),
                                                             timeout=5)
     rest, _, resps = collect(stream)
@@ -191,13 +193,17 @@ def test_an_abort_naming_another_clients_request_has_no_effect(cluster, certs, s
 
     stream = stub.Generate(request, metadata=AUTH, timeout=120)  # the same id, free again
     next(stream)
-    assert stub.Abort(pdserve_pb2.AbortRequest(request_id="shared-id"), metadata=AUTH, timeout=5).found
+    separate = [("grpc.use_local_subchannel_pool", 1)]  # its own connection, as another process has
+    with grpc.insecure_channel(cluster.address, options=separate) as ch:
+        own = pdserve_pb2_grpc.GenerationStub(ch).Abort(pdserve_pb2.AbortRequest(request_id="shared-id"),
+                                                        metadata=AUTH, timeout=5)
+    assert own.found
     assert collect(stream)[2][-1].finish_reason == pdserve_pb2.FINISH_REASON_ABORT
 
 
 def test_controller_puts_back_a_membership_someone_overwrote(cluster, certs, stub):
     """An empty SetMembership, even from a holder of a valid certificate, lasts one round."""
-    with channel(cluster.admin_address, certs["controller"]) as ch:
+    with channel(cluster.admin_address, certs["controller"], peer="router") as ch:
         admin = admin_pb2_grpc.RouterAdminStub(ch)
         admin.SetMembership(admin_pb2.Membership(), timeout=5)
         deadline = time.monotonic() + 10

@@ -16,7 +16,7 @@ from pdserve.wire import tls
 from pdserve.wire.grpc_util import aio_channel
 from pdserve.wire.internal_plane import InsecureInternalError, check_bind
 from pdserve.wire.server import start_server
-from pdserve.wire.tls import INTERNAL_SERVER_NAME
+from pdserve.wire.tls import INTERNAL_DOMAIN
 
 OK, DENIED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED
 
@@ -70,7 +70,7 @@ CALLS = {
 
 
 async def code_of(address: str, client: tls.TlsConfig, method: str) -> grpc.StatusCode:
-    async with aio_channel(address, client) as ch:
+    async with aio_channel(address, client, peer="prefill") as ch:
         try:
             await CALLS[method](ch)
             return OK
@@ -85,6 +85,7 @@ def test_each_internal_rpc_accepts_only_the_roles_that_need_it(certs):
         ("Drain", "controller"): OK, ("Drain", "router"): DENIED, ("Drain", "decode"): DENIED,
         ("Stats", "router"): OK, ("Stats", "controller"): OK, ("Stats", "decode"): DENIED,
         ("SetMembership", "controller"): OK, ("SetMembership", "router"): DENIED,
+        ("SetMembership", "decode"): DENIED, ("SetMembership", "prefill"): DENIED,  # old code: both OK
         ("SetRole", "controller"): OK, ("SetRole", "router"): DENIED, ("SetRole", "decode"): DENIED,
     }
 
@@ -101,8 +102,10 @@ def test_each_internal_rpc_accepts_only_the_roles_that_need_it(certs):
 def test_the_public_certificate_is_server_only_and_cannot_call_in(certs):
     cert = x509.load_pem_x509_certificate(certs["public_pem"].read_bytes())
     usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
-    assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH] and INTERNAL_SERVER_NAME not in names
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names, uris = sans.get_values_for_type(x509.DNSName), sans.get_values_for_type(x509.UniformResourceIdentifier)
+    assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    assert not uris and not any(n.endswith(INTERNAL_DOMAIN) for n in names)
 
     async def main():
         running = await start_server("127.0.0.1", 0, register, "pdserve.v1.PrefillWorker", [], tls=certs["prefill"])

@@ -47,7 +47,7 @@ async def serve(server_tls=None, interceptors=()):
 
 
 async def stats_code(address, client_tls=None, metadata=None) -> grpc.StatusCode:
-    async with aio_channel(address, client_tls) as ch:
+    async with aio_channel(address, client_tls, peer="prefill") as ch:
         try:
             await worker_pb2_grpc.PrefillWorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5, metadata=metadata)
             return grpc.StatusCode.OK
@@ -66,7 +66,7 @@ def test_mtls_refuses_strangers(certs):
             assert await stats_code(address, None) == grpc.StatusCode.UNAVAILABLE  # plaintext: no handshake
             no_cert = tls.TlsConfig(cert_pem=b"", ca_pem=ours.ca_pem)
             async with grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ours.ca_pem),
-                                               options=no_cert.channel_options()) as ch:
+                                               options=no_cert.channel_options("prefill")) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await worker_pb2_grpc.PrefillWorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -131,7 +131,7 @@ def test_public_tls_without_client_certificates(certs):
         server, address = await serve(public)
         try:
             creds = grpc.ssl_channel_credentials(ca_pem)
-            async with grpc.aio.secure_channel(address, creds, options=public.channel_options()) as ch:
+            async with grpc.aio.secure_channel(address, creds, options=public.channel_options("router")) as ch:  # the certificate names router
                 stats = await worker_pb2_grpc.PrefillWorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
                 assert stats.worker_id == "w"
             assert await stats_code(address) == grpc.StatusCode.UNAVAILABLE  # plaintext to a TLS port
@@ -149,12 +149,13 @@ def test_https_front_with_api_key(certs):
     from types import SimpleNamespace
 
     from pdserve.router import http_api
+    from pdserve.router.auth import ApiKeys
     from pdserve.router.limits import RouterLimits
 
     public = tls.load(str(certs["router"].cert), str(certs["router"].key), None, prefix="public_tls",
                       require_ca=False)
     service = SimpleNamespace(pool=SimpleNamespace(ready=lambda: True, missing_roles=lambda: []), limits=RouterLimits(), draining=False, unready=False,
-                              model=SimpleNamespace(name="m", names=("m",), max_model_len=8))
+                              model=SimpleNamespace(name="m", names=("m",), max_model_len=8), keys=ApiKeys.single("k"))
     client_ctx = ssl.create_default_context(cadata=certs["ca"].cert.read_text())
     client_ctx.check_hostname = False  # the certificate names pdserve.internal, the URL an IP
 
@@ -168,7 +169,7 @@ def test_https_front_with_api_key(certs):
             return exc.code
 
     async def main():
-        runner, address = await http_api.start(service, "127.0.0.1", 0, api_key="k", tls=public)
+        runner, address = await http_api.start(service, "127.0.0.1", 0, tls=public)
         try:
             codes = await asyncio.to_thread(lambda: [get(address, "/health"), get(address, "/v1/models"),
                                                      get(address, "/v1/models", "bad"),

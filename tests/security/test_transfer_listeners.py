@@ -50,6 +50,15 @@ def test_tcp_block_server_with_mtls_serves_only_readers_with_a_cluster_certifica
     assert plain.stats.bytes == stranger.stats.bytes == 0 and not plain.cache.any() and not stranger.cache.any()
 
 
+def test_tcp_block_server_serves_only_readers_whose_certificate_names_the_decode_role(certs):
+    """A certificate of the cluster's CA is not enough: the router's (or a prefill worker's)
+    reads nothing. Old code: any cluster certificate could read."""
+    with create_agent("tcp", "holder", make_cache(4, seed=3), tls=certs["holder"]) as holder, \
+            create_agent("tcp", "router", make_cache(4), tls=certs["router"]) as router:
+        assert read(router, holder) is TransferState.FAILED
+        assert holder.get_notifications() == [] and router.stats.bytes == 0 and not router.cache.any()
+
+
 def test_tcp_reader_with_mtls_refuses_a_holder_outside_the_cluster(certs):
     with create_agent("tcp", "impostor", make_cache(4, seed=3), tls=certs["stranger"]) as impostor, \
             create_agent("tcp", "reader", make_cache(4), tls=certs["reader"]) as reader:
