@@ -233,9 +233,7 @@ class KVTransferAgent(abc.ABC):
             except Exception as exc:  # backend errors (peer gone, UCX error) fail this read
                 self._finish(handle, TransferState.FAILED, f"{type(exc).__name__}: {exc}")
                 return handle.state
-            if state == TransferState.DONE and not self._verified(handle):
-                self._finish(handle, TransferState.FAILED, handle.error)
-            elif state.is_terminal:
+            if state.is_terminal:
                 error = None if state == TransferState.DONE else "backend reported an error"
                 self._finish(handle, state, handle.error or error)
             elif now - handle.post_at > self.read_timeout_s:
@@ -265,11 +263,10 @@ class KVTransferAgent(abc.ABC):
         """Whether the bytes of a read the backend reports DONE match its checksums (True when
         it has none); a mismatch is logged with the block and the peer, and marks the handle."""
         error = checksum.verify(self._block_rows, handle)
-        if error is None:
-            return True
-        handle.verify_failed, handle.error = True, error
-        logger.warning("KV read %d from peer %r failed verification: %s", handle.transfer_id, handle.peer, error)
-        return False
+        if error is not None:
+            handle.verify_failed, handle.error = True, error
+            logger.warning("KV read %d from peer %r failed verification: %s", handle.transfer_id, handle.peer, error)
+        return error is None
 
     def cancel(self, handle: TransferHandle) -> TransferState:
         """Cancel a read that is not yet terminal and free its resources; counts nothing
@@ -310,6 +307,10 @@ class KVTransferAgent(abc.ABC):
 
     def _finish(self, handle: TransferHandle, state: TransferState,
                 error: Optional[str]) -> None:
+        """End the read in ``state``; a read that would be DONE is FAILED if its blocks do not
+        match their checksums (every way a read completes, at its post or its poll, ends here)."""
+        if state == TransferState.DONE and not self._verified(handle):
+            state, error = TransferState.FAILED, handle.error
         handle.finished_at = time.monotonic()
         handle.state = state
         handle.error = error
