@@ -281,7 +281,7 @@ def test_kv_a_decode_core_hands_over_leaves_by_its_lease(tiny_llama_dir, end):
             def hand_over():
                 block_ids, tokens = w.engine.hold_running("moved#0")
                 assert tokens == seq.num_tokens - 1  # every token but the newest
-                return w.adopt("moved#0", block_ids), seq.num_output_tokens
+                return w.adopt("moved#0", block_ids, tokens), seq.num_output_tokens
 
             lease, made = await w.call(hand_over)
             assert len(lease.block_ids) == -(-(len(PROMPT) + made - 1) // 16)
