@@ -21,19 +21,17 @@ import urllib.request
 import pytest
 import torch
 
-from pdserve.decode_worker.server import start as start_decode
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.loader import materialize
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.worker import PrefillWorker
-from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.protos import worker_pb2
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
-from pdserve.router.pool import WorkerClient, WorkerPool
+from pdserve.router.pool import WorkerPool
 from pdserve.router.request_run import RequestRun
-from pdserve.wire.grpc_util import aio_channel
+from tests.decode_worker.test_streamed_kv import serving
 from tests.factories import decode_worker_config, make_engine, prefill_worker_config
 from tests.metrics.metrics_helpers import LetterTokenizer
 
@@ -67,20 +65,8 @@ async def workers(model_dir, backend: str):
                                                max_num_batched_tokens=CHUNK, enable_prefix_cache=False))
     decoder = DecodeWorker(decode_worker_config(kv_transfer_backend=backend),
                            engine=make_engine(model_dir, dtype="bfloat16", num_blocks=64))
-    servers = [await start_prefill(prefill.config, prefill), await start_decode(decoder.config, decoder)]
-    channels = [aio_channel(s.address) for s in servers]
-    pool = WorkerPool()
-    for role, server, channel in zip(["prefill", "decode"], servers, channels):
-        stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
-        pool.workers[server.address] = WorkerClient(role, server.address, channel=channel, stub=stub, healthy=True,
-                                                    stats=worker_pb2.WorkerStats(num_blocks_total=64))
-    try:
+    async with serving(prefill, [decoder]) as pool:
         yield prefill, decoder, pool
-    finally:
-        for c in channels:
-            await c.close()
-        for s in servers:
-            await s.stop()
 
 
 def flip_after_checksum(prefill: PrefillWorker) -> list[int]:

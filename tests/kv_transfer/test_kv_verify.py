@@ -9,24 +9,10 @@ import logging
 
 import pytest
 import torch
-from kv_helpers import BACKENDS, BLOCK_BYTES, Holder, make_cache, same_bytes
+from kv_helpers import BLOCK_BYTES, make_cache, same_bytes
 
-from pdserve.kv_transfer import InvalidTransferRequest, TransferState, create_agent
+from pdserve.kv_transfer import InvalidTransferRequest, TransferState
 from pdserve.kv_transfer.checksum import block_checksums
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def holder(request):
-    h = Holder(request.param)
-    yield h
-    h.stop()
-
-
-@pytest.fixture
-def reader(holder):
-    agent = create_agent(holder.backend, "reader", make_cache(12))
-    yield agent
-    agent.close()
 
 
 def read(reader, holder, remote, local, sums, last=None):
