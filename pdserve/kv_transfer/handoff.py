@@ -220,15 +220,15 @@ class LeaseTable:
             self._claimed_blocks[token] = frozenset(lease.block_ids)
             return lease
 
-    def renew_claim(self, token: str, now: float, ttl_s: float) -> bool:
-        """The reader of a claimed lease still reads: push its deadline to ``now + ttl_s``.
-        False (nothing changes) if the lease has ended or is not claimed."""
+    def renew_claim(self, token: str, now: float, ttl_s: float) -> Lease | None:
+        """The reader of a claimed lease still reads: push its deadline to ``now + ttl_s`` and
+        return it; None (nothing changes) if the lease has ended or is not claimed."""
         with self._lock:
             lease = self.leases.get(token)
             if lease is None or not lease.claimed:
-                return False
+                return None
             self._renew(lease, now + ttl_s)
-            return True
+            return lease
 
     def release(self, token: str, reason: ReleaseReason) -> Lease | None:
         """Apply a ``Release``. A reason that ``ends_lease`` removes the lease; RETURNED puts a

@@ -165,9 +165,7 @@ class PrefillWorker(WorkerShell):
         ``renew``, renew its reader's claim instead (None if it is not claimed). On the loop:
         the table is locked, and a claim must not wait behind a long prefill step."""
         now, ttl_s = time.monotonic(), self.config.lease_seconds
-        if renew:
-            return self.leases.get(token) if self.leases.renew_claim(token, now, ttl_s) else None
-        return self.leases.claim(token, block_ids, now, ttl_s)
+        return self.leases.renew_claim(token, now, ttl_s) if renew else self.leases.claim(token, block_ids, now, ttl_s)
 
     async def release(self, token: str, reason: ReleaseReason) -> bool:
         """The ``Release`` RPC; False if it changed nothing. A give-back (RETURNED) is table
@@ -239,9 +237,8 @@ class PrefillWorker(WorkerShell):
                 pass
 
     def adopt(self, request_id: str, block_ids: list[int], num_tokens: int) -> Lease:
-        """Engine thread: hold under a lease, as if prefilled here, the KV of a stream this
-        process's decode core handed over (``pdserve.elastic_worker``): ``num_tokens`` computed
-        tokens in ``block_ids``. No owner router (any may learn the token): unread, it expires."""
+        """Engine thread: hold under a lease, as if prefilled here, the KV (``num_tokens`` computed tokens) of a
+        stream this process's decode core handed over (``pdserve.elastic_worker``). No owner: unread, it expires."""
         now = time.monotonic()
         record = self.records[request_id] = RequestRecord(request_id, "", now, None, False, computing=False)
         record.lease = self.leases.grant(request_id, block_ids, now, self.config.lease_seconds)

@@ -140,14 +140,14 @@ def test_a_reader_that_renews_its_claim_keeps_the_lease_past_its_deadline():
     t.claim(lease.token, [4, 9, 2], now=1.0, ttl_s=5.0)
     for now in (2.5, 4.0, 5.5, 7.0, 8.5, 10.0):  # every third of the lease, well past its first 6.0
         assert t.pop_expired(now) == []
-        assert t.renew_claim(lease.token, now, ttl_s=5.0)
+        assert t.renew_claim(lease.token, now, ttl_s=5.0) is lease
     assert t.pop_expired(14.9) == [] and t.is_claimed(lease.token)
     assert [l.token for l in t.pop_expired(15.0)] == [lease.token]  # its reader stopped: it expires
-    assert t.expired_total == 1 and not t.renew_claim(lease.token, 15.0, 5.0)
+    assert t.expired_total == 1 and t.renew_claim(lease.token, 15.0, 5.0) is None
 
 
 def test_only_a_claimed_lease_is_renewed_by_its_reader():
     t, lease = table_with_lease(ttl=5.0)
-    assert not t.renew_claim(lease.token, 1.0, 50.0)  # unclaimed: a renewal is no claim
-    assert not t.renew_claim("guessed", 1.0, 50.0)
+    assert t.renew_claim(lease.token, 1.0, 50.0) is None  # unclaimed: a renewal is no claim
+    assert t.renew_claim("guessed", 1.0, 50.0) is None
     assert [l.token for l in t.pop_expired(5.0)] == [lease.token]
