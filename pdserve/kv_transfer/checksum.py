@@ -4,20 +4,21 @@ A transfer can complete with wrong contents: a block freed and reused under a la
 transport or memory fault. Decoding from such KV gives wrong tokens with no error anywhere.
 So the holder checksums each block once its contents are final (a finished step computed it)
 and sends the sums with the lease; the reader checksums what landed and fails the read on a
-mismatch (``KVTransferAgent.poll``), before the engine is told the KV is ready.
+mismatch (``KVTransferAgent``: a read is DONE only if they match), before the engine is told
+the KV is ready.
 
 One checksum per block, over the bytes a read of it moves: the whole block, or, for a prompt's
 partly filled last block, its first ``last_block_bytes`` (blocks are token-major: the tokens
 it holds). The hash is xxHash's XXH3 (64 bits), chosen by measurement on real KV blocks of
-the default model (SmolLM2-135M, bfloat16: 368,640 bytes a block) on this project's 2-core
-AMD EPYC: 6 to 10 us a block (35-60 GB/s, in cache or not), against 38 us for XXH64, 150-210
-us for zlib's CRC-32 and 600-790 us for BLAKE2b (a 1,024-token prompt: 0.4 ms against 13 ms
-for CRC-32); ``benchmarks/kv_transfer.py --verify`` measures them again on any machine.
-(crc32c, a package pdserve does not depend on, was not measured.) It is a check against
-accidents, not an adversary: the internal plane's mTLS is that.
+the default model (SmolLM2-135M, bfloat16: 368,640 bytes a block) on this project's shared
+2-core AMD EPYC: 6 us a block while the blocks are in cache, 12-21 us from memory (a 1,024-token
+prompt: about 1 ms), against 29 us for CRC-32C (the ``crc32c`` package, in hardware; installed
+for the measurement only), 37 us for XXH64, 90-210 us for zlib's CRC-32 and 400-790 us for
+BLAKE2b. ``benchmarks/kv_transfer.py --verify`` measures them again on any machine. It is a
+check against accidents, not an adversary: the internal plane's mTLS is that.
 
-A CUDA cache is checksummed on the host: the blocks are gathered and copied over first
-(about as long again as hashing them, at PCIe speed).
+A CUDA cache is checksummed on the host: the blocks are gathered and copied over first (a
+cost not measured here: this project's machines have no GPU).
 """
 
 from __future__ import annotations
