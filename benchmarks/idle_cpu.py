@@ -17,7 +17,7 @@ import time
 
 
 async def _serve(model: str) -> None:
-    from pdserve.cluster.settings import LEASE_SECONDS
+    from pdserve.cluster.settings import LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS
     from pdserve.decode_worker.server import start as start_decode
     from pdserve.decode_worker.worker import DecodeWorkerConfig
     from pdserve.engine.config import CacheConfig, EngineConfig
@@ -26,7 +26,7 @@ async def _serve(model: str) -> None:
 
     engine = EngineConfig(model=model, cache=CacheConfig(memory_budget_bytes=64 << 20))
     servers = [await start_prefill(PrefillWorkerConfig(engine=engine, lease_seconds=LEASE_SECONDS.default)),
-               await start_decode(DecodeWorkerConfig(engine=engine))]
+               await start_decode(DecodeWorkerConfig(engine=engine, transfer_timeout_s=TRANSFER_TIMEOUT_SECONDS.default))]
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # until the parent says stop
     for s in servers:

@@ -11,9 +11,20 @@ All buffers sit on transparent huge pages, as a worker's KV cache does (``host_z
 "nixl 4 KiB pages" column repeats the NIXL run on ordinary pages.
 
     .venv/bin/python benchmarks/kv_transfer.py            # table + benchmarks_kv_transfer.png
+    .venv/bin/python benchmarks/kv_transfer.py --verify   # what checking every block costs (below)
 
 Default block: SmolLM2-135M in bf16, 30 layers x (K,V) x 16 tokens x 3 kv heads x 64 dims x
 2 bytes = 368,640 bytes. GB/s is 1e9 bytes per second, median over repetitions.
+
+``--verify`` measures the checksum every transfer carries (``pdserve/kv_transfer/checksum.py``):
+first its cost, and that of the other hashes it was chosen against, on real KV blocks (the
+default model's, prefilled here from a ``--verify-prompt-tokens`` prompt); then TTFT and TPOT
+with verification on and off in one run: two clusters side by side in one Ray (1 prefill + 1
+decode worker each, the default model, bfloat16, one core each), ``--verify-kv-transfers`` and
+``--no-verify-kv-transfers``, sent the same greedy requests in bursts of
+``--verify-concurrency``, on first then off first, round after round, so that the machine's
+noise falls on both alike. TTFT is from the call to the first token; TPOT is (last token time -
+first token time) / (tokens - 1), both measured by the client.
 """
 
 from __future__ import annotations
@@ -185,6 +196,120 @@ def plot(sizes: list[int], rates: dict[str, dict[int, float]], block_bytes: int,
     fig.savefig(path, dpi=120)
 
 
+def _hashes() -> dict:
+    """The checksums measured, by name: the one pdserve uses first, then the others it was
+    weighed against (crc32c only where a package brings it)."""
+    import hashlib
+    import zlib
+
+    import xxhash
+
+    out = {"xxh3_64 (pdserve)": xxhash.xxh3_64_intdigest, "xxh64": xxhash.xxh64_intdigest, "zlib crc32": zlib.crc32,
+           "blake2b-64": lambda b: hashlib.blake2b(b, digest_size=8).digest()}
+    try:
+        import crc32c  # not a dependency: measured where installed
+        out["crc32c"] = crc32c.crc32c
+    except ImportError:
+        pass
+    return out
+
+
+def real_blocks(prompt_tokens: int) -> torch.Tensor:
+    """The KV blocks of a ``prompt_tokens`` prompt the default model (bfloat16) prefilled here,
+    as (blocks, block_bytes) uint8 rows."""
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.kv_transfer.layout import block_bytes_view
+
+    engine = LLMEngine.from_config(EngineConfig(dtype="bfloat16", cache=CacheConfig(num_blocks=prompt_tokens // 8 + 4)),
+                                   progress=False, detokenize=False)
+    prompt = torch.randint(100, 40000, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.add_request("bench", prompt, SamplingParams(max_tokens=16, ignore_eos=True), hold_kv=True)  # HELD after one
+    while not any(o.finished for o in engine.step()):
+        pass
+    ids = engine.held_block_ids("bench")[: prompt_tokens // engine.blocks.block_size]  # the full ones
+    return block_bytes_view(engine.kv_cache)[ids].clone()
+
+
+def bench_checksums(prompt_tokens: int, reps: int) -> None:
+    """Per block and per prompt, each hash over the same real blocks (median of ``reps``)."""
+    from pdserve.kv_transfer.checksum import block_checksums
+
+    rows = real_blocks(prompt_tokens)
+    n, block_bytes = rows.shape
+    views = [memoryview(r) for r in rows.numpy()]
+    print(f"\n{n} real KV blocks of the default model (bfloat16), {block_bytes:,} bytes each; median of {reps}")
+    print(f"| checksum | us per block | GB/s | ms per {prompt_tokens}-token prompt |\n|---|---:|---:|---:|")
+    timed = {name: (lambda h=h: [h(v) for v in views]) for name, h in _hashes().items()}
+    timed["block_checksums (the code path)"] = lambda: block_checksums(rows, range(n))
+    for name, fn in timed.items():
+        per_prompt = statistics.median(_time(fn, reps))
+        print(f"| {name} | {per_prompt / n * 1e6:.1f} | {n * block_bytes / per_prompt / 1e9:.1f} | "
+              f"{per_prompt * 1e3:.2f} |")
+
+
+def _timed_request(stub, text: str, tokens: int) -> tuple[float, float]:
+    """(TTFT, TPOT) in seconds of one greedy request."""
+    from pdserve.protos import pdserve_pb2
+
+    req = pdserve_pb2.GenerateRequest(text=text, sampling=pdserve_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True,
+                                                                                    temperature=0.0))
+    start, times, count = time.perf_counter(), [], 0
+    for r in stub.Generate(req, timeout=600):
+        if r.token_ids:
+            times.append(time.perf_counter())
+            count += len(r.token_ids)
+    return times[0] - start, (times[-1] - times[0]) / (count - 1)
+
+
+def bench_verify_serving(args) -> None:
+    """TTFT and TPOT p50 with verification on and off, same run (see the module docstring)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.local import LocalCluster
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.protos import pdserve_pb2_grpc
+
+    base = dict(engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=256 << 20)), num_prefill=1, num_decode=1,
+                grpc_port=0, http_port=None, threads_per_worker=1, supervise_interval_s=None)
+    clusters = {"on": LocalCluster(ClusterConfig(**base, verify_kv_transfers=True)),
+                "off": LocalCluster(ClusterConfig(**base, verify_kv_transfers=False))}
+    words = " ".join(f"w{i % 97}" for i in range(args.verify_prompt_tokens // 2))  # ~2 tokens a word
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in clusters}
+    try:
+        for c in clusters.values():
+            c.start()
+        stubs = {name: pdserve_pb2_grpc.GenerationStub(grpc.insecure_channel(c.address)) for name, c in clusters.items()}
+        with ThreadPoolExecutor(args.verify_concurrency) as pool:
+            for stub in stubs.values():
+                _timed_request(stub, "warm-up", 8)  # channels, NIXL metadata, the first read
+            for r in tqdm(range(args.verify_rounds), desc="rounds (on, off)", unit="round"):
+                order = list(stubs) if r % 2 == 0 else list(reversed(stubs))
+                for name in order:
+                    texts = [f"Story {r}-{i}: {words}" for i in range(args.verify_concurrency)]
+                    results[name] += pool.map(lambda t, s=stubs[name]: _timed_request(s, t, args.verify_tokens), texts)
+    finally:
+        for c in reversed(list(clusters.values())):  # the first one started Ray and shuts it down
+            c.stop()
+    _print_on_off(results, args)
+
+
+def _print_on_off(results: dict[str, list[tuple[float, float]]], args) -> None:
+    p50 = {name: (statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs))
+           for name, xs in results.items()}
+    print(f"\n{args.verify_rounds} rounds x {args.verify_concurrency} concurrent requests per cluster, "
+          f"~{args.verify_prompt_tokens}-token prompts, {args.verify_tokens} tokens each, greedy")
+    print("| verification | requests | TTFT p50 ms | TPOT p50 ms |\n|---|---:|---:|---:|")
+    for name, (ttft, tpot) in p50.items():
+        print(f"| {name} | {len(results[name])} | {ttft * 1e3:.1f} | {tpot * 1e3:.2f} |")
+    (on_ttft, on_tpot), (off_ttft, off_tpot) = p50["on"], p50["off"]
+    print(f"\non / off: TTFT p50 {on_ttft / off_ttft:.3f}x, TPOT p50 {on_tpot / off_tpot:.3f}x (the target: within 2%)")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark; see ``--help``."""
     from benchmarks.processor import print_banner
@@ -204,7 +329,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch intra-op threads for the memcpy baselines")
     parser.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "benchmarks" / "benchmarks_kv_transfer.png")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--verify", action="store_true",
+                        help="measure the transfer checksum instead: its cost per block, then TTFT/TPOT on vs off")
+    parser.add_argument("--verify-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--verify-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--verify-rounds", type=int, default=12)
+    parser.add_argument("--verify-concurrency", type=int, default=4, help="requests sent at once to a cluster")
+    parser.add_argument("--verify-serving", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --verify: also the on/off serving run (--no-verify-serving: the checksums only)")
     args = parser.parse_args(argv)
+    if args.verify:
+        torch.set_num_threads(args.torch_threads)
+        bench_checksums(args.verify_prompt_tokens, args.reps)
+        if args.verify_serving:
+            bench_verify_serving(args)
+        return
     torch.set_num_threads(args.torch_threads)
     sizes = [int(s) for s in args.sizes.split(",")]
     backends = [b for b in args.backends.split(",") if b]

@@ -56,6 +56,15 @@ def prefill_worker_config(**fields):
     return PrefillWorkerConfig(**{"lease_seconds": LEASE_SECONDS.default, **fields})
 
 
+def decode_worker_config(**fields):
+    """A ``DecodeWorkerConfig`` with ``pdserve serve``'s transfer timeout unless ``fields`` name
+    one: the config has no default of its own (``pdserve.cluster.settings.TRANSFER_TIMEOUT_SECONDS``)."""
+    from pdserve.cluster.settings import TRANSFER_TIMEOUT_SECONDS
+    from pdserve.decode_worker.worker import DecodeWorkerConfig
+
+    return DecodeWorkerConfig(**{"transfer_timeout_s": TRANSFER_TIMEOUT_SECONDS.default, **fields})
+
+
 def make_engine(model_dir: Path | str, tokenizer=None, **kwargs) -> LLMEngine:
     config = engine_config(model_dir, **kwargs)
     model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pdserve.cluster.autoscaling.budget import BudgetConfig
 from pdserve.cluster.mode import COLOCATED, DISAGGREGATED, MODES
 from pdserve.cluster.placement import PoolPlacement
-from pdserve.cluster.settings import LEASE_SECONDS
+from pdserve.cluster.settings import LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS, check_lease_outlives_transfer
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import DEFAULT_BACKEND
+from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
 from pdserve.router.auth import ApiKeys
 from pdserve.router.limits import RouterLimits
 from pdserve.router.tool_parsers import DEFAULT_PARSER
@@ -66,7 +67,8 @@ class ClusterConfig:
     worker_max_requests: int = 1024  # requests one worker holds at once; past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request each server accepts (the router's public one: see RouterConfig)
     router_limits: RouterLimits = field(default_factory=RouterLimits)  # admission wait, timeouts, sizes
-    transfer_timeout_s: float = 10.0
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_SECONDS.default
+    verify_kv_transfers: bool = VERIFY_BY_DEFAULT  # checksum every KV block handed out, check every one read
     inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
     borrow_idle_cores: bool = True  # pinned workers also borrow the other workers' cores while idle
@@ -98,12 +100,7 @@ class ClusterConfig:
             raise ValueError("role_budget needs elastic_roles: only an elastic worker changes its role in place")
         if self.mode == COLOCATED and self.num_prefill:
             raise ValueError(f"num_prefill must be 0 in colocated mode (no prefill pool), got {self.num_prefill}")
-        # A claim renews the lease for lease_seconds and the read may take transfer_timeout_s:
-        # a lease no longer than that could free (and hand out) blocks a reader still reads.
-        if self.lease_seconds <= self.transfer_timeout_s:
-            raise ValueError(f"lease_seconds ({self.lease_seconds:g} s, --lease-seconds) must exceed "
-                             f"transfer_timeout_s ({self.transfer_timeout_s:g} s, the KV read timeout), or a "
-                             f"lease could expire while a decode worker reads its blocks")
+        check_lease_outlives_transfer(self.lease_seconds, self.transfer_timeout_s)
 
     def without_secrets(self) -> "ClusterConfig":
         """This config for whoever may read it (``Controller.config``, any Ray client): the API
@@ -172,7 +169,8 @@ class ClusterConfig:
         common = dict(worker_id=f"{role}-{index}", model_name=self.served_model_names[0], engine=self.engine,
                       host=self.internal_bind_host(), tls=self.tls_for(role), advertise_host=self.internal_advertise_host,
                       insecure_internal=self.insecure_internal,
-                      kv_transfer_backend=self.kv_transfer_backend, max_requests=self.worker_max_requests,
+                      kv_transfer_backend=self.kv_transfer_backend, verify_kv=self.verify_kv_transfers,
+                      max_requests=self.worker_max_requests,
                       max_receive_bytes=self.max_receive_bytes, step_trace_dir=self.step_trace_dir,
                       otlp_traces_endpoint=self.otlp_traces_endpoint)
         if self.elastic_roles:  # both roles' settings, one process, one identity that holds both roles

@@ -48,6 +48,7 @@ def build(v: dict[str, Any]):
         public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"], prefix="public_tls",
                             require_ca=False),
         kv_transfer_backend=v["kv_transfer_backend"], lease_seconds=v["lease_seconds"],
+        transfer_timeout_s=v["transfer_timeout_seconds"], verify_kv_transfers=v["verify_kv_transfers"],
         hang_timeout_s=v["hang_timeout_seconds"],
         threads_per_worker=v["threads_per_worker"], borrow_idle_cores=v["borrow_idle_cores"], step_trace_dir=_absolute(v["step_trace_dir"]), ray_address=v["address"],
         otlp_traces_endpoint=v["otlp_traces_endpoint"],

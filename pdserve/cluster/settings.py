@@ -40,8 +40,12 @@ class Setting:
 # once, and passed down as plain values (a worker config has no default of its own for them).
 # A decode worker claims held KV within milliseconds normally; the lease's slack covers a router
 # that waits for room in a full decode pool.
-LEASE_SECONDS = Setting("lease_seconds", float, 30.0, "how long held KV waits to be pulled before it is freed",
-                        above=0)
+LEASE_SECONDS = Setting("lease_seconds", float, 30.0, "how long held KV waits to be pulled before it is freed "
+                        "(a reader renews its claim while it reads); must exceed the KV read timeout", above=0)
+# A decode worker gives up on a KV read this long after posting it (the router re-prefills).
+TRANSFER_TIMEOUT_SECONDS = Setting("transfer_timeout_seconds", float, 10.0,
+                                   "a KV read not done this long after it started fails, and the request "
+                                   "re-prefills elsewhere; must be shorter than the lease on held KV", above=0)
 DRAIN_GRACE_SECONDS = Setting("drain_grace_seconds", float, 30.0,
                               "on a stop (SIGTERM, SIGINT, pdserve stop): how long in-flight requests may take to "
                               "finish", minimum=0)
@@ -54,6 +58,7 @@ def serve_settings() -> tuple[Setting, ...]:
     Built on first use: the owners import torch, which ``pdserve generate`` never needs."""
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.kv_transfer import BACKENDS, DEFAULT_BACKEND
+    from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
     from pdserve.router import tool_parsers
     from pdserve.router.kv_policy import POLICIES
     from pdserve.cluster.mode import DISAGGREGATED, MODES
@@ -147,6 +152,11 @@ def serve_settings() -> tuple[Setting, ...]:
                 minimum=1),
         Setting("kv_transfer_backend", str, DEFAULT_BACKEND, "how KV moves from prefill to decode workers", BACKENDS),
         LEASE_SECONDS,
+        TRANSFER_TIMEOUT_SECONDS,
+        Setting("verify_kv_transfers", bool, VERIFY_BY_DEFAULT,
+                "the prefill side checksums every KV block it hands out and the decode side checks each block it "
+                "reads (a mismatch fails the transfer: the request re-prefills elsewhere); --no-verify-kv-transfers "
+                "only to measure what it costs"),
         Setting("admission_wait_seconds", float, limits.admission_wait_s,
                 "how long a request waits for room in a full pool before RESOURCE_EXHAUSTED / HTTP 429", minimum=0),
         Setting("request_timeout_seconds", float, limits.request_timeout_s,
@@ -204,6 +214,18 @@ def serve_settings() -> tuple[Setting, ...]:
 
 class SettingsError(ValueError):
     """A setting could not be read; the message names where it came from."""
+
+
+def check_lease_outlives_transfer(lease_seconds: float, transfer_timeout_s: float) -> None:
+    """Raise ``SettingsError`` naming both settings unless ``lease_seconds`` exceeds the
+    transfer timeout. A claim renews the lease for ``lease_seconds`` while a read may take the
+    transfer timeout: a lease no longer than that could expire between two of its reader's
+    renewals, and its blocks be handed to another request while the reader still reads them.
+    Every entry point that takes both (``pdserve serve``, ``pdserve worker``) checks it."""
+    if lease_seconds <= transfer_timeout_s:
+        raise SettingsError(f"lease_seconds ({lease_seconds:g} s, {LEASE_SECONDS.flag}) must exceed "
+                            f"transfer_timeout_seconds ({transfer_timeout_s:g} s, {TRANSFER_TIMEOUT_SECONDS.flag}, "
+                            "the KV read timeout), or a lease could expire while a decode worker reads its blocks")
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings: tuple[Setting, ...] | None = None) -> None:

@@ -33,12 +33,14 @@ import functools
 
 from pdserve.cluster.plain_process import engine_config, internal_tls, stop_signal
 from pdserve.cluster.serve_config import served_names
-from pdserve.cluster.settings import Setting, SettingsError, add_arguments, resolve, serve_settings
+from pdserve.cluster.settings import (Setting, SettingsError, add_arguments, check_lease_outlives_transfer, resolve,
+                                      serve_settings)
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
 
 _SHARED = ("model", "served_model_name", "dtype", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
+           "transfer_timeout_seconds", "verify_kv_transfers",
            "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "otlp_traces_endpoint", "host", "port", "grpc_port", "advertise_host",
            "internal_host", "internal_advertise_host", "api_key", "api_key_file", "api_keys_file", "tls_ca", "tls_cert", "tls_key",
            "insecure_internal", "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
@@ -107,6 +109,8 @@ def settings(args: argparse.Namespace, environ=None) -> dict[str, Any]:
     if v["role"] != "router" and not v["router_admin"]:
         raise SettingsError(f"router_admin: a {v['role']} worker needs the router's internal address to join "
                             "(--router-admin HOST:PORT, or PDSERVE_ROUTER_ADMIN)")
+    if v["role"] != "router":  # each side checks the pair as it is given: both read one config in a deployment
+        check_lease_outlives_transfer(v["lease_seconds"], v["transfer_timeout_seconds"])
     return v
 
 
@@ -117,6 +121,7 @@ def worker_config(v: dict[str, Any]):
                   advertise_host=v["internal_advertise_host"], tls=internal_tls(v), port=v["internal_port"],
                   insecure_internal=v["insecure_internal"],
                   metrics_port=v["metrics_port"], kv_transfer_backend=v["kv_transfer_backend"],
+                  verify_kv=v["verify_kv_transfers"],
                   step_trace_dir=v["step_trace_dir"], otlp_traces_endpoint=v["otlp_traces_endpoint"])
     if v["role"] == "prefill":
         from pdserve.prefill_worker.worker import PrefillWorkerConfig
@@ -124,7 +129,7 @@ def worker_config(v: dict[str, Any]):
         return PrefillWorkerConfig(lease_seconds=v["lease_seconds"], **common)
     from pdserve.decode_worker.worker import DecodeWorkerConfig
 
-    return DecodeWorkerConfig(**common)
+    return DecodeWorkerConfig(transfer_timeout_s=v["transfer_timeout_seconds"], **common)
 
 
 async def run_role(v: dict[str, Any], config) -> None:

@@ -20,7 +20,8 @@ import asyncio
 import signal
 import sys
 
-from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, flag_type
+from pdserve.cluster.settings import (DRAIN_GRACE_SECONDS, LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS, SettingsError,
+                                      check_lease_outlives_transfer, flag_type)
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.kv_transfer import BACKENDS, DEFAULT_BACKEND
 from pdserve.wire.logs import FORMATS, LEVELS, LogConfig, configure
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="requests held at once; past it RESOURCE_EXHAUSTED at once")
     p.add_argument(LEASE_SECONDS.flag, type=flag_type(LEASE_SECONDS), default=LEASE_SECONDS.default,
                    help=f"{LEASE_SECONDS.help} (prefill only)")
+    p.add_argument(TRANSFER_TIMEOUT_SECONDS.flag, type=flag_type(TRANSFER_TIMEOUT_SECONDS),
+                   default=TRANSFER_TIMEOUT_SECONDS.default, help=f"{TRANSFER_TIMEOUT_SECONDS.help} (decode only)")
     p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
     p.add_argument("--log-level", default=LogConfig.level, choices=LEVELS)
     p.add_argument("--log-format", default=LogConfig.format, choices=FORMATS)
@@ -59,7 +62,7 @@ def _config(args):
         return PrefillWorkerConfig(lease_seconds=args.lease_seconds, **common)
     from pdserve.decode_worker.worker import DecodeWorkerConfig
 
-    return DecodeWorkerConfig(**common)
+    return DecodeWorkerConfig(transfer_timeout_s=args.transfer_timeout_seconds, **common)
 
 
 async def run(config, role: str, drain_grace_s: float) -> None:
@@ -81,7 +84,12 @@ async def run(config, role: str, drain_grace_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        check_lease_outlives_transfer(args.lease_seconds, args.transfer_timeout_seconds)
+    except SettingsError as exc:
+        parser.error(str(exc))
     config = _config(args)
     configure(LogConfig(args.log_level, args.log_format), config.worker_id)
     asyncio.run(run(config, args.role, args.drain_grace_s))

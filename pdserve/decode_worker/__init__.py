@@ -8,7 +8,11 @@ Request lifecycle on this worker:
   claimed, so the router's next decode worker finds it held), the prefill worker's metadata
   is known (fetched once per peer over gRPC and cached), and the lease is claimed.
 - TRANSFERRING: a NIXL READ moves the prompt's KV from the prefill worker's blocks straight
-  into ours; on completion NIXL notifies the prefill worker, which frees its copy.
+  into ours; on completion NIXL notifies the prefill worker, which frees its copy. Each block
+  that lands is checked against the checksum the prefill worker sent with the lease (a
+  mismatch fails the transfer), and only then is the engine told the KV is ready. While its
+  reads run, the worker renews its claim on the lease, so the holder never frees the blocks
+  under it.
   Streamed KV (``kv_streamed``): the lease comes while the prompt still computes; the worker
   reads each stretch of finished blocks as ``WatchKV`` reports it, then the rest and the
   first token once the prompt is done. Any failed read fails the transfer as a whole.

@@ -6,7 +6,13 @@ restarts on the same address (a Kubernetes container restart keeps the pod IP an
 internal port) would otherwise be read with its dead predecessor's metadata forever. So after
 a transfer from an address fails, its metadata is fetched again at once, and a new incarnation
 replaces the peer before the router retries; the router marks a source whose transfers keep
-failing down (``pdserve.router.pool.WorkerPool.transfer_failed``).
+failing down (``pdserve.router.pool.WorkerPool.transfer_failed``). Each address has its own
+lock for this: a prefill worker that does not answer its metadata call (up to 10 s) holds up
+the requests that read from it, not those that read from the others.
+
+A claimed lease is the reader's for as long as it reads: ``_LeaseUse`` renews its claim every
+third of the holder's ``lease_seconds`` (from the event loop, so a long engine step never
+delays it) until its reads have ended, so the holder never frees the blocks under it.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
         self.metrics_address = metrics_address
         self._peers: dict[str, tuple[str, str]] = {}  # prefill address -> (peer agent name, incarnation)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._lock = asyncio.Lock()
+        self._locks: dict[str, asyncio.Lock] = {}  # prefill address -> the lock on its peer entry
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._channels:
@@ -51,7 +57,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
         """The prefill worker's agent at ``address``, added once per incarnation (metadata
         travels over gRPC). ``check_again``: fetch its metadata even if known, and replace the
         peer if the worker there is a new incarnation."""
-        async with self._lock:
+        async with self._locks.setdefault(address, asyncio.Lock()):
             known = self._peers.get(address)
             if known is None or check_again:
                 meta = await self._stub(address).GetAgentMetadata(worker_pb2.AgentMetadataRequest(), timeout=10)
@@ -105,7 +111,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
                     yield worker_pb2.DecodeResponse(kv_progress=True)
                     continue
                 if isinstance(item, KVArrived):
-                    lease.done = True  # read: the holder frees its copy on the read's notification
+                    lease.read_done()  # the holder frees its copy on the read's notification
                     if spans is not None:
                         spans.kv_arrived(item)
                     yield worker_pb2.DecodeResponse(kv_bytes=item.nbytes, kv_transfer_seconds=item.seconds)
@@ -211,28 +217,61 @@ class LeaseClaimFailed(Exception):
 
 
 class _LeaseUse:
-    """This decode worker's use of one lease: claim it before reading, and end it (once) if
-    it was claimed, or abandoned by the router, and the read never finished."""
+    """This decode worker's use of one lease: claim it before reading, keep the claim renewed
+    while the reads run, and end it (once) if it was claimed, or abandoned by the router, and
+    the read never finished."""
 
     def __init__(self, stub: worker_pb2_grpc.PrefillWorkerStub, kv: KVHandle):
         self.stub, self.kv = stub, kv
         self.claimed = self.done = self.abandoned = False
+        self._renewing: asyncio.Task | None = None
+
+    def _request(self, renew: bool = False) -> worker_pb2.ClaimRequest:
+        return worker_pb2.ClaimRequest(lease_token=self.kv.lease_token, block_ids=list(self.kv.block_ids), renew=renew)
 
     async def claim(self) -> None:
         try:
-            await self.stub.Claim(worker_pb2.ClaimRequest(lease_token=self.kv.lease_token,
-                                                          block_ids=list(self.kv.block_ids)), timeout=10)
+            answer = await self.stub.Claim(self._request(), timeout=10)
         except grpc.aio.AioRpcError as exc:
             raise LeaseClaimFailed(f"claim refused by {self.kv.prefill_address}: {exc.details()}") from exc
         self.claimed = True
+        if answer.lease_seconds > 0:
+            self._renewing = asyncio.create_task(self._keep_claimed(answer.lease_seconds / 3))
+
+    async def _keep_claimed(self, every_s: float) -> None:
+        """Renew the claim every ``every_s`` until the reads end (``read_done``, ``end``). A
+        call that fails is tried again at the next turn; a refusal means the lease has ended
+        (its last read's notice, a release): nothing left to renew."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.stub.Claim(self._request(renew=True), timeout=every_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    return
+                log.info("renewing the claim on %s failed (%s); trying again in %.1f s", self.kv.prefill_address,
+                         exc.code().name, every_s)
+
+    def read_done(self) -> None:
+        """Every read has ended well: the holder frees its copy on the last one's notice."""
+        self.done = True
+        self._stop_renewing()
+
+    def _stop_renewing(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+            self._renewing = None
 
     async def watch(self):
-        """The claimed streamed lease's progress: (tokens computed, the first token once done).
-        Raises TransferFailed if the holder stops answering or the prompt stops."""
+        """The claimed streamed lease's progress: (tokens computed, the first token once done,
+        the checksums of the blocks final so far). Raises TransferFailed if the holder stops
+        answering or the prompt stops."""
         call = self.stub.WatchKV(worker_pb2.WatchKVRequest(lease_token=self.kv.lease_token))
+        sums: list[int] = []
         try:
             async for progress in call:
-                yield progress.ready_tokens, progress.first_token_id if progress.done else None
+                sums[progress.checksums_from:] = progress.block_checksums  # each message continues the last
+                yield progress.ready_tokens, progress.first_token_id if progress.done else None, tuple(sums)
         except grpc.aio.AioRpcError as exc:
             raise TransferFailed(f"the prefill worker {self.kv.prefill_address} stopped streaming the KV: "
                                  f"{exc.code().name} {exc.details()}") from exc
@@ -242,6 +281,7 @@ class _LeaseUse:
     async def end(self, reason: ReleaseReason) -> None:
         """Release (or hand back) a lease we claimed, or that the router abandoned, and did not
         read (best effort: it expires anyway)."""
+        self._stop_renewing()
         if self.done or not (self.claimed or self.abandoned):
             return
         self.done = True

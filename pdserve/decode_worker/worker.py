@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Optional
@@ -21,6 +22,7 @@ from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer import (DEFAULT_BACKEND, InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState,
                                  create_agent)
+from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
 from pdserve.kv_transfer.handoff import KVHandle, ReadNotice
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire import worker_metrics
@@ -28,6 +30,8 @@ from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
 from pdserve.shell.worker import WorkerShell
+
+log = logging.getLogger(__name__)
 
 # While a read is in flight the engine thread checks on it at least this often (between
 # steps it checks every iteration); with no read in flight it does not poll at all.
@@ -54,7 +58,10 @@ class DecodeWorkerConfig:
     port: int = 0
     metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
     kv_transfer_backend: str = DEFAULT_BACKEND
-    transfer_timeout_s: float = 10.0  # a read not done by then fails (and the router re-prefills)
+    # A read not done this long after it started fails (and the router re-prefills). No default
+    # here: the process entry passes the ``transfer_timeout_seconds`` setting (cluster.settings).
+    transfer_timeout_s: float = field(kw_only=True)
+    verify_kv: bool = VERIFY_BY_DEFAULT  # check every block read against the holder's checksum (kv_transfer.checksum)
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
     max_requests: int = 1024  # requests held at once (waiting for KV, queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
@@ -91,8 +98,8 @@ class _Pull:
 
 
 # Streamed KV's progress as the decode worker hears it: (prompt tokens computed, the first
-# token once the whole prompt is).
-Watch = Callable[[], AsyncIterator[tuple[int, Optional[int]]]]
+# token once the whole prompt is, the checksums of the blocks final so far).
+Watch = Callable[[], AsyncIterator[tuple[int, Optional[int], tuple[int, ...]]]]
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,7 @@ class DecodeWorker(WorkerShell):
         self.endpoint = endpoint
         self._pulls: dict[str, _Pull] = {}
         self._arriving: dict[str, float] = {}  # request -> its latest move (time.monotonic), until its KV is here
+        self._unverified_peers: set[str] = set()  # peers whose KV came without checksums (warned once)
 
     def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
         return self.agent.add_remote(meta)
@@ -179,11 +187,12 @@ class DecodeWorker(WorkerShell):
             local = await self.call(self._add_arriving, request_id, prompt, first_token, params)
             await claim()
             if watch is None:
-                await self.call(self._start_read, request_id, kv, peer, local, kv.num_tokens, True, None)
+                await self.call(self._start_read, request_id, kv, peer, local, kv.num_tokens, True, None,
+                                kv.block_checksums)
             else:
-                async for ready_tokens, first in watch():
+                async for ready_tokens, first, sums in watch():
                     await self.call(self._start_read, request_id, kv, peer, local, ready_tokens,
-                                    first is not None, first)
+                                    first is not None, first, sums)
                     if first is not None:
                         break
                     yield KVProgressed(ready_tokens)
@@ -269,10 +278,12 @@ class DecodeWorker(WorkerShell):
         return max(self._arriving.values()) + min(HOLD_CAP_S, HOLD_SHARE * self.thread.last_step_s)
 
     def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int], ready_tokens: int,
-                    last: bool, first_token: int | None) -> None:
+                    last: bool, first_token: int | None, sums: tuple[int, ...]) -> None:
         """Read the blocks not read yet that hold only computed tokens; with ``last``, every
         block not read yet, notifying the holder with the lease token (which ends the lease).
-        Early reads leave the last block to the last read, so that one always moves a block."""
+        Early reads leave the last block to the last read, so that one always moves a block.
+        ``sums``: the holder's checksums of the handle's first blocks, against which the read
+        checks what lands (with ``verify_kv``, where they cover the blocks read)."""
         if not self.engine.blocks.has(request_id):  # aborted meanwhile (or an early read failed)
             raise TransferFailed("the request was aborted before its read started")
         pull = self._pulls.setdefault(request_id, _Pull())
@@ -285,10 +296,16 @@ class DecodeWorker(WorkerShell):
         else:  # an early read: a holder that checks reads needs the token; a one-sided one needs
             # nothing, and a notice would complete only when the holder next runs its progress
             notify = ReadNotice(kv.lease_token, ends_lease=False).encode() if self.agent.guards_reads else b""
+        checksums = sums[pull.next_block:end] if self.config.verify_kv and len(sums) >= end else None
+        if checksums is None and self.config.verify_kv and peer not in self._unverified_peers:
+            self._unverified_peers.add(peer)  # said once per peer: a setting, not an event
+            log.warning("KV from peer %r comes without checksums: its reads are not verified (is "
+                        "verify_kv_transfers off there?)", peer)
         try:
             handle = self.agent.start_read(
                 peer, kv.block_ids[pull.next_block:end], local[pull.next_block:end], notify=notify,
-                last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None)
+                last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None,
+                checksums=checksums)
         except InvalidTransferRequest as exc:
             self.abort_now(request_id)
             raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc

@@ -160,5 +160,5 @@ class ElasticWorker:
         if kept is None:
             return None
         block_ids, num_tokens = kept
-        lease = self.prefill.adopt(request_id, block_ids)
-        return KVHandle(self.address, lease.block_ids, num_tokens, lease.token)
+        lease = self.prefill.adopt(request_id, block_ids, num_tokens)
+        return KVHandle.of_lease(self.address, lease, num_tokens)

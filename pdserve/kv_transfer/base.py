@@ -4,9 +4,13 @@ Lifecycle of one read, as ``poll`` reports it (``TransferState``):
 
 - PENDING: accepted by ``start_read`` but not yet posted (only with ``inject_delay_s``).
 - TRANSFERRING: posted to the backend; bytes are moving.
-- DONE: every block is in place locally and the holder is (being) notified; bytes counted.
-- FAILED: the backend reported an error, the peer went away, or ``read_timeout_s`` passed;
-  counted in ``stats.failures``. Local target blocks hold undefined bytes.
+- DONE: every block is in place locally, matches its checksum when the read was given the
+  holder's (``pdserve.kv_transfer.checksum``), and the holder is (being) notified; bytes
+  counted.
+- FAILED: the backend reported an error, the peer went away, ``read_timeout_s`` passed, or
+  a block that landed does not match its checksum (also counted in
+  ``stats.verify_failures``); counted in ``stats.failures``. Local target blocks hold
+  undefined bytes.
 - CANCELLED: the caller stopped it with ``cancel``; nothing counted as transferred.
 
 Terminal states are DONE, FAILED and CANCELLED; a terminal handle's backend resources are
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -25,16 +30,24 @@ from typing import Callable, ClassVar, Optional
 
 import torch
 
+from pdserve.kv_transfer import checksum
 from pdserve.kv_transfer.errors import InvalidTransferRequest, TransferError
-from pdserve.kv_transfer.layout import CacheLayout
+from pdserve.kv_transfer.layout import CacheLayout, block_bytes_view
 from pdserve.kv_transfer.read import TransferHandle, TransferState, TransferStats
 from pdserve.protos import kv_transfer_pb2
 
-__all__ = ["KVTransferAgent"]
+__all__ = ["KVTransferAgent", "MAX_PEER_BLOCKS"]
+
+logger = logging.getLogger(__name__)
 
 # wait() sleeps between polls (never spins: a spinning caller holds the GIL that the tcp
 # reader thread needs) and backs off to this cap, which bounds the added latency per read.
 _POLL_SLEEP_MAX_S = 2e-4
+# The most blocks a peer may announce (``max_peer_blocks``'s default). A peer's block count
+# sizes what this agent allocates for it (NIXL: a descriptor table of 24 bytes a block), so it
+# is bounded before anything is. 4M blocks is a 96 MiB table, and more than any cache holds
+# at 16 tokens a block: 1.4 TiB of the default model's KV, 8 TiB of an 8B model's.
+MAX_PEER_BLOCKS = 1 << 22
 
 
 class KVTransferAgent(abc.ABC):
@@ -48,6 +61,7 @@ class KVTransferAgent(abc.ABC):
       inject_delay_s: test/fault-injection hook: each read is posted this many seconds after
         ``start_read`` (state PENDING until then), so its completion is delayed by as much.
       read_timeout_s: a read not DONE this long after being posted is stopped and FAILED.
+      max_peer_blocks: the most blocks a peer's metadata may announce (``add_remote``).
     """
 
     backend_name: ClassVar[str]
@@ -57,7 +71,7 @@ class KVTransferAgent(abc.ABC):
     guards_reads: ClassVar[bool] = False
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
-                 read_timeout_s: float = 30.0):
+                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS):
         if not isinstance(name, str) or not name:
             raise InvalidTransferRequest("agent name must be a non-empty string", field="name")
         if inject_delay_s < 0:
@@ -66,11 +80,16 @@ class KVTransferAgent(abc.ABC):
         if read_timeout_s <= 0:
             raise InvalidTransferRequest(f"read_timeout_s must be > 0, got {read_timeout_s}",
                                          field="read_timeout_s", limit=0)
+        if max_peer_blocks < 1:
+            raise InvalidTransferRequest(f"max_peer_blocks must be >= 1, got {max_peer_blocks}",
+                                         field="max_peer_blocks", limit=1)
         self.name = name
         self.cache = cache
         self.layout = CacheLayout.of(cache)
+        self._block_rows = block_bytes_view(cache)  # (num_blocks, block_bytes) uint8, for checksums
         self.inject_delay_s = float(inject_delay_s)
         self.read_timeout_s = float(read_timeout_s)
+        self.max_peer_blocks = int(max_peer_blocks)
         self.stats = TransferStats()
         self._lock = threading.RLock()
         self._peers: dict[str, kv_transfer_pb2.AgentMetadata] = {}
@@ -132,22 +151,32 @@ class KVTransferAgent(abc.ABC):
                 f"block_bytes mismatch: peer {meta.agent_name!r} has {meta.block_bytes}, this "
                 f"agent has {self.layout.block_bytes}; both caches need the same block layout",
                 field="block_bytes", limit=self.layout.block_bytes, peer=meta.agent_name)
-        if meta.num_blocks < 1:
+        if not 1 <= meta.num_blocks <= self.max_peer_blocks:
             raise InvalidTransferRequest(
-                f"peer {meta.agent_name!r} announces {meta.num_blocks} blocks",
-                field="num_blocks", limit=1, peer=meta.agent_name)
+                f"peer {meta.agent_name!r} announces num_blocks={meta.num_blocks}; a peer may have "
+                f"1 to max_peer_blocks={self.max_peer_blocks}", field="num_blocks",
+                limit=self.max_peer_blocks, peer=meta.agent_name)
+        if meta.base_address + meta.num_blocks * meta.block_bytes > 1 << 64:
+            raise InvalidTransferRequest(
+                f"peer {meta.agent_name!r} announces num_blocks={meta.num_blocks} of {meta.block_bytes} "
+                f"bytes at {meta.base_address:#x}, past the end of a 64-bit address space",
+                field="num_blocks", limit=((1 << 64) - meta.base_address) // meta.block_bytes,
+                peer=meta.agent_name)
 
     # ----------------------------------------------------------------- reads
 
     def start_read(self, peer: str, remote_block_ids: Sequence[int],
                    local_block_ids: Sequence[int], notify: bytes = b"",
-                   last_block_bytes: Optional[int] = None) -> TransferHandle:
+                   last_block_bytes: Optional[int] = None,
+                   checksums: Optional[Sequence[int]] = None) -> TransferHandle:
         """Begin READing ``remote_block_ids`` of ``peer`` into ``local_block_ids`` (pairwise).
 
         Returns at once; follow with ``poll``/``wait``. When the read completes the peer gets
         ``notify`` from its ``get_notifications`` (empty ``notify``: no notification).
         ``last_block_bytes``: move only the first this-many bytes of the last block (a
-        partly filled block); None moves it whole.
+        partly filled block); None moves it whole. ``checksums``: the holder's checksum of
+        each block (``block_checksums`` on its side), checked when the bytes land: a block
+        that does not match fails the read. None: not checked.
         Raises InvalidTransferRequest for an unknown peer, unequal lengths or ids out of range.
         """
         with self._lock:
@@ -176,12 +205,13 @@ class KVTransferAgent(abc.ABC):
                 raise InvalidTransferRequest(
                     f"last_block_bytes must be in (0, {block_bytes}] with at least one block, "
                     f"got {last_block_bytes}", field="last_block_bytes", limit=block_bytes, peer=peer)
+            sums = checksum.checksums_arg(checksums, len(local), peer)
             now = time.monotonic()
             handle = TransferHandle(
                 transfer_id=next(self._ids), peer=peer, remote_block_ids=remote,
                 local_block_ids=local, notify=notify, last_block_bytes=last,
                 nbytes=(len(local) - 1) * block_bytes + last, started_at=now,
-                post_at=now + self.inject_delay_s)
+                post_at=now + self.inject_delay_s, checksums=sums)
             self._inflight[handle.transfer_id] = handle
             if self.inject_delay_s == 0:
                 self._post(handle)
@@ -222,6 +252,22 @@ class KVTransferAgent(abc.ABC):
             time.sleep(sleep)
             sleep = min(sleep * 2, _POLL_SLEEP_MAX_S)
 
+    def block_checksums(self, block_ids: Sequence[int],
+                        last_block_bytes: Optional[int] = None) -> tuple[int, ...]:
+        """The checksums of this cache's ``block_ids`` (in order; the last one over its first
+        ``last_block_bytes``, None: whole) that a reader of them checks: call it once their
+        contents are final, and send them with the lease."""
+        return checksum.block_checksums(self._block_rows, block_ids, last_block_bytes)
+
+    def _verified(self, handle: TransferHandle) -> bool:
+        """Whether the bytes of a read the backend reports DONE match its checksums (True when
+        it has none); a mismatch is logged with the block and the peer, and marks the handle."""
+        error = checksum.verify(self._block_rows, handle)
+        if error is not None:
+            handle.verify_failed, handle.error = True, error
+            logger.warning("KV read %d from peer %r failed verification: %s", handle.transfer_id, handle.peer, error)
+        return error is None
+
     def cancel(self, handle: TransferHandle) -> TransferState:
         """Cancel a read that is not yet terminal and free its resources; counts nothing
         as transferred. A terminal read is left as it is. Returns the final state."""
@@ -261,6 +307,10 @@ class KVTransferAgent(abc.ABC):
 
     def _finish(self, handle: TransferHandle, state: TransferState,
                 error: Optional[str]) -> None:
+        """End the read in ``state``; a read that would be DONE is FAILED if its blocks do not
+        match their checksums (every way a read completes, at its post or its poll, ends here)."""
+        if state == TransferState.DONE and not self._verified(handle):
+            state, error = TransferState.FAILED, handle.error
         handle.finished_at = time.monotonic()
         handle.state = state
         handle.error = error
@@ -268,7 +318,7 @@ class KVTransferAgent(abc.ABC):
         if handle.backend_handle is not None:  # cancels the read if it is still running
             self._free_backend(handle)
             handle.backend_handle = None
-        self.stats.record(state, handle.nbytes, handle.finished_at - handle.started_at)
+        self.stats.record(state, handle.nbytes, handle.finished_at - handle.started_at, handle.verify_failed)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -347,3 +397,4 @@ def _block_ids(field_name: str, ids: Sequence[int], num_blocks: int) -> tuple[in
             f"{field_name} has ids out of range [0, {num_blocks}): {bad[:8]}",
             field=field_name, limit=num_blocks)
     return out
+

@@ -2,18 +2,25 @@
 
 A prompt's KV changes hands like this:
 
-1. The prefill worker computes it and keeps its blocks HELD under a lease (``LeaseTable.grant``).
-   It answers ``Prefill`` with a ``KVHandle``: where the blocks are, which blocks, how many
-   tokens, and the lease token. The token is a secret: only the router and the decode worker
-   the router picks learn it.
+1. The prefill worker computes it and keeps its blocks HELD under a lease (``LeaseTable.grant``),
+   with the checksum of each block, taken once its contents are final
+   (``pdserve.kv_transfer.checksum``). It answers ``Prefill`` with a ``KVHandle``: where the
+   blocks are, which blocks, how many tokens, their checksums, and the lease token. The token
+   is a secret: only the router and the decode worker the router picks learn it.
 2. The decode worker allocates its own blocks, then claims the lease (``Claim`` RPC, then
    ``LeaseTable.claim``) before it reads a byte. A claim is refused for an unknown token,
    block ids that are not exactly the lease's, an expired lease or one already claimed (a
-   replay). A claim renews the lease for the length of the read.
+   replay). A claim renews the lease for ``lease_seconds``, and the reader renews its claim
+   (``Claim`` with ``renew``, ``LeaseTable.renew_claim``) every third of that until its read
+   has ended: a claimed lease is never freed by expiry under a reader that is alive and
+   reading, however long its read waits to start or takes, and the lease of a reader that
+   died expires ``lease_seconds`` after its last renewal. (The holder cannot tell when a
+   one-sided NIXL read ends; only the reader can.)
 3. The read runs (NIXL or tcp); the tcp holder serves only the blocks of a claimed lease
    (``LeaseTable.read_allowed``). Every read tells the holder a ``ReadNotice`` (the lease
    token, and whether it is the lease's last read). The last read's notice ends the lease
-   (PULLED).
+   (PULLED). The reader checks every block it read against its checksum before it uses it: a
+   mismatch fails the transfer (the request re-prefills elsewhere).
 4. Every other end is a ``Release`` naming the token and a ``ReleaseReason``: the decode side
    gave up (ABORTED, TRANSFER_FAILED), or it could not take the request after claiming and
    hands its claim back unread (RETURNED: the lease stays held, claimable again by the decode
@@ -26,7 +33,8 @@ Streamed KV (``PrefillStream``): the lease is granted as soon as the prompt has 
 its first chunk has run, not after the whole prompt, and is renewed at every chunk. The decode
 worker claims it early and reads each block once its chunk is done, while later chunks
 compute. Those early reads carry a notice with ``ends_lease`` False: they are authorized by
-the lease like any read but do not end it. The last read, after the whole prompt, ends the
+the lease like any read but do not end it. Each block's checksum is taken when the chunk that
+computed it has run and travels with the progress that announces it (``WatchKV``). The last read, after the whole prompt, ends the
 lease (PULLED) as before. Any other end (the decode side gave up, the prompt failed) is the
 same Release as above.
 
@@ -56,6 +64,7 @@ import enum
 import heapq
 import secrets
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.protos import worker_pb2
@@ -69,6 +78,9 @@ class KVHandle:
     block_ids: tuple[int, ...]  # in token order
     num_tokens: int  # prompt tokens whose KV the blocks hold
     lease_token: str  # secret: claims, reads and releases name it
+    # The checksum of each block final when the handle was made (a prefix of block_ids; all of
+    # them but for streamed KV's early handle); () where the holder checksums nothing.
+    block_checksums: tuple[int, ...] = ()
 
     def last_block_bytes(self, block_size: int, bytes_per_token: int) -> int:
         """Bytes of the last, partly filled block that a read must move."""
@@ -77,11 +89,17 @@ class KVHandle:
 
     def to_proto(self) -> worker_pb2.KVHandle:
         return worker_pb2.KVHandle(prefill_address=self.prefill_address, block_ids=list(self.block_ids),
-                                   num_tokens=self.num_tokens, lease_token=self.lease_token)
+                                   num_tokens=self.num_tokens, lease_token=self.lease_token,
+                                   block_checksums=list(self.block_checksums))
 
     @classmethod
     def from_proto(cls, p: worker_pb2.KVHandle) -> KVHandle:
-        return cls(p.prefill_address, tuple(p.block_ids), p.num_tokens, p.lease_token)
+        return cls(p.prefill_address, tuple(p.block_ids), p.num_tokens, p.lease_token, tuple(p.block_checksums))
+
+    @classmethod
+    def of_lease(cls, prefill_address: str, lease: Lease, num_tokens: int) -> KVHandle:
+        """The handle to ``lease``'s blocks, with the checksums taken so far."""
+        return cls(prefill_address, lease.block_ids, num_tokens, lease.token, tuple(lease.checksums))
 
 
 class ReleaseReason(str, enum.Enum):
@@ -145,6 +163,21 @@ class Lease:
     expires_at: float  # time.monotonic() deadline
     claimed: bool = False
     owner: str = ""  # the router incarnation it was granted to ("": unknown, only expiry frees it)
+    # The checksum of each block whose contents are final, in block order (a prefix of
+    # block_ids while a streamed prompt computes); appended by the engine thread only.
+    checksums: list[int] = field(default_factory=list)
+
+    def checksum_final(self, block_checksums: Callable[[Sequence[int], int | None], tuple[int, ...]],
+                       block_size: int, bytes_per_token: int, num_tokens: int, done: bool) -> None:
+        """Once a step has computed ``num_tokens`` of the lease's tokens (``done``: all of
+        them), append the checksums (``block_checksums(ids, last_block_bytes)``, the holder
+        agent's) of its blocks final now that have none yet: the full blocks, and once
+        ``done`` the last, partly filled one, over the tokens it holds."""
+        n, start = len(self.block_ids), len(self.checksums)
+        end = n if done else min(num_tokens // block_size, n)
+        if end > start:
+            tail = (num_tokens - (n - 1) * block_size) * bytes_per_token if done else None
+            self.checksums.extend(block_checksums(self.block_ids[start:end], tail))
 
 
 @dataclass
@@ -158,8 +191,10 @@ class LeaseTable:
     _claimed_blocks: dict[str, frozenset[int]] = field(default_factory=dict)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
-    def grant(self, request_id: str, block_ids: list[int], now: float, ttl_s: float, owner: str = "") -> Lease:
-        lease = Lease(secrets.token_urlsafe(24), request_id, tuple(block_ids), now + ttl_s, owner=owner)
+    def grant(self, request_id: str, block_ids: list[int], now: float, ttl_s: float, owner: str = "",
+              checksums: tuple[int, ...] = ()) -> Lease:
+        lease = Lease(secrets.token_urlsafe(24), request_id, tuple(block_ids), now + ttl_s, owner=owner,
+                      checksums=list(checksums))
         with self._lock:
             self.leases[lease.token] = lease
             heapq.heappush(self._deadlines, (lease.expires_at, lease.token))
@@ -185,6 +220,16 @@ class LeaseTable:
             self._claimed_blocks[token] = frozenset(lease.block_ids)
             return lease
 
+    def renew_claim(self, token: str, now: float, ttl_s: float) -> Lease | None:
+        """The reader of a claimed lease still reads: push its deadline to ``now + ttl_s`` and
+        return it; None (nothing changes) if the lease has ended or is not claimed."""
+        with self._lock:
+            lease = self.leases.get(token)
+            if lease is None or not lease.claimed:
+                return None
+            self._renew(lease, now + ttl_s)
+            return lease
+
     def release(self, token: str, reason: ReleaseReason) -> Lease | None:
         """Apply a ``Release``. A reason that ``ends_lease`` removes the lease; RETURNED puts a
         claimed lease back to unclaimed, still held until it expires. Returns the lease it
@@ -203,7 +248,8 @@ class LeaseTable:
             return lease
 
     def pop_expired(self, now: float) -> list[Lease]:
-        """Remove and return every lease whose deadline has passed."""
+        """Remove and return every lease whose deadline has passed: unclaimed ones nobody took
+        in time, and claimed ones whose reader stopped renewing its claim (it died)."""
         with self._lock:
             out = []
             while self._deadlines and self._deadlines[0][0] <= now:

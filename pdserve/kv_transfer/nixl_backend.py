@@ -43,7 +43,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pdserve.kv_transfer.base import KVTransferAgent
+from pdserve.kv_transfer.base import MAX_PEER_BLOCKS, KVTransferAgent
 from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferRequest, TransferError
 from pdserve.kv_transfer.layout import layout_of_metadata
 from pdserve.kv_transfer.read import TransferHandle, TransferState
@@ -141,11 +141,11 @@ class NixlAgent(KVTransferAgent):
     backend_name = "nixl"
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
-                 read_timeout_s: float = 30.0, progress_interval_s: float = 0.001,
-                 relaxed_progress_interval_s: float = 0.1, num_threads: int = 0,
-                 net_devices: str | None = None):
+                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS,
+                 progress_interval_s: float = 0.001, relaxed_progress_interval_s: float = 0.1,
+                 num_threads: int = 0, net_devices: str | None = None):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
-                         read_timeout_s=read_timeout_s)
+                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks)
         for option, value in (("progress_interval_s", progress_interval_s),
                               ("relaxed_progress_interval_s", relaxed_progress_interval_s)):
             if value <= 0:

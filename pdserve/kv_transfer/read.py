@@ -30,7 +30,9 @@ class TransferStats:
     """Cumulative counters of one agent (reader side), read by the metrics exporter.
 
     ``bytes`` counts only completed reads (blocks * block_bytes); ``seconds`` sums the time
-    from ``start_read`` to DONE being observed. Updates and ``snapshot`` are thread-safe.
+    from ``start_read`` to DONE being observed. ``verify_failures`` counts the reads among
+    ``failures`` whose bytes landed but did not match their checksums. Updates and
+    ``snapshot`` are thread-safe.
     """
 
     bytes: int = 0
@@ -38,6 +40,7 @@ class TransferStats:
     failures: int = 0
     cancels: int = 0
     seconds: float = 0.0
+    verify_failures: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def snapshot(self) -> TransferStats:
@@ -45,8 +48,9 @@ class TransferStats:
         with self._lock:
             return dataclasses.replace(self, _lock=threading.Lock())
 
-    def record(self, state: TransferState, nbytes: int, seconds: float) -> None:
-        """Account one read that reached terminal ``state``."""
+    def record(self, state: TransferState, nbytes: int, seconds: float, verify_failed: bool = False) -> None:
+        """Account one read that reached terminal ``state`` (FAILED with ``verify_failed``:
+        its bytes did not match their checksums)."""
         with self._lock:
             if state == TransferState.DONE:
                 self.bytes += nbytes
@@ -54,6 +58,7 @@ class TransferStats:
                 self.seconds += seconds
             elif state == TransferState.FAILED:
                 self.failures += 1
+                self.verify_failures += verify_failed
             elif state == TransferState.CANCELLED:
                 self.cancels += 1
 
@@ -71,7 +76,11 @@ class TransferHandle:
     nbytes: int
     started_at: float  # time.monotonic() at start_read
     post_at: float  # when the read may be posted (started_at + inject_delay_s)
+    # The holder's checksum of each block (``pdserve.kv_transfer.checksum``), checked once the
+    # bytes land; None: not checked.
+    checksums: Optional[tuple[int, ...]] = None
     state: TransferState = TransferState.PENDING
     error: Optional[str] = None  # why it FAILED
+    verify_failed: bool = False  # FAILED because a block did not match its checksum
     finished_at: Optional[float] = None
     backend_handle: Any = field(default=None, repr=False)  # owned by the backend

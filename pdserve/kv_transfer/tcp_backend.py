@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from pdserve.kv_transfer import tcp_wire
-from pdserve.kv_transfer.base import KVTransferAgent
+from pdserve.kv_transfer.base import MAX_PEER_BLOCKS, KVTransferAgent
 from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferRequest
 from pdserve.kv_transfer.layout import block_bytes_view
 from pdserve.kv_transfer.read import TransferHandle, TransferState
@@ -75,11 +75,11 @@ class TcpAgent(KVTransferAgent):
     guards_reads = True
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
-                 read_timeout_s: float = 30.0, host: str = "127.0.0.1", port: int = 0,
-                 advertise_host: str | None = None, max_parallel_reads: int = 4,
-                 tls: TlsConfig | None = None):
+                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS,
+                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 max_parallel_reads: int = 4, tls: TlsConfig | None = None):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
-                         read_timeout_s=read_timeout_s)
+                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks)
         if max_parallel_reads < 1:
             raise InvalidTransferRequest(
                 f"max_parallel_reads must be >= 1, got {max_parallel_reads}",

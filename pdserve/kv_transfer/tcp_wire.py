@@ -21,6 +21,13 @@ token) against the claimed leases before the block ids are read, so a sender's `
 With an ``ssl`` context (mTLS on the internal plane, ``pdserve.wire.tls``) every connection starts
 with a TLS handshake; a reader without a certificate of the cluster's CA fails it and gets
 no byte. The frames are the same inside TLS.
+
+Connections are bounded before they cost a thread: the server takes at most
+``max_unauthenticated`` connections that have not yet shown a claimed lease's token (the TLS
+handshake and the READ header still to come), and ``max_connections`` in all; one past either
+is closed as it is accepted, and counted (``refused``). A flood of idle or hostile
+connections thus holds at most ``max_unauthenticated`` threads, each for at most the
+handshake and I/O timeouts, and never the readers already authorized.
 """
 
 from __future__ import annotations
@@ -52,6 +59,11 @@ _IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per sendmsg/re
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its TLS handshake by then is dropped
 IO_TIMEOUT_S = 30.0  # a connection idle this long within one read or write is dropped
 READER_ROLE = "decode"  # with mTLS, only a certificate naming this role reads KV (wire.tls.role_uri)
+# Reads in flight at once from every decode worker together (each runs a few at a time,
+# ``max_parallel_reads``), and connections not yet authorized among them: a reader is
+# authorized within one round trip of connecting, so a few dozen is ample for honest readers.
+MAX_CONNECTIONS = 256
+MAX_UNAUTHENTICATED = 32
 
 
 class ReadRefused(Exception):
@@ -160,16 +172,81 @@ def recv_reply_header(sock: socket.socket, expected_bytes: int) -> None:
         raise WireError(f"holder sends {length} bytes, expected {expected_bytes}")
 
 
+class _Admission:
+    """The connections a server holds: ``open`` in all, ``unauthenticated`` among them; who may
+    come in, under the two caps; and how many were turned away. Thread-safe."""
+
+    def __init__(self, max_connections: int, max_unauthenticated: int):
+        self.max_connections, self.max_unauthenticated = max_connections, max_unauthenticated
+        self.open = self.unauthenticated = self.refused = 0
+        self._lock = threading.Lock()
+
+    def admit(self) -> bool:
+        with self._lock:
+            if self.open >= self.max_connections or self.unauthenticated >= self.max_unauthenticated:
+                self.refused += 1
+                return False
+            self.open += 1
+            self.unauthenticated += 1
+            return True
+
+    def _authenticated(self) -> None:
+        with self._lock:
+            self.unauthenticated -= 1
+
+    def _closed(self, authenticated: bool) -> None:
+        with self._lock:
+            self.open -= 1
+            self.unauthenticated -= not authenticated
+
+
+class _Ticket:
+    """One admitted connection's place: ``authenticated`` once its read names a claimed lease,
+    given back by ``close`` when the connection ends."""
+
+    def __init__(self, admission: _Admission):
+        self._admission, self._authenticated = admission, False
+
+    def authenticated(self) -> None:
+        if not self._authenticated:
+            self._authenticated = True
+            self._admission._authenticated()
+
+    def close(self) -> None:
+        self._admission._closed(self._authenticated)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    """A threading TCP server that asks ``admission`` before it starts a thread."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler, admission: _Admission):
+        self.admission = admission
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.admission.admit():
+            self.shutdown_request(request)  # closed at once: no thread, no byte read
+            return
+        super().process_request(request, client_address)
+
+
 class BlockServer:
     """Serves reads of ``blocks`` (a (num_blocks, block_bytes) uint8 view of the cache) and
     hands each acknowledged read's notify to ``on_notify``. Runs on background threads. With
     ``ssl_context`` (a server context that requires client certificates) every reader must
-    complete a TLS handshake first."""
+    complete a TLS handshake first. At most ``max_connections`` connections at once, of which
+    ``max_unauthenticated`` not yet authorized (the module docstring says why)."""
 
     def __init__(self, host: str, port: int, blocks: torch.Tensor,
                  on_notify: Callable[[bytes], None],
                  authorize: Callable[[bytes, list[int]], bool] = lambda notify, ids: True,
-                 ssl_context: ssl.SSLContext | None = None, io_timeout_s: float = IO_TIMEOUT_S):
+                 ssl_context: ssl.SSLContext | None = None, io_timeout_s: float = IO_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS, max_unauthenticated: int = MAX_UNAUTHENTICATED):
+        if not 1 <= max_unauthenticated <= max_connections:
+            raise ValueError(f"max_unauthenticated must be in [1, max_connections={max_connections}], "
+                             f"got {max_unauthenticated}")
         self._blocks = blocks
         self._io_timeout_s = io_timeout_s
         self._ssl = ssl_context
@@ -177,14 +254,18 @@ class BlockServer:
         # CPU caches are sent straight from their storage; CUDA blocks are gathered to host.
         self._host = blocks.numpy() if blocks.device.type == "cpu" else None
         self._on_notify = on_notify
+        self.admission = _Admission(max_connections, max_unauthenticated)
         server = self
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                server._accept(self.request)
+                ticket = _Ticket(server.admission)  # admitted by _Server.process_request
+                try:
+                    server._accept(self.request, ticket)
+                finally:
+                    ticket.close()
 
-        self._server = socketserver.ThreadingTCPServer((host, port), _Handler)
-        self._server.daemon_threads = True
+        self._server = _Server((host, port), _Handler, self.admission)
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
                                         name=f"kv-tcp-server-{port}", daemon=True)
         self._thread.start()
@@ -195,11 +276,11 @@ class BlockServer:
         host, port = self._server.server_address[:2]
         return f"{host}:{port}"
 
-    def _accept(self, sock: socket.socket) -> None:
+    def _accept(self, sock: socket.socket, ticket: _Ticket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self._io_timeout_s)
         if self._ssl is None:
-            self._serve(sock)
+            self._serve(sock, ticket)
             return
         sock.settimeout(min(HANDSHAKE_TIMEOUT_S, self._io_timeout_s))
         try:
@@ -212,13 +293,14 @@ class BlockServer:
                 logger.info("tcp kv read refused: the reader's certificate does not name the %s role", READER_ROLE)
                 return
             tls_sock.settimeout(self._io_timeout_s)
-            self._serve(tls_sock)
+            self._serve(tls_sock, ticket)
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, ticket: _Ticket) -> None:
         num_blocks, block_bytes = self._blocks.shape
         try:
             try:
                 ids, notify, last = decode_read(sock, num_blocks, block_bytes, lambda n: self._authorize(n, []))
+                ticket.authenticated()  # its token is a claimed lease's
                 bad = [i for i in ids if i >= num_blocks]
                 if bad:
                     raise ReadRefused(f"block ids out of range [0, {num_blocks}): {bad[:8]}")

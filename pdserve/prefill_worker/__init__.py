@@ -4,10 +4,11 @@ Request lifecycle on this worker:
 
 - WAITING: ``Prefill`` queued the prompt in the engine (behind others, under the token budget).
 - RUNNING: the prompt is being computed, in one or more chunks, batched with other prompts.
-- HELD: the first token is sampled and returned with a KV handle (block ids + a secret lease
-  token); the engine keeps the sequence HELD, its blocks under a lease (``lease_seconds``).
-  A decode worker ``Claim``s the lease (token + exactly its block ids) before reading, which
-  renews it; a refused claim changes nothing. ``Release(RETURNED)`` hands a claimed lease back
+- HELD: the first token is sampled and returned with a KV handle (block ids, the checksum of
+  each block, taken once the step that computed it ended, and a secret lease token); the
+  engine keeps the sequence HELD, its blocks under a lease (``lease_seconds``). A decode
+  worker ``Claim``s the lease (token + exactly its block ids) before reading, which renews
+  it, and renews its claim while it reads; a refused claim changes nothing. ``Release(RETURNED)`` hands a claimed lease back
   unread, still HELD, for the router's next decode worker.
 - RELEASED: the blocks are freed, because the decode worker's read completed (its
   ``ReadNotice`` names the token), the router or decode worker called ``Release`` (ABORTED,
@@ -18,7 +19,7 @@ Request lifecycle on this worker:
 With ``PrefillStream`` (streamed KV), the lease comes while RUNNING: it is granted once the
 prompt has blocks and its first chunk has run, the handle goes out at once, and a decode
 worker may claim it and read each finished chunk's blocks (``WatchKV`` tells it how far the
-prompt is) while the next chunks compute. Each chunk renews the lease. Its end while still
+prompt is, with the checksums of the blocks each chunk finished) while the next chunks compute. Each chunk renews the lease. Its end while still
 RUNNING (the decode side released it, or it expired) stops the prompt. At the last chunk the
 request becomes HELD as above, and the decode worker's last read releases it.
 

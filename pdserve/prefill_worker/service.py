@@ -60,7 +60,8 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
                                                          owner=request.router_id, stream_kv=True):
                 if isinstance(item, KVEarly):
                     tracing.add_event(span, "kv_early", {"pdserve.ready_tokens": item.ready_tokens})
-                    kv = KVHandle(self.address, item.lease.block_ids, len(prompt), item.lease.token).to_proto()
+                    kv = KVHandle(self.address, item.lease.block_ids, len(prompt), item.lease.token,
+                                  item.checksums).to_proto()
                     yield worker_pb2.PrefillResponse(request_id=request.request_id, kv=kv, kv_streaming=True)
                 elif isinstance(item, PrefillResult):
                     result = item
@@ -91,30 +92,32 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
             tracing.PROMPT_TOKENS: len(request.prompt_token_ids)})
 
     async def WatchKV(self, request, context):
-        """A streamed lease's progress, for the decode worker that claimed it."""
+        """A streamed lease's progress, for the decode worker that claimed it: each message
+        carries the checksums of the blocks that became final since the last one."""
         token = request.lease_token
         watch = self.worker.watch(token)
         if watch is None or not self.worker.leases.is_claimed(token):
             await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
                              "no claimed streamed lease with this token (claim it first; it may have ended)")
-        sent = -1
+        sent, summed = -1, 0
         while True:
             changed = watch.changed
             if watch.failed is not None:
                 await abort_with(context, grpc.StatusCode.ABORTED, Failure.KV_TRANSFER, watch.failed)
-            if watch.first_token is not None:
-                yield worker_pb2.KVProgress(ready_tokens=watch.ready_tokens, done=True,
-                                            first_token_id=watch.first_token)
+            done = watch.first_token is not None
+            if done or watch.ready_tokens != sent:
+                sent, sums = watch.ready_tokens, watch.checksums[summed:]
+                yield worker_pb2.KVProgress(ready_tokens=sent, done=done, first_token_id=watch.first_token or 0,
+                                            checksums_from=summed, block_checksums=sums)
+                summed += len(sums)
+            if done:
                 return
-            if watch.ready_tokens != sent:
-                sent = watch.ready_tokens
-                yield worker_pb2.KVProgress(ready_tokens=sent)
             await changed.wait()
 
     def _answer(self, request, r: PrefillResult) -> worker_pb2.PrefillResponse:
         kv = None
         if r.lease is not None:
-            kv = KVHandle(self.address, r.lease.block_ids, r.num_prompt_tokens, r.lease.token).to_proto()
+            kv = KVHandle.of_lease(self.address, r.lease, r.num_prompt_tokens).to_proto()
         return worker_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=r.first_token_id, first_logprob=r.first_logprob,
             finish_reason=finish_to_wire(r.finish_reason), kv=kv, num_cached_tokens=r.num_cached_tokens,
@@ -139,12 +142,16 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.ReleaseResponse(released=released)
 
     async def Claim(self, request, context):
+        """A claim, or (``renew``) its reader's renewal; the answer says how long it lasts."""
         try:
-            await self.worker.claim(request.lease_token, list(request.block_ids))
+            lease = await self.worker.claim(request.lease_token, list(request.block_ids), request.renew)
         except LeaseRefused as exc:
             await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
                              f"lease refused ({exc.reason}): {exc}")
-        return worker_pb2.ClaimResponse()
+        if lease is None:
+            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
+                             "renewal refused: the lease has ended or is not claimed")
+        return worker_pb2.ClaimResponse(lease_seconds=self.worker.config.lease_seconds)
 
     async def GetAgentMetadata(self, request, context):
         return self.worker.agent.local_metadata()

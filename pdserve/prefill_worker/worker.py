@@ -18,6 +18,7 @@ from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFaile
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer import DEFAULT_BACKEND, KVTransferAgent, create_agent
+from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
@@ -53,6 +54,7 @@ class PrefillWorkerConfig:
     # the unclaimed KV held for it is freed then, not at lease expiry (routers poll every 0.2 s).
     owner_timeout_s: float = 10.0
     kv_transfer_backend: str = DEFAULT_BACKEND
+    verify_kv: bool = VERIFY_BY_DEFAULT  # checksum each held block once final, for its reader (kv_transfer.checksum)
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
@@ -137,13 +139,14 @@ class PrefillWorker(WorkerShell):
                         record.watch.update(failed=f"the prompt stopped: {item}")
                     raise item
                 if isinstance(item, KVEarly):
-                    record.watch = KVWatch(item.ready_tokens)
+                    record.watch = KVWatch(item.ready_tokens, item.checksums)
                 elif isinstance(item, KVReady):
-                    record.watch.update(ready_tokens=item.ready_tokens)
+                    record.watch.update(ready_tokens=item.ready_tokens, checksums=item.checksums)
                 else:
                     held = item.lease is not None
                     if record.watch is not None and held:
-                        record.watch.update(ready_tokens=item.num_prompt_tokens, first_token=item.first_token_id)
+                        record.watch.update(ready_tokens=item.num_prompt_tokens, first_token=item.first_token_id,
+                                            checksums=tuple(item.lease.checksums))
                     elif record.watch is not None:
                         record.watch.update(failed=f"the prompt finished at its first token ({item.finish_reason})")
                 yield item
@@ -157,11 +160,12 @@ class PrefillWorker(WorkerShell):
                     record.watch.update(failed="the prefill call was cancelled")
                 self.thread.call(self.forget, request_id, record)
 
-    async def claim(self, token: str, block_ids: list[int]) -> Lease:
-        """Claim the lease ``token`` for one read of ``block_ids``; raises LeaseRefused.
-        Answered here, on the loop: the table is locked, and a claim must not wait for the
-        step running now (a long prefill would make the reader time out)."""
-        return self.leases.claim(token, block_ids, time.monotonic(), self.config.lease_seconds)
+    async def claim(self, token: str, block_ids: list[int], renew: bool = False) -> Lease | None:
+        """Claim the lease ``token`` for one read of ``block_ids``; raises LeaseRefused. With
+        ``renew``, renew its reader's claim instead (None if it is not claimed). On the loop:
+        the table is locked, and a claim must not wait behind a long prefill step."""
+        now, ttl_s = time.monotonic(), self.config.lease_seconds
+        return self.leases.renew_claim(token, now, ttl_s) if renew else self.leases.claim(token, block_ids, now, ttl_s)
 
     async def release(self, token: str, reason: ReleaseReason) -> bool:
         """The ``Release`` RPC; False if it changed nothing. A give-back (RETURNED) is table
@@ -232,15 +236,21 @@ class PrefillWorker(WorkerShell):
             except RuntimeError:  # the loop has closed
                 pass
 
-    def adopt(self, request_id: str, block_ids: list[int]) -> Lease:
-        """Engine thread: hold under a lease, as if prefilled here, the KV of a stream this
-        process's decode core handed over (``pdserve.elastic_worker``). No owner router (any
-        may learn the token): unread, it ends by its expiry."""
+    def adopt(self, request_id: str, block_ids: list[int], num_tokens: int) -> Lease:
+        """Engine thread: hold under a lease, as if prefilled here, the KV (``num_tokens`` computed tokens) of a
+        stream this process's decode core handed over (``pdserve.elastic_worker``). No owner: unread, it expires."""
         now = time.monotonic()
         record = self.records[request_id] = RequestRecord(request_id, "", now, None, False, computing=False)
         record.lease = self.leases.grant(request_id, block_ids, now, self.config.lease_seconds)
+        self._checksum_final(record.lease, num_tokens, done=True)
         self._expect_reads()
         return record.lease
+
+    def _checksum_final(self, lease: Lease, num_tokens: int, done: bool) -> None:
+        """Engine thread: ``Lease.checksum_final`` (nothing with ``verify_kv`` off)."""
+        if self.config.verify_kv:
+            lease.checksum_final(self.agent.block_checksums, self.engine.blocks.block_size,
+                                 self.engine.cache_spec.bytes_per_token, num_tokens, done)
 
     def _publish_kv(self) -> None:
         """Hook, before each step: grant a streamed prompt its lease once it has blocks and
@@ -254,20 +264,23 @@ class PrefillWorker(WorkerShell):
             ready = self.engine.prompt_progress(record.request_id)
             if not ready or ready == record.announced_tokens:
                 continue
-            if record.lease is None:
+            granted = record.lease is None
+            if granted:
                 record.lease = self.leases.grant(record.request_id, self.engine.blocks.block_table(record.request_id),
                                                  now, self.config.lease_seconds, owner=record.owner)
-                out.append((record.request_id, KVEarly(record.lease, ready)))
             else:
                 self.leases.renew(record.lease.token, now + self.config.lease_seconds)
-                out.append((record.request_id, KVReady(ready)))
+            out.append((record, ready, granted))
             record.announced_tokens = ready
         if out:
             # The step that computed these chunks may still be writing their KV on the device:
-            # a decode worker reads it the moment it hears of it.
+            # a decode worker reads it the moment it hears of it, and checksums need it final.
             wait_for_writes(self.engine.device)
         self._expect_reads()  # a lease granted here gets its early reads progressed
-        self.push(out)
+        for record, ready, _ in out:
+            self._checksum_final(record.lease, ready, done=False)
+        self.push((r.request_id, KVEarly(r.lease, ready, tuple(r.lease.checksums)) if granted
+                   else KVReady(ready, tuple(r.lease.checksums))) for r, ready, granted in out)
         return None
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -289,11 +302,12 @@ class PrefillWorker(WorkerShell):
             lease = None
         elif lease is not None:
             self.leases.renew(lease.token, time.monotonic() + self.config.lease_seconds)
-            self._expect_reads()  # the last read, whose notice frees the blocks, comes now
         else:
             lease = record.lease = self.leases.grant(o.request_id, self.engine.held_block_ids(o.request_id),
                                                      time.monotonic(), self.config.lease_seconds, owner=record.owner)
-            self.agent.expect_reads(True)
+        if lease is not None:
+            self._checksum_final(lease, o.num_prompt_tokens, done=True)
+            self._expect_reads()  # the (last) read, whose notice frees the blocks, comes now
         now = time.monotonic()
         chunks = ()
         if record.chunks is not None:  # the last chunk is the step that just ended

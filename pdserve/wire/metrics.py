@@ -80,6 +80,8 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
   ``pdserve:worker_kv_cache_usage_perc`` (0..1), ``pdserve:worker_num_held_leases``
 - counter ``pdserve:kv_transfer_bytes_total``, ``pdserve:kv_transfers_total``,
   ``pdserve:kv_transfer_failures_total``: KV reads (a decode worker's)
+- counter ``pdserve:kv_verify_failures_total``: of the failed KV reads, those whose bytes
+  landed but did not match the holder's checksums (the request re-prefilled elsewhere)
 - counter ``pdserve:kv_leases_expired_total``: held KV freed because no one pulled it in time
 - counter ``pdserve:prefix_cache_queries_total``, ``pdserve:prefix_cache_hits_total``: prompt
   tokens looked up and found (whole blocks only), as vLLM counts them

@@ -1,4 +1,4 @@
-"""``lease_seconds`` and ``drain_grace_seconds`` are each declared once, in ``pdserve.cluster.settings``:
+"""``lease_seconds``, ``transfer_timeout_seconds`` and ``drain_grace_seconds`` are each declared once, in ``pdserve.cluster.settings``:
 every parser that takes one reads its default, help and bounds from that declaration, the
 worker configs take the value passed down, and no other source file writes a default of its own."""
 
@@ -12,13 +12,14 @@ import pytest
 from pdserve.cli import main
 from pdserve.cluster import cli, worker_cli
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, serve_settings
+from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS, serve_settings
 from pdserve.decode_worker.worker import DecodeWorkerConfig
 from pdserve.prefill_worker.worker import PrefillWorkerConfig
 from pdserve.cluster import worker_process
 
 ROOT = Path(__file__).resolve().parents[2]
-SPELLINGS = {"lease_seconds": ("lease_seconds", "lease-seconds"), "drain_grace": ("drain_grace", "drain-grace")}
+SPELLINGS = {"lease_seconds": ("lease_seconds", "lease-seconds"), "drain_grace": ("drain_grace", "drain-grace"),
+             "transfer_timeout": ("transfer_timeout", "transfer-timeout")}
 
 
 def source_files() -> list[Path]:
@@ -85,24 +86,28 @@ def test_the_scan_sees_a_second_default_where_one_is_written():
 
 def test_the_settings_tables_hold_the_declarations_themselves():
     for table in (serve_settings(), worker_cli.worker_settings()):
-        assert any(s is LEASE_SECONDS for s in table) and any(s is DRAIN_GRACE_SECONDS for s in table)
+        for declared in (LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS, DRAIN_GRACE_SECONDS):
+            assert any(s is declared for s in table), declared.name
 
 
 def test_the_configs_take_the_value_passed_down():
-    lease = {f.name: f for f in dataclasses.fields(PrefillWorkerConfig)}["lease_seconds"]
-    assert lease.default is dataclasses.MISSING and lease.default_factory is dataclasses.MISSING
-    with pytest.raises(TypeError, match="lease_seconds"):
-        PrefillWorkerConfig()
+    for config, name in ((PrefillWorkerConfig, "lease_seconds"), (DecodeWorkerConfig, "transfer_timeout_s")):
+        value = {f.name: f for f in dataclasses.fields(config)}[name]
+        assert value.default is dataclasses.MISSING and value.default_factory is dataclasses.MISSING
+        with pytest.raises(TypeError, match=name):
+            config()
     for config in (PrefillWorkerConfig, DecodeWorkerConfig):  # the grace is the drain's argument
         assert not [f.name for f in dataclasses.fields(config) if "drain_grace" in f.name]
     assert ClusterConfig().lease_seconds == LEASE_SECONDS.default
+    assert ClusterConfig().transfer_timeout_s == TRANSFER_TIMEOUT_SECONDS.default
 
 
 def test_the_plain_worker_process_reads_default_and_bounds_from_the_declarations(capsys):
     parser = worker_process._parser()
     args = parser.parse_args(["prefill"])
-    assert (args.lease_seconds, args.drain_grace_s) == (LEASE_SECONDS.default, DRAIN_GRACE_SECONDS.default)
-    for bad in (["--lease-seconds", "0"], ["--drain-grace-s", "-1"]):
+    assert (args.lease_seconds, args.transfer_timeout_seconds, args.drain_grace_s) == (
+        LEASE_SECONDS.default, TRANSFER_TIMEOUT_SECONDS.default, DRAIN_GRACE_SECONDS.default)
+    for bad in (["--lease-seconds", "0"], ["--transfer-timeout-seconds", "0"], ["--drain-grace-s", "-1"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["prefill", *bad])
     assert "must be" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.mode import COLOCATED, DISAGGREGATED
 from pdserve.cluster.serve_config import build
-from pdserve.cluster.settings import SettingsError, resolve
+from pdserve.cluster.settings import SettingsError, add_arguments, resolve
 from pdserve.router.local_prefill import LocalPrefillConfig
 from tests.cluster.test_settings import parse
 
@@ -96,14 +96,45 @@ def test_a_colocated_cluster_autoscales_only_its_decode_pool(tmp_path):
 def test_a_lease_shorter_than_the_kv_read_timeout_is_refused_at_start(capsys):
     """A claimed lease must outlive the read it was claimed for: with --lease-seconds 5 and
     a 10 s transfer timeout, held KV could be freed while a decode worker still reads it."""
-    with pytest.raises(ValueError, match=r"lease_seconds \(5 s, --lease-seconds\) must exceed transfer_timeout_s \(10 s"):
+    with pytest.raises(ValueError, match=r"lease_seconds \(5 s, --lease-seconds\) must exceed transfer_timeout_seconds "
+                                         r"\(10 s, --transfer-timeout-seconds"):
         ClusterConfig(lease_seconds=5.0, transfer_timeout_s=10.0)
     assert ClusterConfig(lease_seconds=30.0, transfer_timeout_s=10.0).lease_seconds == 30.0
     from pdserve.cli import main
 
     assert main(["serve", "--lease-seconds", "10"]) == 2  # equal is refused too: no margin for the read
     err = capsys.readouterr().err
-    assert "lease_seconds" in err and "transfer_timeout_s" in err and "Traceback" not in err
+    assert "lease_seconds" in err and "transfer_timeout_seconds" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("role, given", [
+    ("prefill", ["--lease-seconds", "10"]),  # equal to the default 10 s read timeout
+    ("decode", ["--transfer-timeout-seconds", "45"]),  # above the default 30 s lease
+    ("decode", ["--lease-seconds", "5", "--transfer-timeout-seconds", "5"])])
+def test_pdserve_worker_refuses_a_lease_no_longer_than_the_kv_read_timeout_at_start(capsys, role, given):
+    """``pdserve worker``, as the Kubernetes manifests run it, checks the pair as ``pdserve serve``
+    does (it took any lease above 0): it exits 2 before anything starts, naming both settings."""
+    from pdserve.cli import main
+
+    assert main(["worker", "--role", role, "--router-admin", "127.0.0.1:1", *given]) == 2
+    err = capsys.readouterr().err
+    assert "lease_seconds" in err and "transfer_timeout_seconds" in err and "must exceed" in err
+    assert "Traceback" not in err
+
+
+def test_pdserve_worker_passes_the_transfer_settings_to_its_worker(monkeypatch):
+    import argparse
+
+    from pdserve.cluster import worker_cli
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, worker_cli.worker_settings())
+    monkeypatch.setenv("PDSERVE_TRANSFER_TIMEOUT_SECONDS", "4")
+    argv = ["--role", "decode", "--router-admin", "127.0.0.1:1", "--lease-seconds", "6", "--no-verify-kv-transfers"]
+    decode = worker_cli.worker_config(worker_cli.settings(parser.parse_args(argv)))
+    assert (decode.transfer_timeout_s, decode.verify_kv) == (4.0, False)
+    prefill = worker_cli.worker_config(worker_cli.settings(parser.parse_args(["--role", "prefill", *argv[2:]])))
+    assert (prefill.lease_seconds, prefill.verify_kv) == (6.0, False)
 
 
 def test_the_role_budget_comes_from_flags_and_needs_elastic_roles():

@@ -9,13 +9,13 @@ import grpc
 import pytest
 
 from pdserve.decode_worker.server import start as start_decode
-from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer import TransferState, create_agent
 from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from tests.factories import make_engine, random_prompts
+from tests.factories import decode_worker_config, make_engine, random_prompts
 from pdserve.wire.failure import Failure, failure_of
 from pdserve.wire.grpc_util import aio_channel
 
@@ -38,7 +38,7 @@ async def cluster(model_dir, decode_blocks=(64,), lease_seconds=30.0, tls=None, 
     servers = [await start_prefill(prefill.config, prefill)]
     decoders = []
     for i, n in enumerate(decode_blocks):
-        d = DecodeWorker(DecodeWorkerConfig(worker_id=f"decode-{i}", kv_transfer_backend="tcp", tls=tls.get("decode")),
+        d = DecodeWorker(decode_worker_config(worker_id=f"decode-{i}", kv_transfer_backend="tcp", tls=tls.get("decode")),
                          engine=make_engine(model_dir, num_blocks=n))
         decoders.append(d)
         servers.append(await start_decode(d.config, d))

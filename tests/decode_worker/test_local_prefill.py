@@ -11,10 +11,10 @@ import asyncio
 import grpc
 
 from pdserve.decode_worker.server import start
-from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig, decode_engine_config
+from pdserve.decode_worker.worker import DecodeWorker, decode_engine_config
 from pdserve.engine.config import MIXED
 from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from tests.factories import assert_greedy_matches, make_engine, random_prompts
+from tests.factories import assert_greedy_matches, decode_worker_config, make_engine, random_prompts
 from pdserve.wire.grpc_util import aio_channel
 
 SHORT_TOKENS, LONG_TOKENS = 64, 16  # the short streams outlast the long prompt's arrival
@@ -27,14 +27,14 @@ def local_request(rid: str, prompt: list[int], max_tokens: int = LONG_TOKENS, **
 
 
 def test_a_decode_worker_engine_runs_the_mixed_policy():
-    assert decode_engine_config(DecodeWorkerConfig().engine).scheduler.policy == MIXED
+    assert decode_engine_config(decode_worker_config().engine).scheduler.policy == MIXED
 
 
 def test_local_prefill_mixed_with_running_streams_equals_transformers_and_frees_every_block(tiny_llama_dir):
     directory, hf = tiny_llama_dir
     # A small step budget: the 300-token prompt takes several steps, each beside the decodes.
     engine = make_engine(directory, num_blocks=64, policy=MIXED, max_num_batched_tokens=64)
-    config = DecodeWorkerConfig(worker_id="decode-local")
+    config = decode_worker_config(worker_id="decode-local")
     worker = DecodeWorker(config, engine=engine)
     short = random_prompts(3, [5, 12, 20], seed=11)
     long = random_prompts(1, [300], seed=12)[0]
@@ -92,7 +92,7 @@ def test_local_prefill_mixed_with_running_streams_equals_transformers_and_frees_
 
 
 def test_a_bad_local_request_is_invalid_argument_naming_the_field(tiny_llama_dir):
-    config = DecodeWorkerConfig(worker_id="decode-local-bad")
+    config = decode_worker_config(worker_id="decode-local-bad")
     worker = DecodeWorker(config, engine=make_engine(tiny_llama_dir[0], policy=MIXED))
 
     async def run():

@@ -12,13 +12,13 @@ import grpc
 import pytest
 
 from pdserve.decode_worker.server import start as start_decode
-from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.sampling import SamplingParams
 from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2_grpc
 from tests.decode_worker.test_lease_handoff import PROMPT, decode, prefill_one
-from tests.factories import make_engine, prefill_worker_config
+from tests.factories import decode_worker_config, make_engine, prefill_worker_config
 from pdserve.wire.grpc_util import aio_channel
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def test_a_prefill_worker_restarted_on_the_same_port_is_read_again(tiny_llama_di
     async def run():
         prefill = await start_prefill(config, PrefillWorker(config, engine=make_engine(model_dir, num_blocks=64)))
         config_again = dataclasses.replace(config, port=int(prefill.address.rsplit(":", 1)[1]))
-        d_config = DecodeWorkerConfig(worker_id="decode-0", kv_transfer_backend="nixl")
+        d_config = decode_worker_config(worker_id="decode-0", kv_transfer_backend="nixl")
         decoder = await start_decode(d_config, DecodeWorker(d_config, engine=make_engine(model_dir, num_blocks=64)))
         try:
             async with aio_channel(prefill.address) as p_ch, aio_channel(decoder.address) as d_ch:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.decode_worker.server import start as start_decode
-from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer.handoff import ReadNotice
 from pdserve.prefill_worker.server import start as start_prefill
@@ -23,7 +23,7 @@ from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.request_run import RequestRun
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerClient, WorkerPool
-from tests.factories import assert_greedy_matches, make_engine, prefill_worker_config, random_prompts
+from tests.factories import assert_greedy_matches, decode_worker_config, make_engine, prefill_worker_config, random_prompts
 from tests.metrics.metrics_helpers import LetterTokenizer
 from pdserve.wire.grpc_util import aio_channel
 
@@ -58,21 +58,27 @@ async def workers(model_dir, backend: str, num_decode: int = 1):
         return step()
 
     prefill.engine.step = slow_step
+    decoders = [DecodeWorker(decode_worker_config(worker_id=f"decode-{i}", kv_transfer_backend=backend),
+                             engine=make_engine(model_dir, num_blocks=64, enable_prefix_cache=False))
+                for i in range(num_decode)]
+    async with serving(prefill, decoders) as pool:
+        yield prefill, decoders, pool
+
+
+@contextlib.asynccontextmanager
+async def serving(prefill: PrefillWorker, decoders: list[DecodeWorker]):
+    """The workers behind their gRPC servers, and a router's pool of stubs to them (each with
+    64 blocks, as its stats would say); everything stops on the way out."""
     servers = [await start_prefill(prefill.config, prefill)]
-    decoders = []
-    for i in range(num_decode):
-        d = DecodeWorker(DecodeWorkerConfig(worker_id=f"decode-{i}", kv_transfer_backend=backend),
-                         engine=make_engine(model_dir, num_blocks=64, enable_prefix_cache=False))
-        decoders.append(d)
-        servers.append(await start_decode(d.config, d))
+    servers += [await start_decode(d.config, d) for d in decoders]
     channels = [aio_channel(s.address) for s in servers]
     pool = WorkerPool()
-    for role, server, channel in zip(["prefill"] + ["decode"] * num_decode, servers, channels):
+    for role, server, channel in zip(["prefill"] + ["decode"] * len(decoders), servers, channels):
         stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
         pool.workers[server.address] = WorkerClient(role, server.address, channel=channel, stub=stub, healthy=True,
                                                     stats=worker_pb2.WorkerStats(num_blocks_total=64))
     try:
-        yield prefill, decoders, pool
+        yield pool
     finally:
         for c in channels:
             await c.close()

@@ -48,6 +48,15 @@ def _holder_main(conn, backend: str, name: str, num_blocks: int, seed: int) -> N
             agent.close()
             conn.send("stopped")
             return
+        if cmd == "checksums":  # the holder's checksums of (block ids, last block bytes)
+            conn.send(agent.block_checksums(*arg))
+            continue
+        if cmd == "flip":  # invert one byte (block, offset) of the cache: a fault in the holder's memory
+            block, offset = arg
+            row = agent.cache.view(agent.cache.shape[0], -1).view(torch.uint8)[block]
+            row[offset] ^= 0xFF
+            conn.send("flipped")
+            continue
         if cmd == "notifs":  # collect notifications for up to `arg` seconds
             want, timeout_s = arg
             got: list[bytes] = []
@@ -91,6 +100,16 @@ class Holder:
         """Notifications the holder received, waiting up to ``timeout_s`` for ``want``."""
         self._conn.send(("notifs", (want, timeout_s)))
         return self._conn.recv()
+
+    def checksums(self, block_ids: list[int], last_block_bytes: int | None = None) -> tuple[int, ...]:
+        """The holder agent's checksums of its ``block_ids`` (``block_checksums``)."""
+        self._conn.send(("checksums", (block_ids, last_block_bytes)))
+        return self._conn.recv()
+
+    def flip(self, block: int, offset: int) -> None:
+        """Invert the byte at ``offset`` of the holder's ``block``; twice puts it back."""
+        self._conn.send(("flip", (block, offset)))
+        assert self._conn.recv() == "flipped"
 
     def kill(self) -> None:
         """SIGKILL the holder: the peer disappears without any goodbye."""

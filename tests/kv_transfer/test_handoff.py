@@ -103,3 +103,51 @@ def test_each_release_reason_is_counted_once():
     assert t.release(a.token, ReleaseReason.ABORTED) is None
     t.release(b.token, reason_from_wire(release_request(b.token, ReleaseReason.ABORTED).reason))
     assert (t.released_by["transfer_failed"], t.released_by["aborted"], len(t)) == (1, 1, 0)
+
+
+def test_the_handle_carries_its_blocks_checksums_over_the_wire():
+    h = KVHandle("10.0.0.5:7000", (4, 9, 2), 37, "t0k", block_checksums=(2**64 - 1, 0, 12345))
+    assert KVHandle.from_proto(h.to_proto()) == h
+    t = LeaseTable()
+    lease = t.grant("req-a#0", [4, 9, 2], 0.0, 10.0, checksums=(7, 8))
+    assert KVHandle.of_lease("a:1", lease, 37).block_checksums == (7, 8)
+
+
+def test_a_lease_checksums_each_block_once_it_is_final():
+    """Full blocks as chunks finish them; the last, partly filled one with the prompt's end,
+    over the tokens it holds; none twice."""
+    calls = []
+
+    def sums(ids, last):
+        calls.append((tuple(ids), last))
+        return tuple(100 + i for i in ids)
+
+    lease = LeaseTable().grant("req-a#0", [4, 9, 2], 0.0, 10.0)
+    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=15, done=False)  # no full block yet
+    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=20, done=False)
+    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=32, done=False)
+    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=37, done=True)
+    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=37, done=True)
+    assert calls == [((4,), None), ((9,), None), ((2,), 50)]
+    assert lease.checksums == [104, 109, 102]
+
+
+def test_a_reader_that_renews_its_claim_keeps_the_lease_past_its_deadline():
+    """The holder cannot tell when a one-sided read ends: while the claim's reader renews it,
+    expiry never frees the lease, however long past ``lease_seconds`` the read goes on. The
+    old table expired it at the claim's deadline under a reader still reading."""
+    t, lease = table_with_lease(ttl=5.0)
+    t.claim(lease.token, [4, 9, 2], now=1.0, ttl_s=5.0)
+    for now in (2.5, 4.0, 5.5, 7.0, 8.5, 10.0):  # every third of the lease, well past its first 6.0
+        assert t.pop_expired(now) == []
+        assert t.renew_claim(lease.token, now, ttl_s=5.0) is lease
+    assert t.pop_expired(14.9) == [] and t.is_claimed(lease.token)
+    assert [l.token for l in t.pop_expired(15.0)] == [lease.token]  # its reader stopped: it expires
+    assert t.expired_total == 1 and t.renew_claim(lease.token, 15.0, 5.0) is None
+
+
+def test_only_a_claimed_lease_is_renewed_by_its_reader():
+    t, lease = table_with_lease(ttl=5.0)
+    assert t.renew_claim(lease.token, 1.0, 50.0) is None  # unclaimed: a renewal is no claim
+    assert t.renew_claim("guessed", 1.0, 50.0) is None
+    assert [l.token for l in t.pop_expired(5.0)] == [lease.token]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from kv_helpers import BACKENDS, BLOCK_BYTES, make_cache
 
+from pdserve.kv_transfer.base import MAX_PEER_BLOCKS
 from pdserve.kv_transfer import (BackendUnavailable, InvalidTransferRequest, TransferError,
                          TransferState, create_agent)
 from pdserve.protos import kv_transfer_pb2
@@ -147,3 +148,41 @@ def test_state_order():
     assert not TransferState.TRANSFERRING.is_terminal
     assert all(s.is_terminal for s in (TransferState.DONE, TransferState.FAILED,
                                        TransferState.CANCELLED))
+
+
+@pytest.mark.parametrize("num_blocks, base_address, limit", [
+    (MAX_PEER_BLOCKS + 1, None, MAX_PEER_BLOCKS),
+    (2**32 - 1, None, MAX_PEER_BLOCKS),  # the most the field holds
+    (8, 2**64 - 4 * BLOCK_BYTES, 4),  # a cache that would run past the end of the address space
+])
+def test_a_peer_announcing_more_blocks_than_sane_is_refused_before_anything_is_sized(pair, num_blocks, base_address,
+                                                                                    limit):
+    """A peer's ``num_blocks`` sizes the descriptor table this agent builds for it (NIXL: 24
+    bytes a block): it is bounded by ``max_peer_blocks`` and by the address space, before any
+    allocation, and the peer already known is left as it was. The old agent built a 100 MiB
+    table for a peer announcing 2**22 + 1 blocks, and a 96 GiB one for 2**32 - 1."""
+    reader, peer, holder = pair
+    meta = holder.local_metadata()
+    meta.num_blocks = num_blocks
+    if base_address is not None:
+        meta.base_address = base_address
+    with pytest.raises(InvalidTransferRequest) as err:
+        reader.add_remote(meta)
+    assert (err.value.field, err.value.limit, err.value.peer) == ("num_blocks", limit, "err-holder")
+    assert f"num_blocks={num_blocks}" in str(err.value)
+    handle = reader.start_read(peer, [1], [0], b"")  # the known peer still reads
+    assert reader.wait(handle, timeout_s=10) == TransferState.DONE, handle.error
+
+
+def test_max_peer_blocks_is_configurable_and_checked(pair):
+    reader, _, holder = pair
+    small = create_agent(reader.backend_name, "small-reader", make_cache(2), max_peer_blocks=4)
+    try:
+        with pytest.raises(InvalidTransferRequest, match="max_peer_blocks=4") as err:
+            small.add_remote(holder.local_metadata())  # 8 blocks
+        assert err.value.limit == 4
+    finally:
+        small.close()
+    with pytest.raises(InvalidTransferRequest) as err:
+        create_agent(reader.backend_name, "no-peers", make_cache(2), max_peer_blocks=0)
+    assert err.value.field == "max_peer_blocks"

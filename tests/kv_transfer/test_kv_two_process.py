@@ -10,20 +10,6 @@ from kv_helpers import BACKENDS, BLOCK_BYTES, Holder, make_cache, same_bytes
 from pdserve.kv_transfer import TransferState, create_agent
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def holder(request):
-    h = Holder(request.param)
-    yield h
-    h.stop()
-
-
-@pytest.fixture
-def reader(holder):
-    agent = create_agent(holder.backend, "reader", make_cache(12))
-    yield agent
-    agent.close()
-
-
 def test_read_lands_exact_bytes_in_chosen_blocks_and_notifies_holder(holder, reader):
     peer = reader.add_remote(holder.metadata())
     remote, local = [3, 0, 15, 4], [10, 1, 5, 2]

@@ -5,6 +5,7 @@ sends; the old server sized a buffer by ``n_blocks`` first and waited for them f
 
 import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -15,13 +16,17 @@ NUM_BLOCKS, BLOCK_BYTES = 8, 64
 TOKEN = b"lease-token"
 
 
-@pytest.fixture
-def server():
+def block_server(io_timeout_s: float = 0.5, **caps) -> tcp_wire.BlockServer:
     blocks = torch.arange(NUM_BLOCKS * BLOCK_BYTES, dtype=torch.int64).to(torch.uint8).reshape(NUM_BLOCKS, BLOCK_BYTES)
     claimed = {TOKEN: set(range(4))}
-    srv = tcp_wire.BlockServer("127.0.0.1", 0, blocks, on_notify=lambda n: None,
-                               authorize=lambda notify, ids: notify in claimed and set(ids) <= claimed[notify],
-                               io_timeout_s=0.5)
+    return tcp_wire.BlockServer("127.0.0.1", 0, blocks, on_notify=lambda n: None,
+                                authorize=lambda notify, ids: notify in claimed and set(ids) <= claimed[notify],
+                                io_timeout_s=io_timeout_s, **caps)
+
+
+@pytest.fixture
+def server():
+    srv = block_server()
     yield srv
     srv.close()
 
@@ -73,9 +78,67 @@ def test_a_reader_that_never_acknowledges_is_dropped(server):
 
 
 def test_an_honest_read_still_works(server):
-    with connect(server) as sock:
+    honest_read(server)
+
+
+def honest_read(srv) -> None:
+    """A read of block 3's first 16 bytes under the claimed lease, acknowledged: served."""
+    with connect(srv) as sock:
         sock.sendall(tcp_wire.encode_read([3], TOKEN, 16))
         tcp_wire.recv_reply_header(sock, 16)
         assert tcp_wire.recv_exact(sock, 16) == bytes(range(192, 208))
         sock.sendall(tcp_wire.ACK_MAGIC)
         assert struct.unpack("!B", tcp_wire.recv_exact(sock, 1))[0] == tcp_wire.STATUS_OK
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 30  # only a bound against a hang
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def closed_at_once(srv) -> bool:
+    """A new connection is closed by the holder without a byte (the 30 s bound only ends a
+    hang: the old server gave every connection a thread that waited for its READ)."""
+    with connect(srv) as sock:
+        sock.settimeout(30)
+        return sock.recv(64) == b""
+
+
+def test_connections_past_the_unauthenticated_cap_are_closed_before_they_get_a_thread():
+    srv = block_server(io_timeout_s=60, max_connections=8, max_unauthenticated=3)
+    try:
+        idle = [connect(srv) for _ in range(3)]  # connected, silent: no token shown
+        wait_for(lambda: srv.admission.unauthenticated == 3, "three idle connections held")
+        assert closed_at_once(srv)
+        assert (srv.admission.refused, srv.admission.open) == (1, 3)
+        for sock in idle:
+            sock.close()
+        wait_for(lambda: srv.admission.open == 0, "the idle connections given back")
+        honest_read(srv)  # room again: a reader with a claimed lease is served
+        assert srv.admission.refused == 1
+    finally:
+        srv.close()
+
+
+def test_connections_past_the_total_cap_are_closed_even_when_authorized_ones_hold_them():
+    srv = block_server(io_timeout_s=60, max_connections=2, max_unauthenticated=2)
+    try:
+        stalled = [connect(srv) for _ in range(2)]
+        for sock in stalled:  # authorized reads that never take their blocks nor acknowledge
+            sock.sendall(tcp_wire.encode_read([1], TOKEN, BLOCK_BYTES))
+        wait_for(lambda: (srv.admission.open, srv.admission.unauthenticated) == (2, 0), "two authorized reads")
+        assert closed_at_once(srv)
+        assert srv.admission.refused == 1
+        for sock in stalled:
+            sock.close()
+        wait_for(lambda: srv.admission.open == 0, "the stalled reads given back")
+        honest_read(srv)
+    finally:
+        srv.close()
+
+
+def test_the_caps_are_checked():
+    with pytest.raises(ValueError, match="max_unauthenticated must be in"):
+        block_server(max_connections=2, max_unauthenticated=3)

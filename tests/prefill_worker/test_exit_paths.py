@@ -95,12 +95,17 @@ async def streamed_until_lease(w: PrefillWorker, gate: StepGate, request_id: str
     return stream, early.lease
 
 
-def pull(w: PrefillWorker, lease: Lease, ends_lease: bool = True) -> TransferState:
-    """Read the lease's blocks as a decode worker would (claimed first), with its notice."""
+def pull(w: PrefillWorker, lease: Lease, ends_lease: bool = True, num_tokens: int | None = None) -> TransferState:
+    """Read the lease's blocks as a decode worker would (claimed first), with its notice;
+    with ``num_tokens`` (the tokens they hold), only those, checked against the lease's checksums."""
     with create_agent("tcp", "reader", torch.zeros_like(w.engine.kv_cache)) as reader:
         peer = reader.add_remote(w.agent.local_metadata())
-        ids = list(lease.block_ids)
-        handle = reader.start_read(peer, ids, ids, notify=ReadNotice(lease.token, ends_lease).encode())
+        ids, last, sums = list(lease.block_ids), None, None
+        if num_tokens is not None:
+            last = (num_tokens - (len(ids) - 1) * w.engine.blocks.block_size) * w.engine.cache_spec.bytes_per_token
+            sums = lease.checksums
+        handle = reader.start_read(peer, ids, ids, notify=ReadNotice(lease.token, ends_lease).encode(),
+                                   last_block_bytes=last, checksums=sums)
         return reader.wait(handle, 10)
 
 
@@ -281,13 +286,15 @@ def test_kv_a_decode_core_hands_over_leaves_by_its_lease(tiny_llama_dir, end):
             def hand_over():
                 block_ids, tokens = w.engine.hold_running("moved#0")
                 assert tokens == seq.num_tokens - 1  # every token but the newest
-                return w.adopt("moved#0", block_ids), seq.num_output_tokens
+                return w.adopt("moved#0", block_ids, tokens), seq.num_output_tokens
 
             lease, made = await w.call(hand_over)
             assert len(lease.block_ids) == -(-(len(PROMPT) + made - 1) // 16)
+            assert len(lease.checksums) == len(lease.block_ids)  # taken from the tokens it computed
             if end == "pulled":
                 await w.claim(lease.token, list(lease.block_ids))
-                assert await asyncio.to_thread(pull, w, lease) is TransferState.DONE
+                read = await asyncio.to_thread(pull, w, lease, num_tokens=len(PROMPT) + made - 1)
+                assert read is TransferState.DONE  # every block as the decode core computed it
             elif end == "aborted":
                 assert await w.release(lease.token, ReleaseReason.ABORTED)
             await assert_left_nothing(w)

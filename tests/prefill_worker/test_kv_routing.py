@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.decode_worker.server import start as start_decode
-from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer.handoff import ReleaseReason
 from pdserve.prefill_worker.server import start as start_prefill
@@ -23,7 +23,7 @@ from pdserve.router.kv_policy import RoutingConfig
 from pdserve.router.request_run import RequestRun
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerPool
-from tests.factories import assert_greedy_matches, load_reference, make_engine, prefill_worker_config, random_prompts
+from tests.factories import assert_greedy_matches, decode_worker_config, load_reference, make_engine, prefill_worker_config, random_prompts
 from tests.metrics.metrics_helpers import LetterTokenizer, sample
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ async def cluster(model_dir, prefill_blocks: int):
     prefills = [PrefillWorker(prefill_worker_config(worker_id=f"prefill-{i}", kv_transfer_backend="tcp"),
                               engine=make_engine(model_dir, num_blocks=prefill_blocks, block_size=BLOCK))
                 for i in range(2)]
-    decode = DecodeWorker(DecodeWorkerConfig(kv_transfer_backend="tcp"), engine=make_engine(model_dir, num_blocks=64))
+    decode = DecodeWorker(decode_worker_config(kv_transfer_backend="tcp"), engine=make_engine(model_dir, num_blocks=64))
     servers = [await start_prefill(p.config, p) for p in prefills] + [await start_decode(decode.config, decode)]
     pool = WorkerPool()
     for s in servers[:2]:

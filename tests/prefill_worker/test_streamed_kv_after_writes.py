@@ -1,6 +1,8 @@
 """A streamed prompt's chunk is announced only after the device has written its KV (issue
 26): on CUDA the step that computed a chunk may still be running when the hook after it
-announces the chunk, and a decode worker reads the blocks as soon as it hears.
+announces the chunk, and a decode worker reads the blocks as soon as it hears. The blocks the
+chunk finished are checksummed in between: after the writes, before the announcement that
+carries their checksums.
 
 No GPU here: ``wait_for_writes`` is replaced by a recorder, and the test checks that it ran
 on the worker's device before every announcement reached a stream, and not when there was
@@ -22,7 +24,8 @@ class FakeEngine:
 
     def __init__(self):
         self.progress = {}
-        self.blocks = types.SimpleNamespace(block_table=lambda request_id: [3, 4])
+        self.blocks = types.SimpleNamespace(block_table=lambda request_id: [3, 4], block_size=16)
+        self.cache_spec = types.SimpleNamespace(bytes_per_token=8)
 
     def prompt_progress(self, request_id):
         return self.progress.get(request_id, 0)
@@ -33,10 +36,16 @@ def _worker(monkeypatch, events):
     w = PrefillWorker.__new__(PrefillWorker)
     w.engine = FakeEngine()
     w.leases = LeaseTable()
-    w.config = types.SimpleNamespace(lease_seconds=30.0)
+    w.config = types.SimpleNamespace(lease_seconds=30.0, verify_kv=True)
+
+    def block_checksums(ids, last):
+        events.append(("checksum", tuple(ids)))
+        return tuple(ids)
+
+    w.agent = types.SimpleNamespace(block_checksums=block_checksums)
     w.records = {"r1": RequestRecord("r1", owner="", arrived_at=0.0, prompt_hashes=None, stream_kv=True)}
     w._expect_reads = lambda: None
-    w.push = lambda items: events.extend(("push", type(item).__name__) for _, item in items)
+    w.push = lambda items: events.extend(("push", type(item).__name__, item.checksums) for _, item in items)
     monkeypatch.setattr(worker_module, "wait_for_writes", lambda device: events.append(("wait", device)))
     return w
 
@@ -49,7 +58,8 @@ def test_each_announcement_waits_for_the_device(monkeypatch):
     w.engine.progress["r1"] = 32  # the next chunk
     w._publish_kv()
     dev = FakeEngine.device
-    assert events == [("wait", dev), ("push", KVEarly.__name__), ("wait", dev), ("push", KVReady.__name__)]
+    assert events == [("wait", dev), ("checksum", (3,)), ("push", KVEarly.__name__, (3,)),
+                      ("wait", dev), ("checksum", (4,)), ("push", KVReady.__name__, (3, 4))]
 
 
 def test_nothing_new_waits_for_nothing(monkeypatch):
