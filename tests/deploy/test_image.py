@@ -206,7 +206,7 @@ def worker_stats(cluster: PlainK8s, pod: Pod) -> worker_pb2.WorkerStats:
     router_tls = tls.load(str(cluster.tls / "router.pem"), str(cluster.tls / "router.key"),
                           str(cluster.tls / "ca.pem"), prefix="tls")
     stub = worker_pb2_grpc.PrefillWorkerStub if pod.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    with grpc_util.channel(f"{pod.ip}:50061", router_tls) as ch:
+    with grpc_util.channel(f"{pod.ip}:50061", router_tls, peer=pod.role) as ch:
         return stub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
 
 

@@ -48,6 +48,8 @@ BAD_CODES = {grpc.StatusCode.UNKNOWN}
 LOOPBACK = st.sampled_from(["", "127.0.0.1:1", "127.0.0.1:0", "[::1]:1", "127.0.0.1:99999", "127.0.0.1"])
 EDGE = {F.TYPE_UINT32: st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1), st.just(2**32 - 1)),
         F.TYPE_UINT64: st.one_of(st.integers(0, 3), st.integers(0, 2**64 - 1)),
+        F.TYPE_FIXED64: st.one_of(st.integers(0, 3), st.integers(0, 2**64 - 1)),  # checksums
+        F.TYPE_FIXED32: st.integers(0, 2**32 - 1),
         F.TYPE_INT32: st.integers(-(2**31), 2**31 - 1), F.TYPE_INT64: st.integers(-(2**63), 2**63 - 1),
         F.TYPE_FLOAT: PROTO_FLOATS, F.TYPE_DOUBLE: st.floats(allow_nan=True, allow_infinity=True),
         F.TYPE_BOOL: st.booleans(), F.TYPE_STRING: SAFE_TEXT, F.TYPE_BYTES: st.binary(max_size=16)}
