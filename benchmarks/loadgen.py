@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flood-api-key", default=None,
                     help="measure tenant isolation: run alone, then under a flood from this key's tenant")
     ap.add_argument("--flood-concurrency", type=int, default=32, help="the flood's clients (closed loop)")
-    ap.add_argument("--flood-pause-s", type=float, default=0.1, help="a flood client's wait after a 429")
+    ap.add_argument("--flood-pause-s", type=float, default=None,
+                    help="a flood client's wait after a 429 (default: its Retry-After, as OpenAI's clients do; "
+                         "0: hammer)")
     args = ap.parse_args(argv)
     if (args.slo_ttft_ms is None) != (args.slo_tpot_ms is None):
         ap.error("--slo-ttft-ms and --slo-tpot-ms go together (goodput needs both)")

@@ -45,11 +45,12 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, t0: float, 
     sent = time.perf_counter() - t0
     chunks: list[float] = []
     usage: dict = {}
-    error = None
+    error = retry_after = None
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                retry_after = _seconds(resp.headers.get("Retry-After"))
             else:
                 async for line in resp.content:
                     event = parse_event(line)
@@ -69,4 +70,12 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, t0: float, 
     return RequestRecord(
         prompt_tokens=usage.get("prompt_tokens", len(prompt) if isinstance(prompt, list) else 0),
         output_tokens=usage.get("completion_tokens", len(chunks)), sent=sent, chunk_times=tuple(chunks),
-        end=end, error=error)
+        end=end, error=error, retry_after_s=retry_after)
+
+
+def _seconds(value: str | None) -> float | None:
+    """A Retry-After given in seconds (the router's form); None otherwise."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

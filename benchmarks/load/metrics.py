@@ -30,6 +30,7 @@ class RequestRecord:
     chunk_times: tuple[float, ...]  # arrival of each chunk that carried output
     end: float
     error: str | None = None
+    retry_after_s: float | None = None  # a refusal's Retry-After, when it had one
 
     @property
     def ok(self) -> bool:

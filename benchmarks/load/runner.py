@@ -106,10 +106,11 @@ async def _closed_loop(spec, requests, send_one, bar) -> list[RequestRecord]:
 
 
 async def run_async(spec: WorkloadSpec, base_url: str, progress: bool = True, api_key: str | None = None,
-                    during: Callable[[str, str], Awaitable[object]] | None = None) -> Results:
+                    during: Callable[[str, str], Awaitable[asyncio.Future]] | None = None) -> Results:
     """``run``'s coroutine. ``api_key``: sent as ``Authorization: Bearer`` with every request.
-    ``during(base_url, model)``: a task that runs alongside the measured requests (after the
-    warm-up) and is cancelled when they end (benchmarks/load/flood.py)."""
+    ``during(base_url, model)``: awaited after the warm-up, it starts what runs alongside the
+    measured requests and returns its task once that is under way; the task is cancelled when
+    they end (benchmarks/load/flood.py)."""
     base_url = base_url.rstrip("/")
     url = f"{base_url}/v1/completions"
     connector = aiohttp.TCPConnector(limit=0)  # no client-side cap: the workload sets concurrency
@@ -129,7 +130,7 @@ async def run_async(spec: WorkloadSpec, base_url: str, progress: bool = True, ap
 
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         loop = _open_loop if spec.arrivals.open_loop else _closed_loop
-        beside = asyncio.ensure_future(during(base_url, model)) if during is not None else None
+        beside = await during(base_url, model) if during is not None else None
         try:
             with tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, leave=False) as bar:
                 records = await loop(spec, requests, send_one, bar)
