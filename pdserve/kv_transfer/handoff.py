@@ -34,9 +34,9 @@ its first chunk has run, not after the whole prompt, and is renewed at every chu
 worker claims it early and reads each block once its chunk is done, while later chunks
 compute. Those early reads carry a notice with ``ends_lease`` False: they are authorized by
 the lease like any read but do not end it. Each block's checksum is taken when the chunk that
-computed it has run and travels with the progress that announces it (``WatchKV``). The last read, after the whole prompt, ends the
-lease (PULLED) as before. Any other end (the decode side gave up, the prompt failed) is the
-same Release as above.
+computed it has run and travels with the progress that announces it (``WatchKV``). The last
+read, after the whole prompt, ends the lease (PULLED) as before. Any other end (the decode
+side gave up, the prompt failed) is the same Release as above.
 
 Words, each with one meaning across pdserve:
 
