@@ -261,10 +261,6 @@ class BlockManager:
         state.num_final_tokens = max(state.num_final_tokens, num_final)
         self._register_full_blocks(state, token_ids, num_final)
 
-    def num_final_tokens(self, seq_id: str) -> int:
-        """Leading tokens of ``seq_id`` whose KV is final (its prefix hits included)."""
-        return self._seqs[seq_id].num_final_tokens
-
     def free(self, seq_id: str) -> None:
         """Drop the sequence's references; blocks no one else holds go back to the free list."""
         state = self._seqs.pop(seq_id, None)
