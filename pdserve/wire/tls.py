@@ -128,10 +128,11 @@ class TlsConfig:
 
 
 def peer_roles(sock: ssl.SSLSocket) -> frozenset[str]:
-    """The roles the certificate of the peer of a verified ``ssl`` socket names as SAN URIs:
-    what a server that is not gRPC (the tcp KV block server) checks of its caller."""
-    sans = (sock.getpeercert() or {}).get("subjectAltName", ())
-    return frozenset(v[len(ROLE_URI_PREFIX):] for k, v in sans if k == "URI" and v.startswith(ROLE_URI_PREFIX))
+    """The roles the certificate of the peer of a verified ``ssl`` socket names
+    (``certificate_roles``): what a server that is not gRPC (the tcp KV block server) checks
+    of its caller."""
+    der = sock.getpeercert(binary_form=True)
+    return certificate_roles(ssl.DER_cert_to_PEM_cert(der).encode()) if der else frozenset()
 
 
 def check_role(config: TlsConfig | None, role: str, setting: str) -> TlsConfig | None:
