@@ -1,0 +1,53 @@
+"""Tensor parallelism inside one worker: which share of each layer this process holds.
+
+A worker with ``--tensor-parallel-size N`` runs N processes (ranks). Each rank holds 1/N of
+every attention layer's heads and of every MLP's intermediate width (Megatron's split: the
+q|k|v and gate|up projections are split by output rows, o_proj and down_proj by input
+columns), and one all-reduce after o_proj and after down_proj sums the ranks' partial
+outputs. Every model family is written against ``TensorParallel``: at size 1 every method is
+the identity, so a single-process engine pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class ShardError(ValueError):
+    """A dimension that does not split evenly over the tensor-parallel ranks."""
+
+    def __init__(self, what: str, n: int, size: int):
+        super().__init__(f"{what} ({n}) is not divisible by tensor_parallel_size ({size})")
+        self.what, self.n, self.size = what, n, size
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in its worker's tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the torch.distributed ProcessGroup, when size > 1
+
+    def share(self, n: int, what: str) -> int:
+        """This rank's part of ``n`` (heads, rows, experts); ``what`` names it in the error."""
+        if n % self.size:
+            raise ShardError(what, n, self.size)
+        return n // self.size
+
+    def narrow(self, tensor: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        """This rank's contiguous slice of ``tensor`` along ``dim`` (a view)."""
+        part = self.share(tensor.shape[dim], what)
+        return tensor.narrow(dim, self.rank * part, part)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; the identity at size 1."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+
+SINGLE = TensorParallel()
