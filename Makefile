@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: test test-quick serve image bench-engine clean protos lock
+.PHONY: test test-quick serve image bench-engine clean protos lock gpu-bundle
 
 $(STAMP): pyproject.toml requirements.lock Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -70,3 +70,8 @@ lock:
 
 clean:
 	rm -rf $(VENV)
+
+# What the lent GPU host lacks for scripts/gpu_check.sh, for its Python (3.12) and CUDA (13), in
+# gpu_bundle/ (git-ignored, under 40 MiB): carry it to the host with the checkout.
+gpu-bundle:
+	python3 scripts/gpu_bundle.py --out gpu_bundle

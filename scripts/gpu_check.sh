@@ -1,43 +1,59 @@
 #!/usr/bin/env bash
-# The GPU check (issue 26): one command on a bare CUDA host that has Python and a CUDA torch,
-# without network access. No weights ship: the tests build a random-weight model of
-# SmolLM2-135M's shape and a byte-level tokenizer on the spot (tests/gpu/smol.py).
+# The GPU check (issues 26, 43): one command on the lent CUDA host as it is (Python 3.12, a
+# CUDA 13 torch 2.11 or later, transformers, no network). No weights ship: the tests build a
+# random-weight model of SmolLM2-135M's shape and a byte-level tokenizer on the spot
+# (tests/gpu/smol.py).
 #
-#   WHEELHOUSE=wheelhouse scripts/gpu_check.sh     # first installs what it needs from there
-#   scripts/gpu_check.sh                           # when those packages are installed already
+#   make gpu-bundle                 # here, with network: gpu_bundle/ (git-ignored, < 40 MiB)
+#   scripts/gpu_check.sh            # there, with gpu_bundle/ carried along
+#
+# What the host lacks (xgrammar and its closure, protobuf 7, a UCX-only subset of nixl-cu13)
+# comes from gpu_bundle/ into a private --target directory put on PYTHONPATH: the host's
+# torch, numpy and transformers are never replaced. Without gpu_bundle/ the check uses what is
+# installed.
 #
 # Steps (docs/gpu.md, "GPU check"):
-#   1. environment probe: CUDA, driver, flash-attn, NIXL's UCX CUDA libraries, `auto`'s backend
-#   2. the engine against transformers on CUDA: float32 exact, bfloat16 logprob-close, on every
+#   1. environment probe: CUDA, driver, flash-attn, triton, NIXL's UCX CUDA libraries, `auto`'s backend
+#   2. the engine against transformers on CUDA (float32 exact, bfloat16 logprob-close) on every
 #      attention backend present, with chunked prefill, a prefix hit and a preemption
 #   3. sampling (seeded, unseeded, top-k/p/min-p, penalties, logprobs) and a JSON-schema request
-#   4. a decode step profile at batch 1 and 64 (ms, host syncs and kernel launches a step; batch 1
-#      against its memory floor: weight bytes over the device read bandwidth), and a 512-token prefill
-# Results go to $GPU_CHECK_OUT (default gpu_check_out/): probe.json, step_profile.json,
-# pytest.log. PYTHON picks the interpreter (default python3); PDSERVE_CHECK_DEVICE=cpu
-# dry-runs every step on the CPU (proving the check, not CUDA).
+#   4. NIXL: a two-process VRAM-to-VRAM read of every block, bytes compared, GB/s and UCX transport
+#   5. the decode step profile at batch 1 and 64 (ms, syncs, launches, against the HBM floor)
+# Results in $GPU_CHECK_OUT (default gpu_check_out/), at most 8 files: probe.json, junit.xml
+# (every test's outcome), pytest.log, nixl.json, step_profile.json. PYTHON picks the
+# interpreter (default python3); PDSERVE_CHECK_DEVICE=cpu dry-runs every step on the CPU
+# (proving the check, not CUDA), PDSERVE_CHECK_LAYERS shortens the model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export GPU_CHECK_OUT=${GPU_CHECK_OUT:-gpu_check_out}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+BUNDLE=${GPU_BUNDLE:-gpu_bundle}
 mkdir -p "$GPU_CHECK_OUT"
-
-if [ -n "${WHEELHOUSE:-}" ]; then
-    # --no-deps: the wheelhouse holds the whole closure; pip must not reach for an index or
-    # touch the host's torch.
-    "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELHOUSE" -r scripts/gpu_check_requirements.txt
+SITE=""
+if [ -d "$BUNDLE" ]; then
+    SITE=${GPU_CHECK_SITE:-$(mktemp -d /tmp/pdserve-gpu-site.XXXXXX)}
+    echo "== 0. installing $BUNDLE into $SITE (private; the host's packages stay as they are)"
+    "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$BUNDLE"/wheels/*.whl
+    tar xzf "$BUNDLE/nixl_cu13_ucx.tar.gz" -C "$SITE"
 fi
+export PYTHONPATH="$PWD${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
+# Importing xgrammar would otherwise compile a torch add-on with nvcc (minutes, on every host).
+export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+export PYTHONUNBUFFERED=1
 
 echo "== 1. environment probe"
 "$PY" scripts/gpu_probe.py
 
-echo "== 2-4. engine, sampling and structured output, step profile (tests/gpu, marker cuda)"
+echo "== 2-5. engine, sampling and structured output, NIXL, step profile (tests/gpu, marker cuda)"
 # -p no:cacheprovider: writes nothing into the checkout; -o: pyproject's pytest-timeout and
 # --durations options need plugins a bare host may lack.
 set +e
-"$PY" -m pytest -m cuda -q -rs -s -p no:cacheprovider -o addopts="" -o timeout=0 \
-    tests/gpu/test_engine_on_device.py tests/gpu/test_sampling_on_device.py tests/gpu/test_step_profile.py \
+"$PY" -m pytest -m cuda -q -rA -s -p no:cacheprovider -o addopts="" -o timeout=0 \
+    --junitxml "$GPU_CHECK_OUT/junit.xml" \
+    tests/gpu/test_engine_on_device.py tests/gpu/test_sampling_on_device.py tests/gpu/test_nixl_vram.py \
+    $(ls tests/gpu/test_*.py | grep -v -e test_engine_on_device -e test_sampling_on_device \
+        -e test_nixl_vram -e test_step_profile) tests/gpu/test_step_profile.py \
     2>&1 | tee "$GPU_CHECK_OUT/pytest.log"
 status=${PIPESTATUS[0]}
 set -e
