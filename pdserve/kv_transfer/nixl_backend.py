@@ -56,17 +56,30 @@ _NIXL_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.TRANSFERRING,
 
 
 @contextmanager
-def _ucx_net_devices(devices: str | None):
-    """UCX_NET_DEVICES=``devices`` while the agent's UCX context is made, unless the operator
-    has set it; the process's environment is as before afterwards."""
-    if not devices or "UCX_NET_DEVICES" in os.environ:
-        yield
-        return
-    os.environ["UCX_NET_DEVICES"] = devices
+def _ucx_env(settings: dict[str, str]):
+    """Each UCX ``settings`` variable set while the agent's UCX context is made, unless the
+    operator has set it; the process's environment is as before afterwards."""
+    added = {k: v for k, v in settings.items() if v and k not in os.environ}
+    os.environ.update(added)
     try:
         yield
     finally:
-        os.environ.pop("UCX_NET_DEVICES", None)
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def ucx_settings(device: torch.device, net_devices: str | None) -> dict[str, str]:
+    """The UCX variables an agent over a cache on ``device`` sets (where the operator has not).
+
+    ``UCX_NET_DEVICES`` holds UCX's TCP listener to the internal plane (module docstring).
+    ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` for a CUDA cache: pdserve's transfers are READs, and
+    UCX enables cuda_ipc GETs only where it detects NVLink (its ``auto``), so a GPU without
+    NVLink peers read VRAM from VRAM through a staged cuda_copy path: 0.45 GB/s for 377 MB on
+    the first H100 run (BENCHMARKS.md, GPU)."""
+    settings = {"UCX_NET_DEVICES": net_devices or ""}
+    if device.type == "cuda":
+        settings["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+    return settings
 
 
 NIXL_MODULES = {"12": "nixl_cu12", "13": "nixl_cu13"}  # torch's CUDA major -> the wheel built for it
@@ -156,7 +169,7 @@ class NixlAgent(KVTransferAgent):
         try:
             config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                             num_threads=num_threads)
-            with _ucx_net_devices(net_devices):  # UCX reads its configuration when the backend starts
+            with _ucx_env(ucx_settings(cache.device, net_devices)):  # UCX reads them as the backend starts
                 self._agent = nixl.nixl_agent(name, config)
         except Exception as exc:
             raise BackendUnavailable("nixl", f"creating NIXL agent {name!r} with UCX failed: "

@@ -2,7 +2,9 @@
 SmolLM2-shaped model's block layout on the device, filled from a seed; this process owns
 another and reads every block of it through pdserve's NIXL agent, compares the bytes, and
 records the read's GB/s and the UCX transports that carried it (UCX prints its protocol
-choices under ``UCX_PROTO_INFO=y``) in ``$GPU_CHECK_OUT/nixl.json``.
+choices under ``UCX_PROTO_INFO=y``) in ``$GPU_CHECK_OUT/nixl.json``: once as pdserve sets UCX
+up (cuda_ipc GETs enabled, pdserve/kv_transfer/nixl_backend.py ``ucx_settings``) and once with
+UCX's own default for them (``auto``: only over NVLink), which the first H100 run measured.
 
 With ``PDSERVE_CHECK_DEVICE=cpu`` the same read runs DRAM to DRAM (a dry run of the check)."""
 
@@ -61,15 +63,21 @@ def _transports(text: str) -> list[str]:
 def _record(row: dict) -> None:
     out = Path(os.environ.get("GPU_CHECK_OUT", "gpu_check_out"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "nixl.json").write_text(json.dumps(row, indent=1))
+    path = out / "nixl.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows = [r for r in rows if r["ucx_get_zcopy"] != row["ucx_get_zcopy"]] + [row]
+    path.write_text(json.dumps(rows, indent=1))
     print(f"\nnixl read: { {k: v for k, v in row.items() if k != 'ucx_protocols'} }")
 
 
-def test_vram_to_vram_read_of_every_block(device, capfd, monkeypatch):
+@pytest.mark.parametrize("get_zcopy", ["pdserve", "auto"])
+def test_vram_to_vram_read_of_every_block(device, capfd, monkeypatch, get_zcopy):
     from pdserve.kv_transfer import TransferState, create_agent
     from pdserve.protos import kv_transfer_pb2
 
     monkeypatch.setenv("UCX_PROTO_INFO", "y")  # inherited by the holder, read by this process's UCX
+    if get_zcopy == "auto":  # as an operator would set it; pdserve leaves an operator's setting be
+        monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "auto")
     num_blocks = 1024 if device.type == "cuda" else 32
     parent, child = _CTX.Pipe()
     holder = _CTX.Process(target=_holder, args=(child, str(device), num_blocks, 1234), daemon=True)
@@ -91,7 +99,8 @@ def test_vram_to_vram_read_of_every_block(device, capfd, monkeypatch):
         same = torch.equal(reader.cache.view(torch.uint8)[blocks[::-1]], expected.view(torch.uint8)[blocks])
         nbytes = reader.cache.numel() * reader.cache.element_size()
         protocols = _transports(capfd.readouterr().out + capfd.readouterr().err)
-        _record({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        _record({"ucx_get_zcopy": get_zcopy,
+                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "blocks": num_blocks, "block_bytes": nbytes // num_blocks, "bytes": nbytes,
                  "seconds": round(seconds, 6), "gb_per_s": round(nbytes / seconds / 1e9, 2),
                  "bytes_equal": same, "ucx_protocols": protocols})

@@ -6,6 +6,7 @@ CUDA is absent here: the module choice runs on fake modules under a faked
 ``torch.version.cuda``; the device binding runs on fake ``torch.cuda`` calls, and its
 coverage of NIXL calls on real NIXL agents over host caches with a recording binder."""
 
+import os
 import sys
 import threading
 import types
@@ -155,3 +156,19 @@ def test_every_nixl_call_runs_on_a_bound_thread(monkeypatch):
         _on_thread(reader.close)
         _on_thread(holder.close)
     assert misses == []
+
+
+def test_a_cuda_cache_enables_cuda_ipc_reads_unless_the_operator_chose(monkeypatch):
+    """pdserve's transfers are READs; UCX turns cuda_ipc GETs on only where it sees NVLink, so a
+    CUDA cache asks for them (BENCHMARKS.md, GPU: 0.45 GB/s VRAM to VRAM without)."""
+    from pdserve.kv_transfer.nixl_backend import _ucx_env, ucx_settings
+
+    assert ucx_settings(torch.device("cpu"), None) == {"UCX_NET_DEVICES": ""}
+    cuda = ucx_settings(torch.device("cuda", 0), "eth1")
+    assert cuda == {"UCX_NET_DEVICES": "eth1", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "auto")
+    with _ucx_env(cuda):
+        assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"  # the operator's
+        assert os.environ["UCX_NET_DEVICES"] == "eth1"
+    assert "UCX_NET_DEVICES" not in os.environ
