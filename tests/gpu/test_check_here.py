@@ -1,0 +1,93 @@
+"""The GPU check, proved here on the CPU (issue 43): `make gpu-bundle` builds what the lent
+host lacks, for its Python and CUDA, under 40 MiB, never carrying the host's own packages;
+and scripts/gpu_check.sh runs end to end as a CPU dry run (``PDSERVE_CHECK_DEVICE=cpu``),
+every step writing its result file.
+
+The bundle test downloads from PyPI, as `make gpu-bundle` does (about 70 MB, from pip's cache
+after the first time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_bundle  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# Libraries the host provides (the C runtime, CUDA's driver and runtime, NVML): a bundled
+# file may link these and nothing else outside the bundle.
+HOST_LIBRARIES = {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
+                  "ld-linux-x86-64.so.2", "libstdc++.so.6", "libgcc_s.so.1", "libcuda.so.1",
+                  "libcudart.so.13", "libnvidia-ml.so.1", "libz.so.1"}
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle") / "gpu_bundle"
+    subprocess.run([sys.executable, str(ROOT / "scripts/gpu_bundle.py"), "--out", str(out)], check=True,
+                   capture_output=True, text=True, timeout=600)
+    return out
+
+
+def test_the_bundle_is_under_its_limit(bundle):
+    assert 0 < gpu_bundle.folder_bytes(bundle) < gpu_bundle.LIMIT_BYTES
+
+
+def test_every_wheel_is_for_cpython_312_on_manylinux_x86_64_and_none_is_the_hosts(bundle):
+    wheels = sorted((bundle / "wheels").glob("*.whl"))
+    assert len(wheels) == len(gpu_bundle.GPU_WHEELS)
+    for wheel in wheels:
+        name, _version, python, abi, platform = wheel.stem.split("-")[:5]
+        assert python in ("cp312", "py3", "cp310") and abi in ("cp312", "none", "abi3"), wheel.name
+        assert platform == "any" or all(p.startswith("manylinux") and p.endswith("x86_64")
+                                        for p in platform.split(".")), wheel.name
+        assert name.lower().replace("_", "-") not in gpu_bundle.HOST_PACKAGES, wheel.name
+        with zipfile.ZipFile(wheel) as zf:
+            tops = {n.split("/")[0] for n in zf.namelist()}
+        assert not tops & {"torch", "numpy", "transformers"}, (wheel.name, tops)
+
+
+def test_the_nixl_subset_has_the_ucx_cuda_path_and_every_link_resolves_inside_it_or_on_the_host(bundle, tmp_path):
+    with tarfile.open(bundle / gpu_bundle.NIXL_ARCHIVE) as tar:
+        tar.extractall(tmp_path, filter="data")
+        names = tar.getnames()
+    for wanted in ("nixl_cu13/_api.py", ".nixl_cu13.mesonpy.libs/plugins/libplugin_UCX.so",
+                   "nixl_cu13.libs/ucx/libuct_cuda.so.0.0.0"):
+        assert wanted in names
+    assert not any("nixl_ep" in n or "libplugin_OBJ" in n or "libaws" in n for n in names)  # left out
+    shipped = {Path(n).name for n in names}
+    for name in names:
+        path = tmp_path / name
+        if path.is_file() and (path.suffix == ".so" or ".so." in path.name):
+            needed, _ = gpu_bundle.elf_links(path)
+            assert set(needed) <= shipped | HOST_LIBRARIES, (name, set(needed) - shipped - HOST_LIBRARIES)
+
+
+def test_the_whole_check_dry_runs_on_the_cpu(tmp_path):
+    """Every step of scripts/gpu_check.sh on the CPU, with a 2-layer model: it proves the
+    check (its tests, its result files), not CUDA."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PDSERVE_CHECK_DEVICE": "cpu", "PDSERVE_CHECK_LAYERS": "2", "PYTHON": sys.executable,
+           "GPU_BUNDLE": str(tmp_path / "none"), "GPU_CHECK_OUT": str(out)}
+    run = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh")], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["junit.xml", "nixl.json", "probe.json", "pytest.log", "step_profile.json"]
+    assert len(files) <= 8  # what the device tool brings back
+    suite = ET.parse(out / "junit.xml").getroot().find("testsuite") or ET.parse(out / "junit.xml").getroot()
+    assert int(suite.get("tests")) >= 15 and int(suite.get("failures")) == int(suite.get("errors")) == 0
+    assert int(suite.get("skipped")) == 0
+    assert all(row["bytes_equal"] for row in json.loads((out / "nixl.json").read_text()))
+    assert json.loads((out / "probe.json").read_text())["torch"]
