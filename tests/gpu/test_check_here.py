@@ -84,10 +84,10 @@ def test_the_whole_check_dry_runs_on_the_cpu(tmp_path):
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["junit.xml", "nixl.json", "probe.json", "pytest.log", "step_profile.json"]
-    assert len(files) <= 8  # what the device tool brings back
-    suite = ET.parse(out / "junit.xml").getroot().find("testsuite") or ET.parse(out / "junit.xml").getroot()
-    assert int(suite.get("tests")) >= 15 and int(suite.get("failures")) == int(suite.get("errors")) == 0
-    assert int(suite.get("skipped")) == 0
+    assert files == ["junit.xml", "nixl.json", "probe.json", "pytest.log", "step_profile.json"], run.stdout[-3000:]
+    log = (out / "pytest.log").read_text()[-3000:]
+    suite = ET.parse(out / "junit.xml").getroot().find("testsuite")
+    counts = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
+    assert counts["tests"] >= 15 and counts["failures"] == counts["errors"] == counts["skipped"] == 0, (counts, log)
     assert all(row["bytes_equal"] for row in json.loads((out / "nixl.json").read_text()))
     assert json.loads((out / "probe.json").read_text())["torch"]
