@@ -13,8 +13,9 @@ from tests.factories import make_hf_model, save_hf_model
 # Per family: (transformers model_type, config overrides of tests.factories.TINY_LLAMA).
 FAMILIES = {
     # Qwen3 (dense): head_dim is not hidden / heads (4 x 32 in 64, as Qwen3-0.6B's 16 x 128 in
-    # 1024), 2 q heads per kv head (Qwen3-0.6B's ratio), per-head q/k norm, no biases.
-    "qwen3": ("qwen3", {"head_dim": 32}),
+    # 1024), 2 q heads per kv head and the LM head tied to the embedding (both as Qwen3-0.6B),
+    # per-head q/k norm, no biases.
+    "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
     # Qwen3-MoE: 8 q heads per 2 kv heads (Qwen3-30B-A3B has 32 per 4), 8 experts with 2 per
     # token, renormalized as the published checkpoints say, and a dense MLP on layer 1
     # (mlp_only_layers) between two MoE layers.
