@@ -17,15 +17,34 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm on each head of q and k before RoPE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts (Qwen3-MoE): how many, how a token picks them, and which layers have them."""
+
+    num_experts: int
+    top_k: int  # experts per token (num_experts_per_tok)
+    intermediate_size: int  # each expert's width (moe_intermediate_size)
+    norm_topk_prob: bool  # renormalize a token's k weights to sum to one
+    sparse_step: int = 1  # decoder_sparse_step: layer i has experts when (i + 1) % sparse_step == 0...
+    dense_layers: tuple[int, ...] = ()  # ...and is not one of these (mlp_only_layers): a dense MLP there
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder, independent of where weights came from."""
+    """Hyper-parameters of a decoder of one of the supported families (pdserve/engine/families.py),
+    independent of where weights came from."""
 
     model_type: str
     vocab_size: int
@@ -44,6 +63,7 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: caps max_model_len (no windowed attention)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # Qwen3-MoE; None: every layer's MLP is dense
 
     @property
     def max_model_len(self) -> int:
@@ -75,6 +95,9 @@ def model_config_from_hf(hf: Any, source: str) -> ModelConfig:
     eos = get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     use_window = get("use_sliding_window", model_type == "mistral")
+    if model_type in QK_NORM_TYPES and get("attention_bias", False):
+        # transformers' Qwen3 then has an o_proj bias too, which no Qwen3 checkpoint has.
+        raise ModelLoadError(source, "attention_bias: Qwen3 models have no attention biases; supported: false")
     return ModelConfig(
         model_type=model_type,
         vocab_size=get("vocab_size"),
@@ -93,7 +116,23 @@ def model_config_from_hf(hf: Any, source: str) -> ModelConfig:
         sliding_window=(get("sliding_window") or None) if use_window else None,
         bos_token_id=get("bos_token_id"),
         eos_token_ids=eos_ids,
+        moe=moe_config_from_hf(get, source) if model_type == "qwen3_moe" else None,
     )
+
+
+def moe_config_from_hf(get, source: str) -> MoeConfig:
+    """The routed-expert fields of a Qwen3-MoE config (``get`` reads one field, with a default)."""
+    # transformers 5 writes num_local_experts; the published checkpoints say num_experts.
+    num_experts = get("num_experts") or get("num_local_experts")
+    top_k = get("num_experts_per_tok")
+    step = get("decoder_sparse_step", 1)
+    if not num_experts or not top_k or not 1 <= top_k <= num_experts:
+        raise ModelLoadError(source, f"num_experts_per_tok ({top_k}) must be between 1 and num_experts ({num_experts})")
+    if not step or step < 1:
+        raise ModelLoadError(source, f"decoder_sparse_step ({step}) must be at least 1")
+    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=get("moe_intermediate_size"),
+                     norm_topk_prob=bool(get("norm_topk_prob", False)), sparse_step=step,
+                     dense_layers=tuple(get("mlp_only_layers") or ()))
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

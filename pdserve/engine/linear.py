@@ -34,7 +34,7 @@ from torch import nn
 from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.attention_paged import PagedAttention
-from pdserve.engine.model import CausalLM, DecoderStack, RMSNorm, SiluAndMul
+from pdserve.engine.model import MLP, Attention, CausalLM, DecoderStack, RMSNorm, SiluAndMul
 
 
 class TorchBackend:
@@ -211,9 +211,11 @@ class PackedCpuBackend:
         return PackedLinear(weight, bias, f32_out=True)
 
     def stack(self, layers: nn.ModuleList) -> nn.Module | None:
-        """bfloat16: one call over the whole stack. float32 keeps torch's norms between the
-        linears, so its layers run one by one."""
-        return PackedDecoderStack(layers) if self.dtype == torch.bfloat16 else None
+        """bfloat16: one call over the whole stack, where the layers are Llama's (the C++ stack
+        is that layer, op for op; another family's layers run one by one). float32 keeps
+        torch's norms between the linears, so its layers run one by one."""
+        llama = all(type(layer.self_attn) is Attention and type(layer.mlp) is MLP for layer in layers)
+        return PackedDecoderStack(layers) if self.dtype == torch.bfloat16 and llama else None
 
 
 LinearBackend = TorchBackend | PackedCpuBackend

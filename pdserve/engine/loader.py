@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from pdserve.engine.config import ModelConfig, model_config_from_hf
 from pdserve.engine.errors import ModelLoadError
+from pdserve.engine.families import build_model
 from pdserve.engine.linear import apply_backend, select_backend
 from pdserve.engine.model import CausalLM
 
@@ -121,7 +122,8 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device,
                progress: bool = True) -> tuple[CausalLM, ModelConfig, Path]:
-    """Build our ``CausalLM`` and fill it from ``model``; returns (model, config, HF dir).
+    """Build the ``CausalLM`` of ``model``'s family (pdserve/engine/families.py) and fill it;
+    returns (model, config, HF dir).
 
     Once filled, the model's linears are handed to the backend for ``dtype`` and ``device``
     (pdserve/engine/linear.py), which packs their weights once, here, for the rest of its life.
@@ -129,7 +131,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device,
     model_dir = materialize(model, progress)
     cfg = read_model_config(model_dir)
     with torch.device("meta"):
-        net = CausalLM(cfg)
+        net = build_model(cfg)
     net = net.to_empty(device=device).to(dtype)
     weights = {}
     for name, tensor in tqdm(_iter_safetensors(model_dir), desc=f"loading {model_dir.name}",

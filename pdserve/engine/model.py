@@ -11,7 +11,7 @@ modules (bfloat16 on CPU: pdserve's batch-invariant kernels); the model does not
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.parallel import SINGLE, TensorParallel
 from pdserve.engine.rope import RotaryEmbedding
 
 
@@ -86,12 +87,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Norm, attention, norm, MLP, with the residual stream between. A family whose attention
+    or MLP differs from Llama's (pdserve/engine/qwen3.py) hands its own in; the norms and the
+    stream are the same."""
+
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg) if self_attn is None else self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,14 +126,16 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head."""
+    """Embedding, decoder layers, final norm and LM head: Llama's, or another family's
+    ``layers`` (a subclass, pdserve/engine/families.py, builds them and loads their weights)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layers: Iterable[nn.Module] | None = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layers if layers is not None else (DecoderLayer(cfg) for _ in range(cfg.num_layers)))
         self.stack = DecoderStack()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

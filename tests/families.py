@@ -1,0 +1,55 @@
+"""Small random-weight models of the families beyond Llama, each with its family's real head
+layout, for the tests that check them against ``transformers`` and serve them."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from tests.factories import make_hf_model, save_hf_model
+
+# Per family: (transformers model_type, config overrides of tests.factories.TINY_LLAMA).
+FAMILIES = {
+    # Qwen3 (dense): head_dim is not hidden / heads (4 x 32 in 64, as Qwen3-0.6B's 16 x 128 in
+    # 1024), 2 q heads per kv head and the LM head tied to the embedding (both as Qwen3-0.6B),
+    # per-head q/k norm, no biases.
+    "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    # Qwen3-MoE: 8 q heads per 2 kv heads (Qwen3-30B-A3B has 32 per 4), 8 experts with 2 per
+    # token, renormalized as the published checkpoints say, and a dense MLP on layer 1
+    # (mlp_only_layers) between two MoE layers.
+    "qwen3-moe": ("qwen3_moe", {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+}
+
+
+def make_family_model(family: str, seed: int = 0, **overrides):
+    """A float32 transformers model of ``family``; the q/k norm weights are drawn around one
+    (transformers initializes them to exactly one, which would hide a norm we skipped)."""
+    model_type, family_overrides = FAMILIES[family]
+    hf = make_hf_model(model_type, seed=seed, **{**family_overrides, **overrides})
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
+    return hf
+
+
+def save_family_model(family: str, directory: Path, seed: int = 0, real_tokenizer: bool = False, **overrides):
+    """Save ``family``'s model in ``directory``; returns (directory, the transformers model).
+    ``real_tokenizer``: a 49,152-token vocabulary and the default model's tokenizer, for
+    grammars (structured output needs real token strings)."""
+    from pdserve.engine.loader import materialize
+
+    if real_tokenizer:
+        overrides = {"vocab_size": 49152, **overrides}
+    hf = make_family_model(family, seed=seed, **overrides)
+    save_hf_model(hf, directory)
+    if real_tokenizer:
+        source = materialize("default", progress=False)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (source / name).exists():
+                shutil.copy(source / name, directory / name)
+    return directory, hf
