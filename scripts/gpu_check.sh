@@ -13,6 +13,7 @@
 #   3. sampling (seeded, unseeded, top-k/p/min-p, penalties, logprobs) and a JSON-schema request
 #   4. a decode step profile at batch 1 and 64 (ms, host syncs and kernel launches a step; batch 1
 #      against its memory floor: weight bytes over the device read bandwidth), and a 512-token prefill
+#   5. KV by head between tensor-parallel sizes from VRAM (NIXL row descriptors, tcp, checksums)
 # Results go to $GPU_CHECK_OUT (default gpu_check_out/): probe.json, step_profile.json,
 # pytest.log. PYTHON picks the interpreter (default python3); PDSERVE_CHECK_DEVICE=cpu
 # dry-runs every step on the CPU (proving the check, not CUDA).
@@ -32,12 +33,13 @@ fi
 echo "== 1. environment probe"
 "$PY" scripts/gpu_probe.py
 
-echo "== 2-4. engine, sampling and structured output, step profile (tests/gpu, marker cuda)"
+echo "== 2-5. engine, sampling and structured output, step profile, KV by head (tests/gpu, marker cuda)"
 # -p no:cacheprovider: writes nothing into the checkout; -o: pyproject's pytest-timeout and
 # --durations options need plugins a bare host may lack.
 set +e
 "$PY" -m pytest -m cuda -q -rs -s -p no:cacheprovider -o addopts="" -o timeout=0 \
     tests/gpu/test_engine_on_device.py tests/gpu/test_sampling_on_device.py tests/gpu/test_step_profile.py \
+    tests/gpu/test_kv_by_head_on_device.py \
     2>&1 | tee "$GPU_CHECK_OUT/pytest.log"
 status=${PIPESTATUS[0]}
 set -e
