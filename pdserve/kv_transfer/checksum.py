@@ -17,6 +17,12 @@ for the measurement only), 37 us for XXH64, 90-210 us for zlib's CRC-32 and 400-
 BLAKE2b. ``benchmarks/kv_transfer.py --verify`` measures them again on any machine. It is a
 check against accidents, not an adversary: the internal plane's mTLS is that.
 
+A tensor-parallel rank whose readers may hold only part of its heads (a decode pool of a larger
+tensor-parallel size, ``pdserve.kv_transfer.sharding``) sums each block in equal groups of
+heads instead (``row_checksums``): group g over its heads' bytes of every row, row after row;
+one group over whole rows is exactly the block's checksum. Each reader rank checks the groups
+its heads span.
+
 A CUDA cache is checksummed on the host: the blocks are gathered and copied over first (a
 cost not measured here: this project's machines have no GPU).
 """

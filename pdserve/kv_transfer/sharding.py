@@ -60,10 +60,10 @@ class KVShard:
                 block_size: int, dtype: str, checksum_groups: int = 1, replicated: bool = False) -> KVShard:
         """Rank ``tp_rank`` of ``tp_size``: its contiguous 1/``tp_size`` of the heads, or all of them
         when ``replicated`` (a cache every rank holds whole, such as a latent one)."""
-        count = num_kv_heads if replicated or tp_size < 1 else num_kv_heads // tp_size
-        if not replicated and tp_size >= 1 and num_kv_heads % tp_size:
+        if tp_size < 1 or (not replicated and num_kv_heads % tp_size):
             raise InvalidTransferRequest(f"num_kv_heads ({num_kv_heads}) is not divisible by tp_size ({tp_size})",
                                          field="tp_size", limit=num_kv_heads)
+        count = num_kv_heads if replicated else num_kv_heads // tp_size
         shard = cls(tp_rank, tp_size, num_kv_heads, 0 if replicated else tp_rank * count, count, head_bytes,
                     rows_per_token, block_size, dtype, checksum_groups)
         shard.check()

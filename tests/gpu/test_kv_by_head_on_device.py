@@ -45,7 +45,7 @@ def _holder(conn, backend: str, device: str, shard: dict) -> None:
 
 class Prefill:
     def __init__(self, backend: str, device: torch.device, size: int, groups: int):
-        self.conns, self.procs, sums = [], [], []
+        self.conns, self.procs = [], []
         for r in range(size):
             conn, child = _CTX.Pipe()
             proc = _CTX.Process(target=_holder, args=(child, backend, str(device), tp_shard(r, size, groups).__dict__),
@@ -55,8 +55,8 @@ class Prefill:
             self.procs.append(proc)
         answers = [c.recv() for c in self.conns]
         self.published = publish([kv_transfer_pb2.AgentMetadata.FromString(m) for m, _ in answers])
-        per = groups  # the worker's sums: each block's groups, rank by rank
-        self.sums = tuple(s for b in range(len(REMOTE)) for _, sums in answers for s in sums[b * per:(b + 1) * per])
+        # The worker's sums: each block's groups, rank by rank (RankRead.checksums reads them so).
+        self.sums = tuple(s for b in range(len(REMOTE)) for _, sums in answers for s in sums[b * groups:(b + 1) * groups])
 
     def flip(self, rank: int, block: int, offset: int) -> None:
         self.conns[rank].send((block, offset))
