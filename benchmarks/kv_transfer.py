@@ -12,6 +12,7 @@ All buffers sit on transparent huge pages, as a worker's KV cache does (``host_z
 
     .venv/bin/python benchmarks/kv_transfer.py            # table + benchmarks_kv_transfer.png
     .venv/bin/python benchmarks/kv_transfer.py --verify   # what checking every block costs (below)
+    .venv/bin/python benchmarks/kv_transfer.py --by-head  # between tensor-parallel sizes (kv_by_head.py)
 
 Default block: SmolLM2-135M in bf16, 30 layers x (K,V) x 16 tokens x 3 kv heads x 64 dims x
 2 bytes = 368,640 bytes. GB/s is 1e9 bytes per second, median over repetitions.
@@ -348,7 +349,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verify-concurrency", type=int, default=4, help="requests sent at once to a cluster")
     parser.add_argument("--verify-serving", action=argparse.BooleanOptionalAction, default=True,
                         help="with --verify: also the on/off serving run (--no-verify-serving: the checksums only)")
+    parser.add_argument("--by-head", action="store_true",
+                        help="measure reads by head between tensor-parallel sizes instead (benchmarks/kv_by_head.py)")
+    parser.add_argument("--pairs", default="1:1,2:1,1:2,2:2,4:1,1:4", help="with --by-head: prefill:decode TP sizes")
     args = parser.parse_args(argv)
+    if args.by_head:
+        from benchmarks.kv_by_head import run
+        run([b for b in args.backends.split(",") if b], [tuple(int(x) for x in p.split(":")) for p in args.pairs.split(",")],
+            [int(s) for s in args.sizes.split(",")], args.reps)
+        return
     if args.verify:
         torch.set_num_threads(args.torch_threads)
         bench_checksums(args.verify_prompt_tokens, args.reps)

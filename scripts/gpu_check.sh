@@ -19,6 +19,7 @@
 #   3. sampling (seeded, unseeded, top-k/p/min-p, penalties, logprobs) and a JSON-schema request
 #   4. NIXL: a two-process VRAM-to-VRAM read of every block, bytes compared, GB/s and UCX transport
 #   5. the decode step profile at batch 1 and 64 (ms, syncs, launches, against the HBM floor)
+#   6. KV by head between tensor-parallel sizes from VRAM (NIXL row descriptors, tcp, checksums)
 # Results in $GPU_CHECK_OUT (default gpu_check_out/), at most 8 files: probe.json, junit.xml
 # (every test's outcome), pytest.log, nixl.json, step_profile.json. PYTHON picks the
 # interpreter (default python3); PDSERVE_CHECK_DEVICE=cpu dry-runs every step on the CPU

@@ -23,7 +23,8 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer import (DEFAULT_BACKEND, InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState,
                                  create_agent)
 from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
-from pdserve.kv_transfer.handoff import KVHandle, ReadNotice
+from pdserve.kv_transfer.handoff import KVHandle
+from pdserve.kv_transfer.source import KVSource
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire import worker_metrics
 from pdserve.wire.address import resolve, transfer_listen_opts
@@ -157,8 +158,9 @@ class DecodeWorker(WorkerShell):
         self._arriving: dict[str, float] = {}  # request -> its latest move (time.monotonic), until its KV is here
         self._unverified_peers: set[str] = set()  # peers whose KV came without checksums (warned once)
 
-    def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
-        return self.agent.add_remote(meta)
+    def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> KVSource:
+        """Connect to the holder ranks this worker's agent reads, from what a prefill worker publishes."""
+        return KVSource.connect(self.agent, meta)
 
     def source_unreachable(self) -> None:
         """Count a pull that could not start (the prefill worker gave no usable metadata) as
@@ -167,7 +169,7 @@ class DecodeWorker(WorkerShell):
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
-                     kv: KVHandle, peer: str, claim: Callable[[], Awaitable[None]], watch: Watch | None = None
+                     kv: KVHandle, peer: KVSource, claim: Callable[[], Awaitable[None]], watch: Watch | None = None
                      ) -> AsyncIterator[RequestOutput | KVArrived | KVProgressed]:
         """Take the request (blocks here first: CacheCapacityError before any claim), claim
         the lease (``claim``), pull the KV from agent ``peer``, then yield ``KVArrived`` once
@@ -277,7 +279,7 @@ class DecodeWorker(WorkerShell):
             return None
         return max(self._arriving.values()) + min(HOLD_CAP_S, HOLD_SHARE * self.thread.last_step_s)
 
-    def _start_read(self, request_id: str, kv: KVHandle, peer: str, local: list[int], ready_tokens: int,
+    def _start_read(self, request_id: str, kv: KVHandle, peer: KVSource, local: list[int], ready_tokens: int,
                     last: bool, first_token: int | None, sums: tuple[int, ...]) -> None:
         """Read the blocks not read yet that hold only computed tokens; with ``last``, every
         block not read yet, notifying the holder with the lease token (which ends the lease).
@@ -291,30 +293,24 @@ class DecodeWorker(WorkerShell):
         end = n if last else min(ready_tokens // size, n - 1)
         if end <= pull.next_block:
             return
-        if last:
-            notify = ReadNotice(kv.lease_token, ends_lease=True).encode()
-        else:  # an early read: a holder that checks reads needs the token; a one-sided one needs
-            # nothing, and a notice would complete only when the holder next runs its progress
-            notify = ReadNotice(kv.lease_token, ends_lease=False).encode() if self.agent.guards_reads else b""
-        checksums = sums[pull.next_block:end] if self.config.verify_kv and len(sums) >= end else None
-        if checksums is None and self.config.verify_kv and peer not in self._unverified_peers:
-            self._unverified_peers.add(peer)  # said once per peer: a setting, not an event
-            log.warning("KV from peer %r comes without checksums: its reads are not verified (is "
-                        "verify_kv_transfers off there?)", peer)
-        try:
-            handle = self.agent.start_read(
-                peer, kv.block_ids[pull.next_block:end], local[pull.next_block:end], notify=notify,
+        try:  # one read per rank pair (one between single-rank workers), each with its notice
+            handles = peer.start(
+                self.agent, kv.block_ids, local, pull.next_block, end, lease_token=kv.lease_token, last=last,
                 last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None,
-                checksums=checksums)
+                sums=sums if self.config.verify_kv else None)
         except InvalidTransferRequest as exc:
             self.abort_now(request_id)
             raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc
-        pull.handles.append(handle)
+        if self.config.verify_kv and any(h.checksums is None for h in handles) and peer.name not in self._unverified_peers:
+            self._unverified_peers.add(peer.name)  # said once per peer: a setting, not an event
+            log.warning("KV from peer %r comes without checksums: its reads are not verified (is "
+                        "verify_kv_transfers off there?)", peer.name)
+        pull.handles.extend(handles)
         pull.next_block = end
         if last:
-            pull.final_at, pull.first_token = handle.started_at, first_token
+            pull.final_at, pull.first_token = handles[0].started_at, first_token
             if request_id in self._arriving:
-                self._arriving[request_id] = handle.started_at
+                self._arriving[request_id] = handles[0].started_at
 
     def _poll_transfers(self) -> float | None:
         arrived = []
@@ -333,7 +329,7 @@ class DecodeWorker(WorkerShell):
                 finished_at = max(h.finished_at for h in pull.handles)
                 seconds = finished_at - pull.final_at
                 nbytes = sum(h.nbytes for h in pull.handles)
-                blocks = sum(len(h.local_block_ids) for h in pull.handles)  # one descriptor per block
+                blocks = sum(h.descriptors for h in pull.handles)  # one descriptor per block (by head: per row)
                 worker_metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
                                                 nbytes, blocks, self.config.model_name)
                 started_at = min(h.started_at for h in pull.handles)

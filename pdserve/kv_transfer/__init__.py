@@ -28,7 +28,8 @@ __all__ = ["BACKENDS", "DEFAULT_BACKEND", "BackendUnavailable", "InvalidTransfer
 def create_agent(backend: str, name: str, cache: torch.Tensor, **opts: Any) -> KVTransferAgent:
     """Build the ``backend`` agent named ``name`` over ``cache`` (registered once, here).
 
-    ``opts`` go to the backend: ``inject_delay_s``, ``read_timeout_s`` and ``max_peer_blocks`` for all; NIXL takes
+    ``opts`` go to the backend: ``inject_delay_s``, ``read_timeout_s``, ``max_peer_blocks`` and ``shard`` (a
+    tensor-parallel rank's ``KVShard``: its heads, so that peers of other sizes read it by head) for all; NIXL takes
     ``num_threads``; tcp takes ``host``, ``port``, ``max_parallel_reads``.
     Raises ValueError naming ``kv_transfer_backend`` for an unknown backend, and
     BackendUnavailable when the chosen backend cannot start.

@@ -33,7 +33,9 @@ import torch
 from pdserve.kv_transfer import checksum
 from pdserve.kv_transfer.errors import InvalidTransferRequest, TransferError
 from pdserve.kv_transfer.layout import CacheLayout, block_bytes_view
+from pdserve.kv_transfer.metadata import block_ids, check_peer, peer_shard
 from pdserve.kv_transfer.read import TransferHandle, TransferState, TransferStats
+from pdserve.kv_transfer.sharding import HeadSlice, KVShard, head_slice
 from pdserve.protos import kv_transfer_pb2
 
 __all__ = ["KVTransferAgent", "MAX_PEER_BLOCKS"]
@@ -62,6 +64,10 @@ class KVTransferAgent(abc.ABC):
         ``start_read`` (state PENDING until then), so its completion is delayed by as much.
       read_timeout_s: a read not DONE this long after being posted is stopped and FAILED.
       max_peer_blocks: the most blocks a peer's metadata may announce (``add_remote``).
+      shard: which KV heads the cache holds and how its blocks are laid out
+        (``pdserve.kv_transfer.sharding``), published in ``local_metadata``; a tensor-parallel
+        rank's agent needs one. Two agents that both have one read each other by head; None:
+        this agent reads and serves whole blocks only.
     """
 
     backend_name: ClassVar[str]
@@ -71,7 +77,8 @@ class KVTransferAgent(abc.ABC):
     guards_reads: ClassVar[bool] = False
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
-                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS):
+                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS,
+                 shard: Optional[KVShard] = None):
         if not isinstance(name, str) or not name:
             raise InvalidTransferRequest("agent name must be a non-empty string", field="name")
         if inject_delay_s < 0:
@@ -86,6 +93,10 @@ class KVTransferAgent(abc.ABC):
         self.name = name
         self.cache = cache
         self.layout = CacheLayout.of(cache)
+        if shard is not None and shard.block_bytes != self.layout.block_bytes:
+            raise InvalidTransferRequest(f"shard describes {shard.block_bytes} bytes a block but the cache's blocks "
+                                         f"are {self.layout.block_bytes}", field="shard", limit=self.layout.block_bytes)
+        self.shard = shard
         self._block_rows = block_bytes_view(cache)  # (num_blocks, block_bytes) uint8, for checksums
         self.inject_delay_s = float(inject_delay_s)
         self.read_timeout_s = float(read_timeout_s)
@@ -93,6 +104,7 @@ class KVTransferAgent(abc.ABC):
         self.stats = TransferStats()
         self._lock = threading.RLock()
         self._peers: dict[str, kv_transfer_pb2.AgentMetadata] = {}
+        self._slices: dict[str, Optional[HeadSlice]] = {}  # peer -> what a read of it moves (None: blocks)
         self._inflight: dict[int, TransferHandle] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -111,14 +123,20 @@ class KVTransferAgent(abc.ABC):
             base_address=self.layout.base_address, block_bytes=self.layout.block_bytes,
             num_blocks=self.layout.num_blocks, memory_type=self.layout.memory_type,
             device_id=self.layout.device_id)
+        if self.shard is not None:
+            meta.shard.CopyFrom(self.shard.to_proto())
         self._fill_backend_metadata(meta)
         return meta
 
     def add_remote(self, meta: kv_transfer_pb2.AgentMetadata) -> str:
         """Register a peer from its metadata and return its name (the ``peer`` argument of
         ``start_read``). Idempotent: the same metadata again is a cached no-op; new metadata
-        under a known name (a restarted peer) replaces the old connection."""
+        under a known name (a restarted peer) replaces the old connection. Raises
+        InvalidTransferRequest for metadata this agent cannot read from, such as a shard that
+        shares no head with this agent's."""
         self._check_remote(meta)
+        theirs = peer_shard(meta)
+        hs = head_slice(self.shard, theirs) if self.shard is not None and theirs is not None else None
         name = meta.agent_name
         with self._lock:
             self._check_open()
@@ -129,39 +147,12 @@ class KVTransferAgent(abc.ABC):
                 self._peers.pop(name)
                 self._drop_peer(name)
             self._connect_peer(meta)
-            self._peers[name] = meta
+            self._peers[name], self._slices[name] = meta, hs
         return name
 
     def _check_remote(self, meta: kv_transfer_pb2.AgentMetadata) -> None:
-        if not isinstance(meta, kv_transfer_pb2.AgentMetadata):
-            raise InvalidTransferRequest(
-                f"metadata must be an AgentMetadata message, got {type(meta).__name__}",
-                field="metadata")
-        if not meta.agent_name or meta.agent_name == self.name:
-            raise InvalidTransferRequest(
-                f"peer agent_name must be non-empty and differ from this agent's "
-                f"{self.name!r}, got {meta.agent_name!r}", field="agent_name")
-        if meta.backend != self.backend_name:
-            raise InvalidTransferRequest(
-                f"peer {meta.agent_name!r} uses backend {meta.backend!r} but this agent uses "
-                f"{self.backend_name!r}; both sides must set the same kv_transfer_backend",
-                field="backend", limit=self.backend_name, peer=meta.agent_name)
-        if meta.block_bytes != self.layout.block_bytes:
-            raise InvalidTransferRequest(
-                f"block_bytes mismatch: peer {meta.agent_name!r} has {meta.block_bytes}, this "
-                f"agent has {self.layout.block_bytes}; both caches need the same block layout",
-                field="block_bytes", limit=self.layout.block_bytes, peer=meta.agent_name)
-        if not 1 <= meta.num_blocks <= self.max_peer_blocks:
-            raise InvalidTransferRequest(
-                f"peer {meta.agent_name!r} announces num_blocks={meta.num_blocks}; a peer may have "
-                f"1 to max_peer_blocks={self.max_peer_blocks}", field="num_blocks",
-                limit=self.max_peer_blocks, peer=meta.agent_name)
-        if meta.base_address + meta.num_blocks * meta.block_bytes > 1 << 64:
-            raise InvalidTransferRequest(
-                f"peer {meta.agent_name!r} announces num_blocks={meta.num_blocks} of {meta.block_bytes} "
-                f"bytes at {meta.base_address:#x}, past the end of a 64-bit address space",
-                field="num_blocks", limit=((1 << 64) - meta.base_address) // meta.block_bytes,
-                peer=meta.agent_name)
+        check_peer(meta, name=self.name, backend=self.backend_name, layout=self.layout, shard=self.shard,
+                   max_peer_blocks=self.max_peer_blocks)
 
     # ----------------------------------------------------------------- reads
 
@@ -177,6 +168,10 @@ class KVTransferAgent(abc.ABC):
         partly filled block); None moves it whole. ``checksums``: the holder's checksum of
         each block (``block_checksums`` on its side), checked when the bytes land: a block
         that does not match fails the read. None: not checked.
+        A peer holding other heads than this agent's (both have shards) is read by head: of each
+        block, only the heads both hold move, into their place here; ``last_block_bytes`` counts
+        this agent's bytes (whole tokens), and ``checksums`` has the holder's sums of the
+        checksum groups those heads span (``RankRead.checksums``), that many a block.
         Raises InvalidTransferRequest for an unknown peer, unequal lengths or ids out of range.
         """
         with self._lock:
@@ -186,8 +181,8 @@ class KVTransferAgent(abc.ABC):
                 raise InvalidTransferRequest(
                     f"unknown peer {peer!r}: call add_remote with its metadata first",
                     field="peer", peer=peer)
-            remote = _block_ids("remote_block_ids", remote_block_ids, meta.num_blocks)
-            local = _block_ids("local_block_ids", local_block_ids, self.layout.num_blocks)
+            remote = block_ids("remote_block_ids", remote_block_ids, meta.num_blocks)
+            local = block_ids("local_block_ids", local_block_ids, self.layout.num_blocks)
             if len(remote) != len(local):
                 raise InvalidTransferRequest(
                     f"remote_block_ids has {len(remote)} ids but local_block_ids has "
@@ -205,13 +200,21 @@ class KVTransferAgent(abc.ABC):
                 raise InvalidTransferRequest(
                     f"last_block_bytes must be in (0, {block_bytes}] with at least one block, "
                     f"got {last_block_bytes}", field="last_block_bytes", limit=block_bytes, peer=peer)
-            sums = checksum.checksums_arg(checksums, len(local), peer)
+            hs = self._slices[peer]
+            if hs is None:
+                sums, last_rows = checksum.checksums_arg(checksums, len(local), peer), 0
+                nbytes = (len(local) - 1) * block_bytes + last
+            else:
+                last_rows = hs.last_rows(last)
+                if checksums is not None and hs.groups == 0:
+                    raise InvalidTransferRequest(f"peer {peer!r} sums its heads in groups the heads read here do not "
+                                                 "fall on: its reads cannot be checked", field="checksums", peer=peer)
+                sums, nbytes = checksum.checksums_arg(checksums, len(local), peer, hs.groups), hs.nbytes(len(local), last_rows)
             now = time.monotonic()
             handle = TransferHandle(
                 transfer_id=next(self._ids), peer=peer, remote_block_ids=remote,
-                local_block_ids=local, notify=notify, last_block_bytes=last,
-                nbytes=(len(local) - 1) * block_bytes + last, started_at=now,
-                post_at=now + self.inject_delay_s, checksums=sums)
+                local_block_ids=local, notify=notify, last_block_bytes=last, nbytes=nbytes, started_at=now,
+                post_at=now + self.inject_delay_s, checksums=sums, slice=hs, last_rows=last_rows)
             self._inflight[handle.transfer_id] = handle
             if self.inject_delay_s == 0:
                 self._post(handle)
@@ -256,8 +259,20 @@ class KVTransferAgent(abc.ABC):
                         last_block_bytes: Optional[int] = None) -> tuple[int, ...]:
         """The checksums of this cache's ``block_ids`` (in order; the last one over its first
         ``last_block_bytes``, None: whole) that a reader of them checks: call it once their
-        contents are final, and send them with the lease."""
-        return checksum.block_checksums(self._block_rows, block_ids, last_block_bytes)
+        contents are final, and send them with the lease. With a shard of ``checksum_groups``
+        G > 1, G sums a block (``checksums_per_block``), group g over its g-th G-th of the heads
+        of every row, so that a reader of a part of the heads checks what it read."""
+        shard = self.shard
+        if shard is None or shard.checksum_groups == 1:
+            return checksum.block_checksums(self._block_rows, block_ids, last_block_bytes)
+        last_rows = shard.block_rows if last_block_bytes is None else int(last_block_bytes) // shard.row_bytes
+        return checksum.row_checksums(self._block_rows, block_ids, shard.row_bytes, 0,
+                                      shard.row_bytes // shard.checksum_groups, shard.checksum_groups, last_rows)
+
+    @property
+    def checksums_per_block(self) -> int:
+        """How many sums ``block_checksums`` gives a block."""
+        return 1 if self.shard is None else self.shard.checksum_groups
 
     def _verified(self, handle: TransferHandle) -> bool:
         """Whether the bytes of a read the backend reports DONE match its checksums (True when
@@ -332,6 +347,7 @@ class KVTransferAgent(abc.ABC):
             for name in list(self._peers):
                 self._drop_peer(name)
             self._peers.clear()
+            self._slices.clear()
             self._closed = True
             self._close_backend()
 
@@ -379,22 +395,4 @@ class KVTransferAgent(abc.ABC):
     @abc.abstractmethod
     def _close_backend(self) -> None:
         """Release everything the backend holds; must not raise."""
-
-
-def _block_ids(field_name: str, ids: Sequence[int], num_blocks: int) -> tuple[int, ...]:
-    """Validate block ids against ``[0, num_blocks)``; errors name the field and the limit."""
-    try:
-        out = tuple(int(i) for i in ids)
-    except (TypeError, ValueError) as exc:
-        raise InvalidTransferRequest(f"{field_name} must be a sequence of ints: {exc}",
-                                     field=field_name) from None
-    if not out:
-        raise InvalidTransferRequest(f"{field_name} must not be empty", field=field_name,
-                                     limit=1)
-    bad = [i for i in out if i < 0 or i >= num_blocks]
-    if bad:
-        raise InvalidTransferRequest(
-            f"{field_name} has ids out of range [0, {num_blocks}): {bad[:8]}",
-            field=field_name, limit=num_blocks)
-    return out
 

@@ -17,6 +17,12 @@ for the measurement only), 37 us for XXH64, 90-210 us for zlib's CRC-32 and 400-
 BLAKE2b. ``benchmarks/kv_transfer.py --verify`` measures them again on any machine. It is a
 check against accidents, not an adversary: the internal plane's mTLS is that.
 
+A tensor-parallel rank whose readers may hold only part of its heads (a decode pool of a larger
+tensor-parallel size, ``pdserve.kv_transfer.sharding``) sums each block in equal groups of
+heads instead (``row_checksums``): group g over its heads' bytes of every row, row after row;
+one group over whole rows is exactly the block's checksum. Each reader rank checks the groups
+its heads span.
+
 A CUDA cache is checksummed on the host: the blocks are gathered and copied over first (a
 cost not measured here: this project's machines have no GPU).
 """
@@ -26,13 +32,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
+import numpy as np
 import torch
 import xxhash
 
 from pdserve.kv_transfer.errors import InvalidTransferRequest
 from pdserve.kv_transfer.read import TransferHandle
 
-__all__ = ["ALGORITHM", "VERIFY_BY_DEFAULT", "block_checksums", "checksums_arg", "first_mismatch", "verify"]
+__all__ = ["ALGORITHM", "VERIFY_BY_DEFAULT", "block_checksums", "checksums_arg", "first_mismatch", "row_checksums",
+           "verify"]
 
 ALGORITHM = "xxh3_64"
 # Whether workers checksum and verify transfers unless told otherwise (the
@@ -53,6 +61,24 @@ def block_checksums(blocks: torch.Tensor, block_ids: Sequence[int],
     return tuple(sums)
 
 
+def row_checksums(blocks: torch.Tensor, block_ids: Sequence[int], row_bytes: int, offset: int,
+                  group_bytes: int, groups: int, last_rows: int) -> tuple[int, ...]:
+    """Checksums of a part of each row of ``block_ids`` (a read by head, ``sharding``): of
+    each block, ``groups`` sums, group g over the bytes [offset + g * group_bytes, + group_bytes)
+    of each of its ``row_bytes`` rows, row after row; the last block over its first
+    ``last_rows`` rows. The sum of a whole row's one group is ``block_checksums``'s."""
+    rows = _host_rows(blocks, block_ids)
+    sums = []
+    for i, block in enumerate(rows):
+        table = np.frombuffer(block, dtype=np.uint8).reshape(-1, row_bytes)
+        if i == len(rows) - 1:
+            table = table[:last_rows]
+        for g in range(groups):
+            part = table[:, offset + g * group_bytes:offset + (g + 1) * group_bytes]
+            sums.append(xxhash.xxh3_64_intdigest(np.ascontiguousarray(part)))
+    return tuple(sums)
+
+
 def first_mismatch(blocks: torch.Tensor, block_ids: Sequence[int], expected: Sequence[int],
                    last_block_bytes: Optional[int] = None) -> Optional[int]:
     """The position in ``block_ids`` of the first block whose checksum is not ``expected``'s
@@ -66,21 +92,32 @@ def verify(blocks: torch.Tensor, handle: TransferHandle) -> Optional[str]:
     first block that differs and the peer), None when they match or it has none."""
     if handle.checksums is None:
         return None
-    bad = first_mismatch(blocks, handle.local_block_ids, handle.checksums, handle.last_block_bytes)
+    hs, what = handle.slice, ""
+    if hs is None:
+        bad = first_mismatch(blocks, handle.local_block_ids, handle.checksums, handle.last_block_bytes)
+    else:
+        got = row_checksums(blocks, handle.local_block_ids, hs.dst_row, hs.dst_offset, hs.group_bytes, hs.groups,
+                            handle.last_rows)
+        at = next((i for i, (a, b) in enumerate(zip(got, handle.checksums)) if a != b), None)
+        bad = None if at is None else at // hs.groups
+        if at is not None:
+            what = f" (its checksum group {hs.first_group + at % hs.groups})"
     if bad is None:
         return None
     return (f"block {handle.remote_block_ids[bad]} of peer {handle.peer!r} (read into block "
-            f"{handle.local_block_ids[bad]}) does not match its checksum: its bytes changed on the way")
+            f"{handle.local_block_ids[bad]}) does not match its checksum{what}: its bytes changed on the way")
 
 
-def checksums_arg(sums: Optional[Sequence[int]], num_blocks: int, peer: str) -> Optional[tuple[int, ...]]:
-    """A read's ``checksums`` argument as a tuple of ints, one per block; None stays None."""
+def checksums_arg(sums: Optional[Sequence[int]], num_blocks: int, peer: str,
+                  per_block: int = 1) -> Optional[tuple[int, ...]]:
+    """A read's ``checksums`` argument as a tuple of ints, ``per_block`` per block (a read by
+    head: one per checksum group it covers); None stays None."""
     if sums is None:
         return None
     out = tuple(int(x) for x in sums)
-    if len(out) != num_blocks:
-        raise InvalidTransferRequest(f"checksums has {len(out)} values for {num_blocks} blocks; one per block",
-                                     field="checksums", limit=num_blocks, peer=peer)
+    if len(out) != num_blocks * per_block:
+        raise InvalidTransferRequest(f"checksums has {len(out)} values for {num_blocks} blocks; {per_block} per block",
+                                     field="checksums", limit=num_blocks * per_block, peer=peer)
     return out
 
 

@@ -133,17 +133,29 @@ REFUSALS = ("unknown_token", "blocks_mismatch", "expired", "already_claimed")
 class ReadNotice:
     """What a read tells the holder, carried as the read's ``notify`` bytes: the lease that
     authorizes it, and whether it is the lease's last read (which ends the lease, PULLED) or
-    an early read of a streamed lease (which leaves it held)."""
+    an early read of a streamed lease (which leaves it held).
+
+    Between workers of different tensor-parallel sizes a transfer is ``parts`` reads, one per
+    rank pair (``pdserve.kv_transfer.sharding.RankRead``), each landing on its own holder rank:
+    each pair's last read carries its ``part``, and the lease ends once every part's has landed
+    (``LeaseTable.read_ended``), so no rank's blocks are freed under another pair's read."""
 
     lease_token: str
     ends_lease: bool
+    part: int = 0
+    parts: int = 1
 
     # The bytes: a last read's notice is the bare token (what any holder can check); an early
-    # read's puts this marker before it. Tokens are url-safe base64 and never contain ':'.
+    # read's puts this marker before it, a last read's of one of several parts "part/parts:".
+    # Tokens are url-safe base64 and never contain ':'.
     _EARLY = "partial:"
 
     def encode(self) -> bytes:
-        return (self.lease_token if self.ends_lease else self._EARLY + self.lease_token).encode()
+        if not self.ends_lease:
+            return (self._EARLY + self.lease_token).encode()
+        if self.parts == 1:
+            return self.lease_token.encode()
+        return f"{self.part}/{self.parts}:{self.lease_token}".encode()
 
     @classmethod
     def decode(cls, note: bytes | str) -> ReadNotice:
@@ -152,6 +164,10 @@ class ReadNotice:
         text = note.decode(errors="replace") if isinstance(note, bytes) else note
         if text.startswith(cls._EARLY):
             return cls(text[len(cls._EARLY):], ends_lease=False)
+        head, sep, token = text.partition(":")
+        part, slash, parts = head.partition("/")
+        if sep and slash and part.isdigit() and parts.isdigit() and int(part) < int(parts):
+            return cls(token, True, int(part), int(parts))
         return cls(text, ends_lease=True)
 
 
@@ -163,21 +179,28 @@ class Lease:
     expires_at: float  # time.monotonic() deadline
     claimed: bool = False
     owner: str = ""  # the router incarnation it was granted to ("": unknown, only expiry frees it)
-    # The checksum of each block whose contents are final, in block order (a prefix of
-    # block_ids while a streamed prompt computes); appended by the engine thread only.
+    # The checksums of each block whose contents are final, in block order (a prefix of
+    # block_ids while a streamed prompt computes), ``sums_per_block`` a block (a tensor-parallel
+    # holder's: every rank's checksum groups, rank by rank); appended by the engine thread only.
     checksums: list[int] = field(default_factory=list)
+    sums_per_block: int = 1
+    parts_read: set[int] = field(default_factory=set)  # the parts whose last read has landed (ReadNotice)
 
     def checksum_final(self, block_checksums: Callable[[Sequence[int], int | None], tuple[int, ...]],
                        block_size: int, bytes_per_token: int, num_tokens: int, done: bool) -> None:
         """Once a step has computed ``num_tokens`` of the lease's tokens (``done``: all of
         them), append the checksums (``block_checksums(ids, last_block_bytes)``, the holder
         agent's) of its blocks final now that have none yet: the full blocks, and once
-        ``done`` the last, partly filled one, over the tokens it holds."""
-        n, start = len(self.block_ids), len(self.checksums)
+        ``done`` the last, partly filled one, over the tokens it holds. ``block_checksums`` may
+        give several sums a block (a tensor-parallel holder's: each rank's groups, rank by rank);
+        the lease keeps as many a block."""
+        n, start = len(self.block_ids), len(self.checksums) // self.sums_per_block
         end = n if done else min(num_tokens // block_size, n)
         if end > start:
             tail = (num_tokens - (n - 1) * block_size) * bytes_per_token if done else None
-            self.checksums.extend(block_checksums(self.block_ids[start:end], tail))
+            sums = block_checksums(self.block_ids[start:end], tail)
+            self.sums_per_block = len(sums) // (end - start)  # a tensor-parallel holder's: every rank's groups
+            self.checksums.extend(sums)
 
 
 @dataclass
@@ -192,9 +215,9 @@ class LeaseTable:
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def grant(self, request_id: str, block_ids: list[int], now: float, ttl_s: float, owner: str = "",
-              checksums: tuple[int, ...] = ()) -> Lease:
+              checksums: tuple[int, ...] = (), sums_per_block: int = 1) -> Lease:
         lease = Lease(secrets.token_urlsafe(24), request_id, tuple(block_ids), now + ttl_s, owner=owner,
-                      checksums=list(checksums))
+                      checksums=list(checksums), sums_per_block=sums_per_block)
         with self._lock:
             self.leases[lease.token] = lease
             heapq.heappush(self._deadlines, (lease.expires_at, lease.token))
@@ -245,7 +268,23 @@ class LeaseTable:
                 del self.leases[token]
             else:
                 lease.claimed = False
+                lease.parts_read.clear()
             return lease
+
+    def read_ended(self, notice: ReadNotice) -> bool:
+        """Whether the last read ``notice`` tells of ends its lease (to be ended PULLED): a
+        lease read in one part at once, one read in ``parts`` once every part's last read has
+        landed. An early read's notice never does."""
+        if not notice.ends_lease:
+            return False
+        if notice.parts == 1:
+            return True
+        with self._lock:
+            lease = self.leases.get(notice.lease_token)
+            if lease is None:
+                return False
+            lease.parts_read.add(notice.part)
+            return len(lease.parts_read) >= notice.parts
 
     def pop_expired(self, now: float) -> list[Lease]:
         """Remove and return every lease whose deadline has passed: unclaimed ones nobody took

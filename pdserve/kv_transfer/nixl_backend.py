@@ -2,7 +2,9 @@
 
 The whole cache is registered once; descriptor lists with one descriptor per block are
 prepared once for the local cache and once per peer, so a read is just two index lists
-(NIXL merges adjacent blocks itself). DRAM caches use NIXL's DRAM segment, CUDA caches the
+(NIXL merges adjacent blocks itself). A read by head (a peer of another tensor-parallel size,
+``pdserve.kv_transfer.sharding``) names its descriptors explicitly, one per row of each block,
+built at once by numpy (``CacheLayout.row_table``). DRAM caches use NIXL's DRAM segment, CUDA caches the
 VRAM segment with their device ordinal. NIXL delivers ``notify`` to the holder after the data
 has landed; the holder needs no knowledge of the reader to receive it.
 
@@ -47,6 +49,7 @@ from pdserve.kv_transfer.base import MAX_PEER_BLOCKS, KVTransferAgent
 from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferRequest, TransferError
 from pdserve.kv_transfer.layout import layout_of_metadata
 from pdserve.kv_transfer.read import TransferHandle, TransferState
+from pdserve.kv_transfer.sharding import KVShard
 from pdserve.protos import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -154,11 +157,11 @@ class NixlAgent(KVTransferAgent):
     backend_name = "nixl"
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
-                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS,
+                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS, shard: KVShard | None = None,
                  progress_interval_s: float = 0.001, relaxed_progress_interval_s: float = 0.1,
                  num_threads: int = 0, net_devices: str | None = None):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
-                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks)
+                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks, shard=shard)
         for option, value in (("progress_interval_s", progress_interval_s),
                               ("relaxed_progress_interval_s", relaxed_progress_interval_s)):
             if value <= 0:
@@ -271,7 +274,16 @@ class NixlAgent(KVTransferAgent):
 
     def _start_backend(self, handle: TransferHandle) -> TransferState:
         self._bind_device()
-        if handle.last_block_bytes == self.layout.block_bytes:
+        if handle.slice is not None:
+            # A read by head: one descriptor per row, or per block for whole rows (sharding).
+            hs, remote = handle.slice, layout_of_metadata(self._peers[handle.peer])
+            xfer = self._agent.initialize_xfer(
+                "READ", self._table_descs(self.layout, self.layout.row_table(
+                    handle.local_block_ids, hs.dst_row, hs.dst_offset, hs.length, handle.last_rows, hs.whole_rows)),
+                self._table_descs(remote, remote.row_table(
+                    handle.remote_block_ids, hs.src_row, hs.src_offset, hs.length, handle.last_rows, hs.whole_rows)),
+                handle.peer, handle.notify)
+        elif handle.last_block_bytes == self.layout.block_bytes:
             xfer = self._agent.make_prepped_xfer(
                 "READ", self._local_dlist, np.asarray(handle.local_block_ids, dtype=np.int32),
                 self._remote_dlists[handle.peer],
@@ -294,6 +306,9 @@ class NixlAgent(KVTransferAgent):
         rows[-1, 1] = last_bytes
         rows[:, 2] = layout.device_id
         return self._agent.get_xfer_descs(rows, layout.nixl_mem_type)
+
+    def _table_descs(self, layout, table: np.ndarray):
+        return self._agent.get_xfer_descs(table, layout.nixl_mem_type)
 
     def _poll_backend(self, handle: TransferHandle) -> TransferState:
         self._bind_device()

@@ -9,6 +9,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pdserve.kv_transfer.sharding import HeadSlice
+
 
 class TransferState(enum.IntEnum):
     """State of one read; ``PENDING < TRANSFERRING < DONE`` is the happy path's order."""
@@ -72,15 +74,26 @@ class TransferHandle:
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     notify: bytes
-    last_block_bytes: int  # bytes of the last block to move (block_bytes: all of it)
+    last_block_bytes: int  # bytes of the last block to land (block_bytes: all of it)
     nbytes: int
     started_at: float  # time.monotonic() at start_read
     post_at: float  # when the read may be posted (started_at + inject_delay_s)
     # The holder's checksum of each block (``pdserve.kv_transfer.checksum``), checked once the
     # bytes land; None: not checked.
     checksums: Optional[tuple[int, ...]] = None
+    # A read by head (``pdserve.kv_transfer.sharding``): which bytes of each row move, and the
+    # rows of the last block; None: whole blocks. Its checksums are ``slice.groups`` a block.
+    slice: Optional[HeadSlice] = None
+    last_rows: int = 0
     state: TransferState = TransferState.PENDING
     error: Optional[str] = None  # why it FAILED
     verify_failed: bool = False  # FAILED because a block did not match its checksum
     finished_at: Optional[float] = None
     backend_handle: Any = field(default=None, repr=False)  # owned by the backend
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors a side the read takes: one a block, or by head one a row of each."""
+        if self.slice is None or self.slice.whole_rows:
+            return len(self.local_block_ids)
+        return (len(self.local_block_ids) - 1) * self.slice.block_rows + self.last_rows

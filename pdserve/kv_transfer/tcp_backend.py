@@ -1,7 +1,9 @@
 """Plain TCP backend, for hosts where UCX cannot run; chosen explicitly, never as a silent
 fallback. Each agent serves reads of its cache from a small server thread; each read runs on
 a background thread so ``start_read`` returns at once and ``poll`` works as with NIXL.
-Received bytes go straight into the local blocks (via a host staging buffer for CUDA caches).
+Received bytes go straight into the local blocks (via a host staging buffer for CUDA caches);
+a read by head (``pdserve.kv_transfer.sharding``) receives its rows into a host buffer and
+writes each into its place.
 Framing is in ``pdserve.kv_transfer.tcp_wire``. With ``tls`` (the internal plane's mTLS config) the
 server and every read speak TLS with client certificates, as the gRPC channels do.
 """
@@ -21,6 +23,7 @@ from pdserve.kv_transfer.base import MAX_PEER_BLOCKS, KVTransferAgent
 from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferRequest
 from pdserve.kv_transfer.layout import block_bytes_view
 from pdserve.kv_transfer.read import TransferHandle, TransferState
+from pdserve.kv_transfer.sharding import KVShard
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire.tls import TlsConfig, role_name
 
@@ -75,11 +78,11 @@ class TcpAgent(KVTransferAgent):
     guards_reads = True
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
-                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS,
+                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS, shard: KVShard | None = None,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  max_parallel_reads: int = 4, tls: TlsConfig | None = None):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
-                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks)
+                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks, shard=shard)
         if max_parallel_reads < 1:
             raise InvalidTransferRequest(
                 f"max_parallel_reads must be >= 1, got {max_parallel_reads}",
@@ -134,9 +137,7 @@ class TcpAgent(KVTransferAgent):
     def _start_backend(self, handle: TransferHandle) -> TransferState:
         job = _TcpRead()
         handle.backend_handle = job
-        self._pool.submit(self._run_read, job, self._addresses[handle.peer],
-                          handle.remote_block_ids, handle.local_block_ids, handle.notify,
-                          handle.last_block_bytes)
+        self._pool.submit(self._run_read, job, self._addresses[handle.peer], handle)
         return TransferState.TRANSFERRING
 
     def _poll_backend(self, handle: TransferHandle) -> TransferState:
@@ -153,17 +154,24 @@ class TcpAgent(KVTransferAgent):
         if not job.finished.is_set():
             job.cancel()
 
-    def _run_read(self, job: _TcpRead, address: tuple[str, int], remote: tuple[int, ...],
-                  local: tuple[int, ...], notify: bytes, last: int) -> None:
+    def _run_read(self, job: _TcpRead, address: tuple[str, int], handle: TransferHandle) -> None:
+        remote, local, hs = handle.remote_block_ids, handle.local_block_ids, handle.slice
         try:
             with self._connect(address) as sock:
                 if not job.attach(sock):
                     job.error = "cancelled before connecting"
                     return
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(tcp_wire.encode_read(remote, notify, last))
-                tcp_wire.recv_reply_header(sock, (len(remote) - 1) * self.layout.block_bytes + last)
-                self._receive_blocks(sock, local, last)
+                if hs is None or hs.whole_rows:  # whole blocks (by head: whole rows, so the same bytes)
+                    last = handle.last_block_bytes if hs is None else handle.last_rows * hs.dst_row
+                    sock.sendall(tcp_wire.encode_read(remote, handle.notify, last))
+                    tcp_wire.recv_reply_header(sock, (len(remote) - 1) * self.layout.block_bytes + last)
+                    self._receive_blocks(sock, local, last)
+                else:
+                    row_slice = tcp_wire.RowSlice(hs.src_row, hs.src_offset, hs.length)
+                    sock.sendall(tcp_wire.encode_read(remote, handle.notify, handle.last_rows, row_slice))
+                    tcp_wire.recv_reply_header(sock, handle.nbytes)
+                    self._receive_rows(sock, handle)
                 sock.sendall(tcp_wire.ACK_MAGIC)
                 tcp_wire.recv_exact(sock, tcp_wire.STATUS.size)
         except Exception as exc:  # every failure ends this read as FAILED with the reason
@@ -196,6 +204,20 @@ class TcpAgent(KVTransferAgent):
         index = torch.tensor(local, device=self._blocks.device)
         self._blocks.index_copy_(0, index, staging.to(self._blocks.device, non_blocking=True))
         torch.cuda.current_stream(self._blocks.device).synchronize()
+
+    def _receive_rows(self, sock: socket.socket, handle: TransferHandle) -> None:
+        """A read by head: the slice of each row arrives row after row, into a host buffer,
+        and is written into its place in each local block's rows."""
+        hs = handle.slice
+        staging = torch.empty(handle.nbytes, dtype=torch.uint8)
+        tcp_wire.recv_exact_into(sock, memoryview(staging.numpy()))
+        at, last = 0, len(handle.local_block_ids) - 1
+        for i, block in enumerate(handle.local_block_ids):
+            rows = handle.last_rows if i == last else hs.block_rows
+            part = staging[at:at + rows * hs.length].view(rows, hs.length)
+            target = self._blocks[block].view(-1, hs.dst_row)[:rows, hs.dst_offset:hs.dst_offset + hs.length]
+            target.copy_(part.to(self._blocks.device))
+            at += rows * hs.length
 
     def _close_backend(self) -> None:
         self._server.close()

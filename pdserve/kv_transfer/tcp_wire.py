@@ -4,10 +4,16 @@ All integers big-endian (``struct``); no pickle::
 
     reader -> holder  READ   "PDK3" n_blocks:u32 notify_len:u32 last_block_bytes:u64,
                              notify bytes, n_blocks x block_id:u32
+                   or READ by head "PDKS" n_blocks:u32 notify_len:u32 last_block_rows:u64,
+                             row_bytes:u32 offset:u32 length:u32, notify bytes, block ids
     holder -> reader  REPLY  status:u8 length:u64, then `length` bytes: the blocks in request
                              order (OK) or a utf-8 reason (ERROR)
     reader -> holder  ACK    "PDKA" once every byte has landed in the reader's blocks
     holder -> reader  status:u8 (OK) after recording ``notify``; then both sides close
+
+A READ by head (a reader of another tensor-parallel size, ``pdserve.kv_transfer.sharding``)
+asks, of each ``row_bytes`` row of each block (the last block: its first ``last_block_rows``),
+the ``length`` bytes at ``offset``; the holder sends them row after row.
 
 The holder records ``notify`` only after the ACK, so a notification always means the reader
 has the data, as with NIXL.
@@ -40,7 +46,9 @@ import ssl
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from pdserve.wire.tls import peer_roles
@@ -48,10 +56,12 @@ from pdserve.wire.tls import peer_roles
 logger = logging.getLogger(__name__)
 
 READ_MAGIC = b"PDK3"  # PDK3: the notify (lease token) comes before the block ids
+SLICE_MAGIC = b"PDKS"  # a READ by head: PDK3's header, then a ROW_SLICE
 ACK_MAGIC = b"PDKA"
 STATUS_OK = 0
 STATUS_ERROR = 1
-READ_HEADER = struct.Struct("!4sIIQ")  # magic, blocks, notify length, last block bytes
+READ_HEADER = struct.Struct("!4sIIQ")  # magic, blocks, notify length, last block bytes (by head: rows)
+ROW_SLICE = struct.Struct("!III")  # row bytes, offset, length
 REPLY_HEADER = struct.Struct("!BQ")
 STATUS = struct.Struct("!B")
 MAX_NOTIFY_BYTES = 1 << 16  # notifications are request ids, not payloads
@@ -64,6 +74,26 @@ READER_ROLE = "decode"  # with mTLS, only a certificate naming this role reads K
 # authorized within one round trip of connecting, so a few dozen is ample for honest readers.
 MAX_CONNECTIONS = 256
 MAX_UNAUTHENTICATED = 32
+
+
+class RowSlice(NamedTuple):
+    """Of each ``row_bytes`` row of a block, the ``length`` bytes at ``offset`` (a READ by head)."""
+
+    row_bytes: int
+    offset: int
+    length: int
+
+    def check(self, block_bytes: int, last_rows: int) -> None:
+        """Raise ReadRefused unless it fits a block of ``block_bytes`` with ``last_rows`` rows read last."""
+        if not (0 < self.row_bytes <= block_bytes and block_bytes % self.row_bytes == 0):
+            raise ReadRefused(f"row_bytes {self.row_bytes} does not divide the holder's {block_bytes} bytes a block")
+        if not (0 < self.length and self.offset + self.length <= self.row_bytes):
+            raise ReadRefused(f"{self.length} bytes at offset {self.offset} are not within a row of {self.row_bytes}")
+        if not 0 < last_rows <= block_bytes // self.row_bytes:
+            raise ReadRefused(f"last block rows {last_rows} not in (0, {block_bytes // self.row_bytes}]")
+
+    def nbytes(self, num_blocks: int, block_bytes: int, last_rows: int) -> int:
+        return ((num_blocks - 1) * (block_bytes // self.row_bytes) + last_rows) * self.length
 
 
 class ReadRefused(Exception):
@@ -133,33 +163,42 @@ def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     return bytes(buf)
 
 
-def encode_read(block_ids: Sequence[int], notify: bytes, last_block_bytes: int) -> bytes:
+def encode_read(block_ids: Sequence[int], notify: bytes, last_block_bytes: int,
+                row_slice: Optional[RowSlice] = None) -> bytes:
     """The READ frame for ``block_ids`` (the last one cut to ``last_block_bytes``) with
-    ``notify`` for the holder."""
-    return (READ_HEADER.pack(READ_MAGIC, len(block_ids), len(notify), last_block_bytes) + notify
-            + struct.pack(f"!{len(block_ids)}I", *block_ids))
+    ``notify`` for the holder; with ``row_slice``, a READ by head whose last block moves its
+    first ``last_block_bytes`` rows."""
+    if row_slice is None:
+        head = READ_HEADER.pack(READ_MAGIC, len(block_ids), len(notify), last_block_bytes)
+    else:
+        head = READ_HEADER.pack(SLICE_MAGIC, len(block_ids), len(notify), last_block_bytes) + ROW_SLICE.pack(*row_slice)
+    return head + notify + struct.pack(f"!{len(block_ids)}I", *block_ids)
 
 
-def decode_read(sock: socket.socket, max_blocks: int, block_bytes: int,
-                lease_claimed: Callable[[bytes], bool]) -> tuple[list[int], bytes, int]:
-    """Read one READ frame; returns (block ids, notify, last block bytes). Raises
-    ``ReadRefused`` before any buffer is sized by the sender: ``n_blocks`` over ``max_blocks``
-    (the holder's cache), ``last`` outside (0, ``block_bytes``], a notify over
-    ``MAX_NOTIFY_BYTES`` or one no claimed lease matches (``lease_claimed``)."""
+def decode_read(sock: socket.socket, max_blocks: int, block_bytes: int, lease_claimed: Callable[[bytes], bool]
+                ) -> tuple[list[int], bytes, int, Optional[RowSlice]]:
+    """Read one READ frame; returns (block ids, notify, last block bytes, None), or for a READ
+    by head (block ids, notify, last block rows, its row slice). Raises ``ReadRefused`` before
+    any buffer is sized by the sender: ``n_blocks`` over ``max_blocks`` (the holder's cache),
+    ``last`` outside (0, ``block_bytes``] (by head: a slice that does not fit a block), a
+    notify over ``MAX_NOTIFY_BYTES`` or one no claimed lease matches (``lease_claimed``)."""
     magic, n_blocks, notify_len, last = READ_HEADER.unpack(recv_exact(sock, READ_HEADER.size))
-    if magic != READ_MAGIC:
-        raise WireError(f"bad READ magic {magic!r}, expected {READ_MAGIC!r}")
+    if magic not in (READ_MAGIC, SLICE_MAGIC):
+        raise WireError(f"bad READ magic {magic!r}, expected {READ_MAGIC!r} or {SLICE_MAGIC!r}")
+    row_slice = RowSlice(*ROW_SLICE.unpack(recv_exact(sock, ROW_SLICE.size))) if magic == SLICE_MAGIC else None
     if notify_len > MAX_NOTIFY_BYTES:
         raise ReadRefused(f"notify_len {notify_len} is over the limit MAX_NOTIFY_BYTES={MAX_NOTIFY_BYTES}")
     if not 0 < n_blocks <= max_blocks:
         raise ReadRefused(f"n_blocks {n_blocks} is not in (0, {max_blocks}], the holder's num_blocks")
-    if not 0 < last <= block_bytes:
+    if row_slice is not None:
+        row_slice.check(block_bytes, last)
+    elif not 0 < last <= block_bytes:
         raise ReadRefused(f"last block bytes {last} not in (0, {block_bytes}]")
     notify = recv_exact(sock, notify_len)
     if not lease_claimed(notify):
         raise ReadRefused("no claimed lease matches this read's token")
     ids = list(struct.unpack(f"!{n_blocks}I", recv_exact(sock, 4 * n_blocks)))
-    return ids, notify, last
+    return ids, notify, last, row_slice
 
 
 def recv_reply_header(sock: socket.socket, expected_bytes: int) -> None:
@@ -299,7 +338,8 @@ class BlockServer:
         num_blocks, block_bytes = self._blocks.shape
         try:
             try:
-                ids, notify, last = decode_read(sock, num_blocks, block_bytes, lambda n: self._authorize(n, []))
+                ids, notify, last, row_slice = decode_read(sock, num_blocks, block_bytes,
+                                                           lambda n: self._authorize(n, []))
                 ticket.authenticated()  # its token is a claimed lease's
                 bad = [i for i in ids if i >= num_blocks]
                 if bad:
@@ -310,8 +350,13 @@ class BlockServer:
                 reason = str(exc).encode()
                 sock.sendall(REPLY_HEADER.pack(STATUS_ERROR, len(reason)) + reason)
                 return
-            sock.sendall(REPLY_HEADER.pack(STATUS_OK, (len(ids) - 1) * block_bytes + last))
-            self._send_blocks(sock, ids, last)
+            length = (len(ids) - 1) * block_bytes + last if row_slice is None else \
+                row_slice.nbytes(len(ids), block_bytes, last)
+            sock.sendall(REPLY_HEADER.pack(STATUS_OK, length))
+            if row_slice is None:
+                self._send_blocks(sock, ids, last)
+            else:
+                self._send_rows(sock, ids, last, row_slice)
             if recv_exact(sock, len(ACK_MAGIC)) != ACK_MAGIC:
                 raise WireError("bad ACK magic")
             if notify:
@@ -330,6 +375,17 @@ class BlockServer:
         index = torch.tensor(ids, device=self._blocks.device)
         flat = self._blocks.index_select(0, index).cpu().numpy().reshape(-1)
         sock.sendall(memoryview(flat[: flat.size - (self._blocks.shape[1] - last)]))
+
+    def _send_rows(self, sock: socket.socket, ids: list[int], last_rows: int, row_slice: RowSlice) -> None:
+        """A READ by head: of each block's rows (the last block's first ``last_rows``), the
+        slice's bytes, gathered block by block (numpy) and sent."""
+        host = self._host if self._host is not None else \
+            self._blocks.index_select(0, torch.tensor(ids, device=self._blocks.device)).cpu().numpy()
+        index = ids if self._host is not None else range(len(ids))
+        lo, hi = row_slice.offset, row_slice.offset + row_slice.length
+        parts = [host[i].reshape(-1, row_slice.row_bytes)[:, lo:hi] for i in index]
+        parts[-1] = parts[-1][:last_rows]
+        send_all_many(sock, [memoryview(np.ascontiguousarray(p)).cast("B") for p in parts])
 
     def close(self) -> None:
         """Stop accepting reads and close the port."""

@@ -333,7 +333,7 @@ class PrefillWorker(WorkerShell):
             return None
         for note in self.agent.get_notifications():
             notice = ReadNotice.decode(note)
-            if notice.ends_lease:  # an early read of a streamed lease leaves it held
+            if self.leases.read_ended(notice):  # not an early read's, nor one rank pair's of several
                 self._end_lease(notice.lease_token, ReleaseReason.PULLED)
         now = time.monotonic()
         for lease in self.leases.pop_expired(now):

@@ -38,9 +38,14 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _holder_main(conn, backend: str, name: str, num_blocks: int, seed: int) -> None:
-    """Child process: own a cache, publish metadata, answer commands until 'stop'."""
-    agent = create_agent(backend, name, make_cache(num_blocks, seed))
+def _holder_main(conn, backend: str, name: str, num_blocks: int, seed: int, shard: dict | None = None) -> None:
+    """Child process: own a cache (with ``shard``: its rank's heads of a tensor-parallel
+    cache, ``tp_helpers``), publish metadata, answer commands until 'stop'."""
+    if shard is None:
+        agent = create_agent(backend, name, make_cache(num_blocks, seed))
+    else:
+        from tp_helpers import rank_agent
+        agent = rank_agent(backend, name, num_blocks, seed, shard)
     conn.send(agent.local_metadata().SerializeToString())
     while True:
         cmd, arg = conn.recv()
@@ -72,11 +77,11 @@ class Holder:
     """A holder agent in a spawned process, with its metadata already received."""
 
     def __init__(self, backend: str, name: str = "holder", num_blocks: int = 16,
-                 seed: int = 1234):
+                 seed: int = 1234, shard: dict | None = None):
         self.backend, self.name, self.num_blocks, self.seed = backend, name, num_blocks, seed
         self._conn, child = _CTX.Pipe()
         self.process = _CTX.Process(target=_holder_main,
-                                    args=(child, backend, name, num_blocks, seed), daemon=True)
+                                    args=(child, backend, name, num_blocks, seed, shard), daemon=True)
         self.process.start()
         deadline = time.monotonic() + 60
         while not self._conn.poll(0.1):

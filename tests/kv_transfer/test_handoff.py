@@ -151,3 +151,39 @@ def test_only_a_claimed_lease_is_renewed_by_its_reader():
     assert t.renew_claim(lease.token, 1.0, 50.0) is None  # unclaimed: a renewal is no claim
     assert t.renew_claim("guessed", 1.0, 50.0) is None
     assert [l.token for l in t.pop_expired(5.0)] == [lease.token]
+
+
+def test_a_transfer_by_head_ends_its_lease_with_the_last_of_its_rank_pairs_reads():
+    """Between tensor-parallel sizes every rank pair reads on its own; the holder frees the
+    blocks only once each pair's last read has landed, whatever order they land in, and a
+    pair's notice repeated does not count twice."""
+    t, lease = table_with_lease()
+    notices = [ReadNotice(lease.token, ends_lease=True, part=p, parts=3) for p in (2, 0, 2, 1)]
+    assert [ReadNotice.decode(n.encode()) for n in notices] == notices
+    assert notices[0].encode() == f"2/3:{lease.token}".encode()
+    assert [t.read_ended(n) for n in notices] == [False, False, False, True]
+    assert not t.read_ended(ReadNotice(lease.token, ends_lease=False))  # an early read never ends it
+    assert t.read_ended(ReadNotice("any", ends_lease=True))  # one part: the read ends it, as before
+    assert not t.read_ended(ReadNotice("gone", True, 0, 2))  # no such lease
+
+
+def test_a_rank_pairs_notice_authorizes_its_tcp_read_like_a_plain_one():
+    t, lease = table_with_lease()
+    t.claim(lease.token, [4, 9, 2], 1.0, 10.0)
+    note = ReadNotice(lease.token, True, 1, 2).encode().decode()
+    assert t.read_allowed(note, [4, 9]) and not t.read_allowed(note, [5])
+    assert ReadNotice.decode("9/2:" + lease.token).lease_token == "9/2:" + lease.token  # no such part: no lease
+
+
+def test_a_tensor_parallel_lease_checksums_every_ranks_groups_a_block():
+    calls = []
+
+    def sums(ids, last):  # two ranks, two sums each a block
+        calls.append((tuple(ids), last))
+        return tuple(s for i in ids for s in (10 * i, 10 * i + 1, 10 * i + 2, 10 * i + 3))
+
+    lease = LeaseTable().grant("req", [4, 9], 0.0, 10.0)  # learns the sums a block from the first
+    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=16, done=False)
+    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=20, done=True)
+    assert calls == [((4,), None), ((9,), 40)]
+    assert lease.checksums == [40, 41, 42, 43, 90, 91, 92, 93]
