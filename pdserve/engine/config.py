@@ -152,7 +152,7 @@ class EngineConfig:
     model: str = "default"  # "default", a HF directory, or a .gguf file
     dtype: str | None = None  # None: default_dtype(device); "float32": transformers-exact
     device: str | None = None  # None: cuda if available, else cpu
-    attention_backend: str = "auto"  # auto | paged | sdpa | flash | flash_invariant (pdserve/engine/attention_select.py)
+    attention_backend: str = "auto"  # auto | paged | triton | sdpa | flash | flash_invariant (engine/attention_select.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None  # None: the model's own limit
