@@ -9,6 +9,7 @@ interface in attention.py: kept there, the choice made a loop of the three files
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -25,14 +26,8 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 def triton_available(device: torch.device) -> bool:
     """Triton's kernels can run here: a CUDA device and the package (a dependency of torch's
-    CUDA builds)."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    CUDA builds), found without importing it; ``_triton`` imports it, and says so if it fails."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
