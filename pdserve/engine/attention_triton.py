@@ -33,7 +33,7 @@ import triton.language as tl
 from pdserve.engine.attention import AttentionBackend, AttentionContext
 
 BLOCK_N = 64  # keys an iteration: four 16-token cache blocks
-MIN_ROWS = 16  # tl.dot's smallest tile side: a decode program's rows are padded up to it
+MIN_ROWS = 16  # a decode program's rows, padded up to the tile side tl.dot has long required
 PREFILL_ROWS = 64  # query rows (tokens x heads of a group) a prefill program takes
 
 
@@ -161,23 +161,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _last_dim_contiguous(q, k_cache, v_cache)
     _check_device(q)
     t, nh, hd = q.shape
-    b = block_tables.shape[0]
-    nkv, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = nh // nkv
-    group_pad = triton.next_power_of_2(group)
-    block_q = _block_q(max_query_len, group_pad)
     out = torch.empty_like(q)
     if t == 0:
         return out
-    _attention_kernel[(b, triton.cdiv(max_query_len, block_q), nkv)](
+    nkv, block_size = k_cache.shape[2], k_cache.shape[1]
+    constants = launch_constants(nh, nkv, hd, block_size, max_query_len, q.dtype, interpreted())
+    _attention_kernel[(block_tables.shape[0], triton.cdiv(max_query_len, constants["BLOCK_Q"]), nkv)](
         q, k_cache, v_cache, out, block_tables, cu_query_lens, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
-        HEAD_DIM=hd, BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_SIZE=block_size, GROUP=group,
-        GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
-        DOT=1 if q.dtype == torch.float32 else 2 if interpreted() else 0,
+        **constants,
     )
     return out
+
+
+def launch_constants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, max_query_len: int,
+                     dtype: torch.dtype, interpreted: bool) -> dict[str, int]:
+    """The attention kernel's compile-time constants for one launch (tests/engine/
+    triton_compile.py compiles the same ones for a GPU)."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+                GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_Q=_block_q(max_query_len, group_pad),
+                BLOCK_N=BLOCK_N, DOT=1 if dtype == torch.float32 else 2 if interpreted else 0)
 
 
 def _block_q(max_query_len: int, group_pad: int) -> int:

@@ -12,6 +12,11 @@ its rounding: the interpreter truncates where a GPU rounds to nearest, so the bo
 bfloat16 steps of the output's size.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,7 @@ from pdserve.engine.attention import SdpaAttention, build_context  # noqa: E402
 from pdserve.engine.attention_triton import TritonAttention, paged_attention, store_kv  # noqa: E402
 from pdserve.engine.kv_cache import layer_views  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BS, HD, LAYERS, NUM_BLOCKS = 16, 64, 2, 24
 GQA = [(4, 4), (9, 3), (8, 2)]  # (query heads, KV heads): ratios 1, 3, 4
@@ -137,3 +143,19 @@ def test_the_engine_on_triton_equals_transformers(tiny_llama_dir):
     prompts = random_prompts(2, [9, 37], seed=5)
     for prompt, out in zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))):
         assert_greedy_matches(hf, prompt, out.token_ids, 6, what=f"prompt of {len(prompt)} tokens")
+
+
+def test_the_kernels_compile_for_an_h100(tmp_path):
+    """What the interpreter does not check (the tile shapes tl.dot takes, types, shared
+    memory), Triton's own compiler does, down to sm_90 machine code, with no GPU: the decode
+    and prefill launches for SmolLM2's heads, bfloat16 and float32, and the K/V store
+    (tests/engine/triton_compile.py, in a process without the interpreter, compiling afresh
+    into its own cache). A loop-carried value whose type changes, which the interpreter runs,
+    fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "tests.engine.triton_compile", "90"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.splitlines() == ["attention bf16 9/3 query 1", "attention bf16 9/3 query 64",
+                                        "attention fp32 9/3 query 1", "attention fp32 9/3 query 64", "store bf16"]
