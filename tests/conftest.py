@@ -18,6 +18,15 @@ if str(ROOT) not in sys.path:
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
+# Without CUDA, Triton's kernels (pdserve/engine/attention_triton.py) run in its interpreter, on
+# host tensors. Triton reads this once, as it is first imported (its own helpers are decorated
+# then), so it is set before any test imports it. With CUDA the same tests run the kernels there.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 # The test process ends without its interpreter's native teardown, once pytest has reported and
 # cleaned up. Its last part (module teardown, then C++ static destructors) runs while native
 # threads that no close() or shutdown() stops are still running: after the suite, grpcio's

@@ -116,7 +116,7 @@ def _engine(v: dict[str, Any]):
                         enable_prefix_cache=v["enable_prefix_caching"])
     scheduler = SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"])
     return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"], seed=v["seed"],
-                        cache=cache, scheduler=scheduler)
+                        cuda_graphs=v["cuda_graphs"], cache=cache, scheduler=scheduler)
 
 
 def _router_limits(v: dict[str, Any]):

@@ -142,6 +142,9 @@ def serve_settings() -> tuple[Setting, ...]:
                 "weights and KV dtype (default: bfloat16; float32 equals transformers token for token)",
                 ("float32", "bfloat16", "float16")),
         Setting("seed", int, EngineConfig.seed, "seed of the workers' sampling generators", minimum=0),
+        Setting("cuda_graphs", bool, EngineConfig.cuda_graphs,
+                "decode steps replay CUDA graphs captured at start, one per batch size 1, 2, 4 ... 64 (CUDA and "
+                "the triton attention backend; elsewhere it changes nothing)"),
         Setting("block_size", int, CacheConfig.block_size, "tokens per KV block", minimum=1),
         Setting("kv_cache_gib", float, CacheConfig.memory_budget_bytes / (1 << 30), "KV cache per worker, GiB", above=0),
         Setting("enable_prefix_caching", bool, CacheConfig.enable_prefix_cache, "reuse KV of shared prompt prefixes"),

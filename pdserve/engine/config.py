@@ -191,11 +191,14 @@ class EngineConfig:
     model: str = "default"  # "default", a HF directory, or a .gguf file
     dtype: str | None = None  # None: default_dtype(device); "float32": transformers-exact
     device: str | None = None  # None: cuda if available, else cpu
-    attention_backend: str = "auto"  # auto | paged | sdpa | flash | flash_invariant (pdserve/engine/attention_select.py)
+    attention_backend: str = "auto"  # auto | paged | triton | sdpa | flash | flash_invariant (engine/attention_select.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0  # seeds weight-free randomness (unseeded sampling)
+    # Decode steps replay CUDA graphs captured at start (engine/cuda_graphs.py); off until a
+    # GPU run shows them giving the eager step's tokens. Without CUDA it changes nothing.
+    cuda_graphs: bool = False
 
     def torch_device(self) -> torch.device:
         if self.device:

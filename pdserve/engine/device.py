@@ -4,8 +4,11 @@ On CUDA a kernel returns before it has run: a step's KV writes are complete only
 stream that queued them has drained. Whoever hands that KV to another process (a streamed
 prompt's chunks, read by a decode worker over NIXL while the prompt still computes) waits
 for them here first (``wait_for_writes``). And every blocking copy is a host sync: a step's
-inputs go up in one copy that nothing waits for (``to_device``). On the CPU every op has
-finished when it returns, and these are no-ops.
+inputs go up in copies that nothing waits for (``to_device``), and its results come back in
+one copy (``to_host``), the one host sync a decode step makes. Nothing else in a step reads
+a device tensor's values on the host (``tolist``, ``item``, ``bool``, indexing with a Python
+list, ``torch.tensor(..., device=...)``): each would be a sync of its own. On the CPU every
+op has finished when it returns, and these are no-ops.
 """
 
 from __future__ import annotations
@@ -61,3 +64,26 @@ def unpack(buffer: torch.Tensor, layout: list) -> list[torch.Tensor]:
     return [buffer[start:start + nbytes].view(dtype).view(shape) if nbytes
             else torch.empty(shape, dtype=dtype, device=buffer.device)
             for start, nbytes, dtype, shape in layout]
+
+
+def to_host(tensors: Sequence[torch.Tensor], pack: bool | None = None) -> list[torch.Tensor]:
+    """Device tensors -> the same values on the host, in one copy: a step's one host sync.
+
+    ``pack`` (None: off the CPU) joins their bytes on the device first (one kernel), so the
+    copy and the wait happen once whatever their number; each comes back as a view of the
+    one host buffer, in its dtype and shape. Tensors go in by falling element size, so every
+    one starts aligned for its dtype. On the CPU (``pack`` False) they are returned as
+    they are."""
+    if pack is None:
+        pack = bool(tensors) and tensors[0].device.type != "cpu"
+    if not pack:
+        return list(tensors)
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    layout, pieces, offset = [None] * len(tensors), [], 0
+    for i in order:
+        t = tensors[i]
+        nbytes = t.numel() * t.element_size()
+        layout[i] = (offset, nbytes, t.dtype, tuple(t.shape))
+        pieces.append(t.contiguous().view(-1).view(torch.uint8))
+        offset += nbytes
+    return unpack(torch.cat(pieces).cpu(), layout)

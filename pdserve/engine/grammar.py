@@ -189,7 +189,7 @@ class GrammarCompiler:
 class GrammarMatcher:
     """One sequence's place in its grammar. ``advance`` catches up with the sequence's
     tokens, ``fill`` writes what the grammar allows next into a bitmask (``apply_bitmask``),
-    and once it is ``finished`` only stop tokens may follow (``keep_only``)."""
+    and once it is ``finished`` only stop tokens may follow (``allow_only``)."""
 
     def __init__(self, compiled: "xgrammar.CompiledGrammar", resumed_tokens: int):
         import xgrammar as xgr
@@ -211,15 +211,8 @@ class GrammarMatcher:
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete: only stop tokens may follow (``keep_only``)."""
+        """The grammar is complete: only stop tokens may follow (``allow_only``)."""
         return self._matcher.is_terminated()
-
-    def keep_only(self, logits_row: "torch.Tensor", stop_token_ids: Sequence[int]) -> None:
-        """logits_row (1, V) float32, in place: -inf but at the stop tokens (none known: as is)."""
-        if stop_token_ids:
-            keep = logits_row[0, list(stop_token_ids)].clone()
-            logits_row.fill_(float("-inf"))
-            logits_row[0, list(stop_token_ids)] = keep
 
     def fill(self, bitmask: "torch.Tensor", row: int) -> None:
         """Write what the grammar allows next into host ``bitmask[row]`` (1 bit a token)."""
@@ -234,11 +227,24 @@ def token_bitmask(batch: int, vocab: int) -> "torch.Tensor":
     return xgr.allocate_token_bitmask(batch, vocab)
 
 
+def allow_only(bitmask: "torch.Tensor", row: int, token_ids: Sequence[int]) -> None:
+    """Host ``bitmask[row]``: ``token_ids`` allowed, every other token forbidden (a finished
+    grammar's row: its stop tokens only)."""
+    import torch
+
+    words = [0] * bitmask.shape[1]
+    for t in token_ids:
+        words[t >> 5] |= 1 << (t & 31)
+    bitmask[row] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
 def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: Sequence[int]) -> None:
     """logits (B, V) float32, in place: -inf where ``bitmask`` forbids a token, in ``rows``
     only (the others keep their bits). xgrammar fills bitmasks on the host and applies them
-    only on the logits' device, so the step's mask is copied there once."""
+    only on the logits' device, so the step's mask and its rows go there in one copy that the
+    host does not wait for (a Python list of rows would be copied, and waited for, by xgrammar)."""
+    import torch
     import xgrammar as xgr
 
-    [bitmask] = to_device([bitmask], logits.device)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(rows))
+    bitmask, indices = to_device([bitmask, torch.tensor(rows, dtype=torch.int32)], logits.device)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.cuda_graphs import capture_sizes
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, SequenceFailed, StepFailed
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.grammar_jobs import GrammarJobs
@@ -58,7 +59,9 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
         eos = model_cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and tokenizer.eos_token_id is not None else ())
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos))
-        self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed)
+        graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if config.cuda_graphs else ()
+        self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed,
+                                  graph_sizes, self.max_model_len)
         self.runner.sampler.eos_token_ids = frozenset(eos)  # banned before min_tokens
         self._model_dir = model_dir
         self._seqs: dict[str, Sequence] = {}

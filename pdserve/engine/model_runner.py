@@ -3,29 +3,39 @@
 Builds the packed token ids, positions and the ``AttentionContext`` (slot mapping, block
 tables, lengths) from the scheduler's output, hands every attention layer its slice of the
 cache, runs the forward, and samples the sequences that finished their
-prompt or are decoding.
+prompt or are decoding. With CUDA graphs (``graph_sizes``), a decode step that fits one
+replays it instead of running the forward (pdserve/engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
+import logging
 from itertools import accumulate, chain
 
 import torch
 
-from pdserve.engine.attention import AttentionContext, host_context
+from pdserve.engine.attention import AttentionContext, HostContext, host_context
 from pdserve.engine.attention_select import select_backend
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import layer_views
 from pdserve.engine.model import CausalLM
 from pdserve.engine.prompt_logprobs import prompt_logprobs
 from pdserve.engine.sampler import Sampler, SamplerRow
 from pdserve.engine.scheduler import SampledTokens, SchedulerOutput
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
+    """``graph_sizes``: decode batch sizes to capture CUDA graphs for, at start (empty: none;
+    ignored, and logged, off CUDA or on a backend that is not graph-safe); ``max_model_len``
+    sizes their block tables."""
+
     def __init__(self, model: CausalLM, cfg: ModelConfig, cache: torch.Tensor, blocks: BlockManager,
-                 attention_backend: str = "auto", seed: int = 0):
+                 attention_backend: str = "auto", seed: int = 0, graph_sizes: tuple[int, ...] = (),
+                 max_model_len: int | None = None):
         self.model = model
         self.cfg = cfg
         self.cache = cache
@@ -37,18 +47,35 @@ class ModelRunner:
         self._layer_caches = [layer_views(cache, i) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed)
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
+        self.graphs: DecodeGraphs | None = None
+        if graph_sizes:
+            self.graphs = self._capture(graph_sizes, max_model_len or cfg.max_model_len)
+
+    @torch.inference_mode()
+    def _capture(self, sizes: tuple[int, ...], max_model_len: int) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or not getattr(self.backend, "graph_safe", False):
+            log.warning("CUDA graphs need a CUDA device and a graph-safe attention backend (triton); this "
+                        "runner has %s and %s, and runs every step eagerly", self.device, self.backend.name)
+            return None
+        self.model.bind_caches(self._layer_caches, self.backend)
+        width = -(-max_model_len // self.block_size)
+        return DecodeGraphs(self._logits, sizes, width, self.block_size, self.device)
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Every row's logits (T, V) float32: a decode step's forward, as a graph captures it."""
+        return self.model.compute_logits(self.model(input_ids, positions, ctx))
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> SampledTokens:
-        input_ids, positions, ctx, sample_idx = self.prepare(out)
+        host, tokens, sample_idx = self._host_inputs(out)
         self.model.bind_caches(self._layer_caches, self.backend)
-        hidden = self.model(input_ids, positions, ctx)
-        self.num_forward_tokens += input_ids.shape[0]
-        prompt_lps = prompt_logprobs(self.model, hidden, out)
+        logits, prompt_lps = self._replay(out, host, tokens), {}
+        if logits is None:
+            logits, prompt_lps = self._forward(out, host, tokens, sample_idx)
+        self.num_forward_tokens += tokens.shape[0]
         sampled = [s for s in out.seqs if s.sample]
         if not sampled:
             return SampledTokens({}, prompt_logprobs=prompt_lps)
-        logits = self.model.compute_logits(hidden[sample_idx])  # (N, V) float32
         rows = [SamplerRow(s.seq.seq_id, s.seq.params, s.seq.token_ids, s.seq.num_prompt_tokens) for s in sampled]
         drawn = self.sampler(logits, rows)
         ids = [r.seq_id for r in rows if r.seq_id not in drawn.failed]
@@ -56,9 +83,31 @@ class ModelRunner:
                              dict(zip(ids, drawn.top_logprobs)) if drawn.top_logprobs else {}, prompt_lps,
                              dict(drawn.failed))
 
+    def _forward(self, out: SchedulerOutput, host: HostContext, tokens: torch.Tensor, sample_idx: torch.Tensor):
+        """The step run eagerly: (logits (N, V) float32 of the N sampled rows, or None when
+        none is sampled; the prompt logprobs it computed)."""
+        ctx, positions, (input_ids, sample_rows) = host.to(self.device, [tokens, sample_idx])
+        hidden = self.model(input_ids, positions, ctx)
+        prompt_lps = prompt_logprobs(self.model, hidden, out)
+        return (self.model.compute_logits(hidden[sample_rows]) if sample_idx.numel() else None), prompt_lps
+
+    def _replay(self, out: SchedulerOutput, host: HostContext, tokens: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's logits from its CUDA graph, every row sampled; None: run it eagerly."""
+        if self.graphs is None or not host.ctx.is_decode or not all(item.sample for item in out.seqs):
+            return None
+        return self.graphs.run(host, tokens)
+
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """Packed token ids (T,), positions (T,), the step's ``AttentionContext`` and the rows
-        to sample. Python touches each sequence once (its token slice and block table)."""
+        to sample, on the device. Every input of the step goes there in one copy that the host
+        does not wait for."""
+        host, tokens, sample_idx = self._host_inputs(out)
+        ctx, positions, (input_ids, sample_rows) = host.to(self.device, [tokens, sample_idx])
+        return input_ids, positions, ctx, sample_rows
+
+    def _host_inputs(self, out: SchedulerOutput) -> tuple[HostContext, torch.Tensor, torch.Tensor]:
+        """The step's context and positions, token ids (T,) and rows to sample, on the host.
+        Python touches each sequence once (its token slice and block table)."""
         items = out.seqs
         starts = [item.seq.num_computed_tokens for item in items]
         query_lens = [item.num_new_tokens for item in items]
@@ -67,7 +116,4 @@ class ModelRunner:
         host = host_context(starts, query_lens, tables, self.block_size, decode=not out.is_prefill)
         # The last token of each sampled sequence.
         sample_idx = [end - 1 for end, item in zip(accumulate(query_lens), items) if item.sample]
-        # Every input of the step goes to the device in one copy that the host does not wait for.
-        ctx, positions, (input_ids, sample_rows) = host.to(self.device, [
-            torch.tensor(tokens, dtype=torch.long), torch.tensor(sample_idx, dtype=torch.long)])
-        return input_ids, positions, ctx, sample_rows
+        return host, torch.tensor(tokens, dtype=torch.long), torch.tensor(sample_idx, dtype=torch.long)

@@ -14,15 +14,23 @@ Devices: every tensor the sampler hands a kernel is on the logits' device (a CUD
 never mixes in a host tensor; xgrammar and torch refuse that, issue 26). The generators
 stay on the host on every device: each drawn row takes one uniform from its generator, the
 step's draws go to the device in one copy with its temperatures and filter limits, and a
-seeded request draws the same numbers on a CPU and on a GPU (on CUDA, a generator per device would launch a kernel per row). The
-results come back in one device-to-host copy (``DeviceSample.to_host``).
+seeded request draws the same numbers on a CPU and on a GPU (on CUDA, a generator per device
+would launch a kernel per row). Grammar masks, penalties and the choice between greedy and
+drawn rows reach the device the same way, as tensors built on the host and copied without
+waiting (``pdserve.engine.device.to_device``); nothing indexes a device tensor with a Python
+list. The results come back in one device-to-host copy (``DeviceSample.to_host``): the
+step's one host sync, whatever its mix of penalties, grammars, logprobs and greedy and drawn
+rows (tests/engine/test_one_sync.py counts it).
 
 A fault that belongs to one row (its grammar rejects its tokens or cannot fill its mask,
 its penalties raise, its processed logits are NaN or forbid every token) drops that row
-before anything is drawn and is reported in ``SamplerOutput.failed``: the other rows are
-computed exactly as in a batch without it (row-wise operations only, and the shared generator
-never draws for it). Finding NaN rows reads one flag a row back from the device: a second
-sync on a GPU, in a step that has penalties, grammars or NaN to look for anyway.
+and is reported in ``SamplerOutput.failed``: the other rows are computed exactly as in a
+batch without it (row-wise operations only, and the shared generator never draws for it).
+Grammar and penalty faults are known on the host before anything is drawn. Whether a row's
+logits leave anything to draw is a flag a row computed on the device, which comes back with
+the step's results in the one copy; when a row turns out unusable, the generators are put
+back as they were before the step and the other rows are drawn again without it, a second
+copy back in that rare step only.
 
 A call that raises takes nothing from the generators: each one's state from before its first
 draw of the call is put back. The engine runs a step that raised again in parts
@@ -37,9 +45,9 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.engine.device import to_device
+from pdserve.engine.device import to_device, to_host
 from pdserve.engine.errors import SequenceFailed
-from pdserve.engine.grammar import GrammarCompiler, GrammarMatcher, apply_bitmask, token_bitmask
+from pdserve.engine.grammar import GrammarCompiler, GrammarMatcher, allow_only, apply_bitmask, token_bitmask
 from pdserve.engine.penalties import apply_penalties
 from pdserve.engine.sampling import SamplingParams, TopLogprobs
 
@@ -62,36 +70,29 @@ class SamplerOutput(NamedTuple):
 
 
 class DeviceSample(NamedTuple):
-    """One step's choices on the device: tokens (B,) int64; with logprobs, the chosen
-    tokens' (B,) and the best ``max(ks)`` alternatives (B, k), values and ids."""
+    """One step's choices on the device: tokens (B,) int64; ``usable`` (B,) bool, whether a
+    row's processed logits left anything to draw; with logprobs, the chosen tokens' (B,) and
+    the best ``max(ks)`` alternatives (B, k), values and ids."""
 
     tokens: torch.Tensor
+    usable: torch.Tensor
     chosen: torch.Tensor | None = None
     ks: list[int] | None = None
     top_values: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
 
-    def to_host(self, pack: bool | None = None) -> SamplerOutput:
-        """The lists the engine hands out. ``pack`` (None: off the CPU) sends everything in one
-        copy, one sync a step: float64 holds every token id and float32 logprob exactly. On
-        the CPU there is nothing to copy, and each tensor is read as it is."""
-        parts = [t for t in (self.tokens, self.chosen, self.top_values, self.top_ids) if t is not None]
-        if pack is None:
-            pack = self.tokens.device.type != "cpu"
-        if pack and len(parts) > 1:
-            b = self.tokens.shape[0]
-            packed = torch.cat([t.reshape(b, -1).double() for t in parts], dim=1).cpu()  # (B, 2 + 2k)
-            parts = list(packed.split([t.reshape(b, -1).shape[1] for t in parts], dim=1))
-            parts = [p.long() if i in (0, 3) else p for i, p in enumerate(parts)]
-            parts[0], parts[1] = parts[0].squeeze(1), parts[1].squeeze(1)
-        token_list = parts[0].tolist()
+    def to_host(self, pack: bool | None = None) -> tuple[SamplerOutput, list[bool]]:
+        """The lists the engine hands out, and each row's ``usable`` flag, in one copy off the
+        CPU (``pdserve.engine.device.to_host``; ``pack`` as there)."""
+        parts = [t for t in (self.tokens, self.usable, self.chosen, self.top_values, self.top_ids) if t is not None]
+        tokens, usable, *rest = (t.tolist() for t in to_host(parts, pack))
         if self.chosen is None:
-            return SamplerOutput(token_list, None, None)
+            return SamplerOutput(tokens, None, None), usable
         if self.top_values is None:
-            return SamplerOutput(token_list, parts[1].tolist(), [()] * len(self.ks))
-        values, ids = parts[2].tolist(), parts[3].tolist()
+            return SamplerOutput(tokens, rest[0], [()] * len(self.ks)), usable
+        chosen, values, ids = rest
         tops = [tuple(zip(ids[i][:n], values[i][:n])) for i, n in enumerate(self.ks)]
-        return SamplerOutput(token_list, parts[1].tolist(), tops)
+        return SamplerOutput(tokens, chosen, tops), usable
 
 
 def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
@@ -144,16 +145,27 @@ class Sampler:
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         failed: dict[str, SequenceFailed] = {}
         logits, raw = self._process(logits, rows, failed)
-        _unusable_rows(logits, rows, failed)
-        if failed:
-            keep = [i for i, r in enumerate(rows) if r.seq_id not in failed]
-            rows = [rows[i] for i in keep]
+        logits, raw, rows = _without(logits, raw, rows, failed)
+        if not rows:
+            return SamplerOutput([], None, None, failed)
+        output, usable = self.pick(logits, rows, raw).to_host()
+        if not all(usable):  # rare: the other rows draw again, as if these had not been there
+            for r, ok in zip(rows, usable):
+                if not ok:
+                    failed[r.seq_id] = SequenceFailed(r.seq_id, "logits", "no token can be drawn: this sequence's "
+                                                      "logits are NaN or every token is forbidden")
+            self._rewind()
+            logits, raw, rows = _without(logits, raw, rows, failed)
             if not rows:
                 return SamplerOutput([], None, None, failed)
-            index = torch.tensor(keep, device=logits.device)
-            logits, raw = logits.index_select(0, index), raw.index_select(0, index)
-        output = self.pick(logits, rows, raw).to_host()
+            output, _ = self.pick(logits, rows, raw).to_host()
         return output._replace(failed=failed) if failed else output
+
+    def _rewind(self) -> None:
+        """Put every generator the call drew from back as it was before the call's first draw."""
+        for gen, state in self._drawn.values():
+            gen.set_state(state)
+        self._drawn.clear()
 
     def pick(self, logits: torch.Tensor, rows: list[SamplerRow], raw: torch.Tensor | None = None) -> "DeviceSample":
         """The step's choices from ``logits`` (B, V) after the grammar masks and penalties
@@ -161,6 +173,9 @@ class Sampler:
         grammars and penalties then applied here), still on the logits' device."""
         if raw is None:
             logits, raw = self._process(logits, rows)
+        # NaN (a forward that overflowed for this row) and -inf everywhere both fail ``> -inf``;
+        # amax propagates NaN, as max's values do.
+        usable = logits.amax(dim=-1) > float("-inf")
         want_logprobs = any(r.params.logprobs for r in rows)
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
         if all(r.params.greedy for r in rows):
@@ -170,12 +185,12 @@ class Sampler:
         else:
             tokens = self._sample(logits, rows)
         if raw_logprobs is None:
-            return DeviceSample(tokens)
+            return DeviceSample(tokens, usable)
         chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1)
         ks = [r.params.top_logprobs if r.params.logprobs else 0 for r in rows]
         k = max(ks)
         top = raw_logprobs.topk(k, dim=-1) if k else None
-        return DeviceSample(tokens, chosen, ks, top.values if top else None, top.indices if top else None)
+        return DeviceSample(tokens, usable, chosen, ks, top.values if top else None, top.indices if top else None)
 
     def _process(self, logits: torch.Tensor, rows: list[SamplerRow],
                  failed: dict[str, SequenceFailed] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,9 +206,10 @@ class Sampler:
                    failed: dict[str, SequenceFailed] | None = None) -> None:
         """Mask, in place, what each constrained row's grammar forbids; other rows stay
         bit-identical (batch invariance). The grammars fill one host bitmask for the step,
-        each its own row, which goes to the logits' device in one copy and is applied in one
-        call to the rows filled. A row whose grammar raises (catching up, filling its row)
-        goes to ``failed`` (with none given, the error propagates)."""
+        each its own row (a finished grammar: its stop tokens only), which goes to the
+        logits' device in one copy with the rows filled and is applied in one call. A row
+        whose grammar raises (catching up, filling its row) goes to ``failed`` (with none
+        given, the error propagates)."""
         stops = sorted(self.eos_token_ids)
         bitmask = token_bitmask(len(rows), logits.shape[-1])
         masked: list[int] = []
@@ -204,10 +220,12 @@ class Sampler:
                 matcher = self._matcher(r)
                 matcher.advance(r.token_ids, r.num_prompt_tokens)
                 if matcher.finished:
-                    matcher.keep_only(logits[i:i + 1], stops)
+                    if not stops:  # nothing known to stop with: the row stays as it is
+                        continue
+                    allow_only(bitmask, i, stops)
                 else:
                     matcher.fill(bitmask, i)
-                    masked.append(i)
+                masked.append(i)
             except Exception as exc:  # this row's grammar: its fault alone
                 if failed is None:
                     raise
@@ -224,31 +242,34 @@ class Sampler:
         return matcher
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
-        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        greedy = [r.params.greedy for r in rows]
         # Greedy rows (temperature below the epsilon) take the argmax: scale them by 1, not 1/0.
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows])
-        # Inverse CDF: one uniform per row (from the row's own generator when it is seeded),
-        # then the first token whose cumulative probability passes it: one cumsum and one
-        # search for the batch (torch.multinomial took 1.5 ms a row over a 49k vocabulary).
-        # float32 sums move each token's probability by at most about 1e-7.
-        u = torch.cat([torch.rand(1, generator=self._generator(rows[i])) for i in drawn])  # (D,)
+        temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)])
+        # Inverse CDF: one uniform per drawn row (from the row's own generator when it is
+        # seeded), then the first token whose cumulative probability passes it: one cumsum and
+        # one search for the batch (torch.multinomial took 1.5 ms a row over a 49k vocabulary).
+        # float32 sums move each token's probability by at most about 1e-7. A greedy row draws
+        # nothing (0 stands in) and keeps its argmax, chosen on the device by a mask.
+        u = torch.cat([torch.zeros(1) if g else torch.rand(1, generator=self._generator(r))
+                       for r, g in zip(rows, greedy)])  # (B,)
         limits = _filter_limits(rows, logits.shape[-1])
+        mixed = any(greedy)
         # The step's per-row values go to the device in one copy; on CPU nothing moves.
-        temps, u, *limits = to_device([temps, u, *limits], logits.device)
+        temps, u, *limits = to_device([temps, u, *limits, *([torch.tensor(greedy)] if mixed else [])],
+                                      logits.device)
+        is_greedy = limits.pop() if mixed else None
         scaled = logits / temps.unsqueeze(1)
         if limits:
             scaled = _filter(scaled, *limits)
         probs = torch.softmax(scaled, dim=-1)
-        cdf = (probs if len(drawn) == len(rows) else probs[drawn]).cumsum(dim=-1)  # (D, V)
+        cdf = probs.cumsum(dim=-1)  # (B, V): row-wise, so a row's values do not depend on the others
         # right=True: the first index whose cdf exceeds the draw, so a zero-probability token
         # (filtered out) is never chosen, even for a draw of exactly 0.
         picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         picked.clamp_(max=probs.shape[-1] - 1)
-        if len(drawn) == len(rows):
+        if not mixed:
             return picked
-        out = logits.argmax(dim=-1)  # greedy rows keep their argmax
-        out[drawn] = picked
-        return out
+        return torch.where(is_greedy, logits.argmax(dim=-1), picked)  # greedy rows keep their argmax
 
     def _generator(self, row: SamplerRow) -> torch.Generator:
         """The generator ``row`` draws from; in a call, its state is kept before the first draw."""
@@ -263,15 +284,16 @@ class Sampler:
         return gen
 
 
-def _unusable_rows(logits: torch.Tensor, rows: list[SamplerRow], failed: dict[str, SequenceFailed]) -> None:
-    """Rows whose processed logits (B, V) leave nothing to draw: NaN (a forward that
-    overflowed for this sequence) or -inf everywhere. One max per row finds both, since NaN
-    and -inf both fail ``> -inf``."""
-    usable = (logits.amax(dim=-1) > float("-inf")).tolist()  # amax: NaN propagates, as max's values
-    for r, ok in zip(rows, usable):
-        if not ok and r.seq_id not in failed:
-            failed[r.seq_id] = SequenceFailed(r.seq_id, "logits", "no token can be drawn: this sequence's "
-                                              "logits are NaN or every token is forbidden")
+def _without(logits: torch.Tensor, raw: torch.Tensor, rows: list[SamplerRow], failed: dict[str, SequenceFailed]
+             ) -> tuple[torch.Tensor, torch.Tensor, list[SamplerRow]]:
+    """The step without its failed rows: their logits rows left out on the device (the
+    kept rows' indices go there in one copy that nothing waits for)."""
+    keep = [i for i, r in enumerate(rows) if r.seq_id not in failed]
+    if len(keep) == len(rows):
+        return logits, raw, rows
+    [index] = to_device([torch.tensor(keep, dtype=torch.long)], logits.device)
+    kept = logits.index_select(0, index)
+    return kept, kept if raw is logits else raw.index_select(0, index), [rows[i] for i in keep]
 
 
 def _filter_limits(rows: list[SamplerRow], vocab: int) -> list[torch.Tensor]:

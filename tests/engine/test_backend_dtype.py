@@ -1,12 +1,14 @@
 """The attention backend choice sees the dtype: flash-attn takes only float16 and bfloat16,
 so ``auto`` on CUDA with flash-attn present must not pick it for a float32 model (issue 26:
-``--dtype float32`` on an H100 failed at its first step). CUDA and flash-attn are faked: the
-choice is plain Python, and no kernel runs."""
+``--dtype float32`` on an H100 failed at its first step). Where triton imports, ``auto`` on
+CUDA takes its paged kernel, for every dtype (issue 43). CUDA, flash-attn and triton's
+presence are faked: the choice is plain Python, and no kernel runs."""
 
 import pytest
 import torch
 
 import pdserve.engine.attention_flash as attention_flash
+import pdserve.engine.attention_select as attention_select
 from pdserve.engine.attention_select import select_backend
 
 CUDA = torch.device("cuda")
@@ -21,8 +23,18 @@ class FakeFlash:
 
 @pytest.fixture
 def flash_present(monkeypatch):
+    """flash-attn on CUDA, and no triton (which ``auto`` would take first)."""
     monkeypatch.setattr(attention_flash, "flash_available", lambda device: device.type == "cuda")
     monkeypatch.setattr(attention_flash, "FlashAttention", FakeFlash)
+    monkeypatch.setattr(attention_select, "triton_available", lambda device: False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_auto_picks_triton_on_cuda_where_it_imports(flash_present, monkeypatch, dtype):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(attention_select, "triton_available", lambda device: device.type == "cuda")
+    assert select_backend("auto", CUDA, 9, 3, 64, 16, dtype=dtype).name == "triton"
+    assert select_backend("flash", CUDA, 9, 3, 64, 16, dtype=torch.bfloat16).name == "flash"  # still there, named
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -127,6 +127,6 @@ def test_one_copy_back_gives_the_same_lists():
     logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(0))
     picked = Sampler(torch.device("cpu")).pick(logits, rows)
     assert picked.to_host(pack=True) == picked.to_host(pack=False)
-    tokens, chosen, tops, _ = picked.to_host(pack=True)
-    assert all(isinstance(t, int) for t in tokens) and len(chosen) == len(rows)
+    (tokens, chosen, tops, _), usable = picked.to_host(pack=True)
+    assert all(isinstance(t, int) for t in tokens) and len(chosen) == len(rows) and usable == [True] * len(rows)
     assert [len(t) for t in tops] == [3, 3, 3, 0]

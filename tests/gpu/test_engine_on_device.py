@@ -1,7 +1,8 @@
 """The engine on the check's device against transformers on the same device (part 2 of
 scripts/gpu_check.sh): float32 token for token (near ties aside, as tests.factories
 explains), bfloat16 logprob-close, on every attention backend present, through chunked
-prefill, a prefix-cache hit and a preemption. Never run on a GPU where it was written."""
+prefill, a prefix-cache hit and a preemption. The Triton paged kernel (``auto``'s choice on
+CUDA where triton imports) is checked by name as well. Never run on a GPU where it was written."""
 
 import pytest
 import torch
@@ -33,11 +34,19 @@ def _flash_present() -> bool:
     return check_device().type == "cuda"
 
 
+def _triton_present() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def backends(dtype: str) -> list[tuple[str, int]]:
     """(attention backend, block size) worth checking here for ``dtype``."""
     if check_device().type != "cuda":
         return [("auto", 16)]
-    out = [("auto", 16), ("sdpa", 16)]
+    out = [("auto", 16), ("sdpa", 16)] + ([("triton", 16)] if _triton_present() else [])
     if dtype != "float32" and _flash_present():
         out += [("flash", 16), ("flash", 256), ("flash_invariant", 256)]
     return out

@@ -1,6 +1,14 @@
 """Sampling and structured output on the check's device (part 3 of scripts/gpu_check.sh):
 what failed on the first CUDA request (issue 26) runs, and behaves as it does on the CPU.
-Never run on a GPU where it was written."""
+
+What a seed promises differs by device. On the CPU pdserve's kernels are batch-invariant, so a
+seeded request draws the same tokens whatever shares its batch. On CUDA it promises only
+repeatability: the same batch, run the same way, draws the same tokens. cuBLAS picks its
+kernels (and their reduction orders) by the batch's shape, so a sequence's bfloat16 logits,
+and with them a draw near a boundary, may move with its company. The same goes for the path
+a prompt takes: a prompt whose prefix is cached runs attention over that prefix instead of a
+whole prefill, so the module's engine keeps no prefix cache, and every run of a batch takes
+the same path. Never run on a GPU where it was written."""
 
 import dataclasses
 import json
@@ -21,19 +29,25 @@ SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenh
 
 @pytest.fixture(scope="module")
 def engine(smol_dir, device):
+    """No prefix cache: a batch run twice takes the same path both times (see the docstring)."""
     return make_engine(smol_dir, tokenizer=Tokenizer(smol_dir), dtype="bfloat16", device=device.type,
-                       num_blocks=512)
+                       num_blocks=512, enable_prefix_cache=False)
 
 
 def _run(engine, params, prompts=PROMPTS):
     return [o.token_ids for o in engine.generate(prompts, params)]
 
 
-def test_seeded_draws_repeat_and_do_not_depend_on_the_batch(engine):
+def test_seeded_draws_repeat_for_the_same_batch(engine, device):
+    """Repeatable for the same batch on every device; independent of the batch only on the CPU
+    (its batch-invariant kernels), which is checked there and not on CUDA."""
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     batch = _run(engine, params)
     assert _run(engine, params) == batch
-    assert _run(engine, params, PROMPTS[1:2]) == batch[1:2]
+    alone = _run(engine, params, PROMPTS[1:2])
+    assert _run(engine, params, PROMPTS[1:2]) == alone
+    if device.type == "cpu":
+        assert alone == batch[1:2]
 
 
 def test_unseeded_draws_run_and_differ(engine):

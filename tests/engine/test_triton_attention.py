@@ -1,0 +1,161 @@
+"""The Triton paged-attention kernels (pdserve/engine/attention_triton.py) against a float32
+reference: SDPA over each sequence's context gathered from the cache, causally.
+
+Without CUDA they run in Triton's interpreter on host tensors (tests/conftest.py sets
+TRITON_INTERPRET=1 before triton is imported), with CUDA on the GPU: the same code either
+way. The interpreter costs about 0.1 s a program, so the batches are small: a few sequences of
+ragged lengths crossing block (16) and key-tile (64) edges, SmolLM2's head size 64, GQA
+ratios 1, 3 (SmolLM2's 9 query heads over 3 KV heads) and 4. The cache is the engine's
+layout (block-first, a layer's K and V strided views into it), and block tables are shuffled,
+so nothing works by the blocks' order. bfloat16 is checked against the float32 reference to
+its rounding: the interpreter truncates where a GPU rounds to nearest, so the bound is two
+bfloat16 steps of the output's size.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from pdserve.engine.attention import SdpaAttention, build_context  # noqa: E402
+from pdserve.engine.attention_triton import TritonAttention, paged_attention, store_kv  # noqa: E402
+from pdserve.engine.kv_cache import layer_views  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BS, HD, LAYERS, NUM_BLOCKS = 16, 64, 2, 24
+GQA = [(4, 4), (9, 3), (8, 2)]  # (query heads, KV heads): ratios 1, 3, 4
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+def _cache(nkv: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 1's K and V views of a random engine-layout cache."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(NUM_BLOCKS, BS, LAYERS, 2, nkv, HD, generator=g).to(dtype).to(DEVICE)
+    return layer_views(cache, 1)
+
+
+def _tables(context_lens: list[int], seed: int = 1) -> list[list[int]]:
+    """Each sequence's blocks, drawn from a shuffled pool: no two sequences share one."""
+    order = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, start = [], 0
+    for c in context_lens:
+        n = -(-c // BS)
+        tables.append(order[start:start + n])
+        start += n
+    return tables
+
+
+def _reference(q, k_cache, v_cache, tables, starts, query_lens) -> torch.Tensor:
+    """float32 SDPA per sequence over its gathered context: a query at position p sees 0..p."""
+    outs, t = [], 0
+    for table, s, n in zip(tables, starts, query_lens):
+        c = s + n
+        blocks = torch.tensor(table, device=q.device)
+        k = k_cache[blocks].flatten(0, 1)[:c].float().transpose(0, 1)  # (nkv, c, hd)
+        v = v_cache[blocks].flatten(0, 1)[:c].float().transpose(0, 1)
+        qi = q[t:t + n].float().transpose(0, 1)  # (nh, n, hd)
+        mask = torch.arange(c, device=q.device)[None, :] <= torch.arange(s, c, device=q.device)[:, None]
+        outs.append(F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1))
+        t += n
+    return torch.cat(outs)
+
+
+def _run(nh, nkv, dtype, starts, query_lens):
+    k_cache, v_cache = _cache(nkv, dtype)
+    tables = _tables([s + n for s, n in zip(starts, query_lens)])
+    ctx, _ = build_context(starts, query_lens, tables, BS, DEVICE, decode=all(n == 1 for n in query_lens))
+    q = torch.randn(sum(query_lens), nh, HD, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.context_lens_t,
+                          ctx.max_query_len, HD ** -0.5)
+    return out, _reference(q, k_cache, v_cache, tables, starts, query_lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nh,nkv", GQA)
+def test_decode_equals_sdpa_over_the_gathered_context(nh, nkv, dtype):
+    """One launch for sequences of 1, 16, 17 and 70 cached tokens (a full block, one past
+    it, past a key tile)."""
+    out, ref = _run(nh, nkv, dtype, starts=[0, 15, 16, 69], query_lens=[1, 1, 1, 1])
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nh,nkv", GQA)
+def test_prefill_over_a_cached_prefix_equals_sdpa(nh, nkv, dtype):
+    """A fresh prompt, a chunk after 30 cached tokens that spans two query tiles, a short
+    chunk after a whole cached block, and a decode row, in one launch."""
+    out, ref = _run(nh, nkv, dtype, starts=[0, 30, 16, 40], query_lens=[5, 20, 3, 1])
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+def test_store_kv_writes_each_slot_and_skips_padding_rows():
+    """Block -1 (a padding row's) would land in the block before the cache: here a block of
+    the same tensor, which must stay as it was."""
+    g = torch.Generator().manual_seed(3)
+    whole = torch.randn(NUM_BLOCKS + 1, BS, LAYERS, 2, 3, HD, generator=g).to(DEVICE)
+    k_cache, v_cache = layer_views(whole[1:], 1)
+    expected = whole.clone()
+    qkv = torch.randn(4, 15, HD, generator=g).to(DEVICE)  # (T, nh + 2 nkv, hd): k and v are strided views
+    k, v = qkv[:, 9:12], qkv[:, 12:15]
+    slot_block = torch.tensor([5, -1, 7, 5], device=DEVICE)  # row 1: a padding row
+    slot_offset = torch.tensor([0, 3, 15, 1], device=DEVICE)
+    store_kv(k, v, k_cache, v_cache, slot_block, slot_offset)
+    ek, ev = layer_views(expected[1:], 1)
+    ek[[5, 7, 5], [0, 15, 1]] = k[[0, 2, 3]]
+    ev[[5, 7, 5], [0, 15, 1]] = v[[0, 2, 3]]
+    assert torch.equal(whole, expected)
+
+
+def test_the_backend_equals_sdpa_through_the_engines_interface():
+    """``forward`` stores the step's K/V, then attends: the same as the SDPA backend, whose
+    cache it leaves identical."""
+    nh, nkv = 9, 3
+    starts, query_lens = [0, 20, 33], [6, 1, 1]
+    tables = _tables([s + n for s, n in zip(starts, query_lens)])
+    ctx, _ = build_context(starts, query_lens, tables, BS, DEVICE, decode=False)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(8, h, HD, generator=g).to(DEVICE) for h in (nh, nkv, nkv))
+    caches = [_cache(nkv, torch.float32) for _ in range(2)]
+    ours = TritonAttention(nh, nkv, HD).forward(q, k, v, *caches[0], ctx)
+    theirs = SdpaAttention(nh, nkv, HD).forward(q, k, v, *caches[1], ctx)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    torch.testing.assert_close(ours, theirs, **TOL[torch.float32])
+
+
+def test_the_engine_on_triton_equals_transformers(tiny_llama_dir):
+    """float32 greedy through the whole engine on this backend: chunked prefill (chunks of 16
+    after a cached prefix), then decode steps of two sequences of different lengths."""
+    from pdserve.engine.sampling import SamplingParams
+    from tests.factories import assert_greedy_matches, make_engine, random_prompts
+
+    directory, hf = tiny_llama_dir
+    engine = make_engine(directory, device=DEVICE.type, attention_backend="triton", max_num_batched_tokens=16)
+    assert engine.runner.backend.name == "triton"
+    prompts = random_prompts(2, [9, 37], seed=5)
+    for prompt, out in zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))):
+        assert_greedy_matches(hf, prompt, out.token_ids, 6, what=f"prompt of {len(prompt)} tokens")
+
+
+def test_the_kernels_compile_for_an_h100(tmp_path):
+    """What the interpreter does not check (the tile shapes tl.dot takes, types, shared
+    memory), Triton's own compiler does, down to sm_90 machine code, with no GPU: the decode
+    and prefill launches for SmolLM2's heads, bfloat16 and float32, and the K/V store
+    (tests/engine/triton_compile.py, in a process without the interpreter, compiling afresh
+    into its own cache). A loop-carried value whose type changes, which the interpreter runs,
+    fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "tests.engine.triton_compile", "90"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.splitlines() == ["attention bf16 9/3 query 1", "attention bf16 9/3 query 64",
+                                        "attention fp32 9/3 query 1", "attention fp32 9/3 query 64", "store bf16"]

@@ -1,0 +1,46 @@
+"""Compiles pdserve's Triton kernels (pdserve/engine/attention_triton.py) for a GPU with
+Triton's real compiler, down to machine code, on a host without one: what the interpreter
+cannot check (tile shapes tl.dot accepts, types, shared memory). Run by
+tests/engine/test_triton_attention.py in a process of its own, without TRITON_INTERPRET:
+
+    python -m tests.engine.triton_compile [sm]      # default 90, an H100
+"""
+
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pdserve.engine.attention_triton import _attention_kernel, _store_kv_kernel, launch_constants
+
+HEAD_DIM, BLOCK_SIZE = 64, 16  # SmolLM2's head size, pdserve's block size
+
+
+def _compile(kernel, types: list[str], constants: dict, target: GPUTarget):
+    names = kernel.arg_names
+    signature = {n: (types[i] if i < len(types) else "constexpr") for i, n in enumerate(names)}
+    return triton.compile(ASTSource(fn=kernel, signature=signature,
+                                    constexprs={(names.index(k),): v for k, v in constants.items()}), target=target)
+
+
+def main(sm: int = 90) -> list[str]:
+    """The engine's decode and prefill launches for SmolLM2's heads (9 query heads over 3 KV
+    heads), in bfloat16 and float32, and the K/V store; returns what compiled."""
+    target, done = GPUTarget("cuda", sm, 32), []
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for max_query_len in (1, 64):
+            constants = launch_constants(9, 3, HEAD_DIM, BLOCK_SIZE, max_query_len, torch_dtype, interpreted=False)
+            strides = len(_attention_kernel.arg_names) - 8 - len(constants)
+            types = [f"*{dtype}"] * 4 + ["*i32"] * 3 + ["fp32"] + ["i32"] * strides
+            _compile(_attention_kernel, types, constants, target)
+            done.append(f"attention {dtype} 9/3 query {max_query_len}")
+    _compile(_store_kv_kernel, ["*bf16"] * 4 + ["*i64"] * 2 + ["i32"] * 10,
+             dict(NUM_KV_HEADS=3, HEAD_DIM=HEAD_DIM, BLOCK_H=4, BLOCK_D=HEAD_DIM), target)
+    return done + ["store bf16"]
+
+
+if __name__ == "__main__":
+    for line in main(*(int(a) for a in sys.argv[1:])):
+        print(line)
