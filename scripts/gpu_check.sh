@@ -20,6 +20,7 @@
 #   4. NIXL: a two-process VRAM-to-VRAM read of every block, bytes compared, GB/s and UCX transport
 #   5. the decode step profile at batch 1 and 64 (ms, syncs, launches, against the HBM floor)
 #   6. KV by head between tensor-parallel sizes from VRAM (NIXL row descriptors, tcp, checksums)
+#   and: CUDA graphs against eager and transformers, the one-sync count, the Triton kernels on the GPU
 # Results in $GPU_CHECK_OUT (default gpu_check_out/), at most 8 files: probe.json, junit.xml
 # (every test's outcome), pytest.log, nixl.json, step_profile.json. PYTHON picks the
 # interpreter (default python3); PDSERVE_CHECK_DEVICE=cpu dry-runs every step on the CPU
@@ -46,15 +47,16 @@ export PYTHONUNBUFFERED=1
 echo "== 1. environment probe"
 "$PY" scripts/gpu_probe.py
 
-echo "== 2-5. engine, sampling and structured output, NIXL, step profile (tests/gpu, marker cuda)"
+echo "== 2-6. engine, sampling and structured output, NIXL, graphs, syncs, Triton kernels, step profile"
 # -p no:cacheprovider: writes nothing into the checkout; -o: pyproject's pytest-timeout and
 # --durations options need plugins a bare host may lack.
 set +e
-"$PY" -m pytest -m cuda -q -rA -s -p no:cacheprovider -o addopts="" -o timeout=0 \
+"$PY" -m pytest -q -rA -s -p no:cacheprovider -o addopts="" -o timeout=0 \
     --junitxml "$GPU_CHECK_OUT/junit.xml" \
     tests/gpu/test_engine_on_device.py tests/gpu/test_sampling_on_device.py tests/gpu/test_nixl_vram.py \
     $(ls tests/gpu/test_*.py | grep -v -e test_engine_on_device -e test_sampling_on_device \
-        -e test_nixl_vram -e test_step_profile) tests/gpu/test_step_profile.py \
+        -e test_nixl_vram -e test_step_profile -e test_check_here) \
+    tests/engine/test_one_sync.py tests/engine/test_triton_attention.py tests/gpu/test_step_profile.py \
     2>&1 | tee "$GPU_CHECK_OUT/pytest.log"
 status=${PIPESTATUS[0]}
 set -e

@@ -88,6 +88,8 @@ def test_the_whole_check_dry_runs_on_the_cpu(tmp_path):
     log = (out / "pytest.log").read_text()[-3000:]
     suite = ET.parse(out / "junit.xml").getroot().find("testsuite")
     counts = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
-    assert counts["tests"] >= 15 and counts["failures"] == counts["errors"] == counts["skipped"] == 0, (counts, log)
+    # Skips: only what needs CUDA itself (graph capture, torch's sync debug mode).
+    assert counts["tests"] >= 30 and counts["failures"] == counts["errors"] == 0, (counts, log)
+    assert counts["skipped"] <= 8, (counts, log)
     assert all(row["bytes_equal"] for row in json.loads((out / "nixl.json").read_text()))
     assert json.loads((out / "probe.json").read_text())["torch"]

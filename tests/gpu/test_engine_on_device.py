@@ -104,21 +104,27 @@ def test_float32_through_a_preemption_equals_transformers(smol_dir, device, hf32
         _assert_greedy_matches(hf32, prompt, out.token_ids, f"preempted batch, prompt {k}")
 
 
+def assert_bf16_close(hf32, hf16, prompts, outs, what: str) -> None:
+    """Each token in transformers' bfloat16 top 5, and our logprobs on average no further from
+    float32's than transformers' bfloat16 ones (BF16_ERROR_RATIO, BF16_ERROR_SLACK)."""
+    ours_err, theirs_err = [], []
+    for prompt, out in zip(prompts, outs):
+        theirs = teacher_forced_logprobs(hf16, prompt, out.token_ids)
+        truth = teacher_forced_logprobs(hf32, prompt, out.token_ids)
+        for i, (token, ours) in enumerate(zip(out.token_ids, out.logprobs)):
+            top5 = theirs[i].topk(5).indices.tolist()
+            assert token in top5, f"{what}: token {i} ({token}) is not in transformers' top 5 {top5}"
+            ours_err.append(abs(ours - float(truth[i, token])))
+            theirs_err.append(abs(float(theirs[i, token] - truth[i, token])))
+    ours_mean, theirs_mean = sum(ours_err) / len(ours_err), sum(theirs_err) / len(theirs_err)
+    print(f"\nbfloat16 logprob error against float32 ({what}): ours mean {ours_mean:.4f} "
+          f"max {max(ours_err):.4f}; transformers mean {theirs_mean:.4f} max {max(theirs_err):.4f}")
+    assert ours_mean <= BF16_ERROR_RATIO * theirs_mean + BF16_ERROR_SLACK, (what, ours_mean, theirs_mean)
+
+
 @pytest.mark.parametrize("backend,block_size", backends("bfloat16"))
 def test_bfloat16_logprobs_are_close_to_transformers(smol_dir, device, hf32, backend, block_size):
     hf = reference(smol_dir, torch.bfloat16, device)
     engine = _engine(smol_dir, device, "bfloat16", backend, block_size, max_num_batched_tokens=64)
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True)
-    ours_err, theirs_err = [], []
-    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, params)):
-        theirs = teacher_forced_logprobs(hf, prompt, out.token_ids)
-        truth = teacher_forced_logprobs(hf32, prompt, out.token_ids)
-        for i, (token, ours) in enumerate(zip(out.token_ids, out.logprobs)):
-            top5 = theirs[i].topk(5).indices.tolist()
-            assert token in top5, f"{backend}: token {i} ({token}) is not in transformers' top 5 {top5}"
-            ours_err.append(abs(ours - float(truth[i, token])))
-            theirs_err.append(abs(float(theirs[i, token] - truth[i, token])))
-    ours_mean, theirs_mean = sum(ours_err) / len(ours_err), sum(theirs_err) / len(theirs_err)
-    print(f"\nbfloat16 logprob error against float32 ({backend}/{block_size}): ours mean {ours_mean:.4f} "
-          f"max {max(ours_err):.4f}; transformers mean {theirs_mean:.4f} max {max(theirs_err):.4f}")
-    assert ours_mean <= BF16_ERROR_RATIO * theirs_mean + BF16_ERROR_SLACK, (ours_mean, theirs_mean)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True))
+    assert_bf16_close(hf32, hf, PROMPTS, outs, f"{backend}/{block_size}")
