@@ -51,12 +51,15 @@ echo "== 2-6. engine, sampling and structured output, NIXL, graphs, syncs, Trito
 # -p no:cacheprovider: writes nothing into the checkout; -o: pyproject's pytest-timeout and
 # --durations options need plugins a bare host may lack.
 set +e
+TESTS=(tests/gpu/test_engine_on_device.py tests/gpu/test_sampling_on_device.py tests/gpu/test_nixl_vram.py
+       $(ls tests/gpu/test_*.py | grep -v -e test_engine_on_device -e test_sampling_on_device \
+           -e test_nixl_vram -e test_step_profile -e test_check_here)
+       tests/engine/test_one_sync.py tests/engine/test_triton_attention.py tests/gpu/test_step_profile.py)
+# GPU_CHECK_ONLY="tests/a.py tests/b.py::test_x" reruns just those (a short second call on the device).
+# shellcheck disable=SC2206
+[ -n "${GPU_CHECK_ONLY:-}" ] && TESTS=(${GPU_CHECK_ONLY})
 "$PY" -m pytest -q -rA -s -p no:cacheprovider -o addopts="" -o timeout=0 \
-    --junitxml "$GPU_CHECK_OUT/junit.xml" \
-    tests/gpu/test_engine_on_device.py tests/gpu/test_sampling_on_device.py tests/gpu/test_nixl_vram.py \
-    $(ls tests/gpu/test_*.py | grep -v -e test_engine_on_device -e test_sampling_on_device \
-        -e test_nixl_vram -e test_step_profile -e test_check_here) \
-    tests/engine/test_one_sync.py tests/engine/test_triton_attention.py tests/gpu/test_step_profile.py \
+    --junitxml "$GPU_CHECK_OUT/junit.xml" "${TESTS[@]}" \
     2>&1 | tee "$GPU_CHECK_OUT/pytest.log"
 status=${PIPESTATUS[0]}
 set -e

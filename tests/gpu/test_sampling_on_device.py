@@ -57,9 +57,17 @@ def test_unseeded_draws_run_and_differ(engine):
 
 
 @pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
-def test_filters_that_keep_one_token_draw_the_argmax(engine, filters):
-    greedy = _run(engine, SamplingParams(max_tokens=12, ignore_eos=True))
-    assert _run(engine, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True, **filters)) == greedy
+def test_filters_that_keep_only_the_most_likely_draw_it(engine, filters):
+    """Each drawn token is a most likely one: its logprob is the best at its step. Not always
+    greedy's token: a bfloat16 LM head on CUDA gives bfloat16-valued logits, whose maxima tie
+    exactly now and then (the first H100 run drew the other of two at min_p=1.0, which keeps
+    every token as likely as the best), where greedy takes the lower id."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True, logprobs=True, top_logprobs=1,
+                            **filters)
+    for out in engine.generate(PROMPTS, params):
+        assert len(out.token_ids) == 12
+        for i, (chosen, top) in enumerate(zip(out.logprobs, out.top_logprobs)):
+            assert chosen == top[0][1], (filters, i, chosen, top)
 
 
 def test_top_k_p_and_min_p_together_run(engine):
