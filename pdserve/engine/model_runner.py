@@ -53,9 +53,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture(self, sizes: tuple[int, ...], max_model_len: int) -> DecodeGraphs | None:
-        if self.device.type != "cuda" or not getattr(self.backend, "graph_safe", False):
-            log.warning("CUDA graphs need a CUDA device and a graph-safe attention backend (triton); this "
-                        "runner has %s and %s, and runs every step eagerly", self.device, self.backend.name)
+        if self.device.type != "cuda":
+            return None  # nothing to capture: the setting is for CUDA alone
+        if not getattr(self.backend, "graph_safe", False):
+            log.warning("CUDA graphs need a graph-safe attention backend (triton); this runner has %s, and "
+                        "runs every step eagerly", self.backend.name)
             return None
         self.model.bind_caches(self._layer_caches, self.backend)
         width = -(-max_model_len // self.block_size)
