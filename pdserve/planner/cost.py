@@ -39,7 +39,7 @@ class CostError(ValueError):
     """A cost-model input is out of range; ``field`` names it."""
 
     def __init__(self, field: str, problem: str):
-        self.field = field
+        self.field, self.problem = field, problem
         super().__init__(f"{field}: {problem}")
 
 
