@@ -28,7 +28,13 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="seconds")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests meeting both SLOs")
-    p.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees to try, comma-separated")
+    p.add_argument("--tp", default="1,2,4,8",
+                   help="tensor-parallel degrees to try, comma-separated: colocated workers, and both pools alike "
+                        "unless --prefill-tp / --decode-tp are given")
+    p.add_argument("--prefill-tp", default=None,
+                   help="the prefill pool's degrees (default: --tp); with either per-pool flag every prefill x "
+                        "decode pair where one divides the other is searched. With --layout: one degree")
+    p.add_argument("--decode-tp", default=None, help="the decode pool's degrees (default: --tp); see --prefill-tp")
     p.add_argument("--mode", choices=("both", "disaggregated", "colocated"), default="both")
     p.add_argument("--requests", type=int, default=3000,
                    help="requests simulated per candidate layout; arrivals always span at least 60 s, so at "
@@ -58,18 +64,20 @@ def run_plan(args) -> int:
         rate = args.rate or (_trace_rate(replay) if replay else 10.0)
         req = PlanRequest(get_model(args.model), get_profile(args.hardware), rate,
                           LengthMix(args.prompt_mean, args.output_mean, args.sigma, args.max_len),
-                          Slo(args.ttft_slo, args.tpot_slo), args.attainment, _tp_list(args.tp),
+                          Slo(args.ttft_slo, args.tpot_slo), args.attainment, _tp_list(args.tp, "--tp"),
+                          prefill_tp_choices=_tp_list(args.prefill_tp, "--prefill-tp"),
+                          decode_tp_choices=_tp_list(args.decode_tp, "--decode-tp"),
                           num_requests=args.requests, modes=_modes(args.mode), replay=replay)
         if args.elastic:
             if not args.layout:
                 raise ValueError("--elastic: needs --layout, the split elastic roles start from (e.g. 1P:2D)")
             return _print_elastic(req, parse_layout(args.layout))
         if args.layout:
-            layout = parse_layout(args.layout)
+            layout = _pool_tps(parse_layout(args.layout), req)
             result = simulate(req, layout, req.trace())
             found = Plan(layout, result, result.attainment(req.slo))
         else:
-            found = plan(req, progress=lambda line: print(f"  tried {line}", file=sys.stderr, flush=True))
+            found = plan(req, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     except (PlanError, ProfileError, ModelSpecError, TraceError, ValueError) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
@@ -125,11 +133,40 @@ def parse_layout(text: str):
     return Layout(int(m.group(1)), int(m.group(2)), 0, tp, tp)
 
 
-def _tp_list(text: str) -> tuple[int, ...]:
+def _pool_tps(layout, req):
+    """``--layout``'s TP, with one degree from --prefill-tp / --decode-tp overriding a pool's,
+    checked as the search checks its candidates."""
+    import dataclasses
+
+    from pdserve.planner.search import tp_unusable
+    from pdserve.planner.tp import pair_refusal
+
+    for flag, choices, field in (("--prefill-tp", req.prefill_tp_choices, "tp_prefill"),
+                                 ("--decode-tp", req.decode_tp_choices, "tp_decode")):
+        if choices is not None:
+            if len(choices) != 1 or layout.colocated:
+                raise ValueError(f"{flag}: with --layout, one degree for a disaggregated layout, got {choices}")
+            layout = dataclasses.replace(layout, **{field: choices[0]})
+    for tp in {layout.tp_decode} if layout.colocated else {layout.tp_prefill, layout.tp_decode}:
+        why = tp_unusable(req, tp)
+        if why:
+            raise ValueError(f"--layout: TP{tp}: {why}")
+    why = None if layout.colocated else pair_refusal(layout.tp_prefill, layout.tp_decode)
+    if why:
+        raise ValueError(f"--layout: {why}")
+    return layout
+
+
+def _tp_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
     try:
-        return tuple(int(x) for x in text.split(","))
+        values = tuple(int(x) for x in text.split(","))
     except ValueError as exc:
-        raise ValueError(f"--tp: expected comma-separated integers, got {text!r}") from exc
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from exc
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag}: degrees must be >= 1, got {text!r}")
+    return values
 
 
 def _modes(mode: str) -> tuple[str, ...]:

@@ -8,8 +8,15 @@
   a GPU the two overlap (the longer counts); on one CPU core they add.
 - KV transfer: the prompt's KV bytes over the link, plus a fixed cost per transfer.
 
+A mixture-of-experts model's FLOPs per token are its active parameters' (the routed experts a
+token picks, not all of them), and the weights a step streams are the dense part plus the
+experts its tokens are expected to touch (``ModelSpec.streamed_weight_bytes``); the device
+holds all of them. An MLA model's KV per token is its latent (``ModelSpec.kv_bytes_per_token``).
+
 Tensor parallelism of ``tp`` splits weights, KV heads and FLOPs over ``tp`` devices and adds
-two all-reduces of the activations per layer over the interconnect.
+two all-reduces of the activations per layer over the interconnect. Only sizes the engine runs
+(``pdserve.planner.tp``: the engine's own ``TensorParallel.share`` over heads, KV heads and MLP
+and expert widths). MLA's latent has no head axis, so every rank holds and reads all of it.
 """
 
 from __future__ import annotations
@@ -19,8 +26,12 @@ from typing import Sequence
 
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.model_spec import ModelSpec
+from pdserve.planner.tp import tp_refusal
 
 ALLREDUCE_LATENCY_S = 8e-6  # one NCCL all-reduce of a small message within a node (NCCL tests: 5-10 us)
+# Across nodes (a TP group wider than one node): an assumption, about three times the in-node
+# latency for the network hops of a ring over InfiniBand; not measured here.
+ALLREDUCE_LATENCY_INTERNODE_S = 25e-6
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of device memory for weights + KV
 
 
@@ -28,7 +39,7 @@ class CostError(ValueError):
     """A cost-model input is out of range; ``field`` names it."""
 
     def __init__(self, field: str, problem: str):
-        self.field = field
+        self.field, self.problem = field, problem
         super().__init__(f"{field}: {problem}")
 
 
@@ -42,11 +53,9 @@ class CostModel:
     def __post_init__(self) -> None:
         if not 0 < self.mem_util <= 1:
             raise CostError("mem_util", f"must be within (0, 1], got {self.mem_util}")
-        if self.tp < 1 or self.tp & (self.tp - 1):
-            raise CostError("tp", f"must be a power of two >= 1, got {self.tp}")
-        if self.model.num_kv_heads % self.tp and self.tp % self.model.num_kv_heads:
-            raise CostError("tp", f"must divide the {self.model.num_kv_heads} KV heads (or be a multiple), "
-                                  f"got {self.tp}")
+        refusal = tp_refusal(self.model, self.tp)
+        if refusal:
+            raise CostError("tp", refusal)
         # Constants of the step-time formulas, computed once: the simulator calls them millions of
         # times. Each is the same expression the formulas spelled out inline, so results are bit-identical.
         m, hw = self.model, self.hw
@@ -57,35 +66,56 @@ class CostModel:
                            if hw.prefill_attention_flops else None)
         object.__setattr__(self, "_attn_d_s", m.attention_flops_per_pair / (hw.decode_attention_flops * self.tp)
                            if hw.decode_attention_flops else None)
-        for name, value in (("_weights", weights), ("_kvb", self.kv_bytes_per_token),
+        # KV bytes a worker holds (and a decode step reads) per token: MLA's latent once per rank.
+        held = self.kv_bytes_per_token * (self.tp if m.mla else 1)
+        for name, value in (("_weights", weights), ("_kvb", held), ("_streamed", {}),
                             ("_bw", hw.mem_bw * self.tp), ("_flops", hw.flops * self.tp),
                             ("_lin", m.linear_flops_per_token), ("_head", m.lm_head_flops),
                             ("_lin_head", m.linear_flops_per_token + m.lm_head_flops),
-                            ("_attn", m.attention_flops_per_pair),
-                            ("_weights_s", weights / (hw.mem_bw * self.tp))):
+                            ("_attn", m.attention_flops_per_pair)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_ratios", self._measured_ratios())
 
     # ---- capacity ------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> float:
+        """The model's KV bytes per token: a key and a value per KV head over all layers (split
+        over the ranks by head), or MLA's latent (every rank holds it whole)."""
         return self.model.kv_bytes_per_token(self.hw.dtype_bytes)
 
+    @property
+    def worker_kv_bytes_per_token(self) -> float:
+        """KV bytes one token takes in a worker over all its ranks: the model's (split by head),
+        or ``tp`` copies of MLA's latent (every rank holds it whole)."""
+        return self._kvb
+
     def kv_capacity_tokens(self) -> int:
-        """Tokens of KV one worker (``tp`` devices) holds beside its weights."""
+        """Tokens of KV one worker (``tp`` devices) holds beside its weights (all of them, every
+        expert of an MoE model)."""
         usable = self.hw.mem_bytes * self.tp * self.mem_util if self.hw.overlap else self.hw.mem_bytes
-        free = usable - self.model.weight_bytes(self.hw.dtype_bytes)
+        free = usable - self._weights
         if free <= 0:
-            raise CostError("tp", f"{self.model.name} weights ({self.model.weight_bytes(self.hw.dtype_bytes) / 1e9:.0f} GB) "
+            raise CostError("tp", f"{self.model.name} weights ({self._weights / 1e9:.0f} GB) "
                                   f"do not fit {self.tp} x {self.hw.name}; raise tp")
-        return int(free / self.kv_bytes_per_token)
+        return int(free / self._kvb)
+
+    def streamed_weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a step over ``tokens`` tokens reads: all of a dense model's; an MoE
+        model's dense part and the experts those tokens are expected to touch (kept per count:
+        the simulator asks for the same batch sizes again and again)."""
+        if not self.model.moe:
+            return self._weights
+        nbytes = self._streamed.get(tokens)
+        if nbytes is None:
+            nbytes = self._streamed[tokens] = self.model.streamed_weight_bytes(tokens, self.hw.dtype_bytes)
+        return nbytes
 
     # ---- step times ----------------------------------------------------------------
     def prefill_s(self, chunks: Sequence[tuple[int, int]], num_sampled: int = 1) -> float:
         """One prefill step over ``chunks`` of (new tokens, tokens already cached before them)."""
         tokens = sum(n for n, _ in chunks)
         pairs = sum(n * c + n * (n + 1) / 2 for n, c in chunks)  # causal: token i sees c + i keys
-        weights = self._weights_s  # a short chunk still streams them
+        weights = self.streamed_weight_bytes(tokens) / self._bw  # a short chunk still streams them
         if self._attn_p_s is None:
             compute = (tokens * self._lin + pairs * self._attn + num_sampled * self._head) / self._flops
         else:
@@ -108,7 +138,7 @@ class CostModel:
     def formula_decode_s(self, batch: int, total_context: float) -> float:
         """The engine's step from the formula alone: without the measured points' correction or
         what serving adds (``decode_s`` has both)."""
-        memory = (self._weights + total_context * self._kvb) / self._bw
+        memory = (self.streamed_weight_bytes(batch) + total_context * self._kvb) / self._bw
         if self._attn_d_s is None:
             compute = (batch * self._lin_head + total_context * self._attn) / self._flops
         else:
@@ -141,17 +171,24 @@ class CostModel:
                 return r0 + (r1 - r0) * (context - c0) / (c1 - c0) if c1 > c0 else r1
         return rows[-1][1]
 
-    def transfer_s(self, tokens: int) -> float:
-        """Moving ``tokens`` of KV from a prefill worker to a decode worker (each of the ``tp``
-        shards moves in parallel over its own NIC)."""
-        return self.hw.kv_transfer_overhead_s + tokens * self.kv_bytes_per_token / (self.hw.kv_link_bw * self.tp)
+    def transfer_s(self, tokens: int, decode_tp: int | None = None) -> float:
+        """Moving ``tokens`` of KV from this prefill worker to a decode worker of ``decode_tp``
+        ranks (default: this worker's). Each rank pair moves in parallel over its own NICs: by
+        head, over min(prefill, decode) ranks' links (the side with fewer ranks moves more
+        heads each); MLA's latent whole to every decode rank, so over one link's time."""
+        lanes = 1 if self.model.mla else min(self.tp, decode_tp or self.tp)
+        return self.hw.kv_transfer_overhead_s + tokens * self.kv_bytes_per_token / (self.hw.kv_link_bw * lanes)
 
     def _allreduce_s(self, tokens: int) -> float:
         if self.tp == 1:
             return 0.0
         nbytes = tokens * self.model.hidden_size * self.hw.dtype_bytes
-        ring = 2 * (self.tp - 1) / self.tp * nbytes / self.hw.interconnect_bw
-        return 2 * self.model.num_layers * (ring + ALLREDUCE_LATENCY_S)
+        if self.tp <= self.hw.devices_per_node:
+            bw, latency = self.hw.interconnect_bw, ALLREDUCE_LATENCY_S
+        else:  # the ring crosses nodes: each device's NIC carries its share
+            bw, latency = min(self.hw.interconnect_bw, self.hw.kv_link_bw), ALLREDUCE_LATENCY_INTERNODE_S
+        ring = 2 * (self.tp - 1) / self.tp * nbytes / bw
+        return 2 * self.model.num_layers * (ring + latency)
 
 
 @dataclass(frozen=True)
@@ -184,8 +221,12 @@ class FittedStepCost:
     def kv_capacity_tokens(self) -> int:
         return self.base.kv_capacity_tokens()
 
-    def transfer_s(self, tokens: int) -> float:
-        return self.base.transfer_s(tokens)
+    @property
+    def tp(self) -> int:
+        return self.base.tp
+
+    def transfer_s(self, tokens: int, decode_tp: int | None = None) -> float:
+        return self.base.transfer_s(tokens, decode_tp)
 
     def prefill_s(self, chunks: Sequence[tuple[int, int]], num_sampled: int = 1) -> float:
         a, b, c = self.prefill_ms

@@ -34,7 +34,7 @@ class HardwareProfile:
     mem_bytes: float  # device memory, weights + KV cache
     kv_link_bw: float  # bytes/s for KV between a prefill and a decode worker
     kv_transfer_overhead_s: float  # fixed cost per transfer (handshake, registration, RPC)
-    interconnect_bw: float  # bytes/s between GPUs of one tensor-parallel group (NVLink)
+    interconnect_bw: float  # bytes/s between GPUs of one tensor-parallel group within a node (NVLink)
     step_overhead_s: float  # fixed cost of one engine step (launches, scheduling, sampling)
     # Cost per sequence in a step beyond its FLOPs and bytes: 0 on GPUs (one batched kernel);
     # on CPU the engine's per-sequence work (attention calls per context length, sampling) shows here.
@@ -44,6 +44,9 @@ class HardwareProfile:
     overlap: bool = True
     dtype_bytes: int = 2
     source: str = ""
+    # Devices one node holds (an HGX/DGX board: 8). A tensor-parallel group wider than this
+    # spans nodes, and its all-reduces cross the nodes' NICs (``kv_link_bw`` per device).
+    devices_per_node: int = 8
     # Achievable FLOP/s of attention, where it differs from the matmuls' (``flops``): None on
     # the GPU profiles, where attention runs at the matmuls' rate in prefill and decode
     # attention is paid through its KV bytes. The CPU fit measures both: a prefill's causal

@@ -1,12 +1,21 @@
 """What the cost model needs to know about a model: its shape, from which parameters, FLOPs
-per token and KV bytes per token follow. Built from an engine ``ModelConfig`` (a HF config)
-or a named preset (the published configs of well-known models, written out here)."""
+per token, the bytes a step streams and KV bytes per token follow. Read from a HF config
+(``spec_from_config``: the model's config.json) or a named preset (the published configs of
+well-known models, written out here).
+
+Two shapes beyond a dense GQA decoder:
+- Mixture of experts (Qwen3-MoE, DeepSeek-V2/V3): a token runs through its ``experts_per_token``
+  routed experts and the shared ones, so its FLOPs follow the *active* parameters, while the
+  device holds the *total*. A decode step streams only the experts its batch touches.
+- Multi-head latent attention (DeepSeek-V2/V3, "MLA"): the cache holds one compressed latent
+  of ``kv_lora_rank`` values and one RoPE key of ``qk_rope_head_dim`` per token and layer, for
+  all heads together, instead of a key and a value per KV head.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from pdserve.engine.config import ModelConfig
+from typing import Any, Mapping
 
 
 class ModelSpecError(ValueError):
@@ -23,44 +32,144 @@ class ModelSpec:
     num_layers: int
     hidden_size: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
+    num_kv_heads: int  # MLA: the number of heads (the latent has no head axis)
+    head_dim: int  # MLA: the q/k head dim, qk_nope_head_dim + qk_rope_head_dim
+    intermediate_size: int  # the dense MLP's width (an MoE model's dense layers)
     vocab_size: int
     max_model_len: int
     mlp_matrices: int = 3  # gated MLP (Llama: gate, up, down) = 3; OPT's plain fc1/fc2 = 2
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """What its step times depend on (not its name or context limit)."""
-        return (self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                self.intermediate_size, self.vocab_size, self.mlp_matrices)
+    tied_embeddings: bool = False  # the LM head is the embedding (counted once in total_params)
+    # Mixture of experts; num_experts 0 is a dense model.
+    num_experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0  # k of the top-k routing
+    moe_intermediate_size: int = 0  # one routed expert's width (a gated SiLU MLP)
+    shared_intermediate_size: int = 0  # the always-on experts' summed width (DeepSeek: n_shared x moe width)
+    dense_layers: int = 0  # of an MoE model, layers with a dense MLP instead (DeepSeek's first_k_dense_replace)
+    # Multi-head latent attention; kv_lora_rank 0 is GQA/MHA.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q projected from the hidden state directly (DeepSeek-V2-Lite)
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                     "vocab_size", "max_model_len"):
             if getattr(self, key) <= 0:
                 raise ModelSpecError(key, f"must be > 0, got {getattr(self, key)}")
+        if self.num_experts:
+            if not 0 < self.experts_per_token <= self.num_experts:
+                raise ModelSpecError("experts_per_token", f"must be within [1, {self.num_experts}] (the "
+                                     f"routed experts), got {self.experts_per_token}")
+            if self.moe_intermediate_size <= 0:
+                raise ModelSpecError("moe_intermediate_size", f"must be > 0, got {self.moe_intermediate_size}")
+            if not 0 <= self.dense_layers < self.num_layers:
+                raise ModelSpecError("dense_layers", f"must be within [0, {self.num_layers}), got {self.dense_layers}")
+        if self.mla:
+            for key in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+                if getattr(self, key) <= 0:
+                    raise ModelSpecError(key, f"must be > 0 with kv_lora_rank, got {getattr(self, key)}")
 
     @property
-    def layer_params(self) -> int:
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
-        return attention + self.mlp_matrices * h * self.intermediate_size
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What its step times depend on (not its name or context limit). A dense GQA model's is
+        the 8 numbers a CPU profile's measured points name (``HardwareProfile.points_model``)."""
+        base = (self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.intermediate_size, self.vocab_size, self.mlp_matrices)
+        if not (self.moe or self.mla):
+            return base
+        return base + (self.num_experts, self.experts_per_token, self.moe_intermediate_size,
+                       self.shared_intermediate_size, self.dense_layers, self.kv_lora_rank, self.q_lora_rank,
+                       self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
+
+    # ---- parameters ----------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        """Per head, the length of the q . k dot product (MLA: the no-RoPE part plus the RoPE part)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's attention projections."""
+        h, heads = self.hidden_size, self.num_heads
+        if not self.mla:
+            q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return h * q + 2 * h * kv + q * h  # q, k, v, o projections
+        q_out = heads * self.qk_head_dim
+        q = h * self.q_lora_rank + self.q_lora_rank * q_out if self.q_lora_rank else h * q_out  # q_a, q_b | q_proj
+        kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim)  # the latent and the shared RoPE key
+        kv_b = self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # latent -> k_nope, v
+        return q + kv_a + kv_b + heads * self.v_head_dim * h  # + o_proj
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return self.mlp_matrices * self.hidden_size * self.intermediate_size
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert (gate, up, down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.dense_layers if self.moe else 0
+
+    @property
+    def moe_always_params(self) -> int:
+        """What every token runs in an MoE layer's MLP besides its routed experts: the shared
+        experts and the router's linear."""
+        return 3 * self.hidden_size * self.shared_intermediate_size + self.hidden_size * self.num_experts
+
+    @property
+    def dense_part_params(self) -> int:
+        """The decoder's parameters that every token runs through (all but the routed experts)."""
+        dense_mlps = self.num_layers - self.moe_layers
+        return (self.num_layers * self.attention_params + dense_mlps * self.dense_mlp_params
+                + self.moe_layers * self.moe_always_params)
 
     @property
     def decoder_params(self) -> int:
-        """Parameters every token runs through (all layers, without embedding and LM head)."""
-        return self.num_layers * self.layer_params
+        """Every decoder parameter (all layers, every expert, without embedding and LM head): what
+        the device holds."""
+        return self.dense_part_params + self.moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def active_decoder_params(self) -> int:
+        """The decoder parameters one token runs through: its ``experts_per_token`` routed experts
+        of each MoE layer, not all of them. A dense model's are all of them."""
+        return self.dense_part_params + self.moe_layers * self.experts_per_token * self.expert_params
 
     @property
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     @property
+    def total_params(self) -> int:
+        """As a checkpoint counts them: decoder, LM head and the embedding (once, when tied)."""
+        return self.decoder_params + self.lm_head_params * (1 if self.tied_embeddings else 2)
+
+    @property
+    def active_params(self) -> int:
+        """Per token, as publishers count "activated" parameters: with the embedding and LM head."""
+        return self.active_decoder_params + self.lm_head_params * (1 if self.tied_embeddings else 2)
+
+    # ---- work per token and per step -----------------------------------------------
+    @property
     def linear_flops_per_token(self) -> float:
-        """FLOPs of the decoder's matmuls for one token (2 per multiply-add)."""
-        return 2.0 * self.decoder_params
+        """FLOPs of the decoder's matmuls for one token (2 per multiply-add), over the active parameters."""
+        return 2.0 * self.active_decoder_params
 
     @property
     def lm_head_flops(self) -> float:
@@ -69,30 +178,145 @@ class ModelSpec:
 
     @property
     def attention_flops_per_pair(self) -> float:
-        """FLOPs per (query, key) pair over all layers: QK^T and PV, 2 FLOPs per multiply-add each."""
-        return 4.0 * self.num_layers * self.num_heads * self.head_dim
+        """FLOPs per (query, key) pair over all layers: QK^T over the q/k head dim and PV over the
+        value head dim, 2 FLOPs per multiply-add each. MLA counts its heads at their q/k dim
+        (no-RoPE + RoPE parts) and value dim, the attention DeepSeek's layers compute."""
+        return 2.0 * self.num_layers * self.num_heads * (self.qk_head_dim + self.value_head_dim)
 
     def weight_bytes(self, dtype_bytes: int) -> float:
-        """Bytes a decode step streams: decoder and LM head (the embedding is a row lookup)."""
+        """Bytes of weights a device holds: the whole decoder (every expert) and the LM head (the
+        embedding is a row lookup, and a tied one is the LM head)."""
         return (self.decoder_params + self.lm_head_params) * dtype_bytes
 
+    def expected_experts(self, tokens: float) -> float:
+        """Routed experts a step of ``tokens`` tokens touches in one MoE layer, expected under
+        uniform routing (each token picks k of E experts, independently of the others):
+        E * (1 - (1 - k/E) ** tokens). 1 token touches k; a large batch touches all E."""
+        if not self.moe or tokens <= 0:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
+    def streamed_weight_bytes(self, tokens: float, dtype_bytes: int) -> float:
+        """Bytes of weights a step over ``tokens`` tokens reads: the dense part and LM head, and
+        the experts those tokens are expected to touch. A dense model's are all its weights."""
+        if not self.moe:
+            return self.weight_bytes(dtype_bytes)
+        experts = self.moe_layers * self.expected_experts(tokens) * self.expert_params
+        return (self.dense_part_params + experts + self.lm_head_params) * dtype_bytes
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> float:
+        """One token's cache entry over all layers. GQA: a key and a value per KV head. MLA: the
+        compressed latent and the shared RoPE key, for all heads at once."""
+        if self.mla:
+            return float(self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes)
         return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-def spec_from_config(cfg: ModelConfig, name: str = "model") -> ModelSpec:
-    """A spec from the engine's ``ModelConfig`` (what ``pdserve.engine.config.model_config_from_hf`` reads)."""
-    return ModelSpec(name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size, cfg.vocab_size, cfg.max_model_len)
+def config_getter(hf: Any):
+    """``get(key, default)`` over a config dict or a ``transformers`` config object; a key set
+    to null reads as missing (DeepSeek-V2-Lite's ``q_lora_rank``)."""
+    def get(key: str, default: Any = None) -> Any:
+        value = hf.get(key) if isinstance(hf, Mapping) else getattr(hf, key, None)
+        return default if value is None else value
+    return get
 
 
-# Published config.json values of each model.
+def spec_from_config(hf: Any, name: str = "model") -> ModelSpec:
+    """A spec from a HF config (its config.json as a dict, or a ``transformers`` config object).
+
+    Reads every family the planner models, whether or not the engine serves it yet, itself
+    (not through the engine's ``model_config_from_hf``): Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE
+    and DeepSeek-V2/V3. An unknown ``model_type`` is an error: its fields might mean something
+    else (Mixtral's experts are ``num_local_experts`` at the MLP's width, for one).
+    """
+    get = config_getter(hf)
+    model_type = get("model_type")
+    if model_type not in HF_FAMILIES:
+        raise ModelSpecError("model_type", f"{model_type!r} is not a family the planner models; expected one of "
+                                           f"{sorted(HF_FAMILIES)}")
+    need = _needer(get)
+    heads, hidden, layers = need("num_attention_heads"), need("hidden_size"), need("num_hidden_layers")
+    fields: dict[str, Any] = dict(
+        num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=get("num_key_value_heads", heads),
+        head_dim=get("head_dim", hidden // heads), intermediate_size=need("intermediate_size"),
+        vocab_size=need("vocab_size"), max_model_len=get("max_position_embeddings", 2048),
+        tied_embeddings=bool(get("tie_word_embeddings", False)))
+    if model_type == "mistral" and get("use_sliding_window", True) and get("sliding_window"):
+        fields["max_model_len"] = min(fields["max_model_len"], get("sliding_window"))  # no windowed attention
+    if HF_FAMILIES[model_type] == "qwen3_moe":
+        fields.update(_qwen3_moe(get, need, layers))
+    elif HF_FAMILIES[model_type] == "deepseek":
+        fields.update(_deepseek(get, need, heads))
+    return ModelSpec(name=name, **fields)
+
+
+HF_FAMILIES = {"llama": "dense", "mistral": "dense", "qwen2": "dense", "qwen3": "dense", "qwen3_moe": "qwen3_moe",
+               "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}
+
+
+def _needer(get):
+    def need(key: str) -> Any:
+        value = get(key)
+        if value is None:
+            raise ModelSpecError(key, "missing from the model's config")
+        return value
+    return need
+
+
+def _qwen3_moe(get, need, layers: int) -> dict[str, Any]:
+    """Qwen3-MoE: layer i is routed experts when (i + 1) % decoder_sparse_step == 0 and i is not
+    in mlp_only_layers, a dense MLP of intermediate_size otherwise; no shared experts."""
+    experts = get("num_experts", get("num_local_experts", 0))  # transformers 5 renames it
+    step, dense_only = get("decoder_sparse_step", 1), set(get("mlp_only_layers", []))
+    sparse = sum(1 for i in range(layers) if i not in dense_only and step > 0 and (i + 1) % step == 0)
+    if not experts or not sparse:
+        return {}
+    return dict(num_experts=experts, experts_per_token=need("num_experts_per_tok"),
+                moe_intermediate_size=need("moe_intermediate_size"), dense_layers=layers - sparse)
+
+
+def _deepseek(get, need, heads: int) -> dict[str, Any]:
+    """DeepSeek-V2/V3: MLA attention; the first first_k_dense_replace layers dense, then routed
+    experts with n_shared_experts always-on experts of the same width (transformers' rule;
+    every published config has moe_layer_freq 1)."""
+    nope, rope = need("qk_nope_head_dim"), need("qk_rope_head_dim")
+    fields = dict(num_kv_heads=heads, head_dim=nope + rope, kv_lora_rank=need("kv_lora_rank"),
+                  q_lora_rank=get("q_lora_rank", 0), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
+                  v_head_dim=need("v_head_dim"))
+    experts = get("n_routed_experts", 0)
+    if experts:
+        width = need("moe_intermediate_size")
+        fields.update(num_experts=experts, experts_per_token=need("num_experts_per_tok"), moe_intermediate_size=width,
+                      shared_intermediate_size=width * get("n_shared_experts", 0),
+                      dense_layers=get("first_k_dense_replace", 0))
+    return fields
+
+
+def _preset(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int,
+            max_len: int, **more) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, kv_heads, head_dim, inter, vocab, max_len, **more)
+
+
+# Published config.json values of each model (DeepSeek-V3: its 61 main layers; the multi-token
+# prediction module, num_nextn_predict_layers, is not served).
 PRESETS = {
-    "SmolLM2-135M": ModelSpec("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, 8192),
-    "Llama-3.1-8B": ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
-    "Llama-3.1-70B": ModelSpec("Llama-3.1-70B", 80, 8192, 64, 8, 128, 28672, 128256, 131072),
+    "SmolLM2-135M": _preset("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, 8192, tied_embeddings=True),
+    "Llama-3.1-8B": _preset("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
+    "Llama-3.1-70B": _preset("Llama-3.1-70B", 80, 8192, 64, 8, 128, 28672, 128256, 131072),
+    "Llama-3.3-70B": _preset("Llama-3.3-70B", 80, 8192, 64, 8, 128, 28672, 128256, 131072),
     # OPT: multi-head attention, a 2-matrix ReLU MLP, 2048-token context (DistServe's model).
-    "OPT-13B": ModelSpec("OPT-13B", 40, 5120, 40, 40, 128, 20480, 50272, 2048, mlp_matrices=2),
+    "OPT-13B": _preset("OPT-13B", 40, 5120, 40, 40, 128, 20480, 50272, 2048, mlp_matrices=2),
+    "Qwen3-8B": _preset("Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936, 40960),
+    # Every layer sparse (decoder_sparse_step 1, no mlp_only_layers): 128 experts, top 8, no shared.
+    "Qwen3-30B-A3B": _preset("Qwen3-30B-A3B", 48, 2048, 32, 4, 128, 6144, 151936, 40960,
+                             num_experts=128, experts_per_token=8, moe_intermediate_size=768),
+    # MLA (q_lora 1536, kv_lora 512, RoPE 64, no-RoPE 128, v 128), first 3 layers dense, then
+    # 256 routed experts top 8 and 1 shared expert of width 2048.
+    "DeepSeek-V3": _preset("DeepSeek-V3", 61, 7168, 128, 128, 192, 18432, 129280, 163840,
+                           num_experts=256, experts_per_token=8, moe_intermediate_size=2048,
+                           shared_intermediate_size=2048, dense_layers=3, kv_lora_rank=512, q_lora_rank=1536,
+                           qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
 }
 
 
@@ -103,11 +327,12 @@ def get_model(name: str) -> ModelSpec:
     from pathlib import Path
     import json
 
-    from pdserve.engine.config import model_config_from_hf
-
     config_path = Path(name) / "config.json"
     if config_path.exists():
-        return spec_from_config(model_config_from_hf(json.loads(config_path.read_text()), str(config_path)),
-                                Path(name).name)
+        try:
+            hf = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelSpecError("model", f"cannot read {config_path}: {exc}") from exc
+        return spec_from_config(hf, Path(name).name)
     raise ModelSpecError("model", f"unknown model {name!r}; expected one of {sorted(PRESETS)} "
                                   "or a directory with a config.json")

@@ -50,7 +50,7 @@ class Point:
 def work(spec: ModelSpec, dtype_bytes: int, p: Point) -> tuple[float, float, float, float]:
     """(bytes read, matmul FLOPs, prefill attention FLOPs, decode attention FLOPs) of one
     step: the regressors of the fit."""
-    weights = spec.weight_bytes(dtype_bytes)
+    weights = spec.streamed_weight_bytes(p.batch * p.tokens if p.kind == "prefill" else p.batch, dtype_bytes)
     if p.kind == "prefill":
         pairs = p.batch * p.tokens * (p.tokens + 1) / 2
         matmul = p.batch * (p.tokens * spec.linear_flops_per_token + spec.lm_head_flops)
@@ -220,12 +220,13 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
 
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loader import materialize
     from pdserve.planner.model_spec import spec_from_config
 
     torch.set_num_threads(threads)
     config = EngineConfig(model=model, dtype=dtype, cache=CacheConfig())
     engine = LLMEngine.from_config(config)
-    spec = spec_from_config(engine.model_cfg, model)
+    spec = spec_from_config(json.loads((materialize(model, progress=False) / "config.json").read_text()), model)
     dtype_bytes = engine.dtype.itemsize
     points = measure(engine, quick)
     f = fit(spec, dtype_bytes, points, mem_bw=read_bandwidth())

@@ -30,7 +30,7 @@ def autoscaling_config(plan: Plan, req: PlanRequest) -> dict:
     prompt = req.lengths.prompt_mean
     tokens_per_s = prompt / cost.prefill_s([(prompt, 0)])
     queue_target = max(float(req.limits.max_num_batched_tokens), round(tokens_per_s * req.slo.ttft_s / 2, -2))
-    return {
+    config = {
         "prefill": lay.prefill,
         "decode": lay.decode,
         "gpus_per_worker": lay.tp_decode,
@@ -41,6 +41,9 @@ def autoscaling_config(plan: Plan, req: PlanRequest) -> dict:
                        "slo_s": req.slo.tpot_s},
         },
     }
+    if lay.tp_prefill != lay.tp_decode:  # one GPU count per worker would be wrong for a pool: the flags say it
+        del config["gpus_per_worker"]
+    return config
 
 
 def format_plan(plan: Plan, req: PlanRequest) -> str:
@@ -62,7 +65,9 @@ def format_plan(plan: Plan, req: PlanRequest) -> str:
     if r.preemptions:
         lines.append(f"preemptions: {r.preemptions}")
     lines.append("")
-    lines.append("# pdserve serve --config plan.yaml")
+    lay = plan.layout
+    tp_flags = f" --prefill-tp {lay.tp_prefill} --decode-tp {lay.tp_decode}" if lay.tp_prefill != lay.tp_decode else ""
+    lines.append(f"# pdserve serve --config plan.yaml{tp_flags}")
     lines.append(yaml.safe_dump(autoscaling_config(plan, req), sort_keys=False, default_flow_style=None).rstrip())
     return "\n".join(lines)
 

@@ -283,7 +283,7 @@ class Simulator:
         dst.reserve(seq)
         self._touch(dst)
         start = max(self.now, self._link_free.get(dst.wid, 0.0))
-        done = start + self.spec.prefill_cost.transfer_s(seq.prompt)
+        done = start + self.spec.prefill_cost.transfer_s(seq.prompt, self.spec.decode_cost.tp)
         self._link_free[dst.wid] = done
         self.schedule(done, XFER, (seq, src), dst)
         return True
