@@ -157,6 +157,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0  # seeds weight-free randomness (unseeded sampling)
+    # Processes (ranks) one worker runs the model on, each with 1/N of every layer's heads and
+    # MLP rows (pdserve/engine/parallel.py); N must divide the heads, KV heads and intermediate size.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
     def torch_device(self) -> torch.device:
         if self.device:

@@ -7,6 +7,13 @@ gate|up) so a decode step issues fewer, larger matmuls; numerics follow ``transf
 op for op (RMSNorm in float32, RoPE tables in float32, logits cast to float32). After
 loading, pdserve/engine/linear.py may swap the linears, norms and LM head for a backend's own
 modules (bfloat16 on CPU: pdserve's batch-invariant kernels); the model does not know which.
+
+Tensor parallelism (``TensorParallel``, pdserve/engine/parallel.py) is Megatron's split: each
+rank holds its share of the q heads and of the KV heads (q|k|v split by heads), of the MLP's
+intermediate rows (gate|up), and the matching input columns of o_proj and down_proj, whose
+partial outputs one all-reduce each sums. The embedding, the norms and the LM head are
+replicated; only rank 0 computes logits (it alone samples), so the other ranks hold no LM head.
+At size 1 every split is the whole and every all-reduce the identity.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.parallel import SINGLE, TensorParallel
 from pdserve.engine.rope import RotaryEmbedding
 
 
@@ -43,13 +51,25 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class RowParallelLinear(nn.Linear):
+    """A linear whose input columns are split over the tensor-parallel ranks (o_proj,
+    down_proj): each rank's output is a partial sum, which ``TensorParallel.all_reduce``
+    completes. It computes as ``nn.Linear``; the class tells a linear backend that, at TP > 1,
+    the partial sums are better handed over in float32 (pdserve/engine/linear.py)."""
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.tp = tp
+        # This rank's heads: q heads and KV heads each split evenly, so every rank keeps the
+        # model's GQA ratio and its q heads read only its own KV heads.
+        self.nh = tp.share(cfg.num_heads, "num_attention_heads")
+        self.nkv = tp.share(cfg.num_kv_heads, "num_key_value_heads")
+        self.hd = cfg.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = None  # set by the model runner
         self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd), bound by the runner
         self.v_cache: torch.Tensor | None = None
@@ -60,8 +80,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         # The backend splits q|k|v, rotates, stores K/V and attends (fused where it can).
         out = self.backend.attend(self.qkv_proj(x), rope, self.k_cache, self.v_cache, ctx,
-                                  self.nh, self.nkv, self.hd)  # (T, nh, hd)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+                                  self.nh, self.nkv, self.hd)  # (T, nh, hd), this rank's heads
+        return self.tp.all_reduce(self.o_proj(out.reshape(x.shape[0], self.q_size))).to(x.dtype)
 
 
 class SiluAndMul(nn.Module):
@@ -74,24 +94,25 @@ class SiluAndMul(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.tp = tp
+        self.inter = tp.share(cfg.intermediate_size, "intermediate_size")  # this rank's rows
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x)))).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,17 +142,22 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head."""
+    """Embedding, decoder layers, final norm and LM head; ``tp``: this rank's share of them."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        # Rank 0 alone computes logits: the sampler needs the whole vocabulary there, and a
+        # replicated head costs no collective (a vocab-parallel one would gather logits).
+        self.has_head = tp.rank == 0
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.stack = DecoderStack()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        untied = not cfg.tie_word_embeddings and self.has_head
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if untied else None
         self.linear_backend = "torch"  # engine.linear.apply_backend names the one it applied
         self.kernel_path: str | None = None  # and the CPU instruction-set path, for the packed kernels
         self._bound: tuple[list, object] | None = None  # what bind_caches bound last
@@ -168,7 +194,8 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> list[str]:
-        """Copy a ``transformers``-named state dict in, fusing q|k|v and gate|up.
+        """Copy a ``transformers``-named state dict in, fusing q|k|v and gate|up, each tensor
+        narrowed to this rank's share (``_split_of``).
 
         Returns the names of parameters that received nothing (empty when complete); raises
         ValueError on a shape mismatch naming the tensor.
@@ -176,12 +203,15 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled: set[str] = set()
         for hf_name, tensor in weights.items():
-            target = _target_of(hf_name, self.cfg)
+            target = _target_of(hf_name, self.cfg, self.tp)
             if target is None:
                 continue
             name, offset = target
             if name not in params:
                 continue
+            split = _split_of(hf_name)
+            if split is not None and self.tp.size > 1:
+                tensor = self.tp.narrow(tensor, *split)
             param = params[name]
             dst = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
             if dst.shape != tensor.shape:
@@ -191,12 +221,46 @@ class CausalLM(nn.Module):
         return [n for n in params if n not in filled]
 
 
-def _target_of(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
-    """Map a transformers parameter name to (our parameter, row offset into a fused one)."""
+def check_split(cfg: ModelConfig, size: int) -> None:
+    """Raise ``ShardError`` (naming the field and ``size``) unless ``size`` tensor-parallel
+    ranks split this model evenly: what building its ``CausalLM`` would raise, without one."""
+    tp = TensorParallel(0, size)
+    for n, what in ((cfg.num_heads, "num_attention_heads"), (cfg.num_kv_heads, "num_key_value_heads"),
+                    (cfg.intermediate_size, "intermediate_size")):
+        tp.share(n, what)
+
+
+# How each split tensor is cut over the ranks: (dim, what the rows or columns count). q, k, v
+# and gate, up by output rows (heads, intermediate rows); o_proj and down_proj by input columns.
+_SPLITS = {
+    "self_attn.q_proj": (0, "num_attention_heads"),
+    "self_attn.k_proj": (0, "num_key_value_heads"),
+    "self_attn.v_proj": (0, "num_key_value_heads"),
+    "self_attn.o_proj": (1, "num_attention_heads"),
+    "mlp.gate_proj": (0, "intermediate_size"),
+    "mlp.up_proj": (0, "intermediate_size"),
+    "mlp.down_proj": (1, "intermediate_size"),
+}
+
+
+def _split_of(hf_name: str) -> tuple[int, str] | None:
+    """(dim, what) along which a transformers tensor splits over the ranks; None: replicated.
+    A bias has one dimension: only column-split ones (q, k, v) have any."""
+    for src, split in _SPLITS.items():
+        if f".{src}." in hf_name:
+            return split
+    return None
+
+
+def _target_of(hf_name: str, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> tuple[str, int | None] | None:
+    """Map a transformers parameter name to (our parameter, row offset into a fused one, in
+    this rank's share)."""
     name = hf_name.removeprefix("model.")
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    q = tp.share(cfg.num_heads, "num_attention_heads") * cfg.head_dim
+    kv = tp.share(cfg.num_kv_heads, "num_key_value_heads") * cfg.head_dim
+    inter = tp.share(cfg.intermediate_size, "intermediate_size")
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0),
         "self_attn.k_proj": ("self_attn.qkv_proj", q),

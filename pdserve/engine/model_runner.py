@@ -4,6 +4,12 @@ Builds the packed token ids, positions and the ``AttentionContext`` (slot mappin
 tables, lengths) from the scheduler's output, hands every attention layer its slice of the
 cache, runs the forward, and samples the sequences that finished their
 prompt or are decoding.
+
+In a tensor-parallel worker this is rank 0's runner: before each forward it hands the
+prepared inputs to the other ranks (``ranks``, a ``pdserve.engine.tp_group.RankGroup``), which
+run the same forward on their shares. Logits and sampling are rank 0's alone. A forward that
+raises there may have left the ranks between two all-reduces, out of step for good: it is the
+worker's loss (``RankGroup.lost``), not one request's fault.
 """
 
 from __future__ import annotations
@@ -16,24 +22,28 @@ from pdserve.engine.attention import AttentionContext, host_context
 from pdserve.engine.attention_select import select_backend
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.errors import RankLost
 from pdserve.engine.kv_cache import layer_views
 from pdserve.engine.model import CausalLM
 from pdserve.engine.prompt_logprobs import prompt_logprobs
 from pdserve.engine.sampler import Sampler, SamplerRow
 from pdserve.engine.scheduler import SampledTokens, SchedulerOutput
+from pdserve.engine.tp_group import RankGroup
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, cache: torch.Tensor, blocks: BlockManager,
-                 attention_backend: str = "auto", seed: int = 0):
+                 attention_backend: str = "auto", seed: int = 0, ranks: RankGroup | None = None):
         self.model = model
         self.cfg = cfg
         self.cache = cache
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.device = cache.device
-        self.backend = select_backend(attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads,
-                                      cfg.head_dim, self.block_size, dtype=cache.dtype)
+        self.ranks = ranks
+        attn = model.attention_layers[0]  # this rank's heads
+        self.backend = select_backend(attention_backend, self.device, attn.nh, attn.nkv, attn.hd, self.block_size,
+                                      dtype=cache.dtype)
         self._layer_caches = [layer_views(cache, i) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed)
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
@@ -42,7 +52,7 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> SampledTokens:
         input_ids, positions, ctx, sample_idx = self.prepare(out)
         self.model.bind_caches(self._layer_caches, self.backend)
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = self._forward(input_ids, positions, ctx)
         self.num_forward_tokens += input_ids.shape[0]
         prompt_lps = prompt_logprobs(self.model, hidden, out)
         sampled = [s for s in out.seqs if s.sample]
@@ -55,6 +65,17 @@ class ModelRunner:
         return SampledTokens(dict(zip(ids, drawn.token_ids)), dict(zip(ids, drawn.logprobs)) if drawn.logprobs else {},
                              dict(zip(ids, drawn.top_logprobs)) if drawn.top_logprobs else {}, prompt_lps,
                              dict(drawn.failed))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        if self.ranks is None:
+            return self.model(input_ids, positions, ctx)
+        try:
+            self.ranks.step(input_ids, positions, ctx)
+            return self.model(input_ids, positions, ctx)
+        except RankLost:
+            raise
+        except Exception as exc:
+            raise self.ranks.lost(exc) from exc
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """Packed token ids (T,), positions (T,), the step's ``AttentionContext`` and the rows

@@ -40,3 +40,14 @@ class Completion:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
     finish_reason: str | None = None
+
+    def add(self, o: RequestOutput) -> None:
+        """Append one step's output of this request (``RequestOutput`` is a diff)."""
+        self.token_ids += o.new_token_ids
+        self.text += o.new_text
+        self.logprobs += o.new_logprobs
+        self.top_logprobs += o.new_top_logprobs
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs = o.prompt_logprobs
+        if o.finished:
+            self.finish_reason = o.finish_reason
