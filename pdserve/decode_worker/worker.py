@@ -148,8 +148,9 @@ class DecodeWorker(WorkerShell):
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
         if agent is None:
-            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
-                                 inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
+            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.transfer_cache,
+                                 ranks=engine.tensor_parallel_size, inject_delay_s=config.inject_transfer_delay_s,
+                                 read_timeout_s=config.transfer_timeout_s,
                                  **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_transfers], holds=[self._hold_for_arrivals])
         self.endpoint = endpoint
@@ -296,7 +297,8 @@ class DecodeWorker(WorkerShell):
         else:  # an early read: a holder that checks reads needs the token; a one-sided one needs
             # nothing, and a notice would complete only when the holder next runs its progress
             notify = ReadNotice(kv.lease_token, ends_lease=False).encode() if self.agent.guards_reads else b""
-        checksums = sums[pull.next_block:end] if self.config.verify_kv and len(sums) >= end else None
+        k = self.agent.ranks  # a checksum for each rank's part of each block (kv_transfer.ranks)
+        checksums = sums[k * pull.next_block:k * end] if self.config.verify_kv and len(sums) >= k * end else None
         if checksums is None and self.config.verify_kv and peer not in self._unverified_peers:
             self._unverified_peers.add(peer)  # said once per peer: a setting, not an event
             log.warning("KV from peer %r comes without checksums: its reads are not verified (is "

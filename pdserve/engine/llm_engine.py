@@ -104,11 +104,11 @@ class LLMEngine:
         rank's (``RankGroup.transfer_cache``)."""
         return self.kv_cache if self.ranks is None else self.ranks.transfer_cache()
 
-    def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel worker (from the thread that steps, with
-        no step running); nothing to do for one rank. Idempotent."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop the other ranks of a tensor-parallel worker; nothing to do for one rank.
+        ``graceful``: no step runs (they are told to stop); else they are killed."""
         if self.ranks is not None:
-            self.ranks.close()
+            self.ranks.close(graceful)
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:

@@ -158,6 +158,7 @@ class RankGroup:
         self._store, self._procs, self._tmpdir, self._on_lost = store, procs, tmpdir, on_lost
         self._closing = False
         self._lost: RankLost | None = None
+        self._lost_lock = threading.Lock()  # a rank's watch and the stepping thread may both find the loss
 
     @classmethod
     def start(cls, config: EngineConfig, model_dir: Path, cfg: ModelConfig, num_blocks: int,
@@ -209,8 +210,11 @@ class RankGroup:
     def lost(self, cause: BaseException) -> RankLost:
         """The ranks are out of step (a collective failed, or rank 0's forward raised between
         two of them): ``on_lost``, then the error to raise."""
-        if self._lost is None:
-            self._lost = RankLost(f"tensor-parallel rank lost ({type(cause).__name__}: {cause})")
+        with self._lost_lock:
+            first = self._lost is None
+            if first:
+                self._lost = RankLost(f"tensor-parallel rank lost ({type(cause).__name__}: {cause})")
+        if first:
             self._on_lost(self._lost)
         return self._lost
 
@@ -235,23 +239,25 @@ class RankGroup:
                                       f"{self.device.type} is not supported yet (CPU only)", 1)
         return self.caches.view(self.caches.shape[0] * self.caches.shape[1], *self.caches.shape[2:])
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the other ranks (from the thread that steps: no step may run meanwhile) and
-        remove the meeting place. Idempotent."""
+    def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop the other ranks and remove the meeting place. ``graceful``: no step runs (the
+        thread that steps is done, or this is it), so they are told to stop; else, and for any
+        that does not within ``timeout_s``, they are killed. Idempotent."""
         if self._closing:
             return
         self._closing = True
-        if self._lost is None and all(p.poll() is None for p in self._procs):
+        if graceful and self._lost is None and all(p.poll() is None for p in self._procs):
             try:
                 tp_step.send_stop(self.tp.group, self.device)
             except Exception as exc:  # a rank went meanwhile: it is stopping anyway
                 log.warning("stopping the tensor-parallel ranks: %s", exc)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (timeout_s if graceful else 0.0)
         for proc in self._procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:

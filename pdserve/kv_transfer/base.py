@@ -33,6 +33,7 @@ import torch
 from pdserve.kv_transfer import checksum
 from pdserve.kv_transfer.errors import InvalidTransferRequest, TransferError
 from pdserve.kv_transfer.layout import CacheLayout, block_bytes_view
+from pdserve.kv_transfer.ranks import check_peer_ranks, check_ranks, rank_rows
 from pdserve.kv_transfer.read import TransferHandle, TransferState, TransferStats
 from pdserve.protos import kv_transfer_pb2
 
@@ -62,6 +63,8 @@ class KVTransferAgent(abc.ABC):
         ``start_read`` (state PENDING until then), so its completion is delayed by as much.
       read_timeout_s: a read not DONE this long after being posted is stopped and FAILED.
       max_peer_blocks: the most blocks a peer's metadata may announce (``add_remote``).
+      ranks: how many tensor-parallel ranks' caches ``cache`` holds, rank-major
+        (``pdserve.kv_transfer.ranks``); a peer must hold as many.
     """
 
     backend_name: ClassVar[str]
@@ -71,7 +74,7 @@ class KVTransferAgent(abc.ABC):
     guards_reads: ClassVar[bool] = False
 
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
-                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS):
+                 read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS, ranks: int = 1):
         if not isinstance(name, str) or not name:
             raise InvalidTransferRequest("agent name must be a non-empty string", field="name")
         if inject_delay_s < 0:
@@ -83,9 +86,10 @@ class KVTransferAgent(abc.ABC):
         if max_peer_blocks < 1:
             raise InvalidTransferRequest(f"max_peer_blocks must be >= 1, got {max_peer_blocks}",
                                          field="max_peer_blocks", limit=1)
+        self.layout = CacheLayout.of(cache)
+        self.ranks = check_ranks(self.layout.num_blocks, ranks)
         self.name = name
         self.cache = cache
-        self.layout = CacheLayout.of(cache)
         self._block_rows = block_bytes_view(cache)  # (num_blocks, block_bytes) uint8, for checksums
         self.inject_delay_s = float(inject_delay_s)
         self.read_timeout_s = float(read_timeout_s)
@@ -110,7 +114,7 @@ class KVTransferAgent(abc.ABC):
             agent_name=self.name, backend=self.backend_name,
             base_address=self.layout.base_address, block_bytes=self.layout.block_bytes,
             num_blocks=self.layout.num_blocks, memory_type=self.layout.memory_type,
-            device_id=self.layout.device_id)
+            device_id=self.layout.device_id, tensor_parallel_size=self.ranks)
         self._fill_backend_metadata(meta)
         return meta
 
@@ -146,6 +150,7 @@ class KVTransferAgent(abc.ABC):
                 f"peer {meta.agent_name!r} uses backend {meta.backend!r} but this agent uses "
                 f"{self.backend_name!r}; both sides must set the same kv_transfer_backend",
                 field="backend", limit=self.backend_name, peer=meta.agent_name)
+        check_peer_ranks(meta, self.ranks)
         if meta.block_bytes != self.layout.block_bytes:
             raise InvalidTransferRequest(
                 f"block_bytes mismatch: peer {meta.agent_name!r} has {meta.block_bytes}, this "
@@ -186,8 +191,8 @@ class KVTransferAgent(abc.ABC):
                 raise InvalidTransferRequest(
                     f"unknown peer {peer!r}: call add_remote with its metadata first",
                     field="peer", peer=peer)
-            remote = _block_ids("remote_block_ids", remote_block_ids, meta.num_blocks)
-            local = _block_ids("local_block_ids", local_block_ids, self.layout.num_blocks)
+            remote = _block_ids("remote_block_ids", remote_block_ids, meta.num_blocks // self.ranks)
+            local = _block_ids("local_block_ids", local_block_ids, self.layout.num_blocks // self.ranks)
             if len(remote) != len(local):
                 raise InvalidTransferRequest(
                     f"remote_block_ids has {len(remote)} ids but local_block_ids has "
@@ -205,6 +210,9 @@ class KVTransferAgent(abc.ABC):
                 raise InvalidTransferRequest(
                     f"last_block_bytes must be in (0, {block_bytes}] with at least one block, "
                     f"got {last_block_bytes}", field="last_block_bytes", limit=block_bytes, peer=peer)
+            if self.ranks > 1:  # every rank's part of each block, whole (pdserve.kv_transfer.ranks)
+                remote, local = rank_rows(remote, meta.num_blocks, self.ranks), rank_rows(local, self.layout.num_blocks, self.ranks)
+                last = block_bytes
             sums = checksum.checksums_arg(checksums, len(local), peer)
             now = time.monotonic()
             handle = TransferHandle(
@@ -257,6 +265,8 @@ class KVTransferAgent(abc.ABC):
         """The checksums of this cache's ``block_ids`` (in order; the last one over its first
         ``last_block_bytes``, None: whole) that a reader of them checks: call it once their
         contents are final, and send them with the lease."""
+        if self.ranks > 1:  # as ``start_read`` moves them: each rank's part, whole
+            block_ids, last_block_bytes = rank_rows(block_ids, self.layout.num_blocks, self.ranks), None
         return checksum.block_checksums(self._block_rows, block_ids, last_block_bytes)
 
     def _verified(self, handle: TransferHandle) -> bool:

@@ -143,9 +143,9 @@ class NixlAgent(KVTransferAgent):
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
                  read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS,
                  progress_interval_s: float = 0.001, relaxed_progress_interval_s: float = 0.1,
-                 num_threads: int = 0, net_devices: str | None = None):
+                 num_threads: int = 0, net_devices: str | None = None, ranks: int = 1):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
-                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks)
+                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks, ranks=ranks)
         for option, value in (("progress_interval_s", progress_interval_s),
                               ("relaxed_progress_interval_s", relaxed_progress_interval_s)):
             if value <= 0:

@@ -20,6 +20,7 @@ from pdserve.kv_transfer import tcp_wire
 from pdserve.kv_transfer.base import MAX_PEER_BLOCKS, KVTransferAgent
 from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferRequest
 from pdserve.kv_transfer.layout import block_bytes_view
+from pdserve.kv_transfer.ranks import rows_to_blocks
 from pdserve.kv_transfer.read import TransferHandle, TransferState
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire.tls import TlsConfig, role_name
@@ -77,9 +78,9 @@ class TcpAgent(KVTransferAgent):
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
                  read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 max_parallel_reads: int = 4, tls: TlsConfig | None = None):
+                 max_parallel_reads: int = 4, tls: TlsConfig | None = None, ranks: int = 1):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
-                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks)
+                         read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks, ranks=ranks)
         if max_parallel_reads < 1:
             raise InvalidTransferRequest(
                 f"max_parallel_reads must be >= 1, got {max_parallel_reads}",
@@ -104,8 +105,10 @@ class TcpAgent(KVTransferAgent):
         self._pool = ThreadPoolExecutor(max_workers=max_parallel_reads,
                                         thread_name_prefix=f"kv-tcp-read-{name}")
 
-    def _authorize(self, notify: bytes, block_ids: list[int]) -> bool:
-        return self.read_guard is None or self.read_guard(notify.decode(errors="replace"), block_ids)
+    def _authorize(self, notify: bytes, rows: list[int]) -> bool:
+        """The guard sees block ids: a read of rows names each rank's part (``ranks``)."""
+        blocks = rows_to_blocks(rows, self.layout.num_blocks, self.ranks)
+        return self.read_guard is None or self.read_guard(notify.decode(errors="replace"), blocks)
 
     def _on_notify(self, msg: bytes) -> None:
         with self._notify_lock:

@@ -78,8 +78,9 @@ class PrefillWorker(WorkerShell):
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the prefill worker")  # before its KV listener
         if agent is None:
-            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
-                                 **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
+            listen = transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls)
+            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.transfer_cache,
+                                 ranks=engine.tensor_parallel_size, **listen)
         super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv])
         self.endpoint = endpoint
         self.leases = LeaseTable()

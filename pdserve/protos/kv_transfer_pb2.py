@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/protos/kv_transfer.proto\x12\npdserve.v1\"\xc7\x02\n\rAgentMetadata\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x18\n\x10\x62\x61\x63kend_metadata\x18\x03 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x39\n\x0bmemory_type\x18\x07 \x01(\x0e\x32$.pdserve.v1.AgentMetadata.MemoryType\x12\x11\n\tdevice_id\x18\x08 \x01(\x05\x12\x13\n\x0btcp_address\x18\t \x01(\t\"U\n\nMemoryType\x12\x1b\n\x17MEMORY_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_TYPE_DRAM\x10\x01\x12\x14\n\x10MEMORY_TYPE_VRAM\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/protos/kv_transfer.proto\x12\npdserve.v1\"\xe5\x02\n\rAgentMetadata\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x18\n\x10\x62\x61\x63kend_metadata\x18\x03 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x39\n\x0bmemory_type\x18\x07 \x01(\x0e\x32$.pdserve.v1.AgentMetadata.MemoryType\x12\x11\n\tdevice_id\x18\x08 \x01(\x05\x12\x13\n\x0btcp_address\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\"U\n\nMemoryType\x12\x1b\n\x17MEMORY_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_TYPE_DRAM\x10\x01\x12\x14\n\x10MEMORY_TYPE_VRAM\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.protos.kv_transfer_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_AGENTMETADATA']._serialized_start=49
-  _globals['_AGENTMETADATA']._serialized_end=376
-  _globals['_AGENTMETADATA_MEMORYTYPE']._serialized_start=291
-  _globals['_AGENTMETADATA_MEMORYTYPE']._serialized_end=376
+  _globals['_AGENTMETADATA']._serialized_end=406
+  _globals['_AGENTMETADATA_MEMORYTYPE']._serialized_start=321
+  _globals['_AGENTMETADATA_MEMORYTYPE']._serialized_end=406
 # @@protoc_insertion_point(module_scope)

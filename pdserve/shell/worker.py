@@ -54,15 +54,18 @@ class WorkerShell:
 
     def start(self) -> None:
         if self.config.cpus:
-            pin_process(self.config.cpus)
+            # A tensor-parallel worker's ranks each take their share of its cores (rank 0: this process).
+            own = self.config.cpus if self.engine.ranks is None else self.engine.ranks.pin(self.config.cpus)
+            pin_process(own)
             if self.config.borrow_cpus:
-                borrow_idle_cores(self.config.cpus, self.config.borrow_cpus)
+                borrow_idle_cores(own, self.config.borrow_cpus)
         self.agent.expect_reads(False)  # until the role says otherwise (a prefill worker holding KV)
         self.thread.start()
 
     def stop(self) -> None:
         self.thread.stop()
         self.agent.close()
+        self.engine.close(graceful=not self.thread.alive)  # a tensor-parallel worker's other ranks
 
     # ---- the bridge (asyncio side) ---------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
