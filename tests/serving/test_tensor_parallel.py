@@ -1,0 +1,122 @@
+"""A served cluster whose prefill and decode workers each run on two tensor-parallel ranks
+(rank 0 a Ray actor, rank 1 its child process): float32 greedy equals transformers through the
+disaggregated path (the KV of both ranks moves, block by block), and killing one rank of a
+worker under load loses no stream: the worker dies whole, its streams migrate, and the
+supervisor replaces it.
+
+The model is the tiny random Llama with the default model's tokenizer and a chat template
+(``tests.factories.save_tool_llama``): 4 attention heads and 2 KV heads split over 2 ranks,
+where the default model's 3 KV heads cannot."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from pdserve.engine.config import CacheConfig, EngineConfig
+from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, load_reference
+from tests.faults.load import Load
+from tests.serving.conftest import all_stats, start_cluster, worker_stats
+from tests.serving.test_disaggregated import chat_request, collect
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 24
+
+
+def tp_cluster(model_dir, tp: int = 2, **overrides):
+    """A float32 cluster of ``model_dir`` whose workers all run ``tp`` ranks."""
+    engine = EngineConfig(model=str(model_dir), dtype="float32", cache=CacheConfig(memory_budget_bytes=64 << 20))
+    return start_cluster(engine=engine, prefill_tp=tp, decode_tp=tp, **overrides)
+
+
+@pytest.fixture(scope="module")
+def cluster(tool_llama):
+    c = tp_cluster(tool_llama[0], num_prefill=1, num_decode=2, delay_s=0.0, supervise_interval_s=0.5)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    import grpc
+
+    from pdserve.protos import pdserve_pb2_grpc
+
+    with grpc.insecure_channel(cluster.address) as ch:
+        yield pdserve_pb2_grpc.GenerationStub(ch)
+
+
+def followers(pid: int) -> list[int]:
+    """The tensor-parallel ranks a worker's rank 0 (``pid``) started: its child processes."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "tp_follower" in (entry / "cmdline").read_text():
+                out.append(int(entry.name))
+    return out
+
+
+def test_tp2_greedy_equals_transformers_through_both_pools(cluster, stub, tool_llama):
+    from transformers import AutoTokenizer
+
+    directory = tool_llama[0]
+    model, tok = load_reference(directory, torch.float32), AutoTokenizer.from_pretrained(str(directory))
+    for question in CHAT_QUESTIONS[:3]:
+        before = all_stats(cluster)
+        ids, _, resps = collect(stub.Generate(chat_request(question, MAX_TOKENS, ignore_eos=True), timeout=120))
+        after = all_stats(cluster)
+        text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                       add_generation_prompt=True)
+        assert_greedy_matches(model, tok.encode(text, add_special_tokens=False), ids, MAX_TOKENS, what=question)
+        moved = [(a.kv_transfers - b.kv_transfers, a.num_forward_tokens - b.num_forward_tokens)
+                 for a, b in zip(after, before) if a.role == "decode" and a.kv_transfers > b.kv_transfers]
+        assert moved == [(1, MAX_TOKENS - 1)]  # the KV moved to one decode worker, which ran no prompt
+
+
+def test_each_worker_runs_two_ranks(cluster):
+    for actor in [*cluster.prefill, *cluster.decode]:
+        assert len(followers(ray.get(actor.pid.remote(), timeout=10))) == 1
+
+
+def test_killing_one_rank_of_a_decode_worker_under_load_loses_no_stream(cluster, stub):
+    prompts = [f"Count to {i}." for i in range(4)]
+    reference = {i: collect(stub.Generate(chat_request(p, MAX_TOKENS, ignore_eos=True), timeout=120))[0]
+                 for i, p in enumerate(prompts)}
+    replaced = cluster._supervisor.replaced
+    with Load(stub, prompts, MAX_TOKENS, clients=3, timeout_s=120, pause_after_error_s=0.2) as load:
+        load.wait_for(3)
+        index = busy(cluster, "decode", "num_running")
+        address = cluster.decode_addresses[index]
+        rank0 = ray.get(cluster.decode[index].pid.remote(), timeout=10)
+        (rank1,) = followers(rank0)
+        os.kill(rank1, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while address in cluster.decode_addresses or len(cluster.decode_addresses) < 2:
+            assert time.monotonic() < deadline, "the worker that lost a rank was not replaced"
+            time.sleep(0.2)
+        load.wait_for(3)
+    assert not Path(f"/proc/{rank0}").exists() or "Z" in Path(f"/proc/{rank0}/stat").read_text().split(") ")[1][:1]
+    assert cluster._supervisor.replaced - replaced >= 1
+    errors = [(o.code, o.details) for o in load.outcomes if o.code is not None]
+    assert not errors  # a worker's death costs no request: its streams migrate
+    for o in load.outcomes:
+        assert o.tokens == reference[o.prompt]
+
+
+def busy(cluster, role: str, field: str, timeout_s: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for index, address in enumerate(list(cluster.addresses(role))):
+            if getattr(worker_stats(address, role), field):
+                return index
+        time.sleep(0.02)
+    raise AssertionError(f"no {role} worker had {field} > 0 within {timeout_s} s")
