@@ -99,11 +99,16 @@ def join(store, rank: int, size: int, device: torch.device):
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = COLLECTIVE_TIMEOUT
-        return dist.ProcessGroupNCCL(group_store, rank, size, opts)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    opts._timeout = COLLECTIVE_TIMEOUT
-    return dist.ProcessGroupGloo(group_store, rank, size, opts)
+        group = dist.ProcessGroupNCCL(group_store, rank, size, opts)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = COLLECTIVE_TIMEOUT
+        group = dist.ProcessGroupGloo(group_store, rank, size, opts)
+    # One collective now: NCCL sets its communicator up at the first one, through the store,
+    # which rank 0 removes once every rank has loaded (``RankGroup.wait_loaded``).
+    group.allreduce([torch.zeros(1, device=device)]).wait()
+    return group
 
 
 def rank_threads(threads: int, size: int) -> int:
@@ -198,6 +203,7 @@ class RankGroup:
         except BaseException:
             self.close()
             raise
+        shutil.rmtree(self._tmpdir, ignore_errors=True)  # met: nothing is left to read there
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank{rank}-watch", daemon=True).start()
 

@@ -87,6 +87,32 @@ def test_each_worker_runs_two_ranks(cluster):
         assert len(followers(ray.get(actor.pid.remote(), timeout=10))) == 1
 
 
+def test_a_killed_rank_0_takes_its_other_rank_with_it_and_is_replaced_whole(cluster, stub):
+    address = cluster.prefill_addresses[0]
+    rank0 = ray.get(cluster.prefill[0].pid.remote(), timeout=10)
+    (rank1,) = followers(rank0)
+    os.kill(rank0, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while address in cluster.prefill_addresses or not cluster.prefill_addresses:
+        assert time.monotonic() < deadline, "the killed prefill worker was not replaced"
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{rank1}").exists() and not gone(rank1):
+        assert time.monotonic() < deadline, "rank 1 outlived its rank 0"
+        time.sleep(0.1)
+    assert len(followers(ray.get(cluster.prefill[0].pid.remote(), timeout=10))) == 1  # the new one has two ranks
+    ids, _, _ = collect(stub.Generate(chat_request("Hello again.", MAX_TOKENS, ignore_eos=True), timeout=120))
+    assert len(ids) == MAX_TOKENS
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
 def test_killing_one_rank_of_a_decode_worker_under_load_loses_no_stream(cluster, stub):
     prompts = [f"Count to {i}." for i in range(4)]
     reference = {i: collect(stub.Generate(chat_request(p, MAX_TOKENS, ignore_eos=True), timeout=120))[0]
@@ -104,7 +130,7 @@ def test_killing_one_rank_of_a_decode_worker_under_load_loses_no_stream(cluster,
             assert time.monotonic() < deadline, "the worker that lost a rank was not replaced"
             time.sleep(0.2)
         load.wait_for(3)
-    assert not Path(f"/proc/{rank0}").exists() or "Z" in Path(f"/proc/{rank0}/stat").read_text().split(") ")[1][:1]
+    assert gone(rank0)  # the worker that lost a rank ended whole
     assert cluster._supervisor.replaced - replaced >= 1
     errors = [(o.code, o.details) for o in load.outcomes if o.code is not None]
     assert not errors  # a worker's death costs no request: its streams migrate
