@@ -5,6 +5,9 @@ cache holds its own KV heads; a lost rank is the engine's loss, never a wrong to
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from tests.engine.test_engine_batching import LENGTHS, run_staggered
 from tests.factories import assert_greedy_matches, make_engine, make_tp_engine, random_prompts
 
 PROMPT_LENGTHS = [5, 40, 17, 90]
+PROBE = Path(__file__).with_name("tp_reduce_probe.py")
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +128,22 @@ def test_a_lost_rank_stops_the_engine_before_any_wrong_token(tiny_llama_dir):
         assert len(lost) == 1
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_all_reduce_adds_in_one_order_whatever_the_length(tmp_path, size):
+    """Every rank gets rank 0's + rank 1's + ... in that order, bit for bit, for an element at
+    any place in a buffer of any length: what makes a row's output the same in any batch.
+    Values of very different sizes (1, 1e3, 1e6) round differently in every other order."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, str(PROBE), str(tmp_path / "store"), str(rank), str(size),
+                               str(tmp_path / f"{rank}.pt")], env=env) for rank in range(size)]
+    assert [p.wait(120) for p in procs] == [0] * size
+    values = [torch.randn(4096, generator=torch.Generator().manual_seed(r)) * 10 ** (3 * r) for r in range(size)]
+    expected = values[0][:16].clone()
+    for v in values[1:]:
+        expected += v[:16]
+    for rank in range(size):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert torch.equal(got, expected.expand_as(got)), f"rank {rank}"
