@@ -10,9 +10,8 @@ A decoding request can leave the same way a prefill-only one does (``hold_runnin
 its KV kept for another worker, which takes it up with ``add_prefilled`` (an elastic worker
 changing role hands its streams over so, ``pdserve.elastic_worker``).
 
-With ``tensor_parallel_size`` N > 1 (``from_config``), this engine is rank 0 of N processes
-(``pdserve.engine.tp_group``): everything here runs on rank 0, and the other ranks only run
-each step's forward on their shares. ``close`` stops them.
+With ``tensor_parallel_size`` N > 1 this is rank 0 of N processes (``pdserve.engine.tp_group``):
+the other ranks only run each step's forward on their shares; ``close`` stops them.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from typing import Callable, Iterable, Sequence as Seq
 
 import torch
 
-from tqdm import tqdm
-
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankLost, SequenceFailed, StepFailed
@@ -32,7 +29,7 @@ from pdserve.engine.grammar_jobs import GrammarJobs
 from pdserve.engine.kv_cache import KVCacheSpec, num_cache_blocks
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import Completion, RequestOutput
+from pdserve.engine.outputs import Completion, RequestOutput, run_to_completion
 from pdserve.engine.sampling import SamplingParams, check_request
 from pdserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
@@ -394,20 +391,10 @@ class LLMEngine:
         """Run the given prompts to completion, batched; outputs in prompt order."""
         prompts = list(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        done = {f"gen-{i}": Completion(f"gen-{i}") for i in range(len(prompts))}
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            self.add_request(f"gen-{i}", p, sp)
-        bar = tqdm(total=len(prompts), desc="generate", disable=not progress)
-        pending = set(done)
-        while pending:
-            for o in self.step():
-                if o.request_id in done:
-                    done[o.request_id].add(o)
-                if o.finished and o.request_id in pending:
-                    pending.discard(o.request_id)
-                    bar.update(1)
-        bar.close()
-        return [done[f"gen-{i}"] for i in range(len(prompts))]
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        for request_id, p, sp in zip(ids, prompts, plist):
+            self.add_request(request_id, p, sp)
+        return run_to_completion(self.step, ids, progress)
 
     # ---- observability -------------------------------------------------------------
     @property

@@ -1,9 +1,13 @@
 """What the engine hands out: one step's output for one request (``RequestOutput``, a diff),
-and a whole finished request (``Completion``, from ``LLMEngine.generate``)."""
+and a whole finished request (``Completion``, from ``LLMEngine.generate``, which
+``run_to_completion`` assembles from the diffs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
+from tqdm import tqdm
 
 from pdserve.engine.errors import SequenceFailed
 from pdserve.engine.sampling import TopLogprobs
@@ -51,3 +55,19 @@ class Completion:
             self.prompt_logprobs = o.prompt_logprobs
         if o.finished:
             self.finish_reason = o.finish_reason
+
+
+def run_to_completion(step: Callable[[], list[RequestOutput]], request_ids: list[str],
+                      progress: bool = False) -> list[Completion]:
+    """Call ``step`` until every one of ``request_ids`` has finished; their completions, in order."""
+    done = {request_id: Completion(request_id) for request_id in request_ids}
+    pending = set(done)
+    with tqdm(total=len(done), desc="generate", disable=not progress) as bar:
+        while pending:
+            for o in step():
+                if o.request_id in done:
+                    done[o.request_id].add(o)
+                if o.finished and o.request_id in pending:
+                    pending.discard(o.request_id)
+                    bar.update(1)
+    return [done[request_id] for request_id in request_ids]

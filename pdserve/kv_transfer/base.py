@@ -32,7 +32,7 @@ import torch
 
 from pdserve.kv_transfer import checksum
 from pdserve.kv_transfer.errors import InvalidTransferRequest, TransferError
-from pdserve.kv_transfer.layout import CacheLayout, block_bytes_view
+from pdserve.kv_transfer.layout import CacheLayout, block_bytes_view, check_block_ids
 from pdserve.kv_transfer.ranks import check_peer_ranks, check_ranks, rank_rows
 from pdserve.kv_transfer.read import TransferHandle, TransferState, TransferStats
 from pdserve.protos import kv_transfer_pb2
@@ -191,8 +191,8 @@ class KVTransferAgent(abc.ABC):
                 raise InvalidTransferRequest(
                     f"unknown peer {peer!r}: call add_remote with its metadata first",
                     field="peer", peer=peer)
-            remote = _block_ids("remote_block_ids", remote_block_ids, meta.num_blocks // self.ranks)
-            local = _block_ids("local_block_ids", local_block_ids, self.layout.num_blocks // self.ranks)
+            remote = check_block_ids("remote_block_ids", remote_block_ids, meta.num_blocks // self.ranks)
+            local = check_block_ids("local_block_ids", local_block_ids, self.layout.num_blocks // self.ranks)
             if len(remote) != len(local):
                 raise InvalidTransferRequest(
                     f"remote_block_ids has {len(remote)} ids but local_block_ids has "
@@ -389,22 +389,4 @@ class KVTransferAgent(abc.ABC):
     @abc.abstractmethod
     def _close_backend(self) -> None:
         """Release everything the backend holds; must not raise."""
-
-
-def _block_ids(field_name: str, ids: Sequence[int], num_blocks: int) -> tuple[int, ...]:
-    """Validate block ids against ``[0, num_blocks)``; errors name the field and the limit."""
-    try:
-        out = tuple(int(i) for i in ids)
-    except (TypeError, ValueError) as exc:
-        raise InvalidTransferRequest(f"{field_name} must be a sequence of ints: {exc}",
-                                     field=field_name) from None
-    if not out:
-        raise InvalidTransferRequest(f"{field_name} must not be empty", field=field_name,
-                                     limit=1)
-    bad = [i for i in out if i < 0 or i >= num_blocks]
-    if bad:
-        raise InvalidTransferRequest(
-            f"{field_name} has ids out of range [0, {num_blocks}): {bad[:8]}",
-            field=field_name, limit=num_blocks)
-    return out
 

@@ -7,6 +7,7 @@ dim 0 (layers, K/V, tokens, heads, head dim) do not matter here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,3 +82,22 @@ def layout_of_metadata(meta: kv_transfer_pb2.AgentMetadata) -> CacheLayout:
 def block_bytes_view(cache: torch.Tensor) -> torch.Tensor:
     """A (num_blocks, block_bytes) uint8 view sharing the cache's storage."""
     return cache.view(torch.uint8).reshape(cache.shape[0], -1)
+
+
+def check_block_ids(field_name: str, ids: Sequence[int], num_blocks: int) -> tuple[int, ...]:
+    """Validate block ids against ``[0, num_blocks)``; errors name the field and the limit."""
+    try:
+        out = tuple(int(i) for i in ids)
+    except (TypeError, ValueError) as exc:
+        raise InvalidTransferRequest(f"{field_name} must be a sequence of ints: {exc}",
+                                     field=field_name) from None
+    if not out:
+        raise InvalidTransferRequest(f"{field_name} must not be empty", field=field_name,
+                                     limit=1)
+    bad = [i for i in out if i < 0 or i >= num_blocks]
+    if bad:
+        raise InvalidTransferRequest(
+            f"{field_name} has ids out of range [0, {num_blocks}): {bad[:8]}",
+            field=field_name, limit=num_blocks)
+    return out
+

@@ -78,9 +78,8 @@ class PrefillWorker(WorkerShell):
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the prefill worker")  # before its KV listener
         if agent is None:
-            listen = transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls)
-            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.transfer_cache,
-                                 ranks=engine.tensor_parallel_size, **listen)
+            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.transfer_cache, ranks=engine.tensor_parallel_size,
+                                 **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv])
         self.endpoint = endpoint
         self.leases = LeaseTable()
