@@ -25,6 +25,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import RankLost
 from pdserve.engine.kv_cache import layer_views
 from pdserve.engine.model import CausalLM
+from pdserve.engine.parallel import SINGLE
 from pdserve.engine.prompt_logprobs import prompt_logprobs
 from pdserve.engine.sampler import Sampler, SamplerRow
 from pdserve.engine.scheduler import SampledTokens, SchedulerOutput
@@ -41,9 +42,10 @@ class ModelRunner:
         self.block_size = blocks.block_size
         self.device = cache.device
         self.ranks = ranks
-        attn = model.attention_layers[0]  # this rank's heads
-        self.backend = select_backend(attention_backend, self.device, attn.nh, attn.nkv, attn.hd, self.block_size,
-                                      dtype=cache.dtype)
+        tp = ranks.tp if ranks is not None else SINGLE  # attention runs this rank's heads
+        self.backend = select_backend(attention_backend, self.device, tp.share(cfg.num_heads, "num_attention_heads"),
+                                      tp.share(cfg.num_kv_heads, "num_key_value_heads"), cfg.head_dim,
+                                      self.block_size, dtype=cache.dtype)
         self._layer_caches = [layer_views(cache, i) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed)
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics

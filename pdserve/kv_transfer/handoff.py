@@ -168,12 +168,13 @@ class Lease:
     checksums: list[int] = field(default_factory=list)
 
     def checksum_final(self, block_checksums: Callable[[Sequence[int], int | None], tuple[int, ...]],
-                       block_size: int, bytes_per_token: int, num_tokens: int, done: bool) -> None:
+                       block_size: int, bytes_per_token: int, num_tokens: int, done: bool, per_block: int = 1) -> None:
         """Once a step has computed ``num_tokens`` of the lease's tokens (``done``: all of
         them), append the checksums (``block_checksums(ids, last_block_bytes)``, the holder
         agent's) of its blocks final now that have none yet: the full blocks, and once
-        ``done`` the last, partly filled one, over the tokens it holds."""
-        n, start = len(self.block_ids), len(self.checksums)
+        ``done`` the last, partly filled one, over the tokens it holds. ``per_block``: how many
+        checksums the agent gives a block (a tensor-parallel worker's: one per rank)."""
+        n, start = len(self.block_ids), len(self.checksums) // per_block
         end = n if done else min(num_tokens // block_size, n)
         if end > start:
             tail = (num_tokens - (n - 1) * block_size) * bytes_per_token if done else None

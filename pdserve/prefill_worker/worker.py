@@ -250,7 +250,7 @@ class PrefillWorker(WorkerShell):
         """Engine thread: ``Lease.checksum_final`` (nothing with ``verify_kv`` off)."""
         if self.config.verify_kv:
             lease.checksum_final(self.agent.block_checksums, self.engine.blocks.block_size,
-                                 self.engine.cache_spec.bytes_per_token, num_tokens, done)
+                                 self.engine.cache_spec.bytes_per_token, num_tokens, done, self.agent.ranks)
 
     def _publish_kv(self) -> None:
         """Hook, before each step: grant a streamed prompt its lease once it has blocks and

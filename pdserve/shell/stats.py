@@ -31,7 +31,7 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: KVTransfer
         kv_transfer_bytes=t.bytes, kv_transfers=t.transfers, kv_transfer_failures=t.failures,
         kv_verify_failures=t.verify_failures,
         kv_transfer_seconds=t.seconds, prefix_cache_queries=blocks.prefix_queries,
-        prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=engine.cache_spec.bytes_per_token,
+        prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=engine.cache_spec.bytes_per_token * engine.tensor_parallel_size,
         num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
         engine_busy=engine.has_runnable(), **extra)
 

@@ -17,7 +17,8 @@ import pytest
 import ray
 import torch
 
-from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.router.limits import RouterLimits
 from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, load_reference
 from tests.faults.load import Load
 from tests.serving.conftest import all_stats, start_cluster, worker_stats
@@ -26,17 +27,23 @@ from tests.serving.test_disaggregated import chat_request, collect
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
+CHUNK, STREAMED = 16, 24
 
 
-def tp_cluster(model_dir, tp: int = 2, **overrides):
+def tp_cluster(model_dir, tp: int = 2, scheduler: SchedulerConfig = SchedulerConfig(), **overrides):
     """A float32 cluster of ``model_dir`` whose workers all run ``tp`` ranks."""
-    engine = EngineConfig(model=str(model_dir), dtype="float32", cache=CacheConfig(memory_budget_bytes=64 << 20))
+    engine = EngineConfig(model=str(model_dir), dtype="float32", cache=CacheConfig(memory_budget_bytes=64 << 20),
+                          scheduler=scheduler)
     return start_cluster(engine=engine, prefill_tp=tp, decode_tp=tp, **overrides)
 
 
 @pytest.fixture(scope="module")
 def cluster(tool_llama):
-    c = tp_cluster(tool_llama[0], num_prefill=1, num_decode=2, delay_s=0.0, supervise_interval_s=0.5)
+    """Prompts of STREAMED tokens or more stream their KV, in chunks of CHUNK tokens, while shorter
+    ones move at once: both paths at TP 2."""
+    c = tp_cluster(tool_llama[0], scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK), num_prefill=1,
+                   num_decode=2, delay_s=0.0, supervise_interval_s=0.5,
+                   router_limits=RouterLimits(stream_kv_min_tokens=STREAMED))
     yield c
     c.stop()
 
@@ -70,16 +77,21 @@ def test_tp2_greedy_equals_transformers_through_both_pools(cluster, stub, tool_l
 
     directory = tool_llama[0]
     model, tok = load_reference(directory, torch.float32), AutoTokenizer.from_pretrained(str(directory))
-    for question in CHAT_QUESTIONS[:3]:
+    lengths = set()
+    for question in ["Hi", *CHAT_QUESTIONS[:3]]:
         before = all_stats(cluster)
         ids, _, resps = collect(stub.Generate(chat_request(question, MAX_TOKENS, ignore_eos=True), timeout=120))
         after = all_stats(cluster)
         text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                        add_generation_prompt=True)
-        assert_greedy_matches(model, tok.encode(text, add_special_tokens=False), ids, MAX_TOKENS, what=question)
-        moved = [(a.kv_transfers - b.kv_transfers, a.num_forward_tokens - b.num_forward_tokens)
+        prompt = tok.encode(text, add_special_tokens=False)
+        lengths.add(len(prompt) >= STREAMED)
+        assert_greedy_matches(model, prompt, ids, MAX_TOKENS, what=question)
+        moved = [a.num_forward_tokens - b.num_forward_tokens
                  for a, b in zip(after, before) if a.role == "decode" and a.kv_transfers > b.kv_transfers]
-        assert moved == [(1, MAX_TOKENS - 1)]  # the KV moved to one decode worker, which ran no prompt
+        assert moved == [MAX_TOKENS - 1]  # the KV moved (in one read or several) to one decode worker: no prompt ran there
+    assert lengths == {True, False}  # streamed and whole
+    assert sum(s.kv_transfer_failures + s.kv_verify_failures for s in all_stats(cluster)) == 0
 
 
 def test_each_worker_runs_two_ranks(cluster):
