@@ -19,15 +19,19 @@ import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.router.limits import RouterLimits
+from tests.clusters import reconnecting_stub
 from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, load_reference
 from tests.faults.load import Load
-from tests.serving.conftest import all_stats, start_cluster, worker_stats
+from tests.faults.test_under_load import busy_worker, gone
+from tests.serving.conftest import all_stats, start_cluster
 from tests.serving.test_disaggregated import chat_request, collect
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
-CHUNK, STREAMED = 16, 24
+CHUNK, STREAMED = 16, 32
+LONG = ("Write a long story about a lighthouse keeper who finds a message in a bottle, and tell it in three "
+        "parts: the storm, the bottle, and the answer he sends back across the sea.")  # ~45 tokens: 3 chunks
 
 
 def tp_cluster(model_dir, tp: int = 2, scheduler: SchedulerConfig = SchedulerConfig(), **overrides):
@@ -50,12 +54,8 @@ def cluster(tool_llama):
 
 @pytest.fixture(scope="module")
 def stub(cluster):
-    import grpc
-
-    from pdserve.protos import pdserve_pb2_grpc
-
-    with grpc.insecure_channel(cluster.address) as ch:
-        yield pdserve_pb2_grpc.GenerationStub(ch)
+    with reconnecting_stub(cluster.address) as stub:
+        yield stub
 
 
 def followers(pid: int) -> list[int]:
@@ -78,7 +78,7 @@ def test_tp2_greedy_equals_transformers_through_both_pools(cluster, stub, tool_l
     directory = tool_llama[0]
     model, tok = load_reference(directory, torch.float32), AutoTokenizer.from_pretrained(str(directory))
     lengths = set()
-    for question in ["Hi", *CHAT_QUESTIONS[:3]]:
+    for question in ["Hi", CHAT_QUESTIONS[0], LONG]:
         before = all_stats(cluster)
         ids, _, resps = collect(stub.Generate(chat_request(question, MAX_TOKENS, ignore_eos=True), timeout=120))
         after = all_stats(cluster)
@@ -117,14 +117,6 @@ def test_a_killed_rank_0_takes_its_other_rank_with_it_and_is_replaced_whole(clus
     assert len(ids) == MAX_TOKENS
 
 
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie not yet reaped counts)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except FileNotFoundError:
-        return True
-
-
 def test_killing_one_rank_of_a_decode_worker_under_load_loses_no_stream(cluster, stub):
     prompts = [f"Count to {i}." for i in range(4)]
     reference = {i: collect(stub.Generate(chat_request(p, MAX_TOKENS, ignore_eos=True), timeout=120))[0]
@@ -132,7 +124,7 @@ def test_killing_one_rank_of_a_decode_worker_under_load_loses_no_stream(cluster,
     replaced = cluster._supervisor.replaced
     with Load(stub, prompts, MAX_TOKENS, clients=3, timeout_s=120, pause_after_error_s=0.2) as load:
         load.wait_for(3)
-        index = busy(cluster, "decode", "num_running")
+        index = busy_worker(cluster, "decode", "num_running")
         address = cluster.decode_addresses[index]
         rank0 = ray.get(cluster.decode[index].pid.remote(), timeout=10)
         (rank1,) = followers(rank0)
@@ -149,12 +141,3 @@ def test_killing_one_rank_of_a_decode_worker_under_load_loses_no_stream(cluster,
     for o in load.outcomes:
         assert o.tokens == reference[o.prompt]
 
-
-def busy(cluster, role: str, field: str, timeout_s: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for index, address in enumerate(list(cluster.addresses(role))):
-            if getattr(worker_stats(address, role), field):
-                return index
-        time.sleep(0.02)
-    raise AssertionError(f"no {role} worker had {field} > 0 within {timeout_s} s")
