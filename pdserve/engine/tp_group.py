@@ -162,6 +162,7 @@ class RankGroup:
         self.tp, self.caches, self.device = tp, caches, device
         self._store, self._procs, self._tmpdir, self._on_lost = store, procs, tmpdir, on_lost
         self._closing = False
+        self._threads_before = torch.get_num_threads()
         self._lost: RankLost | None = None
         self._lost_lock = threading.Lock()  # a rank's watch and the stepping thread may both find the loss
 
@@ -175,7 +176,6 @@ class RankGroup:
         caches, fd = shared_caches(spec, num_blocks, size) if device.type == "cpu" else (None, -1)
         tmpdir = tempfile.mkdtemp(prefix="pdserve-tp-")
         threads = rank_threads(torch.get_num_threads(), size)
-        torch.set_num_threads(threads)
         common = dict(size=size, store=os.path.join(tmpdir, "store"), model_dir=str(model_dir),
                       dtype=next(k for k, v in DTYPES.items() if v == dtype), device=str(device),
                       attention_backend=config.attention_backend, block_size=config.cache.block_size,
@@ -193,7 +193,9 @@ class RankGroup:
             _kill(procs)
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
-        return cls(TensorParallel(0, size, group), store, procs, tmpdir, caches, device, on_lost)
+        ranks = cls(TensorParallel(0, size, group), store, procs, tmpdir, caches, device, on_lost)
+        torch.set_num_threads(threads)  # rank 0's share too, until ``close``
+        return ranks
 
     def wait_loaded(self) -> None:
         """Block until every rank has loaded its share and mapped its cache; then watch them."""
@@ -265,6 +267,7 @@ class RankGroup:
                 proc.kill()
                 proc.wait()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
+        torch.set_num_threads(self._threads_before)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
