@@ -4,6 +4,7 @@ memory-bandwidth floor of a batch-1 decode step, all measured in one run on this
     .venv/bin/python benchmarks/engine.py                      # both dtypes, batches 1 8 16 32
     .venv/bin/python benchmarks/engine.py --dtypes float32 --batches 1 8
     .venv/bin/python benchmarks/engine.py --dtypes bfloat16 --threads 1 2 --no-baseline
+    .venv/bin/python benchmarks/engine.py --tp 1 2 --threads 2 --model tp-shaped --no-baseline
 
 Both dtypes run pdserve's batch-invariant kernels on CPU (pdserve/engine/csrc/linear.cpp; float32
 keeps torch's RMSNorm and SiLU). ``--threads`` repeats everything at each torch thread count (a cluster worker
@@ -17,6 +18,13 @@ The floor is the bytes of weights a decode step must read (every linear and the 
 as stored: packed bfloat16 or float32, or torch's) divided by a measured memory read bandwidth (a
 large tensor sum). Writes JSON to .bench/engine.json and a plot beside
 BENCHMARKS.md.
+
+``--tp`` repeats everything at each tensor-parallel size: the engine runs on that many ranks
+(processes), which share ``--threads`` (each runs threads / tp of them), so TP 1 and TP 2 at
+the same ``--threads`` use the same cores. The default model's 9 heads and 3 KV heads split
+only over 3 ranks: ``--model tp-shaped`` is a random-weight Llama of SmolLM2-135M's sizes but
+8 heads and 2 KV heads (built once under .bench/), which 1, 2 and 4 ranks split. The weights
+and floor columns are rank 0's share (and the LM head, which rank 0 alone holds).
 """
 
 from __future__ import annotations
@@ -122,27 +130,57 @@ def hf_prefill_tps(model, length: int, vocab: int, repeats: int = 3) -> float:
     return length / best
 
 
-def bench_dtype(dtype: str, threads: int, batches: list[int], bandwidth: float, bar: tqdm, args) -> dict:
+TP_SHAPED = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                 rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def model_path(name: str) -> str:
+    """``tp-shaped``: SmolLM2-135M's sizes with heads 2 and 4 ranks split, random weights, built
+    once under .bench/; anything else as the engine takes it."""
+    if name != "tp-shaped":
+        return name
+    directory = ROOT / ".bench" / "tp-shaped-llama"
+    if not (directory / "config.json").exists():
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TP_SHAPED), dtype=torch.float32)
+        model.save_pretrained(str(directory), safe_serialization=True)
+    return str(directory)
+
+
+def bench_dtype(dtype: str, threads: int, tp: int, batches: list[int], bandwidth: float, bar: tqdm, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     engine = LLMEngine.from_config(EngineConfig(
-        dtype=dtype, cache=CacheConfig(memory_budget_bytes=4 << 30, enable_prefix_cache=False),
-        scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192)), progress=False)
-    hf = (AutoModelForCausalLM.from_pretrained(str(materialize("default")), dtype=getattr(torch, dtype)).eval()
+        model=model_path(args.model), dtype=dtype, tensor_parallel_size=tp,
+        cache=CacheConfig(memory_budget_bytes=4 << 30, enable_prefix_cache=False),
+        scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192)), progress=False,
+        detokenize=False)
+    try:
+        return bench_engine(engine, dtype, threads, tp, batches, bandwidth, bar, args, AutoModelForCausalLM)
+    finally:
+        engine.close()
+
+
+def bench_engine(engine: LLMEngine, dtype: str, threads: int, tp: int, batches: list[int], bandwidth: float,
+                 bar: tqdm, args, auto_model) -> dict:
+    hf = (auto_model.from_pretrained(str(materialize(model_path(args.model))), dtype=getattr(torch, dtype)).eval()
           if args.baseline else None)
     vocab = engine.model_cfg.vocab_size
     wbytes = step_weight_bytes(engine.runner.model)
-    row = {"dtype": dtype, "threads": threads, "kernels": engine.runner.model.linear_backend,
+    row = {"dtype": dtype, "threads": threads, "tp": tp, "kernels": engine.runner.model.linear_backend,
            "bandwidth_gbs": bandwidth, "weight_bytes": wbytes, "floor_ms": wbytes / (bandwidth * 1e9) * 1e3,
            "decode": {}}
     nan = float("nan")
     for b in batches:
-        bar.set_postfix_str(f"{dtype} x{threads} decode b={b}")
+        bar.set_postfix_str(f"{dtype} x{threads} tp {tp} decode b={b}")
         ours = ours_decode_ms(engine, b, args.prompt_len, args.steps)
         base = hf_decode_ms(hf, b, args.prompt_len, args.steps, vocab) if hf else nan
         row["decode"][b] = {"ours_ms": ours, "hf_ms": base, "ours_tps": b / ours * 1e3, "hf_tps": b / base * 1e3}
         bar.update(1)
-    bar.set_postfix_str(f"{dtype} x{threads} prefill")
+    bar.set_postfix_str(f"{dtype} x{threads} tp {tp} prefill")
     row["prefill"] = {"ours_tps": ours_prefill_tps(engine, args.prefill_len),
                       "hf_tps": hf_prefill_tps(hf, args.prefill_len, vocab) if hf else nan}
     bar.update(1)
@@ -150,21 +188,21 @@ def bench_dtype(dtype: str, threads: int, batches: list[int], bandwidth: float, 
 
 
 def report(rows: list[dict], args) -> str:
-    lines = [f"prompts {args.prompt_len} tokens; {args.steps} timed steps", "",
-             "| dtype | threads | batch | ours ms/step | transformers ms/step | ours tok/s | transformers tok/s "
+    lines = [f"model {args.model}; prompts {args.prompt_len} tokens; {args.steps} timed steps", "",
+             "| dtype | threads | tp | batch | ours ms/step | transformers ms/step | ours tok/s | transformers tok/s "
              "| speed-up |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for b, d in r["decode"].items():
-            lines.append(f"| {r['dtype']} | {r['threads']} | {b} | {d['ours_ms']:.1f} | {d['hf_ms']:.1f} | "
+            lines.append(f"| {r['dtype']} | {r['threads']} | {r['tp']} | {b} | {d['ours_ms']:.1f} | {d['hf_ms']:.1f} | "
                          f"{d['ours_tps']:.0f} | {d['hf_tps']:.0f} | {d['hf_ms'] / d['ours_ms']:.2f}x |")
-    lines += ["", "| dtype (kernels) | threads | read GB/s | weights MB | floor ms (batch 1) | ours batch-1 ms | "
+    lines += ["", "| dtype (kernels) | threads | tp | read GB/s | weights MB | floor ms (batch 1) | ours batch-1 ms | "
               f"ours / floor | prefill {args.prefill_len} tok/s ours | transformers | ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b1 = r["decode"].get(1, {}).get("ours_ms", float("nan"))
         p = r["prefill"]
-        lines.append(f"| {r['dtype']} ({r['kernels']}) | {r['threads']} | {r['bandwidth_gbs']:.1f} | "
+        lines.append(f"| {r['dtype']} ({r['kernels']}) | {r['threads']} | {r['tp']} | {r['bandwidth_gbs']:.1f} | "
                      f"{r['weight_bytes'] / 1e6:.0f} | {r['floor_ms']:.1f} | {b1:.1f} | {b1 / r['floor_ms']:.2f}x | "
                      f"{p['ours_tps']:.0f} | {p['hf_tps']:.0f} | {p['ours_tps'] / p['hf_tps']:.2f}x |")
     return "\n".join(lines)
@@ -179,7 +217,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
         bs = list(r["decode"])
-        tag = f"{r['dtype']}, {r['threads']} thread(s)"
+        tag = f"{r['dtype']}, {r['threads']} thread(s)" + (f", TP {r['tp']}" if r["tp"] > 1 else "")
         ax.plot(bs, [r["decode"][b]["ours_tps"] for b in bs], "o-", label=f"pdserve {tag}")
         ax.plot(bs, [r["decode"][b]["hf_tps"] for b in bs], "s--", label=f"transformers {tag}")
     ax.set_xlabel("decode batch size")
@@ -199,6 +237,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", nargs="+", type=int, default=[torch.get_num_threads()])
+    ap.add_argument("--tp", nargs="+", type=int, default=[1], help="tensor-parallel sizes (ranks share --threads)")
+    ap.add_argument("--model", default="default", help="'default', a HF directory, or tp-shaped (see above)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--prefill-len", type=int, default=512)
@@ -209,11 +249,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
-    with tqdm(total=len(args.threads) * len(args.dtypes) * (len(args.batches) + 1), desc="engine benchmark") as bar:
+    total = len(args.threads) * len(args.tp) * len(args.dtypes) * (len(args.batches) + 1)
+    with tqdm(total=total, desc="engine benchmark") as bar:
         for threads in args.threads:
             torch.set_num_threads(threads)
             bandwidth = read_bandwidth_gbs()
-            rows += [bench_dtype(d, threads, args.batches, bandwidth, bar, args) for d in args.dtypes]
+            for tp in args.tp:
+                for d in args.dtypes:
+                    torch.set_num_threads(threads)  # a TP engine's rank 0 takes its share of them
+                    rows.append(bench_dtype(d, threads, tp, args.batches, bandwidth, bar, args))
     text = report(rows, args)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

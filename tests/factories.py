@@ -71,6 +71,15 @@ def make_engine(model_dir: Path | str, tokenizer=None, **kwargs) -> LLMEngine:
     return LLMEngine(model, model_cfg, config, tokenizer, model_dir=str(model_dir))
 
 
+def make_tp_engine(model_dir: Path | str, tensor_parallel_size: int, on_rank_lost=None, **kwargs) -> LLMEngine:
+    """An engine on ``tensor_parallel_size`` ranks (rank 0 here, the others its child processes).
+    ``on_rank_lost``: what a lost rank does (default: record nothing and raise in the step; a
+    worker's default, ending the process, would end the test run). Close it when done."""
+    config = dataclasses.replace(engine_config(model_dir, **kwargs), tensor_parallel_size=tensor_parallel_size)
+    return LLMEngine.from_config(config, progress=False, detokenize=False,
+                                 on_rank_lost=on_rank_lost or (lambda exc: None))
+
+
 def load_reference(directory, dtype: torch.dtype):
     """transformers' model of a local directory, as the correctness oracle.
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pdserve.cluster.autoscaling.budget import BudgetConfig
 from pdserve.cluster.mode import COLOCATED, DISAGGREGATED, MODES
 from pdserve.cluster.placement import PoolPlacement
-from pdserve.cluster.settings import LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS, check_lease_outlives_transfer
+from pdserve.cluster.settings import (LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS, SettingsError,
+                                      check_lease_outlives_transfer)
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import DEFAULT_BACKEND
 from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
@@ -36,6 +37,10 @@ class ClusterConfig:
     mode: str = DISAGGREGATED
     num_prefill: int = 1  # 0 in colocated mode
     num_decode: int = 1
+    # Tensor-parallel ranks of each pool's workers (``EngineConfig.tensor_parallel_size``; the
+    # engine's own is ignored here). Different sizes need the KV resharded on transfer.
+    prefill_tp: int = 1
+    decode_tp: int = 1
     # Every worker is elastic (pdserve.elastic_worker): it serves both roles' RPCs on one engine
     # and starts in its pool's role, which ``LocalCluster.set_role`` changes in place.
     elastic_roles: bool = False
@@ -101,6 +106,28 @@ class ClusterConfig:
         if self.mode == COLOCATED and self.num_prefill:
             raise ValueError(f"num_prefill must be 0 in colocated mode (no prefill pool), got {self.num_prefill}")
         check_lease_outlives_transfer(self.lease_seconds, self.transfer_timeout_s)
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        """Each pool's TP size is at least 1; where KV moves between the pools, one size divides
+        the other (a decode rank reads its heads from the prefill ranks that hold them:
+        pdserve/kv_transfer/sharding.py); elastic workers switch pools, so theirs match."""
+        for name, size in (("prefill_tp", self.prefill_tp), ("decode_tp", self.decode_tp)):
+            if size < 1:
+                raise SettingsError(f"{name} must be at least 1, got {size}")
+        if self.mode == COLOCATED or self.prefill_tp == self.decode_tp:
+            return
+        if self.elastic_roles:
+            raise SettingsError(f"prefill_tp ({self.prefill_tp}) and decode_tp ({self.decode_tp}) differ: elastic "
+                                "workers change pools in place, so both pools need one tensor-parallel size")
+        small, large = sorted((self.prefill_tp, self.decode_tp))
+        if large % small:
+            raise SettingsError(f"prefill_tp ({self.prefill_tp}) and decode_tp ({self.decode_tp}) do not divide one "
+                                "another: KV moves by head only between sizes where one divides the other")
+
+    def tp(self, role: str) -> int:
+        """The tensor-parallel size of ``role``'s pool (colocated: the decode pool's)."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
 
     def without_secrets(self) -> "ClusterConfig":
         """This config for whoever may read it (``Controller.config``, any Ray client): the API
@@ -166,7 +193,8 @@ class ClusterConfig:
         from pdserve.decode_worker.worker import DecodeWorkerConfig
         from pdserve.prefill_worker.worker import PrefillWorkerConfig
 
-        common = dict(worker_id=f"{role}-{index}", model_name=self.served_model_names[0], engine=self.engine,
+        engine = dataclasses.replace(self.engine, tensor_parallel_size=self.tp(role))
+        common = dict(worker_id=f"{role}-{index}", model_name=self.served_model_names[0], engine=engine,
                       host=self.internal_bind_host(), tls=self.tls_for(role), advertise_host=self.internal_advertise_host,
                       insecure_internal=self.insecure_internal,
                       kv_transfer_backend=self.kv_transfer_backend, verify_kv=self.verify_kv_transfers,
@@ -181,7 +209,7 @@ class ClusterConfig:
                                         inject_transfer_delay_s=self.inject_transfer_delay_s, **common)
             return ElasticWorkerConfig(prefill=PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common),
                                        decode=decode, role=role)
-        prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common)
+        prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, reader_tp=self.decode_tp, **common)
         if role == "prefill":
             return prefill
         return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,

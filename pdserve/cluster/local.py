@@ -155,7 +155,8 @@ class LocalCluster:
         return f"pdserve-{id(self):x}-"
 
     def _pool_placement(self, role: str) -> PoolPlacement:
-        return self.config.prefill_placement if role == "prefill" else self.config.decode_placement
+        placement = self.config.prefill_placement if role == "prefill" else self.config.decode_placement
+        return dataclasses.replace(placement, ranks=self.config.tp(role))  # a bundle per tensor-parallel rank
 
     def _start_router(self, router_cfg) -> None:
         """Start the router actor. Its public ports are then pinned in its config, so that a

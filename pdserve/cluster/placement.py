@@ -8,6 +8,11 @@ for each. A worker that no node can hold keeps its placement group pending: that
 what makes Ray's autoscaler (or KubeRay's) add a node of the group offering the resource, and
 ``reserve`` waits for it.
 
+A tensor-parallel worker of N ranks gets N bundles in its group, one per rank, on one node
+(``STRICT_PACK``): the worker's CPUs, memory and custom resource are split evenly over them, and
+``gpus`` is each rank's. Rank 0 is the worker's actor, in bundle 0; it starts the other ranks
+as its own processes (``pdserve.engine.tp_group``), which use what bundles 1..N-1 reserve.
+
 GPUs may be shared: ``gpus`` below 1 reserves a fraction of one device (Ray's fractional
 GPUs), so one GPU holds a prefill and a decode worker at 0.5 each. Ray then hands both the
 same device (``CUDA_VISIBLE_DEVICES``); it does not divide the device's memory, which each
@@ -34,20 +39,24 @@ class PoolPlacement:
     resource: str | None = None  # custom resource naming this pool's node group (pdserve_prefill, ...)
     # Units of ``resource`` per worker: a node offering N hosts N of this pool's workers.
     resource_units: float = 1.0
+    ranks: int = 1  # tensor-parallel ranks per worker: a bundle each, on one node
 
     def __post_init__(self) -> None:
         if self.gpus < 0 or (self.gpus > 1 and not float(self.gpus).is_integer()):
             raise ValueError(f"gpus_per_worker must be a fraction of one GPU (at most 1) or a whole number of "
                              f"GPUs, got {self.gpus:g}")
+        if self.ranks < 1:
+            raise ValueError(f"a worker has at least one rank, got {self.ranks}")
 
     def bundle(self) -> dict[str, float]:
-        out = {"CPU": self.cpus}
+        """One rank's bundle: its share of the worker's CPUs, memory and resource, its GPUs."""
+        out = {"CPU": self.cpus / self.ranks}
         if self.gpus:
             out["GPU"] = self.gpus
         if self.memory_bytes:
-            out["memory"] = self.memory_bytes
+            out["memory"] = self.memory_bytes // self.ranks
         if self.resource:
-            out[self.resource] = self.resource_units
+            out[self.resource] = self.resource_units / self.ranks
         return out
 
 
@@ -62,7 +71,8 @@ def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0, detac
     Returns (placement group, actor options that schedule into it and use its resources).
     """
     bundle = placement.bundle()
-    pg = placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached" if detached else None)
+    pg = placement_group([bundle] * placement.ranks, strategy="STRICT_PACK", name=name,
+                         lifetime="detached" if detached else None)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
@@ -72,16 +82,17 @@ def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0, detac
 
 
 def actor_options(placement: PoolPlacement, pg) -> dict:
-    """Ray actor options that schedule a worker into its placement group ``pg`` and use what
-    its bundle reserved (a fractional ``num_gpus`` included)."""
+    """Ray actor options that schedule a worker (its rank 0) into bundle 0 of its placement
+    group ``pg`` and use what that bundle reserved (a fractional ``num_gpus`` included)."""
+    bundle = placement.bundle()
     options = {
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
-        "num_cpus": placement.cpus,
+        "num_cpus": bundle["CPU"],
         "num_gpus": placement.gpus,
-        "resources": {placement.resource: placement.resource_units} if placement.resource else {},
+        "resources": {placement.resource: bundle[placement.resource]} if placement.resource else {},
     }
     if placement.memory_bytes:
-        options["memory"] = placement.memory_bytes
+        options["memory"] = bundle["memory"]
     return options
 
 

@@ -17,7 +17,8 @@ def engine_config(v: dict[str, Any]):
     from pdserve.engine.config import CacheConfig, EngineConfig
 
     return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
-                        cuda_graphs=v["cuda_graphs"], cache=CacheConfig(block_size=v["block_size"],
+                        cuda_graphs=v["cuda_graphs"], tensor_parallel_size=v["tensor_parallel_size"],
+                        cache=CacheConfig(block_size=v["block_size"],
                                           memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))))
 
 

@@ -34,10 +34,13 @@ def build(v: dict[str, Any]):
     from pdserve.wire.logs import LogConfig
 
     _check_paths(v)
+    prefill_tp, decode_tp = (v[f"{pool}_tp"] or v["tensor_parallel_size"] for pool in ("prefill", "decode"))
+    _check_split(v["model"], {"prefill_tp": prefill_tp, "decode_tp": decode_tp})
     api_key, api_keys = read_keys(v["api_key"], v["api_key_file"], v["api_keys_file"])
     return ClusterConfig(
         engine=_engine(v), router_limits=_router_limits(v), mode=v["mode"],
         num_prefill=0 if v["mode"] == COLOCATED else v["prefill"], num_decode=v["decode"],
+        prefill_tp=prefill_tp, decode_tp=decode_tp,
         elastic_roles=v["elastic_roles"], role_budget=_role_budget(v),
         host=v["host"], grpc_port=v["grpc_port"], http_port=None if v["port"] < 0 else v["port"],
         advertise_host=v["advertise_host"], internal_host=v["internal_host"],
@@ -90,6 +93,23 @@ def _role_tls(v: dict[str, Any]) -> tuple:
             tls.check_role(config, role, f"tls_dir {d / component}.pem")
         out.append((component, config))
     return tuple(out)
+
+
+def _check_split(model: str, sizes: dict[str, int]) -> None:
+    """Each tensor-parallel size divides the model's heads, KV heads and intermediate size
+    (read from its config; a GGUF is converted once, as the cluster's start would)."""
+    if all(size == 1 for size in sizes.values()):
+        return
+    from pdserve.engine.loader import materialize, read_model_config
+    from pdserve.engine.families import check_split
+    from pdserve.engine.parallel import ShardError
+
+    cfg = read_model_config(materialize(model, progress=False))
+    for name, size in sizes.items():
+        try:
+            check_split(cfg, size)
+        except ShardError as exc:
+            raise SettingsError(f"{name}: {exc}") from None
 
 
 def _absolute(path: str | None) -> str | None:

@@ -153,6 +153,14 @@ def serve_settings() -> tuple[Setting, ...]:
                 "tokens one engine step may compute (the prefill chunk)", minimum=1),
         Setting("max_model_len", int, EngineConfig.max_model_len, "cap on prompt + output tokens (default: the model's)",
                 minimum=1),
+        Setting("tensor_parallel_size", int, EngineConfig.tensor_parallel_size,
+                "processes (ranks) each worker runs the model on, each with 1/N of every layer's heads and MLP rows, "
+                "as `vllm serve --tensor-parallel-size`; N must divide the model's attention heads, KV heads and "
+                "intermediate size (docs/architecture.md#tensor-parallelism)", minimum=1),
+        Setting("prefill_tp", int, None, "--tensor-parallel-size of the prefill pool's workers (default: "
+                "--tensor-parallel-size)", minimum=1),
+        Setting("decode_tp", int, None, "--tensor-parallel-size of the decode pool's workers (default: "
+                "--tensor-parallel-size)", minimum=1),
         Setting("kv_transfer_backend", str, DEFAULT_BACKEND, "how KV moves from prefill to decode workers", BACKENDS),
         LEASE_SECONDS,
         TRANSFER_TIMEOUT_SECONDS,

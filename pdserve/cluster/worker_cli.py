@@ -39,7 +39,8 @@ from pdserve.cluster.settings import (Setting, SettingsError, add_arguments, che
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
 
-_SHARED = ("model", "served_model_name", "dtype", "cuda_graphs", "block_size", "kv_cache_gib", "max_model_len", "kv_transfer_backend", "lease_seconds",
+_SHARED = ("model", "served_model_name", "dtype", "cuda_graphs", "tensor_parallel_size", "block_size", "kv_cache_gib", "max_model_len",
+           "kv_transfer_backend", "lease_seconds",
            "transfer_timeout_seconds", "verify_kv_transfers",
            "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "otlp_traces_endpoint", "host", "port", "grpc_port", "advertise_host",
            "internal_host", "internal_advertise_host", "api_key", "api_key_file", "api_keys_file", "tls_ca", "tls_cert", "tls_key",

@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--kv-transfer-backend", default=DEFAULT_BACKEND, choices=BACKENDS)
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the memory budget's)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the worker runs the model on")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--drain-grace-s", type=flag_type(DRAIN_GRACE_SECONDS, "--drain-grace-s"),
                    default=DRAIN_GRACE_SECONDS.default, help=DRAIN_GRACE_SECONDS.help)
     p.add_argument("--max-requests", type=int, default=1024,
@@ -51,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args):
-    engine = EngineConfig(model=args.model, cache=CacheConfig(num_blocks=args.num_blocks))
+    engine = EngineConfig(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                          cache=CacheConfig(num_blocks=args.num_blocks))
     common = dict(worker_id=args.worker_id or f"{args.role}-0", engine=engine, host=args.host, port=args.port,
                   kv_transfer_backend=args.kv_transfer_backend,
                   max_requests=args.max_requests,

@@ -30,7 +30,7 @@ from pdserve.decode_worker.worker import (DecodeWorker, HandedOver, KVArrived, K
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from pdserve.kv_transfer import TransferError
 from pdserve.kv_transfer.handoff import KVHandle, ReleaseReason, release_request
-from pdserve.kv_transfer.source import KVSource
+from pdserve.kv_transfer.rank_agents import RankSources
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.wire import tracing
 from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
@@ -45,7 +45,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, metrics_address: str = ""):
         self.worker = worker
         self.metrics_address = metrics_address
-        self._peers: dict[str, tuple[KVSource, str]] = {}  # prefill address -> (its ranks' peers, incarnation)
+        self._peers: dict[str, tuple[RankSources, str]] = {}  # prefill address -> (its ranks' peers, incarnation)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # prefill address -> the lock on its peer entry
 
@@ -54,7 +54,7 @@ class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
             self._channels[address] = aio_channel(address, self.worker.config.tls, peer="prefill")
         return worker_pb2_grpc.PrefillWorkerStub(self._channels[address])
 
-    async def _peer(self, address: str, check_again: bool = False) -> KVSource:
+    async def _peer(self, address: str, check_again: bool = False) -> RankSources:
         """The prefill worker's agents at ``address`` (one per tensor-parallel rank it reads),
         added once per incarnation (metadata travels over gRPC). ``check_again``: fetch its metadata even if known, and replace the
         peer if the worker there is a new incarnation."""

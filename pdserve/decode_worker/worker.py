@@ -20,16 +20,16 @@ from pdserve.engine.config import MIXED, EngineConfig
 from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kv_transfer import (DEFAULT_BACKEND, InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState,
-                                 create_agent)
+from pdserve.kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState
 from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
 from pdserve.kv_transfer.handoff import KVHandle
-from pdserve.kv_transfer.source import KVSource
+from pdserve.kv_transfer.rank_agents import RankAgents, RankSources
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire import worker_metrics
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
+from pdserve.shell.agents import worker_agents
 from pdserve.shell.worker import WorkerShell
 
 log = logging.getLogger(__name__)
@@ -142,25 +142,25 @@ class DecodeWorker(WorkerShell):
     role = "decode"
 
     def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None,
-                 agent: KVTransferAgent | None = None):
+                 agent: KVTransferAgent | RankAgents | None = None):
         """``engine`` and ``agent``: ones this worker shares with a prefill worker in the same
         process (``pdserve.elastic_worker``); None: its own."""
         engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
         if agent is None:
-            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
-                                 inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
-                                 **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
+            agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine,
+                                  inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
+                                  **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_transfers], holds=[self._hold_for_arrivals])
         self.endpoint = endpoint
         self._pulls: dict[str, _Pull] = {}
         self._arriving: dict[str, float] = {}  # request -> its latest move (time.monotonic), until its KV is here
         self._unverified_peers: set[str] = set()  # peers whose KV came without checksums (warned once)
 
-    def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> KVSource:
-        """Connect to the holder ranks this worker's agent reads, from what a prefill worker publishes."""
-        return KVSource.connect(self.agent, meta)
+    def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> RankSources:
+        """Connect each rank's agent to the holder ranks it reads, from what a prefill worker publishes."""
+        return self.agent.connect(meta)
 
     def source_unreachable(self) -> None:
         """Count a pull that could not start (the prefill worker gave no usable metadata) as
@@ -169,7 +169,7 @@ class DecodeWorker(WorkerShell):
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
-                     kv: KVHandle, peer: KVSource, claim: Callable[[], Awaitable[None]], watch: Watch | None = None
+                     kv: KVHandle, peer: RankSources, claim: Callable[[], Awaitable[None]], watch: Watch | None = None
                      ) -> AsyncIterator[RequestOutput | KVArrived | KVProgressed]:
         """Take the request (blocks here first: CacheCapacityError before any claim), claim
         the lease (``claim``), pull the KV from agent ``peer``, then yield ``KVArrived`` once
@@ -279,7 +279,7 @@ class DecodeWorker(WorkerShell):
             return None
         return max(self._arriving.values()) + min(HOLD_CAP_S, HOLD_SHARE * self.thread.last_step_s)
 
-    def _start_read(self, request_id: str, kv: KVHandle, peer: KVSource, local: list[int], ready_tokens: int,
+    def _start_read(self, request_id: str, kv: KVHandle, peer: RankSources, local: list[int], ready_tokens: int,
                     last: bool, first_token: int | None, sums: tuple[int, ...]) -> None:
         """Read the blocks not read yet that hold only computed tokens; with ``last``, every
         block not read yet, notifying the holder with the lease token (which ends the lease).
@@ -294,8 +294,8 @@ class DecodeWorker(WorkerShell):
         if end <= pull.next_block:
             return
         try:  # one read per rank pair (one between single-rank workers), each with its notice
-            handles = peer.start(
-                self.agent, kv.block_ids, local, pull.next_block, end, lease_token=kv.lease_token, last=last,
+            handles = self.agent.start(
+                peer, kv.block_ids, local, pull.next_block, end, lease_token=kv.lease_token, last=last,
                 last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None,
                 sums=sums if self.config.verify_kv else None)
         except InvalidTransferRequest as exc:

@@ -200,6 +200,13 @@ class EngineConfig:
     # first H100 runs showed graphed tokens equal transformers' and the eager engine's
     # (BENCHMARKS.md, GPU). Without CUDA it changes nothing.
     cuda_graphs: bool = True
+    # Processes (ranks) one worker runs the model on, each with 1/N of every layer's heads and
+    # MLP rows (pdserve/engine/parallel.py); N must divide the heads, KV heads and intermediate size.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
     def torch_device(self) -> torch.device:
         if self.device:

@@ -76,6 +76,11 @@ class EngineThread:
         if self._trace is not None:
             self._trace.close()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop still runs (``stop`` waits for it only so long)."""
+        return self._thread.is_alive()
+
     def _wake(self) -> None:
         """Make a loop blocked on its call queue go round once (from any thread)."""
         self._calls.put(_WAKE)

@@ -65,3 +65,9 @@ class SequenceFailed(InvalidRequestError):
     def of(cls, request_id: str, error: InvalidRequestError) -> "SequenceFailed":
         """``error``, found for ``request_id`` after it entered the engine."""
         return cls(request_id, error.field, error.reason, error.limit)
+
+
+class RankLost(EngineError):
+    """A rank of a tensor-parallel worker died, or a collective between the ranks failed: the
+    ranks are out of step, and no step can run again. The worker is dead as a whole (its
+    process exits, ``pdserve.engine.tp_group``), and what it ran moves as from any dead worker."""

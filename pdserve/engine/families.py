@@ -26,3 +26,11 @@ def build_model(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> CausalLM:
     """An unfilled model of ``cfg``'s family holding ``tp``'s share (build it on the meta
     device, then ``load_hf_weights``)."""
     return FAMILIES[cfg.model_type](cfg, tp)
+
+
+def check_split(cfg: ModelConfig, size: int) -> None:
+    """Raise ``ShardError`` (naming the field and ``size``) unless ``size`` tensor-parallel
+    ranks split this model evenly: what building its family's model would raise, without one."""
+    tp = TensorParallel(0, size)
+    for n, what in FAMILIES[cfg.model_type].split_dims(cfg):
+        tp.share(n, what)

@@ -10,17 +10,23 @@ Attention sees each layer through a strided view ``(num_blocks, block_size, num_
 head_dim)``.
 
 On CPU the cache lives on transparent huge pages where Linux offers them (``host_zeros``).
+
+In a tensor-parallel worker each rank's cache holds its share of the KV heads, in the same
+layout (``KVCacheSpec.of`` with ``tp_size``), and a block id names the same block on every
+rank. On CPU every rank's cache is a part of one shared-memory file (``shared_caches``), so
+that rank 0, which alone speaks to peers, reaches every rank's blocks for a KV transfer.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import os
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.config import ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig
 
 HUGE_PAGE_BYTES = 2 << 20
 
@@ -34,8 +40,13 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
-        return cls(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    def of(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> "KVCacheSpec":
+        """One rank's cache when the worker has ``tp_size`` ranks (its share of the KV heads)."""
+        return cls(cfg.num_layers, block_size, cfg.num_kv_heads // tp_size, cfg.head_dim, dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.block_size, self.num_layers, 2, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_token(self) -> int:
@@ -50,10 +61,16 @@ class KVCacheSpec:
         return budget_bytes // self.block_bytes
 
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        shape = (num_blocks, self.block_size, self.num_layers, 2, self.num_kv_heads, self.head_dim)
+        shape = (num_blocks, *self.block_shape)
         if device.type == "cpu":
             return host_zeros(shape, self.dtype)
         return torch.zeros(shape, dtype=self.dtype, device=device)
+
+
+def num_cache_blocks(config: EngineConfig, spec: KVCacheSpec) -> int:
+    """Blocks in each rank's cache (``spec`` is one rank's): ``num_blocks``, or as many as the
+    worker's memory budget holds, shared evenly by its ranks."""
+    return config.cache.num_blocks or spec.blocks_for_budget(config.cache.memory_budget_bytes // config.tensor_parallel_size)
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -82,6 +99,41 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     out = raw[start:start + nbytes].view(dtype).view(shape)
     out.zero_()  # fault every page in now, as torch.zeros would, not during the first requests
     return out
+
+
+def shared_caches(spec: KVCacheSpec, num_blocks: int, ranks: int) -> tuple[torch.Tensor, int]:
+    """The caches of a tensor-parallel worker's ``ranks`` ranks, one after another in one
+    shared-memory file: ((ranks, num_blocks, *block_shape) tensor, the file's descriptor,
+    which the other ranks map with ``map_caches``). Rank r's cache is ``[r]``, contiguous and
+    laid out as a one-rank cache is; rank-major, so ``view(ranks * num_blocks, ...)`` is one
+    block-first tensor whose row ``r * num_blocks + b`` is block b of rank r (what a transfer
+    agent registers). The file's pages are zero; each rank touches its own first (``prefault``).
+
+    Transparent huge pages for shared memory are a separate kernel knob (``shmem_enabled``),
+    often off: then these are 4 KiB pages, where a private cache (``host_zeros``) gets 2 MiB."""
+    fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
+    os.ftruncate(fd, ranks * num_blocks * spec.block_bytes)
+    return map_caches(fd, spec, num_blocks, ranks), fd
+
+
+def map_caches(fd: int, spec: KVCacheSpec, num_blocks: int, ranks: int) -> torch.Tensor:
+    """Map the file ``shared_caches`` made: (ranks, num_blocks, *block_shape), shared."""
+    region = mmap.mmap(fd, ranks * num_blocks * spec.block_bytes, flags=mmap.MAP_SHARED)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            region.madvise(advice)  # huge pages where shmem_enabled allows them
+        except OSError:
+            pass
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
+    return raw.view(spec.dtype).view(ranks, num_blocks, *spec.block_shape)
+
+
+def prefault(cache: torch.Tensor) -> None:
+    """Touch every page of ``cache`` now (zeroing it), from the process that will use it: its
+    first touch places the pages on that process's NUMA node, and the first requests take no
+    page faults."""
+    cache.zero_()
 
 
 def layer_views(cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from torch import nn
 from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.attention_paged import PagedAttention
-from pdserve.engine.model import MLP, Attention, CausalLM, DecoderStack, RMSNorm, SiluAndMul
+from pdserve.engine.model import MLP, Attention, CausalLM, DecoderStack, RMSNorm, RowParallelLinear, SiluAndMul
 
 
 class TorchBackend:
@@ -44,8 +44,8 @@ class TorchBackend:
     name = "torch"
     batch_invariant = False
 
-    def linear(self, layer: nn.Linear) -> nn.Module:
-        return layer
+    def linear(self, layer: nn.Linear, f32_out: bool = False) -> nn.Module:
+        return layer  # its output in the model dtype: NCCL sums bfloat16 as it is
 
     def norm(self, norm: RMSNorm) -> nn.Module:
         return norm
@@ -64,7 +64,7 @@ class PackedLinear(nn.Module):
     """``y = x @ W^T + b`` through ``torch.ops.pdserve.linear`` on weights packed at load.
 
     x (..., K) in the weight's dtype (bfloat16 or float32) -> (..., N) in that dtype, or
-    float32 when ``f32_out`` (the LM head).
+    float32 when ``f32_out`` (the LM head; a row-parallel linear at tensor-parallel size > 1).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, f32_out: bool = False):
@@ -198,8 +198,8 @@ class PackedCpuBackend:
         self.kernel_path = cpu_kernels.isa()
         _register_fakes()
 
-    def linear(self, layer: nn.Linear) -> nn.Module:
-        return PackedLinear(layer.weight, layer.bias)
+    def linear(self, layer: nn.Linear, f32_out: bool = False) -> nn.Module:
+        return PackedLinear(layer.weight, layer.bias, f32_out)
 
     def norm(self, norm: RMSNorm) -> nn.Module:
         return PackedRMSNorm(norm) if self.dtype == torch.bfloat16 else norm
@@ -229,20 +229,27 @@ def select_backend(dtype: torch.dtype, device: torch.device) -> LinearBackend:
 
 
 def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
-    """Swap ``model``'s linears, norms and LM head for ``backend``'s, in place (after loading)."""
+    """Swap ``model``'s linears, norms and LM head for ``backend``'s, in place (after loading).
+
+    At tensor-parallel size > 1, a row-parallel linear (o_proj, down_proj) hands its partial
+    sums on in float32, as its kernel accumulates them: the all-reduce adds them there and the
+    model rounds once to bfloat16, where bfloat16 partials would round once per rank first.
+    The whole-stack call runs only at size 1 (the all-reduces happen between its layers)."""
+    split = model.tp.size > 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and not (parent is model and name == "lm_head"):
-                setattr(parent, name, backend.linear(child))
+                setattr(parent, name, backend.linear(child, f32_out=split and isinstance(child, RowParallelLinear)))
             elif isinstance(child, RMSNorm):
                 setattr(parent, name, backend.norm(child))
             elif isinstance(child, SiluAndMul):
                 setattr(parent, name, backend.act(child))
-    head = model.embed_tokens if model.lm_head is None else model.lm_head
-    packed_head = backend.logits_head(head.weight, getattr(head, "bias", None))
-    if packed_head is not None:
-        model.lm_head = packed_head
-    stack = backend.stack(model.layers)  # after the layers are packed: it holds their packed weights
+    if model.has_head:  # rank 0 (the only one that computes logits)
+        head = model.embed_tokens if model.lm_head is None else model.lm_head
+        packed_head = backend.logits_head(head.weight, getattr(head, "bias", None))
+        if packed_head is not None:
+            model.lm_head = packed_head
+    stack = None if split else backend.stack(model.layers)  # after packing: it holds the packed weights
     if stack is not None:
         model.stack = stack
     model.linear_backend = backend.name

@@ -9,31 +9,35 @@ blocks for KV that another worker computed and joins the decode batch on ``kv_re
 A decoding request can leave the same way a prefill-only one does (``hold_running``): HELD,
 its KV kept for another worker, which takes it up with ``add_prefilled`` (an elastic worker
 changing role hands its streams over so, ``pdserve.elastic_worker``).
+
+With ``tensor_parallel_size`` N > 1 this is rank 0 of N processes (``pdserve.engine.tp_group``):
+the other ranks only run each step's forward on their shares; ``close`` stops them.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Sequence as Seq
+from typing import Callable, Iterable, Sequence as Seq
 
-from tqdm import tqdm
+import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import capture_sizes
-from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, SequenceFailed, StepFailed
+from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankLost, SequenceFailed, StepFailed
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.grammar_jobs import GrammarJobs
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_cache import KVCacheSpec, num_cache_blocks
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import Completion, RequestOutput
+from pdserve.engine.outputs import Completion, RequestOutput, run_to_completion
 from pdserve.engine.sampling import SamplingParams, check_request
 from pdserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.engine.step_isolation import Unattributed, isolate
 from pdserve.engine.step_trace import StepShape
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.engine.tp_group import RankGroup, exit_worker, load_on_ranks
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,9 @@ class LLMEngine:
     tokenizer from when a structured-output request needs one and ``tokenizer`` is None."""
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | None = None, detokenize: bool = True, model_dir: str | None = None):
+                 tokenizer: Tokenizer | None = None, detokenize: bool = True, model_dir: str | None = None,
+                 ranks: RankGroup | None = None):
+        """``ranks``: the other ranks of a tensor-parallel worker (``from_config`` starts them)."""
         self.config = config
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
@@ -53,15 +59,18 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
-        self.cache_spec = KVCacheSpec.of(model_cfg, config.cache.block_size, self.dtype)
-        num_blocks = config.cache.num_blocks or self.cache_spec.blocks_for_budget(config.cache.memory_budget_bytes)
-        self.kv_cache = self.cache_spec.allocate(num_blocks, self.device)
+        self.ranks = ranks
+        self.tensor_parallel_size = model.tp.size
+        self.cache_spec = KVCacheSpec.of(model_cfg, config.cache.block_size, self.dtype, self.tensor_parallel_size)
+        num_blocks = num_cache_blocks(config, self.cache_spec)
+        shared = ranks is not None and ranks.caches is not None  # rank 0's part of every rank's caches
+        self.kv_cache = ranks.caches[0] if shared else self.cache_spec.allocate(num_blocks, self.device)
         self.blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
         eos = model_cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and tokenizer.eos_token_id is not None else ())
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos))
         graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if config.cuda_graphs else ()
         self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed,
-                                  graph_sizes, self.max_model_len)
+                                  graph_sizes, self.max_model_len, ranks)
         self.runner.sampler.eos_token_ids = frozenset(eos)  # banned before min_tokens
         self._model_dir = model_dir
         self._seqs: dict[str, Sequence] = {}
@@ -79,14 +88,27 @@ class LLMEngine:
         self.last_step_shape: StepShape | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, progress: bool = True, detokenize: bool = True) -> "LLMEngine":
-        """Load the model named in ``config`` (weights, tokenizer) and build the engine."""
-        from pdserve.engine.loader import load_model
-
-        model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress)
+    def from_config(cls, config: EngineConfig, progress: bool = True, detokenize: bool = True,
+                    on_rank_lost: Callable[[RankLost], None] = exit_worker) -> "LLMEngine":
+        """Load the model named in ``config`` (weights, tokenizer) and build the engine; with
+        ``tensor_parallel_size`` > 1, on its ranks (``tp_group.load_on_ranks``: ``on_rank_lost``
+        is what a lost rank does, by default end this process)."""
+        model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost)
         # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
         tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
-        return cls(model, model_cfg, config, tokenizer, detokenize=detokenize, model_dir=str(model_dir))
+        return cls(model, model_cfg, config, tokenizer, detokenize=detokenize, model_dir=str(model_dir), ranks=ranks)
+
+    @property
+    def rank_caches(self) -> tuple[torch.Tensor, ...]:
+        """Each tensor-parallel rank's cache, rank 0's first (``RankGroup.rank_caches``): what
+        the worker's KV-transfer agents register, one each. One rank: its cache."""
+        return (self.kv_cache,) if self.ranks is None else self.ranks.rank_caches()
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the other ranks of a tensor-parallel worker; nothing to do for one rank.
+        ``graceful``: no step runs (they are told to stop); else they are killed."""
+        if self.ranks is not None:
+            self.ranks.close(graceful)
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -269,6 +291,8 @@ class LLMEngine:
             return self._take_pending()
         try:
             sampled = self.runner.run(out)
+        except RankLost:
+            raise  # the worker is lost as a whole: no part of the step can run again
         except Exception as exc:
             sampled = self._isolate(out, exc)
         errors = self._end_failed(sampled.failed)
@@ -370,30 +394,13 @@ class LLMEngine:
         """Run the given prompts to completion, batched; outputs in prompt order."""
         prompts = list(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        done = {f"gen-{i}": Completion(f"gen-{i}") for i in range(len(prompts))}
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            self.add_request(f"gen-{i}", p, sp)
-        bar = tqdm(total=len(prompts), desc="generate", disable=not progress)
-        pending = set(done)
-        while pending:
-            for o in self.step():
-                c = done.get(o.request_id)
-                if c is None:
-                    continue
-                c.token_ids += o.new_token_ids
-                c.text += o.new_text
-                c.logprobs += o.new_logprobs
-                c.top_logprobs += o.new_top_logprobs
-                if o.prompt_logprobs is not None:
-                    c.prompt_logprobs = o.prompt_logprobs
-                if o.finished:
-                    c.finish_reason = o.finish_reason
-                    pending.discard(o.request_id)
-                    bar.update(1)
-        bar.close()
-        return [done[f"gen-{i}"] for i in range(len(prompts))]
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        for request_id, p, sp in zip(ids, prompts, plist):
+            self.add_request(request_id, p, sp)
+        return run_to_completion(self.step, ids, progress)
 
     # ---- observability -------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free_blocks
+

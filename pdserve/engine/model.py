@@ -7,6 +7,14 @@ gate|up) so a decode step issues fewer, larger matmuls; numerics follow ``transf
 op for op (RMSNorm in float32, RoPE tables in float32, logits cast to float32). After
 loading, pdserve/engine/linear.py may swap the linears, norms and LM head for a backend's own
 modules (bfloat16 on CPU: pdserve's batch-invariant kernels); the model does not know which.
+
+Tensor parallelism (``TensorParallel``, pdserve/engine/parallel.py) is Megatron's split: each
+rank holds its share of the q heads and of the KV heads (q|k|v split by heads), of the MLP's
+intermediate rows (gate|up), and the matching input columns of o_proj and down_proj, whose
+partial outputs one all-reduce each sums. The embedding, the norms and the LM head are
+replicated; only rank 0 computes logits (it alone samples), so the other ranks hold no LM head.
+At size 1 every split is the whole and every all-reduce the identity. ``check_split`` says,
+per family, whether a size splits a model, before anything is built.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from pdserve.engine.attention import AttentionContext
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.parallel import SINGLE, TensorParallel
 from pdserve.engine.rope import RotaryEmbedding
+from pdserve.engine.weights import Target, load_weights
 
 
 class RMSNorm(nn.Module):
@@ -44,13 +53,26 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class RowParallelLinear(nn.Linear):
+    """A linear whose input columns are split over the tensor-parallel ranks (o_proj,
+    down_proj): each rank's output is a partial sum, which ``TensorParallel.all_reduce``
+    completes. It computes as ``nn.Linear``; the class tells a linear backend that, at TP > 1,
+    the partial sums are better handed over in float32 (pdserve/engine/linear.py), so its
+    caller casts the reduced sum back to the model dtype."""
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.tp = tp
+        # This rank's heads: q heads and KV heads each split evenly, so every rank keeps the
+        # model's GQA ratio and its q heads read only its own KV heads.
+        self.nh = tp.share(cfg.num_heads, "num_attention_heads")
+        self.nkv = tp.share(cfg.num_kv_heads, "num_key_value_heads")
+        self.hd = cfg.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = None  # set by the model runner
         self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd), bound by the runner
         self.v_cache: torch.Tensor | None = None
@@ -61,8 +83,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         # The backend splits q|k|v, rotates, stores K/V and attends (fused where it can).
         out = self.backend.attend(self.qkv_proj(x), rope, self.k_cache, self.v_cache, ctx,
-                                  self.nh, self.nkv, self.hd)  # (T, nh, hd)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+                                  self.nh, self.nkv, self.hd)  # (T, nh, hd), this rank's heads
+        return self.tp.all_reduce(self.o_proj(out.reshape(x.shape[0], self.q_size))).to(x.dtype)
 
 
 class SiluAndMul(nn.Module):
@@ -75,15 +97,16 @@ class SiluAndMul(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.tp = tp
+        self.inter = tp.share(cfg.intermediate_size, "intermediate_size")  # this rank's rows
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x)))).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -91,12 +114,13 @@ class DecoderLayer(nn.Module):
     or MLP differs from Llama's (pdserve/engine/qwen3.py) hands its own in; the norms and the
     stream are the same."""
 
-    def __init__(self, cfg: ModelConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg) if self_attn is None else self_attn
+        self.self_attn = Attention(cfg, tp) if self_attn is None else self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg) if mlp is None else mlp
+        self.mlp = MLP(cfg, tp) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,12 +157,17 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        # Rank 0 alone computes logits: the sampler needs the whole vocabulary there, and a
+        # replicated head costs no collective (a vocab-parallel one would gather logits).
+        self.has_head = tp.rank == 0
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layers if layers is not None else (DecoderLayer(cfg) for _ in range(cfg.num_layers)))
+        self.layers = nn.ModuleList(layers if layers is not None else
+                                    (DecoderLayer(cfg, tp=tp) for _ in range(cfg.num_layers)))
         self.stack = DecoderStack()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        untied = not cfg.tie_word_embeddings and self.has_head
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if untied else None
         self.linear_backend = "torch"  # engine.linear.apply_backend names the one it applied
         self.kernel_path: str | None = None  # and the CPU instruction-set path, for the packed kernels
         self._bound: tuple[list, object] | None = None  # what bind_caches bound last
@@ -175,45 +204,42 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> list[str]:
-        """Copy a ``transformers``-named state dict in, fusing q|k|v and gate|up.
+        """Copy a ``transformers``-named state dict in, fusing q|k|v and gate|up, each tensor
+        cut to this rank's share (pdserve/engine/weights.py).
 
         Returns the names of parameters that received nothing (empty when complete); raises
         ValueError on a shape mismatch naming the tensor.
         """
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        for hf_name, tensor in weights.items():
-            target = _target_of(hf_name, self.cfg)
-            if target is None:
-                continue
-            name, offset = target
-            if name not in params:
-                continue
-            param = params[name]
-            dst = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
-            if dst.shape != tensor.shape:
-                raise ValueError(f"tensor {hf_name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            filled.add(name)
-        return [n for n in params if n not in filled]
+        return load_weights(self, weights, lambda name: llama_target(name, self.cfg, self.tp), self.tp)
+
+    @staticmethod
+    def split_dims(cfg: ModelConfig) -> tuple[tuple[int, str], ...]:
+        """The (size, name) of every dimension this family splits over tensor-parallel ranks
+        (``check_split``); a family with other splits overrides it."""
+        return ((cfg.num_heads, "num_attention_heads"), (cfg.num_kv_heads, "num_key_value_heads"),
+                (cfg.intermediate_size, "intermediate_size"))
 
 
-def _target_of(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
-    """Map a transformers parameter name to (our parameter, row offset into a fused one)."""
+def llama_target(hf_name: str, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> Target | None:
+    """Where a transformers tensor goes: our parameter, the row offset into a fused one (at this
+    rank's sizes) and the dimension split over the ranks (q, k, v, gate, up by output rows;
+    o_proj, down_proj by input columns; a bias has one dimension: only q, k, v have any)."""
     name = hf_name.removeprefix("model.")
-    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+    if (name == "lm_head.weight" and cfg.tie_word_embeddings) or "rotary_emb" in name:
         return None
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    q = tp.share(cfg.num_heads, "num_attention_heads") * cfg.head_dim
+    kv = tp.share(cfg.num_kv_heads, "num_key_value_heads") * cfg.head_dim
+    inter = tp.share(cfg.intermediate_size, "intermediate_size")
     fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", q),
-        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", inter),
+        ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0),
+        ".self_attn.k_proj.": (".self_attn.qkv_proj.", q),
+        ".self_attn.v_proj.": (".self_attn.qkv_proj.", q + kv),
+        ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+        ".mlp.up_proj.": (".mlp.gate_up_proj.", inter),
     }
     for src, (dst, offset) in fused.items():
-        if f".{src}." in name:
-            return name.replace(src, dst), offset
-    if "rotary_emb" in name:
-        return None
-    return name, None
+        if src in name:
+            return Target(name.replace(src, dst), offset, 0)
+    if ".self_attn.o_proj." in name or ".mlp.down_proj." in name:
+        return Target(name, None, 1)
+    return Target(name)

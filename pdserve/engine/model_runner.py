@@ -5,6 +5,13 @@ tables, lengths) from the scheduler's output, hands every attention layer its sl
 cache, runs the forward, and samples the sequences that finished their
 prompt or are decoding. With CUDA graphs (``graph_sizes``), a decode step that fits one
 replays it instead of running the forward (pdserve/engine/cuda_graphs.py).
+
+In a tensor-parallel worker this is rank 0's runner: before each forward it hands the
+prepared inputs to the other ranks (``ranks``, a ``pdserve.engine.tp_group.RankGroup``), which
+run the same forward on their shares. Logits and sampling are rank 0's alone. A forward that
+raises there may have left the ranks between two all-reduces, out of step for good: it is the
+worker's loss (``RankGroup.lost``), not one request's fault. Graphs are CUDA's, and TP
+is CPU-only for now (docs/gpu.md), so a graphed step never has ranks to hand inputs to.
 """
 
 from __future__ import annotations
@@ -19,11 +26,14 @@ from pdserve.engine.attention_select import select_backend
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.errors import RankLost
 from pdserve.engine.kv_cache import layer_views
 from pdserve.engine.model import CausalLM
+from pdserve.engine.parallel import SINGLE
 from pdserve.engine.prompt_logprobs import prompt_logprobs
 from pdserve.engine.sampler import Sampler, SamplerRow
 from pdserve.engine.scheduler import SampledTokens, SchedulerOutput
+from pdserve.engine.tp_group import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +45,23 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, cfg: ModelConfig, cache: torch.Tensor, blocks: BlockManager,
                  attention_backend: str = "auto", seed: int = 0, graph_sizes: tuple[int, ...] = (),
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, ranks: RankGroup | None = None):
         self.model = model
         self.cfg = cfg
         self.cache = cache
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.device = cache.device
-        self.backend = select_backend(attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads,
-                                      cfg.head_dim, self.block_size, dtype=cache.dtype)
+        self.ranks = ranks
+        tp = ranks.tp if ranks is not None else SINGLE  # attention runs this rank's heads
+        self.backend = select_backend(attention_backend, self.device, tp.share(cfg.num_heads, "num_attention_heads"),
+                                      tp.share(cfg.num_kv_heads, "num_key_value_heads"), cfg.head_dim,
+                                      self.block_size, dtype=cache.dtype)
         self._layer_caches = [layer_views(cache, i) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed)
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
         self.graphs: DecodeGraphs | None = None
-        if graph_sizes:
+        if graph_sizes and ranks is None:  # a graph would skip handing the ranks their step
             self.graphs = self._capture(graph_sizes, max_model_len or cfg.max_model_len)
 
     @torch.inference_mode()
@@ -89,7 +102,7 @@ class ModelRunner:
         """The step run eagerly: (logits (N, V) float32 of the N sampled rows, or None when
         none is sampled; the prompt logprobs it computed)."""
         ctx, positions, (input_ids, sample_rows) = host.to(self.device, [tokens, sample_idx])
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = self._hidden(input_ids, positions, ctx)
         prompt_lps = prompt_logprobs(self.model, hidden, out)
         return (self.model.compute_logits(hidden[sample_rows]) if sample_idx.numel() else None), prompt_lps
 
@@ -98,6 +111,18 @@ class ModelRunner:
         if self.graphs is None or not host.ctx.is_decode or not all(item.sample for item in out.seqs):
             return None
         return self.graphs.run(host, tokens)
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The forward on every rank: rank 0 hands the inputs over first."""
+        if self.ranks is None:
+            return self.model(input_ids, positions, ctx)
+        try:
+            self.ranks.step(input_ids, positions, ctx)
+            return self.model(input_ids, positions, ctx)
+        except RankLost:
+            raise
+        except Exception as exc:
+            raise self.ranks.lost(exc) from exc
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """Packed token ids (T,), positions (T,), the step's ``AttentionContext`` and the rows

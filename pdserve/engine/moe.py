@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.model import SiluAndMul
+from pdserve.engine.model import RowParallelLinear, SiluAndMul
 from pdserve.engine.parallel import SINGLE, TensorParallel
 
 
@@ -52,13 +52,15 @@ class GatedMLP(nn.Module):
         super().__init__()
         inter = tp.share(intermediate, what)
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        # Row-split; reduced here, its partial sums go to the all-reduce in float32 where a
+        # backend gives them so (pdserve/engine/linear.py); an expert's stay in the model dtype.
+        self.down_proj = (RowParallelLinear if reduce else nn.Linear)(inter, hidden, bias=False)
         self.act = SiluAndMul()
         self.tp = tp if reduce else SINGLE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, hidden): the whole output, or this rank's part without ``reduce``."""
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x)))).to(x.dtype)
 
 
 class SoftmaxTopKGate(nn.Module):

@@ -1,9 +1,13 @@
 """What the engine hands out: one step's output for one request (``RequestOutput``, a diff),
-and a whole finished request (``Completion``, from ``LLMEngine.generate``)."""
+and a whole finished request (``Completion``, from ``LLMEngine.generate``, which
+``run_to_completion`` assembles from the diffs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
+from tqdm import tqdm
 
 from pdserve.engine.errors import SequenceFailed
 from pdserve.engine.sampling import TopLogprobs
@@ -40,3 +44,30 @@ class Completion:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
     finish_reason: str | None = None
+
+    def add(self, o: RequestOutput) -> None:
+        """Append one step's output of this request (``RequestOutput`` is a diff)."""
+        self.token_ids += o.new_token_ids
+        self.text += o.new_text
+        self.logprobs += o.new_logprobs
+        self.top_logprobs += o.new_top_logprobs
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs = o.prompt_logprobs
+        if o.finished:
+            self.finish_reason = o.finish_reason
+
+
+def run_to_completion(step: Callable[[], list[RequestOutput]], request_ids: list[str],
+                      progress: bool = False) -> list[Completion]:
+    """Call ``step`` until every one of ``request_ids`` has finished; their completions, in order."""
+    done = {request_id: Completion(request_id) for request_id in request_ids}
+    pending = set(done)
+    with tqdm(total=len(done), desc="generate", disable=not progress) as bar:
+        while pending:
+            for o in step():
+                if o.request_id in done:
+                    done[o.request_id].add(o)
+                if o.finished and o.request_id in pending:
+                    pending.discard(o.request_id)
+                    bar.update(1)
+    return [done[request_id] for request_id in request_ids]

@@ -44,9 +44,20 @@ class TensorParallel:
         return tensor.narrow(dim, self.rank * part, part)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; the identity at size 1."""
-        if self.size > 1:
+        """Sum ``x`` over the ranks, in place; the identity at size 1. Every element is added
+        in one fixed order whatever the tensor's length, so a row's sum does not depend on the
+        batch: at two ranks any algorithm does that (a + b == b + a); beyond, a ring's order
+        depends on where an element falls in the buffer, so the partial sums are gathered and
+        added in rank order."""
+        if self.size == 2:
             torch.distributed.all_reduce(x, group=self.group)
+        elif self.size > 2:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.group.allgather([parts], [x]).wait()
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
         return x
 
 

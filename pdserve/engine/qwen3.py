@@ -28,7 +28,7 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model import CausalLM, DecoderLayer, RMSNorm
+from pdserve.engine.model import CausalLM, DecoderLayer, RMSNorm, RowParallelLinear
 from pdserve.engine.moe import GatedMLP, RoutedExperts, SoftmaxTopKGate, SparseMoe
 from pdserve.engine.parallel import SINGLE, TensorParallel
 from pdserve.engine.weights import Target, load_weights
@@ -48,7 +48,7 @@ class Qwen3Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = None  # set by the model runner, with the caches
         self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd): this rank's heads
         self.v_cache: torch.Tensor | None = None
@@ -66,7 +66,7 @@ class Qwen3Attention(nn.Module):
         q.copy_(self.q_norm(q.reshape(t, self.nh, self.hd)).reshape(t, self.q_size))
         k.copy_(self.k_norm(k.reshape(t, self.nkv, self.hd)).reshape(t, self.kv_size))
         out = self.backend.attend(qkv, rope, self.k_cache, self.v_cache, ctx, self.nh, self.nkv, self.hd)  # (T, nh, hd)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size))).to(x.dtype)
 
 
 def qwen3_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
@@ -90,6 +90,17 @@ class Qwen3ForCausalLM(CausalLM):
         """Copy a ``transformers``-named state dict in, fusing q|k|v and gate|up and keeping
         this rank's share; returns the parameters that received nothing."""
         return load_weights(self, weights, lambda name: qwen3_target(name, self.cfg, self.tp), self.tp)
+
+    @staticmethod
+    def split_dims(cfg: ModelConfig) -> tuple[tuple[int, str], ...]:
+        """Heads and KV heads; the dense MLPs' width where a layer has one; each expert's width."""
+        dims = [(cfg.num_heads, "num_attention_heads"), (cfg.num_kv_heads, "num_key_value_heads")]
+        moe = cfg.moe
+        if moe is None or any(not moe.is_sparse(i) for i in range(cfg.num_layers)):
+            dims.append((cfg.intermediate_size, "intermediate_size"))
+        if moe is not None:
+            dims.append((moe.intermediate_size, "moe_intermediate_size"))
+        return tuple(dims)
 
 
 def qwen3_target(hf_name: str, cfg: ModelConfig, tp: TensorParallel) -> Target | None:

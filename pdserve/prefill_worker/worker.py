@@ -17,8 +17,9 @@ from pdserve.engine.device import wait_for_writes
 from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kv_transfer import DEFAULT_BACKEND, KVTransferAgent, create_agent
+from pdserve.kv_transfer import DEFAULT_BACKEND, KVTransferAgent
 from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
+from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
@@ -27,6 +28,7 @@ from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
 from pdserve.prefill_worker.record import PrefillResult, RequestRecord
 from pdserve.protos import worker_pb2
+from pdserve.shell.agents import worker_agents
 from pdserve.shell.worker import WorkerShell
 from pdserve.wire import tracing
 
@@ -55,6 +57,9 @@ class PrefillWorkerConfig:
     owner_timeout_s: float = 10.0
     kv_transfer_backend: str = DEFAULT_BACKEND
     verify_kv: bool = VERIFY_BY_DEFAULT  # checksum each held block once final, for its reader (kv_transfer.checksum)
+    # Tensor-parallel size of the workers that read this one's KV (the decode pool's): each
+    # block is checksummed in as many groups of heads as a reader rank needs to check its own.
+    reader_tp: int = 1
     max_requests: int = 1024  # requests held at once (queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
@@ -71,15 +76,15 @@ class PrefillWorker(WorkerShell):
     role = "prefill"
 
     def __init__(self, config: PrefillWorkerConfig, engine: LLMEngine | None = None,
-                 agent: KVTransferAgent | None = None):
+                 agent: KVTransferAgent | RankAgents | None = None):
         """``engine`` and ``agent``: ones this worker shares with a decode worker in the same
         process (``pdserve.elastic_worker``); None: its own."""
         engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the prefill worker")  # before its KV listener
         if agent is None:
-            agent = create_agent(config.kv_transfer_backend, config.worker_id, engine.kv_cache,
-                                 **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
+            agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine, config.reader_tp,
+                                  **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv])
         self.endpoint = endpoint
         self.leases = LeaseTable()

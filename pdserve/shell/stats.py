@@ -8,11 +8,11 @@ are individually consistent, and the snapshot as a whole is at most one step old
 from __future__ import annotations
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_transfer import KVTransferAgent
+from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
 
 
-def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: KVTransferAgent, metrics_address: str = "",
+def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents, metrics_address: str = "",
                  engine_steps: int = 0, **extra) -> worker_pb2.WorkerStats:
     """The snapshot; ``metrics_address`` is where the worker serves /metrics, ``engine_steps``
     the engine thread's step count (with ``engine_busy`` it tells a hung engine from an idle
@@ -31,7 +31,7 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: KVTransfer
         kv_transfer_bytes=t.bytes, kv_transfers=t.transfers, kv_transfer_failures=t.failures,
         kv_verify_failures=t.verify_failures,
         kv_transfer_seconds=t.seconds, prefix_cache_queries=blocks.prefix_queries,
-        prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=engine.cache_spec.bytes_per_token,
+        prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=engine.cache_spec.bytes_per_token * engine.tensor_parallel_size,
         num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
         engine_busy=engine.has_runnable(), **extra)
 

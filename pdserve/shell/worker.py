@@ -20,6 +20,7 @@ from pdserve.engine.errors import StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.step_trace import StepTrace, trace_path
 from pdserve.kv_transfer import KVTransferAgent
+from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
 from pdserve.shell.stats import worker_stats
 
@@ -38,11 +39,11 @@ class WorkerShell:
 
     role: ClassVar[str]
 
-    def __init__(self, config: Any, engine: LLMEngine, agent: KVTransferAgent, hooks: Iterable[Hook] = (),
+    def __init__(self, config: Any, engine: LLMEngine, agent: KVTransferAgent | RankAgents, hooks: Iterable[Hook] = (),
                  holds: Iterable[Hold] = ()):
         self.config = config
         self.engine = engine
-        self.agent = agent
+        self.agent = RankAgents.of(agent)  # one per tensor-parallel rank (pdserve/shell/agents.py)
         self.draining = False  # no new requests; those here finish
         self.refusal = "is draining"  # what a request refused while draining is told (ShellRpcs.admit)
         self.hooks = list(hooks)  # kept for a worker that runs several shells on one thread (run_together)
@@ -54,15 +55,18 @@ class WorkerShell:
 
     def start(self) -> None:
         if self.config.cpus:
-            pin_process(self.config.cpus)
+            # A tensor-parallel worker's ranks each take their share of its cores (rank 0: this process).
+            own = self.config.cpus if self.engine.ranks is None else self.engine.ranks.pin(self.config.cpus)
+            pin_process(own)
             if self.config.borrow_cpus:
-                borrow_idle_cores(self.config.cpus, self.config.borrow_cpus)
+                borrow_idle_cores(own, self.config.borrow_cpus)
         self.agent.expect_reads(False)  # until the role says otherwise (a prefill worker holding KV)
         self.thread.start()
 
     def stop(self) -> None:
         self.thread.stop()
         self.agent.close()
+        self.engine.close(graceful=not self.thread.alive)  # a tensor-parallel worker's other ranks
 
     # ---- the bridge (asyncio side) ---------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -37,12 +37,22 @@ CLEAN_WITHIN_S = 20.0  # every surviving worker holds no block within this (< LE
 REPLACED_WITHIN_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def cluster():
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def cluster(request):
+    """The default model; or, at two tensor-parallel ranks per worker, the tiny model with the
+    default tokenizer (``tests.serving.test_tensor_parallel``): a process killed or stopped is
+    then a worker's rank 0, and its other rank leaves with it."""
+    tp = {}
+    if request.param > 1:
+        from pdserve.engine.config import CacheConfig, EngineConfig
+
+        model = str(request.getfixturevalue("tool_llama")[0])
+        tp = dict(engine=EngineConfig(model=model, dtype="float32", cache=CacheConfig(memory_budget_bytes=96 << 20)),
+                  prefill_tp=request.param, decode_tp=request.param)
     with running_cluster(cluster_config(
             dtype="float32", num_prefill=2, num_decode=2, http_port=None, lease_seconds=LEASE_S,
             kv_transfer_backend="tcp", inject_transfer_delay_s=READ_DELAY_S, router_poll_s=0.2,
-            supervise_interval_s=0.5, hang_timeout_s=HANG_S)) as c:
+            supervise_interval_s=0.5, hang_timeout_s=HANG_S, **tp)) as c:
         yield c
 
 

@@ -132,6 +132,22 @@ def test_a_lease_checksums_each_block_once_it_is_final():
     assert lease.checksums == [104, 109, 102]
 
 
+def test_a_tensor_parallel_holders_checksums_count_one_per_rank_per_block():
+    """A TP 2 holder gives two checksums a block (one per rank's part; the lease counts them): a streamed
+    prompt's later chunks still sum the blocks after those summed, each once."""
+    calls = []
+
+    def sums(ids, last):
+        calls.append(tuple(ids))
+        return tuple(s for i in ids for s in (100 + i, 200 + i))
+
+    lease = LeaseTable().grant("req-a#0", [4, 9, 2], 0.0, 10.0)
+    for tokens, done in ((16, False), (32, False), (37, True), (37, True)):
+        lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=tokens, done=done)
+    assert calls == [(4,), (9,), (2,)]
+    assert lease.checksums == [104, 204, 109, 209, 102, 202]
+
+
 def test_a_reader_that_renews_its_claim_keeps_the_lease_past_its_deadline():
     """The holder cannot tell when a one-sided read ends: while the claim's reader renews it,
     expiry never frees the lease, however long past ``lease_seconds`` the read goes on. The

@@ -1,0 +1,45 @@
+"""A worker's KV-transfer agents, from its engine: one per tensor-parallel rank, each over the
+rank's cache and announcing the rank's ``KVShard`` (which heads it holds, the byte shape of a
+block), so that a peer of another tensor-parallel size reads it by head.
+
+The shard is where model knowledge meets the transfer layer, and the only place: the KV
+heads, head bytes and rows a token has come from the engine's model config and cache spec;
+``pdserve.kv_transfer`` sees bytes and heads only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer import create_agent
+from pdserve.kv_transfer.rank_agents import RankAgents, rank_agent_name
+from pdserve.kv_transfer.sharding import KVShard, checksum_groups_for
+
+
+def kv_shard(engine: LLMEngine, rank: int, checksum_groups: int = 1) -> KVShard:
+    """Rank ``rank``'s share of ``engine``'s worker's KV cache."""
+    spec, cfg = engine.cache_spec, engine.model_cfg
+    return KVShard.of_rank(rank, engine.tensor_parallel_size, num_kv_heads=cfg.num_kv_heads,
+                           head_bytes=spec.head_dim * spec.dtype.itemsize, rows_per_token=2 * spec.num_layers,
+                           block_size=spec.block_size, dtype=str(spec.dtype).removeprefix("torch."),
+                           checksum_groups=checksum_groups)
+
+
+def worker_agents(backend: str, worker_id: str, engine: LLMEngine, reader_tp: int = 1, **opts: Any) -> RankAgents:
+    """The agents of ``engine``'s ranks, all in this process (rank 0's: on the CPU every rank's
+    cache is in its shared file). ``reader_tp``: the tensor-parallel size of the workers that
+    read this one's KV (the decode pool's, for a prefill worker): it sets how many checksum
+    groups a block gets, so each reader rank checks the heads it reads. ``opts``: ``create_agent``'s."""
+    caches = engine.rank_caches
+    groups = checksum_groups_for(len(caches), reader_tp)
+    agents = []
+    try:
+        for rank, cache in enumerate(caches):
+            agents.append(create_agent(backend, rank_agent_name(worker_id, rank), cache,
+                                       shard=kv_shard(engine, rank, groups), **opts))
+    except Exception:
+        for agent in agents:
+            agent.close()
+        raise
+    return RankAgents(agents)
