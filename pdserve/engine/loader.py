@@ -19,9 +19,11 @@ import torch
 from tqdm import tqdm
 
 from pdserve.engine.config import ModelConfig, model_config_from_hf
+from pdserve.engine.deepseek import DeepseekForCausalLM
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.linear import apply_backend, select_backend
 from pdserve.engine.model import CausalLM
+from pdserve.engine.parallel import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +121,15 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(str(file), f"corrupt checkpoint ({exc})") from exc
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device,
-               progress: bool = True) -> tuple[CausalLM, ModelConfig, Path]:
-    """Build our ``CausalLM`` and fill it from ``model``; returns (model, config, HF dir).
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    """The family's model: DeepSeek's latent attention, or the Llama family's."""
+    return DeepseekForCausalLM if cfg.mla is not None else CausalLM
+
+
+def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
+               tp: TensorParallel = SINGLE) -> tuple[CausalLM, ModelConfig, Path]:
+    """Build our ``CausalLM`` (``tp``'s share of it) and fill it from ``model``; returns
+    (model, config, HF dir).
 
     Once filled, the model's linears are handed to the backend for ``dtype`` and ``device``
     (pdserve/engine/linear.py), which packs their weights once, here, for the rest of its life.
@@ -129,7 +137,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device,
     model_dir = materialize(model, progress)
     cfg = read_model_config(model_dir)
     with torch.device("meta"):
-        net = CausalLM(cfg)
+        net = model_class(cfg)(cfg, tp)
     net = net.to_empty(device=device).to(dtype)
     weights = {}
     for name, tensor in tqdm(_iter_safetensors(model_dir), desc=f"loading {model_dir.name}",
