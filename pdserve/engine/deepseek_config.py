@@ -75,6 +75,11 @@ def deepseek_fields(get: Get, source: str) -> dict[str, Any]:
         raise ModelLoadError(source, f"unsupported hidden_act {get('hidden_act')!r}; supported: silu")
     if get("mlp_bias", False):
         raise ModelLoadError(source, "mlp_bias=true is not supported for DeepSeek models")
+    quantized = get("quantization_config")
+    if quantized:  # DeepSeek-V3's own release is FP8 with per-block scales: copied as is, it would be wrong
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ModelLoadError(source, f"quantization_config ({method}) is not supported: pdserve loads bfloat16 or "
+                                     "float32 weights; dequantize the checkpoint first")
     num_heads = get("num_attention_heads")
     rope, rope_theta = _rope(get, source)
     mla = _mla(get, rope, model_type)
