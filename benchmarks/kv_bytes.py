@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         measured = pulled / args.prompt_tokens * layers / 2
         row = (f"latent {fields['kv_lora_rank']} + rope {fields['qk_rope_head_dim']}" if "kv_lora_rank" in fields
                else f"K,V x {fields['num_key_value_heads']} x {fields['head_dim']}")
-        print(f"{name:<17}{params:>14}{layers:>8}{row:>26}{measured:>12,.0f}{spec_bytes(model_type, layers, fields, dtype):>12,}")
+        layout = spec_bytes(model_type, layers, fields, dtype)
+        print(f"{name:<17}{params:>14}{layers:>8}{row:>26}{measured:>12,.0f}{layout:>12,}")
 
 
 if __name__ == "__main__":
