@@ -242,7 +242,8 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
     packed_head = backend.logits_head(head.weight, getattr(head, "bias", None))
     if packed_head is not None:
         model.lm_head = packed_head
-    stack = backend.stack(model.layers)  # after the layers are packed: it holds their packed weights
+    # After the layers are packed: the fused stack holds their packed weights.
+    stack = backend.stack(model.layers) if model.packed_stack else None
     if stack is not None:
         model.stack = stack
     model.linear_backend = backend.name

@@ -24,7 +24,7 @@ from pdserve.engine.cuda_graphs import capture_sizes
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, SequenceFailed, StepFailed
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.grammar_jobs import GrammarJobs
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_cache import cache_spec_of
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput
@@ -53,7 +53,7 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
-        self.cache_spec = KVCacheSpec.of(model_cfg, config.cache.block_size, self.dtype)
+        self.cache_spec = cache_spec_of(model_cfg, config.cache.block_size, self.dtype)
         num_blocks = config.cache.num_blocks or self.cache_spec.blocks_for_budget(config.cache.memory_budget_bytes)
         self.kv_cache = self.cache_spec.allocate(num_blocks, self.device)
         self.blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)

@@ -23,6 +23,7 @@ from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.families import build_model
 from pdserve.engine.linear import apply_backend, select_backend
 from pdserve.engine.model import CausalLM
+from pdserve.engine.parallel import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,10 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(str(file), f"corrupt checkpoint ({exc})") from exc
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device,
-               progress: bool = True) -> tuple[CausalLM, ModelConfig, Path]:
-    """Build the ``CausalLM`` of ``model``'s family (pdserve/engine/families.py) and fill it;
-    returns (model, config, HF dir).
+def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
+               tp: TensorParallel = SINGLE) -> tuple[CausalLM, ModelConfig, Path]:
+    """Build the ``CausalLM`` of ``model``'s family (pdserve/engine/families.py), ``tp``'s share
+    of it, and fill it; returns (model, config, HF dir).
 
     Once filled, the model's linears are handed to the backend for ``dtype`` and ``device``
     (pdserve/engine/linear.py), which packs their weights once, here, for the rest of its life.
@@ -131,7 +132,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device,
     model_dir = materialize(model, progress)
     cfg = read_model_config(model_dir)
     with torch.device("meta"):
-        net = build_model(cfg)
+        net = build_model(cfg, tp)
     net = net.to_empty(device=device).to(dtype)
     weights = {}
     for name, tensor in tqdm(_iter_safetensors(model_dir), desc=f"loading {model_dir.name}",

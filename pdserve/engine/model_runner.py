@@ -15,11 +15,12 @@ from itertools import accumulate, chain
 import torch
 
 from pdserve.engine.attention import AttentionContext, HostContext, host_context
+from pdserve.engine.attention_mla import select_latent_backend
 from pdserve.engine.attention_select import select_backend
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.kv_cache import layer_views
+from pdserve.engine.kv_cache import cache_spec_of
 from pdserve.engine.model import CausalLM
 from pdserve.engine.prompt_logprobs import prompt_logprobs
 from pdserve.engine.sampler import Sampler, SamplerRow
@@ -42,9 +43,12 @@ class ModelRunner:
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.device = cache.device
-        self.backend = select_backend(attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads,
-                                      cfg.head_dim, self.block_size, dtype=cache.dtype)
-        self._layer_caches = [layer_views(cache, i) for i in range(cfg.num_layers)]
+        if cfg.mla is not None:
+            self.backend = select_latent_backend(attention_backend, cfg.mla)
+        else:
+            self.backend = select_backend(attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.head_dim, self.block_size, dtype=cache.dtype)
+        self._layer_caches = cache_spec_of(cfg, self.block_size, cache.dtype).layer_caches(cache)
         self.sampler = Sampler(self.device, seed)
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
         self.graphs: DecodeGraphs | None = None
