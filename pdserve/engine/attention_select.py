@@ -15,6 +15,9 @@ import logging
 import torch
 
 from pdserve.engine.attention import SdpaAttention
+from pdserve.engine.attention_mla import select_latent_backend
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -88,3 +91,14 @@ def _triton(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: i
         raise ValueError("attention_backend=triton on the CPU runs only under Triton's interpreter "
                          "(TRITON_INTERPRET=1 set before triton is imported)")
     return TritonAttention(num_heads, num_kv_heads, head_dim)
+
+
+def select_attention(name: str, cfg: ModelConfig, tp: TensorParallel, device: torch.device, block_size: int,
+                     dtype: torch.dtype):
+    """The attention backend of ``cfg``'s model on rank ``tp`` (its share of the heads): the
+    latent one for MLA, else ``select_backend``'s. Rank 0's runner and every follower rank
+    (pdserve/engine/tp_follower.py) pick theirs here."""
+    if cfg.mla is not None:
+        return select_latent_backend(name, cfg.mla)
+    return select_backend(name, device, tp.share(cfg.num_heads, "num_attention_heads"),
+                          tp.share(cfg.num_kv_heads, "num_key_value_heads"), cfg.head_dim, block_size, dtype=dtype)

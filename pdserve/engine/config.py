@@ -7,10 +7,11 @@ are returned by functions, never written back here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
+from pdserve.engine.deepseek_config import DEEPSEEK_MODEL_TYPES, MLAConfig, MoEConfig, deepseek_fields
 from pdserve.engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -19,6 +20,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm on each head of q and k before RoPE
@@ -59,11 +62,14 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 has biases on q/k/v projections; Llama and Mistral do not.
-    rope_scaling: Mapping[str, Any] | None = None  # only the "llama3" type is supported
+    rope_scaling: Mapping[str, Any] | None = None  # "llama3", or "yarn" (DeepSeek), with rope_theta
     sliding_window: int | None = None  # Mistral: caps max_model_len (no windowed attention)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    moe: MoeConfig | None = None  # Qwen3-MoE; None: every layer's MLP is dense
+    mla: MLAConfig | None = None  # DeepSeek: latent attention, and its latent cache
+    # Routed experts: Qwen3-MoE's MoeConfig (above) or DeepSeek's MoEConfig (deepseek_config.py),
+    # each read by its own family; None: every layer's MLP is dense.
+    moe: MoeConfig | MoEConfig | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -85,6 +91,8 @@ def model_config_from_hf(hf: Any, source: str) -> ModelConfig:
             source,
             f"unsupported architecture {archs or model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}",
         )
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        return ModelConfig(**_common_fields(get), **deepseek_fields(get, source))
     num_heads = get("num_attention_heads")
     hidden = get("hidden_size")
     rope = dict(get("rope_parameters") or get("rope_scaling") or {})
@@ -92,8 +100,6 @@ def model_config_from_hf(hf: Any, source: str) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ModelLoadError(source, f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
-    eos = get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     use_window = get("use_sliding_window", model_type == "mistral")
     if model_type in QK_NORM_TYPES and get("attention_bias", False):
         # transformers' Qwen3 then has an o_proj bias too, which no Qwen3 checkpoint has.
@@ -115,7 +121,7 @@ def model_config_from_hf(hf: Any, source: str) -> ModelConfig:
         rope_scaling=rope if rope_type == "llama3" else None,
         sliding_window=(get("sliding_window") or None) if use_window else None,
         bos_token_id=get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_token_ids(get("eos_token_id")),
         moe=moe_config_from_hf(get, source) if model_type == "qwen3_moe" else None,
     )
 
@@ -133,6 +139,21 @@ def moe_config_from_hf(get, source: str) -> MoeConfig:
     return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=get("moe_intermediate_size"),
                      norm_topk_prob=bool(get("norm_topk_prob", False)), sparse_step=step,
                      dense_layers=tuple(get("mlp_only_layers") or ()))
+
+
+def eos_token_ids(eos: Any) -> tuple[int, ...]:
+    """A config's ``eos_token_id``: one id, a list of them, or none."""
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+
+def _common_fields(get: Callable[..., Any]) -> dict[str, Any]:
+    """The fields every family reads the same way."""
+    return dict(model_type=get("model_type"), vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+                intermediate_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
+                rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=get("max_position_embeddings", 2048),
+                tie_word_embeddings=bool(get("tie_word_embeddings", False)), bos_token_id=get("bos_token_id"),
+                eos_token_ids=eos_token_ids(get("eos_token_id")))
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

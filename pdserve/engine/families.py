@@ -9,6 +9,7 @@ here; nothing else dispatches on the family.
 from __future__ import annotations
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.deepseek import DeepseekForCausalLM
 from pdserve.engine.model import CausalLM
 from pdserve.engine.parallel import SINGLE, TensorParallel
 from pdserve.engine.qwen3 import Qwen3ForCausalLM
@@ -19,6 +20,8 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "qwen2": CausalLM,
     "qwen3": Qwen3ForCausalLM,  # qwen3.py: per-head q/k norm
     "qwen3_moe": Qwen3ForCausalLM,  # and routed experts (moe.py)
+    "deepseek_v2": DeepseekForCausalLM,  # deepseek.py: latent attention (MLA), DeepSeek's MoE
+    "deepseek_v3": DeepseekForCausalLM,
 }
 
 

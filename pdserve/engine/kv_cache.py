@@ -9,6 +9,13 @@ Layout ``(num_blocks, block_size, num_layers, 2, num_kv_heads, head_dim)``:
 Attention sees each layer through a strided view ``(num_blocks, block_size, num_kv_heads,
 head_dim)``.
 
+A model with multi-head latent attention (DeepSeek, ``ModelConfig.mla``) caches no per-head
+K/V: ``LatentCacheSpec`` lays out ``(num_blocks, block_size, num_layers, kv_lora_rank +
+qk_rope_head_dim)``, one latent and one RoPE key per token and layer, the same block-first,
+token-major way, so the transfer layer moves its blocks unchanged (576 values a token and
+layer in DeepSeek-V3, against 2 x 128 heads x 128 for per-head K/V). The latent has no head
+axis: under tensor parallelism every rank holds the whole of it.
+
 On CPU the cache lives on transparent huge pages where Linux offers them (``host_zeros``).
 
 In a tensor-parallel worker each rank's cache holds its share of the KV heads, in the same
@@ -61,13 +68,63 @@ class KVCacheSpec:
         return budget_bytes // self.block_bytes
 
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        shape = (num_blocks, *self.block_shape)
-        if device.type == "cpu":
-            return host_zeros(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=device)
+        return _zeros((num_blocks, *self.block_shape), self.dtype, device)
+
+    def layer_caches(self, cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) views, what the model binds to its attention layers."""
+        return [layer_views(cache, i) for i in range(self.num_layers)]
 
 
-def num_cache_blocks(config: EngineConfig, spec: KVCacheSpec) -> int:
+@dataclass(frozen=True)
+class LatentCacheSpec:
+    """The cache of a latent-attention model: ``latent_dim`` values a token and layer."""
+
+    num_layers: int
+    block_size: int
+    latent_dim: int  # kv_lora_rank + qk_rope_head_dim
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.block_size, self.num_layers, self.latent_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.latent_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def blocks_for_budget(self, budget_bytes: int) -> int:
+        return budget_bytes // self.block_bytes
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return _zeros((num_blocks, *self.block_shape), self.dtype, device)
+
+    def layer_caches(self, cache: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's (num_blocks, block_size, latent_dim) view."""
+        return [cache[:, :, i] for i in range(self.num_layers)]
+
+
+CacheSpec = KVCacheSpec | LatentCacheSpec
+
+
+def cache_spec_of(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> CacheSpec:
+    """The cache layout ``cfg``'s attention needs on one of ``tp_size`` ranks: its share of the
+    per-head K/V, or the whole latent for MLA (it has no head axis: every rank holds all of it)."""
+    if cfg.mla is not None:
+        return LatentCacheSpec(cfg.num_layers, block_size, cfg.mla.latent_dim, dtype)
+    return KVCacheSpec.of(cfg, block_size, dtype, tp_size)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return host_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def num_cache_blocks(config: EngineConfig, spec: CacheSpec) -> int:
     """Blocks in each rank's cache (``spec`` is one rank's): ``num_blocks``, or as many as the
     worker's memory budget holds, shared evenly by its ranks."""
     return config.cache.num_blocks or spec.blocks_for_budget(config.cache.memory_budget_bytes // config.tensor_parallel_size)
@@ -101,7 +158,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def shared_caches(spec: KVCacheSpec, num_blocks: int, ranks: int) -> tuple[torch.Tensor, int]:
+def shared_caches(spec: CacheSpec, num_blocks: int, ranks: int) -> tuple[torch.Tensor, int]:
     """The caches of a tensor-parallel worker's ``ranks`` ranks, one after another in one
     shared-memory file: ((ranks, num_blocks, *block_shape) tensor, the file's descriptor,
     which the other ranks map with ``map_caches``). Rank r's cache is ``[r]``, contiguous and
@@ -116,7 +173,7 @@ def shared_caches(spec: KVCacheSpec, num_blocks: int, ranks: int) -> tuple[torch
     return map_caches(fd, spec, num_blocks, ranks), fd
 
 
-def map_caches(fd: int, spec: KVCacheSpec, num_blocks: int, ranks: int) -> torch.Tensor:
+def map_caches(fd: int, spec: CacheSpec, num_blocks: int, ranks: int) -> torch.Tensor:
     """Map the file ``shared_caches`` made: (ranks, num_blocks, *block_shape), shared."""
     region = mmap.mmap(fd, ranks * num_blocks * spec.block_bytes, flags=mmap.MAP_SHARED)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)

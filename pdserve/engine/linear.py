@@ -249,7 +249,9 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
         packed_head = backend.logits_head(head.weight, getattr(head, "bias", None))
         if packed_head is not None:
             model.lm_head = packed_head
-    stack = None if split else backend.stack(model.layers)  # after packing: it holds the packed weights
+    # After the layers are packed: the fused stack holds their packed weights. It runs only at
+    # size 1 (the all-reduces happen between its layers) and only the layers it is (packed_stack).
+    stack = backend.stack(model.layers) if model.packed_stack and not split else None
     if stack is not None:
         model.stack = stack
     model.linear_backend = backend.name

@@ -27,7 +27,7 @@ from pdserve.engine.cuda_graphs import capture_sizes
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankLost, SequenceFailed, StepFailed
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.grammar_jobs import GrammarJobs
-from pdserve.engine.kv_cache import KVCacheSpec, num_cache_blocks
+from pdserve.engine.kv_cache import cache_spec_of, num_cache_blocks
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, run_to_completion
@@ -61,7 +61,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
         self.ranks = ranks
         self.tensor_parallel_size = model.tp.size
-        self.cache_spec = KVCacheSpec.of(model_cfg, config.cache.block_size, self.dtype, self.tensor_parallel_size)
+        self.cache_spec = cache_spec_of(model_cfg, config.cache.block_size, self.dtype, self.tensor_parallel_size)
         num_blocks = num_cache_blocks(config, self.cache_spec)
         shared = ranks is not None and ranks.caches is not None  # rank 0's part of every rank's caches
         self.kv_cache = ranks.caches[0] if shared else self.cache_spec.allocate(num_blocks, self.device)

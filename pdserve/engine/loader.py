@@ -121,11 +121,10 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(str(file), f"corrupt checkpoint ({exc})") from exc
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device,
-               progress: bool = True, tp: TensorParallel = SINGLE) -> tuple[CausalLM, ModelConfig, Path]:
-    """Build the ``CausalLM`` of ``model``'s family (pdserve/engine/families.py) and fill it;
-    returns (model, config, HF dir). ``tp``: this process's rank in a tensor-parallel worker;
-    it builds and fills its share.
+def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
+               tp: TensorParallel = SINGLE) -> tuple[CausalLM, ModelConfig, Path]:
+    """Build the ``CausalLM`` of ``model``'s family (pdserve/engine/families.py), ``tp``'s share
+    of it, and fill it; returns (model, config, HF dir).
 
     Once filled, the model's linears are handed to the backend for ``dtype`` and ``device``
     (pdserve/engine/linear.py), which packs their weights once, here, for the rest of its life.

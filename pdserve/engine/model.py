@@ -77,8 +77,9 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd), bound by the runner
         self.v_cache: torch.Tensor | None = None
 
-    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:
-        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+    def bind_cache(self, cache: tuple[torch.Tensor, torch.Tensor], backend) -> None:
+        """``cache``: this layer's (K, V) views (kv_cache.KVCacheSpec.layer_caches)."""
+        (self.k_cache, self.v_cache), self.backend = cache, backend
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         # The backend splits q|k|v, rotates, stores K/V and attends (fused where it can).
@@ -150,20 +151,23 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head: Llama's, or another family's
-    ``layers`` (a subclass, pdserve/engine/families.py, builds them and loads their weights)."""
+    """Embedding, decoder layers, final norm and LM head: Llama's, or another family's. A family
+    is a subclass (pdserve/engine/families.py): it passes its own ``layers`` (qwen3.py) or
+    overrides ``make_rotary`` and ``make_layer`` (deepseek.py), and maps its weight names."""
+
+    # The layers are the ones torch.ops.pdserve.decoder_layers runs in one call (linear.py).
+    packed_stack = True
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layers: Iterable[nn.Module] | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.tp = tp
+        self.cfg, self.tp = cfg, tp
         # Rank 0 alone computes logits: the sampler needs the whole vocabulary there, and a
         # replicated head costs no collective (a vocab-parallel one would gather logits).
         self.has_head = tp.rank == 0
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = self.make_rotary(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers if layers is not None else
-                                    (DecoderLayer(cfg, tp=tp) for _ in range(cfg.num_layers)))
+                                    (self.make_layer(cfg, i) for i in range(cfg.num_layers)))
         self.stack = DecoderStack()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         untied = not cfg.tie_word_embeddings and self.has_head
@@ -171,6 +175,12 @@ class CausalLM(nn.Module):
         self.linear_backend = "torch"  # engine.linear.apply_backend names the one it applied
         self.kernel_path: str | None = None  # and the CPU instruction-set path, for the packed kernels
         self._bound: tuple[list, object] | None = None  # what bind_caches bound last
+
+    def make_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return DecoderLayer(cfg, tp=self.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden)."""
@@ -187,19 +197,20 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @property
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.layers]
 
-    def bind_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> None:
-        """Hand each attention layer its (K, V) cache views and the attention backend.
+    def bind_caches(self, caches: list, backend) -> None:
+        """Hand each attention layer its cache views (``CacheSpec.layer_caches``: (K, V) here,
+        the latent in deepseek.py) and the attention backend.
 
         A model runner calls this every step, so engines that share one model object (tests
         do) never run on each other's cache; it rebinds only when the caches or the backend
         changed, since 90 module attribute writes cost about a millisecond a step."""
         if self._bound is not None and self._bound[0] is caches and self._bound[1] is backend:
             return
-        for attn, (k, v) in zip(self.attention_layers, caches):
-            attn.bind_cache(k, v, backend)
+        for attn, cache in zip(self.attention_layers, caches):
+            attn.bind_cache(cache, backend)
         self._bound = (caches, backend)
 
     @torch.no_grad()

@@ -22,12 +22,12 @@ from itertools import accumulate, chain
 import torch
 
 from pdserve.engine.attention import AttentionContext, HostContext, host_context
-from pdserve.engine.attention_select import select_backend
+from pdserve.engine.attention_select import select_attention
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.errors import RankLost
-from pdserve.engine.kv_cache import layer_views
+from pdserve.engine.kv_cache import cache_spec_of
 from pdserve.engine.model import CausalLM
 from pdserve.engine.parallel import SINGLE
 from pdserve.engine.prompt_logprobs import prompt_logprobs
@@ -54,10 +54,8 @@ class ModelRunner:
         self.device = cache.device
         self.ranks = ranks
         tp = ranks.tp if ranks is not None else SINGLE  # attention runs this rank's heads
-        self.backend = select_backend(attention_backend, self.device, tp.share(cfg.num_heads, "num_attention_heads"),
-                                      tp.share(cfg.num_kv_heads, "num_key_value_heads"), cfg.head_dim,
-                                      self.block_size, dtype=cache.dtype)
-        self._layer_caches = [layer_views(cache, i) for i in range(cfg.num_layers)]
+        self.backend = select_attention(attention_backend, cfg, tp, self.device, self.block_size, cache.dtype)
+        self._layer_caches = cache_spec_of(cfg, self.block_size, cache.dtype, tp.size).layer_caches(cache)
         self.sampler = Sampler(self.device, seed)
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
         self.graphs: DecodeGraphs | None = None

@@ -20,9 +20,9 @@ import threading
 import torch
 
 from pdserve.engine import tp_step
-from pdserve.engine.attention_select import select_backend
+from pdserve.engine.attention_select import select_attention
 from pdserve.engine.config import DTYPES
-from pdserve.engine.kv_cache import KVCacheSpec, layer_views, map_caches, prefault
+from pdserve.engine.kv_cache import cache_spec_of, map_caches, prefault
 from pdserve.engine.loader import load_model
 from pdserve.engine.model import CausalLM
 from pdserve.engine.parallel import TensorParallel
@@ -40,7 +40,7 @@ def _exit_with_rank_0() -> None:
 
 def _cache(spec: FollowerSpec, model: CausalLM, device: torch.device) -> torch.Tensor:
     """This rank's KV cache: its part of rank 0's shared file (CPU), or its own (CUDA)."""
-    kv = KVCacheSpec.of(model.cfg, spec.block_size, DTYPES[spec.dtype], spec.size)
+    kv = cache_spec_of(model.cfg, spec.block_size, DTYPES[spec.dtype], spec.size)
     if spec.cache_fd < 0:
         return kv.allocate(spec.num_blocks, device)
     cache = map_caches(spec.cache_fd, kv, spec.num_blocks, spec.size)[spec.rank]
@@ -49,9 +49,8 @@ def _cache(spec: FollowerSpec, model: CausalLM, device: torch.device) -> torch.T
     return cache
 
 
-def follow(group, model: CausalLM, cache: torch.Tensor, backend, device: torch.device) -> int:
+def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.device) -> int:
     """Run rank 0's steps until it says stop; returns how many ran."""
-    layer_caches = [layer_views(cache, i) for i in range(model.cfg.num_layers)]
     steps = 0
     with torch.inference_mode():
         while (step := tp_step.receive(group, device)) is not None:
@@ -81,11 +80,10 @@ def main(argv: list[str]) -> int:
     tp = TensorParallel(spec.rank, spec.size, group)
     model, cfg, _ = load_model(spec.model_dir, DTYPES[spec.dtype], device, progress=False, tp=tp)
     cache = _cache(spec, model, device)
-    attn = model.attention_layers[0]
-    backend = select_backend(spec.attention_backend, device, attn.nh, attn.nkv, attn.hd, spec.block_size,
-                             dtype=DTYPES[spec.dtype])
+    backend = select_attention(spec.attention_backend, cfg, tp, device, spec.block_size, DTYPES[spec.dtype])
+    layer_caches = cache_spec_of(cfg, spec.block_size, DTYPES[spec.dtype], spec.size).layer_caches(cache)
     store.set(f"loaded/{spec.rank}", "1")
-    steps = follow(group, model, cache, backend, device)
+    steps = follow(group, model, layer_caches, backend, device)
     log.debug("rank %d stops after %d steps", spec.rank, steps)
     return 0
 

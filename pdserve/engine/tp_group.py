@@ -41,7 +41,7 @@ import torch
 from pdserve.engine import tp_step
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.errors import InvalidRequestError, RankLost
-from pdserve.engine.kv_cache import KVCacheSpec, num_cache_blocks, prefault, shared_caches
+from pdserve.engine.kv_cache import cache_spec_of, num_cache_blocks, prefault, shared_caches
 from pdserve.engine.loader import load_model, materialize, read_model_config
 from pdserve.engine.families import check_split
 from pdserve.engine.model import CausalLM
@@ -135,7 +135,7 @@ def load_on_ranks(config: EngineConfig, progress: bool = True, on_lost: Callable
     model_dir = materialize(config.model, progress)
     cfg = read_model_config(model_dir)
     check_split(cfg, config.tensor_parallel_size)  # before any rank starts
-    num_blocks = num_cache_blocks(config, KVCacheSpec.of(cfg, config.cache.block_size, dtype, config.tensor_parallel_size))
+    num_blocks = num_cache_blocks(config, cache_spec_of(cfg, config.cache.block_size, dtype, config.tensor_parallel_size))
     ranks = RankGroup.start(config, model_dir, cfg, num_blocks, on_lost or exit_worker)
     try:
         model, cfg, model_dir = load_model(str(model_dir), dtype, device, progress, ranks.tp)
@@ -173,7 +173,7 @@ class RankGroup:
         """Start ranks 1..N-1 and join them in a process group; they load their shares of the
         model meanwhile (``wait_loaded``). Rank 0's own cache is ``caches[0]``."""
         size, device, dtype = config.tensor_parallel_size, config.torch_device(), config.torch_dtype()
-        spec = KVCacheSpec.of(cfg, config.cache.block_size, dtype, size)
+        spec = cache_spec_of(cfg, config.cache.block_size, dtype, size)
         caches, fd = shared_caches(spec, num_blocks, size) if device.type == "cpu" else (None, -1)
         tmpdir = tempfile.mkdtemp(prefix="pdserve-tp-")
         threads = rank_threads(torch.get_num_threads(), size)

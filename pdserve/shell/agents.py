@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.engine.kv_cache import LatentCacheSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer import create_agent
 from pdserve.kv_transfer.rank_agents import RankAgents, rank_agent_name
@@ -18,8 +19,16 @@ from pdserve.kv_transfer.sharding import KVShard, checksum_groups_for
 
 
 def kv_shard(engine: LLMEngine, rank: int, checksum_groups: int = 1) -> KVShard:
-    """Rank ``rank``'s share of ``engine``'s worker's KV cache."""
+    """Rank ``rank``'s share of ``engine``'s worker's KV cache. A latent cache (MLA,
+    ``LatentCacheSpec``) is one "head" of the latent's bytes a row, a row per layer, that every
+    rank holds whole (replicated): a reader rank reads whole blocks of one holder rank, so one
+    checksum a block serves it."""
     spec, cfg = engine.cache_spec, engine.model_cfg
+    if isinstance(spec, LatentCacheSpec):
+        return KVShard.of_rank(rank, engine.tensor_parallel_size, num_kv_heads=1,
+                               head_bytes=spec.latent_dim * spec.dtype.itemsize, rows_per_token=spec.num_layers,
+                               block_size=spec.block_size, dtype=str(spec.dtype).removeprefix("torch."),
+                               replicated=True)
     return KVShard.of_rank(rank, engine.tensor_parallel_size, num_kv_heads=cfg.num_kv_heads,
                            head_bytes=spec.head_dim * spec.dtype.itemsize, rows_per_token=2 * spec.num_layers,
                            block_size=spec.block_size, dtype=str(spec.dtype).removeprefix("torch."),

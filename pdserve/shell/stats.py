@@ -7,6 +7,7 @@ are individually consistent, and the snapshot as a whole is at most one step old
 
 from __future__ import annotations
 
+from pdserve.engine.kv_cache import LatentCacheSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
@@ -31,7 +32,7 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents
         kv_transfer_bytes=t.bytes, kv_transfers=t.transfers, kv_transfer_failures=t.failures,
         kv_verify_failures=t.verify_failures,
         kv_transfer_seconds=t.seconds, prefix_cache_queries=blocks.prefix_queries,
-        prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=engine.cache_spec.bytes_per_token * engine.tensor_parallel_size,
+        prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=kv_bytes_per_token(engine),
         num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
         engine_busy=engine.has_runnable(), **extra)
 
@@ -42,3 +43,10 @@ def unbounded_blocks(engine: LLMEngine) -> int:
     running = list(engine.scheduler.running)
     return sum(len(engine.blocks.block_table(s.seq_id)) for s in running
                if s.num_prompt_tokens + s.params.max_tokens >= engine.max_model_len and engine.blocks.has(s.seq_id))
+
+
+def kv_bytes_per_token(engine: LLMEngine) -> int:
+    """A token's KV in the whole worker: every rank's share of the heads, or, for a latent cache
+    that every rank holds whole (MLA), one copy."""
+    spec = engine.cache_spec
+    return spec.bytes_per_token * (1 if isinstance(spec, LatentCacheSpec) else engine.tensor_parallel_size)
