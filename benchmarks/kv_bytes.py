@@ -47,6 +47,9 @@ MODELS = {  # name: (model_type, real layers, real attention fields, total / act
     "Llama-3.1-8B": ("llama", 32, dict(GQA, num_attention_heads=32), "8.0B"),
     "DeepSeek-V3": ("deepseek_v3", 61, dict(MLA, num_attention_heads=128, q_lora_rank=1536, n_group=1,
                                             topk_group=1), "671B / 37B"),
+    "Qwen3-8B": ("qwen3", 36, dict(GQA, num_attention_heads=32), "8.2B"),
+    "Qwen3-30B-A3B": ("qwen3_moe", 48, dict(GQA, num_attention_heads=32, num_key_value_heads=4, num_experts=8,
+                                          num_experts_per_tok=2, moe_intermediate_size=64), "30.5B / 3.3B"),
     "Llama-3.3-70B": ("llama", 80, dict(GQA, num_attention_heads=64), "70.6B"),
     "Llama-3.1-405B": ("llama", 126, dict(GQA, num_attention_heads=128), "405B"),
 }

@@ -53,8 +53,9 @@ class Qwen3Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd): this rank's heads
         self.v_cache: torch.Tensor | None = None
 
-    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:
-        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+    def bind_cache(self, cache: tuple[torch.Tensor, torch.Tensor], backend) -> None:
+        """``cache``: this layer's (K, V) views (kv_cache.KVCacheSpec.layer_caches)."""
+        (self.k_cache, self.v_cache), self.backend = cache, backend
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden)."""
