@@ -7,6 +7,7 @@ against `pdserve serve`), not in the suite."""
 import asyncio
 import json
 import math
+import statistics
 import threading
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.load import SLO, Arrivals, Lengths, WorkloadSpec, run_async
-from benchmarks.load.metrics import itls, tpot, ttft
+from benchmarks.load.metrics import itls, ttft
 from benchmarks.load.report import plot, text, write_json
 from benchmarks.loadgen import main as loadgen_main
 from pdserve.router import http_api
@@ -108,8 +109,12 @@ def test_open_loop_records_every_token_and_the_decode_pace(tmp_path):
     for r in results.records:
         assert r.output_tokens == OUTPUT_LEN and len(r.chunk_times) == OUTPUT_LEN  # usage, and a chunk per token
         assert 4 <= r.prompt_tokens <= 12 and 0 < ttft(r) <= r.end - r.sent
-        assert all(g >= 0.9 * TOKEN_S for g in itls(r)[1:])  # decode tokens: each slept TOKEN_S
-        assert tpot(r) >= 0.9 * TOKEN_S * (OUTPUT_LEN - 2) / (OUTPUT_LEN - 1)
+        # The decode pace. Each decode token slept TOKEN_S before it was sent, so the last one cannot
+        # arrive sooner than those sleeps after the request was sent. A single gap between arrivals
+        # has no such floor: a chunk delivered late (a busy host) makes the next gap short (seen in
+        # a loaded run, 2026-11-27), so the gaps are held to the pace only at their median.
+        assert r.chunk_times[-1] - r.sent >= (OUTPUT_LEN - 2) * TOKEN_S
+        assert statistics.median(itls(r)[1:]) >= 0.75 * TOKEN_S
     assert peak >= 3  # all sent at once: the streams overlapped
     assert s.goodput_req_s == s.req_s and s.slo_attainment == 1.0  # a generous SLO: all meet it
     assert s.output_tok_s == 8 * OUTPUT_LEN / s.duration_s
