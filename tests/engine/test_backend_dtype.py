@@ -58,7 +58,9 @@ def test_asking_for_flash_in_float32_names_the_dtype(flash_present, name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_runner_passes_the_cache_dtype(monkeypatch, dtype):
-    """The model runner, the one caller that builds the engine's backend, hands it the dtype."""
+    """The model runner builds the engine's backend (through ``select_attention``, which rank 0
+    and the follower ranks share) and hands ``select_backend`` the cache's dtype."""
+    import pdserve.engine.attention_select as attention_select
     import pdserve.engine.model_runner as model_runner
     from pdserve.engine.block_manager import BlockManager
     from pdserve.engine.config import ModelConfig
@@ -69,7 +71,7 @@ def test_runner_passes_the_cache_dtype(monkeypatch, dtype):
         seen.update(kwargs)
         return select_backend("sdpa", *args[1:], **kwargs)
 
-    monkeypatch.setattr(model_runner, "select_backend", spy)
+    monkeypatch.setattr(attention_select, "select_backend", spy)
     cfg = ModelConfig("llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
                       max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False)
