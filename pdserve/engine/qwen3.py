@@ -28,34 +28,20 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model import CausalLM, DecoderLayer, RMSNorm, RowParallelLinear
+from pdserve.engine.model import Attention, CausalLM, DecoderLayer, RMSNorm
 from pdserve.engine.moe import GatedMLP, RoutedExperts, SoftmaxTopKGate, SparseMoe
 from pdserve.engine.parallel import SINGLE, TensorParallel
 from pdserve.engine.weights import Target, load_weights
 
 
-class Qwen3Attention(nn.Module):
-    """This rank's heads of Qwen3 attention: fused q|k|v, per-head q/k RMSNorm, RoPE and the
-    paged cache (through the backend), o_proj and its all-reduce."""
+class Qwen3Attention(Attention):
+    """This rank's heads of Qwen3 attention: Llama's (model.py), with per-head q/k RMSNorm
+    applied before the backend's RoPE and cache store."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
-        super().__init__()
-        self.tp = tp
-        self.nh = tp.share(cfg.num_heads, "num_attention_heads")
-        self.nkv = tp.share(cfg.num_kv_heads, "num_key_value_heads")
-        self.hd = cfg.head_dim
-        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        super().__init__(cfg, tp)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False)
-        self.backend = None  # set by the model runner, with the caches
-        self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd): this rank's heads
-        self.v_cache: torch.Tensor | None = None
-
-    def bind_cache(self, cache: tuple[torch.Tensor, torch.Tensor], backend) -> None:
-        """``cache``: this layer's (K, V) views (kv_cache.KVCacheSpec.layer_caches)."""
-        (self.k_cache, self.v_cache), self.backend = cache, backend
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden)."""
