@@ -38,8 +38,29 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 HUGE_PAGE_BYTES = 2 << 20
 
 
+class _BlockLayout:
+    """What follows from a layout's ``block_shape`` and ``dtype``: sizes, budget, allocation."""
+
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return math.prod(self.block_shape) // self.block_size * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def blocks_for_budget(self, budget_bytes: int) -> int:
+        return budget_bytes // self.block_bytes
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return _zeros((num_blocks, *self.block_shape), self.dtype, device)
+
+
 @dataclass(frozen=True)
-class KVCacheSpec:
+class KVCacheSpec(_BlockLayout):
     num_layers: int
     block_size: int
     num_kv_heads: int
@@ -55,28 +76,13 @@ class KVCacheSpec:
     def block_shape(self) -> tuple[int, ...]:
         return (self.block_size, self.num_layers, 2, self.num_kv_heads, self.head_dim)
 
-    @property
-    def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
-
-    @property
-    def block_bytes(self) -> int:
-        return self.bytes_per_token * self.block_size
-
-    def blocks_for_budget(self, budget_bytes: int) -> int:
-        return budget_bytes // self.block_bytes
-
-    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        return _zeros((num_blocks, *self.block_shape), self.dtype, device)
-
     def layer_caches(self, cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (K, V) views, what the model binds to its attention layers."""
         return [layer_views(cache, i) for i in range(self.num_layers)]
 
 
 @dataclass(frozen=True)
-class LatentCacheSpec:
+class LatentCacheSpec(_BlockLayout):
     """The cache of a latent-attention model: ``latent_dim`` values a token and layer."""
 
     num_layers: int
@@ -87,20 +93,6 @@ class LatentCacheSpec:
     @property
     def block_shape(self) -> tuple[int, ...]:
         return (self.block_size, self.num_layers, self.latent_dim)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.num_layers * self.latent_dim * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def block_bytes(self) -> int:
-        return self.bytes_per_token * self.block_size
-
-    def blocks_for_budget(self, budget_bytes: int) -> int:
-        return budget_bytes // self.block_bytes
-
-    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        return _zeros((num_blocks, *self.block_shape), self.dtype, device)
 
     def layer_caches(self, cache: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's (num_blocks, block_size, latent_dim) view."""
