@@ -279,3 +279,20 @@ def test_the_decode_call_prefers_the_planned_worker_while_it_is_routable_and_has
     down.workers["decode-1:1"].healthy = False
     assert decode_on(down, "decode-1:1") == [1, 0]
     assert decode_on(counting_pool(), "decode-9:1") == [1, 0]  # gone from the pool
+
+
+def test_when_the_worker_holding_the_conversation_dies_the_request_migrates_and_completes():
+    pool = fake_pool([FakePrefill()], [CountingDecode(), CountingDecode()])
+    pool.workers["decode-1:1"].stub.fail_after = 1  # dies after one decoded token
+    pool.workers["decode-1:1"].stats = worker_pb2.WorkerStats(num_blocks_total=1000, num_blocks_used=900)
+    publish(pool, "decode-1:1", PROMPT[:32])
+    run = request_run(pool, max_tokens=6, prompt_len=40)
+    run.req.prompt_token_ids[:] = PROMPT[:32] + list(range(100, 1100))  # a long suffix: remote, prefix pulled
+
+    async def main():
+        return [r async for r in run.responses()]
+
+    responses = asyncio.run(main())
+    assert [pool.workers[a].stub.calls for a in ("decode-0:1", "decode-1:1")] == [1, 1]  # the holder first
+    assert sum(len(r.token_ids) for r in responses) == 6 and run.output.finish_reason is not None
+    assert run.migrations == 1
