@@ -168,7 +168,7 @@ class RequestRun:
                 prefills = prefill_options(snapshots, self.pool.prefill_overlaps(attempt.prompt, salt))
         worker = self._hinted(snapshots, attempt.blocks) if holder is None else None
         hinted = worker is not None
-        if worker is None:
+        if worker is None and holder is None:
             choice = pick_decode(snapshots, attempt.blocks, limited=self.calls.limited)
             worker = next((w for w in snapshots if w.worker_id == choice.worker_id), None)
         load = worker_load(worker) if worker is not None else 1.0
@@ -185,8 +185,11 @@ class RequestRun:
 
     def _hinted(self, snapshots: list[WorkerSnapshot], blocks: int) -> WorkerSnapshot | None:
         """The decode worker that served this request's session last (``session_id``), while
-        it is routable and has room; None without a hint (router.session_hint)."""
-        address = self.pool.sessions.get(self.session_key) if self.session_key else None
+        it is routable and has room; None without a hint or with decode_kv_reuse off
+        (router.session_hint)."""
+        if not (self.session_key and self.limits.decode_kv_reuse):  # the reuse off: as if no hint came
+            return None
+        address = self.pool.sessions.get(self.session_key)
         if address is None:
             return None
         mine = [w for w in snapshots if w.worker_id == address]
@@ -197,7 +200,7 @@ class RequestRun:
     def _remember(self, decode_worker: str | None) -> None:
         """Remember the decode worker planned for this session's attempt (the decode call
         may still fall back to another; the next turn's tokens find that one in the index)."""
-        if self.session_key and decode_worker is not None:
+        if self.session_key and self.limits.decode_kv_reuse and decode_worker is not None:
             self.pool.sessions.remember(self.session_key, decode_worker)
 
     def _process(self, out: Output, attempt: Attempt) -> pdserve_pb2.GenerateResponse:

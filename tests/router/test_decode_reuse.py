@@ -189,8 +189,8 @@ def test_a_long_suffix_plans_a_remote_prefill_that_reads_the_prefix_from_the_hol
     assert attempt.decode_worker == "decode-1:1"
 
 
-def session_run(pool, session_id: str, salt: str = ""):
-    run = request_run(pool, prompt_len=40)
+def session_run(pool, session_id: str, salt: str = "", **limits):
+    run = request_run(pool, prompt_len=40, **limits)
     req = dataclasses.replace(run.req, params=dataclasses.replace(run.req.params, cache_salt=salt))
     return RequestRun(req, run.model, pool, run.limits, session_id=session_id)
 
@@ -205,6 +205,8 @@ def test_a_session_hint_keeps_a_conversation_on_its_worker_before_the_index_know
     assert attempt.decode_worker == "decode-1:1"  # though decode-0 is now less loaded
     _, attempt = plan(session_run(pool, "chat-1", salt="another tenant"))
     assert attempt.decode_worker is None  # a session id is one tenant's
+    _, attempt = plan(session_run(pool, "chat-1", decode_kv_reuse=False))
+    assert attempt.decode_worker is None  # the reuse off: as before the feature
     pool.workers["decode-1:1"].healthy = False  # gone: the plan falls back to the least loaded
     _, attempt = plan(session_run(pool, "chat-1"))
     assert attempt.decode_worker is None
