@@ -206,14 +206,16 @@ class ClusterConfig:
 
             common["tls"] = self.tls_for("elastic")
             decode = DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
-                                        inject_transfer_delay_s=self.inject_transfer_delay_s, **common)
+                                        inject_transfer_delay_s=self.inject_transfer_delay_s,
+                                        decode_kv_reuse=self.router_limits.decode_kv_reuse, **common)
             return ElasticWorkerConfig(prefill=PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common),
                                        decode=decode, role=role)
         prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, reader_tp=self.decode_tp, **common)
         if role == "prefill":
             return prefill
         return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
-                                  inject_transfer_delay_s=self.inject_transfer_delay_s, **common)
+                                  inject_transfer_delay_s=self.inject_transfer_delay_s,
+                                  decode_kv_reuse=self.router_limits.decode_kv_reuse, **common)
 
     def router_config(self, prefill_addresses: tuple[str, ...], decode_addresses: tuple[str, ...]):
         """The router's config, pointed at these workers."""

@@ -153,7 +153,9 @@ def _router_limits(v: dict[str, Any]):
     if v["local_prefill_max_load"] > 1:
         raise SettingsError(f"local_prefill_max_load must be at most 1 (a share of KV blocks), "
                             f"got {v['local_prefill_max_load']!r}")
-    local = LocalPrefillConfig(max_tokens=v["local_prefill_max_tokens"], max_load=v["local_prefill_max_load"])
+    local = LocalPrefillConfig(max_tokens=v["local_prefill_max_tokens"], max_load=v["local_prefill_max_load"],
+                               interference_weight=v["local_prefill_interference_weight"],
+                               kv_move_weight=v["kv_move_weight"], remote_overhead_tokens=v["remote_overhead_tokens"])
     routing = RoutingConfig(policy=v["routing_policy"], prefill_weight=v["routing_prefill_weight"],
                             load_weight=v["routing_load_weight"], temperature=v["routing_temperature"],
                             balance_abs_tokens=v["routing_balance_abs_tokens"], balance_rel=v["routing_balance_rel"])
@@ -161,7 +163,7 @@ def _router_limits(v: dict[str, Any]):
                         request_timeout_s=v["request_timeout_seconds"],
                         max_waiting_requests=v["max_waiting_requests"],
                         decode_idle_timeout_s=v["decode_idle_timeout_seconds"],
-                        stream_kv_min_tokens=v["stream_kv_min_tokens"],
+                        stream_kv_min_tokens=v["stream_kv_min_tokens"], decode_kv_reuse=v["decode_kv_reuse"],
                         requests=RequestLimits(max_body_bytes=v["max_body_bytes"],
                                                max_prompt_chars=v["max_prompt_chars"]))
 

@@ -104,6 +104,18 @@ def serve_settings() -> tuple[Setting, ...]:
                 "decode worker, not the prefill pool (0: off)", minimum=0),
         Setting("local_prefill_max_load", float, local.max_load,
                 "... and only on a decode worker with less than this share of its KV blocks in use", above=0),
+        Setting("local_prefill_interference_weight", float, local.interference_weight,
+                "decode KV reuse: cost per suffix token and unit of the decode worker's KV load of a local prefill "
+                "(the stall it causes that worker's streams)", minimum=0),
+        Setting("kv_move_weight", float, local.kv_move_weight,
+                "decode KV reuse: cost of moving one token's KV, as a share of computing it", minimum=0),
+        Setting("remote_overhead_tokens", float, local.remote_overhead_tokens,
+                "decode KV reuse: fixed cost of a remote prefill (calls and a KV read set up), in prompt tokens",
+                minimum=0),
+        Setting("decode_kv_reuse", bool, limits.decode_kv_reuse,
+                "conversations keep their KV: decode workers publish their finished blocks (prompt and answer) and "
+                "the router prefills each follow-up where most of it is cached (docs/routing.md#conversations-keep-"
+                "their-kv; --no-decode-kv-reuse: as before)"),
         Setting("stream_kv_min_tokens", int, limits.stream_kv_min_tokens,
                 "prompts at least this long stream their KV to the decode worker chunk by chunk while they "
                 "compute (pays when a prompt spans several --max-num-batched-tokens chunks; 0: off)", minimum=0),

@@ -48,7 +48,8 @@ _SHARED = ("model", "served_model_name", "dtype", "cuda_graphs", "tensor_paralle
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
            "routing_policy", "routing_prefill_weight", "routing_load_weight", "routing_temperature",
            "routing_balance_abs_tokens", "routing_balance_rel",
-           "local_prefill_max_tokens", "local_prefill_max_load", "stream_kv_min_tokens")
+           "local_prefill_max_tokens", "local_prefill_max_load", "stream_kv_min_tokens",
+           "local_prefill_interference_weight", "kv_move_weight", "remote_overhead_tokens", "decode_kv_reuse")
 
 
 @functools.cache
@@ -130,7 +131,8 @@ def worker_config(v: dict[str, Any]):
         return PrefillWorkerConfig(lease_seconds=v["lease_seconds"], **common)
     from pdserve.decode_worker.worker import DecodeWorkerConfig
 
-    return DecodeWorkerConfig(transfer_timeout_s=v["transfer_timeout_seconds"], **common)
+    return DecodeWorkerConfig(transfer_timeout_s=v["transfer_timeout_seconds"], decode_kv_reuse=v["decode_kv_reuse"],
+                              **common)
 
 
 async def run_role(v: dict[str, Any], config) -> None:

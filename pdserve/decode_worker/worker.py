@@ -63,6 +63,9 @@ class DecodeWorkerConfig:
     # here: the process entry passes the ``transfer_timeout_seconds`` setting (cluster.settings).
     transfer_timeout_s: float = field(kw_only=True)
     verify_kv: bool = VERIFY_BY_DEFAULT  # check every block read against the holder's checksum (kv_transfer.checksum)
+    # Publish this worker's prefix-cache events (prompt and answer blocks) for the router's KV
+    # index: the ``decode_kv_reuse`` setting (cluster.settings), passed down by the process entry.
+    decode_kv_reuse: bool = True
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
     max_requests: int = 1024  # requests held at once (waiting for KV, queued or running); past it RESOURCE_EXHAUSTED
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED

@@ -43,6 +43,10 @@ class Attempt:
     prompt: list[int]  # the client's prompt, then the tokens it was sent before this attempt
     sampling: pdserve_pb2.SamplingParams
     blocks: int  # KV blocks to count on a decode worker: the prompt and the output reserved
+    # The decode worker the attempt's plan is for (router.local_prefill: it caches the prompt's
+    # longest prefix, or served the session last): its decode call tries it first. None: the
+    # decode call picks the least loaded, as without a plan.
+    decode_worker: str | None = None
 
 
 def attempt_params(params: SamplingParams, sent: int) -> SamplingParams:
@@ -81,7 +85,7 @@ class LocalPrefill:
         request = worker_pb2.DecodeRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,
                                            sampling=attempt.sampling, local_prefill=True)
         answered = False
-        async for out in decode(ctx, request, attempt.blocks, source=None):
+        async for out in decode(ctx, request, attempt.blocks, source=None, prefer=attempt.decode_worker):
             if not answered and not isinstance(out, worker_pb2.PrefillResponse):
                 raise AttemptLost("the decode worker sent output before its prefill answer")
             answered = True
@@ -93,8 +97,11 @@ class RemotePrefill:
 
     label = "remote"
 
-    def __init__(self, stream_kv: bool):
+    def __init__(self, stream_kv: bool, prefix_from: str | None = None):
         self.stream_kv = stream_kv
+        # The decode worker whose cached prefix the prefill worker reads first (the plan's
+        # ``prefix_from``); None: it computes the whole prompt (but what it caches itself).
+        self.prefix_from = prefix_from
 
     async def outputs(self, ctx: CallContext, attempt: Attempt) -> AsyncIterator[Output]:
         request = worker_pb2.PrefillRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,
@@ -105,13 +112,14 @@ class RemotePrefill:
         try:
             if streaming is not None:  # the KV streams to a decode worker picked now
                 decoding = Started(decode(ctx, _decode_request(attempt, answer), attempt.blocks,
-                                          answer.kv.prefill_address))
+                                          answer.kv.prefill_address, prefer=attempt.decode_worker))
                 answer = await streamed_answer(ctx, streaming, address, decoding)
             yield answer
             if answer.finish_reason:
                 return
             stream = decoding.stream() if decoding is not None else decode(
-                ctx, _decode_request(attempt, answer), attempt.blocks, answer.kv.prefill_address)
+                ctx, _decode_request(attempt, answer), attempt.blocks, answer.kv.prefill_address,
+                prefer=attempt.decode_worker)
             async for out in stream:
                 lease = ""  # the decode worker took it over
                 yield out

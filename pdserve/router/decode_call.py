@@ -13,15 +13,17 @@ import grpc
 
 from pdserve.protos import worker_pb2
 from pdserve.router.errors import AttemptLost, route_error
-from pdserve.router.policy import pick_decode
+from pdserve.router.policy import Choice, pick_decode
 from pdserve.router.worker_calls import CallContext, Fault, triage
 from pdserve.wire import tracing
 
 
-async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: int, source: str | None
-                 ) -> AsyncIterator[worker_pb2.PrefillResponse | worker_pb2.DecodeResponse]:
+async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: int, source: str | None,
+                 prefer: str | None = None) -> AsyncIterator[worker_pb2.PrefillResponse | worker_pb2.DecodeResponse]:
     """The stream of ``request`` (``blocks`` of KV on the decode worker); ``source`` is the
-    prefill worker whose KV it reads (None: local prefill). A decode worker that is full
+    prefill worker whose KV it reads (None: local prefill). ``prefer``: the decode worker the
+    attempt's plan is for (``Attempt.decode_worker``), tried first while it is routable and has
+    room; else, and after it, the least loaded (``pick_decode``). A decode worker that is full
     before it sent anything is passed over for another; any other failure loses the attempt.
     The source itself is never picked: an elastic worker that took the decode role while it
     still held KV as a prefill worker cannot read from its own agent (with no other decode
@@ -30,8 +32,7 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
     passed = frozenset(w.worker_id for w in ctx.pool.snapshots() if w.worker_id == source and w.role != "prefill")
     while True:
         route = ctx.spans.route("decode") if ctx.spans is not None else None
-        choice = await ctx.budget.admit(lambda: pick_decode(ctx.pool.snapshots(), blocks, passed | tried,
-                                                            limited=ctx.limited), ctx.pool.interval_s)
+        choice = await ctx.budget.admit(lambda: _pick(ctx, blocks, passed | tried, prefer), ctx.pool.interval_s)
         tracing.end_span(route, attributes={tracing.WORKER_ID: choice.worker_id or ""} if route else None)
         if choice.worker_id is None:
             if (tried or passed) and not choice.saturated:
@@ -80,6 +81,17 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
         finally:
             call.cancel()
             tracing.end_span(span, error=error)
+
+
+def _pick(ctx: CallContext, blocks: int, exclude: frozenset[str], prefer: str | None) -> Choice:
+    """``prefer`` if it may take the stream now (routable, room for ``blocks``, not excluded),
+    else the least loaded decode worker."""
+    snapshots = ctx.pool.snapshots()
+    if prefer is not None and prefer not in exclude:
+        preferred = pick_decode([w for w in snapshots if w.worker_id == prefer], blocks, exclude, limited=ctx.limited)
+        if preferred.worker_id is not None:
+            return preferred
+    return pick_decode(snapshots, blocks, exclude, limited=ctx.limited)
 
 
 async def _idle_bounded(ctx: CallContext, call, client):

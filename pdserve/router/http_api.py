@@ -139,7 +139,7 @@ class OpenAIFront:
         tenant = self.service.tenant_of(request.headers.get("Authorization"))
         headers = request.headers if tracing.enabled() else None  # a traceparent the trace continues
         streams = [self.service.run(req, timeout_s, max_tokens_to_context=chat, tenant=tenant,
-                                    trace_headers=headers) for req in reqs]
+                                    trace_headers=headers, session_id=options.session_id) for req in reqs]
         queue: asyncio.Queue = asyncio.Queue()
         # One task iterates each choice's stream from start to end: the router's Abort cancels
         # the task that runs a request, so that must stay the same task throughout.

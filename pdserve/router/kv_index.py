@@ -1,6 +1,8 @@
-"""The router's index of which prefill worker caches which prompt blocks, for KV-aware routing.
+"""The router's index of which worker caches which prompt blocks, for KV-aware routing.
 
-Fed by the prefix-cache events each prefill worker returns in its ``Stats`` answer
+Fed by the prefix-cache events each worker returns in its ``Stats`` answer: prefill workers
+always, decode workers with ``decode_kv_reuse`` (their prompt and answer blocks, so a
+conversation's next turn finds where its KV is)
 (``pdserve.prefill_worker.cache_events`` explains the protocol). The index is advisory: between two
 polls it can be stale, and a stale entry only costs time (the worker misses and computes the
 prompt); it never changes an output token.
@@ -39,7 +41,7 @@ class KVIndex:
         """Apply one poll's answer. Answers may arrive out of order (two polls overlapping):
         what is older than the cursor is skipped, so an event is applied once, in order."""
         if not events.epoch or block_size <= 0:
-            return  # a worker that publishes nothing (decode, or no prefix cache)
+            return  # a worker that publishes nothing (no prefix cache, or a decode worker with the reuse off)
         epoch, seq = self.cursor(worker)
         if events.snapshot:
             if events.epoch == epoch and events.last_seq <= seq:

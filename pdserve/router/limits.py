@@ -51,3 +51,7 @@ class RouterLimits:
     # (PrefillStream, WatchKV). It pays when a prompt spans several chunks
     # (max_num_batched_tokens); the decode worker's blocks are taken for the whole prefill. 0: off.
     stream_kv_min_tokens: int = 0
+    # Conversations keep their KV: decode workers publish their finished blocks and the router
+    # routes each attempt by what the decode workers cache (router.local_prefill). Off: as
+    # before the feature (a benchmark's "reuse off" arm, the tests' replay oracle).
+    decode_kv_reuse: bool = True

@@ -22,12 +22,44 @@ choice already ranks by, with the blocks this router has placed since the last p
 grows with both the number of streams and their lengths, which is what a prompt's extra
 step work competes with. The uncached count subtracts a known prefix-cache overlap on that
 decode worker (a KV-aware index may supply one; without it the whole prompt counts).
+
+**Conversations keep their KV** (``decode_kv_reuse``, ``decide_for_attempt``). Decode workers
+publish their finished blocks, prompt and answer, to the router's KV index, so a follow-up
+turn finds most of its prompt on the decode worker D that served the last one: D caches its
+first C_D tokens. When some decode worker caches a prefix, the attempt takes the cheapest of
+three plans, each costed in tokens computed before the first token, weighted as the KV policy
+weighs a prefill worker (``pdserve.router.kv_policy``: ``prefill_weight`` per token to compute,
+``load_weight`` per token queued ahead)::
+
+    local  = (prefill_weight + interference_weight * load_D) * (P - C_D) + load_weight * Q_D
+    remote = min over prefill workers w of
+             prefill_weight * (P - C_w) + load_weight * Q_w + move(P - C_D) + overhead
+    pull   = min over prefill workers w with C_w < C_D of
+             prefill_weight * (P - C_D) + load_weight * Q_w + move(C_D - C_w + P - C_D) + overhead
+
+``move(n) = kv_move_weight * n`` (a token's KV read costs a small fraction of computing it)
+and ``overhead = remote_overhead_tokens`` (two more calls and a read set up). ``local`` (reason
+``decode_hit``) prefills only the suffix on D; its interference term charges the stall the
+suffix's step work causes D's running streams, growing with D's load. ``pull`` (reason
+``prefix_on_decode``) sends the prompt to a prefill worker that first reads D's prefix
+(``prefix_from``) and computes only the suffix; ``remote`` (``prefill_cheaper``) is today's
+disaggregated prefill, chosen when a prefill worker holds as much or is idle enough. On
+ties the plan that moves less wins (local, then pull). Every plan decodes on D (D reads back
+only the blocks it lacks), so a conversation stays where its KV is without client help.
+
+With no decode worker caching anything (first turns, the reuse off) the attempt is decided
+exactly by ``decide`` above, on the decode worker the decode choice picks.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
+from typing import Sequence
+
+from pdserve.router.kv_policy import RoutingConfig
+from pdserve.router.policy import WorkerSnapshot, pick_decode
 
 
 @dataclass(frozen=True)
@@ -39,12 +71,25 @@ class LocalPrefillConfig:
     max_tokens: int = 0
     # ... and only on a decode worker with less than this share of its KV blocks in use (0..1].
     max_load: float = 0.5
+    # Conversations keep their KV (module docstring): the cost of a local prefill grows by this
+    # much per suffix token and unit of the decode worker's load (the stall its running
+    # streams take) ...
+    interference_weight: float = 1.0
+    # ... a token's KV moved between workers costs this share of computing it (a CPU worker
+    # computes ~1,000 prompt tokens/s and copies a token's KV in tens of microseconds) ...
+    kv_move_weight: float = 0.05
+    # ... and a remote prefill costs this many tokens more: two more RPCs and a KV read set up
+    # (~30 ms on a CPU worker).
+    remote_overhead_tokens: float = 32.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be at least 0, got {self.max_tokens}")
         if not 0 < self.max_load <= 1:
             raise ValueError(f"local_prefill_max_load must be in (0, 1], got {self.max_load}")
+        for name in ("interference_weight", "kv_move_weight", "remote_overhead_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)!r}")
 
 
 class Reason(str, enum.Enum):
@@ -56,6 +101,9 @@ class Reason(str, enum.Enum):
     MIXED_WORKER = "mixed_worker"  # local: a mixed worker whose queue is the shortest
     PREFILL_SHORTER = "prefill_shorter"  # remote: a prefill worker's queue is shorter than the mixed worker's
     NO_PREFILL_WORKER = "no_prefill_worker"  # local: the cluster's prefill workers are all mixed now
+    DECODE_HIT = "decode_hit"  # local: the decode worker caching the longest prefix computes the suffix
+    PREFIX_ON_DECODE = "prefix_on_decode"  # remote: a prefill worker reads that prefix from the decode worker
+    PREFILL_CHEAPER = "prefill_cheaper"  # remote as today, though a decode worker caches a prefix
 
 
 @dataclass(frozen=True)
@@ -64,6 +112,8 @@ class Decision:
     reason: Reason
     uncached_tokens: int
     load: float
+    decode_worker: str | None = None  # the decode worker this plan is for; None: the decode choice picks
+    prefix_from: str | None = None  # remote: the decode worker the prefill worker reads the prefix from
 
     @property
     def label(self) -> str:
@@ -109,3 +159,86 @@ def decide(config: LocalPrefillConfig, prompt_tokens: int, load: float, cached_t
     if load >= config.max_load:
         return Decision(False, Reason.BUSY_WORKER, uncached, load)
     return Decision(True, Reason.SHORT_PROMPT, uncached, load)
+
+
+@dataclass(frozen=True)
+class DecodeHolder:
+    """The decode worker that caches the longest prefix of an attempt's prompt (and has room)."""
+
+    worker_id: str
+    cached_tokens: int  # prompt tokens its prefix cache holds, per the router's index
+    load: float  # its KV blocks in use over its total, 0..1
+    queued_tokens: int = 0  # prompt tokens queued on it (a mixed worker's, or local prefills')
+
+
+@dataclass(frozen=True)
+class PrefillOption:
+    """One routable prefill worker as the plans see it."""
+
+    cached_tokens: int
+    queued_tokens: int
+
+
+def find_holder(snapshots: Sequence[WorkerSnapshot], cached: dict[str, int], blocks: int,
+                limited: bool = False) -> DecodeHolder | None:
+    """The routable decode worker with the longest cached prefix (``cached``: worker -> prompt
+    tokens, from the KV index) among those with room for ``blocks`` (ties: as ``pick_decode``
+    ranks); None when none caches anything or none of those has room."""
+    for tokens in sorted({c for c in cached.values() if c > 0}, reverse=True):
+        group = [w for w in snapshots if cached.get(w.worker_id, 0) == tokens]
+        choice = pick_decode(group, blocks, limited=limited)
+        if choice.worker_id is not None:
+            w = next(w for w in group if w.worker_id == choice.worker_id)
+            return DecodeHolder(w.worker_id, tokens, worker_load(w), w.queued_tokens)
+    return None
+
+
+def worker_load(w: WorkerSnapshot) -> float:
+    """A decode worker's load for these rules: its KV blocks in use over its total, 0..1."""
+    return min(1.0, w.blocks_used / max(w.blocks_total, 1))
+
+
+def prefill_options(snapshots: Sequence[WorkerSnapshot], cached: dict[str, int]) -> list[PrefillOption]:
+    """The routable prefill workers, each with the prompt tokens it caches (``cached``)."""
+    return [PrefillOption(cached.get(w.worker_id, 0), w.queued_tokens)
+            for w in snapshots if w.role == "prefill" and w.routable]
+
+
+def decide_for_attempt(config: LocalPrefillConfig, routing: RoutingConfig, prompt_tokens: int, load: float,
+                       holder: DecodeHolder | None, prefills: Sequence[PrefillOption] = (),
+                       mixed: Mixed = Mixed()) -> Decision:
+    """The plan for one attempt: ``decide`` on the picked decode worker (``load``) when no
+    decode worker caches a prefix (``holder`` None or caching nothing), else the cheapest plan
+    of the module docstring on ``holder`` given the routable ``prefills``."""
+    if holder is None or holder.cached_tokens <= 0:
+        return decide(config, prompt_tokens, load, mixed=mixed)
+    return _decide_on_hit(config, routing, prompt_tokens, holder, prefills)
+
+
+def _decide_on_hit(config: LocalPrefillConfig, routing: RoutingConfig, prompt_tokens: int, holder: DecodeHolder,
+                   prefills: Sequence[PrefillOption]) -> Decision:
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens must be at least 1, got {prompt_tokens}")
+    if not 0 <= holder.load <= 1:
+        raise ValueError(f"load must be in [0, 1], got {holder.load}")
+    cached = min(holder.cached_tokens, prompt_tokens - 1)  # the last token is always computed
+    suffix, d = prompt_tokens - cached, holder.worker_id
+    if config.colocated:
+        return Decision(True, Reason.COLOCATED, suffix, holder.load, decode_worker=d)
+    local = ((routing.prefill_weight + config.interference_weight * holder.load) * suffix
+             + routing.load_weight * holder.queued_tokens)
+    remote, pull = math.inf, math.inf
+    remote_uncached = prompt_tokens
+    for w in prefills:
+        c_w = max(0, min(w.cached_tokens, prompt_tokens - 1))
+        queue = routing.load_weight * w.queued_tokens + config.remote_overhead_tokens
+        plain = routing.prefill_weight * (prompt_tokens - c_w) + queue + config.kv_move_weight * suffix
+        if plain < remote:
+            remote, remote_uncached = plain, prompt_tokens - c_w
+        if c_w < cached:
+            pull = min(pull, routing.prefill_weight * suffix + queue + config.kv_move_weight * (cached - c_w + suffix))
+    if local <= min(remote, pull):
+        return Decision(True, Reason.DECODE_HIT, suffix, holder.load, decode_worker=d)
+    if pull <= remote:
+        return Decision(False, Reason.PREFIX_ON_DECODE, suffix, holder.load, decode_worker=d, prefix_from=d)
+    return Decision(False, Reason.PREFILL_CHEAPER, remote_uncached, holder.load, decode_worker=d)

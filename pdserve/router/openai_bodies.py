@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine.sampling import MAX_TOP_LOGPROBS
+from pdserve.router.session_hint import MAX_SESSION_ID_CHARS
 
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -111,6 +112,9 @@ class SamplingBody(StrictModel):
     guided_json: Union[dict[str, Any], str, None] = None  # vLLM's extensions
     guided_regex: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within a salt
+    # SGLang's and Dynamo's session hint: only which decode worker served the session last
+    # (router.session_hint); the tokens alone find a conversation's KV.
+    session_id: Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None = None
 
 
 class CompletionBody(SamplingBody):

@@ -1,8 +1,9 @@
 """The router's view of the workers: a gRPC client per worker, its last stats, and the load
 this router placed on it since. Membership changes through ``add`` / ``remove``.
 
-The same polls feed the KV index (``pdserve.router.kv_index``): each prefill worker's answer carries
-its prefix-cache events since the last poll, and ``route_prefill`` reads the index.
+The same polls feed the KV index (``pdserve.router.kv_index``): each worker's answer carries its
+prefix-cache events since the last poll (a decode worker's with decode_kv_reuse); ``route_prefill``
+reads the prefill workers' part, ``decode_overlaps`` the decode workers'.
 
 After each stats poll the pool publishes its per-pool gauges (``pdserve.wire.metrics``) and knows
 where every worker serves its own /metrics (``metrics_targets``)."""
@@ -25,7 +26,8 @@ from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_policy import RoutingConfig, choose_prefill
 from pdserve.router.liveness import Liveness, is_hung, observe
-from pdserve.router.policy import Choice, WorkerSnapshot
+from pdserve.router.policy import SERVES, Choice, WorkerSnapshot
+from pdserve.router.session_hint import SessionHints
 from pdserve.wire import metrics
 from pdserve.wire.grpc_util import aio_channel
 from pdserve.wire.tls import TlsConfig
@@ -121,7 +123,8 @@ class WorkerPool:
     router_id: str = field(default_factory=lambda: secrets.token_hex(8))
     desired_replicas: dict[str, int] = field(default_factory=dict)  # set by the controller
     signal_targets: dict[str, float] = field(default_factory=dict)  # the autoscaler's, set by the controller
-    index: KVIndex = field(default_factory=KVIndex)  # which prefill worker caches which blocks
+    index: KVIndex = field(default_factory=KVIndex)  # which worker caches which blocks (decode ones with decode_kv_reuse)
+    sessions: SessionHints = field(default_factory=SessionHints)  # the session_id hint (router.session_hint)
     rng: random.Random = field(default_factory=random.Random)  # KV routing with a temperature above 0
     _task: asyncio.Task | None = None
     _placements: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -138,7 +141,8 @@ class WorkerPool:
         """Stop routing to ``address`` at once; its channel closes once the requests already
         on it are done (closing it now would cancel them: a drained worker finishes its streams)."""
         client = self.workers.pop(address, None)
-        self.index.remove(address)
+        self.index.remove(address)  # a conversation it held re-prefills elsewhere
+        self.sessions.forget_worker(address)
         if client is None:
             return
         if client.inflight:
@@ -169,9 +173,20 @@ class WorkerPool:
         """The prefill worker for ``prompt`` under ``routing.policy`` (``pdserve.router.kv_policy``),
         with each worker's cached prefix (under ``cache_salt``) read from the KV index."""
         snapshots = self.snapshots()
-        overlaps = self.index.overlaps(prompt, [s.worker_id for s in snapshots if s.role == "prefill"], cache_salt)
+        overlaps = self.prefill_overlaps(prompt, cache_salt)
         turn = next(self._turns) if routing.policy == "round_robin" else 0
         return choose_prefill(snapshots, overlaps, len(prompt), routing, turn, exclude, max_queued_tokens, self.rng)
+
+    def decode_overlaps(self, prompt: Sequence[int], cache_salt: str = "") -> dict[str, int]:
+        """Per decode-pool worker (decode and mixed), the prompt tokens its prefix cache holds
+        under ``cache_salt`` per the KV index (decode workers publish them with decode_kv_reuse)."""
+        return self.index.overlaps(prompt, [w.address for w in self.workers.values() if w.role in SERVES["decode"]],
+                                   cache_salt)
+
+    def prefill_overlaps(self, prompt: Sequence[int], cache_salt: str = "") -> dict[str, int]:
+        """Per prefill worker, the prompt tokens its prefix cache holds under ``cache_salt``."""
+        return self.index.overlaps(prompt, [w.address for w in self.workers.values() if w.role == "prefill"],
+                                   cache_salt)
 
     def ready(self) -> bool:
         return not self.missing_roles()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import AsyncIterator
@@ -24,7 +25,7 @@ from pdserve.router.attempts import (Attempt, LocalPrefill, MovedKV, Output, Rem
 from pdserve.router.errors import AttemptLost, RouteError, failure_code, route_error
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
-from pdserve.router.local_prefill import Mixed, decide
+from pdserve.router.local_prefill import Mixed, decide_for_attempt, find_holder, prefill_options, worker_load
 from pdserve.router.output_processor import OutputProcessor
 from pdserve.router.policy import WorkerSnapshot, pick_decode
 from pdserve.router.pool import WorkerPool
@@ -40,11 +41,16 @@ log = logging.getLogger(__name__)
 class RequestRun:
     """One request through prefill and decode. ``arrived`` (``time.monotonic()``) is when it
     reached the router, before tokenization: its latencies count from there. ``spans``: the
-    request's trace (``pdserve.router.request_spans``); None while tracing is off."""
+    request's trace (``pdserve.router.request_spans``); None while tracing is off.
+    ``session_id``: the client's optional session hint (``pdserve.router.session_hint``)."""
 
     def __init__(self, req: PreparedRequest, model: ModelInfo, pool: WorkerPool, limits: RouterLimits,
-                 arrived: float | None = None, timeout_s: float | None = None, spans: RequestSpans | None = None):
+                 arrived: float | None = None, timeout_s: float | None = None, spans: RequestSpans | None = None,
+                 session_id: str | None = None):
         self.req = req
+        # Keyed within the request's cache salt (its tenant's and its own): one tenant's session
+        # ids never steer another's requests.
+        self.session_key = f"{req.params.cache_salt}\0{session_id}" if session_id else None
         self.model = model
         self.pool = pool
         self.limits = limits
@@ -96,7 +102,10 @@ class RequestRun:
                 if moved is not None:
                     release_later(self.calls, moved.prefill_address, moved.lease_token)
                 raise
-            kind = MovedKV(moved, self.output.token_ids[-1]) if moved is not None else self._kind(attempt)
+            if moved is not None:
+                kind = MovedKV(moved, self.output.token_ids[-1])
+            else:
+                kind, attempt = self._plan(attempt)
             spans = self.calls.spans
             if spans is not None:
                 spans.start_attempt(number, kind.label, len(attempt.prompt))
@@ -143,19 +152,56 @@ class RequestRun:
         if choice.worker_id is None:
             raise route_error(choice)
 
-    def _kind(self, attempt: Attempt) -> LocalPrefill | RemotePrefill:
-        """The local-prefill rule (pdserve/router/local_prefill.py) for this attempt, on the
-        decode worker its decode call will pick first (the same pick over the same snapshots,
-        with no await between), recorded in the metrics."""
+    def _plan(self, attempt: Attempt) -> tuple[LocalPrefill | RemotePrefill, Attempt]:
+        """This attempt's kind, by the local-prefill rules (pdserve/router/local_prefill.py),
+        and the attempt with the decode worker the plan is for, recorded in the metrics. With
+        no decode worker caching a prefix, the rule runs on the decode worker the decode call
+        will pick first (the same pick over the same snapshots, with no await between), or on
+        the one the session hint names."""
         snapshots = self.pool.snapshots()
-        choice = pick_decode(snapshots, attempt.blocks, limited=self.calls.limited)
-        worker = next((w for w in snapshots if w.worker_id == choice.worker_id), None)
-        load = min(1.0, worker.blocks_used / max(worker.blocks_total, 1)) if worker is not None else 1.0
-        decision = decide(self.limits.local_prefill, len(attempt.prompt), load, mixed=_mixed(snapshots, worker))
+        salt = attempt.sampling.cache_salt
+        holder, prefills = None, []
+        if self.limits.decode_kv_reuse:
+            holder = find_holder(snapshots, self.pool.decode_overlaps(attempt.prompt, salt), attempt.blocks,
+                                 limited=self.calls.limited)
+            if holder is not None:
+                prefills = prefill_options(snapshots, self.pool.prefill_overlaps(attempt.prompt, salt))
+        worker = self._hinted(snapshots, attempt.blocks) if holder is None else None
+        hinted = worker is not None
+        if worker is None and holder is None:
+            choice = pick_decode(snapshots, attempt.blocks, limited=self.calls.limited)
+            worker = next((w for w in snapshots if w.worker_id == choice.worker_id), None)
+        load = worker_load(worker) if worker is not None else 1.0
+        decision = decide_for_attempt(self.limits.local_prefill, self.limits.routing, len(attempt.prompt), load,
+                                      holder, prefills, mixed=_mixed(snapshots, worker))
         self.metrics.prefill_placed(decision.label, decision.reason.value, decision.uncached_tokens, decision.load)
+        decode_worker = decision.decode_worker or (worker.worker_id if hinted else None)
+        self._remember(decode_worker or (worker.worker_id if worker is not None else None))
+        attempt = dataclasses.replace(attempt, decode_worker=decode_worker)
         if decision.local:
-            return LocalPrefill()
-        return RemotePrefill(stream_kv=0 < self.limits.stream_kv_min_tokens <= len(attempt.prompt))
+            return LocalPrefill(), attempt
+        return RemotePrefill(stream_kv=0 < self.limits.stream_kv_min_tokens <= len(attempt.prompt),
+                             prefix_from=decision.prefix_from), attempt
+
+    def _hinted(self, snapshots: list[WorkerSnapshot], blocks: int) -> WorkerSnapshot | None:
+        """The decode worker that served this request's session last (``session_id``), while
+        it is routable and has room; None without a hint or with decode_kv_reuse off
+        (router.session_hint)."""
+        if not (self.session_key and self.limits.decode_kv_reuse):  # the reuse off: as if no hint came
+            return None
+        address = self.pool.sessions.get(self.session_key)
+        if address is None:
+            return None
+        mine = [w for w in snapshots if w.worker_id == address]
+        if pick_decode(mine, blocks, limited=self.calls.limited).worker_id is None:
+            return None
+        return mine[0]
+
+    def _remember(self, decode_worker: str | None) -> None:
+        """Remember the decode worker planned for this session's attempt (the decode call
+        may still fall back to another; the next turn's tokens find that one in the index)."""
+        if self.session_key and self.limits.decode_kv_reuse and decode_worker is not None:
+            self.pool.sessions.remember(self.session_key, decode_worker)
 
     def _process(self, out: Output, attempt: Attempt) -> pdserve_pb2.GenerateResponse:
         """One worker output as the client's response, counted in the metrics."""

@@ -76,7 +76,7 @@ class GenerationService:
 
     async def run(self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None = None,
                   owner: str = "", max_tokens_to_context: bool = False, tenant: Tenant | None = None,
-                  trace_headers=None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+                  trace_headers=None, session_id: str | None = None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """One request's responses, for every front (gRPC here, HTTP in http_api.py).
         ``tenant``: the caller's, from its API key (None: no keys configured); it salts the
         request's prefix cache (``pdserve.router.cache_salt``), owns it, and its limits admit
@@ -84,7 +84,8 @@ class GenerationService:
         ids the router makes, aborts by closing the stream and passes none.
         ``max_tokens_to_context``: see ``pdserve.router.frontend.prepare``. ``trace_headers``:
         the caller's gRPC metadata or HTTP headers, whose ``traceparent`` the request's trace
-        continues (read only while tracing is on).
+        continues (read only while tracing is on). ``session_id``: the client's session hint
+        (HTTP body's ``session_id``, ``pdserve.router.session_hint``).
 
         Raises ``InvalidRequestError`` or ``RouteError``; an ``Abort`` ends the stream with a
         FINISH_REASON_ABORT response, a cancelled caller cleans up on the way out.
@@ -108,7 +109,7 @@ class GenerationService:
             if key in self.running:
                 raise InvalidRequestError("request_id", f"{rid!r} is already running")
             run = RequestRun(prepared, self.model, self.pool, self.limits, arrived=arrived, timeout_s=deadline_s,
-                             spans=spans)
+                             spans=spans, session_id=session_id)
             self.running[key] = (asyncio.current_task(), run)
             try:
                 async for resp in run.responses():

@@ -62,6 +62,7 @@ class Options:
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
     n: int = 1  # choices per prompt; requests are prompt-major (prompt i's j-th is i * n + j)
     tools: ToolPlan | None = None  # chat with tools: how the answer reports calls (router.tools)
+    session_id: str | None = None  # the client's session hint, for every request of the body (router.session_hint)
 
 
 # Fields that would change the answer and that pdserve does not implement: a client that
@@ -182,7 +183,8 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
     include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
     top = (parsed.top_logprobs or 0) if chat else (parsed.logprobs or 0)
     echo = not chat and parsed.echo
-    return requests, Options(parsed.stream, include_usage, template.sampling.logprobs, top, echo, parsed.n, plan)
+    return requests, Options(parsed.stream, include_usage, template.sampling.logprobs, top, echo, parsed.n, plan,
+                             parsed.session_id)
 
 
 def _prompts(prompt) -> list:
