@@ -313,6 +313,38 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def new_doc(args, machine: dict) -> dict:
+    doc = {"schema": SCHEMA, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_state(),
+           "machine": {**machine, "shared_note": args.note, "loadavg_before": os.getloadavg()},
+           "workload": {"conversations": args.conversations, "turns": args.turns, "rate": args.rate,
+                        "answer_tokens": asdict(args.answer_tokens), "message_tokens": asdict(args.message_tokens),
+                        "seed": args.seed, "ignore_eos": True, "temperature": 0},
+           "vllm_dtype": args.vllm_dtype, "arms": {}}
+    doc["reuse_flag"] = pdserve_has_reuse_flag(args) if "pdserve-noreuse" in args.servers else None
+    if doc["reuse_flag"] is False:
+        print(f"[conversations] this pdserve has no {NO_REUSE_FLAG}: it predates issue 44 and never reuses a "
+              "decode worker's KV, so both pdserve arms run it as it is", flush=True)
+    return doc
+
+
+def run_all(args, doc: dict) -> None:
+    """Every arm in turn, into ``doc["arms"]``; on failure what was measured goes to a partial file."""
+    plan, t0 = conversations(args), time.monotonic()
+
+    def step(msg: str) -> None:
+        tqdm.write(f"[conversations {time.monotonic() - t0:5.0f} s] {msg}")
+
+    try:
+        with tqdm(total=len(args.servers) * args.conversations * args.turns, desc="turns", unit="turn") as bar:
+            for arm in args.servers:
+                doc["arms"][arm] = run_arm(arm, args, plan, bar, step, doc["reuse_flag"] is not False)
+    except BaseException:  # the servers are stopped by now
+        partial = args.out_dir / "conversations.partial.json"
+        partial.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"[conversations] failed or interrupted; what was measured: {partial}", file=sys.stderr, flush=True)
+        raise
+
+
 def main() -> None:
     machine = processor.print_banner()
     args = parse_args()
@@ -325,31 +357,14 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C and SIGTERM stop the servers
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    plan = conversations(args)
-    tag = args.tag or (machine["kernel_path"] or "torch").replace("_", "")
-    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    out = args.out or ROOT / "benchmarks" / "results" / f"conversations-{tag}-{day}.json"
-    doc = {"schema": SCHEMA, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_state(),
-           "machine": {**machine, "shared_note": args.note, "loadavg_before": os.getloadavg()},
-           "workload": {"conversations": args.conversations, "turns": args.turns, "rate": args.rate,
-                        "answer_tokens": asdict(args.answer_tokens), "message_tokens": asdict(args.message_tokens),
-                        "seed": args.seed, "ignore_eos": True, "temperature": 0},
-           "vllm_dtype": args.vllm_dtype, "arms": {}}
-    doc["reuse_flag"] = pdserve_has_reuse_flag(args) if "pdserve-noreuse" in args.servers else None
-    if doc["reuse_flag"] is False:
-        print(f"[conversations] this pdserve has no {NO_REUSE_FLAG}: it predates issue 44 and never reuses a "
-              "decode worker's KV, so both pdserve arms run it as it is", flush=True)
-    t0 = time.monotonic()
-
-    def step(msg: str) -> None:
-        tqdm.write(f"[conversations {time.monotonic() - t0:5.0f} s] {msg}")
-
-    with tqdm(total=len(args.servers) * args.conversations * args.turns, desc="turns", unit="turn") as bar:
-        for arm in args.servers:
-            doc["arms"][arm] = run_arm(arm, args, plan, bar, step, doc["reuse_flag"] is not False)
+    doc = new_doc(args, machine)
+    run_all(args, doc)
     doc["machine"]["loadavg_after"] = os.getloadavg()
     doc["ratios_over_vllm"] = ratios(doc)
     print_tables(doc)
+    tag = args.tag or (machine["kernel_path"] or "torch").replace("_", "")
+    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    out = args.out or ROOT / "benchmarks" / "results" / f"conversations-{tag}-{day}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     png = args.plot or ROOT / "docs" / "benchmarks" / f"conversations-{tag}-{day}.png"
