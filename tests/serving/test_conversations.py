@@ -38,8 +38,8 @@ pytestmark = pytest.mark.slow
 TURNS = (("Tell me about lighthouses.", 32), ("Why are they tall?", 24), ("And at night?", 40))
 BLOCK = CacheConfig.block_size
 # local_prefill_decisions_total reasons that predate issue 44: none of them is a reuse
-OLD_REASONS = {"colocated", "short_prompt", "off", "long_prompt", "busy_worker", "mixed_worker",
-               "prefill_shorter", "no_prefill_worker"}
+# The router's reasons for a plan that uses a decode worker's cache (pdserve/router/local_prefill.py).
+REUSE_REASONS = {"decode_hit", "prefix_on_decode"}
 
 
 @dataclass
@@ -142,7 +142,7 @@ def test_follow_ups_reuse_the_previous_answers_kv(conversation, tokenizer):
         # a prefill worker caches at most the previous prompt; more is the answer's KV
         assert reusable(tokenizer, previous, turn) > previous.prompt_tokens
         assert turn.cached_tokens >= reusable(tokenizer, previous, turn), turn.messages[-1]["content"]
-    reuse = {reason: n for reason, n in counted.items() if reason not in OLD_REASONS}
+    reuse = {reason: n for reason, n in counted.items() if reason in REUSE_REASONS}
     assert sum(reuse.values()) >= len(turns) - 1, f"decisions counted: {counted}"
 
 
