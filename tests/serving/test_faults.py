@@ -35,7 +35,7 @@ def cluster():
     # The router polls stats rarely here, so it learns of a dead worker from a failed call,
     # which is the path these tests are after.
     # No supervisor: these tests are about the router surviving dead workers, not their
-    # replacement (test_supervisor.py covers that).
+    # replacement (tests/faults/test_rollout.py covers that).
     # No supervisor: a dead worker is never replaced, so a request that finds a pool empty
     # waits its admission budget (short here) for a replacement that never comes.
     options = dict(num_prefill=3, num_decode=2, delay_s=DELAY_S, router_poll_s=30.0, supervise_interval_s=None,
