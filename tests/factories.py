@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -78,6 +79,19 @@ def make_tp_engine(model_dir: Path | str, tensor_parallel_size: int, on_rank_los
     config = dataclasses.replace(engine_config(model_dir, **kwargs), tensor_parallel_size=tensor_parallel_size)
     return LLMEngine.from_config(config, progress=False, detokenize=False,
                                  on_rank_lost=on_rank_lost or (lambda exc: None))
+
+
+@functools.cache
+def default_reference():
+    """transformers' model of the default model in float32 and its tokenizer, loaded once per
+    test process: a dozen modules compare served tokens with it, and each used to load its own
+    copy (seconds each). Read only: generate and forward passes change nothing in it."""
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.loader import materialize
+
+    directory = materialize("default")
+    return load_reference(directory, torch.float32), AutoTokenizer.from_pretrained(str(directory))
 
 
 def load_reference(directory, dtype: torch.dtype):

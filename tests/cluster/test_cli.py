@@ -1,6 +1,7 @@
 """The README's first command: ``pdserve serve`` starts the cluster, answers (``pdserve
 generate`` over gRPC, and the README's own ``openai`` example, run as written, over HTTP),
-and stops on Ctrl-C."""
+and stops on Ctrl-C (SIGINT to its process group, as a terminal sends it), leaving no process
+behind."""
 
 import contextlib
 import io
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.cluster.test_shutdown_after_replacement import session_pids
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +67,15 @@ def test_serve_generate_and_ctrl_c(tmp_path):
                               "--max-tokens", "12"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert "Paris" in out.stdout and "prompt +" in out.stdout
-        proc.send_signal(signal.SIGINT)
+        # Ctrl-C in a terminal: SIGINT to the whole foreground process group, Ray's processes
+        # included. It exits 0 and leaves no process of its session behind (the same after a
+        # worker's replacement, and for SIGTERM: tests/cluster/test_shutdown_after_replacement.py).
+        os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=90) == 0
+        settle = time.monotonic() + 2  # processes already killed may take a moment to be reaped
+        while session_pids(proc.pid) and time.monotonic() < settle:
+            time.sleep(0.2)
+        assert not session_pids(proc.pid), session_pids(proc.pid)
         host, port = address.rsplit(":", 1)
         with socket.socket() as s:
             assert s.connect_ex((host, int(port))) != 0, "the router still listens after Ctrl-C"

@@ -81,8 +81,11 @@ def wait_for(predicate, what: str, log_path: Path, timeout_s: float = 300):
     raise AssertionError(f"{what}; log: {log_path.read_text()[-3000:]}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_process_group_after_a_replacement_stops_everything_in_time(tmp_path, sig):
+def test_a_signal_to_the_process_group_after_a_replacement_stops_everything_in_time(tmp_path):
+    """SIGTERM, which each ServerActor drains on (what the supervisor took for deaths in issue
+    25). Both stop signals reach the same handler in ``pdserve serve``; SIGINT to the group is
+    tests/cluster/test_cli.py's Ctrl-C, checked there to leave no process behind too."""
+    sig = signal.SIGTERM
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w+")
     proc = subprocess.Popen([str(PDSERVE), "serve", "--grpc-port", "0", "--port", "0", "--kv-cache-gib", "0.2",

@@ -10,10 +10,9 @@ import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.loader import materialize
 from pdserve.engine.sampling import SamplingParams
 from tests.engine.test_engine_batching import run_staggered
-from tests.factories import chat_variants, load_reference
+from tests.factories import chat_variants, default_reference
 from tests.logprobs import check_logprobs_close, engine_generation, hf_generation
 
 pytestmark = pytest.mark.slow
@@ -54,7 +53,7 @@ def prompts(engine):
 @pytest.fixture(scope="module")
 def reference_outputs(prompts):
     """transformers in float32: greedy tokens and per-step top-5 ids of every prompt."""
-    reference = load_reference(materialize("default"), torch.float32)
+    reference, _ = default_reference()
     return [hf_generation(reference, p, MAX_TOKENS) for p in prompts]
 
 

@@ -223,7 +223,9 @@ def test_ray_refuses_a_driver_without_the_token(cluster):
     """The Ray pdserve started runs with token authentication: a driver with another token
     cannot join (it could otherwise run any code in the workers)."""
     gcs = ray.get_runtime_context().gcs_address
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
+    # A refused driver asks the GCS again once a second, 20 times by default; 5 tries make the
+    # same refusal (each logs InvalidAuthToken) and give up in ~5 s, not 20.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64, "RAY_gcs_server_port_wait_time_s": "5"}
     try:
         out = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r}); print('joined')"],
                              env=env, capture_output=True, text=True, timeout=120)

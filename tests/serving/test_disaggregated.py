@@ -5,11 +5,9 @@ import time
 
 import grpc
 import pytest
-import torch
 
-from pdserve.engine.loader import materialize
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, chat_variants, load_reference
+from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, chat_variants, default_reference
 from tests.serving.conftest import LEASE_S, TRANSFER_DELAY_S, all_stats, worker_stats
 
 pytestmark = pytest.mark.slow
@@ -34,11 +32,9 @@ def collect(responses) -> tuple[list[int], str, list]:
 
 @pytest.fixture(scope="module")
 def reference():
-    """transformers on the same weights, in the cluster's dtype (float32: see conftest.py)."""
-    from transformers import AutoTokenizer
-
-    directory = materialize("default")
-    return load_reference(directory, torch.float32), AutoTokenizer.from_pretrained(str(directory))
+    """transformers on the same weights, in the cluster's dtype (float32: see conftest.py), and
+    its tokenizer; one copy for every module that imports this fixture (``default_reference``)."""
+    return default_reference()
 
 
 def assert_chat_greedy(reference, question: str, ids: list[int], max_tokens: int) -> None:

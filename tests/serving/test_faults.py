@@ -1,9 +1,13 @@
 """Faults from the design's failure table, caused for real: worker processes are SIGKILLed
 mid-request. Nothing a client was promised is lost, and no KV block is stranded.
 
-Twice: on the default model, and on workers of two tensor-parallel ranks each (the tiny model
-with the default tokenizer: ``tests.serving.test_tensor_parallel``), where the process killed
-is a worker's rank 0 and its other rank leaves with it."""
+On the default model, one rank per worker. What these prove is the router's: it learns of a
+dead worker from a failed call and retries, re-prefills or fails clearly, whatever the worker's
+rank count (a tensor-parallel worker's gRPC server is its rank 0, so its death fails the same
+calls). The rank side is proved at two ranks elsewhere, on clusters that run anyway: a killed
+rank 0 takes its other rank with it (``tests.serving.test_tensor_parallel``), and a decode
+worker's rank 0 SIGKILLed mid-stream and a prefill worker's rank 0 killed with a read from it
+in flight lose nothing (``tests.faults.test_under_load`` at tp2)."""
 
 import os
 import signal
@@ -26,22 +30,17 @@ pytestmark = pytest.mark.slow
 DELAY_S = 1.0  # every KV read waits this long: time to kill a worker between two steps
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def cluster(request):
+@pytest.fixture(scope="module")
+def cluster():
     # The router polls stats rarely here, so it learns of a dead worker from a failed call,
     # which is the path these tests are after.
     # No supervisor: these tests are about the router surviving dead workers, not their
-    # replacement (test_supervisor.py covers that).
+    # replacement (tests/faults/test_rollout.py covers that).
     # No supervisor: a dead worker is never replaced, so a request that finds a pool empty
     # waits its admission budget (short here) for a replacement that never comes.
     options = dict(num_prefill=3, num_decode=2, delay_s=DELAY_S, router_poll_s=30.0, supervise_interval_s=None,
                    admission_wait_s=3.0)
-    if request.param == 1:
-        c = start_cluster(**options)
-    else:
-        from tests.serving.test_tensor_parallel import tp_cluster
-
-        c = tp_cluster(request.getfixturevalue("tool_llama")[0], request.param, **options)
+    c = start_cluster(**options)
     yield c
     c.stop()
 

@@ -6,11 +6,9 @@ import time
 import urllib.request
 
 import pytest
-import torch
 
-from pdserve.engine.loader import materialize
 from pdserve.protos import pdserve_pb2
-from tests.factories import assert_greedy_matches, load_reference
+from tests.factories import assert_greedy_matches, default_reference
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +39,7 @@ def test_a_shared_system_prompt_is_routed_to_its_cache_and_the_answer_is_exact(c
     assert cached >= second[-1].usage.prompt_tokens - 48  # the system prompt's blocks, all but the tail
     assert cache_decisions(cluster.http_address) - before == 1
 
-    from transformers import AutoTokenizer
-
-    directory = materialize("default")
-    model, tok = load_reference(directory, torch.float32), AutoTokenizer.from_pretrained(str(directory))
+    model, tok = default_reference()
     for question, resps in (("Where are the atlases?", first), ("Do you lend films?", second)):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         prompt = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
