@@ -33,7 +33,7 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params,
-                                          owner=request.router_id)
+                                          owner=request.router_id, prefix=_prefix(request))
         except InvalidRequestError as exc:
             tracing.end_span(span, error=exc)
             await abort_invalid(context, exc)
@@ -56,8 +56,8 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
         prompt = list(request.prompt_token_ids)
         result, error = None, "cancelled"
         try:
-            async for item in self.worker.prefill_stream(request.request_id, prompt, params,
-                                                         owner=request.router_id, stream_kv=True):
+            async for item in self.worker.prefill_stream(request.request_id, prompt, params, owner=request.router_id,
+                                                         stream_kv=True, prefix=_prefix(request)):
                 if isinstance(item, KVEarly):
                     tracing.add_event(span, "kv_early", {"pdserve.ready_tokens": item.ready_tokens})
                     kv = KVHandle(self.address, item.lease.block_ids, len(prompt), item.lease.token,
@@ -155,6 +155,11 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def GetAgentMetadata(self, request, context):
         return self.worker.agent.local_metadata()
+
+
+def _prefix(request: worker_pb2.PrefillRequest) -> KVHandle | None:
+    """The prefix a decode worker holds for this prompt (the reversed pull), if any."""
+    return KVHandle.from_proto(request.prefix) if request.prefix.block_ids else None
 
 
 def _end_spans(span, r: PrefillResult) -> None:

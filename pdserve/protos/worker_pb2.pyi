@@ -35,16 +35,36 @@ class KVHandle(_message.Message):
     def __init__(self, prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "router_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "router_id", "prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
     router_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., router_id: _Optional[str] = ...) -> None: ...
+    prefix: KVHandle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., router_id: _Optional[str] = ..., prefix: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+
+class HoldPrefixRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "router_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., router_id: _Optional[str] = ...) -> None: ...
+
+class HoldPrefixResponse(_message.Message):
+    __slots__ = ("kv",)
+    KV_FIELD_NUMBER: _ClassVar[int]
+    kv: KVHandle
+    def __init__(self, kv: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "finish_reason", "kv", "num_cached_tokens", "prefill_seconds", "queue_seconds", "first_top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "kv_streaming")
