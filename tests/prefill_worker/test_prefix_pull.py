@@ -18,14 +18,20 @@ import pytest
 import torch
 
 from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.loader import materialize
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.router.attempts import LocalPrefill, RemotePrefill
+from pdserve.router.frontend import ModelInfo, PreparedRequest
+from pdserve.router.limits import RouterLimits
+from pdserve.router.request_run import RequestRun
 from tests.decode_worker.test_streamed_kv import serving
 from tests.factories import assert_greedy_matches, decode_worker_config, load_reference, make_engine, \
     prefill_worker_config
+from tests.metrics.metrics_helpers import LetterTokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +66,7 @@ async def pair(model_dir, backend: str):
                            engine=make_engine(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK))
     async with serving(prefill, [decoder]) as pool:
         stubs = {c.role: c.stub for c in pool.workers.values()}
-        yield prefill, decoder, stubs["prefill"], stubs["decode"]
+        yield prefill, decoder, stubs["prefill"], stubs["decode"], pool
 
 
 def sampling(max_tokens: int) -> pdserve_pb2.SamplingParams:
@@ -104,7 +110,7 @@ async def settled(prefill: PrefillWorker, decoder: DecodeWorker) -> tuple[int, i
 
 async def conversation(model_dir, messages, backend: str, spoil=None):
     """Both turns; ``spoil`` may change the held prefix's handle before the prefill worker gets it."""
-    async with pair(model_dir, backend) as (prefill, decoder, p_stub, d_stub):
+    async with pair(model_dir, backend) as (prefill, decoder, p_stub, d_stub, _):
         answer1 = await first_turn(d_stub, messages[0])
         prompt = messages[0] + answer1 + messages[1]
         held = await d_stub.HoldPrefix(worker_pb2.HoldPrefixRequest(request_id="turn-2", prompt_token_ids=prompt,
@@ -167,4 +173,40 @@ def test_a_block_that_fails_its_checksum_is_never_found_and_the_prompt_is_comput
     assert stats.kv_verify_failures == 1 and stats.kv_transfer_failures == 1
     assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what="checksum mismatch")
     assert holding == 0  # the prefill worker released it on the failure
+    assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
+
+
+async def routed(pool, rid: str, prompt: list[int], kind, stream_kv: bool) -> list[int]:
+    """The request run of ``prompt`` whose attempt is ``kind``: every token."""
+    model = ModelInfo("smollm2", config=None, max_model_len=4096, block_size=BLOCK, tokenizer=LetterTokenizer())
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    run = RequestRun(PreparedRequest(rid, list(prompt), params), model, pool,
+                     RouterLimits(stream_kv_min_tokens=1 if stream_kv else 0))
+    run._kind = lambda attempt: kind  # the router's choice of attempt kind is not under test here
+    return [t async for resp in run.responses() for t in resp.token_ids]
+
+
+def test_the_router_attempt_reads_the_prefix_whole_and_streamed_with_transformers_tokens(model_dir, hf, messages):
+    """The router's ``RemotePrefill(prefix_from=...)``, in the real request run over a pool of
+    real stubs: turn 1 prefilled on the decode worker, turn 2 read from it with the KV moved
+    back whole, turn 3 with the KV streamed back chunk by chunk (``stream_kv_min_tokens``)."""
+    third = messages[1][:5]
+
+    async def main():
+        async with pair(model_dir, "nixl") as (prefill, decoder, _, _, pool):
+            address = next(a for a, c in pool.workers.items() if c.role == "decode")
+            kinds = [LocalPrefill(), RemotePrefill(stream_kv=False, prefix_from=address),
+                     RemotePrefill(stream_kv=True, prefix_from=address)]
+            prompts, outputs, bytes_read = [messages[0]], [], []
+            for i, kind in enumerate(kinds):
+                if i:
+                    prompts.append(prompts[-1] + outputs[-1] + (messages[1] if i == 1 else third))
+                outputs.append(await routed(pool, f"turn-{i + 1}", prompts[-1], kind, stream_kv=i == 2))
+                bytes_read.append(prefill.prefix_pulls.bytes_read)
+            return prompts, outputs, bytes_read, await settled(prefill, decoder)
+
+    prompts, outputs, bytes_read, (leases, p_free, d_free) = asyncio.run(main())
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert_greedy_matches(hf, prompt, out, MAX_TOKENS, what=f"turn {i + 1}")
+    assert 0 < bytes_read[1] < bytes_read[2]  # turns 2 and 3 each read a prefix
     assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
