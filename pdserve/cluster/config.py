@@ -212,7 +212,7 @@ class ClusterConfig:
         prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, reader_tp=self.decode_tp, **common)
         if role == "prefill":
             return prefill
-        return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
+        return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s, lease_seconds=self.lease_seconds,
                                   inject_transfer_delay_s=self.inject_transfer_delay_s, **common)
 
     def router_config(self, prefill_addresses: tuple[str, ...], decode_addresses: tuple[str, ...]):
