@@ -81,6 +81,8 @@ class PrefixPulls:
         self.labels, self.verify_kv = labels, verify_kv
         self._reads: dict[str, _Read] = {}  # request -> its prefix, from ``pin`` until its prompt has blocks
         self.bytes_read = 0  # KV bytes this worker read from decode workers' prefixes
+        self.tokens_read = 0  # ... and the prompt tokens they hold (WorkerStats.prefix_tokens_read)
+        self.refused = 0  # prefixes offered and not read (WorkerStats.prefix_reads_refused)
 
     def pin(self, request_id: str, prompt: list[int], cache_salt: str, kv: KVHandle) -> tuple[int, int]:
         """Pin the prefix ``kv`` holds (step 1 of the module docstring): returns how many of
@@ -88,13 +90,17 @@ class PrefixPulls:
         handle covers no full block of the prompt before its last, or no block is free)."""
         bs = self.engine.blocks.block_size
         n = min(len(kv.block_ids), kv.num_tokens // bs, (len(prompt) - 1) // bs)
-        if n <= 0 or self.engine.tensor_parallel_size > 1:
+        if n <= 0:
+            return 0, 0
+        if self.engine.tensor_parallel_size > 1:  # not in this round (module docstring)
+            self.refused += 1
             return 0, 0
         pin = f"{request_id}\0prefix"  # request ids are unique here while their record lives
         tokens = list(prompt[:n * bs + 1])  # one token past the prefix: all n blocks may hit
         try:
             alloc = self.engine.blocks.allocate(pin, tokens, cache_salt=cache_salt)
         except CacheCapacityError:
+            self.refused += 1
             return 0, 0
         hit = alloc.num_cached_tokens // bs
         self._reads[request_id] = _Read(pin, tokens, n * bs, list(alloc.block_ids), hit)
@@ -147,6 +153,7 @@ class PrefixPulls:
         worker_metrics.kv_transfer_done("prefill", self.labels.worker_id, self.labels.backend, seconds, nbytes,
                                         sum(h.descriptors for h in read.handles), self.labels.model_name)
         self.bytes_read += nbytes
+        self.tokens_read += read.num_final - read.own * self.engine.blocks.block_size
         read.handles = []  # the pin now waits for the prompt's allocation
         return [(request_id, PrefixPulled(read.num_final, nbytes))]
 

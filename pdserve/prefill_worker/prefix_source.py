@@ -85,11 +85,16 @@ class PrefixPeers:
 
 
 async def read_prefix(call: Callable[..., Awaitable], pulls: PrefixPulls, peers: PrefixPeers, request_id: str,
-                      prompt: list[int], cache_salt: str, kv: KVHandle, stream: asyncio.Queue) -> PrefixPulled:
+                      prompt: list[int], cache_salt: str, kv: KVHandle, stream: asyncio.Queue,
+                      wanted: bool = True) -> PrefixPulled:
     """Read the prefix ``kv`` holds into this worker's cache before ``prompt`` is queued; what
     came of it. ``call`` runs a function on the engine thread; ``stream`` is the request's
-    queue, where ``pulls`` says when the read ended. Never raises but for cancellation (the
-    caller's ``forget`` then drops the pin): a failure is ``PrefixPulled(0, error=...)``."""
+    queue, where ``pulls`` says when the read ended. ``wanted`` False: refused (counted; the
+    router releases the hold). Never raises but for cancellation (the caller's ``forget`` then
+    drops the pin): a failure is ``PrefixPulled(0, error=...)``."""
+    if not wanted:
+        pulls.refused += 1
+        return PrefixPulled(0, error="refused")
     source = await peers.source(kv)
     if source is None:
         pulls.agent.stats.record(TransferState.FAILED, 0, 0.0)

@@ -145,9 +145,9 @@ class PrefillWorker(WorkerShell):
         stream = self.open_stream(request_id)
         held = False
         try:
-            if prefix is not None and hashes is not None:  # (prompt logprobs run every position)
-                await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt,
-                                  params.cache_salt, prefix, stream)
+            if prefix is not None:  # (not with prompt logprobs: every position runs, ``hashes`` is None)
+                await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt, params.cache_salt,
+                                  prefix, stream, wanted=hashes is not None)
             await self.call(self.engine.add_request, request_id, prompt, params, True)
             while True:
                 item = await stream.get()
@@ -218,6 +218,7 @@ class PrefillWorker(WorkerShell):
         would send that prefix elsewhere, to be computed again."""
         stats = super().stats(metrics_address)
         stats.num_waiting_tokens = max(0, stats.num_waiting_tokens - self._queued_hit_tokens())
+        stats.prefix_tokens_read, stats.prefix_reads_refused = self.prefix_pulls.tokens_read, self.prefix_pulls.refused
         return stats
 
     def _queued_hit_tokens(self) -> int:

@@ -145,6 +145,7 @@ def test_the_prefill_worker_reads_the_prefix_from_the_decode_worker_and_computes
     assert held.num_tokens == (len(messages[0]) + ANSWER - 1) // BLOCK * BLOCK and held.num_tokens >= 4 * BLOCK
     assert answer.num_cached_tokens == held.num_tokens  # read, not computed
     assert stats.kv_transfer_bytes > 0 and stats.kv_transfer_failures == 0
+    assert stats.prefix_tokens_read == held.num_tokens and stats.prefix_reads_refused == 0
     assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what=f"reversed pull over {backend}")
     assert holding == 0  # the read's notice ended the hold
     assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
