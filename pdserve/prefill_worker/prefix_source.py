@@ -103,13 +103,16 @@ async def read_prefix(call: Callable[..., Awaitable], pulls: PrefixPulls, peers:
     if not todo:
         await source.release(ReleaseReason.ABORTED)  # nothing to read: the holder may let go now
         return PrefixPulled(own * pulls.engine.blocks.block_size)
+    claimed = False
     try:
         await source.claim()
+        claimed = True
         await call(pulls.start, request_id, kv, source.peer)
     except (grpc.aio.AioRpcError, TransferError) as exc:
         await call(pulls.drop, request_id)
         pulls.agent.stats.record(TransferState.FAILED, 0, 0.0)
-        await source.release(ReleaseReason.TRANSFER_FAILED)
+        if claimed:  # a lease claimed by another reader (a retry's) is not this worker's to end
+            await source.release(ReleaseReason.TRANSFER_FAILED)
         return PrefixPulled(0, error=f"the read could not start: {exc}")
     pulled = await stream.get()
     if pulled.error is not None:

@@ -6,8 +6,8 @@ the decode worker reads the answer's KV back and decodes. The default model (Smo
 float32, both workers behind their gRPC servers in this process; transformers' greedy output
 is the oracle.
 
-And the fallbacks, which must cost time only: the holder gone before the read, and a block
-whose bytes do not match its checksum. Either way the prefill worker computes the whole
+And the fallbacks, which must cost time only: the holder or its lease gone before the read,
+and a block whose bytes do not match its checksum. Either way the prefill worker computes the whole
 prompt (no cached token), the tokens are the same, the holder's lease ends (nothing stranded
 on either side), and no block of the failed read is ever found."""
 
@@ -108,8 +108,9 @@ async def settled(prefill: PrefillWorker, decoder: DecodeWorker) -> tuple[int, i
             decoder.engine.blocks.num_free_blocks)
 
 
-async def conversation(model_dir, messages, backend: str, spoil=None):
-    """Both turns; ``spoil`` may change the held prefix's handle before the prefill worker gets it."""
+async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: bool = False):
+    """Both turns; ``spoil`` may change the held prefix's handle before the prefill worker gets
+    it; ``end_hold``: the hold is released before the prefill worker gets it (the lease is gone)."""
     async with pair(model_dir, backend) as (prefill, decoder, p_stub, d_stub, _):
         answer1 = await first_turn(d_stub, messages[0])
         prompt = messages[0] + answer1 + messages[1]
@@ -119,6 +120,8 @@ async def conversation(model_dir, messages, backend: str, spoil=None):
         prefix.CopyFrom(held.kv)
         if spoil is not None:
             spoil(prefix)
+        if end_hold:
+            await d_stub.Release(release_request(held.kv.lease_token, ReleaseReason.ABORTED), timeout=5)
         answer, tokens = await second_turn(p_stub, d_stub, prompt, prefix)
         stats = await p_stub.Stats(worker_pb2.StatsRequest(), timeout=5)
         holding = await still_held(decoder)
@@ -151,16 +154,18 @@ def test_the_prefill_worker_reads_the_prefix_from_the_decode_worker_and_computes
     assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
 
 
-def test_a_holder_gone_before_the_read_costs_time_only(model_dir, hf, messages):
-    def gone(prefix):  # the decode worker died after the hold: nothing listens there any more
+@pytest.mark.parametrize("gone", ["holder", "lease"])
+def test_a_holder_or_lease_gone_before_the_read_costs_time_only(model_dir, hf, messages, gone):
+    def dead(prefix):  # the decode worker died after the hold: nothing listens there any more
         prefix.prefill_address = "127.0.0.1:9"
 
     prompt, held, answer, tokens, stats, holding, (leases, p_free, d_free) = asyncio.run(
-        conversation(model_dir, messages, "nixl", spoil=gone))
+        conversation(model_dir, messages, "nixl", spoil=dead if gone == "holder" else None, end_hold=gone == "lease"))
     assert held.num_tokens > 0 and answer.num_cached_tokens == 0  # computed whole
-    assert stats.kv_transfer_failures == 1
-    assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what="holder gone")
-    assert holding == 1  # unread: the router's release ends it (or its expiry would)
+    assert stats.kv_transfer_failures == 1 and stats.prefix_tokens_read == 0
+    assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what=f"{gone} gone")
+    # Unread, a hold lives on until the router's release ends it (or its expiry would).
+    assert holding == (1 if gone == "holder" else 0)
     assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
 
 
