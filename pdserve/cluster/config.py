@@ -205,7 +205,7 @@ class ClusterConfig:
             from pdserve.elastic_worker.worker import ElasticWorkerConfig
 
             common["tls"] = self.tls_for("elastic")
-            decode = DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
+            decode = DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s, lease_seconds=self.lease_seconds,
                                         inject_transfer_delay_s=self.inject_transfer_delay_s, **common)
             return ElasticWorkerConfig(prefill=PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common),
                                        decode=decode, role=role)

@@ -72,8 +72,8 @@ class DecodeWorkerConfig:
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
     otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
     # A prefix held for a prefill worker's read (prefix_hold) is freed this long after the hold
-    # at the latest; the process entry passes the ``lease_seconds`` setting.
-    lease_seconds: float = 30.0
+    # at the latest. No default here: the process entry passes the ``lease_seconds`` setting.
+    lease_seconds: float = field(kw_only=True)
 
 
 @dataclass(frozen=True)
