@@ -189,10 +189,12 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, seq_id: str, token_ids: Sequence[int], use_prefix_cache: bool = True,
-                 cache_salt: str = "") -> Allocation:
+                 cache_salt: str = "", count: bool = True) -> Allocation:
         """Give ``seq_id`` blocks for all of ``token_ids``, reusing cached full blocks of the
         same ``cache_salt``. The fresh blocks are PENDING: nothing can find them until
         ``mark_final`` says their KV is final (they are then hashed under this salt).
+        ``count`` False: not a prefix query of a prompt (no hit counted; a prefill worker's
+        pin for a prefix it reads, ``pdserve.prefill_worker.prefix_pull``).
 
         At least one token is always left uncached, because the model must run on the
         last prompt token to produce the next token's logits.
@@ -201,7 +203,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         needed = self.blocks_needed(len(token_ids))
         root = chain_root(cache_salt)
-        hits = self._match_prefix(token_ids, root) if (use_prefix_cache and self.enable_prefix_cache) else []
+        hits = self._match_prefix(token_ids, root, count) if (use_prefix_cache and self.enable_prefix_cache) else []
         if needed - len(hits) > len(self._free) - sum(1 for b, _ in hits if b in self._free):
             raise CacheCapacityError(needed, len(self._free))
         state = _SeqBlocks(last_hash=root, root=root)

@@ -98,7 +98,7 @@ class PrefixPulls:
         pin = f"{request_id}\0prefix"  # request ids are unique here while their record lives
         tokens = list(prompt[:n * bs + 1])  # one token past the prefix: all n blocks may hit
         try:
-            alloc = self.engine.blocks.allocate(pin, tokens, cache_salt=cache_salt)
+            alloc = self.engine.blocks.allocate(pin, tokens, cache_salt=cache_salt, count=False)  # the prompt's counts
         except CacheCapacityError:
             self.refused += 1
             return 0, 0
