@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import logging
 
-import grpc
-
-from pdserve.kv_transfer.handoff import LeaseRefused, reason_from_wire
+from pdserve.kv_transfer.handoff import reason_from_wire
 from pdserve.protos import worker_pb2
-from pdserve.wire.failure import Failure, abort_with
+from pdserve.shell.lease_rpcs import answer_claim
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +32,12 @@ class PrefixHoldRpcs:
         return worker_pb2.HoldPrefixResponse(kv=kv.to_proto())
 
     async def Claim(self, request, context):
-        try:
-            lease = self.worker.prefix_holds.claim(request.lease_token, list(request.block_ids), request.renew)
-        except LeaseRefused as exc:
-            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
-                             f"lease refused ({exc.reason}): {exc}")
-        if lease is None:
-            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
-                             "renewal refused: the lease has ended or is not claimed")
-        return worker_pb2.ClaimResponse(lease_seconds=self.worker.prefix_holds.lease_seconds)
+        holds = self.worker.prefix_holds
+
+        async def claim():  # the table has its own lock: answered here on the loop, as a prefill worker does
+            return holds.claim(request.lease_token, list(request.block_ids), request.renew)
+
+        return await answer_claim(context, claim, holds.lease_seconds)
 
     async def Release(self, request, context):
         reason = reason_from_wire(request.reason)
