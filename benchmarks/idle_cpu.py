@@ -26,7 +26,8 @@ async def _serve(model: str) -> None:
 
     engine = EngineConfig(model=model, cache=CacheConfig(memory_budget_bytes=64 << 20))
     servers = [await start_prefill(PrefillWorkerConfig(engine=engine, lease_seconds=LEASE_SECONDS.default)),
-               await start_decode(DecodeWorkerConfig(engine=engine, transfer_timeout_s=TRANSFER_TIMEOUT_SECONDS.default))]
+               await start_decode(DecodeWorkerConfig(engine=engine, transfer_timeout_s=TRANSFER_TIMEOUT_SECONDS.default,
+                                                   lease_seconds=LEASE_SECONDS.default))]
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # until the parent says stop
     for s in servers:

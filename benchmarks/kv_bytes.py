@@ -83,7 +83,7 @@ async def moved_bytes(directory: Path, backend: str, prompt_tokens: int, dtype: 
 
     prefill = PrefillWorker(PrefillWorkerConfig(kv_transfer_backend=backend, lease_seconds=LEASE_SECONDS.default),
                             engine=engine())
-    decode = DecodeWorker(DecodeWorkerConfig(kv_transfer_backend=backend,
+    decode = DecodeWorker(DecodeWorkerConfig(kv_transfer_backend=backend, lease_seconds=LEASE_SECONDS.default,
                                              transfer_timeout_s=TRANSFER_TIMEOUT_SECONDS.default), engine=engine())
     servers = [await start_prefill(prefill.config, prefill), await start_decode(decode.config, decode)]
     channels = [aio_channel(s.address) for s in servers]

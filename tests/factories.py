@@ -58,12 +58,13 @@ def prefill_worker_config(**fields):
 
 
 def decode_worker_config(**fields):
-    """A ``DecodeWorkerConfig`` with ``pdserve serve``'s transfer timeout unless ``fields`` name
-    one: the config has no default of its own (``pdserve.cluster.settings.TRANSFER_TIMEOUT_SECONDS``)."""
-    from pdserve.cluster.settings import TRANSFER_TIMEOUT_SECONDS
+    """A ``DecodeWorkerConfig`` with ``pdserve serve``'s transfer timeout and lease unless ``fields``
+    name them: the config has no defaults of its own (``pdserve.cluster.settings``)."""
+    from pdserve.cluster.settings import LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS
     from pdserve.decode_worker.worker import DecodeWorkerConfig
 
-    return DecodeWorkerConfig(**{"transfer_timeout_s": TRANSFER_TIMEOUT_SECONDS.default, **fields})
+    return DecodeWorkerConfig(**{"transfer_timeout_s": TRANSFER_TIMEOUT_SECONDS.default,
+                                 "lease_seconds": LEASE_SECONDS.default, **fields})
 
 
 def make_engine(model_dir: Path | str, tokenizer=None, **kwargs) -> LLMEngine:

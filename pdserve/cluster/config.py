@@ -205,7 +205,7 @@ class ClusterConfig:
             from pdserve.elastic_worker.worker import ElasticWorkerConfig
 
             common["tls"] = self.tls_for("elastic")
-            decode = DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
+            decode = DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s, lease_seconds=self.lease_seconds,
                                         inject_transfer_delay_s=self.inject_transfer_delay_s,
                                         decode_kv_reuse=self.router_limits.decode_kv_reuse, **common)
             return ElasticWorkerConfig(prefill=PrefillWorkerConfig(lease_seconds=self.lease_seconds, **common),
@@ -213,7 +213,7 @@ class ClusterConfig:
         prefill = PrefillWorkerConfig(lease_seconds=self.lease_seconds, reader_tp=self.decode_tp, **common)
         if role == "prefill":
             return prefill
-        return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s,
+        return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s, lease_seconds=self.lease_seconds,
                                   inject_transfer_delay_s=self.inject_transfer_delay_s,
                                   decode_kv_reuse=self.router_limits.decode_kv_reuse, **common)
 

@@ -131,8 +131,8 @@ def worker_config(v: dict[str, Any]):
         return PrefillWorkerConfig(lease_seconds=v["lease_seconds"], **common)
     from pdserve.decode_worker.worker import DecodeWorkerConfig
 
-    return DecodeWorkerConfig(transfer_timeout_s=v["transfer_timeout_seconds"], decode_kv_reuse=v["decode_kv_reuse"],
-                              **common)
+    return DecodeWorkerConfig(transfer_timeout_s=v["transfer_timeout_seconds"], lease_seconds=v["lease_seconds"],
+                              decode_kv_reuse=v["decode_kv_reuse"], **common)
 
 
 async def run_role(v: dict[str, Any], config) -> None:

@@ -65,7 +65,7 @@ def _config(args):
         return PrefillWorkerConfig(lease_seconds=args.lease_seconds, **common)
     from pdserve.decode_worker.worker import DecodeWorkerConfig
 
-    return DecodeWorkerConfig(transfer_timeout_s=args.transfer_timeout_seconds, **common)
+    return DecodeWorkerConfig(transfer_timeout_s=args.transfer_timeout_seconds, lease_seconds=args.lease_seconds, **common)
 
 
 async def run(config, role: str, drain_grace_s: float) -> None:

@@ -30,4 +30,8 @@ Request lifecycle on this worker:
   typed failure code ``kv_transfer`` (it re-runs the prefill elsewhere) and to the prefill
   worker through ``Release``, never silently recomputed. A step that raises aborts its
   requests with the code ``step_failed``.
+
+Besides its requests, the worker may hold cached prefixes for prefill workers to read (the
+reversed pull, ``prefix_hold.py``): ``HoldPrefix`` pins them under a lease, which the reader's
+read notice, a ``Release`` or expiry ends; the streams decoding here are not touched.
 """

@@ -10,5 +10,5 @@ from pdserve.shell.server import serve
 
 async def start(config: DecodeWorkerConfig, worker: DecodeWorker | None = None) -> RunningServer:
     worker = worker or DecodeWorker(config)
-    return await serve(worker, lambda server, address, metrics: add_to_server(server, worker, metrics),
+    return await serve(worker, lambda server, address, metrics: add_to_server(server, worker, metrics, address),
                        "pdserve.v1.DecodeWorker")

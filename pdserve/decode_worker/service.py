@@ -31,6 +31,7 @@ from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, StepF
 from pdserve.kv_transfer import TransferError
 from pdserve.kv_transfer.handoff import KVHandle, ReleaseReason, release_request
 from pdserve.kv_transfer.rank_agents import RankSources
+from pdserve.decode_worker.prefix_rpcs import PrefixHoldRpcs
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.wire import tracing
 from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
@@ -41,10 +42,11 @@ from pdserve.shell.service import ShellRpcs
 log = logging.getLogger(__name__)  # request ids are the router's (a client's X-Request-Id)
 
 
-class DecodeService(ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker, metrics_address: str = ""):
+class DecodeService(PrefixHoldRpcs, ShellRpcs, worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, metrics_address: str = "", address: str = ""):
         self.worker = worker
         self.metrics_address = metrics_address
+        self.address = address  # what peers dial (a held prefix's handle names it)
         self._peers: dict[str, tuple[RankSources, str]] = {}  # prefill address -> (its ranks' peers, incarnation)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # prefill address -> the lock on its peer entry
@@ -292,5 +294,5 @@ class _LeaseUse:
             pass  # the prefill worker is gone, or its lease will expire
 
 
-def add_to_server(server: grpc.aio.Server, worker: DecodeWorker, metrics_address: str = "") -> None:
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker, metrics_address), server)
+def add_to_server(server: grpc.aio.Server, worker: DecodeWorker, metrics_address: str = "", address: str = "") -> None:
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker, metrics_address, address), server)

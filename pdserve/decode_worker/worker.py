@@ -24,6 +24,7 @@ from pdserve.kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, KVTrans
 from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
 from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.kv_transfer.rank_agents import RankAgents, RankSources
+from pdserve.decode_worker.prefix_hold import PrefixHolds
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire import worker_metrics
 from pdserve.wire.address import resolve, transfer_listen_opts
@@ -73,6 +74,9 @@ class DecodeWorkerConfig:
     borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
     otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
+    # A prefix held for a prefill worker's read (prefix_hold) is freed this long after the hold
+    # at the latest. No default here: the process entry passes the ``lease_seconds`` setting.
+    lease_seconds: float = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -151,12 +155,15 @@ class DecodeWorker(WorkerShell):
         engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
+        own_agent = agent is None  # else shared with a prefill side, which takes the read notices
         if agent is None:
             agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine,
                                   inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
                                   **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
-        super().__init__(config, engine, agent, hooks=[self._poll_transfers], holds=[self._hold_for_arrivals])
+        super().__init__(config, engine, agent, hooks=[self._poll_transfers, lambda: self.prefix_holds.poll()],
+                         holds=[self._hold_for_arrivals])
         self.endpoint = endpoint
+        self.prefix_holds = PrefixHolds(engine, self.agent, config.lease_seconds, config.verify_kv, enabled=own_agent)
         self._pulls: dict[str, _Pull] = {}
         self._arriving: dict[str, float] = {}  # request -> its latest move (time.monotonic), until its KV is here
         self._unverified_peers: set[str] = set()  # peers whose KV came without checksums (warned once)

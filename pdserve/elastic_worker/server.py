@@ -17,7 +17,7 @@ async def start(config: ElasticWorkerConfig, worker: ElasticWorker | None = None
     def register(server, address: str, metrics_address: str) -> None:
         worker.address = address  # where the KV of streams it hands over is read from
         prefill_service.add_to_server(server, worker.prefill, address, metrics_address)
-        decode_service.add_to_server(server, worker.decode, metrics_address)
+        decode_service.add_to_server(server, worker.decode, metrics_address, address)
         worker_pb2_grpc.add_ElasticWorkerServicer_to_server(ElasticService(worker), server)
 
     return await serve(worker, register, "pdserve.v1.ElasticWorker")

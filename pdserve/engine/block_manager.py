@@ -189,10 +189,12 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, seq_id: str, token_ids: Sequence[int], use_prefix_cache: bool = True,
-                 cache_salt: str = "") -> Allocation:
+                 cache_salt: str = "", count: bool = True) -> Allocation:
         """Give ``seq_id`` blocks for all of ``token_ids``, reusing cached full blocks of the
         same ``cache_salt``. The fresh blocks are PENDING: nothing can find them until
         ``mark_final`` says their KV is final (they are then hashed under this salt).
+        ``count`` False: not a prefix query of a prompt (no hit counted; a prefill worker's
+        pin for a prefix it reads, ``pdserve.prefill_worker.prefix_pull``).
 
         At least one token is always left uncached, because the model must run on the
         last prompt token to produce the next token's logits.
@@ -201,7 +203,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         needed = self.blocks_needed(len(token_ids))
         root = chain_root(cache_salt)
-        hits = self._match_prefix(token_ids, root) if (use_prefix_cache and self.enable_prefix_cache) else []
+        hits = self._match_prefix(token_ids, root, count) if (use_prefix_cache and self.enable_prefix_cache) else []
         if needed - len(hits) > len(self._free) - sum(1 for b, _ in hits if b in self._free):
             raise CacheCapacityError(needed, len(self._free))
         state = _SeqBlocks(last_hash=root, root=root)
@@ -216,21 +218,42 @@ class BlockManager:
         self._seqs[seq_id] = state
         return Allocation(tuple(state.block_ids), len(hits) * self.block_size)
 
-    def _match_prefix(self, token_ids: Sequence[int], root: bytes) -> list[tuple[int, bytes]]:
+    def share_prefix(self, seq_id: str, token_ids: Sequence[int], cache_salt: str = "") -> Allocation:
+        """Give ``seq_id`` references to the cached full blocks that begin ``token_ids`` (the
+        blocks ``allocate`` would find), and no fresh block: a holder pins final KV that a
+        reader copies (``pdserve.decode_worker.prefix_hold``), so it is neither evicted nor
+        reused until ``free(seq_id)``. Not a prefix query (no hit counted). With no hit,
+        ``seq_id`` gets nothing and the allocation is empty."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        root = chain_root(cache_salt)
+        hits = self._match_prefix(token_ids, root, count=False) if self.enable_prefix_cache else []
+        if not hits:
+            return Allocation((), 0)
+        state = _SeqBlocks(last_hash=hits[-1][1], root=root, num_hashed=len(hits),
+                           num_final_tokens=len(hits) * self.block_size)
+        for block_id, _ in hits:
+            self._take(block_id)
+            state.block_ids.append(block_id)
+        self._seqs[seq_id] = state
+        return Allocation(tuple(state.block_ids), len(hits) * self.block_size)
+
+    def _match_prefix(self, token_ids: Sequence[int], root: bytes, count: bool = True) -> list[tuple[int, bytes]]:
         bs = self.block_size
         num_full = len(token_ids) // bs
         if num_full * bs == len(token_ids):
             num_full -= 1  # keep the last block uncached so the last token gets computed
         hits: list[tuple[int, bytes]] = []
         prev = root
-        self.prefix_queries += max(num_full, 0)  # every eligible block counts, hit or not
+        if count:
+            self.prefix_queries += max(num_full, 0)  # every eligible block counts, hit or not
         for i in range(max(num_full, 0)):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(prev, chunk)
             block_id = self._by_hash.get(h)
             if block_id is None or self._blocks[block_id].token_ids != chunk:
                 break
-            self.prefix_hits += 1
+            self.prefix_hits += count
             hits.append((block_id, h))
             prev = h
         return hits

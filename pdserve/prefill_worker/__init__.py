@@ -2,6 +2,11 @@
 
 Request lifecycle on this worker:
 
+- READING_PREFIX (only with ``PrefillRequest.prefix``, the reversed pull): before the prompt is
+  queued, the part of its prefix that a decode worker holds and this worker's cache lacks is
+  read from there into blocks pinned for it (``prefix_pull.py``, ``prefix_source.py``); once
+  verified they are final and findable, and the prompt's allocation finds them. A read that
+  fails leaves nothing findable, and the prompt is computed whole.
 - WAITING: ``Prefill`` queued the prompt in the engine (behind others, under the token budget).
 - RUNNING: the prompt is being computed, in one or more chunks, batched with other prompts.
 - HELD: the first token is sampled and returned with a KV handle (block ids, the checksum of

@@ -6,7 +6,7 @@ import logging
 import grpc
 
 from pdserve.engine.errors import InvalidRequestError, StepFailed
-from pdserve.kv_transfer.handoff import KVHandle, LeaseRefused, reason_from_wire
+from pdserve.kv_transfer.handoff import KVHandle, reason_from_wire
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady
 from pdserve.prefill_worker.record import PrefillResult
@@ -15,6 +15,7 @@ from pdserve.wire import tracing
 from pdserve.wire.convert import finish_to_wire, sampling_from_proto, top_to_proto
 from pdserve.wire.failure import Failure, abort_with
 from pdserve.wire.grpc_util import abort_invalid
+from pdserve.shell.lease_rpcs import answer_claim
 from pdserve.shell.service import ShellRpcs
 
 log = logging.getLogger(__name__)  # request ids are the router's (a client's X-Request-Id)
@@ -33,7 +34,7 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)
         try:
             r = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params,
-                                          owner=request.router_id)
+                                          owner=request.router_id, prefix=_prefix(request))
         except InvalidRequestError as exc:
             tracing.end_span(span, error=exc)
             await abort_invalid(context, exc)
@@ -56,8 +57,8 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
         prompt = list(request.prompt_token_ids)
         result, error = None, "cancelled"
         try:
-            async for item in self.worker.prefill_stream(request.request_id, prompt, params,
-                                                         owner=request.router_id, stream_kv=True):
+            async for item in self.worker.prefill_stream(request.request_id, prompt, params, owner=request.router_id,
+                                                         stream_kv=True, prefix=_prefix(request)):
                 if isinstance(item, KVEarly):
                     tracing.add_event(span, "kv_early", {"pdserve.ready_tokens": item.ready_tokens})
                     kv = KVHandle(self.address, item.lease.block_ids, len(prompt), item.lease.token,
@@ -143,18 +144,16 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Claim(self, request, context):
         """A claim, or (``renew``) its reader's renewal; the answer says how long it lasts."""
-        try:
-            lease = await self.worker.claim(request.lease_token, list(request.block_ids), request.renew)
-        except LeaseRefused as exc:
-            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
-                             f"lease refused ({exc.reason}): {exc}")
-        if lease is None:
-            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, Failure.KV_TRANSFER,
-                             "renewal refused: the lease has ended or is not claimed")
-        return worker_pb2.ClaimResponse(lease_seconds=self.worker.config.lease_seconds)
+        return await answer_claim(context, lambda: self.worker.claim(request.lease_token, list(request.block_ids),
+                                                                     request.renew), self.worker.config.lease_seconds)
 
     async def GetAgentMetadata(self, request, context):
         return self.worker.agent.local_metadata()
+
+
+def _prefix(request: worker_pb2.PrefillRequest) -> KVHandle | None:
+    """The prefix a decode worker holds for this prompt (the reversed pull), if any."""
+    return KVHandle.from_proto(request.prefix) if request.prefix.block_ids else None
 
 
 def _end_spans(span, r: PrefillResult) -> None:

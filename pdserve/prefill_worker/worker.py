@@ -23,9 +23,12 @@ from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
-from pdserve.kv_transfer.handoff import Lease, LeaseTable, ReadNotice, ReleaseReason
+from pdserve.kv_transfer.handoff import KVHandle, Lease, LeaseTable, ReleaseReason
+from pdserve.kv_transfer.lease_upkeep import OwnerClock, upkeep
 from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
+from pdserve.prefill_worker.prefix_pull import MetricLabels, PrefixPulls
+from pdserve.prefill_worker.prefix_source import PrefixPeers, read_prefix
 from pdserve.prefill_worker.record import PrefillResult, RequestRecord
 from pdserve.protos import worker_pb2
 from pdserve.shell.agents import worker_agents
@@ -85,8 +88,13 @@ class PrefillWorker(WorkerShell):
         if agent is None:
             agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine, config.reader_tp,
                                   **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
-        super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv])
+        super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv,
+                                                       lambda: self.prefix_pulls.poll()])
         self.endpoint = endpoint
+        # The reversed pull: prefixes read from decode workers before their prompts are queued.
+        self.prefix_pulls = PrefixPulls(engine, self.agent, self.push, MetricLabels(
+            config.worker_id, config.kv_transfer_backend, config.model_name), config.verify_kv)
+        self.prefix_peers = PrefixPeers(self.agent, config.tls)
         self.leases = LeaseTable()
         self.agent.read_guard = self.leases.read_allowed  # tcp serves only claimed leases' blocks
         # Every request here, from its Prefill until ``forget``: queued, computing, or HELD.
@@ -94,7 +102,7 @@ class PrefillWorker(WorkerShell):
         # Queue time ends when a prompt's first chunk runs. Hooks run right before each step,
         # so the last hook's time is when the step now running started.
         self._step_started = time.monotonic()
-        self._owner_seen: dict[str, float] = {}  # router incarnation -> when it last called
+        self.owners = OwnerClock(config.owner_timeout_s)  # router incarnations, when each last called
         # What the prefix cache adds and evicts, for KV-aware routers (read in Stats polls).
         self.cache_log = CacheEventLog(config.cache_event_log_size, engine.blocks.cached_hashes())
         engine.blocks.subscribe(self.cache_log.record)
@@ -103,27 +111,28 @@ class PrefillWorker(WorkerShell):
     # ---- called from the asyncio loop ----------------------------------------------
     def note_poll(self, router_id: str) -> None:
         """A router (incarnation ``router_id``) called: it is alive (see ``owner_timeout_s``)."""
-        if router_id:
-            self._owner_seen[router_id] = time.monotonic()
+        self.owners.seen(router_id)
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      owner: str = "") -> PrefillResult:
+                      owner: str = "", prefix: KVHandle | None = None) -> PrefillResult:
         """Queue the prompt, wait for its first token; the KV stays held under a lease granted
         to ``owner`` (the asking router's incarnation). Raises StepFailed if the step that ran
         it raised, SequenceFailed if its own fault ended it (the request is gone then)."""
-        async with contextlib.aclosing(self.prefill_stream(request_id, prompt, params, owner)) as stream:
+        async with contextlib.aclosing(self.prefill_stream(request_id, prompt, params, owner, prefix=prefix)) as stream:
             async for result in stream:
                 return result
         raise AssertionError("prefill_stream ended without an answer")
 
     async def prefill_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
-                             owner: str = "", stream_kv: bool = False
+                             owner: str = "", stream_kv: bool = False, prefix: KVHandle | None = None
                              ) -> AsyncIterator[KVEarly | KVReady | PrefillResult]:
         """``prefill``, as a stream. With ``stream_kv`` the lease comes early: ``KVEarly``
         once the prompt has blocks and a chunk has run, ``KVReady`` after each later chunk,
         and the ``PrefillResult`` last (a prompt done in one step yields only that). Raises
         StepFailed, SequenceFailed, or KVLeaseEnded if the early lease ended before the prompt
-        was done. Unless it hands out a lease, the request is forgotten when the call ends."""
+        was done. Unless it hands out a lease, the request is forgotten when the call ends.
+        ``prefix``: a decode worker holds the prompt's cached prefix; it is read first
+        (``pdserve.prefill_worker.prefix_pull``), or, if that fails, the prompt computed whole."""
         if request_id in self.records:  # checked before its stream and record are replaced
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self._loop = asyncio.get_running_loop()
@@ -136,6 +145,9 @@ class PrefillWorker(WorkerShell):
         stream = self.open_stream(request_id)
         held = False
         try:
+            if prefix is not None:  # (not with prompt logprobs: every position runs, ``hashes`` is None)
+                await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt, params.cache_salt,
+                                  prefix, stream, wanted=hashes is not None)
             await self.call(self.engine.add_request, request_id, prompt, params, True)
             while True:
                 item = await stream.get()
@@ -206,6 +218,7 @@ class PrefillWorker(WorkerShell):
         would send that prefix elsewhere, to be computed again."""
         stats = super().stats(metrics_address)
         stats.num_waiting_tokens = max(0, stats.num_waiting_tokens - self._queued_hit_tokens())
+        stats.prefix_tokens_read, stats.prefix_reads_refused = self.prefix_pulls.tokens_read, self.prefix_pulls.refused
         return stats
 
     def _queued_hit_tokens(self) -> int:
@@ -234,6 +247,7 @@ class PrefillWorker(WorkerShell):
             return
         if record.lease is not None:
             self.leases.release(record.lease.token, ReleaseReason.ABORTED)
+        self.prefix_pulls.drop(request_id)
         self.engine.abort(request_id)
         if self._loop is not None:
             try:
@@ -336,19 +350,8 @@ class PrefillWorker(WorkerShell):
         self._expect_reads()
         if not self.leases:
             return None
-        for note in self.agent.get_notifications():
-            notice = ReadNotice.decode(note)
-            if self.leases.read_ended(notice):  # not an early read's, nor one rank pair's of several
-                self._end_lease(notice.lease_token, ReleaseReason.PULLED)
         now = time.monotonic()
-        for lease in self.leases.pop_expired(now):
-            self._lease_ended(lease, ReleaseReason.EXPIRED)
-        silent = {o for o, seen in list(self._owner_seen.items()) if now - seen > self.config.owner_timeout_s}
-        if silent:
-            for lease in self.leases.pop_unclaimed_of(silent):
-                self._lease_ended(lease, ReleaseReason.OWNER_LOST)
-            for owner in silent:
-                self._owner_seen.pop(owner, None)
+        upkeep(self.leases, self.agent.get_notifications(), now, self._lease_ended, self.owners)
         if not self.leases:  # the last lease just ended: the progress thread may sleep again
             self._expect_reads()  # (else it woke every millisecond until the next request)
             return None

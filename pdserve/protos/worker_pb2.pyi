@@ -35,16 +35,36 @@ class KVHandle(_message.Message):
     def __init__(self, prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "router_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "router_id", "prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
     router_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., router_id: _Optional[str] = ...) -> None: ...
+    prefix: KVHandle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., router_id: _Optional[str] = ..., prefix: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+
+class HoldPrefixRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "router_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., router_id: _Optional[str] = ...) -> None: ...
+
+class HoldPrefixResponse(_message.Message):
+    __slots__ = ("kv",)
+    KV_FIELD_NUMBER: _ClassVar[int]
+    kv: KVHandle
+    def __init__(self, kv: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "finish_reason", "kv", "num_cached_tokens", "prefill_seconds", "queue_seconds", "first_top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "kv_streaming")
@@ -211,7 +231,7 @@ class DrainRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_blocks_unbounded", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions", "block_size", "cache_events", "num_in_flight", "kv_verify_failures")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_blocks_unbounded", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions", "block_size", "cache_events", "num_in_flight", "kv_verify_failures", "prefix_tokens_read", "prefix_reads_refused")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +260,8 @@ class WorkerStats(_message.Message):
     CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     KV_VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_READ_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_READS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -268,7 +290,9 @@ class WorkerStats(_message.Message):
     cache_events: CacheEvents
     num_in_flight: int
     kv_verify_failures: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_unbounded: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ..., num_in_flight: _Optional[int] = ..., kv_verify_failures: _Optional[int] = ...) -> None: ...
+    prefix_tokens_read: int
+    prefix_reads_refused: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_unbounded: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ..., num_in_flight: _Optional[int] = ..., kv_verify_failures: _Optional[int] = ..., prefix_tokens_read: _Optional[int] = ..., prefix_reads_refused: _Optional[int] = ...) -> None: ...
 
 class SetRoleRequest(_message.Message):
     __slots__ = ("role", "grace_s", "reason")

@@ -458,6 +458,26 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_protos_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.HoldPrefix = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/HoldPrefix',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.HoldPrefixRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.HoldPrefixResponse.FromString,
+                _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Claim',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.ClaimResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Release',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
+        self.GetAgentMetadata = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/GetAgentMetadata',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.AgentMetadataRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_kv__transfer__pb2.AgentMetadata.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Abort',
                 request_serializer=pdserve_dot_protos_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
@@ -479,6 +499,33 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldPrefix(self, request, context):
+        """The reversed pull: hold the prompt's cached prefix for a prefill worker, which claims,
+        reads and releases it with the three calls after this one, as a decode worker does a
+        prefill worker's held KV.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Claim(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAgentMetadata(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -509,6 +556,26 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_protos_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_protos_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'HoldPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldPrefix,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.HoldPrefixRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.HoldPrefixResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.ClaimRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.ClaimResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'GetAgentMetadata': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAgentMetadata,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.AgentMetadataRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_kv__transfer__pb2.AgentMetadata.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -553,6 +620,114 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Decode',
             pdserve_dot_protos_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_protos_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/HoldPrefix',
+            pdserve_dot_protos_dot_worker__pb2.HoldPrefixRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.HoldPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Claim',
+            pdserve_dot_protos_dot_worker__pb2.ClaimRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Release',
+            pdserve_dot_protos_dot_worker__pb2.ReleaseRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAgentMetadata(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/GetAgentMetadata',
+            pdserve_dot_protos_dot_worker__pb2.AgentMetadataRequest.SerializeToString,
+            pdserve_dot_protos_dot_kv__transfer__pb2.AgentMetadata.FromString,
             options,
             channel_credentials,
             insecure,

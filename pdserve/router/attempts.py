@@ -5,6 +5,9 @@ closes it; closing it ends its calls and frees what it holds.
 - ``RemotePrefill``: a prefill worker computes the prompt and holds its KV under a lease; a
   decode worker reads the KV and goes on. With streamed KV (``stream_kv_min_tokens``) the
   decode stream opens as soon as the prompt has blocks, and reads them while prefill runs.
+  With ``prefix_from`` (the reversed pull), the decode worker there first holds the prompt's
+  cached prefix, and the prefill worker reads it and computes only the rest
+  (``pdserve.router.prefill_call.hold_prefix``).
 - ``LocalPrefill``: the decode worker prefills the prompt itself (colocated mode, or the
   local-prefill rule, ``pdserve.router.local_prefill``); its stream's first message is the
   prefill answer (``DecodeResponse.prefilled``).
@@ -29,7 +32,7 @@ from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.router.decode_call import decode
 from pdserve.router.errors import AttemptLost
-from pdserve.router.prefill_call import prefill, streamed_answer
+from pdserve.router.prefill_call import hold_prefix, prefill, release_hold_later, streamed_answer
 from pdserve.router.worker_calls import CallContext, Started, detach, ignore_errors
 
 Output = Union[worker_pb2.PrefillResponse, worker_pb2.DecodeResponse]
@@ -93,7 +96,13 @@ class LocalPrefill:
 
 
 class RemotePrefill:
-    """A prefill worker computes the prompt; its KV moves to the decode worker."""
+    """A prefill worker computes the prompt; its KV moves to the decode worker. With
+    ``prefix_from`` (a decode worker's address), the prefill worker first reads the prompt's
+    prefix that the decode worker there caches, and computes only the rest. The hold on it
+    is released once the prefill call has ended, read or not (the read's notice ended it
+    already if it was read); a prefill worker that could not read it computes the whole
+    prompt. With streamed KV the prefix is read before the prompt is queued, so the early
+    handle and its reads work as without a prefix."""
 
     label = "remote"
 
@@ -104,9 +113,15 @@ class RemotePrefill:
         self.prefix_from = prefix_from
 
     async def outputs(self, ctx: CallContext, attempt: Attempt) -> AsyncIterator[Output]:
+        prefix = await hold_prefix(ctx, self.prefix_from, attempt.worker_rid, attempt.prompt,
+                                   attempt.sampling.cache_salt) if self.prefix_from else None
         request = worker_pb2.PrefillRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,
-                                            sampling=attempt.sampling, router_id=ctx.pool.router_id)
-        answer, address, streaming = await prefill(ctx, request, self.stream_kv, attempt.sampling.cache_salt)
+                                            sampling=attempt.sampling, router_id=ctx.pool.router_id, prefix=prefix)
+        try:
+            answer, address, streaming = await prefill(ctx, request, self.stream_kv, attempt.sampling.cache_salt)
+        finally:
+            if prefix is not None:
+                release_hold_later(ctx, self.prefix_from, prefix.lease_token)
         lease = answer.kv.lease_token if answer.HasField("kv") else ""  # held for us, not yet taken
         decoding = None
         try:

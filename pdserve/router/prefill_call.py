@@ -1,6 +1,7 @@
 """The prefill call of one attempt: route the prompt to a prefill worker (trying others
 while they are gone or full), and, when its KV streams, wait for the answer while the decode
-side already reads."""
+side already reads. For the reversed pull, the hold on a decode worker's cached prefix that
+the prefill worker reads first (``hold_prefix``), and its release (``release_hold_later``)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,18 @@ import logging
 
 import grpc
 
+from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.protos import worker_pb2
 from pdserve.router.errors import AttemptLost, RouteError, route_error
-from pdserve.router.worker_calls import CallContext, Fault, Started, last_message, triage, unavailable, unless_hung
+from pdserve.router.worker_calls import (CallContext, Fault, Started, detach, ignore_errors, last_message, triage,
+                                         unavailable, unless_hung)
 from pdserve.wire import tracing
 
 log = logging.getLogger(__name__)
+
+# A hold is a lookup in the decode worker's prefix cache, answered between two of its steps.
+# One that takes longer than this is not worth waiting for: the prompt is prefilled without it.
+HOLD_TIMEOUT_S = 2.0
 
 
 async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_kv: bool, cache_salt: str):
@@ -103,3 +110,34 @@ async def streamed_answer(ctx: CallContext, call, address: str, decoding: Starte
         if not answer.done():
             answer.cancel()
             call.cancel()
+
+
+async def hold_prefix(ctx: CallContext, address: str, worker_rid: str, prompt: list[int],
+                      cache_salt: str) -> worker_pb2.KVHandle | None:
+    """Ask the decode worker at ``address`` to hold ``prompt``'s cached prefix for the prefill
+    worker (``HoldPrefix``); its handle, or None (logged) where it holds nothing: nothing
+    cached, a worker gone or not routable, or one that refuses. None costs only time: the
+    prefill worker computes the whole prompt."""
+    client = ctx.pool.workers.get(address)
+    if client is None or client.role != "decode" or not client.healthy or client.hung:
+        log.info("request %s: decode worker %s cannot hold its prefix (gone or not routable)", ctx.request_id, address)
+        return None
+    request = worker_pb2.HoldPrefixRequest(request_id=worker_rid, prompt_token_ids=prompt, cache_salt=cache_salt,
+                                           router_id=ctx.pool.router_id)
+    try:
+        held = await client.stub.HoldPrefix(request, timeout=min(HOLD_TIMEOUT_S, ctx.budget.remaining_s()))
+    except grpc.aio.AioRpcError as exc:
+        log.info("request %s: decode worker %s did not hold its prefix (%s %s); prefilling it whole",
+                 ctx.request_id, address, exc.code().name, exc.details())
+        return None
+    return held.kv if held.kv.block_ids else None
+
+
+def release_hold_later(ctx: CallContext, address: str, lease_token: str) -> None:
+    """End a prefix hold on the decode worker at ``address`` once the prefill call is over (best
+    effort: a read's notice ended it already if the prefill worker read it, and it expires)."""
+    client = ctx.pool.workers.get(address)
+    if client is None or client.role != "decode":
+        return
+    release = client.stub.Release(release_request(lease_token, ReleaseReason.ABORTED), timeout=5)
+    detach(ignore_errors(release))

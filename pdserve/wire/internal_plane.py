@@ -56,6 +56,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     _PREFILL + "Drain": frozenset({"controller"}),
     _DECODE + "Decode": frozenset({"router"}),
     _DECODE + "Abort": frozenset({"router"}),
+    # The reversed pull: a decode worker holds a cached prefix, a prefill worker reads it.
+    _DECODE + "HoldPrefix": frozenset({"router"}),
+    _DECODE + "Claim": frozenset({"prefill"}),
+    _DECODE + "GetAgentMetadata": frozenset({"prefill"}),
+    _DECODE + "Release": frozenset({"router", "prefill"}),
     _DECODE + "Stats": frozenset({"router", "controller"}),
     _DECODE + "Drain": frozenset({"controller"}),
     "/pdserve.v1.ElasticWorker/SetRole": frozenset({"controller"}),

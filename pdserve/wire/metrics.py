@@ -79,7 +79,8 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
   ``pdserve:worker_num_waiting_prompt_tokens`` (the prefill autoscaling signal, for KEDA/HPA),
   ``pdserve:worker_kv_cache_usage_perc`` (0..1), ``pdserve:worker_num_held_leases``
 - counter ``pdserve:kv_transfer_bytes_total``, ``pdserve:kv_transfers_total``,
-  ``pdserve:kv_transfer_failures_total``: KV reads (a decode worker's)
+  ``pdserve:kv_transfer_failures_total``: KV reads (a decode worker's; a prefill worker's of
+  the prefixes it reads from decode workers, the reversed pull)
 - counter ``pdserve:kv_verify_failures_total``: of the failed KV reads, those whose bytes
   landed but did not match the holder's checksums (the request re-prefilled elsewhere)
 - counter ``pdserve:kv_leases_expired_total``: held KV freed because no one pulled it in time
@@ -87,6 +88,10 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
   tokens looked up and found (whole blocks only), as vLLM counts them
 - counter ``pdserve:forward_tokens_total``: tokens run through the model
 - counter ``pdserve:num_preemptions_total``: sequences whose KV was freed to make room
+- counter ``pdserve:prefix_read_tokens_total``, ``pdserve:prefix_reads_refused_total``
+  (prefill workers, the reversed pull): prompt tokens read from a decode worker's cache
+  instead of computed; prefixes held for them that they did not read (a tensor-parallel
+  worker, prompt logprobs, no free block), computing the prompt whole
 
 Decode workers, per KV read, labels ``pool``, ``worker``, ``backend`` (nixl, tcp), ``model_name``, as vLLM's
 NIXL connector reports them:

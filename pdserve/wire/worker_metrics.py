@@ -64,8 +64,9 @@ _WORKER_FAMILIES = (
      lambda s, bs: _usage(s.num_blocks_used, s.num_blocks_total)),
     (GaugeMetricFamily, "pdserve:worker_num_held_leases", "Prompts whose KV is held for a decode worker.",
      lambda s, bs: s.num_held_leases),
-    (CounterMetricFamily, "pdserve:kv_transfer_bytes_total", "KV bytes read from prefill workers.",
-     lambda s, bs: s.kv_transfer_bytes),
+    (CounterMetricFamily, "pdserve:kv_transfer_bytes_total",
+     "KV bytes read from another worker (a decode worker's from prefill workers, a prefill worker's prefixes from "
+     "decode workers).", lambda s, bs: s.kv_transfer_bytes),
     (CounterMetricFamily, "pdserve:kv_transfers_total", "KV reads completed.", lambda s, bs: s.kv_transfers),
     (CounterMetricFamily, "pdserve:kv_transfer_failures_total", "KV reads failed.",
      lambda s, bs: s.kv_transfer_failures),
@@ -82,6 +83,12 @@ _WORKER_FAMILIES = (
      lambda s, bs: s.num_forward_tokens),
     (CounterMetricFamily, "pdserve:num_preemptions_total", "Sequences whose KV was freed to make room.",
      lambda s, bs: s.num_preemptions),
+    (CounterMetricFamily, "pdserve:prefix_read_tokens_total",
+     "Prompt tokens whose KV a prefill worker read from a decode worker instead of computing (the reversed pull).",
+     lambda s, bs: s.prefix_tokens_read),
+    (CounterMetricFamily, "pdserve:prefix_reads_refused_total",
+     "Prefixes a decode worker held that the prefill worker did not read (computed whole instead).",
+     lambda s, bs: s.prefix_reads_refused),
 )
 
 

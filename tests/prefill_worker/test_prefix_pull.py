@@ -1,0 +1,218 @@
+"""The reversed pull between two real workers: a conversation's first turn is prefilled and
+decoded on a decode worker, whose prefix cache then holds it; the second turn goes to a prefill
+worker that reads that prefix from the decode worker (``HoldPrefix``, then its own claim and
+NIXL or tcp read, ``pdserve.prefill_worker.prefix_pull``) and computes only the new message;
+the decode worker reads the answer's KV back and decodes. The default model (SmolLM2-135M) in
+float32, both workers behind their gRPC servers in this process; transformers' greedy output
+is the oracle.
+
+And the fallbacks, which must cost time only: the holder or its lease gone before the read,
+and a block whose bytes do not match its checksum. Either way the prefill worker computes the whole
+prompt (no cached token), the tokens are the same, the holder's lease ends (nothing stranded
+on either side), and no block of the failed read is ever found."""
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.loader import materialize
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kv_transfer.handoff import ReleaseReason, release_request
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.router.attempts import LocalPrefill, RemotePrefill
+from pdserve.router.frontend import ModelInfo, PreparedRequest
+from pdserve.router.limits import RouterLimits
+from pdserve.router.request_run import RequestRun
+from tests.decode_worker.test_streamed_kv import serving
+from tests.factories import assert_greedy_matches, decode_worker_config, load_reference, make_engine, \
+    prefill_worker_config
+from tests.metrics.metrics_helpers import LetterTokenizer
+
+pytestmark = pytest.mark.slow
+
+BLOCK, ANSWER, MAX_TOKENS, NUM_BLOCKS = 16, 24, 8, 64
+FIRST = ("The lighthouse keeper climbed the stairs every evening to light the lamp. One stormy night a ship "
+         "appeared on the horizon, its sails torn, drifting toward the rocks below the cliff. Tell me what he saw.")
+SECOND = " And what did he do next, in one sentence?"
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return materialize("default", progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return load_reference(model_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def messages(model_dir) -> tuple[list[int], list[int]]:
+    tokenizer = Tokenizer(model_dir)
+    return tokenizer.encode(FIRST), tokenizer.encode(SECOND)
+
+
+@contextlib.asynccontextmanager
+async def pair(model_dir, backend: str):
+    """A prefill and a decode worker (prefix caches on), and stubs to each."""
+    prefill = PrefillWorker(prefill_worker_config(kv_transfer_backend=backend),
+                            engine=make_engine(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK))
+    decoder = DecodeWorker(decode_worker_config(kv_transfer_backend=backend),
+                           engine=make_engine(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK))
+    async with serving(prefill, [decoder]) as pool:
+        stubs = {c.role: c.stub for c in pool.workers.values()}
+        yield prefill, decoder, stubs["prefill"], stubs["decode"], pool
+
+
+def sampling(max_tokens: int) -> pdserve_pb2.SamplingParams:
+    return pdserve_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+async def first_turn(d_stub, prompt: list[int]) -> list[int]:
+    """The first turn, prefilled and decoded on the decode worker: its answer."""
+    request = worker_pb2.DecodeRequest(request_id="turn-1", prompt_token_ids=prompt, local_prefill=True,
+                                       sampling=sampling(ANSWER))
+    out = []
+    async for resp in d_stub.Decode(request, timeout=120):
+        out += [resp.prefilled.first_token_id] if resp.HasField("prefilled") else list(resp.token_ids)
+    return out
+
+
+async def second_turn(p_stub, d_stub, prompt: list[int], prefix: worker_pb2.KVHandle):
+    """The second turn: prefilled on the prefill worker with ``prefix``, decoded on the decode
+    worker. (The prefill answer, every token.)"""
+    answer = await p_stub.Prefill(worker_pb2.PrefillRequest(request_id="turn-2", prompt_token_ids=prompt,
+                                                            sampling=sampling(MAX_TOKENS), router_id="router-a",
+                                                            prefix=prefix), timeout=120)
+    request = worker_pb2.DecodeRequest(request_id="turn-2", prompt_token_ids=prompt, first_token_id=answer.first_token_id,
+                                       sampling=sampling(MAX_TOKENS), kv=answer.kv)
+    tokens = [answer.first_token_id] + [t async for resp in d_stub.Decode(request, timeout=120) for t in resp.token_ids]
+    return answer, tokens
+
+
+async def settled(prefill: PrefillWorker, decoder: DecodeWorker) -> tuple[int, int, int]:
+    """(leases held on either side, free blocks on each) once every lease has ended, with the
+    block managers' invariants checked; fails if a lease is stranded."""
+    for _ in range(200):
+        if not prefill.leases and not len(decoder.prefix_holds):
+            break
+        await asyncio.sleep(0.05)
+    for worker in (prefill, decoder):
+        await worker.call(worker.engine.blocks.check_invariants)
+    return (len(prefill.leases) + len(decoder.prefix_holds), prefill.engine.blocks.num_free_blocks,
+            decoder.engine.blocks.num_free_blocks)
+
+
+async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: bool = False):
+    """Both turns; ``spoil`` may change the held prefix's handle before the prefill worker gets
+    it; ``end_hold``: the hold is released before the prefill worker gets it (the lease is gone)."""
+    async with pair(model_dir, backend) as (prefill, decoder, p_stub, d_stub, _):
+        answer1 = await first_turn(d_stub, messages[0])
+        prompt = messages[0] + answer1 + messages[1]
+        held = await d_stub.HoldPrefix(worker_pb2.HoldPrefixRequest(request_id="turn-2", prompt_token_ids=prompt,
+                                                                    router_id="router-a"), timeout=10)
+        prefix = worker_pb2.KVHandle()
+        prefix.CopyFrom(held.kv)
+        if spoil is not None:
+            spoil(prefix)
+        if end_hold:
+            await d_stub.Release(release_request(held.kv.lease_token, ReleaseReason.ABORTED), timeout=5)
+        answer, tokens = await second_turn(p_stub, d_stub, prompt, prefix)
+        stats = await p_stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+        holding = await still_held(decoder)
+        # The router releases the hold after every prefill call (a no-op once the lease ended).
+        await d_stub.Release(release_request(held.kv.lease_token, ReleaseReason.ABORTED), timeout=5)
+        return prompt, held.kv, answer, tokens, stats, holding, await settled(prefill, decoder)
+
+
+async def still_held(decoder: DecodeWorker) -> int:
+    """The holds left on the decode worker once a read's notice (or a release) had time to land."""
+    for _ in range(40):
+        if not len(decoder.prefix_holds):
+            break
+        await asyncio.sleep(0.05)
+    return len(decoder.prefix_holds)
+
+
+@pytest.mark.parametrize("backend", ["nixl", "tcp"])
+def test_the_prefill_worker_reads_the_prefix_from_the_decode_worker_and_computes_only_the_rest(
+        model_dir, hf, messages, backend):
+    prompt, held, answer, tokens, stats, holding, (leases, p_free, d_free) = asyncio.run(
+        conversation(model_dir, messages, backend))
+    # The first turn's prompt and answer, less its last token (never computed), in full blocks.
+    assert held.num_tokens == (len(messages[0]) + ANSWER - 1) // BLOCK * BLOCK and held.num_tokens >= 4 * BLOCK
+    assert answer.num_cached_tokens == held.num_tokens  # read, not computed
+    assert stats.kv_transfer_bytes > 0 and stats.kv_transfer_failures == 0
+    assert stats.prefix_tokens_read == held.num_tokens and stats.prefix_reads_refused == 0
+    assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what=f"reversed pull over {backend}")
+    assert holding == 0  # the read's notice ended the hold
+    assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("gone", ["holder", "lease"])
+def test_a_holder_or_lease_gone_before_the_read_costs_time_only(model_dir, hf, messages, gone):
+    def dead(prefix):  # the decode worker died after the hold: nothing listens there any more
+        prefix.prefill_address = "127.0.0.1:9"
+
+    prompt, held, answer, tokens, stats, holding, (leases, p_free, d_free) = asyncio.run(
+        conversation(model_dir, messages, "nixl", spoil=dead if gone == "holder" else None, end_hold=gone == "lease"))
+    assert held.num_tokens > 0 and answer.num_cached_tokens == 0  # computed whole
+    assert stats.kv_transfer_failures == 1 and stats.prefix_tokens_read == 0
+    assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what=f"{gone} gone")
+    # Unread, a hold lives on until the router's release ends it (or its expiry would).
+    assert holding == (1 if gone == "holder" else 0)
+    assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
+
+
+def test_a_block_that_fails_its_checksum_is_never_found_and_the_prompt_is_computed_whole(model_dir, hf, messages):
+    def corrupt(prefix):  # as a block changed in transit: its bytes no longer match
+        prefix.block_checksums[-1] ^= 1
+
+    prompt, held, answer, tokens, stats, holding, (leases, p_free, d_free) = asyncio.run(
+        conversation(model_dir, messages, "nixl", spoil=corrupt))
+    assert answer.num_cached_tokens == 0  # no block of the failed read was found by the prompt
+    assert stats.kv_verify_failures == 1 and stats.kv_transfer_failures == 1
+    assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what="checksum mismatch")
+    assert holding == 0  # the prefill worker released it on the failure
+    assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
+
+
+async def routed(pool, rid: str, prompt: list[int], kind, stream_kv: bool) -> list[int]:
+    """The request run of ``prompt`` whose attempt is ``kind``: every token."""
+    model = ModelInfo("smollm2", config=None, max_model_len=4096, block_size=BLOCK, tokenizer=LetterTokenizer())
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    run = RequestRun(PreparedRequest(rid, list(prompt), params), model, pool,
+                     RouterLimits(stream_kv_min_tokens=1 if stream_kv else 0))
+    run._kind = lambda attempt: kind  # the router's choice of attempt kind is not under test here
+    return [t async for resp in run.responses() for t in resp.token_ids]
+
+
+def test_the_router_attempt_reads_the_prefix_whole_and_streamed_with_transformers_tokens(model_dir, hf, messages):
+    """The router's ``RemotePrefill(prefix_from=...)``, in the real request run over a pool of
+    real stubs: turn 1 prefilled on the decode worker, turn 2 read from it with the KV moved
+    back whole, turn 3 with the KV streamed back chunk by chunk (``stream_kv_min_tokens``)."""
+    third = messages[1][:5]
+
+    async def main():
+        async with pair(model_dir, "nixl") as (prefill, decoder, _, _, pool):
+            address = next(a for a, c in pool.workers.items() if c.role == "decode")
+            kinds = [LocalPrefill(), RemotePrefill(stream_kv=False, prefix_from=address),
+                     RemotePrefill(stream_kv=True, prefix_from=address)]
+            prompts, outputs, bytes_read = [messages[0]], [], []
+            for i, kind in enumerate(kinds):
+                if i:
+                    prompts.append(prompts[-1] + outputs[-1] + (messages[1] if i == 1 else third))
+                outputs.append(await routed(pool, f"turn-{i + 1}", prompts[-1], kind, stream_kv=i == 2))
+                bytes_read.append(prefill.prefix_pulls.bytes_read)
+            return prompts, outputs, bytes_read, await settled(prefill, decoder)
+
+    prompts, outputs, bytes_read, (leases, p_free, d_free) = asyncio.run(main())
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert_greedy_matches(hf, prompt, out, MAX_TOKENS, what=f"turn {i + 1}")
+    assert 0 < bytes_read[1] < bytes_read[2]  # turns 2 and 3 each read a prefix
+    assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
