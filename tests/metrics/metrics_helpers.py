@@ -87,6 +87,16 @@ class FakeDecode:
         fail_after, self.fail_after = self.fail_after, None
         return _DecodeCall(request, self.kv_seconds, fail_after, self.token_s)
 
+    async def HoldPrefix(self, request, timeout=None):
+        """Holds nothing (as a worker whose cache lost the prefix): the prefill worker computes it all."""
+        self.holds = getattr(self, "holds", 0) + 1
+        return worker_pb2.HoldPrefixResponse()
+
+    def Release(self, request, timeout=None) -> asyncio.Future:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(worker_pb2.ReleaseResponse(released=True))
+        return done
+
 
 class _DecodeCall:
     def __init__(self, request, kv_seconds: float, fail_after: int | None, token_s: float):
