@@ -30,6 +30,7 @@ from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
 from pdserve.shell.agents import worker_agents
+from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,12 @@ class DecodeWorkerConfig:
     borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
     otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
+    # Conversations keep their KV (the ``decode_kv_reuse`` setting): publish this worker's
+    # prefix-cache events to routers, as a prefill worker does, so a conversation's next turn
+    # comes back where its prompt and answer are cached; and read a remote-prefilled prompt's
+    # KV only past what this worker's own prefix cache holds. Off: neither (as before issue 44).
+    decode_kv_reuse: bool = True
+    cache_event_log_size: int = 16384  # events kept for routers' polls (PrefillWorkerConfig's)
 
 
 @dataclass(frozen=True)
@@ -142,9 +149,10 @@ class DecodeWorker(WorkerShell):
     role = "decode"
 
     def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None,
-                 agent: KVTransferAgent | RankAgents | None = None):
-        """``engine`` and ``agent``: ones this worker shares with a prefill worker in the same
-        process (``pdserve.elastic_worker``); None: its own."""
+                 agent: KVTransferAgent | RankAgents | None = None, cache_log: CacheEventLog | None = None):
+        """``engine``, ``agent`` and ``cache_log`` (its prefix-cache events): ones this worker
+        shares with a prefill worker in the same process (``pdserve.elastic_worker``); None: its
+        own. Without ``decode_kv_reuse`` it publishes no events, whatever ``cache_log`` is."""
         engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
@@ -152,7 +160,12 @@ class DecodeWorker(WorkerShell):
             agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine,
                                   inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
                                   **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
-        super().__init__(config, engine, agent, hooks=[self._poll_transfers], holds=[self._hold_for_arrivals])
+        if not config.decode_kv_reuse:
+            cache_log = None
+        elif cache_log is None:
+            cache_log = CacheEventLog.following(engine.blocks, config.cache_event_log_size)
+        super().__init__(config, engine, agent, hooks=[self._poll_transfers], holds=[self._hold_for_arrivals],
+                         cache_log=cache_log)
         self.endpoint = endpoint
         self._pulls: dict[str, _Pull] = {}
         self._arriving: dict[str, float] = {}  # request -> its latest move (time.monotonic), until its KV is here
@@ -166,6 +179,10 @@ class DecodeWorker(WorkerShell):
         """Count a pull that could not start (the prefill worker gave no usable metadata) as
         a failed transfer: the KV did not move, and that is never silent."""
         self.agent.stats.record(TransferState.FAILED, 0, 0.0)
+
+    def stats_extra(self) -> dict:
+        """The block size the published hashes cover (a router reads the events with it)."""
+        return {"block_size": self.engine.blocks.block_size}
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,

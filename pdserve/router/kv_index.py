@@ -1,7 +1,7 @@
 """The router's index of which prefill worker caches which prompt blocks, for KV-aware routing.
 
 Fed by the prefix-cache events each prefill worker returns in its ``Stats`` answer
-(``pdserve.prefill_worker.cache_events`` explains the protocol). The index is advisory: between two
+(``pdserve.shell.cache_events`` explains the protocol). The index is advisory: between two
 polls it can be stale, and a stale entry only costs time (the worker misses and computes the
 prompt); it never changes an output token.
 

@@ -4,7 +4,7 @@ numbered log that serves them to routers' polls, and that held blocks are never 
 import pytest
 
 from pdserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
-from pdserve.prefill_worker.cache_events import CacheEventLog
+from pdserve.shell.cache_events import CacheEventLog
 from tests.factories import computed_blocks
 
 
