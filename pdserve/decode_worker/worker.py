@@ -85,7 +85,8 @@ class KVArrived:
     seconds: float  # from the last read's start (streamed KV: what was left after the prefill)
     started_at: float = 0.0  # time.monotonic() when the first read started
     finished_at: float = 0.0  # ... and when the last one finished
-    blocks: int = 0
+    blocks: int = 0  # descriptors read (a block each; by head, a row each)
+    reused_blocks: int = 0  # leading blocks this worker's prefix cache had: not read, not in nbytes
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,22 @@ class _Pull:
     """One request's reads of its prompt's KV."""
 
     handles: list[TransferHandle] = field(default_factory=list)
-    next_block: int = 0  # blocks before this one have a read started
+    next_block: int = 0  # blocks before this one have a read started, or are reused (never read)
+    reused_blocks: int = 0  # the first blocks, which this worker's prefix cache had (_Landing)
     final_at: Optional[float] = None  # when the last read (the rest, ending the lease) started
     first_token: Optional[int] = None  # streamed: learnt with the end of the prompt
+
+
+@dataclass(frozen=True)
+class _Landing:
+    """Where a prompt's KV lands here: its blocks (the handle's, position for position), the
+    first ``reused`` of which this worker's prefix cache gave it (``decode_kv_reuse``): final
+    here already, never read. The block of the prompt's last token is never one of them
+    (``BlockManager.allocate``), so the last read always moves a block, and its notice ends the
+    lease on the holder however much was reused."""
+
+    block_ids: list[int]
+    reused: int = 0
 
 
 # Streamed KV's progress as the decode worker hears it: (prompt tokens computed, the first
@@ -285,10 +299,13 @@ class DecodeWorker(WorkerShell):
             await asyncio.shield(asyncio.wrap_future(self.thread.call(self.abort_now, request_id)))
 
     # ---- engine thread -------------------------------------------------------------
-    def _add_arriving(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams) -> list[int]:
-        local = self.engine.add_prefilled(request_id, prompt, first_token, params)
+    def _add_arriving(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams) -> _Landing:
+        """Blocks for the prompt; with ``decode_kv_reuse``, the leading ones this worker's prefix
+        cache holds are taken as they are (final here already) and the pull starts after them."""
+        reuse = self.config.decode_kv_reuse
+        ids = self.engine.add_prefilled(request_id, prompt, first_token, params, reuse_cached=reuse)
         self._arriving[request_id] = time.monotonic()
-        return local
+        return _Landing(ids, self.engine.num_cached_tokens(request_id) // self.engine.blocks.block_size)
 
     def _hold_for_arrivals(self) -> float | None:
         """Until when the next step waits for streams whose KV is on its way (engine_thread holds)."""
@@ -296,23 +313,29 @@ class DecodeWorker(WorkerShell):
             return None
         return max(self._arriving.values()) + min(HOLD_CAP_S, HOLD_SHARE * self.thread.last_step_s)
 
-    def _start_read(self, request_id: str, kv: KVHandle, peer: RankSources, local: list[int], ready_tokens: int,
+    def _start_read(self, request_id: str, kv: KVHandle, peer: RankSources, local: _Landing, ready_tokens: int,
                     last: bool, first_token: int | None, sums: tuple[int, ...]) -> None:
         """Read the blocks not read yet that hold only computed tokens; with ``last``, every
         block not read yet, notifying the holder with the lease token (which ends the lease).
         Early reads leave the last block to the last read, so that one always moves a block.
-        ``sums``: the holder's checksums of the handle's first blocks, against which the read
-        checks what lands (with ``verify_kv``, where they cover the blocks read)."""
+        Blocks this worker's prefix cache gave the prompt (``_add_arriving``) are never read:
+        the reads start past them, at the same place in the handle's block ids. ``sums``: the
+        holder's checksums of the handle's first blocks, against which the read checks what
+        lands (with ``verify_kv``, where they cover the blocks read: exactly those, since each
+        block has its own sums)."""
         if not self.engine.blocks.has(request_id):  # aborted meanwhile (or an early read failed)
             raise TransferFailed("the request was aborted before its read started")
-        pull = self._pulls.setdefault(request_id, _Pull())
+        pull = self._pulls.setdefault(request_id, _Pull(next_block=local.reused, reused_blocks=local.reused))
         size, n = self.engine.blocks.block_size, len(kv.block_ids)
         end = n if last else min(ready_tokens // size, n - 1)
+        if last and end <= pull.next_block:  # nothing left for the read whose notice ends the lease
+            self.abort_now(request_id)
+            raise TransferFailed(f"the handle names {n} blocks, none past the {pull.next_block} here already")
         if end <= pull.next_block:
             return
         try:  # one read per rank pair (one between single-rank workers), each with its notice
             handles = self.agent.start(
-                peer, kv.block_ids, local, pull.next_block, end, lease_token=kv.lease_token, last=last,
+                peer, kv.block_ids, local.block_ids, pull.next_block, end, lease_token=kv.lease_token, last=last,
                 last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None,
                 sums=sums if self.config.verify_kv else None)
         except InvalidTransferRequest as exc:
@@ -350,7 +373,8 @@ class DecodeWorker(WorkerShell):
                 worker_metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
                                                 nbytes, blocks, self.config.model_name)
                 started_at = min(h.started_at for h in pull.handles)
-                arrived.append((request_id, KVArrived(nbytes, seconds, started_at, finished_at, blocks)))
+                arrived.append((request_id, KVArrived(nbytes, seconds, started_at, finished_at, blocks,
+                                                      pull.reused_blocks)))
         if arrived:
             self.push(arrived)
         return TRANSFER_POLL_S if self._pulls else None
