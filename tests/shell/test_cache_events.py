@@ -1,4 +1,4 @@
-"""The prefix-cache events a prefill worker publishes: what the block manager emits, the
+"""The prefix-cache events a worker (either role) publishes: what the block manager emits, the
 numbered log that serves them to routers' polls, and that held blocks are never evicted."""
 
 import pytest
