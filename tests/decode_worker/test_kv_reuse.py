@@ -6,7 +6,8 @@
   Real decode workers (tiny model, float32) behind their gRPC servers, prefilling locally.
 - An elastic worker's two roles publish one log (one epoch) of its one cache.
 - A remote-prefilled next turn reads only the blocks past the decode worker's own cache, and
-  decodes the tokens a full read does: the default model in float32, a real prefill worker and
+  decodes the tokens a full read does: the default model in float32 and in bfloat16 (its KV
+  computed here while decoding, the rest by the prefill worker), a real prefill worker and
   two real decode workers (reuse on and off) behind their gRPC servers, NIXL, the KV read whole
   and streamed chunk by chunk; the router is the real request run.
 """
@@ -106,7 +107,8 @@ ANSWER, NEXT = 24, 12
 
 
 @pytest.mark.slow
-def test_a_next_turn_reads_only_the_blocks_past_the_decode_workers_cache_and_decodes_as_a_full_read():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_next_turn_reads_only_the_blocks_past_the_decode_workers_cache_and_decodes_as_a_full_read(dtype):
     model_dir = materialize("default", progress=False)
     tok = Tokenizer(model_dir)
     prompt, message = tok.encode(TEXT), tok.encode(FOLLOW_UP)
@@ -114,12 +116,12 @@ def test_a_next_turn_reads_only_the_blocks_past_the_decode_workers_cache_and_dec
     def decode_worker(reuse: bool) -> DecodeWorker:
         return DecodeWorker(decode_worker_config(worker_id=f"decode-{reuse}", kv_transfer_backend="nixl",
                                                  decode_kv_reuse=reuse),
-                            engine=make_engine(model_dir, num_blocks=64))
+                            engine=make_engine(model_dir, dtype=dtype, num_blocks=64))
 
     # No prefix cache on the prefill worker: it computes every turn in chunks (streamed KV
     # then has early reads), so only the decode worker's cache saves reads.
     prefill = PrefillWorker(prefill_worker_config(kv_transfer_backend="nixl"),
-                            engine=make_engine(model_dir, num_blocks=64, max_num_batched_tokens=32,
+                            engine=make_engine(model_dir, dtype=dtype, num_blocks=64, max_num_batched_tokens=32,
                                                enable_prefix_cache=False))
     reusing, full = decode_worker(True), decode_worker(False)
     block_bytes = reusing.engine.cache_spec.bytes_per_token * BLOCK
