@@ -31,6 +31,7 @@ from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
 from pdserve.shell.agents import worker_agents
+from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,12 @@ class DecodeWorkerConfig:
     # A prefix held for a prefill worker's read (prefix_hold) is freed this long after the hold
     # at the latest. No default here: the process entry passes the ``lease_seconds`` setting.
     lease_seconds: float = field(kw_only=True)
+    # Conversations keep their KV (the ``decode_kv_reuse`` setting): publish this worker's
+    # prefix-cache events to routers, as a prefill worker does, so a conversation's next turn
+    # comes back where its prompt and answer are cached; and read a remote-prefilled prompt's
+    # KV only past what this worker's own prefix cache holds. Off: neither (as before issue 44).
+    decode_kv_reuse: bool = True
+    cache_event_log_size: int = 16384  # events kept for routers' polls (PrefillWorkerConfig's)
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,8 @@ class KVArrived:
     seconds: float  # from the last read's start (streamed KV: what was left after the prefill)
     started_at: float = 0.0  # time.monotonic() when the first read started
     finished_at: float = 0.0  # ... and when the last one finished
-    blocks: int = 0
+    blocks: int = 0  # descriptors read (a block each; by head, a row each)
+    reused_blocks: int = 0  # leading blocks this worker's prefix cache had: not read, not in nbytes
 
 
 @dataclass(frozen=True)
@@ -100,9 +108,22 @@ class _Pull:
     """One request's reads of its prompt's KV."""
 
     handles: list[TransferHandle] = field(default_factory=list)
-    next_block: int = 0  # blocks before this one have a read started
+    next_block: int = 0  # blocks before this one have a read started, or are reused (never read)
+    reused_blocks: int = 0  # the first blocks, which this worker's prefix cache had (_Landing)
     final_at: Optional[float] = None  # when the last read (the rest, ending the lease) started
     first_token: Optional[int] = None  # streamed: learnt with the end of the prompt
+
+
+@dataclass(frozen=True)
+class _Landing:
+    """Where a prompt's KV lands here: its blocks (the handle's, position for position), the
+    first ``reused`` of which this worker's prefix cache gave it (``decode_kv_reuse``): final
+    here already, never read. The block of the prompt's last token is never one of them
+    (``BlockManager.allocate``), so the last read always moves a block, and its notice ends the
+    lease on the holder however much was reused."""
+
+    block_ids: list[int]
+    reused: int = 0
 
 
 # Streamed KV's progress as the decode worker hears it: (prompt tokens computed, the first
@@ -149,9 +170,10 @@ class DecodeWorker(WorkerShell):
     role = "decode"
 
     def __init__(self, config: DecodeWorkerConfig, engine: LLMEngine | None = None,
-                 agent: KVTransferAgent | RankAgents | None = None):
-        """``engine`` and ``agent``: ones this worker shares with a prefill worker in the same
-        process (``pdserve.elastic_worker``); None: its own."""
+                 agent: KVTransferAgent | RankAgents | None = None, cache_log: CacheEventLog | None = None):
+        """``engine``, ``agent`` and ``cache_log`` (its prefix-cache events): ones this worker
+        shares with a prefill worker in the same process (``pdserve.elastic_worker``); None: its
+        own. Without ``decode_kv_reuse`` it publishes no events, whatever ``cache_log`` is."""
         engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
@@ -160,8 +182,12 @@ class DecodeWorker(WorkerShell):
             agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine,
                                   inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
                                   **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
-        super().__init__(config, engine, agent, hooks=[self._poll_transfers, lambda: self.prefix_holds.poll()],
-                         holds=[self._hold_for_arrivals])
+        if not config.decode_kv_reuse:
+            cache_log = None
+        elif cache_log is None:
+            cache_log = CacheEventLog.following(engine.blocks, config.cache_event_log_size)
+        super().__init__(config, engine, agent, hooks=[self._poll_transfers, lambda: self.prefix_holds.poll()], holds=[self._hold_for_arrivals],
+                         cache_log=cache_log)
         self.endpoint = endpoint
         self.prefix_holds = PrefixHolds(engine, self.agent, config.lease_seconds, config.verify_kv, enabled=own_agent)
         self._pulls: dict[str, _Pull] = {}
@@ -176,6 +202,10 @@ class DecodeWorker(WorkerShell):
         """Count a pull that could not start (the prefill worker gave no usable metadata) as
         a failed transfer: the KV did not move, and that is never silent."""
         self.agent.stats.record(TransferState.FAILED, 0, 0.0)
+
+    def stats_extra(self) -> dict:
+        """The block size the published hashes cover (a router reads the events with it)."""
+        return {"block_size": self.engine.blocks.block_size}
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
@@ -278,10 +308,13 @@ class DecodeWorker(WorkerShell):
             await asyncio.shield(asyncio.wrap_future(self.thread.call(self.abort_now, request_id)))
 
     # ---- engine thread -------------------------------------------------------------
-    def _add_arriving(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams) -> list[int]:
-        local = self.engine.add_prefilled(request_id, prompt, first_token, params)
+    def _add_arriving(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams) -> _Landing:
+        """Blocks for the prompt; with ``decode_kv_reuse``, the leading ones this worker's prefix
+        cache holds are taken as they are (final here already) and the pull starts after them."""
+        reuse = self.config.decode_kv_reuse
+        ids = self.engine.add_prefilled(request_id, prompt, first_token, params, reuse_cached=reuse)
         self._arriving[request_id] = time.monotonic()
-        return local
+        return _Landing(ids, self.engine.num_cached_tokens(request_id) // self.engine.blocks.block_size)
 
     def _hold_for_arrivals(self) -> float | None:
         """Until when the next step waits for streams whose KV is on its way (engine_thread holds)."""
@@ -289,23 +322,29 @@ class DecodeWorker(WorkerShell):
             return None
         return max(self._arriving.values()) + min(HOLD_CAP_S, HOLD_SHARE * self.thread.last_step_s)
 
-    def _start_read(self, request_id: str, kv: KVHandle, peer: RankSources, local: list[int], ready_tokens: int,
+    def _start_read(self, request_id: str, kv: KVHandle, peer: RankSources, local: _Landing, ready_tokens: int,
                     last: bool, first_token: int | None, sums: tuple[int, ...]) -> None:
         """Read the blocks not read yet that hold only computed tokens; with ``last``, every
         block not read yet, notifying the holder with the lease token (which ends the lease).
         Early reads leave the last block to the last read, so that one always moves a block.
-        ``sums``: the holder's checksums of the handle's first blocks, against which the read
-        checks what lands (with ``verify_kv``, where they cover the blocks read)."""
+        Blocks this worker's prefix cache gave the prompt (``_add_arriving``) are never read:
+        the reads start past them, at the same place in the handle's block ids. ``sums``: the
+        holder's checksums of the handle's first blocks, against which the read checks what
+        lands (with ``verify_kv``, where they cover the blocks read: exactly those, since each
+        block has its own sums)."""
         if not self.engine.blocks.has(request_id):  # aborted meanwhile (or an early read failed)
             raise TransferFailed("the request was aborted before its read started")
-        pull = self._pulls.setdefault(request_id, _Pull())
+        pull = self._pulls.setdefault(request_id, _Pull(next_block=local.reused, reused_blocks=local.reused))
         size, n = self.engine.blocks.block_size, len(kv.block_ids)
         end = n if last else min(ready_tokens // size, n - 1)
+        if last and end <= pull.next_block:  # nothing left for the read whose notice ends the lease
+            self.abort_now(request_id)
+            raise TransferFailed(f"the handle names {n} blocks, none past the {pull.next_block} here already")
         if end <= pull.next_block:
             return
         try:  # one read per rank pair (one between single-rank workers), each with its notice
             handles = self.agent.start(
-                peer, kv.block_ids, local, pull.next_block, end, lease_token=kv.lease_token, last=last,
+                peer, kv.block_ids, local.block_ids, pull.next_block, end, lease_token=kv.lease_token, last=last,
                 last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None,
                 sums=sums if self.config.verify_kv else None)
         except InvalidTransferRequest as exc:
@@ -343,7 +382,8 @@ class DecodeWorker(WorkerShell):
                 worker_metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
                                                 nbytes, blocks, self.config.model_name)
                 started_at = min(h.started_at for h in pull.handles)
-                arrived.append((request_id, KVArrived(nbytes, seconds, started_at, finished_at, blocks)))
+                arrived.append((request_id, KVArrived(nbytes, seconds, started_at, finished_at, blocks,
+                                                      pull.reused_blocks)))
         if arrived:
             self.push(arrived)
         return TRANSFER_POLL_S if self._pulls else None

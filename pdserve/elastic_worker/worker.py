@@ -16,6 +16,7 @@ from pdserve.engine.step_trace import StepTrace, trace_path
 from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from pdserve.protos import worker_pb2
+from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell, run_together
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,14 @@ class ElasticWorker:
 
     def __init__(self, config: ElasticWorkerConfig):
         engine = LLMEngine.from_config(decode_engine_config(config.decode.engine), detokenize=False)
+        # One log of the one cache's events: whichever role a router polls, it hears one epoch
+        # and one numbering (the decode role publishes from it only with ``decode_kv_reuse``).
+        cache_log = CacheEventLog.following(engine.blocks, config.prefill.cache_event_log_size)
         # The shells get no step trace of their own: the one thread that steps for both writes it.
-        self.decode = DecodeWorker(dataclasses.replace(config.decode, step_trace_dir=None), engine)
+        self.decode = DecodeWorker(dataclasses.replace(config.decode, step_trace_dir=None), engine,
+                                   cache_log=cache_log)
         self.prefill = PrefillWorker(dataclasses.replace(config.prefill, step_trace_dir=None), engine,
-                                     agent=self.decode.agent)
+                                     agent=self.decode.agent, cache_log=cache_log)
         trace_dir = config.decode.step_trace_dir
         trace = StepTrace(trace_path(trace_dir, config.worker_id)) if trace_dir else None
         self.thread = run_together([self.prefill, self.decode], f"{config.worker_id}-engine", trace)

@@ -139,22 +139,28 @@ class LLMEngine:
         self._track(seq)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
-                      params: SamplingParams) -> list[int]:
+                      params: SamplingParams, reuse_cached: bool = False) -> list[int]:
         """Register a request whose prompt KV another worker computed; return the block ids
-        the KV must be written into. It decodes from ``first_token`` once ``kv_ready``."""
+        the KV must be written into. It decodes from ``first_token`` once ``kv_ready``.
+        ``reuse_cached``: the leading blocks this engine's prefix cache holds are reused, and
+        only the blocks past ``num_cached_tokens(request_id)`` need writing."""
         if request_id in self._seqs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         self._check_first_token(first_token)
         seq = Sequence(request_id, list(prompt_token_ids) + [first_token], params,
                        num_prompt_tokens=len(prompt_token_ids))
-        block_ids = self.scheduler.add_remote_prefilled(seq)
+        block_ids = self.scheduler.add_remote_prefilled(seq, reuse_cached)
         if params.structured is not None:
             self.grammars.submit(request_id, params.structured)  # its KV arrives meanwhile
         self._track(seq)
         if request_id in self._detok:
             self._detok[request_id].add(first_token)  # its text was streamed by the prefill side
         return block_ids
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Leading prompt tokens of ``request_id`` whose KV the prefix cache gave it."""
+        return self._seqs[request_id].num_cached_tokens
 
     def _build_grammar_compiler(self) -> GrammarCompiler:
         """Built on the compile thread for the first structured request (1-2 s with a 49k

@@ -89,20 +89,27 @@ class Scheduler:
         self.blocks.check_fits(seq.num_tokens + 1)
         self.waiting.append(seq)
 
-    def add_remote_prefilled(self, seq: Sequence) -> list[int]:
-        """Allocate fresh blocks for a prompt whose KV another worker computed.
+    def add_remote_prefilled(self, seq: Sequence, reuse_cached: bool = False) -> list[int]:
+        """Allocate blocks for a prompt whose KV another worker computed.
 
         ``seq.token_ids`` is prompt + the first token. Returns the block ids to fill. With
         too few blocks free, running sequences that may grow more than ``seq`` are preempted
         first, by the rule a step preempts by (module docstring): the router counts the
         blocks of requests without a limit as room for one with a limit (pdserve/router/policy.py),
         and this is where that room is made.
+
+        ``reuse_cached``: the leading blocks this worker's prefix cache holds (same salt) are
+        taken as they are, final already, and only the rest need filling; how many tokens they
+        cover is ``seq.num_cached_tokens``, always short of the block of the prompt's last token
+        (``BlockManager.allocate``), so at least one block is left to read. Without it every
+        block is fresh.
         """
         self.blocks.check_fits(seq.num_tokens + 1)
         self._make_room(seq, self.blocks.blocks_needed(len(seq.prompt_token_ids)))
-        # PENDING until ``kv_ready``: the blocks are findable once the pull has been verified.
-        alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=False,
+        # The fresh blocks are PENDING until ``kv_ready``: findable once the pull has been verified.
+        alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=reuse_cached,
                                      cache_salt=seq.params.cache_salt)
+        seq.num_cached_tokens = alloc.num_cached_tokens
         seq.status = SeqStatus.WAITING_FOR_KV
         self.awaiting_kv[seq.seq_id] = seq
         return list(alloc.block_ids)

@@ -127,17 +127,6 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
             prompt_logprobs=[lp for lp, _ in r.prompt_logprobs or ()],
             prompt_top_logprobs=[top_to_proto(top) for _, top in r.prompt_logprobs or ()])
 
-    async def Stats(self, request, context):
-        """The shell's stats plus, when asked, the prefix-cache events this router has not seen yet."""
-        stats = await super().Stats(request, context)
-        if not request.cache_events:
-            return stats
-        batch = self.worker.cache_events(request.cache_epoch, request.cache_events_after)
-        stats.cache_events.CopyFrom(worker_pb2.CacheEvents(
-            epoch=batch.epoch, last_seq=batch.last_seq, snapshot=batch.snapshot, block_hashes=batch.hashes,
-            cached=batch.cached))
-        return stats
-
     async def Release(self, request, context):
         released = await self.worker.release(request.lease_token, reason_from_wire(request.reason))
         return worker_pb2.ReleaseResponse(released=released)

@@ -25,13 +25,13 @@ from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
 from pdserve.kv_transfer.handoff import KVHandle, Lease, LeaseTable, ReleaseReason
 from pdserve.kv_transfer.lease_upkeep import OwnerClock, upkeep
-from pdserve.prefill_worker.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded, KVReady, KVWatch
 from pdserve.prefill_worker.prefix_pull import MetricLabels, PrefixPulls
 from pdserve.prefill_worker.prefix_source import PrefixPeers, read_prefix
 from pdserve.prefill_worker.record import PrefillResult, RequestRecord
 from pdserve.protos import worker_pb2
 from pdserve.shell.agents import worker_agents
+from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell
 from pdserve.wire import tracing
 
@@ -69,7 +69,7 @@ class PrefillWorkerConfig:
     borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
     otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
-    # Prefix-cache events kept for routers' polls (prefill_worker.cache_events). A router further
+    # Prefix-cache events kept for routers' polls (shell.cache_events). A router further
     # behind gets a snapshot instead. At ~1,000 prompt tokens/s a CPU worker makes ~60 events a
     # second, so this covers minutes between two 0.2 s polls.
     cache_event_log_size: int = 16384
@@ -79,17 +79,20 @@ class PrefillWorker(WorkerShell):
     role = "prefill"
 
     def __init__(self, config: PrefillWorkerConfig, engine: LLMEngine | None = None,
-                 agent: KVTransferAgent | RankAgents | None = None):
-        """``engine`` and ``agent``: ones this worker shares with a decode worker in the same
-        process (``pdserve.elastic_worker``); None: its own."""
+                 agent: KVTransferAgent | RankAgents | None = None, cache_log: CacheEventLog | None = None):
+        """``engine``, ``agent`` and ``cache_log`` (its prefix-cache events): ones this worker
+        shares with a decode worker in the same process (``pdserve.elastic_worker``); None: its own."""
         engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the prefill worker")  # before its KV listener
         if agent is None:
             agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine, config.reader_tp,
                                   **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
+        # What the prefix cache adds and evicts, for KV-aware routers (read in Stats polls).
+        cache_log = cache_log or CacheEventLog.following(engine.blocks, config.cache_event_log_size)
         super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv,
-                                                       lambda: self.prefix_pulls.poll()])
+                                                       lambda: self.prefix_pulls.poll()],
+                         cache_log=cache_log)
         self.endpoint = endpoint
         # The reversed pull: prefixes read from decode workers before their prompts are queued.
         self.prefix_pulls = PrefixPulls(engine, self.agent, self.push, MetricLabels(
@@ -103,9 +106,6 @@ class PrefillWorker(WorkerShell):
         # so the last hook's time is when the step now running started.
         self._step_started = time.monotonic()
         self.owners = OwnerClock(config.owner_timeout_s)  # router incarnations, when each last called
-        # What the prefix cache adds and evicts, for KV-aware routers (read in Stats polls).
-        self.cache_log = CacheEventLog(config.cache_event_log_size, engine.blocks.cached_hashes())
-        engine.blocks.subscribe(self.cache_log.record)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- called from the asyncio loop ----------------------------------------------
@@ -229,10 +229,6 @@ class PrefillWorker(WorkerShell):
             if hashes and not blocks.has(seq.seq_id):  # admitted ones count only what is left already
                 hit_blocks += self.cache_log.cached_prefix(hashes)
         return hit_blocks * blocks.block_size
-
-    def cache_events(self, epoch: str, after: int) -> CacheEventBatch:
-        """The prefix-cache events a router at (``epoch``, ``after``) has not seen yet."""
-        return self.cache_log.since(epoch, after)
 
     # ---- engine thread -------------------------------------------------------------
     def forget(self, request_id: str, record: RequestRecord | None = None) -> None:

@@ -3,7 +3,7 @@
 Fed by the prefix-cache events each worker returns in its ``Stats`` answer: prefill workers
 always, decode workers with ``decode_kv_reuse`` (their prompt and answer blocks, so a
 conversation's next turn finds where its KV is)
-(``pdserve.prefill_worker.cache_events`` explains the protocol). The index is advisory: between two
+(``pdserve.shell.cache_events`` explains the protocol). The index is advisory: between two
 polls it can be stale, and a stale entry only costs time (the worker misses and computes the
 prompt); it never changes an output token.
 

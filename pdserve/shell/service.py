@@ -20,8 +20,16 @@ class ShellRpcs:
         return worker_pb2.WorkerAbortResponse(found=await self.worker.abort(request.request_id))
 
     async def Stats(self, request, context):
+        """The worker's stats plus, when asked, the prefix-cache events this router has not
+        seen yet (a worker that publishes none answers without them)."""
         self.worker.note_poll(request.router_id)
-        return self.worker.stats(self.metrics_address)
+        stats = self.worker.stats(self.metrics_address)
+        batch = self.worker.cache_events(request.cache_epoch, request.cache_events_after) if request.cache_events else None
+        if batch is not None:
+            stats.cache_events.CopyFrom(worker_pb2.CacheEvents(
+                epoch=batch.epoch, last_seq=batch.last_seq, snapshot=batch.snapshot, block_hashes=batch.hashes,
+                cached=batch.cached))
+        return stats
 
     async def Drain(self, request, context):
         self.worker.draining = True

@@ -22,6 +22,7 @@ from pdserve.engine.step_trace import StepTrace, trace_path
 from pdserve.kv_transfer import KVTransferAgent
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
+from pdserve.shell.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.shell.stats import worker_stats
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,11 @@ class WorkerShell:
     role: ClassVar[str]
 
     def __init__(self, config: Any, engine: LLMEngine, agent: KVTransferAgent | RankAgents, hooks: Iterable[Hook] = (),
-                 holds: Iterable[Hold] = ()):
+                 holds: Iterable[Hold] = (), cache_log: CacheEventLog | None = None):
+        """``cache_log``: the prefix-cache events this worker publishes to routers' Stats polls
+        (``pdserve.shell.cache_events``); None: it publishes none."""
         self.config = config
+        self.cache_log = cache_log
         self.engine = engine
         self.agent = RankAgents.of(agent)  # one per tensor-parallel rank (pdserve/shell/agents.py)
         self.draining = False  # no new requests; those here finish
@@ -127,6 +131,11 @@ class WorkerShell:
 
     def note_poll(self, router_id: str) -> None:
         """A router polled Stats; the prefill worker tracks which routers are alive."""
+
+    def cache_events(self, epoch: str, after: int) -> CacheEventBatch | None:
+        """The prefix-cache events a router at (``epoch``, ``after``) has not seen yet; None
+        where this worker publishes none."""
+        return None if self.cache_log is None else self.cache_log.since(epoch, after)
 
     def stats_extra(self) -> dict[str, Any]:
         """The role's own ``WorkerStats`` fields."""

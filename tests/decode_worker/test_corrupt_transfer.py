@@ -63,7 +63,9 @@ async def workers(model_dir, backend: str):
     prefill = PrefillWorker(prefill_worker_config(kv_transfer_backend=backend),
                             engine=make_engine(model_dir, dtype="bfloat16", num_blocks=64,
                                                max_num_batched_tokens=CHUNK, enable_prefix_cache=False))
-    decoder = DecodeWorker(decode_worker_config(kv_transfer_backend=backend),
+    # The decode worker reads every block (no reuse of its own cache): the corrupted run asks the
+    # clean run's prompt again, which it would otherwise find there and read only the last block of.
+    decoder = DecodeWorker(decode_worker_config(kv_transfer_backend=backend, decode_kv_reuse=False),
                            engine=make_engine(model_dir, dtype="bfloat16", num_blocks=64))
     async with serving(prefill, [decoder]) as pool:
         yield prefill, decoder, pool

@@ -58,7 +58,7 @@ def record_reads(decoder: DecodeWorker) -> list[tuple[tuple[int, ...], tuple[int
 
     def recording(request_id, kv, peer, local, *args):
         if not reads or reads[-1][0] != tuple(kv.block_ids):
-            reads.append((tuple(kv.block_ids), tuple(local)))
+            reads.append((tuple(kv.block_ids), tuple(local.block_ids)))
         return start_read(request_id, kv, peer, local, *args)
 
     decoder._start_read = recording

@@ -61,12 +61,15 @@ def test_kv_moved_over_nixl_and_decode_ran_no_prompt_forward(cluster, stub):
     after = all_stats(cluster)
     prompt_tokens = resps[-1].usage.prompt_tokens
     delta = {a.worker_id: (a.kv_transfer_bytes - b.kv_transfer_bytes, a.num_forward_tokens - b.num_forward_tokens,
-                           a.kv_transfers - b.kv_transfers) for a, b in zip(after, before)}
+                           a.kv_transfers - b.kv_transfers, (a.prefix_cache_hits - b.prefix_cache_hits) * a.block_size)
+             for a, b in zip(after, before)}
     decode = [d for w, d in delta.items() if w.startswith("decode") and d[2]]
     prefill = [d for w, d in delta.items() if w.startswith("prefill") and d[1]]
     assert len(decode) == 1 and len(prefill) == 1
-    kv_bytes, decode_forward, transfers = decode[0]
-    assert kv_bytes == prompt_tokens * after[0].kv_bytes_per_token
+    kv_bytes, decode_forward, transfers, reused = decode[0]
+    # Only what the decode worker's own prefix cache lacked moved (decode_kv_reuse: an earlier
+    # chat request there left the chat template's system prompt).
+    assert kv_bytes == (prompt_tokens - reused) * after[0].kv_bytes_per_token
     assert decode_forward == len(ids) - 1  # one decode step per token after the first: no prompt
     # The prefill worker computed the prompt, minus what its prefix cache already held.
     assert prefill[0][1] == prompt_tokens - resps[-1].usage.cached_prompt_tokens

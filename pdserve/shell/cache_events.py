@@ -1,4 +1,10 @@
-"""The prefix-cache events a prefill worker publishes to routers, for KV-aware routing.
+"""The prefix-cache events a worker publishes to routers, for KV-aware routing.
+
+Both roles publish: a prefill worker the prompts it computed, a decode worker (with the
+``decode_kv_reuse`` setting) the prompts it prefilled or read and the answers it generated, so
+that a conversation's next turn goes where its KV already is. One log per engine: an elastic
+worker's two roles share theirs (one epoch, one numbering), and ``ShellRpcs.Stats`` answers
+from it whichever role is polled.
 
 The block manager reports each hash that becomes cached and each one evicted
 (``BlockManager.subscribe``). This log numbers them (1, 2, ...) and keeps the newest
@@ -31,6 +37,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from pdserve.engine.block_manager import BlockManager
+
 
 @dataclass(frozen=True)
 class CacheEventBatch:
@@ -54,6 +62,14 @@ class CacheEventLog:
         self._cached: set[bytes] = set(initial)
         self._seq = 0
         self._lock = threading.Lock()
+
+    @classmethod
+    def following(cls, blocks: BlockManager, capacity: int) -> CacheEventLog:
+        """A log of ``blocks``' changes from now on, starting from every hash cached now. Make
+        one per block manager: two would publish the same cache under two epochs."""
+        log = cls(capacity, blocks.cached_hashes())
+        blocks.subscribe(log.record)
+        return log
 
     @property
     def last_seq(self) -> int:

@@ -1,10 +1,10 @@
-"""The prefix-cache events a prefill worker publishes: what the block manager emits, the
+"""The prefix-cache events a worker (either role) publishes: what the block manager emits, the
 numbered log that serves them to routers' polls, and that held blocks are never evicted."""
 
 import pytest
 
 from pdserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
-from pdserve.prefill_worker.cache_events import CacheEventLog
+from pdserve.shell.cache_events import CacheEventLog
 from tests.factories import computed_blocks
 
 
