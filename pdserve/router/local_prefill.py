@@ -47,8 +47,14 @@ disaggregated prefill, chosen when a prefill worker holds as much or is idle eno
 ties the plan that moves less wins (local, then pull). Every plan decodes on D (D reads back
 only the blocks it lacks), so a conversation stays where its KV is without client help.
 
-With no decode worker caching anything (first turns, the reuse off) the attempt is decided
-exactly by ``decide`` above, on the decode worker the decode choice picks.
+The plans apply only when D caches *more* of the prompt than every routable prefill worker:
+what it holds beyond them is a previous answer's KV, which only a decode worker has. A prefix
+that a prefill worker caches as well (a shared system prompt, a prompt the decode worker read
+from it) is no reason to leave disaggregation: without the rule, every decode worker that had
+seen a chat template would prefill every idle-time prompt itself and one decode worker would
+draw every stream that shares a system prompt. With no such decode worker (first turns, a
+shared prefix, the reuse off) the attempt is decided exactly by ``decide`` above, on the decode
+worker the decode choice picks.
 """
 
 from __future__ import annotations
@@ -204,13 +210,22 @@ def prefill_options(snapshots: Sequence[WorkerSnapshot], cached: dict[str, int])
             for w in snapshots if w.role == "prefill" and w.routable]
 
 
+def beyond_prefill(holder: DecodeHolder | None, prefills: Sequence[PrefillOption]) -> DecodeHolder | None:
+    """``holder`` if it caches more of the prompt than every routable prefill worker (a
+    previous answer's KV, which only it has), else None (module docstring)."""
+    if holder is None or holder.cached_tokens <= max((w.cached_tokens for w in prefills), default=0):
+        return None
+    return holder
+
+
 def decide_for_attempt(config: LocalPrefillConfig, routing: RoutingConfig, prompt_tokens: int, load: float,
                        holder: DecodeHolder | None, prefills: Sequence[PrefillOption] = (),
                        mixed: Mixed = Mixed()) -> Decision:
     """The plan for one attempt: ``decide`` on the picked decode worker (``load``) when no
-    decode worker caches a prefix (``holder`` None or caching nothing), else the cheapest plan
-    of the module docstring on ``holder`` given the routable ``prefills``."""
-    if holder is None or holder.cached_tokens <= 0:
+    decode worker caches more of the prompt than every routable prefill worker (``holder``
+    None, or caching no more than the best of ``prefills``), else the cheapest plan of the
+    module docstring on ``holder`` given ``prefills``."""
+    if beyond_prefill(holder, prefills) is None:
         return decide(config, prompt_tokens, load, mixed=mixed)
     return _decide_on_hit(config, routing, prompt_tokens, holder, prefills)
 

@@ -25,7 +25,8 @@ from pdserve.router.attempts import (Attempt, LocalPrefill, MovedKV, Output, Rem
 from pdserve.router.errors import AttemptLost, RouteError, failure_code, route_error
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
-from pdserve.router.local_prefill import Mixed, decide_for_attempt, find_holder, prefill_options, worker_load
+from pdserve.router.local_prefill import (Mixed, beyond_prefill, decide_for_attempt, find_holder, prefill_options,
+                                         worker_load)
 from pdserve.router.output_processor import OutputProcessor
 from pdserve.router.policy import WorkerSnapshot, pick_decode
 from pdserve.router.pool import WorkerPool
@@ -166,6 +167,7 @@ class RequestRun:
                                  limited=self.calls.limited)
             if holder is not None:
                 prefills = prefill_options(snapshots, self.pool.prefill_overlaps(attempt.prompt, salt))
+                holder = beyond_prefill(holder, prefills)  # a prefix the prefill pool holds too: as before
         worker = self._hinted(snapshots, attempt.blocks) if holder is None else None
         hinted = worker is not None
         if worker is None and holder is None:

@@ -188,7 +188,7 @@ async def routed(pool, rid: str, prompt: list[int], kind, stream_kv: bool) -> li
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     run = RequestRun(PreparedRequest(rid, list(prompt), params), model, pool,
                      RouterLimits(stream_kv_min_tokens=1 if stream_kv else 0))
-    run._kind = lambda attempt: kind  # the router's choice of attempt kind is not under test here
+    run._plan = lambda attempt: (kind, attempt)  # the router's choice of attempt kind is not under test here
     return [t async for resp in run.responses() for t in resp.token_ids]
 
 

@@ -62,11 +62,24 @@ def test_a_long_suffix_goes_to_a_prefill_worker_that_reads_the_prefix_from_the_d
     assert got.uncached_tokens == 3000 and got.label == "remote"
 
 
-def test_a_prefill_worker_that_caches_as_much_is_used_as_today():
-    got = decide_for_attempt(CFG, ROUTING, 3400, 0.6, holder(400, load=0.6), (PrefillOption(3000, 0),))
+def test_a_prefix_a_prefill_worker_caches_as_well_is_decided_as_today():
+    """A shared system prompt, or a prompt the decode worker read from the prefill worker:
+    no answer's KV that only the decode worker has, so no reason to leave disaggregation (nor
+    to send every stream with that prefix to one decode worker)."""
+    for prefill_cached in (400, 3000):
+        got = decide_for_attempt(CFG, ROUTING, 3400, 0.0, holder(400), (PrefillOption(prefill_cached, 0),))
+        assert got == decide(CFG, 3400, 0.0) and got.decode_worker is None and got.prefix_from is None
+
+
+def test_where_moving_kv_costs_more_than_computing_it_the_prefill_worker_computes_it():
+    """A slow link (kv_move_weight above 1): reading the decode worker's prefix costs more than
+    recomputing it, so the prefill worker computes the prompt past its own cache."""
+    slow_link = LocalPrefillConfig(kv_move_weight=2.0)
+    got = decide_for_attempt(slow_link, ROUTING, 3400, 0.6, holder(400, load=0.6, queued=9000),
+                             (PrefillOption(390, 0),))
     assert (got.local, got.reason, got.prefix_from) == (False, Reason.PREFILL_CHEAPER, None)
     assert got.decode_worker == "d0"  # it still decodes where the conversation is
-    assert got.uncached_tokens == 400
+    assert got.uncached_tokens == 3010
 
 
 def test_short_is_decided_by_the_cost_model_not_a_constant():
