@@ -26,7 +26,10 @@ LONG = "Summarize this: " + "The quick brown fox jumps over the lazy dog. " * 12
 
 
 def test_short_prompts_prefill_on_the_decode_worker_and_long_ones_on_the_prefill_pool(reference):
-    limits = RouterLimits(local_prefill=LocalPrefillConfig(max_tokens=THRESHOLD, max_load=0.5))
+    # The threshold rule alone: with decode_kv_reuse on, LONG would find the chat template's
+    # system prompt that SHORT left on the idle decode worker (and on no prefill worker), and the
+    # reuse plan's cost model would prefill its suffix there (tests/router/test_decode_reuse.py).
+    limits = RouterLimits(local_prefill=LocalPrefillConfig(max_tokens=THRESHOLD, max_load=0.5), decode_kv_reuse=False)
     cluster = start_cluster(num_prefill=1, num_decode=1, delay_s=0.0, supervise_interval_s=None,
                             router_limits=limits)
     try:
