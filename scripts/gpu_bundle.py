@@ -32,10 +32,13 @@ import zipfile
 from pathlib import Path
 
 # name==version, as in requirements.lock where pdserve pins them. xgrammar and its closure;
-# protobuf 7 (the generated code in pdserve/protos checks for it).
+# protobuf 7 and grpcio (the generated code in pdserve/protos checks for both: the lent host's
+# grpcio 1.84 refused worker_pb2_grpc, which the reversed pull's device test imports, with the
+# workers' gRPC servers and their health service).
 GPU_WHEELS = [
     "xgrammar==0.2.8", "apache-tvm-ffi==0.1.15.post2", "pydantic==2.14.3", "pydantic_core==2.50.4",
     "annotated-types==0.8.0", "typing-inspection==0.4.5", "typing_extensions==4.16.0", "protobuf==7.36.2",
+    "grpcio==1.85.1", "grpcio-health-checking==1.85.1",
 ]
 NIXL_WHEEL = "nixl-cu13==1.5.1"
 # The wheel's own files that start the link walk; every other file is taken only if linked.
