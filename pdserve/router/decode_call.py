@@ -50,6 +50,8 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
             with ctx.pool.placed(client, tokens=prompt, blocks=blocks):
                 async with contextlib.aclosing(_idle_bounded(ctx, call, client)) as messages:
                     async for resp in messages:
+                        if not started:
+                            ctx.decode_workers.append(client.address)
                         started = True
                         if resp.kv_progress:  # streamed KV: more of it read while prefill goes on
                             continue

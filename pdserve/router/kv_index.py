@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from pdserve.engine.block_manager import prompt_block_hashes
+from pdserve.engine.block_manager import chain_hash, chain_root, prompt_block_hashes
 from pdserve.protos import worker_pb2
 
 __all__ = ["KVIndex", "prompt_block_hashes"]
@@ -61,6 +61,20 @@ class KVIndex:
                     self._evict(worker, block_hash)
         self.block_sizes[worker] = block_size
         self._cursor[worker] = (events.epoch, max(seq if events.epoch == epoch else 0, events.last_seq))
+
+    def expect(self, worker: str, token_ids: Sequence[int], cache_salt: str = "") -> None:
+        """Record the full blocks of ``token_ids`` as cached on ``worker`` ahead of its events:
+        the router saw it compute them (a finished stream). Only for a worker that publishes
+        (its block size known); its next events add the same hashes again (no change) or evict
+        them, and a snapshot replaces them, so the index heals as it does from any stale entry."""
+        size = self.block_sizes.get(worker)
+        if size is None or worker not in self._cursor:
+            return
+        prev, hashes = chain_root(cache_salt), []
+        for i in range(len(token_ids) // size):
+            prev = chain_hash(prev, token_ids[i * size:(i + 1) * size])
+            hashes.append(prev)
+        self._store(worker, hashes)
 
     def remove(self, worker: str) -> None:
         """Forget ``worker`` (it left the pool, or a snapshot replaces its view)."""

@@ -117,6 +117,7 @@ class RequestRun:
                         if self.output.finished:
                             if spans is not None:
                                 spans.end_attempt()
+                            self._expect_cached()
                             return
                 raise AttemptLost("decode stream ended without a finish reason")
             except AttemptLost as exc:
@@ -184,6 +185,16 @@ class RequestRun:
             return LocalPrefill(), attempt
         return RemotePrefill(stream_kv=0 < self.limits.stream_kv_min_tokens <= len(attempt.prompt),
                              prefix_from=decision.prefix_from), attempt
+
+    def _expect_cached(self) -> None:
+        """Tell the KV index what the decode worker that finished this stream caches now: the
+        prompt and every token sent but the last (never computed), as its next cache events
+        will say. A conversation's next turn often comes within the poll that brings them
+        (0.2 s); without this it would find only the blocks of the previous poll and be planned
+        as a first turn. Advisory, as every index entry: a worker that lost them costs a miss."""
+        if self.limits.decode_kv_reuse and self.calls.decode_workers:
+            tokens = self.req.prompt_token_ids + self.output.token_ids[:-1]
+            self.pool.index.expect(self.calls.decode_workers[-1], tokens, self.req.params.cache_salt)
 
     def _hinted(self, snapshots: list[WorkerSnapshot], blocks: int) -> WorkerSnapshot | None:
         """The decode worker that served this request's session last (``session_id``), while

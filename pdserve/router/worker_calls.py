@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -35,6 +35,9 @@ class CallContext:
     metrics: RequestMetrics
     limited: bool  # the client set max_tokens (``pdserve.router.policy.pick_decode``)
     spans: RequestSpans | None = None  # its trace (``pdserve.router.request_spans``); None: tracing off
+    # The decode workers whose streams this request's attempts opened, in order (the last one
+    # holds the finished stream's KV: ``RequestRun`` tells the KV index so).
+    decode_workers: list[str] = field(default_factory=list)
 
 
 class Fault(enum.Enum):

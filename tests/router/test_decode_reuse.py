@@ -311,3 +311,24 @@ def test_when_the_worker_holding_the_conversation_dies_the_request_migrates_and_
     assert [pool.workers[a].stub.calls for a in ("decode-0:1", "decode-1:1")] == [1, 1]  # the holder first
     assert sum(len(r.token_ids) for r in responses) == 6 and run.output.finish_reason is not None
     assert run.migrations == 1
+
+
+def test_a_finished_stream_is_in_the_index_before_its_workers_next_events():
+    """The next turn may come within the 0.2 s poll that brings the decode worker's events for
+    the answer: the run records what that worker now caches (prompt and every token but the
+    last) as soon as the stream ends, so the next turn is planned on it."""
+    def finish(reuse: bool):
+        pool = fake_pool([FakePrefill()], [FakeDecode()])
+        publish(pool, "decode-0:1", [])  # it publishes (reuse on), nothing cached yet
+        run = request_run(pool, max_tokens=30, prompt_len=40, decode_kv_reuse=reuse)
+
+        async def main():
+            return [t async for resp in run.responses() for t in resp.token_ids]
+
+        out = asyncio.run(main())
+        follow_up = PROMPT + out + [9, 9, 9]
+        return pool.decode_overlaps(follow_up)["decode-0:1"], len(PROMPT + out) - 1
+
+    cached, known = finish(reuse=True)
+    assert cached == known // BLOCK * BLOCK and cached > len(PROMPT)
+    assert finish(reuse=False)[0] == 0
