@@ -9,10 +9,18 @@ the conversation's KV, against pdserve with that reuse off and against vLLM, in 
 Traffic (seeded, identical for every server): ``--conversations`` conversations, the i-th
 starting at i / ``--rate`` s, each of ``--turns`` turns. A turn is an OpenAI streaming
 ``/v1/chat/completions`` request (``stream_options.include_usage``, temperature 0,
-``ignore_eos`` with ``max_tokens`` drawn from ``--answer-tokens``, so every server streams the
+``min_tokens`` = ``max_tokens`` drawn from ``--answer-tokens``, so every server streams the
 same lengths); its user message is ``--message-tokens`` random one-token words; the next turn
 goes when the answer has streamed in full, with the messages so far, the answer's text as the
 assistant's message, and a new user message.
+
+Why ``min_tokens`` and not ``ignore_eos``: a chat model told to ignore its end token writes
+``<|im_end|>`` and goes on with a made-up next turn; the streamed text drops those special
+tokens, so the next turn's prompt, re-tokenized from the text, parts from the ids the server
+generated at the first of them (about 100 tokens into an answer here) and every server recomputes
+the rest (the first run of this benchmark did). ``min_tokens`` keeps the end token from being drawn
+at all, so an answer's text re-tokenizes to its ids, as a real chat's answer (which ends at its
+end token) does.
 
 Servers, one at a time, each started and stopped here (benchmarks/serving.py's helpers):
 ``pdserve`` as ``make serve`` starts it (1 prefill + 1 decode worker, defaults: decode KV reuse
@@ -128,7 +136,7 @@ class KVBytes:
 async def chat(session, url: str, model: str, messages: list[dict], turn: Turn, t0: float) -> None:
     """Stream one turn into ``turn``: chunk times, answer text, usage; errors into ``turn.error``."""
     body = {"model": model, "messages": messages, "max_tokens": turn.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "min_tokens": turn.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
     turn.sent = time.perf_counter() - t0
     try:
         async with session.post(url, json=body) as resp:
@@ -318,7 +326,7 @@ def new_doc(args, machine: dict) -> dict:
            "machine": {**machine, "shared_note": args.note, "loadavg_before": os.getloadavg()},
            "workload": {"conversations": args.conversations, "turns": args.turns, "rate": args.rate,
                         "answer_tokens": asdict(args.answer_tokens), "message_tokens": asdict(args.message_tokens),
-                        "seed": args.seed, "ignore_eos": True, "temperature": 0},
+                        "seed": args.seed, "min_tokens": "= max_tokens", "temperature": 0},
            "vllm_dtype": args.vllm_dtype, "arms": {}}
     doc["reuse_flag"] = pdserve_has_reuse_flag(args) if "pdserve-noreuse" in args.servers else None
     if doc["reuse_flag"] is False:
