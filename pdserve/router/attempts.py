@@ -122,6 +122,12 @@ class RemotePrefill:
         finally:
             if prefix is not None:
                 release_hold_later(ctx, self.prefix_from, prefix.lease_token)
+        if ctx.limits.decode_kv_reuse:
+            # As for a finished stream's decode worker (RequestRun._expect_cached): the prefill
+            # worker caches the prompt now, and the index must not know the decode side's
+            # blocks sooner than the prefill side's, or the plan would see a decode worker
+            # holding more than every prefill worker until the next poll.
+            ctx.pool.index.expect(address, attempt.prompt, attempt.sampling.cache_salt)
         lease = answer.kv.lease_token if answer.HasField("kv") else ""  # held for us, not yet taken
         decoding = None
         try:
