@@ -84,8 +84,15 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: s
     """The chained hashes of the prompt blocks a prefix hit can cover: the full blocks, the
     one holding the last token excluded (it is always computed; ``BlockManager.allocate``).
     Routers compute them to know where a prompt's prefix is cached."""
+    return full_block_hashes(token_ids, block_size, cache_salt, (len(token_ids) - 1) // block_size if token_ids else 0)
+
+
+def full_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "",
+                      num_blocks: int | None = None) -> list[bytes]:
+    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids`` (None: all of
+    them), as the block manager hashes them once their KV is final."""
     hashes, prev = [], chain_root(cache_salt)
-    for i in range((len(token_ids) - 1) // block_size if token_ids else 0):
+    for i in range(len(token_ids) // block_size if num_blocks is None else num_blocks):
         prev = chain_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(prev)
     return hashes

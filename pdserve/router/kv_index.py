@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from pdserve.engine.block_manager import chain_hash, chain_root, prompt_block_hashes
+from pdserve.engine.block_manager import full_block_hashes, prompt_block_hashes
 from pdserve.protos import worker_pb2
 
 __all__ = ["KVIndex", "prompt_block_hashes"]
@@ -70,11 +70,7 @@ class KVIndex:
         size = self.block_sizes.get(worker)
         if size is None or worker not in self._cursor:
             return
-        prev, hashes = chain_root(cache_salt), []
-        for i in range(len(token_ids) // size):
-            prev = chain_hash(prev, token_ids[i * size:(i + 1) * size])
-            hashes.append(prev)
-        self._store(worker, hashes)
+        self._store(worker, full_block_hashes(token_ids, size, cache_salt))
 
     def remove(self, worker: str) -> None:
         """Forget ``worker`` (it left the pool, or a snapshot replaces its view)."""
