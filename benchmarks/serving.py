@@ -6,7 +6,7 @@ driven by vLLM's own load generator, `vllm bench serve`, in one run; one server 
     .venv/bin/python benchmarks/serving.py --profile       # + a py-spy profile of each pdserve worker
     .venv/bin/python benchmarks/serving.py --servers pdserve
     .venv/bin/python benchmarks/serving.py --rerender      # tables and plot again from the last results
-    .venv/bin/python benchmarks/serving.py --sweep         # goodput: a rate sweep of both (benchmarks/serving_sweep.py)
+    .venv/bin/python benchmarks/serving.py --sweep         # goodput from a rate sweep (serving_sweep.py)
 
 1. pdserve: `pdserve serve --grpc-port P --port H` (the `pdserve` beside this interpreter; 1 prefill
    + 1 decode worker and every other setting at its default, as `make serve`), until /health is 200.
@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -95,7 +96,7 @@ LOADS = (Load("rate2", "2 req/s, 32 prompts", 32, 2.0, None),
 
 def pdserve_server(args) -> ServerProcess:
     cmd = [str(args.pdserve_bin), "serve", "--grpc-port", str(args.pdserve_grpc_port),
-           "--port", str(args.pdserve_port)]
+           "--port", str(args.pdserve_port), *shlex.split(getattr(args, "pdserve_flags", ""))]
     # PYTHONPATH: this checkout's code, also in the Ray workers, when run from a worktree
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return ServerProcess("pdserve", cmd, env, HOST, [args.pdserve_port, args.pdserve_grpc_port],

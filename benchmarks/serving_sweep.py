@@ -5,6 +5,8 @@ so with `--layout auto`; vLLM on both cores), with `vllm bench serve` at a risin
     .venv/bin/python benchmarks/serving.py --sweep                                  # both servers
     .venv/bin/python benchmarks/serving.py --sweep --servers pdserve --rates 0.5,1 --sweep-prompts 6
     .venv/bin/python benchmarks/serving.py --sweep --slo-ttft-ms 1000 --slo-tpot-ms 50
+    .venv/bin/python benchmarks/serving.py --sweep --servers pdserve --pdserve-flags "--layout colocated" \
+        --out-dir .bench/sweep-2c --sweep-plot .bench/sweep-2c/sweep.png     # a fixed layout, to compare
     .venv/bin/python benchmarks/serving.py --sweep --rerender                       # table, plot again
 
 Per server: a warm-up run first (--warmup-prompts at the lowest rate, seed --seed, not
@@ -58,6 +60,8 @@ def add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
                    "(0: no saturation run)")
     g.add_argument("--saturation-prompts", type=int, default=48)
     g.add_argument("--sweep-plot", type=Path, default=ROOT / "docs" / "benchmarks" / "serving_sweep.png")
+    g.add_argument("--pdserve-flags", default="", help="more `pdserve serve` flags, e.g. '--layout colocated': "
+                   "sweep each fixed layout beside --layout auto's choice (default: none, as `make serve`)")
 
 
 def best_vllm_dtype(kernel_path: str | None) -> str:

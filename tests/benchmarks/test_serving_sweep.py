@@ -129,6 +129,13 @@ def test_each_rate_has_its_own_seed_after_a_warm_up_and_no_warm_up_requests():
     assert cmd[cmd.index("--request-rate") + 1] == "1" and cmd[cmd.index("--num-prompts") + 1] == "6"
 
 
+def test_pdserve_starts_as_make_serve_unless_flags_are_given():
+    from benchmarks.serving import pdserve_server
+
+    assert "--layout" not in pdserve_server(sweep_args()).cmd
+    assert pdserve_server(sweep_args(["--pdserve-flags", "--layout colocated"])).cmd[-2:] == ["--layout", "colocated"]
+
+
 def test_vllm_runs_at_its_best_dtype_for_the_processor():
     assert best_vllm_dtype("avx2") == "float32" and best_vllm_dtype(None) == "float32"
     assert best_vllm_dtype("avx512_bf16") == best_vllm_dtype("amx") == "bfloat16"
