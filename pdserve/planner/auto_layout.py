@@ -11,10 +11,12 @@ rate, to ``RATE_RESOLUTION``). The highest wins, unless it beats the default lay
 even split: 1P:1D on two cores, what ``make serve`` started before this choice existed) by
 no more than ``margin``: then the default stays.
 
-Why the stored profile and no measurement at start: a fit takes minutes (``pdserve profile``);
-a simulation over it takes well under a second per candidate. A machine whose profile was
-fitted elsewhere gets that machine's predictions: the log names the profile's source so a
-user sees it, and ``pdserve profile`` on this machine replaces it.
+Why a stored profile and no measurement at start: a fit takes minutes (``pdserve profile``);
+a simulation over it takes well under a second per candidate. The profile is the kernel path's
+where one is stored (``profiles/cpu-<path>.json``: the path the workers will run, read from
+``PDSERVE_CPU_ISA`` or the processor's flags without loading the kernels), else ``cpu.json``.
+A profile fitted on another machine gives that machine's predictions: the log names the path,
+the file and its source so a user sees it, and ``pdserve profile --output`` here replaces it.
 
 Why a correction and a margin: the simulator's goodput differs from a served run's by layout
 kind, and not alike (BENCHMARKS.md, elastic roles on two workers, AMX Xeon, 2026-11-27: served
@@ -35,10 +37,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from pdserve.cluster.mode import COLOCATED, DISAGGREGATED
-from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile
 from pdserve.planner.layout import ClusterSpec, Layout
 from pdserve.planner.metrics import SimResult, Slo
 from pdserve.planner.model_spec import ModelSpec
@@ -192,15 +195,37 @@ def choose(model: ModelSpec, hw: HardwareProfile, cores: int, objective: Objecti
     return decide([(c, goodput(c)) for c in candidates(cores)], margin)
 
 
+def kernel_path() -> str | None:
+    """The CPU kernel path the workers will run (``PDSERVE_CPU_ISA``, else the fastest this
+    processor's flags allow), read without loading the kernels; None without AVX2."""
+    from pdserve.engine.cpu_kernels import ISA_FLAGS, ISAS, cpu_flags, requested_isa
+
+    wanted = requested_isa()
+    if wanted is not None:
+        return wanted
+    have = set(cpu_flags())
+    runs = [name for name in ISAS if set(ISA_FLAGS[name]) <= have]
+    return runs[-1] if runs else None
+
+
+def profile_for(path: str | None, directory: Path = DEFAULT_CPU_PROFILE.parent) -> Path:
+    """The stored profile of kernel path ``path`` (``cpu-<path>.json``, as ``pdserve profile
+    --output`` writes one per processor kind) where there is one, else the default ``cpu.json``."""
+    specific = directory / f"cpu-{path}.json"
+    return specific if path is not None and specific.exists() else directory / DEFAULT_CPU_PROFILE.name
+
+
 def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``pdserve serve``'s resolved settings ``v`` -> (the settings of the chosen layout, empty
     where the default wins; the log lines saying what was compared on what and why). A model or
     profile the planner cannot read leaves the layout as it is, said so."""
-    from pdserve.planner.hardware import ProfileError, get_profile
+    from pdserve.planner.hardware import HardwareProfile, ProfileError
     from pdserve.planner.model_spec import ModelSpecError, get_model
 
+    path = kernel_path()
     try:
-        hw = get_profile("cpu")
+        profile = profile_for(path)
+        hw = HardwareProfile.load(profile)
         model = get_model("SmolLM2-135M" if v["model"] == "default" else v["model"])
     except (ProfileError, ModelSpecError) as exc:
         return {}, [f"no prediction ({exc}); the default layout stays"]
@@ -212,7 +237,8 @@ def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     # between the two (the profile is one thread's: the even split of one-core workers is its
     # stand-in); where it wins, nothing changes.
     chosen = {} if choice.chosen is choice.default else choice.chosen.settings()
-    head = (f"{cores} core(s), {model.name}, objectives TTFT <= {objective.slo.ttft_s:g} s and TPOT <= "
-            f"{objective.slo.tpot_s * 1e3:g} ms for {objective.attainment:.0%} of {objective.lengths.prompt_mean}/"
-            f"{objective.lengths.output_mean}-token requests, profile: {hw.source[:60]}...")
+    head = (f"{cores} core(s), kernel path {path}, {model.name}, objectives TTFT <= {objective.slo.ttft_s:g} s and "
+            f"TPOT <= {objective.slo.tpot_s * 1e3:g} ms for {objective.attainment:.0%} of "
+            f"{objective.lengths.prompt_mean}/{objective.lengths.output_mean}-token requests, profile {profile.name} "
+            f"({hw.source[:48]}...)")
     return chosen, [head, *choice.lines()]

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from pdserve.planner.auto_layout import (DEFAULT_MARGIN, SERVED_OVER_SIMULATED, Candidate, Objective, candidates,
-                                         choose, choose_for_settings, decide, predicted_goodput)
+                                         choose, choose_for_settings, decide, kernel_path, predicted_goodput,
+                                         profile_for)
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.layout import Layout
 from pdserve.planner.model_spec import get_model
@@ -112,7 +113,8 @@ def test_serve_settings_get_nothing_when_the_default_stays(monkeypatch):
          "layout_output_tokens": 64}
     chosen, lines = choose_for_settings(v)
     assert chosen == {}
-    assert lines[0].startswith("2 core(s), SmolLM2-135M, objectives TTFT <= 2 s and TPOT <= 100 ms")
+    assert lines[0].startswith(f"2 core(s), kernel path {kernel_path()}, SmolLM2-135M, objectives TTFT <= 2 s and "
+                               "TPOT <= 100 ms")
     assert lines[-1].startswith("chose 1P:1D")
 
 
@@ -126,3 +128,24 @@ def test_serve_settings_of_a_winner_and_an_unreadable_model(monkeypatch, tmp_pat
     assert choose_for_settings(v)[0] == Candidate("2C", Layout(colocated=2)).settings()
     chosen, lines = choose_for_settings({**v, "model": str(tmp_path / "missing")})
     assert chosen == {} and "the default layout stays" in lines[0]
+
+
+def test_the_kernel_paths_own_profile_is_used_where_one_is_stored(tmp_path):
+    (tmp_path / "cpu.json").write_text("{}")
+    assert profile_for("avx2", tmp_path) == tmp_path / "cpu.json"
+    (tmp_path / "cpu-avx2.json").write_text("{}")
+    assert profile_for("avx2", tmp_path) == tmp_path / "cpu-avx2.json"
+    assert profile_for("amx", tmp_path) == profile_for(None, tmp_path) == tmp_path / "cpu.json"
+
+
+def test_the_kernel_path_comes_from_the_pin_else_the_processors_flags(monkeypatch):
+    from pdserve.engine import cpu_kernels
+
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")
+    assert kernel_path() == "avx2"
+    monkeypatch.delenv("PDSERVE_CPU_ISA")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: ["avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                          "avx512dq", "avx512_bf16"])
+    assert kernel_path() == "avx512_bf16"
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: ["avx2"])  # no FMA: no path
+    assert kernel_path() is None
