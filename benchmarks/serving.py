@@ -6,6 +6,7 @@ driven by vLLM's own load generator, `vllm bench serve`, in one run; one server 
     .venv/bin/python benchmarks/serving.py --profile       # + a py-spy profile of each pdserve worker
     .venv/bin/python benchmarks/serving.py --servers pdserve
     .venv/bin/python benchmarks/serving.py --rerender      # tables and plot again from the last results
+    .venv/bin/python benchmarks/serving.py --sweep         # goodput from a rate sweep (serving_sweep.py)
 
 1. pdserve: `pdserve serve --grpc-port P --port H` (the `pdserve` beside this interpreter; 1 prefill
    + 1 decode worker and every other setting at its default, as `make serve`), until /health is 200.
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -84,6 +86,8 @@ class Load:
     num_prompts: int
     request_rate: float | None  # None: inf, all at once up to max_concurrency
     max_concurrency: int | None
+    seed: int | None = None  # None: --seed (the sweep gives each rate prompts of its own)
+    warmups: int | None = None  # None: --warmups
 
 
 LOADS = (Load("rate2", "2 req/s, 32 prompts", 32, 2.0, None),
@@ -92,7 +96,7 @@ LOADS = (Load("rate2", "2 req/s, 32 prompts", 32, 2.0, None),
 
 def pdserve_server(args) -> ServerProcess:
     cmd = [str(args.pdserve_bin), "serve", "--grpc-port", str(args.pdserve_grpc_port),
-           "--port", str(args.pdserve_port)]
+           "--port", str(args.pdserve_port), *shlex.split(getattr(args, "pdserve_flags", ""))]
     # PYTHONPATH: this checkout's code, also in the Ray workers, when run from a worktree
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return ServerProcess("pdserve", cmd, env, HOST, [args.pdserve_port, args.pdserve_grpc_port],
@@ -116,11 +120,15 @@ def bench_cmd(args, port: int, model: str, load: Load, result: Path) -> list[str
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--random-range-ratio", "0", "--num-prompts", str(load.num_prompts),
            "--request-rate", "inf" if load.request_rate is None else f"{load.request_rate:g}",
-           "--seed", str(args.seed), "--num-warmups", str(args.warmups), "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--seed", str(args.seed if load.seed is None else load.seed),
+           "--num-warmups", str(args.warmups if load.warmups is None else load.warmups),
+           "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(result.parent),
            "--result-filename", result.name, "--save-detailed"]
     if load.max_concurrency is not None:
         cmd += ["--max-concurrency", str(load.max_concurrency)]
+    if getattr(args, "sweep", False):  # vLLM's own goodput beside the sweep's attainment
+        cmd += ["--goodput", f"ttft:{args.slo_ttft_ms:g}", f"tpot:{args.slo_tpot_ms:g}"]
     return cmd
 
 
@@ -282,7 +290,9 @@ def finish(doc: dict, args) -> None:
     print(f"\nwrote {args.out_dir / 'serving.json'}, {args.out_dir / 'serving.md'} and {args.plot}")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from benchmarks.serving_sweep import add_sweep_arguments
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="pdserve,vllm", help="comma-separated, run in this order")
     ap.add_argument("--loads", default=",".join(l.name for l in LOADS),
@@ -296,8 +306,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--pdserve-port", type=int, default=8300, help="pdserve's HTTP port")
     ap.add_argument("--pdserve-grpc-port", type=int, default=50351)
     ap.add_argument("--vllm-port", type=int, default=8100)
-    ap.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                    help="vLLM's dtype: bfloat16 is its best on AVX-512 BF16 and AMX; on AVX2 only, run float32 too")
+    ap.add_argument("--vllm-dtype", default=None, choices=("bfloat16", "float32"),
+                    help="vLLM's dtype (default bfloat16; with --sweep its best on this processor: float32 on "
+                         "AVX2 only, bfloat16 with AVX-512 BF16 or AMX)")
     ap.add_argument("--vllm-threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
@@ -313,7 +324,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--note", default="", help="what else ran on the machine, stored with the results")
     ap.add_argument("--out-dir", type=Path, default=ROOT / ".bench" / "serving")
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "benchmarks_serving.png")
-    args = ap.parse_args()
+    add_sweep_arguments(ap)
+    args = ap.parse_args(argv)
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = set(args.servers) - {"pdserve", "vllm"}
     if unknown:
@@ -354,14 +366,19 @@ def main() -> None:
 
     print_banner()  # the processor and kernel path every figure below ran on
     args = parse_args()
-    if args.rerender:
-        return rerender(args)
-    check_prerequisites(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     # Ctrl-C (also when started in the background, where SIGINT comes in ignored) and SIGTERM
     # raise in the main thread, so every `with` and `finally` stops what it started
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.sweep:
+        from benchmarks.serving_sweep import main as sweep
+
+        return sweep(args)
+    args.vllm_dtype = args.vllm_dtype or "bfloat16"
+    if args.rerender:
+        return rerender(args)
+    check_prerequisites(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     doc = new_doc(args)
     t0 = time.monotonic()
 

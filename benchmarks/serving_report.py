@@ -13,7 +13,7 @@ from benchmarks.load.metrics import percentile
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 90, 99)
 SERVERS = ("pdserve", "vllm")
-SERVER_LABELS = {"pdserve": "pdserve (make serve: 1P+1D)", "vllm": "vLLM CPU (both cores)"}
+SERVER_LABELS = {"pdserve": "pdserve (make serve)", "vllm": "vLLM CPU (both cores)"}
 SERVER_COLORS = {"pdserve": "tab:blue", "vllm": "tab:orange"}
 
 

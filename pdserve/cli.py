@@ -32,9 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     planner_cli.add_plan_parser(sub)
     planner_cli.add_profile_parser(sub)
     worker_cli.add_worker_parser(sub)
-    commands.update(plan=planner_cli.run_plan, profile=planner_cli.run_profile, worker=worker_cli.run_worker)
+    commands.update(plan=planner_cli.run_plan, profile=planner_cli.run_profile, worker=worker_cli.run_worker,
+                    serve=lambda args: cluster_cli.serve(args, choose_layout=_choose_layout))
     args = parser.parse_args(argv)
     return commands[args.command](args)
+
+
+def _choose_layout(v):
+    """``pdserve serve --layout auto``'s chooser: the planner's, imported only when auto runs."""
+    from pdserve.planner.auto_layout import choose_for_settings
+
+    return choose_for_settings(v)
 
 
 if __name__ == "__main__":

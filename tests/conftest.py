@@ -18,6 +18,11 @@ if str(ROOT) not in sys.path:
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
+# Every `pdserve serve` a test starts runs the layout the tests were written for (1P+1D, or the
+# flags it gives) on any machine: `--layout auto` could pick another for a machine with more
+# cores. The choice itself is tested on fixed profiles (tests/planner/test_auto_layout.py).
+os.environ.setdefault("PDSERVE_LAYOUT", "disaggregated")
+
 # Without CUDA, Triton's kernels (pdserve/engine/attention_triton.py) run in its interpreter, on
 # host tensors. Triton reads this once, as it is first imported (its own helpers are decorated
 # then), so it is set before any test imports it. With CUDA the same tests run the kernels there.

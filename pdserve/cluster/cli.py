@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from pdserve.cluster import shutdown
-from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, SettingsError, add_arguments, flag_type, resolve
+from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, SettingsError, add_arguments, flag_type, given, resolve
 
 
 def _serve_parser(sub) -> None:
@@ -94,8 +94,12 @@ def _generate_parser(sub) -> None:
     p.add_argument("--tls-ca", default=None, help="verify a TLS public API against this CA (PEM)")
 
 
-def serve(args) -> int:
+def serve(args, choose_layout=None) -> int:
+    """``pdserve serve``. ``choose_layout``: what ``--layout auto`` asks for this machine's layout
+    (``pdserve.cli`` hands in the planner's; without one, auto keeps the default layout)."""
     from pdserve.cluster.autoscaling import AutoscaleConfigError
+    from pdserve.cluster.config import default_gpus
+    from pdserve.cluster.layout_choice import apply_layout
     from pdserve.cluster.local import LocalCluster
     from pdserve.cluster.serve_config import build
     from pdserve.router.auth import ApiKeyError
@@ -105,7 +109,9 @@ def serve(args) -> int:
     from pdserve.engine.cpu_kernels import check_requested_isa
 
     try:
-        v = resolve(args)
+        v, layout_lines = apply_layout(resolve(args), given(args), choose_layout, gpu=lambda: default_gpus() > 0)
+        for line in layout_lines:
+            print(f"pdserve: {line}", flush=True)
         config = build(v)
         check_requested_isa()  # a KernelPathError is a ValueError too
     except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError, ValueError) as exc:

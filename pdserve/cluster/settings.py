@@ -61,7 +61,7 @@ def serve_settings() -> tuple[Setting, ...]:
     from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
     from pdserve.router import tool_parsers
     from pdserve.router.kv_policy import POLICIES
-    from pdserve.cluster.mode import DISAGGREGATED, MODES
+    from pdserve.cluster.mode import AUTO, DISAGGREGATED, LAYOUTS, MODES
     from pdserve.cluster.autoscaling.budget import BudgetConfig
     from pdserve.router.local_prefill import LocalPrefillConfig
     from pdserve.router.limits import RouterLimits
@@ -76,6 +76,18 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("served_model_name", list, None,
                 "model name(s) the API answers to; /v1/models lists them all (default: 'smollm2' for the "
                 "default model, else MODEL as given)"),
+        Setting("layout", str, AUTO,
+                "auto: at start the planner simulates each layout this machine's cores can run on its stored CPU "
+                "profile and picks the highest predicted goodput for the layout_* objectives (docs/planning.md#"
+                "layout-auto); any of --mode, --prefill, --decode, --elastic-roles, --role-budget given wins over "
+                "it. disaggregated, colocated: that --mode; elastic: disaggregated with --elastic-roles "
+                "--role-budget", LAYOUTS),
+        Setting("layout_ttft_slo_s", float, 2.0, "--layout auto: the TTFT objective it predicts goodput for", above=0),
+        Setting("layout_tpot_slo_s", float, 0.1, "--layout auto: the TPOT objective it predicts goodput for", above=0),
+        Setting("layout_prompt_tokens", int, 256, "--layout auto: the prompt length of the workload it simulates",
+                minimum=1),
+        Setting("layout_output_tokens", int, 64, "--layout auto: the output length of the workload it simulates",
+                minimum=1),
         Setting("mode", str, DISAGGREGATED,
                 "disaggregated: prefill and decode pools, KV moved between them; colocated: no prefill pool, "
                 "each of the --decode workers prefills its own requests, mixed into its decode steps", MODES),
@@ -302,6 +314,17 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
         if given is not None:
             values[s.name] = _convert(s, given, "argument" if s.name == "model" else s.flag)
     return values
+
+
+def given(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
+          settings: tuple[Setting, ...] | None = None) -> frozenset[str]:
+    """The names of the settings set anywhere but their defaults (the file, a variable or a
+    flag): what a user asked for, which a choice made at start (``--layout auto``) must not
+    override."""
+    settings = settings or serve_settings()
+    names = set(_from_file(args.config, settings)) if getattr(args, "config", None) else set()
+    names.update(s.name for s in settings if s.env in environ or getattr(args, s.name, None) is not None)
+    return frozenset(names)
 
 
 def _from_file(path: Path, settings) -> dict[str, Any]:

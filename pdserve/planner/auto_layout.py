@@ -1,0 +1,244 @@
+"""``pdserve serve --layout auto``: the layout this machine serves best, chosen at start by
+simulation (DistServe's placement by simulation, done where the user is).
+
+Each candidate layout the machine's cores can run, one worker per core (every fixed split
+kP:(N-k)D, N colocated workers, and elastic roles starting from the even split, free to make
+a decode worker mixed), is simulated on the stored CPU profile (``pdserve profile`` fits it
+to the engine; the cost of a step on this kernel path) at rising Poisson rates of the
+objective's workload. A candidate's predicted goodput is the highest rate at which at least
+``attainment`` of the requests meet both the TTFT and the TPOT objective (bisection on the
+rate, to ``RATE_RESOLUTION``). The highest wins, unless it beats the default layout (the
+even split: 1P:1D on two cores, what ``make serve`` started before this choice existed) by
+no more than ``margin``: then the default stays.
+
+Why a stored profile and no measurement at start: a fit takes minutes (``pdserve profile``);
+a simulation over it takes well under a second per candidate. The profile is the kernel path's
+where one is stored (``profiles/cpu-<path>.json``: the path the workers will run, read from
+``PDSERVE_CPU_ISA`` or the processor's flags without loading the kernels), else ``cpu.json``.
+A profile fitted on another machine gives that machine's predictions: the log names the path,
+the file and its source so a user sees it, and ``pdserve profile --output`` here replaces it.
+
+Why a correction and a margin: the simulator's goodput differs from a served run's by layout
+kind, and not alike (BENCHMARKS.md, elastic roles on two workers, AMX Xeon, 2026-11-27: served
+over simulated 1.19 for 1P:1D, 0.75 for two colocated workers, 1.31 for elastic roles; it does
+not model a worker borrowing an idle worker's core, and colocated prompts stall their own
+streams more than it says). Each prediction is multiplied by its kind's factor
+(``SERVED_OVER_SIMULATED``) before the comparison. Even served, these layouts swapped places
+between runs on one machine by up to about 15% (the same page: elastic roles 0.89-1.07x the best
+fixed layout in four runs, the best fixed one alternating between 1P:1D and colocated), so a
+candidate must beat the default by more than ``DEFAULT_MARGIN`` to replace it: within it, the
+layout every test and benchmark before this choice ran keeps its place.
+
+Pure apart from the simulation: plain values in, a ``LayoutChoice`` out; ``choose_for_settings``
+is the adapter ``pdserve serve`` calls with its resolved settings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from pdserve.cluster.mode import COLOCATED, DISAGGREGATED
+from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile
+from pdserve.planner.layout import ClusterSpec, Layout
+from pdserve.planner.metrics import SimResult, Slo
+from pdserve.planner.model_spec import ModelSpec
+from pdserve.planner.synthetic import LengthMix, poisson
+
+DEFAULT_MARGIN = 0.15  # a candidate must beat the default's predicted goodput by more than this share
+# Served goodput over simulated, per layout kind, from one served comparison (module docstring):
+# 1.304 / 1.096 (1P:1D), 1.334 / 1.777 (colocated 2), 1.429 / 1.090 (elastic from 1P:1D).
+SERVED_OVER_SIMULATED = {"disaggregated": 1.19, "colocated": 0.75, "elastic": 1.31}
+RATE_RESOLUTION = 0.02  # bisection stops when the bracket is within 2% of its upper end
+MAX_WORKERS = 8  # one worker per core up to this; more cores give each worker several threads
+DEFAULT_SLO = Slo(ttft_s=2.0, tpot_s=0.1)  # issue 45's objectives
+DEFAULT_LENGTHS = LengthMix(256, 64)  # the serving benchmark's workload: 256 prompt, 64 output tokens
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the chosen layout should serve best: requests of ``lengths`` meeting ``slo``, at
+    ``attainment``; ``requests`` simulated per rate tried (more is steadier and slower)."""
+
+    slo: Slo = DEFAULT_SLO
+    lengths: LengthMix = DEFAULT_LENGTHS
+    attainment: float = 0.9
+    requests: int = 300
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str  # as the log shows it, e.g. "1P:1D", "2C", "elastic from 1P:1D"
+    layout: Layout
+    elastic: bool = False
+
+    @property
+    def kind(self) -> str:
+        """``SERVED_OVER_SIMULATED``'s key: disaggregated, colocated or elastic."""
+        return "elastic" if self.elastic else ("colocated" if self.layout.colocated else "disaggregated")
+
+    def settings(self) -> dict[str, Any]:
+        """The ``pdserve serve`` settings that run this layout."""
+        if self.layout.colocated:
+            return {"mode": COLOCATED, "decode": self.layout.colocated, "elastic_roles": False, "role_budget": False}
+        return {"mode": DISAGGREGATED, "prefill": self.layout.prefill, "decode": self.layout.decode,
+                "elastic_roles": self.elastic, "role_budget": self.elastic}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    simulated: float  # the simulator's goodput, req/s
+    factor: float  # its kind's served over simulated goodput (``SERVED_OVER_SIMULATED``)
+
+    @property
+    def goodput(self) -> float:
+        """The predicted served goodput, req/s."""
+        return self.simulated * self.factor
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    chosen: Candidate
+    default: Candidate
+    predictions: tuple[Prediction, ...]  # every candidate's, the default first
+    reason: str
+
+    def lines(self) -> list[str]:
+        """What ``pdserve serve`` logs: each candidate's predicted goodput, then the choice and why."""
+        out = [f"{p.candidate.name:<22} predicted goodput {p.goodput:6.2f} req/s (simulated {p.simulated:.2f} x "
+               f"{p.factor:.2f} served/simulated for {p.candidate.kind})" for p in self.predictions]
+        return out + [f"chose {self.chosen.name}: {self.reason}"]
+
+
+def candidates(cores: int) -> list[Candidate]:
+    """The layouts ``cores`` cores run, one worker a core (at least two, at most ``MAX_WORKERS``):
+    every kP:(N-k)D split, N colocated, elastic roles from the even split. The first is the default."""
+    n = max(2, min(cores, MAX_WORKERS))
+    default = _split(n // 2, n - n // 2)
+    fixed = [_split(k, n - k) for k in range(1, n) if k != n // 2]
+    elastic = Candidate(f"elastic from {default.name}", default.layout, elastic=True)
+    return [default, *fixed, Candidate(f"{n}C", Layout(colocated=n)), elastic]
+
+
+def _split(p: int, d: int) -> Candidate:
+    return Candidate(f"{p}P:{d}D", Layout(prefill=p, decode=d))
+
+
+def simulate(model: ModelSpec, hw: HardwareProfile, candidate: Candidate, rate: float,
+             objective: Objective) -> SimResult:
+    """One candidate at one Poisson rate of the objective's workload."""
+    from pdserve.planner.cost import CostModel
+    from pdserve.planner.elastic import ElasticDriver
+    from pdserve.planner.simulator import Simulator
+
+    trace = poisson(rate, objective.requests / rate, objective.lengths, objective.seed)
+    cost = CostModel(model, hw, 1)
+    driver = ElasticDriver() if candidate.elastic else None
+    return Simulator(ClusterSpec(candidate.layout, cost, cost), trace, autoscaler=driver).run()
+
+
+def predicted_goodput(meets: Callable[[float], bool], start: float = 0.25, limit: float = 1e4) -> float:
+    """The highest rate at which ``meets(rate)`` holds (doubling from ``start``, then bisection
+    to ``RATE_RESOLUTION``); 0 where not even ``start`` / 2**6 does. ``meets`` is taken as
+    monotone: the simulator's attainment falls with the rate, up to noise."""
+    lo, hi = 0.0, start
+    while meets(hi):
+        lo, hi = hi, hi * 2
+        if hi > limit:
+            return lo
+    if lo == 0.0:  # even ``start`` misses: look below it, a few halvings
+        for _ in range(6):
+            hi /= 2
+            if meets(hi):
+                lo, hi = hi, hi * 2
+                break
+        else:
+            return 0.0
+    while hi - lo > RATE_RESOLUTION * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    return lo
+
+
+def decide(simulated: list[tuple[Candidate, float]], margin: float = DEFAULT_MARGIN,
+           factors: dict[str, float] = SERVED_OVER_SIMULATED) -> LayoutChoice:
+    """Each simulated goodput times its kind's served/simulated factor; the highest wins, unless
+    it is within ``margin`` of the default's (the first candidate's): then the default stays.
+    Ties go to the earlier candidate."""
+    predictions = tuple(Prediction(c, raw, factors.get(c.kind, 1.0)) for c, raw in simulated)
+    default = predictions[0]
+    best = max(predictions, key=lambda p: p.goodput)  # max keeps the first of equal ones
+    top, base = best.goodput, default.goodput
+    if best is default:
+        reason = f"the highest predicted goodput ({top:.2f} req/s)"
+    elif top <= base * (1 + margin):
+        reason = (f"{best.candidate.name} predicts {top:.2f} req/s, within {margin:.0%} of the default's "
+                  f"{base:.2f}: too close to tell apart; the default stays")
+        best = default
+    else:
+        reason = (f"the highest predicted goodput ({top:.2f} req/s), more than {margin:.0%} above the "
+                  f"default {default.candidate.name}'s {base:.2f}")
+    return LayoutChoice(best.candidate, default.candidate, predictions, reason)
+
+
+def choose(model: ModelSpec, hw: HardwareProfile, cores: int, objective: Objective = Objective(),
+           margin: float = DEFAULT_MARGIN) -> LayoutChoice:
+    """Every candidate for ``cores`` simulated, its goodput predicted, and the choice."""
+    def goodput(c: Candidate) -> float:
+        return predicted_goodput(lambda r: simulate(model, hw, c, r, objective).attainment(objective.slo)
+                                 >= objective.attainment)
+
+    return decide([(c, goodput(c)) for c in candidates(cores)], margin)
+
+
+def kernel_path() -> str | None:
+    """The CPU kernel path the workers will run (``PDSERVE_CPU_ISA``, else the fastest this
+    processor's flags allow), read without loading the kernels; None without AVX2."""
+    from pdserve.engine.cpu_kernels import ISA_FLAGS, ISAS, cpu_flags, requested_isa
+
+    wanted = requested_isa()
+    if wanted is not None:
+        return wanted
+    have = set(cpu_flags())
+    runs = [name for name in ISAS if set(ISA_FLAGS[name]) <= have]
+    return runs[-1] if runs else None
+
+
+def profile_for(path: str | None, directory: Path = DEFAULT_CPU_PROFILE.parent) -> Path:
+    """The stored profile of kernel path ``path`` (``cpu-<path>.json``, as ``pdserve profile
+    --output`` writes one per processor kind) where there is one, else the default ``cpu.json``."""
+    specific = directory / f"cpu-{path}.json"
+    return specific if path is not None and specific.exists() else directory / DEFAULT_CPU_PROFILE.name
+
+
+def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``pdserve serve``'s resolved settings ``v`` -> (the settings of the chosen layout, empty
+    where the default wins; the log lines saying what was compared on what and why). A model or
+    profile the planner cannot read leaves the layout as it is, said so."""
+    from pdserve.planner.hardware import HardwareProfile, ProfileError
+    from pdserve.planner.model_spec import ModelSpecError, get_model
+
+    path = kernel_path()
+    try:
+        profile = profile_for(path)
+        hw = HardwareProfile.load(profile)
+        model = get_model("SmolLM2-135M" if v["model"] == "default" else v["model"])
+    except (ProfileError, ModelSpecError) as exc:
+        return {}, [f"no prediction ({exc}); the default layout stays"]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    objective = Objective(Slo(v["layout_ttft_slo_s"], v["layout_tpot_slo_s"]),
+                          LengthMix(v["layout_prompt_tokens"], v["layout_output_tokens"]))
+    choice = choose(model, hw, cores, objective)
+    # The default candidate stands for ``make serve``'s own layout, 1P:1D with the cores split
+    # between the two (the profile is one thread's: the even split of one-core workers is its
+    # stand-in); where it wins, nothing changes.
+    chosen = {} if choice.chosen is choice.default else choice.chosen.settings()
+    head = (f"{cores} core(s), kernel path {path}, {model.name}, objectives TTFT <= {objective.slo.ttft_s:g} s and "
+            f"TPOT <= {objective.slo.tpot_s * 1e3:g} ms for {objective.attainment:.0%} of "
+            f"{objective.lengths.prompt_mean}/{objective.lengths.output_mean}-token requests, profile {profile.name} "
+            f"({hw.source[:48]}...)")
+    return chosen, [head, *choice.lines()]
