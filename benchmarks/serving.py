@@ -62,7 +62,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import psutil
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +70,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import processor  # noqa: E402
 from benchmarks.peers.hf_dir import PEERS, build as build_hf_dir  # noqa: E402
 from benchmarks.serving_procs import (Profiler, ServerError, ServerExited, ServerProcess,  # noqa: E402
-                                      classify_worker, run_teed, server_actor_pids)
+                                      busy_seconds, classify_worker, cpu_seconds, cpu_shares, run_teed,
+                                      server_actor_pids, server_tree)
 from benchmarks.serving_report import (compare, markdown, plot, profile_summary, record,  # noqa: E402
                                        targets)
 
@@ -138,36 +138,9 @@ def bench_env() -> dict[str, str]:
     return env
 
 
-def cpu_seconds(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            continue
-    return total
-
-
 # vllm bench serve's lines around its main run (after the warmup requests)
 MAIN_RUN_START = b"Starting main benchmark run"
 MAIN_RUN_END = b"Serving Benchmark Result"
-
-
-def cpu_shares(a: tuple[float, float, float], b: tuple[float, float, float]) -> dict[str, float]:
-    """Average busy cores between two (time, machine busy s, server cpu s) marks."""
-    wall = max(b[0] - a[0], 1e-9)
-    return {"busy_cores": round((b[1] - a[1]) / wall, 2), "server_cores": round((b[2] - a[2]) / wall, 2),
-            "window_s": round(wall, 1)}
-
-
-def busy_seconds() -> float:
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-
-def server_tree(server: ServerProcess) -> list[psutil.Process]:
-    return [psutil.Process(server.proc.pid), *server.descendants()]
 
 
 def start_profiles(args, server: ServerProcess, load: Load, profiler: Profiler) -> dict[str, Path]:

@@ -252,3 +252,31 @@ def server_actor_pids(server: ServerProcess) -> list[int]:
         except psutil.NoSuchProcess:
             continue
     return pids
+
+
+# ---- CPU accounting: how many cores the machine and the server's tree kept busy ----
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def cpu_shares(a: tuple[float, float, float], b: tuple[float, float, float]) -> dict[str, float]:
+    """Average busy cores between two (time, machine busy s, server cpu s) marks."""
+    wall = max(b[0] - a[0], 1e-9)
+    return {"busy_cores": round((b[1] - a[1]) / wall, 2), "server_cores": round((b[2] - a[2]) / wall, 2),
+            "window_s": round(wall, 1)}
+
+
+def busy_seconds() -> float:
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def server_tree(server: ServerProcess) -> list[psutil.Process]:
+    return [psutil.Process(server.proc.pid), *server.descendants()]
