@@ -139,7 +139,7 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos_token_id=Non
         )
     tokens = out[0, len(prompt):].tolist()
     known[key] = (max_new_tokens, tokens)
-    return tokens
+    return list(tokens)  # the caller's own copy
 
 
 # Two logits closer than this are a tie in float32: two correct implementations that sum in
