@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from pathlib import Path
 
 import torch
@@ -111,15 +112,34 @@ def load_reference(directory, dtype: torch.dtype):
     return model
 
 
+# transformers' greedy answers already computed in this test process: the same questions go to
+# the same shared model (``default_reference``) in a dozen modules, and a 24-token ``generate``
+# of the default model costs seconds on a busy core. Keyed by the model object and every
+# parameter's storage and in-place version counter, so a model changed since is asked again;
+# held weakly, so a model's answers go with it (a new model could reuse its addresses).
+_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
-    """transformers' own greedy generate: the correctness oracle."""
+    """transformers' own greedy generate: the correctness oracle. A shorter answer to the same
+    prompt is the beginning of a longer one (greedy decoding does the same steps in the same
+    order, whatever the limit), so it is cut from one computed before."""
+    params = tuple((p.data_ptr(), p._version) for p in hf_model.parameters())
+    eos = tuple(eos_token_id) if isinstance(eos_token_id, list) else eos_token_id
+    known = _GREEDY.setdefault(hf_model, {})
+    key = (params, tuple(prompt), eos)
+    limit, tokens = known.get(key, (0, []))
+    if limit >= max_new_tokens or len(tokens) < limit:  # long enough, or it ended before its limit
+        return tokens[:max_new_tokens]
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf_model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
             eos_token_id=eos_token_id, pad_token_id=0,
         )
-    return out[0, len(prompt):].tolist()
+    tokens = out[0, len(prompt):].tolist()
+    known[key] = (max_new_tokens, tokens)
+    return list(tokens)  # the caller's own copy
 
 
 # Two logits closer than this are a tie in float32: two correct implementations that sum in
