@@ -58,7 +58,7 @@ def parsed(argv: list[str], monkeypatch) -> SimpleNamespace:
     from pdserve.cluster import worker_cli
 
     seen = {}
-    monkeypatch.setattr(pdserve.cluster.cli, "serve", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setattr(pdserve.cluster.cli, "serve", lambda args, **_: seen.setdefault("args", args) and 0)
     monkeypatch.setattr(worker_cli, "run_worker", lambda args: seen.setdefault("args", args) and 0)
     main(argv)
     return seen["args"]
