@@ -141,10 +141,29 @@ class _Utf8Text:
         piece = self._bytes.piece(token_id)
         if isinstance(piece, str):  # an added token's text: the bytes before it end here
             return self.finish() + piece
-        return self._utf8.decode(piece)
+        text = self._utf8.decode(piece)
+        if not _can_finish(self._utf8.getstate()[0]):
+            # Python's decoder holds a lead byte and a second byte outside that lead's range
+            # (ED A1: a surrogate) until more bytes come, though no byte can finish them: their
+            # U+FFFD are settled now, whatever follows, and a stop string they make hits now.
+            text += self.finish()
+        return text
 
     def finish(self) -> str:
         return self._utf8.decode(b"", final=True)  # an unfinished character is U+FFFD, as decode has it
+
+
+# The second byte a UTF-8 lead byte allows where it is not the whole 80-BF range (RFC 3629):
+# no overlong forms, no surrogates, nothing past U+10FFFF.
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def _can_finish(held: bytes) -> bool:
+    """Whether the bytes an incremental decoder holds can still begin one valid character."""
+    if len(held) < 2:
+        return True
+    low, high = _SECOND_BYTE.get(held[0], (0x80, 0xBF))
+    return low <= held[1] <= high
 
 
 class _WindowText:

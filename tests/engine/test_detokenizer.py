@@ -102,6 +102,17 @@ def test_split_characters_stream_as_decode_has_them(tok, byte_ids, name, pieces)
     assert stream(tok, ids) == (tok.decode(ids), False), name
 
 
+@pytest.mark.parametrize("pieces", [[0xED, 0xA1], [0xE0, 0x80], [0xF0, 0x8F], [0xF4, 0x90, 0x80]])
+def test_bytes_no_byte_can_finish_are_settled_at_once(tok, byte_ids, pieces):
+    """A lead byte and a second byte outside its range (a surrogate, an overlong form, past
+    U+10FFFF) can never be one character: their U+FFFD come out, and a stop string they make
+    hits, before the output ends (hypothesis found ED A1 held to the flush, its hit lost)."""
+    ids = [byte_ids[b] for b in pieces]
+    assert stream(tok, ids) == (tok.decode(ids), False)
+    detok = IncrementalDetokenizer(tok, ("\ufffd",))
+    assert [detok.add(t) for t in ids][-1] == ("", True)
+
+
 def test_an_added_token_that_is_not_special_ends_the_bytes_before_it(tok, byte_ids):
     hf = copy.deepcopy(tok.hf)
     hf.add_tokens(["<tool_x>"])
