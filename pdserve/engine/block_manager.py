@@ -35,8 +35,8 @@ of allocate, compute, abort, preempt, pull start/finish/fail and free through th
 2. Every hash a lookup can find names a block whose ``hash`` is that hash and whose contents
    were made final by ``mark_final`` under that chain; a PENDING block is never in the index.
 3. A sequence's first ``num_hashed`` blocks are the full blocks of its final tokens, chained
-   from its salt's root; nothing past its final tokens is ever hashed. Its ``tail`` is its
-   final tokens past them (fewer than a block).
+   from its salt's root; nothing past its final tokens is ever hashed; its final tokens past
+   them (fewer than a block) are its tail once it is freed.
 4. A tail's block is free, unhashed, in one tail only, and holds 1 to ``block_size - 1`` tokens.
 
 Hence the rule the rest of pdserve relies on: a block is shared (found by a prefix lookup,
@@ -129,7 +129,9 @@ class _SeqBlocks:
     num_hashed: int = 0
     num_final_tokens: int = 0  # leading tokens whose KV is final (prefix hits included)
     root: bytes = NO_HASH  # the chain's root: its salt's (``chain_root``)
-    tail: tuple[int, ...] = ()  # final tokens past the hashed blocks: a tail once freed
+    # The token list last marked final (or allocated), by reference, not copied every decode
+    # step: a sequence's list only grows, and ``free`` reads its tail from it.
+    tokens: Sequence[int] = ()
 
 
 class BlockStateError(RuntimeError):
@@ -224,7 +226,7 @@ class BlockManager:
         cache = use_prefix_cache and self.enable_prefix_cache
         hits = self._match_prefix(token_ids, root, count) if cache else []
         state = _SeqBlocks(last_hash=hits[-1][1] if hits else root, root=root, num_hashed=len(hits),
-                           num_final_tokens=len(hits) * self.block_size)
+                           num_final_tokens=len(hits) * self.block_size, tokens=token_ids)
         start = state.num_final_tokens  # a tail's tokens go on from here, short of the last token
         tail = self._tails.best(state.last_hash, token_ids[start:start + self.block_size],
                                 len(token_ids) - 1 - start) if cache and take_tail else None
@@ -236,7 +238,6 @@ class BlockManager:
             self._take(block_id)
             state.block_ids.append(block_id)
         if tail:
-            state.tail = tuple(token_ids[start:start + tail[1]])
             state.num_final_tokens += tail[1]
         while len(state.block_ids) < needed:
             state.block_ids.append(self._take_fresh())
@@ -256,7 +257,7 @@ class BlockManager:
         if not hits:
             return Allocation((), 0)
         state = _SeqBlocks(last_hash=hits[-1][1], root=root, num_hashed=len(hits),
-                           num_final_tokens=len(hits) * self.block_size)
+                           num_final_tokens=len(hits) * self.block_size, tokens=token_ids)
         for block_id, _ in hits:
             self._take(block_id)
             state.block_ids.append(block_id)
@@ -306,10 +307,9 @@ class BlockManager:
         if num_final > len(state.block_ids) * self.block_size or num_final > len(token_ids):
             raise BlockStateError(f"sequence {seq_id!r}: {num_final} final tokens, but it holds "
                                   f"{len(state.block_ids)} blocks and {len(token_ids)} tokens")
-        state.num_final_tokens = max(state.num_final_tokens, num_final)
+        if num_final >= state.num_final_tokens:
+            state.num_final_tokens, state.tokens = num_final, token_ids
         self._register_full_blocks(state, token_ids, num_final)
-        if self.enable_prefix_cache:  # the final tokens past the full blocks: its tail once freed
-            state.tail = tuple(token_ids[state.num_hashed * self.block_size:state.num_final_tokens])
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's references; blocks no one else holds go back to the free list."""
@@ -318,14 +318,14 @@ class BlockManager:
             return
         # Reverse order: the end of a sequence is the least likely to be shared again, so it
         # is handed out first. Its partial block of final tokens stays findable as a tail.
-        tail_block = state.block_ids[state.num_hashed] if state.tail else None
+        tail = tuple(state.tokens[state.num_hashed * self.block_size:state.num_final_tokens]) if self.enable_prefix_cache else ()
         for block_id in reversed(state.block_ids):
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-                if block_id == tail_block:
-                    self._tails.add(state.last_hash, block_id, state.tail)
+                if tail and block_id == state.block_ids[state.num_hashed]:
+                    self._tails.add(state.last_hash, block_id, tail)
 
     def check_invariants(self) -> None:
         """Raise ``BlockStateError`` if an invariant of the module docstring does not hold.
@@ -349,9 +349,9 @@ class BlockManager:
                 raise BlockStateError(f"tail block {block_id} is held, hashed or of {len(token_ids)} tokens")
 
     def _check_chain(self, seq_id: str, state: _SeqBlocks) -> None:
-        if state.num_hashed * self.block_size + len(state.tail) > state.num_final_tokens:
-            raise BlockStateError(f"sequence {seq_id!r}: {state.num_hashed} blocks hashed and a tail of "
-                                  f"{len(state.tail)} past its {state.num_final_tokens} final tokens")
+        if not state.num_hashed * self.block_size <= state.num_final_tokens <= len(state.tokens):
+            raise BlockStateError(f"sequence {seq_id!r}: {state.num_hashed} blocks hashed, {state.num_final_tokens} "
+                                  f"final tokens, {len(state.tokens)} tokens")
         prev = state.root
         for i, block_id in enumerate(state.block_ids):
             block = self._blocks[block_id]
