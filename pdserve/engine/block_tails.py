@@ -23,6 +23,11 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+# Tails kept under one parent; the oldest is forgotten past it (its block stays free). A lookup
+# scans a parent's tails, and short chats that share a template's first full block would
+# otherwise pile up thousands under one hash; a conversation's live branches are a handful.
+MAX_TAILS_PER_PARENT = 8
+
 
 class TailIndex:
     """The tails of freed sequences: parent chain hash -> {block id: the tokens its KV holds}."""
@@ -36,10 +41,14 @@ class TailIndex:
 
     def add(self, parent: bytes, block_id: int, token_ids: tuple[int, ...]) -> None:
         """Keep ``block_id`` as a tail after ``parent`` holding the final KV of ``token_ids``.
-        Several tails may share a parent (branches of one conversation)."""
+        Several tails may share a parent (branches of one conversation), the newest
+        ``MAX_TAILS_PER_PARENT`` of them."""
         self.drop(block_id)
-        self._by_parent.setdefault(parent, {})[block_id] = token_ids
+        siblings = self._by_parent.setdefault(parent, {})
+        siblings[block_id] = token_ids
         self._parent_of[block_id] = parent
+        if len(siblings) > MAX_TAILS_PER_PARENT:
+            self.drop(next(iter(siblings)))  # the oldest: dicts keep insertion order
 
     def drop(self, block_id: int) -> None:
         """Forget ``block_id``'s tail, if it is one (its block is handed out or taken)."""

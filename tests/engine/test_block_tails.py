@@ -5,6 +5,7 @@ the previous answer's last partial block again (issue 44). The block manager alo
 import pytest
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_tails import MAX_TAILS_PER_PARENT
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -107,6 +108,16 @@ def test_the_longest_of_several_branches_is_taken():
     alloc = take(bm, "turn-2", TURN[:8] + [1, 2, 3, 4, 5])
     assert alloc.num_cached_tokens == 11 and alloc.block_ids[2] == long
     assert take(bm, "other", TURN[:8] + [1, 7]).block_ids[2] == short
+
+
+def test_a_parent_keeps_only_its_newest_tails_so_a_lookup_stays_short():
+    """Short chats that share a template's first block leave their tails under one parent."""
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    tails = [finished(bm, TURN[:8] + [100 + i]) for i in range(MAX_TAILS_PER_PARENT + 1)]
+    assert take(bm, "oldest", TURN[:8] + [100, 1]).num_cached_tokens == 8
+    bm.free("oldest")
+    newest = take(bm, "newest", TURN[:8] + [100 + MAX_TAILS_PER_PARENT, 1])
+    assert newest.num_cached_tokens == 9 and newest.block_ids[2] == tails[-1]
 
 
 def test_eviction_drops_the_tail():
