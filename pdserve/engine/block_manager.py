@@ -23,6 +23,9 @@ A block's life is a small state machine, and only this module moves it:
   (the free list is least-recently-freed first, so freed prefixes stay reusable for as long
   as memory allows).
 - FREE: held by no sequence, nothing findable.
+- TAIL: a freed sequence's partial last block, the KV of its final tokens kept (block_tails.py):
+  taken whole by one ``allocate(take_tail=True)`` whose prompt goes on the same way (PENDING
+  again, its first slots final), or handed out as FREE. Never hashed, published or shared.
 
 Invariants (``check_invariants``; tests/engine/test_block_life.py drives random interleavings
 of allocate, compute, abort, preempt, pull start/finish/fail and free through them):
@@ -32,7 +35,9 @@ of allocate, compute, abort, preempt, pull start/finish/fail and free through th
 2. Every hash a lookup can find names a block whose ``hash`` is that hash and whose contents
    were made final by ``mark_final`` under that chain; a PENDING block is never in the index.
 3. A sequence's first ``num_hashed`` blocks are the full blocks of its final tokens, chained
-   from its salt's root; nothing past its final tokens is ever hashed.
+   from its salt's root; nothing past its final tokens is ever hashed; its final tokens past
+   them (fewer than a block) are its tail once it is freed.
+4. A tail's block is free, unhashed, in one tail only, and holds 1 to ``block_size - 1`` tokens.
 
 Hence the rule the rest of pdserve relies on: a block is shared (found by a prefix lookup,
 published to the router) only when its KV is final. The first design registered a prompt's
@@ -53,6 +58,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from pdserve.engine.block_tails import TailIndex
 from pdserve.engine.errors import CacheCapacityError
 
 NO_HASH = b""
@@ -123,6 +129,9 @@ class _SeqBlocks:
     num_hashed: int = 0
     num_final_tokens: int = 0  # leading tokens whose KV is final (prefix hits included)
     root: bytes = NO_HASH  # the chain's root: its salt's (``chain_root``)
+    # The token list last marked final (or allocated), by reference, not copied every decode
+    # step: a sequence's list only grows, and ``free`` reads its tail from it.
+    tokens: Sequence[int] = ()
 
 
 class BlockStateError(RuntimeError):
@@ -145,6 +154,7 @@ class BlockManager:
         # block that a prefix hit revives.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
+        self._tails = TailIndex()  # freed partial blocks (block_tails.py)
         self._seqs: dict[str, _SeqBlocks] = {}
         self.prefix_queries = 0  # full prompt blocks eligible for the prefix cache
         self.prefix_hits = 0  # of those, found
@@ -196,12 +206,15 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, seq_id: str, token_ids: Sequence[int], use_prefix_cache: bool = True,
-                 cache_salt: str = "", count: bool = True) -> Allocation:
+                 cache_salt: str = "", count: bool = True, take_tail: bool = False) -> Allocation:
         """Give ``seq_id`` blocks for all of ``token_ids``, reusing cached full blocks of the
         same ``cache_salt``. The fresh blocks are PENDING: nothing can find them until
         ``mark_final`` says their KV is final (they are then hashed under this salt).
         ``count`` False: not a prefix query of a prompt (no hit counted; a prefill worker's
         pin for a prefix it reads, ``pdserve.prefill_worker.prefix_pull``).
+        ``take_tail`` (with the prefix cache): after the full-block hits, take the tail sharing
+        the most next tokens (block_tails.py). Only for a caller that computes the rest of its
+        block: a pull writes whole blocks, over the tail's final slots.
 
         At least one token is always left uncached, because the model must run on the
         last prompt token to produce the next token's logits.
@@ -210,20 +223,26 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         needed = self.blocks_needed(len(token_ids))
         root = chain_root(cache_salt)
-        hits = self._match_prefix(token_ids, root, count) if (use_prefix_cache and self.enable_prefix_cache) else []
-        if needed - len(hits) > len(self._free) - sum(1 for b, _ in hits if b in self._free):
+        cache = use_prefix_cache and self.enable_prefix_cache
+        hits = self._match_prefix(token_ids, root, count) if cache else []
+        state = _SeqBlocks(last_hash=hits[-1][1] if hits else root, root=root, num_hashed=len(hits),
+                           num_final_tokens=len(hits) * self.block_size, tokens=token_ids)
+        start = state.num_final_tokens  # a tail's tokens go on from here, short of the last token
+        tail = self._tails.best(state.last_hash, token_ids[start:start + self.block_size],
+                                len(token_ids) - 1 - start) if cache and take_tail else None
+        taken = [b for b, _ in hits] + ([tail[0]] if tail else [])
+        if needed - len(taken) > len(self._free) - sum(1 for b in taken if b in self._free):
             raise CacheCapacityError(needed, len(self._free))
-        state = _SeqBlocks(last_hash=root, root=root)
-        for block_id, block_hash in hits:
+        for block_id in taken:
+            self._tails.drop(block_id)  # a tail taken is no one else's
             self._take(block_id)
             state.block_ids.append(block_id)
-            state.last_hash = block_hash
-        state.num_hashed = len(hits)
-        state.num_final_tokens = len(hits) * self.block_size
+        if tail:
+            state.num_final_tokens += tail[1]
         while len(state.block_ids) < needed:
             state.block_ids.append(self._take_fresh())
         self._seqs[seq_id] = state
-        return Allocation(tuple(state.block_ids), len(hits) * self.block_size)
+        return Allocation(tuple(state.block_ids), state.num_final_tokens)
 
     def share_prefix(self, seq_id: str, token_ids: Sequence[int], cache_salt: str = "") -> Allocation:
         """Give ``seq_id`` references to the cached full blocks that begin ``token_ids`` (the
@@ -238,7 +257,7 @@ class BlockManager:
         if not hits:
             return Allocation((), 0)
         state = _SeqBlocks(last_hash=hits[-1][1], root=root, num_hashed=len(hits),
-                           num_final_tokens=len(hits) * self.block_size)
+                           num_final_tokens=len(hits) * self.block_size, tokens=token_ids)
         for block_id, _ in hits:
             self._take(block_id)
             state.block_ids.append(block_id)
@@ -288,7 +307,8 @@ class BlockManager:
         if num_final > len(state.block_ids) * self.block_size or num_final > len(token_ids):
             raise BlockStateError(f"sequence {seq_id!r}: {num_final} final tokens, but it holds "
                                   f"{len(state.block_ids)} blocks and {len(token_ids)} tokens")
-        state.num_final_tokens = max(state.num_final_tokens, num_final)
+        if num_final >= state.num_final_tokens:
+            state.num_final_tokens, state.tokens = num_final, token_ids
         self._register_full_blocks(state, token_ids, num_final)
 
     def free(self, seq_id: str) -> None:
@@ -296,13 +316,16 @@ class BlockManager:
         state = self._seqs.pop(seq_id, None)
         if state is None:
             return
-        # Reverse order: the tail of a sequence is the least likely to be shared again, so it
-        # is handed out first.
+        # Reverse order: the end of a sequence is the least likely to be shared again, so it
+        # is handed out first. Its partial block of final tokens stays findable as a tail.
+        tail = tuple(state.tokens[state.num_hashed * self.block_size:state.num_final_tokens]) if self.enable_prefix_cache else ()
         for block_id in reversed(state.block_ids):
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                if tail and block_id == state.block_ids[state.num_hashed]:
+                    self._tails.add(state.last_hash, block_id, tail)
 
     def check_invariants(self) -> None:
         """Raise ``BlockStateError`` if an invariant of the module docstring does not hold.
@@ -321,11 +344,14 @@ class BlockManager:
                 raise BlockStateError(f"the index names block {block_id} for a hash it does not hold")
         for seq_id, state in self._seqs.items():
             self._check_chain(seq_id, state)
+        for block_id, _, token_ids in self._tails.items():
+            if self._blocks[block_id].ref_count or self._blocks[block_id].hash or not 0 < len(token_ids) < self.block_size:
+                raise BlockStateError(f"tail block {block_id} is held, hashed or of {len(token_ids)} tokens")
 
     def _check_chain(self, seq_id: str, state: _SeqBlocks) -> None:
-        if state.num_hashed * self.block_size > state.num_final_tokens:
-            raise BlockStateError(f"sequence {seq_id!r}: {state.num_hashed} blocks hashed past its "
-                                  f"{state.num_final_tokens} final tokens")
+        if not state.num_hashed * self.block_size <= state.num_final_tokens <= len(state.tokens):
+            raise BlockStateError(f"sequence {seq_id!r}: {state.num_hashed} blocks hashed, {state.num_final_tokens} "
+                                  f"final tokens, {len(state.tokens)} tokens")
         prev = state.root
         for i, block_id in enumerate(state.block_ids):
             block = self._blocks[block_id]
@@ -365,6 +391,7 @@ class BlockManager:
 
     def _take_fresh(self) -> int:
         block_id, _ = self._free.popitem(last=False)
+        self._tails.drop(block_id)
         block = self._blocks[block_id]
         if block.hash and self._by_hash.get(block.hash) == block_id:
             del self._by_hash[block.hash]

@@ -159,10 +159,11 @@ class Scheduler:
                     break
                 if not self.blocks.can_allocate(seq.num_tokens):
                     break
-                # Prompt logprobs need every prompt position run: no prefix-cache hits.
+                # Prompt logprobs need every prompt position run: no prefix-cache hits. A
+                # tail's block is taken: this step computes the rest of it.
                 alloc = self.blocks.allocate(seq.seq_id, seq.token_ids,
                                              use_prefix_cache=seq.params.prompt_logprobs is None,
-                                             cache_salt=seq.params.cache_salt)
+                                             cache_salt=seq.params.cache_salt, take_tail=True)
                 seq.num_computed_tokens = seq.num_cached_tokens = alloc.num_cached_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > budget and not self.config.enable_chunked_prefill:

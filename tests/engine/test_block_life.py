@@ -7,8 +7,9 @@ aborted mid-write, a pull failed, or a transfer is still landing. The KV of a po
 only on the tokens up to it; the salt is kept so that a hit across tenants counts as wrong too.
 
 Rules, each what the engine or a worker does to the block manager:
-- a prompt arrives (``allocate`` with the prefix cache), and its chunks are computed one
-  ``mark_final`` at a time; a step that raised writes garbage and marks nothing;
+- a prompt arrives (``allocate`` with the prefix cache and tails, as the scheduler does), and
+  its chunks are computed one ``mark_final`` at a time; a step that raised writes garbage and
+  marks nothing;
 - a decoding sequence grows by one token (``append_slots``, then ``mark_final``);
 - a pull starts (``allocate`` without the cache, as ``Scheduler.add_remote_prefilled``), lands
   part of its blocks, then finishes verified (``mark_final`` of the whole prompt) or fails
@@ -20,8 +21,11 @@ Invariants checked after every rule:
 - ``BlockManager.check_invariants`` (reference counts, the free list, the index, the chains);
 - every hash a lookup can find names a block whose slots hold exactly the KV of that hash's
   prefix under that hash's salt;
-- every prefix hit handed to a new allocation covers slots holding exactly the KV the new
-  sequence would compute itself. This is the one a user sees: a wrong hit is a wrong token.
+- every tail a lookup can find holds, in its first slots, exactly the KV of its tokens after
+  its parent hash's prefix (pdserve/engine/block_tails.py);
+- every prefix hit handed to a new allocation (full blocks and a tail's first slots) covers
+  slots holding exactly the KV the new sequence would compute itself. This is the one a user
+  sees: a wrong hit is a wrong token.
 
 On the first design (blocks hashed at allocation) the last two fail within a few rules: a
 prompt aborted before its first chunk leaves findable blocks full of garbage.
@@ -36,7 +40,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pdserve.engine.block_manager import BlockManager, chain_hash, chain_root
 
-BLOCK_SIZE = 2
 NUM_BLOCKS = 12
 GARBAGE = ("garbage",)
 # Prompts share prefixes so that hits happen; two salts so that tenants meet.
@@ -54,10 +57,12 @@ class SeqModel:
 
 
 class BlockLife(RuleBasedStateMachine):
+    BLOCK_SIZE = 2
+
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
-        self.slots: list[list[tuple]] = [[GARBAGE] * BLOCK_SIZE for _ in range(NUM_BLOCKS)]
+        self.bm = BlockManager(NUM_BLOCKS, self.BLOCK_SIZE)
+        self.slots: list[list[tuple]] = [[GARBAGE] * self.BLOCK_SIZE for _ in range(NUM_BLOCKS)]
         self.seqs: dict[str, SeqModel] = {}
         self.preempted: dict[str, SeqModel] = {}
         self.next_id = 0
@@ -71,17 +76,17 @@ class BlockLife(RuleBasedStateMachine):
         seq, table = self.seqs[sid], self.bm.block_table(sid)
         for p in range(start, end):
             value = GARBAGE if garbage else (seq.salt, tuple(seq.tokens[:p + 1]))
-            self.slots[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = value
+            self.slots[table[p // self.BLOCK_SIZE]][p % self.BLOCK_SIZE] = value
 
     def _check_hits(self, sid: str, num_cached: int) -> None:
         seq, table = self.seqs[sid], self.bm.block_table(sid)
         for p in range(num_cached):
-            got = self.slots[table[p // BLOCK_SIZE]][p % BLOCK_SIZE]
+            got = self.slots[table[p // self.BLOCK_SIZE]][p % self.BLOCK_SIZE]
             assert got == (seq.salt, tuple(seq.tokens[:p + 1])), (
-                f"{sid} reused block {table[p // BLOCK_SIZE]} whose slot {p % BLOCK_SIZE} holds {got}")
+                f"{sid} reused block {table[p // self.BLOCK_SIZE]} whose slot {p % self.BLOCK_SIZE} holds {got}")
 
     def _admit(self, sid: str, seq: SeqModel) -> None:
-        alloc = self.bm.allocate(sid, seq.tokens, cache_salt=seq.salt)
+        alloc = self.bm.allocate(sid, seq.tokens, cache_salt=seq.salt, take_tail=True)
         self.seqs[sid] = seq
         seq.computed = alloc.num_cached_tokens
         self._check_hits(sid, alloc.num_cached_tokens)
@@ -202,18 +207,41 @@ class BlockLife(RuleBasedStateMachine):
     @invariant()
     def every_findable_block_holds_its_prefix(self):
         for block_hash, block_id in self.bm._by_hash.items():
-            last = self.slots[block_id][BLOCK_SIZE - 1]
+            last = self.slots[block_id][self.BLOCK_SIZE - 1]
             assert last is not GARBAGE, f"block {block_id} is findable but holds garbage"
             salt, prefix = last
-            assert len(prefix) % BLOCK_SIZE == 0
+            assert len(prefix) % self.BLOCK_SIZE == 0
             chain = chain_root(salt)
-            for i in range(len(prefix) // BLOCK_SIZE):
-                chain = chain_hash(chain, prefix[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+            for i in range(len(prefix) // self.BLOCK_SIZE):
+                chain = chain_hash(chain, prefix[i * self.BLOCK_SIZE:(i + 1) * self.BLOCK_SIZE])
             assert chain == block_hash, f"block {block_id} is findable under another prefix's hash"
-            for j in range(BLOCK_SIZE):
-                want = (salt, prefix[:len(prefix) - BLOCK_SIZE + j + 1])
+            for j in range(self.BLOCK_SIZE):
+                want = (salt, prefix[:len(prefix) - self.BLOCK_SIZE + j + 1])
                 assert self.slots[block_id][j] == want, f"block {block_id} slot {j}: {self.slots[block_id][j]}"
 
 
+    @invariant()
+    def every_tail_holds_its_tokens_after_its_parent(self):
+        for block_id, parent, tail in self.bm._tails.items():
+            for j in range(len(tail)):
+                got = self.slots[block_id][j]
+                assert got is not GARBAGE, f"tail block {block_id} slot {j} holds garbage"
+                salt, prefix = got
+                before, mine = prefix[:len(prefix) - j - 1], prefix[len(prefix) - j - 1:]
+                assert mine == tuple(tail[:j + 1]) and len(before) % self.BLOCK_SIZE == 0
+                chain = chain_root(salt)
+                for i in range(len(before) // self.BLOCK_SIZE):
+                    chain = chain_hash(chain, before[i * self.BLOCK_SIZE:(i + 1) * self.BLOCK_SIZE])
+                assert chain == parent, f"tail block {block_id} slot {j} holds another prefix's KV"
+
+
+class BlockLifeOf3(BlockLife):
+    """Blocks of 3: tails of 1 or 2 tokens, so a prompt can take part of a tail."""
+
+    BLOCK_SIZE = 3
+
+
 BlockLife.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+BlockLifeOf3.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBlockLife = BlockLife.TestCase
+TestBlockLifeOf3 = BlockLifeOf3.TestCase

@@ -12,6 +12,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from tests.engine.test_engine_batching import run_staggered
+from tests.engine.test_shared_kv_is_final import run
 from tests.factories import chat_variants, default_reference
 from tests.logprobs import check_logprobs_close, engine_generation, hf_generation
 
@@ -122,3 +123,30 @@ def test_float32_near_tie_does_not_depend_on_the_batch(engine):
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
     together = [c.token_ids for c in engine.generate(prompts, params)]
     assert together == alone
+
+
+def next_turn_takes_the_tail(engine, salt: str) -> tuple[list[int], list[int]]:
+    """Turn 1 of a conversation, then turn 2 = its prompt + its answer + a new message: turn 2
+    finds every token of turn 1 whose KV was computed cached, the answer's last partial block
+    included (its tail, pdserve/engine/block_tails.py), all but the answer's last token, whose
+    KV no step wrote. Returns turn 2's prompt and greedy tokens."""
+    tok = engine.tokenizer
+    first = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}])
+    n = 20 + ((len(first) + 19) % 16 == 0)  # turn 1's final KV ends inside a block
+    answer, _ = run(engine, f"{salt}-1", first, SamplingParams(max_tokens=n, ignore_eos=True, cache_salt=salt))
+    second = first + answer + tok.encode(" Now name three more, please.")
+    tokens, cached = run(engine, f"{salt}-2", second, SamplingParams(max_tokens=MAX_TOKENS, cache_salt=salt))
+    assert cached == len(first) + n - 1 and cached % 16
+    return second, tokens
+
+
+def test_the_next_turn_takes_the_last_answers_tail_and_equals_transformers(engine):
+    second, tokens = next_turn_takes_the_tail(engine, "tail-f32")
+    assert tokens == hf_generation(default_reference()[0], second, MAX_TOKENS).token_ids
+
+
+def test_bfloat16_the_next_turn_on_a_tail_equals_it_uncached_bitwise(engine_bf16):
+    second, tokens = next_turn_takes_the_tail(engine_bf16, "tail-bf16")
+    uncached, cached = run(engine_bf16, "tail-bf16-fresh", second, SamplingParams(max_tokens=MAX_TOKENS,
+                                                                               cache_salt="tail-bf16-fresh"))
+    assert cached == 0 and tokens == uncached

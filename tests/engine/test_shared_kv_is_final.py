@@ -26,11 +26,15 @@ def greedy(max_tokens: int = 8, salt: str = "") -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, cache_salt=salt)
 
 
-@pytest.fixture
-def engine(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir[0], num_blocks=64, max_num_batched_tokens=CHUNK)
+def stale_engine(model_dir, chunk: int = CHUNK):
+    engine = make_engine(model_dir, num_blocks=64, max_num_batched_tokens=chunk)
     engine.kv_cache.copy_(torch.randn(engine.kv_cache.shape, generator=torch.Generator().manual_seed(0)))
     return engine
+
+
+@pytest.fixture
+def engine(tiny_llama_dir):
+    return stale_engine(tiny_llama_dir[0])
 
 
 def run(engine, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
@@ -68,6 +72,19 @@ def test_a_prompt_aborted_between_chunks_leaves_nothing_wrong_behind(engine):
     assert tokens == reference(engine, PROMPT)
 
 
+def test_a_prompt_aborted_inside_a_block_leaves_a_tail_of_what_it_computed_only(tiny_llama_dir):
+    """A first chunk of 40 tokens: 2 full blocks and 8 tokens of the third. The aborted prompt's
+    tail (pdserve/engine/block_tails.py) holds those 8, and not the rest of the block."""
+    engine = stale_engine(tiny_llama_dir[0], chunk=40)
+    engine.add_request("dropped", PROMPT, greedy())
+    engine.step()
+    assert engine.prompt_progress("dropped") == 40
+    engine.abort("dropped")
+    tokens, cached = run(engine, "again", PROMPT, greedy())
+    assert cached == 40
+    assert tokens == reference(engine, PROMPT)
+
+
 def test_a_pull_still_in_flight_is_not_shared(engine):
     """A decode worker's blocks for a pull that has not landed yet hold no KV of the prompt:
     a local prefill of the same prompt meanwhile (a migrated or locally prefilled request)
@@ -99,7 +116,8 @@ def test_a_verified_pull_is_shared_once_it_lands(engine):
     engine.kv_ready("pulled")
     drain(engine)
     tokens, cached = run(engine, "local", PROMPT, greedy())
-    assert cached == (len(PROMPT) - 1) // 16 * 16 and tokens == reference(engine, PROMPT)
+    # Every full block, and the pulled prompt's tail short of the last token (always computed).
+    assert cached == len(PROMPT) - 1 and tokens == reference(engine, PROMPT)
 
 
 def test_a_preempted_sequence_aborted_mid_recompute_leaves_nothing_wrong(tiny_llama_dir):
