@@ -13,13 +13,19 @@ from typing import Any
 
 
 def engine_config(v: dict[str, Any]):
-    """The engine's config from the resolved settings of ``pdserve worker``."""
-    from pdserve.engine.config import CacheConfig, EngineConfig
+    """The engine's config from the resolved settings of ``pdserve worker`` (a deployment's
+    workers are a disaggregated cluster's: a decode worker's local prefill is capped by default,
+    as ``pdserve serve`` caps it, ``DISAGGREGATED_MIXED_PREFILL_TOKENS``)."""
+    from pdserve.engine.config import (DISAGGREGATED_MIXED_PREFILL_TOKENS, CacheConfig, EngineConfig,
+                                       SchedulerConfig)
 
+    mixed = v["mixed_prefill_tokens"]
     return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
                         cuda_graphs=v["cuda_graphs"], tensor_parallel_size=v["tensor_parallel_size"],
                         cache=CacheConfig(block_size=v["block_size"],
-                                          memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))))
+                                          memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))),
+                        scheduler=SchedulerConfig(
+                            mixed_prefill_tokens=DISAGGREGATED_MIXED_PREFILL_TOKENS if mixed is None else mixed))
 
 
 def internal_tls(v: dict[str, Any]):

@@ -134,9 +134,21 @@ def _engine(v: dict[str, Any]):
 
     cache = CacheConfig(block_size=v["block_size"], memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30)),
                         enable_prefix_cache=v["enable_prefix_caching"])
-    scheduler = SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"])
+    scheduler = SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"],
+                                mixed_prefill_tokens=_mixed_prefill_tokens(v))
     return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"], seed=v["seed"],
                         cuda_graphs=v["cuda_graphs"], cache=cache, scheduler=scheduler)
+
+
+def _mixed_prefill_tokens(v: dict[str, Any]) -> int:
+    """The setting, or by layout: capped for a disaggregated cluster's decode workers, whose
+    prompts are short suffixes; none where a worker prefills every prompt it serves."""
+    from pdserve.cluster.mode import DISAGGREGATED
+    from pdserve.engine.config import DISAGGREGATED_MIXED_PREFILL_TOKENS
+
+    if v["mixed_prefill_tokens"] is not None:
+        return v["mixed_prefill_tokens"]
+    return DISAGGREGATED_MIXED_PREFILL_TOKENS if v["mode"] == DISAGGREGATED and not v["elastic_roles"] else 0
 
 
 def _router_limits(v: dict[str, Any]):

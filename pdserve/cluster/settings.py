@@ -175,6 +175,11 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("max_num_seqs", int, SchedulerConfig.max_num_seqs, "sequences one worker batches at once", minimum=1),
         Setting("max_num_batched_tokens", int, SchedulerConfig.max_num_batched_tokens,
                 "tokens one engine step may compute (the prefill chunk)", minimum=1),
+        Setting("mixed_prefill_tokens", int, None,
+                "prompt tokens a decode worker computes in a step that also decodes its running streams (its "
+                "local prefill of a conversation's next turn): smaller keeps the streams' gaps short, larger "
+                "gives the prompt its first token sooner; 0: only max_num_batched_tokens (default: 32 in a "
+                "disaggregated cluster without elastic roles, else 0)", minimum=0),
         Setting("max_model_len", int, EngineConfig.max_model_len, "cap on prompt + output tokens (default: the model's)",
                 minimum=1),
         Setting("tensor_parallel_size", int, EngineConfig.tensor_parallel_size,

@@ -184,6 +184,16 @@ PREFILL_FIRST, MIXED = "prefill_first", "mixed"
 SCHEDULING_POLICIES = (PREFILL_FIRST, MIXED)
 
 
+# A disaggregated cluster's decode workers prefill only what the router sends them: a
+# conversation's next turn, whose uncached suffix is short (a long one goes to the prefill
+# pool). That step stalls every stream the worker runs, and on one CPU core a prompt token costs
+# about a millisecond, so a 50-token suffix in one step doubled the streams' gap there. 40 took
+# the conversations benchmark's ITL p99 from 93 to 82 ms for 43 ms more TTFT p50 (BENCHMARKS.md
+# "Conversations keep their KV", AMD EPYC avx512_bf16). Colocated and elastic workers prefill
+# every prompt they serve, so no cap by default there: it would multiply their prompts' steps.
+DISAGGREGATED_MIXED_PREFILL_TOKENS = 32
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits."""
@@ -199,8 +209,15 @@ class SchedulerConfig:
     # every step decodes all running sequences and fills the rest of the token budget with
     # prompt chunks (pdserve/engine/scheduler.py); what a worker that decodes runs.
     policy: str = PREFILL_FIRST
+    # mixed only: prompt tokens one step computes while sequences are decoding in it (0: no
+    # cap beyond max_num_batched_tokens). With nothing decoding, a prompt gets the whole
+    # budget: there is no stream to protect. ``pdserve serve`` sets it for a disaggregated
+    # cluster's decode workers (``DISAGGREGATED_MIXED_PREFILL_TOKENS``, the reason there).
+    mixed_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.mixed_prefill_tokens < 0:
+            raise ValueError(f"mixed_prefill_tokens must be at least 0, got {self.mixed_prefill_tokens}")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduler policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 

@@ -143,6 +143,8 @@ class Scheduler:
         sequences, and a new prompt would only be preempted in turn."""
         decode = self._schedule_decode()
         budget = self.config.max_num_batched_tokens - len(decode.seqs)
+        if decode.seqs and self.config.mixed_prefill_tokens:  # streams run in this step: keep it short
+            budget = min(budget, self.config.mixed_prefill_tokens)
         prefill = self._schedule_prefill(budget) if budget > 0 and not decode.preempted else []
         return SchedulerOutput(decode.seqs + prefill, is_prefill=bool(prefill), preempted=decode.preempted)
 

@@ -27,6 +27,17 @@ def test_colocated_runs_no_prefill_pool_and_tells_the_router(tmp_path):
     assert not config.router_limits.local_prefill.colocated  # derived, not written back
 
 
+@pytest.mark.parametrize("argv, cap", [
+    ([], 32),  # disaggregated: a decode worker's local prefills are short suffixes, kept short a step
+    (["--mode", "colocated"], 0),  # a colocated worker prefills every prompt: no cap
+    (["--elastic-roles"], 0),  # nor an elastic worker that turns mixed
+    (["--mixed-prefill-tokens", "48"], 48),
+    (["--mode", "colocated", "--mixed-prefill-tokens", "16"], 16),  # the setting, given, wins
+])
+def test_the_mixed_prefill_cap_follows_the_layout_unless_given(argv, cap):
+    assert build(resolve(parse(argv), environ={})).engine.scheduler.mixed_prefill_tokens == cap
+
+
 def test_rule_thresholds_come_from_flags_and_variables():
     v = resolve(parse(["--local-prefill-max-tokens", "512"]), environ={"PDSERVE_LOCAL_PREFILL_MAX_LOAD": "0.25"})
     assert build(v).router_limits.local_prefill == LocalPrefillConfig(max_tokens=512, max_load=0.25)

@@ -8,7 +8,7 @@ from pdserve.cli import main
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import LEASE_SECONDS, SettingsError, add_arguments, resolve
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import DISAGGREGATED_MIXED_PREFILL_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.router.limits import RouterLimits
 from tests.factories import decode_worker_config, prefill_worker_config
 from pdserve.wire.logs import LogConfig
@@ -40,7 +40,9 @@ def test_every_default_is_its_owners():
     assert config.lease_seconds == ClusterConfig().lease_seconds == LEASE_SECONDS.default
     assert (config.kv_transfer_backend == prefill_worker_config().kv_transfer_backend
             == decode_worker_config().kv_transfer_backend == ClusterConfig().kv_transfer_backend)
-    assert config.engine.scheduler == SchedulerConfig() and config.engine.cache == CacheConfig()
+    # (the mixed prefill cap alone is the layout's: tests/cluster/test_mode_settings.py)
+    assert config.engine.scheduler == SchedulerConfig(mixed_prefill_tokens=DISAGGREGATED_MIXED_PREFILL_TOKENS)
+    assert config.engine.cache == CacheConfig()
     assert config.engine.seed == EngineConfig().seed and config.log == LogConfig()
     assert config.served_model_names == ClusterConfig().served_model_names == ("smollm2",)
 

@@ -49,6 +49,30 @@ def test_a_long_prompt_is_chunked_beside_the_running_decodes():
     assert not out.is_prefill and len(out.seqs) == 4
 
 
+def test_a_prompt_beside_running_decodes_takes_at_most_the_mixed_cap():
+    """``mixed_prefill_tokens``: a prompt shares a step with running streams for at most that
+    many tokens (a decode worker's local prefill, kept short for the streams' gaps), and takes
+    the whole budget when nothing decodes."""
+    sched, _ = mixed(max_num_batched_tokens=64, mixed_prefill_tokens=6)
+    sched.add(seq("alone", 20, max_tokens=20))
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.seqs] == [("alone", 20)]  # no stream yet: whole
+    feed(sched, out)
+    sched.add(seq("next", 20))
+    chunks = []
+    for _ in range(4):
+        out = sched.schedule()
+        chunks += [s.num_new_tokens for s in out.seqs if s.seq.seq_id == "next"]
+        assert [s.num_new_tokens for s in out.seqs if s.seq.seq_id == "alone"] == [1]
+        feed(sched, out)
+    assert chunks == [6, 6, 6, 2]
+
+
+def test_a_negative_mixed_cap_is_refused():
+    with pytest.raises(ValueError, match="mixed_prefill_tokens"):
+        SchedulerConfig(mixed_prefill_tokens=-1)
+
+
 def test_prefill_first_stops_the_decodes_while_a_prompt_runs():
     """The behaviour the mixed policy exists to avoid, kept for prefill workers."""
     sched, _ = make(max_num_batched_tokens=8)
