@@ -156,8 +156,8 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}
         self._tails = TailIndex()  # freed partial blocks (block_tails.py)
         self._seqs: dict[str, _SeqBlocks] = {}
-        self.prefix_queries = 0  # full prompt blocks eligible for the prefix cache
-        self.prefix_hits = 0  # of those, found
+        self.prefix_queries = 0  # prompt tokens eligible for the cache (whole blocks, and a tail's room)
+        self.prefix_hits = 0  # of those, found (full-block hits and a tail's tokens)
         self._listeners: list[CacheListener] = []
 
     def subscribe(self, listener: CacheListener) -> None:
@@ -239,6 +239,9 @@ class BlockManager:
             state.block_ids.append(block_id)
         if tail:
             state.num_final_tokens += tail[1]
+        if cache and take_tail and count:  # the tokens past the full blocks were looked up too
+            self.prefix_queries += (len(token_ids) - 1) % self.block_size
+            self.prefix_hits += tail[1] if tail else 0
         while len(state.block_ids) < needed:
             state.block_ids.append(self._take_fresh())
         self._seqs[seq_id] = state
@@ -272,14 +275,14 @@ class BlockManager:
         hits: list[tuple[int, bytes]] = []
         prev = root
         if count:
-            self.prefix_queries += max(num_full, 0)  # every eligible block counts, hit or not
+            self.prefix_queries += max(num_full, 0) * bs  # every eligible block counts, hit or not
         for i in range(max(num_full, 0)):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(prev, chunk)
             block_id = self._by_hash.get(h)
             if block_id is None or self._blocks[block_id].token_ids != chunk:
                 break
-            self.prefix_hits += count
+            self.prefix_hits += count * bs
             hits.append((block_id, h))
             prev = h
         return hits

@@ -85,7 +85,8 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
   landed but did not match the holder's checksums (the request re-prefilled elsewhere)
 - counter ``pdserve:kv_leases_expired_total``: held KV freed because no one pulled it in time
 - counter ``pdserve:prefix_cache_queries_total``, ``pdserve:prefix_cache_hits_total``: prompt
-  tokens looked up and found (whole blocks only), as vLLM counts them
+  tokens looked up and found, as vLLM counts them: whole blocks, and a tail's tokens (the last
+  partial block of a finished sequence, taken by the next prompt that goes on the same way)
 - counter ``pdserve:forward_tokens_total``: tokens run through the model
 - counter ``pdserve:num_preemptions_total``: sequences whose KV was freed to make room
 - counter ``pdserve:prefix_read_tokens_total``, ``pdserve:prefix_reads_refused_total``

@@ -37,6 +37,17 @@ def test_a_prompt_that_extends_a_finished_sequence_takes_its_tail():
     assert len(alloc.block_ids) == 4  # 13 tokens
 
 
+def test_the_hit_counters_count_a_tails_tokens():
+    """pdserve:prefix_cache_hits_total is in tokens and equals what usage reports as cached, so a
+    tail's tokens count as hits, and the room past the full blocks as looked up (a metric that
+    counted whole blocks only said 32 where 37 prompt tokens were cached)."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    finished(bm)
+    queries, hits = bm.prefix_queries, bm.prefix_hits
+    alloc = take(bm, "turn-2", TURN + [30, 31, 32])  # 13 tokens: 12 eligible, 10 found
+    assert (bm.prefix_queries - queries, bm.prefix_hits - hits) == (12, alloc.num_cached_tokens) == (12, 10)
+
+
 def test_a_partial_match_takes_only_the_shared_tokens():
     bm = BlockManager(num_blocks=16, block_size=BS)
     tail = finished(bm)

@@ -45,7 +45,7 @@ def test_prefix_cache_hit_and_chunked_prefill_give_the_same_tokens(deepseek):
     engine.generate([first], GREEDY)
     hits_before = engine.blocks.prefix_hits
     second_out = engine.generate([second], GREEDY)[0].token_ids
-    assert engine.blocks.prefix_hits - hits_before == 3  # three full blocks of the prefix
+    assert engine.blocks.prefix_hits - hits_before == 3 * engine.blocks.block_size  # three full blocks of the prefix
     assert second_out == make_engine(directory, enable_prefix_cache=False).generate([second], GREEDY)[0].token_ids
     assert_greedy_matches(hf, second, second_out, 24, what=f"{variant}, after a prefix hit")
     chunked = make_engine(directory, max_num_batched_tokens=16).generate([first], GREEDY)[0].token_ids

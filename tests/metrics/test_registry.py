@@ -36,7 +36,7 @@ class FakeWorker:
     def __init__(self):
         self.stats = worker_pb2.WorkerStats(
             num_running=2, num_waiting=1, num_blocks_used=25, num_blocks_total=100, kv_transfer_bytes=4096,
-            kv_transfers=2, prefix_cache_queries=3, prefix_cache_hits=1, leases_expired=1)
+            kv_transfers=2, prefix_cache_queries=48, prefix_cache_hits=16, leases_expired=1)
 
 
 @pytest.fixture

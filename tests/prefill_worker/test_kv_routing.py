@@ -89,7 +89,7 @@ def test_a_shared_prefix_goes_to_the_worker_that_caches_it_and_output_is_exact(t
     assert cached1 == 0
     assert (choice.rule, choice.cached_tokens) == ("cache", 3 * BLOCK)
     holder = prefills[choice.worker_id]
-    assert holder.engine.blocks.prefix_hits == 3  # the worker found all three blocks
+    assert holder.engine.blocks.prefix_hits == 3 * BLOCK  # the worker found all three blocks (tokens)
     assert cached2 == 3 * BLOCK and cache_decisions == 1
     reference = load_reference(model_dir, torch.float32)
     assert_greedy_matches(reference, first, tokens1, MAX_TOKENS, what="cold prompt")
