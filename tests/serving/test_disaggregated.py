@@ -61,7 +61,7 @@ def test_kv_moved_over_nixl_and_decode_ran_no_prompt_forward(cluster, stub):
     after = all_stats(cluster)
     prompt_tokens = resps[-1].usage.prompt_tokens
     delta = {a.worker_id: (a.kv_transfer_bytes - b.kv_transfer_bytes, a.num_forward_tokens - b.num_forward_tokens,
-                           a.kv_transfers - b.kv_transfers, (a.prefix_cache_hits - b.prefix_cache_hits) * a.block_size)
+                           a.kv_transfers - b.kv_transfers, a.prefix_cache_hits - b.prefix_cache_hits)  # tokens
              for a, b in zip(after, before)}
     decode = [d for w, d in delta.items() if w.startswith("decode") and d[2]]
     prefill = [d for w, d in delta.items() if w.startswith("prefill") and d[1]]
