@@ -23,9 +23,8 @@ A block's life is a small state machine, and only this module moves it:
   (the free list is least-recently-freed first, so freed prefixes stay reusable for as long
   as memory allows).
 - FREE: held by no sequence, nothing findable.
-- TAIL: a freed sequence's partial last block, the KV of its final tokens kept (block_tails.py):
-  taken whole by one ``allocate(take_tail=True)`` whose prompt goes on the same way (PENDING
-  again, its first slots final), or handed out as FREE. Never hashed, published or shared.
+- TAIL: a freed sequence's partial last block of final tokens (block_tails.py), taken whole by one
+  ``allocate(take_tail=True)`` going on the same way, or handed out. Never hashed or published.
 
 Invariants (``check_invariants``; tests/engine/test_block_life.py drives random interleavings
 of allocate, compute, abort, preempt, pull start/finish/fail and free through them):
@@ -214,10 +213,8 @@ class BlockManager:
         pin for a prefix it reads, ``pdserve.prefill_worker.prefix_pull``).
         ``take_tail`` (with the prefix cache): after the full-block hits, take the tail sharing
         the most next tokens (block_tails.py). Only for a caller that computes the rest of its
-        block: a pull writes whole blocks, over the tail's final slots.
-
-        At least one token is always left uncached, because the model must run on the
-        last prompt token to produce the next token's logits.
+        block: a pull writes whole blocks, over the tail's final slots. At least one token is
+        always left uncached: the model must run on the last prompt token for its logits.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
@@ -237,11 +234,11 @@ class BlockManager:
             self._tails.drop(block_id)  # a tail taken is no one else's
             self._take(block_id)
             state.block_ids.append(block_id)
-        if tail:
-            state.num_final_tokens += tail[1]
+        found = tail[1] if tail else 0
+        state.num_final_tokens += found
         if cache and take_tail and count:  # the tokens past the full blocks were looked up too
             self.prefix_queries += (len(token_ids) - 1) % self.block_size
-            self.prefix_hits += tail[1] if tail else 0
+            self.prefix_hits += found
         while len(state.block_ids) < needed:
             state.block_ids.append(self._take_fresh())
         self._seqs[seq_id] = state
