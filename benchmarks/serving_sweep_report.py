@@ -67,7 +67,7 @@ def goodput(rows: list[dict], target: float = TARGET) -> dict:
         if r["attainment"] < target:
             if best is None:
                 return {"req_s": 0.0, "interpolated_req_s": None,
-                        "how": f"below the lowest swept rate ({r['rate']:g} req/s met {r['attainment']:.0%})"}
+                        "how": f"below the lowest swept rate ({r['rate']:g} req/s met {r['attainment']:.1%})"}
             x0, y0, x1, y1 = best["rate"], best["attainment"], r["rate"], r["attainment"]
             crossing = x0 + (y0 - target) * (x1 - x0) / (y0 - y1) if y0 > y1 else x0
             return {"req_s": x0, "interpolated_req_s": round(crossing, 3),

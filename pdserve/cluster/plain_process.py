@@ -18,6 +18,7 @@ def engine_config(v: dict[str, Any]):
     as ``pdserve serve`` caps it, ``DISAGGREGATED_MIXED_PREFILL_TOKENS``)."""
     from pdserve.engine.config import (DISAGGREGATED_MIXED_PREFILL_TOKENS, CacheConfig, EngineConfig,
                                        SchedulerConfig)
+    from pdserve.cluster.serve_config import mixed_step_target_s
 
     mixed = v["mixed_prefill_tokens"]
     return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
@@ -25,7 +26,8 @@ def engine_config(v: dict[str, Any]):
                         cache=CacheConfig(block_size=v["block_size"],
                                           memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))),
                         scheduler=SchedulerConfig(
-                            mixed_prefill_tokens=DISAGGREGATED_MIXED_PREFILL_TOKENS if mixed is None else mixed))
+                            mixed_prefill_tokens=DISAGGREGATED_MIXED_PREFILL_TOKENS if mixed is None else mixed,
+                            mixed_step_target_s=mixed_step_target_s(v)))
 
 
 def internal_tls(v: dict[str, Any]):

@@ -13,6 +13,8 @@ from typing import Any
 from pdserve.cluster.settings import SettingsError
 
 DEFAULT_SERVED_NAME = "smollm2"  # the name of the default model (SmolLM2-135M-Instruct)
+DEFAULT_TPOT_OBJECTIVE_S = 0.1  # layout_tpot_slo_s's default, for `pdserve worker`, which has none
+DEFAULT_TTFT_OBJECTIVE_S = 2.0  # layout_ttft_slo_s's, likewise
 
 
 def served_names(v: dict[str, Any]) -> tuple[str, ...]:
@@ -135,7 +137,8 @@ def _engine(v: dict[str, Any]):
     cache = CacheConfig(block_size=v["block_size"], memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30)),
                         enable_prefix_cache=v["enable_prefix_caching"])
     scheduler = SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"],
-                                mixed_prefill_tokens=_mixed_prefill_tokens(v))
+                                mixed_prefill_tokens=_mixed_prefill_tokens(v),
+                                mixed_step_target_s=mixed_step_target_s(v))
     return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"], seed=v["seed"],
                         cuda_graphs=v["cuda_graphs"], cache=cache, scheduler=scheduler)
 
@@ -149,6 +152,29 @@ def _mixed_prefill_tokens(v: dict[str, Any]) -> int:
     if v["mixed_prefill_tokens"] is not None:
         return v["mixed_prefill_tokens"]
     return DISAGGREGATED_MIXED_PREFILL_TOKENS if v["mode"] == DISAGGREGATED and not v["elastic_roles"] else 0
+
+
+def mixed_step_target_s(v: dict[str, Any]) -> float:
+    """The setting, else for a disaggregated cluster's decode workers half the TPOT objective:
+    a step with a prompt chunk as long as half the objective leaves each stream's mean gap
+    within it, and its longest gaps well inside. Colocated workers prefill every prompt they
+    serve: steps that short cut their prefill to a third (BENCHMARKS.md, issue 45), so they
+    keep the whole token budget unless the setting asks."""
+    from pdserve.cluster.mode import COLOCATED
+
+    if v["mixed_step_target_s"] is not None:
+        return v["mixed_step_target_s"]
+    if v.get("mode") == COLOCATED:
+        return 0.0
+    return v.get("layout_tpot_slo_s", DEFAULT_TPOT_OBJECTIVE_S) / 2
+
+
+def _overflow_s(v: dict[str, Any]) -> float:
+    """The setting, else half the TTFT objective: a prompt that would wait longer than that on
+    the prefill pool leaves too little of the objective for bursts behind it."""
+    if v["prefill_overflow_s"] is not None:
+        return v["prefill_overflow_s"]
+    return v.get("layout_ttft_slo_s", DEFAULT_TTFT_OBJECTIVE_S) / 2
 
 
 def _router_limits(v: dict[str, Any]):
@@ -167,7 +193,8 @@ def _router_limits(v: dict[str, Any]):
                             f"got {v['local_prefill_max_load']!r}")
     local = LocalPrefillConfig(max_tokens=v["local_prefill_max_tokens"], max_load=v["local_prefill_max_load"],
                                interference_weight=v["local_prefill_interference_weight"],
-                               kv_move_weight=v["kv_move_weight"], remote_overhead_tokens=v["remote_overhead_tokens"])
+                               kv_move_weight=v["kv_move_weight"], remote_overhead_tokens=v["remote_overhead_tokens"],
+                               overflow_ttft_s=_overflow_s(v), overflow_slowdown=v["prefill_overflow_slowdown"])
     routing = RoutingConfig(policy=v["routing_policy"], prefill_weight=v["routing_prefill_weight"],
                             load_weight=v["routing_load_weight"], temperature=v["routing_temperature"],
                             balance_abs_tokens=v["routing_balance_abs_tokens"], balance_rel=v["routing_balance_rel"])

@@ -124,6 +124,14 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("remote_overhead_tokens", float, local.remote_overhead_tokens,
                 "decode KV reuse: fixed cost of a remote prefill (calls and a KV read set up), in prompt tokens",
                 minimum=0),
+        Setting("prefill_overflow_s", float, None,
+                "prefill that keeps up: a prompt the prefill pool would start later than this many seconds (its "
+                "queue times a prompt token's cost there, as the router has seen it) is prefilled by its decode "
+                "worker when that is sooner (docs/routing.md#prefill-that-keeps-up); 0: off (default: half of "
+                "layout_ttft_slo_s, the TTFT objective)", minimum=0),
+        Setting("prefill_overflow_slowdown", float, local.overflow_slowdown,
+                "prefill that keeps up: a prompt token on a decode worker costs this many times a prefill worker's "
+                "(its steps carry its streams too)", minimum=1),
         Setting("decode_kv_reuse", bool, limits.decode_kv_reuse,
                 "conversations keep their KV: decode workers publish their finished blocks (prompt and answer) and "
                 "the router prefills each follow-up where most of it is cached (docs/routing.md#conversations-keep-"
@@ -180,6 +188,11 @@ def serve_settings() -> tuple[Setting, ...]:
                 "local prefill of a conversation's next turn): smaller keeps the streams' gaps short, larger "
                 "gives the prompt its first token sooner; 0: only max_num_batched_tokens (default: 32 in a "
                 "disaggregated cluster without elastic roles, else 0)", minimum=0),
+        Setting("mixed_step_target_s", float, None,
+                "the time a worker's step that decodes streams and prefills a prompt beside them should take: the "
+                "prompt's chunk is sized to it from the worker's measured step costs (Sarathi-Serve's chunk, "
+                "docs/routing.md#time-sized-chunks); 0: the fixed mixed_prefill_tokens (default: half of "
+                "layout_tpot_slo_s, the TPOT objective)", minimum=0),
         Setting("max_model_len", int, EngineConfig.max_model_len, "cap on prompt + output tokens (default: the model's)",
                 minimum=1),
         Setting("tensor_parallel_size", int, EngineConfig.tensor_parallel_size,

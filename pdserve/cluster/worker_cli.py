@@ -50,7 +50,8 @@ _SHARED = ("model", "served_model_name", "dtype", "cuda_graphs", "tensor_paralle
            "routing_balance_abs_tokens", "routing_balance_rel",
            "local_prefill_max_tokens", "local_prefill_max_load", "stream_kv_min_tokens",
            "local_prefill_interference_weight", "kv_move_weight", "remote_overhead_tokens", "decode_kv_reuse",
-           "mixed_prefill_tokens")
+           "mixed_prefill_tokens", "mixed_step_target_s",
+           "prefill_overflow_s", "prefill_overflow_slowdown")
 
 
 @functools.cache

@@ -214,8 +214,14 @@ class SchedulerConfig:
     # budget: there is no stream to protect. ``pdserve serve`` sets it for a disaggregated
     # cluster's decode workers (``DISAGGREGATED_MIXED_PREFILL_TOKENS``, the reason there).
     mixed_prefill_tokens: int = 0
+    # mixed only, and above 0: the chunk instead fits this step time, from what steps have
+    # cost on this worker (pdserve/engine/step_budget.py; mixed_prefill_tokens is the chunk
+    # until it knows). ``pdserve serve`` sets half the TPOT objective. 0: the fixed cap above.
+    mixed_step_target_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.mixed_step_target_s >= 0:
+            raise ValueError(f"mixed_step_target_s must be at least 0, got {self.mixed_step_target_s!r}")
         if self.mixed_prefill_tokens < 0:
             raise ValueError(f"mixed_prefill_tokens must be at least 0, got {self.mixed_prefill_tokens}")
         if self.policy not in SCHEDULING_POLICIES:

@@ -17,6 +17,7 @@ the other ranks only run each step's forward on their shares; ``close`` stops th
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Iterable, Sequence as Seq
 
 import torch
@@ -295,12 +296,14 @@ class LLMEngine:
         self.last_step_shape = StepShape.of(out) if self.keep_step_shape and not out.empty else None
         if out.empty:
             return self._take_pending()
+        started = time.perf_counter()
         try:
             sampled = self.runner.run(out)
         except RankLost:
             raise  # the worker is lost as a whole: no part of the step can run again
         except Exception as exc:
             sampled = self._isolate(out, exc)
+        self.scheduler.observe_step(out, time.perf_counter() - started)  # the time-sized chunk's input
         errors = self._end_failed(sampled.failed)
         self.scheduler.update_from_output(out, sampled)
         return self._take_pending() + errors + self._postprocess(out)

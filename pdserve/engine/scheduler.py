@@ -36,6 +36,7 @@ from pdserve.engine.config import MIXED, SchedulerConfig
 from pdserve.engine.errors import SequenceFailed
 from pdserve.engine.sampling import TopLogprobs
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from pdserve.engine.step_budget import StepBudget
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.awaiting_kv: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        # Prompts the running step computes to their end: out of ``waiting``, not yet running
+        # (a worker's stats count their tokens as still to compute, pdserve.shell.stats).
+        self.stepping: list[Sequence] = []
+        self.step_budget = (StepBudget(config.mixed_step_target_s, start_tokens=max(16, config.mixed_prefill_tokens or 32))
+                            if config.policy == MIXED and config.mixed_step_target_s > 0 else None)
 
     # ---- admission -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -130,6 +136,7 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.stepping = []
         if self.config.policy == MIXED:
             return self._schedule_mixed()
         prefill = self._schedule_prefill(self.config.max_num_batched_tokens)
@@ -143,10 +150,18 @@ class Scheduler:
         sequences, and a new prompt would only be preempted in turn."""
         decode = self._schedule_decode()
         budget = self.config.max_num_batched_tokens - len(decode.seqs)
-        if decode.seqs and self.config.mixed_prefill_tokens:  # streams run in this step: keep it short
-            budget = min(budget, self.config.mixed_prefill_tokens)
+        cap = self.step_budget.chunk() if self.step_budget else self.config.mixed_prefill_tokens
+        if decode.seqs and cap:  # streams run in this step: keep it short
+            budget = min(budget, cap)
         prefill = self._schedule_prefill(budget) if budget > 0 and not decode.preempted else []
         return SchedulerOutput(decode.seqs + prefill, is_prefill=bool(prefill), preempted=decode.preempted)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """What a step of ``out`` took to run, for the time-sized chunk (``step_budget``)."""
+        if self.step_budget is not None:
+            rows = sum(1 for item in out.seqs if item.num_new_tokens == 1 and item.seq.num_computed_tokens
+                       == item.seq.num_tokens - 1)  # before update_from_output: a decode row's one token
+            self.step_budget.observe(rows, sum(item.num_new_tokens for item in out.seqs) - rows, seconds)
 
     def _schedule_prefill(self, budget: int) -> list[ScheduledSeq]:
         batch: list[ScheduledSeq] = []
@@ -177,7 +192,7 @@ class Scheduler:
             budget -= n
             if n < remaining:
                 break  # a chunked prompt stays at the head of the queue for the next step
-            self.waiting.popleft()
+            self.stepping.append(self.waiting.popleft())
         return batch
 
     def _schedule_decode(self) -> SchedulerOutput:
@@ -235,6 +250,7 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: SampledTokens) -> list[Sequence]:
         """Advance every scheduled sequence; return those that finished this step."""
+        self.stepping = []
         finished: list[Sequence] = []
         for item in out.seqs:
             seq = item.seq

@@ -17,6 +17,15 @@ Two ways a request is prefilled locally:
   the mixed worker reads its KV. A cluster whose prefill workers all became mixed has no
   prefill pool left: its plain decode workers prefill their requests themselves too.
 
+- **Prefill that keeps up** (``overflow_ttft_s`` > 0, ``PREFILL_BEHIND``): when even the least
+  queued prefill worker would start a prompt later than the TTFT budget allows, and its decode
+  worker would finish it sooner, the decode worker prefills it, in time-sized chunks beside its
+  streams (pdserve/engine/step_budget.py). Predicted TTFT is queued-plus-new tokens times a
+  prompt token's cost: a prefill worker's as the router has seen it (``PrefillPace``), times
+  ``overflow_slowdown`` on a decode worker (half its step is streams). On a box where one
+  core's prefill is near the offered prompt rate, a burst's prompts no longer wait seconds
+  while the decode core runs steps that could carry them.
+
 The load is the decode worker's share of KV blocks in use (what the router's decode
 choice already ranks by, with the blocks this router has placed since the last poll): it
 grows with both the number of streams and their lengths, which is what a prompt's extra
@@ -87,13 +96,21 @@ class LocalPrefillConfig:
     # ... and a remote prefill costs this many tokens more: two more RPCs and a KV read set up
     # (~30 ms on a CPU worker).
     remote_overhead_tokens: float = 32.0
+    # Prefill that keeps up (module docstring): a prompt whose predicted wait on the prefill
+    # pool passes this many seconds is prefilled by its decode worker when that is sooner. 0: off.
+    # ``pdserve serve`` sets half the TTFT objective; this is half of its default, 2 s.
+    overflow_ttft_s: float = 1.0
+    # ... a prompt token on a decode worker costs this many times a prefill worker's.
+    overflow_slowdown: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be at least 0, got {self.max_tokens}")
         if not 0 < self.max_load <= 1:
             raise ValueError(f"local_prefill_max_load must be in (0, 1], got {self.max_load}")
-        for name in ("interference_weight", "kv_move_weight", "remote_overhead_tokens"):
+        if self.overflow_slowdown < 1:
+            raise ValueError(f"overflow_slowdown must be at least 1, got {self.overflow_slowdown!r}")
+        for name in ("interference_weight", "kv_move_weight", "remote_overhead_tokens", "overflow_ttft_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)!r}")
 
@@ -110,6 +127,7 @@ class Reason(str, enum.Enum):
     DECODE_HIT = "decode_hit"  # local: the decode worker caching the longest prefix computes the suffix
     PREFIX_ON_DECODE = "prefix_on_decode"  # remote: a prefill worker reads that prefix from the decode worker
     PREFILL_CHEAPER = "prefill_cheaper"  # remote as today, though a decode worker caches a prefix
+    PREFILL_BEHIND = "prefill_behind"  # local: the prefill pool's queue would break the TTFT budget
 
 
 @dataclass(frozen=True)
@@ -135,6 +153,23 @@ class Mixed:
     own_queue: int = 0  # its queued prompt tokens
     prefill_queue: int | None = None  # the least queued prompt tokens of a routable prefill worker; None: none routable
     any_mixed: bool = False  # the cluster has a routable mixed worker
+    token_s: float | None = None  # a prompt token's cost on a prefill worker (PrefillPace); None: not seen yet
+
+
+class PrefillPace:
+    """What a prompt token has cost the prefill workers lately: the weighted mean of their
+    answers' compute seconds (``prefill_seconds`` less ``queue_seconds``) per token computed.
+    Prompts of fewer than ``min_tokens`` computed tokens say little (a step's fixed cost)."""
+
+    def __init__(self, weight: float = 0.2, min_tokens: int = 32):
+        self.weight, self.min_tokens = weight, min_tokens
+        self.token_s: float | None = None
+
+    def observe(self, computed_tokens: int, compute_s: float) -> None:
+        if computed_tokens < self.min_tokens or not 0 < compute_s < math.inf:
+            return
+        sample = compute_s / computed_tokens
+        self.token_s = sample if self.token_s is None else self.token_s + self.weight * (sample - self.token_s)
 
 
 def decide(config: LocalPrefillConfig, prompt_tokens: int, load: float, cached_tokens: int | None = None,
@@ -158,6 +193,8 @@ def decide(config: LocalPrefillConfig, prompt_tokens: int, load: float, cached_t
         return Decision(True, Reason.MIXED_WORKER, uncached, load)
     if mixed.any_mixed and mixed.prefill_queue is None:
         return Decision(True, Reason.NO_PREFILL_WORKER, uncached, load)
+    if behind(config, uncached, mixed):
+        return Decision(True, Reason.PREFILL_BEHIND, uncached, load)
     if config.max_tokens == 0:
         return Decision(False, Reason.OFF, uncached, load)
     if uncached >= config.max_tokens:
@@ -165,6 +202,16 @@ def decide(config: LocalPrefillConfig, prompt_tokens: int, load: float, cached_t
     if load >= config.max_load:
         return Decision(False, Reason.BUSY_WORKER, uncached, load)
     return Decision(True, Reason.SHORT_PROMPT, uncached, load)
+
+
+def behind(config: LocalPrefillConfig, uncached: int, mixed: Mixed) -> bool:
+    """Whether the prefill pool is too far behind for this prompt and its decode worker
+    would answer sooner (module docstring, ``PREFILL_BEHIND``)."""
+    if not config.overflow_ttft_s or mixed.prefill_queue is None or not mixed.token_s:
+        return False
+    remote = (mixed.prefill_queue + uncached) * mixed.token_s
+    local = (mixed.own_queue + uncached) * mixed.token_s * config.overflow_slowdown
+    return remote > config.overflow_ttft_s and local < remote
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_policy import RoutingConfig, choose_prefill
 from pdserve.router.liveness import Liveness, is_hung, observe
+from pdserve.router.local_prefill import PrefillPace
 from pdserve.router.policy import SERVES, Choice, WorkerSnapshot
 from pdserve.router.session_hint import SessionHints
 from pdserve.wire import metrics
@@ -126,6 +127,7 @@ class WorkerPool:
     index: KVIndex = field(default_factory=KVIndex)  # which worker caches which blocks (decode ones with decode_kv_reuse)
     sessions: SessionHints = field(default_factory=SessionHints)  # the session_id hint (router.session_hint)
     rng: random.Random = field(default_factory=random.Random)  # KV routing with a temperature above 0
+    prefill_pace: PrefillPace = field(default_factory=PrefillPace)  # a prompt token's cost on the prefill pool
     _task: asyncio.Task | None = None
     _placements: itertools.count = field(default_factory=lambda: itertools.count(1))
     _turns: itertools.count = field(default_factory=itertools.count)  # round-robin routing

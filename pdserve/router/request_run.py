@@ -113,7 +113,7 @@ class RequestRun:
             try:
                 async with contextlib.aclosing(kind.outputs(self.calls, attempt)) as outputs:
                     async for out in outputs:
-                        yield self._process(out, attempt)
+                        yield self._process(out, attempt, remote=kind.label == "remote")
                         if self.output.finished:
                             if spans is not None:
                                 spans.end_attempt()
@@ -176,7 +176,7 @@ class RequestRun:
             worker = next((w for w in snapshots if w.worker_id == choice.worker_id), None)
         load = worker_load(worker) if worker is not None else 1.0
         decision = decide_for_attempt(self.limits.local_prefill, self.limits.routing, len(attempt.prompt), load,
-                                      holder, prefills, mixed=_mixed(snapshots, worker))
+                                      holder, prefills, mixed=_mixed(snapshots, worker, self.pool.prefill_pace.token_s))
         self.metrics.prefill_placed(decision.label, decision.reason.value, decision.uncached_tokens, decision.load)
         decode_worker = decision.decode_worker or (worker.worker_id if hinted else None)
         self._remember(decode_worker or (worker.worker_id if worker is not None else None))
@@ -216,13 +216,16 @@ class RequestRun:
         if self.session_key and self.limits.decode_kv_reuse and decode_worker is not None:
             self.pool.sessions.remember(self.session_key, decode_worker)
 
-    def _process(self, out: Output, attempt: Attempt) -> pdserve_pb2.GenerateResponse:
+    def _process(self, out: Output, attempt: Attempt, remote: bool) -> pdserve_pb2.GenerateResponse:
         """One worker output as the client's response, counted in the metrics."""
         if isinstance(out, worker_pb2.PrefillResponse):
             if not self._prefilled:
                 self._prefilled = True
                 self.metrics.prefilled(len(attempt.prompt), out.queue_seconds, out.prefill_seconds,
                                        admission_s=self.budget.waited_s)
+                if remote:  # a prefill worker's answer, not a decode worker's local one
+                    self.pool.prefill_pace.observe(len(attempt.prompt) - out.num_cached_tokens,
+                                                   out.prefill_seconds - out.queue_seconds)
             resp = self.output.prefilled(out)
         else:
             resp = self.output.decoded(out)
@@ -258,10 +261,11 @@ class RequestRun:
         self.metrics.migrated()
 
 
-def _mixed(snapshots: list[WorkerSnapshot], worker: WorkerSnapshot | None) -> Mixed:
-    """The mixed workers' part of the local-prefill rule, for a stream on ``worker``."""
+def _mixed(snapshots: list[WorkerSnapshot], worker: WorkerSnapshot | None, token_s: float | None) -> Mixed:
+    """The queues' part of the local-prefill rule, for a stream on ``worker`` (``token_s``: a
+    prompt token's cost on the prefill pool, as seen)."""
     queues = [w.queued_tokens for w in snapshots if w.role == "prefill" and w.routable]
     return Mixed(worker=worker is not None and worker.role == "mixed",
                  own_queue=worker.queued_tokens if worker is not None else 0,
                  prefill_queue=min(queues) if queues else None,
-                 any_mixed=any(w.role == "mixed" and w.routable for w in snapshots))
+                 any_mixed=any(w.role == "mixed" and w.routable for w in snapshots), token_s=token_s)

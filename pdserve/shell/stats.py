@@ -25,7 +25,9 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents
     return worker_pb2.WorkerStats(
         worker_id=worker_id, role=role,
         num_running=len(sched.running) + len(sched.awaiting_kv), num_waiting=len(waiting),
-        num_waiting_tokens=sum(s.num_tokens - s.num_computed_tokens for s in waiting),
+        # prompt tokens still to compute: queued, or in the step now running (a prefill worker
+        # packs a burst's prompts into one step, so its queue empties long before they finish)
+        num_waiting_tokens=sum(s.num_tokens - s.num_computed_tokens for s in waiting + list(sched.stepping)),
         num_blocks_total=blocks.num_blocks, num_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
         num_blocks_unbounded=unbounded_blocks(engine),
         num_forward_tokens=engine.runner.num_forward_tokens,

@@ -14,7 +14,31 @@ from tests.cluster.test_settings import parse
 def test_the_default_is_disaggregated_with_the_rule_off():
     config = build(resolve(parse([]), environ={}))
     assert config.mode == DISAGGREGATED and config.pools() == ("prefill", "decode")
-    assert config.router_limits_for_mode().local_prefill == LocalPrefillConfig() and not LocalPrefillConfig().max_tokens
+    # the short-prompt rule off; prefill that keeps up on, at half the TTFT objective
+    assert config.router_limits_for_mode().local_prefill == LocalPrefillConfig()
+    assert not LocalPrefillConfig().max_tokens
+
+
+@pytest.mark.parametrize("argv, seconds", [
+    ([], 1.0),  # half of --layout-ttft-slo-s's 2 s
+    (["--layout-ttft-slo-s", "4"], 2.0),
+    (["--prefill-overflow-s", "0"], 0.0),  # off
+    (["--prefill-overflow-s", "0.3"], 0.3),
+])
+def test_prefill_overflow_follows_the_ttft_objective_unless_given(argv, seconds):
+    assert build(resolve(parse(argv), environ={})).router_limits.local_prefill.overflow_ttft_s == seconds
+
+
+@pytest.mark.parametrize("argv, seconds", [
+    ([], 0.05),  # half of --layout-tpot-slo-s's 0.1 s
+    (["--layout-tpot-slo-s", "0.2"], 0.1),
+    (["--elastic-roles"], 0.05),  # a decode worker that turns mixed, too
+    (["--mode", "colocated"], 0.0),  # a colocated worker keeps its whole budget
+    (["--mode", "colocated", "--mixed-step-target-s", "0.08"], 0.08),  # given, it wins
+    (["--mixed-step-target-s", "0"], 0.0),  # the fixed cap
+])
+def test_the_mixed_step_target_follows_the_tpot_objective_unless_given(argv, seconds):
+    assert build(resolve(parse(argv), environ={})).engine.scheduler.mixed_step_target_s == seconds
 
 
 def test_colocated_runs_no_prefill_pool_and_tells_the_router(tmp_path):

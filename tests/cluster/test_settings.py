@@ -40,8 +40,9 @@ def test_every_default_is_its_owners():
     assert config.lease_seconds == ClusterConfig().lease_seconds == LEASE_SECONDS.default
     assert (config.kv_transfer_backend == prefill_worker_config().kv_transfer_backend
             == decode_worker_config().kv_transfer_backend == ClusterConfig().kv_transfer_backend)
-    # (the mixed prefill cap alone is the layout's: tests/cluster/test_mode_settings.py)
-    assert config.engine.scheduler == SchedulerConfig(mixed_prefill_tokens=DISAGGREGATED_MIXED_PREFILL_TOKENS)
+    # (the mixed prefill cap and step target alone are the layout's: tests/cluster/test_mode_settings.py)
+    assert config.engine.scheduler == SchedulerConfig(mixed_prefill_tokens=DISAGGREGATED_MIXED_PREFILL_TOKENS,
+                                                      mixed_step_target_s=0.05)
     assert config.engine.cache == CacheConfig()
     assert config.engine.seed == EngineConfig().seed and config.log == LogConfig()
     assert config.served_model_names == ClusterConfig().served_model_names == ("smollm2",)

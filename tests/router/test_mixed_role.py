@@ -59,9 +59,9 @@ def test_a_mixed_worker_takes_streams_and_never_a_prompt_for_another():
 def test_the_rules_inputs_come_from_the_routable_workers():
     snapshots = [w("p1", "prefill", queued=300), w("p2", "prefill", queued=100), w("p3", "prefill", queued=0, healthy=False),
                  w("m", "mixed", queued=200), w("d", "decode")]
-    assert _mixed(snapshots, snapshots[3]) == Mixed(worker=True, own_queue=200, prefill_queue=100, any_mixed=True)
-    assert _mixed(snapshots, snapshots[4]) == Mixed(worker=False, own_queue=0, prefill_queue=100, any_mixed=True)
-    assert _mixed([w("d", "decode")], None) == Mixed(prefill_queue=None, any_mixed=False)
+    assert _mixed(snapshots, snapshots[3], None) == Mixed(worker=True, own_queue=200, prefill_queue=100, any_mixed=True)
+    assert _mixed(snapshots, snapshots[4], None) == Mixed(worker=False, own_queue=0, prefill_queue=100, any_mixed=True)
+    assert _mixed([w("d", "decode")], None, None) == Mixed(prefill_queue=None, any_mixed=False)
 
 
 def _client(role, address, **stats):
