@@ -97,9 +97,9 @@ class LocalPrefillConfig:
     # (~30 ms on a CPU worker).
     remote_overhead_tokens: float = 32.0
     # Prefill that keeps up (module docstring): a prompt whose predicted wait on the prefill
-    # pool passes this many seconds is prefilled by its decode worker when that is sooner. 0: off.
-    # ``pdserve serve`` sets half the TTFT objective; this is half of its default, 2 s.
-    overflow_ttft_s: float = 1.0
+    # pool passes this many seconds is prefilled by its decode worker when that is sooner. 0: off
+    # here; ``pdserve serve`` and ``pdserve worker`` set half the TTFT objective.
+    overflow_ttft_s: float = 0.0
     # ... a prompt token on a decode worker costs this many times a prefill worker's.
     overflow_slowdown: float = 2.0
 

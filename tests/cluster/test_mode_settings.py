@@ -15,7 +15,7 @@ def test_the_default_is_disaggregated_with_the_rule_off():
     config = build(resolve(parse([]), environ={}))
     assert config.mode == DISAGGREGATED and config.pools() == ("prefill", "decode")
     # the short-prompt rule off; prefill that keeps up on, at half the TTFT objective
-    assert config.router_limits_for_mode().local_prefill == LocalPrefillConfig()
+    assert config.router_limits_for_mode().local_prefill == LocalPrefillConfig(overflow_ttft_s=1.0)
     assert not LocalPrefillConfig().max_tokens
 
 
@@ -64,7 +64,7 @@ def test_the_mixed_prefill_cap_follows_the_layout_unless_given(argv, cap):
 
 def test_rule_thresholds_come_from_flags_and_variables():
     v = resolve(parse(["--local-prefill-max-tokens", "512"]), environ={"PDSERVE_LOCAL_PREFILL_MAX_LOAD": "0.25"})
-    assert build(v).router_limits.local_prefill == LocalPrefillConfig(max_tokens=512, max_load=0.25)
+    assert build(v).router_limits.local_prefill == LocalPrefillConfig(max_tokens=512, max_load=0.25, overflow_ttft_s=1.0)
 
 
 @pytest.mark.parametrize("argv, environ, message", [
@@ -97,7 +97,7 @@ def test_a_router_run_as_a_plain_process_reads_the_rule_too():
     parser = argparse.ArgumentParser()
     add_arguments(parser, worker_cli.worker_settings())
     v = worker_cli.settings(parser.parse_args(["--role", "router", "--local-prefill-max-tokens", "256"]), environ={})
-    assert router_config(v).limits.local_prefill == LocalPrefillConfig(max_tokens=256)
+    assert router_config(v).limits.local_prefill == LocalPrefillConfig(max_tokens=256, overflow_ttft_s=1.0)
 
 
 def test_a_colocated_cluster_autoscales_only_its_decode_pool(tmp_path):

@@ -1,6 +1,7 @@
 """Where ``pdserve serve`` settings come from: defaults < YAML file < PDSERVE_* < flags."""
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -10,6 +11,7 @@ from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import LEASE_SECONDS, SettingsError, add_arguments, resolve
 from pdserve.engine.config import DISAGGREGATED_MIXED_PREFILL_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.router.limits import RouterLimits
+from pdserve.router.local_prefill import LocalPrefillConfig
 from tests.factories import decode_worker_config, prefill_worker_config
 from pdserve.wire.logs import LogConfig
 
@@ -36,7 +38,9 @@ def test_every_default_is_its_owners():
     """The table's defaults are the config dataclasses' own: a default changed there changes
     the flag's, and the cluster built from no flags equals the dataclasses' defaults."""
     config = build(resolve(parse([]), environ={}))
-    assert config.router_limits == RouterLimits()
+    # (the overflow threshold alone is the TTFT objective's: tests/cluster/test_mode_settings.py)
+    assert config.router_limits == dataclasses.replace(
+        RouterLimits(), local_prefill=dataclasses.replace(LocalPrefillConfig(), overflow_ttft_s=1.0))
     assert config.lease_seconds == ClusterConfig().lease_seconds == LEASE_SECONDS.default
     assert (config.kv_transfer_backend == prefill_worker_config().kv_transfer_backend
             == decode_worker_config().kv_transfer_backend == ClusterConfig().kv_transfer_backend)

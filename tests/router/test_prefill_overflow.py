@@ -38,7 +38,7 @@ def test_the_slowdown_weighs_a_decode_workers_tokens():
 
 
 def test_off_unknown_pace_or_no_prefill_worker_never_overflows():
-    assert plan(LocalPrefillConfig(overflow_ttft_s=0), prefill_queue=10**6).reason is Reason.OFF  # the setting off
+    assert plan(LocalPrefillConfig(), prefill_queue=10**6).reason is Reason.OFF  # off unless set
     assert plan(prefill_queue=10**6, token_s=None).reason is Reason.OFF  # no prefill answer seen yet
     assert plan(prefill_queue=None).reason is Reason.OFF  # nothing to be behind
 
