@@ -150,3 +150,9 @@ def test_rows_of_a_server_that_failed_keep_what_it_measured(tmp_path):
     got = rows_of(doc, args, loads)
     assert [(r["load"], r["attainment"]) for r in got] == [("rate0.5", 1.0), ("rate1", None), ("saturation", None)]
     assert got[1]["error"] == "server exited"
+
+
+def test_a_share_just_under_the_target_never_prints_as_the_target():
+    from benchmarks.serving_sweep_report import pct
+
+    assert [pct(43 / 48), pct(1.0), pct(0.95), pct(47 / 48), pct(0.0)] == ["89.5%", "100%", "95%", "97.9%", "0%"]
