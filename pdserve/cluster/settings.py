@@ -187,7 +187,8 @@ def serve_settings() -> tuple[Setting, ...]:
                 "prompt tokens a decode worker computes in a step that also decodes its running streams (its "
                 "local prefill of a conversation's next turn): smaller keeps the streams' gaps short, larger "
                 "gives the prompt its first token sooner; 0: only max_num_batched_tokens (default: 32 in a "
-                "disaggregated cluster without elastic roles, else 0)", minimum=0),
+                "disaggregated cluster without elastic roles, else 0); with mixed_step_target_s above 0 (decode "
+                "workers' default) only the chunk until the worker has timed its steps", minimum=0),
         Setting("mixed_step_target_s", float, None,
                 "the time a worker's step that decodes streams and prefills a prompt beside them should take: the "
                 "prompt's chunk is sized to it from the worker's measured step costs (Sarathi-Serve's chunk, "
