@@ -87,7 +87,8 @@ class Scheduler:
         # Prompts the running step computes to their end: out of ``waiting``, not yet running
         # (a worker's stats count their tokens as still to compute, pdserve.shell.stats).
         self.stepping: list[Sequence] = []
-        self.step_budget = (StepBudget(config.mixed_step_target_s, start_tokens=max(16, config.mixed_prefill_tokens or 32))
+        start = max(StepBudget.floor_tokens, config.mixed_prefill_tokens or StepBudget.start_tokens)
+        self.step_budget = (StepBudget(config.mixed_step_target_s, start_tokens=start)
                             if config.policy == MIXED and config.mixed_step_target_s > 0 else None)
 
     # ---- admission -----------------------------------------------------------------
