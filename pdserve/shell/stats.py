@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pdserve.engine.kv_cache import LatentCacheSpec
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.scheduler import Scheduler
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
 
@@ -36,7 +37,18 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents
         kv_transfer_seconds=t.seconds, prefix_cache_queries=blocks.prefix_queries,
         prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=kv_bytes_per_token(engine),
         num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
-        engine_busy=engine.has_runnable(), **extra)
+        engine_busy=engine.has_runnable(), local_prefill_token_s=local_prefill_token_s(sched), **extra)
+
+
+def local_prefill_token_s(sched: Scheduler) -> float:
+    """Wall seconds a prompt token prefilled here costs beside the streams, as this worker's
+    step budget measured it; 0 while it has measured nothing, or sizes no chunk by time (a
+    prefill worker, a fixed chunk): the router then weighs a local prefill by its configured
+    slowdown (docs/routing.md#prefill-that-keeps-up)."""
+    budget = sched.step_budget
+    if budget is None:
+        return 0.0
+    return budget.prompt_token_s() or 0.0
 
 
 def unbounded_blocks(engine: LLMEngine) -> int:

@@ -240,6 +240,24 @@ def test_stats_count_the_blocks_of_requests_without_a_limit(tiny_llama_dir):
         eng.kv_ready(rid)
     stats = worker_stats("w", "decode", eng, SimpleNamespace(stats=TransferStats()))  # no transfers here
     assert stats.num_blocks_used == 6 and stats.num_blocks_unbounded == 3
+    assert stats.local_prefill_token_s == 0  # no time-sized chunks here: the router falls back
+
+
+def test_stats_carry_a_prompt_tokens_measured_wall_time(tiny_llama_dir):
+    """WorkerStats.local_prefill_token_s: what the router weighs a local prefill by
+    (docs/routing.md#prefill-that-keeps-up), from the step budget's timings (hand-made here)."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.step_budget import StepBudget
+    from pdserve.kv_transfer.base import TransferStats
+    from pdserve.shell.stats import worker_stats
+
+    eng = make_engine(tiny_llama_dir[0])
+    eng.scheduler.step_budget = budget = StepBudget(0.05)
+    budget.observe(4, 0, 0.02)
+    budget.observe(4, 40, 0.06)  # 1 ms a token: a 30-token chunk in a 50 ms step
+    stats = worker_stats("w", "decode", eng, SimpleNamespace(stats=TransferStats()))
+    assert stats.local_prefill_token_s == pytest.approx(0.05 / 30)
 
 
 def test_a_held_step_waits_running_the_calls_that_come_then_steps(engine):
