@@ -21,8 +21,10 @@ Two ways a request is prefilled locally:
   queued prefill worker would start a prompt later than the TTFT budget allows, and its decode
   worker would finish it sooner, the decode worker prefills it, in time-sized chunks beside its
   streams (pdserve/engine/step_budget.py). Predicted TTFT is queued-plus-new tokens times a
-  prompt token's cost: a prefill worker's as the router has seen it (``PrefillPace``), times
-  ``overflow_slowdown`` on a decode worker (half its step is streams). On a box where one
+  prompt token's cost: a prefill worker's as the router has seen it (``PrefillPace``); on a
+  decode worker, the wall time it measured (its step of ``target`` seconds carries ``chunk``
+  prompt tokens: ``target / chunk``, in its stats), or before it has, a prefill worker's times
+  ``overflow_slowdown`` (about half its step is streams). On a box where one
   core's prefill is near the offered prompt rate, a burst's prompts no longer wait seconds
   while the decode core runs steps that could carry them.
 
@@ -100,7 +102,8 @@ class LocalPrefillConfig:
     # pool passes this many seconds is prefilled by its decode worker when that is sooner. 0: off
     # here; ``pdserve serve`` and ``pdserve worker`` set half the TTFT objective.
     overflow_ttft_s: float = 0.0
-    # ... a prompt token on a decode worker costs this many times a prefill worker's.
+    # ... a prompt token on a decode worker costs this many times a prefill worker's, until that
+    # decode worker reports what its tokens cost it (``Mixed.local_token_s``).
     overflow_slowdown: float = 2.0
 
     def __post_init__(self) -> None:
@@ -154,6 +157,9 @@ class Mixed:
     prefill_queue: int | None = None  # the least queued prompt tokens of a routable prefill worker; None: none routable
     any_mixed: bool = False  # the cluster has a routable mixed worker
     token_s: float | None = None  # a prompt token's cost on a prefill worker (PrefillPace); None: not seen yet
+    # A prompt token's wall time on the decode worker picked, as its step budget measured it;
+    # None: not measured yet, so ``token_s`` times the configured ``overflow_slowdown``.
+    local_token_s: float | None = None
 
 
 class PrefillPace:
@@ -210,7 +216,7 @@ def behind(config: LocalPrefillConfig, uncached: int, mixed: Mixed) -> bool:
     if not config.overflow_ttft_s or mixed.prefill_queue is None or not mixed.token_s:
         return False
     remote = (mixed.prefill_queue + uncached) * mixed.token_s
-    local = (mixed.own_queue + uncached) * mixed.token_s * config.overflow_slowdown
+    local = (mixed.own_queue + uncached) * (mixed.local_token_s or mixed.token_s * config.overflow_slowdown)
     return remote > config.overflow_ttft_s and local < remote
 
 

@@ -27,6 +27,7 @@ class WorkerSnapshot:
     blocks_unbounded: int = 0  # of blocks_used: held by requests without a limit (preempted first)
     inflight: int = 0  # requests this router has on the worker
     last_placed: int = 0  # this router's placement sequence number of its last request (0: never)
+    local_token_s: float | None = None  # a decode worker's measured wall seconds per prompt token it prefills; None: not yet
 
     @property
     def routable(self) -> bool:

@@ -73,7 +73,8 @@ class WorkerClient:
             worker_id=self.address, role=self.role, healthy=self.healthy and not self.hung and not down, draining=self.draining or s.draining,
             queued_tokens=s.num_waiting_tokens + self.local_tokens,
             blocks_used=s.num_blocks_used + self.local_blocks, blocks_total=s.num_blocks_total,
-            blocks_unbounded=s.num_blocks_unbounded, inflight=self.inflight, last_placed=self.last_placed)
+            blocks_unbounded=s.num_blocks_unbounded, inflight=self.inflight, last_placed=self.last_placed,
+            local_token_s=s.local_prefill_token_s or None)
 
 
 POOLS = ("prefill", "decode")

@@ -263,9 +263,10 @@ class RequestRun:
 
 def _mixed(snapshots: list[WorkerSnapshot], worker: WorkerSnapshot | None, token_s: float | None) -> Mixed:
     """The queues' part of the local-prefill rule, for a stream on ``worker`` (``token_s``: a
-    prompt token's cost on the prefill pool, as seen)."""
+    prompt token's cost on the prefill pool, as seen; ``worker``'s own, as it measured it)."""
     queues = [w.queued_tokens for w in snapshots if w.role == "prefill" and w.routable]
     return Mixed(worker=worker is not None and worker.role == "mixed",
                  own_queue=worker.queued_tokens if worker is not None else 0,
                  prefill_queue=min(queues) if queues else None,
-                 any_mixed=any(w.role == "mixed" and w.routable for w in snapshots), token_s=token_s)
+                 any_mixed=any(w.role == "mixed" and w.routable for w in snapshots), token_s=token_s,
+                 local_token_s=worker.local_token_s if worker is not None else None)
