@@ -138,7 +138,21 @@ def simulate(model: ModelSpec, hw: HardwareProfile, candidate: Candidate, rate: 
     trace = poisson(rate, objective.requests / rate, objective.lengths, objective.seed)
     cost = CostModel(model, hw, 1)
     driver = ElasticDriver() if candidate.elastic else None
-    return Simulator(ClusterSpec(candidate.layout, cost, cost), trace, autoscaler=driver).run()
+    return Simulator(spec_for(candidate, cost, objective.slo), trace, autoscaler=driver).run()
+
+
+def spec_for(candidate: Candidate, cost, slo: Slo) -> ClusterSpec:
+    """The simulated cluster as ``pdserve serve`` would run the candidate for ``slo``: the
+    overflow threshold and the step target its settings derive from the objectives
+    (``pdserve.cluster.serve_config``; for a colocated layout no step target, and with no
+    prefill pool the overflow never applies)."""
+    from pdserve.cluster.serve_config import mixed_step_target_s, overflow_s
+    from pdserve.router.local_prefill import LocalPrefillConfig
+
+    v = {**candidate.settings(), "mixed_step_target_s": None, "prefill_overflow_s": None,
+         "layout_ttft_slo_s": slo.ttft_s, "layout_tpot_slo_s": slo.tpot_s}
+    return ClusterSpec(candidate.layout, cost, cost, overflow_ttft_s=overflow_s(v),
+                       overflow_slowdown=LocalPrefillConfig.overflow_slowdown, step_target_s=mixed_step_target_s(v))
 
 
 def predicted_goodput(meets: Callable[[float], bool], start: float = 0.25, limit: float = 1e4) -> float:
