@@ -169,7 +169,7 @@ def mixed_step_target_s(v: dict[str, Any]) -> float:
     return v.get("layout_tpot_slo_s", DEFAULT_TPOT_OBJECTIVE_S) / 2
 
 
-def _overflow_s(v: dict[str, Any]) -> float:
+def overflow_s(v: dict[str, Any]) -> float:
     """The setting, else half the TTFT objective: a prompt that would wait longer than that on
     the prefill pool leaves too little of the objective for bursts behind it."""
     if v["prefill_overflow_s"] is not None:
@@ -194,7 +194,7 @@ def _router_limits(v: dict[str, Any]):
     local = LocalPrefillConfig(max_tokens=v["local_prefill_max_tokens"], max_load=v["local_prefill_max_load"],
                                interference_weight=v["local_prefill_interference_weight"],
                                kv_move_weight=v["kv_move_weight"], remote_overhead_tokens=v["remote_overhead_tokens"],
-                               overflow_ttft_s=_overflow_s(v), overflow_slowdown=v["prefill_overflow_slowdown"])
+                               overflow_ttft_s=overflow_s(v), overflow_slowdown=v["prefill_overflow_slowdown"])
     routing = RoutingConfig(policy=v["routing_policy"], prefill_weight=v["routing_prefill_weight"],
                             load_weight=v["routing_load_weight"], temperature=v["routing_temperature"],
                             balance_abs_tokens=v["routing_balance_abs_tokens"], balance_rel=v["routing_balance_rel"])

@@ -5,7 +5,10 @@ Each candidate layout the machine's cores can run, one worker per core (every fi
 kP:(N-k)D, N colocated workers, and elastic roles starting from the even split, free to make
 a decode worker mixed), is simulated on the stored CPU profile (``pdserve profile`` fits it
 to the engine; the cost of a step on this kernel path) at rising Poisson rates of the
-objective's workload. A candidate's predicted goodput is the highest rate at which at least
+objective's workload, each as ``pdserve serve`` would run it (``spec_for``: disaggregated and
+elastic candidates with prefill that keeps up at half the TTFT objective and decode workers'
+mixed steps aimed at half the TPOT objective; colocated ones with neither, as serve leaves
+them). A candidate's predicted goodput is the highest rate at which at least
 ``attainment`` of the requests meet both the TTFT and the TPOT objective (bisection on the
 rate, to ``RATE_RESOLUTION``). The highest wins, unless it beats the default layout (the
 even split: 1P:1D on two cores, what ``make serve`` started before this choice existed) by
@@ -23,7 +26,9 @@ kind, and not alike (BENCHMARKS.md, elastic roles on two workers, AMX Xeon, 2026
 over simulated 1.19 for 1P:1D, 0.75 for two colocated workers, 1.31 for elastic roles; it does
 not model a worker borrowing an idle worker's core, and colocated prompts stall their own
 streams more than it says). Each prediction is multiplied by its kind's factor
-(``SERVED_OVER_SIMULATED``) before the comparison. Even served, these layouts swapped places
+(``SERVED_OVER_SIMULATED``) before the comparison. The factors predate the simulator's model of
+prefill that keeps up and of time-sized chunks, which raised its 1P:1D goodput: they await a
+new served comparison. Even served, these layouts swapped places
 between runs on one machine by up to about 15% (the same page: elastic roles 0.89-1.07x the best
 fixed layout in four runs, the best fixed one alternating between 1P:1D and colocated), so a
 candidate must beat the default by more than ``DEFAULT_MARGIN`` to replace it: within it, the
@@ -138,7 +143,21 @@ def simulate(model: ModelSpec, hw: HardwareProfile, candidate: Candidate, rate: 
     trace = poisson(rate, objective.requests / rate, objective.lengths, objective.seed)
     cost = CostModel(model, hw, 1)
     driver = ElasticDriver() if candidate.elastic else None
-    return Simulator(ClusterSpec(candidate.layout, cost, cost), trace, autoscaler=driver).run()
+    return Simulator(spec_for(candidate, cost, objective.slo), trace, autoscaler=driver).run()
+
+
+def spec_for(candidate: Candidate, cost, slo: Slo) -> ClusterSpec:
+    """The simulated cluster as ``pdserve serve`` would run the candidate for ``slo``: the
+    overflow threshold and the step target its settings derive from the objectives
+    (``pdserve.cluster.serve_config``; for a colocated layout no step target, and with no
+    prefill pool the overflow never applies)."""
+    from pdserve.cluster.serve_config import mixed_step_target_s, overflow_s
+    from pdserve.router.local_prefill import LocalPrefillConfig
+
+    v = {**candidate.settings(), "mixed_step_target_s": None, "prefill_overflow_s": None,
+         "layout_ttft_slo_s": slo.ttft_s, "layout_tpot_slo_s": slo.tpot_s}
+    return ClusterSpec(candidate.layout, cost, cost, overflow_ttft_s=overflow_s(v),
+                       overflow_slowdown=LocalPrefillConfig.overflow_slowdown, step_target_s=mixed_step_target_s(v))
 
 
 def predicted_goodput(meets: Callable[[float], bool], start: float = 0.25, limit: float = 1e4) -> float:

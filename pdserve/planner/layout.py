@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pdserve.planner.cost import CostModel
 from pdserve.planner.worker import EngineLimits
 from pdserve.router.limits import RouterLimits
+from pdserve.router.local_prefill import LocalPrefillConfig
 
 
 @dataclass(frozen=True)
@@ -47,3 +48,10 @@ class ClusterSpec:
     max_queued_tokens: int = RouterLimits.max_queued_tokens_per_prefill  # the router's own limits
     admission_wait_s: float = RouterLimits.admission_wait_s
     startup_s: float = 30.0  # a new worker's time to load the model (autoscaling)
+    # Prefill that keeps up (pdserve/router/local_prefill.py ``behind``): a prompt the prefill pool
+    # would start later than this is prefilled by its decode worker when that is sooner; 0: off ...
+    overflow_ttft_s: float = 0.0
+    overflow_slowdown: float = LocalPrefillConfig.overflow_slowdown  # ... a token there costs this many times more
+    # Time-sized chunks (pdserve/planner/mixed_step.py): a worker's mixed step aims at this many
+    # seconds; 0: off, a prompt beside streams is prefilled in one step (prefill first).
+    step_target_s: float = 0.0

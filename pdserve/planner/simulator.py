@@ -4,9 +4,13 @@ Events, in time order (ties: the order they were scheduled):
 
 - ``ARRIVE``: a request reaches the router. Disaggregated: the real ``pdserve.router.policy.pick_prefill``
   chooses a prefill worker (least queued prompt tokens, with the router's queue limit);
-  colocated: the same policy over colocated workers. No worker can take it: it waits in the
-  router, re-tried whenever a step ends, and fails after ``admission_wait_s``.
-- ``STEP``: a worker's step (a prefill step, or a decode epoch of k steps, see
+  colocated: the same policy over colocated workers. With prefill that keeps up on
+  (``ClusterSpec.overflow_ttft_s``), the real ``behind`` rule first asks whether the prefill
+  pool is so far behind that the picked decode worker should prefill the prompt itself
+  (``pdserve.planner.placement``). No worker can take it: it waits in the router, re-tried
+  whenever a step ends, and fails after ``admission_wait_s``.
+- ``STEP``: a worker's step (a prefill step, a decode epoch of k steps, or with a step target
+  ``ClusterSpec.step_target_s`` a mixed step of streams and a time-sized prompt chunk, see
   ``pdserve.planner.worker``) ends. Prompts prefilled there get their first token (TTFT). On a prefill
   worker each then needs a decode worker: the real ``pick_decode`` (least KV in use, enough
   free blocks for prompt + output) chooses one, which reserves the prompt's blocks, and the
@@ -43,15 +47,17 @@ import numpy as np
 from pdserve.planner.layout import ClusterSpec
 from pdserve.planner.metrics import SimResult
 from pdserve.planner.trace import TraceRequest
+from pdserve.planner.placement import Placement
 from pdserve.planner.worker import SimSeq, SimWorker
 from pdserve.planner.routing import RoutingIndex, snapshot
-from pdserve.router.policy import WorkerSnapshot, pick_decode, pick_prefill
+from pdserve.router.local_prefill import LocalPrefillConfig, PrefillPace
+from pdserve.router.policy import WorkerSnapshot, pick_decode
 
 ARRIVE, STEP, XFER, TICK, READY = range(5)
 ROLES = ("prefill", "decode", "colocated")
 
 
-class Simulator:
+class Simulator(Placement):
     def __init__(self, spec: ClusterSpec, requests: list[TraceRequest], autoscaler=None, full_scan: bool = False,
                  closed_loop: int | None = None):
         if closed_loop is not None and (closed_loop < 1 or autoscaler is not None):
@@ -88,6 +94,11 @@ class Simulator:
         self._handing_over: set[str] = set()  # draining workers whose streams move once their step ends
         self.failed = 0
         self.now = 0.0
+        # Prefill that keeps up: the router's rule and the pace it reads, fed as the router
+        # feeds it (each prefill worker's answer: compute seconds per prompt token computed).
+        self.overflow = LocalPrefillConfig(overflow_ttft_s=spec.overflow_ttft_s,
+                                           overflow_slowdown=spec.overflow_slowdown)
+        self.pace = PrefillPace()
         lay = spec.layout
         for role, count in (("prefill", lay.prefill), ("decode", lay.decode), ("colocated", lay.colocated)):
             for _ in range(count):
@@ -100,7 +111,7 @@ class Simulator:
     def add_worker(self, role: str) -> SimWorker:
         cost = self.spec.prefill_cost if role == "prefill" else self.spec.decode_cost
         limits = self.spec.prefill_limits if role == "prefill" and self.spec.prefill_limits else self.spec.limits
-        w = SimWorker(f"{role}-{next(self._ids)}", role, cost, limits)
+        w = SimWorker(f"{role}-{next(self._ids)}", role, cost, limits, step_target_s=self.spec.step_target_s)
         self.pools[role].append(w)
         self._by_id[w.wid] = w
         self._inflight[w.wid] = 0
@@ -235,40 +246,6 @@ class Simulator:
         if not w.draining:
             self._index["decode" if w.wid in self.mixed else w.role].touch(w)
 
-    def _place(self, seq: SimSeq) -> bool:
-        if self.mixed and self._place_mixed(seq):
-            return True
-        role = "colocated" if self.spec.layout.colocated else "prefill"
-        choice = pick_prefill(self._snapshots(role), prompt_tokens=seq.prompt,
-                              max_queued_tokens=self.spec.max_queued_tokens)
-        if choice.worker_id is None:
-            return False
-        w = self._worker(role, choice.worker_id)
-        self._take_prompt(w, seq)
-        return True
-
-    def _place_mixed(self, seq: SimSeq) -> bool:
-        """The router's rule for a stream whose decode worker is mixed: prefilled there unless a
-        prefill worker queues less. False: the prefill pool takes it as usual."""
-        blocks = -(-(seq.prompt + seq.remaining + 1) // self.spec.limits.block_size)
-        choice = pick_decode(self._snapshots("decode"), blocks)
-        if choice.worker_id not in self.mixed:
-            return False
-        w = self._by_id[choice.worker_id]
-        prefill = [p.queued_tokens for p in self.pools["prefill"]]
-        if prefill and min(prefill) < w.queued_tokens:
-            return False
-        self._take_prompt(w, seq)
-        return True
-
-    def _take_prompt(self, w: SimWorker, seq: SimSeq) -> None:
-        """``w`` prefills ``seq`` (the router placed the prompt there)."""
-        self._last_placed[w.wid] = next(self._placed)
-        self._inflight[w.wid] += 1
-        w.add_prompt(seq)
-        self._kick(w)
-        self._touch(w)
-
     def _place_decode(self, seq: SimSeq, src: SimWorker) -> bool:
         blocks = -(-(seq.prompt + seq.remaining + 1) // self.spec.limits.block_size)
         choice = pick_decode(self._snapshots("decode"), blocks)
@@ -349,6 +326,7 @@ class Simulator:
                 self.first_token[seq.rid] = self.now
                 self.recent_ttft.append(self.now - self.arrival[seq.rid])
             if w.role == "prefill":
+                self.pace.observe(seq.compute_tokens, self.now - seq.compute_from)
                 self._inflight[w.wid] -= 1
                 if seq.remaining == 0:
                     w.free(seq)

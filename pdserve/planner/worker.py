@@ -7,6 +7,10 @@ Rules kept from the real scheduler:
   admission leaves one free block per running sequence (``reserve``) and stops at
   ``max_num_seqs``;
 - otherwise every running sequence decodes one token;
+- with a step target (``step_target_s`` above 0, ``pdserve.planner.mixed_step``), a worker with
+  streams running and a prompt waiting runs mixed steps instead: every stream decodes and the
+  prompt gets the chunk the engine's own ``StepBudget`` allows, so the streams' gap stays near
+  the target; without a target, a prompt beside streams is prefilled whole and stalls them;
 - a decoding sequence that needs a block when none is free preempts the youngest running
   sequence, which goes back to the front of the waiting queue and is recomputed later.
 
@@ -21,8 +25,9 @@ requests and compares their step sequences.
 
 Block accounting is exact, as the real block manager counts it: a running sequence with L
 tokens (the newest not yet computed) holds ceil((L - 1) / bs) blocks between steps and needs
-ceil(L / bs) for its next step. ``RunningBlocks`` sums that over the batch for any future
-step in O(bs), so an epoch's length up to a full cache is a bisection, not a loop over steps.
+ceil(L / bs) for its next step. ``RunningBlocks`` (``pdserve.planner.blocks``) sums that over
+the batch for any future step in O(bs), so an epoch's length up to a full cache is a
+bisection, not a loop over steps.
 
 Roles: ``prefill`` (a finished prompt holds its blocks until its KV is transferred, then
 ``free``), ``decode`` (``reserve`` blocks when the router picks it, ``join`` when the KV
@@ -35,7 +40,9 @@ import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from pdserve.planner.blocks import RunningBlocks
 from pdserve.planner.cost import CostModel
+from pdserve.planner.mixed_step import MixedSteps, step_budget
 
 
 @dataclass(frozen=True)
@@ -47,39 +54,6 @@ class EngineLimits:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     enable_prefix_cache: bool = True
-
-
-class RunningBlocks:
-    """sum_i ceil((n_i + s) / bs) over running sequences, where sequence i holds n_i + s
-    tokens' worth of slots at decode step s. Write x_i = n_i + bs - 1 = q_i bs + r_i and
-    s = qs bs + rs; then the sum is sum(q_i) + B qs + #{i: r_i >= bs - rs}."""
-
-    def __init__(self, block_size: int):
-        self.bs = block_size
-        self.q_sum = 0
-        self.count = 0
-        self.residues = [0] * block_size
-        self._above: list[int] | None = None  # _above[j] = sum(residues[j:]); rebuilt after a change
-
-    def add(self, offset: int, sign: int = 1) -> None:
-        """A sequence whose slots at step s number ``offset + s`` joins (sign -1: leaves)."""
-        q, r = divmod(offset + self.bs - 1, self.bs)
-        self.q_sum += sign * q
-        self.count += sign
-        self.residues[r] += sign
-        self._above = None
-
-    def at(self, step: int) -> int:
-        qs, rs = divmod(step, self.bs)
-        if not rs:
-            return self.q_sum + self.count * qs
-        above = self._above
-        if above is None:  # the batch changed: O(bs) once, then O(1) per call (an epoch's bisection asks ~8)
-            above = [0] * (self.bs + 1)
-            for j in range(self.bs - 1, -1, -1):
-                above[j] = above[j + 1] + self.residues[j]
-            self._above = above
-        return self.q_sum + self.count * qs + above[self.bs - rs]
 
 
 @dataclass(eq=False)
@@ -101,6 +75,8 @@ class SimSeq:
     recompute: bool = False  # preempted: its prefill produces no first token
     live: bool = False  # in the decode batch
     joins: int = 0  # times it joined a batch; a finish-heap entry from an earlier join is stale
+    compute_from: float = -1.0  # when its first prompt chunk began (-1: not yet): the router's pace reads it
+    compute_tokens: int = 0  # prompt tokens it had to compute then (its prefix-cache hit not counted)
 
 
 @dataclass
@@ -113,9 +89,11 @@ class StepResult:
     itl: tuple[float, int] | None = None  # (inter-token latency, tokens that saw it)
 
 
-class SimWorker:
-    def __init__(self, wid: str, role: str, cost: CostModel, limits: EngineLimits, num_blocks: int | None = None):
+class SimWorker(MixedSteps):
+    def __init__(self, wid: str, role: str, cost: CostModel, limits: EngineLimits, num_blocks: int | None = None,
+                 step_target_s: float = 0.0):
         self.wid, self.role, self.cost, self.limits = wid, role, cost, limits
+        self.budget = step_budget(step_target_s)  # time-sized chunks beside streams (mixed_step.py); None: off
         self.num_blocks = num_blocks or max(1, cost.kv_capacity_tokens() // limits.block_size)
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
@@ -209,8 +187,12 @@ class SimWorker:
         profile's ``borrow_*_factor``), for the whole step or decode epoch."""
         if self.busy:
             return None
-        batch = self._schedule_prefill()
-        if batch:
+        if self.budget is not None and self.running and self.waiting and self._start_mixed(borrow):
+            pass  # a mixed step: streams and a time-sized prompt chunk (mixed_step.py)
+        elif batch := self._schedule_prefill():
+            for s, _ in batch:
+                if s.compute_from < 0:
+                    s.compute_from, s.compute_tokens = now, s.todo
             chunks = [(n, s.tokens - s.todo) for s, n in batch]
             sampled = sum(1 for s, n in batch if n == s.todo)
             self._kind, self._batch, self._k = "prefill", batch, 1
@@ -255,16 +237,21 @@ class SimWorker:
     def finish(self) -> StepResult:
         """Apply the step in flight (call at the time ``start``/``interrupt`` returned)."""
         self.busy = False
-        out = self._finish_prefill() if self._kind == "prefill" else self._finish_decode()
+        if self._kind == "mixed":
+            out = self._finish_mixed()
+        else:
+            self._observe_step(len(self.running))
+            out = self._finish_prefill() if self._kind == "prefill" else self._finish_decode()
         joining, self._joining = self._joining, []
         for seq in joining:
             self.join(seq)
         return out
 
     # ---- prefill (Scheduler._schedule_prefill on counts) ---------------------------
-    def _schedule_prefill(self) -> list[tuple[SimSeq, int]]:
+    def _schedule_prefill(self, budget: int | None = None) -> list[tuple[SimSeq, int]]:
+        """Prompt chunks for the next step, up to ``budget`` tokens (None: the whole token budget)."""
         lim = self.limits
-        budget = lim.max_num_batched_tokens
+        budget = lim.max_num_batched_tokens if budget is None else budget
         batch: list[tuple[SimSeq, int]] = []
         while self.waiting and budget > 0 and len(self.running) + len(batch) < lim.max_num_seqs:
             seq = self.waiting[0]
@@ -308,6 +295,15 @@ class SimWorker:
                 self.prefix_cache.popitem(last=False)
 
     def _finish_prefill(self) -> StepResult:
+        out = self._apply_chunks()
+        if self.running and self.role == "colocated":
+            b = len(self.running)
+            out.itl = (self._dt + self.cost.decode_s(b, self.run_tokens), b)  # decodes stalled by the prefill
+        return out
+
+    def _apply_chunks(self) -> StepResult:
+        """The step's prompt chunks are computed: a prompt done has its first token and joins
+        the batch (or, on a prefill worker, is held for its transfer)."""
         out = StepResult()
         for seq, n in self._batch:
             seq.todo -= n
@@ -327,9 +323,6 @@ class SimWorker:
                 out.finished.append(seq)
             else:
                 self.join(seq)
-        if self.running and self.role == "colocated":
-            b = len(self.running)
-            out.itl = (self._dt + self.cost.decode_s(b, self.run_tokens), b)  # decodes stalled by the prefill
         self._batch = []
         return out
 
