@@ -70,14 +70,17 @@ class StepBudget:
         return max(self.floor_tokens, int((self.target_s - self.decode_s) / self.token_s))
 
     def prompt_token_s(self) -> float | None:
-        """Wall seconds a prompt token costs this worker when it prefills beside its streams: a
-        step of ``target_s`` carries ``chunk()`` of them, so the stream's share of the step is
-        charged to the prompt too (what the router weighs a local prefill by,
-        docs/routing.md#prefill-that-keeps-up). An upper bound: with no stream running, a prompt
-        takes whole steps at prefill speed. None until both means exist."""
+        """Wall seconds a prompt token costs this worker when it prefills beside its streams:
+        a step of its decode rows plus ``chunk()`` prompt tokens, over the chunk, so the streams'
+        share of each step is charged to the prompt too (what the router weighs a local prefill
+        by, docs/routing.md#prefill-that-keeps-up). Near ``target_s / chunk``, and more when the
+        chunk sits at its floor because decode alone nearly fills the target. An upper bound:
+        with no stream running, a prompt takes whole steps at prefill speed. None until both
+        means exist."""
         if self.decode_s is None or self.token_s is None:
             return None
-        return self.target_s / self.chunk()
+        chunk = self.chunk()
+        return self.decode_s / chunk + self.token_s
 
     def _mean(self, old: float | None, sample: float) -> float:
         return sample if old is None else old + self.weight * (sample - old)

@@ -6,7 +6,8 @@ In order, as the router decides: a mixed worker (elastic roles) prefills its own
 prompt unless a prefill worker queues less; with prefill that keeps up on
 (``ClusterSpec.overflow_ttft_s``), a plain decode worker prefills it when the prefill pool is
 behind (``behind``: the least queued prefill worker would start it later than the threshold and
-the decode worker, at ``overflow_slowdown`` times the cost, sooner); else the least queued
+the decode worker sooner, at the prompt token cost its step budget measured, as its stats report
+it, or before it has, ``overflow_slowdown`` times the pace); else the least queued
 prefill (or colocated) worker takes it. The pace ``behind`` reads is the router's
 ``PrefillPace``, fed each prefill worker's answer: its simulated compute seconds (from its
 first chunk to its first token, packed steps included) per prompt token computed. No answer
@@ -63,7 +64,9 @@ class Placement:
         if choice.worker_id is None or choice.worker_id in self.mixed:
             return False
         w = self._by_id[choice.worker_id]
-        queues = Mixed(own_queue=w.queued_tokens, prefill_queue=min(prefill), token_s=self.pace.token_s)
+        local = w.budget.prompt_token_s() if w.budget is not None else None  # WorkerStats.local_prefill_token_s
+        queues = Mixed(own_queue=w.queued_tokens, prefill_queue=min(prefill), token_s=self.pace.token_s,
+                       local_token_s=local)
         if not behind(self.overflow, seq.prompt, queues):
             return False
         self._take_prompt(w, seq)

@@ -22,8 +22,8 @@ Two ways a request is prefilled locally:
   worker would finish it sooner, the decode worker prefills it, in time-sized chunks beside its
   streams (pdserve/engine/step_budget.py). Predicted TTFT is queued-plus-new tokens times a
   prompt token's cost: a prefill worker's as the router has seen it (``PrefillPace``); on a
-  decode worker, the wall time it measured (its step of ``target`` seconds carries ``chunk``
-  prompt tokens: ``target / chunk``, in its stats), or before it has, a prefill worker's times
+  decode worker, the wall time it measured (a step of its streams carries ``chunk`` prompt
+  tokens: the step's time over ``chunk``, in its stats), or before it has, a prefill worker's times
   ``overflow_slowdown`` (about half its step is streams). On a box where one
   core's prefill is near the offered prompt rate, a burst's prompts no longer wait seconds
   while the decode core runs steps that could carry them.

@@ -132,19 +132,21 @@ def test_prompts_a_step_computes_stay_visible_as_work_to_do_until_it_ends():
     assert sched.stepping == []
 
 
-def test_a_prompt_tokens_wall_time_is_the_target_over_the_chunk():
+def test_a_prompt_tokens_wall_time_is_its_steps_time_over_the_chunk():
     """The slow AVX2 path's shape: a 17 ms decode step and 1.3 ms a token leave a 25-token chunk
-    in a 50 ms step, so a prompt token costs 2 ms of wall time there, about 1.5 times its compute."""
+    in a 50 ms step, so a prompt token costs about 2 ms of wall time there, 1.5 times its compute."""
     b = StepBudget(0.05)
     assert b.prompt_token_s() is None  # nothing seen
     b.observe(4, 0, 0.017)
     assert b.prompt_token_s() is None  # a decode cost, no token cost yet
     b.observe(4, 100, 0.017 + 100 * 0.0013)
-    assert b.chunk() == 25 and b.prompt_token_s() == pytest.approx(0.002)
+    assert b.chunk() == 25 and b.prompt_token_s() == pytest.approx((0.017 + 25 * 0.0013) / 25)
 
 
 def test_a_prompt_tokens_wall_time_grows_with_the_floor_when_decode_takes_the_target():
+    """Decode alone (80 ms) passes the 50 ms target: the chunk sits at its floor, and each of its
+    16 tokens carries a sixteenth of the whole 100 ms step, not of the target (6.25 ms, not 3.1)."""
     b = StepBudget(0.05, floor_tokens=16)
     b.observe(64, 0, 0.08)
     b.observe(64, 32, 0.12)
-    assert b.chunk() == 16 and b.prompt_token_s() == pytest.approx(0.05 / 16)
+    assert b.chunk() == 16 and b.prompt_token_s() == pytest.approx((0.08 + 16 * 0.04 / 32) / 16)

@@ -77,7 +77,7 @@ def test_a_decode_workers_measured_cost_travels_from_its_scheduler_to_the_rule()
     assert reported() is None
     sched.step_budget.observe(4, 0, 0.017)  # a 17 ms decode step; 1.3 ms a prompt token: a 25-token chunk
     sched.step_budget.observe(4, 100, 0.017 + 100 * 0.0013)
-    assert reported() == pytest.approx(0.05 / 25)
+    assert reported() == pytest.approx(0.017 / 25 + 0.0013)  # the whole step over its 25 tokens
     assert local_prefill_token_s(make(mixed_step_target_s=0.05)[0]) == 0.0  # a prefill worker's: no budget
 
 
