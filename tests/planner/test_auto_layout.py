@@ -66,13 +66,16 @@ def test_a_candidate_replaces_the_default_only_beyond_the_margin():
 
 def test_predictions_are_corrected_by_each_kinds_served_over_simulated_factor():
     default, two_c, elastic = candidates(2)
-    choice = decide([(default, 1.0), (two_c, 1.3), (elastic, 1.0)])
+    factors = {"disaggregated": 1.2, "colocated": 0.75, "elastic": 1.3}
+    choice = decide([(default, 1.0), (two_c, 1.3), (elastic, 1.0)], factors=factors)
     goodput = {p.candidate.name: p.goodput for p in choice.predictions}
-    assert goodput == pytest.approx({"1P:1D": SERVED_OVER_SIMULATED["disaggregated"],
-                                     "2C": 1.3 * SERVED_OVER_SIMULATED["colocated"],
-                                     "elastic from 1P:1D": SERVED_OVER_SIMULATED["elastic"]})
+    assert goodput == pytest.approx({"1P:1D": 1.2, "2C": 1.3 * 0.75, "elastic from 1P:1D": 1.3})
     # simulated, colocated would win by 30%; corrected, it is below the default
     assert choice.chosen == default
+    # the module's own factors are the ones used when none are given
+    plain = decide([(default, 1.0), (two_c, 1.3), (elastic, 1.0)])
+    assert [p.factor for p in plain.predictions] == [SERVED_OVER_SIMULATED[k] for k in
+                                                     ("disaggregated", "colocated", "elastic")]
 
 
 def test_prefill_slow_against_the_arrivals_is_carried_by_the_decode_workers_overflow():
@@ -87,13 +90,14 @@ def test_prefill_slow_against_the_arrivals_is_carried_by_the_decode_workers_over
     assert choice.predictions[0].simulated > 2.0  # one prefill worker alone: about 1 req/s
 
 
-def test_prefill_fast_keeps_the_decode_heavy_default():
-    """With prefill ten times faster and decode the bottleneck, two prefill workers help nothing:
-    the default split with two decode workers stays."""
+def test_prefill_fast_picks_the_layout_with_the_most_decoding_cores():
+    """With prefill ten times faster and decode the bottleneck, two prefill workers help nothing,
+    and three colocated workers decode on every core: they beat the default split, whose one
+    prefill core idles, by more than the margin."""
     choice = choose(SMOL, FAST_PREFILL, 3, QUICK)
     goodput = {p.candidate.name: p.goodput for p in choice.predictions}
-    assert choice.chosen.name == "1P:2D", choice.lines()
-    assert goodput["1P:2D"] > goodput["2P:1D"]
+    assert choice.chosen.name == "3C", choice.lines()
+    assert goodput["1P:2D"] > 2 * goodput["2P:1D"]
 
 
 def test_the_log_names_every_candidate_its_goodput_and_the_choice():
