@@ -30,7 +30,9 @@ on the AMD EPYC with AVX-512 BF16 (BENCHMARKS.md, 2026-11-28: 1P:1D 3.16, two co
 that keeps up and time-sized chunks, the factors were far apart (1.19, 0.75 and 1.31 on the AMX
 Xeon, on a profile of another path): the simulator then missed what made disaggregated and
 elastic layouts serve more. The same factors on the emulated ``avx2`` path, whose served
-1P:1D is 1.07 req/s against 1.38 simulated, predict it 12% high. Even served, these layouts swapped places
+1P:1D is 1.07 req/s against 1.38 simulated, predict it 12% high. The elastic factor is the
+least certain: over a longer load (96 prompts a rate, not 48) elastic roles served 1.40 req/s,
+not 3.14, while 1P:1D held 3.12. Even served, these layouts swapped places
 between runs on one machine by up to about 15% (the same page: elastic roles 0.89-1.07x the best
 fixed layout in four runs, the best fixed one alternating between 1P:1D and colocated), so a
 candidate must beat the default by more than ``DEFAULT_MARGIN`` to replace it: within it, the
