@@ -131,8 +131,7 @@ def serve_settings() -> tuple[Setting, ...]:
                 "layout_ttft_slo_s, the TTFT objective)", minimum=0),
         Setting("prefill_overflow_slowdown", float, local.overflow_slowdown,
                 "prefill that keeps up: a prompt token on a decode worker costs this many times a prefill worker's "
-                "(its steps carry its streams too) until that decode worker reports the cost it measured",
-                minimum=1),
+                "(its steps carry its streams too) until that worker reports its measured cost", minimum=1),
         Setting("decode_kv_reuse", bool, limits.decode_kv_reuse,
                 "conversations keep their KV: decode workers publish their finished blocks (prompt and answer) and "
                 "the router prefills each follow-up where most of it is cached (docs/routing.md#conversations-keep-"
