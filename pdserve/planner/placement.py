@@ -41,8 +41,7 @@ class Placement:
     def _place_mixed(self, seq: SimSeq) -> bool:
         """The router's rule for a stream whose decode worker is mixed: prefilled there unless a
         prefill worker queues less. False: the prefill pool takes it as usual."""
-        blocks = -(-(seq.prompt + seq.remaining + 1) // self.spec.limits.block_size)
-        choice = pick_decode(self._snapshots("decode"), blocks)
+        choice = self._pick_decode(seq)
         if choice.worker_id not in self.mixed:
             return False
         w = self._by_id[choice.worker_id]
@@ -59,8 +58,7 @@ class Placement:
         prefill = [p.queued_tokens for p in self.pools["prefill"]]
         if self.spec.layout.colocated or not prefill:
             return False
-        blocks = -(-(seq.prompt + seq.remaining + 1) // self.spec.limits.block_size)
-        choice = pick_decode(self._snapshots("decode"), blocks)
+        choice = self._pick_decode(seq)
         if choice.worker_id is None or choice.worker_id in self.mixed:
             return False
         w = self._by_id[choice.worker_id]
@@ -71,6 +69,11 @@ class Placement:
             return False
         self._take_prompt(w, seq)
         return True
+
+    def _pick_decode(self, seq: SimSeq):
+        """The real decode choice for ``seq``: room for its prompt, its output and the next token."""
+        blocks = -(-(seq.prompt + seq.remaining + 1) // self.spec.limits.block_size)
+        return pick_decode(self._snapshots("decode"), blocks)
 
     def _take_prompt(self, w: SimWorker, seq: SimSeq) -> None:
         """``w`` prefills ``seq`` (the router placed the prompt there)."""

@@ -51,7 +51,7 @@ from pdserve.planner.placement import Placement
 from pdserve.planner.worker import SimSeq, SimWorker
 from pdserve.planner.routing import RoutingIndex, snapshot
 from pdserve.router.local_prefill import LocalPrefillConfig, PrefillPace
-from pdserve.router.policy import WorkerSnapshot, pick_decode
+from pdserve.router.policy import WorkerSnapshot
 
 ARRIVE, STEP, XFER, TICK, READY = range(5)
 ROLES = ("prefill", "decode", "colocated")
@@ -247,8 +247,7 @@ class Simulator(Placement):
             self._index["decode" if w.wid in self.mixed else w.role].touch(w)
 
     def _place_decode(self, seq: SimSeq, src: SimWorker) -> bool:
-        blocks = -(-(seq.prompt + seq.remaining + 1) // self.spec.limits.block_size)
-        choice = pick_decode(self._snapshots("decode"), blocks)
+        choice = self._pick_decode(seq)
         if choice.worker_id is None:
             if choice.too_large:
                 self._fail(seq, src)
