@@ -45,7 +45,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # 
 from pdserve.engine.linear import PackedLinear  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.loader import materialize  # noqa: E402
-from pdserve.engine.model import CausalLM  # noqa: E402
+from pdserve.engine.models.decoder import CausalLM  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 
 

@@ -103,7 +103,7 @@ def _check_split(model: str, sizes: dict[str, int]) -> None:
     if all(size == 1 for size in sizes.values()):
         return
     from pdserve.engine.loader import materialize, read_model_config
-    from pdserve.engine.families import check_split
+    from pdserve.engine.models.registry import check_split
     from pdserve.engine.parallel import ShardError
 
     cfg = read_model_config(materialize(model, progress=False))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.device import to_device
-from pdserve.engine.rope import apply_rotary
+from pdserve.engine.layers.rotary import apply_rotary
 
 
 @dataclass

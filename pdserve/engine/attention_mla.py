@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionContext, _decode_groups, gather_kv
-from pdserve.engine.deepseek_config import MLAConfig
+from pdserve.engine.config import MLAConfig
 
 MLA_BACKENDS = ("auto", "sdpa")
 

@@ -11,43 +11,41 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from pdserve.engine.deepseek_config import DEEPSEEK_MODEL_TYPES, MLAConfig, MoEConfig, deepseek_fields
 from pdserve.engine.errors import ModelLoadError
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-}
-SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm on each head of q and k before RoPE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+Get = Callable[..., Any]  # get(key, default=None): one field of a config.json
+
 
 @dataclass(frozen=True)
-class MoeConfig:
-    """Routed experts (Qwen3-MoE): how many, how a token picks them, and which layers have them."""
+class MLAConfig:
+    """Multi-head latent attention: K and V of every head are up-projected from one compressed
+    latent per token (``kv_lora_rank`` values, normed) plus one decoupled RoPE key shared by all
+    heads (``qk_rope_head_dim``); the cache holds those two alone (kv_cache.py)."""
 
-    num_experts: int
-    top_k: int  # experts per token (num_experts_per_tok)
-    intermediate_size: int  # each expert's width (moe_intermediate_size)
-    norm_topk_prob: bool  # renormalize a token's k weights to sum to one
-    sparse_step: int = 1  # decoder_sparse_step: layer i has experts when (i + 1) % sparse_step == 0...
-    dense_layers: tuple[int, ...] = ()  # ...and is not one of these (mlp_only_layers): a dense MLP there
+    q_lora_rank: int | None  # None: a plain q_proj; else q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) squared
+    rope_layout: str  # "interleaved", "complex" (the same pairs, kept in place), "halves"
 
-    def is_sparse(self, layer: int) -> bool:
-        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token stores per layer: the latent and its RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a decoder of one of the supported families (pdserve/engine/families.py),
-    independent of where weights came from."""
+    """Hyper-parameters of a decoder of one of the supported families (pdserve/engine/models/),
+    independent of where weights came from. Each family reads its own config.json into one."""
 
     model_type: str
     vocab_size: int
@@ -61,15 +59,13 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 has biases on q/k/v projections; Llama and Mistral do not.
-    rope_scaling: Mapping[str, Any] | None = None  # "llama3", or "yarn" (DeepSeek), with rope_theta
-    sliding_window: int | None = None  # Mistral: caps max_model_len (no windowed attention)
+    qkv_bias: bool  # biases on the q/k/v projections (Qwen2); Llama and Mistral have none
+    rope_scaling: Mapping[str, Any] | None = None  # "llama3" or "yarn", with rope_theta
+    sliding_window: int | None = None  # caps max_model_len (no windowed attention yet)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    mla: MLAConfig | None = None  # DeepSeek: latent attention, and its latent cache
-    # Routed experts: Qwen3-MoE's MoeConfig (above) or DeepSeek's MoEConfig (deepseek_config.py),
-    # each read by its own family; None: every layer's MLP is dense.
-    moe: MoeConfig | MoEConfig | None = None
+    mla: MLAConfig | None = None  # latent attention, and its latent cache
+    moe: Any = None  # the family's own routed-expert settings; None: every layer's MLP is dense
 
     @property
     def max_model_len(self) -> int:
@@ -78,67 +74,37 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
-def model_config_from_hf(hf: Any, source: str) -> ModelConfig:
-    """Read a ``transformers`` config (object or dict) into a ``ModelConfig``.
+def config_getter(hf: Any) -> Get:
+    """``get(key, default)`` over a config dict or a ``transformers`` config object."""
+    if isinstance(hf, Mapping):
+        return lambda k, d=None: hf.get(k, d)
+    return lambda k, d=None: getattr(hf, k, d)
 
-    ``source`` is the path the config came from; it names the model in errors.
-    """
-    get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, Mapping) else (lambda k, d=None: getattr(hf, k, d))
-    model_type = get("model_type")
-    archs = get("architectures") or []
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            source,
-            f"unsupported architecture {archs or model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}",
-        )
-    if model_type in DEEPSEEK_MODEL_TYPES:
-        return ModelConfig(**_common_fields(get), **deepseek_fields(get, source))
-    num_heads = get("num_attention_heads")
-    hidden = get("hidden_size")
+
+def dense_fields(get: Get, source: str, rope_types: tuple[str, ...] = ("default", "llama3")) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a Llama-like config (a family adds or overrides its own):
+    GQA heads, RoPE with ``rope_types`` scaling, no sliding window, biases where the config
+    says ``attention_bias``. A quantized checkpoint is refused here, by method, for every family
+    that reads its config through this: its weights copied as they are would be wrong."""
+    refuse_quantized(get, source)
+    num_heads, hidden = get("num_attention_heads"), get("hidden_size")
     rope = dict(get("rope_parameters") or get("rope_scaling") or {})
-    rope_theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ModelLoadError(source, f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
-    use_window = get("use_sliding_window", model_type == "mistral")
-    if model_type in QK_NORM_TYPES and get("attention_bias", False):
-        # transformers' Qwen3 then has an o_proj bias too, which no Qwen3 checkpoint has.
-        raise ModelLoadError(source, "attention_bias: Qwen3 models have no attention biases; supported: false")
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=get("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=get("intermediate_size"),
-        num_layers=get("num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=get("num_key_value_heads") or num_heads,
-        head_dim=get("head_dim") or hidden // num_heads,
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        max_position_embeddings=get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
-        rope_scaling=rope if rope_type == "llama3" else None,
-        sliding_window=(get("sliding_window") or None) if use_window else None,
-        bos_token_id=get("bos_token_id"),
-        eos_token_ids=eos_token_ids(get("eos_token_id")),
-        moe=moe_config_from_hf(get, source) if model_type == "qwen3_moe" else None,
-    )
+    if rope_type not in rope_types:
+        raise ModelLoadError(source, f"unsupported rope scaling {rope_type!r}; supported: {', '.join(rope_types)}")
+    return dict(common_fields(get), num_heads=num_heads, num_kv_heads=get("num_key_value_heads") or num_heads,
+                head_dim=get("head_dim") or hidden // num_heads,
+                rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+                qkv_bias=bool(get("attention_bias", False)), rope_scaling=rope if rope_type != "default" else None)
 
 
-def moe_config_from_hf(get, source: str) -> MoeConfig:
-    """The routed-expert fields of a Qwen3-MoE config (``get`` reads one field, with a default)."""
-    # transformers 5 writes num_local_experts; the published checkpoints say num_experts.
-    num_experts = get("num_experts") or get("num_local_experts")
-    top_k = get("num_experts_per_tok")
-    step = get("decoder_sparse_step", 1)
-    if not num_experts or not top_k or not 1 <= top_k <= num_experts:
-        raise ModelLoadError(source, f"num_experts_per_tok ({top_k}) must be between 1 and num_experts ({num_experts})")
-    if not step or step < 1:
-        raise ModelLoadError(source, f"decoder_sparse_step ({step}) must be at least 1")
-    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=get("moe_intermediate_size"),
-                     norm_topk_prob=bool(get("norm_topk_prob", False)), sparse_step=step,
-                     dense_layers=tuple(get("mlp_only_layers") or ()))
+def refuse_quantized(get: Get, source: str) -> None:
+    """``ModelLoadError`` naming the method of a checkpoint's ``quantization_config``."""
+    quantized = get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, Mapping) else "?"
+        raise ModelLoadError(source, f"quantization_config ({method}) is not supported: pdserve loads bfloat16, "
+                                     "float16 or float32 weights; dequantize the checkpoint first")
 
 
 def eos_token_ids(eos: Any) -> tuple[int, ...]:
@@ -146,7 +112,7 @@ def eos_token_ids(eos: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
 
 
-def _common_fields(get: Callable[..., Any]) -> dict[str, Any]:
+def common_fields(get: Get) -> dict[str, Any]:
     """The fields every family reads the same way."""
     return dict(model_type=get("model_type"), vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
                 intermediate_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),

@@ -1,6 +1,6 @@
 """How a model's projections, RMSNorms and LM head compute: one ``LinearBackend`` per model.
 
-The model (pdserve/engine/model.py) is built from plain ``nn.Linear``, ``RMSNorm`` and ``SiluAndMul`` modules so
+The model (pdserve/engine/models/) is built from ``nn.Linear`` (layers/linear.py), ``RMSNorm`` and ``SiluAndMul`` modules so
 that weights load by name. ``select_backend(dtype, device)`` then picks a backend once, at
 load, and ``apply_backend`` swaps those modules for the backend's own (a transform of an
 unchanged model, never a branch inside it):
@@ -34,7 +34,11 @@ from torch import nn
 from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.attention_paged import PagedAttention
-from pdserve.engine.model import MLP, Attention, CausalLM, DecoderStack, RMSNorm, RowParallelLinear, SiluAndMul
+from pdserve.engine.layers.activation import SiluAndMul
+from pdserve.engine.layers.linear import RowParallelLinear
+from pdserve.engine.layers.mlp import GatedMLP
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.models.decoder import Attention, CausalLM, DecoderStack
 
 
 class TorchBackend:
@@ -214,7 +218,7 @@ class PackedCpuBackend:
         """bfloat16: one call over the whole stack, where the layers are Llama's (the C++ stack
         is that layer, op for op; another family's layers run one by one). float32 keeps
         torch's norms between the linears, so its layers run one by one."""
-        llama = all(type(layer.self_attn) is Attention and type(layer.mlp) is MLP for layer in layers)
+        llama = all(type(layer.self_attn) is Attention and type(layer.mlp) is GatedMLP for layer in layers)
         return PackedDecoderStack(layers) if self.dtype == torch.bfloat16 and llama else None
 
 
@@ -239,7 +243,8 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and not (parent is model and name == "lm_head"):
-                setattr(parent, name, backend.linear(child, f32_out=split and isinstance(child, RowParallelLinear)))
+                f32_out = split and isinstance(child, RowParallelLinear) and child.f32_partials
+                setattr(parent, name, backend.linear(child, f32_out=f32_out))
             elif isinstance(child, RMSNorm):
                 setattr(parent, name, backend.norm(child))
             elif isinstance(child, SiluAndMul):

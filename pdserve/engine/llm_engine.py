@@ -29,7 +29,7 @@ from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankL
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.grammar_jobs import GrammarJobs
 from pdserve.engine.kv_cache import cache_spec_of, num_cache_blocks
-from pdserve.engine.model import CausalLM
+from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import Completion, RequestOutput, run_to_completion
 from pdserve.engine.sampling import SamplingParams, check_request

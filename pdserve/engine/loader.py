@@ -13,17 +13,18 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
-from pdserve.engine.config import ModelConfig, model_config_from_hf
+from pdserve.engine.checkpoint import safetensors_tensors
+from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import ModelLoadError
-from pdserve.engine.families import build_model
 from pdserve.engine.linear import apply_backend, select_backend
-from pdserve.engine.model import CausalLM
+from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.registry import build_model, model_config_from_hf
 from pdserve.engine.parallel import SINGLE, TensorParallel
+from pdserve.engine.weights import load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -106,45 +107,34 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return model_config_from_hf(raw, str(model_dir))
 
 
-def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(str(model_dir), "no *.safetensors files")
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except Exception as exc:  # safetensors raises SafetensorError / OSError on bad files
-            raise ModelLoadError(str(file), f"corrupt checkpoint ({exc})") from exc
-
-
 def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
                tp: TensorParallel = SINGLE) -> tuple[CausalLM, ModelConfig, Path]:
-    """Build the ``CausalLM`` of ``model``'s family (pdserve/engine/families.py), ``tp``'s share
+    """Build the ``CausalLM`` of ``model``'s family (pdserve/engine/models/), ``tp``'s share
     of it, and fill it; returns (model, config, HF dir).
 
-    Once filled, the model's linears are handed to the backend for ``dtype`` and ``device``
-    (pdserve/engine/linear.py), which packs their weights once, here, for the rest of its life.
+    The parameters are made once, in ``dtype`` on ``device`` (built on the meta device first,
+    so nothing is allocated in float32 and cast), and each checkpoint tensor is read on its
+    own, only the part this rank keeps (pdserve/engine/checkpoint.py): loading holds the
+    weights plus one tensor. Once filled, the model's linears are handed to the backend for
+    ``dtype`` and ``device`` (pdserve/engine/linear.py), which packs their weights once, here.
     """
     model_dir = materialize(model, progress)
     cfg = read_model_config(model_dir)
     with torch.device("meta"):
         net = build_model(cfg, tp)
-    net = net.to_empty(device=device).to(dtype)
-    weights = {}
-    for name, tensor in tqdm(_iter_safetensors(model_dir), desc=f"loading {model_dir.name}",
-                             unit="tensor", disable=not progress):
-        weights[name] = tensor
-    try:
-        missing = net.load_hf_weights(weights)
-    except ValueError as exc:
-        raise ModelLoadError(str(model_dir), f"corrupt checkpoint: {exc}") from exc
+    net = net.to(dtype).to_empty(device=device)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(str(model_dir), "no *.safetensors files")
+    tensors = list(safetensors_tensors(files))
+    with tqdm(total=sum(t.nbytes for t in tensors), desc=f"loading {model_dir.name}", unit="B", unit_scale=True,
+              unit_divisor=1024, disable=not progress) as bar:
+        try:
+            missing = load_checkpoint(net, tensors, progress=bar.update)
+        except ValueError as exc:
+            raise ModelLoadError(str(model_dir), f"corrupt checkpoint: {exc}") from exc
     if missing:
         raise ModelLoadError(str(model_dir), f"checkpoint is missing tensors for {missing[:4]}")
-    del weights
     net = apply_backend(net.eval(), select_backend(dtype, device))
     log.info("%s: %s linears (%s)%s", model_dir.name, net.linear_backend, dtype,
              f" on the {net.kernel_path} kernel path" if net.kernel_path else "")

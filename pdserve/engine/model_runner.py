@@ -28,7 +28,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.errors import RankLost
 from pdserve.engine.kv_cache import cache_spec_of
-from pdserve.engine.model import CausalLM
+from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import SINGLE
 from pdserve.engine.prompt_logprobs import prompt_logprobs
 from pdserve.engine.sampler import Sampler, SamplerRow

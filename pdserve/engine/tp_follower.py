@@ -24,7 +24,7 @@ from pdserve.engine.attention_select import select_attention
 from pdserve.engine.config import DTYPES
 from pdserve.engine.kv_cache import cache_spec_of, map_caches, prefault
 from pdserve.engine.loader import load_model
-from pdserve.engine.model import CausalLM
+from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.tp_group import FollowerSpec, join, open_store
 

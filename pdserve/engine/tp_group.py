@@ -43,8 +43,8 @@ from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.errors import InvalidRequestError, RankLost
 from pdserve.engine.kv_cache import cache_spec_of, num_cache_blocks, prefault, shared_caches
 from pdserve.engine.loader import load_model, materialize, read_model_config
-from pdserve.engine.families import check_split
-from pdserve.engine.model import CausalLM
+from pdserve.engine.models.registry import check_split
+from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import TensorParallel
 
 log = logging.getLogger(__name__)

@@ -1,50 +1,50 @@
-"""Copying a ``transformers``-named checkpoint into a model whose projections are fused and
-split over tensor-parallel ranks.
+"""Filling a model from a checkpoint: one loop over the checkpoint's tensors.
 
-A family says, per checkpoint tensor, where it goes (a ``Target``); ``load_weights`` cuts the
-tensor to the rank's share and copies it there. The model is built at the rank's sizes, so
-a shape that still disagrees is a checkpoint that does not fit the config.
+The model says where each checkpoint name goes (``checkpoint_target``: a parameter, and which
+part of it when the parameter fuses several checkpoint tensors); the module that owns the
+parameter reads its own share (``load_weight``, pdserve/engine/layers/linear.py). A module
+without ``load_weight`` (a norm, a replicated linear, the embedding) takes the whole tensor.
+The model is built at the rank's sizes, so a shape that still disagrees is a checkpoint that
+does not fit the config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from pdserve.engine.parallel import TensorParallel
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where one checkpoint tensor goes."""
-
-    name: str  # our parameter
-    offset: int | None = None  # first row inside a fused parameter (q|k|v, gate|up), at this rank's sizes
-    shard_dim: int | None = None  # the tensor's dimension split over the ranks (0: column-, 1: row-parallel)
+from pdserve.engine.checkpoint import CheckpointTensor, copy_checked
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor],
-                 target_of: Callable[[str], Target | None], tp: TensorParallel) -> list[str]:
-    """Copy ``weights`` into ``model``'s parameters; returns the names of parameters that
-    received nothing (empty when complete). A tensor ``target_of`` maps to None, or to a
-    parameter the model does not have, is skipped; a shape mismatch raises ValueError naming
-    the tensor."""
+def load_checkpoint(model: nn.Module, tensors: Iterable[CheckpointTensor],
+                    progress: Callable[[int], None] | None = None) -> list[str]:
+    """Copy ``tensors`` into ``model`` (which has ``checkpoint_target``); returns the names of
+    parameters that received nothing (empty when complete). Raises ValueError on a shape
+    mismatch or on a checkpoint tensor the model has no place for, naming the tensor: a tensor
+    dropped without a word (a quantization scale, say) would serve wrong tokens.
+    ``progress(bytes)`` is called after each tensor."""
     params = dict(model.named_parameters())
+    params.update((n, b) for n, b in model.named_buffers() if b is not None)
     filled: set[str] = set()
-    for hf_name, tensor in weights.items():
-        target = target_of(hf_name)
-        if target is None or target.name not in params:
-            continue
-        if target.shard_dim is not None:
-            tensor = tp.narrow(tensor, target.shard_dim, hf_name)
-        param = params[target.name].data
-        dst = param if target.offset is None else param[target.offset:target.offset + tensor.shape[0]]
-        if dst.shape != tensor.shape:
-            raise ValueError(f"tensor {hf_name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
-        filled.add(target.name)
-    return [n for n in params if n not in filled]
+    for tensor in tensors:
+        target = model.checkpoint_target(tensor.name)
+        if target is not None:
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"tensor {tensor.name}: the model has no parameter {name} for it")
+            owner, _, local = name.rpartition(".")
+            module = model.get_submodule(owner)
+            loader = getattr(module, "load_weight", None)
+            if loader is not None:
+                loader(local, tensor, shard)
+            elif shard is not None:
+                raise ValueError(f"tensor {tensor.name}: {owner} takes no part {shard!r} of a fused parameter")
+            else:
+                copy_checked(params[name].data, tensor.read(), tensor.name)
+            filled.add(name)
+        if progress is not None:
+            progress(tensor.nbytes)
+    return [n for n, _ in model.named_parameters() if n not in filled]

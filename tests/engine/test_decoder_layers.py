@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine import cpu_kernels
 from pdserve.engine.linear import PackedDecoderStack
-from pdserve.engine.model import DecoderStack
+from pdserve.engine.models.decoder import DecoderStack
 from pdserve.engine.sampling import SamplingParams
 from tests.factories import make_engine, make_hf_model, random_prompts, save_hf_model
 

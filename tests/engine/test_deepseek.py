@@ -1,4 +1,4 @@
-"""The DeepSeek family (pdserve/engine/deepseek.py) against transformers on small random
+"""The DeepSeek family (pdserve/engine/models/deepseek/) against transformers on small random
 models of each layout (tests/deepseek_models.py): float32 greedy tokens equal transformers'
 ``generate``, bfloat16 is logprob-close by vLLM's standard, a prefix-cache hit and chunked
 prefill give the same tokens, and the cache holds one latent row per token and layer."""
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pdserve.engine.config import model_config_from_hf
+from pdserve.engine.models.registry import model_config_from_hf
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.loader import load_model
 from pdserve.engine.sampling import SamplingParams

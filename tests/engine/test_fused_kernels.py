@@ -14,8 +14,8 @@ from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionBackend, build_context
 from pdserve.engine.attention_paged import PagedAttention
 from pdserve.engine.linear import PackedSiluAndMul, select_backend
-from pdserve.engine.model import SiluAndMul
-from pdserve.engine.rope import RotaryEmbedding
+from pdserve.engine.layers.activation import SiluAndMul
+from pdserve.engine.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 + FMA")
 
@@ -97,7 +97,7 @@ def test_fused_ops_pass_torch_opcheck_for_compiled_graphs():
 def test_add_rms_norm_equals_the_add_then_the_norm():
     """The fused residual add rounds the sum to bfloat16 first, as ``h = h + sublayer(h)`` does."""
     from pdserve.engine.linear import PackedRMSNorm
-    from pdserve.engine.model import RMSNorm
+    from pdserve.engine.layers.norm import RMSNorm
 
     norm = RMSNorm(576, 1e-5)
     norm.weight.data = (1 + 0.1 * torch.randn(576, generator=torch.Generator().manual_seed(2))).bfloat16()

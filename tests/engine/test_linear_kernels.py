@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine import cpu_kernels
 from pdserve.engine.linear import PackedLinear, PackedRMSNorm, select_backend
-from pdserve.engine.model import RMSNorm
+from pdserve.engine.layers.norm import RMSNorm
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 + FMA")
 

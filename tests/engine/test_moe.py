@@ -1,10 +1,10 @@
-"""The MoE layer (pdserve/engine/moe.py) against transformers' Qwen3-MoE block on the same
+"""The MoE layer (pdserve/engine/layers/moe.py) against transformers' Qwen3-MoE block on the same
 weights, and its tensor-parallel split: the ranks' partial outputs sum to the whole layer."""
 
 import pytest
 import torch
 
-from pdserve.engine.moe import RoutedExperts, SoftmaxTopKGate, SparseMoe
+from pdserve.engine.layers.moe import RoutedExperts, SoftmaxTopKGate, SparseMoe
 from pdserve.engine.parallel import TensorParallel
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 24, 8, 2

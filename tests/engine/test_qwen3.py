@@ -1,4 +1,4 @@
-"""The Qwen3 families through the engine (pdserve/engine/qwen3.py, moe.py): float32 greedy
+"""The Qwen3 families through the engine (pdserve/engine/models/qwen3.py, layers/moe.py): float32 greedy
 tokens equal transformers' generate; bfloat16 (pdserve's packed kernels, experts included)
 is close to it by vLLM's standard; a request's tokens do not depend on its batch; prefix
 caching keeps the output; the checkpoint's config is read, and refused, field by field."""
@@ -8,11 +8,10 @@ import json
 import pytest
 import torch
 
-from pdserve.engine.config import SUPPORTED_MODEL_TYPES, model_config_from_hf
 from pdserve.engine.errors import ModelLoadError
-from pdserve.engine.families import FAMILIES as BUILDERS
+from pdserve.engine.models.registry import model_config_from_hf
 from pdserve.engine.linear import PackedDecoderStack
-from pdserve.engine.moe import SparseMoe
+from pdserve.engine.layers.moe import SparseMoe
 from pdserve.engine.sampling import SamplingParams
 from tests.engine.test_engine_batching import run_staggered
 from tests.factories import hf_greedy, make_engine, random_prompts
@@ -86,10 +85,6 @@ def test_prefix_cache_hit_keeps_the_output(family):
     out = engine.generate([shared + [7, 8, 9]], params)[0]
     assert engine.runner.num_forward_tokens - before == 3 + 7  # the uncached tail, then 7 decode steps
     assert out.token_ids == hf_greedy(hf, shared + [7, 8, 9], 8)
-
-
-def test_every_supported_model_type_has_a_builder():
-    assert set(BUILDERS) == SUPPORTED_MODEL_TYPES
 
 
 MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,

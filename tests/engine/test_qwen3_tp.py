@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.engine.attention import SdpaAttention, build_context
-from pdserve.engine.families import build_model
+from pdserve.engine.models.registry import build_model
 from pdserve.engine.kv_cache import KVCacheSpec, layer_views
 from pdserve.engine.loader import read_model_config
 from pdserve.engine.parallel import ShardError, TensorParallel

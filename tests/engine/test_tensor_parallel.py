@@ -14,7 +14,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import RankLost
-from pdserve.engine.families import check_split
+from pdserve.engine.models.registry import check_split
 from pdserve.engine.parallel import ShardError
 from pdserve.engine.sampling import SamplingParams
 from tests.engine.test_engine_batching import LENGTHS, run_staggered

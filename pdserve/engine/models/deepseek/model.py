@@ -13,36 +13,43 @@ Tensor parallelism (``TensorParallel``): q_proj / q_b_proj and kv_b_proj are spl
 (their rows are head-major), o_proj by the matching input columns, followed by one
 all-reduce; the low-rank projections, their norms and the gate are replicated, so every rank
 computes, and caches, the whole latent (it has no head axis). MLPs and experts split in
-width (moe.py). The fused decoder-stack kernel is Llama's; these layers run one by one.
+width (layers/moe.py). The fused decoder-stack kernel is Llama's; these layers run one by one.
 """
 
 from __future__ import annotations
-
-from typing import Mapping
 
 import torch
 from torch import nn
 
 from pdserve.engine.attention import AttentionContext
+from pdserve.engine.checkpoint import CheckpointTensor, copy_checked
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.deepseek_moe import DeepseekMoe
-from pdserve.engine.model import CausalLM, DecoderLayer, RMSNorm
-from pdserve.engine.moe import GatedMLP
+from pdserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pdserve.engine.layers.mlp import GatedMLP
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import (RotaryEmbedding, apply_rotary, apply_rotary_complex,
+                                          apply_rotary_interleaved)
+from pdserve.engine.models.decoder import CausalLM, DecoderLayer
+from pdserve.engine.models.deepseek.moe import DeepseekMoe
 from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.rope import (RotaryEmbedding, apply_rotary, apply_rotary_complex,
-                                 apply_rotary_interleaved)
 
 LORA_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps
 
 
 class UpProjection(nn.Module):
-    """kv_b_proj's weight (nh * (nope + v), kv_lora_rank), held as a plain parameter: the
-    attention backend reads it whole (prefill) or per head (decode), so a linear backend
-    must not pack it (linear.apply_backend packs ``nn.Linear`` modules only)."""
+    """kv_b_proj's weight (nh * (nope + v), kv_lora_rank), this rank's heads, held as a plain
+    parameter: the attention backend reads it whole (prefill) or per head (decode), so a linear
+    backend must not pack it (linear.apply_backend packs ``nn.Linear`` modules only)."""
 
-    def __init__(self, out_features: int, in_features: int):
+    def __init__(self, out_features: int, in_features: int, tp: TensorParallel):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(tp.share(out_features, "num_attention_heads"), in_features))
+
+    def load_weight(self, name: str, tensor: CheckpointTensor, shard=None) -> None:
+        """This rank's heads' rows (the weight is head-major)."""
+        rows = self.weight.shape[0]
+        copy_checked(self.weight.data, tensor.read(0, self.tp.rank * rows, rows), tensor.name)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -53,17 +60,19 @@ class MultiHeadLatentAttention(nn.Module):
         mla, hidden, bias = cfg.mla, cfg.hidden_size, cfg.qkv_bias
         self.mla, self.tp = mla, tp
         self.nh = tp.share(cfg.num_heads, "num_attention_heads")
-        q_out = self.nh * mla.qk_head_dim
+        q_out, heads = cfg.num_heads * mla.qk_head_dim, "num_attention_heads"  # split by head
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
-        else:
+            self.q_proj = ColumnParallelLinear(hidden, q_out, bias=False, tp=tp, what=heads)
+        else:  # the low-rank part and its norm are replicated
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, q_out, bias=False, tp=tp, what=heads)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = UpProjection(self.nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
-        self.o_proj = nn.Linear(self.nh * mla.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = UpProjection(cfg.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank, tp)
+        # All-reduced at once, in the model dtype (its partial sums are not handed on in float32).
+        self.o_proj = RowParallelLinear(cfg.num_heads * mla.v_head_dim, hidden, bias=bias, tp=tp, what=heads,
+                                        f32_partials=False)
         self.backend = None  # set by the model runner
         self.cache: torch.Tensor | None = None
 
@@ -96,14 +105,11 @@ class DeepseekDecoderLayer(DecoderLayer):
     first ``first_k_dense_replace`` layers) or the MoE."""
 
     def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallel):
-        nn.Module.__init__(self)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MultiHeadLatentAttention(cfg, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if index < cfg.moe.first_dense_layers:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         else:
-            self.mlp = DeepseekMoe(cfg.hidden_size, cfg.moe, tp)
+            mlp = DeepseekMoe(cfg.hidden_size, cfg.moe, tp)
+        super().__init__(cfg, MultiHeadLatentAttention(cfg, tp), mlp, tp)
 
 
 class Float32Rotary(RotaryEmbedding):
@@ -125,66 +131,13 @@ class DeepseekForCausalLM(CausalLM):
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return DeepseekDecoderLayer(cfg, index, self.tp)
 
-    @staticmethod
-    def split_dims(cfg: ModelConfig) -> tuple[tuple[int, str], ...]:
-        """The attention heads (the latent is replicated, not split); the dense layers' width
-        where there are any; each routed expert's and the shared experts' width."""
-        moe = cfg.moe
-        dims = [(cfg.num_heads, "num_attention_heads"), (moe.intermediate_size, "moe_intermediate_size")]
-        if moe.first_dense_layers:
-            dims.append((cfg.intermediate_size, "intermediate_size"))
-        if moe.shared_intermediate_size:
-            dims.append((moe.shared_intermediate_size, "moe_intermediate_size * n_shared_experts"))
-        return tuple(dims)
+    # Only gate and up are fused; q_proj, q_b_proj and kv_b_proj are whole projections here.
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    @torch.no_grad()
-    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> list[str]:
-        """Copy a ``transformers``-named state dict in: this rank's share of each tensor, gate
-        and up fused. Skips DeepSeek-V3's multi-token-prediction layer (``model.layers.<N>``,
-        N = num_hidden_layers), which greedy decoding does not run. Returns the parameters that
-        received nothing; raises ValueError on a shape mismatch naming the tensor."""
-        params = dict(self.named_parameters())
-        params.update(self.named_buffers())
-        filled: set[str] = set()
-        for hf_name, tensor in weights.items():
-            target = _target_of(hf_name, self.cfg)
-            if target is None or target[0] not in params:
-                continue
-            name, dim, slot = target
-            if dim is not None:
-                tensor = self.tp.narrow(tensor, dim, hf_name)
-            elif name.endswith("o_proj.bias") and self.tp.rank:
-                tensor = torch.zeros_like(tensor)  # a row-split linear's bias is added once, by rank 0
-            param = params[name]
-            dst = param.data if slot is None else param.data.narrow(0, slot * tensor.shape[0], tensor.shape[0])
-            if dst.shape != tensor.shape:
-                raise ValueError(f"tensor {hf_name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            filled.add(name)
-        return [n for n, _ in self.named_parameters() if n not in filled]
-
-
-# transformers' suffix -> (ours, the dimension split across ranks, slot in a fused gate|up)
-_SHARDS = {
-    ".gate_proj.weight": (".gate_up_proj.weight", 0, 0),
-    ".up_proj.weight": (".gate_up_proj.weight", 0, 1),
-    ".down_proj.weight": (".down_proj.weight", 1, None),
-    ".q_proj.weight": (".q_proj.weight", 0, None),
-    ".q_b_proj.weight": (".q_b_proj.weight", 0, None),
-    ".kv_b_proj.weight": (".kv_b_proj.weight", 0, None),
-    ".o_proj.weight": (".o_proj.weight", 1, None),
-}
-
-
-def _target_of(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None, int | None] | None:
-    """(our parameter, split dimension or None, gate|up slot or None), or None to skip."""
-    name = hf_name.removeprefix("model.")
-    if (name == "lm_head.weight" and cfg.tie_word_embeddings) or "rotary_emb" in name:
-        return None
-    parts = name.split(".")
-    if parts[0] == "layers" and int(parts[1]) >= cfg.num_layers:  # V3's MTP module
-        return None
-    for suffix, (ours, dim, slot) in _SHARDS.items():
-        if name.endswith(suffix):
-            return name.removesuffix(suffix) + ours, dim, slot
-    return name, None, None
+    def checkpoint_target(self, name: str) -> tuple[str, object] | None:
+        """As every family's, but DeepSeek-V3's multi-token-prediction layer
+        (``model.layers.<N>``, N = num_hidden_layers), which greedy decoding does not run, is skipped."""
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "layers" and int(parts[1]) >= self.cfg.num_layers:
+            return None
+        return super().checkpoint_target(name)

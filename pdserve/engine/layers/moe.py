@@ -1,10 +1,10 @@
 """Mixture of experts: a gate picks k experts for each token, and the experts run grouped by expert.
 
-The parts, for every family whose MoE is routed SiLU-gated experts (Qwen3-MoE in
-pdserve/engine/qwen3.py; DeepSeek's brings its own gate and adds its shared experts):
+The parts, for every family whose MoE is routed SiLU-gated experts (a family may bring its own
+gate and add shared experts):
 
 - a *gate* is any module ``x (T, hidden) -> (topk_weights (T, k) float32, topk_ids (T, k)
-  int64)``. ``SoftmaxTopKGate`` is Qwen3-MoE's (and Mixtral's): a softmax over the experts'
+  int64)``. ``SoftmaxTopKGate`` is the common one (Mixtral's): a softmax over the experts'
   logits, the k largest, renormalized to sum to one when the checkpoint says
   ``norm_topk_prob``. Its linear is replicated on every rank: every rank routes every token.
 - ``RoutedExperts(num_experts, hidden, intermediate, tp)`` holds the experts (``GatedMLP``s,
@@ -35,32 +35,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.model import RowParallelLinear, SiluAndMul
+from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.parallel import SINGLE, TensorParallel
-
-
-class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` on this rank's share of the intermediate width.
-
-    gate|up are fused (one matmul) and column-split, down is row-split; with ``reduce`` the
-    ranks' partial outputs are all-reduced here (a dense MLP), without it the caller reduces
-    (an expert, a shared expert). ``what`` names the width in a ``ShardError``.
-    """
-
-    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = SINGLE, reduce: bool = True,
-                 what: str = "intermediate_size"):
-        super().__init__()
-        inter = tp.share(intermediate, what)
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        # Row-split; reduced here, its partial sums go to the all-reduce in float32 where a
-        # backend gives them so (pdserve/engine/linear.py); an expert's stay in the model dtype.
-        self.down_proj = (RowParallelLinear if reduce else nn.Linear)(inter, hidden, bias=False)
-        self.act = SiluAndMul()
-        self.tp = tp if reduce else SINGLE
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden): the whole output, or this rank's part without ``reduce``."""
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x)))).to(x.dtype)
 
 
 class SoftmaxTopKGate(nn.Module):

@@ -1,5 +1,4 @@
-"""The DeepSeek-V2 / V2-Lite / V3 part of reading a ``config.json`` (config.py's
-``model_config_from_hf`` builds the ``ModelConfig`` from it).
+"""Reading a DeepSeek-V2 / V2-Lite / V3 ``config.json`` into a ``ModelConfig``.
 
 The attention (MLA) and MoE hyper-parameters go into their own dataclasses (``MLAConfig``,
 ``MoEConfig``); what the rest of the engine reads keeps its meaning: ``num_heads`` query
@@ -15,38 +14,13 @@ correction bias and group-limited top-k (its ``noaux_tc``), whatever ``topk_meth
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+from pdserve.engine.config import Get, MLAConfig, ModelConfig, common_fields, refuse_quantized
 from pdserve.engine.errors import ModelLoadError
-from pdserve.engine.rope import yarn_mscale
+from pdserve.engine.layers.rotary import yarn_mscale
 
-Get = Callable[..., Any]
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V2/V3): K and V of every head are up-projected
-    from one compressed latent per token (``kv_lora_rank`` values, normed) plus one decoupled
-    RoPE key shared by all heads (``qk_rope_head_dim``); the cache holds those two alone."""
-
-    q_lora_rank: int | None  # None: a plain q_proj (V2-Lite); else q_a_proj -> norm -> q_b_proj
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    softmax_scale: float  # qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) squared
-    rope_layout: str  # "interleaved" (V3), "complex" (V2: the same pairs, kept in place), "halves"
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_dim(self) -> int:
-        """Values one token stores per layer: the latent and its RoPE key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -67,25 +41,22 @@ class MoEConfig:
     routed_scaling_factor: float
 
 
-def deepseek_fields(get: Get, source: str) -> dict[str, Any]:
-    """The ``ModelConfig`` fields of a DeepSeek config that are its own; ``get(key, default)``
-    reads the HF config, ``source`` names the model in errors."""
+def read_config(get: Get, source: str) -> ModelConfig:
+    """A DeepSeek config.json's ``ModelConfig``; ``get(key, default)`` reads the HF config,
+    ``source`` names the model in errors."""
     model_type = get("model_type")
     if get("hidden_act", "silu") != "silu":
         raise ModelLoadError(source, f"unsupported hidden_act {get('hidden_act')!r}; supported: silu")
     if get("mlp_bias", False):
         raise ModelLoadError(source, "mlp_bias=true is not supported for DeepSeek models")
-    quantized = get("quantization_config")
-    if quantized:  # DeepSeek-V3's own release is FP8 with per-block scales: copied as is, it would be wrong
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise ModelLoadError(source, f"quantization_config ({method}) is not supported: pdserve loads bfloat16 or "
-                                     "float32 weights; dequantize the checkpoint first")
+    refuse_quantized(get, source)  # DeepSeek-V3's own release is FP8 with per-block scales
     num_heads = get("num_attention_heads")
     rope, rope_theta = _rope(get, source)
     mla = _mla(get, rope, model_type)
-    return dict(num_heads=num_heads, num_kv_heads=num_heads, head_dim=mla.qk_head_dim, rope_theta=rope_theta,
-                qkv_bias=bool(get("attention_bias", False)),  # q_a_proj, kv_a_proj_with_mqa and o_proj
-                rope_scaling=rope, mla=mla, moe=_moe(get, source, model_type))
+    return ModelConfig(**common_fields(get), num_heads=num_heads, num_kv_heads=num_heads, head_dim=mla.qk_head_dim,
+                       rope_theta=rope_theta,
+                       qkv_bias=bool(get("attention_bias", False)),  # q_a_proj, kv_a_proj_with_mqa and o_proj
+                       rope_scaling=rope, mla=mla, moe=_moe(get, source, model_type))
 
 
 def _rope(get: Get, source: str) -> tuple[dict[str, Any] | None, float]:

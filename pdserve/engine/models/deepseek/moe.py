@@ -1,5 +1,5 @@
 """DeepSeek's mixture of experts: its gates (V2's softmax, V3's sigmoid with a correction
-bias), routed experts from moe.py and the shared experts added before the one all-reduce.
+bias), routed experts from layers/moe.py and the shared experts added before the one all-reduce.
 
 Both gates are group-limited when the config says so: the experts are split into
 ``num_groups`` groups, a token keeps only its ``topk_groups`` best groups, and picks its
@@ -19,13 +19,14 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from pdserve.engine.deepseek_config import MoEConfig
-from pdserve.engine.moe import GatedMLP, RoutedExperts
+from pdserve.engine.layers.mlp import GatedMLP
+from pdserve.engine.layers.moe import RoutedExperts
+from pdserve.engine.models.deepseek.config import MoEConfig
 from pdserve.engine.parallel import SINGLE, TensorParallel
 
 
 class DeepseekGate(nn.Module):
-    """x (T, hidden) -> (weights (T, k) float32, expert ids (T, k) int64), moe.py's gate contract.
+    """x (T, hidden) -> (weights (T, k) float32, expert ids (T, k) int64), layers/moe.py's gate contract.
 
     Replicated on every rank (every rank routes every token). The logits are computed in
     float32 from the weight as loaded, as transformers does; the correction bias stays float32

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over packed, variable-length tokens.
+"""The decoder most families share (Llama's), over packed, variable-length tokens.
 
 Tokens of every sequence in a step are packed along one axis (T). The model does not know
 the KV cache exists: each attention layer is handed its cache slice (``bind_cache``) and
@@ -11,10 +11,15 @@ modules (bfloat16 on CPU: pdserve's batch-invariant kernels); the model does not
 Tensor parallelism (``TensorParallel``, pdserve/engine/parallel.py) is Megatron's split: each
 rank holds its share of the q heads and of the KV heads (q|k|v split by heads), of the MLP's
 intermediate rows (gate|up), and the matching input columns of o_proj and down_proj, whose
-partial outputs one all-reduce each sums. The embedding, the norms and the LM head are
-replicated; only rank 0 computes logits (it alone samples), so the other ranks hold no LM head.
-At size 1 every split is the whole and every all-reduce the identity. ``check_split`` says,
-per family, whether a size splits a model, before anything is built.
+partial outputs one all-reduce each sums: the layers (pdserve/engine/layers/linear.py) know
+their split and load their own share. The embedding, the norms and the LM head are replicated;
+only rank 0 computes logits (it alone samples), so the other ranks hold no LM head. At size 1
+every split is the whole and every all-reduce the identity.
+
+Loading: ``load_checkpoint`` maps each checkpoint name to a parameter (``checkpoint_target``:
+the family's ``packed_modules_mapping`` says which checkpoint tensors are parts of one fused
+parameter) and hands the tensor to the parameter's module, whose ``load_weight`` reads only
+this rank's part. A module without one takes the tensor whole.
 """
 
 from __future__ import annotations
@@ -26,39 +31,14 @@ from torch import nn
 import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionContext
+from pdserve.engine.checkpoint import InMemoryTensor
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.linear import QKVParallelLinear, RowParallelLinear
+from pdserve.engine.layers.mlp import GatedMLP
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.parallel import SINGLE, TensorParallel
-from pdserve.engine.rope import RotaryEmbedding
-from pdserve.engine.weights import Target, load_weights
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``norm(x)``; with ``residual``, first ``x = x + residual`` (the layer's skip
-        connection) and returns ``(norm(x), x)``, so a backend can fuse the add in."""
-        if residual is not None:
-            x = x + residual
-            return self._norm(x), x
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-class RowParallelLinear(nn.Linear):
-    """A linear whose input columns are split over the tensor-parallel ranks (o_proj,
-    down_proj): each rank's output is a partial sum, which ``TensorParallel.all_reduce``
-    completes. It computes as ``nn.Linear``; the class tells a linear backend that, at TP > 1,
-    the partial sums are better handed over in float32 (pdserve/engine/linear.py), so its
-    caller casts the reduced sum back to the model dtype."""
+from pdserve.engine.weights import load_checkpoint
 
 
 class Attention(nn.Module):
@@ -67,12 +47,12 @@ class Attention(nn.Module):
         self.tp = tp
         # This rank's heads: q heads and KV heads each split evenly, so every rank keeps the
         # model's GQA ratio and its q heads read only its own KV heads.
-        self.nh = tp.share(cfg.num_heads, "num_attention_heads")
-        self.nkv = tp.share(cfg.num_kv_heads, "num_key_value_heads")
-        self.hd = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.qkv_bias, tp=tp)
+        self.nh, self.nkv, self.hd = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, tp=tp,
+                                        what="num_attention_heads")
         self.backend = None  # set by the model runner
         self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, nkv, hd), bound by the runner
         self.v_cache: torch.Tensor | None = None
@@ -88,32 +68,9 @@ class Attention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(x.shape[0], self.q_size))).to(x.dtype)
 
 
-class SiluAndMul(nn.Module):
-    """(T, 2I) gate|up -> (T, I) silu(gate) * up, as transformers computes it; a linear
-    backend may swap it for a fused kernel (pdserve/engine/linear.py)."""
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
-        super().__init__()
-        self.tp = tp
-        self.inter = tp.share(cfg.intermediate_size, "intermediate_size")  # this rank's rows
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, bias=False)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x)))).to(x.dtype)
-
-
 class DecoderLayer(nn.Module):
     """Norm, attention, norm, MLP, with the residual stream between. A family whose attention
-    or MLP differs from Llama's (pdserve/engine/qwen3.py) hands its own in; the norms and the
-    stream are the same."""
+    or MLP differs from Llama's hands its own in; the norms and the stream are the same."""
 
     def __init__(self, cfg: ModelConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None,
                  tp: TensorParallel = SINGLE):
@@ -121,7 +78,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, tp) if self_attn is None else self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp) if mlp is None else mlp
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,11 +109,17 @@ class DecoderStack(nn.Module):
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head: Llama's, or another family's. A family
-    is a subclass (pdserve/engine/families.py): it passes its own ``layers`` (qwen3.py) or
-    overrides ``make_rotary`` and ``make_layer`` (deepseek.py), and maps its weight names."""
+    (pdserve/engine/models/) subclasses it: it passes its own ``layers`` or overrides
+    ``make_rotary`` and ``make_layer``, and names the checkpoint tensors that are parts of one
+    of its fused parameters in ``packed_modules_mapping``."""
 
     # The layers are the ones torch.ops.pdserve.decoder_layers runs in one call (linear.py).
     packed_stack = True
+    # A checkpoint module name -> (ours, the part it is of ours): q, k and v are parts of our
+    # q|k|v projection, gate and up of our gate|up (layers/linear.py loads each part).
+    packed_modules_mapping: dict[str, tuple[str, object]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layers: Iterable[nn.Module] | None = None):
         super().__init__()
@@ -213,44 +176,22 @@ class CausalLM(nn.Module):
             attn.bind_cache(cache, backend)
         self._bound = (caches, backend)
 
+    def checkpoint_target(self, name: str) -> tuple[str, object] | None:
+        """Where checkpoint tensor ``name`` goes: (our parameter, its part of it or None), or
+        None for a tensor this rank does not keep (a tied or absent LM head, RoPE tables)."""
+        name = name.removeprefix("model.")
+        if name.startswith("lm_head.") and (self.cfg.tie_word_embeddings or self.lm_head is None):
+            return None
+        if "rotary_emb" in name:
+            return None
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.packed_modules_mapping:
+                ours, shard = self.packed_modules_mapping[part]
+                return ".".join(parts[:i] + [ours] + parts[i + 1:]), shard
+        return name, None
+
     @torch.no_grad()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> list[str]:
-        """Copy a ``transformers``-named state dict in, fusing q|k|v and gate|up, each tensor
-        cut to this rank's share (pdserve/engine/weights.py).
-
-        Returns the names of parameters that received nothing (empty when complete); raises
-        ValueError on a shape mismatch naming the tensor.
-        """
-        return load_weights(self, weights, lambda name: llama_target(name, self.cfg, self.tp), self.tp)
-
-    @staticmethod
-    def split_dims(cfg: ModelConfig) -> tuple[tuple[int, str], ...]:
-        """The (size, name) of every dimension this family splits over tensor-parallel ranks
-        (``check_split``); a family with other splits overrides it."""
-        return ((cfg.num_heads, "num_attention_heads"), (cfg.num_kv_heads, "num_key_value_heads"),
-                (cfg.intermediate_size, "intermediate_size"))
-
-
-def llama_target(hf_name: str, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> Target | None:
-    """Where a transformers tensor goes: our parameter, the row offset into a fused one (at this
-    rank's sizes) and the dimension split over the ranks (q, k, v, gate, up by output rows;
-    o_proj, down_proj by input columns; a bias has one dimension: only q, k, v have any)."""
-    name = hf_name.removeprefix("model.")
-    if (name == "lm_head.weight" and cfg.tie_word_embeddings) or "rotary_emb" in name:
-        return None
-    q = tp.share(cfg.num_heads, "num_attention_heads") * cfg.head_dim
-    kv = tp.share(cfg.num_kv_heads, "num_key_value_heads") * cfg.head_dim
-    inter = tp.share(cfg.intermediate_size, "intermediate_size")
-    fused = {
-        ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0),
-        ".self_attn.k_proj.": (".self_attn.qkv_proj.", q),
-        ".self_attn.v_proj.": (".self_attn.qkv_proj.", q + kv),
-        ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
-        ".mlp.up_proj.": (".mlp.gate_up_proj.", inter),
-    }
-    for src, (dst, offset) in fused.items():
-        if src in name:
-            return Target(name.replace(src, dst), offset, 0)
-    if ".self_attn.o_proj." in name or ".mlp.down_proj." in name:
-        return Target(name, None, 1)
-    return Target(name)
+        """Load an in-memory, ``transformers``-named state dict (``load_checkpoint``)."""
+        return load_checkpoint(self, (InMemoryTensor(n, t) for n, t in weights.items()))

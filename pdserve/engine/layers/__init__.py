@@ -1,0 +1,3 @@
+"""The building blocks of every model family: parallel linears that load their own shard
+(linear.py), norms, activations, the gated MLP, mixture-of-experts and rotary embeddings.
+Tensor-parallel arithmetic lives here and in pdserve/engine/parallel.py, nowhere else."""
