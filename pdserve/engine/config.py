@@ -7,7 +7,7 @@ are returned by functions, never written back here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -42,6 +42,19 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+class ExpertsConfig(Protocol):
+    """What a family's routed-expert settings tell readers outside the family (the planner);
+    each family keeps its own dataclass with whatever else its routing needs."""
+
+    num_experts: int  # routed experts in an MoE layer
+    top_k: int  # of them, per token
+    intermediate_size: int  # one routed expert's width
+    shared_intermediate_size: int  # the always-on experts' summed width; 0: none
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is routed experts (else a dense MLP)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder of one of the supported families (pdserve/engine/models/),
@@ -65,7 +78,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mla: MLAConfig | None = None  # latent attention, and its latent cache
-    moe: Any = None  # the family's own routed-expert settings; None: every layer's MLP is dense
+    moe: ExpertsConfig | None = None  # the family's own routed-expert settings; None: every MLP is dense
 
     @property
     def max_model_len(self) -> int:

@@ -1,11 +1,11 @@
 """What the cost model needs to know about a model: its shape, from which parameters, FLOPs
 per token, the bytes a step streams and KV bytes per token follow. Read from a HF config
-(``spec_from_config``: the model's config.json) or a named preset (the published configs of
+(``spec_from_config``: the model's config.json, through the engine's own family readers) or a named preset (the published configs of
 well-known models, written out here).
 
 Two shapes beyond a dense GQA decoder:
-- Mixture of experts (Qwen3-MoE, DeepSeek-V2/V3): a token runs through its ``experts_per_token``
-  routed experts and the shared ones, so its FLOPs follow the *active* parameters, while the
+- Mixture of experts: a token runs through its ``experts_per_token`` routed experts and the
+  shared ones (where a family has any), so its FLOPs follow the *active* parameters, while the
   device holds the *total*. A decode step streams only the experts its batch touches.
 - Multi-head latent attention (DeepSeek-V2/V3, "MLA"): the cache holds one compressed latent
   of ``kv_lora_rank`` values and one RoPE key of ``qk_rope_head_dim`` per token and layer, for
@@ -213,84 +213,57 @@ class ModelSpec:
         return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-def config_getter(hf: Any):
-    """``get(key, default)`` over a config dict or a ``transformers`` config object; a key set
-    to null reads as missing (DeepSeek-V2-Lite's ``q_lora_rank``)."""
-    def get(key: str, default: Any = None) -> Any:
-        value = hf.get(key) if isinstance(hf, Mapping) else getattr(hf, key, None)
-        return default if value is None else value
-    return get
-
-
 def spec_from_config(hf: Any, name: str = "model") -> ModelSpec:
     """A spec from a HF config (its config.json as a dict, or a ``transformers`` config object).
 
-    Reads every family the planner models, whether or not the engine serves it yet, itself
-    (not through the engine's ``model_config_from_hf``): Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE
-    and DeepSeek-V2/V3. An unknown ``model_type`` is an error: its fields might mean something
-    else (Mixtral's experts are ``num_local_experts`` at the MLP's width, for one).
+    The config is read by its family's own reader in the engine (pdserve/engine/models/, the
+    one list of families), so the planner models exactly what the engine would build. An
+    unknown ``model_type`` is an error: its fields might mean something else (Mixtral's experts
+    are ``num_local_experts`` at the MLP's width, for one).
     """
-    get = config_getter(hf)
-    model_type = get("model_type")
-    if model_type not in HF_FAMILIES:
+    from pdserve.engine.errors import ModelLoadError
+    from pdserve.engine.models.registry import families, model_config_from_hf
+
+    model_type = hf.get("model_type") if isinstance(hf, Mapping) else getattr(hf, "model_type", None)
+    if model_type not in families():
         raise ModelSpecError("model_type", f"{model_type!r} is not a family the planner models; expected one of "
-                                           f"{sorted(HF_FAMILIES)}")
-    need = _needer(get)
-    heads, hidden, layers = need("num_attention_heads"), need("hidden_size"), need("num_hidden_layers")
-    fields: dict[str, Any] = dict(
-        num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=get("num_key_value_heads", heads),
-        head_dim=get("head_dim", hidden // heads), intermediate_size=need("intermediate_size"),
-        vocab_size=need("vocab_size"), max_model_len=get("max_position_embeddings", 2048),
-        tied_embeddings=bool(get("tie_word_embeddings", False)))
-    if model_type == "mistral" and get("use_sliding_window", True) and get("sliding_window"):
-        fields["max_model_len"] = min(fields["max_model_len"], get("sliding_window"))  # no windowed attention
-    if HF_FAMILIES[model_type] == "qwen3_moe":
-        fields.update(_qwen3_moe(get, need, layers))
-    elif HF_FAMILIES[model_type] == "deepseek":
-        fields.update(_deepseek(get, need, heads))
-    return ModelSpec(name=name, **fields)
+                                           f"{sorted(families())}")
+    try:
+        cfg = model_config_from_hf(hf, name)
+    except ModelLoadError as exc:
+        raise ModelSpecError("model", str(exc)) from exc
+    return _spec_of(cfg, name)
 
 
-HF_FAMILIES = {"llama": "dense", "mistral": "dense", "qwen2": "dense", "qwen3": "dense", "qwen3_moe": "qwen3_moe",
-               "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}
+# ModelConfig's field -> config.json's key, to name a missing one as the config names it.
+_HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "hidden_size": "hidden_size",
+            "intermediate_size": "intermediate_size", "vocab_size": "vocab_size"}
 
 
-def _needer(get):
-    def need(key: str) -> Any:
-        value = get(key)
-        if value is None:
+def _spec_of(cfg, name: str) -> ModelSpec:
+    """The planner's view of an engine ``ModelConfig``."""
+    for field, key in _HF_KEYS.items():
+        if getattr(cfg, field) is None:
             raise ModelSpecError(key, "missing from the model's config")
-        return value
-    return need
-
-
-def _qwen3_moe(get, need, layers: int) -> dict[str, Any]:
-    """Qwen3-MoE: layer i is routed experts when (i + 1) % decoder_sparse_step == 0 and i is not
-    in mlp_only_layers, a dense MLP of intermediate_size otherwise; no shared experts."""
-    experts = get("num_experts", get("num_local_experts", 0))  # transformers 5 renames it
-    step, dense_only = get("decoder_sparse_step", 1), set(get("mlp_only_layers", []))
-    sparse = sum(1 for i in range(layers) if i not in dense_only and step > 0 and (i + 1) % step == 0)
-    if not experts or not sparse:
-        return {}
-    return dict(num_experts=experts, experts_per_token=need("num_experts_per_tok"),
-                moe_intermediate_size=need("moe_intermediate_size"), dense_layers=layers - sparse)
-
-
-def _deepseek(get, need, heads: int) -> dict[str, Any]:
-    """DeepSeek-V2/V3: MLA attention; the first first_k_dense_replace layers dense, then routed
-    experts with n_shared_experts always-on experts of the same width (transformers' rule;
-    every published config has moe_layer_freq 1)."""
-    nope, rope = need("qk_nope_head_dim"), need("qk_rope_head_dim")
-    fields = dict(num_kv_heads=heads, head_dim=nope + rope, kv_lora_rank=need("kv_lora_rank"),
-                  q_lora_rank=get("q_lora_rank", 0), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
-                  v_head_dim=need("v_head_dim"))
-    experts = get("n_routed_experts", 0)
-    if experts:
-        width = need("moe_intermediate_size")
-        fields.update(num_experts=experts, experts_per_token=need("num_experts_per_tok"), moe_intermediate_size=width,
-                      shared_intermediate_size=width * get("n_shared_experts", 0),
-                      dense_layers=get("first_k_dense_replace", 0))
-    return fields
+    fields: dict[str, Any] = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len, tied_embeddings=cfg.tie_word_embeddings)
+    moe = cfg.moe  # the family's ExpertsConfig (pdserve/engine/config.py)
+    sparse = sum(1 for i in range(cfg.num_layers) if moe is not None and moe.is_sparse(i))
+    if sparse:
+        fields.update(num_experts=moe.num_experts, experts_per_token=moe.top_k,
+                      moe_intermediate_size=moe.intermediate_size,
+                      shared_intermediate_size=moe.shared_intermediate_size, dense_layers=cfg.num_layers - sparse)
+    if cfg.mla is not None:
+        mla = cfg.mla
+        for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            if getattr(mla, key) is None:
+                raise ModelSpecError(key, "missing from the model's config")
+        fields.update(kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank or 0,
+                      qk_rope_head_dim=mla.qk_rope_head_dim, qk_nope_head_dim=mla.qk_nope_head_dim,
+                      v_head_dim=mla.v_head_dim)
+    return ModelSpec(name=name, **fields)
 
 
 def _preset(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int,

@@ -2,8 +2,8 @@
 chosen by model family, as vLLM's ``--tool-call-parser`` does. Pure functions, no I/O.
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call.
-  The format of Qwen2, Qwen2.5 and Qwen3 and of NousResearch Hermes 2 Pro / Hermes 3 (their
-  chat templates hold ``<tool_call>``).
+  The format of Qwen's chat models since Qwen2 and of NousResearch Hermes 2 Pro / Hermes 3
+  (their chat templates hold ``<tool_call>``).
 - ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}`` (calls joined by
   ``;``), after an optional ``<|python_tag|>``: Llama 3.1, 3.2 and 3.3 Instruct's JSON tool calls.
 

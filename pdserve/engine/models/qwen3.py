@@ -47,6 +47,7 @@ class MoeConfig:
     norm_topk_prob: bool  # renormalize a token's k weights to sum to one
     sparse_step: int = 1  # decoder_sparse_step: layer i has experts when (i + 1) % sparse_step == 0...
     dense_layers: tuple[int, ...] = ()  # ...and is not one of these (mlp_only_layers): a dense MLP there
+    shared_intermediate_size: int = 0  # no shared experts
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0

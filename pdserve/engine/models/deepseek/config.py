@@ -40,6 +40,9 @@ class MoEConfig:
     norm_topk_prob: bool  # renormalise the chosen weights to sum to 1 (V3)
     routed_scaling_factor: float
 
+    def is_sparse(self, layer: int) -> bool:
+        return layer >= self.first_dense_layers
+
 
 def read_config(get: Get, source: str) -> ModelConfig:
     """A DeepSeek config.json's ``ModelConfig``; ``get(key, default)`` reads the HF config,
