@@ -18,7 +18,7 @@
 // Why: at decode sizes a layer's arithmetic is a few hundred microseconds, and each operator
 // called from Python costs several microseconds of dispatch, argument parsing and view
 // bookkeeping (about 300 operator calls and 600 views a step for a 30-layer model). Here
-// the same operators run in the same order on the same inputs as engine/model.py's layers
+// the same operators run in the same order on the same inputs as engine/models/decoder.py's layers
 // with pdserve's kernels (DecoderLayer.forward, PackedLinear, PackedRMSNorm,
 // PackedSiluAndMul, PagedAttention.attend), called directly: the result is bitwise what
 // the layer-by-layer path gives (tests/engine/test_decoder_layers.py), so batch invariance
