@@ -154,9 +154,10 @@ _TOY = json.dumps(dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_
 
 
 def test_loading_holds_the_weights_and_one_tensor_not_a_float32_copy(tmp_path):
-    """A bfloat16 checkpoint loaded in bfloat16: the process grows by its weights plus about one
-    tensor while loading, where staging every parameter in float32 and every tensor on the host
-    grew it by about three times the weights."""
+    """A bfloat16 checkpoint loaded in bfloat16 grows the process by its weights, one checkpoint
+    tensor being read and one linear being packed for the CPU kernels (each at most the largest
+    tensor). Before, every tensor of the checkpoint was held on the host next to the model (and
+    the model made in float32 first): 177 MB for these 87 MB of weights, where this allows 153."""
     hf = make_hf_model("llama", vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=4)
     hf.to(torch.bfloat16).save_pretrained(str(tmp_path), safe_serialization=True, max_shard_size="20MB")
@@ -164,14 +165,17 @@ def test_loading_holds_the_weights_and_one_tensor_not_a_float32_copy(tmp_path):
     largest = max(p.numel() * 2 for p in hf.parameters())
     assert len(list(tmp_path.glob("*.safetensors"))) >= 3
     probe = textwrap.dedent(f"""
-        import resource, torch, json
+        import json, resource, torch
+        from pdserve.engine import cpu_kernels
         from pdserve.engine.loader import load_model
-        torch.ones(1)
+        with torch.device("meta"):
+            torch.nn.Embedding(2, 2)  # once a process, the meta kernels import ~150 MB of modules
+        cpu_kernels.load()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         load_model({str(tmp_path)!r}, torch.bfloat16, torch.device("cpu"), progress=False)
         print(json.dumps([before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))
     """)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    before, peak = json.loads(out.stdout.strip().splitlines()[-1])  # KiB
+    before, peak = json.loads(out.stdout.strip().splitlines()[-1])  # KiB, the child's own peak
     grew = (peak - before) * 1024
-    assert grew <= 1.1 * weights + largest, (grew / 2**20, weights / 2**20, largest / 2**20)
+    assert grew <= 1.05 * weights + 2 * largest, (grew / 2**20, weights / 2**20, largest / 2**20)
