@@ -22,16 +22,26 @@ FAMILIES = {
     "qwen3-moe": ("qwen3_moe", {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
                                 "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # Phi-3: q|k|v and gate|up fused in the checkpoint. 4 q heads per kv head (Phi-3-medium has
+    # 40 per 10), head_dim = hidden / heads, the context and sliding window of Phi-3-mini-4k and
+    # -medium-4k (4096, 2047: the window caps the context), pad = eos as Phi-3's (its default,
+    # 32000, is outside the tiny vocabulary).
+    "phi3": ("phi3", {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8,
+                      "num_key_value_heads": 2, "max_position_embeddings": 4096, "sliding_window": 2047,
+                      "pad_token_id": 2}),
 }
 
 
 def make_family_model(family: str, seed: int = 0, **overrides):
-    """A float32 transformers model of ``family``; the q/k norm weights are drawn around one
-    (transformers initializes them to exactly one, which would hide a norm we skipped)."""
+    """A float32 transformers model of ``family``; where the family has q/k norms (Qwen3), their
+    weights are drawn around one (transformers initializes them to exactly one, which would
+    hide a norm we skipped)."""
     model_type, family_overrides = FAMILIES[family]
     hf = make_hf_model(model_type, seed=seed, **{**family_overrides, **overrides})
     with torch.no_grad():
         for layer in hf.model.layers:
+            if not hasattr(layer.self_attn, "q_norm"):
+                continue
             layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
             layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
     return hf

@@ -1,7 +1,7 @@
 """Every family beyond Llama on the check's device (issue 42): small random-weight Qwen3,
-Qwen3-MoE and DeepSeek (V2-Lite and V3: MLA over the latent cache, DeepSeek's MoE) models, the
-same ones `make test` checks on the CPU, against transformers on the same device, float32
-greedy token for token (near ties aside), through chunked prefill."""
+Qwen3-MoE, Phi-3 and DeepSeek (V2-Lite and V3: MLA over the latent cache, DeepSeek's MoE)
+models, the same ones `make test` checks on the CPU, against transformers on the same device,
+float32 greedy token for token (near ties aside), through chunked prefill."""
 
 import pytest
 
@@ -17,6 +17,7 @@ MAX_TOKENS = 16
 MODELS = {
     "qwen3": lambda: make_family_model("qwen3"),
     "qwen3-moe": lambda: make_family_model("qwen3-moe"),
+    "phi3": lambda: make_family_model("phi3"),
     "deepseek-v2-lite": lambda: make_deepseek("v2-lite"),
     "deepseek-v3": lambda: make_deepseek("v3"),
 }
