@@ -1,5 +1,6 @@
 """``pdserve serve`` settings: one table, read from defaults, a YAML file, ``PDSERVE_*``
-environment variables and command-line flags, in rising order of precedence.
+environment variables and command-line flags, in rising order of precedence, into the typed
+settings the process passes down (``pdserve.cluster.typed_settings``).
 
     pdserve serve --config serve.yaml --decode 2      # the flag beats the file
     PDSERVE_KV_CACHE_GIB=4 pdserve serve              # the variable beats the file, not a flag
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from pdserve.cluster.setting import Setting, SettingsError, convert
+from pdserve.cluster.typed_settings import DEFAULT_TPOT_OBJECTIVE_S, DEFAULT_TTFT_OBJECTIVE_S, ServeSettings
 
 # Settings that the workers' configs and the plain worker processes also take: declared here
 # once, and passed down as plain values (a worker config has no default of its own for them).
@@ -61,8 +63,10 @@ def serve_settings() -> tuple[Setting, ...]:
                 "layout-auto); any of --mode, --prefill, --decode, --elastic-roles, --role-budget given wins over "
                 "it. disaggregated, colocated: that --mode; elastic: disaggregated with --elastic-roles "
                 "--role-budget", LAYOUTS),
-        Setting("layout_ttft_slo_s", float, 2.0, "--layout auto: the TTFT objective it predicts goodput for", above=0),
-        Setting("layout_tpot_slo_s", float, 0.1, "--layout auto: the TPOT objective it predicts goodput for", above=0),
+        Setting("layout_ttft_slo_s", float, DEFAULT_TTFT_OBJECTIVE_S, "--layout auto: the TTFT objective it predicts "
+                "goodput for", above=0),
+        Setting("layout_tpot_slo_s", float, DEFAULT_TPOT_OBJECTIVE_S, "--layout auto: the TPOT objective it predicts "
+                "goodput for", above=0),
         Setting("layout_prompt_tokens", int, 256, "--layout auto: the prompt length of the workload it simulates",
                 minimum=1),
         Setting("layout_output_tokens", int, 64, "--layout auto: the output length of the workload it simulates",
@@ -290,11 +294,17 @@ def flag_type(s: Setting, flag: str | None = None) -> Callable[[str], Any]:
     return checked
 
 
-def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
-            settings: tuple[Setting, ...] | None = None) -> dict[str, Any]:
-    """defaults < YAML file < environment < flags. Every value is converted and checked
-    against its setting's type, choices and bounds; a bad one raises ``SettingsError`` naming
-    the key and where it came from (the flag, the variable, or the file and key)."""
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeSettings:
+    """``pdserve serve``'s settings, typed (``resolve_values``, the rules)."""
+    return ServeSettings.from_values(resolve_values(args, environ))
+
+
+def resolve_values(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
+                   settings: tuple[Setting, ...] | None = None) -> dict[str, Any]:
+    """By setting name: defaults < YAML file < environment < flags. Every value is converted
+    and checked against its setting's type, choices and bounds; a bad one raises
+    ``SettingsError`` naming the key and where it came from (the flag, the variable, or the
+    file and key). Only the typed settings' constructors read what this returns."""
     settings = settings or serve_settings()
     values = {s.name: s.default for s in settings}
     values["autoscaling"] = None  # only from the file: per-pool settings do not fit in flags
