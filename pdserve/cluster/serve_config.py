@@ -28,7 +28,9 @@ def served_names(model: str, served_model_name: tuple[str, ...] | None) -> tuple
 
 def build(s: ServeSettings):
     """The ``ClusterConfig`` for settings ``s``; raises ``SettingsError`` (and the autoscaling,
-    API key and TLS loaders their own typed errors) for a bad value."""
+    API key and TLS loaders their own typed errors) for a bad value. Each pool's engine is
+    built at its tensor-parallel size; the router's (it reads the model's config and
+    tokenizer, never its weights) at ``--tensor-parallel-size``, as ``pdserve worker``'s."""
     from pdserve.cluster.autoscaling import from_mapping
     from pdserve.cluster.config import ClusterConfig, default_gpus
     from pdserve.cluster.mode import COLOCATED
@@ -48,7 +50,7 @@ def build(s: ServeSettings):
 
     api_key, api_keys = read_keys(api.api_key, api.api_key_file, api.api_keys_file)
     return ClusterConfig(
-        engine=engine(s.engine.tensor_parallel_size), prefill_tp=prefill_tp, decode_tp=decode_tp,
+        engine=engine(s.engine.tensor_parallel_size), prefill_engine=engine(prefill_tp), decode_engine=engine(decode_tp),
         router_limits=router_limits(s.router, layout.layout_ttft_slo_s), mode=layout.mode,
         num_prefill=0 if layout.mode == COLOCATED else layout.prefill, num_decode=layout.decode,
         elastic_roles=layout.elastic_roles, role_budget=_role_budget(layout.role_budget, s.budget),
