@@ -349,5 +349,7 @@ def _from_file(path: Path, settings) -> dict[str, Any]:
             continue
         if name not in by_name:
             raise SettingsError(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(by_name))}")
+        if value is None and by_name[name].default is not None:  # None is no value of its type
+            raise SettingsError(f"{path}:{key}: null is not a valid {by_name[name].type.__name__} for {name}")
         out[name] = None if value is None else convert(by_name[name], value, f"{path}:{key}")
     return out
