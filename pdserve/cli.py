@@ -38,11 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     return commands[args.command](args)
 
 
-def _choose_layout(v):
-    """``pdserve serve --layout auto``'s chooser: the planner's, imported only when auto runs."""
+def _choose_layout(s):
+    """``pdserve serve --layout auto``'s chooser: the planner's, imported only when auto runs,
+    handed the settings it reads (``s``: ``pdserve.cluster.typed_settings.ServeSettings``)."""
     from pdserve.planner.auto_layout import choose_for_settings
 
-    return choose_for_settings(v)
+    layout = s.layout
+    return choose_for_settings({"model": s.engine.model, "layout_ttft_slo_s": layout.layout_ttft_slo_s,
+                                "layout_tpot_slo_s": layout.layout_tpot_slo_s,
+                                "layout_prompt_tokens": layout.layout_prompt_tokens,
+                                "layout_output_tokens": layout.layout_output_tokens})
 
 
 if __name__ == "__main__":

@@ -109,16 +109,16 @@ def serve(args, choose_layout=None) -> int:
     from pdserve.engine.cpu_kernels import check_requested_isa
 
     try:
-        v, layout_lines = apply_layout(resolve(args), given(args), choose_layout, gpu=lambda: default_gpus() > 0)
+        s, layout_lines = apply_layout(resolve(args), given(args), choose_layout, gpu=lambda: default_gpus() > 0)
         for line in layout_lines:
             print(f"pdserve: {line}", flush=True)
-        config = build(v)
+        config = build(s)
         check_requested_isa()  # a KernelPathError is a ValueError too
     except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError, ValueError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)  # ValueError: ClusterConfig's checks across settings
         return 2
     if config.ray_address:
-        return _serve_on_ray(config, v, args.detach)
+        return _serve_on_ray(config, s.ray.cluster_name, s.process.drain_grace_seconds, args.detach)
     configure(config.log, "controller")  # the autoscaler and supervisor log from this process
     cluster = LocalCluster(config)
     stop = threading.Event()
@@ -135,9 +135,9 @@ def serve(args, choose_layout=None) -> int:
         _on_stop_signals(stop)  # ray.init (in start) installed its own SIGTERM handler: ours again
         http = f"OpenAI HTTP API on http://{cluster.http_address}/v1, " if cluster.http_address else ""
         print(f"pdserve: {http}gRPC API listening on {cluster.address}, serving {', '.join(config.served_model_names)} "
-              f"({v['prefill']} prefill, {v['decode']} decode worker(s)); Ctrl-C stops", flush=True)
+              f"({s.layout.prefill} prefill, {s.layout.decode} decode worker(s)); Ctrl-C stops", flush=True)
         stop.wait()
-        grace_s = v["drain_grace_seconds"]
+        grace_s = s.process.drain_grace_seconds
         # Whatever the stop waits on, the process ends in time (TERM_WAIT_S: to end the rest).
         shutdown.StopDeadline(grace_s + shutdown.MARGIN_S - shutdown.TERM_WAIT_S).start()
         cluster.stop_supervising()  # the workers the group's SIGTERM ends are not replaced
@@ -168,13 +168,13 @@ def _drain(cluster, grace_s: float) -> None:
         print(f"pdserve: {left} request(s) still running after the grace period; stopping anyway", flush=True)
 
 
-def _banner(status: dict, config, v: dict) -> str:
+def _banner(status: dict, config) -> str:
     http = f"OpenAI HTTP API on http://{status['http_address']}/v1, " if status["http_address"] else ""
     return (f"{http}gRPC API listening on {status['grpc_address']}, serving {', '.join(config.served_model_names)} "
             f"({len(status.get('prefill', []))} prefill, {len(status['decode'])} decode worker(s))")
 
 
-def _serve_on_ray(config, v: dict, detach: bool) -> int:
+def _serve_on_ray(config, cluster_name: str, grace_s: float, detach: bool) -> int:
     """``serve --address``: the cluster's controller is a detached actor (``pdserve.cluster.controller``).
     This process starts it, or attaches to the one running, and on Ctrl-C drains and stops the
     cluster. If this process dies instead, the cluster keeps serving."""
@@ -184,24 +184,24 @@ def _serve_on_ray(config, v: dict, detach: bool) -> int:
     from pdserve.wire.logs import configure
 
     configure(config.log, "driver")
-    controller.connect(config.ray_address, v["cluster_name"])
+    controller.connect(config.ray_address, cluster_name)
     stop = threading.Event()
     _on_stop_signals(stop)
     handle, running = controller.get_or_create(config)
     # Secrets are not compared: the controller does not hand them out (a changed key goes unseen).
     if running and ray.get(handle.config.remote()) != config.without_secrets():
-        print(f"pdserve: a cluster named {v['cluster_name']!r} already runs with other settings; attaching to it "
+        print(f"pdserve: a cluster named {cluster_name!r} already runs with other settings; attaching to it "
               f"unchanged (pdserve stop --address {config.ray_address} first to apply new ones)", flush=True)
     status = ray.get(handle.start.remote())
     what = "attached to the running cluster" if running else "started"
-    print(f"pdserve: {what}: {_banner(status, config, v)}; controller is the detached actor 'controller' in Ray "
-          f"namespace {v['cluster_name']!r}; " + ("detached, `pdserve stop --address` stops it" if detach
+    print(f"pdserve: {what}: {_banner(status, config)}; controller is the detached actor 'controller' in Ray "
+          f"namespace {cluster_name!r}; " + ("detached, `pdserve stop --address` stops it" if detach
                                                     else "Ctrl-C stops the cluster"), flush=True)
     if detach:
         return 0
     stop.wait()
-    print(f"pdserve: draining (up to {v['drain_grace_seconds']:g} s)", flush=True)
-    _stop_cluster(handle, v["drain_grace_seconds"])
+    print(f"pdserve: draining (up to {grace_s:g} s)", flush=True)
+    _stop_cluster(handle, grace_s)
     return 0
 
 

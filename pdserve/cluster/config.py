@@ -30,6 +30,8 @@ SECRET_SET = "<set>"  # ``ClusterConfig.without_secrets``: a secret is configure
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    # The router's engine config (it reads the model and its limits), and each pool's workers'
+    # where that pool has none of its own below.
     engine: EngineConfig = field(default_factory=EngineConfig)
     # disaggregated: a prefill pool and a decode pool, KV moved between them. colocated: no
     # prefill pool; the decode pool's workers prefill their own requests, prompt chunks mixed
@@ -37,10 +39,11 @@ class ClusterConfig:
     mode: str = DISAGGREGATED
     num_prefill: int = 1  # 0 in colocated mode
     num_decode: int = 1
-    # Tensor-parallel ranks of each pool's workers (``EngineConfig.tensor_parallel_size``; the
-    # engine's own is ignored here). Different sizes need the KV resharded on transfer.
-    prefill_tp: int = 1
-    decode_tp: int = 1
+    # Each pool's workers' engine config, built at that pool's tensor-parallel size
+    # (``prefill_tp``, ``decode_tp`` below; ``pdserve.cluster.serve_config.build`` sets both);
+    # None: ``engine``. Different sizes need the KV resharded on transfer.
+    prefill_engine: EngineConfig | None = None
+    decode_engine: EngineConfig | None = None
     # Every worker is elastic (pdserve.elastic_worker): it serves both roles' RPCs on one engine
     # and starts in its pool's role, which ``LocalCluster.set_role`` changes in place.
     elastic_roles: bool = False
@@ -109,12 +112,9 @@ class ClusterConfig:
         self._check_tp()
 
     def _check_tp(self) -> None:
-        """Each pool's TP size is at least 1; where KV moves between the pools, one size divides
-        the other (a decode rank reads its heads from the prefill ranks that hold them:
-        pdserve/kv_transfer/sharding.py); elastic workers switch pools, so theirs match."""
-        for name, size in (("prefill_tp", self.prefill_tp), ("decode_tp", self.decode_tp)):
-            if size < 1:
-                raise SettingsError(f"{name} must be at least 1, got {size}")
+        """Where KV moves between the pools, one TP size divides the other (a decode rank reads
+        its heads from the prefill ranks that hold them: pdserve/kv_transfer/sharding.py); elastic
+        workers switch pools, so theirs match. (Each is at least 1: ``EngineConfig`` checks it.)"""
         if self.mode == COLOCATED or self.prefill_tp == self.decode_tp:
             return
         if self.elastic_roles:
@@ -125,9 +125,23 @@ class ClusterConfig:
             raise SettingsError(f"prefill_tp ({self.prefill_tp}) and decode_tp ({self.decode_tp}) do not divide one "
                                 "another: KV moves by head only between sizes where one divides the other")
 
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of ``role``'s pool (colocated: the decode pool's)."""
+        own = self.prefill_engine if role == "prefill" else self.decode_engine
+        return own if own is not None else self.engine
+
+    @property
+    def prefill_tp(self) -> int:
+        """The prefill pool's tensor-parallel ranks per worker."""
+        return self.engine_for("prefill").tensor_parallel_size
+
+    @property
+    def decode_tp(self) -> int:
+        return self.engine_for("decode").tensor_parallel_size
+
     def tp(self, role: str) -> int:
         """The tensor-parallel size of ``role``'s pool (colocated: the decode pool's)."""
-        return self.prefill_tp if role == "prefill" else self.decode_tp
+        return self.engine_for(role).tensor_parallel_size
 
     def without_secrets(self) -> "ClusterConfig":
         """This config for whoever may read it (``Controller.config``, any Ray client): the API
@@ -193,8 +207,7 @@ class ClusterConfig:
         from pdserve.decode_worker.worker import DecodeWorkerConfig
         from pdserve.prefill_worker.worker import PrefillWorkerConfig
 
-        engine = dataclasses.replace(self.engine, tensor_parallel_size=self.tp(role))
-        common = dict(worker_id=f"{role}-{index}", model_name=self.served_model_names[0], engine=engine,
+        common = dict(worker_id=f"{role}-{index}", model_name=self.served_model_names[0], engine=self.engine_for(role),
                       host=self.internal_bind_host(), tls=self.tls_for(role), advertise_host=self.internal_advertise_host,
                       insecure_internal=self.insecure_internal,
                       kv_transfer_backend=self.kv_transfer_backend, verify_kv=self.verify_kv_transfers,

@@ -1,6 +1,6 @@
 """What both kinds of ``pdserve worker`` process share, whichever role they serve
 (``worker_cli`` for a prefill or decode worker, ``worker_router`` for the router): the engine
-and internal-plane settings read from the resolved values, and the wait for SIGTERM.
+config and the internal plane's certificate from its typed settings, and the wait for SIGTERM.
 
 A module of its own so that the two entry modules need nothing of each other.
 """
@@ -9,33 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Any
+
+from pdserve.cluster.mode import DISAGGREGATED
+from pdserve.cluster.typed_settings import DEFAULT_TPOT_OBJECTIVE_S, InternalSettings, WorkerSettings
 
 
-def engine_config(v: dict[str, Any]):
-    """The engine's config from the resolved settings of ``pdserve worker`` (a deployment's
-    workers are a disaggregated cluster's: a decode worker's local prefill is capped by default,
-    as ``pdserve serve`` caps it, ``DISAGGREGATED_MIXED_PREFILL_TOKENS``)."""
-    from pdserve.engine.config import (DISAGGREGATED_MIXED_PREFILL_TOKENS, CacheConfig, EngineConfig,
-                                       SchedulerConfig)
-    from pdserve.cluster.serve_config import mixed_step_target_s
-
-    mixed = v["mixed_prefill_tokens"]
-    return EngineConfig(model=v["model"], dtype=v["dtype"], max_model_len=v["max_model_len"],
-                        cuda_graphs=v["cuda_graphs"], tensor_parallel_size=v["tensor_parallel_size"],
-                        cache=CacheConfig(block_size=v["block_size"],
-                                          memory_budget_bytes=int(v["kv_cache_gib"] * (1 << 30))),
-                        scheduler=SchedulerConfig(
-                            mixed_prefill_tokens=DISAGGREGATED_MIXED_PREFILL_TOKENS if mixed is None else mixed,
-                            mixed_step_target_s=mixed_step_target_s(v)))
+def engine_config(s: WorkerSettings):
+    """The engine's config of ``pdserve worker`` (``EngineSettings.engine_config``, as
+    ``pdserve serve`` builds its pools'): a deployment's workers are a disaggregated cluster's,
+    so a decode worker's local prefill is capped by default (``DISAGGREGATED_MIXED_PREFILL_TOKENS``)
+    and its mixed step aims at half ``DEFAULT_TPOT_OBJECTIVE_S``, as ``pdserve serve``'s defaults."""
+    return s.engine.engine_config(tensor_parallel_size=s.engine.tensor_parallel_size, mode=DISAGGREGATED,
+                                  elastic_roles=False, tpot_objective_s=DEFAULT_TPOT_OBJECTIVE_S)
 
 
-def internal_tls(v: dict[str, Any]):
+def internal_tls(internal: InternalSettings, role: str):
     """The internal plane's certificate (``--tls-cert/--tls-key/--tls-ca``), checked to name
-    the process's role; None without one."""
+    ``role``; None without one."""
     from pdserve.wire import tls
 
-    return tls.check_role(tls.load(v["tls_cert"], v["tls_key"], v["tls_ca"], prefix="tls"), v["role"], "tls_cert")
+    return tls.check_role(tls.load(internal.tls_cert, internal.tls_key, internal.tls_ca, prefix="tls"), role,
+                          "tls_cert")
 
 
 async def stop_signal() -> None:

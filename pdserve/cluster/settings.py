@@ -1,5 +1,6 @@
 """``pdserve serve`` settings: one table, read from defaults, a YAML file, ``PDSERVE_*``
-environment variables and command-line flags, in rising order of precedence.
+environment variables and command-line flags, in rising order of precedence, into the typed
+settings the process passes down (``pdserve.cluster.typed_settings``).
 
     pdserve serve --config serve.yaml --decode 2      # the flag beats the file
     PDSERVE_KV_CACHE_GIB=4 pdserve serve              # the variable beats the file, not a flag
@@ -10,31 +11,11 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-ENV_PREFIX = "PDSERVE_"
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str  # snake_case; the flag is --kebab-case, the variable PDSERVE_UPPER_CASE
-    type: type  # int, float, str, bool (flag pair --x / --no-x) or list (of str; one or more)
-    default: Any  # written here only when no config dataclass owns it; else read from that field
-    help: str
-    choices: tuple[str, ...] | None = None
-    minimum: float | None = None  # the smallest value allowed (inclusive)
-    above: float | None = None  # values must be greater than this
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
+from pdserve.cluster.setting import Setting, SettingsError, convert
+from pdserve.cluster.typed_settings import DEFAULT_TPOT_OBJECTIVE_S, DEFAULT_TTFT_OBJECTIVE_S, ServeSettings
 
 # Settings that the workers' configs and the plain worker processes also take: declared here
 # once, and passed down as plain values (a worker config has no default of its own for them).
@@ -82,8 +63,10 @@ def serve_settings() -> tuple[Setting, ...]:
                 "layout-auto); any of --mode, --prefill, --decode, --elastic-roles, --role-budget given wins over "
                 "it. disaggregated, colocated: that --mode; elastic: disaggregated with --elastic-roles "
                 "--role-budget", LAYOUTS),
-        Setting("layout_ttft_slo_s", float, 2.0, "--layout auto: the TTFT objective it predicts goodput for", above=0),
-        Setting("layout_tpot_slo_s", float, 0.1, "--layout auto: the TPOT objective it predicts goodput for", above=0),
+        Setting("layout_ttft_slo_s", float, DEFAULT_TTFT_OBJECTIVE_S, "--layout auto: the TTFT objective it predicts "
+                "goodput for", above=0),
+        Setting("layout_tpot_slo_s", float, DEFAULT_TPOT_OBJECTIVE_S, "--layout auto: the TPOT objective it predicts "
+                "goodput for", above=0),
         Setting("layout_prompt_tokens", int, 256, "--layout auto: the prompt length of the workload it simulates",
                 minimum=1),
         Setting("layout_output_tokens", int, 64, "--layout auto: the output length of the workload it simulates",
@@ -266,10 +249,6 @@ def serve_settings() -> tuple[Setting, ...]:
 # section (see pdserve/cluster/autoscaling); its presence turns autoscaling on.
 
 
-class SettingsError(ValueError):
-    """A setting could not be read; the message names where it came from."""
-
-
 def check_lease_outlives_transfer(lease_seconds: float, transfer_timeout_s: float) -> None:
     """Raise ``SettingsError`` naming both settings unless ``lease_seconds`` exceeds the
     transfer timeout. A claim renews the lease for ``lease_seconds`` while a read may take the
@@ -306,20 +285,26 @@ def flag_type(s: Setting, flag: str | None = None) -> Callable[[str], Any]:
     """An argparse ``type`` for a parser that takes ``s`` as one flag of its own (``pdserve
     stop``, the plain worker process): the value converted and checked against ``s``'s type,
     choices and bounds, as ``resolve`` checks it."""
-    def convert(raw: str) -> Any:
+    def checked(raw: str) -> Any:
         try:
-            return _convert(s, raw, flag or s.flag)
+            return convert(s, raw, flag or s.flag)
         except SettingsError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
 
-    return convert
+    return checked
 
 
-def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
-            settings: tuple[Setting, ...] | None = None) -> dict[str, Any]:
-    """defaults < YAML file < environment < flags. Every value is converted and checked
-    against its setting's type, choices and bounds; a bad one raises ``SettingsError`` naming
-    the key and where it came from (the flag, the variable, or the file and key)."""
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeSettings:
+    """``pdserve serve``'s settings, typed (``resolve_values``, the rules)."""
+    return ServeSettings.from_values(resolve_values(args, environ))
+
+
+def resolve_values(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
+                   settings: tuple[Setting, ...] | None = None) -> dict[str, Any]:
+    """By setting name: defaults < YAML file < environment < flags. Every value is converted
+    and checked against its setting's type, choices and bounds; a bad one raises
+    ``SettingsError`` naming the key and where it came from (the flag, the variable, or the
+    file and key). Only the typed settings' constructors read what this returns."""
     settings = settings or serve_settings()
     values = {s.name: s.default for s in settings}
     values["autoscaling"] = None  # only from the file: per-pool settings do not fit in flags
@@ -327,11 +312,11 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
         values.update(_from_file(args.config, settings))
     for s in settings:
         if s.env in environ:
-            values[s.name] = _convert(s, environ[s.env], s.env)
+            values[s.name] = convert(s, environ[s.env], s.env)
     for s in settings:
         given = getattr(args, s.name, None)
         if given is not None:
-            values[s.name] = _convert(s, given, "argument" if s.name == "model" else s.flag)
+            values[s.name] = convert(s, given, "argument" if s.name == "model" else s.flag)
     return values
 
 
@@ -364,37 +349,7 @@ def _from_file(path: Path, settings) -> dict[str, Any]:
             continue
         if name not in by_name:
             raise SettingsError(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(by_name))}")
-        out[name] = None if value is None else _convert(by_name[name], value, f"{path}:{key}")
+        if value is None and by_name[name].default is not None:  # None is no value of its type
+            raise SettingsError(f"{path}:{key}: null is not a valid {by_name[name].type.__name__} for {name}")
+        out[name] = None if value is None else convert(by_name[name], value, f"{path}:{key}")
     return out
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _convert(s: Setting, raw: Any, where: str) -> Any:
-    """``raw`` (a string from a flag or variable, or a YAML value) as ``s.type``, checked."""
-    if s.type is list:
-        items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
-        value = tuple(str(v).strip() for v in items if str(v).strip())
-        if not value:
-            raise SettingsError(f"{where}: {s.name} needs at least one name")
-        return value
-    if s.type is bool:
-        if isinstance(raw, bool):
-            return raw
-        if str(raw).lower() in _TRUE + _FALSE:
-            return str(raw).lower() in _TRUE
-        raise SettingsError(f"{where}: {raw!r} is not a valid bool for {s.name} (true or false)")
-    try:
-        if s.type is not str and isinstance(raw, bool):
-            raise ValueError("a bool is not a number")
-        value = s.type(raw)
-    except (TypeError, ValueError) as exc:
-        raise SettingsError(f"{where}: {raw!r} is not a valid {s.type.__name__} for {s.name}") from exc
-    if s.choices and value not in s.choices:
-        raise SettingsError(f"{where}: {value!r} is not one of {', '.join(s.choices)} for {s.name}")
-    if s.minimum is not None and value < s.minimum:
-        raise SettingsError(f"{where}: {s.name} must be at least {s.minimum:g}, got {value!r}")
-    if s.above is not None and value <= s.above:
-        raise SettingsError(f"{where}: {s.name} must be greater than {s.above:g}, got {value!r}")
-    return value

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import socket
 import sys
-from typing import Any, Callable
-
-import functools
+from typing import Callable
 
 from pdserve.cluster.plain_process import engine_config, internal_tls, stop_signal
 from pdserve.cluster.serve_config import served_names
-from pdserve.cluster.settings import (Setting, SettingsError, add_arguments, check_lease_outlives_transfer, resolve,
-                                      serve_settings)
+from pdserve.cluster.settings import (Setting, SettingsError, add_arguments, check_lease_outlives_transfer,
+                                      resolve_values, serve_settings)
+from pdserve.cluster.typed_settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
@@ -87,15 +87,15 @@ def run_worker(args: argparse.Namespace) -> int:
     from pdserve.engine.cpu_kernels import KernelPathError, check_requested_isa
 
     try:
-        v = settings(args)
-        if v["role"] != "router":
+        s = settings(args)
+        if s.role != "router":
             check_requested_isa()
-        if v["role"] == "router":  # every config is built, and checked, before anything starts
+        if s.role == "router":  # every config is built, and checked, before anything starts
             from pdserve.cluster.worker_router import autoscaling, router_config, run_router
 
-            coro = run_router(v, router_config(v), autoscaling(v))
+            coro = run_router(s, router_config(s), autoscaling(s))
         else:
-            coro = run_role(v, worker_config(v))
+            coro = run_role(s, worker_config(s))
     except (SettingsError, AutoscaleConfigError, ApiKeyError, tls.TlsConfigError, KernelPathError) as exc:
         print(f"pdserve worker: {exc}", file=sys.stderr)
         return 2
@@ -103,61 +103,65 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def settings(args: argparse.Namespace, environ=None) -> dict[str, Any]:
-    """The resolved settings, checked for what the role needs."""
+def settings(args: argparse.Namespace, environ=None) -> WorkerSettings:
+    """The typed settings, checked for what the role needs. A setting of ``pdserve serve`` that
+    this table leaves out (``--seed``, ``--max-num-seqs`` ...) keeps serve's default."""
     import os
 
-    v = resolve(args, os.environ if environ is None else environ, worker_settings())
-    if v["role"] is None:
+    values = resolve_values(args, os.environ if environ is None else environ, worker_settings())
+    if values["role"] is None:
         raise SettingsError("role: required (--role prefill|decode|router, or PDSERVE_ROLE)")
-    if v["role"] != "router" and not v["router_admin"]:
-        raise SettingsError(f"router_admin: a {v['role']} worker needs the router's internal address to join "
+    s = WorkerSettings.from_values(values, defaults={setting.name: setting.default for setting in serve_settings()})
+    if s.role != "router" and not s.plain.router_admin:
+        raise SettingsError(f"router_admin: a {s.role} worker needs the router's internal address to join "
                             "(--router-admin HOST:PORT, or PDSERVE_ROUTER_ADMIN)")
-    if v["role"] != "router":  # each side checks the pair as it is given: both read one config in a deployment
-        check_lease_outlives_transfer(v["lease_seconds"], v["transfer_timeout_seconds"])
-    return v
+    if s.role != "router":  # each side checks the pair as it is given: both read one config in a deployment
+        check_lease_outlives_transfer(s.kv.lease_seconds, s.kv.transfer_timeout_seconds)
+    return s
 
 
-def worker_config(v: dict[str, Any]):
+def worker_config(s: WorkerSettings):
     """The role's frozen config from the settings."""
-    common = dict(worker_id=v["worker_id"] or socket.gethostname(), model_name=served_names(v)[0],
-                  engine=engine_config(v), host=v["internal_host"],
-                  advertise_host=v["internal_advertise_host"], tls=internal_tls(v), port=v["internal_port"],
-                  insecure_internal=v["insecure_internal"],
-                  metrics_port=v["metrics_port"], kv_transfer_backend=v["kv_transfer_backend"],
-                  verify_kv=v["verify_kv_transfers"],
-                  step_trace_dir=v["step_trace_dir"], otlp_traces_endpoint=v["otlp_traces_endpoint"])
-    if v["role"] == "prefill":
+    internal, kv = s.internal, s.kv
+    common = dict(worker_id=s.plain.worker_id or socket.gethostname(),
+                  model_name=served_names(s.engine.model, s.api.served_model_name)[0],
+                  engine=engine_config(s), host=internal.internal_host,
+                  advertise_host=internal.internal_advertise_host, tls=internal_tls(internal, s.role),
+                  port=s.plain.internal_port, insecure_internal=internal.insecure_internal,
+                  metrics_port=s.plain.metrics_port, kv_transfer_backend=kv.kv_transfer_backend,
+                  verify_kv=kv.verify_kv_transfers,
+                  step_trace_dir=s.process.step_trace_dir, otlp_traces_endpoint=s.process.otlp_traces_endpoint)
+    if s.role == "prefill":
         from pdserve.prefill_worker.worker import PrefillWorkerConfig
 
-        return PrefillWorkerConfig(lease_seconds=v["lease_seconds"], **common)
+        return PrefillWorkerConfig(lease_seconds=kv.lease_seconds, **common)
     from pdserve.decode_worker.worker import DecodeWorkerConfig
 
-    return DecodeWorkerConfig(transfer_timeout_s=v["transfer_timeout_seconds"], lease_seconds=v["lease_seconds"],
-                              decode_kv_reuse=v["decode_kv_reuse"], **common)
+    return DecodeWorkerConfig(transfer_timeout_s=kv.transfer_timeout_seconds, lease_seconds=kv.lease_seconds,
+                              decode_kv_reuse=s.router.decode_kv_reuse, **common)
 
 
-async def run_role(v: dict[str, Any], config) -> None:
+async def run_role(s: WorkerSettings, config) -> None:
     """Serve a prefill or decode worker, keep it in the router's table, and on SIGTERM leave
     the table, then drain."""
     import torch
 
-    if v["threads_per_worker"]:
-        torch.set_num_threads(v["threads_per_worker"])
-    if v["role"] == "prefill":
+    if s.process.threads_per_worker:
+        torch.set_num_threads(s.process.threads_per_worker)
+    if s.role == "prefill":
         from pdserve.prefill_worker.server import start
     else:
         from pdserve.decode_worker.server import start
     running = await start(config)
-    membership = Membership(v["router_admin"], config.tls, v["role"], running.address, config.worker_id)
+    membership = Membership(s.plain.router_admin, config.tls, s.role, running.address, config.worker_id)
     health = Health(lambda: membership.joined)
-    runner = await health.serve(config.host, v["health_port"]) if v["health_port"] is not None else None
-    keeper = asyncio.create_task(membership.keep_joined(v["join_interval_seconds"]))
+    runner = await health.serve(config.host, s.plain.health_port) if s.plain.health_port is not None else None
+    keeper = asyncio.create_task(membership.keep_joined(s.plain.join_interval_seconds))
     print(f"listening on {running.address}", flush=True)
     await stop_signal()
     health.draining = True
     keeper.cancel()
-    grace_s = v["drain_grace_seconds"]
+    grace_s = s.process.drain_grace_seconds
     print(f"draining (grace {grace_s:g} s)", flush=True)
     await membership.leave()
     await running.drain(grace_s)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.cluster.plain_process import engine_config, internal_tls, stop_signal
+from pdserve.cluster.typed_settings import DEFAULT_TTFT_OBJECTIVE_S, WorkerSettings
 from pdserve.elastic_worker.roles import POOL
 from pdserve.router.pool import WorkerPool
 from pdserve.wire.tls import TlsConfig
@@ -22,24 +22,29 @@ from pdserve.wire.tls import TlsConfig
 log = logging.getLogger(__name__)
 
 
-def router_config(v: dict[str, Any]):
-    from pdserve.cluster.serve_config import _router_limits
+def router_config(s: WorkerSettings):
+    """The router's frozen config from the settings (no layout here: the prefill overflow's
+    default is half ``DEFAULT_TTFT_OBJECTIVE_S``, as ``pdserve serve``'s default layout has it)."""
+    from pdserve.cluster.serve_config import router_limits
     from pdserve.router.auth import read_keys
     from pdserve.router.server import RouterConfig
     from pdserve.wire import tls
 
-    api_key, api_keys = read_keys(v["api_key"], v["api_key_file"], v["api_keys_file"])
-    return RouterConfig(engine=engine_config(v), host=v["host"], grpc_port=v["grpc_port"],
-                        http_port=None if v["port"] < 0 else v["port"], advertise_host=v["advertise_host"],
+    api, internal = s.api, s.internal
+    api_key, api_keys = read_keys(api.api_key, api.api_key_file, api.api_keys_file)
+    return RouterConfig(engine=engine_config(s), host=api.host, grpc_port=api.grpc_port,
+                        http_port=None if api.port < 0 else api.port, advertise_host=api.advertise_host,
                         api_key=api_key, api_keys=api_keys,
-                        public_tls=tls.load(v["public_tls_cert"], v["public_tls_key"], v["public_tls_ca"],
+                        public_tls=tls.load(api.public_tls_cert, api.public_tls_key, api.public_tls_ca,
                                             prefix="public_tls", require_ca=False),
-                        internal_host=v["internal_host"], internal_port=v["internal_port"],
-                        internal_advertise_host=v["internal_advertise_host"], tls=internal_tls(v), insecure_internal=v["insecure_internal"],
-                        limits=_router_limits(v), otlp_traces_endpoint=v["otlp_traces_endpoint"])
+                        internal_host=internal.internal_host, internal_port=s.plain.internal_port,
+                        internal_advertise_host=internal.internal_advertise_host, tls=internal_tls(internal, s.role),
+                        insecure_internal=internal.insecure_internal,
+                        limits=router_limits(s.router, DEFAULT_TTFT_OBJECTIVE_S),
+                        otlp_traces_endpoint=s.process.otlp_traces_endpoint)
 
 
-async def run_router(v: dict[str, Any], config, autoscaling: dict | None) -> None:
+async def run_router(s: WorkerSettings, config, autoscaling: dict | None) -> None:
     """Serve until SIGTERM, then hand over (``pdserve.router.handover``: readiness false, stop
     listening and send clients GOAWAY, running streams finish within the grace) and stop. A
     rolling update's new router is behind the same Service by then; the pod's preStop sleep
@@ -50,13 +55,13 @@ async def run_router(v: dict[str, Any], config, autoscaling: dict | None) -> Non
 
     running = await start(config)
     pool = running.service.pool
-    pruner = asyncio.create_task(prune_silent(pool, v["member_timeout_seconds"], v["join_interval_seconds"]))
+    pruner = asyncio.create_task(prune_silent(pool, s.plain.member_timeout_seconds, s.plain.join_interval_seconds))
     observer = _observe(running.internal_address, config.tls, pool, autoscaling)
     http = f", OpenAI HTTP API on http://{running.http_address}/v1" if running.http_address else ""
     print(f"router: gRPC API listening on {running.address}{http}; workers join at {running.internal_address}",
           flush=True)
     await stop_signal()
-    grace = v["drain_grace_seconds"]
+    grace = s.process.drain_grace_seconds
     print(f"router: draining (up to {grace:g} s)", flush=True)
     left = await hand_over(running, 0.0, grace)
     if left:
@@ -67,10 +72,10 @@ async def run_router(v: dict[str, Any], config, autoscaling: dict | None) -> Non
     await running.stop()
 
 
-def autoscaling(v: dict[str, Any]):
+def autoscaling(s: WorkerSettings):
     from pdserve.cluster.autoscaling import from_mapping
 
-    return from_mapping(v["autoscaling"]) if v["autoscaling"] is not None else None
+    return from_mapping(s.autoscaling) if s.autoscaling is not None else None
 
 
 async def prune_silent(pool: WorkerPool, timeout_s: float, interval_s: float) -> None:

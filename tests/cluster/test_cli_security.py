@@ -29,5 +29,5 @@ def test_bad_security_settings_fail_before_start(argv, message, capsys):
 
 def test_api_key_from_the_environment():
     v = resolve(serve_args([]), environ={"PDSERVE_API_KEY": "from-env"})
-    assert v["api_key"] == "from-env"
-    assert resolve(serve_args(["--api-key", "flag"]), environ={"PDSERVE_API_KEY": "env"})["api_key"] == "flag"
+    assert v.api.api_key == "from-env"
+    assert resolve(serve_args(["--api-key", "flag"]), environ={"PDSERVE_API_KEY": "env"}).api.api_key == "flag"

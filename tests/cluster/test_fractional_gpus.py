@@ -27,7 +27,7 @@ def _one_gpu_node_holds(bundles) -> bool:
 
 def test_half_a_gpu_each_puts_both_roles_on_one_gpu():
     v = _values(["--gpus-per-worker", "0.5"])
-    bundles = [_placement(v, pool, lambda: 1.0).bundle() for pool in ("prefill", "decode")]
+    bundles = [_placement(v.ray, pool, lambda: 1.0).bundle() for pool in ("prefill", "decode")]
     assert [b["GPU"] for b in bundles] == [0.5, 0.5]
     assert _one_gpu_node_holds(bundles)
 
@@ -36,7 +36,7 @@ def test_the_default_on_a_cuda_host_is_a_whole_gpu_each():
     """Why the setting is needed: by default each worker reserves a whole GPU, and a one-GPU
     host cannot place the second."""
     v = _values([])
-    bundles = [_placement(v, pool, lambda: 1.0).bundle() for pool in ("prefill", "decode")]
+    bundles = [_placement(v.ray, pool, lambda: 1.0).bundle() for pool in ("prefill", "decode")]
     assert not _one_gpu_node_holds(bundles)
 
 
@@ -53,4 +53,4 @@ def test_fractions_and_whole_gpus_are_accepted(gpus):
 def test_a_share_ray_cannot_place_names_the_setting():
     v = _values(["--gpus-per-worker", "1.5"])
     with pytest.raises(SettingsError, match="gpus_per_worker .*at most 1.* whole number.*1.5"):
-        _placement(v, "prefill", lambda: 1.0)
+        _placement(v.ray, "prefill", lambda: 1.0)

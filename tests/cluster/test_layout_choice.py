@@ -33,8 +33,8 @@ def applied(argv, environ=None, choose=refuse, gpu=False):
 def test_auto_is_the_default_and_asks_the_chooser():
     calls = []
     v, lines = applied([], choose=chooser(calls))
-    assert len(calls) == 1 and calls[0]["layout"] == "auto"
-    assert (v["mode"], v["decode"]) == ("colocated", 2) and lines == ["layout auto: 2C wins"]
+    assert len(calls) == 1 and calls[0].layout.layout == "auto"
+    assert (v.layout.mode, v.layout.decode) == ("colocated", 2) and lines == ["layout auto: 2C wins"]
     config = build(v)
     assert (config.mode, config.num_prefill, config.num_decode) == ("colocated", 0, 2)
 
@@ -56,7 +56,7 @@ def test_a_layout_setting_in_the_file_wins_over_auto(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("mode: colocated\n")
     v, lines = applied(["--config", str(path)])
-    assert v["mode"] == "colocated" and "mode given" in lines[0]
+    assert v.layout.mode == "colocated" and "mode given" in lines[0]
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -66,7 +66,7 @@ def test_a_layout_setting_in_the_file_wins_over_auto(tmp_path):
 ])
 def test_auto_steps_aside_where_its_candidates_are_not_what_starts(argv, why):
     v, lines = applied(argv)
-    assert (v["mode"], v["prefill"], v["decode"]) == ("disaggregated", 1, 1)
+    assert (v.layout.mode, v.layout.prefill, v.layout.decode) == ("disaggregated", 1, 1)
     assert why in lines[0] and lines[0].endswith("the default layout (1P:1D)")
 
 
@@ -82,13 +82,14 @@ def test_auto_steps_aside_on_a_gpu_and_without_a_chooser():
 ])
 def test_a_named_layout_sets_its_mode_and_flags(layout, expect):
     v, lines = applied(["--layout", layout])
-    assert (v["mode"], v["elastic_roles"], v["role_budget"]) == expect and lines == [f"layout {layout} (given)"]
+    assert (v.layout.mode, v.layout.elastic_roles, v.layout.role_budget) == expect
+    assert lines == [f"layout {layout} (given)"]
 
 
 def test_a_layout_setting_given_beats_a_named_layout_too():
     """The variable the tests set (PDSERVE_LAYOUT=disaggregated) and a test's own --mode colocated."""
     v, lines = applied(["--mode", "colocated", "--decode", "2"], {"PDSERVE_LAYOUT": "disaggregated"})
-    assert v["mode"] == "colocated" and "mode='colocated' given, and kept" in lines[1]
+    assert v.layout.mode == "colocated" and "mode='colocated' given, and kept" in lines[1]
 
 
 def test_given_names_what_came_from_a_flag_a_variable_or_the_file(tmp_path):

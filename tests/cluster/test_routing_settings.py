@@ -6,7 +6,8 @@ import argparse
 import pytest
 
 from pdserve.cluster import worker_cli
-from pdserve.cluster.serve_config import _router_limits, build
+from pdserve.cluster.serve_config import build
+from pdserve.cluster.worker_router import router_config
 from pdserve.cluster.settings import SettingsError, add_arguments, resolve
 from pdserve.router.kv_policy import RoutingConfig
 
@@ -28,10 +29,13 @@ def test_routing_flags_file_and_env_reach_the_router(tmp_path):
     assert build(resolve(parse([]), environ={})).router_limits.routing == RoutingConfig()  # kv by default
 
 
+def plain_router(argv):
+    """The settings of ``pdserve worker --role router`` with ``argv``."""
+    return worker_cli.settings(parse(["--role", "router", *argv], worker_cli.worker_settings()), environ={})
+
+
 def test_a_plain_router_process_takes_the_same_settings():
-    settings = worker_cli.worker_settings()
-    values = resolve(parse(["--routing-policy", "load"], settings), environ={}, settings=settings)
-    assert _router_limits(values).routing.policy == "load"
+    assert router_config(plain_router(["--routing-policy", "load"])).limits.routing.policy == "load"
 
 
 @pytest.mark.parametrize("argv, environ, message", [
@@ -51,9 +55,7 @@ def test_stream_kv_min_tokens_reaches_both_router_processes_and_refuses_a_negati
     assert build(resolve(parse([]), environ={})).router_limits.stream_kv_min_tokens == 0  # off by default
     values = resolve(parse([]), environ={"PDSERVE_STREAM_KV_MIN_TOKENS": "1024"})
     assert build(values).router_limits.stream_kv_min_tokens == 1024
-    settings = worker_cli.worker_settings()
-    values = resolve(parse(["--stream-kv-min-tokens", "2048"], settings), environ={}, settings=settings)
-    assert _router_limits(values).stream_kv_min_tokens == 2048
+    assert router_config(plain_router(["--stream-kv-min-tokens", "2048"])).limits.stream_kv_min_tokens == 2048
     with pytest.raises(SettingsError) as exc:
         resolve(parse(["--stream-kv-min-tokens", "-1"]), environ={})
     assert "--stream-kv-min-tokens" in str(exc.value) and "at least 0" in str(exc.value)

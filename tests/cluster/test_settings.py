@@ -24,7 +24,7 @@ def parse(argv):
 
 def test_defaults():
     v = resolve(parse([]), environ={})
-    assert (v["model"], v["prefill"], v["port"], v["grpc_port"], v["kv_transfer_backend"]) == (
+    assert (v.engine.model, v.layout.prefill, v.api.port, v.api.grpc_port, v.kv.kv_transfer_backend) == (
         "default", 1, 8000, 50051, "nixl")
 
 
@@ -69,11 +69,11 @@ def test_vllm_serve_flags_reach_the_configs(tmp_path):
 
 def test_list_and_bool_settings_from_env_and_file(tmp_path):
     v = resolve(parse([]), environ={"PDSERVE_SERVED_MODEL_NAME": "a, b", "PDSERVE_ENABLE_PREFIX_CACHING": "false"})
-    assert v["served_model_name"] == ("a", "b") and v["enable_prefix_caching"] is False
+    assert v.api.served_model_name == ("a", "b") and v.engine.enable_prefix_caching is False
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("served_model_name: [x, y]\nenable-prefix-caching: no\n")
     v = resolve(parse(["--config", str(cfg), "--enable-prefix-caching"]), environ={})
-    assert v["served_model_name"] == ("x", "y") and v["enable_prefix_caching"] is True  # the flag beats the file
+    assert v.api.served_model_name == ("x", "y") and v.engine.enable_prefix_caching is True  # the flag beats the file
 
 
 @pytest.mark.parametrize("argv, environ, message", [
@@ -107,14 +107,14 @@ def test_file_then_env_then_flag(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("decode: 3\nkv-cache-gib: 2.5\ngrpc_port: 7000\nmodel: /models/x\n")
     v = resolve(parse(["--config", str(cfg), "--grpc-port", "9000"]), environ={"PDSERVE_DECODE": "4"})
-    assert v["decode"] == 4  # env beats the file
-    assert v["grpc_port"] == 9000  # the flag beats the file
-    assert v["kv_cache_gib"] == 2.5 and v["model"] == "/models/x"
+    assert v.layout.decode == 4  # env beats the file
+    assert v.api.grpc_port == 9000  # the flag beats the file
+    assert v.engine.kv_cache_gib == 2.5 and v.engine.model == "/models/x"
 
 
 def test_flag_beats_env():
     v = resolve(parse(["--prefill", "2", "other-model"]), environ={"PDSERVE_PREFILL": "5", "PDSERVE_MODEL": "m"})
-    assert v["prefill"] == 2 and v["model"] == "other-model"
+    assert v.layout.prefill == 2 and v.engine.model == "other-model"
 
 
 def test_unknown_file_key_is_named(tmp_path):
@@ -138,11 +138,11 @@ def test_autoscaling_section_comes_from_the_file(tmp_path):
     cfg.write_text("autoscaling:\n  prefill: {max_replicas: 6}\n  decode: {step: 0}\n")
     v = resolve(parse(["--config", str(cfg)]), environ={})
     with pytest.raises(AutoscaleConfigError, match="autoscaling.decode.step"):
-        from_mapping(v["autoscaling"])
+        from_mapping(v.autoscaling)
     cfg.write_text("autoscaling:\n  prefill: {max_replicas: 6}\n")
-    pools = from_mapping(resolve(parse(["--config", str(cfg)]), environ={})["autoscaling"])
+    pools = from_mapping(resolve(parse(["--config", str(cfg)]), environ={}).autoscaling)
     assert pools["prefill"].max_replicas == 6 and pools["decode"].max_replicas == 4
-    assert resolve(parse([]), environ={})["autoscaling"] is None  # off unless configured
+    assert resolve(parse([]), environ={}).autoscaling is None  # off unless configured
 
 
 def test_chat_template_replaces_the_tokenizers_own(tmp_path):

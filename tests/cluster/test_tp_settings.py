@@ -4,6 +4,7 @@ KV transfer cannot take (pools of sizes where neither divides the other) stops `
 the limit."""
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -12,6 +13,7 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.placement import PoolPlacement
 from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import SettingsError, add_arguments, resolve
+from pdserve.engine.config import EngineConfig
 
 
 def parse(argv):
@@ -32,7 +34,7 @@ def test_each_pools_workers_get_their_size(tool_llama):
     assert engines(both) == {"prefill": 2, "decode": 2}
     colocated = build(resolve(parse([model, "--mode", "colocated", "--decode-tp", "2"]), environ={}))
     assert engines(colocated) == {"decode": 2}
-    elastic = ClusterConfig(elastic_roles=True, prefill_tp=2, decode_tp=2).worker_config("prefill", 0)
+    elastic = ClusterConfig(elastic_roles=True, engine=EngineConfig(tensor_parallel_size=2)).worker_config("prefill", 0)
     assert elastic.prefill.engine.tensor_parallel_size == elastic.decode.engine.tensor_parallel_size == 2
 
 
@@ -52,9 +54,25 @@ def test_pools_of_sizes_where_one_divides_the_other_each_get_theirs(tool_llama):
         assert config.worker_config("prefill", 0).reader_tp == decode
 
 
+def test_each_pools_engine_is_built_at_its_size_in_one_place(tool_llama):
+    """The router's engine and each pool's come from one builder, each at its own size: they
+    differ in nothing else."""
+    config = build(resolve(parse([str(tool_llama[0]), "--prefill-tp", "2"]), environ={}))
+    assert (config.engine.tensor_parallel_size, config.prefill_engine.tensor_parallel_size,
+            config.decode_engine.tensor_parallel_size) == (1, 2, 1)
+    assert config.prefill_engine == dataclasses.replace(config.engine, tensor_parallel_size=2)
+    assert config.decode_engine == config.engine
+
+
+def tp(prefill: int, decode: int, **kwargs) -> dict:
+    """``ClusterConfig`` arguments whose pools run at these sizes."""
+    return dict(prefill_engine=EngineConfig(tensor_parallel_size=prefill),
+                decode_engine=EngineConfig(tensor_parallel_size=decode), **kwargs)
+
+
 @pytest.mark.parametrize("sizes, message", [
-    (dict(prefill_tp=2, decode_tp=3), r"prefill_tp \(2\) and decode_tp \(3\) do not divide one another"),
-    (dict(prefill_tp=2, decode_tp=1, elastic_roles=True), r"elastic workers change pools in place"),
+    (tp(2, 3), r"prefill_tp \(2\) and decode_tp \(3\) do not divide one another"),
+    (tp(2, 1, elastic_roles=True), r"elastic workers change pools in place"),
 ])
 def test_pool_sizes_the_kv_cannot_move_between_are_refused_naming_both(sizes, message):
     with pytest.raises(SettingsError, match=message):

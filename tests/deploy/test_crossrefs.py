@@ -8,13 +8,23 @@ import re
 import shlex
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from tests.deploy.manifests import OVERLAYS, container_ports, named, objects, pod_templates, render, selects
 from tests.metrics.test_deploy import NAME, series_names
 
-PORT_SETTINGS = ("port", "grpc_port", "internal_port", "metrics_port", "health_port")  # port: HTTP, as vllm
+
+def port_settings(values) -> dict[str, int | None]:
+    """Each port setting of a command's settings and its value (port: HTTP, as vllm); the last
+    three are ``pdserve worker``'s own."""
+    ports = {"port": values.api.port, "grpc_port": values.api.grpc_port}
+    plain = getattr(values, "plain", None)  # WorkerSettings only
+    if plain is not None:
+        ports.update(internal_port=plain.internal_port, metrics_port=plain.metrics_port,
+                     health_port=plain.health_port)
+    return ports
 
 
 # ---- what each container runs ----------------------------------------------------------------
@@ -64,8 +74,9 @@ def parsed(argv: list[str], monkeypatch) -> SimpleNamespace:
     return seen["args"]
 
 
-def settings_of(argv: list[str], env: dict[str, str], monkeypatch) -> tuple[tuple, dict]:
-    """(settings table, resolved values) of the command ``argv`` runs, as it would resolve them."""
+def settings_of(argv: list[str], env: dict[str, str], monkeypatch) -> tuple[tuple, Any]:
+    """(settings table, typed settings) of the command ``argv`` runs, as it would resolve them
+    (``ServeSettings`` or ``WorkerSettings``, pdserve/cluster/typed_settings.py)."""
     from pdserve.cluster import settings, worker_cli
 
     args = parsed(argv, monkeypatch)
@@ -151,10 +162,10 @@ def test_every_flag_variable_and_config_key_is_one_pdserve_reads(overlay, monkey
         known = {s.env for s in table}
         unknown = {name for name in environment(container) if name.startswith("PDSERVE_")} - known
         assert not unknown, f"{overlay}: {where} sets {sorted(unknown)}, which pdserve does not read"
-        if values["autoscaling"] is not None:
+        if values.autoscaling is not None:
             from pdserve.cluster.autoscaling import from_mapping
 
-            from_mapping(values["autoscaling"])
+            from_mapping(values.autoscaling)
         seen += 1
     assert seen, f"{overlay}: no container runs pdserve"
 
@@ -182,7 +193,7 @@ def test_probes_hit_paths_the_server_on_that_port_serves(overlay, monkeypatch, t
         _, values = settings_of(with_mounted_files(argv, template, overlay, tmp_path), environment(container),
                                 monkeypatch)
         ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
-        served_on = {values[s]: s for s in PORT_SETTINGS if s in values and values[s]}
+        served_on = {port: s for s, port in port_settings(values).items() if port}
         for name, port in ports.items():
             if name in ("grpc", "http", "internal", "metrics", "health"):
                 assert port in served_on, f"{overlay}: {where} port {name}={port}: pdserve serves nothing there"
@@ -204,7 +215,7 @@ def test_the_grace_period_outlasts_the_drain(overlay, monkeypatch, tmp_path):
         _, values = settings_of(with_mounted_files(argv, template, overlay, tmp_path), environment(container),
                                 monkeypatch)
         grace = template["spec"]["terminationGracePeriodSeconds"]
-        assert grace > values["drain_grace_seconds"] + 10, f"{overlay}: {where}"
+        assert grace > values.process.drain_grace_seconds + 10, f"{overlay}: {where}"
         assert "preStop" in container["lifecycle"], f"{overlay}: {where} has no preStop drain"
 
 
@@ -213,10 +224,10 @@ def test_plain_workers_join_the_router_internal_service(monkeypatch, tmp_path):
     for where, template, container, argv in pdserve_containers("plain-k8s"):
         _, values = settings_of(with_mounted_files(argv, template, "plain-k8s", tmp_path), environment(container),
                                 monkeypatch)
-        if values["role"] == "router":
-            assert values["internal_port"] == internal["spec"]["ports"][0]["port"]
+        if values.role == "router":
+            assert values.plain.internal_port == internal["spec"]["ports"][0]["port"]
         else:
-            assert values["router_admin"] == f"pdserve-router-internal:{internal['spec']['ports'][0]['port']}"
+            assert values.plain.router_admin == f"pdserve-router-internal:{internal['spec']['ports'][0]['port']}"
 
 
 def test_each_scaled_object_scales_its_pool_on_metrics_pdserve_exports(monkeypatch, tmp_path):
@@ -225,7 +236,7 @@ def test_each_scaled_object_scales_its_pool_on_metrics_pdserve_exports(monkeypat
     for where, template, container, argv in pdserve_containers("plain-k8s"):
         _, values = settings_of(with_mounted_files(argv, template, "plain-k8s", tmp_path), environment(container),
                                 monkeypatch)
-        roles[where.split("/")[1]] = values["role"]
+        roles[where.split("/")[1]] = values.role
     scaled = set()
     for so in objects("plain-k8s", "ScaledObject"):
         role = roles[so["spec"]["scaleTargetRef"]["name"]]
@@ -249,10 +260,10 @@ def test_ray_worker_groups_offer_what_pdserve_workers_reserve(monkeypatch, tmp_p
     assert set(groups) == {"prefill", "decode"}
     for pool, group in groups.items():
         offered = json.loads(json.loads(group["rayStartParams"]["resources"]))
-        assert offered == {values[f"{pool}_resource"]: 1}, pool
-        assert float(group["rayStartParams"]["num-gpus"]) == values["gpus_per_worker"]
+        assert offered == {values.ray.resource(pool): 1}, pool
+        assert float(group["rayStartParams"]["num-gpus"]) == values.ray.gpus_per_worker
         resources = group["template"]["spec"]["containers"][0]["resources"]
-        assert float(resources["limits"]["nvidia.com/gpu"]) == values["gpus_per_worker"]
-        assert float(resources["requests"]["cpu"]) >= values["cpus_per_worker"]
+        assert float(resources["limits"]["nvidia.com/gpu"]) == values.ray.gpus_per_worker
+        assert float(resources["requests"]["cpu"]) >= values.ray.cpus_per_worker
         assert 1 <= group["minReplicas"] <= group["maxReplicas"]
         assert group["template"]["spec"]["nodeSelector"]["pdserve.dev/node-pool"] == pool

@@ -36,7 +36,7 @@ def test_each_pools_workers_fit_only_their_own_group(monkeypatch, tmp_path):
     _, values = settings_of(with_mounted_files(argv, template, "kuberay", tmp_path), {}, monkeypatch)
     groups = {g["groupName"]: offered(g) for g in named("kuberay", "RayCluster", "pdserve")["spec"]["workerGroupSpecs"]}
     for pool in ("prefill", "decode"):
-        bundle = _placement(values, pool, lambda: 0.0).bundle()
+        bundle = _placement(values.ray, pool, lambda: 0.0).bundle()
         assert bundle.get(f"pdserve_{pool}") == 1.0 and bundle["GPU"] == 1
         assert fits(bundle, groups[pool]), (pool, bundle, groups[pool])
         other = "decode" if pool == "prefill" else "prefill"

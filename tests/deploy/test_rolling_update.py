@@ -39,7 +39,7 @@ def test_the_router_leaves_its_service_before_it_stops_listening(overlay, monkey
         _, values = settings_of(with_mounted_files(argv, template, overlay, tmp_path), environment(container),
                                 monkeypatch)
         pause = _prestop_sleep(container)
-        if values["role"] == "router":
+        if values.role == "router":
             assert pause >= 5, f"{where}: no preStop sleep before SIGTERM (the endpoints need it to drop the pod)"
         grace = template["spec"]["terminationGracePeriodSeconds"]
-        assert grace > pause + values["drain_grace_seconds"] + 10, where
+        assert grace > pause + values.process.drain_grace_seconds + 10, where

@@ -89,17 +89,19 @@ def test_the_single_key_is_one_tenant():
 
 
 def test_serve_takes_the_file_through_the_settings(tmp_path):
+    import dataclasses
+
     from pdserve.cluster.serve_config import build
-    from pdserve.cluster.settings import resolve, serve_settings
+    from pdserve.cluster.settings import resolve
 
     (tmp_path / "keys.yaml").write_text(FILE)
-    values = resolve(_args(), {"PDSERVE_API_KEYS_FILE": str(tmp_path / "keys.yaml")}, serve_settings())
+    values = resolve(_args(), {"PDSERVE_API_KEYS_FILE": str(tmp_path / "keys.yaml")})
     config = build(values)
     assert config.api_key is None and len(config.api_keys.tenants()) == 2
     assert config.without_secrets().api_keys is None and config.without_secrets().api_key == "<set>"
     assert KEY_A1 not in repr(config)
     with pytest.raises((ApiKeyError, SettingsError)):
-        build({**values, "api_key": "sk-also"})
+        build(dataclasses.replace(values, api=dataclasses.replace(values.api, api_key="sk-also")))
 
 
 def _args():

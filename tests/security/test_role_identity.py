@@ -207,13 +207,19 @@ def test_a_certificate_that_does_not_name_its_role_is_refused_at_start(tmp_path)
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
+    import argparse
+    import dataclasses
+
     from pdserve.cluster.plain_process import internal_tls
     from pdserve.cluster.serve_config import _role_tls
+    from pdserve.cluster.settings import resolve
 
     ca = make_ca(tmp_path)
     decode = {name: issue(ca, tmp_path, name) for name in COMPONENTS}["decode"]
     with pytest.raises(tls.TlsConfigError, match="names decode, not prefill"):
-        internal_tls({"tls_cert": str(decode.cert), "tls_key": str(decode.key), "tls_ca": str(ca.cert), "role": "prefill"})
+        internal = resolve(argparse.Namespace(), environ={}).internal  # the defaults: no TLS
+        internal_tls(dataclasses.replace(internal, tls_cert=str(decode.cert), tls_key=str(decode.key),
+                                         tls_ca=str(ca.cert)), "prefill")
 
     old = tmp_path / "old"
     old.mkdir()
@@ -231,8 +237,7 @@ def test_a_certificate_that_does_not_name_its_role_is_refused_at_start(tmp_path)
         (old / f"{component}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         (old / f"{component}.key").write_bytes(key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    settings = {"tls_dir": str(old), "tls_cert": None, "tls_key": None, "tls_ca": None, "elastic_roles": False}
     with pytest.raises(tls.TlsConfigError, match="router.pem: the certificate names no role"):
-        _role_tls(settings)
-    assert [c for c, _ in _role_tls({**settings, "tls_dir": str(tmp_path)})] == ["router", "prefill", "decode",
-                                                                                 "controller"]
+        _role_tls(dataclasses.replace(internal, tls_dir=str(old)), elastic_roles=False)
+    assert [c for c, _ in _role_tls(dataclasses.replace(internal, tls_dir=str(tmp_path)), elastic_roles=False)] == [
+        "router", "prefill", "decode", "controller"]
