@@ -26,14 +26,16 @@ FAMILIES = {
 
 
 def make_family_model(family: str, seed: int = 0, **overrides):
-    """A float32 transformers model of ``family``; the q/k norm weights are drawn around one
-    (transformers initializes them to exactly one, which would hide a norm we skipped)."""
+    """A float32 transformers model of ``family``; where the family has q/k norms (Qwen3) their
+    weights are drawn around one (transformers initializes them to exactly one, which would hide
+    a norm we skipped)."""
     model_type, family_overrides = FAMILIES[family]
     hf = make_hf_model(model_type, seed=seed, **{**family_overrides, **overrides})
     with torch.no_grad():
         for layer in hf.model.layers:
-            layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
-            layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
+            if hasattr(layer.self_attn, "q_norm"):
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
     return hf
 
 
