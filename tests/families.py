@@ -22,6 +22,14 @@ FAMILIES = {
     "qwen3-moe": ("qwen3_moe", {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
                                 "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # Granite 3.x (dense): Llama's layout and four multipliers far from one and from each other
+    # (granite-3.0-2b: 12, 0.22, 1/64, 8). The LM head is untied, unlike the 3.x releases: with
+    # random embeddings 12 times larger than the layers' outputs, a tied head answers the last
+    # token again whatever the layers compute; untied, setting any one of the embedding,
+    # residual or attention multipliers to one changes the greedy tokens of every test prompt.
+    # (logits_scaling keeps the argmax: tests/engine/test_granite.py compares logits, tied too.)
+    "granite": ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                            "attention_multiplier": 0.0078, "logits_scaling": 8.0}),
 }
 
 
