@@ -29,6 +29,14 @@ FAMILIES = {
     "phi3": ("phi3", {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8,
                       "num_key_value_heads": 2, "max_position_embeddings": 4096, "sliding_window": 2047,
                       "pad_token_id": 2}),
+    # Granite 3.x (dense): Llama's layout and four multipliers far from one and from each other
+    # (granite-3.0-2b: 12, 0.22, 1/64, 8). The LM head is untied, unlike the 3.x releases: with
+    # random embeddings 12 times larger than the layers' outputs, a tied head answers the last
+    # token again whatever the layers compute; untied, setting any one of the embedding,
+    # residual or attention multipliers to one changes the greedy tokens of every test prompt.
+    # (logits_scaling keeps the argmax: tests/engine/test_granite.py compares logits, tied too.)
+    "granite": ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                            "attention_multiplier": 0.0078, "logits_scaling": 8.0}),
 }
 
 

@@ -40,12 +40,18 @@ def test_greedy_matches_transformers(family):
 def test_the_model_has_the_family_layout(family):
     """What the equality above rests on: the q/k norms are there and not all ones, and the
     MoE model routes on layers 0 and 2 and runs a dense MLP on layer 1 (mlp_only_layers).
-    Phi-3's layout (Llama's layer over fused checkpoint tensors) is tests/engine/test_phi3.py's."""
+    Phi-3's layout (Llama's layer over fused checkpoint tensors) is tests/engine/test_phi3.py's;
+    Granite's layer is Llama's (no q/k norms, head_dim hidden / heads) with its multipliers."""
     name, directory, _ = family
-    if not name.startswith("qwen3"):
+    if name == "phi3":
         pytest.skip(f"{name} has no q/k norms")
-    model = make_engine(directory).runner.model
+    runner = make_engine(directory).runner
+    model = runner.model
     attn = model.layers[0].self_attn
+    if name == "granite":  # its multipliers, each checked against transformers in tests/engine/test_granite.py
+        assert not hasattr(attn, "q_norm") and attn.hd * attn.nh == model.cfg.hidden_size
+        assert (runner.backend.scale, model.layers[0].residual_multiplier) == (0.0078, 0.22)
+        return
     assert attn.hd * attn.nh != model.cfg.hidden_size  # head_dim from the config, not hidden / heads
     assert not torch.all(attn.q_norm.weight == 1)
     sparse = [isinstance(layer.mlp, SparseMoe) for layer in model.layers]

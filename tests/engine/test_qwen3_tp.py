@@ -75,7 +75,8 @@ def generate(model, cfg, tp: TensorParallel, prompt: list[int], out: dict) -> No
     logits of every step and the cache."""
     nh, nkv = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
     cache = KVCacheSpec(cfg.num_layers, BLOCK, nkv, cfg.head_dim, torch.float32).allocate(NUM_BLOCKS, torch.device("cpu"))
-    model.bind_caches([layer_views(cache, i) for i in range(cfg.num_layers)], SdpaAttention(nh, nkv, cfg.head_dim))
+    backend = SdpaAttention(nh, nkv, cfg.head_dim, cfg.attention_scale)  # the model's softmax scale (Granite's)
+    model.bind_caches([layer_views(cache, i) for i in range(cfg.num_layers)], backend)
     table, tokens, logits = list(range(NUM_BLOCKS)), list(prompt), []
     with torch.inference_mode():
         for step in range(NEW_TOKENS):
