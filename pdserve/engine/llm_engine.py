@@ -26,12 +26,12 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import capture_sizes
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankLost, SequenceFailed, StepFailed
-from pdserve.engine.grammar import GrammarCompiler
-from pdserve.engine.grammar_jobs import GrammarJobs
+from pdserve.engine.grammar_jobs import GrammarJobs, compiler_for
 from pdserve.engine.kv_cache import cache_spec_of, num_cache_blocks
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import Completion, RequestOutput, run_to_completion
+from pdserve.engine.outputs import Completion, RequestOutput, error_output, run_to_completion, token_output
+from pdserve.engine.request_state import RequestState
 from pdserve.engine.sampling import SamplingParams, check_request
 from pdserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
@@ -73,15 +73,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed,
                                   graph_sizes, self.max_model_len, ranks)
         self.runner.sampler.eos_token_ids = frozenset(eos)  # banned before min_tokens
-        self._model_dir = model_dir
-        self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        # Requests with a structured spec wait in ``grammars`` for its compile, off this thread;
-        # one whose KV landed meanwhile waits in ``_landed``, one whose compile failed before
-        # its KV landed in ``_unfit`` (its blocks are still being written: it ends on kv_ready).
-        self.grammars = GrammarJobs(self._build_grammar_compiler)
-        self._landed: set[str] = set()
-        self._unfit: dict[str, SequenceFailed] = {}
+        self._requests: dict[str, RequestState] = {}  # every request not yet ended, by id
+        # Requests with a structured spec wait in ``grammars`` for its compile, off this thread
+        # (``RequestState.kv_landed`` and ``unfit`` say where they stand meanwhile).
+        self.grammars = GrammarJobs(compiler_for(tokenizer, model_dir, model_cfg.vocab_size, eos))
         self._pending: list[RequestOutput] = []  # outputs made between steps (a request ended there)
         # With ``keep_step_shape``, each step leaves what it ran in ``last_step_shape`` (a step
         # trace reads it); off, a step computes nothing for it.
@@ -129,7 +124,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     hold_kv: bool = False) -> None:
         """Queue a request. ``hold_kv``: prefill only, keep the KV for a transfer."""
-        if request_id in self._seqs:
+        if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
@@ -145,7 +140,7 @@ class LLMEngine:
         the KV must be written into. It decodes from ``first_token`` once ``kv_ready``.
         ``reuse_cached``: the leading blocks this engine's prefix cache holds are reused, and
         only the blocks past ``num_cached_tokens(request_id)`` need writing."""
-        if request_id in self._seqs:
+        if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         self._check_first_token(first_token)
@@ -154,25 +149,14 @@ class LLMEngine:
         block_ids = self.scheduler.add_remote_prefilled(seq, reuse_cached)
         if params.structured is not None:
             self.grammars.submit(request_id, params.structured)  # its KV arrives meanwhile
-        self._track(seq)
-        if request_id in self._detok:
-            self._detok[request_id].add(first_token)  # its text was streamed by the prefill side
+        state = self._track(seq)
+        if state.detok is not None:
+            state.detok.add(first_token)  # its text was streamed by the prefill side
         return block_ids
 
     def num_cached_tokens(self, request_id: str) -> int:
         """Leading prompt tokens of ``request_id`` whose KV the prefix cache gave it."""
-        return self._seqs[request_id].num_cached_tokens
-
-    def _build_grammar_compiler(self) -> GrammarCompiler:
-        """Built on the compile thread for the first structured request (1-2 s with a 49k
-        vocabulary: xgrammar's import and its vocabulary tables); workers that do not
-        detokenize load the tokenizer only then."""
-        tokenizer = self.tokenizer
-        if tokenizer is None and self._model_dir is not None:
-            tokenizer = Tokenizer(self._model_dir)
-        if tokenizer is None:
-            raise InvalidRequestError("structured_output", "this engine has no tokenizer to compile grammars with")
-        return GrammarCompiler(tokenizer.hf, self.model_cfg.vocab_size, sorted(self.runner.sampler.eos_token_ids))
+        return self._requests[request_id].seq.num_cached_tokens
 
     def _check_first_token(self, token: int) -> None:
         """A peer's first token is a token of this vocabulary (else it would index past the
@@ -187,8 +171,8 @@ class LLMEngine:
         placeholder (streamed KV learns it last). A first token out of the vocabulary, or a
         grammar that did not compile, ends the request here: its output on the next step
         carries the error (its KV has landed, so its blocks are free to go)."""
-        seq = self._seqs[request_id]
-        error = self._unfit.pop(request_id, None)
+        state = self._requests[request_id]
+        seq, error, state.unfit = state.seq, state.unfit, None
         if first_token is not None and error is None:
             try:
                 self._check_first_token(first_token)
@@ -199,30 +183,34 @@ class LLMEngine:
             return
         if first_token is not None:
             seq.token_ids[seq.num_prompt_tokens] = first_token
-            if request_id in self._detok:
-                self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
-                self._detok[request_id].add(first_token)
+            if state.detok is not None:
+                state.detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+                state.detok.add(first_token)
         if request_id in self.grammars:
-            self._landed.add(request_id)  # it joins the batch with its grammar (_admit_compiled)
+            state.kv_landed = True  # it joins the batch with its grammar (_admit_compiled)
             return
         self.scheduler.kv_ready(request_id)
 
     def prompt_progress(self, request_id: str) -> int | None:
         """Tokens of a prompt whose KV is in its blocks now; None while it has no blocks yet
         (queued) or once it is gone."""
-        seq = self._seqs.get(request_id)
+        seq = self._seq(request_id)
         if seq is None or not self.blocks.has(request_id):
             return None
         return seq.num_computed_tokens
 
-    def _track(self, seq: Sequence) -> None:
-        self._seqs[seq.seq_id] = seq
-        if self.detokenize:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+    def _track(self, seq: Sequence) -> RequestState:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop) if self.detokenize else None
+        state = self._requests[seq.seq_id] = RequestState(seq, detok)
+        return state
+
+    def _seq(self, request_id: str) -> Sequence | None:
+        state = self._requests.get(request_id)
+        return None if state is None else state.seq
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if it is unknown."""
-        seq = self._seqs.get(request_id)
+        seq = self._seq(request_id)
         if seq is None:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
@@ -231,7 +219,7 @@ class LLMEngine:
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """Block ids of a HELD request (prefill done, KV kept for another worker)."""
-        seq = self._seqs.get(request_id)
+        seq = self._seq(request_id)
         if seq is None or not seq.is_held:
             raise KeyError(request_id)
         return list(self.blocks.block_table(request_id))
@@ -243,7 +231,7 @@ class LLMEngine:
         hold: all but the newest, which is sampled and not yet computed. None (nothing
         changes) unless the request is decoding with exactly that much computed: a prompt
         still computing, KV still arriving, or a preempted sequence has nothing whole to move."""
-        seq = self._seqs.get(request_id)
+        seq = self._seq(request_id)
         if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1:
             return None
         self.scheduler.hold(seq)
@@ -253,14 +241,14 @@ class LLMEngine:
     def free_held(self, request_id: str) -> bool:
         """Free the KV of a HELD request (after its transfer, abort or lease end). False if
         ``request_id`` is not HELD."""
-        seq = self._seqs.get(request_id)
+        seq = self._seq(request_id)
         if seq is None or not seq.is_held:
             return False
         return self.abort(request_id)
 
     @property
     def num_held(self) -> int:
-        return sum(1 for s in self._seqs.values() if s.is_held)
+        return sum(1 for state in self._requests.values() if state.seq.is_held)
 
     # ---- the loop ------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -316,7 +304,7 @@ class LLMEngine:
         try:
             return isolate(self.runner.run, out)
         except Unattributed as unattributed:
-            failed = [item.seq.seq_id for item in out.seqs if item.seq.seq_id in self._seqs]
+            failed = [item.seq.seq_id for item in out.seqs if item.seq.seq_id in self._requests]
             for request_id in failed:
                 self.abort(request_id)
             raise StepFailed(failed, unattributed.cause) from exc
@@ -325,22 +313,22 @@ class LLMEngine:
         """Requests whose grammar compiled join the scheduler (or, with their KV landed, the
         decode batch); those whose compile failed or ran past its deadline end."""
         for request_id, result in self.grammars.done():
-            seq = self._seqs.get(request_id)
-            if seq is None:
+            state = self._requests.get(request_id)
+            if state is None:
                 continue
+            seq = state.seq
             if isinstance(result, InvalidRequestError):
                 error = SequenceFailed.of(request_id, result)
-                if seq.status is SeqStatus.WAITING_FOR_KV and request_id not in self._landed:
-                    self._unfit[request_id] = error  # its KV is still arriving: it ends on kv_ready
+                if seq.status is SeqStatus.WAITING_FOR_KV and not state.kv_landed:
+                    state.unfit = error  # its KV is still arriving: it ends on kv_ready
                 else:
-                    self._landed.discard(request_id)
                     self._pending.append(self._fail(seq, error))
                 continue
             self.runner.sampler.attach(request_id, result, seq.params.structured.resumed_tokens)
             if seq.status is not SeqStatus.WAITING_FOR_KV:
                 self.scheduler.add(seq)
-            elif request_id in self._landed:
-                self._landed.discard(request_id)
+            elif state.kv_landed:
+                state.kv_landed = False
                 self.scheduler.kv_ready(request_id)
 
     def _take_pending(self) -> list[RequestOutput]:
@@ -349,53 +337,41 @@ class LLMEngine:
 
     def _end_failed(self, failed: dict[str, SequenceFailed]) -> list[RequestOutput]:
         """Finish each sequence whose own fault the step found, with its error."""
-        return [self._fail(self._seqs[rid], error) for rid, error in failed.items() if rid in self._seqs]
+        return [self._fail(self._requests[rid].seq, error) for rid, error in failed.items() if rid in self._requests]
 
     def _fail(self, seq: Sequence, error: SequenceFailed) -> RequestOutput:
         """End ``seq`` with finish reason "error": its last output, which carries ``error``."""
         log.warning("request %s ended alone: %s", seq.seq_id, error)
         self.scheduler.finish(seq, FinishReason.ERROR)
         self._forget(seq)
-        return RequestOutput(seq.seq_id, [], "", [], True, FinishReason.ERROR.value, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens, error=error)
+        return error_output(seq, error)
 
     def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
         results = []
         for item in out.seqs:
             seq = item.seq
-            if not item.sample or seq.seq_id not in self._seqs:
+            state = self._requests.get(seq.seq_id)
+            if not item.sample or state is None:
                 continue
-            token = seq.token_ids[-1]
             text = ""
-            detok = self._detok.get(seq.seq_id)
-            if detok is not None:
-                text, hit_stop = detok.add(token)
+            if state.detok is not None:
+                text, hit_stop = state.detok.add(seq.token_ids[-1])
                 if hit_stop and not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.STOP)
                 if seq.is_finished and not hit_stop:
-                    text += detok.flush()
-            first = seq.num_output_tokens == 1
-            results.append(RequestOutput(
-                seq.seq_id, [token], text, seq.output_logprobs[-1:] if seq.params.logprobs else [],
-                seq.is_done_here, seq.finish_reason.value if seq.finish_reason else None,
-                seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                seq.output_top_logprobs[-1:] if seq.params.logprobs else [],
-                list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None,
-            ))
+                    text += state.detok.flush()
+            results.append(token_output(seq, text))
             if seq.is_finished:
                 self._forget(seq)
-            elif seq.is_held:  # stays in _seqs (HELD) until freed (free_held, abort); nothing samples it again
-                self._detok.pop(seq.seq_id, None)
+            elif seq.is_held:  # stays (HELD) until freed (free_held, abort); nothing samples it again
+                state.detok = None
                 self.runner.sampler.forget(seq.seq_id)
         return results
 
     def _forget(self, seq: Sequence) -> None:
-        self._seqs.pop(seq.seq_id, None)
-        self._detok.pop(seq.seq_id, None)
+        self._requests.pop(seq.seq_id, None)
         self.runner.sampler.forget(seq.seq_id)
         self.grammars.cancel(seq.seq_id)
-        self._landed.discard(seq.seq_id)
-        self._unfit.pop(seq.seq_id, None)
 
     # ---- convenience ---------------------------------------------------------------
     def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],

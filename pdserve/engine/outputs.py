@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from pdserve.engine.errors import SequenceFailed
 from pdserve.engine.sampling import TopLogprobs
+from pdserve.engine.sequence import FinishReason, Sequence
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,22 @@ class RequestOutput:
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
     # With finish_reason "error": the request's own fault that ended it (no token with it).
     error: SequenceFailed | None = None
+
+
+def token_output(seq: Sequence, text: str) -> RequestOutput:
+    """``seq``'s output for the token it just sampled (its last), with ``text`` decoded for it."""
+    logprobs, first = seq.params.logprobs, seq.num_output_tokens == 1
+    return RequestOutput(
+        seq.seq_id, [seq.token_ids[-1]], text, seq.output_logprobs[-1:] if logprobs else [], seq.is_done_here,
+        seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens, seq.num_output_tokens,
+        seq.num_cached_tokens, seq.output_top_logprobs[-1:] if logprobs else [],
+        list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None)
+
+
+def error_output(seq: Sequence, error: SequenceFailed) -> RequestOutput:
+    """``seq``'s last output when its own fault ended it: no token, finish reason "error"."""
+    return RequestOutput(seq.seq_id, [], "", [], True, FinishReason.ERROR.value, seq.num_prompt_tokens,
+                         seq.num_output_tokens, seq.num_cached_tokens, error=error)
 
 
 @dataclass
