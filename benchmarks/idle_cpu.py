@@ -22,7 +22,7 @@ async def _serve(model: str) -> None:
     from pdserve.decode_worker.worker import DecodeWorkerConfig
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.prefill_worker.server import start as start_prefill
-    from pdserve.prefill_worker.worker import PrefillWorkerConfig
+    from pdserve.prefill_worker.config import PrefillWorkerConfig
 
     engine = EngineConfig(model=model, cache=CacheConfig(memory_budget_bytes=64 << 20))
     servers = [await start_prefill(PrefillWorkerConfig(engine=engine, lease_seconds=LEASE_SECONDS.default)),

@@ -34,7 +34,8 @@ from pdserve.engine.models.registry import model_config_from_hf  # noqa: E402
 from pdserve.engine.kv_cache import cache_spec_of  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.prefill_worker.server import start as start_prefill  # noqa: E402
-from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig  # noqa: E402
+from pdserve.prefill_worker.config import PrefillWorkerConfig  # noqa: E402
+from pdserve.prefill_worker.worker import PrefillWorker  # noqa: E402
 from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from pdserve.wire.grpc_util import aio_channel  # noqa: E402
 

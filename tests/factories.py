@@ -53,7 +53,7 @@ def prefill_worker_config(**fields):
     """A ``PrefillWorkerConfig`` with ``pdserve serve``'s lease unless ``fields`` name one: the
     config has no default of its own (``pdserve.cluster.settings.LEASE_SECONDS`` is the one)."""
     from pdserve.cluster.settings import LEASE_SECONDS
-    from pdserve.prefill_worker.worker import PrefillWorkerConfig
+    from pdserve.prefill_worker.config import PrefillWorkerConfig
 
     return PrefillWorkerConfig(**{"lease_seconds": LEASE_SECONDS.default, **fields})
 

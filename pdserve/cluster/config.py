@@ -205,7 +205,7 @@ class ClusterConfig:
     def worker_config(self, role: str, index: int):
         """The config of ``role``'s worker number ``index``."""
         from pdserve.decode_worker.worker import DecodeWorkerConfig
-        from pdserve.prefill_worker.worker import PrefillWorkerConfig
+        from pdserve.prefill_worker.config import PrefillWorkerConfig
 
         common = dict(worker_id=f"{role}-{index}", model_name=self.served_model_names[0], engine=self.engine_for(role),
                       host=self.internal_bind_host(), tls=self.tls_for(role), advertise_host=self.internal_advertise_host,

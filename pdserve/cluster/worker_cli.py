@@ -132,7 +132,7 @@ def worker_config(s: WorkerSettings):
                   verify_kv=kv.verify_kv_transfers,
                   step_trace_dir=s.process.step_trace_dir, otlp_traces_endpoint=s.process.otlp_traces_endpoint)
     if s.role == "prefill":
-        from pdserve.prefill_worker.worker import PrefillWorkerConfig
+        from pdserve.prefill_worker.config import PrefillWorkerConfig
 
         return PrefillWorkerConfig(lease_seconds=kv.lease_seconds, **common)
     from pdserve.decode_worker.worker import DecodeWorkerConfig

@@ -60,7 +60,7 @@ def _config(args):
                   max_requests=args.max_requests,
                   cpus=tuple(int(c) for c in args.cpus.split(",") if c))
     if args.role == "prefill":
-        from pdserve.prefill_worker.worker import PrefillWorkerConfig
+        from pdserve.prefill_worker.config import PrefillWorkerConfig
 
         return PrefillWorkerConfig(lease_seconds=args.lease_seconds, **common)
     from pdserve.decode_worker.worker import DecodeWorkerConfig

@@ -14,7 +14,8 @@ from pdserve.elastic_worker.roles import CORE, ROLES
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.step_trace import StepTrace, trace_path
 from pdserve.kv_transfer.handoff import KVHandle
-from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from pdserve.prefill_worker.config import PrefillWorkerConfig
+from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2
 from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell, run_together

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pdserve.prefill_worker.service import add_to_server
-from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from pdserve.prefill_worker.config import PrefillWorkerConfig
+from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.wire.server import RunningServer
 from pdserve.shell.server import serve
 

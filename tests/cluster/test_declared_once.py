@@ -14,7 +14,7 @@ from pdserve.cluster import cli, worker_cli
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS, serve_settings
 from pdserve.decode_worker.worker import DecodeWorkerConfig
-from pdserve.prefill_worker.worker import PrefillWorkerConfig
+from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.cluster import worker_process
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transfer import TransferState, create_agent
 from pdserve.prefill_worker.server import start as start_prefill
-from pdserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from pdserve.prefill_worker.config import PrefillWorkerConfig
+from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories import decode_worker_config, make_engine, random_prompts
 from pdserve.wire.failure import Failure, failure_of
