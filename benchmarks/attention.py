@@ -28,9 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdserve.engine.attention import SdpaAttention, build_context  # noqa: E402
-from pdserve.engine.attention_paged import PagedAttention  # noqa: E402
-from pdserve.engine.kv_cache import host_zeros  # noqa: E402
+from pdserve.engine.attention.base import SdpaAttention, build_context  # noqa: E402
+from pdserve.engine.attention.paged import PagedAttention  # noqa: E402
+from pdserve.engine.attention.kv_cache import host_zeros  # noqa: E402
 
 NH, NKV, HD, BS, LAYERS = 9, 3, 64, 16, 30
 DECODE_LENS = [100 + 60 * i for i in range(16)]  # 100 .. 1000
@@ -78,7 +78,7 @@ def compare_layer(dtype: torch.dtype, starts, query_lens, decode: bool, rounds: 
 def compare_steps(dtype: torch.dtype, rounds: int) -> dict[str, float]:
     """Median ms per decode forward of the default model (all 30 layers, no sampling), 16
     sequences at the staggered lengths. The cache holds random K/V: timing needs no prefill."""
-    from pdserve.engine.kv_cache import KVCacheSpec, layer_views
+    from pdserve.engine.attention.kv_cache import KVCacheSpec, layer_views
     from pdserve.engine.loader import load_model
 
     model, cfg, _ = load_model("default", dtype, torch.device("cpu"), progress=False)

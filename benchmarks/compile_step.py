@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.sampling.params import SamplingParams  # noqa: E402
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int, tag: str) -> tuple[float, list[list[int]]]:

@@ -6,7 +6,7 @@ memory-bandwidth floor of a batch-1 decode step, all measured in one run on this
     .venv/bin/python benchmarks/engine.py --dtypes bfloat16 --threads 1 2 --no-baseline
     .venv/bin/python benchmarks/engine.py --tp 1 2 --threads 2 --model tp-shaped --no-baseline
 
-Both dtypes run pdserve's batch-invariant kernels on CPU (pdserve/engine/csrc/linear.cpp; float32
+Both dtypes run pdserve's batch-invariant kernels on CPU (pdserve/engine/kernels/csrc/linear.cpp; float32
 keeps torch's RMSNorm and SiLU). ``--threads`` repeats everything at each torch thread count (a cluster worker
 runs one), with the bandwidth, and so the floor, measured at that count.
 
@@ -46,7 +46,7 @@ from pdserve.engine.linear import PackedLinear  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.loader import materialize  # noqa: E402
 from pdserve.engine.models.decoder import CausalLM  # noqa: E402
-from pdserve.engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.sampling.params import SamplingParams  # noqa: E402
 
 
 def read_bandwidth_gbs(gib: float = 0.5, repeats: int = 5) -> float:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.loader import materialize  # noqa: E402
-from pdserve.engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.sampling.params import SamplingParams  # noqa: E402
 
 FIRST_REGULAR_ID = 100  # skip SmolLM2's special tokens
 

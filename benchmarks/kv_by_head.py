@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pdserve.engine.kv_cache import host_zeros
+from pdserve.engine.attention.kv_cache import host_zeros
 from pdserve.kv_transfer import TransferState, create_agent
 from pdserve.kv_transfer.metadata import publish
 from pdserve.kv_transfer.sharding import KVShard

@@ -31,7 +31,7 @@ from pdserve.decode_worker.server import start as start_decode  # noqa: E402
 from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig  # noqa: E402
 from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from pdserve.engine.models.registry import model_config_from_hf  # noqa: E402
-from pdserve.engine.kv_cache import cache_spec_of  # noqa: E402
+from pdserve.engine.attention.kv_cache import cache_spec_of  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.prefill_worker.server import start as start_prefill  # noqa: E402
 from pdserve.prefill_worker.config import PrefillWorkerConfig  # noqa: E402

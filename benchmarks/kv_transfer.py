@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from pdserve.engine.kv_cache import host_zeros  # noqa: E402
+from pdserve.engine.attention.kv_cache import host_zeros  # noqa: E402
 from pdserve.kv_transfer import TransferState, create_agent  # noqa: E402
 from pdserve.protos import kv_transfer_pb2  # noqa: E402
 
@@ -223,7 +223,7 @@ def real_blocks(prompt_tokens: int) -> torch.Tensor:
     as (blocks, block_bytes) uint8 rows."""
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling.params import SamplingParams
     from pdserve.kv_transfer.layout import block_bytes_view
 
     engine = LLMEngine.from_config(EngineConfig(dtype="bfloat16", cache=CacheConfig(num_blocks=prompt_tokens // 8 + 4)),

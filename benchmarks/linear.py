@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdserve.engine import cpu_kernels  # noqa: E402
+from pdserve.engine.kernels import cpu_kernels# noqa: E402
 from pdserve.engine.linear import PackedLinear  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960

@@ -27,8 +27,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 
 from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.sampling import SamplingParams  # noqa: E402
-from pdserve.engine.scheduler import Scheduler  # noqa: E402
+from pdserve.engine.sampling.params import SamplingParams  # noqa: E402
+from pdserve.engine.core.scheduler import Scheduler  # noqa: E402
 
 
 def run_queue(engine: LLMEngine, budget: int, prompts: list[list[int]]) -> tuple[float, float]:

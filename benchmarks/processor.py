@@ -1,5 +1,5 @@
 """What every benchmark prints first, and records with its results: the processor, its
-instruction-set flags, and the kernel path pdserve runs on it (pdserve/engine/cpu_kernels.py). The
+instruction-set flags, and the kernel path pdserve runs on it (pdserve/engine/kernels/cpu_kernels.py). The
 processor behind a machine of this project changes from day to day (AVX2 only, AVX-512 BF16,
 AMX), and a figure means nothing without it.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdserve.engine import cpu_kernels  # noqa: E402
+from pdserve.engine.kernels import cpu_kernels# noqa: E402
 
 
 def describe() -> dict:

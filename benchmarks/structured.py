@@ -26,7 +26,7 @@ alternate two kinds: ``same`` (every request has one schema, compiled before the
 compile per request, ``--schema-props`` large). The free streams' inter-token latency is measured from the first arrival
 until the last constrained request ends, pooled over each kind's rounds. A new grammar per
 request must not raise their ITL p99 by more than 20% (issue 41): ``fresh`` p99 / ``same`` p99
-at most 1.2. Grammars compile on a thread of their own (pdserve/engine/grammar_jobs.py); on the
+at most 1.2. Grammars compile on a thread of their own (pdserve/engine/sampling/grammar_jobs.py); on the
 engine thread, each compile stalled every stream. Writes JSON to .bench/structured.json.
 """
 
@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.engine_thread import EngineThread  # noqa: E402
-from pdserve.engine.grammar import GrammarKind, StructuredOutput  # noqa: E402
+from pdserve.engine.sampling.grammar import GrammarKind, StructuredOutput  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.sampling.params import SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 200}
 PERSON = {"type": "object", "properties": {

@@ -79,7 +79,7 @@ def _nixl() -> dict:
 
 
 def _auto_backend(device: torch.device) -> dict:
-    from pdserve.engine.attention_select import select_backend
+    from pdserve.engine.attention.select import select_backend
 
     # SmolLM2-135M's heads: 9 query, 3 KV, 64 wide; the default block size.
     return {str(dtype).removeprefix("torch."): select_backend("auto", device, 9, 3, 64, 16, dtype=dtype).name

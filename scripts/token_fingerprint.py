@@ -47,7 +47,7 @@ def run(models: Path) -> dict[str, list[list[int]]]:
 
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling.params import SamplingParams
 
     torch.set_num_threads(2)
     found: dict[str, list[list[int]]] = {}

@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 # cores. The choice itself is tested on fixed profiles (tests/planner/test_auto_layout.py).
 os.environ.setdefault("PDSERVE_LAYOUT", "disaggregated")
 
-# Without CUDA, Triton's kernels (pdserve/engine/attention_triton.py) run in its interpreter, on
+# Without CUDA, Triton's kernels (pdserve/engine/attention/triton.py) run in its interpreter, on
 # host tensors. Triton reads this once, as it is first imported (its own helpers are decorated
 # then), so it is set before any test imports it. With CUDA the same tests run the kernels there.
 if "TRITON_INTERPRET" not in os.environ:
@@ -79,17 +79,17 @@ def tool_llama(tmp_path_factory):
 
 
 def _kernel_paths():
-    from pdserve.engine import cpu_kernels
+    from pdserve.engine.kernels import cpu_kernels
 
     return list(cpu_kernels.ISAS) if cpu_kernels.cpu_supported() else []
 
 
 @pytest.fixture(params=_kernel_paths())
 def kernel_path(request):
-    """Each CPU kernel path (pdserve/engine/csrc/isa.h) this processor runs, in turn; the paths it
+    """Each CPU kernel path (pdserve/engine/kernels/csrc/isa.h) this processor runs, in turn; the paths it
     lacks are skipped, and named in the skip. Weights packed inside the test are packed for
     that path; the process's own path comes back afterwards."""
-    from pdserve.engine import cpu_kernels
+    from pdserve.engine.kernels import cpu_kernels
 
     name = request.param
     if name not in cpu_kernels.runnable_isas():

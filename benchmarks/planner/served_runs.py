@@ -155,7 +155,7 @@ def traced_steps(trace_dir: str, start: float, end: float) -> dict:
     ``{"prefill": [[seconds, [[new, cached], ...], sampled], ...], "decode": [[seconds, batch,
     context], ...]}``; a decode worker's steps that ran prompt tokens are left out (the runs
     here have none: every prompt prefills on the prefill worker)."""
-    from pdserve.engine.step_trace import read
+    from pdserve.engine.core.step_trace import read
 
     out: dict[str, list] = {"prefill": [], "decode": []}
     for pool in out:

@@ -106,7 +106,7 @@ def serve(args, choose_layout=None) -> int:
     from pdserve.wire import tls
     from pdserve.wire.logs import configure
 
-    from pdserve.engine.cpu_kernels import check_requested_isa
+    from pdserve.engine.kernels.cpu_kernels import check_requested_isa
 
     try:
         s, layout_lines = apply_layout(resolve(args), given(args), choose_layout, gpu=lambda: default_gpus() > 0)

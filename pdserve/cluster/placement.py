@@ -11,7 +11,7 @@ what makes Ray's autoscaler (or KubeRay's) add a node of the group offering the 
 A tensor-parallel worker of N ranks gets N bundles in its group, one per rank, on one node
 (``STRICT_PACK``): the worker's CPUs, memory and custom resource are split evenly over them, and
 ``gpus`` is each rank's. Rank 0 is the worker's actor, in bundle 0; it starts the other ranks
-as its own processes (``pdserve.engine.tp_group``), which use what bundles 1..N-1 reserve.
+as its own processes (``pdserve.engine.distributed.group``), which use what bundles 1..N-1 reserve.
 
 GPUs may be shared: ``gpus`` below 1 reserves a fraction of one device (Ray's fractional
 GPUs), so one GPU holds a prefill and a decode worker at 0.5 each. Ray then hands both the

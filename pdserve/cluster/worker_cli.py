@@ -84,7 +84,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from pdserve.wire import tls
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from pdserve.engine.cpu_kernels import KernelPathError, check_requested_isa
+    from pdserve.engine.kernels.cpu_kernels import KernelPathError, check_requested_isa
 
     try:
         s = settings(args)

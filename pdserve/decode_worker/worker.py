@@ -19,7 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 from pdserve.engine.config import MIXED, EngineConfig
 from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState
 from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
 from pdserve.kv_transfer.handoff import KVHandle

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig, decode_engine_config
 from pdserve.elastic_worker.roles import CORE, ROLES
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.step_trace import StepTrace, trace_path
+from pdserve.engine.core.step_trace import StepTrace, trace_path
 from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.worker import PrefillWorker

@@ -142,7 +142,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 on CUDA and on CPU.
 
     On an x86-64 CPU, bfloat16 runs pdserve's own linear and RMSNorm kernels
-    (pdserve/engine/csrc/linear.cpp, chosen by pdserve/engine/linear.py): every output element is one
+    (pdserve/engine/kernels/csrc/linear.cpp, chosen by pdserve/engine/linear.py): every output element is one
     float32 FMA chain in a fixed order, so a sequence's tokens do not depend on how many
     others share its batch, on the thread count or on the machine, and the weights stream
     at half float32's bytes. Its numerics differ from ``transformers``' bfloat16 (oneDNN,
@@ -189,7 +189,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # prefill_first: a step prefills, or else decodes (a prefill worker's engine). mixed:
     # every step decodes all running sequences and fills the rest of the token budget with
-    # prompt chunks (pdserve/engine/scheduler.py); what a worker that decodes runs.
+    # prompt chunks (pdserve/engine/core/scheduler.py); what a worker that decodes runs.
     policy: str = PREFILL_FIRST
     # mixed only: prompt tokens one step computes while sequences are decoding in it (0: no
     # cap beyond max_num_batched_tokens). With nothing decoding, a prompt gets the whole
@@ -197,7 +197,7 @@ class SchedulerConfig:
     # cluster's decode workers (``DISAGGREGATED_MIXED_PREFILL_TOKENS``, the reason there).
     mixed_prefill_tokens: int = 0
     # mixed only, and above 0: the chunk instead fits this step time, from what steps have
-    # cost on this worker (pdserve/engine/step_budget.py; mixed_prefill_tokens is the chunk
+    # cost on this worker (pdserve/engine/core/step_budget.py; mixed_prefill_tokens is the chunk
     # until it knows). ``pdserve serve`` sets half the TPOT objective. 0: the fixed cap above.
     mixed_step_target_s: float = 0.0
 
@@ -217,12 +217,12 @@ class EngineConfig:
     model: str = "default"  # "default", a HF directory, or a .gguf file
     dtype: str | None = None  # None: default_dtype(device); "float32": transformers-exact
     device: str | None = None  # None: cuda if available, else cpu
-    attention_backend: str = "auto"  # auto | paged | triton | sdpa | flash | flash_invariant (engine/attention_select.py)
+    attention_backend: str = "auto"  # auto | paged | triton | sdpa | flash | flash_invariant (engine/attention/select.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0  # seeds weight-free randomness (unseeded sampling)
-    # Decode steps replay CUDA graphs captured at start (engine/cuda_graphs.py). On since the
+    # Decode steps replay CUDA graphs captured at start (engine/runner/cuda_graphs.py). On since the
     # first H100 runs showed graphed tokens equal transformers' and the eager engine's
     # (BENCHMARKS.md, GPU). Without CUDA it changes nothing.
     cuda_graphs: bool = True

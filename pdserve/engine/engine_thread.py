@@ -17,10 +17,10 @@ when nothing it watches can change until a call arrives. An idle engine blocks o
 queue for the smallest of those, forever when every hook says None: an idle worker uses no
 CPU. A worker's hooks poll KV transfers and leases there, so nothing that touches the engine
 or the KV cache ever runs concurrently with a forward pass. The engine's grammar compiles
-(``pdserve.engine.grammar_jobs``) run on a thread of their own: one that finishes wakes the
+(``pdserve.engine.sampling.grammar_jobs``) run on a thread of their own: one that finishes wakes the
 loop, and the loop wakes by itself at the earliest compile deadline.
 
-With a ``step_trace``, every step's start, length and shape go to it (``pdserve.engine.step_trace``).
+With a ``step_trace``, every step's start, length and shape go to it (``pdserve.engine.core.step_trace``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from pdserve.engine.errors import StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.step_trace import StepTrace
+from pdserve.engine.core.step_trace import StepTrace
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ class CacheCapacityError(EngineError):
 
 class StepFailed(EngineError):
     """A step raised and no part of it ran when its batch was split and run again
-    (``pdserve.engine.step_isolation``): the fault is pinned on none of its sequences
+    (``pdserve.engine.core.step_isolation``): the fault is pinned on none of its sequences
     (``request_ids``), which were aborted and their blocks freed; the engine goes on with
     everything else. Not the requests' fault: another worker may serve them. ``cause`` is the
     original error."""
@@ -70,4 +70,4 @@ class SequenceFailed(InvalidRequestError):
 class RankLost(EngineError):
     """A rank of a tensor-parallel worker died, or a collective between the ranks failed: the
     ranks are out of step, and no step can run again. The worker is dead as a whole (its
-    process exits, ``pdserve.engine.tp_group``), and what it ran moves as from any dead worker."""
+    process exits, ``pdserve.engine.distributed.group``), and what it ran moves as from any dead worker."""

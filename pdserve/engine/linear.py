@@ -8,7 +8,7 @@ unchanged model, never a branch inside it):
 - ``TorchBackend``: leaves everything to torch (any dtype on CUDA; a CPU without AVX2 + FMA).
 - ``PackedCpuBackend``: bfloat16 on an x86-64 CPU with AVX2 + FMA (linears, norms, and
   the MLP's silu * up fused into one pass). Weights are packed once into panels for
-  pdserve's kernels (pdserve/engine/csrc/linear.cpp) on the processor's fastest instruction-set
+  pdserve's kernels (pdserve/engine/kernels/csrc/linear.cpp) on the processor's fastest instruction-set
   path (AVX2, AVX-512, AVX-512 BF16 or AMX; ``PDSERVE_CPU_ISA`` pins one). Every output
   element is one float32 accumulator updated over k in a fixed order, so a row's result is
   bitwise the same alone or in a batch of any size, at any thread count, on that processor
@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine import cpu_kernels
-from pdserve.engine.attention import AttentionContext
-from pdserve.engine.attention_paged import PagedAttention
+from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.attention.base import AttentionContext
+from pdserve.engine.attention.paged import PagedAttention
 from pdserve.engine.layers.activation import SiluAndMul
 from pdserve.engine.layers.linear import RowParallelLinear
 from pdserve.engine.layers.mlp import GatedMLP
@@ -115,7 +115,7 @@ class PackedSiluAndMul(nn.Module):
 
 class PackedDecoderStack(DecoderStack):
     """The whole bfloat16 decoder stack in one call (``torch.ops.pdserve.decoder_layers``,
-    pdserve/engine/csrc/decoder.cpp): the layers' own packed operators in their own order, called
+    pdserve/engine/kernels/csrc/decoder.cpp): the layers' own packed operators in their own order, called
     from C++, so the step pays Python's dispatch once instead of ~300 times. Bitwise the
     layer-by-layer result. Needs the paged-attention kernel; with another attention backend
     (``attention_backend="sdpa"``) the layers run one by one, as ``DecoderStack`` runs them.
@@ -186,7 +186,7 @@ def _register_fakes() -> None:
 
 
 class PackedCpuBackend:
-    """pdserve's batch-invariant CPU kernels (pdserve/engine/csrc/linear.cpp): every linear and the LM
+    """pdserve's batch-invariant CPU kernels (pdserve/engine/kernels/csrc/linear.cpp): every linear and the LM
     head in bfloat16 or float32; in bfloat16 the norms and silu * up too."""
 
     batch_invariant = True
@@ -197,7 +197,7 @@ class PackedCpuBackend:
         self.dtype = dtype
         self.name = "packed-cpu" if dtype == torch.bfloat16 else "packed-cpu-f32"
         cpu_kernels.load()
-        # The instruction-set path the weights are packed for (pdserve/engine/csrc/isa.h): fixed per
+        # The instruction-set path the weights are packed for (pdserve/engine/kernels/csrc/isa.h): fixed per
         # process, so every layer of the model computes the same way.
         self.kernel_path = cpu_kernels.isa()
         _register_fakes()

@@ -10,7 +10,7 @@ A decoding request can leave the same way a prefill-only one does (``hold_runnin
 its KV kept for another worker, which takes it up with ``add_prefilled`` (an elastic worker
 changing role hands its streams over so, ``pdserve.elastic_worker``).
 
-With ``tensor_parallel_size`` N > 1 this is rank 0 of N processes (``pdserve.engine.tp_group``):
+With ``tensor_parallel_size`` N > 1 this is rank 0 of N processes (``pdserve.engine.distributed.group``):
 the other ranks only run each step's forward on their shares; ``close`` stops them.
 """
 
@@ -22,23 +22,23 @@ from typing import Callable, Iterable, Sequence as Seq
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.cuda_graphs import capture_sizes
+from pdserve.engine.runner.cuda_graphs import capture_sizes
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankLost, SequenceFailed, StepFailed
-from pdserve.engine.grammar_jobs import GrammarJobs, compiler_for
-from pdserve.engine.kv_cache import cache_spec_of, num_cache_blocks
+from pdserve.engine.sampling.grammar_jobs import GrammarJobs, compiler_for
+from pdserve.engine.attention.kv_cache import cache_spec_of, num_cache_blocks
 from pdserve.engine.models.decoder import CausalLM
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import Completion, RequestOutput, error_output, run_to_completion, token_output
-from pdserve.engine.request_state import RequestState
-from pdserve.engine.sampling import SamplingParams, check_request
-from pdserve.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
-from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
-from pdserve.engine.step_isolation import Unattributed, isolate
-from pdserve.engine.step_trace import StepShape
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.core.outputs import Completion, RequestOutput, error_output, run_to_completion, token_output
+from pdserve.engine.core.request_state import RequestState
+from pdserve.engine.sampling.params import SamplingParams, check_request
+from pdserve.engine.core.scheduler import SampledTokens, Scheduler, SchedulerOutput
+from pdserve.engine.core.sequence import FinishReason, Sequence, SeqStatus
+from pdserve.engine.core.step_isolation import Unattributed, isolate
+from pdserve.engine.core.step_trace import StepShape
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.engine.tp_group import RankGroup, exit_worker, load_on_ranks
+from pdserve.engine.distributed.group import RankGroup, exit_worker, load_on_ranks
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class LLMEngine:
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` naming the field and the limit it breaks: the cheap
         checks that protect this engine (the router validated the request as a whole once,
-        ``pdserve.engine.sampling.validate_request``). A structured spec is compiled after
+        ``pdserve.engine.sampling.params.validate_request``). A structured spec is compiled after
         this, off the engine thread (``grammars``); one that does not compile ends its request
         with that error as its output (``SequenceFailed``), before it ever joins a batch."""
         check_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
@@ -267,7 +267,7 @@ class LLMEngine:
         ends that sequence alone: its output has finish reason "error" and ``error`` set,
         and the other sequences get exactly the tokens they would have got without it.
 
-        A step that raises is run again in parts (``pdserve.engine.step_isolation``): a
+        A step that raises is run again in parts (``pdserve.engine.core.step_isolation``): a
         sequence that raises alone ends alone, the same way; the others go on with the tokens
         they would have got. If no part runs, nothing pins the fault on any of them: they
         are aborted, their blocks freed, and ``StepFailed`` names them; the engine goes on

@@ -2,7 +2,7 @@
 
 A worker of tensor-parallel size N has one agent per rank, each over that rank's cache and
 announcing that rank's ``KVShard`` (``pdserve.kv_transfer.sharding``). On the CPU every rank's
-cache lives in rank 0's shared-memory file (``pdserve.engine.kv_cache.shared_caches``), so rank
+cache lives in rank 0's shared-memory file (``pdserve.engine.attention.kv_cache.shared_caches``), so rank
 0 creates all N agents in its own process and one process does every transfer. (On CUDA each
 rank's cache is in its own process's device memory: there each follower process would create
 its rank's agent over its own cache and answer rank 0 over the step channel; not built yet,

@@ -5,7 +5,7 @@ reads (``read_plan``). Pure: plain values in, frozen dataclasses out; no I/O.
 A worker of tensor-parallel size P splits the model's H KV heads over its ranks: rank r holds
 heads [r*H/P, (r+1)*H/P) of every token (``pdserve.engine.parallel``), and a block id names the
 same tokens on every rank. Inside a block the cache is token-major
-(``pdserve.engine.kv_cache``): ``block_size`` tokens, each ``rows_per_token`` *rows* (the K and
+(``pdserve.engine.attention.kv_cache``): ``block_size`` tokens, each ``rows_per_token`` *rows* (the K and
 the V of every layer), each row the rank's heads in head order. So a range of heads is
 contiguous within a row, and a row is ``head_count * head_bytes`` bytes.
 
@@ -22,7 +22,7 @@ Why not a head-major block (heads outside tokens) to make a head range one descr
 it costs the token-major block its two properties. A partly filled last block would need one
 descriptor per head, and an attention step writing one token's K and V would touch a cache line
 per head and layer spread over the whole block instead of one short run; every kernel that
-addresses the cache (``pdserve/engine/csrc``) would change its strides. What it saves is
+addresses the cache (``pdserve/engine/kernels/csrc``) would change its strides. What it saves is
 descriptor count on reads between unequal sizes only: rows x blocks descriptors become heads x
 blocks. vLLM makes the same trade the other way (an HND layout for heterogeneous TP).
 """

@@ -221,7 +221,7 @@ def choose(model: ModelSpec, hw: HardwareProfile, cores: int, objective: Objecti
 def kernel_path() -> str | None:
     """The CPU kernel path the workers will run (``PDSERVE_CPU_ISA``, else the fastest this
     processor's flags allow), read without loading the kernels; None without AVX2."""
-    from pdserve.engine.cpu_kernels import ISA_FLAGS, ISAS, cpu_flags, requested_isa
+    from pdserve.engine.kernels.cpu_kernels import ISA_FLAGS, ISAS, cpu_flags, requested_isa
 
     wanted = requested_isa()
     if wanted is not None:

@@ -1,5 +1,5 @@
 """Time-sized chunks on a simulated worker: the engine's mixed steps with a step budget
-(``pdserve/engine/scheduler.py`` ``_schedule_mixed``, ``pdserve/engine/step_budget.py``).
+(``pdserve/engine/core/scheduler.py`` ``_schedule_mixed``, ``pdserve/engine/core/step_budget.py``).
 
 A worker with a step target (``SchedulerConfig.mixed_step_target_s`` above 0: what ``pdserve
 serve`` gives a disaggregated or elastic cluster's decode workers) that has streams running and
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdserve.engine.step_budget import StepBudget
+from pdserve.engine.core.step_budget import StepBudget
 
 # An epoch's k equal decode steps feed the budget's mean k samples; past this many the mean no
 # longer moves (0.8 ** 64 ~ 1e-6 at the budget's weight), so longer epochs stop there.

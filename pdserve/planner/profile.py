@@ -173,7 +173,7 @@ def _prompt(engine, n: int, seed: int) -> list[int]:
 
 
 def _prefill_once(engine, n: int, rid: str) -> float:
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling.params import SamplingParams
 
     engine.add_request(rid, _prompt(engine, n, hash(rid) % 2**31), SamplingParams(max_tokens=1, ignore_eos=True))
     t = time.perf_counter()
@@ -188,7 +188,7 @@ def _decode_sweep(engine, max_batch: int, ctx: int, steps: int, progress) -> lis
     """Decode steps of ``max_batch`` sequences of ``ctx``-token prompts, then of one fewer
     (one aborted) and so on down to 1: one prefill of the whole batch serves every batch size.
     Each point records the mean context the sequences held then (it grows by a token a step)."""
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=(steps + 1) * max_batch + 4, ignore_eos=True)
     for i in range(max_batch):

@@ -1,4 +1,4 @@
-"""One simulated worker: the engine scheduler's rules (``pdserve/engine/scheduler.py``), applied to
+"""One simulated worker: the engine scheduler's rules (``pdserve/engine/core/scheduler.py``), applied to
 token counts instead of token lists, with step times from the cost model.
 
 Rules kept from the real scheduler:

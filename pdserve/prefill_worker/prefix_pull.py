@@ -7,7 +7,7 @@ The prefix's life here, on the engine thread:
 
 1. ``pin``: the prefix's full blocks are allocated under a sequence of their own (the *pin*),
    with this worker's own prefix cache first: its hits are kept, and fresh blocks take the
-   rest. The fresh blocks are PENDING (``pdserve.engine.block_manager``): nothing finds them.
+   rest. The fresh blocks are PENDING (``pdserve.engine.core.block_manager``): nothing finds them.
 2. The holder's lease is claimed (on the loop, ``PrefixSource.claim``), then ``start`` reads
    the blocks past the own hits from the holder into the fresh ones, each checked against the
    holder's checksum when it lands; the read's notice ends the holder's lease.

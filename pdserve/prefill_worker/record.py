@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.sampling import TopLogprobs
+from pdserve.engine.sampling.params import TopLogprobs
 from pdserve.kv_transfer.handoff import Lease
 from pdserve.prefill_worker.kv_stream import KVWatch
 

@@ -10,11 +10,11 @@ import contextlib
 import time
 from typing import AsyncIterator
 
-from pdserve.engine.block_manager import prompt_block_hashes
+from pdserve.engine.core.block_manager import prompt_block_hashes
 from pdserve.engine.device import wait_for_writes
 from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer import KVTransferAgent
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.wire.address import resolve, transfer_listen_opts

@@ -26,8 +26,8 @@ import secrets
 from dataclasses import dataclass
 from typing import AsyncIterator, Union
 
-from pdserve.engine.grammar import resumed
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.grammar import resumed
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.router.decode_call import decode

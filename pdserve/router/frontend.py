@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling import SamplingParams, check_prompt
+from pdserve.engine.sampling.params import SamplingParams, check_prompt
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import pdserve_pb2
 from pdserve.router.cache_salt import request_salt
@@ -46,7 +46,7 @@ class PreparedRequest:
     params: SamplingParams  # stop strings included; workers get them stripped
     # The client set no max_tokens: it is the rest of the context (as in vLLM), and the
     # router reserves decode KV for only ``pdserve.wire.convert.DEFAULT_MAX_TOKENS`` of it (past
-    # that, the decode engine preempts it before any limited request: pdserve/engine/scheduler.py).
+    # that, the decode engine preempts it before any limited request: pdserve/engine/core/scheduler.py).
     default_max_tokens: bool = False
 
 

@@ -7,7 +7,7 @@ conversation's next turn finds where its KV is)
 polls it can be stale, and a stale entry only costs time (the worker misses and computes the
 prompt); it never changes an output token.
 
-Hashes are ``pdserve.engine.block_manager.chain_hash`` over full blocks, so the router computes a
+Hashes are ``pdserve.engine.core.block_manager.chain_hash`` over full blocks, so the router computes a
 prompt's hashes exactly as the worker's lookup does, with the block size the worker reports.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from pdserve.engine.block_manager import full_block_hashes, prompt_block_hashes
+from pdserve.engine.core.block_manager import full_block_hashes, prompt_block_hashes
 from pdserve.protos import worker_pb2
 
 __all__ = ["KVIndex", "prompt_block_hashes"]

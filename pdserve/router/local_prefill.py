@@ -20,7 +20,7 @@ Two ways a request is prefilled locally:
 - **Prefill that keeps up** (``overflow_ttft_s`` > 0, ``PREFILL_BEHIND``): when even the least
   queued prefill worker would start a prompt later than the TTFT budget allows, and its decode
   worker would finish it sooner, the decode worker prefills it, in time-sized chunks beside its
-  streams (pdserve/engine/step_budget.py). Predicted TTFT is queued-plus-new tokens times a
+  streams (pdserve/engine/core/step_budget.py). Predicted TTFT is queued-plus-new tokens times a
   prompt token's cost: a prefill worker's as the router has seen it (``PrefillPace``); on a
   decode worker, the wall time it measured (a step of its streams carries ``chunk`` prompt
   tokens: the step's time over ``chunk``, in its stats), or before it has, a prefill worker's times

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.engine.sampling import MAX_TOP_LOGPROBS
+from pdserve.engine.sampling.params import MAX_TOP_LOGPROBS
 from pdserve.router.session_hint import MAX_SESSION_ID_CHARS
 
 UINT32_MAX = 2**32 - 1

@@ -9,7 +9,7 @@ followed by decode outputs (``worker_pb2.DecodeResponse``)."""
 
 from __future__ import annotations
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.protos import pdserve_pb2, worker_pb2
 from pdserve.wire.convert import finish_from_wire, finish_to_wire

@@ -95,7 +95,7 @@ def pick_decode(workers: Iterable[WorkerSnapshot], blocks_needed: int,
     Workers that cannot fit ``blocks_needed`` are skipped; if none can, the answer says so
     (the caller returns RESOURCE_EXHAUSTED rather than queueing without bound). A ``limited``
     request (the client set max_tokens) counts the blocks of requests without a limit as
-    room: the decode engine preempts those first (pdserve/engine/scheduler.py), so requests that
+    room: the decode engine preempts those first (pdserve/engine/core/scheduler.py), so requests that
     may run to the context's end cannot keep limited ones out.
     """
     workers = list(workers)

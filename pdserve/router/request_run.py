@@ -141,7 +141,7 @@ class RequestRun:
         to default to the rest of the context; then a short answer's worth, or every such
         request would claim a whole context and one request could fill a worker. What it
         grows past that is taken back first: the decode engine preempts the sequence that may
-        still grow the most (pdserve/engine/scheduler.py), so such requests cannot push out limited
+        still grow the most (pdserve/engine/core/scheduler.py), so such requests cannot push out limited
         ones however far they run."""
         if self.req.default_max_tokens:
             return min(max_tokens, DEFAULT_MAX_TOKENS)

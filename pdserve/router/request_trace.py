@@ -4,7 +4,7 @@ and the writer. The planner reads and replays these traces (``pdserve.planner.tr
 
 The router calls ``record`` once per request when it ends, with the prompt's token ids, the
 tokens it sent and its arrival time. The trace keeps no text and no token ids, only lengths
-and a prefix hash: the engine's chained block hash (``pdserve.engine.block_manager.chain_hash``) of
+and a prefix hash: the engine's chained block hash (``pdserve.engine.core.block_manager.chain_hash``) of
 the prompt's first ``prefix_blocks`` full blocks, so requests that share a system prompt get
 the same hash and a replay sees their prefix-cache hits. Turned on by the environment
 variable ``PDSERVE_TRACE_FILE`` (read once, where the router builds its service), so a
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pdserve.engine.block_manager import NO_HASH, chain_hash
+from pdserve.engine.core.block_manager import NO_HASH, chain_hash
 
 ENV = "PDSERVE_TRACE_FILE"
 

@@ -5,7 +5,7 @@
 - ``"auto"`` (the default with tools): the template sees the tools; the model's text is
   parsed by the served model's tool-call parser (``pdserve.router.tool_parsers``); calls found make
   ``message.tool_calls`` and ``finish_reason: "tool_calls"``.
-- ``"required"``: decoding is constrained (``pdserve.engine.grammar``) to a JSON array of
+- ``"required"``: decoding is constrained (``pdserve.engine.sampling.grammar``) to a JSON array of
   ``{"name", "parameters"}`` objects, one of the tools each (one item only with
   ``parallel_tool_calls: false``); ``finish_reason: "tool_calls"``.
 - a named function: decoding is constrained to that function's parameters schema; the

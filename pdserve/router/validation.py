@@ -9,7 +9,7 @@ Two steps, each done once per request:
    integer. Semantic ranges (temperature in [0, 100], ...) are not checked here.
 2. Meaning (HTTP and gRPC): ``pdserve.router.frontend.prepare`` applies ``RequestLimits`` before any
    tokenization, then checks every value for what it does: the ranges and sizes every engine
-   also checks on entry (``pdserve.engine.sampling``), and that a structured spec compiles.
+   also checks on entry (``pdserve.engine.sampling.params``), and that a structured spec compiles.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _check_strings(value: Any) -> None:
 
 
 # Body fields whose spec becomes a grammar: converting one may take up to ~1 s
-# (pdserve.engine.grammar.MAX_SCHEMA_DEPTH), so such a body is parsed off the event loop.
+# (pdserve.engine.sampling.grammar.MAX_SCHEMA_DEPTH), so such a body is parsed off the event loop.
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "tools")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.engine.kv_cache import LatentCacheSpec
+from pdserve.engine.attention.kv_cache import LatentCacheSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer import create_agent
 from pdserve.kv_transfer.rank_agents import RankAgents, rank_agent_name

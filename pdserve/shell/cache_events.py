@@ -37,7 +37,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.core.block_manager import BlockManager
 
 
 @dataclass(frozen=True)

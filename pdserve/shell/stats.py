@@ -7,9 +7,9 @@ are individually consistent, and the snapshot as a whole is at most one step old
 
 from __future__ import annotations
 
-from pdserve.engine.kv_cache import LatentCacheSpec
+from pdserve.engine.attention.kv_cache import LatentCacheSpec
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.core.scheduler import Scheduler
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
 

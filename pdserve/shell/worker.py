@@ -18,7 +18,7 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 from pdserve.engine.engine_thread import EngineThread, Hold, Hook
 from pdserve.engine.errors import StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.step_trace import StepTrace, trace_path
+from pdserve.engine.core.step_trace import StepTrace, trace_path
 from pdserve.kv_transfer import KVTransferAgent
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
@@ -209,10 +209,10 @@ def pin_process(cpus: Iterable[int]) -> None:
 def borrow_idle_cores(own: Iterable[int], borrowed: Iterable[int]) -> None:
     """Let this worker's CPU kernels also run on ``borrowed`` cores while their owners (the
     other workers on this host) are idle: one idle-priority helper per core, which gives the
-    core back the moment its owner wakes (pdserve/engine/csrc/borrow_pool.h). Torch's own pool keeps
+    core back the moment its owner wakes (pdserve/engine/kernels/csrc/borrow_pool.h). Torch's own pool keeps
     the worker's own cores. Without pdserve's CPU kernels (a GPU, or no AVX2) there is nothing
     to share."""
-    from pdserve.engine import cpu_kernels
+    from pdserve.engine.kernels import cpu_kernels
 
     if not cpu_kernels.cpu_supported():
         return

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.engine.grammar import GrammarKind, StructuredOutput
-from pdserve.engine.sampling import SamplingParams, TopLogprobs
+from pdserve.engine.sampling.grammar import GrammarKind, StructuredOutput
+from pdserve.engine.sampling.params import SamplingParams, TopLogprobs
 from pdserve.protos import pdserve_pb2
 
 # Without max_tokens a gRPC request stops here; an OpenAI HTTP request instead gets the

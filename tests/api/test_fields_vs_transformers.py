@@ -7,7 +7,7 @@ import torch
 from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor)
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import hf_greedy, make_engine, random_prompts
 
 STEPS = 12

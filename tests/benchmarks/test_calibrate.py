@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.planner.calibrate import NoisyPrefill, at_run_speed, run_speed
 from benchmarks.planner.served_runs import traced_steps
-from pdserve.engine.step_trace import StepShape, StepTrace, trace_path
+from pdserve.engine.core.step_trace import StepShape, StepTrace, trace_path
 from pdserve.planner.cost import CostModel
 from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile
 from pdserve.planner.model_spec import PRESETS

@@ -23,7 +23,7 @@ import torch
 
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.loader import materialize
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits

@@ -19,13 +19,13 @@ import pytest
 from pdserve.decode_worker.server import start
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.elastic_worker.worker import ElasticWorker, ElasticWorkerConfig
-from pdserve.engine.block_manager import prompt_block_hashes
+from pdserve.engine.core.block_manager import prompt_block_hashes
 from pdserve.engine.config import MIXED
 from pdserve.engine.loader import materialize
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2, worker_pb2_grpc
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerPool

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.decode_worker.server import start as start_decode
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer import TransferState, create_agent
 from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.config import PrefillWorkerConfig

@@ -15,9 +15,9 @@ import contextlib
 import pytest
 
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.block_manager import prompt_block_hashes
+from pdserve.engine.core.block_manager import prompt_block_hashes
 from pdserve.engine.errors import CacheCapacityError
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer.handoff import LeaseRefused, ReleaseReason
 from tests.factories import decode_worker_config, make_engine, random_prompts
 

@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.decode_worker.server import start as start_decode
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2_grpc

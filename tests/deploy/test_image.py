@@ -69,7 +69,7 @@ def host_greedy(model_dir: Path, dtype: str | None) -> list[list[int]]:
     that names no dtype gets)."""
     from transformers import AutoTokenizer
 
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling.params import SamplingParams
     from tests.factories import make_engine
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

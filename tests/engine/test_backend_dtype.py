@@ -7,9 +7,9 @@ presence are faked: the choice is plain Python, and no kernel runs."""
 import pytest
 import torch
 
-import pdserve.engine.attention_flash as attention_flash
-import pdserve.engine.attention_select as attention_select
-from pdserve.engine.attention_select import select_backend
+import pdserve.engine.attention.flash as attention_flash
+import pdserve.engine.attention.select as attention_select
+from pdserve.engine.attention.select import select_backend
 
 CUDA = torch.device("cuda")
 
@@ -61,9 +61,9 @@ def test_asking_for_flash_in_float32_names_the_dtype(flash_present, name):
 def test_runner_passes_the_cache_dtype(monkeypatch, dtype):
     """The model runner builds the engine's backend (through ``select_attention``, which rank 0
     and the follower ranks share) and hands ``select_backend`` the cache's dtype."""
-    import pdserve.engine.attention_select as attention_select
-    import pdserve.engine.model_runner as model_runner
-    from pdserve.engine.block_manager import BlockManager
+    import pdserve.engine.attention.select as attention_select
+    import pdserve.engine.runner.model_runner as model_runner
+    from pdserve.engine.core.block_manager import BlockManager
     from pdserve.engine.config import ModelConfig
 
     seen = {}
@@ -96,7 +96,7 @@ def test_every_backend_takes_the_model_softmax_scale(flash_present, name, device
     """``cfg.attention_scale`` (Granite's attention_multiplier) reaches the backend ``select_attention``
     builds, whichever it is; a config without one gets the very float ``head_dim ** -0.5`` the
     backends computed for themselves before the field existed."""
-    from pdserve.engine.attention_select import select_attention
+    from pdserve.engine.attention.select import select_attention
     from pdserve.engine.parallel import SINGLE
 
     device = torch.device(device)
@@ -108,7 +108,7 @@ def test_every_backend_takes_the_model_softmax_scale(flash_present, name, device
 
 def test_triton_takes_the_model_softmax_scale(flash_present, monkeypatch):
     pytest.importorskip("triton")
-    from pdserve.engine.attention_select import select_attention
+    from pdserve.engine.attention.select import select_attention
     from pdserve.engine.parallel import SINGLE
 
     monkeypatch.setattr(attention_select, "triton_available", lambda device: device.type == "cuda")

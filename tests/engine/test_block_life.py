@@ -22,7 +22,7 @@ Invariants checked after every rule:
 - every hash a lookup can find names a block whose slots hold exactly the KV of that hash's
   prefix under that hash's salt;
 - every tail a lookup can find holds, in its first slots, exactly the KV of its tokens after
-  its parent hash's prefix (pdserve/engine/block_tails.py);
+  its parent hash's prefix (pdserve/engine/core/block_tails.py);
 - every prefix hit handed to a new allocation (full blocks and a tail's first slots) covers
   slots holding exactly the KV the new sequence would compute itself. This is the one a user
   sees: a wrong hit is a wrong token.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve.engine.block_manager import BlockManager, chain_hash, chain_root
+from pdserve.engine.core.block_manager import BlockManager, chain_hash, chain_root
 
 NUM_BLOCKS = 12
 GARBAGE = ("garbage",)

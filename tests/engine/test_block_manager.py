@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from pdserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
+from pdserve.engine.core.block_manager import NO_HASH, BlockManager, chain_hash
 from pdserve.engine.errors import CacheCapacityError
 from tests.factories import computed_blocks
 
@@ -120,7 +120,7 @@ def test_an_abandoned_allocation_leaves_nothing_findable():
 
 
 def test_mark_final_beyond_the_blocks_held_is_refused():
-    from pdserve.engine.block_manager import BlockStateError
+    from pdserve.engine.core.block_manager import BlockStateError
 
     bm = BlockManager(num_blocks=8, block_size=2)
     bm.allocate("a", [1, 2, 3])

@@ -3,11 +3,11 @@
 taken as they are (final already), and only the rest are fresh, PENDING until the pull lands.
 Pure Python: a block manager and a scheduler, no model."""
 
-from pdserve.engine.block_manager import BlockManager, prompt_block_hashes
+from pdserve.engine.core.block_manager import BlockManager, prompt_block_hashes
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sampling.params import SamplingParams
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.sequence import Sequence
 from tests.factories import computed_blocks
 
 BS = 4

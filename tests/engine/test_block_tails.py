@@ -1,15 +1,15 @@
-"""Tails (pdserve/engine/block_tails.py): the last, partial block of a freed sequence is taken,
+"""Tails (pdserve/engine/core/block_tails.py): the last, partial block of a freed sequence is taken,
 zero-copy, by the next prompt that extends it, so a conversation's next turn does not compute
 the previous answer's last partial block again (issue 44). The block manager alone, no torch."""
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.block_tails import MAX_TAILS_PER_PARENT
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.block_tails import MAX_TAILS_PER_PARENT
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sampling.params import SamplingParams
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.sequence import Sequence
 from tests.factories import computed_blocks
 
 BS = 4

@@ -1,4 +1,4 @@
-"""Borrowed cores (pdserve/engine/csrc/borrow_pool.h): a worker's kernels also run on idle-priority
+"""Borrowed cores (pdserve/engine/kernels/csrc/borrow_pool.h): a worker's kernels also run on idle-priority
 helpers on another worker's cores. Whichever thread computes a chunk, the bits are the same.
 
 The pool is once per process, so the check runs in a fresh process: the decoder's linears and
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported() or (os.cpu_count() or 1) < 2,
                                 reason="needs an x86-64 CPU with AVX2 + FMA and two cores")
 
 CHILD = r"""
 import os, torch
-from pdserve.engine import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.linear import PackedLinear
 cpu_kernels.load()
 os.sched_setaffinity(0, {0})
@@ -58,7 +58,7 @@ def test_outputs_are_bitwise_the_same_with_borrowed_cores():
 
 STRESS = r"""
 import os, torch
-from pdserve.engine import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.linear import PackedLinear
 cpu_kernels.load()
 os.sched_setaffinity(0, {0})

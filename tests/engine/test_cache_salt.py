@@ -2,8 +2,8 @@
 block's hash, so cached blocks, and the ``cached_tokens`` that reveal them, never cross salts.
 Without it one user could learn whether another sent a given prompt (issue 25)."""
 
-from pdserve.engine.block_manager import BlockManager, prompt_block_hashes
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.core.block_manager import BlockManager, prompt_block_hashes
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, random_prompts
 
 PROMPT = list(range(10, 10 + 33))  # two full blocks of 16 a hit can cover

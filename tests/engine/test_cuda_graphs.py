@@ -1,4 +1,4 @@
-"""CUDA graphs for decode (pdserve/engine/cuda_graphs.py), all but the capture: which sizes
+"""CUDA graphs for decode (pdserve/engine/runner/cuda_graphs.py), all but the capture: which sizes
 are captured, which one a step replays, how a step's inputs are padded to it, and the whole
 engine stepping through the graphs' static buffers.
 
@@ -10,9 +10,9 @@ tests/gpu/test_cuda_graphs.py's.
 
 import torch
 
-from pdserve.engine.attention import host_context
-from pdserve.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, padded_inputs
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.attention.base import host_context
+from pdserve.engine.runner.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, padded_inputs
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, random_prompts
 
 

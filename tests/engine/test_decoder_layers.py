@@ -1,14 +1,14 @@
-"""The whole bfloat16 decoder stack in one call (pdserve/engine/csrc/decoder.cpp) is bitwise the
+"""The whole bfloat16 decoder stack in one call (pdserve/engine/kernels/csrc/decoder.cpp) is bitwise the
 layer-by-layer path it replaces, for every kind of step (prefill, chunked prefill, decode, a
 mix), with q/k/v bias (Qwen2) and without, and it writes the same K/V into the cache."""
 
 import pytest
 import torch
 
-from pdserve.engine import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.linear import PackedDecoderStack
 from pdserve.engine.models.decoder import DecoderStack
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, make_hf_model, random_prompts, save_hf_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 + FMA")

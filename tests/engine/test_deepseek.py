@@ -11,7 +11,7 @@ import torch
 from pdserve.engine.models.registry import model_config_from_hf
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.loader import load_model
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.deepseek_models import MLA_SHAPE, VARIANTS, make_deepseek
 from tests.factories import assert_greedy_matches, make_engine, random_prompts, save_hf_model
 from tests.logprobs import check_logprobs_close, engine_generation, hf_generation

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.engine.loader import load_model
 from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.deepseek_models import MLA_SHAPE, make_deepseek
 from tests.factories import (assert_greedy_matches, engine_config, make_engine, make_tp_engine, random_prompts,
                              save_hf_model)

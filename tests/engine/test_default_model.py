@@ -10,7 +10,7 @@ import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.engine.test_engine_batching import run_staggered
 from tests.engine.test_shared_kv_is_final import run
 from tests.factories import chat_variants, default_reference
@@ -128,7 +128,7 @@ def test_float32_near_tie_does_not_depend_on_the_batch(engine):
 def next_turn_takes_the_tail(engine, salt: str) -> tuple[list[int], list[int]]:
     """Turn 1 of a conversation, then turn 2 = its prompt + its answer + a new message: turn 2
     finds every token of turn 1 whose KV was computed cached, the answer's last partial block
-    included (its tail, pdserve/engine/block_tails.py), all but the answer's last token, whose
+    included (its tail, pdserve/engine/core/block_tails.py), all but the answer's last token, whose
     KV no step wrote. Returns turn 2's prompt and greedy tokens."""
     tok = engine.tokenizer
     first = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}])

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pdserve.engine.attention import build_context, host_context
+from pdserve.engine.attention.base import build_context, host_context
 from pdserve.engine.device import pack, to_device, unpack
-from pdserve.engine.sampler import Sampler, SamplerRow
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.sampler import Sampler, SamplerRow
+from pdserve.engine.sampling.params import SamplingParams
 
 META = torch.device("meta")
 
@@ -92,7 +92,7 @@ def test_on_the_cpu_the_context_is_what_it_was():
 
 
 def test_sdpa_decode_groups_go_in_one_copy():
-    from pdserve.engine.attention import _decode_groups
+    from pdserve.engine.attention.base import _decode_groups
 
     ctx, _ = build_context([5, 17, 40, 17], [1, 1, 1, 1], [[1], [2, 3], [4, 5, 6], [7, 8]], 16, META, decode=True)
     with CopiesTo(META) as mode:

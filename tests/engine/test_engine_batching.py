@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, random_prompts
 
 LENGTHS = [1, 7, 16, 17, 40, 64, 90, 130, 200]

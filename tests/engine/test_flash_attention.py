@@ -1,14 +1,14 @@
 """flash-attn backends against SDPA and a float32 reference. Runs only where CUDA and flash-attn are.
 
-Never run where it was written (no GPU there): see pdserve/engine/attention_flash.py.
+Never run where it was written (no GPU there): see pdserve/engine/attention/flash.py.
 """
 
 import pytest
 import torch
 
-from pdserve.engine.attention import build_context
-from pdserve.engine.attention_select import select_backend
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.attention.base import build_context
+from pdserve.engine.attention.select import select_backend
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, random_prompts
 
 pytestmark = pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""pdserve's fused decoder-layer kernels (pdserve/engine/csrc/fused.cpp).
+"""pdserve's fused decoder-layer kernels (pdserve/engine/kernels/csrc/fused.cpp).
 
 ``rope_store_kv`` must give exactly the bits of the eager ops it replaces (split, RoPE as
 transformers writes it, ``index_put_`` into the cache), in every dtype: float32 output is
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import cpu_kernels
-from pdserve.engine.attention import AttentionBackend, build_context
-from pdserve.engine.attention_paged import PagedAttention
+from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.attention.base import AttentionBackend, build_context
+from pdserve.engine.attention.paged import PagedAttention
 from pdserve.engine.linear import PackedSiluAndMul, select_backend
 from pdserve.engine.layers.activation import SiluAndMul
 from pdserve.engine.layers.rotary import RotaryEmbedding

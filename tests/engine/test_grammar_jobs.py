@@ -1,4 +1,4 @@
-"""Grammars compile off the engine thread (``pdserve.engine.grammar_jobs``): a request with a
+"""Grammars compile off the engine thread (``pdserve.engine.sampling.grammar_jobs``): a request with a
 spec joins the batch once its grammar is compiled, the streams already running step on while
 it compiles, and a compile past its deadline ends its request with an error naming the field
 and the limit. Slow compiles are injected (``held_compiles``: each waits for the test's word),
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.grammar import GrammarCompiler, GrammarKind, StructuredOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.grammar import GrammarCompiler, GrammarKind, StructuredOutput
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine
 
 SCHEMA = StructuredOutput(GrammarKind.JSON_SCHEMA, json.dumps(

@@ -3,7 +3,7 @@
 import os
 import time
 
-from pdserve.engine import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels
 
 
 def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import HUGE_PAGE_BYTES, KVCacheSpec, layer_views
+from pdserve.engine.attention.kv_cache import HUGE_PAGE_BYTES, KVCacheSpec, layer_views
 
 SPEC = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32)  # 64 KiB/block
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from pdserve.engine.grammar import GrammarKind, StructuredOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.grammar import GrammarKind, StructuredOutput
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.router.attempts import moved_params
 from tests.factories import make_engine
 

@@ -1,4 +1,4 @@
-"""pdserve's CPU linear kernels (pdserve/engine/csrc/linear*.cpp), bfloat16 and float32 weights:
+"""pdserve's CPU linear kernels (pdserve/engine/kernels/csrc/linear*.cpp), bfloat16 and float32 weights:
 batch invariance and accuracy, on every instruction-set path this processor runs (the
 ``kernel_path`` fixture; the paths it lacks are skipped and named in the output).
 
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from pdserve.engine import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.linear import PackedLinear, PackedRMSNorm, select_backend
 from pdserve.engine.layers.norm import RMSNorm
 
@@ -239,7 +239,7 @@ def test_pdserve_cpu_isa_pins_the_path_and_a_bad_name_is_a_clear_error(monkeypat
 
 
 def test_a_new_process_runs_the_path_the_variable_names():
-    code = "from pdserve.engine import cpu_kernels; print(cpu_kernels.isa())"
+    code = "from pdserve.engine.kernels import cpu_kernels; print(cpu_kernels.isa())"
     env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -8,7 +8,7 @@ import torch
 
 from tests.factories import hf_greedy, make_engine, make_hf_model, random_prompts, save_hf_model
 from tests.logprobs import check_logprobs_close, engine_generation, hf_generation
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 
 VARIANTS = {
     "llama-gqa": ("llama", {}),

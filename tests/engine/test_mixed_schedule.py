@@ -7,7 +7,7 @@ output equals transformers' and its solo runs, with preemption, and frees every 
 import pytest
 
 from pdserve.engine.config import MIXED, SchedulerConfig
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.engine.test_engine_batching import LENGTHS, run_staggered
 from tests.engine.test_scheduler import feed, make, seq
 from tests.factories import assert_greedy_matches, make_engine, random_prompts

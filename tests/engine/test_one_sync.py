@@ -23,10 +23,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import pdserve.engine.sampler as sampler_module
-from pdserve.engine.grammar import GrammarCompiler, GrammarKind, StructuredOutput
-from pdserve.engine.sampler import Sampler, SamplerRow
-from pdserve.engine.sampling import SamplingParams
+import pdserve.engine.sampling.sampler as sampler_module
+from pdserve.engine.sampling.grammar import GrammarCompiler, GrammarKind, StructuredOutput
+from pdserve.engine.sampling.sampler import Sampler, SamplerRow
+from pdserve.engine.sampling.params import SamplingParams
 
 V = 49152  # the tokenizer's vocabulary: the grammar's rows need it
 SCHEMA = StructuredOutput(GrammarKind.JSON_SCHEMA, json.dumps(

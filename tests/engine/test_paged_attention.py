@@ -8,8 +8,8 @@ partly filled blocks.
 import pytest
 import torch
 
-from pdserve.engine import cpu_kernels
-from pdserve.engine.attention_paged import load_kernel
+from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.attention.paged import load_kernel
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 and FMA")
 
@@ -165,7 +165,7 @@ def test_bad_inputs_raise_errors_naming_the_field(op, change, message):
 
 
 def test_auto_picks_the_paged_kernel_on_cpu_and_names_are_checked():
-    from pdserve.engine.attention_select import select_backend
+    from pdserve.engine.attention.select import select_backend
 
     backend = select_backend("auto", torch.device("cpu"), NH, NKV, HD, BS)
     assert backend.name == "paged" and backend.batch_invariant

@@ -6,9 +6,9 @@ table in the next forward, failing a step shared with other requests)."""
 
 import pytest
 
-from pdserve.engine import prompt_logprobs
+from pdserve.engine.runner import prompt_logprobs
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import TINY_LLAMA, make_engine, random_prompts
 
 VOCAB = TINY_LLAMA["vocab_size"]

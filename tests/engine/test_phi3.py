@@ -17,7 +17,7 @@ from pdserve.engine.linear import PackedDecoderStack
 from pdserve.engine.loader import read_model_config
 from pdserve.engine.models.registry import build_model, model_config_from_hf
 from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.engine.weights import load_checkpoint
 from tests.engine.test_qwen3_tp import NEW_TOKENS, run_ranks
 from tests.factories import assert_greedy_matches, hf_greedy, make_engine, make_tp_engine, random_prompts, save_hf_model

@@ -13,7 +13,7 @@ from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.models.registry import model_config_from_hf
 from pdserve.engine.linear import PackedDecoderStack
 from pdserve.engine.layers.moe import SparseMoe
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.engine.test_engine_batching import run_staggered
 from tests.factories import hf_greedy, make_engine, random_prompts
 from tests.families import FAMILIES, save_family_model

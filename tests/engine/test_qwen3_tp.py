@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pdserve.engine.attention import SdpaAttention, build_context
+from pdserve.engine.attention.base import SdpaAttention, build_context
 from pdserve.engine.models.registry import build_model
-from pdserve.engine.kv_cache import KVCacheSpec, layer_views
+from pdserve.engine.attention.kv_cache import KVCacheSpec, layer_views
 from pdserve.engine.loader import read_model_config
 from pdserve.engine.parallel import ShardError, TensorParallel
 from tests.factories import random_prompts

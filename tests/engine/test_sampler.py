@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from pdserve.engine.sampler import Sampler, SamplerRow
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.sampler import Sampler, SamplerRow
+from pdserve.engine.sampling.params import SamplingParams
 
 
 def rows(params, n=1, history=(1,)):

@@ -18,9 +18,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from pdserve.engine.grammar import GrammarCompiler, GrammarKind, StructuredOutput
-from pdserve.engine.sampler import Sampler, SamplerRow
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.grammar import GrammarCompiler, GrammarKind, StructuredOutput
+from pdserve.engine.sampling.sampler import Sampler, SamplerRow
+from pdserve.engine.sampling.params import SamplingParams
 
 META = torch.device("meta")
 V = 64

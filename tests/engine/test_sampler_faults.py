@@ -1,7 +1,7 @@
 """The sampler's faults are one row's: a grammar that cannot fill its row of the step's mask
 fails that row alone (the mask was once filled and applied outside the per-row guard, so one
 request's grammar failed the whole step), and a call that raises after it drew gives every
-draw back, so a step run again (``pdserve.engine.step_isolation``) draws a seeded request's
+draw back, so a step run again (``pdserve.engine.core.step_isolation``) draws a seeded request's
 token once."""
 
 import json
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from pdserve.engine.grammar import GrammarCompiler, GrammarKind, StructuredOutput
-from pdserve.engine.sampler import Sampler, SamplerRow
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.grammar import GrammarCompiler, GrammarKind, StructuredOutput
+from pdserve.engine.sampling.sampler import Sampler, SamplerRow
+from pdserve.engine.sampling.params import SamplingParams
 
 SCHEMA = StructuredOutput(GrammarKind.JSON_SCHEMA, json.dumps(
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))

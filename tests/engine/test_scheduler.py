@@ -1,10 +1,10 @@
 """Scheduling policy on CPU with hand-built outputs: no model, no torch."""
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import SampledTokens, Scheduler
-from pdserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from pdserve.engine.sampling.params import SamplingParams
+from pdserve.engine.core.scheduler import SampledTokens, Scheduler
+from pdserve.engine.core.sequence import FinishReason, Sequence, SeqStatus
 
 
 def make(num_blocks=64, block_size=4, max_len=1000, **cfg):

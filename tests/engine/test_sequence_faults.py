@@ -2,13 +2,13 @@
 rejects its tokens, its logits are NaN) ends that sequence alone with finish reason "error"
 and a typed error naming the field, and every other sequence of the step goes on bitwise as
 if the faulty one had never been in the batch. A step that raises is run again in parts
-at once (``pdserve.engine.step_isolation``): a fault that does not come back costs nothing,
+at once (``pdserve.engine.core.step_isolation``): a fault that does not come back costs nothing,
 and one that does is pinned on the row it belongs to."""
 
 
 from pdserve.engine.errors import SequenceFailed
-from pdserve.engine.grammar import GrammarKind, StructuredOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.grammar import GrammarKind, StructuredOutput
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import fail_sampling_for, make_engine, nan_logits_for, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -4,7 +4,7 @@ reader's pin for a prefix it reads (pdserve/prefill_worker/prefix_pull.py). Pure
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.errors import CacheCapacityError
 from tests.factories import computed_blocks
 

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, random_prompts
 
 CHUNK = 32  # prefill token budget: a 100-token prompt takes 4 steps
@@ -74,7 +74,7 @@ def test_a_prompt_aborted_between_chunks_leaves_nothing_wrong_behind(engine):
 
 def test_a_prompt_aborted_inside_a_block_leaves_a_tail_of_what_it_computed_only(tiny_llama_dir):
     """A first chunk of 40 tokens: 2 full blocks and 8 tokens of the third. The aborted prompt's
-    tail (pdserve/engine/block_tails.py) holds those 8, and not the rest of the block."""
+    tail (pdserve/engine/core/block_tails.py) holds those 8, and not the rest of the block."""
     engine = stale_engine(tiny_llama_dir[0], chunk=40)
     engine.add_request("dropped", PROMPT, greedy())
     engine.step()

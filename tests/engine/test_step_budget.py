@@ -1,10 +1,10 @@
-"""The time-sized prompt chunk (pdserve/engine/step_budget.py): its arithmetic on hand-made
+"""The time-sized prompt chunk (pdserve/engine/core/step_budget.py): its arithmetic on hand-made
 step timings, and the mixed scheduler taking it. No test here times anything."""
 
 import pytest
 
 from pdserve.engine.config import MIXED, SchedulerConfig
-from pdserve.engine.step_budget import MIN_SAMPLE_TOKENS, StepBudget
+from pdserve.engine.core.step_budget import MIN_SAMPLE_TOKENS, StepBudget
 from tests.engine.test_scheduler import feed, make, seq
 
 

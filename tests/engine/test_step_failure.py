@@ -1,4 +1,4 @@
-"""A step that raises is run again in parts (``pdserve.engine.step_isolation``): the row
+"""A step that raises is run again in parts (``pdserve.engine.core.step_isolation``): the row
 the fault belongs to ends alone, and a fault pinned on no row (a lone request whose step
 keeps raising) aborts exactly the sequences it held, frees their blocks, and leaves the engine
 serving everything else. The failure is injected into the sampler
@@ -7,7 +7,7 @@ serving everything else. The failure is injected into the sampler
 import pytest
 
 from pdserve.engine.errors import StepFailed
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import fail_sampling_for, make_engine, random_prompts
 
 OVERFLOW = SamplingParams(max_tokens=4, temperature=0.7)  # the sampler fails for "bad"

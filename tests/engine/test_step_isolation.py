@@ -1,5 +1,5 @@
 """One fault, one request: a step that raises is run again in parts until the fault is pinned
-on the rows that raise alone (``pdserve.engine.step_isolation``). Those end alone, with a
+on the rows that raise alone (``pdserve.engine.core.step_isolation``). Those end alone, with a
 ``SequenceFailed`` naming the cause; every other sequence goes on with exactly the tokens it
 would have had in a run without the faulty one. A fault no part escapes is pinned on no row.
 
@@ -13,10 +13,10 @@ import pytest
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.step_isolation import Unattributed, isolate
+from pdserve.engine.sampling.params import SamplingParams
+from pdserve.engine.core.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.core.step_isolation import Unattributed, isolate
 from tests.factories import fail_forward_for, make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -5,8 +5,8 @@
 import threading
 
 from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.step_trace import StepShape, StepTrace, read, trace_path
+from pdserve.engine.sampling.params import SamplingParams
+from pdserve.engine.core.step_trace import StepShape, StepTrace, read, trace_path
 from tests.factories import make_engine, random_prompts
 
 

@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.grammar import GrammarKind, StructuredOutput, resumed
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.grammar import GrammarKind, StructuredOutput, resumed
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine
 
 # Every value is bounded (enum, boolean, short string), so random weights finish it well
@@ -102,7 +102,7 @@ def test_migrated_request_resumes_the_grammar_from_its_resent_output(engine, pro
                                 StructuredOutput(GrammarKind.JSON_SCHEMA, "{not json"),
                                 StructuredOutput(GrammarKind.REGEX, "a(b")])
 def test_bad_specs_end_their_request_naming_the_field(engine, prompts, so):
-    """Compiled off the engine thread (``pdserve.engine.grammar_jobs``), a spec that does not
+    """Compiled off the engine thread (``pdserve.engine.sampling.grammar_jobs``), a spec that does not
     compile ends its request before it joins a batch: its one output carries the error."""
     engine.add_request("bad", prompts[0], SamplingParams(structured=so))
     (out,) = engine.step()

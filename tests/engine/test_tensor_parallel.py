@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import RankLost
 from pdserve.engine.models.registry import check_split
 from pdserve.engine.parallel import ShardError
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.engine.test_engine_batching import LENGTHS, run_staggered
 from tests.factories import assert_greedy_matches, make_engine, make_tp_engine, random_prompts
 

@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernels (pdserve/engine/attention_triton.py) against a float32
+"""The Triton paged-attention kernels (pdserve/engine/attention/triton.py) against a float32
 reference: SDPA over each sequence's context gathered from the cache, causally.
 
 Without CUDA they run in Triton's interpreter on host tensors (tests/conftest.py sets
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from pdserve.engine.attention import SdpaAttention, build_context  # noqa: E402
-from pdserve.engine.attention_triton import TritonAttention, paged_attention, store_kv  # noqa: E402
-from pdserve.engine.kv_cache import layer_views  # noqa: E402
+from pdserve.engine.attention.base import SdpaAttention, build_context  # noqa: E402
+from pdserve.engine.attention.triton import TritonAttention, paged_attention, store_kv  # noqa: E402
+from pdserve.engine.attention.kv_cache import layer_views  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -134,7 +134,7 @@ def test_the_backend_equals_sdpa_through_the_engines_interface():
 def test_the_engine_on_triton_equals_transformers(tiny_llama_dir):
     """float32 greedy through the whole engine on this backend: chunked prefill (chunks of 16
     after a cached prefix), then decode steps of two sequences of different lengths."""
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling.params import SamplingParams
     from tests.factories import assert_greedy_matches, make_engine, random_prompts
 
     directory, hf = tiny_llama_dir

@@ -166,7 +166,7 @@ def test_loading_holds_the_weights_and_one_tensor_not_a_float32_copy(tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) >= 3
     probe = textwrap.dedent(f"""
         import json, resource, torch
-        from pdserve.engine import cpu_kernels
+        from pdserve.engine.kernels import cpu_kernels
         from pdserve.engine.loader import load_model
         with torch.device("meta"):
             torch.nn.Embedding(2, 2)  # once a process, the meta kernels import ~150 MB of modules

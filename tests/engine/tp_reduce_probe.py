@@ -7,7 +7,7 @@ import sys
 import torch
 
 from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.tp_group import join, open_store
+from pdserve.engine.distributed.group import join, open_store
 
 
 def main(store_path: str, rank: int, size: int, out: str) -> None:

@@ -1,4 +1,4 @@
-"""Compiles pdserve's Triton kernels (pdserve/engine/attention_triton.py) for a GPU with
+"""Compiles pdserve's Triton kernels (pdserve/engine/attention/triton.py) for a GPU with
 Triton's real compiler, down to machine code, on a host without one: what the interpreter
 cannot check (tile shapes tl.dot accepts, types, shared memory). Run by
 tests/engine/test_triton_attention.py in a process of its own, without TRITON_INTERPRET:
@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pdserve.engine.attention_triton import _attention_kernel, _store_kv_kernel, launch_constants
+from pdserve.engine.attention.triton import _attention_kernel, _store_kv_kernel, launch_constants
 
 HEAD_DIM, BLOCK_SIZE = 64, 16  # SmolLM2's head size, pdserve's block size
 

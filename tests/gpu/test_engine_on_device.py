@@ -7,7 +7,7 @@ CUDA where triton imports) is checked by name as well. Never run on a GPU where 
 import pytest
 import torch
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import NEAR_TIE, make_engine
 from tests.gpu.smol import check_device, hf_greedy, reference, teacher_forced_logprobs
 

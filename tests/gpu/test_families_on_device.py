@@ -5,7 +5,7 @@ float32 greedy token for token (near ties aside), through chunked prefill."""
 
 import pytest
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.deepseek_models import make_deepseek
 from tests.factories import make_engine, random_prompts, save_hf_model
 from tests.families import make_family_model

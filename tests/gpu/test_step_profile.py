@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine
 
 pytestmark = pytest.mark.cuda

@@ -17,7 +17,7 @@ import torch
 from pdserve.kv_transfer import create_agent
 from pdserve.kv_transfer.sharding import KVShard
 
-# A block as pdserve.engine.kv_cache lays it out: (tokens, layers, K/V, KV heads, head dim), bf16.
+# A block as pdserve.engine.attention.kv_cache lays it out: (tokens, layers, K/V, KV heads, head dim), bf16.
 BLOCK_SIZE, LAYERS, HEADS, HEAD_DIM = 4, 2, 4, 8
 ROWS_PER_TOKEN = 2 * LAYERS
 HEAD_BYTES = HEAD_DIM * 2

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.protos import pdserve_pb2, worker_pb2
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.request_run import RequestRun

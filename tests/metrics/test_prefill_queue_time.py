@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
 from tests.factories import make_engine, prefill_worker_config
 

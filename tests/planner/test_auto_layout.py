@@ -146,7 +146,7 @@ def test_the_kernel_paths_own_profile_is_used_where_one_is_stored(tmp_path):
 
 
 def test_the_kernel_path_comes_from_the_pin_else_the_processors_flags(monkeypatch):
-    from pdserve.engine import cpu_kernels
+    from pdserve.engine.kernels import cpu_kernels
 
     monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")
     assert kernel_path() == "avx2"

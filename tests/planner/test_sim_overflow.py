@@ -5,7 +5,7 @@ worker with streams takes a prompt in chunks that fit its step target). Simulate
 import numpy as np
 
 import pdserve.planner.simulator as simulator_module
-from pdserve.engine.step_budget import StepBudget
+from pdserve.engine.core.step_budget import StepBudget
 from pdserve.planner import auto_layout
 from pdserve.planner.cost import CostModel
 from pdserve.planner.layout import ClusterSpec, Layout

@@ -7,11 +7,11 @@ size) per step must match, and every request must finish at the same step.
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import SampledTokens, Scheduler
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sampling.params import SamplingParams
+from pdserve.engine.core.scheduler import SampledTokens, Scheduler
+from pdserve.engine.core.sequence import Sequence
 from pdserve.planner.worker import EngineLimits, SimSeq, SimWorker
 from tests.planner.helpers import cost
 

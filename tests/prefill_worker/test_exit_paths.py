@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.engine.errors import SequenceFailed
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer import TransferState, create_agent
 from pdserve.kv_transfer.handoff import Lease, ReadNotice, ReleaseReason
 from pdserve.prefill_worker.kv_stream import KVEarly, KVLeaseEnded

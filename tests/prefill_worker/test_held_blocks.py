@@ -1,7 +1,7 @@
 """Held KV (a prefill worker's lease) under cache pressure: its blocks are referenced, so the
 prefix cache never evicts or reuses them, whatever else runs; their bytes stay as computed."""
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, random_prompts
 
 

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.decode_worker.server import start as start_decode
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer.handoff import ReleaseReason
 from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.worker import PrefillWorker

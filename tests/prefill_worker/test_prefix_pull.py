@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.engine.loader import materialize
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request

@@ -3,7 +3,7 @@ prefill autoscaling signal) leaves out queued prompt tokens its prefix cache alr
 
 import asyncio
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
 from tests.factories import make_engine, prefill_worker_config, random_prompts
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.protos import pdserve_pb2, worker_pb2
 from pdserve.router.errors import RouteError
 from pdserve.router.frontend import PreparedRequest

@@ -1,4 +1,4 @@
-"""Schema-to-grammar conversion in the router (pdserve.engine.grammar.StructuredOutput.validate):
+"""Schema-to-grammar conversion in the router (pdserve.engine.sampling.grammar.StructuredOutput.validate):
 each spec converts once, refused ones included (their refusal is remembered), whichever field
 names it; and the HTTP front converts on the tokenizer threads, never on its event loop, even
 for a body small enough to be parsed there. Real xgrammar; the HTTP front over fake workers."""
@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from pdserve.engine import grammar
+from pdserve.engine.sampling import grammar
 from pdserve.router.frontend import validate
 from pdserve.router.validation import HttpError, parse_body
 from tests.router.test_loop_isolation import request, serve_in_thread, service_with

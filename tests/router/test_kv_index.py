@@ -4,7 +4,7 @@ are the longest runs of consecutive cached blocks."""
 
 import random
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.core.block_manager import BlockManager
 from pdserve.shell.cache_events import CacheEventBatch, CacheEventLog
 from pdserve.protos import worker_pb2
 from pdserve.router.kv_index import KVIndex, prompt_block_hashes

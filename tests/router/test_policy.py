@@ -71,7 +71,7 @@ def test_decode_distinguishes_full_now_from_too_large_ever():
 def test_a_limited_request_counts_unbounded_requests_blocks_as_room():
     """Issue 25: a decode worker full of requests without a limit is saturated for another
     such request, but a request with a limit may count their blocks as free: the decode
-    engine preempts them first (pdserve/engine/scheduler.py, add_remote_prefilled)."""
+    engine preempts them first (pdserve/engine/core/scheduler.py, add_remote_prefilled)."""
     full = WorkerSnapshot("d0", "decode", True, blocks_used=100, blocks_total=100, blocks_unbounded=80)
     assert pick_decode([full], 10).saturated
     assert pick_decode([full], 10, limited=True).worker_id == "d0"

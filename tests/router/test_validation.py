@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.protos import pdserve_pb2
 from pdserve.router.frontend import ModelInfo, prepare
 from pdserve.router.validation import HttpError, RequestLimits, decode_json, parse_body
@@ -128,7 +128,7 @@ def test_sampling_values_are_checked_before_tokenizing(sampling, field):
 def test_a_tiny_temperature_is_greedy_and_cannot_overflow_the_logits():
     import torch
 
-    from pdserve.engine.sampler import Sampler, SamplerRow
+    from pdserve.engine.sampling.sampler import Sampler, SamplerRow
 
     params = SamplingParams(temperature=1e-40)
     assert params.greedy

@@ -77,7 +77,7 @@ def test_workers_with_mtls_move_kv_over_tls_and_refuse_a_plain_reader(tiny_llama
     """With mTLS on, the workers' tcp KV path is TLS: a reader without a certificate that holds a
     claimed lease's token still gets nothing; the rightful decode worker reads it."""
     model_dir = tiny_llama_dir[0]
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling.params import SamplingParams
     expected = make_engine(model_dir).generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0,
                                                                         ignore_eos=True))[0].token_ids
 

@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.grammar import GrammarKind, StructuredOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.grammar import GrammarKind, StructuredOutput
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc

@@ -3,7 +3,7 @@ numbered log that serves them to routers' polls, and that held blocks are never 
 
 import pytest
 
-from pdserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
+from pdserve.engine.core.block_manager import NO_HASH, BlockManager, chain_hash
 from pdserve.shell.cache_events import CacheEventLog
 from tests.factories import computed_blocks
 

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.prefill_worker.server import start
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
@@ -201,7 +201,7 @@ def test_pin_process_moves_every_thread_and_sizes_torch_to_the_cores():
 
 
 def test_a_worker_with_a_step_trace_dir_traces_its_engine_steps(engine, tmp_path):
-    from pdserve.engine.step_trace import read, trace_path
+    from pdserve.engine.core.step_trace import read, trace_path
 
     config = prefill_worker_config(worker_id="prefill-7", kv_transfer_backend="tcp", step_trace_dir=str(tmp_path))
     worker = PrefillWorker(config, engine=engine)
@@ -228,7 +228,7 @@ def test_stats_count_the_blocks_of_requests_without_a_limit(tiny_llama_dir):
     the context's end, which the router counts as room for a request with a limit (issue 25)."""
     from types import SimpleNamespace
 
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling.params import SamplingParams
     from pdserve.kv_transfer.base import TransferStats
     from pdserve.shell.stats import worker_stats
 
@@ -248,7 +248,7 @@ def test_stats_carry_a_prompt_tokens_measured_wall_time(tiny_llama_dir):
     (docs/routing.md#prefill-that-keeps-up), from the step budget's timings (hand-made here)."""
     from types import SimpleNamespace
 
-    from pdserve.engine.step_budget import StepBudget
+    from pdserve.engine.core.step_budget import StepBudget
     from pdserve.kv_transfer.base import TransferStats
     from pdserve.shell.stats import worker_stats
 

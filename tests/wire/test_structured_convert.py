@@ -2,8 +2,8 @@
 
 import pytest
 
-from pdserve.engine.grammar import GrammarKind, StructuredOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling.grammar import GrammarKind, StructuredOutput
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.protos import pdserve_pb2
 from pdserve.wire.convert import sampling_from_proto, sampling_to_proto
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from pdserve.engine.attention import AttentionContext
+from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.checkpoint import InMemoryTensor
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.linear import QKVParallelLinear, RowParallelLinear

@@ -8,7 +8,7 @@ What differs from Llama, as ``transformers``' modeling_granite.py computes it, a
   stream: ``h = h + sublayer(norm(h)) * residual_multiplier``;
 - ``attention_multiplier``: the softmax scale, in place of ``head_dim ** -0.5`` (it defaults
   to 1.0 in transformers, so a config without it scales q.k by one). The attention backend
-  takes it from ``ModelConfig.attention_scale`` (pdserve/engine/attention_select.py);
+  takes it from ``ModelConfig.attention_scale`` (pdserve/engine/attention/select.py);
 - ``logits_scaling``: the logits are divided by it, in the dtype the LM head computes in (the
   model's for torch's head, as transformers does; float32 for a packed head, which writes
   float32), then cast to float32.
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from pdserve.engine.attention import AttentionContext
+from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.config import Get, ModelConfig, dense_fields
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.models.decoder import CausalLM, DecoderLayer

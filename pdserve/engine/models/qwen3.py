@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.engine.attention import AttentionContext
+from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.config import Get, ModelConfig, dense_fields
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.layers.mlp import GatedMLP

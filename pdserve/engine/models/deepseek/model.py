@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.attention import AttentionContext
+from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.checkpoint import CheckpointTensor, copy_checked
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear

@@ -1,0 +1,400 @@
+"""Block accounting for the paged KV cache, in plain Python (no torch).
+
+The cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots. Each sequence
+owns a block table (a list of block ids, in token order). Full blocks get a chained hash
+(the hash of the previous block and this block's tokens), so a later prompt that starts
+with the same tokens reuses them: the prefix cache. A request's ``cache_salt`` (vLLM's field)
+is the root of its chain, so blocks are shared only between requests of the same salt: one
+tenant cannot learn from a hit (or ``cached_tokens``) what another sent.
+
+A block's life is a small state machine, and only this module moves it:
+
+    FREE ──allocate──▶ PENDING ──mark_final──▶ SHARED ──last free──▶ CACHED
+      ▲                   │                      ▲                     │  │
+      └────last free──────┘                      └──────prefix hit─────┘  │
+    PENDING ◀──────────────── allocate (evicts the hash) ─────────────────┘
+
+- PENDING: held by a sequence, contents not final: being computed, arriving over a transfer,
+  or abandoned by an abort, a failed pull or a preemption. Never findable.
+- SHARED: held by a sequence, full, and final: a finished step computed every token in it
+  (``mark_final`` from the scheduler), or a transfer delivered it and its checksum matched
+  (``mark_final`` from ``Scheduler.kv_ready``). Findable by its chained hash.
+- CACHED: held by no sequence, contents kept: findable until the block is handed out again
+  (the free list is least-recently-freed first, so freed prefixes stay reusable for as long
+  as memory allows).
+- FREE: held by no sequence, nothing findable.
+- TAIL: a freed sequence's partial last block of final tokens (block_tails.py), taken whole by one
+  ``allocate(take_tail=True)`` going on the same way, or handed out. Never hashed or published.
+
+Invariants (``check_invariants``; tests/engine/test_block_life.py drives random interleavings
+of allocate, compute, abort, preempt, pull start/finish/fail and free through them):
+
+1. A block is free (in the free list) exactly when no sequence's table holds it, and its
+   reference count is the number of tables that hold it.
+2. Every hash a lookup can find names a block whose ``hash`` is that hash and whose contents
+   were made final by ``mark_final`` under that chain; a PENDING block is never in the index.
+3. A sequence's first ``num_hashed`` blocks are the full blocks of its final tokens, chained
+   from its salt's root; nothing past its final tokens is ever hashed; its final tokens past
+   them (fewer than a block) are its tail once it is freed.
+4. A tail's block is free, unhashed, in one tail only, and holds 1 to ``block_size - 1`` tokens.
+
+Hence the rule the rest of pdserve relies on: a block is shared (found by a prefix lookup,
+published to the router) only when its KV is final. The first design registered a prompt's
+full blocks when they were allocated, so an abort between prefill chunks left hashes pointing
+at blocks that were never computed, and the next request with that prefix decoded garbage.
+
+Listeners (``subscribe``) hear each change of the set of cached hashes: ``(hash, True)`` when
+a full block's hash becomes findable (it became final), ``(hash, False)`` when it stops being
+findable because its block is handed out again (evicted). A prefill worker publishes these
+events so that routers know where each prefix is cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from pdserve.engine.core.block_tails import TailIndex
+from pdserve.engine.errors import CacheCapacityError
+
+NO_HASH = b""
+
+# (block hash, True: now cached / False: evicted); called on the thread that changed the cache.
+CacheListener = Callable[[bytes, bool], None]
+
+
+def chain_hash(prev_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Hash of a full block given the hash of the block before it (``NO_HASH`` for the first).
+
+    blake2b over packed ints, so the value is the same in every process (unlike ``hash()``
+    of a str) and a router can compute it too.
+    """
+    h = hashlib.blake2b(prev_hash, digest_size=16)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+def chain_root(cache_salt: str) -> bytes:
+    """The ``prev_hash`` of a sequence's first block: ``NO_HASH`` without a salt (the hashes
+    of unsalted prompts are as before salts existed), else a hash of the salt."""
+    if not cache_salt:
+        return NO_HASH
+    return hashlib.blake2b(b"pdserve cache salt\0" + cache_salt.encode(), digest_size=16).digest()
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:
+    """The chained hashes of the prompt blocks a prefix hit can cover: the full blocks, the
+    one holding the last token excluded (it is always computed; ``BlockManager.allocate``).
+    Routers compute them to know where a prompt's prefix is cached."""
+    return full_block_hashes(token_ids, block_size, cache_salt, (len(token_ids) - 1) // block_size if token_ids else 0)
+
+
+def full_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "",
+                      num_blocks: int | None = None) -> list[bytes]:
+    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids`` (None: all of
+    them), as the block manager hashes them once their KV is final."""
+    hashes, prev = [], chain_root(cache_salt)
+    for i in range(len(token_ids) // block_size if num_blocks is None else num_blocks):
+        prev = chain_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(prev)
+    return hashes
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes = NO_HASH
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Result of allocating a sequence: its blocks and how many leading tokens were cached."""
+
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+
+
+@dataclass
+class _SeqBlocks:
+    block_ids: list[int] = field(default_factory=list)
+    # Hash of the last full block made final for this sequence, and how many full blocks
+    # have been hashed so far (so appending never re-hashes earlier blocks).
+    last_hash: bytes = NO_HASH
+    num_hashed: int = 0
+    num_final_tokens: int = 0  # leading tokens whose KV is final (prefix hits included)
+    root: bytes = NO_HASH  # the chain's root: its salt's (``chain_root``)
+    # The token list last marked final (or allocated), by reference, not copied every decode
+    # step: a sequence's list only grows, and ``free`` reads its tail from it.
+    tokens: Sequence[int] = ()
+
+
+class BlockStateError(RuntimeError):
+    """An invariant of the block life (module docstring) does not hold: a bug, never input."""
+
+
+class BlockManager:
+    """Allocates, shares and frees KV blocks; owns every sequence's block table."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # Insertion-ordered free list: O(1) pop of the oldest and O(1) removal of a cached
+        # block that a prefix hit revives.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._by_hash: dict[bytes, int] = {}
+        self._tails = TailIndex()  # freed partial blocks (block_tails.py)
+        self._seqs: dict[str, _SeqBlocks] = {}
+        self.prefix_queries = 0  # prompt tokens eligible for the cache (whole blocks, and a tail's room)
+        self.prefix_hits = 0  # of those, found (full-block hits and a tail's tokens)
+        self._listeners: list[CacheListener] = []
+
+    def subscribe(self, listener: CacheListener) -> None:
+        """Call ``listener(hash, cached)`` at every change of the set of cached hashes."""
+        self._listeners.append(listener)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash a prefix lookup can find now (for a listener that starts late)."""
+        return list(self._by_hash)
+
+    def _emit(self, block_hash: bytes, cached: bool) -> None:
+        for listener in self._listeners:
+            listener(block_hash, cached)
+
+    # ---- queries -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence (0.0 to 1.0)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self._seqs[seq_id].block_ids
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def can_allocate(self, num_tokens: int, reserve: int = 0) -> bool:
+        """Whether ``num_tokens`` fresh slots fit while leaving ``reserve`` blocks free.
+
+        Conservative: ignores prefix-cache hits that would make the request cheaper.
+        """
+        return self.blocks_needed(num_tokens) + reserve <= len(self._free)
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise if a sequence of ``num_tokens`` could never fit, even in an empty cache."""
+        needed = self.blocks_needed(num_tokens)
+        if needed > self.num_blocks:
+            raise CacheCapacityError(needed, self.num_blocks)
+
+    # ---- allocation ----------------------------------------------------------------
+    def allocate(self, seq_id: str, token_ids: Sequence[int], use_prefix_cache: bool = True,
+                 cache_salt: str = "", count: bool = True, take_tail: bool = False) -> Allocation:
+        """Give ``seq_id`` blocks for all of ``token_ids``, reusing cached full blocks of the
+        same ``cache_salt``. The fresh blocks are PENDING: nothing can find them until
+        ``mark_final`` says their KV is final (they are then hashed under this salt).
+        ``count`` False: not a prefix query of a prompt (no hit counted; a prefill worker's
+        pin for a prefix it reads, ``pdserve.prefill_worker.prefix_pull``).
+        ``take_tail`` (with the prefix cache): after the full-block hits, take the tail sharing
+        the most next tokens (block_tails.py). Only for a caller that computes the rest of its
+        block: a pull writes whole blocks, over the tail's final slots. At least one token is
+        always left uncached: the model must run on the last prompt token for its logits.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        needed = self.blocks_needed(len(token_ids))
+        root = chain_root(cache_salt)
+        cache = use_prefix_cache and self.enable_prefix_cache
+        hits = self._match_prefix(token_ids, root, count) if cache else []
+        state = _SeqBlocks(last_hash=hits[-1][1] if hits else root, root=root, num_hashed=len(hits),
+                           num_final_tokens=len(hits) * self.block_size, tokens=token_ids)
+        start = state.num_final_tokens  # a tail's tokens go on from here, short of the last token
+        tail = self._tails.best(state.last_hash, token_ids[start:start + self.block_size],
+                                len(token_ids) - 1 - start) if cache and take_tail else None
+        taken = [b for b, _ in hits] + ([tail[0]] if tail else [])
+        if needed - len(taken) > len(self._free) - sum(1 for b in taken if b in self._free):
+            raise CacheCapacityError(needed, len(self._free))
+        for block_id in taken:
+            self._tails.drop(block_id)  # a tail taken is no one else's
+            self._take(block_id)
+            state.block_ids.append(block_id)
+        found = tail[1] if tail else 0
+        state.num_final_tokens += found
+        if cache and take_tail and count:  # the tokens past the full blocks were looked up too
+            self.prefix_queries += (len(token_ids) - 1) % self.block_size
+            self.prefix_hits += found
+        while len(state.block_ids) < needed:
+            state.block_ids.append(self._take_fresh())
+        self._seqs[seq_id] = state
+        return Allocation(tuple(state.block_ids), state.num_final_tokens)
+
+    def share_prefix(self, seq_id: str, token_ids: Sequence[int], cache_salt: str = "") -> Allocation:
+        """Give ``seq_id`` references to the cached full blocks that begin ``token_ids`` (the
+        blocks ``allocate`` would find), and no fresh block: a holder pins final KV that a
+        reader copies (``pdserve.decode_worker.prefix_hold``), so it is neither evicted nor
+        reused until ``free(seq_id)``. Not a prefix query (no hit counted). With no hit,
+        ``seq_id`` gets nothing and the allocation is empty."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        root = chain_root(cache_salt)
+        hits = self._match_prefix(token_ids, root, count=False) if self.enable_prefix_cache else []
+        if not hits:
+            return Allocation((), 0)
+        state = _SeqBlocks(last_hash=hits[-1][1], root=root, num_hashed=len(hits),
+                           num_final_tokens=len(hits) * self.block_size, tokens=token_ids)
+        for block_id, _ in hits:
+            self._take(block_id)
+            state.block_ids.append(block_id)
+        self._seqs[seq_id] = state
+        return Allocation(tuple(state.block_ids), len(hits) * self.block_size)
+
+    def _match_prefix(self, token_ids: Sequence[int], root: bytes, count: bool = True) -> list[tuple[int, bytes]]:
+        bs = self.block_size
+        num_full = len(token_ids) // bs
+        if num_full * bs == len(token_ids):
+            num_full -= 1  # keep the last block uncached so the last token gets computed
+        hits: list[tuple[int, bytes]] = []
+        prev = root
+        if count:
+            self.prefix_queries += max(num_full, 0) * bs  # every eligible block counts, hit or not
+        for i in range(max(num_full, 0)):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(prev, chunk)
+            block_id = self._by_hash.get(h)
+            if block_id is None or self._blocks[block_id].token_ids != chunk:
+                break
+            self.prefix_hits += count * bs
+            hits.append((block_id, h))
+            prev = h
+        return hits
+
+    def append_slots(self, seq_id: str, token_ids: Sequence[int]) -> bool:
+        """Make room for ``token_ids`` (the sequence's whole token list, the newest last).
+
+        Returns False, changing nothing, when a new block is needed and none is free; the
+        caller then preempts someone and tries again.
+        """
+        state = self._seqs[seq_id]
+        needed = self.blocks_needed(len(token_ids))
+        if needed - len(state.block_ids) > len(self._free):
+            return False
+        while len(state.block_ids) < needed:
+            state.block_ids.append(self._take_fresh())
+        return True
+
+    def mark_final(self, seq_id: str, token_ids: Sequence[int], num_final: int) -> None:
+        """The KV of the first ``num_final`` of ``token_ids`` is final in ``seq_id``'s blocks:
+        a step that computed them has finished, or a transfer that delivered them was
+        verified. The full blocks they fill become SHARED (findable, published). Called only
+        then: a block marked final too early is a wrong token for whoever finds it."""
+        state = self._seqs[seq_id]
+        if num_final > len(state.block_ids) * self.block_size or num_final > len(token_ids):
+            raise BlockStateError(f"sequence {seq_id!r}: {num_final} final tokens, but it holds "
+                                  f"{len(state.block_ids)} blocks and {len(token_ids)} tokens")
+        if num_final >= state.num_final_tokens:
+            state.num_final_tokens, state.tokens = num_final, token_ids
+        self._register_full_blocks(state, token_ids, num_final)
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence's references; blocks no one else holds go back to the free list."""
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return
+        # Reverse order: the end of a sequence is the least likely to be shared again, so it
+        # is handed out first. Its partial block of final tokens stays findable as a tail.
+        tail = tuple(state.tokens[state.num_hashed * self.block_size:state.num_final_tokens]) if self.enable_prefix_cache else ()
+        for block_id in reversed(state.block_ids):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if tail and block_id == state.block_ids[state.num_hashed]:
+                    self._tails.add(state.last_hash, block_id, tail)
+
+    def check_invariants(self) -> None:
+        """Raise ``BlockStateError`` if an invariant of the module docstring does not hold.
+        O(blocks + tokens): for tests and debugging, not for a serving step."""
+        refs: dict[int, int] = {}
+        for state in self._seqs.values():
+            for block_id in state.block_ids:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        for block in self._blocks:
+            held = refs.get(block.block_id, 0)
+            if block.ref_count != held or (held == 0) != (block.block_id in self._free):
+                raise BlockStateError(f"block {block.block_id}: ref_count {block.ref_count}, held by "
+                                      f"{held} tables, free {block.block_id in self._free}")
+        for block_hash, block_id in self._by_hash.items():
+            if self._blocks[block_id].hash != block_hash:
+                raise BlockStateError(f"the index names block {block_id} for a hash it does not hold")
+        for seq_id, state in self._seqs.items():
+            self._check_chain(seq_id, state)
+        for block_id, _, token_ids in self._tails.items():
+            if self._blocks[block_id].ref_count or self._blocks[block_id].hash or not 0 < len(token_ids) < self.block_size:
+                raise BlockStateError(f"tail block {block_id} is held, hashed or of {len(token_ids)} tokens")
+
+    def _check_chain(self, seq_id: str, state: _SeqBlocks) -> None:
+        if not state.num_hashed * self.block_size <= state.num_final_tokens <= len(state.tokens):
+            raise BlockStateError(f"sequence {seq_id!r}: {state.num_hashed} blocks hashed, {state.num_final_tokens} "
+                                  f"final tokens, {len(state.tokens)} tokens")
+        prev = state.root
+        for i, block_id in enumerate(state.block_ids):
+            block = self._blocks[block_id]
+            if i >= state.num_hashed:
+                if block.hash != NO_HASH:
+                    raise BlockStateError(f"sequence {seq_id!r}: block {block_id} at {i} is hashed "
+                                          "but not final")
+                continue
+            if block.hash != chain_hash(prev, block.token_ids):
+                raise BlockStateError(f"sequence {seq_id!r}: block {block_id} at {i} breaks its chain")
+            prev = block.hash
+
+    # ---- internals -----------------------------------------------------------------
+    def _register_full_blocks(self, state: _SeqBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Hash the full blocks of the first ``num_tokens`` of ``token_ids`` not hashed yet
+        (no slice of the whole list: a decode step calls this for every sequence)."""
+        if not self.enable_prefix_cache:
+            return
+        bs = self.block_size
+        num_full = min(num_tokens // bs, len(state.block_ids))
+        for i in range(state.num_hashed, num_full):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(state.last_hash, chunk)
+            block = self._blocks[state.block_ids[i]]
+            block.hash, block.token_ids = h, chunk
+            new = h not in self._by_hash  # else another block holds the same tokens: still cached
+            self._by_hash[h] = block.block_id
+            if new:
+                self._emit(h, True)
+            state.last_hash = h
+        state.num_hashed = max(state.num_hashed, num_full)
+
+    def _take(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        self._free.pop(block_id, None)
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        self._tails.drop(block_id)
+        block = self._blocks[block_id]
+        if block.hash and self._by_hash.get(block.hash) == block_id:
+            del self._by_hash[block.hash]
+            self._emit(block.hash, False)
+        block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
+        return block_id

@@ -1,0 +1,94 @@
+"""A rank other than 0 of a tensor-parallel worker: ``python -m pdserve.engine.distributed.follower SPEC``.
+
+Rank 0 (``pdserve.engine.distributed.group``) starts it with a ``FollowerSpec`` (JSON). It joins the
+worker's process group, loads its share of the model, maps its part of the shared KV cache
+(CPU) or allocates its own (CUDA), says it is loaded, then follows: each step it receives the
+prepared inputs from rank 0 (``pdserve.engine.distributed.step``) and runs the same forward on its share;
+rank 0 computes the logits and samples. It knows no request, block manager or scheduler.
+
+It ends when rank 0 says stop, when its stdin (a pipe only rank 0 holds) closes because rank 0
+is gone, or when a collective fails; any error ends the process, which rank 0 notices.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+import torch
+
+from pdserve.engine.distributed import step as tp_step
+from pdserve.engine.attention.select import select_attention
+from pdserve.engine.config import DTYPES
+from pdserve.engine.attention.kv_cache import cache_spec_of, map_caches, prefault
+from pdserve.engine.loader import load_model
+from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.distributed.group import FollowerSpec, join, open_store
+
+log = logging.getLogger(__name__)
+
+
+def _exit_with_rank_0() -> None:
+    """Block on stdin until rank 0's end of the pipe closes (rank 0 is gone), then exit."""
+    while os.read(0, 4096):
+        pass
+    os._exit(0)
+
+
+def _cache(spec: FollowerSpec, model: CausalLM, device: torch.device) -> torch.Tensor:
+    """This rank's KV cache: its part of rank 0's shared file (CPU), or its own (CUDA)."""
+    kv = cache_spec_of(model.cfg, spec.block_size, DTYPES[spec.dtype], spec.size)
+    if spec.cache_fd < 0:
+        return kv.allocate(spec.num_blocks, device)
+    cache = map_caches(spec.cache_fd, kv, spec.num_blocks, spec.size)[spec.rank]
+    os.close(spec.cache_fd)
+    prefault(cache)
+    return cache
+
+
+def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.device) -> int:
+    """Run rank 0's steps until it says stop; returns how many ran."""
+    steps = 0
+    with torch.inference_mode():
+        while (step := tp_step.receive(group, device)) is not None:
+            input_ids, positions, ctx = step
+            model.bind_caches(layer_caches, backend)
+            model(input_ids, positions, ctx)
+            steps += 1
+    return steps
+
+
+def main(argv: list[str]) -> int:
+    spec = FollowerSpec.from_json(argv[1])
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s tp-rank{spec.rank} %(name)s %(levelname)s %(message)s")
+    threading.Thread(target=_exit_with_rank_0, name="rank0-watch", daemon=True).start()
+    torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    if spec.isa is not None:
+        from pdserve.engine.kernels import cpu_kernels
+
+        cpu_kernels.load()
+        cpu_kernels.set_isa(spec.isa)
+    store = open_store(spec.store, spec.size)
+    group = join(store, spec.rank, spec.size, device)
+    tp = TensorParallel(spec.rank, spec.size, group)
+    model, cfg, _ = load_model(spec.model_dir, DTYPES[spec.dtype], device, progress=False, tp=tp)
+    cache = _cache(spec, model, device)
+    backend = select_attention(spec.attention_backend, cfg, tp, device, spec.block_size, DTYPES[spec.dtype])
+    layer_caches = cache_spec_of(cfg, spec.block_size, DTYPES[spec.dtype], spec.size).layer_caches(cache)
+    store.set(f"loaded/{spec.rank}", "1")
+    steps = follow(group, model, layer_caches, backend, device)
+    log.debug("rank %d stops after %d steps", spec.rank, steps)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv)
+    logging.shutdown()
+    os._exit(code)  # not the interpreter's teardown: the process group's threads may still run

@@ -1,0 +1,316 @@
+"""A tensor-parallel worker's ranks, as rank 0 holds them: start, step, watch, stop.
+
+A worker with ``tensor_parallel_size`` N is N processes on one host. Rank 0 is the worker: it
+alone speaks gRPC, schedules, samples and moves KV. It starts the other N - 1 ranks
+(``python -m pdserve.engine.distributed.follower``) as its own child processes, and they follow its
+steps: each step, rank 0 broadcasts the prepared inputs (``pdserve.engine.distributed.step``) and every
+rank runs the forward on its share, the all-reduces inside the model keeping them in step.
+
+The ranks meet through a ``FileStore`` in a private temporary directory, and talk over gloo
+on loopback (NCCL on CUDA): nothing listens beyond the host. On CPU every rank's KV cache is a
+part of one shared-memory file that rank 0 made (``kv_cache.shared_caches``), so rank 0 can
+hand any rank's blocks to a KV transfer.
+
+Failure is the worker's as a whole: a rank that exits (its process watched by a thread here)
+or a collective that fails (``lost``, from the model runner) calls ``on_lost``, which by
+default ends rank 0's process at once: to the router and the supervisor it is a dead worker,
+whose streams migrate and whose slot gets a new worker. The other ranks leave when rank 0 does
+(their stdin, a pipe from rank 0, closes). A rank that hangs holds rank 0 in its collective:
+the router's hang detection then replaces the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pdserve.engine.distributed import step as tp_step
+from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
+from pdserve.engine.errors import InvalidRequestError, RankLost
+from pdserve.engine.attention.kv_cache import cache_spec_of, num_cache_blocks, prefault, shared_caches
+from pdserve.engine.loader import load_model, materialize, read_model_config
+from pdserve.engine.models.registry import check_split
+from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.parallel import TensorParallel
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # for every rank to join and load its share (a big model reads for minutes)
+# Collectives never time out on their own: a rank that waits for the next step waits as long
+# as the worker is idle. A rank that is stuck is the router's to find (its hang timeout).
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
+EXIT_RANK_LOST = 70  # rank 0's exit status when its worker lost a rank (EX_SOFTWARE)
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """Everything a rank other than 0 needs to start, as plain values (its one argument, JSON)."""
+
+    rank: int
+    size: int
+    store: str  # the FileStore's path
+    model_dir: str
+    dtype: str  # a key of engine.config.DTYPES
+    device: str
+    attention_backend: str
+    block_size: int
+    num_blocks: int
+    cache_fd: int  # the shared cache file (CPU), inherited; -1: the rank allocates its own (CUDA)
+    threads: int
+    isa: str | None  # rank 0's CPU kernel path, so every rank computes the same way
+    log_level: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "FollowerSpec":
+        return cls(**json.loads(text))
+
+
+def open_store(path: str, size: int):
+    """The ranks' meeting place: a ``FileStore`` (a file in a private directory; no port)."""
+    import torch.distributed as dist
+
+    return dist.FileStore(path, size)
+
+
+def join(store, rank: int, size: int, device: torch.device):
+    """This rank's process group: gloo on loopback, or NCCL on CUDA. Blocks until every rank
+    joins. Not torch.distributed's default group, so one process may hold several (tests run a
+    prefill and a decode worker in one)."""
+    import torch.distributed as dist
+
+    store.set(f"up/{rank}", "1")
+    group_store = dist.PrefixStore("group", store)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = COLLECTIVE_TIMEOUT
+        group = dist.ProcessGroupNCCL(group_store, rank, size, opts)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = COLLECTIVE_TIMEOUT
+        group = dist.ProcessGroupGloo(group_store, rank, size, opts)
+    # One collective now: NCCL sets its communicator up at the first one, through the store,
+    # which rank 0 removes once every rank has loaded (``RankGroup.wait_loaded``).
+    group.allreduce([torch.zeros(1, device=device)]).wait()
+    return group
+
+
+def rank_threads(threads: int, size: int) -> int:
+    """Torch threads each rank runs: its share of the worker's (at least one)."""
+    return max(1, threads // size)
+
+
+def rank_cores(cpus: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
+    """The cores of ``cpus`` that rank ``rank`` is pinned to: an even share each, or all of them
+    for every rank where there are fewer cores than ranks."""
+    share = len(cpus) // size
+    return tuple(cpus[rank * share:(rank + 1) * share]) if share else tuple(cpus)
+
+
+def load_on_ranks(config: EngineConfig, progress: bool = True, on_lost: Callable[[RankLost], None] | None = None
+                  ) -> tuple[CausalLM, ModelConfig, Path, "RankGroup | None"]:
+    """``load_model`` for ``config``, on ``tensor_parallel_size`` ranks: start the others, which
+    load their shares while this process (rank 0) loads its own. Returns (rank 0's model, its
+    config, the model directory, the ranks; None at size 1)."""
+    dtype, device = config.torch_dtype(), config.torch_device()
+    if config.tensor_parallel_size == 1:
+        return (*load_model(config.model, dtype, device, progress), None)
+    model_dir = materialize(config.model, progress)
+    cfg = read_model_config(model_dir)
+    check_split(cfg, config.tensor_parallel_size)  # before any rank starts
+    num_blocks = num_cache_blocks(config, cache_spec_of(cfg, config.cache.block_size, dtype, config.tensor_parallel_size))
+    ranks = RankGroup.start(config, model_dir, cfg, num_blocks, on_lost or exit_worker)
+    try:
+        model, cfg, model_dir = load_model(str(model_dir), dtype, device, progress, ranks.tp)
+        ranks.wait_loaded()
+    except BaseException:
+        ranks.close()
+        raise
+    return model, cfg, model_dir, ranks
+
+
+def exit_worker(exc: RankLost) -> None:
+    """The default ``on_lost``: end this process now (see the module docstring)."""
+    log.critical("%s: this tensor-parallel worker stops", exc)
+    logging.shutdown()
+    os._exit(EXIT_RANK_LOST)
+
+
+class RankGroup:
+    """Rank 0's handle on its worker's ranks. ``tp``: rank 0's ``TensorParallel``; ``caches``:
+    on CPU, every rank's KV cache, (ranks, num_blocks, *block_shape) in shared memory (None on
+    CUDA, where each rank's cache is on its own device)."""
+
+    def __init__(self, tp: TensorParallel, store, procs: list[subprocess.Popen], tmpdir: str,
+                 caches: torch.Tensor | None, device: torch.device, on_lost: Callable[[RankLost], None]):
+        self.tp, self.caches, self.device = tp, caches, device
+        self._store, self._procs, self._tmpdir, self._on_lost = store, procs, tmpdir, on_lost
+        self._closing = False
+        self._threads_before = torch.get_num_threads()
+        self._lost: RankLost | None = None
+        self._lost_lock = threading.Lock()  # a rank's watch and the stepping thread may both find the loss
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_dir: Path, cfg: ModelConfig, num_blocks: int,
+              on_lost: Callable[[RankLost], None] = exit_worker) -> "RankGroup":
+        """Start ranks 1..N-1 and join them in a process group; they load their shares of the
+        model meanwhile (``wait_loaded``). Rank 0's own cache is ``caches[0]``."""
+        size, device, dtype = config.tensor_parallel_size, config.torch_device(), config.torch_dtype()
+        spec = cache_spec_of(cfg, config.cache.block_size, dtype, size)
+        caches, fd = shared_caches(spec, num_blocks, size) if device.type == "cpu" else (None, -1)
+        tmpdir = tempfile.mkdtemp(prefix="pdserve-tp-")
+        threads = rank_threads(torch.get_num_threads(), size)
+        common = dict(size=size, store=os.path.join(tmpdir, "store"), model_dir=str(model_dir),
+                      dtype=next(k for k, v in DTYPES.items() if v == dtype), device=str(device),
+                      attention_backend=config.attention_backend, block_size=config.cache.block_size,
+                      num_blocks=num_blocks, cache_fd=fd, threads=threads, isa=_isa(device),
+                      log_level=logging.getLogger().getEffectiveLevel())
+        procs = [_spawn(FollowerSpec(rank=r, **common)) for r in range(1, size)]
+        try:
+            if caches is not None:
+                prefault(caches[0])
+                os.close(fd)  # the other ranks hold it now; the mapping keeps the memory
+            store = open_store(common["store"], size)
+            _wait_for(procs, lambda: store.check([f"up/{r}" for r in range(1, size)]), "start")
+            group = join(store, 0, size, device)
+        except BaseException:
+            _kill(procs)
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+        ranks = cls(TensorParallel(0, size, group), store, procs, tmpdir, caches, device, on_lost)
+        torch.set_num_threads(threads)  # rank 0's share too, until ``close``
+        return ranks
+
+    def wait_loaded(self) -> None:
+        """Block until every rank has loaded its share and mapped its cache; then watch them."""
+        keys = [f"loaded/{r}" for r in range(1, self.tp.size)]
+        try:
+            _wait_for(self._procs, lambda: self._store.check(keys), "load its share of the model")
+        except BaseException:
+            self.close()
+            raise
+        shutil.rmtree(self._tmpdir, ignore_errors=True)  # met: nothing is left to read there
+        for rank, proc in enumerate(self._procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank{rank}-watch", daemon=True).start()
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> None:
+        """Hand the step's inputs to the other ranks, which run its forward with rank 0."""
+        if self._lost is not None:
+            raise self._lost
+        tp_step.send_step(self.tp.group, input_ids, positions, ctx)
+
+    def lost(self, cause: BaseException) -> RankLost:
+        """The ranks are out of step (a collective failed, or rank 0's forward raised between
+        two of them): ``on_lost``, then the error to raise."""
+        with self._lost_lock:
+            first = self._lost is None
+            if first:
+                self._lost = RankLost(f"tensor-parallel rank lost ({type(cause).__name__}: {cause})")
+        if first:
+            self._on_lost(self._lost)
+        return self._lost
+
+    def pin(self, cpus: tuple[int, ...]) -> tuple[int, ...]:
+        """Pin each other rank to its share of ``cpus`` (every thread of its process); returns
+        rank 0's share, for the caller to pin itself to."""
+        for rank, proc in enumerate(self._procs, start=1):
+            cores = set(rank_cores(cpus, rank, self.tp.size))
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                try:
+                    os.sched_setaffinity(int(tid), cores)
+                except (ProcessLookupError, PermissionError):  # the thread ended meanwhile
+                    pass
+        return rank_cores(cpus, 0, self.tp.size)
+
+    def rank_caches(self) -> tuple[torch.Tensor, ...]:
+        """Every rank's cache, ``[r]`` rank r's, each a view of the one shared file: what rank 0
+        creates each rank's KV-transfer agent over (pdserve/kv_transfer/rank_agents.py). CPU
+        only: on CUDA each rank's cache is in its own process's device memory, where each
+        follower would create its own agent; that is not built yet."""
+        if self.caches is None:
+            raise InvalidRequestError("tensor_parallel_size", f"KV transfer from or to a tensor-parallel worker on "
+                                      f"{self.device.type} is not supported yet (CPU only)", 1)
+        return tuple(self.caches.unbind(0))
+
+    def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop the other ranks and remove the meeting place. ``graceful``: no step runs (the
+        thread that steps is done, or this is it), so they are told to stop; else, and for any
+        that does not within ``timeout_s``, they are killed. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        if graceful and self._lost is None and all(p.poll() is None for p in self._procs):
+            try:
+                tp_step.send_stop(self.tp.group, self.device)
+            except Exception as exc:  # a rank went meanwhile: it is stopping anyway
+                log.warning("stopping the tensor-parallel ranks: %s", exc)
+        deadline = time.monotonic() + (timeout_s if graceful else 0.0)
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        torch.set_num_threads(self._threads_before)
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not self._closing:
+            self.lost(RuntimeError(f"rank {rank} (pid {proc.pid}) exited with status {code}"))
+
+
+def _spawn(spec: FollowerSpec) -> subprocess.Popen:
+    """Start one rank. Its stdin is a pipe that only rank 0 holds: it closes when rank 0's
+    process ends, however it ends, and the rank then exits too."""
+    fds = (spec.cache_fd,) if spec.cache_fd >= 0 else ()
+    return subprocess.Popen([sys.executable, "-m", "pdserve.engine.distributed.follower", spec.to_json()],
+                            stdin=subprocess.PIPE, pass_fds=fds)
+
+
+def _wait_for(procs: list[subprocess.Popen], done: Callable[[], bool], what: str) -> None:
+    """Poll until ``done()``; a rank that exits meanwhile, or the start-up timeout, raises RankLost."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        for rank, proc in enumerate(procs, start=1):
+            if proc.poll() is not None:
+                raise RankLost(f"tensor-parallel rank {rank} exited with status {proc.returncode} before it "
+                               f"could {what} (its log is in this worker's)")
+        if done():
+            return
+        if time.monotonic() > deadline:
+            raise RankLost(f"tensor-parallel ranks did not {what} within {START_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _isa(device: torch.device) -> str | None:
+    """This process's CPU kernel path, where the kernels run (else None)."""
+    from pdserve.engine.kernels import cpu_kernels
+
+    if device.type != "cpu" or not cpu_kernels.cpu_supported():
+        return None
+    cpu_kernels.load()
+    return cpu_kernels.isa()

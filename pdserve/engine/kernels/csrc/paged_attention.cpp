@@ -1,0 +1,451 @@
+// Paged attention on CPU: one call per layer for a whole step (decode, prefill, chunked
+// prefill, or a mix of them), reading K/V in place through the block tables.
+//
+//   torch.ops.pdserve.paged_attention(q (T, nh, hd), k_cache, v_cache (num_blocks, block_size,
+//       nkv, hd) strided views, block_tables (B, M) int32, cu_query_lens (B+1) int32,
+//       context_lens (B) int32, scale float) -> out (T, nh, hd), the dtype of q
+//
+// Query j of sequence b (token cu_query_lens[b] + j) sits at position
+// context_lens[b] - query_len + j and attends to cache positions [0, pos]: its own K/V is
+// already in the cache (the caller writes the new tokens' K/V first).
+//
+// Why the result is batch-invariant (bitwise, in every dtype, at any thread count):
+// a query row's output is computed by one fixed sequence of float32 operations that reads
+// only its own q and the K/V rows of positions 0..pos, and nothing about the batch, the
+// chunking or the thread can change that sequence:
+//   - score s_k = reduce8(lane sums) * scale, where lane l accumulates q[d] * K_k[d] for
+//     d = l, l+8, l+16, ... by FMA in increasing d, and reduce8 adds the 8 lanes in one fixed
+//     tree. Scores are always produced 8 keys at a time at absolute key indices (8i..8i+7),
+//     keys past the row's end read a zero row and are discarded; no key's arithmetic depends
+//     on its neighbours.
+//   - m = max_k s_k (exact, order-free); p_k = exp(s_k - m) by the vectorised polynomial
+//     exp below (FMA only, no libm, so no CPU dispatch); l = fixed tree over 8 lane sums,
+//     lane i summing p_k for k = i mod 8 in increasing k; past-the-end lanes add an exact 0.
+//   - out[d] = (sum_k p_k * V_k[d], FMA in increasing k, keys past pos never touched) / l.
+// Parallelism is over (sequence, kv head, tile of queries) work items, each computed by one
+// thread start to finish, with no reduction across threads; a tile only shares loads of
+// K/V rows between its rows, never partial results. bf16/f16 inputs are widened exactly
+// to float32 on load; the output is rounded once at the end. The build flags
+// (engine/kernels/cpu_kernels.py) pin AVX2 + FMA and -ffp-contract=off, so the same bits come out
+// on every x86 machine. Decode, a prefill chunk and a preemption recompute of the same
+// position therefore produce identical bits.
+//
+// bfloat16 on the avx512_bf16 and amx paths is the exception: every work item's scores and
+// weighted values run on VDPBF16PS (attention_bf16.cpp) or AMX tiles (attention_amx.cpp), with
+// a fixed sequence of their own per element (and each probability rounded to bfloat16 before
+// it weighs V). The same argument holds for them on one processor; they are not the bits above.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "attention_avx2.h"
+#include "attention_kernels.h"
+#include "isa.h"
+#include "ops.h"
+#include "paged_attention_checks.h"
+#include "parallel_chunks.h"
+#include "scratch_buffer.h"
+#include "vec_math.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using pdserve::exp_nonpositive;
+using namespace pdserve::attention_avx2;
+
+constexpr int64_t KEYS = 8;        // keys per score vector (one AVX2 register)
+constexpr int64_t QUERY_TILE = 32;  // queries of one sequence per work item: they share K/V loads (8: 6.5 ms
+                                   // for a 512-token layer here, 16: 5.7, 32: 5.3)
+// Consecutive tokens of one layer sit a whole token's KV apart in the cache (46 KB for the
+// default model), too far for the hardware prefetcher: rows are prefetched this many keys ahead.
+constexpr int64_t PREFETCH_KEYS = 16;
+// The AVX-512 loops (attention_avx512.cpp) take work items of at least this many query rows
+// (prefill tiles; a decode item's few rows would not repay transposing K), in blocks of 16 keys.
+constexpr int64_t WIDE_MIN_ROWS = 8;
+constexpr int64_t WIDE_KEYS = 16;
+
+// ---- one work item ---------------------------------------------------------------------------
+struct Geometry {
+  int64_t nh, nkv, group, hd, block_size, max_blocks;
+  int64_t q_tok, q_head;              // strides of q (elements)
+  int64_t cache_block, cache_token, cache_head;  // strides of k_cache and v_cache (equal)
+};
+
+struct Item {
+  int32_t seq, kv_head, q_begin, q_end;  // queries [q_begin, q_end) of the sequence
+};
+
+// Which bfloat16 kernels take every work item: none (the float32 FMA loops), VDPBF16PS, AMX.
+enum class Pairs { kNone, kDot, kAmx };
+
+// Per-thread buffers, kept between calls (a layer call must not pay for zeroing them).
+using pdserve::Buffer;
+
+// Which (cache, call, sequence, kv head) a thread's prepared K or V rows came from, and how
+// many keys they cover: a thread's next items are usually earlier tiles of the same head.
+struct Prepared {
+  const void* cache = nullptr;
+  uint64_t call = 0;
+  int64_t seq = -1, head = -1, keys = 0;
+  bool holds(const void* c, uint64_t k, int64_t s, int64_t h, int64_t n) const {
+    return cache == c && call == k && seq == s && head == h && keys >= n;
+  }
+};
+
+struct Scratch {
+  // (R, hd), (R, S), (R, hd), (KEYS, hd), (R,); zero: (hd,) the row read for keys past the end.
+  Buffer q{0}, scores{16}, acc{32}, kv{48}, denom{13}, zero{29};
+  std::vector<int64_t> offsets, keys;            // (S,) cache offset of each key, (R,) keys row r sees
+  // The wide loops' K (transposed, blocks of 16 keys) and V (rows) of one (sequence, kv head)
+  // in float32, kept while the thread's next items are tiles of the same sequence and head.
+  Buffer kt{45}, vrows{61};
+  Prepared wide;
+  // The pairs kernels' q (amx: as tiles of pairs; avx512_bf16: rows), V in the pairs layout,
+  // avx512_bf16's K transposed and its probabilities in bfloat16 (attention_kernels.h).
+  Buffer qt{7}, vpairs{23}, kpairs{39}, pb{55};
+  Prepared pairs, kpaired;
+  void reserve(int64_t rows, int64_t max_keys, int64_t hd) {
+    q.grow(rows * hd); scores.grow(rows * max_keys); acc.grow(rows * hd); kv.grow(KEYS * hd);
+    denom.grow(rows); zero.grow(hd); grow(offsets, max_keys); grow(keys, rows);
+  }
+  template <typename V>
+  static void grow(std::vector<V>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n, V(0));
+  }
+};
+
+template <typename T>
+class Worker {
+ public:
+  Worker(const Geometry& g, const T* q, const T* k, const T* v, T* out, const int32_t* tables,
+         const int32_t* cu_q, const int32_t* ctx, float scale, Scratch& s, bool wide, Pairs pairs, uint64_t call)
+      : g_(g), q_(q), k_(k), v_(v), out_(out), tables_(tables), cu_q_(cu_q), ctx_(ctx), scale_(scale), s_(s),
+        wide_(wide), amx_(pairs == Pairs::kAmx), dot_(pairs == Pairs::kDot), call_(call) {}
+
+  void run(const Item& it) {
+    const int64_t qlen = cu_q_[it.seq + 1] - cu_q_[it.seq];
+    const int64_t pos0 = ctx_[it.seq] - qlen + it.q_begin;  // position of the tile's first query
+    // Rows: query-major, then the group's q heads: row = (j - q_begin) * group + h.
+    const int64_t nq = it.q_end - it.q_begin, rows = nq * g_.group, hd = g_.hd;
+    const int64_t n_max = pos0 + nq;  // keys seen by the tile's last query
+    const int64_t stride = (n_max + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
+    const int64_t tok0 = cu_q_[it.seq] + it.q_begin;
+    for (int64_t r = 0; r < rows; ++r) {
+      s_.keys[r] = pos0 + r / g_.group + 1;
+      if (!amx_ && !dot_) widen_row(q_row(tok0, it, r), s_.q.data() + r * hd, hd);
+    }
+    key_offsets(tables_ + static_cast<int64_t>(it.seq) * g_.max_blocks, it.kv_head, n_max);
+    const bool wide = wide_ && rows >= WIDE_MIN_ROWS;  // tiles of many rows take the AVX-512 loops
+    if (amx_) {
+      amx_scores(tok0, it, rows, n_max, stride);
+    } else if (dot_) {
+      dot_scores(tok0, it, rows, n_max, stride);
+    } else if (wide) {
+      widen_kv(it, n_max);
+      pdserve::attention512::scores(s_.q.data(), rows, hd, s_.keys.data(), s_.kt.data(), n_max, stride, scale_,
+                                    s_.scores.data());
+    } else {
+      scores(rows, n_max, stride);
+    }
+    for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
+    if (amx_ || dot_) {
+      pairs_values(it, rows, n_max, stride);
+    } else if (wide) {  // K and V widened above
+      pdserve::attention512::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), s_.vrows.data(),
+                                             s_.acc.data());
+    } else {
+      weighted_values(rows, n_max, stride);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* acc = s_.acc.data() + r * hd;
+      const __m256 l = _mm256_set1_ps(s_.denom[r]);
+      for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(acc + d, _mm256_div_ps(_mm256_loadu_ps(acc + d), l));
+      store_row(acc, out_ + ((tok0 + r / g_.group) * g_.nh + it.kv_head * g_.group + r % g_.group) * hd, hd);
+    }
+  }
+
+ private:
+  // Query row r of the item: its token's q for one head of the group.
+  const T* q_row(int64_t tok0, const Item& it, int64_t r) const {
+    return q_ + (tok0 + r / g_.group) * g_.q_tok + (it.kv_head * g_.group + r % g_.group) * g_.q_head;
+  }
+
+  // The amx path's scores (attention_amx.cpp): q as tiles of pairs of head_dim, K read in place.
+  void amx_scores(int64_t tok0, const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
+    const int64_t hd = g_.hd, steps = hd / 32, groups = (rows + 15) / 16;
+    s_.qt.grow(groups * steps * 256);
+    uint32_t* qt = reinterpret_cast<uint32_t*>(s_.qt.data());
+    std::fill(qt, qt + groups * steps * 256, 0u);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* q = q_row(tok0, it, r);
+      uint32_t* group = qt + (r / 16) * steps * 256 + r % 16;
+      for (int64_t pair = 0; pair < hd / 2; ++pair)  // [step][pair within the step][row]
+        std::memcpy(group + (pair / 16) * 256 + (pair % 16) * 16, q + 2 * pair, 4);
+    }
+    pdserve::attention_amx::scores(qt, rows, hd, reinterpret_cast<const uint16_t*>(k_), s_.offsets.data(),
+                                   g_.cache_token, s_.keys.data(), n_max, stride, scale_, s_.scores.data());
+  }
+
+  // The avx512_bf16 path's scores (attention_bf16.cpp): q's rows as bfloat16, K transposed into
+  // blocks of 16 keys, kept across the thread's items of one sequence and kv head.
+  void dot_scores(int64_t tok0, const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
+    const int64_t hd = g_.hd, padded = (n_max + 15) / 16 * 16;
+    s_.qt.grow(rows * hd / 2);
+    uint16_t* q = reinterpret_cast<uint16_t*>(s_.qt.data());
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(q + r * hd, q_row(tok0, it, r), hd * 2);
+    if (!s_.kpaired.holds(k_, call_, it.seq, it.kv_head, n_max)) {
+      s_.kpairs.grow(padded * hd / 2);
+      pdserve::attention_bf16::transpose_keys(reinterpret_cast<const uint16_t*>(k_), s_.offsets.data(), n_max, hd,
+                                              reinterpret_cast<uint32_t*>(s_.kpairs.data()));
+      s_.kpaired = {k_, call_, it.seq, it.kv_head, n_max};
+    }
+    pdserve::attention_bf16::scores(reinterpret_cast<const uint32_t*>(q), rows, hd, s_.keys.data(),
+                                    reinterpret_cast<const uint32_t*>(s_.kpairs.data()), n_max, stride, scale_,
+                                    s_.scores.data());
+  }
+
+  // Weighted values of the pairs kernels (amx and avx512_bf16): V in the pairs layout, kept
+  // across the thread's items of one sequence and kv head as the wide loops' rows are.
+  void pairs_values(const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
+    const int64_t hd = g_.hd, padded = (n_max + 31) / 32 * 32;
+    if (!s_.pairs.holds(k_, call_, it.seq, it.kv_head, n_max)) {
+      s_.vpairs.grow(padded * hd / 2);  // bfloat16, two to a float
+      pdserve::attention_bf16::pair_values(reinterpret_cast<const uint16_t*>(v_), s_.offsets.data(), n_max, hd,
+                                          reinterpret_cast<uint16_t*>(s_.vpairs.data()));
+      s_.pairs = {k_, call_, it.seq, it.kv_head, n_max};
+    }
+    const uint16_t* pairs = reinterpret_cast<const uint16_t*>(s_.vpairs.data());
+    if (dot_) {
+      s_.pb.grow(rows * padded / 2);
+      pdserve::attention_bf16::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), pairs,
+                                               reinterpret_cast<uint16_t*>(s_.pb.data()), s_.acc.data());
+      return;
+    }
+    s_.acc.grow((rows + 15) / 16 * 16 * hd);  // whole tiles of rows
+    pdserve::attention_amx::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), pairs, s_.acc.data());
+  }
+
+  // The wide loops' inputs: K rows [0, n) transposed into blocks of 16 keys (zero past n), and
+  // V rows [0, n), both float32. Kept across the thread's items of one sequence and kv head
+  // (the latest tile comes first and sees the most keys), so a prefill widens each row once.
+  void widen_kv(const Item& it, int64_t n) {
+    if (s_.wide.holds(k_, call_, it.seq, it.kv_head, n)) return;
+    const int64_t hd = g_.hd, padded = (n + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
+    s_.kt.grow(padded * hd);
+    s_.vrows.grow(padded * hd);
+    float* row = s_.kv.data();
+    for (int64_t k = 0; k < padded; ++k) {
+      float* kt = s_.kt.data() + (k / WIDE_KEYS) * WIDE_KEYS * hd + k % WIDE_KEYS;
+      if (k < n) {
+        widen_row(k_ + s_.offsets[k], row, hd);
+        for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = row[d];
+        widen_row(v_ + s_.offsets[k], s_.vrows.data() + k * hd, hd);
+      } else {
+        for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = 0.f;
+      }
+    }
+    s_.wide = {k_, call_, it.seq, it.kv_head, n};
+  }
+
+  // offsets[k]: where key k's row of this kv head starts, in elements from the cache base.
+  void key_offsets(const int32_t* table, int64_t kv_head, int64_t n) {
+    int64_t* off = s_.offsets.data();
+    for (int64_t k0 = 0, b = 0; k0 < n; k0 += g_.block_size, ++b) {
+      const int64_t base = table[b] * g_.cache_block + kv_head * g_.cache_head;
+      for (int64_t t = 0; t < g_.block_size && k0 + t < n; ++t) off[k0 + t] = base + t * g_.cache_token;
+    }
+  }
+
+  // Rows [k0, k0+8) of K or V as float32 pointers; rows past n read zeros. Prefetches the
+  // rows PREFETCH_KEYS further on.
+  void key_rows(const T* cache, int64_t k0, int64_t n, const float** out) {
+    const int64_t* off = s_.offsets.data();
+    const int64_t row_bytes = g_.hd * static_cast<int64_t>(sizeof(T));
+    for (int64_t k = k0 + PREFETCH_KEYS; k < std::min(n, k0 + PREFETCH_KEYS + KEYS); ++k) {
+      const char* p = reinterpret_cast<const char*>(cache + off[k]);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+    for (int64_t i = 0; i < KEYS; ++i) {
+      const int64_t k = k0 + i;
+      if (k >= n) {
+        out[i] = s_.zero.data();
+      } else if constexpr (std::is_same_v<T, float>) {
+        out[i] = cache + off[k];
+      } else {
+        float* dst = s_.kv.data() + i * g_.hd;
+        widen_row(cache + off[k], dst, g_.hd);
+        out[i] = dst;
+      }
+    }
+  }
+
+  // scores[r][k] = (q_r . K_k) * scale for every key group that row r reaches.
+  void scores(int64_t rows, int64_t n_max, int64_t stride) {
+    const float* krow[KEYS];
+    const __m256 scale = _mm256_set1_ps(scale_);
+    for (int64_t k0 = 0; k0 < n_max; k0 += KEYS) {
+      key_rows(k_, k0, n_max, krow);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (k0 >= s_.keys[r]) continue;  // no key of this group is visible to row r
+        const float* q = s_.q.data() + r * g_.hd;
+        __m256 a[KEYS];
+        for (int i = 0; i < KEYS; ++i) a[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < g_.hd; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + d);
+          for (int i = 0; i < KEYS; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[i] + d), a[i]);
+        }
+        _mm256_storeu_ps(s_.scores.data() + r * stride + k0, _mm256_mul_ps(reduce8(a), scale));
+      }
+    }
+  }
+
+  // In place: scores[0, n) -> exp(s - max); returns the fixed-order sum.
+  static float softmax(float* s, int64_t n) {
+    const int64_t groups = (n + KEYS - 1) / KEYS;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    auto valid = [&](int64_t k0) {  // lanes k0 + i < n
+      return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - k0)), lane));
+    };
+    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 mx = ninf;
+    for (int64_t g = 0; g < groups; ++g)
+      mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + g * KEYS), valid(g * KEYS)));
+    const __m256 m = _mm256_set1_ps(hmax(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + g * KEYS), m));
+      p = _mm256_and_ps(p, valid(g * KEYS));
+      _mm256_storeu_ps(s + g * KEYS, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    return hsum(sum);
+  }
+
+  // acc[r] = sum over keys k <= pos_r of p[r][k] * V_k, FMA in increasing k.
+  void weighted_values(int64_t rows, int64_t n_max, int64_t stride) {
+    std::fill(s_.acc.data(), s_.acc.data() + rows * g_.hd, 0.f);
+    const float* vrow[KEYS];
+    for (int64_t k0 = 0; k0 < n_max; k0 += KEYS) {
+      key_rows(v_, k0, n_max, vrow);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t end = std::min<int64_t>(KEYS, s_.keys[r] - k0);  // keys of this group row r sees
+        if (end <= 0) continue;
+        const float* p = s_.scores.data() + r * stride + k0;
+        float* acc = s_.acc.data() + r * g_.hd;
+        int64_t d = 0;
+        for (; d + 32 <= g_.hd; d += 32) {  // four registers of the row at a time
+          __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+          __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+          for (int64_t i = 0; i < end; ++i) {
+            const __m256 w = _mm256_set1_ps(p[i]);
+            const float* vr = vrow[i] + d;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+          }
+          _mm256_storeu_ps(acc + d, a0); _mm256_storeu_ps(acc + d + 8, a1);
+          _mm256_storeu_ps(acc + d + 16, a2); _mm256_storeu_ps(acc + d + 24, a3);
+        }
+        for (; d < g_.hd; d += 8) {
+          __m256 a = _mm256_loadu_ps(acc + d);
+          for (int64_t i = 0; i < end; ++i) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(vrow[i] + d), a);
+          _mm256_storeu_ps(acc + d, a);
+        }
+      }
+    }
+  }
+
+  const Geometry& g_;
+  const T *q_, *k_, *v_;
+  T* out_;
+  const int32_t *tables_, *cu_q_, *ctx_;
+  float scale_;
+  Scratch& s_;
+  const bool wide_, amx_, dot_;
+  const uint64_t call_;
+};
+
+template <typename T>
+void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+             const int32_t* tables, const int32_t* cu_q, const int32_t* ctx, int64_t b, float scale) {
+  std::vector<Item> items;
+  int64_t max_ctx = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const int32_t qlen = cu_q[i + 1] - cu_q[i];
+    max_ctx = std::max<int64_t>(max_ctx, ctx[i]);
+    // Per kv head, latest tiles first: they see the most keys, dynamic scheduling then balances
+    // the tail, and a thread's next item usually reuses the K and V the wide loops widened.
+    for (int32_t h = 0; h < g.nkv; ++h)
+      for (int32_t end = qlen; end > 0; end -= QUERY_TILE)
+        items.push_back({static_cast<int32_t>(i), h, std::max<int32_t>(0, end - QUERY_TILE), end});
+  }
+  if (items.empty()) return;
+  const int64_t max_keys = (max_ctx + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
+  const pdserve::Isa isa = pdserve::current_isa();
+  const bool wide = isa != pdserve::Isa::kAvx2 && g.hd % 16 == 0;
+  // bfloat16 on the pairs paths: every item on tiles (amx) or VDPBF16PS (avx512_bf16), decode
+  // and prefill alike, where the geometry suits them.
+  Pairs pairs = Pairs::kNone;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (isa == pdserve::Isa::kAmx && pdserve::attention_amx::supported(g.hd, g.block_size))
+      pairs = Pairs::kAmx;
+    else if (isa == pdserve::Isa::kAvx512Bf16 && g.hd % 32 == 0)
+      pairs = Pairs::kDot;
+  }
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = ++calls;  // a thread's widened K/V is reused only within this call
+  // Which thread runs an item never changes its arithmetic, so a work queue is safe here.
+  pdserve::parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+    thread_local Scratch scratch;
+    scratch.reserve(QUERY_TILE * g.group, max_keys, g.hd);
+    Worker<T> w(g, q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
+                tables, cu_q, ctx, scale, scratch, wide, pairs, call);
+    for (int64_t i = b; i < e; ++i) w.run(items[i]);
+  }, 4);
+}
+
+}  // namespace
+
+namespace pdserve {
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                           const at::Tensor& cu_q, const at::Tensor& ctx, double scale) {
+  paged_attention_checks::check_inputs(q_in, k, v, tables, cu_q, ctx);
+  const at::Tensor q = q_in;
+  const int64_t b = tables.size(0), m = tables.size(1);
+  const int32_t* tab = tables.const_data_ptr<int32_t>();
+  const int32_t* cq = cu_q.const_data_ptr<int32_t>();
+  const int32_t* cx = ctx.const_data_ptr<int32_t>();
+  paged_attention_checks::check_lengths(tab, cq, cx, b, m, k.size(1), k.size(0), q.size(0));
+  Geometry g{q.size(1), k.size(2), q.size(1) / k.size(2), q.size(2), k.size(1), m,
+             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2)};
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous (T, nh, hd)
+  const float s = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat: run_all<float>(g, q, k, v, out, tab, cq, cx, b, s); break;
+    case at::kBFloat16: run_all<c10::BFloat16>(g, q, k, v, out, tab, cq, cx, b, s); break;
+    default: run_all<c10::Half>(g, q, k, v, out, tab, cq, cx, b, s); break;
+  }
+  return out;
+}
+
+}  // namespace pdserve
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_query_lens, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_attention", &pdserve::paged_attention); }

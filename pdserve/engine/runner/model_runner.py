@@ -1,0 +1,144 @@
+"""Runs one scheduled step through the model: inputs in, sampled tokens out.
+
+Builds the packed token ids, positions and the ``AttentionContext`` (slot mapping, block
+tables, lengths) from the scheduler's output, hands every attention layer its slice of the
+cache, runs the forward, and samples the sequences that finished their
+prompt or are decoding. With CUDA graphs (``graph_sizes``), a decode step that fits one
+replays it instead of running the forward (pdserve/engine/runner/cuda_graphs.py).
+
+In a tensor-parallel worker this is rank 0's runner: before each forward it hands the
+prepared inputs to the other ranks (``ranks``, a ``pdserve.engine.distributed.group.RankGroup``), which
+run the same forward on their shares. Logits and sampling are rank 0's alone. A forward that
+raises there may have left the ranks between two all-reduces, out of step for good: it is the
+worker's loss (``RankGroup.lost``), not one request's fault. Graphs are CUDA's, and TP
+is CPU-only for now (docs/gpu.md), so a graphed step never has ranks to hand inputs to.
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import accumulate, chain
+
+import torch
+
+from pdserve.engine.attention.base import AttentionContext, HostContext, host_context
+from pdserve.engine.attention.select import select_attention
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.runner.cuda_graphs import DecodeGraphs
+from pdserve.engine.errors import RankLost
+from pdserve.engine.attention.kv_cache import cache_spec_of
+from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.parallel import SINGLE
+from pdserve.engine.runner.prompt_logprobs import prompt_logprobs
+from pdserve.engine.sampling.sampler import Sampler, SamplerRow
+from pdserve.engine.core.scheduler import SampledTokens, SchedulerOutput
+from pdserve.engine.distributed.group import RankGroup
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """``graph_sizes``: decode batch sizes to capture CUDA graphs for, at start (empty: none;
+    ignored, and logged, off CUDA or on a backend that is not graph-safe); ``max_model_len``
+    sizes their block tables."""
+
+    def __init__(self, model: CausalLM, cfg: ModelConfig, cache: torch.Tensor, blocks: BlockManager,
+                 attention_backend: str = "auto", seed: int = 0, graph_sizes: tuple[int, ...] = (),
+                 max_model_len: int | None = None, ranks: RankGroup | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.cache = cache
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.device = cache.device
+        self.ranks = ranks
+        tp = ranks.tp if ranks is not None else SINGLE  # attention runs this rank's heads
+        self.backend = select_attention(attention_backend, cfg, tp, self.device, self.block_size, cache.dtype)
+        self._layer_caches = cache_spec_of(cfg, self.block_size, cache.dtype, tp.size).layer_caches(cache)
+        self.sampler = Sampler(self.device, seed)
+        self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
+        self.graphs: DecodeGraphs | None = None
+        if graph_sizes and ranks is None:  # a graph would skip handing the ranks their step
+            self.graphs = self._capture(graph_sizes, max_model_len or cfg.max_model_len)
+
+    @torch.inference_mode()
+    def _capture(self, sizes: tuple[int, ...], max_model_len: int) -> DecodeGraphs | None:
+        if self.device.type != "cuda":
+            return None  # nothing to capture: the setting is for CUDA alone
+        if not getattr(self.backend, "graph_safe", False):
+            log.warning("CUDA graphs need a graph-safe attention backend (triton); this runner has %s, and "
+                        "runs every step eagerly", self.backend.name)
+            return None
+        self.model.bind_caches(self._layer_caches, self.backend)
+        width = -(-max_model_len // self.block_size)
+        return DecodeGraphs(self._logits, sizes, width, self.block_size, self.device)
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Every row's logits (T, V) float32: a decode step's forward, as a graph captures it."""
+        return self.model.compute_logits(self.model(input_ids, positions, ctx))
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> SampledTokens:
+        host, tokens, sample_idx = self._host_inputs(out)
+        self.model.bind_caches(self._layer_caches, self.backend)
+        logits, prompt_lps = self._replay(out, host, tokens), {}
+        if logits is None:
+            logits, prompt_lps = self._forward(out, host, tokens, sample_idx)
+        self.num_forward_tokens += tokens.shape[0]
+        sampled = [s for s in out.seqs if s.sample]
+        if not sampled:
+            return SampledTokens({}, prompt_logprobs=prompt_lps)
+        rows = [SamplerRow(s.seq.seq_id, s.seq.params, s.seq.token_ids, s.seq.num_prompt_tokens) for s in sampled]
+        drawn = self.sampler(logits, rows)
+        ids = [r.seq_id for r in rows if r.seq_id not in drawn.failed]
+        return SampledTokens(dict(zip(ids, drawn.token_ids)), dict(zip(ids, drawn.logprobs)) if drawn.logprobs else {},
+                             dict(zip(ids, drawn.top_logprobs)) if drawn.top_logprobs else {}, prompt_lps,
+                             dict(drawn.failed))
+
+    def _forward(self, out: SchedulerOutput, host: HostContext, tokens: torch.Tensor, sample_idx: torch.Tensor):
+        """The step run eagerly: (logits (N, V) float32 of the N sampled rows, or None when
+        none is sampled; the prompt logprobs it computed)."""
+        ctx, positions, (input_ids, sample_rows) = host.to(self.device, [tokens, sample_idx])
+        hidden = self._hidden(input_ids, positions, ctx)
+        prompt_lps = prompt_logprobs(self.model, hidden, out)
+        return (self.model.compute_logits(hidden[sample_rows]) if sample_idx.numel() else None), prompt_lps
+
+    def _replay(self, out: SchedulerOutput, host: HostContext, tokens: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's logits from its CUDA graph, every row sampled; None: run it eagerly."""
+        if self.graphs is None or not host.ctx.is_decode or not all(item.sample for item in out.seqs):
+            return None
+        return self.graphs.run(host, tokens)
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The forward on every rank: rank 0 hands the inputs over first."""
+        if self.ranks is None:
+            return self.model(input_ids, positions, ctx)
+        try:
+            self.ranks.step(input_ids, positions, ctx)
+            return self.model(input_ids, positions, ctx)
+        except RankLost:
+            raise
+        except Exception as exc:
+            raise self.ranks.lost(exc) from exc
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
+        """Packed token ids (T,), positions (T,), the step's ``AttentionContext`` and the rows
+        to sample, on the device. Every input of the step goes there in one copy that the host
+        does not wait for."""
+        host, tokens, sample_idx = self._host_inputs(out)
+        ctx, positions, (input_ids, sample_rows) = host.to(self.device, [tokens, sample_idx])
+        return input_ids, positions, ctx, sample_rows
+
+    def _host_inputs(self, out: SchedulerOutput) -> tuple[HostContext, torch.Tensor, torch.Tensor]:
+        """The step's context and positions, token ids (T,) and rows to sample, on the host.
+        Python touches each sequence once (its token slice and block table)."""
+        items = out.seqs
+        starts = [item.seq.num_computed_tokens for item in items]
+        query_lens = [item.num_new_tokens for item in items]
+        tokens = list(chain.from_iterable(item.seq.token_ids[s:s + n] for item, s, n in zip(items, starts, query_lens)))
+        tables = [self.blocks.block_table(item.seq.seq_id) for item in items]
+        host = host_context(starts, query_lens, tables, self.block_size, decode=not out.is_prefill)
+        # The last token of each sampled sequence.
+        sample_idx = [end - 1 for end, item in zip(accumulate(query_lens), items) if item.sample]
+        return host, torch.tensor(tokens, dtype=torch.long), torch.tensor(sample_idx, dtype=torch.long)
