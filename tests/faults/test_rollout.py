@@ -30,7 +30,7 @@ from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.faults.load import Load, Outcome
 from tests.faults.test_under_load import gone
 from tests.serving.conftest import worker_stats
-from tests.serving.test_disaggregated import chat_request, collect
+from tests.helpers.chat import chat_request, collect
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ import ray
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.faults.load import Load
 from tests.serving.conftest import worker_stats
-from tests.serving.test_disaggregated import chat_request, collect
+from tests.helpers.chat import chat_request, collect
 
 pytestmark = pytest.mark.slow
 

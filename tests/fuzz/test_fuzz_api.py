@@ -207,11 +207,12 @@ def test_grpc_oversized_message_is_invalid_argument(raw_generate):
 
 # ---- afterwards ----------------------------------------------------------------------
 def test_zz_afterwards_nothing_died_blocks_are_free_and_greedy_equals_transformers(cluster):
-    from tests.serving.test_disaggregated import QUESTIONS, chat_request, collect, assert_chat_greedy, reference
+    from tests.factories import CHAT_QUESTIONS as QUESTIONS, default_reference
+    from tests.helpers.chat import assert_chat_greedy, chat_request, collect
 
     assert_no_process_died(cluster)
     assert_all_blocks_free(cluster)
-    ref = reference.__wrapped__()
+    ref = default_reference()
     with grpc.insecure_channel(cluster.address) as channel:
         from pdserve.protos import pdserve_pb2_grpc
 

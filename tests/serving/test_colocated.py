@@ -17,7 +17,7 @@ import ray
 
 from pdserve.cluster.mode import COLOCATED
 from tests.serving.conftest import start_cluster, worker_stats
-from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401
+from tests.helpers.chat import assert_chat_greedy, chat_request, collect
 
 pytestmark = pytest.mark.slow
 

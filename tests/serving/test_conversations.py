@@ -30,7 +30,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
 from tests.serving.conftest import start_cluster
 from tests.serving.test_colocated import wait_healthy
-from tests.serving.test_disaggregated import collect
+from tests.helpers.chat import collect
 
 pytestmark = pytest.mark.slow
 

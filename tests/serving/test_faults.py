@@ -23,7 +23,7 @@ import ray
 
 from pdserve.protos import pdserve_pb2
 from tests.serving.conftest import all_stats, start_cluster, worker_stats
-from tests.serving.test_disaggregated import chat_request, collect
+from tests.helpers.chat import chat_request, collect
 
 pytestmark = pytest.mark.slow
 

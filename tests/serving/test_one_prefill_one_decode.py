@@ -31,7 +31,7 @@ from pdserve.router.limits import RouterLimits
 from pdserve.router.local_prefill import LocalPrefillConfig
 from tests.serving.conftest import start_cluster, worker_stats
 from tests.serving.test_colocated import get, wait_healthy
-from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401
+from tests.helpers.chat import assert_chat_greedy, chat_request, collect
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, load_referenc
 from tests.faults.load import Load
 from tests.faults.test_under_load import busy_worker, gone
 from tests.serving.conftest import all_stats, start_cluster
-from tests.serving.test_disaggregated import chat_request, collect
+from tests.helpers.chat import chat_request, collect
 
 pytestmark = pytest.mark.slow
 
