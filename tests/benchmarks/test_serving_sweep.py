@@ -12,7 +12,7 @@ import pytest
 from benchmarks.serving import bench_cmd, parse_args
 from benchmarks.serving_sweep import best_vllm_dtype, rows_of, sweep_loads
 from benchmarks.serving_sweep_report import attainment, goodput, markdown, plot, ratio, summarize, sweep_row
-from tests.benchmarks.test_serving_report import vllm_result
+from tests.helpers.vllm_bench import vllm_result
 
 SLO = {"ttft_ms": 2000.0, "tpot_ms": 100.0}
 
