@@ -18,12 +18,12 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2
-from tests.decode_worker.test_streamed_kv import serving
 from tests.factories import decode_worker_config, make_engine, prefill_worker_config
 from tests.gpu.smol import reference
 from tests.gpu.test_engine_on_device import _assert_greedy_matches
-from tests.prefill_worker.test_prefix_pull import (ANSWER, BLOCK, MAX_TOKENS, NUM_BLOCKS, first_turn, second_turn,
-                                                   settled, still_held)
+from tests.helpers.prefix_pull import (ANSWER, BLOCK, MAX_TOKENS, NUM_BLOCKS, first_turn, second_turn, settled,
+                                       still_held)
+from tests.helpers.worker_servers import serving
 
 pytestmark = pytest.mark.cuda
 
