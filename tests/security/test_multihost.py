@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.security.netns import ADDRESSES, two_hosts
 from tests.helpers.chat import assert_chat_greedy
+from tests.security.netns import ADDRESSES, two_hosts
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,

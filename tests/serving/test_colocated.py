@@ -16,8 +16,8 @@ import pytest
 import ray
 
 from pdserve.cluster.mode import COLOCATED
-from tests.serving.conftest import start_cluster, worker_stats
 from tests.helpers.chat import assert_chat_greedy, chat_request, collect
+from tests.serving.conftest import start_cluster, worker_stats
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,9 @@ from pdserve.router.limits import RouterLimits
 from tests.clusters import reconnecting_stub
 from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, load_reference
 from tests.faults.load import Load
-from tests.faults.test_under_load import busy_worker, gone
-from tests.serving.conftest import all_stats, start_cluster
 from tests.helpers.chat import chat_request, collect
+from tests.helpers.faults import busy_worker, gone
+from tests.serving.conftest import all_stats, start_cluster
 
 pytestmark = pytest.mark.slow
 
