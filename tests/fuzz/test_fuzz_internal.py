@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from pdserve.protos import admin_pb2, worker_pb2
 from tests.fuzz.conftest import assert_no_process_died
-from tests.fuzz.test_fuzz_api import CLIENT_TIMEOUT_S, PROTO_FLOATS, SAFE_TEXT, fuzz_settings
+from tests.helpers.fuzz import CLIENT_TIMEOUT_S, PROTO_FLOATS, SAFE_TEXT, fuzz_settings
 
 pytestmark = pytest.mark.slow
 
