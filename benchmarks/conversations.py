@@ -65,7 +65,7 @@ from benchmarks.conversations_report import plot, print_tables, ratios, summariz
 from benchmarks.load.client import parse_event  # noqa: E402
 from benchmarks.load.workload import WORDS, parse_lengths  # noqa: E402
 from benchmarks.peers.hf_dir import PEERS, build as build_hf_dir  # noqa: E402
-from benchmarks.serving import HOST, git_state, pdserve_server, start, vllm_server  # noqa: E402
+from benchmarks.serving_run import HOST, git_state, pdserve_server, start, vllm_server  # noqa: E402
 
 SCHEMA = "pdserve-conversations-benchmark/1"
 ARMS = ("pdserve", "pdserve-noreuse", "vllm")

@@ -1,5 +1,5 @@
 """The serving benchmark's results: parsing `vllm bench serve` files, ratios, issue-9 targets,
-the table, the plot and the py-spy summary (benchmarks/serving_report.py, benchmarks/serving.py)."""
+the table, the plot and the py-spy summary (benchmarks/serving_report.py, benchmarks/serving_run.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from benchmarks.serving import LOADS, bench_cmd, new_doc
 from benchmarks.serving_report import (ResultError, compare, markdown, plot, profile_summary, record,
                                        targets)
+from benchmarks.serving_run import LOADS, bench_cmd, new_doc
 from tests.helpers.vllm_bench import vllm_result
 
 
