@@ -22,7 +22,7 @@ the rest (the first run of this benchmark did). ``min_tokens`` keeps the end tok
 at all, so an answer's text re-tokenizes to its ids, as a real chat's answer (which ends at its
 end token) does.
 
-Servers, one at a time, each started and stopped here (benchmarks/serving.py's helpers):
+Servers, one at a time, each started and stopped here (benchmarks/serving_run.py's helpers):
 ``pdserve`` as ``make serve`` starts it (1 prefill + 1 decode worker, defaults: decode KV reuse
 on), ``pdserve-noreuse`` (``--no-decode-kv-reuse``: follow-ups are prefilled by the prefill pool
 and their KV moved, as before issue 44), and ``vllm`` (colocated, prefix caching on, its best
@@ -241,7 +241,7 @@ def pick_vllm_dtype(flags: list[str]) -> str:
 
 
 def server_for(arm: str, args, reuse_flag: bool = True):
-    """The arm's server, built by benchmarks/serving.py's helpers, with this benchmark's flags."""
+    """The arm's server, built by benchmarks/serving_run.py's helpers, with this benchmark's flags."""
     if arm == "vllm":
         server = vllm_server(args)
         server.cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
