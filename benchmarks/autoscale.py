@@ -22,7 +22,7 @@ from pdserve.cluster.autoscaling import pool_config  # noqa: E402
 from pdserve.cluster.config import ClusterConfig  # noqa: E402
 from pdserve.cluster.local import LocalCluster  # noqa: E402
 from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
-from tests.serving.test_autoscale import FAST, send_load  # noqa: E402
+from tests.helpers.autoscale_load import FAST, send_load  # noqa: E402
 
 
 def plot(cluster: LocalCluster, t0: float, phases: list[tuple[str, float, float]], path: Path) -> None:

@@ -22,7 +22,7 @@ the rest (the first run of this benchmark did). ``min_tokens`` keeps the end tok
 at all, so an answer's text re-tokenizes to its ids, as a real chat's answer (which ends at its
 end token) does.
 
-Servers, one at a time, each started and stopped here (benchmarks/serving.py's helpers):
+Servers, one at a time, each started and stopped here (benchmarks/serving_run.py's helpers):
 ``pdserve`` as ``make serve`` starts it (1 prefill + 1 decode worker, defaults: decode KV reuse
 on), ``pdserve-noreuse`` (``--no-decode-kv-reuse``: follow-ups are prefilled by the prefill pool
 and their KV moved, as before issue 44), and ``vllm`` (colocated, prefix caching on, its best
@@ -65,7 +65,7 @@ from benchmarks.conversations_report import plot, print_tables, ratios, summariz
 from benchmarks.load.client import parse_event  # noqa: E402
 from benchmarks.load.workload import WORDS, parse_lengths  # noqa: E402
 from benchmarks.peers.hf_dir import PEERS, build as build_hf_dir  # noqa: E402
-from benchmarks.serving import HOST, git_state, pdserve_server, start, vllm_server  # noqa: E402
+from benchmarks.serving_run import HOST, git_state, pdserve_server, start, vllm_server  # noqa: E402
 
 SCHEMA = "pdserve-conversations-benchmark/1"
 ARMS = ("pdserve", "pdserve-noreuse", "vllm")
@@ -241,7 +241,7 @@ def pick_vllm_dtype(flags: list[str]) -> str:
 
 
 def server_for(arm: str, args, reuse_flag: bool = True):
-    """The arm's server, built by benchmarks/serving.py's helpers, with this benchmark's flags."""
+    """The arm's server, built by benchmarks/serving_run.py's helpers, with this benchmark's flags."""
     if arm == "vllm":
         server = vllm_server(args)
         server.cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",

@@ -38,8 +38,8 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.processor import print_banner  # noqa: E402
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster  # noqa: E402
 from tests.faults.load import Load  # noqa: E402
+from tests.helpers.chat import chat_request, collect  # noqa: E402
 from tests.serving.conftest import worker_stats  # noqa: E402
-from tests.serving.test_disaggregated import chat_request, collect  # noqa: E402
 
 PROMPTS = [f"Tell me a short fact about the number {i}." for i in range(4)]
 GRACE_S = 30.0  # the graceful switches': far beyond what a prefill role holds

@@ -39,9 +39,9 @@ from pathlib import Path
 
 from benchmarks import processor
 from benchmarks.goodput import RATE_SEED_STRIDE
-from benchmarks.serving import (ROOT, Load, check_prerequisites, new_doc, pdserve_server, run_server,
-                                vllm_server)
 from benchmarks.serving_procs import ServerError
+from benchmarks.serving_run import (ROOT, Load, check_prerequisites, new_doc, pdserve_server, run_server,
+                                    vllm_server)
 from benchmarks.serving_sweep_report import SATURATION, markdown, plot, summarize, sweep_row
 
 SCHEMA = "pdserve-serving-sweep/1"

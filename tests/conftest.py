@@ -78,6 +78,17 @@ def tool_llama(tmp_path_factory):
     return directory, Tokenizer(directory)
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """transformers on the served clusters' weights in their dtype (float32: tests/serving/conftest.py),
+    and its tokenizer (``tests.factories.default_reference``, loaded once per process). Served greedy
+    output is checked against it with ``tests.helpers.chat.assert_chat_greedy``; a module that
+    defines a ``reference`` of its own (tests/faults) uses that instead."""
+    from tests.factories import default_reference
+
+    return default_reference()
+
+
 def _kernel_paths():
     from pdserve.engine.kernels import cpu_kernels
 

@@ -96,7 +96,7 @@ def test_run_teed_calls_each_mark_once_when_its_text_appears_even_split_between_
 def test_a_server_that_exits_before_healthy_is_started_again(tmp_path):
     import argparse
 
-    from benchmarks.serving import start
+    from benchmarks.serving_run import start
 
     port, marker = free_port(), tmp_path / "tried"
     script = tmp_path / "flaky.py"
@@ -116,7 +116,7 @@ def test_a_server_that_exits_before_healthy_is_started_again(tmp_path):
 def test_start_gives_up_after_the_last_attempt(tmp_path):
     import argparse
 
-    from benchmarks.serving import start
+    from benchmarks.serving_run import start
 
     server = ServerProcess("broken", [sys.executable, "-c", "raise SystemExit(1)"], {}, "127.0.0.1",
                            [free_port()], tmp_path / "b.log")

@@ -1,5 +1,5 @@
 """The serving benchmark's results: parsing `vllm bench serve` files, ratios, issue-9 targets,
-the table, the plot and the py-spy summary (benchmarks/serving_report.py, benchmarks/serving.py)."""
+the table, the plot and the py-spy summary (benchmarks/serving_report.py, benchmarks/serving_run.py)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,10 @@ import json
 
 import pytest
 
-from benchmarks.serving import LOADS, bench_cmd, new_doc
 from benchmarks.serving_report import (ResultError, compare, markdown, plot, profile_summary, record,
                                        targets)
-
-
-def vllm_result(ttft: float, tpot: float, out_tok_s: float, completed: int = 32, failed: int = 0) -> dict:
-    """The fields of a `vllm bench serve --save-result` file this report reads (plus one it ignores)."""
-    raw = {"duration": 20.0, "completed": completed, "failed": failed, "request_throughput": completed / 20.0,
-           "output_throughput": out_tok_s, "total_token_throughput": 1.0}
-    for metric, base in (("ttft", ttft), ("tpot", tpot), ("itl", tpot), ("e2el", ttft + 63 * tpot)):
-        raw[f"mean_{metric}_ms"] = base
-        for p, scale in ((50, 1.0), (90, 1.5), (99, 2.0)):
-            raw[f"p{p}_{metric}_ms"] = base * scale
-    return raw
+from benchmarks.serving_run import LOADS, bench_cmd, new_doc
+from tests.helpers.vllm_bench import vllm_result
 
 
 def doc_with(rows: list[dict]) -> dict:

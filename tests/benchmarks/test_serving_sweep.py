@@ -9,10 +9,11 @@ import json
 
 import pytest
 
-from benchmarks.serving import bench_cmd, parse_args
+from benchmarks.serving import parse_args
+from benchmarks.serving_run import bench_cmd
 from benchmarks.serving_sweep import best_vllm_dtype, rows_of, sweep_loads
 from benchmarks.serving_sweep_report import attainment, goodput, markdown, plot, ratio, summarize, sweep_row
-from tests.benchmarks.test_serving_report import vllm_result
+from tests.helpers.vllm_bench import vllm_result
 
 SLO = {"ttft_ms": 2000.0, "tpot_ms": 100.0}
 
@@ -130,7 +131,7 @@ def test_each_rate_has_its_own_seed_after_a_warm_up_and_no_warm_up_requests():
 
 
 def test_pdserve_starts_as_make_serve_unless_flags_are_given():
-    from benchmarks.serving import pdserve_server
+    from benchmarks.serving_run import pdserve_server
 
     assert "--layout" not in pdserve_server(sweep_args()).cmd
     assert pdserve_server(sweep_args(["--pdserve-flags", "--layout colocated"])).cmd[-2:] == ["--layout", "colocated"]

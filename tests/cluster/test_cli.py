@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.test_shutdown_after_replacement import session_pids
+from tests.helpers.processes import session_pids
 
 pytestmark = pytest.mark.slow
 

@@ -30,8 +30,8 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from pdserve.protos import pdserve_pb2_grpc
-from tests.cluster.test_placement import ENV, RAY, free_port
-from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401
+from tests.helpers.chat import assert_chat_greedy, chat_request, collect
+from tests.helpers.ray_nodes import ENV, RAY, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 from pdserve.cluster.layout_choice import apply_layout
 from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import SettingsError, given, resolve
-from tests.cluster.test_settings import parse
+from tests.helpers.settings import parse
 
 COLOCATE_TWO = {"mode": "colocated", "decode": 2}
 

@@ -8,7 +8,7 @@ from pdserve.cluster.mode import COLOCATED, DISAGGREGATED
 from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import SettingsError, add_arguments, resolve
 from pdserve.router.local_prefill import LocalPrefillConfig
-from tests.cluster.test_settings import parse
+from tests.helpers.settings import parse
 
 
 def test_the_default_is_disaggregated_with_the_rule_off():

@@ -2,11 +2,7 @@
 land on the node offering the prefill resource, decode workers on the other, and a request
 still flows from one to the other over NIXL."""
 
-import os
-import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,19 +13,9 @@ from pdserve.cluster.local import LocalCluster
 from pdserve.cluster.placement import PoolPlacement
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
+from tests.helpers.ray_nodes import ENV, RAY, free_port
 
 pytestmark = pytest.mark.slow
-
-RAY = str(Path(sys.executable).parent / "ray")
-# Both nodes run with token authentication and share the test session's token (RAY_AUTH_MODE and
-# RAY_AUTH_TOKEN come from tests/conftest.py through the environment).
-ENV = dict(os.environ)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """Where ``pdserve serve`` settings come from: defaults < YAML file < PDSERVE_* < flags."""
 
-import argparse
 import dataclasses
 
 import pytest
@@ -8,18 +7,13 @@ import pytest
 from pdserve.cli import main
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.serve_config import build
-from pdserve.cluster.settings import LEASE_SECONDS, SettingsError, add_arguments, resolve
+from pdserve.cluster.settings import LEASE_SECONDS, SettingsError, resolve
 from pdserve.engine.config import DISAGGREGATED_MIXED_PREFILL_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.router.limits import RouterLimits
 from pdserve.router.local_prefill import LocalPrefillConfig
 from tests.factories import decode_worker_config, prefill_worker_config
+from tests.helpers.settings import parse
 from pdserve.wire.logs import LogConfig
-
-
-def parse(argv):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(argv)
 
 
 def test_defaults():

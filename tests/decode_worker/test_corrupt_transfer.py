@@ -31,8 +31,8 @@ from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerPool
 from pdserve.router.request_run import RequestRun
-from tests.decode_worker.test_streamed_kv import serving
 from tests.factories import decode_worker_config, make_engine, prefill_worker_config
+from tests.helpers.worker_servers import serving
 from tests.metrics.metrics_helpers import LetterTokenizer
 
 pytestmark = pytest.mark.slow

@@ -23,9 +23,9 @@ from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
 from pdserve.router.request_run import RequestRun
-from tests.decode_worker.test_streamed_kv import serving
 from tests.factories import (assert_greedy_matches, decode_worker_config, make_engine, make_tp_engine,
                              prefill_worker_config, random_prompts)
+from tests.helpers.worker_servers import serving
 from tests.metrics.metrics_helpers import LetterTokenizer
 
 pytestmark = pytest.mark.slow

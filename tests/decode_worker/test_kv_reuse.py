@@ -31,10 +31,10 @@ from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerPool
 from pdserve.router.request_run import RequestRun
 from pdserve.wire.grpc_util import aio_channel
-from tests.decode_worker.test_local_prefill import local_request
-from tests.decode_worker.test_streamed_kv import serving
+from tests.helpers.local_prefill import local_request
 from tests.factories import (decode_worker_config, engine_config, make_engine, prefill_worker_config,
                              random_prompts)
+from tests.helpers.worker_servers import serving
 from tests.metrics.metrics_helpers import LetterTokenizer
 
 BLOCK = 16

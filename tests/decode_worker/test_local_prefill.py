@@ -15,15 +15,10 @@ from pdserve.decode_worker.worker import DecodeWorker, decode_engine_config
 from pdserve.engine.config import MIXED
 from pdserve.protos import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories import assert_greedy_matches, decode_worker_config, make_engine, random_prompts
+from tests.helpers.local_prefill import LONG_TOKENS, local_request
 from pdserve.wire.grpc_util import aio_channel
 
-SHORT_TOKENS, LONG_TOKENS = 64, 16  # the short streams outlast the long prompt's arrival
-
-
-def local_request(rid: str, prompt: list[int], max_tokens: int = LONG_TOKENS, **sampling) -> worker_pb2.DecodeRequest:
-    return worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, local_prefill=True,
-                                    sampling=pdserve_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                                        **sampling))
+SHORT_TOKENS = 64  # the short streams outlast the long prompt's arrival (LONG_TOKENS)
 
 
 def test_a_decode_worker_engine_runs_the_mixed_policy():

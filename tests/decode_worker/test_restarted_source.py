@@ -17,8 +17,8 @@ from pdserve.engine.sampling.params import SamplingParams
 from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2_grpc
-from tests.decode_worker.test_lease_handoff import PROMPT, decode, prefill_one
 from tests.factories import decode_worker_config, make_engine, prefill_worker_config
+from tests.helpers.lease_workers import PROMPT, decode, prefill_one
 from pdserve.wire.grpc_util import aio_channel
 
 pytestmark = pytest.mark.slow

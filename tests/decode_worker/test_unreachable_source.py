@@ -60,7 +60,7 @@ def test_a_prefill_worker_that_never_answers_holds_up_only_the_requests_that_rea
     while a silent one (it accepts the connection and never speaks) keeps its metadata call
     waiting, a request whose KV is on a healthy prefill worker is served. The old lock was one
     for every peer, held across that call: the healthy request waited the silent one's 10 s."""
-    from tests.decode_worker.test_lease_handoff import decode, prefill_one
+    from tests.helpers.lease_workers import decode, prefill_one
 
     model_dir = tiny_llama_dir[0]
     p_config = prefill_worker_config(kv_transfer_backend="tcp")

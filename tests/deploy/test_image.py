@@ -30,7 +30,7 @@ from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2
 from pdserve.wire import grpc_util, tls
 from tests.deploy.containers import ROLES, PlainK8s, Pod, load_image_tool, podman, ulimits
 from tests.faults.load import Load
-from tests.serving.test_disaggregated import chat_request, collect
+from tests.helpers.chat import chat_request, collect
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import json
 
 from pdserve.cluster.placement import PoolPlacement
 from tests.deploy.manifests import named
-from tests.deploy.test_crossrefs import pdserve_containers, settings_of, with_mounted_files
+from tests.helpers.deploy_commands import pdserve_containers, settings_of, with_mounted_files
 
 GIB = 1 << 30
 

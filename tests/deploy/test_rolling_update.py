@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tests.deploy.manifests import named, objects
-from tests.deploy.test_crossrefs import environment, pdserve_containers, settings_of, with_mounted_files
+from tests.helpers.deploy_commands import environment, pdserve_containers, settings_of, with_mounted_files
 
 PLAIN = ("plain-k8s", "cpu-dev")
 

@@ -11,9 +11,8 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling.params import SamplingParams
-from tests.engine.test_engine_batching import run_staggered
-from tests.engine.test_shared_kv_is_final import run
 from tests.factories import chat_variants, default_reference
+from tests.helpers.engine_runs import run, run_staggered
 from tests.logprobs import check_logprobs_close, engine_generation, hf_generation
 
 pytestmark = pytest.mark.slow

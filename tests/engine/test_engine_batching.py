@@ -5,23 +5,7 @@ import torch
 
 from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, random_prompts
-
-LENGTHS = [1, 7, 16, 17, 40, 64, 90, 130, 200]
-
-
-def run_staggered(engine, prompts, params, join_every=3):
-    """Add one request every ``join_every`` steps so requests join a running batch."""
-    outs = {i: [] for i in range(len(prompts))}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished():
-        if pending and step % join_every == 0:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, params[i] if isinstance(params, list) else params)
-        for o in engine.step():
-            outs[int(o.request_id)] += o.new_token_ids
-        step += 1
-    return [outs[i] for i in range(len(prompts))]
+from tests.helpers.engine_runs import LENGTHS, run_staggered
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: pdserve's batch-invariant kernels

@@ -8,9 +8,9 @@ import pytest
 
 from pdserve.engine.config import MIXED, SchedulerConfig
 from pdserve.engine.sampling.params import SamplingParams
-from tests.engine.test_engine_batching import LENGTHS, run_staggered
-from tests.engine.test_scheduler import feed, make, seq
 from tests.factories import assert_greedy_matches, make_engine, random_prompts
+from tests.helpers.engine_runs import LENGTHS, run_staggered
+from tests.helpers.scheduler import feed, make, seq
 
 
 def mixed(**kw):

@@ -14,9 +14,9 @@ from pdserve.engine.models.registry import model_config_from_hf
 from pdserve.engine.linear import PackedDecoderStack
 from pdserve.engine.layers.moe import SparseMoe
 from pdserve.engine.sampling.params import SamplingParams
-from tests.engine.test_engine_batching import run_staggered
 from tests.factories import hf_greedy, make_engine, random_prompts
 from tests.families import FAMILIES, save_family_model
+from tests.helpers.engine_runs import run_staggered
 from tests.logprobs import check_logprobs_close, engine_generation, hf_generation
 
 

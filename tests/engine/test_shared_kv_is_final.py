@@ -16,6 +16,7 @@ import torch
 
 from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, random_prompts
+from tests.helpers.engine_runs import drain, run
 
 CHUNK = 32  # prefill token budget: a 100-token prompt takes 4 steps
 PROMPT = random_prompts(1, [100], seed=41)[0]
@@ -35,27 +36,6 @@ def stale_engine(model_dir, chunk: int = CHUNK):
 @pytest.fixture
 def engine(tiny_llama_dir):
     return stale_engine(tiny_llama_dir[0])
-
-
-def run(engine, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
-    """Add a request and step until it finishes: its tokens and its ``cached_tokens``."""
-    engine.add_request(request_id, prompt, params)
-    return drain(engine, until=request_id)[request_id]
-
-
-def drain(engine, until: str | None = None) -> dict[str, tuple[list[int], int]]:
-    """Step until ``until`` finishes, or else until nothing can run; each request's tokens
-    and ``cached_tokens``."""
-    tokens: dict[str, list[int]] = {}
-    cached: dict[str, int] = {}
-    done: set[str] = set()
-    while (until not in done) if until else engine.has_runnable():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            cached[out.request_id] = out.num_cached_tokens
-            if out.finished:
-                done.add(out.request_id)
-    return {rid: (tokens[rid], cached[rid]) for rid in tokens}
 
 
 def reference(engine, prompt: list[int], max_tokens: int = 8) -> list[int]:

@@ -5,7 +5,7 @@ import pytest
 
 from pdserve.engine.config import MIXED, SchedulerConfig
 from pdserve.engine.core.step_budget import MIN_SAMPLE_TOKENS, StepBudget
-from tests.engine.test_scheduler import feed, make, seq
+from tests.helpers.scheduler import feed, make, seq
 
 
 def test_the_chunk_is_the_start_value_until_both_costs_are_seen():

@@ -17,8 +17,8 @@ from pdserve.engine.errors import RankLost
 from pdserve.engine.models.registry import check_split
 from pdserve.engine.parallel import ShardError
 from pdserve.engine.sampling.params import SamplingParams
-from tests.engine.test_engine_batching import LENGTHS, run_staggered
 from tests.factories import assert_greedy_matches, make_engine, make_tp_engine, random_prompts
+from tests.helpers.engine_runs import LENGTHS, run_staggered
 
 PROMPT_LENGTHS = [5, 40, 17, 90]
 PROBE = Path(__file__).with_name("tp_reduce_probe.py")

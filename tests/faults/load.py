@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tests.serving.test_disaggregated import chat_request, collect
+from tests.helpers.chat import chat_request, collect
 
 
 @dataclass

@@ -16,8 +16,8 @@ import ray
 
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.faults.load import Load
-from tests.faults.test_rollout import assert_no_kv_held, busy, check, migrations
-from tests.serving.test_disaggregated import chat_request, collect
+from tests.helpers.chat import chat_request, collect
+from tests.helpers.faults import assert_no_kv_held, busy, check, migrations
 
 pytestmark = pytest.mark.slow
 

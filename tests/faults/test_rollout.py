@@ -18,7 +18,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -27,10 +26,10 @@ import ray
 from pdserve.cluster.rollout import RolloutConfig, roll
 from pdserve.protos import admin_pb2, admin_pb2_grpc, pdserve_pb2_grpc
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster
-from tests.faults.load import Load, Outcome
-from tests.faults.test_under_load import gone
+from tests.faults.load import Load
+from tests.helpers.chat import chat_request, collect
+from tests.helpers.faults import assert_no_kv_held, busy, check, gone, migrations
 from tests.serving.conftest import worker_stats
-from tests.serving.test_disaggregated import chat_request, collect
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +39,6 @@ CLIENTS = 3
 MAX_TOKENS = 16
 LONG_TOKENS = 32  # streams still running when a worker with no grace stops
 PROMPTS = [f"Tell me a short fact about the number {i}." for i in range(3)]
-CLEAN_WITHIN_S = 20.0
 GRACEFUL = RolloutConfig(drain_grace_s=60.0, unready_s=0.5, ready_timeout_s=120.0)
 
 
@@ -69,38 +67,10 @@ def reference(stub):
     return out
 
 
-def check(outcomes: list[Outcome], reference: dict, max_tokens: int) -> None:
-    errors = [(o.prompt, o.code.name, o.details) for o in outcomes if o.code is not None]
-    assert not errors, f"{len(errors)} of {len(outcomes)} requests failed: {errors[:5]}"
-    for o in outcomes:
-        assert o.tokens == reference[(o.prompt, max_tokens)], f"prompt {o.prompt}: tokens differ from the undisturbed run"
-
-
-def migrations(cluster) -> float:
-    """The router's ``pdserve:request_migrations_total``."""
-    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("pdserve:request_migrations_total"):
-                return float(line.split()[-1])
-    return 0.0
-
-
 def pids(cluster) -> dict[str, int]:
     actors = {"router": [cluster.router], "prefill": cluster.prefill, "decode": cluster.decode}
     return {f"{role}:{i}": ray.get(a.pid.remote(), timeout=10) for role, group in actors.items()
             for i, a in enumerate(group)}
-
-
-def assert_no_kv_held(cluster) -> None:
-    live = [(role, a) for role in ("prefill", "decode") for a in cluster.addresses(role)]
-    deadline = time.monotonic() + CLEAN_WITHIN_S
-    while True:
-        busy = {a: (s.num_blocks_used, s.num_held_leases) for role, a in live
-                if (s := worker_stats(a, role)).num_blocks_used or s.num_held_leases}
-        if not busy:
-            return
-        assert time.monotonic() < deadline, f"KV still held {CLEAN_WITHIN_S} s after the load: {busy}"
-        time.sleep(0.2)
 
 
 def test_rolling_each_pool_and_the_router_loses_no_request(cluster, stub, reference):
@@ -140,17 +110,6 @@ def test_rolling_each_pool_and_the_router_loses_no_request(cluster, stub, refere
     for name, pid in old_pids.items():
         assert pid not in new_pids and gone(pid), f"the old {name} process lives on"
     assert_no_kv_held(cluster)
-
-
-def busy(decode_addresses: list[str], timeout_s: float = 30.0) -> str:
-    """One of ``decode_addresses`` that runs a stream right now."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for address in decode_addresses:
-            if worker_stats(address, "decode").num_running:
-                return address
-        time.sleep(0.02)
-    raise AssertionError(f"none of {decode_addresses} ran a stream within {timeout_s} s")
 
 
 def test_a_decode_worker_out_of_grace_hands_its_streams_over(cluster, stub, reference):

@@ -21,8 +21,9 @@ import ray
 
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.faults.load import Load
+from tests.helpers.chat import chat_request, collect
+from tests.helpers.faults import busy_worker, gone
 from tests.serving.conftest import worker_stats
-from tests.serving.test_disaggregated import chat_request, collect
 
 pytestmark = pytest.mark.slow
 
@@ -68,34 +69,11 @@ def pid_of(actor) -> int:
     return ray.get(actor.pid.remote(), timeout=10)
 
 
-def busy_worker(cluster, role: str, field: str, timeout_s: float = 30.0) -> int:
-    """The slot of a ``role`` worker whose stats ``field`` is non-zero right now."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for index, address in enumerate(list(cluster.addresses(role))):
-            try:
-                if getattr(worker_stats(address, role), field):
-                    return index
-            except grpc.RpcError:
-                continue
-        time.sleep(0.02)
-    raise AssertionError(f"no {role} worker had {field} > 0 within {timeout_s} s")
-
-
 def wait_replaced(cluster, role: str, address: str) -> None:
     deadline = time.monotonic() + REPLACED_WITHIN_S
     while address in cluster.addresses(role) or len(cluster.addresses(role)) < 2:
         assert time.monotonic() < deadline, f"{role} worker {address} was not replaced"
         time.sleep(0.2)
-
-
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie not yet reaped counts)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1].startswith("Z")
-    except FileNotFoundError:
-        return True
 
 
 def kill_the_router_and_see_clients_served_again(cluster, load: Load) -> None:

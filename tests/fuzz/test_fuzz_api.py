@@ -12,29 +12,21 @@ time; ``FUZZ_SCALE`` multiplies the counts for a longer local run.
 
 import http.client
 import json
-import os
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.protos import pdserve_pb2
 from pdserve.router.validation import RequestLimits
 from tests.fuzz.conftest import assert_all_blocks_free, assert_no_process_died
+from tests.helpers.fuzz import CLIENT_TIMEOUT_S, PROTO_FLOATS, SAFE_TEXT, fuzz_settings
 
 pytestmark = pytest.mark.slow
 
-SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
-CLIENT_TIMEOUT_S = 90  # a hang: far past the cluster's request_timeout_s (60 s)
 GOOD_GRPC = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE}
-
-
-def fuzz_settings(examples: int):
-    return settings(max_examples=max(1, int(examples * SCALE)), deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large, HealthCheck.large_base_example])
 
 
 # ---- strategies ----------------------------------------------------------------------
@@ -155,9 +147,6 @@ def test_grpc_random_bytes(raw_generate, raw):
 
 
 U32, I32, U64 = st.integers(0, 2**32 - 1), st.integers(-(2**31), 2**31 - 1), st.integers(0, 2**64 - 1)
-PROTO_FLOATS = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
-                         st.sampled_from([1e-40, 1e-45, -0.0, 1e-5]))
-SAFE_TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=24)
 
 
 @st.composite
@@ -207,11 +196,12 @@ def test_grpc_oversized_message_is_invalid_argument(raw_generate):
 
 # ---- afterwards ----------------------------------------------------------------------
 def test_zz_afterwards_nothing_died_blocks_are_free_and_greedy_equals_transformers(cluster):
-    from tests.serving.test_disaggregated import QUESTIONS, chat_request, collect, assert_chat_greedy, reference
+    from tests.factories import CHAT_QUESTIONS as QUESTIONS, default_reference
+    from tests.helpers.chat import assert_chat_greedy, chat_request, collect
 
     assert_no_process_died(cluster)
     assert_all_blocks_free(cluster)
-    ref = reference.__wrapped__()
+    ref = default_reference()
     with grpc.insecure_channel(cluster.address) as channel:
         from pdserve.protos import pdserve_pb2_grpc
 

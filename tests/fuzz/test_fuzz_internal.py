@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from pdserve.protos import admin_pb2, worker_pb2
 from tests.fuzz.conftest import assert_no_process_died
-from tests.fuzz.test_fuzz_api import CLIENT_TIMEOUT_S, PROTO_FLOATS, SAFE_TEXT, fuzz_settings
+from tests.helpers.fuzz import CLIENT_TIMEOUT_S, PROTO_FLOATS, SAFE_TEXT, fuzz_settings
 
 pytestmark = pytest.mark.slow
 
@@ -136,10 +136,11 @@ def test_internal_hostile_fields(cluster, method, cls, streams):
 
 def test_zz_afterwards_nothing_died_blocks_are_free_and_greedy_equals_transformers(cluster):
     from pdserve.protos import pdserve_pb2_grpc
-    from tests.serving.test_disaggregated import QUESTIONS, assert_chat_greedy, chat_request, collect, reference
+    from tests.factories import CHAT_QUESTIONS as QUESTIONS, default_reference
+    from tests.helpers.chat import assert_chat_greedy, chat_request, collect
 
     assert_no_process_died(cluster)
-    ref = reference.__wrapped__()
+    ref = default_reference()
     deadline = time.monotonic() + 60  # a hostile SetMembership lasts until the controller's next round
     with grpc.insecure_channel(cluster.address) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)

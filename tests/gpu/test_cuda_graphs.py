@@ -12,7 +12,7 @@ from pdserve.engine.runner.cuda_graphs import capture_sizes
 from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine
 from tests.gpu.smol import reference
-from tests.gpu.test_engine_on_device import PROMPTS, _assert_greedy_matches, assert_bf16_close
+from tests.helpers.device_checks import PROMPTS, assert_bf16_close, assert_device_greedy
 
 pytestmark = pytest.mark.cuda
 
@@ -41,7 +41,7 @@ def test_float32_through_graphs_equals_transformers(smol_dir, device):
     assert engine.runner.graphs.replays > 0
     hf = reference(smol_dir, torch.float32, device)
     for prompt, out in zip(PROMPTS, outs):
-        _assert_greedy_matches(hf, prompt, out.token_ids, f"graphs, prompt of {len(prompt)}")
+        assert_device_greedy(hf, prompt, out.token_ids, f"graphs, prompt of {len(prompt)}")
 
 
 def test_bfloat16_through_graphs_is_close_to_transformers(smol_dir, device):
@@ -67,4 +67,4 @@ def test_a_batch_of_64_mixed_lengths_replays_and_matches_the_eager_engine(smol_d
     differ = [k for k, (a, b) in enumerate(zip(ours, theirs)) if a.token_ids != b.token_ids]
     hf = reference(smol_dir, torch.float32, device) if differ else None
     for k in differ:
-        _assert_greedy_matches(hf, prompts[k], ours[k].token_ids, f"graphs, batch of 64, prompt {k}")
+        assert_device_greedy(hf, prompts[k], ours[k].token_ids, f"graphs, batch of 64, prompt {k}")

@@ -9,7 +9,7 @@ from pdserve.engine.sampling.params import SamplingParams
 from tests.deepseek_models import make_deepseek
 from tests.factories import make_engine, random_prompts, save_hf_model
 from tests.families import make_family_model
-from tests.gpu.test_engine_on_device import _assert_greedy_matches
+from tests.helpers.device_checks import assert_device_greedy
 
 pytestmark = pytest.mark.cuda
 
@@ -32,6 +32,6 @@ def test_float32_equals_transformers(family, device, tmp_path):
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     hf = hf.to(device).eval()
     for prompt, out in zip(prompts, outs):
-        _assert_greedy_matches(hf, prompt, out.token_ids, f"{family} ({engine.runner.backend.name}), "
-                                                          f"a {len(prompt)}-token prompt")
+        assert_device_greedy(hf, prompt, out.token_ids, f"{family} ({engine.runner.backend.name}), "
+                                                        f"a {len(prompt)}-token prompt")
     assert engine.num_free_blocks == engine.blocks.num_blocks

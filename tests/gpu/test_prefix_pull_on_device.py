@@ -18,12 +18,12 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2
-from tests.decode_worker.test_streamed_kv import serving
 from tests.factories import decode_worker_config, make_engine, prefill_worker_config
 from tests.gpu.smol import reference
-from tests.gpu.test_engine_on_device import _assert_greedy_matches
-from tests.prefill_worker.test_prefix_pull import (ANSWER, BLOCK, MAX_TOKENS, NUM_BLOCKS, first_turn, second_turn,
-                                                   settled, still_held)
+from tests.helpers.device_checks import assert_device_greedy
+from tests.helpers.prefix_pull import (ANSWER, BLOCK, MAX_TOKENS, NUM_BLOCKS, first_turn, second_turn, settled,
+                                       still_held)
+from tests.helpers.worker_servers import serving
 
 pytestmark = pytest.mark.cuda
 
@@ -59,5 +59,5 @@ def test_a_prefix_read_from_a_decode_worker_on_the_device_equals_transformers(sm
     assert answer.num_cached_tokens == held.num_tokens and stats.prefix_tokens_read == held.num_tokens
     assert stats.kv_transfer_failures == 0 and stats.kv_verify_failures == 0
     assert len(tokens) == MAX_TOKENS
-    _assert_greedy_matches(reference(smol_dir, torch.float32, device), prompt, tokens, "reversed pull on the device")
+    assert_device_greedy(reference(smol_dir, torch.float32, device), prompt, tokens, "reversed pull on the device")
     assert holding == 0 and leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS

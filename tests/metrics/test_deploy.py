@@ -4,37 +4,17 @@ exports: renaming a metric or mistyping a query fails here, not on someone's scr
 import importlib.util
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.wire import metrics, worker_metrics
-
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-NAME = re.compile(r"pdserve:[A-Za-z0-9_:]+")
-SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
+from tests.helpers.exported_metrics import DEPLOY, NAME, graph_panels, series_names
 
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict:
     return json.loads((DEPLOY / "grafana" / "pdserve-dashboard.json").read_text())
-
-
-def series_names() -> set[str]:
-    """Every series name pdserve exports, e.g. ``pdserve:x_seconds_bucket``, ``pdserve:y_total``."""
-    text = metrics.render()[0].decode() + generate_latest(worker_metrics.WORKER_REGISTRY).decode()
-    return {f.name + suffix for f in text_string_to_metric_families(text) for suffix in SUFFIXES[f.type]}
-
-
-def graph_panels(dashboard: dict) -> list[dict]:
-    out = []
-    for p in dashboard["panels"]:
-        out += p.get("panels", []) if p["type"] == "row" else [p]
-    return out
 
 
 def exprs(dashboard: dict) -> list[str]:

@@ -25,7 +25,7 @@ import yaml
 from pdserve.cluster.autoscaling import from_mapping
 from pdserve.cluster.autoscaling.budget import BudgetConfig
 from tests.clusters import cluster_config, running_cluster
-from tests.metrics.test_deploy import DEPLOY, graph_panels
+from tests.helpers.exported_metrics import DEPLOY, graph_panels
 
 pytestmark = pytest.mark.slow
 

@@ -9,16 +9,9 @@ import pytest
 from pdserve.planner.auto_layout import (DEFAULT_MARGIN, SERVED_OVER_SIMULATED, Candidate, Objective, candidates,
                                          choose, choose_for_settings, decide, kernel_path, predicted_goodput,
                                          profile_for)
-from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.layout import Layout
-from pdserve.planner.model_spec import get_model
+from tests.helpers.planner_profiles import CORE, SMOL
 
-SMOL = get_model("SmolLM2-135M")
-# One CPU core as the stored profile measures one (round numbers near profiles/cpu.json's): a
-# 256-token prompt's prefill takes about 0.7 s, a decode step of a few streams some 15 ms.
-CORE = HardwareProfile("core", peak_flops=1e11, flops_efficiency=1.0, peak_mem_bw=3e10, mem_bw_efficiency=1.0,
-                       mem_bytes=1.3e9, kv_link_bw=1e10, kv_transfer_overhead_s=0.012, interconnect_bw=1e10,
-                       step_overhead_s=0.003, seq_overhead_s=0.0009, overlap=False)
 # Prefill ten times faster, decode four times slower: decode is the bottleneck.
 FAST_PREFILL = dataclasses.replace(CORE, name="fast prefill", peak_flops=1e12, peak_mem_bw=7.5e9,
                                    seq_overhead_s=0.0036)

@@ -13,7 +13,7 @@ from pdserve.planner.mixed_step import chunk_s
 from pdserve.planner.simulator import Simulator
 from pdserve.planner.trace import TraceRequest
 from pdserve.planner.worker import EngineLimits, SimSeq, SimWorker
-from tests.planner.test_auto_layout import CORE, SMOL
+from tests.helpers.planner_profiles import CORE, SMOL
 
 COST = CostModel(SMOL, CORE, 1)  # one CPU core: a 256-token prompt takes about 0.7 s
 TARGET = 0.05

@@ -5,17 +5,12 @@ transformers token for token; when the index is stale (the worker evicted the pr
 the last poll) the request still goes there, misses, and the output is still exact."""
 
 import asyncio
-import contextlib
 
 import pytest
 import torch
 
-from pdserve.decode_worker.server import start as start_decode
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer.handoff import ReleaseReason
-from pdserve.prefill_worker.server import start as start_prefill
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.kv_index import prompt_block_hashes
@@ -23,37 +18,13 @@ from pdserve.router.kv_policy import RoutingConfig
 from pdserve.router.request_run import RequestRun
 from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerPool
-from tests.factories import assert_greedy_matches, decode_worker_config, load_reference, make_engine, prefill_worker_config, random_prompts
+from tests.factories import assert_greedy_matches, load_reference, random_prompts
+from tests.helpers.kv_routing import BLOCK, QUESTIONS, SYSTEM, cluster
 from tests.metrics.metrics_helpers import LetterTokenizer, sample
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 16
-SYSTEM = random_prompts(1, [3 * BLOCK], seed=21)[0]  # a shared prefix of 3 full blocks
-QUESTIONS = random_prompts(3, [7, 9, 5], seed=22)
 MAX_TOKENS = 6
-
-
-@contextlib.asynccontextmanager
-async def cluster(model_dir, prefill_blocks: int):
-    """Two prefill workers and a decode worker, and a router pool over them that polls only
-    when the test says (``pool.refresh``), so the test decides how stale the index is."""
-    prefills = [PrefillWorker(prefill_worker_config(worker_id=f"prefill-{i}", kv_transfer_backend="tcp"),
-                              engine=make_engine(model_dir, num_blocks=prefill_blocks, block_size=BLOCK))
-                for i in range(2)]
-    decode = DecodeWorker(decode_worker_config(kv_transfer_backend="tcp"), engine=make_engine(model_dir, num_blocks=64))
-    servers = [await start_prefill(p.config, p) for p in prefills] + [await start_decode(decode.config, decode)]
-    pool = WorkerPool()
-    for s in servers[:2]:
-        pool.add("prefill", s.address)
-    pool.add("decode", servers[2].address)
-    await pool.refresh()
-    try:
-        yield pool, dict(zip((s.address for s in servers), prefills))
-    finally:
-        await pool.close()
-        for s in servers:
-            await s.stop()
 
 
 async def generate(pool: WorkerPool, prompt: list[int], rid: str) -> tuple[list[int], int]:

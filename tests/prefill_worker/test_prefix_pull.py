@@ -23,19 +23,20 @@ from pdserve.engine.loader import materialize
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.prefill_worker.worker import PrefillWorker
-from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.protos import worker_pb2
 from pdserve.router.attempts import LocalPrefill, RemotePrefill
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
 from pdserve.router.request_run import RequestRun
-from tests.decode_worker.test_streamed_kv import serving
 from tests.factories import assert_greedy_matches, decode_worker_config, load_reference, make_engine, \
     prefill_worker_config
+from tests.helpers.prefix_pull import (ANSWER, BLOCK, MAX_TOKENS, NUM_BLOCKS, first_turn, second_turn, settled,
+                                       still_held)
+from tests.helpers.worker_servers import serving
 from tests.metrics.metrics_helpers import LetterTokenizer
 
 pytestmark = pytest.mark.slow
 
-BLOCK, ANSWER, MAX_TOKENS, NUM_BLOCKS = 16, 24, 8, 64
 FIRST = ("The lighthouse keeper climbed the stairs every evening to light the lamp. One stormy night a ship "
          "appeared on the horizon, its sails torn, drifting toward the rocks below the cliff. Tell me what he saw.")
 SECOND = " And what did he do next, in one sentence?"
@@ -69,45 +70,6 @@ async def pair(model_dir, backend: str):
         yield prefill, decoder, stubs["prefill"], stubs["decode"], pool
 
 
-def sampling(max_tokens: int) -> pdserve_pb2.SamplingParams:
-    return pdserve_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-
-
-async def first_turn(d_stub, prompt: list[int]) -> list[int]:
-    """The first turn, prefilled and decoded on the decode worker: its answer."""
-    request = worker_pb2.DecodeRequest(request_id="turn-1", prompt_token_ids=prompt, local_prefill=True,
-                                       sampling=sampling(ANSWER))
-    out = []
-    async for resp in d_stub.Decode(request, timeout=120):
-        out += [resp.prefilled.first_token_id] if resp.HasField("prefilled") else list(resp.token_ids)
-    return out
-
-
-async def second_turn(p_stub, d_stub, prompt: list[int], prefix: worker_pb2.KVHandle):
-    """The second turn: prefilled on the prefill worker with ``prefix``, decoded on the decode
-    worker. (The prefill answer, every token.)"""
-    answer = await p_stub.Prefill(worker_pb2.PrefillRequest(request_id="turn-2", prompt_token_ids=prompt,
-                                                            sampling=sampling(MAX_TOKENS), router_id="router-a",
-                                                            prefix=prefix), timeout=120)
-    request = worker_pb2.DecodeRequest(request_id="turn-2", prompt_token_ids=prompt, first_token_id=answer.first_token_id,
-                                       sampling=sampling(MAX_TOKENS), kv=answer.kv)
-    tokens = [answer.first_token_id] + [t async for resp in d_stub.Decode(request, timeout=120) for t in resp.token_ids]
-    return answer, tokens
-
-
-async def settled(prefill: PrefillWorker, decoder: DecodeWorker) -> tuple[int, int, int]:
-    """(leases held on either side, free blocks on each) once every lease has ended, with the
-    block managers' invariants checked; fails if a lease is stranded."""
-    for _ in range(200):
-        if not prefill.leases and not len(decoder.prefix_holds):
-            break
-        await asyncio.sleep(0.05)
-    for worker in (prefill, decoder):
-        await worker.call(worker.engine.blocks.check_invariants)
-    return (len(prefill.leases) + len(decoder.prefix_holds), prefill.engine.blocks.num_free_blocks,
-            decoder.engine.blocks.num_free_blocks)
-
-
 async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: bool = False):
     """Both turns; ``spoil`` may change the held prefix's handle before the prefill worker gets
     it; ``end_hold``: the hold is released before the prefill worker gets it (the lease is gone)."""
@@ -128,15 +90,6 @@ async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: 
         # The router releases the hold after every prefill call (a no-op once the lease ended).
         await d_stub.Release(release_request(held.kv.lease_token, ReleaseReason.ABORTED), timeout=5)
         return prompt, held.kv, answer, tokens, stats, holding, await settled(prefill, decoder)
-
-
-async def still_held(decoder: DecodeWorker) -> int:
-    """The holds left on the decode worker once a read's notice (or a release) had time to land."""
-    for _ in range(40):
-        if not len(decoder.prefix_holds):
-            break
-        await asyncio.sleep(0.05)
-    return len(decoder.prefix_holds)
 
 
 @pytest.mark.parametrize("backend", ["nixl", "tcp"])

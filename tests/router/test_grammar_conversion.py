@@ -12,7 +12,7 @@ import pytest
 from pdserve.engine.sampling import grammar
 from pdserve.router.frontend import validate
 from pdserve.router.validation import HttpError, parse_body
-from tests.router.test_loop_isolation import request, serve_in_thread, service_with
+from tests.helpers.http_front import request, serve_in_thread, service_with
 
 USER = [{"role": "user", "content": "hi"}]
 

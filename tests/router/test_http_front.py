@@ -14,7 +14,7 @@ from pdserve.router.frontend import ModelInfo
 from pdserve.router.limits import RouterLimits
 from pdserve.router.service import GenerationService
 from pdserve.router.validation import RequestLimits
-from tests.router.test_overload import SlowPrefill
+from tests.helpers.fake_workers import SlowPrefill
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
 
 

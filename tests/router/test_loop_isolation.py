@@ -4,7 +4,6 @@ bounded (429 + Retry-After); every path but /health and /metrics needs the API k
 that send their headers or body too slowly are dropped. Over fake workers, real aiohttp."""
 
 import asyncio
-import http.client
 import json
 import socket
 import threading
@@ -14,11 +13,9 @@ import pytest
 
 from pdserve.router import http_api
 from pdserve.router.client_work import INLINE_BYTES
-from pdserve.router.frontend import ModelInfo
-from pdserve.router.limits import RouterLimits
 from pdserve.router.auth import ApiKeys
-from pdserve.router.service import GenerationService
-from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
+from tests.helpers.http_front import request, serve_in_thread, service_with
+from tests.metrics.metrics_helpers import LetterTokenizer
 
 FLOOD = 20
 BIG_TOKENS = [700] * 4000  # ~20 KB of JSON: above INLINE_BYTES, within max_model_len
@@ -40,12 +37,6 @@ class RecordingTokenizer(LetterTokenizer):
         return LetterTokenizer.decode(self, ids)
 
 
-def service_with(tokenizer=None, **limits) -> GenerationService:
-    tokenizer = tokenizer or LetterTokenizer()
-    model = ModelInfo("m", SimpleNamespace(vocab_size=1000), 4096, 16, tokenizer)
-    return GenerationService(model, fake_pool([FakePrefill()], [FakeDecode()]), RouterLimits(**limits))
-
-
 class Gate:
     """Stands in for ``decode_json``: a large body's parse waits on ``release`` (at most
     ``wait_s``) and records whether it was released in time."""
@@ -60,29 +51,6 @@ class Gate:
             self.entered.set()
             self.released.append(self.release.wait(self.wait_s))
         return self.real(raw)
-
-
-def serve_in_thread(service: GenerationService, **kwargs):
-    """The HTTP front on a loop of its own thread; returns (address, stop)."""
-    loop = asyncio.new_event_loop()
-    started = loop.run_until_complete(http_api.start(service, "127.0.0.1", 0, **kwargs))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def stop():
-        asyncio.run_coroutine_threadsafe(started[0].cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-
-    return started[1], stop
-
-
-def request(address: str, method: str, path: str, body: bytes | None = None, headers=None):
-    host, port = address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    return resp.status, resp.getheader("Retry-After"), resp.read()
 
 
 def test_health_is_answered_while_a_flood_of_large_bodies_is_being_parsed(monkeypatch):

@@ -16,21 +16,8 @@ from pdserve.router.frontend import ModelInfo
 from pdserve.router.errors import RouteError
 from pdserve.router.limits import RouterLimits
 from pdserve.router.service import GenerationService
+from tests.helpers.fake_workers import SlowPrefill
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool
-
-
-class SlowPrefill(FakePrefill):
-    """Holds every prefill until ``release`` is set; records the timeout it was given."""
-
-    def __init__(self):
-        super().__init__()
-        self.release = asyncio.Event()
-        self.timeouts: list[float] = []
-
-    async def Prefill(self, request, timeout=None):
-        self.timeouts.append(timeout)
-        await self.release.wait()
-        return await super().Prefill(request, timeout)
 
 
 def service(prefill, decode=None, **limits) -> GenerationService:

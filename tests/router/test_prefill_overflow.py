@@ -11,7 +11,7 @@ from pdserve.router.kv_policy import RoutingConfig
 from pdserve.router.pool import WorkerClient
 from pdserve.router.request_run import _mixed
 from pdserve.shell.stats import local_prefill_token_s
-from tests.engine.test_scheduler import make
+from tests.helpers.scheduler import make
 
 ON = LocalPrefillConfig(overflow_ttft_s=1.0, overflow_slowdown=2.0)
 

@@ -16,8 +16,8 @@ from pdserve.router.limits import RouterLimits
 from pdserve.router.service import GenerationService
 from pdserve.router.tenants import Tenant, key_digest
 from pdserve.wire.grpc_util import aio_channel, aio_server, bind
+from tests.helpers.kv_routing import BLOCK, QUESTIONS, SYSTEM, cluster
 from tests.metrics.metrics_helpers import LetterTokenizer
-from tests.prefill_worker.test_kv_routing import BLOCK, QUESTIONS, SYSTEM, cluster
 
 pytestmark = pytest.mark.slow
 

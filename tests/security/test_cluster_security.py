@@ -32,12 +32,7 @@ from pdserve.router.tenants import Tenant, key_digest
 from pdserve.wire import tls
 from pdserve.wire.grpc_util import channel
 from tests.clusters import cluster_config, running_cluster
-from tests.serving.test_disaggregated import (  # noqa: F401
-    assert_chat_greedy,
-    chat_request,
-    collect,
-    reference,
-)
+from tests.helpers.chat import assert_chat_greedy, chat_request, collect
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +70,7 @@ def code_of(call) -> grpc.StatusCode:
         return exc.code()
 
 
-def test_greedy_over_mtls_with_the_key_equals_transformers(stub, reference):  # noqa: F811
+def test_greedy_over_mtls_with_the_key_equals_transformers(stub, reference):
     for q in ("What is the capital of France?", "Name three prime numbers."):
         ids, _, _ = collect(stub.Generate(chat_request(q, 24), metadata=AUTH, timeout=120))
         assert_chat_greedy(reference, q, ids, 24)

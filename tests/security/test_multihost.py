@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.chat import assert_chat_greedy
 from tests.security.netns import ADDRESSES, two_hosts
-from tests.serving.test_disaggregated import assert_chat_greedy, reference  # noqa: F401
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
@@ -54,7 +54,7 @@ def test_each_pool_binds_and_advertises_its_own_host(run):
     assert result["addresses"]["router"].startswith("127.0.0.1:")  # the public API: --host, on host a
 
 
-def test_greedy_over_grpc_and_http_equals_transformers(run, reference):  # noqa: F811
+def test_greedy_over_grpc_and_http_equals_transformers(run, reference):
     result, _ = run
     for q, got, http_text in zip(QUESTIONS, result["grpc"], result["http"]):
         assert_chat_greedy(reference, q, got["ids"], MAX_TOKENS)

@@ -14,8 +14,8 @@ from pdserve.cluster.certs import issue, make_ca
 from pdserve.kv_transfer import TransferState, create_agent
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.protos import worker_pb2
-from tests.decode_worker.test_lease_handoff import PROMPT, cluster, decode, prefill_one, stats
 from tests.factories import make_engine
+from tests.helpers.lease_workers import PROMPT, cluster, decode, prefill_one, stats
 from tests.kv_transfer.kv_helpers import make_cache
 from pdserve.wire import tls
 from pdserve.wire.address import Endpoint, interface_of, transfer_listen_opts

@@ -1,5 +1,7 @@
 """A real local cluster for the serving tests: Ray actors, gRPC, NIXL, the default model."""
 
+import time
+
 import grpc
 import pytest
 
@@ -64,3 +66,16 @@ def worker_stats(address: str, role: str) -> worker_pb2.WorkerStats:
 def all_stats(cluster) -> list[worker_pb2.WorkerStats]:
     return ([worker_stats(a, "prefill") for a in cluster.prefill_addresses]
             + [worker_stats(a, "decode") for a in cluster.decode_addresses])
+
+
+def assert_all_blocks_free(cluster, timeout_s: float = 10.0) -> None:
+    """Every worker's blocks free and no lease held (prefill frees on NIXL's notification)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = all_stats(cluster)
+        busy = {s.worker_id: (s.num_blocks_used, s.num_held_leases) for s in stats
+                if s.num_blocks_used or s.num_held_leases}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"blocks still in use: {busy}"
+        time.sleep(0.1)

@@ -10,18 +10,14 @@ therefore set SLOs no latency here reaches, and the latency test sets one SLO be
 import asyncio
 import time
 
-import grpc
 import pytest
-import torch
 
 from pdserve.cluster.autoscaling import pool_config
-from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
 from tests.clusters import cluster_config, running_cluster
+from tests.helpers.autoscale_load import FAST, send_load
 
 pytestmark = pytest.mark.slow
 
-FAST = dict(window_s=3.0, scale_up_cooldown_s=2.0, scale_down_cooldown_s=5.0, max_replicas=2, max_sample_age_s=5.0,
-            slo_s=600.0)
 QUEUE_AND_KV = {"prefill": pool_config("prefill", target=300, **FAST),
                 "decode": pool_config("decode", target=0.5, **FAST)}
 
@@ -33,25 +29,6 @@ def cluster():
     with running_cluster(cluster_config(kv_mib=96, http_port=None, autoscale_interval_s=0.5,
                                         autoscaling=dict(QUEUE_AND_KV))) as c:
         yield c
-
-
-async def send_load(address: str, n: int, every_s: float, prompt_len: int, max_tokens: int = 3) -> list[int]:
-    async def one(i: int) -> int:
-        ids = torch.randint(100, 40000, (prompt_len,), generator=torch.Generator().manual_seed(i)).tolist()
-        req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=ids),
-                                          sampling=pdserve_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        got = 0
-        async for r in stub.Generate(req, timeout=300):
-            got += len(r.token_ids)
-        return got
-
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = pdserve_pb2_grpc.GenerationStub(ch)
-        tasks = []
-        for i in range(n):
-            tasks.append(asyncio.create_task(one(i)))
-            await asyncio.sleep(every_s)
-        return await asyncio.gather(*tasks)
 
 
 def test_long_prompts_grow_prefill_only_and_idle_shrinks_it(cluster):

@@ -8,37 +8,18 @@ shows in the router's metrics, and every live block is free after.
 
 import os
 import signal
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 import ray
 
 from pdserve.cluster.mode import COLOCATED
+from tests.helpers.chat import assert_chat_greedy, chat_request, collect
+from tests.helpers.router_http import get, wait_healthy
 from tests.serving.conftest import start_cluster, worker_stats
-from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
 QUESTION = "Write a long story about a lighthouse keeper."
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return resp.read().decode()
-
-
-def wait_healthy(http_address: str, timeout_s: float = 30.0) -> None:
-    """/health turns 200 once the router's first stats poll saw a ready worker."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            get(f"http://{http_address}/health")
-            return
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 503 and time.monotonic() < deadline, f"/health still {exc.code}"
-            time.sleep(0.2)
 
 
 def test_colocated_serves_transformers_greedy_and_survives_a_worker_death(reference):

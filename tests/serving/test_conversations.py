@@ -28,9 +28,9 @@ from pdserve.engine.config import CacheConfig
 from pdserve.engine.loader import materialize
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
+from tests.helpers.chat import collect
+from tests.helpers.router_http import wait_healthy
 from tests.serving.conftest import start_cluster
-from tests.serving.test_colocated import wait_healthy
-from tests.serving.test_disaggregated import collect
 
 pytestmark = pytest.mark.slow
 

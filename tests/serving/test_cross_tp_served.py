@@ -11,9 +11,9 @@ from pdserve.engine.config import SchedulerConfig
 from pdserve.router.limits import RouterLimits
 from tests.clusters import reconnecting_stub
 from tests.factories import assert_greedy_matches, load_reference
+from tests.helpers.chat import chat_request, collect
+from tests.helpers.tensor_parallel import CHUNK, LONG, MAX_TOKENS, STREAMED, tp_cluster
 from tests.serving.conftest import all_stats
-from tests.serving.test_disaggregated import chat_request, collect
-from tests.serving.test_tensor_parallel import CHUNK, LONG, MAX_TOKENS, STREAMED, tp_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -7,43 +7,13 @@ import grpc
 import pytest
 
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, chat_variants, default_reference
-from tests.serving.conftest import LEASE_S, TRANSFER_DELAY_S, all_stats, worker_stats
+from tests.factories import CHAT_QUESTIONS, chat_variants
+from tests.helpers.chat import assert_chat_greedy, chat_request, collect
+from tests.serving.conftest import LEASE_S, TRANSFER_DELAY_S, all_stats, assert_all_blocks_free, worker_stats
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = CHAT_QUESTIONS
-
-
-def chat_request(question: str, max_tokens: int = 32, **sampling) -> pdserve_pb2.GenerateRequest:
-    req = pdserve_pb2.GenerateRequest(sampling=pdserve_pb2.SamplingParams(max_tokens=max_tokens, **sampling))
-    req.chat.messages.add(role="user", content=question)
-    return req
-
-
-def collect(responses) -> tuple[list[int], str, list]:
-    ids, text, all_resps = [], "", []
-    for r in responses:
-        ids += list(r.token_ids)
-        text += r.text
-        all_resps.append(r)
-    return ids, text, all_resps
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """transformers on the same weights, in the cluster's dtype (float32: see conftest.py), and
-    its tokenizer; one copy for every module that imports this fixture (``default_reference``)."""
-    return default_reference()
-
-
-def assert_chat_greedy(reference, question: str, ids: list[int], max_tokens: int) -> None:
-    """``ids`` are transformers' greedy answer to ``question`` (tests.factories.assert_greedy_matches:
-    token for token, a float32 near tie aside)."""
-    model, tok = reference
-    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
-    assert_greedy_matches(model, tok.encode(text, add_special_tokens=False), ids, max_tokens,
-                          eos_token_id=model.generation_config.eos_token_id, what=question)
 
 
 def test_greedy_equals_transformers_across_processes(stub, reference):
@@ -109,19 +79,6 @@ def test_sixteen_concurrent_streams_complete_and_free_every_block(cluster, stub,
     used = {s.worker_id: s.kv_transfers for s in all_stats(cluster)}
     assert all(used[w] > 0 for w in used if w.startswith("decode")), "both decode workers should serve"
     assert_all_blocks_free(cluster)
-
-
-def assert_all_blocks_free(cluster, timeout_s: float = 10.0) -> None:
-    """Every worker's blocks free and no lease held (prefill frees on NIXL's notification)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = all_stats(cluster)
-        busy = {s.worker_id: (s.num_blocks_used, s.num_held_leases) for s in stats
-                if s.num_blocks_used or s.num_held_leases}
-        if not busy:
-            return
-        assert time.monotonic() < deadline, f"blocks still in use: {busy}"
-        time.sleep(0.1)
 
 
 def test_lease_expiry_frees_kv_nobody_pulls(cluster):

@@ -22,8 +22,8 @@ import pytest
 import ray
 
 from pdserve.protos import pdserve_pb2
+from tests.helpers.chat import chat_request, collect
 from tests.serving.conftest import all_stats, start_cluster, worker_stats
-from tests.serving.test_disaggregated import chat_request, collect
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from pdserve.engine.loader import materialize
-from tests.serving.test_disaggregated import reference  # noqa: F401  (module fixture: transformers)
 
 pytestmark = pytest.mark.slow
 

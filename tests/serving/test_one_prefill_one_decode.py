@@ -23,15 +23,14 @@ import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.protos import pdserve_pb2_grpc
 from pdserve.router.limits import RouterLimits
 from pdserve.router.local_prefill import LocalPrefillConfig
+from tests.helpers.chat import assert_chat_greedy, chat_request, collect
+from tests.helpers.router_http import decisions, wait_healthy
 from tests.serving.conftest import start_cluster, worker_stats
-from tests.serving.test_colocated import get, wait_healthy
-from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -57,17 +56,6 @@ def cluster():
         yield c
     finally:
         c.stop()
-
-
-def decisions(http_address: str) -> dict[tuple[str, str], float]:
-    """The router's ``local_prefill_decisions_total`` by (decision, reason)."""
-    out = {}
-    for family in text_string_to_metric_families(get(f"http://{http_address}/metrics")):
-        for s in family.samples:
-            if s.name == "pdserve:local_prefill_decisions_total":
-                assert s.labels["model_name"] == "smollm2", s
-                out[(s.labels["decision"], s.labels["reason"])] = s.value
-    return out
 
 
 def test_short_prompts_prefill_on_the_decode_worker_and_long_ones_on_the_prefill_pool(cluster, reference):

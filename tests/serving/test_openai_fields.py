@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pdserve.protos import pdserve_pb2
-from tests.serving.test_disaggregated import reference  # noqa: F401  (module fixture: transformers)
 
 pytestmark = pytest.mark.slow
 PROMPT = "The three primary colors are red, yellow and"

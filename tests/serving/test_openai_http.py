@@ -8,7 +8,8 @@ import openai
 import pytest
 
 from pdserve.protos import pdserve_pb2
-from tests.serving.test_disaggregated import assert_all_blocks_free, chat_request, collect
+from tests.helpers.chat import chat_request, collect
+from tests.serving.conftest import assert_all_blocks_free
 
 pytestmark = pytest.mark.slow
 

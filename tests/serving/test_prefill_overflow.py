@@ -22,10 +22,9 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.protos import pdserve_pb2_grpc
 from pdserve.router.limits import RouterLimits
 from pdserve.router.local_prefill import LocalPrefillConfig
+from tests.helpers.chat import assert_chat_greedy, chat_request, collect
+from tests.helpers.router_http import decisions, wait_healthy
 from tests.serving.conftest import start_cluster, worker_stats
-from tests.serving.test_colocated import wait_healthy
-from tests.serving.test_disaggregated import assert_chat_greedy, chat_request, collect, reference  # noqa: F401
-from tests.serving.test_one_prefill_one_decode import decisions
 
 pytestmark = pytest.mark.slow
 

@@ -29,9 +29,9 @@ from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
 from pdserve.router.request_run import RequestRun
 from tests.clusters import cluster_config, running_cluster
-from tests.decode_worker.test_streamed_kv import serving, settle
 from tests.factories import assert_greedy_matches, decode_worker_config, make_engine, prefill_worker_config, random_prompts
 from tests.families import FAMILIES, save_family_model
+from tests.helpers.worker_servers import serving, settle
 from tests.logprobs import TOP_K, Generation, check_logprobs_close, hf_generation
 
 pytestmark = pytest.mark.slow

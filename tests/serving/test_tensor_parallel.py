@@ -17,30 +17,17 @@ import pytest
 import ray
 import torch
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import SchedulerConfig
 from pdserve.router.limits import RouterLimits
 from tests.clusters import reconnecting_stub
 from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, load_reference
 from tests.faults.load import Load
-from tests.faults.test_under_load import busy_worker, gone
-from tests.serving.conftest import all_stats, start_cluster
-from tests.serving.test_disaggregated import chat_request, collect
+from tests.helpers.chat import chat_request, collect
+from tests.helpers.faults import busy_worker, gone
+from tests.helpers.tensor_parallel import CHUNK, LONG, MAX_TOKENS, STREAMED, tp_cluster
+from tests.serving.conftest import all_stats
 
 pytestmark = pytest.mark.slow
-
-MAX_TOKENS = 24
-CHUNK, STREAMED = 16, 32
-LONG = ("Write a long story about a lighthouse keeper who finds a message in a bottle, and tell it in three "
-        "parts: the storm, the bottle, and the answer he sends back across the sea.")  # ~45 tokens: 3 chunks
-
-
-def tp_cluster(model_dir, tp: int = 2, scheduler: SchedulerConfig = SchedulerConfig(), decode_tp: int | None = None,
-               **overrides):
-    """A float32 cluster of ``model_dir`` whose prefill workers run ``tp`` ranks and decode
-    workers ``decode_tp`` (default: ``tp``)."""
-    engine = EngineConfig(model=str(model_dir), dtype="float32", cache=CacheConfig(memory_budget_bytes=64 << 20),
-                          scheduler=scheduler)
-    return start_cluster(engine=engine, prefill_tp=tp, decode_tp=tp if decode_tp is None else decode_tp, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ import ray
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.protos import pdserve_pb2_grpc
+from tests.helpers.chat import chat_request, collect
 from tests.serving.conftest import start_cluster, worker_stats
-from tests.serving.test_disaggregated import chat_request, collect
 
 pytestmark = pytest.mark.slow
 

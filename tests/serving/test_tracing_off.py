@@ -9,7 +9,7 @@ take the shared cluster's actors with it.
 import pytest
 import ray
 
-from tests.serving.test_disaggregated import chat_request, collect
+from tests.helpers.chat import chat_request, collect
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,75 @@
+"""Checks of a served cluster under faults and rollouts (tests/faults, tests/serving): the load's
+outcomes against an undisturbed run, the router's migrations, a busy worker to disturb, no KV
+left held, a process gone."""
+
+import time
+import urllib.request
+
+import grpc
+
+from tests.faults.load import Outcome
+from tests.serving.conftest import worker_stats
+
+CLEAN_WITHIN_S = 20.0  # no KV held this long after a load (far below the tests' leases)
+
+
+def check(outcomes: list[Outcome], reference: dict, max_tokens: int) -> None:
+    errors = [(o.prompt, o.code.name, o.details) for o in outcomes if o.code is not None]
+    assert not errors, f"{len(errors)} of {len(outcomes)} requests failed: {errors[:5]}"
+    for o in outcomes:
+        assert o.tokens == reference[(o.prompt, max_tokens)], f"prompt {o.prompt}: tokens differ from the undisturbed run"
+
+
+def migrations(cluster) -> float:
+    """The router's ``pdserve:request_migrations_total``."""
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pdserve:request_migrations_total"):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def assert_no_kv_held(cluster) -> None:
+    live = [(role, a) for role in ("prefill", "decode") for a in cluster.addresses(role)]
+    deadline = time.monotonic() + CLEAN_WITHIN_S
+    while True:
+        busy = {a: (s.num_blocks_used, s.num_held_leases) for role, a in live
+                if (s := worker_stats(a, role)).num_blocks_used or s.num_held_leases}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"KV still held {CLEAN_WITHIN_S} s after the load: {busy}"
+        time.sleep(0.2)
+
+
+def busy(decode_addresses: list[str], timeout_s: float = 30.0) -> str:
+    """One of ``decode_addresses`` that runs a stream right now."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for address in decode_addresses:
+            if worker_stats(address, "decode").num_running:
+                return address
+        time.sleep(0.02)
+    raise AssertionError(f"none of {decode_addresses} ran a stream within {timeout_s} s")
+
+
+def busy_worker(cluster, role: str, field: str, timeout_s: float = 30.0) -> int:
+    """The slot of a ``role`` worker whose stats ``field`` is non-zero right now."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for index, address in enumerate(list(cluster.addresses(role))):
+            try:
+                if getattr(worker_stats(address, role), field):
+                    return index
+            except grpc.RpcError:
+                continue
+        time.sleep(0.02)
+    raise AssertionError(f"no {role} worker had {field} > 0 within {timeout_s} s")
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True

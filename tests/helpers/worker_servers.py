@@ -1,0 +1,49 @@
+"""Real prefill and decode workers behind their real gRPC servers in this process, with a router's
+pool of stubs to them (``serving``), and the wait until every lease has ended and every block
+is free (``settle``)."""
+
+import asyncio
+import contextlib
+
+from pdserve.decode_worker.server import start as start_decode
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.prefill_worker.server import start as start_prefill
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.router.pool import WorkerClient, WorkerPool
+from pdserve.wire.grpc_util import aio_channel
+
+
+@contextlib.asynccontextmanager
+async def serving(prefill: PrefillWorker, decoders: list[DecodeWorker]):
+    """The workers behind their gRPC servers, and a router's pool of stubs to them (each with
+    64 blocks, as its stats would say); everything stops on the way out."""
+    servers = [await start_prefill(prefill.config, prefill)]
+    servers += [await start_decode(d.config, d) for d in decoders]
+    channels = [aio_channel(s.address) for s in servers]
+    pool = WorkerPool()
+    for role, server, channel in zip(["prefill"] + ["decode"] * len(decoders), servers, channels):
+        stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
+        pool.workers[server.address] = WorkerClient(role, server.address, channel=channel, stub=stub, healthy=True,
+                                                    stats=worker_pb2.WorkerStats(num_blocks_total=64))
+    try:
+        yield pool
+    finally:
+        for c in channels:
+            await c.close()
+        for s in servers:
+            await s.stop()
+
+
+async def settle(prefill: PrefillWorker, decoders: list[DecodeWorker]) -> None:
+    """Wait until every lease has ended and every block is free (the last read's notice
+    frees the holder's copy): fails if anything stays stranded."""
+    def used(worker) -> int:
+        return worker.engine.blocks.num_blocks - worker.engine.blocks.num_free_blocks
+
+    for _ in range(200):
+        if not prefill.leases and not used(prefill) and not any(used(d) for d in decoders):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"stranded: {len(prefill.leases)} leases, {used(prefill)} prefill blocks, "
+                         f"{[used(d) for d in decoders]} decode blocks")
