@@ -37,7 +37,7 @@ def serve_settings() -> tuple[Setting, ...]:
     """The settings of ``pdserve serve``. A default that a config dataclass also uses is read
     from that dataclass (or the constant its module owns), so every default is written once.
     Built on first use: the owners import torch, which ``pdserve generate`` never needs."""
-    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.config import LOAD_FORMATS, CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.kv_transfer import BACKENDS, DEFAULT_BACKEND
     from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
     from pdserve.router import tool_parsers
@@ -156,6 +156,9 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("dtype", str, EngineConfig.dtype,
                 "weights and KV dtype (default: bfloat16; float32 equals transformers token for token)",
                 ("float32", "bfloat16", "float16")),
+        Setting("load_format", str, EngineConfig.load_format,
+                "auto: the model directory's weights; dummy: random weights from its config.json alone (benchmarks)",
+                LOAD_FORMATS),
         Setting("seed", int, EngineConfig.seed, "seed of the workers' sampling generators", minimum=0),
         Setting("cuda_graphs", bool, EngineConfig.cuda_graphs,
                 "decode steps replay CUDA graphs captured at start, one per batch size 1, 2, 4 ... 64 (CUDA and "

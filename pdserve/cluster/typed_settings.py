@@ -90,6 +90,7 @@ class EngineSettings(_Typed):
 
     model: str
     dtype: str | None
+    load_format: str
     seed: int
     cuda_graphs: bool
     block_size: int
@@ -117,7 +118,8 @@ class EngineSettings(_Typed):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             mixed_prefill_tokens=mixed_prefill_tokens(self.mixed_prefill_tokens, mode, elastic_roles),
             mixed_step_target_s=step_target_s(self.mixed_step_target_s, mode, tpot_objective_s))
-        return EngineConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+        return EngineConfig(model=self.model, dtype=self.dtype, load_format=self.load_format,
+                            max_model_len=self.max_model_len, seed=self.seed,
                             cuda_graphs=self.cuda_graphs, tensor_parallel_size=tensor_parallel_size,
                             cache=cache, scheduler=scheduler)
 

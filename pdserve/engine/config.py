@@ -14,6 +14,7 @@ import torch
 from pdserve.engine.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
 
 Get = Callable[..., Any]  # get(key, default=None): one field of a config.json
 
@@ -229,10 +230,15 @@ class EngineConfig:
     # Processes (ranks) one worker runs the model on, each with 1/N of every layer's heads and
     # MLP rows (pdserve/engine/parallel.py); N must divide the heads, KV heads and intermediate size.
     tensor_parallel_size: int = 1
+    # "auto": the checkpoint's weights; "dummy": random weights made on the device from
+    # config.json alone (vLLM's name), for benchmarks and GPU runs that cannot carry a checkpoint.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
 
     def torch_device(self) -> torch.device:
         if self.device:

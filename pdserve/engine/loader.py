@@ -108,7 +108,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
 
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
-               tp: TensorParallel = SINGLE) -> tuple[CausalLM, ModelConfig, Path]:
+               tp: TensorParallel = SINGLE, load_format: str = "auto") -> tuple[CausalLM, ModelConfig, Path]:
     """Build the ``CausalLM`` of ``model``'s family (pdserve/engine/models/), ``tp``'s share
     of it, and fill it; returns (model, config, HF dir).
 
@@ -117,12 +117,27 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: b
     own, only the part this rank keeps (pdserve/engine/checkpoint.py): loading holds the
     weights plus one tensor. Once filled, the model's linears are handed to the backend for
     ``dtype`` and ``device`` (pdserve/engine/linear.py), which packs their weights once, here.
+    ``load_format="dummy"`` reads no weights: they are made random on the device
+    (``fill_dummy``), from config.json alone.
     """
     model_dir = materialize(model, progress)
     cfg = read_model_config(model_dir)
     with torch.device("meta"):
         net = build_model(cfg, tp)
     net = net.to(dtype).to_empty(device=device)
+    if load_format == "dummy":
+        fill_dummy(net)
+    else:
+        _read_checkpoint(net, model_dir, progress)
+    net = apply_backend(net.eval(), select_backend(dtype, device))
+    log.info("%s: %s linears (%s)%s%s", model_dir.name, net.linear_backend, dtype,
+             f" on the {net.kernel_path} kernel path" if net.kernel_path else "",
+             ", dummy weights" if load_format == "dummy" else "")
+    return net, cfg, model_dir
+
+
+def _read_checkpoint(net: CausalLM, model_dir: Path, progress: bool) -> None:
+    """Fill ``net`` from the directory's .safetensors files, tensor by tensor."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(str(model_dir), "no *.safetensors files")
@@ -135,7 +150,19 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: b
             raise ModelLoadError(str(model_dir), f"corrupt checkpoint: {exc}") from exc
     if missing:
         raise ModelLoadError(str(model_dir), f"checkpoint is missing tensors for {missing[:4]}")
-    net = apply_backend(net.eval(), select_backend(dtype, device))
-    log.info("%s: %s linears (%s)%s", model_dir.name, net.linear_backend, dtype,
-             f" on the {net.kernel_path} kernel path" if net.kernel_path else "")
-    return net, cfg, model_dir
+
+
+@torch.no_grad()
+def fill_dummy(net: CausalLM, seed: int = 0) -> None:
+    """Random weights in place, on their device, one tensor at a time: uniform in
+    [-0.02, 0.02], with every norm's weight at one so activations keep their scale. What a
+    benchmark of speed or memory needs; the tokens mean nothing."""
+    generator = torch.Generator(device=next(net.parameters()).device).manual_seed(seed)
+    for name, param in net.named_parameters():
+        if param.dim() == 1 and "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.uniform_(-0.02, 0.02, generator=generator)
+    for buffer in net.buffers():  # a gate's correction bias: nothing to skew the routing
+        if buffer is not None and buffer.is_floating_point():
+            buffer.zero_()

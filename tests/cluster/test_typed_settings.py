@@ -129,6 +129,7 @@ ENGINE_FLAGS = [
      "--no-cuda-graphs"],
     ["--mixed-prefill-tokens", "8", "--mixed-step-target-s", "0.02"],
     ["--mixed-prefill-tokens", "0"],
+    ["--load-format", "dummy"],
 ]
 
 
@@ -137,6 +138,7 @@ def test_serve_and_worker_build_the_same_engine_config_for_the_same_flags(argv):
     """One builder (``EngineSettings.engine_config``): a plain worker's engine is a disaggregated
     cluster's, as ``pdserve serve``'s default layout runs it, for each role and the router."""
     config = build(resolve(parse(argv), environ={}))
+    assert config.worker_config("decode", 0).engine.load_format == ("dummy" if "dummy" in argv else "auto")
     for role in ("prefill", "decode"):
         assert worker_cli.worker_config(worker(role, argv)).engine == config.worker_config(role, 0).engine
     assert router_config(worker("router", argv)).engine == config.router_config((), ()).engine

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace as dataclasses_replace
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.engine.checkpoint import InMemoryTensor, safetensors_tensors
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
@@ -179,3 +181,51 @@ def test_loading_holds_the_weights_and_one_tensor_not_a_float32_copy(tmp_path):
     before, peak = json.loads(out.stdout.strip().splitlines()[-1])  # KiB, the child's own peak
     grew = (peak - before) * 1024
     assert grew <= 1.05 * weights + 2 * largest, (grew / 2**20, weights / 2**20, largest / 2**20)
+
+
+def test_dummy_weights_need_only_the_config_and_hold_only_the_weights(tmp_path):
+    """``--load-format dummy`` builds a model from config.json alone (no checkpoint in the
+    directory), random on the device, and grows the process by its weights plus one linear
+    being packed: no checkpoint read, no float32 copy."""
+    from tests.factories import TINY_LLAMA
+
+    shape = {**TINY_LLAMA, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
+             "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
+             "num_key_value_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    cfg = registry.model_config_from_hf(shape, "dummy")
+    with torch.device("meta"):
+        params = list(registry.build_model(cfg).parameters())
+    weights, largest = sum(p.numel() * 2 for p in params), max(p.numel() * 2 for p in params)
+    probe = textwrap.dedent(f"""
+        import json, resource, torch
+        from pdserve.engine import loader
+        from pdserve.engine.kernels import cpu_kernels
+        with torch.device("meta"):
+            torch.nn.Embedding(2, 2)  # once a process, the meta kernels import ~150 MB of modules
+        cpu_kernels.load()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        net, cfg, _ = loader.load_model({str(tmp_path)!r}, torch.bfloat16, torch.device("cpu"), progress=False,
+                                        load_format="dummy")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        norm = net.layers[0].input_layernorm.weight
+        print(json.dumps([before, peak, bool(torch.all(norm == 1)), float(net.embed_tokens.weight.abs().max())]))
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    before, peak, norms_one, largest_weight = json.loads(out.stdout.strip().splitlines()[-1])
+    assert norms_one and 0 < largest_weight <= 0.0201  # 0.02, rounded to bfloat16
+    assert (peak - before) * 1024 <= 1.05 * weights + largest, ((peak - before) / 1024, weights / 2**20)
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
+        dataclasses_replace(EngineConfig(), load_format="random")
+
+
+def test_a_dummy_engine_serves_tokens_from_a_directory_without_weights(tmp_path):
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling.params import SamplingParams
+    from tests.factories import TINY_LLAMA, engine_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "model_type": "llama"}))
+    config = dataclasses_replace(engine_config(tmp_path), load_format="dummy")
+    engine = LLMEngine.from_config(config, progress=False, detokenize=False)
+    out = engine.generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4

@@ -78,7 +78,8 @@ def main(argv: list[str]) -> int:
     store = open_store(spec.store, spec.size)
     group = join(store, spec.rank, spec.size, device)
     tp = TensorParallel(spec.rank, spec.size, group)
-    model, cfg, _ = load_model(spec.model_dir, DTYPES[spec.dtype], device, progress=False, tp=tp)
+    model, cfg, _ = load_model(spec.model_dir, DTYPES[spec.dtype], device, progress=False, tp=tp,
+                               load_format=spec.load_format)
     cache = _cache(spec, model, device)
     backend = select_attention(spec.attention_backend, cfg, tp, device, spec.block_size, DTYPES[spec.dtype])
     layer_caches = cache_spec_of(cfg, spec.block_size, DTYPES[spec.dtype], spec.size).layer_caches(cache)

@@ -73,6 +73,7 @@ class FollowerSpec:
     threads: int
     isa: str | None  # rank 0's CPU kernel path, so every rank computes the same way
     log_level: int
+    load_format: str = "auto"  # EngineConfig.load_format, the same on every rank
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -131,14 +132,14 @@ def load_on_ranks(config: EngineConfig, progress: bool = True, on_lost: Callable
     config, the model directory, the ranks; None at size 1)."""
     dtype, device = config.torch_dtype(), config.torch_device()
     if config.tensor_parallel_size == 1:
-        return (*load_model(config.model, dtype, device, progress), None)
+        return (*load_model(config.model, dtype, device, progress, load_format=config.load_format), None)
     model_dir = materialize(config.model, progress)
     cfg = read_model_config(model_dir)
     check_split(cfg, config.tensor_parallel_size)  # before any rank starts
     num_blocks = num_cache_blocks(config, cache_spec_of(cfg, config.cache.block_size, dtype, config.tensor_parallel_size))
     ranks = RankGroup.start(config, model_dir, cfg, num_blocks, on_lost or exit_worker)
     try:
-        model, cfg, model_dir = load_model(str(model_dir), dtype, device, progress, ranks.tp)
+        model, cfg, model_dir = load_model(str(model_dir), dtype, device, progress, ranks.tp, config.load_format)
         ranks.wait_loaded()
     except BaseException:
         ranks.close()
@@ -181,7 +182,7 @@ class RankGroup:
                       dtype=next(k for k, v in DTYPES.items() if v == dtype), device=str(device),
                       attention_backend=config.attention_backend, block_size=config.cache.block_size,
                       num_blocks=num_blocks, cache_fd=fd, threads=threads, isa=_isa(device),
-                      log_level=logging.getLogger().getEffectiveLevel())
+                      log_level=logging.getLogger().getEffectiveLevel(), load_format=config.load_format)
         procs = [_spawn(FollowerSpec(rank=r, **common)) for r in range(1, size)]
         try:
             if caches is not None:
