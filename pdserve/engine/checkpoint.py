@@ -134,6 +134,65 @@ def safetensors_tensors(files: list[Path]) -> Iterator[SafetensorsTensor]:
             yield tensor
 
 
+class Fp8Tensor(CheckpointTensor):
+    """A float8 (e4m3) weight read with its scale, dequantized to float32: ``weight *
+    weight_scale`` (one scale, or one per output row), or ``weight * weight_scale_inv`` per
+    block of ``block`` (rows, columns) as block-wise checkpoints ship (DeepSeek-V3's). A rank's
+    read of some rows or columns dequantizes only those."""
+
+    def __init__(self, weight: CheckpointTensor, scale: CheckpointTensor, block: tuple[int, int] | None):
+        self.name, self.shape, self.dtype = weight.name, weight.shape, torch.float32
+        self.weight, self.scale, self.block = weight, scale, block
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale.nbytes
+
+    def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
+        w = self.weight.read(dim, start, length).float()
+        if dim is None:
+            start, length, dim = 0, self.shape[0], 0
+        length = self.shape[dim] - start if length is None else length
+        return w * self._scales(dim, start, length)
+
+    def _scales(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """The scale of each element of the read (broadcastable to it)."""
+        s = self.scale.read().float()
+        if s.numel() == 1:
+            return s.reshape(())
+        rows, cols = self.shape
+        if self.block is None:  # one scale per output row
+            s = s.reshape(rows, 1)
+        else:  # one per (block rows x block columns), the last blocks cut short
+            s = s.repeat_interleave(self.block[0], 0)[:rows].repeat_interleave(self.block[1], 1)[:, :cols]
+        return s.narrow(dim, start, length) if s.shape[dim] > 1 else s
+
+
+def with_scales(tensors: list[CheckpointTensor], block: tuple[int, int] | None = None) -> list[CheckpointTensor]:
+    """``tensors`` with each float8 weight joined to its ``weight_scale`` (or, block-wise,
+    ``weight_scale_inv``) as one ``Fp8Tensor``, and the scales gone from the list. Activation
+    scales (``input_scale``: static FP8 activations) are dropped: the weights are dequantized
+    and the activations stay in the serving dtype. ``ModelLoadError`` for a float8 weight
+    without its scale."""
+    by_name = {t.name: t for t in tensors}
+    fp8 = {t.name for t in tensors if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
+    # Only a float8 weight's own scales go: any other is a tensor with no place in the model.
+    taken = {w + suffix for w in fp8 for suffix in ("_scale", "_scale_inv")}
+    taken |= {w.removesuffix(".weight") + ".input_scale" for w in fp8}
+    out = []
+    for t in tensors:
+        if t.name in taken:
+            continue
+        if t.name in fp8:
+            scale = by_name.get(t.name + "_scale_inv" if block else t.name + "_scale")
+            if scale is None or len(t.shape) != 2:
+                raise ModelLoadError(t.name, f"a float8 weight of shape {t.shape} without its "
+                                             f"{'weight_scale_inv' if block else 'weight_scale'}")
+            t = Fp8Tensor(t, scale, block)
+        out.append(t)
+    return out
+
+
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     """``dst.copy_(src)`` (cast to dst's dtype, moved to its device); ValueError naming the
     checkpoint tensor when the shapes disagree."""

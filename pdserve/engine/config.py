@@ -83,6 +83,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     mla: MLAConfig | None = None  # latent attention, and its latent cache
     moe: ExpertsConfig | None = None  # the family's own routed-expert settings; None: every MLP is dense
+    quantization: str | None = None  # "fp8": float8 weights, dequantized as they load (checkpoint.with_scales)
+    weight_block_size: tuple[int, int] | None = None  # FP8 scales per block of (rows, columns); None: per tensor or row
 
     @property
     def max_model_len(self) -> int:
@@ -101,9 +103,9 @@ def config_getter(hf: Any) -> Get:
 def dense_fields(get: Get, source: str, rope_types: tuple[str, ...] = ("default", "llama3")) -> dict[str, Any]:
     """The ``ModelConfig`` fields of a Llama-like config (a family adds or overrides its own):
     GQA heads, RoPE with ``rope_types`` scaling, no sliding window, biases where the config
-    says ``attention_bias``. A quantized checkpoint is refused here, by method, for every family
-    that reads its config through this: its weights copied as they are would be wrong."""
-    refuse_quantized(get, source)
+    says ``attention_bias``; a quantized checkpoint's method is checked here (``quantization_fields``)
+    for every family that reads its config through this."""
+    quantization = quantization_fields(get, source)
     num_heads, hidden = get("num_attention_heads"), get("hidden_size")
     rope = dict(get("rope_parameters") or get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -112,16 +114,31 @@ def dense_fields(get: Get, source: str, rope_types: tuple[str, ...] = ("default"
     return dict(common_fields(get), num_heads=num_heads, num_kv_heads=get("num_key_value_heads") or num_heads,
                 head_dim=get("head_dim") or hidden // num_heads,
                 rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
-                qkv_bias=bool(get("attention_bias", False)), rope_scaling=rope if rope_type != "default" else None)
+                qkv_bias=bool(get("attention_bias", False)), rope_scaling=rope if rope_type != "default" else None,
+                **quantization)
 
 
-def refuse_quantized(get: Get, source: str) -> None:
-    """``ModelLoadError`` naming the method of a checkpoint's ``quantization_config``."""
+# The quantized checkpoints pdserve serves: FP8 weights (e4m3) with a scale per tensor, per
+# output row, or per block (weight_block_size), dequantized to the serving dtype as they load.
+QUANTIZATIONS = ("fp8",)
+
+
+def quantization_fields(get: Get, source: str) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a checkpoint's ``quantization_config``: none for an
+    unquantized one. Any method but FP8's is a ``ModelLoadError`` naming it: weights copied as
+    they are would serve wrong tokens."""
     quantized = get("quantization_config")
-    if quantized:
-        method = quantized.get("quant_method", "?") if isinstance(quantized, Mapping) else "?"
+    if not quantized:
+        return {}
+    method = quantized.get("quant_method", "?") if isinstance(quantized, Mapping) else "?"
+    if method not in QUANTIZATIONS:
         raise ModelLoadError(source, f"quantization_config ({method}) is not supported: pdserve loads bfloat16, "
-                                     "float16 or float32 weights; dequantize the checkpoint first")
+                                     f"float16 or float32 weights, or {', '.join(QUANTIZATIONS)}; dequantize the "
+                                     "checkpoint first")
+    block = quantized.get("weight_block_size")
+    if block is not None and (len(block) != 2 or min(block) < 1):
+        raise ModelLoadError(source, f"quantization_config.weight_block_size {block!r}: expected [rows, columns]")
+    return dict(quantization=method, weight_block_size=tuple(block) if block else None)
 
 
 def eos_token_ids(eos: Any) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pdserve.engine.checkpoint import safetensors_tensors
+from pdserve.engine.checkpoint import safetensors_tensors, with_scales
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.linear import apply_backend, select_backend
@@ -128,7 +128,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: b
     if load_format == "dummy":
         fill_dummy(net)
     else:
-        _read_checkpoint(net, model_dir, progress)
+        _read_checkpoint(net, cfg, model_dir, progress)
     net = apply_backend(net.eval(), select_backend(dtype, device))
     log.info("%s: %s linears (%s)%s%s", model_dir.name, net.linear_backend, dtype,
              f" on the {net.kernel_path} kernel path" if net.kernel_path else "",
@@ -136,12 +136,13 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: b
     return net, cfg, model_dir
 
 
-def _read_checkpoint(net: CausalLM, model_dir: Path, progress: bool) -> None:
-    """Fill ``net`` from the directory's .safetensors files, tensor by tensor."""
+def _read_checkpoint(net: CausalLM, cfg: ModelConfig, model_dir: Path, progress: bool) -> None:
+    """Fill ``net`` from the directory's .safetensors files, tensor by tensor; float8 weights
+    are dequantized with their scales as they are read (``checkpoint.with_scales``)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(str(model_dir), "no *.safetensors files")
-    tensors = list(safetensors_tensors(files))
+    tensors = with_scales(list(safetensors_tensors(files)), cfg.weight_block_size)
     with tqdm(total=sum(t.nbytes for t in tensors), desc=f"loading {model_dir.name}", unit="B", unit_scale=True,
               unit_divisor=1024, disable=not progress) as bar:
         try:

@@ -114,7 +114,7 @@ def test_a_checkpoint_tensor_with_no_place_in_the_model_is_refused_by_name(tiny_
 
 
 @pytest.mark.parametrize("model_type", sorted(registry.families()))
-@pytest.mark.parametrize("method", ["fp8", "awq"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes"])
 def test_every_family_refuses_a_quantized_checkpoint_by_method(model_type, method):
     family = registry.families()[model_type]
     config = {"model_type": model_type, "architectures": [family.architectures[0]],

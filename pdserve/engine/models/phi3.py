@@ -21,7 +21,7 @@ The config, field by field:
 - refused, naming the field: RoPE scaling of any type (``longrope``, which old configs spell
   ``su`` or ``yarn``, and transformers reads both as longrope: Phi-3-mini-128k, Phi-3.5-mini);
   ``partial_rotary_factor`` other than 1 (Phi-4-mini rotates 3/4 of each head); a
-  ``hidden_act`` other than silu; a quantized checkpoint (``dense_fields``).
+  ``hidden_act`` other than silu; a quantization other than FP8 (``dense_fields``).
 - ignored, as transformers' Phi-3 ignores them at inference: ``resid_pdrop``, ``embd_pdrop``,
   ``attention_dropout`` (dropout), ``pad_token_id`` (the embedding's padding row matters to
   training only), ``original_max_position_embeddings`` (longrope's), ``attention_bias``

@@ -99,7 +99,7 @@ def read_config(get: Get, source: str) -> ModelConfig:
     if get("attention_bias", False):
         # transformers' Qwen3 then has an o_proj bias too, which no Qwen3 checkpoint has.
         raise ModelLoadError(source, "attention_bias: Qwen3 models have no attention biases; supported: false")
-    fields = dense_fields(get, source)  # refuses a quantized checkpoint before anything else
+    fields = dense_fields(get, source)  # checks the quantization method before anything else
     moe = moe_config(get, source) if get("model_type") == "qwen3_moe" else None
     return ModelConfig(**fields, moe=moe)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.config import Get, MLAConfig, ModelConfig, common_fields, refuse_quantized
+from pdserve.engine.config import Get, MLAConfig, ModelConfig, common_fields, quantization_fields
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.layers.rotary import yarn_mscale
 
@@ -52,14 +52,14 @@ def read_config(get: Get, source: str) -> ModelConfig:
         raise ModelLoadError(source, f"unsupported hidden_act {get('hidden_act')!r}; supported: silu")
     if get("mlp_bias", False):
         raise ModelLoadError(source, "mlp_bias=true is not supported for DeepSeek models")
-    refuse_quantized(get, source)  # DeepSeek-V3's own release is FP8 with per-block scales
+    quantization = quantization_fields(get, source)  # DeepSeek-V3's own release is FP8 with per-block scales
     num_heads = get("num_attention_heads")
     rope, rope_theta = _rope(get, source)
     mla = _mla(get, rope, model_type)
     return ModelConfig(**common_fields(get), num_heads=num_heads, num_kv_heads=num_heads, head_dim=mla.qk_head_dim,
                        rope_theta=rope_theta,
                        qkv_bias=bool(get("attention_bias", False)),  # q_a_proj, kv_a_proj_with_mqa and o_proj
-                       rope_scaling=rope, mla=mla, moe=_moe(get, source, model_type))
+                       rope_scaling=rope, mla=mla, moe=_moe(get, source, model_type), **quantization)
 
 
 def _rope(get: Get, source: str) -> tuple[dict[str, Any] | None, float]:
