@@ -155,8 +155,8 @@ class SdpaAttention(AttentionBackend):
     name = "sdpa"
     batch_invariant = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
-        self.scale = head_dim ** -0.5
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.gqa = num_heads != num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -51,12 +51,12 @@ class FlashAttention(AttentionBackend):
     """flash-attn over the paged cache; ``batch_invariant`` selects the fixed-order mode."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, scale: float | None = None):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.paged = block_size % PAGED_BLOCK_MULTIPLE == 0
         if batch_invariant and not self.paged:
             raise ValueError(f"attention_backend=flash_invariant needs cache block_size a multiple of "

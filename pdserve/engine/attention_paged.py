@@ -47,11 +47,11 @@ class PagedAttention(AttentionBackend):
     batch_invariant = True
     needs_decode_groups = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         if head_dim % 8:
             raise ValueError(f"attention_backend=paged needs head_dim a multiple of 8, got {head_dim}")
         load_kernel()
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
 
     def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
                v_cache: torch.Tensor, ctx: AttentionContext, nh: int, nkv: int, hd: int) -> torch.Tensor:

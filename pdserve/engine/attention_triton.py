@@ -199,11 +199,11 @@ class TritonAttention(AttentionBackend):
     batch_invariant = False
     graph_safe = True  # its launches read every length from the device (CUDA graphs)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"attention_backend=triton needs num_heads ({num_heads}) a multiple of "
                              f"num_kv_heads ({num_kv_heads})")
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:

@@ -74,6 +74,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool  # biases on the q/k/v projections (Qwen2); Llama and Mistral have none
     rope_scaling: Mapping[str, Any] | None = None  # "llama3" or "yarn", with rope_theta
+    # The softmax scale of K/V attention (q.k times this); None: head_dim ** -0.5. A family whose
+    # checkpoints say otherwise sets it (Granite's attention_multiplier); MLA has its own (mla).
+    attention_scale: float | None = None
     sliding_window: int | None = None  # caps max_model_len (no windowed attention yet)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

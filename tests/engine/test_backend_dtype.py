@@ -17,8 +17,9 @@ CUDA = torch.device("cuda")
 class FakeFlash:
     name = "flash"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, batch_invariant=False):
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, batch_invariant=False, scale=None):
         self.name = "flash_invariant" if batch_invariant else "flash"
+        self.scale = head_dim ** -0.5 if scale is None else scale
 
 
 @pytest.fixture
@@ -78,3 +79,39 @@ def test_runner_passes_the_cache_dtype(monkeypatch, dtype):
     cache = torch.zeros(4, 16, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
     model_runner.ModelRunner(None, cfg, cache, BlockManager(4, 16))
     assert seen["dtype"] is dtype
+    assert seen["scale"] is None  # the config says none: head_dim ** -0.5
+
+
+def tiny_config(**fields):
+    from pdserve.engine.config import ModelConfig
+
+    return ModelConfig("llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
+                       max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, **fields)
+
+
+@pytest.mark.parametrize("name,device,dtype", [("sdpa", "cpu", torch.float32), ("auto", "cpu", torch.float32),
+                                               ("auto", "cuda", torch.bfloat16), ("auto", "cuda", torch.float32)])
+def test_every_backend_takes_the_model_softmax_scale(flash_present, name, device, dtype):
+    """``cfg.attention_scale`` (Granite's attention_multiplier) reaches the backend ``select_attention``
+    builds, whichever it is; a config without one gets the very float ``head_dim ** -0.5`` the
+    backends computed for themselves before the field existed."""
+    from pdserve.engine.attention_select import select_attention
+    from pdserve.engine.parallel import SINGLE
+
+    device = torch.device(device)
+    default = select_attention(name, tiny_config(), SINGLE, device, 16, dtype)
+    assert default.scale == 16 ** -0.5 and type(default.scale) is float
+    scaled = select_attention(name, tiny_config(attention_scale=0.0078), SINGLE, device, 16, dtype)
+    assert (type(scaled), scaled.scale) == (type(default), 0.0078)
+
+
+def test_triton_takes_the_model_softmax_scale(flash_present, monkeypatch):
+    pytest.importorskip("triton")
+    from pdserve.engine.attention_select import select_attention
+    from pdserve.engine.parallel import SINGLE
+
+    monkeypatch.setattr(attention_select, "triton_available", lambda device: device.type == "cuda")
+    backends = [select_attention("auto", tiny_config(**scale), SINGLE, CUDA, 16, torch.float32)
+                for scale in ({}, {"attention_scale": 0.0078})]
+    assert [(b.name, b.scale) for b in backends] == [("triton", 16 ** -0.5), ("triton", 0.0078)]
