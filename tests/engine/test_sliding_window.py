@@ -1,6 +1,6 @@
-"""Sliding-window attention through the engine's backend interface: ``attend`` and
-``forward`` take a ``window``, and each K/V backend lets a query at position p see
-p - window + 1 .. p only.
+"""Sliding-window attention through the engine's backend interface: a layer's ``window``
+(decoder.Attention's, from ``ModelConfig.layer_windows``) reaches ``attend``, and each K/V
+backend lets a query at position p see p - window + 1 .. p only.
 
 SDPA and the paged kernel are checked here against a float64 masked reference, on random
 inputs, in prefill (prompts longer than the window), chunked prefill whose windows reach back
@@ -18,6 +18,7 @@ import torch
 
 from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import SdpaAttention, build_context
+from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv_cache import layer_views
 from pdserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -195,3 +196,59 @@ def test_flash_attn_is_handed_its_own_window_size(fake_flash, block_size, invari
         flash.forward(q, k, v, k_cache, v_cache, ctx)
     assert [kw.get("window_size") for _, kw in fake_flash] == [(511, 0), None] * 2
     assert all(kw["causal"] for _, kw in fake_flash)
+
+
+def tiny_config(**fields):
+    return ModelConfig("llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
+                       max_position_embeddings=4096, tie_word_embeddings=False, qkv_bias=False, **fields)
+
+
+def test_layer_windows_reach_each_layer_and_cap_no_context():
+    from pdserve.engine.models.decoder import CausalLM
+
+    cfg = tiny_config(layer_windows=(8, 8, None))
+    assert [cfg.window(i) for i in range(3)] == [8, 8, None]
+    assert cfg.max_model_len == 4096  # windows run windowed: the context is the model's whole one
+    assert tiny_config(sliding_window=2047).max_model_len == 2047  # Mistral's cap, as before
+    assert tiny_config().window(0) is None
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    assert [layer.self_attn.window for layer in model.layers] == [8, 8, None]
+
+
+def test_a_layer_hands_its_window_to_the_backend():
+    from pdserve.engine.models.decoder import CausalLM
+
+    seen = []
+
+    class Recording:
+        def attend(self, qkv, rope, k_cache, v_cache, ctx, nh, nkv, hd, window=None):
+            seen.append(window)
+            return qkv.new_zeros(qkv.shape[0], nh, hd)
+
+    model = CausalLM(tiny_config(layer_windows=(8, None, 3)))
+    model.bind_caches([(None, None)] * 3, Recording())
+    ctx, positions = build_context([0], [4], [[0]], BS, torch.device("cpu"), decode=False)
+    with torch.no_grad():
+        model(torch.tensor([1, 2, 3, 4]), positions, ctx)
+    assert seen == [8, None, 3]
+
+
+def test_a_window_below_one_key_is_refused():
+    from pdserve.engine.models.decoder import Attention
+
+    with pytest.raises(ValueError, match="window"):
+        Attention(tiny_config(), window=0)
+
+
+@pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 and FMA")
+def test_the_packed_whole_stack_call_is_not_used_for_windowed_layers():
+    """The C++ whole-stack call (linear.py) attends over every key: a model with a sliding
+    layer runs its layers one by one, where each hands its window to the backend."""
+    from pdserve.engine.linear import PackedCpuBackend
+    from pdserve.engine.models.decoder import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(tiny_config(layer_windows=(None, 8, None)))
+    assert PackedCpuBackend(torch.bfloat16).stack(model.layers) is None
