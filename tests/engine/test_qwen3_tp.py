@@ -1,5 +1,6 @@
-"""The Qwen3 families and Phi-3 (tests/families.py) split over two tensor-parallel ranks
-(Megatron's split; each expert split in width) compute what the whole model computes.
+"""The families of tests/families.py (Qwen3, Qwen3-MoE, Phi-3, Gemma 3) split over two
+tensor-parallel ranks (Megatron's split; each expert split in width) compute what the whole
+model computes.
 
 The TP runtime (a process per rank, gloo) is not what this checks: here both ranks run in
 this process, one thread each, and ``ThreadGroup`` stands in for the gloo group: its
@@ -75,7 +76,8 @@ def generate(model, cfg, tp: TensorParallel, prompt: list[int], out: dict) -> No
     logits of every step and the cache."""
     nh, nkv = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
     cache = KVCacheSpec(cfg.num_layers, BLOCK, nkv, cfg.head_dim, torch.float32).allocate(NUM_BLOCKS, torch.device("cpu"))
-    model.bind_caches([layer_views(cache, i) for i in range(cfg.num_layers)], SdpaAttention(nh, nkv, cfg.head_dim))
+    backend = SdpaAttention(nh, nkv, cfg.head_dim, cfg.attention_scale)  # the family's softmax scale (Gemma 3's)
+    model.bind_caches([layer_views(cache, i) for i in range(cfg.num_layers)], backend)
     table, tokens, logits = list(range(NUM_BLOCKS)), list(prompt), []
     with torch.inference_mode():
         for step in range(NEW_TOKENS):
