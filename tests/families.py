@@ -37,16 +37,31 @@ FAMILIES = {
     # (logits_scaling keeps the argmax: tests/engine/test_granite.py compares logits, tied too.)
     "granite": ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                             "attention_multiplier": 0.0078, "logits_scaling": 8.0}),
+    # Gemma 3 (text): two local layers then a global one (the real ones have five to one), a
+    # window of 8 keys so that every prompt of the tests outgrows it, the local layers' own RoPE
+    # base and the global ones' linear scaling (the 4B-27B's, factor 8 there), a softmax scale
+    # of query_pre_attn_scalar ** -0.5 that is not head_dim ** -0.5 (as the 27B's), head_dim
+    # not hidden / heads and the LM head tied (as every Gemma 3).
+    "gemma3": ("gemma3_text", {"head_dim": 32, "num_hidden_layers": 3, "sliding_window_pattern": 3,
+                               "sliding_window": 8, "rope_local_base_freq": 500.0, "query_pre_attn_scalar": 24,
+                               "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                               "tie_word_embeddings": True}),
 }
 
 
 def make_family_model(family: str, seed: int = 0, **overrides):
     """A float32 transformers model of ``family``; where the family has q/k norms (Qwen3), their
     weights are drawn around one (transformers initializes them to exactly one, which would
-    hide a norm we skipped)."""
+    hide a norm we skipped). Gemma's norms multiply by (1 + weight) and start at zero: every one
+    of them (four a layer, q/k and the final norm) is drawn around zero instead."""
     model_type, family_overrides = FAMILIES[family]
     hf = make_hf_model(model_type, seed=seed, **{**family_overrides, **overrides})
     with torch.no_grad():
+        if model_type.startswith("gemma"):
+            for name, weight in hf.named_parameters():
+                if "norm" in name:
+                    weight.normal_(0.0, 0.5)
+            return hf
         for layer in hf.model.layers:
             if not hasattr(layer.self_attn, "q_norm"):
                 continue

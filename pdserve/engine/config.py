@@ -78,13 +78,22 @@ class ModelConfig:
     # The softmax scale of K/V attention (q.k times this); None: head_dim ** -0.5. A family whose
     # checkpoints say otherwise sets it (Granite's attention_multiplier); MLA has its own (mla).
     attention_scale: float | None = None
-    sliding_window: int | None = None  # caps max_model_len (no windowed attention yet)
+    sliding_window: int | None = None  # caps max_model_len; attention is over all of it (Mistral, Phi-3)
+    # Per layer, the keys its attention sees where it slides (a query at position p: p - w + 1
+    # .. p), None where it sees every key up to p; () when no layer slides. The attention
+    # backends run these windows (attention.py), so unlike ``sliding_window`` they cap nothing:
+    # the cache keeps every token. A family whose layers slide sets it (Gemma 3).
+    layer_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mla: MLAConfig | None = None  # latent attention, and its latent cache
     moe: ExpertsConfig | None = None  # the family's own routed-expert settings; None: every MLP is dense
     quantization: str | None = None  # "fp8": float8 weights, dequantized as they load (checkpoint.with_scales)
     weight_block_size: tuple[int, int] | None = None  # FP8 scales per block of (rows, columns); None: per tensor or row
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window (``layer_windows``), None for all keys."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def max_model_len(self) -> int:

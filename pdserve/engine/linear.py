@@ -216,9 +216,11 @@ class PackedCpuBackend:
 
     def stack(self, layers: nn.ModuleList) -> nn.Module | None:
         """bfloat16: one call over the whole stack, where the layers are Llama's (the C++ stack
-        is that layer, op for op; another family's layers run one by one). float32 keeps
-        torch's norms between the linears, so its layers run one by one."""
-        llama = all(type(layer.self_attn) is Attention and type(layer.mlp) is GatedMLP for layer in layers)
+        is that layer, op for op, with attention over every key: a sliding window's layers, or
+        another family's, run one by one). float32 keeps torch's norms between the linears, so
+        its layers run one by one."""
+        llama = all(type(layer.self_attn) is Attention and layer.self_attn.window is None
+                    and type(layer.mlp) is GatedMLP for layer in layers)
         return PackedDecoderStack(layers) if self.dtype == torch.bfloat16 and llama else None
 
 

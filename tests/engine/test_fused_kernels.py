@@ -31,7 +31,7 @@ def kernels():
 class EagerPrologue(AttentionBackend):
     """The generic split + RoPE path, stopping where a backend's attention would start."""
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, window=None):
         k_cache.index_put_((ctx.slot_block, ctx.slot_offset), k)
         v_cache.index_put_((ctx.slot_block, ctx.slot_offset), v)
         return q

@@ -44,8 +44,9 @@ def make_batch(query_lens, context_lens, dtype, num_blocks=160, seed=1):
     return q, tables, cu, torch.tensor(context_lens, dtype=torch.int32)
 
 
-def reference(q, k_cache, v_cache, tables, cu, ctx, scale=HD ** -0.5):
-    """Causal softmax attention in float64, sequence by sequence, over gathered K/V."""
+def reference(q, k_cache, v_cache, tables, cu, ctx, scale=HD ** -0.5, window=None):
+    """Causal softmax attention in float64, sequence by sequence, over gathered K/V; with a
+    window, a query at position p sees p - window + 1 .. p only."""
     out = torch.empty(q.shape, dtype=torch.float64)
     bs, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     for b, c in enumerate(ctx.tolist()):
@@ -55,7 +56,9 @@ def reference(q, k_cache, v_cache, tables, cu, ctx, scale=HD ** -0.5):
         v = v_cache[blocks].flatten(0, 1)[:c].double().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e].double(), k) * scale
         pos = torch.arange(c - (e - s), c).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(c).unsqueeze(0) > pos, float("-inf"))
+        keys = torch.arange(c).unsqueeze(0)
+        hidden = (keys > pos) | (keys <= pos - window) if window else keys > pos
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
 
@@ -244,3 +247,117 @@ def test_what_the_cache_holds_past_a_sequence_never_reaches_its_result(op, kerne
         v[block, c % BS:] = float("inf")
     poisoned = op(q, k, v, tables, cu, ctx, HD ** -0.5)
     assert torch.equal(poisoned, clean) and not poisoned.isnan().any()
+
+
+# Sliding windows (Gemma 3's local layers): a query at position p sees p - window + 1 .. p.
+# (query_lens, context_lens, window): windows within a block and across several, shorter and
+# longer than a 32-query tile, starting inside earlier chunks, and a window of one key.
+WINDOW_CASES = {
+    "decode": ([1, 1, 1, 1], [1, 17, 300, 64], 16),
+    "prefill": ([40, 7, 129], [40, 7, 129], 33),
+    "chunked-prefill": ([32, 50], [96, 150], 40),
+    "mixed": ([1, 33, 1, 5, 1], [250, 33, 16, 200, 2], 8),
+    "window-of-one": ([20, 1], [20, 90], 1),
+    "long-window": ([70, 1], [300, 301], 100),
+}
+
+
+def windowed(op, q, tables, cu, ctx, k_cache, v_cache, window, scale=HD ** -0.5):
+    return op(q, k_cache, v_cache, tables, cu, ctx, scale, window)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("case", sorted(WINDOW_CASES))
+def test_a_sliding_window_matches_the_masked_reference(op, kernel_path, case, dtype, tol):
+    query_lens, context_lens, window = WINDOW_CASES[case]
+    k_cache, v_cache = make_cache(dtype)
+    q, tables, cu, ctx = make_batch(query_lens, context_lens, dtype)
+    out = windowed(op, q, tables, cu, ctx, k_cache, v_cache, window)
+    ref = reference(q, k_cache, v_cache, tables, cu, ctx, window=window)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    # The window matters here: full attention gives something else.
+    assert not torch.allclose(ref, reference(q, k_cache, v_cache, tables, cu, ctx), rtol=tol, atol=tol)
+
+
+def test_no_window_and_a_window_over_the_whole_context_are_the_unwindowed_bits(op, kernel_path):
+    k_cache, v_cache = make_cache(torch.bfloat16)
+    q, tables, cu, ctx = make_batch(*CASES["mixed"], torch.bfloat16)
+    plain = op(q, k_cache, v_cache, tables, cu, ctx, HD ** -0.5)
+    assert torch.equal(windowed(op, q, tables, cu, ctx, k_cache, v_cache, 0), plain)
+    assert torch.equal(windowed(op, q, tables, cu, ctx, k_cache, v_cache, int(ctx.max())), plain)
+    with pytest.raises(RuntimeError, match="window"):
+        windowed(op, q, tables, cu, ctx, k_cache, v_cache, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_windowed_sequence_is_bitwise_the_same_alone_in_any_batch_and_at_any_thread_count(op, kernel_path, dtype):
+    window = 24
+    k_cache, v_cache = make_cache(dtype)
+    q, tables, cu, ctx = make_batch([1, 70, 1, 1, 7], [333, 70, 5, 71, 100], dtype)
+    batched = windowed(op, q, tables, cu, ctx, k_cache, v_cache, window)
+    for b in range(len(ctx)):
+        s, e = cu[b].item(), cu[b + 1].item()
+        alone = windowed(op, q[s:e], tables[b:b + 1, : -(-ctx[b].item() // BS)].contiguous(),
+                         torch.tensor([0, e - s], dtype=torch.int32), ctx[b:b + 1], k_cache, v_cache, window)
+        assert torch.equal(alone, batched[s:e]), f"sequence {b}"
+    order = list(reversed(range(len(ctx))))
+    rows = torch.cat([torch.arange(cu[b].item(), cu[b + 1].item()) for b in order])
+    lens = (cu[1:] - cu[:-1])[order]
+    cu_rev = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
+    rev = windowed(op, q[rows], tables[order].contiguous(), cu_rev, ctx[order].contiguous(), k_cache, v_cache, window)
+    assert torch.equal(rev, batched[rows])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(windowed(op, q, tables, cu, ctx, k_cache, v_cache, window), batched), f"{threads} threads"
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("window", [8, 40, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_chunks_and_decode_give_the_whole_prompts_bits(op, kernel_path, dtype, window):
+    """A 150-token sequence with a window of 8 (inside a block), 40 (across blocks and chunks)
+    or 100 (longer than a chunk): chunks of 32 whose windows reach back into earlier chunks (a
+    decode row of another sequence beside each), and one token at a time, give the whole
+    prefill's bits at every position; and those equal the masked reference."""
+    k_cache, v_cache = make_cache(dtype)
+    n = 150
+    q, tables, _, _ = make_batch([n], [n], dtype)
+    whole = windowed(op, q, tables, torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                     k_cache, v_cache, window)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(whole.double(), reference(q, k_cache, v_cache, tables, torch.tensor([0, n]),
+                                                         torch.tensor([n]), window=window), rtol=tol, atol=tol)
+    other_q, other_tables, _, _ = make_batch([1], [90], dtype, seed=7)
+    for start in range(0, n, 32):
+        end = min(n, start + 32)
+        qq = torch.cat([q[start:end], other_q])
+        width = max(tables.shape[1], other_tables.shape[1])
+        tt = torch.zeros(2, width, dtype=torch.int32)
+        tt[0, : tables.shape[1]], tt[1, : other_tables.shape[1]] = tables[0], other_tables[0]
+        out = windowed(op, qq, tt, torch.tensor([0, end - start, end - start + 1], dtype=torch.int32),
+                       torch.tensor([end, 90], dtype=torch.int32), k_cache, v_cache, window)
+        assert torch.equal(out[: end - start], whole[start:end]), f"chunk at {start}"
+    for pos in (0, 7, 8, 15, 16, 17, 39, 40, 41, 63, 99, 100, 149):
+        one = windowed(op, q[pos:pos + 1], tables, torch.tensor([0, 1], dtype=torch.int32),
+                       torch.tensor([pos + 1], dtype=torch.int32), k_cache, v_cache, window)
+        assert torch.equal(one, whole[pos:pos + 1]), f"position {pos}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_kernel_path_gives_the_avx2_bits_with_a_window(op, kernel_path, dtype):
+    """As without a window: the AVX-512 loops (prefill tiles) give the AVX2 loops' bits, the
+    pairs kernels (bfloat16 on avx512_bf16 and amx) their own, held to the reference."""
+    window = 37
+    k, v = make_cache(dtype)
+    q, tables, cu, ctx = make_batch([1, 64, 1, 5, 40], [250, 64, 16, 200, 140], dtype)
+    on_path = windowed(op, q, tables, cu, ctx, k, v, window)
+    cpu_kernels.set_isa("avx2")
+    avx2 = windowed(op, q, tables, cu, ctx, k, v, window)
+    if kernel_path in ("avx512_bf16", "amx") and dtype == torch.bfloat16:
+        torch.testing.assert_close(on_path.double(), reference(q, k, v, tables, cu, ctx, window=window),
+                                   rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(on_path, avx2)

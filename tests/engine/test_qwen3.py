@@ -1,5 +1,5 @@
-"""The Qwen3 families (pdserve/engine/models/qwen3.py, layers/moe.py) and Phi-3 (phi3.py), every
-family of tests/families.py, through the engine: float32 greedy tokens equal transformers'
+"""The Qwen3 families (pdserve/engine/models/qwen3.py, layers/moe.py), Phi-3 (phi3.py) and Gemma 3
+(gemma3.py), every family of tests/families.py, through the engine: float32 greedy tokens equal transformers'
 generate; bfloat16 (pdserve's packed kernels, experts included) is close to it by vLLM's
 standard; a request's tokens do not depend on its batch; prefix caching keeps the output; the
 checkpoint's config is read, and refused, field by field."""
@@ -40,11 +40,12 @@ def test_greedy_matches_transformers(family):
 def test_the_model_has_the_family_layout(family):
     """What the equality above rests on: the q/k norms are there and not all ones, and the
     MoE model routes on layers 0 and 2 and runs a dense MLP on layer 1 (mlp_only_layers).
-    Phi-3's layout (Llama's layer over fused checkpoint tensors) is tests/engine/test_phi3.py's;
-    Granite's layer is Llama's (no q/k norms, head_dim hidden / heads) with its multipliers."""
+    Phi-3's layout (Llama's layer over fused checkpoint tensors) is tests/engine/test_phi3.py's,
+    Gemma 3's (its norms, windows and RoPE bases) tests/engine/test_gemma3.py's; Granite's layer
+    is Llama's (no q/k norms, head_dim hidden / heads) with its multipliers."""
     name, directory, _ = family
-    if name == "phi3":
-        pytest.skip(f"{name} has no q/k norms")
+    if name in ("phi3", "gemma3"):
+        pytest.skip(f"{name}'s layout is tests/engine/test_{name}.py's")
     runner = make_engine(directory).runner
     model = runner.model
     attn = model.layers[0].self_attn

@@ -1,5 +1,6 @@
-"""The Qwen3 families and Phi-3 (tests/families.py) split over two tensor-parallel ranks
-(Megatron's split; each expert split in width) compute what the whole model computes.
+"""The families of tests/families.py (Qwen3, Qwen3-MoE, Phi-3, Gemma 3) split over two
+tensor-parallel ranks (Megatron's split; each expert split in width) compute what the whole
+model computes.
 
 The TP runtime (a process per rank, gloo) is not what this checks: here both ranks run in
 this process, one thread each, and ``ThreadGroup`` stands in for the gloo group: its

@@ -53,8 +53,9 @@ def _tables(context_lens: list[int], seed: int = 1) -> list[list[int]]:
     return tables
 
 
-def _reference(q, k_cache, v_cache, tables, starts, query_lens) -> torch.Tensor:
-    """float32 SDPA per sequence over its gathered context: a query at position p sees 0..p."""
+def _reference(q, k_cache, v_cache, tables, starts, query_lens, window=None) -> torch.Tensor:
+    """float32 SDPA per sequence over its gathered context: a query at position p sees 0..p
+    (with a window, p - window + 1 .. p)."""
     outs, t = [], 0
     for table, s, n in zip(tables, starts, query_lens):
         c = s + n
@@ -62,20 +63,21 @@ def _reference(q, k_cache, v_cache, tables, starts, query_lens) -> torch.Tensor:
         k = k_cache[blocks].flatten(0, 1)[:c].float().transpose(0, 1)  # (nkv, c, hd)
         v = v_cache[blocks].flatten(0, 1)[:c].float().transpose(0, 1)
         qi = q[t:t + n].float().transpose(0, 1)  # (nh, n, hd)
-        mask = torch.arange(c, device=q.device)[None, :] <= torch.arange(s, c, device=q.device)[:, None]
+        keys, pos = torch.arange(c, device=q.device)[None, :], torch.arange(s, c, device=q.device)[:, None]
+        mask = (keys <= pos) & (keys > pos - window) if window else keys <= pos
         outs.append(F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1))
         t += n
     return torch.cat(outs)
 
 
-def _run(nh, nkv, dtype, starts, query_lens):
+def _run(nh, nkv, dtype, starts, query_lens, window=None):
     k_cache, v_cache = _cache(nkv, dtype)
     tables = _tables([s + n for s, n in zip(starts, query_lens)])
     ctx, _ = build_context(starts, query_lens, tables, BS, DEVICE, decode=all(n == 1 for n in query_lens))
     q = torch.randn(sum(query_lens), nh, HD, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.context_lens_t,
-                          ctx.max_query_len, HD ** -0.5)
-    return out, _reference(q, k_cache, v_cache, tables, starts, query_lens)
+                          ctx.max_query_len, HD ** -0.5, window)
+    return out, _reference(q, k_cache, v_cache, tables, starts, query_lens, window)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -95,6 +97,41 @@ def test_prefill_over_a_cached_prefix_equals_sdpa(nh, nkv, dtype):
     chunk after a whole cached block, and a decode row, in one launch."""
     out, ref = _run(nh, nkv, dtype, starts=[0, 30, 16, 40], query_lens=[5, 20, 3, 1])
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nh,nkv", [(9, 3), (8, 2)])
+def test_a_sliding_window_equals_masked_sdpa_in_decode_and_prefill(nh, nkv, dtype):
+    """Windows of 8 (inside a block), 20 (across blocks; its first key inside an earlier chunk)
+    and 70 (past a 64-key tile: the walk starts at a later tile): decode rows of 1, 17, 70 and
+    100 cached tokens, a fresh prompt longer than the window, a chunk after 30 cached tokens that
+    spans two query tiles, and a decode row, each in one launch."""
+    for window in (8, 20, 70):
+        out, ref = _run(nh, nkv, dtype, starts=[0, 16, 69, 99], query_lens=[1, 1, 1, 1], window=window)
+        torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+        out, ref = _run(nh, nkv, dtype, starts=[0, 30, 100], query_lens=[40, 37, 1], window=window)
+        torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+        unwindowed = _run(nh, nkv, dtype, starts=[0, 30, 100], query_lens=[40, 37, 1])[1]
+        assert not torch.allclose(ref, unwindowed, **TOL[dtype])  # the window matters here
+
+
+def test_chunked_windowed_prefill_equals_the_whole_prompt():
+    """A 100-token prompt with a window of 24, prefilled whole and in chunks of 16 (each
+    chunk's window reaching back into earlier chunks): the same outputs, to float32 rounding."""
+    k_cache, v_cache = _cache(3, torch.float32)
+    n, window = 100, 24
+    tables = _tables([n])
+    q = torch.randn(n, 9, HD, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    ctx, _ = build_context([0], [n], tables, BS, DEVICE, decode=False)
+    whole = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.context_lens_t,
+                            ctx.max_query_len, HD ** -0.5, window)
+    for start in range(0, n, 16):
+        end = min(n, start + 16)
+        ctx, _ = build_context([start], [end - start], tables, BS, DEVICE, decode=False)
+        chunk = paged_attention(q[start:end].contiguous(), k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens,
+                                ctx.context_lens_t, ctx.max_query_len, HD ** -0.5, window)
+        torch.testing.assert_close(chunk, whole[start:end], **TOL[torch.float32])
+    torch.testing.assert_close(whole, _reference(q, k_cache, v_cache, tables, [0], [n], window), **TOL[torch.float32])
 
 
 def test_store_kv_writes_each_slot_and_skips_padding_rows():
@@ -129,6 +166,10 @@ def test_the_backend_equals_sdpa_through_the_engines_interface():
     theirs = SdpaAttention(nh, nkv, HD).forward(q, k, v, *caches[1], ctx)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     torch.testing.assert_close(ours, theirs, **TOL[torch.float32])
+    # And with a sliding window, which both take from the layer.
+    ours = TritonAttention(nh, nkv, HD).forward(q, k, v, *caches[0], ctx, window=5)
+    theirs = SdpaAttention(nh, nkv, HD).forward(q, k, v, *caches[1], ctx, window=5)
+    torch.testing.assert_close(ours, theirs, **TOL[torch.float32])
 
 
 def test_the_engine_on_triton_equals_transformers(tiny_llama_dir):
@@ -148,7 +189,8 @@ def test_the_engine_on_triton_equals_transformers(tiny_llama_dir):
 def test_the_kernels_compile_for_an_h100(tmp_path):
     """What the interpreter does not check (the tile shapes tl.dot takes, types, shared
     memory), Triton's own compiler does, down to sm_90 machine code, with no GPU: the decode
-    and prefill launches for SmolLM2's heads, bfloat16 and float32, and the K/V store
+    and prefill launches for SmolLM2's heads, bfloat16 and float32 (bfloat16 with a window
+    too), and the K/V store
     (tests/engine/triton_compile.py, in a process without the interpreter, compiling afresh
     into its own cache). A loop-carried value whose type changes, which the interpreter runs,
     fails here."""
@@ -158,4 +200,6 @@ def test_the_kernels_compile_for_an_h100(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.splitlines() == ["attention bf16 9/3 query 1", "attention bf16 9/3 query 64",
-                                        "attention fp32 9/3 query 1", "attention fp32 9/3 query 64", "store bf16"]
+                                        "attention fp32 9/3 query 1", "attention fp32 9/3 query 64",
+                                        "attention bf16 9/3 query 1 window 512",
+                                        "attention bf16 9/3 query 64 window 512", "store bf16"]

@@ -27,15 +27,18 @@ def _compile(kernel, types: list[str], constants: dict, target: GPUTarget):
 
 def main(sm: int = 90) -> list[str]:
     """The engine's decode and prefill launches for SmolLM2's heads (9 query heads over 3 KV
-    heads), in bfloat16 and float32, and the K/V store; returns what compiled."""
+    heads), in bfloat16 and float32, the bfloat16 ones again with a sliding window (Gemma 3's
+    local layers: 512 keys), and the K/V store; returns what compiled."""
     target, done = GPUTarget("cuda", sm, 32), []
-    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    for dtype, torch_dtype, window in (("bf16", torch.bfloat16, None), ("fp32", torch.float32, None),
+                                       ("bf16", torch.bfloat16, 512)):
         for max_query_len in (1, 64):
-            constants = launch_constants(9, 3, HEAD_DIM, BLOCK_SIZE, max_query_len, torch_dtype, interpreted=False)
+            constants = launch_constants(9, 3, HEAD_DIM, BLOCK_SIZE, max_query_len, torch_dtype, interpreted=False,
+                                         window=window)
             strides = len(_attention_kernel.arg_names) - 8 - len(constants)
             types = [f"*{dtype}"] * 4 + ["*i32"] * 3 + ["fp32"] + ["i32"] * strides
             _compile(_attention_kernel, types, constants, target)
-            done.append(f"attention {dtype} 9/3 query {max_query_len}")
+            done.append(f"attention {dtype} 9/3 query {max_query_len}" + (f" window {window}" if window else ""))
     _compile(_store_kv_kernel, ["*bf16"] * 4 + ["*i64"] * 2 + ["i32"] * 10,
              dict(NUM_KV_HEADS=3, HEAD_DIM=HEAD_DIM, BLOCK_H=4, BLOCK_D=HEAD_DIM), target)
     return done + ["store bf16"]

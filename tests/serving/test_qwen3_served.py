@@ -1,4 +1,4 @@
-"""The Qwen3 families and Phi-3 (tests/families.py) served disaggregated: a real prefill worker and a real decode worker
+"""The Qwen3 families, Phi-3 and Gemma 3 (tests/families.py) served disaggregated: a real prefill worker and a real decode worker
 behind their gRPC servers in this process, the KV over NIXL, and the router's request path
 (``RequestRun`` over a pool of stubs). Each family's small random model carries the default
 model's 49,152-token tokenizer, so grammars compile against real token strings.

@@ -5,11 +5,16 @@ token's K/V goes) and ``block_tables`` (where each sequence's earlier K/V lives)
 A layer's cache is ``(num_blocks, block_size, num_kv_heads, head_dim)``, a strided view into
 the worker's single block-first cache tensor (see kv_cache.py).
 
-Backends (chosen by ``attention_select.select_backend``): ``paged``, pdserve's own batch-invariant C++ kernel, one call
-per layer for any mix of prefill and decode (CPU, attention_paged.py); ``flash`` and
-``flash_invariant``, flash-attn on CUDA (attention_flash.py); ``sdpa``, torch's SDPA, one call per sequence (prefill) or per
+Backends (chosen by ``select.select_backend``): ``paged``, pdserve's own batch-invariant C++ kernel, one call
+per layer for any mix of prefill and decode (CPU, paged.py); ``flash`` and
+``flash_invariant``, flash-attn on CUDA (flash.py); ``sdpa``, torch's SDPA, one call per sequence (prefill) or per
 distinct context length (decode). Each says whether it is ``batch_invariant``: whether a
 token's output is bitwise the same whatever else shares its step.
+
+Sliding windows: ``attend(..., window=w)`` (a layer's own, decoder.Attention's ``window``)
+lets a query at position p see the keys at positions p - w + 1 .. p only, its own included,
+as transformers' sliding-window mask does (Gemma 3's local layers); None: every key up to p.
+The cache still holds every token; only what a query reads changes. Every K/V backend takes it.
 """
 
 from __future__ import annotations
@@ -119,15 +124,18 @@ class AttentionBackend:
     prologue (the CPU paged kernel) overrides ``attend``."""
 
     def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-               v_cache: torch.Tensor, ctx: AttentionContext, nh: int, nkv: int, hd: int) -> torch.Tensor:
-        """qkv (T, (nh + 2 nkv) hd), rope = cos, sin (T, 1, hd) -> (T, nh, hd)."""
+               v_cache: torch.Tensor, ctx: AttentionContext, nh: int, nkv: int, hd: int,
+               window: int | None = None) -> torch.Tensor:
+        """qkv (T, (nh + 2 nkv) hd), rope = cos, sin (T, 1, hd) -> (T, nh, hd). ``window``: the
+        keys a query sees, its own included (None: all up to it)."""
         t = qkv.shape[0]
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k = apply_rotary(q.view(t, nh, hd), k.view(t, nkv, hd), *rope)
-        return self.forward(q, k, v.view(t, nkv, hd), k_cache, v_cache, ctx)
+        return self.forward(q, k, v.view(t, nkv, hd), k_cache, v_cache, ctx, window=window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
+                window: int | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -160,39 +168,63 @@ class SdpaAttention(AttentionBackend):
         self.gqa = num_heads != num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
+                window: int | None = None) -> torch.Tensor:
         """q (T, nh, hd), k/v (T, nkv, hd) -> (T, nh, hd). Writes k/v into the cache first."""
         write_kv(k_cache, v_cache, k, v, ctx)
         if ctx.is_decode:
-            return self._decode(q, k_cache, v_cache, ctx)
-        return self._prefill(q, k, v, k_cache, v_cache, ctx)
+            return self._decode(q, k_cache, v_cache, ctx, window)
+        return self._prefill(q, k, v, k_cache, v_cache, ctx, window)
 
-    def _decode(self, q, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, ctx: AttentionContext, window: int | None = None) -> torch.Tensor:
         q = q.unsqueeze(2)  # (B, nh, 1, hd)
         if ctx.decode_groups is None:
             ctx.decode_groups = _decode_groups(ctx)
         if len(ctx.decode_groups) == 1:
-            return self._decode_group(q, k_cache, v_cache, *ctx.decode_groups[0][1:])
+            return self._decode_group(q, k_cache, v_cache, *ctx.decode_groups[0][1:], window)
         out = torch.empty_like(q)
         for rows, tables, length in ctx.decode_groups:
-            out[rows] = self._decode_group(q[rows], k_cache, v_cache, tables, length).unsqueeze(2)
+            out[rows] = self._decode_group(q[rows], k_cache, v_cache, tables, length, window).unsqueeze(2)
         return out.squeeze(2)
 
-    def _decode_group(self, q, k_cache, v_cache, tables: torch.Tensor, length: int) -> torch.Tensor:
+    def _decode_group(self, q, k_cache, v_cache, tables: torch.Tensor, length: int,
+                      window: int | None = None) -> torch.Tensor:
         # Contiguous (G, nkv, S, hd), the layout transformers' cache hands SDPA: the CPU kernel
         # blocks differently for other strides, which changes float32 results in the last bits.
-        k = gather_kv(k_cache, tables, length).transpose(1, 2).contiguous()
-        v = gather_kv(v_cache, tables, length).transpose(1, 2).contiguous()
+        if window is not None and window < length:  # the last `window` keys only, from their first block
+            first = (length - window) // k_cache.shape[1]
+            skip = first * k_cache.shape[1]
+            k = gather_kv(k_cache, tables[:, first:], length - skip)[:, length - window - skip:]
+            v = gather_kv(v_cache, tables[:, first:], length - skip)[:, length - window - skip:]
+            k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        else:
+            k = gather_kv(k_cache, tables, length).transpose(1, 2).contiguous()
+            v = gather_kv(v_cache, tables, length).transpose(1, 2).contiguous()
         out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=self.gqa)
         return out.squeeze(2)  # (G, nh, hd)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
+    def _windowed(self, qi, k_cache, v_cache, table: torch.Tensor, n: int, c: int, window: int) -> torch.Tensor:
+        """One sequence's ``n`` queries (its last, (1, nh, n, hd)) over its ``c`` cached keys, each
+        query at position p seeing p - window + 1 .. p: the keys from the first one any of them
+        sees (from its block on), masked per query."""
+        first = max(0, c - n - window + 1) // k_cache.shape[1]
+        skip = first * k_cache.shape[1]
+        ki = gather_kv(k_cache, table[:, first:], c - skip).transpose(1, 2)  # (1, nkv, c - skip, hd)
+        vi = gather_kv(v_cache, table[:, first:], c - skip).transpose(1, 2)
+        q_pos = torch.arange(c - n, c, device=qi.device).unsqueeze(1)
+        k_pos = torch.arange(skip, c, device=qi.device).unsqueeze(0)
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # (n, c - skip)
+        return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, ctx: AttentionContext, window: int | None = None) -> torch.Tensor:
         # Sequences differ in length, so each is its own SDPA call over its packed slice.
         outs = []
         start = 0
         for i, (n, c) in enumerate(zip(ctx.query_lens, ctx.context_lens)):
             qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
-            if c == n:  # no earlier context: attend to the fresh K/V causally
+            if window is not None and window < c:  # some query here sees fewer keys than its position's
+                o = self._windowed(qi, k_cache, v_cache, ctx.block_tables[i:i + 1], n, c, window)
+            elif c == n:  # no earlier context: attend to the fresh K/V causally
                 ki = k[start:start + n].transpose(0, 1).unsqueeze(0)
                 vi = v[start:start + n].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=self.scale,

@@ -24,6 +24,9 @@ Batch invariance (the ``batch_invariant`` mode flag, backend name ``flash_invari
   rows discarded. At least 2 rows keeps flash-attn off its decode-only GQA re-layout, so a
   decode row runs exactly as it does beside a prefill chunk. The cost: padded query rows, and
   no split-KV parallelism for long decodes.
+A sliding window (``window``, a layer's) is flash-attn's own ``window_size=(window - 1, 0)``
+in every one of these calls: with ``causal`` it lets the query at position p see p - window + 1
+.. p, the same bottom-right alignment as the causal mask.
 This module has never run: no GPU was available where it was written (tests/engine/
 test_flash_attention.py checks it against SDPA and checks invariance, on CUDA only).
 """
@@ -65,14 +68,16 @@ class FlashAttention(AttentionBackend):
         self.name = "flash_invariant" if batch_invariant else "flash"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
+                window: int | None = None) -> torch.Tensor:
         """q (T, nh, hd), k/v (T, nkv, hd) -> (T, nh, hd). Writes k/v into the cache first."""
         write_kv(k_cache, v_cache, k, v, ctx)
+        windowed = {} if window is None else {"window_size": (window - 1, 0)}
         if self.batch_invariant:
-            return self._invariant(q, k_cache, v_cache, ctx)
+            return self._invariant(q, k_cache, v_cache, ctx, windowed)
         if self.paged and ctx.is_decode:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens_t,
-                                     block_table=ctx.block_tables, softmax_scale=self.scale, causal=True)
+                                     block_table=ctx.block_tables, softmax_scale=self.scale, causal=True, **windowed)
             return out.squeeze(1)
         paged = {"block_table": ctx.block_tables} if self.paged else {}
         kk = k_cache if self.paged else _packed_context(k_cache, ctx)
@@ -80,17 +85,17 @@ class FlashAttention(AttentionBackend):
         return self._varlen(
             q, kk, vv, cu_seqlens_q=ctx.cu_query_lens, cu_seqlens_k=ctx.cu_context_lens,
             max_seqlen_q=ctx.max_query_len, max_seqlen_k=ctx.max_context_len,
-            softmax_scale=self.scale, causal=True, **paged,
+            softmax_scale=self.scale, causal=True, **paged, **windowed,
         )
 
-    def _invariant(self, q: torch.Tensor, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
+    def _invariant(self, q: torch.Tensor, k_cache, v_cache, ctx: AttentionContext, windowed: dict) -> torch.Tensor:
         rows = max(2, ctx.max_query_len)
         index = _right_aligned_rows(ctx, rows)  # (T,) row of each token in the (B * rows) buffer
         padded = q.new_zeros(len(ctx.query_lens) * rows, *q.shape[1:])
         padded[index] = q
         out = self._with_kvcache(padded.view(len(ctx.query_lens), rows, *q.shape[1:]), k_cache, v_cache,
                                  cache_seqlens=ctx.context_lens_t, block_table=ctx.block_tables,
-                                 softmax_scale=self.scale, causal=True, num_splits=1)
+                                 softmax_scale=self.scale, causal=True, num_splits=1, **windowed)
         return out.flatten(0, 1)[index]
 
 

@@ -5,7 +5,8 @@ through the block tables, for decode, prefill, chunked prefill and mixed batches
 step makes one attention call per layer whatever its mix of sequences. Its reduction order
 is fixed per query row (the C++ file's header says why), so a token's output is bitwise the
 same alone or in any batch, whole or chunked, recomputed after preemption or not, at any
-thread count.
+thread count. With a sliding window (a layer's ``window``) a query reads only its last
+``window`` keys, and that holds as well: a row's first key is its own, whatever its batch.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def load_kernel() -> None:
         _fake_registered = True
 
 
-def _paged_attention_shape(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale):
+def _paged_attention_shape(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale, window=0):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -54,17 +55,24 @@ class PagedAttention(AttentionBackend):
         self.scale = head_dim ** -0.5 if scale is None else scale
 
     def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-               v_cache: torch.Tensor, ctx: AttentionContext, nh: int, nkv: int, hd: int) -> torch.Tensor:
+               v_cache: torch.Tensor, ctx: AttentionContext, nh: int, nkv: int, hd: int,
+               window: int | None = None) -> torch.Tensor:
         """Two calls per layer: RoPE + K/V store in one (``rope_store_kv``, the same bits as
-        the eager ops), then attention."""
+        the eager ops), then attention (over the last ``window`` keys of each query, if given)."""
         q = torch.ops.pdserve.rope_store_kv(qkv.contiguous(), rope[0], rope[1], k_cache, v_cache, ctx.slot_block,
                                             ctx.slot_offset, nh, nkv)
-        return torch.ops.pdserve.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens,
-                                                 ctx.context_lens_t, self.scale)
+        return self._attention(q, k_cache, v_cache, ctx, window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
+                window: int | None = None) -> torch.Tensor:
         """q (T, nh, hd), k/v (T, nkv, hd) -> (T, nh, hd). Writes k/v into the cache first."""
         write_kv(k_cache, v_cache, k, v, ctx)
+        return self._attention(q, k_cache, v_cache, ctx, window)
+
+    def _attention(self, q, k_cache, v_cache, ctx: AttentionContext, window: int | None) -> torch.Tensor:
+        if window is None:  # the call as it was before windows, to the bit
+            return torch.ops.pdserve.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens,
+                                                     ctx.context_lens_t, self.scale)
         return torch.ops.pdserve.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens,
-                                                 ctx.context_lens_t, self.scale)
+                                                 ctx.context_lens_t, self.scale, window)

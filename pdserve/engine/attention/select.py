@@ -1,6 +1,6 @@
 """Which attention backend a model runs on: ``select_backend`` turns the configured name
 (``auto``, ``paged``, ``triton``, ``sdpa``, ``flash``, ``flash_invariant``) and the device into
-one of attention.py's, attention_paged.py's, attention_triton.py's or attention_flash.py's
+one of base.py's, paged.py's, triton.py's or flash.py's
 backends.
 
 It is a module of its own because it imports every backend, and each backend imports the
@@ -40,7 +40,7 @@ def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
     ``dtype`` (the cache's and the activations') is float16 or bfloat16, SDPA otherwise; on
     CPU the ``paged`` kernel where the CPU has AVX2 + FMA, SDPA otherwise. ``flash`` stays
     there to be named (its prefill kernel, for long prompts). ``flash_invariant`` is
-    flash-attn in its batch-invariant mode (attention_flash.py). ``dtype`` None (a caller
+    flash-attn in its batch-invariant mode (flash.py). ``dtype`` None (a caller
     that does not say) never gets flash from ``auto``: a float32 model on flash fails at its
     first step. ``triton`` on the CPU runs in Triton's interpreter (tests only). ``scale``: the
     softmax scale, None for ``head_dim ** -0.5``."""

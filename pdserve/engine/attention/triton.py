@@ -10,7 +10,8 @@ The grid is (sequence, tile of ``block_q`` query tokens, KV head). A program tak
 ``group`` query heads that share its KV head (GQA) for its tokens, rows ``(token, head)``,
 and walks the sequence's keys ``block_n`` at a time up to its last token's position: one
 ``q @ k^T``, a causal mask (a query at position p sees keys 0..p: the cached prefix and the
-chunk's earlier tokens), an online softmax in float32 and one ``p @ v``. Every input the
+chunk's earlier tokens; with a sliding window, only its last ``WINDOW`` of them, and the walk
+starts at the tile's first query's first key), an online softmax in float32 and one ``p @ v``. Every input the
 grid reads about lengths is a device tensor (``cu_query_lens``, ``context_lens``,
 ``block_tables``); from the host it takes only the batch size and the longest query, so a
 decode step's launch is the same for any mix of context lengths, and can be captured in a CUDA
@@ -55,6 +56,7 @@ def _attention_kernel(
     stride_ot, stride_oh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -75,9 +77,13 @@ def _attention_kernel(
         m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
-        # Keys up to the tile's last token's position.
+        # Keys up to the tile's last token's position; with a window, from the first key its
+        # first token sees (down to a whole BLOCK_N).
         end = ctx_len - q_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
-        for start in range(0, end, BLOCK_N):
+        first = 0
+        if WINDOW > 0:
+            first = tl.maximum(ctx_len - q_len + tile * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < end
             block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -91,7 +97,10 @@ def _attention_kernel(
                 s = tl.dot(q.to(tl.float32), k.to(tl.float32))
             else:
                 s = tl.dot(q, k)
-            s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s * scale, float("-inf"))  # (M, N)
+            visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+            if WINDOW > 0:  # a query at pos sees pos - WINDOW + 1 .. pos
+                visible = visible & (n[None, :] > pos[:, None] - WINDOW)
+            s = tl.where(visible, s * scale, float("-inf"))  # (M, N)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
             p = tl.exp(s - m_safe[:, None])
@@ -153,11 +162,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     cu_query_lens: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int | None = None) -> torch.Tensor:
     """q (T, nh, hd) -> (T, nh, hd): each sequence's queries (``cu_query_lens``, (B+1,)) over
     its ``context_lens`` (B,) cached tokens, the last ``query_len`` of which are its own,
-    causally. ``k_cache``/``v_cache`` (num_blocks, block_size, nkv, hd), any strides but the
-    last; ``block_tables`` (B, M) int32."""
+    causally (and each over its last ``window`` keys only, if given). ``k_cache``/``v_cache``
+    (num_blocks, block_size, nkv, hd), any strides but the last; ``block_tables`` (B, M) int32."""
     _last_dim_contiguous(q, k_cache, v_cache)
     _check_device(q)
     t, nh, hd = q.shape
@@ -165,7 +174,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t == 0:
         return out
     nkv, block_size = k_cache.shape[2], k_cache.shape[1]
-    constants = launch_constants(nh, nkv, hd, block_size, max_query_len, q.dtype, interpreted())
+    constants = launch_constants(nh, nkv, hd, block_size, max_query_len, q.dtype, interpreted(), window)
     _attention_kernel[(block_tables.shape[0], triton.cdiv(max_query_len, constants["BLOCK_Q"]), nkv)](
         q, k_cache, v_cache, out, block_tables, cu_query_lens, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -176,13 +185,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def launch_constants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, max_query_len: int,
-                     dtype: torch.dtype, interpreted: bool) -> dict[str, int]:
+                     dtype: torch.dtype, interpreted: bool, window: int | None = None) -> dict[str, int]:
     """The attention kernel's compile-time constants for one launch (tests/engine/
-    triton_compile.py compiles the same ones for a GPU)."""
+    triton_compile.py compiles the same ones for a GPU). A window is one of them (0: none): a
+    model's layers have one or two, each its own compiled kernel."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
                 GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_Q=_block_q(max_query_len, group_pad),
-                BLOCK_N=BLOCK_N, DOT=1 if dtype == torch.float32 else 2 if interpreted else 0)
+                BLOCK_N=BLOCK_N, DOT=1 if dtype == torch.float32 else 2 if interpreted else 0, WINDOW=window or 0)
 
 
 def _block_q(max_query_len: int, group_pad: int) -> int:
@@ -206,8 +216,9 @@ class TritonAttention(AttentionBackend):
         self.scale = head_dim ** -0.5 if scale is None else scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
+                window: int | None = None) -> torch.Tensor:
         """q (T, nh, hd), k/v (T, nkv, hd) -> (T, nh, hd). Stores k/v in their slots first."""
         store_kv(k, v, k_cache, v_cache, ctx.slot_block, ctx.slot_offset)
         return paged_attention(q.contiguous(), k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens,
-                               ctx.context_lens_t, ctx.max_query_len, self.scale)
+                               ctx.context_lens_t, ctx.max_query_len, self.scale, window)

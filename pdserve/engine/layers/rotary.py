@@ -2,8 +2,9 @@
 
 The cos/sin table is built once in float32 (like HF's per-call computation, elementwise the
 same products) and cast to the activation dtype at lookup, so results match bit for bit.
-Scalings: ``llama3`` (Llama 3.1+) and ``yarn`` (DeepSeek-V2/V3, whose real configs extend a
-4k pretraining context 40 times; yarn also scales cos/sin by an attention factor). DeepSeek
+Scalings: ``llama3`` (Llama 3.1+), ``yarn`` (DeepSeek-V2/V3, whose real configs extend a
+4k pretraining context 40 times; yarn also scales cos/sin by an attention factor) and
+``linear`` (every frequency divided by ``factor``: Gemma 3's global layers, 8 in the 4B-27B). DeepSeek
 rotates interleaved pairs (x0, x1), (x2, x3), ... instead of Llama's two halves:
 ``apply_rotary_interleaved`` (V3's layout) and ``apply_rotary_complex`` (V2's).
 """
@@ -17,11 +18,14 @@ import torch
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
-    """(head_dim/2,) float32 inverse frequencies, with llama3 or yarn long-context scaling if given."""
+    """(head_dim/2,) float32 inverse frequencies, with llama3, yarn or linear long-context scaling
+    if given."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
+    if _rope_type(scaling) == "linear":  # transformers' inv_freq /= factor, in float32
+        return inv_freq / float(scaling["factor"])
     if _rope_type(scaling) == "yarn":
         return _yarn_inverse_frequencies(head_dim, theta, theta ** exponents, scaling)
     factor = float(scaling["factor"])

@@ -42,9 +42,14 @@ from pdserve.engine.weights import load_checkpoint
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+    """This rank's heads of a layer's attention. ``window``: the keys a query sees, its own
+    included, where the layer slides (``ModelConfig.layer_windows``); None: every key up to it."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, window: int | None = None):
         super().__init__()
-        self.tp = tp
+        if window is not None and window < 1:
+            raise ValueError(f"an attention window must be at least 1 key, got {window}")
+        self.tp, self.window = tp, window
         # This rank's heads: q heads and KV heads each split evenly, so every rank keeps the
         # model's GQA ratio and its q heads read only its own KV heads.
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
@@ -64,7 +69,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         # The backend splits q|k|v, rotates, stores K/V and attends (fused where it can).
         out = self.backend.attend(self.qkv_proj(x), rope, self.k_cache, self.v_cache, ctx,
-                                  self.nh, self.nkv, self.hd)  # (T, nh, hd), this rank's heads
+                                  self.nh, self.nkv, self.hd, window=self.window)  # (T, nh, hd), this rank's heads
         return self.tp.all_reduce(self.o_proj(out.reshape(x.shape[0], self.q_size))).to(x.dtype)
 
 
@@ -143,7 +148,7 @@ class CausalLM(nn.Module):
         return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
-        return DecoderLayer(cfg, tp=self.tp)
+        return DecoderLayer(cfg, Attention(cfg, self.tp, window=cfg.window(index)), tp=self.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden)."""

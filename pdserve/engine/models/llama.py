@@ -1,8 +1,9 @@
 """Llama, Mistral and Qwen2 (SmolLM is a Llama): the shared decoder (decoder.py) as it is.
 
 What the three configs differ in, read here: Qwen2 has biases on q, k and v; Mistral's
-``sliding_window`` caps the context (no windowed attention: within the window it is full
-attention); Llama 3.1+ scales RoPE (``llama3``).
+``sliding_window`` caps the context (within the window it is full attention; the backends'
+windows, ``ModelConfig.layer_windows``, are not used for it yet); Llama 3.1+ scales RoPE
+(``llama3``).
 """
 
 from __future__ import annotations

@@ -14,10 +14,11 @@ refused at load (the model has no parameter for it).
 
 The config, field by field:
 - ``sliding_window``: transformers lets each query attend to the last ``sliding_window`` keys,
-  itself included. pdserve has no windowed attention, so, as for Mistral (llama.py), the window
-  caps the context (``ModelConfig.max_model_len``: the smaller of it and
-  ``max_position_embeddings``); a sequence that fits the window attends to all of it either
-  way. Phi-3-mini-4k says 2047, so it serves 2047 tokens, not 4096.
+  itself included. As for Mistral (llama.py), the window caps the context
+  (``ModelConfig.max_model_len``: the smaller of it and ``max_position_embeddings``); a
+  sequence that fits the window attends to all of it either way. Phi-3-mini-4k says 2047, so it
+  serves 2047 tokens, not 4096. (The backends' windows, ``ModelConfig.layer_windows``, would
+  serve all 4096 windowed; this reader does not use them yet.)
 - refused, naming the field: RoPE scaling of any type (``longrope``, which old configs spell
   ``su`` or ``yarn``, and transformers reads both as longrope: Phi-3-mini-128k, Phi-3.5-mini);
   ``partial_rotary_factor`` other than 1 (Phi-4-mini rotates 3/4 of each head); a

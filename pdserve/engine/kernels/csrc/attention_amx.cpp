@@ -80,14 +80,14 @@ inline void group_sums(const uint32_t* qt) {
 
 template <int STEPS>
 void scores_steps(const uint32_t* qt, int64_t rows, const uint16_t* cache, const int64_t* offsets, int64_t key_bytes,
-                  const int64_t* keys, int64_t n_max, int64_t stride, float scale, float* out) {
+                  const int64_t* first, const int64_t* keys, int64_t n_max, int64_t stride, float scale, float* out) {
   const int64_t groups = (rows + ROWS - 1) / ROWS;
   const __m512 s = _mm512_set1_ps(scale);
   const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(ROWS), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
                                                                                        10, 11, 12, 13, 14, 15));
   alignas(64) float c[KEYS * ROWS];
   pdserve::configure_tiles();
-  for (int64_t k0 = 0; k0 < n_max && keys[rows - 1] > k0; k0 += KEYS) {
+  for (int64_t k0 = first[0] / KEYS * KEYS; k0 < n_max && keys[rows - 1] > k0; k0 += KEYS) {
     // The next group's rows: consecutive keys lie a whole token's KV (every layer's) apart,
     // too far for the hardware prefetcher.
     for (int64_t k = k0 + KEYS; k < k0 + 2 * KEYS && k < n_max; ++k) {
@@ -97,11 +97,12 @@ void scores_steps(const uint32_t* qt, int64_t rows, const uint16_t* cache, const
     load_keys<STEPS>(cache + offsets[k0], key_bytes);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = g * ROWS, r1 = std::min(rows, r0 + ROWS);
-      if (keys[r1 - 1] <= k0) continue;  // rows are in query order: the group's last sees the most keys
+      // Rows are in query order: the group's last sees the most keys, its first the earliest.
+      if (keys[r1 - 1] <= k0 || first[r0] >= k0 + KEYS) continue;
       group_sums<STEPS>(qt + g * STEPS * 256);
       _tile_stored(0, c, 64);
       for (int64_t r = r0; r < r1; ++r) {
-        if (keys[r] <= k0) continue;
+        if (keys[r] <= k0 || first[r] >= k0 + KEYS) continue;
         const __m512 col = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>(r - r0))),
                                                c, 4);
         _mm512_storeu_ps(out + r * stride + k0, _mm512_mul_ps(col, s));
@@ -127,14 +128,14 @@ inline void probabilities(const float* p, int64_t stride, const int64_t* keys, i
 
 // acc tiles [0, NT) += P (tmm4) x V for each block of 32 keys of one group of rows, then stored.
 template <int NT>
-void group_values(const float* p, int64_t stride, const int64_t* keys, int64_t r0, int64_t r1, const uint16_t* pairs,
-                  int64_t tiles, int64_t dc, float* acc, int64_t hd) {
+void group_values(const float* p, int64_t stride, const int64_t* first, const int64_t* keys, int64_t r0, int64_t r1,
+                  const uint16_t* pairs, int64_t tiles, int64_t dc, float* acc, int64_t hd) {
   alignas(64) uint16_t a[ROWS * 32];
   _tile_zero(0);
   if constexpr (NT > 1) _tile_zero(1);
   if constexpr (NT > 2) _tile_zero(2);
   if constexpr (NT > 3) _tile_zero(3);
-  for (int64_t k0 = 0; k0 < keys[r1 - 1]; k0 += 32) {
+  for (int64_t k0 = first[r0] / 32 * 32; k0 < keys[r1 - 1]; k0 += 32) {  // +0 weights before a row's first key
     probabilities(p, stride, keys, r0, r1, k0, a);
     _tile_loadd(4, a, 64);
     const uint16_t* b = pairs + ((k0 / 32) * tiles + dc) * 512;  // 512 bfloat16 = one 1 KB tile
@@ -165,18 +166,18 @@ void group_values(const float* p, int64_t stride, const int64_t* keys, int64_t r
 
 namespace pdserve::attention_amx {
 
-void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* keys,
-                     const uint16_t* pairs, float* acc) {
+void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* first,
+                     const int64_t* keys, const uint16_t* pairs, float* acc) {
   const int64_t tiles = hd / 16;
   pdserve::configure_tiles();
   for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
     const int64_t r1 = std::min(rows, r0 + ROWS);
     for (int64_t dc = 0; dc < tiles; dc += 4) {
       switch (std::min<int64_t>(4, tiles - dc)) {
-        case 1: group_values<1>(p, stride, keys, r0, r1, pairs, tiles, dc, acc, hd); break;
-        case 2: group_values<2>(p, stride, keys, r0, r1, pairs, tiles, dc, acc, hd); break;
-        case 3: group_values<3>(p, stride, keys, r0, r1, pairs, tiles, dc, acc, hd); break;
-        default: group_values<4>(p, stride, keys, r0, r1, pairs, tiles, dc, acc, hd); break;
+        case 1: group_values<1>(p, stride, first, keys, r0, r1, pairs, tiles, dc, acc, hd); break;
+        case 2: group_values<2>(p, stride, first, keys, r0, r1, pairs, tiles, dc, acc, hd); break;
+        case 3: group_values<3>(p, stride, first, keys, r0, r1, pairs, tiles, dc, acc, hd); break;
+        default: group_values<4>(p, stride, first, keys, r0, r1, pairs, tiles, dc, acc, hd); break;
       }
     }
   }
@@ -188,13 +189,13 @@ bool supported(int64_t hd, int64_t block_size) {
 }
 
 void scores(const uint32_t* qt, int64_t rows, int64_t hd, const uint16_t* k, const int64_t* offsets, int64_t key_stride,
-            const int64_t* keys, int64_t n_max, int64_t stride, float scale, float* out) {
+            const int64_t* first, const int64_t* keys, int64_t n_max, int64_t stride, float scale, float* out) {
   const int64_t key_bytes = key_stride * 2;
   switch (hd / DIMS) {
-    case 1: scores_steps<1>(qt, rows, k, offsets, key_bytes, keys, n_max, stride, scale, out); break;
-    case 2: scores_steps<2>(qt, rows, k, offsets, key_bytes, keys, n_max, stride, scale, out); break;
-    case 3: scores_steps<3>(qt, rows, k, offsets, key_bytes, keys, n_max, stride, scale, out); break;
-    default: scores_steps<4>(qt, rows, k, offsets, key_bytes, keys, n_max, stride, scale, out); break;
+    case 1: scores_steps<1>(qt, rows, k, offsets, key_bytes, first, keys, n_max, stride, scale, out); break;
+    case 2: scores_steps<2>(qt, rows, k, offsets, key_bytes, first, keys, n_max, stride, scale, out); break;
+    case 3: scores_steps<3>(qt, rows, k, offsets, key_bytes, first, keys, n_max, stride, scale, out); break;
+    default: scores_steps<4>(qt, rows, k, offsets, key_bytes, first, keys, n_max, stride, scale, out); break;
   }
 }
 

@@ -106,16 +106,17 @@ inline void accumulate(const float* const* p, float* const* acc, const float* v,
 
 namespace pdserve::attention512 {
 
-void scores(const float* q, int64_t rows, int64_t hd, const int64_t* keys, const float* kt, int64_t n_max,
-            int64_t stride, float scale, float* out) {
+void scores(const float* q, int64_t rows, int64_t hd, const int64_t* first, const int64_t* keys, const float* kt,
+            int64_t n_max, int64_t stride, float scale, float* out) {
   const __m512 s = _mm512_set1_ps(scale);
-  for (int64_t k0 = 0; k0 < n_max; k0 += LANES) {
+  for (int64_t k0 = first[0] / LANES * LANES; k0 < n_max; k0 += LANES) {
     const float* block = kt + k0 * hd;  // block k0 / 16 of (hd, 16) floats
+    auto sees = [&](int64_t r) { return keys[r] > k0 && first[r] < k0 + LANES; };  // a key of this block
     int64_t r = 0;
     while (r < rows) {
-      if (keys[r] <= k0) {  // no key of this block is visible to row r
+      if (!sees(r)) {
         ++r;
-      } else if (r + 1 < rows && keys[r + 1] > k0) {
+      } else if (r + 1 < rows && sees(r + 1)) {
         score_rows2(q + r * hd, q + (r + 1) * hd, block, hd, s, out + r * stride + k0, out + (r + 1) * stride + k0);
         r += 2;
       } else {
@@ -126,22 +127,23 @@ void scores(const float* q, int64_t rows, int64_t hd, const int64_t* keys, const
   }
 }
 
-void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* keys, const float* v,
-                     float* acc) {
+void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* first,
+                     const int64_t* keys, const float* v, float* acc) {
   std::fill(acc, acc + rows * hd, 0.f);
   int64_t r = 0;
-  for (; r + 1 < rows; r += 2) {  // keys[r] <= keys[r + 1]: rows are in query order
+  for (; r + 1 < rows; r += 2) {  // keys[r] <= keys[r + 1], first[r] <= first[r + 1]: rows are in query order
     const float* pr[2] = {p + r * stride, p + (r + 1) * stride};
     float* ar[2] = {acc + r * hd, acc + (r + 1) * hd};
     const int64_t both = std::min(keys[r], keys[r + 1]);
-    accumulate<2>(pr, ar, v, hd, 0, both);
+    // From row r's first key: row r + 1's weights before its own first are +0 and leave its acc +0.
+    accumulate<2>(pr, ar, v, hd, first[r], both);
     const int64_t longer = keys[r] > keys[r + 1] ? 0 : 1;
     accumulate<1>(pr + longer, ar + longer, v, hd, both, keys[r + longer]);
   }
   if (r < rows) {
     const float* pr[1] = {p + r * stride};
     float* ar[1] = {acc + r * hd};
-    accumulate<1>(pr, ar, v, hd, 0, keys[r]);
+    accumulate<1>(pr, ar, v, hd, first[r], keys[r]);
   }
 }
 

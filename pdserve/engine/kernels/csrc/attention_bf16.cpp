@@ -77,12 +77,12 @@ inline void score_rows(const uint32_t* const* q, const uint32_t* block, int64_t 
 }
 
 template <int R>
-inline void score_group(const uint32_t* qrows, int64_t r0, int64_t pairs, const int64_t* keys, const uint32_t* kt,
-                        int64_t n_max, int64_t stride, __m512 scale, float* out) {
+inline void score_group(const uint32_t* qrows, int64_t r0, int64_t pairs, const int64_t* first, const int64_t* keys,
+                        const uint32_t* kt, int64_t n_max, int64_t stride, __m512 scale, float* out) {
   const uint32_t* q[R];
   for (int r = 0; r < R; ++r) q[r] = qrows + (r0 + r) * pairs;
   const int64_t reach = std::min(n_max, keys[r0 + R - 1]);  // rows are in query order: the last sees the most
-  for (int64_t k0 = 0; k0 < reach; k0 += 2 * KEYS) {
+  for (int64_t k0 = first[r0] / KEYS * KEYS; k0 < reach; k0 += 2 * KEYS) {  // and the first the earliest
     float* o[R];
     for (int r = 0; r < R; ++r) o[r] = out + (r0 + r) * stride + k0;
     const uint32_t* block = kt + (k0 / KEYS) * pairs * KEYS;
@@ -93,14 +93,15 @@ inline void score_group(const uint32_t* qrows, int64_t r0, int64_t pairs, const 
   }
 }
 
-// R rows' weighted values over columns [d0, d0 + 64) (or fewer: 16 per tile of the pairs layout).
+// R rows' weighted values over columns [d0, d0 + 64) (or fewer: 16 per tile of the pairs layout),
+// key pairs [j0, key_pairs).
 template <int R, int T>
-inline void value_rows(const uint32_t* const* p, int64_t key_pairs, const uint16_t* pairs, int64_t tiles, int64_t t0,
-                       float* const* acc) {
+inline void value_rows(const uint32_t* const* p, int64_t j0, int64_t key_pairs, const uint16_t* pairs, int64_t tiles,
+                       int64_t t0, float* const* acc) {
   __m512 a[R][T];
   for (auto& row : a)
     for (auto& v : row) v = _mm512_setzero_ps();
-  for (int64_t j = 0; j < key_pairs; ++j) {
+  for (int64_t j = j0; j < key_pairs; ++j) {
     const uint16_t* row = pairs + ((j / 16) * tiles + t0) * 512 + (j % 16) * 32;
     __m512i v[T];
     for (int t = 0; t < T; ++t) v[t] = _mm512_loadu_si512(row + t * 512);
@@ -114,20 +115,21 @@ inline void value_rows(const uint32_t* const* p, int64_t key_pairs, const uint16
 }
 
 template <int R>
-inline void value_group(const uint32_t* const* p, int64_t key_pairs, const uint16_t* pairs, int64_t tiles,
+inline void value_group(const uint32_t* const* p, int64_t j0, int64_t key_pairs, const uint16_t* pairs, int64_t tiles,
                         float* const* acc) {
   int64_t t0 = 0;
-  for (; t0 + 4 <= tiles; t0 += 4) value_rows<R, 4>(p, key_pairs, pairs, tiles, t0, acc);
-  for (; t0 + 2 <= tiles; t0 += 2) value_rows<R, 2>(p, key_pairs, pairs, tiles, t0, acc);
+  for (; t0 + 4 <= tiles; t0 += 4) value_rows<R, 4>(p, j0, key_pairs, pairs, tiles, t0, acc);
+  for (; t0 + 2 <= tiles; t0 += 2) value_rows<R, 2>(p, j0, key_pairs, pairs, tiles, t0, acc);
 }
 
 }  // namespace
 
 namespace pdserve::attention_bf16 {
 
-void transpose_keys(const uint16_t* cache, const int64_t* offsets, int64_t n, int64_t hd, uint32_t* out) {
+void transpose_keys(const uint16_t* cache, const int64_t* offsets, int64_t from, int64_t n, int64_t hd,
+                    uint32_t* out) {
   const int64_t pairs = hd / 2;
-  for (int64_t k0 = 0; k0 < n; k0 += KEYS) {
+  for (int64_t k0 = from; k0 < n; k0 += KEYS) {
     uint32_t* block = out + (k0 / KEYS) * pairs * KEYS;
     for (int64_t h = 0; h < hd / 32; ++h) {  // pairs [16 h, 16 h + 16)
       __m512i r[16];
@@ -139,21 +141,21 @@ void transpose_keys(const uint16_t* cache, const int64_t* offsets, int64_t n, in
   }
 }
 
-void scores(const uint32_t* q, int64_t rows, int64_t hd, const int64_t* keys, const uint32_t* kt, int64_t n_max,
-            int64_t stride, float scale, float* out) {
+void scores(const uint32_t* q, int64_t rows, int64_t hd, const int64_t* first, const int64_t* keys,
+            const uint32_t* kt, int64_t n_max, int64_t stride, float scale, float* out) {
   const __m512 s = _mm512_set1_ps(scale);
   const int64_t pairs = hd / 2;
   int64_t r0 = 0;
-  for (; r0 + 4 <= rows; r0 += 4) score_group<4>(q, r0, pairs, keys, kt, n_max, stride, s, out);
+  for (; r0 + 4 <= rows; r0 += 4) score_group<4>(q, r0, pairs, first, keys, kt, n_max, stride, s, out);
   switch (rows - r0) {
-    case 3: score_group<3>(q, r0, pairs, keys, kt, n_max, stride, s, out); break;
-    case 2: score_group<2>(q, r0, pairs, keys, kt, n_max, stride, s, out); break;
-    case 1: score_group<1>(q, r0, pairs, keys, kt, n_max, stride, s, out); break;
+    case 3: score_group<3>(q, r0, pairs, first, keys, kt, n_max, stride, s, out); break;
+    case 2: score_group<2>(q, r0, pairs, first, keys, kt, n_max, stride, s, out); break;
+    case 1: score_group<1>(q, r0, pairs, first, keys, kt, n_max, stride, s, out); break;
     default: break;
   }
 }
 
-void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t n, int64_t hd, uint16_t* out) {
+void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t from, int64_t n, int64_t hd, uint16_t* out) {
   __m512i lo_idx, hi_idx;  // (a[i], b[i]) for i in [0, 16), and for i in [16, 32)
   {
     alignas(64) uint16_t lo[32], hi[32];
@@ -165,7 +167,7 @@ void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t n, int64
     hi_idx = _mm512_load_si512(hi);
   }
   const int64_t tiles = hd / 16;
-  for (int64_t k0 = 0; k0 < n; k0 += 32) {
+  for (int64_t k0 = from; k0 < n; k0 += 32) {
     uint16_t* block = out + (k0 / 32) * tiles * 512;
     for (int64_t pair = 0; pair < 16; ++pair) {
       const int64_t k = k0 + 2 * pair;
@@ -181,22 +183,23 @@ void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t n, int64
   }
 }
 
-void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* keys,
-                     const uint16_t* pairs, uint16_t* pb, float* acc) {
-  const int64_t tiles = hd / 16, padded = (keys[rows - 1] + 31) / 32 * 32;
-  for (int64_t r = 0; r < rows; ++r)  // each row in bfloat16, zeros past its own keys
-    for (int64_t k0 = 0; k0 < padded; k0 += 32)
+void weighted_values(const float* p, int64_t stride, int64_t rows, int64_t hd, const int64_t* first,
+                     const int64_t* keys, const uint16_t* pairs, uint16_t* pb, float* acc) {
+  const int64_t tiles = hd / 16, padded = (keys[rows - 1] + 31) / 32 * 32, base = first[0] / 32 * 32;
+  for (int64_t r = 0; r < rows; ++r)  // each row in bfloat16, zeros past its own keys (and +0 before its first)
+    for (int64_t k0 = base; k0 < padded; k0 += 32)
       pdserve::round_probabilities32(p + r * stride + k0, keys[r] - k0, pb + r * padded + k0);
   int64_t r0 = 0;
   for (; r0 < rows; r0 += 2) {
     const int64_t n = keys[std::min(rows, r0 + 2) - 1];  // the pair's longer row
+    const int64_t j0 = first[r0] / 32 * 16;  // the block of the pair's earlier first key, in pairs of keys
     const uint32_t* pr[2] = {reinterpret_cast<const uint32_t*>(pb + r0 * padded),
                              reinterpret_cast<const uint32_t*>(pb + (r0 + 1) * padded)};
     float* ar[2] = {acc + r0 * hd, acc + (r0 + 1) * hd};
     if (r0 + 1 < rows)
-      value_group<2>(pr, (n + 1) / 2, pairs, tiles, ar);
+      value_group<2>(pr, j0, (n + 1) / 2, pairs, tiles, ar);
     else
-      value_group<1>(pr, (n + 1) / 2, pairs, tiles, ar);
+      value_group<1>(pr, j0, (n + 1) / 2, pairs, tiles, ar);
   }
 }
 

@@ -20,6 +20,6 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
                          int64_t num_heads, int64_t num_kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
-                           const at::Tensor& cu_q, const at::Tensor& ctx, double scale);
+                           const at::Tensor& cu_q, const at::Tensor& ctx, double scale, int64_t window = 0);
 
 }  // namespace pdserve

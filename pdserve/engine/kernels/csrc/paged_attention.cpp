@@ -3,11 +3,13 @@
 //
 //   torch.ops.pdserve.paged_attention(q (T, nh, hd), k_cache, v_cache (num_blocks, block_size,
 //       nkv, hd) strided views, block_tables (B, M) int32, cu_query_lens (B+1) int32,
-//       context_lens (B) int32, scale float) -> out (T, nh, hd), the dtype of q
+//       context_lens (B) int32, scale float, window int = 0) -> out (T, nh, hd), the dtype of q
 //
 // Query j of sequence b (token cu_query_lens[b] + j) sits at position
 // context_lens[b] - query_len + j and attends to cache positions [0, pos]: its own K/V is
-// already in the cache (the caller writes the new tokens' K/V first).
+// already in the cache (the caller writes the new tokens' K/V first). With a sliding window
+// (window > 0, a layer of Gemma 3's) it attends to (pos - window, pos] instead: the last
+// `window` positions, its own included.
 //
 // Why the result is batch-invariant (bitwise, in every dtype, at any thread count):
 // a query row's output is computed by one fixed sequence of float32 operations that reads
@@ -22,6 +24,13 @@
 //     exp below (FMA only, no libm, so no CPU dispatch); l = fixed tree over 8 lane sums,
 //     lane i summing p_k for k = i mod 8 in increasing k; past-the-end lanes add an exact 0.
 //   - out[d] = (sum_k p_k * V_k[d], FMA in increasing k, keys past pos never touched) / l.
+//   - a window: the row's first key f = max(0, pos + 1 - window) plays the part 0 plays above.
+//     Keys below f get p_k = +0 exactly and are left out of m. A loop may start below f, at
+//     an aligned key that depends on the work item (its lowest row's f), but what it adds
+//     there changes no bit: lane sums and accumulators start at +0 and stay +0 through any
+//     number of +0 terms (+0 + +0 = +0, and fma(+0, v, +0) = +0 for every finite v). So the
+//     row's bits depend on its own f and pos only. Without a window f = 0 and every loop
+//     runs exactly as it did before windows existed.
 // Parallelism is over (sequence, kv head, tile of queries) work items, each computed by one
 // thread start to finish, with no reduction across threads; a tile only shares loads of
 // K/V rows between its rows, never partial results. bf16/f16 inputs are widened exactly
@@ -92,21 +101,40 @@ enum class Pairs { kNone, kDot, kAmx };
 // Per-thread buffers, kept between calls (a layer call must not pay for zeroing them).
 using pdserve::Buffer;
 
-// Which (cache, call, sequence, kv head) a thread's prepared K or V rows came from, and how
-// many keys they cover: a thread's next items are usually earlier tiles of the same head.
+// Which (cache, call, sequence, kv head) a thread's prepared K or V rows came from, and which
+// keys [from, keys) they cover: a thread's next items are usually earlier tiles of the same
+// head (with a window, they reach further down and not as far up).
 struct Prepared {
   const void* cache = nullptr;
   uint64_t call = 0;
-  int64_t seq = -1, head = -1, keys = 0;
-  bool holds(const void* c, uint64_t k, int64_t s, int64_t h, int64_t n) const {
+  int64_t seq = -1, head = -1, from = 0, keys = 0;
+  bool same(const void* c, uint64_t k, int64_t s, int64_t h, int64_t n) const {
     return cache == c && call == k && seq == s && head == h && keys >= n;
+  }
+  bool holds(const void* c, uint64_t k, int64_t s, int64_t h, int64_t lo, int64_t n) const {
+    return same(c, k, s, h, n) && from <= lo;
+  }
+  // Keys [lo, n) wanted and not held: [*begin, *end) is what is still to prepare, and from
+  // then on held. True when that is all of them (a fresh start: grow the buffers first, which
+  // drops their contents), false when only the keys below those held are missing.
+  bool extend(const void* c, uint64_t k, int64_t s, int64_t h, int64_t lo, int64_t n, int64_t* begin,
+              int64_t* end) {
+    *begin = lo;
+    if (same(c, k, s, h, n)) {
+      *end = from;
+      from = lo;
+      return false;
+    }
+    *end = n;
+    *this = {c, k, s, h, lo, n};
+    return true;
   }
 };
 
 struct Scratch {
   // (R, hd), (R, S), (R, hd), (KEYS, hd), (R,); zero: (hd,) the row read for keys past the end.
   Buffer q{0}, scores{16}, acc{32}, kv{48}, denom{13}, zero{29};
-  std::vector<int64_t> offsets, keys;            // (S,) cache offset of each key, (R,) keys row r sees
+  std::vector<int64_t> offsets, keys, first;     // (S,) cache offset of each key; (R,) row r sees keys [first, keys)
   // The wide loops' K (transposed, blocks of 16 keys) and V (rows) of one (sequence, kv head)
   // in float32, kept while the thread's next items are tiles of the same sequence and head.
   Buffer kt{45}, vrows{61};
@@ -117,7 +145,7 @@ struct Scratch {
   Prepared pairs, kpaired;
   void reserve(int64_t rows, int64_t max_keys, int64_t hd) {
     q.grow(rows * hd); scores.grow(rows * max_keys); acc.grow(rows * hd); kv.grow(KEYS * hd);
-    denom.grow(rows); zero.grow(hd); grow(offsets, max_keys); grow(keys, rows);
+    denom.grow(rows); zero.grow(hd); grow(offsets, max_keys); grow(keys, rows); grow(first, rows);
   }
   template <typename V>
   static void grow(std::vector<V>& v, int64_t n) {
@@ -129,9 +157,10 @@ template <typename T>
 class Worker {
  public:
   Worker(const Geometry& g, const T* q, const T* k, const T* v, T* out, const int32_t* tables,
-         const int32_t* cu_q, const int32_t* ctx, float scale, Scratch& s, bool wide, Pairs pairs, uint64_t call)
-      : g_(g), q_(q), k_(k), v_(v), out_(out), tables_(tables), cu_q_(cu_q), ctx_(ctx), scale_(scale), s_(s),
-        wide_(wide), amx_(pairs == Pairs::kAmx), dot_(pairs == Pairs::kDot), call_(call) {}
+         const int32_t* cu_q, const int32_t* ctx, float scale, int64_t window, Scratch& s, bool wide, Pairs pairs,
+         uint64_t call)
+      : g_(g), q_(q), k_(k), v_(v), out_(out), tables_(tables), cu_q_(cu_q), ctx_(ctx), scale_(scale),
+        window_(window), s_(s), wide_(wide), amx_(pairs == Pairs::kAmx), dot_(pairs == Pairs::kDot), call_(call) {}
 
   void run(const Item& it) {
     const int64_t qlen = cu_q_[it.seq + 1] - cu_q_[it.seq];
@@ -143,9 +172,14 @@ class Worker {
     const int64_t tok0 = cu_q_[it.seq] + it.q_begin;
     for (int64_t r = 0; r < rows; ++r) {
       s_.keys[r] = pos0 + r / g_.group + 1;
+      s_.first[r] = window_ > 0 ? std::max<int64_t>(0, s_.keys[r] - window_) : 0;
       if (!amx_ && !dot_) widen_row(q_row(tok0, it, r), s_.q.data() + r * hd, hd);
     }
-    key_offsets(tables_ + static_cast<int64_t>(it.seq) * g_.max_blocks, it.kv_head, n_max);
+    // The lowest key any loop of this item reads: its first row's first key (rows are in query
+    // order, so it is the least), down to a multiple of 32, which every loop's step divides.
+    // 0 without a window.
+    base_ = s_.first[0] / 32 * 32;
+    key_offsets(tables_ + static_cast<int64_t>(it.seq) * g_.max_blocks, it.kv_head, base_, n_max);
     const bool wide = wide_ && rows >= WIDE_MIN_ROWS;  // tiles of many rows take the AVX-512 loops
     if (amx_) {
       amx_scores(tok0, it, rows, n_max, stride);
@@ -153,17 +187,18 @@ class Worker {
       dot_scores(tok0, it, rows, n_max, stride);
     } else if (wide) {
       widen_kv(it, n_max);
-      pdserve::attention512::scores(s_.q.data(), rows, hd, s_.keys.data(), s_.kt.data(), n_max, stride, scale_,
-                                    s_.scores.data());
+      pdserve::attention512::scores(s_.q.data(), rows, hd, s_.first.data(), s_.keys.data(), s_.kt.data(), n_max,
+                                    stride, scale_, s_.scores.data());
     } else {
       scores(rows, n_max, stride);
     }
-    for (int64_t r = 0; r < rows; ++r) s_.denom[r] = softmax(s_.scores.data() + r * stride, s_.keys[r]);
+    for (int64_t r = 0; r < rows; ++r)
+      s_.denom[r] = softmax(s_.scores.data() + r * stride, base_, s_.first[r], s_.keys[r]);
     if (amx_ || dot_) {
       pairs_values(it, rows, n_max, stride);
     } else if (wide) {  // K and V widened above
-      pdserve::attention512::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), s_.vrows.data(),
-                                             s_.acc.data());
+      pdserve::attention512::weighted_values(s_.scores.data(), stride, rows, hd, s_.first.data(), s_.keys.data(),
+                                             s_.vrows.data(), s_.acc.data());
     } else {
       weighted_values(rows, n_max, stride);
     }
@@ -194,7 +229,8 @@ class Worker {
         std::memcpy(group + (pair / 16) * 256 + (pair % 16) * 16, q + 2 * pair, 4);
     }
     pdserve::attention_amx::scores(qt, rows, hd, reinterpret_cast<const uint16_t*>(k_), s_.offsets.data(),
-                                   g_.cache_token, s_.keys.data(), n_max, stride, scale_, s_.scores.data());
+                                   g_.cache_token, s_.first.data(), s_.keys.data(), n_max, stride, scale_,
+                                   s_.scores.data());
   }
 
   // The avx512_bf16 path's scores (attention_bf16.cpp): q's rows as bfloat16, K transposed into
@@ -204,13 +240,13 @@ class Worker {
     s_.qt.grow(rows * hd / 2);
     uint16_t* q = reinterpret_cast<uint16_t*>(s_.qt.data());
     for (int64_t r = 0; r < rows; ++r) std::memcpy(q + r * hd, q_row(tok0, it, r), hd * 2);
-    if (!s_.kpaired.holds(k_, call_, it.seq, it.kv_head, n_max)) {
-      s_.kpairs.grow(padded * hd / 2);
-      pdserve::attention_bf16::transpose_keys(reinterpret_cast<const uint16_t*>(k_), s_.offsets.data(), n_max, hd,
-                                              reinterpret_cast<uint32_t*>(s_.kpairs.data()));
-      s_.kpaired = {k_, call_, it.seq, it.kv_head, n_max};
+    if (!s_.kpaired.holds(k_, call_, it.seq, it.kv_head, base_, n_max)) {
+      int64_t begin, end;
+      if (s_.kpaired.extend(k_, call_, it.seq, it.kv_head, base_, n_max, &begin, &end)) s_.kpairs.grow(padded * hd / 2);
+      pdserve::attention_bf16::transpose_keys(reinterpret_cast<const uint16_t*>(k_), s_.offsets.data(), begin, end,
+                                              hd, reinterpret_cast<uint32_t*>(s_.kpairs.data()));
     }
-    pdserve::attention_bf16::scores(reinterpret_cast<const uint32_t*>(q), rows, hd, s_.keys.data(),
+    pdserve::attention_bf16::scores(reinterpret_cast<const uint32_t*>(q), rows, hd, s_.first.data(), s_.keys.data(),
                                     reinterpret_cast<const uint32_t*>(s_.kpairs.data()), n_max, stride, scale_,
                                     s_.scores.data());
   }
@@ -219,35 +255,43 @@ class Worker {
   // across the thread's items of one sequence and kv head as the wide loops' rows are.
   void pairs_values(const Item& it, int64_t rows, int64_t n_max, int64_t stride) {
     const int64_t hd = g_.hd, padded = (n_max + 31) / 32 * 32;
-    if (!s_.pairs.holds(k_, call_, it.seq, it.kv_head, n_max)) {
-      s_.vpairs.grow(padded * hd / 2);  // bfloat16, two to a float
-      pdserve::attention_bf16::pair_values(reinterpret_cast<const uint16_t*>(v_), s_.offsets.data(), n_max, hd,
+    if (!s_.pairs.holds(k_, call_, it.seq, it.kv_head, base_, n_max)) {
+      int64_t begin, end;
+      if (s_.pairs.extend(k_, call_, it.seq, it.kv_head, base_, n_max, &begin, &end))
+        s_.vpairs.grow(padded * hd / 2);  // bfloat16, two to a float
+      pdserve::attention_bf16::pair_values(reinterpret_cast<const uint16_t*>(v_), s_.offsets.data(), begin, end, hd,
                                           reinterpret_cast<uint16_t*>(s_.vpairs.data()));
-      s_.pairs = {k_, call_, it.seq, it.kv_head, n_max};
     }
     const uint16_t* pairs = reinterpret_cast<const uint16_t*>(s_.vpairs.data());
     if (dot_) {
       s_.pb.grow(rows * padded / 2);
-      pdserve::attention_bf16::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), pairs,
-                                               reinterpret_cast<uint16_t*>(s_.pb.data()), s_.acc.data());
+      pdserve::attention_bf16::weighted_values(s_.scores.data(), stride, rows, hd, s_.first.data(), s_.keys.data(),
+                                               pairs, reinterpret_cast<uint16_t*>(s_.pb.data()), s_.acc.data());
       return;
     }
     s_.acc.grow((rows + 15) / 16 * 16 * hd);  // whole tiles of rows
-    pdserve::attention_amx::weighted_values(s_.scores.data(), stride, rows, hd, s_.keys.data(), pairs, s_.acc.data());
+    pdserve::attention_amx::weighted_values(s_.scores.data(), stride, rows, hd, s_.first.data(), s_.keys.data(), pairs,
+                                            s_.acc.data());
   }
 
-  // The wide loops' inputs: K rows [0, n) transposed into blocks of 16 keys (zero past n), and
-  // V rows [0, n), both float32. Kept across the thread's items of one sequence and kv head
-  // (the latest tile comes first and sees the most keys), so a prefill widens each row once.
+  // The wide loops' inputs: K rows [base, n) transposed into blocks of 16 keys (zero past n),
+  // and V rows [base, n), both float32, at their keys' places. Kept across the thread's items
+  // of one sequence and kv head (the latest tile comes first and sees the most keys; with a
+  // window, an earlier tile widens only the rows below those held), so a prefill widens each
+  // row once.
   void widen_kv(const Item& it, int64_t n) {
-    if (s_.wide.holds(k_, call_, it.seq, it.kv_head, n)) return;
-    const int64_t hd = g_.hd, padded = (n + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
-    s_.kt.grow(padded * hd);
-    s_.vrows.grow(padded * hd);
+    if (s_.wide.holds(k_, call_, it.seq, it.kv_head, base_, n)) return;
+    const int64_t hd = g_.hd;
+    int64_t begin, end;
+    if (s_.wide.extend(k_, call_, it.seq, it.kv_head, base_, n, &begin, &end)) {
+      const int64_t padded = (n + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
+      s_.kt.grow(padded * hd);
+      s_.vrows.grow(padded * hd);
+    }
     float* row = s_.kv.data();
-    for (int64_t k = 0; k < padded; ++k) {
+    for (int64_t k = begin; k < (end + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS; ++k) {
       float* kt = s_.kt.data() + (k / WIDE_KEYS) * WIDE_KEYS * hd + k % WIDE_KEYS;
-      if (k < n) {
+      if (k < end) {
         widen_row(k_ + s_.offsets[k], row, hd);
         for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = row[d];
         widen_row(v_ + s_.offsets[k], s_.vrows.data() + k * hd, hd);
@@ -255,13 +299,13 @@ class Worker {
         for (int64_t d = 0; d < hd; ++d) kt[d * WIDE_KEYS] = 0.f;
       }
     }
-    s_.wide = {k_, call_, it.seq, it.kv_head, n};
   }
 
-  // offsets[k]: where key k's row of this kv head starts, in elements from the cache base.
-  void key_offsets(const int32_t* table, int64_t kv_head, int64_t n) {
+  // offsets[k]: where key k's row of this kv head starts, in elements from the cache base, for
+  // the keys [from, n) (and the rest of from's block).
+  void key_offsets(const int32_t* table, int64_t kv_head, int64_t from, int64_t n) {
     int64_t* off = s_.offsets.data();
-    for (int64_t k0 = 0, b = 0; k0 < n; k0 += g_.block_size, ++b) {
+    for (int64_t b = from / g_.block_size, k0 = b * g_.block_size; k0 < n; k0 += g_.block_size, ++b) {
       const int64_t base = table[b] * g_.cache_block + kv_head * g_.cache_head;
       for (int64_t t = 0; t < g_.block_size && k0 + t < n; ++t) off[k0 + t] = base + t * g_.cache_token;
     }
@@ -294,10 +338,11 @@ class Worker {
   void scores(int64_t rows, int64_t n_max, int64_t stride) {
     const float* krow[KEYS];
     const __m256 scale = _mm256_set1_ps(scale_);
-    for (int64_t k0 = 0; k0 < n_max; k0 += KEYS) {
+    for (int64_t k0 = base_; k0 < n_max; k0 += KEYS) {
       key_rows(k_, k0, n_max, krow);
       for (int64_t r = 0; r < rows; ++r) {
-        if (k0 >= s_.keys[r]) continue;  // no key of this group is visible to row r
+        // No key of this group is visible to row r: past its position, or before its window.
+        if (k0 >= s_.keys[r] || k0 + KEYS <= s_.first[r]) continue;
         const float* q = s_.q.data() + r * g_.hd;
         __m256 a[KEYS];
         for (int i = 0; i < KEYS; ++i) a[i] = _mm256_setzero_ps();
@@ -310,20 +355,25 @@ class Worker {
     }
   }
 
-  // In place: scores[0, n) -> exp(s - max); returns the fixed-order sum.
-  static float softmax(float* s, int64_t n) {
-    const int64_t groups = (n + KEYS - 1) / KEYS;
+  // In place: scores[first, n) -> exp(s - max), and +0 in [base, first) (the keys below the
+  // row's window that the item's loops may read); returns the fixed-order sum. Without a
+  // window base = first = 0.
+  static float softmax(float* s, int64_t base, int64_t first, int64_t n) {
+    const int64_t g0 = first / KEYS, groups = (n + KEYS - 1) / KEYS;
+    std::fill(s + base, s + g0 * KEYS, 0.f);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    auto valid = [&](int64_t k0) {  // lanes k0 + i < n
-      return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - k0)), lane));
+    auto valid = [&](int64_t k0) {  // lanes first <= k0 + i < n
+      __m256i ok = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - k0)), lane);
+      if (first > k0) ok = _mm256_and_si256(ok, _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(first - k0 - 1))));
+      return _mm256_castsi256_ps(ok);
     };
     const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     __m256 mx = ninf;
-    for (int64_t g = 0; g < groups; ++g)
+    for (int64_t g = g0; g < groups; ++g)
       mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + g * KEYS), valid(g * KEYS)));
     const __m256 m = _mm256_set1_ps(hmax(mx));
     __m256 sum = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = g0; g < groups; ++g) {
       __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + g * KEYS), m));
       p = _mm256_and_ps(p, valid(g * KEYS));
       _mm256_storeu_ps(s + g * KEYS, p);
@@ -332,15 +382,16 @@ class Worker {
     return hsum(sum);
   }
 
-  // acc[r] = sum over keys k <= pos_r of p[r][k] * V_k, FMA in increasing k.
+  // acc[r] = sum over keys k <= pos_r of p[r][k] * V_k, FMA in increasing k (from the group of
+  // the row's first key: the +0 weights before it leave acc at +0).
   void weighted_values(int64_t rows, int64_t n_max, int64_t stride) {
     std::fill(s_.acc.data(), s_.acc.data() + rows * g_.hd, 0.f);
     const float* vrow[KEYS];
-    for (int64_t k0 = 0; k0 < n_max; k0 += KEYS) {
+    for (int64_t k0 = base_; k0 < n_max; k0 += KEYS) {
       key_rows(v_, k0, n_max, vrow);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t end = std::min<int64_t>(KEYS, s_.keys[r] - k0);  // keys of this group row r sees
-        if (end <= 0) continue;
+        if (end <= 0 || k0 + KEYS <= s_.first[r]) continue;
         const float* p = s_.scores.data() + r * stride + k0;
         float* acc = s_.acc.data() + r * g_.hd;
         int64_t d = 0;
@@ -372,14 +423,16 @@ class Worker {
   T* out_;
   const int32_t *tables_, *cu_q_, *ctx_;
   float scale_;
+  const int64_t window_;  // keys a query sees, its own included; 0: every key up to it
   Scratch& s_;
   const bool wide_, amx_, dot_;
   const uint64_t call_;
+  int64_t base_ = 0;  // the current item's lowest key read (a multiple of 32; run() sets it)
 };
 
 template <typename T>
 void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-             const int32_t* tables, const int32_t* cu_q, const int32_t* ctx, int64_t b, float scale) {
+             const int32_t* tables, const int32_t* cu_q, const int32_t* ctx, int64_t b, float scale, int64_t window) {
   std::vector<Item> items;
   int64_t max_ctx = 0;
   for (int64_t i = 0; i < b; ++i) {
@@ -411,7 +464,7 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
     thread_local Scratch scratch;
     scratch.reserve(QUERY_TILE * g.group, max_keys, g.hd);
     Worker<T> w(g, q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
-                tables, cu_q, ctx, scale, scratch, wide, pairs, call);
+                tables, cu_q, ctx, scale, window, scratch, wide, pairs, call);
     for (int64_t i = b; i < e; ++i) w.run(items[i]);
   }, 4);
 }
@@ -421,8 +474,9 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
 namespace pdserve {
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
-                           const at::Tensor& cu_q, const at::Tensor& ctx, double scale) {
+                           const at::Tensor& cu_q, const at::Tensor& ctx, double scale, int64_t window) {
   paged_attention_checks::check_inputs(q_in, k, v, tables, cu_q, ctx);
+  TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or the keys a query sees, got ", window);
   const at::Tensor q = q_in;
   const int64_t b = tables.size(0), m = tables.size(1);
   const int32_t* tab = tables.const_data_ptr<int32_t>();
@@ -434,9 +488,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous (T, nh, hd)
   const float s = static_cast<float>(scale);
   switch (q.scalar_type()) {
-    case at::kFloat: run_all<float>(g, q, k, v, out, tab, cq, cx, b, s); break;
-    case at::kBFloat16: run_all<c10::BFloat16>(g, q, k, v, out, tab, cq, cx, b, s); break;
-    default: run_all<c10::Half>(g, q, k, v, out, tab, cq, cx, b, s); break;
+    case at::kFloat: run_all<float>(g, q, k, v, out, tab, cq, cx, b, s, window); break;
+    case at::kBFloat16: run_all<c10::BFloat16>(g, q, k, v, out, tab, cq, cx, b, s, window); break;
+    default: run_all<c10::Half>(g, q, k, v, out, tab, cq, cx, b, s, window); break;
   }
   return out;
 }
@@ -445,7 +499,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_query_lens, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_attention", &pdserve::paged_attention); }

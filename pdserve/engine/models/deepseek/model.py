@@ -6,7 +6,7 @@ Per layer, as ``transformers`` computes it (DeepseekV2/V3 ``Attention``):
   head into q_nope (qk_nope_head_dim) and q_pe (qk_rope_head_dim);
 - [c, k_pe] = kv_a_proj_with_mqa(x); c = kv_a_layernorm(c) is the latent, k_pe the one RoPE
   key all heads share. RoPE turns interleaved pairs (``MLAConfig.rope_layout``). What the
-  cache stores per token is [c, k_pe]; attention_mla.py up-projects it with kv_b_proj;
+  cache stores per token is [c, k_pe]; attention/mla.py up-projects it with kv_b_proj;
 - o_proj over the heads' values.
 
 Tensor parallelism (``TensorParallel``): q_proj / q_b_proj and kv_b_proj are split by head
