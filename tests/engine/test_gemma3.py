@@ -21,7 +21,7 @@ from pdserve.engine.linear import PackedLinear
 from pdserve.engine.models.gemma3 import GemmaRMSNorm
 from pdserve.engine.models.registry import model_config_from_hf
 from pdserve.engine.sampling.params import SamplingParams
-from tests.engine.test_qwen3_tp import NEW_TOKENS, run_ranks
+from tests.helpers.thread_ranks import NEW_TOKENS, run_ranks
 from tests.factories import (assert_greedy_matches, hf_greedy, make_engine, make_tp_engine, random_prompts,
                              save_hf_model)
 from tests.families import make_family_model, save_family_model

@@ -30,7 +30,7 @@ sliding_window_pattern) and as ``transformers`` 5 writes it (``rope_parameters``
 ``attn_logit_softcapping`` when set (Gemma 2's; null in every Gemma 3 config),
 ``use_bidirectional_attention`` (EmbeddingGemma), ``attention_bias``, another
 ``hidden_activation``, RoPE scalings other than linear on the global layers and any on the
-local ones, and a quantized checkpoint. Ignored as transformers ignores them at inference:
+local ones, and a quantization other than FP8. Ignored as transformers ignores them at inference:
 ``attention_dropout``, ``pad_token_id``, ``cache_implementation``.
 
 Tensor parallelism is Llama's split (q|k|v by heads, gate|up by width, o and down by input
@@ -50,7 +50,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionContext
-from pdserve.engine.config import Get, ModelConfig, dense_fields, refuse_quantized
+from pdserve.engine.config import Get, ModelConfig, dense_fields, quantization_fields
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.rotary import RotaryEmbedding
@@ -201,7 +201,7 @@ def _layer_windows(get: Get, source: str, num_layers: int) -> tuple[int | None, 
 
 
 def read_config(get: Get, source: str) -> Gemma3Config:
-    refuse_quantized(get, source)  # before anything else, as for every family
+    quantization_fields(get, source)  # the method checked before anything else, as for every family
     for field in ("final_logit_softcapping", "attn_logit_softcapping"):
         if get(field) is not None:
             raise ModelLoadError(source, f"{field} {get(field)}: pdserve does not soft-cap logits (Gemma 2 does; "
