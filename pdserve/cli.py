@@ -47,7 +47,8 @@ def _choose_layout(s):
     return choose_for_settings({"model": s.engine.model, "layout_ttft_slo_s": layout.layout_ttft_slo_s,
                                 "layout_tpot_slo_s": layout.layout_tpot_slo_s,
                                 "layout_prompt_tokens": layout.layout_prompt_tokens,
-                                "layout_output_tokens": layout.layout_output_tokens})
+                                "layout_output_tokens": layout.layout_output_tokens,
+                                "kv_cache_gib": s.engine.kv_cache_gib})
 
 
 if __name__ == "__main__":

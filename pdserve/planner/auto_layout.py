@@ -44,6 +44,8 @@ is the adapter ``pdserve serve`` calls with its resolved settings.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,6 +240,20 @@ def profile_for(path: str | None, directory: Path = DEFAULT_CPU_PROFILE.parent) 
     return specific if path is not None and specific.exists() else directory / DEFAULT_CPU_PROFILE.name
 
 
+def on_this_host(hw: "HardwareProfile", cores: int, need_bytes: float, host_bytes: float | None = None
+                 ) -> "HardwareProfile":
+    """A CPU profile's worker memory as this host gives it: what a worker needs (``need_bytes``:
+    its weights and its KV cache setting), where this host's RAM (``host_bytes``, read if None)
+    shared by as many workers as it has cores holds that, else the share it has. A stored
+    profile holds the memory of the machine it was measured on (a 135M model and 1 GiB of KV),
+    which refused a 1B checkpoint on a 24 GiB host. A GPU profile's is the device's own."""
+    if hw.overlap:
+        return hw
+    if host_bytes is None:
+        host_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return dataclasses.replace(hw, mem_bytes=min(need_bytes, host_bytes / max(1, cores)))
+
+
 def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``pdserve serve``'s resolved settings ``v`` -> (the settings of the chosen layout, empty
     where the default wins; the log lines saying what was compared on what and why). A model or
@@ -245,17 +261,23 @@ def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     from pdserve.planner.hardware import HardwareProfile, ProfileError
     from pdserve.planner.model_spec import ModelSpecError, get_model
 
+    from pdserve.planner.cost import CostError
+
     path = kernel_path()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     try:
         profile = profile_for(path)
         hw = HardwareProfile.load(profile)
         model = get_model("SmolLM2-135M" if v["model"] == "default" else v["model"])
+        hw = on_this_host(hw, cores, model.weight_bytes(hw.dtype_bytes) + v.get("kv_cache_gib", 1.0) * 2**30)
     except (ProfileError, ModelSpecError) as exc:
         return {}, [f"no prediction ({exc}); the default layout stays"]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     objective = Objective(Slo(v["layout_ttft_slo_s"], v["layout_tpot_slo_s"]),
                           LengthMix(v["layout_prompt_tokens"], v["layout_output_tokens"]))
-    choice = choose(model, hw, cores, objective)
+    try:
+        choice = choose(model, hw, cores, objective)
+    except CostError as exc:  # start-up never refuses what the default layout may serve
+        return {}, [f"no prediction ({exc}); the default layout stays"]
     # The default candidate stands for ``make serve``'s own layout, 1P:1D with the cores split
     # between the two (the profile is one thread's: the even split of one-core workers is its
     # stand-in); where it wins, nothing changes.

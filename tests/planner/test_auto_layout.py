@@ -149,3 +149,47 @@ def test_the_kernel_path_comes_from_the_pin_else_the_processors_flags(monkeypatc
     assert kernel_path() == "avx512_bf16"
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: ["avx2"])  # no FMA: no path
     assert kernel_path() is None
+
+
+def test_a_cpu_worker_is_sized_from_the_hosts_memory_so_a_1b_checkpoint_fits(tmp_path):
+    """A stored CPU profile holds the memory of the machine it was measured on (1.3 GB: a 135M
+    model and 1 GiB of KV), which refused a Llama-3.2-1B-shaped checkpoint at start on a 24 GiB
+    host; sized from the host's RAM shared by its cores, the cost model takes it. A GPU
+    profile keeps its device's memory."""
+    import json
+
+    from pdserve.planner.auto_layout import on_this_host
+    from pdserve.planner.cost import CostError, CostModel
+    from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, GPU_PROFILES, HardwareProfile
+    from pdserve.planner.model_spec import get_model
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048,
+        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=131072, tie_word_embeddings=True)))
+    llama_1b, cpu = get_model(str(tmp_path)), HardwareProfile.load(DEFAULT_CPU_PROFILE)
+    with pytest.raises(CostError, match="do not fit"):
+        CostModel(llama_1b, cpu).kv_capacity_tokens()
+    need = llama_1b.weight_bytes(2) + 2**30  # its weights and the default 1 GiB of KV
+    host = on_this_host(cpu, cores=2, need_bytes=need, host_bytes=24 * 2**30)
+    assert host.mem_bytes == need  # the KV it models is the worker's setting, not the host's RAM
+    assert CostModel(llama_1b, host).kv_capacity_tokens() == int(2**30 / CostModel(llama_1b, host).kv_bytes_per_token)
+    small = on_this_host(cpu, cores=2, need_bytes=need, host_bytes=4 * 2**30)  # 2 GiB a worker: the weights alone
+    with pytest.raises(CostError, match="do not fit"):
+        CostModel(llama_1b, small).kv_capacity_tokens()
+    assert on_this_host(GPU_PROFILES["H100"], cores=2, need_bytes=need, host_bytes=1 << 40) == GPU_PROFILES["H100"]
+
+
+def test_a_model_the_planner_cannot_cost_keeps_the_default_layout_and_says_why(monkeypatch):
+    from pdserve.planner import auto_layout
+    from pdserve.planner.cost import CostError
+
+    def refuse(model, hw, cores, objective):
+        raise CostError("tp", "weights (900 GB) do not fit 1 x cpu; raise tp")
+
+    monkeypatch.setattr(auto_layout, "choose", refuse)
+    v = {"model": "default", "layout_ttft_slo_s": 2.0, "layout_tpot_slo_s": 0.1, "layout_prompt_tokens": 256,
+         "layout_output_tokens": 64}
+    chosen, lines = choose_for_settings(v)
+    assert chosen == {} and lines == ["no prediction (tp: weights (900 GB) do not fit 1 x cpu; raise tp); "
+                                      "the default layout stays"]
