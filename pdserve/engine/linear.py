@@ -242,8 +242,13 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
     model rounds once to bfloat16, where bfloat16 partials would round once per rank first.
     The whole-stack call runs only at size 1 (the all-reduces happen between its layers)."""
     split = model.tp.size > 1
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
+    # Parents only, by name: a list of every module would keep each replaced linear (and its
+    # weight) alive until the end, doubling the weights' memory while packing (a 1B model
+    # peaked at 4.6 GiB for 3.2 steady); so each is freed as its packed copy takes its place.
+    for parent_name in [n for n, m in model.named_modules() if any(True for _ in m.children())]:
+        parent = model.get_submodule(parent_name)
+        for name in [n for n, _ in parent.named_children()]:
+            child = getattr(parent, name)
             if isinstance(child, nn.Linear) and not (parent is model and name == "lm_head"):
                 f32_out = split and isinstance(child, RowParallelLinear) and child.f32_partials
                 setattr(parent, name, backend.linear(child, f32_out=f32_out))
@@ -251,6 +256,7 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
                 setattr(parent, name, backend.norm(child))
             elif isinstance(child, SiluAndMul):
                 setattr(parent, name, backend.act(child))
+            del child
     if model.has_head:  # rank 0 (the only one that computes logits)
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         packed_head = backend.logits_head(head.weight, getattr(head, "bias", None))
