@@ -10,7 +10,7 @@ What differs from Llama (decoder.py), op for op as ``transformers``' ``modeling_
 - four norms a layer: ``input_layernorm`` before attention, ``post_attention_layernorm`` on its
   output, ``pre_feedforward_layernorm`` before the MLP and ``post_feedforward_layernorm`` on its
   output, each sublayer's normalized output added to the residual stream in the model dtype;
-- a per-head q and k norm (Gemma's), after the projection and before RoPE, as Qwen3's;
+- a per-head q and k norm (Gemma's), after the projection and before RoPE, as in other families with q/k norms;
 - the embedding scaled by sqrt(hidden_size), that factor first rounded to the model dtype
   (transformers' ``Gemma3TextScaledWordEmbedding``: 55.5 in bfloat16 for hidden 3072, not 55.43);
 - the MLP's activation is ``gelu_pytorch_tanh``: ``down(gelu_tanh(gate) * up)``;
