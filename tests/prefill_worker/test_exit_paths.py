@@ -279,7 +279,7 @@ def test_kv_a_decode_core_hands_over_leaves_by_its_lease(tiny_llama_dir, end):
         async with worker(tiny_llama_dir, lease_seconds=0.3 if end == "expired" else 30.0) as (w, _):
             params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
             await w.call(w.engine.add_request, "moved#0", PROMPT, params)
-            seq = w.engine._seqs["moved#0"]
+            seq = w.engine._requests["moved#0"].seq
             while seq.num_output_tokens < 3:  # a racy read, enough to wait on
                 await asyncio.sleep(0.005)
 
