@@ -73,7 +73,7 @@ class DecodeWorkerConfig:
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
     borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
-    step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.step_trace)
+    step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.core.step_trace)
     otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
     # A prefix held for a prefill worker's read (prefix_hold) is freed this long after the hold
     # at the latest. No default here: the process entry passes the ``lease_seconds`` setting.

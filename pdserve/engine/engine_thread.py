@@ -60,7 +60,7 @@ class EngineThread:
         self.steps = 0
         self.last_step_s = 0.0  # how long the last step that ran took (a hook may size a wait by it)
         self.idle_waits = 0  # times the loop blocked with nothing to run (tests read it)
-        self._trace = step_trace  # every step's start, length and shape (engine.step_trace)
+        self._trace = step_trace  # every step's start, length and shape (engine.core.step_trace)
         self._idle_since_step = True
         engine.keep_step_shape = step_trace is not None
         engine.grammars.notify = self._wake  # a compiled grammar lets its request join the next step

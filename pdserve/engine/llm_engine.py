@@ -87,7 +87,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig, progress: bool = True, detokenize: bool = True,
                     on_rank_lost: Callable[[RankLost], None] = exit_worker) -> "LLMEngine":
         """Load the model named in ``config`` (weights, tokenizer) and build the engine; with
-        ``tensor_parallel_size`` > 1, on its ranks (``tp_group.load_on_ranks``: ``on_rank_lost``
+        ``tensor_parallel_size`` > 1, on its ranks (``distributed.group.load_on_ranks``: ``on_rank_lost``
         is what a lost rank does, by default end this process)."""
         model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost)
         # Without detokenizing, the tokenizer is needed only when the model config names no EOS.

@@ -56,7 +56,7 @@ def followers(pid: int) -> list[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "tp_follower" in (entry / "cmdline").read_text():
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "pdserve.engine.distributed.follower" in (entry / "cmdline").read_text():
                 out.append(int(entry.name))
     return out
 
