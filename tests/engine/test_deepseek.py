@@ -122,7 +122,8 @@ def config_of(variant: str, **changes) -> dict:
     ({"topk_method": "noaux_tc"}, "topk_method"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),  # FP8 is served (test_fp8.py)
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}, "weight_block_size"),
     ({"n_group": 3}, "n_group"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling"),
 ])
