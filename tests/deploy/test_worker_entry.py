@@ -84,7 +84,10 @@ def test_workers_join_the_router_and_sigterm_drains_one_to_the_other(free_ports)
         want = sorted([("prefill", prefill), ("decode", addr_a), ("decode", addr_b)])
         wait_for(lambda: members(admin) == want, "all three workers in the router's table")
         wait_for(lambda: health(http_port) == 200, "the router's /health")
-        assert health(health_a) == health(health_b) == 200
+        # A worker is ready once its Join's answer is back (Membership.keep_joined), a moment
+        # after the router's table lists it: on two busy cores one decode worker still said 503
+        # when this was asserted at once (a fresh-clone run, 2026-11-29).
+        wait_for(lambda: health(health_a) == health(health_b) == 200, "both decode workers' /health")
 
         request = pdserve_pb2.GenerateRequest(text="Count to a thousand:", sampling=pdserve_pb2.SamplingParams(
             max_tokens=200, ignore_eos=True, temperature=0.0))
