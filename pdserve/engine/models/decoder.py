@@ -24,7 +24,7 @@ this rank's part. A module without one takes the tensor whole.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -71,6 +71,32 @@ class Attention(nn.Module):
         out = self.backend.attend(self.qkv_proj(x), rope, self.k_cache, self.v_cache, ctx,
                                   self.nh, self.nkv, self.hd, window=self.window)  # (T, nh, hd), this rank's heads
         return self.tp.all_reduce(self.o_proj(out.reshape(x.shape[0], self.q_size))).to(x.dtype)
+
+
+class QKNormAttention(Attention):
+    """Attention with a norm over each head of q and of k, after the projection and before the
+    backend's RoPE and cache store. ``norm(dim, eps)`` builds it: the family's own norm class
+    (a norm that rounds unlike Llama's must not be swapped for the CPU kernel's). The norms act
+    within a head, so every rank holds them whole."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, window: int | None = None,
+                 norm: Callable[[int, float], nn.Module] = RMSNorm):
+        super().__init__(cfg, tp, window)
+        self.q_norm = norm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = norm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden)."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
+        # Normalize q and k in place, head by head, so the backend's fused split + RoPE + store
+        # (the CPU paged kernel's) takes the one q|k|v tensor as for Llama.
+        q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+        q.copy_(self.q_norm(q.reshape(t, self.nh, self.hd)).reshape(t, self.q_size))
+        k.copy_(self.k_norm(k.reshape(t, self.nkv, self.hd)).reshape(t, self.kv_size))
+        out = self.backend.attend(qkv, rope, self.k_cache, self.v_cache, ctx, self.nh, self.nkv, self.hd,
+                                  window=self.window)  # (T, nh, hd)
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size))).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -54,7 +54,7 @@ from pdserve.engine.config import Get, ModelConfig, dense_fields, quantization_f
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.decoder import Attention, CausalLM
+from pdserve.engine.models.decoder import CausalLM, QKNormAttention
 from pdserve.engine.models.family import Family
 from pdserve.engine.parallel import SINGLE, TensorParallel
 
@@ -91,28 +91,6 @@ class GeluTanhAndMul(nn.Module):
         return F.gelu(gate, approximate="tanh") * up
 
 
-class Gemma3Attention(Attention):
-    """This rank's heads of a Gemma 3 layer: Llama's attention with Gemma's norm over each head of
-    q and of k before the backend's RoPE and cache store, and the layer's window, if it slides."""
-
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, window: int | None):
-        super().__init__(cfg, tp, window=window)
-        self.q_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden)."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
-        # q and k normalized in place, so the backend's fused split + RoPE + store takes one q|k|v.
-        q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
-        q.copy_(self.q_norm(q.reshape(t, self.nh, self.hd)).reshape(t, self.q_size))
-        k.copy_(self.k_norm(k.reshape(t, self.nkv, self.hd)).reshape(t, self.kv_size))
-        out = self.backend.attend(qkv, rope, self.k_cache, self.v_cache, ctx, self.nh, self.nkv, self.hd,
-                                  window=self.window)  # (T, nh, hd)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size))).to(x.dtype)
-
-
 class Gemma3DecoderLayer(nn.Module):
     """``h + post_ff(mlp(pre_ff(h')))`` after ``h' = h + post_attn(attn(input(h)))``, as
     transformers' ``Gemma3DecoderLayer``: each add in the model dtype."""
@@ -122,7 +100,7 @@ class Gemma3DecoderLayer(nn.Module):
         eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
         self.sliding = cfg.window(index) is not None  # a local layer: its window, and the local RoPE
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = Gemma3Attention(cfg, tp, cfg.window(index))
+        self.self_attn = QKNormAttention(cfg, tp, cfg.window(index), norm=GemmaRMSNorm)  # Gemma's norm on q, k
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, cfg.intermediate_size, tp, act=GeluTanhAndMul())

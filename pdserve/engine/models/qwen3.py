@@ -23,16 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.config import Get, ModelConfig, dense_fields
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.moe import RoutedExperts, SoftmaxTopKGate, SparseMoe
-from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.models.decoder import Attention, CausalLM, DecoderLayer
+from pdserve.engine.models.decoder import CausalLM, DecoderLayer, QKNormAttention
 from pdserve.engine.models.family import Family
 from pdserve.engine.parallel import SINGLE, TensorParallel
 
@@ -53,28 +50,6 @@ class MoeConfig:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
-class Qwen3Attention(Attention):
-    """This rank's heads of Qwen3 attention: Llama's (decoder.py), with per-head q/k RMSNorm
-    applied before the backend's RoPE and cache store."""
-
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
-        super().__init__(cfg, tp)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden)."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
-        # Normalize q and k in place, head by head, so the backend's fused split + RoPE + store
-        # (the CPU paged kernel's) takes the one q|k|v tensor as for Llama.
-        q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
-        q.copy_(self.q_norm(q.reshape(t, self.nh, self.hd)).reshape(t, self.q_size))
-        k.copy_(self.k_norm(k.reshape(t, self.nkv, self.hd)).reshape(t, self.kv_size))
-        out = self.backend.attend(qkv, rope, self.k_cache, self.v_cache, ctx, self.nh, self.nkv, self.hd)  # (T, nh, hd)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size))).to(x.dtype)
-
-
 def qwen3_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
     """Layer ``layer``'s MLP: routed experts where the MoE config puts them, dense elsewhere."""
     moe = cfg.moe
@@ -88,7 +63,7 @@ class Qwen3ForCausalLM(CausalLM):
     """Qwen3ForCausalLM and Qwen3MoeForCausalLM (``cfg.moe`` says which), holding ``tp``'s share."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
-        super().__init__(cfg, tp, layers=(DecoderLayer(cfg, Qwen3Attention(cfg, tp), qwen3_mlp(cfg, i, tp))
+        super().__init__(cfg, tp, layers=(DecoderLayer(cfg, QKNormAttention(cfg, tp), qwen3_mlp(cfg, i, tp))
                                           for i in range(cfg.num_layers)))
 
     # The MoE router is checkpoints' mlp.gate, our mlp.gate.proj (the gate module holds the top-k rule).
