@@ -88,6 +88,14 @@ def cache_blocks(settings, block_bytes: int, device) -> int:
     return max(1, min(wanted, (free - RESERVE_BYTES) // block_bytes))
 
 
+def release(engine, model) -> None:
+    """Let the engine's KV cache go: the model's attention layers keep the views of the cache
+    they were last bound to, so they are bound to a one-block cache first (else the next
+    engine's cache would be allocated beside this one)."""
+    spare = engine.cache_spec.layer_caches(engine.cache_spec.allocate(1, engine.device))
+    model.bind_caches(spare, engine.runner.backend)
+
+
 def weights_read(model) -> int:
     """Bytes a decode step reads of the weights: all of them, less the embedding table when the
     LM head is its own matrix (a step looks up one row of the table a token)."""
@@ -119,10 +127,10 @@ def decode_row(engine, batch: int, context: int, device, spec: DeviceSpec | None
         for rid in ids:
             engine.abort(rid)
     row = {"what": "decode", "batch": batch, "context": context, "cuda_graphs": engine.config.cuda_graphs,
-           "running": running, "ms_per_step": round(ms, 3), "weight_bytes_read": weights, "kv_bytes_read": kv,
+           "attention_backend": engine.runner.backend.name, "running": running, "ms_per_step": round(ms, 3), "weight_bytes_read": weights, "kv_bytes_read": kv,
            "floor_ms_measured_bw": round((weights + kv) / (read * 1e9) * 1e3, 3)}
-    if engine.config.cuda_graphs:
-        row["graph_replays"] = engine.runner.graphs.replays
+    if engine.config.cuda_graphs:  # None: no graphs were captured (an attention backend that is not graph-safe)
+        row["graph_replays"] = getattr(engine.runner.graphs, "replays", None)
     if spec is not None:
         row["floor_ms_datasheet"] = round((weights + kv) / spec.hbm_bytes_per_s * 1e3, 3)
         row["step_over_floor"] = round(ms / row["floor_ms_datasheet"], 2)
@@ -206,6 +214,7 @@ def run(args, settings, record) -> None:
             if not graphs:  # prefill runs eagerly either way: measured once, before the eager decode
                 prefill_sweep(engine, cfg, settings, device, spec, deadline, record)
             decode_sweep(engine, settings, device, spec, read, weights, deadline, record)
+            release(engine, model)
             del engine
             gc.collect()
             if device.type == "cuda":

@@ -115,6 +115,32 @@ def test_settling_keeps_the_rows_and_judges_by_the_exit_status():
     assert died["phase"] == "p" and died["status"] == "failed" and "PDSERVE_BENCH_BATCHES" in died["error"]
 
 
+def test_a_finished_engine_lets_its_kv_cache_go_before_the_next_one_is_built(tmp_path):
+    """The bench builds a graphed engine, then an eager one, on one model: the model's attention
+    layers hold the cache views they were last bound to, so without ``release`` the first
+    engine's cache (64 GiB at batch 64 and 8k) would stay beside the second's."""
+    import gc
+    import weakref
+
+    import torch
+
+    from benchmarks.gpu_bench import engine_8b
+    from benchmarks.gpu_bench.common import TINY_LLAMA, config_dir
+    from pdserve.engine.loader import load_model
+
+    settings = BenchSettings.from_environ({**DRY_RUN, "PDSERVE_BENCH_PREFILL": "16"})
+    model_dir = config_dir(tmp_path / "tiny", TINY_LLAMA, tokenizer=False)
+    model, cfg, _ = load_model(str(model_dir), torch.bfloat16, torch.device("cpu"), progress=False, load_format="dummy")
+    engine = engine_8b.engine_for(model, cfg, model_dir, torch.device("cpu"), 32, False, settings)
+    row = engine_8b.decode_row(engine, 2, 32, torch.device("cpu"), None, 10.0, 1000)
+    assert row["running"] == 2 and row["ms_per_step"] > 0
+    cache = weakref.ref(engine.kv_cache)
+    engine_8b.release(engine, model)
+    del engine
+    gc.collect()
+    assert cache() is None
+
+
 @pytest.mark.parametrize("name, value", [("PDSERVE_BENCH_BATCHES", "1 x"), ("PDSERVE_BENCH_CONTEXTS", "0"),
                                          ("PDSERVE_BENCH_DEVICE", "tpu"), ("PDSERVE_BENCH_SHAPE", "70b")])
 def test_a_bad_setting_is_refused_naming_it(name, value):
