@@ -33,11 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_bench.common import config_dir, full_vocab_tokenizer  # noqa: E402
+from benchmarks.gpu_bench.common import Deadline, config_dir, full_vocab_tokenizer  # noqa: E402
 
 PDSERVE = [sys.executable, "-c", "import sys; from pdserve.cli import main; sys.exit(main())"]
 START_TIMEOUT_S = 240.0
 LOG_TAIL_BYTES = 256 << 10
+LEVEL_MIN_S = 20.0  # a load level is not started with less of the phase's budget left
 
 
 def smol_checkpoint(directory: Path, layers: int) -> Path:
@@ -195,6 +196,7 @@ def run(args, settings, record) -> None:
     from benchmarks.load.runner import json_safe
 
     flags = shlex.split(args.worker_flags)
+    deadline = Deadline(args.budget_s)
     with tempfile.TemporaryDirectory() as tmp:
         if args.shape == "smol":
             model_dir = smol_checkpoint(Path(tmp) / "smol", settings.smol_layers)
@@ -212,6 +214,9 @@ def run(args, settings, record) -> None:
             record.set(start_seconds=round(time.monotonic() - start, 1), device_memory=device_memory(),
                        kv_blocks=decode_stats(procs[2].address)["num_blocks_total"])
             for c in settings.concurrency:
+                if deadline.left() < LEVEL_MIN_S:
+                    record.skip({"concurrency": c}, "out of time")
+                    continue
                 record.add(json_safe(load_level(f"http://127.0.0.1:{http_port}", c, settings, procs[2].address)))
         finally:
             for p in procs:
