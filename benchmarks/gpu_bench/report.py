@@ -30,8 +30,9 @@ def targets(docs: dict[str, dict | None]) -> dict:
     prefill = _rows(engine, what="prefill", tokens=2048)
     reads = _rows(nixl, layout="in_order")
     figures = {
-        "decode_b1_graphed_over_floor": (min((r["step_over_floor"] for r in decode if "step_over_floor" in r),
-                                             default=None), 1.3, "at most"),
+        # the shortest context measured (1k): the step the weights dominate
+        "decode_b1_graphed_over_floor": (min(decode, key=lambda r: r["context"]).get("step_over_floor") if decode
+                                         else None, 1.3, "at most"),
         "prefill_2k_mfu": (prefill[0].get("mfu") if prefill else None, 0.40, "at least"),
         "nixl_in_order_gb_per_s": (max((r["gb_per_s_median"] for r in reads), default=None), 100.0, "at least"),
     }

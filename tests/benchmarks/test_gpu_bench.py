@@ -143,6 +143,22 @@ def test_a_finished_engine_lets_its_kv_cache_go_before_the_next_one_is_built(tmp
     assert cache() is None
 
 
+def test_the_summary_judges_each_target_on_its_own_row():
+    from benchmarks.gpu_bench.report import targets
+
+    decode = [{"what": "decode", "batch": 1, "cuda_graphs": True, "context": c, "step_over_floor": f}
+              for c, f in ((8192, 1.1), (1024, 1.5))] + [{"what": "decode", "batch": 1, "cuda_graphs": False,
+                                                          "context": 1024, "step_over_floor": 1.0}]
+    docs = {"engine_8b": {"rows": [*decode, {"what": "prefill", "tokens": 2048, "mfu": 0.45},
+                                   {"what": "prefill", "tokens": 8192, "skipped": "out of time"}]},
+            "nixl_vram": {"rows": [{"layout": "in_order", "gb_per_s_median": 120.0},
+                                   {"layout": "scattered", "gb_per_s_median": 300.0}]}}
+    got = targets(docs)
+    assert got["decode_b1_graphed_over_floor"] == {"value": 1.5, "target": "at most 1.3", "met": False}
+    assert got["prefill_2k_mfu"]["met"] is True and got["nixl_in_order_gb_per_s"]["value"] == 120.0
+    assert {t["met"] for t in targets({}).values()} == {None}  # nothing measured: nothing judged
+
+
 @pytest.mark.parametrize("name, value", [("PDSERVE_BENCH_BATCHES", "1 x"), ("PDSERVE_BENCH_CONTEXTS", "0"),
                                          ("PDSERVE_BENCH_DEVICE", "tpu"), ("PDSERVE_BENCH_SHAPE", "70b")])
 def test_a_bad_setting_is_refused_naming_it(name, value):
