@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_bench.common import Deadline, config_dir, full_vocab_tokenizer  # noqa: E402
+from benchmarks.gpu_bench.common import Deadline, config_dir, device_name, full_vocab_tokenizer  # noqa: E402
 
 PDSERVE = [sys.executable, "-c", "import sys; from pdserve.cli import main; sys.exit(main())"]
 START_TIMEOUT_S = 240.0
@@ -193,6 +193,8 @@ def load_level(base_url: str, concurrency: int, settings, decode: str) -> dict:
 
 
 def run(args, settings, record) -> None:
+    import torch
+
     from benchmarks.load.runner import json_safe
 
     flags = shlex.split(args.worker_flags)
@@ -203,7 +205,8 @@ def run(args, settings, record) -> None:
         else:
             model_dir = config_dir(Path(tmp) / f"llama-{settings.shape}", settings.hf_config)
             flags += ["--load-format", "dummy"]
-        record.set(device=settings.device, model=args.shape if args.shape == "smol" else settings.shape,
+        record.set(device=device_name(torch.device(settings.device)),
+                   model=args.shape if args.shape == "smol" else settings.shape,
                    worker_flags=flags)
         start = time.monotonic()
         procs, http_port, admin = start_cluster(model_dir, flags, args.out.parent, args.out.stem)
