@@ -28,7 +28,7 @@ from pdserve.planner.autoscale import AutoscaleDriver  # noqa: E402
 from pdserve.planner.cost import CostModel  # noqa: E402
 from pdserve.planner.hardware import GPU_PROFILES  # noqa: E402
 from pdserve.planner.metrics import Slo  # noqa: E402
-from pdserve.planner.model_spec import PRESETS  # noqa: E402
+from pdserve.planner.model_spec import get_model  # noqa: E402
 from pdserve.planner.layout import ClusterSpec, Layout  # noqa: E402
 from pdserve.planner.simulator import Simulator  # noqa: E402
 from pdserve.planner.synthetic import LengthMix, bursty_day  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     duration = args.hours * 3600
     reqs = bursty_day(args.rate, LENGTHS, duration_s=duration, seed=11)
-    cost = CostModel(PRESETS["Llama-3.1-8B"], GPU_PROFILES["L40S"], 1)
+    cost = CostModel(get_model("Llama-3.1-8B"), GPU_PROFILES["L40S"], 1)
     tokens_per_s = LENGTHS.prompt_mean / cost.prefill_s([(LENGTHS.prompt_mean, 0)])
     configs = {"prefill": pool_config("prefill", target=round(tokens_per_s * SLO.ttft_s / 2, -2), slo_s=SLO.ttft_s,
                                       max_replicas=8),

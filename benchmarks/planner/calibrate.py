@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 from pdserve.planner.cli import parse_layout  # noqa: E402
 from pdserve.planner.cost import CostModel  # noqa: E402
 from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile  # noqa: E402
-from pdserve.planner.model_spec import PRESETS  # noqa: E402
+from pdserve.planner.model_spec import get_model  # noqa: E402
 from pdserve.planner.profile import Point, fit  # noqa: E402
 from pdserve.planner.layout import ClusterSpec  # noqa: E402
 from pdserve.planner.simulator import Simulator  # noqa: E402
@@ -86,7 +86,7 @@ def run_speed(steps: dict, profile: HardwareProfile) -> dict[str, float]:
     ``prefill_sigma``: the spread (standard deviation of the log) of that ratio step by step."""
     bare = dataclasses.replace(profile, served_prefill_factor=1.0, served_decode_factor=1.0, served_step_s=0.0,
                                served_seq_s=0.0, borrow_prefill_factor=1.0, borrow_decode_factor=1.0)
-    cost = CostModel(PRESETS["SmolLM2-135M"], bare, 1)
+    cost = CostModel(get_model("SmolLM2-135M"), bare, 1)
     prefill = [(s, cost.prefill_s([tuple(c) for c in chunks], sampled)) for s, chunks, sampled in steps["prefill"]]
     decode = [(s, cost.decode_s(batch, context)) for s, batch, context in steps["decode"]]
     speed = {pool: sum(s for s, _ in rows) / sum(p for _, p in rows)
@@ -133,7 +133,7 @@ class NoisyPrefill:
 
 
 def simulate(run: dict, profile: HardwareProfile, prefill_sigma: float = 0.0, seed: int = 0) -> dict:
-    cost = CostModel(PRESETS["SmolLM2-135M"], profile, 1)
+    cost = CostModel(get_model("SmolLM2-135M"), profile, 1)
     prefill = NoisyPrefill(cost, prefill_sigma, seed) if prefill_sigma else cost
     requests = workload(run["workload"], run.get("arrivals_s"))
     result = Simulator(ClusterSpec(parse_layout(run["layout"]), prefill, cost, EngineLimits()), requests,
@@ -155,8 +155,8 @@ def refit(template: HardwareProfile, points_path: str) -> HardwareProfile:
     """``template`` (link, memory) with its compute, bandwidth and overheads fitted to other points."""
     rows = json.loads(Path(points_path).read_text())
     points = [Point(r["kind"], r["batch"], r["tokens"], r["measured_s"]) for r in rows]
-    f = fit(PRESETS["SmolLM2-135M"], template.dtype_bytes, points)  # the bandwidth fitted too: none measured
-    spec = PRESETS["SmolLM2-135M"]
+    f = fit(get_model("SmolLM2-135M"), template.dtype_bytes, points)  # the bandwidth fitted too: none measured
+    spec = get_model("SmolLM2-135M")
     return dataclasses.replace(template, peak_flops=f.flops, peak_mem_bw=f.mem_bw, step_overhead_s=f.overhead_s,
                                seq_overhead_s=f.seq_overhead_s, prefill_attention_flops=f.prefill_attention_flops,
                                decode_attention_flops=f.decode_attention_flops,

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pdserve.planner.cost import CostModel, FittedStepCost  # noqa: E402
 from pdserve.planner.hardware import GPU_PROFILES  # noqa: E402
 from pdserve.planner.metrics import Slo, first_crossing  # noqa: E402
-from pdserve.planner.model_spec import PRESETS  # noqa: E402
+from pdserve.planner.model_spec import get_model  # noqa: E402
 from pdserve.planner.layout import ClusterSpec, Layout  # noqa: E402
 from pdserve.planner.simulator import Simulator  # noqa: E402
 from pdserve.planner.synthetic import CHAT, poisson  # noqa: E402
@@ -127,8 +127,8 @@ def costs(system: System, model: str):
     """(prefill cost, decode cost) for the system under the ``analytic`` or ``fitted`` step times."""
     lay = system.layout
     tp_p = lay.tp_prefill if lay.prefill else lay.tp_decode
-    base_p = CostModel(PRESETS["OPT-13B"], GPU_PROFILES["A100"], tp_p, mem_util=MEM_UTIL)
-    base_d = CostModel(PRESETS["OPT-13B"], GPU_PROFILES["A100"], lay.tp_decode, mem_util=MEM_UTIL)
+    base_p = CostModel(get_model("OPT-13B"), GPU_PROFILES["A100"], tp_p, mem_util=MEM_UTIL)
+    base_d = CostModel(get_model("OPT-13B"), GPU_PROFILES["A100"], lay.tp_decode, mem_util=MEM_UTIL)
     if model == "analytic":
         return base_p, base_d
     engine = "distserve" if model == "fitted-one-engine" else system.engine

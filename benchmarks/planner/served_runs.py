@@ -11,7 +11,7 @@ import numpy as np
 
 from pdserve.planner.cost import CostModel
 from pdserve.planner.hardware import HardwareProfile
-from pdserve.planner.model_spec import PRESETS
+from pdserve.planner.model_spec import get_model
 
 
 # --measure: the serving benchmark's two loads (random 256-token prompts, 64 output tokens,
@@ -108,7 +108,7 @@ def serving_cost(base_url: str, profile: HardwareProfile, seed: int) -> dict[str
     step with the prefill worker idle over the step with it busy (the geometric mean over both
     batches), and ``borrow_prefill_factor``, a prompt's TTFT with the decode worker idle over
     its TTFT with it busy."""
-    cost = CostModel(PRESETS["SmolLM2-135M"], profile, 1)
+    cost = CostModel(get_model("SmolLM2-135M"), profile, 1)
     extra, handoff, lent = {}, [], []
     # seeds of their own (each probe and its background client), and apart from every run's:
     # a prompt the prefix cache has seen would skip its prefill

@@ -8,7 +8,7 @@ import sys
 
 from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, ProfileError, get_profile
 from pdserve.planner.metrics import Slo
-from pdserve.planner.model_spec import PRESETS, ModelSpecError, get_model
+from pdserve.planner.model_spec import ModelSpecError, get_model
 from pdserve.planner.synthetic import LengthMix
 from pdserve.planner.trace import TraceError, read_trace
 
@@ -18,7 +18,8 @@ def add_plan_parser(sub) -> None:
                        description="Search pool sizes and tensor parallelism for the fewest GPUs that serve "
                                    "--rate at --attainment of both SLOs, with pdserve's own scheduler rules, "
                                    "routing policy and a cost model of the hardware.")
-    p.add_argument("--model", default="Llama-3.1-8B", help=f"preset ({', '.join(PRESETS)}) or a HF model directory")
+    p.add_argument("--model", default="Llama-3.1-8B", help="a model by name (listed in docs/planning.md; "
+                   "an unknown name lists them) or a HF model directory")
     p.add_argument("--hardware", default="H100", help="H100, H200, A100, L40S, cpu, or a profile .json")
     p.add_argument("--rate", type=float, default=None, help="requests/s (default: the trace's rate, else 10)")
     p.add_argument("--prompt-mean", type=int, default=755, help="mean prompt tokens (default: ShareGPT's 755)")

@@ -11,12 +11,14 @@
 A mixture-of-experts model's FLOPs per token are its active parameters' (the routed experts a
 token picks, not all of them), and the weights a step streams are the dense part plus the
 experts its tokens are expected to touch (``ModelSpec.streamed_weight_bytes``); the device
-holds all of them. An MLA model's KV per token is its latent (``ModelSpec.kv_bytes_per_token``).
+holds all of them. KV bytes per token are the engine's cache layout's
+(``ModelSpec.kv_bytes_per_token``): an MLA model's is its latent.
 
 Tensor parallelism of ``tp`` splits weights, KV heads and FLOPs over ``tp`` devices and adds
 two all-reduces of the activations per layer over the interconnect. Only sizes the engine runs
-(``pdserve.planner.tp``: the engine's own ``TensorParallel.share`` over heads, KV heads and MLP
-and expert widths). MLA's latent has no head axis, so every rank holds and reads all of it.
+(``pdserve.planner.tp``: the engine's layers, built at that size, refuse the others). Each rank
+holds the cache the engine gives it at that size: its share of the KV heads, or all of MLA's
+latent, which has no head axis.
 """
 
 from __future__ import annotations
@@ -66,9 +68,11 @@ class CostModel:
                            if hw.prefill_attention_flops else None)
         object.__setattr__(self, "_attn_d_s", m.attention_flops_per_pair / (hw.decode_attention_flops * self.tp)
                            if hw.decode_attention_flops else None)
-        # KV bytes a worker holds (and a decode step reads) per token: MLA's latent once per rank.
-        held = self.kv_bytes_per_token * (self.tp if m.mla else 1)
-        for name, value in (("_weights", weights), ("_kvb", held), ("_streamed", {}),
+        # KV bytes per token: the model's (one copy of every head, what a transfer moves), and
+        # what a worker holds (and a decode step reads) over its ranks: MLA's latent once per rank.
+        kvb = m.kv_bytes_per_token(hw.dtype_bytes)
+        held = self.tp * m.kv_bytes_per_token(hw.dtype_bytes, self.tp)
+        for name, value in (("_weights", weights), ("_kv_model", kvb), ("_kvb", held), ("_streamed", {}),
                             ("_bw", hw.mem_bw * self.tp), ("_flops", hw.flops * self.tp),
                             ("_lin", m.linear_flops_per_token), ("_head", m.lm_head_flops),
                             ("_lin_head", m.linear_flops_per_token + m.lm_head_flops),
@@ -81,7 +85,7 @@ class CostModel:
     def kv_bytes_per_token(self) -> float:
         """The model's KV bytes per token: a key and a value per KV head over all layers (split
         over the ranks by head), or MLA's latent (every rank holds it whole)."""
-        return self.model.kv_bytes_per_token(self.hw.dtype_bytes)
+        return self._kv_model
 
     @property
     def worker_kv_bytes_per_token(self) -> float:

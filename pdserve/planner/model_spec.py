@@ -1,7 +1,14 @@
 """What the cost model needs to know about a model: its shape, from which parameters, FLOPs
-per token, the bytes a step streams and KV bytes per token follow. Read from a HF config
-(``spec_from_config``: the model's config.json, through the engine's own family readers) or a named preset (the published configs of
-well-known models, written out here).
+per token and the bytes a step streams follow. Read from a HF config (``spec_from_config``: the
+model's config.json, through the engine's own family readers) or by name (``get_model``): the
+published config.json of a well-known checkpoint, which its family lists
+(``Family.published``, pdserve/engine/models/), so the planner names no family itself.
+
+What the engine decides, the planner asks the engine: KV bytes per token come from the cache
+layout the engine allocates (``ModelSpec.kv_bytes_per_token``: attention/kv_cache.py), and the
+tensor-parallel sizes from the layers themselves (pdserve/planner/tp.py). A shape written by hand
+(``SHAPES``: a dense decoder no family reads) is asked about as the engine's shared decoder of
+that shape (``ModelSpec.engine_config``).
 
 Two shapes beyond a dense GQA decoder:
 - Mixture of experts: a token runs through its ``experts_per_token`` routed experts and the
@@ -14,8 +21,13 @@ Two shapes beyond a dense GQA decoder:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # the engine (torch) is imported only when a spec is asked for: `pdserve --help` needs neither
+    from pdserve.engine.config import ModelConfig
 
 
 class ModelSpecError(ValueError):
@@ -51,6 +63,9 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # The engine's config this spec was read from (``spec_from_config``); None for a shape
+    # written by hand. Not part of equality: the fields above are what it says of the shape.
+    config: "ModelConfig | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -69,6 +84,16 @@ class ModelSpec:
             for key in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
                 if getattr(self, key) <= 0:
                     raise ModelSpecError(key, f"must be > 0 with kv_lora_rank, got {getattr(self, key)}")
+        if self.config is None and (self.moe or self.mla):
+            raise ModelSpecError("config", "a mixture-of-experts or latent-attention model is read from its "
+                                           "config.json (spec_from_config), so that the engine's layers say how "
+                                           "it splits and caches")
+        if self.config is not None:
+            said = _fields_of(self.config)
+            for f in dataclasses.fields(self):
+                if f.name not in ("name", "config") and getattr(self, f.name) != said.get(f.name, f.default):
+                    raise ModelSpecError(f.name, f"{self.name}: {getattr(self, f.name)} where its config says "
+                                                 f"{said.get(f.name, f.default)} (change the config, not the spec)")
 
     @property
     def moe(self) -> bool:
@@ -205,12 +230,32 @@ class ModelSpec:
         experts = self.moe_layers * self.expected_experts(tokens) * self.expert_params
         return (self.dense_part_params + experts + self.lm_head_params) * dtype_bytes
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> float:
-        """One token's cache entry over all layers. GQA: a key and a value per KV head. MLA: the
-        compressed latent and the shared RoPE key, for all heads at once."""
-        if self.mla:
-            return float(self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes)
-        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> float:
+        """One token's cache entry on one of ``tp`` ranks, as the engine lays out the cache it
+        allocates (``kv_cache.cache_spec_of``): a key and a value of each of the rank's KV heads
+        in every layer (tp 1: all of them, what a transfer moves), or MLA's latent and shared
+        RoPE key, which has no head axis, whole on every rank."""
+        import torch
+
+        from pdserve.engine.attention.kv_cache import cache_spec_of
+
+        # A block of one token at one byte a value: the values a token takes, times the profile's bytes.
+        values = cache_spec_of(self.engine_config, 1, torch.uint8, tp).bytes_per_token
+        return float(values * dtype_bytes)
+
+    @property
+    def engine_config(self) -> "ModelConfig":
+        """The engine's config of this model: the one it was read from, or, for a shape written
+        by hand, the engine's shared decoder (pdserve/engine/models/decoder.py) of that shape."""
+        if self.config is not None:
+            return self.config
+        from pdserve.engine.config import ModelConfig
+
+        return ModelConfig(model_type="", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           rms_norm_eps=1e-6, rope_theta=10_000.0, max_position_embeddings=self.max_model_len,
+                           tie_word_embeddings=self.tied_embeddings, qkv_bias=False)
 
 
 def spec_from_config(hf: Any, name: str = "model") -> ModelSpec:
@@ -240,10 +285,15 @@ _HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads
             "intermediate_size": "intermediate_size", "vocab_size": "vocab_size"}
 
 
-def _spec_of(cfg, name: str) -> ModelSpec:
+def _spec_of(cfg: "ModelConfig", name: str) -> ModelSpec:
     """The planner's view of an engine ``ModelConfig``."""
-    for field, key in _HF_KEYS.items():
-        if getattr(cfg, field) is None:
+    return ModelSpec(name=name, **_fields_of(cfg), config=cfg)
+
+
+def _fields_of(cfg: "ModelConfig") -> dict[str, Any]:
+    """The shape fields of a ``ModelSpec`` that an engine ``ModelConfig`` says."""
+    for field_name, key in _HF_KEYS.items():
+        if getattr(cfg, field_name) is None:
             raise ModelSpecError(key, "missing from the model's config")
     fields: dict[str, Any] = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
@@ -263,40 +313,31 @@ def _spec_of(cfg, name: str) -> ModelSpec:
         fields.update(kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank or 0,
                       qk_rope_head_dim=mla.qk_rope_head_dim, qk_nope_head_dim=mla.qk_nope_head_dim,
                       v_head_dim=mla.v_head_dim)
-    return ModelSpec(name=name, **fields)
+    return fields
 
 
-def _preset(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int,
-            max_len: int, **more) -> ModelSpec:
-    return ModelSpec(name, layers, hidden, heads, kv_heads, head_dim, inter, vocab, max_len, **more)
-
-
-# Published config.json values of each model (DeepSeek-V3: its 61 main layers; the multi-token
-# prediction module, num_nextn_predict_layers, is not served).
-PRESETS = {
-    "SmolLM2-135M": _preset("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, 8192, tied_embeddings=True),
-    "Llama-3.1-8B": _preset("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
-    "Llama-3.1-70B": _preset("Llama-3.1-70B", 80, 8192, 64, 8, 128, 28672, 128256, 131072),
-    "Llama-3.3-70B": _preset("Llama-3.3-70B", 80, 8192, 64, 8, 128, 28672, 128256, 131072),
-    # OPT: multi-head attention, a 2-matrix ReLU MLP, 2048-token context (DistServe's model).
-    "OPT-13B": _preset("OPT-13B", 40, 5120, 40, 40, 128, 20480, 50272, 2048, mlp_matrices=2),
-    "Qwen3-8B": _preset("Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936, 40960),
-    # Every layer sparse (decoder_sparse_step 1, no mlp_only_layers): 128 experts, top 8, no shared.
-    "Qwen3-30B-A3B": _preset("Qwen3-30B-A3B", 48, 2048, 32, 4, 128, 6144, 151936, 40960,
-                             num_experts=128, experts_per_token=8, moe_intermediate_size=768),
-    # MLA (q_lora 1536, kv_lora 512, RoPE 64, no-RoPE 128, v 128), first 3 layers dense, then
-    # 256 routed experts top 8 and 1 shared expert of width 2048.
-    "DeepSeek-V3": _preset("DeepSeek-V3", 61, 7168, 128, 128, 192, 18432, 129280, 163840,
-                           num_experts=256, experts_per_token=8, moe_intermediate_size=2048,
-                           shared_intermediate_size=2048, dense_layers=3, kv_lora_rank=512, q_lora_rank=1536,
-                           qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+# Models no family reads, by their shape alone (planned as the engine's shared decoder of that
+# shape: ``ModelSpec.engine_config``). OPT, DistServe's model: multi-head attention, a 2-matrix
+# ReLU MLP, a 2048-token context.
+SHAPES = {
+    "OPT-13B": ModelSpec("OPT-13B", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40, head_dim=128,
+                         intermediate_size=20480, vocab_size=50272, max_model_len=2048, mlp_matrices=2),
 }
 
 
+@functools.cache
+def presets() -> dict[str, ModelSpec]:
+    """Every model the planner knows by name: each family's published checkpoints
+    (``registry.published_configs``, read by the family's own reader) and ``SHAPES``."""
+    from pdserve.engine.models.registry import published_configs
+
+    return {**{name: spec_from_config(hf, name) for name, hf in published_configs().items()}, **SHAPES}
+
+
 def get_model(name: str) -> ModelSpec:
-    """A preset by name, or a spec read from a HF model directory's config.json."""
-    if name in PRESETS:
-        return PRESETS[name]
+    """A model by name (``presets``), or a spec read from a HF model directory's config.json."""
+    if name in presets():
+        return presets()[name]
     from pathlib import Path
     import json
 
@@ -307,5 +348,5 @@ def get_model(name: str) -> ModelSpec:
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelSpecError("model", f"cannot read {config_path}: {exc}") from exc
         return spec_from_config(hf, Path(name).name)
-    raise ModelSpecError("model", f"unknown model {name!r}; expected one of {sorted(PRESETS)} "
+    raise ModelSpecError("model", f"unknown model {name!r}; expected one of {sorted(presets())} "
                                   "or a directory with a config.json")

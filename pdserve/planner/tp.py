@@ -1,14 +1,13 @@
-"""Which tensor-parallel sizes the engine runs a model at, by the engine's own rule.
+"""Which tensor-parallel sizes the engine runs a model at: the engine's layers say.
 
 The engine splits every layer with ``TensorParallel.share`` (pdserve/engine/parallel.py),
-which refuses a dimension the size does not divide. The planner asks the same function about
-the same dimensions, so it never plans a TP the engine would refuse:
-- attention heads, always (q|k|v are split by head, o_proj by the heads' columns);
-- GQA's KV heads: the engine splits them evenly and does not replicate them, so the size must
-  divide ``num_key_value_heads`` (vLLM instead replicates KV heads when TP exceeds them; the
-  engine does not). MLA's latent has no head axis: every rank holds all of it;
-- the dense MLP's width where a layer has one, and each routed expert's width and the shared
-  experts' (the engine splits every expert in width, Megatron's split, not whole experts).
+which refuses a dimension the size does not divide, naming it. Rather than list those
+dimensions again, the planner builds the model's layers at that size on the meta device
+(``registry.check_split``: one layer of each kind, no memory) and reports what they refuse. For
+the families today that is the attention heads; GQA's KV heads (the engine splits them evenly
+and does not replicate them, as vLLM does when TP exceeds them; MLA's latent has no head axis);
+the dense MLP's width; each routed expert's width and the shared experts'. A shape written by
+hand is asked about as the engine's shared decoder of that shape.
 
 Across pools, a decode rank reads the heads it owns from the prefill ranks that hold them,
 which the KV transfer does for sizes where one divides the other.
@@ -16,32 +15,39 @@ which the KV transfer does for sizes where one divides the other.
 
 from __future__ import annotations
 
-from pdserve.engine.parallel import ShardError, TensorParallel
 from pdserve.planner.model_spec import ModelSpec
 
-
-def split_dims(model: ModelSpec) -> list[tuple[int, str]]:
-    """(size, config field) of every dimension the engine splits over the ranks."""
-    dims = [(model.num_heads, "num_attention_heads")]
-    if not model.mla:
-        dims.append((model.num_kv_heads, "num_key_value_heads"))
-    if model.num_layers > model.moe_layers:
-        dims.append((model.intermediate_size, "intermediate_size"))
-    if model.moe:
-        dims.append((model.moe_intermediate_size, "moe_intermediate_size"))
-        if model.shared_intermediate_size:
-            dims.append((model.shared_intermediate_size, "shared_intermediate_size"))
-    return dims
+# (the engine config's repr, size) -> the refusal: the search and every cost model ask again
+# and again, and a probe of a model with experts takes tens of milliseconds.
+_REFUSALS: dict[tuple[str, int], str | None] = {}
 
 
 def tp_refusal(model: ModelSpec, tp: int) -> str | None:
     """Why the engine cannot run ``model`` at ``tp`` ranks, or None where it can."""
     if tp < 1:
         return f"tensor_parallel_size must be >= 1, got {tp}"
-    ranks = TensorParallel(size=tp)
+    if tp == 1:
+        return None  # one rank holds every dimension whole
+    cfg = model.engine_config
+    key = (repr(cfg), tp)
+    if key not in _REFUSALS:
+        _REFUSALS[key] = _ask_the_layers(model, tp)
+    return _REFUSALS[key]
+
+
+def _ask_the_layers(model: ModelSpec, tp: int) -> str | None:
+    import torch
+
+    from pdserve.engine.models.decoder import CausalLM
+    from pdserve.engine.models.registry import check_split
+    from pdserve.engine.parallel import ShardError, TensorParallel
+
     try:
-        for n, what in split_dims(model):
-            ranks.share(n, what)
+        if model.config is not None:
+            check_split(model.config, tp)
+        else:  # the shared decoder of a hand-written shape: its layers are all alike
+            with torch.device("meta"):
+                CausalLM(model.engine_config, TensorParallel(0, tp), layer_indices=(0,))
     except ShardError as exc:
         return str(exc)
     return None

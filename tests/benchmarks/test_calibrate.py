@@ -12,7 +12,7 @@ from benchmarks.planner.served_runs import traced_steps
 from pdserve.engine.core.step_trace import StepShape, StepTrace, trace_path
 from pdserve.planner.cost import CostModel
 from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile
-from pdserve.planner.model_spec import PRESETS
+from pdserve.planner.model_spec import get_model
 
 
 def write(directory, worker_id, steps):
@@ -52,14 +52,14 @@ def test_a_cluster_without_a_trace_is_named(tmp_path):
 def test_the_speed_is_served_over_profile_seconds_per_pool_and_scales_only_the_steps():
     profile = dataclasses.replace(HardwareProfile.load(DEFAULT_CPU_PROFILE), served_step_s=2e-3, served_seq_s=3e-4,
                                   served_prefill_factor=1.1, kv_transfer_overhead_s=9e-3)
-    bare = CostModel(PRESETS["SmolLM2-135M"], dataclasses.replace(
+    bare = CostModel(get_model("SmolLM2-135M"), dataclasses.replace(
         profile, served_step_s=0.0, served_seq_s=0.0, served_prefill_factor=1.0), 1)
     steps = {"prefill": [[1.2 * bare.prefill_s([(256, 0)], 1), [[256, 0]], 1],
                          [1.2 * bare.prefill_s([(256, 0), (128, 0)], 2), [[256, 0], [128, 0]], 2]],
              "decode": [[0.9 * bare.decode_s(8, 8 * 300), 8, 8 * 300], [0.9 * bare.decode_s(1, 290), 1, 290]]}
     speed = run_speed(steps, profile)  # against the engine's own steps: the probe's additions left out
     assert speed == {"prefill": pytest.approx(1.2), "decode": pytest.approx(0.9), "prefill_sigma": pytest.approx(0.0, abs=1e-12)}
-    fast = CostModel(PRESETS["SmolLM2-135M"], at_run_speed(profile, speed), 1)
+    fast = CostModel(get_model("SmolLM2-135M"), at_run_speed(profile, speed), 1)
     assert fast.decode_s(4, 1200) == pytest.approx(0.9 * bare.decode_s(4, 1200))  # no probe step cost on top
     assert fast.prefill_s([(200, 56)]) == pytest.approx(1.2 * bare.prefill_s([(200, 56)]))
     assert fast.transfer_s(256) == bare.transfer_s(256)  # the hand-off the probe measured stays
@@ -69,7 +69,7 @@ def test_the_prefill_spread_is_the_log_sd_of_the_steps_and_noisy_prefill_draws_i
     import numpy as np
 
     profile = HardwareProfile.load(DEFAULT_CPU_PROFILE)
-    cost = CostModel(PRESETS["SmolLM2-135M"], profile, 1)
+    cost = CostModel(get_model("SmolLM2-135M"), profile, 1)
     one = cost.prefill_s([(256, 0)], 1)
     steps = {"prefill": [[1.1 * one, [[256, 0]], 1], [1.3 * one, [[256, 0]], 1]], "decode": [[0.02, 1, 300]]}
     assert run_speed(steps, profile)["prefill_sigma"] == pytest.approx(np.std(np.log([1.1, 1.3])))

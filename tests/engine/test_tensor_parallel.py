@@ -44,6 +44,41 @@ def test_a_split_that_does_not_divide_is_refused_naming_the_field_and_the_limit(
         EngineConfig(tensor_parallel_size=0)
 
 
+def _family_configs() -> dict[str, dict]:
+    """Each family's small config (tests/families.py, tests/deepseek_models.py) as config.json."""
+    from tests.deepseek_models import MLA_SHAPE, VARIANTS
+    from tests.factories import TINY_LLAMA
+    from tests.families import FAMILIES
+
+    configs = {"llama": {**TINY_LLAMA, "model_type": "llama"}}
+    configs.update({name: {**TINY_LLAMA, **fields, "model_type": model_type}
+                    for name, (model_type, fields) in FAMILIES.items()})
+    configs.update({name: {**TINY_LLAMA, **MLA_SHAPE, **fields, "model_type": model_type}
+                    for name, (model_type, fields) in VARIANTS.items()})
+    return configs
+
+
+@pytest.mark.parametrize("family", list(_family_configs()))
+def test_layers_of_one_kind_are_built_alike(family):
+    """``check_split`` builds one layer of each kind (``CausalLM.layer_kind``); that holds only
+    if every layer of a kind has the same modules and parameter shapes as the one built."""
+    from pdserve.engine.models.registry import build_model, families, model_config_from_hf
+    from pdserve.engine.parallel import TensorParallel
+
+    cfg = model_config_from_hf(_family_configs()[family], family)
+    with torch.device("meta"):
+        model = build_model(cfg, TensorParallel(0, 2))
+    built: dict = {}
+    for index, layer in enumerate(model.layers):
+        shape = [(name, type(m).__name__, tuple(p.shape) if isinstance(p := getattr(m, "weight", None),
+                                                                      torch.Tensor) else None)
+                 for name, m in layer.named_modules()]
+        assert built.setdefault(families()[cfg.model_type].model.layer_kind(cfg, index), shape) == shape, index
+    check_split(cfg, 2)
+    if cfg.moe is not None:  # a dense layer and a layer of experts: two kinds, two layers built
+        assert len(built) == 2
+
+
 @pytest.mark.slow
 def test_tp2_float32_greedy_equals_transformers_and_tp1(tiny_llama_dir, tp2_f32):
     directory, hf_model = tiny_llama_dir

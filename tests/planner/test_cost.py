@@ -2,7 +2,7 @@ import pytest
 
 from pdserve.planner.cost import CostError, CostModel
 from pdserve.planner.hardware import GPU_PROFILES, HardwareProfile, ProfileError, get_profile
-from pdserve.planner.model_spec import PRESETS, ModelSpecError, get_model, spec_from_config
+from pdserve.planner.model_spec import ModelSpecError, get_model, spec_from_config
 from tests.factories import TINY_LLAMA
 from tests.planner.helpers import DEVICE, TINY, cost
 
@@ -10,7 +10,7 @@ from tests.planner.helpers import DEVICE, TINY, cost
 @pytest.mark.parametrize("name, billions", [("Llama-3.1-8B", 8.03), ("Llama-3.1-70B", 70.6), ("OPT-13B", 12.9),
                                             ("SmolLM2-135M", 0.135)])
 def test_presets_have_the_published_parameter_counts(name, billions):
-    assert PRESETS[name].total_params / 1e9 == pytest.approx(billions, rel=0.04)
+    assert get_model(name).total_params / 1e9 == pytest.approx(billions, rel=0.04)
 
 
 def test_spec_from_a_hf_config():
@@ -61,11 +61,11 @@ def test_cpu_profile_adds_compute_and_memory():
 def test_tensor_parallelism_splits_the_work_and_adds_all_reduces():
     h100 = GPU_PROFILES["H100"]
     with pytest.raises(CostError, match="tp: .*do not fit 1 x H100"):
-        CostModel(PRESETS["Llama-3.1-70B"], h100, 1).kv_capacity_tokens()
-    tp4, tp8 = CostModel(PRESETS["Llama-3.1-70B"], h100, 4), CostModel(PRESETS["Llama-3.1-70B"], h100, 8)
+        CostModel(get_model("Llama-3.1-70B"), h100, 1).kv_capacity_tokens()
+    tp4, tp8 = CostModel(get_model("Llama-3.1-70B"), h100, 4), CostModel(get_model("Llama-3.1-70B"), h100, 8)
     assert tp8.kv_capacity_tokens() > 2 * tp4.kv_capacity_tokens()
     assert tp8.decode_s(1, 1000) < tp4.decode_s(1, 1000)
-    assert tp8._allreduce_s(1) > 0 == CostModel(PRESETS["Llama-3.1-8B"], h100, 1)._allreduce_s(1)
+    assert tp8._allreduce_s(1) > 0 == CostModel(get_model("Llama-3.1-8B"), h100, 1)._allreduce_s(1)
     with pytest.raises(CostError, match=r"tp: num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
         CostModel(TINY, DEVICE, 3)
 
@@ -86,7 +86,7 @@ def test_profile_round_trips_and_rejects_unknown_keys(tmp_path):
 
 def test_memory_utilization_sets_the_kv_capacity():
     a100 = GPU_PROFILES["A100"]
-    at90, at95 = CostModel(PRESETS["OPT-13B"], a100, 1), CostModel(PRESETS["OPT-13B"], a100, 1, mem_util=0.95)
+    at90, at95 = CostModel(get_model("OPT-13B"), a100, 1), CostModel(get_model("OPT-13B"), a100, 1, mem_util=0.95)
     assert at95.kv_capacity_tokens() - at90.kv_capacity_tokens() == pytest.approx(
         0.05 * a100.mem_bytes / at90.kv_bytes_per_token, abs=2)
     with pytest.raises(CostError) as err:
@@ -113,7 +113,7 @@ def test_fitted_step_cost_applies_the_published_form_in_ms():
 def test_measured_decode_points_correct_the_formula_for_the_model_they_ran():
     import dataclasses
 
-    smol = PRESETS["SmolLM2-135M"]
+    smol = get_model("SmolLM2-135M")
     base = dataclasses.replace(DEVICE, overlap=False, dtype_bytes=2)
     plain = CostModel(smol, base)
     f = plain.decode_s
@@ -138,7 +138,7 @@ def test_measured_decode_points_correct_the_formula_for_the_model_they_ran():
 def test_a_profile_with_decode_points_round_trips_through_json(tmp_path):
     import dataclasses
 
-    smol = PRESETS["SmolLM2-135M"]
+    smol = get_model("SmolLM2-135M")
     hw = dataclasses.replace(DEVICE, decode_points=((1, 128, 0.015), (1, 512, 0.017)), points_model=smol.shape,
                              prefill_attention_flops=5e10, decode_attention_flops=2e10)
     hw.save(tmp_path / "p.json")
@@ -149,7 +149,7 @@ def test_a_profile_with_decode_points_round_trips_through_json(tmp_path):
 def test_what_serving_adds_comes_on_top_of_the_measured_step():
     import dataclasses
 
-    smol = PRESETS["SmolLM2-135M"]
+    smol = get_model("SmolLM2-135M")
     base = dataclasses.replace(DEVICE, overlap=False, dtype_bytes=2)
     f = CostModel(smol, base).decode_s
     hw = dataclasses.replace(base, decode_points=((4, 100, 1.5 * f(4, 400)),), points_model=smol.shape,
@@ -168,7 +168,7 @@ def test_a_served_prefill_factor_scales_the_prefill_step():
 def test_a_served_decode_factor_scales_the_engine_step_not_what_serving_adds():
     import dataclasses
 
-    smol = PRESETS["SmolLM2-135M"]
+    smol = get_model("SmolLM2-135M")
     base = dataclasses.replace(DEVICE, overlap=False, dtype_bytes=2, served_step_s=2e-3, served_seq_s=1e-4)
     engine = CostModel(smol, dataclasses.replace(base, served_step_s=0.0, served_seq_s=0.0)).decode_s(4, 400)
     slower = CostModel(smol, dataclasses.replace(base, served_decode_factor=1.2))

@@ -1,19 +1,19 @@
 """The planner's model of MoE and MLA: parameter counts against the published figures and
-against ``transformers``' own models, the config reader, MLA's KV bytes against GQA's, the
-weights a MoE decode step streams, and which TP degrees the engine's rule admits."""
+against ``transformers``' own models, the config reader, MLA's KV bytes against GQA's (the
+engine's cache layout's), the weights a MoE decode step streams, and which TP degrees the
+engine's layers admit."""
 
 import dataclasses
 
 import pytest
 
-from pdserve.engine.parallel import ShardError, TensorParallel
 from pdserve.planner.cost import CostError, CostModel
 from pdserve.planner.hardware import GPU_PROFILES
-from pdserve.planner.model_spec import PRESETS, ModelSpec, ModelSpecError, spec_from_config
-from pdserve.planner.tp import pair_refusal, split_dims, tp_refusal
+from pdserve.planner.model_spec import ModelSpec, ModelSpecError, get_model, spec_from_config
+from pdserve.planner.tp import pair_refusal, tp_refusal
 from tests.planner.helpers import DEVICE
 
-V3, LLAMA, QWEN_MOE = PRESETS["DeepSeek-V3"], PRESETS["Llama-3.3-70B"], PRESETS["Qwen3-30B-A3B"]
+V3, LLAMA, QWEN_MOE = get_model("DeepSeek-V3"), get_model("Llama-3.3-70B"), get_model("Qwen3-30B-A3B")
 
 # config.json of each model as published (the fields the planner reads).
 DEEPSEEK_V3_CONFIG = dict(
@@ -42,7 +42,7 @@ DEEPSEEK_V2_LITE_CONFIG = dict(
     ("DeepSeek-V3", 671, 37),  # DeepSeek-V3 report: 671B total, 37B activated (the 61 main layers)
 ])
 def test_presets_have_the_published_total_and_active_counts(name, total, active):
-    spec = PRESETS[name]
+    spec = get_model(name)
     assert spec.total_params / 1e9 == pytest.approx(total, rel=0.02)
     assert spec.active_params / 1e9 == pytest.approx(active, rel=0.02)
 
@@ -57,7 +57,7 @@ def test_flops_follow_the_active_parameters_and_memory_the_total():
 @pytest.mark.parametrize("config, preset", [(DEEPSEEK_V3_CONFIG, "DeepSeek-V3"),
                                             (QWEN3_30B_A3B_CONFIG, "Qwen3-30B-A3B")])
 def test_the_config_reader_gives_the_preset(config, preset):
-    assert spec_from_config(config, preset) == PRESETS[preset]
+    assert spec_from_config(config, preset) == get_model(preset)
 
 
 def test_deepseek_v2_lite_reads_a_plain_q_projection():
@@ -77,6 +77,16 @@ def test_an_unknown_family_is_refused_by_name():
         spec_from_config({**QWEN3_30B_A3B_CONFIG, "model_type": "mixtral"})
     with pytest.raises(ModelSpecError, match="kv_lora_rank: missing"):
         spec_from_config({k: v for k, v in DEEPSEEK_V3_CONFIG.items() if k != "kv_lora_rank"})
+
+
+def test_a_spec_says_what_its_config_says():
+    """The engine answers for a spec from its config, so the two cannot drift apart: a spec
+    changed without its config is refused naming the field, and experts or a latent come from
+    a config alone."""
+    with pytest.raises(ModelSpecError, match="moe_intermediate_size: Qwen3-30B-A3B: 6 where its config says 768"):
+        dataclasses.replace(QWEN_MOE, moe_intermediate_size=6)
+    with pytest.raises(ModelSpecError, match="config: a mixture-of-experts or latent-attention model is read"):
+        ModelSpec("moe", 2, 64, 4, 2, 16, 128, 512, 4096, num_experts=8, experts_per_token=2, moe_intermediate_size=32)
 
 
 def _hf_model(family: str):
@@ -111,6 +121,9 @@ def test_parameter_counts_equal_transformers_models(family):
 def test_mla_holds_a_latent_per_token_where_gqa_holds_keys_and_values_per_kv_head():
     assert V3.kv_bytes_per_token(2) == 61 * (512 + 64) * 2  # 70,272 bytes
     assert LLAMA.kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2  # 327,680 bytes
+    # a rank's cache: its share of the KV heads, or the whole latent
+    assert LLAMA.kv_bytes_per_token(2, tp=8) == LLAMA.kv_bytes_per_token(2) / 8
+    assert V3.kv_bytes_per_token(2, tp=32) == V3.kv_bytes_per_token(2)
     h100 = GPU_PROFILES["H100"]
     # GQA splits its heads over the ranks; MLA's latent has no head axis: every rank holds it whole
     assert CostModel(LLAMA, h100, 8).worker_kv_bytes_per_token == LLAMA.kv_bytes_per_token(2)
@@ -134,8 +147,10 @@ def test_a_moe_decode_step_streams_the_experts_its_batch_touches():
 
 
 def test_the_cost_model_times_a_moe_decode_step_by_the_bytes_it_streams():
-    tiny_moe = ModelSpec("tiny-moe", 2, 64, 4, 2, 16, 128, 512, 4096, num_experts=8, experts_per_token=2,
-                         moe_intermediate_size=32)
+    tiny_moe = spec_from_config(dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2,
+                                     moe_intermediate_size=32), "tiny-moe")
     c = CostModel(tiny_moe, DEVICE)  # 1 GB/s, 1e11 FLOP/s, 1 ms a step; compute and memory overlap
     for batch in (1, 64):
         memory = (tiny_moe.streamed_weight_bytes(batch, 2) + batch * 100 * c.kv_bytes_per_token) / 1e9
@@ -147,21 +162,22 @@ def test_the_cost_model_times_a_moe_decode_step_by_the_bytes_it_streams():
 
 
 def test_tp_degrees_are_the_engines_own_rule():
-    for spec in (LLAMA, V3, QWEN_MOE):
-        for tp in (1, 2, 3, 4, 8, 16, 32):
-            refused = None
-            try:
-                for n, what in split_dims(spec):
-                    TensorParallel(size=tp).share(n, what)
-            except ShardError as exc:
-                refused = str(exc)
-            assert tp_refusal(spec, tp) == refused
+    """What the engine's layers refuse, built at the size: heads, KV heads, expert widths, and
+    the dense MLP of DeepSeek's first 3 layers of 61 (one layer of each kind is built)."""
     assert tp_refusal(LLAMA, 16) == "num_key_value_heads (8) is not divisible by tensor_parallel_size (16)"
+    assert tp_refusal(LLAMA, 3) == "num_attention_heads (64) is not divisible by tensor_parallel_size (3)"
     assert tp_refusal(QWEN_MOE, 8) == "num_key_value_heads (4) is not divisible by tensor_parallel_size (8)"
-    assert tp_refusal(V3, 32) is None  # MLA: 128 heads, and no KV head axis
-    assert "num_key_value_heads" not in {what for _, what in split_dims(V3)}
-    odd_experts = dataclasses.replace(QWEN_MOE, moe_intermediate_size=6)
+    assert tp_refusal(V3, 32) is None  # 128 heads, and MLA's latent is held whole
+    assert [tp for tp in (1, 2, 3, 4, 8, 16, 32) if tp_refusal(LLAMA, tp) is None] == [1, 2, 4, 8]
+    odd_experts = spec_from_config({**QWEN3_30B_A3B_CONFIG, "moe_intermediate_size": 6})
     assert tp_refusal(odd_experts, 4) == "moe_intermediate_size (6) is not divisible by tensor_parallel_size (4)"
+    odd_dense = spec_from_config({**DEEPSEEK_V3_CONFIG, "intermediate_size": 18430})
+    assert tp_refusal(odd_dense, 4) == "intermediate_size (18430) is not divisible by tensor_parallel_size (4)"
+    odd_routed = spec_from_config({**DEEPSEEK_V3_CONFIG, "moe_intermediate_size": 2050})
+    assert tp_refusal(odd_routed, 4) == "moe_intermediate_size (2050) is not divisible by tensor_parallel_size (4)"
+    opt = get_model("OPT-13B")  # no family reads OPT: asked as the engine's shared decoder of its shape
+    assert tp_refusal(opt, 16) == "num_attention_heads (40) is not divisible by tensor_parallel_size (16)"
+    assert tp_refusal(opt, 8) is None
     with pytest.raises(CostError, match=r"tp: num_key_value_heads \(8\)"):
         CostModel(LLAMA, GPU_PROFILES["H100"], 16)
 

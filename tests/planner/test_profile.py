@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 
 from pdserve.planner.cost import CostModel
-from pdserve.planner.model_spec import PRESETS
+from pdserve.planner.model_spec import get_model
 from pdserve.planner.profile import Point, fit, measure
 from tests.planner.helpers import DEVICE
 
-SMOL = PRESETS["SmolLM2-135M"]
+SMOL = get_model("SmolLM2-135M")
 
 
 def _points(cost: CostModel) -> list[Point]:

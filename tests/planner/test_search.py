@@ -12,12 +12,12 @@ from pdserve.cli import main
 from pdserve.cluster.settings import serve_settings
 from pdserve.planner.hardware import GPU_PROFILES
 from pdserve.planner.metrics import Slo
-from pdserve.planner.model_spec import PRESETS
+from pdserve.planner.model_spec import get_model
 from pdserve.planner.report import autoscaling_config
 from pdserve.planner.search import PlanError, PlanRequest, plan
 from pdserve.planner.synthetic import LengthMix
 
-BASE = PlanRequest(PRESETS["Llama-3.1-8B"], GPU_PROFILES["A100"], 20.0, LengthMix(755, 200, 0.5), Slo(0.5, 0.05),
+BASE = PlanRequest(get_model("Llama-3.1-8B"), GPU_PROFILES["A100"], 20.0, LengthMix(755, 200, 0.5), Slo(0.5, 0.05),
                    tp_choices=(1,), num_requests=250, min_duration_s=8.0, modes=("disaggregated",))
 
 

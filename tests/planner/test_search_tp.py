@@ -9,11 +9,11 @@ import pytest
 from pdserve.cli import main
 from pdserve.planner.hardware import GPU_PROFILES
 from pdserve.planner.metrics import Slo
-from pdserve.planner.model_spec import PRESETS
+from pdserve.planner.model_spec import get_model
 from pdserve.planner.search import PlanRequest, _candidates, plan
 from pdserve.planner.synthetic import LengthMix
 
-LLAMA_H100 = PlanRequest(PRESETS["Llama-3.3-70B"], GPU_PROFILES["H100"], 4.0, LengthMix(755, 200, 0.5),
+LLAMA_H100 = PlanRequest(get_model("Llama-3.3-70B"), GPU_PROFILES["H100"], 4.0, LengthMix(755, 200, 0.5),
                          Slo(1.0, 0.1), num_requests=120, min_duration_s=10.0)
 
 
@@ -37,7 +37,7 @@ def test_per_pool_choices_search_every_pair_where_one_divides_the_other():
                      ("disaggregated", 8, 8), ("colocated", 4, 4)] and said == []
     _, said = _searched(dataclasses.replace(req, prefill_tp_choices=(6,), decode_tp_choices=(4,)))
     assert said == ["skipped TP6: num_attention_heads (64) is not divisible by tensor_parallel_size (6)"]
-    six_heads = dataclasses.replace(PRESETS["OPT-13B"], num_heads=24, num_kv_heads=24, intermediate_size=4800)
+    six_heads = dataclasses.replace(get_model("OPT-13B"), num_heads=24, num_kv_heads=24, intermediate_size=4800)
     _, said = _searched(dataclasses.replace(req, model=six_heads, prefill_tp_choices=(6,), decode_tp_choices=(4,)))
     assert said == ["skipped prefill TP6 / decode TP4: prefill TP 6 and decode TP 4: the KV moves by head only "
                     "between sizes where one divides the other"]

@@ -24,7 +24,7 @@ this rank's part. A module without one takes the tensor whole.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -140,9 +140,9 @@ class DecoderStack(nn.Module):
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head: Llama's, or another family's. A family
-    (pdserve/engine/models/) subclasses it: it passes its own ``layers`` or overrides
-    ``make_rotary`` and ``make_layer``, and names the checkpoint tensors that are parts of one
-    of its fused parameters in ``packed_modules_mapping``."""
+    (pdserve/engine/models/) subclasses it: it overrides ``make_rotary`` and ``make_layer`` (and
+    ``layer_kind`` where its layers are of a few kinds), and names the checkpoint tensors that
+    are parts of one of its fused parameters in ``packed_modules_mapping``."""
 
     # The layers are the ones torch.ops.pdserve.decoder_layers runs in one call (linear.py).
     packed_stack = True
@@ -152,16 +152,22 @@ class CausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layers: Iterable[nn.Module] | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_indices: Sequence[int] | None = None):
+        """``layer_indices``: build only these layers (``registry.check_split``'s probe, never
+        loaded or run); None, every layer."""
         super().__init__()
         self.cfg, self.tp = cfg, tp
         # Rank 0 alone computes logits: the sampler needs the whole vocabulary there, and a
         # replicated head costs no collective (a vocab-parallel one would gather logits).
         self.has_head = tp.rank == 0
         self.rotary = self.make_rotary(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layers if layers is not None else
-                                    (self.make_layer(cfg, i) for i in range(cfg.num_layers)))
+        # No random init: the weight is always filled (from a checkpoint, or by fill_dummy), and
+        # nn.Embedding's normal_ on the meta device, where models are built, imports
+        # torch._dynamo the first time (1 to 4 s of a process's start, measured on this box).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        indices = range(cfg.num_layers) if layer_indices is None else layer_indices
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in indices)
         self.stack = DecoderStack()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         untied = not cfg.tie_word_embeddings and self.has_head
@@ -175,6 +181,14 @@ class CausalLM(nn.Module):
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return DecoderLayer(cfg, Attention(cfg, self.tp, window=cfg.window(index)), tp=self.tp)
+
+    @classmethod
+    def layer_kind(cls, cfg: ModelConfig, index: int) -> Hashable:
+        """What ``make_layer`` builds at ``index``: two layers of one kind have the same modules
+        and parameter shapes, so they split alike over the ranks and ``registry.check_split``
+        builds one of each. By default every layer is a kind of its own (always right; a family
+        of many costly layers, experts in each, names its few kinds)."""
+        return index
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden)."""

@@ -43,7 +43,7 @@ row-local ops, and the layers run one by one (the fused whole-stack call is Llam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -117,11 +117,14 @@ class Gemma3ForCausalLM(CausalLM):
 
     packed_stack = False  # the C++ whole-stack call is Llama's layer
 
-    def __init__(self, cfg: Gemma3Config, tp: TensorParallel = SINGLE):
-        super().__init__(cfg, tp, layers=(Gemma3DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers)))
+    def __init__(self, cfg: Gemma3Config, tp: TensorParallel = SINGLE, layer_indices: Sequence[int] | None = None):
+        super().__init__(cfg, tp, layer_indices)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.local_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta)
         self._normalizer: dict[torch.dtype, float] = {}
+
+    def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return Gemma3DecoderLayer(cfg, index, self.tp)
 
     def embed_scale(self, dtype: torch.dtype) -> float:
         """sqrt(hidden_size) as transformers multiplies by it: a float32 tensor cast to ``dtype``.

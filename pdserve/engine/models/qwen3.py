@@ -31,7 +31,7 @@ from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.moe import RoutedExperts, SoftmaxTopKGate, SparseMoe
 from pdserve.engine.models.decoder import CausalLM, DecoderLayer, QKNormAttention
 from pdserve.engine.models.family import Family
-from pdserve.engine.parallel import SINGLE, TensorParallel
+from pdserve.engine.parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,13 @@ def qwen3_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
 class Qwen3ForCausalLM(CausalLM):
     """Qwen3ForCausalLM and Qwen3MoeForCausalLM (``cfg.moe`` says which), holding ``tp``'s share."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
-        super().__init__(cfg, tp, layers=(DecoderLayer(cfg, QKNormAttention(cfg, tp), qwen3_mlp(cfg, i, tp))
-                                          for i in range(cfg.num_layers)))
+    def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return DecoderLayer(cfg, QKNormAttention(cfg, self.tp), qwen3_mlp(cfg, index, self.tp))
+
+    @classmethod
+    def layer_kind(cls, cfg: ModelConfig, index: int) -> bool:
+        """Two kinds: a layer with routed experts, or with a dense MLP."""
+        return cfg.moe is not None and cfg.moe.is_sparse(index)
 
     # The MoE router is checkpoints' mlp.gate, our mlp.gate.proj (the gate module holds the top-k rule).
     packed_modules_mapping = {**CausalLM.packed_modules_mapping, "gate": ("gate.proj", None)}
@@ -94,5 +98,18 @@ def moe_config(get: Get, source: str) -> MoeConfig:
                      dense_layers=tuple(get("mlp_only_layers") or ()))
 
 
+_QWEN3 = dict(vocab_size=151936, num_attention_heads=32, head_dim=128, max_position_embeddings=40960,
+              rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
 FAMILY = Family(architectures=("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), model_types=("qwen3", "qwen3_moe"),
-                model=Qwen3ForCausalLM, read_config=read_config)
+                model=Qwen3ForCausalLM, read_config=read_config,
+                published={
+                    "Qwen3-8B": dict(_QWEN3, architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+                                     intermediate_size=12288, num_hidden_layers=36, num_key_value_heads=8),
+                    # Every layer sparse (decoder_sparse_step 1, no mlp_only_layers): 128 experts, top 8, none shared.
+                    "Qwen3-30B-A3B": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                                          hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                          num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+                                          moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[],
+                                          norm_topk_prob=True),
+                })

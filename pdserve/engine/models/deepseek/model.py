@@ -131,6 +131,11 @@ class DeepseekForCausalLM(CausalLM):
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return DeepseekDecoderLayer(cfg, index, self.tp)
 
+    @classmethod
+    def layer_kind(cls, cfg: ModelConfig, index: int) -> bool:
+        """Two kinds: the first ``first_k_dense_replace`` layers' dense MLP, or the MoE."""
+        return index < cfg.moe.first_dense_layers
+
     # Only gate and up are fused; q_proj, q_b_proj and kv_b_proj are whole projections here.
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
