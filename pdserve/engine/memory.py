@@ -161,8 +161,8 @@ def check_free_at_start(share: float, total: int, free: int, name: str) -> None:
     anything, must hold ``share`` x ``total``."""
     asked = int(share * total)
     if free < asked:
-        raise KVMemoryError(SETTING, f"{share:g} of {name}'s {_gib(total)} asks for {_gib(asked)}, but only "
-                                     f"{_gib(free)} is free at start (other processes hold the rest); lower "
+        raise KVMemoryError(SETTING, f"{share:g} of {name}'s {readable(total)} asks for {readable(asked)}, but only "
+                                     f"{readable(free)} is free at start (other processes hold the rest); lower "
                                      "--gpu-memory-utilization or free the device")
 
 
@@ -172,15 +172,16 @@ def kv_budget_for_share(share: float, total: int, used: int, name: str) -> int:
     asked = int(share * total)
     left = asked - used
     if left <= 0:
-        raise KVMemoryError(SETTING, f"{share:g} of {name}'s {_gib(total)} is {_gib(asked)}, and this worker "
-                                     f"already uses {_gib(used)} for its weights and its largest step: nothing "
+        raise KVMemoryError(SETTING, f"{share:g} of {name}'s {readable(total)} is {readable(asked)}, and this worker "
+                                     f"already uses {readable(used)} for its weights and its largest step: nothing "
                                      "is left for the KV cache; raise --gpu-memory-utilization, lower "
                                      "--max-num-batched-tokens, or size it with --kv-cache-memory")
     return left
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+def readable(n: int) -> str:
+    """Bytes as people read them: GiB, or MiB below one GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -201,5 +202,5 @@ class CacheSize:
     def line(self) -> str:
         fits = self.tokens / self.max_model_len
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens "
-                f"({_gib(self.num_blocks * self.block_bytes * self.ranks)}); a {self.max_model_len}-token request "
+                f"({readable(self.num_blocks * self.block_bytes * self.ranks)}); a {self.max_model_len}-token request "
                 f"fits {fits:.2f} times ({self.source})")

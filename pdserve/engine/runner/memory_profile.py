@@ -19,7 +19,8 @@ from pdserve.engine.attention.kv_cache import CacheSpec, num_cache_blocks
 from pdserve.engine.attention.select import select_attention
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.errors import KVMemoryError
-from pdserve.engine.memory import GIB, SETTING, CacheSize, MemoryProbe, check_free_at_start, kv_budget_for_share, probe_for
+from pdserve.engine.memory import (SETTING, CacheSize, MemoryProbe, check_free_at_start, kv_budget_for_share,
+                                   probe_for, readable)
 from pdserve.engine.models.decoder import CausalLM
 
 
@@ -74,18 +75,17 @@ def size_cache(model: CausalLM, cfg: ModelConfig, spec: CacheSpec, config: Engin
     exact = cache.exact_budget_bytes()
     if exact is not None:
         given = "memory_budget_bytes" if cache.memory_budget_bytes is not None else "the default"
-        return size(num_cache_blocks(config, spec), source=f"{given}, {exact / GIB:.3g} GiB")
+        return size(num_cache_blocks(config, spec), source=f"{given}, {readable(exact)}")
     probe = probe or probe_for(next(model.parameters()).device)
     share, total = cache.gpu_memory_utilization, probe.total_bytes()
     used = profile_use(model, cfg, spec, config, max_model_len, probe)
     budget = kv_budget_for_share(share, total, used, probe.name)
     blocks = spec.blocks_for_budget(budget)
     if blocks < 1:
-        raise KVMemoryError(SETTING, f"the {budget / GIB:.3f} GiB left of {share:g} x {probe.name}'s "
-                                     f"{total / GIB:.2f} GiB holds no {spec.block_bytes}-byte KV block")
-    return size(blocks, source=f"{SETTING} {share:g} of {probe.name}'s {total / GIB:.2f} GiB, "
-                               f"{used / GIB:.2f} GiB used by weights and a {config.scheduler.max_num_batched_tokens}"
-                               "-token step")
+        raise KVMemoryError(SETTING, f"the {readable(budget)} left of {share:g} x {probe.name}'s "
+                                     f"{readable(total)} holds no {spec.block_bytes}-byte KV block")
+    return size(blocks, source=f"{SETTING} {share:g} of {probe.name}'s {readable(total)}, {readable(used)} used by "
+                               f"weights and a {config.scheduler.max_num_batched_tokens}-token step")
 
 
 def start_memory(config: EngineConfig, probe: MemoryProbe | None = None) -> MemoryProbe | None:
