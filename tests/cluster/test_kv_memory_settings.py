@@ -10,6 +10,7 @@ import torch
 from pdserve.cli import main
 from pdserve.cluster import worker_cli
 from pdserve.cluster.plain_process import check_device
+from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import SettingsError, add_arguments, resolve
 from pdserve.engine.config import DEFAULT_KV_CACHE_BYTES, CacheConfig
 from pdserve.planner.auto_layout import worker_need_bytes
@@ -87,3 +88,9 @@ def test_the_planner_sizes_a_worker_by_the_resolved_cache():
     assert worker_need_bytes(weights, CacheConfig(memory_budget_bytes=5 * GIB)) == weights + 5 * GIB
     # a share holds weights, activations and KV together: the worker takes that share of the host
     assert worker_need_bytes(weights, CacheConfig(gpu_memory_utilization=0.25), host_bytes=24 * GIB) == 6 * GIB
+
+
+def test_a_share_with_tensor_parallelism_is_refused_before_anything_starts(tool_llama):
+    with pytest.raises(SettingsError, match="^gpu_memory_utilization: a worker of tensor_parallel_size 2 maps"):
+        build(resolve(parse([str(tool_llama[0]), "--gpu-memory-utilization", "0.5", "--decode-tp", "2"]),
+                      environ={}))
