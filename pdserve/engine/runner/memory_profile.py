@@ -74,7 +74,7 @@ def size_cache(model: CausalLM, cfg: ModelConfig, spec: CacheSpec, config: Engin
         return size(cache.num_blocks, source="num_blocks")
     exact = cache.exact_budget_bytes()
     if exact is not None:
-        given = "memory_budget_bytes" if cache.memory_budget_bytes is not None else "the default"
+        given = "exact size" if cache.memory_budget_bytes is not None else "the default size"
         return size(num_cache_blocks(config, spec), source=f"{given}, {readable(exact)}")
     probe = probe or probe_for(next(model.parameters()).device)
     share, total = cache.gpu_memory_utilization, probe.total_bytes()
