@@ -167,8 +167,8 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("kv_cache_gib", float, None, "KV cache per worker, GiB, exactly (default: "
                 f"{DEFAULT_KV_CACHE_BYTES / (1 << 30):g} GiB where neither this, --kv-cache-memory nor "
                 "--gpu-memory-utilization is given; one of this and --kv-cache-memory only)", above=0),
-        Setting("kv_cache_memory", int, None, "KV cache per worker, bytes, exactly, as `vllm serve "
-                "--kv-cache-memory`; wins over --gpu-memory-utilization", minimum=1),
+        Setting("kv_cache_memory", int, None, "KV cache per worker, bytes, exactly, as vLLM's "
+                "kv_cache_memory_bytes; wins over --gpu-memory-utilization", minimum=1),
         Setting("gpu_memory_utilization", float, None,
                 "the share of the device's total memory (host RAM on a CPU worker) each worker may use for its "
                 "weights, activations and KV cache, as `vllm serve --gpu-memory-utilization`: after the weights "
