@@ -71,7 +71,7 @@ lock:
 clean:
 	rm -rf $(VENV)
 
-# What the lent GPU host lacks for scripts/gpu_check.sh, for its Python (3.12) and CUDA (13), in
-# gpu_bundle/ (git-ignored, under 40 MiB): carry it to the host with the checkout.
+# What the lent GPU host lacks for scripts/gpu_check.sh and scripts/gpu_bench.sh, for its Python
+# (3.12) and CUDA (13), in gpu_bundle/ (git-ignored, under 40 MiB): carry it with the checkout.
 gpu-bundle:
 	python3 scripts/gpu_bundle.py --out gpu_bundle

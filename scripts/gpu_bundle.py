@@ -1,12 +1,14 @@
-"""`make gpu-bundle`: what the lent GPU host lacks for scripts/gpu_check.sh, in one folder.
+"""`make gpu-bundle`: what the lent GPU host lacks for scripts/gpu_check.sh and scripts/gpu_bench.sh.
 
 The host (docs/gpu.md, "GPU check") has Python 3.12, a CUDA 13 torch, numpy, transformers,
 tokenizers, safetensors, pytest, grpcio and xxhash, and no network; at most 64 MiB travel
 with the checkout. This writes ``gpu_bundle/`` (git-ignored), under 40 MiB:
 
-- ``wheels/``: the binary wheels pdserve's engine and the check import that the host lacks
-  (``GPU_WHEELS``), for CPython 3.12 on manylinux x86-64, without their dependencies, so pip
-  never replaces the host's numpy, torch or transformers.
+- ``wheels/``: the wheels pdserve's engine, the check, and a served cluster of plain
+  ``pdserve worker`` processes (the bench) import that the host lacks (``GPU_WHEELS``), for
+  CPython 3.12 on manylinux x86-64, without their dependencies, so pip never replaces the
+  host's numpy, torch or transformers. Ray is not carried (too large): the bench's cluster runs
+  without it.
 - ``nixl_cu13_ucx.tar.gz``: a subset of the ``nixl-cu13`` wheel (59 MB), laid out as in
   site-packages (so it unpacks straight into the private target directory): its
   Python package, its metadata, libnixl, the UCX plugin, and the UCX transports a
@@ -39,6 +41,12 @@ GPU_WHEELS = [
     "xgrammar==0.2.8", "apache-tvm-ffi==0.1.15.post2", "pydantic==2.14.3", "pydantic_core==2.50.4",
     "annotated-types==0.8.0", "typing-inspection==0.4.5", "typing_extensions==4.16.0", "protobuf==7.36.2",
     "grpcio==1.85.1", "grpcio-health-checking==1.85.1",
+    # What a served cluster imports that the host lacks (scripts/gpu_bench.sh starts `pdserve worker`
+    # processes and drives them with benchmarks/load): the router's and the load generator's HTTP
+    # (aiohttp and its closure), the workers' /metrics, the public plane's gRPC reflection.
+    "aiohttp==3.14.5", "aiohappyeyeballs==2.7.1", "aiosignal==1.4.0", "attrs==26.1.0", "frozenlist==1.8.0",
+    "multidict==7.2.1", "propcache==0.5.4", "yarl==1.25.1", "idna==3.20", "prometheus_client==0.26.0",
+    "grpcio-reflection==1.85.1",
 ]
 NIXL_WHEEL = "nixl-cu13==1.5.1"
 # The wheel's own files that start the link walk; every other file is taken only if linked.

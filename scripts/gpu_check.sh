@@ -31,14 +31,9 @@ PY=${PYTHON:-python3}
 export GPU_CHECK_OUT=${GPU_CHECK_OUT:-gpu_check_out}
 BUNDLE=${GPU_BUNDLE:-gpu_bundle}
 mkdir -p "$GPU_CHECK_OUT"
-SITE=""
-if [ -d "$BUNDLE" ]; then
-    SITE=${GPU_CHECK_SITE:-$(mktemp -d /tmp/pdserve-gpu-site.XXXXXX)}
-    echo "== 0. installing $BUNDLE into $SITE (private; the host's packages stay as they are)"
-    "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" "$BUNDLE"/wheels/*.whl
-    tar xzf "$BUNDLE/nixl_cu13_ucx.tar.gz" -C "$SITE"
-fi
+# shellcheck source=scripts/gpu_site.sh
+source scripts/gpu_site.sh
+gpu_site "$PY" "$BUNDLE"
 export PYTHONPATH="$PWD${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
 # Importing xgrammar would otherwise compile a torch add-on with nvcc (minutes, on every host).
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
