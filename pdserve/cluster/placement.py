@@ -15,8 +15,9 @@ as its own processes (``pdserve.engine.distributed.group``), which use what bund
 
 GPUs may be shared: ``gpus`` below 1 reserves a fraction of one device (Ray's fractional
 GPUs), so one GPU holds a prefill and a decode worker at 0.5 each. Ray then hands both the
-same device (``CUDA_VISIBLE_DEVICES``); it does not divide the device's memory, which each
-worker's KV cache budget (``kv_cache_gib``) must leave room for. Above 1, Ray takes only
+same device (``CUDA_VISIBLE_DEVICES``); it does not divide the device's memory: each worker
+takes its own share of it (``gpu_memory_utilization``), or an exact KV cache size that leaves
+room for the other. Above 1, Ray takes only
 whole GPUs.
 """
 

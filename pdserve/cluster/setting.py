@@ -21,6 +21,7 @@ class Setting:
     choices: tuple[str, ...] | None = None
     minimum: float | None = None  # the smallest value allowed (inclusive)
     above: float | None = None  # values must be greater than this
+    maximum: float | None = None  # the largest value allowed (inclusive)
 
     @property
     def flag(self) -> str:
@@ -64,4 +65,6 @@ def convert(s: Setting, raw: Any, where: str) -> Any:
         raise SettingsError(f"{where}: {s.name} must be at least {s.minimum:g}, got {value!r}")
     if s.above is not None and value <= s.above:
         raise SettingsError(f"{where}: {s.name} must be greater than {s.above:g}, got {value!r}")
+    if s.maximum is not None and value > s.maximum:
+        raise SettingsError(f"{where}: {s.name} must be at most {s.maximum:g}, got {value!r}")
     return value

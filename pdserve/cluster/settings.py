@@ -37,7 +37,7 @@ def serve_settings() -> tuple[Setting, ...]:
     """The settings of ``pdserve serve``. A default that a config dataclass also uses is read
     from that dataclass (or the constant its module owns), so every default is written once.
     Built on first use: the owners import torch, which ``pdserve generate`` never needs."""
-    from pdserve.engine.config import LOAD_FORMATS, CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.config import DEFAULT_KV_CACHE_BYTES, LOAD_FORMATS, CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.kv_transfer import BACKENDS, DEFAULT_BACKEND
     from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
     from pdserve.router import tool_parsers
@@ -164,7 +164,16 @@ def serve_settings() -> tuple[Setting, ...]:
                 "decode steps replay CUDA graphs captured at start, one per batch size 1, 2, 4 ... 64 (CUDA and "
                 "the triton attention backend; elsewhere it changes nothing)"),
         Setting("block_size", int, CacheConfig.block_size, "tokens per KV block", minimum=1),
-        Setting("kv_cache_gib", float, CacheConfig.memory_budget_bytes / (1 << 30), "KV cache per worker, GiB", above=0),
+        Setting("kv_cache_gib", float, None, "KV cache per worker, GiB, exactly (default: "
+                f"{DEFAULT_KV_CACHE_BYTES / (1 << 30):g} GiB where neither this, --kv-cache-memory nor "
+                "--gpu-memory-utilization is given; one of this and --kv-cache-memory only)", above=0),
+        Setting("kv_cache_memory", int, None, "KV cache per worker, bytes, exactly, as vLLM's "
+                "kv_cache_memory_bytes; wins over --gpu-memory-utilization", minimum=1),
+        Setting("gpu_memory_utilization", float, None,
+                "the share of the device's total memory (host RAM on a CPU worker) each worker may use for its "
+                "weights, activations and KV cache, as `vllm serve --gpu-memory-utilization`: after the weights "
+                "load, a profile step of --max-num-batched-tokens measures the peak, and the KV cache gets the "
+                "rest (docs/configuration.md#the-kv-caches-size)", above=0, maximum=1),
         Setting("enable_prefix_caching", bool, CacheConfig.enable_prefix_cache, "reuse KV of shared prompt prefixes"),
         Setting("max_num_seqs", int, SchedulerConfig.max_num_seqs, "sequences one worker batches at once", minimum=1),
         Setting("max_num_batched_tokens", int, SchedulerConfig.max_num_batched_tokens,

@@ -94,7 +94,9 @@ class EngineSettings(_Typed):
     seed: int
     cuda_graphs: bool
     block_size: int
-    kv_cache_gib: float
+    kv_cache_gib: float | None  # None: sized by kv_cache_memory, gpu_memory_utilization, or the default
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float | None
     enable_prefix_caching: bool
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -103,17 +105,40 @@ class EngineSettings(_Typed):
     max_model_len: int | None
     tensor_parallel_size: int
 
-    def engine_config(self, *, tensor_parallel_size: int, mode: str, elastic_roles: bool, tpot_objective_s: float):
+    def cache_config(self):
+        """The KV cache's ``CacheConfig``. Its size: ``--kv-cache-memory`` or ``--kv-cache-gib``
+        exactly (both given: ``SettingsError``, even when they agree: one setting sizes it), which
+        wins over ``--gpu-memory-utilization``; that alone, the rest of its share after the
+        weights and a profiled step; none, ``DEFAULT_KV_CACHE_BYTES``."""
+        from pdserve.cluster.setting import SettingsError
+        from pdserve.engine.config import CacheConfig
+
+        if self.kv_cache_memory is not None and self.kv_cache_gib is not None:
+            raise SettingsError(f"kv_cache_memory ({self.kv_cache_memory} bytes, --kv-cache-memory) and kv_cache_gib "
+                                f"({self.kv_cache_gib:g} GiB, --kv-cache-gib) both size the KV cache exactly: give one")
+        exact = self.kv_cache_memory if self.kv_cache_gib is None else int(self.kv_cache_gib * (1 << 30))
+        return CacheConfig(block_size=self.block_size, memory_budget_bytes=exact,
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           enable_prefix_cache=self.enable_prefix_caching)
+
+    def engine_config(self, *, tensor_parallel_size: int, mode: str, elastic_roles: bool, tpot_objective_s: float,
+                      device: str | None = None):
         """The ``EngineConfig`` of a worker that runs on ``tensor_parallel_size`` ranks in a
         cluster of ``mode`` (with ``elastic_roles`` or not) whose TPOT objective is
         ``tpot_objective_s``: what the defaults of the mixed step depend on. ``pdserve serve``
         passes its layout settings (the router's engine at ``tensor_parallel_size``, each pool's
         at its own); ``pdserve worker``, whose workers are a disaggregated cluster's, passes
-        ``DISAGGREGATED``, no elastic roles and ``DEFAULT_TPOT_OBJECTIVE_S``."""
-        from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        ``DISAGGREGATED``, no elastic roles and ``DEFAULT_TPOT_OBJECTIVE_S``, and its ``--device``
+        (None: CUDA's current device where CUDA is, as Ray's placement leaves it, else the CPU)."""
+        from pdserve.engine.config import EngineConfig, SchedulerConfig
 
-        cache = CacheConfig(block_size=self.block_size, memory_budget_bytes=int(self.kv_cache_gib * (1 << 30)),
-                            enable_prefix_cache=self.enable_prefix_caching)
+        cache = self.cache_config()
+        if tensor_parallel_size > 1 and cache.exact_budget_bytes() is None:
+            from pdserve.cluster.setting import SettingsError
+
+            raise SettingsError(f"gpu_memory_utilization: a worker of tensor_parallel_size {tensor_parallel_size} "
+                                "maps its ranks' KV caches before its model loads, so nothing is profiled: size it "
+                                "with --kv-cache-memory")
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             mixed_prefill_tokens=mixed_prefill_tokens(self.mixed_prefill_tokens, mode, elastic_roles),
@@ -121,7 +146,7 @@ class EngineSettings(_Typed):
         return EngineConfig(model=self.model, dtype=self.dtype, load_format=self.load_format,
                             max_model_len=self.max_model_len, seed=self.seed,
                             cuda_graphs=self.cuda_graphs, tensor_parallel_size=tensor_parallel_size,
-                            cache=cache, scheduler=scheduler)
+                            cache=cache, scheduler=scheduler, device=device)
 
 
 def mixed_prefill_tokens(setting: int | None, mode: str, elastic_roles: bool) -> int:
@@ -310,6 +335,7 @@ class PlainWorkerSettings(_Typed):
     router_admin: str | None
     join_interval_seconds: float
     member_timeout_seconds: float
+    device: str | None  # None: CUDA's current device where CUDA is (CUDA_VISIBLE_DEVICES's first), else the CPU
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ from pdserve.cluster.typed_settings import WorkerSettings
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
 
-_SHARED = ("model", "served_model_name", "dtype", "load_format", "cuda_graphs", "tensor_parallel_size", "block_size", "kv_cache_gib", "max_model_len",
+_SHARED = ("model", "served_model_name", "dtype", "load_format", "cuda_graphs", "tensor_parallel_size", "block_size", "kv_cache_gib", "kv_cache_memory",
+           "gpu_memory_utilization", "max_model_len",
            "kv_transfer_backend", "lease_seconds",
            "transfer_timeout_seconds", "verify_kv_transfers",
            "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "otlp_traces_endpoint", "host", "port", "grpc_port", "advertise_host",
@@ -67,6 +68,9 @@ def worker_settings() -> tuple[Setting, ...]:
         Setting("router_admin", str, None, "a worker joins the router's membership here (its internal host:port)"),
         Setting("join_interval_seconds", float, 5.0, "how often a worker checks that it is in the router's table"),
         Setting("member_timeout_seconds", float, 30.0, "the router drops a worker that has not answered this long"),
+        Setting("device", str, None, "a prefill or decode worker's device: cpu, cuda or cuda:N, N counted among "
+                "the GPUs CUDA_VISIBLE_DEVICES leaves this process (default: the first of those where there is "
+                "one, else the CPU)"),
     )
 
 

@@ -179,14 +179,37 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # a worker's KV cache when no setting sizes it (1 GiB)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache geometry. The block count is derived from the memory budget."""
+    """Paged KV cache geometry. The block count is derived from an exact budget
+    (``memory_budget_bytes``), or from what the device leaves this worker after its weights and
+    a profiled forward (``gpu_memory_utilization``, pdserve/engine/memory.py); an exact budget
+    wins over the share. With neither, ``DEFAULT_KV_CACHE_BYTES``."""
 
     block_size: int = 16  # tokens per block; 16 keeps waste under one block per sequence
-    memory_budget_bytes: int = 1 << 30  # KV cache size per worker (1 GiB)
+    memory_budget_bytes: int | None = None  # KV cache bytes per worker, exactly
+    # vLLM's meaning: the share of the device's total memory (host RAM on a CPU) this worker may
+    # take for weights, activations and KV together; the KV gets what the rest leaves of it.
+    gpu_memory_utilization: float | None = None
     num_blocks: int | None = None  # set to override the budget (tests use tiny caches)
     enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise ValueError(f"memory_budget_bytes must be at least 1, got {self.memory_budget_bytes}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share!r}")
+
+    def exact_budget_bytes(self) -> int | None:
+        """The KV bytes a worker takes whatever its device holds; None where the size follows
+        ``gpu_memory_utilization`` (measured at start)."""
+        if self.memory_budget_bytes is not None:
+            return self.memory_budget_bytes
+        return None if self.gpu_memory_utilization is not None else DEFAULT_KV_CACHE_BYTES
 
 
 PREFILL_FIRST, MIXED = "prefill_first", "mixed"

@@ -71,3 +71,12 @@ class RankLost(EngineError):
     """A rank of a tensor-parallel worker died, or a collective between the ranks failed: the
     ranks are out of step, and no step can run again. The worker is dead as a whole (its
     process exits, ``pdserve.engine.distributed.group``), and what it ran moves as from any dead worker."""
+
+
+class KVMemoryError(EngineError, ValueError):
+    """The device cannot give the KV cache what its setting asks: ``setting`` names it (e.g.
+    ``gpu_memory_utilization``), the message carries the numbers."""
+
+    def __init__(self, setting: str, message: str):
+        self.setting = setting
+        super().__init__(f"{setting}: {message}")

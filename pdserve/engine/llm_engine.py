@@ -27,7 +27,9 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.runner.cuda_graphs import capture_sizes
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankLost, SequenceFailed, StepFailed
 from pdserve.engine.sampling.grammar_jobs import GrammarJobs, compiler_for
-from pdserve.engine.attention.kv_cache import cache_spec_of, num_cache_blocks
+from pdserve.engine.attention.kv_cache import cache_spec_of
+from pdserve.engine.memory import MemoryProbe
+from pdserve.engine.runner.memory_profile import size_cache, start_memory
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.core.outputs import Completion, RequestOutput, error_output, run_to_completion, token_output
@@ -51,8 +53,9 @@ class LLMEngine:
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, config: EngineConfig,
                  tokenizer: Tokenizer | None = None, detokenize: bool = True, model_dir: str | None = None,
-                 ranks: RankGroup | None = None):
-        """``ranks``: the other ranks of a tensor-parallel worker (``from_config`` starts them)."""
+                 ranks: RankGroup | None = None, memory: MemoryProbe | None = None):
+        """``ranks``: the other ranks of a tensor-parallel worker (``from_config`` starts them);
+        ``memory``: where a cache sized by a share of the device is measured (None: the model's device)."""
         self.config = config
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
@@ -63,7 +66,9 @@ class LLMEngine:
         self.ranks = ranks
         self.tensor_parallel_size = model.tp.size
         self.cache_spec = cache_spec_of(model_cfg, config.cache.block_size, self.dtype, self.tensor_parallel_size)
-        num_blocks = num_cache_blocks(config, self.cache_spec)
+        self.cache_size = size_cache(model, model_cfg, self.cache_spec, config, self.max_model_len, memory)
+        num_blocks = self.cache_size.num_blocks
+        log.info(self.cache_size.line())
         shared = ranks is not None and ranks.caches is not None  # rank 0's part of every rank's caches
         self.kv_cache = ranks.caches[0] if shared else self.cache_spec.allocate(num_blocks, self.device)
         self.blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
@@ -85,14 +90,16 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True, detokenize: bool = True,
-                    on_rank_lost: Callable[[RankLost], None] = exit_worker) -> "LLMEngine":
+                    on_rank_lost: Callable[[RankLost], None] = exit_worker,
+                    memory: MemoryProbe | None = None) -> "LLMEngine":
         """Load the model named in ``config`` (weights, tokenizer) and build the engine; with
         ``tensor_parallel_size`` > 1, on its ranks (``distributed.group.load_on_ranks``: ``on_rank_lost``
-        is what a lost rank does, by default end this process)."""
+        is what a lost rank does, by default end this process); ``memory``: as ``__init__``'s."""
+        memory = start_memory(config, memory)
         model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost)
         # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
         tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
-        return cls(model, model_cfg, config, tokenizer, detokenize=detokenize, model_dir=str(model_dir), ranks=ranks)
+        return cls(model, model_cfg, config, tokenizer, detokenize, str(model_dir), ranks, memory)
 
     @property
     def rank_caches(self) -> tuple[torch.Tensor, ...]:

@@ -49,7 +49,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pdserve.cluster.mode import COLOCATED, DISAGGREGATED
 from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, HardwareProfile
@@ -57,6 +57,9 @@ from pdserve.planner.layout import ClusterSpec, Layout
 from pdserve.planner.metrics import SimResult, Slo
 from pdserve.planner.model_spec import ModelSpec
 from pdserve.planner.synthetic import LengthMix, poisson
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import CacheConfig
 
 DEFAULT_MARGIN = 0.15  # a candidate must beat the default's predicted goodput by more than this share
 # Served goodput over simulated, per layout kind, from one served comparison (module docstring):
@@ -254,10 +257,26 @@ def on_this_host(hw: "HardwareProfile", cores: int, need_bytes: float, host_byte
     return dataclasses.replace(hw, mem_bytes=min(need_bytes, host_bytes / max(1, cores)))
 
 
+def worker_need_bytes(weight_bytes: float, cache: "CacheConfig | None", host_bytes: float | None = None) -> float:
+    """What one worker holds in memory with the KV cache ``cache`` sizes (None: the default
+    one): its weights and an exact KV budget; for a share of the host (``gpu_memory_utilization``,
+    what the worker measures only once started), that share of its RAM (``host_bytes``, read if
+    None), which holds weights, activations and KV together."""
+    from pdserve.engine.config import DEFAULT_KV_CACHE_BYTES
+
+    exact = DEFAULT_KV_CACHE_BYTES if cache is None else cache.exact_budget_bytes()
+    if exact is not None:
+        return weight_bytes + exact
+    if host_bytes is None:
+        host_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return cache.gpu_memory_utilization * host_bytes
+
+
 def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``pdserve serve``'s resolved settings ``v`` -> (the settings of the chosen layout, empty
     where the default wins; the log lines saying what was compared on what and why). A model or
-    profile the planner cannot read leaves the layout as it is, said so."""
+    profile the planner cannot read leaves the layout as it is, said so. ``v["kv_cache"]``: the
+    workers' ``CacheConfig`` (absent: the default KV cache)."""
     from pdserve.planner.hardware import HardwareProfile, ProfileError
     from pdserve.planner.model_spec import ModelSpecError, get_model
 
@@ -269,7 +288,7 @@ def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         profile = profile_for(path)
         hw = HardwareProfile.load(profile)
         model = get_model("SmolLM2-135M" if v["model"] == "default" else v["model"])
-        hw = on_this_host(hw, cores, model.weight_bytes(hw.dtype_bytes) + v.get("kv_cache_gib", 1.0) * 2**30)
+        hw = on_this_host(hw, cores, worker_need_bytes(model.weight_bytes(hw.dtype_bytes), v.get("kv_cache")))
     except (ProfileError, ModelSpecError) as exc:
         return {}, [f"no prediction ({exc}); the default layout stays"]
     objective = Objective(Slo(v["layout_ttft_slo_s"], v["layout_tpot_slo_s"]),

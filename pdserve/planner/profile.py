@@ -235,7 +235,7 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
     load = os.getloadavg()[0]  # a shared machine: the fit is only as quiet as the machine was
     profile = HardwareProfile(
         "cpu", peak_flops=f.flops, flops_efficiency=1.0, peak_mem_bw=f.mem_bw, mem_bw_efficiency=1.0,
-        mem_bytes=spec.weight_bytes(dtype_bytes) + config.cache.memory_budget_bytes, kv_link_bw=link,
+        mem_bytes=spec.weight_bytes(dtype_bytes) + config.cache.exact_budget_bytes(), kv_link_bw=link,
         kv_transfer_overhead_s=TRANSFER_OVERHEAD_S, interconnect_bw=link, step_overhead_s=f.overhead_s,
         seq_overhead_s=f.seq_overhead_s, overlap=False, dtype_bytes=dtype_bytes,
         prefill_attention_flops=f.prefill_attention_flops, decode_attention_flops=f.decode_attention_flops,

@@ -130,6 +130,8 @@ ENGINE_FLAGS = [
     ["--mixed-prefill-tokens", "8", "--mixed-step-target-s", "0.02"],
     ["--mixed-prefill-tokens", "0"],
     ["--load-format", "dummy"],
+    ["--gpu-memory-utilization", "0.45"],
+    ["--kv-cache-memory", "100000000", "--gpu-memory-utilization", "0.9"],
 ]
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.errors import KVMemoryError
 
 HUGE_PAGE_BYTES = 2 << 20
 
@@ -118,8 +119,17 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def num_cache_blocks(config: EngineConfig, spec: CacheSpec) -> int:
     """Blocks in each rank's cache (``spec`` is one rank's): ``num_blocks``, or as many as the
-    worker's memory budget holds, shared evenly by its ranks."""
-    return config.cache.num_blocks or spec.blocks_for_budget(config.cache.memory_budget_bytes // config.tensor_parallel_size)
+    worker's exact memory budget holds, shared evenly by its ranks. A cache sized by
+    ``gpu_memory_utilization`` is measured once the model is loaded (runner/memory_profile.py),
+    which a tensor-parallel worker cannot wait for: its ranks map their caches as they start."""
+    if config.cache.num_blocks:
+        return config.cache.num_blocks
+    budget = config.cache.exact_budget_bytes()
+    if budget is None:
+        raise KVMemoryError("gpu_memory_utilization", f"a worker of tensor_parallel_size "
+                            f"{config.tensor_parallel_size} sizes its KV cache before its model loads: give it "
+                            "exactly (--kv-cache-memory or --kv-cache-gib)")
+    return spec.blocks_for_budget(budget // config.tensor_parallel_size)
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
