@@ -30,11 +30,12 @@ OUT=${OUT:-gpu_bench_out}
 BUNDLE=${GPU_BUNDLE:-gpu_bundle}
 PHASES=${PDSERVE_BENCH_PHASES:-1 2 3 4}
 
-# How each served worker takes its share of the one device: a fixed KV cache, sized so that two
-# 8B workers (16 GB of weights each) fit an 80 GB H100. `--gpu-memory-utilization F` (a share of
-# the device for everything a worker holds) takes this place by changing these two lines.
-MEMORY_FLAGS_SMOL=${PDSERVE_BENCH_MEMORY_FLAGS_SMOL:---kv-cache-gib 4}
-MEMORY_FLAGS_8B=${PDSERVE_BENCH_MEMORY_FLAGS_8B:---kv-cache-gib 8}
+# How each served worker takes its share of the one device: `--gpu-memory-utilization F`, the
+# share of the device's memory for its weights, a profiled step and its KV cache (the second
+# worker starts once the first has sized its cache). 0.45 each: two 8B workers (16 GB of weights
+# each) on an 80 GB H100 keep about 20 GB of KV each, and the router has room left.
+MEMORY_FLAGS_SMOL=${PDSERVE_BENCH_MEMORY_FLAGS_SMOL:---gpu-memory-utilization 0.2}
+MEMORY_FLAGS_8B=${PDSERVE_BENCH_MEMORY_FLAGS_8B:---gpu-memory-utilization 0.45}
 
 # Each phase's limit in seconds: 200 + 70 + 100 + 150 = 520, with the bundle's install under 9
 # minutes. A phase stops measuring 15 s before its limit (its --budget-s) and records the rest
