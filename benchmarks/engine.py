@@ -69,8 +69,9 @@ def step_weight_bytes(model: CausalLM) -> int:
             total += m.packed.numel() * m.packed.element_size()
         elif isinstance(m, torch.nn.Linear):
             total += m.weight.numel() * m.weight.element_size()
-    if model.lm_head is None:  # tied and unpacked: the embedding table is the head
-        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    if model.lm_head.kernel is None:  # unpacked: the head's rows (the embedding's, when tied)
+        head = model.lm_head.matrix()
+        total += head.numel() * head.element_size()
     return total
 
 

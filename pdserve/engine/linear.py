@@ -23,7 +23,8 @@ unchanged model, never a branch inside it):
 
 Packing replaces each ``nn.Linear`` (its bfloat16 weight is freed), so the linears' weight
 memory is not doubled. A tied LM head is the exception: the embedding table stays for
-lookups and the head gets its packed copy (vocab x hidden bfloat16, 57 MB for SmolLM2-135M).
+lookups and the head gets its packed copy (vocab x hidden bfloat16, 57 MB for SmolLM2-135M;
+at tensor-parallel size N each rank packs only its 1/N of the vocabulary rows).
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
         parent = model.get_submodule(parent_name)
         for name in [n for n, _ in parent.named_children()]:
             child = getattr(parent, name)
-            if isinstance(child, nn.Linear) and not (parent is model and name == "lm_head"):
+            if isinstance(child, nn.Linear):
                 f32_out = split and isinstance(child, RowParallelLinear) and child.f32_partials
                 setattr(parent, name, backend.linear(child, f32_out=f32_out))
             elif isinstance(child, RMSNorm):
@@ -257,11 +258,10 @@ def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:
             elif isinstance(child, SiluAndMul):
                 setattr(parent, name, backend.act(child))
             del child
-    if model.has_head:  # rank 0 (the only one that computes logits)
-        head = model.embed_tokens if model.lm_head is None else model.lm_head
-        packed_head = backend.logits_head(head.weight, getattr(head, "bias", None))
-        if packed_head is not None:
-            model.lm_head = packed_head
+    # Every rank's head: its rows of the vocabulary (layers/vocab.py), tied or not.
+    packed_head = backend.logits_head(model.lm_head.matrix(), None)
+    if packed_head is not None:
+        model.lm_head.use_kernel(packed_head)
     # After the layers are packed: the fused stack holds their packed weights. It runs only at
     # size 1 (the all-reduces happen between its layers) and only the layers it is (packed_stack).
     stack = backend.stack(model.layers) if model.packed_stack and not split else None

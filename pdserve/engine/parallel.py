@@ -4,8 +4,11 @@ A worker with ``--tensor-parallel-size N`` runs N processes (ranks). Each rank h
 every attention layer's heads and of every MLP's intermediate width (Megatron's split: the
 q|k|v and gate|up projections are split by output rows, o_proj and down_proj by input
 columns), and one all-reduce after o_proj and after down_proj sums the ranks' partial
-outputs. Every model family is written against ``TensorParallel``: at size 1 every method is
-the identity, so a single-process engine pays nothing.
+outputs. The embedding and the LM head are split by vocabulary rows (layers/vocab.py): the
+embedding's lookups are completed by one all-reduce, and the head's slices of the logits are
+gathered to rank 0 (``gather``), which alone samples. Every model family is written against
+``TensorParallel``: at size 1 every method is the identity, so a single-process engine pays
+nothing.
 """
 
 from __future__ import annotations
@@ -59,6 +62,17 @@ class TensorParallel:
                 total += part
             x.copy_(total)
         return x
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (each rank's of the same shape and dtype), in rank order, on rank
+        0; None on the other ranks, which must call it too. ``[x]`` at size 1."""
+        if self.size == 1:
+            return [x]
+        opts = torch.distributed.GatherOptions()
+        opts.rootRank = 0
+        parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
+        self.group.gather(parts, [x.contiguous()], opts).wait()
+        return parts[0] if self.rank == 0 else None
 
 
 SINGLE = TensorParallel()

@@ -33,7 +33,7 @@ def test_two_ranks_compute_the_whole_model(family_dir):
     ranks = run_ranks(family_dir, 2, prompt)
     for r, out in enumerate(ranks):
         assert out["tokens"] == whole["tokens"], f"rank {r}"
-        if r == 0:  # the only rank with an LM head
+        if r == 0:  # the only rank the logits are gathered to
             torch.testing.assert_close(out["logits"], whole["logits"], rtol=1e-4, atol=1e-4)
         nkv = out["cache"].shape[-2]  # (blocks, block_size, layers, 2, kv heads of this rank, head_dim)
         assert nkv * 2 == whole["cache"].shape[-2]

@@ -93,6 +93,35 @@ def test_tp2_float32_greedy_equals_transformers_and_tp1(tiny_llama_dir, tp2_f32)
 
 
 @pytest.mark.slow
+def test_tp2_prompt_logprobs_equal_tp1_with_every_rank_in_each_slice(tiny_llama_dir, tp2_f32, monkeypatch):
+    """The LM head is split by vocabulary rows: every logits rank 0 computes, the prompt
+    logprobs' slices (32 rows each here, so several a prefill) as the sampled rows', is
+    gathered from every rank. The followers compute theirs on rank 0's word alone; a slice
+    they missed would leave them a collective behind and hang or fail the next step."""
+    from pdserve.engine.runner import prompt_logprobs
+
+    directory, _ = tiny_llama_dir
+    monkeypatch.setattr(prompt_logprobs, "SLICE_BYTES", 4 * 512 * 32)  # rank 0 slices; the others follow it
+    prompts = random_prompts(2, [90, 40], seed=14)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    tp1 = make_engine(directory, num_blocks=64).generate(prompts, params)
+    announced, announce = [], tp2_f32.ranks.logits
+    monkeypatch.setattr(tp2_f32.ranks, "logits", lambda start, stop: (announced.append(stop - start),
+                                                                      announce(start, stop)))
+    tp2 = tp2_f32.generate(prompts, params)
+    assert sum(announced) == 89 + 39 and max(announced) == 32  # every prompt row, 32 at a time
+    for one, two in zip(tp1, tp2):
+        assert two.token_ids == one.token_ids
+        assert len(two.prompt_logprobs) == len(one.prompt_logprobs) > 32
+        for (lp2, top2), (lp1, top1) in zip(two.prompt_logprobs, one.prompt_logprobs):
+            assert lp2 == pytest.approx(lp1, abs=1e-4)
+            assert [t for t, _ in top2] == [t for t, _ in top1]
+    # and the ranks are still in step: a plain request after them
+    assert tp2_f32.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids == \
+        tp1[0].token_ids[:4]
+
+
+@pytest.mark.slow
 def test_each_rank_caches_its_own_kv_heads(tiny_llama_dir, tp2_f32):
     """Rank r's cache holds KV heads [r, r + 1) of 2 (the tiny model has 2 KV heads): the same
     values TP 1 computes there (layer 0 bit for bit: its inputs are the same on every rank), in

@@ -113,7 +113,7 @@ def _floor_ms(engine, device) -> float:
     bytes over the read bandwidth. The embedding table counts only when it is also the LM
     head (one row of it is looked up)."""
     model = engine.runner.model
-    tied = model.lm_head is None
+    tied = model.lm_head.tied
     weights = sum(t.numel() * t.element_size() for name, t in model.state_dict().items()
                   if tied or not name.startswith("embed_tokens"))
     kv = sum(s.num_computed_tokens for s in engine.scheduler.running) * engine.cache_spec.bytes_per_token

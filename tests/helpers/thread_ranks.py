@@ -25,7 +25,7 @@ class ThreadGroup:
         self.token: int | None = None  # rank 0's latest, for the others (the runtime broadcasts it)
 
     def next_token(self, rank: int, logits: torch.Tensor | None) -> int:
-        """Rank 0 alone has the LM head and samples; every rank takes its token as its next input."""
+        """Rank 0 alone has the whole logits and samples; every rank takes its token as its next input."""
         if rank == 0:
             self.token = int(logits.argmax())
         self.barrier.wait()
@@ -42,12 +42,22 @@ class ThreadGroup:
         self.barrier.wait()  # every rank has read the parts before any writes its next one
         return x.copy_(total)
 
+    def gather(self, rank: int, x: torch.Tensor) -> list[torch.Tensor] | None:
+        self.parts[rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.parts) if rank == 0 else None
+        self.barrier.wait()
+        return parts
+
 
 class ThreadRank(TensorParallel):
     """A rank whose group is a ``ThreadGroup``."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.rank, x) if self.size > 1 else x
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        return self.group.gather(self.rank, x) if self.size > 1 else [x]
 
 
 def rank_model(directory, tp: TensorParallel):
@@ -73,8 +83,9 @@ def generate(model, cfg, tp: TensorParallel, prompt: list[int], out: dict) -> No
             ctx, positions = build_context([start], [len(tokens) - start], [table], BLOCK, torch.device("cpu"),
                                            decode=step > 0)
             hidden = model(torch.tensor(tokens[start:]), positions, ctx)
-            if model.has_head:
-                logits.append(model.compute_logits(hidden[-1:])[0])
+            step_logits = model.compute_logits(hidden[-1:])  # every rank's slice, whole on rank 0
+            if step_logits is not None:
+                logits.append(step_logits[0])
             tokens.append(tp.group.next_token(tp.rank, logits[-1] if logits else None))
     out.update(tokens=tokens[len(prompt):], logits=torch.stack(logits) if logits else None, cache=cache)
 

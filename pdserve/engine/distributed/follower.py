@@ -3,8 +3,10 @@
 Rank 0 (``pdserve.engine.distributed.group``) starts it with a ``FollowerSpec`` (JSON). It joins the
 worker's process group, loads its share of the model, maps its part of the shared KV cache
 (CPU) or allocates its own (CUDA), says it is loaded, then follows: each step it receives the
-prepared inputs from rank 0 (``pdserve.engine.distributed.step``) and runs the same forward on its share;
-rank 0 computes the logits and samples. It knows no request, block manager or scheduler.
+prepared inputs from rank 0 (``pdserve.engine.distributed.step``) and runs the same forward on its share,
+then computes its vocabulary slice of the logits of the rows rank 0 computes logits for (the
+sampled rows, then any rows rank 0 names), each gathered to rank 0, which alone samples. It
+knows no request, block manager or scheduler.
 
 It ends when rank 0 says stop, when its stdin (a pipe only rank 0 holds) closes because rank 0
 is gone, or when a collective fails; any error ends the process, which rank 0 notices.
@@ -50,13 +52,18 @@ def _cache(spec: FollowerSpec, model: CausalLM, device: torch.device) -> torch.T
 
 
 def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.device) -> int:
-    """Run rank 0's steps until it says stop; returns how many ran."""
-    steps = 0
+    """Run rank 0's steps, and its logits over each step's rows, until it says stop; returns
+    how many steps ran."""
+    steps, hidden = 0, None
     with torch.inference_mode():
-        while (step := tp_step.receive(group, device)) is not None:
-            input_ids, positions, ctx = step
+        while (msg := tp_step.receive(group, device)) is not None:
+            if isinstance(msg, tp_step.LogitsRows):
+                model.compute_logits(hidden[msg.start:msg.stop])  # this rank's slice, gathered to rank 0
+                continue
             model.bind_caches(layer_caches, backend)
-            model(input_ids, positions, ctx)
+            hidden = model(msg.input_ids, msg.positions, msg.ctx)
+            if msg.sample_rows.numel():
+                model.compute_logits(hidden[msg.sample_rows])
             steps += 1
     return steps
 

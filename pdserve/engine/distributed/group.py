@@ -4,7 +4,8 @@ A worker with ``tensor_parallel_size`` N is N processes on one host. Rank 0 is t
 alone speaks gRPC, schedules, samples and moves KV. It starts the other N - 1 ranks
 (``python -m pdserve.engine.distributed.follower``) as its own child processes, and they follow its
 steps: each step, rank 0 broadcasts the prepared inputs (``pdserve.engine.distributed.step``) and every
-rank runs the forward on its share, the all-reduces inside the model keeping them in step.
+rank runs the forward on its share, the all-reduces inside the model keeping them in step, then
+computes its vocabulary slice of each logits rank 0 computes, gathered to rank 0.
 
 The ranks meet through a ``FileStore`` in a private temporary directory, and talk over gloo
 on loopback (NCCL on CUDA): nothing listens beyond the host. On CPU every rank's KV cache is a
@@ -211,11 +212,20 @@ class RankGroup:
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank{rank}-watch", daemon=True).start()
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> None:
-        """Hand the step's inputs to the other ranks, which run its forward with rank 0."""
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, sample_rows: torch.Tensor) -> None:
+        """Hand the step's inputs to the other ranks, which run its forward with rank 0, then
+        their slices of the logits of ``sample_rows`` (rows of the step's hidden states, in
+        that order; empty: none), which rank 0 computes right after the forward."""
         if self._lost is not None:
             raise self._lost
-        tp_step.send_step(self.tp.group, input_ids, positions, ctx)
+        tp_step.send_step(self.tp.group, input_ids, positions, ctx, sample_rows)
+
+    def logits(self, start: int, stop: int) -> None:
+        """Tell the other ranks that rank 0 computes the logits of rows [start, stop) of the
+        step's hidden states next, so that they compute their slices with it."""
+        if self._lost is not None:
+            raise self._lost
+        tp_step.send_logits(self.tp.group, start, stop, self.device)
 
     def lost(self, cause: BaseException) -> RankLost:
         """The ranks are out of step (a collective failed, or rank 0's forward raised between

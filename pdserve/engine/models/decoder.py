@@ -12,9 +12,13 @@ Tensor parallelism (``TensorParallel``, pdserve/engine/parallel.py) is Megatron'
 rank holds its share of the q heads and of the KV heads (q|k|v split by heads), of the MLP's
 intermediate rows (gate|up), and the matching input columns of o_proj and down_proj, whose
 partial outputs one all-reduce each sums: the layers (pdserve/engine/layers/linear.py) know
-their split and load their own share. The embedding, the norms and the LM head are replicated;
-only rank 0 computes logits (it alone samples), so the other ranks hold no LM head. At size 1
-every split is the whole and every all-reduce the identity.
+their split and load their own share. The embedding and the LM head are split by vocabulary
+rows (pdserve/engine/layers/vocab.py): each rank looks up the ids in its range, one all-reduce
+completes the embedded tokens, and each rank computes its range's logits, which are gathered
+to rank 0 (it alone samples): ``compute_logits`` returns them there and None on the other
+ranks, which call it on the same rows (pdserve/engine/distributed/ keeps them in step). A tied
+head computes over the embedding's rows. The norms are replicated. At size 1 every split is
+the whole, every all-reduce and the gather the identity.
 
 Loading: ``load_checkpoint`` maps each checkpoint name to a parameter (``checkpoint_target``:
 the family's ``packed_modules_mapping`` says which checkpoint tensors are parts of one fused
@@ -28,7 +32,6 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.checkpoint import InMemoryTensor
@@ -37,6 +40,7 @@ from pdserve.engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.parallel import SINGLE, TensorParallel
 from pdserve.engine.weights import load_checkpoint
 
@@ -157,21 +161,16 @@ class CausalLM(nn.Module):
         loaded or run); None, every layer."""
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        # Rank 0 alone computes logits: the sampler needs the whole vocabulary there, and a
-        # replicated head costs no collective (a vocab-parallel one would gather logits).
-        self.has_head = tp.rank == 0
         self.rotary = self.make_rotary(cfg)
-        # No random init: the weight is always filled (from a checkpoint, or by fill_dummy), and
-        # nn.Embedding's normal_ on the meta device, where models are built, imports
-        # torch._dynamo the first time (1 to 4 s of a process's start, measured on this box).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # Each rank's rows of the vocabulary; made empty (no random init): the weight is always
+        # filled, from a checkpoint or by fill_dummy.
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         indices = range(cfg.num_layers) if layer_indices is None else layer_indices
         self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in indices)
         self.stack = DecoderStack()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        untied = not cfg.tie_word_embeddings and self.has_head
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if untied else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp,
+                                      tied=self.embed_tokens if cfg.tie_word_embeddings else None)
         self.linear_backend = "torch"  # engine.linear.apply_backend names the one it applied
         self.kernel_path: str | None = None  # and the CPU instruction-set path, for the packed kernels
         self._bound: tuple[list, object] | None = None  # what bind_caches bound last
@@ -197,12 +196,12 @@ class CausalLM(nn.Module):
         h, residual = self.stack(self.layers, h, rope, ctx)
         return self.norm(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32: by default in the model dtype, then cast, as
-        transformers does; a packed head (pdserve/engine/linear.py) sums and writes in float32."""
-        if self.lm_head is None:  # tied to the embedding, unpacked
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(N, hidden) -> (N, vocab) float32 on rank 0; None on the other ranks, which must call
+        it on the same rows (their slices are gathered to rank 0). By default in the model dtype,
+        then cast, as transformers does; a packed head (pdserve/engine/linear.py) sums and writes
+        in float32."""
+        return self.lm_head.gather(self.lm_head(hidden).float())
 
     @property
     def attention_layers(self) -> list[nn.Module]:
@@ -223,9 +222,9 @@ class CausalLM(nn.Module):
 
     def checkpoint_target(self, name: str) -> tuple[str, object] | None:
         """Where checkpoint tensor ``name`` goes: (our parameter, its part of it or None), or
-        None for a tensor this rank does not keep (a tied or absent LM head, RoPE tables)."""
+        None for a tensor the model does not keep (a tied LM head's copy, RoPE tables)."""
         name = name.removeprefix("model.")
-        if name.startswith("lm_head.") and (self.cfg.tie_word_embeddings or self.lm_head is None):
+        if name.startswith("lm_head.") and self.cfg.tie_word_embeddings:
             return None
         if "rotary_emb" in name:
             return None

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.config import Get, ModelConfig, dense_fields
@@ -86,11 +85,11 @@ class GraniteForCausalLM(CausalLM):
         h, residual = self.stack(self.layers, h, rope, ctx)
         return self.norm(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32: the head's logits divided by ``logits_scaling`` in
-        the dtype the head wrote them in, then cast (transformers divides the model-dtype logits)."""
-        logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
-        return (logits / self.cfg.logits_scaling).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(N, hidden) -> (N, vocab) float32 on rank 0 (None on the others, as ``CausalLM``'s):
+        each rank's logits divided by ``logits_scaling`` in the dtype the head wrote them in,
+        then cast (transformers divides the model-dtype logits), then gathered."""
+        return self.lm_head.gather((self.lm_head(hidden) / self.cfg.logits_scaling).float())
 
 
 def _multiplier(get: Get, source: str, name: str) -> float:

@@ -7,11 +7,15 @@ prompt or are decoding. With CUDA graphs (``graph_sizes``), a decode step that f
 replays it instead of running the forward (pdserve/engine/runner/cuda_graphs.py).
 
 In a tensor-parallel worker this is rank 0's runner: before each forward it hands the
-prepared inputs to the other ranks (``ranks``, a ``pdserve.engine.distributed.group.RankGroup``), which
-run the same forward on their shares. Logits and sampling are rank 0's alone. A forward that
-raises there may have left the ranks between two all-reduces, out of step for good: it is the
-worker's loss (``RankGroup.lost``), not one request's fault. Graphs are CUDA's, and TP
-is CPU-only for now (docs/gpu.md), so a graphed step never has ranks to hand inputs to.
+prepared inputs and the rows it samples to the other ranks (``ranks``, a
+``pdserve.engine.distributed.group.RankGroup``), which run the same forward on their shares. The LM
+head is split by vocabulary rows, so every rank computes its slice of each logits rank 0
+computes, gathered to rank 0, in one order: the sampled rows' right after the forward, then the
+prompt logprobs' slices, each announced to the other ranks first (``RankGroup.logits``).
+Sampling is rank 0's alone. A forward or logits call that raises there may have left the ranks
+between two collectives, out of step for good: it is the worker's loss (``RankGroup.lost``),
+not one request's fault. Graphs are CUDA's, and TP is CPU-only for now (docs/gpu.md), so a
+graphed step never has ranks to hand inputs to (at TP 1 the head's gather is the identity).
 """
 
 from __future__ import annotations
@@ -98,11 +102,19 @@ class ModelRunner:
 
     def _forward(self, out: SchedulerOutput, host: HostContext, tokens: torch.Tensor, sample_idx: torch.Tensor):
         """The step run eagerly: (logits (N, V) float32 of the N sampled rows, or None when
-        none is sampled; the prompt logprobs it computed)."""
+        none is sampled; the prompt logprobs it computed). The sampled rows' logits come first:
+        the other ranks compute their slices of them right after the forward."""
         ctx, positions, (input_ids, sample_rows) = host.to(self.device, [tokens, sample_idx])
-        hidden = self._hidden(input_ids, positions, ctx)
-        prompt_lps = prompt_logprobs(self.model, hidden, out)
-        return (self.model.compute_logits(hidden[sample_rows]) if sample_idx.numel() else None), prompt_lps
+        hidden, logits = self._on_ranks(self._hidden, input_ids, positions, ctx, sample_rows)
+
+        def row_logits(start: int, stop: int) -> torch.Tensor:
+            if self.ranks is not None:
+                self.ranks.logits(start, stop)
+            return self.model.compute_logits(hidden[start:stop])
+
+        prompt_lps = prompt_logprobs(lambda start, stop: self._on_ranks(row_logits, start, stop),
+                                     self.cfg.vocab_size, out)
+        return logits, prompt_lps
 
     def _replay(self, out: SchedulerOutput, host: HostContext, tokens: torch.Tensor) -> torch.Tensor | None:
         """A decode step's logits from its CUDA graph, every row sampled; None: run it eagerly."""
@@ -110,13 +122,22 @@ class ModelRunner:
             return None
         return self.graphs.run(host, tokens)
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """The forward on every rank: rank 0 hands the inputs over first."""
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward on every rank (rank 0 hands the inputs over first), then the sampled rows'
+        logits: (hidden (T, H), logits (S, V) float32 or None when no row is sampled)."""
+        if self.ranks is not None:
+            self.ranks.step(input_ids, positions, ctx, sample_rows)
+        hidden = self.model(input_ids, positions, ctx)
+        return hidden, self.model.compute_logits(hidden[sample_rows]) if sample_rows.numel() else None
+
+    def _on_ranks(self, fn, *args):
+        """``fn(*args)``, which runs collectives with the other ranks: where it raises, they may be
+        left between two of them, out of step for good, which is the worker's loss."""
         if self.ranks is None:
-            return self.model(input_ids, positions, ctx)
+            return fn(*args)
         try:
-            self.ranks.step(input_ids, positions, ctx)
-            return self.model(input_ids, positions, ctx)
+            return fn(*args)
         except RankLost:
             raise
         except Exception as exc:
