@@ -65,6 +65,10 @@ class DecodeWorkerConfig:
     # here: the process entry passes the ``transfer_timeout_seconds`` setting (cluster.settings).
     transfer_timeout_s: float = field(kw_only=True)
     verify_kv: bool = VERIFY_BY_DEFAULT  # check every block read against the holder's checksum (kv_transfer.checksum)
+    # Tensor-parallel size of the workers that read this one's held prefixes (the prefill
+    # pool's, prefix_hold): each block is checksummed in as many groups of heads as a reader
+    # rank needs to check its own (PrefillWorkerConfig.reader_tp, the other way round).
+    reader_tp: int = 1
     # Publish this worker's prefix-cache events (prompt and answer blocks) for the router's KV
     # index: the ``decode_kv_reuse`` setting (cluster.settings), passed down by the process entry.
     decode_kv_reuse: bool = True
@@ -179,7 +183,7 @@ class DecodeWorker(WorkerShell):
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
         own_agent = agent is None  # else shared with a prefill side, which takes the read notices
         if agent is None:
-            agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine,
+            agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine, config.reader_tp,
                                   inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
                                   **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         if not config.decode_kv_reuse:
