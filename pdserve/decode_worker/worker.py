@@ -30,6 +30,7 @@ from pdserve.wire import worker_metrics
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
+from pdserve.shell.rank_follower import RANK_ENTRY
 from pdserve.shell.agents import worker_agents
 from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell
@@ -178,7 +179,8 @@ class DecodeWorker(WorkerShell):
         """``engine``, ``agent`` and ``cache_log`` (its prefix-cache events): ones this worker
         shares with a prefill worker in the same process (``pdserve.elastic_worker``); None: its
         own. Without ``decode_kv_reuse`` it publishes no events, whatever ``cache_log`` is."""
-        engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
+        engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False,
+                                             follower_entry=RANK_ENTRY)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
         own_agent = agent is None  # else shared with a prefill side, which takes the read notices

@@ -17,6 +17,7 @@ from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2
+from pdserve.shell.rank_follower import RANK_ENTRY
 from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell, run_together
 
@@ -69,7 +70,8 @@ class ElasticWorker:
     ``stats``, ``in_flight`` and ``drain``."""
 
     def __init__(self, config: ElasticWorkerConfig):
-        engine = LLMEngine.from_config(decode_engine_config(config.decode.engine), detokenize=False)
+        engine = LLMEngine.from_config(decode_engine_config(config.decode.engine), detokenize=False,
+                                       follower_entry=RANK_ENTRY)
         # One log of the one cache's events: whichever role a router polls, it hears one epoch
         # and one numbering (the decode role publishes from it only with ``decode_kv_reuse``).
         cache_log = CacheEventLog.following(engine.blocks, config.prefill.cache_event_log_size)
