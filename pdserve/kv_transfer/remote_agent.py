@@ -57,6 +57,7 @@ class RemoteAgent:
         self._handles: dict[int, TransferHandle] = {}
         self._guard: Optional[Callable[[str, list[int]], bool]] = None
         self._guard_sock: Optional[socket.socket] = None
+        self._expecting: Optional[tuple[bool, bool]] = None  # the last expect_reads the rank heard
 
     @classmethod
     def create(cls, sock: socket.socket, backend: str, name: str, shard: Optional[KVShard],
@@ -113,7 +114,11 @@ class RemoteAgent:
         return list(self._call(pb.RankAgentCall(notifications=pb.NoArgs())).notifications.notes)
 
     def expect_reads(self, expected: bool, urgent: bool = True) -> None:
+        """As the agent's; a worker says it at every step, so only a change crosses to the rank."""
+        if self._expecting == (expected, urgent):
+            return
         self._call(pb.RankAgentCall(expect_reads=pb.ExpectReadsCall(expected=expected, urgent=urgent)))
+        self._expecting = (expected, urgent)
 
     @property
     def read_guard(self) -> Optional[Callable[[str, list[int]], bool]]:
