@@ -4,10 +4,19 @@ then answer rank 0's calls on it, one at a time, until rank 0 closes the agent o
 
 The reads it starts are kept by id until rank 0 has seen them end (a poll or cancel that
 answers a terminal state), so a read's handle lives here exactly as long as rank 0 follows it.
+
+On CUDA its work on the device (checksums of blocks, a read's verification) runs on a stream
+of its own: while the rank waits for rank 0's next step, its default stream waits on that
+broadcast (NCCL), and rank 0 asks between steps; on the default stream the two would wait on
+each other. Rank 0 asks about blocks only once the step that wrote them is over on every rank
+(its collectives completed), so nothing on the default stream is left to order against. The
+tcp backend's own threads copy on their default stream: on a CUDA follower a tcp read may
+wait for the rank's next step (NIXL, the GPU backend, has no such copies).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -39,6 +48,12 @@ class RankAgentServer:
 
     def run(self) -> None:
         """Answer calls until the agent is closed or rank 0's end of the socket is."""
+        side = torch.cuda.stream(torch.cuda.Stream(self.cache.device)) if self.cache.is_cuda \
+            else contextlib.nullcontext()
+        with side:
+            self._serve()
+
+    def _serve(self) -> None:
         try:
             while True:
                 got = receive(self.sock, pb.RankAgentCall, with_fds=True)
