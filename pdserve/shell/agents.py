@@ -13,6 +13,7 @@ from typing import Any
 
 from pdserve.engine.attention.kv_cache import LatentCacheSpec
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.kv_transfer import create_agent
 from pdserve.kv_transfer.rank_agents import RankAgents, rank_agent_name
@@ -36,6 +37,12 @@ def kv_shard(engine: LLMEngine, rank: int, checksum_groups: int = 1) -> KVShard:
                            head_bytes=spec.head_dim * spec.dtype.itemsize, rows_per_token=2 * spec.num_layers,
                            block_size=spec.block_size, dtype=str(spec.dtype).removeprefix("torch."),
                            checksum_groups=checksum_groups)
+
+
+def worker_engine(config: EngineConfig) -> LLMEngine:
+    """A worker's engine: its tensor-parallel ranks run ``RANK_ENTRY``, each serving its own KV
+    agent (``worker_agents``); no detokenizing (the router does it)."""
+    return LLMEngine.from_config(config, detokenize=False, follower_entry=RANK_ENTRY)
 
 
 def worker_agents(backend: str, worker_id: str, engine: LLMEngine, reader_tp: int = 1, **opts: Any) -> RankAgents:
