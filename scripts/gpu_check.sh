@@ -20,6 +20,8 @@
 #   4. NIXL: a two-process VRAM-to-VRAM read of every block, bytes compared, GB/s and UCX transport
 #   5. the decode step profile at batch 1 and 64 (ms, syncs, launches, against the HBM floor)
 #   6. KV by head between tensor-parallel sizes from VRAM (NIXL row descriptors, tcp, checksums)
+#   7. TP 2 on the device (two ranks on one GPU over gloo): tokens, KV and a held prefix by head;
+#      FP8 matmuls (torch._scaled_mm) against the dequantized path
 #   and: CUDA graphs against eager and transformers, the one-sync count, the Triton kernels on the GPU
 # Results in $GPU_CHECK_OUT (default gpu_check_out/), at most 8 files: probe.json, junit.xml
 # (every test's outcome), pytest.log, nixl.json, step_profile.json. PYTHON picks the

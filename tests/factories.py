@@ -78,9 +78,11 @@ def make_tp_engine(model_dir: Path | str, tensor_parallel_size: int, on_rank_los
     """An engine on ``tensor_parallel_size`` ranks (rank 0 here, the others its child processes).
     ``on_rank_lost``: what a lost rank does (default: record nothing and raise in the step; a
     worker's default, ending the process, would end the test run). Close it when done."""
+    from pdserve.shell.rank_follower import RANK_ENTRY
+
     config = dataclasses.replace(engine_config(model_dir, **kwargs), tensor_parallel_size=tensor_parallel_size)
     return LLMEngine.from_config(config, progress=False, detokenize=False,
-                                 on_rank_lost=on_rank_lost or (lambda exc: None))
+                                 on_rank_lost=on_rank_lost or (lambda exc: None), follower_entry=RANK_ENTRY)
 
 
 @functools.cache

@@ -228,7 +228,8 @@ class ClusterConfig:
             return prefill
         return DecodeWorkerConfig(transfer_timeout_s=self.transfer_timeout_s, lease_seconds=self.lease_seconds,
                                   inject_transfer_delay_s=self.inject_transfer_delay_s,
-                                  decode_kv_reuse=self.router_limits.decode_kv_reuse, **common)
+                                  decode_kv_reuse=self.router_limits.decode_kv_reuse, reader_tp=self.prefill_tp,
+                                  **common)
 
     def router_config(self, prefill_addresses: tuple[str, ...], decode_addresses: tuple[str, ...]):
         """The router's config, pointed at these workers."""

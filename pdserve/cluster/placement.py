@@ -12,6 +12,9 @@ A tensor-parallel worker of N ranks gets N bundles in its group, one per rank, o
 (``STRICT_PACK``): the worker's CPUs, memory and custom resource are split evenly over them, and
 ``gpus`` is each rank's. Rank 0 is the worker's actor, in bundle 0; it starts the other ranks
 as its own processes (``pdserve.engine.distributed.group``), which use what bundles 1..N-1 reserve.
+The GPUs are the exception: bundle 0 reserves every rank's (``bundles``), so that rank 0's actor
+sees them all (Ray sets its ``CUDA_VISIBLE_DEVICES``) and so do the ranks it starts, which inherit
+it: rank r computes on device r of those (``distributed.group.rank_device``).
 
 GPUs may be shared: ``gpus`` below 1 reserves a fraction of one device (Ray's fractional
 GPUs), so one GPU holds a prefill and a decode worker at 0.5 each. Ray then hands both the
@@ -48,6 +51,22 @@ class PoolPlacement:
                              f"GPUs, got {self.gpus:g}")
         if self.ranks < 1:
             raise ValueError(f"a worker has at least one rank, got {self.ranks}")
+        if self.worker_gpus > 1 and not float(self.worker_gpus).is_integer():
+            raise ValueError(f"gpus_per_worker x tensor-parallel size must be at most 1 or a whole number of GPUs "
+                             f"(a worker's ranks take them together), got {self.gpus:g} x {self.ranks}")
+
+    def bundles(self) -> list[dict[str, float]]:
+        """The worker's bundles, a rank each: bundle 0 holds every rank's GPUs (module docstring)."""
+        first = self.bundle()
+        if not self.gpus or self.ranks == 1:
+            return [first] * self.ranks
+        rest = {k: v for k, v in first.items() if k != "GPU"}
+        return [{**first, "GPU": self.worker_gpus}] + [rest] * (self.ranks - 1)
+
+    @property
+    def worker_gpus(self) -> float:
+        """The GPUs rank 0's actor takes: every rank's."""
+        return self.gpus * self.ranks
 
     def bundle(self) -> dict[str, float]:
         """One rank's bundle: its share of the worker's CPUs, memory and resource, its GPUs."""
@@ -72,7 +91,7 @@ def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0, detac
     Returns (placement group, actor options that schedule into it and use its resources).
     """
     bundle = placement.bundle()
-    pg = placement_group([bundle] * placement.ranks, strategy="STRICT_PACK", name=name,
+    pg = placement_group(placement.bundles(), strategy="STRICT_PACK", name=name,
                          lifetime="detached" if detached else None)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
@@ -84,12 +103,13 @@ def reserve(placement: PoolPlacement, name: str, timeout_s: float = 300.0, detac
 
 def actor_options(placement: PoolPlacement, pg) -> dict:
     """Ray actor options that schedule a worker (its rank 0) into bundle 0 of its placement
-    group ``pg`` and use what that bundle reserved (a fractional ``num_gpus`` included)."""
+    group ``pg`` and use what that bundle reserved (a fractional ``num_gpus`` included, and
+    every rank's GPUs)."""
     bundle = placement.bundle()
     options = {
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
         "num_cpus": bundle["CPU"],
-        "num_gpus": placement.gpus,
+        "num_gpus": placement.worker_gpus,
         "resources": {placement.resource: bundle[placement.resource]} if placement.resource else {},
     }
     if placement.memory_bytes:

@@ -15,8 +15,13 @@ never read it; the prefill worker's, when its read failed) and expiry
 to the prefix cache as they were, cached and evictable. The streams decoding here are not
 touched: the pin only adds a reference to blocks that stay as they are.
 
-Refused (no handle, nothing held): a tensor-parallel worker (this round reads prefixes
-between single-rank workers only), and a worker whose agent another role shares (an elastic
+At any tensor-parallel size: a block id names the same block on every rank, so one pin holds
+the prefix on every rank; the handle's checksums are every rank's groups, rank by rank
+(``RankAgents.block_checksums``), and each reader rank reads its heads from the ranks that hold
+them (``pdserve.kv_transfer.sharding``), as for a prefill worker's KV. The lease ends at the
+last part's notice (every rank pair's read), whichever rank's agent it reaches.
+
+Refused (no handle, nothing held): a worker whose agent another role shares (an elastic
 worker: its prefill side consumes the agent's read notices).
 """
 
@@ -43,7 +48,7 @@ class PrefixHolds:
                  enabled: bool = True):
         self.engine, self.agent = engine, agent
         self.lease_seconds, self.verify_kv = lease_seconds, verify_kv
-        self.enabled = enabled and engine.tensor_parallel_size == 1
+        self.enabled = enabled
         self.table = LeaseTable()
         if self.enabled:  # a tcp holder serves a read only under a claimed lease of this table
             agent.read_guard = self.table.read_allowed

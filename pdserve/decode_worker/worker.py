@@ -30,7 +30,7 @@ from pdserve.wire import worker_metrics
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
 from pdserve.wire.tls import TlsConfig
-from pdserve.shell.agents import worker_agents
+from pdserve.shell.agents import worker_agents, worker_engine
 from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell
 
@@ -65,6 +65,9 @@ class DecodeWorkerConfig:
     # here: the process entry passes the ``transfer_timeout_seconds`` setting (cluster.settings).
     transfer_timeout_s: float = field(kw_only=True)
     verify_kv: bool = VERIFY_BY_DEFAULT  # check every block read against the holder's checksum (kv_transfer.checksum)
+    # Tensor-parallel size of the prefill pool, which reads this one's held prefixes (prefix_hold):
+    # blocks are checksummed in groups of heads for its ranks (as PrefillWorkerConfig.reader_tp).
+    reader_tp: int = 1
     # Publish this worker's prefix-cache events (prompt and answer blocks) for the router's KV
     # index: the ``decode_kv_reuse`` setting (cluster.settings), passed down by the process entry.
     decode_kv_reuse: bool = True
@@ -174,12 +177,12 @@ class DecodeWorker(WorkerShell):
         """``engine``, ``agent`` and ``cache_log`` (its prefix-cache events): ones this worker
         shares with a prefill worker in the same process (``pdserve.elastic_worker``); None: its
         own. Without ``decode_kv_reuse`` it publishes no events, whatever ``cache_log`` is."""
-        engine = engine or LLMEngine.from_config(decode_engine_config(config.engine), detokenize=False)
+        engine = engine or worker_engine(decode_engine_config(config.engine))
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the decode worker")  # before its KV listener
         own_agent = agent is None  # else shared with a prefill side, which takes the read notices
         if agent is None:
-            agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine,
+            agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine, config.reader_tp,
                                   inject_delay_s=config.inject_transfer_delay_s, read_timeout_s=config.transfer_timeout_s,
                                   **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         if not config.decode_kv_reuse:

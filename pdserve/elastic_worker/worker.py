@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from pdserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig, decode_engine_config
 from pdserve.elastic_worker.roles import CORE, ROLES
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.core.step_trace import StepTrace, trace_path
 from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2
+from pdserve.shell.agents import worker_engine
 from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell, run_together
 
@@ -69,7 +69,7 @@ class ElasticWorker:
     ``stats``, ``in_flight`` and ``drain``."""
 
     def __init__(self, config: ElasticWorkerConfig):
-        engine = LLMEngine.from_config(decode_engine_config(config.decode.engine), detokenize=False)
+        engine = worker_engine(decode_engine_config(config.decode.engine))
         # One log of the one cache's events: whichever role a router polls, it hears one epoch
         # and one numbering (the decode role publishes from it only with ``decode_kv_reuse``).
         cache_log = CacheEventLog.following(engine.blocks, config.prefill.cache_event_log_size)

@@ -155,6 +155,24 @@ class Fp8Tensor(CheckpointTensor):
         length = self.shape[dim] - start if length is None else length
         return w * self._scales(dim, start, length)
 
+    @property
+    def keepable(self) -> bool:
+        """Whether the weight can stay float8 with a scale per output row (``read_e4m3``,
+        ``row_scales``): e4m3 with a scale per tensor or per row; block-wise scales are not."""
+        return self.block is None and self.weight.dtype == torch.float8_e4m3fn
+
+    def read_e4m3(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """The float8 weight itself (or ``length`` of it from ``start`` along ``dim``), unscaled."""
+        return self.weight.read(dim, start, length)
+
+    def row_scales(self, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """The float32 scale of each output row in [start, start + length): a per-tensor scale
+        repeated, or the rows' own (only where ``keepable``)."""
+        rows = self.shape[0]
+        length = rows - start if length is None else length
+        s = self.scale.read().float().reshape(-1)
+        return s.expand(length).clone() if s.numel() == 1 else s[start:start + length].clone()
+
     def _scales(self, dim: int, start: int, length: int) -> torch.Tensor:
         """The scale of each element of the read (broadcastable to it)."""
         s = self.scale.read().float()

@@ -6,6 +6,13 @@ load, and ``apply_backend`` swaps those modules for the backend's own (a transfo
 unchanged model, never a branch inside it):
 
 - ``TorchBackend``: leaves everything to torch (any dtype on CUDA; a CPU without AVX2 + FMA).
+  ``TorchBackend(fp8=True)``: the same, and the linears whose checkpoint weights are FP8 (e4m3,
+  a scale per tensor or per output row) keep them as they are, 1 byte a weight and a float32
+  scale a row, and compute with ``torch._scaled_mm`` (``Fp8Linear``). Chosen in bfloat16 on a
+  CUDA device with FP8 matmuls (capability 8.9 and up, ``fp8_matmuls``); the loader asks the
+  backend first (``keeps_fp8``), so those weights are never dequantized (``weights.keep_fp8``).
+  Block-wise FP8 (DeepSeek-V3's), e5m2, an MoE's experts, float32 and float16 serving, and every
+  other device stay dequantized at load.
 - ``PackedCpuBackend``: bfloat16 on an x86-64 CPU with AVX2 + FMA (linears, norms, and
   the MLP's silu * up fused into one pass). Weights are packed once into panels for
   pdserve's kernels (pdserve/engine/kernels/csrc/linear.cpp) on the processor's fastest instruction-set
@@ -29,6 +36,8 @@ at tensor-parallel size N each rank packs only its 1/N of the vocabulary rows).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -41,15 +50,57 @@ from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.models.decoder import Attention, CausalLM, DecoderStack
 
+log = logging.getLogger(__name__)
+
+
+E4M3_MAX = 448.0  # float8 e4m3's largest magnitude
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ (W * s)^T + b`` with W float8 e4m3 (N, K) and s a float32 scale per output row,
+    through ``torch._scaled_mm``: x (..., K) is quantized to e4m3 per row on the fly (each row's
+    largest magnitude to e4m3's largest), so a row's result does not depend on the others in its
+    batch, and the product is scaled back per row and column in float32; y (..., N) in x's dtype."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.out_features, self.in_features = layer.weight.shape
+        self.register_buffer("weight", layer.weight.detach())  # (N, K) e4m3, row-major: W^T is column-major
+        self.register_buffer("scale", layer.weight_scale.detach().reshape(1, -1))  # (1, N) float32
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
+        scale_x = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX  # (M, 1)
+        xq = (x2.float() / scale_x).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=scale_x, scale_b=self.scale, out_dtype=x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fp8=e4m3"
+
 
 class TorchBackend:
     """torch's own kernels: not batch-invariant on CPU (oneDNN and MKL pick kernels, and
-    summation orders, by M and by instruction set)."""
+    summation orders, by M and by instruction set). ``fp8``: FP8 weights stay FP8 (module
+    docstring)."""
 
-    name = "torch"
     batch_invariant = False
 
+    def __init__(self, fp8: bool = False):
+        self.keeps_fp8 = fp8
+        self.name = "torch+fp8" if fp8 else "torch"
+
+    def fits_fp8(self, layer: nn.Linear) -> bool:
+        """Whether ``torch._scaled_mm`` takes this linear's shape (K and N multiples of 16)."""
+        n, k = layer.weight.shape
+        return n % 16 == 0 and k % 16 == 0
+
     def linear(self, layer: nn.Linear, f32_out: bool = False) -> nn.Module:
+        if layer.weight.dtype == torch.float8_e4m3fn:
+            return Fp8Linear(layer)
         return layer  # its output in the model dtype: NCCL sums bfloat16 as it is
 
     def norm(self, norm: RMSNorm) -> nn.Module:
@@ -191,6 +242,7 @@ class PackedCpuBackend:
     head in bfloat16 or float32; in bfloat16 the norms and silu * up too."""
 
     batch_invariant = True
+    keeps_fp8 = False  # FP8 checkpoints are dequantized at load for these kernels
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         if dtype not in (torch.bfloat16, torch.float32):
@@ -229,10 +281,28 @@ LinearBackend = TorchBackend | PackedCpuBackend
 
 
 def select_backend(dtype: torch.dtype, device: torch.device) -> LinearBackend:
-    """The packed kernels for bfloat16 and float32 on an AVX2 + FMA CPU; torch's everywhere else."""
+    """The packed kernels for bfloat16 and float32 on an AVX2 + FMA CPU; torch's everywhere else,
+    keeping FP8 weights where the device has FP8 matmuls (``fp8_matmuls``)."""
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_kernels.cpu_supported():
         return PackedCpuBackend(dtype)
-    return TorchBackend()
+    return TorchBackend(fp8=fp8_matmuls(dtype, device))
+
+
+def fp8_matmuls(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether FP8 weights compute as FP8 here: bfloat16 serving on a CUDA device of capability
+    8.9 or more (Ada, Hopper and later) where ``torch._scaled_mm`` runs with a scale per row
+    (tried once on a 16 x 16 product: a build without it says so in the log and dequantizes)."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    try:
+        a = torch.zeros(16, 16, device=device, dtype=torch.float8_e4m3fn)
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device), scale_b=torch.ones(1, 16, device=device),
+                         out_dtype=torch.bfloat16)
+    except (RuntimeError, AttributeError) as exc:
+        log.warning("FP8 weights are dequantized on %s: torch._scaled_mm with a scale per row fails there (%s)",
+                    device, exc)
+        return False
+    return True
 
 
 def apply_backend(model: CausalLM, backend: LinearBackend) -> CausalLM:

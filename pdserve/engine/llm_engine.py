@@ -40,7 +40,7 @@ from pdserve.engine.core.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.engine.core.step_isolation import Unattributed, isolate
 from pdserve.engine.core.step_trace import StepShape
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.engine.distributed.group import RankGroup, exit_worker, load_on_ranks
+from pdserve.engine.distributed.group import FOLLOWER_ENTRY, RankGroup, exit_worker, load_on_ranks
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +91,13 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True, detokenize: bool = True,
                     on_rank_lost: Callable[[RankLost], None] = exit_worker,
-                    memory: MemoryProbe | None = None) -> "LLMEngine":
+                    memory: MemoryProbe | None = None, follower_entry: str = FOLLOWER_ENTRY) -> "LLMEngine":
         """Load the model named in ``config`` (weights, tokenizer) and build the engine; with
         ``tensor_parallel_size`` > 1, on its ranks (``distributed.group.load_on_ranks``: ``on_rank_lost``
-        is what a lost rank does, by default end this process); ``memory``: as ``__init__``'s."""
+        is what a lost rank does, by default end this process; ``follower_entry`` the module the
+        other ranks run, a worker's serving each rank's KV-transfer agent); ``memory``: as ``__init__``'s."""
         memory = start_memory(config, memory)
-        model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost)
+        model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost, follower_entry)
         # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
         tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
         return cls(model, model_cfg, config, tokenizer, detokenize, str(model_dir), ranks, memory)

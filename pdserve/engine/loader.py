@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pdserve.engine.checkpoint import safetensors_tensors, with_scales
+from pdserve.engine.checkpoint import CheckpointTensor, safetensors_tensors, with_scales
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.linear import apply_backend, select_backend
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.registry import build_model, model_config_from_hf
 from pdserve.engine.parallel import SINGLE, TensorParallel
-from pdserve.engine.weights import load_checkpoint
+from pdserve.engine.weights import keep_fp8, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -122,27 +122,38 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: b
     """
     model_dir = materialize(model, progress)
     cfg = read_model_config(model_dir)
+    backend = select_backend(dtype, device)
     with torch.device("meta"):
         net = build_model(cfg, tp)
-    net = net.to(dtype).to_empty(device=device)
-    if load_format == "dummy":
+    net = net.to(dtype)
+    tensors = None if load_format == "dummy" else checkpoint_tensors(model_dir, cfg)
+    if tensors is not None and backend.keeps_fp8:  # FP8 weights stay FP8: 1 byte a weight from the start
+        kept = keep_fp8(net, tensors, backend.fits_fp8)
+        log.info("%s: %d linears keep their FP8 weights", model_dir.name, len(kept))
+    net = net.to_empty(device=device)
+    if tensors is None:
         fill_dummy(net)
     else:
-        _read_checkpoint(net, cfg, model_dir, progress)
-    net = apply_backend(net.eval(), select_backend(dtype, device))
+        _read_checkpoint(net, tensors, model_dir, progress)
+    net = apply_backend(net.eval(), backend)
     log.info("%s: %s linears (%s)%s%s", model_dir.name, net.linear_backend, dtype,
              f" on the {net.kernel_path} kernel path" if net.kernel_path else "",
              ", dummy weights" if load_format == "dummy" else "")
     return net, cfg, model_dir
 
 
-def _read_checkpoint(net: CausalLM, cfg: ModelConfig, model_dir: Path, progress: bool) -> None:
-    """Fill ``net`` from the directory's .safetensors files, tensor by tensor; float8 weights
-    are dequantized with their scales as they are read (``checkpoint.with_scales``)."""
+def checkpoint_tensors(model_dir: Path, cfg: ModelConfig) -> list[CheckpointTensor]:
+    """The directory's .safetensors tensors, from their headers, each float8 weight joined to
+    its scale (``checkpoint.with_scales``); nothing is read yet."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(str(model_dir), "no *.safetensors files")
-    tensors = with_scales(list(safetensors_tensors(files)), cfg.weight_block_size)
+    return with_scales(list(safetensors_tensors(files)), cfg.weight_block_size)
+
+
+def _read_checkpoint(net: CausalLM, tensors: list[CheckpointTensor], model_dir: Path, progress: bool) -> None:
+    """Fill ``net`` from ``tensors``, one by one; float8 weights are dequantized with their
+    scales as they are read, but where the linear keeps them float8 (``weights.keep_fp8``)."""
     with tqdm(total=sum(t.nbytes for t in tensors), desc=f"loading {model_dir.name}", unit="B", unit_scale=True,
               unit_divisor=1024, disable=not progress) as bar:
         try:

@@ -15,7 +15,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from pdserve.engine.checkpoint import CheckpointTensor, copy_checked
+from pdserve.engine.checkpoint import CheckpointTensor, Fp8Tensor, copy_checked
+from pdserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
 @torch.no_grad()
@@ -48,3 +49,32 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[CheckpointTensor],
         if progress is not None:
             progress(tensor.nbytes)
     return [n for n, _ in model.named_parameters() if n not in filled]
+
+
+def keep_fp8(model: nn.Module, tensors: Iterable[CheckpointTensor], fits: Callable[[nn.Linear], bool]) -> list[str]:
+    """Before the model is allocated (on the meta device): make float8 (e4m3) the weight of each
+    tensor-parallel linear whose every checkpoint weight is float8 with a per-tensor or per-row
+    scale (``Fp8Tensor.keepable``; q, k and v all, for a fused q|k|v) and that ``fits`` (the
+    backend's FP8 matmul takes its shape), with a float32 ``weight_scale`` per output row beside
+    it; the linear then loads the float8 values as they are (``layers.linear.fill``). Returns
+    the names of the linears made so. Every other weight is dequantized as it loads: block-wise
+    scales, e5m2, and float8 tensors outside those linears (an MoE's experts)."""
+    keepable: dict[str, bool] = {}
+    for tensor in tensors:
+        target = model.checkpoint_target(tensor.name)
+        if target is None or not target[0].endswith(".weight"):
+            continue
+        owner = target[0].rpartition(".")[0]
+        ok = isinstance(tensor, Fp8Tensor) and tensor.keepable
+        keepable[owner] = keepable.get(owner, True) and ok
+    kept = []
+    for owner, ok in keepable.items():
+        module = model.get_submodule(owner)
+        if not ok or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or not fits(module):
+            continue
+        weight = module.weight
+        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device),
+                                     requires_grad=False)
+        module.register_buffer("weight_scale", torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device))
+        kept.append(owner)
+    return kept

@@ -19,8 +19,12 @@ The prefix's life here, on the engine thread:
 
 A prefix that could not be read changes nothing but time: the prompt is computed whole, to
 the same tokens. Refused (the prompt is computed whole, the lease released, counted as a
-failed transfer): prompts that want prompt logprobs (every position must run), and
-tensor-parallel workers on either side (this round reads between single-rank workers).
+failed transfer): prompts that want prompt logprobs (every position must run).
+
+Tensor-parallel workers on either side read as the KV transfer does: each of this worker's
+ranks reads its KV heads from the holder ranks that hold them (``RankAgents.start``,
+``pdserve.kv_transfer.sharding``) into the same block ids, and the pin is final only once every
+rank's read has landed and passed its checksums.
 """
 
 from __future__ import annotations
@@ -91,9 +95,6 @@ class PrefixPulls:
         bs = self.engine.blocks.block_size
         n = min(len(kv.block_ids), kv.num_tokens // bs, (len(prompt) - 1) // bs)
         if n <= 0:
-            return 0, 0
-        if self.engine.tensor_parallel_size > 1:  # not in this round (module docstring)
-            self.refused += 1
             return 0, 0
         pin = f"{request_id}\0prefix"  # request ids are unique here while their record lives
         tokens = list(prompt[:n * bs + 1])  # one token past the prefix: all n blocks may hit

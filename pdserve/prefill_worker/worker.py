@@ -27,7 +27,7 @@ from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.prefix_source import PrefixPeers, read_prefix
 from pdserve.prefill_worker.record import PrefillResult, RequestRecord
 from pdserve.protos import worker_pb2
-from pdserve.shell.agents import worker_agents
+from pdserve.shell.agents import worker_agents, worker_engine
 from pdserve.shell.cache_events import CacheEventLog
 from pdserve.shell.worker import WorkerShell
 from pdserve.wire import tracing
@@ -45,7 +45,7 @@ class PrefillWorker(WorkerShell):
                  agent: KVTransferAgent | RankAgents | None = None, cache_log: CacheEventLog | None = None):
         """``engine``, ``agent`` and ``cache_log`` (its prefix-cache events): ones this worker
         shares with a decode worker in the same process (``pdserve.elastic_worker``); None: its own."""
-        engine = engine or LLMEngine.from_config(config.engine, detokenize=False)
+        engine = engine or worker_engine(config.engine)
         endpoint = resolve(config.host, config.advertise_host)  # internal plane: bind + advertised host
         check_bind(endpoint.bind_host, config.tls, config.insecure_internal, "the prefill worker")  # before its KV listener
         if agent is None:

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.placement import PoolPlacement
+from pdserve.cluster.placement import PoolPlacement, actor_options
 from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import SettingsError, add_arguments, resolve
 from pdserve.engine.config import EngineConfig
@@ -92,3 +92,10 @@ def test_ray_reserves_a_bundle_per_rank_sharing_the_workers_cpus():
     placement = PoolPlacement(cpus=2.0, gpus=1.0, memory_bytes=8 << 30, resource="pdserve_decode", ranks=2)
     assert placement.bundle() == {"CPU": 1.0, "GPU": 1.0, "memory": 4 << 30, "pdserve_decode": 0.5}
     assert PoolPlacement(cpus=2.0).bundle() == {"CPU": 2.0}
+    # Bundle 0 (rank 0's actor) reserves both ranks' GPUs: the rank it starts inherits its
+    # CUDA_VISIBLE_DEVICES and takes device 1 of them.
+    assert placement.bundles() == [{"CPU": 1.0, "GPU": 2.0, "memory": 4 << 30, "pdserve_decode": 0.5},
+                                   {"CPU": 1.0, "memory": 4 << 30, "pdserve_decode": 0.5}]
+    assert actor_options(placement, None)["num_gpus"] == 2.0
+    with pytest.raises(ValueError, match=r"gpus_per_worker x tensor-parallel size.*0.75 x 2"):
+        PoolPlacement(gpus=0.75, ranks=2)

@@ -29,7 +29,7 @@ from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
 from pdserve.router.request_run import RequestRun
 from tests.factories import assert_greedy_matches, decode_worker_config, load_reference, make_engine, \
-    prefill_worker_config
+    make_tp_engine, prefill_worker_config
 from tests.helpers.prefix_pull import (ANSWER, BLOCK, MAX_TOKENS, NUM_BLOCKS, first_turn, second_turn, settled,
                                        still_held)
 from tests.helpers.worker_servers import serving
@@ -58,22 +58,33 @@ def messages(model_dir) -> tuple[list[int], list[int]]:
     return tokenizer.encode(FIRST), tokenizer.encode(SECOND)
 
 
+def engine(model_dir, tp: int):
+    kwargs = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK)
+    return make_engine(model_dir, **kwargs) if tp == 1 else make_tp_engine(model_dir, tp, **kwargs)
+
+
 @contextlib.asynccontextmanager
-async def pair(model_dir, backend: str):
-    """A prefill and a decode worker (prefix caches on), and stubs to each."""
-    prefill = PrefillWorker(prefill_worker_config(kv_transfer_backend=backend),
-                            engine=make_engine(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK))
-    decoder = DecodeWorker(decode_worker_config(kv_transfer_backend=backend),
-                           engine=make_engine(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK))
-    async with serving(prefill, [decoder]) as pool:
-        stubs = {c.role: c.stub for c in pool.workers.values()}
-        yield prefill, decoder, stubs["prefill"], stubs["decode"], pool
+async def pair(model_dir, backend: str, prefill_tp: int = 1, decode_tp: int = 1):
+    """A prefill and a decode worker (prefix caches on) of those tensor-parallel sizes, each
+    checksumming its blocks for the other's ranks, and stubs to each."""
+    prefill = PrefillWorker(prefill_worker_config(kv_transfer_backend=backend, reader_tp=decode_tp),
+                            engine=engine(model_dir, prefill_tp))
+    decoder = DecodeWorker(decode_worker_config(kv_transfer_backend=backend, reader_tp=prefill_tp),
+                           engine=engine(model_dir, decode_tp))
+    try:
+        async with serving(prefill, [decoder]) as pool:
+            stubs = {c.role: c.stub for c in pool.workers.values()}
+            yield prefill, decoder, stubs["prefill"], stubs["decode"], pool
+    finally:
+        prefill.engine.close()
+        decoder.engine.close()
 
 
-async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: bool = False):
+async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: bool = False, tp=(1, 1)):
     """Both turns; ``spoil`` may change the held prefix's handle before the prefill worker gets
-    it; ``end_hold``: the hold is released before the prefill worker gets it (the lease is gone)."""
-    async with pair(model_dir, backend) as (prefill, decoder, p_stub, d_stub, _):
+    it; ``end_hold``: the hold is released before the prefill worker gets it (the lease is gone);
+    ``tp``: the prefill and decode workers' tensor-parallel sizes."""
+    async with pair(model_dir, backend, *tp) as (prefill, decoder, p_stub, d_stub, _):
         answer1 = await first_turn(d_stub, messages[0])
         prompt = messages[0] + answer1 + messages[1]
         held = await d_stub.HoldPrefix(worker_pb2.HoldPrefixRequest(request_id="turn-2", prompt_token_ids=prompt,
@@ -104,6 +115,26 @@ def test_the_prefill_worker_reads_the_prefix_from_the_decode_worker_and_computes
     assert stats.prefix_tokens_read == held.num_tokens and stats.prefix_reads_refused == 0
     assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what=f"reversed pull over {backend}")
     assert holding == 0  # the read's notice ended the hold
+    assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("tp, backend", [((2, 1), "nixl"), ((1, 2), "tcp")],
+                         ids=["prefill-tp2-decode-tp1-nixl", "prefill-tp1-decode-tp2-tcp"])
+def test_the_prefix_is_read_by_head_between_workers_of_different_tensor_parallel_sizes(tool_llama, messages, tp,
+                                                                                       backend):
+    """The reversed pull where one side runs two ranks (a tiny Llama of the default model's
+    vocabulary: SmolLM2's 3 KV heads do not split in two): every reader rank reads its heads of
+    the held prefix from the holder ranks that hold them, checked by their checksum groups; the
+    prompt computes only the rest, and the tokens are transformers' (those of the whole prompt
+    computed, with no reuse)."""
+    directory = tool_llama[0]
+    prompt, held, answer, tokens, stats, holding, (leases, p_free, d_free) = asyncio.run(
+        conversation(directory, messages, backend, tp=tp))
+    assert held.num_tokens >= 4 * BLOCK and answer.num_cached_tokens == held.num_tokens  # read, not computed
+    assert stats.prefix_tokens_read == held.num_tokens and stats.kv_verify_failures == 0
+    assert stats.prefix_reads_refused == 0 and stats.kv_transfer_failures == 0
+    assert_greedy_matches(load_reference(directory, torch.float32), prompt, tokens, MAX_TOKENS, what=f"tp {tp} over {backend}")
+    assert holding == 0  # every rank pair's notice landed: the hold ended
     assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
 
 

@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine.config import SchedulerConfig
 from pdserve.router.limits import RouterLimits
+from pdserve.shell.rank_follower import RANK_ENTRY
 from tests.clusters import reconnecting_stub
 from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, load_reference
 from tests.faults.load import Load
@@ -48,7 +49,8 @@ def stub(cluster):
 
 
 def followers(pid: int) -> list[int]:
-    """The tensor-parallel ranks a worker's rank 0 (``pid``) started: its child processes."""
+    """The tensor-parallel ranks a worker's rank 0 (``pid``) started: its child processes that
+    run a worker's rank entry (``RANK_ENTRY``: the engine's follower and the rank's KV agent)."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -56,7 +58,7 @@ def followers(pid: int) -> list[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "pdserve.engine.distributed.follower" in (entry / "cmdline").read_text():
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and RANK_ENTRY in (entry / "cmdline").read_text():
                 out.append(int(entry.name))
     return out
 

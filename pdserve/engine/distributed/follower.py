@@ -8,6 +8,11 @@ then computes its vocabulary slice of the logits of the rows rank 0 computes log
 sampled rows, then any rows rank 0 names), each gathered to rank 0, which alone samples. It
 knows no request, block manager or scheduler.
 
+Its service (``main``'s ``service``: what a layer above runs in this process next to the
+steps; ``pdserve.shell.rank_follower``'s serves this rank's KV-transfer agent) gets this rank's
+cache and its end of the socket pair with rank 0 (``FollowerSpec.service_fd``), on a thread of
+its own, once the model is loaded and before rank 0 hears so.
+
 It ends when rank 0 says stop, when its stdin (a pipe only rank 0 holds) closes because rank 0
 is gone, or when a collective fails; any error ends the process, which rank 0 notices.
 """
@@ -16,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
+from typing import Callable
 
 import torch
 
@@ -28,7 +35,10 @@ from pdserve.engine.attention.kv_cache import cache_spec_of, map_caches, prefaul
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.distributed.group import FollowerSpec, join, open_store
+from pdserve.engine.distributed.group import FollowerSpec, join, open_store, rank_device
+
+# A service: (this rank's spec, its KV cache, its socket to rank 0) -> runs until the socket closes.
+Service = Callable[[FollowerSpec, torch.Tensor, socket.socket], None]
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +78,26 @@ def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.de
     return steps
 
 
-def main(argv: list[str]) -> int:
+def _start(service: Service | None, spec: FollowerSpec, cache: torch.Tensor) -> None:
+    """Run ``service`` on a thread of its own, over this rank's socket to rank 0 (closed here
+    when there is none to run)."""
+    if spec.service_fd < 0:
+        return
+    sock = socket.socket(fileno=spec.service_fd)
+    if service is None:
+        sock.close()
+        return
+    threading.Thread(target=service, args=(spec, cache, sock), name=f"rank{spec.rank}-service", daemon=True).start()
+
+
+def main(argv: list[str], service: Service | None = None) -> int:
     spec = FollowerSpec.from_json(argv[1])
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s tp-rank{spec.rank} %(name)s %(levelname)s %(message)s")
     threading.Thread(target=_exit_with_rank_0, name="rank0-watch", daemon=True).start()
     torch.set_num_threads(spec.threads)
-    device = torch.device(spec.device)
+    device = rank_device(torch.device(spec.device), spec.rank, spec.size)
     if device.type == "cuda":
-        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
     if spec.isa is not None:
         from pdserve.engine.kernels import cpu_kernels
 
@@ -90,6 +111,7 @@ def main(argv: list[str]) -> int:
     cache = _cache(spec, model, device)
     backend = select_attention(spec.attention_backend, cfg, tp, device, spec.block_size, DTYPES[spec.dtype])
     layer_caches = cache_spec_of(cfg, spec.block_size, DTYPES[spec.dtype], spec.size).layer_caches(cache)
+    _start(service, spec, cache)
     store.set(f"loaded/{spec.rank}", "1")
     steps = follow(group, model, layer_caches, backend, device)
     log.debug("rank %d stops after %d steps", spec.rank, steps)

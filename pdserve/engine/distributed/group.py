@@ -8,9 +8,16 @@ rank runs the forward on its share, the all-reduces inside the model keeping the
 computes its vocabulary slice of each logits rank 0 computes, gathered to rank 0.
 
 The ranks meet through a ``FileStore`` in a private temporary directory, and talk over gloo
-on loopback (NCCL on CUDA): nothing listens beyond the host. On CPU every rank's KV cache is a
-part of one shared-memory file that rank 0 made (``kv_cache.shared_caches``), so rank 0 can
-hand any rank's blocks to a KV transfer.
+on loopback (NCCL on CUDA, rank r on device r of those the process sees; gloo over the CUDA
+tensors where there are fewer devices than ranks): nothing listens beyond the host. On CPU
+every rank's KV cache is a part of one shared-memory file that rank 0 made
+(``kv_cache.shared_caches``); on CUDA each rank allocates its own on its device.
+
+Each other rank also gets one end of a socket pair (``FollowerSpec.service_fd``), rank 0
+keeping the other (``RankGroup.service_sockets``), for what a layer above runs in that rank's
+process next to its steps: ``entry`` names the module each rank runs (``follower.main`` with
+its services; the worker's is ``pdserve.shell.rank_follower``, which serves the rank's
+KV-transfer agent, created there over the rank's own cache).
 
 Failure is the worker's as a whole: a rank that exits (its process watched by a thread here)
 or a collective that fails (``lost``, from the model runner) calls ``on_lost``, which by
@@ -28,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +62,7 @@ START_TIMEOUT_S = 600.0  # for every rank to join and load its share (a big mode
 # Collectives never time out on their own: a rank that waits for the next step waits as long
 # as the worker is idle. A rank that is stuck is the router's to find (its hang timeout).
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
+FOLLOWER_ENTRY = "pdserve.engine.distributed.follower"  # the module a rank runs: the steps alone
 EXIT_RANK_LOST = 70  # rank 0's exit status when its worker lost a rank (EX_SOFTWARE)
 
 
@@ -75,6 +84,7 @@ class FollowerSpec:
     isa: str | None  # rank 0's CPU kernel path, so every rank computes the same way
     log_level: int
     load_format: str = "auto"  # EngineConfig.load_format, the same on every rank
+    service_fd: int = -1  # this rank's end of its socket pair with rank 0 (module docstring), inherited
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -91,15 +101,31 @@ def open_store(path: str, size: int):
     return dist.FileStore(path, size)
 
 
+def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
+    """Where rank ``rank`` of ``size`` computes: on CUDA, device ``rank`` of those this process
+    sees (``CUDA_VISIBLE_DEVICES``), or, where there are fewer than ``size``, ``rank`` modulo
+    their number (ranks sharing a device: a test of the tensor-parallel path on one GPU);
+    elsewhere ``device``."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def uses_nccl(device: torch.device, size: int) -> bool:
+    """NCCL between the ranks where each has a CUDA device of its own; else gloo (NCCL cannot
+    run two ranks on one device; gloo moves CUDA tensors through the host)."""
+    return device.type == "cuda" and torch.cuda.device_count() >= size
+
+
 def join(store, rank: int, size: int, device: torch.device):
-    """This rank's process group: gloo on loopback, or NCCL on CUDA. Blocks until every rank
-    joins. Not torch.distributed's default group, so one process may hold several (tests run a
-    prefill and a decode worker in one)."""
+    """This rank's process group: gloo on loopback, or NCCL on CUDA (``uses_nccl``). Blocks
+    until every rank joins. Not torch.distributed's default group, so one process may hold
+    several (tests run a prefill and a decode worker in one)."""
     import torch.distributed as dist
 
     store.set(f"up/{rank}", "1")
     group_store = dist.PrefixStore("group", store)
-    if device.type == "cuda":
+    if uses_nccl(device, size):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = COLLECTIVE_TIMEOUT
         group = dist.ProcessGroupNCCL(group_store, rank, size, opts)
@@ -126,11 +152,12 @@ def rank_cores(cpus: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
     return tuple(cpus[rank * share:(rank + 1) * share]) if share else tuple(cpus)
 
 
-def load_on_ranks(config: EngineConfig, progress: bool = True, on_lost: Callable[[RankLost], None] | None = None
-                  ) -> tuple[CausalLM, ModelConfig, Path, "RankGroup | None"]:
-    """``load_model`` for ``config``, on ``tensor_parallel_size`` ranks: start the others, which
-    load their shares while this process (rank 0) loads its own. Returns (rank 0's model, its
-    config, the model directory, the ranks; None at size 1)."""
+def load_on_ranks(config: EngineConfig, progress: bool = True, on_lost: Callable[[RankLost], None] | None = None,
+                  entry: str = FOLLOWER_ENTRY) -> tuple[CausalLM, ModelConfig, Path, "RankGroup | None"]:
+    """``load_model`` for ``config``, on ``tensor_parallel_size`` ranks: start the others
+    (``entry``: the module they run, module docstring), which load their shares while this
+    process (rank 0) loads its own. Returns (rank 0's model, its config, the model directory,
+    the ranks; None at size 1)."""
     dtype, device = config.torch_dtype(), config.torch_device()
     if config.tensor_parallel_size == 1:
         return (*load_model(config.model, dtype, device, progress, load_format=config.load_format), None)
@@ -138,7 +165,7 @@ def load_on_ranks(config: EngineConfig, progress: bool = True, on_lost: Callable
     cfg = read_model_config(model_dir)
     check_split(cfg, config.tensor_parallel_size)  # before any rank starts
     num_blocks = num_cache_blocks(config, cache_spec_of(cfg, config.cache.block_size, dtype, config.tensor_parallel_size))
-    ranks = RankGroup.start(config, model_dir, cfg, num_blocks, on_lost or exit_worker)
+    ranks = RankGroup.start(config, model_dir, cfg, num_blocks, on_lost or exit_worker, entry)
     try:
         model, cfg, model_dir = load_model(str(model_dir), dtype, device, progress, ranks.tp, config.load_format)
         ranks.wait_loaded()
@@ -158,11 +185,14 @@ def exit_worker(exc: RankLost) -> None:
 class RankGroup:
     """Rank 0's handle on its worker's ranks. ``tp``: rank 0's ``TensorParallel``; ``caches``:
     on CPU, every rank's KV cache, (ranks, num_blocks, *block_shape) in shared memory (None on
-    CUDA, where each rank's cache is on its own device)."""
+    CUDA, where each rank's cache is on its own device); ``service_sockets[r - 1]``: rank 0's
+    end of rank r's socket pair (module docstring); ``entry``: the module the ranks run."""
 
     def __init__(self, tp: TensorParallel, store, procs: list[subprocess.Popen], tmpdir: str,
-                 caches: torch.Tensor | None, device: torch.device, on_lost: Callable[[RankLost], None]):
+                 caches: torch.Tensor | None, device: torch.device, on_lost: Callable[[RankLost], None],
+                 service_sockets: tuple[socket.socket, ...] = (), entry: str = FOLLOWER_ENTRY):
         self.tp, self.caches, self.device = tp, caches, device
+        self.service_sockets, self.entry = service_sockets, entry
         self._store, self._procs, self._tmpdir, self._on_lost = store, procs, tmpdir, on_lost
         self._closing = False
         self._threads_before = torch.get_num_threads()
@@ -171,9 +201,10 @@ class RankGroup:
 
     @classmethod
     def start(cls, config: EngineConfig, model_dir: Path, cfg: ModelConfig, num_blocks: int,
-              on_lost: Callable[[RankLost], None] = exit_worker) -> "RankGroup":
-        """Start ranks 1..N-1 and join them in a process group; they load their shares of the
-        model meanwhile (``wait_loaded``). Rank 0's own cache is ``caches[0]``."""
+              on_lost: Callable[[RankLost], None] = exit_worker, entry: str = FOLLOWER_ENTRY) -> "RankGroup":
+        """Start ranks 1..N-1 (each running module ``entry``) and join them in a process group;
+        they load their shares of the model meanwhile (``wait_loaded``). Rank 0's own cache is
+        ``caches[0]`` on CPU."""
         size, device, dtype = config.tensor_parallel_size, config.torch_device(), config.torch_dtype()
         spec = cache_spec_of(cfg, config.cache.block_size, dtype, size)
         caches, fd = shared_caches(spec, num_blocks, size) if device.type == "cpu" else (None, -1)
@@ -184,7 +215,12 @@ class RankGroup:
                       attention_backend=config.attention_backend, block_size=config.cache.block_size,
                       num_blocks=num_blocks, cache_fd=fd, threads=threads, isa=_isa(device),
                       log_level=logging.getLogger().getEffectiveLevel(), load_format=config.load_format)
-        procs = [_spawn(FollowerSpec(rank=r, **common)) for r in range(1, size)]
+        pairs = [socket.socketpair() for _ in range(1, size)]
+        procs = [_spawn(FollowerSpec(rank=r, service_fd=pairs[r - 1][1].fileno(), **common), entry)
+                 for r in range(1, size)]
+        for _, theirs in pairs:
+            theirs.close()  # the rank holds its end now
+        mine = tuple(ours for ours, _ in pairs)
         try:
             if caches is not None:
                 prefault(caches[0])
@@ -194,9 +230,11 @@ class RankGroup:
             group = join(store, 0, size, device)
         except BaseException:
             _kill(procs)
+            for ours in mine:
+                ours.close()
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
-        ranks = cls(TensorParallel(0, size, group), store, procs, tmpdir, caches, device, on_lost)
+        ranks = cls(TensorParallel(0, size, group), store, procs, tmpdir, caches, device, on_lost, mine, entry)
         torch.set_num_threads(threads)  # rank 0's share too, until ``close``
         return ranks
 
@@ -251,13 +289,13 @@ class RankGroup:
         return rank_cores(cpus, 0, self.tp.size)
 
     def rank_caches(self) -> tuple[torch.Tensor, ...]:
-        """Every rank's cache, ``[r]`` rank r's, each a view of the one shared file: what rank 0
-        creates each rank's KV-transfer agent over (pdserve/kv_transfer/rank_agents.py). CPU
-        only: on CUDA each rank's cache is in its own process's device memory, where each
-        follower would create its own agent; that is not built yet."""
+        """Every rank's cache, ``[r]`` rank r's, each a view of the one shared file, for rank 0
+        to look into (tests). CPU only: on CUDA each rank's cache is in its own process's device
+        memory (each rank's KV-transfer agent is created in that rank's process,
+        pdserve/kv_transfer/remote_agent.py)."""
         if self.caches is None:
-            raise InvalidRequestError("tensor_parallel_size", f"KV transfer from or to a tensor-parallel worker on "
-                                      f"{self.device.type} is not supported yet (CPU only)", 1)
+            raise InvalidRequestError("tensor_parallel_size", f"rank 0 sees only its own cache on {self.device.type}; "
+                                      "every rank's is readable here on CPU only", 1)
         return tuple(self.caches.unbind(0))
 
     def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
@@ -279,6 +317,8 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for ours in self.service_sockets:
+            ours.close()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
         torch.set_num_threads(self._threads_before)
 
@@ -288,12 +328,11 @@ class RankGroup:
             self.lost(RuntimeError(f"rank {rank} (pid {proc.pid}) exited with status {code}"))
 
 
-def _spawn(spec: FollowerSpec) -> subprocess.Popen:
-    """Start one rank. Its stdin is a pipe that only rank 0 holds: it closes when rank 0's
-    process ends, however it ends, and the rank then exits too."""
-    fds = (spec.cache_fd,) if spec.cache_fd >= 0 else ()
-    return subprocess.Popen([sys.executable, "-m", "pdserve.engine.distributed.follower", spec.to_json()],
-                            stdin=subprocess.PIPE, pass_fds=fds)
+def _spawn(spec: FollowerSpec, entry: str) -> subprocess.Popen:
+    """Start one rank (``python -m entry SPEC``). Its stdin is a pipe that only rank 0 holds: it
+    closes when rank 0's process ends, however it ends, and the rank then exits too."""
+    fds = tuple(fd for fd in (spec.cache_fd, spec.service_fd) if fd >= 0)
+    return subprocess.Popen([sys.executable, "-m", entry, spec.to_json()], stdin=subprocess.PIPE, pass_fds=fds)
 
 
 def _wait_for(procs: list[subprocess.Popen], done: Callable[[], bool], what: str) -> None:

@@ -13,6 +13,10 @@ Each is an ``nn.Linear`` at this rank's sizes, so it computes as one and a linea
 (pdserve/engine/linear.py) swaps it like any other. ``load_weight(param_name, tensor, shard)``
 reads only this rank's rows or columns from a ``CheckpointTensor`` (pdserve/engine/checkpoint.py):
 a rank never holds another rank's share, on the host or on the device.
+
+A linear whose weight was made float8 before loading (``weights.keep_fp8``: the backend
+computes with FP8 matmuls) takes the checkpoint's float8 values as they are and each output
+row's scale into its ``weight_scale`` (N,) buffer, instead of dequantized values.
 """
 
 from __future__ import annotations
@@ -22,8 +26,24 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pdserve.engine.checkpoint import CheckpointTensor, copy_checked
+from pdserve.engine.checkpoint import CheckpointTensor, Fp8Tensor, copy_checked
 from pdserve.engine.parallel import SINGLE, TensorParallel
+
+
+def fill(layer: nn.Linear, dst: torch.Tensor, tensor: CheckpointTensor, dim: int, start: int, length: int,
+         rows: slice) -> None:
+    """Copy ``length`` entries of ``tensor`` from ``start`` along ``dim`` into ``dst``, the
+    weight's output rows ``rows``; into a float8 weight, the float8 values and those rows'
+    scales (module docstring)."""
+    if dst.dtype != torch.float8_e4m3fn:
+        copy_checked(dst, tensor.read(dim, start, length), tensor.name)
+        return
+    if not isinstance(tensor, Fp8Tensor) or not tensor.keepable:
+        raise ValueError(f"tensor {tensor.name}: {layer.__class__.__name__} keeps float8 weights, and this one is "
+                         "not an e4m3 weight with a per-tensor or per-row scale")
+    copy_checked(dst, tensor.read_e4m3(dim, start, length), tensor.name)
+    scales = tensor.row_scales(start, length) if dim == 0 else tensor.row_scales()
+    copy_checked(layer.weight_scale[rows], scales, tensor.name + "_scale")
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -38,7 +58,7 @@ class ColumnParallelLinear(nn.Linear):
         """This rank's rows of the checkpoint's whole weight (or bias)."""
         dst = getattr(self, name).data
         rows = dst.shape[0]
-        copy_checked(dst, tensor.read(0, self.tp.rank * rows, rows), tensor.name)
+        fill(self, dst, tensor, 0, self.tp.rank * rows, rows, slice(0, rows))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -61,7 +81,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _load_part(self, dst: torch.Tensor, tensor: CheckpointTensor, part: int, base: int) -> None:
         rows = self.local_sizes[part]
         offset = sum(self.local_sizes[:part])
-        copy_checked(dst[offset:offset + rows], tensor.read(0, base + self.tp.rank * rows, rows), tensor.name)
+        fill(self, dst[offset:offset + rows], tensor, 0, base + self.tp.rank * rows, rows, slice(offset, offset + rows))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -102,4 +122,4 @@ class RowParallelLinear(nn.Linear):
             copy_checked(dst, src, tensor.name)
             return
         cols = dst.shape[1]
-        copy_checked(dst, tensor.read(1, self.tp.rank * cols, cols), tensor.name)
+        fill(self, dst, tensor, 1, self.tp.rank * cols, cols, slice(None))
