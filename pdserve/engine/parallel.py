@@ -68,6 +68,12 @@ class TensorParallel:
         0; None on the other ranks, which must call it too. ``[x]`` at size 1."""
         if self.size == 1:
             return [x]
+        if x.is_cuda and isinstance(self.group, torch.distributed.ProcessGroupGloo):
+            # Ranks sharing one GPU talk gloo, whose gather takes host tensors only; its
+            # allgather takes CUDA ones (every rank receives every part; the others drop them).
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.group.allgather([parts], [x.contiguous()]).wait()
+            return parts if self.rank == 0 else None
         opts = torch.distributed.GatherOptions()
         opts.rootRank = 0
         parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
