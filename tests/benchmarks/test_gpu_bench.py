@@ -23,13 +23,17 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_bundle  # noqa: E402
 
 SCRIPT = ROOT / "scripts/gpu_bench.sh"
+SHARE = 0.06  # of this host's RAM (24 GiB here: 1.4 GiB a worker, of which about 0.8 is the process)
 # The dry run's cuts: the tiny Llama for the 8B shape, a 2-layer SmolLM2, small batches,
 # contexts, reads and loads; one thread a worker on this shared box.
 DRY_RUN = {"PDSERVE_BENCH_DEVICE": "cpu", "PDSERVE_BENCH_SHAPE": "tiny", "PDSERVE_BENCH_BATCHES": "1 2",
            "PDSERVE_BENCH_CONTEXTS": "32 64", "PDSERVE_BENCH_PREFILL": "16 32", "PDSERVE_BENCH_NIXL_BLOCKS": "4 16",
            "PDSERVE_BENCH_CONCURRENCY": "1 2", "PDSERVE_BENCH_PROMPT_TOKENS": "32", "PDSERVE_BENCH_OUTPUT_TOKENS": "8",
            "PDSERVE_BENCH_SMOL_LAYERS": "2", "PDSERVE_THREADS_PER_WORKER": "1",
-           "PDSERVE_BENCH_MEMORY_FLAGS_SMOL": "--kv-cache-gib 0.25", "PDSERVE_BENCH_MEMORY_FLAGS_8B": "--kv-cache-gib 0.25",
+           # The 135M-shaped cluster's two workers take a share of the host's RAM each, the CPU
+           # stand-in for two workers sharing one GPU; the 8B-shaped one an exact cache.
+           "PDSERVE_BENCH_MEMORY_FLAGS_SMOL": f"--gpu-memory-utilization {SHARE}",
+           "PDSERVE_BENCH_MEMORY_FLAGS_8B": "--kv-cache-gib 0.25",
            # limits far above the dry run's needs (about 15-60 s a phase), so a loaded box skips nothing
            **{f"PDSERVE_BENCH_LIMIT_{p}": "300" for p in ("ENGINE", "NIXL", "SERVED_SMOL", "SERVED_8B")}}
 
@@ -74,6 +78,8 @@ def test_every_phase_dry_runs_on_the_cpu_and_writes_its_json(tmp_path):
             assert r["kv_transfer_ms_per_request"] > 0 and r["kv_bytes_per_request"] > 0, r
         assert (out / f"{name}_decode.log").stat().st_size > 0
     assert "--load-format" in docs["served_8b"]["worker_flags"]
+    for role in ("prefill", "decode"):  # each sized its cache from its share, one after the other
+        assert f"gpu_memory_utilization {SHARE:g} of host RAM" in (out / f"served_smol_{role}.log").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["phases"].values()) == {"ok"}
     assert set(summary["targets"]) == {"decode_b1_graphed_over_floor", "prefill_2k_mfu", "nixl_in_order_gb_per_s"}
