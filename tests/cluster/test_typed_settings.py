@@ -117,10 +117,10 @@ def test_a_null_in_the_file_is_the_default_where_the_default_is_none(tmp_path):
 
 def test_a_worker_keeps_serves_default_for_a_setting_its_table_leaves_out():
     s, serve = worker("decode", []), resolve(parse([]), environ={})
-    assert {"seed", "max_num_seqs", "enable_prefix_caching", "tokenizer"} <= (
+    assert {"seed", "enable_prefix_caching", "tokenizer"} <= (
         {x.name for x in serve_settings()} - {x.name for x in worker_cli.worker_settings()})
-    assert (s.engine.seed, s.engine.max_num_seqs, s.engine.enable_prefix_caching, s.api.tokenizer) == (
-        serve.engine.seed, serve.engine.max_num_seqs, serve.engine.enable_prefix_caching, serve.api.tokenizer)
+    assert (s.engine.seed, s.engine.enable_prefix_caching, s.api.tokenizer) == (
+        serve.engine.seed, serve.engine.enable_prefix_caching, serve.api.tokenizer)
 
 
 ENGINE_FLAGS = [
