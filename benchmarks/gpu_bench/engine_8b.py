@@ -99,7 +99,7 @@ def release(engine, model) -> None:
 def weights_read(model) -> int:
     """Bytes a decode step reads of the weights: all of them, less the embedding table when the
     LM head is its own matrix (a step looks up one row of the table a token)."""
-    tied = model.lm_head is None
+    tied = model.lm_head.tied  # the head reads the embedding's rows: every row of it is read
     return sum(t.numel() * t.element_size() for name, t in model.state_dict().items()
                if tied or not name.startswith("embed_tokens"))
 
