@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Llama-3.1-8B's config.json, less its weights. BOS and EOS are the bench tokenizer's ids
-# (``full_vocab_tokenizer``), not Meta's, so the router and the engine agree on them.
+# (tests/gpu/smol.py ``byte_tokenizer`` with a piece for every id), not Meta's, so the router
+# and the engine agree on them.
 LLAMA_31_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -133,35 +134,15 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def full_vocab_tokenizer(vocab_size: int):
-    """A byte-level tokenizer with a piece for every id below ``vocab_size``: the 3 specials
-    (as SmolLM2's: BOS 1, EOS 2), the 256 bytes, and ``<ID>`` for every other id. A random
-    model samples ids from the whole vocabulary; each decodes to text, so every streamed
-    token reaches the client as a chunk the load generator times."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-    vocab = {s: i for i, s in enumerate(specials)}
-    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[symbol] = len(vocab)
-    for i in range(len(vocab), vocab_size):
-        vocab[f"<{i}>"] = i  # ASCII: the byte-level alphabet maps each character to itself
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(specials))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[1], eos_token=specials[2],
-                                   pad_token=specials[0])
-
-
 def config_dir(directory: Path, hf_config: dict, tokenizer: bool = True) -> Path:
     """A model directory of config.json alone (what ``--load-format dummy`` reads), and the
     bench tokenizer when the model is served."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=1))
     if tokenizer:
-        full_vocab_tokenizer(hf_config["vocab_size"]).save_pretrained(str(directory))
+        from tests.gpu.smol import byte_tokenizer
+
+        byte_tokenizer(hf_config["vocab_size"]).save_pretrained(str(directory))
     return directory
 
 

@@ -6,7 +6,7 @@ device by the memory flags the script gives them (``--worker-flags``).
 ``--shape smol``: a random-weight checkpoint of SmolLM2-135M's shape, written here in
 bfloat16. ``--shape 8b``: Llama-3.1-8B's config alone, served with ``--load-format dummy``
 (with ``PDSERVE_BENCH_SHAPE=tiny``, the tiny Llama instead: the dry run). Both get the bench's
-full-vocabulary tokenizer (``common.full_vocab_tokenizer``).
+full-vocabulary tokenizer (tests/gpu/smol.py ``byte_tokenizer(vocab_size)``).
 
 At each concurrency (``PDSERVE_BENCH_CONCURRENCY``) a closed loop of that many clients sends
 2C + 2 streamed completions (prompt and output lengths fixed, ``ignore_eos``) through the
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_bench.common import Deadline, config_dir, device_name, full_vocab_tokenizer  # noqa: E402
+from benchmarks.gpu_bench.common import Deadline, config_dir, device_name  # noqa: E402
 
 PDSERVE = [sys.executable, "-c", "import sys; from pdserve.cli import main; sys.exit(main())"]
 START_TIMEOUT_S = 240.0
@@ -47,12 +47,12 @@ def smol_checkpoint(directory: Path, layers: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.gpu.smol import INIT_STD, SMOLLM2_135M
+    from tests.gpu.smol import INIT_STD, SMOLLM2_135M, byte_tokenizer
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("llama", **{**SMOLLM2_135M, "num_hidden_layers": layers}, initializer_range=INIT_STD)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(str(directory))
-    full_vocab_tokenizer(SMOLLM2_135M["vocab_size"]).save_pretrained(str(directory))
+    byte_tokenizer(SMOLLM2_135M["vocab_size"]).save_pretrained(str(directory))
     return directory
 
 

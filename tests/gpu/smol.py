@@ -38,16 +38,20 @@ def device_or_skip() -> torch.device:
     return device
 
 
-def byte_tokenizer():
+def byte_tokenizer(vocab_size: int = 0):
     """A byte-level BPE with no merges: the 3 special tokens and the 256 byte symbols. Any
     text encodes (a token a byte), and xgrammar gets the byte-level vocabulary it needs; ids
-    from 259 up to the model's 49,152 are unused, as padded vocabularies are."""
+    from 259 up to the model's 49,152 are unused, as padded vocabularies are. With
+    ``vocab_size``, every id below it gets a piece, ``<ID>``, so that whatever id a random
+    model samples decodes to text (the GPU bench's load generator times each chunk)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {s: i for i, s in enumerate(SPECIALS)}
     for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[symbol] = len(vocab)
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<{i}>"] = i  # ASCII: the byte-level alphabet maps each character to itself
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
