@@ -253,7 +253,7 @@ def on_this_host(hw: "HardwareProfile", cores: int, need_bytes: float, host_byte
     if hw.overlap:
         return hw
     if host_bytes is None:
-        host_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        host_bytes = _host_ram()
     return dataclasses.replace(hw, mem_bytes=min(need_bytes, host_bytes / max(1, cores)))
 
 
@@ -268,8 +268,15 @@ def worker_need_bytes(weight_bytes: float, cache: "CacheConfig | None", host_byt
     if exact is not None:
         return weight_bytes + exact
     if host_bytes is None:
-        host_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        host_bytes = _host_ram()
     return cache.gpu_memory_utilization * host_bytes
+
+
+def _host_ram() -> int:
+    """This host's RAM, read as a CPU worker reads it for its share (``engine.memory.HostMemory``)."""
+    from pdserve.engine.memory import HostMemory
+
+    return HostMemory().total_bytes()
 
 
 def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
