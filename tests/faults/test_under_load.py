@@ -22,7 +22,7 @@ import ray
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.faults.load import Load
 from tests.helpers.chat import chat_request, collect
-from tests.helpers.faults import busy_worker, gone
+from tests.helpers.faults import busy_worker, fresh_claim, gone
 from tests.serving.conftest import worker_stats
 
 pytestmark = pytest.mark.slow
@@ -114,15 +114,15 @@ def test_nothing_is_lost_under_faults_and_steady_load(cluster, stub):
         assert gone(stopped_pid), "the hung worker was replaced but its process lives on"
         load.wait_for(CLIENTS)
 
-        # (a) a prefill worker SIGKILLed while a read from it is in flight: it holds a claimed
-        # lease (the reader's read starts right after its claim), it is stopped so that the read,
-        # posted READ_DELAY_S after the claim, stays open, and then it is killed.
-        # The pids are asked for first: a claimed lease's read is posted READ_DELAY_S after the
-        # claim, and a Ray call to a busy worker between seeing the claim and the SIGSTOP once took
-        # longer than that on a loaded machine, so the read had already finished and nothing failed.
+        # (a) a prefill worker SIGKILLed while a read from it is in flight: it is stopped within
+        # READ_DELAY_S of granting a claim, so the claim's read, posted READ_DELAY_S after it,
+        # goes to a stopped holder and stays open; then it is killed, and the read fails.
+        # Seeing a worker merely hold a claim is not enough: on a loaded machine one poll once
+        # took longer than READ_DELAY_S, the read was over, and nothing failed (fresh_claim).
+        # The pids are asked for first, for the same reason.
         failures_mid = sum(worker_stats(a, "decode").kv_transfer_failures for a in cluster.decode_addresses)
         pids = {a: pid_of(actor) for a, actor in zip(list(cluster.prefill_addresses), list(cluster.prefill))}
-        index = busy_worker(cluster, "prefill", "num_claimed_leases")
+        index = fresh_claim(cluster, READ_DELAY_S * 0.8)
         address = cluster.prefill_addresses[index]
         pid = pids[address]
         os.kill(pid, signal.SIGSTOP)

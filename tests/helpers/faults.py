@@ -66,6 +66,29 @@ def busy_worker(cluster, role: str, field: str, timeout_s: float = 30.0) -> int:
     raise AssertionError(f"no {role} worker had {field} > 0 within {timeout_s} s")
 
 
+def fresh_claim(cluster, younger_than_s: float, timeout_s: float = 30.0) -> int:
+    """The slot of a prefill worker that granted a claim less than ``younger_than_s`` ago, for
+    certain: its ``num_claimed_leases`` rose between two polls that began less than that long
+    before this returns. A worker seen merely holding a claim may have granted it long ago (a
+    poll of a busy worker on a loaded machine can take a second), and its read be over."""
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, tuple[float, int]] = {}  # address -> (when its last poll was sent, what it saw)
+    while time.monotonic() < deadline:
+        for index, address in enumerate(list(cluster.addresses("prefill"))):
+            sent = time.monotonic()
+            try:
+                claimed = worker_stats(address, "prefill").num_claimed_leases
+            except grpc.RpcError:
+                last.pop(address, None)
+                continue
+            before = last.get(address)
+            last[address] = (sent, claimed)
+            if before is not None and claimed > before[1] and time.monotonic() - before[0] < younger_than_s:
+                return index
+        time.sleep(0.01)
+    raise AssertionError(f"no prefill worker granted a claim seen within {younger_than_s} s in {timeout_s} s")
+
+
 def gone(pid: int) -> bool:
     """The process has exited (a zombie not yet reaped counts)."""
     try:
