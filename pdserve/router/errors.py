@@ -18,6 +18,15 @@ class RouteError(Exception):
         super().__init__(message)
 
 
+class NoPrefillWorker(RouteError):
+    """No prefill worker answered this attempt's prefill (every one is hung, dead, gone, or was
+    tried and failed): the run prefills the prompt on a decode worker instead, which can
+    (``pdserve.router.request_run``). Anywhere else it reads as UNAVAILABLE."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
 class AttemptLost(Exception):
     """This attempt cannot go on (its transfer failed, a worker died or hung, the decode
     stream ended early): the run re-prefills prompt + tokens sent and continues. ``moved``:

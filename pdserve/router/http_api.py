@@ -9,8 +9,9 @@ models in ``pdserve.router.validation``) and runs through the same ``GenerationS
 gRPC, so validation, routing and recovery are shared. A client that disconnects cancels its
 handler, which aborts the request on the workers.
 
-A client may bound a request's time with the ``X-Request-Timeout`` header (seconds; the
-router's ``request_timeout_s`` caps it); past it the answer is 408 or, mid-stream, an error
+A client may bound a request's time with the body's ``timeout`` field or the
+``X-Request-Timeout`` header (seconds; the sooner of the two, and the router's
+``request_timeout_s`` caps it); past it the answer is 408 or, mid-stream, an error
 event. A 429 carries ``Retry-After``.
 
 The event loop never waits on a client (``pdserve.router.client_work``): bodies above
@@ -117,6 +118,8 @@ class OpenAIFront:
         try:
             timeout_s = _timeout(request)
             reqs, options = await self._read(request, chat)
+            if options.timeout_s is not None:  # the body's and the header's: the sooner
+                timeout_s = options.timeout_s if timeout_s is None else min(timeout_s, options.timeout_s)
             texts = await self._prompt_texts(reqs) if options.echo else [""] * len(reqs)
         except (HttpError, RouteError) as exc:
             return self._error(exc)

@@ -15,8 +15,17 @@ class RouterLimits:
     max_prefill_attempts: int = 3  # prefill workers tried for one prefill
     max_migrations: int = 3  # times one request may move to a new prefill/decode pair
     # A request's whole life, arrival to last token; a client may ask for less (gRPC deadline,
-    # HTTP X-Request-Timeout). Every RPC the router makes for it ends by then.
+    # the OpenAI body's ``timeout``, HTTP X-Request-Timeout). Every RPC the router makes for it ends by then.
     request_timeout_s: float = 600.0
+    # A prefill call waits at most ``prefill_call_slack`` times what its prompt and the queue
+    # ahead of it should take at the prefill pool's pace (``PrefillPace``; before any answer,
+    # ``prefill_token_s_guess`` a token), and never less than ``prefill_call_min_s``; past it the
+    # worker counts as not answering (a SIGSTOPped one holds its sockets and never does) and the
+    # prompt moves on: to another prefill worker, or to a decode worker that prefills it itself
+    # (``pdserve.router.request_budget.prefill_call_timeout_s``).
+    prefill_call_min_s: float = 10.0
+    prefill_call_slack: float = 4.0
+    prefill_token_s_guess: float = 0.01
     # A decode stream that sends nothing for this long is given up and the request migrates
     # (the first message waits for the KV transfer, bounded by the worker's transfer timeout).
     decode_idle_timeout_s: float = 60.0
@@ -55,3 +64,8 @@ class RouterLimits:
     # routes each attempt by what the decode workers cache (router.local_prefill). Off: as
     # before the feature (a benchmark's "reuse off" arm, the tests' replay oracle).
     decode_kv_reuse: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_call_min_s", "prefill_call_slack", "prefill_token_s_guess", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be above 0, got {getattr(self, name)!r}")

@@ -16,6 +16,9 @@ Two ways a request is prefilled locally:
   prefill worker's queue is shorter than its own; then the prefill pool takes the prompt and
   the mixed worker reads its KV. A cluster whose prefill workers all became mixed has no
   prefill pool left: its plain decode workers prefill their requests themselves too.
+- **No prefill worker to take it** (``prefill_down``): every prefill worker is hung, dead or
+  being replaced. The decode worker prefills (``NO_PREFILL_WORKER``) rather than the request
+  waiting on, or failing with, an empty prefill pool.
 
 - **Prefill that keeps up** (``overflow_ttft_s`` > 0, ``PREFILL_BEHIND``): when even the least
   queued prefill worker would start a prompt later than the TTFT budget allows, and its decode
@@ -126,7 +129,7 @@ class Reason(str, enum.Enum):
     BUSY_WORKER = "busy_worker"  # remote: the decode worker's load is at the limit
     MIXED_WORKER = "mixed_worker"  # local: a mixed worker whose queue is the shortest
     PREFILL_SHORTER = "prefill_shorter"  # remote: a prefill worker's queue is shorter than the mixed worker's
-    NO_PREFILL_WORKER = "no_prefill_worker"  # local: the cluster's prefill workers are all mixed now
+    NO_PREFILL_WORKER = "no_prefill_worker"  # local: no routable prefill worker (all mixed, hung, gone)
     DECODE_HIT = "decode_hit"  # local: the decode worker caching the longest prefix computes the suffix
     PREFIX_ON_DECODE = "prefix_on_decode"  # remote: a prefill worker reads that prefix from the decode worker
     PREFILL_CHEAPER = "prefill_cheaper"  # remote as today, though a decode worker caches a prefix
@@ -160,6 +163,9 @@ class Mixed:
     # A prompt token's wall time on the decode worker picked, as its step budget measured it;
     # None: not measured yet, so ``token_s`` times the configured ``overflow_slowdown``.
     local_token_s: float | None = None
+    # The cluster has a prefill pool but no routable prefill worker now (hung, dead, being
+    # replaced): the decode worker prefills, rather than the request waiting on an empty pool.
+    prefill_down: bool = False
 
 
 class PrefillPace:
@@ -197,7 +203,7 @@ def decide(config: LocalPrefillConfig, prompt_tokens: int, load: float, cached_t
         if mixed.prefill_queue is not None and mixed.prefill_queue < mixed.own_queue:
             return Decision(False, Reason.PREFILL_SHORTER, uncached, load)
         return Decision(True, Reason.MIXED_WORKER, uncached, load)
-    if mixed.any_mixed and mixed.prefill_queue is None:
+    if mixed.prefill_down or (mixed.any_mixed and mixed.prefill_queue is None):
         return Decision(True, Reason.NO_PREFILL_WORKER, uncached, load)
     if behind(config, uncached, mixed):
         return Decision(True, Reason.PREFILL_BEHIND, uncached, load)

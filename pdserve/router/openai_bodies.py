@@ -14,6 +14,7 @@ from pdserve.router.session_hint import MAX_SESSION_ID_CHARS
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT64_MAX = 2**64 - 1
+MAX_TIMEOUT_S = 86_400.0  # a day: the body's ``timeout`` past it is surely a unit mistake (ms)
 
 UInt32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
@@ -115,6 +116,10 @@ class SamplingBody(StrictModel):
     # SGLang's and Dynamo's session hint: only which decode worker served the session last
     # (router.session_hint); the tokens alone find a conversation's KV.
     session_id: Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None = None
+    # The request's deadline in seconds (an extension, as the OpenAI clients' own ``timeout``):
+    # past it the request ends with a timeout error and its work on the workers is aborted.
+    # The router's request_timeout_s caps it; X-Request-Timeout says the same as a header.
+    timeout: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] | None = None
 
 
 class CompletionBody(SamplingBody):

@@ -1,6 +1,7 @@
 """The prefill call of one attempt: route the prompt to a prefill worker (trying others
-while they are gone or full), and, when its KV streams, wait for the answer while the decode
-side already reads. For the reversed pull, the hold on a decode worker's cached prefix that
+while they are gone, full or do not answer within the call's bound; with none left, the run
+prefills on a decode worker: ``NoPrefillWorker``), and, when its KV streams, wait for the
+answer while the decode side already reads. For the reversed pull, the hold on a decode worker's cached prefix that
 the prefill worker reads first (``hold_prefix``), and its release (``release_hold_later``)."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import grpc
 
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.protos import worker_pb2
-from pdserve.router.errors import AttemptLost, RouteError, route_error
+from pdserve.router.errors import AttemptLost, NoPrefillWorker, RouteError, route_error
+from pdserve.router.request_budget import prefill_call_timeout_s
 from pdserve.router.worker_calls import (CallContext, Fault, Started, detach, ignore_errors, last_message, triage,
                                          unavailable, unless_hung)
 from pdserve.wire import tracing
@@ -33,9 +35,10 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
     last = "no prefill worker"
     for _ in range(ctx.limits.max_prefill_attempts):
         route = ctx.spans.route("prefill") if ctx.spans is not None else None
+        # An empty prefill pool is not waited on: a decode worker prefills the prompt instead.
         choice = await ctx.budget.admit(lambda: ctx.pool.route_prefill(
             prompt, ctx.limits.routing, frozenset(tried), ctx.limits.max_queued_tokens_per_prefill, cache_salt),
-            ctx.pool.interval_s)
+            ctx.pool.interval_s, wait_empty=False)
         if route is not None:
             tracing.end_span(route, attributes={tracing.ROUTE_RULE: choice.rule or "", tracing.CACHED_TOKENS:
                                                 choice.cached_tokens, tracing.WORKER_ID: choice.worker_id or ""})
@@ -48,15 +51,16 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
         ctx.metrics.routed(choice.rule, choice.cached_tokens)
         method = "PrefillStream" if stream_kv else "Prefill"
         span = ctx.spans.call(method, client.address) if ctx.spans is not None else None
+        tokens = len(prompt) - choice.cached_tokens
         try:
-            with ctx.pool.placed(client, tokens=len(prompt) - choice.cached_tokens):
+            timeout = _call_timeout(ctx, tokens, client.snapshot().queued_tokens)
+            with ctx.pool.placed(client, tokens=tokens):
                 if not stream_kv:
-                    call = client.stub.Prefill(request, timeout=ctx.budget.remaining_s(), **tracing.metadata_kwargs(span))
+                    call = client.stub.Prefill(request, timeout=timeout, **tracing.metadata_kwargs(span))
                     answer = await unless_hung(call, client)
                     tracing.end_span(span)
                     return answer, client.address, None
-                call = client.stub.PrefillStream(request, timeout=ctx.budget.remaining_s(),
-                                                 **tracing.metadata_kwargs(span))
+                call = client.stub.PrefillStream(request, timeout=timeout, **tracing.metadata_kwargs(span))
                 first = await unless_hung(call.read(), client, call)
                 if first is grpc.aio.EOF:
                     raise unavailable(f"prefill worker {client.address} ended the stream without an answer")
@@ -75,8 +79,17 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
         except BaseException as exc:
             tracing.end_span(span, error=exc)
             raise
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED if "RESOURCE_EXHAUSTED" in last else grpc.StatusCode.UNAVAILABLE
-    raise RouteError(code, f"no prefill worker could take the request ({last})")
+    if "RESOURCE_EXHAUSTED" in last:
+        raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no prefill worker could take the request ({last})")
+    raise NoPrefillWorker(f"no prefill worker could take the request ({last})")
+
+
+def _call_timeout(ctx: CallContext, tokens: int, queued_tokens: int) -> float:
+    """The bound of one prefill call of ``tokens`` uncached prompt tokens behind
+    ``queued_tokens`` (``pdserve.router.request_budget.prefill_call_timeout_s``)."""
+    limits = ctx.limits
+    return prefill_call_timeout_s(ctx.budget.remaining_s(), tokens, queued_tokens, ctx.pool.prefill_pace.token_s,
+                                  limits.prefill_call_min_s, limits.prefill_call_slack, limits.prefill_token_s_guess)
 
 
 async def streamed_answer(ctx: CallContext, call, address: str, decoding: Started) -> worker_pb2.PrefillResponse:

@@ -1,6 +1,8 @@
 """A request's time: one deadline (``timeout_s``, the client's or ``request_timeout_s``) that
 bounds every RPC it makes, and one admission budget (``admission_wait_s``) shared by every
-wait for room before its first token. RESOURCE_EXHAUSTED (HTTP 429) is only ever answered
+wait for room before its first token. A prefill call is bounded tighter still, by what its
+prompt should take (``prefill_call_timeout_s``): a worker that holds its socket open and never
+answers (SIGSTOPped, wedged) costs the request that bound, not its deadline. RESOURCE_EXHAUSTED (HTTP 429) is only ever answered
 before the first token: later, a request that cannot go on ends UNAVAILABLE or
 DEADLINE_EXCEEDED."""
 
@@ -40,17 +42,18 @@ class RequestBudget:
                              f"the request's deadline of {self.timeout_s:g} s passed (after {self.sent()} tokens)")
         return left
 
-    async def admit(self, pick: Callable[[], Choice], poll_s: float) -> Choice:
+    async def admit(self, pick: Callable[[], Choice], poll_s: float, wait_empty: bool = True) -> Choice:
         """``pick()``, tried again every ``poll_s`` while its pool is saturated or has no
         routable worker at all (a replacement is on its way: with one decode worker, a crash
         would otherwise fail every stream in flight): before the first token until the
-        admission budget is spent, after it until the deadline."""
+        admission budget is spent, after it until the deadline. ``wait_empty`` False: an empty
+        pool is answered at once (the prefill pool's work has somewhere else to go)."""
         start = time.monotonic()
         deadline = self.deadline if self.sent() else min(self.deadline, self.arrived + self.admission_wait_s)
         try:
             while True:
                 choice = pick()
-                if choice.worker_id is not None or not (choice.saturated or choice.pool_empty):
+                if choice.worker_id is not None or not (choice.saturated or (choice.pool_empty and wait_empty)):
                     return choice
                 if time.monotonic() >= deadline:
                     self.remaining_s()  # DEADLINE_EXCEEDED if it was the request's own deadline
@@ -58,3 +61,14 @@ class RequestBudget:
                 await asyncio.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
         finally:
             self.waited_s += time.monotonic() - start
+
+
+def prefill_call_timeout_s(remaining_s: float, prompt_tokens: int, queued_tokens: int, token_s: float | None,
+                           min_s: float, slack: float, token_s_guess: float) -> float:
+    """How long one prefill call may take before its worker counts as not answering: ``slack``
+    times the time the ``queued_tokens`` ahead of it and its own ``prompt_tokens`` should take
+    at ``token_s`` seconds a token (the prefill pool's pace as seen; None: ``token_s_guess``),
+    at least ``min_s``, and never past the request's deadline (``remaining_s``)."""
+    pace = token_s if token_s is not None and token_s > 0 else token_s_guess
+    expected = (max(queued_tokens, 0) + max(prompt_tokens, 0)) * pace
+    return min(remaining_s, max(min_s, slack * expected))

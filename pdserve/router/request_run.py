@@ -1,6 +1,7 @@
 """One request's life in the router: attempts until the output is complete, recovering from
 worker faults by re-prefilling prompt + tokens already sent on a healthy pair (a migration),
-within the request's deadline and admission budget (``pdserve.router.request_budget``). A
+or, when no prefill worker answers (hung, dead, being replaced), by prefilling on a decode
+worker, within the request's deadline and admission budget (``pdserve.router.request_budget``). A
 stream a decode worker hands over with its KV goes on from that KV on another decode worker
 instead (``MovedKV``).
 
@@ -22,11 +23,11 @@ import grpc
 from pdserve.protos import pdserve_pb2, worker_pb2
 from pdserve.router.attempts import (Attempt, LocalPrefill, MovedKV, Output, RemotePrefill, attempt_id, attempt_params,
                                      moved_params, release_later)
-from pdserve.router.errors import AttemptLost, RouteError, failure_code, route_error
+from pdserve.router.errors import AttemptLost, NoPrefillWorker, RouteError, failure_code, route_error
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
-from pdserve.router.local_prefill import (Mixed, beyond_prefill, decide_for_attempt, find_holder, prefill_options,
-                                         worker_load)
+from pdserve.router.local_prefill import (Mixed, Reason, beyond_prefill, decide_for_attempt, find_holder,
+                                         prefill_options, worker_load)
 from pdserve.router.output_processor import OutputProcessor
 from pdserve.router.policy import WorkerSnapshot, pick_decode
 from pdserve.router.pool import WorkerPool
@@ -94,7 +95,7 @@ class RequestRun:
         return exc
 
     async def _attempts(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        number, moved = 0, None
+        number, moved, local = 0, None, False
         while True:
             attempt = self._attempt(number, moved is not None)
             try:
@@ -105,6 +106,8 @@ class RequestRun:
                 raise
             if moved is not None:
                 kind = MovedKV(moved, self.output.token_ids[-1])
+            elif local:
+                kind, local = LocalPrefill(), False
             else:
                 kind, attempt = self._plan(attempt)
             spans = self.calls.spans
@@ -120,12 +123,24 @@ class RequestRun:
                             self._expect_cached()
                             return
                 raise AttemptLost("decode stream ended without a finish reason")
+            except NoPrefillWorker as exc:  # raised before the attempt sent anything
+                if spans is not None:
+                    spans.end_attempt(lost=exc)
+                number, local = number + 1, True
+                self._prefill_pool_lost(exc, attempt)
             except AttemptLost as exc:
                 if spans is not None:
                     spans.end_attempt(lost=exc)
                 number += 1
                 moved = self._movable(exc.moved)
                 self._migrate(exc, attempt, moved)
+
+    def _prefill_pool_lost(self, exc: NoPrefillWorker, attempt: Attempt) -> None:
+        """No prefill worker answered: the next attempt prefills on a decode worker, which can,
+        rather than the request failing while the prefill pool is hung, empty or replaced. Not
+        a migration: nothing of the attempt went out, and no worker holds anything of it."""
+        log.warning("request %s: %s; a decode worker prefills it", self.req.request_id, exc)
+        self.metrics.prefill_placed("local", Reason.NO_PREFILL_WORKER.value, len(attempt.prompt), 0.0)
 
     def _attempt(self, number: int, moved: bool = False) -> Attempt:
         """The next attempt: the prompt with the output sent so far, and the rest to make.
@@ -265,7 +280,7 @@ def _mixed(snapshots: list[WorkerSnapshot], worker: WorkerSnapshot | None, token
     """The queues' part of the local-prefill rule, for a stream on ``worker`` (``token_s``: a
     prompt token's cost on the prefill pool, as seen; ``worker``'s own, as it measured it)."""
     queues = [w.queued_tokens for w in snapshots if w.role == "prefill" and w.routable]
-    return Mixed(worker=worker is not None and worker.role == "mixed",
+    return Mixed(worker=worker is not None and worker.role == "mixed", prefill_down=not queues,
                  own_queue=worker.queued_tokens if worker is not None else 0,
                  prefill_queue=min(queues) if queues else None,
                  any_mixed=any(w.role == "mixed" and w.routable for w in snapshots), token_s=token_s,

@@ -63,6 +63,7 @@ class Options:
     n: int = 1  # choices per prompt; requests are prompt-major (prompt i's j-th is i * n + j)
     tools: ToolPlan | None = None  # chat with tools: how the answer reports calls (router.tools)
     session_id: str | None = None  # the client's session hint, for every request of the body (router.session_hint)
+    timeout_s: float | None = None  # the body's ``timeout``: every request's deadline, in seconds
 
 
 # Fields that would change the answer and that pdserve does not implement: a client that
@@ -184,7 +185,7 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
     top = (parsed.top_logprobs or 0) if chat else (parsed.logprobs or 0)
     echo = not chat and parsed.echo
     return requests, Options(parsed.stream, include_usage, template.sampling.logprobs, top, echo, parsed.n, plan,
-                             parsed.session_id)
+                             parsed.session_id, parsed.timeout)
 
 
 def _prompts(prompt) -> list:

@@ -61,7 +61,9 @@ def test_the_rules_inputs_come_from_the_routable_workers():
                  w("m", "mixed", queued=200), w("d", "decode")]
     assert _mixed(snapshots, snapshots[3], None) == Mixed(worker=True, own_queue=200, prefill_queue=100, any_mixed=True)
     assert _mixed(snapshots, snapshots[4], None) == Mixed(worker=False, own_queue=0, prefill_queue=100, any_mixed=True)
-    assert _mixed([w("d", "decode")], None, None) == Mixed(prefill_queue=None, any_mixed=False)
+    # No routable prefill worker (hung, dead, being replaced): the decode worker prefills.
+    assert _mixed([w("d", "decode")], None, None) == Mixed(prefill_queue=None, any_mixed=False, prefill_down=True)
+    assert _mixed(snapshots[2:3] + snapshots[4:], None, None).prefill_down
 
 
 def _client(role, address, **stats):
