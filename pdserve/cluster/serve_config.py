@@ -180,7 +180,7 @@ def router_limits(r: RouterSettings, ttft_objective_s: float):
                             load_weight=r.routing_load_weight, temperature=r.routing_temperature,
                             balance_abs_tokens=r.routing_balance_abs_tokens, balance_rel=r.routing_balance_rel)
     return RouterLimits(local_prefill=local, routing=routing, admission_wait_s=r.admission_wait_seconds,
-                        request_timeout_s=r.request_timeout_seconds,
+                        request_timeout_s=r.request_timeout_seconds, prefill_call_min_s=r.prefill_call_min_seconds,
                         max_waiting_requests=r.max_waiting_requests,
                         decode_idle_timeout_s=r.decode_idle_timeout_seconds,
                         stream_kv_min_tokens=r.stream_kv_min_tokens, decode_kv_reuse=r.decode_kv_reuse,

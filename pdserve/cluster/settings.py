@@ -209,7 +209,12 @@ def serve_settings() -> tuple[Setting, ...]:
         Setting("admission_wait_seconds", float, limits.admission_wait_s,
                 "how long a request waits for room in a full pool before RESOURCE_EXHAUSTED / HTTP 429", minimum=0),
         Setting("request_timeout_seconds", float, limits.request_timeout_s,
-                "a request's whole deadline; clients may ask for less (gRPC deadline, HTTP X-Request-Timeout)", above=0),
+                "a request's whole deadline; clients may ask for less (gRPC deadline, the OpenAI body's timeout, "
+                "HTTP X-Request-Timeout)", above=0),
+        Setting("prefill_call_min_seconds", float, limits.prefill_call_min_s,
+                "the least a prefill call waits for its worker's answer (more for long prompts and queues, never "
+                "past the request's deadline); past it the prompt goes to another prefill worker, or a decode "
+                "worker prefills it", above=0),
         Setting("max_waiting_requests", int, limits.max_waiting_requests,
                 "requests without a first token yet; past it RESOURCE_EXHAUSTED / HTTP 429 at once", minimum=1),
         Setting("decode_idle_timeout_seconds", float, limits.decode_idle_timeout_s,

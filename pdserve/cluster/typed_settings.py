@@ -223,6 +223,7 @@ class RouterSettings(_Typed):
     stream_kv_min_tokens: int
     admission_wait_seconds: float
     request_timeout_seconds: float
+    prefill_call_min_seconds: float
     max_waiting_requests: int
     decode_idle_timeout_seconds: float
     routing_policy: str

@@ -4,6 +4,7 @@ socket and never answers (SIGSTOPped) costs a request only the prefill call's bo
 decode worker prefills the prompt itself instead of the request failing UNAVAILABLE. Fake
 workers in process; tests/serving/test_one_prefill_one_decode.py freezes a real one."""
 
+import argparse
 import asyncio
 import json
 import time
@@ -13,6 +14,8 @@ import aiohttp
 import grpc
 import pytest
 
+from pdserve.cluster.serve_config import build
+from pdserve.cluster.settings import SettingsError, add_arguments, resolve
 from pdserve.router import http_api
 from pdserve.router.errors import RouteError
 from pdserve.router.frontend import ModelInfo
@@ -134,3 +137,15 @@ def test_the_body_timeout_ends_an_http_request_with_the_timeout_error_the_api_us
     for status, payload, took in asyncio.run(main()):
         assert status == 408 and payload["error"]["type"] == "timeout", payload
         assert "deadline of 0.5 s" in payload["error"]["message"] and 0.5 <= took < 3.0
+
+
+def test_the_prefill_call_floor_is_a_serve_setting_refused_when_not_positive():
+    def limits(argv):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return build(resolve(parser.parse_args(argv), environ={})).router_limits
+
+    assert limits([]).prefill_call_min_s == RouterLimits().prefill_call_min_s
+    assert limits(["--prefill-call-min-seconds", "3"]).prefill_call_min_s == 3.0
+    with pytest.raises(SettingsError, match="prefill_call_min_seconds"):
+        limits(["--prefill-call-min-seconds", "0"])
