@@ -17,12 +17,16 @@ measures its own requests by before/after differences and leaves every block fre
 """
 
 import json
+import os
+import signal
 import socket
+import threading
 import time
 import urllib.request
 
 import grpc
 import pytest
+import ray
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.protos import pdserve_pb2_grpc
@@ -133,3 +137,49 @@ def test_a_prompt_dropped_between_chunks_leaves_every_later_answer_right(cluster
     assert again["choices"][0]["finish_reason"] == fresh["choices"][0]["finish_reason"] == "length"
     cached = again["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
     assert cached <= computed  # never more than any prefill computed
+
+
+FROZEN_QUESTIONS = [f"Summarize note {i}: " + "The quick brown fox jumps over the lazy dog. " * 10 for i in range(3)]
+DEADLINE_S = 90.0  # each stream's gRPC deadline
+
+
+def test_a_frozen_prefill_worker_costs_no_stream(cluster, reference):
+    counted = decisions(cluster.http_address)
+    pid = ray.get(cluster.prefill[0].pid.remote())
+    results: dict[int, object] = {}
+
+    def stream(i: int, question: str) -> None:
+        start = time.monotonic()
+        try:
+            with grpc.insecure_channel(cluster.address) as ch:
+                ids, _, _ = collect(pdserve_pb2_grpc.GenerationStub(ch).Generate(chat_request(question, 6),
+                                                                                timeout=DEADLINE_S))
+            results[i] = (ids, time.monotonic() - start)
+        except grpc.RpcError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=stream, args=(i, q)) for i, q in enumerate(FROZEN_QUESTIONS)]
+    for t in threads:
+        t.start()
+    try:
+        # Every prompt is long (remote) and takes the prefill worker seconds in float32: frozen
+        # 0.3 s in, it holds all of them, queued or computing.
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGSTOP)
+        for t in threads:
+            t.join(DEADLINE_S + 10)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert all(not isinstance(r, Exception) for r in results.values()), results
+    assert len(results) == len(FROZEN_QUESTIONS)
+    for i, question in enumerate(FROZEN_QUESTIONS):
+        ids, took = results[i]
+        assert_chat_greedy(reference, question, ids, 6)
+        assert took < DEADLINE_S / 2, f"stream {i} took {took:.1f} s"
+    added = {key: value - counted.get(key, 0.0) for key, value in decisions(cluster.http_address).items()}
+    assert added.get(("local", "no_prefill_worker"), 0) >= 1, added  # the decode worker prefilled
+    deadline = time.monotonic() + 30  # the thawed worker's leases end; nothing is held after
+    pre, dec = cluster.prefill_addresses[0], cluster.decode_addresses[0]
+    while worker_stats(pre, "prefill").num_blocks_used or worker_stats(dec, "decode").num_blocks_used:
+        assert time.monotonic() < deadline, "blocks still in use"
+        time.sleep(0.2)
