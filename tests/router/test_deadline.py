@@ -20,6 +20,7 @@ from pdserve.router import http_api
 from pdserve.router.errors import RouteError
 from pdserve.router.frontend import ModelInfo
 from pdserve.router.limits import RouterLimits
+from pdserve.router.local_prefill import LocalPrefillConfig, Mixed, Reason, decide
 from pdserve.router.request_budget import prefill_call_timeout_s
 from pdserve.router.service import GenerationService
 from pdserve.router.validation import parse_body
@@ -149,3 +150,11 @@ def test_the_prefill_call_floor_is_a_serve_setting_refused_when_not_positive():
     assert limits(["--prefill-call-min-seconds", "3"]).prefill_call_min_s == 3.0
     with pytest.raises(SettingsError, match="prefill_call_min_seconds"):
         limits(["--prefill-call-min-seconds", "0"])
+
+
+def test_the_rule_prefills_on_the_decode_worker_while_no_prefill_worker_is_routable():
+    off = LocalPrefillConfig()  # conditional disaggregation off: every prompt to the prefill pool
+    assert not decide(off, 5000, 0.9).local
+    down = decide(off, 5000, 0.9, mixed=Mixed(prefill_down=True))
+    assert down.local and down.reason is Reason.NO_PREFILL_WORKER
+    assert decide(LocalPrefillConfig(colocated=True), 10, 0.0, mixed=Mixed(prefill_down=True)).reason is Reason.COLOCATED
