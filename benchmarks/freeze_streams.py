@@ -20,6 +20,7 @@ import http.client
 import json
 import os
 import platform
+import secrets
 import signal
 import socket
 import sys
@@ -69,10 +70,12 @@ def prompt(i: int, context_words: int) -> str:
     return f"Context {i}: {' '.join(words)}\n\n{QUESTIONS[i % len(QUESTIONS)]}"
 
 
-def one_stream(port: int, question: str, max_tokens: int, deadline_s: float, out: Stream) -> None:
-    """One streamed chat completion; its text, or the error it ended with."""
+def one_stream(port: int, question: str, max_tokens: int, deadline_s: float, salt: str, out: Stream) -> None:
+    """One streamed chat completion; its text, or the error it ended with. ``salt``: its run's
+    ``cache_salt``, so that no run finds the KV of another in a prefix cache (a run that found
+    the undisturbed run's prompts cached on the decode worker would prefill nothing remotely)."""
     body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "timeout": deadline_s})
+                       "temperature": 0, "stream": True, "timeout": deadline_s, "cache_salt": salt})
     start = time.monotonic()
     conn = http.client.HTTPConnection(HOST, port, timeout=deadline_s + 30)
     try:
@@ -114,9 +117,9 @@ def run(port: int, n: int, max_tokens: int, deadline_s: float, freeze: tuple[str
         context_words: int = 0) -> tuple[list[Stream], float, int | None]:
     """``n`` concurrent streams; with ``freeze`` (pool, seconds) that pool's worker is stopped
     that long after they start. Returns the streams, the wall time of the slowest, the frozen pid."""
-    streams = [Stream() for _ in range(n)]
+    streams, salt = [Stream() for _ in range(n)], secrets.token_hex(8)
     threads = [threading.Thread(target=one_stream, args=(port, prompt(i, context_words), max_tokens,
-                                                         deadline_s, s)) for i, s in enumerate(streams)]
+                                                         deadline_s, salt, s)) for i, s in enumerate(streams)]
     pid = worker_pid(port, freeze[0]) if freeze else None
     start = time.monotonic()
     for t in threads:

@@ -19,7 +19,8 @@ class RouterLimits:
     request_timeout_s: float = 600.0
     # A prefill call waits at most ``prefill_call_slack`` times what its prompt and the queue
     # ahead of it should take at the prefill pool's pace (``PrefillPace``; before any answer,
-    # ``prefill_token_s_guess`` a token), and never less than ``prefill_call_min_s``; past it the
+    # ``prefill_token_s_guess`` a token), and never less than ``prefill_call_min_s``; past it, or
+    # once its worker has shown no progress for ``prefill_call_min_s`` (router.liveness), the
     # worker counts as not answering (a SIGSTOPped one holds its sockets and never does) and the
     # prompt moves on: to another prefill worker, or to a decode worker that prefills it itself
     # (``pdserve.router.request_budget.prefill_call_timeout_s``).

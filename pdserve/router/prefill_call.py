@@ -57,11 +57,13 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
             with ctx.pool.placed(client, tokens=tokens):
                 if not stream_kv:
                     call = client.stub.Prefill(request, timeout=timeout, **tracing.metadata_kwargs(span))
-                    answer = await unless_hung(call, client)
+                    answer = await unless_hung(call, client, stall_s=ctx.limits.prefill_call_min_s,
+                                               poll_s=ctx.pool.interval_s)
                     tracing.end_span(span)
                     return answer, client.address, None
                 call = client.stub.PrefillStream(request, timeout=timeout, **tracing.metadata_kwargs(span))
-                first = await unless_hung(call.read(), client, call)
+                first = await unless_hung(call.read(), client, call, stall_s=ctx.limits.prefill_call_min_s,
+                                          poll_s=ctx.pool.interval_s)
                 if first is grpc.aio.EOF:
                     raise unavailable(f"prefill worker {client.address} ended the stream without an answer")
                 tracing.end_span(span)  # the early handle (or the answer) came back

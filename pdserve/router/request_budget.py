@@ -29,6 +29,9 @@ class RequestBudget:
         self.admission_wait_s = admission_wait_s
         self.sent = sent
         self.waited_s = 0.0  # time spent waiting in the router for room in a full pool
+        # An attempt was lost to a worker fault: the request was admitted, and waits for a
+        # replacement of a pool that fault emptied until its deadline, not its admission budget.
+        self.faulted = False
 
     @property
     def deadline(self) -> float:
@@ -46,15 +49,17 @@ class RequestBudget:
         """``pick()``, tried again every ``poll_s`` while its pool is saturated or has no
         routable worker at all (a replacement is on its way: with one decode worker, a crash
         would otherwise fail every stream in flight): before the first token until the
-        admission budget is spent, after it until the deadline. ``wait_empty`` False: an empty
-        pool is answered at once (the prefill pool's work has somewhere else to go)."""
+        admission budget is spent, after it until the deadline; for an empty pool after a
+        fault (``faulted``) until the deadline too. ``wait_empty`` False: an empty pool is
+        answered at once (the prefill pool's work has somewhere else to go)."""
         start = time.monotonic()
-        deadline = self.deadline if self.sent() else min(self.deadline, self.arrived + self.admission_wait_s)
+        admission = self.deadline if self.sent() else min(self.deadline, self.arrived + self.admission_wait_s)
         try:
             while True:
                 choice = pick()
                 if choice.worker_id is not None or not (choice.saturated or (choice.pool_empty and wait_empty)):
                     return choice
+                deadline = self.deadline if choice.pool_empty and self.faulted else admission
                 if time.monotonic() >= deadline:
                     self.remaining_s()  # DEADLINE_EXCEEDED if it was the request's own deadline
                     return choice

@@ -269,6 +269,7 @@ class RequestRun:
             self.metrics.kv_moved()
             return
         self.migrations += 1
+        self.budget.faulted = True  # a replacement of the pool it emptied is waited for until the deadline
         log.warning("request %s: %s; re-prefilling %d tokens", self.req.request_id, lost, len(attempt.prompt) + 1)
         if self.migrations > self.limits.max_migrations:
             raise RouteError(grpc.StatusCode.UNAVAILABLE,

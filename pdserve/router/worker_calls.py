@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,13 +75,14 @@ def triage(exc: grpc.aio.AioRpcError, budget: RequestBudget) -> Fault:
     return Fault.WORKER if exc.code() in _WORKER_GONE else Fault.REFUSED
 
 
-async def unless_hung(awaitable, client, call=None):
+async def unless_hung(awaitable, client, call=None, stall_s: float | None = None, poll_s: float = 0.2):
     """``awaitable``'s result (a unary ``call``, or a read of the streaming ``call``), unless
-    ``client`` is found hung first: then the call is cancelled and it fails UNAVAILABLE, as
-    for a dead worker (the caller tries another)."""
+    ``client`` is found hung first, or, with ``stall_s``, has shown no progress for that long
+    (``pdserve.router.liveness``: a SIGSTOPped worker stops at its last answered poll): then the
+    call is cancelled and it fails UNAVAILABLE, as for a dead worker (the caller tries another)."""
     call = call if call is not None else awaitable
     answer = asyncio.ensure_future(awaitable)
-    hung = asyncio.ensure_future(client.lost.wait())
+    hung = asyncio.ensure_future(_lost_or_stalled(client, stall_s, poll_s))
     try:
         await asyncio.wait({answer, hung}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -90,7 +92,20 @@ async def unless_hung(awaitable, client, call=None):
             answer.cancel()
     if answer.done():
         return answer.result()
-    raise unavailable(f"worker {client.address} is hung (no engine progress, hang_timeout_s)")
+    waited = f"{stall_s:g} s" if stall_s is not None else "hang_timeout_s"
+    raise unavailable(f"worker {client.address} is hung (no engine progress for {waited})")
+
+
+async def _lost_or_stalled(client, stall_s: float | None, poll_s: float) -> None:
+    """Returns once ``client`` is found hung, or has made no progress for ``stall_s``."""
+    if stall_s is None:
+        await client.lost.wait()
+        return
+    while not client.lost.is_set():
+        seen = client.liveness
+        if seen is not None and time.monotonic() - seen.progressed_at > stall_s:
+            return
+        await asyncio.sleep(poll_s)
 
 
 def unavailable(message: str) -> grpc.aio.AioRpcError:

@@ -20,13 +20,16 @@ from pdserve.router import http_api
 from pdserve.router.errors import RouteError
 from pdserve.router.frontend import ModelInfo
 from pdserve.router.limits import RouterLimits
+from pdserve.protos import worker_pb2
+from pdserve.router.liveness import Liveness
 from pdserve.router.local_prefill import LocalPrefillConfig, Mixed, Reason, decide
+from pdserve.router.pool import WorkerClient
 from pdserve.router.request_budget import prefill_call_timeout_s
 from pdserve.router.service import GenerationService
 from pdserve.router.validation import parse_body
 from pdserve.router.http_errors import HttpError
 from tests.helpers.fake_workers import FrozenDecode, FrozenPrefill, LocalDecode
-from tests.metrics.metrics_helpers import FakePrefill, LetterTokenizer, fake_pool, request_run
+from tests.metrics.metrics_helpers import FakePrefill, LetterTokenizer, fake_pool, request_run, rpc_error
 
 
 def test_a_prefill_calls_bound_grows_with_prompt_and_queue_and_never_passes_the_deadline():
@@ -158,3 +161,68 @@ def test_the_rule_prefills_on_the_decode_worker_while_no_prefill_worker_is_routa
     down = decide(off, 5000, 0.9, mixed=Mixed(prefill_down=True))
     assert down.local and down.reason is Reason.NO_PREFILL_WORKER
     assert decide(LocalPrefillConfig(colocated=True), 10, 0.0, mixed=Mixed(prefill_down=True)).reason is Reason.COLOCATED
+
+
+def test_a_prefill_call_on_a_worker_that_stopped_making_progress_gives_up_before_its_bound():
+    """A long queue makes the call's bound long, but a worker frozen with it (no progress in
+    its polls) is given up after ``prefill_call_min_s`` of silence."""
+    prefill, decode = FrozenPrefill(), LocalDecode()
+
+    async def main():
+        pool = fake_pool([prefill], [decode])
+        client = pool.workers["prefill-0:1"]
+        client.stats = worker_pb2.WorkerStats(num_waiting_tokens=60_000)
+        client.liveness = Liveness(steps=7, progressed_at=time.monotonic())  # its last poll that showed progress
+        start = time.monotonic()
+        responses = await _collect(request_run(pool, max_tokens=2, prefill_call_min_s=0.4))
+        return responses, time.monotonic() - start
+
+    responses, took = asyncio.run(main())
+    assert [t for r in responses for t in r.token_ids] == [1, 2]
+    assert prefill.timeouts[0] > 100  # the bound the queue gave ...
+    assert 0.4 <= took < 3.0  # ... and the silence that ended the call first
+
+
+class _DiesAtOnce(LocalDecode):
+    """A decode worker that fails its first stream before any message (killed, or found hung)."""
+
+    def Decode(self, request, timeout=None):
+        if not self.requests:
+            self.requests.append(request)
+            return _Failing()
+        return super().Decode(request, timeout)
+
+
+class _Failing:
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE, "worker gone")
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_after_a_fault_an_empty_pool_is_waited_on_until_the_deadline_not_the_admission_budget():
+    """Its only decode worker lost before the first token; the replacement comes after the
+    admission budget. Before: 503 "no healthy decode worker" once the budget was spent."""
+    async def main():
+        pool = fake_pool([FrozenPrefill()], [_DiesAtOnce()])
+        pool.workers["prefill-0:1"].healthy = False  # the decode worker prefills (the plan is local)
+
+        async def supervisor():
+            while pool.workers["decode-0:1"].healthy:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.6)  # past the admission budget below
+            pool.workers["decode-1:1"] = WorkerClient("decode", "decode-1:1", channel=None, stub=LocalDecode(),
+                                                      healthy=True, stats=worker_pb2.WorkerStats(num_blocks_total=1000))
+
+        replacing = asyncio.create_task(supervisor())
+        run = request_run(pool, max_tokens=3, admission_wait_s=0.2, request_timeout_s=10.0)
+        responses = await _collect(run)
+        await replacing
+        return responses, run
+
+    responses, run = asyncio.run(main())
+    assert [t for r in responses for t in r.token_ids] == [1, 2, 3] and run.migrations == 1
