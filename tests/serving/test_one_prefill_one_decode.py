@@ -52,7 +52,9 @@ def cluster():
     # The threshold rule alone: with decode_kv_reuse on, LONG would find the chat template's
     # system prompt that SHORT left on the idle decode worker (and on no prefill worker), and the
     # reuse plan's cost model would prefill its suffix there (tests/router/test_decode_reuse.py).
-    limits = RouterLimits(local_prefill=LocalPrefillConfig(max_tokens=THRESHOLD, max_load=0.5), decode_kv_reuse=False)
+    # A prefill call gives up on a silent worker after 4 s (10 s by default): test 3 waits that long.
+    limits = RouterLimits(local_prefill=LocalPrefillConfig(max_tokens=THRESHOLD, max_load=0.5), decode_kv_reuse=False,
+                          prefill_call_min_s=4.0)
     c = start_cluster(num_prefill=1, num_decode=1, delay_s=0.0, supervise_interval_s=None, engine=engine,
                       router_limits=limits)
     try:
