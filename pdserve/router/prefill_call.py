@@ -1,8 +1,9 @@
 """The prefill call of one attempt: route the prompt to a prefill worker (trying others
 while they are gone, full or do not answer within the call's bound; with none left, the run
 prefills on a decode worker: ``NoPrefillWorker``), and, when its KV streams, wait for the
-answer while the decode side already reads. For the reversed pull, the hold on a decode worker's cached prefix that
-the prefill worker reads first (``hold_prefix``), and its release (``release_hold_later``)."""
+answer while the decode side already reads. For the reversed pull, the hold on a decode
+worker's cached prefix that the prefill worker reads first (``hold_prefix``), and its release
+(``release_hold_later``)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 bounds every RPC it makes, and one admission budget (``admission_wait_s``) shared by every
 wait for room before its first token. A prefill call is bounded tighter still, by what its
 prompt should take (``prefill_call_timeout_s``): a worker that holds its socket open and never
-answers (SIGSTOPped, wedged) costs the request that bound, not its deadline. RESOURCE_EXHAUSTED (HTTP 429) is only ever answered
-before the first token: later, a request that cannot go on ends UNAVAILABLE or
-DEADLINE_EXCEEDED."""
+answers (SIGSTOPped, wedged) costs the request that bound, not its deadline.
+RESOURCE_EXHAUSTED (HTTP 429) is only ever answered before the first token: later, a request
+that cannot go on ends UNAVAILABLE or DEADLINE_EXCEEDED."""
 
 from __future__ import annotations
 
