@@ -37,6 +37,7 @@ class _TcpRead:
 
     def __init__(self) -> None:
         self.finished = threading.Event()
+        self.cancelled = threading.Event()
         self.error: Optional[str] = None
         self._cancelled = False
         self._sock: Optional[socket.socket] = None
@@ -50,6 +51,7 @@ class _TcpRead:
 
     def cancel(self) -> None:
         """Stop the read; on return no more bytes land in the local blocks."""
+        self.cancelled.set()
         with self._lock:
             self._cancelled = True
             connected = self._sock is not None
@@ -106,6 +108,19 @@ class TcpAgent(KVTransferAgent):
         self._advertised = f"{advertise_host or host}:{port}"
         self._pool = ThreadPoolExecutor(max_workers=max_parallel_reads,
                                         thread_name_prefix=f"kv-tcp-read-{name}")
+        # Test-only fault injection (tests/conformance): while True, a read sends its request
+        # and then never receives, as a reader whose side of the transfer stalled; only its
+        # cancel (``read_timeout_s``, an abort) ends it. Serving side: ``inject_holder_stall``.
+        self.inject_reader_stall = False
+
+    @property
+    def inject_holder_stall(self) -> bool:
+        """Test-only: while True this agent's block server accepts reads and never answers."""
+        return self._server.inject_stall
+
+    @inject_holder_stall.setter
+    def inject_holder_stall(self, on: bool) -> None:
+        self._server.inject_stall = on
 
     def _authorize(self, notify: bytes, block_ids: list[int]) -> bool:
         return self.read_guard is None or self.read_guard(notify.decode(errors="replace"), block_ids)
@@ -165,6 +180,9 @@ class TcpAgent(KVTransferAgent):
                 if hs is None or hs.whole_rows:  # whole blocks (by head: whole rows, so the same bytes)
                     last = handle.last_block_bytes if hs is None else handle.last_rows * hs.dst_row
                     sock.sendall(tcp_wire.encode_read(remote, handle.notify, last))
+                    if self.inject_reader_stall:
+                        job.cancelled.wait()
+                        raise tcp_wire.WireError("the read stalled (inject_reader_stall) until it was cancelled")
                     tcp_wire.recv_reply_header(sock, (len(remote) - 1) * self.layout.block_bytes + last)
                     self._receive_blocks(sock, local, last)
                 else:

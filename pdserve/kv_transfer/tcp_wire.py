@@ -294,6 +294,9 @@ class BlockServer:
         self._host = blocks.numpy() if blocks.device.type == "cpu" else None
         self._on_notify = on_notify
         self.admission = _Admission(max_connections, max_unauthenticated)
+        # Test-only fault injection (tests/conformance): while True, an authorized read is
+        # accepted and never answered, as a holder whose sending stalled would leave it.
+        self.inject_stall = False
         server = self
 
         class _Handler(socketserver.BaseRequestHandler):
@@ -350,6 +353,9 @@ class BlockServer:
                 reason = str(exc).encode()
                 sock.sendall(REPLY_HEADER.pack(STATUS_ERROR, len(reason)) + reason)
                 return
+            if self.inject_stall:
+                self._stall(sock)
+                return
             length = (len(ids) - 1) * block_bytes + last if row_slice is None else \
                 row_slice.nbytes(len(ids), block_bytes, last)
             sock.sendall(REPLY_HEADER.pack(STATUS_OK, length))
@@ -365,6 +371,16 @@ class BlockServer:
         except (OSError, WireError, struct.error) as exc:
             # The reader sees the broken connection and fails its read; nothing to undo here.
             logger.info("tcp kv read broke off: %s", exc)
+
+    @staticmethod
+    def _stall(sock: socket.socket) -> None:
+        """``inject_stall``: send nothing, and hold the connection until the reader closes it."""
+        while True:
+            try:
+                if not sock.recv(1):
+                    return
+            except socket.timeout:
+                continue
 
     def _send_blocks(self, sock: socket.socket, ids: list[int], last: int) -> None:
         if self._host is not None:
