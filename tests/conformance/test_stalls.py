@@ -22,7 +22,7 @@ from tests.serving.conftest import worker_stats
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 30.0  # each request's deadline (the client's gRPC timeout)
-NEVER_ANSWERED_TIMEOUT_S = 8.0  # shorter: a call that is never answered ends here
+NEVER_ANSWERED_TIMEOUT_S = 5.0  # shorter: a call that is never answered ends here
 
 
 def transfer_failures(cluster) -> int:
@@ -86,7 +86,6 @@ def test_a_prefill_that_accepts_and_never_answers_ends_by_the_deadline(cluster, 
     try:
         with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, NEVER_ANSWERED_TIMEOUT_S) as load:
             until(lambda: any(o.code is not None for o in load.outcomes), "a never-answered request's end", cluster)
-            load.wait_for(CLIENTS)
     finally:
         ray.get(worker.inject_fault.remote("never_answer", False), timeout=10)
     summary = assert_each_completed_or_failed_clearly(load.outcomes, undisturbed_ids, NEVER_ANSWERED_TIMEOUT_S)

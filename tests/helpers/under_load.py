@@ -144,6 +144,9 @@ def lose_nothing_under_faults(cluster, stub, kill_router: bool) -> None:
         time.sleep(0.2)
     ids, _, _ = collect(stub.Generate(chat_request(PROMPTS[0], MAX_TOKENS, ignore_eos=True), timeout=120))
     assert ids == reference[0]
+    print(f"under load: {len(outcomes)} requests, {summary['completed']} complete with their tokens, "
+          f"{len(summary['errors'])} ended with an error (after the router's kill), longest "
+          f"{max(o.ended - o.started for o in outcomes):.1f} s")
 
 
 def sigterm_drains_then_replaced(cluster, stub) -> None:
