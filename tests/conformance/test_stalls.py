@@ -14,6 +14,7 @@ import ray
 
 from tests.conformance.conftest import TRANSFER_TIMEOUT_S
 from tests.faults.load import Load
+from tests.helpers.chat import chat_request, collect
 from tests.helpers.faults import assert_no_kv_held, fresh_claim, gone
 from tests.helpers.under_load import (CLIENTS, MAX_TOKENS, PROMPTS, READ_DELAY_S, assert_each_completed_or_failed_clearly,
                                       pid_of, wait_replaced)
@@ -41,10 +42,23 @@ def until(condition, what: str, cluster, timeout_s: float = 60.0) -> float:
     return time.monotonic() - start
 
 
+def serving_prefill(cluster, stub):
+    """The prefill worker the load's prompts go to now (their chat template's shared prefix is
+    cached there, and the router routes by it): the one whose prefix-cache queries move when
+    one of them is sent."""
+    def queries() -> list[int]:
+        return [worker_stats(a, "prefill").prefix_cache_queries for a in cluster.prefill_addresses]
+
+    before = queries()
+    collect(stub.Generate(chat_request(PROMPTS[0], 1), timeout=60))
+    moved = [after - b for after, b in zip(queries(), before)]
+    return cluster.prefill[moved.index(max(moved))]
+
+
 def test_a_holder_that_never_sends_costs_no_request(cluster, stub, undisturbed_ids):
     """The holder's block server accepts the read and sends nothing: the read fails after
     transfer_timeout_s, counted, and the request is prefilled again and completes."""
-    holder = cluster.prefill[0]
+    holder = serving_prefill(cluster, stub)
     before = transfer_failures(cluster)
     ray.get(holder.inject_fault.remote("holder_stall"), timeout=10)
     try:
@@ -81,7 +95,7 @@ def test_a_prefill_that_accepts_and_never_answers_ends_by_the_deadline(cluster, 
     """A call that is accepted and never answered ends DEADLINE_EXCEEDED at its deadline, not
     later, and holds nothing. (The worker's engine stays idle, so it is never found hung: the
     router keeps choosing it, and most requests meet the fault; docs/reliability.md.)"""
-    worker = cluster.prefill[0]
+    worker = serving_prefill(cluster, stub)
     ray.get(worker.inject_fault.remote("never_answer"), timeout=10)
     try:
         with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, NEVER_ANSWERED_TIMEOUT_S) as load:

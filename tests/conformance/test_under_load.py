@@ -13,8 +13,8 @@ from tests.helpers.under_load import lose_nothing_under_faults, sigterm_drains_t
 pytestmark = pytest.mark.slow
 
 
-def test_nothing_is_lost_under_faults_and_steady_load(cluster, stub):
-    lose_nothing_under_faults(cluster, stub, kill_router=True)
+def test_nothing_is_lost_under_faults_and_steady_load(cluster, stub, undisturbed_ids):
+    lose_nothing_under_faults(cluster, stub, kill_router=True, reference=undisturbed_ids)
 
 
 def test_sigterm_drains_a_ray_worker_actor_then_it_is_replaced(cluster, stub):

@@ -76,12 +76,12 @@ def assert_each_completed_or_failed_clearly(outcomes, reference: dict[int, list[
     return summary
 
 
-def lose_nothing_under_faults(cluster, stub, kill_router: bool) -> None:
+def lose_nothing_under_faults(cluster, stub, kill_router: bool, reference: dict[int, list[int]] | None = None) -> None:
     """A decode worker SIGKILLed and one SIGSTOPped while they stream, a prefill worker killed
     with a read from it in flight, and (``kill_router``) the router SIGKILLed, all under a
     steady load: worker faults cost no request (they migrate); only the router's death ends
-    requests, each with a clear error."""
-    reference = undisturbed(stub)
+    requests, each with a clear error. ``reference``: ``undisturbed(stub)``, if already run."""
+    reference = reference or undisturbed(stub)
     replaced_before = cluster._supervisor.replaced
     with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S, pause_after_error_s=0.2) as load:
         load.wait_for(CLIENTS)
