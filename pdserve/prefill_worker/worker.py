@@ -60,6 +60,7 @@ class PrefillWorker(WorkerShell):
         # Test-only fault injection (tests/conformance, ``ServerActor.inject_fault``): while
         # True, a Prefill call is accepted and never answered, however long its caller waits.
         self.inject_never_answer = False
+        self.never_answered = 0  # the calls it has left unanswered so far
         # The reversed pull: prefixes read from decode workers before their prompts are queued.
         self.prefix_pulls = PrefixPulls(engine, self.agent, self.push, MetricLabels(
             config.worker_id, config.kv_transfer_backend, config.model_name), config.verify_kv)
