@@ -76,11 +76,13 @@ def make_ca(out: Path, days: int = 30, name: str = "pdserve test CA") -> Issued:
 
 
 def issue(ca: Issued, out: Path, component: str, days: int = 30, extra_names: tuple[str, ...] = (),
-          public: bool = False) -> Issued:
+          public: bool = False, stem: str | None = None) -> Issued:
     """A certificate for ``component`` signed by ``ca``, valid as server and client, naming
     the component's roles (``COMPONENT_ROLES``; a name not listed there is one role of its own
-    name) and ``extra_names`` (host names or IPs). ``public``: a server-only certificate naming
-    ``extra_names`` alone (the public API's)."""
+    name) and ``extra_names`` (host names or IPs: for a worker, the hosts it may join the
+    router's table at, ``router.admin``). ``public``: a server-only certificate naming
+    ``extra_names`` alone (the public API's). Written as ``out/<stem>.pem`` (default: the
+    component's name)."""
     ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
     ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -103,7 +105,7 @@ def issue(ca: Issued, out: Path, component: str, days: int = 30, extra_names: tu
                                                  [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
-    return _write(out, component, cert, key)
+    return _write(out, stem or component, cert, key)
 
 
 def main(argv: list[str] | None = None) -> int:
