@@ -106,6 +106,12 @@ def peer_roles(context: grpc.aio.ServicerContext) -> frozenset[str] | None:
     return certificate_roles(pems[0]) & frozenset(ROLES)
 
 
+def peer_certificate(context: grpc.aio.ServicerContext) -> bytes | None:
+    """The PEM certificate the caller presented, None for a caller without one."""
+    pems = context.auth_context().get("x509_pem_cert")
+    return pems[0] if pems else None
+
+
 def refusal(method: str, roles: frozenset[str] | None) -> str | None:
     """Why a caller holding ``roles`` (None: no certificate) may not call ``method``; None if it may."""
     allowed = ALLOWED.get(method)
