@@ -39,7 +39,7 @@ _HEALTH = "/grpc.health.v1.Health/"
 ALLOWED: dict[str, frozenset[str]] = {
     # The controller owns the routing table, and replaces it whole. A plain-process worker
     # (pdserve/cluster/worker_cli.py) adds or takes out itself alone, under the role its
-    # certificate names (router/admin.py); a plain router reads the table (cluster/worker_router.py).
+    # certificate names and at a host it names (router/admin.py); a plain router reads the table (cluster/worker_router.py).
     _ADMIN + "SetMembership": frozenset({"controller"}),
     _ADMIN + "Join": frozenset({"prefill", "decode"}),
     _ADMIN + "Leave": frozenset({"prefill", "decode"}),
