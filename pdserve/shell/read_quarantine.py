@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.engine.core.block_manager import BlockManager
+from pdserve.kv_transfer.base import KVTransferAgent
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.kv_transfer.read import TransferHandle
 
@@ -43,7 +44,7 @@ class Landing:
 class ReadQuarantine:
     """The stopped reads of one worker shell and the blocks they hold; engine thread only."""
 
-    def __init__(self, agent: RankAgents, blocks: BlockManager):
+    def __init__(self, agent: KVTransferAgent | RankAgents, blocks: BlockManager):
         self.agent, self.blocks = agent, blocks
         self._held: list[Landing] = []
 
