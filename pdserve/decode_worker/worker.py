@@ -3,8 +3,9 @@ in flight.
 
 A prompt's KV arrives in one read after its prefill, or, streamed (``watch``), in one read per
 newly finished stretch of blocks while the prefill worker still computes, then a last read
-of the rest. Either way the same bytes land in the same blocks, the last read ends the lease
-on the holder, and any failed read fails the request's transfer as a whole."""
+of the rest, once every earlier one is done. Either way the same bytes land in the same
+blocks, the last read ends the lease on the holder, and any failed read fails the request's
+transfer as a whole."""
 
 from __future__ import annotations
 
