@@ -14,7 +14,7 @@ What the worker sees is one agent:
   notices come out of ``get_notifications``; ``read_guard`` and ``expect_reads`` apply to all;
 - as a reader: ``connect`` gives a holder worker's ``RankSources`` (each reader rank's
   ``KVSource``), and ``start`` starts every rank's reads of a stretch of blocks with the same
-  block ids; ``poll`` and ``cancel`` take any of the handles it returned.
+  block ids; ``poll``, ``cancel`` and ``read_over`` take any of the handles it returned.
 At size 1 it is the one agent, and every call what that agent's would be.
 """
 
@@ -136,6 +136,14 @@ class RankAgents:
 
     def cancel(self, handle: TransferHandle) -> TransferState:
         return self._owner[handle].cancel(handle)
+
+    def read_over(self, handle: TransferHandle) -> bool:
+        """Whether no byte of the read can land here any more (``KVTransferAgent.read_over``)."""
+        return self._owner[handle].read_over(handle)
+
+    def landing(self) -> int:
+        """Every rank's reads stopped but not yet ended by their backend."""
+        return sum(agent.landing() for agent in self.agents)
 
     def close(self) -> None:
         for agent in self.agents:

@@ -64,9 +64,12 @@ class _TcpRead:
             return not self._cancelled
 
     def cancel(self) -> None:
-        """Stop the read; on return no more bytes land in the local blocks."""
+        """Stop the read: break its connection and wait (once, bounded) for its thread to end;
+        once ``finished`` is set no more bytes land in the local blocks."""
         self.cancelled.set()
         with self._lock:
+            if self._cancelled:
+                return
             self._cancelled = True
             connected = self._sock is not None
             if connected:
@@ -183,10 +186,13 @@ class TcpAgent(KVTransferAgent):
             return TransferState.FAILED
         return TransferState.DONE
 
-    def _free_backend(self, handle: TransferHandle) -> None:
+    def _free_backend(self, handle: TransferHandle) -> bool:
+        """Break the read's connection and wait (bounded) for its thread to end: bytes land only
+        from that thread, so once it has, none can."""
         job: _TcpRead = handle.backend_handle
         if not job.finished.is_set():
             job.cancel()
+        return job.finished.is_set()
 
     def _run_read(self, job: _TcpRead, address: tuple[str, int], handle: TransferHandle) -> None:
         remote, local, hs = handle.remote_block_ids, handle.local_block_ids, handle.slice

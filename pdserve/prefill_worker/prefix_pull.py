@@ -38,6 +38,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer import InvalidTransferRequest, TransferHandle, TransferState
 from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.kv_transfer.rank_agents import RankAgents, RankSources
+from pdserve.shell.read_quarantine import ReadQuarantine
 from pdserve.wire import worker_metrics
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class PrefixPulls:
                  labels: MetricLabels, verify_kv: bool):
         self.engine, self.agent, self.push = engine, agent, push
         self.labels, self.verify_kv = labels, verify_kv
+        self.quarantine = ReadQuarantine(agent, engine.blocks)  # blocks of stopped reads, until they are over
         self._reads: dict[str, _Read] = {}  # request -> its prefix, from ``pin`` until its prompt has blocks
         self.bytes_read = 0  # KV bytes this worker read from decode workers' prefixes
         self.tokens_read = 0  # ... and the prompt tokens they hold (WorkerStats.prefix_tokens_read)
@@ -123,9 +125,11 @@ class PrefixPulls:
 
     def poll(self) -> float | None:
         """Hook (step 3 and 4): end the reads that ended, and free the pins whose prompt has its
-        blocks now. How long until the next look (None: nothing pinned)."""
+        blocks now; release the blocks of stopped reads now over. How long until the next look
+        (None: nothing pinned or quarantined)."""
+        wait = self.quarantine.poll()
         if not self._reads:
-            return None
+            return wait
         ended = []
         for request_id, read in list(self._reads.items()):
             if not read.handles:  # no read (started yet): a pin waiting for its prompt's blocks
@@ -135,7 +139,7 @@ class PrefixPulls:
             ended.extend(self._check(request_id, read))
         if ended:
             self.push(ended)
-        return PULL_POLL_S if self._reads else None
+        return PULL_POLL_S if self._reads else wait
 
     def _check(self, request_id: str, read: _Read) -> list[tuple[str, PrefixPulled]]:
         states = [self.agent.poll(h) for h in read.handles]
@@ -159,11 +163,13 @@ class PrefixPulls:
         return [(request_id, PrefixPulled(read.num_final, nbytes))]
 
     def drop(self, request_id: str) -> None:
-        """The request leaves, or its prefix is not to be read: cancel its read and free its pin."""
-        read = self._reads.get(request_id)
-        for handle in read.handles if read is not None else ():
-            self.agent.cancel(handle)
-        self._free(request_id)
+        """The request leaves, or its prefix is not to be read: cancel its read and free its pin,
+        but the blocks the read may still write stay quarantined until it is over."""
+        read = self._reads.pop(request_id, None)
+        if read is not None:
+            landing = self.quarantine.stop(read.handles)
+            self.engine.blocks.free(read.pin, quarantine=landing.blocks)
+            self.quarantine.hold(landing)
 
     def _free(self, request_id: str) -> None:
         read = self._reads.pop(request_id, None)

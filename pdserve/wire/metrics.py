@@ -84,6 +84,9 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
 - counter ``pdserve:kv_verify_failures_total``: of the failed KV reads, those whose bytes
   landed but did not match the holder's checksums (the request re-prefilled elsewhere)
 - counter ``pdserve:kv_leases_expired_total``: held KV freed because no one pulled it in time
+- gauge ``pdserve:kv_quarantined_blocks``: KV blocks kept from reuse because a read into them
+  was stopped (cancelled, failed) and the transport has not said it is over
+  (pdserve/shell/read_quarantine.py); past a bound for ``hang_timeout_s`` the worker counts as hung
 - counter ``pdserve:prefix_cache_queries_total``, ``pdserve:prefix_cache_hits_total``: prompt
   tokens looked up and found, as vLLM counts them: whole blocks, and a tail's tokens (the last
   partial block of a finished sequence, taken by the next prompt that goes on the same way)
