@@ -20,7 +20,8 @@ from pdserve.engine.config import MIXED, EngineConfig
 from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling.params import SamplingParams
-from pdserve.kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState
+from pdserve.kv_transfer import (DEFAULT_BACKEND, InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState,
+                                 UnverifiedTransfer)
 from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
 from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.kv_transfer.rank_agents import RankAgents, RankSources
@@ -68,8 +69,9 @@ class DecodeWorkerConfig:
     # Tensor-parallel size of the prefill pool, which reads this one's held prefixes (prefix_hold):
     # blocks are checksummed in groups of heads for its ranks (as PrefillWorkerConfig.reader_tp).
     reader_tp: int = 1
-    # Publish this worker's prefix-cache events (prompt and answer blocks) for the router's KV
-    # index: the ``decode_kv_reuse`` setting (cluster.settings), passed down by the process entry.
+    # Conversations keep their KV (the ``decode_kv_reuse`` setting, passed down by the process
+    # entry): publish this worker's prefix-cache events (prompt and answer blocks) for the router's
+    # KV index, and read a remote-prefilled prompt's KV only past what its own prefix cache holds.
     decode_kv_reuse: bool = True
     inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
     max_requests: int = 1024  # requests held at once (waiting for KV, queued or running); past it RESOURCE_EXHAUSTED
@@ -81,11 +83,6 @@ class DecodeWorkerConfig:
     # A prefix held for a prefill worker's read (prefix_hold) is freed this long after the hold
     # at the latest. No default here: the process entry passes the ``lease_seconds`` setting.
     lease_seconds: float = field(kw_only=True)
-    # Conversations keep their KV (the ``decode_kv_reuse`` setting): publish this worker's
-    # prefix-cache events to routers, as a prefill worker does, so a conversation's next turn
-    # comes back where its prompt and answer are cached; and read a remote-prefilled prompt's
-    # KV only past what this worker's own prefix cache holds. Off: neither (as before issue 44).
-    decode_kv_reuse: bool = True
     cache_event_log_size: int = 16384  # events kept for routers' polls (PrefillWorkerConfig's)
 
 
@@ -152,6 +149,10 @@ class TransferFailed(Exception):
     """The prompt's KV could not be pulled; the request was aborted here."""
 
 
+class KVUnverified(TransferFailed):
+    """The holder sent no checksums and this worker verifies (``verify_kv``): nothing was read."""
+
+
 class HandedOver(Exception):
     """This worker gave the stream up before it finished (``hand_over_streams``: it stops
     decoding, for a new role, past its grace). With ``kv``, the stream's KV stays here under a
@@ -195,7 +196,7 @@ class DecodeWorker(WorkerShell):
         self.prefix_holds = PrefixHolds(engine, self.agent, config.lease_seconds, config.verify_kv, enabled=own_agent)
         self._pulls: dict[str, _Pull] = {}
         self._arriving: dict[str, float] = {}  # request -> its latest move (time.monotonic), until its KV is here
-        self._unverified_peers: set[str] = set()  # peers whose KV came without checksums (warned once)
+        self.unverified_refused = 0  # KV refused unread: it came without checksums (WorkerStats.kv_unverified_refused)
 
     def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> RankSources:
         """Connect each rank's agent to the holder ranks it reads, from what a prefill worker publishes."""
@@ -208,7 +209,7 @@ class DecodeWorker(WorkerShell):
 
     def stats_extra(self) -> dict:
         """The block size the published hashes cover (a router reads the events with it)."""
-        return {"block_size": self.engine.blocks.block_size}
+        return {"block_size": self.engine.blocks.block_size, "kv_unverified_refused": self.unverified_refused}
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
@@ -353,10 +354,10 @@ class DecodeWorker(WorkerShell):
         except InvalidTransferRequest as exc:
             self.abort_now(request_id)
             raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc
-        if self.config.verify_kv and any(h.checksums is None for h in handles) and peer.name not in self._unverified_peers:
-            self._unverified_peers.add(peer.name)  # said once per peer: a setting, not an event
-            log.warning("KV from peer %r comes without checksums: its reads are not verified (is "
-                        "verify_kv_transfers off there?)", peer.name)
+        except UnverifiedTransfer as exc:  # fail closed: nothing read, the router prefills it again
+            self.abort_now(request_id)
+            self.unverified_refused += 1
+            raise KVUnverified(str(exc)) from exc
         pull.handles.extend(handles)
         pull.next_block = end
         if last:
