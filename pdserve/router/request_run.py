@@ -64,6 +64,7 @@ class RequestRun:
                                  limited=not req.default_max_tokens, spans=spans)
         self.migrations = 0
         self._prefilled = False  # the request's first prefill answer came
+        self._local_next = False  # the last attempt was lost to a local prefill (AttemptLost.local)
 
     async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """The client's stream. The request is counted however it ends: finished, failed, or
@@ -94,7 +95,7 @@ class RequestRun:
         return exc
 
     async def _attempts(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        number, moved, local = 0, None, False
+        number, moved = 0, None
         while True:
             attempt = self._attempt(number, moved is not None)
             try:
@@ -106,7 +107,7 @@ class RequestRun:
             if moved is not None:
                 kind = MovedKV(moved, self.output.token_ids[-1])
             else:
-                kind, attempt = self._plan(attempt, local)
+                kind, attempt = self._plan(attempt)
             spans = self.calls.spans
             if spans is not None:
                 spans.start_attempt(number, kind.label, len(attempt.prompt))
@@ -124,7 +125,7 @@ class RequestRun:
                 if spans is not None:
                     spans.end_attempt(lost=exc)
                 number += 1
-                moved, local = self._movable(exc.moved), exc.local
+                moved, self._local_next = self._movable(exc.moved), exc.local
                 self._migrate(exc, attempt, moved)
 
     def _attempt(self, number: int, moved: bool = False) -> Attempt:
@@ -154,14 +155,15 @@ class RequestRun:
         if choice.worker_id is None:
             raise route_error(choice)
 
-    def _plan(self, attempt: Attempt, local: bool = False) -> tuple[LocalPrefill | RemotePrefill, Attempt]:
+    def _plan(self, attempt: Attempt) -> tuple[LocalPrefill | RemotePrefill, Attempt]:
         """This attempt's kind, by the local-prefill rules (pdserve/router/local_prefill.py),
         and the attempt with the decode worker the plan is for, recorded in the metrics. With
         no decode worker caching a prefix, the rule runs on the decode worker the decode call
         will pick first (the same pick over the same snapshots, with no await between), or on
         the one the session hint names. A remote plan needs a prefill worker that verifies KV
-        as that decode worker does (``_verify_agreed``); ``local`` (the last attempt's reader
-        refused KV without checksums) or none: the decode worker prefills it."""
+        as that decode worker does (``_verify_agreed``); with none, or after a lost attempt that
+        asked for it (``AttemptLost.local``: its reader refused KV without checksums), the decode
+        worker prefills it."""
         snapshots = self.pool.snapshots()
         salt = attempt.sampling.cache_salt
         holder, prefills = None, []
@@ -181,7 +183,7 @@ class RequestRun:
                                       holder, prefills, mixed=_mixed(snapshots, worker, self.pool.prefill_pace.token_s))
         planned = decision.decode_worker or (worker.worker_id if worker is not None else None)
         verify = next((w.verify_kv for w in snapshots if w.worker_id == planned), None)
-        decision = _verify_agreed(decision, snapshots, verify, local, self.req.request_id)
+        decision = _verify_agreed(decision, snapshots, verify, self._local_next, self.req.request_id)
         self.metrics.prefill_placed(decision.label, decision.reason.value, decision.uncached_tokens, decision.load)
         decode_worker = decision.decode_worker or (worker.worker_id if hinted else None)
         self._remember(decode_worker or (worker.worker_id if worker is not None else None))
