@@ -4,6 +4,7 @@
     pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
     pdserve stop --address RAY       drain and stop it
     pdserve rollout --address RAY --pool POOL   restart every process of a pool in turn, losing no request
+    pdserve rollout --address RAY --verify-kv on|off   the same for every worker, to a new verify_kv_transfers
     pdserve set-role --address RAY --worker ADDR --role ROLE   move an elastic worker to another role in place
     pdserve generate "PROMPT"        stream a completion from a running cluster
 

@@ -334,8 +334,8 @@ class DecodeWorker(WorkerShell):
         Blocks this worker's prefix cache gave the prompt (``_add_arriving``) are never read:
         the reads start past them, at the same place in the handle's block ids. ``sums``: the
         holder's checksums of the handle's first blocks, against which the read checks what
-        lands (with ``verify_kv``, where they cover the blocks read: exactly those, since each
-        block has its own sums)."""
+        lands (with ``verify_kv``; sums that do not cover every block read start no read at all:
+        ``KVUnverified``, counted, and the router prefills the request again)."""
         if not self.engine.blocks.has(request_id):  # aborted meanwhile (or an early read failed)
             raise TransferFailed("the request was aborted before its read started")
         pull = self._pulls.setdefault(request_id, _Pull(next_block=local.reused, reused_blocks=local.reused))

@@ -59,10 +59,11 @@ def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
 
 def verify_agrees(holder: bool | None, reader: bool | None) -> bool:
     """Whether a holder and a reader of KV may be paired: both verify it or neither does
-    (``verify_kv_transfers`` is one setting for the whole cluster; during a rollout that
-    changes it, the two halves differ). A reader that verifies refuses a holder's KV that comes
-    without checksums (fail closed), and one that does not would take unchecked bytes from a
-    holder that checks; so the router pairs neither. Unknown (no stats yet) agrees with both."""
+    (``verify_kv_transfers`` is one setting for the whole cluster; only a rollout that changes
+    it, ``pdserve.cluster.rollout.roll_verify``, leaves the two halves differing). A reader that
+    verifies refuses KV that comes without checksums (fail closed: the request goes round
+    again), and one that does not leaves unchecked what the cluster is being set to check; so
+    the router pairs neither. Unknown (not polled yet) agrees with both."""
     return holder is None or reader is None or holder == reader
 
 
