@@ -23,7 +23,7 @@ from pdserve.engine.config import MIXED, EngineConfig
 from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling.params import SamplingParams
-from pdserve.kv_transfer import InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState
+from pdserve.kv_transfer import InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState, UnverifiedTransfer
 from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.kv_transfer.rank_agents import RankAgents, RankSources
 from pdserve.decode_worker.prefix_hold import PrefixHolds
@@ -117,6 +117,10 @@ class TransferFailed(Exception):
     """The prompt's KV could not be pulled; the request was aborted here."""
 
 
+class KVUnverified(TransferFailed):
+    """The holder sent no checksums and this worker verifies (``verify_kv``): nothing was read."""
+
+
 class HandedOver(Exception):
     """This worker gave the stream up before it finished (``hand_over_streams``: it stops
     decoding, for a new role, past its grace). With ``kv``, the stream's KV stays here under a
@@ -161,7 +165,7 @@ class DecodeWorker(WorkerShell):
         self.prefix_holds = PrefixHolds(engine, self.agent, config.lease_seconds, config.verify_kv, enabled=own_agent)
         self._pulls: dict[str, _Pull] = {}
         self._arriving: dict[str, float] = {}  # request -> its latest move (time.monotonic), until its KV is here
-        self._unverified_peers: set[str] = set()  # peers whose KV came without checksums (warned once)
+        self.unverified_refused = 0  # KV refused unread: it came without checksums (WorkerStats.kv_unverified_refused)
 
     def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> RankSources:
         """Connect each rank's agent to the holder ranks it reads, from what a prefill worker publishes."""
@@ -174,7 +178,7 @@ class DecodeWorker(WorkerShell):
 
     def stats_extra(self) -> dict:
         """The block size the published hashes cover (a router reads the events with it)."""
-        return {"block_size": self.engine.blocks.block_size}
+        return {"block_size": self.engine.blocks.block_size, "kv_unverified_refused": self.unverified_refused}
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
@@ -299,8 +303,8 @@ class DecodeWorker(WorkerShell):
         Blocks this worker's prefix cache gave the prompt (``_add_arriving``) are never read:
         the reads start past them, at the same place in the handle's block ids. ``sums``: the
         holder's checksums of the handle's first blocks, against which the read checks what
-        lands (with ``verify_kv``, where they cover the blocks read: exactly those, since each
-        block has its own sums)."""
+        lands (with ``verify_kv``; sums that do not cover every block read start no read at all:
+        ``KVUnverified``, counted, and the router prefills the request again)."""
         if not self.engine.blocks.has(request_id):  # aborted meanwhile (or an early read failed)
             raise TransferFailed("the request was aborted before its read started")
         pull = self._pulls.setdefault(request_id, _Pull(next_block=local.reused, reused_blocks=local.reused))
@@ -323,10 +327,10 @@ class DecodeWorker(WorkerShell):
         except InvalidTransferRequest as exc:
             self.abort_now(request_id)
             raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc
-        if self.config.verify_kv and any(h.checksums is None for h in handles) and peer.name not in self._unverified_peers:
-            self._unverified_peers.add(peer.name)  # said once per peer: a setting, not an event
-            log.warning("KV from peer %r comes without checksums: its reads are not verified (is "
-                        "verify_kv_transfers off there?)", peer.name)
+        except UnverifiedTransfer as exc:  # fail closed: nothing read, the router prefills it again
+            self.abort_now(request_id)
+            self.unverified_refused += 1
+            raise KVUnverified(str(exc)) from exc
         pull.handles.extend(handles)
         pull.next_block = end
         if last:

@@ -118,7 +118,11 @@ class RankAgents:
     def start(self, peer: RankSources, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
               start: int, end: int, **read) -> list[TransferHandle]:
         """Every rank's reads of blocks [start, end) (``KVSource.start``; ``read``: its keyword
-        arguments). If one rank's cannot start, those already started are cancelled."""
+        arguments). With ``sums`` in ``read``, every rank's are checked first (``require_sums``):
+        a holder that sent none starts no read at all. If one rank's cannot start, those already
+        started are cancelled."""
+        for source in peer.sources:
+            source.require_sums(read.get("sums"), start, end)
         handles: list[TransferHandle] = []
         try:
             for agent, source in zip(self.agents, peer.sources):

@@ -19,7 +19,9 @@ The prefix's life here, on the engine thread:
 
 A prefix that could not be read changes nothing but time: the prompt is computed whole, to
 the same tokens. Refused (the prompt is computed whole, the lease released, counted as a
-failed transfer): prompts that want prompt logprobs (every position must run).
+failed transfer): prompts that want prompt logprobs (every position must run). Refused unread
+and counted (``kv_unverified_refused``): a prefix held without checksums while this worker
+verifies (``verify_kv``); such blocks are never read, so never marked final nor published.
 
 Tensor-parallel workers on either side read as the KV transfer does: each of this worker's
 ranks reads its KV heads from the holder ranks that hold them (``RankAgents.start``,
@@ -89,6 +91,7 @@ class PrefixPulls:
         self.bytes_read = 0  # KV bytes this worker read from decode workers' prefixes
         self.tokens_read = 0  # ... and the prompt tokens they hold (WorkerStats.prefix_tokens_read)
         self.refused = 0  # prefixes offered and not read (WorkerStats.prefix_reads_refused)
+        self.unverified = 0  # ... of them, held without checksums while this worker verifies (kv_unverified_refused)
 
     def pin(self, request_id: str, prompt: list[int], cache_salt: str, kv: KVHandle) -> tuple[int, int]:
         """Pin the prefix ``kv`` holds (step 1 of the module docstring): returns how many of
@@ -112,13 +115,15 @@ class PrefixPulls:
     def start(self, request_id: str, kv: KVHandle, peer: RankSources) -> None:
         """Start reading the pinned prefix's blocks past the own hits (step 2); the read's
         notice ends the holder's lease. Raises InvalidTransferRequest (the pin is freed) where
-        the handle does not fit this cache."""
+        the handle does not fit this cache, and UnverifiedTransfer (nothing read) where this
+        worker verifies and the holder sent no checksums for them: fail closed, as a decode
+        worker's read."""
         read = self._reads[request_id]
         bs = self.engine.blocks.block_size
         try:
             read.handles = self.agent.start(peer, kv.block_ids, read.local, read.own, read.num_final // bs,
                                             lease_token=kv.lease_token, last=True,
-                                            sums=kv.block_checksums if self.verify_kv and kv.block_checksums else None)
+                                            sums=kv.block_checksums if self.verify_kv else None)
         except InvalidTransferRequest:
             self.drop(request_id)
             raise

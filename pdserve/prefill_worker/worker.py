@@ -186,6 +186,7 @@ class PrefillWorker(WorkerShell):
         stats = super().stats(metrics_address)
         stats.num_waiting_tokens = max(0, stats.num_waiting_tokens - self._queued_hit_tokens())
         stats.prefix_tokens_read, stats.prefix_reads_refused = self.prefix_pulls.tokens_read, self.prefix_pulls.refused
+        stats.kv_unverified_refused = self.prefix_pulls.unverified
         return stats
 
     def _queued_hit_tokens(self) -> int:

@@ -74,7 +74,7 @@ class WorkerClient:
             queued_tokens=s.num_waiting_tokens + self.local_tokens,
             blocks_used=s.num_blocks_used + self.local_blocks, blocks_total=s.num_blocks_total,
             blocks_unbounded=s.num_blocks_unbounded, inflight=self.inflight, last_placed=self.last_placed,
-            local_token_s=s.local_prefill_token_s or None)
+            local_token_s=s.local_prefill_token_s or None, verify_kv=s.verify_kv if self.stats is not None else None)
 
 
 POOLS = ("prefill", "decode")

@@ -65,15 +65,18 @@ def engine(model_dir, tp: int):
 
 
 @contextlib.asynccontextmanager
-async def pair(model_dir, backend: str, prefill_tp: int = 1, decode_tp: int = 1, certs=None):
+async def pair(model_dir, backend: str, prefill_tp: int = 1, decode_tp: int = 1, certs=None,
+               holder_verifies: bool = True):
     """A prefill and a decode worker (prefix caches on) of those tensor-parallel sizes, each
-    checksumming its blocks for the other's ranks, and stubs to each; with ``certs`` (component
-    -> certificate), each with its role's identity over mTLS, and the stubs the router's."""
+    checksumming its blocks for the other's ranks (the decode worker only if ``holder_verifies``),
+    and stubs to each; with ``certs`` (component -> certificate), each with its role's identity
+    over mTLS, and the stubs the router's."""
     certs = certs or {}
     prefill = PrefillWorker(prefill_worker_config(kv_transfer_backend=backend, reader_tp=decode_tp,
                                                   tls=certs.get("prefill")), engine=engine(model_dir, prefill_tp))
     decoder = DecodeWorker(decode_worker_config(kv_transfer_backend=backend, reader_tp=prefill_tp,
-                                                tls=certs.get("decode")), engine=engine(model_dir, decode_tp))
+                                                tls=certs.get("decode"), verify_kv=holder_verifies),
+                           engine=engine(model_dir, decode_tp))
     try:
         async with serving(prefill, [decoder], router_tls=certs.get("router")) as pool:
             stubs = {c.role: c.stub for c in pool.workers.values()}
@@ -84,11 +87,13 @@ async def pair(model_dir, backend: str, prefill_tp: int = 1, decode_tp: int = 1,
 
 
 async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: bool = False, tp=(1, 1),
-                       certs=None):
+                       certs=None, holder_verifies: bool = True):
     """Both turns; ``spoil`` may change the held prefix's handle before the prefill worker gets
     it; ``end_hold``: the hold is released before the prefill worker gets it (the lease is gone);
-    ``tp``: the prefill and decode workers' tensor-parallel sizes; ``certs``: mTLS (``pair``)."""
-    async with pair(model_dir, backend, *tp, certs=certs) as (prefill, decoder, p_stub, d_stub, _):
+    ``tp``: the prefill and decode workers' tensor-parallel sizes; ``certs``: mTLS (``pair``);
+    ``holder_verifies``: the decode worker's ``verify_kv`` (the prefill worker's is on)."""
+    async with pair(model_dir, backend, *tp, certs=certs, holder_verifies=holder_verifies) as (
+            prefill, decoder, p_stub, d_stub, _):
         answer1 = await first_turn(d_stub, messages[0])
         prompt = messages[0] + answer1 + messages[1]
         held = await d_stub.HoldPrefix(worker_pb2.HoldPrefixRequest(request_id="turn-2", prompt_token_ids=prompt,
@@ -177,6 +182,24 @@ def test_a_block_that_fails_its_checksum_is_never_found_and_the_prompt_is_comput
     assert stats.kv_verify_failures == 1 and stats.kv_transfer_failures == 1
     assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what="checksum mismatch")
     assert holding == 0  # the prefill worker released it on the failure
+    assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
+
+
+def test_a_prefix_held_without_checksums_is_never_read_by_a_prefill_worker_that_verifies(tool_llama, messages):
+    """Fail closed: the decode worker holds the prefix with verification off (no checksums);
+    the prefill worker, which verifies, refuses it unread (counted), computes the prompt whole
+    to the same tokens, and ends the hold. Nothing of it is marked final there, so nothing is
+    found, published or summed again for another reader. (A tiny Llama of the default model's
+    vocabulary, for time.)"""
+    directory = tool_llama[0]
+    prompt, held, answer, tokens, stats, holding, (leases, p_free, d_free) = asyncio.run(
+        conversation(directory, messages, "tcp", holder_verifies=False))
+    assert held.num_tokens > 0 and not held.block_checksums
+    assert answer.num_cached_tokens == 0 and stats.kv_unverified_refused == 1  # computed whole
+    assert stats.kv_transfer_bytes == 0 and stats.kv_transfer_failures == 0 and stats.prefix_tokens_read == 0
+    assert_greedy_matches(load_reference(directory, torch.float32), prompt, tokens, MAX_TOKENS,
+                          what="prefix held without checksums")
+    assert holding == 0  # released on the refusal
     assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
 
 
