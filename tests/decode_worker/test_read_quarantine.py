@@ -32,7 +32,9 @@ async def until(check, timeout_s: float) -> bool:
 
 def test_an_aborted_request_whose_read_hangs_keeps_its_blocks_until_the_read_is_over(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")
-    decoder = DecodeWorker(decode_worker_config(kv_transfer_backend="nixl", transfer_timeout_s=60),
+    # verify_kv off: the handle below carries no checksums, and a reader that verifies refuses
+    # such KV unread (test_unverified_refused.py); here the read must be posted and hang.
+    decoder = DecodeWorker(decode_worker_config(kv_transfer_backend="nixl", transfer_timeout_s=60, verify_kv=False),
                            engine=make_engine(tiny_llama_dir[0], num_blocks=BLOCKS, enable_prefix_cache=False))
     agent = decoder.agent.agents[0]
     holder = Holder("nixl", name="hung-holder", num_blocks=BLOCKS, block_shape=(agent.layout.block_bytes // 2,))
