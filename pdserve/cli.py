@@ -4,6 +4,7 @@
     pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
     pdserve stop --address RAY       drain and stop it
     pdserve rollout --address RAY --pool POOL   restart every process of a pool in turn, losing no request
+    pdserve rollout --address RAY --verify-kv on|off   the same for every worker, to a new verify_kv_transfers
     pdserve generate "PROMPT"        stream a completion from a running cluster
     pdserve worker --role ROLE       one role as a plain process, without Ray (pdserve/cluster/worker_cli.py)
     pdserve plan                     size prefill and decode pools (simulated; pdserve/planner/)

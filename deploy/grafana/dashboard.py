@@ -138,9 +138,11 @@ ROWS = [
         ("KV transfers per second", "short", "",
          [(f"sum by (worker) (rate(pdserve:kv_transfers_total{W}[{RATE}]))", "{{worker}}")]),
         ("KV transfer failures", "short",
-         "Failed reads (of which: bytes that did not match the holder's checksums) and leases that expired unread.",
+         "Failed reads (of which: bytes that did not match the holder's checksums), KV refused unread for want of "
+         "checksums, and leases that expired unread.",
          [(f"sum by (worker) (rate(pdserve:kv_transfer_failures_total{W}[{RATE}]))", "{{worker}} failed"),
           (f"sum by (worker) (rate(pdserve:kv_verify_failures_total{W}[{RATE}]))", "{{worker}} checksum mismatch"),
+          (f"sum by (worker) (rate(pdserve:kv_unverified_refused_total{W}[{RATE}]))", "{{worker}} no checksums"),
           (f"sum by (worker) (rate(pdserve:kv_leases_expired_total{W}[{RATE}]))", "{{worker}} expired")]),
         ("KV transfer time per read", "s", "One read, start to completion, by backend.",
          _worker_quantiles("pdserve:worker_kv_transfer_seconds")),

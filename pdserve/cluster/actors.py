@@ -95,6 +95,25 @@ class ServerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def inject_fault(self, fault: str, on: bool = True) -> int:
+        """Test-only fault injection (tests/conformance; docs/reliability.md), switched on or off
+        at run time in this one worker: ``never_answer`` (a prefill worker accepts Prefill calls
+        and never answers them), ``holder_stall`` (its tcp block server accepts reads and never
+        sends), ``reader_stall`` (its tcp reads never receive). Never used in serving. Returns
+        how many calls ``never_answer`` has left unanswered in this worker so far (0 for the
+        stalls, whose reads fail and are counted by the reader)."""
+        worker = self._server.running.worker
+        if fault == "never_answer" and hasattr(worker, "inject_never_answer"):
+            worker.inject_never_answer = on
+            return worker.never_answered
+        agents = getattr(getattr(worker, "agent", None), "agents", ())
+        if fault in ("holder_stall", "reader_stall") and agents and all(hasattr(a, f"inject_{fault}") for a in agents):
+            for agent in agents:
+                setattr(agent, f"inject_{fault}", on)
+            return 0
+        raise ValueError(f"fault {fault!r}: this {self._spec[0]} worker has no such injection "
+                         "(never_answer: prefill workers; holder_stall, reader_stall: the tcp KV backend)")
+
     def retag(self, role: str) -> None:
         """An elastic worker switched to ``role`` (``pdserve.cluster.roles``): ``describe`` says so
         from now on, so that a controller that adopts it files it under its pool, and a

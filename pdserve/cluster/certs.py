@@ -11,6 +11,13 @@ checks to know the server it reached serves the role it meant to call. A compone
 role, but ``elastic`` (an elastic worker, which serves both pools' RPCs and changes between
 them in place) has two: prefill and decode. Then: ``pdserve serve --tls-dir DIR``.
 
+``--worker NAME=ROLE@HOST[,HOST...]`` (repeatable) also makes ``NAME.pem``: a plain-process
+worker's own certificate (``pdserve worker``), naming its role and the hosts it serves at (IPs
+or DNS names). The router lets a worker join and leave its table only at an address on a host
+its certificate names (``pdserve.router.admin``), so one worker's certificate cannot add, move
+or drop another; the shared ``prefill``/``decode`` certificates name no host and serve
+``pdserve serve``'s workers, which the controller lists.
+
 ``--public-names`` also makes ``public.pem``: a server-only certificate for the public API,
 without ``pdserve.internal`` and without clientAuth, so that whoever holds the ingress key
 cannot call the internal plane with it.
@@ -76,11 +83,13 @@ def make_ca(out: Path, days: int = 30, name: str = "pdserve test CA") -> Issued:
 
 
 def issue(ca: Issued, out: Path, component: str, days: int = 30, extra_names: tuple[str, ...] = (),
-          public: bool = False) -> Issued:
+          public: bool = False, stem: str | None = None) -> Issued:
     """A certificate for ``component`` signed by ``ca``, valid as server and client, naming
     the component's roles (``COMPONENT_ROLES``; a name not listed there is one role of its own
-    name) and ``extra_names`` (host names or IPs). ``public``: a server-only certificate naming
-    ``extra_names`` alone (the public API's)."""
+    name) and ``extra_names`` (host names or IPs: for a worker, the hosts it may join the
+    router's table at, ``router.admin``). ``public``: a server-only certificate naming
+    ``extra_names`` alone (the public API's). Written as ``out/<stem>.pem`` (default: the
+    component's name)."""
     ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
     ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -103,7 +112,20 @@ def issue(ca: Issued, out: Path, component: str, days: int = 30, extra_names: tu
                                                  [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
-    return _write(out, component, cert, key)
+    return _write(out, stem or component, cert, key)
+
+
+def worker_spec(spec: str) -> tuple[str, str, tuple[str, ...]]:
+    """``NAME=ROLE@HOST[,HOST...]`` -> (name, role, hosts); ValueError naming what is wrong."""
+    name, _, rest = spec.partition("=")
+    role, _, hosts = rest.partition("@")
+    named = tuple(h for h in hosts.split(",") if h)
+    if not name or role not in ("prefill", "decode") or not named:
+        raise ValueError(f"--worker: expected NAME=ROLE@HOST[,HOST...] with ROLE prefill or decode and at "
+                         f"least one host, got {spec!r}")
+    if name in COMPONENTS or name in ("ca", "public"):
+        raise ValueError(f"--worker: NAME {name!r} is a component's own file name; choose another")
+    return name, role, named
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,13 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--days", type=int, default=30)
     parser.add_argument("--public-names", nargs="*", default=[],
                         help="also make public.pem/public.key for these host names or IPs (public API TLS)")
+    parser.add_argument("--worker", action="append", default=[], metavar="NAME=ROLE@HOST[,HOST...]",
+                        help="also make NAME.pem/NAME.key: one worker's certificate, naming ROLE and the hosts "
+                             "it serves at, where alone the router lets it join (repeatable)")
     args = parser.parse_args(argv)
+    try:
+        workers = [worker_spec(spec) for spec in args.worker]
+    except ValueError as exc:
+        parser.error(str(exc))
     ca = make_ca(args.out, args.days)
     for component in args.components:
         issue(ca, args.out, component, args.days)
+    for name, role, hosts in workers:
+        issue(ca, args.out, role, args.days, hosts, stem=name)
     if args.public_names:
         issue(ca, args.out, "public", args.days, tuple(args.public_names), public=True)
-    print(f"wrote {ca.cert} and {len(args.components)} component certificate(s) to {args.out}")
+    print(f"wrote {ca.cert}, {len(args.components)} component and {len(workers)} worker certificate(s) to {args.out}")
     return 0
 
 

@@ -4,6 +4,7 @@
     pdserve status --address RAY     the endpoints and processes of a cluster on a Ray cluster
     pdserve stop --address RAY       drain and stop it
     pdserve rollout --address RAY --pool POOL   restart every process of a pool in turn, losing no request
+    pdserve rollout --address RAY --verify-kv on|off   the same for every worker, to a new verify_kv_transfers
     pdserve set-role --address RAY --worker ADDR --role ROLE   move an elastic worker to another role in place
     pdserve generate "PROMPT"        stream a completion from a running cluster
 
@@ -58,7 +59,10 @@ def _rollout_parser(sub) -> None:
                                    "(docs/operations.md).")
     p.add_argument("--address", required=True, help="the Ray cluster's address (serve's --address)")
     p.add_argument("--cluster-name", default="pdserve", help="the cluster's Ray namespace (serve's --cluster-name)")
-    p.add_argument("--pool", required=True, choices=("prefill", "decode", "router"))
+    p.add_argument("--pool", choices=("prefill", "decode", "router"), help="the pool to restart (or --verify-kv)")
+    p.add_argument("--verify-kv", choices=("on", "off"),
+                   help="instead of --pool: restart every worker with verify_kv_transfers on or off, turning it on "
+                        "in the prefill pool (the KV holders) first, off in the decode pool first (docs/operations.md)")
     grace = DRAIN_GRACE_SECONDS
     p.add_argument(grace.flag, type=flag_type(grace), default=grace.default,
                    help=f"how long each old process may take to finish what it runs; past it a worker's streams "
@@ -249,11 +253,16 @@ def cluster_stop(args) -> int:
 def cluster_rollout(args) -> int:
     import ray
 
+    if (args.pool is None) == (args.verify_kv is None):
+        print("pdserve rollout: give --pool or --verify-kv, one of them", file=sys.stderr)
+        return 2
     handle = _running_controller(args)
     if handle is None:
         return 1
-    print(f"pdserve: rolling the {args.pool} pool, one process at a time", flush=True)
-    for r in ray.get(handle.rollout.remote(args.pool, args.drain_grace_seconds)):
+    verify = None if args.verify_kv is None else args.verify_kv == "on"
+    what = f"the {args.pool} pool" if verify is None else f"every worker to verify_kv_transfers {args.verify_kv}"
+    print(f"pdserve: rolling {what}, one process at a time", flush=True)
+    for r in ray.get(handle.rollout.remote(args.pool, args.drain_grace_seconds, verify)):
         busy = "" if r["idle"] else "; stopped at the end of its grace with requests running"
         print(f"{r['pool']}: {r['old']} -> {r['new']} (ready in {r['surge_s']:.1f} s, drained in {r['drain_s']:.1f} s{busy})",
               flush=True)

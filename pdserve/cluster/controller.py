@@ -74,14 +74,17 @@ class Controller:
     def drain(self, grace_s: float) -> int:
         return self.cluster.drain(grace_s)
 
-    def rollout(self, pool: str, drain_grace_s: float) -> list[dict]:
-        """Replace every process of ``pool`` in turn (``pdserve.cluster.rollout``); one record
-        per process replaced."""
+    def rollout(self, pool: str | None, drain_grace_s: float, verify_kv: bool | None = None) -> list[dict]:
+        """Replace every process of ``pool`` in turn (``pdserve.cluster.rollout``); with
+        ``verify_kv`` (no pool), every worker, to that ``verify_kv_transfers`` (``roll_verify``).
+        One record per process replaced."""
         import dataclasses
 
-        from pdserve.cluster.rollout import RolloutConfig, roll
+        from pdserve.cluster.rollout import RolloutConfig, roll, roll_verify
 
-        return [dataclasses.asdict(r) for r in roll(self.cluster, pool, RolloutConfig(drain_grace_s=drain_grace_s))]
+        config = RolloutConfig(drain_grace_s=drain_grace_s)
+        done = roll(self.cluster, pool, config) if verify_kv is None else roll_verify(self.cluster, verify_kv, config)
+        return [dataclasses.asdict(r) for r in done]
 
     def set_role(self, address: str, role: str, drain_grace_s: float, reason: str) -> dict:
         """Switch the elastic worker at ``address`` to ``role`` in place (``pdserve.cluster.roles``)."""

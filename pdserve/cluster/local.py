@@ -251,6 +251,14 @@ class LocalCluster:
         self.slots.refill(role, index, actor, group, spec, ray.get(actor.start.remote()))
         return self.addresses(role)[index]
 
+    def change_template(self, role: str, change) -> None:
+        """Start ``role``'s next workers from ``change(config)`` of today's (a rollout to a new
+        setting: ``pdserve.cluster.rollout.roll_verify``)."""
+        with self.lock:
+            if role in self._templates:  # else the cluster has no such pool
+                placement, config, threads = self._templates[role]
+                self._templates[role] = (placement, change(config), threads)
+
     def scale_up(self, role: str) -> str:
         """Start one more worker in ``role``'s pool; it joins the router once it serves."""
         with self.lock:

@@ -23,10 +23,22 @@ stops listening and sends its clients' connections GOAWAY, its streams finish wi
 
 A pool's workers are replaced in the order they run; a worker that left meanwhile (the
 autoscaler removed it, the supervisor replaced it) is skipped.
+
+A rollout may change one setting on the way: ``verify_kv_transfers`` (``roll_verify``), which is
+one setting for the whole cluster. Its workers are replaced pool by pool, each pool's new ones
+started with the new setting: turning verification on, the holders (the prefill pool) first,
+then the readers (decode); turning it off, the readers first. Meanwhile the router pairs only
+a holder and a reader that agree (``pdserve.router.policy.verify_agrees``; with none, the decode
+worker prefills the request itself), and a reader that verifies refuses KV without checksums
+(``pdserve.kv_transfer.errors.UnverifiedTransfer``) should the router pair them on stale stats.
+Holders first makes that race harmless: a restarted holder that now sends checksums to a reader
+the router still pairs it with costs nothing; a reader that verifies before its holders do
+would refuse their KV and send the request round again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -87,6 +99,33 @@ def roll(cluster, pool: str, config: RolloutConfig = RolloutConfig()) -> list[Re
     with cluster.lock:
         old = list(cluster.addresses(pool))
     return [done for address in old if (done := roll_worker(cluster, pool, address, config)) is not None]
+
+
+def verify_order(verify: bool) -> tuple[str, str]:
+    """The pools a rollout of ``verify_kv_transfers`` replaces, in order: turning it on, the
+    holders (prefill) before the readers (decode); turning it off, the other way round."""
+    return ("prefill", "decode") if verify else ("decode", "prefill")
+
+
+def with_verify(config, verify: bool):
+    """A worker config (prefill, decode, or an elastic worker's, which holds both) that verifies
+    KV transfers or not."""
+    if hasattr(config, "verify_kv"):
+        return dataclasses.replace(config, verify_kv=verify)
+    return dataclasses.replace(config, prefill=with_verify(config.prefill, verify),
+                               decode=with_verify(config.decode, verify))
+
+
+def roll_verify(cluster, verify: bool, config: RolloutConfig = RolloutConfig()) -> list[Replaced]:
+    """Turn ``verify_kv_transfers`` on (or off) across ``cluster``: pool by pool in
+    ``verify_order``, the pool's next workers get the setting, then each of its workers is
+    replaced (``roll``). Returns one record per process replaced."""
+    done: list[Replaced] = []
+    for pool in verify_order(verify):
+        cluster.change_template(pool, lambda c: with_verify(c, verify))
+        log.info("rollout: %s workers now start with verify_kv_transfers %s", pool, "on" if verify else "off")
+        done += roll(cluster, pool, config)
+    return done
 
 
 def roll_worker(cluster, role: str, address: str, config: RolloutConfig) -> Replaced | None:

@@ -23,8 +23,8 @@ class Supervisor(RoundLoop):
     """Keeps the router and every worker slot alive, and the router's table true. A router whose
     process died is started again on the same ports (``LocalCluster.restart_router``). A worker whose process died,
     or that hangs (``pdserve.router.liveness``: its engine makes no progress while it holds work, or it
-    stops answering, for ``hang_timeout_s``), leaves the router's table at once; a hung one is
-    killed; then a new one starts in its slot (in a new placement group) and joins it. Every
+    stops answering, or it keeps KV quarantined past its bound, for ``hang_timeout_s``), leaves the
+    router's table at once; a hung one is killed; then a new one starts in its slot (in a new placement group) and joins it. Every
     round re-sends the membership."""
 
     name = "supervisor"
@@ -52,7 +52,9 @@ class Supervisor(RoundLoop):
                 seen.add(address)
                 self._liveness[address] = observe(self._liveness.get(address), now, stats is not None,
                                                   stats.engine_steps if stats else 0,
-                                                  stats.engine_busy if stats else False)
+                                                  stats.engine_busy if stats else False,
+                                                  stats.kv_quarantined_blocks if stats else 0,
+                                                  stats.num_blocks_total if stats else 0)
                 if is_hung(self._liveness[address], now, hang_s):
                     hung.append((role, index))
         for address in set(self._liveness) - seen:

@@ -3,7 +3,8 @@ as a Kubernetes Deployment runs it (deploy/k8s/overlays/plain-k8s).
 
 A worker serves its role on the internal plane, then **joins** the router through
 ``RouterAdmin.Join`` on the router's internal address (``--router-admin``), under the role its
-certificate names. It joins again every ``--join-interval-seconds`` (a no-op while it is
+certificate names and at its advertised address, whose host its certificate must name too (an
+IP or DNS SAN; ``python -m pdserve.cluster.certs --worker``; checked at start). It joins again every ``--join-interval-seconds`` (a no-op while it is
 listed; a router restarted with an empty table lists it again). On SIGTERM it **leaves** the
 table first (the router stops sending it work), then drains: health turns NOT_SERVING,
 in-flight requests get up to ``--drain-grace-seconds``, then it exits 0.
@@ -131,7 +132,7 @@ def worker_config(s: WorkerSettings):
     common = dict(worker_id=s.plain.worker_id or socket.gethostname(),
                   model_name=served_names(s.engine.model, s.api.served_model_name)[0],
                   engine=engine_config(s), host=internal.internal_host,
-                  advertise_host=internal.internal_advertise_host, tls=internal_tls(internal, s.role),
+                  advertise_host=internal.internal_advertise_host, tls=joining_tls(s),
                   port=s.plain.internal_port, insecure_internal=internal.insecure_internal,
                   metrics_port=s.plain.metrics_port, kv_transfer_backend=kv.kv_transfer_backend,
                   verify_kv=kv.verify_kv_transfers,
@@ -144,6 +145,26 @@ def worker_config(s: WorkerSettings):
 
     return DecodeWorkerConfig(transfer_timeout_s=kv.transfer_timeout_seconds, lease_seconds=kv.lease_seconds,
                               decode_kv_reuse=s.router.decode_kv_reuse, **common)
+
+
+def joining_tls(s: WorkerSettings):
+    """The worker's certificate, checked to name its role and the host it advertises: the router
+    lets a worker join its table only at a host its certificate names (``pdserve.router.admin``),
+    so a certificate that does not would fail every Join; refused at start instead."""
+    from pdserve.wire import tls
+    from pdserve.wire.address import resolve
+
+    config = internal_tls(s.internal, s.role)
+    if config is None:
+        return None
+    host = resolve(s.internal.internal_host, s.internal.internal_advertise_host).advertise_host
+    if not tls.names_host(config.cert_pem, host):
+        hosts = ", ".join(sorted(tls.certificate_hosts(config.cert_pem))) or "no host"
+        raise tls.TlsConfigError(f"tls_cert: the certificate names {hosts}, not {host}, the host this worker "
+                                 f"advertises (internal_advertise_host); the router lets a worker join only at "
+                                 f"a host its own certificate names: python -m pdserve.cluster.certs DIR "
+                                 f"--worker NAME={s.role}@{host}")
+    return config
 
 
 async def run_role(s: WorkerSettings, config) -> None:
@@ -212,7 +233,8 @@ class Membership:
     """A worker's entry in the router's table, kept through ``RouterAdmin`` on the internal plane.
 
     ``Join`` and ``Leave`` change this worker's entry alone, under the role its certificate
-    names (the router refuses any other, and only the controller may replace the table)."""
+    names and at a host it names (the router refuses any other, and only the controller may
+    replace the table)."""
 
     def __init__(self, admin_address: str, tls, role: str, address: str, worker_id: str):
         from pdserve.protos import admin_pb2
@@ -252,5 +274,8 @@ class Membership:
                              self.member.address)
                 self.joined = True  # listed now: added just now, or found there
             except grpc.RpcError as exc:  # the router is starting or restarting: try again
-                log.warning("router at %s not reachable: %s", self.admin_address, exc.code().name)
+                if exc.code() is grpc.StatusCode.PERMISSION_DENIED:  # it will not list us: say why, loudly
+                    log.error("the router at %s refuses to list this worker: %s", self.admin_address, exc.details())
+                else:
+                    log.warning("router at %s not reachable: %s", self.admin_address, exc.code().name)
             await asyncio.sleep(interval_s)

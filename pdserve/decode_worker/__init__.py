@@ -17,7 +17,8 @@ Request lifecycle on this worker:
   claim on the lease, so the holder never frees the blocks under it.
   Streamed KV (``kv_streamed``): the lease comes while the prompt still computes; the worker
   reads each stretch of finished blocks as ``WatchKV`` reports it, then the rest and the
-  first token once the prompt is done. Any failed read fails the transfer as a whole.
+  first token once the prompt is done; that last read, whose notice ends the lease, starts
+  only once every earlier read is done. Any failed read fails the transfer as a whole.
 - RUNNING: the request joins the continuous batch, decoding from the first token the
   prefill worker sampled; every step's token streams back to the router.
 - FINISHED: EOS, a stop token, max_tokens or the context length; blocks freed, their KV kept
@@ -33,7 +34,8 @@ Request lifecycle on this worker:
   transfer failed. A failed transfer (or a refused claim) is reported to the router with the
   typed failure code ``kv_transfer`` (it re-runs the prefill elsewhere) and to the prefill
   worker through ``Release``, never silently recomputed. A step that raises aborts its
-  requests with the code ``step_failed``.
+  requests with the code ``step_failed``. Blocks a stopped read may still write stay
+  QUARANTINED until the transport says that read is over (``pdserve.shell.read_quarantine``).
 
 Besides its requests, the worker may hold cached prefixes for prefill workers to read (the
 reversed pull, ``prefix_hold.py``): ``HoldPrefix`` pins them under a lease, which the reader's

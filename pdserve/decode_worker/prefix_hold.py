@@ -23,6 +23,11 @@ last part's notice (every rank pair's read), whichever rank's agent it reaches.
 
 Refused (no handle, nothing held): a worker whose agent another role shares (an elastic
 worker: its prefill side consumes the agent's read notices).
+
+The sums taken here are never of unverified bytes: with ``verify_kv`` every block in this
+worker's prefix cache was computed here or read and checked, for a read its holder sent no
+checksums for is refused before it starts (``pdserve.kv_transfer.source.KVSource.require_sums``);
+without it, no sums are taken or sent at all.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ import sys
 import grpc
 
 from pdserve.decode_worker.spans import DecodeSpans
-from pdserve.decode_worker.worker import (DecodeWorker, HandedOver, KVArrived, KVProgressed, LocallyPrefilled,
-                                          TransferFailed)
+from pdserve.decode_worker.worker import (DecodeWorker, HandedOver, KVArrived, KVProgressed, KVUnverified,
+                                          LocallyPrefilled, TransferFailed)
 from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, StepFailed
 from pdserve.kv_transfer import TransferError
 from pdserve.kv_transfer.handoff import KVHandle, ReleaseReason, release_request
@@ -131,6 +131,9 @@ class DecodeService(PrefixHoldRpcs, ShellRpcs, worker_pb2_grpc.DecodeWorkerServi
             self.worker.source_unreachable()
             await self._check_source(kv.prefill_address)
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_TRANSFER, f"kv transfer failed: {exc}")
+        except KVUnverified as exc:  # nothing read: the router prefills it again, on this worker
+            await lease.end(ReleaseReason.TRANSFER_FAILED)
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, Failure.KV_UNVERIFIED, f"kv refused unread: {exc}")
         except TransferFailed as exc:
             await lease.end(ReleaseReason.TRANSFER_FAILED)
             await self._check_source(kv.prefill_address)

@@ -3,25 +3,27 @@ in flight.
 
 A prompt's KV arrives in one read after its prefill, or, streamed (``watch``), in one read per
 newly finished stretch of blocks while the prefill worker still computes, then a last read
-of the rest. Either way the same bytes land in the same blocks, the last read ends the lease
-on the holder, and any failed read fails the request's transfer as a whole."""
+of the rest, once every earlier one is done. Either way the same bytes land in the same
+blocks, the last read ends the lease on the holder, and any failed read fails the request's
+transfer as a whole."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
+from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.engine.config import MIXED, EngineConfig
 from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling.params import SamplingParams
-from pdserve.kv_transfer import DEFAULT_BACKEND, InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState
-from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
+from pdserve.kv_transfer import InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState, UnverifiedTransfer
 from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.kv_transfer.rank_agents import RankAgents, RankSources
 from pdserve.decode_worker.prefix_hold import PrefixHolds
@@ -29,9 +31,9 @@ from pdserve.protos import kv_transfer_pb2
 from pdserve.wire import worker_metrics
 from pdserve.wire.address import resolve, transfer_listen_opts
 from pdserve.wire.internal_plane import check_bind
-from pdserve.wire.tls import TlsConfig
 from pdserve.shell.agents import worker_agents, worker_engine
 from pdserve.shell.cache_events import CacheEventLog
+from pdserve.shell.read_quarantine import ReadQuarantine
 from pdserve.shell.worker import WorkerShell
 
 log = logging.getLogger(__name__)
@@ -47,46 +49,6 @@ TRANSFER_POLL_S = 0.0005
 # 256-token prompt take a few ms; the streams running pay at most the share, once per hand-off.
 HOLD_SHARE = 0.3
 HOLD_CAP_S = 0.02
-
-
-@dataclass(frozen=True)
-class DecodeWorkerConfig:
-    worker_id: str = "decode-0"
-    model_name: str = "smollm2"  # the served name (the first), the workers' metrics label model_name
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str | None = "127.0.0.1"  # internal plane bind address; None: the node's IP (wire.address)
-    advertise_host: str | None = None  # what peers dial; None: from host (wire.address.resolve)
-    tls: TlsConfig | None = None  # mTLS on the internal plane (wire.tls)
-    insecure_internal: bool = False  # allow binding beyond loopback without tls (wire.internal_plane)
-    port: int = 0
-    metrics_port: int = 0  # Prometheus /metrics on host; 0: any free port (Stats tells which)
-    kv_transfer_backend: str = DEFAULT_BACKEND
-    # A read not done this long after it started fails (and the router re-prefills). No default
-    # here: the process entry passes the ``transfer_timeout_seconds`` setting (cluster.settings).
-    transfer_timeout_s: float = field(kw_only=True)
-    verify_kv: bool = VERIFY_BY_DEFAULT  # check every block read against the holder's checksum (kv_transfer.checksum)
-    # Tensor-parallel size of the prefill pool, which reads this one's held prefixes (prefix_hold):
-    # blocks are checksummed in groups of heads for its ranks (as PrefillWorkerConfig.reader_tp).
-    reader_tp: int = 1
-    # Publish this worker's prefix-cache events (prompt and answer blocks) for the router's KV
-    # index: the ``decode_kv_reuse`` setting (cluster.settings), passed down by the process entry.
-    decode_kv_reuse: bool = True
-    inject_transfer_delay_s: float = 0.0  # fault-injection hook for tests: slows every read
-    max_requests: int = 1024  # requests held at once (waiting for KV, queued or running); past it RESOURCE_EXHAUSTED
-    max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
-    cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
-    borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
-    step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.core.step_trace)
-    otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
-    # A prefix held for a prefill worker's read (prefix_hold) is freed this long after the hold
-    # at the latest. No default here: the process entry passes the ``lease_seconds`` setting.
-    lease_seconds: float = field(kw_only=True)
-    # Conversations keep their KV (the ``decode_kv_reuse`` setting): publish this worker's
-    # prefix-cache events to routers, as a prefill worker does, so a conversation's next turn
-    # comes back where its prompt and answer are cached; and read a remote-prefilled prompt's
-    # KV only past what this worker's own prefix cache holds. Off: neither (as before issue 44).
-    decode_kv_reuse: bool = True
-    cache_event_log_size: int = 16384  # events kept for routers' polls (PrefillWorkerConfig's)
 
 
 @dataclass(frozen=True)
@@ -114,6 +76,9 @@ class _Pull:
     next_block: int = 0  # blocks before this one have a read started, or are reused (never read)
     reused_blocks: int = 0  # the first blocks, which this worker's prefix cache had (_Landing)
     final_at: Optional[float] = None  # when the last read (the rest, ending the lease) started
+    # Streamed: the last read, held back until every earlier read is DONE (its notice ends the
+    # lease, and the holder frees the blocks they may still be reading); ``_poll_transfers`` starts it.
+    deferred: Optional[Callable[[], None]] = None
     first_token: Optional[int] = None  # streamed: learnt with the end of the prompt
 
 
@@ -150,6 +115,10 @@ def decode_engine_config(engine: EngineConfig) -> EngineConfig:
 
 class TransferFailed(Exception):
     """The prompt's KV could not be pulled; the request was aborted here."""
+
+
+class KVUnverified(TransferFailed):
+    """The holder sent no checksums and this worker verifies (``verify_kv``): nothing was read."""
 
 
 class HandedOver(Exception):
@@ -189,13 +158,14 @@ class DecodeWorker(WorkerShell):
             cache_log = None
         elif cache_log is None:
             cache_log = CacheEventLog.following(engine.blocks, config.cache_event_log_size)
-        super().__init__(config, engine, agent, hooks=[self._poll_transfers, lambda: self.prefix_holds.poll()], holds=[self._hold_for_arrivals],
-                         cache_log=cache_log)
+        super().__init__(config, engine, agent, hooks=[self._poll_transfers, lambda: self.prefix_holds.poll(),
+                                                       lambda: self.reads.poll()], holds=[self._hold_for_arrivals], cache_log=cache_log)
+        self.reads = ReadQuarantine(self.agent, engine.blocks)  # stopped reads' blocks, until those reads are over
         self.endpoint = endpoint
         self.prefix_holds = PrefixHolds(engine, self.agent, config.lease_seconds, config.verify_kv, enabled=own_agent)
         self._pulls: dict[str, _Pull] = {}
         self._arriving: dict[str, float] = {}  # request -> its latest move (time.monotonic), until its KV is here
-        self._unverified_peers: set[str] = set()  # peers whose KV came without checksums (warned once)
+        self.unverified_refused = 0  # KV refused unread: it came without checksums (WorkerStats.kv_unverified_refused)
 
     def add_peer(self, meta: kv_transfer_pb2.AgentMetadata) -> RankSources:
         """Connect each rank's agent to the holder ranks it reads, from what a prefill worker publishes."""
@@ -208,7 +178,7 @@ class DecodeWorker(WorkerShell):
 
     def stats_extra(self) -> dict:
         """The block size the published hashes cover (a router reads the events with it)."""
-        return {"block_size": self.engine.blocks.block_size}
+        return {"block_size": self.engine.blocks.block_size, "kv_unverified_refused": self.unverified_refused}
 
     # ---- called from the asyncio loop ----------------------------------------------
     async def decode(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
@@ -333,8 +303,8 @@ class DecodeWorker(WorkerShell):
         Blocks this worker's prefix cache gave the prompt (``_add_arriving``) are never read:
         the reads start past them, at the same place in the handle's block ids. ``sums``: the
         holder's checksums of the handle's first blocks, against which the read checks what
-        lands (with ``verify_kv``, where they cover the blocks read: exactly those, since each
-        block has its own sums)."""
+        lands (with ``verify_kv``; sums that do not cover every block read start no read at all:
+        ``KVUnverified``, counted, and the router prefills the request again)."""
         if not self.engine.blocks.has(request_id):  # aborted meanwhile (or an early read failed)
             raise TransferFailed("the request was aborted before its read started")
         pull = self._pulls.setdefault(request_id, _Pull(next_block=local.reused, reused_blocks=local.reused))
@@ -345,6 +315,10 @@ class DecodeWorker(WorkerShell):
             raise TransferFailed(f"the handle names {n} blocks, none past the {pull.next_block} here already")
         if end <= pull.next_block:
             return
+        if last and any(h.state is not TransferState.DONE for h in pull.handles):
+            pull.deferred = functools.partial(self._start_read, request_id, kv, peer, local, ready_tokens, last,
+                                              first_token, sums)
+            return
         try:  # one read per rank pair (one between single-rank workers), each with its notice
             handles = self.agent.start(
                 peer, kv.block_ids, local.block_ids, pull.next_block, end, lease_token=kv.lease_token, last=last,
@@ -353,10 +327,10 @@ class DecodeWorker(WorkerShell):
         except InvalidTransferRequest as exc:
             self.abort_now(request_id)
             raise TransferFailed(f"the handle does not fit the holder's cache: {exc}") from exc
-        if self.config.verify_kv and any(h.checksums is None for h in handles) and peer.name not in self._unverified_peers:
-            self._unverified_peers.add(peer.name)  # said once per peer: a setting, not an event
-            log.warning("KV from peer %r comes without checksums: its reads are not verified (is "
-                        "verify_kv_transfers off there?)", peer.name)
+        except UnverifiedTransfer as exc:  # fail closed: nothing read, the router prefills it again
+            self.abort_now(request_id)
+            self.unverified_refused += 1
+            raise KVUnverified(str(exc)) from exc
         pull.handles.extend(handles)
         pull.next_block = end
         if last:
@@ -373,6 +347,12 @@ class DecodeWorker(WorkerShell):
             if failed is not None:
                 self.abort_now(request_id)
                 arrived.append((request_id, TransferFailed(f"KV transfer {failed.state.name.lower()}: {failed.error}")))
+            elif pull.deferred is not None and all(state is TransferState.DONE for state in states):
+                start, pull.deferred = pull.deferred, None
+                try:
+                    start()
+                except TransferFailed as exc:
+                    arrived.append((request_id, exc))
             elif pull.final_at is not None and all(state is TransferState.DONE for state in states):
                 del self._pulls[request_id]
                 self._arriving.pop(request_id, None)
@@ -392,8 +372,12 @@ class DecodeWorker(WorkerShell):
         return TRANSFER_POLL_S if self._pulls else None
 
     def abort_now(self, request_id: str) -> bool:
+        """Abort the request; the blocks its stopped reads may still write stay quarantined
+        until those reads are over (``pdserve.shell.read_quarantine``)."""
         self._arriving.pop(request_id, None)
         pull = self._pulls.pop(request_id, None)
-        for handle in pull.handles if pull is not None else ():
-            self.agent.cancel(handle)
-        return self.engine.abort(request_id)
+        landing = self.reads.stop(pull.handles if pull is not None else ())
+        aborted = self.engine.abort(request_id, quarantine=landing.blocks)
+        if aborted:
+            self.reads.hold(landing)
+        return aborted

@@ -216,12 +216,13 @@ class LLMEngine:
         state = self._requests.get(request_id)
         return None if state is None else state.seq
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its blocks. False if it is unknown."""
+    def abort(self, request_id: str, quarantine: Seq[int] = ()) -> bool:
+        """Stop a request wherever it is and free its blocks, but quarantine ``quarantine``
+        (blocks a cancelled read may still write: ``BlockManager.free``). False if it is unknown."""
         seq = self._seq(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq, FinishReason.ABORT)
+        self.scheduler.finish(seq, FinishReason.ABORT, quarantine)
         self._forget(seq)
         return True
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pdserve.kv_transfer.base import KVTransferAgent
-from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferRequest, TransferError
+from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferRequest, TransferError, UnverifiedTransfer
 from pdserve.kv_transfer.read import TransferHandle, TransferState, TransferStats
 
 DEFAULT_BACKEND = "nixl"
@@ -22,7 +22,7 @@ BACKENDS = ("nixl", "tcp")
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "BackendUnavailable", "InvalidTransferRequest",
            "KVTransferAgent", "TransferError", "TransferHandle", "TransferState",
-           "TransferStats", "create_agent"]
+           "TransferStats", "UnverifiedTransfer", "create_agent"]
 
 
 def create_agent(backend: str, name: str, cache: torch.Tensor, **opts: Any) -> KVTransferAgent:

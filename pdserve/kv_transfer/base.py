@@ -13,8 +13,10 @@ Lifecycle of one read, as ``poll`` reports it (``TransferState``):
   undefined bytes.
 - CANCELLED: the caller stopped it with ``cancel``; nothing counted as transferred.
 
-Terminal states are DONE, FAILED and CANCELLED; a terminal handle's backend resources are
-already freed. The holder (the side whose blocks were read) learns of each completed read
+Terminal states are DONE, FAILED and CANCELLED. A read stopped while bytes moved (cancelled,
+or FAILED by ``read_timeout_s``) may still write its local blocks until the backend ends it (UCX
+goes on writing a NIXL READ after ``release``): ``read_over`` tells, driving the backend, and
+until it does the blocks are not reused (``pdserve.shell.read_quarantine``). The holder (the side whose blocks were read) learns of each completed read
 through ``get_notifications``. No NIXL import here: backends live in their own modules.
 """
 
@@ -33,7 +35,8 @@ import torch
 from pdserve.kv_transfer import checksum
 from pdserve.kv_transfer.errors import InvalidTransferRequest, TransferError
 from pdserve.kv_transfer.layout import CacheLayout, block_bytes_view
-from pdserve.kv_transfer.metadata import block_ids, check_peer, peer_shard
+from pdserve.kv_transfer.metadata import check_peer, peer_shard
+from pdserve.kv_transfer.read_args import checked_read
 from pdserve.kv_transfer.read import TransferHandle, TransferState, TransferStats
 from pdserve.kv_transfer.sharding import HeadSlice, KVShard, head_slice
 from pdserve.protos import kv_transfer_pb2
@@ -106,6 +109,7 @@ class KVTransferAgent(abc.ABC):
         self._peers: dict[str, kv_transfer_pb2.AgentMetadata] = {}
         self._slices: dict[str, Optional[HeadSlice]] = {}  # peer -> what a read of it moves (None: blocks)
         self._inflight: dict[int, TransferHandle] = {}
+        self._landing: dict[int, TransferHandle] = {}  # terminal reads whose backend may still write (read_over)
         self._ids = itertools.count()
         self._closed = False
         # Holder side: (lease token from the read's notify, block ids) -> whether to serve
@@ -181,40 +185,8 @@ class KVTransferAgent(abc.ABC):
                 raise InvalidTransferRequest(
                     f"unknown peer {peer!r}: call add_remote with its metadata first",
                     field="peer", peer=peer)
-            remote = block_ids("remote_block_ids", remote_block_ids, meta.num_blocks)
-            local = block_ids("local_block_ids", local_block_ids, self.layout.num_blocks)
-            if len(remote) != len(local):
-                raise InvalidTransferRequest(
-                    f"remote_block_ids has {len(remote)} ids but local_block_ids has "
-                    f"{len(local)}; they pair up one to one", field="local_block_ids",
-                    limit=len(remote), peer=peer)
-            if len(set(local)) != len(local):
-                raise InvalidTransferRequest("local_block_ids must not repeat a block",
-                                             field="local_block_ids", peer=peer)
-            if not isinstance(notify, bytes):
-                raise InvalidTransferRequest(
-                    f"notify must be bytes, got {type(notify).__name__}", field="notify")
-            block_bytes = self.layout.block_bytes
-            last = block_bytes if last_block_bytes is None else int(last_block_bytes)
-            if not 0 < last <= block_bytes or not local:
-                raise InvalidTransferRequest(
-                    f"last_block_bytes must be in (0, {block_bytes}] with at least one block, "
-                    f"got {last_block_bytes}", field="last_block_bytes", limit=block_bytes, peer=peer)
-            hs = self._slices[peer]
-            if hs is None:
-                sums, last_rows = checksum.checksums_arg(checksums, len(local), peer), 0
-                nbytes = (len(local) - 1) * block_bytes + last
-            else:
-                last_rows = hs.last_rows(last)
-                if checksums is not None and hs.groups == 0:
-                    raise InvalidTransferRequest(f"peer {peer!r} sums its heads in groups the heads read here do not "
-                                                 "fall on: its reads cannot be checked", field="checksums", peer=peer)
-                sums, nbytes = checksum.checksums_arg(checksums, len(local), peer, hs.groups), hs.nbytes(len(local), last_rows)
-            now = time.monotonic()
-            handle = TransferHandle(
-                transfer_id=next(self._ids), peer=peer, remote_block_ids=remote,
-                local_block_ids=local, notify=notify, last_block_bytes=last, nbytes=nbytes, started_at=now,
-                post_at=now + self.inject_delay_s, checksums=sums, slice=hs, last_rows=last_rows)
+            handle = checked_read(next(self._ids), peer, meta, self.layout, self._slices[peer], remote_block_ids,
+                                  local_block_ids, notify, last_block_bytes, checksums, self.inject_delay_s)
             self._inflight[handle.transfer_id] = handle
             if self.inject_delay_s == 0:
                 self._post(handle)
@@ -292,6 +264,24 @@ class KVTransferAgent(abc.ABC):
                 self._finish(handle, TransferState.CANCELLED, None)
             return handle.state
 
+    def read_over(self, handle: TransferHandle) -> bool:
+        """Whether no byte of this read can land in its local blocks any more: it is terminal
+        and its backend has ended it. Each call drives a read stopped in flight (module docstring)."""
+        with self._lock:
+            if not handle.state.is_terminal:
+                return False
+            if self._landing.get(handle.transfer_id) is not handle:
+                return True
+            if not self._end_backend(handle):
+                return False
+            del self._landing[handle.transfer_id]
+            return True
+
+    def landing(self) -> int:
+        """Reads terminal for their caller whose backend has not yet ended them (``read_over``)."""
+        with self._lock:
+            return len(self._landing)
+
     def expect_reads(self, expected: bool, urgent: bool = True) -> None:
         """Tell the agent whether a peer may be reading from it now, so a backend that needs
         holder-side progress (NIXL) drives it only then; ``urgent`` False: no reader waits on
@@ -330,9 +320,8 @@ class KVTransferAgent(abc.ABC):
         handle.state = state
         handle.error = error
         self._inflight.pop(handle.transfer_id, None)
-        if handle.backend_handle is not None:  # cancels the read if it is still running
-            self._free_backend(handle)
-            handle.backend_handle = None
+        if handle.backend_handle is not None and not self._end_backend(handle):
+            self._landing[handle.transfer_id] = handle  # still writing: read_over drives it on
         self.stats.record(state, handle.nbytes, handle.finished_at - handle.started_at, handle.verify_failed)
 
     # ----------------------------------------------------------------- lifecycle
@@ -350,6 +339,18 @@ class KVTransferAgent(abc.ABC):
             self._slices.clear()
             self._closed = True
             self._close_backend()
+
+    def _end_backend(self, handle: TransferHandle) -> bool:
+        """Ask the backend to end the read (``_free_backend``); True, and the handle's backend
+        part dropped, once it has."""
+        try:
+            over = self._free_backend(handle)
+        except Exception:  # a backend that cannot tell has not ended the read
+            logger.warning("ending KV read %d failed", handle.transfer_id, exc_info=True)
+            over = False
+        if over:
+            handle.backend_handle = None
+        return over
 
     def _check_open(self) -> None:
         if self._closed:
@@ -388,9 +389,10 @@ class KVTransferAgent(abc.ABC):
         """Non-blocking progress check of a posted read."""
 
     @abc.abstractmethod
-    def _free_backend(self, handle: TransferHandle) -> None:
-        """Free ``handle.backend_handle``, stopping the read if it is still running (cancel,
-        timeout); must not raise."""
+    def _free_backend(self, handle: TransferHandle) -> bool:
+        """Stop the read of ``handle.backend_handle`` if it is still running (cancel, timeout)
+        and free it once the backend says it has ended; return whether it has (no byte lands
+        after). Called again (``read_over``) until it returns True; must not raise."""
 
     @abc.abstractmethod
     def _close_backend(self) -> None:

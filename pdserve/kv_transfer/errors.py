@@ -27,6 +27,12 @@ class InvalidTransferRequest(TransferError, ValueError):
     servers can map it to INVALID_ARGUMENT."""
 
 
+class UnverifiedTransfer(TransferError):
+    """A reader that verifies was asked to read blocks the holder sent no checksums for (a
+    holder with ``verify_kv_transfers`` off, or an older one). Raised before any read starts:
+    such bytes are never read, so they can never be used, published or summed again."""
+
+
 class BackendUnavailable(TransferError):
     """The requested backend cannot start on this host (e.g. NIXL or UCX failed to load).
 

@@ -3,7 +3,9 @@ held prompts (``pdserve.prefill_worker.worker``) and a decode worker's held pref
 (``pdserve.decode_worker.prefix_hold``, the reversed pull).
 
 A lease ends in three ways that need no call from anyone (``pdserve.kv_transfer.handoff``
-describes the hand-off): its reader's last read lands (the read's notice, PULLED), nobody
+describes the hand-off): its reader's last read lands (the read's notice, PULLED; a reader of
+streamed KV starts it only once every earlier read of the lease is done, so no read of the
+lease is left running when its blocks are freed), nobody
 renewed it in time (EXPIRED), or it is unclaimed and the router it was granted to stopped
 polling (OWNER_LOST). ``upkeep`` applies all three to a ``LeaseTable`` and hands each lease
 that ended to the holder, whose part is to free its blocks. Pure bookkeeping, no I/O: the

@@ -14,7 +14,7 @@ What the worker sees is one agent:
   notices come out of ``get_notifications``; ``read_guard`` and ``expect_reads`` apply to all;
 - as a reader: ``connect`` gives a holder worker's ``RankSources`` (each reader rank's
   ``KVSource``), and ``start`` starts every rank's reads of a stretch of blocks with the same
-  block ids; ``poll`` and ``cancel`` take any of the handles it returned.
+  block ids; ``poll``, ``cancel`` and ``read_over`` take any of the handles it returned.
 At size 1 it is the one agent, and every call what that agent's would be.
 """
 
@@ -118,7 +118,11 @@ class RankAgents:
     def start(self, peer: RankSources, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
               start: int, end: int, **read) -> list[TransferHandle]:
         """Every rank's reads of blocks [start, end) (``KVSource.start``; ``read``: its keyword
-        arguments). If one rank's cannot start, those already started are cancelled."""
+        arguments). With ``sums`` in ``read``, every rank's are checked first (``require_sums``):
+        a holder that sent none starts no read at all. If one rank's cannot start, those already
+        started are cancelled."""
+        for source in peer.sources:
+            source.require_sums(read.get("sums"), start, end)
         handles: list[TransferHandle] = []
         try:
             for agent, source in zip(self.agents, peer.sources):
@@ -136,6 +140,14 @@ class RankAgents:
 
     def cancel(self, handle: TransferHandle) -> TransferState:
         return self._owner[handle].cancel(handle)
+
+    def read_over(self, handle: TransferHandle) -> bool:
+        """Whether no byte of the read can land here any more (``KVTransferAgent.read_over``)."""
+        return self._owner[handle].read_over(handle)
+
+    def landing(self) -> int:
+        """Every rank's reads stopped but not yet ended by their backend."""
+        return sum(agent.landing() for agent in self.agents)
 
     def close(self) -> None:
         for agent in self.agents:

@@ -2,7 +2,7 @@
 process, create its KV-transfer agent over its own cache when rank 0 asks (``CreateRankAgent``),
 then answer rank 0's calls on it, one at a time, until rank 0 closes the agent or the socket.
 
-The reads it starts are kept by id until rank 0 has seen them end (a poll or cancel that
+The reads it starts are kept by id until rank 0 has seen them over (a poll or cancel that
 answers a terminal state), so a read's handle lives here exactly as long as rank 0 follows it.
 
 On CUDA its work on the device (checksums of blocks, a read's verification) runs on a stream
@@ -163,13 +163,14 @@ class RankAgentServer:
             return answer is not None and answer.allowed
 
     def _state(self, handle: TransferHandle) -> pb.RankAgentReply:
-        if handle.state.is_terminal:
+        over = self.agent.read_over(handle)  # False while not terminal, or still landing
+        if over:
             self._reads.pop(handle.transfer_id, None)
         return pb.RankAgentReply(read=pb.ReadState(
             transfer_id=handle.transfer_id, state=int(handle.state), error=handle.error or "",
             verify_failed=handle.verify_failed, nbytes=handle.nbytes, started_at=handle.started_at,
             finished_at=handle.finished_at or 0.0, finished=handle.finished_at is not None,
-            descriptors=handle.descriptors))
+            descriptors=handle.descriptors, over=over))
 
     def _close(self) -> None:
         if self.agent is not None:

@@ -55,6 +55,7 @@ class RemoteAgent:
         self.stats = TransferStats()
         self._sock, self._lock = sock, threading.Lock()
         self._handles: dict[int, TransferHandle] = {}
+        self._landing: dict[int, TransferHandle] = {}  # terminal, not yet over on the rank (read_over)
         self._guard: Optional[Callable[[str, list[int]], bool]] = None
         self._guard_sock: Optional[socket.socket] = None
         self._expecting: Optional[tuple[bool, bool]] = None  # the last expect_reads the rank heard
@@ -185,11 +186,31 @@ class RemoteAgent:
         self._update(handle, state)
         return handle.state
 
+    def read_over(self, handle: TransferHandle) -> bool:
+        """Whether no byte of the read can land in the rank's blocks any more: a poll of a read
+        stopped in flight drives it on the rank (``KVTransferAgent.read_over``). A rank that is
+        gone writes nothing."""
+        if not handle.state.is_terminal:
+            return False
+        if handle.transfer_id in self._landing:
+            try:
+                self._update(handle, self._call(pb.RankAgentCall(poll=pb.ReadCall(transfer_id=handle.transfer_id))).read)
+            except TransferError:
+                self._landing.pop(handle.transfer_id, None)
+        return handle.transfer_id not in self._landing
+
+    def landing(self) -> int:
+        return len(self._landing)
+
     def _update(self, handle: TransferHandle, state: pb.ReadState) -> None:
         handle.verify_failed = state.verify_failed
         if state.finished:
             handle.finished_at = state.finished_at
         self._end(handle, TransferState(state.state), state.error or None)
+        if state.over or not handle.state.is_terminal:
+            self._landing.pop(handle.transfer_id, None)
+        else:
+            self._landing[handle.transfer_id] = handle
 
     def _end(self, handle: TransferHandle, state: TransferState, error: Optional[str]) -> None:
         handle.state, handle.error = state, error or handle.error

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdserve.kv_transfer.base import KVTransferAgent
-from pdserve.kv_transfer.errors import InvalidTransferRequest
+from pdserve.kv_transfer.errors import InvalidTransferRequest, UnverifiedTransfer
 from pdserve.kv_transfer.handoff import ReadNotice
 from pdserve.kv_transfer.metadata import peer_shard, ranks_of
 from pdserve.kv_transfer.read import TransferHandle
@@ -65,6 +65,19 @@ class KVSource:
             return tuple(sums[start:end]) if len(sums) >= end else None
         return self.reads[i].checksums(sums, start, end)
 
+    def require_sums(self, sums: Optional[Sequence[int]], start: int, end: int) -> None:
+        """Fail closed: with ``sums`` (not None: the reader verifies), raise UnverifiedTransfer
+        naming the holder if they do not cover every pair's blocks [start, end). Nothing is
+        read then; a reader never reads, let alone uses, a block it cannot check."""
+        if sums is None:
+            return
+        for i in range(max(1, len(self.reads))):
+            if self.checksums(i, sums, start, end) is None:
+                raise UnverifiedTransfer(
+                    f"holder {self.name!r} sent {len(sums)} checksums, not those of blocks [{start}, {end}) "
+                    f"({self.sums_per_block} a block): is verify_kv_transfers off there? A reader that "
+                    "verifies reads nothing unchecked", field="verify_kv_transfers", peer=self.name)
+
     def start(self, agent: KVTransferAgent, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
               start: int, end: int, *, lease_token: str, last: bool, last_block_bytes: Optional[int] = None,
               sums: Optional[Sequence[int]] = None) -> list[TransferHandle]:
@@ -73,8 +86,10 @@ class KVSource:
         last reads, each with its part's notice (the lease ends once all have landed), the last
         block moving ``last_block_bytes`` of this rank's (None: whole); else early reads, with a
         notice only where the holder checks reads (tcp). ``sums``: the holder's checksums
-        (``sums_per_block`` a block, from block 0), None: not checked. If one pair cannot start,
+        (``sums_per_block`` a block, from block 0), None: not checked; given, they must cover
+        every block read (``require_sums``: else nothing starts). If one pair cannot start,
         the others already started are cancelled and the error raised."""
+        self.require_sums(sums, start, end)
         handles: list[TransferHandle] = []
         try:
             for i, peer in enumerate(self.peers):

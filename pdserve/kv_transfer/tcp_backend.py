@@ -5,7 +5,10 @@ Received bytes go straight into the local blocks (via a host staging buffer for 
 a read by head (``pdserve.kv_transfer.sharding``) receives its rows into a host buffer and
 writes each into its place.
 Framing is in ``pdserve.kv_transfer.tcp_wire``. With ``tls`` (the internal plane's mTLS config) the
-server and every read speak TLS with client certificates, as the gRPC channels do.
+server and every read speak TLS with client certificates, as the gRPC channels do, and each end
+checks the other's role by the direction of the read (``kv_peer_roles``): a prefill worker's
+blocks are read by decode workers, a decode worker's held prefix (the reversed pull) by prefill
+workers.
 """
 
 from __future__ import annotations
@@ -25,11 +28,22 @@ from pdserve.kv_transfer.layout import block_bytes_view
 from pdserve.kv_transfer.read import TransferHandle, TransferState
 from pdserve.kv_transfer.sharding import KVShard
 from pdserve.protos import kv_transfer_pb2
-from pdserve.wire.tls import TlsConfig, role_name
+from pdserve.wire.tls import TlsConfig, certificate_roles, peer_roles
 
 logger = logging.getLogger(__name__)
 
 _CANCEL_JOIN_S = 5.0  # a cancelled read stops within one recv; this only bounds a wedged one
+# Who reads whose KV, keyed by the holder's role: a prefill worker's blocks go to a decode
+# worker, a decode worker's held prefix (the reversed pull) to a prefill worker. Symmetric, so
+# the same map gives a reader the role of the holders it reads.
+KV_PEER = {"prefill": "decode", "decode": "prefill"}
+
+
+def kv_peer_roles(roles: frozenset[str]) -> frozenset[str]:
+    """The roles at the other end of the KV reads of a worker whose certificate names ``roles``:
+    the readers it serves, which are also the holders it reads. An elastic worker names both
+    roles, and so serves and reads both."""
+    return frozenset(KV_PEER[role] for role in roles if role in KV_PEER)
 
 
 class _TcpRead:
@@ -37,6 +51,7 @@ class _TcpRead:
 
     def __init__(self) -> None:
         self.finished = threading.Event()
+        self.cancelled = threading.Event()
         self.error: Optional[str] = None
         self._cancelled = False
         self._sock: Optional[socket.socket] = None
@@ -49,8 +64,12 @@ class _TcpRead:
             return not self._cancelled
 
     def cancel(self) -> None:
-        """Stop the read; on return no more bytes land in the local blocks."""
+        """Stop the read: break its connection and wait (once, bounded) for its thread to end;
+        once ``finished`` is set no more bytes land in the local blocks."""
+        self.cancelled.set()
         with self._lock:
+            if self._cancelled:
+                return
             self._cancelled = True
             connected = self._sock is not None
             if connected:
@@ -96,16 +115,34 @@ class TcpAgent(KVTransferAgent):
             raise InvalidTransferRequest("tls needs a CA: the block server must refuse readers "
                                          "without a certificate of the cluster", field="tls")
         self._tls = tls
+        # With mTLS: the roles of this worker's KV peers, readers and holders alike (kv_peer_roles).
+        self._peer_roles = kv_peer_roles(certificate_roles(tls.cert_pem)) if tls else frozenset()
         self._client_ssl = tls.client_context() if tls else None
+        if self._client_ssl is not None:  # the holder's role is checked after the handshake (_connect)
+            self._client_ssl.check_hostname = False
         try:
             self._server = tcp_wire.BlockServer(host, port, self._blocks, self._on_notify,
-                                                self._authorize, tls.server_context() if tls else None)
+                                                self._authorize, tls.server_context() if tls else None,
+                                                reader_roles=self._peer_roles)
         except OSError as exc:
             raise BackendUnavailable("tcp", f"cannot listen on {host}:{port}: {exc}") from exc
         port = self._server.address.rpartition(":")[2]
         self._advertised = f"{advertise_host or host}:{port}"
         self._pool = ThreadPoolExecutor(max_workers=max_parallel_reads,
                                         thread_name_prefix=f"kv-tcp-read-{name}")
+        # Test-only fault injection (tests/conformance): while True, a read sends its request
+        # and then never receives, as a reader whose side of the transfer stalled; only its
+        # cancel (``read_timeout_s``, an abort) ends it. Serving side: ``inject_holder_stall``.
+        self.inject_reader_stall = False
+
+    @property
+    def inject_holder_stall(self) -> bool:
+        """Test-only: while True this agent's block server accepts reads and never answers."""
+        return self._server.inject_stall
+
+    @inject_holder_stall.setter
+    def inject_holder_stall(self, on: bool) -> None:
+        self._server.inject_stall = on
 
     def _authorize(self, notify: bytes, block_ids: list[int]) -> bool:
         return self.read_guard is None or self.read_guard(notify.decode(errors="replace"), block_ids)
@@ -149,10 +186,13 @@ class TcpAgent(KVTransferAgent):
             return TransferState.FAILED
         return TransferState.DONE
 
-    def _free_backend(self, handle: TransferHandle) -> None:
+    def _free_backend(self, handle: TransferHandle) -> bool:
+        """Break the read's connection and wait (bounded) for its thread to end: bytes land only
+        from that thread, so once it has, none can."""
         job: _TcpRead = handle.backend_handle
         if not job.finished.is_set():
             job.cancel()
+        return job.finished.is_set()
 
     def _run_read(self, job: _TcpRead, address: tuple[str, int], handle: TransferHandle) -> None:
         remote, local, hs = handle.remote_block_ids, handle.local_block_ids, handle.slice
@@ -165,6 +205,9 @@ class TcpAgent(KVTransferAgent):
                 if hs is None or hs.whole_rows:  # whole blocks (by head: whole rows, so the same bytes)
                     last = handle.last_block_bytes if hs is None else handle.last_rows * hs.dst_row
                     sock.sendall(tcp_wire.encode_read(remote, handle.notify, last))
+                    if self.inject_reader_stall:
+                        job.cancelled.wait()
+                        raise tcp_wire.WireError("the read stalled (inject_reader_stall) until it was cancelled")
                     tcp_wire.recv_reply_header(sock, (len(remote) - 1) * self.layout.block_bytes + last)
                     self._receive_blocks(sock, local, last)
                 else:
@@ -181,15 +224,24 @@ class TcpAgent(KVTransferAgent):
             job.finished.set()
 
     def _connect(self, address: tuple[str, int]) -> socket.socket:
-        """A connection to a holder; with mTLS, after a handshake that checks its certificate."""
+        """A connection to a holder; with mTLS, after a handshake that checks its certificate
+        chains to the cluster's CA and names a role whose KV this worker reads: a decode
+        worker reads prefill holders, a prefill worker decode holders."""
         sock = socket.create_connection(address, timeout=self.read_timeout_s)
         if self._client_ssl is None:
             return sock
         try:
-            return self._client_ssl.wrap_socket(sock, server_hostname=role_name("prefill"))  # KV is held by prefill servers
+            tls_sock = self._client_ssl.wrap_socket(sock)  # owns the connection from here on
         except BaseException:
             sock.close()
             raise
+        held = peer_roles(tls_sock)
+        if not held & self._peer_roles:
+            tls_sock.close()
+            raise tcp_wire.WireError(f"the holder's certificate names {', '.join(sorted(held)) or 'no role'}, "
+                                     f"none of the roles whose KV this worker reads "
+                                     f"({', '.join(sorted(self._peer_roles)) or 'none'})")
+        return tls_sock
 
     def _receive_blocks(self, sock: socket.socket, local: tuple[int, ...], last: int) -> None:
         if self._host_blocks is not None:

@@ -26,7 +26,8 @@ token) against the claimed leases before the block ids are read, so a sender's `
 
 With an ``ssl`` context (mTLS on the internal plane, ``pdserve.wire.tls``) every connection starts
 with a TLS handshake; a reader without a certificate of the cluster's CA fails it and gets
-no byte. The frames are the same inside TLS.
+no byte, and one whose certificate names none of ``reader_roles`` (``tcp_backend.kv_peer_roles``)
+is dropped after it. The frames are the same inside TLS.
 
 Connections are bounded before they cost a thread: the server takes at most
 ``max_unauthenticated`` connections that have not yet shown a claimed lease's token (the TLS
@@ -68,7 +69,6 @@ MAX_NOTIFY_BYTES = 1 << 16  # notifications are request ids, not payloads
 _IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per sendmsg/recvmsg_into
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its TLS handshake by then is dropped
 IO_TIMEOUT_S = 30.0  # a connection idle this long within one read or write is dropped
-READER_ROLE = "decode"  # with mTLS, only a certificate naming this role reads KV (wire.tls.role_uri)
 # Reads in flight at once from every decode worker together (each runs a few at a time,
 # ``max_parallel_reads``), and connections not yet authorized among them: a reader is
 # authorized within one round trip of connecting, so a few dozen is ample for honest readers.
@@ -281,7 +281,8 @@ class BlockServer:
     def __init__(self, host: str, port: int, blocks: torch.Tensor,
                  on_notify: Callable[[bytes], None],
                  authorize: Callable[[bytes, list[int]], bool] = lambda notify, ids: True,
-                 ssl_context: ssl.SSLContext | None = None, io_timeout_s: float = IO_TIMEOUT_S,
+                 ssl_context: ssl.SSLContext | None = None, reader_roles: frozenset[str] = frozenset(),
+                 io_timeout_s: float = IO_TIMEOUT_S,
                  max_connections: int = MAX_CONNECTIONS, max_unauthenticated: int = MAX_UNAUTHENTICATED):
         if not 1 <= max_unauthenticated <= max_connections:
             raise ValueError(f"max_unauthenticated must be in [1, max_connections={max_connections}], "
@@ -289,11 +290,15 @@ class BlockServer:
         self._blocks = blocks
         self._io_timeout_s = io_timeout_s
         self._ssl = ssl_context
+        self._reader_roles = reader_roles  # with ssl_context: a reader's certificate names one of them
         self._authorize = authorize  # whether the read's notify (a lease token) covers its blocks
         # CPU caches are sent straight from their storage; CUDA blocks are gathered to host.
         self._host = blocks.numpy() if blocks.device.type == "cpu" else None
         self._on_notify = on_notify
         self.admission = _Admission(max_connections, max_unauthenticated)
+        # Test-only fault injection (tests/conformance): while True, an authorized read is
+        # accepted and never answered, as a holder whose sending stalled would leave it.
+        self.inject_stall = False
         server = self
 
         class _Handler(socketserver.BaseRequestHandler):
@@ -328,8 +333,9 @@ class BlockServer:
             logger.info("tcp kv read refused: TLS handshake failed: %s", exc)
             return
         with tls_sock:
-            if READER_ROLE not in peer_roles(tls_sock):  # a cluster certificate, but not a KV reader's
-                logger.info("tcp kv read refused: the reader's certificate does not name the %s role", READER_ROLE)
+            if not self._reader_roles & peer_roles(tls_sock):  # a cluster certificate, but not a reader of ours
+                logger.info("tcp kv read refused: the reader's certificate names none of the roles that read "
+                            "this worker's KV (%s)", ", ".join(sorted(self._reader_roles)) or "none")
                 return
             tls_sock.settimeout(self._io_timeout_s)
             self._serve(tls_sock, ticket)
@@ -350,6 +356,9 @@ class BlockServer:
                 reason = str(exc).encode()
                 sock.sendall(REPLY_HEADER.pack(STATUS_ERROR, len(reason)) + reason)
                 return
+            if self.inject_stall:
+                self._stall(sock)
+                return
             length = (len(ids) - 1) * block_bytes + last if row_slice is None else \
                 row_slice.nbytes(len(ids), block_bytes, last)
             sock.sendall(REPLY_HEADER.pack(STATUS_OK, length))
@@ -365,6 +374,16 @@ class BlockServer:
         except (OSError, WireError, struct.error) as exc:
             # The reader sees the broken connection and fails its read; nothing to undo here.
             logger.info("tcp kv read broke off: %s", exc)
+
+    @staticmethod
+    def _stall(sock: socket.socket) -> None:
+        """``inject_stall``: send nothing, and hold the connection until the reader closes it."""
+        while True:
+            try:
+                if not sock.recv(1):
+                    return
+            except socket.timeout:
+                continue
 
     def _send_blocks(self, sock: socket.socket, ids: list[int], last: int) -> None:
         if self._host is not None:

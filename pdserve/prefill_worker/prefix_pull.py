@@ -19,7 +19,9 @@ The prefix's life here, on the engine thread:
 
 A prefix that could not be read changes nothing but time: the prompt is computed whole, to
 the same tokens. Refused (the prompt is computed whole, the lease released, counted as a
-failed transfer): prompts that want prompt logprobs (every position must run).
+failed transfer): prompts that want prompt logprobs (every position must run). Refused unread
+and counted (``kv_unverified_refused``): a prefix held without checksums while this worker
+verifies (``verify_kv``); such blocks are never read, so never marked final nor published.
 
 Tensor-parallel workers on either side read as the KV transfer does: each of this worker's
 ranks reads its KV heads from the holder ranks that hold them (``RankAgents.start``,
@@ -38,6 +40,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer import InvalidTransferRequest, TransferHandle, TransferState
 from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.kv_transfer.rank_agents import RankAgents, RankSources
+from pdserve.shell.read_quarantine import ReadQuarantine
 from pdserve.wire import worker_metrics
 
 log = logging.getLogger(__name__)
@@ -83,10 +86,12 @@ class PrefixPulls:
                  labels: MetricLabels, verify_kv: bool):
         self.engine, self.agent, self.push = engine, agent, push
         self.labels, self.verify_kv = labels, verify_kv
+        self.quarantine = ReadQuarantine(agent, engine.blocks)  # blocks of stopped reads, until they are over
         self._reads: dict[str, _Read] = {}  # request -> its prefix, from ``pin`` until its prompt has blocks
         self.bytes_read = 0  # KV bytes this worker read from decode workers' prefixes
         self.tokens_read = 0  # ... and the prompt tokens they hold (WorkerStats.prefix_tokens_read)
         self.refused = 0  # prefixes offered and not read (WorkerStats.prefix_reads_refused)
+        self.unverified = 0  # ... of them, held without checksums while this worker verifies (kv_unverified_refused)
 
     def pin(self, request_id: str, prompt: list[int], cache_salt: str, kv: KVHandle) -> tuple[int, int]:
         """Pin the prefix ``kv`` holds (step 1 of the module docstring): returns how many of
@@ -110,22 +115,26 @@ class PrefixPulls:
     def start(self, request_id: str, kv: KVHandle, peer: RankSources) -> None:
         """Start reading the pinned prefix's blocks past the own hits (step 2); the read's
         notice ends the holder's lease. Raises InvalidTransferRequest (the pin is freed) where
-        the handle does not fit this cache."""
+        the handle does not fit this cache, and UnverifiedTransfer (nothing read) where this
+        worker verifies and the holder sent no checksums for them: fail closed, as a decode
+        worker's read."""
         read = self._reads[request_id]
         bs = self.engine.blocks.block_size
         try:
             read.handles = self.agent.start(peer, kv.block_ids, read.local, read.own, read.num_final // bs,
                                             lease_token=kv.lease_token, last=True,
-                                            sums=kv.block_checksums if self.verify_kv and kv.block_checksums else None)
+                                            sums=kv.block_checksums if self.verify_kv else None)
         except InvalidTransferRequest:
             self.drop(request_id)
             raise
 
     def poll(self) -> float | None:
         """Hook (step 3 and 4): end the reads that ended, and free the pins whose prompt has its
-        blocks now. How long until the next look (None: nothing pinned)."""
+        blocks now; release the blocks of stopped reads now over. How long until the next look
+        (None: nothing pinned or quarantined)."""
+        wait = self.quarantine.poll()
         if not self._reads:
-            return None
+            return wait
         ended = []
         for request_id, read in list(self._reads.items()):
             if not read.handles:  # no read (started yet): a pin waiting for its prompt's blocks
@@ -135,7 +144,7 @@ class PrefixPulls:
             ended.extend(self._check(request_id, read))
         if ended:
             self.push(ended)
-        return PULL_POLL_S if self._reads else None
+        return PULL_POLL_S if self._reads else wait
 
     def _check(self, request_id: str, read: _Read) -> list[tuple[str, PrefixPulled]]:
         states = [self.agent.poll(h) for h in read.handles]
@@ -159,11 +168,13 @@ class PrefixPulls:
         return [(request_id, PrefixPulled(read.num_final, nbytes))]
 
     def drop(self, request_id: str) -> None:
-        """The request leaves, or its prefix is not to be read: cancel its read and free its pin."""
-        read = self._reads.get(request_id)
-        for handle in read.handles if read is not None else ():
-            self.agent.cancel(handle)
-        self._free(request_id)
+        """The request leaves, or its prefix is not to be read: cancel its read and free its pin,
+        but the blocks the read may still write stay quarantined until it is over."""
+        read = self._reads.pop(request_id, None)
+        if read is not None:
+            landing = self.quarantine.stop(read.handles)
+            self.engine.blocks.free(read.pin, quarantine=landing.blocks)
+            self.quarantine.hold(landing)
 
     def _free(self, request_id: str) -> None:
         read = self._reads.pop(request_id, None)

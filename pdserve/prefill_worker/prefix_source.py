@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from pdserve.kv_transfer import TransferError, TransferState
+from pdserve.kv_transfer import TransferError, TransferState, UnverifiedTransfer
 from pdserve.kv_transfer.handoff import KVHandle, ReleaseReason, release_request
 from pdserve.kv_transfer.rank_agents import RankAgents, RankSources
 from pdserve.prefill_worker.prefix_pull import PrefixPulled, PrefixPulls
@@ -108,6 +108,12 @@ async def read_prefix(call: Callable[..., Awaitable], pulls: PrefixPulls, peers:
         await source.claim()
         claimed = True
         await call(pulls.start, request_id, kv, source.peer)
+    except UnverifiedTransfer as exc:  # fail closed: nothing was read; the prompt is computed whole
+        await call(pulls.drop, request_id)
+        pulls.unverified += 1
+        await source.release(ReleaseReason.TRANSFER_FAILED)
+        log.warning("request %s: prefix not read: %s", request_id, exc)
+        return PrefixPulled(0, error=f"refused: {exc}")
     except (grpc.aio.AioRpcError, TransferError) as exc:
         await call(pulls.drop, request_id)
         pulls.agent.stats.record(TransferState.FAILED, 0, 0.0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+
 import grpc
 
 from pdserve.engine.errors import InvalidRequestError, StepFailed
@@ -29,6 +31,9 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         await self.admit(context, grpc.StatusCode.UNAVAILABLE)  # refused: the router tries another
+        if self.worker.inject_never_answer:  # test-only (tests/conformance): accepted, never answered
+            self.worker.never_answered += 1
+            await asyncio.Event().wait()  # until the caller gives up and the call is cancelled
         log.debug("prefill %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids))
         span = self._span(request, context, "prefill_worker.Prefill")
         params = sampling_from_proto(request.sampling, keep_stop_strings=False)

@@ -57,6 +57,10 @@ class PrefillWorker(WorkerShell):
                                                        lambda: self.prefix_pulls.poll()],
                          cache_log=cache_log)
         self.endpoint = endpoint
+        # Test-only fault injection (tests/conformance, ``ServerActor.inject_fault``): while
+        # True, a Prefill call is accepted and never answered, however long its caller waits.
+        self.inject_never_answer = False
+        self.never_answered = 0  # the calls it has left unanswered so far
         # The reversed pull: prefixes read from decode workers before their prompts are queued.
         self.prefix_pulls = PrefixPulls(engine, self.agent, self.push, MetricLabels(
             config.worker_id, config.kv_transfer_backend, config.model_name), config.verify_kv)
@@ -182,6 +186,7 @@ class PrefillWorker(WorkerShell):
         stats = super().stats(metrics_address)
         stats.num_waiting_tokens = max(0, stats.num_waiting_tokens - self._queued_hit_tokens())
         stats.prefix_tokens_read, stats.prefix_reads_refused = self.prefix_pulls.tokens_read, self.prefix_pulls.refused
+        stats.kv_unverified_refused = self.prefix_pulls.unverified
         return stats
 
     def _queued_hit_tokens(self) -> int:

@@ -114,7 +114,7 @@ class RankAgentCall(_message.Message):
     def __init__(self, create: _Optional[_Union[CreateRankAgent, _Mapping]] = ..., metadata: _Optional[_Union[NoArgs, _Mapping]] = ..., checksums: _Optional[_Union[ChecksumsCall, _Mapping]] = ..., notifications: _Optional[_Union[NoArgs, _Mapping]] = ..., expect_reads: _Optional[_Union[ExpectReadsCall, _Mapping]] = ..., add_remote: _Optional[_Union[_kv_transfer_pb2.AgentMetadata, _Mapping]] = ..., start_read: _Optional[_Union[StartReadCall, _Mapping]] = ..., poll: _Optional[_Union[ReadCall, _Mapping]] = ..., cancel: _Optional[_Union[ReadCall, _Mapping]] = ..., guard: _Optional[_Union[GuardCall, _Mapping]] = ..., close: _Optional[_Union[NoArgs, _Mapping]] = ...) -> None: ...
 
 class ReadState(_message.Message):
-    __slots__ = ("transfer_id", "state", "error", "verify_failed", "nbytes", "started_at", "finished_at", "finished", "descriptors")
+    __slots__ = ("transfer_id", "state", "error", "verify_failed", "nbytes", "started_at", "finished_at", "finished", "descriptors", "over")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class ReadState(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    OVER_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     state: int
     error: str
@@ -133,7 +134,8 @@ class ReadState(_message.Message):
     finished_at: float
     finished: bool
     descriptors: int
-    def __init__(self, transfer_id: _Optional[int] = ..., state: _Optional[int] = ..., error: _Optional[str] = ..., verify_failed: _Optional[bool] = ..., nbytes: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., finished: _Optional[bool] = ..., descriptors: _Optional[int] = ...) -> None: ...
+    over: bool
+    def __init__(self, transfer_id: _Optional[int] = ..., state: _Optional[int] = ..., error: _Optional[str] = ..., verify_failed: _Optional[bool] = ..., nbytes: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., finished: _Optional[bool] = ..., descriptors: _Optional[int] = ..., over: _Optional[bool] = ...) -> None: ...
 
 class RankAgentError(_message.Message):
     __slots__ = ("kind", "message", "field", "limit", "has_limit", "peer", "backend")

@@ -50,6 +50,9 @@ class Attempt:
     # longest prefix, or served the session last): its decode call tries it first. None: the
     # decode call picks the least loaded, as without a plan.
     decode_worker: str | None = None
+    # That decode worker's verify_kv_transfers (None: not known, or no plan): the prefill call
+    # picks a prefill worker that agrees (``pdserve.router.policy.verify_agrees``).
+    verify_kv: bool | None = None
 
 
 def attempt_params(params: SamplingParams, sent: int) -> SamplingParams:
@@ -118,7 +121,8 @@ class RemotePrefill:
         request = worker_pb2.PrefillRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,
                                             sampling=attempt.sampling, router_id=ctx.pool.router_id, prefix=prefix)
         try:
-            answer, address, streaming = await prefill(ctx, request, self.stream_kv, attempt.sampling.cache_salt)
+            answer, address, streaming = await prefill(ctx, request, self.stream_kv, attempt.sampling.cache_salt,
+                                                       verify_kv=attempt.verify_kv)
         finally:
             if prefix is not None:
                 release_hold_later(ctx, self.prefix_from, prefix.lease_token)

@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.protos import worker_pb2
 from pdserve.router.errors import AttemptLost, route_error
-from pdserve.router.policy import Choice, pick_decode
+from pdserve.router.policy import Choice, disagreeing, pick_decode
 from pdserve.router.worker_calls import CallContext, Fault, triage
 from pdserve.wire import tracing
 
@@ -27,16 +27,25 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
     before it sent anything is passed over for another; any other failure loses the attempt.
     The source itself is never picked: an elastic worker that took the decode role while it
     still held KV as a prefill worker cannot read from its own agent (with no other decode
-    worker, the attempt is lost and the run re-prefills)."""
+    worker, the attempt is lost and the run re-prefills), nor a decode worker that disagrees
+    with the source on verifying KV (``verify_agrees``; with only such left, the attempt is lost
+    to a local prefill); a decode worker that refused the KV unread, for it came without
+    checksums, loses the attempt to one too."""
     tried: set[str] = set()
-    passed = frozenset(w.worker_id for w in ctx.pool.snapshots() if w.worker_id == source and w.role != "prefill")
+    snapshots = ctx.pool.snapshots()
+    passed = frozenset(w.worker_id for w in snapshots if w.worker_id == source and w.role != "prefill")
+    # A reader must verify the KV as its holder does (``verify_agrees``): the others are passed over.
+    holder = next((w.verify_kv for w in snapshots if w.worker_id == source), None) if source else None
+    mismatched = disagreeing(snapshots, holder, "decode") if source else frozenset()
+    passed |= mismatched
     while True:
         route = ctx.spans.route("decode") if ctx.spans is not None else None
         choice = await ctx.budget.admit(lambda: _pick(ctx, blocks, passed | tried, prefer), ctx.pool.interval_s)
         tracing.end_span(route, attributes={tracing.WORKER_ID: choice.worker_id or ""} if route else None)
         if choice.worker_id is None:
             if (tried or passed) and not choice.saturated:
-                raise AttemptLost(choice.reason)
+                raise AttemptLost(choice.reason + (f"; {len(mismatched)} disagree with the holder on "
+                                                   "verify_kv_transfers" if mismatched else ""), local=bool(mismatched))
             raise route_error(choice)
         client = ctx.pool.workers[choice.worker_id]
         tried.add(client.address)
@@ -71,6 +80,8 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
             fault = triage(exc, ctx.budget)
             if fault is Fault.BUSY and not started:
                 continue  # the KV is still held: another decode worker may take it
+            if fault is Fault.UNVERIFIED:  # refused unread: neither worker is at fault, the pair is
+                raise AttemptLost(f"decode worker {client.address}: {exc.details()}", local=True) from exc
             if fault is Fault.TRANSFER:
                 if source is not None:
                     ctx.pool.transfer_failed(source)  # the KV's source, if it keeps failing

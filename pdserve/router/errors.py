@@ -31,11 +31,14 @@ class AttemptLost(Exception):
     """This attempt cannot go on (its transfer failed, a worker died or hung, the decode
     stream ended early): the run re-prefills prompt + tokens sent and continues. ``moved``:
     the decode worker handed the stream over and holds its KV under this lease; the run goes on
-    from it on another decode worker instead (``pdserve.router.attempts.MovedKV``)."""
+    from it on another decode worker instead (``pdserve.router.attempts.MovedKV``). ``local``:
+    the next attempt prefills on a decode worker, for no pair agrees on verifying the KV (a
+    reader refused KV without checksums, or no decode worker verifies as the holder does)."""
 
-    def __init__(self, message: str, moved: worker_pb2.KVHandle | None = None):
+    def __init__(self, message: str, moved: worker_pb2.KVHandle | None = None, local: bool = False):
         super().__init__(message)
         self.moved = moved
+        self.local = local
 
 
 def route_error(choice: Choice) -> Exception:

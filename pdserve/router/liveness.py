@@ -11,11 +11,19 @@ supervisor replaces it.
 
 The timeout must exceed the longest single engine step (a full prefill chunk on a loaded
 CPU), or a slow step reads as a hang.
+
+A worker whose KV reads hang is hung too, though its engine steps: a read stopped in flight
+keeps its blocks quarantined until the transport says it is over (pdserve/shell/read_quarantine.py),
+and one that never ends keeps them for good. A worker with more than ``QUARANTINE_BOUND`` of its
+blocks quarantined for ``hang_timeout_s`` (a healthy transport ends a stopped read within
+milliseconds) is hung, and replaced like one whose engine stopped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+QUARANTINE_BOUND = 0.25  # of a worker's KV blocks: more, quarantined for hang_timeout_s, is a hang
 
 
 @dataclass(frozen=True)
@@ -24,21 +32,27 @@ class Liveness:
 
     steps: int  # the engine's step count in the last answer
     progressed_at: float  # when it last made progress (or was first seen), on the caller's clock
+    quarantined_since: float | None = None  # since when its quarantined blocks are past the bound
 
 
-def observe(prev: Liveness | None, now: float, answered: bool, steps: int = 0, busy: bool = False) -> Liveness:
+def observe(prev: Liveness | None, now: float, answered: bool, steps: int = 0, busy: bool = False,
+            quarantined: int = 0, blocks: int = 0) -> Liveness:
     """Fold one ``Stats`` poll into ``prev``: ``answered`` False for a poll that failed, else
-    the answer's ``engine_steps`` and ``engine_busy``. A first sighting counts as progress
-    (the worker was added because it serves)."""
+    the answer's ``engine_steps``, ``engine_busy``, ``kv_quarantined_blocks`` and
+    ``num_blocks_total``. A first sighting counts as progress (the worker was added because it
+    serves)."""
     if prev is None:
-        return Liveness(steps if answered else 0, now)
+        prev = Liveness(steps if answered else 0, now)
     if not answered:
         return prev
+    over = quarantined > QUARANTINE_BOUND * blocks
+    since = (prev.quarantined_since if prev.quarantined_since is not None else now) if over else None
     if steps != prev.steps or not busy:  # a restarted worker's count starts over: also a change
-        return Liveness(steps, now)
-    return prev
+        return Liveness(steps, now, since)
+    return Liveness(prev.steps, prev.progressed_at, since)
 
 
 def is_hung(liveness: Liveness, now: float, hang_timeout_s: float) -> bool:
-    """No progress for longer than ``hang_timeout_s``."""
-    return now - liveness.progressed_at > hang_timeout_s
+    """No progress, or blocks quarantined past the bound, for longer than ``hang_timeout_s``."""
+    since = liveness.quarantined_since
+    return now - liveness.progressed_at > hang_timeout_s or (since is not None and now - since > hang_timeout_s)

@@ -134,6 +134,10 @@ class Reason(str, enum.Enum):
     PREFIX_ON_DECODE = "prefix_on_decode"  # remote: a prefill worker reads that prefix from the decode worker
     PREFILL_CHEAPER = "prefill_cheaper"  # remote as today, though a decode worker caches a prefix
     PREFILL_BEHIND = "prefill_behind"  # local: the prefill pool's queue would break the TTFT budget
+    # local: no routable prefill worker verifies KV as the decode worker does (a rollout of
+    # verify_kv_transfers halfway: router.policy.verify_agrees), or its reader refused KV that
+    # came without checksums on the last attempt
+    VERIFY_MISMATCH = "verify_mismatch"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ class WorkerSnapshot:
     inflight: int = 0  # requests this router has on the worker
     last_placed: int = 0  # this router's placement sequence number of its last request (0: never)
     local_token_s: float | None = None  # a decode worker's measured wall seconds per prompt token it prefills; None: not yet
+    verify_kv: bool | None = None  # its verify_kv_transfers setting (WorkerStats.verify_kv); None: not heard yet
 
     @property
     def routable(self) -> bool:
@@ -54,6 +55,23 @@ def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
     if any(w.role in SERVES[role] and w.routable for w in workers):
         return Choice(None, f"every healthy {role} worker was tried")
     return Choice(None, f"no healthy {role} worker", pool_empty=True)
+
+
+def verify_agrees(holder: bool | None, reader: bool | None) -> bool:
+    """Whether a holder and a reader of KV may be paired: both verify it or neither does
+    (``verify_kv_transfers`` is one setting for the whole cluster; only a rollout that changes
+    it, ``pdserve.cluster.rollout.roll_verify``, leaves the two halves differing). A reader that
+    verifies refuses KV that comes without checksums (fail closed: the request goes round
+    again), and one that does not leaves unchecked what the cluster is being set to check; so
+    the router pairs neither. Unknown (not polled yet) agrees with both."""
+    return holder is None or reader is None or holder == reader
+
+
+def disagreeing(workers: Iterable[WorkerSnapshot], verify_kv: bool | None, role: str) -> frozenset[str]:
+    """The workers of ``role``'s pool (``SERVES``) that may not pair with a worker whose
+    setting is ``verify_kv`` (``verify_agrees``): the exclusions of a prefill or decode choice."""
+    return frozenset(w.worker_id for w in workers
+                     if w.role in SERVES[role] and not verify_agrees(w.verify_kv, verify_kv))
 
 
 def pick_prefill(workers: Iterable[WorkerSnapshot], exclude: frozenset[str] = frozenset(),

@@ -74,7 +74,7 @@ class WorkerClient:
             queued_tokens=s.num_waiting_tokens + self.local_tokens,
             blocks_used=s.num_blocks_used + self.local_blocks, blocks_total=s.num_blocks_total,
             blocks_unbounded=s.num_blocks_unbounded, inflight=self.inflight, last_placed=self.last_placed,
-            local_token_s=s.local_prefill_token_s or None)
+            local_token_s=s.local_prefill_token_s or None, verify_kv=s.verify_kv if self.stats is not None else None)
 
 
 POOLS = ("prefill", "decode")
@@ -286,11 +286,13 @@ class WorkerPool:
     def _check_liveness(self, w: WorkerClient, answered: bool) -> None:
         now = time.monotonic()
         s = w.stats if answered else None
-        w.liveness = observe(w.liveness, now, answered, s.engine_steps if s else 0, s.engine_busy if s else False)
+        w.liveness = observe(w.liveness, now, answered, s.engine_steps if s else 0, s.engine_busy if s else False,
+                             s.kv_quarantined_blocks if s else 0, s.num_blocks_total if s else 0)
         hung = is_hung(w.liveness, now, self.hang_timeout_s)
         if hung and not w.hung:
-            log.warning("worker %s is hung: no engine progress for %.1f s (hang_timeout_s %g); its requests migrate",
-                        w.address, now - w.liveness.progressed_at, self.hang_timeout_s)
+            log.warning("worker %s is hung: no engine progress for %.1f s, or KV quarantined past its bound "
+                        "(hang_timeout_s %g); its requests migrate", w.address, now - w.liveness.progressed_at,
+                        self.hang_timeout_s)
             w.lost.set()
         elif w.hung and not hung:
             log.warning("worker %s makes progress again", w.address)

@@ -15,6 +15,7 @@ import grpc
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.protos import worker_pb2
 from pdserve.router.errors import AttemptLost, NoPrefillWorker, RouteError, route_error
+from pdserve.router.policy import disagreeing
 from pdserve.router.request_budget import prefill_call_timeout_s
 from pdserve.router.worker_calls import (CallContext, Fault, Started, detach, ignore_errors, last_message, triage,
                                          unavailable, unless_hung)
@@ -27,25 +28,32 @@ log = logging.getLogger(__name__)
 HOLD_TIMEOUT_S = 2.0
 
 
-async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_kv: bool, cache_salt: str):
+async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_kv: bool, cache_salt: str,
+                  verify_kv: bool | None = None):
     """(the prefill worker's answer, its address, None). With ``stream_kv`` the answer may be
     the early KV handle (``kv_streaming``); then the third is the open call, whose last
-    message is the answer (``streamed_answer``)."""
+    message is the answer (``streamed_answer``). ``verify_kv``: the planned decode worker's
+    setting; prefill workers that disagree are passed over (``verify_agrees``), and where only
+    they are left the attempt is lost to a local prefill."""
     prompt = list(request.prompt_token_ids)
     tried: set[str] = set()
     last = "no prefill worker"
     for _ in range(ctx.limits.max_prefill_attempts):
         route = ctx.spans.route("prefill") if ctx.spans is not None else None
+        mismatched = disagreeing(ctx.pool.snapshots(), verify_kv, "prefill")
         # An empty prefill pool is not waited on: a decode worker prefills the prompt instead.
         choice = await ctx.budget.admit(lambda: ctx.pool.route_prefill(
-            prompt, ctx.limits.routing, frozenset(tried), ctx.limits.max_queued_tokens_per_prefill, cache_salt),
-            ctx.pool.interval_s, wait_empty=False)
+            prompt, ctx.limits.routing, frozenset(tried) | mismatched, ctx.limits.max_queued_tokens_per_prefill,
+            cache_salt), ctx.pool.interval_s, wait_empty=False)
         if route is not None:
             tracing.end_span(route, attributes={tracing.ROUTE_RULE: choice.rule or "", tracing.CACHED_TOKENS:
                                                 choice.cached_tokens, tracing.WORKER_ID: choice.worker_id or ""})
         if choice.worker_id is None:
             if choice.saturated:
                 raise route_error(choice)
+            if mismatched and not choice.pool_empty:
+                raise AttemptLost(f"no prefill worker left with verify_kv_transfers {'on' if verify_kv else 'off'}, "
+                                  "as the decode worker", local=True)
             break
         client = ctx.pool.workers[choice.worker_id]
         tried.add(client.address)

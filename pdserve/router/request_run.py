@@ -26,10 +26,10 @@ from pdserve.router.attempts import (Attempt, LocalPrefill, MovedKV, Output, Rem
 from pdserve.router.errors import AttemptLost, NoPrefillWorker, RouteError, failure_code, route_error
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
-from pdserve.router.local_prefill import (Mixed, Reason, beyond_prefill, decide_for_attempt, find_holder,
+from pdserve.router.local_prefill import (Decision, Mixed, Reason, beyond_prefill, decide_for_attempt, find_holder,
                                          prefill_options, worker_load)
 from pdserve.router.output_processor import OutputProcessor
-from pdserve.router.policy import WorkerSnapshot, pick_decode
+from pdserve.router.policy import WorkerSnapshot, pick_decode, verify_agrees
 from pdserve.router.pool import WorkerPool
 from pdserve.router.request_budget import RequestBudget
 from pdserve.router.request_spans import RequestSpans
@@ -65,6 +65,7 @@ class RequestRun:
                                  limited=not req.default_max_tokens, spans=spans)
         self.migrations = 0
         self._prefilled = False  # the request's first prefill answer came
+        self._local_next = False  # the last attempt was lost to a local prefill (AttemptLost.local)
 
     async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """The client's stream. The request is counted however it ends: finished, failed, or
@@ -132,7 +133,7 @@ class RequestRun:
                 if spans is not None:
                     spans.end_attempt(lost=exc)
                 number += 1
-                moved = self._movable(exc.moved)
+                moved, self._local_next = self._movable(exc.moved), exc.local
                 self._migrate(exc, attempt, moved)
 
     def _prefill_pool_lost(self, exc: NoPrefillWorker, attempt: Attempt) -> None:
@@ -174,7 +175,10 @@ class RequestRun:
         and the attempt with the decode worker the plan is for, recorded in the metrics. With
         no decode worker caching a prefix, the rule runs on the decode worker the decode call
         will pick first (the same pick over the same snapshots, with no await between), or on
-        the one the session hint names."""
+        the one the session hint names. A remote plan needs a prefill worker that verifies KV
+        as that decode worker does (``_verify_agreed``); with none, or after a lost attempt that
+        asked for it (``AttemptLost.local``: its reader refused KV without checksums), the decode
+        worker prefills it."""
         snapshots = self.pool.snapshots()
         salt = attempt.sampling.cache_salt
         holder, prefills = None, []
@@ -192,10 +196,13 @@ class RequestRun:
         load = worker_load(worker) if worker is not None else 1.0
         decision = decide_for_attempt(self.limits.local_prefill, self.limits.routing, len(attempt.prompt), load,
                                       holder, prefills, mixed=_mixed(snapshots, worker, self.pool.prefill_pace.token_s))
+        planned = decision.decode_worker or (worker.worker_id if worker is not None else None)
+        verify = next((w.verify_kv for w in snapshots if w.worker_id == planned), None)
+        decision = _verify_agreed(decision, snapshots, verify, self._local_next, self.req.request_id)
         self.metrics.prefill_placed(decision.label, decision.reason.value, decision.uncached_tokens, decision.load)
         decode_worker = decision.decode_worker or (worker.worker_id if hinted else None)
         self._remember(decode_worker or (worker.worker_id if worker is not None else None))
-        attempt = dataclasses.replace(attempt, decode_worker=decode_worker)
+        attempt = dataclasses.replace(attempt, decode_worker=decode_worker, verify_kv=verify)
         if decision.local:
             return LocalPrefill(), attempt
         return RemotePrefill(stream_kv=0 < self.limits.stream_kv_min_tokens <= len(attempt.prompt),
@@ -286,3 +293,20 @@ def _mixed(snapshots: list[WorkerSnapshot], worker: WorkerSnapshot | None, token
                  prefill_queue=min(queues) if queues else None,
                  any_mixed=any(w.role == "mixed" and w.routable for w in snapshots), token_s=token_s,
                  local_token_s=worker.local_token_s if worker is not None else None)
+
+
+def _verify_agreed(decision: Decision, snapshots: list[WorkerSnapshot], verify: bool | None, refused: bool,
+                   request_id: str) -> Decision:
+    """``decision``, or a local prefill (``Reason.VERIFY_MISMATCH``, logged) where a remote one
+    cannot pair: no routable prefill worker verifies KV as the planned decode worker does
+    (``verify``; ``pdserve.router.policy.verify_agrees``), or ``refused`` (the last attempt's
+    reader refused KV that came without checksums: the router's view of the settings is stale)."""
+    if decision.local:
+        return decision
+    agreeing = [w for w in snapshots if w.role == "prefill" and w.routable and verify_agrees(w.verify_kv, verify)]
+    if agreeing and not refused:
+        return decision
+    log.warning("request %s: %s; the decode worker prefills it", request_id,
+                "its last reader refused KV without checksums" if refused else
+                f"no prefill worker has verify_kv_transfers {'on' if verify else 'off'}, as its decode worker")
+    return dataclasses.replace(decision, local=True, reason=Reason.VERIFY_MISMATCH, prefix_from=None)

@@ -47,6 +47,7 @@ class Fault(enum.Enum):
     WORKER = "the worker died, hung or cannot be reached"
     BUSY = "the worker has no room now (RESOURCE_EXHAUSTED)"
     TRANSFER = "the prompt's KV did not move"
+    UNVERIFIED = "the reader refused KV that came without checksums (the pair disagrees on verify_kv_transfers)"
     STEP = "a step holding the request raised, and the fault was not the request's"
     REFUSED = "the worker refused the call for another reason"
 
@@ -70,6 +71,8 @@ def triage(exc: grpc.aio.AioRpcError, budget: RequestBudget) -> Fault:
         return Fault.STEP
     if failure is Failure.KV_TRANSFER:
         return Fault.TRANSFER
+    if failure is Failure.KV_UNVERIFIED:
+        return Fault.UNVERIFIED
     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return Fault.BUSY
     return Fault.WORKER if exc.code() in _WORKER_GONE else Fault.REFUSED

@@ -44,4 +44,5 @@ async def serve(worker: WorkerShell, register: Callable[[grpc.aio.Server, str, s
         await running.stop()
 
     running.drain = drain
+    running.worker = worker
     return running

@@ -30,6 +30,7 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents
         # packs a burst's prompts into one step, so its queue empties long before they finish)
         num_waiting_tokens=sum(s.num_tokens - s.num_computed_tokens for s in waiting + list(sched.stepping)),
         num_blocks_total=blocks.num_blocks, num_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+        kv_quarantined_blocks=blocks.num_quarantined,  # counted in num_blocks_used too: not free
         num_blocks_unbounded=unbounded_blocks(engine),
         num_forward_tokens=engine.runner.num_forward_tokens,
         kv_transfer_bytes=t.bytes, kv_transfers=t.transfers, kv_transfer_failures=t.failures,

@@ -145,7 +145,7 @@ class WorkerShell:
     def stats(self, metrics_address: str = "") -> worker_pb2.WorkerStats:
         return worker_stats(self.config.worker_id, self.role, self.engine, self.agent, metrics_address,
                             engine_steps=self.thread.steps, draining=self.draining, num_in_flight=self.in_flight(),
-                            **self.stats_extra())
+                            verify_kv=self.config.verify_kv, **self.stats_extra())
 
     async def drain(self, grace_s: float) -> bool:
         """Refuse new requests, then wait until none is in flight or ``grace_s`` passes.

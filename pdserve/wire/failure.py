@@ -18,6 +18,9 @@ FAILURE_KEY = "pdserve-failure"
 
 class Failure(str, enum.Enum):
     KV_TRANSFER = "kv_transfer"  # the prompt's KV did not arrive (peer unreachable, read failed, lease refused)
+    # The holder sent the KV without checksums and the reader verifies: refused unread (fail
+    # closed). The pair disagrees on verification; the request is prefilled again locally.
+    KV_UNVERIFIED = "kv_unverified"
     # The step holding the request raised, and no part of it ran when the engine split its
     # batch to find whose fault it was (engine.step_isolation): pinned on no request, the
     # request was aborted. Its own fault (it raised alone while the rest ran) is not this:

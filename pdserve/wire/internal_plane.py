@@ -39,7 +39,7 @@ _HEALTH = "/grpc.health.v1.Health/"
 ALLOWED: dict[str, frozenset[str]] = {
     # The controller owns the routing table, and replaces it whole. A plain-process worker
     # (pdserve/cluster/worker_cli.py) adds or takes out itself alone, under the role its
-    # certificate names (router/admin.py); a plain router reads the table (cluster/worker_router.py).
+    # certificate names and at a host it names (router/admin.py); a plain router reads the table (cluster/worker_router.py).
     _ADMIN + "SetMembership": frozenset({"controller"}),
     _ADMIN + "Join": frozenset({"prefill", "decode"}),
     _ADMIN + "Leave": frozenset({"prefill", "decode"}),
@@ -104,6 +104,12 @@ def peer_roles(context: grpc.aio.ServicerContext) -> frozenset[str] | None:
     if not pems:
         return None if not context.peer_identities() else frozenset()
     return certificate_roles(pems[0]) & frozenset(ROLES)
+
+
+def peer_certificate(context: grpc.aio.ServicerContext) -> bytes | None:
+    """The PEM certificate the caller presented, None for a caller without one."""
+    pems = context.auth_context().get("x509_pem_cert")
+    return pems[0] if pems else None
 
 
 def refusal(method: str, roles: frozenset[str] | None) -> str | None:

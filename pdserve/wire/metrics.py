@@ -83,7 +83,14 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
   the prefixes it reads from decode workers, the reversed pull)
 - counter ``pdserve:kv_verify_failures_total``: of the failed KV reads, those whose bytes
   landed but did not match the holder's checksums (the request re-prefilled elsewhere)
+- counter ``pdserve:kv_unverified_refused_total``: KV a worker that verifies refused unread,
+  for its holder sent no checksums (a pair that disagrees on ``verify_kv_transfers``): a decode
+  worker's reads (the request is prefilled again, on a decode worker), a prefill worker's
+  prefix reads (the prompt is computed whole)
 - counter ``pdserve:kv_leases_expired_total``: held KV freed because no one pulled it in time
+- gauge ``pdserve:kv_quarantined_blocks``: KV blocks kept from reuse because a read into them
+  was stopped (cancelled, failed) and the transport has not said it is over
+  (pdserve/shell/read_quarantine.py); past a bound for ``hang_timeout_s`` the worker counts as hung
 - counter ``pdserve:prefix_cache_queries_total``, ``pdserve:prefix_cache_hits_total``: prompt
   tokens looked up and found, as vLLM counts them: whole blocks, and a tail's tokens (the last
   partial block of a finished sequence, taken by the next prompt that goes on the same way)

@@ -25,6 +25,7 @@ class RunningServer:
     http_address: str | None = None  # the router's OpenAI HTTP front
     internal_address: str | None = None  # the router's internal plane (RouterAdmin); workers: ``address``
     drain: Callable[[float], Awaitable[None]] | None = None  # a worker's graceful stop (SIGTERM), given its grace in s
+    worker: object = None  # a worker's shell (``pdserve.shell.worker``), for test-only fault injection
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -12,7 +12,9 @@ Two uses:
   caller, ``certificate_roles``) and as a DNS name ``<role>.pdserve.internal`` (``role_name``;
   what a channel checks of the server it reached, ``grpc.ssl_target_name_override``). So a
   channel to a prefill worker fails its handshake with any server that is not one, whoever
-  signed its certificate.
+  signed its certificate. A plain-process worker's certificate also names the hosts it serves
+  at (IP or DNS SANs, ``certificate_hosts``): the router lets it join and leave its table only
+  at an address on one of them (``pdserve.router.admin``).
 - **Public plane (TLS).** ``TlsConfig(cert, key, ca=None)``: a server certificate for the public
   gRPC and HTTP ports; with ``ca`` set, clients must present a certificate signed by it.
 
@@ -28,6 +30,7 @@ per-component certificates.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import ssl
 import tempfile
 from dataclasses import dataclass
@@ -49,19 +52,59 @@ def role_uri(role: str) -> str:
     return ROLE_URI_PREFIX + role
 
 
+def _sans(pem: bytes):
+    """The SubjectAlternativeName of a PEM certificate; None for one without (or not a certificate)."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+        return cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return None
+
+
 @functools.lru_cache(maxsize=256)
 def certificate_roles(pem: bytes) -> frozenset[str]:
     """The roles a PEM certificate names as SAN URIs (``role_uri``); none for one that names none.
     Cached: a server reads its callers' few certificates at every call."""
     from cryptography import x509
 
-    try:
-        cert = x509.load_pem_x509_certificate(pem)
-        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except (ValueError, x509.ExtensionNotFound):
+    sans = _sans(pem)
+    if sans is None:
         return frozenset()
     uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
     return frozenset(u[len(ROLE_URI_PREFIX):] for u in uris if u.startswith(ROLE_URI_PREFIX))
+
+
+def _host_key(host: str) -> str:
+    """A host as certificates and addresses are compared: an IP in its canonical form, a DNS
+    name in lower case without a final dot."""
+    bare = host.strip("[]")
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        return bare.lower().rstrip(".")
+
+
+@functools.lru_cache(maxsize=256)
+def certificate_hosts(pem: bytes) -> frozenset[str]:
+    """The hosts a PEM certificate names besides its roles: its IP SANs and its DNS names outside
+    ``INTERNAL_DOMAIN`` (the role names are not hosts). A worker's certificate names the hosts
+    it serves at, and the router lets it join its table only there (``router.admin``)."""
+    from cryptography import x509
+
+    sans = _sans(pem)
+    if sans is None:
+        return frozenset()
+    names = [_host_key(n) for n in sans.get_values_for_type(x509.DNSName)]
+    ips = [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)]
+    return frozenset(n for n in names if not n.endswith("." + INTERNAL_DOMAIN)) | frozenset(ips)
+
+
+def names_host(pem: bytes, host: str) -> bool:
+    """Whether the certificate ``pem`` names ``host`` (``certificate_hosts``; an IPv6 host may be
+    in brackets)."""
+    return _host_key(host) in certificate_hosts(pem)
 
 
 class TlsConfigError(ValueError):

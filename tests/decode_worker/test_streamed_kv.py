@@ -6,6 +6,7 @@ holder checks every read against the lease). The router is the real request run
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import grpc
@@ -193,3 +194,52 @@ def _sampling():
     from pdserve.protos import pdserve_pb2
 
     return pdserve_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def test_the_last_read_waits_for_every_earlier_read_so_the_lease_never_ends_under_one(tiny_llama_dir):
+    """The race forced: the holder (tcp, which serves each read itself) holds the first early
+    read back until the decode worker has asked for the last read, and a while longer. The last
+    read's notice ends the lease and frees the prompt's blocks, so it must not start before the
+    early read is done: the early read is still authorized when its bytes go out, the lease ends
+    (PULLED) only after it, no transfer fails and no token changes."""
+    model_dir = tiny_llama_dir[0]
+    expected = expected_tokens(model_dir)
+
+    async def main():
+        async with workers(model_dir, "tcp") as (prefill, (decoder,), pool):
+            allow, seen, ended_at = prefill.agent.read_guard, [], []
+
+            def last_read_asked() -> bool:
+                return any(p.deferred is not None or p.final_at is not None for p in list(decoder._pulls.values()))
+
+            first = threading.Lock()  # the first early read is held back; the others go as they come
+
+            def guard(note: str, block_ids: list[int]) -> bool:
+                if not block_ids or ReadNotice.decode(note).ends_lease or not first.acquire(blocking=False):
+                    return allow(note, block_ids)
+                deadline = time.monotonic() + 20
+                while not last_read_asked() and time.monotonic() < deadline:  # the prompt finishes meanwhile
+                    time.sleep(0.01)
+                time.sleep(0.5)  # time for a last read started now to land and end the lease
+                seen.append((last_read_asked(), allow(note, block_ids), time.monotonic()))
+                return seen[-1][1]
+
+            lease_ended = prefill._lease_ended
+
+            def spy(lease, reason):
+                ended_at.append((reason.name, time.monotonic()))
+                lease_ended(lease, reason)
+
+            prefill.agent.read_guard, prefill._lease_ended = guard, spy
+            run = request_run(pool, "raced", stream_kv=True)
+            tokens = await run_tokens(run)
+            await settle(prefill, [decoder])
+            return tokens, run, seen, ended_at, decoder.agent.stats.snapshot(), decoder.engine.blocks.num_free_blocks
+
+    tokens, run, seen, ended_at, reader, free_blocks = asyncio.run(main())
+    assert len(seen) == 1
+    asked, authorized, served_at = seen[0]
+    assert asked and authorized  # the race was on, and the lease still stood for the early read
+    assert [reason for reason, _ in ended_at] == ["PULLED"] and ended_at[0][1] > served_at
+    assert tokens == expected and run.migrations == 0
+    assert reader.failures == 0 and free_blocks == 64

@@ -7,13 +7,21 @@ deploy/k8s/overlays/plain-k8s`, the config is the overlay's own pdserve.yaml, an
 API-key secrets are made here. The two router Services (``pdserve-router`` for clients,
 ``pdserve-router-internal`` where workers join) are ``service.Service`` proxies on the
 network's gateway address, which every pod resolves the internal Service's name to.
+
+A worker pod's certificate is its own, as cert-manager's csi-driver would mount it
+(``csi_certificate``): signed by the secrets' CA, naming the volume's role and the pod's DNS
+name. Each container resolves every worker pod's DNS name (``<pod>.<subdomain>.<namespace>.svc
+.cluster.local``, the cluster DNS of a headless Service) to its address: pods get names and
+addresses by their number, so each container is told those of the first ``MAX_PODS`` at its start.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import resource
+import shutil
 import stat
 import subprocess
 import sys
@@ -35,6 +43,8 @@ ROLES = ("router", "prefill", "decode")
 # transformers-exact mode, so that streams compare token for token with the host's engine. A
 # worker checks its membership every second rather than every 5 s: a new router gathers its
 # workers sooner (each join reaches a random router, as through a ClusterIP Service).
+NAMESPACE = "pdserve"  # the overlay's (base/kustomization.yaml)
+MAX_PODS = 16  # pods one PlainK8s starts at most (a few per rolling update)
 SMALL_POD = {"PDSERVE_KV_CACHE_GIB": "0.25", "PDSERVE_THREADS_PER_WORKER": "1", "PDSERVE_DTYPE": "float32",
              "PDSERVE_JOIN_INTERVAL_SECONDS": "1"}
 
@@ -67,10 +77,12 @@ def plain_k8s_deployments() -> dict[str, dict]:
 
 
 def secrets(tmp: Path) -> tuple[Path, Path, str]:
-    """The overlay's two secrets as Kubernetes mounts them: files readable by the pod's user."""
+    """The overlay's two secrets as Kubernetes mounts them: files readable by the pod's user.
+    The CA's key goes to ``tmp/issuer`` (the csi-driver's Issuer signs with it), not in a secret."""
     tls = tmp / "tls"
     subprocess.run([sys.executable, "-m", "pdserve.cluster.certs", str(tls)], check=True, capture_output=True)
-    (tls / "ca.key").unlink()  # the deploy guide keeps it off the cluster
+    (tmp / "issuer").mkdir()
+    (tls / "ca.key").rename(tmp / "issuer" / "ca.key")
     api_key_dir = tmp / "api-key"
     api_key_dir.mkdir()
     key = uuid.uuid4().hex
@@ -94,11 +106,33 @@ class Stopped:
     seconds: float  # from the start of its preStop to its exit
 
 
+def csi_certificate(out: Path, ca_dir: Path, pod: Pod, attributes: dict[str, str]) -> Path:
+    """What cert-manager's csi-driver mounts for ``pod`` (in ``out``): a certificate of the CA
+    (``ca_dir``'s ca.pem, and its Issuer's key) naming the volume's role and DNS names, its
+    ``${POD_NAME}`` and ``${POD_NAMESPACE}`` filled in; as tls.crt, tls.key and ca.crt."""
+    from pdserve.cluster.certs import Issued, issue
+    from pdserve.wire.tls import ROLE_URI_PREFIX, role_name
+
+    [role] = [uri.removeprefix(ROLE_URI_PREFIX) for uri in attributes["csi.cert-manager.io/uri-sans"].split(",")]
+    names = attributes["csi.cert-manager.io/dns-names"].replace("${POD_NAME}", pod.name)
+    names = names.replace("${POD_NAMESPACE}", NAMESPACE).split(",")
+    assert role_name(role) in names, f"{pod.name}: the certificate would not name {role_name(role)}"
+    out.mkdir(parents=True)
+    ca = Issued(ca_dir / "tls" / "ca.pem", ca_dir / "issuer" / "ca.key")
+    issued = issue(ca, out, role, extra_names=tuple(n for n in names if n != role_name(role)), stem="issued")
+    issued.cert.rename(out / "tls.crt")
+    issued.key.rename(out / "tls.key")
+    shutil.copy(ca.cert, out / "ca.crt")
+    for path in out.iterdir():
+        path.chmod(stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
+    return out
+
+
 class PlainK8s:
     """The overlay's pods on a network of their own; ``pods`` are the ones running."""
 
     def __init__(self, image: str, model_dir: Path, tmp: Path):
-        self.image, self.specs = image, plain_k8s_deployments()
+        self.image, self.specs, self.tmp = image, plain_k8s_deployments(), tmp
         self.tls, api_key_dir, self.api_key = secrets(tmp)
         self.network = f"pdserve-test-{uuid.uuid4().hex[:8]}"
         self.subnet = f"10.123.{200 + os.getpid() % 50}"
@@ -115,20 +149,48 @@ class PlainK8s:
     def template(self, role: str) -> dict:
         return self.specs[role]["template"]["spec"]
 
+    def _pod(self, role: str, number: int) -> Pod:
+        return Pod(role, f"{self.network}-{role}-{number}", f"{self.subnet}.{9 + number}")
+
+    def _hosts(self) -> list[str]:
+        """``--add-host`` of the cluster DNS: every worker pod's name this network may have."""
+        hosts = [f"pdserve-router-internal:{self.gateway}"]
+        for role in ROLES:
+            subdomain = self.template(role).get("subdomain")
+            if subdomain:
+                hosts += [f"{p.name}.{subdomain}.{NAMESPACE}.svc.cluster.local:{p.ip}"
+                          for p in (self._pod(role, n) for n in range(1, MAX_PODS + 1))]
+        return [arg for host in hosts for arg in ("--add-host", host)]
+
+    def _volumes(self, pod: Pod, container: dict) -> list[str]:
+        """``-v`` of each mount: a secret's or ConfigMap's files, or the pod's own certificate."""
+        volumes = {v["name"]: v for v in self.template(pod.role).get("volumes", [])}
+        out = []
+        for mount in container.get("volumeMounts", []):
+            csi = volumes.get(mount["name"], {}).get("csi")
+            if csi is not None and csi["driver"] == "csi.cert-manager.io":
+                local = csi_certificate(self.tmp / "csi" / pod.name, self.tmp, pod, csi["volumeAttributes"])
+                out += ["-v", f"{local}:{mount['mountPath']}:ro"]
+            elif mount["name"] in self.mounts:
+                out += ["-v", self.mounts[mount["name"]]]
+        return out
+
     def start(self, role: str) -> Pod:
         """Create one more pod of ``role``'s Deployment (not waiting for it to be ready)."""
         self._count += 1
-        pod = Pod(role, f"{self.network}-{role}-{self._count}", f"{self.subnet}.{9 + self._count}")
+        assert self._count <= MAX_PODS, "raise MAX_PODS: each container knows the names of that many pods"
+        pod = self._pod(role, self._count)
         container = self.template(role)["containers"][0]
         env = {}
-        for item in container.get("env", []):
+        for item in container.get("env", []):  # in order: a value may name the variables before it, $(NAME)
             field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-            env[item["name"]] = {"metadata.name": pod.name, "status.podIP": pod.ip}.get(field, item.get("value"))
+            value = {"metadata.name": pod.name, "metadata.namespace": NAMESPACE, "status.podIP": pod.ip}.get(
+                field, item.get("value"))
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
         env |= SMALL_POD
-        volumes = [arg for m in container.get("volumeMounts", []) if m["name"] in self.mounts
-                   for arg in ("-v", self.mounts[m["name"]])]
+        volumes = self._volumes(pod, container)
         podman("run", "-d", "--name", pod.name, "--network", self.network, "--ip", pod.ip,
-               "--add-host", f"pdserve-router-internal:{self.gateway}", "--shm-size", "1g", *ulimits(), *volumes,
+               *self._hosts(), "--shm-size", "1g", *ulimits(), *volumes,
                *[a for k, v in env.items() for a in ("-e", f"{k}={v}")], self.image, *container["args"])
         self.pods.append(pod)
         if self.internal is None:  # the gateway's address exists once a container is on the network

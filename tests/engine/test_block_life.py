@@ -15,7 +15,10 @@ Rules, each what the engine or a worker does to the block manager:
   part of its blocks, then finishes verified (``mark_final`` of the whole prompt) or fails
   (garbage, ``free``);
 - a sequence is aborted, finishes, or is preempted (``free``; a preempted one comes back later
-  and is allocated again, with the cache).
+  and is allocated again, with the cache);
+- a pull is cancelled (or fails) while part of its read is still in flight: the blocks that read
+  may still write are freed with ``quarantine``; such a read writes garbage into them at any
+  later time (``late_write``) until the transport says it is over (``release_quarantined``).
 
 Invariants checked after every rule:
 - ``BlockManager.check_invariants`` (reference counts, the free list, the index, the chains);
@@ -25,7 +28,12 @@ Invariants checked after every rule:
   its parent hash's prefix (pdserve/engine/core/block_tails.py);
 - every prefix hit handed to a new allocation (full blocks and a tail's first slots) covers
   slots holding exactly the KV the new sequence would compute itself. This is the one a user
-  sees: a wrong hit is a wrong token.
+  sees: a wrong hit is a wrong token;
+- a quarantined block is in no sequence's table, no index entry, no tail and not free: it is
+  never allocated and never matched, so a late write lands in no one's KV; and every block
+  comes back only through ``release_quarantined`` (the model's landing reads are the manager's
+  quarantine, block for block). Without the quarantine, ``late_write`` garbles the KV of a
+  later sequence and the hit check (or the first invariant) fails.
 
 On the first design (blocks hashed at allocation) the last two fail within a few rules: a
 prompt aborted before its first chunk leaves findable blocks full of garbage.
@@ -65,6 +73,7 @@ class BlockLife(RuleBasedStateMachine):
         self.slots: list[list[tuple]] = [[GARBAGE] * self.BLOCK_SIZE for _ in range(NUM_BLOCKS)]
         self.seqs: dict[str, SeqModel] = {}
         self.preempted: dict[str, SeqModel] = {}
+        self.landing: list[tuple[int, ...]] = []  # blocks of stopped reads not yet over, read by read
         self.next_id = 0
 
     # ---- helpers -----------------------------------------------------------------
@@ -175,6 +184,34 @@ class BlockLife(RuleBasedStateMachine):
         self.bm.free(sid)
         del self.seqs[sid]
 
+    @precondition(lambda self: self._pulling())
+    @rule(data=st.data())
+    def pull_cancelled_in_flight(self, data):
+        """The request is aborted (or a read of its transfer failed) while some of its blocks'
+        read is still moving: those stay quarantined, the others are freed."""
+        sid = data.draw(st.sampled_from(self._pulling()))
+        table = self.bm.block_table(sid)
+        moving = tuple(sorted(data.draw(st.sets(st.sampled_from(table), min_size=1))))
+        self._write(sid, 0, len(self.seqs[sid].tokens), garbage=True)
+        self.bm.free(sid, quarantine=moving)
+        del self.seqs[sid]
+        self.landing.append(moving)
+
+    @precondition(lambda self: self.landing)
+    @rule(data=st.data())
+    def late_write(self, data):
+        """A stopped read still lands bytes: into its own blocks only, whoever holds them now."""
+        for block in data.draw(st.sampled_from(self.landing)):
+            self.slots[block] = [GARBAGE] * self.BLOCK_SIZE
+
+    @precondition(lambda self: self.landing)
+    @rule(data=st.data())
+    def read_over(self, data):
+        """The transport says a stopped read has ended: its blocks may be used again."""
+        moving = data.draw(st.sampled_from(self.landing))
+        self.landing.remove(moving)
+        self.bm.release_quarantined(moving)
+
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def ends(self, data):
@@ -203,6 +240,17 @@ class BlockLife(RuleBasedStateMachine):
     @invariant()
     def accounting_holds(self):
         self.bm.check_invariants()
+
+    @invariant()
+    def quarantined_blocks_are_nobodys(self):
+        landing = {b for moving in self.landing for b in moving}
+        assert self.bm.num_quarantined == len(landing)
+        held = {b for sid in list(self.seqs) + [s for s in self.bm._seqs if s not in self.seqs]
+                for b in self.bm.block_table(sid)}
+        assert not landing & held, f"blocks {sorted(landing & held)} are allocated while a read may write them"
+        assert not landing & set(self.bm._by_hash.values()), "a quarantined block is findable"
+        assert not landing & {b for b, _, _ in self.bm._tails.items()}, "a quarantined block is a tail"
+        assert not landing & set(self.bm._free), "a quarantined block is free"
 
     @invariant()
     def every_findable_block_holds_its_prefix(self):

@@ -169,3 +169,42 @@ def test_random_workload_never_leaks_or_double_frees(seed):
     for sid in list(live):
         bm.free(sid)
     assert bm.num_free_blocks == 32
+
+
+def test_quarantined_blocks_are_never_handed_out_and_come_back_only_by_release():
+    """A pull aborted while its read may still write blocks 1 and 2 of its three: those are
+    neither held nor free until the transport says the read is over."""
+    from pdserve.engine.core.block_manager import BlockStateError
+
+    bm = BlockManager(num_blocks=4, block_size=2)
+    ids = bm.allocate("pull", [1, 2, 3, 4, 5], use_prefix_cache=False).block_ids
+    bm.free("pull", quarantine=ids[1:])
+    assert (bm.num_free_blocks, bm.num_quarantined, bm.usage) == (2, 2, 0.5)
+    assert not set(bm.allocate("next", [7, 8, 9, 10]).block_ids) & set(ids[1:])
+    with pytest.raises(CacheCapacityError):
+        bm.allocate("one-more", [6])
+    with pytest.raises(BlockStateError):
+        bm.release_quarantined([ids[0]])  # never quarantined
+    bm.check_invariants()
+    bm.release_quarantined(ids[1:])
+    assert (bm.num_free_blocks, bm.num_quarantined) == (2, 0)
+    with pytest.raises(BlockStateError):
+        bm.release_quarantined(ids[1:])  # once only
+    assert set(bm.allocate("after", [6, 6, 6]).block_ids) == set(ids[1:])
+    bm.check_invariants()
+
+
+def test_only_blocks_a_sequence_holds_alone_can_be_quarantined():
+    from pdserve.engine.core.block_manager import BlockStateError
+
+    bm = BlockManager(num_blocks=8, block_size=2)
+    computed_blocks(bm, "a", [1, 2, 3, 4, 5])
+    shared = bm.allocate("b", [1, 2, 3, 4, 5, 6]).block_ids
+    with pytest.raises(BlockStateError):
+        bm.free("b", quarantine=[shared[0]])  # a's too: a late write would land in a's KV
+    with pytest.raises(BlockStateError):
+        bm.free("gone", quarantine=[7])
+    assert bm.block_table("b") == list(shared) and bm.num_quarantined == 0  # nothing changed
+    bm.free("b", quarantine=[shared[-1]])
+    assert bm.num_quarantined == 1 and bm.num_free_blocks == 8 - 3 - 1  # a holds 3, one is quarantined
+    bm.check_invariants()

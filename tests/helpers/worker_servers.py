@@ -15,14 +15,16 @@ from pdserve.wire.grpc_util import aio_channel
 
 
 @contextlib.asynccontextmanager
-async def serving(prefill: PrefillWorker, decoders: list[DecodeWorker]):
+async def serving(prefill: PrefillWorker, decoders: list[DecodeWorker], router_tls=None):
     """The workers behind their gRPC servers, and a router's pool of stubs to them (each with
-    64 blocks, as its stats would say); everything stops on the way out."""
+    64 blocks, as its stats would say; with ``router_tls``, the router's certificate, over mTLS);
+    everything stops on the way out."""
     servers = [await start_prefill(prefill.config, prefill)]
     servers += [await start_decode(d.config, d) for d in decoders]
-    channels = [aio_channel(s.address) for s in servers]
+    roles = ["prefill"] + ["decode"] * len(decoders)
+    channels = [aio_channel(s.address, router_tls, peer=role) for s, role in zip(servers, roles)]
     pool = WorkerPool()
-    for role, server, channel in zip(["prefill"] + ["decode"] * len(decoders), servers, channels):
+    for role, server, channel in zip(roles, servers, channels):
         stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
         pool.workers[server.address] = WorkerClient(role, server.address, channel=channel, stub=stub, healthy=True,
                                                     stats=worker_pb2.WorkerStats(num_blocks_total=64))

@@ -24,9 +24,9 @@ BACKENDS = ("nixl", "tcp")
 _CTX = mp.get_context("spawn")  # fork would share the parent's UCX state
 
 
-def make_cache(num_blocks: int, seed: int | None = None) -> torch.Tensor:
+def make_cache(num_blocks: int, seed: int | None = None, block_shape: tuple[int, ...] = BLOCK_SHAPE) -> torch.Tensor:
     """A bf16 block-first cache: zeros, or seeded values identical in every process."""
-    shape = (num_blocks, *BLOCK_SHAPE)
+    shape = (num_blocks, *block_shape)
     if seed is None:
         return torch.zeros(shape, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(seed)
@@ -38,11 +38,12 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _holder_main(conn, backend: str, name: str, num_blocks: int, seed: int, shard: dict | None = None) -> None:
+def _holder_main(conn, backend: str, name: str, num_blocks: int, seed: int, shard: dict | None = None,
+                 block_shape: tuple[int, ...] = BLOCK_SHAPE) -> None:
     """Child process: own a cache (with ``shard``: its rank's heads of a tensor-parallel
     cache, ``tp_helpers``), publish metadata, answer commands until 'stop'."""
     if shard is None:
-        agent = create_agent(backend, name, make_cache(num_blocks, seed))
+        agent = create_agent(backend, name, make_cache(num_blocks, seed, block_shape))
     else:
         from tp_helpers import rank_agent
         agent = rank_agent(backend, name, num_blocks, seed, shard)
@@ -77,11 +78,12 @@ class Holder:
     """A holder agent in a spawned process, with its metadata already received."""
 
     def __init__(self, backend: str, name: str = "holder", num_blocks: int = 16,
-                 seed: int = 1234, shard: dict | None = None):
+                 seed: int = 1234, shard: dict | None = None, block_shape: tuple[int, ...] = BLOCK_SHAPE):
         self.backend, self.name, self.num_blocks, self.seed = backend, name, num_blocks, seed
+        self.block_shape = block_shape
         self._conn, child = _CTX.Pipe()
         self.process = _CTX.Process(target=_holder_main,
-                                    args=(child, backend, name, num_blocks, seed, shard), daemon=True)
+                                    args=(child, backend, name, num_blocks, seed, shard, block_shape), daemon=True)
         self.process.start()
         deadline = time.monotonic() + 60
         while not self._conn.poll(0.1):
@@ -99,7 +101,7 @@ class Holder:
 
     def expected_cache(self) -> torch.Tensor:
         """The holder's cache contents, rebuilt from the same seed."""
-        return make_cache(self.num_blocks, self.seed)
+        return make_cache(self.num_blocks, self.seed, self.block_shape)
 
     def notifications(self, want: int, timeout_s: float = 5.0) -> list[bytes]:
         """Notifications the holder received, waiting up to ``timeout_s`` for ``want``."""

@@ -169,3 +169,21 @@ def test_a_worker_publishes_its_ranks_and_a_reader_takes_them_apart_in_rank_orde
     with pytest.raises(InvalidTransferRequest) as err:
         publish([ranks[0], ranks[1], ranks[1], ranks[3]])  # rank 2 missing, rank 1 twice
     assert (err.value.field, err.value.limit) == ("tp_ranks", 4)
+
+
+@pytest.mark.parametrize("holders", [1, 2], ids=["whole blocks", "by head"])
+def test_a_reader_that_verifies_starts_no_read_its_holder_sent_no_checksums_for(holders):
+    """Fail closed (``KVSource.require_sums``): given sums (the reader verifies), they must
+    cover every pair's blocks read, or nothing starts; None (the reader does not verify) passes."""
+    from pdserve.kv_transfer import UnverifiedTransfer
+    from pdserve.kv_transfer.source import KVSource
+
+    reads = read_plan(tp_shard(0, 1), [tp_shard(r, holders) for r in range(holders)]) if holders > 1 else ()
+    source = KVSource("p", tuple(f"p{r}" for r in range(max(1, len(reads)))), reads)
+    per_block = source.sums_per_block
+    source.require_sums(None, 0, 3)
+    source.require_sums(tuple(range(3 * per_block)), 0, 3)  # every block's sums
+    for sums, end in (((), 1), (tuple(range(2 * per_block)), 3)):  # none, or not the last block's
+        with pytest.raises(UnverifiedTransfer) as err:
+            source.require_sums(sums, 0, end)
+        assert (err.value.field, err.value.peer) == ("verify_kv_transfers", "p")

@@ -36,7 +36,7 @@ class FakeWorker:
     def __init__(self):
         self.stats = worker_pb2.WorkerStats(
             num_running=2, num_waiting=1, num_blocks_used=25, num_blocks_total=100, kv_transfer_bytes=4096,
-            kv_transfers=2, prefix_cache_queries=48, prefix_cache_hits=16, leases_expired=1)
+            kv_transfers=2, prefix_cache_queries=48, prefix_cache_hits=16, leases_expired=1, kv_quarantined_blocks=3)
 
 
 @pytest.fixture
@@ -64,6 +64,7 @@ def test_a_worker_endpoint_reads_its_stats_at_each_scrape(endpoint):
     # Prefix-cache counters are in tokens, as vLLM's: blocks x block size.
     assert got[("pdserve:prefix_cache_queries_total", labels)] == 48
     assert got[("pdserve:prefix_cache_hits_total", labels)] == 16
+    assert got[("pdserve:kv_quarantined_blocks", labels)] == 3
     worker.stats.kv_transfer_bytes = 8192
     assert scrape(ep.address)[("pdserve:kv_transfer_bytes_total", labels)] == 8192
 

@@ -30,6 +30,7 @@ from pdserve.router.limits import RouterLimits
 from pdserve.router.request_run import RequestRun
 from tests.factories import assert_greedy_matches, decode_worker_config, load_reference, make_engine, \
     make_tp_engine, prefill_worker_config
+from tests.helpers.certs import role_certs
 from tests.helpers.prefix_pull import (ANSWER, BLOCK, MAX_TOKENS, NUM_BLOCKS, first_turn, second_turn, settled,
                                        still_held)
 from tests.helpers.worker_servers import serving
@@ -64,15 +65,20 @@ def engine(model_dir, tp: int):
 
 
 @contextlib.asynccontextmanager
-async def pair(model_dir, backend: str, prefill_tp: int = 1, decode_tp: int = 1):
+async def pair(model_dir, backend: str, prefill_tp: int = 1, decode_tp: int = 1, certs=None,
+               holder_verifies: bool = True):
     """A prefill and a decode worker (prefix caches on) of those tensor-parallel sizes, each
-    checksumming its blocks for the other's ranks, and stubs to each."""
-    prefill = PrefillWorker(prefill_worker_config(kv_transfer_backend=backend, reader_tp=decode_tp),
-                            engine=engine(model_dir, prefill_tp))
-    decoder = DecodeWorker(decode_worker_config(kv_transfer_backend=backend, reader_tp=prefill_tp),
+    checksumming its blocks for the other's ranks (the decode worker only if ``holder_verifies``),
+    and stubs to each; with ``certs`` (component -> certificate), each with its role's identity
+    over mTLS, and the stubs the router's."""
+    certs = certs or {}
+    prefill = PrefillWorker(prefill_worker_config(kv_transfer_backend=backend, reader_tp=decode_tp,
+                                                  tls=certs.get("prefill")), engine=engine(model_dir, prefill_tp))
+    decoder = DecodeWorker(decode_worker_config(kv_transfer_backend=backend, reader_tp=prefill_tp,
+                                                tls=certs.get("decode"), verify_kv=holder_verifies),
                            engine=engine(model_dir, decode_tp))
     try:
-        async with serving(prefill, [decoder]) as pool:
+        async with serving(prefill, [decoder], router_tls=certs.get("router")) as pool:
             stubs = {c.role: c.stub for c in pool.workers.values()}
             yield prefill, decoder, stubs["prefill"], stubs["decode"], pool
     finally:
@@ -80,11 +86,14 @@ async def pair(model_dir, backend: str, prefill_tp: int = 1, decode_tp: int = 1)
         decoder.engine.close()
 
 
-async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: bool = False, tp=(1, 1)):
+async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: bool = False, tp=(1, 1),
+                       certs=None, holder_verifies: bool = True):
     """Both turns; ``spoil`` may change the held prefix's handle before the prefill worker gets
     it; ``end_hold``: the hold is released before the prefill worker gets it (the lease is gone);
-    ``tp``: the prefill and decode workers' tensor-parallel sizes."""
-    async with pair(model_dir, backend, *tp) as (prefill, decoder, p_stub, d_stub, _):
+    ``tp``: the prefill and decode workers' tensor-parallel sizes; ``certs``: mTLS (``pair``);
+    ``holder_verifies``: the decode worker's ``verify_kv`` (the prefill worker's is on)."""
+    async with pair(model_dir, backend, *tp, certs=certs, holder_verifies=holder_verifies) as (
+            prefill, decoder, p_stub, d_stub, _):
         answer1 = await first_turn(d_stub, messages[0])
         prompt = messages[0] + answer1 + messages[1]
         held = await d_stub.HoldPrefix(worker_pb2.HoldPrefixRequest(request_id="turn-2", prompt_token_ids=prompt,
@@ -103,11 +112,21 @@ async def conversation(model_dir, messages, backend: str, spoil=None, end_hold: 
         return prompt, held.kv, answer, tokens, stats, holding, await settled(prefill, decoder)
 
 
-@pytest.mark.parametrize("backend", ["nixl", "tcp"])
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return role_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.mark.parametrize("backend, mtls", [("nixl", False), ("tcp", False), ("tcp", True)],
+                         ids=["nixl", "tcp", "tcp-mtls"])
 def test_the_prefill_worker_reads_the_prefix_from_the_decode_worker_and_computes_only_the_rest(
-        model_dir, hf, messages, backend):
+        model_dir, hf, messages, backend, mtls, certs):
+    """Under mTLS too (each worker its role's certificate): the tcp block server of a decode
+    worker serves the prefill worker that reads its held prefix. Old code: the reader wanted a
+    prefill holder and a decode holder served only decode readers, so every such read failed
+    and the prompt was computed whole (no cached token)."""
     prompt, held, answer, tokens, stats, holding, (leases, p_free, d_free) = asyncio.run(
-        conversation(model_dir, messages, backend))
+        conversation(model_dir, messages, backend, certs=certs if mtls else None))
     # The first turn's prompt and answer, less its last token (never computed), in full blocks.
     assert held.num_tokens == (len(messages[0]) + ANSWER - 1) // BLOCK * BLOCK and held.num_tokens >= 4 * BLOCK
     assert answer.num_cached_tokens == held.num_tokens  # read, not computed
@@ -163,6 +182,24 @@ def test_a_block_that_fails_its_checksum_is_never_found_and_the_prompt_is_comput
     assert stats.kv_verify_failures == 1 and stats.kv_transfer_failures == 1
     assert_greedy_matches(hf, prompt, tokens, MAX_TOKENS, what="checksum mismatch")
     assert holding == 0  # the prefill worker released it on the failure
+    assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
+
+
+def test_a_prefix_held_without_checksums_is_never_read_by_a_prefill_worker_that_verifies(tool_llama, messages):
+    """Fail closed: the decode worker holds the prefix with verification off (no checksums);
+    the prefill worker, which verifies, refuses it unread (counted), computes the prompt whole
+    to the same tokens, and ends the hold. Nothing of it is marked final there, so nothing is
+    found, published or summed again for another reader. (A tiny Llama of the default model's
+    vocabulary, for time.)"""
+    directory = tool_llama[0]
+    prompt, held, answer, tokens, stats, holding, (leases, p_free, d_free) = asyncio.run(
+        conversation(directory, messages, "tcp", holder_verifies=False))
+    assert held.num_tokens > 0 and not held.block_checksums
+    assert answer.num_cached_tokens == 0 and stats.kv_unverified_refused == 1  # computed whole
+    assert stats.kv_transfer_bytes == 0 and stats.kv_transfer_failures == 0 and stats.prefix_tokens_read == 0
+    assert_greedy_matches(load_reference(directory, torch.float32), prompt, tokens, MAX_TOKENS,
+                          what="prefix held without checksums")
+    assert holding == 0  # released on the refusal
     assert leases == 0 and p_free == NUM_BLOCKS and d_free == NUM_BLOCKS
 
 

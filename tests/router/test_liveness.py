@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from pdserve.protos import worker_pb2
-from pdserve.router.liveness import is_hung, observe
+from pdserve.router.liveness import QUARANTINE_BOUND, is_hung, observe
 from pdserve.router.pool import WorkerClient, WorkerPool
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, fake_pool, request_run
 
@@ -54,6 +54,29 @@ def test_a_restarted_worker_whose_count_starts_over_counts_as_progress():
 
 def test_first_sighting_counts_as_progress_even_without_an_answer():
     assert polls([(100, None), (104, None), (106, None)]) == [False, False, True]
+
+
+def quarantine_polls(quarantined_by_time, blocks=100, hang_s=HANG_S):
+    """An idle engine (it steps; nothing to run) answering with ``quarantined`` blocks of
+    ``blocks`` quarantined: the hung verdict after each poll."""
+    state, verdicts = None, []
+    for now, quarantined in quarantined_by_time:
+        state = observe(state, now, True, now, True, quarantined, blocks)
+        verdicts.append(is_hung(state, now, hang_s))
+    return verdicts
+
+
+def test_kv_quarantined_past_the_bound_for_the_timeout_is_a_hang_though_the_engine_steps():
+    over = int(QUARANTINE_BOUND * 100) + 1
+    assert quarantine_polls([(t, over) for t in range(0, 9)]) == [False] * 6 + [True] * 3
+
+
+def test_a_quarantine_under_the_bound_or_shorter_than_the_timeout_is_no_hang():
+    at_bound = int(QUARANTINE_BOUND * 100)
+    assert quarantine_polls([(t, at_bound) for t in range(0, 20)]) == [False] * 20
+    over = at_bound + 1
+    # a stopped read of many blocks that ends within a few seconds, twice: the clock starts over
+    assert quarantine_polls([(0, over), (4, over), (5, 0), (6, over), (10, over), (11, 3)]) == [False] * 6
 
 
 class FakeStub:

@@ -4,7 +4,10 @@ HTTP, and writes what it saw as JSON. Runs inside host a's namespace for the two
 the ``decode_nodes`` one), or on this machine alone for the one-host baseline.
 
     python tests/security/netns_driver.py OUT.json [--ray-address A] [--questions Q ...]
-        [--ttft-lengths 512 --ttft-repeats 5] [--tls-dir DIR]
+        [--ttft-lengths 512 --ttft-repeats 5] [--tls-dir DIR] [--partition-tokens N]
+
+With ``--partition-tokens N`` the cluster is supervised and, after the questions, the router's
+host is cut off from the decode worker's gRPC port mid-stream (``partitioned``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +35,9 @@ from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from pdserve.wire import tls  # noqa: E402
 from pdserve.wire.grpc_util import channel  # noqa: E402
+
+
+PARTITION_HANG_S = 4.0  # a worker without engine progress (or any answer) this long is hung
 
 
 def chat(question: str, max_tokens: int) -> pdserve_pb2.GenerateRequest:
@@ -64,6 +71,48 @@ def timed(stub, cluster: LocalCluster, length: int, seed: int) -> dict:
             "bytes": after.kv_transfer_bytes - before.kv_transfer_bytes}
 
 
+def held(cluster: LocalCluster) -> dict[str, tuple[int, int]]:
+    """Every live worker's (blocks used, leases held), where either is not zero."""
+    out = {}
+    for role in ("prefill", "decode"):
+        for address in cluster.addresses(role):
+            s = stats(cluster, address, role)
+            if s.num_blocks_used or s.num_held_leases:
+                out[address] = (s.num_blocks_used, s.num_held_leases)
+    return out
+
+
+def partitioned(cluster: LocalCluster, stub, question: str, max_tokens: int) -> dict:
+    """A router<->decode-worker partition: while a stream runs, this namespace (the router's
+    and controller's host) drops every packet to and from the decode worker's gRPC port, so
+    its connections stay open and nothing answers. The stream's tokens, against the same
+    request undisturbed; how long it took; whether the worker was replaced; what is held once
+    the partition heals."""
+    req = chat(question, max_tokens)
+    req.sampling.ignore_eos = True
+    undisturbed = [t for r in stub.Generate(req, timeout=300) for t in r.token_ids]
+    address = cluster.decode_addresses[0]
+    host, port = address.rsplit(":", 1)
+    rules = [["OUTPUT", "-d", host, "-p", "tcp", "--dport", port, "-j", "DROP"],
+             ["INPUT", "-s", host, "-p", "tcp", "--sport", port, "-j", "DROP"]]
+    stream = stub.Generate(req, timeout=300)
+    got = list(next(stream).token_ids)
+    start = time.monotonic()
+    for rule in rules:
+        subprocess.run(["iptables", "-I", *rule], check=True)
+    try:
+        got += [t for r in stream for t in r.token_ids]
+        seconds = time.monotonic() - start
+    finally:
+        for rule in rules:
+            subprocess.run(["iptables", "-D", *rule], check=True)
+    deadline = time.monotonic() + 20
+    while (left := held(cluster)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {"undisturbed": undisturbed, "tokens": got, "seconds": seconds, "held": left,
+            "replaced": address not in cluster.decode_addresses, "decode": cluster.decode_addresses}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -73,6 +122,7 @@ def main() -> None:
     ap.add_argument("--ttft-lengths", nargs="*", type=int, default=[])
     ap.add_argument("--ttft-repeats", type=int, default=5)
     ap.add_argument("--tls-dir", type=Path, default=None, help="python -m pdserve.cluster.certs output: mTLS inside")
+    ap.add_argument("--partition-tokens", type=int, default=0, help="then a stream of this many tokens partitioned")
     args = ap.parse_args()
     split = args.ray_address is not None
     role_tls = ()
@@ -84,7 +134,9 @@ def main() -> None:
         engine=EngineConfig(cache=CacheConfig(memory_budget_bytes=128 << 20)), num_prefill=1, num_decode=1,
         grpc_port=0, http_port=0, threads_per_worker=1, ray_address=args.ray_address, role_tls=role_tls,
         insecure_internal=not role_tls,  # without --tls-dir the plane is plaintext across namespaces, by choice
-        supervise_interval_s=None,
+        # Supervised (a hung worker is replaced) only for the partition, which needs it.
+        supervise_interval_s=0.5 if args.partition_tokens else None,
+        hang_timeout_s=PARTITION_HANG_S if args.partition_tokens else ClusterConfig.hang_timeout_s,
         prefill_placement=PoolPlacement(resource="prefill_nodes" if split else None),
         decode_placement=PoolPlacement(resource="decode_nodes" if split else None))
     cluster = LocalCluster(config)
@@ -120,6 +172,8 @@ def main() -> None:
                              "transfer_s": statistics.median(r["transfer_s"] for r in runs),
                              "bytes": statistics.median(r["bytes"] for r in runs)})
             result["ttft"] = rows
+            if args.partition_tokens:
+                result["partition"] = partitioned(cluster, stub, args.questions[0], args.partition_tokens)
     finally:
         cluster.stop()
         args.out.write_text(json.dumps(result, indent=2))

@@ -7,7 +7,8 @@ cluster.certs), with real gRPC servers and real certificates of one CA:
   certificate cannot serve as a prefill worker, nor a worker's as the router's admin;
 - a server refuses a method ``ALLOWED`` does not list, to every caller, and checks handlers
   that take a stream of requests as it checks the rest;
-- only the controller replaces the routing table; a worker joins as the role it holds only.
+- only the controller replaces the routing table; a worker joins and leaves as itself only:
+  as the role it holds, at a host its certificate names, replacing no member of another role.
 """
 
 import asyncio
@@ -23,6 +24,7 @@ from pdserve.router.pool import WorkerPool
 from pdserve.wire import internal_plane, tls
 from pdserve.wire.grpc_util import aio_channel
 from pdserve.wire.server import start_server
+from tests.helpers.certs import role_certs
 
 OK, DENIED, REFUSED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE
 HIDDEN = "/pdserve.test.Hidden/"  # a service the internal plane does not list
@@ -30,10 +32,9 @@ HIDDEN = "/pdserve.test.Hidden/"  # a service the internal plane does not list
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("certs")
-    ca = make_ca(out)
-    issued = {name: issue(ca, out, name) for name in COMPONENTS}
-    return {name: tls.load(str(i.cert), str(i.key), str(ca.cert), prefix="tls") for name, i in issued.items()}
+    """Each component's, and two decode workers' own (naming the hosts they serve at)."""
+    return role_certs(tmp_path_factory.mktemp("certs"),
+                      hosts={"decode-a": ("10.0.0.2",), "decode-on-prefill-host": ("10.0.0.1",)})
 
 
 class Prefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -171,9 +172,38 @@ def test_an_unlisted_method_is_refused_and_streaming_requests_are_checked(certs,
     assert (right["client-streaming"], right["bidi"]) == (OK, OK)
 
 
-def test_only_the_controller_replaces_the_table_and_a_worker_joins_as_its_own_role(certs):
-    member = lambda role: admin_pb2.Member(role=role, address="127.0.0.1:1", worker_id="w")  # noqa: E731
+PREFILL_AT, DECODE_A_AT, DECODE_B_AT = "10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061"
 
+
+def member(role: str, address: str = "127.0.0.1:1") -> admin_pb2.Member:
+    return admin_pb2.Member(role=role, address=address, worker_id="w")
+
+
+async def membership_calls(certs, calls) -> tuple[dict, list[tuple[str, str]]]:
+    """Against a router whose table the controller set to a prefill worker and a decode worker
+    (B): each ``(name, certificate, method, member)`` of ``calls`` in turn, its status and
+    details; then the table."""
+    running = await serving(certs["router"])
+    try:
+        async with aio_channel(running.address, certs["controller"], peer="router") as ch:
+            await admin_pb2_grpc.RouterAdminStub(ch).SetMembership(admin_pb2.Membership(
+                members=[member("prefill", PREFILL_AT), member("decode", DECODE_B_AT)]), timeout=10)
+        out = {}
+        for name, who, method, request in calls:
+            async with aio_channel(running.address, certs[who], peer="router") as ch:
+                try:
+                    await getattr(admin_pb2_grpc.RouterAdminStub(ch), method)(request, timeout=10)
+                    out[name] = (OK, "")
+                except grpc.aio.AioRpcError as exc:
+                    out[name] = (exc.code(), exc.details())
+        async with aio_channel(running.address, certs["controller"], peer="router") as ch:
+            table = await admin_pb2_grpc.RouterAdminStub(ch).GetMembership(admin_pb2.Membership(), timeout=10)
+        return out, sorted((m.role, m.address) for m in table.members)
+    finally:
+        await running.stop(0)
+
+
+def test_only_the_controller_replaces_the_table_and_a_worker_joins_as_its_own_role(certs):
     async def main():
         running = await serving(certs["router"])
         try:
@@ -182,14 +212,11 @@ def test_only_the_controller_replaces_the_table_and_a_worker_joins_as_its_own_ro
                 async with aio_channel(running.address, certs[who], peer="router") as ch:
                     out[("set", who)] = await code(admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
                         admin_pb2.Membership(members=[member("prefill")]), timeout=10))
-            async with aio_channel(running.address, certs["decode"], peer="router") as ch:
+            async with aio_channel(running.address, certs["decode-a"], peer="router") as ch:
                 admin = admin_pb2_grpc.RouterAdminStub(ch)
-                out["join as prefill"] = await code(admin.Join(member("prefill"), timeout=10))
-                out["leave as prefill"] = await code(admin.Leave(member("prefill"), timeout=10))
-                out["join as decode"] = await code(admin.Join(member("decode"), timeout=10))
-            async with aio_channel(running.address, certs["controller"], peer="router") as ch:
-                table = await admin_pb2_grpc.RouterAdminStub(ch).GetMembership(admin_pb2.Membership(), timeout=10)
-            out["table"] = [(m.role, m.address) for m in table.members]
+                out["join as prefill"] = await code(admin.Join(member("prefill", DECODE_A_AT), timeout=10))
+                out["leave as prefill"] = await code(admin.Leave(member("prefill", DECODE_A_AT), timeout=10))
+                out["join as decode"] = await code(admin.Join(member("decode", DECODE_A_AT), timeout=10))
             return out
         finally:
             await running.stop(0)
@@ -197,7 +224,44 @@ def test_only_the_controller_replaces_the_table_and_a_worker_joins_as_its_own_ro
     out = asyncio.run(main())
     assert (out[("set", "decode")], out[("set", "prefill")], out[("set", "controller")]) == (DENIED, DENIED, OK)
     assert (out["join as prefill"], out["leave as prefill"], out["join as decode"]) == (DENIED, DENIED, OK)
-    assert out["table"] == [("decode", "127.0.0.1:1")]  # the decode join replaced the controller's prefill entry
+
+
+def test_a_worker_joins_and_leaves_only_as_itself_and_moves_no_other_member(certs):
+    """Decode worker A's certificate names its host (10.0.0.2). It cannot list itself at the
+    prefill worker's address (which would drop that worker from the pool), take out decode
+    worker B, or join at all with a certificate that names no host; each is refused, naming
+    why, and the controller's table stays as it was. Old code: the join at the prefill worker's
+    address replaced it, and the leave took B out. As itself, A joins, joins again as a
+    restarted worker does (no change), and leaves."""
+    calls = [("join at the prefill worker's address", "decode-a", "Join", member("decode", PREFILL_AT)),
+             ("leave for decode worker B", "decode-a", "Leave", member("decode", DECODE_B_AT)),
+             ("join at B's address", "decode-a", "Join", member("decode", DECODE_B_AT)),
+             ("no host named", "decode", "Join", member("decode", DECODE_A_AT))]
+    refused, table = asyncio.run(membership_calls(certs, calls))
+    assert table == [("decode", DECODE_B_AT), ("prefill", PREFILL_AT)]  # unchanged
+    assert {name: status for name, (status, _) in refused.items()} == {name: DENIED for name, *_ in calls}
+    assert "names 10.0.0.2, not 10.0.0.1 of 10.0.0.1:50061" in refused["join at the prefill worker's address"][1]
+    assert "its own address" in refused["leave for decode worker B"][1]
+    assert "names no host" in refused["no host named"][1]
+
+    own = [("join", "decode-a", "Join", member("decode", DECODE_A_AT)),
+           ("rejoin", "decode-a", "Join", member("decode", DECODE_A_AT)),
+           ("leave", "decode-a", "Leave", member("decode", DECODE_A_AT))]
+    done, table = asyncio.run(membership_calls(certs, own[:2]))
+    assert done == {"join": (OK, ""), "rejoin": (OK, "")}
+    assert table == [("decode", DECODE_A_AT), ("decode", DECODE_B_AT), ("prefill", PREFILL_AT)]
+    done, table = asyncio.run(membership_calls(certs, own))
+    assert done["leave"] == (OK, "") and table == [("decode", DECODE_B_AT), ("prefill", PREFILL_AT)]
+
+
+def test_a_join_never_replaces_a_member_of_a_role_the_certificate_does_not_name(certs):
+    """Two workers on one host, each certificate naming it: the decode worker's Join at the
+    prefill worker's address (same host) is refused all the same, the prefill entry kept."""
+    calls = [("join over the prefill entry", "decode-on-prefill-host", "Join", member("decode", PREFILL_AT))]
+    refused, table = asyncio.run(membership_calls(certs, calls))
+    status, details = refused["join over the prefill entry"]
+    assert status == DENIED and "listed as a prefill worker" in details
+    assert table == [("decode", DECODE_B_AT), ("prefill", PREFILL_AT)]
 
 
 def test_a_certificate_that_does_not_name_its_role_is_refused_at_start(tmp_path):
@@ -241,3 +305,34 @@ def test_a_certificate_that_does_not_name_its_role_is_refused_at_start(tmp_path)
         _role_tls(dataclasses.replace(internal, tls_dir=str(old)), elastic_roles=False)
     assert [c for c, _ in _role_tls(dataclasses.replace(internal, tls_dir=str(tmp_path)), elastic_roles=False)] == [
         "router", "prefill", "decode", "controller"]
+
+
+def test_a_worker_certificate_that_does_not_name_its_advertised_host_is_refused_at_start(tmp_path, capsys):
+    """`pdserve worker` checks at start that its certificate names the host it advertises (the
+    router would refuse every Join otherwise); `pdserve.cluster.certs --worker` issues one that
+    does, and refuses a malformed request by name."""
+    import argparse
+
+    from pdserve.cluster import certs as certs_cli
+    from pdserve.cluster.worker_cli import joining_tls, settings
+
+    assert certs_cli.main([str(tmp_path), "--worker", "decode-7=decode@10.0.0.7,node-7.internal"]) == 0
+    own = tls.load(str(tmp_path / "decode-7.pem"), str(tmp_path / "decode-7.key"), str(tmp_path / "ca.pem"), prefix="tls")
+    assert tls.certificate_roles(own.cert_pem) == {"decode"}
+    assert tls.certificate_hosts(own.cert_pem) == {"10.0.0.7", "node-7.internal"}
+    assert tls.certificate_hosts((tmp_path / "decode.pem").read_bytes()) == frozenset()  # the shared one: roles only
+
+    def worker(stem: str, advertised: str):
+        environ = {"PDSERVE_ROLE": "decode", "PDSERVE_ROUTER_ADMIN": "router.internal:50052",
+                   "PDSERVE_TLS_CERT": str(tmp_path / f"{stem}.pem"), "PDSERVE_TLS_KEY": str(tmp_path / f"{stem}.key"),
+                   "PDSERVE_TLS_CA": str(tmp_path / "ca.pem"), "PDSERVE_INTERNAL_ADVERTISE_HOST": advertised}
+        return joining_tls(settings(argparse.Namespace(), environ=environ))
+
+    assert worker("decode-7", "NODE-7.internal") is not None and worker("decode-7", "10.0.0.7") is not None
+    with pytest.raises(tls.TlsConfigError, match="names 10.0.0.7, node-7.internal, not 10.0.0.8"):
+        worker("decode-7", "10.0.0.8")
+    with pytest.raises(tls.TlsConfigError, match="names no host, not 10.0.0.7"):
+        worker("decode", "10.0.0.7")
+    with pytest.raises(SystemExit):
+        certs_cli.main([str(tmp_path / "bad"), "--worker", "decode-7=router@10.0.0.7"])
+    assert "ROLE prefill or decode" in capsys.readouterr().err

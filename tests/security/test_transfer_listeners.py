@@ -50,13 +50,26 @@ def test_tcp_block_server_with_mtls_serves_only_readers_with_a_cluster_certifica
     assert plain.stats.bytes == stranger.stats.bytes == 0 and not plain.cache.any() and not stranger.cache.any()
 
 
-def test_tcp_block_server_serves_only_readers_whose_certificate_names_the_decode_role(certs):
-    """A certificate of the cluster's CA is not enough: the router's (or a prefill worker's)
-    reads nothing. Old code: any cluster certificate could read."""
-    with create_agent("tcp", "holder", make_cache(4, seed=3), tls=certs["holder"]) as holder, \
-            create_agent("tcp", "router", make_cache(4), tls=certs["router"]) as router:
-        assert read(router, holder) is TransferState.FAILED
-        assert holder.get_notifications() == [] and router.stats.bytes == 0 and not router.cache.any()
+@pytest.mark.parametrize("holder, reader, served", [
+    ("prefill", "decode", True),  # a prompt's KV, read by the decode worker
+    ("decode", "prefill", True),  # the reversed pull: a decode worker's held prefix, read by a prefill worker
+    ("prefill", "prefill", False), ("decode", "decode", False), ("prefill", "router", False),
+    ("decode", "router", False)])
+def test_tcp_kv_is_read_only_by_the_role_on_the_other_side_of_its_direction(certs, holder, reader, served):
+    """A certificate of the cluster's CA is not enough: the router's reads nothing, and a pool
+    reads only the other pool's KV. Old code: any cluster certificate could read; then a decode
+    holder served only decode readers and a reader took only a prefill holder, so the reversed
+    pull failed every read under mTLS."""
+    by_role = {"prefill": certs["holder"], "decode": certs["reader"], "router": certs["router"]}
+    with create_agent("tcp", "holder", make_cache(4, seed=3), tls=by_role[holder]) as held, \
+            create_agent("tcp", "reader", make_cache(4), tls=by_role[reader]) as reading:
+        state = read(reading, held)
+        notified, moved = held.get_notifications(), reading.stats.bytes
+        same = torch.equal(reading.cache[:3], held.cache[:3])
+    if served:
+        assert (state, notified, same) == (TransferState.DONE, [b"lease"], True)
+    else:
+        assert (state, notified, moved) == (TransferState.FAILED, [], 0) and not reading.cache.any()
 
 
 def test_tcp_reader_with_mtls_refuses_a_holder_outside_the_cluster(certs):

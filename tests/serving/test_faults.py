@@ -1,5 +1,9 @@
 """Faults from the design's failure table, caused for real: worker processes are SIGKILLed
-mid-request. Nothing a client was promised is lost, and no KV block is stranded.
+mid-request. Nothing a client was promised is lost, and no KV block is stranded. Here the
+router learns of a dead worker from a failed call (it polls stats rarely) and the pools are
+never refilled: a prefill worker dead before it answers, and a decode pool left empty. A prefill
+worker killed with a read from it in flight and a decode worker killed mid-stream are the
+conformance suite's (tests/conformance/test_under_load.py, docs/reliability.md).
 
 On the default model, one rank per worker. What these prove is the router's: it learns of a
 dead worker from a failed call and retries, re-prefills or fails clearly, whatever the worker's
@@ -23,7 +27,7 @@ import ray
 
 from pdserve.protos import pdserve_pb2
 from tests.helpers.chat import chat_request, collect
-from tests.serving.conftest import all_stats, start_cluster, worker_stats
+from tests.serving.conftest import start_cluster, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +42,7 @@ def cluster():
     # replacement (tests/faults/test_rollout.py covers that).
     # No supervisor: a dead worker is never replaced, so a request that finds a pool empty
     # waits its admission budget (short here) for a replacement that never comes.
-    options = dict(num_prefill=3, num_decode=2, delay_s=DELAY_S, router_poll_s=30.0, supervise_interval_s=None,
+    options = dict(num_prefill=2, num_decode=1, delay_s=DELAY_S, router_poll_s=30.0, supervise_interval_s=None,
                    admission_wait_s=3.0)
     c = start_cluster(**options)
     yield c
@@ -75,29 +79,6 @@ def assert_live_blocks_free(cluster, dead: set[str], timeout_s: float = 10.0) ->
 
 
 DEAD: set[str] = set()
-QUESTION = "Write a long story about a lighthouse keeper."
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(stub):
-    ids, _, _ = collect(stub.Generate(chat_request(QUESTION, 60, ignore_eos=True), timeout=120))
-    assert len(ids) == 60
-    return ids
-
-
-def test_prefill_worker_dies_after_answering_before_the_pull(cluster, stub, uninterrupted):
-    failures_before = sum(s.kv_transfer_failures for s in all_stats(cluster) if s.role == "decode")
-    stream = stub.Generate(chat_request(QUESTION, 60, ignore_eos=True), timeout=120)
-    first = next(stream)  # the KV is held now; the decode worker's read waits DELAY_S
-    holder = [a for a in cluster.prefill_addresses if worker_stats(a, "prefill").num_held_leases == 1]
-    assert len(holder) == 1
-    kill(cluster.prefill[cluster.prefill_addresses.index(holder[0])])
-    DEAD.add(holder[0])
-    ids = list(first.token_ids) + collect(stream)[0]
-    assert ids == uninterrupted  # the router re-prefilled elsewhere and the stream went on
-    failures_after = sum(s.kv_transfer_failures for s in live_stats(cluster, DEAD) if s.role == "decode")
-    assert failures_after == failures_before + 1  # counted and visible, never a silent recompute
-    assert_live_blocks_free(cluster, DEAD)
 
 
 def test_prefill_worker_dies_before_answering_router_retries(cluster, stub):
@@ -109,22 +90,6 @@ def test_prefill_worker_dies_before_answering_router_retries(cluster, stub):
     for s in streams:
         ids, _, resps = collect(s)
         assert ids and resps[-1].finish_reason in (pdserve_pb2.FINISH_REASON_STOP, pdserve_pb2.FINISH_REASON_LENGTH)
-    assert_live_blocks_free(cluster, DEAD)
-
-
-def test_decode_worker_dies_mid_stream_and_the_stream_continues(cluster, stub, uninterrupted):
-    stream = stub.Generate(chat_request(QUESTION, 60, ignore_eos=True), timeout=120)
-    got = []
-    for r in stream:
-        got += list(r.token_ids)
-        if len(got) >= 10:
-            break
-    serving = [a for a in cluster.decode_addresses if worker_stats(a, "decode").num_running == 1]
-    assert len(serving) == 1
-    kill(cluster.decode[cluster.decode_addresses.index(serving[0])])
-    DEAD.add(serving[0])
-    got += collect(stream)[0]
-    assert got == uninterrupted  # no token repeated or lost
     assert_live_blocks_free(cluster, DEAD)
 
 

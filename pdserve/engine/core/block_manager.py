@@ -13,6 +13,7 @@ A block's life is a small state machine, and only this module moves it:
       ▲                   │                      ▲                     │  │
       └────last free──────┘                      └──────prefix hit─────┘  │
     PENDING ◀──────────────── allocate (evicts the hash) ─────────────────┘
+    PENDING ──free with a read still landing──▶ QUARANTINED ──release_quarantined──▶ FREE
 
 - PENDING: held by a sequence, contents not final: being computed, arriving over a transfer,
   or abandoned by an abort, a failed pull or a preemption. Never findable.
@@ -23,11 +24,15 @@ A block's life is a small state machine, and only this module moves it:
   (the free list is least-recently-freed first, so freed prefixes stay reusable for as long
   as memory allows).
 - FREE: held by no sequence, nothing findable.
+- QUARANTINED: held by no sequence, but a read into it was cancelled or failed and the transport
+  has not said that read is over: a late write may still land. Never free, allocated, findable or
+  a tail; FREE again only by ``release_quarantined``, once the transport reports the read over
+  (``pdserve.shell.read_quarantine``). Earlier, the late write would land in another request's KV.
 - TAIL: a freed sequence's partial last block of final tokens (block_tails.py), taken whole by one
   ``allocate(take_tail=True)`` going on the same way, or handed out. Never hashed or published.
 
 Invariants (``check_invariants``; tests/engine/test_block_life.py drives random interleavings
-of allocate, compute, abort, preempt, pull start/finish/fail and free through them):
+of allocate, compute, abort, preempt, pull start/finish/fail/cancel, late writes and free through them):
 
 1. A block is free (in the free list) exactly when no sequence's table holds it, and its
    reference count is the number of tables that hold it.
@@ -37,6 +42,7 @@ of allocate, compute, abort, preempt, pull start/finish/fail and free through th
    from its salt's root; nothing past its final tokens is ever hashed; its final tokens past
    them (fewer than a block) are its tail once it is freed.
 4. A tail's block is free, unhashed, in one tail only, and holds 1 to ``block_size - 1`` tokens.
+5. A quarantined block is held by no table, is not in the free list, and is unhashed.
 
 Hence the rule the rest of pdserve relies on: a block is shared (found by a prefix lookup,
 published to the router) only when its KV is final. The first design registered a prompt's
@@ -51,56 +57,19 @@ events so that routers know where each prefix is cached.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
+from pdserve.engine.core.block_hashes import NO_HASH, chain_hash, chain_root, full_block_hashes, prompt_block_hashes
 from pdserve.engine.core.block_tails import TailIndex
 from pdserve.engine.errors import CacheCapacityError
 
-NO_HASH = b""
+__all__ = ["NO_HASH", "BlockManager", "BlockStateError", "chain_hash", "chain_root", "full_block_hashes",
+           "prompt_block_hashes"]  # the hashes live in block_hashes.py, named here as before
 
 # (block hash, True: now cached / False: evicted); called on the thread that changed the cache.
 CacheListener = Callable[[bytes, bool], None]
-
-
-def chain_hash(prev_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Hash of a full block given the hash of the block before it (``NO_HASH`` for the first).
-
-    blake2b over packed ints, so the value is the same in every process (unlike ``hash()``
-    of a str) and a router can compute it too.
-    """
-    h = hashlib.blake2b(prev_hash, digest_size=16)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
-
-
-def chain_root(cache_salt: str) -> bytes:
-    """The ``prev_hash`` of a sequence's first block: ``NO_HASH`` without a salt (the hashes
-    of unsalted prompts are as before salts existed), else a hash of the salt."""
-    if not cache_salt:
-        return NO_HASH
-    return hashlib.blake2b(b"pdserve cache salt\0" + cache_salt.encode(), digest_size=16).digest()
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:
-    """The chained hashes of the prompt blocks a prefix hit can cover: the full blocks, the
-    one holding the last token excluded (it is always computed; ``BlockManager.allocate``).
-    Routers compute them to know where a prompt's prefix is cached."""
-    return full_block_hashes(token_ids, block_size, cache_salt, (len(token_ids) - 1) // block_size if token_ids else 0)
-
-
-def full_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "",
-                      num_blocks: int | None = None) -> list[bytes]:
-    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids`` (None: all of
-    them), as the block manager hashes them once their KV is final."""
-    hashes, prev = [], chain_root(cache_salt)
-    for i in range(len(token_ids) // block_size if num_blocks is None else num_blocks):
-        prev = chain_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
-        hashes.append(prev)
-    return hashes
 
 
 @dataclass
@@ -155,6 +124,7 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}
         self._tails = TailIndex()  # freed partial blocks (block_tails.py)
         self._seqs: dict[str, _SeqBlocks] = {}
+        self._quarantined: set[int] = set()  # blocks a read may still write (module docstring)
         self.prefix_queries = 0  # prompt tokens eligible for the cache (whole blocks, and a tail's room)
         self.prefix_hits = 0  # of those, found (full-block hits and a tail's tokens)
         self._listeners: list[CacheListener] = []
@@ -175,6 +145,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_quarantined(self) -> int:
+        """Blocks a cancelled or failed read may still write (QUARANTINED): neither held nor free."""
+        return len(self._quarantined)
 
     @property
     def usage(self) -> float:
@@ -311,21 +286,37 @@ class BlockManager:
             state.num_final_tokens, state.tokens = num_final, token_ids
         self._register_full_blocks(state, token_ids, num_final)
 
-    def free(self, seq_id: str) -> None:
-        """Drop the sequence's references; blocks no one else holds go back to the free list."""
-        state = self._seqs.pop(seq_id, None)
-        if state is None:
+    def free(self, seq_id: str, quarantine: Collection[int] = ()) -> None:
+        """Drop the sequence's references; blocks no one else holds go back to the free list,
+        except those of ``quarantine``: blocks of this sequence alone that a cancelled or failed
+        read may still write, which become QUARANTINED until ``release_quarantined``."""
+        state, landing = self._seqs.get(seq_id), set(quarantine)
+        if state is None or any(b not in state.block_ids or self._blocks[b].ref_count != 1 for b in landing):
+            if landing:  # checked before anything changes
+                raise BlockStateError(f"sequence {seq_id!r} does not hold all of {sorted(landing)} alone to quarantine")
             return
+        del self._seqs[seq_id]
         # Reverse order: the end of a sequence is the least likely to be shared again, so it
         # is handed out first. Its partial block of final tokens stays findable as a tail.
         tail = tuple(state.tokens[state.num_hashed * self.block_size:state.num_final_tokens]) if self.enable_prefix_cache else ()
         for block_id in reversed(state.block_ids):
             block = self._blocks[block_id]
             block.ref_count -= 1
-            if block.ref_count == 0:
+            if block_id in landing:
+                self._unhash(block)
+                self._quarantined.add(block_id)
+            elif block.ref_count == 0:
                 self._free[block_id] = None
                 if tail and block_id == state.block_ids[state.num_hashed]:
                     self._tails.add(state.last_hash, block_id, tail)
+
+    def release_quarantined(self, block_ids: Collection[int]) -> None:
+        """The transport says every read into ``block_ids`` is over: they are FREE again."""
+        if any(b not in self._quarantined for b in block_ids):
+            raise BlockStateError(f"blocks {sorted(set(block_ids) - self._quarantined)} are not quarantined")
+        for block_id in block_ids:
+            self._quarantined.discard(block_id)
+            self._free[block_id] = None
 
     def check_invariants(self) -> None:
         """Raise ``BlockStateError`` if an invariant of the module docstring does not hold.
@@ -336,16 +327,20 @@ class BlockManager:
                 refs[block_id] = refs.get(block_id, 0) + 1
         for block in self._blocks:
             held = refs.get(block.block_id, 0)
-            if block.ref_count != held or (held == 0) != (block.block_id in self._free):
+            quarantined = block.block_id in self._quarantined
+            if block.ref_count != held or (held == 0 and not quarantined) != (block.block_id in self._free):
                 raise BlockStateError(f"block {block.block_id}: ref_count {block.ref_count}, held by "
-                                      f"{held} tables, free {block.block_id in self._free}")
+                                      f"{held} tables, free {block.block_id in self._free}, quarantined {quarantined}")
+            if quarantined and (held or block.hash):
+                raise BlockStateError(f"quarantined block {block.block_id} is held or hashed")
         for block_hash, block_id in self._by_hash.items():
             if self._blocks[block_id].hash != block_hash:
                 raise BlockStateError(f"the index names block {block_id} for a hash it does not hold")
         for seq_id, state in self._seqs.items():
             self._check_chain(seq_id, state)
         for block_id, _, token_ids in self._tails.items():
-            if self._blocks[block_id].ref_count or self._blocks[block_id].hash or not 0 < len(token_ids) < self.block_size:
+            if self._blocks[block_id].ref_count or self._blocks[block_id].hash or block_id in self._quarantined \
+                    or not 0 < len(token_ids) < self.block_size:
                 raise BlockStateError(f"tail block {block_id} is held, hashed or of {len(token_ids)} tokens")
 
     def _check_chain(self, seq_id: str, state: _SeqBlocks) -> None:
@@ -393,8 +388,13 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         self._tails.drop(block_id)
         block = self._blocks[block_id]
-        if block.hash and self._by_hash.get(block.hash) == block_id:
+        self._unhash(block)
+        block.ref_count = 1
+        return block_id
+
+    def _unhash(self, block: _Block) -> None:
+        """Nothing finds ``block`` any more (its contents are about to change)."""
+        if block.hash and self._by_hash.get(block.hash) == block.block_id:
             del self._by_hash[block.hash]
             self._emit(block.hash, False)
-        block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
-        return block_id
+        block.hash, block.token_ids = NO_HASH, ()

@@ -29,6 +29,7 @@ Pure Python; tests feed it hand-built outputs through ``update_from_output``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pdserve.engine.core.block_manager import BlockManager
@@ -289,9 +290,9 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def finish(self, seq: Sequence, reason: FinishReason | None) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason | None, quarantine: Collection[int] = ()) -> None:
         """Take ``seq`` out of every queue and free its blocks (a HELD sequence's too: that
-        is how held KV is freed)."""
+        is how held KV is freed), but quarantine those a read may still write (``BlockManager.free``)."""
         if seq.is_finished:
             return
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
@@ -300,4 +301,4 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.awaiting_kv.pop(seq.seq_id, None)
-        self.blocks.free(seq.seq_id)
+        self.blocks.free(seq.seq_id, quarantine)
