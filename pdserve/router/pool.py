@@ -235,6 +235,15 @@ class WorkerPool:
             client.transfer_failures = 0
             client.down_until = time.monotonic() + TRANSFER_DOWN_S
 
+    def call_unanswered(self, address: str) -> None:
+        """A call to ``address`` passed its bound unanswered while the worker still answers its
+        Stats polls (an accepted call it never serves): down for routing for ``TRANSFER_DOWN_S``,
+        so the next requests do not each wait out that bound on it."""
+        client = self.workers.get(address)
+        if client is not None:
+            log.warning("worker %s left a call unanswered past its bound; down for %.0f s", address, TRANSFER_DOWN_S)
+            client.down_until = time.monotonic() + TRANSFER_DOWN_S
+
     def transfer_ok(self, address: str) -> None:
         client = self.workers.get(address)
         if client is not None:

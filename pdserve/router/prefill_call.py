@@ -85,6 +85,8 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
             last = f"prefill worker {client.address}: {exc.code().name} {exc.details()}"
             if fault not in (Fault.BUSY, Fault.STEP):  # a failed step leaves its worker serving
                 ctx.pool.mark_down(client.address)
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the call's bound, not the request's
+                ctx.pool.call_unanswered(client.address)
             ctx.metrics.retried()
             log.warning("request %s: %s; trying another", ctx.request_id, last)
         except BaseException as exc:

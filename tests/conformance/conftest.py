@@ -18,6 +18,9 @@ from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.helpers.under_load import HANG_S, LEASE_S, READ_DELAY_S
 
 TRANSFER_TIMEOUT_S = 3.0  # a stalled read fails this long after it was posted
+# A prefill call unanswered this long (and past its prompt's measured pace) moves on; above the
+# longest prefill step here (well under a second).
+PREFILL_CALL_MIN_S = 3.0
 STREAM_IDLE_S = 2.0  # an HTTP stream the client stopped reading ends this long after its last write
 
 
@@ -27,7 +30,8 @@ def cluster():
             dtype="float32", num_prefill=2, num_decode=2, lease_seconds=LEASE_S,
             kv_transfer_backend="tcp", inject_transfer_delay_s=READ_DELAY_S, transfer_timeout_s=TRANSFER_TIMEOUT_S,
             router_poll_s=0.2, supervise_interval_s=0.5, hang_timeout_s=HANG_S,
-            router_limits=RouterLimits(stream_idle_timeout_s=STREAM_IDLE_S, decode_kv_reuse=False))) as c:
+            router_limits=RouterLimits(stream_idle_timeout_s=STREAM_IDLE_S, decode_kv_reuse=False,
+                                       prefill_call_min_s=PREFILL_CALL_MIN_S))) as c:
         yield c
 
 

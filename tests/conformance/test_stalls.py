@@ -23,7 +23,6 @@ from tests.serving.conftest import worker_stats
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 30.0  # each request's deadline (the client's gRPC timeout)
-NEVER_ANSWERED_TIMEOUT_S = 5.0  # shorter: a call that is never answered ends here
 
 
 def transfer_failures(cluster) -> int:
@@ -91,25 +90,29 @@ def test_a_reader_that_never_receives_costs_no_request(cluster, stub, undisturbe
     assert_no_kv_held(cluster)
 
 
-def test_a_prefill_that_accepts_and_never_answers_ends_by_the_deadline(cluster, stub, undisturbed_ids):
-    """A call that is accepted and never answered costs its request no more than its deadline:
-    the request completes elsewhere, or ends DEADLINE_EXCEEDED at its deadline, not later;
-    nothing is held. (The worker's engine stays idle, so it is never found hung, and the
-    prompts' shared prefix is cached there: the router keeps choosing it; docs/reliability.md.)"""
+def test_a_prefill_that_accepts_and_never_answers_costs_no_request(cluster, stub, undisturbed_ids):
+    """A prefill call that is accepted and never answered (the worker's engine stays idle and it
+    answers its Stats polls, so it is never found hung) is given up at its bound
+    (``prefill_call_min_s`` here): the prompt goes to another prefill worker or its decode
+    worker, and the silent worker is left out of routing for a while, so the requests after it
+    do not each wait out the bound. Every request completes with its undisturbed tokens; nothing
+    is held."""
     worker = serving_prefill(cluster, stub)
     ray.get(worker.inject_fault.remote("never_answer"), timeout=10)
     try:
-        with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, NEVER_ANSWERED_TIMEOUT_S) as load:
+        with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, TIMEOUT_S, pause_after_error_s=0.2) as load:
             until(lambda: ray.get(worker.inject_fault.remote("never_answer"), timeout=10) > 0,
                   "a call left unanswered", cluster)
-            load.wait_for(CLIENTS, timeout_s=NEVER_ANSWERED_TIMEOUT_S * 3)  # the stalled one ends meanwhile
+            load.wait_for(2 * CLIENTS, timeout_s=TIMEOUT_S)  # the unanswered ones moved on meanwhile
     finally:
         met = ray.get(worker.inject_fault.remote("never_answer", False), timeout=10)
-    summary = assert_each_completed_or_failed_clearly(load.outcomes, undisturbed_ids, NEVER_ANSWERED_TIMEOUT_S)
-    assert all(code == "DEADLINE_EXCEEDED" for _, code, _ in summary["errors"]), summary
+    summary = assert_each_completed_or_failed_clearly(load.outcomes, undisturbed_ids, TIMEOUT_S)
+    assert not summary["errors"], summary
+    assert met >= 1
     assert_no_kv_held(cluster)
+    longest = max(o.ended - o.started for o in load.outcomes)
     print(f"never-answering prefill worker: {met} calls left unanswered; {summary['completed']} of "
-          f"{len(load.outcomes)} requests completed, the rest DEADLINE_EXCEEDED at {NEVER_ANSWERED_TIMEOUT_S:g} s")
+          f"{len(load.outcomes)} requests completed, the longest in {longest:.1f} s")
 
 
 def test_a_frozen_prefill_worker_costs_no_request(cluster, stub, undisturbed_ids):

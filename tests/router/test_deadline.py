@@ -87,6 +87,9 @@ def test_a_frozen_prefill_worker_costs_the_call_bound_then_the_decode_worker_pre
     assert 0.3 <= took < 5.0
     assert [r.local_prefill for r in decode.requests] == [True]
     assert not pool.workers["prefill-0:1"].healthy  # marked down until it answers a poll again
+    # and, having left a call unanswered past its bound, out of routing for a while even though
+    # it may keep answering polls (an accepted call it never serves)
+    assert pool.workers["prefill-0:1"].down_until > time.monotonic()
 
 
 def test_with_no_routable_prefill_worker_the_decode_worker_prefills_at_once():
