@@ -52,6 +52,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from pdserve.kv_transfer.tcp_admission import Admission, Ticket
 from pdserve.wire.tls import peer_roles
 
 logger = logging.getLogger(__name__)
@@ -211,56 +212,12 @@ def recv_reply_header(sock: socket.socket, expected_bytes: int) -> None:
         raise WireError(f"holder sends {length} bytes, expected {expected_bytes}")
 
 
-class _Admission:
-    """The connections a server holds: ``open`` in all, ``unauthenticated`` among them; who may
-    come in, under the two caps; and how many were turned away. Thread-safe."""
-
-    def __init__(self, max_connections: int, max_unauthenticated: int):
-        self.max_connections, self.max_unauthenticated = max_connections, max_unauthenticated
-        self.open = self.unauthenticated = self.refused = 0
-        self._lock = threading.Lock()
-
-    def admit(self) -> bool:
-        with self._lock:
-            if self.open >= self.max_connections or self.unauthenticated >= self.max_unauthenticated:
-                self.refused += 1
-                return False
-            self.open += 1
-            self.unauthenticated += 1
-            return True
-
-    def _authenticated(self) -> None:
-        with self._lock:
-            self.unauthenticated -= 1
-
-    def _closed(self, authenticated: bool) -> None:
-        with self._lock:
-            self.open -= 1
-            self.unauthenticated -= not authenticated
-
-
-class _Ticket:
-    """One admitted connection's place: ``authenticated`` once its read names a claimed lease,
-    given back by ``close`` when the connection ends."""
-
-    def __init__(self, admission: _Admission):
-        self._admission, self._authenticated = admission, False
-
-    def authenticated(self) -> None:
-        if not self._authenticated:
-            self._authenticated = True
-            self._admission._authenticated()
-
-    def close(self) -> None:
-        self._admission._closed(self._authenticated)
-
-
 class _Server(socketserver.ThreadingTCPServer):
     """A threading TCP server that asks ``admission`` before it starts a thread."""
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler, admission: _Admission):
+    def __init__(self, address: tuple[str, int], handler, admission: Admission):
         self.admission = admission
         super().__init__(address, handler)
 
@@ -295,7 +252,7 @@ class BlockServer:
         # CPU caches are sent straight from their storage; CUDA blocks are gathered to host.
         self._host = blocks.numpy() if blocks.device.type == "cpu" else None
         self._on_notify = on_notify
-        self.admission = _Admission(max_connections, max_unauthenticated)
+        self.admission = Admission(max_connections, max_unauthenticated)
         # Test-only fault injection (tests/conformance): while True, an authorized read is
         # accepted and never answered, as a holder whose sending stalled would leave it.
         self.inject_stall = False
@@ -303,7 +260,7 @@ class BlockServer:
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                ticket = _Ticket(server.admission)  # admitted by _Server.process_request
+                ticket = Ticket(server.admission)  # admitted by _Server.process_request
                 try:
                     server._accept(self.request, ticket)
                 finally:
@@ -320,7 +277,7 @@ class BlockServer:
         host, port = self._server.server_address[:2]
         return f"{host}:{port}"
 
-    def _accept(self, sock: socket.socket, ticket: _Ticket) -> None:
+    def _accept(self, sock: socket.socket, ticket: Ticket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self._io_timeout_s)
         if self._ssl is None:
@@ -340,7 +297,7 @@ class BlockServer:
             tls_sock.settimeout(self._io_timeout_s)
             self._serve(tls_sock, ticket)
 
-    def _serve(self, sock: socket.socket, ticket: _Ticket) -> None:
+    def _serve(self, sock: socket.socket, ticket: Ticket) -> None:
         num_blocks, block_bytes = self._blocks.shape
         try:
             try:
