@@ -260,6 +260,65 @@ class SchedulerConfig:
             raise ValueError(f"scheduler policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding on a worker that decodes (vLLM's ``--speculative-config`` JSON keys).
+
+    Each step a proposer guesses up to ``num_speculative_tokens`` next tokens per sequence
+    (``ngram``: the continuation of the newest earlier match of the sequence's last
+    ``prompt_lookup_min``..``prompt_lookup_max`` tokens; ``draft_model``: a smaller model of the
+    same tokenizer, ``model``, run beside the target); the target scores them all in one forward and
+    keeps a prefix by rejection sampling, so the output follows the target's distribution
+    exactly (pdserve/engine/spec/). A step with more than ``disable_by_batch_size`` running
+    sequences does not speculate: a full batch gains nothing from the extra positions."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: a HF directory (a model of the target's vocabulary)
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be at least 1 and at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative model is needed by method draft_model, and by no other method")
+        if self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Many LoRA adapters on one engine (vLLM's ``--enable-lora`` settings).
+
+    ``modules``: (name, PEFT directory) pairs loaded at start; more are loaded and unloaded at
+    run time. At most ``max_loras`` adapters run in one batch (each holds a slot of stacked
+    weights on the device); any number stay loaded on the host. An adapter's rank may not pass
+    ``max_lora_rank``. A request names its adapter in ``SamplingParams.lora_name``."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names) or any(not name for name in names):
+            raise ValueError(f"lora module names must be unique and non-empty, got {names}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, built once by the process that owns it."""
@@ -282,6 +341,10 @@ class EngineConfig:
     # "auto": the checkpoint's weights; "dummy": random weights made on the device from
     # config.json alone (vLLM's name), for benchmarks and GPU runs that cannot carry a checkpoint.
     load_format: str = "auto"
+    # None: one token a step. Set: speculative decoding (workers that decode; SpeculativeConfig).
+    speculative: SpeculativeConfig | None = None
+    # None: no adapters (a request naming one is refused). Set: multi-LoRA (LoRAConfig).
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

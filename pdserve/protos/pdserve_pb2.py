@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/protos/pdserve.proto\x12\npdserve.v1\"\xe4\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x12\n\ncache_salt\x18\x13 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"w\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x03 \x01(\x08H\x00\x12\x16\n\x0eresumed_tokens\x18\x04 \x01(\rB\x0c\n\nconstraint\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"Z\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x08 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\t \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\n \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/protos/pdserve.proto\x12\npdserve.v1\"\xf7\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x12\n\ncache_salt\x18\x13 \x01(\t\x12\x11\n\tlora_name\x18\x14 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"w\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x03 \x01(\x08H\x00\x12\x16\n\x0eresumed_tokens\x18\x04 \x01(\rB\x0c\n\nconstraint\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"Z\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x08 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\t \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\n \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,42 +33,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2034
-  _globals['_FINISHREASON']._serialized_end=2154
+  _globals['_FINISHREASON']._serialized_start=2053
+  _globals['_FINISHREASON']._serialized_end=2173
   _globals['_SAMPLINGPARAMS']._serialized_start=45
-  _globals['_SAMPLINGPARAMS']._serialized_end=657
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=547
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=595
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=659
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=778
-  _globals['_TOPLOGPROBS']._serialized_start=780
-  _globals['_TOPLOGPROBS']._serialized_end=830
-  _globals['_TOKENIDS']._serialized_start=832
-  _globals['_TOKENIDS']._serialized_end=855
-  _globals['_CHATMESSAGE']._serialized_start=857
-  _globals['_CHATMESSAGE']._serialized_end=965
-  _globals['_TOOL']._serialized_start=967
-  _globals['_TOOL']._serialized_end=1033
-  _globals['_TOOLCALL']._serialized_start=1035
-  _globals['_TOOLCALL']._serialized_end=1095
-  _globals['_CHATMESSAGES']._serialized_start=1097
-  _globals['_CHATMESSAGES']._serialized_end=1187
-  _globals['_GENERATEREQUEST']._serialized_start=1190
-  _globals['_GENERATEREQUEST']._serialized_end=1398
-  _globals['_USAGE']._serialized_start=1400
-  _globals['_USAGE']._serialized_end=1487
-  _globals['_GENERATERESPONSE']._serialized_start=1490
-  _globals['_GENERATERESPONSE']._serialized_end=1814
-  _globals['_ABORTREQUEST']._serialized_start=1816
-  _globals['_ABORTREQUEST']._serialized_end=1850
-  _globals['_ABORTRESPONSE']._serialized_start=1852
-  _globals['_ABORTRESPONSE']._serialized_end=1882
-  _globals['_LISTMODELSREQUEST']._serialized_start=1884
-  _globals['_LISTMODELSREQUEST']._serialized_end=1903
-  _globals['_MODELINFO']._serialized_start=1905
-  _globals['_MODELINFO']._serialized_end=1971
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1973
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2032
-  _globals['_GENERATION']._serialized_start=2157
-  _globals['_GENERATION']._serialized_end=2381
+  _globals['_SAMPLINGPARAMS']._serialized_end=676
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=566
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=614
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=678
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=797
+  _globals['_TOPLOGPROBS']._serialized_start=799
+  _globals['_TOPLOGPROBS']._serialized_end=849
+  _globals['_TOKENIDS']._serialized_start=851
+  _globals['_TOKENIDS']._serialized_end=874
+  _globals['_CHATMESSAGE']._serialized_start=876
+  _globals['_CHATMESSAGE']._serialized_end=984
+  _globals['_TOOL']._serialized_start=986
+  _globals['_TOOL']._serialized_end=1052
+  _globals['_TOOLCALL']._serialized_start=1054
+  _globals['_TOOLCALL']._serialized_end=1114
+  _globals['_CHATMESSAGES']._serialized_start=1116
+  _globals['_CHATMESSAGES']._serialized_end=1206
+  _globals['_GENERATEREQUEST']._serialized_start=1209
+  _globals['_GENERATEREQUEST']._serialized_end=1417
+  _globals['_USAGE']._serialized_start=1419
+  _globals['_USAGE']._serialized_end=1506
+  _globals['_GENERATERESPONSE']._serialized_start=1509
+  _globals['_GENERATERESPONSE']._serialized_end=1833
+  _globals['_ABORTREQUEST']._serialized_start=1835
+  _globals['_ABORTREQUEST']._serialized_end=1869
+  _globals['_ABORTRESPONSE']._serialized_start=1871
+  _globals['_ABORTRESPONSE']._serialized_end=1901
+  _globals['_LISTMODELSREQUEST']._serialized_start=1903
+  _globals['_LISTMODELSREQUEST']._serialized_end=1922
+  _globals['_MODELINFO']._serialized_start=1924
+  _globals['_MODELINFO']._serialized_end=1990
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1992
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2051
+  _globals['_GENERATION']._serialized_start=2176
+  _globals['_GENERATION']._serialized_end=2400
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,7 @@ def sampling_from_proto(p: pdserve_pb2.SamplingParams, keep_stop_strings: bool =
         min_tokens=p.min_tokens,
         structured=structured_from_proto(p.structured_output) if p.HasField("structured_output") else None,
         cache_salt=p.cache_salt,
+        lora_name=p.lora_name,
     )
 
 
@@ -73,7 +74,7 @@ def sampling_to_proto(s: SamplingParams) -> pdserve_pb2.SamplingParams:
         stop_token_ids=list(s.stop_token_ids), stop=list(s.stop), ignore_eos=s.ignore_eos,
         logprobs=s.logprobs, top_logprobs=s.top_logprobs, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
-        cache_salt=s.cache_salt,
+        cache_salt=s.cache_salt, lora_name=s.lora_name,
     )
     if s.seed is not None:
         p.seed = s.seed

@@ -27,7 +27,8 @@ MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2], as in OpenAI
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own limit on logit_bias keys
 MAX_TOP_LOGPROBS = 20  # alternatives per position, OpenAI's chat limit
-MAX_CACHE_SALT_CHARS = 256  # room for a client's salt; the router's per-key salts are 64
+MAX_CACHE_SALT_CHARS = 256
+MAX_LORA_NAME_CHARS = 256  # room for a client's salt; the router's per-key salts are 64
 
 # The most likely alternatives at one position: (token id, logprob) pairs, best first.
 TopLogprobs = tuple[tuple[int, float], ...]
@@ -55,7 +56,8 @@ class SamplingParams:
 
     ``cache_salt`` is not about sampling, but travels with the request's parameters to every
     worker that caches its KV: prefix-cache blocks are shared only between requests of the
-    same salt (``pdserve.engine.core.block_manager``).
+    same salt (``pdserve.engine.core.block_manager``). ``lora_name`` names the LoRA adapter
+    the request runs under, "" for the base model.
     """
 
     max_tokens: int = 16
@@ -77,6 +79,9 @@ class SamplingParams:
     min_tokens: int = 0
     structured: StructuredOutput | None = None  # a grammar the output must follow (engine.grammar)
     cache_salt: str = ""  # "": the shared, unsalted prefix cache
+    # The LoRA adapter the request runs under ("": the base model). Like the salt it is not about
+    # sampling; it travels with the parameters to every worker, and KV is shared only within it.
+    lora_name: str = ""
 
     @property
     def penalised(self) -> bool:
@@ -137,6 +142,9 @@ class SamplingParams:
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise InvalidRequestError("cache_salt", f"{len(self.cache_salt)} characters; the limit is "
                                       f"{MAX_CACHE_SALT_CHARS}", MAX_CACHE_SALT_CHARS)
+        if len(self.lora_name) > MAX_LORA_NAME_CHARS:
+            raise InvalidRequestError("lora_name", f"{len(self.lora_name)} characters; the limit is "
+                                      f"{MAX_LORA_NAME_CHARS}", MAX_LORA_NAME_CHARS)
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
         if self.structured is not None:
