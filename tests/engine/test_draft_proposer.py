@@ -146,3 +146,16 @@ def test_a_draft_of_another_vocabulary_or_family_is_refused_by_name(tiny_llama_d
     spec = SpeculativeConfig(method="draft_model", model=str(tmp_path / "nowhere"))
     with pytest.raises(ModelLoadError, match=r"speculative_config\.model"):
         DraftProposer.from_config(spec, engine_config(directory), read_model_config(directory))
+
+
+def test_a_long_catch_up_is_spread_over_calls_within_the_step_budget(tiny_llama_dir):
+    directory, hf = tiny_llama_dir
+    draft = proposer(directory, max_num_batched_tokens=32)
+    seqs = seqs_of(random_prompts(2, [40, 10], seed=6))
+    first = draft.propose(seqs, K)
+    assert [p.token_ids for p in first] == [[], []]  # 32 of s0's 40 tokens ran; nothing of s1's
+    assert draft.runner.num_forward_tokens == 32
+    second = draft.propose(seqs, K)
+    for seq, proposal in zip(seqs, second):
+        assert_greedy_matches(hf, seq.token_ids, proposal.token_ids, K, what=f"{seq.seq_id} once caught up")
+    assert draft.runner.num_forward_tokens == 32 + 8 + 10 + 2 * (K - 1)

@@ -10,6 +10,10 @@ and attention backends:
    decode worker the target's prompt KV came from the prefill pool; the draft's is built here,
    from the prompt's tokens); later, the tokens the target kept since the last call (its
    accepted guesses and its own next token). The step's last row per sequence gives guess 1.
+   The step runs at most ``catch_up_tokens`` tokens (the target's step budget,
+   ``max_num_batched_tokens``): a sequence past what is left catches up on a chunk and guesses
+   nothing this call, so a long prompt never stalls the target's decode step by more than a
+   draft step of that budget.
 2. ``k - 1`` single-token steps, each running the previous guess and giving the next.
 
 A greedy request (temperature 0) takes the draft's argmax and returns no probabilities; a
@@ -72,15 +76,20 @@ class _Row:
     tracked: _Tracked
     params: SamplingParams
     k: int  # guesses it may make (fewer than the call's k near the end of the context)
+    chunk: int  # tokens its catch-up runs; short of all it lacks: no guess this call
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
 
 
 class DraftProposer:
-    """``Proposer`` over a draft model (module docstring). ``num_blocks``: its cache's size."""
+    """``Proposer`` over a draft model (module docstring). ``num_blocks``: its cache's size;
+    ``catch_up_tokens``: the most tokens one call's catch-up step runs."""
 
     def __init__(self, draft: DraftModel, num_blocks: int, block_size: int, attention_backend: str = "auto",
-                 seed: int = 0, graph_sizes: tuple[int, ...] = ()):
+                 seed: int = 0, graph_sizes: tuple[int, ...] = (), catch_up_tokens: int = 2048):
+        if catch_up_tokens < 1:
+            raise ValueError(f"catch_up_tokens must be at least 1, got {catch_up_tokens}")
+        self.catch_up_tokens = catch_up_tokens
         self.cfg = draft.cfg
         self.max_model_len = draft.max_model_len
         model = draft.model
@@ -106,7 +115,7 @@ class DraftProposer:
         speculating = min(engine_config.scheduler.max_num_seqs, spec.disable_by_batch_size)
         graphs = capture_sizes(speculating) if engine_config.cuda_graphs else ()
         return cls(draft, num_blocks, engine_config.cache.block_size, engine_config.attention_backend,
-                   engine_config.seed, graphs)
+                   engine_config.seed, graphs, engine_config.scheduler.max_num_batched_tokens)
 
     # ---- Proposer ------------------------------------------------------------------
     def propose(self, seqs: Seq[Sequence], k: int) -> list[Proposal]:
@@ -117,15 +126,17 @@ class DraftProposer:
         if k < 1 or not seqs:
             return proposals
         batch = {seq.seq_id for seq in seqs}
-        rows = []
+        rows, budget = [], self.catch_up_tokens
         for i, seq in enumerate(seqs):
             row_k = min(k, self.max_model_len - seq.num_tokens)  # no guess past the context's end
-            if row_k < 1:
+            if row_k < 1 or budget < 1:
                 continue
             tracked = self._sync(seq)
             if self._reserve(seq.seq_id, seq.num_tokens + row_k - 1, batch):
                 tracked.last_used = self._calls
-                rows.append(_Row(i, tracked, seq.params, row_k))
+                chunk = min(budget, seq.num_tokens - tracked.view.num_computed_tokens)
+                budget -= chunk
+                rows.append(_Row(i, tracked, seq.params, row_k, chunk))
         self._run(rows)
         for row in rows:
             probs = torch.stack(row.probs) if row.probs else None
@@ -182,19 +193,25 @@ class DraftProposer:
     # ---- the draft's steps ---------------------------------------------------------
     def _run(self, rows: list[_Row]) -> None:
         """The catch-up step, then single-token steps until every row has its guesses."""
-        step = [ScheduledSeq(r.tracked.view, r.tracked.view.num_tokens - r.tracked.view.num_computed_tokens, True)
-                for r in rows]
+        if not rows:
+            return
+        step = [ScheduledSeq(r.tracked.view, r.chunk, r.tracked.view.num_computed_tokens + r.chunk ==
+                             r.tracked.view.num_tokens) for r in rows]
         prefill = any(item.num_new_tokens > 1 for item in step)  # else a decode step (graphs replay it)
+        logits = self.runner.logits(SchedulerOutput(step, is_prefill=prefill))
+        for row in rows:
+            row.tracked.view.num_computed_tokens += row.chunk
+        rows = [r for r, item in zip(rows, step) if item.sample]  # the caught-up ones guess
         while rows:
-            logits = self.runner.logits(SchedulerOutput(step, is_prefill=prefill))
             self._draw(logits, rows)
             for row in rows:
-                view = row.tracked.view
-                view.num_computed_tokens = view.num_tokens
-                view.token_ids.append(row.tokens[-1])
+                row.tracked.view.token_ids.append(row.tokens[-1])
             rows = [r for r in rows if len(r.tokens) < r.k]
-            step = [ScheduledSeq(r.tracked.view, 1, True) for r in rows]
-            prefill = False
+            if rows:
+                step = [ScheduledSeq(r.tracked.view, 1, True) for r in rows]
+                logits = self.runner.logits(SchedulerOutput(step, is_prefill=False))
+                for row in rows:
+                    row.tracked.view.num_computed_tokens += 1
 
     def _draw(self, logits: torch.Tensor, rows: list[_Row]) -> None:
         """Each row's next guess from its logits row (S, V): the argmax when greedy, else a
