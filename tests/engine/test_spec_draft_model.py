@@ -40,3 +40,21 @@ def test_greedy_tokens_equal_transformers_with_a_draft_model(tiny_llama_dir, one
     proposer.blocks.check_invariants()
     assert engine.num_free_blocks == engine.blocks.num_blocks
     engine.blocks.check_invariants()
+
+
+def test_sampled_requests_verify_the_drafts_distributions(tiny_llama_dir):
+    """Sampled guesses reach rejection sampling with their rows (the draft's softmax at the
+    request's temperature): a seeded request's tokens are its own whatever its batch, and every
+    block is free at the end."""
+    directory, _ = tiny_llama_dir
+    spec = SpeculativeConfig(method="draft_model", model=str(directory), num_speculative_tokens=3)
+    engine = make_engine(directory, num_blocks=64, policy=MIXED, speculative=spec)
+    prompt = random_prompts(1, [12], seed=4)[0]
+    seeded = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=5)
+    together = engine.generate([prompt, prompt, random_prompts(1, [30], seed=9)[0]],
+                               [seeded, seeded, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)])
+    [alone] = engine.generate([prompt], seeded)
+    assert together[0].token_ids == together[1].token_ids == alone.token_ids
+    assert len(alone.token_ids) == MAX_TOKENS
+    assert engine.spec_stats.num_accepted_tokens > 0
+    assert engine.spec.proposer.blocks.num_free_blocks == engine.spec.proposer.blocks.num_blocks
