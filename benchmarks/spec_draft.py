@@ -15,7 +15,7 @@ acceptance counters).
 Target: the default model (SmolLM2-135M, 30 layers). Drafts: the target itself (the most a draft
 can cost, and the best it can agree: the upper bound of acceptance) and the target cut to its
 first 2 layers (a draft of the usual size ratio, 1/15 of the layers, which agrees far less).
-One torch thread, as a worker runs on this machine; each figure is the best of ``--rounds``.
+One torch thread, as a worker runs on this machine; a catch-up figure is the best of ``--rounds``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -78,31 +79,49 @@ def catch_up_ms_per_token(model_dir: Path, target_dir: Path, dtype: str, prompt_
     return best * 1000 / prompt_len, kv_bytes
 
 
-def tpot(target: Path, dtype: str, prompt_len: int, max_tokens: int, rounds: int, spec: SpeculativeConfig | None
-         ) -> tuple[float, str]:
-    """(best ms per output token after the first of one greedy request, the acceptance line)."""
+def tpot_engine(target: Path, dtype: str, spec: SpeculativeConfig | None):
     from pdserve.engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=str(target), dtype=dtype, device="cpu", cuda_graphs=False, speculative=spec,
                           cache=CacheConfig(num_blocks=128), scheduler=SchedulerConfig(policy="mixed"))
-    engine = LLMEngine.from_config(config, progress=False, detokenize=False)
-    prompt = torch.randint(100, 40000, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    best = float("inf")
-    for i in range(rounds + 1):  # the first round warms up
-        engine.add_request(f"t{i}", prompt, params)
-        first = last = None
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.new_token_ids:
-                    last = time.perf_counter()
-                    first = first or last
-        if i:
-            best = min(best, (last - first) / (max_tokens - 1))
-    stats = getattr(engine, "spec_stats", None)
-    line = "" if stats is None else (f"acceptance {stats.acceptance_rate:.2f}, mean accepted length "
-                                     f"{stats.mean_accepted_length:.2f}")
-    return best * 1000, line
+    return LLMEngine.from_config(config, progress=False, detokenize=False)
+
+
+def tpot_ms(engine, rid: str, prompt: list[int], max_tokens: int) -> float:
+    """ms per output token after the first of one greedy request alone on ``engine``."""
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    first = last = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                last = time.perf_counter()
+                first = first or last
+    return (last - first) / (max_tokens - 1) * 1000
+
+
+def tpot(target: Path, small: Path, args) -> None:
+    """Every engine loaded first, then rounds that run each in turn: a machine whose load drifts
+    (this one is shared) weighs on every column alike. Each cell is the median over rounds."""
+    drafts = [("none", None), ("SmolLM2-135M itself", target), ("its first 2 layers", small)]
+    engines = [tpot_engine(target, args.dtype, None if d is None else SpeculativeConfig(
+        method="draft_model", model=str(d), num_speculative_tokens=args.k)) for _, d in drafts]
+    prompt = torch.randint(100, 40000, (args.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    times: list[list[float]] = [[] for _ in engines]
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for i, engine in enumerate(engines):
+            ms = tpot_ms(engine, f"t{r}", prompt, args.max_tokens)
+            if r:
+                times[i].append(ms)
+    print(f"one greedy request, {args.prompt_len}-token prompt, {args.max_tokens} tokens, {args.dtype}, 1 thread, "
+          f"k = {args.k}, median of {args.rounds} interleaved rounds")
+    print("| draft | TPOT ms | vs none | acceptance | mean accepted length |")
+    print("|---|---|---|---|---|")
+    base = statistics.median(times[0])
+    for (name, _), engine, ts in zip(drafts, engines, times):
+        stats = engine.spec_stats
+        accepted = "" if stats is None else f"{stats.acceptance_rate:.2f} | {stats.mean_accepted_length:.2f}"
+        print(f"| {name} | {statistics.median(ts):.1f} | {statistics.median(ts) / base:.2f} | "
+              f"{accepted or ' | '} |")
 
 
 def main() -> None:
@@ -121,15 +140,7 @@ def main() -> None:
         if args.what == "catch-up":
             catch_up(target, small, args)
         else:
-            print(f"one greedy request, {args.prompt_len}-token prompt, {args.max_tokens} tokens, {args.dtype}, "
-                  f"1 thread, k = {args.k}")
-            print("| draft | TPOT ms | acceptance |")
-            print("|---|---|---|")
-            for name, draft in [("none", None), ("SmolLM2-135M itself", target), ("its first 2 layers", small)]:
-                spec = None if draft is None else SpeculativeConfig(method="draft_model", model=str(draft),
-                                                                     num_speculative_tokens=args.k)
-                ms, line = tpot(target, args.dtype, args.prompt_len, args.max_tokens, args.rounds, spec)
-                print(f"| {name} | {ms:.1f} | {line} |")
+            tpot(target, small, args)
 
 
 def catch_up(target: Path, small: Path, args) -> None:
