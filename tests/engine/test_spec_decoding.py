@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.sampling.params import SamplingParams
-from tests.factories import hf_greedy, make_engine, random_prompts
+from tests.factories import default_reference, hf_greedy, make_engine, random_prompts
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -41,3 +41,29 @@ def test_greedy_matches_transformers_batched(spec_engine, tiny_llama_dir):
 def test_off_engine_has_no_stats(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir[0], num_blocks=32)
     assert engine.spec_stats is None and engine.spec is None
+
+
+CODE = """def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+"""
+
+
+@pytest.mark.slow
+def test_default_model_keeps_guesses_on_a_repetitive_prompt_and_matches_transformers():
+    """SmolLM2 in float32 asked to repeat code with one change: the lookup's guesses are kept
+    (acceptance above zero: it cannot pass by never speculating) and the tokens are transformers' greedy ones."""
+    from pdserve.engine.loader import materialize
+    from pdserve.engine.tokenizer import Tokenizer
+
+    reference, _ = default_reference()
+    directory = materialize("default", progress=False)
+    engine = make_engine(directory, num_blocks=128, speculative=NGRAM)
+    prompt = Tokenizer(directory).apply_chat_template(
+        [{"role": "user", "content": "Repeat this code, renaming width to w:\n\n" + CODE}])
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True))
+    assert out.token_ids == hf_greedy(reference, prompt, 48)
+    assert engine.spec_stats.num_accepted_tokens > 0 and engine.spec_stats.mean_accepted_length > 1.0
