@@ -8,21 +8,15 @@ import pytest
 
 from pdserve.engine.config import MIXED, SpeculativeConfig
 from pdserve.engine.sampling.params import SamplingParams
-from tests.factories import hf_greedy, make_engine, make_hf_model, random_prompts, save_hf_model
+from tests.factories import hf_greedy, make_engine, random_prompts
 
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def one_layer_draft(tmp_path_factory):
-    """A 1-layer random Llama of the tiny target's vocabulary (other weights: another seed)."""
-    return save_hf_model(make_hf_model("llama", seed=1, num_hidden_layers=1), tmp_path_factory.mktemp("draft-1l"))
-
-
 @pytest.mark.parametrize("draft", ["target", "one_layer"])
-def test_greedy_tokens_equal_transformers_with_a_draft_model(tiny_llama_dir, one_layer_draft, draft):
+def test_greedy_tokens_equal_transformers_with_a_draft_model(tiny_llama_dir, tiny_draft_dir, draft):
     directory, hf = tiny_llama_dir
-    spec = SpeculativeConfig(method="draft_model", model=str(directory if draft == "target" else one_layer_draft),
+    spec = SpeculativeConfig(method="draft_model", model=str(directory if draft == "target" else tiny_draft_dir),
                              num_speculative_tokens=3)
     engine = make_engine(directory, num_blocks=64, policy=MIXED, speculative=spec)
     prompts = random_prompts(3, [3, 17, 40], seed=13)
