@@ -31,7 +31,7 @@ step), after the least recently proposed sequences outside the call were evicted
 
 Where the draft's KV comes from (issue 57: built from the transferred prompt on the decode
 worker, or transferred from the prefill pool too). Built. A draft of 2 of SmolLM2-135M's 30
-layers catches a prompt up at 8% of the target's prefill cost per token (0.24 against 3.0 ms,
+layers catches a prompt up at 8% of the target's prefill cost per token (0.22 against 2.9 ms,
 bfloat16, one CPU thread: benchmarks/spec_draft.py catch-up), once per request and at most one
 step budget a step. Transferring it would not remove that work but move it: every prefill worker
 would load and run the draft too, register a second cache with its transfer agents, and every
