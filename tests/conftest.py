@@ -68,6 +68,15 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory):
+    """A 1-layer random-weight Llama of ``tiny_llama_dir``'s vocabulary (other weights: another
+    seed), saved as a HF directory: a draft model that hardly agrees with that target."""
+    from tests.factories import make_hf_model, save_hf_model
+
+    return save_hf_model(make_hf_model("llama", seed=1, num_hidden_layers=1), tmp_path_factory.mktemp("tiny-draft"))
+
+
+@pytest.fixture(scope="session")
 def tool_llama(tmp_path_factory):
     """A tiny random Llama with the default model's 49,152-token tokenizer and a chat template
     with tools (``tests.factories.save_tool_llama``): (directory, ``Tokenizer``)."""
