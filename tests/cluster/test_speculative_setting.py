@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from pdserve.cli import main
-from pdserve.cluster import worker_cli
+from pdserve.cluster import worker_cli, worker_process
 from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import SettingsError, add_arguments, resolve
 from pdserve.engine.config import SpeculativeConfig
@@ -100,3 +100,14 @@ def test_serve_gives_it_to_the_workers_that_decode_only(layout, speculates):
 def test_a_plain_worker_speculates_where_it_decodes():
     assert worker_cli.worker_config(plain("decode", ["--speculative-config", NGRAM])).engine.speculative.prompt_lookup_max == 5
     assert worker_cli.worker_config(plain("prefill", ["--speculative-config", NGRAM])).engine.speculative is None
+
+
+def test_the_bare_worker_process_takes_it_for_a_decode_worker_only(capsys):
+    def engine(*argv):
+        return worker_process._config(worker_process._parser().parse_args(list(argv))).engine
+
+    assert engine("decode", "--speculative-config", NGRAM).speculative.num_speculative_tokens == 4
+    assert engine("prefill", "--speculative-config", NGRAM).speculative is None
+    with pytest.raises(SystemExit):
+        engine("decode", "--speculative-config", '{"k": 1}')
+    assert "--speculative-config: unknown key 'k' in speculative_config" in capsys.readouterr().err
