@@ -41,11 +41,12 @@ def save_hf_model(model, directory: Path) -> Path:
 
 def engine_config(model_dir: Path | str, dtype: str = "float32", num_blocks: int | None = 256,
                   block_size: int = 16, enable_prefix_cache: bool = True, device: str = "cpu",
-                  attention_backend: str = "auto", cuda_graphs: bool = False, **scheduler) -> EngineConfig:
+                  attention_backend: str = "auto", cuda_graphs: bool = False, speculative=None,
+                  **scheduler) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir), dtype=dtype, device=device, attention_backend=attention_backend, cuda_graphs=cuda_graphs,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_cache=enable_prefix_cache),
-        scheduler=SchedulerConfig(**scheduler) if scheduler else SchedulerConfig(),
+        scheduler=SchedulerConfig(**scheduler) if scheduler else SchedulerConfig(), speculative=speculative,
     )
 
 

@@ -37,10 +37,12 @@ from pdserve.engine.core.request_state import RequestState
 from pdserve.engine.sampling.params import SamplingParams, check_request
 from pdserve.engine.core.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from pdserve.engine.core.sequence import FinishReason, Sequence, SeqStatus
-from pdserve.engine.core.step_isolation import Unattributed, isolate
+from pdserve.engine.core.step_isolation import isolate_or_abort
 from pdserve.engine.core.step_trace import StepShape
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.engine.distributed.group import FOLLOWER_ENTRY, RankGroup, exit_worker, load_on_ranks
+from pdserve.engine.spec.decoding import SpecDecoding
+from pdserve.engine.spec.proposer import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +77,10 @@ class LLMEngine:
         eos = model_cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and tokenizer.eos_token_id is not None else ())
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos))
         graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if config.cuda_graphs else ()
+        # Speculative decoding (``config.speculative``; None: off): pdserve/engine/spec/decoding.py.
+        self.spec = SpecDecoding.of(config, model_cfg, self.max_model_len)
         self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed,
-                                  graph_sizes, self.max_model_len, ranks)
+                                  graph_sizes, self.max_model_len, ranks, self.spec and self.spec.verify)
         self.runner.sampler.eos_token_ids = frozenset(eos)  # banned before min_tokens
         self._requests: dict[str, RequestState] = {}  # every request not yet ended, by id
         # Requests with a structured spec wait in ``grammars`` for its compile, off this thread
@@ -289,7 +293,7 @@ class LLMEngine:
         if not self.has_runnable() and len(self.grammars):
             self.grammars.wait()
             self._admit_compiled()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self.spec and self.spec.propose)
         self.last_step_shape = StepShape.of(out) if self.keep_step_shape and not out.empty else None
         if out.empty:
             return self._take_pending()
@@ -299,24 +303,14 @@ class LLMEngine:
         except RankLost:
             raise  # the worker is lost as a whole: no part of the step can run again
         except Exception as exc:
-            sampled = self._isolate(out, exc)
+            sampled = isolate_or_abort(self.runner.run, out, exc, self._requests, self.abort)
         self.scheduler.observe_step(out, time.perf_counter() - started)  # the time-sized chunk's input
         errors = self._end_failed(sampled.failed)
+        lengths = {item.seq.seq_id: item.seq.num_tokens for item in out.seqs if item.draft is not None}
         self.scheduler.update_from_output(out, sampled)
-        return self._take_pending() + errors + self._postprocess(out)
-
-    def _isolate(self, out: SchedulerOutput, exc: Exception) -> SampledTokens:
-        """The step's results from its parts that run (``step_isolation``); raises
-        ``StepFailed`` after aborting its sequences if none does."""
-        log.warning("engine step of %d sequence(s) raised (%s: %s); running it again in parts to find whose "
-                    "fault it is", len(out.seqs), type(exc).__name__, exc)
-        try:
-            return isolate(self.runner.run, out)
-        except Unattributed as unattributed:
-            failed = [item.seq.seq_id for item in out.seqs if item.seq.seq_id in self._requests]
-            for request_id in failed:
-                self.abort(request_id)
-            raise StepFailed(failed, unattributed.cause) from exc
+        if self.spec is not None:
+            self.spec.observe(out, sampled)
+        return self._take_pending() + errors + self._postprocess(out, lengths)
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar compiled join the scheduler (or, with their KV landed, the
@@ -355,21 +349,20 @@ class LLMEngine:
         self._forget(seq)
         return error_output(seq, error)
 
-    def _postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
+    def _postprocess(self, out: SchedulerOutput, lengths: dict[str, int]) -> list[RequestOutput]:
+        """Each sampled sequence's output: its new tokens (several for a speculating one, whose
+        token count before the step is in ``lengths``), their text, and its end."""
         results = []
         for item in out.seqs:
             seq = item.seq
             state = self._requests.get(seq.seq_id)
             if not item.sample or state is None:
                 continue
-            text = ""
-            if state.detok is not None:
-                text, hit_stop = state.detok.add(seq.token_ids[-1])
-                if hit_stop and not seq.is_finished:
-                    self.scheduler.finish(seq, FinishReason.STOP)
-                if seq.is_finished and not hit_stop:
-                    text += state.detok.flush()
-            results.append(token_output(seq, text))
+            num_new = seq.num_tokens - lengths.get(seq.seq_id, seq.num_tokens - 1)
+            text, hit_stop = state.text_of(seq.token_ids[seq.num_tokens - num_new:], seq)
+            if hit_stop and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
+            results.append(token_output(seq, text, num_new))
             if seq.is_finished:
                 self._forget(seq)
             elif seq.is_held:  # stays (HELD) until freed (free_held, abort); nothing samples it again
@@ -381,6 +374,8 @@ class LLMEngine:
         self._requests.pop(seq.seq_id, None)
         self.runner.sampler.forget(seq.seq_id)
         self.grammars.cancel(seq.seq_id)
+        if self.spec is not None:
+            self.spec.forget(seq.seq_id)
 
     # ---- convenience ---------------------------------------------------------------
     def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],
@@ -394,6 +389,11 @@ class LLMEngine:
         return run_to_completion(self.step, ids, progress)
 
     # ---- observability -------------------------------------------------------------
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """Speculation's counters since start (None: it is off)."""
+        return self.spec.stats if self.spec is not None else None
+
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free_blocks

@@ -259,14 +259,12 @@ class BlockManager:
             prev = h
         return hits
 
-    def append_slots(self, seq_id: str, token_ids: Sequence[int]) -> bool:
-        """Make room for ``token_ids`` (the sequence's whole token list, the newest last).
-
-        Returns False, changing nothing, when a new block is needed and none is free; the
-        caller then preempts someone and tries again.
-        """
+    def append_slots(self, seq_id: str, token_ids: Sequence[int], lookahead: int = 0) -> bool:
+        """Make room for ``token_ids`` (the sequence's whole token list, the newest last) and
+        ``lookahead`` slots past them (guesses a speculative step verifies: their KV is not final
+        until kept). False, changing nothing, when a new block is needed and none is free."""
         state = self._seqs[seq_id]
-        needed = self.blocks_needed(len(token_ids))
+        needed = self.blocks_needed(len(token_ids) + lookahead)
         if needed - len(state.block_ids) > len(self._free):
             return False
         while len(state.block_ids) < needed:

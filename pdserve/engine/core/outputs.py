@@ -34,13 +34,14 @@ class RequestOutput:
     error: SequenceFailed | None = None
 
 
-def token_output(seq: Sequence, text: str) -> RequestOutput:
-    """``seq``'s output for the token it just sampled (its last), with ``text`` decoded for it."""
-    logprobs, first = seq.params.logprobs, seq.num_output_tokens == 1
+def token_output(seq: Sequence, text: str, num_new: int = 1) -> RequestOutput:
+    """``seq``'s output for the ``num_new`` tokens its step just added (its last; more than one
+    when it speculated), with ``text`` decoded for them."""
+    logprobs, first = seq.params.logprobs, seq.num_output_tokens == num_new
     return RequestOutput(
-        seq.seq_id, [seq.token_ids[-1]], text, seq.output_logprobs[-1:] if logprobs else [], seq.is_done_here,
-        seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens, seq.num_output_tokens,
-        seq.num_cached_tokens, seq.output_top_logprobs[-1:] if logprobs else [],
+        seq.seq_id, seq.token_ids[-num_new:], text, seq.output_logprobs[-num_new:] if logprobs else [],
+        seq.is_done_here, seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens,
+        seq.num_output_tokens, seq.num_cached_tokens, seq.output_top_logprobs[-num_new:] if logprobs else [],
         list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None)
 
 

@@ -26,3 +26,17 @@ class RequestState:
     # A structured request whose grammar failed before its KV landed: its blocks are still being
     # written, so it ends on ``kv_ready``, with this error.
     unfit: SequenceFailed | None = None
+
+    def text_of(self, tokens: list[int], seq: Sequence) -> tuple[str, bool]:
+        """The text of ``seq``'s new ``tokens`` ("" without a detokenizer), and whether a stop
+        string ended it (the rest of its text is then cut, and never flushed); a sequence that
+        ended otherwise flushes what its detokenizer held back."""
+        if self.detok is None:
+            return "", False
+        text = ""
+        for token in tokens:
+            piece, hit_stop = self.detok.add(token)
+            text += piece
+            if hit_stop:
+                return text, True
+        return text + (self.detok.flush() if seq.is_finished else ""), False

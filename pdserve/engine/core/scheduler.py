@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import MIXED, SchedulerConfig
@@ -45,6 +46,13 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens to run through the model this step
     sample: bool  # whether this step produces the sequence's next token
+    # Speculation: a ``pdserve.engine.spec.proposer.Proposal`` whose guesses run after the newest
+    # token (``num_new_tokens`` is 1 + their number) and are verified from its logits. None: none.
+    draft: Any = None
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.draft.token_ids if self.draft is not None else []
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,13 @@ class SampledTokens:
     # Sequences whose own fault ended them this step (no token): the engine finishes them
     # with FinishReason.ERROR before ``update_from_output``.
     failed: dict[str, SequenceFailed] = field(default_factory=dict)
+    # Speculating sequences: the guesses verification kept, which come before ``token_ids``'.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+
+
+# Speculation's hook: given the sequences a step decodes, the guesses (``ScheduledSeq.draft``) of
+# those that speculate, by seq id.
+Propose = Callable[[list[Sequence]], dict[str, Any]]
 
 
 class Scheduler:
@@ -137,21 +152,23 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.awaiting_kv)
 
     # ---- scheduling ----------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, propose: Propose | None = None) -> SchedulerOutput:
+        """The next step. ``propose``: asked for guesses for the sequences it decodes, once
+        they are known (a step that only prefills asks nothing)."""
         self.stepping = []
         if self.config.policy == MIXED:
-            return self._schedule_mixed()
+            return self._schedule_mixed(propose)
         prefill = self._schedule_prefill(self.config.max_num_batched_tokens)
         if prefill:
             return SchedulerOutput(prefill, is_prefill=True)
-        return self._schedule_decode()
+        return self._schedule_decode(propose)
 
-    def _schedule_mixed(self) -> SchedulerOutput:
+    def _schedule_mixed(self, propose: Propose | None = None) -> SchedulerOutput:
         """Decode rows first (one token each), then prompt chunks in the rest of the budget.
         A step that had to preempt admits no prompt: the blocks it freed are for the running
         sequences, and a new prompt would only be preempted in turn."""
-        decode = self._schedule_decode()
-        budget = self.config.max_num_batched_tokens - len(decode.seqs)
+        decode = self._schedule_decode(propose)
+        budget = self.config.max_num_batched_tokens - sum(item.num_new_tokens for item in decode.seqs)
         cap = self.step_budget.chunk() if self.step_budget else self.config.mixed_prefill_tokens
         if decode.seqs and cap:  # streams run in this step: keep it short
             budget = min(budget, cap)
@@ -197,12 +214,18 @@ class Scheduler:
             self.stepping.append(self.waiting.popleft())
         return batch
 
-    def _schedule_decode(self) -> SchedulerOutput:
+    def _schedule_decode(self, propose: Propose | None = None) -> SchedulerOutput:
+        """Every running sequence decodes, with its guesses (``propose``) when their slots fit
+        without preempting anyone; else one token, preempting the most growing ones for room."""
         preempted: list[str] = []
         scheduled: list[Sequence] = []
         queue = list(self.running)
+        drafts = propose(queue) if propose is not None and queue else {}
         while queue:
             seq = queue.pop(0)
+            draft = drafts.get(seq.seq_id)
+            if draft is not None and not self.blocks.append_slots(seq.seq_id, seq.token_ids, len(draft.token_ids)):
+                drafts.pop(seq.seq_id)  # no room for its guesses: it decodes one token this step
             while not self.blocks.append_slots(seq.seq_id, seq.token_ids):
                 # A victim already given its slot this step leaves the step: nothing ran yet.
                 victim = max((*scheduled, *queue, seq), key=self._preemption_rank)
@@ -217,7 +240,9 @@ class Scheduler:
             else:
                 scheduled.append(seq)
         self.running = scheduled
-        return SchedulerOutput([ScheduledSeq(s, 1, True) for s in scheduled], False, preempted)
+        items = [ScheduledSeq(s, 1 + len(d.token_ids), True, d) if (d := drafts.get(s.seq_id)) else ScheduledSeq(s, 1, True)
+                 for s in scheduled]
+        return SchedulerOutput(items, False, preempted)
 
     def _make_room(self, seq: Sequence, needed: int) -> None:
         """Preempt running sequences ranked above ``seq`` (they may grow more), highest
@@ -259,17 +284,20 @@ class Scheduler:
             if seq.is_done_here:  # aborted while its step ran
                 continue
             seq.prompt_logprobs.extend(sampled.prompt_logprobs.get(seq.seq_id, ()))
-            seq.num_computed_tokens += item.num_new_tokens
-            # The step finished: the KV it wrote is final, and the blocks it filled shareable.
-            self.blocks.mark_final(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if not item.sample:
-                continue
-            token = sampled.token_ids[seq.seq_id]
-            seq.token_ids.append(token)
-            if seq.seq_id in sampled.logprobs:
-                seq.output_logprobs.append(sampled.logprobs[seq.seq_id])
-                seq.output_top_logprobs.append(sampled.top_logprobs.get(seq.seq_id, ()))
-            reason = self._stop_reason(seq, token)
+            if item.draft is not None:
+                reason = self._keep_verified(item, sampled)
+            else:
+                seq.num_computed_tokens += item.num_new_tokens
+                # The step finished: the KV it wrote is final, and the blocks it filled shareable.
+                self.blocks.mark_final(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                if not item.sample:
+                    continue
+                token = sampled.token_ids[seq.seq_id]
+                seq.token_ids.append(token)
+                if seq.seq_id in sampled.logprobs:
+                    seq.output_logprobs.append(sampled.logprobs[seq.seq_id])
+                    seq.output_top_logprobs.append(sampled.top_logprobs.get(seq.seq_id, ()))
+                reason = self._stop_reason(seq, token)
             if seq.hold_kv and reason is None:
                 seq.status = SeqStatus.HELD  # never joins the decode batch: its KV goes elsewhere
                 finished.append(seq)
@@ -281,6 +309,22 @@ class Scheduler:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _keep_verified(self, item: ScheduledSeq, sampled: SampledTokens) -> FinishReason | None:
+        """Append what a speculating sequence's verification kept (its accepted guesses, then the
+        target's token), up to the first that ends it: nothing past a stop token, max_tokens or
+        the length limit is kept. Its KV is final up to the last kept guess only: the slots of
+        rejected guesses are dead (overwritten next step), and no block holding one is shared."""
+        seq = item.seq
+        reason = None
+        for token in (*sampled.accepted.get(seq.seq_id, ()), sampled.token_ids[seq.seq_id]):
+            seq.token_ids.append(token)
+            if (reason := self._stop_reason(seq, token)) is not None:
+                break
+        # Every kept token but the newest has its KV from this step; the newest runs next step.
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.blocks.mark_final(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        return reason
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

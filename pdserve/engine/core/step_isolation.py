@@ -23,12 +23,15 @@ which the engine turns into ``StepFailed``, and the router reads as not the requ
 
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from typing import Callable, Collection
 
-from pdserve.engine.errors import SequenceFailed
+from pdserve.engine.errors import SequenceFailed, StepFailed
 from pdserve.engine.core.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
 
 FIELD = "step"  # what a SequenceFailed of a row that raised alone names
+
+log = logging.getLogger(__name__)
 
 
 class Unattributed(Exception):
@@ -66,6 +69,21 @@ def isolate(run: Callable[[SchedulerOutput], SampledTokens], out: SchedulerOutpu
     return merge(parts, failed)
 
 
+def isolate_or_abort(run: Callable[[SchedulerOutput], SampledTokens], out: SchedulerOutput, exc: Exception,
+                     known: Collection[str], abort: Callable[[str], object]) -> SampledTokens:
+    """The engine's answer to a step ``out`` that raised ``exc``: what its parts that run give
+    (``isolate``); if none runs, every row still ``known`` is ``abort``ed and ``StepFailed`` names them."""
+    log.warning("engine step of %d sequence(s) raised (%s: %s); running it again in parts to find whose "
+                "fault it is", len(out.seqs), type(exc).__name__, exc)
+    try:
+        return isolate(run, out)
+    except Unattributed as unattributed:
+        failed = [item.seq.seq_id for item in out.seqs if item.seq.seq_id in known]
+        for request_id in failed:
+            abort(request_id)
+        raise StepFailed(failed, unattributed.cause) from exc
+
+
 def _halves(group: list[ScheduledSeq]) -> list[list[ScheduledSeq]]:
     middle = len(group) // 2
     return [group[:middle], group[middle:]]
@@ -80,4 +98,5 @@ def merge(parts: list[SampledTokens], failed: dict[str, SequenceFailed]) -> Samp
         merged.top_logprobs.update(part.top_logprobs)
         merged.prompt_logprobs.update(part.prompt_logprobs)
         merged.failed.update(part.failed)
+        merged.accepted.update(part.accepted)
     return merged

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from itertools import accumulate, chain
+from typing import Callable
 
 import torch
 
@@ -30,26 +31,37 @@ from pdserve.engine.attention.select import select_attention
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.runner.cuda_graphs import DecodeGraphs
-from pdserve.engine.errors import RankLost
+from pdserve.engine.device import to_device
+from pdserve.engine.errors import RankLost, SequenceFailed
 from pdserve.engine.attention.kv_cache import cache_spec_of
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import SINGLE
 from pdserve.engine.runner.prompt_logprobs import prompt_logprobs
 from pdserve.engine.sampling.sampler import Sampler, SamplerRow
-from pdserve.engine.core.scheduler import SampledTokens, SchedulerOutput
+from pdserve.engine.core.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
 from pdserve.engine.distributed.group import RankGroup
 
 log = logging.getLogger(__name__)
+
+# Speculative verification (``pdserve.engine.spec.rejection.verify``, handed in by the engine):
+# (sampler, the logits (R, V) of the speculating rows, 1 + k rows each, their items) -> (each one's
+# kept tokens: its accepted guesses then one token of the target's, the rows that failed).
+Verify = Callable[[Sampler, torch.Tensor, list[ScheduledSeq]], tuple[dict[str, list[int]], dict[str, SequenceFailed]]]
+
+
+def _no_verify(sampler: Sampler, logits: torch.Tensor, items: list[ScheduledSeq]):
+    raise RuntimeError("a step scheduled guesses, but this runner was built without speculative verification")
 
 
 class ModelRunner:
     """``graph_sizes``: decode batch sizes to capture CUDA graphs for, at start (empty: none;
     ignored, and logged, off CUDA or on a backend that is not graph-safe); ``max_model_len``
-    sizes their block tables."""
+    sizes their block tables; ``verify``: how a speculating row's guesses are checked (None:
+    no step of this runner's speculates)."""
 
     def __init__(self, model: CausalLM, cfg: ModelConfig, cache: torch.Tensor, blocks: BlockManager,
                  attention_backend: str = "auto", seed: int = 0, graph_sizes: tuple[int, ...] = (),
-                 max_model_len: int | None = None, ranks: RankGroup | None = None):
+                 max_model_len: int | None = None, ranks: RankGroup | None = None, verify: Verify | None = None):
         self.model = model
         self.cfg = cfg
         self.cache = cache
@@ -61,6 +73,7 @@ class ModelRunner:
         self.backend = select_attention(attention_backend, cfg, tp, self.device, self.block_size, cache.dtype)
         self._layer_caches = cache_spec_of(cfg, self.block_size, cache.dtype, tp.size).layer_caches(cache)
         self.sampler = Sampler(self.device, seed)
+        self.verify = verify or _no_verify
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
         self.graphs: DecodeGraphs | None = None
         if graph_sizes and ranks is None:  # a graph would skip handing the ranks their step
@@ -93,12 +106,45 @@ class ModelRunner:
         sampled = [s for s in out.seqs if s.sample]
         if not sampled:
             return SampledTokens({}, prompt_logprobs=prompt_lps)
+        if any(s.draft is not None for s in sampled):
+            return self._verify_and_sample(logits, sampled, prompt_lps)
+        return self._sample(logits, sampled, prompt_lps)
+
+    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq], prompt_lps: dict) -> SampledTokens:
+        """Each sampled row's next token from its logits row (N, V)."""
         rows = [SamplerRow(s.seq.seq_id, s.seq.params, s.seq.token_ids, s.seq.num_prompt_tokens) for s in sampled]
         drawn = self.sampler(logits, rows)
         ids = [r.seq_id for r in rows if r.seq_id not in drawn.failed]
         return SampledTokens(dict(zip(ids, drawn.token_ids)), dict(zip(ids, drawn.logprobs)) if drawn.logprobs else {},
                              dict(zip(ids, drawn.top_logprobs)) if drawn.top_logprobs else {}, prompt_lps,
                              dict(drawn.failed))
+
+    def _verify_and_sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq], prompt_lps: dict) -> SampledTokens:
+        """A step with speculating rows: their logits (1 + k rows each) go to ``verify``, the
+        others' (one row each) to the sampler as in any step."""
+        plain, plain_rows, spec, spec_rows, end = [], [], [], [], 0
+        for item in sampled:
+            n = 1 + len(item.draft_token_ids)
+            if item.draft is None:
+                plain.append(item)
+                plain_rows.append(end)
+            else:
+                spec.append(item)
+                spec_rows.extend(range(end, end + n))
+            end += n
+        result = self._sample(self._rows(logits, plain_rows), plain, prompt_lps) if plain else SampledTokens(
+            {}, prompt_logprobs=prompt_lps)
+        kept, failed = self.verify(self.sampler, self._rows(logits, spec_rows), spec)
+        result.failed.update(failed)
+        for seq_id, tokens in kept.items():
+            result.token_ids[seq_id] = tokens[-1]
+            result.accepted[seq_id] = tokens[:-1]
+        return result
+
+    def _rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``logits``' rows ``rows`` (on its device, the indices copied there without a wait)."""
+        [index] = to_device([torch.tensor(rows, dtype=torch.long)], logits.device)
+        return logits.index_select(0, index)
 
     def _forward(self, out: SchedulerOutput, host: HostContext, tokens: torch.Tensor, sample_idx: torch.Tensor):
         """The step run eagerly: (logits (N, V) float32 of the N sampled rows, or None when
@@ -156,10 +202,14 @@ class ModelRunner:
         Python touches each sequence once (its token slice and block table)."""
         items = out.seqs
         starts = [item.seq.num_computed_tokens for item in items]
-        query_lens = [item.num_new_tokens for item in items]
-        tokens = list(chain.from_iterable(item.seq.token_ids[s:s + n] for item, s, n in zip(items, starts, query_lens)))
+        query_lens = [item.num_new_tokens for item in items]  # a speculating one's guesses included
+        # A speculating sequence runs its newest token, then its guesses (not in its tokens yet).
+        tokens = list(chain.from_iterable(item.seq.token_ids[s:s + n] + item.draft_token_ids if item.draft else
+                                          item.seq.token_ids[s:s + n] for item, s, n in zip(items, starts, query_lens)))
         tables = [self.blocks.block_table(item.seq.seq_id) for item in items]
         host = host_context(starts, query_lens, tables, self.block_size, decode=not out.is_prefill)
-        # The last token of each sampled sequence.
-        sample_idx = [end - 1 for end, item in zip(accumulate(query_lens), items) if item.sample]
+        # The last token of each sampled sequence; every token of a speculating one (its
+        # guesses are verified from the logits at each).
+        sample_idx = list(chain.from_iterable(range(end - len(item.draft_token_ids) - 1, end)
+                                              for end, item in zip(accumulate(query_lens), items) if item.sample))
         return host, torch.tensor(tokens, dtype=torch.long), torch.tensor(sample_idx, dtype=torch.long)

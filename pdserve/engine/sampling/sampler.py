@@ -258,10 +258,7 @@ class Sampler:
         temps, u, *limits = to_device([temps, u, *limits, *([torch.tensor(greedy)] if mixed else [])],
                                       logits.device)
         is_greedy = limits.pop() if mixed else None
-        scaled = logits / temps.unsqueeze(1)
-        if limits:
-            scaled = _filter(scaled, *limits)
-        probs = torch.softmax(scaled, dim=-1)
+        probs = _processed_probs(logits, temps, limits)
         cdf = probs.cumsum(dim=-1)  # (B, V): row-wise, so a row's values do not depend on the others
         # right=True: the first index whose cdf exceeds the draw, so a zero-probability token
         # (filtered out) is never chosen, even for a draw of exactly 0.
@@ -270,6 +267,18 @@ class Sampler:
         if not mixed:
             return picked
         return torch.where(is_greedy, logits.argmax(dim=-1), picked)  # greedy rows keep their argmax
+
+    def probs(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+        """logits (B, V) -> (B, V) float32: the distribution each row draws from (its temperature,
+        then its top-k, top-p and min-p; a greedy row at temperature 1). No grammar or penalty:
+        for rows that have none (speculative verification, ``pdserve.engine.spec.rejection``)."""
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows])
+        temps, *limits = to_device([temps, *_filter_limits(rows, logits.shape[-1])], logits.device)
+        return _processed_probs(logits, temps, limits)
+
+    def uniforms(self, row: SamplerRow, n: int) -> torch.Tensor:
+        """(n,) uniform draws in [0, 1) on the host, from ``row``'s generator (its own when seeded)."""
+        return torch.rand(n, generator=self._generator(row))
 
     def _generator(self, row: SamplerRow) -> torch.Generator:
         """The generator ``row`` draws from; in a call, its state is kept before the first draw."""
@@ -294,6 +303,15 @@ def _without(logits: torch.Tensor, raw: torch.Tensor, rows: list[SamplerRow], fa
     [index] = to_device([torch.tensor(keep, dtype=torch.long)], logits.device)
     kept = logits.index_select(0, index)
     return kept, kept if raw is logits else raw.index_select(0, index), [rows[i] for i in keep]
+
+
+def _processed_probs(logits: torch.Tensor, temps: torch.Tensor, limits: list[torch.Tensor]) -> torch.Tensor:
+    """Softmax of ``logits`` (B, V) over the temperatures ``temps`` (B,), with the filters of
+    ``limits`` (``_filter``'s k, p, m; none: no filter), all on the logits' device."""
+    scaled = logits / temps.unsqueeze(1)
+    if limits:
+        scaled = _filter(scaled, *limits)
+    return torch.softmax(scaled, dim=-1)
 
 
 def _filter_limits(rows: list[SamplerRow], vocab: int) -> list[torch.Tensor]:
