@@ -2,25 +2,28 @@
 ``--speculative-config``, driven by the project's load generator (benchmarks/load), ratios
 printed in the same run.
 
-    .venv/bin/python benchmarks/spec_decode.py                                  # ~10 min on 2 cores
+    .venv/bin/python benchmarks/spec_decode.py                                  # ~12 min on 2 cores
     .venv/bin/python benchmarks/spec_decode.py --spec '{"method": "ngram", "num_speculative_tokens": 4}'
-    .venv/bin/python benchmarks/spec_decode.py --rates 0.5,1,1.5 --goodput-prompts 24
+    .venv/bin/python benchmarks/spec_decode.py --rates "" --rounds 1                # c=1 only, ~3 min
 
-For each configuration (off, then ``--spec``) a router, a prefill and a decode worker start as
-plain ``pdserve worker`` processes on loopback (benchmarks/gpu_bench/served.py's
-``start_cluster``), the default model, one torch thread per worker, every worker given the same
-flags: ``--speculative-config`` reaches only the decode worker's engine (a prefill worker never
-speculates). Then:
+Two clusters run side by side, one per configuration (off, and ``--spec``): each a router, a
+prefill and a decode worker as plain ``pdserve worker`` processes on loopback
+(benchmarks/gpu_bench/served.py's ``start_cluster``), the default model, one torch thread per
+worker, every worker given the same flags (``--speculative-config`` reaches only the decode
+worker's engine: a prefill worker never speculates). Only one of them has work at a time, and
+the two take turns request by request (c=1) or rate by rate (goodput), the order swapped each
+time, so load from outside the benchmark (a shared machine) falls on both alike. Then:
 
-1. Concurrency 1 on a repetitive set (``PROMPTS``): code edits (a function, then "rewrite it with
-   X renamed", the answer started) and summaries asked to quote their text, each sent once,
-   greedy, up to ``--max-tokens`` (the answer ends at EOS as a client's would). TPOT p50 and p90,
-   and the decode worker's speculation counters over the run (its ``Stats``, WorkerStats fields
-   48-52): acceptance rate = accepted / draft tokens, mean accepted length = 1 + accepted / drafts.
+1. Concurrency 1 on a repetitive set (``prompts()``): code edits (a function, then "rewrite it
+   with X renamed", the answer's code block opened) and summaries asked to quote their text, the
+   set sent ``--rounds`` times, greedy, up to ``--max-tokens`` (the answer ends at EOS as a
+   client's would). TPOT p50 and p90, and the decode worker's speculation counters over the run
+   (its ``Stats``, WorkerStats fields 48-52): acceptance rate = accepted / draft tokens, mean
+   accepted length = 1 + accepted / drafts.
 2. Goodput: the serving sweep's workload (random prompts of 256 tokens, 64 out, ``ignore_eos``)
    at each rate of ``--rates`` (Poisson, ``--goodput-prompts`` each, seeds per rate as
-   benchmarks/goodput.py's) under the headline's SLO (TTFT <= 2 s, TPOT <= 100 ms): goodput is
-   the highest rate whose attainment reaches 90% (0 if none does).
+   benchmarks/goodput.py's, the same prompts on both) under the headline's SLO (TTFT <= 2 s, TPOT
+   <= 100 ms): goodput is the highest rate whose attainment reaches 90% (0 if none does).
 
 Ratios: TPOT p50 off / on at c=1 (issue 57 asks >= 1.5 on the repetitive set), goodput on / off
 (asks >= 1). Writes --out-dir/spec_decode.json (machine, git, the commands, every run's summary,
@@ -43,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import processor  # noqa: E402
 from benchmarks.goodput import RATE_SEED_STRIDE  # noqa: E402
 from benchmarks.gpu_bench.served import members, router_healthy, start_cluster, wait_until  # noqa: E402
-from benchmarks.load import SLO, Arrivals, Lengths, Request, WorkloadSpec, run  # noqa: E402
+from benchmarks.load import SLO, Arrivals, Lengths, Request, WorkloadSpec, run, summarize  # noqa: E402
 from benchmarks.serving_run import git_state  # noqa: E402
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
@@ -136,61 +139,96 @@ def spec_rates(before: dict, after: dict) -> dict:
             "mean_accepted_length": 1 + moved["accepted"] / moved["drafts"] if moved["drafts"] else None}
 
 
-def summary(results) -> dict:
-    s = asdict(results.summary)
-    errors = sorted({r.error for r in results.records if r.error})[:3]
+def summary(records: list, duration_s: float, slo: SLO | None = None) -> dict:
+    s = asdict(summarize(records, duration_s, slo))
+    errors = sorted({r.error for r in records if r.error})[:3]
     return {**{k: s[k] for k in ("completed", "failed", "duration_s", "req_s", "output_tok_s", "ttft_ms", "tpot_ms",
                                  "goodput_req_s", "slo_attainment")}, "errors": errors,
-            "output_tokens": sum(r.output_tokens for r in results.records if r.ok)}
+            "output_tokens": sum(r.output_tokens for r in records if r.ok)}
 
 
-def repetitive(base_url: str, decode: str, max_tokens: int, rounds: int) -> dict:
-    before = spec_counters(decode)
+class Cluster:
+    """One configuration's three processes, once they serve."""
+
+    def __init__(self, label: str, flags: list[str], args, logs: Path):
+        self.label, self.flags = label, flags
+        self.procs, self.http_port, self.admin = start_cluster(args.model, flags, logs, label)
+
+    def wait(self) -> None:
+        wait_until(lambda: router_healthy(self.http_port) and members(self.admin) == 2,
+                   f"the {self.label} workers to join their router", self.procs)
+        self.base_url, self.decode = f"http://127.0.0.1:{self.http_port}", self.procs[2].address
+        warm = WorkloadSpec(num_requests=2, arrivals=Arrivals("closed", concurrency=1), prompt_len=Lengths.fixed(64),
+                            output_len=Lengths.fixed(16), warmup=0, seed=99)
+        run(warm, self.base_url, progress=False)  # a fresh worker's first requests are slower
+
+    def stop(self) -> None:
+        for p in self.procs[::-1]:
+            p.stop()
+        for p in self.procs[::-1]:
+            p.wait(30)
+
+
+def repetitive(clusters: list[Cluster], max_tokens: int, rounds: int) -> dict:
+    """The set one request at a time, each prompt to both clusters in turn (the order swapped
+    every prompt): load from outside the benchmark falls on both alike."""
     spec = WorkloadSpec(num_requests=1, arrivals=Arrivals("closed", concurrency=1), ignore_eos=False, warmup=0,
                         request_timeout_s=300.0)
-    results = run(spec, base_url, progress=False,
-                  requests=[Request(p, max_tokens) for _ in range(rounds) for p in prompts()])
-    return {**summary(results), "spec": spec_rates(before, spec_counters(decode))}
+    before = {c.label: spec_counters(c.decode) for c in clusters}
+    records: dict[str, list] = {c.label: [] for c in clusters}
+    spent = dict.fromkeys(records, 0.0)
+    for i, prompt in enumerate(p for _ in range(rounds) for p in prompts()):
+        for c in clusters if i % 2 == 0 else clusters[::-1]:
+            results = run(spec, c.base_url, progress=False, requests=[Request(prompt, max_tokens)])
+            records[c.label] += results.records
+            spent[c.label] += results.summary.duration_s
+    return {c.label: {**summary(records[c.label], spent[c.label]),
+                      "spec": spec_rates(before[c.label], spec_counters(c.decode))} for c in clusters}
 
 
-def goodput(base_url: str, decode: str, rates: list[float], n: int, seed: int) -> dict:
-    rows = []
+def goodput(clusters: list[Cluster], rates: list[float], n: int, seed: int) -> dict:
+    """Each rate on each cluster in turn (the other idle), the same prompts on both."""
+    rows: dict[str, list] = {c.label: [] for c in clusters}
     for i, rate in enumerate(rates):
         spec = WorkloadSpec(num_requests=n, arrivals=Arrivals("poisson", rate=rate), prompt_len=Lengths.fixed(256),
                             output_len=Lengths.fixed(64), slo=HEADLINE_SLO, warmup=0,
                             seed=seed + RATE_SEED_STRIDE * (i + 1), request_timeout_s=120.0)
-        before = spec_counters(decode)
-        rows.append({"rate": rate, **summary(run(spec, base_url, progress=False)),
-                     "spec": spec_rates(before, spec_counters(decode))})
-        print(f"    rate {rate:g}: attainment {rows[-1]['slo_attainment']:.2f}, TPOT p50 "
-              f"{rows[-1]['tpot_ms'].get('p50', float('nan')):.1f} ms", flush=True)
-    met = [row["rate"] for row in rows if (row["slo_attainment"] or 0) >= ATTAINMENT]
-    return {"rows": rows, "goodput_req_s": max(met) if met else 0.0}
+        for c in clusters if i % 2 == 0 else clusters[::-1]:
+            before = spec_counters(c.decode)
+            results = run(spec, c.base_url, progress=False)
+            row = {"rate": rate, **summary(list(results.records), results.summary.duration_s, HEADLINE_SLO),
+                   "spec": spec_rates(before, spec_counters(c.decode))}
+            rows[c.label].append(row)
+            print(f"    {c.label} rate {rate:g}: attainment {row['slo_attainment']:.2f}, TTFT p90 "
+                  f"{row['ttft_ms'].get('p90', float('nan')):.0f} ms, TPOT p50 "
+                  f"{row['tpot_ms'].get('p50', float('nan')):.1f} ms", flush=True)
+    out = {}
+    for label, runs in rows.items():
+        met = [row["rate"] for row in runs if (row["slo_attainment"] or 0) >= ATTAINMENT]
+        out[label] = {"rows": runs, "goodput_req_s": max(met) if met else 0.0}
+    return out
 
 
-def measure(label: str, flags: list[str], args, logs: Path) -> dict:
-    """One configuration: start the three processes, warm up, the two measures, stop."""
-    procs, http_port, admin = start_cluster(args.model, flags, logs, label)
+def measure(configs: list[tuple[str, list[str]]], args, logs: Path) -> dict:
+    """Both configurations' clusters at once, measured in turn; stopped whatever happens."""
+    clusters: list[Cluster] = []
     try:
-        wait_until(lambda: router_healthy(http_port) and members(admin) == 2, "the workers to join the router", procs)
-        base_url, decode = f"http://127.0.0.1:{http_port}", procs[2].address
-        warm = WorkloadSpec(num_requests=2, arrivals=Arrivals("closed", concurrency=1), prompt_len=Lengths.fixed(64),
-                            output_len=Lengths.fixed(16), warmup=0, seed=99)
-        run(warm, base_url, progress=False)  # a fresh worker's first requests are slower
-        started = time.monotonic()
-        print(f"  {label}: c=1 on the repetitive set ...", flush=True)
-        out = {"flags": flags, "repetitive": repetitive(base_url, decode, args.max_tokens, args.rounds)}
+        for label, flags in configs:
+            clusters.append(Cluster(label, flags, args, logs))
+        for c in clusters:
+            c.wait()
+        runs = {c.label: {"flags": c.flags} for c in clusters}
+        print("  c=1 on the repetitive set ...", flush=True)
+        for label, result in repetitive(clusters, args.max_tokens, args.rounds).items():
+            runs[label]["repetitive"] = result
         if args.rates:
-            print(f"  {label}: goodput sweep ...", flush=True)
-            out["goodput"] = goodput(base_url, decode, args.rates, args.goodput_prompts, args.seed)
-        out["seconds"] = round(time.monotonic() - started, 1)
-        out["loadavg_after"] = os.getloadavg()
-        return out
+            print("  goodput sweep ...", flush=True)
+            for label, result in goodput(clusters, args.rates, args.goodput_prompts, args.seed).items():
+                runs[label]["goodput"] = result
+        return runs
     finally:
-        for p in procs[::-1]:
-            p.stop()
-        for p in procs[::-1]:
-            p.wait(30)
+        for c in clusters:
+            c.stop()
 
 
 def ratios(off: dict, on: dict) -> dict:
@@ -228,10 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--spec", default=DEFAULT_SPEC, help="the --speculative-config of the 'on' run")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=1, help="times the repetitive set is sent (one at a time)")
-    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.5, 1.0, 1.5],
+    ap.add_argument("--rounds", type=int, default=2, help="times the repetitive set is sent (one at a time)")
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.5, 1.0, 1.5, 2.0],
                     help="goodput sweep's Poisson rates (empty: skip it)")
-    ap.add_argument("--goodput-prompts", type=int, default=16)
+    ap.add_argument("--goodput-prompts", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=ROOT / ".bench" / "spec_decode")
     args = ap.parse_args(argv)
@@ -241,8 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     doc = {"schema": "pdserve-spec-decode/1", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "git": git_state(), "machine": machine, "loadavg_before": os.getloadavg(), "spec": args.spec,
            "argv": sys.argv[1:], "runs": {}}
-    for label, flags in (("off", common), ("on", [*common, "--speculative-config", args.spec])):
-        doc["runs"][label] = measure(label, flags, args, args.out_dir)
+    doc["runs"] = measure([("off", common), ("on", [*common, "--speculative-config", args.spec])], args, args.out_dir)
+    doc["loadavg_after"] = os.getloadavg()
     doc["ratios"] = ratios(doc["runs"]["off"], doc["runs"]["on"])
     (args.out_dir / "spec_decode.json").write_text(json.dumps(doc, indent=2) + "\n")
     print("\n" + table(doc))
