@@ -25,7 +25,7 @@ import torch
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.runner.cuda_graphs import capture_sizes
-from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankLost, SequenceFailed, StepFailed
+from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankLost, SequenceFailed
 from pdserve.engine.sampling.grammar_jobs import GrammarJobs, compiler_for
 from pdserve.engine.attention.kv_cache import cache_spec_of
 from pdserve.engine.memory import MemoryProbe
@@ -35,7 +35,7 @@ from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.core.outputs import Completion, RequestOutput, error_output, run_to_completion, token_output
 from pdserve.engine.core.request_state import RequestState
 from pdserve.engine.sampling.params import SamplingParams, check_request
-from pdserve.engine.core.scheduler import SampledTokens, Scheduler, SchedulerOutput
+from pdserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.core.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.engine.core.step_isolation import isolate_or_abort
 from pdserve.engine.core.step_trace import StepShape

@@ -25,17 +25,11 @@ from pdserve.engine.loader import materialize
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2, worker_pb2_grpc
-from pdserve.engine.sampling.params import SamplingParams
-from pdserve.router.frontend import ModelInfo, PreparedRequest
-from pdserve.router.limits import RouterLimits
-from pdserve.router.pool import WorkerPool
-from pdserve.router.request_run import RequestRun
 from pdserve.wire.grpc_util import aio_channel
 from tests.helpers.local_prefill import local_request
 from tests.factories import (decode_worker_config, engine_config, make_engine, prefill_worker_config,
                              random_prompts)
-from tests.helpers.worker_servers import serving
-from tests.metrics.metrics_helpers import LetterTokenizer
+from tests.helpers.worker_servers import generate, pool_per_decoder as _pool_per_decoder, serving
 
 BLOCK = 16
 
@@ -154,28 +148,3 @@ def test_a_next_turn_reads_only_the_blocks_past_the_decode_workers_cache_and_dec
     assert out["whole"][1] == tail  # the streamed turn's blocks are kept too: all but the last
     assert out["whole"][0] == out["streamed"][0] == out["full"][0] and len(out["full"][0]) == NEXT
     assert released_by["pulled"] == 4 and released_by["transfer_failed"] == 0  # every lease ended by its read
-
-
-async def generate(pool: WorkerPool, rid: str, prompt: list[int], max_tokens: int, stream_kv: bool = False) -> list[int]:
-    """Greedy tokens of ``prompt`` through the router's request run, which must not migrate."""
-    model = ModelInfo("smollm2", config=None, max_model_len=4096, block_size=BLOCK, tokenizer=LetterTokenizer())
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    run = RequestRun(PreparedRequest(rid, list(prompt), params), model, pool,
-                     RouterLimits(stream_kv_min_tokens=1 if stream_kv else 0))
-    tokens = [t for resp in [r async for r in run.responses()] for t in resp.token_ids]
-    assert run.migrations == 0
-    return tokens
-
-
-def _pool_per_decoder(pool: WorkerPool) -> list[WorkerPool]:
-    """Per decode worker of ``pool`` (in the order ``serving`` started them), a pool of it and
-    the prefill worker."""
-    decoders = [a for a, c in pool.workers.items() if c.role == "decode"]
-    pools = []
-    for address in decoders:
-        one = WorkerPool()
-        for a, c in pool.workers.items():
-            if c.role == "prefill" or a == address:
-                one.workers[a] = c
-        pools.append(one)
-    return pools

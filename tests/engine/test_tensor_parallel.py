@@ -211,3 +211,30 @@ def test_the_all_reduce_adds_in_one_order_whatever_the_length(tmp_path, size):
     for rank in range(size):
         got = torch.load(tmp_path / f"{rank}.pt")
         assert torch.equal(got, expected.expand_as(got)), f"rank {rank}"
+
+
+@pytest.mark.slow
+def test_tp2_speculative_greedy_equals_transformers_with_prompt_chunks_in_the_same_steps(tiny_llama_dir):
+    """Speculation at TP 2: each guess's logits are gathered to rank 0 with the sampled rows, in
+    mixed steps beside prompt chunks (a budget of 48 tokens chunks the longer prompts)."""
+    from pdserve.engine.config import SpeculativeConfig
+    from pdserve.engine.core.outputs import run_to_completion
+
+    directory, hf_model = tiny_llama_dir
+    phrase, other = random_prompts(2, [7, 90], seed=13)
+    prompts = [phrase * 5, other, phrase * 2 + other[:20]]
+    engine = make_tp_engine(directory, 2, num_blocks=64, policy="mixed", max_num_batched_tokens=48,
+                            speculative=SpeculativeConfig(num_speculative_tokens=3))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    try:
+        engine.add_request("r0", prompts[0], params)
+        head = [t for o in engine.step() for t in o.new_token_ids]  # r0 decodes; the others' chunks join it
+        for i, prompt in enumerate(prompts[1:], 1):
+            engine.add_request(f"r{i}", prompt, params)
+        outs = run_to_completion(engine.step, [f"r{i}" for i in range(3)])
+        assert engine.spec_stats.num_accepted_tokens > 0
+    finally:
+        engine.close()
+    outs[0].token_ids = head + outs[0].token_ids
+    for prompt, ours in zip(prompts, outs):
+        assert_greedy_matches(hf_model, prompt, ours.token_ids, 20, what="tp 2 speculative")

@@ -1,6 +1,6 @@
 """Real prefill and decode workers behind their real gRPC servers in this process, with a router's
 pool of stubs to them (``serving``), and the wait until every lease has ended and every block
-is free (``settle``)."""
+is free (``settle``), and greedy tokens through the router's request run (``generate``)."""
 
 import asyncio
 import contextlib
@@ -10,7 +10,11 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.prefill_worker.server import start as start_prefill
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.engine.sampling.params import SamplingParams
+from pdserve.router.frontend import ModelInfo, PreparedRequest
+from pdserve.router.limits import RouterLimits
 from pdserve.router.pool import WorkerClient, WorkerPool
+from pdserve.router.request_run import RequestRun
 from pdserve.wire.grpc_util import aio_channel
 
 
@@ -49,3 +53,30 @@ async def settle(prefill: PrefillWorker, decoders: list[DecodeWorker]) -> None:
         await asyncio.sleep(0.05)
     raise AssertionError(f"stranded: {len(prefill.leases)} leases, {used(prefill)} prefill blocks, "
                          f"{[used(d) for d in decoders]} decode blocks")
+
+
+async def generate(pool: WorkerPool, rid: str, prompt: list[int], max_tokens: int, stream_kv: bool = False) -> list[int]:
+    """Greedy tokens of ``prompt`` through the router's request run, which must not migrate."""
+    from tests.metrics.metrics_helpers import LetterTokenizer
+
+    model = ModelInfo("smollm2", config=None, max_model_len=4096, block_size=16, tokenizer=LetterTokenizer())
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    run = RequestRun(PreparedRequest(rid, list(prompt), params), model, pool,
+                     RouterLimits(stream_kv_min_tokens=1 if stream_kv else 0))
+    tokens = [t for resp in [r async for r in run.responses()] for t in resp.token_ids]
+    assert run.migrations == 0
+    return tokens
+
+
+def pool_per_decoder(pool: WorkerPool) -> list[WorkerPool]:
+    """Per decode worker of ``pool`` (in the order ``serving`` started them), a pool of it and
+    the prefill worker."""
+    decoders = [a for a, c in pool.workers.items() if c.role == "decode"]
+    pools = []
+    for address in decoders:
+        one = WorkerPool()
+        for a, c in pool.workers.items():
+            if c.role == "prefill" or a == address:
+                one.workers[a] = c
+        pools.append(one)
+    return pools

@@ -4,7 +4,10 @@ Builds the packed token ids, positions and the ``AttentionContext`` (slot mappin
 tables, lengths) from the scheduler's output, hands every attention layer its slice of the
 cache, runs the forward, and samples the sequences that finished their
 prompt or are decoding. With CUDA graphs (``graph_sizes``), a decode step that fits one
-replays it instead of running the forward (pdserve/engine/runner/cuda_graphs.py).
+replays it instead of running the forward (pdserve/engine/runner/cuda_graphs.py). A
+speculating sequence (``ScheduledSeq.draft``) runs its newest token and its guesses, and every
+one of those positions is a sampled row: their logits go to ``verify`` (pdserve/engine/spec/),
+the other rows' to the sampler, in the same step.
 
 In a tensor-parallel worker this is rank 0's runner: before each forward it hands the
 prepared inputs and the rows it samples to the other ranks (``ranks``, a

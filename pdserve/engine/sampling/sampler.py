@@ -277,8 +277,13 @@ class Sampler:
         return _processed_probs(logits, temps, limits)
 
     def uniforms(self, row: SamplerRow, n: int) -> torch.Tensor:
-        """(n,) uniform draws in [0, 1) on the host, from ``row``'s generator (its own when seeded)."""
+        """(n,) uniform draws in [0, 1) on the host, from ``row``'s generator (``generator``)."""
         return torch.rand(n, generator=self._generator(row))
+
+    def generator(self, row: SamplerRow) -> torch.Generator:
+        """The host generator ``row`` draws from: its own when it has a seed, else the shared one.
+        A step draws one ``torch.rand(1)`` from it per token it samples for the row."""
+        return self._generator(row)
 
     def _generator(self, row: SamplerRow) -> torch.Generator:
         """The generator ``row`` draws from; in a call, its state is kept before the first draw."""

@@ -14,8 +14,16 @@ newest token). Rows are read in order:
   normalize(max(p - q, 0)); after all k kept, a bonus token is drawn from p at row k. Each token
   so made follows p exactly (Leviathan et al., Chen et al. 2023), whatever q is.
 
-Draws come from the request's own generator when it has a seed (``Sampler.uniforms``). Every
-operation is row-wise and the results come back to the host in one copy.
+  For a deterministic proposal (q all on x) the rule is run as a coupling: row i draws its token
+  from p as the sampler would, with one uniform, and the guess is kept when the draw is the
+  guess. That keeps x with probability p(x), and a draw that is not x follows p without x,
+  renormalized: the rule's own distribution. And a seeded request then draws one uniform per
+  token it emits, as without speculation: its generator is put back after the step and advanced
+  by the tokens kept, so its tokens do not depend on how many guesses a step made, nor on its
+  batch company (the promise of ``SamplingParams.seed``), given the same logits.
+
+Draws come from the request's own generator when it has a seed. Every operation is row-wise and
+the results come back to the host in one copy.
 """
 
 from __future__ import annotations
@@ -42,9 +50,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[ScheduledSeq]
     usable = logits.amax(dim=-1) > float("-inf")  # NaN fails too
     argmax = logits.max(dim=-1).indices  # (R,): the first maximum, as the sampler's greedy rows take
     [guess] = to_device([torch.tensor(guesses, dtype=torch.long)], logits.device)
-    accept, token = guess == argmax, argmax
+    accept, token, seeded = guess == argmax, argmax, {}
     if not all(r.params.greedy for r in rows):
-        drawn_accept, drawn = _rejection_rows(sampler, logits, rows, items, guess)
+        drawn_accept, drawn, seeded = _rejection_rows(sampler, logits, rows, items, guess)
         [greedy] = to_device([torch.tensor([r.params.greedy for r in rows])], logits.device)
         accept = torch.where(greedy, accept, drawn_accept)
         token = torch.where(greedy, token, drawn)
@@ -62,36 +70,55 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[ScheduledSeq]
             n = next((i for i in range(k) if not accept[start + i]), k)  # guesses kept
             kept[seq_id] = [*item.draft_token_ids[:n], token[start + n]]
         start += k + 1
+    for seq_id, (gen, state) in seeded.items():  # one uniform per token kept, as without guesses
+        gen.set_state(state)
+        for _ in kept.get(seq_id, ()):
+            torch.rand(1, generator=gen)
     return kept, failed
 
 
 def _rejection_rows(sampler: Sampler, logits: torch.Tensor, rows: list[SamplerRow], items: list[ScheduledSeq],
-                    guess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    guess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """For every row (R,): whether its guess is kept by the rejection rule, and the token drawn
-    were it the first rejected (from normalize(max(p - q, 0))) or the last row (from p)."""
+    were it the first rejected (from normalize(max(p - q, 0))) or the last row (from p); and the
+    generators of the seeded deterministic proposals, by seq id, with their states before."""
     p = sampler.probs(logits, rows)  # (R, V)
     q = torch.zeros_like(p)  # the last row of an item has no guess: q = 0 there, and it draws from p
-    point_rows, point_ids, start = [], [], 0
+    uniforms, coupled, seeded, start = [], [], {}, 0
     for item in items:
         k = len(item.draft_token_ids)
-        if item.draft.probs is not None:
+        row = rows[start]
+        if row.params.greedy:
+            uniforms.append(torch.zeros(2 * (k + 1)))  # unused
+        elif item.draft.probs is not None:  # two uniforms a row: to accept, to draw
             q[start:start + k] = item.draft.probs.to(device=p.device, dtype=p.dtype)
-        else:
-            point_rows += range(start, start + k)
-            point_ids += item.draft_token_ids
+            uniforms.append(sampler.uniforms(row, 2 * (k + 1)))
+        else:  # one uniform a row, drawn as the sampler draws them (a row at a time)
+            gen = sampler.generator(row)
+            if row.params.seed is not None:
+                seeded[row.seq_id] = (gen, gen.get_state())
+            u = torch.cat([torch.rand(1, generator=gen) for _ in range(k + 1)])
+            uniforms.append(torch.stack([u, torch.zeros(k + 1)], dim=1).flatten())
+            coupled += [True] * (k + 1)
+            start += k + 1
+            continue
+        coupled += [False] * (k + 1)
         start += k + 1
-    # Two uniforms per row (greedy rows: unused zeros), from each request's generator: one to
-    # accept, one to draw. Every host-built input goes to the device in one copy.
-    u = torch.cat([torch.zeros(2) if r.params.greedy else sampler.uniforms(r, 2) for r in rows]).view(-1, 2)
-    u, point_rows, point_ids = to_device([u, torch.tensor(point_rows, dtype=torch.long),
-                                          torch.tensor(point_ids, dtype=torch.long)], p.device)
-    q[point_rows, point_ids] = 1.0
+    # Every host-built input goes to the device in one copy.
+    u, coupled = to_device([torch.cat(uniforms).view(-1, 2), torch.tensor(coupled)], p.device)
     index = guess.clamp(min=0).unsqueeze(1)
     p_x, q_x = p.gather(1, index).squeeze(1), q.gather(1, index).squeeze(1)
     accept = (guess >= 0) & (u[:, 0] * q_x < p_x)  # u < p(x) / q(x), without dividing by a zero q(x)
     residual = (p - q).clamp_(min=0)
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)  # p == q: no rejection can happen
-    cdf = residual.cumsum(dim=-1)
-    # right=True: the first index whose cdf passes the draw, so a token of no mass is never drawn.
-    drawn = torch.searchsorted(cdf, (u[:, 1] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-    return accept, drawn.clamp_(max=p.shape[-1] - 1)
+    drawn = _inverse_cdf(residual, u[:, 1])
+    plain = _inverse_cdf(p, u[:, 0])  # the coupled rows' draws, as the sampler makes them
+    return torch.where(coupled, plain == guess, accept), torch.where(coupled, plain, drawn), seeded
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (R, V) for the uniforms ``u`` (R,), as the sampler draws:
+    right=True, so a token of no mass is never drawn, even for a draw of exactly 0."""
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[-1] - 1)
