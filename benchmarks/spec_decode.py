@@ -23,7 +23,8 @@ time, so load from outside the benchmark (a shared machine) falls on both alike.
 2. Goodput: the serving sweep's workload (random prompts of 256 tokens, 64 out, ``ignore_eos``)
    at each rate of ``--rates`` (Poisson, ``--goodput-prompts`` each, seeds per rate as
    benchmarks/goodput.py's, the same prompts on both) under the headline's SLO (TTFT <= 2 s, TPOT
-   <= 100 ms): goodput is the highest rate whose attainment reaches 90% (0 if none does).
+   <= 100 ms): goodput by the sweep's rule (benchmarks/serving_sweep_report.py): the highest rate
+   at which 90% meet it and at every lower rate, with the interpolated crossing beside it.
 
 Ratios: TPOT p50 off / on at c=1 (issue 57 asks >= 1.5 on the repetitive set), goodput on / off
 (asks >= 1). Writes --out-dir/spec_decode.json (machine, git, the commands, every run's summary,
@@ -48,10 +49,10 @@ from benchmarks.goodput import RATE_SEED_STRIDE  # noqa: E402
 from benchmarks.gpu_bench.served import members, router_healthy, start_cluster, wait_until  # noqa: E402
 from benchmarks.load import SLO, Arrivals, Lengths, Request, WorkloadSpec, run, summarize  # noqa: E402
 from benchmarks.serving_run import git_state  # noqa: E402
+from benchmarks.serving_sweep_report import goodput as sweep_goodput  # noqa: E402
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 HEADLINE_SLO = SLO(ttft_ms=2000.0, tpot_ms=100.0)  # BENCHMARKS.md's goodput objective (issue 45)
-ATTAINMENT = 0.9
 
 FUNCTIONS = {
     "total_price": '''def total_price(items, tax_rate):
@@ -203,9 +204,10 @@ def goodput(clusters: list[Cluster], rates: list[float], n: int, seed: int) -> d
                   f"{row['ttft_ms'].get('p90', float('nan')):.0f} ms, TPOT p50 "
                   f"{row['tpot_ms'].get('p50', float('nan')):.1f} ms", flush=True)
     out = {}
-    for label, runs in rows.items():
-        met = [row["rate"] for row in runs if (row["slo_attainment"] or 0) >= ATTAINMENT]
-        out[label] = {"rows": runs, "goodput_req_s": max(met) if met else 0.0}
+    for label, runs in rows.items():  # the sweep's rule: a rate that misses ends the search
+        found = sweep_goodput([{"rate": row["rate"], "attainment": row["slo_attainment"]} for row in runs])
+        out[label] = {"rows": runs, "goodput_req_s": found["req_s"], "interpolated_req_s": found["interpolated_req_s"],
+                      "how": found["how"]}
     return out
 
 
@@ -250,7 +252,10 @@ def table(doc: dict) -> str:
         rep, spec = side["repetitive"], side["repetitive"]["spec"]
         rate = f"{spec['acceptance_rate']:.2f}" if spec["acceptance_rate"] is not None else "-"
         length = f"{spec['mean_accepted_length']:.2f}" if spec["mean_accepted_length"] is not None else "-"
-        good = f"{side['goodput']['goodput_req_s']:g}" if "goodput" in side else "-"
+        good = "-"
+        if "goodput" in side:
+            crossing = side["goodput"]["interpolated_req_s"]
+            good = f"{side['goodput']['goodput_req_s']:g}" + (f" (crossing {crossing:g})" if crossing else "")
         lines.append(f"| {label} | {rep['tpot_ms'].get('p50', float('nan')):.1f} | "
                      f"{rep['tpot_ms'].get('p90', float('nan')):.1f} | {rep['output_tokens']} | {rate} | {length} | "
                      f"{good} |")
