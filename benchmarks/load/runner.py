@@ -17,7 +17,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import aiohttp
 from tqdm import tqdm
@@ -106,8 +106,11 @@ async def _closed_loop(spec, requests, send_one, bar) -> list[RequestRecord]:
 
 
 async def run_async(spec: WorkloadSpec, base_url: str, progress: bool = True, api_key: str | None = None,
-                    during: Callable[[str, str], Awaitable[asyncio.Future]] | None = None) -> Results:
+                    during: Callable[[str, str], Awaitable[asyncio.Future]] | None = None,
+                    requests: Sequence[Request] | None = None) -> Results:
     """``run``'s coroutine. ``api_key``: sent as ``Authorization: Bearer`` with every request.
+    ``requests``: these prompts and lengths instead of the spec's (the spec still gives the
+    arrivals, the warm-up and the SLO; benchmarks/spec_decode.py's prompt set).
     ``during(base_url, model)``: awaited after the warm-up, it starts what runs alongside the
     measured requests and returns its task once that is under way; the task is cancelled when
     they end (benchmarks/load/flood.py)."""
@@ -122,7 +125,7 @@ async def run_async(spec: WorkloadSpec, base_url: str, progress: bool = True, ap
                                 spec.request_timeout_s)
             if not record.ok:
                 raise LoadError(f"warm-up request failed: {record.error}")
-        requests = build_requests(spec)
+        requests = list(requests) if requests is not None else build_requests(spec)
         t0 = time.perf_counter()
 
         def send_one(req: Request):
@@ -147,7 +150,9 @@ def build_warmup(spec: WorkloadSpec) -> list[Request]:
     return build_requests(spec, n=spec.warmup, seed_offset=WARMUP_SEED_OFFSET) if spec.warmup else []
 
 
-def run(spec: WorkloadSpec, base_url: str, progress: bool = True, api_key: str | None = None) -> Results:
-    """Run ``spec`` against the OpenAI-compatible server at ``base_url`` (``http://host:port``,
-    without ``/v1``) and return every request's record and the summary."""
-    return asyncio.run(run_async(spec, base_url, progress, api_key))
+def run(spec: WorkloadSpec, base_url: str, progress: bool = True, api_key: str | None = None,
+        requests: Sequence[Request] | None = None) -> Results:
+    """Run ``spec`` (or ``requests`` with its arrivals) against the OpenAI-compatible server at
+    ``base_url`` (``http://host:port``, without ``/v1``) and return every request's record and
+    the summary."""
+    return asyncio.run(run_async(spec, base_url, progress, api_key, requests=requests))

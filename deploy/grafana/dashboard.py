@@ -155,6 +155,16 @@ ROWS = [
           (f"sum by (worker) (rate(pdserve:prefix_cache_hits_total{W}[{RATE}])) / "
            f"sum by (worker) (rate(pdserve:prefix_cache_queries_total{W}[{RATE}]))", "{{worker}}")]),
     ]),
+    ("Speculative decoding (--speculative-config)", [
+        ("Speculative acceptance rate", "percentunit",
+         "Proposed tokens the target kept, over those proposed (workers that decode with --speculative-config).",
+         [(f"sum by (worker) (rate(pdserve:spec_decode_num_accepted_tokens_total{W}[{RATE}])) / "
+           f"sum by (worker) (rate(pdserve:spec_decode_num_draft_tokens_total{W}[{RATE}]))", "{{worker}}")]),
+        ("Mean accepted length", "short",
+         "Tokens a speculating step makes per sequence: 1 (the target's own) + kept guesses per proposal.",
+         [(f"1 + sum by (worker) (rate(pdserve:spec_decode_num_accepted_tokens_total{W}[{RATE}])) / "
+           f"sum by (worker) (rate(pdserve:spec_decode_num_drafts_total{W}[{RATE}]))", "{{worker}}")]),
+    ]),
 ]
 
 

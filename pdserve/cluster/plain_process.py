@@ -21,10 +21,12 @@ def engine_config(s: WorkerSettings):
     ``pdserve serve`` builds its pools'): a deployment's workers are a disaggregated cluster's,
     so a decode worker's local prefill is capped by default (``DISAGGREGATED_MIXED_PREFILL_TOKENS``)
     and its mixed step aims at half ``DEFAULT_TPOT_OBJECTIVE_S``, as ``pdserve serve``'s defaults.
-    Its device is ``--device`` (``check_device``); under Ray there is none: placement picks the GPU."""
+    Its device is ``--device`` (``check_device``); under Ray there is none: placement picks the GPU.
+    Only a decode worker speculates (``--speculative-config``); the router's engine config is read
+    for the model's limits, and says none either."""
     return s.engine.engine_config(tensor_parallel_size=s.engine.tensor_parallel_size, mode=DISAGGREGATED,
                                   elastic_roles=False, tpot_objective_s=DEFAULT_TPOT_OBJECTIVE_S,
-                                  device=check_device(s.plain.device))
+                                  decodes=s.role == "decode", device=check_device(s.plain.device))
 
 
 def check_device(name: str | None, environ=os.environ) -> str | None:

@@ -44,13 +44,15 @@ def build(s: ServeSettings):
     decode_tp = layout.decode_tp or s.engine.tensor_parallel_size
     _check_split(s.engine.model, {"prefill_tp": prefill_tp, "decode_tp": decode_tp})
 
-    def engine(tensor_parallel_size: int):
+    def engine(tensor_parallel_size: int, decodes: bool):
         return s.engine.engine_config(tensor_parallel_size=tensor_parallel_size, mode=layout.mode,
-                                      elastic_roles=layout.elastic_roles, tpot_objective_s=layout.layout_tpot_slo_s)
+                                      elastic_roles=layout.elastic_roles, tpot_objective_s=layout.layout_tpot_slo_s,
+                                      decodes=decodes)
 
     api_key, api_keys = read_keys(api.api_key, api.api_key_file, api.api_keys_file)
-    return ClusterConfig(
-        engine=engine(s.engine.tensor_parallel_size), prefill_engine=engine(prefill_tp), decode_engine=engine(decode_tp),
+    return ClusterConfig(  # an elastic worker of the prefill pool may decode tomorrow: it speculates too
+        engine=engine(s.engine.tensor_parallel_size, False), prefill_engine=engine(prefill_tp, layout.elastic_roles),
+        decode_engine=engine(decode_tp, True),
         router_limits=router_limits(s.router, layout.layout_ttft_slo_s), mode=layout.mode,
         num_prefill=0 if layout.mode == COLOCATED else layout.prefill, num_decode=layout.decode,
         elastic_roles=layout.elastic_roles, role_budget=_role_budget(layout.role_budget, s.budget),

@@ -1,11 +1,18 @@
 """One setting of ``pdserve serve`` or ``pdserve worker``: its declaration (``Setting``: name,
 type, default, help, bounds), how a raw value (a flag's or variable's string, a YAML value) is
 converted and checked against it (``convert``), and the error that names it (``SettingsError``).
+A setting whose type is a dataclass takes a JSON object of that dataclass's fields
+(``--speculative-config '{"method": "ngram"}'``, as vLLM's), or a mapping in the YAML file.
 The tables of settings, and how they are resolved, are ``pdserve.cluster.settings``'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +22,8 @@ ENV_PREFIX = "PDSERVE_"
 @dataclass(frozen=True)
 class Setting:
     name: str  # snake_case; the flag is --kebab-case, the variable PDSERVE_UPPER_CASE
-    type: type  # int, float, str, bool (flag pair --x / --no-x) or list (of str; one or more)
+    type: type  # int, float, str, bool (flag pair --x / --no-x), list (of str; one or more), or a
+    # frozen dataclass (a JSON object of its fields; the dataclass checks their values)
     default: Any  # written in the table only when no config dataclass owns it; else read from that field
     help: str
     choices: tuple[str, ...] | None = None
@@ -41,6 +49,8 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 def convert(s: Setting, raw: Any, where: str) -> Any:
     """``raw`` (a string from a flag or variable, or a YAML value) as ``s.type``, checked."""
+    if dataclasses.is_dataclass(s.type):
+        return _json_object(s, raw, where)
     if s.type is list:
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
         value = tuple(str(v).strip() for v in items if str(v).strip())
@@ -68,3 +78,38 @@ def convert(s: Setting, raw: Any, where: str) -> Any:
     if s.maximum is not None and value > s.maximum:
         raise SettingsError(f"{where}: {s.name} must be at most {s.maximum:g}, got {value!r}")
     return value
+
+
+def _json_object(s: Setting, raw: Any, where: str) -> Any:
+    """``raw`` (a JSON object's text, or a YAML mapping) as an ``s.type`` dataclass: every key a
+    field of it, every value of that field's type; the dataclass's own checks give the bounds."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise SettingsError(f"{where}: {s.name} is not valid JSON ({exc.msg} at character {exc.pos}): "
+                                f"{raw!r}") from None
+    fields = {f.name: f for f in dataclasses.fields(s.type) if f.init}
+    if not isinstance(raw, Mapping):
+        raise SettingsError(f"{where}: {s.name} must be a JSON object of {', '.join(fields)}, got {raw!r}")
+    hints = typing.get_type_hints(s.type)
+    for key, value in raw.items():
+        if key not in fields:
+            raise SettingsError(f"{where}: unknown key {key!r} in {s.name}; known: {', '.join(fields)}")
+        if not _of_type(value, hints[key]):
+            raise SettingsError(f"{where}: {s.name} key {key!r} must be {_spelled(hints[key])}, got {value!r}")
+    try:
+        return s.type(**raw)
+    except ValueError as exc:
+        raise SettingsError(f"{where}: {s.name}: {exc}") from None
+
+
+def _of_type(value: Any, hint: Any) -> bool:
+    """``value`` is one of the classes of annotation ``hint`` (a JSON ``true`` is no int)."""
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    classes = typing.get_args(hint) if union else (hint,)
+    return any(isinstance(value, c) and not (isinstance(value, bool) and c is not bool) for c in classes)
+
+
+def _spelled(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("NoneType", "null")

@@ -37,7 +37,8 @@ def serve_settings() -> tuple[Setting, ...]:
     """The settings of ``pdserve serve``. A default that a config dataclass also uses is read
     from that dataclass (or the constant its module owns), so every default is written once.
     Built on first use: the owners import torch, which ``pdserve generate`` never needs."""
-    from pdserve.engine.config import DEFAULT_KV_CACHE_BYTES, LOAD_FORMATS, CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.config import (DEFAULT_KV_CACHE_BYTES, LOAD_FORMATS, CacheConfig, EngineConfig, SchedulerConfig,
+                                      SpeculativeConfig)
     from pdserve.kv_transfer import BACKENDS, DEFAULT_BACKEND
     from pdserve.kv_transfer.checksum import VERIFY_BY_DEFAULT
     from pdserve.router import tool_parsers
@@ -195,6 +196,12 @@ def serve_settings() -> tuple[Setting, ...]:
                 "processes (ranks) each worker runs the model on, each with 1/N of every layer's heads and MLP rows, "
                 "as `vllm serve --tensor-parallel-size`; N must divide the model's attention heads, KV heads and "
                 "intermediate size (docs/architecture.md#tensor-parallelism)", minimum=1),
+        Setting("speculative_config", SpeculativeConfig, None,
+                "speculative decoding on the workers that decode (decode, colocated and elastic workers; prefill "
+                "workers never), as `vllm serve --speculative-config`: a JSON object of method (ngram or "
+                "draft_model), num_speculative_tokens (1-16), prompt_lookup_min, prompt_lookup_max (ngram), model "
+                "(draft_model: a HF directory of the target's vocabulary) and disable_by_batch_size, e.g. "
+                "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' (docs/speculative.md; default: off)"),
         Setting("prefill_tp", int, None, "--tensor-parallel-size of the prefill pool's workers (default: "
                 "--tensor-parallel-size)", minimum=1),
         Setting("decode_tp", int, None, "--tensor-parallel-size of the decode pool's workers (default: "
@@ -293,7 +300,7 @@ def add_arguments(parser: argparse.ArgumentParser, settings: tuple[Setting, ...]
         elif s.type is list:
             parser.add_argument(s.flag, nargs="+", default=None, metavar="NAME", help=f"{s.help}{env} (comma-separated)")
         else:
-            metavar = None if s.choices else {int: "N", float: "X", str: "TEXT"}[s.type]
+            metavar = None if s.choices else {int: "N", float: "X", str: "TEXT"}.get(s.type, "JSON")
             parser.add_argument(s.flag, type=str, choices=s.choices, default=None, metavar=metavar,
                                 help=f"{s.help}{default}{env}")
 

@@ -18,9 +18,12 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.cluster.mode import COLOCATED, DISAGGREGATED
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import SpeculativeConfig
 
 # ``pdserve worker`` has no layout settings: its workers are a disaggregated cluster's, and
 # these stand in for ``layout_tpot_slo_s`` and ``layout_ttft_slo_s`` (the table's defaults).
@@ -66,12 +69,23 @@ class _Typed:
         return cls(**kwargs)
 
 
+def _deferred() -> dict[str, type]:
+    """The classes a field names as a string: their module imports torch, which these settings
+    must not (``pdserve generate`` reads none of them); by the time a value is checked, the
+    settings table has imported it."""
+    from pdserve.engine.config import SpeculativeConfig
+
+    return {"SpeculativeConfig": SpeculativeConfig}
+
+
 @functools.cache
 def _classes(hint: Any) -> tuple[type, ...] | None:
     """The classes a value of annotation ``hint`` may be (a float field takes an int too); None
-    for ``Any``."""
+    for ``Any``. A string names ``_deferred`` classes or None, joined by ``|``."""
     if hint is Any:
         return None
+    if isinstance(hint, str):
+        return tuple(type(None) if name == "None" else _deferred()[name] for name in map(str.strip, hint.split("|")))
     union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
     out: list[type] = []
     for arg in typing.get_args(hint) if union else (hint,):
@@ -104,6 +118,7 @@ class EngineSettings(_Typed):
     mixed_step_target_s: float | None  # None: by layout (``step_target_s`` below)
     max_model_len: int | None
     tensor_parallel_size: int
+    speculative_config: "SpeculativeConfig | None"  # None: off; only workers that decode take it
 
     def cache_config(self):
         """The KV cache's ``CacheConfig``. Its size: ``--kv-cache-memory`` or ``--kv-cache-gib``
@@ -122,10 +137,12 @@ class EngineSettings(_Typed):
                            enable_prefix_cache=self.enable_prefix_caching)
 
     def engine_config(self, *, tensor_parallel_size: int, mode: str, elastic_roles: bool, tpot_objective_s: float,
-                      device: str | None = None):
+                      decodes: bool, device: str | None = None):
         """The ``EngineConfig`` of a worker that runs on ``tensor_parallel_size`` ranks in a
         cluster of ``mode`` (with ``elastic_roles`` or not) whose TPOT objective is
-        ``tpot_objective_s``: what the defaults of the mixed step depend on. ``pdserve serve``
+        ``tpot_objective_s``: what the defaults of the mixed step depend on. Only a worker that
+        ``decodes`` (a decode or colocated worker, an elastic one in either pool) speculates
+        (``--speculative-config``): a prefill worker computes one token per prompt. ``pdserve serve``
         passes its layout settings (the router's engine at ``tensor_parallel_size``, each pool's
         at its own); ``pdserve worker``, whose workers are a disaggregated cluster's, passes
         ``DISAGGREGATED``, no elastic roles and ``DEFAULT_TPOT_OBJECTIVE_S``, and its ``--device``
@@ -146,7 +163,8 @@ class EngineSettings(_Typed):
         return EngineConfig(model=self.model, dtype=self.dtype, load_format=self.load_format,
                             max_model_len=self.max_model_len, seed=self.seed,
                             cuda_graphs=self.cuda_graphs, tensor_parallel_size=tensor_parallel_size,
-                            cache=cache, scheduler=scheduler, device=device)
+                            cache=cache, scheduler=scheduler, device=device,
+                            speculative=self.speculative_config if decodes else None)
 
 
 def mixed_prefill_tokens(setting: int | None, mode: str, elastic_roles: bool) -> int:

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
 
 _SHARED = ("model", "served_model_name", "dtype", "load_format", "cuda_graphs", "tensor_parallel_size", "block_size", "kv_cache_gib", "kv_cache_memory",
-           "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+           "gpu_memory_utilization", "max_model_len", "speculative_config", "max_num_seqs", "max_num_batched_tokens",
            "kv_transfer_backend", "lease_seconds",
            "transfer_timeout_seconds", "verify_kv_transfers",
            "drain_grace_seconds", "threads_per_worker", "step_trace_dir", "otlp_traces_endpoint", "host", "port", "grpc_port", "advertise_host",

@@ -21,7 +21,7 @@ import signal
 import sys
 
 from pdserve.cluster.settings import (DRAIN_GRACE_SECONDS, LEASE_SECONDS, TRANSFER_TIMEOUT_SECONDS, SettingsError,
-                                      check_lease_outlives_transfer, flag_type)
+                                      check_lease_outlives_transfer, flag_type, serve_settings)
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.kv_transfer import BACKENDS, DEFAULT_BACKEND
 from pdserve.wire.logs import FORMATS, LEVELS, LogConfig, configure
@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"{LEASE_SECONDS.help} (prefill only)")
     p.add_argument(TRANSFER_TIMEOUT_SECONDS.flag, type=flag_type(TRANSFER_TIMEOUT_SECONDS),
                    default=TRANSFER_TIMEOUT_SECONDS.default, help=f"{TRANSFER_TIMEOUT_SECONDS.help} (decode only)")
+    speculative = next(s for s in serve_settings() if s.name == "speculative_config")
+    p.add_argument(speculative.flag, type=flag_type(speculative), default=None, metavar="JSON",
+                   help=f"{speculative.help} (decode only)")
     p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
     p.add_argument("--log-level", default=LogConfig.level, choices=LEVELS)
     p.add_argument("--log-format", default=LogConfig.format, choices=FORMATS)
@@ -54,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args):
     engine = EngineConfig(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-                          cache=CacheConfig(num_blocks=args.num_blocks))
+                          cache=CacheConfig(num_blocks=args.num_blocks),
+                          speculative=args.speculative_config if args.role == "decode" else None)
     common = dict(worker_id=args.worker_id or f"{args.role}-0", engine=engine, host=args.host, port=args.port,
                   kv_transfer_backend=args.kv_transfer_backend,
                   max_requests=args.max_requests,

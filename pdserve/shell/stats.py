@@ -38,7 +38,22 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents
         kv_transfer_seconds=t.seconds, prefix_cache_queries=blocks.prefix_queries,
         prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=kv_bytes_per_token(engine),
         num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
-        engine_busy=engine.has_runnable(), local_prefill_token_s=local_prefill_token_s(sched), **extra)
+        engine_busy=engine.has_runnable(), local_prefill_token_s=local_prefill_token_s(sched),
+        **spec_fields(engine), **extra)
+
+
+def spec_fields(engine: LLMEngine) -> dict:
+    """The engine's speculation counters (``LLMEngine.spec_stats``) as ``WorkerStats`` fields;
+    none where it does not speculate (a prefill worker, or no ``--speculative-config``)."""
+    spec, counted = engine.config.speculative, engine.spec_stats
+    if spec is None or counted is None:
+        return {}
+    # Kept before proposed, read in that order: a step recorded between two reads then adds only
+    # to the later count, so what a scrape reads never keeps more tokens than were proposed.
+    per_pos, accepted = list(counted.accepted_per_pos), counted.num_accepted_tokens
+    return {"spec_accepted_per_pos": per_pos, "spec_num_accepted_tokens": accepted,
+            "spec_num_draft_tokens": counted.num_draft_tokens, "spec_num_drafts": counted.num_drafts,
+            "spec_num_speculative_tokens": spec.num_speculative_tokens}
 
 
 def local_prefill_token_s(sched: Scheduler) -> float:

@@ -100,6 +100,13 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
   (prefill workers, the reversed pull): prompt tokens read from a decode worker's cache
   instead of computed; prefixes held for them that they did not read (a tensor-parallel
   worker, prompt logprobs, no free block), computing the prompt whole
+- counter ``pdserve:spec_decode_num_drafts_total``, ``pdserve:spec_decode_num_draft_tokens_total``,
+  ``pdserve:spec_decode_num_accepted_tokens_total``, and
+  ``pdserve:spec_decode_num_accepted_tokens_per_pos_total`` (label ``position``, 0 the first
+  speculated token): speculative decoding on a worker that decodes with ``--speculative-config``,
+  as vLLM's ``vllm:spec_decode_*`` (proposals verified, tokens proposed, tokens kept, kept at
+  each position); no series for a worker that does not speculate. Acceptance rate and mean
+  accepted length: docs/speculative.md#serving-it
 
 Decode workers, per KV read, labels ``pool``, ``worker``, ``backend`` (nixl, tcp), ``model_name``, as vLLM's
 NIXL connector reports them:

@@ -97,6 +97,35 @@ _WORKER_FAMILIES = (
      lambda s, bs: s.prefix_reads_refused),
 )
 
+# Speculative decoding, as vLLM names its counters (``vllm:spec_decode_*``); only for a worker
+# that speculates (``spec_num_speculative_tokens`` above 0). Acceptance rate and mean accepted
+# length are PromQL over them (docs/speculative.md#serving-it).
+_SPEC_FAMILIES = (
+    ("pdserve:spec_decode_num_drafts_total", "Proposals of speculated tokens the target verified.",
+     lambda s: s.spec_num_drafts),
+    ("pdserve:spec_decode_num_draft_tokens_total", "Tokens proposed in them.", lambda s: s.spec_num_draft_tokens),
+    ("pdserve:spec_decode_num_accepted_tokens_total", "Of those, tokens the target kept.",
+     lambda s: s.spec_num_accepted_tokens),
+)
+SPEC_PER_POSITION = ("pdserve:spec_decode_num_accepted_tokens_per_pos_total",
+                     "Proposals whose token at this position (0: the first speculated) the target kept.")
+_LABELS = [POOL_LABEL, "worker", MODEL_LABEL]
+
+
+def _spec_families() -> list:
+    return [CounterMetricFamily(name, doc, labels=_LABELS) for name, doc, _ in _SPEC_FAMILIES] + [
+        CounterMetricFamily(*SPEC_PER_POSITION, labels=[*_LABELS, "position"])]
+
+
+def _add_spec(families: list, labels: list[str], stats: worker_pb2.WorkerStats) -> None:
+    """The worker's speculation counters into ``families`` (``_spec_families``): each position up
+    to its ``k`` is a series from the start, at 0 until a guess there is kept."""
+    for family, (_, _, value) in zip(families, _SPEC_FAMILIES):
+        family.add_metric(labels, value(stats))
+    accepted = list(stats.spec_accepted_per_pos)
+    for pos in range(max(stats.spec_num_speculative_tokens, len(accepted))):
+        families[-1].add_metric([*labels, str(pos)], accepted[pos] if pos < len(accepted) else 0)
+
 
 class WorkerCollector:
     """The worker families, read from every registered worker of this process at scrape time.
@@ -118,18 +147,21 @@ class WorkerCollector:
             self._sources.pop(worker, None)
 
     def describe(self) -> list:
-        return [cls(name, doc, labels=[POOL_LABEL, "worker", MODEL_LABEL]) for cls, name, doc, _ in _WORKER_FAMILIES]
+        return [cls(name, doc, labels=_LABELS) for cls, name, doc, _ in _WORKER_FAMILIES] + _spec_families()
 
     def collect(self) -> list:
-        families = self.describe()
+        families = [cls(name, doc, labels=_LABELS) for cls, name, doc, _ in _WORKER_FAMILIES]
+        spec = _spec_families()
         with self._lock:
             sources = list(self._sources.values())
         for src in sources:
             stats = src.stats()
-            pool = stats.role or src.pool  # an elastic worker's pool is its role now
+            labels = [stats.role or src.pool, src.worker, src.model_name]  # an elastic worker's pool is its role now
             for family, (_, _, _, value) in zip(families, _WORKER_FAMILIES):
-                family.add_metric([pool, src.worker, src.model_name], value(stats, src.block_size))
-        return families
+                family.add_metric(labels, value(stats, src.block_size))
+            if stats.spec_num_speculative_tokens:
+                _add_spec(spec, labels, stats)
+        return families + spec
 
 
 WORKERS = WorkerCollector()

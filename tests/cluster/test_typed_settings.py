@@ -130,6 +130,7 @@ ENGINE_FLAGS = [
     ["--mixed-prefill-tokens", "8", "--mixed-step-target-s", "0.02"],
     ["--mixed-prefill-tokens", "0"],
     ["--load-format", "dummy"],
+    ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'],
     ["--gpu-memory-utilization", "0.45"],
     ["--kv-cache-memory", "100000000", "--gpu-memory-utilization", "0.9"],
 ]
@@ -160,7 +161,7 @@ def test_the_engine_config_is_built_at_its_size_and_by_the_layout_it_runs_in():
 
     def built(**layout):
         return engine.engine_config(**{"tensor_parallel_size": 1, "mode": "disaggregated", "elastic_roles": False,
-                                       "tpot_objective_s": 0.1, **layout})
+                                       "tpot_objective_s": 0.1, "decodes": True, **layout})
 
     assert built(tensor_parallel_size=4).tensor_parallel_size == 4
     assert (built().scheduler.mixed_prefill_tokens, built().scheduler.mixed_step_target_s) == (32, 0.05)

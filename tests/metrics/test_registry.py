@@ -101,6 +101,28 @@ def test_preemptions_and_per_read_transfer_histograms_with_their_backend():
     assert metrics.REGISTRY.get_sample_value("pdserve:worker_kv_transfer_seconds_count", dict(labels)) is None
 
 
+def test_a_speculating_worker_exports_vllms_spec_decode_counters_and_others_none():
+    """Each position up to the worker's k has its series from the start (0 until a guess there
+    is kept); a worker without ``--speculative-config`` exports no spec_decode series."""
+    worker = FakeWorker()
+    worker.stats.spec_num_speculative_tokens = 3
+    worker.stats.spec_num_drafts, worker.stats.spec_num_draft_tokens, worker.stats.spec_num_accepted_tokens = 10, 30, 12
+    worker.stats.spec_accepted_per_pos.extend([7, 5])
+    ep = worker_metrics.serve_worker("127.0.0.1", 0, worker_metrics.WorkerSource("decode", "decode-5", lambda: worker.stats, 16, "tiny"))
+    plain = worker_metrics.serve_worker("127.0.0.1", 0, worker_metrics.WorkerSource("prefill", "prefill-5", worker_pb2.WorkerStats, 16))
+    try:
+        got = scrape(ep.address)
+    finally:
+        ep.stop()
+        plain.stop()
+    labels = (("model_name", "tiny"), ("pool", "decode"), ("worker", "decode-5"))
+    assert [got[(f"pdserve:spec_decode_num_{name}_total", labels)] for name in ("drafts", "draft_tokens", "accepted_tokens")] == [10, 30, 12]
+    per_pos = {dict(key)["position"]: value for (name, key), value in got.items()
+               if name == "pdserve:spec_decode_num_accepted_tokens_per_pos_total" and dict(key)["worker"] == "decode-5"}
+    assert per_pos == {"0": 7, "1": 5, "2": 0}
+    assert not [key for key in got if key[0].startswith("pdserve:spec_decode") and dict(key[1])["worker"] == "prefill-5"]
+
+
 def test_a_worker_endpoint_keeps_the_colon_names_whatever_the_scraper_accepts(endpoint):
     """Prometheus asks for OpenMetrics first; prometheus_client's own server then escapes the
     colons (pdserve_worker_...), and no dashboard query matched a worker (found by
