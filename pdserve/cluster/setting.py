@@ -6,6 +6,7 @@ The tables of settings, and how they are resolved, are ``pdserve.cluster.setting
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,8 @@ def convert(s: Setting, raw: Any, where: str) -> Any:
     """``raw`` (a string from a flag or variable, or a YAML value) as ``s.type``, checked."""
     if s.type is list:
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        # A mapping in a YAML list (``lora_modules``' {name, path} form) stays JSON, not a repr.
+        items = [json.dumps(v) if isinstance(v, dict) else v for v in items]
         value = tuple(str(v).strip() for v in items if str(v).strip())
         if not value:
             raise SettingsError(f"{where}: {s.name} needs at least one name")
