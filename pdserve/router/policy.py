@@ -7,6 +7,7 @@ blocks in use (reported plus the blocks of streams this router placed since).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -29,6 +30,7 @@ class WorkerSnapshot:
     last_placed: int = 0  # this router's placement sequence number of its last request (0: never)
     local_token_s: float | None = None  # a decode worker's measured wall seconds per prompt token it prefills; None: not yet
     verify_kv: bool | None = None  # its verify_kv_transfers setting (WorkerStats.verify_kv); None: not heard yet
+    loras: frozenset[str] | None = None  # the LoRA adapters it holds (WorkerStats.lora_names); None: LoRA off or not heard
 
     @property
     def routable(self) -> bool:
@@ -55,6 +57,27 @@ def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
     if any(w.role in SERVES[role] and w.routable for w in workers):
         return Choice(None, f"every healthy {role} worker was tried")
     return Choice(None, f"no healthy {role} worker", pool_empty=True)
+
+
+def prefer_holders(workers: list[WorkerSnapshot], lora_name: str) -> list[WorkerSnapshot]:
+    """The snapshots a request of LoRA adapter ``lora_name`` routes over: in each pool where a
+    routable worker holds the adapter, the workers that do not are made unroutable (one that
+    lacks it would refuse the request: it joined, or restarted, after the load, and the router
+    gives it the adapter at its next poll, ``pdserve.router.lora_admin``); a pool where no worker
+    holds it is left whole. "Holds" is "loaded" (``LLMEngine.lora_names``): every worker loads
+    every adapter, and which of them sits in a device slot changes step by step, so it is no
+    routing signal. The base model ("") routes over every worker."""
+    if not lora_name:
+        return workers
+    out = list(workers)
+    for roles in SERVES.values():
+        members = [i for i, w in enumerate(out) if w.role in roles]
+        if not any(out[i].routable and out[i].loras is not None and lora_name in out[i].loras for i in members):
+            continue
+        for i in members:
+            if out[i].loras is None or lora_name not in out[i].loras:
+                out[i] = dataclasses.replace(out[i], healthy=False)
+    return out
 
 
 def verify_agrees(holder: bool | None, reader: bool | None) -> bool:

@@ -9,6 +9,7 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.protos import worker_pb2
 from pdserve.shell import lora_rpcs
 from pdserve.shell.worker import WorkerShell
+from pdserve.wire.grpc_util import abort_invalid
 
 
 class ShellRpcs:
@@ -44,7 +45,7 @@ class ShellRpcs:
             loaded, names = await self.worker.call(lora_rpcs.load, self.worker.engine, request.lora_name,
                                                    request.lora_path)
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort_invalid(context, exc)
         return worker_pb2.LoadLoRAResponse(loaded=loaded, lora_names=names)
 
     async def UnloadLoRA(self, request, context):
