@@ -57,8 +57,7 @@ REQUEST_ID_HEADER = "X-Request-Id"  # in: the request's id on the workers; out: 
 class OpenAIFront:
     def __init__(self, service: GenerationService, admin: LoRAAdmin | None = None):
         self.service = service
-        self.models = ModelsFront(service, admin or LoRAAdmin(service.model.adapters, service.model.names,
-                                                                service.pool))
+        self.models = ModelsFront(service, admin)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.service.limits.requests.max_body_bytes,

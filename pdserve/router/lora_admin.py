@@ -6,7 +6,7 @@ adapter's KV, the decode worker decodes with it) loads the adapter, then the tab
 requests may name it; a worker's refusal (a path that is no PEFT adapter, a rank over
 ``--max-lora-rank``, a module the model lacks) undoes the load on the others and is answered
 400 naming the field. ``unload``: the table drops it first (new requests get the 404), then
-every worker. A worker that does not answer is no reason to fail: ``sync`` gives it the table
+every worker (one whose requests still use it keeps it until they end: the sync unloads it then). A worker that does not answer is no reason to fail: ``sync`` gives it the table
 after its next answered stats poll, as it does a worker that joins later (``Join``, the
 controller's table, a restart): after each poll, the adapters the router lists and the worker
 lacks are loaded there, and those it holds that the router does not list are unloaded.
@@ -99,7 +99,8 @@ class LoRAAdmin:
         held = set(s.lora_names)
         missing = [a for a in self.table.adapters() if a.name not in held
                    and self._retry_at.get((client.address, a.name), 0.0) <= now]
-        extra = sorted(held - set(self.table.names()))
+        extra = sorted(name for name in held - set(self.table.names())
+                       if self._retry_at.get((client.address, name), 0.0) <= now)
         if missing or extra:
             self._syncing.add(client.address)
             detach(self._sync(client, missing, extra))
@@ -116,9 +117,11 @@ class LoRAAdmin:
                     log.warning("worker %s could not load LoRA adapter %s: %s", client.address, adapter.name,
                                 exc.details())
             for name in extra:
-                await self._call(client, "UnloadLoRA", name)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("LoRA sync of worker %s: %s", client.address, exc.details())
+                try:
+                    await self._call(client, "UnloadLoRA", name)
+                except grpc.aio.AioRpcError as exc:  # its requests still use it: after they end
+                    self._retry_at[(client.address, name)] = time.monotonic() + SYNC_RETRY_S
+                    log.info("worker %s keeps LoRA adapter %s for now: %s", client.address, name, exc.details())
         finally:
             self._syncing.discard(client.address)
 
@@ -128,10 +131,18 @@ class LoRAAdmin:
                 if w.healthy and not w.hung and w.stats is not None and w.stats.lora_enabled]
 
     async def _call(self, client: WorkerClient, method: str, name: str, path: str = ""):
+        """One LoRA RPC; its answer's list of held adapters becomes the router's view of the
+        worker at once (the routing preference must not wait for the next poll to see a load)."""
         if method == "LoadLoRA":
-            return await client.stub.LoadLoRA(worker_pb2.LoadLoRARequest(lora_name=name, lora_path=path),
-                                              timeout=LOAD_TIMEOUT_S)
-        return await client.stub.UnloadLoRA(worker_pb2.UnloadLoRARequest(lora_name=name), timeout=LOAD_TIMEOUT_S)
+            answer = await client.stub.LoadLoRA(worker_pb2.LoadLoRARequest(lora_name=name, lora_path=path),
+                                                timeout=LOAD_TIMEOUT_S)
+        else:
+            answer = await client.stub.UnloadLoRA(worker_pb2.UnloadLoRARequest(lora_name=name),
+                                                  timeout=LOAD_TIMEOUT_S)
+        if client.stats is not None:
+            del client.stats.lora_names[:]
+            client.stats.lora_names.extend(answer.lora_names)
+        return answer
 
     def _check_name(self, name: object) -> None:
         if not self.table.enabled:

@@ -17,8 +17,17 @@ from pdserve.router.validation import decode_json
 
 
 class ModelsFront:
-    def __init__(self, service: GenerationService, admin: LoRAAdmin):
-        self.service, self.admin = service, admin
+    def __init__(self, service: GenerationService, admin: LoRAAdmin | None = None):
+        """``admin``: the router's (``pdserve.router.server`` shares it with the pool's per-poll
+        sync); None: one of this front's own over the service's pool, made at the first call."""
+        self.service, self._admin = service, admin
+
+    @property
+    def admin(self) -> LoRAAdmin:
+        if self._admin is None:
+            m = self.service.model
+            self._admin = LoRAAdmin(m.adapters, m.names, self.service.pool)
+        return self._admin
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/v1/models", self.models), web.get("/v1/models/{model_id:.+}", self.model_card),

@@ -60,22 +60,24 @@ def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
 
 
 def prefer_holders(workers: list[WorkerSnapshot], lora_name: str) -> list[WorkerSnapshot]:
-    """The snapshots a request of LoRA adapter ``lora_name`` routes over: in each pool where a
-    routable worker holds the adapter, the workers that do not are made unroutable (one that
-    lacks it would refuse the request: it joined, or restarted, after the load, and the router
-    gives it the adapter at its next poll, ``pdserve.router.lora_admin``); a pool where no worker
-    holds it is left whole. "Holds" is "loaded" (``LLMEngine.lora_names``): every worker loads
+    """The snapshots a request of LoRA adapter ``lora_name`` routes over, pool by pool: the
+    routable workers that hold the adapter where any does; else those running with LoRA (one
+    may have joined, or restarted, since the load: the router gives it the adapter after its
+    next poll, ``pdserve.router.lora_admin``); else all. The others are made unroutable: they
+    would refuse the request. "Holds" is "loaded" (``LLMEngine.lora_names``): every worker loads
     every adapter, and which of them sits in a device slot changes step by step, so it is no
     routing signal. The base model ("") routes over every worker."""
     if not lora_name:
         return workers
+    levels = (lambda w: w.loras is not None and lora_name in w.loras, lambda w: w.loras is not None)
     out = list(workers)
     for roles in SERVES.values():
         members = [i for i, w in enumerate(out) if w.role in roles]
-        if not any(out[i].routable and out[i].loras is not None and lora_name in out[i].loras for i in members):
+        level = next((ok for ok in levels if any(out[i].routable and ok(out[i]) for i in members)), None)
+        if level is None:
             continue
         for i in members:
-            if out[i].loras is None or lora_name not in out[i].loras:
+            if not level(out[i]):
                 out[i] = dataclasses.replace(out[i], healthy=False)
     return out
 

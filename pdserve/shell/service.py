@@ -49,7 +49,12 @@ class ShellRpcs:
         return worker_pb2.LoadLoRAResponse(loaded=loaded, lora_names=names)
 
     async def UnloadLoRA(self, request, context):
-        found, names = await self.worker.call(lora_rpcs.unload, self.worker.engine, request.lora_name)
+        """Unload an adapter; INVALID_ARGUMENT naming lora_name while requests here use it (the
+        router tries again after a later poll: ``pdserve.router.lora_admin``)."""
+        try:
+            found, names = await self.worker.call(lora_rpcs.unload, self.worker.engine, request.lora_name)
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
         return worker_pb2.UnloadLoRAResponse(found=found, lora_names=names)
 
     async def admit(self, context, draining_code: grpc.StatusCode) -> None:

@@ -69,7 +69,9 @@ def test_routing_prefers_the_workers_holding_the_adapter_in_each_pool_and_falls_
     assert pick_decode(workers, 1).worker_id == "d1"
     assert prefer_holders(workers, "") == workers  # the base model: every worker
     nobody = {w.worker_id for w in prefer_holders(workers, "chat") if w.routable}
-    assert nobody == {"p0", "p1", "d0", "d1", "d2"}  # no holder: every worker, as before
+    assert nobody == {"p0", "p1", "d0", "d1"}  # no holder: those with LoRA (d2 runs without)
+    no_lora = [snap("p0", "prefill"), snap("d0", "decode")]
+    assert prefer_holders(no_lora, "chat") == no_lora  # nobody with LoRA: as before (each refuses it)
     down = [dataclasses.replace(workers[1], healthy=False), *workers[:1], *workers[2:]]
     assert {w.worker_id for w in prefer_holders(down, "sql") if w.role == "prefill" and w.routable} == {"p0"}
 
