@@ -221,3 +221,16 @@ def test_the_table_keeps_the_load_order():
     table = AdapterTable(enabled=True, modules=(("b", "/b"),))
     table.add(Adapter("a", "/a"))
     assert table.names() == ("b", "a") and table.lora_name("a", ("base",)) == "a"
+
+
+def test_the_kv_index_never_matches_one_adapters_blocks_for_anothers_request():
+    from pdserve.engine.core.block_hashes import kv_salt
+    from pdserve.engine.sampling.params import SamplingParams
+    from pdserve.router.kv_index import KVIndex
+
+    index, prompt = KVIndex(), list(range(100, 164))  # four full blocks of 16
+    index.apply("w", worker_pb2.CacheEvents(epoch="e1", snapshot=True), 16)  # a worker that publishes
+    index.expect("w", prompt, kv_salt(SamplingParams(lora_name="sql")))
+    assert index.overlaps(prompt, ["w"], kv_salt(SamplingParams(lora_name="sql")))["w"] == 48
+    assert index.overlaps(prompt, ["w"], kv_salt(SamplingParams(lora_name="chat"))).get("w", 0) == 0
+    assert index.overlaps(prompt, ["w"], kv_salt(SamplingParams())).get("w", 0) == 0  # nor the base model's
