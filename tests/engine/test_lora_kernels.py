@@ -17,7 +17,7 @@ import torch
 
 from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.lora.kernels import PackedLoRA, TorchLoRA
-from pdserve.engine.lora.layers import attach
+from pdserve.engine.lora.layers import LoRAState, attach
 from pdserve.engine.lora.peft import read_adapter
 from tests.factories import hf_greedy
 from tests.helpers.lora import make_adapter, merged
@@ -53,6 +53,8 @@ def test_kernels_equal_the_per_token_product(dtype, in_f, out_f):
     x = torch.randn(len(SLOTS), in_f, generator=g).to(dtype).to(DEVICE)
     y = torch.randn(len(SLOTS), out_f, generator=g).to(dtype).to(DEVICE)
     slots = torch.tensor(SLOTS, device=DEVICE)
+    state = LoRAState(5, dtype)
+    state.set(slots)
     want = _reference(layer, x, y, slots)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     kernels = [TorchLoRA()]
@@ -67,7 +69,7 @@ def test_kernels_equal_the_per_token_product(dtype, in_f, out_f):
         kernels.append(TritonLoRA())
     for kernel in kernels:
         kernel.repack(layer)
-        got = kernel.add(layer, x, y.clone(), slots)
+        got = kernel.add(layer, x, y.clone(), state)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want, **tol, msg=kernel.name)
         base = slots == 0
@@ -82,8 +84,9 @@ def test_triton_equals_the_torch_path_in_float32():
     layer = _layer(96, 160, 32, torch.float32, seed=3)
     x = torch.randn(len(SLOTS), 96, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     y = torch.zeros(len(SLOTS), 160, device=DEVICE)
-    slots = torch.tensor(SLOTS, device=DEVICE)
-    torch.testing.assert_close(TritonLoRA().add(layer, x, y.clone(), slots), TorchLoRA().add(layer, x, y, slots),
+    state = LoRAState(5, torch.float32)
+    state.set(torch.tensor(SLOTS, device=DEVICE))
+    torch.testing.assert_close(TritonLoRA().add(layer, x, y.clone(), state), TorchLoRA().add(layer, x, y.clone(), state),
                                atol=1e-5, rtol=1e-5)
 
 

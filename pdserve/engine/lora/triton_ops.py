@@ -85,6 +85,6 @@ class TritonLoRA:
     def repack(self, layer) -> None:
         """The kernels read the slots as they are."""
 
-    def add(self, layer, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def add(self, layer, x: torch.Tensor, y: torch.Tensor, state) -> torch.Tensor:
         x, y = x.contiguous(), y.contiguous()
-        return lora_expand(lora_shrink(x, layer.a, slots), layer.bt, y, slots)
+        return lora_expand(lora_shrink(x, layer.a, state.slots), layer.bt, y, state.slots)
