@@ -33,14 +33,14 @@ class TorchLoRA:
     def repack(self, layer) -> None:
         """Nothing cached beyond the slots themselves."""
 
-    def add(self, layer, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """y (T, out) plus each token's delta; x (T, in); slots (T,) int64 in [0, S)."""
+    def add(self, layer, x: torch.Tensor, y: torch.Tensor, state) -> torch.Tensor:
+        """y (T, out) plus each token's delta, in place where it can; x (T, in); ``state`` a
+        ``LoRAState`` (each token's slot and its one-hot mask)."""
         a, bt = layer.a[1:], layer.bt[1:]  # (S-1, PR, in), (S-1, PR, out): slot 0 adds nothing
         s, pr = a.shape[0], a.shape[1]
         shrunk = x.to(a.dtype) @ a.reshape(s * pr, -1).t()  # (T, (S-1) PR)
-        mask = slots[:, None] == torch.arange(1, s + 1, device=slots.device)  # (T, S-1)
-        shrunk = (shrunk.view(-1, s, pr) * mask[:, :, None].to(shrunk.dtype)).view(-1, s * pr)
-        return y + (shrunk @ bt.reshape(s * pr, -1)).to(y.dtype)
+        shrunk = (shrunk.view(-1, s, pr) * state.mask.to(shrunk.dtype)).view(-1, s * pr)
+        return y.add_((shrunk @ bt.reshape(s * pr, -1)).to(y.dtype))
 
 
 class PackedLoRA:
@@ -54,13 +54,12 @@ class PackedLoRA:
         layer.packed_a = torch.ops.pdserve.linear_pack(a.reshape(-1, a.shape[-1]).contiguous())
         layer.packed_b = torch.ops.pdserve.linear_pack(bt.reshape(-1, bt.shape[-1]).t().contiguous())
 
-    def add(self, layer, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def add(self, layer, x: torch.Tensor, y: torch.Tensor, state) -> torch.Tensor:
         s, pr = layer.a.shape[0] - 1, layer.a.shape[1]
         shrunk = torch.ops.pdserve.linear(x, layer.packed_a, s * pr, None, False)  # (T, (S-1) PR)
-        mask = slots[:, None] == torch.arange(1, s + 1, device=slots.device)
-        shrunk = (shrunk.view(-1, s, pr) * mask[:, :, None].to(shrunk.dtype)).view(-1, s * pr)
+        shrunk = (shrunk.view(-1, s, pr) * state.mask.to(shrunk.dtype)).view(-1, s * pr)
         delta = torch.ops.pdserve.linear(shrunk, layer.packed_b, layer.bt.shape[-1], None, y.dtype == torch.float32)
-        return y + delta.to(y.dtype)
+        return y.add_(delta.to(y.dtype))
 
 
 def select_kernel(device: torch.device, linear_backend: str):

@@ -35,14 +35,21 @@ from pdserve.engine.parallel import TensorParallel
 
 class LoRAState:
     """The step's adapters: ``slots`` (T,) int64 on the device, each token's slot (0: the base
-    model), and ``active``, whether any token of the step has an adapter."""
+    model); ``mask`` (T, S-1, 1) in the model dtype, 1 where a token's slot is slot 1 + j (the
+    CPU formulation's one-hot, made once a step for every layer); ``active``, whether any token
+    of the step has an adapter."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_slots: int = 1, dtype: torch.dtype = torch.float32) -> None:
+        self.num_slots, self.dtype = num_slots, dtype
         self.active = False
         self.slots: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
 
     def set(self, slots: torch.Tensor | None) -> None:
-        self.active, self.slots = slots is not None, slots
+        self.active, self.slots, self.mask = slots is not None, slots, None
+        if slots is not None:
+            adapters = torch.arange(1, self.num_slots, device=slots.device)
+            self.mask = (slots[:, None] == adapters).to(self.dtype)[:, :, None]
 
 
 class LoRALinear(nn.Module):
@@ -67,7 +74,7 @@ class LoRALinear(nn.Module):
         if not self.state.active:
             return y
         lead = x.shape[:-1]
-        out = self.kernel.add(self, x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]), self.state.slots)
+        out = self.kernel.add(self, x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]), self.state)
         return out.view(*lead, out.shape[-1])
 
     def fill(self, slot: int, adapter: LoRAAdapter, module: str) -> None:
@@ -154,7 +161,7 @@ def attach(model, num_slots: int, max_rank: int, kernel, dtype: torch.dtype,
            device: torch.device) -> tuple[LoRAState, dict[str, LoRALinear]]:
     """Wrap the model's LoRA-able linears in place; returns the shared state and the wrappers
     by our module name."""
-    state, wrapped = LoRAState(), {}
+    state, wrapped = LoRAState(num_slots, dtype), {}
     for name, (shape, row) in target_shapes(model).items():
         parent_name, child = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
