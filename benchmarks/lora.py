@@ -7,7 +7,7 @@ One in-process engine (``EngineConfig.lora``: max_loras = the number of adapters
 turns, ``--batch`` streams of the base model, then the same number spread evenly over
 ``--adapters`` random rank-``--rank`` adapters on q, k, v, o, gate, up and down (written in
 PEFT's format under .bench/lora/). Each turn prefills random ``--prompt-len``-token prompts,
-then times ``--steps`` decode steps; the turns alternate ``--repeats`` times and the best of
+then times ``--steps`` decode steps (their median); the turns alternate ``--repeats`` times and the best of
 each is kept (a shared machine's noise only ever slows a run). Prints tokens/s of each and how
 far the mixed batch is below the base model (issue 57 asks for at most 15 %), with the processor
 and the kernel path; writes .bench/lora-rRANK-tTHREADS.json.
@@ -54,7 +54,9 @@ def write_adapter(cfg, directory: Path, rank: int, seed: int) -> str:
 
 
 def decode_tps(engine: LLMEngine, names: list[str], prompt_len: int, steps: int, tag: str) -> float:
-    """Tokens/s over ``steps`` decode steps of one stream per entry of ``names`` (its adapter)."""
+    """Tokens/s of one stream per entry of ``names`` (its adapter): streams / the median of
+    ``steps`` decode steps' times (a median, so that a step the shared machine stalled does not
+    count)."""
     g = torch.Generator().manual_seed(len(tag))
     vocab = engine.model_cfg.vocab_size
     for n, name in enumerate(names):
@@ -64,13 +66,14 @@ def decode_tps(engine: LLMEngine, names: list[str], prompt_len: int, steps: int,
         engine.step()
     for _ in range(2):
         engine.step()
-    started = time.perf_counter()
+    times = []
     for _ in range(steps):
+        started = time.perf_counter()
         engine.step()
-    elapsed = time.perf_counter() - started
+        times.append(time.perf_counter() - started)
     while engine.has_unfinished():
         engine.step()
-    return len(names) * steps / elapsed
+    return len(names) / sorted(times)[len(times) // 2]
 
 
 def main() -> None:
