@@ -7,10 +7,10 @@ One in-process engine (``EngineConfig.lora``: max_loras = the number of adapters
 turns, ``--batch`` streams of the base model, then the same number spread evenly over
 ``--adapters`` random rank-``--rank`` adapters on q, k, v, o, gate, up and down (written in
 PEFT's format under .bench/lora/). Each turn prefills random ``--prompt-len``-token prompts,
-then times ``--steps`` decode steps; the turns alternate ``--repeats`` times and the best of
+then times ``--steps`` decode steps (their median); the turns alternate ``--repeats`` times and the best of
 each is kept (a shared machine's noise only ever slows a run). Prints tokens/s of each and how
 far the mixed batch is below the base model (issue 57 asks for at most 15 %), with the processor
-and the kernel path; writes .bench/lora.json.
+and the kernel path; writes .bench/lora-rRANK-tTHREADS.json.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def write_adapter(cfg, directory: Path, rank: int, seed: int) -> str:
 
 
 def decode_tps(engine: LLMEngine, names: list[str], prompt_len: int, steps: int, tag: str) -> float:
-    """Tokens/s over ``steps`` decode steps of one stream per entry of ``names`` (its adapter)."""
+    """Tokens/s of one stream per entry of ``names`` (its adapter): streams / the median of
+    ``steps`` decode steps' times (a median, so that a step the shared machine stalled does not
+    count)."""
     g = torch.Generator().manual_seed(len(tag))
     vocab = engine.model_cfg.vocab_size
     for n, name in enumerate(names):
@@ -64,13 +66,14 @@ def decode_tps(engine: LLMEngine, names: list[str], prompt_len: int, steps: int,
         engine.step()
     for _ in range(2):
         engine.step()
-    started = time.perf_counter()
+    times = []
     for _ in range(steps):
+        started = time.perf_counter()
         engine.step()
-    elapsed = time.perf_counter() - started
+        times.append(time.perf_counter() - started)
     while engine.has_unfinished():
         engine.step()
-    return len(names) * steps / elapsed
+    return len(names) / sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -83,7 +86,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = materialize(args.model, progress=False)
     cfg = read_model_config(model_dir)
     out_dir = ROOT / ".bench" / "lora"
@@ -100,11 +106,11 @@ def main() -> None:
         base.append(decode_tps(engine, [""] * args.batch, args.prompt_len, args.steps, f"base{r}"))
         mixed.append(decode_tps(engine, mixed_names, args.prompt_len, args.steps, f"mixed{r}"))
     result = dict(processor=cpu_kernels.cpu_model(), kernel_path=model.kernel_path, linears=model.linear_backend,
-                  lora_kernel=engine.lora.kernel.name, threads=torch.get_num_threads(), **vars(args),
+                  lora_kernel=engine.lora.kernel.name, **{**vars(args), "threads": torch.get_num_threads()},
                   base_tps=max(base), mixed_tps=max(mixed), base_runs=base, mixed_runs=mixed,
                   below_base=1 - max(mixed) / max(base))
     (ROOT / ".bench").mkdir(exist_ok=True)
-    (ROOT / ".bench" / "lora.json").write_text(json.dumps(result, indent=1))
+    (ROOT / ".bench" / f"lora-r{args.rank}-t{result['threads']}.json").write_text(json.dumps(result, indent=1))
     print(f"{result['processor']} ({result['kernel_path']}, {result['threads']} threads), {args.dtype}, "
           f"{args.batch} streams, rank {args.rank}: base {result['base_tps']:.1f} tok/s, {args.adapters} adapters "
           f"mixed {result['mixed_tps']:.1f} tok/s ({100 * result['below_base']:.1f} % below)")
