@@ -53,6 +53,8 @@ def convert(s: Setting, raw: Any, where: str) -> Any:
         return _json_object(s, raw, where)
     if s.type is list:
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        # A mapping in a YAML list (``lora_modules``' {name, path} form) stays JSON, not a repr.
+        items = [json.dumps(v) if isinstance(v, dict) else v for v in items]
         value = tuple(str(v).strip() for v in items if str(v).strip())
         if not value:
             raise SettingsError(f"{where}: {s.name} needs at least one name")

@@ -45,6 +45,7 @@ def serve_settings() -> tuple[Setting, ...]:
     from pdserve.router.kv_policy import POLICIES
     from pdserve.cluster.mode import AUTO, DISAGGREGATED, LAYOUTS, MODES
     from pdserve.cluster.autoscaling.budget import BudgetConfig
+    from pdserve.cluster.lora_settings import lora_settings
     from pdserve.router.local_prefill import LocalPrefillConfig
     from pdserve.router.limits import RouterLimits
     from pdserve.router.validation import RequestLimits
@@ -190,6 +191,7 @@ def serve_settings() -> tuple[Setting, ...]:
                 "prompt's chunk is sized to it from the worker's measured step costs (Sarathi-Serve's chunk, "
                 "docs/routing.md#time-sized-chunks); 0: the fixed mixed_prefill_tokens (default: half of "
                 "layout_tpot_slo_s, the TPOT objective)", minimum=0),
+        *lora_settings(),
         Setting("max_model_len", int, EngineConfig.max_model_len, "cap on prompt + output tokens (default: the model's)",
                 minimum=1),
         Setting("tensor_parallel_size", int, EngineConfig.tensor_parallel_size,

@@ -119,6 +119,10 @@ class EngineSettings(_Typed):
     max_model_len: int | None
     tensor_parallel_size: int
     speculative_config: "SpeculativeConfig | None"  # None: off; only workers that decode take it
+    enable_lora: bool
+    lora_modules: tuple[str, ...] | None  # each name=path or {"name", "path"} JSON (cluster.lora_settings)
+    max_loras: int
+    max_lora_rank: int
 
     def cache_config(self):
         """The KV cache's ``CacheConfig``. Its size: ``--kv-cache-memory`` or ``--kv-cache-gib``
@@ -147,9 +151,11 @@ class EngineSettings(_Typed):
         at its own); ``pdserve worker``, whose workers are a disaggregated cluster's, passes
         ``DISAGGREGATED``, no elastic roles and ``DEFAULT_TPOT_OBJECTIVE_S``, and its ``--device``
         (None: CUDA's current device where CUDA is, as Ray's placement leaves it, else the CPU)."""
+        from pdserve.cluster.lora_settings import lora_config
         from pdserve.engine.config import EngineConfig, SchedulerConfig
 
         cache = self.cache_config()
+        lora = lora_config(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank)
         if tensor_parallel_size > 1 and cache.exact_budget_bytes() is None:
             from pdserve.cluster.setting import SettingsError
 
@@ -163,7 +169,7 @@ class EngineSettings(_Typed):
         return EngineConfig(model=self.model, dtype=self.dtype, load_format=self.load_format,
                             max_model_len=self.max_model_len, seed=self.seed,
                             cuda_graphs=self.cuda_graphs, tensor_parallel_size=tensor_parallel_size,
-                            cache=cache, scheduler=scheduler, device=device,
+                            cache=cache, scheduler=scheduler, device=device, lora=lora,
                             speculative=self.speculative_config if decodes else None)
 
 

@@ -61,7 +61,9 @@ class PrefixHolds:
     def hold(self, address: str, prompt: list[int], cache_salt: str, owner: str) -> KVHandle | None:
         """Engine thread: pin the cached full blocks of ``prompt``'s prefix under a new lease
         granted to ``owner``; its handle names ``address``. None where nothing is cached, or
-        holds are refused here (module docstring)."""
+        holds are refused here (module docstring). ``cache_salt`` is the request's
+        ``kv_salt`` (pdserve/engine/core/block_hashes.py: its adapter folded in), as the router
+        sends it, so that a prefix computed under one LoRA adapter is never held for another."""
         if not self.enabled:
             return None
         pin = f"prefix-hold.{secrets.token_urlsafe(12)}"  # the pin's sequence: no request id can name it

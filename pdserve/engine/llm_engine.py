@@ -25,16 +25,18 @@ import torch
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.runner.cuda_graphs import capture_sizes
-from pdserve.engine.errors import CacheCapacityError, InvalidRequestError, RankLost, SequenceFailed
+from pdserve.engine.errors import InvalidRequestError, RankLost, SequenceFailed
 from pdserve.engine.sampling.grammar_jobs import GrammarJobs, compiler_for
 from pdserve.engine.attention.kv_cache import cache_spec_of
+from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.memory import MemoryProbe
 from pdserve.engine.runner.memory_profile import size_cache, start_memory
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.runner.model_runner import ModelRunner
-from pdserve.engine.core.outputs import Completion, RequestOutput, error_output, run_to_completion, token_output
+from pdserve.engine.core.outputs import Completion, RequestOutput, error_output, generate_all, token_output
 from pdserve.engine.core.request_state import RequestState
-from pdserve.engine.sampling.params import SamplingParams, check_request
+from pdserve.engine.request_checks import check_first_token, check_here
+from pdserve.engine.sampling.params import SamplingParams
 from pdserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.core.sequence import FinishReason, Sequence, SeqStatus
 from pdserve.engine.core.step_isolation import isolate_or_abort
@@ -75,12 +77,13 @@ class LLMEngine:
         self.kv_cache = ranks.caches[0] if shared else self.cache_spec.allocate(num_blocks, self.device)
         self.blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
         eos = model_cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and tokenizer.eos_token_id is not None else ())
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos))
+        self.lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos), config.lora)
         graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if config.cuda_graphs else ()
         # Speculative decoding (``config.speculative``; None: off): pdserve/engine/spec/decoding.py.
         self.spec = SpecDecoding.of(config, model_cfg, self.max_model_len)
         self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed,
-                                  graph_sizes, self.max_model_len, ranks, self.spec and self.spec.verify)
+                                  graph_sizes, self.max_model_len, ranks, self.spec and self.spec.verify, self.lora)
         self.runner.sampler.eos_token_ids = frozenset(eos)  # banned before min_tokens
         self._requests: dict[str, RequestState] = {}  # every request not yet ended, by id
         # Requests with a structured spec wait in ``grammars`` for its compile, off this thread
@@ -125,13 +128,8 @@ class LLMEngine:
         ``pdserve.engine.sampling.params.validate_request``). A structured spec is compiled after
         this, off the engine thread (``grammars``); one that does not compile ends its request
         with that error as its output (``SequenceFailed``), before it ever joins a batch."""
-        check_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
-        if params.stop and not self.detokenize:
-            raise InvalidRequestError("stop", "stop strings need an engine that detokenizes")
-        try:
-            self.blocks.check_fits(len(prompt_token_ids) + 1)
-        except CacheCapacityError as exc:
-            raise InvalidRequestError("prompt", str(exc), exc.total_blocks * self.blocks.block_size) from exc
+        check_here(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len, self.blocks,
+                   self.detokenize, () if self.lora is None else self.lora)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     hold_kv: bool = False) -> None:
@@ -155,7 +153,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        self._check_first_token(first_token)
+        check_first_token(first_token, self.model_cfg.vocab_size)
         seq = Sequence(request_id, list(prompt_token_ids) + [first_token], params,
                        num_prompt_tokens=len(prompt_token_ids))
         block_ids = self.scheduler.add_remote_prefilled(seq, reuse_cached)
@@ -170,13 +168,6 @@ class LLMEngine:
         """Leading prompt tokens of ``request_id`` whose KV the prefix cache gave it."""
         return self._requests[request_id].seq.num_cached_tokens
 
-    def _check_first_token(self, token: int) -> None:
-        """A peer's first token is a token of this vocabulary (else it would index past the
-        embedding table in the next forward)."""
-        vocab = self.model_cfg.vocab_size
-        if not 0 <= token < vocab:
-            raise InvalidRequestError("first_token_id", f"{token} is not a token id: ids are in [0, {vocab})", vocab)
-
     def kv_ready(self, request_id: str, first_token: int | None = None) -> None:
         """The prompt's KV has landed; it decodes from the next step (once its grammar, if it
         has one, is compiled). ``first_token``: the token ``add_prefilled`` was given as a
@@ -187,7 +178,7 @@ class LLMEngine:
         seq, error, state.unfit = state.seq, state.unfit, None
         if first_token is not None and error is None:
             try:
-                self._check_first_token(first_token)
+                check_first_token(first_token, self.model_cfg.vocab_size)
             except InvalidRequestError as exc:
                 error = SequenceFailed.of(request_id, exc)
         if error is not None:
@@ -262,6 +253,19 @@ class LLMEngine:
     @property
     def num_held(self) -> int:
         return sum(1 for state in self._requests.values() if state.seq.is_held)
+
+    # ---- LoRA adapters (docs/lora.md) -----------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at ``path`` as ``name`` (``InvalidRequestError``s: ``LoRAManager.add``)."""
+        LoRAManager.of(self.lora).add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload ``name``; False if it is not loaded; refused while requests use it (``LoRAManager.remove``)."""
+        users = sum(1 for state in self._requests.values() if state.seq.params.lora_name == name)
+        return self.lora is not None and self.lora.remove(name, users)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.lora is None else self.lora.names()
 
     # ---- the loop ------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -381,12 +385,7 @@ class LLMEngine:
     def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],
                  progress: bool = False) -> list[Completion]:
         """Run the given prompts to completion, batched; outputs in prompt order."""
-        prompts = list(prompts)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        ids = [f"gen-{i}" for i in range(len(prompts))]
-        for request_id, p, sp in zip(ids, prompts, plist):
-            self.add_request(request_id, p, sp)
-        return run_to_completion(self.step, ids, progress)
+        return generate_all(self.add_request, self.step, prompts, params, progress)
 
     # ---- observability -------------------------------------------------------------
     @property

@@ -10,6 +10,7 @@ import contextlib
 import time
 from typing import AsyncIterator
 
+from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.engine.core.block_manager import prompt_block_hashes
 from pdserve.engine.device import wait_for_writes
 from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFailed
@@ -106,14 +107,14 @@ class PrefillWorker(WorkerShell):
         self.note_poll(owner)
         hashes = None
         if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
-            hashes = prompt_block_hashes(prompt, self.engine.blocks.block_size, params.cache_salt)
+            hashes = prompt_block_hashes(prompt, self.engine.blocks.block_size, kv_salt(params))
         record = self.records[request_id] = RequestRecord(request_id, owner, time.monotonic(), hashes, stream_kv,
                                                           chunks=[] if tracing.enabled() else None)
         stream = self.open_stream(request_id)
         held = False
         try:
             if prefix is not None:  # (not with prompt logprobs: every position runs, ``hashes`` is None)
-                await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt, params.cache_salt,
+                await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt, kv_salt(params),
                                   prefix, stream, wanted=hashes is not None)
             await self.call(self.engine.add_request, request_id, prompt, params, True)
             while True:

@@ -231,7 +231,7 @@ class DrainRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_blocks_unbounded", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions", "block_size", "cache_events", "num_in_flight", "kv_verify_failures", "prefix_tokens_read", "prefix_reads_refused", "local_prefill_token_s", "kv_quarantined_blocks", "verify_kv", "kv_unverified_refused", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos", "spec_num_speculative_tokens")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_blocks_unbounded", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions", "block_size", "cache_events", "num_in_flight", "kv_verify_failures", "prefix_tokens_read", "prefix_reads_refused", "local_prefill_token_s", "kv_quarantined_blocks", "verify_kv", "kv_unverified_refused", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos", "spec_num_speculative_tokens", "lora_names", "lora_enabled")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,8 @@ class WorkerStats(_message.Message):
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -310,7 +312,39 @@ class WorkerStats(_message.Message):
     spec_num_accepted_tokens: int
     spec_accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
     spec_num_speculative_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_unbounded: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ..., num_in_flight: _Optional[int] = ..., kv_verify_failures: _Optional[int] = ..., prefix_tokens_read: _Optional[int] = ..., prefix_reads_refused: _Optional[int] = ..., local_prefill_token_s: _Optional[float] = ..., kv_quarantined_blocks: _Optional[int] = ..., verify_kv: _Optional[bool] = ..., kv_unverified_refused: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    lora_enabled: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_unbounded: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ..., num_in_flight: _Optional[int] = ..., kv_verify_failures: _Optional[int] = ..., prefix_tokens_read: _Optional[int] = ..., prefix_reads_refused: _Optional[int] = ..., local_prefill_token_s: _Optional[float] = ..., kv_quarantined_blocks: _Optional[int] = ..., verify_kv: _Optional[bool] = ..., kv_unverified_refused: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_num_speculative_tokens: _Optional[int] = ..., lora_names: _Optional[_Iterable[str]] = ..., lora_enabled: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRARequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAResponse(_message.Message):
+    __slots__ = ("loaded", "lora_names")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    loaded: bool
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, loaded: _Optional[bool] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadLoRARequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAResponse(_message.Message):
+    __slots__ = ("found", "lora_names")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, found: _Optional[bool] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetRoleRequest(_message.Message):
     __slots__ = ("role", "grace_s", "reason")

@@ -80,6 +80,16 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_protos_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/LoadLoRA',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.LoadLoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/UnloadLoRA',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -141,6 +151,18 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +210,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve_dot_protos_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.LoadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.LoadLoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.UnloadLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +475,60 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/LoadLoRA',
+            pdserve_dot_protos_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.LoadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/UnloadLoRA',
+            pdserve_dot_protos_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.UnloadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -492,6 +578,16 @@ class DecodeWorkerStub:
                 '/pdserve.v1.DecodeWorker/Drain',
                 request_serializer=pdserve_dot_protos_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/LoadLoRA',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.LoadLoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/UnloadLoRA',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.UnloadLoRAResponse.FromString,
                 _registered_method=True)
 
 
@@ -549,6 +645,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -591,6 +699,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve_dot_protos_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.LoadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.LoadLoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.UnloadLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -809,6 +927,60 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Drain',
             pdserve_dot_protos_dot_worker__pb2.DrainRequest.SerializeToString,
             pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/LoadLoRA',
+            pdserve_dot_protos_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.LoadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/UnloadLoRA',
+            pdserve_dot_protos_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.UnloadLoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,6 +26,7 @@ import secrets
 from dataclasses import dataclass
 from typing import AsyncIterator, Union
 
+from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.engine.sampling.grammar import resumed
 from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
@@ -116,12 +117,13 @@ class RemotePrefill:
         self.prefix_from = prefix_from
 
     async def outputs(self, ctx: CallContext, attempt: Attempt) -> AsyncIterator[Output]:
+        salt = kv_salt(attempt.sampling)  # the adapter folded in, as the workers hash its blocks
         prefix = await hold_prefix(ctx, self.prefix_from, attempt.worker_rid, attempt.prompt,
-                                   attempt.sampling.cache_salt) if self.prefix_from else None
+                                   salt) if self.prefix_from else None
         request = worker_pb2.PrefillRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,
                                             sampling=attempt.sampling, router_id=ctx.pool.router_id, prefix=prefix)
         try:
-            answer, address, streaming = await prefill(ctx, request, self.stream_kv, attempt.sampling.cache_salt,
+            answer, address, streaming = await prefill(ctx, request, self.stream_kv, salt,
                                                        verify_kv=attempt.verify_kv)
         finally:
             if prefix is not None:
@@ -131,7 +133,7 @@ class RemotePrefill:
             # worker caches the prompt now, and the index must not know the decode side's
             # blocks sooner than the prefill side's, or the plan would see a decode worker
             # holding more than every prefill worker until the next poll.
-            ctx.pool.index.expect(address, attempt.prompt, attempt.sampling.cache_salt)
+            ctx.pool.index.expect(address, attempt.prompt, salt)
         lease = answer.kv.lease_token if answer.HasField("kv") else ""  # held for us, not yet taken
         decoding = None
         try:

@@ -24,7 +24,8 @@ from typing import Awaitable, Callable
 import grpc
 from aiohttp import web
 
-from pdserve.router.tenants import DEFAULT_TENANT, ApiKeysFileError, Tenant, key_digest, read_api_keys_file
+from pdserve.router.tenants import (DEFAULT_TENANT, ApiKeysFileError, Tenant, TenantLimits, key_digest,
+                                   read_api_keys_file)
 
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 OPEN_HTTP_PATHS = ("/health", "/metrics")  # the only HTTP paths open without the key
@@ -75,7 +76,8 @@ class ApiKeys:
 
     @classmethod
     def single(cls, key: str) -> "ApiKeys":
-        return cls(((key_digest(key), Tenant(DEFAULT_TENANT)),))
+        # The one key's holder runs the cluster: it may load LoRA adapters (router.lora_admin).
+        return cls(((key_digest(key), Tenant(DEFAULT_TENANT, TenantLimits(admin=True))),))
 
     def tenants(self) -> tuple[Tenant, ...]:
         return tuple({t.name: t for _, t in self.entries}.values())

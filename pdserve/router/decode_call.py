@@ -32,7 +32,7 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
     to a local prefill); a decode worker that refused the KV unread, for it came without
     checksums, loses the attempt to one too."""
     tried: set[str] = set()
-    snapshots = ctx.pool.snapshots()
+    snapshots = ctx.pool.snapshots(ctx.lora_name)
     passed = frozenset(w.worker_id for w in snapshots if w.worker_id == source and w.role != "prefill")
     # A reader must verify the KV as its holder does (``verify_agrees``): the others are passed over.
     holder = next((w.verify_kv for w in snapshots if w.worker_id == source), None) if source else None
@@ -99,7 +99,7 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
 def _pick(ctx: CallContext, blocks: int, exclude: frozenset[str], prefer: str | None) -> Choice:
     """``prefer`` if it may take the stream now (routable, room for ``blocks``, not excluded),
     else the least loaded decode worker."""
-    snapshots = ctx.pool.snapshots()
+    snapshots = ctx.pool.snapshots(ctx.lora_name)
     if prefer is not None and prefer not in exclude:
         preferred = pick_decode([w for w in snapshots if w.worker_id == prefer], blocks, exclude, limited=ctx.limited)
         if preferred.worker_id is not None:

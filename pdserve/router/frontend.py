@@ -6,13 +6,14 @@ import dataclasses
 import json
 import unicodedata
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling.params import SamplingParams, check_prompt
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import pdserve_pb2
+from pdserve.router.adapters import AdapterTable
 from pdserve.router.cache_salt import request_salt
 from pdserve.router.tool_parsers import ToolParser
 from pdserve.router.validation import RequestLimits
@@ -30,13 +31,21 @@ class ModelInfo:
     tokenizer: Tokenizer
     aliases: tuple[str, ...] = ()  # further names requests may use (`--served-model-name a b`)
     tool_parser: ToolParser | None = None  # reads tool calls in the model's text (tool_choice "auto")
+    # The LoRA adapters served now, each under its own name (router.adapters); changed at run
+    # time by /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    adapters: AdapterTable = field(default_factory=AdapterTable, compare=False)
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The base model's names."""
         return (self.name, *self.aliases)
 
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request may give as its model now: the base model's, then each adapter's."""
+        return (*self.names, *self.adapters.names())
+
     def serves(self, name: str) -> bool:
-        return name in self.names
+        return name in self.names or name in self.adapters
 
 
 @dataclass(frozen=True)
@@ -81,14 +90,12 @@ def validate(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: Request
              max_tokens_to_context: bool = False, tenant: str = "") -> ValidRequest:
     """``prepare``'s checks before tokenizing: the model, the size limits, the router-only
     fields, the sampling parameters and the grammar."""
-    if req.model and not model.serves(req.model):
-        raise InvalidRequestError("model", f"unknown model {req.model!r}; this server serves "
-                                           f"{', '.join(map(repr, model.names))}")
+    lora_name = adapter_of(req, model)
     check_limits(req, limits)
     refuse_router_only(req)
     if req.WhichOneof("input") is None:
         raise InvalidRequestError("input", "set one of text, token_ids or chat")
-    params = sampling_from_proto(req.sampling)
+    params = dataclasses.replace(sampling_from_proto(req.sampling), lora_name=lora_name)
     default_max_tokens = max_tokens_to_context and req.sampling.max_tokens == 0
     if default_max_tokens:  # the most it can be, until the prompt's length is known
         params = dataclasses.replace(params, max_tokens=model.max_model_len)
@@ -98,6 +105,23 @@ def validate(req: pdserve_pb2.GenerateRequest, model: ModelInfo, limits: Request
     if tenant:
         params = dataclasses.replace(params, cache_salt=request_salt(params.cache_salt, tenant))
     return ValidRequest(req, params, default_max_tokens)
+
+
+def adapter_of(req: pdserve_pb2.GenerateRequest, model: ModelInfo) -> str:
+    """The LoRA adapter the request runs (``SamplingParams.lora_name``; "" for the base model),
+    named by its ``model`` (``UnknownModel``, 404, for a name not served) or, by a gRPC client
+    that leaves ``model`` empty, by ``sampling.lora_name``, which must then be a served adapter
+    and, with ``model`` set too, the same one."""
+    lora_name = model.adapters.lora_name(req.model, model.names)
+    named = req.sampling.lora_name
+    if not named:
+        return lora_name
+    if named not in model.adapters:
+        raise InvalidRequestError("sampling.lora_name", f"The model `{named}` does not exist.")
+    if req.model and named != lora_name:
+        raise InvalidRequestError("sampling.lora_name", f"names adapter {named!r} but model is {req.model!r}; "
+                                                        "name the adapter as the model alone")
+    return named
 
 
 def tokenize(valid: ValidRequest, model: ModelInfo) -> PreparedRequest:

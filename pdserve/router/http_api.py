@@ -2,7 +2,7 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream`` true or false; SSE
 chunks in OpenAI's format ending with ``data: [DONE]``; ``stream_options.include_usage``),
-``GET /v1/models``, ``GET /health`` (503 while no prefill or no decode worker is ready),
+``GET /v1/models`` with the LoRA adapters and their load and unload (``pdserve.router.models_api``), ``GET /health`` (503 while no prefill or no decode worker is ready),
 ``GET /metrics`` and ``GET /metrics/targets`` (Prometheus HTTP service discovery of the
 workers' own endpoints). Each request becomes a ``pdserve.v1.GenerateRequest`` (typed
 models in ``pdserve.router.validation``) and runs through the same ``GenerationService.run`` as
@@ -38,6 +38,8 @@ from pdserve.router.client_work import INLINE_BYTES
 from pdserve.router.openai_format import (Choice, chat_chunk, chat_response, completion_chunk, completion_response,
                                   usage_dict)
 from pdserve.router.errors import RouteError
+from pdserve.router.lora_admin import LoRAAdmin
+from pdserve.router.models_api import ModelsFront
 from pdserve.router.service import GenerationService
 from pdserve.router.tokenize_api import detokenize_request, tokenize_request
 from pdserve.router.tools import ToolOutput
@@ -53,8 +55,9 @@ REQUEST_ID_HEADER = "X-Request-Id"  # in: the request's id on the workers; out: 
 
 
 class OpenAIFront:
-    def __init__(self, service: GenerationService):
+    def __init__(self, service: GenerationService, admin: LoRAAdmin | None = None):
         self.service = service
+        self.models = ModelsFront(service, admin)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.service.limits.requests.max_body_bytes,
@@ -62,8 +65,7 @@ class OpenAIFront:
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
-            web.get("/v1/models", self.models),
-            web.get("/v1/models/{model_id:.+}", self.model_card),
+            *self.models.routes(),  # /v1/models, and the LoRA adapters' load and unload (router.models_api)
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
             web.get("/version", self.version),
@@ -106,7 +108,7 @@ class OpenAIFront:
         """The body, read and parsed once (off the loop when large or when it converts a
         grammar); raises ``HttpError``."""
         raw = await self._raw(request)
-        name, limits = self.service.model.names, self.service.limits.requests
+        name, limits = self.service.model.served_names(), self.service.limits.requests
         if len(raw) > INLINE_BYTES:
             return await self.service.work.run(lambda: parse_body(decode_json(raw), chat, name, limits))
         body = decode_json(raw)
@@ -156,7 +158,7 @@ class OpenAIFront:
                     return self._error(item)
                 started.add(choice.index)
                 early.append((choice, item))
-            meta = {"id": body_id, "created": int(time.time()), "model": self.service.model.name, "chat": chat,
+            meta = {"id": body_id, "created": int(time.time()), "model": self._model_of(reqs[0]), "chat": chat,
                     "logprobs": options.logprobs, "top_logprobs": options.top_logprobs, "echo": options.echo,
                     "n": options.n, "tokenizer": self.service.model.tokenizer}
             if options.stream:
@@ -234,26 +236,15 @@ class OpenAIFront:
         await _send(response, await self.service.work.run(chunk, admitted=True) if meta["logprobs"] else chunk(),
                     idle_s)
 
-    def _card(self, name: str) -> dict:
-        m = self.service.model
-        return {"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "root": m.name,
-                "max_model_len": m.max_model_len}
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._card(name) for name in self.service.model.names]})
-
-    async def model_card(self, request: web.Request) -> web.Response:
-        model_id = request.match_info["model_id"]
-        if not self.service.model.serves(model_id):
-            return error_response(404, f"model {model_id!r} does not exist; this server serves "
-                                  f"{', '.join(map(repr, self.service.model.names))}", "NotFoundError", "model")
-        return web.json_response(self._card(model_id))
+    def _model_of(self, req) -> str:
+        """The model an answer names: the adapter the request ran, else the base model's name."""
+        return req.model if req.model in self.service.model.adapters else self.service.model.name
 
     async def tokenize(self, request: web.Request) -> web.Response:
         m, limits = self.service.model, self.service.limits.requests
 
         def job(raw: bytes) -> str:  # parse, check, tokenize: all on the tokenizer thread
-            ids = tokenize_request(decode_json(raw), m.names, limits.max_prompt_chars)(m.tokenizer)
+            ids = tokenize_request(decode_json(raw), m.served_names(), limits.max_prompt_chars)(m.tokenizer)
             return json.dumps({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids})
 
         return await self._tokenizer_call(request, job)
@@ -262,7 +253,7 @@ class OpenAIFront:
         m = self.service.model
 
         def job(raw: bytes) -> str:
-            ids = detokenize_request(decode_json(raw), m.names, m.config.vocab_size, m.max_model_len)
+            ids = detokenize_request(decode_json(raw), m.served_names(), m.config.vocab_size, m.max_model_len)
             return json.dumps({"prompt": m.tokenizer.decode(ids)})
 
         # No body longer than this holds max_model_len token ids (each at most 10 digits and ", ").
@@ -366,12 +357,12 @@ async def _write(response: web.StreamResponse, data: bytes, idle_s: float) -> No
         raise ConnectionResetError(f"the client read nothing for stream_idle_timeout_s={idle_s:g}") from None
 
 
-async def start(service: GenerationService, host: str | Endpoint, port: int, *, tls: TlsConfig | None = None
-                ) -> tuple[web.AppRunner, str]:
+async def start(service: GenerationService, host: str | Endpoint, port: int, *, tls: TlsConfig | None = None,
+                admin: LoRAAdmin | None = None) -> tuple[web.AppRunner, str]:
     """Serve the front on ``host:port`` (0: any free port), behind the service's API keys
     (``pdserve.router.auth``) and over HTTPS with ``tls``; returns the runner and the advertised address."""
     endpoint = host if isinstance(host, Endpoint) else resolve(host)
-    app = OpenAIFront(service).app()
+    app = OpenAIFront(service, admin).app()
     if service.keys is not None:
         app.middlewares.append(auth.http_middleware(service.keys))
     # handler_cancellation: a client that disconnects cancels its handler (aiohttp's default

@@ -36,8 +36,8 @@ def as_http_error(exc: Exception) -> HttpError:
     if isinstance(exc, HttpError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        if exc.field == "model":
-            return HttpError(404, str(exc), "NotFoundError", "model")
+        if exc.field == "model":  # vLLM's answer: "The model `x` does not exist."
+            return HttpError(404, exc.reason, "NotFoundError", "model")
         return HttpError(400, str(exc), "BadRequestError", exc.field)
     if isinstance(exc, RouteError):
         status, kind = _ROUTE_STATUS.get(exc.code, (503, "service_unavailable"))

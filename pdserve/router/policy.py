@@ -7,6 +7,7 @@ blocks in use (reported plus the blocks of streams this router placed since).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -29,6 +30,7 @@ class WorkerSnapshot:
     last_placed: int = 0  # this router's placement sequence number of its last request (0: never)
     local_token_s: float | None = None  # a decode worker's measured wall seconds per prompt token it prefills; None: not yet
     verify_kv: bool | None = None  # its verify_kv_transfers setting (WorkerStats.verify_kv); None: not heard yet
+    loras: frozenset[str] | None = None  # the LoRA adapters it holds (WorkerStats.lora_names); None: LoRA off or not heard
 
     @property
     def routable(self) -> bool:
@@ -55,6 +57,29 @@ def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
     if any(w.role in SERVES[role] and w.routable for w in workers):
         return Choice(None, f"every healthy {role} worker was tried")
     return Choice(None, f"no healthy {role} worker", pool_empty=True)
+
+
+def prefer_holders(workers: list[WorkerSnapshot], lora_name: str) -> list[WorkerSnapshot]:
+    """The snapshots a request of LoRA adapter ``lora_name`` routes over, pool by pool: the
+    routable workers that hold the adapter where any does; else those running with LoRA (one
+    may have joined, or restarted, since the load: the router gives it the adapter after its
+    next poll, ``pdserve.router.lora_admin``); else all. The others are made unroutable: they
+    would refuse the request. "Holds" is "loaded" (``LLMEngine.lora_names``): every worker loads
+    every adapter, and which of them sits in a device slot changes step by step, so it is no
+    routing signal. The base model ("") routes over every worker."""
+    if not lora_name:
+        return workers
+    levels = (lambda w: w.loras is not None and lora_name in w.loras, lambda w: w.loras is not None)
+    out = list(workers)
+    for roles in SERVES.values():
+        members = [i for i, w in enumerate(out) if w.role in roles]
+        level = next((ok for ok in levels if any(out[i].routable and ok(out[i]) for i in members)), None)
+        if level is None:
+            continue
+        for i in members:
+            if not level(out[i]):
+                out[i] = dataclasses.replace(out[i], healthy=False)
+    return out
 
 
 def verify_agrees(holder: bool | None, reader: bool | None) -> bool:

@@ -18,7 +18,7 @@ import secrets
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import grpc
 
@@ -27,7 +27,7 @@ from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_policy import RoutingConfig, choose_prefill
 from pdserve.router.liveness import Liveness, is_hung, observe
 from pdserve.router.local_prefill import PrefillPace
-from pdserve.router.policy import SERVES, Choice, WorkerSnapshot
+from pdserve.router.policy import SERVES, Choice, WorkerSnapshot, prefer_holders
 from pdserve.router.session_hint import SessionHints
 from pdserve.wire import metrics
 from pdserve.wire.grpc_util import aio_channel
@@ -74,7 +74,8 @@ class WorkerClient:
             queued_tokens=s.num_waiting_tokens + self.local_tokens,
             blocks_used=s.num_blocks_used + self.local_blocks, blocks_total=s.num_blocks_total,
             blocks_unbounded=s.num_blocks_unbounded, inflight=self.inflight, last_placed=self.last_placed,
-            local_token_s=s.local_prefill_token_s or None, verify_kv=s.verify_kv if self.stats is not None else None)
+            local_token_s=s.local_prefill_token_s or None, verify_kv=s.verify_kv if self.stats is not None else None,
+            loras=frozenset(s.lora_names) if s.lora_enabled else None)
 
 
 POOLS = ("prefill", "decode")
@@ -129,6 +130,9 @@ class WorkerPool:
     sessions: SessionHints = field(default_factory=SessionHints)  # the session_id hint (router.session_hint)
     rng: random.Random = field(default_factory=random.Random)  # KV routing with a temperature above 0
     prefill_pace: PrefillPace = field(default_factory=PrefillPace)  # a prompt token's cost on the prefill pool
+    # Called with each worker after its answered stats poll (the router's LoRA sync,
+    # router.lora_admin: a worker that joined is given the adapters it lacks); None: nothing.
+    on_stats: Callable[[WorkerClient], None] | None = None
     _task: asyncio.Task | None = None
     _placements: itertools.count = field(default_factory=lambda: itertools.count(1))
     _turns: itertools.count = field(default_factory=itertools.count)  # round-robin routing
@@ -168,14 +172,17 @@ class WorkerPool:
     def members(self) -> list[tuple[str, str]]:
         return [(w.role, w.address) for w in self.workers.values()]
 
-    def snapshots(self) -> list[WorkerSnapshot]:
-        return [w.snapshot() for w in self.workers.values()]
+    def snapshots(self, lora_name: str = "") -> list[WorkerSnapshot]:
+        """Every worker's snapshot; for a request of LoRA adapter ``lora_name``, those of a pool
+        where some worker holds it but this one does not are unroutable (``prefer_holders``)."""
+        return prefer_holders([w.snapshot() for w in self.workers.values()], lora_name)
 
     def route_prefill(self, prompt: Sequence[int], routing: RoutingConfig, exclude: frozenset[str] = frozenset(),
-                      max_queued_tokens: int | None = None, cache_salt: str = "") -> Choice:
+                      max_queued_tokens: int | None = None, cache_salt: str = "", lora_name: str = "") -> Choice:
         """The prefill worker for ``prompt`` under ``routing.policy`` (``pdserve.router.kv_policy``),
-        with each worker's cached prefix (under ``cache_salt``) read from the KV index."""
-        snapshots = self.snapshots()
+        with each worker's cached prefix (under ``cache_salt``, the request's ``kv_salt``) read
+        from the KV index, among the workers holding its adapter where any does."""
+        snapshots = self.snapshots(lora_name)
         overlaps = self.prefill_overlaps(prompt, cache_salt)
         turn = next(self._turns) if routing.policy == "round_robin" else 0
         return choose_prefill(snapshots, overlaps, len(prompt), routing, turn, exclude, max_queued_tokens, self.rng)
@@ -291,6 +298,8 @@ class WorkerPool:
         w.local_tokens = w.local_blocks = 0  # the fresh stats include what we sent
         w.epoch += 1
         self._check_liveness(w, answered=True)
+        if self.on_stats is not None and self.workers.get(w.address) is w:
+            self.on_stats(w)
 
     def _check_liveness(self, w: WorkerClient, answered: bool) -> None:
         now = time.monotonic()

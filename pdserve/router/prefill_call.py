@@ -40,11 +40,11 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
     last = "no prefill worker"
     for _ in range(ctx.limits.max_prefill_attempts):
         route = ctx.spans.route("prefill") if ctx.spans is not None else None
-        mismatched = disagreeing(ctx.pool.snapshots(), verify_kv, "prefill")
+        mismatched = disagreeing(ctx.pool.snapshots(ctx.lora_name), verify_kv, "prefill")
         # An empty prefill pool is not waited on: a decode worker prefills the prompt instead.
         choice = await ctx.budget.admit(lambda: ctx.pool.route_prefill(
             prompt, ctx.limits.routing, frozenset(tried) | mismatched, ctx.limits.max_queued_tokens_per_prefill,
-            cache_salt), ctx.pool.interval_s, wait_empty=False)
+            cache_salt, ctx.lora_name), ctx.pool.interval_s, wait_empty=False)
         if route is not None:
             tracing.end_span(route, attributes={tracing.ROUTE_RULE: choice.rule or "", tracing.CACHED_TOKENS:
                                                 choice.cached_tokens, tracing.WORKER_ID: choice.worker_id or ""})

@@ -20,6 +20,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.protos import pdserve_pb2, worker_pb2
 from pdserve.router.attempts import (Attempt, LocalPrefill, MovedKV, Output, RemotePrefill, attempt_id, attempt_params,
                                      moved_params, release_later)
@@ -50,9 +51,9 @@ class RequestRun:
                  arrived: float | None = None, timeout_s: float | None = None, spans: RequestSpans | None = None,
                  session_id: str | None = None):
         self.req = req
-        # Keyed within the request's cache salt (its tenant's and its own): one tenant's session
-        # ids never steer another's requests.
-        self.session_key = f"{req.params.cache_salt}\0{session_id}" if session_id else None
+        # Keyed within the request's KV salt (its tenant's, its own, its LoRA adapter's): one
+        # tenant's session ids never steer another's requests, nor one adapter's another's.
+        self.session_key = f"{kv_salt(req.params)}\0{session_id}" if session_id else None
         self.model = model
         self.pool = pool
         self.limits = limits
@@ -62,7 +63,7 @@ class RequestRun:
                                     limits.admission_wait_s, sent=lambda: len(self.output.token_ids))
         self.metrics = RequestMetrics(arrived=arrived, model_name=model.name)
         self.calls = CallContext(req.request_id, pool, limits, self.budget, self.metrics,
-                                 limited=not req.default_max_tokens, spans=spans)
+                                 limited=not req.default_max_tokens, spans=spans, lora_name=req.params.lora_name)
         self.migrations = 0
         self._prefilled = False  # the request's first prefill answer came
         self._local_next = False  # the last attempt was lost to a local prefill (AttemptLost.local)
@@ -165,7 +166,7 @@ class RequestRun:
 
     async def _check_decode_capacity(self, blocks: int) -> None:
         """Wait for a decode worker with room for ``blocks``."""
-        choice = await self.budget.admit(lambda: pick_decode(self.pool.snapshots(), blocks, limited=self.calls.limited),
+        choice = await self.budget.admit(lambda: pick_decode(self.pool.snapshots(self.calls.lora_name), blocks, limited=self.calls.limited),
                                          self.pool.interval_s)
         if choice.worker_id is None:
             raise route_error(choice)
@@ -179,8 +180,8 @@ class RequestRun:
         as that decode worker does (``_verify_agreed``); with none, or after a lost attempt that
         asked for it (``AttemptLost.local``: its reader refused KV without checksums), the decode
         worker prefills it."""
-        snapshots = self.pool.snapshots()
-        salt = attempt.sampling.cache_salt
+        snapshots = self.pool.snapshots(self.calls.lora_name)
+        salt = kv_salt(attempt.sampling)  # the adapter folded in: the index never matches another's blocks
         holder, prefills = None, []
         if self.limits.decode_kv_reuse:
             holder = find_holder(snapshots, self.pool.decode_overlaps(attempt.prompt, salt), attempt.blocks,
@@ -216,7 +217,7 @@ class RequestRun:
         as a first turn. Advisory, as every index entry: a worker that lost them costs a miss."""
         if self.limits.decode_kv_reuse and self.calls.decode_workers:
             tokens = self.req.prompt_token_ids + self.output.token_ids[:-1]
-            self.pool.index.expect(self.calls.decode_workers[-1], tokens, self.req.params.cache_salt)
+            self.pool.index.expect(self.calls.decode_workers[-1], tokens, kv_salt(self.req.params))
 
     def _hinted(self, snapshots: list[WorkerSnapshot], blocks: int) -> WorkerSnapshot | None:
         """The decode worker that served this request's session last (``session_id``), while

@@ -17,10 +17,12 @@ from pdserve.engine.loader import materialize, read_model_config
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import admin_pb2_grpc, pdserve_pb2
 from pdserve.router import http_api, loop_lag, tool_parsers
+from pdserve.router.adapters import AdapterTable
 from pdserve.router.admin import RouterAdminService
 from pdserve.router.auth import ApiKeyInterceptor, ApiKeys
 from pdserve.router.frontend import ModelInfo
 from pdserve.router.limits import RouterLimits
+from pdserve.router.lora_admin import LoRAAdmin
 from pdserve.router.pool import POOLS, WorkerPool
 from pdserve.router.service import GenerationService
 from pdserve.router.worker_calls import detach
@@ -81,7 +83,9 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
     tokenizer = Tokenizer(config.tokenizer or model_dir, chat_template=config.chat_template)
     first, *aliases = config.served_model_names
     parser = tool_parsers.choose(config.tool_call_parser, tokenizer.hf.chat_template)
-    return ModelInfo(first, cfg, max_len, config.engine.cache.block_size, tokenizer, tuple(aliases), parser)
+    lora = config.engine.lora
+    adapters = AdapterTable(enabled=lora is not None, modules=lora.modules if lora is not None else ())
+    return ModelInfo(first, cfg, max_len, config.engine.cache.block_size, tokenizer, tuple(aliases), parser, adapters)
 
 
 @dataclass
@@ -105,6 +109,10 @@ async def start(config: RouterConfig) -> RunningRouter:
         pool.add("prefill", address)
     for address in config.decode_addresses:
         pool.add("decode", address)
+    # The LoRA adapters' admin: the load/unload endpoints, and after each poll a worker is given
+    # the adapters it lacks (one that joined after a load, or restarted).
+    lora_admin = LoRAAdmin(model.adapters, model.names, pool)
+    pool.on_stats = lora_admin.sync
     await pool.start()
     keys = config.api_keys or (ApiKeys.single(config.api_key) if config.api_key else None)
     service = GenerationService(model, pool, config.limits, keys=keys)
@@ -127,7 +135,8 @@ async def start(config: RouterConfig) -> RunningRouter:
     running = RunningRouter(address, server, health, [lambda: internal.stop(1.0), pool.close], service,
                             internal_address=internal_address)
     if config.http_port is not None:
-        runner, running.http_address = await http_api.start(service, public, config.http_port, tls=config.public_tls)
+        runner, running.http_address = await http_api.start(service, public, config.http_port, tls=config.public_tls,
+                                                             admin=lora_admin)
         running.on_stop.insert(0, runner.cleanup)
         running.http_runner = runner
     detach(_track_health(service, health))

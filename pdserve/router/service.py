@@ -235,7 +235,7 @@ class GenerationService:
     async def ListModels(self, request, context):
         return pdserve_pb2.ListModelsResponse(models=[pdserve_pb2.ModelInfo(
             id=name, max_model_len=self.model.max_model_len, vocab_size=self.model.config.vocab_size)
-            for name in self.model.names])
+            for name in self.model.served_names()])
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Register the service with raw-bytes request deserializers (see the module doc)."""

@@ -16,6 +16,7 @@ Tenants come from ``--api-keys-file``, a YAML (or JSON, which YAML reads) file::
         max_concurrent_requests: 16   # admitted and not finished
         max_waiting_requests: 4       # admitted, no first token yet
         tokens_per_minute: 200000     # prompt + output tokens over the last 60 s
+        admin: true                   # may load and unload LoRA adapters (docs/lora.md#serving)
 
 The single ``--api-key`` is one tenant, ``default``, without limits. The file's keys are
 hashed as it is read and the text is dropped: no error message, log line or config repr
@@ -45,6 +46,9 @@ class TenantLimits:
     max_concurrent_requests: int | None = None
     max_waiting_requests: int | None = None
     tokens_per_minute: int | None = None
+    # Not a limit but a right: the tenant may load and unload LoRA adapters for the whole
+    # cluster (POST /v1/load_lora_adapter, /v1/unload_lora_adapter; pdserve.router.lora_admin).
+    admin: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,10 @@ def _tenant_limits(section: Any, where: str) -> dict[str, TenantLimits]:
             raise ApiKeysFileError(f"{at}: expected a mapping of limits ({', '.join(names)})")
         _known(values, names, at)
         for limit, value in values.items():
+            if limit == "admin":
+                if not isinstance(value, bool):
+                    raise ApiKeysFileError(f"{at}.admin: must be true or false, got {value!r}")
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ApiKeysFileError(f"{at}.{limit}: must be a whole number of at least 1, got {value!r}")
         out[name] = TenantLimits(**values)

@@ -44,8 +44,7 @@ def _validate(cls, body: Any, model_names: tuple[str, ...]):
         param = param_name(err["loc"])
         raise HttpError(400, f"{param}: {err['msg']}", param=param) from None
     if parsed.model is not None and parsed.model not in model_names:
-        raise HttpError(404, f"model {parsed.model!r} does not exist; this server serves "
-                             f"{', '.join(map(repr, model_names))}", "NotFoundError", "model")
+        raise HttpError(404, f"The model `{parsed.model}` does not exist.", "NotFoundError", "model")  # vLLM's
     return parsed
 
 

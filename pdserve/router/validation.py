@@ -147,9 +147,8 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
         param = param_name(err["loc"])
         raise HttpError(400, f"{param}: {err['msg']}", param=param) from None
     names = (model_names,) if isinstance(model_names, str) else model_names
-    if parsed.model is not None and parsed.model not in names:
-        raise HttpError(404, f"model {parsed.model!r} does not exist; this server serves "
-                             f"{', '.join(map(repr, names))}", "NotFoundError", "model")
+    if parsed.model is not None and parsed.model not in names:  # vLLM's words
+        raise HttpError(404, f"The model `{parsed.model}` does not exist.", "NotFoundError", "model")
     if parsed.stream_options is not None and not parsed.stream:
         raise HttpError(400, "stream_options needs stream: true", param="stream_options")
     if parsed.stream_options is not None and parsed.stream_options.continuous_usage_stats:
@@ -157,7 +156,7 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
                         param="stream_options.continuous_usage_stats")
     if parsed.best_of is not None and parsed.best_of != parsed.n:
         raise HttpError(400, f"best_of ({parsed.best_of}) other than n ({parsed.n}) is not supported", param="best_of")
-    template = pdserve_pb2.GenerateRequest()
+    template = pdserve_pb2.GenerateRequest(model=parsed.model or "")  # an adapter's name runs it (router.adapters)
     _set_sampling(template.sampling, parsed, chat)
     set_structured(template.sampling, parsed)
     plan = None

@@ -39,6 +39,7 @@ class CallContext:
     # The decode workers whose streams this request's attempts opened, in order (the last one
     # holds the finished stream's KV: ``RequestRun`` tells the KV index so).
     decode_workers: list[str] = field(default_factory=list)
+    lora_name: str = ""  # its LoRA adapter: routed to workers that hold it (router.policy.prefer_holders)
 
 
 class Fault(enum.Enum):

@@ -1,12 +1,15 @@
-"""The RPCs both worker services answer the same way: ``Abort``, ``Stats`` and ``Drain``, and
-the admission check every new request passes (``ShellRpcs``)."""
+"""The RPCs both worker services answer the same way: ``Abort``, ``Stats``, ``Drain``,
+``LoadLoRA`` and ``UnloadLoRA``, and the admission check every new request passes (``ShellRpcs``)."""
 
 from __future__ import annotations
 
 import grpc
 
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.protos import worker_pb2
+from pdserve.shell import lora_rpcs
 from pdserve.shell.worker import WorkerShell
+from pdserve.wire.grpc_util import abort_invalid
 
 
 class ShellRpcs:
@@ -34,6 +37,25 @@ class ShellRpcs:
     async def Drain(self, request, context):
         self.worker.draining = True
         return self.worker.stats(self.metrics_address)
+
+    async def LoadLoRA(self, request, context):
+        """Load a PEFT adapter into the engine, between two of its steps (``lora_rpcs.load``);
+        a bad one is INVALID_ARGUMENT naming the field and the limit."""
+        try:
+            loaded, names = await self.worker.call(lora_rpcs.load, self.worker.engine, request.lora_name,
+                                                   request.lora_path)
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        return worker_pb2.LoadLoRAResponse(loaded=loaded, lora_names=names)
+
+    async def UnloadLoRA(self, request, context):
+        """Unload an adapter; INVALID_ARGUMENT naming lora_name while requests here use it (the
+        router tries again after a later poll: ``pdserve.router.lora_admin``)."""
+        try:
+            found, names = await self.worker.call(lora_rpcs.unload, self.worker.engine, request.lora_name)
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
+        return worker_pb2.UnloadLoRAResponse(found=found, lora_names=names)
 
     async def admit(self, context, draining_code: grpc.StatusCode) -> None:
         """Refuse a new request at once, before any work: ``draining_code`` while the worker

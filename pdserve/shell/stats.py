@@ -12,6 +12,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
+from pdserve.shell import lora_rpcs
 
 
 def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents, metrics_address: str = "",
@@ -39,6 +40,7 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents
         prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=kv_bytes_per_token(engine),
         num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
         engine_busy=engine.has_runnable(), local_prefill_token_s=local_prefill_token_s(sched),
+        lora_enabled=engine.config.lora is not None, lora_names=lora_rpcs.held(engine),
         **spec_fields(engine), **extra)
 
 

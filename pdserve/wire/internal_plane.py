@@ -63,6 +63,12 @@ ALLOWED: dict[str, frozenset[str]] = {
     _DECODE + "Release": frozenset({"router", "prefill"}),
     _DECODE + "Stats": frozenset({"router", "controller"}),
     _DECODE + "Drain": frozenset({"controller"}),
+    # LoRA adapters: the router loads and unloads them on every worker of both pools
+    # (POST /v1/load_lora_adapter, router/adapters.py), and gives a joining worker those it lacks.
+    _PREFILL + "LoadLoRA": frozenset({"router"}),
+    _PREFILL + "UnloadLoRA": frozenset({"router"}),
+    _DECODE + "LoadLoRA": frozenset({"router"}),
+    _DECODE + "UnloadLoRA": frozenset({"router"}),
     "/pdserve.v1.ElasticWorker/SetRole": frozenset({"controller"}),
     # Every internal server's health: any component may ask (probes go to the plain HTTP port).
     _HEALTH + "Check": frozenset(ROLES),

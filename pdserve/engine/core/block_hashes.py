@@ -11,6 +11,18 @@ from typing import Sequence
 NO_HASH = b""
 
 
+def kv_salt(params) -> str:
+    """The salt a request's prompt blocks are hashed with: its ``cache_salt`` with its LoRA
+    adapter folded in, so that KV computed under one adapter is never found for another (nor
+    for the base model). ``params`` is a ``SamplingParams`` (anything with ``cache_salt`` and
+    ``lora_name``). Without an adapter it is ``cache_salt`` itself: the base model's hashes are
+    as before adapters existed. With one it starts with a NUL, which no ``cache_salt`` may hold
+    (``SamplingParams.validate``), so no client salt can name an adapter's blocks."""
+    if not params.lora_name:
+        return params.cache_salt
+    return f"\0lora\0{len(params.lora_name)}\0{params.lora_name}\0{params.cache_salt}"
+
+
 def chain_hash(prev_hash: bytes, token_ids: Sequence[int]) -> bytes:
     """Hash of a full block given the hash of the block before it (``NO_HASH`` for the first).
 

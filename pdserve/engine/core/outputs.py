@@ -75,6 +75,18 @@ class Completion:
             self.finish_reason = o.finish_reason
 
 
+def generate_all(add_request: Callable, step: Callable[[], list[RequestOutput]], prompts, params,
+                 progress: bool = False) -> list[Completion]:
+    """``LLMEngine.generate``: queue each prompt (with its own params, or ``params`` for all)
+    through ``add_request`` and ``step`` until all are done; completions in prompt order."""
+    prompts = list(prompts)
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    ids = [f"gen-{i}" for i in range(len(prompts))]
+    for request_id, p, sp in zip(ids, prompts, plist):
+        add_request(request_id, p, sp)
+    return run_to_completion(step, ids, progress)
+
+
 def run_to_completion(step: Callable[[], list[RequestOutput]], request_ids: list[str],
                       progress: bool = False) -> list[Completion]:
     """Call ``step`` until every one of ``request_ids`` has finished; their completions, in order."""

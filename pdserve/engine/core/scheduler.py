@@ -23,6 +23,12 @@ arrives from a prefill worker (``add_remote_prefilled``): it preempts running se
 may grow more than the newcomer, so requests without a limit filling a decode worker cannot
 keep a limited one out (the router admits it on those blocks: pdserve/router/policy.py).
 
+With LoRA (``lora``, docs/lora.md), a step holds at most ``max_loras`` distinct adapters (the
+device has that many slots; the base model needs none). A waiting prompt whose adapter would be
+one too many stays waiting, and the prompts behind it may go first; running sequences of
+adapters past the limit (their KV arrived from another worker) sit the step out, and are first
+in line the step after.
+
 Pure Python; tests feed it hand-built outputs through ``update_from_output``.
 """
 
@@ -33,8 +39,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.engine.core.block_manager import BlockManager
-from pdserve.engine.config import MIXED, SchedulerConfig
+from pdserve.engine.config import MIXED, LoRAConfig, SchedulerConfig
 from pdserve.engine.errors import SequenceFailed
 from pdserve.engine.sampling.params import TopLogprobs
 from pdserve.engine.core.sequence import FinishReason, Sequence, SeqStatus
@@ -91,8 +98,9 @@ class Scheduler:
     """Owns the waiting and running queues; the block manager owns the blocks."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), lora: LoRAConfig | None = None):
         self.config = config
+        self.max_adapters = None if lora is None else lora.max_loras  # distinct adapters in one step
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -131,7 +139,7 @@ class Scheduler:
         self._make_room(seq, self.blocks.blocks_needed(len(seq.prompt_token_ids)))
         # The fresh blocks are PENDING until ``kv_ready``: findable once the pull has been verified.
         alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=reuse_cached,
-                                     cache_salt=seq.params.cache_salt)
+                                     cache_salt=kv_salt(seq.params))
         seq.num_cached_tokens = alloc.num_cached_tokens
         seq.status = SeqStatus.WAITING_FOR_KV
         self.awaiting_kv[seq.seq_id] = seq
@@ -182,10 +190,20 @@ class Scheduler:
                        == item.seq.num_tokens - 1)  # before update_from_output: a decode row's one token
             self.step_budget.observe(rows, sum(item.num_new_tokens for item in out.seqs) - rows, seconds)
 
+    def _fits_adapters(self, seq: Sequence, adapters: set[str]) -> bool:
+        """Whether ``seq`` may join a step whose adapters are ``adapters`` (module docstring)."""
+        name = seq.params.lora_name
+        return self.max_adapters is None or not name or name in adapters or len(adapters) < self.max_adapters
+
     def _schedule_prefill(self, budget: int) -> list[ScheduledSeq]:
         batch: list[ScheduledSeq] = []
+        skipped: list[Sequence] = []  # waiting on an adapter slot: back at the head afterwards
+        adapters = {s.params.lora_name for s in self.running if s.params.lora_name}
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if not self._fits_adapters(seq, adapters):
+                skipped.append(self.waiting.popleft())
+                continue
             if not self.blocks.has(seq.seq_id):
                 # Leave one block per running sequence so admitting this one does not
                 # force an immediate preemption.
@@ -199,7 +217,7 @@ class Scheduler:
                 # tail's block is taken: this step computes the rest of it.
                 alloc = self.blocks.allocate(seq.seq_id, seq.token_ids,
                                              use_prefix_cache=seq.params.prompt_logprobs is None,
-                                             cache_salt=seq.params.cache_salt, take_tail=True)
+                                             cache_salt=kv_salt(seq.params), take_tail=True)
                 seq.num_computed_tokens = seq.num_cached_tokens = alloc.num_cached_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > budget and not self.config.enable_chunked_prefill:
@@ -208,10 +226,13 @@ class Scheduler:
                 budget = remaining  # chunking off: a lone over-budget prompt runs whole
             n = min(remaining, budget)
             batch.append(ScheduledSeq(seq, n, sample=(n == remaining)))
+            if seq.params.lora_name:
+                adapters.add(seq.params.lora_name)
             budget -= n
             if n < remaining:
                 break  # a chunked prompt stays at the head of the queue for the next step
             self.stepping.append(self.waiting.popleft())
+        self.waiting.extendleft(reversed(skipped))
         return batch
 
     def _schedule_decode(self, propose: Propose | None = None) -> SchedulerOutput:
@@ -219,7 +240,7 @@ class Scheduler:
         without preempting anyone; else one token, preempting the most growing ones for room."""
         preempted: list[str] = []
         scheduled: list[Sequence] = []
-        queue = list(self.running)
+        queue, sitting_out = self._adapter_split(self.running)
         drafts = propose(queue) if propose is not None and queue else {}
         while queue:
             seq = queue.pop(0)
@@ -239,10 +260,24 @@ class Scheduler:
                     break
             else:
                 scheduled.append(seq)
-        self.running = scheduled
+        self.running = sitting_out + scheduled
         items = [ScheduledSeq(s, 1 + len(d.token_ids), True, d) if (d := drafts.get(s.seq_id)) else ScheduledSeq(s, 1, True)
                  for s in scheduled]
         return SchedulerOutput(items, False, preempted)
+
+    def _adapter_split(self, running: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """(the running sequences this step decodes, those that sit it out): the adapters of the
+        first ``max_adapters`` distinct ones in running order, and the base model's, run."""
+        if self.max_adapters is None:
+            return list(running), []
+        adapters: set[str] = set()
+        runs, waits = [], []
+        for seq in running:
+            fits = self._fits_adapters(seq, adapters)
+            (runs if fits else waits).append(seq)
+            if fits and seq.params.lora_name:
+                adapters.add(seq.params.lora_name)
+        return runs, waits
 
     def _make_room(self, seq: Sequence, needed: int) -> None:
         """Preempt running sequences ranked above ``seq`` (they may grow more), highest

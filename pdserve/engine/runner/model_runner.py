@@ -19,6 +19,10 @@ Sampling is rank 0's alone. A forward or logits call that raises there may have 
 between two collectives, out of step for good: it is the worker's loss (``RankGroup.lost``),
 not one request's fault. Graphs are CUDA's, and TP is CPU-only for now (docs/gpu.md), so a
 graphed step never has ranks to hand inputs to (at TP 1 the head's gather is the identity).
+
+With LoRA (``lora``, a ``pdserve.engine.lora.manager.LoRAManager``), each step first names its
+sequences' adapters, so that every token computes with its own (docs/lora.md); a step with an
+adapter runs eagerly, never from a CUDA graph (the graphs are captured without adapters).
 """
 
 from __future__ import annotations
@@ -64,8 +68,10 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, cfg: ModelConfig, cache: torch.Tensor, blocks: BlockManager,
                  attention_backend: str = "auto", seed: int = 0, graph_sizes: tuple[int, ...] = (),
-                 max_model_len: int | None = None, ranks: RankGroup | None = None, verify: Verify | None = None):
+                 max_model_len: int | None = None, ranks: RankGroup | None = None, verify: Verify | None = None,
+                 lora=None):
         self.model = model
+        self.lora = lora
         self.cfg = cfg
         self.cache = cache
         self.blocks = blocks
@@ -102,9 +108,16 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> SampledTokens:
         host, tokens, sample_idx = self._host_inputs(out)
         self.model.bind_caches(self._layer_caches, self.backend)
-        logits, prompt_lps = self._replay(out, host, tokens), {}
-        if logits is None:
-            logits, prompt_lps = self._forward(out, host, tokens, sample_idx)
+        if self.lora is not None:
+            self.lora.begin_step([item.seq.params.lora_name for item in out.seqs],
+                                 [item.num_new_tokens for item in out.seqs])
+        try:
+            logits, prompt_lps = self._replay(out, host, tokens), {}
+            if logits is None:
+                logits, prompt_lps = self._forward(out, host, tokens, sample_idx)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         self.num_forward_tokens += tokens.shape[0]
         sampled = [s for s in out.seqs if s.sample]
         if not sampled:
@@ -169,6 +182,8 @@ class ModelRunner:
         """A decode step's logits from its CUDA graph, every row sampled; None: run it eagerly."""
         if self.graphs is None or not host.ctx.is_decode or not all(item.sample for item in out.seqs):
             return None
+        if self.lora is not None and self.lora.state.active:
+            return None  # the graphs hold the base model's step alone
         return self.graphs.run(host, tokens)
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,

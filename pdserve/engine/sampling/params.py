@@ -142,6 +142,8 @@ class SamplingParams:
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise InvalidRequestError("cache_salt", f"{len(self.cache_salt)} characters; the limit is "
                                       f"{MAX_CACHE_SALT_CHARS}", MAX_CACHE_SALT_CHARS)
+        if "\0" in self.cache_salt:  # kv_salt's adapter salts start with one (core/block_hashes.py)
+            raise InvalidRequestError("cache_salt", "must not contain a NUL character")
         if len(self.lora_name) > MAX_LORA_NAME_CHARS:
             raise InvalidRequestError("lora_name", f"{len(self.lora_name)} characters; the limit is "
                                       f"{MAX_LORA_NAME_CHARS}", MAX_LORA_NAME_CHARS)

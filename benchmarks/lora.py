@@ -1,0 +1,120 @@
+"""Multi-LoRA decode throughput: a batch mixing several adapters against the base model alone.
+
+    .venv/bin/python benchmarks/lora.py                       # SmolLM2-135M, bfloat16, 16 streams, 4 adapters
+    .venv/bin/python benchmarks/lora.py --dtype float32 --rank 8 --steps 32
+
+One in-process engine (``EngineConfig.lora``: max_loras = the number of adapters) serves, in
+turns, ``--batch`` streams of the base model, then the same number spread evenly over
+``--adapters`` random rank-``--rank`` adapters on q, k, v, o, gate, up and down (written in
+PEFT's format under .bench/lora/). Each turn prefills random ``--prompt-len``-token prompts,
+then times ``--steps`` decode steps (their median); the turns alternate ``--repeats`` times and the best of
+each is kept (a shared machine's noise only ever slows a run). Prints tokens/s of each and how
+far the mixed batch is below the base model (issue 57 asks for at most 15 %), with the processor
+and the kernel path; writes .bench/lora-rRANK-tTHREADS.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig  # noqa: E402
+from pdserve.engine.kernels import cpu_kernels  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.loader import load_model, materialize, read_model_config  # noqa: E402
+from pdserve.engine.sampling.params import SamplingParams  # noqa: E402
+
+
+def write_adapter(cfg, directory: Path, rank: int, seed: int) -> str:
+    """A random adapter of every layer's seven projections, in PEFT's format."""
+    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.02
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(dict(
+        peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=[m.split(".")[1] for m in shapes], bias="none")))
+    return str(directory)
+
+
+def decode_tps(engine: LLMEngine, names: list[str], prompt_len: int, steps: int, tag: str) -> float:
+    """Tokens/s of one stream per entry of ``names`` (its adapter): streams / the median of
+    ``steps`` decode steps' times (a median, so that a step the shared machine stalled does not
+    count)."""
+    g = torch.Generator().manual_seed(len(tag))
+    vocab = engine.model_cfg.vocab_size
+    for n, name in enumerate(names):
+        prompt = torch.randint(100, vocab - 100, (prompt_len,), generator=g).tolist()
+        engine.add_request(f"{tag}-{n}", prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True, lora_name=name))
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    while engine.has_unfinished():
+        engine.step()
+    return len(names) / sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = materialize(args.model, progress=False)
+    cfg = read_model_config(model_dir)
+    out_dir = ROOT / ".bench" / "lora"
+    modules = tuple((f"lora{k}", write_adapter(cfg, out_dir / f"r{args.rank}-{k}", args.rank, k))
+                    for k in range(args.adapters))
+    config = EngineConfig(model=str(model_dir), dtype=args.dtype, device="cpu", cuda_graphs=False,
+                          cache=CacheConfig(num_blocks=(args.prompt_len + args.steps + 32) // 16 * args.batch + 64),
+                          lora=LoRAConfig(max_loras=args.adapters, max_lora_rank=args.rank, modules=modules))
+    model, model_cfg, _ = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)
+    engine = LLMEngine(model, model_cfg, config)
+    mixed_names = [modules[n % args.adapters][0] for n in range(args.batch)]
+    base, mixed = [], []
+    for r in range(args.repeats):
+        base.append(decode_tps(engine, [""] * args.batch, args.prompt_len, args.steps, f"base{r}"))
+        mixed.append(decode_tps(engine, mixed_names, args.prompt_len, args.steps, f"mixed{r}"))
+    result = dict(processor=cpu_kernels.cpu_model(), kernel_path=model.kernel_path, linears=model.linear_backend,
+                  lora_kernel=engine.lora.kernel.name, **{**vars(args), "threads": torch.get_num_threads()},
+                  base_tps=max(base), mixed_tps=max(mixed), base_runs=base, mixed_runs=mixed,
+                  below_base=1 - max(mixed) / max(base))
+    (ROOT / ".bench").mkdir(exist_ok=True)
+    (ROOT / ".bench" / f"lora-r{args.rank}-t{result['threads']}.json").write_text(json.dumps(result, indent=1))
+    print(f"{result['processor']} ({result['kernel_path']}, {result['threads']} threads), {args.dtype}, "
+          f"{args.batch} streams, rank {args.rank}: base {result['base_tps']:.1f} tok/s, {args.adapters} adapters "
+          f"mixed {result['mixed_tps']:.1f} tok/s ({100 * result['below_base']:.1f} % below)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""LoRA on the model's parallel linears: each adapted linear wrapped in a ``LoRALinear``.
+
+``attach`` wraps, after loading (the linears may already be a backend's packed modules,
+pdserve/engine/linear.py), every q|k|v, o, gate|up and down projection of the decoder layers.
+A wrapper holds its adapters' weights in slots on the device:
+
+- ``a`` (S, P*R, in_local): slot i's A of each of the linear's P parts (q, k, v; gate, up; or
+  the one part of o and down), part p in rows [p R, p R + r); R = max_lora_rank, rows past an
+  adapter's own rank r stay zero;
+- ``bt`` (S, P*R, out_local): slot i's B, transposed (the expand reads it row by row), part p's
+  rows in part p's rank block and its output columns, the scale folded in;
+- S = max_loras + 1: slot 0 is all zeros, the base model's.
+
+Tensor parallelism, as the weights split: a column-parallel linear (q|k|v, gate|up) keeps A
+whole and this rank's output columns of B; a row-parallel one (o, down) keeps this rank's input
+columns of A and B whole, so each rank's partial x_r A_r^T B^T sums in the all-reduce that
+completes the base output (it is linear in x_r).
+
+``LoRAState`` is the step's per-token slot index, shared by every wrapper of a model; the model
+runner sets it before each forward (``LoRAManager.begin_step``). With no adapter in the step
+(``active`` False) a wrapper returns its base linear's output untouched: the step computes as
+without LoRA, bit for bit, at no extra cost, and the whole-stack CPU kernel
+(``PackedDecoderStack``) still runs such steps (``LoRAStack``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.lora.peft import LoRAAdapter, TargetShape
+from pdserve.engine.models.decoder import DecoderStack
+from pdserve.engine.parallel import TensorParallel
+
+
+class LoRAState:
+    """The step's adapters: ``slots`` (T,) int64 on the device, each token's slot (0: the base
+    model); ``mask`` (T, S-1, 1) in the model dtype, 1 where a token's slot is slot 1 + j (the
+    CPU formulation's one-hot, made once a step for every layer); ``active``, whether any token
+    of the step has an adapter."""
+
+    def __init__(self, num_slots: int = 1, dtype: torch.dtype = torch.float32) -> None:
+        self.num_slots, self.dtype = num_slots, dtype
+        self.active = False
+        self.slots: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+
+    def set(self, slots: torch.Tensor | None) -> None:
+        self.active, self.slots, self.mask = slots is not None, slots, None
+        if slots is not None:
+            adapters = torch.arange(1, self.num_slots, device=slots.device)
+            self.mask = (slots[:, None] == adapters).to(self.dtype)[:, :, None]
+
+
+class LoRALinear(nn.Module):
+    """``base(x)`` plus each token's adapter (module docstring). ``row``: the linear is
+    row-parallel (A split by input columns) rather than column-parallel (B by output rows)."""
+
+    def __init__(self, base: nn.Module, shape: TargetShape, row: bool, tp: TensorParallel, num_slots: int,
+                 max_rank: int, state: LoRAState, kernel, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.base, self.shape, self.row, self.tp = base, shape, row, tp
+        self.state, self.kernel, self.max_rank = state, kernel, max_rank
+        parts = len(shape.part_sizes)
+        in_local = shape.in_features // tp.size if row else shape.in_features
+        self.local_sizes = list(shape.part_sizes) if row else [n // tp.size for n in shape.part_sizes]
+        self.register_buffer("a", torch.zeros(num_slots, parts * max_rank, in_local, dtype=dtype, device=device))
+        self.register_buffer("bt", torch.zeros(num_slots, parts * max_rank, sum(self.local_sizes), dtype=dtype,
+                                               device=device))
+        kernel.repack(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not self.state.active:
+            return y
+        lead = x.shape[:-1]
+        out = self.kernel.add(self, x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]), self.state)
+        return out.view(*lead, out.shape[-1])
+
+    def fill(self, slot: int, adapter: LoRAAdapter, module: str) -> None:
+        """Put this rank's share of ``adapter``'s weights for this linear (``module``, our name)
+        into ``slot``; zeros where the adapter leaves a part unadapted."""
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+        for index, part in enumerate(self.shape.parts):
+            if (module, part) in adapter.weights:
+                self._fill_part(slot, index, index, *adapter.weights[(module, part)])
+        if (module, None) in adapter.weights and len(self.shape.parts) > 1:  # a fused module adapted whole
+            a, b = adapter.weights[(module, None)]
+            for index, rows in enumerate(b.split(list(self.shape.part_sizes))):
+                self._fill_part(slot, 0, index, a, rows)  # one A (rank block 0) for every part's B
+        self.kernel.repack(self)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+        self.kernel.repack(self)
+
+    def _fill_part(self, slot: int, block: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """A (r, in) into rank block ``block``, B (out_part, r) of part ``part`` beside it, each
+        cut to this rank's share."""
+        r, rank, size = a.shape[0], self.tp.rank, self.tp.size
+        if self.row:
+            cols = a.shape[1] // size
+            a = a[:, rank * cols:(rank + 1) * cols]
+        else:
+            rows = b.shape[0] // size
+            b = b[rank * rows:(rank + 1) * rows]
+        start = sum(self.local_sizes[:part])
+        self.a[slot, block * self.max_rank:block * self.max_rank + r].copy_(a)
+        self.bt[slot, block * self.max_rank:block * self.max_rank + r, start:start + b.shape[0]].copy_(b.t())
+
+
+class LoRAStack(nn.Module):
+    """The decoder stack: the backend's own (``packed``, one call for the whole stack) for a step
+    without adapters, the layers one by one (through their ``LoRALinear``s) for one with."""
+
+    def __init__(self, packed: nn.Module, state: LoRAState):
+        super().__init__()
+        self.packed, self.plain, self.state = packed, DecoderStack(), state
+
+    def forward(self, layers, h, rope, ctx):
+        return (self.plain if self.state.active else self.packed)(layers, h, rope, ctx)
+
+
+# Our linears an adapter may adapt, by their name in a decoder layer, and whether each is row-parallel.
+_TARGETS = {"self_attn.qkv_proj": False, "self_attn.o_proj": True, "mlp.gate_up_proj": False, "mlp.down_proj": True}
+
+
+def target_shapes(model) -> dict[str, tuple[TargetShape, bool]]:
+    """The model's LoRA-able linears at whole-model sizes: our module name -> (shape, row-parallel).
+    Read from the config (the linears may be packed already): Llama's geometry, checked against
+    each linear's own sizes so that a family whose projections differ is not adapted wrongly."""
+    cfg, tp = model.cfg, model.tp
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"self_attn.qkv_proj": TargetShape(cfg.hidden_size, (q, kv, kv), ("q", "k", "v")),
+              "self_attn.o_proj": TargetShape(q, (cfg.hidden_size,), (None,)),
+              "mlp.gate_up_proj": TargetShape(cfg.hidden_size, (cfg.intermediate_size,) * 2, (0, 1)),
+              "mlp.down_proj": TargetShape(cfg.intermediate_size, (cfg.hidden_size,), (None,))}
+    found = {}
+    for i, layer in enumerate(model.layers):
+        for name, row in _TARGETS.items():
+            module = layer.get_submodule(name) if _has(layer, name) else None
+            shape = shapes[name]
+            local_in = shape.in_features // tp.size if row else shape.in_features
+            local_out = sum(shape.part_sizes) if row else sum(shape.part_sizes) // tp.size
+            if module is not None and (module.in_features, module.out_features) == (local_in, local_out):
+                found[f"layers.{i}.{name}"] = (shape, row)
+    return found
+
+
+def _has(layer: nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def attach(model, num_slots: int, max_rank: int, kernel, dtype: torch.dtype,
+           device: torch.device) -> tuple[LoRAState, dict[str, LoRALinear]]:
+    """Wrap the model's LoRA-able linears in place; returns the shared state and the wrappers
+    by our module name."""
+    state, wrapped = LoRAState(num_slots, dtype), {}
+    for name, (shape, row) in target_shapes(model).items():
+        parent_name, child = name.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        wrapper = LoRALinear(getattr(parent, child), shape, row, model.tp, num_slots, max_rank, state, kernel,
+                             dtype, device)
+        setattr(parent, child, wrapper)
+        wrapped[name] = wrapper
+    if type(model.stack) is not DecoderStack:  # a backend's whole-stack call: kept for base-only steps
+        model.stack = LoRAStack(model.stack, state)
+    return state, wrapped

@@ -1,0 +1,118 @@
+"""The batched LoRA products (pdserve/engine/lora/kernels.py, triton_ops.py) against a per-token
+reference, and the adapted linears' tensor-parallel split (each rank's share of A and B) against
+the whole model at two ranks.
+
+Triton runs in its interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 before
+triton is imported), on the GPU with CUDA: the same code either way. Slots are ragged on
+purpose: base tokens (slot 0) between adapters' tokens, a slot no token uses, ranks below the
+slot's width, widths that are no multiple of the kernels' tiles."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.lora.kernels import PackedLoRA, TorchLoRA
+from pdserve.engine.lora.layers import LoRAState, attach
+from pdserve.engine.lora.peft import read_adapter
+from tests.factories import hf_greedy
+from tests.helpers.lora import make_adapter, merged
+from tests.helpers.thread_ranks import ThreadGroup, ThreadRank, generate, rank_model
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SLOTS = [0, 2, 1, 0, 3, 2, 2, 0, 1]  # 9 tokens: base rows between adapters' rows; 4 slots, slot 4 unused
+
+
+def _layer(in_f: int, out_f: int, pr: int, dtype: torch.dtype, seed: int = 0) -> SimpleNamespace:
+    """Slots of a linear's adapters as LoRALinear holds them: slot 0 zeros, the adapters' rows
+    past rank 5 zeros."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(5, pr, in_f, generator=g) * 0.1
+    bt = torch.randn(5, pr, out_f, generator=g) * 0.1
+    a[0], bt[0], a[:, 5:], bt[:, 5:] = 0, 0, 0, 0
+    return SimpleNamespace(a=a.to(dtype).to(DEVICE), bt=bt.to(dtype).to(DEVICE))
+
+
+def _reference(layer, x, y, slots) -> torch.Tensor:
+    """Token by token, in float32."""
+    out = y.float().clone()
+    for t, s in enumerate(slots.tolist()):
+        out[t] += (x[t].float() @ layer.a[s].float().t()) @ layer.bt[s].float()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_f,out_f", [(64, 192), (70, 33)])
+def test_kernels_equal_the_per_token_product(dtype, in_f, out_f):
+    layer = _layer(in_f, out_f, 16, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(len(SLOTS), in_f, generator=g).to(dtype).to(DEVICE)
+    y = torch.randn(len(SLOTS), out_f, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor(SLOTS, device=DEVICE)
+    state = LoRAState(5, dtype)
+    state.set(slots)
+    want = _reference(layer, x, y, slots)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    kernels = [TorchLoRA()]
+    if DEVICE.type == "cpu" and cpu_kernels.cpu_supported():
+        cpu_kernels.load()
+        kernels.append(PackedLoRA())
+    try:
+        from pdserve.engine.lora.triton_ops import TritonLoRA
+    except ImportError:  # no triton here: the CPU paths still run
+        TritonLoRA = None
+    if TritonLoRA is not None:
+        kernels.append(TritonLoRA())
+    for kernel in kernels:
+        kernel.repack(layer)
+        got = kernel.add(layer, x, y.clone(), state)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, **tol, msg=kernel.name)
+        base = slots == 0
+        assert torch.equal(got[base], y[base]), f"{kernel.name}: a base row changed"
+
+
+def test_triton_equals_the_torch_path_in_float32():
+    """The CUDA kernels (interpreted here) and the CPU path compute the same deltas."""
+    pytest.importorskip("triton")
+    from pdserve.engine.lora.triton_ops import TritonLoRA
+
+    layer = _layer(96, 160, 32, torch.float32, seed=3)
+    x = torch.randn(len(SLOTS), 96, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    y = torch.zeros(len(SLOTS), 160, device=DEVICE)
+    state = LoRAState(5, torch.float32)
+    state.set(torch.tensor(SLOTS, device=DEVICE))
+    torch.testing.assert_close(TritonLoRA().add(layer, x, y.clone(), state), TorchLoRA().add(layer, x, y.clone(), state),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_two_ranks_equal_the_merged_model(tiny_llama_dir, tmp_path):
+    """Each rank holds its share of the adapter (column-parallel: its rows of B; row-parallel:
+    its columns of A); their outputs, reduced as the base ones are, give transformers' greedy
+    tokens with the adapter merged."""
+    model_dir, hf = tiny_llama_dir
+    weights = make_adapter(hf, tmp_path / "adapter", seed=7)
+    group = ThreadGroup(2)
+    ranks = [ThreadRank(rank=r, size=2, group=group) for r in range(2)]
+    outs, threads = [{}, {}], []
+    prompt = [5, 17, 93, 4, 250, 8, 61]
+    for tp, out in zip(ranks, outs):
+        model, cfg = rank_model(model_dir, tp)
+        state, layers = attach(model, 2, 8, TorchLoRA(), torch.float32, torch.device("cpu"))
+        shapes = {name: layer.shape for name, layer in layers.items()}
+        adapter = read_adapter("a", str(tmp_path / "adapter"), 8, shapes, model.checkpoint_target)
+        for name, layer in layers.items():
+            layer.fill(1, adapter, name)
+        state.set(torch.tensor([1]))  # every token of every step: slot 1 (the mask broadcasts over tokens)
+        threads.append(threading.Thread(target=generate, args=(model, cfg, tp, prompt, out)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = hf_greedy(merged(hf, weights), prompt, len(outs[0]["tokens"]))
+    assert outs[0]["tokens"] == outs[1]["tokens"] == want
+    assert want != hf_greedy(hf, prompt, len(want))
