@@ -180,9 +180,9 @@ ROUTER_ONLY_FIELDS = {
 
 def refuse_router_only(req: pdserve_pb2.GenerateRequest) -> None:
     """INVALID_ARGUMENT naming the first router-only field the client set."""
-    for field, is_set in ROUTER_ONLY_FIELDS.items():
+    for name, is_set in ROUTER_ONLY_FIELDS.items():
         if is_set(req):
-            raise InvalidRequestError(field, "is set only by the router (when it re-sends a migrated request); "
+            raise InvalidRequestError(name, "is set only by the router (when it re-sends a migrated request); "
                                              "clients leave it 0", 0)
 
 
