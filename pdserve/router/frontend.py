@@ -183,7 +183,7 @@ def refuse_router_only(req: pdserve_pb2.GenerateRequest) -> None:
     for name, is_set in ROUTER_ONLY_FIELDS.items():
         if is_set(req):
             raise InvalidRequestError(name, "is set only by the router (when it re-sends a migrated request); "
-                                             "clients leave it 0", 0)
+                                            "clients leave it 0", 0)
 
 
 def _at_most(setting: str, field: str, value: int, limit: int) -> None:
