@@ -217,9 +217,9 @@ def is_forward_greedy(hf_model, prompt: list[int], ours: list[int], max_new_toke
     eos = set(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else {eos_token_id} - {None}
     if eos & set(ours[:-1]) or (len(ours) < max_new_tokens and ours[-1] not in eos):
         return False
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(ours)]
-    return logits.argmax(-1).tolist() == ours
+    with torch.no_grad():  # (len(ours), V): each row predicts the token at its position
+        logits = hf_model(torch.tensor([list(prompt) + list(ours)])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(ours)]
+    return logits.argmax(-1).tolist() == list(ours)
 
 
 CHAT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers.",
