@@ -13,6 +13,7 @@ may differ in the last bits); every lease ends and every block is freed on both 
 
 import asyncio
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -73,15 +74,17 @@ def prompt_kv(caches, block_ids, heads: slice | None = None) -> torch.Tensor:
     return tokens if heads is None else tokens[..., heads, :]
 
 
-def local_kv(model_dir, tp: int) -> list[torch.Tensor]:
-    """Each rank's prompt KV as a TP-``tp`` engine computes the prompt itself."""
+@functools.cache
+def local_kv(model_dir, tp: int) -> tuple[torch.Tensor, ...]:
+    """Each rank's prompt KV as a TP-``tp`` engine computes the prompt itself; computed once per
+    size for the module's tests (at TP 2 it costs a rank's process), which only read it."""
     e = engine(model_dir, tp)
     try:
         e.add_request("local", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), hold_kv=True)
         while e.has_runnable():  # the prompt's prefill, then it is HELD
             e.step()
         ids = e.held_block_ids("local")
-        return [prompt_kv([c], ids).clone() for c in e.rank_caches]
+        return tuple(prompt_kv([c], ids).clone() for c in e.rank_caches)
     finally:
         e.close()
 

@@ -28,8 +28,8 @@ from pdserve.router.attempts import LocalPrefill, RemotePrefill
 from pdserve.router.frontend import ModelInfo, PreparedRequest
 from pdserve.router.limits import RouterLimits
 from pdserve.router.request_run import RequestRun
-from tests.factories import assert_greedy_matches, decode_worker_config, load_reference, make_engine, \
-    make_tp_engine, prefill_worker_config
+from tests.factories import assert_greedy_matches, decode_worker_config, default_reference, load_reference, \
+    make_engine, make_tp_engine, prefill_worker_config
 from tests.helpers.certs import role_certs
 from tests.helpers.prefix_pull import (ANSWER, BLOCK, MAX_TOKENS, NUM_BLOCKS, first_turn, second_turn, settled,
                                        still_held)
@@ -50,7 +50,8 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    return load_reference(model_dir, torch.float32)
+    """transformers on the default model in float32: the process's one copy (default_reference)."""
+    return default_reference()[0]
 
 
 @pytest.fixture(scope="module")
