@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.engine.kernels import cpu_kernels
-from pdserve.engine.lora.kernels import PackedLoRA, TorchLoRA
+from pdserve.engine.lora.kernels import PackedLoRA, SegmentedLoRA, TorchLoRA
 from pdserve.engine.lora.layers import LoRAState, attach
 from pdserve.engine.lora.peft import read_adapter
 from tests.factories import hf_greedy
@@ -60,7 +60,7 @@ def test_kernels_equal_the_per_token_product(dtype, in_f, out_f):
     kernels = [TorchLoRA()]
     if DEVICE.type == "cpu" and cpu_kernels.cpu_supported():
         cpu_kernels.load()
-        kernels.append(PackedLoRA())
+        kernels += [PackedLoRA(), SegmentedLoRA()]
     try:
         from pdserve.engine.lora.triton_ops import TritonLoRA
     except ImportError:  # no triton here: the CPU paths still run
@@ -74,6 +74,34 @@ def test_kernels_equal_the_per_token_product(dtype, in_f, out_f):
         torch.testing.assert_close(got.float(), want, **tol, msg=kernel.name)
         base = slots == 0
         assert torch.equal(got[base], y[base]), f"{kernel.name}: a base row changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_kernels_give_a_token_the_same_bits_in_any_batch(dtype):
+    """A token's delta alone equals its row of the mixed batch's, bit for bit, on both packed
+    CPU formulations (the segmented one shrinks and expands each slot's run of rows by itself)."""
+    if DEVICE.type != "cpu" or not cpu_kernels.cpu_supported():
+        pytest.skip("pdserve's packed CPU kernels need a CPU they support")
+    cpu_kernels.load()
+    g = torch.Generator().manual_seed(5)
+    a, bt = torch.randn(5, 15, 64, generator=g) * 0.1, torch.randn(5, 15, 96, generator=g) * 0.1
+    a[0], bt[0] = 0, 0
+    for part in range(3):  # a fused linear of three parts, rank 5 each: part p's columns from rank block p only
+        bt[:, [r for r in range(15) if r // 5 != part], part * 32:(part + 1) * 32] = 0
+    layer = SimpleNamespace(a=a.to(dtype), bt=bt.to(dtype), local_sizes=[32, 32, 32])
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(len(SLOTS), 64, generator=g).to(dtype)
+    y = torch.randn(len(SLOTS), 96, generator=g).to(dtype)
+    want = _reference(layer, x, y, torch.tensor(SLOTS))
+    for kernel in (PackedLoRA(), SegmentedLoRA()):
+        kernel.repack(layer)
+        state = LoRAState(5, dtype)
+        state.set(torch.tensor(SLOTS))
+        batch = kernel.add(layer, x, y.clone(), state)
+        torch.testing.assert_close(batch.float(), want, atol=3e-2, rtol=2e-2, msg=kernel.name)
+        for t, slot in enumerate(SLOTS):
+            state.set(torch.tensor([slot]))
+            assert torch.equal(kernel.add(layer, x[t:t + 1], y[t:t + 1].clone(), state), batch[t:t + 1]), kernel.name
 
 
 def test_triton_equals_the_torch_path_in_float32():
