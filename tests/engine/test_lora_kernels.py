@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.engine.kernels import cpu_kernels
-from pdserve.engine.lora.kernels import PackedLoRA, SegmentedLoRA, TorchLoRA
+from pdserve.engine.lora.kernels import PackedLoRA, TorchLoRA
 from pdserve.engine.lora.layers import LoRAState, attach
 from pdserve.engine.lora.peft import read_adapter
 from tests.factories import hf_greedy
@@ -60,7 +60,7 @@ def test_kernels_equal_the_per_token_product(dtype, in_f, out_f):
     kernels = [TorchLoRA()]
     if DEVICE.type == "cpu" and cpu_kernels.cpu_supported():
         cpu_kernels.load()
-        kernels += [PackedLoRA(), SegmentedLoRA()]
+        kernels.append(PackedLoRA())
     try:
         from pdserve.engine.lora.triton_ops import TritonLoRA
     except ImportError:  # no triton here: the CPU paths still run
@@ -77,9 +77,9 @@ def test_kernels_equal_the_per_token_product(dtype, in_f, out_f):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_kernels_give_a_token_the_same_bits_in_any_batch(dtype):
-    """A token's delta alone equals its row of the mixed batch's, bit for bit, on both packed
-    CPU formulations (the segmented one shrinks and expands each slot's run of rows by itself)."""
+def test_packed_kernel_gives_a_token_the_same_bits_in_any_batch(dtype):
+    """A token's delta alone equals its row of the mixed batch's, bit for bit, on the packed CPU
+    kernels (a fused linear of three parts, each part's columns fed by its own rank block)."""
     if DEVICE.type != "cpu" or not cpu_kernels.cpu_supported():
         pytest.skip("pdserve's packed CPU kernels need a CPU they support")
     cpu_kernels.load()
@@ -93,7 +93,7 @@ def test_packed_kernels_give_a_token_the_same_bits_in_any_batch(dtype):
     x = torch.randn(len(SLOTS), 64, generator=g).to(dtype)
     y = torch.randn(len(SLOTS), 96, generator=g).to(dtype)
     want = _reference(layer, x, y, torch.tensor(SLOTS))
-    for kernel in (PackedLoRA(), SegmentedLoRA()):
+    for kernel in (PackedLoRA(),):
         kernel.repack(layer)
         state = LoRAState(5, dtype)
         state.set(torch.tensor(SLOTS))

@@ -62,55 +62,6 @@ class PackedLoRA:
         return y.add_(delta.to(y.dtype))
 
 
-class SegmentedLoRA:
-    """Each token through its own adapter only, on pdserve's packed, batch-invariant CPU kernels.
-
-    The step's adapter tokens are gathered once per linear, sorted by slot (``LoRAState.segments``,
-    made once a step for every layer); each active slot's run of rows is shrunk by that slot's A
-    alone and expanded, part by part of a fused linear, by that part's own rank block of B alone
-    (no other slot's columns, no zero blocks); the deltas go back to their rows with one
-    ``index_add_`` (each row once: no sum whose order could vary). A loop over the step's active
-    slots (at most max_loras) and a fused linear's parts, never over requests or rows. Every
-    product is a packed-kernel call whose rows are summed in one fixed order, so a token's delta
-    is bitwise the same whatever else is in its batch."""
-
-    name = "segmented-cpu"
-
-    def repack(self, layer) -> None:
-        """Per slot: A (PR, in) packed whole; per part, the rank block of B that feeds the part's
-        output columns (found from the nonzero rows: part p's own block, or block 0 where a fused
-        module was adapted whole), packed alone."""
-        a, bt = layer.a, layer.bt
-        pr, sizes = a.shape[1], getattr(layer, "local_sizes", None) or [bt.shape[-1]]
-        width = pr // len(sizes)
-        starts = [sum(sizes[:p]) for p in range(len(sizes))]
-        layer.seg_a, layer.seg_b = [None], [None]
-        for slot in range(1, a.shape[0]):
-            layer.seg_a.append(torch.ops.pdserve.linear_pack(a[slot].contiguous()))
-            parts = []
-            for p, (start, size) in enumerate(zip(starts, sizes)):
-                cols = bt[slot, :, start:start + size]
-                blocks = [k for k in range(len(sizes)) if cols[k * width:(k + 1) * width].any()] or [p]
-                lo, hi = (min(blocks) * width, (max(blocks) + 1) * width)
-                parts.append((lo, hi, size, torch.ops.pdserve.linear_pack(cols[lo:hi].t().contiguous())))
-            layer.seg_b.append(parts)
-
-    def add(self, layer, x: torch.Tensor, y: torch.Tensor, state) -> torch.Tensor:
-        order, runs = state.segments()
-        if not runs:
-            return y
-        xs = x.index_select(0, order)
-        pr, f32 = layer.a.shape[1], y.dtype == torch.float32
-        deltas = []
-        for slot, start, end in runs:
-            shrunk = torch.ops.pdserve.linear(xs[start:end], layer.seg_a[slot], pr, None, False)
-            parts = [torch.ops.pdserve.linear(shrunk[:, lo:hi] if hi - lo < pr else shrunk, packed, size, None, f32)
-                     for lo, hi, size, packed in layer.seg_b[slot]]
-            deltas.append(parts[0] if len(parts) == 1 else torch.cat(parts, 1))
-        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
-        return y.index_add_(0, order, delta.to(y.dtype))
-
-
 def select_kernel(device: torch.device, linear_backend: str):
     """Triton on CUDA (where it imports), the packed kernels where the model's linears are
     packed (their dtype and instruction set), torch otherwise."""
@@ -121,5 +72,5 @@ def select_kernel(device: torch.device, linear_backend: str):
             return TorchLoRA()
         return TritonLoRA()
     if linear_backend.startswith("packed-cpu"):
-        return SegmentedLoRA()
+        return PackedLoRA()
     return TorchLoRA()

@@ -44,28 +44,12 @@ class LoRAState:
         self.active = False
         self.slots: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
-        self._segments: tuple[torch.Tensor, list[tuple[int, int, int]]] | None = None
 
     def set(self, slots: torch.Tensor | None) -> None:
-        self.active, self.slots, self.mask, self._segments = slots is not None, slots, None, None
+        self.active, self.slots, self.mask = slots is not None, slots, None
         if slots is not None:
             adapters = torch.arange(1, self.num_slots, device=slots.device)
             self.mask = (slots[:, None] == adapters).to(self.dtype)[:, :, None]
-
-    def segments(self) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """The step's adapter tokens grouped by slot, made once a step for every layer: their
-        row indices sorted by slot (stable: step order within a slot), and each active slot's
-        run of them as (slot, start, end). Base tokens (slot 0) are left out."""
-        if self._segments is None:
-            order = torch.argsort(self.slots, stable=True)
-            counts = torch.bincount(self.slots, minlength=self.num_slots).tolist()
-            runs, start = [], counts[0]
-            for slot in range(1, self.num_slots):
-                if counts[slot]:
-                    runs.append((slot, start, start + counts[slot]))
-                    start += counts[slot]
-            self._segments = (order[counts[0]:].contiguous(), [(s, a - counts[0], b - counts[0]) for s, a, b in runs])
-        return self._segments
 
 
 class LoRALinear(nn.Module):
