@@ -76,6 +76,34 @@ def test_kernels_equal_the_per_token_product(dtype, in_f, out_f):
         assert torch.equal(got[base], y[base]), f"{kernel.name}: a base row changed"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_kernel_gives_a_token_the_same_bits_in_any_batch(dtype):
+    """A token's delta alone equals its row of the mixed batch's, bit for bit, on the packed CPU
+    kernels (a fused linear of three parts, each part's columns fed by its own rank block)."""
+    if DEVICE.type != "cpu" or not cpu_kernels.cpu_supported():
+        pytest.skip("pdserve's packed CPU kernels need a CPU they support")
+    cpu_kernels.load()
+    g = torch.Generator().manual_seed(5)
+    a, bt = torch.randn(5, 15, 64, generator=g) * 0.1, torch.randn(5, 15, 96, generator=g) * 0.1
+    a[0], bt[0] = 0, 0
+    for part in range(3):  # a fused linear of three parts, rank 5 each: part p's columns from rank block p only
+        bt[:, [r for r in range(15) if r // 5 != part], part * 32:(part + 1) * 32] = 0
+    layer = SimpleNamespace(a=a.to(dtype), bt=bt.to(dtype), local_sizes=[32, 32, 32])
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(len(SLOTS), 64, generator=g).to(dtype)
+    y = torch.randn(len(SLOTS), 96, generator=g).to(dtype)
+    want = _reference(layer, x, y, torch.tensor(SLOTS))
+    for kernel in (PackedLoRA(),):
+        kernel.repack(layer)
+        state = LoRAState(5, dtype)
+        state.set(torch.tensor(SLOTS))
+        batch = kernel.add(layer, x, y.clone(), state)
+        torch.testing.assert_close(batch.float(), want, atol=3e-2, rtol=2e-2, msg=kernel.name)
+        for t, slot in enumerate(SLOTS):
+            state.set(torch.tensor([slot]))
+            assert torch.equal(kernel.add(layer, x[t:t + 1], y[t:t + 1].clone(), state), batch[t:t + 1]), kernel.name
+
+
 def test_triton_equals_the_torch_path_in_float32():
     """The CUDA kernels (interpreted here) and the CPU path compute the same deltas."""
     pytest.importorskip("triton")
