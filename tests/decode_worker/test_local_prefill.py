@@ -7,6 +7,7 @@ their decodes; every output equals transformers' greedy one, and every block is 
 """
 
 import asyncio
+import time
 
 import grpc
 
@@ -36,8 +37,8 @@ def test_local_prefill_mixed_with_running_streams_equals_transformers_and_frees_
     steps = []  # (decode rows, prompt tokens) of every step
     schedule = engine.scheduler.schedule
 
-    def recording():
-        out = schedule()
+    def recording(*args):  # the engine hands schedule its proposer (None without speculation)
+        out = schedule(*args)
         steps.append((sum(1 for s in out.seqs if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens),
                       sum(s.num_new_tokens for s in out.seqs
                           if s.seq.seq_id == "long" and s.seq.num_computed_tokens < s.seq.num_prompt_tokens)))
@@ -58,7 +59,9 @@ def test_local_prefill_mixed_with_running_streams_equals_transformers_and_frees_
                 shorts = [asyncio.ensure_future(stream(stub, f"s{i}", p, max_tokens=SHORT_TOKENS,
                                                        prompt_logprobs=1 if i == 0 else None))
                           for i, p in enumerate(short)]
+                started = time.monotonic()
                 while engine.runner.num_forward_tokens < 40:  # the short ones are decoding
+                    assert time.monotonic() - started < 60, "the short streams never started decoding"
                     await asyncio.sleep(0.005)
                 late = await stream(stub, "long", long)
                 results = await asyncio.gather(*shorts)
