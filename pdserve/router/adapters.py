@@ -25,11 +25,16 @@ class Adapter:
     path: str  # the PEFT directory, as every worker reads it (``/v1/models`` shows it as ``root``)
 
 
+def unknown_model(model: str, served) -> str:
+    """vLLM's refusal of a model name not served, followed by the names that are."""
+    return f"The model `{model}` does not exist. Served: {', '.join(map(repr, served))}."
+
+
 class UnknownModel(InvalidRequestError):
     """A request named a model this router does not serve (HTTP 404, gRPC NOT_FOUND)."""
 
-    def __init__(self, model: str):
-        super().__init__("model", f"The model `{model}` does not exist.")
+    def __init__(self, model: str, served: tuple[str, ...] = ()):
+        super().__init__("model", unknown_model(model, served))
 
 
 class AdapterTable:
@@ -65,4 +70,4 @@ class AdapterTable:
             return ""
         if model in self._adapters:
             return model
-        raise UnknownModel(model)
+        raise UnknownModel(model, (*base_names, *self._adapters))

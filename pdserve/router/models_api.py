@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from pdserve.router.adapters import unknown_model
 from pdserve.router.http_errors import HttpError, error_response
 from pdserve.router.lora_admin import LoRAAdmin, may_administer
 from pdserve.router.service import GenerationService
@@ -49,7 +50,8 @@ class ModelsFront:
     async def model_card(self, request: web.Request) -> web.Response:
         model_id = request.match_info["model_id"]
         if not self.service.model.serves(model_id):
-            return error_response(404, f"The model `{model_id}` does not exist.", "NotFoundError", "model")
+            return error_response(404, unknown_model(model_id, self.service.model.served_names()), "NotFoundError",
+                                  "model")
         return web.json_response(self._card(model_id))
 
     async def load(self, request: web.Request) -> web.Response:

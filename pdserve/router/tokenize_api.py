@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import pdserve_pb2
+from pdserve.router.adapters import unknown_model
 from pdserve.router.frontend import chat_token_ids
 from pdserve.router.tools import set_chat
 from pdserve.router.http_errors import HttpError
@@ -44,7 +45,7 @@ def _validate(cls, body: Any, model_names: tuple[str, ...]):
         param = param_name(err["loc"])
         raise HttpError(400, f"{param}: {err['msg']}", param=param) from None
     if parsed.model is not None and parsed.model not in model_names:
-        raise HttpError(404, f"The model `{parsed.model}` does not exist.", "NotFoundError", "model")  # vLLM's
+        raise HttpError(404, unknown_model(parsed.model, tuple(model_names)), "NotFoundError", "model")  # vLLM's
     return parsed
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pdserve.protos import pdserve_pb2
+from pdserve.router.adapters import unknown_model
 from pdserve.router.http_errors import HttpError
 from pdserve.router.openai_bodies import UINT32_MAX, UINT64_MAX, ChatBody, CompletionBody, SamplingBody, param_name
 from pdserve.router.tools import ToolPlan, set_chat, set_structured, tool_plan
@@ -148,7 +149,7 @@ def parse_body(body: Any, chat: bool, model_names: str | tuple[str, ...], limits
         raise HttpError(400, f"{param}: {err['msg']}", param=param) from None
     names = (model_names,) if isinstance(model_names, str) else model_names
     if parsed.model is not None and parsed.model not in names:  # vLLM's words
-        raise HttpError(404, f"The model `{parsed.model}` does not exist.", "NotFoundError", "model")
+        raise HttpError(404, unknown_model(parsed.model, names), "NotFoundError", "model")
     if parsed.stream_options is not None and not parsed.stream:
         raise HttpError(400, "stream_options needs stream: true", param="stream_options")
     if parsed.stream_options is not None and parsed.stream_options.continuous_usage_stats:

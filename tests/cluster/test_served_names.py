@@ -49,7 +49,7 @@ def test_every_served_name_is_listed_and_accepted_and_others_are_404(caplog):
     assert out["a"][0] == 200 and out["b"][0] == 200
     status, body = out["c"]
     assert status == 404 and body["error"]["param"] == "model"
-    assert "'c'" in body["error"]["message"] and "'a', 'b'" in body["error"]["message"]
+    assert "`c`" in body["error"]["message"] and "'a', 'b'" in body["error"]["message"]
     access = [r.getMessage() for r in caplog.records if r.name == "pdserve.access"]
     assert len(access) == 4, access  # one line per request
     assert any('"POST /v1/completions HTTP/1.1" 404' in line for line in access), access

@@ -47,7 +47,8 @@ def test_a_request_runs_the_adapter_its_model_names_and_the_base_model_under_its
 def test_an_unknown_model_is_vllms_404_naming_model():
     with pytest.raises(UnknownModel) as err:
         validate(generate("nope"), model_with(("sql", "/a/sql")))
-    assert err.value.field == "model" and err.value.reason == "The model `nope` does not exist."
+    assert err.value.field == "model" and err.value.reason.startswith("The model `nope` does not exist. Served: ")
+    assert "'sql'" in err.value.reason
     with pytest.raises(InvalidRequestError, match="sampling.lora_name: The model `gone` does not exist"):
         validate(generate("", lora_name="gone"), model_with())
     with pytest.raises(InvalidRequestError, match="sampling.lora_name: names adapter 'sql' but model is 'base'"):
@@ -180,7 +181,7 @@ def test_a_completion_for_an_unknown_model_is_vllms_404(front):
     address, _ = front
     status, _, body = request(address, "POST", "/v1/completions", json.dumps({"model": "nope", "prompt": "hi"}).encode())
     error = json.loads(body)["error"]
-    assert status == 404 and error["message"] == "The model `nope` does not exist." and error["param"] == "model"
+    assert status == 404 and error["message"].startswith("The model `nope` does not exist. Served: ") and error["param"] == "model"
     assert error["type"] == "NotFoundError"
 
 
