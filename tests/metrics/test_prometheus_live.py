@@ -8,6 +8,7 @@ cluster listens on a free port, not 8000) and 1 s scrape and discovery intervals
 5 s and 15 s. Grafana's variables are replaced as Grafana would for "All".
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import yaml
 
 from pdserve.cluster.autoscaling import from_mapping
 from pdserve.cluster.autoscaling.budget import BudgetConfig
+from pdserve.engine.config import SpeculativeConfig
 from tests.clusters import cluster_config, running_cluster
 from tests.helpers.exported_metrics import DEPLOY, graph_panels
 
@@ -85,9 +87,12 @@ def cluster():
     # Autoscaling pinned at one worker per pool: nothing scales, but the controller reports
     # each pool's signal target, which the dashboard plots. Elastic roles with the budget
     # policy, which has nothing to move with one worker a pool: its pressures are exported.
+    # The decode pool speculates (ngram), so the dashboard's speculative-decoding row has series.
     pinned = {"min_replicas": 1, "max_replicas": 1}
-    with running_cluster(cluster_config(kv_mib=64, router_poll_s=0.2, elastic_roles=True, role_budget=BudgetConfig(),
-                                        autoscaling=from_mapping({"prefill": pinned, "decode": pinned}))) as c:
+    config = cluster_config(kv_mib=64, router_poll_s=0.2, elastic_roles=True, role_budget=BudgetConfig(),
+                            autoscaling=from_mapping({"prefill": pinned, "decode": pinned}))
+    config = dataclasses.replace(config, decode_engine=dataclasses.replace(config.engine, speculative=SpeculativeConfig()))
+    with running_cluster(config) as c:
         yield c
 
 
