@@ -320,6 +320,22 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class KVTierConfig:
+    """The KV tier below the prefix cache (pdserve/engine/kv_tier/, docs/kv_tier.md): full
+    prefix blocks evicted from the worker's KV memory are kept in a directory, bounded by
+    ``offload_bytes``, that the workers of a host share, and come back (verified against their
+    checksum) when a prompt matches them. ``offload_dir`` None: a directory under /dev/shm next
+    to a GPU (host memory), under the system's temporary directory on a CPU host."""
+
+    offload_bytes: int
+    offload_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.offload_bytes < 1:
+            raise ValueError(f"kv_offload_bytes must be at least 1, got {self.offload_bytes}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, built once by the process that owns it."""
 
@@ -345,6 +361,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # None: no adapters (a request naming one is refused). Set: multi-LoRA (LoRAConfig).
     lora: LoRAConfig | None = None
+    # None: an evicted prefix block is gone. Set: it moves to the KV tier (KVTierConfig).
+    kv_tier: KVTierConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
