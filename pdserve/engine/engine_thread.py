@@ -5,7 +5,11 @@ loop). They reach the engine only through ``call``, which queues a function to r
 engine thread between steps and returns a future. Each loop iteration runs, in this order:
 the queued calls, the ``hooks``, then one step. So a request added while step N runs is in
 step N+1. Outputs go to ``on_outputs`` once per step; a step that raises ``StepFailed`` goes
-to ``on_step_error`` (its requests are already aborted; the loop carries on).
+to ``on_step_error`` (its requests are already aborted; the loop carries on). A step that
+raises anything else came to grief outside the runner's isolation (the scheduler, the
+bookkeeping after a step): nothing pins it on a sequence, and the same state would raise again
+at every later step, so the requests it could have run are aborted and reported the same way
+(``StepFailed``), and each ends; before, they waited forever while the loop logged the error.
 
 A ``hold`` may delay a step a little for work about to arrive: it returns a moment
 (``time.monotonic``) to wait until, or None. Until then the loop runs calls and hooks as they
@@ -32,7 +36,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Optional
 
-from pdserve.engine.errors import StepFailed
+from pdserve.engine.errors import RankLost, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.core.step_trace import StepTrace
 
@@ -139,6 +143,11 @@ class EngineThread:
                 self._on_step_error(exc)
             self._idle_since_step = True  # a gap in the trace: the next step's time is its own
             return
+        except RankLost:
+            raise  # the worker is lost as a whole (its ``on_rank_lost`` ends it)
+        except Exception as exc:  # outside the runner: no row to pin it on (module docstring)
+            self._step_broke(exc)
+            return
         self.steps += 1
         self.last_step_s = time.perf_counter() - t
         if self._trace is not None and self.engine.last_step_shape is not None:
@@ -146,6 +155,22 @@ class EngineThread:
         self._idle_since_step = False
         if outputs:
             self._on_outputs(outputs)
+
+    def _step_broke(self, exc: Exception) -> None:
+        """Abort every request the broken step could have run (queued or running; not those
+        waiting for KV, whose reads the transport ends) and report them as one ``StepFailed``."""
+        scheduler = self.engine.scheduler
+        ids = list(dict.fromkeys(seq.seq_id for seq in [*scheduler.waiting, *scheduler.running]))
+        for request_id in ids:
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # a half-updated scheduler: the request is reported ended all the same
+                log.exception("aborting %s after a failed step", request_id)
+        failed = StepFailed(ids, exc)
+        log.error("%s", failed, exc_info=exc)
+        self._idle_since_step = True
+        if self._on_step_error is not None:
+            self._on_step_error(failed)
 
     def _drain_calls(self) -> None:
         while True:

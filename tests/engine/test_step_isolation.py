@@ -209,3 +209,47 @@ def test_the_default_model_keeps_every_co_batched_stream_when_one_requests_step_
     check_fault_is_its_own(make, prompts, late, bad,
                            lambda e: fail_forward_for(e, "bad", when=lambda seq: seq.num_output_tokens >= 3),
                            bad_tokens_before=3)
+
+
+def test_a_step_that_breaks_outside_the_runner_ends_every_request_it_could_run(tiny_llama_dir):
+    """A fault in the scheduler (no valid request causes one; injected here) would raise at every
+    step: the engine thread aborts the queued and running requests and reports them as
+    ``StepFailed``, so each ends, and the engine serves later requests."""
+    import threading
+    import time
+
+    from pdserve.engine.engine_thread import EngineThread
+
+    engine = make_engine(tiny_llama_dir[0])
+    failed, finished, done = [], [], threading.Event()
+    real_schedule = engine.scheduler.schedule
+
+    def broken(propose=None):
+        raise RuntimeError("the scheduler is broken")
+
+    def on_outputs(outputs):
+        finished.extend(o.request_id for o in outputs if o.finished)
+        done.set()
+
+    def on_step_error(exc):
+        failed.append(exc)
+        engine.scheduler.schedule = real_schedule  # the fault passes; later requests must run
+        done.set()
+
+    engine.scheduler.schedule = broken
+    thread = EngineThread(engine, on_outputs, on_step_error=on_step_error)
+    thread.start()
+    try:
+        prompts = random_prompts(2, [20, 12], seed=9)
+        thread.call(lambda: [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]).result(10)
+        assert done.wait(30)
+        assert sorted(failed[0].request_ids) == ["r0", "r1"] and "scheduler is broken" in str(failed[0])
+        assert thread.call(engine.has_unfinished).result(10) is False
+        assert thread.call(lambda: engine.num_free_blocks).result(10) == engine.blocks.num_blocks
+        thread.call(engine.add_request, "later", prompts[0], GREEDY).result(10)
+        deadline = time.monotonic() + 30
+        while "later" not in finished and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert finished == ["later"]
+    finally:
+        thread.stop()
