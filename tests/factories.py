@@ -75,13 +75,16 @@ def make_engine(model_dir: Path | str, tokenizer=None, **kwargs) -> LLMEngine:
     return LLMEngine(model, model_cfg, config, tokenizer, model_dir=str(model_dir))
 
 
-def make_tp_engine(model_dir: Path | str, tensor_parallel_size: int, on_rank_lost=None, **kwargs) -> LLMEngine:
+def make_tp_engine(model_dir: Path | str, tensor_parallel_size: int, on_rank_lost=None, lora=None,
+                   **kwargs) -> LLMEngine:
     """An engine on ``tensor_parallel_size`` ranks (rank 0 here, the others its child processes).
     ``on_rank_lost``: what a lost rank does (default: record nothing and raise in the step; a
-    worker's default, ending the process, would end the test run). Close it when done."""
+    worker's default, ending the process, would end the test run); ``lora``: its ``LoRAConfig``.
+    Close it when done."""
     from pdserve.shell.rank_follower import RANK_ENTRY
 
-    config = dataclasses.replace(engine_config(model_dir, **kwargs), tensor_parallel_size=tensor_parallel_size)
+    config = dataclasses.replace(engine_config(model_dir, **kwargs), tensor_parallel_size=tensor_parallel_size,
+                                 lora=lora)
     return LLMEngine.from_config(config, progress=False, detokenize=False,
                                  on_rank_lost=on_rank_lost or (lambda exc: None), follower_entry=RANK_ENTRY)
 

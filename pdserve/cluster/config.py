@@ -87,6 +87,7 @@ class ClusterConfig:
     tokenizer: str | None = None  # the router's tokenizer directory; None: the model's
     chat_template: str | None = None  # a Jinja chat template; None: the tokenizer's
     tool_call_parser: str = DEFAULT_PARSER  # router.tool_parsers: reads tool_choice "auto" answers
+    allow_runtime_lora_updating: bool = False  # the router's /v1/load_lora_adapter and unload may change adapters
     log: LogConfig = field(default_factory=LogConfig)  # every process's level and format
     router_poll_s: float = 0.2  # how often the router reads every worker's stats
     supervise_interval_s: float | None = 1.0  # how often dead workers are found and replaced; None: never
@@ -238,6 +239,7 @@ class ClusterConfig:
         return RouterConfig(engine=self.engine, served_model_names=self.served_model_names,
                             tokenizer=self.tokenizer, chat_template=self.chat_template,
                             tool_call_parser=self.tool_call_parser, host=self.host,
+                            allow_runtime_lora_updating=self.allow_runtime_lora_updating,
                             grpc_port=self.grpc_port, http_port=self.http_port, advertise_host=self.advertise_host,
                             api_key=self.api_key, api_keys=self.api_keys, public_tls=self.public_tls, internal_host=self.internal_bind_host(),
                             internal_advertise_host=self.internal_advertise_host, tls=self.tls_for("router"),

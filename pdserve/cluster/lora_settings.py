@@ -1,6 +1,8 @@
 """The LoRA settings of ``pdserve serve`` and ``pdserve worker``, as vLLM spells them
 (``--enable-lora``, ``--lora-modules``, ``--max-loras``, ``--max-lora-rank``), and how they
-become the engine's ``LoRAConfig`` (``lora_config``), checked before anything starts.
+become the engine's ``LoRAConfig`` (``lora_config``), checked before anything starts; and the
+router's ``--allow-runtime-lora-updating`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), without
+which the run-time load and unload endpoints refuse (docs/lora.md#serving).
 
 ``--lora-modules`` takes one or more adapters, each ``name=path`` or vLLM's JSON form
 ``{"name": ..., "path": ...}`` (a YAML file may also give mappings); every worker of both pools
@@ -17,7 +19,7 @@ from pdserve.cluster.setting import Setting, SettingsError
 
 
 def lora_settings() -> tuple[Setting, ...]:
-    """The four settings, with ``LoRAConfig``'s defaults and bounds."""
+    """The five settings, with ``LoRAConfig``'s defaults and bounds."""
     from pdserve.engine.config import LoRAConfig
 
     return (
@@ -29,6 +31,9 @@ def lora_settings() -> tuple[Setting, ...]:
                 "slot of stacked weights on the device; more stay loaded on the host)", minimum=1),
         Setting("max_lora_rank", int, LoRAConfig.max_lora_rank, "the largest adapter rank a worker takes (a larger "
                 "one is refused at load, naming lora_path)", minimum=1, maximum=512),
+        Setting("allow_runtime_lora_updating", bool, False, "the router's POST /v1/load_lora_adapter and "
+                "/v1/unload_lora_adapter may change the served adapters (each loads a directory on every worker's "
+                "host; with API keys, admin callers only); off, they answer 403 naming this flag"),
     )
 
 

@@ -72,6 +72,7 @@ def build(s: ServeSettings):
         otlp_traces_endpoint=process.otlp_traces_endpoint,
         served_model_names=served_names(s.engine.model, api.served_model_name), tokenizer=api.tokenizer,
         chat_template=api.chat_template, tool_call_parser=api.tool_call_parser,
+        allow_runtime_lora_updating=api.allow_runtime_lora_updating,
         log=LogConfig(process.log_level, process.log_format),
         prefill_placement=_placement(s.ray, "prefill", default_gpus),
         decode_placement=_placement(s.ray, "decode", default_gpus),

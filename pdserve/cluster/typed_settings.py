@@ -278,6 +278,7 @@ class ApiSettings(_Typed):
     tokenizer: str | None
     chat_template: str | None
     tool_call_parser: str
+    allow_runtime_lora_updating: bool  # the router's run-time adapter endpoints (cluster.lora_settings)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def router_config(s: WorkerSettings):
     api_key, api_keys = read_keys(api.api_key, api.api_key_file, api.api_keys_file)
     return RouterConfig(engine=engine_config(s), host=api.host, grpc_port=api.grpc_port,
                         http_port=None if api.port < 0 else api.port, advertise_host=api.advertise_host,
-                        api_key=api_key, api_keys=api_keys,
+                        api_key=api_key, api_keys=api_keys, allow_runtime_lora_updating=api.allow_runtime_lora_updating,
                         public_tls=tls.load(api.public_tls_cert, api.public_tls_key, api.public_tls_ca,
                                             prefix="public_tls", require_ca=False),
                         internal_host=internal.internal_host, internal_port=s.plain.internal_port,

@@ -77,7 +77,7 @@ class LLMEngine:
         self.kv_cache = ranks.caches[0] if shared else self.cache_spec.allocate(num_blocks, self.device)
         self.blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
         eos = model_cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and tokenizer.eos_token_id is not None else ())
-        self.lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
+        self.lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device, ranks)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos), config.lora)
         graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if config.cuda_graphs else ()
         # Speculative decoding (``config.speculative``; None: off): pdserve/engine/spec/decoding.py.

@@ -31,18 +31,22 @@ def unknown_model(model: str, served) -> str:
 
 
 class UnknownModel(InvalidRequestError):
-    """A request named a model this router does not serve (HTTP 404, gRPC NOT_FOUND)."""
+    """A request named a model or adapter this router does not serve (HTTP 404, gRPC NOT_FOUND,
+    as vLLM and OpenAI answer it: not found, rather than bad input); ``field``: where it named
+    it (``model``, or gRPC's ``sampling.lora_name``)."""
 
-    def __init__(self, model: str, served: tuple[str, ...] = ()):
-        super().__init__("model", unknown_model(model, served))
+    def __init__(self, model: str, served: tuple[str, ...] = (), field: str = "model"):
+        super().__init__(field, unknown_model(model, served))
 
 
 class AdapterTable:
     """The adapters served now, in the order they were loaded. ``enabled``: the cluster runs
-    with ``--enable-lora`` (without it, no adapter can be loaded)."""
+    with ``--enable-lora`` (without it, no adapter can be loaded); ``runtime_updates``: clients
+    may load and unload adapters (``--allow-runtime-lora-updating``; without it the table is
+    ``--lora-modules``' for the router's life)."""
 
-    def __init__(self, enabled: bool = False, modules: tuple[tuple[str, str], ...] = ()):
-        self.enabled = enabled
+    def __init__(self, enabled: bool = False, modules: tuple[tuple[str, str], ...] = (), runtime_updates: bool = False):
+        self.enabled, self.runtime_updates = enabled, runtime_updates
         self._adapters: dict[str, Adapter] = {name: Adapter(name, path) for name, path in modules}
 
     def __contains__(self, name: str) -> bool:

@@ -7,6 +7,7 @@ import grpc
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.protos import worker_pb2
+from pdserve.router.adapters import UnknownModel
 from pdserve.router.policy import Choice
 
 
@@ -49,12 +50,21 @@ def route_error(choice: Choice) -> Exception:
     return RouteError(code, choice.reason)
 
 
+def invalid_status(exc: InvalidRequestError) -> grpc.StatusCode:
+    """The gRPC status of a refused request: NOT_FOUND for a model or adapter not served (the
+    router's ``UnknownModel``, or a worker's refusal naming ``model``: the adapter went between
+    the router's check and the worker's), as HTTP answers 404; INVALID_ARGUMENT otherwise."""
+    if isinstance(exc, UnknownModel) or exc.field == "model":
+        return grpc.StatusCode.NOT_FOUND
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
 def failure_code(exc: Exception) -> str:
     """The gRPC status name a failed request ends with, for the failure counter."""
     if isinstance(exc, RouteError):
         return exc.code.name
     if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT.name
+        return invalid_status(exc).name
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code().name
     return grpc.StatusCode.INTERNAL.name

@@ -13,7 +13,7 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling.params import SamplingParams, check_prompt
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos import pdserve_pb2
-from pdserve.router.adapters import AdapterTable, unknown_model
+from pdserve.router.adapters import AdapterTable, UnknownModel
 from pdserve.router.cache_salt import request_salt
 from pdserve.router.tool_parsers import ToolParser
 from pdserve.router.validation import RequestLimits
@@ -117,7 +117,7 @@ def adapter_of(req: pdserve_pb2.GenerateRequest, model: ModelInfo) -> str:
     if not named:
         return lora_name
     if named not in model.adapters:
-        raise InvalidRequestError("sampling.lora_name", unknown_model(named, model.adapters.names()))
+        raise UnknownModel(named, model.adapters.names(), field="sampling.lora_name")
     if req.model and named != lora_name:
         raise InvalidRequestError("sampling.lora_name", f"names adapter {named!r} but model is {req.model!r}; "
                                                         "name the adapter as the model alone")

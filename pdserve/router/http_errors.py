@@ -7,6 +7,7 @@ import grpc
 from aiohttp import web
 
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.router.adapters import UnknownModel
 from pdserve.router.errors import RouteError
 
 
@@ -36,8 +37,8 @@ def as_http_error(exc: Exception) -> HttpError:
     if isinstance(exc, HttpError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        if exc.field == "model":  # vLLM's answer: "The model `x` does not exist."
-            return HttpError(404, exc.reason, "NotFoundError", "model")
+        if isinstance(exc, UnknownModel) or exc.field == "model":  # vLLM's: "The model `x` does not exist."
+            return HttpError(404, exc.reason, "NotFoundError", exc.field)
         return HttpError(400, str(exc), "BadRequestError", exc.field)
     if isinstance(exc, RouteError):
         status, kind = _ROUTE_STATUS.get(exc.code, (503, "service_unavailable"))

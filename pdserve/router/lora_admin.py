@@ -11,9 +11,15 @@ after its next answered stats poll, as it does a worker that joins later (``Join
 controller's table, a restart): after each poll, the adapters the router lists and the worker
 lacks are loaded there, and those it holds that the router does not list are unloaded.
 
-Who may call the endpoints (``may_administer``): without API keys, whoever reaches the public
-port, as for every other endpoint; with ``--api-key``, its holder; with ``--api-keys-file``,
-the tenants whose entry says ``admin: true`` (others: 403).
+Whether the endpoints change anything: only with ``--allow-runtime-lora-updating``
+(``AdapterTable.runtime_updates``; vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). Without it they
+answer 403 naming the flag, and the adapters served are ``--lora-modules``' (the per-poll sync
+still gives them to every worker). A load makes every worker read a directory of its host's,
+so it is the operator's to turn on, not the default.
+
+Who may call them (``may_administer``): without API keys, whoever reaches the public port, as
+for every other endpoint; with ``--api-key``, its holder; with ``--api-keys-file``, the tenants
+whose entry says ``admin: true`` (others: 403).
 """
 
 from __future__ import annotations
@@ -148,6 +154,10 @@ class LoRAAdmin:
         if not self.table.enabled:
             raise HttpError(400, "lora_name: this cluster serves no LoRA adapters: start it with --enable-lora",
                             param="lora_name")
+        if not self.table.runtime_updates:
+            raise HttpError(403, "loading and unloading LoRA adapters at run time is off: start the router with "
+                                 "--allow-runtime-lora-updating (PDSERVE_ALLOW_RUNTIME_LORA_UPDATING=1), or name the "
+                                 "adapters in --lora-modules", "PermissionDeniedError")
         if not isinstance(name, str) or not name:
             raise HttpError(400, "lora_name: must be a non-empty string", param="lora_name")
         if len(name) > MAX_LORA_NAME_CHARS or not name.isprintable():

@@ -3,7 +3,8 @@ base model under each served name, then each LoRA adapter, with ``parent`` the b
 and ``root`` its path, as vLLM lists them), and vLLM's run-time adapter endpoints
 ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and
 ``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` (``pdserve.router.lora_admin``: every
-worker of both pools; 200 once every live worker holds it, or none does; admin callers only).
+worker of both pools; 200 once every live worker holds it, or none does; admin callers only,
+and only with ``--allow-runtime-lora-updating``).
 """
 
 from __future__ import annotations

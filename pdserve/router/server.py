@@ -51,6 +51,9 @@ class RouterConfig:
     # Reads tool calls in the model's text for tool_choice "auto" (router.tool_parsers):
     # "auto" picks one from the chat template; "none": "auto" tool choice is refused.
     tool_call_parser: str = tool_parsers.DEFAULT_PARSER
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter may change the adapters served
+    # (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they answer 403 naming the flag.
+    allow_runtime_lora_updating: bool = False
     host: str = "127.0.0.1"  # public plane bind address (gRPC Generation and OpenAI HTTP)
     grpc_port: int = 50051
     http_port: int | None = 8000  # OpenAI-compatible HTTP; None: gRPC only
@@ -84,7 +87,8 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
     first, *aliases = config.served_model_names
     parser = tool_parsers.choose(config.tool_call_parser, tokenizer.hf.chat_template)
     lora = config.engine.lora
-    adapters = AdapterTable(enabled=lora is not None, modules=lora.modules if lora is not None else ())
+    adapters = AdapterTable(enabled=lora is not None, modules=lora.modules if lora is not None else (),
+                            runtime_updates=config.allow_runtime_lora_updating)
     return ModelInfo(first, cfg, max_len, config.engine.cache.block_size, tokenizer, tuple(aliases), parser, adapters)
 
 

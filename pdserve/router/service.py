@@ -31,7 +31,7 @@ from pdserve.protos import pdserve_pb2
 from pdserve.router.auth import ApiKeys
 from pdserve.router.client_work import ClientWork
 from pdserve.router.frontend import ModelInfo, check_request_id, prepare
-from pdserve.router.errors import RouteError
+from pdserve.router.errors import RouteError, invalid_status
 from pdserve.router.request_run import RequestRun
 from pdserve.router.request_spans import end_request, start_request, traced_prepare
 from pdserve.router.limits import RouterLimits
@@ -210,7 +210,7 @@ class GenerationService:
                                        trace_headers=headers):
                 yield resp
         except InvalidRequestError as exc:
-            await abort_invalid(context, exc)
+            await abort_invalid(context, exc, invalid_status(exc))
         except RouteError as exc:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 context.set_trailing_metadata((("retry-after", str(self.retry_after_s(exc))),))

@@ -78,7 +78,9 @@ def bind(server: grpc.aio.Server, host: str | Endpoint | None, port: int, tls: T
     return endpoint.advertise(bound)
 
 
-async def abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequestError) -> None:
-    """INVALID_ARGUMENT naming the field; the field also travels as trailing metadata."""
+async def abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequestError,
+                        code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+    """INVALID_ARGUMENT (or ``code``: the router's NOT_FOUND for a model it does not serve)
+    naming the field; the field also travels as trailing metadata."""
     context.set_trailing_metadata((("pdserve-field", exc.field),))
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    await context.abort(code, str(exc))

@@ -1,7 +1,7 @@
 """The LoRA settings (pdserve/cluster/lora_settings.py): ``--enable-lora``, ``--lora-modules``
 (name=path or vLLM's JSON form), ``--max-loras``, ``--max-lora-rank`` reach every worker of
-both pools and the router, from ``pdserve serve`` and ``pdserve worker`` alike; bad input is
-refused at start naming the flag."""
+both pools and the router, and ``--allow-runtime-lora-updating`` the router, from ``pdserve
+serve`` and ``pdserve worker`` alike; bad input is refused at start naming the flag."""
 
 import json
 
@@ -49,6 +49,18 @@ def test_both_forms_of_lora_modules_reach_both_pools_the_router_and_plain_worker
     for role in ("prefill", "decode"):
         assert worker_cli.worker_config(worker(role, argv)).engine.lora == expected
     assert router_config(worker("router", argv)).engine.lora == expected
+
+
+def test_run_time_adapter_updates_are_off_unless_the_router_is_told(adapters):
+    """--allow-runtime-lora-updating (or PDSERVE_ALLOW_RUNTIME_LORA_UPDATING) reaches the
+    router of pdserve serve and of pdserve worker --role router; off by default in both."""
+    assert build(resolve(parse(["--enable-lora"]), environ={})).router_config((), ()).allow_runtime_lora_updating is False
+    assert router_config(worker("router", ["--enable-lora"])).allow_runtime_lora_updating is False
+    on = ["--enable-lora", "--allow-runtime-lora-updating"]
+    assert build(resolve(parse(on), environ={})).router_config((), ()).allow_runtime_lora_updating is True
+    assert router_config(worker("router", on)).allow_runtime_lora_updating is True
+    variable = {"PDSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    assert build(resolve(parse(["--enable-lora"]), environ=variable)).router_config((), ()).allow_runtime_lora_updating
 
 
 def test_enable_lora_alone_loads_nothing_at_start_with_vllms_defaults():

@@ -18,7 +18,7 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
 from pdserve.engine.sampling.params import SamplingParams
-from tests.factories import engine_config, hf_greedy, make_engine
+from tests.factories import engine_config, hf_greedy, make_engine, make_tp_engine
 from tests.helpers.lora import make_adapter, merged
 
 PROMPTS = [[5, 17, 93, 4, 250, 8, 61], [40, 41, 42, 43, 44], [300, 2, 77, 19, 19, 6, 210, 3, 99]]
@@ -183,3 +183,34 @@ def test_what_is_refused(tiny_llama_dir, adapters, tmp_path):
     with pytest.raises(InvalidRequestError) as unknown:
         plain.validate(PROMPTS[0], greedy("alpha"))
     assert unknown.value.field == "model"
+
+
+@pytest.mark.slow
+def test_tp2_serves_adapters_as_tp1_and_transformers(tiny_llama_dir, adapters):
+    """Two ranks, two slots, three adapters (alpha at start, beta and gamma loaded at run time,
+    gamma alpha's weights under another name) and the base model in one batch: the steps take
+    turns with the slots and evict, and the other rank follows rank 0's loads, unloads and
+    slots. Each sequence's float32 greedy tokens equal TP 1's and transformers' with its
+    adapter merged; after an unload and a reload, still."""
+    model_dir, hf = tiny_llama_dir
+    alpha, beta = (str(adapters[n][0]) for n in ("alpha", "beta"))
+    engine = make_tp_engine(model_dir, 2, num_blocks=64,
+                            lora=LoRAConfig(max_loras=2, max_lora_rank=8, modules=(("alpha", alpha),)))
+    try:
+        engine.add_lora("beta", beta)
+        engine.add_lora("gamma", alpha)
+        refs = {"": hf, "alpha": adapters["alpha"][1], "beta": adapters["beta"][1], "gamma": adapters["alpha"][1]}
+        names = ["", "alpha", "beta", "gamma", "beta"]
+        prompts = [PROMPTS[i % 3] for i in range(len(names))]
+        done = engine.generate(prompts, [greedy(n) for n in names])
+        tp1 = lora_engine(model_dir, {n: adapters[n] for n in ("alpha", "beta")})
+        tp1.add_lora("gamma", alpha)
+        assert [c.token_ids for c in done] == [c.token_ids for c in tp1.generate(prompts, [greedy(n) for n in names])]
+        for name, prompt, completion in zip(names, prompts, done):
+            assert completion.token_ids == hf_greedy(refs[name], prompt, NEW), name
+        assert engine.remove_lora("beta") is True
+        engine.add_lora("beta2", beta)  # a new id on every rank, into the slot beta left
+        again = engine.generate(prompts[1:3], [greedy("alpha"), greedy("beta2")])
+        assert [c.token_ids for c in again] == [c.token_ids for c in done[1:3]]
+    finally:
+        engine.close()

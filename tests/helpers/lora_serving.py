@@ -58,7 +58,7 @@ class LoRACluster:
             engine=self.engine, served_model_names=(self.served_name,), tokenizer=str(materialize("default", progress=False)),
             grpc_port=0, http_port=0, prefill_addresses=(self.servers[0].address,),
             decode_addresses=tuple(s.address for s in self.servers[1:]), stats_interval_s=0.1,
-            limits=RouterLimits()))
+            limits=RouterLimits(), allow_runtime_lora_updating=True))  # the tests load adapters at run time
         while not self.router.service.pool.ready():
             await asyncio.sleep(0.05)
 

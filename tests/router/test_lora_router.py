@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.protos import pdserve_pb2, worker_pb2
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
 from pdserve.router.adapters import Adapter, AdapterTable, UnknownModel
 from pdserve.router.auth import ApiKeys
 from pdserve.router.frontend import ModelInfo, validate
@@ -22,13 +22,15 @@ from pdserve.router.policy import WorkerSnapshot, pick_decode, prefer_holders
 from pdserve.router.pool import WorkerClient, WorkerPool
 from pdserve.router.service import GenerationService
 from pdserve.router.tenants import Tenant, TenantLimits
+from pdserve.wire.grpc_util import aio_server, bind
 from tests.helpers.http_front import request, serve_in_thread
 from tests.metrics.metrics_helpers import FakeDecode, FakePrefill, LetterTokenizer, fake_pool, rpc_error
 
 
-def model_with(*adapters: tuple[str, str]) -> ModelInfo:
+def model_with(*adapters: tuple[str, str], runtime_updates: bool = False) -> ModelInfo:
+    """The router's model with ``adapters`` served; ``runtime_updates``: --allow-runtime-lora-updating."""
     return ModelInfo("base", SimpleNamespace(vocab_size=1000), 4096, 16, LetterTokenizer(), aliases=("alias",),
-                     adapters=AdapterTable(enabled=True, modules=adapters))
+                     adapters=AdapterTable(enabled=True, modules=adapters, runtime_updates=runtime_updates))
 
 
 def generate(model: str = "", lora_name: str = "") -> pdserve_pb2.GenerateRequest:
@@ -49,10 +51,51 @@ def test_an_unknown_model_is_vllms_404_naming_model():
         validate(generate("nope"), model_with(("sql", "/a/sql")))
     assert err.value.field == "model" and err.value.reason.startswith("The model `nope` does not exist. Served: ")
     assert "'sql'" in err.value.reason
-    with pytest.raises(InvalidRequestError, match="sampling.lora_name: The model `gone` does not exist"):
+    with pytest.raises(UnknownModel, match="sampling.lora_name: The model `gone` does not exist"):
         validate(generate("", lora_name="gone"), model_with())
     with pytest.raises(InvalidRequestError, match="sampling.lora_name: names adapter 'sql' but model is 'base'"):
         validate(generate("base", lora_name="sql"), model_with(("sql", "/a/sql")))
+
+
+def grpc_generate(model: ModelInfo, request: pdserve_pb2.GenerateRequest) -> tuple[grpc.StatusCode, str, str]:
+    """``request`` through a real router gRPC server over fake workers: (code, details, the
+    trailing pdserve-field)."""
+    async def main():
+        service = GenerationService(model, fake_pool([FakePrefill()], [FakeDecode()]), RouterLimits())
+        server = aio_server()
+        address = bind(server, "127.0.0.1", 0)
+        service.add_to(server)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                try:
+                    async for _ in pdserve_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30):
+                        pass
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code(), exc.details(), dict(exc.trailing_metadata() or ()).get("pdserve-field", "")
+                return grpc.StatusCode.OK, "", ""
+        finally:
+            await server.stop(None)
+
+    return asyncio.run(main())
+
+
+def test_an_unknown_model_or_adapter_over_grpc_is_not_found_naming_the_field():
+    """vLLM's and OpenAI's answer is "not found" (HTTP 404): over gRPC, NOT_FOUND, never
+    INVALID_ARGUMENT; the adapter served runs, and a contradiction between the two fields is
+    still bad input."""
+    def generate(model: str = "", lora_name: str = "") -> pdserve_pb2.GenerateRequest:
+        return pdserve_pb2.GenerateRequest(model=model, token_ids=pdserve_pb2.TokenIds(ids=[5, 6]),
+                                           sampling=pdserve_pb2.SamplingParams(max_tokens=2, lora_name=lora_name))
+
+    model = model_with(("sql", "/a/sql"))
+    code, details, field = grpc_generate(model, generate("nope"))
+    assert code == grpc.StatusCode.NOT_FOUND and field == "model" and "The model `nope` does not exist" in details
+    code, details, field = grpc_generate(model, generate("", lora_name="gone"))
+    assert code == grpc.StatusCode.NOT_FOUND and field == "sampling.lora_name" and "`gone`" in details
+    assert grpc_generate(model, generate("sql"))[0] == grpc.StatusCode.OK
+    code, _, field = grpc_generate(model, generate("base", lora_name="sql"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field == "sampling.lora_name"
 
 
 def snap(worker_id: str, role: str, loras=None, **kw) -> WorkerSnapshot:
@@ -113,7 +156,7 @@ def lora_pool(stubs: dict[str, LoRAStub]) -> WorkerPool:
 def test_a_load_reaches_every_worker_and_a_refusal_undoes_it_on_the_others():
     # p0 takes what d0 refuses (say, another host's copy of the adapter differs): p0 must undo it
     stubs = {"p0": LoRAStub(refuses=False), "d0": LoRAStub(), "d1": LoRAStub(fail=grpc.StatusCode.UNAVAILABLE)}
-    table = AdapterTable(enabled=True)
+    table = AdapterTable(enabled=True, runtime_updates=True)
     admin = LoRAAdmin(table, ("base",), lora_pool(stubs))
 
     async def main():
@@ -159,9 +202,10 @@ def test_a_worker_that_joins_or_missed_a_change_is_given_the_routers_table_at_it
 
 @pytest.fixture
 def front():
-    """The HTTP front over fake workers, with one adapter served; (address, service)."""
-    service = GenerationService(model_with(("sql", "/a/sql")), fake_pool([FakePrefill()], [FakeDecode()]),
-                                RouterLimits())
+    """The HTTP front over fake workers, with one adapter served and run-time updates allowed;
+    (address, service)."""
+    service = GenerationService(model_with(("sql", "/a/sql"), runtime_updates=True),
+                                fake_pool([FakePrefill()], [FakeDecode()]), RouterLimits())
     address, stop = serve_in_thread(service)
     yield address, service
     stop()
@@ -200,7 +244,8 @@ def test_only_an_admin_key_may_load_or_unload(tmp_path):
     admin_key, user_key = "sk-admin-0123456789abcdef", "sk-user-0123456789abcdef"
     keys = ApiKeys(((ApiKeys.single(admin_key).entries[0][0], Tenant("ops", TenantLimits(admin=True))),
                     (ApiKeys.single(user_key).entries[0][0], Tenant("team"))))
-    service = GenerationService(model_with(), fake_pool([FakePrefill()], [FakeDecode()]), RouterLimits(), keys=keys)
+    service = GenerationService(model_with(runtime_updates=True), fake_pool([FakePrefill()], [FakeDecode()]),
+                                RouterLimits(), keys=keys)
     address, stop = serve_in_thread(service)
     try:
         body = json.dumps({"lora_name": "nope"}).encode()
@@ -208,6 +253,23 @@ def test_only_an_admin_key_may_load_or_unload(tmp_path):
         assert status == 403 and "admin" in json.loads(raw)["error"]["message"]
         status, _, _ = request(address, "POST", "/v1/unload_lora_adapter", body, {"Authorization": f"Bearer {admin_key}"})
         assert status == 404  # past the check: no such adapter
+    finally:
+        stop()
+
+
+def test_without_the_opt_in_run_time_loads_and_unloads_are_403_naming_the_flag():
+    """vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING; pdserve, --allow-runtime-lora-updating.
+    Without it neither endpoint changes anything, whoever calls, and the table stays
+    --lora-modules'."""
+    service = GenerationService(model_with(("sql", "/a/sql")), fake_pool([FakePrefill()], [FakeDecode()]),
+                                RouterLimits())
+    address, stop = serve_in_thread(service)
+    try:
+        for path, body in [("/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": "/a/chat"}),
+                           ("/v1/unload_lora_adapter", {"lora_name": "sql"})]:
+            status, _, raw = request(address, "POST", path, json.dumps(body).encode())
+            assert status == 403 and "--allow-runtime-lora-updating" in json.loads(raw)["error"]["message"], path
+        assert service.model.adapters.names() == ("sql",)
     finally:
         stop()
 

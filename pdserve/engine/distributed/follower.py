@@ -6,7 +6,9 @@ worker's process group, loads its share of the model, maps its part of the share
 prepared inputs from rank 0 (``pdserve.engine.distributed.step``) and runs the same forward on its share,
 then computes its vocabulary slice of the logits of the rows rank 0 computes logits for (the
 sampled rows, then any rows rank 0 names), each gathered to rank 0, which alone samples. It
-knows no request, block manager or scheduler.
+knows no request, block manager or scheduler. With LoRA (``FollowerSpec.max_loras``), it
+mirrors rank 0's adapters and slots (pdserve/engine/lora/mirror.py): the loads and unloads
+rank 0 hands on, and each step's slots.
 
 Its service (``main``'s ``service``: what a layer above runs in this process next to the
 steps; ``pdserve.shell.rank_follower``'s serves this rank's KV-transfer agent) gets this rank's
@@ -33,6 +35,7 @@ from pdserve.engine.attention.select import select_attention
 from pdserve.engine.config import DTYPES
 from pdserve.engine.attention.kv_cache import cache_spec_of, map_caches, prefault
 from pdserve.engine.loader import load_model
+from pdserve.engine.lora.mirror import LoRAMirror
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.distributed.group import FollowerSpec, join, open_store, rank_device
@@ -61,21 +64,36 @@ def _cache(spec: FollowerSpec, model: CausalLM, device: torch.device) -> torch.T
     return cache
 
 
-def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.device) -> int:
+def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.device,
+           lora: LoRAMirror | None = None) -> int:
     """Run rank 0's steps, and its logits over each step's rows, until it says stop; returns
-    how many steps ran."""
+    how many steps ran. ``lora``: this rank's mirror of rank 0's adapters (None: no LoRA)."""
     steps, hidden = 0, None
     with torch.inference_mode():
         while (msg := tp_step.receive(group, device)) is not None:
             if isinstance(msg, tp_step.LogitsRows):
                 model.compute_logits(hidden[msg.start:msg.stop])  # this rank's slice, gathered to rank 0
                 continue
+            if isinstance(msg, (tp_step.LoRALoad, tp_step.LoRAUnload)):
+                _update_lora(lora, msg)
+                continue
+            if lora is not None:
+                lora.begin_step(msg.lora)
             model.bind_caches(layer_caches, backend)
             hidden = model(msg.input_ids, msg.positions, msg.ctx)
             if msg.sample_rows.numel():
                 model.compute_logits(hidden[msg.sample_rows])
             steps += 1
     return steps
+
+
+def _update_lora(lora: LoRAMirror | None, msg) -> None:
+    if lora is None:
+        raise RuntimeError("rank 0 hands on a LoRA adapter, but this rank was started without LoRA")
+    if isinstance(msg, tp_step.LoRALoad):
+        lora.load(msg.adapter_id, msg.path)
+    else:
+        lora.unload(msg.adapter_id)
 
 
 def _start(service: Service | None, spec: FollowerSpec, cache: torch.Tensor) -> None:
@@ -111,9 +129,10 @@ def main(argv: list[str], service: Service | None = None) -> int:
     cache = _cache(spec, model, device)
     backend = select_attention(spec.attention_backend, cfg, tp, device, spec.block_size, DTYPES[spec.dtype])
     layer_caches = cache_spec_of(cfg, spec.block_size, DTYPES[spec.dtype], spec.size).layer_caches(cache)
+    lora = LoRAMirror(model, spec.max_loras, spec.max_lora_rank, DTYPES[spec.dtype], device) if spec.max_loras else None
     _start(service, spec, cache)
     store.set(f"loaded/{spec.rank}", "1")
-    steps = follow(group, model, layer_caches, backend, device)
+    steps = follow(group, model, layer_caches, backend, device, lora)
     log.debug("rank %d stops after %d steps", spec.rank, steps)
     return 0
 

@@ -84,6 +84,8 @@ class FollowerSpec:
     isa: str | None  # rank 0's CPU kernel path, so every rank computes the same way
     log_level: int
     load_format: str = "auto"  # EngineConfig.load_format, the same on every rank
+    max_loras: int = 0  # EngineConfig.lora's slots and rank (0: no LoRA); rank 0 hands on the adapters
+    max_lora_rank: int = 0
     service_fd: int = -1  # this rank's end of its socket pair with rank 0 (module docstring), inherited
 
     def to_json(self) -> str:
@@ -214,7 +216,9 @@ class RankGroup:
                       dtype=next(k for k, v in DTYPES.items() if v == dtype), device=str(device),
                       attention_backend=config.attention_backend, block_size=config.cache.block_size,
                       num_blocks=num_blocks, cache_fd=fd, threads=threads, isa=_isa(device),
-                      log_level=logging.getLogger().getEffectiveLevel(), load_format=config.load_format)
+                      log_level=logging.getLogger().getEffectiveLevel(), load_format=config.load_format,
+                      max_loras=config.lora.max_loras if config.lora else 0,
+                      max_lora_rank=config.lora.max_lora_rank if config.lora else 0)
         pairs = [socket.socketpair() for _ in range(1, size)]
         procs = [_spawn(FollowerSpec(rank=r, service_fd=pairs[r - 1][1].fileno(), **common), entry)
                  for r in range(1, size)]
@@ -250,13 +254,28 @@ class RankGroup:
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank{rank}-watch", daemon=True).start()
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, sample_rows: torch.Tensor) -> None:
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, sample_rows: torch.Tensor,
+             lora: tp_step.StepLoRA | None = None) -> None:
         """Hand the step's inputs to the other ranks, which run its forward with rank 0, then
         their slices of the logits of ``sample_rows`` (rows of the step's hidden states, in
-        that order; empty: none), which rank 0 computes right after the forward."""
+        that order; empty: none), which rank 0 computes right after the forward. ``lora``: the
+        step's adapters (None: no token uses one)."""
         if self._lost is not None:
             raise self._lost
-        tp_step.send_step(self.tp.group, input_ids, positions, ctx, sample_rows)
+        tp_step.send_step(self.tp.group, input_ids, positions, ctx, sample_rows, lora)
+
+    def lora_load(self, adapter_id: int, path: str) -> None:
+        """Tell the other ranks that rank 0 loaded the adapter at ``path`` as ``adapter_id``;
+        each reads its share of it there (docs/lora.md#tensor-parallelism)."""
+        if self._lost is not None:
+            raise self._lost
+        tp_step.send_lora_load(self.tp.group, adapter_id, path, self.device)
+
+    def lora_unload(self, adapter_id: int) -> None:
+        """Tell the other ranks that rank 0 unloaded adapter ``adapter_id``."""
+        if self._lost is not None:
+            raise self._lost
+        tp_step.send_lora_unload(self.tp.group, adapter_id, self.device)
 
     def logits(self, start: int, stop: int) -> None:
         """Tell the other ranks that rank 0 computes the logits of rows [start, stop) of the

@@ -9,10 +9,16 @@ adapters in one step (``Scheduler``'s ``max_adapters``), so a step's adapters al
 
 An adapter is removed only while no request uses it: the engine refuses to remove one in use
 (``LLMEngine.remove_lora``), rather than change a running stream's weights under it.
+
+In a tensor-parallel worker this is rank 0's (``ranks``, its ``RankGroup``): each adapter gets
+an id, every load and unload is handed on to the other ranks once it succeeds here, and each
+step hands them its slot table and token slots (``step_lora``); their ``LoRAMirror``s
+(lora/mirror.py) keep the same slots over their shares of the weights.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Sequence
 
@@ -22,6 +28,7 @@ from pdserve.engine.config import LoRAConfig
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.lora.kernels import select_kernel
 from pdserve.engine.lora.layers import attach, target_shapes
+from pdserve.engine.lora.mirror import StepLoRA
 from pdserve.engine.lora.peft import LoRAAdapter, read_adapter
 
 
@@ -29,11 +36,9 @@ class LoRAManager:
     """The LoRA side of one engine's model (module docstring). Build it once, after loading:
     it wraps the model's linears (``layers.attach``)."""
 
-    def __init__(self, model, config: LoRAConfig, dtype: torch.dtype, device: torch.device):
-        if model.tp.size > 1:
-            raise ValueError("LoRA adapters run at tensor_parallel_size 1 for now: the other ranks are not handed "
-                             "adapters (docs/lora.md)")
-        self.config, self.device = config, device
+    def __init__(self, model, config: LoRAConfig, dtype: torch.dtype, device: torch.device, ranks=None):
+        """``ranks``: the other ranks of a tensor-parallel worker (a ``RankGroup``; None at size 1)."""
+        self.config, self.device, self._ranks = config, device, ranks
         self._checkpoint_target = model.checkpoint_target
         self._shapes = {name: shape for name, (shape, _) in target_shapes(model).items()}
         if not self._shapes:
@@ -44,6 +49,8 @@ class LoRAManager:
                                          device)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots: OrderedDict[str, int] = OrderedDict()  # adapters in device slots, least recently used first
+        self.ids: dict[str, int] = {}  # each adapter's id, as the other ranks know it
+        self._next_id = 1
         for name, path in config.modules:
             self.add(name, path)
 
@@ -62,8 +69,11 @@ class LoRAManager:
             raise InvalidRequestError("lora_name", "must not be empty (the empty name is the base model)")
         if name in self.adapters:
             raise InvalidRequestError("lora_name", f"{name!r} is already loaded; remove it first")
-        self.adapters[name] = read_adapter(name, path, self.config.max_lora_rank, self._shapes,
-                                           self._checkpoint_target)
+        adapter = read_adapter(name, path, self.config.max_lora_rank, self._shapes, self._checkpoint_target)
+        self.adapters[name], self.ids[name] = adapter, self._next_id
+        self._next_id += 1
+        if self._ranks is not None:  # the other ranks read it where this one did
+            self._ranks.lora_load(self.ids[name], os.path.abspath(adapter.path))
 
     def remove(self, name: str, users: int = 0) -> bool:
         """Forget ``name`` and free its slot; False if it is not loaded. ``users``: the requests
@@ -73,10 +83,13 @@ class LoRAManager:
             raise InvalidRequestError("lora_name", f"{name!r} is in use by {users} requests")
         if self.adapters.pop(name, None) is None:
             return False
+        adapter_id = self.ids.pop(name)
         slot = self.slots.pop(name, None)
         if slot is not None:
             for layer in self.layers.values():
                 layer.clear(slot)
+        if self._ranks is not None:
+            self._ranks.lora_unload(adapter_id)
         return True
 
     def names(self) -> list[str]:
@@ -99,6 +112,16 @@ class LoRAManager:
 
     def end_step(self) -> None:
         self.state.set(None)
+
+    def step_lora(self) -> StepLoRA | None:
+        """The step's adapters as the other ranks take them: the id in each slot 1..max_loras
+        (0: empty) and each token's slot; None when no token of the step uses an adapter."""
+        if not self.state.active:
+            return None
+        table = [0] * self.config.max_loras
+        for name, slot in self.slots.items():
+            table[slot - 1] = self.ids[name]
+        return StepLoRA(torch.tensor(table, dtype=torch.long), self.state.slots)
 
     def _place(self, wanted: set[str]) -> dict[str, int]:
         """Slots for every adapter of ``wanted`` (at most max_loras), loading those not in one."""

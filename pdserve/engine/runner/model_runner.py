@@ -21,8 +21,9 @@ not one request's fault. Graphs are CUDA's, and TP is CPU-only for now (docs/gpu
 graphed step never has ranks to hand inputs to (at TP 1 the head's gather is the identity).
 
 With LoRA (``lora``, a ``pdserve.engine.lora.manager.LoRAManager``), each step first names its
-sequences' adapters, so that every token computes with its own (docs/lora.md); a step with an
-adapter runs eagerly, never from a CUDA graph (the graphs are captured without adapters).
+sequences' adapters, so that every token computes with its own (docs/lora.md), and hands them
+to the other ranks with the step; a step with an adapter runs eagerly, never from a CUDA graph
+(the graphs are captured without adapters).
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ class ModelRunner:
         """The forward on every rank (rank 0 hands the inputs over first), then the sampled rows'
         logits: (hidden (T, H), logits (S, V) float32 or None when no row is sampled)."""
         if self.ranks is not None:
-            self.ranks.step(input_ids, positions, ctx, sample_rows)
+            lora = None if self.lora is None else self.lora.step_lora()  # the step's adapters, if any
+            self.ranks.step(input_ids, positions, ctx, sample_rows, lora)
         hidden = self.model(input_ids, positions, ctx)
         return hidden, self.model.compute_logits(hidden[sample_rows]) if sample_rows.numel() else None
 
