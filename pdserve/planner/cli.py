@@ -72,6 +72,8 @@ def run_plan(args) -> int:
     from pdserve.planner.search import PlanError, PlanRequest, Plan, plan, simulate
 
     try:
+        if args.trace and args.prefixes:
+            raise ValueError("--prefixes: not with --trace (a trace's requests name their own prefixes)")
         replay = tuple(read_trace(args.trace)) if args.trace else None
         rate = args.rate or (_trace_rate(replay) if replay else 10.0)
         req = PlanRequest(get_model(args.model), get_profile(args.hardware), rate,

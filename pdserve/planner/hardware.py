@@ -22,10 +22,12 @@ class ProfileError(ValueError):
         super().__init__(f"{field}: {problem}")
 
 
-# A KV tier load's rate on this machine (``profile.tier_load_bandwidth``, SmolLM2's 368,640-byte
-# blocks from files under /tmp, page cache warm, read + XXH3-64 + copy into a cache row):
-# MEASURED_PLACEHOLDER
-KV_TIER_LOAD_BW = 4.0e9
+# A KV tier load's rate on this machine (``profile.tier_load_bandwidth``: 256 of SmolLM2's
+# 368,640-byte blocks from files under /tmp, page cache warm, read + XXH3-64 + copy into a cache
+# row; the fastest of 5 passes): 4.3 GB/s, the median of 5 such probes at load average 8 on the 2
+# cores (2.7-5.3); with the machine busier (load 14-18) 1.0-2.3 GB/s. A plain read of the same
+# files: up to 5-6 GB/s.
+KV_TIER_LOAD_BW = 4.3e9
 
 
 @dataclass(frozen=True)

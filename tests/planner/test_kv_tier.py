@@ -169,6 +169,8 @@ def test_cli_reports_the_tier_hit_rate_next_to_the_prefix_cache(capsys):
     assert "kv_offload_bytes: must be >= 0" in capsys.readouterr().err
     assert main(args[:5] + ["--layout", "1P:1D:TP3", "--kv-offload-bytes", "1000"]) == 2
     assert "KV tier (--kv-offload-bytes) runs at TP1 only" in capsys.readouterr().err
+    assert main(["plan", "--trace", "t.jsonl", "--prefixes", "3", "--prefix-tokens", "64"]) == 2
+    assert "--prefixes: not with --trace" in capsys.readouterr().err
 
 
 def test_the_tier_load_probe_measures_a_rate_and_leaves_nothing(tmp_path):
