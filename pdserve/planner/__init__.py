@@ -10,7 +10,8 @@ Modules:
 - ``tp``: the tensor-parallel sizes the engine's layers accept.
 - ``cost``: step times (prefill, decode) and KV transfer times, pure functions of the above.
 - ``trace``: the request trace format (JSONL) and synthetic workloads.
-- ``worker``: one simulated worker, applying the engine scheduler's rules step by step.
+- ``worker``: one simulated worker, applying the engine scheduler's rules step by step;
+  ``prefix_cache`` its prefix cache and the KV tier below it, one per host.
 - ``simulator``: the event loop over a cluster of workers, the real routing policy and the
   real autoscaling policies; ``metrics`` turns its records into TTFT/TPOT/ITL and goodput.
 - ``search``: ``pdserve plan``'s search for the fewest GPUs that meet a rate at an SLO.

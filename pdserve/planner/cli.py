@@ -6,10 +6,11 @@ from __future__ import annotations
 import re
 import sys
 
+from pdserve.planner.cost import CostError
 from pdserve.planner.hardware import DEFAULT_CPU_PROFILE, ProfileError, get_profile
 from pdserve.planner.metrics import Slo
 from pdserve.planner.model_spec import ModelSpecError, get_model
-from pdserve.planner.synthetic import LengthMix
+from pdserve.planner.synthetic import PREFIX_ORDERS, LengthMix
 from pdserve.planner.trace import TraceError, read_trace
 
 
@@ -42,6 +43,16 @@ def add_plan_parser(sub) -> None:
                         "high rates more are simulated (2000 req/s: about 120,000)")
     p.add_argument("--trace", default=None, help="replay this JSONL trace instead of Poisson arrivals")
     p.add_argument("--layout", default=None, help="simulate this layout only, e.g. 2P:3D, 2P:3D:TP4 or 4C:TP2")
+    p.add_argument("--prefixes", type=int, default=0,
+                   help="Poisson prompts start with one of this many shared prefixes of --prefix-tokens tokens "
+                        "(--prompt-mean is then what follows the prefix); 0: none")
+    p.add_argument("--prefix-tokens", type=int, default=0, help="tokens of each shared prefix (with --prefixes)")
+    p.add_argument("--prefix-order", choices=PREFIX_ORDERS, default="random",
+                   help="each prompt's prefix drawn at random, or in turn (cyclic: a working set revisited)")
+    p.add_argument("--kv-offload-bytes", type=int, default=0,
+                   help="bytes of KV tier below the prefix cache on each host, shared by its workers (as "
+                        "pdserve serve's flag); evicted prefix blocks are loaded from it instead of computed. "
+                        "0: none")
     p.add_argument("--elastic", action="store_true",
                    help="with --layout kP:mD: compare every fixed split of its k+m workers (and k+m colocated) "
                         "with elastic roles starting from it (--elastic-roles --role-budget), by goodput")
@@ -61,6 +72,8 @@ def run_plan(args) -> int:
     from pdserve.planner.search import PlanError, PlanRequest, Plan, plan, simulate
 
     try:
+        if args.trace and args.prefixes:
+            raise ValueError("--prefixes: not with --trace (a trace's requests name their own prefixes)")
         replay = tuple(read_trace(args.trace)) if args.trace else None
         rate = args.rate or (_trace_rate(replay) if replay else 10.0)
         req = PlanRequest(get_model(args.model), get_profile(args.hardware), rate,
@@ -68,7 +81,9 @@ def run_plan(args) -> int:
                           Slo(args.ttft_slo, args.tpot_slo), args.attainment, _tp_list(args.tp, "--tp"),
                           prefill_tp_choices=_tp_list(args.prefill_tp, "--prefill-tp"),
                           decode_tp_choices=_tp_list(args.decode_tp, "--decode-tp"),
-                          num_requests=args.requests, modes=_modes(args.mode), replay=replay)
+                          num_requests=args.requests, modes=_modes(args.mode), replay=replay,
+                          num_prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
+                          prefix_order=args.prefix_order, kv_offload_bytes=args.kv_offload_bytes)
         if args.elastic:
             if not args.layout:
                 raise ValueError("--elastic: needs --layout, the split elastic roles start from (e.g. 1P:2D)")
@@ -79,7 +94,7 @@ def run_plan(args) -> int:
             found = Plan(layout, result, result.attainment(req.slo))
         else:
             found = plan(req, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
-    except (PlanError, ProfileError, ModelSpecError, TraceError, ValueError) as exc:
+    except (PlanError, ProfileError, ModelSpecError, TraceError, CostError, ValueError) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
     print(format_plan(found, req))
@@ -111,7 +126,8 @@ def run_profile(args) -> int:
     save_points(points_path, points, profile, spec)
     print(f"pdserve profile: wrote {args.output} and {points_path}")
     print(f"  step overhead {profile.step_overhead_s * 1e3:.1f} ms, bandwidth {profile.mem_bw / 1e9:.1f} GB/s, "
-          f"{profile.flops / 1e9:.1f} GFLOP/s, KV link {profile.kv_link_bw / 1e9:.1f} GB/s")
+          f"{profile.flops / 1e9:.1f} GFLOP/s, KV link {profile.kv_link_bw / 1e9:.1f} GB/s, "
+          f"KV tier load {profile.kv_tier_bw / 1e9:.1f} GB/s")
     if profile.prefill_attention_flops and profile.decode_attention_flops:
         print(f"  attention: prefill {profile.prefill_attention_flops / 1e9:.1f} GFLOP/s, "
               f"decode {profile.decode_attention_flops / 1e9:.1f} GFLOP/s")

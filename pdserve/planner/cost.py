@@ -7,6 +7,7 @@
   bandwidth; with a compute bound (batch x FLOPs per token) that wins at large batches. On
   a GPU the two overlap (the longer counts); on one CPU core they add.
 - KV transfer: the prompt's KV bytes over the link, plus a fixed cost per transfer.
+- KV tier load: a prefix's KV bytes at the tier's measured rate (``HardwareProfile.kv_tier_bw``).
 
 A mixture-of-experts model's FLOPs per token are its active parameters' (the routed experts a
 token picks, not all of them), and the weights a step streams are the dense part plus the
@@ -183,6 +184,11 @@ class CostModel:
         lanes = 1 if self.model.mla else min(self.tp, decode_tp or self.tp)
         return self.hw.kv_transfer_overhead_s + tokens * self.kv_bytes_per_token / (self.hw.kv_link_bw * lanes)
 
+    def tier_load_s(self, tokens: int) -> float:
+        """Loading ``tokens`` of a prompt's prefix from the host's KV tier into this worker's
+        cache (``pdserve.planner.prefix_cache``): their KV bytes at the profile's tier rate."""
+        return tokens * self._kvb / self.hw.kv_tier_bw
+
     def _allreduce_s(self, tokens: int) -> float:
         if self.tp == 1:
             return 0.0
@@ -231,6 +237,9 @@ class FittedStepCost:
 
     def transfer_s(self, tokens: int, decode_tp: int | None = None) -> float:
         return self.base.transfer_s(tokens, decode_tp)
+
+    def tier_load_s(self, tokens: int) -> float:
+        return self.base.tier_load_s(tokens)
 
     def prefill_s(self, chunks: Sequence[tuple[int, int]], num_sampled: int = 1) -> float:
         a, b, c = self.prefill_ms

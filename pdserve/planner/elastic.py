@@ -114,7 +114,8 @@ def compare_layouts(req, trace, start, driver: ElasticDriver | None = None,
     out = []
     for layout in fixed + [start]:
         spec = ClusterSpec(layout, CostModel(req.model, req.hw, layout.tp_prefill),
-                           CostModel(req.model, req.hw, layout.tp_decode), req.limits)
+                           CostModel(req.model, req.hw, layout.tp_decode), req.limits,
+                           kv_offload_bytes=req.kv_offload_bytes)
         elastic = layout is start  # the last run: the same start, roles free to move
         name = f"elastic from {layout.describe()}" if elastic else layout.describe()
         progress(name)

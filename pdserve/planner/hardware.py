@@ -22,6 +22,14 @@ class ProfileError(ValueError):
         super().__init__(f"{field}: {problem}")
 
 
+# A KV tier load's rate on this machine (``profile.tier_load_bandwidth``: 256 of SmolLM2's
+# 368,640-byte blocks from files under /tmp, page cache warm, read + XXH3-64 + copy into a cache
+# row; the fastest of 5 passes): 4.3 GB/s, the median of 5 such probes at load average 8 on the 2
+# cores (2.7-5.3); with the machine busier (load 14-18) 1.0-2.3 GB/s. A plain read of the same
+# files: up to 5-6 GB/s.
+KV_TIER_LOAD_BW = 4.3e9
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """One device (a GPU, or one CPU core running one worker)."""
@@ -79,6 +87,13 @@ class HardwareProfile:
     # with them busy: the served probe measures both. 1 (no borrowing) on the GPU profiles.
     borrow_prefill_factor: float = 1.0
     borrow_decode_factor: float = 1.0
+    # Bytes/s a KV tier load gives back (``--kv-offload-bytes``: prefix blocks read from the
+    # host's tier directory, verified and copied into the cache; ``CostModel.tier_load_s``).
+    # ``pdserve profile`` measures it (``profile.tier_load_bandwidth``); elsewhere the default,
+    # measured here. On a GPU host the tier is host memory (/dev/shm) and the copy to the device
+    # crosses PCIe (Gen5 x16: ~50 GB/s) after the same file read: the read is the slower part, so
+    # the GPU profiles keep the default too (an assumption: a GPU server's host reads may be faster).
+    kv_tier_bw: float = KV_TIER_LOAD_BW
 
     def __post_init__(self) -> None:  # JSON gives lists; keep the profile hashable
         object.__setattr__(self, "decode_points", tuple(tuple(p) for p in self.decode_points))

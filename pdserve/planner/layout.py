@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.planner.cost import CostModel
+from pdserve.planner.cost import CostError, CostModel
 from pdserve.planner.worker import EngineLimits
 from pdserve.router.limits import RouterLimits
 from pdserve.router.local_prefill import LocalPrefillConfig
@@ -55,3 +55,18 @@ class ClusterSpec:
     # Time-sized chunks (pdserve/planner/mixed_step.py): a worker's mixed step aims at this many
     # seconds; 0: off, a prompt beside streams is prefilled in one step (prefill first).
     step_target_s: float = 0.0
+    # The KV tier below each host's prefix caches (pdserve/planner/prefix_cache.py), bytes per
+    # host; 0: none, an evicted prefix is computed again.
+    kv_offload_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_offload_bytes < 0:
+            raise CostError("kv_offload_bytes", f"must be >= 0 (0: no KV tier), got {self.kv_offload_bytes}")
+        if not self.kv_offload_bytes:
+            return
+        # The engine's refusals (LLMEngine, issue 58): its tier runs under the prefix cache, at TP1.
+        lay = self.layout
+        if max(lay.tp_prefill, lay.tp_decode) > 1:
+            raise CostError("kv_offload_bytes", f"the KV tier runs at TP1 only, got {lay.describe()}")
+        if not all(lim.enable_prefix_cache for lim in (self.limits, self.prefill_limits) if lim is not None):
+            raise CostError("kv_offload_bytes", "the KV tier needs the prefix cache (enable_prefix_cache)")

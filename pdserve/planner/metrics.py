@@ -17,6 +17,30 @@ class Slo:
     tpot_s: float
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """Where each request's prompt came from at its first prefill: computed, the worker's prefix
+    cache, or the KV tier below it (``pdserve.planner.prefix_cache``); and the tiers' counts."""
+
+    prompt_tokens: np.ndarray  # (N,)
+    device_hit: np.ndarray  # (N,) tokens from the worker's prefix cache
+    tier_hit: np.ndarray  # (N,) tokens loaded from its host's KV tier
+    revisit: np.ndarray  # (N,) bool: its prefix was seen before in the trace (by arrival)
+    tier_bytes: int = 0  # each host's tier (0: none)
+    hosts: int = 0
+    blocks_offloaded: int = 0
+    blocks_loaded: int = 0
+
+    def shares(self, only: np.ndarray | None = None) -> tuple[float, float]:
+        """(share of prompt tokens from the prefix cache, share from the tier) over the requests
+        ``only`` selects (None: all) that got their first token."""
+        pick = slice(None) if only is None else only
+        total = self.prompt_tokens[pick].sum()
+        if total == 0:
+            return 0.0, 0.0
+        return float(self.device_hit[pick].sum() / total), float(self.tier_hit[pick].sum() / total)
+
+
 @dataclass
 class SimResult:
     """Per-request times (NaN where a request never got there) and the ITL histogram."""
@@ -32,6 +56,7 @@ class SimResult:
     preemptions: int = 0
     failed: int = 0
     pool_history: dict = field(default_factory=dict)  # autoscaling: pool -> [(t, replicas, signal)]
+    cache: CacheStats | None = None  # prefix cache and KV tier hits
 
     @property
     def ttft(self) -> np.ndarray:
@@ -63,6 +88,18 @@ class SimResult:
 
     def goodput_rps(self, slo: Slo) -> float:
         return self.attainment(slo) * len(self.arrival) / max(self.duration_s, 1e-9)
+
+
+def revisits(requests, arrival: np.ndarray) -> np.ndarray:
+    """(N,) bool: request i's prefix (``prefix_hash``) came in an earlier arrival (ties: by index)."""
+    out = np.zeros(len(requests), dtype=bool)
+    seen: set[str] = set()
+    for i in np.argsort(np.where(np.isnan(arrival), np.inf, arrival), kind="stable"):  # unsent (NaN): last
+        h = requests[i].prefix_hash
+        out[i] = h is not None and h in seen
+        if h is not None:
+            seen.add(h)
+    return out
 
 
 def _pcts(values: np.ndarray) -> dict[str, float]:

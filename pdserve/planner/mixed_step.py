@@ -59,7 +59,7 @@ class MixedSteps:
                          sum(1 for s, n in batch if n == s.todo)) if batch else 0.0
         fp, fd = self.borrow_factors if borrow else (1.0, 1.0)
         self._kind, self._batch, self._k = "mixed", batch, 1
-        self._dt = self.cost.decode_s(b, self.run_tokens) * fd + prompt * fp
+        self._dt = self.cost.decode_s(b, self.run_tokens) * fd + prompt * fp + self._take_load()
         return True
 
     def _finish_mixed(self):

@@ -14,10 +14,11 @@ step's context). The fit is a non-negative least squares
 apart, as one thread's read rate (``read_bandwidth``). Attention gets rates of its own
 because its kernels are not the linears': fitted at the matmuls' rate, decode steps came out
 up to 16% short at 512-token contexts and 14% long at 128, and a 2,048-token prefill 18%
-short. The KV link is measured as a memcpy of a cache-sized buffer, at 0.74x (NIXL's
-measured share of memcpy on this machine, BENCHMARKS.md "KV transfer"), with a 2 ms fixed
-cost per transfer (the cluster's measured 2.1-6.4 ms at 512 tokens, BENCHMARKS.md "Share of
-time to first token").
+short. A KV tier load is measured as files of one KV block each read, checksummed and copied
+into a cache row (``tier_load_bandwidth``). The KV link is measured as a memcpy of a
+cache-sized buffer, at 0.74x (NIXL's measured share of memcpy on this machine, BENCHMARKS.md
+"KV transfer"), with a 2 ms fixed cost per transfer (the cluster's measured 2.1-6.4 ms at 512
+tokens, BENCHMARKS.md "Share of time to first token").
 """
 
 from __future__ import annotations
@@ -144,6 +145,37 @@ def read_bandwidth(nbytes: int = 512 << 20) -> float:
     return _best_rate(nbytes, x.sum)
 
 
+def tier_load_bandwidth(block_bytes: int, blocks: int = 256, directory: str | None = None) -> float:
+    """Bytes/s a KV tier load moves on this machine: ``blocks`` files of ``block_bytes`` each
+    (one per KV block, as the tier stores them) in a fresh directory under ``directory`` (None:
+    the system's temporary directory, the tier's default place on a CPU host), page cache warm,
+    each read whole, its XXH3-64 taken (the tier verifies every block it gives back) and copied
+    into a cache row. The directory is removed after."""
+    import shutil
+    import tempfile
+
+    import xxhash
+
+    where = tempfile.mkdtemp(prefix="pdserve-tier-probe-", dir=directory)
+    try:
+        data = np.random.default_rng(0).integers(0, 256, block_bytes, dtype=np.uint8).tobytes()
+        paths = [os.path.join(where, f"{i:016x}") for i in range(blocks)]
+        for path in paths:
+            Path(path).write_bytes(data)
+        cache = np.zeros((blocks, block_bytes), dtype=np.uint8)  # (num_blocks, block_bytes), as the tier's view
+
+        def load_all() -> None:
+            for row, path in zip(cache, paths):
+                with open(path, "rb") as f:
+                    raw = f.read()
+                xxhash.xxh3_64_intdigest(raw)
+                row[:] = np.frombuffer(raw, dtype=np.uint8)
+
+        return _best_rate(blocks * block_bytes, load_all)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def measure(engine, quick: bool) -> list[Point]:
     """Prefill steps of one prompt at several lengths, and decode steps at every batch size
     from the largest down to 1 at two context lengths (the engine's step time is not linear
@@ -231,6 +263,7 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
     points = measure(engine, quick)
     f = fit(spec, dtype_bytes, points, mem_bw=read_bandwidth())
     link = memcpy_bandwidth() * NIXL_SHARE_OF_MEMCPY
+    tier_bw = tier_load_bandwidth(int(spec.kv_bytes_per_token(dtype_bytes)) * config.cache.block_size)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()[0]  # a shared machine: the fit is only as quiet as the machine was
     profile = HardwareProfile(
@@ -240,7 +273,7 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
         seq_overhead_s=f.seq_overhead_s, overlap=False, dtype_bytes=dtype_bytes,
         prefill_attention_flops=f.prefill_attention_flops, decode_attention_flops=f.decode_attention_flops,
         decode_points=tuple((p.batch, p.tokens, p.seconds) for p in points if p.kind == "decode"),
-        points_model=spec.shape,
+        points_model=spec.shape, kv_tier_bw=tier_bw,
         source=f"pdserve profile, {stamp}: {model} {engine.dtype}, {threads} thread(s), {len(points)} points "
                f"fitted to t = overhead + seqs x per_seq + bytes/bw + matmul flops/rate + attention flops/"
                f"(prefill's, decode's rate), bw measured apart; load average {load:.1f}")

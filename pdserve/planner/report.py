@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import yaml
 
 from pdserve.planner.cost import CostModel
@@ -64,12 +65,32 @@ def format_plan(plan: Plan, req: PlanRequest) -> str:
         lines.append(f"  {name[:-2].upper():<20} " + " ".join(f"{_ms(p[k]):>10}" for k in ("p50", "p90", "p99")))
     if r.preemptions:
         lines.append(f"preemptions: {r.preemptions}")
+    lines += cache_lines(r)
     lines.append("")
     lay = plan.layout
     tp_flags = f" --prefill-tp {lay.tp_prefill} --decode-tp {lay.tp_decode}" if lay.tp_prefill != lay.tp_decode else ""
     lines.append(f"# pdserve serve --config plan.yaml{tp_flags}")
     lines.append(yaml.safe_dump(autoscaling_config(plan, req), sort_keys=False, default_flow_style=None).rstrip())
     return "\n".join(lines)
+
+
+def cache_lines(r) -> list[str]:
+    """The prompt tokens the prefix cache and the KV tier gave (none: no line), overall and on
+    revisits (requests whose prefix came before), with the revisits' TTFT p50."""
+    c = r.cache
+    if c is None or not (c.tier_bytes or c.revisit.any() or c.device_hit.any()):
+        return []
+    device, tier = c.shares()
+    tier_text = (f"{tier:.1%} from the KV tier ({c.tier_bytes / 1e9:g} GB a host, {c.hosts} host(s), "
+                 f"{c.blocks_offloaded} blocks in, {c.blocks_loaded} out)") if c.tier_bytes else "no KV tier"
+    lines = [f"cached prompt tokens: {device:.1%} from workers' prefix caches, {tier_text}"]
+    if c.revisit.any():
+        device, tier = c.shares(c.revisit)
+        done = c.revisit & np.isfinite(r.finish)
+        p50 = float(np.median(r.ttft[done])) if done.any() else math.nan
+        lines.append(f"  on revisits ({int(c.revisit.sum())} requests, a prefix seen before): {device + tier:.1%} "
+                     f"cached ({device:.1%} prefix cache + {tier:.1%} KV tier), TTFT p50 {_ms(p50)}")
+    return lines
 
 
 def _ms(seconds: float) -> str:

@@ -27,7 +27,7 @@ from pdserve.planner.metrics import SimResult, Slo
 from pdserve.planner.model_spec import ModelSpec
 from pdserve.planner.layout import ClusterSpec, Layout
 from pdserve.planner.simulator import Simulator
-from pdserve.planner.synthetic import LengthMix, poisson
+from pdserve.planner.synthetic import LengthMix, poisson, shared_prefix
 from pdserve.planner.trace import TraceRequest
 from pdserve.planner.tp import pair_refusal, tp_refusal
 from pdserve.planner.worker import EngineLimits
@@ -57,17 +57,31 @@ class PlanRequest:
     seed: int = 0
     max_workers: int = 1024  # per pool: the search gives up beyond this
     replay: tuple[TraceRequest, ...] | None = None  # a recorded trace instead of Poisson arrivals
+    # Poisson prompts after one of ``num_prefixes`` shared prefixes of ``prefix_tokens`` tokens
+    # (``synthetic.shared_prefix``, ``prefix_order`` "random" or "cyclic"); 0: no shared prefix.
+    num_prefixes: int = 0
+    prefix_tokens: int = 0
+    prefix_order: str = "random"
+    kv_offload_bytes: int = 0  # each host's KV tier below the prefix cache (ClusterSpec); 0: none
 
     def __post_init__(self) -> None:
         if self.rate <= 0:
             raise PlanError("rate", f"must be > 0, got {self.rate}")
         if not 0 < self.attainment <= 1:
             raise PlanError("attainment", f"must be within (0, 1], got {self.attainment}")
+        if (self.num_prefixes > 0) != (self.prefix_tokens > 0) or min(self.num_prefixes, self.prefix_tokens) < 0:
+            raise PlanError("prefixes", f"num_prefixes and prefix_tokens: both >= 1 or both 0, got "
+                                        f"{self.num_prefixes} and {self.prefix_tokens}")
+        if self.kv_offload_bytes < 0:
+            raise PlanError("kv_offload_bytes", f"must be >= 0 (0: no KV tier), got {self.kv_offload_bytes}")
 
     def trace(self) -> list[TraceRequest]:
         if self.replay is not None:
             return list(self.replay)
         duration = max(self.min_duration_s, self.num_requests / self.rate)
+        if self.num_prefixes:
+            return shared_prefix(self.rate, duration, self.lengths, self.num_prefixes, self.prefix_tokens,
+                                 self.seed, self.prefix_order)
         return poisson(self.rate, duration, self.lengths, self.seed)
 
 
@@ -85,7 +99,8 @@ class Plan:
 def simulate(req: PlanRequest, layout: Layout, trace: list[TraceRequest]) -> SimResult:
     cost_p = CostModel(req.model, req.hw, layout.tp_prefill)
     cost_d = CostModel(req.model, req.hw, layout.tp_decode)
-    return Simulator(ClusterSpec(layout, cost_p, cost_d, req.limits), trace).run()
+    return Simulator(ClusterSpec(layout, cost_p, cost_d, req.limits, kv_offload_bytes=req.kv_offload_bytes),
+                     trace).run()
 
 
 def plan(req: PlanRequest, progress: Callable[[str], None] = lambda _: None) -> Plan:
@@ -146,6 +161,8 @@ def tp_unusable(req: PlanRequest, tp: int) -> str | None:
     why = tp_refusal(req.model, tp)
     if why:
         return why
+    if req.kv_offload_bytes and tp > 1:  # the engine's refusal (ClusterSpec says it too)
+        return "the KV tier (--kv-offload-bytes) runs at TP1 only"
     try:
         room = CostModel(req.model, req.hw, tp).kv_capacity_tokens()
     except CostError as exc:

@@ -45,9 +45,10 @@ from collections import deque
 import numpy as np
 
 from pdserve.planner.layout import ClusterSpec
-from pdserve.planner.metrics import SimResult
+from pdserve.planner.metrics import CacheStats, SimResult, revisits
 from pdserve.planner.trace import TraceRequest
 from pdserve.planner.placement import Placement
+from pdserve.planner.prefix_cache import HostTiers
 from pdserve.planner.worker import SimSeq, SimWorker
 from pdserve.planner.routing import RoutingIndex, snapshot
 from pdserve.router.local_prefill import LocalPrefillConfig, PrefillPace
@@ -72,6 +73,11 @@ class Simulator(Placement):
         self._next_sent = 0  # closed loop: requests its clients have sent
         self.first_token = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
+        self.device_hit = np.zeros(n, dtype=np.int64)  # prompt tokens from cache at the first prefill
+        self.tier_hit = np.zeros(n, dtype=np.int64)
+        # one KV tier per host (pdserve/planner/prefix_cache.py), or none
+        self.hosts = HostTiers(spec.kv_offload_bytes, spec.prefill_cost.kv_bytes_per_token * spec.limits.block_size,
+                               spec.prefill_cost.hw.devices_per_node) if spec.kv_offload_bytes else None
         self._itl: list[tuple[float, int]] = []
         self._events: list = []
         self._counter = itertools.count()
@@ -112,6 +118,8 @@ class Simulator(Placement):
         cost = self.spec.prefill_cost if role == "prefill" else self.spec.decode_cost
         limits = self.spec.prefill_limits if role == "prefill" and self.spec.prefill_limits else self.spec.limits
         w = SimWorker(f"{role}-{next(self._ids)}", role, cost, limits, step_target_s=self.spec.step_target_s)
+        if self.hosts is not None:
+            w.prefix_cache.tier = self.hosts.place(cost.tp)
         self.pools[role].append(w)
         self._by_id[w.wid] = w
         self._inflight[w.wid] = 0
@@ -210,7 +218,15 @@ class Simulator(Placement):
                          duration_s=max(end, 1e-9), gpus=lay.gpus,
                          preemptions=sum(w.preemptions for p in self.pools.values() for w in p),
                          failed=self.failed,
-                         pool_history=self.autoscaler.history if self.autoscaler is not None else {})
+                         pool_history=self.autoscaler.history if self.autoscaler is not None else {},
+                         cache=self._cache_stats())
+
+    def _cache_stats(self) -> CacheStats:
+        tiers = self.hosts.tiers if self.hosts is not None else []
+        prompt = np.array([r.prompt_tokens for r in self.requests], dtype=np.int64)
+        return CacheStats(np.where(np.isfinite(self.first_token), prompt, 0), self.device_hit, self.tier_hit,
+                          revisits(self.requests, self.arrival), self.spec.kv_offload_bytes, len(tiers),
+                          sum(t.blocks_offloaded for t in tiers), sum(t.blocks_loaded for t in tiers))
 
     def _send(self) -> None:
         """Closed loop: a client sends the next request now."""
@@ -323,6 +339,7 @@ class Simulator(Placement):
         for seq in out.prefilled:
             if not seq.recompute:
                 self.first_token[seq.rid] = self.now
+                self.device_hit[seq.rid], self.tier_hit[seq.rid] = seq.device_hit, seq.tier_hit
                 self.recent_ttft.append(self.now - self.arrival[seq.rid])
             if w.role == "prefill":
                 self.pace.observe(seq.compute_tokens, self.now - seq.compute_from)

@@ -103,13 +103,26 @@ def demand_rate(t: np.ndarray, mean_rate: float, burst_starts: np.ndarray, burst
 
 
 def shared_prefix(rate: float, duration_s: float, lengths: LengthMix, num_prefixes: int, prefix_tokens: int,
-                  seed: int = 0) -> list[TraceRequest]:
-    """Poisson arrivals whose prompts start with one of ``num_prefixes`` shared system prompts."""
+                  seed: int = 0, order: str = "random") -> list[TraceRequest]:
+    """Poisson arrivals whose prompts start with one of ``num_prefixes`` shared system prompts of
+    ``prefix_tokens`` tokens (``lengths`` gives what follows it): each drawn at random (``order``
+    "random"), or taken in turn, every prefix once before any comes again ("cyclic": a working
+    set revisited, the order in which a least-recently-used cache smaller than it never hits)."""
+    if order not in PREFIX_ORDERS:
+        raise TraceError("prefix_order", f"must be one of {', '.join(PREFIX_ORDERS)}, got {order!r}")
+    for key, value in (("num_prefixes", num_prefixes), ("prefix_tokens", prefix_tokens)):
+        if value < 1:
+            raise TraceError(key, f"must be >= 1, got {value}")
     base = poisson(rate, duration_s, lengths, seed)
-    rng = np.random.default_rng(seed + 1)
-    which = rng.integers(0, num_prefixes, len(base))
+    if order == "cyclic":
+        which = np.arange(len(base)) % num_prefixes
+    else:
+        which = np.random.default_rng(seed + 1).integers(0, num_prefixes, len(base))
     return [TraceRequest(r.t, r.prompt_tokens + prefix_tokens, r.output_tokens, f"prefix-{w}", prefix_tokens)
             for r, w in zip(base, which)]
+
+
+PREFIX_ORDERS = ("random", "cyclic")
 
 
 def _build(times: np.ndarray, lengths: LengthMix, rng: np.random.Generator) -> list[TraceRequest]:

@@ -37,12 +37,13 @@ lands) and ``colocated`` (prefill and decode on one worker).
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.planner.blocks import RunningBlocks
 from pdserve.planner.cost import CostModel
 from pdserve.planner.mixed_step import MixedSteps, step_budget
+from pdserve.planner.prefix_cache import PrefixCache, PrefixHits
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class SimSeq:
     joins: int = 0  # times it joined a batch; a finish-heap entry from an earlier join is stale
     compute_from: float = -1.0  # when its first prompt chunk began (-1: not yet): the router's pace reads it
     compute_tokens: int = 0  # prompt tokens it had to compute then (its prefix-cache hit not counted)
+    device_hit: int = 0  # prompt tokens its first prefill took from the worker's prefix cache
+    tier_hit: int = 0  # and from the KV tier below it
 
 
 @dataclass
@@ -89,7 +92,7 @@ class StepResult:
     itl: tuple[float, int] | None = None  # (inter-token latency, tokens that saw it)
 
 
-class SimWorker(MixedSteps):
+class SimWorker(MixedSteps, PrefixHits):
     def __init__(self, wid: str, role: str, cost: CostModel, limits: EngineLimits, num_blocks: int | None = None,
                  step_target_s: float = 0.0):
         self.wid, self.role, self.cost, self.limits = wid, role, cost, limits
@@ -103,7 +106,8 @@ class SimWorker(MixedSteps):
         self.run_blocks = RunningBlocks(limits.block_size)
         self.fixed_blocks = 0  # blocks of waiting, prefilling, held and reserved sequences
         self.queued_tokens = 0  # prompt tokens still to prefill
-        self.prefix_cache: OrderedDict[str, int] = OrderedDict()
+        self.prefix_cache = PrefixCache(self.num_blocks // 2, limits.block_size)  # its tier: the simulator's
+        self._load_s = 0.0  # KV tier loads of the prompts admitted for the step being set up
         self._held: dict[int, int] = {}  # prefill role: request -> blocks held for its transfer
         self._reserved: dict[int, int] = {}  # decode role: request -> blocks reserved for its KV
         self.busy = False
@@ -197,6 +201,7 @@ class SimWorker(MixedSteps):
             sampled = sum(1 for s, n in batch if n == s.todo)
             self._kind, self._batch, self._k = "prefill", batch, 1
             self._dt = self.cost.prefill_s(chunks, max(sampled, 1)) * (self.borrow_factors[0] if borrow else 1.0)
+            self._dt += self._take_load()
         elif self.running:
             k = self._decode_steps()
             if not self.running:
@@ -276,23 +281,6 @@ class SimWorker(MixedSteps):
                 break
             self.waiting.popleft()
         return batch
-
-    def _prefix_hit(self, seq: SimSeq) -> None:
-        """Full blocks of a cached shared prefix are not recomputed (the last token always is)."""
-        if not (self.limits.enable_prefix_cache and seq.prefix_hash):
-            return
-        bs = self.limits.block_size
-        cached_blocks = min(seq.prefix_tokens, seq.tokens - 1) // bs
-        if seq.prefix_hash in self.prefix_cache:
-            self.prefix_cache.move_to_end(seq.prefix_hash)
-            hit = cached_blocks * bs
-            seq.todo -= hit
-            self.queued_tokens -= hit
-        else:
-            self.prefix_cache[seq.prefix_hash] = cached_blocks
-            # The real cache keeps freed blocks until they are reused; bound the index by half the cache.
-            while sum(self.prefix_cache.values()) > self.num_blocks // 2:
-                self.prefix_cache.popitem(last=False)
 
     def _finish_prefill(self) -> StepResult:
         out = self._apply_chunks()
