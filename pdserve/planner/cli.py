@@ -102,9 +102,9 @@ def _print_elastic(req, start) -> int:
 def run_profile(args) -> int:
     from pathlib import Path
 
-    from pdserve.planner.profile import profile_engine, save_points
+    from pdserve.planner.profile import FULL, QUICK, profile_engine, save_points
 
-    profile, points, spec = profile_engine(args.model, args.dtype, args.threads, quick=args.quick)
+    profile, points, spec = profile_engine(args.model, args.dtype, args.threads, QUICK if args.quick else FULL)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.output)
     points_path = Path(args.output).with_suffix(".points.json")

@@ -144,25 +144,48 @@ def read_bandwidth(nbytes: int = 512 << 20) -> float:
     return _best_rate(nbytes, x.sum)
 
 
-def measure(engine, quick: bool) -> list[Point]:
+@dataclass(frozen=True)
+class Sweep:
+    """What ``measure`` times: one prompt at each of ``prefill_lens`` (``repeats`` times, the
+    median kept), then decode steps of ``max_batch`` sequences down to 1 at each of ``contexts``
+    (``decode_steps`` a batch size, the median kept)."""
+
+    prefill_lens: tuple[int, ...]
+    max_batch: int
+    contexts: tuple[int, ...]
+    repeats: int
+    decode_steps: int
+
+    def points(self) -> int:
+        """How many timings the sweep makes (its progress bar's length)."""
+        return len(self.prefill_lens) * self.repeats + len(self.contexts) * self.max_batch
+
+
+FULL = Sweep((64, 256, 512, 1024), 16, (128, 512), repeats=3, decode_steps=5)  # ``pdserve profile``: about a minute
+QUICK = Sweep((32, 128, 256), 4, (64, 256), repeats=2, decode_steps=3)  # ``--quick``
+# ``--layout auto``'s measurement at first start (planner/calibration.py), some 10 s on a quiet
+# core: the fit's six terms need three prompt lengths (matmul against attention FLOPs) and two
+# contexts (decode attention against the per-sequence cost); the lengths span the objective's
+# 256-token prompts, and the batches the decode batches its rates reach (up to about 8 on two cores).
+CALIBRATION = Sweep((64, 256, 512), 8, (128, 384), repeats=2, decode_steps=3)
+
+
+def measure(engine, sweep: Sweep, progress: bool = True) -> list[Point]:
     """Prefill steps of one prompt at several lengths, and decode steps at every batch size
-    from the largest down to 1 at two context lengths (the engine's step time is not linear
+    from the largest down to 1 at each context length (the engine's step time is not linear
     in the batch: its kernels cut a batch into row tiles)."""
     from tqdm import tqdm
 
-    prefill_lens = (32, 128, 256) if quick else (64, 256, 512, 1024)
-    max_batch, contexts = (4, (64, 256)) if quick else (16, (128, 512))
-    repeats = 2 if quick else 3
-    bar = tqdm(total=len(prefill_lens) * repeats + len(contexts) * max_batch, desc="profile", unit="point")
+    bar = tqdm(total=sweep.points(), desc="profile", unit="point", disable=not progress)
     points = []
-    for n in prefill_lens:
+    for n in sweep.prefill_lens:
         times = []
-        for r in range(repeats):
+        for r in range(sweep.repeats):
             times.append(_prefill_once(engine, n, f"p{n}-{r}"))
             bar.update(1)
         points.append(Point("prefill", 1, n, statistics.median(times)))
-    for ctx in contexts:
-        points += _decode_sweep(engine, max_batch, ctx, steps=3 if quick else 5, progress=lambda: bar.update(1))
+    for ctx in sweep.contexts:
+        points += _decode_sweep(engine, sweep.max_batch, ctx, steps=sweep.decode_steps, progress=lambda: bar.update(1))
     bar.close()
     return points
 
@@ -214,8 +237,10 @@ def _decode_sweep(engine, max_batch: int, ctx: int, steps: int, progress) -> lis
 
 
 def profile_engine(model: str = "default", dtype: str | None = None, threads: int = 1,
-                   quick: bool = False) -> tuple[HardwareProfile, list[Point], ModelSpec]:
-    """Measure the engine; the fitted profile, the measured points and the model measured."""
+                   sweep: Sweep = FULL, progress: bool = True, label: str = "pdserve profile"
+                   ) -> tuple[HardwareProfile, list[Point], ModelSpec]:
+    """Measure the engine with ``sweep``; the fitted profile, the measured points and the
+    model measured. ``label`` opens the profile's ``source`` (who measured it)."""
     import torch
 
     from pdserve.engine.config import CacheConfig, EngineConfig
@@ -228,7 +253,7 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
     engine = LLMEngine.from_config(config)
     spec = spec_from_config(json.loads((materialize(model, progress=False) / "config.json").read_text()), model)
     dtype_bytes = engine.dtype.itemsize
-    points = measure(engine, quick)
+    points = measure(engine, sweep, progress)
     f = fit(spec, dtype_bytes, points, mem_bw=read_bandwidth())
     link = memcpy_bandwidth() * NIXL_SHARE_OF_MEMCPY
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -241,7 +266,7 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
         prefill_attention_flops=f.prefill_attention_flops, decode_attention_flops=f.decode_attention_flops,
         decode_points=tuple((p.batch, p.tokens, p.seconds) for p in points if p.kind == "decode"),
         points_model=spec.shape,
-        source=f"pdserve profile, {stamp}: {model} {engine.dtype}, {threads} thread(s), {len(points)} points "
+        source=f"{label}, {stamp}: {model} {engine.dtype}, {threads} thread(s), {len(points)} points "
                f"fitted to t = overhead + seqs x per_seq + bytes/bw + matmul flops/rate + attention flops/"
                f"(prefill's, decode's rate), bw measured apart; load average {load:.1f}")
     return profile, points, spec

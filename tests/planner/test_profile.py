@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.planner.cost import CostModel
 from pdserve.planner.model_spec import get_model
-from pdserve.planner.profile import Point, fit, measure
+from pdserve.planner.profile import QUICK, Point, fit, measure
 from tests.planner.helpers import DEVICE
 
 SMOL = get_model("SmolLM2-135M")
@@ -66,7 +66,7 @@ def test_measure_times_every_decode_batch_of_a_real_engine(tiny_llama_dir):
     from tests.factories import make_engine
 
     engine = make_engine(tiny_llama_dir[0])
-    points = measure(engine, quick=True)
+    points = measure(engine, QUICK, progress=False)
     assert [(p.kind, p.tokens) for p in points if p.kind == "prefill"] == [("prefill", n) for n in (32, 128, 256)]
     decode = [(p.batch, p.tokens) for p in points if p.kind == "decode"]
     assert [b for b, _ in decode] == [4, 3, 2, 1] * 2
