@@ -161,14 +161,25 @@ def resolve(kernel_path: str | None, dtype: str | None, stored: Callable[[str | 
     else:
         target, kept = _scratch(key), False
         note = f"not cached: {file.parent} cannot be written, so the next start measures again"
+    busy = _busy()
     try:
         (measure or measure_in_child)(key, target)
+        note = "; ".join(n for n in (note, busy and f"{busy}: delete the file to measure again") if n)
         return Resolved(HardwareProfile.load(target), target if kept else file, "measured now", note)
     except (CalibrationError, ProfileError) as exc:
         return _stored(stored(kernel_path), f"{exc}")
     finally:
         if not kept:
             target.unlink(missing_ok=True)
+
+
+def _busy() -> str:
+    """Why this machine's rates may read slow now ("" when quiet): other work on its cores. The
+    profile is as fast as the machine was (60 s and half the rates at a load average of 15 on
+    this project's two shared cores), and is cached all the same: measuring every start on a
+    machine that is always busy would cost that minute each time."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    return f"measured while busy (load average {load:.1f} on {cores} cores)" if load >= cores else ""
 
 
 def _writable(directory: Path) -> bool:

@@ -19,6 +19,12 @@ MEASURED = dataclasses.replace(CORE, name="measured", source="measured here")
 MEASURING = {"PDSERVE_LAYOUT_MEASURE": "1"}  # the tests' default is 0 (tests/conftest.py)
 
 
+@pytest.fixture(autouse=True)
+def quiet(monkeypatch):
+    """The machine as if idle: what the log says of a busy one is tested on its own."""
+    monkeypatch.setattr(calibration, "_busy", lambda: "")
+
+
 @pytest.fixture
 def stored(tmp_path):
     """A stored profile, and the ``profile_for`` stand-in that names it for any kernel path."""
@@ -76,6 +82,13 @@ def test_the_first_start_measures_and_later_ones_read_the_cache(tmp_path, stored
     assert (again.how, again.profile, again.file) == ("cached", MEASURED, first.file)
     assert len(measure.keys) == 1 and len(announced) == 1
     assert again.line() == f"profile {first.file} (cached)"
+
+
+def test_a_measurement_on_a_busy_machine_is_kept_and_says_so(tmp_path, stored, monkeypatch):
+    monkeypatch.setattr(calibration, "_busy", lambda: "measured while busy (load average 15.0 on 2 cores)")
+    r = resolve("avx2", None, stored, tmp_path, Counting(), environ=MEASURING)
+    assert r.how == "measured now" and r.file.exists()
+    assert r.note == "measured while busy (load average 15.0 on 2 cores): delete the file to measure again"
 
 
 def test_another_dtype_or_a_corrupt_cache_file_is_measured_again(tmp_path, stored):
