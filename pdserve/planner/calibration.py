@@ -2,7 +2,9 @@
 
 A profile fitted on another processor predicts that processor's goodput (issue 59: the stored
 EPYC profile predicted 3.15 req/s where an Intel Xeon served 1.4), so ``--layout auto`` fits one
-here. The fit is ``pdserve profile``'s (planner/profile.py) on a shorter sweep
+here. The fit is ``pdserve profile``'s (planner/profile.py), on the default model whatever is
+served (the profile is the core's rates; the cost model applies them to the served model's
+shape, as it does a stored profile's), on a shorter sweep
 (``profile.CALIBRATION``: three prompt lengths and decode batches 8 down to 1 at two contexts,
 about 10 s on a quiet core, 20-30 s on this project's busy two-core box), in a child process
 (``python -m pdserve.planner.calibration``): the engine it loads, the kernel path it pins and
@@ -129,6 +131,8 @@ def measure_in_child(key: CacheKey, out: Path, timeout_s: float = MEASURE_TIMEOU
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         raise CalibrationError(f"measuring took over {timeout_s:g} s") from exc
+    except OSError as exc:  # the interpreter could not be started
+        raise CalibrationError(f"measuring could not start ({exc})") from exc
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise CalibrationError(f"measuring failed (exit {done.returncode}: {tail})")
@@ -175,7 +179,7 @@ def resolve(kernel_path: str | None, dtype: str | None, stored: Callable[[str | 
 
 def _busy() -> str:
     """Why this machine's rates may read slow now ("" when quiet): other work on its cores. The
-    profile is as fast as the machine was (60 s and half the rates at a load average of 15 on
+    profile is as fast as the machine was (60 s, and half the matmul rate, at a load average of 15 on
     this project's two shared cores), and is cached all the same: measuring every start on a
     machine that is always busy would cost that minute each time."""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
