@@ -23,8 +23,8 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 # cores. The choice itself is tested on fixed profiles (tests/planner/test_auto_layout.py).
 os.environ.setdefault("PDSERVE_LAYOUT", "disaggregated")
 # And a `--layout auto` a test reaches (the planner's own tests call its chooser) simulates on
-# the stored profile: measuring this machine takes 10-30 s (pdserve/planner/calibration.py), which
-# tests/planner/test_calibration.py pays once, on purpose.
+# the stored profile: measuring this machine takes some 15 s (pdserve/planner/calibration.py);
+# tests/planner/test_calibration.py turns it back on with a fake measurement.
 os.environ.setdefault("PDSERVE_LAYOUT_MEASURE", "0")
 
 # Without CUDA, Triton's kernels (pdserve/engine/attention/triton.py) run in its interpreter, on

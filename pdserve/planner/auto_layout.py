@@ -15,7 +15,7 @@ even split: 1P:1D on two cores, what ``make serve`` started before this choice e
 no more than ``margin``: then the default stays.
 
 Where the profile comes from (planner/calibration.py): measured here at the first start (a
-short ``pdserve profile`` fit, 10-30 s) and cached per processor model, kernel path, dtype and
+short ``pdserve profile`` fit on CPU time, about 15 s) and cached per processor model, kernel path, dtype and
 build, so later starts read it; a simulation over it takes well under a second per candidate.
 A stored profile fitted on another machine (``profiles/cpu-<path>.json``, the path the workers
 will run, read from ``PDSERVE_CPU_ISA`` or the processor's flags without loading the kernels;

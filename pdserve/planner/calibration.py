@@ -6,7 +6,8 @@ here. The fit is ``pdserve profile``'s (planner/profile.py), on the default mode
 served (the profile is the core's rates; the cost model applies them to the served model's
 shape, as it does a stored profile's), on a shorter sweep
 (``profile.CALIBRATION``: three prompt lengths and decode batches 8 down to 1 at two contexts,
-about 10 s on a quiet core, 20-30 s on this project's busy two-core box), in a child process
+timed on the measuring thread's CPU time so that a busy machine's other work does not count;
+12 s of CPU, 16 s of wall time on this project's shared two-core box), in a child process
 (``python -m pdserve.planner.calibration``): the engine it loads, the kernel path it pins and
 the thread count it sets stay out of ``pdserve serve``'s own process, and a measurement that
 hangs is cut at ``MEASURE_TIMEOUT_S``.
@@ -159,7 +160,7 @@ def resolve(kernel_path: str | None, dtype: str | None, stored: Callable[[str | 
         except (ProfileError, TypeError) as exc:
             note = f"the cached file was unreadable ({exc}); measured again"
     announce(f"measuring this machine ({key.processor}, kernel path {kernel_path}, {key.dtype}) for the layout "
-             f"choice: once per processor, kernel path and build, some 10-30 s")
+             f"choice: once per processor, kernel path and build, about 15 s")
     if _writable(file.parent):
         target, kept = file, True
     else:
@@ -178,12 +179,14 @@ def resolve(kernel_path: str | None, dtype: str | None, stored: Callable[[str | 
 
 
 def _busy() -> str:
-    """Why this machine's rates may read slow now ("" when quiet): other work on its cores. The
-    profile is as fast as the machine was (60 s, and half the matmul rate, at a load average of 15 on
-    this project's two shared cores), and is cached all the same: measuring every start on a
-    machine that is always busy would cost that minute each time."""
+    """What the log should know of other work on this machine's cores ("" when quiet). The
+    measurement is timed on its thread's CPU time, so other processes' time slices cost it
+    nothing (at a load average of 4.3: 212 GFLOP/s of matmuls and 23.5 GB/s, where the stored
+    profile of this EPYC, taken quiet on wall time, has 204 and 29; on wall time at 14.7 it read
+    100 and 7.9), but memory bandwidth and caches are still shared."""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    return f"measured while busy (load average {load:.1f} on {cores} cores)" if load >= cores else ""
+    return (f"measured while busy (load average {load:.1f} on {cores} cores: timed on CPU time, but memory "
+            f"bandwidth was shared)") if load >= cores else ""
 
 
 def _writable(directory: Path) -> bool:

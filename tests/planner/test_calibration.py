@@ -1,7 +1,7 @@
 """``--layout auto``'s profile of this machine (pdserve/planner/calibration.py): measured once,
 cached under a key of everything it depends on, measured again when any of it changes, and the
 stored profile where measuring is impossible, with the log saying which. The measurement is a
-fake that writes a profile and counts its calls (a real one takes 10-30 s here); the child
+fake that writes a profile and counts its calls (a real one takes some 15 s here); the child
 process is run for real where it fails fast."""
 
 import dataclasses
@@ -16,7 +16,8 @@ from tests.helpers.planner_profiles import CORE
 
 STORED = dataclasses.replace(CORE, name="stored", source="fitted on another machine")
 MEASURED = dataclasses.replace(CORE, name="measured", source="measured here")
-MEASURING = {"PDSERVE_LAYOUT_MEASURE": "1"}  # the tests' default is 0 (tests/conftest.py)
+MEASURING = {"PDSERVE_LAYOUT_MEASURE": "1"}
+REAL_BUSY = calibration._busy  # the tests' default is 0 (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +90,15 @@ def test_a_measurement_on_a_busy_machine_is_kept_and_says_so(tmp_path, stored, m
     r = resolve("avx2", None, stored, tmp_path, Counting(), environ=MEASURING)
     assert r.how == "measured now" and r.file.exists()
     assert r.note == "measured while busy (load average 15.0 on 2 cores): delete the file to measure again"
+
+
+def test_busy_is_a_load_average_at_or_above_the_core_count(monkeypatch):
+    busy = REAL_BUSY  # the autouse ``quiet`` replaced the module's
+    monkeypatch.setattr(calibration.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(calibration.os, "getloadavg", lambda: (1.9, 9.0, 9.0))
+    assert busy() == ""
+    monkeypatch.setattr(calibration.os, "getloadavg", lambda: (2.0, 0.0, 0.0))
+    assert busy().startswith("measured while busy (load average 2.0 on 2 cores")
 
 
 def test_another_dtype_or_a_corrupt_cache_file_is_measured_again(tmp_path, stored):
