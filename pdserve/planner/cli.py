@@ -56,7 +56,7 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer points (about a minute)")
     p.add_argument("--only", choices=("fit", "gemms"), default=None,
                    help="fit: the profile alone; gemms: the prefill GEMM table alone (GFLOP/s per kernel path "
-                        "against the core's peak and torch's matmul, a few minutes). Default: both")
+                        "against the core's peak and torch's matmul, under a minute). Default: both")
 
 
 def run_plan(args) -> int:
