@@ -15,8 +15,9 @@ even split: 1P:1D on two cores, what ``make serve`` started before this choice e
 no more than ``margin``: then the default stays.
 
 Where the profile comes from (planner/calibration.py): measured here at the first start (a
-short ``pdserve profile`` fit on CPU time, about 15 s) and cached per processor model, kernel path, dtype and
-build, so later starts read it; a simulation over it takes well under a second per candidate.
+short ``pdserve profile`` fit on CPU time, about 15 s) and cached per processor model, kernel
+path, dtype and build, so later starts read it; a simulation over it takes well under a second
+per candidate.
 A stored profile fitted on another machine (``profiles/cpu-<path>.json``, the path the workers
 will run, read from ``PDSERVE_CPU_ISA`` or the processor's flags without loading the kernels;
 else ``cpu.json``) stands in only where measuring is impossible, and predicts that machine's
@@ -298,8 +299,8 @@ def choose_for_settings(v: dict[str, Any], announce: Callable[[str], None] | Non
     path = kernel_path()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     try:
+        model = get_model("SmolLM2-135M" if v["model"] == "default" else v["model"])  # before any measuring
         resolved = resolve(path, v.get("dtype"), profile_for, announce=announce or _print_layout_line)
-        model = get_model("SmolLM2-135M" if v["model"] == "default" else v["model"])
         hw = resolved.profile
         hw = on_this_host(hw, cores, worker_need_bytes(model.weight_bytes(hw.dtype_bytes), v.get("kv_cache")))
     except (ProfileError, ModelSpecError) as exc:
