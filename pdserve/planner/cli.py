@@ -144,8 +144,8 @@ def _print_gemms(model: str) -> None:
     core, paths = this_core(), cpu_kernels.runnable_isas()
     load = os.getloadavg()[0]
     cells = gemm_bench.measure(gemm_bench.prefill_gemms(spec), paths)
-    print(f"prefill GEMMs of {spec.name} on {cpu_kernels.cpu_model()}, one thread, fastest of 5 runs on its CPU time; load average "
-          f"{load:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
+    print(f"prefill GEMMs of {spec.name} on {cpu_kernels.cpu_model()}, one thread, fastest of 5 runs on its CPU "
+          f"time; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
     print("\n".join(gemm_bench.table(cells, core)))
     print("\n".join(gemm_bench.notes(core, paths)))
 

@@ -11,8 +11,9 @@
 - Products a lane: 1 for an FMA; 2 for ``VDPBF16PS`` (the ``avx512_bf16`` path on bfloat16
   weights: a pair of bfloat16 products summed into each float32 lane, at the FMA's rate on Zen
   4, and taken as the same on Intel, where it is not always so: on the AMX Xeon of BENCHMARKS.md
-  float32 FMAs outran its bfloat16 dot products, so this path's share of peak reads low there). The ``avx2`` and ``avx512`` paths widen bfloat16 to float32 and run FMAs,
-  so their bfloat16 peak is their float32 peak; float32 weights take the FMA chain on every path.
+  float32 FMAs outran its bfloat16 dot products, so this path's share of peak reads low there).
+  The ``avx2`` and ``avx512`` paths widen bfloat16 to float32 and run FMAs, so their bfloat16
+  peak is their float32 peak; float32 weights take the FMA chain on every path.
 - ``amx``: one TMUL a core, a 16 x 32 x 16 bfloat16 tile product (16,384 FLOPs) each 16 cycles:
   1,024 FLOPs a cycle.
 - The clock: measured (``measure_clock_hz``), as a chain of dependent integer adds (one cycle of
