@@ -49,7 +49,7 @@ def _choose_layout(s):
                                 "layout_tpot_slo_s": layout.layout_tpot_slo_s,
                                 "layout_prompt_tokens": layout.layout_prompt_tokens,
                                 "layout_output_tokens": layout.layout_output_tokens,
-                                "kv_cache": s.engine.cache_config()})
+                                "kv_cache": s.engine.cache_config(), "dtype": s.engine.dtype})
 
 
 if __name__ == "__main__":

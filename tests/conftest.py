@@ -22,6 +22,10 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 # flags it gives) on any machine: `--layout auto` could pick another for a machine with more
 # cores. The choice itself is tested on fixed profiles (tests/planner/test_auto_layout.py).
 os.environ.setdefault("PDSERVE_LAYOUT", "disaggregated")
+# And a `--layout auto` a test reaches (the planner's own tests call its chooser) simulates on
+# the stored profile: measuring this machine takes some 15 s (pdserve/planner/calibration.py);
+# tests/planner/test_calibration.py turns it back on with a fake measurement.
+os.environ.setdefault("PDSERVE_LAYOUT_MEASURE", "0")
 
 # Without CUDA, Triton's kernels (pdserve/engine/attention/triton.py) run in its interpreter, on
 # host tensors. Triton reads this once, as it is first imported (its own helpers are decorated

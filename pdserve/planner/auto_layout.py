@@ -3,9 +3,9 @@ simulation (DistServe's placement by simulation, done where the user is).
 
 Each candidate layout the machine's cores can run, one worker per core (every fixed split
 kP:(N-k)D, N colocated workers, and elastic roles starting from the even split, free to make
-a decode worker mixed), is simulated on the stored CPU profile (``pdserve profile`` fits it
-to the engine; the cost of a step on this kernel path) at rising Poisson rates of the
-objective's workload, each as ``pdserve serve`` would run it (``spec_for``: disaggregated and
+a decode worker mixed), is simulated on this machine's CPU profile (the cost of a step on the
+kernel path the workers will run) at rising Poisson rates of the objective's workload, each as
+``pdserve serve`` would run it (``spec_for``: disaggregated and
 elastic candidates with prefill that keeps up at half the TTFT objective and decode workers'
 mixed steps aimed at half the TPOT objective; colocated ones with neither, as serve leaves
 them). A candidate's predicted goodput is the highest rate at which at least
@@ -14,12 +14,15 @@ rate, to ``RATE_RESOLUTION``). The highest wins, unless it beats the default lay
 even split: 1P:1D on two cores, what ``make serve`` started before this choice existed) by
 no more than ``margin``: then the default stays.
 
-Why a stored profile and no measurement at start: a fit takes minutes (``pdserve profile``);
-a simulation over it takes well under a second per candidate. The profile is the kernel path's
-where one is stored (``profiles/cpu-<path>.json``: the path the workers will run, read from
-``PDSERVE_CPU_ISA`` or the processor's flags without loading the kernels), else ``cpu.json``.
-A profile fitted on another machine gives that machine's predictions: the log names the path,
-the file and its source so a user sees it, and ``pdserve profile --output`` here replaces it.
+Where the profile comes from (planner/calibration.py): measured here at the first start (a
+short ``pdserve profile`` fit on CPU time, about 15 s) and cached per processor model, kernel
+path, dtype and build, so later starts read it; a simulation over it takes well under a second
+per candidate.
+A stored profile fitted on another machine (``profiles/cpu-<path>.json``, the path the workers
+will run, read from ``PDSERVE_CPU_ISA`` or the processor's flags without loading the kernels;
+else ``cpu.json``) stands in only where measuring is impossible, and predicts that machine's
+goodput (issue 59: 3.15 req/s predicted from the EPYC's, 1.4 served on an Intel Xeon). The log
+names the file, whether it was measured now, cached or stored, and its source.
 
 Why a correction and a margin: the simulator's goodput still differs from a served run's, by
 layout kind. Each prediction is multiplied by its kind's factor (``SERVED_OVER_SIMULATED``)
@@ -279,12 +282,16 @@ def _host_ram() -> int:
     return HostMemory().total_bytes()
 
 
-def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def choose_for_settings(v: dict[str, Any], announce: Callable[[str], None] | None = None
+                        ) -> tuple[dict[str, Any], list[str]]:
     """``pdserve serve``'s resolved settings ``v`` -> (the settings of the chosen layout, empty
     where the default wins; the log lines saying what was compared on what and why). A model or
     profile the planner cannot read leaves the layout as it is, said so. ``v["kv_cache"]``: the
-    workers' ``CacheConfig`` (absent: the default KV cache)."""
-    from pdserve.planner.hardware import HardwareProfile, ProfileError
+    workers' ``CacheConfig`` (absent: the default KV cache); ``v["dtype"]``: the serving dtype
+    (absent or None: bfloat16), the one this machine is measured in. ``announce``: hears, before
+    it starts, that this machine is being measured (default: printed as serve's log lines are)."""
+    from pdserve.planner.calibration import resolve
+    from pdserve.planner.hardware import ProfileError
     from pdserve.planner.model_spec import ModelSpecError, get_model
 
     from pdserve.planner.cost import CostError
@@ -292,9 +299,9 @@ def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     path = kernel_path()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     try:
-        profile = profile_for(path)
-        hw = HardwareProfile.load(profile)
-        model = get_model("SmolLM2-135M" if v["model"] == "default" else v["model"])
+        model = get_model("SmolLM2-135M" if v["model"] == "default" else v["model"])  # before any measuring
+        resolved = resolve(path, v.get("dtype"), profile_for, announce=announce or _print_layout_line)
+        hw = resolved.profile
         hw = on_this_host(hw, cores, worker_need_bytes(model.weight_bytes(hw.dtype_bytes), v.get("kv_cache")))
     except (ProfileError, ModelSpecError) as exc:
         return {}, [f"no prediction ({exc}); the default layout stays"]
@@ -310,6 +317,9 @@ def choose_for_settings(v: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     chosen = {} if choice.chosen is choice.default else choice.chosen.settings()
     head = (f"{cores} core(s), kernel path {path}, {model.name}, objectives TTFT <= {objective.slo.ttft_s:g} s and "
             f"TPOT <= {objective.slo.tpot_s * 1e3:g} ms for {objective.attainment:.0%} of "
-            f"{objective.lengths.prompt_mean}/{objective.lengths.output_mean}-token requests, profile {profile.name} "
-            f"({hw.source[:48]}...)")
-    return chosen, [head, *choice.lines()]
+            f"{objective.lengths.prompt_mean}/{objective.lengths.output_mean}-token requests")
+    return chosen, [head, f"{resolved.line()}: {hw.source[:96]}...", *choice.lines()]
+
+
+def _print_layout_line(line: str) -> None:
+    print(f"pdserve: layout auto: {line}", flush=True)

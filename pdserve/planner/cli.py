@@ -65,6 +65,9 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (the cluster runs one per worker)")
     p.add_argument("--output", default=str(DEFAULT_CPU_PROFILE), help="profile file to write")
     p.add_argument("--quick", action="store_true", help="fewer points (about a minute)")
+    p.add_argument("--only", choices=("fit", "gemms"), default=None,
+                   help="fit: the profile alone; gemms: the prefill GEMM table alone (GFLOP/s per kernel path "
+                        "against the core's peak and torch's matmul, under a minute). Default: both")
 
 
 def run_plan(args) -> int:
@@ -115,11 +118,20 @@ def _print_elastic(req, start) -> int:
 
 
 def run_profile(args) -> int:
+    if args.only != "gemms":
+        _fit_profile(args)
+    if args.only != "fit":
+        _print_gemms(args.model)
+    return 0
+
+
+def _fit_profile(args) -> None:
+    import json
     from pathlib import Path
 
-    from pdserve.planner.profile import profile_engine, save_points
+    from pdserve.planner.profile import FULL, QUICK, profile_engine, save_points
 
-    profile, points, spec = profile_engine(args.model, args.dtype, args.threads, quick=args.quick)
+    profile, points, spec = profile_engine(args.model, args.dtype, args.threads, QUICK if args.quick else FULL)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.output)
     points_path = Path(args.output).with_suffix(".points.json")
@@ -131,10 +143,27 @@ def run_profile(args) -> int:
     if profile.prefill_attention_flops and profile.decode_attention_flops:
         print(f"  attention: prefill {profile.prefill_attention_flops / 1e9:.1f} GFLOP/s, "
               f"decode {profile.decode_attention_flops / 1e9:.1f} GFLOP/s")
-    for row in __import__("json").loads(points_path.read_text()):
+    for row in json.loads(points_path.read_text()):
         print(f"  {row['kind']:<8} batch {row['batch']:>3} tokens {row['tokens']:>5}: measured "
               f"{row['measured_s'] * 1e3:8.1f} ms, fitted {row['fitted_s'] * 1e3:8.1f} ms")
-    return 0
+
+
+def _print_gemms(model: str) -> None:
+    """The prefill GEMM table (planner/gemm_bench.py) for ``model``'s projections, one thread."""
+    import os
+
+    from pdserve.engine.kernels import cpu_kernels
+    from pdserve.planner import gemm_bench
+    from pdserve.planner.peak import this_core
+
+    spec = get_model("SmolLM2-135M" if model == "default" else model)
+    core, paths = this_core(), cpu_kernels.runnable_isas()
+    load = os.getloadavg()[0]
+    cells = gemm_bench.measure(gemm_bench.prefill_gemms(spec), paths)
+    print(f"prefill GEMMs of {spec.name} on {cpu_kernels.cpu_model()}, one thread, fastest of 5 runs on its CPU "
+          f"time; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
+    print("\n".join(gemm_bench.table(cells, core)))
+    print("\n".join(gemm_bench.notes(core, paths)))
 
 
 def parse_layout(text: str):

@@ -118,31 +118,31 @@ def fit(spec: ModelSpec, dtype_bytes: int, points: list[Point], mem_bw: float | 
     return Fit(float(best[0]), float(best[1]), bw, rate(best[3]), *attn)
 
 
-def _best_rate(nbytes: int, op) -> float:
-    """``nbytes`` over the fastest of five timed runs of ``op`` (after one untimed)."""
+def _best_rate(nbytes: int, op, clock=time.perf_counter) -> float:
+    """``nbytes`` over the fastest of five timed runs of ``op`` (after one untimed), on ``clock``."""
     op()
     times = []
     for _ in range(5):
-        t = time.perf_counter()
+        t = clock()
         op()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return nbytes / min(times)
 
 
-def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
+def memcpy_bandwidth(nbytes: int = 256 << 20, clock=time.perf_counter) -> float:
     import torch
 
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    return _best_rate(nbytes, lambda: dst.copy_(src))
+    return _best_rate(nbytes, lambda: dst.copy_(src), clock)
 
 
-def read_bandwidth(nbytes: int = 512 << 20) -> float:
+def read_bandwidth(nbytes: int = 512 << 20, clock=time.perf_counter) -> float:
     """Bytes/s one thread streams from memory (a sum over a buffer far larger than the caches):
     the rate a decode step reads the weights at."""
     import torch
 
     x = torch.ones(nbytes // 4)
-    return _best_rate(nbytes, x.sum)
+    return _best_rate(nbytes, x.sum, clock)
 
 
 def tier_load_bandwidth(block_bytes: int, blocks: int = 256, directory: str | None = None) -> float:
@@ -176,25 +176,56 @@ def tier_load_bandwidth(block_bytes: int, blocks: int = 256, directory: str | No
         shutil.rmtree(where, ignore_errors=True)
 
 
-def measure(engine, quick: bool) -> list[Point]:
+@dataclass(frozen=True)
+class Sweep:
+    """What ``measure`` times: one prompt at each of ``prefill_lens`` (``repeats`` times, the
+    median kept), then decode steps of ``max_batch`` sequences down to 1 at each of ``contexts``
+    (``decode_steps`` a batch size, the median kept)."""
+
+    prefill_lens: tuple[int, ...]
+    max_batch: int
+    contexts: tuple[int, ...]
+    repeats: int
+    decode_steps: int
+    # Time on the measuring thread's CPU clock instead of the wall's: a busy machine's other
+    # processes then take nothing from the rates (one torch thread runs every kernel inline).
+    cpu_time: bool = False
+
+    def clock(self) -> float:
+        return time.thread_time() if self.cpu_time else time.perf_counter()
+
+    def points(self) -> int:
+        """How many timings the sweep makes (its progress bar's length)."""
+        return len(self.prefill_lens) * self.repeats + len(self.contexts) * self.max_batch
+
+
+FULL = Sweep((64, 256, 512, 1024), 16, (128, 512), repeats=3, decode_steps=5)  # ``pdserve profile``: about a minute
+QUICK = Sweep((32, 128, 256), 4, (64, 256), repeats=2, decode_steps=3)  # ``--quick``
+# ``--layout auto``'s measurement at first start (planner/calibration.py), some 10 s on a quiet
+# core: the fit's six terms need three prompt lengths (matmul against attention FLOPs) and two
+# contexts (decode attention against the per-sequence cost); the lengths span the objective's
+# 256-token prompts, and the batches the decode batches its rates reach (up to about 8 on two
+# cores). On CPU time: the profile is cached for later starts, so it must hold the processor's
+# rates, not the load of the minute it was taken in.
+CALIBRATION = Sweep((64, 256, 512), 8, (128, 384), repeats=2, decode_steps=3, cpu_time=True)
+
+
+def measure(engine, sweep: Sweep, progress: bool = True) -> list[Point]:
     """Prefill steps of one prompt at several lengths, and decode steps at every batch size
-    from the largest down to 1 at two context lengths (the engine's step time is not linear
+    from the largest down to 1 at each context length (the engine's step time is not linear
     in the batch: its kernels cut a batch into row tiles)."""
     from tqdm import tqdm
 
-    prefill_lens = (32, 128, 256) if quick else (64, 256, 512, 1024)
-    max_batch, contexts = (4, (64, 256)) if quick else (16, (128, 512))
-    repeats = 2 if quick else 3
-    bar = tqdm(total=len(prefill_lens) * repeats + len(contexts) * max_batch, desc="profile", unit="point")
+    bar = tqdm(total=sweep.points(), desc="profile", unit="point", disable=not progress)
     points = []
-    for n in prefill_lens:
+    for n in sweep.prefill_lens:
         times = []
-        for r in range(repeats):
-            times.append(_prefill_once(engine, n, f"p{n}-{r}"))
+        for r in range(sweep.repeats):
+            times.append(_prefill_once(engine, n, f"p{n}-{r}", sweep.clock))
             bar.update(1)
         points.append(Point("prefill", 1, n, statistics.median(times)))
-    for ctx in contexts:
-        points += _decode_sweep(engine, max_batch, ctx, steps=3 if quick else 5, progress=lambda: bar.update(1))
+    for ctx in sweep.contexts:
+        points += _decode_sweep(engine, sweep.max_batch, ctx, sweep.decode_steps, lambda: bar.update(1), sweep.clock)
     bar.close()
     return points
 
@@ -204,19 +235,19 @@ def _prompt(engine, n: int, seed: int) -> list[int]:
     return rng.integers(100, engine.model_cfg.vocab_size - 100, n).tolist()
 
 
-def _prefill_once(engine, n: int, rid: str) -> float:
+def _prefill_once(engine, n: int, rid: str, clock=time.perf_counter) -> float:
     from pdserve.engine.sampling.params import SamplingParams
 
     engine.add_request(rid, _prompt(engine, n, hash(rid) % 2**31), SamplingParams(max_tokens=1, ignore_eos=True))
-    t = time.perf_counter()
+    t = clock()
     engine.step()
-    elapsed = time.perf_counter() - t
+    elapsed = clock() - t
     while engine.has_unfinished():
         engine.step()
     return elapsed
 
 
-def _decode_sweep(engine, max_batch: int, ctx: int, steps: int, progress) -> list[Point]:
+def _decode_sweep(engine, max_batch: int, ctx: int, steps: int, progress, clock=time.perf_counter) -> list[Point]:
     """Decode steps of ``max_batch`` sequences of ``ctx``-token prompts, then of one fewer
     (one aborted) and so on down to 1: one prefill of the whole batch serves every batch size.
     Each point records the mean context the sequences held then (it grows by a token a step)."""
@@ -235,9 +266,9 @@ def _decode_sweep(engine, max_batch: int, ctx: int, steps: int, progress) -> lis
         context = statistics.mean(seq.num_tokens for seq in engine.scheduler.running)
         times = []
         for _ in range(steps):
-            t = time.perf_counter()
+            t = clock()
             engine.step()
-            times.append(time.perf_counter() - t)
+            times.append(clock() - t)
         points.append(Point("decode", batch, round(context), statistics.median(times)))
         progress()
     for seq in list(engine.scheduler.running):
@@ -246,8 +277,10 @@ def _decode_sweep(engine, max_batch: int, ctx: int, steps: int, progress) -> lis
 
 
 def profile_engine(model: str = "default", dtype: str | None = None, threads: int = 1,
-                   quick: bool = False) -> tuple[HardwareProfile, list[Point], ModelSpec]:
-    """Measure the engine; the fitted profile, the measured points and the model measured."""
+                   sweep: Sweep = FULL, progress: bool = True, label: str = "pdserve profile"
+                   ) -> tuple[HardwareProfile, list[Point], ModelSpec]:
+    """Measure the engine with ``sweep``; the fitted profile, the measured points and the
+    model measured. ``label`` opens the profile's ``source`` (who measured it)."""
     import torch
 
     from pdserve.engine.config import CacheConfig, EngineConfig
@@ -255,14 +288,16 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
     from pdserve.engine.loader import materialize
     from pdserve.planner.model_spec import spec_from_config
 
+    if sweep.cpu_time and threads != 1:
+        raise ValueError(f"threads: a sweep on CPU time times one thread, got {threads}")
     torch.set_num_threads(threads)
     config = EngineConfig(model=model, dtype=dtype, cache=CacheConfig())
     engine = LLMEngine.from_config(config)
     spec = spec_from_config(json.loads((materialize(model, progress=False) / "config.json").read_text()), model)
     dtype_bytes = engine.dtype.itemsize
-    points = measure(engine, quick)
-    f = fit(spec, dtype_bytes, points, mem_bw=read_bandwidth())
-    link = memcpy_bandwidth() * NIXL_SHARE_OF_MEMCPY
+    points = measure(engine, sweep, progress)
+    f = fit(spec, dtype_bytes, points, mem_bw=read_bandwidth(clock=sweep.clock))
+    link = memcpy_bandwidth(clock=sweep.clock) * NIXL_SHARE_OF_MEMCPY
     tier_bw = tier_load_bandwidth(int(spec.kv_bytes_per_token(dtype_bytes)) * config.cache.block_size)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()[0]  # a shared machine: the fit is only as quiet as the machine was
@@ -274,9 +309,10 @@ def profile_engine(model: str = "default", dtype: str | None = None, threads: in
         prefill_attention_flops=f.prefill_attention_flops, decode_attention_flops=f.decode_attention_flops,
         decode_points=tuple((p.batch, p.tokens, p.seconds) for p in points if p.kind == "decode"),
         points_model=spec.shape, kv_tier_bw=tier_bw,
-        source=f"pdserve profile, {stamp}: {model} {engine.dtype}, {threads} thread(s), {len(points)} points "
+        source=f"{label}, {stamp}: {model} {engine.dtype}, {threads} thread(s), {len(points)} points "
                f"fitted to t = overhead + seqs x per_seq + bytes/bw + matmul flops/rate + attention flops/"
-               f"(prefill's, decode's rate), bw measured apart; load average {load:.1f}")
+               f"(prefill's, decode's rate), bw measured apart; on {'thread CPU' if sweep.cpu_time else 'wall'} "
+               f"time; load average {load:.1f}")
     return profile, points, spec
 
 

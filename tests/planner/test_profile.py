@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.planner.cost import CostModel
 from pdserve.planner.model_spec import get_model
-from pdserve.planner.profile import Point, fit, measure
+from pdserve.planner.profile import CALIBRATION, QUICK, Point, fit, measure, profile_engine
 from tests.planner.helpers import DEVICE
 
 SMOL = get_model("SmolLM2-135M")
@@ -66,10 +66,16 @@ def test_measure_times_every_decode_batch_of_a_real_engine(tiny_llama_dir):
     from tests.factories import make_engine
 
     engine = make_engine(tiny_llama_dir[0])
-    points = measure(engine, quick=True)
+    points = measure(engine, dataclasses.replace(QUICK, cpu_time=True), progress=False)  # as the calibration times
     assert [(p.kind, p.tokens) for p in points if p.kind == "prefill"] == [("prefill", n) for n in (32, 128, 256)]
     decode = [(p.batch, p.tokens) for p in points if p.kind == "decode"]
     assert [b for b, _ in decode] == [4, 3, 2, 1] * 2
     assert all(64 < c < 64 + 32 for _, c in decode[:4]) and all(256 < c < 256 + 32 for _, c in decode[4:])
     assert all(p.seconds > 0 for p in points)
     assert not engine.has_unfinished() and engine.blocks.usage == 0
+
+
+def test_a_sweep_on_cpu_time_takes_one_thread():
+    """The calibration times the measuring thread's CPU clock: with more threads it would miss their work."""
+    with pytest.raises(ValueError, match="threads: a sweep on CPU time times one thread, got 2"):
+        profile_engine(threads=2, sweep=CALIBRATION)
