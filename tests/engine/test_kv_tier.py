@@ -19,7 +19,7 @@ import torch
 from pdserve.engine.config import KVTierConfig
 from pdserve.engine.core.block_hashes import full_block_hashes
 from pdserve.engine.core.block_manager import BlockManager
-from pdserve.engine.kv_tier.engine_tier import namespace_of
+from pdserve.engine.kv_tier.engine_tier import build_kv_tier, namespace_of
 from pdserve.engine.kv_tier.store import HEADER, BlockStore, ReadResult
 from pdserve.engine.kv_tier.tier import KVTier
 from pdserve.engine.llm_engine import LLMEngine
@@ -128,6 +128,10 @@ def test_the_tier_is_refused_where_it_cannot_work_yet(tiny_llama_dir, tmp_path):
         tier_engine(directory, tmp_path, enable_prefix_cache=False)
     with pytest.raises(ValueError, match="kv_offload_bytes must hold at least one block"):
         tier_engine(directory, tmp_path, offload_bytes=1000)
+    config = dataclasses.replace(engine_config(directory), tensor_parallel_size=2,
+                                 kv_tier=KVTierConfig(1 << 20, str(tmp_path)))
+    with pytest.raises(ValueError, match="kv_offload_bytes.*tensor_parallel_size 1, got 2"):
+        build_kv_tier(config, None, None, torch.zeros(4, 8), BlockManager(4, 16))
 
 
 # ---- the store and the tier, without a model ---------------------------------------------
