@@ -6,7 +6,8 @@ engine's KV cache and a ``BlockStore`` directory (store.py).
   copy waits for the cache's stream), and queues it. A writer thread writes the file. Until it
   has, ``contains`` and ``load`` serve the pending copy from memory. The buffers are a fixed
   pool (``max_pending_bytes``): when all hold blocks not yet written, ``offload`` waits for the
-  writer, so memory stays bounded and no block is dropped for speed.
+  writer up to ``offload_wait_s`` and then drops the block (``blocks_dropped``), so memory stays
+  bounded and a burst of evictions never holds the engine's step for long.
 - ``load`` (engine thread, a fresh block for a prompt's next block): the pending copy, or the
   file read and verified (store.py) straight into the cache row on a CPU cache, through a
   pinned staging buffer on CUDA. Only a verified block with the asked tokens returns True.
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 TierListener = Callable[[bytes, bool], None]  # (block hash, True: stored here / False: removed here)
 MAX_PENDING_BYTES = 64 << 20  # host copies waiting for the writer; at least one block
+# How long an offload waits for a host buffer when every one holds a block not yet written
+# (the writer is behind a burst of evictions): then the block is dropped, not the step held.
+OFFLOAD_WAIT_S = 0.05
 
 
 class KVTier:
@@ -44,7 +48,7 @@ class KVTier:
     (num_blocks, ...) with one block per row; ``directory``: the namespace directory."""
 
     def __init__(self, cache: torch.Tensor, directory: str, capacity_bytes: int,
-                 max_pending_bytes: int = MAX_PENDING_BYTES):
+                 max_pending_bytes: int = MAX_PENDING_BYTES, offload_wait_s: float = OFFLOAD_WAIT_S):
         self._rows = cache.view(torch.uint8).reshape(cache.shape[0], -1)  # (num_blocks, block_bytes)
         self.block_bytes = self._rows.shape[1]
         self.store = BlockStore(directory, capacity_bytes, self.block_bytes)
@@ -59,6 +63,7 @@ class KVTier:
         # block over its intra-op threads, and on a busy host one descheduled thread stalls the
         # copy for a scheduler tick (measured: 10-40 ms a block beside the writer thread, against
         # tens of microseconds).
+        self.offload_wait_s = offload_wait_s
         self._np = (self._rows.numpy(), self._host.numpy()) if on_cpu else None
         self._free_slots = list(range(slots))
         self._pending: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # hash -> (host slot, tokens)
@@ -69,6 +74,7 @@ class KVTier:
         self.blocks_loaded = 0
         self.hit_tokens = 0
         self.corrupt_blocks = 0
+        self.blocks_dropped = 0  # evicted while the writer was behind (OFFLOAD_WAIT_S): not kept
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -93,8 +99,9 @@ class KVTier:
             log.warning("kv tier: %s unusable (%s); block not offloaded", self.store.directory, exc)
             return
         with self._cond:
-            while not self._free_slots:
-                self._cond.wait()
+            if not self._cond.wait_for(lambda: self._free_slots, timeout=self.offload_wait_s):
+                self.blocks_dropped += 1
+                return
             slot = self._free_slots.pop()
             self._copy_row(block_id, slot, down=True)
             self._pending[block_hash] = (slot, tuple(token_ids))
