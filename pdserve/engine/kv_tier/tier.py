@@ -63,9 +63,9 @@ class KVTier:
         # block over its intra-op threads, and on a busy host one descheduled thread stalls the
         # copy for a scheduler tick (measured: 10-40 ms a block beside the writer thread, against
         # tens of microseconds).
-        self.offload_wait_s = offload_wait_s
         self._np = (self._rows.numpy(), self._host.numpy()) if on_cpu else None
         self._free_slots = list(range(slots))
+        self.offload_wait_s = offload_wait_s
         self._pending: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # hash -> (host slot, tokens)
         self._cond = threading.Condition()  # guards _pending and _free_slots
         self._queue: queue.Queue[bytes | None] = queue.Queue()
@@ -74,7 +74,7 @@ class KVTier:
         self.blocks_loaded = 0
         self.hit_tokens = 0
         self.corrupt_blocks = 0
-        self.blocks_dropped = 0  # evicted while the writer was behind (OFFLOAD_WAIT_S): not kept
+        self.blocks_dropped = 0  # evicted while the writer was behind (offload_wait_s): not kept
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -134,7 +134,10 @@ class KVTier:
         """Cache row ``block_id`` to host buffer ``slot`` (``down``) or back."""
         if self._np is not None:
             rows, host = self._np
-            np.copyto(host[slot], rows[block_id]) if down else np.copyto(rows[block_id], host[slot])
+            if down:
+                np.copyto(host[slot], rows[block_id])
+            else:
+                np.copyto(rows[block_id], host[slot])
         elif down:
             self._host[slot].copy_(self._rows[block_id])
         else:
