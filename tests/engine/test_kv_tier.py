@@ -240,3 +240,39 @@ def test_an_offload_waits_for_a_stuck_writer_only_briefly_then_drops_the_block(t
     release.set()
     tier.close()
     assert os.path.exists(tier.store.path(a)) and not os.path.exists(tier.store.path(b))
+
+
+def test_writers_and_readers_of_one_directory_at_once_keep_its_bound_and_never_read_corrupt(tmp_path):
+    """Two writers (each its own store and lock descriptor, as two processes have) and a reader
+    on one directory at once: every read is a verified hit or a miss, and the shared count is
+    the files' size, within the bound."""
+    payload, tokens = 4096, (1, 2)
+    one = HEADER.size + 16 + 8 * len(tokens) + payload
+    hashes = [i.to_bytes(16, "little") for i in range(64)]
+    results, errors = [], []
+
+    def writer(k: int) -> None:
+        store = BlockStore(str(tmp_path), 5 * one, payload)
+        try:
+            for h in hashes[k::2]:
+                store.write(h, tokens, np.full(payload, h[0], dtype=np.uint8))
+        except Exception as exc:  # reported below: a thread's exception would be lost
+            errors.append(exc)
+
+    def reader() -> None:
+        store, out = BlockStore(str(tmp_path), 5 * one, payload), np.empty(payload, dtype=np.uint8)
+        for _ in range(3):
+            for h in hashes:
+                result = store.read(h, tokens, out)
+                results.append(result)
+                if result is ReadResult.HIT and not (out == h[0]).all():
+                    errors.append(AssertionError(f"block {h[0]} read another's bytes"))
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(2)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and ReadResult.CORRUPT not in results
+    on_disk = sum(os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path) if n.endswith(".kvb"))
+    assert on_disk == BlockStore(str(tmp_path), 5 * one, payload).bytes_used() <= 5 * one
