@@ -55,7 +55,7 @@ _SHARED = ("model", "served_model_name", "dtype", "load_format", "cuda_graphs", 
            "local_prefill_interference_weight", "kv_move_weight", "remote_overhead_tokens", "decode_kv_reuse",
            "mixed_prefill_tokens", "mixed_step_target_s",
            "prefill_overflow_s", "prefill_overflow_slowdown",
-           "enable_lora", "lora_modules", "max_loras", "max_lora_rank")
+           "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "kv_offload_bytes", "kv_offload_dir")
 
 
 @functools.cache
