@@ -238,6 +238,8 @@ def serve_settings() -> tuple[Setting, ...]:
                 "prompt tokens), round_robin", POLICIES),
         Setting("routing_prefill_weight", float, routing.prefill_weight,
                 "kv routing cost per prompt token the worker has not cached", minimum=0),
+        Setting("routing_tier_weight", float, routing.tier_weight, "kv routing cost per prompt token the worker "
+                "loads from its KV tier (--kv-offload-bytes) instead of computing (docs/routing.md#the-kv-tier)", minimum=0),
         Setting("routing_load_weight", float, routing.load_weight,
                 "kv routing cost per prompt token already queued on the worker", minimum=0),
         Setting("routing_temperature", float, routing.temperature,

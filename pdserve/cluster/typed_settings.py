@@ -258,6 +258,7 @@ class RouterSettings(_Typed):
     decode_idle_timeout_seconds: float
     routing_policy: str
     routing_prefill_weight: float
+    routing_tier_weight: float
     routing_load_weight: float
     routing_temperature: float
     routing_balance_abs_tokens: int

@@ -87,3 +87,13 @@ def test_a_byte_size_is_a_plain_count_of_bytes():
     assert ByteSize("3KiB") == 3072 and isinstance(ByteSize(7), int)
     with pytest.raises(ValueError, match="is not a size in bytes"):
         ByteSize("GiB")
+
+
+def test_routing_tier_weight_reaches_both_routers_and_is_bounded():
+    from pdserve.cluster.worker_router import router_config
+
+    assert build(resolve(parse([]), environ={})).router_limits.routing.tier_weight == 0.1
+    assert build(resolve(parse(["--routing-tier-weight", "0.3"]), environ={})).router_limits.routing.tier_weight == 0.3
+    assert router_config(worker("router", ["--routing-tier-weight", "0.5"])).limits.routing.tier_weight == 0.5
+    with pytest.raises(SettingsError, match="--routing-tier-weight: routing_tier_weight must be at least 0, got -0.5"):
+        resolve(parse(["--routing-tier-weight", "-0.5"]), environ={})
