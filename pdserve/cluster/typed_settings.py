@@ -362,6 +362,7 @@ class PlainWorkerSettings(_Typed):
     join_interval_seconds: float
     member_timeout_seconds: float
     device: str | None  # None: CUDA's current device where CUDA is (CUDA_VISIBLE_DEVICES's first), else the CPU
+    reader_tp: int  # the other pool's tensor-parallel size: KV checksums by head groups for its ranks
 
 
 @dataclass(frozen=True)
