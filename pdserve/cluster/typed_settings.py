@@ -156,12 +156,6 @@ class EngineSettings(_Typed):
 
         cache = self.cache_config()
         lora = lora_config(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank)
-        if tensor_parallel_size > 1 and cache.exact_budget_bytes() is None:
-            from pdserve.cluster.setting import SettingsError
-
-            raise SettingsError(f"gpu_memory_utilization: a worker of tensor_parallel_size {tensor_parallel_size} "
-                                "maps its ranks' KV caches before its model loads, so nothing is profiled: size it "
-                                "with --kv-cache-memory")
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             mixed_prefill_tokens=mixed_prefill_tokens(self.mixed_prefill_tokens, mode, elastic_roles),

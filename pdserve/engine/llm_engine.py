@@ -70,7 +70,7 @@ class LLMEngine:
         self.ranks = ranks
         self.tensor_parallel_size = model.tp.size
         self.cache_spec = cache_spec_of(model_cfg, config.cache.block_size, self.dtype, self.tensor_parallel_size)
-        self.cache_size = size_cache(model, model_cfg, self.cache_spec, config, self.max_model_len, memory)
+        self.cache_size = size_cache(model, model_cfg, self.cache_spec, config, self.max_model_len, memory, ranks)
         num_blocks = self.cache_size.num_blocks
         log.info(self.cache_size.line())
         shared = ranks is not None and ranks.caches is not None  # rank 0's part of every rank's caches
@@ -104,7 +104,7 @@ class LLMEngine:
         is what a lost rank does, by default end this process; ``follower_entry`` the module the
         other ranks run, a worker's serving each rank's KV-transfer agent); ``memory``: as ``__init__``'s."""
         memory = start_memory(config, memory)
-        model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost, follower_entry)
+        model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost, follower_entry, memory)
         # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
         tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
         return cls(model, model_cfg, config, tokenizer, detokenize, str(model_dir), ranks, memory)

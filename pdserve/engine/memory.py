@@ -4,10 +4,12 @@
 for everything it holds there: weights, the activations of its largest step, and its KV cache.
 At start, before the weights load, the device's free memory must cover F x total (a device
 already full of another process's memory refuses here, not later). After the weights load a
-profile step (pdserve/engine/runner/memory_profile.py) runs one forward of the scheduler's
+profile step (pdserve/engine/profile_step.py) runs one forward of the scheduler's
 ``max_num_batched_tokens`` and reads the peak this worker used; the KV cache gets what is left
 of F x total (``kv_budget_for_share``). Two workers sharing one device each ask for their share
-(0.45 and 0.45), and each sizes its cache from its own use, not the device's.
+(0.45 and 0.45), and each sizes its cache from its own use, not the device's. A worker of
+several tensor-parallel ranks measures on every rank, and the ranks agree on one block count
+(pdserve/engine/distributed/memory_share.py).
 
 The device is read by a ``MemoryProbe``:
 - ``CudaMemory``: ``torch.cuda.mem_get_info`` for total and free; this worker's use is torch's

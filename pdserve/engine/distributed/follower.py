@@ -1,8 +1,9 @@
 """A rank other than 0 of a tensor-parallel worker: ``python -m pdserve.engine.distributed.follower SPEC``.
 
 Rank 0 (``pdserve.engine.distributed.group``) starts it with a ``FollowerSpec`` (JSON). It joins the
-worker's process group, loads its share of the model, maps its part of the shared KV cache
-(CPU) or allocates its own (CUDA), says it is loaded, then follows: each step it receives the
+worker's process group, loads its share of the model (where a share of memory sizes the KV
+cache, it measures its use with the other ranks then: pdserve/engine/distributed/memory_share.py),
+maps its part of the shared KV cache (CPU) or allocates its own (CUDA), says it is loaded, then follows: each step it receives the
 prepared inputs from rank 0 (``pdserve.engine.distributed.step``) and runs the same forward on its share,
 then computes its vocabulary slice of the logits of the rows rank 0 computes logits for (the
 sampled rows, then any rows rank 0 names), each gathered to rank 0, which alone samples. It
@@ -21,6 +22,7 @@ is gone, or when a collective fails; any error ends the process, which rank 0 no
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -30,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.engine.distributed import step as tp_step
+from pdserve.engine.distributed import memory_share, step as tp_step
 from pdserve.engine.attention.select import select_attention
 from pdserve.engine.config import DTYPES
 from pdserve.engine.attention.kv_cache import cache_spec_of, map_caches, prefault
@@ -124,8 +126,12 @@ def main(argv: list[str], service: Service | None = None) -> int:
     store = open_store(spec.store, spec.size)
     group = join(store, spec.rank, spec.size, device)
     tp = TensorParallel(spec.rank, spec.size, group)
+    # A cache sized by a share: this rank's device read before its weights load (memory_share.py).
+    probe = memory_share.rank_probe(spec.memory_share, device, spec.size) if spec.memory_share else None
     model, cfg, _ = load_model(spec.model_dir, DTYPES[spec.dtype], device, progress=False, tp=tp,
                                load_format=spec.load_format)
+    if probe is not None:
+        spec = dataclasses.replace(spec, num_blocks=memory_share.size_on_follower(spec, group, model, cfg, probe, device))
     cache = _cache(spec, model, device)
     backend = select_attention(spec.attention_backend, cfg, tp, device, spec.block_size, DTYPES[spec.dtype])
     layer_caches = cache_spec_of(cfg, spec.block_size, DTYPES[spec.dtype], spec.size).layer_caches(cache)
