@@ -103,11 +103,11 @@ class LLMEngine:
         ``tensor_parallel_size`` > 1, on its ranks (``distributed.group.load_on_ranks``: ``on_rank_lost``
         is what a lost rank does, by default end this process; ``follower_entry`` the module the
         other ranks run, a worker's serving each rank's KV-transfer agent); ``memory``: as ``__init__``'s."""
-        memory = start_memory(config, memory)
-        model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost, follower_entry, memory)
-        # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
-        tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
-        return cls(model, model_cfg, config, tokenizer, detokenize, str(model_dir), ranks, memory)
+        with start_memory(config, memory) as memory:  # the device's turn: until the engine is built
+            model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost, follower_entry, memory)
+            # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
+            tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
+            return cls(model, model_cfg, config, tokenizer, detokenize, str(model_dir), ranks, memory)
 
     @property
     def rank_caches(self) -> tuple[torch.Tensor, ...]:

@@ -15,8 +15,8 @@ The device is read by a ``MemoryProbe``:
 - ``CudaMemory``: ``torch.cuda.mem_get_info`` for total and free; this worker's use is torch's
   peak reserved memory, plus what the process took outside torch's allocator since its first
   reading (cuBLAS workspaces, NCCL buffers). That second part is the device's free memory
-  lost meanwhile, so a second process that allocates during this one's start is counted as
-  this one's: start workers that share a device one after the other.
+  lost meanwhile, so a second process that allocates during this one's start would be counted
+  as this one's: workers that share a device take turns to start (pdserve/engine/device_turn.py).
 - ``HostMemory`` (a CPU worker): host RAM, its total and available memory from /proc/meminfo;
   this worker's use is its peak resident set (VmHWM, reset before the profile step where Linux
   allows it), which holds its weights, libraries and the step's activations.

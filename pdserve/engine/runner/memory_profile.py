@@ -7,12 +7,16 @@ tensor-parallel worker's ranks measure together as they load (distributed/memory
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import torch
 
 from pdserve.engine.attention.kv_cache import CacheSpec, num_cache_blocks
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.device_turn import device_turn, turn_keys
+from pdserve.engine.distributed.memory_share import measured_by_share
 from pdserve.engine.errors import KVMemoryError
 from pdserve.engine.memory import (SETTING, CacheSize, MemoryProbe, check_free_at_start, kv_budget_for_share,
                                    probe_for, readable)
@@ -49,18 +53,21 @@ def size_cache(model: CausalLM, cfg: ModelConfig, spec: CacheSpec, config: Engin
                                f"weights and a {config.scheduler.max_num_batched_tokens}-token step")
 
 
-def start_memory(config: EngineConfig, probe: MemoryProbe | None = None) -> MemoryProbe | None:
-    """Before a worker loads anything: make its device the current one (``--device cuda:1``),
-    and where ``gpu_memory_utilization`` sizes its cache, refuse a share the device cannot give
-    now (``check_free_at_start``). Returns the probe the sizing reads (None: an exact cache).
-    The other ranks of a tensor-parallel worker check their own devices as they start
-    (distributed/memory_share.py)."""
+@contextlib.contextmanager
+def start_memory(config: EngineConfig, probe: MemoryProbe | None = None) -> Iterator[MemoryProbe | None]:
+    """For the ``with`` block in which a worker loads and builds its engine: make its device the
+    current one (``--device cuda:1``), take the device's turn to start (pdserve/engine/device_turn.py:
+    another worker starting on it waits), and where ``gpu_memory_utilization`` sizes its cache,
+    refuse a share the device cannot give now (``check_free_at_start``). Yields the probe the
+    sizing reads (None: an exact cache). The other ranks of a tensor-parallel worker check their
+    own devices as they start (distributed/memory_share.py)."""
     device = config.torch_device()
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # what code that asks for "cuda" (kernels, NIXL) then gets
     share = config.cache.gpu_memory_utilization
-    if config.cache.num_blocks or config.cache.exact_budget_bytes() is not None:
-        return None
-    probe = probe or probe_for(device)  # rank 0's, at tensor_parallel_size > 1: each rank checks its own
-    check_free_at_start(share, probe.total_bytes(), probe.free_bytes(), probe.name)
-    return probe
+    measured = measured_by_share(config)
+    with device_turn(turn_keys(device, config.tensor_parallel_size, measured)):
+        if measured:
+            probe = probe or probe_for(device)  # rank 0's, at tensor_parallel_size > 1
+            check_free_at_start(share, probe.total_bytes(), probe.free_bytes(), probe.name)
+        yield probe if measured else None
