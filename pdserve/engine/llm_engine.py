@@ -24,7 +24,7 @@ import torch
 
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.runner.cuda_graphs import capture_sizes
+from pdserve.engine.cuda_graphs import capture_sizes
 from pdserve.engine.errors import InvalidRequestError, RankLost, SequenceFailed
 from pdserve.engine.sampling.grammar_jobs import GrammarJobs, compiler_for
 from pdserve.engine.attention.kv_cache import cache_spec_of

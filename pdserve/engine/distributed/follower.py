@@ -6,7 +6,9 @@ cache, it measures its use with the other ranks then: pdserve/engine/distributed
 maps its part of the shared KV cache (CPU) or allocates its own (CUDA), says it is loaded, then follows: each step it receives the
 prepared inputs from rank 0 (``pdserve.engine.distributed.step``) and runs the same forward on its share,
 then computes its vocabulary slice of the logits of the rows rank 0 computes logits for (the
-sampled rows, then any rows rank 0 names), each gathered to rank 0, which alone samples. It
+sampled rows, then any rows rank 0 names), each gathered to rank 0, which alone samples. With
+CUDA graphs it builds the same graphs as rank 0, when rank 0 does, and replays the one rank 0
+names on rank 0's padded inputs (pdserve/engine/cuda_graphs.py). It
 knows no request, block manager or scheduler. With LoRA (``FollowerSpec.max_loras``), it
 mirrors rank 0's adapters and slots (pdserve/engine/lora/mirror.py): the loads and unloads
 rank 0 hands on, and each step's slots.
@@ -40,6 +42,7 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.lora.mirror import LoRAMirror
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.distributed.group import FollowerSpec, join, open_store, rank_device
 
 # A service: (this rank's spec, its KV cache, its socket to rank 0) -> runs until the socket closes.
@@ -70,7 +73,7 @@ def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.de
            lora: LoRAMirror | None = None) -> int:
     """Run rank 0's steps, and its logits over each step's rows, until it says stop; returns
     how many steps ran. ``lora``: this rank's mirror of rank 0's adapters (None: no LoRA)."""
-    steps, hidden = 0, None
+    steps, hidden, graphs = 0, None, None
     with torch.inference_mode():
         while (msg := tp_step.receive(group, device)) is not None:
             if isinstance(msg, tp_step.LogitsRows):
@@ -79,9 +82,17 @@ def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.de
             if isinstance(msg, (tp_step.LoRALoad, tp_step.LoRAUnload)):
                 _update_lora(lora, msg)
                 continue
-            if lora is not None:
-                lora.begin_step(msg.lora)
             model.bind_caches(layer_caches, backend)
+            if isinstance(msg, tp_step.Graphs):
+                graphs = DecodeGraphs(lambda ids, pos, ctx: model.compute_logits(model(ids, pos, ctx)), msg.sizes,
+                                      msg.width, msg.block_size, device, msg.capture)
+                continue
+            if lora is not None:
+                lora.begin_step(msg.lora if isinstance(msg, tp_step.Step) else None)  # graphs hold no adapter
+            if isinstance(msg, tp_step.GraphStep):
+                graphs.replay_inputs(msg.size, msg.inputs)
+                steps += 1
+                continue
             hidden = model(msg.input_ids, msg.positions, msg.ctx)
             if msg.sample_rows.numel():
                 model.compute_logits(hidden[msg.sample_rows])

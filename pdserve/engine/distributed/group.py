@@ -37,7 +37,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -48,6 +47,7 @@ from typing import Callable
 import torch
 
 from pdserve.engine.distributed import memory_share, step as tp_step
+from pdserve.engine.distributed.processes import kill as _kill, spawn as _spawn, wait_for as _wait_for
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.errors import InvalidRequestError, RankLost
 from pdserve.engine.attention.kv_cache import cache_spec_of, num_cache_blocks, prefault, shared_caches
@@ -58,7 +58,6 @@ from pdserve.engine.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 600.0  # for every rank to join and load its share (a big model reads for minutes)
 # Collectives never time out on their own: a rank that waits for the next step waits as long
 # as the worker is idle. A rank that is stuck is the router's to find (its hang timeout).
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
@@ -290,6 +289,18 @@ class RankGroup:
             raise self._lost
         tp_step.send_lora_unload(self.tp.group, adapter_id, self.device)
 
+    def graphs(self, sizes: tuple[int, ...], width: int, block_size: int, capture: bool) -> None:
+        """Tell the other ranks to build the decode graphs rank 0 builds next (``step.Graphs``)."""
+        if self._lost is not None:
+            raise self._lost
+        tp_step.send_graphs(self.tp.group, sizes, width, block_size, capture, self.device)
+
+    def graph_step(self, size: int, inputs: list[torch.Tensor]) -> None:
+        """Hand a graphed decode step's padded inputs to the other ranks, which replay theirs."""
+        if self._lost is not None:
+            raise self._lost
+        tp_step.send_graph_step(self.tp.group, size, inputs, self.device)
+
     def logits(self, start: int, stop: int) -> None:
         """Tell the other ranks that rank 0 computes the logits of rows [start, stop) of the
         step's hidden states next, so that they compute their slices with it."""
@@ -358,34 +369,6 @@ class RankGroup:
         code = proc.wait()
         if not self._closing:
             self.lost(RuntimeError(f"rank {rank} (pid {proc.pid}) exited with status {code}"))
-
-
-def _spawn(spec: FollowerSpec, entry: str) -> subprocess.Popen:
-    """Start one rank (``python -m entry SPEC``). Its stdin is a pipe that only rank 0 holds: it
-    closes when rank 0's process ends, however it ends, and the rank then exits too."""
-    fds = tuple(fd for fd in (spec.cache_fd, spec.service_fd) if fd >= 0)
-    return subprocess.Popen([sys.executable, "-m", entry, spec.to_json()], stdin=subprocess.PIPE, pass_fds=fds)
-
-
-def _wait_for(procs: list[subprocess.Popen], done: Callable[[], bool], what: str) -> None:
-    """Poll until ``done()``; a rank that exits meanwhile, or the start-up timeout, raises RankLost."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        for rank, proc in enumerate(procs, start=1):
-            if proc.poll() is not None:
-                raise RankLost(f"tensor-parallel rank {rank} exited with status {proc.returncode} before it "
-                               f"could {what} (its log is in this worker's)")
-        if done():
-            return
-        if time.monotonic() > deadline:
-            raise RankLost(f"tensor-parallel ranks did not {what} within {START_TIMEOUT_S:.0f} s")
-        time.sleep(0.05)
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        proc.kill()
-        proc.wait()
 
 
 def _isa(device: torch.device) -> str | None:
