@@ -31,8 +31,8 @@ BUNDLE=${GPU_BUNDLE:-gpu_bundle}
 PHASES=${PDSERVE_BENCH_PHASES:-1 2 3 4}
 
 # How each served worker takes its share of the one device: `--gpu-memory-utilization F`, the
-# share of the device's memory for its weights, a profiled step and its KV cache (the second
-# worker starts once the first has sized its cache). 0.45 each: two 8B workers (16 GB of weights
+# share of the device's memory for its weights, a profiled step and its KV cache. Both start at
+# once: workers on one device take turns to measure it (pdserve/engine/device_turn.py). 0.45 each: two 8B workers (16 GB of weights
 # each) on an 80 GB H100 keep about 20 GB of KV each, and the router has room left.
 MEMORY_FLAGS_SMOL=${PDSERVE_BENCH_MEMORY_FLAGS_SMOL:---gpu-memory-utilization 0.2}
 MEMORY_FLAGS_8B=${PDSERVE_BENCH_MEMORY_FLAGS_8B:---gpu-memory-utilization 0.45}

@@ -164,10 +164,8 @@ def start_cluster(model_dir: Path, worker_flags: list[str], logs: Path, stem: st
                                 "--port", str(http_port), "--internal-port", str(admin_port)],
                      logs / f"{stem}_router.log")]
     for role in ("prefill", "decode"):
-        if procs[-1].name == "prefill" and "--gpu-memory-utilization" in worker_flags:
-            # A share is measured against the device's free memory as the worker starts: the
-            # second worker starts once the first has sized its KV cache (docs/configuration.md).
-            wait_until(lambda: procs[-1].address, "the prefill worker to size its KV cache and serve", procs)
+        # Both start at once: a share is measured as a worker starts, and workers on one device
+        # take turns for that themselves (pdserve/engine/device_turn.py; the second logs its wait).
         procs.append(Process(role, ["--role", role, *common, "--router-admin", admin, "--worker-id", f"bench-{role}",
                                     *worker_flags], logs / f"{stem}_{role}.log"))
     return procs, http_port, admin

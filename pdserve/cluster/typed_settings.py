@@ -162,12 +162,6 @@ class EngineSettings(_Typed):
         lora = lora_config(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank)
         kv_tier = kv_tier_config(self.kv_offload_bytes, self.kv_offload_dir, tensor_parallel_size=tensor_parallel_size,
                                  prefix_cache=cache.enable_prefix_cache)
-        if tensor_parallel_size > 1 and cache.exact_budget_bytes() is None:
-            from pdserve.cluster.setting import SettingsError
-
-            raise SettingsError(f"gpu_memory_utilization: a worker of tensor_parallel_size {tensor_parallel_size} "
-                                "maps its ranks' KV caches before its model loads, so nothing is profiled: size it "
-                                "with --kv-cache-memory")
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             mixed_prefill_tokens=mixed_prefill_tokens(self.mixed_prefill_tokens, mode, elastic_roles),
@@ -369,6 +363,7 @@ class PlainWorkerSettings(_Typed):
     join_interval_seconds: float
     member_timeout_seconds: float
     device: str | None  # None: CUDA's current device where CUDA is (CUDA_VISIBLE_DEVICES's first), else the CPU
+    reader_tp: int  # the other pool's tensor-parallel size: KV checksums by head groups for its ranks
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,10 @@ def worker_settings() -> tuple[Setting, ...]:
         Setting("device", str, None, "a prefill or decode worker's device: cpu, cuda or cuda:N, N counted among "
                 "the GPUs CUDA_VISIBLE_DEVICES leaves this process (default: the first of those where there is "
                 "one, else the CPU)"),
+        Setting("reader_tp", int, 1, "a prefill or decode worker's readers' tensor-parallel size: the other pool's "
+                "--tensor-parallel-size (a prefill worker's decode pool; a decode worker's prefill pool, which reads "
+                "its held prefixes); each KV block is checksummed by groups of heads so that each reader rank checks "
+                "what it reads. It and --tensor-parallel-size must divide one another", minimum=1),
     )
 
 
@@ -125,7 +129,17 @@ def settings(args: argparse.Namespace, environ=None) -> WorkerSettings:
                             "(--router-admin HOST:PORT, or PDSERVE_ROUTER_ADMIN)")
     if s.role != "router":  # each side checks the pair as it is given: both read one config in a deployment
         check_lease_outlives_transfer(s.kv.lease_seconds, s.kv.transfer_timeout_seconds)
+        check_reader_tp(s.plain.reader_tp, s.engine.tensor_parallel_size)
     return s
+
+
+def check_reader_tp(reader_tp: int, tensor_parallel_size: int) -> None:
+    """KV moves by head only between sizes where one divides the other (kv_transfer.sharding):
+    refuse, at start, a reader size this worker could never serve."""
+    if reader_tp % tensor_parallel_size and tensor_parallel_size % reader_tp:
+        raise SettingsError(f"reader_tp: {reader_tp} (--reader-tp) and tensor_parallel_size {tensor_parallel_size} "
+                            "(--tensor-parallel-size) must divide one another: KV moves by head only between such "
+                            "sizes")
 
 
 def worker_config(s: WorkerSettings):
@@ -137,7 +151,7 @@ def worker_config(s: WorkerSettings):
                   advertise_host=internal.internal_advertise_host, tls=joining_tls(s),
                   port=s.plain.internal_port, insecure_internal=internal.insecure_internal,
                   metrics_port=s.plain.metrics_port, kv_transfer_backend=kv.kv_transfer_backend,
-                  verify_kv=kv.verify_kv_transfers,
+                  verify_kv=kv.verify_kv_transfers, reader_tp=s.plain.reader_tp,
                   step_trace_dir=s.process.step_trace_dir, otlp_traces_endpoint=s.process.otlp_traces_endpoint)
     if s.role == "prefill":
         from pdserve.prefill_worker.config import PrefillWorkerConfig

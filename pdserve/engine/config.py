@@ -347,7 +347,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0  # seeds weight-free randomness (unseeded sampling)
-    # Decode steps replay CUDA graphs captured at start (engine/runner/cuda_graphs.py). On since the
+    # Decode steps replay CUDA graphs captured at start (engine/cuda_graphs.py). On since the
     # first H100 runs showed graphed tokens equal transformers' and the eager engine's
     # (BENCHMARKS.md, GPU). Without CUDA it changes nothing.
     cuda_graphs: bool = True

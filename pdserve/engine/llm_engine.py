@@ -24,7 +24,7 @@ import torch
 
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.runner.cuda_graphs import capture_sizes
+from pdserve.engine.cuda_graphs import capture_sizes
 from pdserve.engine.errors import InvalidRequestError, RankLost, SequenceFailed
 from pdserve.engine.sampling.grammar_jobs import GrammarJobs, compiler_for
 from pdserve.engine.attention.kv_cache import cache_spec_of
@@ -71,7 +71,7 @@ class LLMEngine:
         self.ranks = ranks
         self.tensor_parallel_size = model.tp.size
         self.cache_spec = cache_spec_of(model_cfg, config.cache.block_size, self.dtype, self.tensor_parallel_size)
-        self.cache_size = size_cache(model, model_cfg, self.cache_spec, config, self.max_model_len, memory)
+        self.cache_size = size_cache(model, model_cfg, self.cache_spec, config, self.max_model_len, memory, ranks)
         num_blocks = self.cache_size.num_blocks
         log.info(self.cache_size.line())
         shared = ranks is not None and ranks.caches is not None  # rank 0's part of every rank's caches
@@ -105,11 +105,11 @@ class LLMEngine:
         ``tensor_parallel_size`` > 1, on its ranks (``distributed.group.load_on_ranks``: ``on_rank_lost``
         is what a lost rank does, by default end this process; ``follower_entry`` the module the
         other ranks run, a worker's serving each rank's KV-transfer agent); ``memory``: as ``__init__``'s."""
-        memory = start_memory(config, memory)
-        model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost, follower_entry)
-        # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
-        tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
-        return cls(model, model_cfg, config, tokenizer, detokenize, str(model_dir), ranks, memory)
+        with start_memory(config, memory) as memory:  # the device's turn: until the engine is built
+            model, model_cfg, model_dir, ranks = load_on_ranks(config, progress, on_rank_lost, follower_entry, memory)
+            # Without detokenizing, the tokenizer is needed only when the model config names no EOS.
+            tokenizer = Tokenizer(model_dir) if detokenize or not model_cfg.eos_token_ids else None
+            return cls(model, model_cfg, config, tokenizer, detokenize, str(model_dir), ranks, memory)
 
     @property
     def rank_caches(self) -> tuple[torch.Tensor, ...]:

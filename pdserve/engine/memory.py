@@ -4,17 +4,19 @@
 for everything it holds there: weights, the activations of its largest step, and its KV cache.
 At start, before the weights load, the device's free memory must cover F x total (a device
 already full of another process's memory refuses here, not later). After the weights load a
-profile step (pdserve/engine/runner/memory_profile.py) runs one forward of the scheduler's
+profile step (pdserve/engine/profile_step.py) runs one forward of the scheduler's
 ``max_num_batched_tokens`` and reads the peak this worker used; the KV cache gets what is left
 of F x total (``kv_budget_for_share``). Two workers sharing one device each ask for their share
-(0.45 and 0.45), and each sizes its cache from its own use, not the device's.
+(0.45 and 0.45), and each sizes its cache from its own use, not the device's. A worker of
+several tensor-parallel ranks measures on every rank, and the ranks agree on one block count
+(pdserve/engine/distributed/memory_share.py).
 
 The device is read by a ``MemoryProbe``:
 - ``CudaMemory``: ``torch.cuda.mem_get_info`` for total and free; this worker's use is torch's
   peak reserved memory, plus what the process took outside torch's allocator since its first
   reading (cuBLAS workspaces, NCCL buffers). That second part is the device's free memory
-  lost meanwhile, so a second process that allocates during this one's start is counted as
-  this one's: start workers that share a device one after the other.
+  lost meanwhile, so a second process that allocates during this one's start would be counted
+  as this one's: workers that share a device take turns to start (pdserve/engine/device_turn.py).
 - ``HostMemory`` (a CPU worker): host RAM, its total and available memory from /proc/meminfo;
   this worker's use is its peak resident set (VmHWM, reset before the profile step where Linux
   allows it), which holds its weights, libraries and the step's activations.

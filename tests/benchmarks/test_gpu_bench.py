@@ -78,7 +78,7 @@ def test_every_phase_dry_runs_on_the_cpu_and_writes_its_json(tmp_path):
             assert r["kv_transfer_ms_per_request"] > 0 and r["kv_bytes_per_request"] > 0, r
         assert (out / f"{name}_decode.log").stat().st_size > 0
     assert "--load-format" in docs["served_8b"]["worker_flags"]
-    for role in ("prefill", "decode"):  # each sized its cache from its share, one after the other
+    for role in ("prefill", "decode"):  # each sized its cache from its share, started together (device_turn)
         assert f"gpu_memory_utilization {SHARE:g} of host RAM" in (out / f"served_smol_{role}.log").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["phases"].values()) == {"ok"}

@@ -90,7 +90,9 @@ def test_the_planner_sizes_a_worker_by_the_resolved_cache():
     assert worker_need_bytes(weights, CacheConfig(gpu_memory_utilization=0.25), host_bytes=24 * GIB) == 6 * GIB
 
 
-def test_a_share_with_tensor_parallelism_is_refused_before_anything_starts(tool_llama):
-    with pytest.raises(SettingsError, match="^gpu_memory_utilization: a worker of tensor_parallel_size 2 maps"):
-        build(resolve(parse([str(tool_llama[0]), "--gpu-memory-utilization", "0.5", "--decode-tp", "2"]),
-                      environ={}))
+def test_a_share_with_tensor_parallelism_reaches_every_pools_engine(tool_llama):
+    """Each rank measures its own use once loaded (pdserve/engine/distributed/memory_share.py)."""
+    config = build(resolve(parse([str(tool_llama[0]), "--gpu-memory-utilization", "0.5", "--decode-tp", "2"]),
+                           environ={}))
+    decode = config.worker_config("decode", 0).engine
+    assert decode.tensor_parallel_size == 2 and decode.cache.gpu_memory_utilization == 0.5

@@ -99,3 +99,31 @@ def test_ray_reserves_a_bundle_per_rank_sharing_the_workers_cpus():
     assert actor_options(placement, None)["num_gpus"] == 2.0
     with pytest.raises(ValueError, match=r"gpus_per_worker x tensor-parallel size.*0.75 x 2"):
         PoolPlacement(gpus=0.75, ranks=2)
+
+
+def plain_worker(role, argv):
+    from pdserve.cluster import worker_cli
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, worker_cli.worker_settings())
+    args = parser.parse_args(["--role", role, "--router-admin", "127.0.0.1:1", *argv])
+    return worker_cli.worker_config(worker_cli.settings(args, environ={}))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_plain_worker_checksums_for_its_readers_tp(role):
+    """``pdserve worker --reader-tp``: what ``pdserve serve`` gives each pool from the other's size."""
+    assert plain_worker(role, []).reader_tp == 1
+    assert plain_worker(role, ["--reader-tp", "4", "--tensor-parallel-size", "2"]).reader_tp == 4
+    assert plain_worker(role, ["--tensor-parallel-size", "4", "--reader-tp", "2"]).reader_tp == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reader-tp", "3", "--tensor-parallel-size", "2"],
+     "reader_tp: 3 (--reader-tp) and tensor_parallel_size 2 (--tensor-parallel-size) must divide one another"),
+    (["--reader-tp", "0"], "--reader-tp: reader_tp must be at least 1, got 0"),
+])
+def test_a_reader_tp_the_kv_cannot_move_to_is_refused_naming_the_flag(argv, message):
+    with pytest.raises(SettingsError) as exc:
+        plain_worker("decode", argv)
+    assert str(exc.value).startswith(message)

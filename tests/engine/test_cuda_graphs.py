@@ -1,4 +1,4 @@
-"""CUDA graphs for decode (pdserve/engine/runner/cuda_graphs.py), all but the capture: which sizes
+"""CUDA graphs for decode (pdserve/engine/cuda_graphs.py), all but the capture: which sizes
 are captured, which one a step replays, how a step's inputs are padded to it, and the whole
 engine stepping through the graphs' static buffers.
 
@@ -11,7 +11,7 @@ tests/gpu/test_cuda_graphs.py's.
 import torch
 
 from pdserve.engine.attention.base import host_context
-from pdserve.engine.runner.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, padded_inputs
+from pdserve.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, padded_inputs
 from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine, random_prompts
 
@@ -64,3 +64,25 @@ def test_the_engine_through_the_graphs_buffers_gives_the_eager_tokens_and_cache(
     assert runner.graphs.replays == 3  # the decode steps after the prompts' step
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     assert torch.equal(engines[0].kv_cache, engines[1].kv_cache)
+
+
+def test_at_tp2_every_rank_steps_through_its_graphs_buffers_with_rank_0s_inputs(tiny_llama_dir):
+    """Two ranks (gloo): rank 0 builds its graphs and the other rank builds the same; each
+    graphed decode step hands the padded inputs over, and both run the step from their static
+    buffers (on a GPU per rank, each replays its captured graph). The tokens are one rank's,
+    eager, and transformers'."""
+    from tests.factories import hf_greedy, make_tp_engine
+
+    directory, hf = tiny_llama_dir
+    prompts = random_prompts(3, [3, 7, 20], seed=2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    tp2 = make_tp_engine(directory, 2, attention_backend="triton", enable_prefix_cache=False, num_blocks=64)
+    try:
+        runner = tp2.runner
+        assert runner.graphs is None  # --cuda-graphs is off in the tests' engines, and this is the CPU
+        runner.graphs = runner.build_graphs((1, 2, 4), 8, capture=False)
+        graphed = [o.token_ids for o in tp2.generate(prompts, params)]
+        assert runner.graphs.replays == 3  # the decode steps after the prompts' step, 3 rows in a graph of 4
+    finally:
+        tp2.close()
+    assert graphed == [hf_greedy(hf, p, 4) for p in prompts]

@@ -73,6 +73,30 @@ def test_the_projections_keep_one_byte_a_weight_and_a_scale_a_row(fp8_backend, l
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["tensor", "row"])
+def test_an_fp8_linear_is_its_quantized_product_to_bfloat16_rounding(layout):
+    """What FP8 matmuls owe, exactly: the product of the e4m3 activations (each row scaled to
+    e4m3's largest) and the e4m3 weights, scaled back per row and column, to bfloat16's rounding of
+    the result (accumulation order aside). The model-level bounds below are loose only because
+    the quantization itself moves the logits; this one is not."""
+    from tests.helpers.fp8 import E4M3_MAX, quantize
+
+    torch.manual_seed(5)
+    weight = torch.randn(64, 96) * 0.05
+    w8, scale = quantize(weight, layout)
+    layer = torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16)
+    layer.weight = torch.nn.Parameter(w8, requires_grad=False)
+    layer.weight_scale = scale.expand(64).clone() if layout == "tensor" else scale.reshape(64)
+    fp8 = Fp8Linear(layer)
+    x = (torch.randn(2, 7, 96) * torch.logspace(-2, 1, 7)[:, None]).to(torch.bfloat16)  # rows of every size
+    x2 = x.reshape(-1, 96).float()
+    sx = x2.abs().amax(1, keepdim=True) / E4M3_MAX
+    xq = (x2 / sx).to(torch.float8_e4m3fn).float() * sx  # what the layer multiplies, in float32
+    want = xq @ (w8.float() * fp8.scale.reshape(-1, 1)).t()
+    got = fp8(x).float().reshape(-1, 64)
+    torch.testing.assert_close(got, want.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-5)
+
+
 def test_fp8_tokens_are_logprob_close_to_the_dequantized_weights(fp8_backend, llama_fp8):
     directory, hf = llama_fp8
     engine = make_engine(directory, dtype="bfloat16")

@@ -5,12 +5,13 @@ given numbers or a fake /proc: no test allocates gigabytes."""
 import logging
 
 import pytest
+import torch
 
 from pdserve.engine.config import DEFAULT_KV_CACHE_BYTES, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.errors import KVMemoryError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.memory import FixedMemory, HostMemory, check_free_at_start, kv_budget_for_share
-from pdserve.engine.runner.memory_profile import profile_sequences
+from pdserve.engine.profile_step import profile_sequences
 
 GIB = 1 << 30
 
@@ -109,12 +110,68 @@ def test_a_start_on_a_device_too_full_for_the_share_loads_nothing(tiny_llama_dir
     assert device.profiles == 0  # refused before the weights load and the profile step
 
 
-def test_a_tensor_parallel_worker_needs_an_exact_size(tiny_llama_dir):
+def test_ranks_on_devices_of_their_own_take_the_least_any_rank_leaves(monkeypatch):
+    """CUDA, a GPU per rank (stand-in numbers): F is each rank's share of its own device; the
+    block count is the least any rank's share leaves after its own use, the same on every rank."""
+    from pdserve.engine.distributed.memory_share import RankUse, agree_blocks, shares_memory
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert not shares_memory(torch.device("cuda"), 2) and shares_memory(torch.device("cuda"), 4)
+    assert shares_memory(torch.device("cpu"), 2)
+    block = 2 << 20  # an 8B model's block on one of 2 ranks
+    uses = [RankUse(used=10 * GIB, total=80 * GIB), RankUse(used=11 * GIB, total=80 * GIB)]  # rank 1 holds more
+    blocks, source = agree_blocks(uses, 0.45, False, block, "cuda:0")
+    assert blocks == (int(0.45 * 80 * GIB) - 11 * GIB) // block
+    assert source == ("gpu_memory_utilization 0.45 of each rank's cuda:0, the least left on rank 1: 80.00 GiB, "
+                      "11.00 GiB used by its weights and the profile step")
+    with pytest.raises(KVMemoryError, match=r"^gpu_memory_utilization: 0.1 of rank 0's cuda:0's 80.00 GiB is "
+                                            r"8.00 GiB, and this worker already uses 10.00 GiB"):
+        agree_blocks(uses, 0.1, False, block, "cuda:0")
+
+
+def test_ranks_sharing_one_memory_split_what_their_share_leaves_after_all_their_uses():
+    """A CPU host (or ranks sharing a GPU): F is the worker's share of the one memory, for every
+    rank's use together; each rank's cache holds an N-th of what is left."""
+    from pdserve.engine.distributed.memory_share import RankUse, agree_blocks
+
+    uses = [RankUse(used=3 * GIB, total=24 * GIB), RankUse(used=1 * GIB, total=24 * GIB)]
+    blocks, source = agree_blocks(uses, 0.5, True, 1 << 20, "host RAM")
+    assert blocks == (12 * GIB - 4 * GIB) // 2 // (1 << 20) == 4096
+    assert source == ("gpu_memory_utilization 0.5 of host RAM's 24.00 GiB for 2 ranks together, 4.00 GiB used by "
+                      "their weights and the profile step")
+    with pytest.raises(KVMemoryError, match="holds no 1048576-byte KV block"):
+        agree_blocks([RankUse(GIB, 2 * GIB), RankUse(GIB - 1000, 2 * GIB)], 1.0, True, 1 << 20, "host RAM")
+
+
+def test_a_tensor_parallel_worker_on_cpu_measures_its_share_on_every_rank(tiny_llama_dir, caplog):
+    """TP 2 over gloo on this host: every rank loads its share and runs the profile step, the
+    KV is what 0.x of host RAM leaves after both ranks' peaks, split between them (rank 0's use
+    a stand-in here, its follower's the real peak of its process), mapped by both; its tokens
+    are transformers'."""
+    from tests.factories import hf_greedy, random_prompts
+    from pdserve.engine.sampling.params import SamplingParams
+
+    total = HostMemory().total_bytes()
+    rank0_used = 64 << 20
+    share = (rank0_used + (512 << 20)) / total  # room for the follower's process (276 MiB here) and some cache
     config = EngineConfig(model=str(tiny_llama_dir[0]), dtype="float32", tensor_parallel_size=2,
-                          cache=CacheConfig(gpu_memory_utilization=0.5))
-    with pytest.raises(KVMemoryError, match="tensor_parallel_size 2 sizes its KV cache before its model loads: "
-                                            r"give it exactly \(--kv-cache-memory\)"):
-        LLMEngine.from_config(config, progress=False, memory=FixedMemory(1 << 30, 1 << 30, 0))
+                          cache=CacheConfig(gpu_memory_utilization=share),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.llm_engine"):
+        engine = LLMEngine.from_config(config, progress=False, detokenize=False,
+                                       memory=FixedMemory(total=total, free=total, used=rank0_used))
+    try:
+        n, block = engine.cache_size.num_blocks, engine.cache_spec.block_bytes
+        assert engine.blocks.num_blocks == n and [c.shape[0] for c in engine.rank_caches] == [n, n]
+        follower_used = int(share * total) - rank0_used - 2 * n * block  # what the split leaves unexplained
+        assert 32 << 20 < follower_used < 512 << 20  # a process with torch and its share of the model: real
+        assert "for 2 ranks together" in engine.cache_size.source
+        assert any(r.getMessage().startswith(f"KV cache: {n} blocks x 16 tokens") for r in caplog.records)
+        prompts = random_prompts(2, [5, 30], vocab=tiny_llama_dir[1].config.vocab_size, seed=7)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [hf_greedy(tiny_llama_dir[1], p, 6) for p in prompts]
+    finally:
+        engine.close()
 
 
 def test_the_profile_step_measures_a_real_peak_on_this_host(tiny_llama_dir):

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode on the check's device (``--cuda-graphs``, pdserve/engine/runner/cuda_graphs.py):
+"""CUDA graphs for decode on the check's device (``--cuda-graphs``, pdserve/engine/cuda_graphs.py):
 captured at start, replayed by decode steps of mixed batch sizes and context lengths, and the
 tokens they give are transformers' (float32 greedy, near ties aside) and close to them in
 bfloat16. What decides whether ``--cuda-graphs`` can be on by default. Never run on a GPU
@@ -8,7 +8,7 @@ test_cuda_graphs.py runs the same buffers and padding there without a graph)."""
 import pytest
 import torch
 
-from pdserve.engine.runner.cuda_graphs import capture_sizes
+from pdserve.engine.cuda_graphs import capture_sizes
 from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import make_engine
 from tests.gpu.smol import reference

@@ -72,6 +72,34 @@ def test_two_ranks_on_the_device_give_the_tokens_of_one_and_transformers(tp_dir,
         assert_device_greedy(hf, prompt, ours, "tp 2 on the device")
 
 
+def test_two_ranks_sharing_the_device_size_their_cache_by_a_share(tp_dir, device):
+    """``--gpu-memory-utilization`` at TP 2 (pdserve/engine/distributed/memory_share.py): both
+    ranks profile their use once loaded; on one GPU they share its memory, so the cache is what
+    0.2 of it leaves after both ranks' peaks, split between them; the tokens are TP 1's."""
+    if device.type != "cuda":
+        pytest.skip("a share of host RAM is gigabytes: tests/engine/test_kv_sizing.py runs TP 2 with a share on the CPU")
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.shell.rank_follower import RANK_ENTRY
+
+    share = 0.2
+    total = torch.cuda.mem_get_info(device)[1]
+    config = EngineConfig(model=str(tp_dir), dtype="float32", device="cuda", tensor_parallel_size=2,
+                          cache=CacheConfig(block_size=BLOCK, gpu_memory_utilization=share))
+    tp2 = LLMEngine.from_config(config, progress=False, detokenize=False, on_rank_lost=lambda exc: None,
+                                follower_entry=RANK_ENTRY)
+    try:
+        size = tp2.cache_size
+        assert "for 2 ranks together" in size.source and tp2.kv_cache.shape[0] == size.num_blocks
+        assert 0 < 2 * size.num_blocks * size.block_bytes < share * total
+        print(f"\nTP 2 at {share} of {total / 2**30:.1f} GiB: {size.line()}")
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        ours = [c.token_ids for c in tp2.generate(PROMPTS, params)]
+    finally:
+        tp2.close()
+    assert ours == [c.token_ids for c in engine(tp_dir, device, 1).generate(PROMPTS, params)]
+
+
 @contextlib.asynccontextmanager
 async def tp_pair(directory, device: torch.device):
     """A TP 2 prefill worker and a TP 1 decode worker on the device, over NIXL, with stubs."""

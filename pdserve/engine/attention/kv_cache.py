@@ -120,15 +120,14 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 def num_cache_blocks(config: EngineConfig, spec: CacheSpec) -> int:
     """Blocks in each rank's cache (``spec`` is one rank's): ``num_blocks``, or as many as the
     worker's exact memory budget holds, shared evenly by its ranks. A cache sized by
-    ``gpu_memory_utilization`` is measured once the model is loaded (runner/memory_profile.py),
-    which a tensor-parallel worker cannot wait for: its ranks map their caches as they start."""
+    ``gpu_memory_utilization`` is measured once the model is loaded (runner/memory_profile.py;
+    at tensor_parallel_size > 1, distributed/memory_share.py): not known here."""
     if config.cache.num_blocks:
         return config.cache.num_blocks
     budget = config.cache.exact_budget_bytes()
     if budget is None:
-        raise KVMemoryError("gpu_memory_utilization", f"a worker of tensor_parallel_size "
-                            f"{config.tensor_parallel_size} sizes its KV cache before its model loads: give it "
-                            "exactly (--kv-cache-memory or --kv-cache-gib)")
+        raise KVMemoryError("gpu_memory_utilization", "the KV cache's size is measured once the model is loaded: "
+                            "it is not known before")
     return spec.blocks_for_budget(budget // config.tensor_parallel_size)
 
 
@@ -160,10 +159,11 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def shared_caches(spec: CacheSpec, num_blocks: int, ranks: int) -> tuple[torch.Tensor, int]:
+def shared_caches(spec: CacheSpec, num_blocks: int, ranks: int) -> tuple[torch.Tensor | None, int]:
     """The caches of a tensor-parallel worker's ``ranks`` ranks, one after another in one
     shared-memory file: ((ranks, num_blocks, *block_shape) tensor, the file's descriptor,
-    which the other ranks map with ``map_caches``). Rank r's cache is ``[r]``, contiguous and
+    which the other ranks map with ``map_caches``; ``num_blocks`` 0: an empty file and no tensor,
+    sized once the ranks measured their use). Rank r's cache is ``[r]``, contiguous and
     laid out as a one-rank cache is; rank-major, so ``view(ranks * num_blocks, ...)`` is one
     block-first tensor whose row ``r * num_blocks + b`` is block b of rank r (what a transfer
     agent registers). The file's pages are zero; each rank touches its own first (``prefault``).
@@ -171,6 +171,8 @@ def shared_caches(spec: CacheSpec, num_blocks: int, ranks: int) -> tuple[torch.T
     Transparent huge pages for shared memory are a separate kernel knob (``shmem_enabled``),
     often off: then these are 4 KiB pages, where a private cache (``host_zeros``) gets 2 MiB."""
     fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
+    if not num_blocks:  # sized later, once the ranks have measured their use (distributed/memory_share.py)
+        return None, fd
     os.ftruncate(fd, ranks * num_blocks * spec.block_bytes)
     return map_caches(fd, spec, num_blocks, ranks), fd
 

@@ -15,7 +15,7 @@ starts at the tile's first query's first key), an online softmax in float32 and 
 grid reads about lengths is a device tensor (``cu_query_lens``, ``context_lens``,
 ``block_tables``); from the host it takes only the batch size and the longest query, so a
 decode step's launch is the same for any mix of context lengths, and can be captured in a CUDA
-graph (pdserve/engine/runner/cuda_graphs.py). A second small kernel stores the step's new K/V into
+graph (pdserve/engine/cuda_graphs.py). A second small kernel stores the step's new K/V into
 their slots, and skips rows whose ``slot_block`` is -1 (a CUDA graph's padding rows).
 
 On the CPU the same kernels run under Triton's interpreter, where ``TRITON_INTERPRET=1`` was

@@ -1,11 +1,14 @@
 """A rank other than 0 of a tensor-parallel worker: ``python -m pdserve.engine.distributed.follower SPEC``.
 
 Rank 0 (``pdserve.engine.distributed.group``) starts it with a ``FollowerSpec`` (JSON). It joins the
-worker's process group, loads its share of the model, maps its part of the shared KV cache
-(CPU) or allocates its own (CUDA), says it is loaded, then follows: each step it receives the
+worker's process group, loads its share of the model (where a share of memory sizes the KV
+cache, it measures its use with the other ranks then: pdserve/engine/distributed/memory_share.py),
+maps its part of the shared KV cache (CPU) or allocates its own (CUDA), says it is loaded, then follows: each step it receives the
 prepared inputs from rank 0 (``pdserve.engine.distributed.step``) and runs the same forward on its share,
 then computes its vocabulary slice of the logits of the rows rank 0 computes logits for (the
-sampled rows, then any rows rank 0 names), each gathered to rank 0, which alone samples. It
+sampled rows, then any rows rank 0 names), each gathered to rank 0, which alone samples. With
+CUDA graphs it builds the same graphs as rank 0, when rank 0 does, and replays the one rank 0
+names on rank 0's padded inputs (pdserve/engine/cuda_graphs.py). It
 knows no request, block manager or scheduler. With LoRA (``FollowerSpec.max_loras``), it
 mirrors rank 0's adapters and slots (pdserve/engine/lora/mirror.py): the loads and unloads
 rank 0 hands on, and each step's slots.
@@ -21,6 +24,7 @@ is gone, or when a collective fails; any error ends the process, which rank 0 no
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -30,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.engine.distributed import step as tp_step
+from pdserve.engine.distributed import memory_share, step as tp_step
 from pdserve.engine.attention.select import select_attention
 from pdserve.engine.config import DTYPES
 from pdserve.engine.attention.kv_cache import cache_spec_of, map_caches, prefault
@@ -38,6 +42,7 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.lora.mirror import LoRAMirror
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.distributed.group import FollowerSpec, join, open_store, rank_device
 
 # A service: (this rank's spec, its KV cache, its socket to rank 0) -> runs until the socket closes.
@@ -68,7 +73,7 @@ def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.de
            lora: LoRAMirror | None = None) -> int:
     """Run rank 0's steps, and its logits over each step's rows, until it says stop; returns
     how many steps ran. ``lora``: this rank's mirror of rank 0's adapters (None: no LoRA)."""
-    steps, hidden = 0, None
+    steps, hidden, graphs = 0, None, None
     with torch.inference_mode():
         while (msg := tp_step.receive(group, device)) is not None:
             if isinstance(msg, tp_step.LogitsRows):
@@ -77,9 +82,17 @@ def follow(group, model: CausalLM, layer_caches: list, backend, device: torch.de
             if isinstance(msg, (tp_step.LoRALoad, tp_step.LoRAUnload)):
                 _update_lora(lora, msg)
                 continue
-            if lora is not None:
-                lora.begin_step(msg.lora)
             model.bind_caches(layer_caches, backend)
+            if isinstance(msg, tp_step.Graphs):
+                graphs = DecodeGraphs(lambda ids, pos, ctx: model.compute_logits(model(ids, pos, ctx)), msg.sizes,
+                                      msg.width, msg.block_size, device, msg.capture)
+                continue
+            if lora is not None:
+                lora.begin_step(msg.lora if isinstance(msg, tp_step.Step) else None)  # graphs hold no adapter
+            if isinstance(msg, tp_step.GraphStep):
+                graphs.replay_inputs(msg.size, msg.inputs)
+                steps += 1
+                continue
             hidden = model(msg.input_ids, msg.positions, msg.ctx)
             if msg.sample_rows.numel():
                 model.compute_logits(hidden[msg.sample_rows])
@@ -124,8 +137,12 @@ def main(argv: list[str], service: Service | None = None) -> int:
     store = open_store(spec.store, spec.size)
     group = join(store, spec.rank, spec.size, device)
     tp = TensorParallel(spec.rank, spec.size, group)
+    # A cache sized by a share: this rank's device read before its weights load (memory_share.py).
+    probe = memory_share.rank_probe(spec.memory_share, device, spec.size) if spec.memory_share else None
     model, cfg, _ = load_model(spec.model_dir, DTYPES[spec.dtype], device, progress=False, tp=tp,
                                load_format=spec.load_format)
+    if probe is not None:
+        spec = dataclasses.replace(spec, num_blocks=memory_share.size_on_follower(spec, group, model, cfg, probe, device))
     cache = _cache(spec, model, device)
     backend = select_attention(spec.attention_backend, cfg, tp, device, spec.block_size, DTYPES[spec.dtype])
     layer_caches = cache_spec_of(cfg, spec.block_size, DTYPES[spec.dtype], spec.size).layer_caches(cache)

@@ -37,7 +37,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -47,7 +46,8 @@ from typing import Callable
 
 import torch
 
-from pdserve.engine.distributed import step as tp_step
+from pdserve.engine.distributed import memory_share, step as tp_step
+from pdserve.engine.distributed.processes import kill as _kill, spawn as _spawn, wait_for as _wait_for
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.errors import InvalidRequestError, RankLost
 from pdserve.engine.attention.kv_cache import cache_spec_of, num_cache_blocks, prefault, shared_caches
@@ -58,7 +58,6 @@ from pdserve.engine.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 600.0  # for every rank to join and load its share (a big model reads for minutes)
 # Collectives never time out on their own: a rank that waits for the next step waits as long
 # as the worker is idle. A rank that is stuck is the router's to find (its hang timeout).
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
@@ -87,6 +86,12 @@ class FollowerSpec:
     max_loras: int = 0  # EngineConfig.lora's slots and rank (0: no LoRA); rank 0 hands on the adapters
     max_lora_rank: int = 0
     service_fd: int = -1  # this rank's end of its socket pair with rank 0 (module docstring), inherited
+    # A cache sized by a share (``num_blocks`` 0 until then; distributed/memory_share.py): the
+    # share, and the profile step every rank runs (``memory_profile.ProfileStep``'s sizes).
+    memory_share: float = 0.0
+    profile_tokens: int = 0
+    profile_rows: int = 0
+    max_model_len: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -155,21 +160,25 @@ def rank_cores(cpus: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
 
 
 def load_on_ranks(config: EngineConfig, progress: bool = True, on_lost: Callable[[RankLost], None] | None = None,
-                  entry: str = FOLLOWER_ENTRY) -> tuple[CausalLM, ModelConfig, Path, "RankGroup | None"]:
+                  entry: str = FOLLOWER_ENTRY, probe=None) -> tuple[CausalLM, ModelConfig, Path, "RankGroup | None"]:
     """``load_model`` for ``config``, on ``tensor_parallel_size`` ranks: start the others
     (``entry``: the module they run, module docstring), which load their shares while this
     process (rank 0) loads its own. Returns (rank 0's model, its config, the model directory,
-    the ranks; None at size 1)."""
+    the ranks; None at size 1). ``probe``: rank 0's memory, where a share sizes the cache."""
     dtype, device = config.torch_dtype(), config.torch_device()
     if config.tensor_parallel_size == 1:
         return (*load_model(config.model, dtype, device, progress, load_format=config.load_format), None)
     model_dir = materialize(config.model, progress)
     cfg = read_model_config(model_dir)
     check_split(cfg, config.tensor_parallel_size)  # before any rank starts
-    num_blocks = num_cache_blocks(config, cache_spec_of(cfg, config.cache.block_size, dtype, config.tensor_parallel_size))
+    share = memory_share.measured_by_share(config)  # then every rank measures once loaded, 0 blocks till then
+    num_blocks = 0 if share else num_cache_blocks(config, cache_spec_of(cfg, config.cache.block_size, dtype,
+                                                                          config.tensor_parallel_size))
     ranks = RankGroup.start(config, model_dir, cfg, num_blocks, on_lost or exit_worker, entry)
     try:
         model, cfg, model_dir = load_model(str(model_dir), dtype, device, progress, ranks.tp, config.load_format)
+        if share:
+            ranks.cache_size = memory_share.size_on_rank0(ranks, model, cfg, config, probe)
         ranks.wait_loaded()
     except BaseException:
         ranks.close()
@@ -200,6 +209,7 @@ class RankGroup:
         self._threads_before = torch.get_num_threads()
         self._lost: RankLost | None = None
         self._lost_lock = threading.Lock()  # a rank's watch and the stepping thread may both find the loss
+        self.cache_fd, self.cache_size = -1, None  # a cache sized by a share: memory_share.size_on_rank0
 
     @classmethod
     def start(cls, config: EngineConfig, model_dir: Path, cfg: ModelConfig, num_blocks: int,
@@ -218,7 +228,8 @@ class RankGroup:
                       num_blocks=num_blocks, cache_fd=fd, threads=threads, isa=_isa(device),
                       log_level=logging.getLogger().getEffectiveLevel(), load_format=config.load_format,
                       max_loras=config.lora.max_loras if config.lora else 0,
-                      max_lora_rank=config.lora.max_lora_rank if config.lora else 0)
+                      max_lora_rank=config.lora.max_lora_rank if config.lora else 0,
+                      **memory_share.follower_fields(config, cfg))
         pairs = [socket.socketpair() for _ in range(1, size)]
         procs = [_spawn(FollowerSpec(rank=r, service_fd=pairs[r - 1][1].fileno(), **common), entry)
                  for r in range(1, size)]
@@ -239,6 +250,7 @@ class RankGroup:
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
         ranks = cls(TensorParallel(0, size, group), store, procs, tmpdir, caches, device, on_lost, mine, entry)
+        ranks.cache_fd = fd if caches is None else -1  # CPU and a share: the file, sized once measured
         torch.set_num_threads(threads)  # rank 0's share too, until ``close``
         return ranks
 
@@ -276,6 +288,18 @@ class RankGroup:
         if self._lost is not None:
             raise self._lost
         tp_step.send_lora_unload(self.tp.group, adapter_id, self.device)
+
+    def graphs(self, sizes: tuple[int, ...], width: int, block_size: int, capture: bool) -> None:
+        """Tell the other ranks to build the decode graphs rank 0 builds next (``step.Graphs``)."""
+        if self._lost is not None:
+            raise self._lost
+        tp_step.send_graphs(self.tp.group, sizes, width, block_size, capture, self.device)
+
+    def graph_step(self, size: int, inputs: list[torch.Tensor]) -> None:
+        """Hand a graphed decode step's padded inputs to the other ranks, which replay theirs."""
+        if self._lost is not None:
+            raise self._lost
+        tp_step.send_graph_step(self.tp.group, size, inputs, self.device)
 
     def logits(self, start: int, stop: int) -> None:
         """Tell the other ranks that rank 0 computes the logits of rows [start, stop) of the
@@ -345,34 +369,6 @@ class RankGroup:
         code = proc.wait()
         if not self._closing:
             self.lost(RuntimeError(f"rank {rank} (pid {proc.pid}) exited with status {code}"))
-
-
-def _spawn(spec: FollowerSpec, entry: str) -> subprocess.Popen:
-    """Start one rank (``python -m entry SPEC``). Its stdin is a pipe that only rank 0 holds: it
-    closes when rank 0's process ends, however it ends, and the rank then exits too."""
-    fds = tuple(fd for fd in (spec.cache_fd, spec.service_fd) if fd >= 0)
-    return subprocess.Popen([sys.executable, "-m", entry, spec.to_json()], stdin=subprocess.PIPE, pass_fds=fds)
-
-
-def _wait_for(procs: list[subprocess.Popen], done: Callable[[], bool], what: str) -> None:
-    """Poll until ``done()``; a rank that exits meanwhile, or the start-up timeout, raises RankLost."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        for rank, proc in enumerate(procs, start=1):
-            if proc.poll() is not None:
-                raise RankLost(f"tensor-parallel rank {rank} exited with status {proc.returncode} before it "
-                               f"could {what} (its log is in this worker's)")
-        if done():
-            return
-        if time.monotonic() > deadline:
-            raise RankLost(f"tensor-parallel ranks did not {what} within {START_TIMEOUT_S:.0f} s")
-        time.sleep(0.05)
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        proc.kill()
-        proc.wait()
 
 
 def _isa(device: torch.device) -> str | None:

@@ -37,10 +37,12 @@ import torch
 from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.lora.mirror import StepLoRA
 
-STOP, STEP, LOGITS, LORA_LOAD, LORA_UNLOAD = 0, 1, 2, 3, 4  # header[0]: what follows
+STOP, STEP, LOGITS, LORA_LOAD, LORA_UNLOAD, GRAPHS, GRAPH_STEP = 0, 1, 2, 3, 4, 5, 6  # header[0]: what follows
 # int64 slots: op, T, B, M, is_decode, max_context_len, max_query_len, block_size, S (sampled
 # rows), L (LoRA slots; 0: no adapter in the step); a LOGITS header: op, start, stop, then
-# zeros; a LORA_LOAD: op, adapter id, the path's length in bytes; a LORA_UNLOAD: op, adapter id.
+# zeros; a LORA_LOAD: op, adapter id, the path's length in bytes; a LORA_UNLOAD: op, adapter id;
+# a GRAPHS: op, width, block size, capture (0: the buffers alone), the number of sizes; a
+# GRAPH_STEP: op, size, width.
 _HEADER = 10
 
 
@@ -61,6 +63,26 @@ class LogitsRows:
 
     start: int
     stop: int
+
+
+@dataclass(frozen=True)
+class Graphs:
+    """Build the decode graphs of ``sizes`` rows, block tables ``width`` wide, as rank 0 does now
+    (pdserve/engine/cuda_graphs.py): captured (NCCL) or the static buffers alone."""
+
+    sizes: tuple[int, ...]
+    width: int
+    block_size: int
+    capture: bool
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """Replay the decode graph of ``size`` rows on ``inputs`` (``cuda_graphs.padded_inputs``' order
+    and dtypes, on this rank's device)."""
+
+    size: int
+    inputs: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -115,14 +137,39 @@ def send_logits(group, start: int, stop: int, device: torch.device) -> None:
     group.broadcast(header, 0).wait()
 
 
+def send_graphs(group, sizes: tuple[int, ...], width: int, block_size: int, capture: bool,
+                device: torch.device) -> None:
+    """Rank 0: it builds its decode graphs now; the others build the same, in the same order."""
+    header = torch.tensor([GRAPHS, width, block_size, int(capture), len(sizes)] + [0] * (_HEADER - 5),
+                          dtype=torch.long, device=device)
+    group.broadcast(header, 0).wait()
+    group.broadcast(torch.tensor(sizes, dtype=torch.long, device=device), 0).wait()
+
+
+def send_graph_step(group, size: int, inputs: list[torch.Tensor], device: torch.device) -> None:
+    """Rank 0: it replays its graph of ``size`` rows on ``inputs`` (``padded_inputs``, on the host)."""
+    width = inputs[4].shape[1]
+    header = torch.tensor([GRAPH_STEP, size, width] + [0] * (_HEADER - 3), dtype=torch.long, device=device)
+    group.broadcast(header, 0).wait()
+    group.broadcast(torch.cat([t.flatten().long() for t in inputs]).to(device), 0).wait()
+
+
+def _graph_step(group, size: int, width: int, device: torch.device) -> GraphStep:
+    payload = torch.empty(5 * size + size * width, dtype=torch.long, device=device)
+    group.broadcast(payload, 0).wait()
+    ids, positions, slot_block, slot_offset, tables, context_lens = payload.split([size] * 4 + [size * width, size])
+    return GraphStep(size, [ids, positions, slot_block, slot_offset, tables.view(size, width).to(torch.int32),
+                            context_lens.to(torch.int32)])
+
+
 def send_stop(group, device: torch.device) -> None:
     """Rank 0: the worker is stopping; the other ranks leave their loop."""
     group.broadcast(torch.zeros(_HEADER, dtype=torch.long, device=device), 0).wait()
 
 
-def receive(group, device: torch.device) -> Step | LogitsRows | LoRALoad | LoRAUnload | None:
+def receive(group, device: torch.device) -> Step | LogitsRows | LoRALoad | LoRAUnload | Graphs | GraphStep | None:
     """Another rank: wait for rank 0's next message: a step, rows to compute logits for, an
-    adapter loaded or unloaded, or None when the worker stops."""
+    adapter loaded or unloaded, graphs to build or replay, or None when the worker stops."""
     header = torch.empty(_HEADER, dtype=torch.long, device=device)
     group.broadcast(header, 0).wait()
     op, t, b, m, is_decode, max_context, max_query, block_size, s, num_slots = header.tolist()
@@ -132,6 +179,12 @@ def receive(group, device: torch.device) -> Step | LogitsRows | LoRALoad | LoRAU
         return LogitsRows(start=t, stop=b)
     if op == LORA_UNLOAD:
         return LoRAUnload(adapter_id=t)
+    if op == GRAPH_STEP:
+        return _graph_step(group, t, b, device)
+    if op == GRAPHS:
+        sizes = torch.empty(is_decode, dtype=torch.long, device=device)  # header[4]: how many
+        group.broadcast(sizes, 0).wait()
+        return Graphs(tuple(sizes.tolist()), width=t, block_size=b, capture=bool(m))
     if op == LORA_LOAD:
         data = torch.empty(b, dtype=torch.uint8, device=device)
         group.broadcast(data, 0).wait()

@@ -4,7 +4,7 @@ Builds the packed token ids, positions and the ``AttentionContext`` (slot mappin
 tables, lengths) from the scheduler's output, hands every attention layer its slice of the
 cache, runs the forward, and samples the sequences that finished their
 prompt or are decoding. With CUDA graphs (``graph_sizes``), a decode step that fits one
-replays it instead of running the forward (pdserve/engine/runner/cuda_graphs.py). A
+replays it instead of running the forward (pdserve/engine/cuda_graphs.py). A
 speculating sequence (``ScheduledSeq.draft``) runs its newest token and its guesses, and every
 one of those positions is a sampled row: their logits go to ``verify`` (pdserve/engine/spec/),
 the other rows' to the sampler, in the same step.
@@ -17,8 +17,11 @@ computes, gathered to rank 0, in one order: the sampled rows' right after the fo
 prompt logprobs' slices, each announced to the other ranks first (``RankGroup.logits``).
 Sampling is rank 0's alone. A forward or logits call that raises there may have left the ranks
 between two collectives, out of step for good: it is the worker's loss (``RankGroup.lost``),
-not one request's fault. Graphs are CUDA's, and TP is CPU-only for now (docs/gpu.md), so a
-graphed step never has ranks to hand inputs to (at TP 1 the head's gather is the identity).
+not one request's fault. CUDA graphs at TP > 1 need NCCL (gloo's collectives run on the host and
+cannot be captured): every rank builds the same graphs as rank 0 does, in the same order
+(``RankGroup.graphs``), and a graphed step hands its padded inputs to the other ranks, which
+replay their own graphs on them (``RankGroup.graph_step``); the all-reduces and the head's
+gather to rank 0 are inside every rank's graph.
 
 With LoRA (``lora``, a ``pdserve.engine.lora.manager.LoRAManager``), each step first names its
 sequences' adapters, so that every token computes with its own (docs/lora.md), and hands them
@@ -38,7 +41,7 @@ from pdserve.engine.attention.base import AttentionContext, HostContext, host_co
 from pdserve.engine.attention.select import select_attention
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.runner.cuda_graphs import DecodeGraphs
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.device import to_device
 from pdserve.engine.errors import RankLost, SequenceFailed
 from pdserve.engine.attention.kv_cache import cache_spec_of
@@ -47,7 +50,7 @@ from pdserve.engine.parallel import SINGLE
 from pdserve.engine.runner.prompt_logprobs import prompt_logprobs
 from pdserve.engine.sampling.sampler import Sampler, SamplerRow
 from pdserve.engine.core.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
-from pdserve.engine.distributed.group import RankGroup
+from pdserve.engine.distributed.group import RankGroup, uses_nccl
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ class ModelRunner:
         self.verify = verify or _no_verify
         self.num_forward_tokens = 0  # tokens run through the model, for tests and metrics
         self.graphs: DecodeGraphs | None = None
-        if graph_sizes and ranks is None:  # a graph would skip handing the ranks their step
+        if graph_sizes:
             self.graphs = self._capture(graph_sizes, max_model_len or cfg.max_model_len)
 
     @torch.inference_mode()
@@ -97,9 +100,21 @@ class ModelRunner:
             log.warning("CUDA graphs need a graph-safe attention backend (triton); this runner has %s, and "
                         "runs every step eagerly", self.backend.name)
             return None
+        if self.ranks is not None and not uses_nccl(self.device, self.ranks.tp.size):
+            log.warning("CUDA graphs at tensor_parallel_size %d need a GPU per rank (NCCL; gloo cannot be "
+                        "captured): every step runs eagerly", self.ranks.tp.size)
+            return None
+        return self.build_graphs(sizes, -(-max_model_len // self.block_size))
+
+    def build_graphs(self, sizes: tuple[int, ...], width: int, capture: bool = True) -> DecodeGraphs:
+        """The decode graphs of ``sizes`` rows and block tables ``width`` wide, on every rank
+        (``capture=False``: their static buffers alone, run eagerly: the CPU, in tests)."""
         self.model.bind_caches(self._layer_caches, self.backend)
-        width = -(-max_model_len // self.block_size)
-        return DecodeGraphs(self._logits, sizes, width, self.block_size, self.device)
+        if self.ranks is None:
+            return DecodeGraphs(self._logits, sizes, width, self.block_size, self.device, capture)
+        self.ranks.graphs(sizes, width, self.block_size, capture)
+        return self._on_ranks(DecodeGraphs, self._logits, sizes, width, self.block_size, self.device, capture,
+                              self.ranks.graph_step)
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Every row's logits (T, V) float32: a decode step's forward, as a graph captures it."""
@@ -185,7 +200,7 @@ class ModelRunner:
             return None
         if self.lora is not None and self.lora.state.active:
             return None  # the graphs hold the base model's step alone
-        return self.graphs.run(host, tokens)
+        return self._on_ranks(self.graphs.run, host, tokens)
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -51,7 +51,7 @@ from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.device import to_device
-from pdserve.engine.runner.cuda_graphs import capture_sizes
+from pdserve.engine.cuda_graphs import capture_sizes
 from pdserve.engine.sampling.params import SamplingParams
 from pdserve.engine.spec.draft_model import DraftModel, DraftRunner, draft_cache_blocks, load_draft
 from pdserve.engine.spec.proposer import Proposal

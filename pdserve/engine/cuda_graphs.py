@@ -104,11 +104,14 @@ class DecodeGraphs:
 
     ``forward`` is the step's forward through the logits, its caches and backend bound;
     ``width`` the most blocks a sequence can hold. ``capture=False`` builds the same buffers
-    and runs ``forward`` on them without a graph (the CPU, in tests)."""
+    and runs ``forward`` on them without a graph (the CPU, in tests). ``on_replay(size,
+    inputs)``: called with a step's padded inputs (on the host) before it replays, for rank 0 of
+    a tensor-parallel worker to hand them to the other ranks, which replay their own graphs of
+    the same sizes on them (``replay_inputs``)."""
 
     def __init__(self, forward: Forward, sizes: Sequence[int], width: int, block_size: int, device: torch.device,
-                 capture: bool = True):
-        self.forward, self.sizes, self.width = forward, tuple(sorted(sizes)), width
+                 capture: bool = True, on_replay: Callable[[int, list[torch.Tensor]], None] | None = None):
+        self.forward, self.sizes, self.width, self.on_replay = forward, tuple(sorted(sizes)), width, on_replay
         self.replays = 0  # decode steps served by a graph, for tests and the step profile
         self._graphs: dict[int, _Graph] = {}
         pool = None
@@ -128,14 +131,28 @@ class DecodeGraphs:
         size = bucket_for(input_ids.shape[0], self.sizes)
         if size is None or host.ctx.block_tables.shape[1] > self.width:
             return None
+        inputs = padded_inputs(host, input_ids, size, self.width)
+        if self.on_replay is not None:
+            self.on_replay(size, inputs)
         graph = self._graphs[size]
-        graph.load(padded_inputs(host, input_ids, size, self.width))
+        graph.load(inputs)
+        return self._replay(graph)[:input_ids.shape[0]]
+
+    def replay_inputs(self, size: int, inputs: list[torch.Tensor]) -> None:
+        """Another rank's replay of rank 0's step: ``inputs`` are rank 0's padded inputs, on this
+        rank's device; the logits are gathered to rank 0 inside the graph."""
+        graph = self._graphs[size]
+        for static, value in zip(graph.inputs, inputs):
+            static.copy_(value)
+        self._replay(graph)
+
+    def _replay(self, graph: _Graph) -> torch.Tensor | None:
         if graph.graph is None:
             graph.logits = self._forward(graph)
         else:
             graph.graph.replay()
         self.replays += 1
-        return graph.logits[:input_ids.shape[0]]
+        return graph.logits
 
 
 def _static(size: int, width: int, block_size: int, device: torch.device) -> _Graph:
