@@ -1,11 +1,19 @@
 """The one way tests start a real local cluster (Ray actors, gRPC, NIXL or tcp, the default
 model): ``cluster_config`` gives the test defaults, ``running_cluster`` starts it and always
-stops it, even when the start fails half-way (a half-started Ray would outlive the module)."""
+stops it, even when the start fails half-way (a half-started Ray would outlive the module).
+
+Every such cluster joins the test process's one Ray (``shared_ray``) instead of starting and
+ending one of its own: about 4 s a cluster on a quiet machine, 10 s and more under load. A
+cluster that must start its own Ray (the security tests' token check, which is about the Ray
+pdserve starts) asks ``running_cluster(config, own_ray=True)``; a test whose driver joins
+another Ray calls ``leave_shared_ray`` first."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
 from collections.abc import Iterator
 
 import grpc
@@ -32,11 +40,51 @@ def cluster_config(*, dtype: str | None = None, kv_mib: int = 96, prefill_tp: in
     return ClusterConfig(**fields)
 
 
-@contextlib.contextmanager
-def running_cluster(config: ClusterConfig) -> Iterator[LocalCluster]:
+def shared_ray() -> None:
+    """Start the test process's Ray unless one runs, as a cluster starts its own
+    (``pdserve.cluster.ray_start``: token auth, room for every worker); a cluster started after
+    it finds it running and joins it. Its workers are then not pinned to cores (a cluster pins
+    only in a Ray it started itself): pinning is tested where a cluster starts its own Ray
+    (tests/security/test_cluster_security.py) and in tests/cluster/test_mode_settings.py."""
+    import ray
+
+    from pdserve.cluster.ray_start import LOCAL_RAY_MIN_CPUS, start_local_ray
+
+    if not ray.is_initialized():
+        start_local_ray(max(os.cpu_count() or 1, LOCAL_RAY_MIN_CPUS), token_auth=True)
+
+
+def leave_shared_ray() -> None:
+    """End the shared Ray, if one runs: for a test whose driver joins a Ray of its own making
+    (``ray start``) or whose cluster must start its own. The next shared cluster starts one again."""
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def start_local_cluster(config: ClusterConfig, own_ray: bool = False) -> LocalCluster:
+    """``config``'s cluster, started in the shared Ray (``own_ray``: in a Ray it starts and ends
+    itself), or stopped again if its start fails half-way; the caller stops it."""
+    if own_ray:
+        leave_shared_ray()
+    elif config.ray_address is None:
+        shared_ray()
     cluster = LocalCluster(config)
     try:
         cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@contextlib.contextmanager
+def running_cluster(config: ClusterConfig, own_ray: bool = False) -> Iterator[LocalCluster]:
+    """``start_local_cluster`` for a ``with`` block: stopped at its end."""
+    cluster = start_local_cluster(config, own_ray)
+    try:
         yield cluster
     finally:
         cluster.stop()

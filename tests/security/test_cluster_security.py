@@ -52,7 +52,9 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(certs):
-    with running_cluster(cluster_config(api_keys=KEYS, role_tls=certs["roles"], supervise_interval_s=0.5)) as c:
+    # A Ray of its own, as pdserve starts it: test_ray_refuses_a_driver_without_the_token is about that Ray.
+    with running_cluster(cluster_config(api_keys=KEYS, role_tls=certs["roles"], supervise_interval_s=0.5),
+                         own_ray=True) as c:
         yield c
 
 
