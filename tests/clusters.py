@@ -50,8 +50,20 @@ def shared_ray() -> None:
 
     from pdserve.cluster.ray_start import LOCAL_RAY_MIN_CPUS, start_local_ray
 
+    if ray.is_initialized() and _lost():
+        ray.shutdown()
     if not ray.is_initialized():
         start_local_ray(max(os.cpu_count() or 1, LOCAL_RAY_MIN_CPUS), token_auth=True)
+
+
+def _lost() -> bool:
+    """Whether the Ray this process started has lost its GCS server or raylet since (a `ray stop
+    --force` on this machine ends them all), as ``LocalCluster.ray_lost`` asks of its own."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    return node is not None and any(info.process.poll() is not None for kind in ("gcs_server", "raylet")
+                                    for info in node.all_processes.get(kind, []))
 
 
 def leave_shared_ray() -> None:
