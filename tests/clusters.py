@@ -3,10 +3,10 @@ model): ``cluster_config`` gives the test defaults, ``running_cluster`` starts i
 stops it, even when the start fails half-way (a half-started Ray would outlive the module).
 
 Every such cluster joins the test process's one Ray (``shared_ray``) instead of starting and
-ending one of its own: about 4 s a cluster on a quiet machine, 10 s and more under load. A
-cluster that must start its own Ray (the security tests' token check, which is about the Ray
-pdserve starts) asks ``running_cluster(config, own_ray=True)``; a test whose driver joins
-another Ray calls ``leave_shared_ray`` first."""
+ending one of its own: about 4 s a cluster on a quiet machine, 10 s and more under load. A test
+whose driver joins another Ray (``ray start``) calls ``leave_shared_ray`` first. A cluster
+starting a Ray of its own is what every ``pdserve serve`` a test runs does (tests/cluster/test_cli.py
+and others)."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def shared_ray() -> None:
     """Start the test process's Ray unless one runs, as a cluster starts its own
     (``pdserve.cluster.ray_start``: token auth, room for every worker); a cluster started after
     it finds it running and joins it. Its workers are then not pinned to cores (a cluster pins
-    only in a Ray it started itself): pinning is tested where a cluster starts its own Ray
-    (tests/security/test_cluster_security.py) and in tests/cluster/test_mode_settings.py."""
+    only in a Ray it started itself): pinning is tested in tests/cluster/test_mode_settings.py;
+    a cluster that starts its own Ray is every ``pdserve serve`` a test runs."""
     import ray
 
     from pdserve.cluster.ray_start import LOCAL_RAY_MIN_CPUS, start_local_ray
@@ -76,12 +76,10 @@ def leave_shared_ray() -> None:
             ray.shutdown()
 
 
-def start_local_cluster(config: ClusterConfig, own_ray: bool = False) -> LocalCluster:
-    """``config``'s cluster, started in the shared Ray (``own_ray``: in a Ray it starts and ends
-    itself), or stopped again if its start fails half-way; the caller stops it."""
-    if own_ray:
-        leave_shared_ray()
-    elif config.ray_address is None:
+def start_local_cluster(config: ClusterConfig) -> LocalCluster:
+    """``config``'s cluster, started in the shared Ray (unless it names a ``ray_address``), or
+    stopped again if its start fails half-way; the caller stops it."""
+    if config.ray_address is None:
         shared_ray()
     cluster = LocalCluster(config)
     try:
@@ -93,9 +91,9 @@ def start_local_cluster(config: ClusterConfig, own_ray: bool = False) -> LocalCl
 
 
 @contextlib.contextmanager
-def running_cluster(config: ClusterConfig, own_ray: bool = False) -> Iterator[LocalCluster]:
+def running_cluster(config: ClusterConfig) -> Iterator[LocalCluster]:
     """``start_local_cluster`` for a ``with`` block: stopped at its end."""
-    cluster = start_local_cluster(config, own_ray)
+    cluster = start_local_cluster(config)
     try:
         yield cluster
     finally:
