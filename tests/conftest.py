@@ -62,6 +62,16 @@ def _exit_without_native_teardown() -> None:
         os._exit(_exit_status[0])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_ray_ends():
+    """The Ray every test cluster joins (``tests.clusters.shared_ray``) ends with the session
+    (read from ``sys.modules``: a session that never imported Ray, or has none, imports nothing)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A random-weight Llama with grouped-query attention, saved as a HF directory."""

@@ -30,6 +30,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from pdserve.protos import pdserve_pb2_grpc
+from tests.clusters import leave_shared_ray
 from tests.helpers.chat import assert_chat_greedy, chat_request, collect
 from tests.helpers.ray_nodes import ENV, RAY, free_port
 
@@ -115,6 +116,7 @@ def greedy(grpc_address: str, reference) -> None:
 
 def test_the_cluster_outlives_its_driver_and_its_controller(ray_head, reference, tmp_path):
     driver, how, grpc_address = serve(ray_head, tmp_path / "serve1.log")
+    leave_shared_ray()  # this driver joins the head instead
     ray.init(address=ray_head, namespace="pdserve", logging_level=logging.WARNING)
     try:
         assert how == "started"

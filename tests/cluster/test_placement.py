@@ -13,6 +13,7 @@ from pdserve.cluster.local import LocalCluster
 from pdserve.cluster.placement import PoolPlacement
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
+from tests.clusters import leave_shared_ray
 from tests.helpers.ray_nodes import ENV, RAY, free_port
 
 pytestmark = pytest.mark.slow
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def two_nodes():
+    leave_shared_ray()  # a driver still in the tests' shared Ray would place the cluster there
     port = free_port()
     # Each worker reserves the CPUs it runs threads on (one here): the prefill node holds two.
     common = ["--num-cpus=2", "--disable-usage-stats"]

@@ -63,6 +63,20 @@ def test_any_other_start_failure_is_raised_at_once(fake_ray):
     assert (fake.inits, fake.shutdowns) == (1, 0)
 
 
+@pytest.mark.parametrize("token_auth", [True, False])
+def test_a_cluster_starts_its_own_ray_with_the_token_auth_its_config_asks(monkeypatch, token_auth):
+    """``ray_token_auth`` (on by default) reaches ``start_local_ray``, whose Ray with token auth
+    on refuses a driver without the token (tests/security/test_cluster_security.py)."""
+    import pdserve.cluster.local as local
+
+    asked = []
+    monkeypatch.setattr(local, "start_local_ray", lambda num_cpus, auth: asked.append(auth))
+    c = LocalCluster(ClusterConfig(ray_token_auth=token_auth))
+    c._init_ray()
+    assert asked == [token_auth] and c._started_ray
+    assert ClusterConfig().ray_token_auth  # on unless a config turns it off
+
+
 def test_a_local_ray_starts_its_workers_at_niceness_0(fake_ray, monkeypatch):
     """Ray's raylet starts workers at niceness 15 unless RAY_worker_niceness says otherwise."""
     monkeypatch.delenv(ray_start.WORKER_NICENESS_ENV, raising=False)

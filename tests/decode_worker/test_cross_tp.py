@@ -2,7 +2,7 @@
 worker of TP P and a real decode worker of TP D (each rank after 0 a child process; rank 0
 creates every rank's KV agent over its share of the one shared cache file), behind their gRPC
 servers, with the real request run as the router, over real NIXL and tcp, at (P, D) = (2, 1)
-and (1, 2), the whole prompt at once and streamed chunk by chunk.
+and (1, 2), the whole prompt at once and streamed chunk by chunk (both on one pair of workers).
 
 Checked: float32 greedy tokens equal transformers; no transfer fails or fails its checksums;
 each decode rank's cache holds, for every prompt token, exactly its heads of the prefill
@@ -106,30 +106,45 @@ async def settle(*workers) -> None:
                          f"{[w.engine.blocks.num_free_blocks for w in workers]} blocks free")
 
 
-@pytest.mark.parametrize("stream_kv", [False, True], ids=["whole", "streamed"])
+def wipe(*workers) -> None:
+    """Zero every rank cache of idle ``workers``: what the next request leaves there is its own
+    KV, never what an earlier request on the same workers wrote into the same blocks."""
+    for w in workers:
+        for cache in w.engine.rank_caches:
+            cache.zero_()
+
+
 @pytest.mark.parametrize("backend", ["nixl", "tcp"])
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_kv_moves_by_head_between_pools_of_different_tp(tiny_llama_dir, prefill_tp, decode_tp, backend, stream_kv):
+def test_kv_moves_by_head_between_pools_of_different_tp(tiny_llama_dir, prefill_tp, decode_tp, backend):
+    """The whole prompt at once, then streamed chunk by chunk, on the same two workers (one start
+    of their ranks for both), each request checked in full; the caches are zeroed in between."""
     model_dir, hf_model = tiny_llama_dir
 
     async def main():
         async with workers(model_dir, backend, prefill_tp, decode_tp) as (prefill, decoder, pool):
-            reads = record_reads(decoder)
-            tokens = await generate(pool, "r", stream_kv)
-            await settle(prefill, decoder)
-            assert len(reads) == 1
-            # Freed, not yet reused: the prompt's KV on both sides is still where it was read.
-            holder = prompt_kv(prefill.engine.rank_caches, reads[0][0])
-            per_rank = holder.shape[-2] // decode_tp
-            moved = [prompt_kv([c], reads[0][1]) for c in decoder.engine.rank_caches]
-            for s, kv in enumerate(moved):
-                assert torch.equal(kv, holder[..., s * per_rank:(s + 1) * per_rank, :]), f"decode rank {s}"
-            stats = [prefill.agent.stats.snapshot(), decoder.agent.stats.snapshot()]
-            assert sum(t.failures + t.verify_failures for t in stats) == 0
-            assert stats[1].transfers >= max(prefill_tp, decode_tp)  # a read per rank pair
-            return tokens, [kv.clone() for kv in moved]
+            reads, out = record_reads(decoder), {}
+            for stream_kv in (False, True):
+                mode = "streamed" if stream_kv else "whole"
+                wipe(prefill, decoder)
+                reads.clear()
+                before = decoder.agent.stats.snapshot().transfers
+                tokens = await generate(pool, f"r-{mode}", stream_kv)
+                await settle(prefill, decoder)
+                assert len(reads) == 1, mode
+                # Freed, not yet reused: the prompt's KV on both sides is still where it was read.
+                holder = prompt_kv(prefill.engine.rank_caches, reads[0][0])
+                per_rank = holder.shape[-2] // decode_tp
+                moved = [prompt_kv([c], reads[0][1]) for c in decoder.engine.rank_caches]
+                for s, kv in enumerate(moved):
+                    assert torch.equal(kv, holder[..., s * per_rank:(s + 1) * per_rank, :]), f"{mode}: decode rank {s}"
+                stats = [prefill.agent.stats.snapshot(), decoder.agent.stats.snapshot()]
+                assert sum(t.failures + t.verify_failures for t in stats) == 0, mode
+                assert stats[1].transfers - before >= max(prefill_tp, decode_tp), mode  # a read per rank pair
+                out[mode] = tokens, [kv.clone() for kv in moved]
+            return out
 
-    tokens, moved = asyncio.run(main())
-    assert_greedy_matches(hf_model, PROMPT, tokens, MAX_TOKENS)
-    for s, (kv, local) in enumerate(zip(moved, local_kv(model_dir, decode_tp))):
-        torch.testing.assert_close(kv, local, rtol=1e-5, atol=1e-5, msg=lambda m: f"decode rank {s}: {m}")
+    for mode, (tokens, moved) in asyncio.run(main()).items():
+        assert_greedy_matches(hf_model, PROMPT, tokens, MAX_TOKENS, what=mode)
+        for s, (kv, local) in enumerate(zip(moved, local_kv(model_dir, decode_tp))):
+            torch.testing.assert_close(kv, local, rtol=1e-5, atol=1e-5, msg=lambda m: f"{mode}: decode rank {s}: {m}")

@@ -16,8 +16,7 @@ import ray
 
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.faults.load import Load
-from tests.helpers.chat import chat_request, collect
-from tests.helpers.faults import assert_no_kv_held, busy, check, migrations
+from tests.helpers.faults import assert_no_kv_held, busy, check, greedy_at_once, migrations
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +47,9 @@ def reference(stub):
     """Each prompt's greedy tokens from the cluster before any switch (greedy with ignore_eos:
     the shorter run is the longer one's beginning)."""
     out = {}
-    for i, p in enumerate(PROMPTS):
-        out[(i, LONG_TOKENS)] = collect(stub.Generate(chat_request(p, LONG_TOKENS, ignore_eos=True), timeout=120))[0]
-        assert len(out[(i, LONG_TOKENS)]) == LONG_TOKENS
-        out[(i, MAX_TOKENS)] = out[(i, LONG_TOKENS)][:MAX_TOKENS]
+    for i, ids in enumerate(greedy_at_once(stub, PROMPTS, LONG_TOKENS)):
+        assert len(ids) == LONG_TOKENS
+        out[(i, LONG_TOKENS)], out[(i, MAX_TOKENS)] = ids, ids[:MAX_TOKENS]
     return out
 
 

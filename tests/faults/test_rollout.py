@@ -28,7 +28,7 @@ from pdserve.protos import admin_pb2, admin_pb2_grpc, pdserve_pb2_grpc
 from tests.clusters import cluster_config, reconnecting_stub, running_cluster
 from tests.faults.load import Load
 from tests.helpers.chat import chat_request, collect
-from tests.helpers.faults import assert_no_kv_held, busy, check, gone, migrations
+from tests.helpers.faults import assert_no_kv_held, busy, check, greedy_at_once, gone, migrations
 from tests.serving.conftest import worker_stats
 
 pytestmark = pytest.mark.slow
@@ -60,10 +60,9 @@ def reference(stub):
     """Each prompt's greedy tokens from the undisturbed cluster, for ``MAX_TOKENS`` and
     ``LONG_TOKENS`` (greedy with ignore_eos: the shorter run is the longer one's beginning)."""
     out = {}
-    for i, p in enumerate(PROMPTS):
-        out[(i, LONG_TOKENS)] = collect(stub.Generate(chat_request(p, LONG_TOKENS, ignore_eos=True), timeout=120))[0]
-        assert len(out[(i, LONG_TOKENS)]) == LONG_TOKENS
-        out[(i, MAX_TOKENS)] = out[(i, LONG_TOKENS)][:MAX_TOKENS]
+    for i, ids in enumerate(greedy_at_once(stub, PROMPTS, LONG_TOKENS)):
+        assert len(ids) == LONG_TOKENS
+        out[(i, LONG_TOKENS)], out[(i, MAX_TOKENS)] = ids, ids[:MAX_TOKENS]
     return out
 
 

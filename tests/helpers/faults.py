@@ -1,16 +1,30 @@
-"""Checks of a served cluster under faults and rollouts (tests/faults, tests/serving): the load's
-outcomes against an undisturbed run, the router's migrations, a busy worker to disturb, no KV
-left held, a process gone."""
+"""Checks of a served cluster under faults and rollouts (tests/faults, tests/serving): the
+undisturbed run, the load's outcomes against it, the router's migrations, a busy worker to
+disturb, no KV left held, a process gone."""
 
+import concurrent.futures
 import time
 import urllib.request
 
 import grpc
 
 from tests.faults.load import Outcome
+from tests.helpers.chat import chat_request, collect
 from tests.serving.conftest import worker_stats
 
 CLEAN_WITHIN_S = 20.0  # no KV held this long after a load (far below the tests' leases)
+
+
+def greedy_at_once(stub, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy chat tokens (``ignore_eos``) on the cluster as it is, asked all at
+    once: batched or alone, a sequence's tokens are the same (the engine's batch-invariant
+    kernels), as the loads checked against them run several at once too. Each request's own
+    waits (a KV read held back by ``inject_transfer_delay_s``) overlap."""
+    def one(prompt: str) -> list[int]:
+        return collect(stub.Generate(chat_request(prompt, max_tokens, ignore_eos=True), timeout=120))[0]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
 
 
 def check(outcomes: list[Outcome], reference: dict, max_tokens: int) -> None:

@@ -14,7 +14,7 @@ import ray
 
 from tests.faults.load import Load
 from tests.helpers.chat import chat_request, collect
-from tests.helpers.faults import assert_no_kv_held, busy_worker, fresh_claim, gone
+from tests.helpers.faults import assert_no_kv_held, busy_worker, fresh_claim, gone, greedy_at_once
 from tests.serving.conftest import worker_stats
 
 READ_DELAY_S = 1.0  # every KV read is posted this long after its claim (kv_transfer inject_delay_s)
@@ -53,9 +53,9 @@ def kill_the_router_and_see_clients_served_again(cluster, load: Load) -> None:
 
 
 def undisturbed(stub) -> dict[int, list[int]]:
-    """Each of ``PROMPTS``' greedy tokens on the cluster before any fault."""
-    reference = {i: collect(stub.Generate(chat_request(p, MAX_TOKENS, ignore_eos=True), timeout=120))[0]
-                 for i, p in enumerate(PROMPTS)}
+    """Each of ``PROMPTS``' greedy tokens on the cluster before any fault (asked at once:
+    ``tests.helpers.faults.greedy_at_once``)."""
+    reference = dict(enumerate(greedy_at_once(stub, PROMPTS, MAX_TOKENS)))
     assert all(len(ids) == MAX_TOKENS for ids in reference.values())
     return reference
 

@@ -215,8 +215,11 @@ def test_controller_puts_back_a_membership_someone_overwrote(cluster, certs, stu
 
 
 def test_ray_refuses_a_driver_without_the_token(cluster):
-    """The Ray pdserve started runs with token authentication: a driver with another token
-    cannot join (it could otherwise run any code in the workers)."""
+    """A Ray pdserve starts runs with token authentication: a driver with another token cannot
+    join (it could otherwise run any code in the workers). The cluster runs in the tests' shared
+    Ray, which ``pdserve.cluster.ray_start.start_local_ray`` started with token auth on, as it
+    starts a cluster's own; that a cluster asks it for token auth unless its config says not:
+    tests/cluster/test_ray_start.py."""
     gcs = ray.get_runtime_context().gcs_address
     # A refused driver asks the GCS again once a second, 20 times by default; 5 tries make the
     # same refusal (each logs InvalidAuthToken) and give up in ~5 s, not 20.

@@ -1,6 +1,5 @@
 """A real local cluster for the serving tests: Ray actors, gRPC, NIXL, the default model."""
 
-import os
 import time
 
 import grpc
@@ -9,7 +8,7 @@ import pytest
 from pdserve.cluster.local import LocalCluster
 from pdserve.protos import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.router.limits import RouterLimits
-from tests.clusters import cluster_config
+from tests.clusters import cluster_config, start_local_cluster
 
 # Every KV read is held back this long so a test can see the first token arrive before the
 # decode worker has its KV (the fault-injection hook of kv_transfer).
@@ -17,29 +16,6 @@ TRANSFER_DELAY_S = 0.5
 LEASE_S = 4.0
 # Reads here take TRANSFER_DELAY_S; a lease must outlive the longest read (ClusterConfig).
 TRANSFER_TIMEOUT_S = 3.0
-
-
-@pytest.fixture(scope="package", autouse=True)
-def ray_instance():
-    """One Ray for every cluster of the serving tests, started as a cluster starts its own
-    (``pdserve.cluster.ray_start``: token auth, room for every worker) and ended after the last
-    of them. A cluster finds it running and joins it; starting and ending a Ray of its own cost
-    each module's cluster about 4 s here (2.6-4.2 s ``ray.init``, 1.4 s ``ray.shutdown``, quiet
-    machine). In a joined Ray workers are not pinned to cores, as they were not already for every
-    module after the package cluster's (whose Ray they joined); a cluster starting its own Ray
-    is tested outside this package (tests/cluster/test_ray_start.py and every other cluster)."""
-    import ray
-
-    from pdserve.cluster.ray_start import LOCAL_RAY_MIN_CPUS, start_local_ray
-
-    if ray.is_initialized():  # a Ray some earlier test left: join it, as a cluster would
-        yield
-        return
-    start_local_ray(max(os.cpu_count() or 1, LOCAL_RAY_MIN_CPUS), token_auth=True)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TRANSFER_DELAY_S,
@@ -53,13 +29,7 @@ def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TR
         "lease_seconds": LEASE_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S, "inject_transfer_delay_s": delay_s,
         "router_poll_s": router_poll_s, "supervise_interval_s": supervise_interval_s,
         "router_limits": RouterLimits(admission_wait_s=admission_wait_s), **overrides})
-    c = LocalCluster(config)
-    try:
-        c.start()
-    except BaseException:
-        c.stop()  # a half-started Ray would outlive the test
-        raise
-    return c
+    return start_local_cluster(config)
 
 
 @pytest.fixture(scope="package")

@@ -1,8 +1,15 @@
-"""Served clusters whose pools run different tensor-parallel sizes (prefill TP 2 -> decode TP 1,
-and 1 -> 2): Ray places each worker's ranks, rank 0 creates every rank's KV agent, and each
-decode rank reads its KV heads from the prefill ranks that hold them, whole or streamed. Each
-cluster is its own (one Ray cluster at a time: the TP 2 cluster of test_tensor_parallel.py is
-module-scoped there)."""
+"""A served cluster whose pools run different tensor-parallel sizes (prefill TP 1 -> decode TP 2):
+Ray places each worker's ranks, rank 0 creates every rank's KV agent, and each decode rank reads
+its KV heads from the prefill rank that holds them, whole or streamed. Its own cluster (one Ray
+cluster at a time: the TP 2 cluster of test_tensor_parallel.py is module-scoped there).
+
+One direction is served end to end; both are checked where they differ. The KV by head at
+(2, 1) and (1, 2), over NIXL and tcp, whole and streamed, with transformers' tokens:
+tests/decode_worker/test_cross_tp.py (real workers behind their gRPC servers, the router's real
+request run). Each pool's size and the prefill worker's reader size from the settings:
+tests/cluster/test_tp_settings.py. A TP 2 prefill worker's ranks placed by Ray and serving:
+test_tensor_parallel.py. (This module also served 2 -> 1 on a cluster of its own until
+2026-11-29.)"""
 
 import pytest
 import torch
@@ -18,13 +25,13 @@ from tests.serving.conftest import all_stats
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_pools_of_different_tp_serve_transformers_greedy(tool_llama, prefill_tp, decode_tp):
+def test_pools_of_different_tp_serve_transformers_greedy(tool_llama):
     """The KV moves by head between the pools (streamed and whole), every decode rank reading its
     heads from the prefill ranks that hold them: the tokens are transformers' and no read fails
     (each rank's bytes against what it computes: tests/decode_worker/test_cross_tp.py)."""
     from transformers import AutoTokenizer
 
+    prefill_tp, decode_tp = 1, 2
     directory = tool_llama[0]
     model, tok = load_reference(directory, torch.float32), AutoTokenizer.from_pretrained(str(directory))
     c = tp_cluster(directory, prefill_tp, SchedulerConfig(max_num_batched_tokens=CHUNK), decode_tp=decode_tp,

@@ -1,6 +1,7 @@
 """End to end through the gRPC API: prefill and decode in different processes, KV over NIXL."""
 
 import asyncio
+import concurrent.futures
 import time
 
 import grpc
@@ -17,8 +18,10 @@ QUESTIONS = CHAT_QUESTIONS
 
 
 def test_greedy_equals_transformers_across_processes(stub, reference):
-    for q in QUESTIONS:
-        ids, text, resps = collect(stub.Generate(chat_request(q), timeout=120))
+    # Asked at once: each request's KV read is held back TRANSFER_DELAY_S, and the waits overlap.
+    with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        answers = list(pool.map(lambda q: collect(stub.Generate(chat_request(q), timeout=120)), QUESTIONS))
+    for q, (ids, _, resps) in zip(QUESTIONS, answers):
         assert_chat_greedy(reference, q, ids, 32)
         assert resps[-1].finish_reason in (pdserve_pb2.FINISH_REASON_STOP, pdserve_pb2.FINISH_REASON_LENGTH)
         assert resps[-1].usage.completion_tokens == len(ids)

@@ -91,30 +91,27 @@ def test_float32_equals_transformers_and_the_prefix_is_reused(family):
     assert decode_forward == len(PROMPTS) * (MAX_TOKENS - 1)  # the KV moved: no prompt token recomputed
 
 
-def test_bfloat16_is_logprob_close_to_transformers(family):
+def test_bfloat16_is_logprob_close_and_structured_output_follows_its_schema(family):
+    """One bfloat16 pair of workers for both checks (one start, not two): the logprob requests,
+    then the structured ones under a cache salt of their own, so that they share no
+    prefix-cache block with the first and are prefilled as on a pair of their own."""
     name, directory, hf = family
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=TOP_K)
+    structured = SamplingParams(max_tokens=40, structured=StructuredOutput(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+                                cache_salt="structured")
 
     async def main():
         async with disaggregated(directory, "bfloat16") as (_, _, pool):
-            return [await ask(pool, directory, f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+            close = [await ask(pool, directory, f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+            return close, [await ask(pool, directory, f"s{i}", p, structured) for i, p in enumerate(PROMPTS[:2])]
 
+    close, schema = asyncio.run(main())
     ours = [Generation(tokens_of(run), [set(top.token_ids) for r in run.responses_seen for top in r.top_logprobs])
-            for run in asyncio.run(main())]
+            for run in close]
     assert all(len(g.top_ids) == MAX_TOKENS for g in ours)
     check_logprobs_close(ours, [hf_generation(hf, p, MAX_TOKENS) for p in PROMPTS], f"pdserve {name} bfloat16",
                          "transformers float32")
-
-
-def test_structured_output_follows_its_schema(family):
-    _, directory, _ = family
-    params = SamplingParams(max_tokens=40, structured=StructuredOutput(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)))
-
-    async def main():
-        async with disaggregated(directory, "bfloat16") as (_, _, pool):
-            return [await ask(pool, directory, f"r{i}", p, params) for i, p in enumerate(PROMPTS[:2])]
-
-    for run in asyncio.run(main()):
+    for run in schema:
         text = "".join(r.text for r in run.responses_seen)
         jsonschema.validate(json.loads(text), SCHEMA)
         assert len(tokens_of(run)) > 1  # the decode worker went on from the prefill worker's first token

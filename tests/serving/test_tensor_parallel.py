@@ -24,7 +24,7 @@ from tests.clusters import reconnecting_stub
 from tests.factories import CHAT_QUESTIONS, assert_greedy_matches, load_reference
 from tests.faults.load import Load
 from tests.helpers.chat import chat_request, collect
-from tests.helpers.faults import busy_worker, gone
+from tests.helpers.faults import busy_worker, gone, greedy_at_once
 from tests.helpers.tensor_parallel import CHUNK, LONG, MAX_TOKENS, STREAMED, tp_cluster
 from tests.serving.conftest import all_stats
 
@@ -110,8 +110,7 @@ def test_a_killed_rank_0_takes_its_other_rank_with_it_and_is_replaced_whole(clus
 
 def test_killing_one_rank_of_a_decode_worker_under_load_loses_no_stream(cluster, stub):
     prompts = [f"Count to {i}." for i in range(4)]
-    reference = {i: collect(stub.Generate(chat_request(p, MAX_TOKENS, ignore_eos=True), timeout=120))[0]
-                 for i, p in enumerate(prompts)}
+    reference = dict(enumerate(greedy_at_once(stub, prompts, MAX_TOKENS)))
     replaced = cluster._supervisor.replaced
     with Load(stub, prompts, MAX_TOKENS, clients=3, timeout_s=120, pause_after_error_s=0.2) as load:
         load.wait_for(3)
