@@ -165,6 +165,23 @@ ROWS = [
          [(f"1 + sum by (worker) (rate(pdserve:spec_decode_num_accepted_tokens_total{W}[{RATE}])) / "
            f"sum by (worker) (rate(pdserve:spec_decode_num_drafts_total{W}[{RATE}]))", "{{worker}}")]),
     ]),
+    ("KV tier (--kv-offload-bytes)", [
+        ("KV tier usage", "bytes",
+         "Bytes each KV tier holds, against its bound; the workers of a host that share a tier report it alike.",
+         [(f"max by (tier) (pdserve:kv_tier_bytes{W})", "{{tier}} used"),
+          (f"max by (tier) (pdserve:kv_tier_capacity_bytes{W})", "{{tier}} bound")]),
+        ("KV tier blocks moved", "short",
+         "Prefix blocks per second each worker moved down on eviction, and brought back verified on a hit.",
+         [(f"sum by (worker) (rate(pdserve:kv_tier_blocks_offloaded_total{W}[{RATE}]))", "{{worker}} down"),
+          (f"sum by (worker) (rate(pdserve:kv_tier_blocks_loaded_total{W}[{RATE}]))", "{{worker}} back")]),
+        ("Prefix tokens found in the KV tier", "percentunit",
+         "Of the prompt tokens looked up, those found in the KV tier (the rest of the hit rate is KV memory's).",
+         [(f"sum by (worker) (rate(pdserve:prefix_cache_tier_hits_total{W}[{RATE}])) / "
+           f"sum by (worker) (rate(pdserve:prefix_cache_queries_total{W}[{RATE}]))", "{{worker}}")]),
+        ("KV tier corrupt blocks", "short",
+         "Blocks per second read back whose checksum or tokens did not match: deleted, and the prompt computed.",
+         [(f"sum by (worker) (rate(pdserve:kv_tier_corrupt_blocks_total{W}[{RATE}]))", "{{worker}}")]),
+    ]),
 ]
 
 

@@ -179,6 +179,7 @@ def router_limits(r: RouterSettings, ttft_objective_s: float):
                                overflow_ttft_s=overflow_ttft_s(r.prefill_overflow_s, ttft_objective_s),
                                overflow_slowdown=r.prefill_overflow_slowdown)
     routing = RoutingConfig(policy=r.routing_policy, prefill_weight=r.routing_prefill_weight,
+                            tier_weight=r.routing_tier_weight,
                             load_weight=r.routing_load_weight, temperature=r.routing_temperature,
                             balance_abs_tokens=r.routing_balance_abs_tokens, balance_rel=r.routing_balance_rel)
     return RouterLimits(local_prefill=local, routing=routing, admission_wait_s=r.admission_wait_seconds,

@@ -2,7 +2,8 @@
 type, default, help, bounds), how a raw value (a flag's or variable's string, a YAML value) is
 converted and checked against it (``convert``), and the error that names it (``SettingsError``).
 A setting whose type is a dataclass takes a JSON object of that dataclass's fields
-(``--speculative-config '{"method": "ngram"}'``, as vLLM's), or a mapping in the YAML file.
+(``--speculative-config '{"method": "ngram"}'``, as vLLM's), or a mapping in the YAML file; one
+of type ``ByteSize`` takes bytes, plain or with a unit (``8GiB``, ``512MiB``, ``2GB``).
 The tables of settings, and how they are resolved, are ``pdserve.cluster.settings``'s.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -38,6 +40,32 @@ class Setting:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+
+# Units of a ByteSize, by lower-cased suffix: binary (KiB, MiB ...) and decimal (kB, MB ...),
+# as Kubernetes quantities read them ("Gi" and "G" too); "b" is bytes.
+_UNITS = {"": 1, "b": 1, **{f"{p}{s}": 1024 ** (i + 1) for i, p in enumerate("kmgt") for s in ("ib", "i")},
+          **{f"{p}{s}": 1000 ** (i + 1) for i, p in enumerate("kmgt") for s in ("b", "")}}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+class ByteSize(int):
+    """A size in bytes, written as a whole number (``8589934592``) or a number and a unit
+    (``8GiB``, ``1.5GiB``, ``512MiB``, ``2GB``, ``64Mi``). A setting of this type converts its
+    raw value through it; the result is a plain count of bytes."""
+
+    spelled = "size in bytes (a number, or with a unit: 8GiB, 512MiB, 2GB)"
+    metavar = "BYTES"
+
+    def __new__(cls, raw: Any) -> "ByteSize":
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return super().__new__(cls, raw)
+        match = _SIZE.fullmatch(str(raw))
+        unit = _UNITS.get(match.group(2).lower()) if match else None
+        if unit is None:
+            raise ValueError(f"{raw!r} is not a size in bytes")
+        number = float(match.group(1)) if "." in match.group(1) else int(match.group(1))
+        return super().__new__(cls, int(number * unit))
 
 
 class SettingsError(ValueError):
@@ -70,7 +98,8 @@ def convert(s: Setting, raw: Any, where: str) -> Any:
             raise ValueError("a bool is not a number")
         value = s.type(raw)
     except (TypeError, ValueError) as exc:
-        raise SettingsError(f"{where}: {raw!r} is not a valid {s.type.__name__} for {s.name}") from exc
+        kind = getattr(s.type, "spelled", s.type.__name__)
+        raise SettingsError(f"{where}: {raw!r} is not a valid {kind} for {s.name}") from exc
     if s.choices and value not in s.choices:
         raise SettingsError(f"{where}: {value!r} is not one of {', '.join(s.choices)} for {s.name}")
     if s.minimum is not None and value < s.minimum:

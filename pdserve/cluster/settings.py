@@ -46,6 +46,7 @@ def serve_settings() -> tuple[Setting, ...]:
     from pdserve.cluster.mode import AUTO, DISAGGREGATED, LAYOUTS, MODES
     from pdserve.cluster.autoscaling.budget import BudgetConfig
     from pdserve.cluster.lora_settings import lora_settings
+    from pdserve.cluster.tier_settings import tier_settings
     from pdserve.router.local_prefill import LocalPrefillConfig
     from pdserve.router.limits import RouterLimits
     from pdserve.router.validation import RequestLimits
@@ -192,6 +193,7 @@ def serve_settings() -> tuple[Setting, ...]:
                 "docs/routing.md#time-sized-chunks); 0: the fixed mixed_prefill_tokens (default: half of "
                 "layout_tpot_slo_s, the TPOT objective)", minimum=0),
         *lora_settings(),
+        *tier_settings(),
         Setting("max_model_len", int, EngineConfig.max_model_len, "cap on prompt + output tokens (default: the model's)",
                 minimum=1),
         Setting("tensor_parallel_size", int, EngineConfig.tensor_parallel_size,
@@ -236,6 +238,8 @@ def serve_settings() -> tuple[Setting, ...]:
                 "prompt tokens), round_robin", POLICIES),
         Setting("routing_prefill_weight", float, routing.prefill_weight,
                 "kv routing cost per prompt token the worker has not cached", minimum=0),
+        Setting("routing_tier_weight", float, routing.tier_weight, "kv routing cost per prompt token the worker "
+                "loads from its KV tier (--kv-offload-bytes) instead of computing (docs/routing.md#the-kv-tier)", minimum=0),
         Setting("routing_load_weight", float, routing.load_weight,
                 "kv routing cost per prompt token already queued on the worker", minimum=0),
         Setting("routing_temperature", float, routing.temperature,
@@ -302,7 +306,8 @@ def add_arguments(parser: argparse.ArgumentParser, settings: tuple[Setting, ...]
         elif s.type is list:
             parser.add_argument(s.flag, nargs="+", default=None, metavar="NAME", help=f"{s.help}{env} (comma-separated)")
         else:
-            metavar = None if s.choices else {int: "N", float: "X", str: "TEXT"}.get(s.type, "JSON")
+            metavar = None if s.choices else getattr(s.type, "metavar", None) or {
+                int: "N", float: "X", str: "TEXT"}.get(s.type, "JSON")
             parser.add_argument(s.flag, type=str, choices=s.choices, default=None, metavar=metavar,
                                 help=f"{s.help}{default}{env}")
 

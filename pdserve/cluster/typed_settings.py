@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.cluster.mode import COLOCATED, DISAGGREGATED
+from pdserve.cluster.setting import ByteSize
 
 if TYPE_CHECKING:
     from pdserve.engine.config import SpeculativeConfig
@@ -123,6 +124,8 @@ class EngineSettings(_Typed):
     lora_modules: tuple[str, ...] | None  # each name=path or {"name", "path"} JSON (cluster.lora_settings)
     max_loras: int
     max_lora_rank: int
+    kv_offload_bytes: ByteSize | None  # None: no KV tier (cluster.tier_settings)
+    kv_offload_dir: str | None
 
     def cache_config(self):
         """The KV cache's ``CacheConfig``. Its size: ``--kv-cache-memory`` or ``--kv-cache-gib``
@@ -152,10 +155,13 @@ class EngineSettings(_Typed):
         ``DISAGGREGATED``, no elastic roles and ``DEFAULT_TPOT_OBJECTIVE_S``, and its ``--device``
         (None: CUDA's current device where CUDA is, as Ray's placement leaves it, else the CPU)."""
         from pdserve.cluster.lora_settings import lora_config
+        from pdserve.cluster.tier_settings import kv_tier_config
         from pdserve.engine.config import EngineConfig, SchedulerConfig
 
         cache = self.cache_config()
         lora = lora_config(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank)
+        kv_tier = kv_tier_config(self.kv_offload_bytes, self.kv_offload_dir, tensor_parallel_size=tensor_parallel_size,
+                                 prefix_cache=cache.enable_prefix_cache)
         if tensor_parallel_size > 1 and cache.exact_budget_bytes() is None:
             from pdserve.cluster.setting import SettingsError
 
@@ -169,7 +175,7 @@ class EngineSettings(_Typed):
         return EngineConfig(model=self.model, dtype=self.dtype, load_format=self.load_format,
                             max_model_len=self.max_model_len, seed=self.seed,
                             cuda_graphs=self.cuda_graphs, tensor_parallel_size=tensor_parallel_size,
-                            cache=cache, scheduler=scheduler, device=device, lora=lora,
+                            cache=cache, scheduler=scheduler, device=device, lora=lora, kv_tier=kv_tier,
                             speculative=self.speculative_config if decodes else None)
 
 
@@ -252,6 +258,7 @@ class RouterSettings(_Typed):
     decode_idle_timeout_seconds: float
     routing_policy: str
     routing_prefill_weight: float
+    routing_tier_weight: float
     routing_load_weight: float
     routing_temperature: float
     routing_balance_abs_tokens: int

@@ -49,13 +49,13 @@ _SHARED = ("model", "served_model_name", "dtype", "load_format", "cuda_graphs", 
            "insecure_internal", "public_tls_cert", "public_tls_key", "public_tls_ca", "admission_wait_seconds", "request_timeout_seconds",
            "prefill_call_min_seconds",
            "max_waiting_requests", "decode_idle_timeout_seconds", "max_body_bytes", "max_prompt_chars",
-           "routing_policy", "routing_prefill_weight", "routing_load_weight", "routing_temperature",
+           "routing_policy", "routing_prefill_weight", "routing_tier_weight", "routing_load_weight", "routing_temperature",
            "routing_balance_abs_tokens", "routing_balance_rel",
            "local_prefill_max_tokens", "local_prefill_max_load", "stream_kv_min_tokens",
            "local_prefill_interference_weight", "kv_move_weight", "remote_overhead_tokens", "decode_kv_reuse",
            "mixed_prefill_tokens", "mixed_step_target_s",
            "prefill_overflow_s", "prefill_overflow_slowdown",
-           "enable_lora", "lora_modules", "max_loras", "max_lora_rank")
+           "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "kv_offload_bytes", "kv_offload_dir")
 
 
 @functools.cache

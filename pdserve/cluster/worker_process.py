@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     speculative = next(s for s in serve_settings() if s.name == "speculative_config")
     p.add_argument(speculative.flag, type=flag_type(speculative), default=None, metavar="JSON",
                    help=f"{speculative.help} (decode only)")
+    for name in ("kv_offload_bytes", "kv_offload_dir"):
+        tier = next(s for s in serve_settings() if s.name == name)
+        p.add_argument(tier.flag, type=flag_type(tier), default=None, help=tier.help)
     p.add_argument("--cpus", default="", help="cores to pin to, e.g. 0,1 (default: any)")
     p.add_argument("--log-level", default=LogConfig.level, choices=LEVELS)
     p.add_argument("--log-format", default=LogConfig.format, choices=FORMATS)
@@ -56,8 +59,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args):
+    from pdserve.cluster.tier_settings import kv_tier_config
+
+    cache = CacheConfig(num_blocks=args.num_blocks)
+    kv_tier = kv_tier_config(args.kv_offload_bytes, args.kv_offload_dir, tensor_parallel_size=args.tensor_parallel_size,
+                             prefix_cache=cache.enable_prefix_cache)
     engine = EngineConfig(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-                          cache=CacheConfig(num_blocks=args.num_blocks),
+                          cache=cache, kv_tier=kv_tier,
                           speculative=args.speculative_config if args.role == "decode" else None)
     common = dict(worker_id=args.worker_id or f"{args.role}-0", engine=engine, host=args.host, port=args.port,
                   kv_transfer_backend=args.kv_transfer_backend,
@@ -95,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_lease_outlives_transfer(args.lease_seconds, args.transfer_timeout_seconds)
+        config = _config(args)
     except SettingsError as exc:
         parser.error(str(exc))
-    config = _config(args)
     configure(LogConfig(args.log_level, args.log_format), config.worker_id)
     asyncio.run(run(config, args.role, args.drain_grace_s))
     return 0

@@ -157,7 +157,7 @@ class DecodeWorker(WorkerShell):
         if not config.decode_kv_reuse:
             cache_log = None
         elif cache_log is None:
-            cache_log = CacheEventLog.following(engine.blocks, config.cache_event_log_size)
+            cache_log = CacheEventLog.following(engine.blocks, config.cache_event_log_size, engine.kv_tier)
         super().__init__(config, engine, agent, hooks=[self._poll_transfers, lambda: self.prefix_holds.poll(),
                                                        lambda: self.reads.poll()], holds=[self._hold_for_arrivals], cache_log=cache_log)
         self.reads = ReadQuarantine(self.agent, engine.blocks)  # stopped reads' blocks, until those reads are over

@@ -72,7 +72,7 @@ class ElasticWorker:
         engine = worker_engine(decode_engine_config(config.decode.engine))
         # One log of the one cache's events: whichever role a router polls, it hears one epoch
         # and one numbering (the decode role publishes from it only with ``decode_kv_reuse``).
-        cache_log = CacheEventLog.following(engine.blocks, config.prefill.cache_event_log_size)
+        cache_log = CacheEventLog.following(engine.blocks, config.prefill.cache_event_log_size, engine.kv_tier)
         # The shells get no step trace of their own: the one thread that steps for both writes it.
         self.decode = DecodeWorker(dataclasses.replace(config.decode, step_trace_dir=None), engine,
                                    cache_log=cache_log)

@@ -53,7 +53,7 @@ class PrefillWorker(WorkerShell):
             agent = worker_agents(config.kv_transfer_backend, config.worker_id, engine, config.reader_tp,
                                   **transfer_listen_opts(config.kv_transfer_backend, endpoint, config.tls))
         # What the prefix cache adds and evicts, for KV-aware routers (read in Stats polls).
-        cache_log = cache_log or CacheEventLog.following(engine.blocks, config.cache_event_log_size)
+        cache_log = cache_log or CacheEventLog.following(engine.blocks, config.cache_event_log_size, engine.kv_tier)
         super().__init__(config, engine, agent, hooks=[self._poll_releases, self._note_chunk, self._publish_kv,
                                                        lambda: self.prefix_pulls.poll()],
                          cache_log=cache_log)

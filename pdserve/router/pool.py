@@ -181,11 +181,14 @@ class WorkerPool:
                       max_queued_tokens: int | None = None, cache_salt: str = "", lora_name: str = "") -> Choice:
         """The prefill worker for ``prompt`` under ``routing.policy`` (``pdserve.router.kv_policy``),
         with each worker's cached prefix (under ``cache_salt``, the request's ``kv_salt``) read
-        from the KV index, among the workers holding its adapter where any does."""
+        from the KV index, then what its KV tier holds after that (``KVIndex.tier_tokens``), among
+        the workers holding its adapter where any does."""
         snapshots = self.snapshots(lora_name)
         overlaps = self.prefill_overlaps(prompt, cache_salt)
+        tiered = self.index.tier_tokens(prompt, overlaps, cache_salt)  # what each loads from its KV tier after that
         turn = next(self._turns) if routing.policy == "round_robin" else 0
-        return choose_prefill(snapshots, overlaps, len(prompt), routing, turn, exclude, max_queued_tokens, self.rng)
+        return choose_prefill(snapshots, overlaps, len(prompt), routing, turn, exclude, max_queued_tokens, self.rng,
+                              tiered)
 
     def decode_overlaps(self, prompt: Sequence[int], cache_salt: str = "") -> dict[str, int]:
         """Per decode-pool worker (decode and mixed), the prompt tokens its prefix cache holds
@@ -291,7 +294,7 @@ class WorkerPool:
             self._check_liveness(w, answered=False)
             return
         if stats.HasField("cache_events") and self.workers.get(w.address) is w:  # not one removed meanwhile
-            self.index.apply(w.address, stats.cache_events, stats.block_size)
+            self.index.apply(w.address, stats.cache_events, stats.block_size, stats.kv_tier_id)
             stats.ClearField("cache_events")  # applied; a snapshot can be large, keep only the load
         w.stats = stats
         w.healthy = True

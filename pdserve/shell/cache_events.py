@@ -7,12 +7,21 @@ worker's two roles share theirs (one epoch, one numbering), and ``ShellRpcs.Stat
 from it whichever role is polled.
 
 The block manager reports each hash that becomes cached and each one evicted
-(``BlockManager.subscribe``). This log numbers them (1, 2, ...) and keeps the newest
+(``BlockManager.subscribe``); the engine's KV tier, where it has one (``--kv-offload-bytes``),
+each block this engine stored there and each it removed (``KVTier.subscribe``). This log numbers
+both kinds in one sequence (1, 2, ...), each marked ``in_tier`` or not, and keeps the newest
 ``capacity``. A router asks, in the ``Stats`` poll it already makes, for the events after the
 last number it has seen; the answer carries them in order. If the router has never asked,
 asks about another incarnation of the log (``epoch``: the worker restarted), or is so far
 behind that events it needs were dropped, it gets a snapshot instead: every hash cached now,
-as of the newest number.
+as of the newest number, and every hash this engine put in its tier and has not removed.
+
+The tier's events are this engine's own: a block another worker of the host stored in the
+shared tier is reported by that worker, and one another worker removed stays in this log's
+set until this engine's own store or removal says otherwise. The router reads tier entries by
+the tier's id, so each worker's reports complete the others'; what it still misses, or a file
+gone since, only costs a load that fails and a prompt computed (the tier checks every block it
+gives back).
 
 Why this design, rather than a push stream per router:
 
@@ -25,8 +34,8 @@ Why this design, rather than a push stream per router:
   sends a request to a worker that then misses and computes the prompt: time, never a wrong
   token (the worker's own lookup checks hashes and tokens).
 
-Thread safety: events are recorded on the engine thread and read on the asyncio loop; a lock
-guards the log and the mirror set of cached hashes that snapshots copy.
+Thread safety: events are recorded on the engine thread (the tier's from its writer thread too)
+and read on the asyncio loop; a lock guards the log and the mirror sets that snapshots copy.
 """
 
 from __future__ import annotations
@@ -36,8 +45,12 @@ import secrets
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.core.block_manager import BlockManager
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_tier.tier import KVTier
 
 
 @dataclass(frozen=True)
@@ -46,29 +59,35 @@ class CacheEventBatch:
 
     epoch: str
     last_seq: int
-    snapshot: bool  # True: ``hashes`` is the whole cached set, replacing the router's view
+    snapshot: bool  # True: ``hashes`` is the whole cached set and tier set, replacing the router's view
     hashes: tuple[bytes, ...]
     cached: tuple[bool, ...]  # per hash: True stored, False evicted (all True in a snapshot)
+    in_tier: tuple[bool, ...] = ()  # per hash: about the KV tier (True) or KV memory; () all False
 
 
 class CacheEventLog:
-    """A bounded, numbered log of prefix-cache events plus the set of hashes cached now."""
+    """A bounded, numbered log of prefix-cache and KV-tier events plus the set of hashes cached
+    now and the set this engine holds in its tier."""
 
     def __init__(self, capacity: int, initial: tuple[bytes, ...] | list[bytes] = ()):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.epoch = secrets.token_hex(8)  # this log's incarnation: numbers restart with it
-        self._events: deque[tuple[int, bytes, bool]] = deque(maxlen=capacity)
+        self._events: deque[tuple[int, bytes, bool, bool]] = deque(maxlen=capacity)  # (seq, hash, cached, in_tier)
         self._cached: set[bytes] = set(initial)
+        self._tiered: set[bytes] = set()
         self._seq = 0
         self._lock = threading.Lock()
 
     @classmethod
-    def following(cls, blocks: BlockManager, capacity: int) -> CacheEventLog:
-        """A log of ``blocks``' changes from now on, starting from every hash cached now. Make
-        one per block manager: two would publish the same cache under two epochs."""
+    def following(cls, blocks: BlockManager, capacity: int, tier: KVTier | None = None) -> CacheEventLog:
+        """A log of ``blocks``' changes from now on, starting from every hash cached now, and of
+        ``tier``'s stores and removals by this engine (None: the engine has no tier). Make one
+        per block manager: two would publish the same cache under two epochs."""
         log = cls(capacity, blocks.cached_hashes())
         blocks.subscribe(log.record)
+        if tier is not None:
+            tier.subscribe(log.record_tier)
         return log
 
     @property
@@ -77,19 +96,30 @@ class CacheEventLog:
 
     def record(self, block_hash: bytes, cached: bool) -> None:
         """The block manager's listener (engine thread)."""
+        self._append(block_hash, cached, False, self._cached)
+
+    def record_tier(self, block_hash: bytes, stored: bool) -> None:
+        """The KV tier's listener: this engine stored ``block_hash`` there, or removed it."""
+        self._append(block_hash, stored, True, self._tiered)
+
+    def _append(self, block_hash: bytes, present: bool, in_tier: bool, mirror: set[bytes]) -> None:
         with self._lock:
             self._seq += 1
-            self._events.append((self._seq, block_hash, cached))
-            if cached:
-                self._cached.add(block_hash)
+            self._events.append((self._seq, block_hash, present, in_tier))
+            if present:
+                mirror.add(block_hash)
             else:
-                self._cached.discard(block_hash)
+                mirror.discard(block_hash)
 
     def cached_prefix(self, hashes: list[bytes]) -> int:
-        """How many of ``hashes`` (a prompt's chained block hashes), from the first, are cached."""
+        """How many of ``hashes`` (a prompt's chained block hashes), from the first, this engine
+        will not compute: cached, then, where the cache stops, in its tier (its lookup goes on
+        there the same way)."""
         with self._lock:
             n = 0
             while n < len(hashes) and hashes[n] in self._cached:
+                n += 1
+            while n < len(hashes) and hashes[n] in self._tiered:
                 n += 1
             return n
 
@@ -100,6 +130,8 @@ class CacheEventLog:
             oldest = self._events[0][0] if self._events else self._seq + 1
             if epoch == self.epoch and after <= self._seq and after + 1 >= oldest:
                 tail = list(itertools.islice(self._events, after + 1 - oldest, None))  # numbers are contiguous
-                return CacheEventBatch(self.epoch, self._seq, False, tuple(h for _, h, _ in tail),
-                                       tuple(c for _, _, c in tail))
-            return CacheEventBatch(self.epoch, self._seq, True, tuple(self._cached), (True,) * len(self._cached))
+                return CacheEventBatch(self.epoch, self._seq, False, tuple(h for _, h, _, _ in tail),
+                                       tuple(c for _, _, c, _ in tail), tuple(t for _, _, _, t in tail))
+            hashes = (*self._cached, *self._tiered)  # a hash may be in both: once each
+            return CacheEventBatch(self.epoch, self._seq, True, hashes, (True,) * len(hashes),
+                                   (False,) * len(self._cached) + (True,) * len(self._tiered))

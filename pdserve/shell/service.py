@@ -31,7 +31,7 @@ class ShellRpcs:
         if batch is not None:
             stats.cache_events.CopyFrom(worker_pb2.CacheEvents(
                 epoch=batch.epoch, last_seq=batch.last_seq, snapshot=batch.snapshot, block_hashes=batch.hashes,
-                cached=batch.cached))
+                cached=batch.cached, in_tier=batch.in_tier))
         return stats
 
     async def Drain(self, request, context):

@@ -41,7 +41,20 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents
         num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
         engine_busy=engine.has_runnable(), local_prefill_token_s=local_prefill_token_s(sched),
         lora_enabled=engine.config.lora is not None, lora_names=lora_rpcs.held(engine),
-        **spec_fields(engine), **extra)
+        **spec_fields(engine), **tier_fields(engine), **extra)
+
+
+def tier_fields(engine: LLMEngine) -> dict:
+    """The KV tier's counters (``KVTier.stats``) and the block manager's tokens found there as
+    ``WorkerStats`` fields; none where the engine has no tier (no ``--kv-offload-bytes``), so
+    an empty ``kv_tier_id`` says so to the router."""
+    tier = engine.kv_tier
+    if tier is None:
+        return {}
+    t = tier.stats()
+    return {"kv_tier_id": t.tier_id, "kv_tier_bytes_used": t.bytes_used, "kv_tier_capacity_bytes": t.capacity_bytes,
+            "kv_tier_blocks_offloaded": t.blocks_offloaded, "kv_tier_blocks_loaded": t.blocks_loaded,
+            "prefix_cache_tier_hits": engine.blocks.tier_hits, "kv_tier_corrupt_blocks": t.corrupt_blocks}
 
 
 def spec_fields(engine: LLMEngine) -> dict:

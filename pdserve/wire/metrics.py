@@ -107,6 +107,10 @@ Workers, read from the engine and the KV agent at each scrape; labels ``pool``, 
   as vLLM's ``vllm:spec_decode_*`` (proposals verified, tokens proposed, tokens kept, kept at
   each position); no series for a worker that does not speculate. Acceptance rate and mean
   accepted length: docs/speculative.md#serving-it
+- ``pdserve:kv_tier_bytes``, ``pdserve:kv_tier_capacity_bytes`` (gauges), ``pdserve:kv_tier_blocks_offloaded_total``,
+  ``pdserve:kv_tier_blocks_loaded_total``, ``pdserve:prefix_cache_tier_hits_total``, ``pdserve:kv_tier_corrupt_blocks_total``
+  (label ``tier``, its id): a worker's KV tier (``--kv-offload-bytes``, docs/kv_tier.md); bytes and bound are
+  those of the tier its host's workers share, counts this worker's; no series for a worker without a tier
 
 Decode workers, per KV read, labels ``pool``, ``worker``, ``backend`` (nixl, tcp), ``model_name``, as vLLM's
 NIXL connector reports them:

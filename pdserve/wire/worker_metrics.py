@@ -111,6 +111,32 @@ SPEC_PER_POSITION = ("pdserve:spec_decode_num_accepted_tokens_per_pos_total",
                      "Proposals whose token at this position (0: the first speculated) the target kept.")
 _LABELS = [POOL_LABEL, "worker", MODEL_LABEL]
 
+# The KV tier below the prefix cache (--kv-offload-bytes); only for a worker that has one
+# (``kv_tier_id`` set). Bytes and capacity are the tier's, shared by the workers of a host that
+# share its directory (label ``tier``: its id), so ``max by (tier)`` reads one tier once.
+_TIER_FAMILIES = (
+    (GaugeMetricFamily, "pdserve:kv_tier_bytes", "Bytes the KV tier holds now (every worker's blocks).",
+     lambda s: s.kv_tier_bytes_used),
+    (GaugeMetricFamily, "pdserve:kv_tier_capacity_bytes", "The KV tier's bound (--kv-offload-bytes).",
+     lambda s: s.kv_tier_capacity_bytes),
+    (CounterMetricFamily, "pdserve:kv_tier_blocks_offloaded_total",
+     "Prefix blocks this worker moved down into the KV tier as its KV memory evicted them.",
+     lambda s: s.kv_tier_blocks_offloaded),
+    (CounterMetricFamily, "pdserve:kv_tier_blocks_loaded_total",
+     "Blocks this worker brought back from the KV tier, verified, for a prompt that matched them.",
+     lambda s: s.kv_tier_blocks_loaded),
+    (CounterMetricFamily, "pdserve:prefix_cache_tier_hits_total",
+     "Of the prefix cache's hits, the prompt tokens found in the KV tier.", lambda s: s.prefix_cache_tier_hits),
+    (CounterMetricFamily, "pdserve:kv_tier_corrupt_blocks_total",
+     "Blocks read back from the KV tier whose checksum or tokens did not match (deleted; the prompt computed).",
+     lambda s: s.kv_tier_corrupt_blocks),
+)
+_TIER_LABELS = [*_LABELS, "tier"]
+
+
+def _tier_families() -> list:
+    return [cls(name, doc, labels=_TIER_LABELS) for cls, name, doc, _ in _TIER_FAMILIES]
+
 
 def _spec_families() -> list:
     return [CounterMetricFamily(name, doc, labels=_LABELS) for name, doc, _ in _SPEC_FAMILIES] + [
@@ -147,11 +173,12 @@ class WorkerCollector:
             self._sources.pop(worker, None)
 
     def describe(self) -> list:
-        return [cls(name, doc, labels=_LABELS) for cls, name, doc, _ in _WORKER_FAMILIES] + _spec_families()
+        return ([cls(name, doc, labels=_LABELS) for cls, name, doc, _ in _WORKER_FAMILIES] + _spec_families()
+                + _tier_families())
 
     def collect(self) -> list:
         families = [cls(name, doc, labels=_LABELS) for cls, name, doc, _ in _WORKER_FAMILIES]
-        spec = _spec_families()
+        spec, tier = _spec_families(), _tier_families()
         with self._lock:
             sources = list(self._sources.values())
         for src in sources:
@@ -161,7 +188,10 @@ class WorkerCollector:
                 family.add_metric(labels, value(stats, src.block_size))
             if stats.spec_num_speculative_tokens:
                 _add_spec(spec, labels, stats)
-        return families + spec
+            if stats.kv_tier_id:
+                for family, (_, _, _, value) in zip(tier, _TIER_FAMILIES):
+                    family.add_metric([*labels, stats.kv_tier_id], value(stats))
+        return families + spec + tier
 
 
 WORKERS = WorkerCollector()

@@ -25,7 +25,7 @@ import yaml
 
 from pdserve.cluster.autoscaling import from_mapping
 from pdserve.cluster.autoscaling.budget import BudgetConfig
-from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.config import KVTierConfig, SpeculativeConfig
 from tests.clusters import cluster_config, running_cluster
 from tests.helpers.exported_metrics import DEPLOY, graph_panels
 
@@ -83,15 +83,19 @@ def _wait(check, timeout_s: float, what: str):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     # Autoscaling pinned at one worker per pool: nothing scales, but the controller reports
     # each pool's signal target, which the dashboard plots. Elastic roles with the budget
     # policy, which has nothing to move with one worker a pool: its pressures are exported.
-    # The decode pool speculates (ngram), so the dashboard's speculative-decoding row has series.
+    # The decode pool speculates (ngram), so the dashboard's speculative-decoding row has series;
+    # both pools share a KV tier (a directory of this test's), so the KV tier row has them too.
     pinned = {"min_replicas": 1, "max_replicas": 1}
     config = cluster_config(kv_mib=64, router_poll_s=0.2, elastic_roles=True, role_budget=BudgetConfig(),
                             autoscaling=from_mapping({"prefill": pinned, "decode": pinned}))
-    config = dataclasses.replace(config, decode_engine=dataclasses.replace(config.engine, speculative=SpeculativeConfig()))
+    tier = KVTierConfig(offload_bytes=64 << 20, offload_dir=str(tmp_path_factory.mktemp("kv-tier")))
+    config = dataclasses.replace(config, prefill_engine=dataclasses.replace(config.prefill_engine, kv_tier=tier),
+                                 decode_engine=dataclasses.replace(config.engine, speculative=SpeculativeConfig(),
+                                                                   kv_tier=tier))
     with running_cluster(config) as c:
         yield c
 

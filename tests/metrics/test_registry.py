@@ -135,3 +135,25 @@ def test_a_worker_endpoint_keeps_the_colon_names_whatever_the_scraper_accepts(en
     assert content_type.startswith("text/plain; version=0.0.4")
     assert 'pdserve:worker_num_requests_running{model_name="tiny",pool="decode",worker="decode-7"} 2.0' in text
     assert "pdserve_" not in text
+
+
+def test_a_worker_with_a_kv_tier_exports_its_tier_series_and_others_none():
+    """The tier's bytes and bound, this worker's blocks moved each way, its tier hits and corrupt
+    blocks, labelled with the tier's id; a worker without ``--kv-offload-bytes`` exports none."""
+    worker = FakeWorker()
+    worker.stats.kv_tier_id = "host:/dev/shm/pdserve-kv-tier/ns"
+    worker.stats.kv_tier_bytes_used, worker.stats.kv_tier_capacity_bytes = 3 << 20, 8 << 30
+    worker.stats.kv_tier_blocks_offloaded, worker.stats.kv_tier_blocks_loaded = 40, 12
+    worker.stats.prefix_cache_tier_hits, worker.stats.kv_tier_corrupt_blocks = 192, 1
+    ep = worker_metrics.serve_worker("127.0.0.1", 0, worker_metrics.WorkerSource("prefill", "prefill-8", lambda: worker.stats, 16, "tiny"))
+    plain = worker_metrics.serve_worker("127.0.0.1", 0, worker_metrics.WorkerSource("decode", "decode-8", worker_pb2.WorkerStats, 16))
+    try:
+        got = scrape(ep.address)
+    finally:
+        ep.stop()
+        plain.stop()
+    labels = (("model_name", "tiny"), ("pool", "prefill"), ("tier", "host:/dev/shm/pdserve-kv-tier/ns"), ("worker", "prefill-8"))
+    names = ("kv_tier_bytes", "kv_tier_capacity_bytes", "kv_tier_blocks_offloaded_total", "kv_tier_blocks_loaded_total",
+             "prefix_cache_tier_hits_total", "kv_tier_corrupt_blocks_total")
+    assert [got[(f"pdserve:{name}", labels)] for name in names] == [3 << 20, 8 << 30, 40, 12, 192, 1]
+    assert not [key for key in got if "tier" in key[0] and dict(key[1])["worker"] == "decode-8"]

@@ -102,3 +102,65 @@ def test_an_empty_log_answers_its_epoch_with_no_events():
     assert log.since("", 0).snapshot
     with pytest.raises(ValueError, match="capacity"):
         CacheEventLog(capacity=0)
+
+
+class _Tier:
+    """The KV tier's event side (``KVTier.subscribe``): what the log listens to."""
+
+    def __init__(self):
+        self.listeners = []
+
+    def subscribe(self, listener):
+        self.listeners.append(listener)
+
+    def emit(self, block_hash: bytes, stored: bool):
+        for listener in self.listeners:
+            listener(block_hash, stored)
+
+
+def test_the_tiers_events_are_numbered_with_the_caches_and_marked_in_tier():
+    bm, tier = BlockManager(num_blocks=4, block_size=4), _Tier()
+    log = CacheEventLog.following(bm, 16, tier)
+    computed_blocks(bm, "a", list(range(9)))  # 2 full blocks cached
+    h1, h2 = chain_hash(NO_HASH, [0, 1, 2, 3]), chain_hash(chain_hash(NO_HASH, [0, 1, 2, 3]), [4, 5, 6, 7])
+    tier.emit(h1, True)  # the engine stored it in its tier (an eviction moved it down) ...
+    tier.emit(b"gone", True)
+    tier.emit(b"gone", False)  # ... and removed another (LRU)
+    batch = log.since(log.epoch, 0)
+    assert batch.hashes == (h1, h2, h1, b"gone", b"gone")
+    assert batch.cached == (True, True, True, True, False)
+    assert batch.in_tier == (False, False, True, True, True)
+    assert log.since(log.epoch, 2).in_tier == (True, True, True)
+
+
+def test_a_snapshot_carries_the_cached_set_and_the_tier_set_each_marked():
+    log, tier = CacheEventLog(capacity=2, initial=[b"dev"]), _Tier()
+    tier.subscribe(log.record_tier)
+    for i in range(4):
+        tier.emit(bytes([i]), True)
+    tier.emit(bytes([0]), False)
+    log.record(b"both", True)
+    tier.emit(b"both", True)  # a block loaded back stays in the tier too: listed once each way
+    batch = log.since("", 0)
+    assert batch.snapshot and all(batch.cached) and len(batch.hashes) == len(batch.in_tier) == 6
+    marked = sorted(zip(batch.hashes, batch.in_tier))
+    assert marked == sorted([(b"dev", False), (b"both", False), (bytes([1]), True), (bytes([2]), True),
+                             (bytes([3]), True), (b"both", True)])
+
+
+def test_what_a_queued_prompt_will_not_compute_goes_on_in_the_tier_where_the_cache_stops():
+    log = CacheEventLog(capacity=8, initial=[b"a"])
+    log.record_tier(b"b", True)
+    log.record_tier(b"c", True)
+    assert log.cached_prefix([b"a", b"b", b"c", b"d"]) == 3
+    assert log.cached_prefix([b"x", b"b"]) == 0  # the lookup starts in KV memory ...
+    assert log.cached_prefix([b"b", b"c", b"a"]) == 2  # ... and never comes back to it from the tier
+    log.record_tier(b"b", False)
+    assert log.cached_prefix([b"a", b"b", b"c"]) == 1
+
+
+def test_a_log_without_a_tier_marks_nothing_in_tier():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    log = CacheEventLog.following(bm, 16)
+    computed_blocks(bm, "a", list(range(9)))
+    assert log.since(log.epoch, 0).in_tier == (False, False) and log.since("", 0).in_tier == (False, False)
