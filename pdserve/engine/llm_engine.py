@@ -28,6 +28,7 @@ from pdserve.engine.runner.cuda_graphs import capture_sizes
 from pdserve.engine.errors import InvalidRequestError, RankLost, SequenceFailed
 from pdserve.engine.sampling.grammar_jobs import GrammarJobs, compiler_for
 from pdserve.engine.attention.kv_cache import cache_spec_of
+from pdserve.engine.kv_tier.engine_tier import build_kv_tier
 from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.memory import MemoryProbe
 from pdserve.engine.runner.memory_profile import size_cache, start_memory
@@ -76,6 +77,7 @@ class LLMEngine:
         shared = ranks is not None and ranks.caches is not None  # rank 0's part of every rank's caches
         self.kv_cache = ranks.caches[0] if shared else self.cache_spec.allocate(num_blocks, self.device)
         self.blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
+        self.kv_tier = build_kv_tier(config, model, model_cfg, self.kv_cache, self.blocks)  # None: off (kv_tier/)
         eos = model_cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer and tokenizer.eos_token_id is not None else ())
         self.lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos), config.lora)
@@ -116,10 +118,12 @@ class LLMEngine:
         return (self.kv_cache,) if self.ranks is None else self.ranks.rank_caches()
 
     def close(self, graceful: bool = True) -> None:
-        """Stop the other ranks of a tensor-parallel worker; nothing to do for one rank.
-        ``graceful``: no step runs (they are told to stop); else they are killed."""
+        """Stop the other ranks of a tensor-parallel worker (``graceful``: no step runs, they are
+        told to stop; else they are killed); write the blocks the KV tier holds pending."""
         if self.ranks is not None:
             self.ranks.close(graceful)
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -198,9 +202,7 @@ class LLMEngine:
         """Tokens of a prompt whose KV is in its blocks now; None while it has no blocks yet
         (queued) or once it is gone."""
         seq = self._seq(request_id)
-        if seq is None or not self.blocks.has(request_id):
-            return None
-        return seq.num_computed_tokens
+        return seq.num_computed_tokens if seq is not None and self.blocks.has(request_id) else None
 
     def _track(self, seq: Sequence) -> RequestState:
         detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop) if self.detokenize else None
@@ -246,9 +248,7 @@ class LLMEngine:
         """Free the KV of a HELD request (after its transfer, abort or lease end). False if
         ``request_id`` is not HELD."""
         seq = self._seq(request_id)
-        if seq is None or not seq.is_held:
-            return False
-        return self.abort(request_id)
+        return seq is not None and seq.is_held and self.abort(request_id)
 
     @property
     def num_held(self) -> int:

@@ -35,6 +35,10 @@ Invariants checked after every rule:
   quarantine, block for block). Without the quarantine, ``late_write`` garbles the KV of a
   later sequence and the hit check (or the first invariant) fails.
 
+With a tier below the cache (``BlockLifeWithTier``), evicted blocks are offloaded and prompts
+continue their hits in it; the tier may lose or damage copies and fail loads, and the same
+invariants hold, and so does one more: every copy the tier keeps holds its hash's KV.
+
 On the first design (blocks hashed at allocation) the last two fail within a few rules: a
 prompt aborted before its first chunk leaves findable blocks full of garbage.
 """
@@ -66,11 +70,12 @@ class SeqModel:
 
 class BlockLife(RuleBasedStateMachine):
     BLOCK_SIZE = 2
+    NUM_BLOCKS = NUM_BLOCKS
 
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(NUM_BLOCKS, self.BLOCK_SIZE)
-        self.slots: list[list[tuple]] = [[GARBAGE] * self.BLOCK_SIZE for _ in range(NUM_BLOCKS)]
+        self.bm = BlockManager(self.NUM_BLOCKS, self.BLOCK_SIZE)
+        self.slots: list[list[tuple]] = [[GARBAGE] * self.BLOCK_SIZE for _ in range(self.NUM_BLOCKS)]
         self.seqs: dict[str, SeqModel] = {}
         self.preempted: dict[str, SeqModel] = {}
         self.landing: list[tuple[int, ...]] = []  # blocks of stopped reads not yet over, read by read
@@ -255,17 +260,20 @@ class BlockLife(RuleBasedStateMachine):
     @invariant()
     def every_findable_block_holds_its_prefix(self):
         for block_hash, block_id in self.bm._by_hash.items():
-            last = self.slots[block_id][self.BLOCK_SIZE - 1]
-            assert last is not GARBAGE, f"block {block_id} is findable but holds garbage"
-            salt, prefix = last
-            assert len(prefix) % self.BLOCK_SIZE == 0
-            chain = chain_root(salt)
-            for i in range(len(prefix) // self.BLOCK_SIZE):
-                chain = chain_hash(chain, prefix[i * self.BLOCK_SIZE:(i + 1) * self.BLOCK_SIZE])
-            assert chain == block_hash, f"block {block_id} is findable under another prefix's hash"
-            for j in range(self.BLOCK_SIZE):
-                want = (salt, prefix[:len(prefix) - self.BLOCK_SIZE + j + 1])
-                assert self.slots[block_id][j] == want, f"block {block_id} slot {j}: {self.slots[block_id][j]}"
+            self._holds_prefix(block_hash, self.slots[block_id], f"block {block_id}")
+
+    def _holds_prefix(self, block_hash: bytes, slots: list[tuple], what: str) -> None:
+        last = slots[self.BLOCK_SIZE - 1]
+        assert last is not GARBAGE, f"{what} is findable but holds garbage"
+        salt, prefix = last
+        assert len(prefix) % self.BLOCK_SIZE == 0
+        chain = chain_root(salt)
+        for i in range(len(prefix) // self.BLOCK_SIZE):
+            chain = chain_hash(chain, prefix[i * self.BLOCK_SIZE:(i + 1) * self.BLOCK_SIZE])
+        assert chain == block_hash, f"{what} is findable under another prefix's hash"
+        for j in range(self.BLOCK_SIZE):
+            want = (salt, prefix[:len(prefix) - self.BLOCK_SIZE + j + 1])
+            assert slots[j] == want, f"{what} slot {j}: {slots[j]}"
 
 
     @invariant()
@@ -289,7 +297,82 @@ class BlockLifeOf3(BlockLife):
     BLOCK_SIZE = 3
 
 
+class ModelTier:
+    """A ``LowerTier`` over the model's slots: what ``KVTier`` does with a block's bytes
+    (pdserve/engine/kv_tier/tier.py), done with the model's values. A stored copy can be lost
+    (another process's eviction) or damaged (its checksum will not match), and loads can fail
+    outright (an unreadable directory); a failed load leaves the block's slots undefined."""
+
+    def __init__(self, life: "BlockLifeWithTier"):
+        self.life = life
+        self.stored: dict[bytes, tuple[tuple[int, ...], list[tuple], bool]] = {}  # hash -> (tokens, slots, intact)
+        self.failing = False
+
+    def offload(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        self.stored[block_hash] = (tuple(token_ids), list(self.life.slots[block_id]), True)
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.stored
+
+    def load(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+        tokens, slots, intact = self.stored.get(block_hash, ((), [], False))
+        if self.failing or not intact or tokens != tuple(token_ids):
+            self.life.slots[block_id] = [GARBAGE] * self.life.BLOCK_SIZE
+            if block_hash in self.stored and not self.failing:
+                del self.stored[block_hash]  # found corrupt: removed
+            return False
+        self.life.slots[block_id] = list(slots)
+        return True
+
+
+class BlockLifeWithTier(BlockLife):
+    """The same life with a tier below the cache: evicted blocks go down to it and prompts
+    continue their hits in it. Hits from the tier must hold exactly the KV their sequence would
+    compute, and every copy the tier keeps must be that of its hash. Fewer blocks: prefixes
+    leave memory sooner, so that prompts come back to them in the tier."""
+
+    NUM_BLOCKS = 7
+
+    def __init__(self):
+        super().__init__()
+        self.tier = ModelTier(self)
+        self.bm.attach_tier(self.tier)
+
+    @precondition(lambda self: self.tier.stored)
+    @rule(data=st.data(), damage=st.booleans())
+    def tier_loses_or_damages_a_block(self, data, damage):
+        block_hash = data.draw(st.sampled_from(sorted(self.tier.stored)))
+        if damage:
+            tokens, _, _ = self.tier.stored[block_hash]
+            self.tier.stored[block_hash] = (tokens, [GARBAGE] * self.BLOCK_SIZE, False)
+        else:
+            del self.tier.stored[block_hash]
+
+    @precondition(lambda self: any(intact for _, _, intact in self.tier.stored.values()))
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), min_size=1, max_size=3))
+    def prompt_revisits_a_prefix_in_the_tier(self, data, tail):
+        """A prompt beginning with a prefix whose last block went down to the tier."""
+        kept = sorted(h for h, (_, _, intact) in self.tier.stored.items() if intact)
+        salt, prefix = self.tier.stored[data.draw(st.sampled_from(kept))][1][-1]
+        tokens = list(prefix) + tail
+        if self.bm.can_allocate(len(tokens)):
+            self._admit(self._new_id(), SeqModel(tokens, salt))
+
+    @rule(failing=st.booleans())
+    def tier_loads_fail(self, failing):
+        self.tier.failing = failing
+
+    @invariant()
+    def every_intact_tier_copy_holds_its_prefix(self):
+        for block_hash, (_, slots, intact) in self.tier.stored.items():
+            if intact:
+                self._holds_prefix(block_hash, slots, f"the tier's copy of {block_hash.hex()}")
+        assert self.bm.tier_hits <= self.bm.prefix_hits
+
+
 BlockLife.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 BlockLifeOf3.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+BlockLifeWithTier.TestCase.settings = settings(max_examples=100, stateful_step_count=80, deadline=None)
 TestBlockLife = BlockLife.TestCase
 TestBlockLifeOf3 = BlockLifeOf3.TestCase
+TestBlockLifeWithTier = BlockLifeWithTier.TestCase

@@ -14,6 +14,7 @@ A block's life is a small state machine, and only this module moves it:
       └────last free──────┘                      └──────prefix hit─────┘  │
     PENDING ◀──────────────── allocate (evicts the hash) ─────────────────┘
     PENDING ──free with a read still landing──▶ QUARANTINED ──release_quarantined──▶ FREE
+    FREE or CACHED (offloaded first) ──allocate, loaded from the tier and verified──▶ SHARED
 
 - PENDING: held by a sequence, contents not final: being computed, arriving over a transfer,
   or abandoned by an abort, a failed pull or a preemption. Never findable.
@@ -49,6 +50,17 @@ published to the router) only when its KV is final. The first design registered 
 full blocks when they were allocated, so an abort between prefill chunks left hashes pointing
 at blocks that were never computed, and the next request with that prefix decoded garbage.
 
+The tier (``attach_tier``; block_tier.py, pdserve/engine/kv_tier/): a CACHED block handed out
+again (``_take_fresh``, the only eviction) is offloaded to the tier before its hash is dropped;
+never a PENDING, SHARED, quarantined or tail block. A prompt's allocation (``allocate`` with
+``count``), after its device hits, goes on along its chain: a next block on the device again
+is a hit; one the tier holds is loaded into a fresh block and, verified, becomes SHARED at once
+(hashed, findable, emitted, counted in ``prefix_hits`` and ``tier_hits``); a load that fails
+leaves that block fresh, to be computed, and ends the chain. So the tier adds final KV only
+(invariant 2). ``share_prefix`` and ``count=False`` pins look on the device alone: a holder
+pins what memory has for a reader now, without evicting others' prefixes for it, and a
+prefill worker's pin reads what its device lacks from the peer that offered it.
+
 Listeners (``subscribe``) hear each change of the set of cached hashes: ``(hash, True)`` when
 a full block's hash becomes findable (it became final), ``(hash, False)`` when it stops being
 findable because its block is handed out again (evicted). A prefill worker publishes these
@@ -58,52 +70,20 @@ events so that routers know where each prefix is cached.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
+from pdserve.engine.core.block_checks import BlockStateError, check_invariants
+from pdserve.engine.core.block_records import Allocation, BlockRecord, SeqBlocks
 from pdserve.engine.core.block_hashes import NO_HASH, chain_hash, chain_root, full_block_hashes, prompt_block_hashes
 from pdserve.engine.core.block_tails import TailIndex
+from pdserve.engine.core.block_tier import LowerTier
 from pdserve.engine.errors import CacheCapacityError
 
-__all__ = ["NO_HASH", "BlockManager", "BlockStateError", "chain_hash", "chain_root", "full_block_hashes",
+__all__ = ["NO_HASH", "Allocation", "BlockManager", "BlockStateError", "chain_hash", "chain_root", "full_block_hashes",
            "prompt_block_hashes"]  # the hashes live in block_hashes.py, named here as before
 
 # (block hash, True: now cached / False: evicted); called on the thread that changed the cache.
 CacheListener = Callable[[bytes, bool], None]
-
-
-@dataclass
-class _Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes = NO_HASH
-    token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """Result of allocating a sequence: its blocks and how many leading tokens were cached."""
-
-    block_ids: tuple[int, ...]
-    num_cached_tokens: int
-
-
-@dataclass
-class _SeqBlocks:
-    block_ids: list[int] = field(default_factory=list)
-    # Hash of the last full block made final for this sequence, and how many full blocks
-    # have been hashed so far (so appending never re-hashes earlier blocks).
-    last_hash: bytes = NO_HASH
-    num_hashed: int = 0
-    num_final_tokens: int = 0  # leading tokens whose KV is final (prefix hits included)
-    root: bytes = NO_HASH  # the chain's root: its salt's (``chain_root``)
-    # The token list last marked final (or allocated), by reference, not copied every decode
-    # step: a sequence's list only grows, and ``free`` reads its tail from it.
-    tokens: Sequence[int] = ()
-
-
-class BlockStateError(RuntimeError):
-    """An invariant of the block life (module docstring) does not hold: a bug, never input."""
 
 
 class BlockManager:
@@ -117,21 +97,27 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
-        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._blocks = [BlockRecord(i) for i in range(num_blocks)]
         # Insertion-ordered free list: O(1) pop of the oldest and O(1) removal of a cached
         # block that a prefix hit revives.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
         self._tails = TailIndex()  # freed partial blocks (block_tails.py)
-        self._seqs: dict[str, _SeqBlocks] = {}
+        self._seqs: dict[str, SeqBlocks] = {}
         self._quarantined: set[int] = set()  # blocks a read may still write (module docstring)
         self.prefix_queries = 0  # prompt tokens eligible for the cache (whole blocks, and a tail's room)
         self.prefix_hits = 0  # of those, found (full-block hits and a tail's tokens)
+        self.tier_hits = 0  # of those, full blocks loaded from the tier
+        self._tier: LowerTier | None = None
         self._listeners: list[CacheListener] = []
 
     def subscribe(self, listener: CacheListener) -> None:
         """Call ``listener(hash, cached)`` at every change of the set of cached hashes."""
         self._listeners.append(listener)
+
+    def attach_tier(self, tier: LowerTier) -> None:
+        """Evicted CACHED blocks go down to ``tier``, and prompts continue their hits in it."""
+        self._tier = tier
 
     def cached_hashes(self) -> list[bytes]:
         """Every hash a prefix lookup can find now (for a listener that starts late)."""
@@ -197,18 +183,25 @@ class BlockManager:
         root = chain_root(cache_salt)
         cache = use_prefix_cache and self.enable_prefix_cache
         hits = self._match_prefix(token_ids, root, count) if cache else []
-        state = _SeqBlocks(last_hash=hits[-1][1] if hits else root, root=root, num_hashed=len(hits),
+        state = SeqBlocks(last_hash=hits[-1][1] if hits else root, root=root, num_hashed=len(hits),
                            num_final_tokens=len(hits) * self.block_size, tokens=token_ids)
-        start = state.num_final_tokens  # a tail's tokens go on from here, short of the last token
-        tail = self._tails.best(state.last_hash, token_ids[start:start + self.block_size],
-                                len(token_ids) - 1 - start) if cache and take_tail else None
-        taken = [b for b, _ in hits] + ([tail[0]] if tail else [])
-        if needed - len(taken) > len(self._free) - sum(1 for b in taken if b in self._free):
+        # Each block past the hits takes at most one free block, whether computed, loaded from
+        # the tier, a later hit or a tail: checked before anything changes.
+        if needed - len(hits) > len(self._free) - sum(1 for b, _ in hits if b in self._free):
             raise CacheCapacityError(needed, len(self._free))
-        for block_id in taken:
-            self._tails.drop(block_id)  # a tail taken is no one else's
+        for block_id, _ in hits:
             self._take(block_id)
             state.block_ids.append(block_id)
+        if cache and count and self._tier is not None:
+            self._continue_in_tier(state, token_ids)
+        start = state.num_final_tokens  # a tail's tokens go on from here, short of the last token
+        tail = self._tails.best(state.last_hash, token_ids[start:start + self.block_size],
+                                len(token_ids) - 1 - start) \
+            if cache and take_tail and len(state.block_ids) == state.num_hashed else None
+        if tail:
+            self._tails.drop(tail[0])  # a tail taken is no one else's
+            self._take(tail[0])
+            state.block_ids.append(tail[0])
         found = tail[1] if tail else 0
         state.num_final_tokens += found
         if cache and take_tail and count:  # the tokens past the full blocks were looked up too
@@ -231,7 +224,7 @@ class BlockManager:
         hits = self._match_prefix(token_ids, root, count=False) if self.enable_prefix_cache else []
         if not hits:
             return Allocation((), 0)
-        state = _SeqBlocks(last_hash=hits[-1][1], root=root, num_hashed=len(hits),
+        state = SeqBlocks(last_hash=hits[-1][1], root=root, num_hashed=len(hits),
                            num_final_tokens=len(hits) * self.block_size, tokens=token_ids)
         for block_id, _ in hits:
             self._take(block_id)
@@ -258,6 +251,34 @@ class BlockManager:
             hits.append((block_id, h))
             prev = h
         return hits
+
+    def _continue_in_tier(self, state: SeqBlocks, token_ids: Sequence[int]) -> None:
+        """Go on with ``state``'s prefix chain past its device hits (module docstring, "The tier"):
+        each next block is a device hit again, or loaded from the tier into a fresh block; the
+        first block found in neither (or whose load fails, kept as a fresh block) ends it."""
+        bs, tier = self.block_size, self._tier
+        for i in range(state.num_hashed, (len(token_ids) - 1) // bs):  # never the last token's block
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(state.last_hash, chunk)
+            block_id = self._by_hash.get(h)
+            if block_id is not None and self._blocks[block_id].token_ids == chunk:
+                self._take(block_id)
+            elif tier.contains(h):
+                block_id = self._take_fresh()
+                state.block_ids.append(block_id)
+                if not tier.load(block_id, h, chunk):
+                    return  # the block stays fresh (PENDING) and is computed
+                state.block_ids.pop()
+                block = self._blocks[block_id]
+                block.hash, block.token_ids = h, chunk
+                self._by_hash[h] = block_id
+                self._emit(h, True)
+                self.tier_hits += bs
+            else:
+                return
+            state.block_ids.append(block_id)
+            state.last_hash, state.num_hashed, state.num_final_tokens = h, i + 1, (i + 1) * bs
+            self.prefix_hits += bs
 
     def append_slots(self, seq_id: str, token_ids: Sequence[int], lookahead: int = 0) -> bool:
         """Make room for ``token_ids`` (the sequence's whole token list, the newest last) and
@@ -318,47 +339,11 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise ``BlockStateError`` if an invariant of the module docstring does not hold.
-        O(blocks + tokens): for tests and debugging, not for a serving step."""
-        refs: dict[int, int] = {}
-        for state in self._seqs.values():
-            for block_id in state.block_ids:
-                refs[block_id] = refs.get(block_id, 0) + 1
-        for block in self._blocks:
-            held = refs.get(block.block_id, 0)
-            quarantined = block.block_id in self._quarantined
-            if block.ref_count != held or (held == 0 and not quarantined) != (block.block_id in self._free):
-                raise BlockStateError(f"block {block.block_id}: ref_count {block.ref_count}, held by "
-                                      f"{held} tables, free {block.block_id in self._free}, quarantined {quarantined}")
-            if quarantined and (held or block.hash):
-                raise BlockStateError(f"quarantined block {block.block_id} is held or hashed")
-        for block_hash, block_id in self._by_hash.items():
-            if self._blocks[block_id].hash != block_hash:
-                raise BlockStateError(f"the index names block {block_id} for a hash it does not hold")
-        for seq_id, state in self._seqs.items():
-            self._check_chain(seq_id, state)
-        for block_id, _, token_ids in self._tails.items():
-            if self._blocks[block_id].ref_count or self._blocks[block_id].hash or block_id in self._quarantined \
-                    or not 0 < len(token_ids) < self.block_size:
-                raise BlockStateError(f"tail block {block_id} is held, hashed or of {len(token_ids)} tokens")
-
-    def _check_chain(self, seq_id: str, state: _SeqBlocks) -> None:
-        if not state.num_hashed * self.block_size <= state.num_final_tokens <= len(state.tokens):
-            raise BlockStateError(f"sequence {seq_id!r}: {state.num_hashed} blocks hashed, {state.num_final_tokens} "
-                                  f"final tokens, {len(state.tokens)} tokens")
-        prev = state.root
-        for i, block_id in enumerate(state.block_ids):
-            block = self._blocks[block_id]
-            if i >= state.num_hashed:
-                if block.hash != NO_HASH:
-                    raise BlockStateError(f"sequence {seq_id!r}: block {block_id} at {i} is hashed "
-                                          "but not final")
-                continue
-            if block.hash != chain_hash(prev, block.token_ids):
-                raise BlockStateError(f"sequence {seq_id!r}: block {block_id} at {i} breaks its chain")
-            prev = block.hash
+        O(blocks + tokens): for tests and debugging, not for a serving step (block_checks.py)."""
+        check_invariants(self)
 
     # ---- internals -----------------------------------------------------------------
-    def _register_full_blocks(self, state: _SeqBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
+    def _register_full_blocks(self, state: SeqBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
         """Hash the full blocks of the first ``num_tokens`` of ``token_ids`` not hashed yet
         (no slice of the whole list: a decode step calls this for every sequence)."""
         if not self.enable_prefix_cache:
@@ -386,11 +371,13 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         self._tails.drop(block_id)
         block = self._blocks[block_id]
+        if self._tier is not None and block.hash and self._by_hash.get(block.hash) == block_id:
+            self._tier.offload(block_id, block.hash, block.token_ids)  # CACHED, evicted: down to the tier
         self._unhash(block)
         block.ref_count = 1
         return block_id
 
-    def _unhash(self, block: _Block) -> None:
+    def _unhash(self, block: BlockRecord) -> None:
         """Nothing finds ``block`` any more (its contents are about to change)."""
         if block.hash and self._by_hash.get(block.hash) == block.block_id:
             del self._by_hash[block.hash]

@@ -1,0 +1,185 @@
+"""``KVTier``: the block manager's ``LowerTier`` (pdserve/engine/core/block_tier.py) over one
+engine's KV cache and a ``BlockStore`` directory (store.py).
+
+- ``offload`` (engine thread, a CACHED block about to be handed out again): copies the block's
+  row of the cache into a host buffer, synchronously (for a CUDA cache a pinned buffer; the
+  copy waits for the cache's stream), and queues it. A writer thread writes the file. Until it
+  has, ``contains`` and ``load`` serve the pending copy from memory. The buffers are a fixed
+  pool (``max_pending_bytes``): when all hold blocks not yet written, ``offload`` waits for the
+  writer, so memory stays bounded and no block is dropped for speed.
+- ``load`` (engine thread, a fresh block for a prompt's next block): the pending copy, or the
+  file read and verified (store.py) straight into the cache row on a CPU cache, through a
+  pinned staging buffer on CUDA. Only a verified block with the asked tokens returns True.
+- Events (``subscribe``): ``(hash, True)`` when this engine offloads a block, ``(hash, False)``
+  when it removes a file (least recently used, or corrupt). Advisory for routers; called on the
+  engine thread or the writer thread, so a listener must be thread-safe.
+
+Every failure of the store (a full disk, a vanished directory) is logged and reads as a miss or
+a dropped block: the engine computes the prompt, it never fails a step for the tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from pdserve.engine.kv_tier.stats import TierStats
+from pdserve.engine.kv_tier.store import BlockStore, ReadResult
+
+log = logging.getLogger(__name__)
+
+TierListener = Callable[[bytes, bool], None]  # (block hash, True: stored here / False: removed here)
+MAX_PENDING_BYTES = 64 << 20  # host copies waiting for the writer; at least one block
+
+
+class KVTier:
+    """The KV tier of one engine (module docstring). ``cache``: the engine's KV cache,
+    (num_blocks, ...) with one block per row; ``directory``: the namespace directory."""
+
+    def __init__(self, cache: torch.Tensor, directory: str, capacity_bytes: int,
+                 max_pending_bytes: int = MAX_PENDING_BYTES):
+        self._rows = cache.view(torch.uint8).reshape(cache.shape[0], -1)  # (num_blocks, block_bytes)
+        self.block_bytes = self._rows.shape[1]
+        self.store = BlockStore(directory, capacity_bytes, self.block_bytes)
+        self.tier_id = f"{socket.gethostname()}:{os.path.realpath(directory)}"
+        on_cpu = self._rows.device.type == "cpu"
+        slots = max(1, max_pending_bytes // self.block_bytes)
+        self._host = torch.empty((slots, self.block_bytes), dtype=torch.uint8, pin_memory=not on_cpu)
+        # A CUDA cache's file is read here, verified, then copied to the device; a CPU one's
+        # straight into its row.
+        self._staging = None if on_cpu else torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
+        self._free_slots = list(range(slots))
+        self._pending: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # hash -> (host slot, tokens)
+        self._cond = threading.Condition()  # guards _pending and _free_slots
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._listeners: list[TierListener] = []
+        self.blocks_offloaded = 0
+        self.blocks_loaded = 0
+        self.hit_tokens = 0
+        self.corrupt_blocks = 0
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+        self._writer.start()
+
+    def subscribe(self, listener: TierListener) -> None:
+        """Call ``listener(hash, stored)`` at each block this engine stores or removes."""
+        self._listeners.append(listener)
+
+    def _emit(self, block_hash: bytes, stored: bool) -> None:
+        for listener in self._listeners:
+            listener(block_hash, stored)
+
+    # ---- LowerTier ---------------------------------------------------------------------
+    def offload(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        with self._cond:
+            if self._closed or block_hash in self._pending:
+                return
+        try:
+            if self.store.touch(block_hash):  # stored already (by this engine or another): now fresh
+                return
+        except OSError as exc:
+            log.warning("kv tier: %s unusable (%s); block not offloaded", self.store.directory, exc)
+            return
+        with self._cond:
+            while not self._free_slots:
+                self._cond.wait()
+            slot = self._free_slots.pop()
+            self._host[slot].copy_(self._rows[block_id])
+            self._pending[block_hash] = (slot, tuple(token_ids))
+        self._queue.put(block_hash)
+        self.blocks_offloaded += 1
+        self._emit(block_hash, True)
+
+    def contains(self, block_hash: bytes) -> bool:
+        with self._cond:
+            if block_hash in self._pending:
+                return True
+        return self.store.exists(block_hash)
+
+    def load(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+        with self._cond:
+            pending = self._pending.get(block_hash)
+            if pending is not None:
+                if pending[1] != tuple(token_ids):
+                    return False
+                self._rows[block_id].copy_(self._host[pending[0]])
+                return self._loaded(token_ids)
+        result = self._read(block_id, block_hash, token_ids)
+        if result is ReadResult.CORRUPT:
+            self.corrupt_blocks += 1
+            log.warning("kv tier: block %s failed its check and was removed", block_hash.hex())
+            self._emit(block_hash, False)
+        return result is ReadResult.HIT and self._loaded(token_ids)
+
+    def _read(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> ReadResult:
+        try:
+            if self._staging is None:
+                return self.store.read(block_hash, token_ids, self._rows[block_id].numpy())
+            result = self.store.read(block_hash, token_ids, self._staging.numpy())
+            if result is ReadResult.HIT:
+                self._rows[block_id].copy_(self._staging)
+            return result
+        except OSError as exc:
+            log.warning("kv tier: reading block %s failed (%s): computed instead", block_hash.hex(), exc)
+            return ReadResult.MISS
+
+    def _loaded(self, token_ids: Sequence[int]) -> bool:
+        self.blocks_loaded += 1
+        self.hit_tokens += len(token_ids)
+        return True
+
+    # ---- the writer --------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            block_hash = self._queue.get()
+            try:
+                if block_hash is None:
+                    return
+                self._write(block_hash)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: bytes) -> None:
+        with self._cond:
+            slot, token_ids = self._pending[block_hash]
+        evicted: list[bytes] = []
+        try:
+            _, evicted = self.store.write(block_hash, token_ids, self._host[slot].numpy())
+        except Exception as exc:  # the writer must go on: offload waits for its buffers
+            log.warning("kv tier: writing block %s failed (%s): dropped", block_hash.hex(), exc)
+            evicted = [block_hash]
+        finally:
+            with self._cond:
+                del self._pending[block_hash]
+                self._free_slots.append(slot)
+                self._cond.notify()
+        for removed in evicted:
+            self._emit(removed, False)
+
+    def flush(self) -> None:
+        """Wait until every offloaded block is in its file (or dropped)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is pending, stop the writer and close the store."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        self.store.close()
+
+    def stats(self) -> TierStats:
+        """This engine's counters and the directory's size (0 once closed)."""
+        return TierStats(tier_id=self.tier_id, bytes_used=0 if self._closed else self.store.bytes_used(),
+                         capacity_bytes=self.store.capacity_bytes, blocks_offloaded=self.blocks_offloaded,
+                         blocks_loaded=self.blocks_loaded, hit_tokens=self.hit_tokens,
+                         corrupt_blocks=self.corrupt_blocks)
