@@ -134,7 +134,8 @@ def one(stub, prompt: list[int], output_tokens: int) -> dict:
 
 
 def tier_counters(address: str, decode: bool) -> dict:
-    """A worker's prefix-cache and tier counters (WorkerStats 14-15 and 55-61)."""
+    """A worker's prefix-cache and tier counters (WorkerStats 14-15 and 55-61), and a prefill
+    worker's prompt tokens read from the decode worker's cache instead of computed (34)."""
     with grpc.insecure_channel(address) as ch:
         stub = (worker_pb2_grpc.DecodeWorkerStub if decode else worker_pb2_grpc.PrefillWorkerStub)(ch)
         s = stub.Stats(worker_pb2.StatsRequest(), timeout=10)
@@ -142,7 +143,7 @@ def tier_counters(address: str, decode: bool) -> dict:
             "tier_id": s.kv_tier_id, "tier_bytes_used": s.kv_tier_bytes_used,
             "tier_capacity_bytes": s.kv_tier_capacity_bytes, "blocks_offloaded": s.kv_tier_blocks_offloaded,
             "blocks_loaded": s.kv_tier_blocks_loaded, "tier_hit_tokens": s.prefix_cache_tier_hits,
-            "corrupt_blocks": s.kv_tier_corrupt_blocks}
+            "corrupt_blocks": s.kv_tier_corrupt_blocks, "prefix_tokens_read": s.prefix_tokens_read}
 
 
 class Cluster:
