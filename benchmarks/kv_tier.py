@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -70,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tier-root", type=Path, default=Path(tempfile.gettempdir()),
                     help="where the tier's directory is made (a fresh one, removed after)")
     ap.add_argument("--threads-per-worker", type=int, default=1)
+    ap.add_argument("--worker-flags", default="", help="more flags for every worker of both clusters (one string), "
+                    "e.g. '--max-num-batched-tokens 512' to keep a prefill step under the router's hang timeout")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=ROOT / ".bench" / "kv_tier")
     args = ap.parse_args(argv)
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
           f"KV memory per worker {size['kv_cache_memory'] / 2**20:.0f} MiB, tier bound "
           f"{size['kv_offload_bytes'] / 2**20:.0f} MiB; {len(order)} visits per cluster", flush=True)
     common = ["--threads-per-worker", str(args.threads_per_worker), "--dtype", args.dtype,
-              "--kv-cache-memory", str(size["kv_cache_memory"])]
+              "--kv-cache-memory", str(size["kv_cache_memory"]), *shlex.split(args.worker_flags)]
     doc = {"schema": "pdserve-kv-tier/1", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "git": git_state(), "machine": machine, "loadavg_before": os.getloadavg(), "argv": sys.argv[1:],
            "sizes": size, "runs": {}}
