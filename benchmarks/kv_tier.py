@@ -3,6 +3,7 @@ times a worker's KV memory, revisited, with the tier against without, in one run
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_tier.py            # 16 prefixes of 2,048 tokens
     PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_tier.py --prefixes 8 --revisits 1   # quicker
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_tier.py --worker-flags "--max-num-batched-tokens 512"
 
 Two clusters run side by side, one per configuration: each a router, a prefill and a decode
 worker as plain ``pdserve worker`` processes on loopback (benchmarks/gpu_bench/served.py's
@@ -26,6 +27,10 @@ prefix / (prefix + question) since a question is never cached) and TTFT p50 and 
 the first streamed token, gRPC). The tier's counters from both workers' ``Stats`` (WorkerStats
 fields 55-61). Ratios: TTFT p50 without / with (issue 58 asks >= 2x) and the cached share with
 the tier (asks >= 80%). Writes --out-dir/kv_tier.json and the workers' logs.
+
+On a loaded machine a 2,048-token prefill step can outlast the router's hang timeout, and the
+router then has the decode worker prefill that request (its log says so); smaller prefill
+chunks (the last command above) keep every request on the disaggregated path.
 """
 
 from __future__ import annotations
