@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ import torch
 from pdserve.engine.config import KVTierConfig
 from pdserve.engine.core.block_hashes import full_block_hashes
 from pdserve.engine.core.block_manager import BlockManager
-from pdserve.engine.kv_tier.engine_tier import namespace_of
+from pdserve.engine.kv_tier.engine_tier import build_kv_tier, namespace_of
 from pdserve.engine.kv_tier.store import HEADER, BlockStore, ReadResult
 from pdserve.engine.kv_tier.tier import KVTier
 from pdserve.engine.llm_engine import LLMEngine
@@ -128,6 +130,10 @@ def test_the_tier_is_refused_where_it_cannot_work_yet(tiny_llama_dir, tmp_path):
         tier_engine(directory, tmp_path, enable_prefix_cache=False)
     with pytest.raises(ValueError, match="kv_offload_bytes must hold at least one block"):
         tier_engine(directory, tmp_path, offload_bytes=1000)
+    config = dataclasses.replace(engine_config(directory), tensor_parallel_size=2,
+                                 kv_tier=KVTierConfig(1 << 20, str(tmp_path)))
+    with pytest.raises(ValueError, match="kv_offload_bytes.*tensor_parallel_size 1, got 2"):
+        build_kv_tier(config, None, None, torch.zeros(4, 8), BlockManager(4, 16))
 
 
 # ---- the store and the tier, without a model ---------------------------------------------
@@ -184,7 +190,7 @@ def test_a_block_removed_while_looked_up_is_a_miss_and_other_tokens_are_refused(
 def test_pending_blocks_are_served_from_memory_and_bounded(tmp_path):
     cache = torch.randn(6, 64)
     saved = cache.clone()
-    tier = KVTier(cache, str(tmp_path), 1 << 20, max_pending_bytes=2 * 64 * 4)  # two host slots
+    tier = KVTier(cache, str(tmp_path), 1 << 20, max_pending_bytes=2 * 64 * 4, offload_wait_s=60)  # two host slots
     hashes = full_block_hashes(list(range(12)), 2)
     for b, h in enumerate(hashes):
         tier.offload(b, h, (2 * b, 2 * b + 1))  # waits for the writer when both slots are taken
@@ -218,3 +224,55 @@ def test_a_damaged_file_reads_corrupt_and_is_deleted(tmp_path, damage):
     assert store.read(h, (5, 6), out) is ReadResult.CORRUPT
     assert not os.path.exists(path) and store.bytes_used() == full - len(raw)  # less the size it had
     assert store.read(h, (5, 6), out) is ReadResult.MISS
+
+
+def test_an_offload_waits_for_a_stuck_writer_only_briefly_then_drops_the_block(tmp_path):
+    cache = torch.randn(3, 64)
+    tier = KVTier(cache, str(tmp_path), 1 << 20, max_pending_bytes=64 * 4)  # one host slot
+    release, write = threading.Event(), tier.store.write
+    tier.store.write = lambda *args: (release.wait(), write(*args))[1]  # a disk that hangs
+    a, b = full_block_hashes(list(range(4)), 2)
+    tier.offload(0, a, (0, 1))
+    started = time.monotonic()
+    tier.offload(1, b, (2, 3))  # the one buffer holds a's copy, the writer is stuck on it
+    assert time.monotonic() - started < 2 and tier.blocks_dropped == 1 and not tier.contains(b)
+    assert tier.load(2, a, (0, 1)) and torch.equal(cache[2], cache[0])  # a is served from memory
+    release.set()
+    tier.close()
+    assert os.path.exists(tier.store.path(a)) and not os.path.exists(tier.store.path(b))
+
+
+def test_writers_and_readers_of_one_directory_at_once_keep_its_bound_and_never_read_corrupt(tmp_path):
+    """Two writers (each its own store and lock descriptor, as two processes have) and a reader
+    on one directory at once: every read is a verified hit or a miss, and the shared count is
+    the files' size, within the bound."""
+    payload, tokens = 4096, (1, 2)
+    one = HEADER.size + 16 + 8 * len(tokens) + payload
+    hashes = [i.to_bytes(16, "little") for i in range(64)]
+    results, errors = [], []
+
+    def writer(k: int) -> None:
+        store = BlockStore(str(tmp_path), 5 * one, payload)
+        try:
+            for h in hashes[k::2]:
+                store.write(h, tokens, np.full(payload, h[0], dtype=np.uint8))
+        except Exception as exc:  # reported below: a thread's exception would be lost
+            errors.append(exc)
+
+    def reader() -> None:
+        store, out = BlockStore(str(tmp_path), 5 * one, payload), np.empty(payload, dtype=np.uint8)
+        for _ in range(3):
+            for h in hashes:
+                result = store.read(h, tokens, out)
+                results.append(result)
+                if result is ReadResult.HIT and not (out == h[0]).all():
+                    errors.append(AssertionError(f"block {h[0]} read another's bytes"))
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(2)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and ReadResult.CORRUPT not in results
+    on_disk = sum(os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path) if n.endswith(".kvb"))
+    assert on_disk == BlockStore(str(tmp_path), 5 * one, payload).bytes_used() <= 5 * one

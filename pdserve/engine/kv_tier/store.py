@@ -1,7 +1,7 @@
 """The KV tier's files: one per block, in a directory the processes of a host share.
 
 Layout: ``<offload_dir>/<namespace>/<chained hash hex>.kvb``. The namespace is a fingerprint of
-everything that decides what a block's bytes mean (``namespace.py``), so only engines of one
+everything that decides what a block's bytes mean (``engine_tier.py``), so only engines of one
 model, dtype and cache layout ever open the same files. A file is::
 
     header  (28 bytes, little-endian): magic b"PDKV", version, hash length, token count,
