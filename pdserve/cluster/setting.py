@@ -65,6 +65,8 @@ class ByteSize(int):
         if unit is None:
             raise ValueError(f"{raw!r} is not a size in bytes")
         number = float(match.group(1)) if "." in match.group(1) else int(match.group(1))
+        if number * unit != int(number * unit):
+            raise ValueError(f"{raw!r} is not a whole number of bytes")
         return super().__new__(cls, int(number * unit))
 
 

@@ -12,19 +12,7 @@ from pdserve.cluster.serve_config import build
 from pdserve.cluster.settings import SettingsError, resolve
 from pdserve.cluster.worker_router import router_config
 from pdserve.engine.config import LoRAConfig
-from tests.helpers.settings import parse
-
-
-def worker(role, argv):
-    """``pdserve worker --role ROLE`` with ``argv``'s settings."""
-    import argparse
-
-    from pdserve.cluster.settings import add_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser, worker_cli.worker_settings())
-    admin = ["--router-admin", "127.0.0.1:1"] if role != "router" else []
-    return worker_cli.settings(parser.parse_args(["--role", role, *admin, *argv]), environ={})
+from tests.helpers.settings import parse, worker
 
 
 @pytest.fixture

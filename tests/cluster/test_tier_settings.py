@@ -54,6 +54,7 @@ def test_the_variable_and_the_file_take_sizes_too(tmp_path, monkeypatch):
     (["--kv-offload-bytes", "8XB"], r"--kv-offload-bytes: '8XB' is not a valid size in bytes .*for kv_offload_bytes"),
     (["--kv-offload-bytes", "-1"], r"--kv-offload-bytes: '-1' is not a valid size in bytes"),
     (["--kv-offload-bytes", "0"], "kv_offload_bytes must be at least 1, got 0"),
+    (["--kv-offload-bytes", "1.5"], r"--kv-offload-bytes: '1.5' is not a valid size in bytes"),
     (["--kv-offload-dir", "/tmp/x"], "--kv-offload-dir needs --kv-offload-bytes"),
     (["--kv-offload-bytes", "1GiB", "--kv-offload-dir", " "], r"kv_offload_dir \(--kv-offload-dir\): an empty path"),
 ])

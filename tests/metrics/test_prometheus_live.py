@@ -93,7 +93,7 @@ def cluster(tmp_path_factory):
     config = cluster_config(kv_mib=64, router_poll_s=0.2, elastic_roles=True, role_budget=BudgetConfig(),
                             autoscaling=from_mapping({"prefill": pinned, "decode": pinned}))
     tier = KVTierConfig(offload_bytes=64 << 20, offload_dir=str(tmp_path_factory.mktemp("kv-tier")))
-    config = dataclasses.replace(config, prefill_engine=dataclasses.replace(config.prefill_engine, kv_tier=tier),
+    config = dataclasses.replace(config, prefill_engine=dataclasses.replace(config.engine, kv_tier=tier),
                                  decode_engine=dataclasses.replace(config.engine, speculative=SpeculativeConfig(),
                                                                    kv_tier=tier))
     with running_cluster(config) as c:
