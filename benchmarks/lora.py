@@ -8,7 +8,10 @@ turns, ``--batch`` streams of the base model, then the same number spread evenly
 ``--adapters`` random rank-``--rank`` adapters on q, k, v, o, gate, up and down (written in
 PEFT's format under .bench/lora/). Each turn prefills random ``--prompt-len``-token prompts,
 then times ``--steps`` decode steps (their median); the turns alternate ``--repeats`` times and the best of
-each is kept (a shared machine's noise only ever slows a run). Prints tokens/s of each and how
+each is kept (a shared machine's noise only ever slows a run). ``--layer-loop`` adds a third turn
+each time: the mixed batch with its layers run one by one through the LoRA wrappers, the path a
+step with adapters took before its LoRA products went inside the whole-stack C++ call
+(``decoder_layers_lora``), so the two are compared under the same load. Prints tokens/s of each and how
 far the mixed batch is below the base model (issue 57 asks for at most 15 %), with the processor
 and the kernel path; writes .bench/lora-rRANK-tTHREADS.json.
 """
@@ -76,6 +79,20 @@ def decode_tps(engine: LLMEngine, names: list[str], prompt_len: int, steps: int,
     return len(names) / sorted(times)[len(times) // 2]
 
 
+def layer_loop_tps(engine: LLMEngine, names: list[str], prompt_len: int, steps: int, tag: str) -> float:
+    """``decode_tps`` with a step's adapters run layer by layer through the ``LoRALinear``
+    wrappers instead of inside the whole-stack call (``LoRAStack.projections`` unset)."""
+    stack = engine.runner.model.stack
+    projections = getattr(stack, "projections", None)
+    if projections is None:
+        raise SystemExit("--layer-loop: this model's steps with adapters already run layer by layer")
+    stack.projections = None
+    try:
+        return decode_tps(engine, names, prompt_len, steps, tag)
+    finally:
+        stack.projections = projections
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
@@ -87,6 +104,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--layer-loop", action="store_true",
+                    help="also time the mixed batch with its layers run one by one (the path before the LoRA "
+                         "products went inside the whole-stack call), in the same turns")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,19 +121,26 @@ def main() -> None:
     model, model_cfg, _ = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)
     engine = LLMEngine(model, model_cfg, config)
     mixed_names = [modules[n % args.adapters][0] for n in range(args.batch)]
-    base, mixed = [], []
+    base, mixed, loop = [], [], []
     for r in range(args.repeats):
         base.append(decode_tps(engine, [""] * args.batch, args.prompt_len, args.steps, f"base{r}"))
         mixed.append(decode_tps(engine, mixed_names, args.prompt_len, args.steps, f"mixed{r}"))
+        if args.layer_loop:
+            loop.append(layer_loop_tps(engine, mixed_names, args.prompt_len, args.steps, f"loop{r}"))
     result = dict(processor=cpu_kernels.cpu_model(), kernel_path=model.kernel_path, linears=model.linear_backend,
                   lora_kernel=engine.lora.kernel.name, **{**vars(args), "threads": torch.get_num_threads()},
                   base_tps=max(base), mixed_tps=max(mixed), base_runs=base, mixed_runs=mixed,
                   below_base=1 - max(mixed) / max(base))
+    if loop:
+        result.update(layer_loop_tps=max(loop), layer_loop_runs=loop, layer_loop_below_base=1 - max(loop) / max(base))
     (ROOT / ".bench").mkdir(exist_ok=True)
     (ROOT / ".bench" / f"lora-r{args.rank}-t{result['threads']}.json").write_text(json.dumps(result, indent=1))
     print(f"{result['processor']} ({result['kernel_path']}, {result['threads']} threads), {args.dtype}, "
           f"{args.batch} streams, rank {args.rank}: base {result['base_tps']:.1f} tok/s, {args.adapters} adapters "
           f"mixed {result['mixed_tps']:.1f} tok/s ({100 * result['below_base']:.1f} % below)")
+    if loop:
+        print(f"  mixed, layers one by one: {result['layer_loop_tps']:.1f} tok/s "
+              f"({100 * result['layer_loop_below_base']:.1f} % below)")
 
 
 if __name__ == "__main__":

@@ -194,15 +194,23 @@ class PackedDecoderStack(DecoderStack):
 
     def forward(self, layers: nn.ModuleList, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
-        backend = layers[0].self_attn.backend
-        if not isinstance(backend, PagedAttention):
+        if not self.runs(layers):
             return super().forward(layers, h, rope, ctx)
+        return torch.ops.pdserve.decoder_layers(*self.arguments(layers, h, rope, ctx))
+
+    def runs(self, layers: nn.ModuleList) -> bool:
+        """Whether the one call runs these layers (their attention is the paged kernel's)."""
+        return isinstance(layers[0].self_attn.backend, PagedAttention)
+
+    def arguments(self, layers: nn.ModuleList, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  ctx: AttentionContext) -> tuple:
+        """``decoder_layers``' arguments for this step (``decoder_layers_lora`` takes them first too)."""
         k_caches = [layer.self_attn.k_cache for layer in layers]
         v_caches = [layer.self_attn.v_cache for layer in layers]
-        return torch.ops.pdserve.decoder_layers(
-            h, rope[0], rope[1], self.input_norm, self.qkv, self.qkv_bias, self.o, self.post_norm, self.gate_up,
-            self.down, k_caches, v_caches, ctx.slot_block, ctx.slot_offset, ctx.block_tables, ctx.cu_query_lens,
-            ctx.context_lens_t, self.widths, self.num_heads, self.num_kv_heads, self.eps, backend.scale)
+        return (h, rope[0], rope[1], self.input_norm, self.qkv, self.qkv_bias, self.o, self.post_norm, self.gate_up,
+                self.down, k_caches, v_caches, ctx.slot_block, ctx.slot_offset, ctx.block_tables, ctx.cu_query_lens,
+                ctx.context_lens_t, self.widths, self.num_heads, self.num_kv_heads, self.eps,
+                layers[0].self_attn.backend.scale)
 
 
 _fakes_registered = False
@@ -228,6 +236,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("pdserve::decoder_layers")
     def _decoder_layers(h, *args):
+        return torch.empty_like(h), torch.empty_like(h)
+
+    @torch.library.register_fake("pdserve::decoder_layers_lora")
+    def _decoder_layers_lora(h, *args):
         return torch.empty_like(h), torch.empty_like(h)
 
     @torch.library.register_fake("pdserve::silu_mul")

@@ -20,7 +20,9 @@ completes the base output (it is linear in x_r).
 runner sets it before each forward (``LoRAManager.begin_step``). With no adapter in the step
 (``active`` False) a wrapper returns its base linear's output untouched: the step computes as
 without LoRA, bit for bit, at no extra cost, and the whole-stack CPU kernel
-(``PackedDecoderStack``) still runs such steps (``LoRAStack``).
+(``PackedDecoderStack``) still runs such steps (``LoRAStack``). A step with adapters runs that
+one call too, with the LoRA products inside it (``decoder_layers_lora``), where the linears'
+LoRA kernel is ``PackedLoRA``; elsewhere its layers run one by one through the wrappers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.engine.linear import PackedDecoderStack
+from pdserve.engine.lora.kernels import PackedLoRA
 from pdserve.engine.lora.peft import LoRAAdapter, TargetShape
 from pdserve.engine.models.decoder import DecoderStack
 from pdserve.engine.parallel import TensorParallel
@@ -112,15 +116,30 @@ class LoRALinear(nn.Module):
 
 
 class LoRAStack(nn.Module):
-    """The decoder stack: the backend's own (``packed``, one call for the whole stack) for a step
-    without adapters, the layers one by one (through their ``LoRALinear``s) for one with."""
+    """The decoder stack around the backend's whole-stack call (``packed``): a step without
+    adapters runs it as it is; a step with adapters runs ``decoder_layers_lora``, the same one
+    call with each projection's LoRA delta added inside it in ``PackedLoRA``'s arithmetic
+    (pdserve/engine/kernels/csrc/decoder_lora.cpp), so its bits are the layer-by-layer path's.
+    ``projections``: each layer's q|k|v, o, gate|up and down ``LoRALinear``, or None where the
+    one call cannot take them (a projection not adapted, another LoRA kernel); then, and with
+    another attention backend, a step with adapters runs the layers one by one."""
 
-    def __init__(self, packed: nn.Module, state: LoRAState):
+    def __init__(self, packed: nn.Module, state: LoRAState, projections: list[list[LoRALinear]] | None):
         super().__init__()
         self.packed, self.plain, self.state = packed, DecoderStack(), state
+        self.projections = projections
+        # Each projection's (S-1) PR: the width of every slot's A stacked (fixed at attach).
+        self.widths = None if projections is None else [(w.a.shape[0] - 1) * w.a.shape[1] for w in projections[0]]
 
     def forward(self, layers, h, rope, ctx):
-        return (self.plain if self.state.active else self.packed)(layers, h, rope, ctx)
+        if not self.state.active:
+            return self.packed(layers, h, rope, ctx)
+        if self.projections is None or not self.packed.runs(layers):
+            return self.plain(layers, h, rope, ctx)
+        shrink = [w.packed_a for layer in self.projections for w in layer]  # repacked when a slot fills
+        expand = [w.packed_b for layer in self.projections for w in layer]
+        return torch.ops.pdserve.decoder_layers_lora(*self.packed.arguments(layers, h, rope, ctx), shrink, expand,
+                                                     self.widths, self.state.mask)
 
 
 # Our linears an adapter may adapt, by their name in a decoder layer, and whether each is row-parallel.
@@ -169,6 +188,18 @@ def attach(model, num_slots: int, max_rank: int, kernel, dtype: torch.dtype,
                              dtype, device)
         setattr(parent, child, wrapper)
         wrapped[name] = wrapper
-    if type(model.stack) is not DecoderStack:  # a backend's whole-stack call: kept for base-only steps
-        model.stack = LoRAStack(model.stack, state)
+    if type(model.stack) is not DecoderStack:  # a backend's whole-stack call, with adapters inside it where it can
+        model.stack = LoRAStack(model.stack, state, _stack_projections(model, wrapped, kernel))
     return state, wrapped
+
+
+def _stack_projections(model, wrapped: dict[str, LoRALinear], kernel) -> list[list[LoRALinear]] | None:
+    """Each layer's four wrapped projections in ``decoder_layers_lora``'s order, where the
+    whole-stack call can add their deltas: the backend's stack is ``PackedDecoderStack``, the
+    kernel ``PackedLoRA`` (its packed slots) and every layer has all four wrapped."""
+    if not isinstance(model.stack, PackedDecoderStack) or not isinstance(kernel, PackedLoRA):
+        return None
+    names = [f"layers.{i}.{name}" for i in range(len(model.layers)) for name in _TARGETS]
+    if not all(name in wrapped for name in names):
+        return None
+    return [[wrapped[f"layers.{i}.{name}"] for name in _TARGETS] for i in range(len(model.layers))]

@@ -23,9 +23,14 @@
 // PackedSiluAndMul, PagedAttention.attend), called directly: the result is bitwise what
 // the layer-by-layer path gives (tests/engine/test_decoder_layers.py), so batch invariance
 // carries over unchanged.
+//
+// decoder_stack runs the loop; decoder_lora.cpp's decoder_layers_lora runs it with a step's
+// LoRA adapters added after each projection. Without adapters (this operator) the loop adds
+// nothing: the same calls as before LoRA existed.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "decoder_lora.h"
 #include "ops.h"
 
 #include <tuple>
@@ -33,13 +38,14 @@
 
 namespace pdserve {
 
-std::tuple<at::Tensor, at::Tensor> decoder_layers(
+std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList input_norm,
     at::TensorList qkv, const c10::List<c10::optional<at::Tensor>>& qkv_bias, at::TensorList o,
     at::TensorList post_norm, at::TensorList gate_up, at::TensorList down, at::TensorList k_caches,
     at::TensorList v_caches, const at::Tensor& slot_block, const at::Tensor& slot_offset,
     const at::Tensor& block_tables, const at::Tensor& cu_query_lens, const at::Tensor& context_lens,
-    at::IntArrayRef widths, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+    at::IntArrayRef widths, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+    const DecoderLoRA* lora) {
   const size_t L = input_norm.size();
   TORCH_CHECK(L > 0, "decoder_layers: no layers");
   for (size_t n : {qkv.size(), qkv_bias.size(), o.size(), post_norm.size(), gate_up.size(), down.size(),
@@ -56,17 +62,34 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     } else {
       std::tie(x, residual) = add_rms_norm(x, residual, input_norm[i], eps);
     }
-    const at::Tensor qkv_out = linear(x, qkv[i], widths[0], qkv_bias.get(i), false);
+    at::Tensor qkv_out = linear(x, qkv[i], widths[0], qkv_bias.get(i), false);
+    if (lora) lora->add(i, Projection::kQkv, x, qkv_out);
     const at::Tensor q = rope_store_kv(qkv_out, cos, sin, k_caches[i], v_caches[i], slot_block, slot_offset,
                                        num_heads, num_kv_heads);
     const at::Tensor attn = paged_attention(q, k_caches[i], v_caches[i], block_tables, cu_query_lens,
-                                            context_lens, scale);
-    const at::Tensor attn_out = linear(attn.view({T, -1}), o[i], widths[1], c10::nullopt, false);
+                                            context_lens, scale).view({T, -1});
+    at::Tensor attn_out = linear(attn, o[i], widths[1], c10::nullopt, false);
+    if (lora) lora->add(i, Projection::kO, attn, attn_out);
     std::tie(x, residual) = add_rms_norm(attn_out, residual, post_norm[i], eps);
-    x = linear(silu_mul(linear(x, gate_up[i], widths[2], c10::nullopt, false)), down[i], widths[3], c10::nullopt,
-               false);
+    at::Tensor gate_up_out = linear(x, gate_up[i], widths[2], c10::nullopt, false);
+    if (lora) lora->add(i, Projection::kGateUp, x, gate_up_out);
+    const at::Tensor act = silu_mul(gate_up_out);
+    x = linear(act, down[i], widths[3], c10::nullopt, false);
+    if (lora) lora->add(i, Projection::kDown, act, x);
   }
   return {x, residual};
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList input_norm,
+    at::TensorList qkv, const c10::List<c10::optional<at::Tensor>>& qkv_bias, at::TensorList o,
+    at::TensorList post_norm, at::TensorList gate_up, at::TensorList down, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& slot_block, const at::Tensor& slot_offset,
+    const at::Tensor& block_tables, const at::Tensor& cu_query_lens, const at::Tensor& context_lens,
+    at::IntArrayRef widths, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+  return decoder_stack(h, cos, sin, input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, k_caches, v_caches,
+                       slot_block, slot_offset, block_tables, cu_query_lens, context_lens, widths, num_heads,
+                       num_kv_heads, eps, scale, nullptr);
 }
 
 }  // namespace pdserve

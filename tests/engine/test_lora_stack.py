@@ -1,0 +1,92 @@
+"""A bfloat16 step with adapters runs the whole decoder stack in one C++ call
+(``decoder_layers_lora``, pdserve/engine/kernels/csrc/decoder_lora.cpp) on every kernel path, and
+that call is bitwise the layer-by-layer path through the ``LoRALinear`` wrappers: the same
+hidden states and the same K/V stored. A sequence's bfloat16 tokens and logprobs under an adapter
+are the same alone as in a batch mixing adapters and the base model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.lora.layers import LoRAStack
+from pdserve.engine.sampling.params import SamplingParams
+from tests.factories import random_prompts
+from tests.helpers.lora import lora_engine, make_adapter
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 + FMA")
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_llama_dir, tmp_path_factory):
+    """Two random rank-8 adapters (rank 6 for beta: a slot's rows past its rank stay zero) on
+    every projection of the tiny Llama: {name: (directory,)}."""
+    _, hf = tiny_llama_dir
+    out = {}
+    for i, (name, rank) in enumerate((("alpha", 8), ("beta", 6))):
+        directory = tmp_path_factory.mktemp(f"lora-stack-{name}")
+        make_adapter(hf, directory, rank=rank, alpha=2 * rank, seed=20 + i)
+        out[name] = (directory,)
+    return out
+
+
+def check_both_ways(engine) -> list[int]:
+    """Wrap the model's ``LoRAStack`` so that every step with adapters runs through the one call
+    and through the layer loop, each from the cache as it was, and asserts the two agree bit for
+    bit; the loop's result goes on. Returns a list that counts the steps checked."""
+    runner = engine.runner
+    stack = runner.model.stack
+    assert isinstance(stack, LoRAStack) and stack.projections is not None
+    checked = []
+    whole = stack.forward
+
+    def forward(layers, h, rope, ctx):
+        if not stack.state.active:
+            return whole(layers, h, rope, ctx)
+        assert stack.packed.runs(layers)
+        before = runner.cache.clone()
+        fused = whole(layers, h.clone(), rope, ctx)
+        fused_cache = runner.cache.clone()
+        runner.cache.copy_(before)
+        loop = stack.plain(layers, h.clone(), rope, ctx)
+        step = f"step {len(checked) + 1} ({ctx.slot_block.numel()} tokens)"
+        assert torch.equal(fused[0], loop[0]) and torch.equal(fused[1], loop[1]), f"{step}: hidden states differ"
+        assert torch.equal(fused_cache, runner.cache), f"{step}: the stored K/V differ"
+        checked.append(ctx.slot_block.numel())
+        return loop
+
+    stack.forward = forward
+    return checked
+
+
+def test_the_one_call_is_bitwise_the_layer_loop_on_every_path(tiny_llama_dir, adapter_dirs, kernel_path):
+    """Prefill (chunked: a small token budget) and decode steps mixing alpha, beta and the base
+    model, on each kernel path this processor runs."""
+    model_dir, _ = tiny_llama_dir
+    engine = lora_engine(model_dir, adapter_dirs, dtype="bfloat16", max_num_batched_tokens=32)
+    assert engine.runner.model.kernel_path == kernel_path
+    checked = check_both_ways(engine)
+    names = ["alpha", "", "beta", "alpha"]
+    prompts = random_prompts(len(names), [40, 9, 13, 5], seed=7)
+    done = engine.generate(prompts, [SamplingParams(max_tokens=5, ignore_eos=True, lora_name=n) for n in names])
+    assert all(len(c.token_ids) == 5 for c in done)
+    assert len(checked) >= 6 and max(checked) > len(names)  # prefill chunks and batched decodes
+
+
+def test_a_sequence_has_the_same_bits_alone_and_in_a_mixed_batch(tiny_llama_dir, adapter_dirs):
+    """bfloat16 through the one call: alpha's tokens and logprobs alone equal its row of a batch
+    with beta and the base model around it (and alpha changes the answer)."""
+    model_dir, _ = tiny_llama_dir
+    engine = lora_engine(model_dir, adapter_dirs, dtype="bfloat16")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompts = random_prompts(4, [11, 7, 19, 11], seed=3)
+    alpha = dataclasses.replace(params, lora_name="alpha")
+    alone = engine.generate([prompts[0]], [alpha])[0]
+    batch = engine.generate(prompts, [alpha, dataclasses.replace(params, lora_name="beta"), params,
+                                      dataclasses.replace(params, lora_name="beta")])
+    assert batch[0].token_ids == alone.token_ids and batch[0].logprobs == alone.logprobs
+    base = engine.generate([prompts[0]], [params])[0]
+    assert base.token_ids != alone.token_ids or base.logprobs != alone.logprobs
