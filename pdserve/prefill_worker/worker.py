@@ -11,6 +11,7 @@ import time
 from typing import AsyncIterator
 
 from pdserve.engine.core.block_hashes import kv_salt
+from pdserve.engine.lora.manager import fingerprint_of
 from pdserve.engine.core.block_manager import prompt_block_hashes
 from pdserve.engine.device import wait_for_writes
 from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFailed
@@ -106,15 +107,18 @@ class PrefillWorker(WorkerShell):
         self._loop = asyncio.get_running_loop()
         self.note_poll(owner)
         hashes = None
+        # The adapter's identity as this worker holds it now (an adapter reloaded before the
+        # request is queued gives it another salt, so what is pulled under this one is not its).
+        salt = kv_salt(params, fingerprint_of(self.engine.lora, params))
         if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
-            hashes = prompt_block_hashes(prompt, self.engine.blocks.block_size, kv_salt(params))
+            hashes = prompt_block_hashes(prompt, self.engine.blocks.block_size, salt)
         record = self.records[request_id] = RequestRecord(request_id, owner, time.monotonic(), hashes, stream_kv,
                                                           chunks=[] if tracing.enabled() else None)
         stream = self.open_stream(request_id)
         held = False
         try:
             if prefix is not None:  # (not with prompt logprobs: every position runs, ``hashes`` is None)
-                await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt, kv_salt(params),
+                await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt, salt,
                                   prefix, stream, wanted=hashes is not None)
             await self.call(self.engine.add_request, request_id, prompt, params, True)
             while True:
