@@ -15,11 +15,9 @@ from pdserve.engine.config import LoRAConfig
 from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.engine.core.block_manager import prompt_block_hashes
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.loader import load_model
 from pdserve.engine.sampling.params import SamplingParams
-from tests.factories import engine_config, hf_greedy, make_engine, make_tp_engine
-from tests.helpers.lora import make_adapter, merged
+from tests.factories import hf_greedy, make_engine, make_tp_engine
+from tests.helpers.lora import lora_engine, make_adapter, merged
 
 PROMPTS = [[5, 17, 93, 4, 250, 8, 61], [40, 41, 42, 43, 44], [300, 2, 77, 19, 19, 6, 210, 3, 99]]
 NEW = 12
@@ -35,14 +33,6 @@ def adapters(tiny_llama_dir, tmp_path_factory):
         directory = tmp_path_factory.mktemp(f"lora-{name}")
         out[name] = directory, merged(hf, make_adapter(hf, directory, seed=10 + i))
     return out
-
-
-def lora_engine(model_dir, adapters=None, max_loras: int = 2, max_lora_rank: int = 8, **kwargs) -> LLMEngine:
-    modules = tuple((name, str(d)) for name, (d, _) in (adapters or {}).items())
-    config = dataclasses.replace(engine_config(model_dir, **kwargs),
-                                 lora=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, modules=modules))
-    model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)
-    return LLMEngine(model, model_cfg, config, model_dir=str(model_dir))
 
 
 def greedy(lora_name: str = "") -> SamplingParams:

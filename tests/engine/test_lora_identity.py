@@ -23,10 +23,9 @@ from pdserve.protos import worker_pb2
 from pdserve.router.kv_policy import RoutingConfig
 from pdserve.router.pool import WorkerClient, WorkerPool
 from pdserve.shell import lora_rpcs
-from tests.engine.test_lora import lora_engine
 from tests.factories import engine_config, hf_greedy
 from tests.helpers.engine_runs import run
-from tests.helpers.lora import make_adapter, merged
+from tests.helpers.lora import lora_engine, make_adapter, merged
 
 NEW = 6
 BS = 16

@@ -7,11 +7,17 @@ this project's environment; the format is its documented one."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from pdserve.engine.config import LoRAConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import load_model
+from tests.factories import engine_config
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -55,3 +61,13 @@ def merged(hf_model, weights: dict):
         for key, (a, b) in ((k, v) for k, v in weights.items() if k != "scale"):
             _hf_linear(out, *key).weight += weights["scale"] * (b @ a)
     return out
+
+
+def lora_engine(model_dir, adapters=None, max_loras: int = 2, max_lora_rank: int = 8, **kwargs) -> LLMEngine:
+    """An engine of the model at ``model_dir`` with LoRA on and ``adapters`` ({name: (directory,
+    _)}) loaded at start; ``kwargs`` go to ``engine_config``."""
+    modules = tuple((name, str(d)) for name, (d, _) in (adapters or {}).items())
+    config = dataclasses.replace(engine_config(model_dir, **kwargs),
+                                 lora=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, modules=modules))
+    model, model_cfg, model_dir = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)
+    return LLMEngine(model, model_cfg, config, model_dir=str(model_dir))
