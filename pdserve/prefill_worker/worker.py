@@ -92,6 +92,11 @@ class PrefillWorker(WorkerShell):
                 return result
         raise AssertionError("prefill_stream ended without an answer")
 
+    def salt_of(self, params: SamplingParams) -> str:
+        """``kv_salt`` of a request's ``params`` with its adapter's fingerprint as held here now
+        (stated in the KV handles this worker gives out, for the reader to check)."""
+        return kv_salt(params, fingerprint_of(self.engine.lora, params))
+
     async def prefill_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                              owner: str = "", stream_kv: bool = False, prefix: KVHandle | None = None
                              ) -> AsyncIterator[KVEarly | KVReady | PrefillResult]:
@@ -109,7 +114,7 @@ class PrefillWorker(WorkerShell):
         hashes = None
         # The adapter's identity as this worker holds it now (an adapter reloaded before the
         # request is queued gives it another salt, so what is pulled under this one is not its).
-        salt = kv_salt(params, fingerprint_of(self.engine.lora, params))
+        salt = self.salt_of(params)
         if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
             hashes = prompt_block_hashes(prompt, self.engine.blocks.block_size, salt)
         record = self.records[request_id] = RequestRecord(request_id, owner, time.monotonic(), hashes, stream_kv,
@@ -118,8 +123,11 @@ class PrefillWorker(WorkerShell):
         held = False
         try:
             if prefix is not None:  # (not with prompt logprobs: every position runs, ``hashes`` is None)
+                # An adapter's prefix held under another salt was computed with other weights
+                # under its name (the holder or this worker reloaded it): refused, computed here.
+                same = not params.lora_name or prefix.kv_salt == salt
                 await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt, salt,
-                                  prefix, stream, wanted=hashes is not None)
+                                  prefix, stream, wanted=hashes is not None and same)
             await self.call(self.engine.add_request, request_id, prompt, params, True)
             while True:
                 item = await stream.get()

@@ -21,18 +21,20 @@ RELEASE_REASON_TRANSFER_FAILED: ReleaseReason
 RELEASE_REASON_RETURNED: ReleaseReason
 
 class KVHandle(_message.Message):
-    __slots__ = ("prefill_address", "block_ids", "num_tokens", "lease_token", "block_checksums")
+    __slots__ = ("prefill_address", "block_ids", "num_tokens", "lease_token", "block_checksums", "kv_salt")
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    KV_SALT_FIELD_NUMBER: _ClassVar[int]
     prefill_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_token: str
     block_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_salt: str
+    def __init__(self, prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ..., kv_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "router_id", "prefix")

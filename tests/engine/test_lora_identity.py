@@ -9,16 +9,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import KVTierConfig, LoRAConfig
 from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.engine.core.block_manager import prompt_block_hashes
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
 from pdserve.engine.lora.manager import fingerprint_of
 from pdserve.engine.sampling.params import SamplingParams
+from pdserve.kv_transfer.handoff import KVHandle
 from pdserve.protos import worker_pb2
 from pdserve.router.kv_policy import RoutingConfig
 from pdserve.router.pool import WorkerClient, WorkerPool
@@ -166,3 +170,26 @@ def test_a_router_hashes_an_adapters_prompt_as_the_workers_holding_it_do(tiny_ll
     assert pool.lora_fingerprint("a") == ""
     pool.workers["p1"].stats = stats_of(engine)  # both on v2 now
     assert pool.kv_salt(params) == kv_salt(params, fingerprint_of(engine.lora, params)) != engine_salt
+
+
+def test_kv_between_workers_that_loaded_other_files_under_one_name_is_refused(tiny_llama_dir, versions):
+    """A KV handle states the salt its holder keyed the blocks by. A decode worker whose own salt
+    for an adapter's request differs (the prefill worker ran a=v1, it runs a=v2) refuses the
+    KV, naming lora_name, before it takes any block; the same salt, or the base model, is taken.
+    The handle's salt survives the wire."""
+    model_dir, _ = tiny_llama_dir
+    engine = lora_engine(model_dir, {"a": versions["v2"]})
+    here = SimpleNamespace(engine=engine, config=SimpleNamespace(decode_kv_reuse=True), _arriving={})
+    params = greedy("a")
+    other = kv_salt(params, "0" * 32)  # a's blocks as a worker that loaded other files hashes them
+    own = kv_salt(params, engine.lora.fingerprints()["a"])
+    free = engine.blocks.num_free_blocks
+    with pytest.raises(InvalidRequestError) as refused:
+        DecodeWorker._add_arriving(here, "r0", PROMPT, 7, params, other)
+    assert refused.value.field == "lora_name" and engine.blocks.num_free_blocks == free
+    assert not engine.has_unfinished()
+    DecodeWorker._add_arriving(here, "r1", PROMPT, 7, params, own)
+    DecodeWorker._add_arriving(here, "r2", PROMPT, 7, greedy(""), other)  # the base model: not an adapter's KV
+    assert set(here._arriving) == {"r1", "r2"}
+    handle = KVHandle("h:1", (1, 2), 20, "tok", (3, 4), other)
+    assert KVHandle.from_proto(worker_pb2.KVHandle.FromString(handle.to_proto().SerializeToString())) == handle
