@@ -74,7 +74,8 @@ class PrefixHolds:
         lease = self.table.grant(pin, list(alloc.block_ids), time.monotonic(), self.lease_seconds, owner=owner,
                                  checksums=sums, sums_per_block=max(1, len(sums) // len(alloc.block_ids)))
         self.agent.expect_reads(True)  # a one-sided read's notice needs the holder's progress
-        return KVHandle(address, lease.block_ids, alloc.num_cached_tokens, lease.token, tuple(lease.checksums))
+        return KVHandle(address, lease.block_ids, alloc.num_cached_tokens, lease.token, tuple(lease.checksums),
+                        cache_salt)
 
     def claim(self, token: str, block_ids: list[int], renew: bool = False) -> Lease | None:
         """Any thread: as ``PrefillWorker.claim`` (raises LeaseRefused; None: no renewal)."""

@@ -20,8 +20,10 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.engine.config import MIXED, EngineConfig
-from pdserve.engine.errors import SequenceFailed, StepFailed
+from pdserve.engine.core.block_hashes import kv_salt
+from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.lora.manager import fingerprint_of
 from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer import InvalidTransferRequest, KVTransferAgent, TransferHandle, TransferState, UnverifiedTransfer
 from pdserve.kv_transfer.handoff import KVHandle
@@ -199,7 +201,7 @@ class DecodeWorker(WorkerShell):
         stream = self.open_stream(request_id)
         finished = False
         try:
-            local = await self.call(self._add_arriving, request_id, prompt, first_token, params)
+            local = await self.call(self._add_arriving, request_id, prompt, first_token, params, kv.kv_salt)
             await claim()
             if watch is None:
                 await self.call(self._start_read, request_id, kv, peer, local, kv.num_tokens, True, None,
@@ -281,9 +283,15 @@ class DecodeWorker(WorkerShell):
             await asyncio.shield(asyncio.wrap_future(self.thread.call(self.abort_now, request_id)))
 
     # ---- engine thread -------------------------------------------------------------
-    def _add_arriving(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams) -> _Landing:
+    def _add_arriving(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams,
+                      holder_salt: str = "") -> _Landing:
         """Blocks for the prompt; with ``decode_kv_reuse``, the leading ones this worker's prefix
-        cache holds are taken as they are (final here already) and the pull starts after them."""
+        cache holds are taken as they are (final here already) and the pull starts after them.
+        An adapter's KV that its holder states it keyed by another salt (``KVHandle.kv_salt``: it
+        ran other weights under the adapter's name) is refused, naming ``lora_name``."""
+        if params.lora_name and holder_salt and holder_salt != kv_salt(params, fingerprint_of(self.engine.lora, params)):
+            raise InvalidRequestError("lora_name", f"adapter {params.lora_name!r}: the KV's holder loaded other files "
+                                      "under this name than this worker (one of them reloaded it); retry")
         reuse = self.config.decode_kv_reuse
         ids = self.engine.add_prefilled(request_id, prompt, first_token, params, reuse_cached=reuse)
         self._arriving[request_id] = time.monotonic()

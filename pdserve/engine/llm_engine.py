@@ -29,7 +29,7 @@ from pdserve.engine.errors import InvalidRequestError, RankLost, SequenceFailed
 from pdserve.engine.sampling.grammar_jobs import GrammarJobs, compiler_for
 from pdserve.engine.attention.kv_cache import cache_spec_of
 from pdserve.engine.kv_tier.engine_tier import build_kv_tier
-from pdserve.engine.lora.manager import LoRAManager
+from pdserve.engine.lora.manager import LoRAManager, fingerprint_of, users_of
 from pdserve.engine.memory import MemoryProbe
 from pdserve.engine.runner.memory_profile import size_cache, start_memory
 from pdserve.engine.models.decoder import CausalLM
@@ -141,7 +141,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
+        seq = Sequence(request_id, list(prompt_token_ids), params, hold_kv=hold_kv,
+                       lora_fingerprint=fingerprint_of(self.lora, params))
         if params.structured is None:
             self.scheduler.add(seq)
         else:
@@ -159,7 +160,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         check_first_token(first_token, self.model_cfg.vocab_size)
         seq = Sequence(request_id, list(prompt_token_ids) + [first_token], params,
-                       num_prompt_tokens=len(prompt_token_ids))
+                       num_prompt_tokens=len(prompt_token_ids), lora_fingerprint=fingerprint_of(self.lora, params))
         block_ids = self.scheduler.add_remote_prefilled(seq, reuse_cached)
         if params.structured is not None:
             self.grammars.submit(request_id, params.structured)  # its KV arrives meanwhile
@@ -261,8 +262,7 @@ class LLMEngine:
 
     def remove_lora(self, name: str) -> bool:
         """Unload ``name``; False if it is not loaded; refused while requests use it (``LoRAManager.remove``)."""
-        users = sum(1 for state in self._requests.values() if state.seq.params.lora_name == name)
-        return self.lora is not None and self.lora.remove(name, users)
+        return self.lora is not None and self.lora.remove(name, users_of(name, self._requests.values()))
 
     def lora_names(self) -> list[str]:
         return [] if self.lora is None else self.lora.names()

@@ -81,6 +81,9 @@ class KVHandle:
     # The checksum of each block final when the handle was made (a prefix of block_ids; all of
     # them but for streamed KV's early handle); () where the holder checksums nothing.
     block_checksums: tuple[int, ...] = ()
+    # The salt the holder keyed the blocks by (``kv_salt``, its LoRA adapter's fingerprint in it);
+    # "" where not stated. A reader whose own salt differs refuses an adapter's KV (worker.proto).
+    kv_salt: str = ""
 
     def last_block_bytes(self, block_size: int, bytes_per_token: int) -> int:
         """Bytes of the last, partly filled block that a read must move."""
@@ -90,16 +93,17 @@ class KVHandle:
     def to_proto(self) -> worker_pb2.KVHandle:
         return worker_pb2.KVHandle(prefill_address=self.prefill_address, block_ids=list(self.block_ids),
                                    num_tokens=self.num_tokens, lease_token=self.lease_token,
-                                   block_checksums=list(self.block_checksums))
+                                   block_checksums=list(self.block_checksums), kv_salt=self.kv_salt)
 
     @classmethod
     def from_proto(cls, p: worker_pb2.KVHandle) -> KVHandle:
-        return cls(p.prefill_address, tuple(p.block_ids), p.num_tokens, p.lease_token, tuple(p.block_checksums))
+        return cls(p.prefill_address, tuple(p.block_ids), p.num_tokens, p.lease_token, tuple(p.block_checksums),
+                   p.kv_salt)
 
     @classmethod
-    def of_lease(cls, prefill_address: str, lease: Lease, num_tokens: int) -> KVHandle:
+    def of_lease(cls, prefill_address: str, lease: Lease, num_tokens: int, kv_salt: str = "") -> KVHandle:
         """The handle to ``lease``'s blocks, with the checksums taken so far."""
-        return cls(prefill_address, lease.block_ids, num_tokens, lease.token, tuple(lease.checksums))
+        return cls(prefill_address, lease.block_ids, num_tokens, lease.token, tuple(lease.checksums), kv_salt)
 
 
 class ReleaseReason(str, enum.Enum):

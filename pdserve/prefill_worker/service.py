@@ -50,7 +50,7 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
             tracing.end_span(span, error=exc if isinstance(exc, Exception) else "cancelled")
             raise
         _end_spans(span, r)
-        return self._answer(request, r)
+        return self._answer(request, r, params)
 
     async def PrefillStream(self, request, context):
         """``Prefill``, with the KV handle sent early (``kv_streaming``) while the prompt still
@@ -67,11 +67,11 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
                 if isinstance(item, KVEarly):
                     tracing.add_event(span, "kv_early", {"pdserve.ready_tokens": item.ready_tokens})
                     kv = KVHandle(self.address, item.lease.block_ids, len(prompt), item.lease.token,
-                                  item.checksums).to_proto()
+                                  item.checksums, self.worker.salt_of(params)).to_proto()
                     yield worker_pb2.PrefillResponse(request_id=request.request_id, kv=kv, kv_streaming=True)
                 elif isinstance(item, PrefillResult):
                     result = item
-                    yield self._answer(request, item)
+                    yield self._answer(request, item, params)
                 else:
                     assert isinstance(item, KVReady)  # for WatchKV callers, not the router
             error = None
@@ -120,10 +120,10 @@ class PrefillService(ShellRpcs, worker_pb2_grpc.PrefillWorkerServicer):
                 return
             await changed.wait()
 
-    def _answer(self, request, r: PrefillResult) -> worker_pb2.PrefillResponse:
+    def _answer(self, request, r: PrefillResult, params) -> worker_pb2.PrefillResponse:
         kv = None
         if r.lease is not None:
-            kv = KVHandle.of_lease(self.address, r.lease, r.num_prompt_tokens).to_proto()
+            kv = KVHandle.of_lease(self.address, r.lease, r.num_prompt_tokens, self.worker.salt_of(params)).to_proto()
         return worker_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=r.first_token_id, first_logprob=r.first_logprob,
             finish_reason=finish_to_wire(r.finish_reason), kv=kv, num_cached_tokens=r.num_cached_tokens,

@@ -11,6 +11,7 @@ import time
 from typing import AsyncIterator
 
 from pdserve.engine.core.block_hashes import kv_salt
+from pdserve.engine.lora.manager import fingerprint_of
 from pdserve.engine.core.block_manager import prompt_block_hashes
 from pdserve.engine.device import wait_for_writes
 from pdserve.engine.errors import InvalidRequestError, SequenceFailed, StepFailed
@@ -91,6 +92,11 @@ class PrefillWorker(WorkerShell):
                 return result
         raise AssertionError("prefill_stream ended without an answer")
 
+    def salt_of(self, params: SamplingParams) -> str:
+        """``kv_salt`` of a request's ``params`` with its adapter's fingerprint as held here now
+        (stated in the KV handles this worker gives out, for the reader to check)."""
+        return kv_salt(params, fingerprint_of(self.engine.lora, params))
+
     async def prefill_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                              owner: str = "", stream_kv: bool = False, prefix: KVHandle | None = None
                              ) -> AsyncIterator[KVEarly | KVReady | PrefillResult]:
@@ -106,16 +112,22 @@ class PrefillWorker(WorkerShell):
         self._loop = asyncio.get_running_loop()
         self.note_poll(owner)
         hashes = None
+        # The adapter's identity as this worker holds it now (an adapter reloaded before the
+        # request is queued gives it another salt, so what is pulled under this one is not its).
+        salt = self.salt_of(params)
         if params.prompt_logprobs is None:  # else no prefix hit (every position is run)
-            hashes = prompt_block_hashes(prompt, self.engine.blocks.block_size, kv_salt(params))
+            hashes = prompt_block_hashes(prompt, self.engine.blocks.block_size, salt)
         record = self.records[request_id] = RequestRecord(request_id, owner, time.monotonic(), hashes, stream_kv,
                                                           chunks=[] if tracing.enabled() else None)
         stream = self.open_stream(request_id)
         held = False
         try:
             if prefix is not None:  # (not with prompt logprobs: every position runs, ``hashes`` is None)
-                await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt, kv_salt(params),
-                                  prefix, stream, wanted=hashes is not None)
+                # An adapter's prefix held under another salt was computed with other weights
+                # under its name (the holder or this worker reloaded it): refused, computed here.
+                same = not params.lora_name or prefix.kv_salt == salt
+                await read_prefix(self.call, self.prefix_pulls, self.prefix_peers, request_id, prompt, salt,
+                                  prefix, stream, wanted=hashes is not None and same)
             await self.call(self.engine.add_request, request_id, prompt, params, True)
             while True:
                 item = await stream.get()

@@ -21,18 +21,20 @@ RELEASE_REASON_TRANSFER_FAILED: ReleaseReason
 RELEASE_REASON_RETURNED: ReleaseReason
 
 class KVHandle(_message.Message):
-    __slots__ = ("prefill_address", "block_ids", "num_tokens", "lease_token", "block_checksums")
+    __slots__ = ("prefill_address", "block_ids", "num_tokens", "lease_token", "block_checksums", "kv_salt")
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    KV_SALT_FIELD_NUMBER: _ClassVar[int]
     prefill_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_token: str
     block_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_salt: str
+    def __init__(self, prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ..., kv_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "router_id", "prefix")
@@ -233,7 +235,7 @@ class DrainRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_blocks_unbounded", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions", "block_size", "cache_events", "num_in_flight", "kv_verify_failures", "prefix_tokens_read", "prefix_reads_refused", "local_prefill_token_s", "kv_quarantined_blocks", "verify_kv", "kv_unverified_refused", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos", "spec_num_speculative_tokens", "lora_names", "lora_enabled", "kv_tier_id", "kv_tier_bytes_used", "kv_tier_capacity_bytes", "kv_tier_blocks_offloaded", "kv_tier_blocks_loaded", "prefix_cache_tier_hits", "kv_tier_corrupt_blocks")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_waiting_tokens", "num_blocks_total", "num_blocks_used", "num_blocks_unbounded", "num_held_leases", "num_forward_tokens", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "kv_transfer_seconds", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_per_token", "leases_expired", "draining", "metrics_address", "engine_steps", "engine_busy", "num_claimed_leases", "num_preemptions", "block_size", "cache_events", "num_in_flight", "kv_verify_failures", "prefix_tokens_read", "prefix_reads_refused", "local_prefill_token_s", "kv_quarantined_blocks", "verify_kv", "kv_unverified_refused", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos", "spec_num_speculative_tokens", "lora_names", "lora_enabled", "kv_tier_id", "kv_tier_bytes_used", "kv_tier_capacity_bytes", "kv_tier_blocks_offloaded", "kv_tier_blocks_loaded", "prefix_cache_tier_hits", "kv_tier_corrupt_blocks", "lora_fingerprints")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +284,7 @@ class WorkerStats(_message.Message):
     KV_TIER_BLOCKS_LOADED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_TIER_HITS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -330,7 +333,8 @@ class WorkerStats(_message.Message):
     kv_tier_blocks_loaded: int
     prefix_cache_tier_hits: int
     kv_tier_corrupt_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_unbounded: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ..., num_in_flight: _Optional[int] = ..., kv_verify_failures: _Optional[int] = ..., prefix_tokens_read: _Optional[int] = ..., prefix_reads_refused: _Optional[int] = ..., local_prefill_token_s: _Optional[float] = ..., kv_quarantined_blocks: _Optional[int] = ..., verify_kv: _Optional[bool] = ..., kv_unverified_refused: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_num_speculative_tokens: _Optional[int] = ..., lora_names: _Optional[_Iterable[str]] = ..., lora_enabled: _Optional[bool] = ..., kv_tier_id: _Optional[str] = ..., kv_tier_bytes_used: _Optional[int] = ..., kv_tier_capacity_bytes: _Optional[int] = ..., kv_tier_blocks_offloaded: _Optional[int] = ..., kv_tier_blocks_loaded: _Optional[int] = ..., prefix_cache_tier_hits: _Optional[int] = ..., kv_tier_corrupt_blocks: _Optional[int] = ...) -> None: ...
+    lora_fingerprints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_unbounded: _Optional[int] = ..., num_held_leases: _Optional[int] = ..., num_forward_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., engine_steps: _Optional[int] = ..., engine_busy: _Optional[bool] = ..., num_claimed_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ..., num_in_flight: _Optional[int] = ..., kv_verify_failures: _Optional[int] = ..., prefix_tokens_read: _Optional[int] = ..., prefix_reads_refused: _Optional[int] = ..., local_prefill_token_s: _Optional[float] = ..., kv_quarantined_blocks: _Optional[int] = ..., verify_kv: _Optional[bool] = ..., kv_unverified_refused: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_num_speculative_tokens: _Optional[int] = ..., lora_names: _Optional[_Iterable[str]] = ..., lora_enabled: _Optional[bool] = ..., kv_tier_id: _Optional[str] = ..., kv_tier_bytes_used: _Optional[int] = ..., kv_tier_capacity_bytes: _Optional[int] = ..., kv_tier_blocks_offloaded: _Optional[int] = ..., kv_tier_blocks_loaded: _Optional[int] = ..., prefix_cache_tier_hits: _Optional[int] = ..., kv_tier_corrupt_blocks: _Optional[int] = ..., lora_fingerprints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

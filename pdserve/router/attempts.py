@@ -26,7 +26,6 @@ import secrets
 from dataclasses import dataclass
 from typing import AsyncIterator, Union
 
-from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.engine.sampling.grammar import resumed
 from pdserve.engine.sampling.params import SamplingParams
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
@@ -117,7 +116,7 @@ class RemotePrefill:
         self.prefix_from = prefix_from
 
     async def outputs(self, ctx: CallContext, attempt: Attempt) -> AsyncIterator[Output]:
-        salt = kv_salt(attempt.sampling)  # the adapter folded in, as the workers hash its blocks
+        salt = ctx.pool.kv_salt(attempt.sampling)  # the adapter's identity folded in, as the workers hash its blocks
         prefix = await hold_prefix(ctx, self.prefix_from, attempt.worker_rid, attempt.prompt,
                                    salt) if self.prefix_from else None
         request = worker_pb2.PrefillRequest(request_id=attempt.worker_rid, prompt_token_ids=attempt.prompt,

@@ -148,6 +148,8 @@ class LoRAAdmin:
         if client.stats is not None:
             del client.stats.lora_names[:]
             client.stats.lora_names.extend(answer.lora_names)
+            del client.stats.lora_fingerprints[:]  # not in the answer: unknown until the next poll
+
         return answer
 
     def _check_name(self, name: object) -> None:

@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Sequence
 
 import grpc
 
+from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_policy import RoutingConfig, choose_prefill
@@ -176,6 +177,26 @@ class WorkerPool:
         """Every worker's snapshot; for a request of LoRA adapter ``lora_name``, those of a pool
         where some worker holds it but this one does not are unroutable (``prefer_holders``)."""
         return prefer_holders([w.snapshot() for w in self.workers.values()], lora_name)
+
+    def lora_fingerprint(self, lora_name: str) -> str:
+        """The fingerprint of adapter ``lora_name`` that every worker reporting it agrees on
+        (``WorkerStats.lora_fingerprints``); "" where none reports one, they differ (an adapter
+        reloaded on some workers only), or one holds it without saying which: hashes made with
+        "" match no worker's blocks, so KV-aware routing misses, never finds another's KV."""
+        seen = set()
+        for worker in self.workers.values():
+            s = worker.stats
+            if s is None or not s.lora_enabled or lora_name not in s.lora_names:
+                continue
+            if len(s.lora_fingerprints) != len(s.lora_names):
+                return ""
+            seen.add(s.lora_fingerprints[list(s.lora_names).index(lora_name)])
+        return seen.pop() if len(seen) == 1 else ""
+
+    def kv_salt(self, params) -> str:
+        """``kv_salt`` of a request's ``params`` as the workers holding its adapter hash its
+        blocks (``lora_fingerprint``)."""
+        return kv_salt(params, self.lora_fingerprint(params.lora_name) if params.lora_name else "")
 
     def route_prefill(self, prompt: Sequence[int], routing: RoutingConfig, exclude: frozenset[str] = frozenset(),
                       max_queued_tokens: int | None = None, cache_salt: str = "", lora_name: str = "") -> Choice:

@@ -20,7 +20,6 @@ from typing import AsyncIterator
 
 import grpc
 
-from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.protos import pdserve_pb2, worker_pb2
 from pdserve.router.attempts import (Attempt, LocalPrefill, MovedKV, Output, RemotePrefill, attempt_id, attempt_params,
                                      moved_params, release_later)
@@ -53,7 +52,7 @@ class RequestRun:
         self.req = req
         # Keyed within the request's KV salt (its tenant's, its own, its LoRA adapter's): one
         # tenant's session ids never steer another's requests, nor one adapter's another's.
-        self.session_key = f"{kv_salt(req.params)}\0{session_id}" if session_id else None
+        self.session_key = f"{pool.kv_salt(req.params)}\0{session_id}" if session_id else None
         self.model = model
         self.pool = pool
         self.limits = limits
@@ -181,7 +180,7 @@ class RequestRun:
         asked for it (``AttemptLost.local``: its reader refused KV without checksums), the decode
         worker prefills it."""
         snapshots = self.pool.snapshots(self.calls.lora_name)
-        salt = kv_salt(attempt.sampling)  # the adapter folded in: the index never matches another's blocks
+        salt = self.pool.kv_salt(attempt.sampling)  # the adapter folded in: the index never matches another's blocks
         holder, prefills = None, []
         if self.limits.decode_kv_reuse:
             holder = find_holder(snapshots, self.pool.decode_overlaps(attempt.prompt, salt), attempt.blocks,
@@ -217,7 +216,7 @@ class RequestRun:
         as a first turn. Advisory, as every index entry: a worker that lost them costs a miss."""
         if self.limits.decode_kv_reuse and self.calls.decode_workers:
             tokens = self.req.prompt_token_ids + self.output.token_ids[:-1]
-            self.pool.index.expect(self.calls.decode_workers[-1], tokens, kv_salt(self.req.params))
+            self.pool.index.expect(self.calls.decode_workers[-1], tokens, self.pool.kv_salt(self.req.params))
 
     def _hinted(self, snapshots: list[WorkerSnapshot], blocks: int) -> WorkerSnapshot | None:
         """The decode worker that served this request's session last (``session_id``), while

@@ -34,6 +34,23 @@ def unload(engine: LLMEngine, name: str) -> tuple[bool, list[str]]:
     return found, held(engine)
 
 
+def held_fields(engine: LLMEngine) -> dict:
+    """``WorkerStats``' ``lora_names`` and ``lora_fingerprints``, one snapshot of the table
+    (sorted by name; the lists parallel), copied as ``held`` copies it."""
+    if engine.lora is None:
+        return {"lora_names": [], "lora_fingerprints": []}
+    for _ in range(2):
+        try:
+            table = engine.lora.fingerprints()
+            break
+        except RuntimeError:  # the engine thread changed its table while we copied it
+            continue
+    else:
+        table = engine.lora.fingerprints()
+    names = sorted(table)
+    return {"lora_names": names, "lora_fingerprints": [table[n] for n in names]}
+
+
 def held(engine: LLMEngine) -> list[str]:
     """The adapters the engine holds, sorted ([] without ``--enable-lora``). Read from the
     stats poll's thread too: a copy of a name list, which a load on the engine thread may be

@@ -40,7 +40,7 @@ def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents
         prefix_cache_hits=blocks.prefix_hits, kv_bytes_per_token=kv_bytes_per_token(engine),
         num_preemptions=sched.num_preemptions, metrics_address=metrics_address, engine_steps=engine_steps,
         engine_busy=engine.has_runnable(), local_prefill_token_s=local_prefill_token_s(sched),
-        lora_enabled=engine.config.lora is not None, lora_names=lora_rpcs.held(engine),
+        lora_enabled=engine.config.lora is not None, **lora_rpcs.held_fields(engine),
         **spec_fields(engine), **tier_fields(engine), **extra)
 
 

@@ -88,8 +88,8 @@ def test_adapters_never_share_kv(tiny_llama_dir, adapters):
     assert cached("beta") == 0
     assert cached("") == 0
     assert cached("") > 0
-    assert kv_salt(greedy("")) == "" and kv_salt(dataclasses.replace(greedy("alpha"), cache_salt="t")) != "t"
-    assert prompt_block_hashes(prompt, 16, kv_salt(greedy(""))) == prompt_block_hashes(prompt, 16)
+    assert kv_salt(greedy(""), "") == "" and kv_salt(dataclasses.replace(greedy("alpha"), cache_salt="t"), "f") != "t"
+    assert prompt_block_hashes(prompt, 16, kv_salt(greedy(""), "")) == prompt_block_hashes(prompt, 16)
 
 
 def test_more_adapters_than_slots_take_turns(tiny_llama_dir, adapters):

@@ -293,7 +293,7 @@ def test_the_kv_index_never_matches_one_adapters_blocks_for_anothers_request():
 
     index, prompt = KVIndex(), list(range(100, 164))  # four full blocks of 16
     index.apply("w", worker_pb2.CacheEvents(epoch="e1", snapshot=True), 16)  # a worker that publishes
-    index.expect("w", prompt, kv_salt(SamplingParams(lora_name="sql")))
-    assert index.overlaps(prompt, ["w"], kv_salt(SamplingParams(lora_name="sql")))["w"] == 48
-    assert index.overlaps(prompt, ["w"], kv_salt(SamplingParams(lora_name="chat"))).get("w", 0) == 0
-    assert index.overlaps(prompt, ["w"], kv_salt(SamplingParams())).get("w", 0) == 0  # nor the base model's
+    index.expect("w", prompt, kv_salt(SamplingParams(lora_name="sql"), "f1"))
+    assert index.overlaps(prompt, ["w"], kv_salt(SamplingParams(lora_name="sql"), "f1"))["w"] == 48
+    assert index.overlaps(prompt, ["w"], kv_salt(SamplingParams(lora_name="chat"), "f1")).get("w", 0) == 0
+    assert index.overlaps(prompt, ["w"], kv_salt(SamplingParams(), "f1")).get("w", 0) == 0  # nor the base model's

@@ -11,16 +11,23 @@ from typing import Sequence
 NO_HASH = b""
 
 
-def kv_salt(params) -> str:
+def kv_salt(params, fingerprint: str) -> str:
     """The salt a request's prompt blocks are hashed with: its ``cache_salt`` with its LoRA
     adapter folded in, so that KV computed under one adapter is never found for another (nor
     for the base model). ``params`` is a ``SamplingParams`` (anything with ``cache_salt`` and
-    ``lora_name``). Without an adapter it is ``cache_salt`` itself: the base model's hashes are
-    as before adapters existed. With one it starts with a NUL, which no ``cache_salt`` may hold
-    (``SamplingParams.validate``), so no client salt can name an adapter's blocks."""
+    ``lora_name``); ``fingerprint`` is the adapter's content identity as the worker that runs
+    it loaded it (``LoRAAdapter.fingerprint``, a digest of its files): the name alone is not
+    enough, since an adapter removed and loaded again under its name from other files has other
+    weights, and the old KV must not be found for it (here, in a KV tier that outlived the
+    process, or on another worker). A router that knows no fingerprint passes "": a salt no
+    worker uses, so its lookups miss. Without an adapter the fingerprint is ignored and the salt
+    is ``cache_salt`` itself: the base model's hashes are as before adapters existed. With one
+    it starts with a NUL, which no ``cache_salt`` may hold (``SamplingParams.validate``), so no
+    client salt can name an adapter's blocks."""
     if not params.lora_name:
         return params.cache_salt
-    return f"\0lora\0{len(params.lora_name)}\0{params.lora_name}\0{params.cache_salt}"
+    name = params.lora_name
+    return f"\0lora\0{len(name)}\0{name}\0{len(fingerprint)}\0{fingerprint}\0{params.cache_salt}"
 
 
 def chain_hash(prev_hash: bytes, token_ids: Sequence[int]) -> bytes:

@@ -139,7 +139,7 @@ class Scheduler:
         self._make_room(seq, self.blocks.blocks_needed(len(seq.prompt_token_ids)))
         # The fresh blocks are PENDING until ``kv_ready``: findable once the pull has been verified.
         alloc = self.blocks.allocate(seq.seq_id, seq.prompt_token_ids, use_prefix_cache=reuse_cached,
-                                     cache_salt=kv_salt(seq.params))
+                                     cache_salt=kv_salt(seq.params, seq.lora_fingerprint))
         seq.num_cached_tokens = alloc.num_cached_tokens
         seq.status = SeqStatus.WAITING_FOR_KV
         self.awaiting_kv[seq.seq_id] = seq
@@ -217,7 +217,7 @@ class Scheduler:
                 # tail's block is taken: this step computes the rest of it.
                 alloc = self.blocks.allocate(seq.seq_id, seq.token_ids,
                                              use_prefix_cache=seq.params.prompt_logprobs is None,
-                                             cache_salt=kv_salt(seq.params), take_tail=True)
+                                             cache_salt=kv_salt(seq.params, seq.lora_fingerprint), take_tail=True)
                 seq.num_computed_tokens = seq.num_cached_tokens = alloc.num_cached_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > budget and not self.config.enable_chunked_prefill:

@@ -51,6 +51,10 @@ class Sequence:
     # Prefill-only requests (the prefill worker's): finish after the first token and keep
     # the KV blocks, which the caller frees later.
     hold_kv: bool = False
+    # The content identity of the LoRA adapter ``params.lora_name`` names, as this engine held
+    # it when the request came (``LoRAAdapter.fingerprint``; "" for the base model): its KV
+    # blocks are hashed with ``kv_salt(params, lora_fingerprint)``.
+    lora_fingerprint: str = ""
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     def __post_init__(self) -> None:

@@ -32,6 +32,20 @@ from pdserve.engine.lora.mirror import StepLoRA
 from pdserve.engine.lora.peft import LoRAAdapter, read_adapter
 
 
+def fingerprint_of(manager: "LoRAManager | None", params) -> str:
+    """The fingerprint of the adapter ``params`` (a ``SamplingParams``) names, as ``manager``
+    holds it now: what its KV is keyed by (``kv_salt``). "" for the base model, and for an
+    adapter not loaded here (such a request is refused before it is hashed)."""
+    if not params.lora_name or manager is None or params.lora_name not in manager.adapters:
+        return ""
+    return manager.adapters[params.lora_name].fingerprint
+
+
+def users_of(name: str, states) -> int:
+    """How many of the request ``states`` (``RequestState``s) run adapter ``name``."""
+    return sum(1 for state in states if state.seq.params.lora_name == name)
+
+
 class LoRAManager:
     """The LoRA side of one engine's model (module docstring). Build it once, after loading:
     it wraps the model's linears (``layers.attach``)."""
@@ -94,6 +108,10 @@ class LoRAManager:
 
     def names(self) -> list[str]:
         return sorted(self.adapters)
+
+    def fingerprints(self) -> dict[str, str]:
+        """Each loaded adapter's fingerprint (its content identity, peft.py), by name."""
+        return {name: adapter.fingerprint for name, adapter in self.adapters.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.adapters

@@ -18,6 +18,12 @@ modules (``modules_to_save``), trained biases (``bias`` other than "none"), per-
 alphas (``rank_pattern``, ``alpha_pattern``), a rank over ``max_lora_rank``, a tensor of a
 module the model has no LoRA-able linear for (an embedding, the LM head), and a tensor whose
 shape is not the module's.
+
+Each adapter read gets a ``fingerprint``: an XXH3-128 digest of the bytes of its
+``adapter_config.json`` and ``adapter_model.safetensors``, as read. Its KV blocks are keyed by it
+(``pdserve.engine.core.block_hashes.kv_salt``), not by the name alone, so an adapter replaced
+under the same name (another directory, retrained weights) never meets the old one's KV: in
+this process's prefix cache, in a KV tier that outlived a restart, or on another worker.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
-from safetensors.torch import load_file
+import xxhash
+from safetensors.torch import load
 
 from pdserve.engine.errors import InvalidRequestError
 
@@ -58,6 +65,7 @@ class LoRAAdapter:
     path: str
     rank: int
     weights: dict[tuple[str, object], tuple[torch.Tensor, torch.Tensor]]
+    fingerprint: str = ""  # hex digest of the files read (module docstring)
 
     @property
     def modules(self) -> set[str]:
@@ -68,13 +76,15 @@ def _refuse(message: str, limit: object = None) -> InvalidRequestError:
     return InvalidRequestError("lora_path", message, limit)
 
 
-def read_config(directory: Path, max_rank: int) -> tuple[int, float, bool]:
-    """(rank, scale, fan_in_fan_out) from ``adapter_config.json``, or what it asks for refused."""
+def read_config(directory: Path, max_rank: int, digest=None) -> tuple[int, float, bool]:
+    """(rank, scale, fan_in_fan_out) from ``adapter_config.json``, or what it asks for refused.
+    ``digest``: an xxhash object the file's bytes are fed to (the fingerprint's first part)."""
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise _refuse(f"{directory}: no {CONFIG_FILE} (not a PEFT adapter directory)")
     try:
-        cfg = json.loads(path.read_text())
+        raw = path.read_bytes()
+        cfg = json.loads(raw)
     except (OSError, ValueError) as exc:
         raise _refuse(f"{path}: not readable JSON ({exc})") from exc
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -90,6 +100,8 @@ def read_config(directory: Path, max_rank: int) -> tuple[int, float, bool]:
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             raise _refuse(f"{path}: {key} is set; per-module ranks and alphas are not supported")
+    if digest is not None:
+        digest.update(len(raw).to_bytes(8, "little") + raw)
     rank = cfg.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise _refuse(f"{path}: r must be a positive integer, got {rank!r}")
@@ -100,7 +112,8 @@ def read_config(directory: Path, max_rank: int) -> tuple[int, float, bool]:
     return rank, float(scale), bool(cfg.get("fan_in_fan_out"))
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+def _tensors(directory: Path, digest) -> dict[str, torch.Tensor]:
+    """The weights file's tensors; its bytes, read once, also go to ``digest``."""
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         if (directory / "adapter_model.bin").is_file():
@@ -108,7 +121,12 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
                           "adapter as adapter_model.safetensors (PEFT's default)")
         raise _refuse(f"{directory}: no {WEIGHTS_FILE}")
     try:
-        return load_file(str(path))
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise _refuse(f"{path}: not readable ({exc})") from exc
+    digest.update(len(raw).to_bytes(8, "little") + raw)
+    try:
+        return load(raw)
     except Exception as exc:  # safetensors raises its own error types for a damaged file
         raise _refuse(f"{path}: not a readable safetensors file ({exc})") from exc
 
@@ -133,9 +151,10 @@ def read_adapter(name: str, path: str, max_rank: int, targets: Mapping[str, Targ
     directory = Path(path)
     if not directory.is_dir():
         raise _refuse(f"{path}: no such directory")
-    rank, scale, transposed = read_config(directory, max_rank)
+    digest = xxhash.xxh3_128(b"pdserve lora\0")
+    rank, scale, transposed = read_config(directory, max_rank, digest)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in _tensors(directory).items():
+    for key, tensor in _tensors(directory, digest).items():
         module, which = _module_of(key)
         pairs.setdefault(module, {})[which] = tensor.float().t() if transposed else tensor.float()
     weights = {}
@@ -153,7 +172,7 @@ def read_adapter(name: str, path: str, max_rank: int, targets: Mapping[str, Targ
         weights[(ours, part)] = (a.contiguous(), (b * scale).contiguous())
     if not weights:
         raise _refuse(f"{directory / WEIGHTS_FILE}: holds no LoRA weights")
-    return LoRAAdapter(name, str(directory), rank, weights)
+    return LoRAAdapter(name, str(directory), rank, weights, digest.hexdigest())
 
 
 def _check_shapes(module: str, shape: TargetShape, part: object, a: torch.Tensor, b: torch.Tensor, rank: int) -> None:
