@@ -1,5 +1,5 @@
 """``--served-model-name a b``: the API answers to every name, lists them all, and refuses any
-other naming it (HTTP 404, gRPC INVALID_ARGUMENT on ``model``). The router runs in process
+other naming it (HTTP 404, gRPC NOT_FOUND on ``model``). The router runs in process
 over fake workers (tests/metrics/metrics_helpers.py): the names are the router's concern.
 Every HTTP request also leaves one access-log line."""
 

@@ -127,6 +127,8 @@ def test_cancelled_client_stream_frees_blocks_on_both_sides(cluster, stub):
 
 
 def test_bad_input_is_invalid_argument_naming_the_field(stub):
+    """Bad input is INVALID_ARGUMENT naming the field; a model not served is NOT_FOUND (the
+    OpenAI API's 404), naming ``model`` too."""
     cases = [
         (pdserve_pb2.GenerateRequest(text="hi", sampling=pdserve_pb2.SamplingParams(temperature=-1)), "temperature"),
         (pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=[10**7])), "prompt_token_ids"),
@@ -139,7 +141,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub):
     for req, field in cases:
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(req, timeout=30))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        expected = grpc.StatusCode.NOT_FOUND if field == "model" else grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code() == expected, (field, err.value.details())
         assert field in err.value.details()
 
 
