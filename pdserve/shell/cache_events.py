@@ -16,9 +16,13 @@ asks about another incarnation of the log (``epoch``: the worker restarted), or 
 behind that events it needs were dropped, it gets a snapshot instead: every hash cached now,
 as of the newest number, and every hash this engine put in its tier and has not removed.
 
-The tier's events are this engine's own: a block another worker of the host stored in the
-shared tier is reported by that worker, and one another worker removed stays in this log's
-set until this engine's own store or removal says otherwise. The router reads tier entries by
+The tier's set starts with what the directory holds when the log is made (``KVTier.stored_hashes``,
+from the files' names alone): a worker that restarts, or joins a directory that other workers
+of its host filled, announces those blocks in its first snapshot, so routers score them before
+anything is written again. After that the tier's events are this engine's own: a block another
+worker of the host stored in the shared tier is reported by that worker (and by this one too
+once it evicts the same block and finds it stored), and one another worker removed stays in
+this log's set until this engine's own store or removal says otherwise. The router reads tier entries by
 the tier's id, so each worker's reports complete the others'; what it still misses, or a file
 gone since, only costs a load that fails and a prompt computed (the tier checks every block it
 gives back).
@@ -82,12 +86,16 @@ class CacheEventLog:
     @classmethod
     def following(cls, blocks: BlockManager, capacity: int, tier: KVTier | None = None) -> CacheEventLog:
         """A log of ``blocks``' changes from now on, starting from every hash cached now, and of
-        ``tier``'s stores and removals by this engine (None: the engine has no tier). Make one
-        per block manager: two would publish the same cache under two epochs."""
+        ``tier``'s stores and removals by this engine (None: the engine has no tier), starting
+        from every block its directory holds now (``KVTier.stored_hashes``). Make one per block
+        manager: two would publish the same cache under two epochs."""
         log = cls(capacity, blocks.cached_hashes())
         blocks.subscribe(log.record)
         if tier is not None:
             tier.subscribe(log.record_tier)
+            stored = tier.stored_hashes()  # after subscribing: a block stored meanwhile is in one or the other
+            with log._lock:
+                log._tiered.update(stored)
         return log
 
     @property

@@ -276,3 +276,34 @@ def test_writers_and_readers_of_one_directory_at_once_keep_its_bound_and_never_r
     assert not errors and ReadResult.CORRUPT not in results
     on_disk = sum(os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path) if n.endswith(".kvb"))
     assert on_disk == BlockStore(str(tmp_path), 5 * one, payload).bytes_used() <= 5 * one
+
+
+def test_the_stored_hashes_come_from_the_file_names_newest_first_past_the_limit(tmp_path):
+    """What a worker announces at start (``stored_hashes``): every block file's hash, read from
+    its name without opening it (a damaged file is listed, and still refused at its load);
+    nothing else in the directory; past the limit, the most recently used."""
+    payload, tokens = 64, (1, 2)
+    store = BlockStore(str(tmp_path), 1 << 20, payload)
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    for h in hashes:
+        store.write(h, tokens, np.zeros(payload, dtype=np.uint8))
+    with open(store.path(hashes[0]), "r+b") as f:
+        f.write(b"junk")  # damaged: still named as a block
+    for i, h in enumerate(hashes):
+        os.utime(store.path(h), ns=(100 + i, 100 + i))  # hashes[4] the most recently used
+    for name in (".tmp-1-2-" + "ab" * 16, "notes.kvb", "ABCD.kvb", "abc.kvb", "ab" * 16):
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(store.stored_hashes(100)) == sorted(hashes)
+    assert store.stored_hashes(2) == [hashes[4], hashes[3]]
+    assert store.read(hashes[0], tokens, np.empty(payload, dtype=np.uint8)) is ReadResult.CORRUPT
+    with pytest.raises(ValueError, match="limit must be at least 1, got 0"):
+        store.stored_hashes(0)
+    cache = torch.zeros(2, payload // 4)
+    tier = KVTier(cache, str(tmp_path), 1 << 20)  # and the tier adds a block not written yet
+    release, write = threading.Event(), tier.store.write
+    tier.store.write = lambda *args: (release.wait(), write(*args))[1]  # a disk that hangs
+    fresh = bytes([9]) * 16
+    tier.offload(0, fresh, tokens)
+    assert sorted(tier.stored_hashes()) == sorted([fresh, *hashes[1:]])
+    release.set()
+    tier.close()

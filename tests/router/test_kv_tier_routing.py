@@ -6,13 +6,17 @@ tier tokens at ``tier_weight``, and the pool's poll and choice put both together
 import asyncio
 
 import pytest
+import torch
 
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.kv_tier.tier import KVTier
 from pdserve.protos import worker_pb2
 from pdserve.router.kv_index import KVIndex, prompt_block_hashes
 from pdserve.router.kv_policy import RoutingConfig, choose_prefill, cost, pick_prefill_kv
 from pdserve.router.policy import WorkerSnapshot
 from pdserve.router.pool import WorkerClient, WorkerPool
 from pdserve.shell.cache_events import CacheEventLog
+from tests.factories import computed_blocks
 
 BS = 4
 PROMPT = list(range(100, 141))  # 41 tokens: 10 blocks a hit can cover
@@ -89,6 +93,40 @@ def test_a_worker_log_with_a_tier_feeds_the_index_through_the_wire_message():
                                                 in_tier=batch.in_tier), BS, "h:/t")
         log.record_tier(H[5], True)
     assert index.overlaps(PROMPT, ["w"]) == {"w": 12} and index.tier_tokens(PROMPT, {"w": 12}) == {"w": 12}
+
+
+def polled(index: KVIndex, worker: str, log: CacheEventLog, tier_id: str) -> None:
+    """One router poll of ``worker``'s log, through the wire message."""
+    batch = log.since(*index.cursor(worker))
+    index.apply(worker, worker_pb2.CacheEvents(epoch=batch.epoch, last_seq=batch.last_seq, snapshot=batch.snapshot,
+                                               block_hashes=batch.hashes, cached=batch.cached,
+                                               in_tier=batch.in_tier), BS, tier_id)
+
+
+def test_a_worker_that_restarts_or_joins_over_a_filled_tier_announces_its_blocks_at_once(tmp_path):
+    """The tier's directory outlives its workers: a worker's log starts from the blocks the
+    directory holds (their files' names), so the router scores them before anything is written
+    again, whether the worker restarted or joined a directory that another worker filled."""
+    def worker():  # a block manager of 8 blocks of BS tokens over a tier in tmp_path
+        bm, tier = BlockManager(8, BS), KVTier(torch.zeros(8, 8), str(tmp_path), 1 << 20)
+        bm.attach_tier(tier)
+        return bm, tier
+
+    bm, tier = worker()
+    computed_blocks(bm, "a", PROMPT[:4 * BS + 1])  # 4 full blocks cached ...
+    bm.free("a")
+    bm.allocate("b", list(range(8 * BS)))  # ... and all of them evicted: down to the tier
+    tier.close()  # the worker stops; its files stay
+    index = KVIndex()
+    restarted, tier = worker()
+    polled(index, "w", CacheEventLog.following(restarted, 64, tier), tier.tier_id)
+    assert index.tier_tokens(PROMPT, {"w": 0}) == {"w": 4 * BS}
+    joined, other = worker()  # a second worker of the host, with its own log
+    polled(index, "v", CacheEventLog.following(joined, 64, other), other.tier_id)
+    index.remove("w")  # the first one leaves: the blocks stay known through the second
+    assert index.tier_tokens(PROMPT, {"v": 0}) == {"v": 4 * BS} and index.num_tier_blocks(tier.tier_id) == 4
+    tier.close()
+    other.close()
 
 
 def w(worker_id, queued=0):

@@ -107,11 +107,15 @@ def test_an_empty_log_answers_its_epoch_with_no_events():
 class _Tier:
     """The KV tier's event side (``KVTier.subscribe``): what the log listens to."""
 
-    def __init__(self):
+    def __init__(self, on_disk=()):
         self.listeners = []
+        self.on_disk = list(on_disk)  # what its directory holds when the log is made
 
     def subscribe(self, listener):
         self.listeners.append(listener)
+
+    def stored_hashes(self):
+        return self.on_disk
 
     def emit(self, block_hash: bytes, stored: bool):
         for listener in self.listeners:

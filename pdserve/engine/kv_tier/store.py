@@ -82,6 +82,29 @@ class BlockStore:
         except FileNotFoundError:
             return False
 
+    def stored_hashes(self, limit: int) -> list[bytes]:
+        """The hashes of the block files in the directory now, read from their names alone (no
+        file is opened): at most ``limit``, the most recently used ones when there are more. A
+        name is no proof of its bytes: ``read`` verifies every block it gives back."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        found: list[tuple[bytes, os.DirEntry]] = []
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                block_hash = _hash_of(entry.name)
+                if block_hash is not None:
+                    found.append((block_hash, entry))
+        if len(found) <= limit:
+            return [block_hash for block_hash, _ in found]
+        dated = []
+        for block_hash, entry in found:  # a stat each only past the bound: the newest are kept
+            try:
+                dated.append((entry.stat().st_mtime_ns, block_hash))
+            except FileNotFoundError:
+                continue
+        dated.sort(reverse=True)
+        return [block_hash for _, block_hash in dated[:limit]]
+
     def bytes_used(self) -> int:
         """The total size of the directory's block files, as the writers counted it."""
         raw = os.pread(self._lock_fd, 8, 0)
@@ -248,6 +271,18 @@ def _read_into(fd: int, view: memoryview) -> int:
             break
         done += got
     return done
+
+
+def _hash_of(name: str) -> bytes | None:
+    """The chained hash a block file's name holds; None for any other name (the lock file, a
+    temporary file, anything else put there)."""
+    if not name.endswith(SUFFIX):
+        return None
+    try:
+        block_hash = bytes.fromhex(name[:-len(SUFFIX)])
+    except ValueError:
+        return None
+    return block_hash if block_hash and block_hash.hex() + SUFFIX == name else None  # as ``path`` names it
 
 
 def _unlink(path: str) -> bool:

@@ -11,9 +11,11 @@ engine's KV cache and a ``BlockStore`` directory (store.py).
 - ``load`` (engine thread, a fresh block for a prompt's next block): the pending copy, or the
   file read and verified (store.py) straight into the cache row on a CPU cache, through a
   pinned staging buffer on CUDA. Only a verified block with the asked tokens returns True.
-- Events (``subscribe``): ``(hash, True)`` when this engine offloads a block, ``(hash, False)``
-  when it removes a file (least recently used, or corrupt). Advisory for routers; called on the
-  engine thread or the writer thread, so a listener must be thread-safe.
+- Events (``subscribe``): ``(hash, True)`` when this engine offloads a block (or finds it
+  stored already), ``(hash, False)`` when it removes a file (least recently used, or corrupt).
+  Advisory for routers; called on the engine thread or the writer thread, so a listener must be
+  thread-safe. ``stored_hashes`` lists what the directory holds, for a listener that starts
+  late: from the files' names, without opening one.
 
 Every failure of the store (a full disk, a vanished directory) is logged and reads as a miss or
 a dropped block: the engine computes the prompt, it never fails a step for the tier.
@@ -41,6 +43,10 @@ MAX_PENDING_BYTES = 64 << 20  # host copies waiting for the writer; at least one
 # How long an offload waits for a host buffer when every one holds a block not yet written
 # (the writer is behind a burst of evictions): then the block is dropped, not the step held.
 OFFLOAD_WAIT_S = 0.05
+# Most block hashes a worker announces from its tier's directory at start (``stored_hashes``):
+# 16 bytes each, 1 MiB in the first snapshot a router gets (its channels take 64 MiB a message,
+# pdserve/wire/grpc_util.py); 24 GiB of the default model's blocks.
+ANNOUNCE_LIMIT = 65536
 
 
 class KVTier:
@@ -83,6 +89,21 @@ class KVTier:
         """Call ``listener(hash, stored)`` at each block this engine stores or removes."""
         self._listeners.append(listener)
 
+    def stored_hashes(self, limit: int = ANNOUNCE_LIMIT) -> list[bytes]:
+        """What the tier holds now, for a listener that starts late (a worker's event log at
+        start, when the directory may hold blocks from before a restart or from the other
+        workers sharing it): the block files' hashes read from their names (at most ``limit``,
+        the most recently used; ``BlockStore.stored_hashes``) and the blocks not written yet.
+        A directory that cannot be read gives what is pending alone."""
+        with self._cond:
+            pending = list(self._pending)
+        try:
+            on_disk = self.store.stored_hashes(limit)
+        except OSError as exc:
+            log.warning("kv tier: %s unreadable (%s); its blocks are not announced", self.store.directory, exc)
+            on_disk = []
+        return list(dict.fromkeys(pending + on_disk))[:limit]
+
     def _emit(self, block_hash: bytes, stored: bool) -> None:
         for listener in self._listeners:
             listener(block_hash, stored)
@@ -94,6 +115,7 @@ class KVTier:
                 return
         try:
             if self.store.touch(block_hash):  # stored already (by this engine or another): now fresh
+                self._emit(block_hash, True)  # and this engine vouches for it too (its poster may have left)
                 return
         except OSError as exc:
             log.warning("kv tier: %s unusable (%s); block not offloaded", self.store.directory, exc)
