@@ -59,7 +59,8 @@ is a hit; one the tier holds is loaded into a fresh block and, verified, becomes
 leaves that block fresh, to be computed, and ends the chain. So the tier adds final KV only
 (invariant 2). ``share_prefix`` and ``count=False`` pins look on the device alone: a holder
 pins what memory has for a reader now, without evicting others' prefixes for it, and a
-prefill worker's pin reads what its device lacks from the peer that offered it.
+prefill worker's pin reads what its device lacks from the peer that offered it. ``prefetch``
+lets the tier read a queued prompt's blocks ahead; no block changes state until ``allocate``.
 
 Listeners (``subscribe``) hear each change of the set of cached hashes: ``(hash, True)`` when
 a full block's hash becomes findable (it became final), ``(hash, False)`` when it stops being
@@ -279,6 +280,19 @@ class BlockManager:
             state.block_ids.append(block_id)
             state.last_hash, state.num_hashed, state.num_final_tokens = h, i + 1, (i + 1) * bs
             self.prefix_hits += bs
+
+    def prefetch(self, seq_id: str, token_ids: Sequence[int], cache_salt: str = "") -> None:
+        """Have the tier read ahead, under ``seq_id``, the prompt blocks that a later ``allocate``
+        may load from it (those not on the device now; block_tier.py). Changes nothing here."""
+        if self._tier is not None and self.enable_prefix_cache:
+            bs, hashes = self.block_size, prompt_block_hashes(token_ids, self.block_size, cache_salt)
+            chain = [(h, tuple(token_ids[i * bs:(i + 1) * bs])) for i, h in enumerate(hashes) if h not in self._by_hash]
+            if chain:
+                self._tier.prefetch(seq_id, chain)
+
+    def tier_fetching(self, seq_id: str) -> bool:
+        """Whether the tier still reads ``seq_id``'s blocks ahead (``prefetch``)."""
+        return self._tier is not None and self._tier.fetching(seq_id)
 
     def append_slots(self, seq_id: str, token_ids: Sequence[int], lookahead: int = 0) -> bool:
         """Make room for ``token_ids`` (the sequence's whole token list, the newest last) and

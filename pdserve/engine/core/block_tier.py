@@ -8,11 +8,16 @@ the block is written again: ``offload`` must have taken the block's bytes when i
 may write them to its store later), and ``load`` must have written and verified them when it
 returns True. A tier that fails (full, corrupt, gone) says False or drops the block: the prompt
 is then computed, never served from unverified bytes.
+
+``prefetch`` and ``fetching`` let a tier read a queued prompt's blocks ahead of its
+``allocate`` (off the engine thread), so that ``load`` copies them from memory; the scheduler
+holds the prompt back while ``fetching`` says the reads go on and other sequences run. Reading
+ahead is a hint: ``load`` verifies and decides as before.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 
 class LowerTier(Protocol):
@@ -26,3 +31,9 @@ class LowerTier(Protocol):
     def load(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
         """Write the stored KV of ``block_hash`` into block ``block_id``; True only when the
         bytes match their checksum and the stored tokens equal ``token_ids``."""
+
+    def prefetch(self, key: str, chain: Sequence[tuple[bytes, tuple[int, ...]]]) -> None:
+        """Start reading ``chain``'s blocks ((hash, tokens), in prompt order) ahead, under ``key``."""
+
+    def fetching(self, key: str) -> bool:
+        """Whether read-ahead ``key`` is still going (bounded in time: never True for long)."""

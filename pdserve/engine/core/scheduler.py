@@ -29,6 +29,11 @@ one too many stays waiting, and the prompts behind it may go first; running sequ
 adapters past the limit (their KV arrived from another worker) sit the step out, and are first
 in line the step after.
 
+With a KV tier that reads ahead (docs/kv_tier.md: next to a GPU), a prompt added is read ahead
+from the tier (``BlockManager.prefetch``) off the engine thread; while the reads go on and other
+sequences run, it stays waiting as a prompt over the adapter limit does, so their step never waits on
+files (for at most ``KVTier.read_ahead_wait_s``; then its ``allocate`` loads what is left).
+
 Pure Python; tests feed it hand-built outputs through ``update_from_output``.
 """
 
@@ -119,6 +124,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.blocks.check_fits(seq.num_tokens + 1)
         self.waiting.append(seq)
+        if seq.params.prompt_logprobs is None:  # its blocks may come from the KV tier: read them ahead
+            self.blocks.prefetch(seq.seq_id, seq.token_ids, kv_salt(seq.params, seq.lora_fingerprint))
 
     def add_remote_prefilled(self, seq: Sequence, reuse_cached: bool = False) -> list[int]:
         """Allocate blocks for a prompt whose KV another worker computed.
@@ -201,8 +208,9 @@ class Scheduler:
         adapters = {s.params.lora_name for s in self.running if s.params.lora_name}
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self._fits_adapters(seq, adapters):
-                skipped.append(self.waiting.popleft())
+            if not self._fits_adapters(seq, adapters) or (
+                    (self.running or batch) and not self.blocks.has(seq.seq_id) and self.blocks.tier_fetching(seq.seq_id)):
+                skipped.append(self.waiting.popleft())  # an adapter slot, or its KV tier reads: a later step
                 continue
             if not self.blocks.has(seq.seq_id):
                 # Leave one block per running sequence so admitting this one does not
