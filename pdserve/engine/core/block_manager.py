@@ -284,7 +284,7 @@ class BlockManager:
     def prefetch(self, seq_id: str, token_ids: Sequence[int], cache_salt: str = "") -> None:
         """Have the tier read ahead, under ``seq_id``, the prompt blocks that a later ``allocate``
         may load from it (those not on the device now; block_tier.py). Changes nothing here."""
-        if self._tier is not None and self.enable_prefix_cache:
+        if self._tier is not None and self._tier.read_ahead and self.enable_prefix_cache:
             bs, hashes = self.block_size, prompt_block_hashes(token_ids, self.block_size, cache_salt)
             chain = [(h, tuple(token_ids[i * bs:(i + 1) * bs])) for i, h in enumerate(hashes) if h not in self._by_hash]
             if chain:

@@ -21,6 +21,8 @@ from typing import Protocol, Sequence
 
 
 class LowerTier(Protocol):
+    read_ahead: bool  # whether ``prefetch`` does anything (else the block manager skips it)
+
     def offload(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
         """Block ``block_id`` holds the final KV of ``token_ids`` under chained hash
         ``block_hash`` and is about to be handed out again: keep a copy of its bytes."""
