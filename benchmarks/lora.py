@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import zlib
 import os
 import sys
 import time
@@ -67,7 +68,7 @@ def decode_tps(engine: LLMEngine, names: list[str], prompt_len: int, steps: int,
     kernel runs on it, so other processes' load on a shared machine does not count), wall time
     at more (the other threads' work would not count). The
     prompts' prefill steps' CPU time is appended to ``prefills`` (seconds), when given."""
-    g = torch.Generator().manual_seed(len(tag))
+    g = torch.Generator().manual_seed(zlib.crc32(tag.encode()))
     vocab = engine.model_cfg.vocab_size
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     for n, name in enumerate(names):
@@ -130,7 +131,8 @@ def main() -> None:
     modules = tuple((f"lora{k}", write_adapter(cfg, out_dir / f"r{args.rank}-{k}", args.rank, k))
                     for k in range(args.adapters))
     config = EngineConfig(model=str(model_dir), dtype=args.dtype, device="cpu", cuda_graphs=False,
-                          cache=CacheConfig(num_blocks=(args.prompt_len + args.steps + 32) // 16 * args.batch + 64),
+                          cache=CacheConfig(num_blocks=(args.prompt_len + args.steps + 32) // 16 * args.batch + 64,
+                                            enable_prefix_cache=False),  # every turn computes its prompts
                           lora=LoRAConfig(max_loras=args.adapters, max_lora_rank=args.rank, modules=modules))
     model, model_cfg, _ = load_model(config.model, config.torch_dtype(), config.torch_device(), progress=False)
     engine = LLMEngine(model, model_cfg, config)

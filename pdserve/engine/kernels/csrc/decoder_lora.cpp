@@ -22,9 +22,10 @@
 //   in_q   = the token's own slot's R columns of part q, placed as ExpandPlan places them
 //            ((S-1) W wide, zeros elsewhere: the mask's work, since a masked value is v * 1
 //            or a zero)
-//   y[:, part q's columns] = bf16(y + linear(in_q, B_q))   for each part q
+//   y[:, part q's columns] = bf16(y + bf16(linear(in_q, B_q)))   for each part q
 // with the same kernels (so the same kernel path and its bits), and the add rounded as torch
-// rounds bfloat16 (float32 arithmetic, then to nearest even): the result is bitwise the
+// rounds bfloat16 (float32 arithmetic, then to nearest even), done as the expand writes its
+// sums (linear_add_into, no delta tensor between): the result is bitwise the
 // layer-by-layer one (tests/engine/test_lora_stack.py), and a token's delta does not depend on
 // its batch, as the packed kernels' rows do not.
 #include <ATen/ATen.h>
@@ -127,20 +128,17 @@ void DecoderLoRA::add(size_t layer, Projection projection, const at::Tensor& x, 
 }
 
 void DecoderLoRA::add_gather_free(size_t layer, size_t p, const at::Tensor& x, at::Tensor& y) const {
-  const int64_t T = x.size(0), P = parts_[p], R = rank_, PR = P * R, W = R + R % 2, S1 = slots_, width = y.size(1);
+  const int64_t T = x.size(0), P = parts_[p], R = rank_, PR = P * R, W = R + R % 2, S1 = slots_;
   const at::Tensor shrunk = linear(x, shrink_[layer * kProjections + p], S1 * PR, c10::nullopt, false);
   at::Tensor part_in = at::empty({T, S1 * W}, shrunk.options());
   auto* out = reinterpret_cast<uint16_t*>(part_in.data_ptr<at::BFloat16>());
   const auto* in = reinterpret_cast<const uint16_t*>(shrunk.data_ptr<at::BFloat16>());
-  auto* yp = y.data_ptr<at::BFloat16>();
   int64_t column = 0;
   for (int64_t q = 0; q < P; ++q) {
     const size_t entry = first_part_[p] + static_cast<size_t>(q);
     const int64_t size = part_sizes_[entry];
     gather_part(in, token_slot_.data(), T, S1, PR, q * R, R, W, out);
-    const at::Tensor delta = linear(part_in, expand_[layer * parts_per_layer_ + entry], size, c10::nullopt, false);
-    const auto* d = delta.data_ptr<at::BFloat16>();
-    for (int64_t t = 0; t < T; ++t) add_bf16(yp + t * width + column, d + t * size, size);
+    linear_add_into(part_in, expand_[layer * parts_per_layer_ + entry], size, y, column);
     column += size;
   }
 }
@@ -170,10 +168,8 @@ void DecoderLoRA::add_by_slot(size_t layer, size_t p, const at::Tensor& x, at::T
       const size_t entry = first_part_[p] + static_cast<size_t>(q);
       const int64_t size = part_sizes_[entry], place = (j * PR + q * R) % 2;  // ExpandPlan's, in the block
       for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * W + place, sp + i * PR + q * R, R * sizeof(uint16_t));
-      const at::Tensor delta = linear(part_in, expand_slots_[(layer * parts_per_layer_ + entry) * S1 + j], size,
-                                      c10::nullopt, false);
-      const auto* d = delta.data_ptr<at::BFloat16>();
-      for (int64_t i = 0; i < n; ++i) add_bf16(yp + rows[i] * width + column, d + i * size, size);
+      linear_add_into(part_in, expand_slots_[(layer * parts_per_layer_ + entry) * S1 + j], size, y, column,
+                      rows.data());
       column += size;
     }
   }
