@@ -118,10 +118,12 @@ class LoRALinear(nn.Module):
         self.bt[slot, block * self.max_rank:block * self.max_rank + r, start:start + b.shape[0]].copy_(b.t())
 
 
-# A step of this many tokens or more (a prefill) runs the whole-stack call's LoRA products slot by
-# slot: a quarter of the multiply-adds at four adapters, with the same bits (decoder_lora.h); below
-# it (decode steps) the gather-free form's fewer kernel calls cost less. Measured: BENCHMARKS.md.
-SEGMENT_TOKENS = 64
+# A step of this many tokens or more (a prefill, a large decode batch) runs the whole-stack call's
+# LoRA products slot by slot: a quarter of the multiply-adds at four adapters, with the same bits
+# (decoder_lora.h); below it the gather-free form's fewer kernel calls cost less. Measured on
+# SmolLM2-135M with four adapters (BENCHMARKS.md): gather-free ahead at 4 and 16 tokens, slot by
+# slot ahead at 32 and in prefills.
+SEGMENT_TOKENS = 24
 
 
 class LoRAStack(nn.Module):
