@@ -164,6 +164,15 @@ def test_the_expand_part_by_part_keeps_the_full_width_bits(kernel_path, rank, dt
         old_a[slot, :rank], old_bt[slot, :rank] = whole_a.to(dtype), whole_b.t().to(dtype)
     assert torch.equal(_bits(PackedLoRA().add(fused, x, y.clone(), state)), _bits(_full_width(old_a, old_bt, x, y,
                                                                                               state)))
+    # A fill or a clear repacks only its slot's own weights: they equal a repack of every slot.
+    fused.fill(2, LoRAAdapter("v", "", rank, {("qkv_proj", "k"): (a[3, :rank], torch.randn(16, rank, generator=g))}),
+               "qkv_proj")
+    fused.clear(3)
+    whole = SimpleNamespace(a=fused.a, bt=fused.bt, local_sizes=fused.local_sizes)
+    PackedLoRA().repack(whole)
+    for j in range(4):
+        assert torch.equal(fused.packed_a_slots[j], whole.packed_a_slots[j])
+        assert all(torch.equal(b, c) for b, c in zip(fused.packed_b_slots[j], whole.packed_b_slots[j]))
 
 
 def test_triton_equals_the_torch_path_in_float32():

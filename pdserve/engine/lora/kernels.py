@@ -33,7 +33,7 @@ class TorchLoRA:
 
     name = "torch"
 
-    def repack(self, layer) -> None:
+    def repack(self, layer, slot: int | None = None) -> None:
         """Nothing cached beyond the slots themselves."""
 
     def add(self, layer, x: torch.Tensor, y: torch.Tensor, state) -> torch.Tensor:
@@ -74,12 +74,16 @@ class ExpandPlan:
                 index[at:at + rank] = torch.arange(source, source + rank)
             self.index.append(index)
 
-    def packed_b(self, bt: torch.Tensor, part: int, slot: int | None = None) -> torch.Tensor:
-        """Part ``part``'s B for the kernels from ``bt`` (S1, PR, out): (out_p, S1 W) packed, or
-        with ``slot`` that slot's block alone, (out_p, W) (the whole-stack call's per-slot expand
-        of a long step, pdserve/engine/kernels/csrc/decoder_lora.cpp)."""
+    @staticmethod
+    def rows(bt: torch.Tensor) -> torch.Tensor:
+        """``bt`` (S1, PR, out) as (S1 PR + 1, out) rows, the last one zero: what ``index`` picks from."""
+        return torch.cat([bt.reshape(-1, bt.shape[-1]), bt.new_zeros(1, bt.shape[-1])])
+
+    def packed_b(self, rows: torch.Tensor, part: int, slot: int | None = None) -> torch.Tensor:
+        """Part ``part``'s B for the kernels from ``rows`` (``ExpandPlan.rows``): (out_p, S1 W)
+        packed, or with ``slot`` that slot's block alone, (out_p, W) (the whole-stack call's
+        per-slot expand of a long step, pdserve/engine/kernels/csrc/decoder_lora.cpp)."""
         start, size = self.columns[part]
-        rows = torch.cat([bt.reshape(-1, bt.shape[-1]), bt.new_zeros(1, bt.shape[-1])])  # the zero row last
         index = self.index[part] if slot is None else self.index[part][slot * self.width:(slot + 1) * self.width]
         return torch.ops.pdserve.linear_pack(rows[index, start:start + size].t().contiguous())
 
@@ -93,19 +97,27 @@ class PackedLoRA:
     def __init__(self) -> None:
         self.generation = 0  # counts repacks: a holder of packed slots lists them again when it moves
 
-    def repack(self, layer) -> None:
-        """Pack every adapter slot's A, (S-1) PR x in, and each part's B^T, out_p x (S-1) W.
+    def repack(self, layer, slot: int | None = None) -> None:
+        """Pack every adapter slot's A, (S-1) PR x in, and each part's B^T, out_p x (S-1) W; and
+        each slot's alone, for the whole-stack call's per-slot products (LoRAStack): all of
+        them, or with ``slot`` (the one that changed) only that slot's own.
         ``layer.local_sizes``: the parts' output widths (one part, all of ``bt``, if absent)."""
         self.generation += 1
         a, bt = layer.a[1:], layer.bt[1:]
         sizes = list(getattr(layer, "local_sizes", [bt.shape[-1]]))
-        layer.expand_plan = ExpandPlan(a.shape[0], a.shape[1] // len(sizes), sizes)
+        plan = ExpandPlan(a.shape[0], a.shape[1] // len(sizes), sizes)
+        rows = plan.rows(bt)
+        layer.expand_plan = plan
         layer.packed_a = torch.ops.pdserve.linear_pack(a.reshape(-1, a.shape[-1]).contiguous())
-        layer.packed_b = [layer.expand_plan.packed_b(bt, p) for p in range(len(sizes))]
-        # Each slot's alone, for the whole-stack call's per-slot products (LoRAStack).
-        layer.packed_a_slots = [torch.ops.pdserve.linear_pack(a[j].contiguous()) for j in range(a.shape[0])]
-        layer.packed_b_slots = [[layer.expand_plan.packed_b(bt, p, j) for p in range(len(sizes))]
-                                for j in range(a.shape[0])]
+        layer.packed_b = [plan.packed_b(rows, p) for p in range(len(sizes))]
+        if slot is None or not hasattr(layer, "packed_a_slots"):
+            layer.packed_a_slots, layer.packed_b_slots = [None] * a.shape[0], [None] * a.shape[0]
+            changed = range(a.shape[0])
+        else:
+            changed = [slot - 1]
+        for j in changed:
+            layer.packed_a_slots[j] = torch.ops.pdserve.linear_pack(a[j].contiguous())
+            layer.packed_b_slots[j] = [plan.packed_b(rows, p, j) for p in range(len(sizes))]
 
     def add(self, layer, x: torch.Tensor, y: torch.Tensor, state) -> torch.Tensor:
         s, pr = layer.a.shape[0] - 1, layer.a.shape[1]

@@ -96,12 +96,12 @@ class LoRALinear(nn.Module):
             a, b = adapter.weights[(module, None)]
             for index, rows in enumerate(b.split(list(self.shape.part_sizes))):
                 self._fill_part(slot, index, index, a, rows)  # the one A copied into every part's block
-        self.kernel.repack(self)
+        self.kernel.repack(self, slot)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.bt[slot].zero_()
-        self.kernel.repack(self)
+        self.kernel.repack(self, slot)
 
     def _fill_part(self, slot: int, block: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """A (r, in) into rank block ``block``, B (out_part, r) of part ``part`` beside it, each
