@@ -17,8 +17,9 @@ import torch
 
 from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.lora.kernels import PackedLoRA, TorchLoRA
-from pdserve.engine.lora.layers import LoRAState, attach
-from pdserve.engine.lora.peft import read_adapter
+from pdserve.engine.lora.layers import LoRALinear, LoRAState, attach
+from pdserve.engine.lora.peft import LoRAAdapter, TargetShape, read_adapter
+from pdserve.engine.parallel import TensorParallel
 from tests.factories import hf_greedy
 from tests.helpers.lora import make_adapter, merged
 from tests.helpers.thread_ranks import ThreadGroup, ThreadRank, generate, rank_model
@@ -102,6 +103,76 @@ def test_packed_kernel_gives_a_token_the_same_bits_in_any_batch(dtype):
         for t, slot in enumerate(SLOTS):
             state.set(torch.tensor([slot]))
             assert torch.equal(kernel.add(layer, x[t:t + 1], y[t:t + 1].clone(), state), batch[t:t + 1]), kernel.name
+
+
+def _full_width(a, bt, x, y, state) -> torch.Tensor:
+    """The packed product as it was before the expand went part by part: one expand over every
+    slot's whole P R rows and every output column (the other parts' zero blocks too)."""
+    s1, pr, dtype = a.shape[0] - 1, a.shape[1], x.dtype
+    packed_a = torch.ops.pdserve.linear_pack(a[1:].reshape(-1, a.shape[-1]).contiguous())
+    packed_b = torch.ops.pdserve.linear_pack(bt[1:].reshape(-1, bt.shape[-1]).t().contiguous())
+    shrunk = torch.ops.pdserve.linear(x, packed_a, s1 * pr, None, False)
+    shrunk = (shrunk.view(-1, s1, pr) * state.mask.to(dtype)).view(-1, s1 * pr)
+    delta = torch.ops.pdserve.linear(shrunk, packed_b, bt.shape[-1], None, dtype == torch.float32)
+    return y.clone().add_(delta.to(dtype))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rank", [16, 5])
+def test_the_expand_part_by_part_keeps_the_full_width_bits(kernel_path, rank, dtype):
+    """PackedLoRA expands each part of a fused linear over that part's rank blocks alone; the
+    full-width expand it replaced gave the same bits on every kernel path, at an even rank and at
+    an odd one (rank blocks starting at odd k, which the pairs kernels add two by two). And an
+    adapter of a fused module whole (Phi-3's qkv_proj: one A, filled into every part's block)
+    gives the bits that its old layout (A and every part's B in block 0) gave."""
+    cpu_kernels.load()
+    sizes, in_f = [48, 16, 16], 64
+    g = torch.Generator().manual_seed(rank)
+    a, bt = torch.randn(5, 3 * rank, in_f, generator=g) * 0.1, torch.randn(5, 3 * rank, 80, generator=g) * 0.1
+    a[0], bt[0], a[2, rank - 2:rank], bt[2, rank - 2:rank] = 0, 0, 0, 0  # slot 2: an adapter of a lower rank
+    for part, start in enumerate((0, 48, 64)):  # part p's columns fed by rank block p alone, as LoRALinear fills
+        bt[:, [r for r in range(3 * rank) if r // rank != part], start:start + sizes[part]] = 0
+    x = torch.randn(len(SLOTS), in_f, generator=g).to(dtype)
+    y = torch.randn(len(SLOTS), 80, generator=g).to(dtype)
+    state = LoRAState(5, dtype)
+    state.set(torch.tensor(SLOTS))
+    layer = SimpleNamespace(a=a.to(dtype), bt=bt.to(dtype), local_sizes=sizes)
+    PackedLoRA().repack(layer)
+    assert torch.equal(_bits(PackedLoRA().add(layer, x, y.clone(), state)), _bits(_full_width(layer.a, layer.bt, x, y,
+                                                                                              state)))
+    # The float32 sums themselves (bfloat16's rounding of the delta would hide a changed pairing of k).
+    shrunk = torch.randn(len(SLOTS), 4, 3 * rank, generator=g).to(dtype) * state.mask
+    full = torch.ops.pdserve.linear(shrunk.view(len(SLOTS), -1), torch.ops.pdserve.linear_pack(
+        layer.bt[1:].reshape(-1, 80).t().contiguous()), 80, None, True)
+    padded = torch.cat([shrunk.view(len(SLOTS), -1), shrunk.new_zeros(len(SLOTS), 1)], dim=1)
+    for index, packed, (start, size) in zip(layer.expand_plan.index, layer.packed_b, layer.expand_plan.columns):
+        part = torch.ops.pdserve.linear(padded.index_select(1, index), packed, size, None, True)
+        assert torch.equal(_bits(part), _bits(full[:, start:start + size])), (start, size)
+    if rank % 2:
+        return  # whole: block 0's rows moved to block p start at another parity of k there (docs/lora.md)
+    shape = TargetShape(in_f, tuple(sizes), ("q", "k", "v"))
+    fused = LoRALinear(torch.nn.Linear(in_f, 80), shape, False, TensorParallel(), 5, rank, state, PackedLoRA(), dtype,
+                       torch.device("cpu"))
+    old_a, old_bt = torch.zeros_like(layer.a), torch.zeros_like(layer.bt)
+    for slot in range(1, 5):
+        whole_a, whole_b = a[slot, :rank], torch.randn(80, rank, generator=g) * 0.1
+        fused.fill(slot, LoRAAdapter("w", "", rank, {("qkv_proj", None): (whole_a, whole_b)}), "qkv_proj")
+        old_a[slot, :rank], old_bt[slot, :rank] = whole_a.to(dtype), whole_b.t().to(dtype)
+    assert torch.equal(_bits(PackedLoRA().add(fused, x, y.clone(), state)), _bits(_full_width(old_a, old_bt, x, y,
+                                                                                              state)))
+    # A fill or a clear repacks only its slot's own weights: they equal a repack of every slot.
+    fused.fill(2, LoRAAdapter("v", "", rank, {("qkv_proj", "k"): (a[3, :rank], torch.randn(16, rank, generator=g))}),
+               "qkv_proj")
+    fused.clear(3)
+    whole = SimpleNamespace(a=fused.a, bt=fused.bt, local_sizes=fused.local_sizes)
+    PackedLoRA().repack(whole)
+    for j in range(4):
+        assert torch.equal(fused.packed_a_slots[j], whole.packed_a_slots[j])
+        assert all(torch.equal(b, c) for b, c in zip(fused.packed_b_slots[j], whole.packed_b_slots[j]))
 
 
 def test_triton_equals_the_torch_path_in_float32():

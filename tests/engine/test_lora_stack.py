@@ -14,8 +14,9 @@ import torch
 from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.lora.layers import LoRAStack
 from pdserve.engine.sampling.params import SamplingParams
-from tests.factories import random_prompts
-from tests.helpers.lora import lora_engine, make_adapter
+from tests.factories import hf_greedy, random_prompts
+from tests.families import save_family_model
+from tests.helpers.lora import FUSED, lora_engine, make_adapter, merged
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="needs an x86-64 CPU with AVX2 + FMA")
 
@@ -62,12 +63,19 @@ def check_both_ways(engine) -> list[int]:
     return checked
 
 
-def test_the_one_call_is_bitwise_the_layer_loop_on_every_path(tiny_llama_dir, adapter_dirs, kernel_path):
+@pytest.mark.parametrize("segment_tokens,max_rank", [(0, 8), (1, 8), (20, 9)],
+                         ids=["gather-free", "by-slot", "both-odd-rank"])
+def test_the_one_call_is_bitwise_the_layer_loop_on_every_path(tiny_llama_dir, adapter_dirs, kernel_path,
+                                                              segment_tokens, max_rank):
     """Prefill (chunked: a small token budget) and decode steps mixing alpha, beta and the base
-    model, on each kernel path this processor runs."""
+    model, on each kernel path this processor runs; the one call's products gather-free (every
+    slot at once, one expand per part), slot by slot (the form of long steps), and each by the
+    step's size at an odd rank (the rank blocks padded to pairs of k where they started odd)."""
     model_dir, _ = tiny_llama_dir
-    engine = lora_engine(model_dir, adapter_dirs, dtype="bfloat16", max_num_batched_tokens=32)
+    engine = lora_engine(model_dir, adapter_dirs, dtype="bfloat16", max_num_batched_tokens=32,
+                         max_lora_rank=max_rank)
     assert engine.runner.model.kernel_path == kernel_path
+    engine.runner.model.stack.segment_tokens = segment_tokens
     checked = check_both_ways(engine)
     names = ["alpha", "", "beta", "alpha"]
     prompts = random_prompts(len(names), [40, 9, 13, 5], seed=7)
@@ -90,3 +98,24 @@ def test_a_sequence_has_the_same_bits_alone_and_in_a_mixed_batch(tiny_llama_dir,
     assert batch[0].token_ids == alone.token_ids and batch[0].logprobs == alone.logprobs
     base = engine.generate([prompts[0]], [params])[0]
     assert base.token_ids != alone.token_ids or base.logprobs != alone.logprobs
+
+
+def test_a_fused_checkpoint_module_adapted_whole(tmp_path):
+    """Phi-3 holds q|k|v and gate|up fused in its checkpoint, so its adapters adapt them whole (one A
+    for every part): float32 greedy tokens equal transformers' with the adapter merged, and
+    bfloat16's one call is bitwise the layer loop, gather-free and slot by slot."""
+    model_dir, hf = save_family_model("phi3", tmp_path / "phi3")
+    adapter = make_adapter(hf, tmp_path / "fused", modules=FUSED, seed=4)
+    adapters = {"fused": (tmp_path / "fused",)}
+    prompt = [5, 17, 93, 4, 250, 8, 61]
+    engine = lora_engine(model_dir, adapters, max_loras=1)
+    done = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, lora_name="fused"))
+    want = hf_greedy(merged(hf, adapter), prompt, 8)
+    assert done[0].token_ids == want and want != hf_greedy(hf, prompt, 8)
+    for segment_tokens in (0, 1):
+        engine = lora_engine(model_dir, adapters, max_loras=1, dtype="bfloat16")
+        engine.runner.model.stack.segment_tokens = segment_tokens
+        checked = check_both_ways(engine)
+        engine.generate([prompt, prompt[:3]], [SamplingParams(max_tokens=3, ignore_eos=True, lora_name=n)
+                                              for n in ("fused", "")])
+        assert len(checked) >= 3

@@ -21,11 +21,16 @@ from tests.factories import engine_config
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's checkpoint modules, fused ones adapted whole
+
+
+def _is_attn(module: str) -> bool:
+    return module in ATTN or module == "qkv_proj"
 
 
 def _hf_linear(hf_model, layer: int, module: str) -> torch.nn.Linear:
     block = hf_model.model.layers[layer]
-    return getattr(block.self_attn if module in ATTN else block.mlp, module)
+    return getattr(block.self_attn if _is_attn(module) else block.mlp, module)
 
 
 def make_adapter(hf_model, directory: Path, rank: int = 8, alpha: int = 16, seed: int = 0,
@@ -39,7 +44,7 @@ def make_adapter(hf_model, directory: Path, rank: int = 8, alpha: int = 16, seed
             lin = _hf_linear(hf_model, layer, module)
             a = torch.randn(rank, lin.in_features, generator=g) * std
             b = torch.randn(lin.out_features, rank, generator=g) * std
-            part = "self_attn" if module in ATTN else "mlp"
+            part = "self_attn" if _is_attn(module) else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
             weights[(layer, module)] = (a, b)

@@ -8,7 +8,10 @@ A wrapper holds its adapters' weights in slots on the device:
   the one part of o and down), part p in rows [p R, p R + r); R = max_lora_rank, rows past an
   adapter's own rank r stay zero;
 - ``bt`` (S, P*R, out_local): slot i's B, transposed (the expand reads it row by row), part p's
-  rows in part p's rank block and its output columns, the scale folded in;
+  rows in part p's rank block and its output columns, the scale folded in; so part p's output
+  columns depend on rank block p alone, and a kernel may expand each part by itself. A fused
+  checkpoint module adapted whole (Phi-3's ``qkv_proj``: one A for every part) keeps a copy of
+  its A in every part's block, which costs the shrink nothing (it computes every block anyway);
 - S = max_loras + 1: slot 0 is all zeros, the base model's.
 
 Tensor parallelism, as the weights split: a column-parallel linear (q|k|v, gate|up) keeps A
@@ -92,13 +95,13 @@ class LoRALinear(nn.Module):
         if (module, None) in adapter.weights and len(self.shape.parts) > 1:  # a fused module adapted whole
             a, b = adapter.weights[(module, None)]
             for index, rows in enumerate(b.split(list(self.shape.part_sizes))):
-                self._fill_part(slot, 0, index, a, rows)  # one A (rank block 0) for every part's B
-        self.kernel.repack(self)
+                self._fill_part(slot, index, index, a, rows)  # the one A copied into every part's block
+        self.kernel.repack(self, slot)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.bt[slot].zero_()
-        self.kernel.repack(self)
+        self.kernel.repack(self, slot)
 
     def _fill_part(self, slot: int, block: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """A (r, in) into rank block ``block``, B (out_part, r) of part ``part`` beside it, each
@@ -115,6 +118,14 @@ class LoRALinear(nn.Module):
         self.bt[slot, block * self.max_rank:block * self.max_rank + r, start:start + b.shape[0]].copy_(b.t())
 
 
+# A step of this many tokens or more (a prefill, a large decode batch) runs the whole-stack call's
+# LoRA products slot by slot: a quarter of the multiply-adds at four adapters, with the same bits
+# (decoder_lora.h); below it the gather-free form's fewer kernel calls cost less. Measured on
+# SmolLM2-135M with four adapters (BENCHMARKS.md): gather-free ahead at 4 and 16 tokens, slot by
+# slot ahead at 32 and in prefills.
+SEGMENT_TOKENS = 24
+
+
 class LoRAStack(nn.Module):
     """The decoder stack around the backend's whole-stack call (``packed``): a step without
     adapters runs it as it is; a step with adapters runs ``decoder_layers_lora``, the same one
@@ -122,24 +133,43 @@ class LoRAStack(nn.Module):
     (pdserve/engine/kernels/csrc/decoder_lora.cpp), so its bits are the layer-by-layer path's.
     ``projections``: each layer's q|k|v, o, gate|up and down ``LoRALinear``, or None where the
     one call cannot take them (a projection not adapted, another LoRA kernel); then, and with
-    another attention backend, a step with adapters runs the layers one by one."""
+    another attention backend, a step with adapters runs the layers one by one.
+    ``segment_tokens``: the step size from which the one call runs the products slot by slot
+    (0: never), the same bits by fewer multiply-adds (``SEGMENT_TOKENS``)."""
 
     def __init__(self, packed: nn.Module, state: LoRAState, projections: list[list[LoRALinear]] | None):
         super().__init__()
         self.packed, self.plain, self.state = packed, DecoderStack(), state
         self.projections = projections
-        # Each projection's (S-1) PR: the width of every slot's A stacked (fixed at attach).
-        self.widths = None if projections is None else [(w.a.shape[0] - 1) * w.a.shape[1] for w in projections[0]]
+        # Each projection's parts, their output widths and the rank blocks' width R (fixed at attach).
+        first = [] if projections is None else projections[0]
+        self.parts = [len(w.local_sizes) for w in first]
+        self.part_sizes = [size for w in first for size in w.local_sizes]
+        self.rank = first[0].max_rank if first else 0
+        self.segment_tokens = SEGMENT_TOKENS
+        self._listed = None  # (the kernel's generation, the call's weight lists): _weights
 
     def forward(self, layers, h, rope, ctx):
         if not self.state.active:
             return self.packed(layers, h, rope, ctx)
         if self.projections is None or not self.packed.runs(layers):
             return self.plain(layers, h, rope, ctx)
-        shrink = [w.packed_a for layer in self.projections for w in layer]  # repacked when a slot fills
-        expand = [w.packed_b for layer in self.projections for w in layer]
-        return torch.ops.pdserve.decoder_layers_lora(*self.packed.arguments(layers, h, rope, ctx), shrink, expand,
-                                                     self.widths, self.state.mask)
+        return torch.ops.pdserve.decoder_layers_lora(*self.packed.arguments(layers, h, rope, ctx), *self._weights(),
+                                                     self.parts, self.part_sizes, self.rank, self.state.mask,
+                                                     self.segment_tokens)
+
+    def _weights(self) -> tuple[list, list, list, list]:
+        """Every projection's packed slots in the call's order: the shrinks, the expands (one per
+        part), then the same slot by slot. Listed again only after a slot was repacked (the
+        kernel's ``generation``), not on every step: they are some 1,600 tensors."""
+        generation = self.projections[0][0].kernel.generation
+        if self._listed is None or self._listed[0] != generation:
+            linears = [w for layer in self.projections for w in layer]
+            self._listed = (generation, ([w.packed_a for w in linears], [b for w in linears for b in w.packed_b],
+                                         [a for w in linears for a in w.packed_a_slots],
+                                         [slot[q] for w in linears for q in range(len(w.packed_b))
+                                          for slot in w.packed_b_slots]))
+        return self._listed[1]
 
 
 # Our linears an adapter may adapt, by their name in a decoder layer, and whether each is row-parallel.

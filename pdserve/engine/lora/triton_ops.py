@@ -82,7 +82,7 @@ class TritonLoRA:
 
     name = "triton"
 
-    def repack(self, layer) -> None:
+    def repack(self, layer, slot: int | None = None) -> None:
         """The kernels read the slots as they are."""
 
     def add(self, layer, x: torch.Tensor, y: torch.Tensor, state) -> torch.Tensor:

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <tuple>
+#include <vector>
 
 namespace pdserve {
 
@@ -13,26 +14,49 @@ namespace pdserve {
 enum class Projection : int { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 constexpr size_t kProjections = 4;
 
-// A step's adapters on every layer's four projections, in the gather-free form of
-// pdserve/engine/lora/kernels.py's PackedLoRA: y += ((x A^T) * mask) B, every token through every
-// adapter slot's A at once, its other slots' columns zeroed by its one-hot mask row, then through
-// every slot's B at once. The same calls and roundings as PackedLoRA.add, so a step's bits are
-// those of the layer-by-layer path with LoRALinear.
+// A step's adapters on every layer's four projections, in the form of
+// pdserve/engine/lora/kernels.py's PackedLoRA: shrunk = (x A^T) * mask, every token through every
+// adapter slot's A at once, its other slots' columns zeroed by its one-hot mask row; then one
+// expand per part of the projection (q, k, v; o; gate, up; down) over that part's own rank
+// blocks (ExpandPlan's layout) into the part's own output columns. The same calls and roundings
+// as PackedLoRA.add, so a step's bits are those of the layer-by-layer path with LoRALinear.
+//
+// A step of at least ``segment_tokens`` tokens (a prefill) runs per slot instead: the slot's
+// tokens gathered, shrunk by that slot's A alone, expanded by each part's block of that slot
+// alone. Each output element sums the same nonzero products in the same order and the same
+// pairs of k (only terms that are exactly zero are left out, as the per-part expand already
+// leaves them), so its bits are the gather-free form's, at a quarter of the multiply-adds with
+// four adapters; at decode sizes the kernel calls it adds (one per slot per part) cost more
+// than the multiply-adds it saves.
 class DecoderLoRA {
  public:
-  // shrink, expand: L x 4 packed weights (linear_pack; entry 4 l + p for layer l, projection p):
-  // every slot's A, ((S-1) PR, in), and every slot's B, (out, (S-1) PR); shrink_widths: the
-  // four projections' (S-1) PR; mask (T, S-1) or (T, S-1, 1): 1 where a token's adapter is in
-  // that slot, else 0, in the activations' dtype.
-  DecoderLoRA(at::TensorList shrink, at::TensorList expand, at::IntArrayRef shrink_widths, const at::Tensor& mask,
-              size_t layers, int64_t tokens);
+  // shrink: L x 4 packed weights (linear_pack; entry 4 l + p for layer l, projection p): every
+  // slot's A, ((S-1) P R, in). expand: L x sum(parts) packed weights, layer l's parts in
+  // order (q, k, v, o, gate, up, down for a Llama layer): part q's B^T, (out_q, (S-1) W),
+  // W = R rounded up to even. shrink_slots, expand_slots: the same, slot by slot (entry
+  // e (S-1) + j for slot j of entry e): slot j's A, (P R, in), and part q's block of it, (out_q,
+  // W). parts: the 4 projections' part counts P; part_sizes: every part's output width, in the
+  // same order; rank: R, the rank blocks' width; mask (T, S-1) or (T, S-1, 1): 1 where a
+  // token's adapter is in that slot, else 0, in the activations' dtype; segment_tokens: the
+  // step's size from which it runs slot by slot.
+  DecoderLoRA(at::TensorList shrink, at::TensorList expand, at::TensorList shrink_slots, at::TensorList expand_slots,
+              at::IntArrayRef parts, at::IntArrayRef part_sizes, int64_t rank, const at::Tensor& mask,
+              int64_t segment_tokens, size_t layers, int64_t tokens);
   // y (T, out) += the step's LoRA delta of ``projection`` in ``layer`` for its input x (T, in).
   void add(size_t layer, Projection projection, const at::Tensor& x, at::Tensor& y) const;
 
  private:
-  at::TensorList shrink_, expand_;
-  at::IntArrayRef shrink_widths_;
-  at::Tensor mask_;  // (T, S-1), contiguous
+  void add_gather_free(size_t layer, size_t projection, const at::Tensor& x, at::Tensor& y) const;
+  void add_by_slot(size_t layer, size_t projection, const at::Tensor& x, at::Tensor& y) const;
+
+  at::TensorList shrink_, expand_, shrink_slots_, expand_slots_;
+  at::IntArrayRef parts_, part_sizes_;
+  int64_t rank_, slots_;
+  bool by_slot_ = false;
+  size_t parts_per_layer_ = 0;
+  size_t first_part_[kProjections] = {};     // each projection's first entry in part_sizes
+  std::vector<int64_t> token_slot_;          // each token's slot 0..S-2 from the mask, -1: the base model
+  std::vector<std::vector<int64_t>> rows_;   // each slot's tokens, in order; rows_[S-1]: the base model's
 };
 
 // decoder_layers (decoder.cpp), with ``lora``'s deltas added after each projection when it is

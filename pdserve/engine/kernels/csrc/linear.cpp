@@ -152,11 +152,13 @@ void write_tile(const float* acc, int mr, int np, int64_t m0, int64_t col0, cons
   const int64_t cols = std::min<int64_t>(np * kPanel, o.n - col0);
   for (int r = 0; r < mr; ++r) {
     const float* src = acc + r * np * kPanel;
-    const int64_t base = (m0 + r) * o.n + col0;
+    const int64_t base = o.at(m0 + r, col0);
     for (int64_t c = 0; c < cols; ++c) {
       const float v = o.bias ? src[c] + o.bias[col0 + c] : src[c];
+      c10::BFloat16* out = static_cast<c10::BFloat16*>(o.data) + base + c;
       if (o.f32) static_cast<float*>(o.data)[base + c] = v;
-      else static_cast<c10::BFloat16*>(o.data)[base + c] = c10::BFloat16(v);
+      else if (o.accumulate) *out = c10::BFloat16(static_cast<float>(*out) + static_cast<float>(c10::BFloat16(v)));
+      else *out = c10::BFloat16(v);
     }
   }
 }
@@ -268,8 +270,11 @@ void linear_pairs(const at::Tensor& xc, const at::Tensor& packed, const Output& 
 
 }  // namespace
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                  const c10::optional<at::Tensor>& bias, bool f32_out) {
+namespace {
+
+// The checks of x (M, K) against a packed weight of n outputs; true when the weight is in the
+// pairs layout.
+bool check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const auto dtype = packed.scalar_type();
   const bool pairs = packed.dim() == 3 && packed.size(2) == 2 * kPanel && dtype == at::kBFloat16;
   TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kPanel || pairs) &&
@@ -277,24 +282,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               "linear: packed must come from linear_pack, got ", packed.sizes());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "linear: x must be (M, K) ", dtype == at::kFloat ?
               "float32" : "bfloat16", " (the packed weight's dtype), got ", x.sizes(), " ", x.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  const int64_t K = x.size(1), P = packed.size(0);
   TORCH_CHECK(pairs || packed.size(1) == K, "linear: x has K=", K, " but the packed weight has K=", packed.size(1));
   TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "linear: n=", n, " does not fit ", P, " panels");
-  at::Tensor b32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "linear: bias has ", bias->numel(), " elements, expected n=", n);
-    b32 = bias->to(at::kFloat).contiguous();
-  }
-  const bool out_f32 = f32_out || dtype == at::kFloat;
-  auto y = at::empty({M, n}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
-  const auto xc = x.contiguous();
-  const Output o{y.data_ptr(), out_f32, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
+  return pairs;
+}
+
+// x (M, K) contiguous, M > 0, times the packed weight, written through o.
+void run_linear(const at::Tensor& xc, const at::Tensor& packed, bool pairs, const Output& o) {
+  const auto dtype = packed.scalar_type();
+  const int64_t M = xc.size(0), K = xc.size(1), P = packed.size(0);
   // Parallel over panels only, in chunks handed to whichever thread asks (parallel_chunks.h):
   // each thread owns whole output columns, never part of a K sum.
   if (pairs) {
     linear_pairs(xc, packed, o);
-    return y;
+    return;
   }
   TORCH_CHECK(dtype == at::kFloat || !pairs_layout(current_isa()), "linear: the weight was packed in single k "
               "(for avx2 or avx512) but the kernel path is ", isa_name(current_isa()), ": pack it after set_isa");
@@ -305,7 +307,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     parallel_chunks(P, 2, [&](int64_t b, int64_t e) {
       wide ? avx512_panels_f32(xp, M, K, wp, b, e, o) : run_panels(xp, M, K, wp, b, e, o);
     });
-    return y;
+    return;
   }
   // x widened to float32 (exact), read by the broadcasts; converted here rather than by an
   // ATen op, whose dispatch costs more than the conversion at decode sizes. Uninitialised
@@ -317,7 +319,42 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   parallel_chunks(P, 2, [&](int64_t b, int64_t e) {
     wide ? avx512_panels_bf16(xp, M, K, wp, b, e, o) : run_panels(xp, M, K, wp, b, e, o);
   });
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                  const c10::optional<at::Tensor>& bias, bool f32_out) {
+  const bool pairs = check_linear(x, packed, n);
+  at::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "linear: bias has ", bias->numel(), " elements, expected n=", n);
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  const bool out_f32 = f32_out || packed.scalar_type() == at::kFloat;
+  auto y = at::empty({x.size(0), n}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
+  if (x.size(0) == 0) return y;
+  const Output o{y.data_ptr(), out_f32, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
+  run_linear(x.contiguous(), packed, pairs, o);
   return y;
+}
+
+void linear_add_into(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& y, int64_t column,
+                     const int64_t* rows) {
+  const bool pairs = check_linear(x, packed, n);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 && y.is_contiguous() &&
+                  y.dim() == 2 && (rows || y.size(0) == x.size(0)) && column >= 0 && column + n <= y.size(1),
+              "linear_add_into: y must be contiguous bfloat16 (M, >= column + n) with M = x's rows, a bfloat16 "
+              "weight; got y ", y.sizes(), " ", y.scalar_type(), ", column ", column, ", n ", n);
+  for (int64_t m = 0; rows && m < x.size(0); ++m)
+    TORCH_CHECK(rows[m] >= 0 && rows[m] < y.size(0), "linear_add_into: row ", rows[m], " of x's row ", m,
+                " is outside y's ", y.size(0), " rows");
+  if (x.size(0) == 0) return;
+  Output o{y.data_ptr<at::BFloat16>() + column, false, n, nullptr};
+  o.ld = y.size(1);
+  o.accumulate = true;
+  o.rows = rows;
+  run_linear(x.contiguous(), packed, pairs, o);
 }
 
 }  // namespace pdserve

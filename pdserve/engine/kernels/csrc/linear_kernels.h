@@ -21,8 +21,14 @@ constexpr int64_t kPanel = 16;  // output columns per panel
 struct Output {
   void* data;        // (M, n) float32 or bfloat16
   bool f32;
-  int64_t n;         // real columns (the row stride)
+  int64_t n;         // real columns
   const float* bias; // (n,) float32 or null
+  int64_t ld = 0;    // the row stride (0: n)
+  // bfloat16 only: add each rounded sum to what the output holds, rounding the sum once more
+  // (out = bf16(out + bf16(sum)): the bits of writing the sums out and adding them with torch).
+  bool accumulate = false;
+  const int64_t* rows = nullptr;  // output row of each x row (null: the same row)
+  int64_t at(int64_t m, int64_t col0) const { return (rows ? rows[m] : m) * (ld ? ld : n) + col0; }
 };
 
 // Single-k layout, float32 FMA chains over 16 lanes. x: (M, K) float32 (bfloat16 inputs

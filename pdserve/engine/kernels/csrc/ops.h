@@ -12,6 +12,11 @@ namespace pdserve {
 at::Tensor linear_pack(const at::Tensor& weight);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                   bool f32_out);
+// y[:, column : column + n] (bfloat16, contiguous) = bf16(y + bf16(x @ W^T)) in place: linear's
+// sums rounded, then added as torch adds bfloat16, without the (M, n) tensor between. rows: the
+// row of y each row of x adds to (null: the same row).
+void linear_add_into(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& y, int64_t column,
+                     const int64_t* rows = nullptr);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);

@@ -23,14 +23,30 @@ inline __m256i round_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// bfloat16 bits (16 lanes) -> float32, exactly.
+inline __m512 widen_bf16x16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Output::accumulate: old + the rounded sums, rounded again (16 lanes; `mask`: the real ones).
+inline __m256i accumulate_bf16(__m256i rounded, const uint16_t* dst, __mmask16 mask) {
+  const __m512 old = widen_bf16x16(_mm256_maskz_loadu_epi16(mask, dst));
+  return round_bf16(_mm512_add_ps(old, widen_bf16x16(rounded)));
+}
+
 // Row m, columns col0 .. col0 + 15 (those below o.n) from v, whose lane c is column col0 + c.
 inline void write_row16(__m512 v, int64_t m, int64_t col0, const pdserve::Output& o) {
   const int64_t cols = std::min<int64_t>(16, o.n - col0);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
   if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o.bias + col0));
-  const int64_t at = m * o.n + col0;
-  if (o.f32) _mm512_mask_storeu_ps(static_cast<float*>(o.data) + at, mask, v);
-  else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(o.data) + at, mask, round_bf16(v));
+  const int64_t at = o.at(m, col0);
+  if (o.f32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(o.data) + at, mask, v);
+    return;
+  }
+  uint16_t* dst = static_cast<uint16_t*>(o.data) + at;
+  const __m256i rounded = round_bf16(v);
+  _mm256_mask_storeu_epi16(dst, mask, o.accumulate ? accumulate_bf16(rounded, dst, mask) : rounded);
 }
 
 // Rows of two adjacent panels (32 columns, one 64-byte line of bfloat16) written together:
@@ -51,15 +67,18 @@ class PanelPairWriter {
     __m512 a = _mm512_load_ps(lo);
     __m512 b = hi ? _mm512_load_ps(hi) : _mm512_setzero_ps();
     if (o_->bias) a = _mm512_add_ps(a, bias_lo_), b = _mm512_add_ps(b, bias_hi_);
-    const int64_t at = m * o_->n + col0_;
+    const int64_t at = o_->at(m, col0_);
     if (o_->f32) {
       float* dst = static_cast<float*>(o_->data) + at;
       _mm512_mask_storeu_ps(dst, lo_, a);
       if (hi_) _mm512_mask_storeu_ps(dst + 16, hi_, b);
       return;
     }
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(round_bf16(a)), round_bf16(b), 1);
-    _mm512_mask_storeu_epi16(static_cast<uint16_t*>(o_->data) + at, mask32_, both);
+    uint16_t* dst = static_cast<uint16_t*>(o_->data) + at;
+    __m256i ra = round_bf16(a), rb = round_bf16(b);
+    if (o_->accumulate) ra = accumulate_bf16(ra, dst, lo_), rb = hi_ ? accumulate_bf16(rb, dst + 16, hi_) : rb;
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(ra), rb, 1);
+    _mm512_mask_storeu_epi16(dst, mask32_, both);
   }
 
  private:
