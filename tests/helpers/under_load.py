@@ -4,8 +4,9 @@ completes with exactly the tokens of an undisturbed run, or ends with a clear er
 deadline; afterwards no surviving worker holds a block, and every dead or hung worker was
 replaced. The cluster runs the tcp KV backend with leases far longer than any wait here. The
 prefill worker's kill needs a read from it in flight: while it is caused, every read is posted
-``READ_DELAY_S`` after its claim (``tests.helpers.faults.reads_delayed``, or the cluster's ``inject_transfer_delay_s``
-for every read of its life); every other request goes at full speed."""
+``READ_DELAY_S`` after its claim (``tests.helpers.faults.reads_delayed``; at two ranks, whose
+other rank's agent is in another process, the cluster's ``inject_transfer_delay_s`` delays every
+read of its life)."""
 
 import contextlib
 import os
