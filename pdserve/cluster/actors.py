@@ -95,24 +95,33 @@ class ServerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def inject_fault(self, fault: str, on: bool = True) -> int:
+    def inject_fault(self, fault: str, on: bool = True, delay_s: float = 0.0) -> int:
         """Test-only fault injection (tests/conformance; docs/reliability.md), switched on or off
         at run time in this one worker: ``never_answer`` (a prefill worker accepts Prefill calls
         and never answers them), ``holder_stall`` (its tcp block server accepts reads and never
-        sends), ``reader_stall`` (its tcp reads never receive). Never used in serving. Returns
-        how many calls ``never_answer`` has left unanswered in this worker so far (0 for the
-        stalls, whose reads fail and are counted by the reader)."""
+        sends), ``reader_stall`` (its tcp reads never receive), ``read_delay`` (each KV read its
+        agents start from now on is posted ``delay_s`` after its claim, as the config's
+        ``inject_transfer_delay_s`` does from the start; off: at once). Never used in serving.
+        Returns how many calls ``never_answer`` has left unanswered in this worker so far (0 for
+        the others, whose reads fail and are counted by the reader)."""
         worker = self._server.running.worker
         if fault == "never_answer" and hasattr(worker, "inject_never_answer"):
             worker.inject_never_answer = on
             return worker.never_answered
         agents = getattr(getattr(worker, "agent", None), "agents", ())
+        if fault == "read_delay" and agents and all(hasattr(a, "inject_delay_s") for a in agents):
+            if on and not delay_s > 0:
+                raise ValueError(f"read_delay: delay_s must be above 0, got {delay_s!r}")
+            for agent in agents:
+                agent.inject_delay_s = float(delay_s) if on else 0.0
+            return 0
         if fault in ("holder_stall", "reader_stall") and agents and all(hasattr(a, f"inject_{fault}") for a in agents):
             for agent in agents:
                 setattr(agent, f"inject_{fault}", on)
             return 0
         raise ValueError(f"fault {fault!r}: this {self._spec[0]} worker has no such injection "
-                         "(never_answer: prefill workers; holder_stall, reader_stall: the tcp KV backend)")
+                         "(never_answer: prefill workers; holder_stall, reader_stall: the tcp KV backend; "
+                         "read_delay: agents in the worker's own process)")
 
     def retag(self, role: str) -> None:
         """An elastic worker switched to ``role`` (``pdserve.cluster.roles``): ``describe`` says so

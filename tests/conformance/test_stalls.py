@@ -15,7 +15,7 @@ import ray
 from tests.conformance.conftest import TRANSFER_TIMEOUT_S
 from tests.faults.load import Load
 from tests.helpers.chat import chat_request, collect
-from tests.helpers.faults import assert_no_kv_held, fresh_claim, gone
+from tests.helpers.faults import assert_no_kv_held, fresh_claim, gone, reads_delayed
 from tests.helpers.under_load import (CLIENTS, MAX_TOKENS, PROMPTS, READ_DELAY_S, assert_each_completed_or_failed_clearly,
                                       pid_of, wait_replaced)
 from tests.serving.conftest import worker_stats
@@ -117,10 +117,12 @@ def test_a_prefill_that_accepts_and_never_answers_costs_no_request(cluster, stub
 
 def test_a_frozen_prefill_worker_costs_no_request(cluster, stub, undisturbed_ids):
     """A prefill worker SIGSTOPped within READ_DELAY_S of granting a claim (a read from it is
-    then in flight) and never continued: it is found hung, its calls and reads fail over, it
-    is replaced; every request completes with its undisturbed tokens."""
+    then in flight: reads are held back that long for this test, ``reads_delayed``) and never
+    continued: it is found hung, its calls and reads fail over, it is replaced; every request
+    completes with its undisturbed tokens."""
     replaced = cluster._supervisor.replaced
-    with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, TIMEOUT_S, pause_after_error_s=0.2) as load:
+    with (reads_delayed(cluster, READ_DELAY_S),
+          Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, TIMEOUT_S, pause_after_error_s=0.2) as load):
         load.wait_for(CLIENTS)
         pids = {a: pid_of(actor) for a, actor in zip(list(cluster.prefill_addresses), list(cluster.prefill))}
         address = cluster.prefill_addresses[fresh_claim(cluster, READ_DELAY_S * 0.8)]

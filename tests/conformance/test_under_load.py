@@ -16,5 +16,5 @@ pytestmark = pytest.mark.slow
 
 
 def test_nothing_is_lost_under_faults_and_steady_load(cluster, stub, undisturbed_ids):
-    lose_nothing_under_faults(cluster, stub, kill_router=True, reference=undisturbed_ids)
+    lose_nothing_under_faults(cluster, stub, kill_router=True, reference=undisturbed_ids, delay_reads=True)
 

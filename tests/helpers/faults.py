@@ -1,8 +1,9 @@
 """Checks of a served cluster under faults and rollouts (tests/faults, tests/serving): the
 undisturbed run, the load's outcomes against it, the router's migrations, a busy worker to
-disturb, no KV left held, a process gone."""
+disturb, no KV left held, reads held back for a while, a process gone."""
 
 import concurrent.futures
+import contextlib
 import time
 import urllib.request
 
@@ -101,6 +102,24 @@ def fresh_claim(cluster, younger_than_s: float, timeout_s: float = 30.0) -> int:
                 return index
         time.sleep(0.01)
     raise AssertionError(f"no prefill worker granted a claim seen within {younger_than_s} s in {timeout_s} s")
+
+
+@contextlib.contextmanager
+def reads_delayed(cluster, delay_s: float):
+    """Within the block every KV read the cluster's decode workers start is posted ``delay_s``
+    after its claim (``ServerActor.inject_fault("read_delay")``): the window in which a test
+    sees a first token before its KV has moved, or stops a holder while a read from it is open.
+    Only a test that needs the window pays it. Afterwards the decode workers then in the
+    cluster read at once again (a replacement started meanwhile reads at once from its start)."""
+    import ray
+
+    for actor in list(cluster.decode):
+        ray.get(actor.inject_fault.remote("read_delay", True, delay_s), timeout=10)
+    try:
+        yield
+    finally:
+        for actor in list(cluster.decode):
+            ray.get(actor.inject_fault.remote("read_delay", False), timeout=10)
 
 
 def gone(pid: int) -> bool:

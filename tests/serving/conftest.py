@@ -10,18 +10,21 @@ from pdserve.protos import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.router.limits import RouterLimits
 from tests.clusters import cluster_config, start_local_cluster
 
-# Every KV read is held back this long so a test can see the first token arrive before the
-# decode worker has its KV (the fault-injection hook of kv_transfer).
+# While a test holds KV reads back (tests.helpers.faults.reads_delayed, the fault-injection hook
+# of kv_transfer), each waits this long, so that it sees the first token arrive before the
+# decode worker has its KV. Every other request on the shared cluster reads at once.
 TRANSFER_DELAY_S = 0.5
 LEASE_S = 4.0
-# Reads here take TRANSFER_DELAY_S; a lease must outlive the longest read (ClusterConfig).
+# A held-back read takes TRANSFER_DELAY_S; a lease must outlive the longest read (ClusterConfig).
 TRANSFER_TIMEOUT_S = 3.0
 
 
-def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = TRANSFER_DELAY_S,
+def start_cluster(num_prefill: int = 2, num_decode: int = 2, delay_s: float = 0.0,
                   router_poll_s: float = 0.2, supervise_interval_s: float | None = 1.0,
                   admission_wait_s: float = RouterLimits.admission_wait_s, **overrides) -> LocalCluster:
-    """``overrides``: further ``ClusterConfig`` fields (``mode``, ``router_limits``)."""
+    """``delay_s``: every KV read of the cluster's life posted that long after its claim
+    (``inject_transfer_delay_s``); ``overrides``: further ``ClusterConfig`` fields (``mode``,
+    ``router_limits``)."""
     # float32, the transformers-exact mode: served output is checked token for token against
     # transformers (bfloat16, the default, is checked in tests/engine/test_default_model.py).
     config = cluster_config(**{

@@ -10,6 +10,7 @@ import pytest
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.factories import CHAT_QUESTIONS, chat_variants
 from tests.helpers.chat import assert_chat_greedy, chat_request, collect
+from tests.helpers.faults import reads_delayed
 from tests.serving.conftest import LEASE_S, TRANSFER_DELAY_S, all_stats, assert_all_blocks_free, worker_stats
 
 pytestmark = pytest.mark.slow
@@ -18,7 +19,6 @@ QUESTIONS = CHAT_QUESTIONS
 
 
 def test_greedy_equals_transformers_across_processes(stub, reference):
-    # Asked at once: each request's KV read is held back TRANSFER_DELAY_S, and the waits overlap.
     with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
         answers = list(pool.map(lambda q: collect(stub.Generate(chat_request(q), timeout=120)), QUESTIONS))
     for q, (ids, _, resps) in zip(QUESTIONS, answers):
@@ -49,14 +49,16 @@ def test_kv_moved_over_nixl_and_decode_ran_no_prompt_forward(cluster, stub):
 
 
 def test_first_token_arrives_before_the_kv_transfer_finishes(cluster, stub):
+    """The read is held back TRANSFER_DELAY_S: the first token is streamed before it is done."""
     before = sum(s.kv_transfers for s in all_stats(cluster) if s.role == "decode")
-    t0 = time.monotonic()
-    stream = stub.Generate(chat_request("Count to five.", 12, ignore_eos=True), timeout=120)
-    first = next(stream)
-    t_first = time.monotonic() - t0
-    during = sum(s.kv_transfers for s in all_stats(cluster) if s.role == "decode")
-    rest = list(stream)
-    t_second = None if not rest else time.monotonic() - t0
+    with reads_delayed(cluster, TRANSFER_DELAY_S):
+        t0 = time.monotonic()
+        stream = stub.Generate(chat_request("Count to five.", 12, ignore_eos=True), timeout=120)
+        first = next(stream)
+        t_first = time.monotonic() - t0
+        during = sum(s.kv_transfers for s in all_stats(cluster) if s.role == "decode")
+        rest = list(stream)
+        t_second = None if not rest else time.monotonic() - t0
     assert first.token_ids and during == before, "the pull had already finished when the first token arrived"
     assert rest and rest[-1].usage.completion_tokens == 12
     assert t_second - t_first >= TRANSFER_DELAY_S * 0.8
