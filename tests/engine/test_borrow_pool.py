@@ -124,7 +124,7 @@ ops.start_borrow_pool([0], [1])
 STALL_S = 2.0
 ops.borrow_pool_stall_next(1, int(STALL_S * 1e6))
 slowest, deadline = 0.0, time.monotonic() + 120
-while ops.borrow_pool_stats()[5] == 0:  # until the helper has claimed a chunk (and stalled on it)
+while ops.borrow_pool_stats()[4] == 0:  # until the helper has claimed a chunk (and stalled on it)
     assert time.monotonic() < deadline, "the helper never claimed a chunk in 120 s"
     t0 = time.perf_counter()
     got = run()
@@ -141,7 +141,7 @@ assert stats[2] >= 1, "the owner never stole the stalled chunk"
 assert slowest < STALL_S / 4, f"a call took {slowest:.3f} s: the owner waited for the stalled helper"
 dropped = stats[3]
 deadline = time.monotonic() + STALL_S + 60
-while ops.borrow_pool_stats()[3] == dropped:  # the helper wakes, computes, and loses its commit
+while ops.borrow_pool_stats()[3] == dropped:  # the helper wakes, computes, and loses its CAS
     assert time.monotonic() < deadline, "the stalled helper's late chunk was never dropped"
     got = run()
     assert all(torch.equal(a, b) for a, b in zip(got, want)), "a late helper's chunk reached an output"

@@ -7,13 +7,14 @@
 //     (SCHED_IDLE), so the lender never waits for a borrowed chunk;
 //   - the owner never waits for a chunk no helper has taken (it takes them itself), and never
 //     waits long for one a helper has taken: a helper computes its chunk into a private buffer
-//     and commits it with a compare-and-swap, and the owner, once nothing is left to take,
-//     steals every chunk not yet committed and computes it itself, straight into the output.
-//     A helper whose commit fails drops its buffer. Only a commit's copy, once begun, is waited
-//     for (a few microseconds; a preempted copy is moved to the owner's idle core);
+//     and marks it ready with a compare-and-swap; the owner, once nothing is left to take,
+//     copies the ready chunks into the output, and steals every other one (after the time it
+//     would need for it, and half again, from the helper's claim) and computes it itself,
+//     straight into the output. A helper whose CAS fails drops its result. Only the owner
+//     writes the output, so it never waits on a helper's copy either;
 //   - a stolen helper may still be computing after the kernel returned, so a kernel's chunks
-//     own what they read (ChunkKernel below), and a helper writes the real output only in a
-//     commit, which the owner waits for.
+//     own what they read (ChunkKernel below), and the owner frees them once no helper holds
+//     them.
 // Chunks shrink as the work runs out (large first, small last), so a chunk stolen at the end
 // is a small one.
 #pragma once
