@@ -2,8 +2,9 @@
 //
 //   start_borrow_pool(int[] own, int[] borrowed) -> int
 //       Pins the calling thread's process to `own`, and starts one helper thread per core in
-//       `borrowed`, at SCHED_IDLE, allowed on own + borrowed (so a starved helper can move
-//       to an own core that went idle). Returns the number of helpers. Once per process.
+//       `borrowed`, at SCHED_IDLE, allowed on the borrowed cores only: a helper starved there
+//       is stolen from, and on an own core it would only hold chunks the owner, spinning,
+//       must then take back. Returns the number of helpers. Once per process.
 //   borrow_pool_stats() -> int[]
 //       Counts since start: [jobs, helper chunks copied in, chunks the owner stole back,
 //       helper chunks dropped (stolen from them), helper stalls the test hook below made].
@@ -12,9 +13,12 @@
 //       computing (as a helper preempted by its core's owner would), so tests can show that the
 //       owner does not wait for it and that its late work is dropped.
 //
-// A job is one heap object per call (Job below), kept by the owner until no helper holds it:
-// a helper that wakes after the call returned still reads a live job (the kernel's inputs
-// included) and finds every chunk taken or stolen. The owner frees it, at a later call.
+// A job (Job below) is published through one pointer, with no lock: a helper names the job
+// in its hazard slot and checks it is still published, and the owner recycles for a later
+// call only jobs no slot names (letting go of their kernel, and with it the inputs, on its
+// own thread). So a helper that wakes after the call returned still reads a live job, the
+// kernel's inputs included, and finds every chunk taken or stolen. Sleeping helpers wait on a
+// futex over the job count.
 // Each chunk has a state, which moves only forward:
 //   kOpen -> kDone             the owner claimed it and computed it into the output
 //   kOpen -> kReady -> kDone   a helper claimed it and computed it into its own buffer; the
@@ -73,9 +77,8 @@ struct Job {
     kernel = std::move(k);
     out = o;
     // Guided sizes: a share of what is left, so the last chunks (the ones a late helper may
-    // still hold when the owner runs out) are the smallest; no smaller than half the first
-    // (a decode step's tiny chunks would cost more to hand out than to compute).
-    floor = std::max(min_chunk, (n + 2 * divisor - 1) / (2 * divisor));
+    // still hold when the owner runs out) are the smallest, down to min_chunk.
+    floor = min_chunk;
     count = 0;
     for (int64_t b = 0; b < n; ++count) b = std::min(n, b + std::max(floor, (n - b + divisor - 1) / divisor));
     if (count > room) {
@@ -219,14 +222,14 @@ class BorrowPool {
 
   // The owner, once nothing is unclaimed: every helper chunk is copied in from its helper's
   // buffer, or stolen and computed here. A helper still on its chunk gets the time the owner
-  // would need for it (and half again) from its claim, then loses it.
+  // would need for it (and a quarter more) from its claim, then loses it.
   void take_back(Job& job, int64_t ns_per_item, std::exception_ptr* error) {
     for (int64_t i = 0; i < job.count; ++i) {
       const int64_t b = job.chunks[i].begin, e = job.chunks[i].end;
       uint8_t s = job.chunks[i].state.load(std::memory_order_acquire);
       if (s == kOpen) {
         int64_t claimed = job.chunks[i].claimed_ns.load(std::memory_order_relaxed);
-        const int64_t deadline = (claimed ? claimed : now_ns()) + (e - b) * ns_per_item * 3 / 2 + 10000;
+        const int64_t deadline = (claimed ? claimed : now_ns()) + (e - b) * ns_per_item * 5 / 4 + 10000;
         while (s == kOpen && now_ns() < deadline) {
           _mm_pause();
           s = job.chunks[i].state.load(std::memory_order_acquire);
@@ -350,12 +353,10 @@ int64_t start_borrow_pool(std::vector<int64_t> own, std::vector<int64_t> borrowe
   TORCH_CHECK(!own.empty(), "start_borrow_pool: a worker needs at least one core of its own");
   int64_t helpers = -1;
   std::call_once(g_started, [&] {
-    cpu_set_t own_set, all;
-    CPU_ZERO(&own_set);
-    for (int64_t c : own) CPU_SET(static_cast<int>(c), &own_set);
-    all = own_set;
-    for (int64_t c : borrowed) CPU_SET(static_cast<int>(c), &all);
-    helpers = pool().start(borrowed, all);
+    cpu_set_t lent;
+    CPU_ZERO(&lent);
+    for (int64_t c : borrowed) CPU_SET(static_cast<int>(c), &lent);
+    helpers = pool().start(borrowed, lent);
   });
   TORCH_CHECK(helpers >= 0, "start_borrow_pool: the pool of this process is already started");
   return helpers;

@@ -9,7 +9,7 @@
 //     waits long for one a helper has taken: a helper computes its chunk into a private buffer
 //     and marks it ready with a compare-and-swap; the owner, once nothing is left to take,
 //     copies the ready chunks into the output, and steals every other one (after the time it
-//     would need for it, and half again, from the helper's claim) and computes it itself,
+//     would need for it, and a quarter more, from the helper's claim) and computes it itself,
 //     straight into the output. A helper whose CAS fails drops its result. Only the owner
 //     writes the output, so it never waits on a helper's copy either;
 //   - a stolen helper may still be computing after the kernel returned, so a kernel's chunks

@@ -365,7 +365,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
       c.xp = c.x32.get();
     }
   }
-  parallel_kernel(P, 2, std::move(c), y.data_ptr());
+  parallel_kernel(P, 2, std::move(c), y.data_ptr(), 6, /*fine_tail=*/M >= 16);
   return y;
 }
 

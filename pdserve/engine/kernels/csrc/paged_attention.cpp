@@ -515,7 +515,8 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
   }
   // Which thread runs an item never changes its arithmetic, so a work queue is safe here.
   const int64_t n = static_cast<int64_t>(c.items.size());
-  pdserve::parallel_kernel(n, 1, std::move(c), out.mutable_data_ptr<T>(), 4);
+  const bool prefill = c.tokens >= 16;  // many query rows: fine chunks at the end pay
+  pdserve::parallel_kernel(n, 1, std::move(c), out.mutable_data_ptr<T>(), 4, prefill);
 }
 
 }  // namespace
