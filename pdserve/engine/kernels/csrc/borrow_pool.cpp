@@ -164,7 +164,7 @@ class BorrowPool {
     take_back(*job, ns_per_item, &error);
     in_use_.push_back(job);
     last_helpers_ = job->helpers_in.load(std::memory_order_relaxed);
-    if (error) std::rethrow_exception(error);  // every chunk is settled: no helper writes `out` now
+    if (error) std::rethrow_exception(error);  // every chunk is settled: `out` is complete or abandoned
   }
 
   int64_t last_helpers() const { return last_helpers_; }
