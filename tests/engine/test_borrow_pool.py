@@ -97,3 +97,64 @@ def test_many_short_jobs_back_to_back_keep_their_bits_and_the_process_alive():
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", STRESS], cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, (out.returncode, out.stderr[-2000:])
+
+
+STALL = r"""
+import os, time, torch
+from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.linear import PackedLinear
+cpu_kernels.load()
+os.sched_setaffinity(0, {0})
+torch.set_num_threads(1)
+ops = torch.ops.pdserve
+g = torch.Generator().manual_seed(0)
+big = PackedLinear((torch.randn(8192, 576, generator=g) * 576 ** -0.5).bfloat16(), None)
+x = torch.randn(24, 576, generator=g).bfloat16()
+q = torch.randn(40, 9, 64, generator=g).bfloat16()
+kv = torch.randn(2, 32, 16, 3, 64, generator=g).bfloat16()
+tables = torch.arange(32, dtype=torch.int32).view(4, 8)
+cu = torch.tensor([0, 1, 2, 39, 40], dtype=torch.int32)
+ctx = torch.tensor([100, 17, 120, 64], dtype=torch.int32)
+
+def run():  # fresh inputs each call: once a call returns, only the pool's job holds them
+    return (big(x.clone()), ops.paged_attention(q.clone(), kv[0], kv[1], tables.clone(), cu.clone(), ctx.clone(), 0.125))
+
+want = run()
+ops.start_borrow_pool([0], [1])
+STALL_S = 2.0
+ops.borrow_pool_stall_next(1, int(STALL_S * 1e6))
+slowest, deadline = 0.0, time.monotonic() + 120
+while ops.borrow_pool_stats()[4] == 0:  # until the helper has claimed a chunk (and stalled on it)
+    assert time.monotonic() < deadline, "the helper never claimed a chunk in 120 s"
+    t0 = time.perf_counter()
+    got = run()
+    slowest = max(slowest, time.perf_counter() - t0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "a chunk changed bits"
+for _ in range(20):  # the stalled chunk's job, and more, while the helper sleeps
+    t0 = time.perf_counter()
+    got = run()
+    slowest = max(slowest, time.perf_counter() - t0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "a chunk changed bits"
+stats = ops.borrow_pool_stats()
+print("stats after the stall", stats, "slowest call", round(slowest, 3))
+assert stats[2] >= 1, "the owner never stole the stalled chunk"
+assert slowest < STALL_S / 4, f"a call took {slowest:.3f} s: the owner waited for the stalled helper"
+dropped = stats[3]
+deadline = time.monotonic() + STALL_S + 60
+while ops.borrow_pool_stats()[3] == dropped:  # the helper wakes, computes, and loses its CAS
+    assert time.monotonic() < deadline, "the stalled helper's late chunk was never dropped"
+    got = run()
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "a late helper's chunk reached an output"
+    time.sleep(0.05)
+print("ok", ops.borrow_pool_stats())
+"""
+
+
+def test_a_stalled_helper_is_stolen_from_and_never_waited_for():
+    """A helper that claims a chunk and then stalls (the test hook sleeps it 2 s, as a decode
+    step preempting it would): the owner takes the chunk back and computes it itself, so no call
+    waits for it, the bits stay those of the unborrowed path, and the helper's late result,
+    computed after its call returned, is dropped instead of written anywhere."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", STALL], cwd=root, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0 and "ok" in out.stdout, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])

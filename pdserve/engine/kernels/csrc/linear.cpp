@@ -241,31 +241,79 @@ std::unique_ptr<uint16_t[]> padded_rows(const uint16_t* x, int64_t M, int64_t K,
   return buf;
 }
 
+// One call's output panels as chunks (parallel_chunks.h). It owns what it reads: references
+// on x, the weight and the bias, and its own copies of x's rows, since a borrowed core's
+// helper that was stolen from may still run it after the call returned (borrow_pool.h).
+struct LinearChunks final : pdserve::ChunkKernel {
+  enum class Path { kF32, kBf16, kDot, kAmx };
+  Path path = Path::kF32;
+  bool wide = false;  // 16-lane FMA (the single-k paths): the same chain, the same bits
+  at::Tensor x, packed, bias;
+  std::unique_ptr<uint16_t[]> head, tail;  // padded rows (pairs paths)
+  std::unique_ptr<float[]> x32;            // x widened (bfloat16, single k)
+  const void* xp = nullptr;                // the rows the kernel reads
+  int64_t M = 0, K = 0, KP = 0, ldx = 0;
+  AmxRows rows{};
+  Output o{};  // o.data is replaced by the base compute() is given
+
+  void compute(int64_t b, int64_t e, void* out) const override {
+    Output d = o;
+    d.data = out;
+    const auto* fx = static_cast<const float*>(xp);
+    const auto* ux = static_cast<const uint16_t*>(xp);
+    switch (path) {
+      case Path::kF32: {
+        const float* w = packed.const_data_ptr<float>();
+        wide ? avx512_panels_f32(fx, M, K, w, b, e, d) : run_panels(fx, M, K, w, b, e, d);
+        break;
+      }
+      case Path::kBf16: {
+        const auto* w = reinterpret_cast<const uint16_t*>(packed.const_data_ptr<at::BFloat16>());
+        wide ? avx512_panels_bf16(fx, M, K, w, b, e, d) : run_panels(fx, M, K, w, b, e, d);
+        break;
+      }
+      case Path::kDot:
+        dpbf16_panels(ux, ldx, M, KP, reinterpret_cast<const uint16_t*>(packed.const_data_ptr<at::BFloat16>()), b, e, d);
+        break;
+      case Path::kAmx:
+        amx_panels(rows, M, KP, reinterpret_cast<const uint16_t*>(packed.const_data_ptr<at::BFloat16>()), b, e, d);
+        break;
+    }
+  }
+  // Panels [b, e) are columns [16b, 16e) (up to n) of every row.
+  void copy(int64_t b, int64_t e, const void* from, void* to) const override {
+    const int64_t es = o.f32 ? 4 : 2, c0 = b * kPanel, c1 = std::min(e * kPanel, o.n);
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(static_cast<char*>(to) + (m * o.n + c0) * es, static_cast<const char*>(from) + (m * o.n + c0) * es,
+                  (c1 - c0) * es);
+  }
+  int64_t out_bytes() const override { return M * o.n * (o.f32 ? 4 : 2); }
+};
+
 // bfloat16 weights in the pairs layout: VDPBF16PS or AMX, by the path in force.
-void linear_pairs(const at::Tensor& xc, const at::Tensor& packed, const Output& o) {
+void linear_pairs(LinearChunks& c) {
   const Isa isa = current_isa();
-  const int64_t M = xc.size(0), K = xc.size(1), P = packed.size(0), KP = packed.size(1);
+  const int64_t M = c.M, K = c.K, KP = c.packed.size(1);
   TORCH_CHECK(pairs_layout(isa), "linear: the weight was packed in pairs of k (for avx512_bf16 or amx) but the "
               "kernel path is ", isa_name(isa), ": pack it after set_isa");
   TORCH_CHECK(KP == (K + 1) / 2, "linear: x has K=", K, " but the packed weight has K=", 2 * KP - 1, " or ", 2 * KP);
-  const auto* x = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const auto* x = reinterpret_cast<const uint16_t*>(c.x.const_data_ptr<at::BFloat16>());
+  c.KP = KP;
   if (isa == Isa::kAmx) {
     // x is read in place when its rows are already whole k blocks; only the last, partial
     // row tile (and every row when K is not a multiple of 32) is copied with padding.
     const int64_t ld = (KP + 15) / 16 * 32;
     const int64_t split = M / 16 * 16;
-    std::unique_ptr<uint16_t[]> head;
-    if (ld != K && split > 0) head = padded_rows(x, split, K, split, ld);
-    const auto tail = padded_rows(x + split * K, M - split, K, 16, ld);
-    const AmxRows rows{head ? head.get() : x, tail.get(), split, ld};
-    parallel_chunks(P, 2, [&](int64_t b, int64_t e) { amx_panels(rows, M, KP, w, b, e, o); });
+    if (ld != K && split > 0) c.head = padded_rows(x, split, K, split, ld);
+    c.tail = padded_rows(x + split * K, M - split, K, 16, ld);
+    c.rows = AmxRows{c.head ? c.head.get() : x, c.tail.get(), split, ld};
+    c.path = LinearChunks::Path::kAmx;
     return;
   }
-  std::unique_ptr<uint16_t[]> buf;
-  if (K % 2) buf = padded_rows(x, M, K, M, K + 1);
-  const uint16_t* xp = buf ? buf.get() : x;
-  parallel_chunks(P, 2, [&](int64_t b, int64_t e) { dpbf16_panels(xp, 2 * KP, M, KP, w, b, e, o); });
+  if (K % 2) c.head = padded_rows(x, M, K, M, K + 1);
+  c.xp = c.head ? c.head.get() : x;
+  c.ldx = 2 * KP;
+  c.path = LinearChunks::Path::kDot;
 }
 
 }  // namespace
@@ -288,37 +336,40 @@ bool check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   return pairs;
 }
 
-// x (M, K) contiguous, M > 0, times the packed weight, written through o.
-void run_linear(const at::Tensor& xc, const at::Tensor& packed, bool pairs, const Output& o) {
+// The chunks of x (M, K) contiguous, M > 0, times the packed weight, written through o
+// (o.data is set by whoever runs them).
+LinearChunks linear_chunks(const at::Tensor& xc, const at::Tensor& packed, bool pairs, const Output& o,
+                           at::Tensor bias) {
   const auto dtype = packed.scalar_type();
-  const int64_t M = xc.size(0), K = xc.size(1), P = packed.size(0);
+  LinearChunks c;
+  c.x = xc;
+  c.packed = packed;
+  c.bias = std::move(bias);
+  c.M = xc.size(0);
+  c.K = xc.size(1);
+  c.o = o;
   // Parallel over panels only, in chunks handed to whichever thread asks (parallel_chunks.h):
   // each thread owns whole output columns, never part of a K sum.
   if (pairs) {
-    linear_pairs(xc, packed, o);
-    return;
+    linear_pairs(c);
+    return c;
   }
   TORCH_CHECK(dtype == at::kFloat || !pairs_layout(current_isa()), "linear: the weight was packed in single k "
               "(for avx2 or avx512) but the kernel path is ", isa_name(current_isa()), ": pack it after set_isa");
-  const bool wide = current_isa() != Isa::kAvx2;  // 16-lane FMA: the same chain, the same bits
+  c.wide = current_isa() != Isa::kAvx2;
   if (dtype == at::kFloat) {
-    const float* xp = xc.data_ptr<float>();
-    const float* wp = packed.data_ptr<float>();
-    parallel_chunks(P, 2, [&](int64_t b, int64_t e) {
-      wide ? avx512_panels_f32(xp, M, K, wp, b, e, o) : run_panels(xp, M, K, wp, b, e, o);
-    });
-    return;
+    c.path = LinearChunks::Path::kF32;
+    c.xp = xc.const_data_ptr<float>();
+  } else {
+    // x widened to float32 (exact), read by the broadcasts; converted here rather than by an
+    // ATen op, whose dispatch costs more than the conversion at decode sizes. Uninitialised
+    // (every element is written next): a std::vector would zero it first.
+    c.x32.reset(new float[static_cast<size_t>(c.M * c.K)]);
+    widen_bf16(reinterpret_cast<const uint16_t*>(xc.const_data_ptr<at::BFloat16>()), c.M * c.K, c.x32.get());
+    c.path = LinearChunks::Path::kBf16;
+    c.xp = c.x32.get();
   }
-  // x widened to float32 (exact), read by the broadcasts; converted here rather than by an
-  // ATen op, whose dispatch costs more than the conversion at decode sizes. Uninitialised
-  // (every element is written next): a std::vector would zero it first.
-  std::unique_ptr<float[]> x32(new float[static_cast<size_t>(M * K)]);
-  widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M * K, x32.get());
-  const float* xp = x32.get();
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  parallel_chunks(P, 2, [&](int64_t b, int64_t e) {
-    wide ? avx512_panels_bf16(xp, M, K, wp, b, e, o) : run_panels(xp, M, K, wp, b, e, o);
-  });
+  return c;
 }
 
 }  // namespace
@@ -332,10 +383,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     b32 = bias->to(at::kFloat).contiguous();
   }
   const bool out_f32 = f32_out || packed.scalar_type() == at::kFloat;
-  auto y = at::empty({x.size(0), n}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
-  if (x.size(0) == 0) return y;
-  const Output o{y.data_ptr(), out_f32, n, b32.defined() ? b32.data_ptr<float>() : nullptr};
-  run_linear(x.contiguous(), packed, pairs, o);
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, n}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return y;
+  const Output o{nullptr, out_f32, n, b32.defined() ? b32.const_data_ptr<float>() : nullptr};
+  parallel_kernel(packed.size(0), 2, linear_chunks(x.contiguous(), packed, pairs, o, b32), y.data_ptr(), 6,
+                  /*fine_tail=*/M >= 16);
   return y;
 }
 
@@ -350,11 +403,15 @@ void linear_add_into(const at::Tensor& x, const at::Tensor& packed, int64_t n, a
     TORCH_CHECK(rows[m] >= 0 && rows[m] < y.size(0), "linear_add_into: row ", rows[m], " of x's row ", m,
                 " is outside y's ", y.size(0), " rows");
   if (x.size(0) == 0) return;
-  Output o{y.data_ptr<at::BFloat16>() + column, false, n, nullptr};
+  Output o{nullptr, false, n, nullptr};
   o.ld = y.size(1);
   o.accumulate = true;
   o.rows = rows;
-  run_linear(x.contiguous(), packed, pairs, o);
+  // Not on the borrowing pool: a helper's private copy of the output would not hold the sums
+  // this adds to (the expand of a LoRA product is small beside the base linear it adds into).
+  const LinearChunks c = linear_chunks(x.contiguous(), packed, pairs, o, at::Tensor());
+  void* out = y.data_ptr<at::BFloat16>() + column;
+  parallel_chunks(packed.size(0), 2, [&](int64_t b, int64_t e) { c.compute(b, e, out); });
 }
 
 }  // namespace pdserve

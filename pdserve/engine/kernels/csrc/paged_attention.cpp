@@ -430,10 +430,47 @@ class Worker {
   int64_t base_ = 0;  // the current item's lowest key read (a multiple of 32; run() sets it)
 };
 
+// One call's work items as chunks (parallel_chunks.h). It holds references on q and the
+// caches and, with a borrowing pool, its own copy of the index arrays: a helper that was
+// stolen from may still run it after the call returned (borrow_pool.h), and must never
+// index the cache with values changed since.
+template <typename T>
+struct AttentionChunks final : pdserve::ChunkKernel {
+  Geometry g{};
+  at::Tensor q, k, v;
+  std::vector<int32_t> owned;  // tables, cu_q, ctx back to back (with a pool)
+  const int32_t *tables = nullptr, *cu_q = nullptr, *ctx = nullptr;
+  std::vector<Item> items;
+  float scale = 0;
+  int64_t window = 0, max_keys = 0, tokens = 0;
+  bool wide = false;
+  Pairs pairs = Pairs::kNone;
+  uint64_t call = 0;
+
+  void compute(int64_t b, int64_t e, void* out) const override {
+    thread_local Scratch scratch;
+    scratch.reserve(QUERY_TILE * g.group, max_keys, g.hd);
+    Worker<T> w(g, q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(), static_cast<T*>(out),
+                tables, cu_q, ctx, scale, window, scratch, wide, pairs, call);
+    for (int64_t i = b; i < e; ++i) w.run(items[i]);
+  }
+  // Item i writes, for each of its queries, its kv head's group of q heads: group x hd
+  // consecutive values of the (T, nh, hd) output.
+  void copy(int64_t b, int64_t e, const void* from, void* to) const override {
+    const int64_t row = g.group * g.hd;
+    for (int64_t i = b; i < e; ++i)
+      for (int64_t j = items[i].q_begin; j < items[i].q_end; ++j) {
+        const int64_t at = ((cu_q[items[i].seq] + j) * g.nh + items[i].kv_head * g.group) * g.hd;
+        std::memcpy(static_cast<T*>(to) + at, static_cast<const T*>(from) + at, row * sizeof(T));
+      }
+  }
+  int64_t out_bytes() const override { return tokens * g.nh * g.hd * static_cast<int64_t>(sizeof(T)); }
+};
+
 template <typename T>
 void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
              const int32_t* tables, const int32_t* cu_q, const int32_t* ctx, int64_t b, float scale, int64_t window) {
-  std::vector<Item> items;
+  AttentionChunks<T> c;
   int64_t max_ctx = 0;
   for (int64_t i = 0; i < b; ++i) {
     const int32_t qlen = cu_q[i + 1] - cu_q[i];
@@ -442,31 +479,44 @@ void run_all(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const 
     // the tail, and a thread's next item usually reuses the K and V the wide loops widened.
     for (int32_t h = 0; h < g.nkv; ++h)
       for (int32_t end = qlen; end > 0; end -= QUERY_TILE)
-        items.push_back({static_cast<int32_t>(i), h, std::max<int32_t>(0, end - QUERY_TILE), end});
+        c.items.push_back({static_cast<int32_t>(i), h, std::max<int32_t>(0, end - QUERY_TILE), end});
   }
-  if (items.empty()) return;
-  const int64_t max_keys = (max_ctx + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
+  if (c.items.empty()) return;
+  c.max_keys = (max_ctx + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS;
   const pdserve::Isa isa = pdserve::current_isa();
-  const bool wide = isa != pdserve::Isa::kAvx2 && g.hd % 16 == 0;
+  c.wide = isa != pdserve::Isa::kAvx2 && g.hd % 16 == 0;
   // bfloat16 on the pairs paths: every item on tiles (amx) or VDPBF16PS (avx512_bf16), decode
   // and prefill alike, where the geometry suits them.
-  Pairs pairs = Pairs::kNone;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (isa == pdserve::Isa::kAmx && pdserve::attention_amx::supported(g.hd, g.block_size))
-      pairs = Pairs::kAmx;
+      c.pairs = Pairs::kAmx;
     else if (isa == pdserve::Isa::kAvx512Bf16 && g.hd % 32 == 0)
-      pairs = Pairs::kDot;
+      c.pairs = Pairs::kDot;
   }
   static std::atomic<uint64_t> calls{0};
-  const uint64_t call = ++calls;  // a thread's widened K/V is reused only within this call
+  c.call = ++calls;  // a thread's widened K/V is reused only within this call
+  c.g = g;
+  c.q = q;
+  c.k = k;
+  c.v = v;
+  c.scale = scale;
+  c.window = window;
+  c.tokens = q.size(0);
+  c.tables = tables;
+  c.cu_q = cu_q;
+  c.ctx = ctx;
+  if (pdserve::borrow_pool_active()) {
+    c.owned.assign(tables, tables + b * g.max_blocks);
+    c.owned.insert(c.owned.end(), cu_q, cu_q + b + 1);
+    c.owned.insert(c.owned.end(), ctx, ctx + b);
+    c.tables = c.owned.data();
+    c.cu_q = c.tables + b * g.max_blocks;
+    c.ctx = c.cu_q + b + 1;
+  }
   // Which thread runs an item never changes its arithmetic, so a work queue is safe here.
-  pdserve::parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
-    thread_local Scratch scratch;
-    scratch.reserve(QUERY_TILE * g.group, max_keys, g.hd);
-    Worker<T> w(g, q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
-                tables, cu_q, ctx, scale, window, scratch, wide, pairs, call);
-    for (int64_t i = b; i < e; ++i) w.run(items[i]);
-  }, 4);
+  const int64_t n = static_cast<int64_t>(c.items.size());
+  const bool prefill = c.tokens >= 16;  // many query rows: fine chunks at the end pay
+  pdserve::parallel_kernel(n, 1, std::move(c), out.mutable_data_ptr<T>(), 4, prefill);
 }
 
 }  // namespace
