@@ -29,6 +29,7 @@
 
 #include "isa.h"
 #include "ops.h"
+#include "parallel_chunks.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -97,7 +98,7 @@ void rope_store_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
   T* vc = v_cache.data_ptr<T>();
   const auto ks = k_cache.strides(), vs = v_cache.strides();
   T* q = q_out.data_ptr<T>();
-  at::parallel_for(0, ntok, 64, [&](int64_t b, int64_t e) {
+  pdserve::parallel_chunks(ntok, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const T* row = src + t * width;
       const T* c = cp + t * hd;
@@ -256,7 +257,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const auto* xp = x.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   const bool wide = current_isa() != Isa::kAvx2;
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  parallel_chunks(T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const c10::BFloat16 *gate = xp + t * 2 * I, *up = gate + I;
       const int64_t done = wide ? silu_mul_row16(gate, up, I, op + t * I) : 0;

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "parallel_chunks.h"
 #include "vec_math.h"
 
 #include <cmath>
@@ -78,7 +79,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto* xp = xc.data_ptr<at::BFloat16>();
   const auto* wp = weight.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+  parallel_chunks(M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) rms_norm_row(xp + m * D, wp, D, static_cast<float>(eps), yp + m * D);
   });
   return y;
@@ -100,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const auto* wp = weight.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
   auto* sp = sum.data_ptr<at::BFloat16>();
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+  parallel_chunks(M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       add_row(xp + m * D, rp + m * D, D, sp + m * D);
       rms_norm_row(sp + m * D, wp, D, static_cast<float>(eps), yp + m * D);
