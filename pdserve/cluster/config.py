@@ -80,6 +80,7 @@ class ClusterConfig:
     inject_transfer_delay_s: float = 0.0  # test hook: slow every KV read by this much
     threads_per_worker: int | None = None  # torch threads per worker; None: cores / workers
     borrow_idle_cores: bool = True  # pinned workers also borrow the other workers' cores while idle
+    lend_tpot_s: float = 0.04  # a pinned decode worker's step period while a prefill borrows its core (shell.core_lending)
     step_trace_dir: str | None = None  # each worker's engine steps, one JSON line each (engine.step_trace)
     ray_address: str | None = None  # join this Ray cluster instead of starting one
     otlp_traces_endpoint: str | None = None  # every process exports its request spans there (wire.tracing)

@@ -232,6 +232,8 @@ class LocalCluster:
             cpus = tuple((slot * threads + k) % (os.cpu_count() or 1) for k in range(threads))
             borrow = tuple(c for c in range(os.cpu_count() or 1) if c not in cpus) if self.config.borrow_idle_cores else ()
             config = _pinned(config, cpus, borrow)
+            if borrow and hasattr(config, "lend_tpot_s"):  # a decode worker (not an elastic one's half)
+                config = dataclasses.replace(config, lend_tpot_s=self.config.lend_tpot_s)
         pg, options = reserve(placement, f"{self._group_prefix()}{config.worker_id}-{uuid.uuid4().hex[:8]}",
                               detached=self.detached)
         actor = ServerActor.options(**options, **self._actor_options(role)).remote(

@@ -68,6 +68,7 @@ def build(s: ServeSettings):
         transfer_timeout_s=kv.transfer_timeout_seconds, verify_kv_transfers=kv.verify_kv_transfers,
         hang_timeout_s=process.hang_timeout_seconds,
         threads_per_worker=process.threads_per_worker, borrow_idle_cores=process.borrow_idle_cores,
+        lend_tpot_s=process.lend_tpot_ms / 1000,
         step_trace_dir=_absolute(process.step_trace_dir), ray_address=s.ray.address,
         otlp_traces_endpoint=process.otlp_traces_endpoint,
         served_model_names=served_names(s.engine.model, api.served_model_name), tokenizer=api.tokenizer,

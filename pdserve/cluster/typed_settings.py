@@ -313,6 +313,7 @@ class ProcessSettings(_Typed):
     hang_timeout_seconds: float
     threads_per_worker: int | None
     borrow_idle_cores: bool
+    lend_tpot_ms: float
     step_trace_dir: str | None
     otlp_traces_endpoint: str | None
     log_level: str

@@ -34,6 +34,8 @@ class DecodeWorkerConfig:
     max_receive_bytes: int = 4 << 20  # largest gRPC request its server accepts; larger: RESOURCE_EXHAUSTED
     cpus: tuple[int, ...] = ()  # cores this worker's threads run on (sched_setaffinity); empty: any
     borrow_cpus: tuple[int, ...] = ()  # other workers' cores its kernels may use while idle (shell.worker)
+    # While a prefill worker borrows its cores, start a step at most this often (shell.core_lending); 0: never pace.
+    lend_tpot_s: float = 0.0
     step_trace_dir: str | None = None  # append each engine step to <dir>/<worker_id>.steps.jsonl (engine.core.step_trace)
     otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
     # A prefix held for a prefill worker's read (prefix_hold) is freed this long after the hold

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 Hook = Callable[[], Optional[float]]  # runs on the engine thread; returns seconds until it needs to run again
 Hold = Callable[[], Optional[float]]  # runs on the engine thread; returns a time.monotonic() to hold the step until
-HOLD_POLL_S = 0.0005  # while a step is held, the hooks run at least this often
+HOLD_POLL_S = 0.0005  # while a step is held, the hooks run at most this often
+HOLD_IDLE_POLL_S = 0.005  # and at least this often (a paced decode step sleeps in such slices)
 
 _WAKE = object()  # queued by ``stop`` so a blocked loop sees the stop flag
 
@@ -63,6 +64,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
         self.last_step_s = 0.0  # how long the last step that ran took (a hook may size a wait by it)
+        self.last_step_started = 0.0  # when it started, time.monotonic() (a hold may pace steps by it)
         self.idle_waits = 0  # times the loop blocked with nothing to run (tests read it)
         self._trace = step_trace  # every step's start, length and shape (engine.core.step_trace)
         self._idle_since_step = True
@@ -71,6 +73,11 @@ class EngineThread:
 
     def start(self) -> None:
         self._thread.start()
+
+    def add(self, hook: Hook | None = None, hold: Hold | None = None) -> None:
+        """One more hook or hold, before ``start``."""
+        self._hooks += [hook] if hook is not None else []
+        self._holds += [hold] if hold is not None else []
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -120,21 +127,26 @@ class EngineThread:
         return soonest
 
     def _hold(self) -> None:
-        """Before a step: until the latest moment a hold names, run calls and hooks as they come."""
+        """Before a step: until the latest moment a hold names, run calls and hooks as they come:
+        each hook as soon as it asked to run again, and at least every ``HOLD_IDLE_POLL_S`` (a call
+        wakes the loop at once)."""
+        poll_s = HOLD_POLL_S
         while self._holds and not self._stop.is_set():
             until = max((t for t in (hold() for hold in self._holds) if t is not None), default=None)
             left = until - time.monotonic() if until is not None else 0.0
             if left <= 0:
                 return
             try:
-                self._run_call(self._calls.get(timeout=min(left, HOLD_POLL_S)))
+                self._run_call(self._calls.get(timeout=min(left, poll_s)))
                 self._drain_calls()
             except queue.Empty:
                 pass
-            self._run_hooks()
+            soonest = self._run_hooks()
+            poll_s = HOLD_IDLE_POLL_S if soonest is None else min(max(soonest, HOLD_POLL_S), HOLD_IDLE_POLL_S)
 
     def _step(self) -> None:
         start, t = time.time(), time.perf_counter()
+        self.last_step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except StepFailed as exc:

@@ -23,6 +23,7 @@ from pdserve.kv_transfer import KVTransferAgent
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
 from pdserve.shell.cache_events import CacheEventBatch, CacheEventLog
+from pdserve.shell.core_lending import BorrowerMark, CoreSlots, LenderPace
 from pdserve.shell.stats import worker_stats
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class WorkerShell:
         self.agent = RankAgents.of(agent)  # one per tensor-parallel rank (pdserve/shell/agents.py)
         self.draining = False  # no new requests; those here finish
         self.refusal = "is draining"  # what a request refused while draining is told (ShellRpcs.admit)
+        self.lender: LenderPace | None = None  # a decode worker's pacing while its core is lent (start)
         self.hooks = list(hooks)  # kept for a worker that runs several shells on one thread (run_together)
         self.holds = list(holds)  # likewise (engine_thread: what may delay a step a little)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -64,8 +66,19 @@ class WorkerShell:
             pin_process(own)
             if self.config.borrow_cpus:
                 borrow_idle_cores(own, self.config.borrow_cpus)
+            self._lend_cores(own)
         self.agent.expect_reads(False)  # until the role says otherwise (a prefill worker holding KV)
         self.thread.start()
+
+    def _lend_cores(self, own: Sequence[int]) -> None:
+        """A prefill worker marks the cores it borrows while it prefills; a decode worker with
+        ``lend_tpot_s`` paces its steps on its own cores while they are marked (shell.core_lending)."""
+        if self.role == "prefill" and self.config.borrow_cpus:
+            self.thread.add(hook=BorrowerMark(CoreSlots(self.config.borrow_cpus), self.engine.has_runnable,
+                                              lambda: self.thread.last_step_s))
+        elif self.role == "decode" and getattr(self.config, "lend_tpot_s", 0.0) > 0:
+            self.lender = LenderPace(CoreSlots(own), self.config.lend_tpot_s, lambda: self.thread.last_step_started)
+            self.thread.add(hold=self.lender)
 
     def stop(self) -> None:
         self.thread.stop()

@@ -34,8 +34,23 @@ tables = torch.arange(32, dtype=torch.int32).view(4, 8)
 cu = torch.tensor([0, 1, 2, 39, 40], dtype=torch.int32)
 ctx = torch.tensor([100, 17, 120, 64], dtype=torch.int32)
 
+rows = torch.randn(70, 576, generator=g).bfloat16()
+norm_w = torch.randn(576, generator=g).bfloat16()
+gate_up = torch.randn(70, 3072, generator=g).bfloat16()
+qkv = torch.randn(70, 15 * 64, generator=g).bfloat16()
+cos, sin = (torch.randn(70, 1, 64, generator=g).bfloat16() for _ in range(2))
+slots = torch.randperm(32 * 16, generator=g)[:70]
+
+def rope(m):  # the rotated queries, and the keys and values it stored
+    kc, vc = torch.zeros(32, 16, 3, 64).bfloat16(), torch.zeros(32, 16, 3, 64).bfloat16()
+    out = torch.ops.pdserve.rope_store_kv(qkv[:m], cos[:m], sin[:m], kc, vc, slots[:m] // 16, slots[:m] % 16, 9, 3)
+    return [out, kc, vc]
+
 def run():
     outs = [l(xs[l.in_features][:m]) for l in layers for m in (1, 16, 70)]
+    for m in (1, 16, 70):  # the row-wise kernels of a prefill take chunks of rows too
+        outs += [torch.ops.pdserve.rms_norm(rows[:m], norm_w, 1e-5), torch.ops.pdserve.silu_mul(gate_up[:m]),
+                 *torch.ops.pdserve.add_rms_norm(rows[:m], rows.flip(0)[:m], norm_w, 1e-5), *rope(m)]
     return outs + [torch.ops.pdserve.paged_attention(q, kv[0], kv[1], tables, cu, ctx, 0.125)]
 
 before = run()

@@ -25,10 +25,12 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <cstring>
 #include <torch/library.h>
 
 #include "isa.h"
 #include "ops.h"
+#include "parallel_chunks.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -247,22 +249,43 @@ int64_t silu_mul_row16(const c10::BFloat16* gate, const c10::BFloat16* up, int64
 }  // namespace
 #pragma GCC pop_options
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.size(1) % 2 == 0,
-              "silu_mul: gate_up must be (T, 2 I) bfloat16, got ", gate_up.sizes(), " ", gate_up.scalar_type());
-  const auto x = gate_up.contiguous();
-  const int64_t T = x.size(0), I = x.size(1) / 2;
-  auto out = at::empty({T, I}, x.options());
-  const auto* xp = x.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  const bool wide = current_isa() != Isa::kAvx2;
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+namespace {
+
+// Rows of silu(gate) * up as chunks (parallel_chunks.h), holding a reference on what they read
+// (a stolen helper may still run after the call returned, borrow_pool.h).
+struct SiluMulChunks final : ChunkKernel {
+  at::Tensor x;
+  int64_t I = 0;
+  bool wide = false;
+
+  void compute(int64_t b, int64_t e, void* out) const override {
+    const auto* xp = x.const_data_ptr<at::BFloat16>();
+    auto* op = static_cast<c10::BFloat16*>(out);
     for (int64_t t = b; t < e; ++t) {
       const c10::BFloat16 *gate = xp + t * 2 * I, *up = gate + I;
       const int64_t done = wide ? silu_mul_row16(gate, up, I, op + t * I) : 0;
       silu_mul_row(gate + done, up + done, I - done, op + t * I + done);
     }
-  });
+  }
+  void copy(int64_t b, int64_t e, const void* from, void* to) const override {
+    std::memcpy(static_cast<c10::BFloat16*>(to) + b * I, static_cast<const c10::BFloat16*>(from) + b * I,
+                (e - b) * I * sizeof(c10::BFloat16));
+  }
+  int64_t out_bytes() const override { return x.size(0) * I * 2; }
+};
+
+}  // namespace
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be (T, 2 I) bfloat16, got ", gate_up.sizes(), " ", gate_up.scalar_type());
+  SiluMulChunks c;
+  c.x = gate_up.contiguous();
+  c.I = c.x.size(1) / 2;
+  c.wide = current_isa() != Isa::kAvx2;
+  const int64_t T = c.x.size(0);
+  auto out = at::empty({T, c.I}, c.x.options());
+  parallel_kernel(T, 16, std::move(c), out.data_ptr());
   return out;
 }
 

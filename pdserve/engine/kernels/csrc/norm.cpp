@@ -15,9 +15,11 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "parallel_chunks.h"
 #include "vec_math.h"
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <tuple>
 
@@ -70,17 +72,60 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* 
 
 }  // namespace
 
+namespace {
+
+// Rows of RMSNorm (and of the residual add before it) as chunks (parallel_chunks.h): a chunk is
+// a range of whole rows. It holds references on what it reads, since a borrowed core's helper
+// that was stolen from may still run it after the call returned (borrow_pool.h). With the add
+// there are two outputs, y and the sum: the kernel is run on y's memory and writes the sum's
+// rows to `sum`; a helper's private buffer holds y's M rows, then the sum's.
+struct NormChunks final : ChunkKernel {
+  at::Tensor x, residual, weight;  // residual undefined: RMSNorm alone
+  at::BFloat16* y = nullptr;       // the outputs' own memory
+  at::BFloat16* sum = nullptr;
+  int64_t M = 0, D = 0;
+  float eps = 0;
+
+  at::BFloat16* sum_of(void* out) const {
+    return out == y ? sum : static_cast<at::BFloat16*>(out) + M * D;
+  }
+  void compute(int64_t b, int64_t e, void* out) const override {
+    const auto* xp = x.const_data_ptr<at::BFloat16>();
+    const auto* wp = weight.const_data_ptr<at::BFloat16>();
+    auto* yp = static_cast<at::BFloat16*>(out);
+    if (!residual.defined()) {
+      for (int64_t m = b; m < e; ++m) rms_norm_row(xp + m * D, wp, D, eps, yp + m * D);
+      return;
+    }
+    const auto* rp = residual.const_data_ptr<at::BFloat16>();
+    at::BFloat16* sp = sum_of(out);
+    for (int64_t m = b; m < e; ++m) {
+      add_row(xp + m * D, rp + m * D, D, sp + m * D);
+      rms_norm_row(sp + m * D, wp, D, eps, yp + m * D);
+    }
+  }
+  void copy(int64_t b, int64_t e, const void* from, void* to) const override {
+    const size_t bytes = (e - b) * D * sizeof(at::BFloat16);
+    const auto* src = static_cast<const at::BFloat16*>(from);
+    std::memcpy(static_cast<at::BFloat16*>(to) + b * D, src + b * D, bytes);
+    if (residual.defined()) std::memcpy(sum_of(to) + b * D, src + (M + b) * D, bytes);
+  }
+  int64_t out_bytes() const override { return (residual.defined() ? 2 : 1) * M * D * 2; }
+};
+
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight, "rms_norm");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), D = xc.size(1);
-  auto y = at::empty_like(xc);
-  const auto* xp = xc.data_ptr<at::BFloat16>();
-  const auto* wp = weight.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) rms_norm_row(xp + m * D, wp, D, static_cast<float>(eps), yp + m * D);
-  });
+  NormChunks c;
+  c.x = x.contiguous();
+  c.weight = weight;
+  c.M = c.x.size(0);
+  c.D = c.x.size(1);
+  c.eps = static_cast<float>(eps);
+  auto y = at::empty_like(c.x);
+  c.y = y.data_ptr<at::BFloat16>();
+  parallel_kernel(c.M, 16, std::move(c), y.data_ptr());
   return y;
 }
 
@@ -91,21 +136,18 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_norm_args(x, weight, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kBFloat16,
               "add_rms_norm: residual must match x, (M, D) bfloat16");
-  const auto xc = x.contiguous(), rc = residual.contiguous();
-  const int64_t M = xc.size(0), D = xc.size(1);
-  auto y = at::empty_like(xc);
-  auto sum = at::empty_like(xc);
-  const auto* xp = xc.data_ptr<at::BFloat16>();
-  const auto* rp = rc.data_ptr<at::BFloat16>();
-  const auto* wp = weight.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  auto* sp = sum.data_ptr<at::BFloat16>();
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) {
-      add_row(xp + m * D, rp + m * D, D, sp + m * D);
-      rms_norm_row(sp + m * D, wp, D, static_cast<float>(eps), yp + m * D);
-    }
-  });
+  NormChunks c;
+  c.x = x.contiguous();
+  c.residual = residual.contiguous();
+  c.weight = weight;
+  c.M = c.x.size(0);
+  c.D = c.x.size(1);
+  c.eps = static_cast<float>(eps);
+  auto y = at::empty_like(c.x);
+  auto sum = at::empty_like(c.x);
+  c.y = y.data_ptr<at::BFloat16>();
+  c.sum = sum.data_ptr<at::BFloat16>();
+  parallel_kernel(c.M, 16, std::move(c), y.data_ptr());
   return {y, sum};
 }
 

@@ -1,0 +1,119 @@
+"""A decode worker lends its core to a prefill in progress, within a step budget.
+
+On a host where each worker is pinned to its own core, the prefill worker's kernels also run
+on the decode worker's core while that core is idle (``borrow_idle_cores``: idle-priority
+helpers). A decode worker with streams running is never idle, though: its steps run back to
+back, so a prompt that arrives while anything decodes is prefilled on one core, about 1.9x
+slower than with both (256 tokens, ``benchmarks/borrow_prefill.py``). Its time to first token
+then depends on whether someone else was decoding.
+
+The two workers meet in shared memory instead, one 8-byte slot per core:
+- the prefill worker, before each step it runs, writes into the slots of the cores it borrows
+  a moment (``time.monotonic``, one clock for the whole host) until which it will be
+  prefilling, twice its last step's length ahead, and 0 once it has nothing to run. A
+  borrower that dies stops counting when its moment passes;
+- the decode worker, pinned to those cores, reads its slots before each step. While a
+  borrower is prefilling it starts a step at most every ``lend_tpot_s`` (an engine hold, so
+  calls and KV arrivals are still served meanwhile), and the idle-priority helper runs in the
+  gaps. Its streams' time per output token is then ``lend_tpot_s`` (or the step itself, if
+  longer) for as long as the prefill lasts, and unchanged otherwise.
+
+``lend_tpot_s`` is the trade: a decode step of 13 ms paced to 40 ms lends two thirds of its
+core. Keep it well under the TPOT objective; 0 lends nothing beyond idle time.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+_SLOT = struct.Struct("d")
+# A prefill step's mark reaches this far past its start at the least (the first step has no
+# last length to go by; a mark that ends early only stops the pacing early).
+MIN_MARK_S = 0.1
+
+
+def lend_dir() -> Path:
+    """Where the slots live: ``$PDSERVE_LEND_DIR``, else ``/dev/shm/pdserve-lend`` (the system's
+    temporary directory where there is no ``/dev/shm``). Every worker on a host must agree."""
+    if os.environ.get("PDSERVE_LEND_DIR"):
+        return Path(os.environ["PDSERVE_LEND_DIR"])
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "pdserve-lend"
+
+
+class CoreSlots:
+    """The slots of ``cpus``: each holds the moment until which a borrower of that core says it
+    prefills (0: none)."""
+
+    def __init__(self, cpus: Iterable[int], directory: Path | None = None):
+        directory = directory or lend_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        self._maps: list[mmap.mmap] = []
+        for cpu in sorted(set(cpus)):
+            fd = os.open(directory / f"cpu{cpu}", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < _SLOT.size:
+                    os.ftruncate(fd, _SLOT.size)
+                self._maps.append(mmap.mmap(fd, _SLOT.size))
+            finally:
+                os.close(fd)
+
+    def mark(self, until: float) -> None:
+        for slot in self._maps:
+            _SLOT.pack_into(slot, 0, until)
+
+    def latest(self) -> float:
+        return max((_SLOT.unpack_from(slot, 0)[0] for slot in self._maps), default=0.0)
+
+    def close(self) -> None:
+        for slot in self._maps:
+            slot.close()
+        self._maps = []
+
+
+class BorrowerMark:
+    """An engine hook of a prefill worker: marks its borrowed cores' slots before each step it
+    will run, clears them when it has nothing to run."""
+
+    def __init__(self, slots: CoreSlots, has_work: Callable[[], bool], last_step_s: Callable[[], float]):
+        self.slots = slots
+        self._has_work = has_work
+        self._last_step_s = last_step_s
+        self._marked = False
+
+    def __call__(self) -> None:
+        if self._has_work():
+            self.slots.mark(time.monotonic() + max(2.0 * self._last_step_s(), MIN_MARK_S))
+            self._marked = True
+        elif self._marked:
+            self.slots.mark(0.0)
+            self._marked = False
+        return None  # nothing to poll: it runs before every step anyway
+
+
+class LenderPace:
+    """An engine hold of a decode worker: while a borrower's mark on its cores is live, the next
+    step waits until ``period_s`` after the last one started."""
+
+    def __init__(self, slots: CoreSlots, period_s: float, last_step_started: Callable[[], float]):
+        self.slots = slots
+        self.period_s = period_s
+        self._last_step_started = last_step_started
+        self.paced_steps = 0  # steps that waited for a borrower (tests and stats read it)
+        self._pacing_since: float | None = None
+
+    def __call__(self) -> float | None:
+        if self.slots.latest() <= time.monotonic():
+            self._pacing_since = None
+            return None
+        until = self._last_step_started() + self.period_s
+        if until > time.monotonic() and self._pacing_since != until:
+            self._pacing_since = until
+            self.paced_steps += 1
+        return until
