@@ -77,7 +77,8 @@ class WorkerShell:
             self.thread.add(hook=BorrowerMark(CoreSlots(self.config.borrow_cpus), self.engine.has_runnable,
                                               lambda: self.thread.last_step_s))
         elif self.role == "decode" and getattr(self.config, "lend_tpot_s", 0.0) > 0:
-            self.lender = LenderPace(CoreSlots(own), self.config.lend_tpot_s, lambda: self.thread.last_step_started)
+            self.lender = LenderPace(CoreSlots(own), self.config.lend_tpot_s, lambda: self.thread.last_step_started,
+                                     lambda: self.thread.last_step_s)
             self.thread.add(hold=self.lender)
 
     def stop(self) -> None:

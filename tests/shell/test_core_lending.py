@@ -63,3 +63,7 @@ def test_a_decode_engine_paces_its_steps_only_while_its_core_is_marked(engine, t
     assert len(starts) == 12 and lent.paced_steps >= 10
     gaps = [b - a for a, b in zip(starts[1:], starts[2:])]  # from the second step on, each waited
     assert min(gaps) >= period * 0.99, gaps
+
+    busy = LenderPace(CoreSlots([0], tmp_path), period, lambda: 0.0, lambda: period / 2)
+    run_decode(engine, busy)
+    assert busy.paced_steps == 0  # steps of half the period or more: a loaded decode worker lends nothing
