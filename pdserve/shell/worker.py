@@ -23,7 +23,7 @@ from pdserve.kv_transfer import KVTransferAgent
 from pdserve.kv_transfer.rank_agents import RankAgents
 from pdserve.protos import worker_pb2
 from pdserve.shell.cache_events import CacheEventBatch, CacheEventLog
-from pdserve.shell.core_lending import BorrowerMark, CoreSlots, LenderPace
+from pdserve.shell.core_lending import BorrowerMark, CoreSlots, LenderPace, lend_dir
 from pdserve.shell.stats import worker_stats
 
 log = logging.getLogger(__name__)
@@ -73,13 +73,16 @@ class WorkerShell:
     def _lend_cores(self, own: Sequence[int]) -> None:
         """A prefill worker marks the cores it borrows while it prefills; a decode worker with
         ``lend_tpot_s`` paces its steps on its own cores while they are marked (shell.core_lending)."""
-        if self.role == "prefill" and self.config.borrow_cpus:
-            self.thread.add(hook=BorrowerMark(CoreSlots(self.config.borrow_cpus), self.engine.has_runnable,
-                                              lambda: self.thread.last_step_s))
-        elif self.role == "decode" and getattr(self.config, "lend_tpot_s", 0.0) > 0:
-            self.lender = LenderPace(CoreSlots(own), self.config.lend_tpot_s, lambda: self.thread.last_step_started,
-                                     lambda: self.thread.last_step_s)
-            self.thread.add(hold=self.lender)
+        try:
+            if self.role == "prefill" and self.config.borrow_cpus:
+                self.thread.add(hook=BorrowerMark(CoreSlots(self.config.borrow_cpus), self.engine.has_runnable,
+                                                  lambda: self.thread.last_step_s))
+            elif self.role == "decode" and getattr(self.config, "lend_tpot_s", 0.0) > 0:
+                self.lender = LenderPace(CoreSlots(own), self.config.lend_tpot_s,
+                                         lambda: self.thread.last_step_started, lambda: self.thread.last_step_s)
+                self.thread.add(hold=self.lender)
+        except OSError as exc:  # another user's slots, a read-only /dev/shm: serve on, lending nothing
+            log.warning("cores %s: no lending between workers (%s: %s)", sorted(own), lend_dir(), exc)
 
     def stop(self) -> None:
         self.thread.stop()
