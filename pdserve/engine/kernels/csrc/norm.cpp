@@ -113,18 +113,29 @@ struct NormChunks final : ChunkKernel {
   int64_t out_bytes() const override { return (residual.defined() ? 2 : 1) * M * D * 2; }
 };
 
-}  // namespace
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight, "rms_norm");
+// The chunks of one call, y allocated (and the sum, when `sum` is given; the caller sets the residual).
+NormChunks norm_chunks(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* y, at::Tensor* sum) {
   NormChunks c;
   c.x = x.contiguous();
   c.weight = weight;
   c.M = c.x.size(0);
   c.D = c.x.size(1);
   c.eps = static_cast<float>(eps);
-  auto y = at::empty_like(c.x);
-  c.y = y.data_ptr<at::BFloat16>();
+  *y = at::empty_like(c.x);
+  c.y = y->data_ptr<at::BFloat16>();
+  if (sum != nullptr) {
+    *sum = at::empty_like(c.x);
+    c.sum = sum->data_ptr<at::BFloat16>();
+  }
+  return c;
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight, "rms_norm");
+  at::Tensor y;
+  NormChunks c = norm_chunks(x, weight, eps, &y, nullptr);
   parallel_kernel(c.M, 16, std::move(c), y.data_ptr());
   return y;
 }
@@ -136,17 +147,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_norm_args(x, weight, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kBFloat16,
               "add_rms_norm: residual must match x, (M, D) bfloat16");
-  NormChunks c;
-  c.x = x.contiguous();
+  at::Tensor y, sum;
+  NormChunks c = norm_chunks(x, weight, eps, &y, &sum);
   c.residual = residual.contiguous();
-  c.weight = weight;
-  c.M = c.x.size(0);
-  c.D = c.x.size(1);
-  c.eps = static_cast<float>(eps);
-  auto y = at::empty_like(c.x);
-  auto sum = at::empty_like(c.x);
-  c.y = y.data_ptr<at::BFloat16>();
-  c.sum = sum.data_ptr<at::BFloat16>();
   parallel_kernel(c.M, 16, std::move(c), y.data_ptr());
   return {y, sum};
 }
