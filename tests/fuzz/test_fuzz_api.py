@@ -2,9 +2,10 @@
 
 Wrong types, out-of-range numbers, NaN and +-inf, subnormals, lone surrogates, invalid UTF-8,
 oversized bodies and random bytes. Every answer must be a 2xx/4xx (HTTP) or OK and
-client-error codes (gRPC): no 5xx, no UNKNOWN or INTERNAL, and no hang (each call has a
-client timeout far above what a request may take). Afterwards no process died, every block
-is free, and greedy output still equals transformers.
+client-error codes (gRPC): no 5xx, no UNKNOWN or INTERNAL, and no hang: a valid request asks for
+a few tokens, so every answer comes within ``ANSWER_WITHIN_S`` (a wait for the cluster's
+request deadline would pass as a 408 or DEADLINE_EXCEEDED otherwise). Afterwards no process died,
+every block is free, and greedy output still equals transformers.
 
 Hypothesis runs derandomized with fixed example counts, so CI sees the same requests every
 time; ``FUZZ_SCALE`` multiplies the counts for a longer local run.
@@ -12,6 +13,7 @@ time; ``FUZZ_SCALE`` multiplies the counts for a longer local run.
 
 import http.client
 import json
+import time
 
 import grpc
 import pytest
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 from pdserve.protos import pdserve_pb2
 from pdserve.router.validation import RequestLimits
 from tests.fuzz.conftest import assert_all_blocks_free, assert_no_process_died
-from tests.helpers.fuzz import CLIENT_TIMEOUT_S, PROTO_FLOATS, SAFE_TEXT, fuzz_settings
+from tests.helpers.fuzz import CLIENT_TIMEOUT_S, PROTO_FLOATS, SAFE_TEXT, assert_answered_in_time, fuzz_settings
 
 pytestmark = pytest.mark.slow
 
@@ -54,20 +56,27 @@ PROMPTS = st.one_of(TEXT, st.lists(st.integers(0, 49151), min_size=1, max_size=8
 MESSAGE = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": TEXT}),
                     st.fixed_dictionaries({"role": ANY, "content": ANY}), ANY)
 COMPLETION = st.fixed_dictionaries({"prompt": PROMPTS, "max_tokens": MAX_TOKENS}, optional=FIELDS)
+# A chat body whose max_tokens and max_completion_tokens are both null or absent asks for the rest
+# of the context (OpenAI's default): thousands of tokens, not a check of validation. Without a
+# length a completion gets 16 tokens, and gRPC's max_tokens 0 the same.
 CHAT = st.fixed_dictionaries({"messages": st.one_of(st.lists(MESSAGE, max_size=4), ANY), "max_tokens": MAX_TOKENS},
-                             optional=FIELDS)
+                             optional=FIELDS).filter(
+    lambda body: body["max_tokens"] is not None or body.get("max_completion_tokens") is not None)
 
 
 # ---- HTTP ----------------------------------------------------------------------------
 def post(cluster, path: str, body: bytes, headers: dict | None = None) -> tuple[int, bytes]:
     host, port = cluster.http_address.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=CLIENT_TIMEOUT_S)
+    started = time.monotonic()
     try:
         conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
-        return resp.status, resp.read()
+        answer = resp.status, resp.read()
     finally:
         conn.close()
+    assert_answered_in_time(started, (path, body[:1000], answer))
+    return answer
 
 
 def check_http(status: int, payload: bytes) -> None:
@@ -131,13 +140,16 @@ def raw_generate(cluster):
 
 
 def call(raw_generate, payload: bytes) -> grpc.StatusCode:
+    started = time.monotonic()
     try:
         for _ in raw_generate(payload, timeout=CLIENT_TIMEOUT_S):
             pass
-        return grpc.StatusCode.OK
+        code = grpc.StatusCode.OK
     except grpc.RpcError as exc:
         assert exc.code() in GOOD_GRPC, (exc.code(), exc.details())
-        return exc.code()
+        code = exc.code()
+    assert_answered_in_time(started, (code, payload[:1000]))
+    return code
 
 
 @fuzz_settings(400)
@@ -147,6 +159,10 @@ def test_grpc_random_bytes(raw_generate, raw):
 
 
 U32, I32, U64 = st.integers(0, 2**32 - 1), st.integers(-(2**31), 2**31 - 1), st.integers(0, 2**64 - 1)
+CONTEXT = 8192  # the default model's max_model_len
+# A max_tokens the router takes asks for a few tokens (0: the default, 16); any other is past the
+# context. One between (662 tokens, on one run) decoded for 10 s: decode speed, not validation.
+MAX_TOKENS_FIELD = st.one_of(st.sampled_from([0, 1, 2]), st.integers(CONTEXT, 2**32 - 1))
 
 
 @st.composite
@@ -163,7 +179,7 @@ def generate_requests(draw):
             req.chat.messages.add(role=draw(st.one_of(st.sampled_from(["user", "system"]), SAFE_TEXT)),
                                   content=draw(SAFE_TEXT))
     s = req.sampling
-    s.max_tokens = draw(st.one_of(st.sampled_from([0, 1, 2]), U32))
+    s.max_tokens = draw(MAX_TOKENS_FIELD)
     s.temperature = draw(PROTO_FLOATS)
     s.top_k = draw(I32)
     s.min_p = draw(PROTO_FLOATS)
