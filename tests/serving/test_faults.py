@@ -32,6 +32,7 @@ from tests.serving.conftest import start_cluster, worker_stats
 pytestmark = pytest.mark.slow
 
 DELAY_S = 1.0  # every KV read waits this long: time to kill a worker between two steps
+NO_DECODE_DEADLINE_S = 5.0  # a stream whose decode pool died waits this out whole
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def cluster():
     # No supervisor: a dead worker is never replaced, so a request that finds a pool empty
     # waits its admission budget (short here) for a replacement that never comes.
     options = dict(num_prefill=2, num_decode=1, delay_s=DELAY_S, router_poll_s=30.0, supervise_interval_s=None,
-                   admission_wait_s=3.0)
+                   admission_wait_s=1.0)
     c = start_cluster(**options)
     yield c
     c.stop()
@@ -102,8 +103,11 @@ def test_with_no_decode_worker_left_the_client_gets_unavailable(cluster, stub):
     # The router has not polled the dead workers yet: the prompt is prefilled and its first
     # token streamed, then the decode stream fails. With a token sent, the stream waits for a
     # replacement decode worker until the request's deadline; none comes (no supervisor here).
+    # The deadline is waited out whole, so it is short: the first token comes well within it.
+    stream = stub.Generate(chat_request("Hello?", 8), timeout=NO_DECODE_DEADLINE_S)
+    assert next(stream).token_ids  # from the prefill worker
     with pytest.raises(grpc.RpcError) as err:
-        collect(stub.Generate(chat_request("Hello?", 8), timeout=10))
+        collect(stream)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_live_blocks_free(cluster, DEAD)  # the prefill side freed what nobody will pull
     # The HTTP front says the same: 503 on /health and on a completion, in OpenAI's shape.
