@@ -70,7 +70,7 @@ class ServerActor:
         if threads:
             torch.set_num_threads(threads)
         configure(log_config, getattr(config, "worker_id", role))
-        self._server = ServerThread(lambda: _start_role(role, config), name=role)
+        self._server = ServerThread(lambda: _start_role(role, self._spec[1]), name=role)
         # An actor's own SIGTERM (its node or pod stopping) drains within the setting's default:
         # the cluster's stop, which ``--drain-grace-seconds`` sets, drains the router instead.
         self._drain_grace_s = DRAIN_GRACE_SECONDS.default
@@ -79,7 +79,11 @@ class ServerActor:
             # process does (cluster.worker_process): what Kubernetes' SIGTERM to a pod means.
             signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self._drain_and_exit, daemon=True).start())
 
-    def start(self) -> str:
+    def start(self, config=None) -> str:
+        """Start the role's server; ``config``, when given, replaces the one the actor was made
+        with (a router made while its workers' addresses were still unknown). Returns its address."""
+        if config is not None:
+            self._spec = (self._spec[0], config, *self._spec[2:])
         return self._server.start()
 
     def node_id(self) -> str:

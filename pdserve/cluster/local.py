@@ -71,10 +71,14 @@ class LocalCluster:
         sizes = {"prefill": cfg.num_prefill, "decode": cfg.num_decode}
         placed = [(pool, self._place(pool, self._pool_placement(pool), cfg.worker_config(pool, i), threads))
                   for pool, size in sizes.items() for i in range(size)]
-        for (pool, slot), address in zip(placed, ray.get([slot[0].start.remote() for _, slot in placed])):
+        starts = [slot[0].start.remote() for _, slot in placed]
+        # The router's process starts and imports while the workers load their models (about
+        # 1.5 s a cluster, measured in the tests' Ray); it is given its workers when it starts.
+        self.router = self._router_actor(cfg.router_config((), ()))
+        for (pool, slot), address in zip(placed, ray.get(starts)):
             self.slots.add(pool, *slot, address)  # all started at once: their models load side by side
         self._next_id.update(sizes)
-        self._start_router(cfg.router_config(tuple(self.prefill_addresses), tuple(self.decode_addresses)))
+        self._start_router(cfg.router_config(tuple(self.prefill_addresses), tuple(self.decode_addresses)), self.router)
         self._start_loops()
         return self.address
 
@@ -158,17 +162,21 @@ class LocalCluster:
         placement = self.config.prefill_placement if role == "prefill" else self.config.decode_placement
         return dataclasses.replace(placement, ranks=self.config.tp(role))  # a bundle per tensor-parallel rank
 
-    def _start_router(self, router_cfg) -> None:
-        """Start the router actor. Its public ports are then pinned in its config, so that a
-        router restarted by the supervisor (``restart_router``) serves where clients connect."""
+    def _router_actor(self, router_cfg):
+        """A router actor, not started yet. It runs on this (the driver's) node: its public
+        address is where `pdserve serve` was started, not a node Ray happened to pick."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return ServerActor.options(scheduling_strategy=here, **self._actor_options("router")).remote(
+            "router", router_cfg, None, self.config.log)
+
+    def _start_router(self, router_cfg, actor=None) -> None:
+        """Start the router, in ``actor`` (``_router_actor``'s) or a new one. Its public ports are
+        then pinned in its config, so that a router restarted by the supervisor
+        (``restart_router``) serves where clients connect."""
         from pdserve.wire.address import split
 
-        # The router runs on this (the driver's) node: its public address is where `pdserve
-        # serve` was started, not a node Ray happened to pick.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = ServerActor.options(scheduling_strategy=here, **self._actor_options("router")).remote(
-            "router", router_cfg, None, self.config.log)
-        self.address = ray.get(self.router.start.remote())
+        self.router = actor if actor is not None else self._router_actor(router_cfg)
+        self.address = ray.get(self.router.start.remote(router_cfg))
         self.http_address = ray.get(self.router.http_address.remote())
         self.admin_address = ray.get(self.router.internal_address.remote())
         self._router_config = dataclasses.replace(
