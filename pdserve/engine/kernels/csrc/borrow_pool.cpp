@@ -1,8 +1,9 @@
 // The borrowing pool (borrow_pool.h) and its operators:
 //
 //   start_borrow_pool(int[] own, int[] borrowed) -> int
-//       Pins the calling thread's process to `own`, and starts one helper thread per core in
-//       `borrowed`, at SCHED_IDLE, allowed on the borrowed cores only: a helper starved there
+//       Starts one helper thread per core in `borrowed`, at SCHED_IDLE, allowed on the
+//       borrowed cores only (`own`, the worker's cores, which its caller has already pinned it
+//       to, pdserve/shell/worker.py, must not be empty; it pins nothing): a helper starved there
 //       is stolen from, and on an own core it would only hold chunks the owner, spinning,
 //       must then take back. Returns the number of helpers. Once per process.
 //   borrow_pool_stats() -> int[]
