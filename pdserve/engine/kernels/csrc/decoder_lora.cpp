@@ -37,6 +37,7 @@
 
 #include "decoder_lora.h"
 #include "ops.h"
+#include "parallel_chunks.h"
 #include "vec_math.h"
 
 #include <cstdint>
@@ -67,6 +68,14 @@ void gather_part(const uint16_t* shrunk, const int64_t* token_slot, int64_t T, i
     std::memcpy(row + j * W + source % 2, shrunk + t * S1 * PR + source, R * sizeof(uint16_t));
   }
 }
+
+// A step of fewer tokens runs its LoRA products on the calling thread alone (SerialKernels):
+// served, with two workers' threads on two cores, a mixed decode step of 1-4 rows took 28.2 ms
+// with the products split over torch's threads and 22.8 ms without (the base model's: 21.5),
+// while one of 15-16 rows took 39.4 ms without against 37.8 with (BENCHMARKS.md, "Where the
+// served gap goes"). The threshold lies between the two measured sizes. Bits do not move:
+// which thread computes a chunk never changes a result.
+constexpr int64_t kSerialTokens = 8;
 
 }  // namespace
 
@@ -130,8 +139,12 @@ void DecoderLoRA::add(size_t layer, Projection projection, const at::Tensor& x, 
   for (int64_t q = 0; q < parts_[p]; ++q) width += part_sizes_[first_part_[p] + q];
   TORCH_CHECK(width == y.size(1), "decoder_layers_lora: lora_part_sizes of projection ", p, " sum to ", width,
               ", its output has ", y.size(1), " columns");
-  if (by_slot_) add_by_slot(layer, p, x, y);
-  else add_gather_free(layer, p, x, y);
+  if (by_slot_) {
+    add_by_slot(layer, p, x, y);
+  } else {
+    const SerialKernels serial(x.size(0) < kSerialTokens);
+    add_gather_free(layer, p, x, y);
+  }
 }
 
 void DecoderLoRA::add_gather_free(size_t layer, size_t p, const at::Tensor& x, at::Tensor& y) const {
