@@ -13,7 +13,8 @@ generated (ignore_eos): the base model alone, then the four adapters round robin
 prompts of its own (no prefix hit helps either); a warm-up request per model comes first. The
 rounds alternate the two so that a box whose load drifts (other work on it) does not favour
 one. Prints each phase's output tokens per second, each round's ratio mixed / base and their
-median (the target: at least 0.85).
+median (the target: at least 0.85). With --step-trace-dir, each worker writes its engine steps
+there and a table of each phase's steps per worker follows (benchmarks/lora_steps.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import processor  # noqa: E402
+from benchmarks.lora_steps import Window, report  # noqa: E402
 from pdserve.engine.loader import materialize  # noqa: E402
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc  # noqa: E402
 from tests.helpers.lora import make_adapter  # noqa: E402
@@ -54,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker (16 tokens each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2, help="base then mixed, this many times")
+    ap.add_argument("--step-trace-dir", default=None, help="each worker's engine steps go here, summed per phase after")
     return ap.parse_args(argv)
 
 
@@ -83,11 +86,12 @@ def phase(address: str, models: list[str], args, rng: random.Random) -> dict:
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)] for _ in models]
     for model in sorted(set(models)):  # warm-up: one short request per model
         one(address, model, prompts[0][:16], 2)
-    start = time.perf_counter()
+    start, wall = time.perf_counter(), time.time()
     with ThreadPoolExecutor(args.concurrency) as pool:
         tokens = sum(pool.map(lambda i: one(address, models[i], prompts[i], args.output_tokens), range(len(models))))
     seconds = time.perf_counter() - start
-    return {"requests": len(models), "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"requests": len(models), "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "start": wall, "end": time.time()}
 
 
 def main(argv=None) -> int:
@@ -98,18 +102,22 @@ def main(argv=None) -> int:
         modules = write_adapters(Path(tmp), args.rank)
         cluster = LoRACluster(materialize("default", progress=False), modules, served_name="smollm2",
                               num_blocks=args.num_blocks, max_lora_rank=max(args.rank, 16), dtype=args.dtype,
-                              max_num_seqs=max(args.concurrency, 16))
-        ratios = []
+                              max_num_seqs=max(args.concurrency, 16), step_trace_dir=args.step_trace_dir)
+        ratios, windows = [], []
         try:
             for r in range(args.rounds):
                 base = phase(cluster.grpc_address, ["smollm2"] * args.requests, args, rng)
                 mixed = phase(cluster.grpc_address, [ADAPTERS[i % 4] for i in range(args.requests)], args, rng)
                 ratios.append(mixed["tokens_per_s"] / base["tokens_per_s"])
+                windows += [Window(f"base {r + 1}", base["start"], base["end"]),
+                            Window(f"mixed {r + 1}", mixed["start"], mixed["end"])]
                 print(f"round {r + 1}: base {base['tokens_per_s']:.1f} output tokens/s ({base['seconds']:.1f} s), "
                       f"4 adapters {mixed['tokens_per_s']:.1f} ({mixed['seconds']:.1f} s), ratio {ratios[-1]:.3f}",
                       flush=True)
         finally:
             cluster.stop()
+    if args.step_trace_dir:
+        report(args.step_trace_dir, windows)
     ratio = statistics.median(ratios)
     verdict = "meets" if ratio >= TARGET else "MISSES"
     print(f"median ratio mixed/base: {ratio:.3f} ({verdict} the target {TARGET}); {datetime.now(timezone.utc):%Y-%m-%d %H:%M} "

@@ -145,7 +145,7 @@ class EngineThread:
             poll_s = HOLD_IDLE_POLL_S if soonest is None else min(max(soonest, HOLD_POLL_S), HOLD_IDLE_POLL_S)
 
     def _step(self) -> None:
-        start, t = time.time(), time.perf_counter()
+        start, t, cpu = time.time(), time.perf_counter(), time.thread_time()
         self.last_step_started = time.monotonic()
         try:
             outputs = self.engine.step()
@@ -163,7 +163,8 @@ class EngineThread:
         self.steps += 1
         self.last_step_s = time.perf_counter() - t
         if self._trace is not None and self.engine.last_step_shape is not None:
-            self._trace.write(start, time.perf_counter() - t, self._idle_since_step, self.engine.last_step_shape)
+            self._trace.write(start, time.perf_counter() - t, self._idle_since_step, self.engine.last_step_shape,
+                              time.thread_time() - cpu)
         self._idle_since_step = False
         if outputs:
             self._on_outputs(outputs)

@@ -119,3 +119,34 @@ def test_a_fused_checkpoint_module_adapted_whole(tmp_path):
         engine.generate([prompt, prompt[:3]], [SamplingParams(max_tokens=3, ignore_eos=True, lora_name=n)
                                               for n in ("fused", "")])
         assert len(checked) >= 3
+
+
+
+def test_the_one_call_names_the_lists_a_step_lacks(tiny_llama_dir, adapter_dirs):
+    """A step takes only its own form's weights (``LoRAStack`` passes the other form's lists
+    empty); a call that lacks its own form's lists is refused, naming them, never run on
+    missing weights."""
+    model_dir, _ = tiny_llama_dir
+    engine = lora_engine(model_dir, adapter_dirs, dtype="bfloat16")
+    stack = engine.runner.model.stack
+    errors, whole = [], stack.forward
+
+    def forward(layers, h, rope, ctx):
+        if stack.state.active and not errors:
+            shrink, expand, shrink_slots, expand_slots = stack._weights()
+            for lists, segment_tokens in (((shrink, expand, [], []), 1), (([], [], shrink_slots, expand_slots), 0)):
+                try:
+                    torch.ops.pdserve.decoder_layers_lora(*stack.packed.arguments(layers, h.clone(), rope, ctx),
+                                                          *lists, stack.parts, stack.part_sizes, stack.rank,
+                                                          stack.state.mask, segment_tokens)
+                    errors.append(None)
+                except RuntimeError as exc:
+                    errors.append(str(exc))
+        return whole(layers, h, rope, ctx)
+
+    stack.forward = forward
+    done = engine.generate([[5, 17, 93]], SamplingParams(max_tokens=2, ignore_eos=True, lora_name="alpha"))
+    assert len(done[0].token_ids) == 2
+    assert len(errors) == 2 and None not in errors
+    assert "lora_shrink_slots and lora_expand_slots need" in errors[0]  # slot by slot without them
+    assert "lora_shrink needs 4 entries per layer" in errors[1]  # gather-free without its lists

@@ -47,6 +47,8 @@ def test_each_step_is_traced_with_its_chunks_its_decode_batch_and_its_kv(tiny_ll
     assert all(s.sampled == 2 and not s.prefill for s in shapes[2:])
     assert steps[0].after_idle and not any(s.after_idle for s in steps[1:])  # no wait between them
     assert all(s.seconds > 0 for s in steps)
+    # the thread's own CPU time: recorded, and never more than the step's wall time
+    assert all(s.cpu_seconds is not None and 0 <= s.cpu_seconds <= s.seconds + 1e-3 for s in steps)
     assert all(a.end <= b.start for a, b in zip(steps, steps[1:]))  # in order, no overlap
     assert engine.keep_step_shape
 

@@ -26,8 +26,11 @@ class LoRACluster:
     it can hold no adapter: the router must route adapters' requests past it)."""
 
     def __init__(self, model_dir, modules: tuple[tuple[str, str], ...], decode_lora=(True,), num_blocks: int = 128,
-                 served_name: str = "tiny", max_lora_rank: int = MAX_LORA_RANK, **engine):
-        """``engine``: further ``tests.factories.engine_config`` arguments (``dtype``: float32 by default)."""
+                 served_name: str = "tiny", max_lora_rank: int = MAX_LORA_RANK, step_trace_dir: str | None = None,
+                 **engine):
+        """``engine``: further ``tests.factories.engine_config`` arguments (``dtype``: float32 by default);
+        ``step_trace_dir``: each worker appends its engine steps to ``<dir>/<worker_id>.steps.jsonl``
+        (``pdserve.engine.core.step_trace``); None: no trace."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -35,6 +38,7 @@ class LoRACluster:
         self.engine = dataclasses.replace(engine_config(model_dir, num_blocks=num_blocks, **engine), lora=lora)
         self.served_name = served_name
         self.plain_engine = dataclasses.replace(self.engine, lora=None)
+        self.step_trace_dir = step_trace_dir
         self.servers, self.workers, self.router = [], [], None
         self._run(self._start(decode_lora))
 
@@ -47,8 +51,9 @@ class LoRACluster:
         from pdserve.prefill_worker.server import start as start_prefill
         from pdserve.prefill_worker.worker import PrefillWorker
 
-        prefill = PrefillWorker(prefill_worker_config(worker_id="prefill-0", engine=self.engine))
-        decoders = [DecodeWorker(decode_worker_config(worker_id=f"decode-{i}",
+        prefill = PrefillWorker(prefill_worker_config(worker_id="prefill-0", engine=self.engine,
+                                                      step_trace_dir=self.step_trace_dir))
+        decoders = [DecodeWorker(decode_worker_config(worker_id=f"decode-{i}", step_trace_dir=self.step_trace_dir,
                                                       engine=self.engine if on else self.plain_engine))
                     for i, on in enumerate(decode_lora)]
         self.workers = [prefill, *decoders]

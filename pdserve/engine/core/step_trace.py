@@ -3,11 +3,15 @@ run after the fact (``pdserve serve --step-trace-dir``).
 
 Each line is one step as the engine thread ran it::
 
-    {"t": 1732400000.123, "s": 0.0161, "idle": false, "prefill": [[256, 0]], "decode": [8, 2304], "sampled": 9}
+    {"t": 1732400000.123, "s": 0.0161, "cpu": 0.0158, "idle": false, "prefill": [[256, 0]], "decode": [8, 2304], "sampled": 9}
 
 - ``t``: when the step began (Unix seconds, ``time.time``), so steps line up with a client's clock;
 - ``s``: how long ``LLMEngine.step`` took (schedule, forward, sample, postprocess), what
   ``pdserve profile`` times for each of its points;
+- ``cpu``: the engine thread's own CPU seconds in that step (``time.thread_time``; torch's
+  other intra-op threads not counted). Well under ``s`` on one thread means the step waited:
+  for the GIL (other Python threads of the process: gRPC, another worker's engine) or for a
+  core (other processes). Lines written before it existed have none (``None`` when read);
 - ``idle``: the loop blocked with nothing to run since the previous step. Without it, the
   time between the end of the previous step and ``t`` is the loop's own overhead (queued
   calls, hooks, handing outputs to the streams);
@@ -61,6 +65,7 @@ class TracedStep:
     seconds: float
     after_idle: bool
     shape: StepShape
+    cpu_seconds: float | None = None  # the engine thread's CPU time in the step; None: not recorded
 
     @property
     def end(self) -> float:
@@ -78,8 +83,12 @@ class StepTrace:
         if self._file.tell() and _last_byte(self.path) != b"\n":
             self._file.write("\n")  # an earlier run died mid-line: end it, or this run's first step joins it
 
-    def write(self, start: float, seconds: float, after_idle: bool, shape: StepShape) -> None:
-        line = json.dumps({"t": round(start, 6), "s": round(seconds, 7), "idle": after_idle,
+    def write(self, start: float, seconds: float, after_idle: bool, shape: StepShape,
+              cpu_seconds: float | None = None) -> None:
+        row = {"t": round(start, 6), "s": round(seconds, 7)}
+        if cpu_seconds is not None:
+            row["cpu"] = round(cpu_seconds, 7)
+        line = json.dumps({**row, "idle": after_idle,
                            "prefill": [list(c) for c in shape.prefill],
                            "decode": [shape.decode_batch, shape.decode_context], "sampled": shape.sampled},
                           separators=(",", ":"))
@@ -109,7 +118,7 @@ def read(path: str | Path) -> Iterator[TracedStep]:
                 continue
             yield TracedStep(row["t"], row["s"], row["idle"],
                              StepShape(tuple((int(n), int(c)) for n, c in row["prefill"]), int(row["decode"][0]),
-                                       int(row["decode"][1]), int(row["sampled"])))
+                                       int(row["decode"][1]), int(row["sampled"])), row.get("cpu"))
 
 
 def trace_path(directory: str | Path, worker_id: str) -> Path:

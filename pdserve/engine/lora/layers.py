@@ -154,9 +154,14 @@ class LoRAStack(nn.Module):
             return self.packed(layers, h, rope, ctx)
         if self.projections is None or not self.packed.runs(layers):
             return self.plain(layers, h, rope, ctx)
-        return torch.ops.pdserve.decoder_layers_lora(*self.packed.arguments(layers, h, rope, ctx), *self._weights(),
-                                                     self.parts, self.part_sizes, self.rank, self.state.mask,
-                                                     self.segment_tokens)
+        shrink, expand, shrink_slots, expand_slots = self._weights()
+        if 0 < self.segment_tokens <= h.shape[0]:  # slot by slot: the gather-free lists are not read
+            shrink, expand = [], []
+        else:  # gather-free: nor are the slot by slot ones (1,320 tensors at 30 layers, 4 slots)
+            shrink_slots, expand_slots = [], []
+        return torch.ops.pdserve.decoder_layers_lora(*self.packed.arguments(layers, h, rope, ctx), shrink, expand,
+                                                     shrink_slots, expand_slots, self.parts, self.part_sizes,
+                                                     self.rank, self.state.mask, self.segment_tokens)
 
     def _weights(self) -> tuple[list, list, list, list]:
         """Every projection's packed slots in the call's order: the shrinks, the expands (one per

@@ -14,7 +14,8 @@
 //       lora_mask (T, S-1, 1) bfloat16, the step's one-hot of each token's slot (LoRAState.mask);
 //       lora_shrink_slots, lora_expand_slots: the same weights slot by slot (``packed_a_slots``,
 //       ``packed_b_slots``), for a step of lora_segment_tokens tokens or more (0: never), which
-//       runs slot by slot with the same bits (decoder_lora.h).
+//       runs slot by slot with the same bits (decoder_lora.h). The lists of the form a step
+//       does not run may be empty.
 //
 // Each projection's output y gets, in place, exactly what PackedLoRA.add
 // (pdserve/engine/lora/kernels.py) adds on the layer-by-layer path:
@@ -36,6 +37,7 @@
 
 #include "decoder_lora.h"
 #include "ops.h"
+#include "parallel_chunks.h"
 #include "vec_math.h"
 
 #include <cstdint>
@@ -67,6 +69,14 @@ void gather_part(const uint16_t* shrunk, const int64_t* token_slot, int64_t T, i
   }
 }
 
+// A step of fewer tokens runs its LoRA products on the calling thread alone (SerialKernels):
+// served, with two workers' threads on two cores, a mixed decode step of 1-4 rows took 28.2 ms
+// with the products split over torch's threads and 22.8 ms without (the base model's: 21.5),
+// while one of 15-16 rows took 39.4 ms without against 37.8 with (BENCHMARKS.md, "Where the
+// served gap goes"). The threshold lies between the two measured sizes. Bits do not move:
+// which thread computes a chunk never changes a result.
+constexpr int64_t kSerialTokens = 8;
+
 }  // namespace
 
 namespace pdserve {
@@ -92,13 +102,20 @@ DecoderLoRA::DecoderLoRA(at::TensorList shrink, at::TensorList expand, at::Tenso
               ", got ", mask.sizes(), " ", mask.scalar_type());
   slots_ = mask.size(1);
   const size_t S1 = static_cast<size_t>(slots_);
-  TORCH_CHECK(shrink.size() == layers * kProjections && expand.size() == layers * parts_per_layer_,
-              "decoder_layers_lora: lora_shrink needs 4 entries per layer (", layers * kProjections,
-              ") and lora_expand one per part (", layers * parts_per_layer_, "), got ", shrink.size(), " and ",
+  by_slot_ = segment_tokens > 0 && tokens >= segment_tokens;
+  // Only the form the step runs needs its weights; the other's lists may come empty (LoRAStack
+  // passes them so: some 1,300 tensors a decode step less for Python to hand over).
+  const size_t shrinks = layers * kProjections, expands = layers * parts_per_layer_;
+  TORCH_CHECK((by_slot_ && shrink.empty() && expand.empty()) || (shrink.size() == shrinks &&
+                  expand.size() == expands),
+              "decoder_layers_lora: lora_shrink needs 4 entries per layer (", shrinks, ") and lora_expand one per "
+              "part (", expands, "), or both empty in a step run slot by slot; got ", shrink.size(), " and ",
               expand.size());
-  TORCH_CHECK(shrink_slots.size() == shrink.size() * S1 && expand_slots.size() == expand.size() * S1,
+  TORCH_CHECK((!by_slot_ && shrink_slots.empty() && expand_slots.empty()) ||
+                  (shrink_slots.size() == shrinks * S1 && expand_slots.size() == expands * S1),
               "decoder_layers_lora: lora_shrink_slots and lora_expand_slots need ", S1, " entries (one per slot) for "
-              "each of lora_shrink's and lora_expand's, got ", shrink_slots.size(), " and ", expand_slots.size());
+              "each of lora_shrink's and lora_expand's (", shrinks * S1, " and ", expands * S1, "), or both empty "
+              "in a step run gather-free; got ", shrink_slots.size(), " and ", expand_slots.size());
   const at::Tensor flat = mask.reshape({tokens, slots_}).contiguous();
   const auto* m = flat.data_ptr<at::BFloat16>();
   token_slot_.assign(static_cast<size_t>(tokens), -1);
@@ -112,7 +129,6 @@ DecoderLoRA::DecoderLoRA(at::TensorList shrink, at::TensorList expand, at::Tenso
     }
     rows_[token_slot_[t] < 0 ? S1 : static_cast<size_t>(token_slot_[t])].push_back(t);
   }
-  by_slot_ = segment_tokens > 0 && tokens >= segment_tokens;
 }
 
 void DecoderLoRA::add(size_t layer, Projection projection, const at::Tensor& x, at::Tensor& y) const {
@@ -123,8 +139,12 @@ void DecoderLoRA::add(size_t layer, Projection projection, const at::Tensor& x, 
   for (int64_t q = 0; q < parts_[p]; ++q) width += part_sizes_[first_part_[p] + q];
   TORCH_CHECK(width == y.size(1), "decoder_layers_lora: lora_part_sizes of projection ", p, " sum to ", width,
               ", its output has ", y.size(1), " columns");
-  if (by_slot_) add_by_slot(layer, p, x, y);
-  else add_gather_free(layer, p, x, y);
+  if (by_slot_) {
+    add_by_slot(layer, p, x, y);
+  } else {
+    const SerialKernels serial(x.size(0) < kSerialTokens);
+    add_gather_free(layer, p, x, y);
+  }
 }
 
 void DecoderLoRA::add_gather_free(size_t layer, size_t p, const at::Tensor& x, at::Tensor& y) const {

@@ -27,7 +27,9 @@ constexpr size_t kProjections = 4;
 // pairs of k (only terms that are exactly zero are left out, as the per-part expand already
 // leaves them), so its bits are the gather-free form's, at a quarter of the multiply-adds with
 // four adapters; at decode sizes the kernel calls it adds (one per slot per part) cost more
-// than the multiply-adds it saves.
+// than the multiply-adds it saves. A step of under 8 tokens runs its products on the calling
+// thread alone (no fork and join of torch's threads for each of its ~330 small kernels; the
+// same bits: a chunk's result never depends on the thread that computed it).
 class DecoderLoRA {
  public:
   // shrink: L x 4 packed weights (linear_pack; entry 4 l + p for layer l, projection p): every

@@ -21,12 +21,33 @@
 
 namespace pdserve {
 
+// True while the calling thread runs its kernels alone (SerialKernels): no parallel region, no
+// borrowed helpers. Which thread computes a chunk never changes a result, so neither does this.
+inline bool& serial_kernels() {
+  static thread_local bool on = false;
+  return on;
+}
+
+// Kernels called in this scope run on the calling thread alone when ``on``: a step's many
+// small LoRA products, where a fork and join of torch's threads (a core shared with another
+// worker) costs more than the split saves.
+class SerialKernels {
+ public:
+  explicit SerialKernels(bool on) : was_(serial_kernels()) { serial_kernels() = was_ || on; }
+  ~SerialKernels() { serial_kernels() = was_; }
+  SerialKernels(const SerialKernels&) = delete;
+  SerialKernels& operator=(const SerialKernels&) = delete;
+
+ private:
+  bool was_;
+};
+
 // fn(begin, end) over [0, n) on torch's threads, in chunks of about n / (chunks_per_thread x
 // threads) items, at least min_chunk. One thread: one call over everything.
 template <typename Fn>
 void parallel_chunks(int64_t n, int64_t min_chunk, Fn&& fn, int64_t chunks_per_thread = 6) {
   const int threads = at::get_num_threads();
-  if (threads <= 1 || n <= min_chunk || at::in_parallel_region()) {
+  if (threads <= 1 || n <= min_chunk || at::in_parallel_region() || serial_kernels()) {
     fn(int64_t{0}, n);
     return;
   }
@@ -47,7 +68,7 @@ void parallel_chunks(int64_t n, int64_t min_chunk, Fn&& fn, int64_t chunks_per_t
 template <typename Kernel>
 void parallel_kernel(int64_t n, int64_t min_chunk, Kernel&& kernel, void* out, int64_t chunks_per_thread = 6,
                      bool fine_tail = true) {
-  if (borrow_pool_active() && n > min_chunk) {
+  if (borrow_pool_active() && n > min_chunk && !serial_kernels()) {
     using K = std::decay_t<Kernel>;
     const int64_t divisor = 2 * chunks_per_thread;
     const int64_t tail = fine_tail ? min_chunk : std::max(min_chunk, (n + 2 * divisor - 1) / (2 * divisor));
