@@ -146,17 +146,19 @@ class WorkerPool:
         return self.workers[address]
 
     async def remove(self, address: str) -> None:
-        """Stop routing to ``address`` at once; its channel closes once the requests already
-        on it are done (closing it now would cancel them: a drained worker finishes its streams)."""
+        """Stop routing to ``address`` at once; its channel closes in the background once the
+        requests already on it are done (``_close_when_idle``)."""
         client = self.workers.pop(address, None)
         self.index.remove(address)  # a conversation it held re-prefills elsewhere
         self.sessions.forget_worker(address)
         if client is None:
             return
-        if client.inflight:
-            asyncio.get_running_loop().create_task(_close_when_idle(client))
-        else:
-            await client.channel.close(grace=None)
+        # Closed in the background, never awaited here: a membership change (the controller's
+        # SetMembership) must not wait on a channel's close, which once held one for the whole
+        # 90 s of its caller's deadline in a fuzz run of hostile memberships.
+        task = asyncio.get_running_loop().create_task(_close_when_idle(client))
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
 
     async def set_members(self, members: list[tuple[str, str]]) -> None:
         """Make the routing table exactly ``members`` ((role, address) pairs): the controller's word."""
@@ -362,7 +364,18 @@ class WorkerPool:
                 client.local_blocks = max(0, client.local_blocks - blocks)
 
 
+_CLOSING: set[asyncio.Task] = set()  # the closes in flight (a task nothing holds may be collected)
+CLOSE_TIMEOUT_S = 5.0
+
+
 async def _close_when_idle(client: WorkerClient, poll_s: float = 0.2) -> None:
+    """Close a removed worker's channel once the requests on it are done (closing it sooner
+    would cancel them: a drained worker finishes its streams), giving up after
+    ``CLOSE_TIMEOUT_S`` (the channel is out of the routing table either way)."""
     while client.inflight:
         await asyncio.sleep(poll_s)
-    await client.channel.close(grace=None)
+    try:
+        await asyncio.wait_for(client.channel.close(grace=None), CLOSE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        log.warning("closing the channel of removed worker %s took over %.0f s; left to the collector",
+                    client.address, CLOSE_TIMEOUT_S)
