@@ -4,7 +4,7 @@
 For each phase (its wall-clock window, as the benchmark timed it) and each worker: how many
 engine steps began in the window, their wall seconds summed (``step s``), the engine thread's
 own CPU seconds in them (``cpu s``: well under ``step s`` means the step waited for the GIL or
-a core), the share of the window the worker spent outside steps (``busy``: step seconds over
+a core), the share of the window the worker spent in steps (``busy``: step seconds over
 the window), the prompt tokens it ran, and for a decode worker its mean decode batch (tokens a
 decode step) and the number of steps with a decode batch of 1 to 4.
 """
