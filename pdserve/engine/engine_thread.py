@@ -145,7 +145,8 @@ class EngineThread:
             poll_s = HOLD_IDLE_POLL_S if soonest is None else min(max(soonest, HOLD_POLL_S), HOLD_IDLE_POLL_S)
 
     def _step(self) -> None:
-        start, t, cpu = time.time(), time.perf_counter(), time.thread_time()
+        start, t = time.time(), time.perf_counter()
+        cpu = time.thread_time() if self._trace is not None else 0.0  # only a trace reads it
         self.last_step_started = time.monotonic()
         try:
             outputs = self.engine.step()
