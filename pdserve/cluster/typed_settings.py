@@ -363,6 +363,7 @@ class PlainWorkerSettings(_Typed):
     router_admin: str | None
     join_interval_seconds: float
     member_timeout_seconds: float
+    max_connection_age_seconds: float  # the router's public gRPC connections (router.handover)
     device: str | None  # None: CUDA's current device where CUDA is (CUDA_VISIBLE_DEVICES's first), else the CPU
     reader_tp: int  # the other pool's tensor-parallel size: KV checksums by head groups for its ranks
 

@@ -72,6 +72,10 @@ def worker_settings() -> tuple[Setting, ...]:
         Setting("router_admin", str, None, "a worker joins the router's membership here (its internal host:port)"),
         Setting("join_interval_seconds", float, 5.0, "how often a worker checks that it is in the router's table"),
         Setting("member_timeout_seconds", float, 30.0, "the router drops a worker that has not answered this long"),
+        Setting("max_connection_age_seconds", float, 5.0,
+                "the router sends each gRPC client connection GOAWAY at this age (the client reconnects, through "
+                "its Service, to any router); on SIGTERM it serves this long again, so that every client has "
+                "left before it stops (0: never; a call that meets the stop may then fail CANCELLED)", minimum=0),
         Setting("device", str, None, "a prefill or decode worker's device: cpu, cuda or cuda:N, N counted among "
                 "the GPUs CUDA_VISIBLE_DEVICES leaves this process (default: the first of those where there is "
                 "one, else the CPU)"),

@@ -41,6 +41,7 @@ def router_config(s: WorkerSettings):
                         internal_advertise_host=internal.internal_advertise_host, tls=internal_tls(internal, s.role),
                         insecure_internal=internal.insecure_internal,
                         limits=router_limits(s.router, DEFAULT_TTFT_OBJECTIVE_S),
+                        connection_age_s=s.plain.max_connection_age_seconds or None,
                         otlp_traces_endpoint=s.process.otlp_traces_endpoint)
 
 
@@ -63,7 +64,7 @@ async def run_router(s: WorkerSettings, config, autoscaling: dict | None) -> Non
     await stop_signal()
     grace = s.process.drain_grace_seconds
     print(f"router: draining (up to {grace:g} s)", flush=True)
-    left = await hand_over(running, 0.0, grace)
+    left = await hand_over(running, 0.0, grace, config.connection_age_s)
     if left:
         print(f"router: {left} request(s) still running after the grace period; stopping anyway", flush=True)
     pruner.cancel()

@@ -75,6 +75,10 @@ class RouterConfig:
     # The public one stays above ``limits.requests.max_body_bytes``, so that up to there the
     # router's own check answers INVALID_ARGUMENT naming that limit.
     max_receive_bytes: int = 4 << 20
+    # The public gRPC server sends each client connection GOAWAY at this age and goes on
+    # serving (wire.grpc_util.aio_server), so a hand-over can move every client off before
+    # it stops (router.handover); None: connections live as long as the clients keep them.
+    connection_age_s: float | None = None
     limits: RouterLimits = field(default_factory=RouterLimits)
     otlp_traces_endpoint: str | None = None  # export request spans there (wire.tracing); None: off
 
@@ -122,7 +126,8 @@ async def start(config: RouterConfig) -> RunningRouter:
     service = GenerationService(model, pool, config.limits, keys=keys)
     public = resolve(config.host, config.advertise_host)
     server = aio_server([ApiKeyInterceptor(keys)] if keys is not None else (),
-                        max_receive_bytes=max(config.max_receive_bytes, 2 * config.limits.requests.max_body_bytes))
+                        max_receive_bytes=max(config.max_receive_bytes, 2 * config.limits.requests.max_body_bytes),
+                        connection_age_s=config.connection_age_s)
     address = bind(server, public, config.grpc_port, config.public_tls)
     service.add_to(server)  # raw-bytes deserializers: garbage is INVALID_ARGUMENT, not UNKNOWN
     health = add_health(server, [SERVICE])

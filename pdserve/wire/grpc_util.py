@@ -34,14 +34,23 @@ SERVER_OPTIONS = OPTIONS + [
 ]
 
 
+# gRPC core spreads each connection's age by up to this share either way (its max-age filter).
+CONNECTION_AGE_JITTER = 0.1
+
+
 def aio_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-               max_receive_bytes: int = MAX_RECEIVE_BYTES) -> grpc.aio.Server:
-    """A server that takes requests of at most ``max_receive_bytes`` (larger: RESOURCE_EXHAUSTED)."""
+               max_receive_bytes: int = MAX_RECEIVE_BYTES, connection_age_s: float | None = None) -> grpc.aio.Server:
+    """A server that takes requests of at most ``max_receive_bytes`` (larger: RESOURCE_EXHAUSTED).
+    With ``connection_age_s`` each client connection is sent GOAWAY once it is that old
+    (give or take ``CONNECTION_AGE_JITTER``) while the server goes on serving: the client's
+    next call opens a new connection, and the calls running on the old one finish there."""
     if max_receive_bytes <= 0:
         raise ValueError(f"max_receive_bytes must be > 0, got {max_receive_bytes}")
     options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
-    return grpc.aio.server(options=options + [("grpc.max_receive_message_length", max_receive_bytes)],
-                           interceptors=list(interceptors) or None)
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    if connection_age_s:
+        options.append(("grpc.max_connection_age_ms", max(1, round(connection_age_s * 1000))))
+    return grpc.aio.server(options=options, interceptors=list(interceptors) or None)
 
 
 def aio_channel(address: str, tls: TlsConfig | None = None, *, peer: str | None = None) -> grpc.aio.Channel:
