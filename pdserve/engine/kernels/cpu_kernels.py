@@ -53,7 +53,7 @@ def sources() -> list[Path]:
 # compile. The same flags, so the same numerics: without contraction or fast-math nothing the
 # compiler may do across them (inlining) changes a float result. The others (intrinsics only)
 # compile on their own, beside it. A file-scope ``using namespace`` reaches the sources after it
-# here (paged_attention.cpp's is last in name order).
+# here (paged_attention.cpp's is last in name order; its header paged_attention_worker.h comes with it).
 UNITY = "torch_sources.cpp"
 
 
