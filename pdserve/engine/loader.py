@@ -20,6 +20,7 @@ from tqdm import tqdm
 from pdserve.engine.checkpoint import CheckpointTensor, safetensors_tensors, with_scales
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import ModelLoadError
+from pdserve.engine import huge_pages
 from pdserve.engine.linear import apply_backend, select_backend
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.registry import build_model, model_config_from_hf
@@ -136,6 +137,9 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: b
     else:
         _read_checkpoint(net, tensors, model_dir, progress)
     net = apply_backend(net.eval(), backend)
+    if device.type == "cpu":  # every step streams the weights: fewer TLB misses on huge pages
+        moved = huge_pages.collapse([*net.parameters(), *net.buffers()])
+        log.info("%s: %d MiB of weights on huge pages", model_dir.name, moved >> 20)
     log.info("%s: %s linears (%s)%s%s", model_dir.name, net.linear_backend, dtype,
              f" on the {net.kernel_path} kernel path" if net.kernel_path else "",
              ", dummy weights" if load_format == "dummy" else "")
