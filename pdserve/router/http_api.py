@@ -278,10 +278,12 @@ class OpenAIFront:
     async def health(self, request: web.Request) -> web.Response:
         if self.service.draining or self.service.unready:
             return error_response(503, "the router is shutting down", "service_unavailable")
-        missing = self.service.pool.missing_roles()
-        if not missing:
-            return web.json_response({"status": "ok"})
-        return error_response(503, " and ".join(f"no ready {role} worker" for role in missing), "service_unavailable")
+        pool = self.service.pool
+        if pool.ready():
+            degraded = pool.degraded()  # no prefill worker: the decode workers prefill meanwhile
+            return web.json_response({"status": "degraded", "missing": degraded} if degraded else {"status": "ok"})
+        return error_response(503, " and ".join(f"no ready {role} worker" for role in pool.missing_roles()),
+                              "service_unavailable")
 
     async def metrics(self, request: web.Request) -> web.Response:
         from pdserve.wire import metrics

@@ -135,6 +135,7 @@ class WorkerPool:
     # router.lora_admin: a worker that joined is given the adapters it lacks); None: nothing.
     on_stats: Callable[[WorkerClient], None] | None = None
     _task: asyncio.Task | None = None
+    _was_complete: bool = False  # every required pool has had a routable worker at once (``ready``)
     _placements: itertools.count = field(default_factory=lambda: itertools.count(1))
     _turns: itertools.count = field(default_factory=itertools.count)  # round-robin routing
 
@@ -225,7 +226,26 @@ class WorkerPool:
                                    cache_salt)
 
     def ready(self) -> bool:
-        return not self.missing_roles()
+        """Whether the router takes traffic. Until it has first had a routable worker in every
+        pool it needs, only then (a cluster starting serves as it was laid out). After, while
+        it can still serve a request: with the prefill pool gone (hung, dead, being replaced)
+        its decode workers prefill (``Reason.NO_PREFILL_WORKER``), so a lost prefill pool
+        degrades it (``degraded``) rather than taking it out of its Service, which would
+        refuse every client."""
+        missing = self.missing_roles()
+        if not missing:
+            self._was_complete = True
+            return True
+        return self._was_complete and not self.missing_serving_roles()
+
+    def degraded(self) -> list[str]:
+        """The pools missing from a router that is ready all the same (``ready``)."""
+        return self.missing_roles() if self.ready() else []
+
+    def missing_serving_roles(self) -> list[str]:
+        """The pools without which no request can be served: the decode pool (a mixed worker
+        counts). Empty while one of its workers is routable."""
+        return [role for role in self.missing_roles() if role != "prefill"]
 
     def missing_roles(self) -> list[str]:
         """The pools this router needs that have no routable worker (colocated: decode only)."""

@@ -154,8 +154,8 @@ async def start(config: RouterConfig) -> RunningRouter:
 
 
 async def _track_health(service: GenerationService, health) -> None:
-    """SERVING while at least one prefill and one decode worker (colocated: one worker)
-    answer and the router is not draining."""
+    """SERVING while the pool is ready (``WorkerPool.ready``: every pool at start, a decode
+    worker after) and the router is not draining."""
     pool = service.pool
     serving = None
     while True:

@@ -213,3 +213,30 @@ def test_a_prefill_on_a_worker_found_hung_is_retried_on_another():
 
 async def _collect(run) -> list:
     return [r async for r in run.responses()]
+
+
+def test_a_router_that_loses_its_prefill_pool_stays_ready_and_says_it_is_degraded():
+    """Ready once every pool has had a routable worker; after that, a lost prefill pool leaves
+    it ready (its decode workers prefill) and ``degraded``, where before it went unready and a
+    Kubernetes Service stopped sending it any client. A lost decode pool still takes it out."""
+    asyncio.run(_degraded_sequence())
+
+
+async def _degraded_sequence():
+    pool = WorkerPool(hang_timeout_s=HANG_S)
+    prefill, decode = FakeStub(), FakeStub()
+    pool.workers["p:1"] = WorkerClient("prefill", "p:1", channel=None, stub=prefill)
+    prefill.answer = None  # the prefill worker is not up yet
+    pool.workers["d:1"] = WorkerClient("decode", "d:1", channel=None, stub=decode)
+    await pool.refresh()
+    assert not pool.ready() and pool.missing_roles() == ["prefill"]  # a cluster starting: not yet
+    prefill.answer = worker_pb2.WorkerStats(num_blocks_total=10, engine_steps=1)
+    await pool.refresh()
+    assert pool.ready() and pool.degraded() == []
+    prefill.answer = None  # the prefill pool is lost
+    await pool.refresh()
+    assert pool.missing_roles() == ["prefill"]
+    assert pool.ready() and pool.degraded() == ["prefill"]
+    decode.answer = None  # and the decode pool: nothing can serve
+    await pool.refresh()
+    assert not pool.ready() and pool.degraded() == []

@@ -154,7 +154,7 @@ def test_https_front_with_api_key(certs):
 
     public = tls.load(str(certs["router"].cert), str(certs["router"].key), None, prefix="public_tls",
                       require_ca=False)
-    service = SimpleNamespace(pool=SimpleNamespace(ready=lambda: True, missing_roles=lambda: []), limits=RouterLimits(), draining=False, unready=False,
+    service = SimpleNamespace(pool=SimpleNamespace(ready=lambda: True, degraded=lambda: [], missing_roles=lambda: []), limits=RouterLimits(), draining=False, unready=False,
                               model=SimpleNamespace(name="m", names=("m",), served_names=lambda: ("m",), max_model_len=8),
                               keys=ApiKeys.single("k"))
     client_ctx = ssl.create_default_context(cadata=certs["ca"].cert.read_text())
