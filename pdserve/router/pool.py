@@ -243,8 +243,7 @@ class WorkerPool:
         return self.missing_roles() if self.ready() else []
 
     def missing_serving_roles(self) -> list[str]:
-        """The pools without which no request can be served: the decode pool (a mixed worker
-        counts). Empty while one of its workers is routable."""
+        """The missing pools no request can do without: the decode pool (a mixed worker counts)."""
         return [role for role in self.missing_roles() if role != "prefill"]
 
     def missing_roles(self) -> list[str]:
