@@ -41,7 +41,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.config import MIXED, CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.linear import PackedLinear  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.loader import materialize  # noqa: E402
@@ -157,7 +157,8 @@ def bench_dtype(dtype: str, threads: int, tp: int, batches: list[int], bandwidth
     engine = LLMEngine.from_config(EngineConfig(
         model=model_path(args.model), dtype=dtype, tensor_parallel_size=tp,
         cache=CacheConfig(memory_budget_bytes=4 << 30, enable_prefix_cache=False),
-        scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192)), progress=False,
+        # As a decode worker runs it: mixed steps, and so its weights on huge pages (engine.huge_pages).
+        scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192, policy=MIXED)), progress=False,
         detokenize=False)
     try:
         return bench_engine(engine, dtype, threads, tp, batches, bandwidth, bar, args, AutoModelForCausalLM)

@@ -7,12 +7,19 @@ this project's machine (an AMD EPYC, Zen 4, BENCHMARKS.md): the whole model's li
 thread, ran 9-14% faster on huge pages at every row count from 1 to 512, and a large read
 went from 27.6 to 34.0 GB/s.
 
+Only an engine that decodes asks (``load_model(huge_pages=True)``: a decode or colocated
+worker's, whose scheduler runs mixed steps, and a draft model's). A prefill worker's does not:
+its steps reuse each weight across row tiles, so the TLB costs it little (a 512-token prefill
+1.02x the rate on huge pages), and with the decode core's helper borrowed for it a 256-token
+prefill took 186 ms on huge pages against 164 ms on 4 KiB ones (`benchmarks/borrow_prefill.py`,
+the cause not found).
+
 How: the weights are ordinary torch tensors, already written, in the allocator's anonymous
 private mappings, which this system backs with huge pages only where asked (THP ``madvise``
 mode). For each mapping that holds a weight, the span from its first weight to its last is
-asked for huge pages (``MADV_HUGEPAGE``, so that a later fault there takes one) and collapsed
-into them now (``MADV_COLLAPSE``, Linux 6.1+): the kernel copies each 2 MiB extent into a huge
-page. Contents do not change, so no result does. Other allocations inside a span come along, and
+collapsed into huge pages now (``MADV_COLLAPSE``, Linux 6.1+): the kernel copies each 2 MiB
+extent into a huge page. The mapping is not marked for huge pages (``MADV_HUGEPAGE``): later
+allocations there keep 4 KiB pages. Contents do not change, so no result does. Other allocations inside a span come along, and
 the memory used grows by the pages of the span no one had touched yet.
 Where the advice is refused (an older kernel, THP off, not Linux) nothing happens beyond a debug
 line. The KV cache asks for huge pages itself, before its first touch
@@ -32,7 +39,7 @@ import torch
 log = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
-MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's <asm-generic/mman-common.h>
+MADV_COLLAPSE = 25  # Linux's <asm-generic/mman-common.h>
 MIN_SPAN_BYTES = 4 * HUGE_PAGE_BYTES  # smaller spans are not worth a system call
 
 
@@ -59,8 +66,7 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
         hi = min(-(-hi // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, b // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
         if hi - lo < MIN_SPAN_BYTES:
             continue
-        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE) != 0 or \
-                libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_COLLAPSE) != 0:
+        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_COLLAPSE) != 0:
             log.debug("huge pages refused for %d MiB of weights (errno %d)", (hi - lo) >> 20, ctypes.get_errno())
             continue
         done += hi - lo

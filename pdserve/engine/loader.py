@@ -20,7 +20,7 @@ from tqdm import tqdm
 from pdserve.engine.checkpoint import CheckpointTensor, safetensors_tensors, with_scales
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import ModelLoadError
-from pdserve.engine import huge_pages
+from pdserve.engine import huge_pages as pages
 from pdserve.engine.linear import apply_backend, select_backend
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.registry import build_model, model_config_from_hf
@@ -109,7 +109,8 @@ def read_model_config(model_dir: Path) -> ModelConfig:
 
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
-               tp: TensorParallel = SINGLE, load_format: str = "auto") -> tuple[CausalLM, ModelConfig, Path]:
+               tp: TensorParallel = SINGLE, load_format: str = "auto",
+               huge_pages: bool = False) -> tuple[CausalLM, ModelConfig, Path]:
     """Build the ``CausalLM`` of ``model``'s family (pdserve/engine/models/), ``tp``'s share
     of it, and fill it; returns (model, config, HF dir).
 
@@ -119,7 +120,8 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: b
     weights plus one tensor. Once filled, the model's linears are handed to the backend for
     ``dtype`` and ``device`` (pdserve/engine/linear.py), which packs their weights once, here.
     ``load_format="dummy"`` reads no weights: they are made random on the device
-    (``fill_dummy``), from config.json alone.
+    (``fill_dummy``), from config.json alone. ``huge_pages``: a CPU model's packed weights move
+    onto huge pages (``pdserve.engine.huge_pages``: what a model that decodes wants).
     """
     model_dir = materialize(model, progress)
     cfg = read_model_config(model_dir)
@@ -137,8 +139,8 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: b
     else:
         _read_checkpoint(net, tensors, model_dir, progress)
     net = apply_backend(net.eval(), backend)
-    if device.type == "cpu":  # every step streams the weights: fewer TLB misses on huge pages
-        moved = huge_pages.collapse([*net.parameters(), *net.buffers()])
+    if huge_pages and device.type == "cpu":  # a decode step streams the weights: fewer TLB misses
+        moved = pages.collapse([*net.parameters(), *net.buffers()])
         log.info("%s: %d MiB of weights on huge pages", model_dir.name, moved >> 20)
     log.info("%s: %s linears (%s)%s%s", model_dir.name, net.linear_backend, dtype,
              f" on the {net.kernel_path} kernel path" if net.kernel_path else "",

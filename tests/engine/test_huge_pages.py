@@ -55,7 +55,7 @@ def test_nothing_to_collapse_is_no_error():
 
 @needs_thp
 def test_the_loader_puts_a_packed_models_weights_on_huge_pages():
-    net, _, _ = load_model(EngineConfig().model, torch.bfloat16, torch.device("cpu"), progress=False)
+    net, _, _ = load_model(EngineConfig().model, torch.bfloat16, torch.device("cpu"), progress=False, huge_pages=True)
     packed = [b for name, b in net.named_buffers() if name.endswith("packed")]
     assert len(packed) > 100  # every layer's projections, and the LM head
     on_huge = [w for w in packed if _huge_bytes_of(w.data_ptr()) > 0]

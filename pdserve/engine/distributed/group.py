@@ -48,7 +48,7 @@ import torch
 
 from pdserve.engine.distributed import memory_share, step as tp_step
 from pdserve.engine.distributed.processes import kill as _kill, spawn as _spawn, wait_for as _wait_for
-from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
+from pdserve.engine.config import DTYPES, MIXED, EngineConfig, ModelConfig
 from pdserve.engine.errors import InvalidRequestError, RankLost
 from pdserve.engine.attention.kv_cache import cache_spec_of, num_cache_blocks, prefault, shared_caches
 from pdserve.engine.loader import load_model, materialize, read_model_config
@@ -167,7 +167,8 @@ def load_on_ranks(config: EngineConfig, progress: bool = True, on_lost: Callable
     the ranks; None at size 1). ``probe``: rank 0's memory, where a share sizes the cache."""
     dtype, device = config.torch_dtype(), config.torch_device()
     if config.tensor_parallel_size == 1:
-        return (*load_model(config.model, dtype, device, progress, load_format=config.load_format), None)
+        return (*load_model(config.model, dtype, device, progress, load_format=config.load_format,
+                            huge_pages=config.scheduler.policy == MIXED), None)
     model_dir = materialize(config.model, progress)
     cfg = read_model_config(model_dir)
     check_split(cfg, config.tensor_parallel_size)  # before any rank starts
@@ -176,7 +177,8 @@ def load_on_ranks(config: EngineConfig, progress: bool = True, on_lost: Callable
                                                                           config.tensor_parallel_size))
     ranks = RankGroup.start(config, model_dir, cfg, num_blocks, on_lost or exit_worker, entry)
     try:
-        model, cfg, model_dir = load_model(str(model_dir), dtype, device, progress, ranks.tp, config.load_format)
+        model, cfg, model_dir = load_model(str(model_dir), dtype, device, progress, ranks.tp, config.load_format,
+                                           huge_pages=config.scheduler.policy == MIXED)
         if share:
             ranks.cache_size = memory_share.size_on_rank0(ranks, model, cfg, config, probe)
         ranks.wait_loaded()

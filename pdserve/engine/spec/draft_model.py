@@ -63,7 +63,7 @@ def load_draft(spec: SpeculativeConfig, engine_config: EngineConfig, target: Mod
     check_draft(cfg, target, spec.model)
     try:
         model, cfg, _ = load_model(str(directory), engine_config.torch_dtype(), engine_config.torch_device(),
-                                   progress=False, load_format=engine_config.load_format)
+                                   progress=False, load_format=engine_config.load_format, huge_pages=True)
     except ModelLoadError as exc:
         raise ModelLoadError(exc.path, f"{FIELD}: {exc.reason}") from exc
     target_len = min(engine_config.max_model_len or target.max_model_len, target.max_model_len)
