@@ -14,7 +14,8 @@ served benchmark's), one with a single slot and one adapter. The kinds, alternat
 - ``one of four``: every stream on one adapter, engine 4 (its gather-free products still read
   and multiply all four slots: the bytes and multiply-adds of ``four``, the rows' slots alike);
 - ``one slot``: every stream on the one adapter of the one-slot engine (a quarter of the bytes
-  and of the gather-free multiply-adds, the same number of kernel calls);
+  and of the gather-free multiply-adds, the same number of kernel calls); ``one-slot base``: that
+  engine's base model (two engines' weights sit in different memory: compare each to its own);
 - ``1 row``: one stream, base model and one adapter (engine 4): the calls' fixed cost, since a
   row's multiply-adds are a sixteenth of ``four``'s.
 
@@ -40,7 +41,7 @@ from pdserve.engine.kernels import cpu_kernels  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.loader import load_model, materialize, read_model_config  # noqa: E402
 
-KINDS = ("base", "four", "one of four", "one slot", "1 row base", "1 row adapter")
+KINDS = ("base", "four", "one of four", "one slot", "one-slot base", "1 row base", "1 row adapter")
 
 
 def make_engine(model_dir, modules, max_loras: int, rank: int, blocks: int) -> LLMEngine:
@@ -56,6 +57,7 @@ def runs(engines: dict, names: list[str], batch: int) -> dict:
     four, one = engines[4], engines[1]
     return {"base": (four, [""] * batch), "four": (four, [names[n % 4] for n in range(batch)]),
             "one of four": (four, [names[0]] * batch), "one slot": (one, [names[0]] * batch),
+            "one-slot base": (one, [""] * batch),
             "1 row base": (four, [""]), "1 row adapter": (four, [names[0]])}
 
 
