@@ -121,8 +121,9 @@ def main(argv=None) -> int:
         cluster = start_cluster(args, modules, ROOT / ".bench" / "lora_serving")
         ratios, windows = [], []
         try:
-            if args.processes:  # the first phase after start ran ~10% slow in every run (base 212-223 tok/s
-                # against 234-260 after), which flattered round 1's ratio (0.98-1.03): one round unmeasured
+            if args.processes:  # the first phase after start ran ~10% slow in three runs (base 212-223 tok/s
+                # against 234-260 after), flattering round 1's ratio (0.98-1.03): one round unmeasured (a slow
+                # first base phase still came in two runs of four since: not the start alone, BENCHMARKS.md)
                 for models in ([SERVED_NAME] * args.requests, [ADAPTERS[i % 4] for i in range(args.requests)]):
                     phase(cluster.grpc_address, models, args, rng)
             for r in range(args.rounds):
