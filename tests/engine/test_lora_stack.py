@@ -63,14 +63,15 @@ def check_both_ways(engine) -> list[int]:
     return checked
 
 
-@pytest.mark.parametrize("segment_tokens,max_rank", [(0, 8), (1, 8), (20, 9)],
-                         ids=["gather-free", "by-slot", "both-odd-rank"])
+@pytest.mark.parametrize("segment_tokens,max_rank", [(0, 8), (1, 8), (20, 9), (0, 16)],
+                         ids=["gather-free", "by-slot", "both-odd-rank", "gather-free-blocks"])
 def test_the_one_call_is_bitwise_the_layer_loop_on_every_path(tiny_llama_dir, adapter_dirs, kernel_path,
                                                               segment_tokens, max_rank):
     """Prefill (chunked: a small token budget) and decode steps mixing alpha, beta and the base
     model, on each kernel path this processor runs; the one call's products gather-free (every
     slot at once, one expand per part), slot by slot (the form of long steps), and each by the
-    step's size at an odd rank (the rank blocks padded to pairs of k where they started odd)."""
+    step's size at an odd rank (the rank blocks padded to pairs of k where they started odd); at
+    rank 16 the gather-free steps on avx512_bf16 run block by block (decoder_lora.h)."""
     model_dir, _ = tiny_llama_dir
     engine = lora_engine(model_dir, adapter_dirs, dtype="bfloat16", max_num_batched_tokens=32,
                          max_lora_rank=max_rank)

@@ -54,6 +54,20 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
   TORCH_CHECK(widths.size() == 4, "decoder_layers: widths must be [qkv, o, gate_up, down], got ", widths.size());
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16, "decoder_layers: h must be (T, D) bfloat16");
   const int64_t T = h.size(0);
+  // A projection's base linear, then its adapters' delta; while the linear runs, the calling
+  // thread prefetches the weights the delta will read (DecoderLoRA::prefetch).
+  auto project = [&](const at::Tensor& in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
+                     size_t layer, Projection p) {
+    at::Tensor out;
+    if (!lora) return linear(in, w, n, bias, false);
+    {
+      PrefetchPlan plan = lora->prefetch(layer, p, w.size(0));
+      const PrefetchScope scope(plan);
+      out = linear(in, w, n, bias, false);
+    }
+    lora->add(layer, p, in, out);
+    return out;
+  };
   at::Tensor x, residual;
   for (size_t i = 0; i < L; ++i) {
     if (i == 0) {
@@ -62,20 +76,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     } else {
       std::tie(x, residual) = add_rms_norm(x, residual, input_norm[i], eps);
     }
-    at::Tensor qkv_out = linear(x, qkv[i], widths[0], qkv_bias.get(i), false);
-    if (lora) lora->add(i, Projection::kQkv, x, qkv_out);
+    at::Tensor qkv_out = project(x, qkv[i], widths[0], qkv_bias.get(i), i, Projection::kQkv);
     const at::Tensor q = rope_store_kv(qkv_out, cos, sin, k_caches[i], v_caches[i], slot_block, slot_offset,
                                        num_heads, num_kv_heads);
     const at::Tensor attn = paged_attention(q, k_caches[i], v_caches[i], block_tables, cu_query_lens,
                                             context_lens, scale).view({T, -1});
-    at::Tensor attn_out = linear(attn, o[i], widths[1], c10::nullopt, false);
-    if (lora) lora->add(i, Projection::kO, attn, attn_out);
+    at::Tensor attn_out = project(attn, o[i], widths[1], c10::nullopt, i, Projection::kO);
     std::tie(x, residual) = add_rms_norm(attn_out, residual, post_norm[i], eps);
-    at::Tensor gate_up_out = linear(x, gate_up[i], widths[2], c10::nullopt, false);
-    if (lora) lora->add(i, Projection::kGateUp, x, gate_up_out);
+    at::Tensor gate_up_out = project(x, gate_up[i], widths[2], c10::nullopt, i, Projection::kGateUp);
     const at::Tensor act = silu_mul(gate_up_out);
-    x = linear(act, down[i], widths[3], c10::nullopt, false);
-    if (lora) lora->add(i, Projection::kDown, act, x);
+    x = project(act, down[i], widths[3], c10::nullopt, i, Projection::kDown);
   }
   return {x, residual};
 }

@@ -36,6 +36,8 @@
 #include <torch/library.h>
 
 #include "decoder_lora.h"
+#include "isa.h"
+#include "linear_kernels.h"
 #include "ops.h"
 #include "parallel_chunks.h"
 #include "vec_math.h"
@@ -116,6 +118,7 @@ DecoderLoRA::DecoderLoRA(at::TensorList shrink, at::TensorList expand, at::Tenso
               "decoder_layers_lora: lora_shrink_slots and lora_expand_slots need ", S1, " entries (one per slot) for "
               "each of lora_shrink's and lora_expand's (", shrinks * S1, " and ", expands * S1, "), or both empty "
               "in a step run gather-free; got ", shrink_slots.size(), " and ", expand_slots.size());
+  blocks_ = !by_slot_ && current_isa() == Isa::kAvx512Bf16 && rank % kPanel == 0;
   const at::Tensor flat = mask.reshape({tokens, slots_}).contiguous();
   const auto* m = flat.data_ptr<at::BFloat16>();
   token_slot_.assign(static_cast<size_t>(tokens), -1);
@@ -143,8 +146,26 @@ void DecoderLoRA::add(size_t layer, Projection projection, const at::Tensor& x, 
     add_by_slot(layer, p, x, y);
   } else {
     const SerialKernels serial(x.size(0) < kSerialTokens);
-    add_gather_free(layer, p, x, y);
+    if (blocks_ && x.size(1) % 2 == 0) {
+      add_block_by_block(layer, p, x, y);
+    } else {
+      add_gather_free(layer, p, x, y);
+    }
   }
+}
+
+PrefetchPlan DecoderLoRA::prefetch(size_t layer, Projection projection, int64_t panels) const {
+  PrefetchPlan plan;
+  if (by_slot_) return plan;
+  const size_t p = static_cast<size_t>(projection);
+  const at::Tensor& a = shrink_[layer * kProjections + p];
+  plan.add(a.const_data_ptr(), static_cast<int64_t>(a.nbytes()));
+  for (int64_t q = 0; q < parts_[p]; ++q) {
+    const at::Tensor& b = expand_[layer * parts_per_layer_ + first_part_[p] + static_cast<size_t>(q)];
+    plan.add(b.const_data_ptr(), static_cast<int64_t>(b.nbytes()));
+  }
+  plan.panels = panels;
+  return plan;
 }
 
 void DecoderLoRA::add_gather_free(size_t layer, size_t p, const at::Tensor& x, at::Tensor& y) const {
@@ -160,6 +181,44 @@ void DecoderLoRA::add_gather_free(size_t layer, size_t p, const at::Tensor& x, a
     gather_part(in, token_slot_.data(), T, S1, PR, q * R, R, W, out);
     linear_add_into(part_in, expand_[layer * parts_per_layer_ + entry], size, y, column);
     column += size;
+  }
+}
+
+void DecoderLoRA::add_block_by_block(size_t layer, size_t p, const at::Tensor& x, at::Tensor& y) const {
+  const int64_t P = parts_[p], R = rank_, PR = P * R, S1 = slots_, width = y.size(1);
+  const at::Tensor xc = x.contiguous();
+  const int64_t in = xc.size(1), wide = S1 * PR;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const std::vector<c10::BFloat16> zeros(static_cast<size_t>(width), c10::BFloat16(0.0f));
+  for (const int64_t t : rows_[S1]) add_bf16(yp + t * width, zeros.data(), width);  // as add_by_slot's
+  // Each slot's tokens in a row of their own, and their shrink in a (T, S1 PR) buffer whose
+  // row i is the i-th token of the slots in order; only the slot's own P R columns are written.
+  std::vector<uint16_t> xs(static_cast<size_t>(xc.size(0) * in)), shrunk(static_cast<size_t>(xc.size(0) * wide));
+  const auto* a = reinterpret_cast<const uint16_t*>(shrink_[layer * kProjections + p].const_data_ptr<at::BFloat16>());
+  int64_t first = 0;
+  for (int64_t j = 0; j < S1; ++j) {
+    const std::vector<int64_t>& rows = rows_[j];
+    const int64_t n = static_cast<int64_t>(rows.size());
+    if (n == 0) continue;
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xs.data() + (first + i) * in, xp + rows[i] * in, in * sizeof(uint16_t));
+    Output o{shrunk.data() + first * wide, false, wide, nullptr};
+    dpbf16_panels(xs.data() + first * in, in, n, in / 2, a, j * PR / kPanel, (j + 1) * PR / kPanel, o);
+    int64_t column = 0;
+    for (int64_t q = 0; q < P; ++q) {
+      const at::Tensor& b = expand_[layer * parts_per_layer_ + first_part_[p] + static_cast<size_t>(q)];
+      const int64_t size = part_sizes_[first_part_[p] + static_cast<size_t>(q)], stride = b.size(1);
+      // ExpandPlan puts slot j's R columns of part q at j W (their parity is even: R is a
+      // multiple of 16), so the block's input is the shrink's columns as they are.
+      Output d{yp + column, false, size, nullptr};
+      d.ld = width;
+      d.accumulate = true;
+      d.rows = rows.data();
+      const auto* bw = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>()) + j * (R / 2) * 2 * kPanel;
+      dpbf16_block(shrunk.data() + first * wide + j * PR + q * R, wide, n, R / 2, stride, bw, 0, b.size(0), d);
+      column += size;
+    }
+    first += n;
   }
 }
 

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include "prefetch_plan.h"
+
 #include <cstddef>
 #include <tuple>
 #include <vector>
@@ -30,6 +32,14 @@ constexpr size_t kProjections = 4;
 // than the multiply-adds it saves. A step of under 8 tokens runs its products on the calling
 // thread alone (no fork and join of torch's threads for each of its ~330 small kernels; the
 // same bits: a chunk's result never depends on the thread that computed it).
+//
+// On the avx512_bf16 path, with max_lora_rank a multiple of 16, a gather-free step runs its
+// products block by block: each slot's tokens through the panels of the packed shrink that
+// hold that slot's A (its P R columns fill whole panels), then each part's expand over that
+// slot's pairs of k alone (dpbf16_block), straight on the packed kernel with no tensor made.
+// The same weights as the gather-free form, read once a step, at a quarter of its
+// multiply-adds with four adapters, and the same bits (only exactly-zero terms are left out,
+// in the same pairs of k).
 class DecoderLoRA {
  public:
   // shrink: L x 4 packed weights (linear_pack; entry 4 l + p for layer l, projection p): every
@@ -46,15 +56,22 @@ class DecoderLoRA {
               int64_t segment_tokens, size_t layers, int64_t tokens);
   // y (T, out) += the step's LoRA delta of ``projection`` in ``layer`` for its input x (T, in).
   void add(size_t layer, Projection projection, const at::Tensor& x, at::Tensor& y) const;
+  // What ``add`` of a gather-free step will read of ``projection`` in ``layer``'s adapter
+  // weights (its shrink's, then each part's expand), for the base linear of ``panels`` output
+  // panels to prefetch while it runs (prefetch_plan.h); empty in a step run slot by slot,
+  // whose products do far more arithmetic per byte.
+  PrefetchPlan prefetch(size_t layer, Projection projection, int64_t panels) const;
 
  private:
   void add_gather_free(size_t layer, size_t projection, const at::Tensor& x, at::Tensor& y) const;
   void add_by_slot(size_t layer, size_t projection, const at::Tensor& x, at::Tensor& y) const;
+  void add_block_by_block(size_t layer, size_t projection, const at::Tensor& x, at::Tensor& y) const;
 
   at::TensorList shrink_, expand_, shrink_slots_, expand_slots_;
   at::IntArrayRef parts_, part_sizes_;
   int64_t rank_, slots_;
   bool by_slot_ = false;
+  bool blocks_ = false;  // a gather-free step on avx512_bf16 whose slots' blocks fill whole panels
   size_t parts_per_layer_ = 0;
   size_t first_part_[kProjections] = {};     // each projection's first entry in part_sizes
   std::vector<int64_t> token_slot_;          // each token's slot 0..S-2 from the mask, -1: the base model

@@ -71,8 +71,10 @@ inline __m512i pair_of(const uint16_t* x) {  // x[0], x[1] broadcast as one 32-b
   return _mm512_set1_epi32(v);
 }
 
+// stride: a panel's pairs in the packed weight (KP, or more where the k read are a block of it).
 template <int MR, int NP>
-void dp_tile(const uint16_t* x, int64_t ldx, int64_t KP, const uint16_t* w, int64_t m0, int64_t p, const Output& o) {
+void dp_tile(const uint16_t* x, int64_t ldx, int64_t KP, int64_t stride, const uint16_t* w, int64_t m0, int64_t p,
+             const Output& o) {
   __m512 acc[MR * NP];
 #pragma GCC unroll 32
   for (int i = 0; i < MR * NP; ++i) acc[i] = _mm512_setzero_ps();
@@ -82,7 +84,7 @@ void dp_tile(const uint16_t* x, int64_t ldx, int64_t KP, const uint16_t* w, int6
     for (int r = 0; r < MR; ++r) xb[r] = pair_of(x + r * ldx + 2 * j);
 #pragma GCC unroll 8
     for (int q = 0; q < NP; ++q) {
-      const __m512i wv = _mm512_loadu_si512(w + ((p + q) * KP + j) * 2 * kPanel);
+      const __m512i wv = _mm512_loadu_si512(w + ((p + q) * stride + j) * 2 * kPanel);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
         acc[r * NP + q] = _mm512_dpbf16_ps(acc[r * NP + q], (__m512bh)xb[r], (__m512bh)wv);
@@ -121,9 +123,9 @@ struct Fma {
 
 template <int MR, int NP>
 struct Dp {
-  static void run(const uint16_t* x, int64_t ldx, int64_t KP, const uint16_t* w, int64_t m0, int64_t p,
-                  const Output& o) {
-    dp_tile<MR, NP>(x, ldx, KP, w, m0, p, o);
+  static void run(const uint16_t* x, int64_t ldx, int64_t KP, int64_t stride, const uint16_t* w, int64_t m0,
+                  int64_t p, const Output& o) {
+    dp_tile<MR, NP>(x, ldx, KP, stride, w, m0, p, o);
   }
 };
 
@@ -151,8 +153,13 @@ void avx512_panels_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w,
 
 void dpbf16_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t KP, const uint16_t* w, int64_t p0,
                    int64_t p1, const Output& o) {
-  for_each_tile(M, p0, p1, kRows, panels_for, KP * 2 * kPanel * 2, [&](int64_t m0, int mr, int64_t p, int np) {
-    dispatch<Dp, kRows>(mr, np, x + m0 * ldx, ldx, KP, w, m0, p, o);
+  dpbf16_block(x, ldx, M, KP, KP, w, p0, p1, o);
+}
+
+void dpbf16_block(const uint16_t* x, int64_t ldx, int64_t M, int64_t KP, int64_t stride, const uint16_t* w,
+                  int64_t p0, int64_t p1, const Output& o) {
+  for_each_tile(M, p0, p1, kRows, panels_for, stride * 2 * kPanel * 2, [&](int64_t m0, int mr, int64_t p, int np) {
+    dispatch<Dp, kRows>(mr, np, x + m0 * ldx, ldx, KP, stride, w, m0, p, o);
   });
 }
 

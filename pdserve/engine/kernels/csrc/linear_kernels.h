@@ -41,6 +41,11 @@ void avx512_panels_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w,
 // Pairs layout through VDPBF16PS. x: (M, ldx) bfloat16, ldx even, zero at column K when K is odd.
 void dpbf16_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t KP, const uint16_t* w, int64_t p0,
                    int64_t p1, const Output& o);
+// The same over a block of k alone: KP pairs of each panel from ``w`` on, a panel being
+// ``stride`` pairs long (w points at the block's first pair in panel 0). The sums of the
+// block's products, in the same order and pairs as the whole k would add them.
+void dpbf16_block(const uint16_t* x, int64_t ldx, int64_t M, int64_t KP, int64_t stride, const uint16_t* w,
+                  int64_t p0, int64_t p1, const Output& o);
 
 // x for the AMX kernel: rows of ld = 32 ceil(KP/16) bfloat16, zero past K. An A tile reads
 // 16 rows, so the rows from `split` on (the last, partial tile's) come from a copy with
