@@ -19,8 +19,9 @@ private mappings, which this system backs with huge pages only where asked (THP 
 mode). For each mapping that holds a weight, the span from its first weight to its last is
 collapsed into huge pages now (``MADV_COLLAPSE``, Linux 6.1+): the kernel copies each 2 MiB
 extent into a huge page. The mapping is not marked for huge pages (``MADV_HUGEPAGE``): later
-allocations there keep 4 KiB pages. Contents do not change, so no result does. Other allocations inside a span come along, and
-the memory used grows by the pages of the span no one had touched yet.
+allocations there keep 4 KiB pages. Contents do not change, so no result does. Other
+allocations inside a span come along, and the memory used grows by the pages of the span no
+one had touched yet (none measurable for the default model: 609 MB resident either way).
 Where the advice is refused (an older kernel, THP off, not Linux) nothing happens beyond a debug
 line. The KV cache asks for huge pages itself, before its first touch
 (``pdserve.engine.attention.kv_cache.host_zeros``).

@@ -18,7 +18,7 @@ a hand-over never refuses one:
 
 Why step 2 waits: gRPC's stop refuses every call that has not reached a handler yet, and a
 call the client sent just before it saw the stop's GOAWAY ends CANCELLED (grpcio's server
-does not tell it to retry; grpc/grpc#41785 there). A client whose connection has aged out
+does not tell it to retry). A client whose connection has aged out
 before the stop sends nothing into it. Behind ``SO_REUSEPORT`` (``pdserve rollout`` on
 Ray: both routers listen on one port), a connection opened during the wait may still land
 here, so there the wait would not close the race and is not taken.
