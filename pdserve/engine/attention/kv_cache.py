@@ -35,8 +35,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.errors import KVMemoryError
-
-HUGE_PAGE_BYTES = 2 << 20
+from pdserve.engine.huge_pages import HUGE_PAGE_BYTES
 
 
 class _BlockLayout:
