@@ -24,8 +24,9 @@ class RouterLimits:
     # worker counts as not answering (a SIGSTOPped one holds its sockets and never does) and the
     # prompt moves on: to another prefill worker, or to a decode worker that prefills it itself
     # (``pdserve.router.request_budget.prefill_call_timeout_s``). Like hang_timeout_s,
-    # prefill_call_min_s must exceed the longest single engine step, or a slow step is read as
-    # silence (the prompt is then prefilled again on a decode worker: the same tokens, later).
+    # prefill_call_min_s must exceed the longest single decoder layer (progress is counted by
+    # layer, router.liveness), or a slow layer is read as silence (the prompt is then prefilled
+    # again on a decode worker: the same tokens, later).
     prefill_call_min_s: float = 10.0
     prefill_call_slack: float = 4.0
     prefill_token_s_guess: float = 0.01

@@ -2,15 +2,17 @@
 
 A worker that answers ``Stats`` may still be hung: its gRPC loop runs on a thread apart from
 the engine, so a wedged forward pass (or a process stopped between two answers) looks
-reachable. What tells is the engine's step count: while the engine holds runnable work it
-must move. A worker counts as having made progress when an answer shows its step count
-moved, or shows it idle (nothing to run, so nothing to move). A worker that does not
+reachable. What tells is the engine's progress count (``engine_steps``: its steps and the
+decoder layers computed inside them, pdserve/engine/progress.py): while the engine holds
+runnable work it must move. A worker counts as having made progress when an answer shows its
+count moved, or shows it idle (nothing to run, so nothing to move). A worker that does not
 answer at all (dead, or SIGSTOPped) makes no progress either. A worker without progress for
 ``hang_timeout_s`` is hung: the router stops routing to it and its requests migrate, the
 supervisor replaces it.
 
-The timeout must exceed the longest single engine step (a full prefill chunk on a loaded
-CPU), or a slow step reads as a hang.
+The timeout must exceed the longest single decoder layer (a thirtieth of a step or less), not
+the longest step: with steps alone, a 2,048-token prefill step of long prompts on an AVX2-only
+core outlasted the router's 10 s bound for a prefill call and read as a hang.
 
 A worker whose KV reads hang is hung too, though its engine steps: a read stopped in flight
 keeps its blocks quarantined until the transport says it is over (pdserve/shell/read_quarantine.py),

@@ -18,8 +18,9 @@ from pdserve.shell import lora_rpcs
 def worker_stats(worker_id: str, role: str, engine: LLMEngine, agent: RankAgents, metrics_address: str = "",
                  engine_steps: int = 0, **extra) -> worker_pb2.WorkerStats:
     """The snapshot; ``metrics_address`` is where the worker serves /metrics, ``engine_steps``
-    the engine thread's step count (with ``engine_busy`` it tells a hung engine from an idle
-    one: ``pdserve.router.liveness``), ``extra`` the role's own fields (leases on a prefill worker)."""
+    the engine thread's progress: its steps and the decoder layers computed inside them
+    (pdserve/engine/progress.py; with ``engine_busy`` it tells a hung engine from an idle one:
+    ``pdserve.router.liveness``), ``extra`` the role's own fields (leases on a prefill worker)."""
     sched = engine.scheduler
     waiting = list(sched.waiting)
     t = agent.stats.snapshot()

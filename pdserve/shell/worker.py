@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
+from pdserve.engine import progress
 from pdserve.engine.engine_thread import EngineThread, Hold, Hook
 from pdserve.engine.errors import StepFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
@@ -161,7 +162,8 @@ class WorkerShell:
     # ---- stats and drain -------------------------------------------------------------
     def stats(self, metrics_address: str = "") -> worker_pb2.WorkerStats:
         return worker_stats(self.config.worker_id, self.role, self.engine, self.agent, metrics_address,
-                            engine_steps=self.thread.steps, draining=self.draining, num_in_flight=self.in_flight(),
+                            engine_steps=self.thread.steps + progress.layers_done(), draining=self.draining,
+                            num_in_flight=self.in_flight(),
                             verify_kv=self.config.verify_kv, **self.stats_extra())
 
     async def drain(self, grace_s: float) -> bool:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from pdserve.cluster.autoscaling import pool_config
+from pdserve.router.limits import RouterLimits
 from tests.clusters import cluster_config, running_cluster
 from tests.helpers.autoscale_load import FAST, send_load
 
@@ -25,8 +26,11 @@ QUEUE_AND_KV = {"prefill": pool_config("prefill", target=300, **FAST),
 @pytest.fixture(scope="module")
 def cluster():
     # 96 MiB of KV per worker: ~4,200 tokens in bfloat16 (the default), so about two dozen
-    # long streams fill a decode worker.
-    with running_cluster(cluster_config(kv_mib=96, http_port=None, autoscale_interval_s=0.5,
+    # long streams fill a decode worker. Admission waits up to 240 s (the default is 30): on an
+    # AVX2-only EPYC (Zen 3) the long-prompt burst's last prompts waited longer than 30 s for
+    # decode KV and were refused, which is the admission limit's promise, not autoscaling's.
+    limits = RouterLimits(admission_wait_s=240.0)
+    with running_cluster(cluster_config(kv_mib=96, http_port=None, autoscale_interval_s=0.5, router_limits=limits,
                                         autoscaling=dict(QUEUE_AND_KV))) as c:
         yield c
 

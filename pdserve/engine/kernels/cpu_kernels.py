@@ -157,6 +157,11 @@ def set_isa(name: str) -> None:
     torch_ops().set_isa(name)
 
 
+def is_loaded() -> bool:
+    """Whether ``load`` has run in this process (its operators are then registered)."""
+    return _loaded and bool(sources())
+
+
 def torch_ops():
     import torch
 

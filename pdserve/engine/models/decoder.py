@@ -33,6 +33,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 import torch
 from torch import nn
 
+from pdserve.engine import progress
 from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.checkpoint import InMemoryTensor
 from pdserve.engine.config import ModelConfig
@@ -139,6 +140,7 @@ class DecoderStack(nn.Module):
         residual = None
         for layer in layers:
             h, residual = layer(h, residual, rope, ctx)
+            progress.layer_done()
         return h, residual
 
 

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from pdserve.engine import progress
 from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.config import Get, ModelConfig, dense_fields, quantization_fields
 from pdserve.engine.errors import ModelLoadError
@@ -142,6 +143,7 @@ class Gemma3ForCausalLM(CausalLM):
             ropes[True] = self.local_rotary.tables(positions, h.dtype)
         for layer in self.layers:
             h = layer(h, ropes[layer.sliding], ctx)
+            progress.layer_done()
         return self.norm(h)
 
 

@@ -27,16 +27,30 @@
 // decoder_stack runs the loop; decoder_lora.cpp's decoder_layers_lora runs it with a step's
 // LoRA adapters added after each projection. Without adapters (this operator) the loop adds
 // nothing: the same calls as before LoRA existed.
+//
+//   decoder_layers_done() -> int
+//       Layers this process has computed through decoder_stack since it started (every call,
+//       every thread). A worker reports it beside its step count so that a long step shows
+//       progress layer by layer (pdserve/engine/progress.py): on a slow core one prefill step
+//       of long prompts outlasts the router's no-progress bound (router/liveness.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "decoder_lora.h"
 #include "ops.h"
 
+#include <atomic>
+#include <cstdint>
 #include <tuple>
 #include <vector>
 
 namespace pdserve {
+
+namespace {
+std::atomic<int64_t> layers_done{0};
+}  // namespace
+
+int64_t decoder_layers_done() { return layers_done.load(std::memory_order_relaxed); }
 
 std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList input_norm,
@@ -86,6 +100,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     at::Tensor gate_up_out = project(x, gate_up[i], widths[2], c10::nullopt, i, Projection::kGateUp);
     const at::Tensor act = silu_mul(gate_up_out);
     x = project(act, down[i], widths[3], c10::nullopt, i, Projection::kDown);
+    layers_done.fetch_add(1, std::memory_order_relaxed);
   }
   return {x, residual};
 }
@@ -110,6 +125,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
         "Tensor(b!)[] v_caches, Tensor slot_block, Tensor slot_offset, Tensor block_tables, Tensor cu_query_lens, "
         "Tensor context_lens, int[] widths, int num_heads, int num_kv_heads, float eps, float scale) "
         "-> (Tensor, Tensor)");
+  m.def("decoder_layers_done() -> int", &pdserve::decoder_layers_done);
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("decoder_layers", &pdserve::decoder_layers); }
