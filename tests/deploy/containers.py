@@ -232,7 +232,7 @@ class PlainK8s:
         podman("stop", "--time", str(left), pod.name, check=False, timeout=left + 60)
         seconds = time.monotonic() - start
         exit_code = int(podman("inspect", pod.name, "--format", "{{.State.ExitCode}}").stdout.strip())
-        self._gone_logs[pod.name] = self.log(pod)
+        self._gone_logs[pod.name] = self.log(pod, chars=None)
         podman("rm", "-f", pod.name, check=False)
         self.pods.remove(pod)
         if pod.role == "router":
@@ -242,16 +242,22 @@ class PlainK8s:
     def running(self, role: str) -> list[Pod]:
         return [p for p in self.pods if p.role == role]
 
-    def log(self, pod: Pod, chars: int = 3000) -> str:
+    def log(self, pod: Pod, chars: int | None = 3000) -> str:
+        """The pod's stdout then stderr, the last ``chars`` characters (None: all)."""
         if pod.name in self._gone_logs:
-            return self._gone_logs[pod.name][-chars:]
+            return self._gone_logs[pod.name][-chars if chars else 0:]
         done = podman("logs", pod.name, check=False)
-        return (done.stdout + done.stderr)[-chars:]
+        return (done.stdout + done.stderr)[-chars if chars else 0:]
 
     def logs(self) -> dict[str, str]:
-        """Every pod's log tail, running or gone, for a failing assertion's message."""
-        return {**{name: text[-3000:] for name, text in self._gone_logs.items()},
-                **{p.name: self.log(p) for p in self.pods}}
+        """Every pod's log tail, running or gone, for a failing assertion's message; the whole
+        logs go to ``<tmp>/logs/<pod>.log`` (named in the message's first key)."""
+        out = self.tmp / "logs"
+        out.mkdir(exist_ok=True)
+        whole = {**self._gone_logs, **{p.name: self.log(p, chars=None) for p in self.pods}}
+        for name, text in whole.items():
+            (out / f"{name}.log").write_text(text)
+        return {"whole logs": str(out), **{name: text[-3000:] for name, text in whole.items()}}
 
     def close(self) -> None:
         for service in (self.public, self.internal):

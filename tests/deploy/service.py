@@ -15,6 +15,9 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
+
+LAG_CHECK_S = 0.1  # how often the proxy's loop checks that it runs on time
 
 
 class Service:
@@ -29,6 +32,10 @@ class Service:
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(asyncio.start_server(self._forward, host, port),
                                                         self._loop).result(timeout=10)
+        # Stalls of the proxy's own loop (it runs in the test's process): (wall time, seconds late).
+        # A stalled proxy delays every byte of every connection, which a peer may read as a dead link.
+        self.stalls: list[tuple[float, float]] = []
+        self._watcher = asyncio.run_coroutine_threadsafe(self._watch_lag(), self._loop)
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -43,9 +50,18 @@ class Service:
             self._endpoints = tuple(e for e in self._endpoints if e != ip)
 
     def close(self) -> None:
+        self._watcher.cancel()
         self._loop.call_soon_threadsafe(self._server.close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+    async def _watch_lag(self) -> None:
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(LAG_CHECK_S)
+            late = time.monotonic() - start - LAG_CHECK_S
+            if late > 0.5:
+                self.stalls.append((round(time.time(), 1), round(late, 2)))
 
     async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         endpoints = self._endpoints

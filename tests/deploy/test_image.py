@@ -235,8 +235,13 @@ def roll(cluster: PlainK8s, role: str) -> dict:
     deleted = time.monotonic()
     stopped = cluster.terminate(old)
     assert stopped.exit_code == 0, f"the old {role} pod did not drain within its grace:\n{cluster.log(old)}"
-    return {"role": role, "deleted": deleted, "surge_s": round(ready_s, 1), "stop_s": round(stopped.seconds, 1),
-            "total_s": round(time.monotonic() - start, 1)}
+    return {"role": role, "start": start, "deleted": deleted, "surge_s": round(ready_s, 1),
+            "stop_s": round(stopped.seconds, 1), "total_s": round(time.monotonic() - start, 1)}
+
+
+def stalls(service, since: float) -> list[tuple[float, float]]:
+    """A Service proxy's stalls, as (seconds from ``since`` (wall time), seconds late)."""
+    return [(round(wall - since, 1), late) for wall, late in service.stalls]
 
 
 def test_rolling_each_deployment_loses_no_request(plain_k8s):
@@ -280,12 +285,18 @@ def test_rolling_each_deployment_loses_no_request(plain_k8s):
             for role in ("prefill", "decode", "router"):
                 timings.append(roll(plain_k8s, role))
                 load.wait_for(CLIENTS, timeout_s=REQUEST_TIMEOUT_S)  # served by the new pod
-        print(f"\nrolled under load ({len(load.outcomes)} requests):",
-              [{k: v for k, v in t.items() if k != "deleted"} for t in timings])
+        # A timeline in seconds from the load's start: each roll's start and deletion of the old pod.
+        t0 = load.started
+        steps = [{**t, "start": round(t["start"] - t0, 1), "deleted": round(t["deleted"] - t0, 1)} for t in timings]
+        print(f"\nrolled under load ({len(load.outcomes)} requests):", steps)
 
-    errors = [(o.prompt, o.code.name, o.details) for o in load.outcomes if o.code is not None]
-    assert not errors, f"{len(errors)} of {len(load.outcomes)} requests failed: {errors[:5]}\n" + json.dumps(
-        plain_k8s.logs(), indent=1)
+    errors = [(o.prompt, o.code.name, o.details, f"{o.started - t0:.1f}-{o.ended - t0:.1f} s")
+              for o in load.outcomes if o.code is not None]
+    assert not errors, (f"{len(errors)} of {len(load.outcomes)} requests failed: {errors[:5]}\nrolls: {steps}\n"
+                        f"(seconds from the load's start, {time.strftime('%H:%M:%S', time.gmtime(load.started_at))} UTC)\n"
+                        f"the Service proxies' stalls over 0.5 s: public {stalls(plain_k8s.public, load.started_at)}, "
+                        f"internal {stalls(plain_k8s.internal, load.started_at)}\n"
+                        + json.dumps(plain_k8s.logs(), indent=1))
     for o in load.outcomes:
         assert o.tokens == reference[o.prompt], f"prompt {o.prompt}: tokens differ from the undisturbed run"
     assert all(len(tokens) == ROLL_TOKENS for tokens in reference.values())

@@ -35,6 +35,7 @@ class Load:
         self._threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(clients)]
 
     def __enter__(self):
+        self.started, self.started_at = time.monotonic(), time.time()  # the latter for the pods' logs
         for t in self._threads:
             t.start()
         return self
