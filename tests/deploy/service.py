@@ -18,6 +18,7 @@ import threading
 import time
 
 LAG_CHECK_S = 0.1  # how often the proxy's loop checks that it runs on time
+STALL_S = 0.5  # a check this late is recorded in ``Service.stalls``
 
 
 class Service:
@@ -60,7 +61,7 @@ class Service:
             start = time.monotonic()
             await asyncio.sleep(LAG_CHECK_S)
             late = time.monotonic() - start - LAG_CHECK_S
-            if late > 0.5:
+            if late > STALL_S:
                 self.stalls.append((round(time.time(), 1), round(late, 2)))
 
     async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

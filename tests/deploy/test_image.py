@@ -29,6 +29,7 @@ import pytest
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.wire import grpc_util, tls
 from tests.deploy.containers import ROLES, PlainK8s, Pod, load_image_tool, podman, ulimits
+from tests.deploy.service import STALL_S
 from tests.faults.load import Load
 from tests.helpers.chat import chat_request, collect
 
@@ -294,7 +295,7 @@ def test_rolling_each_deployment_loses_no_request(plain_k8s):
               for o in load.outcomes if o.code is not None]
     assert not errors, (f"{len(errors)} of {len(load.outcomes)} requests failed: {errors[:5]}\nrolls: {steps}\n"
                         f"(seconds from the load's start, {time.strftime('%H:%M:%S', time.gmtime(load.started_at))} UTC)\n"
-                        f"the Service proxies' stalls over 0.5 s: public {stalls(plain_k8s.public, load.started_at)}, "
+                        f"the Service proxies' stalls over {STALL_S} s: public {stalls(plain_k8s.public, load.started_at)}, "
                         f"internal {stalls(plain_k8s.internal, load.started_at)}\n"
                         + json.dumps(plain_k8s.logs(), indent=1))
     for o in load.outcomes:
