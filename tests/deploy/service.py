@@ -51,10 +51,14 @@ class Service:
             self._endpoints = tuple(e for e in self._endpoints if e != ip)
 
     def close(self) -> None:
-        self._watcher.cancel()
+        asyncio.run_coroutine_threadsafe(self._stop_watching(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._server.close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+    async def _stop_watching(self) -> None:
+        self._watcher.cancel()  # the task itself, on its loop: it ends before the loop stops
+        await asyncio.gather(asyncio.wrap_future(self._watcher), return_exceptions=True)
 
     async def _watch_lag(self) -> None:
         while True:
