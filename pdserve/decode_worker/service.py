@@ -5,8 +5,8 @@ of the metadata it hands out: a restarted worker registers new memory). A prefil
 restarts on the same address (a Kubernetes container restart keeps the pod IP and the fixed
 internal port) would otherwise be read with its dead predecessor's metadata forever. So after
 a transfer from an address fails, its metadata is fetched again at once, and a new incarnation
-replaces the peer before the router retries; the router marks a source whose transfers keep
-failing down (``pdserve.router.pool.WorkerPool.transfer_failed``). Each address has its own
+replaces the peer before the router retries; the router marks a source or a reader whose
+transfers keep failing down (``pdserve.router.pool.WorkerPool.transfer_failed``). Each address has its own
 lock for this: a prefill worker that does not answer its metadata call (up to 10 s) holds up
 the requests that read from it, not those that read from the others.
 

@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.protos import worker_pb2
 from pdserve.router.errors import AttemptLost, route_error
-from pdserve.router.policy import Choice, disagreeing, pick_decode
+from pdserve.router.policy import Choice, avoiding, disagreeing, pick_decode
 from pdserve.router.worker_calls import CallContext, Fault, triage
 from pdserve.wire import tracing
 
@@ -68,7 +68,7 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
                             raise AttemptLost(f"decode worker {client.address} handed the stream over with its KV",
                                               moved=resp.handed_over)
                         if resp.kv_bytes:  # the KV-arrived notice, not output
-                            ctx.pool.transfer_ok(source)
+                            ctx.pool.transfer_ok(source, client.address)
                             ctx.metrics.kv_transferred(resp.kv_transfer_seconds)
                             tracing.add_event(span, "kv_arrived", {tracing.KV_BYTES: resp.kv_bytes,
                                                                    tracing.KV_TRANSFER_TIME: resp.kv_transfer_seconds})
@@ -83,8 +83,8 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
             if fault is Fault.UNVERIFIED:  # refused unread: neither worker is at fault, the pair is
                 raise AttemptLost(f"decode worker {client.address}: {exc.details()}", local=True) from exc
             if fault is Fault.TRANSFER:
-                if source is not None:
-                    ctx.pool.transfer_failed(source)  # the KV's source, if it keeps failing
+                ctx.pool.transfer_failed(source, client.address)  # either end, if it keeps failing
+                ctx.avoid.update(a for a in (source, client.address) if a is not None)
             elif fault is not Fault.STEP:  # a failed step (not the request's fault) leaves it serving
                 ctx.pool.mark_down(client.address)  # the decode worker itself failed
             raise AttemptLost(f"decode worker {client.address}: {exc.code().name} {exc.details()}") from exc
@@ -98,13 +98,19 @@ async def decode(ctx: CallContext, request: worker_pb2.DecodeRequest, blocks: in
 
 def _pick(ctx: CallContext, blocks: int, exclude: frozenset[str], prefer: str | None) -> Choice:
     """``prefer`` if it may take the stream now (routable, room for ``blocks``, not excluded),
-    else the least loaded decode worker."""
+    else the least loaded decode worker; a worker of one of the request's failed transfers
+    (``CallContext.avoid``) only where no other can take it."""
     snapshots = ctx.pool.snapshots(ctx.lora_name)
-    if prefer is not None and prefer not in exclude:
-        preferred = pick_decode([w for w in snapshots if w.worker_id == prefer], blocks, exclude, limited=ctx.limited)
-        if preferred.worker_id is not None:
-            return preferred
-    return pick_decode(snapshots, blocks, exclude, limited=ctx.limited)
+
+    def pick(excluded: frozenset[str]) -> Choice:
+        if prefer is not None and prefer not in excluded:
+            preferred = pick_decode([w for w in snapshots if w.worker_id == prefer], blocks, excluded,
+                                    limited=ctx.limited)
+            if preferred.worker_id is not None:
+                return preferred
+        return pick_decode(snapshots, blocks, excluded, limited=ctx.limited)
+
+    return avoiding(pick, exclude, ctx.avoid)
 
 
 async def _idle_bounded(ctx: CallContext, call, client):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 # The roles a pool's work goes to: a mixed worker (pdserve/elastic_worker) takes decode streams,
 # and prefills the ones it takes itself (pdserve/router/local_prefill.py), never others'.
@@ -57,6 +57,18 @@ def _no_candidate(workers: list[WorkerSnapshot], role: str) -> Choice:
     if any(w.role in SERVES[role] and w.routable for w in workers):
         return Choice(None, f"every healthy {role} worker was tried")
     return Choice(None, f"no healthy {role} worker", pool_empty=True)
+
+
+def avoiding(pick: Callable[[frozenset[str]], Choice], exclude: frozenset[str], avoid: Iterable[str]) -> Choice:
+    """``pick(exclude | avoid)`` where it finds a worker, else ``pick(exclude)``: the workers to
+    ``avoid`` (a request's failed transfers, ``CallContext.avoid``) are a preference, never a
+    refusal, for they may be all that is left."""
+    avoid = frozenset(avoid) - exclude
+    if avoid:
+        choice = pick(exclude | avoid)
+        if choice.worker_id is not None:
+            return choice
+    return pick(exclude)
 
 
 def prefer_holders(workers: list[WorkerSnapshot], lora_name: str) -> list[WorkerSnapshot]:

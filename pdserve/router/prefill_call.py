@@ -15,7 +15,7 @@ import grpc
 from pdserve.kv_transfer.handoff import ReleaseReason, release_request
 from pdserve.protos import worker_pb2
 from pdserve.router.errors import AttemptLost, NoPrefillWorker, RouteError, route_error
-from pdserve.router.policy import disagreeing
+from pdserve.router.policy import avoiding, disagreeing
 from pdserve.router.request_budget import prefill_call_timeout_s
 from pdserve.router.worker_calls import (CallContext, Fault, Started, detach, ignore_errors, last_message, triage,
                                          unavailable, unless_hung)
@@ -42,9 +42,9 @@ async def prefill(ctx: CallContext, request: worker_pb2.PrefillRequest, stream_k
         route = ctx.spans.route("prefill") if ctx.spans is not None else None
         mismatched = disagreeing(ctx.pool.snapshots(ctx.lora_name), verify_kv, "prefill")
         # An empty prefill pool is not waited on: a decode worker prefills the prompt instead.
-        choice = await ctx.budget.admit(lambda: ctx.pool.route_prefill(
-            prompt, ctx.limits.routing, frozenset(tried) | mismatched, ctx.limits.max_queued_tokens_per_prefill,
-            cache_salt, ctx.lora_name), ctx.pool.interval_s, wait_empty=False)
+        choice = await ctx.budget.admit(lambda: avoiding(lambda excluded: ctx.pool.route_prefill(
+            prompt, ctx.limits.routing, excluded, ctx.limits.max_queued_tokens_per_prefill, cache_salt,
+            ctx.lora_name), frozenset(tried) | mismatched, ctx.avoid), ctx.pool.interval_s, wait_empty=False)
         if route is not None:
             tracing.end_span(route, attributes={tracing.ROUTE_RULE: choice.rule or "", tracing.CACHED_TOKENS:
                                                 choice.cached_tokens, tracing.WORKER_ID: choice.worker_id or ""})

@@ -29,7 +29,7 @@ from pdserve.router.limits import RouterLimits
 from pdserve.router.local_prefill import (Decision, Mixed, Reason, beyond_prefill, decide_for_attempt, find_holder,
                                          prefill_options, worker_load)
 from pdserve.router.output_processor import OutputProcessor
-from pdserve.router.policy import WorkerSnapshot, pick_decode, verify_agrees
+from pdserve.router.policy import WorkerSnapshot, avoiding, pick_decode, verify_agrees
 from pdserve.router.pool import WorkerPool
 from pdserve.router.request_budget import RequestBudget
 from pdserve.router.request_spans import RequestSpans
@@ -183,15 +183,17 @@ class RequestRun:
         salt = self.pool.kv_salt(attempt.sampling)  # the adapter folded in: the index never matches another's blocks
         holder, prefills = None, []
         if self.limits.decode_kv_reuse:
-            holder = find_holder(snapshots, self.pool.decode_overlaps(attempt.prompt, salt), attempt.blocks,
-                                 limited=self.calls.limited)
+            overlaps = {w: tokens for w, tokens in self.pool.decode_overlaps(attempt.prompt, salt).items()
+                        if w not in self.calls.avoid}  # a failed transfer's reader is no holder to go back to
+            holder = find_holder(snapshots, overlaps, attempt.blocks, limited=self.calls.limited)
             if holder is not None:
                 prefills = prefill_options(snapshots, self.pool.prefill_overlaps(attempt.prompt, salt))
                 holder = beyond_prefill(holder, prefills)  # a prefix the prefill pool holds too: as before
         worker = self._hinted(snapshots, attempt.blocks) if holder is None else None
         hinted = worker is not None
         if worker is None and holder is None:
-            choice = pick_decode(snapshots, attempt.blocks, limited=self.calls.limited)
+            choice = avoiding(lambda excluded: pick_decode(snapshots, attempt.blocks, excluded, limited=self.calls.limited),
+                              frozenset(), self.calls.avoid)
             worker = next((w for w in snapshots if w.worker_id == choice.worker_id), None)
         load = worker_load(worker) if worker is not None else 1.0
         decision = decide_for_attempt(self.limits.local_prefill, self.limits.routing, len(attempt.prompt), load,

@@ -40,6 +40,11 @@ class CallContext:
     # holds the finished stream's KV: ``RequestRun`` tells the KV index so).
     decode_workers: list[str] = field(default_factory=list)
     lora_name: str = ""  # its LoRA adapter: routed to workers that hold it (router.policy.prefer_holders)
+    # The two ends of each of this request's KV transfers that failed. Its later attempts pass
+    # them over while another worker can take the call (``avoiding``): the router cannot tell
+    # which end stalled (a holder that never sends and a reader that never receives look the
+    # same to the reader), and a migration back onto the same pair would likely fail alike.
+    avoid: set[str] = field(default_factory=set)
 
 
 class Fault(enum.Enum):
