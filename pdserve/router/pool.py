@@ -24,20 +24,20 @@ import grpc
 
 from pdserve.engine.core.block_hashes import kv_salt
 from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.router import transfer_faults
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_policy import RoutingConfig, choose_prefill
 from pdserve.router.liveness import Liveness, is_hung, observe
 from pdserve.router.local_prefill import PrefillPace
 from pdserve.router.policy import SERVES, Choice, WorkerSnapshot, prefer_holders
 from pdserve.router.session_hint import SessionHints
+from pdserve.router.transfer_faults import TRANSFER_DOWN_S
 from pdserve.wire import metrics
 from pdserve.wire.grpc_util import aio_channel
 from pdserve.wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
-MAX_TRANSFER_FAILURES = 3  # KV transfers with one worker (either end) failed in a row before it is down
-TRANSFER_DOWN_S = 10.0  # how long it stays down for routing then (it may have been restarted)
 
 
 @dataclass
@@ -62,7 +62,7 @@ class WorkerClient:
     # event replaces it once the worker makes progress again.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     # KV transfers with this worker (either end) that failed in a row, and until when
-    # (monotonic) it is down for routing because they kept failing (``WorkerPool.transfer_failed``):
+    # (monotonic) it is down for routing because they kept failing (``pdserve.router.transfer_faults``):
     # a worker whose KV nobody can read, or that reads nothing, answers Stats fine, and routing
     # would keep picking it.
     transfer_failures: int = 0
@@ -276,32 +276,7 @@ class WorkerPool:
             client.healthy = False
 
     def transfer_failed(self, source: str | None, reader: str) -> None:
-        """A KV read by ``reader`` from ``source`` (None: no remote KV) failed. Either end may have
-        stalled, and the router cannot tell which (a holder that never sends and a reader that
-        never receives time out alike), so both count it; an end whose last
-        ``MAX_TRANSFER_FAILURES`` transfers all failed is down for routing for
-        ``TRANSFER_DOWN_S``, its Stats answers notwithstanding. A transfer that succeeds clears
-        its two ends' counts (``transfer_ok``), so the healthy end of a failing pair is cleared
-        by its transfers with others. A reader goes down only while another decode-pool worker
-        is routable: without one the requests would fail, where a source that goes down leaves
-        its prompts to the decode workers to prefill. A failure that takes the source down is
-        laid on it alone: the reader's count is left as it was."""
-        for address, role in ((source, "prefill"), (reader, "decode")):
-            client = self.workers.get(address) if address is not None else None
-            if client is None:
-                continue
-            if role == "decode" and source is not None and self._down_now(source):
-                continue  # explained by a source already down for its failed transfers
-            client.transfer_failures += 1
-            if client.transfer_failures < MAX_TRANSFER_FAILURES:
-                continue
-            if role == "decode" and not any(w.role in SERVES["decode"] and w.routable
-                                            for w in self.snapshots() if w.worker_id != address):
-                continue
-            log.warning("%s worker %s: %d KV transfers with it failed in a row; down for %.0f s",
-                        role, address, client.transfer_failures, TRANSFER_DOWN_S)
-            client.transfer_failures = 0
-            client.down_until = time.monotonic() + TRANSFER_DOWN_S
+        transfer_faults.failed(self.workers, source, reader)
 
     def call_unanswered(self, address: str) -> None:
         """A call to ``address`` passed its bound unanswered while the worker still answers its
@@ -312,15 +287,8 @@ class WorkerPool:
             log.warning("worker %s left a call unanswered past its bound; down for %.0f s", address, TRANSFER_DOWN_S)
             client.down_until = time.monotonic() + TRANSFER_DOWN_S
 
-    def _down_now(self, address: str) -> bool:
-        client = self.workers.get(address)
-        return client is not None and client.down_until > time.monotonic()
-
     def transfer_ok(self, source: str | None, reader: str) -> None:
-        for address in (source, reader):
-            client = self.workers.get(address) if address is not None else None
-            if client is not None:
-                client.transfer_failures = 0
+        transfer_faults.succeeded(self.workers, source, reader)
 
     async def start(self) -> None:
         await self.refresh()

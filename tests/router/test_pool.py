@@ -2,7 +2,8 @@
 
 from pdserve.protos import worker_pb2
 from pdserve.router.policy import WorkerSnapshot, avoiding, pick_decode
-from pdserve.router.pool import MAX_TRANSFER_FAILURES, WorkerClient, WorkerPool
+from pdserve.router.pool import WorkerClient, WorkerPool
+from pdserve.router.transfer_faults import MAX_TRANSFER_FAILURES
 
 
 def d(name: str, used: int) -> WorkerSnapshot:
@@ -45,7 +46,7 @@ def test_idle_workers_take_turns_for_requests_one_at_a_time():
 
 
 def test_a_prefill_worker_whose_kv_transfers_keep_failing_is_down_for_routing():
-    """Its Stats answer fine (a worker restarted under the same address, say), so only the
+    """(pdserve.router.transfer_faults) Its Stats answer fine (a worker restarted under the same address, say), so only the
     failed pulls tell; a success in between starts the count again. The readers of its failed
     transfers are not blamed for the one that takes it down."""
     pool = WorkerPool()
