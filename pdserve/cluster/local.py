@@ -31,6 +31,8 @@ from pdserve.wire.grpc_util import channel
 
 log = logging.getLogger(__name__)
 
+PUSH_TIMEOUT_S = 10.0  # one membership push to the router (``push_membership``), a round at most this long
+
 class LocalCluster:
     """The controller's state and actions: it starts the router and the workers, replaces dead
     ones (``pdserve.cluster.supervisor``), scales pools (``pdserve.cluster.autoscaler``) and stops them all.
@@ -336,7 +338,7 @@ class LocalCluster:
         with channel(self.admin_address, self.config.tls_for("controller"), peer="router") as ch:
             admin_pb2_grpc.RouterAdminStub(ch).SetMembership(
                 admin_pb2.Membership(members=members, desired_replicas=desired, signal_targets=targets,
-                                     role_changes=role_changes, budget_pressure=pressure), timeout=10)
+                                     role_changes=role_changes, budget_pressure=pressure), timeout=PUSH_TIMEOUT_S)
 
     def drain(self, grace_s: float) -> int:
         """The router stops admitting (health NOT_SERVING, new requests UNAVAILABLE / 503) and
