@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 PUSH_TIMEOUT_S = 10.0  # one membership push to the router (``push_membership``), a round at most this long
 
+
 class LocalCluster:
     """The controller's state and actions: it starts the router and the workers, replaces dead
     ones (``pdserve.cluster.supervisor``), scales pools (``pdserve.cluster.autoscaler``) and stops them all.

@@ -5,10 +5,10 @@ of the metadata it hands out: a restarted worker registers new memory). A prefil
 restarts on the same address (a Kubernetes container restart keeps the pod IP and the fixed
 internal port) would otherwise be read with its dead predecessor's metadata forever. So after
 a transfer from an address fails, its metadata is fetched again at once, and a new incarnation
-replaces the peer before the router retries; the router marks a source or a reader whose
-transfers keep failing down (``pdserve.router.pool.WorkerPool.transfer_failed``). Each address has its own
-lock for this: a prefill worker that does not answer its metadata call (up to 10 s) holds up
-the requests that read from it, not those that read from the others.
+replaces the peer before the router retries; the router takes a source or a reader whose
+transfers keep failing out of routing for a while (``pdserve.router.transfer_faults``). Each
+address has its own lock for this: a prefill worker that does not answer its metadata call (up
+to 10 s) holds up the requests that read from it, not those that read from the others.
 
 A claimed lease is the reader's for as long as it reads: ``_LeaseUse`` renews its claim every
 third of the holder's ``lease_seconds`` (from the event loop, so a long engine step never

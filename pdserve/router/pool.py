@@ -39,7 +39,6 @@ from pdserve.wire.tls import TlsConfig
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class WorkerClient:
     """One worker as the router sees it; ``address`` is its identity."""
