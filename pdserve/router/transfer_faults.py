@@ -7,7 +7,8 @@ each success clears both. An end whose last ``MAX_TRANSFER_FAILURES`` transfers 
 down for routing for ``TRANSFER_DOWN_S``, whatever its Stats answers say (a worker whose KV
 nobody can read, or that reads nothing, answers them fine). The healthy end of a failing pair
 is cleared by its transfers with other workers meanwhile. Two refinements:
-- a failure that takes the source down is laid on it alone: the reader's count stays;
+- a failure whose source is down (this failure took it down, or it already was) is laid on
+  the source alone: the reader's count stays;
 - a reader goes down only while another decode-pool worker is routable. Without one the
   requests would have nowhere to go, where a source that goes down leaves its prompts to the
   decode workers to prefill.
@@ -37,7 +38,7 @@ def failed(workers: Mapping, source: str | None, reader: str) -> None:
         if client is None:
             continue
         if role == "decode" and source is not None and _down(workers, source):
-            continue  # explained by a source already down for its failed transfers
+            continue  # explained by a source that is down
         client.transfer_failures += 1
         if client.transfer_failures < MAX_TRANSFER_FAILURES:
             continue

@@ -46,9 +46,9 @@ def test_idle_workers_take_turns_for_requests_one_at_a_time():
 
 
 def test_a_prefill_worker_whose_kv_transfers_keep_failing_is_down_for_routing():
-    """(pdserve.router.transfer_faults) Its Stats answer fine (a worker restarted under the same address, say), so only the
-    failed pulls tell; a success in between starts the count again. The readers of its failed
-    transfers are not blamed for the one that takes it down."""
+    """(pdserve.router.transfer_faults) Its Stats answer fine (a worker restarted under the
+    same address, say), so only the failed pulls tell; a success in between starts the count
+    again. The readers of its failed transfers are not blamed for the one that takes it down."""
     pool = WorkerPool()
     bad, good = (WorkerClient("prefill", a, channel=None, stub=None, healthy=True) for a in ("bad:1", "good:1"))
     readers = [WorkerClient("decode", a, channel=None, stub=None, healthy=True) for a in ("r1:1", "r2:1")]

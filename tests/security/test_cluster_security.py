@@ -19,6 +19,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.certs import COMPONENTS, issue, make_ca
+from pdserve.cluster.local import PUSH_TIMEOUT_S
 from pdserve.protos import (
     admin_pb2,
     admin_pb2_grpc,
@@ -31,7 +32,6 @@ from pdserve.router.auth import ApiKeys
 from pdserve.router.tenants import Tenant, key_digest
 from pdserve.wire import tls
 from pdserve.wire.grpc_util import channel
-from pdserve.cluster.local import PUSH_TIMEOUT_S
 from tests.clusters import cluster_config, running_cluster
 from tests.helpers.chat import assert_chat_greedy, chat_request, collect
 
@@ -200,8 +200,8 @@ def test_an_abort_naming_another_tenants_request_has_no_effect(cluster, certs, s
 def test_controller_puts_back_a_membership_someone_overwrote(cluster, certs, stub):
     """An empty SetMembership, even from a holder of a valid certificate, lasts until the
     controller's next round that reaches the router. The window covers one push that fails at
-    its own deadline (``LocalCluster.push_membership``, ``PUSH_TIMEOUT_S``) and the round after it: once, in
-    a whole suite on the AVX2 EPYC (2026-11-30), a push on a fresh mTLS channel got
+    its own deadline (``LocalCluster.push_membership``, ``PUSH_TIMEOUT_S``) and the round after
+    it: once, in a whole suite on the AVX2 EPYC (2026-11-30), a push on a fresh mTLS channel got
     DEADLINE_EXCEEDED while this test's GetMembership calls on an open channel were answered
     (cause not found), and the next round came after a 10 s window had ended."""
     with channel(cluster.admin_address, certs["controller"], peer="router") as ch:
