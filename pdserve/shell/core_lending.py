@@ -26,6 +26,7 @@ pacing grew its batches and its steps with them (measured at 3.25 req/s: TPOT p5
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -34,7 +35,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from pdserve.engine.core.step_trace import StepShape
+
 _SLOT = struct.Struct("d")
+# A lender's period is at least this many of its fastest one-sequence decode steps (module docstring).
+PERIOD_IN_STEPS = 3.0
 # A prefill step's mark reaches this far past its start at the least (the first step has no
 # last length to go by; a mark that ends early only stops the pacing early).
 MIN_MARK_S = 0.1
@@ -80,18 +85,29 @@ class CoreSlots:
 
 
 class BorrowerMark:
-    """An engine hook of a prefill worker: marks its borrowed cores' slots before each step it
-    will run, clears them when it has nothing to run."""
+    """An engine hook of a worker that prefills: marks its borrowed cores' slots before each step
+    it will run while ``has_work``, clears them when it has none. A mark reaches twice the last
+    step's length ahead; with ``last_step_shape``, twice the last step that ran prompt tokens
+    (a colocated worker's decode steps between its prompts say nothing of a prompt's length)."""
 
-    def __init__(self, slots: CoreSlots, has_work: Callable[[], bool], last_step_s: Callable[[], float]):
+    def __init__(self, slots: CoreSlots, has_work: Callable[[], bool], last_step_s: Callable[[], float],
+                 last_step_shape: Callable[[], StepShape | None] | None = None):
         self.slots = slots
         self._has_work = has_work
         self._last_step_s = last_step_s
+        self._last_step_shape = last_step_shape
+        self._prefill_step_s = 0.0  # the last step that ran prompt tokens (with ``last_step_shape``)
         self._marked = False
 
     def __call__(self) -> None:
+        ahead = self._last_step_s()
+        if self._last_step_shape is not None:
+            shape = self._last_step_shape()
+            if shape is not None and shape.prefill:
+                self._prefill_step_s = ahead
+            ahead = self._prefill_step_s
         if self._has_work():
-            self.slots.mark(time.monotonic() + max(2.0 * self._last_step_s(), MIN_MARK_S))
+            self.slots.mark(time.monotonic() + max(2.0 * ahead, MIN_MARK_S))
             self._marked = True
         elif self._marked:
             self.slots.mark(0.0)
@@ -101,24 +117,41 @@ class BorrowerMark:
 
 class LenderPace:
     """An engine hold of a decode worker: while a borrower's mark on its cores is live, the next
-    step waits until ``period_s`` after the last one started; unless the last step took half the
+    step waits until ``period`` after the last one started; unless the last step took half the
     period or more (a loaded decode worker lends nothing: pacing it would grow its batch and its
-    steps with it, and its streams would wait the longer)."""
+    steps with it, and its streams would wait the longer). ``period`` is ``period_s``, or
+    ``PERIOD_IN_STEPS`` of the fastest one-sequence decode step seen (``last_step_shape`` names
+    what the last step ran) where that is longer. A worker with prompts of its own to prefill
+    (``own_prompts``: a colocated worker's) lends nothing meanwhile: they are its first tokens."""
 
     def __init__(self, slots: CoreSlots, period_s: float, last_step_started: Callable[[], float],
-                 last_step_s: Callable[[], float] = lambda: 0.0):
+                 last_step_s: Callable[[], float] = lambda: 0.0,
+                 last_step_shape: Callable[[], StepShape | None] = lambda: None,
+                 own_prompts: Callable[[], bool] = lambda: False):
         self.slots = slots
+        self._own_prompts = own_prompts
         self.period_s = period_s
         self._last_step_started = last_step_started
         self._last_step_s = last_step_s
+        self._last_step_shape = last_step_shape
+        self.fastest_step_s = math.inf  # the fastest one-sequence decode step seen
         self.paced_steps = 0  # steps that waited for a borrower (tests and stats read it)
         self._pacing_since: float | None = None
 
+    @property
+    def period(self) -> float:
+        return max(self.period_s, PERIOD_IN_STEPS * self.fastest_step_s) if self.fastest_step_s < math.inf \
+            else self.period_s
+
     def __call__(self) -> float | None:
-        if self.slots.latest() <= time.monotonic() or self._last_step_s() >= self.period_s / 2:
+        step_s, shape = self._last_step_s(), self._last_step_shape()
+        if shape is not None and shape.decode_batch == 1 and not shape.prefill and step_s > 0:
+            self.fastest_step_s = min(self.fastest_step_s, step_s)
+        period = self.period
+        if self.slots.latest() <= time.monotonic() or step_s >= period / 2 or self._own_prompts():
             self._pacing_since = None
             return None
-        until = self._last_step_started() + self.period_s
+        until = self._last_step_started() + period
         if until > time.monotonic() and self._pacing_since != until:
             self._pacing_since = until
             self.paced_steps += 1

@@ -73,15 +73,24 @@ class WorkerShell:
 
     def _lend_cores(self, own: Sequence[int]) -> None:
         """A prefill worker marks the cores it borrows while it prefills; a decode worker with
-        ``lend_tpot_s`` paces its steps on its own cores while they are marked (shell.core_lending)."""
+        ``lend_tpot_s`` paces its steps on its own cores while they are marked, and marks the
+        cores it borrows while prompts of its own wait (colocated workers lend to each other;
+        shell.core_lending)."""
         try:
             if self.role == "prefill" and self.config.borrow_cpus:
                 self.thread.add(hook=BorrowerMark(CoreSlots(self.config.borrow_cpus), self.engine.has_runnable,
                                                   lambda: self.thread.last_step_s))
             elif self.role == "decode" and getattr(self.config, "lend_tpot_s", 0.0) > 0:
+                self.engine.keep_step_shape = True  # the lender's period follows its one-sequence steps
+                prompts = lambda: bool(self.engine.scheduler.waiting)  # noqa: E731 (prefilled here: colocated)
                 self.lender = LenderPace(CoreSlots(own), self.config.lend_tpot_s,
-                                         lambda: self.thread.last_step_started, lambda: self.thread.last_step_s)
+                                         lambda: self.thread.last_step_started, lambda: self.thread.last_step_s,
+                                         lambda: self.engine.last_step_shape, own_prompts=prompts)
                 self.thread.add(hold=self.lender)
+                if self.config.borrow_cpus:
+                    self.thread.add(hook=BorrowerMark(CoreSlots(self.config.borrow_cpus), prompts,
+                                                      lambda: self.thread.last_step_s,
+                                                      lambda: self.engine.last_step_shape))
         except OSError as exc:  # another user's slots, a read-only /dev/shm: serve on, lending nothing
             log.warning("cores %s: no lending between workers (%s: %s)", sorted(own), lend_dir(), exc)
 

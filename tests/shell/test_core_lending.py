@@ -2,10 +2,12 @@
 prefill worker marks the cores it borrows while it has work, and a decode worker pinned there
 paces its steps while the mark is live, and only then."""
 
+import math
 import time
 
 import pytest
 
+from pdserve.engine.core.step_trace import StepShape
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.sampling.params import SamplingParams
 from pdserve.shell.core_lending import MIN_MARK_S, BorrowerMark, CoreSlots, LenderPace
@@ -67,3 +69,50 @@ def test_a_decode_engine_paces_its_steps_only_while_its_core_is_marked(engine, t
     busy = LenderPace(CoreSlots([0], tmp_path), period, lambda: 0.0, lambda: period / 2)
     run_decode(engine, busy)
     assert busy.paced_steps == 0  # steps of half the period or more: a loaded decode worker lends nothing
+
+
+def test_the_period_grows_to_three_of_the_workers_own_one_sequence_steps(tmp_path):
+    """Where a one-sequence decode step takes 23 ms (the AVX2-only EPYC), a fixed 40 ms period
+    is under two steps and the loaded-worker rule lent nothing; the period follows the steps."""
+    CoreSlots([0], tmp_path).mark(time.monotonic() + 600)
+    step = {"s": 0.0, "shape": None}
+    pace = LenderPace(CoreSlots([0], tmp_path), 0.04, lambda: time.monotonic(), lambda: step["s"],
+                      lambda: step["shape"])
+    assert pace.period == 0.04  # nothing seen yet
+    step.update(s=0.5, shape=StepShape(((256, 0),), 1, 300, 2))  # a mixed step: not a decode step's length
+    pace()
+    step.update(s=0.012, shape=StepShape((), 2, 600, 2))  # two sequences: not the floor either
+    pace()
+    assert pace.fastest_step_s == math.inf and pace.period == 0.04
+    step.update(s=0.023, shape=StepShape((), 1, 300, 1))
+    until = pace()
+    assert pace.period == pytest.approx(0.069)
+    assert until is not None and until - time.monotonic() > 0.06  # lent: 23 ms is under half of 69
+    step.update(s=0.010, shape=StepShape((), 1, 300, 1))  # a faster processor's steps: the floor holds
+    pace()
+    assert pace.period == 0.04
+    step.update(s=0.036, shape=StepShape((), 3, 900, 3))  # loaded: over half the period
+    assert pace() is None
+
+
+def test_colocated_workers_lend_to_each_other_and_never_while_their_own_prompts_wait(tmp_path):
+    """Two colocated workers (2C) each mark the other's core while prompts of their own wait,
+    for twice their last prompt step (not their last decode step), and each lends while the
+    other marks, unless it has prompts of its own."""
+    a_waiting, b_waiting = [False], [True]
+    b_step = {"s": 0.7, "shape": StepShape(((256, 0),), 0, 0, 1)}
+    b_mark = BorrowerMark(CoreSlots([0], tmp_path), lambda: b_waiting[0], lambda: b_step["s"],
+                          lambda: b_step["shape"])
+    b_mark()  # its last step ran a prompt: marked 1.4 s ahead
+    b_step.update(s=0.02, shape=StepShape((), 1, 300, 1))  # then a decode step: the prompt's length still rules
+    before = time.monotonic()
+    b_mark()
+    assert CoreSlots([0], tmp_path).latest() >= before + 1.3
+    a_pace = LenderPace(CoreSlots([0], tmp_path), 0.04, lambda: time.monotonic(), lambda: 0.01,
+                        own_prompts=lambda: a_waiting[0])
+    assert a_pace() is not None  # A decodes and lends to B's prompt
+    a_waiting[0] = True
+    assert a_pace() is None  # A's own prompt comes first
+    b_waiting[0] = False
+    b_mark()
+    assert CoreSlots([0], tmp_path).latest() == 0.0
