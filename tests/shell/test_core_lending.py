@@ -88,11 +88,13 @@ def test_the_period_grows_to_three_of_the_workers_own_one_sequence_steps(tmp_pat
     until = pace()
     assert pace.period == pytest.approx(0.069)
     assert until is not None and until - time.monotonic() > 0.06  # lent: 23 ms is under half of 69
+    step.update(s=0.036, shape=StepShape((), 1, 300, 1))  # slowed beside the borrower's prefill:
+    assert pace() is not None  # it counts as its batch's fastest step, 23 ms, and lending goes on
+    step.update(s=0.036, shape=StepShape((), 3, 900, 3))  # three sequences, never faster: loaded
+    assert pace() is None
     step.update(s=0.010, shape=StepShape((), 1, 300, 1))  # a faster processor's steps: the floor holds
     pace()
     assert pace.period == 0.04
-    step.update(s=0.036, shape=StepShape((), 3, 900, 3))  # loaded: over half the period
-    assert pace() is None
 
 
 def test_colocated_workers_lend_to_each_other_and_never_while_their_own_prompts_wait(tmp_path):
