@@ -259,7 +259,7 @@ def serve_settings() -> tuple[Setting, ...]:
                 "(docs/cpu_kernels.md; --no-borrow-idle-cores: each worker on its own cores only)"),
         Setting("lend_tpot_ms", float, 40.0, "while a prefill worker borrows a pinned decode worker's core, the "
                 "decode worker starts a step at most this often, so the prefill gets the gaps (its streams' time "
-                "per output token meanwhile; at least three of its fastest one-sequence decode steps; keep it well "
+                "per output token meanwhile; at least six of its fastest one-sequence decode steps; keep it well "
                 "under the TPOT objective; 0: lend idle time only; docs/cpu_kernels.md)", minimum=0),
         Setting("step_trace_dir", str, None, "each worker appends one JSON line per engine step (its start, "
                 "length and batch) to DIR/<worker>.steps.jsonl, on its own host (default: off)"),

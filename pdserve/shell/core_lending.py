@@ -22,6 +22,15 @@ The two workers meet in shared memory instead, one 8-byte slot per core:
 core. A decode worker whose steps take half the period or more lends nothing: under load,
 pacing grew its batches and its steps with them (measured at 3.25 req/s: TPOT p50 79 ms paced,
 50 ms not). Keep it well under the TPOT objective; 0 lends nothing beyond idle time.
+
+Where steps are slow the period follows them. It is at least ``PERIOD_IN_STEPS`` (6) of the
+worker's own fastest one-sequence decode step, and "loaded" starts at ``LOADED_STEPS`` (1.5) of
+that step where that is later than half the period. A fixed 40 ms fits a processor whose steps
+take 13 ms (loaded at 20 ms, 1.5 of them). Where they take 17-23 ms (the AVX2-only EPYC) every
+step was over half of it, so the rule above lent nothing there at any load, and a prompt that met
+a stream was prefilled on one core, beside it, in 1.0-1.3 s instead of 0.7. The period is about
+100 ms there: at three steps (50 ms) the streams' own steps, 1.5x slower beside the prefill, left
+it little.
 """
 
 from __future__ import annotations
@@ -38,8 +47,11 @@ from typing import Callable, Iterable
 from pdserve.engine.core.step_trace import StepShape
 
 _SLOT = struct.Struct("d")
-# A lender's period is at least this many of its fastest one-sequence decode steps (module docstring).
-PERIOD_IN_STEPS = 3.0
+# A lender's period is at least this many of its fastest one-sequence decode steps, and it is
+# loaded (lends nothing) from a step of LOADED_STEPS of them where that is later than half its
+# period (module docstring).
+PERIOD_IN_STEPS = 6.0
+LOADED_STEPS = 1.5
 # A prefill step's mark reaches this far past its start at the least (the first step has no
 # last length to go by; a mark that ends early only stops the pacing early).
 MIN_MARK_S = 0.1
@@ -117,8 +129,8 @@ class BorrowerMark:
 
 class LenderPace:
     """An engine hold of a decode worker: while a borrower's mark on its cores is live, the next
-    step waits until ``period`` after the last one started; unless the last step took half the
-    period or more (a loaded decode worker lends nothing: pacing it would grow its batch and its
+    step waits until ``period`` after the last one started; unless the last step took ``loaded_s``
+    or more (half the period, or 1.5 one-sequence steps where that is later: a loaded decode worker lends nothing: pacing it would grow its batch and its
     steps with it, and its streams would wait the longer). With ``last_step_shape`` (what the
     last step ran), a step counts as long as the fastest decode step of its batch size seen so
     far, not as it ran: a step beside the borrower's prefill runs 1.5x slower (cache and memory
@@ -151,6 +163,12 @@ class LenderPace:
         fastest = self.fastest_step_s
         return max(self.period_s, PERIOD_IN_STEPS * fastest) if fastest < math.inf else self.period_s
 
+    @property
+    def loaded_s(self) -> float:
+        """A step this long or longer: the worker is loaded and lends nothing."""
+        fastest = self.fastest_step_s
+        return max(self.period_s / 2, LOADED_STEPS * fastest) if fastest < math.inf else self.period_s / 2
+
     def __call__(self) -> float | None:
         step_s, shape = self._last_step_s(), self._last_step_shape()
         cost = step_s
@@ -159,7 +177,7 @@ class LenderPace:
                 self.fastest_s[shape.decode_batch] = min(self.fastest_s.get(shape.decode_batch, math.inf), step_s)
             cost = min(step_s, self.fastest_s.get(shape.decode_batch, step_s))
         period = self.period
-        if self.slots.latest() <= time.monotonic() or cost >= period / 2 or self._own_prompts():
+        if self.slots.latest() <= time.monotonic() or cost >= self.loaded_s or self._own_prompts():
             self._pacing_since = None
             return None
         until = self._last_step_started() + period
