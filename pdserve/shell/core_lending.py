@@ -129,15 +129,16 @@ class BorrowerMark:
 
 class LenderPace:
     """An engine hold of a decode worker: while a borrower's mark on its cores is live, the next
-    step waits until ``period`` after the last one started; unless the last step took ``loaded_s``
-    or more (half the period, or 1.5 one-sequence steps where that is later: a loaded decode worker lends nothing: pacing it would grow its batch and its
-    steps with it, and its streams would wait the longer). With ``last_step_shape`` (what the
-    last step ran), a step counts as long as the fastest decode step of its batch size seen so
-    far, not as it ran: a step beside the borrower's prefill runs 1.5x slower (cache and memory
-    shared; 23 against 34 ms on the AVX2-only EPYC), which alone would stop the lending it
-    depends on. ``period`` is ``period_s``, or ``PERIOD_IN_STEPS`` of the fastest one-sequence
-    decode step where that is longer. A worker with prompts of its own to prefill
-    (``own_prompts``: a colocated worker's) lends nothing meanwhile: they are its first tokens."""
+    step waits until ``period`` after the last one started; unless the last step took
+    ``loaded_s`` or more (half the period, or 1.5 one-sequence steps where that is later: a
+    loaded decode worker lends nothing: pacing it would grow its batch and its steps with it,
+    and its streams would wait the longer). With ``last_step_shape`` (what the last step ran), a
+    step counts as long as the fastest decode step of its batch size seen so far, not as it ran:
+    a step beside the borrower's prefill runs 1.5x slower (cache and memory shared; 23 against
+    34 ms on the AVX2-only EPYC), which alone would stop the lending it depends on. ``period``
+    is ``period_s``, or ``PERIOD_IN_STEPS`` of the fastest one-sequence decode step where that
+    is longer. A worker with prompts of its own to prefill (``own_prompts``: a colocated
+    worker's) lends nothing meanwhile: they are its first tokens."""
 
     def __init__(self, slots: CoreSlots, period_s: float, last_step_started: Callable[[], float],
                  last_step_s: Callable[[], float] = lambda: 0.0,
