@@ -120,3 +120,31 @@ def test_colocated_workers_lend_to_each_other_and_never_while_their_own_prompts_
     b_waiting[0] = False
     b_mark()
     assert CoreSlots([0], tmp_path).latest() == 0.0
+
+
+def test_a_colocated_decode_worker_wires_both_its_mark_and_its_pace(tiny_llama_dir, tmp_path, monkeypatch):
+    """The shell as ``pdserve serve`` pins a colocated worker (2C): a prompt in its own engine
+    marks the core it borrows, and while its own core is marked it paces only with no prompt
+    of its own waiting."""
+    from pdserve.decode_worker.worker import DecodeWorker
+    from tests.factories import decode_worker_config
+
+    monkeypatch.setenv("PDSERVE_LEND_DIR", str(tmp_path))
+    engine = make_engine(tiny_llama_dir[0])
+    worker = DecodeWorker(decode_worker_config(worker_id="decode-lend", kv_transfer_backend="tcp", cpus=(0,),
+                                               borrow_cpus=(1,), lend_tpot_s=0.04), engine=engine)
+    try:
+        worker._lend_cores([0])  # start() without pinning this test's process
+        assert worker.lender is not None and engine.keep_step_shape
+        engine.add_request("own", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0))
+        before = time.monotonic()
+        worker.thread._run_hooks()
+        assert CoreSlots([1]).latest() >= before + MIN_MARK_S * 0.99  # its prompt marks the other core
+        CoreSlots([0]).mark(time.monotonic() + 600)  # the other worker prefills on this one
+        assert worker.lender() is None  # its own prompt comes first
+        engine.step()  # the prompt runs: nothing waits any more
+        assert worker.lender() is not None
+        worker.thread._run_hooks()
+        assert CoreSlots([1]).latest() == 0.0
+    finally:
+        worker.agent.close()
