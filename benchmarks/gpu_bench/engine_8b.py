@@ -37,6 +37,8 @@ from benchmarks.gpu_bench.common import (BLOCK_SIZE, Deadline, DeviceSpec, confi
 
 WARMUP_STEPS = 3
 TIMED_STEPS = 10
+PROFILED_STEPS = 3  # after the timed ones, at the shapes PROFILED (step_profile.py)
+PROFILED = ((1, 1024), (64, 1024), (1, 8192))  # (batch, context), graphed and eager
 GIB = 1 << 30
 RESERVE_BYTES = 6 * GIB  # left free for activations, logits, graph pools and NIXL-free slack
 
@@ -65,7 +67,7 @@ def engine_for(model, cfg, model_dir: Path, device, num_blocks: int, graphs: boo
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.llm_engine import LLMEngine
 
-    longest = max(max(settings.contexts) + WARMUP_STEPS + TIMED_STEPS + 2, max(settings.prefill_tokens) + 2)
+    longest = max(max(settings.contexts) + WARMUP_STEPS + TIMED_STEPS + PROFILED_STEPS + 2, max(settings.prefill_tokens) + 2)
     config = EngineConfig(
         model=str(model_dir), dtype="bfloat16", device=device.type, cuda_graphs=graphs, max_model_len=longest,
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, enable_prefix_cache=False),
@@ -75,7 +77,7 @@ def engine_for(model, cfg, model_dir: Path, device, num_blocks: int, graphs: boo
 
 
 def blocks_for(batch: int, context: int) -> int:
-    return batch * math.ceil((context + WARMUP_STEPS + TIMED_STEPS + 2) / BLOCK_SIZE)
+    return batch * math.ceil((context + WARMUP_STEPS + TIMED_STEPS + PROFILED_STEPS + 2) / BLOCK_SIZE)
 
 
 def cache_blocks(settings, block_bytes: int, device) -> int:
@@ -104,10 +106,13 @@ def weights_read(model) -> int:
                if tied or not name.startswith("embed_tokens"))
 
 
-def decode_row(engine, batch: int, context: int, device, spec: DeviceSpec | None, read: float, weights: int) -> dict:
+def decode_row(engine, batch: int, context: int, device, spec: DeviceSpec | None, read: float, weights: int,
+               profiled: bool = False) -> list[dict]:
+    """The step's row, and with ``profiled`` its kernel profile's row after it."""
+    from benchmarks.gpu_bench.step_profile import profile_row
     from pdserve.engine.sampling.params import SamplingParams
 
-    params = SamplingParams(max_tokens=WARMUP_STEPS + TIMED_STEPS + 2, ignore_eos=True)
+    params = SamplingParams(max_tokens=WARMUP_STEPS + TIMED_STEPS + PROFILED_STEPS + 2, ignore_eos=True)
     ids = [f"d{batch}x{context}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_prefilled(rid, [3 + (i * 7 + j) % 250 for j in range(context - 1)], 5, params)
@@ -123,6 +128,8 @@ def decode_row(engine, batch: int, context: int, device, spec: DeviceSpec | None
         synchronize(device)
         ms = (time.perf_counter() - start) / TIMED_STEPS * 1e3
         kv = sum(s.num_computed_tokens for s in engine.scheduler.running) * engine.cache_spec.bytes_per_token
+        floor = (weights + kv) / spec.hbm_bytes_per_s * 1e3 if spec is not None else None
+        profile = profile_row(engine, device, PROFILED_STEPS, batch, context, ms, floor) if profiled else None
     finally:
         for rid in ids:
             engine.abort(rid)
@@ -134,7 +141,7 @@ def decode_row(engine, batch: int, context: int, device, spec: DeviceSpec | None
     if spec is not None:
         row["floor_ms_datasheet"] = round((weights + kv) / spec.hbm_bytes_per_s * 1e3, 3)
         row["step_over_floor"] = round(ms / row["floor_ms_datasheet"], 2)
-    return row
+    return [row] if profile is None else [row, profile]
 
 
 def prefill_flops(cfg, tokens: int) -> float:
@@ -177,7 +184,9 @@ def decode_sweep(engine, settings, device, spec, read, weights, deadline, record
             elif deadline.left() < 10:
                 record.skip(what, "out of time")
             else:
-                record.add(decode_row(engine, batch, context, device, spec, read, weights))
+                profiled = (batch, context) in PROFILED or (batch, context) == (min(settings.batches), min(settings.contexts))
+                for row in decode_row(engine, batch, context, device, spec, read, weights, profiled):
+                    record.add(row)
 
 
 def prefill_sweep(engine, cfg, settings, device, spec, deadline, record) -> None:

@@ -53,6 +53,11 @@ def lines(docs: dict[str, dict | None]) -> list[str]:
     for r in _rows(engine, what="decode"):
         out.append(f"  decode b{r['batch']} ctx{r['context']} {'graphs' if r['cuda_graphs'] else 'eager'}: "
                    f"{r['ms_per_step']} ms (floor {r.get('floor_ms_datasheet', r['floor_ms_measured_bw'])} ms)")
+    for r in _rows(engine, what="step_profile"):
+        classes = ", ".join(f"{k} {v}" for k, v in list(r["ms_by_class"].items())[:5])
+        out.append(f"  profile b{r['batch']} ctx{r['context']} {'graphs' if r['cuda_graphs'] else 'eager'}: "
+                   f"{r['kernels_per_step']} kernels ({r['kernels_per_layer']} a layer), busy {r['device_busy_ms']} of "
+                   f"{r['profiled_step_ms']} ms: {classes}")
     for r in _rows(engine, what="prefill"):
         out.append(f"  prefill {r['tokens']}: {r['ms']} ms, MFU {r.get('mfu')}")
     for r in _rows(docs.get("nixl_vram")):
