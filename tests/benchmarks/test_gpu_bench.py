@@ -63,6 +63,11 @@ def test_every_phase_dry_runs_on_the_cpu_and_writes_its_json(tmp_path):
     assert all(r["kv_bytes_read"] > 0 for r in decode)
     assert [r["skipped"] for r in engine if "skipped" in r] == ["CUDA graphs need CUDA"]
     assert [r["tokens"] for r in engine if r["what"] == "prefill"] == [16, 32]
+    # The smallest shape's step is profiled: torch's operators on the CPU, the linears among them.
+    (profile,) = [r for r in engine if r["what"] == "step_profile"]
+    assert (profile["batch"], profile["context"]) == (1, 32) and profile["kernels_per_step"] > 0
+    assert profile["device_busy_ms"] == pytest.approx(sum(profile["ms_by_class"].values()), abs=0.01)
+    assert "linear" in profile["ms_by_class"] and profile["top_kernels"]
     reads = docs["nixl_vram"]["rows"]
     assert {(r["blocks"], r["layout"]) for r in reads} == {(4, "in_order"), (4, "scattered"), (16, "in_order"),
                                                           (16, "scattered")}
@@ -140,7 +145,7 @@ def test_a_finished_engine_lets_its_kv_cache_go_before_the_next_one_is_built(tmp
     model_dir = config_dir(tmp_path / "tiny", TINY_LLAMA, tokenizer=False)
     model, cfg, _ = load_model(str(model_dir), torch.bfloat16, torch.device("cpu"), progress=False, load_format="dummy")
     engine = engine_8b.engine_for(model, cfg, model_dir, torch.device("cpu"), 32, False, settings)
-    row = engine_8b.decode_row(engine, 2, 32, torch.device("cpu"), None, 10.0, 1000)
+    (row,) = engine_8b.decode_row(engine, 2, 32, torch.device("cpu"), None, 10.0, 1000)
     assert row["running"] == 2 and row["ms_per_step"] > 0
     cache = weakref.ref(engine.kv_cache)
     engine_8b.release(engine, model)
