@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+import xxhash
 from kv_helpers import BLOCK_BYTES, make_cache, same_bytes
 
 from pdserve.kv_transfer import InvalidTransferRequest, TransferState
@@ -89,3 +90,28 @@ def test_every_single_bit_of_a_block_changes_its_checksum():
             rows[0, byte] ^= 1 << bit
     assert len(seen) == 8 * BLOCK_BYTES and clean not in seen
     assert block_checksums(rows, [0]) == (clean,)
+
+
+@pytest.mark.parametrize("staging_blocks", [1, 2, 3, 64])
+def test_a_device_cache_staged_in_groups_sums_as_its_blocks_do(monkeypatch, staging_blocks):
+    """A CUDA cache's blocks reach the host through one bounded buffer, a group at a time
+    (``_staged_rows``, pinned there; plain here, where there is no CUDA): every group size,
+    one block at a time to all at once, gives each block's own checksum, the last block over
+    its first bytes, and the checksums by head too."""
+    from pdserve.kv_transfer import checksum
+
+    blocks = torch.randint(0, 256, (8, 96), dtype=torch.uint8)
+    ids = [5, 0, 7, 2, 3]
+    monkeypatch.setattr(checksum, "STAGING_BYTES", staging_blocks * 96)
+    stage = checksum._Staging(pinned=False)
+    staged = [bytes(row) for row in checksum._staged_rows(blocks, ids, stage)]
+    assert staged == [blocks[i].numpy().tobytes() for i in ids]
+    assert stage._buffer.numel() == min(staging_blocks, len(ids)) * 96
+    monkeypatch.setattr(checksum, "_host_rows", lambda b, i: checksum._staged_rows(b, i, stage))
+    assert block_checksums(blocks, ids, 40) == tuple(
+        xxhash.xxh3_64_intdigest(blocks[i].numpy().tobytes()[:40 if n == 4 else 96])
+        for n, i in enumerate(ids))
+    by_head = checksum.row_checksums(blocks, ids, row_bytes=24, offset=8, group_bytes=8, groups=2, last_rows=2)
+    assert len(by_head) == 2 * len(ids)
+    assert by_head[:2] == tuple(xxhash.xxh3_64_intdigest(
+        blocks[5].numpy().reshape(4, 24)[:, 8 + 8 * g:16 + 8 * g].copy().tobytes()) for g in range(2))
