@@ -25,9 +25,12 @@ def wait_for_writes(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-# Every tensor in a staged copy starts at a multiple of this many bytes, so that each can be
-# viewed as its own dtype (int64 and float64 need 8) on the device.
-_ALIGN = 8
+# Every tensor in a staged copy starts at a multiple of this many bytes: each can be viewed as
+# its own dtype (int64 and float64 need 8), and every one is 16-byte aligned on the device,
+# whatever the step's mix. Triton compiles a kernel once per pattern of its pointers' 16-byte
+# alignment, so with 8 a served H200 decode worker met new patterns mid-run and stalled
+# about 1 s a compile (BENCHMARKS.md, GPU run 8).
+_ALIGN = 16
 
 
 def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

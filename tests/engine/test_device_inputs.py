@@ -55,6 +55,17 @@ def test_packing_keeps_every_tensors_bits_dtype_and_shape():
         assert torch.equal(after.view(-1).view(torch.uint8), before.view(-1).view(torch.uint8))
 
 
+def test_every_packed_tensor_starts_16_byte_aligned():
+    """Triton compiles a kernel per pattern of its pointers' 16-byte alignment: a step's inputs
+    (views of one buffer) must start aligned whatever their sizes, or a new mix of batch
+    sizes compiles again mid-serving (about 1 s a time on an H200)."""
+    for sizes in ((7, 3, 5), (1, 1, 1, 1), (13, 2)):
+        tensors = [torch.zeros(n, dtype=torch.int32) for n in sizes]
+        staging, layout = pack(tensors)
+        assert all(start % 16 == 0 for start, *_ in layout), layout
+        assert all(view.data_ptr() % 16 == 0 for view in unpack(staging, layout) if view.numel())
+
+
 def test_on_the_cpu_nothing_is_copied():
     tensors = _tensors()
     assert all(a is b for a, b in zip(to_device(tensors, torch.device("cpu")), tensors))
