@@ -29,10 +29,14 @@ def targets(docs: dict[str, dict | None]) -> dict:
     decode = _rows(engine, what="decode", batch=1, cuda_graphs=True)
     prefill = _rows(engine, what="prefill", tokens=2048)
     reads = _rows(nixl, layout="in_order")
+    first = min(decode, key=lambda r: r["context"]) if decode else None
     figures = {
         # the shortest context measured (1k): the step the weights dominate
-        "decode_b1_graphed_over_floor": (min(decode, key=lambda r: r["context"]).get("step_over_floor") if decode
-                                         else None, 1.3, "at most"),
+        "decode_b1_graphed_over_floor": (first.get("step_over_floor") if decode else None, 1.3, "at most"),
+        # the same step over what this device's own copy read (the datasheet's 4.8 TB/s is not
+        # reached by any kernel: the H200's linears ran at 3.78 of its 3.93 TB/s measured)
+        "decode_b1_graphed_over_measured_floor": (
+            round(first["ms_per_step"] / first["floor_ms_measured_bw"], 2) if decode else None, 1.3, "at most"),
         "prefill_2k_mfu": (prefill[0].get("mfu") if prefill else None, 0.40, "at least"),
         "nixl_in_order_gb_per_s": (max((r["gb_per_s_median"] for r in reads), default=None), 100.0, "at least"),
     }
