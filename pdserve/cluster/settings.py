@@ -164,7 +164,7 @@ def serve_settings() -> tuple[Setting, ...]:
                 LOAD_FORMATS),
         Setting("seed", int, EngineConfig.seed, "seed of the workers' sampling generators", minimum=0),
         Setting("cuda_graphs", bool, EngineConfig.cuda_graphs,
-                "decode steps replay CUDA graphs captured at start, one per batch size 1, 2, 4 ... 64 (CUDA and "
+                "decode steps replay CUDA graphs captured at start, one per batch size 1, 2, 4, 8, 16, 24 ... 256 (CUDA and "
                 "the triton attention backend; elsewhere it changes nothing)"),
         Setting("block_size", int, CacheConfig.block_size, "tokens per KV block", minimum=1),
         Setting("kv_cache_gib", float, None, "KV cache per worker, GiB, exactly (default: "

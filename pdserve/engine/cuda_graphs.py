@@ -40,7 +40,11 @@ from pdserve.engine.device import pack, unpack
 
 log = logging.getLogger(__name__)
 
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes a graph is captured for
+# Decode batch sizes a graph is captured for: with ``--max-num-seqs`` up to 256 (64 by default),
+# every decode step the scheduler can form replays one, padded by at most 7 rows up to 64 and by
+# under a fifth of the graph above (a padding row costs its share of the attention and sampling, not
+# another weight read).
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # A step's forward as a graph captures it: (token ids, positions, context) -> logits (B, V) float32.
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionContext], torch.Tensor]
 

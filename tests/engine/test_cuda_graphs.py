@@ -19,8 +19,12 @@ from tests.factories import make_engine, random_prompts
 def test_the_sizes_captured_reach_the_first_that_holds_max_num_seqs():
     assert capture_sizes(1) == (1,)
     assert capture_sizes(3) == (1, 2, 4)
-    assert capture_sizes(64) == (1, 2, 4, 8, 16, 32, 64)
-    assert capture_sizes(256) == (1, 2, 4, 8, 16, 32, 64)  # past 64, steps run eagerly
+    assert capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert capture_sizes(33) == (1, 2, 4, 8, 16, 24, 32, 40)
+    # the scheduler's default limit: every decode step it can schedule has a graph
+    assert capture_sizes(256)[-1] == 256 and capture_sizes(1000)[-1] == 256  # past 256, eagerly
+    sizes = capture_sizes(256)
+    assert all(bucket_for(b, sizes) - b <= max(7, bucket_for(b, sizes) // 5) for b in range(1, 257))
 
 
 def test_a_step_replays_the_smallest_size_that_holds_it():
