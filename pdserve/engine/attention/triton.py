@@ -18,11 +18,24 @@ decode step's launch is the same for any mix of context lengths, and can be capt
 graph (pdserve/engine/cuda_graphs.py). A second small kernel stores the step's new K/V into
 their slots, and skips rows whose ``slot_block`` is -1 (a CUDA graph's padding rows).
 
+Decode launches (one query token a sequence) split the keys (flash-decoding): at batch 1 the
+grid above is only a program a KV head (8 for Llama-3.1-8B on 132 SMs), each walking every
+key. ``decode_splits`` picks S, a power of two up to ``MAX_SPLITS``, so the (sequence, split,
+KV head) programs come to about ``WAVES`` waves of the SMs: from the batch size, the KV heads
+and the SM count alone, never the context lengths, so the launch stays graph-safe. On the
+device each sequence's keys (from its window's first key tile, with a window) go to its
+first splits in runs of whole key tiles, at least ``SPLIT_MIN_KEYS`` each: a short context
+fills fewer splits, and the rest write an empty partial (max -inf, sum 0) and stop. Each
+split's running max, sum and unnormalised output go to a float32 scratch, which a second
+kernel merges per (sequence, head) by rescaling each to the largest max. With S = 1 (large
+batches) the single-pass kernel runs alone. Under the interpreter S is
+``INTERPRETED_SPLITS`` with splits of one key tile, so the tests cross several.
+
 On the CPU the same kernels run under Triton's interpreter, where ``TRITON_INTERPRET=1`` was
 set before triton was first imported (tests/conftest.py does so on a host without CUDA):
-that is how tests/engine/test_triton_attention.py checks them against SDPA over the gathered
-context in ``make test``. Not batch-invariant as far as anyone has measured (the tile shapes
-differ between decode and prefill launches).
+that is how tests/engine/test_triton_attention.py and test_triton_split_kv.py check them
+against SDPA over the gathered context in ``make test``. Not batch-invariant (the tile shapes
+differ between decode and prefill launches, and a decode step's split count with its batch).
 """
 
 from __future__ import annotations
