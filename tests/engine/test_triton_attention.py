@@ -19,65 +19,28 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
 from pdserve.engine.attention.base import SdpaAttention, build_context  # noqa: E402
 from pdserve.engine.attention.triton import TritonAttention, paged_attention, store_kv  # noqa: E402
 from pdserve.engine.attention.kv_cache import layer_views  # noqa: E402
+from tests.helpers.paged_attention import (BS, DEVICE, HD, LAYERS, NUM_BLOCKS, TOL, block_tables,  # noqa: E402
+                                           paged_cache, sdpa_reference)
 
 ROOT = Path(__file__).resolve().parents[2]
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-BS, HD, LAYERS, NUM_BLOCKS = 16, 64, 2, 24
 GQA = [(4, 4), (9, 3), (8, 2)]  # (query heads, KV heads): ratios 1, 3, 4
 DTYPES = [torch.float32, torch.bfloat16]
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
-
-
-def _cache(nkv: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 1's K and V views of a random engine-layout cache."""
-    g = torch.Generator().manual_seed(seed)
-    cache = torch.randn(NUM_BLOCKS, BS, LAYERS, 2, nkv, HD, generator=g).to(dtype).to(DEVICE)
-    return layer_views(cache, 1)
-
-
-def _tables(context_lens: list[int], seed: int = 1) -> list[list[int]]:
-    """Each sequence's blocks, drawn from a shuffled pool: no two sequences share one."""
-    order = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
-    tables, start = [], 0
-    for c in context_lens:
-        n = -(-c // BS)
-        tables.append(order[start:start + n])
-        start += n
-    return tables
-
-
-def _reference(q, k_cache, v_cache, tables, starts, query_lens, window=None) -> torch.Tensor:
-    """float32 SDPA per sequence over its gathered context: a query at position p sees 0..p
-    (with a window, p - window + 1 .. p)."""
-    outs, t = [], 0
-    for table, s, n in zip(tables, starts, query_lens):
-        c = s + n
-        blocks = torch.tensor(table, device=q.device)
-        k = k_cache[blocks].flatten(0, 1)[:c].float().transpose(0, 1)  # (nkv, c, hd)
-        v = v_cache[blocks].flatten(0, 1)[:c].float().transpose(0, 1)
-        qi = q[t:t + n].float().transpose(0, 1)  # (nh, n, hd)
-        keys, pos = torch.arange(c, device=q.device)[None, :], torch.arange(s, c, device=q.device)[:, None]
-        mask = (keys <= pos) & (keys > pos - window) if window else keys <= pos
-        outs.append(F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1))
-        t += n
-    return torch.cat(outs)
 
 
 def _run(nh, nkv, dtype, starts, query_lens, window=None):
-    k_cache, v_cache = _cache(nkv, dtype)
-    tables = _tables([s + n for s, n in zip(starts, query_lens)])
+    k_cache, v_cache = paged_cache(nkv, dtype)
+    tables = block_tables([s + n for s, n in zip(starts, query_lens)])
     ctx, _ = build_context(starts, query_lens, tables, BS, DEVICE, decode=all(n == 1 for n in query_lens))
     q = torch.randn(sum(query_lens), nh, HD, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.context_lens_t,
                           ctx.max_query_len, HD ** -0.5, window)
-    return out, _reference(q, k_cache, v_cache, tables, starts, query_lens, window)
+    return out, sdpa_reference(q, k_cache, v_cache, tables, starts, query_lens, window)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -118,9 +81,9 @@ def test_a_sliding_window_equals_masked_sdpa_in_decode_and_prefill(nh, nkv, dtyp
 def test_chunked_windowed_prefill_equals_the_whole_prompt():
     """A 100-token prompt with a window of 24, prefilled whole and in chunks of 16 (each
     chunk's window reaching back into earlier chunks): the same outputs, to float32 rounding."""
-    k_cache, v_cache = _cache(3, torch.float32)
+    k_cache, v_cache = paged_cache(3, torch.float32)
     n, window = 100, 24
-    tables = _tables([n])
+    tables = block_tables([n])
     q = torch.randn(n, 9, HD, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     ctx, _ = build_context([0], [n], tables, BS, DEVICE, decode=False)
     whole = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.context_lens_t,
@@ -131,7 +94,7 @@ def test_chunked_windowed_prefill_equals_the_whole_prompt():
         chunk = paged_attention(q[start:end].contiguous(), k_cache, v_cache, ctx.block_tables, ctx.cu_query_lens,
                                 ctx.context_lens_t, ctx.max_query_len, HD ** -0.5, window)
         torch.testing.assert_close(chunk, whole[start:end], **TOL[torch.float32])
-    torch.testing.assert_close(whole, _reference(q, k_cache, v_cache, tables, [0], [n], window), **TOL[torch.float32])
+    torch.testing.assert_close(whole, sdpa_reference(q, k_cache, v_cache, tables, [0], [n], window), **TOL[torch.float32])
 
 
 def test_store_kv_writes_each_slot_and_skips_padding_rows():
@@ -157,11 +120,11 @@ def test_the_backend_equals_sdpa_through_the_engines_interface():
     cache it leaves identical."""
     nh, nkv = 9, 3
     starts, query_lens = [0, 20, 33], [6, 1, 1]
-    tables = _tables([s + n for s, n in zip(starts, query_lens)])
+    tables = block_tables([s + n for s, n in zip(starts, query_lens)])
     ctx, _ = build_context(starts, query_lens, tables, BS, DEVICE, decode=False)
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(8, h, HD, generator=g).to(DEVICE) for h in (nh, nkv, nkv))
-    caches = [_cache(nkv, torch.float32) for _ in range(2)]
+    caches = [paged_cache(nkv, torch.float32) for _ in range(2)]
     ours = TritonAttention(nh, nkv, HD).forward(q, k, v, *caches[0], ctx)
     theirs = SdpaAttention(nh, nkv, HD).forward(q, k, v, *caches[1], ctx)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
@@ -190,7 +153,7 @@ def test_the_kernels_compile_for_an_h100(tmp_path):
     """What the interpreter does not check (the tile shapes tl.dot takes, types, shared
     memory), Triton's own compiler does, down to sm_90 machine code, with no GPU: the decode
     and prefill launches for SmolLM2's heads, bfloat16 and float32 (bfloat16 with a window
-    too), and the K/V store
+    too), split-KV decode's two kernels (Llama-3.1-8B's heads too), and the K/V store
     (tests/engine/triton_compile.py, in a process without the interpreter, compiling afresh
     into its own cache). A loop-carried value whose type changes, which the interpreter runs,
     fails here."""
@@ -202,4 +165,6 @@ def test_the_kernels_compile_for_an_h100(tmp_path):
     assert done.stdout.splitlines() == ["attention bf16 9/3 query 1", "attention bf16 9/3 query 64",
                                         "attention fp32 9/3 query 1", "attention fp32 9/3 query 64",
                                         "attention bf16 9/3 query 1 window 512",
-                                        "attention bf16 9/3 query 64 window 512", "store bf16"]
+                                        "attention bf16 9/3 query 64 window 512", "split-kv bf16 9/3x64",
+                                        "split-kv bf16 32/8x128", "split-kv fp32 32/8x128",
+                                        "split-kv bf16 32/8x128 window 512", "store bf16"]

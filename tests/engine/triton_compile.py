@@ -13,7 +13,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pdserve.engine.attention.triton import _attention_kernel, _store_kv_kernel, launch_constants
+from pdserve.engine.attention.triton import (MAX_SPLITS, SPLIT_MIN_KEYS, _attention_kernel, _reduce_kernel,
+                                             _split_kernel, _store_kv_kernel, launch_constants)
 
 HEAD_DIM, BLOCK_SIZE = 64, 16  # SmolLM2's head size, pdserve's block size
 
@@ -28,7 +29,8 @@ def _compile(kernel, types: list[str], constants: dict, target: GPUTarget):
 def main(sm: int = 90) -> list[str]:
     """The engine's decode and prefill launches for SmolLM2's heads (9 query heads over 3 KV
     heads), in bfloat16 and float32, the bfloat16 ones again with a sliding window (Gemma 3's
-    local layers: 512 keys), and the K/V store; returns what compiled."""
+    local layers: 512 keys), split-KV decode (``_split_kv``) and the K/V store; returns what
+    compiled."""
     target, done = GPUTarget("cuda", sm, 32), []
     for dtype, torch_dtype, window in (("bf16", torch.bfloat16, None), ("fp32", torch.float32, None),
                                        ("bf16", torch.bfloat16, 512)):
@@ -39,9 +41,28 @@ def main(sm: int = 90) -> list[str]:
             types = [f"*{dtype}"] * 4 + ["*i32"] * 3 + ["fp32"] + ["i32"] * strides
             _compile(_attention_kernel, types, constants, target)
             done.append(f"attention {dtype} 9/3 query {max_query_len}" + (f" window {window}" if window else ""))
+    done += _split_kv(target)
     _compile(_store_kv_kernel, ["*bf16"] * 4 + ["*i64"] * 2 + ["i32"] * 10,
              dict(NUM_KV_HEADS=3, HEAD_DIM=HEAD_DIM, BLOCK_H=4, BLOCK_D=HEAD_DIM), target)
     return done + ["store bf16"]
+
+
+def _split_kv(target: GPUTarget) -> list[str]:
+    """Split-KV decode's two kernels at the most splits, for SmolLM2's heads and for
+    Llama-3.1-8B's (32 query heads over 8 KV heads of 128), bfloat16 (with a window too) and
+    float32."""
+    done = []
+    for (nh, nkv, hd), dtype, torch_dtype, window in (((9, 3, HEAD_DIM), "bf16", torch.bfloat16, None),
+                                                      ((32, 8, 128), "bf16", torch.bfloat16, None),
+                                                      ((32, 8, 128), "fp32", torch.float32, None),
+                                                      ((32, 8, 128), "bf16", torch.bfloat16, 512)):
+        constants = launch_constants(nh, nkv, hd, BLOCK_SIZE, 1, torch_dtype, interpreted=False, window=window)
+        types = [f"*{dtype}"] * 3 + ["*fp32"] * 3 + ["*i32"] * 3 + ["fp32"] + ["i32"] * 10
+        _compile(_split_kernel, types, dict(constants, SPLITS=MAX_SPLITS, MIN_KEYS=SPLIT_MIN_KEYS), target)
+        _compile(_reduce_kernel, ["*fp32"] * 3 + [f"*{dtype}", "*i32", "i32", "i32"],
+                 dict(HEAD_DIM=hd, BLOCK_D=constants["BLOCK_D"], SPLITS=MAX_SPLITS), target)
+        done.append(f"split-kv {dtype} {nh}/{nkv}x{hd}" + (f" window {window}" if window else ""))
+    return done
 
 
 if __name__ == "__main__":
