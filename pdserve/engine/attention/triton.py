@@ -52,8 +52,9 @@ BLOCK_N = 64  # keys an iteration: four 16-token cache blocks
 MIN_ROWS = 16  # a decode program's rows, padded up to the tile side tl.dot has long required
 PREFILL_ROWS = 64  # query rows (tokens x heads of a group) a prefill program takes
 # Split-KV decode (``decode_splits``): programs enough for about WAVES waves of the SMs, at
-# most MAX_SPLITS splits a sequence, each of at least SPLIT_MIN_KEYS keys (four key tiles).
-WAVES, MAX_SPLITS, SPLIT_MIN_KEYS = 2, 32, 256
+# most MAX_SPLITS splits a sequence, each of at least SPLIT_MIN_KEYS keys (two key tiles: at
+# batch 1 a 1k context then takes 8 splits, 64 programs for Llama-3.1-8B's 8 KV heads).
+WAVES, MAX_SPLITS, SPLIT_MIN_KEYS = 2, 32, 128
 INTERPRETED_SPLITS = 4  # on the CPU: few programs, but several splits for the tests (of BLOCK_N keys each)
 
 
@@ -110,7 +111,9 @@ def _walk_keys(q, m_i, l_i, acc, pos, first, end, seq, kv_head, k_cache_ptr, v_c
     return m_i, l_i, acc
 
 
-@triton.jit
+# The block table's row stride is the step's longest sequence in blocks (eager steps): Triton
+# would compile again whenever it turns 1 or a multiple of 16, so it is not specialised on.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr, scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -152,7 +155,7 @@ def _attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, m_ptr, l_ptr, acc_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr,
     scale, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
