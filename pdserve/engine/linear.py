@@ -6,6 +6,11 @@ load, and ``apply_backend`` swaps those modules for the backend's own (a transfo
 unchanged model, never a branch inside it):
 
 - ``TorchBackend``: leaves everything to torch (any dtype on CUDA; a CPU without AVX2 + FMA).
+  On CUDA (``TorchBackend(fused=True)``, where triton imports) each ``RMSNorm``, its residual
+  add included, and each ``SiluAndMul`` is one Triton launch instead of ~10 and 3 torch ops
+  (pdserve/engine/kernels/triton_fused.py), rounding where torch's ops round: a graphed decode
+  step is bound by its launches. Only those exact classes: a family's own norm (Gemma's) stays.
+  RoPE's fused launch is the Triton attention backend's (``TritonAttention.attend``).
   ``TorchBackend(fp8=True)``: the same, and the linears whose checkpoint weights are FP8 (e4m3,
   a scale per tensor or per output row) keep them as they are, 1 byte a weight and a float32
   scale a row, and compute with ``torch._scaled_mm`` (``Fp8Linear``). Chosen in bfloat16 on a
@@ -44,6 +49,7 @@ from torch import nn
 from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.attention.base import AttentionContext
 from pdserve.engine.attention.paged import PagedAttention
+from pdserve.engine.attention.select import triton_available
 from pdserve.engine.layers.activation import SiluAndMul
 from pdserve.engine.layers.linear import RowParallelLinear
 from pdserve.engine.layers.mlp import GatedMLP
@@ -85,12 +91,13 @@ class Fp8Linear(nn.Module):
 class TorchBackend:
     """torch's own kernels: not batch-invariant on CPU (oneDNN and MKL pick kernels, and
     summation orders, by M and by instruction set). ``fp8``: FP8 weights stay FP8 (module
-    docstring)."""
+    docstring). ``fused``: RMSNorm and silu * up run as one Triton launch each
+    (pdserve/engine/kernels/triton_fused.py); CUDA only, or Triton's interpreter."""
 
     batch_invariant = False
 
-    def __init__(self, fp8: bool = False):
-        self.keeps_fp8 = fp8
+    def __init__(self, fp8: bool = False, fused: bool = False):
+        self.keeps_fp8, self.fused = fp8, fused
         self.name = "torch+fp8" if fp8 else "torch"
 
     def fits_fp8(self, layer: nn.Linear) -> bool:
@@ -104,9 +111,17 @@ class TorchBackend:
         return layer  # its output in the model dtype: NCCL sums bfloat16 as it is
 
     def norm(self, norm: RMSNorm) -> nn.Module:
+        if self.fused and type(norm) is RMSNorm:  # a subclass may round elsewhere
+            from pdserve.engine.kernels.triton_fused import TritonRMSNorm  # imports triton: CUDA only
+
+            return TritonRMSNorm(norm)
         return norm
 
     def act(self, act: SiluAndMul) -> nn.Module:
+        if self.fused and type(act) is SiluAndMul:
+            from pdserve.engine.kernels.triton_fused import TritonSiluAndMul
+
+            return TritonSiluAndMul()
         return act
 
     def logits_head(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
@@ -294,10 +309,11 @@ LinearBackend = TorchBackend | PackedCpuBackend
 
 def select_backend(dtype: torch.dtype, device: torch.device) -> LinearBackend:
     """The packed kernels for bfloat16 and float32 on an AVX2 + FMA CPU; torch's everywhere else,
-    keeping FP8 weights where the device has FP8 matmuls (``fp8_matmuls``)."""
+    keeping FP8 weights where the device has FP8 matmuls (``fp8_matmuls``), and on CUDA with
+    RMSNorm and silu * up fused in Triton where triton imports."""
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_kernels.cpu_supported():
         return PackedCpuBackend(dtype)
-    return TorchBackend(fp8=fp8_matmuls(dtype, device))
+    return TorchBackend(fp8=fp8_matmuls(dtype, device), fused=triton_available(device))
 
 
 def fp8_matmuls(dtype: torch.dtype, device: torch.device) -> bool:

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.attention.base import AttentionBackend, AttentionContext
+from pdserve.engine.kernels.triton_fused import rotary
 
 BLOCK_N = 64  # keys an iteration: four 16-token cache blocks
 MIN_ROWS = 16  # a decode program's rows, padded up to the tile side tl.dot has long required
@@ -378,6 +379,16 @@ class TritonAttention(AttentionBackend):
             raise ValueError(f"attention_backend=triton needs num_heads ({num_heads}) a multiple of "
                              f"num_kv_heads ({num_kv_heads})")
         self.scale = head_dim ** -0.5 if scale is None else scale
+
+    def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+               v_cache: torch.Tensor, ctx: AttentionContext, nh: int, nkv: int, hd: int,
+               window: int | None = None) -> torch.Tensor:
+        """As ``AttentionBackend.attend``, with RoPE on q and k in one launch (``triton_fused.rotary``,
+        the bits of ``apply_rotary``) reading them where they lie in ``qkv``."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k = rotary(q.view(t, nh, hd), k.view(t, nkv, hd), *rope)  # contiguous, as the kernel wants q
+        return self.forward(q, k, v.view(t, nkv, hd), k_cache, v_cache, ctx, window=window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
