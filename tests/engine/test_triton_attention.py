@@ -167,4 +167,8 @@ def test_the_kernels_compile_for_an_h100(tmp_path):
                                         "attention bf16 9/3 query 1 window 512",
                                         "attention bf16 9/3 query 64 window 512", "split-kv bf16 9/3x64",
                                         "split-kv bf16 32/8x128", "split-kv fp32 32/8x128",
-                                        "split-kv bf16 32/8x128 window 512", "store bf16"]
+                                        "split-kv bf16 32/8x128 window 512", "store bf16",
+                                        # the fused norm, silu * up and RoPE (kernels/triton_fused.py)
+                                        *(f"{kernel} {dtype}{tail}" for dtype in ("bf16", "fp32")
+                                          for kernel, tail in (("rms_norm", ""), ("rms_norm", " residual"),
+                                                               ("silu_mul", ""), ("rotary", " 9/3")))]

@@ -12,7 +12,6 @@ elements, for a GPU's sum order and exp.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 

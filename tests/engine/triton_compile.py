@@ -1,4 +1,5 @@
-"""Compiles pdserve's Triton kernels (pdserve/engine/attention/triton.py) for a GPU with
+"""Compiles pdserve's Triton kernels (pdserve/engine/attention/triton.py, pdserve/engine/kernels/
+triton_fused.py) for a GPU with
 Triton's real compiler, down to machine code, on a host without one: what the interpreter
 cannot check (tile shapes tl.dot accepts, types, shared memory). Run by
 tests/engine/test_triton_attention.py in a process of its own, without TRITON_INTERPRET:
@@ -15,22 +16,42 @@ from triton.compiler import ASTSource
 
 from pdserve.engine.attention.triton import (MAX_SPLITS, SPLIT_MIN_KEYS, _attention_kernel, _reduce_kernel,
                                              _split_kernel, _store_kv_kernel, launch_constants)
+from pdserve.engine.kernels.triton_fused import _rms_norm_kernel, _rotary_kernel, _silu_mul_kernel
 
 HEAD_DIM, BLOCK_SIZE = 64, 16  # SmolLM2's head size, pdserve's block size
 
 
-def _compile(kernel, types: list[str], constants: dict, target: GPUTarget):
+def _compile(kernel, types: list[str], constants: dict, target: GPUTarget, options: dict | None = None):
     names = kernel.arg_names
     signature = {n: (types[i] if i < len(types) else "constexpr") for i, n in enumerate(names)}
     return triton.compile(ASTSource(fn=kernel, signature=signature,
-                                    constexprs={(names.index(k),): v for k, v in constants.items()}), target=target)
+                                    constexprs={(names.index(k),): v for k, v in constants.items()}), target=target,
+                          options=options)
+
+
+def _fused(target: GPUTarget) -> list[str]:
+    """The fused norm, silu * up and RoPE launches (kernels/triton_fused.py) for SmolLM2's shapes
+    (hidden 576, intermediate 1536, 9/3 heads of 64), bfloat16 and float32, as launched: fused
+    multiply-adds off, libdevice's exp."""
+    done, options = [], {"enable_fp_fusion": False}
+    for dtype in ("bf16", "fp32"):
+        for residual in (False, True):
+            _compile(_rms_norm_kernel, [f"*{dtype}"] * 5 + ["i32", "fp32"] + ["i32"] * 4,
+                     dict(HAS_RESIDUAL=residual, BLOCK=1024), target, options)
+            done.append(f"rms_norm {dtype}" + (" residual" if residual else ""))
+        _compile(_silu_mul_kernel, [f"*{dtype}"] * 2 + ["i32"] * 3, dict(BLOCK=1024, LIBDEVICE=True), target, options)
+        _compile(_rotary_kernel, [f"*{dtype}"] * 6 + ["i32"] * 9,
+                 dict(NUM_HEADS=9, NUM_KV_HEADS=3, HALF=HEAD_DIM // 2, BLOCK_QH=16, BLOCK_KH=4, BLOCK_HALF=HEAD_DIM // 2),
+                 target, options)
+        done += [f"silu_mul {dtype}", f"rotary {dtype} 9/3"]
+    return done
 
 
 def main(sm: int = 90) -> list[str]:
     """The engine's decode and prefill launches for SmolLM2's heads (9 query heads over 3 KV
     heads), in bfloat16 and float32, the bfloat16 ones again with a sliding window (Gemma 3's
-    local layers: 512 keys), split-KV decode (``_split_kv``) and the K/V store; returns what
-    compiled."""
+    local layers: 512 keys), split-KV decode (``_split_kv``), the K/V store and the fused elementwise
+    kernels (``_fused``); returns what compiled."""
     target, done = GPUTarget("cuda", sm, 32), []
     for dtype, torch_dtype, window in (("bf16", torch.bfloat16, None), ("fp32", torch.float32, None),
                                        ("bf16", torch.bfloat16, 512)):
@@ -44,7 +65,7 @@ def main(sm: int = 90) -> list[str]:
     done += _split_kv(target)
     _compile(_store_kv_kernel, ["*bf16"] * 4 + ["*i64"] * 2 + ["i32"] * 10,
              dict(NUM_KV_HEADS=3, HEAD_DIM=HEAD_DIM, BLOCK_H=4, BLOCK_D=HEAD_DIM), target)
-    return done + ["store bf16"]
+    return done + ["store bf16"] + _fused(target)
 
 
 def _split_kv(target: GPUTarget) -> list[str]:
