@@ -2,12 +2,15 @@
 torch ops they replace: ``RMSNorm`` (its residual add too), ``SiluAndMul`` and ``apply_rotary``.
 
 Without CUDA they run in Triton's interpreter on host tensors (tests/conftest.py sets
-TRITON_INTERPRET=1), with CUDA on the GPU. What is measured on the interpreter (2026-11-30):
-RoPE and the residual sum are bitwise torch's in float32, bfloat16 and float16; RMSNorm and
-silu * up are bitwise torch's in bfloat16 on these inputs, and within 3e-7 relative in float32
-(a quarter of RMSNorm's elements differ in their last bit or two: its sum of squares is a tree;
-silu's exp is numpy's, not torch's). The bfloat16 bounds allow one bfloat16 step on 1% of the
-elements, for a GPU's sum order and exp.
+TRITON_INTERPRET=1), with CUDA on the GPU. Measured on the interpreter (2026-11-30): RoPE is
+bitwise torch's in float32, bfloat16 and float16, and the residual sum in float32 and bfloat16.
+silu * up is bitwise in bfloat16 (394k elements) and within 3.5e-7 relative in float32 (16% of
+elements off in the last bit or two: numpy's exp, not torch's). RMSNorm is within 3.5e-7
+relative in float32 (a fifth of the elements: its sum of squares is a tree, torch's is its own
+order), and in bfloat16 13 of 1.45M elements differed (rows of 576, 1000 and 4096; all in one
+row whose scale sat near a rounding midpoint): the normed value one bfloat16 step off, which the
+weight's multiply can make two steps of the output. So the bounds: float32 1e-6 relative;
+bfloat16 bitwise but for 1% of the elements, by one step (two for RMSNorm).
 """
 
 import pytest
@@ -33,9 +36,9 @@ def _randn(*shape, seed=0, scale=3.0, dtype=torch.float32):
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
 
 
-def _assert_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """float32: within ``F32_RTOL`` relative; 16-bit: bitwise, but for one step on under 1% of
-    the elements."""
+def _assert_matches(got: torch.Tensor, want: torch.Tensor, what: str, steps: int = 1) -> None:
+    """float32: within ``F32_RTOL`` relative; 16-bit: bitwise, but for ``steps`` steps on under
+    1% of the elements."""
     assert got.dtype == want.dtype and got.shape == want.shape, what
     if want.numel() == 0:
         return
@@ -43,8 +46,9 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         torch.testing.assert_close(got, want, rtol=F32_RTOL, atol=1e-30, msg=what)
         return
     differ = got != want
-    step = torch.finfo(want.dtype).eps * want.float().abs().clamp(min=torch.finfo(want.dtype).tiny)
-    assert ((got.float() - want.float()).abs() <= step)[differ].all(), f"{what}: off by more than one step"
+    _, exponent = torch.frexp(torch.maximum(got.float().abs(), want.float().abs()))  # |v| = m 2^e, m in [0.5, 1)
+    step = torch.finfo(want.dtype).eps * torch.pow(2.0, exponent - 1)  # the larger value's spacing
+    assert ((got.float() - want.float()).abs() <= steps * step)[differ].all(), f"{what}: off by over {steps} steps"
     assert differ.float().mean() < 0.01, f"{what}: {int(differ.sum())} of {want.numel()} elements differ"
 
 
@@ -59,7 +63,7 @@ def _norm(n: int, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -
 @pytest.mark.parametrize("rows", [0, 1, 9])
 def test_rms_norm_is_torchs(dtype, n, rows):
     norm, x = _norm(n, dtype), _randn(rows, n, dtype=dtype)
-    _assert_matches(rms_norm(x, norm.weight, norm.eps), norm(x), f"{dtype} {rows}x{n}")
+    _assert_matches(rms_norm(x, norm.weight, norm.eps), norm(x), f"{dtype} {rows}x{n}", steps=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -71,7 +75,7 @@ def test_rms_norm_with_the_residual_add_is_torchs(dtype, n, rows):
     got, got_sum = TritonRMSNorm(norm)(x, residual)
     want, want_sum = norm(x, residual)
     assert torch.equal(got_sum, want_sum)
-    _assert_matches(got, want, f"{dtype} {rows}x{n} with a residual")
+    _assert_matches(got, want, f"{dtype} {rows}x{n} with a residual", steps=2)
 
 
 def test_rms_norm_promotes_as_torch_does_with_a_float32_weight():
@@ -87,7 +91,7 @@ def test_rms_norm_takes_heads_strided_in_a_fused_projection():
     """Qwen3's q norm: (T, nh, hd) heads of q, a view into q|k|v."""
     norm, qkv = _norm(64, torch.bfloat16), _randn(6, 15 * 64, dtype=torch.bfloat16)
     q = qkv[:, :9 * 64].reshape(6, 9, 64)
-    _assert_matches(rms_norm(q, norm.weight, norm.eps), norm(q), "q heads")
+    _assert_matches(rms_norm(q, norm.weight, norm.eps), norm(q), "q heads", steps=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -199,3 +203,20 @@ def test_the_engine_with_fused_kernels_equals_transformers(tiny_llama_dir, monke
     prompts = random_prompts(2, [9, 37], seed=5)
     for prompt, out in zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))):
         assert_greedy_matches(hf, prompt, out.token_ids, 6, what=f"prompt of {len(prompt)} tokens")
+
+
+def test_qwen3_with_fused_kernels_equals_transformers(tmp_path, monkeypatch):
+    """Qwen3's q and k norms are Llama's RMSNorm over each head: swapped too, they take heads
+    strided in the q|k|v projection, and the float32 greedy tokens stay transformers'."""
+    from pdserve.engine import loader
+    from pdserve.engine.sampling.params import SamplingParams
+    from tests.factories import hf_greedy, make_engine, random_prompts
+    from tests.families import save_family_model
+
+    monkeypatch.setattr(loader, "select_backend", lambda dtype, device: linear.TorchBackend(fused=True))
+    directory, hf = save_family_model("qwen3", tmp_path)
+    engine = make_engine(directory, device=DEVICE.type, attention_backend="triton")
+    assert isinstance(engine.runner.model.layers[0].self_attn.q_norm, TritonRMSNorm)
+    prompts = random_prompts(2, [5, 21], seed=3)
+    for prompt, out in zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))):
+        assert out.token_ids == hf_greedy(hf, prompt, 6), f"prompt of {len(prompt)} tokens"
