@@ -9,8 +9,9 @@ Each kernel computes what the torch ops it replaces compute, rounding where they
 here too, by ``_round``, to nearest even through its bits: Triton's interpreter truncates on
 a cast to bfloat16 where a GPU rounds, so the cast alone would not test what a GPU runs. What
 is not bitwise torch's: RMSNorm's sum of squares (a tree here; torch picks its own order), so
-its float32 output may differ from torch's by an ulp or so, and in bfloat16 an element in a
-few hundred or thousand by one bfloat16 step (tests/engine/test_triton_fused.py measures it);
+its float32 output may differ from torch's by an ulp or two, and in bfloat16 a few elements in
+a million by a step or two, in a row whose scale sits near a rounding midpoint
+(tests/engine/test_triton_fused.py says what was measured);
 on a GPU the exp of silu is libdevice's, as torch's CUDA silu uses; the interpreter uses
 numpy's. Launches run with fused multiply-adds off (``enable_fp_fusion``), as torch's separate
 ops cannot fuse them.
