@@ -13,7 +13,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from pdserve.engine.attention import triton as kernels  # noqa: E402
+from pdserve.engine.attention import triton as attention  # noqa: E402
+from pdserve.engine.attention import triton_split as kernels  # noqa: E402
 from pdserve.engine.attention.base import build_context  # noqa: E402
 from tests.helpers.paged_attention import (BS, DEVICE, HD, TOL, block_tables, paged_cache,  # noqa: E402
                                            sdpa_reference)
@@ -46,7 +47,7 @@ def _decode(nh, nkv, dtype, contexts, padding=0, seed=2):
 def _single_pass(monkeypatch, step, window=None):
     """The one-program-a-(sequence, KV head) kernel, as a launch of one split takes it."""
     monkeypatch.setattr(kernels, "INTERPRETED_SPLITS", 1)
-    return kernels.paged_attention(max_query_len=1, window=window, **step)
+    return attention.paged_attention(max_query_len=1, window=window, **step)
 
 
 @pytest.mark.parametrize("splits,min_keys", PLANS)
@@ -130,7 +131,7 @@ def test_paged_attention_splits_decode_launches_only():
     SDPA."""
     contexts = [300, 20]
     step, tables = _decode(8, 2, torch.float32, contexts)
-    out = kernels.paged_attention(max_query_len=1, window=None, **step)
+    out = attention.paged_attention(max_query_len=1, window=None, **step)
     split = kernels.split_kv_attention(window=None, splits=kernels.INTERPRETED_SPLITS, min_keys=N, **step)
     assert torch.equal(out, split)
     ref = sdpa_reference(step["q"], step["k_cache"], step["v_cache"], tables, [c - 1 for c in contexts], [1, 1])

@@ -14,8 +14,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pdserve.engine.attention.triton import (MAX_SPLITS, SPLIT_MIN_KEYS, _attention_kernel, _reduce_kernel,
-                                             _split_kernel, _store_kv_kernel, launch_constants)
+from pdserve.engine.attention.triton import _attention_kernel, _store_kv_kernel
+from pdserve.engine.attention.triton_split import MAX_SPLITS, SPLIT_MIN_KEYS, _reduce_kernel, _split_kernel
+from pdserve.engine.attention.triton_walk import launch_constants
 from pdserve.engine.kernels.triton_fused import _rms_norm_kernel, _rotary_kernel, _silu_mul_kernel
 
 HEAD_DIM, BLOCK_SIZE = 64, 16  # SmolLM2's head size, pdserve's block size
