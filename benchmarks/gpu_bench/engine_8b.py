@@ -138,8 +138,8 @@ def decode_row(engine, batch: int, context: int, device, spec: DeviceSpec | None
            "floor_ms_measured_bw": round((weights + kv) / (read * 1e9) * 1e3, 3)}
     if engine.config.cuda_graphs:  # None: no graphs were captured (an attention backend that is not graph-safe)
         row["graph_replays"] = getattr(engine.runner.graphs, "replays", None)
-    if spec is not None:
-        row["floor_ms_datasheet"] = round((weights + kv) / spec.hbm_bytes_per_s * 1e3, 3)
+    if floor is not None:
+        row["floor_ms_datasheet"] = round(floor, 3)
         row["step_over_floor"] = round(ms / row["floor_ms_datasheet"], 2)
     return [row] if profile is None else [row, profile]
 

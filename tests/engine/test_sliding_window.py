@@ -21,6 +21,7 @@ from pdserve.engine.attention.base import SdpaAttention, build_context
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.attention.kv_cache import layer_views
 from pdserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from tests.helpers.paged_attention import block_tables
 
 NH, NKV, HD, BS, NUM_BLOCKS = 8, 2, 32, 16, 40
 
@@ -28,16 +29,6 @@ NH, NKV, HD, BS, NUM_BLOCKS = 8, 2, 32, 16, 40
 def cache(seed=0):
     g = torch.Generator().manual_seed(seed)
     return layer_views(torch.randn(NUM_BLOCKS, BS, 2, 2, NKV, HD, generator=g), 1)
-
-
-def tables_for(context_lens, seed=1):
-    order = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
-    tables, used = [], 0
-    for c in context_lens:
-        n = -(-c // BS)
-        tables.append(order[used:used + n])
-        used += n
-    return tables
 
 
 def reference(q, k_cache, v_cache, tables, starts, query_lens, window, scale=HD ** -0.5):
@@ -58,7 +49,7 @@ def reference(q, k_cache, v_cache, tables, starts, query_lens, window, scale=HD 
 
 def step(starts, query_lens, seed=2):
     """A step's context and random q, k, v for its new tokens (T, heads, hd)."""
-    tables = tables_for([s + n for s, n in zip(starts, query_lens)])
+    tables = block_tables([s + n for s, n in zip(starts, query_lens)], num_blocks=NUM_BLOCKS)
     ctx, positions = build_context(starts, query_lens, tables, BS, torch.device("cpu"),
                                    decode=all(n == 1 for n in query_lens))
     g = torch.Generator().manual_seed(seed)
@@ -112,7 +103,7 @@ def test_a_windowed_prompt_in_chunks_and_then_decoded_equals_it_whole(backend):
     chunk boundary), then positions one at a time, against the whole prompt's outputs. The
     paged kernel gives the very bits; SDPA rounds its calls differently."""
     n, window = 90, 24
-    tables = tables_for([n])
+    tables = block_tables([n], num_blocks=NUM_BLOCKS)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, h, HD, generator=g) for h in (NH, NKV, NKV))
     whole_cache = cache()
@@ -155,7 +146,7 @@ def test_the_paged_fused_prologue_takes_the_window_as_the_generic_path_does():
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=2e-5)
     q = apply_rotary(qkv[:, :NH * HD].view(-1, NH, HD), qkv[:, NH * HD:(NH + NKV) * HD].view(-1, NKV, HD), *rope)[0]
-    ref = reference(q, *caches[0], tables_for([s + n for s, n in zip(starts, query_lens)]), starts, query_lens, 12)
+    ref = reference(q, *caches[0], block_tables([s + n for s, n in zip(starts, query_lens)], num_blocks=NUM_BLOCKS), starts, query_lens, 12)
     torch.testing.assert_close(ours.double(), ref, rtol=2e-5, atol=2e-5)
 
 

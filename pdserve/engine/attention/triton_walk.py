@@ -8,14 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.engine.kernels.triton_fused import interpreted
+
 BLOCK_N = 64  # keys an iteration: four 16-token cache blocks
 MIN_ROWS = 16  # a decode program's rows, padded up to the tile side tl.dot has long required
 PREFILL_ROWS = 64  # query rows (tokens x heads of a group) a prefill program takes
-
-
-def interpreted() -> bool:
-    """True when Triton runs kernels in its interpreter (on host tensors), not on a GPU."""
-    return not isinstance(_walk_keys, triton.runtime.JITFunction)
 
 
 def _check_device(t: torch.Tensor) -> None:
