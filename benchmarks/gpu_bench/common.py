@@ -57,6 +57,7 @@ class BenchSettings:
     contexts: tuple[int, ...]  # decode context lengths, tokens
     prefill_tokens: tuple[int, ...]
     nixl_blocks: tuple[int, ...]  # blocks a read moves
+    by_head_blocks: int  # blocks a read by head moves (1 MiB each, all ranks)
     concurrency: tuple[int, ...]  # closed-loop clients of the served cluster
     prompt_tokens: int  # each served request's prompt
     output_tokens: int  # and its output
@@ -75,6 +76,7 @@ class BenchSettings:
                    contexts=_ints(env, "PDSERVE_BENCH_CONTEXTS", "1024 8192"),
                    prefill_tokens=_ints(env, "PDSERVE_BENCH_PREFILL", "512 2048 8192"),
                    nixl_blocks=_ints(env, "PDSERVE_BENCH_NIXL_BLOCKS", "16 128 512"),
+                   by_head_blocks=_ints(env, "PDSERVE_BENCH_BY_HEAD_BLOCKS", "128")[0],
                    concurrency=_ints(env, "PDSERVE_BENCH_CONCURRENCY", "1 8 32"),
                    prompt_tokens=_ints(env, "PDSERVE_BENCH_PROMPT_TOKENS", "512")[0],
                    output_tokens=_ints(env, "PDSERVE_BENCH_OUTPUT_TOKENS", "64")[0],

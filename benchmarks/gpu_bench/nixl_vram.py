@@ -8,8 +8,13 @@ For each read size (``PDSERVE_BENCH_NIXL_BLOCKS``: 16, 128 and 512 blocks) and l
 order``: blocks 0..n-1 into 0..n-1; ``scattered``: n blocks drawn at random from the whole
 cache, into other random blocks), five timed reads after a warm one: GB/s (best and median)
 and microseconds a descriptor (pdserve's NIXL backend names one descriptor a block). The bytes
-of the last read are compared with the holder's. With ``PDSERVE_BENCH_DEVICE=cpu`` the same
-runs DRAM to DRAM (the dry run).
+of the last read are compared with the holder's.
+
+Then reads by head between tensor-parallel sizes (layouts ``by_head_P:D``: prefill TP P, decode
+TP D, each rank an agent of its own on the one device, ``benchmarks/kv_by_head.py``) of
+``PDSERVE_BENCH_BY_HEAD_BLOCKS`` (128) scattered blocks of 1 MiB: 1:1, 2:1 and 1:2, GB/s of the
+whole KV over the time every rank's reads took, each rank's heads checked. Issue 56 asks 2:1 for
+at least half of 1:1. With ``PDSERVE_BENCH_DEVICE=cpu`` the same runs DRAM to DRAM (the dry run).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch  # noqa: E402
 from benchmarks.gpu_bench.common import BLOCK_SIZE, Deadline, device_name, phase_main  # noqa: E402
 
 TIMED_READS = 5
+BY_HEAD_PAIRS = ((1, 1), (2, 1), (1, 2))  # prefill TP : decode TP
 SEED = 1234
 _CTX = mp.get_context("spawn")  # fork would share CUDA and UCX state with the child
 
@@ -125,6 +131,24 @@ def run(args, settings, record) -> None:
             holder.join(30)
         if holder.is_alive():
             holder.kill()
+    by_head(settings.by_head_blocks, device, record, deadline)
+
+
+def by_head(n: int, device: torch.device, record, deadline) -> None:
+    """Reads by head between tensor-parallel sizes (module docstring), one row a pair of sizes."""
+    from benchmarks.kv_by_head import BLOCK_BYTES, bench_pair
+
+    gen = torch.Generator().manual_seed(SEED)
+    for p, d in BY_HEAD_PAIRS:
+        layout = f"by_head_{p}:{d}"
+        if deadline.left() < 20:
+            record.skip({"blocks": n, "layout": layout}, "out of time")
+            continue
+        ((gb_per_s, descriptors),) = bench_pair("nixl", p, d, [n], 3, gen, str(device)).values()
+        record.add({"blocks": n, "layout": layout, "bytes": n * BLOCK_BYTES, "descriptors": descriptors,
+                    "gb_per_s_median": round(gb_per_s, 2),
+                    "us_per_descriptor": round(n * BLOCK_BYTES / gb_per_s / 1e3 / descriptors, 2),
+                    "bytes_equal": True})  # bench_pair checks every rank's heads, and raises if they differ
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ def targets(docs: dict[str, dict | None]) -> dict:
     decode = _rows(engine, what="decode", batch=1, cuda_graphs=True)
     prefill = _rows(engine, what="prefill", tokens=2048)
     reads = _rows(nixl, layout="in_order")
+    same_tp, two_to_one = _rows(nixl, layout="by_head_1:1"), _rows(nixl, layout="by_head_2:1")
     first = min(decode, key=lambda r: r["context"]) if decode else None
     figures = {
         # the shortest context measured (1k): the step the weights dominate
@@ -39,6 +40,10 @@ def targets(docs: dict[str, dict | None]) -> dict:
             round(first["ms_per_step"] / first["floor_ms_measured_bw"], 2) if decode else None, 1.3, "at most"),
         "prefill_2k_mfu": (prefill[0].get("mfu") if prefill else None, 0.40, "at least"),
         "nixl_in_order_gb_per_s": (max((r["gb_per_s_median"] for r in reads), default=None), 100.0, "at least"),
+        # prefill TP 2 to decode TP 1 over the same read between equal sizes (issue 56)
+        "nixl_by_head_2to1_over_same_tp": (
+            round(two_to_one[0]["gb_per_s_median"] / same_tp[0]["gb_per_s_median"], 2)
+            if same_tp and two_to_one else None, 0.5, "at least"),
     }
     return {name: {"value": value, "target": f"{how} {goal:g}",
                    "met": None if value is None else (value <= goal if how == "at most" else value >= goal)}

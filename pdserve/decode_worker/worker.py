@@ -369,7 +369,7 @@ class DecodeWorker(WorkerShell):
                 finished_at = max(h.finished_at for h in pull.handles)
                 seconds = finished_at - pull.final_at
                 nbytes = sum(h.nbytes for h in pull.handles)
-                blocks = sum(h.descriptors for h in pull.handles)  # one descriptor per block (by head: per row)
+                blocks = sum(h.descriptors for h in pull.handles)  # NIXL descriptors a side (a run of adjacent blocks: one)
                 worker_metrics.kv_transfer_done(self.role, self.config.worker_id, self.config.kv_transfer_backend, seconds,
                                                 nbytes, blocks, self.config.model_name)
                 started_at = min(h.started_at for h in pull.handles)

@@ -2,8 +2,9 @@
 
 The engine owns the cache tensor; all the transfer layer needs is where block ``i`` lives:
 bytes ``[base + i * block_bytes, base + (i + 1) * block_bytes)``. Dtype and the shape beyond
-dim 0 (layers, K/V, tokens, heads, head dim) do not matter here; a read by head addresses rows
-inside blocks (``row_table``), whose shape ``pdserve.kv_transfer.sharding`` describes.
+dim 0 (layers, K/V, tokens, heads, head dim) do not matter here; a read by head moves whole
+blocks and puts rows' slices in place (``pdserve.kv_transfer.staged``), whose shape
+``pdserve.kv_transfer.sharding`` describes.
 """
 
 from __future__ import annotations
@@ -73,26 +74,13 @@ class CacheLayout:
         return table
 
 
-    def row_table(self, block_ids: Sequence[int], row_bytes: int, offset: int, length: int,
-                  last_rows: int, by_block: bool = False) -> np.ndarray:
-        """NIXL descriptors of ``length`` bytes at ``offset`` of each ``row_bytes`` row of
-        ``block_ids`` (a read by head, ``pdserve.kv_transfer.sharding``), the last block's first
-        ``last_rows`` rows only: (rows, 3) uint64 (address, length, dev), block by block, row by
-        row. ``by_block``: whole rows, contiguous, so one descriptor a block (its last one
-        shorter); only where the other side of the read is whole rows too, since descriptors
-        pair up one to one."""
-        rows_per_block = self.block_bytes // row_bytes
-        starts = self.base_address + np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.block_bytes)
-        if by_block:
-            table = np.empty((len(starts), 3), dtype=np.uint64)
-            table[:, 0], table[:, 1] = starts, self.block_bytes
-            table[-1, 1] = last_rows * row_bytes
-        else:
-            rows = np.arange(rows_per_block, dtype=np.uint64) * np.uint64(row_bytes) + np.uint64(offset)
-            addresses = (starts[:, None] + rows[None, :]).reshape(-1)
-            addresses = addresses[:len(addresses) - (rows_per_block - last_rows)]
-            table = np.empty((len(addresses), 3), dtype=np.uint64)
-            table[:, 0], table[:, 1] = addresses, length
+    def block_descs(self, block_ids: Sequence[int], last_bytes: int) -> np.ndarray:
+        """NIXL descriptors of ``block_ids``, in order, the last one its first ``last_bytes``
+        bytes only: (blocks, 3) uint64 (address, length, dev)."""
+        table = np.empty((len(block_ids), 3), dtype=np.uint64)
+        table[:, 0] = self.base_address + np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.block_bytes)
+        table[:, 1] = self.block_bytes
+        table[-1, 1] = last_bytes
         table[:, 2] = self.device_id
         return table
 

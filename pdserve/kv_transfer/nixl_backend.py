@@ -2,10 +2,12 @@
 
 The whole cache is registered once; descriptor lists with one descriptor per block are
 prepared once for the local cache and once per peer, so a read is just two index lists
-(NIXL merges adjacent blocks itself). A read by head (a peer of another tensor-parallel size,
-``pdserve.kv_transfer.sharding``) names its descriptors explicitly, one per row of each block,
-built at once by numpy (``CacheLayout.row_table``). DRAM caches use NIXL's DRAM segment, CUDA caches the
-VRAM segment with their device ordinal. NIXL delivers ``notify`` to the holder after the data
+(NIXL merges adjacent blocks itself). A read with a partly filled last block names its
+descriptors, one a run of adjacent blocks (``staged.coalesce``). A read by head from a peer of
+another tensor-parallel size (``pdserve.kv_transfer.sharding``) reads the peer's blocks whole
+into a staging buffer and puts each row's heads in place here (``staged.StagedRead``): named row
+by row it would be a descriptor per row, and UCX pays per descriptor. DRAM caches use NIXL's DRAM
+segment, CUDA caches the VRAM segment with their device ordinal. NIXL delivers ``notify`` to the holder after the data
 has landed; the holder needs no knowledge of the reader to receive it.
 
 Progress: NIXL's own UCX progress thread is turned off because nixl_cu12's Python API fixes
@@ -50,6 +52,7 @@ from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferReques
 from pdserve.kv_transfer.layout import layout_of_metadata
 from pdserve.kv_transfer.read import TransferHandle, TransferState
 from pdserve.kv_transfer.sharding import KVShard
+from pdserve.kv_transfer.staged import STAGING_BYTES, StagedRead, StagingPool, coalesce
 from pdserve.protos import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -149,8 +152,10 @@ class NixlAgent(KVTransferAgent):
     holder's wire-up and notification latency), ``relaxed_progress_interval_s`` (its period
     while reads may come but none is waited on, ``expect_reads(True, urgent=False)``),
     ``num_threads`` (UCX worker threads;
-    0 = NIXL's default) and ``net_devices`` (the network interfaces UCX may listen and connect
-    on, comma-separated; None: UCX's default, every interface). Raises BackendUnavailable
+    0 = NIXL's default), ``net_devices`` (the network interfaces UCX may listen and connect
+    on, comma-separated; None: UCX's default, every interface), ``staging_bytes`` and
+    ``staging_buffers`` (the staging buffers reads by head between sizes take, their size and
+    how many at most: ``pdserve.kv_transfer.staged``). Raises BackendUnavailable
     when no NIXL module fits (``_import_nixl``), or the UCX plugin or the agent cannot start.
     """
 
@@ -159,13 +164,17 @@ class NixlAgent(KVTransferAgent):
     def __init__(self, name: str, cache: torch.Tensor, *, inject_delay_s: float = 0.0,
                  read_timeout_s: float = 30.0, max_peer_blocks: int = MAX_PEER_BLOCKS, shard: KVShard | None = None,
                  progress_interval_s: float = 0.001, relaxed_progress_interval_s: float = 0.1,
-                 num_threads: int = 0, net_devices: str | None = None):
+                 num_threads: int = 0, net_devices: str | None = None, staging_bytes: int = STAGING_BYTES,
+                 staging_buffers: int = 2):
         super().__init__(name, cache, inject_delay_s=inject_delay_s,
                          read_timeout_s=read_timeout_s, max_peer_blocks=max_peer_blocks, shard=shard)
         for option, value in (("progress_interval_s", progress_interval_s),
                               ("relaxed_progress_interval_s", relaxed_progress_interval_s)):
             if value <= 0:
                 raise InvalidTransferRequest(f"{option} must be > 0, got {value}", field=option, limit=0)
+        for option, value in (("staging_bytes", staging_bytes), ("staging_buffers", staging_buffers)):
+            if value < 1:
+                raise InvalidTransferRequest(f"{option} must be >= 1, got {value}", field=option, limit=1)
         nixl = _import_nixl()
         self._bind_device = cuda_binder(cache.device)
         self._bind_device()
@@ -191,6 +200,7 @@ class NixlAgent(KVTransferAgent):
         except Exception as exc:
             raise BackendUnavailable("nixl", f"registering the {self.layout.nixl_mem_type} "
                                              f"cache failed: {type(exc).__name__}: {exc}") from exc
+        self._staging = StagingPool(self._agent, self.layout, cache.device, staging_bytes, staging_buffers)
         self._progress_interval_s = progress_interval_s
         self._intervals = (relaxed_progress_interval_s, progress_interval_s)  # by urgent
         self._stop_progress = threading.Event()
@@ -274,44 +284,35 @@ class NixlAgent(KVTransferAgent):
 
     def _start_backend(self, handle: TransferHandle) -> TransferState:
         self._bind_device()
-        if handle.slice is not None:
-            # A read by head: one descriptor per row, or per block for whole rows (sharding).
-            hs, remote = handle.slice, layout_of_metadata(self._peers[handle.peer])
-            xfer = self._agent.initialize_xfer(
-                "READ", self._table_descs(self.layout, self.layout.row_table(
-                    handle.local_block_ids, hs.dst_row, hs.dst_offset, hs.length, handle.last_rows, hs.whole_rows)),
-                self._table_descs(remote, remote.row_table(
-                    handle.remote_block_ids, hs.src_row, hs.src_offset, hs.length, handle.last_rows, hs.whole_rows)),
-                handle.peer, handle.notify)
-        elif handle.last_block_bytes == self.layout.block_bytes:
+        if handle.slice is not None and not handle.slice.whole_rows:
+            # A read by head between sizes: whole blocks into staging, heads put in place (staged).
+            staged = StagedRead(self._agent, handle, layout_of_metadata(self._peers[handle.peer]), self._staging,
+                                self._block_rows)
+            handle.backend_handle = staged
+            return _NIXL_STATES[staged.post()]
+        if handle.last_block_bytes == self.layout.block_bytes:  # whole blocks (or whole rows) a side
             xfer = self._agent.make_prepped_xfer(
                 "READ", self._local_dlist, np.asarray(handle.local_block_ids, dtype=np.int32),
                 self._remote_dlists[handle.peer],
                 np.asarray(handle.remote_block_ids, dtype=np.int32), handle.notify)
         else:
-            # A partly filled last block: the prepared lists hold whole blocks only, so this
-            # read names its descriptors explicitly (one per block, the last one shorter).
-            remote = layout_of_metadata(self._peers[handle.peer])
+            # A partly filled last block, or whole rows between equal sizes summed in other
+            # groups: the prepared lists hold whole blocks only, so this read names its
+            # descriptors (one a run of adjacent blocks, the last one shorter).
+            remote, last = layout_of_metadata(self._peers[handle.peer]), handle.last_block_bytes
+            local_descs, remote_descs = coalesce(self.layout.block_descs(handle.local_block_ids, last),
+                                                 remote.block_descs(handle.remote_block_ids, last))
+            handle.posted_descriptors = len(local_descs)
             xfer = self._agent.initialize_xfer(
-                "READ", self._descs(self.layout, handle.local_block_ids, handle.last_block_bytes),
-                self._descs(remote, handle.remote_block_ids, handle.last_block_bytes),
-                handle.peer, handle.notify)
+                "READ", self._agent.get_xfer_descs(local_descs, self.layout.nixl_mem_type),
+                self._agent.get_xfer_descs(remote_descs, remote.nixl_mem_type), handle.peer, handle.notify)
         handle.backend_handle = xfer
         return _NIXL_STATES[self._agent.transfer(xfer)]
 
-    def _descs(self, layout, block_ids: tuple[int, ...], last_bytes: int):
-        rows = np.empty((len(block_ids), 3), dtype=np.uint64)  # address, length, device
-        rows[:, 0] = layout.base_address + np.asarray(block_ids, dtype=np.uint64) * np.uint64(layout.block_bytes)
-        rows[:, 1] = layout.block_bytes
-        rows[-1, 1] = last_bytes
-        rows[:, 2] = layout.device_id
-        return self._agent.get_xfer_descs(rows, layout.nixl_mem_type)
-
-    def _table_descs(self, layout, table: np.ndarray):
-        return self._agent.get_xfer_descs(table, layout.nixl_mem_type)
-
     def _poll_backend(self, handle: TransferHandle) -> TransferState:
         self._bind_device()
+        if isinstance(handle.backend_handle, StagedRead):
+            return _NIXL_STATES[handle.backend_handle.poll()]
         return _NIXL_STATES[self._agent.check_xfer_state(handle.backend_handle)]
 
     def _free_backend(self, handle: TransferHandle) -> bool:
@@ -321,6 +322,8 @@ class NixlAgent(KVTransferAgent):
         crash the process. So a stopped read keeps running to its end (its holder must still
         progress, or it never ends: its blocks stay quarantined)."""
         self._bind_device()
+        if isinstance(handle.backend_handle, StagedRead):
+            return handle.backend_handle.end()
         ended = handle.state is TransferState.DONE  # NIXL said so; else ask (which progresses UCX)
         if not ended and self._agent.check_xfer_state(handle.backend_handle) == "PROC":
             return False
@@ -349,6 +352,7 @@ class NixlAgent(KVTransferAgent):
     def _close_backend(self) -> None:
         self._bind_device()
         try:
+            self._staging.close()
             self._local_dlist.release()
             self._agent.deregister_memory(self._registration)
         except Exception:

@@ -90,10 +90,16 @@ class TransferHandle:
     verify_failed: bool = False  # FAILED because a block did not match its checksum
     finished_at: Optional[float] = None
     backend_handle: Any = field(default=None, repr=False)  # owned by the backend
+    # Descriptors a side a backend posted where it named them itself (coalesced, staged); None:
+    # the plan's count (``descriptors``).
+    posted_descriptors: Optional[int] = None
 
     @property
     def descriptors(self) -> int:
-        """Descriptors a side the read takes: one a block, or by head one a row of each."""
+        """Descriptors a side the read takes: as posted where the backend says, else one a block,
+        or by head one a row of each."""
+        if self.posted_descriptors is not None:
+            return self.posted_descriptors
         if self.slice is None or self.slice.whole_rows:
             return len(self.local_block_ids)
         return (len(self.local_block_ids) - 1) * self.slice.block_rows + self.last_rows

@@ -11,20 +11,23 @@ contiguous within a row, and a row is ``head_count * head_bytes`` bytes.
 
 A prefill pool of size P and a decode pool of size D, one dividing the other. Decode rank s:
 - D == P: reads whole blocks of prefill rank s: the single-rank path, one descriptor a block;
-- D > P: prefill rank s // (D/P) holds its heads; of each row it reads its H/D heads at their
-  offset, strided: one descriptor per row, into its own contiguous rows;
-- D < P: prefill ranks s*P/D .. (s+1)*P/D - 1 hold them; from each it reads whole rows into its
-  slice of its own rows, strided on the reader's side.
-Each rank pair is one read (one NIXL descriptor list a side), and no bytes are gathered and
-scattered again. A partly filled last block moves only the rows of its tokens.
+- D > P: prefill rank s // (D/P) holds its heads; of each row it keeps its H/D heads at their
+  offset, into its own contiguous rows;
+- D < P: prefill ranks s*P/D .. (s+1)*P/D - 1 hold them; from each it takes whole rows into its
+  slice of its own rows.
+Each rank pair is one read. ``HeadSlice`` says which bytes of each row move where; how they move
+is the backend's: over NIXL the holder's blocks whole into staging and then the rows' slices in
+place (``pdserve.kv_transfer.staged``: a descriptor a row would cost UCX more than the bytes),
+over tcp the holder sends the slices and the reader writes them in place. A partly filled last
+block moves only the rows of its tokens.
 
-Why not a head-major block (heads outside tokens) to make a head range one descriptor a block:
-it costs the token-major block its two properties. A partly filled last block would need one
-descriptor per head, and an attention step writing one token's K and V would touch a cache line
-per head and layer spread over the whole block instead of one short run; every kernel that
-addresses the cache (``pdserve/engine/kernels/csrc``) would change its strides. What it saves is
-descriptor count on reads between unequal sizes only: rows x blocks descriptors become heads x
-blocks. vLLM makes the same trade the other way (an HND layout for heterogeneous TP).
+Why not a head-major block (heads outside tokens) to make a head range contiguous: it costs the
+token-major block its two properties. A partly filled last block would need one descriptor per
+head, and an attention step writing one token's K and V would touch a cache line per head and
+layer spread over the whole block instead of one short run; every kernel that addresses the cache
+(``pdserve/engine/kernels/csrc``, the Triton kernels) would change its strides. What it would save
+is one copy on the reader, between sizes only: staging reads whole blocks at the same
+descriptor count as equal sizes do (measured: ``benchmarks/kv_by_head.py``, BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ SHARE = 0.06  # of this host's RAM (24 GiB here: 1.4 GiB a worker, of which abou
 # contexts, reads and loads; one thread a worker on this shared box.
 DRY_RUN = {"PDSERVE_BENCH_DEVICE": "cpu", "PDSERVE_BENCH_SHAPE": "tiny", "PDSERVE_BENCH_BATCHES": "1 2",
            "PDSERVE_BENCH_CONTEXTS": "32 64", "PDSERVE_BENCH_PREFILL": "16 32", "PDSERVE_BENCH_NIXL_BLOCKS": "4 16",
+           "PDSERVE_BENCH_BY_HEAD_BLOCKS": "4",
            "PDSERVE_BENCH_CONCURRENCY": "1 2", "PDSERVE_BENCH_PROMPT_TOKENS": "32", "PDSERVE_BENCH_OUTPUT_TOKENS": "8",
            "PDSERVE_BENCH_SMOL_LAYERS": "2", "PDSERVE_THREADS_PER_WORKER": "1",
            # The 135M-shaped cluster's two workers take a share of the host's RAM each, the CPU
@@ -70,7 +71,8 @@ def test_every_phase_dry_runs_on_the_cpu_and_writes_its_json(tmp_path):
     assert "linear" in profile["ms_by_class"] and profile["top_kernels"]
     reads = docs["nixl_vram"]["rows"]
     assert {(r["blocks"], r["layout"]) for r in reads} == {(4, "in_order"), (4, "scattered"), (16, "in_order"),
-                                                          (16, "scattered")}
+                                                          (16, "scattered"), (4, "by_head_1:1"), (4, "by_head_2:1"),
+                                                          (4, "by_head_1:2")}
     assert all(r["bytes_equal"] and r["gb_per_s_median"] > 0 and r["us_per_descriptor"] > 0 for r in reads)
     for name in ("served_smol", "served_8b"):
         rows = docs[name]["rows"]
@@ -88,7 +90,8 @@ def test_every_phase_dry_runs_on_the_cpu_and_writes_its_json(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["phases"].values()) == {"ok"}
     assert set(summary["targets"]) == {"decode_b1_graphed_over_floor", "decode_b1_graphed_over_measured_floor",
-                                       "prefill_2k_mfu", "nixl_in_order_gb_per_s"}
+                                       "prefill_2k_mfu", "nixl_in_order_gb_per_s", "nixl_by_head_2to1_over_same_tp"}
+    assert summary["targets"]["nixl_by_head_2to1_over_same_tp"]["value"] > 0
 
 
 def test_a_phase_that_hangs_or_fails_is_settled_with_its_error_and_the_next_phase_runs(tmp_path):
@@ -166,11 +169,14 @@ def test_the_summary_judges_each_target_on_its_own_row():
     docs = {"engine_8b": {"rows": [*decode, {"what": "prefill", "tokens": 2048, "mfu": 0.45},
                                    {"what": "prefill", "tokens": 8192, "skipped": "out of time"}]},
             "nixl_vram": {"rows": [{"layout": "in_order", "gb_per_s_median": 120.0},
-                                   {"layout": "scattered", "gb_per_s_median": 300.0}]}}
+                                   {"layout": "scattered", "gb_per_s_median": 300.0},
+                                   {"layout": "by_head_1:1", "gb_per_s_median": 40.0},
+                                   {"layout": "by_head_2:1", "gb_per_s_median": 18.0}]}}
     got = targets(docs)
     assert got["decode_b1_graphed_over_floor"] == {"value": 1.5, "target": "at most 1.3", "met": False}
     assert got["decode_b1_graphed_over_measured_floor"] == {"value": 1.25, "target": "at most 1.3", "met": True}
     assert got["prefill_2k_mfu"]["met"] is True and got["nixl_in_order_gb_per_s"]["value"] == 120.0
+    assert got["nixl_by_head_2to1_over_same_tp"] == {"value": 0.45, "target": "at least 0.5", "met": False}
     assert {t["met"] for t in targets({}).values()} == {None}  # nothing measured: nothing judged
 
 

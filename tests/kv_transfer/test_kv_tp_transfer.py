@@ -149,6 +149,48 @@ def test_streamed_kv_moves_by_head_chunk_by_chunk(prefill, prefill_tp, decode_tp
             agent.close()
 
 
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_a_nixl_read_by_head_moves_whole_blocks_in_chunks_one_descriptor_a_run_of_adjacent_ones(
+        prefill, prefill_tp, decode_tp):
+    """Staged (``pdserve.kv_transfer.staged``): the holder's blocks whole into a staging buffer of
+    two chunks of two blocks here, then each row's heads into place. Adjacent holder blocks make
+    one descriptor, scattered ones one each; the bytes equal the unsharded cache's, past the tail
+    nothing lands, every pair is verified, and each pair's holder hears once, from its last chunk.
+    One buffer an agent: at 2:1 the second pair's read waits for the first's buffer."""
+    backend, workers = prefill
+    if backend != "nixl":
+        pytest.skip("tcp moves a read by head as one stream of rows, with no descriptors to merge")
+    worker = workers[prefill_tp]
+    holder_block = KVShard.from_proto(worker.holders[0].metadata().shard).block_bytes
+    ranks = [rank_agent(backend, f"decode{decode_tp}-staged-tp{s}", 6, None, tp_shard(s, decode_tp),
+                        staging_bytes=4 * holder_block, staging_buffers=1) for s in range(decode_tp)]
+    full, tail = full_cache(NUM_BLOCKS, SEED), 3
+    table = LeaseTable()
+    try:
+        for remote, local, descriptors in (([4, 5, 6, 7], [5, 1, 0, 3], 2), ([3, 0, 6, 5], [1, 4, 0, 2], 4)):
+            lease = table.grant(f"req{remote[0]}", remote, 0.0, 30.0)
+            sums = worker_checksums(worker.holders, remote, worker.tail_bytes(tail))
+            for s, agent in enumerate(ranks):
+                agent.cache.zero_()
+                source = KVSource.connect(agent, worker.published)
+                last = tail * ROWS_PER_TOKEN * agent.shard.row_bytes
+                handles = source.start(agent, remote, local, 0, len(remote), lease_token=lease.token, last=True,
+                                       last_block_bytes=last, sums=sums)
+                assert [agent.wait(h, timeout_s=15) for h in handles] == [TransferState.DONE] * len(handles)
+                assert [h.descriptors for h in handles] == [descriptors] * len(handles)
+                want = rank_cache(full, s, decode_tp)
+                assert torch.equal(agent.cache[local[:-1]], want[remote[:-1]])
+                assert torch.equal(agent.cache[local[-1], :tail], want[remote[-1], :tail])
+                assert not agent.cache[local[-1], tail:].any()
+            pairs = max(prefill_tp, decode_tp)
+            notes = [ReadNotice.decode(n) for n in worker.notices(pairs)]
+            assert len(notes) == pairs and all(n.ends_lease for n in notes)
+            assert [table.read_ended(n) for n in notes] == [False] * (pairs - 1) + [True]
+    finally:
+        for agent in ranks:
+            agent.close()
+
+
 @pytest.mark.parametrize("prefill_tp,decode_tp,flip_rank,offset,failing", [
     (2, 1, 1, 5, {0: [1]}),    # decode rank 0 reads both prefill ranks: only the pair with rank 1 fails
     (1, 2, 0, 40, {1: [0]}),   # byte 40 of a row is head 2's: decode rank 1's; rank 0's heads are intact

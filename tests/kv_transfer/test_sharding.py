@@ -1,9 +1,11 @@
 """KV by head between tensor-parallel sizes, at the plan level (``pdserve.kv_transfer.sharding``):
 which holder ranks a reader rank reads, and the descriptors of each rank pair. The transfer is
 emulated here by copying, over plain byte buffers, exactly the (address, length) descriptors
-NIXL would be handed (``CacheLayout.row_table``); each reader rank's cache must then equal the
-unsharded cache sliced by head. Real transfers between processes: test_kv_tp_transfer.py."""
+NIXL would be handed, and by head putting the staged rows in place as the NIXL backend does
+(``pdserve.kv_transfer.staged``); each reader rank's cache must then equal the unsharded cache
+sliced by head. Real transfers between processes: test_kv_tp_transfer.py."""
 
+import numpy as np
 import pytest
 import torch
 from tp_helpers import BLOCK_SIZE, HEAD_BYTES, HEADS, ROWS_PER_TOKEN, full_cache, rank_cache, tp_shard
@@ -13,6 +15,7 @@ from pdserve.kv_transfer.checksum import block_checksums, row_checksums
 from pdserve.kv_transfer.layout import DRAM, CacheLayout
 from pdserve.kv_transfer.metadata import publish, ranks_of
 from pdserve.kv_transfer.sharding import KVShard, check_sizes, checksum_groups_for, head_slice, read_plan
+from pdserve.kv_transfer.staged import coalesce, put_in_place, staging_tables
 from pdserve.protos import kv_transfer_pb2
 
 SIZES = [(1, 1), (2, 2), (2, 1), (1, 2), (2, 4), (4, 2), (4, 1), (1, 4)]
@@ -22,24 +25,31 @@ def layout_at_zero(cache: torch.Tensor) -> CacheLayout:
     return CacheLayout(0, cache[0].numel() * cache.element_size(), cache.shape[0], DRAM, 0)
 
 
-def emulate_read(src: torch.Tensor, dst: torch.Tensor, read, remote: list[int], local: list[int],
-                 tail_tokens: int) -> int:
-    """Copy what the rank pair ``read`` moves, descriptor by descriptor; returns the count."""
-    hs, src_layout, dst_layout = read.slice, layout_at_zero(src), layout_at_zero(dst)
-    if hs is None:  # whole blocks: the rows are the blocks' own
-        row, offset, length, rows = src_layout.block_bytes, 0, src_layout.block_bytes, 1
-        src_t = src_layout.row_table(remote, row, offset, length, rows, by_block=True)
-        dst_t = dst_layout.row_table(local, row, offset, length, rows, by_block=True)
-        src_t[-1, 1] = dst_t[-1, 1] = tail_tokens * ROWS_PER_TOKEN * read.holder.row_bytes
-    else:
-        last_rows = tail_tokens * ROWS_PER_TOKEN
-        src_t = src_layout.row_table(remote, hs.src_row, hs.src_offset, hs.length, last_rows, hs.whole_rows)
-        dst_t = dst_layout.row_table(local, hs.dst_row, hs.dst_offset, hs.length, last_rows, hs.whole_rows)
+def copy_descriptors(src: torch.Tensor, dst: torch.Tensor, src_t, dst_t) -> int:
+    """Copy bytes as NIXL would for descriptor pairs at addresses from 0; returns the pairs."""
     assert (src_t[:, 1] == dst_t[:, 1]).all(), "a NIXL descriptor pair moves as many bytes on each side"
-    s, d = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+    s, d = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
     for (sa, n, _), (da, _, _) in zip(src_t.tolist(), dst_t.tolist()):
         d[da:da + n] = s[sa:sa + n]
     return len(src_t)
+
+
+def emulate_read(src: torch.Tensor, dst: torch.Tensor, read, remote: list[int], local: list[int],
+                 tail_tokens: int) -> int:
+    """Move what the rank pair ``read`` moves, as the NIXL backend does: whole blocks by their
+    descriptors, or by head the holder's blocks whole into staging by theirs and then each row's
+    heads into place (``staged``). Returns the descriptors a side."""
+    src_layout, dst_layout = layout_at_zero(src), layout_at_zero(dst)
+    last_rows = tail_tokens * ROWS_PER_TOKEN
+    if read.slice is None or read.slice.whole_rows:
+        last = last_rows * read.holder.row_bytes
+        dst_t, src_t = coalesce(dst_layout.block_descs(local, last), src_layout.block_descs(remote, last))
+        return copy_descriptors(src, dst, src_t, dst_t)
+    staging = torch.zeros((len(remote), src_layout.block_bytes), dtype=torch.uint8)
+    dst_t, src_t = staging_tables(src_layout, remote, 0, 0, last_rows * read.slice.src_row)
+    count = copy_descriptors(src, staging, src_t, dst_t)
+    put_in_place(staging, dst.view(dst.shape[0], -1).view(torch.uint8), local, read.slice, last_rows)
+    return count
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", SIZES)
@@ -71,16 +81,33 @@ def test_the_single_rank_path_is_a_plain_block_read():
     assert same.slice is None and same.holder.tp_rank == 1
 
 
-def test_a_wider_reader_reads_a_strided_head_range_one_descriptor_per_row():
-    """Decode TP 4 from prefill TP 2: rank 3 reads heads [3, 4) of prefill rank 1, the second
-    of its two heads, one descriptor of one head's bytes per row, into its own whole rows."""
+def test_a_wider_reader_reads_a_strided_head_range_as_whole_blocks():
+    """Decode TP 4 from prefill TP 2: rank 3 keeps heads [3, 4) of prefill rank 1, the second
+    of its two heads, of each row, in its own whole rows; it reads the block whole, one
+    descriptor, not one a row."""
     (read,) = read_plan(tp_shard(3, 4), [tp_shard(r, 2, 2) for r in range(2)])
     hs = read.slice
     assert (read.holder.tp_rank, read.start, read.stop) == (1, 3, 4)
     assert (hs.src_row, hs.src_offset, hs.dst_row, hs.dst_offset, hs.length) == (
         2 * HEAD_BYTES, HEAD_BYTES, HEAD_BYTES, 0, HEAD_BYTES)
     src, dst = rank_cache(full_cache(2, 1), 1, 2), rank_cache(full_cache(2), 3, 4)
-    assert emulate_read(src, dst, read, [1], [0], BLOCK_SIZE) == BLOCK_SIZE * ROWS_PER_TOKEN
+    assert emulate_read(src, dst, read, [1], [0], BLOCK_SIZE) == 1
+    assert torch.equal(dst[0], rank_cache(full_cache(2, 1), 3, 4)[1])
+
+
+def test_adjacent_descriptor_pairs_merge_only_where_both_sides_run_on():
+    """Pairs (local, remote, length): 0-1 run on both sides, 1-2 only locally, 2-3 only remotely,
+    3-4 on both. The bytes each side names are unchanged."""
+    local = np.array([[0, 4, 0], [4, 4, 0], [8, 4, 0], [100, 4, 0], [104, 2, 0]], dtype=np.uint64)
+    remote = np.array([[40, 4, 0], [44, 4, 0], [0, 4, 0], [4, 4, 0], [8, 2, 0]], dtype=np.uint64)
+    ours, theirs = coalesce(local, remote)
+    assert ours.tolist() == [[0, 8, 0], [8, 4, 0], [100, 6, 0]]
+    assert theirs.tolist() == [[40, 8, 0], [0, 4, 0], [4, 6, 0]]
+    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)
+    want = dst.clone()
+    copy_descriptors(src, want, remote, local)
+    copy_descriptors(src, dst, theirs, ours)
+    assert torch.equal(dst, want)
 
 
 def test_a_narrower_reader_reads_whole_rows_of_each_holder_into_its_slices():
