@@ -4,7 +4,7 @@ step timings, and the mixed scheduler taking it. No test here times anything."""
 import pytest
 
 from pdserve.engine.config import MIXED, SchedulerConfig
-from pdserve.engine.core.step_budget import MIN_SAMPLE_TOKENS, StepBudget
+from pdserve.engine.core.step_budget import MIN_SAMPLE_TOKENS, PROBE_EVERY, StepBudget
 from tests.helpers.scheduler import feed, make, seq
 
 
@@ -71,6 +71,48 @@ def test_a_step_faster_than_its_decode_mean_costs_a_token_nothing():
     b.observe(4, 0, 0.03)
     b.observe(4, 40, 0.02)
     assert b.token_s == 0 and b.chunk() == 1 << 30
+
+
+def test_a_fixed_cost_of_carrying_a_prompt_is_fitted_apart_and_amortized():
+    """A GPU decode worker (about as the H200 ran 8B, BENCHMARKS.md run 8): decode steps replay a
+    graph (8 ms), a step with prompt tokens runs eagerly (22 ms more, whatever its size, plus
+    0.03 ms a token). Charged to 32 tokens, the fixed part looked like 0.7 ms a token; the fitted
+    line sees it as what it is, and the chunk grows until the fixed part costs no more than its
+    tokens (733 tokens: 22 ms of them)."""
+    b = StepBudget(0.05)
+    b.observe(8, 0, 0.008)
+    chunks = []
+    for _ in range(12):
+        chunks.append(b.chunk())
+        b.observe(8, chunks[-1], 0.008 + 0.022 + 0.00003 * chunks[-1])
+    assert chunks[0] == 32 and chunks[-1] == 733
+    assert b.fixed_s == pytest.approx(0.022) and b.token_s == pytest.approx(0.00003)
+
+
+def test_without_a_fixed_part_the_line_gives_the_chunk_the_ratio_gave():
+    """A CPU worker: every step eager, a prompt token 1.3 ms, no fixed part."""
+    b = StepBudget(0.05)
+    b.observe(4, 0, 0.017)
+    for tokens in (32, 16, 25, 40):
+        b.observe(4, tokens, 0.017 + 0.0013 * tokens)
+    assert b.fixed_s == pytest.approx(0.0, abs=1e-9) and b.token_s == pytest.approx(0.0013)
+    assert b.chunk() == 25
+
+
+def test_steps_all_of_one_size_get_a_doubled_chunk_now_and_then_so_the_line_can_be_fitted():
+    b = StepBudget(0.05)
+    b.observe(4, 0, 0.01)
+    seen = []
+    for _ in range(PROBE_EVERY):
+        b.observe(4, 20, 0.01 + 0.02 + 0.0005 * 20)  # 20 ms fixed, 0.5 ms a token: 1.5 ms "a token"
+        seen.append(b.chunk())
+    assert b.fixed_s == 0 and seen == [26] * (PROBE_EVERY - 1) + [52]  # (0.05 - 0.01) / 0.0015, then doubled
+    b.observe(4, 40, 0.01 + 0.02 + 0.0005 * 40)
+    assert b.fixed_s == pytest.approx(0.02) and b.token_s == pytest.approx(0.0005)
+    assert b.chunk() == 40  # both 20 ms: what fits the target and what amortizes the fixed part
+    for _ in range(3 * PROBE_EVERY):  # all one size again: the fit is kept, and no chunk is doubled
+        b.observe(4, 40, 0.01 + 0.02 + 0.0005 * 40)
+        assert b.chunk() == 40 and b.fixed_s == pytest.approx(0.02)
 
 
 @pytest.mark.parametrize("kw, field", [({"target_s": 0}, "mixed_step_target_s"),
