@@ -51,7 +51,8 @@ set +e
 TESTS=(tests/gpu/test_engine_on_device.py tests/gpu/test_sampling_on_device.py tests/gpu/test_nixl_vram.py
        $(ls tests/gpu/test_*.py | grep -v -e test_engine_on_device -e test_sampling_on_device \
            -e test_nixl_vram -e test_step_profile -e test_check_here)
-       tests/engine/test_one_sync.py tests/engine/test_triton_attention.py tests/gpu/test_step_profile.py)
+       tests/engine/test_one_sync.py tests/engine/test_triton_attention.py tests/engine/test_triton_split_kv.py
+       tests/engine/test_triton_fused.py tests/gpu/test_step_profile.py)
 # GPU_CHECK_ONLY="tests/a.py tests/b.py::test_x" reruns just those (a short second call on the device).
 # shellcheck disable=SC2206
 [ -n "${GPU_CHECK_ONLY:-}" ] && TESTS=(${GPU_CHECK_ONLY})

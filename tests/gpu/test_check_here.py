@@ -79,7 +79,8 @@ def test_the_nixl_subset_has_the_ucx_cuda_path_and_every_link_resolves_inside_it
 
 # Tests the check runs that the suite also runs here, on the CPU, in its own process: the dry
 # run leaves them out (they would run twice); the check's default list must still name them.
-SUITE_RUNS = ("tests/engine/test_one_sync.py", "tests/engine/test_triton_attention.py")
+SUITE_RUNS = ("tests/engine/test_one_sync.py", "tests/engine/test_triton_attention.py",
+              "tests/engine/test_triton_split_kv.py", "tests/engine/test_triton_fused.py")
 
 
 @pytest.fixture(scope="module")
