@@ -7,8 +7,8 @@ descriptors, one a run of adjacent blocks (``staged.coalesce``). A read by head 
 another tensor-parallel size (``pdserve.kv_transfer.sharding``) reads the peer's blocks whole
 into a staging buffer and puts each row's heads in place here (``staged.StagedRead``): named row
 by row it would be a descriptor per row, and UCX pays per descriptor. DRAM caches use NIXL's DRAM
-segment, CUDA caches the VRAM segment with their device ordinal. NIXL delivers ``notify`` to the holder after the data
-has landed; the holder needs no knowledge of the reader to receive it.
+segment, CUDA caches the VRAM segment with their device ordinal. NIXL delivers ``notify`` to the
+holder after the data has landed; the holder needs no knowledge of the reader to receive it.
 
 Progress: NIXL's own UCX progress thread is turned off because nixl_cu12's Python API fixes
 its poll delay at 0, so it busy-spins a core per agent (measured: 1 core-second per second

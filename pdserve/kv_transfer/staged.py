@@ -12,9 +12,10 @@ Between a wider holder and a narrower reader (P > D) the bytes are the same as r
 a narrower holder and a wider reader (P < D) each reader rank reads the holder's whole block,
 D/P times the bytes it keeps: still far fewer descriptors, and the copy it saves on the wire
 costs little on NVLink. A buffer is ``STAGING_BYTES`` (two halves: the next chunk lands in one
-while the last is put in place from the other), so a long prompt's read goes in chunks; only the last chunk carries the holder's notification, so the holder counts one read
-as before. Bytes land in the cache only by the copy, so a read stopped in flight writes only
-staging; the buffer lives until NIXL says the read is over.
+while the last is put in place from the other), so a long prompt's read goes in chunks; only the
+last chunk carries the holder's notification, so the holder counts one read as before. Bytes
+land in the cache only by the copy, so a read stopped in flight writes only staging; the buffer
+goes back to the pool only once NIXL says the read is over.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pdserve.kv_transfer.layout import CacheLayout
 from pdserve.kv_transfer.read import TransferHandle
 from pdserve.kv_transfer.sharding import HeadSlice
 
-STAGING_BYTES = 64 << 20  # per read in flight; a chunk is half of it
+STAGING_BYTES = 64 << 20  # a staging buffer; a chunk is half of it
 
 __all__ = ["STAGING_BYTES", "StagedRead", "StagingPool", "coalesce", "put_in_place", "staging_tables"]
 

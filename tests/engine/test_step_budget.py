@@ -25,6 +25,10 @@ def test_a_prompt_only_step_seeds_the_token_cost_once():
     assert b.token_s == pytest.approx(0.002) and b.chunk() == 20
     b.observe(0, 100, 0.1)  # a known token cost is moved by mixed steps only
     assert b.token_s == pytest.approx(0.002)
+    late = StepBudget(0.05)
+    late.observe(3, 0, 0.01)
+    late.observe(0, 100, 0.2)  # after a decode step too
+    assert late.token_s == pytest.approx(0.002) and late.chunk() == 20
 
 
 def test_the_means_follow_the_newest_steps_by_their_weight():

@@ -19,14 +19,14 @@ target step time (``SchedulerConfig.mixed_step_target_s``, by default half the T
   costs at all: near 0 on a CPU, where every step runs eagerly, but on a GPU a decode step
   replays a CUDA graph while a step with prompt tokens launches its kernels one by one (8B on an
   H200, BENCHMARKS.md run 8: decode-only steps p50 7.3 ms, mixed steps of 16 prompt tokens p50
-  35.8 ms, where the tokens themselves cost about 0.6 ms). Charged to the tokens, that fixed part
-  made a token look like 1.8 ms, so a decode worker prefilled 16 tokens an eager step. The line needs steps of different sizes (their
-  weighted deviation at least ``MIN_SAMPLE_TOKENS``). Until it is first fitted, ``fixed_s`` is 0,
-  ``token_s`` the weighted mean of (step seconds - ``decode_s``) / prompt tokens, and every
-  ``PROBE_EVERY``-th mixed step the next chunk is twice the size, so that sizes spread; later,
-  while they do not spread, ``fixed_s`` stays as last fitted and ``token_s`` is the slope from
-  it through the steps' mean. Before any mixed step, a prompt-only step's seconds per token (a
-  little high: it includes the weight read).
+  35.8 ms, where the tokens themselves cost about 0.6 ms). Charged to the tokens, that fixed
+  part made a token look like 1.8 ms, so a decode worker prefilled 16 tokens an eager step. The
+  line needs steps of different sizes (their weighted deviation at least ``MIN_SAMPLE_TOKENS``).
+  Until it is first fitted, ``fixed_s`` is 0, ``token_s`` the weighted mean of (step seconds -
+  ``decode_s``) / prompt tokens, and every ``PROBE_EVERY``-th mixed step the next chunk is twice
+  the size, so that sizes spread; later, while they do not spread, ``fixed_s`` stays as last
+  fitted and ``token_s`` is the slope from it through the steps' mean. Before any mixed step, a
+  prompt-only step's seconds per token (a little high: it includes the weight read).
 - The second term amortizes: a chunk is never so small that the fixed part costs more than its
   tokens, since every extra step pays it again (with no fixed part, chunks of any size stall the
   streams for the same total time, and the smaller ones stall them least at a time).
@@ -77,12 +77,12 @@ class StepBudget:
         if prompt_tokens == 0:
             self.decode_s = self._mean(self.decode_s, seconds)
         elif prompt_tokens >= MIN_SAMPLE_TOKENS:
-            if self.decode_s is not None:
-                excess = max(seconds - self.decode_s, 0.0)
+            excess = None if self.decode_s is None else max(seconds - self.decode_s, 0.0)
+            if excess is not None:
                 self._fit_sample(prompt_tokens, excess)
-                if decode_rows:
-                    self._ratio_s = self._mean(self._ratio_s, excess / prompt_tokens)
-                    self._unfitted = 0 if self._ever_fitted or self._fitted() else self._unfitted + 1
+            if decode_rows and excess is not None:
+                self._ratio_s = self._mean(self._ratio_s, excess / prompt_tokens)
+                self._unfitted = 0 if self._ever_fitted or self._fitted() else self._unfitted + 1
             elif not decode_rows and self._ratio_s is None:
                 self._ratio_s = seconds / prompt_tokens
             self._refit()
