@@ -9,6 +9,8 @@ in one process.
   run), so an 8k context costs no prefill. The floor: the weights a step reads (the LM head
   and every layer; the embedding table only through one row a token) plus the running
   sequences' KV, over the datasheet's HBM bandwidth, and over the read bandwidth measured here.
+- mixed: a decode worker's mixed step, 32 streams decoding and a prompt's 256-token chunk, ms
+  graphed (everything but the attention from the piecewise graphs) and eager.
 - prefill: ms for one prompt of each length (one chunk), best of two after a warm-up, and its
   MFU against the datasheet's dense bf16 peak. FLOPs: 2 a weight a token for every linear of
   the layers, the LM head for the last token only, and causal attention's 2 * N^2 * hidden
@@ -39,6 +41,7 @@ WARMUP_STEPS = 3
 TIMED_STEPS = 10
 PROFILED_STEPS = 3  # after the timed ones, at the shapes PROFILED (step_profile.py)
 PROFILED = ((1, 1024), (64, 1024), (1, 8192))  # (batch, context), graphed and eager
+MIXED_ROWS, MIXED_CHUNK, TIMED_MIXED = 32, 256, 3  # issue 56's mixed step: 32 decoding rows and a 256-token chunk
 GIB = 1 << 30
 RESERVE_BYTES = 6 * GIB  # left free for activations, logits, graph pools and NIXL-free slack
 
@@ -64,15 +67,19 @@ def load(model_dir: Path, device, record):
 
 
 def engine_for(model, cfg, model_dir: Path, device, num_blocks: int, graphs: bool, settings):
-    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.config import MIXED, CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.llm_engine import LLMEngine
 
-    longest = max(max(settings.contexts) + WARMUP_STEPS + TIMED_STEPS + PROFILED_STEPS + 2, max(settings.prefill_tokens) + 2)
+    longest = max(max(settings.contexts) + WARMUP_STEPS + TIMED_STEPS + PROFILED_STEPS + 2, max(settings.prefill_tokens) + 2,
+                  2 * MIXED_CHUNK + 2)
     config = EngineConfig(
         model=str(model_dir), dtype="bfloat16", device=device.type, cuda_graphs=graphs, max_model_len=longest,
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, enable_prefix_cache=False),
-        scheduler=SchedulerConfig(max_num_seqs=max(settings.batches),
-                                  max_num_batched_tokens=max(2048, max(settings.prefill_tokens))))
+        # A decode worker's policy: a prompt chunk of at most MIXED_CHUNK tokens beside the streams
+        # (none in the decode and prefill rows: a step there decodes only, or prefills only).
+        scheduler=SchedulerConfig(max_num_seqs=max(max(settings.batches), MIXED_ROWS + 1),
+                                  max_num_batched_tokens=max(2048, max(settings.prefill_tokens)), policy=MIXED,
+                                  mixed_prefill_tokens=MIXED_CHUNK))
     return LLMEngine(model, cfg, config, None, detokenize=False, model_dir=str(model_dir))
 
 
@@ -80,10 +87,15 @@ def blocks_for(batch: int, context: int) -> int:
     return batch * math.ceil((context + WARMUP_STEPS + TIMED_STEPS + PROFILED_STEPS + 2) / BLOCK_SIZE)
 
 
+def mixed_blocks(context: int) -> int:
+    """The mixed step's streams, and its prompt (twice the chunk, so it is cut)."""
+    return blocks_for(MIXED_ROWS, context) + blocks_for(1, 2 * MIXED_CHUNK)
+
+
 def cache_blocks(settings, block_bytes: int, device) -> int:
     """Blocks for the largest decode (or prefill) that fits what the device has left."""
     wanted = max([blocks_for(b, c) for b in settings.batches for c in settings.contexts]
-                 + [blocks_for(1, n) for n in settings.prefill_tokens])
+                 + [blocks_for(1, n) for n in settings.prefill_tokens] + [mixed_blocks(min(settings.contexts))])
     if device.type != "cuda":
         return wanted
     free, _ = torch.cuda.mem_get_info(device)
@@ -144,6 +156,41 @@ def decode_row(engine, batch: int, context: int, device, spec: DeviceSpec | None
     return [row] if profile is None else [row, profile]
 
 
+def mixed_row(engine, device, context: int) -> dict:
+    """A decode worker's mixed step: MIXED_ROWS streams at ``context`` decoding while a prompt's
+    first MIXED_CHUNK tokens prefill, ms a step (best of TIMED_MIXED after a warm-up). With CUDA
+    graphs everything but the attention replays from the piecewise graphs."""
+    from pdserve.engine.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=WARMUP_STEPS + TIMED_MIXED + 2, ignore_eos=True)
+    ids = [f"m{context}-{i}" for i in range(MIXED_ROWS)]
+    for i, rid in enumerate(ids):
+        engine.add_prefilled(rid, [3 + (i * 11 + j) % 250 for j in range(context - 1)], 5, params)
+        engine.kv_ready(rid)
+    times = []
+    try:
+        for _ in range(WARMUP_STEPS):
+            engine.step()
+        for attempt in range(TIMED_MIXED + 1):
+            prompt = f"m{context}-prompt-{attempt}"
+            engine.add_request(prompt, [7 + (attempt * 13 + j) % 250 for j in range(2 * MIXED_CHUNK)],
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+            synchronize(device)
+            start = time.perf_counter()
+            engine.step()  # the streams' tokens and the prompt's first chunk
+            synchronize(device)
+            if attempt:
+                times.append(time.perf_counter() - start)
+            engine.abort(prompt)
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+    pieces = engine.runner.piecewise
+    return {"what": "mixed", "rows": MIXED_ROWS, "chunk": MIXED_CHUNK, "context": context,
+            "cuda_graphs": engine.config.cuda_graphs, "piecewise": pieces is not None,
+            "piecewise_replays": None if pieces is None else pieces.replays, "ms": round(min(times) * 1e3, 3)}
+
+
 def prefill_flops(cfg, tokens: int) -> float:
     h, layers, hd = cfg.hidden_size, cfg.num_layers, cfg.head_dim
     per_layer = h * cfg.num_heads * hd * 2 + h * cfg.num_kv_heads * hd * 2 + 3 * h * cfg.intermediate_size
@@ -165,7 +212,8 @@ def prefill_row(engine, cfg, tokens: int, device, spec: DeviceSpec | None, warm_
         if attempt or not warm_up:
             best = min(best, time.perf_counter() - start)
     flops = prefill_flops(cfg, tokens)
-    row = {"what": "prefill", "tokens": tokens, "ms": round(best * 1e3, 3), "tokens_per_s": round(tokens / best),
+    row = {"what": "prefill", "tokens": tokens, "cuda_graphs": engine.config.cuda_graphs, "ms": round(best * 1e3, 3),
+           "tokens_per_s": round(tokens / best),
            "flops": flops, "tflops_per_s": round(flops / best / 1e12, 2)}
     if spec is not None:
         row["mfu"] = round(flops / best / spec.bf16_flops, 4)
@@ -220,9 +268,14 @@ def run(args, settings, record) -> None:
             block_bytes = cache_spec_of(cfg, BLOCK_SIZE, torch.bfloat16).block_bytes
             engine = engine_for(model, cfg, model_dir, device, cache_blocks(settings, block_bytes, device), graphs,
                                 settings)
-            if not graphs:  # prefill runs eagerly either way: measured once, before the eager decode
-                prefill_sweep(engine, cfg, settings, device, spec, deadline, record)
+            # With graphs a prompt of up to 2,048 tokens runs from the piecewise graphs; longer, eagerly.
+            prefill_sweep(engine, cfg, settings, device, spec, deadline, record)
             decode_sweep(engine, settings, device, spec, read, weights, deadline, record)
+            context = min(settings.contexts)
+            if deadline.left() < 10 or mixed_blocks(context) > engine.blocks.num_blocks:
+                record.skip({"what": "mixed", "cuda_graphs": graphs}, "out of time or KV")
+            else:
+                record.add(mixed_row(engine, device, context))
             release(engine, model)
             del engine
             gc.collect()

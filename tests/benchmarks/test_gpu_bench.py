@@ -64,6 +64,9 @@ def test_every_phase_dry_runs_on_the_cpu_and_writes_its_json(tmp_path):
     assert all(r["kv_bytes_read"] > 0 for r in decode)
     assert [r["skipped"] for r in engine if "skipped" in r] == ["CUDA graphs need CUDA"]
     assert [r["tokens"] for r in engine if r["what"] == "prefill"] == [16, 32]
+    (mixed,) = [r for r in engine if r["what"] == "mixed"]  # 32 streams and a 256-token chunk, eagerly here
+    assert (mixed["rows"], mixed["chunk"], mixed["cuda_graphs"], mixed["piecewise"]) == (32, 256, False, False)
+    assert mixed["ms"] > 0
     # The smallest shape's step is profiled: torch's operators on the CPU, the linears among them.
     (profile,) = [r for r in engine if r["what"] == "step_profile"]
     assert (profile["batch"], profile["context"]) == (1, 32) and profile["kernels_per_step"] > 0
@@ -90,7 +93,8 @@ def test_every_phase_dry_runs_on_the_cpu_and_writes_its_json(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["phases"].values()) == {"ok"}
     assert set(summary["targets"]) == {"decode_b1_graphed_over_floor", "decode_b1_graphed_over_measured_floor",
-                                       "prefill_2k_mfu", "nixl_in_order_gb_per_s", "nixl_by_head_2to1_over_same_tp"}
+                                       "prefill_2k_mfu", "mixed_step_graphed_over_eager", "nixl_in_order_gb_per_s",
+                                       "nixl_by_head_2to1_over_same_tp"}
     assert summary["targets"]["nixl_by_head_2to1_over_same_tp"]["value"] > 0
 
 
@@ -167,6 +171,8 @@ def test_the_summary_judges_each_target_on_its_own_row():
         {"what": "decode", "batch": 1, "cuda_graphs": False, "context": 1024, "step_over_floor": 1.0,
          "ms_per_step": 4.0, "floor_ms_measured_bw": 4.0}]
     docs = {"engine_8b": {"rows": [*decode, {"what": "prefill", "tokens": 2048, "mfu": 0.45},
+                                   {"what": "mixed", "cuda_graphs": True, "piecewise": True, "ms": 12.0},
+                                   {"what": "mixed", "cuda_graphs": False, "piecewise": False, "ms": 30.0},
                                    {"what": "prefill", "tokens": 8192, "skipped": "out of time"}]},
             "nixl_vram": {"rows": [{"layout": "in_order", "gb_per_s_median": 120.0},
                                    {"layout": "scattered", "gb_per_s_median": 300.0},
@@ -177,6 +183,7 @@ def test_the_summary_judges_each_target_on_its_own_row():
     assert got["decode_b1_graphed_over_measured_floor"] == {"value": 1.25, "target": "at most 1.3", "met": True}
     assert got["prefill_2k_mfu"]["met"] is True and got["nixl_in_order_gb_per_s"]["value"] == 120.0
     assert got["nixl_by_head_2to1_over_same_tp"] == {"value": 0.45, "target": "at least 0.5", "met": False}
+    assert got["mixed_step_graphed_over_eager"] == {"value": 0.4, "target": "at most 1", "met": True}
     assert {t["met"] for t in targets({}).values()} == {None}  # nothing measured: nothing judged
 
 

@@ -1,7 +1,7 @@
-"""CUDA graphs for decode on the check's device (``--cuda-graphs``, pdserve/engine/cuda_graphs.py):
-captured at start, replayed by decode steps of mixed batch sizes and context lengths, and the
-tokens they give are transformers' (float32 greedy, near ties aside) and close to them in
-bfloat16. What decides whether ``--cuda-graphs`` can be on by default. Never run on a GPU
+"""CUDA graphs on the check's device (``--cuda-graphs``, pdserve/engine/cuda_graphs.py and, for
+steps with prompt tokens, piecewise.py): captured at start, replayed by decode steps of mixed
+batch sizes and context lengths and by prompt chunks and mixed steps, and the tokens they give
+are transformers' (float32 greedy, near ties aside) and close to them in bfloat16. What decides whether ``--cuda-graphs`` can be on by default. Never run on a GPU
 where it was written; on the CPU dry run it skips (graphs need CUDA; tests/engine/
 test_cuda_graphs.py runs the same buffers and padding there without a graph)."""
 
@@ -39,9 +39,26 @@ def test_float32_through_graphs_equals_transformers(smol_dir, device):
     engine = _graphed(smol_dir, device, "float32")
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert engine.runner.graphs.replays > 0
+    assert engine.runner.piecewise is not None and engine.runner.piecewise.replays > 0  # the prompt chunks
     hf = reference(smol_dir, torch.float32, device)
     for prompt, out in zip(PROMPTS, outs):
         assert_device_greedy(hf, prompt, out.token_ids, f"graphs, prompt of {len(prompt)}")
+
+
+def test_float32_mixed_steps_through_the_pieces_equal_transformers(smol_dir, device):
+    """The mixed policy (a decode worker's): prompts chunked 16 tokens a step beside the streams
+    already decoding, every such step through the piecewise graphs (pdserve/engine/piecewise.py),
+    the attention eager between them."""
+    from pdserve.engine.config import MIXED
+
+    engine = make_engine(smol_dir, dtype="float32", device=device.type, attention_backend="triton", cuda_graphs=True,
+                         num_blocks=512, max_num_batched_tokens=64, max_num_seqs=8, policy=MIXED,
+                         mixed_prefill_tokens=16)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert engine.runner.piecewise.replays > 0 and engine.runner.graphs.replays > 0
+    hf = reference(smol_dir, torch.float32, device)
+    for prompt, out in zip(PROMPTS, outs):
+        assert_device_greedy(hf, prompt, out.token_ids, f"pieces, prompt of {len(prompt)}")
 
 
 def test_bfloat16_through_graphs_is_close_to_transformers(smol_dir, device):

@@ -72,10 +72,23 @@ class Attention(nn.Module):
         (self.k_cache, self.v_cache), self.backend = cache, backend
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        # The backend splits q|k|v, rotates, stores K/V and attends (fused where it can).
-        out = self.backend.attend(self.qkv_proj(x), rope, self.k_cache, self.v_cache, ctx,
-                                  self.nh, self.nkv, self.hd, window=self.window)  # (T, nh, hd), this rank's heads
-        return self.tp.all_reduce(self.o_proj(out.reshape(x.shape[0], self.q_size))).to(x.dtype)
+        """x (T, hidden) -> (T, hidden): ``project``, the backend's attention, ``output``."""
+        return self.output(self.attend(self.project(x), rope, ctx), x.dtype)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden) -> q|k|v (T, (nh + 2 nkv) hd), as the backend takes it."""
+        return self.qkv_proj(x)
+
+    def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        """The backend splits q|k|v, rotates, stores K/V and attends (fused where it can): (T, nh,
+        hd), this rank's heads. The one part of a layer that reads the step's context and the
+        cache (pdserve/engine/piecewise.py runs it between graphs)."""
+        return self.backend.attend(qkv, rope, self.k_cache, self.v_cache, ctx, self.nh, self.nkv, self.hd,
+                                   window=self.window)
+
+    def output(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The heads' outputs (T, nh, hd) -> (T, hidden), summed over the ranks."""
+        return self.tp.all_reduce(self.o_proj(out.reshape(out.shape[0], self.q_size))).to(dtype)
 
 
 class QKNormAttention(Attention):
@@ -90,8 +103,7 @@ class QKNormAttention(Attention):
         self.q_norm = norm(self.hd, cfg.rms_norm_eps)
         self.k_norm = norm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden)."""
+    def project(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
         # Normalize q and k in place, head by head, so the backend's fused split + RoPE + store
@@ -99,9 +111,7 @@ class QKNormAttention(Attention):
         q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
         q.copy_(self.q_norm(q.reshape(t, self.nh, self.hd)).reshape(t, self.q_size))
         k.copy_(self.k_norm(k.reshape(t, self.nkv, self.hd)).reshape(t, self.kv_size))
-        out = self.backend.attend(qkv, rope, self.k_cache, self.v_cache, ctx, self.nh, self.nkv, self.hd,
-                                  window=self.window)  # (T, nh, hd)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size))).to(x.dtype)
+        return qkv
 
 
 class DecoderLayer(nn.Module):
@@ -121,11 +131,18 @@ class DecoderLayer(nn.Module):
         """(sublayer output, residual stream) in -> out. The stream is h = residual + x, the
         sum each norm computes first: transformers' ``h = h + sublayer(norm(h))``, with each
         add moved into the next norm (None: x is the embedding, nothing to add yet)."""
+        x, residual = self.norm_in(x, residual)
+        return self.finish(self.self_attn(x, rope, ctx), residual)
+
+    def norm_in(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream so far and the attention's input: (normed, residual)."""
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, ctx), residual)
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual)
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's output (T, hidden) -> (the MLP's output, residual stream)."""
+        x, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(x), residual
 
 

@@ -42,6 +42,7 @@ from pdserve.engine.attention.select import select_attention
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.piecewise import PiecewiseGraphs, unsupported
 from pdserve.engine.device import to_device
 from pdserve.engine.errors import RankLost, SequenceFailed
 from pdserve.engine.attention.kv_cache import cache_spec_of
@@ -68,12 +69,13 @@ class ModelRunner:
     """``graph_sizes``: decode batch sizes to capture CUDA graphs for, at start (empty: none;
     ignored, and logged, off CUDA or on a backend that is not graph-safe); ``max_model_len``
     sizes their block tables; ``verify``: how a speculating row's guesses are checked (None:
-    no step of this runner's speculates)."""
+    no step of this runner's speculates); ``piecewise_sizes``: token counts to capture the
+    pieces of a step with prompt tokens for (pdserve/engine/piecewise.py; empty: none)."""
 
     def __init__(self, model: CausalLM, cfg: ModelConfig, cache: torch.Tensor, blocks: BlockManager,
                  attention_backend: str = "auto", seed: int = 0, graph_sizes: tuple[int, ...] = (),
                  max_model_len: int | None = None, ranks: RankGroup | None = None, verify: Verify | None = None,
-                 lora=None):
+                 lora=None, piecewise_sizes: tuple[int, ...] = ()):
         self.model = model
         self.lora = lora
         self.cfg = cfg
@@ -91,6 +93,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if graph_sizes:
             self.graphs = self._capture(graph_sizes, max_model_len or cfg.max_model_len)
+        self.piecewise: PiecewiseGraphs | None = self._capture_pieces(piecewise_sizes) if piecewise_sizes else None
 
     @torch.inference_mode()
     def _capture(self, sizes: tuple[int, ...], max_model_len: int) -> DecodeGraphs | None:
@@ -105,6 +108,23 @@ class ModelRunner:
                         "captured): every step runs eagerly", self.ranks.tp.size)
             return None
         return self.build_graphs(sizes, -(-max_model_len // self.block_size))
+
+    @torch.inference_mode()
+    def _capture_pieces(self, sizes: tuple[int, ...]) -> PiecewiseGraphs | None:
+        """The pieces of steps with prompt tokens, where they can be captured (else None, logged)."""
+        why = ("they are for CUDA" if self.device.type != "cuda" else
+               f"the {self.backend.name} attention backend is not graph-safe"
+               if not getattr(self.backend, "graph_safe", False) else
+               "they run on one rank (gloo cannot be captured)" if self.ranks is not None else unsupported(self.model))
+        if why is not None:
+            log.info("steps with prompt tokens run eagerly, not from piecewise CUDA graphs: %s", why)
+            return None
+        self.model.bind_caches(self._layer_caches, self.backend)
+        try:
+            return PiecewiseGraphs(self.model, sizes, self.device)
+        except Exception:  # a piece that cannot be captured (one that syncs with the host)
+            log.warning("capturing piecewise CUDA graphs failed: steps with prompt tokens run eagerly", exc_info=True)
+            return None
 
     def build_graphs(self, sizes: tuple[int, ...], width: int, capture: bool = True) -> DecodeGraphs:
         """The decode graphs of ``sizes`` rows and block tables ``width`` wide, on every rank
@@ -209,7 +229,11 @@ class ModelRunner:
         if self.ranks is not None:
             lora = None if self.lora is None else self.lora.step_lora()  # the step's adapters, if any
             self.ranks.step(input_ids, positions, ctx, sample_rows, lora)
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = None
+        if self.piecewise is not None and (self.lora is None or not self.lora.state.active):
+            hidden = self.piecewise.run(input_ids, positions, ctx)  # None: more tokens than its sizes
+        if hidden is None:
+            hidden = self.model(input_ids, positions, ctx)
         return hidden, self.model.compute_logits(hidden[sample_rows]) if sample_rows.numel() else None
 
     def _on_ranks(self, fn, *args):
