@@ -51,12 +51,17 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionContext], torch.Tensor]
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """``CAPTURE_SIZES`` up to the first that holds ``max_num_seqs`` decode sequences."""
-    sizes = []
-    for size in CAPTURE_SIZES:
-        sizes.append(size)
-        if size >= max_num_seqs:
+    return sizes_until(CAPTURE_SIZES, max_num_seqs)
+
+
+def sizes_until(sizes: Sequence[int], most: int) -> tuple[int, ...]:
+    """Ascending ``sizes`` up to the first that holds ``most`` (all of them if none does)."""
+    out = []
+    for size in sizes:
+        out.append(size)
+        if size >= most:
             break
-    return tuple(sizes)
+    return tuple(out)
 
 
 def bucket_for(batch: int, sizes: Sequence[int]) -> int | None:

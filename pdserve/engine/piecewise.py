@@ -43,6 +43,7 @@ import torch
 
 from pdserve.engine import progress
 from pdserve.engine.attention.base import AttentionContext
+from pdserve.engine.cuda_graphs import sizes_until
 from pdserve.engine.models.decoder import Attention, CausalLM, DecoderLayer, DecoderStack
 
 log = logging.getLogger(__name__)
@@ -57,12 +58,7 @@ TOKEN_SIZES = (32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1
 
 def token_sizes(max_tokens: int) -> tuple[int, ...]:
     """``TOKEN_SIZES`` up to the first that holds ``max_tokens`` (a step's token budget)."""
-    sizes = []
-    for size in TOKEN_SIZES:
-        sizes.append(size)
-        if size >= max_tokens:
-            break
-    return tuple(sizes)
+    return sizes_until(TOKEN_SIZES, max_tokens)
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
