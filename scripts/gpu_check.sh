@@ -19,7 +19,7 @@
 #   3. sampling (seeded, unseeded, top-k/p/min-p, penalties, logprobs) and a JSON-schema request
 #   4. NIXL: a two-process VRAM-to-VRAM read of every block, bytes compared, GB/s and UCX transport
 #   5. the decode step profile at batch 1 and 64 (ms, syncs, launches, against the HBM floor)
-#   6. KV by head between tensor-parallel sizes from VRAM (NIXL row descriptors, tcp, checksums)
+#   6. KV by head between tensor-parallel sizes from VRAM (NIXL through VRAM staging, tcp, checksums)
 #   7. TP 2 on the device (two ranks on one GPU over gloo): tokens, KV and a held prefix by head;
 #      FP8 matmuls (torch._scaled_mm) against the dequantized path
 #   and: CUDA graphs against eager and transformers, the one-sync count, the Triton kernels on the GPU

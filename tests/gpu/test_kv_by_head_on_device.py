@@ -1,6 +1,7 @@
 """KV by head between tensor-parallel sizes with the caches on the check's device (run it with
-``pytest -m cuda tests/gpu/test_kv_by_head_on_device.py``): NIXL reads row descriptors of VRAM
-(cuda_ipc between processes), the tcp backend stages rows through the host, and checksums of a
+``pytest -m cuda tests/gpu/test_kv_by_head_on_device.py``): NIXL reads the holder's blocks whole
+into VRAM staging and puts the heads in place (cuda_ipc between processes,
+pdserve/kv_transfer/staged.py), the tcp backend stages rows through the host, and checksums of a
 CUDA cache's row groups are summed on the host. Each prefill rank is an agent in its own process
 over its heads of one seeded cache, each decode rank an agent here; after the transfer each
 decode rank holds the unsharded cache sliced by its heads, every pair verified, and a changed
