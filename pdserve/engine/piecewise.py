@@ -123,7 +123,7 @@ class PiecewiseGraphs:
         for i, layer in enumerate(self.model.layers):
             pieces.run_piece(i)
             out = layer.self_attn.attend(self.qkv[:t], (pieces.rope[0][:t], pieces.rope[1][:t]), ctx)
-            self.attn_out[:t].copy_(out.view(t, *self.attn_out.shape[1:]))
+            self.attn_out[:t].copy_(out.reshape(t, *self.attn_out.shape[1:]))
             progress.layer_done()
         pieces.run_piece(len(self.model.layers))
         self.replays += 1
