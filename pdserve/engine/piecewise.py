@@ -71,6 +71,9 @@ def unsupported(model: torch.nn.Module) -> str | None:
         if type(layer) is not DecoderLayer or not isinstance(layer.self_attn, Attention) \
                 or type(layer.self_attn).forward is not Attention.forward:
             return f"its layer {type(layer).__name__} ({type(layer.self_attn).__name__}) is not Llama's"
+    shapes = {(layer.self_attn.nh, layer.self_attn.nkv, layer.self_attn.hd) for layer in model.layers}
+    if len(shapes) > 1:
+        return f"its layers' attention differs in shape ({sorted(shapes)}): one set of hand-over buffers fits one"
     return None
 
 
