@@ -25,7 +25,6 @@ import torch
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import capture_sizes
-from pdserve.engine.piecewise import token_sizes
 from pdserve.engine.errors import InvalidRequestError, RankLost, SequenceFailed
 from pdserve.engine.sampling.grammar_jobs import GrammarJobs, compiler_for
 from pdserve.engine.attention.kv_cache import cache_spec_of
@@ -83,12 +82,11 @@ class LLMEngine:
         self.lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device, ranks)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, tuple(eos), config.lora)
         graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if config.cuda_graphs else ()
-        pieces = token_sizes(config.scheduler.max_num_batched_tokens) if config.cuda_graphs else ()
         # Speculative decoding (``config.speculative``; None: off): pdserve/engine/spec/decoding.py.
         self.spec = SpecDecoding.of(config, model_cfg, self.max_model_len)
         self.runner = ModelRunner(model, model_cfg, self.kv_cache, self.blocks, config.attention_backend, config.seed,
                                   graph_sizes, self.max_model_len, ranks, self.spec and self.spec.verify, self.lora,
-                                  pieces)
+                                  config.scheduler.max_num_batched_tokens if config.cuda_graphs else 0)
         self.runner.sampler.eos_token_ids = frozenset(eos)  # banned before min_tokens
         self._requests: dict[str, RequestState] = {}  # every request not yet ended, by id
         # Requests with a structured spec wait in ``grammars`` for its compile, off this thread

@@ -42,7 +42,7 @@ from pdserve.engine.attention.select import select_attention
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.piecewise import PiecewiseGraphs, unsupported
+from pdserve.engine.piecewise import PiecewiseGraphs, token_sizes, unsupported
 from pdserve.engine.device import to_device
 from pdserve.engine.errors import RankLost, SequenceFailed
 from pdserve.engine.attention.kv_cache import cache_spec_of
@@ -69,13 +69,13 @@ class ModelRunner:
     """``graph_sizes``: decode batch sizes to capture CUDA graphs for, at start (empty: none;
     ignored, and logged, off CUDA or on a backend that is not graph-safe); ``max_model_len``
     sizes their block tables; ``verify``: how a speculating row's guesses are checked (None:
-    no step of this runner's speculates); ``piecewise_sizes``: token counts to capture the
-    pieces of a step with prompt tokens for (pdserve/engine/piecewise.py; empty: none)."""
+    no step of this runner's speculates); ``piecewise_tokens``: the step's token budget, up to
+    which steps with prompt tokens replay piecewise graphs (pdserve/engine/piecewise.py; 0: none)."""
 
     def __init__(self, model: CausalLM, cfg: ModelConfig, cache: torch.Tensor, blocks: BlockManager,
                  attention_backend: str = "auto", seed: int = 0, graph_sizes: tuple[int, ...] = (),
                  max_model_len: int | None = None, ranks: RankGroup | None = None, verify: Verify | None = None,
-                 lora=None, piecewise_sizes: tuple[int, ...] = ()):
+                 lora=None, piecewise_tokens: int = 0):
         self.model = model
         self.lora = lora
         self.cfg = cfg
@@ -93,7 +93,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if graph_sizes:
             self.graphs = self._capture(graph_sizes, max_model_len or cfg.max_model_len)
-        self.piecewise: PiecewiseGraphs | None = self._capture_pieces(piecewise_sizes) if piecewise_sizes else None
+        self.piecewise: PiecewiseGraphs | None = (self._capture_pieces(token_sizes(piecewise_tokens))
+                                                  if piecewise_tokens else None)
 
     @torch.inference_mode()
     def _capture(self, sizes: tuple[int, ...], max_model_len: int) -> DecodeGraphs | None:
