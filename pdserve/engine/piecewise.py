@@ -123,9 +123,11 @@ class PiecewiseGraphs:
         self.positions[:t].copy_(positions)
         self.positions[t:size].zero_()
         pieces = self._sizes[size]
+        rope = None
         for i, layer in enumerate(self.model.layers):
             pieces.run_piece(i)
-            out = layer.self_attn.attend(self.qkv[:t], (pieces.rope[0][:t], pieces.rope[1][:t]), ctx)
+            rope = rope or (pieces.rope[0][:t], pieces.rope[1][:t])  # piece 0 has made the tables
+            out = layer.self_attn.attend(self.qkv[:t], rope, ctx)
             self.attn_out[:t].copy_(out.reshape(t, *self.attn_out.shape[1:]))
             progress.layer_done()
         pieces.run_piece(len(self.model.layers))

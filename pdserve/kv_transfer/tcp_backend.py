@@ -13,6 +13,7 @@ workers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -27,6 +28,7 @@ from pdserve.kv_transfer.errors import BackendUnavailable, InvalidTransferReques
 from pdserve.kv_transfer.layout import block_bytes_view
 from pdserve.kv_transfer.read import TransferHandle, TransferState
 from pdserve.kv_transfer.sharding import KVShard
+from pdserve.kv_transfer.staged import put_in_place
 from pdserve.protos import kv_transfer_pb2
 from pdserve.wire.tls import TlsConfig, certificate_roles, peer_roles
 
@@ -259,17 +261,15 @@ class TcpAgent(KVTransferAgent):
 
     def _receive_rows(self, sock: socket.socket, handle: TransferHandle) -> None:
         """A read by head: the slice of each row arrives row after row, into a host buffer,
-        and is written into its place in each local block's rows."""
-        hs = handle.slice
-        staging = torch.empty(handle.nbytes, dtype=torch.uint8)
-        tcp_wire.recv_exact_into(sock, memoryview(staging.numpy()))
-        at, last = 0, len(handle.local_block_ids) - 1
-        for i, block in enumerate(handle.local_block_ids):
-            rows = handle.last_rows if i == last else hs.block_rows
-            part = staging[at:at + rows * hs.length].view(rows, hs.length)
-            target = self._blocks[block].view(-1, hs.dst_row)[:rows, hs.dst_offset:hs.dst_offset + hs.length]
-            target.copy_(part.to(self._blocks.device))
-            at += rows * hs.length
+        and is put in place in each local block's rows (``staged.put_in_place``, as a NIXL read
+        by head does, over staged blocks of just the slices)."""
+        hs, n = handle.slice, len(handle.local_block_ids)
+        staging = torch.empty((n, hs.block_rows * hs.length), dtype=torch.uint8)  # the last block's tail unused
+        tcp_wire.recv_exact_into(sock, memoryview(staging.numpy()).cast("B")[:handle.nbytes])
+        sent = dataclasses.replace(hs, src_row=hs.length, src_offset=0)  # each row's slice alone
+        put_in_place(staging.to(self._blocks.device), self._blocks, handle.local_block_ids, sent, handle.last_rows)
+        if self._blocks.is_cuda:
+            torch.cuda.current_stream(self._blocks.device).synchronize()
 
     def _close_backend(self) -> None:
         self._server.close()

@@ -113,10 +113,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture_pieces(self, sizes: tuple[int, ...]) -> PiecewiseGraphs | None:
         """The pieces of steps with prompt tokens, where they can be captured (else None, logged)."""
-        why = ("they are for CUDA" if self.device.type != "cuda" else
-               f"the {self.backend.name} attention backend is not graph-safe"
-               if not getattr(self.backend, "graph_safe", False) else
-               "they run on one rank (gloo cannot be captured)" if self.ranks is not None else unsupported(self.model))
+        if self.device.type != "cuda":
+            why = "they are for CUDA"
+        elif not getattr(self.backend, "graph_safe", False):
+            why = f"the {self.backend.name} attention backend is not graph-safe"
+        elif self.ranks is not None:
+            why = "they run on one rank (gloo cannot be captured)"
+        else:
+            why = unsupported(self.model)
         if why is not None:
             log.info("steps with prompt tokens run eagerly, not from piecewise CUDA graphs: %s", why)
             return None
