@@ -4,7 +4,7 @@ Triton's real compiler, down to machine code, on a host without one: what the in
 cannot check (tile shapes tl.dot accepts, types, shared memory). Run by
 tests/engine/test_triton_attention.py in a process of its own, without TRITON_INTERPRET:
 
-    python -m tests.engine.triton_compile [sm]      # default 90, an H100
+    python -m tests.engine.triton_compile [sm] [attention|others|all]   # default 90 (an H100), all
 """
 
 import sys
@@ -48,12 +48,18 @@ def _fused(target: GPUTarget) -> list[str]:
     return done
 
 
-def main(sm: int = 90) -> list[str]:
-    """The engine's decode and prefill launches for SmolLM2's heads (9 query heads over 3 KV
-    heads), in bfloat16 and float32, the bfloat16 ones again with a sliding window (Gemma 3's
-    local layers: 512 keys), split-KV decode (``_split_kv``), the K/V store and the fused elementwise
-    kernels (``_fused``); returns what compiled."""
-    target, done = GPUTarget("cuda", sm, 32), []
+def main(sm: int = 90, part: str = "all") -> list[str]:
+    """``part`` "attention": the engine's decode and prefill launches for SmolLM2's heads (9 query
+    heads over 3 KV heads), in bfloat16 and float32, the bfloat16 ones again with a sliding window
+    (Gemma 3's local layers: 512 keys); "others": split-KV decode (``_split_kv``), the K/V store and
+    the fused elementwise kernels (``_fused``); "all": both, in that order. Returns what compiled.
+    (Two processes each compiling a part take about half the time of one compiling all.)"""
+    target = GPUTarget("cuda", sm, 32)
+    return {"attention": _attention, "others": _others}.get(part, lambda t: _attention(t) + _others(t))(target)
+
+
+def _attention(target: GPUTarget) -> list[str]:
+    done = []
     for dtype, torch_dtype, window in (("bf16", torch.bfloat16, None), ("fp32", torch.float32, None),
                                        ("bf16", torch.bfloat16, 512)):
         for max_query_len in (1, 64):
@@ -63,7 +69,11 @@ def main(sm: int = 90) -> list[str]:
             types = [f"*{dtype}"] * 4 + ["*i32"] * 3 + ["fp32"] + ["i32"] * strides
             _compile(_attention_kernel, types, constants, target)
             done.append(f"attention {dtype} 9/3 query {max_query_len}" + (f" window {window}" if window else ""))
-    done += _split_kv(target)
+    return done
+
+
+def _others(target: GPUTarget) -> list[str]:
+    done = _split_kv(target)
     _compile(_store_kv_kernel, ["*bf16"] * 4 + ["*i64"] * 2 + ["i32"] * 10,
              dict(NUM_KV_HEADS=3, HEAD_DIM=HEAD_DIM, BLOCK_H=4, BLOCK_D=HEAD_DIM), target)
     return done + ["store bf16"] + _fused(target)
@@ -88,5 +98,5 @@ def _split_kv(target: GPUTarget) -> list[str]:
 
 
 if __name__ == "__main__":
-    for line in main(*(int(a) for a in sys.argv[1:])):
+    for line in main(*(int(a) if a.isdigit() else a for a in sys.argv[1:])):
         print(line)
