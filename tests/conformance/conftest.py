@@ -7,8 +7,8 @@ Each fault is caused in one worker at a time, at run time: a signal to its proce
 test-only injection switched on in that worker (``ServerActor.inject_fault``), then off again,
 so that the faults after it find the cluster as it was. Leases last far longer than any wait
 here, so nothing passes by lease expiry; reads time out after ``TRANSFER_TIMEOUT_S``. Reads go
-at once: the two tests that stop a holder while a read from it is open hold the reads back only
-while they do (``tests.helpers.under_load.reads_delayed``), so no other request pays the delay. Decode
+at once: the test that stops a holder while a read from it is open holds the reads back only
+while it does (``tests.helpers.faults.reads_delayed``), so no other request pays the delay. Decode
 workers keep no conversation KV (``decode_kv_reuse`` off; tests/serving/test_conversations.py
 covers it): a repeated prompt would be prefilled where it is cached and move no KV, and every
 request here is to meet the faults of a transfer."""

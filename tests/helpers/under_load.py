@@ -1,14 +1,13 @@
-"""The faults under a steady load that tests/conformance/test_under_load.py (one rank per worker)
-and tests/faults/test_under_load.py (two ranks) cause, and what each checks: every request
+"""The faults under a steady load that tests/faults/test_under_load.py (two ranks per worker)
+causes, and what it checks: every request
 completes with exactly the tokens of an undisturbed run, or ends with a clear error before its
 deadline; afterwards no surviving worker holds a block, and every dead or hung worker was
 replaced. The cluster runs the tcp KV backend with leases far longer than any wait here. The
-prefill worker's kill needs a read from it in flight: while it is caused, every read is posted
-``READ_DELAY_S`` after its claim (``tests.helpers.faults.reads_delayed``; at two ranks, whose
-other rank's agent is in another process, the cluster's ``inject_transfer_delay_s`` delays every
-read of its life)."""
+prefill worker's kill needs a read from it in flight: every read is posted ``READ_DELAY_S``
+after its claim (at two ranks, whose other rank's agent is in another process, the cluster's
+``inject_transfer_delay_s`` delays every read of its life; ``tests.helpers.faults.reads_delayed``
+would reach rank 0's agent only)."""
 
-import contextlib
 import os
 import signal
 import time
@@ -18,7 +17,7 @@ import ray
 
 from tests.faults.load import Load
 from tests.helpers.chat import chat_request, collect
-from tests.helpers.faults import assert_no_kv_held, busy_worker, fresh_claim, gone, greedy_at_once, reads_delayed
+from tests.helpers.faults import assert_no_kv_held, busy_worker, fresh_claim, gone, greedy_at_once
 from tests.serving.conftest import worker_stats
 
 READ_DELAY_S = 1.0  # every KV read is posted this long after its claim (kv_transfer inject_delay_s)
@@ -79,15 +78,12 @@ def assert_each_completed_or_failed_clearly(outcomes, reference: dict[int, list[
     return summary
 
 
-def lose_nothing_under_faults(cluster, stub, kill_router: bool, reference: dict[int, list[int]] | None = None,
-                              delay_reads: bool = False) -> None:
+def lose_nothing_under_faults(cluster, stub) -> None:
     """A decode worker SIGKILLed and one SIGSTOPped while they stream, a prefill worker killed
-    with a read from it in flight, and (``kill_router``) the router SIGKILLed, all under a
-    steady load: worker faults cost no request (they migrate); only the router's death ends
-    requests, each with a clear error. ``reference``: ``undisturbed(stub)``, if already run.
-    ``delay_reads``: the reads are delayed (``reads_delayed``) only while the prefill worker is
-    killed; False: the cluster delays every read itself (``inject_transfer_delay_s``)."""
-    reference = reference or undisturbed(stub)
+    with a read from it in flight (the cluster delays every read: ``inject_transfer_delay_s``),
+    and the router SIGKILLed, all under a steady load: worker faults cost no request (they
+    migrate); only the router's death ends requests, each with a clear error."""
+    reference = undisturbed(stub)
     replaced_before = cluster._supervisor.replaced
     with Load(stub, PROMPTS, MAX_TOKENS, CLIENTS, REQUEST_TIMEOUT_S, pause_after_error_s=0.2) as load:
         load.wait_for(CLIENTS)
@@ -113,24 +109,21 @@ def lose_nothing_under_faults(cluster, stub, kill_router: bool, reference: dict[
         # Seeing a worker merely hold a claim is not enough: on a loaded machine one poll once
         # took longer than READ_DELAY_S, the read was over, and nothing failed (fresh_claim).
         # The pids are asked for first, for the same reason.
-        with reads_delayed(cluster, READ_DELAY_S) if delay_reads else contextlib.nullcontext():
-            failures_mid = sum(worker_stats(a, "decode").kv_transfer_failures for a in cluster.decode_addresses)
-            pids = {a: pid_of(actor) for a, actor in zip(list(cluster.prefill_addresses), list(cluster.prefill))}
-            index = fresh_claim(cluster, READ_DELAY_S * 0.8)
-            address = cluster.prefill_addresses[index]
-            pid = pids[address]
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(READ_DELAY_S + 0.5)
-            os.kill(pid, signal.SIGKILL)
-            wait_replaced(cluster, "prefill", address)
-            load.wait_for(CLIENTS)
+        failures_mid = sum(worker_stats(a, "decode").kv_transfer_failures for a in cluster.decode_addresses)
+        pids = {a: pid_of(actor) for a, actor in zip(list(cluster.prefill_addresses), list(cluster.prefill))}
+        index = fresh_claim(cluster, READ_DELAY_S * 0.8)
+        address = cluster.prefill_addresses[index]
+        pid = pids[address]
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(READ_DELAY_S + 0.5)
+        os.kill(pid, signal.SIGKILL)
+        wait_replaced(cluster, "prefill", address)
+        load.wait_for(CLIENTS)
 
         # (d) the router SIGKILLed: its streams end UNAVAILABLE, the supervisor starts a new one
         # on the same port, and the clients, reconnecting, are served again.
-        before_router_kill = None  # without it every request must complete
-        if kill_router:
-            before_router_kill = len(load.outcomes)
-            kill_the_router_and_see_clients_served_again(cluster, load)
+        before_router_kill = len(load.outcomes)
+        kill_the_router_and_see_clients_served_again(cluster, load)
 
     outcomes = load.outcomes
     summary = assert_each_completed_or_failed_clearly(outcomes, reference, REQUEST_TIMEOUT_S)

@@ -3,7 +3,7 @@ mid-request. Nothing a client was promised is lost, and no KV block is stranded.
 router learns of a dead worker from a failed call (it polls stats rarely) and the pools are
 never refilled: a prefill worker dead before it answers, and a decode pool left empty. A prefill
 worker killed with a read from it in flight and a decode worker killed mid-stream are the
-conformance suite's (tests/conformance/test_under_load.py, docs/reliability.md).
+conformance suite's (tests/faults/test_under_load.py, docs/reliability.md).
 
 On the default model, one rank per worker. What these prove is the router's: it learns of a
 dead worker from a failed call and retries, re-prefills or fails clearly, whatever the worker's
