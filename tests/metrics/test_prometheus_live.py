@@ -142,8 +142,17 @@ def test_every_dashboard_query_returns_data_from_a_live_cluster(cluster, prometh
         assert _post(api, {"model": "smollm2", "prompt": prompt, "max_tokens": 4}) == 200
     # A request the router gives up on: its 1 ms deadline passes while it is routed.
     assert _post(api, {"prompt": prompt + " then", "max_tokens": 64}, {"X-Request-Timeout": "0.001"}) >= 400
-    time.sleep(3)  # three scrapes after the traffic
+    # Until every query has data (a rate needs two scrapes after the traffic, 1 s apart), not a
+    # fixed wait: at most 30 s.
+    deadline = time.monotonic() + 30
+    while (empty := queries_without_data(prometheus)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not empty, "queries without data:\n" + "\n".join(empty)
 
+
+def queries_without_data(prometheus: str) -> list[str]:
+    """Each dashboard panel's query (Grafana's variables replaced) that Prometheus answers with
+    no series, as "title: expression"; a query Prometheus refuses fails the test."""
     empty = []
     for panel in graph_panels(json.loads((DEPLOY / "grafana" / "pdserve-dashboard.json").read_text())):
         for target in panel["targets"]:
@@ -154,4 +163,4 @@ def test_every_dashboard_query_returns_data_from_a_live_cluster(cluster, prometh
             assert result["status"] == "success", (panel["title"], expr, result)
             if not result["data"]["result"]:
                 empty.append(f"{panel['title']}: {expr}")
-    assert not empty, "queries without data:\n" + "\n".join(empty)
+    return empty
