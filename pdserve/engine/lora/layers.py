@@ -121,9 +121,19 @@ class LoRALinear(nn.Module):
 # A step of this many tokens or more (a prefill, a large decode batch) runs the whole-stack call's
 # LoRA products slot by slot: a quarter of the multiply-adds at four adapters, with the same bits
 # (decoder_lora.h); below it the gather-free form's fewer kernel calls cost less. Measured on
-# SmolLM2-135M with four adapters (BENCHMARKS.md): gather-free ahead at 4 and 16 tokens, slot by
-# slot ahead at 32 and in prefills.
+# SmolLM2-135M with four adapters (BENCHMARKS.md): on the AVX-512 EPYC gather-free ahead at 4 and
+# 16 tokens, slot by slot ahead at 32 and in prefills; on the AVX2-only EPYC, whose 8-lane FMAs
+# make each multiply-add dearer against a call, slot by slot from 8 tokens served four adapters
+# mixed at 0.90-0.95 of the base model against 0.77-0.88 at 24 (concurrency 16).
 SEGMENT_TOKENS = 24
+SEGMENT_TOKENS_BY_PATH = {"avx2": 8}
+
+
+def segment_tokens() -> int:
+    """``SEGMENT_TOKENS`` for the CPU kernel path in force."""
+    from pdserve.engine.kernels import cpu_kernels
+
+    return SEGMENT_TOKENS_BY_PATH.get(cpu_kernels.isa(), SEGMENT_TOKENS) if cpu_kernels.is_loaded() else SEGMENT_TOKENS
 
 
 class LoRAStack(nn.Module):
@@ -135,7 +145,7 @@ class LoRAStack(nn.Module):
     one call cannot take them (a projection not adapted, another LoRA kernel); then, and with
     another attention backend, a step with adapters runs the layers one by one.
     ``segment_tokens``: the step size from which the one call runs the products slot by slot
-    (0: never), the same bits by fewer multiply-adds (``SEGMENT_TOKENS``)."""
+    (0: never), the same bits by fewer multiply-adds (``segment_tokens()``)."""
 
     def __init__(self, packed: nn.Module, state: LoRAState, projections: list[list[LoRALinear]] | None):
         super().__init__()
@@ -146,7 +156,7 @@ class LoRAStack(nn.Module):
         self.parts = [len(w.local_sizes) for w in first]
         self.part_sizes = [size for w in first for size in w.local_sizes]
         self.rank = first[0].max_rank if first else 0
-        self.segment_tokens = SEGMENT_TOKENS
+        self.segment_tokens = segment_tokens()
         self._listed = None  # (the kernel's generation, the call's weight lists): _weights
 
     def forward(self, layers, h, rope, ctx):
