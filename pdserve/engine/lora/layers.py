@@ -124,7 +124,7 @@ class LoRALinear(nn.Module):
 # SmolLM2-135M with four adapters (BENCHMARKS.md): on the AVX-512 EPYC gather-free ahead at 4 and
 # 16 tokens, slot by slot ahead at 32 and in prefills; on the AVX2-only EPYC, whose 8-lane FMAs
 # make each multiply-add dearer against a call, slot by slot from 8 tokens served four adapters
-# mixed at 0.90-0.95 of the base model against 0.76-0.88 at 24 (concurrency 16).
+# mixed at 0.88-0.95 of the base model against 0.76-0.88 at 24 (concurrency 16).
 SEGMENT_TOKENS = 24
 SEGMENT_TOKENS_BY_PATH = {"avx2": 8}
 
