@@ -55,7 +55,8 @@ def main(sm: int = 90, part: str = "all") -> list[str]:
     the fused elementwise kernels (``_fused``); "all": both, in that order. Returns what compiled.
     (Two processes each compiling a part take about half the time of one compiling all.)"""
     target = GPUTarget("cuda", sm, 32)
-    return {"attention": _attention, "others": _others}.get(part, lambda t: _attention(t) + _others(t))(target)
+    steps = {"attention": (_attention,), "others": (_others,), "all": (_attention, _others)}[part]
+    return [line for step in steps for line in step(target)]
 
 
 def _attention(target: GPUTarget) -> list[str]:
