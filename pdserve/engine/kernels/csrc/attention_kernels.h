@@ -62,9 +62,11 @@ void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t from, in
 
 // out = K of keys [from, n) as blocks of 16 keys at their keys' places, each hd / 2 rows of 16
 // dwords (row p: the pair 2p, 2p+1 of head_dim of each key), zeros past n. from % 16 == 0,
-// hd % 32 == 0.
+// hd % 32 == 0. run_bytes: bytes from the start of each key's row fetched into L2 on the way
+// (0 or 2 hd: the row alone); the caller passes the run of every head's K and V of that token
+// and layer when the next items read the rest of it (paged_attention_worker.h, dot_scores).
 void transpose_keys(const uint16_t* cache, const int64_t* offsets, int64_t from, int64_t n, int64_t hd,
-                    uint32_t* out);
+                    int64_t run_bytes, uint32_t* out);
 
 // out[r * stride + k] = (q_r . K_k) * scale for the blocks of 16 keys below n_max that row r
 // reaches (and possibly its neighbours' blocks: the caller ignores keys outside a row's own
