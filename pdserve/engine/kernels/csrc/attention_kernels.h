@@ -63,8 +63,11 @@ void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t from, in
 // out = K of keys [from, n) as blocks of 16 keys at their keys' places, each hd / 2 rows of 16
 // dwords (row p: the pair 2p, 2p+1 of head_dim of each key), zeros past n. from % 16 == 0,
 // hd % 32 == 0. run_bytes: bytes from the start of each key's row fetched into L2 on the way
-// (0 or 2 hd: the row alone); the caller passes the run of every head's K and V of that token
-// and layer when the next items read the rest of it (paged_attention_worker.h, dot_scores).
+// (0 or 2 hd: the row alone). A token's K and V of one layer, every kv head, are one run of
+// 2 nkv hd elements in the cache (kv_cache.py), and the next token's a whole token's KV further
+// on: read one head's row at a time, each key is a separate trip to memory for 128 bytes (hd
+// 64). A sequence's items run kv head after kv head, so the first head's passes the whole run,
+// and its own V and the next heads' K and V then come from L2 (paged_attention_worker.h).
 void transpose_keys(const uint16_t* cache, const int64_t* offsets, int64_t from, int64_t n, int64_t hd,
                     int64_t run_bytes, uint32_t* out);
 

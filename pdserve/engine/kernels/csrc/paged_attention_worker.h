@@ -204,25 +204,16 @@ class Worker {
     if (!s_.kpaired.holds(k_, call_, it.seq, it.kv_head, base_, n_max)) {
       int64_t begin, end;
       if (s_.kpaired.extend(k_, call_, it.seq, it.kv_head, base_, n_max, &begin, &end)) s_.kpairs.grow(padded * hd / 2);
+      // The first kv head's item fetches each key's whole run (every head's K and V, bfloat16) into
+      // L2 while it fits there (attention_kernels.h, transpose_keys). Moves no value.
+      const int64_t run = 4 * g_.nkv * hd;
+      const bool whole = it.kv_head == 0 && g_.cache_head == hd && v_ == k_ + g_.nkv * hd && (end - begin) * run <= (512 << 10);
       pdserve::attention_bf16::transpose_keys(reinterpret_cast<const uint16_t*>(k_), s_.offsets.data(), begin, end,
-                                              hd, run_bytes(it, end - begin), reinterpret_cast<uint32_t*>(s_.kpairs.data()));
+                                              hd, whole ? run : 0, reinterpret_cast<uint32_t*>(s_.kpairs.data()));
     }
     pdserve::attention_bf16::scores(reinterpret_cast<const uint32_t*>(q), rows, hd, s_.first.data(), s_.keys.data(),
                                     reinterpret_cast<const uint32_t*>(s_.kpairs.data()), n_max, stride, scale_,
                                     s_.scores.data());
-  }
-
-  // How much of each key's run a gather of `keys` rows of this item's K fetches into L2. A
-  // token's K and V of one layer, every kv head, are one run of 2 nkv hd elements in the cache
-  // (kv_cache.py's layout), while the run's next token is a whole token's KV further on: read
-  // one head's row at a time, each key costs a separate trip to memory for 128 bytes (hd 64).
-  // The items of a sequence run kv head after kv head, so the first head's fetches the whole
-  // run, and its V and the next heads' K and V then come from L2, where it fits (below half
-  // of a 1 MiB L2). Moves no value.
-  int64_t run_bytes(const Item& it, int64_t keys) const {
-    const int64_t run = 2 * g_.nkv * g_.hd * static_cast<int64_t>(sizeof(T));
-    const bool one_run = g_.cache_head == g_.hd && v_ == k_ + g_.nkv * g_.hd;  // heads packed, V after K
-    return it.kv_head == 0 && one_run && keys * run <= (512 << 10) ? run : 0;
   }
 
   // Weighted values of the pairs kernels (amx and avx512_bf16): V in the pairs layout, kept
