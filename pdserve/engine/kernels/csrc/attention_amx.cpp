@@ -88,12 +88,7 @@ void scores_steps(const uint32_t* qt, int64_t rows, const uint16_t* cache, const
   alignas(64) float c[KEYS * ROWS];
   pdserve::configure_tiles();
   for (int64_t k0 = first[0] / KEYS * KEYS; k0 < n_max && keys[rows - 1] > k0; k0 += KEYS) {
-    // The next group's rows: consecutive keys lie a whole token's KV (every layer's) apart,
-    // too far for the hardware prefetcher.
-    for (int64_t k = k0 + KEYS; k < k0 + 2 * KEYS && k < n_max; ++k) {
-      const char* p = reinterpret_cast<const char*>(cache + offsets[k]);
-      for (int64_t b = 0; b < STEPS * DIMS * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    }
+    pdserve::fetch_rows(cache, offsets, k0 + KEYS, std::min(k0 + 2 * KEYS, n_max), STEPS * DIMS * 2);  // the next group's
     load_keys<STEPS>(cache + offsets[k0], key_bytes);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = g * ROWS, r1 = std::min(rows, r0 + ROWS);

@@ -27,22 +27,7 @@
 namespace {
 
 constexpr int64_t KEYS = 16;  // keys per transposed block (lanes of a score vector)
-// Consecutive keys of one layer sit a whole token's KV apart in the cache (23 KB for the
-// default model in bfloat16), too far for the hardware prefetcher, so each key's row would wait
-// on memory by itself: the loops that gather rows fetch the rows this many keys ahead.
-constexpr int64_t AHEAD = 32;
-
-// Key rows [k0, k1) toward L1: each row's own hd bfloat16, and with run_bytes > 2 hd the rest
-// of the run that starts there into L2 (transpose_keys says why).
-inline void fetch_rows(const uint16_t* cache, const int64_t* offsets, int64_t k0, int64_t k1, int64_t hd,
-                       int64_t run_bytes) {
-  for (int64_t k = k0; k < k1; ++k) {
-    const char* row = reinterpret_cast<const char*>(cache + offsets[k]);
-    int64_t b = 0;
-    for (; b < hd * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    for (; b < run_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
-  }
-}
+constexpr int64_t AHEAD = 32;  // keys between a row's fetch (pdserve::fetch_rows) and its read
 
 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
@@ -145,9 +130,9 @@ namespace pdserve::attention_bf16 {
 void transpose_keys(const uint16_t* cache, const int64_t* offsets, int64_t from, int64_t n, int64_t hd,
                     int64_t run_bytes, uint32_t* out) {
   const int64_t pairs = hd / 2;
-  fetch_rows(cache, offsets, from, std::min(n, from + AHEAD), hd, run_bytes);
+  pdserve::fetch_rows(cache, offsets, from, std::min(n, from + AHEAD), 2 * hd, run_bytes);
   for (int64_t k0 = from; k0 < n; k0 += KEYS) {
-    fetch_rows(cache, offsets, std::min(n, k0 + AHEAD), std::min(n, k0 + AHEAD + KEYS), hd, run_bytes);
+    pdserve::fetch_rows(cache, offsets, std::min(n, k0 + AHEAD), std::min(n, k0 + AHEAD + KEYS), 2 * hd, run_bytes);
     uint32_t* block = out + (k0 / KEYS) * pairs * KEYS;
     for (int64_t h = 0; h < hd / 32; ++h) {  // pairs [16 h, 16 h + 16)
       __m512i r[16];
@@ -185,9 +170,9 @@ void pair_values(const uint16_t* cache, const int64_t* offsets, int64_t from, in
     hi_idx = _mm512_load_si512(hi);
   }
   const int64_t tiles = hd / 16;
-  fetch_rows(cache, offsets, from, std::min(n, from + AHEAD), hd, 0);
+  pdserve::fetch_rows(cache, offsets, from, std::min(n, from + AHEAD), 2 * hd);
   for (int64_t k0 = from; k0 < n; k0 += 32) {
-    fetch_rows(cache, offsets, std::min(n, k0 + AHEAD), std::min(n, k0 + AHEAD + 32), hd, 0);
+    pdserve::fetch_rows(cache, offsets, std::min(n, k0 + AHEAD), std::min(n, k0 + AHEAD + 32), 2 * hd);
     uint16_t* block = out + (k0 / 32) * tiles * 512;
     for (int64_t pair = 0; pair < 16; ++pair) {
       const int64_t k = k0 + 2 * pair;

@@ -37,9 +37,7 @@ using namespace pdserve::attention_avx2;
 constexpr int64_t KEYS = 8;        // keys per score vector (one AVX2 register)
 constexpr int64_t QUERY_TILE = 32;  // queries of one sequence per work item: they share K/V loads (8: 6.5 ms
                                    // for a 512-token layer here, 16: 5.7, 32: 5.3)
-// Consecutive tokens of one layer sit a whole token's KV apart in the cache (46 KB for the
-// default model), too far for the hardware prefetcher: rows are prefetched this many keys ahead.
-constexpr int64_t PREFETCH_KEYS = 16;
+constexpr int64_t PREFETCH_KEYS = 16;  // keys between a row's fetch (pdserve::fetch_rows) and its read
 // The AVX-512 loops (attention_avx512.cpp) take work items of at least this many query rows
 // (prefill tiles; a decode item's few rows would not repay transposing K), in blocks of 16 keys.
 constexpr int64_t WIDE_MIN_ROWS = 8;
@@ -280,11 +278,8 @@ class Worker {
   // rows PREFETCH_KEYS further on.
   void key_rows(const T* cache, int64_t k0, int64_t n, const float** out) {
     const int64_t* off = s_.offsets.data();
-    const int64_t row_bytes = g_.hd * static_cast<int64_t>(sizeof(T));
-    for (int64_t k = k0 + PREFETCH_KEYS; k < std::min(n, k0 + PREFETCH_KEYS + KEYS); ++k) {
-      const char* p = reinterpret_cast<const char*>(cache + off[k]);
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    }
+    pdserve::fetch_rows(cache, off, std::min(n, k0 + PREFETCH_KEYS), std::min(n, k0 + PREFETCH_KEYS + KEYS),
+                        g_.hd * static_cast<int64_t>(sizeof(T)));
     for (int64_t i = 0; i < KEYS; ++i) {
       const int64_t k = k0 + i;
       if (k >= n) {
