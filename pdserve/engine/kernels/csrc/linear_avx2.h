@@ -94,13 +94,29 @@ TileFn<W> pick_mr(int mr, int np) {
   }
 }
 
+// Eight sums -> eight output columns at `at` (+ bias, then the one rounding): the scalar
+// writer's bits (vec_math.h's bf16_bits8 rounds as c10::BFloat16 does), eight at a time.
+inline void write8(__m256 v, const float* bias, int64_t at, const Output& o) {
+  if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+  if (o.f32) return _mm256_storeu_ps(static_cast<float*>(o.data) + at, v);
+  uint16_t* dst = static_cast<uint16_t*>(o.data) + at;
+  if (o.accumulate) v = _mm256_add_ps(pdserve::load8_bf16(dst), pdserve::round_bf16_8(v));
+  pdserve::store8_bf16(dst, v);
+}
+
 // Sums -> output rows: + bias, then the single rounding (round-to-nearest-even for bfloat16).
+// Whole 16-column panels go eight lanes at a time; the columns of a last, partial panel one by
+// one. A scalar writer here took 10% of a 256-token prefill on the avx2 path (the 6 x 16
+// tile's 96 sums, each rounded through c10::BFloat16, against 576 to 1536 k steps of FMAs).
 void write_tile(const float* acc, int mr, int np, int64_t m0, int64_t col0, const Output& o) {
   const int64_t cols = std::min<int64_t>(np * kPanel, o.n - col0);
+  const int64_t vec_cols = cols / 8 * 8;
   for (int r = 0; r < mr; ++r) {
     const float* src = acc + r * np * kPanel;
     const int64_t base = o.at(m0 + r, col0);
-    for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t c = 0; c < vec_cols; c += 8)
+      write8(_mm256_loadu_ps(src + c), o.bias ? o.bias + col0 + c : nullptr, base + c, o);
+    for (int64_t c = vec_cols; c < cols; ++c) {
       const float v = o.bias ? src[c] + o.bias[col0 + c] : src[c];
       c10::BFloat16* out = static_cast<c10::BFloat16*>(o.data) + base + c;
       if (o.f32) static_cast<float*>(o.data)[base + c] = v;
