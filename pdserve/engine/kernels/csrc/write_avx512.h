@@ -3,7 +3,7 @@
 //
 // The bfloat16 rounding is c10::BFloat16's, lane by lane: NaN -> 0x7FC0, otherwise round to
 // nearest even by adding 0x7FFF + the kept low bit. So these writers give the same bits as
-// linear.cpp's scalar writer on the AVX2 path.
+// the AVX2 path's writer (linear_avx2.h, write_tile).
 #pragma once
 
 #include <immintrin.h>
