@@ -105,8 +105,8 @@ inline void write8(__m256 v, const float* bias, int64_t at, const Output& o) {
 }
 
 // Sums -> output rows: + bias, then the single rounding (round-to-nearest-even for bfloat16).
-// Whole 16-column panels go eight lanes at a time; the columns of a last, partial panel one by
-// one. A scalar writer here took 10% of a 256-token prefill on the avx2 path (the 6 x 16
+// Columns go eight lanes at a time; the last few (under eight, at the weight's end) one by one.
+// A scalar writer here took 10% of a 256-token prefill on the avx2 path (the 6 x 16
 // tile's 96 sums, each rounded through c10::BFloat16, against 576 to 1536 k steps of FMAs).
 void write_tile(const float* acc, int mr, int np, int64_t m0, int64_t col0, const Output& o) {
   const int64_t cols = std::min<int64_t>(np * kPanel, o.n - col0);
