@@ -50,7 +50,16 @@ if "TRITON_INTERPRET" not in os.environ:
 _exit_status: list[int] = []
 
 
+def pytest_collection_finish(session):
+    from tests.deploy import early_image
+
+    early_image.start([item.nodeid for item in session.items])
+
+
 def pytest_sessionfinish(session, exitstatus):
+    from tests.deploy import early_image
+
+    early_image.stop()
     _exit_status[:] = [int(exitstatus)]
 
 

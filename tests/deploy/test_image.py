@@ -28,6 +28,7 @@ import pytest
 
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.wire import grpc_util, tls
+from tests.deploy import early_image
 from tests.deploy.containers import ROLES, PlainK8s, Pod, load_image_tool, podman, ulimits
 from tests.deploy.service import STALL_S
 from tests.faults.load import Load
@@ -44,6 +45,7 @@ def image() -> str:
     if shutil.which("podman") is None:
         pytest.skip("podman is not installed: `make .venv/.installed` installs it (with runc and mmdebstrap) "
                     "through apt-get where it runs as root; elsewhere apt-get install podman runc mmdebstrap")
+    early_image.wait()  # started with the session (tests/deploy/early_image.py); reused below if it built
     tool = load_image_tool()
     record = tool.build(tool.DEFAULT_TAG, None)
     probe = podman("run", "--rm", *ulimits(), "--entrypoint", "true", record["tag"], check=False)
