@@ -101,12 +101,13 @@ def run(args, settings, record) -> None:
     holder.start()
     reader = None
     try:
+        # The reader's agent and the bytes to compare with, built while the holder starts.
+        reader = create_agent("nixl", "bench-reader", spec.allocate(pool, device), read_timeout_s=120)
+        expected = filled(spec, pool, device, SEED)  # what the holder holds, to compare bytes with
         if not parent.poll(120):
             raise RuntimeError("the holder did not publish its NIXL metadata within 120 s")
         metadata = kv_transfer_pb2.AgentMetadata.FromString(parent.recv())
-        reader = create_agent("nixl", "bench-reader", spec.allocate(pool, device), read_timeout_s=120)
         peer = reader.add_remote(metadata)
-        expected = filled(spec, pool, device, SEED)  # what the holder holds, to compare bytes with
         rng = random.Random(SEED)
         for n in settings.nixl_blocks:
             for layout, (remote, local) in layouts(n, pool, rng).items():

@@ -224,10 +224,16 @@ def run(args, settings, record) -> None:
                     continue
                 record.add(json_safe(load_level(f"http://127.0.0.1:{http_port}", c, settings, procs[2].address)))
         finally:
-            for p in procs:
-                p.stop()
-            for p in procs:
-                p.wait(60)
+            # The decode worker first, alone: a worker leaving the router's table waits while the
+            # router polls the workers left, and the decode worker's leave, beside the prefill
+            # worker's stop, spent seconds on its timeout. Then the prefill worker and the router
+            # together (the router takes seconds to exit; the prefill worker's leave is answered
+            # meanwhile).
+            for group in ((procs[2],), (procs[1], procs[0])):
+                for p in group:
+                    p.stop()
+                for p in group:
+                    p.wait(60)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import math
 import os
 import re
 import subprocess
@@ -23,7 +24,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_bundle  # noqa: E402
 
 SCRIPT = ROOT / "scripts/gpu_bench.sh"
-SHARE = 0.06  # of this host's RAM (24 GiB here: 1.4 GiB a worker, of which about 0.8 is the process)
+# Of this host's RAM: about 1 GiB a worker (0.043 of 24 GiB here), of which about 0.55 GiB is its
+# weights and a step, the rest its KV cache (a bigger cache only costs its start more seconds).
+SHARE = math.ceil(1000 * (1 << 30) / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))) / 1000
 # The dry run's cuts: the tiny Llama for the 8B shape, a 2-layer SmolLM2, small batches,
 # contexts, reads and loads; one thread a worker on this shared box.
 DRY_RUN = {"PDSERVE_BENCH_DEVICE": "cpu", "PDSERVE_BENCH_SHAPE": "tiny", "PDSERVE_BENCH_BATCHES": "1 2",
@@ -34,7 +37,7 @@ DRY_RUN = {"PDSERVE_BENCH_DEVICE": "cpu", "PDSERVE_BENCH_SHAPE": "tiny", "PDSERV
            # The 135M-shaped cluster's two workers take a share of the host's RAM each, the CPU
            # stand-in for two workers sharing one GPU; the 8B-shaped one an exact cache.
            "PDSERVE_BENCH_MEMORY_FLAGS_SMOL": f"--gpu-memory-utilization {SHARE}",
-           "PDSERVE_BENCH_MEMORY_FLAGS_8B": "--kv-cache-gib 0.25",
+           "PDSERVE_BENCH_MEMORY_FLAGS_8B": "--kv-cache-gib 0.0625",
            # limits far above the dry run's needs (about 15-60 s a phase), so a loaded box skips nothing
            **{f"PDSERVE_BENCH_LIMIT_{p}": "300" for p in ("ENGINE", "NIXL", "SERVED_SMOL", "SERVED_8B")}}
 

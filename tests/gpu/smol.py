@@ -38,6 +38,26 @@ def device_or_skip() -> torch.device:
     return device
 
 
+# What a holder process (tests/gpu/test_nixl_vram.py, test_kv_by_head_on_device.py) imports: the
+# seconds of a fresh interpreter's start.
+HOLDER_IMPORTS = ["torch", "pdserve.kv_transfer", "pdserve.kv_transfer.metadata", "pdserve.kv_transfer.sharding",
+                  "pdserve.kv_transfer.source", "pdserve.protos.kv_transfer_pb2"]
+
+
+def holder_context():
+    """How the check starts a holder process. On CUDA ``spawn``: a fresh interpreter (fork
+    would share CUDA and UCX state with the child). On the CPU dry run a ``forkserver`` with
+    HOLDER_IMPORTS loaded: each holder is a fork of a server that imported them and never
+    touched a device or UCX, up in milliseconds instead of a fresh interpreter's seconds."""
+    import multiprocessing as mp
+
+    if check_device().type == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(HOLDER_IMPORTS)
+    return ctx
+
+
 def byte_tokenizer(vocab_size: int = 0):
     """A byte-level BPE with no merges: the 3 special tokens and the 256 byte symbols. Any
     text encodes (a token a byte), and xgrammar gets the byte-level vocabulary it needs; ids

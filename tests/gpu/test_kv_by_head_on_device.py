@@ -8,7 +8,6 @@ decode rank holds the unsharded cache sliced by its heads, every pair verified, 
 byte fails the pair that read it. ``PDSERVE_CHECK_DEVICE=cpu`` runs it on the CPU (proving the
 test, not CUDA). Written where no GPU was at hand: not yet run on one."""
 
-import multiprocessing as mp
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from pdserve.kv_transfer.metadata import publish
 from pdserve.kv_transfer.sharding import KVShard
 from pdserve.kv_transfer.source import KVSource
 from pdserve.protos import kv_transfer_pb2
+from tests.gpu.smol import holder_context
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kv_transfer"))
 from tp_helpers import ROWS_PER_TOKEN, full_cache, rank_cache, tp_shard  # noqa: E402
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.cuda
 
 NUM_BLOCKS, SEED = 8, 77
 REMOTE, LOCAL = [5, 2, 7], [0, 3, 1]
-_CTX = mp.get_context("spawn")
+_CTX = holder_context()  # spawn on CUDA
 
 
 def _holder(conn, backend: str, device: str, shard: dict) -> None:

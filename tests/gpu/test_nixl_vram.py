@@ -11,7 +11,6 @@ With ``PDSERVE_CHECK_DEVICE=cpu`` the same read runs DRAM to DRAM (a dry run of 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import re
 import time
@@ -20,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.smol import SMOLLM2_135M
+from tests.gpu.smol import SMOLLM2_135M, holder_context
 
 pytestmark = pytest.mark.cuda
 
 BLOCK_SIZE = 16
-_CTX = mp.get_context("spawn")  # fork would share CUDA and UCX state with the child
+_CTX = holder_context()  # spawn on CUDA: fork would share CUDA and UCX state with the child
 
 
 def _block_shape() -> tuple[int, ...]:

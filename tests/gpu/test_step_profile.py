@@ -94,8 +94,9 @@ def _ms_per_step(engine, device) -> float:
 
 
 def _read_gbs(device) -> float:
-    """Best-of-5 read bandwidth of the device: a sum over a tensor far larger than its caches."""
-    x = torch.ones(256 << 20, dtype=torch.float32, device=device)  # 1 GiB
+    """Best-of-5 read bandwidth of the device: a sum over a tensor far larger than its caches
+    (1 GiB; 64 MiB on the CPU dry run, as benchmarks/gpu_bench/common.py ``read_gbs``)."""
+    x = torch.ones((256 if device.type == "cuda" else 16) << 20, dtype=torch.float32, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x.sum()
     best = float("inf")
