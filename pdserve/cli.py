@@ -25,14 +25,22 @@ from pdserve.cluster import worker_cli
 from pdserve.planner import cli as planner_cli
 
 
+# Commands whose parsers need none of ``serve``'s or ``worker``'s settings: for them those two
+# parsers are added without their flags, whose defaults import torch (1.5-2 s a run).
+LIGHT_COMMANDS = frozenset({"generate", "status", "stop", "rollout", "set-role", "plan", "profile"})
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)  # the top level has no option with a value
+    heavy = command not in LIGHT_COMMANDS
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     parser.add_argument("--version", action="version", version=f"pdserve {cluster_cli.version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = cluster_cli.add_commands(sub)
+    commands = cluster_cli.add_commands(sub, serve_settings=heavy)
     planner_cli.add_plan_parser(sub)
     planner_cli.add_profile_parser(sub)
-    worker_cli.add_worker_parser(sub)
+    worker_cli.add_worker_parser(sub, settings=heavy)
     commands.update(plan=planner_cli.run_plan, profile=planner_cli.run_profile, worker=worker_cli.run_worker,
                     serve=lambda args: cluster_cli.serve(args, choose_layout=_choose_layout))
     args = parser.parse_args(argv)

@@ -26,7 +26,7 @@ from pdserve.cluster import shutdown
 from pdserve.cluster.settings import DRAIN_GRACE_SECONDS, SettingsError, add_arguments, flag_type, given, resolve
 
 
-def _serve_parser(sub) -> None:
+def _serve_parser(sub, settings: bool = True) -> None:
     p = sub.add_parser("serve", help="start the cluster with a model (default: SmolLM2-135M-Instruct)",
                        description="Start a router, prefill workers and decode workers as Ray actors. "
                                    "Settings come from flags, PDSERVE_* variables and --config FILE.yaml, "
@@ -34,7 +34,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--version", action="version", version=f"pdserve {version()}")
     p.add_argument("--detach", action="store_true",
                    help="with --address: return once the cluster serves, and leave it running (pdserve stop ends it)")
-    add_arguments(p)
+    if settings:
+        add_arguments(p)
 
 
 def _cluster_parsers(sub) -> None:
@@ -341,9 +342,11 @@ def version() -> str:
         return "unknown"
 
 
-def add_commands(sub) -> dict[str, Callable[[argparse.Namespace], int]]:
-    """Add ``serve``, ``generate``, ``status`` and ``stop`` to ``sub``; returns each command's entry."""
-    _serve_parser(sub)
+def add_commands(sub, serve_settings: bool = True) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add ``serve``, ``generate``, ``status`` and ``stop`` to ``sub``; returns each command's entry.
+    ``serve_settings=False``: ``serve`` without its settings' flags (what building them imports,
+    torch among it, costs seconds that another command never needs)."""
+    _serve_parser(sub, serve_settings)
     _generate_parser(sub)
     _cluster_parsers(sub)
     _rollout_parser(sub)

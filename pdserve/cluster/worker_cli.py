@@ -86,11 +86,12 @@ def worker_settings() -> tuple[Setting, ...]:
     )
 
 
-def add_worker_parser(sub) -> None:
+def add_worker_parser(sub, settings: bool = True) -> None:
     p = sub.add_parser("worker", help="run one role (prefill, decode or router) as a plain process, without Ray",
                        description=__doc__.split("\n\n")[0] + " Settings come from flags, PDSERVE_* variables "
                                    "and --config FILE.yaml, in that order of precedence.")
-    add_arguments(p, worker_settings())
+    if settings:  # without: another command runs (see pdserve.cli.main)
+        add_arguments(p, worker_settings())
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -66,7 +66,7 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         address = None
         deadline = time.monotonic() + 180
         while address is None and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)
+            time.sleep(0.2)
             found = re.search(r"OpenAI HTTP API on http://([\d.]+:\d+)/v1, gRPC API listening on ([\d.]+:\d+)",
                               (tmp_path / "serve.log").read_text())
             http_address, address = found.groups() if found else (None, None)

@@ -64,7 +64,7 @@ def wait_for(predicate, what: str, log_path: Path, timeout_s: float = 300):
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise AssertionError(f"{what}; log: {log_path.read_text()[-3000:]}")
 
 

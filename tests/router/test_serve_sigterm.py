@@ -60,7 +60,7 @@ def test_sigterm_finishes_every_in_flight_stream_then_exits_0(tmp_path):
         address = None
         deadline = time.monotonic() + 240
         while address is None and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)
+            time.sleep(0.2)
             found = re.search(r"OpenAI HTTP API on http://([\d.]+:\d+)/v1", log_path.read_text())
             address = found and found.group(1)
         assert address, log_path.read_text()[-3000:]
