@@ -71,20 +71,34 @@ class Supervisor(RoundLoop):
         return False
 
     def dead_slots(self, skip: frozenset[tuple[str, int]] = frozenset()) -> list[tuple[str, int]]:
-        dead = []
+        """Slots whose worker's process is gone. Every worker is asked for its pid at once, with
+        one deadline for all (5 s, or half the hang timeout where that is shorter): a stopped or
+        busy worker costs the round that deadline once, not 5 s each, and a hung worker is still
+        judged by ``hung_slots``. Asked one by one, a stopped worker's unanswered ask made every
+        round 2 s of poll plus 5 s, and a hang was found some 9.5 s after it began."""
+        asks = {}
         for role in ("prefill", "decode"):
             for index, actor in enumerate(self.cluster.actors(role)):
-                if (role, index) in skip:
-                    continue
-                address = self.cluster.addresses(role)[index]
-                try:
-                    pid = ray.get(actor.pid.remote(), timeout=5)
-                    if address not in self._processes:
-                        self._processes[address] = (pid, ray.get(actor.node_id.remote(), timeout=5))
-                except ray.exceptions.RayActorError:
-                    dead.append((role, index))
-                except ray.exceptions.GetTimeoutError:
-                    pass  # busy or slow, not known dead (hung_slots judges that)
+                if (role, index) not in skip:
+                    asks[(role, index)] = (actor, actor.pid.remote())
+        if not asks:
+            return []
+        refs = [ref for _, ref in asks.values()]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=min(5.0, self.cluster.config.hang_timeout_s / 2))
+        answered = set(answered)
+        dead = []
+        for (role, index), (actor, ref) in asks.items():
+            if ref not in answered:
+                continue  # busy or slow, not known dead (hung_slots judges that)
+            address = self.cluster.addresses(role)[index]
+            try:
+                pid = ray.get(ref)
+                if address not in self._processes:
+                    self._processes[address] = (pid, ray.get(actor.node_id.remote(), timeout=5))
+            except ray.exceptions.RayActorError:
+                dead.append((role, index))
+            except ray.exceptions.GetTimeoutError:
+                pass  # its node id not told in time: asked again next round
         return dead
 
     def check_once(self) -> None:
