@@ -26,6 +26,10 @@ os.environ.setdefault("PDSERVE_LAYOUT", "disaggregated")
 # the stored profile: measuring this machine takes some 15 s (pdserve/planner/calibration.py);
 # tests/planner/test_calibration.py turns it back on with a fake measurement.
 os.environ.setdefault("PDSERVE_LAYOUT_MEASURE", "0")
+# And no decode worker moves its weights onto huge pages (pdserve/engine/huge_pages.py): seconds of
+# every cluster's start on these VMs, for speed no served test measures; the bits never change.
+# tests/engine/test_huge_pages.py turns it back on for the loader's own test.
+os.environ.setdefault("PDSERVE_HUGE_PAGES", "0")
 
 # Without CUDA, Triton's kernels (pdserve/engine/attention/triton.py) run in its interpreter, on
 # host tensors. Triton reads this once, as it is first imported (its own helpers are decorated

@@ -25,6 +25,12 @@ one had touched yet (none measurable for the default model: 609 MB resident eith
 Where the advice is refused (an older kernel, THP off, not Linux) nothing happens beyond a debug
 line. The KV cache asks for huge pages itself, before its first touch
 (``pdserve.engine.attention.kv_cache.host_zeros``).
+
+What it costs: the kernel copies every extent, about 3.5 ms a huge page on this project's VMs
+(1.9 s for the default model's 540 MB of float32 weights, up to 7 s with two workers starting
+on two cores), paid by every decode worker's start. ``PDSERVE_HUGE_PAGES=0`` skips it: the test
+suite sets it (tests/conftest.py), since no test but tests/engine/test_huge_pages.py measures
+speed, and contents never change.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 from typing import Iterable
 
@@ -42,6 +49,14 @@ log = logging.getLogger(__name__)
 HUGE_PAGE_BYTES = 2 << 20
 MADV_COLLAPSE = 25  # Linux's <asm-generic/mman-common.h>
 MIN_SPAN_BYTES = 4 * HUGE_PAGE_BYTES  # smaller spans are not worth a system call
+
+
+ENV = "PDSERVE_HUGE_PAGES"  # "0": the loader leaves weights where they are
+
+
+def wanted() -> bool:
+    """Whether the loader moves a decoding model's weights onto huge pages (``ENV`` not "0")."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 def collapse(tensors: Iterable[torch.Tensor]) -> int:

@@ -139,7 +139,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, progress: b
     else:
         _read_checkpoint(net, tensors, model_dir, progress)
     net = apply_backend(net.eval(), backend)
-    if huge_pages and device.type == "cpu":  # a decode step streams the weights: fewer TLB misses
+    if huge_pages and device.type == "cpu" and pages.wanted():  # a decode step streams the weights: fewer TLB misses
         moved = pages.collapse([*net.parameters(), *net.buffers()])
         log.info("%s: %d MiB of weights on huge pages", model_dir.name, moved >> 20)
     log.info("%s: %s linears (%s)%s%s", model_dir.name, net.linear_backend, dtype,

@@ -54,7 +54,8 @@ def test_nothing_to_collapse_is_no_error():
 
 
 @needs_thp
-def test_the_loader_puts_a_packed_models_weights_on_huge_pages():
+def test_the_loader_puts_a_packed_models_weights_on_huge_pages(monkeypatch):
+    monkeypatch.setenv(huge_pages.ENV, "1")  # the suite turns it off for its clusters (tests/conftest.py)
     net, _, _ = load_model(EngineConfig().model, torch.bfloat16, torch.device("cpu"), progress=False, huge_pages=True)
     packed = [b for name, b in net.named_buffers() if name.endswith("packed")]
     assert len(packed) > 100  # every layer's projections, and the LM head
