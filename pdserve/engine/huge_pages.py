@@ -29,8 +29,8 @@ line. The KV cache asks for huge pages itself, before its first touch
 What it costs: the kernel copies every extent, about 3.5 ms a huge page on this project's VMs
 (1.9 s for the default model's 540 MB of float32 weights, up to 7 s with two workers starting
 on two cores), paid by every decode worker's start. ``PDSERVE_HUGE_PAGES=0`` skips it: the test
-suite sets it (tests/conftest.py), since no test but tests/engine/test_huge_pages.py measures
-speed, and contents never change.
+suite sets it (tests/conftest.py), since contents never change and no served test measures speed;
+tests/engine/test_huge_pages.py turns it back on to check the move itself.
 """
 
 from __future__ import annotations
