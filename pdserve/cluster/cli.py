@@ -129,6 +129,7 @@ def serve(args, choose_layout=None) -> int:
     stop = threading.Event()
     _on_stop_signals(stop)
     shutdown.become_subreaper()  # every process Ray starts stays ours to end (cluster.shutdown)
+    shutdown.dump_stacks_on(signal.SIGUSR1)  # kill -USR1: where every thread is, for a hang
     try:
         try:
             cluster.start()

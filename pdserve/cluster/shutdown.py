@@ -16,11 +16,19 @@ So the driver becomes a child subreaper (``become_subreaper``): every process it
 however deep, stays its descendant. A stop signal stops supervising at once; ``StopDeadline``
 ends the process at the deadline whatever the orderly stop is waiting for; and after the
 orderly stop, any descendant still alive is terminated, then killed (``end_descendants``).
+
+``StopDeadline``'s timer is a Python thread, so it cannot run while another thread holds the
+GIL inside a C call (a Ray call blocked on a lost GCS can). Under it lies ``faulthandler``'s
+watchdog, a C thread that needs no GIL: half a second before the promise runs out it writes
+every thread's stack to stderr and exits 1, so a stop that hangs both ends and says where.
+``dump_stacks_on`` gives an operator the same dump on demand (``kill -USR1``), without
+stopping anything.
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -33,6 +41,7 @@ log = logging.getLogger(__name__)
 MARGIN_S = 10.0  # the promise: exit within the drain grace plus this
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 TERM_WAIT_S = 2.0  # how long descendants get to exit on SIGTERM before SIGKILL
+_BACKSTOP_EARLY_S = 0.5  # the C watchdog fires this long before the promise runs out
 
 
 def become_subreaper() -> bool:
@@ -42,6 +51,12 @@ def become_subreaper() -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def dump_stacks_on(sig: int = signal.SIGUSR1) -> None:
+    """On ``sig``, every thread's Python stack goes to stderr (C-level: it works while the
+    GIL is held elsewhere); the process goes on."""
+    faulthandler.register(sig, file=sys.stderr, all_threads=True, chain=False)
 
 
 def descendants(root: int | None = None) -> list[int]:
@@ -103,18 +118,23 @@ def end_descendants(term_wait_s: float = TERM_WAIT_S) -> list[int]:
 
 class StopDeadline:
     """Ends this process ``after_s`` from ``start()`` (descendants first) unless ``cancel()``ed
-    before: the bound on a stop that waits on a Ray that is already gone."""
+    before: the bound on a stop that waits on a Ray that is already gone. If the timer thread
+    cannot run (the GIL held in C), the watchdog ends the process ``TERM_WAIT_S`` later, less
+    ``_BACKSTOP_EARLY_S``, with every thread's stack on stderr."""
 
     def __init__(self, after_s: float):
         self.after_s = after_s
+        self.backstop_s = after_s + TERM_WAIT_S - _BACKSTOP_EARLY_S
         self._timer = threading.Timer(after_s, self._fire)
         self._timer.daemon = True
 
     def start(self) -> None:
+        faulthandler.dump_traceback_later(self.backstop_s, exit=True, file=sys.stderr)
         self._timer.start()
 
     def cancel(self) -> None:
         self._timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
 
     def _fire(self) -> None:
         print(f"pdserve: the stop did not finish within {self.after_s:g} s; ending every process it started",

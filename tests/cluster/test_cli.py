@@ -84,7 +84,14 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         # included. It exits 0 and leaves no process of its session behind (the same after a
         # worker's replacement, and for SIGTERM: tests/cluster/test_shutdown_after_replacement.py).
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=90) == 0
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # serve writes every thread's stack to its log
+            time.sleep(2)
+            raise AssertionError("pdserve serve did not exit 90 s after SIGINT; its log ends:\n"
+                                 + (tmp_path / "serve.log").read_text()[-8000:]) from None
+        assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
         settle = time.monotonic() + 2  # processes already killed may take a moment to be reaped
         while session_pids(proc.pid) and time.monotonic() < settle:
             time.sleep(0.2)
