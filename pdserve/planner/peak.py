@@ -16,11 +16,14 @@
   peak is their float32 peak; float32 weights take the FMA chain on every path.
 - ``amx``: one TMUL a core, a 16 x 32 x 16 bfloat16 tile product (16,384 FLOPs) each 16 cycles:
   1,024 FLOPs a cycle.
-- The clock: measured (``measure_clock_hz``), as a chain of dependent integer adds (one cycle of
-  latency on every x86-64 core since the Pentium 4's successors), timed at its fastest of
-  several runs: under a hypervisor /proc/cpuinfo's "cpu MHz" is the nominal clock (2.6 GHz on
-  this project's EPYC, which runs its cores at up to 3.7), and a boost clock is what the
-  kernels run at. Without a C compiler the /proc/cpuinfo figure is used, said so.
+- The clock: measured (``measure_clock_hz``), as a chain of dependent register-to-register
+  integer adds (one cycle of latency on every x86-64 core since the Pentium 4's successors),
+  timed at its fastest of several runs. Not adds of an immediate: Intel's newer renamers fold
+  a chain of those (on the AMX Xeon of BENCHMARKS.md, 64 of them ran at "22 GHz", where the
+  register adds and an ``imul`` chain, 3 cycles a link, both read 3.7 GHz). Under a
+  hypervisor /proc/cpuinfo's "cpu MHz" is the nominal clock (2.6 GHz on this project's EPYC,
+  which runs its cores at up to 3.7), and a boost clock is what the kernels run at. Without a
+  C compiler the /proc/cpuinfo figure is used, said so.
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ AMX_FLOPS_PER_CYCLE = 1024
 _ADDS_PER_ITERATION = 64
 _CLOCK_SOURCE = r"""
 #include <time.h>
-#define A "add $1, %0\n\t"
+#define A "add %1, %0\n\t"
 #define A8 A A A A A A A A
 double pdserve_add_chain_s(long iterations) {  /* iterations x 64 dependent adds */
   struct timespec a, b;
-  unsigned long x = 0;
+  unsigned long x = 0, one = 1;  /* a register operand: a chain of immediate adds can be folded */
   clock_gettime(CLOCK_MONOTONIC, &a);
-  for (long i = 0; i < iterations; i++) __asm__ volatile(A8 A8 A8 A8 A8 A8 A8 A8 : "+r"(x));
+  for (long i = 0; i < iterations; i++) __asm__ volatile(A8 A8 A8 A8 A8 A8 A8 A8 : "+r"(x) : "r"(one));
   clock_gettime(CLOCK_MONOTONIC, &b);
   return (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec) + 0.0 * x;
 }
