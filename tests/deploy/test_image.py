@@ -293,7 +293,7 @@ def test_rolling_each_deployment_loses_no_request(plain_k8s):
         steps = [{**t, "start": round(t["start"] - t0, 1), "deleted": round(t["deleted"] - t0, 1)} for t in timings]
         print(f"\nrolled under load ({len(load.outcomes)} requests):", steps)
 
-    errors = [(o.prompt, o.code.name, o.details, f"{o.started - t0:.1f}-{o.ended - t0:.1f} s")
+    errors = [(o.prompt, o.code.name, o.details, f"{o.started - t0:.1f}-{o.ended - t0:.1f} s", f"{len(o.tokens)} tokens")
               for o in load.outcomes if o.code is not None]
     assert not errors, (f"{len(errors)} of {len(load.outcomes)} requests failed: {errors[:5]}\nrolls: {steps}\n"
                         f"(seconds from the load's start, {time.strftime('%H:%M:%S', time.gmtime(load.started_at))} UTC)\n"

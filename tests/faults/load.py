@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from tests.helpers.chat import chat_request, collect
+from tests.helpers.chat import chat_request
 
 
 @dataclass
 class Outcome:
     prompt: int  # index into the load's prompts
-    tokens: list[int]
+    tokens: list[int]  # a failed request's: those it was sent before it failed
     code: grpc.StatusCode | None  # None: completed
     details: str
     started: float
@@ -51,11 +51,13 @@ class Load:
             prompt, n = n % len(self.prompts), n + self.clients
             start = time.monotonic()
             request = chat_request(self.prompts[prompt], self.max_tokens, ignore_eos=True)
+            ids: list[int] = []
             try:
-                ids, _, _ = collect(self.stub.Generate(request, timeout=self.timeout_s))
+                for response in self.stub.Generate(request, timeout=self.timeout_s):
+                    ids += response.token_ids
                 self.outcomes.append(Outcome(prompt, ids, None, "", start, time.monotonic()))
-            except grpc.RpcError as exc:
-                self.outcomes.append(Outcome(prompt, [], exc.code(), exc.details(), start, time.monotonic()))
+            except grpc.RpcError as exc:  # the tokens it had sent stay: did the stream start?
+                self.outcomes.append(Outcome(prompt, ids, exc.code(), exc.details(), start, time.monotonic()))
                 time.sleep(self.pause_after_error_s)
 
     def wait_for(self, more: int, timeout_s: float = 60.0) -> None:
