@@ -29,7 +29,6 @@ def test_the_watchdog_ends_a_stop_whose_timer_thread_is_starved():
     # says where the main thread was.
     assert "did not finish" not in proc.stdout + proc.stderr
     assert "Timeout (0:00:02)!" in proc.stderr, proc.stderr
-    assert 're.match(r"(a+)+$"' not in proc.stderr  # faulthandler names lines, not source
     assert 'File "<string>", line 6 in <module>' in proc.stderr, proc.stderr
 
 
