@@ -51,4 +51,5 @@ def test_sigusr1_dumps_every_stack_and_the_process_goes_on():
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
-    assert "Current thread" in err and 'File "<string>", line 6 in <module>' in err, err
+    # (The line may be the print's or the wait's: the signal can come between the two.)
+    assert "Current thread" in err and 'File "<string>", line ' in err, err
