@@ -40,7 +40,7 @@ def layer_case(dtype: torch.dtype, starts: list[int], query_lens: list[int]):
     """Cache, one layer's views, the step's context and random q/k/v."""
     blocks_needed = [-(-(s + n) // BS) for s, n in zip(starts, query_lens)]
     num_blocks = sum(blocks_needed) + 1
-    cache = host_zeros((num_blocks, BS, LAYERS, 2, NKV, HD), dtype)  # the engine's memory (huge pages)
+    cache = host_zeros((num_blocks, LAYERS, 2, BS, NKV, HD), dtype)  # the engine's memory (huge pages)
     cache.copy_(torch.randn(cache.shape))
     perm = torch.randperm(num_blocks).tolist()
     tables, used = [], 0
@@ -51,7 +51,7 @@ def layer_case(dtype: torch.dtype, starts: list[int], query_lens: list[int]):
     t = sum(query_lens)
     qkv = torch.randn(t, NH + 2 * NKV, HD).to(dtype)
     layer = LAYERS // 2
-    return cache[:, :, layer, 0], cache[:, :, layer, 1], ctx_args, qkv
+    return cache[:, layer, 0], cache[:, layer, 1], ctx_args, qkv
 
 
 def time_layer(backend, k_cache, v_cache, ctx_args, qkv, decode: bool) -> float:

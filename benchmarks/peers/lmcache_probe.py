@@ -37,12 +37,13 @@ LAYERS, HEADS, DIM, BLOCK = 30, 3, 64, 16  # SmolLM2-135M's KV, pdserve's block 
 
 
 def to_chunk(block: torch.Tensor) -> torch.Tensor:
-    """pdserve's token-major block (16, layers, 2, heads, dim) as LMCache's KV_2LTD chunk."""
-    return block.permute(1, 2, 0, 3, 4).reshape(LAYERS, 2, BLOCK, HEADS * DIM)
+    """pdserve's layer-major block (layers, 2, 16, heads, dim) as LMCache's KV_2LTD chunk: the
+    same order, a view."""
+    return block.reshape(LAYERS, 2, BLOCK, HEADS * DIM)
 
 
 def from_chunk(chunk: torch.Tensor) -> torch.Tensor:
-    return chunk.reshape(LAYERS, 2, BLOCK, HEADS, DIM).permute(2, 0, 1, 3, 4)
+    return chunk.reshape(LAYERS, 2, BLOCK, HEADS, DIM)
 
 
 def verdict(obj, expected: torch.Tensor) -> str:
@@ -63,7 +64,7 @@ def main(directory: str) -> None:
     keys, blocks = [], []
     for i in range(4):
         key = CacheEngineKey("smollm2", 1, 0, 0x1234 + i, torch.bfloat16)
-        block = torch.randn(BLOCK, LAYERS, 2, HEADS, DIM).to(torch.bfloat16)
+        block = torch.randn(LAYERS, 2, BLOCK, HEADS, DIM).to(torch.bfloat16)
         obj = disk.local_cpu_backend.allocate(torch.Size([LAYERS, 2, BLOCK, HEADS * DIM]), torch.bfloat16,
                                               fmt=MemoryFormat.KV_2LTD)
         obj.tensor.copy_(to_chunk(block))

@@ -330,7 +330,7 @@ class DecodeWorker(WorkerShell):
         try:  # one read per rank pair (one between single-rank workers), each with its notice
             handles = self.agent.start(
                 peer, kv.block_ids, local.block_ids, pull.next_block, end, lease_token=kv.lease_token, last=last,
-                last_block_bytes=kv.last_block_bytes(size, self.engine.cache_spec.bytes_per_token) if last else None,
+                last_block_bytes=kv.last_block_bytes(self.engine.cache_spec) if last else None,
                 sums=sums if self.config.verify_kv else None)
         except InvalidTransferRequest as exc:
             self.abort_now(request_id)

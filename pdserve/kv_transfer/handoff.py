@@ -66,8 +66,12 @@ import secrets
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.protos import worker_pb2
+
+if TYPE_CHECKING:
+    from pdserve.engine.attention.kv_cache import CacheSpec
 
 
 @dataclass(frozen=True)
@@ -85,10 +89,9 @@ class KVHandle:
     # "" where not stated. A reader whose own salt differs refuses an adapter's KV (worker.proto).
     kv_salt: str = ""
 
-    def last_block_bytes(self, block_size: int, bytes_per_token: int) -> int:
-        """Bytes of the last, partly filled block that a read must move."""
-        tail = self.num_tokens - (len(self.block_ids) - 1) * block_size
-        return tail * bytes_per_token
+    def last_block_bytes(self, spec: CacheSpec) -> int:
+        """Bytes of the last, partly filled block that a read must move (``spec.tail_bytes``)."""
+        return spec.tail_bytes(self.num_tokens - (len(self.block_ids) - 1) * spec.block_size)
 
     def to_proto(self) -> worker_pb2.KVHandle:
         return worker_pb2.KVHandle(prefill_address=self.prefill_address, block_ids=list(self.block_ids),
@@ -191,17 +194,17 @@ class Lease:
     parts_read: set[int] = field(default_factory=set)  # the parts whose last read has landed (ReadNotice)
 
     def checksum_final(self, block_checksums: Callable[[Sequence[int], int | None], tuple[int, ...]],
-                       block_size: int, bytes_per_token: int, num_tokens: int, done: bool) -> None:
+                       spec: CacheSpec, num_tokens: int, done: bool) -> None:
         """Once a step has computed ``num_tokens`` of the lease's tokens (``done``: all of
         them), append the checksums (``block_checksums(ids, last_block_bytes)``, the holder
         agent's) of its blocks final now that have none yet: the full blocks, and once
-        ``done`` the last, partly filled one, over the tokens it holds. ``block_checksums`` may
+        ``done`` the last, partly filled one, over the bytes a read of it moves (``spec.tail_bytes``). ``block_checksums`` may
         give several sums a block (a tensor-parallel holder's: each rank's groups, rank by rank);
         the lease keeps as many a block."""
-        n, start = len(self.block_ids), len(self.checksums) // self.sums_per_block
+        n, start, block_size = len(self.block_ids), len(self.checksums) // self.sums_per_block, spec.block_size
         end = n if done else min(num_tokens // block_size, n)
         if end > start:
-            tail = (num_tokens - (n - 1) * block_size) * bytes_per_token if done else None
+            tail = spec.tail_bytes(num_tokens - (n - 1) * block_size) if done else None
             sums = block_checksums(self.block_ids[start:end], tail)
             self.sums_per_block = len(sums) // (end - start)  # a tensor-parallel holder's: every rank's groups
             self.checksums.extend(sums)

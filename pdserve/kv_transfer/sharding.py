@@ -4,10 +4,12 @@ reads (``read_plan``). Pure: plain values in, frozen dataclasses out; no I/O.
 
 A worker of tensor-parallel size P splits the model's H KV heads over its ranks: rank r holds
 heads [r*H/P, (r+1)*H/P) of every token (``pdserve.engine.parallel``), and a block id names the
-same tokens on every rank. Inside a block the cache is token-major
-(``pdserve.engine.attention.kv_cache``): ``block_size`` tokens, each ``rows_per_token`` *rows* (the K and
-the V of every layer), each row the rank's heads in head order. So a range of heads is
-contiguous within a row, and a row is ``head_count * head_bytes`` bytes.
+same tokens on every rank. A block is ``block_size * rows_per_token`` *rows*, each row one token's K
+or V of one layer (``pdserve.engine.attention.kv_cache`` orders them layer-major: a layer's K rows
+for the block's tokens, then its V rows, then the next layer's), each row the rank's heads in
+head order. So a range of heads is contiguous within a row, and a row is ``head_count *
+head_bytes`` bytes; what moves between sizes does not depend on the rows' order, only that both
+sides share it.
 
 A prefill pool of size P and a decode pool of size D, one dividing the other. Decode rank s:
 - D == P: reads whole blocks of prefill rank s: the single-rank path, one descriptor a block;
@@ -21,13 +23,11 @@ place (``pdserve.kv_transfer.staged``: a descriptor a row would cost UCX more th
 over tcp the holder sends the slices and the reader writes them in place. A partly filled last
 block moves only the rows of its tokens.
 
-Why not a head-major block (heads outside tokens) to make a head range contiguous: it costs the
-token-major block its two properties. A partly filled last block would need one descriptor per
-head, and an attention step writing one token's K and V would touch a cache line per head and
-layer spread over the whole block instead of one short run; every kernel that addresses the cache
-(``pdserve/engine/kernels/csrc``, the Triton kernels) would change its strides. What it would save
-is one copy on the reader, between sizes only: staging reads whole blocks at the same
-descriptor count as equal sizes do (measured: ``benchmarks/kv_by_head.py``, BENCHMARKS.md).
+Why not a head-major block (heads outside tokens) to make a head range contiguous: what it
+would save is one copy on the reader, between sizes only (staging reads whole blocks at the
+same descriptor count as equal sizes do; measured: ``benchmarks/kv_by_head.py``, BENCHMARKS.md),
+and decode attention reads a head's keys no faster than from layer-major rows (the same
+measurement that chose layer-major, BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -42,7 +42,9 @@ from typing import Callable, Mapping
 
 from pdserve.planner.hardware import HardwareProfile, ProfileError
 
-CALIBRATION_VERSION = 1  # raise when the sweep or the fit changes: every cached profile is then measured again
+# Raise when the sweep, the fit or what they measure changes (2: the KV block laid out layer-major,
+# which makes decode attention cheaper): every cached profile is then measured again.
+CALIBRATION_VERSION = 2
 PROFILE_DIR_ENV = "PDSERVE_PROFILE_DIR"
 MEASURE_ENV = "PDSERVE_LAYOUT_MEASURE"  # "0": never measure, simulate on the stored profile (the tests set it)
 # A first start on a fresh machine compiles the kernels in the child too (about a minute on two

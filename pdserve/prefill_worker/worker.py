@@ -245,8 +245,7 @@ class PrefillWorker(WorkerShell):
     def _checksum_final(self, lease: Lease, num_tokens: int, done: bool) -> None:
         """Engine thread: ``Lease.checksum_final`` (nothing with ``verify_kv`` off)."""
         if self.config.verify_kv:
-            lease.checksum_final(self.agent.block_checksums, self.engine.blocks.block_size,
-                                 self.engine.cache_spec.bytes_per_token, num_tokens, done)
+            lease.checksum_final(self.agent.block_checksums, self.engine.cache_spec, num_tokens, done)
 
     def _publish_kv(self) -> None:
         """Hook, before each step: grant a streamed prompt its lease once it has blocks and

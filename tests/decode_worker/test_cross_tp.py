@@ -26,6 +26,7 @@ from pdserve.router.limits import RouterLimits
 from pdserve.router.request_run import RequestRun
 from tests.factories import (assert_greedy_matches, decode_worker_config, make_engine, make_tp_engine,
                              prefill_worker_config, random_prompts)
+from tests.helpers.kv_layout import by_token
 from tests.helpers.worker_servers import serving
 from tests.metrics.metrics_helpers import LetterTokenizer
 
@@ -69,8 +70,7 @@ def record_reads(decoder: DecodeWorker) -> list[tuple[tuple[int, ...], tuple[int
 def prompt_kv(caches, block_ids, heads: slice | None = None) -> torch.Tensor:
     """The prompt's KV in ``caches`` (a worker's rank caches), token by token: (T, layers, 2, heads, hd),
     every rank's heads side by side."""
-    whole = torch.cat([c[list(block_ids)] for c in caches], dim=-2)  # (blocks, block, layers, 2, H, hd)
-    tokens = whole.reshape(-1, *whole.shape[2:])[:len(PROMPT)]
+    tokens = by_token(torch.cat([c[list(block_ids)] for c in caches], dim=-2))[:len(PROMPT)]
     return tokens if heads is None else tokens[..., heads, :]
 
 

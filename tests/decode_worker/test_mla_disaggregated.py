@@ -18,6 +18,7 @@ from pdserve.wire.grpc_util import aio_channel
 from tests.deepseek_models import MLA_SHAPE, make_deepseek
 from tests.factories import (assert_greedy_matches, decode_worker_config, make_engine, prefill_worker_config,
                              random_prompts, save_hf_model)
+from tests.helpers.kv_layout import moved_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -74,5 +75,5 @@ def test_decode_worker_tokens_equal_transformers_and_the_latent_is_what_moves(v3
     latent_row = MLA_SHAPE["kv_lora_rank"] + MLA_SHAPE["qk_rope_head_dim"]
     assert stats.kv_bytes_per_token == MLA_SHAPE["num_hidden_layers"] * latent_row * 4  # float32
     assert stats.kv_transfers == len(prompts)
-    assert stats.kv_transfer_bytes == sum(map(len, prompts)) * stats.kv_bytes_per_token
+    assert stats.kv_transfer_bytes == sum(moved_bytes(len(p), 0, stats.kv_bytes_per_token) for p in prompts)
     assert runner.num_forward_tokens == len(prompts) * (MAX_TOKENS - 1)  # no prompt recomputed

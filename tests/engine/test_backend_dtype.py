@@ -76,7 +76,7 @@ def test_runner_passes_the_cache_dtype(monkeypatch, dtype):
     cfg = ModelConfig("llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
                       max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False)
-    cache = torch.zeros(4, 16, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    cache = torch.zeros(4, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)  # the engine's layout
     model_runner.ModelRunner(None, cfg, cache, BlockManager(4, 16))
     assert seen["dtype"] is dtype
     assert seen["scale"] is None  # the config says none: head_dim ** -0.5

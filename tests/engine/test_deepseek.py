@@ -78,10 +78,10 @@ def test_the_cache_holds_one_latent_row_per_token_and_layer(deepseek):
     engine = make_engine(directory, num_blocks=8)
     latent = MLA_SHAPE["kv_lora_rank"] + MLA_SHAPE["qk_rope_head_dim"]
     layers = MLA_SHAPE["num_hidden_layers"]
-    assert engine.kv_cache.shape == (8, 16, layers, latent)
+    assert engine.kv_cache.shape == (8, layers, 16, latent)  # block-first, layer-major
     assert engine.cache_spec.bytes_per_token == layers * latent * 4  # float32
     engine.generate([list(range(3, 23))], SamplingParams(max_tokens=1))  # 20 tokens: blocks 0 and 1
-    written = engine.kv_cache.abs().sum(dim=(2, 3)) != 0  # (blocks, tokens)
+    written = engine.kv_cache.abs().sum(dim=(1, 3)) != 0  # (blocks, tokens): layer-major blocks
     assert int(written.sum()) == 20
 
 

@@ -48,8 +48,8 @@ def _step(backend, block_size, starts, query_lens, seed=0):
     """Run one layer's attention for a step; returns (output (T, nh, hd), ctx, cache, q)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     num_blocks = sum(-(-(s + n) // block_size) for s, n in zip(starts, query_lens)) + 2
-    cache = torch.randn(num_blocks, block_size, 1, 2, NKV, HD, generator=g, device="cuda").bfloat16()
-    k_cache, v_cache = cache[:, :, 0, 0], cache[:, :, 0, 1]
+    cache = torch.randn(num_blocks, 1, 2, block_size, NKV, HD, generator=g, device="cuda").bfloat16()
+    k_cache, v_cache = cache[:, 0, 0], cache[:, 0, 1]
     perm = torch.randperm(num_blocks, device="cpu").tolist()
     tables, used = [], 0
     for s, n in zip(starts, query_lens):

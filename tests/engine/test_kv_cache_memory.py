@@ -37,7 +37,7 @@ def huge_kib(address: int) -> int:
 
 def test_the_cache_is_zeroed_contiguous_and_its_views_keep_it_alive():
     cache = SPEC.allocate(64, torch.device("cpu"))
-    assert cache.shape == (64, 16, 4, 2, 2, 64) and cache.dtype == torch.float32
+    assert cache.shape == (64, 4, 2, 16, 2, 64) and cache.dtype == torch.float32
     assert cache.is_contiguous() and not cache.any()
     k, _ = layer_views(cache, 1)
     del cache

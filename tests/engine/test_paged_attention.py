@@ -24,8 +24,8 @@ def op():
 
 def make_cache(dtype, num_blocks=160, layers=2, seed=0):
     g = torch.Generator().manual_seed(seed)
-    cache = torch.randn(num_blocks, BS, layers, 2, NKV, HD, generator=g).to(dtype)
-    return cache[:, :, 1, 0], cache[:, :, 1, 1]  # strided (num_blocks, BS, NKV, HD) views
+    cache = torch.randn(num_blocks, layers, 2, BS, NKV, HD, generator=g).to(dtype)  # the engine's layout
+    return cache[:, 1, 0], cache[:, 1, 1]  # strided (num_blocks, BS, NKV, HD) views
 
 
 def make_batch(query_lens, context_lens, dtype, num_blocks=160, seed=1):
@@ -216,8 +216,8 @@ def test_tile_geometries_match_the_reference_and_their_decode(op, kernel_path, h
     heads in one tile and not: against float64, and a decode row against its prefill's bits."""
     g = torch.Generator().manual_seed(11)
     nkv, blocks = 2, 40
-    cache = torch.randn(blocks, bs, 2, 2, nkv, hd, generator=g).to(torch.bfloat16)
-    k, v = cache[:, :, 1, 0], cache[:, :, 1, 1]
+    cache = torch.randn(blocks, 2, 2, bs, nkv, hd, generator=g).to(torch.bfloat16)
+    k, v = cache[:, 1, 0], cache[:, 1, 1]
     lens = [70, 3 * bs + 5]
     tables = torch.zeros(2, 10, dtype=torch.int32)
     tables[0, : -(-lens[0] // bs)] = torch.arange(-(-lens[0] // bs), dtype=torch.int32) + 20

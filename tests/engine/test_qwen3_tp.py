@@ -35,7 +35,7 @@ def test_two_ranks_compute_the_whole_model(family_dir):
         assert out["tokens"] == whole["tokens"], f"rank {r}"
         if r == 0:  # the only rank the logits are gathered to
             torch.testing.assert_close(out["logits"], whole["logits"], rtol=1e-4, atol=1e-4)
-        nkv = out["cache"].shape[-2]  # (blocks, block_size, layers, 2, kv heads of this rank, head_dim)
+        nkv = out["cache"].shape[-2]  # (blocks, layers, 2, block_size, kv heads of this rank, head_dim)
         assert nkv * 2 == whole["cache"].shape[-2]
         torch.testing.assert_close(out["cache"], whole["cache"][..., r * nkv:(r + 1) * nkv, :], rtol=1e-5, atol=1e-5)
 

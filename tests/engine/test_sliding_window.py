@@ -28,7 +28,7 @@ NH, NKV, HD, BS, NUM_BLOCKS = 8, 2, 32, 16, 40
 
 def cache(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return layer_views(torch.randn(NUM_BLOCKS, BS, 2, 2, NKV, HD, generator=g), 1)
+    return layer_views(torch.randn(NUM_BLOCKS, 2, 2, BS, NKV, HD, generator=g), 1)
 
 
 def reference(q, k_cache, v_cache, tables, starts, query_lens, window, scale=HD ** -0.5):

@@ -19,6 +19,7 @@ from pdserve.engine.parallel import ShardError
 from pdserve.engine.sampling.params import SamplingParams
 from tests.factories import assert_greedy_matches, make_engine, make_tp_engine, random_prompts
 from tests.helpers.engine_runs import LENGTHS, run_staggered
+from tests.helpers.kv_layout import by_token
 
 PROMPT_LENGTHS = [5, 40, 17, 90]
 PROBE = Path(__file__).with_name("tp_reduce_probe.py")
@@ -137,7 +138,7 @@ def test_each_rank_caches_its_own_kv_heads(tiny_llama_dir, tp2_f32):
             engine.step()
         blocks = engine.held_block_ids("r")
         caches = [engine.kv_cache] if engine.ranks is None else list(engine.ranks.caches)
-        kv[name] = [c[blocks].flatten(0, 1)[:len(prompt)] for c in caches]  # each (tokens, L, 2, heads, hd)
+        kv[name] = [by_token(c[blocks])[:len(prompt)] for c in caches]  # each (tokens, L, 2, heads, hd)
         engine.free_held("r")
     (whole,), ranks = kv["tp1"], kv["tp2"]
     assert [r.shape[-2] for r in ranks] == [1, 1]

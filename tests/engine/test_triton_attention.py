@@ -101,7 +101,7 @@ def test_store_kv_writes_each_slot_and_skips_padding_rows():
     """Block -1 (a padding row's) would land in the block before the cache: here a block of
     the same tensor, which must stay as it was."""
     g = torch.Generator().manual_seed(3)
-    whole = torch.randn(NUM_BLOCKS + 1, BS, LAYERS, 2, 3, HD, generator=g).to(DEVICE)
+    whole = torch.randn(NUM_BLOCKS + 1, LAYERS, 2, BS, 3, HD, generator=g).to(DEVICE)
     k_cache, v_cache = layer_views(whole[1:], 1)
     expected = whole.clone()
     qkv = torch.randn(4, 15, HD, generator=g).to(DEVICE)  # (T, nh + 2 nkv, hd): k and v are strided views

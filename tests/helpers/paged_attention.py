@@ -21,7 +21,7 @@ def paged_cache(nkv: int, dtype: torch.dtype, seed: int = 0, num_blocks: int = N
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer 1's K and V views (num_blocks, BS, nkv, HD) of a random engine-layout cache."""
     g = torch.Generator().manual_seed(seed)
-    cache = torch.randn(num_blocks, BS, LAYERS, 2, nkv, HD, generator=g).to(dtype).to(DEVICE)
+    cache = torch.randn(num_blocks, LAYERS, 2, BS, nkv, HD, generator=g).to(dtype).to(DEVICE)
     return layer_views(cache, 1)
 
 

@@ -2,9 +2,14 @@
 table's claim and release rules."""
 
 import pytest
+import torch
 
+from pdserve.engine.attention.kv_cache import KVCacheSpec
 from pdserve.kv_transfer.handoff import (KVHandle, LeaseRefused, LeaseTable, ReadNotice, ReleaseReason, reason_from_wire,
                                          release_request)
+
+
+SPEC = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=1, head_dim=4, dtype=torch.bfloat16)
 
 
 def table_with_lease(ttl: float = 10.0):
@@ -22,7 +27,16 @@ def refusal(fn) -> str:
 def test_the_handle_survives_the_wire_and_knows_its_last_block():
     h = KVHandle("10.0.0.5:7000", (4, 9, 2), num_tokens=37, lease_token="t0k")
     assert KVHandle.from_proto(h.to_proto()) == h
-    assert h.last_block_bytes(block_size=16, bytes_per_token=100) == 5 * 100  # 37 = 16 + 16 + 5
+    # 37 = 16 + 16 + 5: the last block holds 5 tokens, and a layer-major block moves whole
+    assert h.last_block_bytes(SPEC) == SPEC.block_bytes == 2 * 2 * 16 * 4 * 2
+
+
+def test_a_partly_filled_block_moves_whole_and_an_impossible_tail_is_refused():
+    for tokens in (1, 5, 16):
+        assert SPEC.tail_bytes(tokens) == SPEC.block_bytes
+    for tokens in (0, 17):
+        with pytest.raises(ValueError, match="1..16 tokens"):
+            SPEC.tail_bytes(tokens)
 
 
 def test_tokens_are_secret_and_distinct():
@@ -115,7 +129,7 @@ def test_the_handle_carries_its_blocks_checksums_over_the_wire():
 
 def test_a_lease_checksums_each_block_once_it_is_final():
     """Full blocks as chunks finish them; the last, partly filled one with the prompt's end,
-    over the tokens it holds; none twice."""
+    over the bytes a read of it moves (all of it); none twice."""
     calls = []
 
     def sums(ids, last):
@@ -123,12 +137,12 @@ def test_a_lease_checksums_each_block_once_it_is_final():
         return tuple(100 + i for i in ids)
 
     lease = LeaseTable().grant("req-a#0", [4, 9, 2], 0.0, 10.0)
-    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=15, done=False)  # no full block yet
-    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=20, done=False)
-    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=32, done=False)
-    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=37, done=True)
-    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=37, done=True)
-    assert calls == [((4,), None), ((9,), None), ((2,), 50)]
+    lease.checksum_final(sums, SPEC, num_tokens=15, done=False)  # no full block yet
+    lease.checksum_final(sums, SPEC, num_tokens=20, done=False)
+    lease.checksum_final(sums, SPEC, num_tokens=32, done=False)
+    lease.checksum_final(sums, SPEC, num_tokens=37, done=True)
+    lease.checksum_final(sums, SPEC, num_tokens=37, done=True)
+    assert calls == [((4,), None), ((9,), None), ((2,), SPEC.block_bytes)]
     assert lease.checksums == [104, 109, 102]
 
 
@@ -143,7 +157,7 @@ def test_a_tensor_parallel_holders_checksums_count_one_per_rank_per_block():
 
     lease = LeaseTable().grant("req-a#0", [4, 9, 2], 0.0, 10.0)
     for tokens, done in ((16, False), (32, False), (37, True), (37, True)):
-        lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=tokens, done=done)
+        lease.checksum_final(sums, SPEC, num_tokens=tokens, done=done)
     assert calls == [(4,), (9,), (2,)]
     assert lease.checksums == [104, 204, 109, 209, 102, 202]
 
@@ -199,7 +213,7 @@ def test_a_tensor_parallel_lease_checksums_every_ranks_groups_a_block():
         return tuple(s for i in ids for s in (10 * i, 10 * i + 1, 10 * i + 2, 10 * i + 3))
 
     lease = LeaseTable().grant("req", [4, 9], 0.0, 10.0)  # learns the sums a block from the first
-    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=16, done=False)
-    lease.checksum_final(sums, block_size=16, bytes_per_token=10, num_tokens=20, done=True)
-    assert calls == [((4,), None), ((9,), 40)]
+    lease.checksum_final(sums, SPEC, num_tokens=16, done=False)
+    lease.checksum_final(sums, SPEC, num_tokens=20, done=True)
+    assert calls == [((4,), None), ((9,), SPEC.block_bytes)]
     assert lease.checksums == [40, 41, 42, 43, 90, 91, 92, 93]

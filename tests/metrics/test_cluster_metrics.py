@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
+from tests.helpers.kv_layout import moved_bytes
 from tests.serving.conftest import all_stats, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -103,12 +104,13 @@ def test_decode_worker_counts_every_kv_byte_it_pulled(traffic):
     stats, usage, before, after, _, _ = traffic
     b, a = before["decode"], after["decode"]
     labels = '{pool="decode",worker="decode-0"}'
-    prompt_tokens = sum(u.prompt_tokens for u in usage)
     # The question asked twice: its second read moves only what the decode worker's own prefix
     # cache lacked (decode_kv_reuse), which counts the tokens it had.
     reused = delta(b, a, "pdserve:prefix_cache_hits_total" + labels)
     assert reused > 0
-    assert delta(b, a, "pdserve:kv_transfer_bytes_total" + labels) == (prompt_tokens - reused) * stats["decode"].kv_bytes_per_token
+    per_token = stats["decode"].kv_bytes_per_token
+    assert delta(b, a, "pdserve:kv_transfer_bytes_total" + labels) == sum(
+        moved_bytes(u.prompt_tokens, 0, per_token) for u in usage) - int(reused) * per_token
     assert delta(b, a, "pdserve:kv_transfers_total" + labels) == len(PROMPTS)
     assert delta(b, a, "pdserve:kv_transfer_failures_total" + labels) == 0
     # Decode runs no prompt: one forward token per generated token after the first.

@@ -102,7 +102,7 @@ def pull(w: PrefillWorker, lease: Lease, ends_lease: bool = True, num_tokens: in
         peer = reader.add_remote(w.agent.local_metadata())
         ids, last, sums = list(lease.block_ids), None, None
         if num_tokens is not None:
-            last = (num_tokens - (len(ids) - 1) * w.engine.blocks.block_size) * w.engine.cache_spec.bytes_per_token
+            last = w.engine.cache_spec.tail_bytes(num_tokens - (len(ids) - 1) * w.engine.blocks.block_size)
             sums = lease.checksums
         handle = reader.start_read(peer, ids, ids, notify=ReadNotice(lease.token, ends_lease).encode(),
                                    last_block_bytes=last, checksums=sums)

@@ -13,6 +13,7 @@ import types
 import torch
 
 import pdserve.prefill_worker.worker as worker_module
+from pdserve.engine.attention.kv_cache import KVCacheSpec
 from pdserve.kv_transfer.handoff import LeaseTable
 from pdserve.prefill_worker.kv_stream import KVEarly, KVReady
 from pdserve.prefill_worker.record import RequestRecord
@@ -25,7 +26,7 @@ class FakeEngine:
     def __init__(self):
         self.progress = {}
         self.blocks = types.SimpleNamespace(block_table=lambda request_id: [3, 4], block_size=16)
-        self.cache_spec = types.SimpleNamespace(bytes_per_token=8)
+        self.cache_spec = KVCacheSpec(num_layers=1, block_size=16, num_kv_heads=1, head_dim=2, dtype=torch.bfloat16)
 
     def prompt_progress(self, request_id):
         return self.progress.get(request_id, 0)

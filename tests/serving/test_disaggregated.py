@@ -11,6 +11,7 @@ from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2
 from tests.factories import CHAT_QUESTIONS, chat_variants
 from tests.helpers.chat import assert_chat_greedy, chat_request, collect
 from tests.helpers.faults import reads_delayed
+from tests.helpers.kv_layout import moved_bytes
 from tests.serving.conftest import LEASE_S, TRANSFER_DELAY_S, all_stats, assert_all_blocks_free, worker_stats
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def test_kv_moved_over_nixl_and_decode_ran_no_prompt_forward(cluster, stub):
     kv_bytes, decode_forward, transfers, reused = decode[0]
     # Only what the decode worker's own prefix cache lacked moved (decode_kv_reuse: an earlier
     # chat request there left the chat template's system prompt).
-    assert kv_bytes == (prompt_tokens - reused) * after[0].kv_bytes_per_token
+    assert kv_bytes == moved_bytes(prompt_tokens, reused, after[0].kv_bytes_per_token)
     assert decode_forward == len(ids) - 1  # one decode step per token after the first: no prompt
     # The prefill worker computed the prompt, minus what its prefix cache already held.
     assert prefill[0][1] == prompt_tokens - resps[-1].usage.cached_prompt_tokens

@@ -1,18 +1,22 @@
-"""The worker's KV cache: one preallocated tensor, block-first and token-major inside a block.
+"""The worker's KV cache: one preallocated tensor, block-first and layer-major inside a block.
 
-Layout ``(num_blocks, block_size, num_layers, 2, num_kv_heads, head_dim)``:
+Layout ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``:
 - block-first: all of a block's KV (every layer, K and V) is one contiguous region, so
   moving a block between workers is one descriptor (NIXL), not one per layer and K/V;
-- token-major inside the block: the first n tokens of a block are its first
-  n * bytes_per_token bytes, so a prompt's partly filled last block moves only the tokens it
-  holds, and a transfer is exactly prompt_tokens * bytes_per_token bytes.
+- layer-major inside the block: one layer's K (or V) for the block's ``block_size`` tokens is
+  one contiguous run (6 KiB for the default model), so decode attention reads a sequence's
+  keys in runs the hardware prefetcher follows. Token-major (a token's every layer together)
+  put one layer's keys a whole token's KV (23 KiB) apart, and a decode step at batch 32 spent
+  half its time in attention reading them (BENCHMARKS.md, "The KV block laid out layer by
+  layer"). What that costs: a partly filled last block is no longer a prefix of the block's
+  bytes, so a read moves it whole (``tail_bytes``), at most ``block_size - 1`` tokens more.
 Attention sees each layer through a strided view ``(num_blocks, block_size, num_kv_heads,
-head_dim)``.
+head_dim)`` whose tokens are contiguous.
 
 A model with multi-head latent attention (DeepSeek, ``ModelConfig.mla``) caches no per-head
-K/V: ``LatentCacheSpec`` lays out ``(num_blocks, block_size, num_layers, kv_lora_rank +
+K/V: ``LatentCacheSpec`` lays out ``(num_blocks, num_layers, block_size, kv_lora_rank +
 qk_rope_head_dim)``, one latent and one RoPE key per token and layer, the same block-first,
-token-major way, so the transfer layer moves its blocks unchanged (576 values a token and
+layer-major way, so the transfer layer moves its blocks unchanged (576 values a token and
 layer in DeepSeek-V3, against 2 x 128 heads x 128 for per-head K/V). The latent has no head
 axis: under tensor parallelism every rank holds the whole of it.
 
@@ -52,6 +56,17 @@ class _BlockLayout:
     def block_bytes(self) -> int:
         return self.bytes_per_token * self.block_size
 
+    def tail_bytes(self, tokens: int) -> int:
+        """Bytes of a block that a read moves for its first ``tokens`` tokens (a prompt's
+        partly filled last block): all of them. Inside a layer-major block each layer's tokens
+        are a run of their own, so the first tokens are not a prefix of the block; the bytes
+        past them are whatever the holder's block held, and the reader's steps overwrite them
+        before attention reads them. Holder and reader both call this, so the checksum covers
+        exactly the bytes that move."""
+        if not 0 < tokens <= self.block_size:
+            raise ValueError(f"a block holds 1..{self.block_size} tokens, got {tokens}")
+        return self.block_bytes
+
     def blocks_for_budget(self, budget_bytes: int) -> int:
         return budget_bytes // self.block_bytes
 
@@ -74,7 +89,7 @@ class KVCacheSpec(_BlockLayout):
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        return (self.block_size, self.num_layers, 2, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def layer_caches(self, cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (K, V) views, what the model binds to its attention layers."""
@@ -92,11 +107,11 @@ class LatentCacheSpec(_BlockLayout):
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        return (self.block_size, self.num_layers, self.latent_dim)
+        return (self.num_layers, self.block_size, self.latent_dim)
 
     def layer_caches(self, cache: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's (num_blocks, block_size, latent_dim) view."""
-        return [cache[:, :, i] for i in range(self.num_layers)]
+        return [cache[:, i] for i in range(self.num_layers)]
 
 
 CacheSpec = KVCacheSpec | LatentCacheSpec
@@ -198,4 +213,4 @@ def prefault(cache: torch.Tensor) -> None:
 
 def layer_views(cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one layer, each (num_blocks, block_size, num_kv_heads, head_dim)."""
-    return cache[:, :, layer, 0], cache[:, :, layer, 1]
+    return cache[:, layer, 0], cache[:, layer, 1]
