@@ -17,7 +17,10 @@ import torch
 from pdserve.kv_transfer import create_agent
 from pdserve.kv_transfer.sharding import KVShard
 
-# A block as pdserve.engine.attention.kv_cache lays it out: (tokens, layers, K/V, KV heads, head dim), bf16.
+# A block of rows, each one token's K or V of one layer, its KV heads side by side, bf16: token-major
+# (tokens, layers, K/V, KV heads, head dim), so that a read of a row prefix (``last_block_bytes``) holds
+# the first tokens. The transfer layer sees only rows; the engine lays its rows out layer-major
+# (pdserve.engine.attention.kv_cache) and reads a partly filled block whole.
 BLOCK_SIZE, LAYERS, HEADS, HEAD_DIM = 4, 2, 4, 8
 ROWS_PER_TOKEN = 2 * LAYERS
 HEAD_BYTES = HEAD_DIM * 2
