@@ -198,9 +198,10 @@ class Lease:
         """Once a step has computed ``num_tokens`` of the lease's tokens (``done``: all of
         them), append the checksums (``block_checksums(ids, last_block_bytes)``, the holder
         agent's) of its blocks final now that have none yet: the full blocks, and once
-        ``done`` the last, partly filled one, over the bytes a read of it moves (``spec.tail_bytes``). ``block_checksums`` may
-        give several sums a block (a tensor-parallel holder's: each rank's groups, rank by rank);
-        the lease keeps as many a block."""
+        ``done`` the last, partly filled one, over the bytes a read of it moves
+        (``spec.tail_bytes``). ``block_checksums`` may give several sums a block (a
+        tensor-parallel holder's: each rank's groups, rank by rank); the lease keeps as many a
+        block."""
         n, start, block_size = len(self.block_ids), len(self.checksums) // self.sums_per_block, spec.block_size
         end = n if done else min(num_tokens // block_size, n)
         if end > start:

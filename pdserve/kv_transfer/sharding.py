@@ -20,8 +20,9 @@ A prefill pool of size P and a decode pool of size D, one dividing the other. De
 Each rank pair is one read. ``HeadSlice`` says which bytes of each row move where; how they move
 is the backend's: over NIXL the holder's blocks whole into staging and then the rows' slices in
 place (``pdserve.kv_transfer.staged``: a descriptor a row would cost UCX more than the bytes),
-over tcp the holder sends the slices and the reader writes them in place. A partly filled last
-block moves only the rows of its tokens.
+over tcp the holder sends the slices and the reader writes them in place. A read that names a
+last block's first bytes (``last_block_bytes``) moves only those rows; the engine's blocks are
+layer-major and always move whole (``CacheSpec.tail_bytes``).
 
 Why not a head-major block (heads outside tokens) to make a head range contiguous: what it
 would save is one copy on the reader, between sizes only (staging reads whole blocks at the
