@@ -13,10 +13,11 @@ whole, a prompt's partly filled last one too (``CacheSpec.tail_bytes``); the pre
 for callers whose blocks are laid out so that the first bytes are the first tokens. The hash is
 xxHash's XXH3 (64 bits), chosen by measurement on real KV blocks of the default model
 (SmolLM2-135M, bfloat16: 368,640 bytes a block) on this project's shared 2-core AMD EPYC: 6 us
-a block while the blocks are in cache, 12-21 us from memory (a 1,024-token prompt: about 1 ms), against 29 us for CRC-32C (the ``crc32c`` package, in hardware; installed
-for the measurement only), 37 us for XXH64, 90-210 us for zlib's CRC-32 and 400-790 us for
-BLAKE2b. ``benchmarks/kv_transfer.py --verify`` measures them again on any machine. It is a
-check against accidents, not an adversary: the internal plane's mTLS is that.
+a block while the blocks are in cache, 12-21 us from memory (a 1,024-token prompt: about 1 ms),
+against 29 us for CRC-32C (the ``crc32c`` package, in hardware; installed for the measurement
+only), 37 us for XXH64, 90-210 us for zlib's CRC-32 and 400-790 us for BLAKE2b.
+``benchmarks/kv_transfer.py --verify`` measures them again on any machine. It is a check
+against accidents, not an adversary: the internal plane's mTLS is that.
 
 A tensor-parallel rank whose readers may hold only part of its heads (a decode pool of a larger
 tensor-parallel size, ``pdserve.kv_transfer.sharding``) sums each block in equal groups of
